@@ -1,0 +1,32 @@
+"""Shared fixtures: tiny generated slides read through OpenSlide (made once per test session)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from wsi_milssl.config import SynthConfig
+from wsi_milssl.synth import generate_slides
+
+
+@pytest.fixture(scope="session")
+def synth_dir(tmp_path_factory) -> Path:
+    """Two 4096 x 4096 px slides at 0.25 µm/px: synth_000 and synth_001, one tumour and one normal,
+    with ``labels.csv``, ``manifest.json`` and an ASAP XML file beside the tumour slide."""
+    out = tmp_path_factory.mktemp("synth")
+    generate_slides(SynthConfig(n_slides=2, seed=0, width_px=4096, height_px=4096), out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def synth_slides(synth_dir) -> dict[str, Path]:
+    """Map 'tumor' and 'normal' to the slide path of each kind in ``synth_dir``."""
+    import csv
+
+    with open(synth_dir / "labels.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    out = {}
+    for row in rows:
+        out["tumor" if row["label"] == "1" else "normal"] = synth_dir / f"{row['slide']}.tif"
+    return out

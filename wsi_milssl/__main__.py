@@ -1,0 +1,3 @@
+from wsi_milssl.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,58 @@
+"""The ``wsi-milssl`` command line: one module per subcommand, each thin.
+
+Every subcommand module defines ``register(subparsers)`` (adds its parser, with every option's unit
+and default in ``--help``) and ``run(args) -> int`` (builds a config, calls one stage function and
+renders progress). Exit codes: 0 success, 1 a stage failed (error message on stderr), 2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from wsi_milssl import __version__
+from wsi_milssl.errors import WsiMilsslError
+
+__all__ = ["main", "build_parser", "COMMANDS"]
+
+# Subcommand name -> module under wsi_milssl.cli. Later stages add their line here.
+COMMANDS = {
+    "synth": "synth",
+    "info": "info",
+    "demo": "demo",
+}
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Show defaults in --help and keep the description's line breaks."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="wsi-milssl",
+        description="Whole-slide images to an instance-level tumour classifier with MIL-SSL.",
+        formatter_class=HelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, module in COMMANDS.items():
+        importlib.import_module(f"wsi_milssl.cli.{module}").register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.run(args) or 0)
+    except WsiMilsslError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

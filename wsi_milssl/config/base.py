@@ -1,0 +1,143 @@
+"""Validation helpers shared by every stage's frozen config dataclass, and resolved-config output.
+
+Each stage config is a ``@dataclass(frozen=True)`` whose ``__post_init__`` calls these helpers, so a
+wrong value fails on construction with a message naming the field, the allowed values and what was
+given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from wsi_milssl.errors import ConfigError
+
+__all__ = [
+    "check_choice",
+    "check_range",
+    "check_type",
+    "config_to_dict",
+    "config_hash",
+    "config_from_mapping",
+    "load_toml",
+    "write_resolved_config",
+]
+
+
+def _where(cls_name: str, field: str) -> str:
+    return f"{cls_name}.{field}"
+
+
+def check_type(cls_name: str, field: str, value: Any, types: type | tuple[type, ...]) -> None:
+    """Raise ConfigError unless ``value`` is an instance of ``types`` (bool is never an int here)."""
+    types_t = types if isinstance(types, tuple) else (types,)
+    bad_bool = isinstance(value, bool) and bool not in types_t
+    if bad_bool or not isinstance(value, types_t):
+        names = " or ".join(t.__name__ for t in types_t)
+        raise ConfigError(
+            f"{_where(cls_name, field)} must be {names}; got {value!r} ({type(value).__name__})."
+        )
+
+
+def check_range(
+    cls_name: str,
+    field: str,
+    value: float,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_inclusive: bool = True,
+    high_inclusive: bool = True,
+) -> None:
+    """Raise ConfigError unless ``low <= value <= high`` (bounds optional, inclusivity selectable)."""
+    check_type(cls_name, field, value, (int, float))
+    ok = True
+    if low is not None:
+        ok &= value >= low if low_inclusive else value > low
+    if high is not None:
+        ok &= value <= high if high_inclusive else value < high
+    if not ok:
+        lo = "" if low is None else f"{low} {'<=' if low_inclusive else '<'} "
+        hi = "" if high is None else f" {'<=' if high_inclusive else '<'} {high}"
+        raise ConfigError(f"{_where(cls_name, field)} must satisfy {lo}value{hi}; got {value!r}.")
+
+
+def check_choice(cls_name: str, field: str, value: Any, choices: Iterable[Any]) -> None:
+    """Raise ConfigError unless ``value`` is one of ``choices``."""
+    choices = tuple(choices)
+    if value not in choices:
+        allowed = ", ".join(repr(c) for c in choices)
+        raise ConfigError(f"{_where(cls_name, field)} must be one of {allowed}; got {value!r}.")
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return value
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    """A JSON-serialisable dict of a (nested) config dataclass."""
+    return _plain(config)
+
+
+def config_hash(config: Any, *, exclude: Iterable[str] = ()) -> str:
+    """A short stable SHA-256 of the config's JSON form, leaving out fields in ``exclude``."""
+    data = config_to_dict(config)
+    for key in exclude:
+        data.pop(key, None)
+    blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def config_from_mapping(cls: type, data: Mapping[str, Any], *, source: str = "config") -> Any:
+    """Build the dataclass ``cls`` from a mapping, rejecting unknown keys with the list of valid ones."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(
+            f"{source}: unknown key(s) {', '.join(unknown)} for {cls.__name__}; "
+            f"valid keys are {', '.join(sorted(names))}."
+        )
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in data:
+            value = data[f.name]
+            # TOML has lists, never tuples; accept them where the default is a tuple.
+            if isinstance(value, list) and isinstance(f.default, tuple):
+                value = tuple(value)
+            kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def load_toml(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a TOML file with an error that names the file and the line on a syntax error."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found; check the path.") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML ({exc}); fix the syntax at that line.") from None
+
+
+def write_resolved_config(config: Any, out_dir: str | os.PathLike, *, name: str = "config.json") -> Path:
+    """Write the resolved config as JSON beside a stage's outputs (atomically) and return its path."""
+    out = Path(out_dir) / name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(config_to_dict(config), indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, out)
+    return out

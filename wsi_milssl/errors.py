@@ -1,0 +1,39 @@
+"""Project exceptions. Every message names the file (when there is one), what is wrong and the fix."""
+
+__all__ = [
+    "WsiMilsslError",
+    "ConfigError",
+    "SlideReadError",
+    "MissingResolutionError",
+    "AnnotationError",
+    "StoreError",
+    "CheckpointError",
+]
+
+
+class WsiMilsslError(Exception):
+    """Base class of every error the package raises on purpose for bad input."""
+
+
+class ConfigError(WsiMilsslError, ValueError):
+    """A configuration value is missing, of the wrong type or out of range."""
+
+
+class SlideReadError(WsiMilsslError):
+    """OpenSlide could not open a slide or read a region of it."""
+
+
+class MissingResolutionError(WsiMilsslError):
+    """A slide carries neither an MPP nor an objective power, so no physical scale is known."""
+
+
+class AnnotationError(WsiMilsslError):
+    """An annotation file is malformed, hostile or does not match its slide."""
+
+
+class StoreError(WsiMilsslError):
+    """A patch store is missing, incomplete, corrupt or was made with other settings."""
+
+
+class CheckpointError(WsiMilsslError):
+    """A checkpoint is missing or cannot be loaded."""

@@ -1,0 +1,232 @@
+"""Read whole-slide images through OpenSlide at a physical resolution.
+
+Coordinates are level-0 pixels everywhere. A patch at ``target_mpp`` is read from the pyramid level
+with the largest downsample not exceeding the one needed and resized by the remainder with area
+averaging (antialiased), so a 10x read of a 0.25 µm/px slide comes from the 4x level, not level 0.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import openslide
+from PIL import Image
+
+from wsi_milssl.errors import MissingResolutionError, SlideReadError
+from wsi_milssl.slide.resolution import (
+    DEFAULT_MPP_AT_40X,
+    ReadPlan,
+    magnification_to_mpp,
+    plan_read,
+)
+
+__all__ = ["SlideReader", "open_slide", "register_reader", "READERS"]
+
+READERS: dict[str, Callable[..., "SlideReader"]] = {}
+
+
+def register_reader(name: str):
+    """Register a slide-reader factory under ``name`` (decorator)."""
+
+    def deco(factory):
+        READERS[name] = factory
+        return factory
+
+    return deco
+
+
+def _float_property(props, key: str) -> float | None:
+    value = props.get(key)
+    if value in (None, ""):
+        return None
+    try:
+        value = float(value)
+    except ValueError:
+        return None
+    return value if value > 0 else None
+
+
+class SlideReader:
+    """A whole-slide image opened with OpenSlide, served at physical resolutions.
+
+    Parameters
+    ----------
+    path : slide file (.svs, .ndpi, .mrxs, pyramidal .tif, ...).
+    mpp_override : level-0 µm/px to use instead of the slide's own metadata (``--mpp``).
+    mpp_at_40x : µm/px of a 40x objective, used to turn magnifications into resolutions.
+
+    Raises SlideReadError when OpenSlide cannot open the file, and MissingResolutionError (on
+    first use of ``mpp``) when the slide has neither an MPP nor an objective power and no override
+    is given.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        mpp_override: float | None = None,
+        mpp_at_40x: float = DEFAULT_MPP_AT_40X,
+    ) -> None:
+        self.path = Path(path)
+        self.mpp_at_40x = float(mpp_at_40x)
+        self._mpp_override = None if mpp_override is None else float(mpp_override)
+        if self._mpp_override is not None and self._mpp_override <= 0:
+            raise ValueError(f"mpp_override must be positive; got {mpp_override!r}.")
+        if not self.path.exists():
+            raise SlideReadError(f"{self.path}: slide file not found; check the path.")
+        try:
+            self._slide = openslide.OpenSlide(str(self.path))
+        except openslide.OpenSlideUnsupportedFormatError:
+            raise SlideReadError(
+                f"{self.path}: OpenSlide does not recognise this file as a whole-slide image. "
+                "Fix: give a pyramidal slide OpenSlide supports (.svs, .ndpi, .mrxs, tiled pyramidal .tif)."
+            ) from None
+        except (openslide.OpenSlideError, OSError) as exc:
+            raise SlideReadError(
+                f"{self.path}: OpenSlide cannot open this slide ({exc}). "
+                "Fix: check the file is complete and not corrupt (re-copy or re-export it)."
+            ) from None
+        props = self._slide.properties
+        self.vendor: str = props.get(openslide.PROPERTY_NAME_VENDOR, "unknown") or "unknown"
+        self.objective_power: float | None = _float_property(props, openslide.PROPERTY_NAME_OBJECTIVE_POWER)
+        mpp_x = _float_property(props, openslide.PROPERTY_NAME_MPP_X)
+        mpp_y = _float_property(props, openslide.PROPERTY_NAME_MPP_Y)
+        self.metadata_mpp: float | None = None
+        if mpp_x and mpp_y:
+            self.metadata_mpp = (mpp_x + mpp_y) / 2
+        elif mpp_x or mpp_y:
+            self.metadata_mpp = mpp_x or mpp_y
+
+    # -- metadata -----------------------------------------------------------------------------
+    @property
+    def dimensions(self) -> tuple[int, int]:
+        """Level-0 (width, height) in pixels."""
+        return tuple(self._slide.dimensions)
+
+    @property
+    def level_count(self) -> int:
+        return self._slide.level_count
+
+    @property
+    def level_dimensions(self) -> tuple[tuple[int, int], ...]:
+        return tuple(tuple(d) for d in self._slide.level_dimensions)
+
+    @property
+    def level_downsamples(self) -> tuple[float, ...]:
+        return tuple(float(d) for d in self._slide.level_downsamples)
+
+    @property
+    def mpp_source(self) -> str:
+        """Where ``mpp`` comes from: 'override', 'metadata', 'objective-power' or 'none'."""
+        if self._mpp_override is not None:
+            return "override"
+        if self.metadata_mpp is not None:
+            return "metadata"
+        if self.objective_power is not None:
+            return "objective-power"
+        return "none"
+
+    @property
+    def mpp(self) -> float:
+        """Level-0 resolution in µm per pixel (override, else metadata, else objective power)."""
+        source = self.mpp_source
+        if source == "override":
+            return self._mpp_override
+        if source == "metadata":
+            return self.metadata_mpp
+        if source == "objective-power":
+            return magnification_to_mpp(self.objective_power, mpp_at_40x=self.mpp_at_40x)
+        raise MissingResolutionError(
+            f"{self.path}: the slide has no MPP and no objective power, so its physical scale is "
+            "unknown. Fix: pass the level-0 resolution with --mpp (µm per pixel, e.g. --mpp 0.25)."
+        )
+
+    @property
+    def properties(self) -> dict[str, str]:
+        return dict(self._slide.properties)
+
+    def plan(self, *, target_mpp: float) -> ReadPlan:
+        """The pyramid level and residual scale that serve ``target_mpp``."""
+        return plan_read(self.mpp, self.level_downsamples, target_mpp=target_mpp)
+
+    # -- pixels -------------------------------------------------------------------------------
+    def read_level(self, x_lv0: int, y_lv0: int, level: int, size: tuple[int, int]) -> np.ndarray:
+        """RGB uint8 array (h, w, 3) of ``size`` = (w, h) pixels at ``level``, composited on white."""
+        try:
+            rgba = self._slide.read_region((int(x_lv0), int(y_lv0)), int(level), (int(size[0]), int(size[1])))
+        except (openslide.OpenSlideError, OSError) as exc:
+            raise SlideReadError(
+                f"{self.path}: cannot read region at level-0 ({x_lv0}, {y_lv0}), level {level}, "
+                f"size {size} ({exc}). Fix: the file is probably truncated or corrupt; re-copy it."
+            ) from None
+        arr = np.asarray(rgba)
+        alpha = arr[..., 3:4]
+        if alpha.min() == 255:
+            return np.ascontiguousarray(arr[..., :3])
+        # OpenSlide returns premultiplied-free RGBA with alpha 0 outside the scanned area.
+        a = alpha.astype(np.float32) / 255.0
+        rgb = arr[..., :3].astype(np.float32) * a + 255.0 * (1.0 - a)
+        return np.round(rgb).astype(np.uint8)
+
+    def read_region(
+        self, x_lv0: int, y_lv0: int, size_px: int | tuple[int, int], *, target_mpp: float,
+        plan: ReadPlan | None = None,
+    ) -> np.ndarray:
+        """A patch of ``size_px`` target pixels whose top-left is (x_lv0, y_lv0) in level-0 pixels.
+
+        Returns an RGB uint8 array of shape (h, w, 3) at ``target_mpp`` µm/px. The region is read
+        from the plan's level and resized with area averaging (or bicubic when upsampling).
+        """
+        w, h = (size_px, size_px) if isinstance(size_px, int) else size_px
+        plan = plan or self.plan(target_mpp=target_mpp)
+        scale = plan.residual_scale
+        w_lv = max(1, int(round(w * scale)))
+        h_lv = max(1, int(round(h * scale)))
+        region = self.read_level(x_lv0, y_lv0, plan.level, (w_lv, h_lv))
+        if (w_lv, h_lv) == (w, h):
+            return region
+        resample = Image.Resampling.BOX if scale > 1 else Image.Resampling.BICUBIC
+        return np.asarray(Image.fromarray(region).resize((w, h), resample=resample))
+
+    def thumbnail(self, *, max_size_px: int = 1024) -> tuple[np.ndarray, float]:
+        """An RGB thumbnail whose longer side is at most ``max_size_px``, and its downsample from level 0."""
+        w0, h0 = self.dimensions
+        ds = max(w0, h0) / max_size_px
+        size = (max(1, int(round(w0 / ds))), max(1, int(round(h0 / ds))))
+        try:
+            img = self._slide.get_thumbnail(size).convert("RGB")
+        except (openslide.OpenSlideError, OSError) as exc:
+            raise SlideReadError(
+                f"{self.path}: cannot read a thumbnail ({exc}). Fix: the file is probably truncated "
+                "or corrupt; re-copy it."
+            ) from None
+        if img.size != size:
+            img = img.resize(size, Image.Resampling.BOX)
+        return np.asarray(img), w0 / size[0]
+
+    def close(self) -> None:
+        self._slide.close()
+
+    def __enter__(self) -> "SlideReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"SlideReader({str(self.path)!r}, dims={self.dimensions}, levels={self.level_count})"
+
+
+@register_reader("openslide")
+def _openslide_reader(path, **kwargs) -> SlideReader:
+    return SlideReader(path, **kwargs)
+
+
+def open_slide(path: str | os.PathLike, *, reader: str = "openslide", **kwargs) -> SlideReader:
+    """Open a slide with a registered reader (default: OpenSlide)."""
+    if reader not in READERS:
+        raise ValueError(f"unknown slide reader {reader!r}; registered readers: {', '.join(sorted(READERS))}.")
+    return READERS[reader](path, **kwargs)

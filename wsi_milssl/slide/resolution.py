@@ -1,0 +1,87 @@
+"""The one place that converts between magnification, µm/px and pyramid level.
+
+Magnification and resolution are tied by ``mpp = mpp_at_40x * 40 / magnification``; with the
+default ``mpp_at_40x = 0.25`` that gives 40x = 0.25, 20x = 0.5 and 10x = 1.0 µm/px.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+__all__ = [
+    "DEFAULT_MPP_AT_40X",
+    "LEVEL_TOLERANCE",
+    "ReadPlan",
+    "magnification_to_mpp",
+    "mpp_to_magnification",
+    "plan_read",
+]
+
+DEFAULT_MPP_AT_40X = 0.25
+# Pyramids whose level-0 size is not divisible by the level factor report downsamples such as
+# 4.0002; a level counts as "not exceeding" the needed downsample within this relative tolerance.
+LEVEL_TOLERANCE = 1e-3
+
+
+def magnification_to_mpp(magnification: float, *, mpp_at_40x: float = DEFAULT_MPP_AT_40X) -> float:
+    """µm per pixel of an objective magnification (10 -> 1.0 with the default scale)."""
+    if magnification <= 0:
+        raise ValueError(f"magnification must be positive; got {magnification!r}.")
+    return mpp_at_40x * 40.0 / magnification
+
+
+def mpp_to_magnification(mpp: float, *, mpp_at_40x: float = DEFAULT_MPP_AT_40X) -> float:
+    """Objective magnification equivalent of a resolution in µm per pixel (1.0 -> 10)."""
+    if mpp <= 0:
+        raise ValueError(f"mpp must be positive; got {mpp!r}.")
+    return mpp_at_40x * 40.0 / mpp
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """How a patch at ``target_mpp`` is served from the pyramid.
+
+    ``downsample`` is target_mpp / slide_mpp (level-0 pixels per target pixel). The region is read
+    at ``level`` (downsample ``level_downsample``) and resized by ``residual_scale`` =
+    downsample / level_downsample (> 1 shrinks, antialiased; < 1 only when the target is finer than
+    level 0).
+    """
+
+    target_mpp: float
+    slide_mpp: float
+    downsample: float
+    level: int
+    level_downsample: float
+
+    @property
+    def residual_scale(self) -> float:
+        return self.downsample / self.level_downsample
+
+    def size_lv0(self, size_px: int) -> int:
+        """Level-0 extent in pixels of a patch of ``size_px`` target pixels."""
+        return int(round(size_px * self.downsample))
+
+    def size_at_level(self, size_px: int) -> int:
+        """Extent in pixels, at the read level, of a patch of ``size_px`` target pixels."""
+        return max(1, int(round(size_px * self.residual_scale)))
+
+
+def plan_read(
+    slide_mpp: float, level_downsamples: Sequence[float], *, target_mpp: float
+) -> ReadPlan:
+    """Pick the level with the largest downsample not exceeding target_mpp / slide_mpp."""
+    if target_mpp <= 0 or slide_mpp <= 0:
+        raise ValueError(f"resolutions must be positive; got target {target_mpp!r}, slide {slide_mpp!r}.")
+    downsample = target_mpp / slide_mpp
+    level = 0
+    for i, ds in enumerate(level_downsamples):
+        if ds <= downsample * (1 + LEVEL_TOLERANCE) and ds >= level_downsamples[level]:
+            level = i
+    return ReadPlan(
+        target_mpp=float(target_mpp),
+        slide_mpp=float(slide_mpp),
+        downsample=float(downsample),
+        level=level,
+        level_downsample=float(level_downsamples[level]),
+    )
