@@ -17,6 +17,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 import tifffile
+from PIL import Image
 
 __all__ = ["write_pyramidal_tiff", "level_sizes"]
 
@@ -33,9 +34,9 @@ def level_sizes(width: int, height: int, *, factor: int, min_size_px: int) -> li
 
 
 def _reduce(block: np.ndarray, factor: int) -> np.ndarray:
+    """Area average over factor x factor pixel groups (trailing partial groups dropped)."""
     h, w = block.shape[0] // factor * factor, block.shape[1] // factor * factor
-    b = block[:h, :w].reshape(h // factor, factor, w // factor, factor, 3).astype(np.float32)
-    return np.round(b.mean(axis=(1, 3))).astype(np.uint8)
+    return np.asarray(Image.fromarray(np.ascontiguousarray(block[:h, :w])).reduce(factor))
 
 
 def write_pyramidal_tiff(
@@ -50,6 +51,7 @@ def write_pyramidal_tiff(
     level_factor: int = 2,
     min_level_size_px: int = 512,
     strip_tiles: int = 4,
+    block_px: int = 1024,
     on_rows: Callable[[int], None] | None = None,
 ) -> Path:
     """Render and write the slide; ``mpp=None`` writes no resolution (a slide without MPP).
@@ -71,8 +73,8 @@ def write_pyramidal_tiff(
             for y0 in range(0, height, strip_h):
                 y1 = min(height, y0 + strip_h)
                 strip = np.full((strip_h, -(-width // tile_px) * tile_px, 3), 255, np.uint8)
-                for x0 in range(0, width, 4096):
-                    x1 = min(width, x0 + 4096)
+                for x0 in range(0, width, block_px):
+                    x1 = min(width, x0 + block_px)
                     strip[: y1 - y0, x0:x1] = render(x0, y0, x1, y1)
                 if reduced:
                     small = _reduce(strip[: y1 - y0, :width], level_factor)
@@ -91,7 +93,7 @@ def write_pyramidal_tiff(
             ds = level_factor**level
             opts = dict(
                 tile=(tile_px, tile_px), compression="jpeg", compressionargs={"level": jpeg_quality},
-                photometric="ycbcr", subsampling=(2, 2), subfiletype=0 if level == 0 else 1, metadata=None,
+                photometric="rgb", subfiletype=0 if level == 0 else 1, metadata=None,
             )
             if mpp is not None:
                 px_per_cm = 1e4 / (mpp * ds)
