@@ -1,0 +1,68 @@
+"""The console script: --version, --help of every subcommand, synth, info and error exit codes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from wsi_milssl import __version__
+from wsi_milssl.cli import COMMANDS, build_parser, main
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "wsi_milssl", *args], capture_output=True, text=True)
+
+
+def test_version():
+    result = _cli("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"wsi-milssl {__version__}"
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_option_has_help_with_default(command):
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices[command]
+    for action in sub._actions:
+        if action.dest in ("help",) or not action.option_strings:
+            continue
+        assert action.help, f"{command} {action.option_strings} has no help"
+    text = sub.format_help()
+    assert "(default:" in text or all(not a.option_strings or a.dest == "help" for a in sub._actions)
+
+
+def test_info_shows_levels_mpp_and_10x_20x_plan(synth_slides, capsys):
+    assert main(["info", str(synth_slides["normal"])]) == 0
+    out = capsys.readouterr().out
+    assert "4096 x 4096 px" in out
+    assert "mpp:              0.2500 µm/px (from metadata)" in out
+    assert "level 2:" in out
+    assert "10x (1.000 µm/px): read level 2 (downsample 4.000), residual scale 1.000" in out
+    assert "20x (0.500 µm/px): read level 1 (downsample 2.000), residual scale 1.000" in out
+
+
+def test_info_on_bad_file_exits_1_with_one_clear_line(tmp_path):
+    bad = tmp_path / "broken.svs"
+    bad.write_bytes(b"\x00" * 100)
+    result = _cli("info", str(bad))
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "broken.svs" in lines[0]
+
+
+def test_usage_error_exits_2():
+    assert _cli("synth").returncode == 2
+    assert _cli("no-such-command").returncode == 2
+
+
+def test_synth_then_info_on_cli(tmp_path):
+    out = tmp_path / "out"
+    result = _cli("synth", str(out), "--slides", "2", "--seed", "1", "--size-px", "2048", "2048", "--mpp", "0.5")
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in out.glob("*.tif")) == ["synth_000.tif", "synth_001.tif"]
+    info = _cli("info", str(out / "synth_000.tif"))
+    assert info.returncode == 0
+    assert "mpp:              0.5000 µm/px" in info.stdout
+    assert info.stdout.count("  level ") >= 3

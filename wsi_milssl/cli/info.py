@@ -1,0 +1,63 @@
+"""``wsi-milssl info SLIDE``: dimensions, pyramid, resolution and how 10x/20x would be read."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+__all__ = ["register", "run", "describe_slide"]
+
+
+def register(subparsers) -> None:
+    from wsi_milssl.cli import HelpFormatter
+
+    p = subparsers.add_parser(
+        "info",
+        help="describe a slide: levels, MPP, objective power, and the level serving 10x/20x",
+        description="Print a slide's level-0 size, pyramid levels and downsamples, MPP, objective power,\n"
+        "vendor, and which pyramid level plus residual scale would serve each magnification.",
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("slides", type=Path, nargs="+", metavar="SLIDE", help="slide file(s)")
+    p.add_argument("--mpp", type=float, default=None,
+                   help="level-0 µm per pixel, overriding the slide's metadata (for slides without MPP)")
+    p.add_argument("--magnifications", type=float, nargs="+", default=[10.0, 20.0], metavar="MAG",
+                   help="objective magnifications to plan reads for")
+    p.add_argument("--mpp-at-40x", type=float, default=0.25,
+                   help="µm per pixel of a 40x objective; 10x is then 4 times that")
+    p.set_defaults(run=run)
+
+
+def describe_slide(path: Path, *, mpp: float | None, magnifications: list[float], mpp_at_40x: float) -> str:
+    """A human-readable description of the slide at ``path``."""
+    from wsi_milssl.slide import magnification_to_mpp, open_slide
+
+    with open_slide(path, mpp_override=mpp, mpp_at_40x=mpp_at_40x) as slide:
+        w, h = slide.dimensions
+        lines = [
+            f"slide:            {slide.path}",
+            f"vendor:           {slide.vendor}",
+            f"dimensions:       {w} x {h} px (level 0)",
+            f"objective power:  {slide.objective_power if slide.objective_power is not None else 'unknown'}",
+        ]
+        slide_mpp = slide.mpp  # raises MissingResolutionError with the --mpp fix
+        lines.append(f"mpp:              {slide_mpp:.4f} µm/px (from {slide.mpp_source})")
+        lines.append(f"levels:           {slide.level_count}")
+        for i, ((lw, lh), ds) in enumerate(zip(slide.level_dimensions, slide.level_downsamples)):
+            lines.append(f"  level {i}: {lw:>7} x {lh:<7} px  downsample {ds:8.3f}  ({slide_mpp * ds:.3f} µm/px)")
+        for mag in magnifications:
+            target = magnification_to_mpp(mag, mpp_at_40x=mpp_at_40x)
+            plan = slide.plan(target_mpp=target)
+            lines.append(
+                f"{mag:g}x ({target:.3f} µm/px): read level {plan.level} (downsample {plan.level_downsample:.3f}), "
+                f"residual scale {plan.residual_scale:.3f}"
+            )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    for i, path in enumerate(args.slides):
+        if i:
+            print()
+        print(describe_slide(path, mpp=args.mpp, magnifications=args.magnifications, mpp_at_40x=args.mpp_at_40x))
+    return 0
