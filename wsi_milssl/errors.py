@@ -8,6 +8,7 @@ __all__ = [
     "AnnotationError",
     "StoreError",
     "CheckpointError",
+    "EvaluationError",
 ]
 
 
@@ -37,3 +38,7 @@ class StoreError(WsiMilsslError):
 
 class CheckpointError(WsiMilsslError):
     """A checkpoint is missing or cannot be loaded."""
+
+
+class EvaluationError(WsiMilsslError):
+    """Predictions, labels or slides given to the evaluation are missing, malformed or do not match."""

@@ -1,4 +1,4 @@
-"""ASAP XML annotations in the CAMELYON16 layout.
+"""ASAP XML annotations in the CAMELYON16 layout: reader (defusedxml) and writer.
 
 Layout::
 
@@ -13,32 +13,61 @@ Layout::
 
 Coordinates are level-0 pixels. In CAMELYON16, groups ``_0``/``_1`` (and ``Tumor``) are tumour and
 ``_2`` (and ``Exclusion``/``None``) are non-tumour regions carved out of tumour.
+
+Reading goes through ``defusedxml`` with DTDs forbidden: a file with a ``<!DOCTYPE>``, an entity
+declaration or an external reference (XXE, "billion laughs") is refused with an AnnotationError
+before anything is expanded. Polygon-like types (``Polygon``, ``Spline``, ``Rectangle``) are read;
+point and line types (``Dot``, ``PointSet``, ``Measurement``) enclose no area and are skipped with a
+warning when geometry is built (they are kept by the reader so that conversions lose nothing).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
+import defusedxml
+import defusedxml.ElementTree as DET
 import numpy as np
 
-__all__ = ["PolygonAnnotation", "write_asap_xml", "GROUP_COLORS"]
+from wsi_milssl.errors import AnnotationError
+
+__all__ = [
+    "PolygonAnnotation",
+    "write_asap_xml",
+    "read_asap_xml",
+    "GROUP_COLORS",
+    "AREA_TYPES",
+]
+
+logger = logging.getLogger(__name__)
 
 GROUP_COLORS = {"_0": "#FF0000", "_1": "#FF0000", "_2": "#00FF00", "Tumor": "#FF0000"}
+
+#: ASAP annotation types that enclose an area (read as polygons).
+AREA_TYPES = ("Polygon", "Spline", "Rectangle")
+
+_CHUNK_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
 class PolygonAnnotation:
-    """One polygon: ``coords_lv0`` is a float64 (K, 2) array of level-0 (x, y) vertices, not closed."""
+    """One polygon: ``coords_lv0`` is a float64 (K, 2) array of level-0 (x, y) vertices, not closed.
+
+    ``holes_lv0`` holds interior rings (each float64 (K, 2), not closed); ASAP XML has no holes (it
+    draws them as polygons of a non-tumour group), GeoJSON polygons may carry them.
+    """
 
     name: str
     group: str
     coords_lv0: np.ndarray
     color: str = "#F4FA58"
     type: str = field(default="Polygon")
+    holes_lv0: tuple[np.ndarray, ...] = ()
 
 
 def _fmt(value: float) -> str:
@@ -48,29 +77,194 @@ def _fmt(value: float) -> str:
 
 
 def write_asap_xml(
-    annotations: Sequence[PolygonAnnotation], path: str | os.PathLike, *, groups: Sequence[str] | None = None
+    annotations: Sequence[PolygonAnnotation],
+    path: str | os.PathLike,
+    *,
+    groups: Sequence[str] | None = None,
+    group_colors: Mapping[str, str] | None = None,
+    hole_group: str = "_2",
 ) -> Path:
-    """Write ``annotations`` as an ASAP XML file (atomically) and return its path."""
+    """Write ``annotations`` as an ASAP XML file (atomically) and return its path.
+
+    ``groups`` lists the ``<Group>`` elements to declare (default: the groups used, sorted);
+    ``group_colors`` overrides their colours. ASAP cannot store holes, so every hole of an
+    annotation is written as its own polygon named ``"<name> hole <k>"`` in ``hole_group``.
+    Coordinates are written repr-exact, so reading the file back gives the same float64 vertices.
+    """
     path = Path(path)
+    colors = {**GROUP_COLORS, **(group_colors or {})}
     root = ET.Element("ASAP_Annotations")
     anns = ET.SubElement(root, "Annotations")
+
+    def add(name: str, type_: str, group: str, color: str, coords: np.ndarray) -> None:
+        el = ET.SubElement(anns, "Annotation", {"Name": name, "Type": type_, "PartOfGroup": group, "Color": color})
+        coords_el = ET.SubElement(el, "Coordinates")
+        for order, (x, y) in enumerate(np.asarray(coords, dtype=np.float64).reshape(-1, 2)):
+            ET.SubElement(coords_el, "Coordinate", {"Order": str(order), "X": _fmt(x), "Y": _fmt(y)})
+
+    used = []
     for ann in annotations:
-        el = ET.SubElement(
-            anns, "Annotation",
-            {"Name": ann.name, "Type": ann.type, "PartOfGroup": ann.group, "Color": ann.color},
-        )
-        coords = ET.SubElement(el, "Coordinates")
-        for order, (x, y) in enumerate(np.asarray(ann.coords_lv0, dtype=np.float64)):
-            ET.SubElement(coords, "Coordinate", {"Order": str(order), "X": _fmt(x), "Y": _fmt(y)})
+        add(ann.name, ann.type, ann.group, ann.color, ann.coords_lv0)
+        used.append(ann.group)
+    for ann in annotations:
+        for k, hole in enumerate(ann.holes_lv0):
+            add(f"{ann.name} hole {k}", "Polygon", hole_group, colors.get(hole_group, "#64FE2E"), hole)
+            used.append(hole_group)
     group_el = ET.SubElement(root, "AnnotationGroups")
-    names = list(groups) if groups is not None else sorted({a.group for a in annotations})
+    names = list(groups) if groups is not None else sorted(set(used))
+    names += [g for g in dict.fromkeys(used) if g not in names]
     for name in names:
         g = ET.SubElement(
-            group_el, "Group", {"Name": name, "PartOfGroup": "None", "Color": GROUP_COLORS.get(name, "#64FE2E")}
+            group_el, "Group", {"Name": name, "PartOfGroup": "None", "Color": colors.get(name, "#64FE2E")}
         )
         ET.SubElement(g, "Attributes")
     ET.indent(root, space="\t")
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    ET.ElementTree(root).write(tmp, encoding="utf-8", xml_declaration=True)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as fh:
+            ET.ElementTree(root).write(fh, encoding="utf-8", xml_declaration=True)
+            fh.write(b"\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
+
+
+class _LineTreeBuilder(ET.TreeBuilder):
+    """A TreeBuilder that remembers the source line of every element (for error messages)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: dict[ET.Element, int] = {}
+        self.parser: DET.DefusedXMLParser | None = None
+
+    def start(self, tag, attrs):  # noqa: D401 - TreeBuilder API
+        elem = super().start(tag, attrs)
+        if self.parser is not None:
+            self.lines[elem] = self.parser.parser.CurrentLineNumber
+        return elem
+
+
+def _parse_xml(path: Path) -> tuple[ET.Element, dict[ET.Element, int]]:
+    builder = _LineTreeBuilder()
+    parser = DET.DefusedXMLParser(target=builder, forbid_dtd=True, forbid_entities=True, forbid_external=True)
+    builder.parser = parser
+    try:
+        with open(path, "rb") as fh:
+            while chunk := fh.read(_CHUNK_BYTES):
+                parser.feed(chunk)
+        root = parser.close()
+    except FileNotFoundError:
+        raise AnnotationError(f"{path}: annotation file not found; check the path.") from None
+    except OSError as exc:
+        raise AnnotationError(f"{path}: cannot read the annotation file ({exc}).") from None
+    except defusedxml.DTDForbidden as exc:
+        line = parser.parser.CurrentLineNumber
+        raise AnnotationError(
+            f"{path}: refused XML with a DOCTYPE declaration <!DOCTYPE {exc.name}> at line {line}: DTDs and "
+            "entity declarations allow XXE and 'billion laughs' attacks, and ASAP XML never needs them. "
+            "Remove the <!DOCTYPE ...> block or re-export the file from ASAP."
+        ) from None
+    except defusedxml.EntitiesForbidden as exc:
+        line = parser.parser.CurrentLineNumber
+        raise AnnotationError(
+            f"{path}: refused XML with an entity declaration ({exc.name!r}) at line {line}: entities allow "
+            "XXE and 'billion laughs' attacks, and ASAP XML never needs them. Remove the declaration or "
+            "re-export the file from ASAP."
+        ) from None
+    except defusedxml.DefusedXmlException as exc:
+        line = parser.parser.CurrentLineNumber
+        raise AnnotationError(
+            f"{path}: refused XML with an external reference or other unsafe construct at line {line} "
+            f"({type(exc).__name__}: {exc}). Remove it or re-export the file from ASAP."
+        ) from None
+    except ET.ParseError as exc:
+        line, col = getattr(exc, "position", (None, None))
+        raise AnnotationError(
+            f"{path}: not well-formed XML at line {line}, column {col} ({exc.msg if hasattr(exc, 'msg') else exc}); "
+            "fix the file there or re-export it from ASAP."
+        ) from None
+    return root, builder.lines
+
+
+def _number(path: Path, line: int | None, where: str, attr: str, text: str | None) -> float:
+    if text is None:
+        raise AnnotationError(f"{path}: line {line}: {where} has no {attr} attribute; every <Coordinate> needs X and Y.")
+    value: float | None = None
+    try:
+        value = float(text)
+    except ValueError:
+        if text.count(",") == 1:  # some ASAP exports use a decimal comma ("1234,5")
+            try:
+                value = float(text.replace(",", "."))
+            except ValueError:
+                value = None
+    if value is None:
+        raise AnnotationError(
+            f"{path}: line {line}: {where} has {attr}={text!r}, which is not a number; "
+            "coordinates must be level-0 pixel numbers."
+        )
+    if not np.isfinite(value):
+        raise AnnotationError(f"{path}: line {line}: {where} has a non-finite {attr}={text!r}.")
+    return value
+
+
+def read_asap_xml(path: str | os.PathLike) -> tuple[list[PolygonAnnotation], dict[str, str]]:
+    """Read an ASAP XML file: (polygons in file order, declared groups ``{name: colour}`` in file order).
+
+    Every annotation with coordinates is returned, whatever its ``Type`` (points and lines too, so
+    that a conversion keeps them; AnnotationSet leaves out those that enclose no area). Raises
+    AnnotationError naming the file and the line for malformed or hostile XML and for coordinates
+    that are not numbers.
+    """
+    path = Path(path)
+    root, lines = _parse_xml(path)
+    if root.tag != "ASAP_Annotations":
+        raise AnnotationError(
+            f"{path}: line {lines.get(root)}: root element is <{root.tag}>, expected <ASAP_Annotations>; "
+            "this is not an ASAP annotation file."
+        )
+    polygons: list[PolygonAnnotation] = []
+    empty: list[str] = []
+    for index, ann in enumerate(root.iter("Annotation")):
+        name = ann.get("Name") or f"Annotation {index}"
+        type_ = ann.get("Type") or "Polygon"
+        group = ann.get("PartOfGroup") or "None"
+        color = ann.get("Color") or "#F4FA58"
+        where = f"<Annotation Name={name!r}>"
+        points = []
+        orders = []
+        for coord in ann.iter("Coordinate"):
+            line = lines.get(coord)
+            order = coord.get("Order")
+            cwhere = f"<Coordinate Order={order!r}> of {where}"
+            points.append((
+                _number(path, line, cwhere, "X", coord.get("X")),
+                _number(path, line, cwhere, "Y", coord.get("Y")),
+            ))
+            orders.append(order)
+        if not points:
+            empty.append(name)
+            continue
+        coords = np.asarray(points, dtype=np.float64).reshape(-1, 2)
+        try:
+            order_keys = [int(o) for o in orders]
+        except (TypeError, ValueError):
+            order_keys = None
+        if order_keys is not None and order_keys != sorted(order_keys):
+            coords = coords[np.argsort(order_keys, kind="stable")]
+        polygons.append(PolygonAnnotation(name=name, group=group, coords_lv0=coords, color=color, type=type_))
+    if empty:
+        logger.warning(
+            "%s: skipped %d annotation(s) without coordinates: %s.",
+            path, len(empty), ", ".join(empty[:10]) + (" ..." if len(empty) > 10 else ""),
+        )
+    groups: dict[str, str] = {}
+    for group in root.iter("Group"):
+        name = group.get("Name")
+        if name:
+            groups[name] = group.get("Color") or GROUP_COLORS.get(name, "#64FE2E")
+    return polygons, groups

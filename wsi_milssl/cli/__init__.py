@@ -22,6 +22,12 @@ COMMANDS = {
     "synth": "synth",
     "info": "info",
     "demo": "demo",
+    "tile": "tile",
+    "evaluate": "evaluate",
+    "label": "label",
+    "annotations": "annotations",
+    "train": "train",
+    "benchmark": "benchmark",
 }
 
 

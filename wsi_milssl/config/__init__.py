@@ -10,10 +10,19 @@ from wsi_milssl.config.base import (
     load_toml,
     write_resolved_config,
 )
+from wsi_milssl.config.evaluate import EvaluateConfig
+from wsi_milssl.config.label import LabelConfig
 from wsi_milssl.config.synth import SynthConfig
+from wsi_milssl.config.tile import TileConfig
+from wsi_milssl.config.train import BenchmarkConfig, TrainConfig
 
 __all__ = [
+    "BenchmarkConfig",
+    "TrainConfig",
+    "EvaluateConfig",
+    "LabelConfig",
     "SynthConfig",
+    "TileConfig",
     "check_choice",
     "check_range",
     "check_type",

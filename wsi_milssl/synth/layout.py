@@ -211,8 +211,11 @@ def make_layout(
 def _make_lesions(rng, layout: SlideLayout, tissue: np.ndarray, um: float) -> list[Lesion]:
     """One large obvious lesion, 1-3 small subtle ones and 0-2 isolated-cell clusters."""
     free = tissue.copy()
-    specs = [("macro", float(np.exp(rng.uniform(np.log(110), np.log(480)))), 1.0)]
-    specs += [("micro", rng.uniform(45, 140), rng.uniform(0.35, 0.6)) for _ in range(int(rng.integers(1, 4)))]
+    # Radii in µm. The large lesion's area spans two decades (log-uniform radius), so the
+    # positive-patch ratio of tumour slides varies widely and is mostly low; micro lesions are
+    # mostly above the 275 µm ITC limit of the CAMELYON16 evaluation, ITC clusters below it.
+    specs = [("macro", float(np.exp(rng.uniform(np.log(80), np.log(420)))), 1.0)]
+    specs += [("micro", rng.uniform(70, 180), rng.uniform(0.35, 0.6)) for _ in range(int(rng.integers(1, 4)))]
     specs += [("itc", rng.uniform(14, 40), rng.uniform(0.6, 0.9)) for _ in range(int(rng.integers(0, 3)))]
     lesions = []
     for kind, r_um, subtlety in specs:

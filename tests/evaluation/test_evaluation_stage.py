@@ -1,0 +1,189 @@
+"""The evaluation stage end to end on generated slides: real TIFFs, real ASAP XML, real files."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+import pytest
+
+from wsi_milssl.errors import EvaluationError
+from wsi_milssl.evaluation import evaluate_predictions, read_labels
+from wsi_milssl.evaluation.froc import FP_RATES
+
+from evaluation_fixtures import write_predictions
+
+
+def test_metrics_json_by_hand(evaluated):
+    """On the generated tumour slide the evaluation mask has one lesion (the macro lesion; its
+    micro-lesions and ITC grow to under 275 µm and are ITCs). Detections: 0.7 on the lesion (TP),
+    0.7 again on it (repeat), 0.95 on an ITC (ignored); 0.8 on the normal slide (FP). Two slides.
+
+    Curve: (0, 0); t=0.8: (1/2, 0); t=0.7: (1/2, 1). Sensitivity at 1/4 FP/slide: 0 (between (0, 0)
+    and (1/2, 0)); at 1/2: 1 (vertical step, the higher value); at 1..8: 1. FROC = 5/6.
+    """
+    result, out, info = evaluated
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert {"instance_auc", "bag_auc", "froc", "froc_sensitivities", "n_slides", "n_lesions"} <= set(metrics)
+    assert metrics["n_slides"] == 2 and metrics["n_lesions"] == 1 and metrics["n_itc"] >= 1
+    assert metrics["froc_sensitivities"] == pytest.approx([0, 1, 1, 1, 1, 1], abs=1e-12)
+    assert metrics["froc"] == pytest.approx(5 / 6, abs=1e-12)
+    assert metrics["fp_rates"] == list(FP_RATES)
+    # patch probability = exact tumour fraction, labels = fraction >= 0.25: separable -> AUC 1
+    assert metrics["instance_auc"] == 1.0
+    assert metrics["n_positive_patches"] == info["n_positive_patches"] > 0
+    assert metrics["n_patches"] == 2 * 16 * 16
+    assert metrics["bag_auc"] == 1.0
+    assert metrics["reasons"] == {}
+    assert result.metrics == metrics
+
+
+def test_per_slide_csv_and_detection_outcomes(evaluated):
+    _, out, info = evaluated
+    with open(out / "per_slide.csv") as fh:
+        rows = {r["slide"]: r for r in csv.DictReader(fh)}
+    tumour, normal = rows[info["tumor"]], rows[info["normal"]]
+    assert tumour["label"] == "1" and tumour["n_detections"] == "3" and tumour["n_fp"] == "0"
+    assert tumour["n_lesions"] == "1" and tumour["n_lesions_detected"] == "1"
+    assert tumour["n_repeat_hits"] == "1" and tumour["n_itc_hits"] == "1"
+    assert float(tumour["mpp"]) == pytest.approx(0.25)
+    assert normal["n_fp"] == "1" and normal["n_lesions"] == "0" and float(normal["score"]) == 0.2
+    with open(out / "detection_outcomes.csv") as fh:
+        outcomes = [(r["slide"], r["outcome"]) for r in csv.DictReader(fh)]
+    assert sorted(outcomes) == sorted([(info["tumor"], "tp"), (info["tumor"], "itc"), (info["tumor"], "repeat"),
+                                       (info["normal"], "fp")])
+    with open(out / "froc_curve.csv") as fh:
+        curve = list(csv.DictReader(fh))
+    assert [(float(r["fp_per_slide"]), float(r["sensitivity"])) for r in curve] == [(0, 0), (0.5, 0), (0.5, 1)]
+
+
+def test_every_output_is_written(evaluated):
+    _, out, _ = evaluated
+    for name in ("metrics.json", "per_slide.csv", "detection_outcomes.csv", "froc_curve.csv", "froc.png",
+                 "roc_instance.png", "roc_bag.png", "config.json", "report.html"):
+        assert (out / name).stat().st_size > 0, name
+    for name in ("froc.png", "roc_instance.png", "roc_bag.png"):
+        assert (out / name).read_bytes().startswith(b"\x89PNG")
+    assert not list(out.glob("*.tmp")) and not list(out.glob(".*.tmp"))
+    config = json.loads((out / "config.json").read_text())
+    assert config["positive_fraction"] == 0.25 and config["margin_um"] == 75.0
+
+
+def test_detection_csvs_from_another_tool(synth_dir, annotations_dir, tmp_path):
+    """Only CAMELYON16 detection CSVs (no patch table, no scores): AUCs are null with a reason,
+    FROC is still computed, no ROC plot is left behind."""
+    pred = tmp_path / "pred"
+    write_predictions(synth_dir, pred, with_patches=False, with_scores=False)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "roc_bag.png").write_bytes(b"stale")  # from an imagined earlier run
+    result = evaluate_predictions(pred, labels_csv=synth_dir / "labels.csv", out_dir=out,
+                                  annotations_dir=annotations_dir, slides=synth_dir)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["instance_auc"] is None and "patches.csv" in metrics["reasons"]["instance_auc"]
+    assert metrics["bag_auc"] is None and "scores.csv" in metrics["reasons"]["bag_auc"]
+    assert metrics["froc"] == pytest.approx(5 / 6)
+    assert not (out / "roc_bag.png").exists() and not (out / "roc_instance.png").exists()
+    html = (out / "report.html").read_text()
+    assert "scores.csv is missing" in html
+    assert result.instance_roc is None and result.bag_roc is None
+
+
+def test_camelyon16_submission_names_and_header(synth_dir, annotations_dir, tmp_path):
+    """Detection files named <stem>.csv (CAMELYON16 submissions), one with a 'prob,x,y' header and
+    one empty (a slide with no detections)."""
+    pred = tmp_path / "pred"
+    info = write_predictions(synth_dir, pred, with_patches=False, with_scores=False)
+    tumour_lines = (pred / f"{info['tumor']}_detections.csv").read_text()
+    (pred / f"{info['tumor']}_detections.csv").unlink()
+    (pred / f"{info['tumor']}.csv").write_text("prob,x,y\n" + tumour_lines)
+    (pred / f"{info['normal']}_detections.csv").unlink()
+    (pred / f"{info['normal']}.csv").write_text("")
+    result = evaluate_predictions(pred, labels_csv=synth_dir / "labels.csv", out_dir=tmp_path / "out",
+                                  annotations_dir=annotations_dir, slides=synth_dir)
+    # no FP at all now: the lesion is found at 0 FP/slide -> sensitivity 1 everywhere
+    assert result.metrics["n_slides"] == 2 and result.metrics["froc"] == 1.0
+
+
+def test_slides_given_as_csv_and_mpp_override(synth_dir, annotations_dir, predictions, tmp_path):
+    """--slides as a CSV 'slide,path'. With mpp forced to 1.0 µm/px a level-5 px is 32 µm: the
+    macro lesion (about 370 µm across at 0.25) now spans ~1500 µm -> still a lesion, and the
+    smaller parts grow past 275 µm too, so more lesions are counted."""
+    pred_dir, info = predictions
+    listing = tmp_path / "slides.csv"
+    listing.write_text("slide,path\n" + "".join(f"{s},{synth_dir / (s + '.tif')}\n" for s in info["labels"]))
+    from wsi_milssl.config import EvaluateConfig
+
+    base = evaluate_predictions(pred_dir, labels_csv=synth_dir / "labels.csv", out_dir=tmp_path / "a",
+                                annotations_dir=annotations_dir, slides=listing)
+    assert base.metrics["n_lesions"] == 1
+    forced = evaluate_predictions(pred_dir, labels_csv=synth_dir / "labels.csv", out_dir=tmp_path / "b",
+                                  annotations_dir=annotations_dir, slides=listing, config=EvaluateConfig(mpp=1.0))
+    assert forced.metrics["n_lesions"] > 1 and forced.slides[0].mpp == 1.0
+
+
+def test_unlabelled_slide_is_an_error(synth_dir, annotations_dir, predictions, tmp_path):
+    pred_dir, info = predictions
+    labels = tmp_path / "labels.csv"
+    labels.write_text(f"slide,label\n{info['tumor']},1\n")
+    with pytest.raises(EvaluationError, match=rf"no label for the predicted slides {info['normal']}.*Fix"):
+        evaluate_predictions(pred_dir, labels_csv=labels, out_dir=tmp_path / "o", annotations_dir=annotations_dir,
+                             slides=synth_dir)
+
+
+def test_tumour_slide_without_annotation_is_an_error(synth_dir, predictions, tmp_path):
+    pred_dir, info = predictions
+    empty = tmp_path / "ann"
+    empty.mkdir()
+    with pytest.raises(EvaluationError, match=rf"{info['tumor']}' is labelled tumour but has no annotation file"):
+        evaluate_predictions(pred_dir, labels_csv=synth_dir / "labels.csv", out_dir=tmp_path / "o",
+                             annotations_dir=empty, slides=empty)
+
+
+def test_tumour_slide_without_slide_file_is_an_error(synth_dir, annotations_dir, tmp_path):
+    pred = tmp_path / "pred"
+    write_predictions(synth_dir, pred, with_patches=False)  # no sidecar: no slide_path fallback
+    with pytest.raises(EvaluationError, match="slide file was not found.*--slides"):
+        evaluate_predictions(pred, labels_csv=synth_dir / "labels.csv", out_dir=tmp_path / "o",
+                             annotations_dir=annotations_dir, slides=tmp_path)
+
+
+def test_no_detection_files_is_an_error(synth_dir, tmp_path):
+    with pytest.raises(EvaluationError, match="no detection files"):
+        evaluate_predictions(tmp_path, labels_csv=synth_dir / "labels.csv", out_dir=tmp_path / "o")
+
+
+def test_labels_reader(tmp_path):
+    p = tmp_path / "labels.csv"
+    p.write_text("slide,label\nA.tif,Tumor\nB,0\nC,normal\n")
+    assert read_labels(p) == {"A": 1, "B": 0, "C": 0}
+    p.write_text("slide,label\nA,maybe\n")
+    with pytest.raises(EvaluationError, match=r"line 2: label 'maybe'.*Fix"):
+        read_labels(p)
+    p.write_text("name,class\nA,1\n")
+    with pytest.raises(EvaluationError, match="header must contain 'slide' and 'label'"):
+        read_labels(p)
+
+
+def test_bad_detection_file_names_file_and_line(synth_dir, annotations_dir, tmp_path):
+    pred = tmp_path / "pred"
+    info = write_predictions(synth_dir, pred, with_patches=False)
+    (pred / f"{info['normal']}_detections.csv").write_text("0.5,10,20\n0.4,abc,5\n")
+    with pytest.raises(EvaluationError, match=r"_detections.csv: line 2: x 'abc' is not a number"):
+        evaluate_predictions(pred, labels_csv=synth_dir / "labels.csv", out_dir=tmp_path / "o",
+                             annotations_dir=annotations_dir, slides=synth_dir)
+    (pred / f"{info['normal']}_detections.csv").write_text("0.5,10\n")
+    with pytest.raises(EvaluationError, match=r"line 1: expected 3 values 'prob,x,y'"):
+        evaluate_predictions(pred, labels_csv=synth_dir / "labels.csv", out_dir=tmp_path / "o",
+                             annotations_dir=annotations_dir, slides=synth_dir)
+
+
+def test_roc_points_match_scikit_learn(evaluated):
+    from sklearn.metrics import roc_auc_score
+
+    result, _, _ = evaluated
+    labels = np.concatenate([s.instance_labels for s in result.slides])
+    probs = np.concatenate([s.patch_probs for s in result.slides])
+    assert result.instance_roc.auc == roc_auc_score(labels, probs)
+    assert result.instance_roc.fpr[0] == 0 and result.instance_roc.tpr[-1] == 1

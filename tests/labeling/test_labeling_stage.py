@@ -1,0 +1,185 @@
+"""The label stage on real HDF5 and Zarr stores made for the generated slides."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import logging
+import shutil
+import xml.etree.ElementTree as ET
+
+import numpy as np
+import pytest
+from matplotlib.path import Path as MplPath
+
+from wsi_milssl.annotations import rasterize_region, read_annotations
+from wsi_milssl.cli import main
+from wsi_milssl.config import LabelConfig
+from wsi_milssl.errors import ConfigError, StoreError
+from wsi_milssl.labeling import STATUS_CSV, label_store, label_stores, read_eval_mask
+from wsi_milssl.store import create_writer, open_store
+
+SLIDE_PX = 4096
+PATCH_LV0 = 192
+STRIDE_LV0 = 160  # overlapping patches: order and overlap must not matter
+
+
+def _make_store(path, stem, slide_path):
+    xs, ys = np.meshgrid(np.arange(0, SLIDE_PX - PATCH_LV0 + 1, STRIDE_LV0),
+                         np.arange(0, SLIDE_PX - PATCH_LV0 + 1, STRIDE_LV0))
+    coords = np.c_[xs.ravel(), ys.ravel()].astype(np.int64)
+    with create_writer(path, pixels="none", patch_size_px=PATCH_LV0 // 2) as writer:
+        writer.append(coords=coords, entropy_bits=np.full(len(coords), 5.0), tissue_fraction=np.ones(len(coords)))
+        writer.finalize({
+            "slide_path": str(slide_path), "slide_stem": stem, "dimensions_lv0": [SLIDE_PX, SLIDE_PX], "mpp": 0.25,
+            "target_mpp": 0.5, "patch_size_px": PATCH_LV0 // 2, "patch_size_lv0": PATCH_LV0,
+            "stride_px": STRIDE_LV0 // 2, "stride_lv0": STRIDE_LV0, "pixels": "none", "config_hash": "test",
+        })
+    return path
+
+
+@pytest.fixture
+def stores(synth_dir, tmp_path, request):
+    fmt = getattr(request, "param", "h5")
+    out = tmp_path / "stores"
+    paths = {}
+    for stem in ("synth_000", "synth_001"):
+        paths[stem] = _make_store(out / f"{stem}.{fmt}", stem, synth_dir / f"{stem}.tif")
+    return paths
+
+
+def _tree_digest(path):
+    h = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    for f in files:
+        h.update(str(f.relative_to(path.parent)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def _reference_fraction(xml_path, coords, size, samples=24):
+    """Independent: stdlib XML + matplotlib point-in-polygon on samples x samples points per patch."""
+    tumour, holes = [], []
+    for el in ET.parse(xml_path).getroot().iter("Annotation"):
+        xy = np.array([[float(c.get("X")), float(c.get("Y"))] for c in el.iter("Coordinate")])
+        (holes if el.get("PartOfGroup") == "_2" else tumour).append(MplPath(xy))
+    offs = (np.arange(samples) + 0.5) * size / samples
+    ox, oy = np.meshgrid(offs, offs)
+    pts = (coords[:, None, :] + np.c_[ox.ravel(), oy.ravel()][None]).reshape(-1, 2)
+    inside = np.zeros(len(pts), bool)
+    for p in tumour:
+        inside |= p.contains_points(pts)
+    for p in holes:
+        inside &= ~p.contains_points(pts)
+    return inside.reshape(len(coords), -1).mean(axis=1)
+
+
+@pytest.mark.parametrize("stores", ["h5", "zarr"], indirect=True)
+def test_label_stores_writes_fractions_labels_and_masks(stores, synth_dir, tmp_path):
+    out = tmp_path / "labels"
+    report = label_stores(list(stores.values()), annotations_dir=synth_dir, labels_csv=synth_dir / "labels.csv",
+                          out_dir=out)
+    assert report.n_failed == 0
+    assert report.unmatched_annotations == [] and report.stores_without_annotation == ["synth_001"]
+    by_stem = {r.stem: r for r in report.results}
+    assert by_stem["synth_000"].label_status == "annotated" and by_stem["synth_001"].label_status == "negative"
+
+    with open_store(stores["synth_000"]) as store:
+        fraction = store.read_array("tumor_fraction")
+        labels = store.read_array("instance_label")
+        attrs = store.attrs
+        coords = store.coords
+    assert fraction.dtype == np.float32 and labels.dtype == np.uint8 and fraction.shape == (len(coords),)
+    ref = _reference_fraction(synth_dir / "synth_000.xml", coords, PATCH_LV0)
+    assert (ref > 0).sum() > 20
+    assert np.abs(fraction - ref).max() < 0.01
+    np.testing.assert_array_equal(labels, (fraction >= 0.25).astype(np.uint8))
+    assert 0 < labels.sum() == attrs["n_positive_patches"] == by_stem["synth_000"].n_positive
+    assert attrs["slide_label"] == 1 and attrs["slide_label_source"] == "labels.csv"
+    assert attrs["positive_fraction"] == 0.25 and attrs["label_annotation"].endswith("synth_000.xml")
+
+    with open_store(stores["synth_001"]) as store:
+        assert store.attrs["slide_label"] == 0
+        assert not store.read_array("tumor_fraction").any() and not store.read_array("instance_label").any()
+
+    mask, meta = read_eval_mask(by_stem["synth_000"].mask_path)
+    assert meta["downsample"] == 32 and meta["level"] == 5 and meta["dimensions_lv0"] == [SLIDE_PX, SLIDE_PX]
+    expected = rasterize_region(read_annotations(synth_dir / "synth_000.xml").region,
+                                dimensions_lv0=(SLIDE_PX, SLIDE_PX), downsample=32)
+    np.testing.assert_array_equal(mask, expected)
+    assert mask.sum() > 100
+    normal_mask, _ = read_eval_mask(out / "synth_001_tumor_mask.json")
+    assert normal_mask.shape == (128, 128) and not normal_mask.any()
+
+    with open(out / STATUS_CSV) as fh:
+        rows = list(csv.DictReader(fh))
+    assert [(r["slide"], r["status"], r["slide_label"]) for r in rows] == [("synth_000", "ok", "1"),
+                                                                          ("synth_001", "ok", "0")]
+    assert (out / "label_config.json").is_file()
+
+
+def test_positive_fraction_threshold(stores, synth_dir):
+    result = label_store(stores["synth_000"], annotation_path=synth_dir / "synth_000.xml",
+                         config=LabelConfig(positive_fraction=0.9))
+    with open_store(stores["synth_000"]) as store:
+        fraction = store.read_array("tumor_fraction")
+        np.testing.assert_array_equal(store.read_array("instance_label"), fraction >= np.float32(0.9))
+        assert store.attrs["slide_label_source"] == "annotations" and store.attrs["slide_label"] == 1
+    assert result.mask_path is None  # no mask_dir given
+    assert 0 < result.n_positive < (fraction >= 0.25).sum()
+
+
+@pytest.mark.parametrize("stores", ["h5", "zarr"], indirect=True)
+def test_hostile_xml_rejected_and_store_untouched(stores, synth_dir, tmp_path, capsys):
+    ann_dir = tmp_path / "ann"
+    ann_dir.mkdir()
+    (ann_dir / "synth_000.xml").write_text(
+        '<?xml version="1.0"?>\n<!DOCTYPE lolz [<!ENTITY lol "lol"><!ENTITY lol2 "&lol;&lol;&lol;&lol;">]>\n'
+        '<ASAP_Annotations><Annotations><Annotation Name="&lol2;" PartOfGroup="_0"/></Annotations>'
+        "</ASAP_Annotations>\n"
+    )
+    before = _tree_digest(stores["synth_000"])
+    out = tmp_path / "labels"
+    code = main(["label", str(stores["synth_000"]), "--annotations", str(ann_dir), "--out", str(out)])
+    assert code == 1
+    printed = capsys.readouterr().out
+    assert "failed" in printed and "refused XML with a DOCTYPE" in printed
+    assert _tree_digest(stores["synth_000"]) == before
+    with open_store(stores["synth_000"]) as store:
+        assert not store.has("tumor_fraction") and "slide_label" not in store.attrs
+    assert not list(out.glob("synth_000_tumor_mask*"))
+    rows = list(csv.DictReader(open(out / STATUS_CSV)))
+    assert rows[0]["status"] == "failed" and "XXE" in rows[0]["error"]
+
+
+def test_tumour_slide_without_annotations_and_name_mismatches(stores, synth_dir, tmp_path, caplog, capsys):
+    ann_dir = tmp_path / "ann"
+    ann_dir.mkdir()
+    shutil.copy(synth_dir / "synth_000.xml", ann_dir / "synth_000.xml")
+    shutil.copy(synth_dir / "synth_000.xml", ann_dir / "slide_999.xml")  # matches no store
+    labels = tmp_path / "labels.csv"
+    labels.write_text("slide,label\nsynth_000.tif,1\nsynth_001,tumor\n")
+    with caplog.at_level(logging.WARNING):
+        code = main(["label", str(stores["synth_000"].parent), "--annotations", str(ann_dir), "--labels", str(labels),
+                     "--out", str(tmp_path / "out")])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "annotation files matching no store (1): slide_999.xml" in printed
+    assert "tumour slides without annotations (1): synth_001" in printed
+    assert "synth_001: tumour-labelled slide without annotations" in caplog.text
+    assert "1 annotation file(s) in" in caplog.text and "slide_999.xml" in caplog.text
+    with open_store(stores["synth_001"]) as store:
+        assert store.attrs["slide_label"] == 1 and store.attrs["label_status"] == "unannotated"
+        assert not store.has("tumor_fraction") and not store.has("instance_label")
+    assert not (tmp_path / "out" / "synth_001_tumor_mask.png").exists()
+
+
+def test_missing_stores_or_folder_and_bad_config(tmp_path, stores):
+    with pytest.raises(StoreError, match="no such file or folder"):
+        label_stores(tmp_path / "nothing", annotations_dir=tmp_path)
+    with pytest.raises(Exception, match="annotation folder not found"):
+        label_stores(stores["synth_000"], annotations_dir=tmp_path / "missing")
+    with pytest.raises(ConfigError, match=r"LabelConfig.positive_fraction must satisfy 0.0 < value <= 1.0; got 0"):
+        LabelConfig(positive_fraction=0)
+    with pytest.raises(ConfigError, match=r"group\(s\) _2 are in both tumor_groups and non_tumor_groups"):
+        LabelConfig(tumor_groups=("_0", "_2"))

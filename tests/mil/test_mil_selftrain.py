@@ -1,0 +1,149 @@
+"""The self-training loop in feature mode: learning, metrics, checkpoints, exact resume, ablations."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from wsi_milssl.config.train import TrainConfig
+from wsi_milssl.errors import CheckpointError, ConfigError
+from wsi_milssl.events import ProgressEvent
+from wsi_milssl.mil import fit, load_model, read_checkpoint, read_mil_csv
+from wsi_milssl.mil.selftrain import bag_scores, evaluate, resolve_runtime
+
+
+def _config(**kw) -> TrainConfig:
+    base = dict(mode="features", epochs=30, batch_size=64, mu=0.25, mu_ramp_epochs=5, plots=False, threads=1)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+class _Kill(Exception):
+    pass
+
+
+def _kill_after(epochs: int):
+    def callback(event: ProgressEvent) -> None:
+        if event.stage == "train" and event.done == epochs and event.item:
+            raise _Kill()
+
+    return callback
+
+
+def test_feature_mode_learns_and_writes_run_folder(tmp_path, mil_csv, mil_csv_val):
+    train, val = read_mil_csv(mil_csv), read_mil_csv(mil_csv_val)
+    assert train.instance_labels is not None  # the toy CSV has real instance labels
+    result = fit(train, config=_config(plots=True), out_dir=tmp_path / "run", val=val)
+    last = result.history[-1]
+    assert last["val_instance_auc"] > 0.9
+    assert last["val_bag_auc"] > 0.9
+    assert last["pseudo_precision"] > 0.6 and last["pseudo_accuracy"] > 0.8
+    run = tmp_path / "run"
+    for name in ("last.pt", "best.pt", "metrics.jsonl", "metrics.png", "config.json"):
+        assert (run / name).is_file(), name
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == list(range(1, 31))
+    assert {"loss", "mu_t", "pseudo_label_mean", "pseudo_precision", "val_bag_auc"} <= set(records[0])
+    # eq. 10: μ_t falls from 0.5 to μ over T = 5 epochs, then stays
+    assert [round(r["mu_t"], 3) for r in records[:7]] == [0.5, 0.45, 0.4, 0.35, 0.3, 0.25, 0.25]
+
+    ckpt = torch.load(run / "last.pt", weights_only=True)
+    assert {"model", "optimizer", "epoch", "pseudo_labels", "rng", "config", "model_name", "bag_pooling"} <= set(ckpt)
+    assert ckpt["epoch"] == 30 and ckpt["config"]["mu"] == 0.25
+    best = read_checkpoint(run / "best.pt")
+    assert best["epoch"] == result.best_epoch
+
+    model, cfg = load_model(run / "last.pt")
+    assert not model.training and cfg["model_name"] == "mlp"
+    with torch.no_grad():
+        probs = torch.softmax(model(torch.from_numpy(val.features)), 1)[:, 1].numpy()
+    np.testing.assert_allclose(probs, evaluate(result.model, val, runtime=resolve_runtime(_config()))["probs"],
+                               atol=1e-6)
+    model_dir, _ = load_model(run)  # a run folder resolves to best.pt
+    assert model_dir is not None
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"refresh_every": 3}, {"online_pseudo_labels": True}, {"model": "linear", "optimizer": "sgd"},
+     {"dropout": 0.3, "scheduler": "cosine"}],
+    ids=["epoch-refresh", "refresh-every-3", "online", "linear-sgd", "dropout-cosine"],
+)
+def test_resume_after_kill_gives_identical_weights(tmp_path, mil_csv, mil_csv_val, extra):
+    train, val = read_mil_csv(mil_csv), read_mil_csv(mil_csv_val)
+    cfg = _config(epochs=5, **extra)
+    full = fit(train, config=cfg, out_dir=tmp_path / "full", val=val)
+    with pytest.raises(_Kill):
+        fit(train, config=cfg, out_dir=tmp_path / "cut", val=val, progress=_kill_after(2))
+    assert read_checkpoint(tmp_path / "cut" / "last.pt")["epoch"] == 2
+    resumed = fit(train, config=cfg, out_dir=tmp_path / "cut", val=val, resume=True)
+    a, b = full.model.state_dict(), resumed.model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    lines = (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["epoch"] for x in lines] == [1, 2, 3, 4, 5]
+    assert resumed.best_epoch == full.best_epoch
+    pl_full = read_checkpoint(tmp_path / "full" / "last.pt")["pseudo_labels"]["targets"]
+    pl_cut = read_checkpoint(tmp_path / "cut" / "last.pt")["pseudo_labels"]["targets"]
+    assert torch.equal(pl_full, pl_cut)
+
+
+def test_same_seed_same_weights_other_seed_differs(mil_csv):
+    train = read_mil_csv(mil_csv)
+    a = fit(train, config=_config(epochs=3)).model.state_dict()
+    b = fit(train, config=_config(epochs=3)).model.state_dict()
+    c = fit(train, config=_config(epochs=3, seed=1)).model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_resume_rejects_other_settings_and_missing_run(tmp_path, mil_csv):
+    train = read_mil_csv(mil_csv)
+    fit(train, config=_config(epochs=2), out_dir=tmp_path / "run")
+    with pytest.raises(CheckpointError, match="cannot resume with different settings.*mu"):
+        fit(train, config=_config(epochs=3, mu=0.1), out_dir=tmp_path / "run", resume=True)
+    # more epochs at a constant learning rate are fine
+    assert fit(train, config=_config(epochs=3), out_dir=tmp_path / "run", resume=True).history[-1]["epoch"] == 3
+    with pytest.raises(CheckpointError, match="no last.pt to resume from"):
+        fit(train, config=_config(epochs=2), out_dir=tmp_path / "empty", resume=True)
+
+
+def test_without_constraints_pseudo_labels_collapse(mil_csv):
+    """Table 8, first row: no soft labels and no constraint -> everything becomes negative (eq. 3)."""
+    train = read_mil_csv(mil_csv)
+    off = fit(train, config=_config(epochs=15, soft_labels=False, global_constraint=False,
+                                    local_constraint=False, fixed_mu=True))
+    on = fit(train, config=_config(epochs=15))
+    assert off.history[-1]["pseudo_positive_fraction"] < 0.02
+    assert on.history[-1]["pseudo_positive_fraction"] > 0.2
+
+
+def test_training_needs_both_bag_classes(mil_csv):
+    train = read_mil_csv(mil_csv)
+    only_pos = train.subset_bags(np.flatnonzero(train.bag_labels == 1))
+    with pytest.raises(ConfigError, match="no negative bag"):
+        fit(only_pos, config=_config(epochs=1))
+    with pytest.raises(ConfigError, match="TrainConfig.mode is 'images'"):
+        fit(train, config=TrainConfig(mode="images", epochs=1))
+
+
+def test_bag_scores_max_and_mean():
+    probs = np.array([0.1, 0.9, 0.2, 0.4, 0.6])
+    ids = np.array([0, 0, 1, 1, 1])
+    np.testing.assert_allclose(bag_scores(probs, ids, 3, pooling="max"), [0.9, 0.6, np.nan])
+    np.testing.assert_allclose(bag_scores(probs, ids, 3, pooling="mean"), [0.5, 0.4, np.nan])
+
+
+def test_train_config_validation_and_mode_defaults():
+    img = TrainConfig()
+    assert (img.model, img.optimizer, img.batch_size, img.lr) == ("resnet18", "sgd", 64, 1e-3)
+    feat = TrainConfig(mode="features")
+    assert (feat.model, feat.optimizer, feat.batch_size) == ("mlp", "adam", 512)
+    with pytest.raises(ConfigError, match="TrainConfig.mu must satisfy"):
+        TrainConfig(mu=1.0)
+    with pytest.raises(ConfigError, match="does not take features"):
+        TrainConfig(mode="features", model="resnet18")
+    with pytest.raises(ConfigError, match="TrainConfig.bag_pooling must be one of"):
+        TrainConfig(bag_pooling="attention")

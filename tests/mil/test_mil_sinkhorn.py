@@ -1,0 +1,181 @@
+"""Pseudo-label assignment (paper eq. 4-8 and the local constraint) against independent solutions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from wsi_milssl.errors import ConfigError
+from wsi_milssl.mil import adaptive_mu, assign_pseudo_labels
+from wsi_milssl.mil.sinkhorn import sinkhorn_log, sinkhorn_two_class
+
+
+def plain_sinkhorn_float64(p: np.ndarray, mu: float, lam: float, iters: int = 20000) -> np.ndarray:
+    """Textbook Sinkhorn-Knopp (no logs) on the (N, 2) matrix P^λ with marginals (1, (μN, (1-μ)N))."""
+    n = p.size
+    kernel = np.stack([p, 1.0 - p], axis=1) ** lam  # (N, 2)
+    r = np.array([mu * n, (1.0 - mu) * n])
+    a = np.ones(2)
+    for _ in range(iters):
+        b = 1.0 / (kernel @ a)  # instance scaling (column marginal 1)
+        a_new = r / (kernel.T @ b)  # class scaling
+        if np.max(np.abs(a_new / a - 1.0)) < 1e-13:
+            a = a_new
+            break
+        a = a_new
+    b = 1.0 / (kernel @ a)
+    q = kernel * a[None, :] * b[:, None]
+    return q[:, 0]
+
+
+def dual_bisection(p: np.ndarray, mu: float, lam: float) -> np.ndarray:
+    """The same entropic-OT solution from its one-dimensional dual: q_i = sigmoid(λ logit p_i + d) with
+    d chosen (by bisection) so that the labels sum to μN."""
+    z = lam * (np.log(p) - np.log1p(-p))
+    lo, hi = -np.abs(z).max() - 50.0, np.abs(z).max() + 50.0
+    target = mu * p.size
+    for _ in range(200):
+        d = 0.5 * (lo + hi)
+        if (1.0 / (1.0 + np.exp(-(z + d)))).sum() > target:
+            hi = d
+        else:
+            lo = d
+    return 1.0 / (1.0 + np.exp(-(z + 0.5 * (lo + hi))))
+
+
+@pytest.fixture()
+def probs_and_bags():
+    rng = np.random.default_rng(7)
+    n = 3000
+    probs = np.clip(rng.beta(0.6, 1.8, n), 0.01, 0.99)
+    bags = rng.integers(0, 40, n)
+    return probs, bags
+
+
+@pytest.mark.parametrize("mu", [0.1, 0.25, 0.5])
+@pytest.mark.parametrize("lam", [1.0, 25.0])
+def test_soft_labels_equal_independent_entropic_ot(probs_and_bags, mu, lam):
+    probs, bags = probs_and_bags
+    q = assign_pseudo_labels(probs, bags, mu=mu, lam=lam, soft=True, local_constraint=False)
+    ref_plain = plain_sinkhorn_float64(probs, mu, lam)
+    ref_dual = dual_bisection(probs, mu, lam)
+    assert q.dtype == np.float32 and q.shape == probs.shape
+    assert np.max(np.abs(q - ref_plain)) < 1e-4
+    assert np.max(np.abs(q - ref_dual)) < 1e-4
+    assert abs(q.sum() - mu * probs.size) < 1e-3 * probs.size
+    assert q.min() >= 0.0 and q.max() <= 1.0
+
+
+def test_lambda_25_needs_log_space():
+    """Probabilities near 0 make P^25 underflow float32; the log-space solver still meets the marginal."""
+    rng = np.random.default_rng(0)
+    probs = np.concatenate([rng.uniform(1e-6, 1e-3, 900), rng.uniform(0.5, 0.9, 100)])
+    assert np.all(np.float32(probs[:900]) ** 25 == 0)  # what a naive float32 kernel would see
+    q = assign_pseudo_labels(probs, np.zeros(1000, dtype=int), mu=0.2, lam=25.0, local_constraint=False)
+    assert np.all(np.isfinite(q))
+    assert abs(q.sum() - 200) < 1.0
+    assert np.all(q[900:] > 0.99)  # the 100 clear positives fill their share first
+
+
+def test_local_constraint_sets_each_bags_top_instance_to_one(probs_and_bags):
+    probs, bags = probs_and_bags
+    q = assign_pseudo_labels(probs, bags, mu=0.005, lam=25.0, local_constraint=True)
+    for b in np.unique(bags):
+        members = np.flatnonzero(bags == b)
+        top = members[np.argmax(probs[members])]
+        assert q[top] == 1.0
+    # without it, 15 positives (mu N) cannot cover the tops of 40 bags
+    q_free = assign_pseudo_labels(probs, bags, mu=0.005, lam=25.0, local_constraint=False)
+    tops = [np.flatnonzero(bags == b)[np.argmax(probs[bags == b])] for b in np.unique(bags)]
+    assert np.min(q_free[tops]) < 0.5
+
+
+def test_string_bag_ids_and_ties():
+    probs = np.array([0.3, 0.3, 0.2, 0.9])
+    q = assign_pseudo_labels(probs, np.array(["a", "a", "b", "b"]), mu=0.25, local_constraint=True)
+    assert q[3] == 1.0 and q[0] == 1.0  # ties: the first instance wins
+    assert q[1] < 1.0
+
+
+def test_hard_labels_are_binary_and_follow_the_soft_solution(probs_and_bags):
+    probs, bags = probs_and_bags
+    soft = assign_pseudo_labels(probs, bags, mu=0.2, local_constraint=False)
+    hard = assign_pseudo_labels(probs, bags, mu=0.2, soft=False, local_constraint=False)
+    assert set(np.unique(hard)) <= {0.0, 1.0}
+    np.testing.assert_array_equal(hard, (soft > 0.5).astype(np.float32))
+    assert abs(hard.mean() - 0.2) < 0.01
+
+
+def test_without_global_constraint_labels_are_the_probabilities(probs_and_bags):
+    probs, bags = probs_and_bags
+    q = assign_pseudo_labels(probs, bags, mu=0.2, global_constraint=False, local_constraint=False)
+    np.testing.assert_allclose(q, probs.astype(np.float32), atol=1e-7)
+    # a model that calls everything negative keeps its all-negative labels (the degenerate solution, eq. 3)
+    low = np.full(500, 0.01)
+    assert assign_pseudo_labels(low, np.zeros(500), mu=0.2, global_constraint=False, soft=False,
+                                local_constraint=False).sum() == 0
+    # while the global constraint still finds mu N positives
+    assert assign_pseudo_labels(low + np.linspace(0, 0.01, 500), np.zeros(500), mu=0.2,
+                                local_constraint=False).sum() == pytest.approx(100, abs=0.5)
+
+
+def test_certain_probabilities_and_empty_input():
+    q = assign_pseudo_labels(np.array([0.0, 1.0, 0.0, 0.0]), np.zeros(4), mu=0.5, local_constraint=False)
+    assert np.all(np.isfinite(q)) and q.sum() == pytest.approx(2.0, abs=1e-3)
+    assert assign_pseudo_labels(np.zeros(0), np.zeros(0), mu=0.2).shape == (0,)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"mu": 0.0}, "0 < mu < 1"),
+        ({"mu": 1.5}, "0 < mu < 1"),
+        ({"mu": 0.2, "lam": -1.0}, "lam"),
+        ({"mu": 0.2, "max_iter": 0}, "max_iter"),
+    ],
+)
+def test_bad_settings_are_rejected(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        assign_pseudo_labels(np.array([0.5, 0.5]), np.array([0, 0]), **kwargs)
+
+
+def test_bad_inputs_are_rejected():
+    with pytest.raises(ValueError, match="probabilities in \\[0, 1\\]"):
+        assign_pseudo_labels(np.array([0.5, 1.5]), np.array([0, 0]), mu=0.2)
+    with pytest.raises(ValueError, match="same shape"):
+        assign_pseudo_labels(np.array([0.5, 0.5]), np.array([0]), mu=0.2)
+
+
+def test_adaptive_mu_schedule():
+    # eq. 10: starts at 0.5 and reaches mu at epoch T, then stays
+    assert adaptive_mu(0, mu=0.1, ramp_epochs=10) == pytest.approx(0.5)
+    assert adaptive_mu(5, mu=0.1, ramp_epochs=10) == pytest.approx(0.3)
+    assert adaptive_mu(10, mu=0.1, ramp_epochs=10) == pytest.approx(0.1)
+    assert adaptive_mu(50, mu=0.1, ramp_epochs=10) == pytest.approx(0.1)
+    assert adaptive_mu(0, mu=0.1, ramp_epochs=10, fixed=True) == pytest.approx(0.1)
+    assert adaptive_mu(3, mu=0.1, ramp_epochs=0) == pytest.approx(0.1)
+
+
+def _kernel(p: np.ndarray, mu: float, lam: float):
+    import math
+
+    import torch
+
+    pt = torch.from_numpy(p)
+    log_kernel = lam * torch.stack([pt.log(), torch.log1p(-pt)])
+    n = p.size
+    log_r = torch.tensor([math.log(mu * n), math.log((1 - mu) * n)], dtype=torch.float64)
+    return log_kernel, log_r, torch.zeros(n, dtype=torch.float64)
+
+
+def test_relaxed_two_class_solver_matches_plain_sinkhorn_and_is_fast():
+    rng = np.random.default_rng(3)
+    # nearly certain predictions: 50 confident positives for a 20 % target, the slow case for plain Sinkhorn
+    p = np.concatenate([rng.uniform(1e-5, 1e-3, 250), rng.uniform(0.999, 1 - 1e-6, 50)])
+    log_kernel, log_r, log_c = _kernel(p, 0.2, 25.0)
+    q_plain, it_plain, err_plain = sinkhorn_log(log_kernel, log_r, log_c, max_iter=100000, tol=1e-9)
+    q_fast, it_fast, err_fast = sinkhorn_two_class(log_kernel, log_r, log_c, max_iter=1000, tol=1e-9)
+    assert err_plain < 1e-9 and err_fast < 1e-9
+    assert it_fast < 50 < it_plain
+    np.testing.assert_allclose(q_fast.exp().numpy(), q_plain.exp().numpy(), atol=1e-6)
+    np.testing.assert_allclose(q_fast.exp().sum(0).numpy(), 1.0, atol=1e-12)  # columns are exact

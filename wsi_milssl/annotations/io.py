@@ -1,0 +1,196 @@
+"""Read, write, convert and find annotation files (ASAP XML or GeoJSON, chosen by suffix or content)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Literal, Mapping, Sequence
+
+from wsi_milssl.annotations.asap import PolygonAnnotation, read_asap_xml, write_asap_xml
+from wsi_milssl.annotations.geojson import read_geojson, write_geojson
+from wsi_milssl.annotations.geometry import AnnotationSet
+from wsi_milssl.annotations.groups import GroupMap, as_group_map
+from wsi_milssl.errors import AnnotationError
+
+__all__ = [
+    "ANNOTATION_SUFFIXES",
+    "AnnotationFormat",
+    "annotation_format",
+    "read_annotations",
+    "write_annotations",
+    "convert_annotations",
+    "find_annotation",
+    "list_annotation_files",
+]
+
+logger = logging.getLogger(__name__)
+
+AnnotationFormat = Literal["asap", "geojson"]
+
+#: Suffixes searched for ``<slide_stem><suffix>``, in order of preference.
+ANNOTATION_SUFFIXES = (".xml", ".geojson", ".json")
+
+
+def annotation_format(path: str | os.PathLike) -> AnnotationFormat:
+    """``"asap"`` for ``.xml``, ``"geojson"`` for ``.geojson``/``.json``; otherwise sniffed from content."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix == ".xml":
+        return "asap"
+    if suffix in (".geojson", ".json"):
+        return "geojson"
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    except FileNotFoundError:
+        raise AnnotationError(f"{path}: annotation file not found; check the path.") from None
+    except OSError as exc:
+        raise AnnotationError(f"{path}: cannot read the annotation file ({exc}).") from None
+    if head.startswith(b"<"):
+        return "asap"
+    if head[:1] in (b"{", b"["):
+        return "geojson"
+    raise AnnotationError(
+        f"{path}: cannot tell the annotation format (suffix {suffix or 'none'!r}, content is neither XML nor "
+        "JSON); name the file .xml (ASAP) or .geojson (QuPath GeoJSON)."
+    )
+
+
+def _read_raw(path: Path) -> tuple[list[PolygonAnnotation], dict[str, str]]:
+    if annotation_format(path) == "asap":
+        return read_asap_xml(path)
+    return read_geojson(path)
+
+
+def read_annotations(
+    path: str | os.PathLike,
+    *,
+    group_map: GroupMap | Mapping[str, str] | None = None,
+    dimensions_lv0: tuple[int, int] | None = None,
+) -> AnnotationSet:
+    """Read ASAP XML or GeoJSON into an AnnotationSet (level-0 px).
+
+    ``group_map``: which groups are tumour / non-tumour (default CAMELYON16: ``_0``, ``_1``,
+    ``Tumor`` tumour; ``_2``, ``Exclusion``, ``None`` non-tumour), a GroupMap or a mapping
+    ``{group: "tumor" | "non_tumor"}``. ``dimensions_lv0`` = (width, height) of the slide clips
+    the geometry to it (with a warning). Raises AnnotationError for missing, malformed or hostile
+    files, naming the file and the element or line.
+    """
+    path = Path(path)
+    gmap = as_group_map(group_map)
+    polygons, groups = _read_raw(path)
+    aset = AnnotationSet(polygons=polygons, group_map=gmap, groups=groups, source=path)
+    return aset.with_dimensions(dimensions_lv0) if dimensions_lv0 is not None else aset
+
+
+def write_annotations(
+    annotations: AnnotationSet | Sequence[PolygonAnnotation],
+    path: str | os.PathLike,
+    *,
+    format: AnnotationFormat | None = None,
+    groups: Mapping[str, str] | None = None,
+    group_map: GroupMap | Mapping[str, str] | None = None,
+) -> Path:
+    """Write annotations as ASAP XML or GeoJSON (by ``format`` or the suffix of ``path``), atomically.
+
+    ASAP XML has no holes: holes of tumour polygons become polygons of the first non-tumour group
+    (``_2``); holes of non-tumour polygons cannot be expressed and are dropped with a warning.
+    """
+    path = Path(path)
+    if isinstance(annotations, AnnotationSet):
+        polygons = list(annotations.polygons)
+        groups = dict(annotations.groups) if groups is None else dict(groups)
+        gmap = annotations.group_map if group_map is None else as_group_map(group_map)
+    else:
+        polygons = list(annotations)
+        gmap = as_group_map(group_map)
+    if format is None:
+        suffix = path.suffix.lower()
+        if suffix == ".xml":
+            format = "asap"
+        elif suffix in (".geojson", ".json"):
+            format = "geojson"
+        else:
+            raise AnnotationError(
+                f"{path}: cannot tell the output format from suffix {suffix or 'none'!r}; "
+                "use .xml (ASAP) or .geojson (GeoJSON)."
+            )
+    if format == "geojson":
+        return write_geojson(polygons, path, groups=groups)
+    if format != "asap":
+        raise AnnotationError(f"{path}: unknown annotation format {format!r}; use 'asap' or 'geojson'.")
+    hole_group = gmap.first_non_tumor()
+    dropped = [a.name for a in polygons if a.holes_lv0 and gmap.role(a.group) != "tumor"]
+    if dropped:
+        logger.warning(
+            "%s: ASAP XML cannot hold holes of non-tumour polygons; dropped the holes of %d polygon(s): %s.",
+            path, len(dropped), ", ".join(dropped[:8]),
+        )
+        polygons = [a if gmap.role(a.group) == "tumor" else _without_holes(a) for a in polygons]
+    declared = dict(groups or {})
+    if any(a.holes_lv0 for a in polygons):
+        declared.setdefault(hole_group, "#00FF00")
+    names = list(declared) + [g for g in dict.fromkeys(a.group for a in polygons) if g not in declared]
+    return write_asap_xml(polygons, path, groups=names, group_colors=declared, hole_group=hole_group)
+
+
+def _without_holes(annotation: PolygonAnnotation) -> PolygonAnnotation:
+    return replace(annotation, holes_lv0=())
+
+
+def convert_annotations(
+    source: str | os.PathLike,
+    destination: str | os.PathLike,
+    *,
+    group_map: GroupMap | Mapping[str, str] | None = None,
+) -> Path:
+    """Convert ASAP XML <-> GeoJSON (formats from the suffixes). Every vertex and group is kept."""
+    source, destination = Path(source), Path(destination)
+    if source.resolve() == destination.resolve():
+        raise AnnotationError(f"{source}: input and output are the same file; choose another output path.")
+    aset = read_annotations(source, group_map=group_map)
+    return write_annotations(aset, destination)
+
+
+def find_annotation(slide_stem: str, annotations_dir: str | os.PathLike) -> Path | None:
+    """``<stem>.xml``, ``<stem>.geojson`` or ``<stem>.json`` in ``annotations_dir`` (that order), or None.
+
+    An exact name wins; otherwise the name is matched case-insensitively.
+    """
+    directory = Path(annotations_dir)
+    if not directory.is_dir():
+        raise AnnotationError(f"{directory}: annotation folder not found; check --annotations.")
+    for suffix in ANNOTATION_SUFFIXES:
+        candidate = directory / f"{slide_stem}{suffix}"
+        if candidate.is_file():
+            return candidate
+    wanted = {f"{slide_stem}{suffix}".casefold(): k for k, suffix in enumerate(ANNOTATION_SUFFIXES)}
+    matches = sorted(
+        (wanted[p.name.casefold()], p) for p in directory.iterdir() if p.name.casefold() in wanted and p.is_file()
+    )
+    return matches[0][1] if matches else None
+
+
+def list_annotation_files(annotations_dir: str | os.PathLike) -> list[Path]:
+    """Annotation files in ``annotations_dir``: every ``.xml`` and ``.geojson``, and ``.json`` files
+    that look like GeoJSON (so a ``manifest.json`` beside them is not mistaken for one); sorted."""
+    directory = Path(annotations_dir)
+    if not directory.is_dir():
+        raise AnnotationError(f"{directory}: annotation folder not found; check --annotations.")
+    out = []
+    for p in sorted(directory.iterdir()):
+        suffix = p.suffix.lower()
+        if not p.is_file() or suffix not in ANNOTATION_SUFFIXES:
+            continue
+        if suffix == ".json":
+            try:
+                with open(p, "rb") as fh:
+                    head = fh.read(65536)
+            except OSError:
+                continue
+            if b'"Feature' not in head and b'"Polygon"' not in head and b'"MultiPolygon"' not in head:
+                continue
+        out.append(p)
+    return out

@@ -1,0 +1,87 @@
+"""``wsi-milssl evaluate``: instance AUC, bag AUC, CAMELYON16 FROC and an HTML report."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from wsi_milssl.config.evaluate import EvaluateConfig
+
+__all__ = ["register", "run", "evaluate_config_from_args"]
+
+
+def evaluate_config_from_args(args: argparse.Namespace) -> EvaluateConfig:
+    return EvaluateConfig(
+        positive_fraction=args.positive_fraction, margin_um=args.margin_um,
+        itc_major_axis_um=args.itc_major_axis_um, mpp=getattr(args, "mpp", None), thumbnail_px=args.thumbnail_px,
+        title=args.title,
+    )
+
+
+def register(subparsers) -> None:
+    from wsi_milssl.cli import HelpFormatter
+
+    d = EvaluateConfig()
+    p = subparsers.add_parser(
+        "evaluate",
+        help="score predictions: instance AUC, bag AUC, CAMELYON16 FROC, HTML report",
+        description=(
+            "Evaluate the heatmap stage's predictions (or CAMELYON16 detection CSVs 'prob,x,y' in level-0\n"
+            "pixels from any tool) against annotations and slide labels. Writes metrics.json,\n"
+            "per_slide.csv, detection_outcomes.csv, froc_curve.csv, froc.png, roc_*.png and a\n"
+            "self-contained report.html into OUT.\n\n"
+            "FROC follows CAMELYON16: evaluation mask at level 5 (32x), tumour dilated by 75 µm / 2 with\n"
+            "each slide's own MPP, holes filled, 8-connected regions; regions with a major axis under\n"
+            "275 µm are isolated tumour cells (neither TP nor FP); score = mean sensitivity at\n"
+            "1/4, 1/2, 1, 2, 4 and 8 false positives per slide. Instance AUC needs <stem>_patches.csv and\n"
+            "<stem>_probs.json; bag AUC needs scores.csv. A metric that cannot be computed is null in\n"
+            "metrics.json, with its reason."
+        ),
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("--predictions", type=Path, required=True, default=argparse.SUPPRESS, metavar="DIR",
+                   help="heatmap output folder (<stem>_detections.csv, <stem>_patches.csv, scores.csv, ...)")
+    p.add_argument("--annotations", type=Path, required=True, default=argparse.SUPPRESS, metavar="DIR",
+                   help="folder with <stem>.xml (ASAP) or <stem>.geojson per tumour slide")
+    p.add_argument("--slides", type=Path, required=True, default=argparse.SUPPRESS, metavar="DIR|CSV",
+                   help="folder of slides, or a CSV 'slide,path'; gives each tumour slide's size and MPP")
+    p.add_argument("--labels", type=Path, required=True, default=argparse.SUPPRESS, metavar="CSV",
+                   help="slide labels 'slide,label' (1 tumour, 0 normal)")
+    p.add_argument("--out", type=Path, required=True, default=argparse.SUPPRESS, metavar="DIR",
+                   help="output folder (created)")
+    p.add_argument("--positive-fraction", type=float, default=d.positive_fraction,
+                   help="a patch is a positive instance when its tumour-area fraction is at least this")
+    p.add_argument("--mpp", type=float, default=argparse.SUPPRESS,
+                   help="level-0 µm per pixel for every slide, overriding the slide metadata "
+                        "(default: each slide's own)")
+    p.add_argument("--margin-um", type=float, default=d.margin_um,
+                   help="tumour is dilated by half of this distance in µm (CAMELYON16: 75)")
+    p.add_argument("--itc-major-axis-um", type=float, default=d.itc_major_axis_um,
+                   help="regions with a shorter major axis (µm) are isolated tumour cells (CAMELYON16: 275)")
+    p.add_argument("--thumbnail-px", type=int, default=d.thumbnail_px,
+                   help="longer side of each per-slide image in report.html, in pixels")
+    p.add_argument("--title", default=d.title, help="heading of report.html")
+    p.set_defaults(run=run)
+
+
+def _fmt(value) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
+
+
+def run(args: argparse.Namespace) -> int:
+    from wsi_milssl.cli.progress import TqdmProgress
+    from wsi_milssl.evaluation import evaluate_predictions
+
+    config = evaluate_config_from_args(args)
+    with TqdmProgress() as progress:
+        result = evaluate_predictions(
+            args.predictions, labels_csv=args.labels, out_dir=args.out, annotations_dir=args.annotations,
+            slides=args.slides, config=config, progress=progress,
+        )
+    m = result.metrics
+    print(f"slides {m['n_slides']}  lesions {m['n_lesions']}  FROC {_fmt(m['froc'])}  "
+          f"instance AUC {_fmt(m['instance_auc'])}  bag AUC {_fmt(m['bag_auc'])}")
+    for key, reason in m["reasons"].items():
+        print(f"  {key}: n/a ({reason})")
+    print(f"report: {result.paths['report']}")
+    return 0

@@ -1,0 +1,251 @@
+"""``wsi-milssl train INPUTS... --labels labels.csv --out RUN_DIR``: MIL-SSL training.
+
+Inputs are patch stores (image mode, ResNet18 by default), HDF5 feature files (feature mode) or one MIL
+CSV file ``label,bag_id,f1,...,fn`` (feature mode; bag labels come from the file). ``--resume RUN_DIR``
+continues an interrupted run with its saved settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+__all__ = ["register", "run", "add_train_options", "train_config_from_args", "load_instances", "detect_mode"]
+
+# CLI option -> TrainConfig field for options that are plain values.
+_VALUE_OPTIONS = {
+    "model": "model", "weights": "weights_path", "hidden_dims": "hidden_dims", "dropout": "dropout",
+    "epochs": "epochs", "batch_size": "batch_size", "eval_batch_size": "eval_batch_size",
+    "optimizer": "optimizer", "lr": "lr", "momentum": "momentum", "weight_decay": "weight_decay",
+    "scheduler": "scheduler", "mu": "mu", "mu_ramp_epochs": "mu_ramp_epochs", "lam": "lam",
+    "refresh_every": "refresh_every", "bag_pooling": "bag_pooling", "colour_jitter": "colour_jitter",
+    "select_metric": "select_metric", "seed": "seed", "device": "device", "amp": "amp",
+    "workers": "num_workers", "threads": "threads", "sinkhorn_max_iter": "sinkhorn_max_iter",
+    "sinkhorn_tol": "sinkhorn_tol",
+}
+# CLI flag -> (TrainConfig field, value when the flag is given)
+_FLAG_OPTIONS = {
+    "fixed_mu": ("fixed_mu", True), "hard_labels": ("soft_labels", False),
+    "no_global_constraint": ("global_constraint", False), "no_local_constraint": ("local_constraint", False),
+    "online_pseudo_labels": ("online_pseudo_labels", True), "no_augment": ("augment", False),
+    "no_channels_last": ("channels_last", False), "no_plots": ("plots", False),
+}
+
+
+def add_train_options(p: argparse.ArgumentParser) -> None:
+    """The TrainConfig options (shared by ``train`` and ``benchmark``). Unset options keep the config's
+    defaults, which depend on the mode (see ``wsi_milssl.config.train``)."""
+    from wsi_milssl.config.train import TrainConfig
+    from wsi_milssl.mil.models import list_models
+
+    d = TrainConfig()
+    m = p.add_argument_group("model and optimisation (defaults per mode: images | features)")
+    m.add_argument("--model", choices=list_models(), default=None, help="instance classifier [resnet18 | mlp]")
+    m.add_argument("--weights", default=None, metavar="PATH", help="local state dict to start from (never downloaded)")
+    m.add_argument("--hidden-dims", type=int, nargs="+", default=None, metavar="N",
+                   help=f"hidden layer widths of the mlp head [{' '.join(map(str, d.hidden_dims))}]")
+    m.add_argument("--dropout", type=float, default=None, help=f"dropout of the mlp head [{d.dropout}]")
+    m.add_argument("--epochs", type=int, default=None, help="training epochs [10 | 100]")
+    m.add_argument("--batch-size", type=int, default=None, help="instances per step [64 | 512]")
+    m.add_argument("--eval-batch-size", type=int, default=None, help=f"instances per inference batch [{d.eval_batch_size}]")
+    m.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default=None, help="optimizer [sgd | adam]")
+    m.add_argument("--lr", type=float, default=None, help="learning rate [1e-3 | 1e-3]")
+    m.add_argument("--momentum", type=float, default=None, help=f"SGD momentum [{d.momentum}]")
+    m.add_argument("--weight-decay", type=float, default=None, help=f"L2 weight decay [{d.weight_decay}]")
+    m.add_argument("--scheduler", choices=("none", "cosine"), default=None, help=f"learning-rate schedule [{d.scheduler}]")
+    m.add_argument("--bag-pooling", choices=("max", "mean"), default=None,
+                   help=f"bag score from instance probabilities (eq. 11) [{d.bag_pooling}]")
+    s = p.add_argument_group("pseudo labels (paper eq. 4-10; table-8 ablation switches)")
+    s.add_argument("--mu", type=float, default=None, help=f"expected positive ratio in positive bags, μ [{d.mu}]")
+    s.add_argument("--mu-ramp-epochs", type=int, default=None, metavar="T",
+                   help=f"epochs over which μ_t falls from 0.5 to μ (eq. 10) [{d.mu_ramp_epochs}]")
+    s.add_argument("--fixed-mu", action="store_true", help="use μ from the first epoch (no adaptive schedule)")
+    s.add_argument("--lam", type=float, default=None, help=f"entropic regularisation λ (eq. 6) [{d.lam}]")
+    s.add_argument("--hard-labels", action="store_true", help="binarise the pseudo labels (no soft labels)")
+    s.add_argument("--no-global-constraint", action="store_true",
+                   help="take pseudo labels straight from the predictions (no optimal transport)")
+    s.add_argument("--no-local-constraint", action="store_true",
+                   help="do not force each positive bag's top instance to 1")
+    s.add_argument("--refresh-every", type=int, default=None, metavar="STEPS",
+                   help="refresh pseudo labels every STEPS optimizer steps (0 = every epoch) [0]")
+    s.add_argument("--online-pseudo-labels", action="store_true",
+                   help="reuse the probabilities of the training pass instead of an extra forward pass")
+    s.add_argument("--sinkhorn-max-iter", type=int, default=None, help=f"Sinkhorn iteration cap [{d.sinkhorn_max_iter}]")
+    s.add_argument("--sinkhorn-tol", type=float, default=None, help=f"Sinkhorn tolerance [{d.sinkhorn_tol}]")
+    r = p.add_argument_group("data, runtime and reproducibility")
+    r.add_argument("--no-augment", action="store_true", help="no flips/rotations/colour jitter (image mode)")
+    r.add_argument("--colour-jitter", type=float, default=None,
+                   help=f"brightness/contrast/saturation jitter amplitude [{d.colour_jitter}]")
+    r.add_argument("--select-metric", choices=("bag_auc", "instance_auc", "bag_nll"), default=None,
+                   help=f"validation metric that picks best.pt [{d.select_metric}]")
+    r.add_argument("--seed", type=int, default=None, help=f"seed of every random stream [{d.seed}]")
+    r.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None, help=f"[{d.device}]")
+    r.add_argument("--amp", choices=("auto", "off", "bf16", "fp16"), default=None,
+                   help="autocast precision; auto = bf16 on CUDA and for ResNet on CPU [auto]")
+    r.add_argument("--no-channels-last", action="store_true", help="keep NCHW memory layout for the ResNet")
+    r.add_argument("--workers", type=int, default=None, help="patch-decoding workers (-1 = auto) [-1]")
+    r.add_argument("--threads", type=int, default=None, help="torch CPU threads (0 = torch default) [0]")
+    r.add_argument("--no-plots", action="store_true", help="do not draw metrics.png")
+    r.add_argument("--config", type=Path, default=None, metavar="TOML",
+                   help="TOML file of TrainConfig fields (top level or a [train] table); options override it")
+
+
+def train_config_from_args(args: argparse.Namespace, *, mode: str, base: dict | None = None):
+    """Build a TrainConfig: ``base`` values, then ``--config`` TOML, then the options given."""
+    from wsi_milssl.config.base import config_from_mapping, load_toml
+    from wsi_milssl.config.train import TrainConfig
+
+    values: dict = dict(base or {})
+    if getattr(args, "config", None) is not None:
+        data = load_toml(args.config)
+        values.update(data.get("train", data))
+    for opt, field in _VALUE_OPTIONS.items():
+        value = getattr(args, opt, None)
+        if value is not None:
+            values[field] = tuple(value) if isinstance(value, list) else value
+    for opt, (field, value) in _FLAG_OPTIONS.items():
+        if getattr(args, opt, False):
+            values[field] = value
+    values["mode"] = mode
+    return config_from_mapping(TrainConfig, values, source=str(getattr(args, "config", None) or "options"))
+
+
+def detect_mode(inputs: list[Path]) -> str:
+    """'mil-csv' for .csv inputs, 'features' for HDF5 files with 'features' and no 'patches', else 'images'."""
+    if inputs and all(p.suffix.lower() == ".csv" for p in inputs):
+        return "mil-csv"
+    h5 = [p for p in inputs if p.suffix.lower() in (".h5", ".hdf5") and p.is_file()]
+    if h5:
+        import h5py
+
+        try:
+            with h5py.File(h5[0], "r") as fh:
+                if "features" in fh and "patches" not in fh:
+                    return "features"
+        except OSError:
+            pass
+    return "images"
+
+
+def _expand_feature_inputs(inputs: list[Path]) -> list[Path]:
+    out: list[Path] = []
+    for p in inputs:
+        if p.is_dir():
+            out += sorted(q for q in p.iterdir() if q.suffix.lower() in (".h5", ".hdf5"))
+        else:
+            out.append(p)
+    return out
+
+
+def load_instances(inputs: list[Path], *, mode: str, labels_path: Path | None):
+    """Read the InstanceSet for ``mode`` ('images', 'features' or 'mil-csv')."""
+    from wsi_milssl.errors import ConfigError
+    from wsi_milssl.mil.data import read_feature_files, read_labels_csv, read_mil_csv, read_patch_stores
+
+    if mode == "mil-csv":
+        if len(inputs) != 1:
+            raise ConfigError(f"mil-csv mode reads one CSV file; got {len(inputs)} inputs.")
+        return read_mil_csv(inputs[0])
+    if labels_path is None:
+        raise ConfigError(f"{mode} mode needs --labels labels.csv (slide,label) for the bag labels.")
+    labels = read_labels_csv(labels_path)
+    if mode == "features":
+        return read_feature_files(_expand_feature_inputs(inputs), labels, labels_path=str(labels_path))
+    return read_patch_stores(inputs, labels, labels_path=str(labels_path))
+
+
+def register(subparsers) -> None:
+    from wsi_milssl.cli import HelpFormatter
+
+    p = subparsers.add_parser(
+        "train",
+        help="train an instance classifier with MIL-SSL (slide labels only)",
+        description=(
+            "MIL-SSL: every patch of a negative slide is a negative; the patches of positive slides get\n"
+            "optimal-transport pseudo labels (a fraction μ positive, each slide's top patch positive) that\n"
+            "are refreshed as the model learns. Writes RUN_DIR/last.pt every epoch, best.pt (chosen on\n"
+            "--val), metrics.jsonl, metrics.png and config.json.\n\n"
+            "examples:\n"
+            "  wsi-milssl train stores/ --labels slides/labels.csv --out runs/r1 --val val_stores/\n"
+            "  wsi-milssl train musk1.csv --out runs/musk1          (MIL CSV: label,bag_id,f1..fn)\n"
+            "  wsi-milssl train feats/*.h5 --labels labels.csv --out runs/f1  (HDF5 'features')\n"
+            "  wsi-milssl train --resume runs/r1                     (continue an interrupted run)"
+        ),
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("inputs", nargs="*", type=Path, metavar="INPUTS",
+                   help="patch stores or folders of them, HDF5 feature files, or one MIL CSV")
+    p.add_argument("--labels", type=Path, default=None, metavar="CSV", help="slide,label CSV (1 = tumour)")
+    p.add_argument("--out", type=Path, default=None, metavar="RUN_DIR", help="run folder (created)")
+    p.add_argument("--val", type=Path, nargs="+", default=None, metavar="INPUTS",
+                   help="validation stores/files (selects best.pt; never use the test set)")
+    p.add_argument("--val-labels", type=Path, default=None, metavar="CSV", help="labels of --val [--labels]")
+    p.add_argument("--mode", choices=("auto", "images", "features", "mil-csv"), default="auto",
+                   help="input kind; auto looks at the files")
+    p.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
+                   help="continue RUN_DIR/last.pt with the run's saved inputs and settings")
+    add_train_options(p)
+    p.set_defaults(run=run)
+
+
+def _resume_setup(args: argparse.Namespace):
+    from wsi_milssl.config.train import TrainConfig
+    from wsi_milssl.errors import CheckpointError
+
+    run_dir = args.resume
+    cfg_path = run_dir / "config.json"
+    if not (run_dir / "last.pt").is_file() or not cfg_path.is_file():
+        raise CheckpointError(f"{run_dir}: no last.pt/config.json to resume from; start the run without --resume.")
+    saved = json.loads(cfg_path.read_text())
+    data = saved.get("data") or {}
+    fields = {f for f in TrainConfig.__dataclass_fields__}
+    base = {k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k in fields}
+    base.pop("mode", None)
+    inputs = [Path(p) for p in data.get("inputs", [])]
+    val = [Path(p) for p in data.get("val_inputs") or []] or None
+    labels = Path(data["labels"]) if data.get("labels") else None
+    val_labels = Path(data["val_labels"]) if data.get("val_labels") else None
+    return run_dir, base, data.get("input_mode", "images"), inputs, labels, val, val_labels
+
+
+def run(args: argparse.Namespace) -> int:
+    from wsi_milssl.cli.progress import TqdmProgress
+    from wsi_milssl.errors import ConfigError
+    from wsi_milssl.mil.selftrain import fit
+
+    if args.resume is not None:
+        out, base, input_mode, inputs, labels, val_inputs, val_labels = _resume_setup(args)
+    else:
+        if not args.inputs:
+            raise ConfigError("no inputs; pass patch stores, feature files or a MIL CSV (or --resume RUN_DIR).")
+        if args.out is None:
+            raise ConfigError("--out RUN_DIR is required (where checkpoints and metrics go).")
+        out, base = args.out, {}
+        inputs, labels, val_inputs = list(args.inputs), args.labels, args.val
+        val_labels = args.val_labels or args.labels
+        input_mode = detect_mode(inputs) if args.mode == "auto" else args.mode
+        if (out / "last.pt").exists():
+            raise ConfigError(f"{out} already holds a run (last.pt); pass --resume {out} to continue it or "
+                              "choose a new --out folder.")
+    mode = "images" if input_mode == "images" else "features"
+    config = train_config_from_args(args, mode=mode, base=base)
+    train = load_instances(inputs, mode=input_mode, labels_path=labels)
+    val = load_instances(val_inputs, mode=input_mode, labels_path=val_labels) if val_inputs else None
+    run_info = {"data": {"inputs": [str(p) for p in inputs], "labels": str(labels) if labels else None,
+                         "val_inputs": [str(p) for p in val_inputs] if val_inputs else None,
+                         "val_labels": str(val_labels) if val_inputs and val_labels else None,
+                         "input_mode": input_mode}}
+    print(f"training {config.model} on {len(train)} instances in {train.n_bags} bags "
+          f"({int(train.bag_labels.sum())} positive){'' if val is None else f'; validation {val.n_bags} bags'}")
+    with TqdmProgress() as progress:
+        result = fit(train, config=config, out_dir=out, val=val, resume=args.resume is not None,
+                     run_info=run_info, progress=progress)
+    last = result.history[-1] if result.history else {}
+    shown = {k: last.get(k) for k in ("loss", "pseudo_label_mean", "pseudo_precision", "val_instance_auc",
+                                      "val_bag_auc", "val_bag_accuracy") if last.get(k) is not None}
+    print(f"epoch {last.get('epoch')}: " + ", ".join(f"{k} {v:.4f}" for k, v in shown.items()))
+    if result.best_epoch is not None:
+        print(f"best epoch on validation: {result.best_epoch} -> {out / 'best.pt'}")
+    print(f"run folder: {out} (last.pt, metrics.jsonl{', metrics.png' if config.plots else ''}, config.json)")
+    return 0

@@ -1,0 +1,63 @@
+"""Settings of the label stage (``wsi-milssl label``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from wsi_milssl.config.base import check_range, check_type
+from wsi_milssl.errors import ConfigError
+
+__all__ = ["LabelConfig"]
+
+
+@dataclass(frozen=True)
+class LabelConfig:
+    """Patch labels from annotations: exact tumour fractions, instance labels, evaluation masks.
+
+    positive_fraction : a patch is a positive instance (``instance_label`` 1) when the tumour area
+        fraction of its square is at least this (the paper's rule: 0.25). In (0, 1].
+    tumor_groups : annotation groups (ASAP ``PartOfGroup``, QuPath classification) that are tumour;
+        CAMELYON16: ``_0``, ``_1``, ``Tumor``. Matched case-insensitively.
+    non_tumor_groups : groups carved out of tumour; CAMELYON16: ``_2``, ``Exclusion``, ``None``.
+    mask_downsample : level-0 pixels per evaluation-mask pixel; 32 is CAMELYON16's level 5.
+    write_masks : write a FROC evaluation mask per slide.
+
+    Instance labels are for evaluation only: training never reads them.
+    """
+
+    positive_fraction: float = 0.25
+    tumor_groups: tuple[str, ...] = ("_0", "_1", "Tumor")
+    non_tumor_groups: tuple[str, ...] = ("_2", "Exclusion", "None")
+    mask_downsample: int = 32
+    write_masks: bool = True
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        check_range(name, "positive_fraction", self.positive_fraction, low=0.0, high=1.0, low_inclusive=False)
+        for field in ("tumor_groups", "non_tumor_groups"):
+            value = getattr(self, field)
+            if isinstance(value, list):
+                value = tuple(value)
+                object.__setattr__(self, field, value)
+            check_type(name, field, value, tuple)
+            bad = [v for v in value if not isinstance(v, str) or not v.strip()]
+            if bad:
+                raise ConfigError(f"{name}.{field} must hold non-empty group names; got {bad!r}.")
+        if not self.tumor_groups:
+            raise ConfigError(f"{name}.tumor_groups must name at least one group; got an empty tuple.")
+        both = sorted({g.strip().casefold() for g in self.tumor_groups}
+                      & {g.strip().casefold() for g in self.non_tumor_groups})
+        if both:
+            raise ConfigError(
+                f"{name}: group(s) {', '.join(both)} are in both tumor_groups and non_tumor_groups; "
+                "list each group once."
+            )
+        check_type(name, "mask_downsample", self.mask_downsample, int)
+        check_range(name, "mask_downsample", self.mask_downsample, low=1, high=1024)
+        check_type(name, "write_masks", self.write_masks, bool)
+
+    def group_map(self):
+        """The annotations' GroupMap for these groups."""
+        from wsi_milssl.annotations.groups import GroupMap
+
+        return GroupMap(tumor=self.tumor_groups, non_tumor=self.non_tumor_groups)

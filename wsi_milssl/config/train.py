@@ -1,0 +1,185 @@
+"""Settings of MIL-SSL training (``wsi-milssl train``) and of the MIL CSV benchmark.
+
+Fields left as ``None`` take the default of the training ``mode`` when the config is built, so the
+resolved config (written beside every run and into every checkpoint) always holds concrete values:
+
+==============  ==================  ====================
+field           mode="images"       mode="features"
+==============  ==================  ====================
+model           resnet18            mlp
+optimizer       sgd (momentum 0.9)  adam
+lr              1e-3                1e-3
+batch_size      64                  512
+epochs          10                  100
+==============  ==================  ====================
+
+SGD at 1e-3 and batch 64 are the paper's image settings. For feature heads an epoch is only a few
+steps and SGD at 1e-3 hardly moves the weights (measured on MUSK1; see ``docs/method.md``), so the
+feature mode defaults to Adam.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from wsi_milssl.config.base import check_choice, check_range, check_type
+from wsi_milssl.errors import ConfigError
+
+__all__ = ["TrainConfig", "MODE_DEFAULTS", "BenchmarkConfig"]
+
+MODE_DEFAULTS: dict[str, dict[str, object]] = {
+    "images": {"model": "resnet18", "optimizer": "sgd", "lr": 1e-3, "batch_size": 64, "epochs": 10},
+    "features": {"model": "mlp", "optimizer": "adam", "lr": 1e-3, "batch_size": 512, "epochs": 100},
+}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """MIL-SSL training (paper eq. 2-11).
+
+    Pseudo labels: ``mu`` is the expected positive-instance ratio in positive bags (eq. 5), reached by
+    the adaptive schedule μ_t = 0.5 + (μ - 0.5) t / T over ``mu_ramp_epochs`` = T epochs (eq. 10) unless
+    ``fixed_mu``; ``lam`` is the entropic λ (eq. 6); ``soft_labels``, ``global_constraint`` and
+    ``local_constraint`` are the table-8 ablation switches. Pseudo labels refresh every epoch, or every
+    ``refresh_every`` optimizer steps when > 0; ``online_pseudo_labels`` reuses the probabilities seen in
+    the training pass instead of an extra forward pass.
+
+    Runtime: ``device`` "auto" picks CUDA when present; ``amp`` "auto" uses bfloat16 autocast (CUDA with
+    bf16 support, or the CPU for image models), float16 with a gradient scaler on older GPUs, and
+    full precision for feature heads on the CPU. ``num_workers`` -1 picks min(4, CPUs - 1) decoding
+    workers for image mode. ``threads`` 0 leaves torch's intra-op thread count alone.
+    """
+
+    mode: str = "images"
+    model: str | None = None
+    weights_path: str | None = None
+    hidden_dims: tuple[int, ...] = (256,)
+    dropout: float = 0.5
+    epochs: int | None = None
+    batch_size: int | None = None
+    eval_batch_size: int = 512
+    optimizer: str | None = None
+    lr: float | None = None
+    momentum: float = 0.9
+    weight_decay: float = 1e-4
+    scheduler: str = "none"
+    mu: float = 0.15
+    mu_ramp_epochs: int = 10
+    fixed_mu: bool = False
+    lam: float = 25.0
+    sinkhorn_max_iter: int = 1000
+    sinkhorn_tol: float = 1e-6
+    soft_labels: bool = True
+    global_constraint: bool = True
+    local_constraint: bool = True
+    refresh_every: int = 0
+    online_pseudo_labels: bool = False
+    bag_pooling: str = "max"
+    augment: bool = True
+    colour_jitter: float = 0.05
+    select_metric: str = "bag_auc"
+    seed: int = 0
+    device: str = "auto"
+    amp: str = "auto"
+    channels_last: bool = True
+    num_workers: int = -1
+    threads: int = 0
+    plots: bool = True
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        check_choice(name, "mode", self.mode, tuple(MODE_DEFAULTS))
+        for key, value in MODE_DEFAULTS[self.mode].items():
+            if getattr(self, key) is None:
+                object.__setattr__(self, key, value)  # resolve the mode's default once, at construction
+        check_type(name, "model", self.model, str)
+        if self.weights_path is not None:
+            check_type(name, "weights_path", self.weights_path, str)
+        check_type(name, "hidden_dims", self.hidden_dims, tuple)
+        for h in self.hidden_dims:
+            check_type(name, "hidden_dims", h, int)
+            check_range(name, "hidden_dims", h, low=1)
+        check_range(name, "dropout", self.dropout, low=0.0, high=1.0, high_inclusive=False)
+        for field in ("epochs", "batch_size", "eval_batch_size"):
+            check_type(name, field, getattr(self, field), int)
+            check_range(name, field, getattr(self, field), low=1)
+        check_choice(name, "optimizer", self.optimizer, ("sgd", "adam", "adamw"))
+        check_range(name, "lr", self.lr, low=0.0, low_inclusive=False)
+        check_range(name, "momentum", self.momentum, low=0.0, high=1.0, high_inclusive=False)
+        check_range(name, "weight_decay", self.weight_decay, low=0.0)
+        check_choice(name, "scheduler", self.scheduler, ("none", "cosine"))
+        check_range(name, "mu", self.mu, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
+        check_type(name, "mu_ramp_epochs", self.mu_ramp_epochs, int)
+        check_range(name, "mu_ramp_epochs", self.mu_ramp_epochs, low=0)
+        check_range(name, "lam", self.lam, low=0.0, low_inclusive=False)
+        check_type(name, "sinkhorn_max_iter", self.sinkhorn_max_iter, int)
+        check_range(name, "sinkhorn_max_iter", self.sinkhorn_max_iter, low=1)
+        check_range(name, "sinkhorn_tol", self.sinkhorn_tol, low=0.0, low_inclusive=False)
+        for field in ("fixed_mu", "soft_labels", "global_constraint", "local_constraint",
+                      "online_pseudo_labels", "augment", "channels_last", "plots"):
+            check_type(name, field, getattr(self, field), bool)
+        check_type(name, "refresh_every", self.refresh_every, int)
+        check_range(name, "refresh_every", self.refresh_every, low=0)
+        check_choice(name, "bag_pooling", self.bag_pooling, ("max", "mean"))
+        check_range(name, "colour_jitter", self.colour_jitter, low=0.0, high=0.5)
+        check_choice(name, "select_metric", self.select_metric, ("bag_auc", "instance_auc", "bag_nll"))
+        check_type(name, "seed", self.seed, int)
+        check_range(name, "seed", self.seed, low=0)
+        check_choice(name, "device", self.device, ("auto", "cpu", "cuda"))
+        check_choice(name, "amp", self.amp, ("auto", "off", "bf16", "fp16"))
+        check_type(name, "num_workers", self.num_workers, int)
+        check_range(name, "num_workers", self.num_workers, low=-1)
+        check_type(name, "threads", self.threads, int)
+        check_range(name, "threads", self.threads, low=0)
+        from wsi_milssl.mil.models import MODELS, is_image_model
+
+        check_choice(name, "model", self.model, tuple(sorted(MODELS)))
+        if is_image_model(self.model) != (self.mode == "images"):
+            raise ConfigError(
+                f"{name}.model {self.model!r} does not take {self.mode}; use "
+                f"{'resnet18' if self.mode == 'images' else 'linear or mlp'} for mode {self.mode!r}."
+            )
+
+
+@dataclass(frozen=True)
+class BenchmarkConfig:
+    """The classical MIL benchmark protocol (``wsi-milssl benchmark mil-csv``).
+
+    Stratified ``folds``-fold cross-validation over bags. Inside each training split, μ, T and the
+    number of epochs are chosen by an ``inner_folds``-fold grid search over ``mu_grid`` x ``ramp_grid``
+    x ``epoch_grid`` (the test fold is never seen), the bag threshold is calibrated on the inner
+    out-of-fold bag scores, and the chosen setting is retrained on the whole training split.
+    """
+
+    folds: int = 10
+    inner_folds: int = 3
+    seed: int = 0
+    repeats: int = 1
+    mu_grid: tuple[float, ...] = (0.1, 0.15, 0.2, 0.25)
+    ramp_grid: tuple[int, ...] = (5, 10, 20, 40)
+    epoch_grid: tuple[int, ...] = (50, 100)
+    select_metric: str = "auc"
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        for field in ("folds", "inner_folds"):
+            check_type(name, field, getattr(self, field), int)
+            check_range(name, field, getattr(self, field), low=2)
+        check_type(name, "seed", self.seed, int)
+        check_range(name, "seed", self.seed, low=0)
+        check_type(name, "repeats", self.repeats, int)
+        check_range(name, "repeats", self.repeats, low=1)
+        for field in ("mu_grid", "ramp_grid", "epoch_grid"):
+            value = getattr(self, field)
+            check_type(name, field, value, tuple)
+            if not value:
+                raise ConfigError(f"{name}.{field} must hold at least one value; got ().")
+        for mu in self.mu_grid:
+            check_range(name, "mu_grid", mu, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
+        for t in self.ramp_grid:
+            check_type(name, "ramp_grid", t, int)
+            check_range(name, "ramp_grid", t, low=0)
+        for e in self.epoch_grid:
+            check_type(name, "epoch_grid", e, int)
+            check_range(name, "epoch_grid", e, low=1)
+        check_choice(name, "select_metric", self.select_metric, ("accuracy", "auc"))

@@ -1,0 +1,177 @@
+"""A self-contained HTML report: metrics table, plots, per-slide table with heatmap thumbnails and the
+configuration used.
+
+Every image is embedded as a ``data:image/png;base64`` URI and the style sheet is inline, so the
+single file can be mailed or archived and opens offline. The page has no scripts.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as _dt
+import html
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+__all__ = ["ReportData", "png_data_uri", "render_report_html", "write_report"]
+
+
+@dataclass(frozen=True)
+class ReportData:
+    """Everything the report shows.
+
+    ``metrics``: the content of ``metrics.json``. ``plots``: (caption, PNG bytes) pairs.
+    ``slide_rows``: one mapping per slide (the per-slide CSV's columns, in order). ``thumbnails``:
+    slide stem -> list of (caption, PNG bytes). ``configuration``: the settings and inputs used
+    (JSON-serialisable). ``notes``: lines shown under the metrics (e.g. why a metric is missing).
+    """
+
+    title: str
+    metrics: Mapping[str, Any]
+    plots: Sequence[tuple[str, bytes]] = ()
+    slide_rows: Sequence[Mapping[str, Any]] = ()
+    thumbnails: Mapping[str, Sequence[tuple[str, bytes]]] = field(default_factory=dict)
+    configuration: Mapping[str, Any] = field(default_factory=dict)
+    notes: Sequence[str] = ()
+
+
+def png_data_uri(png: bytes) -> str:
+    """``data:image/png;base64,...`` for PNG bytes (checked by their signature)."""
+    if not png.startswith(b"\x89PNG\r\n\x1a\n"):
+        raise ValueError("png_data_uri expects PNG bytes (missing the PNG signature).")
+    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+
+
+_CSS = """
+body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:2em auto;max-width:1200px;
+color:#222;padding:0 1em}
+h1{font-size:1.6em;margin-bottom:.2em}h2{font-size:1.25em;margin-top:1.6em;border-bottom:1px solid #ddd}
+table{border-collapse:collapse;font-size:.9em;margin:.5em 0}
+th,td{border:1px solid #ccc;padding:.25em .6em;text-align:right;vertical-align:middle}
+th{background:#f3f3f3}td.l,th.l{text-align:left}
+.muted{color:#777}.plots{display:flex;flex-wrap:wrap;gap:1em}
+figure{margin:0}figcaption{font-size:.85em;color:#555;text-align:center}
+pre{background:#f7f7f7;border:1px solid #ddd;padding:.8em;overflow:auto;font-size:.85em}
+.thumbs{display:flex;gap:.6em;align-items:flex-start;flex-wrap:wrap}
+.gallery{display:flex;flex-wrap:wrap;gap:1em}.card{border:1px solid #ddd;padding:.5em .8em}
+h3{font-size:1em;margin:.2em 0 .5em}.wide{overflow-x:auto}
+"""
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "n/a"
+        return f"{value:.4f}"
+    return str(value)
+
+
+def _img(png: bytes, alt: str) -> str:
+    return f'<img src="{png_data_uri(png)}" alt="{html.escape(alt)}">'
+
+
+def _metrics_table(metrics: Mapping[str, Any]) -> str:
+    reasons = metrics.get("reasons", {}) or {}
+    rows = []
+
+    def row(name: str, value: Any, key: str | None = None) -> None:
+        note = html.escape(reasons.get(key, "")) if key and value is None else ""
+        rows.append(f'<tr><th class="l">{html.escape(name)}</th><td>{html.escape(_fmt(value))}</td>'
+                    f'<td class="l muted">{note}</td></tr>')
+
+    row("Instance AUC (patches)", metrics.get("instance_auc"), "instance_auc")
+    row("Bag AUC (slides)", metrics.get("bag_auc"), "bag_auc")
+    row("FROC score (CAMELYON16)", metrics.get("froc"), "froc")
+    rates = metrics.get("fp_rates") or []
+    sens = metrics.get("froc_sensitivities") or []
+    for rate, value in zip(rates, sens):
+        label = {0.25: "1/4", 0.5: "1/2"}.get(rate, f"{rate:g}")
+        row(f"  sensitivity at {label} FP/slide", value)
+    for key, name in (("n_slides", "slides evaluated"), ("n_tumor_slides", "tumour slides"),
+                      ("n_normal_slides", "normal slides"), ("n_lesions", "lesions (non-ITC)"),
+                      ("n_itc", "isolated tumour cell regions"), ("n_detections", "detections"),
+                      ("n_patches", "patches scored"), ("n_positive_patches", "positive patches")):
+        if key in metrics:
+            row(name, metrics[key])
+    return ('<table><tr><th class="l">metric</th><th>value</th><th class="l">note</th></tr>'
+            + "".join(rows) + "</table>")
+
+
+def _slide_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    if not rows:
+        return '<p class="muted">No slides.</p>'
+    columns = list(rows[0].keys())
+    head = "".join(f'<th class="l">{html.escape(c)}</th>' if c == "slide" else f"<th>{html.escape(c)}</th>"
+                   for c in columns)
+    out = [f'<div class="wide"><table><tr>{head}</tr>']
+    for r in rows:
+        cells = "".join(
+            f'<td class="l">{html.escape(_fmt(r.get(c)))}</td>' if c == "slide"
+            else f"<td>{html.escape(_fmt(r.get(c)))}</td>" for c in columns
+        )
+        out.append(f"<tr>{cells}</tr>")
+    out.append("</table></div>")
+    return "".join(out)
+
+
+def _gallery(rows: Sequence[Mapping[str, Any]], thumbnails: Mapping[str, Sequence[tuple[str, bytes]]]) -> str:
+    cards = []
+    for r in rows:
+        stem = str(r.get("slide"))
+        label = {0: "normal", 1: "tumour"}.get(r.get("label"), "")
+        figs = "".join(
+            f"<figure>{_img(png, f'{stem} {cap}')}<figcaption>{html.escape(cap)}</figcaption></figure>"
+            for cap, png in thumbnails.get(stem, ())
+        ) or '<p class="muted">no heatmap in the predictions folder</p>'
+        cards.append(f'<div class="card"><h3>{html.escape(stem)} <span class="muted">{html.escape(label)}</span>'
+                     f'</h3><div class="thumbs">{figs}</div></div>')
+    return f'<div class="gallery">{"".join(cards)}</div>' if cards else ""
+
+
+def render_report_html(data: ReportData) -> str:
+    """The report as one HTML string (UTF-8, no external resources)."""
+    from wsi_milssl import __version__
+
+    plots = "".join(
+        f"<figure>{_img(png, caption)}<figcaption>{html.escape(caption)}</figcaption></figure>"
+        for caption, png in data.plots
+    )
+    notes = "".join(f"<li>{html.escape(n)}</li>" for n in data.notes)
+    config_json = json.dumps(data.configuration, indent=2, sort_keys=True, default=str)
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>{html.escape(data.title)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>{html.escape(data.title)}</h1>",
+        f'<p class="muted">wsi-milssl {html.escape(__version__)} &middot; {stamp}</p>',
+        "<h2>Metrics</h2>",
+        _metrics_table(data.metrics),
+        f"<ul>{notes}</ul>" if notes else "",
+        "<h2>Curves</h2>",
+        f'<div class="plots">{plots}</div>' if plots else '<p class="muted">No curves could be drawn.</p>',
+        "<h2>Slides</h2>",
+        _slide_table(data.slide_rows),
+        "<h2>Heatmaps</h2>" if data.slide_rows else "",
+        _gallery(data.slide_rows, data.thumbnails),
+        "<h2>Configuration</h2>",
+        f"<pre>{html.escape(config_json)}</pre>",
+        "</body></html>",
+    ]
+    return "\n".join(p for p in parts if p) + "\n"
+
+
+def write_report(data: ReportData, path: str | os.PathLike) -> Path:
+    """Write ``report.html`` atomically (temp file in the same folder, fsync, rename)."""
+    from wsi_milssl.evaluation._io import atomic_write_bytes
+
+    return atomic_write_bytes(Path(path), render_report_html(data).encode("utf-8"))

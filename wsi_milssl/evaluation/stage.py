@@ -1,0 +1,432 @@
+"""The evaluation stage: predictions + annotations + labels -> metrics, curves and an HTML report.
+
+Outputs in ``out_dir``:
+
+    metrics.json            instance_auc, bag_auc, froc, froc_sensitivities (at 1/4, 1/2, 1, 2, 4, 8
+                            FP/slide), n_slides, n_lesions, ... ; null with a reason in "reasons"
+                            when a metric cannot be computed
+    per_slide.csv           one row per evaluated slide (detections, lesions, FPs, score, patches)
+    detection_outcomes.csv  slide,prob,x_lv0,y_lv0,outcome,region for every detection
+    froc_curve.csv          threshold,fp_per_slide,sensitivity (decreasing threshold)
+    froc.png, roc_instance.png, roc_bag.png (ROC plots only when the AUC exists)
+    config.json             the EvaluateConfig used
+    report.html             self-contained report (images embedded)
+
+The evaluated slides are those with a detections file in the predictions folder; each needs a label.
+Tumour slides need their annotation file and their slide (for the level-0 size and the MPP).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from wsi_milssl.annotations import find_annotation, rasterize_region, read_annotations, tumor_fraction
+from wsi_milssl.config.base import config_hash, config_to_dict, write_resolved_config
+from wsi_milssl.config.evaluate import EvaluateConfig
+from wsi_milssl.errors import EvaluationError, MissingResolutionError
+from wsi_milssl.evaluation._io import atomic_write_bytes, atomic_write_csv, atomic_write_json
+from wsi_milssl.evaluation.froc import (
+    CAMELYON16_DOWNSAMPLE,
+    FP_RATES,
+    FrocCurve,
+    SlideMatch,
+    evaluation_mask,
+    froc_curve,
+    froc_score,
+    match_detections,
+)
+from wsi_milssl.evaluation.inputs import (
+    PredictionFiles,
+    find_predictions,
+    read_detections,
+    read_labels,
+    read_patch_probs,
+    read_probs_sidecar,
+    read_scores,
+    resolve_slides,
+)
+from wsi_milssl.evaluation.metrics import Metric, RocCurve, auc_metric, roc
+from wsi_milssl.evaluation.plots import (
+    MATCH_VIEW_LEGEND,
+    froc_png,
+    match_view_png,
+    probability_map_png,
+    roc_png,
+    thumbnail_png,
+)
+from wsi_milssl.evaluation.report import ReportData, write_report
+from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
+from wsi_milssl.slide import open_slide
+
+__all__ = ["PER_SLIDE_COLUMNS", "EvaluationResult", "SlideResult", "evaluate_predictions"]
+
+logger = logging.getLogger(__name__)
+
+PER_SLIDE_COLUMNS = (
+    "slide", "label", "n_detections", "n_fp", "n_lesions", "n_lesions_detected", "n_itc",
+    "n_repeat_hits", "n_itc_hits", "max_prob", "score", "n_patches", "n_positive_patches",
+    "instance_auc", "mpp",
+)
+
+
+@dataclass(frozen=True)
+class SlideResult:
+    """One evaluated slide: its detection match, patch probabilities and instance labels.
+
+    ``patch_probs``: float64 (N,), ``instance_labels``: uint8 (N,) (None when the slide has no patch
+    table or sidecar); ``mpp``: level-0 µm/px used (None for a normal slide without one).
+    """
+
+    stem: str
+    label: int
+    match: SlideMatch
+    files: PredictionFiles
+    patch_probs: np.ndarray | None = None
+    instance_labels: np.ndarray | None = None
+    mpp: float | None = None
+
+
+@dataclass(frozen=True)
+class EvaluationResult:
+    """What :func:`evaluate_predictions` computed and wrote (``paths``: output name -> path)."""
+
+    metrics: dict[str, Any]
+    slides: list[SlideResult]
+    curve: FrocCurve
+    instance_roc: RocCurve | None
+    bag_roc: RocCurve | None
+    paths: dict[str, Path] = field(default_factory=dict)
+
+
+def _slide_geometry(stem: str, slide_path: Path | None, sidecar: dict | None, config: EvaluateConfig
+                    ) -> tuple[tuple[int, int], float]:
+    """Level-0 (width, height) and µm/px of a tumour slide, from its slide file."""
+    if slide_path is None:
+        raise EvaluationError(
+            f"slide {stem!r} is a tumour slide but its slide file was not found (needed for its level-0 "
+            "size and MPP). Fix: pass --slides with the folder (or a CSV 'slide,path') that holds it."
+        )
+    with open_slide(slide_path, mpp_override=config.mpp) as slide:
+        dims = tuple(int(v) for v in slide.dimensions)
+        try:
+            mpp = float(slide.mpp)
+        except MissingResolutionError:
+            side_mpp = (sidecar or {}).get("mpp")
+            if isinstance(side_mpp, (int, float)) and not isinstance(side_mpp, bool) and side_mpp > 0:
+                mpp = float(side_mpp)
+            else:
+                raise
+    return dims, mpp
+
+
+def _find_slide_path(stem: str, slide_paths: dict[str, Path], sidecar: dict | None) -> Path | None:
+    if stem in slide_paths:
+        return slide_paths[stem]
+    candidate = (sidecar or {}).get("slide_path")
+    if isinstance(candidate, str) and candidate and Path(candidate).exists():
+        return Path(candidate)
+    return None
+
+
+def _evaluate_slide(
+    files: PredictionFiles, label: int, *, annotations_dir: Path | None, slide_paths: dict[str, Path],
+    config: EvaluateConfig,
+) -> SlideResult:
+    stem = files.stem
+    dets = read_detections(files.detections)
+    sidecar = read_probs_sidecar(files.sidecar) if files.sidecar is not None else None
+    coords = probs = None
+    if files.patches is not None:
+        coords, probs = read_patch_probs(files.patches)
+    mpp: float | None = None
+    side_mpp = (sidecar or {}).get("mpp")
+    if isinstance(side_mpp, (int, float)) and not isinstance(side_mpp, bool) and side_mpp > 0:
+        mpp = float(side_mpp)
+    if config.mpp is not None:
+        mpp = config.mpp
+
+    if label == 1:
+        ann_path = find_annotation(stem, annotations_dir) if annotations_dir is not None else None
+        if ann_path is None:
+            raise EvaluationError(
+                f"slide {stem!r} is labelled tumour but has no annotation file "
+                f"({stem}.xml or {stem}.geojson) in {annotations_dir}. Fix: pass --annotations with the "
+                "folder that holds it, or correct its label in the labels CSV."
+            )
+        dims, mpp = _slide_geometry(stem, _find_slide_path(stem, slide_paths, sidecar), sidecar, config)
+        region = read_annotations(ann_path, dimensions_lv0=dims).region
+        tumor = rasterize_region(region, dimensions_lv0=dims, downsample=CAMELYON16_DOWNSAMPLE)
+        if not np.any(tumor):
+            logger.warning("%s: the tumour annotations cover no level-5 pixel centre; the slide has no "
+                           "evaluation region (every detection on it is a false positive).", stem)
+        mask = evaluation_mask(tumor, mpp=mpp, margin_um=config.margin_um,
+                               itc_major_axis_um=config.itc_major_axis_um)
+        match = match_detections(dets.probs, dets.x_lv0, dets.y_lv0, mask=mask, stem=stem)
+    else:
+        region = None
+        if annotations_dir is not None and find_annotation(stem, annotations_dir) is not None:
+            logger.warning("%s: labelled normal but has an annotation file; following the label, every "
+                           "detection on it is a false positive and every patch negative.", stem)
+        match = match_detections(dets.probs, dets.x_lv0, dets.y_lv0, mask=None, stem=stem)
+
+    inst = None
+    if coords is not None and sidecar is not None:
+        if region is None:
+            inst = np.zeros(coords.shape[0], dtype=np.uint8)
+        else:
+            frac = np.asarray(tumor_fraction(region, coords, float(sidecar["patch_size_lv0"])))
+            inst = (frac >= config.positive_fraction).astype(np.uint8)
+    return SlideResult(stem=stem, label=label, match=match, files=files, patch_probs=probs,
+                       instance_labels=inst, mpp=mpp)
+
+
+def _metric_value(metric: Metric) -> float | None:
+    return None if metric.value is None else float(metric.value)
+
+
+def _instance_metric(results: list[SlideResult]) -> tuple[Metric, RocCurve | None]:
+    missing = [r.stem for r in results if r.instance_labels is None]
+    if missing:
+        shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+        return Metric(None, f"no patch probabilities (<stem>_patches.csv with <stem>_probs.json) for "
+                            f"{len(missing)} of {len(results)} slides ({shown})"), None
+    labels = np.concatenate([r.instance_labels for r in results])
+    probs = np.concatenate([r.patch_probs for r in results])
+    return auc_metric(labels, probs, what="patches"), roc(labels, probs, what="patches")
+
+
+def _bag_metric(results: list[SlideResult], scores_path: Path) -> tuple[Metric, RocCurve | None, dict]:
+    if not scores_path.is_file():
+        return Metric(None, f"no slide scores ({scores_path.name} is missing from the predictions folder)"), None, {}
+    scores = read_scores(scores_path)
+    missing = [r.stem for r in results if r.stem not in scores]
+    if missing:
+        shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+        return Metric(None, f"{scores_path.name} has no score for {len(missing)} of {len(results)} slides "
+                            f"({shown})"), None, scores
+    labels = np.array([r.label for r in results])
+    values = np.array([scores[r.stem] for r in results])
+    return auc_metric(labels, values, what="slides"), roc(labels, values, what="slides"), scores
+
+
+def _slide_row(r: SlideResult, score: float | None) -> dict[str, Any]:
+    m = r.match
+    inst_auc = None
+    if r.instance_labels is not None and r.patch_probs is not None:
+        inst_auc = auc_metric(r.instance_labels, r.patch_probs, what="patches").value
+    return {
+        "slide": r.stem, "label": r.label, "n_detections": m.n_detections, "n_fp": m.n_fp,
+        "n_lesions": m.n_lesions, "n_lesions_detected": m.n_detected, "n_itc": m.n_itc,
+        "n_repeat_hits": int(np.count_nonzero(m.outcome == "repeat")),
+        "n_itc_hits": int(np.count_nonzero(m.outcome == "itc")),
+        "max_prob": float(m.probs.max()) if m.n_detections else None,
+        "score": score,
+        "n_patches": None if r.patch_probs is None else int(r.patch_probs.shape[0]),
+        "n_positive_patches": None if r.instance_labels is None else int(r.instance_labels.sum()),
+        "instance_auc": inst_auc,
+        "mpp": r.mpp,
+    }
+
+
+def _thumbnails(r: SlideResult, *, max_px: int) -> list[tuple[str, bytes]]:
+    out: list[tuple[str, bytes]] = []
+    try:
+        if r.files.heatmap_png is not None:
+            with Image.open(r.files.heatmap_png) as img:
+                img.load()
+                out.append(("heatmap", thumbnail_png(img, max_size_px=max_px)))
+        elif r.files.probs_npy is not None:
+            probs = np.load(r.files.probs_npy, allow_pickle=False)
+            if probs.ndim == 2 and probs.size:
+                out.append(("probability map", probability_map_png(probs, max_size_px=max_px)))
+    except (OSError, ValueError) as exc:
+        logger.warning("%s: cannot read its heatmap for the report (%s)", r.stem, exc)
+    if r.match.mask is not None:
+        out.append((f"FROC view ({MATCH_VIEW_LEGEND})", match_view_png(r.match, max_size_px=max_px)))
+    return out
+
+
+def _read_predictions_config(predictions_dir: Path) -> Any:
+    path = predictions_dir / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _none_if_nan(value: float) -> float | None:
+    return None if value is None or not math.isfinite(value) else float(value)
+
+
+def evaluate_predictions(
+    predictions_dir: str | os.PathLike,
+    *,
+    labels_csv: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    annotations_dir: str | os.PathLike | None = None,
+    slides: str | os.PathLike | None = None,
+    config: EvaluateConfig | None = None,
+    progress: ProgressCallback | None = None,
+) -> EvaluationResult:
+    """Evaluate heatmap predictions and write metrics, curves, tables and ``report.html``.
+
+    Parameters
+    ----------
+    predictions_dir : the heatmap stage's output folder, or a folder of CAMELYON16 detection CSVs.
+    labels_csv : ``slide,label`` (1 tumour, 0 normal) for at least every evaluated slide.
+    out_dir : folder for the outputs (created).
+    annotations_dir : ASAP XML / GeoJSON per tumour slide (``<stem>.xml`` / ``<stem>.geojson``).
+    slides : a folder of slides or a CSV ``slide,path``; a tumour slide's file gives its level-0
+        size and MPP (the sidecar's ``slide_path`` is used when the slide is not listed here).
+    """
+    config = config or EvaluateConfig()
+    predictions_dir = Path(predictions_dir)
+    out_dir = Path(out_dir)
+    annotations_dir = None if annotations_dir is None else Path(annotations_dir)
+    if annotations_dir is not None and not annotations_dir.is_dir():
+        raise EvaluationError(f"{annotations_dir}: the annotations folder does not exist. Fix: check --annotations.")
+    labels = read_labels(labels_csv)
+    found = find_predictions(predictions_dir, known_stems=set(labels))
+    evaluated = {s: f for s, f in found.items() if f.detections is not None}
+    if not evaluated:
+        raise EvaluationError(
+            f"{predictions_dir}: no detection files (<stem>_detections.csv, CAMELYON16 'prob,x,y') found. "
+            "Fix: pass the heatmap stage's output folder as --predictions."
+        )
+    orphans = sorted(s for s, f in found.items() if f.detections is None and (f.patches or f.sidecar))
+    if orphans:
+        raise EvaluationError(
+            f"{predictions_dir}: slides {', '.join(orphans)} have patch probabilities but no "
+            "<stem>_detections.csv, so the FROC would miss them. Fix: re-run the heatmap stage for them "
+            "or remove their files from the folder."
+        )
+    unlabelled = sorted(s for s in evaluated if s not in labels)
+    if unlabelled:
+        raise EvaluationError(
+            f"{labels_csv}: no label for the predicted slides {', '.join(unlabelled)}. Fix: add a "
+            "'slide,label' line for each (1 tumour, 0 normal)."
+        )
+    skipped = sorted(set(labels) - set(evaluated))
+    if skipped:
+        logger.info("%d labelled slides have no predictions and are not evaluated", len(skipped))
+    slide_paths = resolve_slides(slides)
+
+    results: list[SlideResult] = []
+    total = len(evaluated)
+    emit(progress, ProgressEvent("evaluate", 0, total, unit="slide"))
+    for i, (stem, files) in enumerate(evaluated.items(), start=1):
+        results.append(_evaluate_slide(files, labels[stem], annotations_dir=annotations_dir,
+                                       slide_paths=slide_paths, config=config))
+        emit(progress, ProgressEvent("evaluate", i, total, unit="slide", item=stem))
+
+    curve = froc_curve([r.match for r in results])
+    reasons: dict[str, str] = {}
+    if curve.n_lesions:
+        score, sens = froc_score(curve, fp_rates=FP_RATES)
+        froc_value: float | None = score
+        sens_list: list[float | None] = [float(v) for v in sens]
+    else:
+        froc_value, sens_list = None, [None] * len(FP_RATES)
+        reasons["froc"] = "no lesions (no tumour slide with a non-ITC region): sensitivity is undefined"
+    inst_metric, inst_roc = _instance_metric(results)
+    bag_metric, bag_roc, scores = _bag_metric(results, predictions_dir / "scores.csv")
+    if inst_metric.value is None:
+        reasons["instance_auc"] = inst_metric.reason
+    if bag_metric.value is None:
+        reasons["bag_auc"] = bag_metric.reason
+
+    n_patches = sum(int(r.patch_probs.shape[0]) for r in results if r.patch_probs is not None)
+    metrics: dict[str, Any] = {
+        "instance_auc": _metric_value(inst_metric),
+        "bag_auc": _metric_value(bag_metric),
+        "froc": _none_if_nan(froc_value) if froc_value is not None else None,
+        "froc_sensitivities": sens_list,
+        "n_slides": curve.n_slides,
+        "n_lesions": curve.n_lesions,
+        "fp_rates": list(FP_RATES),
+        "n_tumor_slides": sum(r.label for r in results),
+        "n_normal_slides": sum(1 - r.label for r in results),
+        "n_itc": sum(r.match.n_itc for r in results),
+        "n_lesions_detected": curve.n_detected,
+        "n_detections": sum(r.match.n_detections for r in results),
+        "n_false_positives": curve.n_fp,
+        "n_patches": n_patches if inst_metric.n else None,
+        "n_positive_patches": inst_metric.n_positive if inst_metric.n else None,
+        "reasons": reasons,
+        "config_hash": config_hash(config, exclude=("title", "thumbnail_px")),
+    }
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths: dict[str, Path] = {}
+    paths["metrics"] = atomic_write_json(out_dir / "metrics.json", metrics)
+    rows = [_slide_row(r, scores.get(r.stem)) for r in results]
+    paths["per_slide"] = atomic_write_csv(out_dir / "per_slide.csv", rows, columns=PER_SLIDE_COLUMNS)
+    det_rows = [
+        {"slide": r.stem, "prob": float(p), "x_lv0": float(x), "y_lv0": float(y), "outcome": o, "region": int(h)}
+        for r in results
+        for p, x, y, o, h in zip(r.match.probs, r.match.x_lv0, r.match.y_lv0, r.match.outcome, r.match.hit_label)
+    ]
+    paths["detection_outcomes"] = atomic_write_csv(
+        out_dir / "detection_outcomes.csv", det_rows, columns=("slide", "prob", "x_lv0", "y_lv0", "outcome", "region"))
+    curve_rows = [{"threshold": t, "fp_per_slide": f, "sensitivity": None if math.isnan(s) else s}
+                  for t, f, s in zip(curve.thresholds, curve.fp_per_slide, curve.sensitivity)]
+    paths["froc_curve"] = atomic_write_csv(out_dir / "froc_curve.csv", curve_rows,
+                                           columns=("threshold", "fp_per_slide", "sensitivity"))
+    plots: list[tuple[str, bytes]] = []
+    if curve.n_lesions:
+        png = froc_png(curve, score=froc_value, sensitivities=sens_list)
+        paths["froc_png"] = atomic_write_bytes(out_dir / "froc.png", png)
+        plots.append(("FROC curve (CAMELYON16 protocol)", png))
+    else:
+        (out_dir / "froc.png").unlink(missing_ok=True)
+    for key, name, curve_roc, caption in (
+        ("roc_instance_png", "roc_instance.png", inst_roc, "Instance ROC (patches)"),
+        ("roc_bag_png", "roc_bag.png", bag_roc, "Bag ROC (slides)"),
+    ):
+        if curve_roc is not None:
+            png = roc_png(curve_roc, title=caption)
+            paths[key] = atomic_write_bytes(out_dir / name, png)
+            plots.append((caption, png))
+        else:  # never leave a plot from an earlier run beside metrics that say n/a
+            (out_dir / name).unlink(missing_ok=True)
+    paths["config"] = write_resolved_config(config, out_dir)
+
+    notes = [f"{k.replace('_', ' ')} unavailable: {v}." for k, v in reasons.items()]
+    n_outside = sum(r.match.n_outside_mask for r in results)
+    if n_outside:
+        notes.append(f"{n_outside} detection(s) lie outside their slide and count as false positives.")
+    configuration = {
+        "evaluate": config_to_dict(config),
+        "inputs": {
+            "predictions": str(predictions_dir), "labels": str(labels_csv),
+            "annotations": None if annotations_dir is None else str(annotations_dir),
+            "slides": None if slides is None else str(slides),
+        },
+        "protocol": {
+            "mask_downsample": CAMELYON16_DOWNSAMPLE, "margin_um": config.margin_um,
+            "itc_major_axis_um": config.itc_major_axis_um, "fp_rates": list(FP_RATES),
+            "positive_fraction": config.positive_fraction,
+        },
+    }
+    pred_config = _read_predictions_config(predictions_dir)
+    if pred_config is not None:
+        configuration["predictions_config"] = pred_config
+    thumbs = {r.stem: _thumbnails(r, max_px=config.thumbnail_px) for r in results}
+    data = ReportData(title=config.title, metrics=metrics, plots=plots, slide_rows=rows, thumbnails=thumbs,
+                      configuration=configuration, notes=notes)
+    paths["report"] = write_report(data, out_dir / "report.html")
+    logger.info("evaluated %d slides: FROC %s, instance AUC %s, bag AUC %s", len(results),
+                metrics["froc"], metrics["instance_auc"], metrics["bag_auc"])
+    return EvaluationResult(metrics=metrics, slides=results, curve=curve, instance_roc=inst_roc,
+                            bag_roc=bag_roc, paths=paths)

@@ -1,0 +1,344 @@
+"""The label stage: annotations -> exact tumour fraction and instance label per patch, slide label,
+FROC evaluation mask.
+
+For every patch store: tumour fraction = area((∪ tumour) − (∪ non-tumour) ∩ patch square) /
+patch area, computed exactly (``wsi_milssl.annotations.tumor_fraction``); ``instance_label`` =
+fraction >= ``positive_fraction`` (0.25, the paper's rule); ``slide_label`` from ``labels.csv``,
+else 1 when the slide has a tumour polygon. Written into the store with ``write_arrays`` (all or
+nothing) together with provenance attributes:
+
+==========================  =====  ==========================================================
+attribute                   type   meaning
+==========================  =====  ==========================================================
+``slide_label``             int    0 normal, 1 tumour
+``slide_label_source``      str    ``labels.csv`` or ``annotations``
+``label_status``            str    ``annotated`` (fractions from polygons), ``negative`` (normal
+                                   slide without annotations: all 0) or ``unannotated`` (tumour
+                                   slide without annotations: no per-patch labels written)
+``positive_fraction``       float  the instance-label threshold used
+``label_annotation``        str    annotation file used ('' when none)
+``label_annotation_sha256`` str    its SHA-256 ('' when none)
+``label_config_hash``       str    hash of positive_fraction and the group mapping
+``n_positive_patches``      int    patches with instance_label 1
+==========================  =====  ==========================================================
+
+Instance labels are for evaluation only; training never reads them. Every input is read and
+every number computed before anything is written, so a malformed or hostile annotation file
+leaves the store untouched.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from wsi_milssl.annotations import find_annotation, list_annotation_files, rasterize_region, read_annotations
+from wsi_milssl.annotations.geometry import tumor_fraction
+from wsi_milssl.config.base import config_hash, write_resolved_config
+from wsi_milssl.config.label import LabelConfig
+from wsi_milssl.errors import StoreError, WsiMilsslError
+from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
+from wsi_milssl.labeling.masks import write_eval_mask
+from wsi_milssl.labeling.slide_labels import read_slide_labels
+from wsi_milssl.store import find_stores, open_store, schema, write_arrays
+
+__all__ = [
+    "LabelResult",
+    "LabelReport",
+    "patch_labels",
+    "label_store",
+    "label_stores",
+    "label_config_hash",
+    "STATUS_CSV",
+    "CONFIG_JSON",
+]
+
+logger = logging.getLogger(__name__)
+
+STATUS_CSV = "label_status.csv"
+CONFIG_JSON = "label_config.json"
+
+
+@dataclass(frozen=True)
+class LabelResult:
+    """What happened to one store. ``status`` is ``ok`` or ``failed`` (then ``error`` says why)."""
+
+    stem: str
+    store_path: Path
+    status: str
+    label_status: str = ""
+    n_patches: int = 0
+    n_positive: int = 0
+    slide_label: int | None = None
+    slide_label_source: str = ""
+    annotation_path: Path | None = None
+    mask_path: Path | None = None
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class LabelReport:
+    """Results of ``label_stores`` and the name mismatches found on the way.
+
+    ``unmatched_annotations``: annotation files whose stem matches no store;
+    ``stores_without_annotation``: stems of stores without an annotation file (normal slides are
+    expected here); ``unannotated_tumor_slides``: tumour-labelled stores without annotations;
+    ``stores_missing_from_labels``: stems absent from labels.csv (label taken from annotations).
+    """
+
+    results: list[LabelResult]
+    unmatched_annotations: list[Path] = field(default_factory=list)
+    stores_without_annotation: list[str] = field(default_factory=list)
+    unannotated_tumor_slides: list[str] = field(default_factory=list)
+    stores_missing_from_labels: list[str] = field(default_factory=list)
+    status_csv: Path | None = None
+
+    @property
+    def n_failed(self) -> int:
+        return sum(r.status != "ok" for r in self.results)
+
+
+def label_config_hash(config: LabelConfig) -> str:
+    """Hash of the settings that decide the stored per-patch labels (not the mask settings)."""
+    return config_hash(config, exclude=("mask_downsample", "write_masks"))
+
+
+def patch_labels(
+    region,
+    coords_lv0: np.ndarray,
+    patch_size_lv0: float,
+    *,
+    positive_fraction: float = 0.25,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(tumor_fraction float32 (N,), instance_label uint8 (N,)) of square patches.
+
+    ``region``: shapely geometry in level-0 px (tumour minus non-tumour); ``coords_lv0``: int (N, 2)
+    top-left (x, y); a patch is positive when its float32 fraction >= ``positive_fraction``.
+    """
+    fraction = tumor_fraction(region, coords_lv0, patch_size_lv0)
+    labels = (fraction >= np.float32(positive_fraction)).astype(np.uint8)
+    return fraction, labels
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _dimensions(store, attrs: dict) -> tuple[int, int]:
+    dims = attrs.get("dimensions_lv0")
+    if isinstance(dims, (list, tuple)) and len(dims) == 2:
+        return int(dims[0]), int(dims[1])
+    try:
+        from wsi_milssl.slide import open_slide
+
+        with open_slide(store.slide_path) as slide:
+            width, height = slide.dimensions
+        return int(width), int(height)
+    except WsiMilsslError as exc:
+        raise StoreError(
+            f"{store.path}: the store has no dimensions_lv0 attribute and its slide cannot be opened ({exc}); "
+            "re-run `wsi-milssl tile` for this slide."
+        ) from None
+
+
+def label_store(
+    store_path: str | os.PathLike,
+    *,
+    annotation_path: str | os.PathLike | None,
+    slide_label: int | None = None,
+    config: LabelConfig = LabelConfig(),
+    mask_dir: str | os.PathLike | None = None,
+) -> LabelResult:
+    """Label one store; see the module docstring. ``slide_label`` None takes it from the annotations.
+
+    ``mask_dir``: folder for the evaluation mask (none written when None or ``config.write_masks``
+    is False). Raises AnnotationError/StoreError for bad input; the store is then unchanged.
+    """
+    store_path = Path(store_path)
+    annotation = Path(annotation_path) if annotation_path is not None else None
+    with open_store(store_path) as store:
+        attrs = store.attrs
+        stem = store.stem
+        coords = store.coords
+        patch_size_lv0 = store.patch_size_lv0
+        dims = _dimensions(store, attrs)
+    mpp = attrs.get("mpp")
+
+    aset = None
+    if annotation is not None:
+        aset = read_annotations(annotation, group_map=config.group_map(), dimensions_lv0=dims)
+        region = aset.region  # parses geometry now: errors and warnings before anything is written
+    has_tumor = aset is not None and aset.has_tumor
+
+    if slide_label is None:
+        label, source = int(has_tumor), "annotations"
+    else:
+        label, source = int(slide_label), "labels.csv"
+    if aset is not None:
+        status = "annotated"
+        if label == 0 and has_tumor:
+            logger.warning("%s: labels.csv says normal (0) but %s has tumour polygons; keeping slide label 0 and "
+                           "the patch fractions from the polygons.", stem, annotation)
+        elif label == 1 and not has_tumor:
+            logger.warning("%s: tumour-labelled slide, but %s has no tumour polygon in groups %s; every patch "
+                           "gets fraction 0.", stem, annotation, ", ".join(config.tumor_groups))
+    elif label == 0:
+        status = "negative"
+        region = None
+    else:
+        status = "unannotated"
+        region = None
+        logger.warning("%s: tumour-labelled slide without annotations: slide label 1 written, but no per-patch "
+                       "tumour fractions or instance labels (instance metrics will skip this slide). Add "
+                       "%s.xml or %s.geojson to the annotation folder to label its patches.", stem, stem, stem)
+
+    arrays: dict[str, np.ndarray] = {}
+    n_positive = 0
+    if status != "unannotated":
+        fraction, labels = patch_labels(region, coords, patch_size_lv0, positive_fraction=config.positive_fraction)
+        arrays = {schema.TUMOR_FRACTION: fraction, schema.INSTANCE_LABEL: labels}
+        n_positive = int(labels.sum())
+
+    new_attrs = {
+        "slide_label": label,
+        "slide_label_source": source,
+        "label_status": status,
+        "positive_fraction": float(config.positive_fraction),
+        "label_annotation": str(annotation) if annotation is not None else "",
+        "label_annotation_sha256": _sha256(annotation) if annotation is not None else "",
+        "label_config_hash": label_config_hash(config),
+        "n_positive_patches": n_positive,
+    }
+
+    mask_path = None
+    if mask_dir is not None and config.write_masks and status != "unannotated":
+        mask = rasterize_region(region, dimensions_lv0=dims, downsample=config.mask_downsample)
+        mask_path = write_eval_mask(
+            mask, mask_dir, stem, downsample=config.mask_downsample, dimensions_lv0=dims,
+            meta={
+                "mpp": float(mpp) if isinstance(mpp, (int, float)) else None,
+                "slide_label": label,
+                "annotation": new_attrs["label_annotation"] or None,
+                "annotation_sha256": new_attrs["label_annotation_sha256"] or None,
+                "tumor_groups": list(config.tumor_groups),
+                "non_tumor_groups": list(config.non_tumor_groups),
+                "store": str(store_path),
+            },
+        )
+
+    write_arrays(store_path, arrays, attrs=new_attrs)
+    logger.info("%s: %d/%d positive patches (slide label %d from %s)", stem, n_positive, len(coords), label, source)
+    return LabelResult(
+        stem=stem, store_path=store_path, status="ok", label_status=status, n_patches=len(coords),
+        n_positive=n_positive, slide_label=label, slide_label_source=source, annotation_path=annotation,
+        mask_path=mask_path,
+    )
+
+
+def _store_stem(path: Path) -> str:
+    name = path.name.rstrip("/")
+    fmt = schema.format_of(name)
+    return name[: -len(schema.FORMAT_SUFFIXES[fmt])] if fmt else path.stem
+
+
+def _write_status_csv(results: Sequence[LabelResult], out_dir: Path) -> Path:
+    out = out_dir / STATUS_CSV
+    tmp = out.with_name(out.name + ".tmp")
+    with open(tmp, "w", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(["slide", "store", "status", "label_status", "n_patches", "n_positive", "slide_label",
+                         "slide_label_source", "annotation", "mask", "error"])
+        for r in results:
+            writer.writerow([r.stem, r.store_path, r.status, r.label_status, r.n_patches, r.n_positive,
+                             "" if r.slide_label is None else r.slide_label, r.slide_label_source,
+                             r.annotation_path or "", r.mask_path or "", r.error])
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, out)
+    return out
+
+
+def _names(items: Sequence[str]) -> str:
+    return ", ".join(items[:20]) + (f" and {len(items) - 20} more" if len(items) > 20 else "")
+
+
+def label_stores(
+    stores: str | os.PathLike | Iterable[str | os.PathLike],
+    *,
+    annotations_dir: str | os.PathLike,
+    labels_csv: str | os.PathLike | None = None,
+    config: LabelConfig = LabelConfig(),
+    out_dir: str | os.PathLike | None = None,
+    progress: ProgressCallback | None = None,
+) -> LabelReport:
+    """Label every store in ``stores`` (store paths or folders of stores).
+
+    Annotation files are matched by name: store ``DIR/<stem>.h5`` takes ``<stem>.xml``,
+    ``<stem>.geojson`` or ``<stem>.json`` from ``annotations_dir``. ``out_dir`` (default: a
+    ``labels`` folder beside the first store) receives the evaluation masks, ``label_status.csv``
+    and ``label_config.json``. A store that fails (bad annotation file, unreadable store) is
+    reported with status ``failed`` and left unchanged; the others go on.
+    """
+    paths = find_stores(stores)
+    if not paths:
+        raise StoreError(f"no patch stores found in {stores}; run `wsi-milssl tile` first or check the paths.")
+    annotations_dir = Path(annotations_dir)
+    labels = read_slide_labels(labels_csv) if labels_csv is not None else None
+    ann_files = list_annotation_files(annotations_dir)  # raises when the folder is missing
+    out = Path(out_dir) if out_dir is not None else paths[0].parent / "labels"
+    out.mkdir(parents=True, exist_ok=True)
+    write_resolved_config(config, out, name=CONFIG_JSON)
+
+    stems = [_store_stem(p) for p in paths]
+    stem_keys = {s.casefold() for s in stems}
+    unmatched = [p for p in ann_files if p.stem.casefold() not in stem_keys]
+    without_ann: list[str] = []
+    unannotated_tumor: list[str] = []
+    missing_labels: list[str] = []
+    results: list[LabelResult] = []
+    emit(progress, ProgressEvent("label", 0, len(paths), unit="slide"))
+    for k, (path, stem) in enumerate(zip(paths, stems)):
+        ann = find_annotation(stem, annotations_dir)
+        slide_label = None
+        if labels is not None:
+            slide_label = labels.get(stem)
+            if slide_label is None:
+                missing_labels.append(stem)
+        if ann is None:
+            without_ann.append(stem)
+            if slide_label == 1:
+                unannotated_tumor.append(stem)
+        try:
+            result = label_store(path, annotation_path=ann, slide_label=slide_label, config=config, mask_dir=out)
+        except (WsiMilsslError, OSError) as exc:
+            logger.error("%s: labelling failed: %s", stem, exc)
+            result = LabelResult(stem=stem, store_path=path, status="failed", annotation_path=ann, error=str(exc))
+        results.append(result)
+        emit(progress, ProgressEvent("label", k + 1, len(paths), unit="slide", item=stem))
+
+    if unmatched:
+        logger.warning("%d annotation file(s) in %s match no store (names must be <store stem>.xml/.geojson): %s",
+                       len(unmatched), annotations_dir, _names([p.name for p in unmatched]))
+    if missing_labels:
+        logger.warning("%d store(s) are not listed in %s; their slide label comes from the annotations: %s",
+                       len(missing_labels), labels_csv, _names(missing_labels))
+    if without_ann:
+        logger.info("%d store(s) have no annotation file in %s: %s", len(without_ann), annotations_dir,
+                    _names(without_ann))
+    status_csv = _write_status_csv(results, out)
+    return LabelReport(
+        results=results, unmatched_annotations=unmatched, stores_without_annotation=without_ann,
+        unannotated_tumor_slides=unannotated_tumor, stores_missing_from_labels=missing_labels,
+        status_csv=status_csv,
+    )

@@ -1,0 +1,124 @@
+"""Training checkpoints: atomic save, safe load (``weights_only=True``), RNG capture, and ``load_model``.
+
+A checkpoint is one dict (see ``docs/artifacts.md``/CONTRACTS): ``model`` (state dict), ``optimizer``,
+``scheduler``, ``grad_scaler``, ``epoch`` (completed epochs), ``step`` (optimizer steps), ``pseudo_labels``
+(targets of every training instance and the bookkeeping of the pseudo-label refresh), ``rng`` (torch,
+CUDA, numpy and Python generator states), ``config`` (the resolved training config plus the tiling settings
+of the training stores and the input normalisation), ``model_name``, ``model_kwargs``, ``bag_pooling``,
+``best`` and ``metrics``. Only plain containers, numbers, strings and tensors are stored, so
+``torch.load(path, weights_only=True)`` reads it.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from wsi_milssl.errors import CheckpointError
+
+__all__ = ["save_checkpoint", "read_checkpoint", "load_model", "capture_rng", "restore_rng",
+           "resolve_checkpoint_path", "CHECKPOINT_FORMAT"]
+
+CHECKPOINT_FORMAT = "wsi-milssl-train-checkpoint/1"
+
+
+def capture_rng() -> dict[str, Any]:
+    """The states of torch (CPU and CUDA), numpy's global and Python's ``random`` generators."""
+    np_state = np.random.get_state()
+    py_state = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else [],
+        "numpy": {"name": str(np_state[0]), "keys": torch.from_numpy(np.asarray(np_state[1], dtype=np.int64)),
+                  "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
+        "python": {"version": int(py_state[0]), "state": list(py_state[1]),
+                   "gauss": None if py_state[2] is None else float(py_state[2])},
+    }
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Restore generator states captured by :func:`capture_rng`."""
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    npst = state["numpy"]
+    np.random.set_state((npst["name"], npst["keys"].numpy().astype(np.uint32), npst["pos"],
+                         npst["has_gauss"], npst["cached_gaussian"]))
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+
+
+def save_checkpoint(checkpoint: dict[str, Any], path: str | os.PathLike) -> Path:
+    """Write ``checkpoint`` atomically: temporary file in the same folder, fsync, rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            torch.save({"format": CHECKPOINT_FORMAT, **checkpoint}, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
+    """A checkpoint file, or a run folder: its ``best.pt`` when present, else ``last.pt``."""
+    path = Path(path)
+    if path.is_dir():
+        for name in ("best.pt", "last.pt"):
+            if (path / name).is_file():
+                return path / name
+        raise CheckpointError(f"{path}: run folder holds neither best.pt nor last.pt; train first "
+                              "(`wsi-milssl train ... --out RUN_DIR`) or pass a checkpoint file.")
+    if not path.is_file():
+        raise CheckpointError(f"{path}: checkpoint not found; pass RUN_DIR/best.pt, RUN_DIR/last.pt or RUN_DIR.")
+    return path
+
+
+def read_checkpoint(path: str | os.PathLike, *, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Load a training checkpoint with ``weights_only=True`` and check its format."""
+    path = resolve_checkpoint_path(path)
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"{path}: cannot load checkpoint ({exc}); it may be truncated or not made by "
+                              "wsi-milssl train. Re-run training or pass another file.") from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{path}: not a wsi-milssl training checkpoint (format "
+                              f"{ckpt.get('format') if isinstance(ckpt, dict) else type(ckpt).__name__!r}); "
+                              "pass RUN_DIR/best.pt or RUN_DIR/last.pt.")
+    return ckpt
+
+
+def load_model(checkpoint_path: str | os.PathLike, *, device: str | torch.device = "cpu"
+               ) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """Rebuild the trained model from a checkpoint (or a run folder) for inference.
+
+    Returns ``(model, config)``: the model in eval mode on ``device``, and the checkpoint's config dict
+    (resolved TrainConfig fields plus ``target_mpp``, ``patch_size_px``, ``entropy_threshold_bits``,
+    ``normalisation``, ``model_name``, ``model_kwargs`` and ``bag_pooling``). Image inputs must be
+    prepared with :func:`wsi_milssl.mil.data.to_tensor`.
+    """
+    from wsi_milssl.mil.models import create_model
+
+    ckpt = read_checkpoint(checkpoint_path)
+    model = create_model(ckpt["model_name"], **dict(ckpt.get("model_kwargs") or {}))
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as exc:
+        raise CheckpointError(f"{checkpoint_path}: weights do not fit model {ckpt['model_name']!r} ({exc}).") from None
+    model.to(device).eval()
+    config = dict(ckpt.get("config") or {})
+    config.setdefault("model_name", ckpt["model_name"])
+    config.setdefault("model_kwargs", dict(ckpt.get("model_kwargs") or {}))
+    config.setdefault("bag_pooling", ckpt.get("bag_pooling", "max"))
+    return model, config

@@ -1,0 +1,524 @@
+"""Instances for MIL training: image patches from patch stores, feature vectors, and MIL CSV files.
+
+Everything the training loop needs is an :class:`InstanceSet`: one row per instance with its bag, the
+bag labels, and either the feature matrix or where each patch lives (store path + index in the store).
+Instance labels (``instance_label`` in stores) ride along for evaluation only; training never reads them.
+
+Image preprocessing for every model lives in :func:`to_tensor` (inference uses the same function);
+:func:`augment_batch` applies the training augmentation (flips, 90-degree rotations, mild colour jitter)
+to a whole batch with an explicit ``torch.Generator``, so augmentation is reproducible and resumable.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from wsi_milssl.errors import ConfigError, StoreError
+
+__all__ = [
+    "NORMALISATION",
+    "InstanceSet",
+    "PatchDataset",
+    "to_tensor",
+    "to_unit_float",
+    "normalize",
+    "augment_batch",
+    "read_labels_csv",
+    "read_mil_csv",
+    "read_feature_files",
+    "read_patch_stores",
+    "iterate_batches",
+    "STORE_SETTING_KEYS",
+]
+
+log = logging.getLogger(__name__)
+
+#: Per-channel RGB mean and standard deviation (of [0, 1] pixel values) used by :func:`to_tensor`.
+#: The ImageNet statistics, so a local ImageNet state dict passed with ``--weights`` sees familiar input.
+NORMALISATION = {"mean": (0.485, 0.456, 0.406), "std": (0.229, 0.224, 0.225)}
+
+#: Store attributes copied into a training checkpoint's config so that inference tiles the same way.
+STORE_SETTING_KEYS = (
+    "target_mpp", "target_magnification", "patch_size_px", "stride_px", "entropy_threshold_bits",
+    "tissue_detector", "min_tissue", "mask_mpp", "pixels", "jpeg_quality", "schema_version",
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# Image preprocessing and augmentation
+# ----------------------------------------------------------------------------------------------
+
+def to_unit_float(patches_uint8) -> torch.Tensor:
+    """uint8 (B, H, W, 3) RGB (numpy or torch) -> float32 (B, 3, H, W) in [0, 1]."""
+    x = torch.as_tensor(patches_uint8)
+    if x.dtype != torch.uint8 or x.ndim != 4 or x.shape[-1] != 3:
+        raise ValueError(f"patches must be uint8 (B, H, W, 3) RGB; got {x.dtype} {tuple(x.shape)}.")
+    return x.permute(0, 3, 1, 2).float().div_(255.0)
+
+
+def normalize(x_unit: torch.Tensor) -> torch.Tensor:
+    """float (B, 3, H, W) in [0, 1] -> normalised with :data:`NORMALISATION` (a new tensor)."""
+    mean = torch.tensor(NORMALISATION["mean"], dtype=x_unit.dtype, device=x_unit.device).view(1, 3, 1, 1)
+    std = torch.tensor(NORMALISATION["std"], dtype=x_unit.dtype, device=x_unit.device).view(1, 3, 1, 1)
+    return (x_unit - mean) / std
+
+
+def to_tensor(patches_uint8) -> torch.Tensor:
+    """The model input for image patches: uint8 (B, H, W, 3) RGB -> float32 (B, 3, H, W), normalised.
+
+    Pixels are scaled to [0, 1] and standardised per channel with :data:`NORMALISATION`. Training
+    (after augmentation) and inference both go through this normalisation.
+    """
+    return normalize(to_unit_float(patches_uint8))
+
+
+def augment_batch(x_unit: torch.Tensor, generator: torch.Generator, *, flips: bool = True,
+                  rot90: bool = True, colour_jitter: float = 0.05) -> torch.Tensor:
+    """Random per-sample augmentation of float (B, 3, H, W) images in [0, 1].
+
+    Horizontal and vertical flips and a 90-degree rotation (together all eight symmetries of the
+    square, when H == W), then brightness, contrast and saturation each scaled by a factor drawn
+    uniformly from [1 - colour_jitter, 1 + colour_jitter]. Random numbers come from ``generator``
+    (CPU), so the same generator state gives the same batch.
+    """
+    b = x_unit.shape[0]
+    if b == 0:
+        return x_unit
+    draws = torch.rand(b, 6, generator=generator).to(x_unit.device)
+
+    def where(mask: torch.Tensor, a: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        return torch.where(mask.view(-1, 1, 1, 1), a, other)
+
+    x = x_unit
+    if flips:
+        x = where(draws[:, 0] < 0.5, x.flip(-1), x)
+        x = where(draws[:, 1] < 0.5, x.flip(-2), x)
+    if rot90 and x.shape[-1] == x.shape[-2]:
+        x = where(draws[:, 2] < 0.5, x.rot90(1, (2, 3)), x)
+    if colour_jitter > 0:
+        j = float(colour_jitter)
+        factors = 1.0 + (2.0 * draws[:, 3:6] - 1.0) * j  # (B, 3): brightness, contrast, saturation
+        x = x * factors[:, 0].view(-1, 1, 1, 1)
+        gray = (0.299 * x[:, 0] + 0.587 * x[:, 1] + 0.114 * x[:, 2]).unsqueeze(1)  # (B, 1, H, W)
+        mean_gray = gray.mean(dim=(2, 3), keepdim=True)
+        x = (x - mean_gray) * factors[:, 1].view(-1, 1, 1, 1) + mean_gray
+        gray = (0.299 * x[:, 0] + 0.587 * x[:, 1] + 0.114 * x[:, 2]).unsqueeze(1)
+        x = (x - gray) * factors[:, 2].view(-1, 1, 1, 1) + gray
+        x = x.clamp_(0.0, 1.0)
+    return x
+
+
+# ----------------------------------------------------------------------------------------------
+# The instance container
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class InstanceSet:
+    """All instances of a set of bags, in one fixed order.
+
+    Attributes
+    ----------
+    kind : "features" or "images".
+    bag_ids : int64 (N,), index of each instance's bag into ``bag_names``.
+    bag_names : list of n_bags names (slide stems, CSV bag ids).
+    bag_labels : int64 (n_bags,), 0 (negative) or 1 (positive).
+    instance_labels : uint8 (N,) or None; evaluation only (never used to train).
+    features : float32 (N, D) (kind "features").
+    store_paths : one patch-store path per bag (kind "images").
+    local_index : int64 (N,), index of each patch in its bag's store (kind "images").
+    settings : store tiling attributes shared by all bags (kind "images"), see STORE_SETTING_KEYS.
+    source : where the instances came from (for messages).
+    """
+
+    kind: str
+    bag_ids: np.ndarray
+    bag_names: list[str]
+    bag_labels: np.ndarray
+    instance_labels: np.ndarray | None = None
+    features: np.ndarray | None = None
+    store_paths: list[str] | None = None
+    local_index: np.ndarray | None = None
+    settings: dict = field(default_factory=dict)
+    source: str = ""
+
+    def __len__(self) -> int:
+        return int(self.bag_ids.shape[0])
+
+    @property
+    def n_bags(self) -> int:
+        return len(self.bag_names)
+
+    @property
+    def instance_bag_labels(self) -> np.ndarray:
+        """int64 (N,): the label of each instance's bag."""
+        return self.bag_labels[self.bag_ids]
+
+    @property
+    def in_features(self) -> int | None:
+        return None if self.features is None else int(self.features.shape[1])
+
+    def subset_bags(self, bags: Sequence[int]) -> "InstanceSet":
+        """A new InstanceSet with only the bags at indices ``bags`` (renumbered in that order)."""
+        bags = np.asarray(bags, dtype=np.int64)
+        remap = np.full(self.n_bags, -1, dtype=np.int64)
+        remap[bags] = np.arange(bags.size)
+        keep = np.flatnonzero(remap[self.bag_ids] >= 0)
+        new_ids = remap[self.bag_ids[keep]]
+        order = np.argsort(new_ids, kind="stable")
+        keep = keep[order]
+        return InstanceSet(
+            kind=self.kind,
+            bag_ids=remap[self.bag_ids[keep]],
+            bag_names=[self.bag_names[i] for i in bags],
+            bag_labels=self.bag_labels[bags].copy(),
+            instance_labels=None if self.instance_labels is None else self.instance_labels[keep],
+            features=None if self.features is None else self.features[keep],
+            store_paths=None if self.store_paths is None else [self.store_paths[i] for i in bags],
+            local_index=None if self.local_index is None else self.local_index[keep],
+            settings=dict(self.settings),
+            source=self.source,
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Readers
+# ----------------------------------------------------------------------------------------------
+
+_NAME_COLUMNS = ("slide", "bag", "bag_id", "stem", "slide_id", "name", "case_id")
+
+
+def read_labels_csv(path: str | os.PathLike) -> dict[str, int]:
+    """Read a bag-label CSV with a header: a name column (``slide``, ``bag``, ``bag_id`` or ``stem``)
+    and a ``label`` column of 0/1 (``normal``/``tumor`` and ``negative``/``positive`` also accepted).
+
+    Returns {name: 0 or 1}; a slide path or file name in the name column is reduced to its stem.
+    """
+    path = Path(path)
+    try:
+        with open(path, newline="") as fh:
+            reader = csv.DictReader(fh)
+            fields = [f.strip().lower() for f in (reader.fieldnames or [])]
+            rows = list(reader)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: labels file not found; pass --labels with a CSV of slide,label.") from None
+    name_col = next((f for f in _NAME_COLUMNS if f in fields), None)
+    if name_col is None or "label" not in fields:
+        raise ConfigError(
+            f"{path}: needs a header with a name column ({', '.join(_NAME_COLUMNS[:4])}) and a 'label' "
+            f"column; found {fields or 'no header'}."
+        )
+    raw_fields = reader.fieldnames or []
+    name_key = raw_fields[fields.index(name_col)]
+    label_key = raw_fields[fields.index("label")]
+    words = {"0": 0, "1": 1, "normal": 0, "tumor": 1, "tumour": 1, "negative": 0, "positive": 1}
+    out: dict[str, int] = {}
+    for line, row in enumerate(rows, start=2):
+        name = (row.get(name_key) or "").strip()
+        value = (row.get(label_key) or "").strip().lower()
+        if not name:
+            continue
+        if value not in words:
+            raise ConfigError(f"{path}: line {line}: label {value!r} is not 0/1 (or normal/tumor); fix that row.")
+        stem = Path(name).name
+        for suffix in (".h5", ".zarr", ".tif", ".tiff", ".svs", ".ndpi", ".mrxs"):
+            if stem.lower().endswith(suffix):
+                stem = stem[: -len(suffix)]
+        out[stem] = words[value]
+    if not out:
+        raise ConfigError(f"{path}: no labelled rows; add rows of slide,label.")
+    return out
+
+
+def _bag_labels_from_instances(labels: np.ndarray, bag_ids: np.ndarray, n_bags: int) -> np.ndarray:
+    bag_labels = np.zeros(n_bags, dtype=np.int64)
+    np.maximum.at(bag_labels, bag_ids, labels.astype(np.int64))
+    return bag_labels
+
+
+def read_mil_csv(path: str | os.PathLike) -> InstanceSet:
+    """Read a classical MIL CSV ``label,bag_id,f1,...,fn`` (one instance per row; no header, or a header
+    whose first field is not a number), as shipped for MUSK1/MUSK2/ELEPHANT.
+
+    A bag is positive when any of its instances is labelled 1. The label column is kept as instance
+    labels only when it varies inside some positive bag (MUSK and ELEPHANT repeat the bag label on every
+    instance, which says nothing about instances).
+    """
+    path = Path(path)
+    try:
+        with open(path, newline="") as fh:
+            rows = [r for r in csv.reader(fh) if r and any(c.strip() for c in r)]
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: MIL CSV not found; check the path.") from None
+    if rows:
+        try:
+            float(rows[0][0])
+        except ValueError:
+            rows = rows[1:]  # a header
+    if not rows:
+        raise ConfigError(f"{path}: no instances; expected rows of label,bag_id,f1,...,fn.")
+    width = len(rows[0])
+    if width < 3:
+        raise ConfigError(f"{path}: rows need label,bag_id and at least one feature; got {width} columns.")
+    bad = next((i for i, r in enumerate(rows) if len(r) != width), None)
+    if bad is not None:
+        raise ConfigError(f"{path}: row {bad + 1} has {len(rows[bad])} columns, expected {width}; fix the file.")
+    try:
+        labels = np.array([float(r[0]) for r in rows])
+        feats = np.array([[float(v) for v in r[2:]] for r in rows], dtype=np.float32)
+    except ValueError as exc:
+        raise ConfigError(f"{path}: non-numeric label or feature ({exc}); labels are 0/1 and features numbers.") from None
+    if not np.all(np.isin(labels, (0.0, 1.0))):
+        raise ConfigError(f"{path}: labels (first column) must be 0 or 1; found {sorted(set(labels.tolist()))[:5]}.")
+    raw_bags = [r[1].strip() for r in rows]
+    names: list[str] = []
+    index: dict[str, int] = {}
+    for b in raw_bags:
+        if b not in index:
+            index[b] = len(names)
+            names.append(b)
+    bag_ids = np.array([index[b] for b in raw_bags], dtype=np.int64)
+    labels_u8 = labels.astype(np.uint8)
+    bag_labels = _bag_labels_from_instances(labels_u8, bag_ids, len(names))
+    pos_inst = bag_labels[bag_ids] == 1
+    informative = bool(np.any(labels_u8[pos_inst] == 0))
+    return InstanceSet(kind="features", bag_ids=bag_ids, bag_names=names, bag_labels=bag_labels,
+                       instance_labels=labels_u8 if informative else None, features=feats, source=str(path))
+
+
+def _label_for(name: str, labels: dict[str, int], source: str, labels_path: str) -> int:
+    if name not in labels:
+        raise ConfigError(
+            f"{source}: bag {name!r} has no row in {labels_path}; add '{name},<0|1>' or drop the file."
+        )
+    return labels[name]
+
+
+def read_feature_files(paths: Iterable[str | os.PathLike], labels: dict[str, int], *,
+                       labels_path: str = "labels.csv") -> InstanceSet:
+    """Read instance feature vectors from HDF5 files.
+
+    Each file holds ``features`` float (N, D). A file with a ``bag_ids`` dataset (N,) (integers or
+    strings) holds several bags named by those ids; otherwise the whole file is one bag named by its
+    ``slide_stem`` attribute or file stem (a patch store with a ``features`` dataset works as is).
+    Bag labels come from ``labels`` (name -> 0/1); an optional ``instance_label`` dataset (N,) is kept for
+    evaluation.
+    """
+    import h5py
+
+    feats_all, bag_all, inst_all = [], [], []
+    names: list[str] = []
+    index: dict[str, int] = {}
+    bag_labels: list[int] = []
+    have_inst = True
+    paths = [Path(p) for p in paths]
+    if not paths:
+        raise ConfigError("no feature files given; pass one or more .h5 files holding a 'features' dataset.")
+    for path in paths:
+        try:
+            fh = h5py.File(path, "r")
+        except (OSError, FileNotFoundError) as exc:
+            raise StoreError(f"{path}: cannot open as HDF5 ({exc}); pass .h5 files with a 'features' dataset.") from None
+        with fh:
+            if "features" not in fh:
+                raise StoreError(f"{path}: no 'features' dataset; extract features first or use image mode.")
+            feats = np.asarray(fh["features"][()], dtype=np.float32)
+            if feats.ndim != 2:
+                raise StoreError(f"{path}: 'features' must be 2-D (N, D); got shape {feats.shape}.")
+            if "bag_ids" in fh:
+                raw = fh["bag_ids"][()]
+                file_bags = [b.decode() if isinstance(b, bytes) else str(b) for b in raw.tolist()]
+            else:
+                stem = fh.attrs.get("slide_stem", path.stem)
+                stem = stem.decode() if isinstance(stem, bytes) else str(stem)
+                file_bags = [stem] * feats.shape[0]
+            if len(file_bags) != feats.shape[0]:
+                raise StoreError(f"{path}: 'bag_ids' has {len(file_bags)} rows but 'features' has {feats.shape[0]}.")
+            if "instance_label" in fh:
+                inst_all.append(np.asarray(fh["instance_label"][()], dtype=np.uint8))
+            else:
+                have_inst = False
+        for b in dict.fromkeys(file_bags):
+            if b in index:
+                raise ConfigError(f"{path}: bag {b!r} appears in more than one file; each bag must live in one file.")
+            index[b] = len(names)
+            names.append(b)
+            bag_labels.append(_label_for(b, labels, str(path), labels_path))
+        feats_all.append(feats)
+        bag_all.append(np.array([index[b] for b in file_bags], dtype=np.int64))
+    dims = {f.shape[1] for f in feats_all}
+    if len(dims) > 1:
+        raise StoreError(f"feature files disagree on the feature length ({sorted(dims)}); use one extractor for all.")
+    bag_ids = np.concatenate(bag_all)
+    order = np.argsort(bag_ids, kind="stable")
+    features = np.concatenate(feats_all)[order]
+    inst = np.concatenate(inst_all)[order] if have_inst and inst_all else None
+    return InstanceSet(kind="features", bag_ids=bag_ids[order], bag_names=names,
+                       bag_labels=np.asarray(bag_labels, dtype=np.int64), instance_labels=inst,
+                       features=features, source=", ".join(str(p) for p in paths[:3]))
+
+
+def read_patch_stores(paths: Iterable[str | os.PathLike], labels: dict[str, int], *,
+                      labels_path: str = "labels.csv") -> InstanceSet:
+    """Index the patches of patch stores (one store per slide = one bag) without reading pixels.
+
+    Bag names are the stores' slide stems, labelled from ``labels``. Instance labels are taken from the
+    stores' ``instance_label`` datasets when every store has one (evaluation only). All stores must share
+    the target resolution and patch size.
+    """
+    from wsi_milssl.store import find_stores, open_store
+
+    store_paths = find_stores(list(paths))
+    if not store_paths:
+        raise StoreError("no patch stores found in the given paths; run `wsi-milssl tile` first.")
+    names, bag_labels, ids, local, inst = [], [], [], [], []
+    have_inst = True
+    settings: dict | None = None
+    for i, sp in enumerate(store_paths):
+        with open_store(sp) as store:
+            if not store.has("patches"):
+                raise StoreError(f"{sp}: the store holds no patch pixels; re-tile with pixels stored "
+                                 "(not 'none') to train on images.")
+            n = len(store)
+            attrs = dict(store.attrs)
+            stem = str(getattr(store, "stem", None) or attrs.get("slide_stem") or Path(sp).stem)
+            if store.has("instance_label"):
+                inst.append(np.asarray(store.read_array("instance_label"), dtype=np.uint8))
+            else:
+                have_inst = False
+        here = {k: _plain_attr(attrs[k]) for k in STORE_SETTING_KEYS if k in attrs}
+        if settings is None:
+            settings = here
+        else:
+            for key in ("target_mpp", "patch_size_px"):
+                if key in settings and key in here and not np.isclose(float(settings[key]), float(here[key])):
+                    raise StoreError(
+                        f"{sp}: {key} = {here[key]} differs from {store_paths[0]} ({settings[key]}); "
+                        "tile every slide with the same settings."
+                    )
+        if stem in names:
+            raise StoreError(f"{sp}: slide {stem!r} appears twice; pass each store once.")
+        names.append(stem)
+        bag_labels.append(_label_for(stem, labels, str(sp), labels_path))
+        ids.append(np.full(n, i, dtype=np.int64))
+        local.append(np.arange(n, dtype=np.int64))
+    bag_ids = np.concatenate(ids)
+    if bag_ids.size == 0:
+        raise StoreError("the given stores hold no patches; check the tiling settings (tissue/entropy filters).")
+    return InstanceSet(kind="images", bag_ids=bag_ids, bag_names=names,
+                       bag_labels=np.asarray(bag_labels, dtype=np.int64),
+                       instance_labels=np.concatenate(inst) if have_inst else None,
+                       store_paths=[str(p) for p in store_paths], local_index=np.concatenate(local),
+                       settings=settings or {}, source=str(store_paths[0]))
+
+
+def _plain_attr(value):
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, bytes):
+        return value.decode()
+    return value
+
+
+# ----------------------------------------------------------------------------------------------
+# Batches
+# ----------------------------------------------------------------------------------------------
+
+class PatchDataset(torch.utils.data.Dataset):
+    """Patches of an image InstanceSet, fetched a whole batch at a time.
+
+    ``dataset[batch]`` with ``batch`` a sequence of instance indices returns ``(indices int64 (B,),
+    patches uint8 (B, H, W, 3))``. Stores open lazily, once per process, so the dataset is safe in
+    DataLoader worker processes (no handle crosses a fork).
+    """
+
+    def __init__(self, instances: InstanceSet) -> None:
+        if instances.kind != "images":
+            raise ValueError("PatchDataset needs an image InstanceSet (from read_patch_stores).")
+        self.store_paths = list(instances.store_paths or [])
+        self.bag_ids = instances.bag_ids
+        self.local_index = instances.local_index
+        self._pid: int | None = None
+        self._stores: dict[int, object] = {}
+
+    def __len__(self) -> int:
+        return int(self.bag_ids.shape[0])
+
+    def _store(self, bag: int):
+        if self._pid != os.getpid():
+            self._stores = {}
+            self._pid = os.getpid()
+        store = self._stores.get(bag)
+        if store is None:
+            from wsi_milssl.store import open_store
+
+            store = open_store(self.store_paths[bag])
+            if hasattr(store, "__enter__"):
+                store = store.__enter__()
+            self._stores[bag] = store
+        return store
+
+    def __getitem__(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = np.asarray(batch, dtype=np.int64).reshape(-1)
+        out: np.ndarray | None = None
+        bags = self.bag_ids[idx]
+        for bag in np.unique(bags):
+            pos = np.flatnonzero(bags == bag)
+            local = self.local_index[idx[pos]]
+            order = np.argsort(local, kind="stable")
+            pix = np.asarray(self._store(int(bag)).read_patches(local[order]))
+            if out is None:
+                out = np.empty((idx.size,) + pix.shape[1:], dtype=np.uint8)
+            out[pos[order]] = pix
+        if out is None:  # an empty batch
+            return torch.from_numpy(idx), torch.zeros((0, 1, 1, 3), dtype=torch.uint8)
+        return torch.from_numpy(idx), torch.from_numpy(out)
+
+    def close(self) -> None:
+        for store in self._stores.values():
+            close = getattr(store, "close", None)
+            if close is not None:
+                close()
+        self._stores = {}
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_stores"] = {}
+        state["_pid"] = None
+        return state
+
+
+def iterate_batches(instances: InstanceSet, order: torch.Tensor | np.ndarray, *, batch_size: int,
+                    num_workers: int = 0, dataset: PatchDataset | None = None,
+                    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Yield ``(indices int64 (B,), inputs)`` over ``order`` (instance indices) in batches.
+
+    Inputs are float32 (B, D) features, or uint8 (B, H, W, 3) patches decoded (by ``num_workers``
+    DataLoader workers when > 0; in order, so the result does not depend on the worker count).
+    """
+    order = torch.as_tensor(np.asarray(order), dtype=torch.int64)
+    batches = [order[i:i + batch_size] for i in range(0, order.numel(), batch_size)]
+    if instances.kind == "features":
+        feats = torch.from_numpy(instances.features)
+        for b in batches:
+            yield b, feats[b]
+        return
+    ds = dataset if dataset is not None else PatchDataset(instances)
+    if num_workers <= 0:
+        for b in batches:
+            yield ds[b.numpy()]
+        return
+    loader = torch.utils.data.DataLoader(
+        ds, batch_size=None, sampler=[b.numpy() for b in batches], num_workers=num_workers,
+        persistent_workers=False, prefetch_factor=4,
+    )
+    yield from loader

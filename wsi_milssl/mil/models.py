@@ -1,0 +1,181 @@
+"""Instance classifiers behind a registry: ``@register_model("name")`` and ``create_model(name, **kwargs)``.
+
+Every model maps a batch of instances to two logits (column 0 negative, column 1 positive), so the
+positive-class probability is ``softmax(logits)[:, 1]``.
+
+- ``resnet18``: torchvision ResNet18 from scratch (``weights=None``), 2-class head; input float32
+  (B, 3, H, W) as made by :func:`wsi_milssl.mil.data.to_tensor`. ``weights_path`` loads a local state
+  dict (an ImageNet checkpoint's 1000-class head is skipped with a warning). Nothing is downloaded.
+- ``linear``: one fully connected layer over (B, D) float32 instance features (the paper's head for
+  pre-extracted features).
+- ``mlp``: ``hidden_dims`` fully connected ReLU layers with dropout, then the 2-class layer.
+
+Feature heads start with a :class:`Standardize` layer whose per-feature mean and standard deviation are
+buffers (set from the training instances by ``fit``), so a saved model carries its own normalisation.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable
+
+import torch
+from torch import nn
+
+from wsi_milssl.errors import CheckpointError, ConfigError
+
+__all__ = ["MODELS", "register_model", "create_model", "list_models", "Standardize", "FeatureHead",
+           "is_image_model"]
+
+log = logging.getLogger(__name__)
+
+MODELS: dict[str, Callable[..., nn.Module]] = {}
+_IMAGE_MODELS: set[str] = set()
+
+
+def register_model(name: str, *, image: bool = False):
+    """Register a model factory under ``name`` (decorator). ``image=True`` marks models over patches."""
+
+    def deco(factory: Callable[..., nn.Module]):
+        MODELS[name] = factory
+        if image:
+            _IMAGE_MODELS.add(name)
+        return factory
+
+    return deco
+
+
+def list_models() -> list[str]:
+    """Names of the registered models, sorted."""
+    return sorted(MODELS)
+
+
+def is_image_model(name: str) -> bool:
+    """True when the registered model ``name`` takes image patches rather than feature vectors."""
+    return name in _IMAGE_MODELS
+
+
+def create_model(name: str, **kwargs) -> nn.Module:
+    """Build the registered model ``name`` with ``kwargs`` (e.g. ``in_features`` for feature heads)."""
+    try:
+        factory = MODELS[name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown model {name!r}; registered models are {', '.join(list_models())}."
+        ) from None
+    return factory(**kwargs)
+
+
+def _load_state_dict_file(model: nn.Module, weights_path: str | os.PathLike, *, skip_prefix: str) -> None:
+    try:
+        state = torch.load(weights_path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{weights_path}: weights file not found; check --weights.") from None
+    except Exception as exc:  # pickle or format errors from torch
+        raise CheckpointError(
+            f"{weights_path}: cannot load as a state dict ({exc}); pass a file saved with "
+            "torch.save(model.state_dict(), path)."
+        ) from None
+    if isinstance(state, dict) and isinstance(state.get("model"), dict):
+        state = state["model"]  # a wsi-milssl training checkpoint
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{weights_path}: expected a state dict (a mapping of tensors); got {type(state).__name__}.")
+    own = model.state_dict()
+    keep = {}
+    skipped = []
+    for key, value in state.items():
+        if key in own and own[key].shape == value.shape:
+            keep[key] = value
+        else:
+            skipped.append(key)
+    missing = [k for k in own if k not in keep]
+    bad_missing = [k for k in missing if not k.startswith(skip_prefix)]
+    if bad_missing:
+        raise CheckpointError(
+            f"{weights_path}: weights do not fit the model; missing or mis-shaped: "
+            f"{', '.join(bad_missing[:5])}{' ...' if len(bad_missing) > 5 else ''}."
+        )
+    if skipped:
+        log.warning("%s: skipped %d tensors that do not fit (%s); the classification head starts fresh.",
+                    weights_path, len(skipped), ", ".join(skipped[:3]))
+    model.load_state_dict(keep, strict=False)
+
+
+@register_model("resnet18", image=True)
+def resnet18(*, num_classes: int = 2, weights_path: str | None = None, **_ignored) -> nn.Module:
+    """torchvision ResNet18, random init (``weights=None``), ``num_classes`` outputs; optional local weights."""
+    from torchvision.models import resnet18 as tv_resnet18
+
+    model = tv_resnet18(weights=None, num_classes=num_classes)
+    if weights_path:
+        _load_state_dict_file(model, weights_path, skip_prefix="fc.")
+    return model
+
+
+class Standardize(nn.Module):
+    """(x - mean) / std with per-feature buffers ``mean`` and ``std`` of shape (D,)."""
+
+    def __init__(self, in_features: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(in_features))
+        self.register_buffer("std", torch.ones(in_features))
+
+    def set_stats(self, features: torch.Tensor) -> None:
+        """Set mean/std from (N, D) training features (a constant feature keeps std 1)."""
+        mean = features.double().mean(0)
+        std = features.double().std(0, unbiased=False)
+        std = torch.where(std > 1e-12, std, torch.ones_like(std))
+        self.mean.copy_(mean.to(self.mean.dtype))
+        self.std.copy_(std.to(self.std.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - self.mean) / self.std
+
+
+class FeatureHead(nn.Module):
+    """Standardize -> [Linear -> ReLU -> Dropout] * len(hidden_dims) -> Linear(num_classes)."""
+
+    def __init__(self, in_features: int, *, hidden_dims: tuple[int, ...] = (), dropout: float = 0.0,
+                 num_classes: int = 2) -> None:
+        super().__init__()
+        self.standardize = Standardize(in_features)
+        layers: list[nn.Module] = []
+        width = in_features
+        for h in hidden_dims:
+            layers += [nn.Linear(width, h), nn.ReLU(inplace=True)]
+            if dropout > 0:
+                layers.append(nn.Dropout(dropout))
+            width = h
+        layers.append(nn.Linear(width, num_classes))
+        self.body = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(self.standardize(x))
+
+
+def _need_in_features(name: str, in_features) -> int:
+    if not isinstance(in_features, int) or in_features < 1:
+        raise ConfigError(f"model {name!r} needs in_features (the feature-vector length) >= 1; got {in_features!r}.")
+    return in_features
+
+
+@register_model("linear")
+def linear(*, in_features: int | None = None, num_classes: int = 2, weights_path: str | None = None,
+           **_ignored) -> nn.Module:
+    """A single fully connected layer over standardised features."""
+    model = FeatureHead(_need_in_features("linear", in_features), num_classes=num_classes)
+    if weights_path:
+        _load_state_dict_file(model, weights_path, skip_prefix="\0")
+    return model
+
+
+@register_model("mlp")
+def mlp(*, in_features: int | None = None, hidden_dims: tuple[int, ...] | list[int] = (256,),
+        dropout: float = 0.0, num_classes: int = 2, weights_path: str | None = None, **_ignored) -> nn.Module:
+    """A small multilayer perceptron over standardised features."""
+    model = FeatureHead(_need_in_features("mlp", in_features), hidden_dims=tuple(hidden_dims),
+                        dropout=float(dropout), num_classes=num_classes)
+    if weights_path:
+        _load_state_dict_file(model, weights_path, skip_prefix="\0")
+    return model

@@ -1,0 +1,712 @@
+"""MIL-SSL weakly-supervised self-training (paper section 2.4, eq. 2-11).
+
+Every instance of a negative bag is a labelled negative. The instances of positive bags are unlabelled;
+at each refresh they get pseudo labels from :func:`wsi_milssl.mil.sinkhorn.assign_pseudo_labels` applied
+to the current model's probabilities, with the scheduled ratio μ_t (eq. 10). The classifier is trained
+with soft cross-entropy (eq. 9) on randomly mixed batches drawn from all instances.
+
+Public pieces with explicit arguments: :func:`predict_probs`, :func:`refresh_pseudo_labels`,
+:func:`train_one_epoch`, :func:`evaluate` and :func:`fit` (the whole run: checkpoints, metrics,
+plots, resume).
+
+Reproducibility: the instance order, the augmentation and the global torch generator (dropout) are
+re-seeded at every epoch from ``(seed, epoch)``, and the pseudo labels are part of the checkpoint, so a
+run resumed from ``last.pt`` continues exactly as an uninterrupted run (bit-identical weights on CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from wsi_milssl import __version__
+from wsi_milssl.config.base import config_to_dict
+from wsi_milssl.config.train import TrainConfig
+from wsi_milssl.errors import CheckpointError, ConfigError
+from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
+from wsi_milssl.mil.checkpoint import capture_rng, read_checkpoint, restore_rng, save_checkpoint
+from wsi_milssl.mil.data import (
+    NORMALISATION,
+    InstanceSet,
+    PatchDataset,
+    augment_batch,
+    iterate_batches,
+    normalize,
+    to_unit_float,
+)
+from wsi_milssl.mil.models import create_model, is_image_model
+from wsi_milssl.mil.sinkhorn import adaptive_mu, assign_pseudo_labels
+
+__all__ = [
+    "Runtime",
+    "resolve_runtime",
+    "PseudoLabelState",
+    "FitResult",
+    "predict_probs",
+    "bag_scores",
+    "refresh_pseudo_labels",
+    "pseudo_label_metrics",
+    "train_one_epoch",
+    "evaluate",
+    "fit",
+    "build_model",
+]
+
+log = logging.getLogger(__name__)
+
+#: Config fields that may differ between a run and its resume without changing the result.
+RUNTIME_ONLY_FIELDS = ("num_workers", "threads", "plots", "device", "eval_batch_size")
+
+
+# ----------------------------------------------------------------------------------------------
+# Runtime: device, precision, workers
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where and how tensors are computed: ``device``, autocast dtype (None = full precision), whether a
+    float16 gradient scaler is needed, channels_last for image models, and decoding workers."""
+
+    device: torch.device
+    amp_dtype: torch.dtype | None
+    use_grad_scaler: bool
+    channels_last: bool
+    num_workers: int
+
+    def autocast(self):
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
+
+    def describe(self) -> str:
+        amp = "off" if self.amp_dtype is None else str(self.amp_dtype).replace("torch.", "")
+        return f"{self.device} amp={amp} channels_last={self.channels_last} workers={self.num_workers}"
+
+
+def resolve_runtime(config: TrainConfig) -> Runtime:
+    """Pick the device, precision and worker count for ``config`` on this machine."""
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("TrainConfig.device is 'cuda' but no CUDA device is available; use 'auto' or 'cpu'.")
+    device = torch.device("cuda" if config.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
+    image = is_image_model(config.model)
+    amp = config.amp
+    if amp == "auto":
+        if device.type == "cuda":
+            amp = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        else:
+            amp = "bf16" if image else "off"
+    dtype = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[amp]
+    scaler = dtype is torch.float16 and device.type == "cuda"
+    workers = config.num_workers
+    if workers < 0:
+        workers = min(4, max(0, (os.cpu_count() or 1) - 1)) if image else 0
+    return Runtime(device=device, amp_dtype=dtype, use_grad_scaler=scaler,
+                   channels_last=bool(config.channels_last and image), num_workers=workers)
+
+
+def _seed_for(seed: int, *stream: int) -> int:
+    """A 63-bit seed derived from ``seed`` and stream numbers (epoch, purpose)."""
+    return int(np.random.SeedSequence([seed, *stream]).generate_state(1, dtype=np.uint64)[0]) >> 1
+
+
+def _generator(seed: int, *stream: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(_seed_for(seed, *stream))
+    return g
+
+
+# ----------------------------------------------------------------------------------------------
+# Model, inputs, predictions
+# ----------------------------------------------------------------------------------------------
+
+def _model_kwargs(config: TrainConfig, instances: InstanceSet) -> dict[str, Any]:
+    if is_image_model(config.model):
+        return {"num_classes": 2}
+    kwargs: dict[str, Any] = {"num_classes": 2, "in_features": instances.in_features}
+    if config.model == "mlp":
+        kwargs.update(hidden_dims=list(config.hidden_dims), dropout=float(config.dropout))
+    return kwargs
+
+
+def build_model(config: TrainConfig, instances: InstanceSet) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """Create ``config.model`` for ``instances`` (feature heads standardise with their statistics).
+
+    Returns the model (on the CPU, in train mode) and the keyword arguments that rebuild it.
+    """
+    kwargs = _model_kwargs(config, instances)
+    model = create_model(config.model, weights_path=config.weights_path, **kwargs)
+    if instances.kind == "features" and hasattr(model, "standardize"):
+        model.standardize.set_stats(torch.from_numpy(instances.features))
+    return model, kwargs
+
+
+def _prepare_inputs(raw: torch.Tensor, runtime: Runtime, *, kind: str,
+                    aug_generator: torch.Generator | None = None, config: TrainConfig | None = None
+                    ) -> torch.Tensor:
+    if kind == "features":
+        return raw.to(runtime.device, non_blocking=True)
+    x = to_unit_float(raw).to(runtime.device, non_blocking=True)
+    if aug_generator is not None and config is not None and config.augment:
+        x = augment_batch(x, aug_generator, colour_jitter=config.colour_jitter)
+    x = normalize(x)
+    if runtime.channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    return x
+
+
+@torch.no_grad()
+def predict_probs(model: torch.nn.Module, instances: InstanceSet, indices: np.ndarray | None = None, *,
+                  runtime: Runtime, batch_size: int = 512, dataset: PatchDataset | None = None,
+                  progress: ProgressCallback | None = None, stage: str = "predict") -> np.ndarray:
+    """Positive-class probabilities (eq. 2), float32 (len(indices),), eval mode, no augmentation."""
+    idx = np.arange(len(instances)) if indices is None else np.asarray(indices, dtype=np.int64)
+    out = np.empty(idx.size, dtype=np.float32)
+    if idx.size == 0:
+        return out
+    was_training = model.training
+    model.eval()
+    done = 0
+    try:
+        for bidx, raw in iterate_batches(instances, idx, batch_size=batch_size, num_workers=runtime.num_workers,
+                                         dataset=dataset):
+            x = _prepare_inputs(raw, runtime, kind=instances.kind)
+            with runtime.autocast():
+                logits = model(x)
+            probs = torch.softmax(logits.float(), dim=1)[:, 1]
+            out[done:done + bidx.numel()] = probs.cpu().numpy()
+            done += bidx.numel()
+            emit(progress, ProgressEvent(stage=stage, done=done, total=int(idx.size), unit="inst"))
+    finally:
+        model.train(was_training)
+    return out
+
+
+def bag_scores(probs: np.ndarray, bag_ids: np.ndarray, n_bags: int, *, pooling: str = "max") -> np.ndarray:
+    """Bag scores (eq. 11): max (or mean) of the instance probabilities of each bag; float64 (n_bags,).
+
+    A bag without instances scores NaN.
+    """
+    probs = np.asarray(probs, dtype=np.float64)
+    if pooling == "max":
+        out = np.full(n_bags, -np.inf)
+        np.maximum.at(out, bag_ids, probs)
+        out[np.isneginf(out)] = np.nan
+        return out
+    if pooling == "mean":
+        sums = np.bincount(bag_ids, weights=probs, minlength=n_bags)
+        counts = np.bincount(bag_ids, minlength=n_bags)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return sums / counts
+    raise ConfigError(f"bag pooling must be 'max' or 'mean'; got {pooling!r}.")
+
+
+# ----------------------------------------------------------------------------------------------
+# Pseudo labels
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class PseudoLabelState:
+    """Training targets and the pseudo-label bookkeeping.
+
+    ``targets`` float32 (N,): 0 for negative-bag instances, the pseudo label for positive-bag ones.
+    ``pos_index`` int64 (Np,): the positive-bag instances. ``online_probs`` float32 (N,): the last
+    probability seen in a training pass (NaN when unseen), used by ``online_pseudo_labels``.
+    ``mu_t``: the ratio used at the last refresh; ``refreshes``: how many refreshes ran.
+    """
+
+    targets: torch.Tensor
+    pos_index: torch.Tensor
+    online_probs: torch.Tensor
+    mu_t: float = float("nan")
+    refreshes: int = 0
+
+    @classmethod
+    def initial(cls, instances: InstanceSet) -> "PseudoLabelState":
+        n = len(instances)
+        pos = np.flatnonzero(instances.instance_bag_labels == 1)
+        return cls(targets=torch.zeros(n, dtype=torch.float32), pos_index=torch.from_numpy(pos.astype(np.int64)),
+                   online_probs=torch.full((n,), float("nan"), dtype=torch.float32))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"targets": self.targets.clone(), "pos_index": self.pos_index.clone(),
+                "online_probs": self.online_probs.clone(), "mu_t": float(self.mu_t),
+                "refreshes": int(self.refreshes)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "PseudoLabelState":
+        return cls(targets=data["targets"].float().clone(), pos_index=data["pos_index"].long().clone(),
+                   online_probs=data["online_probs"].float().clone(), mu_t=float(data["mu_t"]),
+                   refreshes=int(data["refreshes"]))
+
+
+def refresh_pseudo_labels(model: torch.nn.Module, instances: InstanceSet, state: PseudoLabelState, *,
+                          mu_t: float, config: TrainConfig, runtime: Runtime,
+                          dataset: PatchDataset | None = None, progress: ProgressCallback | None = None
+                          ) -> None:
+    """Recompute the pseudo labels of the positive-bag instances in place (``state.targets``).
+
+    Probabilities come from an eval-mode pass without augmentation, or, with
+    ``config.online_pseudo_labels``, from the probabilities recorded during training when every
+    positive-bag instance has one.
+    """
+    pos = state.pos_index.numpy()
+    if pos.size == 0:
+        return
+    probs = None
+    if config.online_pseudo_labels:
+        seen = state.online_probs[state.pos_index]
+        if not torch.isnan(seen).any():
+            probs = seen.numpy().astype(np.float64)
+    if probs is None:
+        probs = predict_probs(model, instances, pos, runtime=runtime, batch_size=config.eval_batch_size,
+                              dataset=dataset, progress=progress, stage="train-refresh")
+    q = assign_pseudo_labels(probs, instances.bag_ids[pos], mu=mu_t, lam=config.lam,
+                             soft=config.soft_labels, local_constraint=config.local_constraint,
+                             global_constraint=config.global_constraint,
+                             max_iter=config.sinkhorn_max_iter, tol=config.sinkhorn_tol)
+    state.targets[state.pos_index] = torch.from_numpy(q)
+    state.mu_t = float(mu_t)
+    state.refreshes += 1
+
+
+def pseudo_label_metrics(state: PseudoLabelState, instances: InstanceSet) -> dict[str, float | None]:
+    """Mean pseudo label and, when instance labels exist (evaluation only), the precision, recall and
+    accuracy of the binarised (> 0.5) pseudo labels of positive-bag instances (paper figure 8)."""
+    pos = state.pos_index.numpy()
+    q = state.targets.numpy()[pos]
+    out: dict[str, float | None] = {
+        "pseudo_label_mean": float(q.mean()) if q.size else None,
+        "pseudo_positive_fraction": float((q > 0.5).mean()) if q.size else None,
+        "pseudo_precision": None, "pseudo_recall": None, "pseudo_accuracy": None,
+    }
+    if instances.instance_labels is not None and q.size:
+        y = instances.instance_labels[pos].astype(bool)
+        hard = q > 0.5
+        out["pseudo_accuracy"] = float((hard == y).mean())
+        out["pseudo_precision"] = float(y[hard].mean()) if hard.any() else None
+        out["pseudo_recall"] = float(hard[y].mean()) if y.any() else None
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# One epoch of training
+# ----------------------------------------------------------------------------------------------
+
+def soft_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of (B, 2) logits against soft positive targets (B,) in [0, 1] (eq. 9)."""
+    logp = F.log_softmax(logits.float(), dim=1)
+    return -(targets * logp[:, 1] + (1.0 - targets) * logp[:, 0]).mean()
+
+
+def train_one_epoch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, instances: InstanceSet,
+                    state: PseudoLabelState, *, order: torch.Tensor, config: TrainConfig, runtime: Runtime,
+                    aug_generator: torch.Generator | None, step: int = 0, mu_t: float = 0.5,
+                    scaler: torch.amp.GradScaler | None = None, dataset: PatchDataset | None = None,
+                    progress: ProgressCallback | None = None) -> dict[str, float]:
+    """One pass over ``order`` (a permutation of all instance indices) in batches of ``config.batch_size``.
+
+    Refreshes the pseudo labels every ``config.refresh_every`` steps (counted globally from ``step``)
+    when that is > 0. Records training probabilities into ``state.online_probs``. Returns
+    ``{"loss": mean loss, "steps": steps taken, "instances": instances seen}``.
+    """
+    model.train()
+    total_loss, steps, seen = 0.0, 0, 0
+    n = int(order.numel())
+    for bidx, raw in iterate_batches(instances, order, batch_size=config.batch_size,
+                                     num_workers=runtime.num_workers, dataset=dataset):
+        if config.refresh_every > 0 and (step + steps) % config.refresh_every == 0:
+            refresh_pseudo_labels(model, instances, state, mu_t=mu_t, config=config, runtime=runtime,
+                                  dataset=dataset)
+            model.train()
+        x = _prepare_inputs(raw, runtime, kind=instances.kind, aug_generator=aug_generator, config=config)
+        y = state.targets[bidx].to(runtime.device, non_blocking=True)
+        with runtime.autocast():
+            logits = model(x)
+        loss = soft_cross_entropy(logits, y)
+        optimizer.zero_grad(set_to_none=True)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            loss.backward()
+            optimizer.step()
+        with torch.no_grad():
+            state.online_probs[bidx] = torch.softmax(logits.detach().float(), dim=1)[:, 1].cpu()
+        total_loss += float(loss.detach()) * bidx.numel()
+        steps += 1
+        seen += int(bidx.numel())
+        emit(progress, ProgressEvent(stage="train-epoch", done=seen, total=n, unit="inst",
+                                     message=f"loss {total_loss / max(seen, 1):.4f}"))
+    return {"loss": total_loss / max(seen, 1), "steps": steps, "instances": seen}
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation
+# ----------------------------------------------------------------------------------------------
+
+def _auc(y: np.ndarray, score: np.ndarray) -> float | None:
+    from sklearn.metrics import roc_auc_score
+
+    ok = np.isfinite(score)
+    y, score = y[ok], score[ok]
+    if y.size == 0 or y.min() == y.max():
+        return None
+    return float(roc_auc_score(y, score))
+
+
+def evaluate(model: torch.nn.Module, instances: InstanceSet, *, runtime: Runtime, bag_pooling: str = "max",
+             batch_size: int = 512, threshold: float = 0.5, dataset: PatchDataset | None = None,
+             progress: ProgressCallback | None = None) -> dict[str, Any]:
+    """Instance and bag metrics of ``model`` on ``instances`` (eval mode, no augmentation).
+
+    Returns a dict with ``instance_auc`` (None without instance labels or with one class), ``bag_auc``,
+    ``bag_accuracy`` (bag score > ``threshold``), ``bag_nll`` (mean binary cross-entropy of the bag
+    scores) and the arrays ``probs`` float32 (N,) and ``bag_scores`` float64 (n_bags,).
+    """
+    probs = predict_probs(model, instances, runtime=runtime, batch_size=batch_size, dataset=dataset,
+                          progress=progress, stage="train-eval")
+    scores = bag_scores(probs, instances.bag_ids, instances.n_bags, pooling=bag_pooling)
+    labels = instances.bag_labels.astype(np.int64)
+    ok = np.isfinite(scores)
+    clipped = np.clip(scores[ok], 1e-7, 1 - 1e-7)
+    nll = float(-np.mean(labels[ok] * np.log(clipped) + (1 - labels[ok]) * np.log1p(-clipped))) if ok.any() else None
+    return {
+        "instance_auc": None if instances.instance_labels is None
+        else _auc(instances.instance_labels.astype(np.int64), probs.astype(np.float64)),
+        "bag_auc": _auc(labels, scores),
+        "bag_accuracy": float(np.mean((scores[ok] > threshold) == (labels[ok] == 1))) if ok.any() else None,
+        "bag_nll": nll,
+        "probs": probs,
+        "bag_scores": scores,
+    }
+
+
+def _selection_score(metrics: dict[str, Any], select_metric: str) -> tuple[float, float] | None:
+    """Higher is better; None when the metric is undefined (e.g. one class only)."""
+    nll = metrics.get("bag_nll")
+    tie = -nll if nll is not None else -math.inf
+    if select_metric == "bag_nll":
+        return None if nll is None else (-nll, 0.0)
+    value = metrics.get(select_metric)
+    if value is None:
+        return None
+    return (float(value), tie)
+
+
+# ----------------------------------------------------------------------------------------------
+# The whole run
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class FitResult:
+    """What :func:`fit` returns: the trained model (eval mode), the per-epoch metric records, the best
+    epoch on validation (None without validation), the run folder and, when asked for, the validation
+    bag scores at each evaluated epoch ``{epoch: float64 (n_bags,)}``."""
+
+    model: torch.nn.Module
+    history: list[dict[str, Any]]
+    best_epoch: int | None
+    out_dir: Path | None
+    val_bag_scores: dict[int, np.ndarray] = field(default_factory=dict)
+    val_probs: dict[int, np.ndarray] = field(default_factory=dict)
+
+
+def _data_fingerprint(instances: InstanceSet) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps([instances.kind, instances.bag_names, instances.bag_labels.tolist(), len(instances)]).encode())
+    h.update(np.ascontiguousarray(instances.bag_ids).tobytes())
+    if instances.features is not None:
+        h.update(np.ascontiguousarray(instances.features[: min(len(instances), 4096)]).tobytes())
+    return h.hexdigest()[:16]
+
+
+def _checkpoint_config(config: TrainConfig, instances: InstanceSet, runtime: Runtime,
+                       model_kwargs: dict[str, Any]) -> dict[str, Any]:
+    cfg = config_to_dict(config)
+    settings = dict(instances.settings)
+    cfg.update({
+        "target_mpp": settings.get("target_mpp"),
+        "target_magnification": settings.get("target_magnification"),
+        "patch_size_px": settings.get("patch_size_px"),
+        "entropy_threshold_bits": settings.get("entropy_threshold_bits"),
+        "store_settings": settings,
+        "normalisation": {k: list(v) for k, v in NORMALISATION.items()} if instances.kind == "images" else None,
+        "in_features": instances.in_features,
+        "model_name": config.model,
+        "model_kwargs": model_kwargs,
+        "train_bags": list(instances.bag_names),
+        "train_instances": len(instances),
+        "data_fingerprint": _data_fingerprint(instances),
+        "runtime": runtime.describe(),
+        "package_version": __version__,
+    })
+    return cfg
+
+
+def _json_default(value):
+    if isinstance(value, (np.floating, np.integer)):
+        return value.item()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+#: Redraw metrics.png at most this often (seconds); the last epoch is always drawn.
+PLOT_INTERVAL_S = 10.0
+
+
+def _write_metrics(out_dir: Path, history: list[dict[str, Any]], *, plots: bool) -> None:
+    lines = "".join(json.dumps(rec, default=_json_default, sort_keys=True) + "\n" for rec in history)
+    _write_text_atomic(out_dir / "metrics.jsonl", lines)
+    if plots:
+        from wsi_milssl.mil.plots import plot_training_metrics
+
+        try:
+            plot_training_metrics(history, out_dir / "metrics.png")
+        except Exception as exc:  # a plot must never stop training
+            log.warning("could not draw %s: %s", out_dir / "metrics.png", exc)
+
+
+def _read_history(out_dir: Path, *, before_epoch: int) -> list[dict[str, Any]]:
+    path = out_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            if int(rec.get("epoch", 0)) <= before_epoch:
+                out.append(rec)
+    return out
+
+
+def _check_resume_config(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
+    diffs = []
+    for key, value in current.items():
+        if key in RUNTIME_ONLY_FIELDS or key in ("runtime", "package_version", "data"):
+            continue
+        if key == "epochs" and saved.get("scheduler", "none") == "none":
+            continue  # extending a constant-rate run keeps the first epochs identical
+        if json.dumps(saved.get(key), sort_keys=True) != json.dumps(value, sort_keys=True):
+            diffs.append(f"{key}: {saved.get(key)!r} -> {value!r}")
+    if diffs:
+        raise CheckpointError(
+            f"{path}: cannot resume with different settings ({'; '.join(diffs[:4])}); resume with the "
+            "original settings (see config.json in the run folder) or start a new --out folder."
+        )
+
+
+def _make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+    if config.optimizer == "adam":
+        return torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay)
+    return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+
+
+def fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike | None = None,
+        val: InstanceSet | None = None, resume: bool = False, eval_at: Sequence[int] | None = None,
+        keep_val_scores: bool = False, run_info: dict[str, Any] | None = None,
+        progress: ProgressCallback | None = None) -> FitResult:
+    """Train an instance classifier with MIL-SSL.
+
+    Parameters
+    ----------
+    train : the training instances (negative and positive bags).
+    config : the resolved training settings; ``config.mode`` must match ``train.kind``.
+    out_dir : run folder for ``config.json``, ``last.pt``, ``best.pt`` (with ``val``), ``metrics.jsonl``
+        and ``metrics.png``; None keeps everything in memory (used by the benchmark).
+    val : validation instances; selects ``best.pt`` by ``config.select_metric`` (never a test set).
+    resume : continue from ``out_dir/last.pt`` (same settings required; more epochs allowed when the
+        learning rate is constant).
+    eval_at : completed-epoch counts (1-based) at which to evaluate ``val``; default every epoch.
+    keep_val_scores : keep the validation bag scores and instance probabilities of every evaluation.
+    run_info : extra JSON-ready entries for the saved config (the CLI records its inputs under "data").
+    progress : callback receiving ProgressEvents ("train" per epoch, "train-epoch" per batch).
+    """
+    if train.kind != config.mode:
+        raise ConfigError(f"training instances are {train.kind!r} but TrainConfig.mode is {config.mode!r}; "
+                          "use the matching mode.")
+    if val is not None and val.kind != train.kind:
+        raise ConfigError(f"validation instances are {val.kind!r} but training instances are {train.kind!r}.")
+    if val is not None and train.kind == "features" and val.in_features != train.in_features:
+        raise ConfigError(f"validation features have length {val.in_features}, training {train.in_features}.")
+    bag_labels = train.bag_labels
+    if not (bag_labels == 0).any():
+        raise ConfigError(f"{train.source}: no negative bag among the {train.n_bags} training bags; MIL-SSL "
+                          "learns negatives from negative bags, so add slides labelled 0.")
+    if not (bag_labels == 1).any():
+        raise ConfigError(f"{train.source}: no positive bag among the {train.n_bags} training bags; add slides "
+                          "labelled 1.")
+    if resume and out_dir is None:
+        raise ConfigError("resume needs the run folder (out_dir) that holds last.pt.")
+    if config.threads > 0:
+        torch.set_num_threads(config.threads)
+    runtime = resolve_runtime(config)
+    if runtime.device.type == "cuda":
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
+    log.info("training %s on %s (%d instances in %d bags, %d positive bags)", config.model,
+             runtime.describe(), len(train), train.n_bags, int((bag_labels == 1).sum()))
+
+    torch.manual_seed(_seed_for(config.seed, 0, 0))
+    np.random.seed(_seed_for(config.seed, 0, 1) % (2**32))
+    random.seed(_seed_for(config.seed, 0, 2))
+    model, model_kwargs = build_model(config, train)
+    model.to(runtime.device)
+    if runtime.channels_last:
+        model.to(memory_format=torch.channels_last)
+    optimizer = _make_optimizer(model, config)
+    scheduler = (torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=config.epochs)
+                 if config.scheduler == "cosine" else None)
+    scaler = torch.amp.GradScaler("cuda") if runtime.use_grad_scaler else None
+    state = PseudoLabelState.initial(train)
+    ckpt_config = _checkpoint_config(config, train, runtime, model_kwargs)
+    ckpt_config.update(run_info or {})
+    out = Path(out_dir) if out_dir is not None else None
+
+    start_epoch, step = 0, 0
+    best_score: tuple[float, float] | None = None
+    best_epoch: int | None = None
+    history: list[dict[str, Any]] = []
+    if resume and out is not None:
+        if not (out / "last.pt").is_file():
+            raise CheckpointError(f"{out}: no last.pt to resume from; start the run without resume "
+                                  "(--resume) or pass the folder of an earlier run.")
+        ckpt = read_checkpoint(out / "last.pt")
+        _check_resume_config(ckpt["config"], ckpt_config, out / "last.pt")
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        if scheduler is not None and ckpt.get("scheduler") is not None:
+            scheduler.load_state_dict(ckpt["scheduler"])
+        if scaler is not None and ckpt.get("grad_scaler") is not None:
+            scaler.load_state_dict(ckpt["grad_scaler"])
+        state = PseudoLabelState.from_dict(ckpt["pseudo_labels"])
+        restore_rng(ckpt["rng"])
+        start_epoch, step = int(ckpt["epoch"]), int(ckpt["step"])
+        best = ckpt.get("best") or {}
+        if best.get("score") is not None:
+            best_score = tuple(best["score"])
+            best_epoch = best.get("epoch")
+        history = _read_history(out, before_epoch=start_epoch)
+        log.info("resumed %s at epoch %d (step %d)", out / "last.pt", start_epoch, step)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        _write_text_atomic(out / "config.json", json.dumps(ckpt_config, indent=2, sort_keys=True,
+                                                           default=_json_default) + "\n")
+
+    dataset = PatchDataset(train) if train.kind == "images" else None
+    val_dataset = PatchDataset(val) if val is not None and val.kind == "images" else None
+    eval_set = None if eval_at is None else {int(e) for e in eval_at}
+    result = FitResult(model=model, history=history, best_epoch=best_epoch, out_dir=out)
+    emit(progress, ProgressEvent(stage="train", done=start_epoch, total=config.epochs, unit="epoch"))
+    last_plot = -math.inf
+
+    for epoch in range(start_epoch, config.epochs):
+        t0 = time.perf_counter()
+        # Re-seed every random stream from (seed, epoch): a resumed run draws exactly the same numbers.
+        torch.manual_seed(_seed_for(config.seed, epoch, 3))
+        mu_t = adaptive_mu(epoch, mu=config.mu, ramp_epochs=config.mu_ramp_epochs, fixed=config.fixed_mu)
+        refresh_s = 0.0
+        if config.refresh_every == 0:
+            t_ref = time.perf_counter()
+            refresh_pseudo_labels(model, train, state, mu_t=mu_t, config=config, runtime=runtime,
+                                  dataset=dataset, progress=progress)
+            refresh_s = time.perf_counter() - t_ref
+        label_metrics = pseudo_label_metrics(state, train)
+        order = torch.randperm(len(train), generator=_generator(config.seed, epoch, 1))
+        aug = _generator(config.seed, epoch, 2) if train.kind == "images" else None
+        stats = train_one_epoch(model, optimizer, train, state, order=order, config=config, runtime=runtime,
+                                aug_generator=aug, step=step, mu_t=mu_t, scaler=scaler, dataset=dataset,
+                                progress=progress)
+        if config.refresh_every > 0:
+            label_metrics = pseudo_label_metrics(state, train)
+        step += stats["steps"]
+        lr = optimizer.param_groups[0]["lr"]
+        if scheduler is not None:
+            scheduler.step()
+        train_s = time.perf_counter() - t0
+        record: dict[str, Any] = {"epoch": epoch + 1, "step": step, "loss": stats["loss"], "mu_t": mu_t,
+                                  "lr": lr, **label_metrics, "train_seconds": train_s,
+                                  "refresh_seconds": refresh_s,
+                                  "instances_per_second": stats["instances"] / max(train_s - refresh_s, 1e-9)}
+        improved = False
+        if val is not None and (eval_set is None or epoch + 1 in eval_set):
+            t_val = time.perf_counter()
+            metrics = evaluate(model, val, runtime=runtime, bag_pooling=config.bag_pooling,
+                               batch_size=config.eval_batch_size, dataset=val_dataset)
+            if keep_val_scores:
+                result.val_bag_scores[epoch + 1] = metrics["bag_scores"]
+                result.val_probs[epoch + 1] = metrics["probs"]
+            record.update({f"val_{k}": v for k, v in metrics.items() if k not in ("probs", "bag_scores")})
+            record["val_seconds"] = time.perf_counter() - t_val
+            score = _selection_score(metrics, config.select_metric)
+            if score is not None and (best_score is None or score > best_score):
+                best_score, best_epoch, improved = score, epoch + 1, True
+        record["best_epoch"] = best_epoch
+        history.append(record)
+        result.best_epoch = best_epoch
+        if out is not None:
+            ckpt = {
+                "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+                "model_name": config.model,
+                "model_kwargs": model_kwargs,
+                "bag_pooling": config.bag_pooling,
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "grad_scaler": scaler.state_dict() if scaler is not None else None,
+                "epoch": epoch + 1,
+                "step": step,
+                "pseudo_labels": state.to_dict(),
+                "rng": capture_rng(),
+                "config": ckpt_config,
+                "best": {"epoch": best_epoch, "score": None if best_score is None else list(best_score),
+                         "metric": config.select_metric},
+                "metrics": {k: v for k, v in record.items() if isinstance(v, (int, float, str, type(None)))},
+            }
+            save_checkpoint(ckpt, out / "last.pt")
+            if improved:
+                save_checkpoint(ckpt, out / "best.pt")
+            draw = config.plots and (epoch + 1 == config.epochs or time.perf_counter() - last_plot >= PLOT_INTERVAL_S)
+            _write_metrics(out, history, plots=draw)
+            if draw:
+                last_plot = time.perf_counter()
+        log.info("epoch %d/%d loss %.4f mu_t %.3f pseudo+ %.3f%s", epoch + 1, config.epochs, stats["loss"], mu_t,
+                 label_metrics["pseudo_positive_fraction"] or 0.0,
+                 "" if val is None else f" val bag_auc {record.get('val_bag_auc')} inst_auc {record.get('val_instance_auc')}")
+        emit(progress, ProgressEvent(stage="train", done=epoch + 1, total=config.epochs, unit="epoch",
+                                     item=f"epoch {epoch + 1}", message=f"loss {stats['loss']:.4f}"))
+    model.eval()
+    if dataset is not None:
+        dataset.close()
+    if val_dataset is not None:
+        val_dataset.close()
+    return result
+
+
+def config_with(config: TrainConfig, **changes) -> TrainConfig:
+    """A copy of ``config`` with ``changes`` applied (validated again)."""
+    return dataclasses.replace(config, **changes)

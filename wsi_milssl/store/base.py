@@ -1,0 +1,567 @@
+"""Backend-independent parts of the patch store: the reader base class, the streaming writer base
+class and the helpers both backends share (attribute conversion, index handling, JPEG codec,
+atomic directory swaps).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import json
+import os
+import shutil
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import imagecodecs
+import numpy as np
+
+from wsi_milssl.errors import StoreError
+from wsi_milssl.store import schema
+
+__all__ = [
+    "PatchStore",
+    "StoreWriter",
+    "decode_jpeg",
+    "encode_jpeg",
+    "fsync_path",
+    "normalize_indices",
+    "plain_attr",
+    "swap_into_place",
+]
+
+
+# -- codec --------------------------------------------------------------------------------------
+def encode_jpeg(rgb: np.ndarray, *, quality: int = 90) -> bytes:
+    """JPEG bytes (baseline, 4:2:0) of an RGB uint8 (h, w, 3) patch. Deterministic for equal input."""
+    return bytes(imagecodecs.jpeg8_encode(np.ascontiguousarray(rgb), level=int(quality), subsampling="420"))
+
+
+def decode_jpeg(data: bytes | np.ndarray, *, out: np.ndarray | None = None) -> np.ndarray:
+    """RGB uint8 (h, w, 3) pixels of JPEG ``data``."""
+    img = imagecodecs.jpeg8_decode(data if isinstance(data, (bytes, bytearray)) else np.asarray(data).tobytes())
+    if img.ndim == 2:
+        img = np.repeat(img[..., None], 3, axis=2)
+    if out is not None:
+        out[...] = img
+        return out
+    return img
+
+
+# -- attributes ---------------------------------------------------------------------------------
+def plain_attr(value: Any) -> Any:
+    """A stored attribute value as plain Python (numpy scalars/arrays -> int/float/bool/list, bytes -> str)."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8")
+    if isinstance(value, np.ndarray):
+        return [plain_attr(v) for v in value.tolist()] if value.ndim else plain_attr(value.item())
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, (list, tuple)):
+        return [plain_attr(v) for v in value]
+    return value
+
+
+def check_attr_value(name: str, value: Any, *, where: str) -> Any:
+    """Validate a user attribute (JSON-able scalar or flat list of scalars) and return it as plain Python."""
+    value = plain_attr(value)
+    ok_scalar = (bool, int, float, str)
+    if isinstance(value, ok_scalar) or (
+        isinstance(value, list) and value and all(isinstance(v, ok_scalar) for v in value)
+        and len({type(v) for v in value}) == 1
+    ):
+        return value
+    raise StoreError(
+        f"{where}: attribute {name!r} has value {value!r} ({type(value).__name__}); attributes must be "
+        "an int, float, bool or str, or a non-empty list of one of those. Fix: convert it (e.g. json.dumps)."
+    )
+
+
+# -- indices ------------------------------------------------------------------------------------
+def normalize_indices(indices: Any, n: int, *, where: str) -> np.ndarray:
+    """int64 (B,) indices in [0, n) from an int, slice, sequence or array (negative values count from the end)."""
+    if isinstance(indices, slice):
+        return np.arange(n, dtype=np.int64)[indices]
+    idx = np.asarray(indices)
+    if idx.ndim == 0:
+        idx = idx.reshape(1)
+    if idx.size == 0:
+        return np.zeros(0, np.int64)
+    if idx.dtype == bool:
+        if idx.shape != (n,):
+            raise IndexError(f"{where}: boolean index of shape {idx.shape} for {n} patches.")
+        return np.flatnonzero(idx).astype(np.int64)
+    if not np.issubdtype(idx.dtype, np.integer):
+        raise IndexError(f"{where}: patch indices must be integers; got dtype {idx.dtype}.")
+    idx = idx.astype(np.int64).ravel()
+    idx = np.where(idx < 0, idx + n, idx)
+    if idx.min() < 0 or idx.max() >= n:
+        raise IndexError(f"{where}: patch index out of range for a store of {n} patches.")
+    return idx
+
+
+def runs(sorted_unique: np.ndarray) -> list[tuple[int, int]]:
+    """[(start, stop)) ranges of consecutive values in a sorted, unique int array."""
+    if len(sorted_unique) == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(sorted_unique) != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    stops = np.concatenate([breaks, [len(sorted_unique)]])
+    return [(int(sorted_unique[a]), int(sorted_unique[b - 1]) + 1) for a, b in zip(starts, stops)]
+
+
+# -- files --------------------------------------------------------------------------------------
+def fsync_path(path: Path) -> None:
+    """fsync a file, or every file and folder under a directory (best effort on folders)."""
+    path = Path(path)
+    if path.is_dir():
+        for root, _dirs, files in os.walk(path):
+            for f in files:
+                _fsync_file(Path(root) / f)
+            _fsync_dir(Path(root))
+    else:
+        _fsync_file(path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths with Linux renameat2(RENAME_EXCHANGE); False where unsupported."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    rc = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    return rc == 0
+
+
+def swap_into_place(new: Path, final: Path) -> None:
+    """Move the complete file or folder ``new`` to ``final``, replacing what is there.
+
+    Files use ``os.replace`` (atomic). A folder replacing a folder is swapped atomically with
+    renameat2(RENAME_EXCHANGE) where the kernel offers it, else renamed aside first; the old copy is
+    then deleted.
+    """
+    new, final = Path(new), Path(final)
+    if not final.exists() or not (new.is_dir() or final.is_dir()):
+        if final.is_dir() and not new.is_dir():
+            shutil.rmtree(final)
+        os.replace(new, final)
+        _fsync_dir(final.parent)
+        return
+    if _exchange(new, final):
+        _fsync_dir(final.parent)
+        shutil.rmtree(new) if new.is_dir() else new.unlink()
+        return
+    aside = final.with_name(final.name + f".old-{os.getpid()}")
+    os.replace(final, aside)
+    os.replace(new, final)
+    _fsync_dir(final.parent)
+    shutil.rmtree(aside) if aside.is_dir() else aside.unlink()
+
+
+def remove_path(path: Path) -> None:
+    """Delete a file or folder if it exists."""
+    path = Path(path)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+# -- reader -------------------------------------------------------------------------------------
+class PatchStore(ABC):
+    """Read access to one patch store (HDF5 or Zarr); open it with :func:`wsi_milssl.store.open_store`.
+
+    The file is opened lazily in each process (and re-opened after a fork), so a store object can
+    be handed to DataLoader workers. ``attrs`` and ``len`` are read once at open.
+    """
+
+    format: str = ""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self._pid: int | None = None
+        self._cache: dict[str, Any] = {}
+        self._validate()
+
+    # backend hooks ------------------------------------------------------------------------------
+    @abstractmethod
+    def _open(self) -> None:
+        """Open the backend handle for this process."""
+
+    @abstractmethod
+    def _close(self) -> None:
+        """Close the backend handle (if any)."""
+
+    @abstractmethod
+    def _read_attrs(self) -> dict[str, Any]:
+        """Root attributes as stored."""
+
+    @abstractmethod
+    def _array_names(self) -> list[str]:
+        """Names of the per-patch arrays present."""
+
+    @abstractmethod
+    def _array_attrs(self, name: str) -> dict[str, Any]:
+        """Attributes of one array."""
+
+    @abstractmethod
+    def _array_len(self, name: str) -> int:
+        """First-axis length of one array."""
+
+    @abstractmethod
+    def _read_range(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of a per-patch array (not JPEG patches)."""
+
+    @abstractmethod
+    def _read_rows(self, name: str, sorted_unique: np.ndarray) -> np.ndarray:
+        """Rows at sorted unique indices of a per-patch array (not JPEG patches)."""
+
+    @abstractmethod
+    def _read_jpeg_sorted(self, sorted_unique: np.ndarray) -> list[bytes]:
+        """JPEG byte strings of the patches at sorted unique indices."""
+
+    # lifecycle ----------------------------------------------------------------------------------
+    def _ensure_open(self) -> None:
+        if self._pid != os.getpid():
+            self._drop_inherited()
+            self._open()
+            self._pid = os.getpid()
+
+    def _drop_inherited(self) -> None:
+        """Forget handles inherited through fork without touching the parent's."""
+
+    def _fail(self, what: str, fix: str) -> StoreError:
+        return StoreError(f"{self.path}: {what}. Fix: {fix}")
+
+    def _validate(self) -> None:
+        if str(self.path).rstrip("/").endswith(schema.PARTIAL_SUFFIX):
+            raise self._fail(
+                "this is an incomplete store (still being written, or left by a run that was killed)",
+                "re-run `wsi-milssl tile` with the same settings to finish it, then open the final store",
+            )
+        if not self.path.exists():
+            raise self._fail("patch store not found", "check the path, or run `wsi-milssl tile` to make it")
+        try:
+            self._ensure_open()
+            attrs = {k: plain_attr(v) for k, v in self._read_attrs().items()}
+            names = sorted(self._array_names())
+        except StoreError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any backend failure means an unreadable store
+            self.close()
+            raise self._fail(
+                f"cannot read the patch store ({type(exc).__name__}: {exc})",
+                "the store is corrupt or not a wsi-milssl store; delete it and re-run `wsi-milssl tile`",
+            ) from None
+        version = attrs.get("schema_version")
+        if version is None:
+            self.close()
+            raise self._fail("not a wsi-milssl patch store (no schema_version attribute)",
+                             "give a store written by `wsi-milssl tile`")
+        if version != schema.SCHEMA_VERSION:
+            self.close()
+            newer = isinstance(version, int) and version > schema.SCHEMA_VERSION
+            raise self._fail(
+                f"store schema version {version} differs from this package's {schema.SCHEMA_VERSION}",
+                "upgrade wsi-milssl to read it" if newer else "re-run `wsi-milssl tile --overwrite` to rewrite it",
+            )
+        if attrs.get(schema.COMPLETE_ATTR) is not True or schema.COORDS not in names:
+            self.close()
+            raise self._fail("the store is incomplete", "re-run `wsi-milssl tile --overwrite` for this slide")
+        self._attrs = attrs
+        self._names = names
+        self._n = self._array_len(schema.COORDS)
+
+    def close(self) -> None:
+        """Close the backend handle; the store reopens on next use."""
+        if self._pid == os.getpid():
+            self._close()
+        self._pid = None
+
+    def __enter__(self) -> "PatchStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_pid"] = None
+        for key in self._handle_fields():
+            state[key] = None
+        state["_cache"] = {}
+        return state
+
+    def _handle_fields(self) -> tuple[str, ...]:
+        return ()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self.path)!r}, n={self._n}, pixels={self.pixels!r})"
+
+    # metadata ------------------------------------------------------------------------------------
+    @property
+    def attrs(self) -> dict[str, Any]:
+        """Root attributes as plain Python values (a copy)."""
+        return dict(self._attrs)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def names(self) -> list[str]:
+        """Names of the per-patch arrays present (``patches`` included when pixels are stored)."""
+        return list(self._names)
+
+    def has(self, name: str) -> bool:
+        return name in self._names
+
+    @property
+    def pixels(self) -> str:
+        """'jpeg', 'raw' or 'none'."""
+        return str(self._attrs.get("pixels", "none"))
+
+    @property
+    def patch_size_px(self) -> int:
+        """Patch side in pixels at the target resolution."""
+        return int(self._attrs["patch_size_px"])
+
+    @property
+    def patch_size_lv0(self) -> int:
+        """Patch side in level-0 pixels."""
+        return int(self._attrs["patch_size_lv0"])
+
+    @property
+    def slide_path(self) -> Path:
+        return Path(self._attrs["slide_path"])
+
+    @property
+    def stem(self) -> str:
+        return str(self._attrs.get("slide_stem") or self.path.stem)
+
+    def array_attrs(self, name: str) -> dict[str, Any]:
+        """Attributes of one array, e.g. the CLAM attrs of ``coords``."""
+        self._require(name)
+        self._ensure_open()
+        return {k: plain_attr(v) for k, v in self._array_attrs(name).items()}
+
+    # data ----------------------------------------------------------------------------------------
+    @property
+    def coords(self) -> np.ndarray:
+        """int64 (N, 2) level-0 top-left (x, y) of every patch."""
+        if "coords" not in self._cache:
+            self._cache["coords"] = self.read_array(schema.COORDS)
+        return self._cache["coords"]
+
+    def _require(self, name: str) -> None:
+        if name not in self._names:
+            hint = (
+                "this store holds coordinates only (made with --pixels none); re-run `wsi-milssl tile` "
+                "with --pixels jpeg or raw into a new --out folder"
+                if name == schema.PATCHES
+                else "run the stage that adds it (e.g. `wsi-milssl label` for tumor_fraction/instance_label)"
+            )
+            raise self._fail(f"no array {name!r} in this store (it has {', '.join(self._names)})", hint)
+
+    def read_array(self, name: str, indices: Any = None) -> np.ndarray:
+        """A per-patch array, whole or at ``indices``. JPEG ``patches`` come back as an object array of bytes."""
+        self._require(name)
+        self._ensure_open()
+        if name == schema.PATCHES and self.pixels == "jpeg":
+            idx = np.arange(self._n) if indices is None else normalize_indices(indices, self._n, where=str(self.path))
+            out = np.empty(len(idx), dtype=object)
+            for i, b in enumerate(self.read_jpeg(idx) if len(idx) else []):
+                out[i] = b
+            return out
+        if indices is None:
+            return self._read_range(name, 0, self._n)
+        idx = normalize_indices(indices, self._n, where=str(self.path))
+        return self._gather(name, idx)
+
+    def _gather(self, name: str, idx: np.ndarray) -> np.ndarray:
+        uniq, inverse = np.unique(idx, return_inverse=True)
+        if len(uniq) == 0:
+            return self._read_range(name, 0, 0)
+        if uniq[-1] - uniq[0] + 1 == len(uniq):
+            rows = self._read_range(name, int(uniq[0]), int(uniq[-1]) + 1)
+        else:
+            rows = self._read_rows(name, uniq)
+        return rows if len(uniq) == len(idx) and np.array_equal(uniq, idx) else rows[inverse]
+
+    def read_jpeg(self, indices: Any) -> list[bytes]:
+        """JPEG byte strings of the patches at ``indices`` (stores with pixels = 'jpeg')."""
+        self._require(schema.PATCHES)
+        if self.pixels != "jpeg":
+            raise self._fail(f"patches are stored as {self.pixels!r}, not JPEG", "use read_patches()")
+        self._ensure_open()
+        idx = normalize_indices(indices, self._n, where=str(self.path))
+        uniq, inverse = np.unique(idx, return_inverse=True)
+        data = self._read_jpeg_sorted(uniq)
+        return [data[i] for i in inverse.ravel()]
+
+    def read_patches(self, indices: Any) -> np.ndarray:
+        """uint8 (B, H, W, 3) RGB patches at the target resolution, decoded, in the order of ``indices``."""
+        self._require(schema.PATCHES)
+        self._ensure_open()
+        idx = normalize_indices(indices, self._n, where=str(self.path))
+        size = self.patch_size_px
+        if self.pixels == "raw":
+            return self._gather(schema.PATCHES, idx)
+        out = np.empty((len(idx), size, size, 3), np.uint8)
+        uniq, inverse = np.unique(idx, return_inverse=True)
+        data = self._read_jpeg_sorted(uniq)
+        decoded: dict[int, int] = {}
+        for pos, u in enumerate(inverse.ravel()):
+            if u in decoded:
+                out[pos] = out[decoded[u]]
+                continue
+            img = decode_jpeg(data[u])
+            if img.shape != (size, size, 3):
+                raise self._fail(
+                    f"patch {int(uniq[u])} decodes to shape {img.shape}, expected {(size, size, 3)}",
+                    "the store is corrupt; delete it and re-run `wsi-milssl tile`",
+                )
+            out[pos] = img
+            decoded[u] = pos
+        return out
+
+
+# -- writer -------------------------------------------------------------------------------------
+class StoreWriter(ABC):
+    """Streams one slide's patches into a new store under ``<final>.partial`` and renames it when complete.
+
+    Use as a context manager: leaving the block with an exception deletes the partial store.
+    ``append`` takes one batch at a time, so memory stays bounded by the batch.
+    """
+
+    format: str = ""
+
+    def __init__(self, final_path: str | os.PathLike, *, pixels: str, patch_size_px: int,
+                 coords_attrs: Mapping[str, Any] | None = None) -> None:
+        if pixels not in schema.PIXEL_ENCODINGS:
+            raise ValueError(f"pixels must be one of {', '.join(schema.PIXEL_ENCODINGS)}; got {pixels!r}.")
+        self.path = Path(final_path)
+        self.partial_path = self.path.with_name(self.path.name + schema.PARTIAL_SUFFIX)
+        self.pixels = pixels
+        self.patch_size_px = int(patch_size_px)
+        self.coords_attrs = dict(coords_attrs or {})
+        self.n_written = 0
+        self._done = False
+        remove_path(self.partial_path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._create()
+
+    @abstractmethod
+    def _create(self) -> None:
+        """Create the empty partial store."""
+
+    @abstractmethod
+    def _append(self, coords: np.ndarray, entropy: np.ndarray, tissue: np.ndarray, patches: Any) -> None:
+        """Append one validated batch."""
+
+    @abstractmethod
+    def _write_attrs_and_close(self, attrs: dict[str, Any]) -> None:
+        """Flush buffers, write root attributes and close the partial store."""
+
+    @abstractmethod
+    def _close_quietly(self) -> None:
+        """Close handles after a failure."""
+
+    def append(self, *, coords: np.ndarray, entropy_bits: np.ndarray, tissue_fraction: np.ndarray,
+               patches: Sequence[bytes] | np.ndarray | None = None) -> None:
+        """Append B patches: coords int (B, 2), entropy_bits (B,), tissue_fraction (B,), and patches as
+        B JPEG byte strings (pixels='jpeg'), uint8 (B, H, W, 3) (pixels='raw') or None (pixels='none')."""
+        coords = np.asarray(coords, dtype=np.int64).reshape(-1, 2)
+        b = len(coords)
+        entropy = np.asarray(entropy_bits, dtype=np.float32).reshape(-1)
+        tissue = np.asarray(tissue_fraction, dtype=np.float32).reshape(-1)
+        if len(entropy) != b or len(tissue) != b:
+            raise ValueError(f"batch arrays differ in length: coords {b}, entropy {len(entropy)}, tissue {len(tissue)}.")
+        if self.pixels == "none":
+            if patches is not None:
+                raise ValueError("this store keeps no pixels (pixels='none'); pass patches=None.")
+        elif self.pixels == "raw":
+            patches = np.asarray(patches)
+            expected = (b, self.patch_size_px, self.patch_size_px, 3)
+            if patches.dtype != np.uint8 or patches.shape != expected:
+                raise ValueError(f"raw patches must be uint8 {expected}; got {patches.dtype} {patches.shape}.")
+        else:
+            patches = [bytes(p) for p in patches]
+            if len(patches) != b:
+                raise ValueError(f"got {len(patches)} JPEG patches for {b} coordinates.")
+        if b == 0:
+            return
+        self._append(coords, entropy, tissue, patches)
+        self.n_written += b
+
+    def finalize(self, attrs: Mapping[str, Any]) -> Path:
+        """Write ``attrs`` (plus schema_version and complete=True), fsync and rename into place."""
+        full = dict(attrs)
+        full["schema_version"] = schema.SCHEMA_VERSION
+        full["n_patches"] = self.n_written
+        full[schema.COMPLETE_ATTR] = True
+        clean = {k: check_attr_value(k, v, where=str(self.path)) for k, v in full.items()}
+        self._write_attrs_and_close(clean)
+        fsync_path(self.partial_path)
+        swap_into_place(self.partial_path, self.path)
+        self._done = True
+        return self.path
+
+    def abort(self) -> None:
+        """Close and delete the partial store."""
+        if self._done:
+            return
+        self._close_quietly()
+        remove_path(self.partial_path)
+        self._done = True
+
+    def __enter__(self) -> "StoreWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
+def dumps_settings(settings: Mapping[str, Any]) -> str:
+    """Canonical JSON of a settings mapping (sorted keys), as stored in the ``settings`` attribute."""
+    return json.dumps(dict(settings), sort_keys=True, separators=(",", ":"))
+
+
+def iter_unique(values: Iterable[Path]) -> list[Path]:
+    seen: set[str] = set()
+    out: list[Path] = []
+    for v in values:
+        key = str(Path(v).resolve())
+        if key not in seen:
+            seen.add(key)
+            out.append(Path(v))
+    return out

@@ -1,0 +1,248 @@
+"""Zarr v3 backend of the patch store: one ``<stem>.zarr`` folder per slide.
+
+Same content as the HDF5 backend. Scalar per-patch arrays are chunked 65,536 rows. JPEG patches
+live in the group ``patches`` as ``data`` (uint8, all streams back to back, 256 KiB chunks) and
+``offsets`` (int64 (N + 1,)), so a patch read touches one or two small chunk files rather than one
+file per patch; raw patches are uint8 (N, H, W, 3) with one chunk per patch inside shards of 16
+patches. The writer buffers each array up to a whole chunk (or shard), so every chunk file is
+written once.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import zarr
+
+from wsi_milssl.errors import StoreError
+from wsi_milssl.store import schema
+from wsi_milssl.store.base import PatchStore, StoreWriter, fsync_path, remove_path, swap_into_place
+
+__all__ = ["ZarrStore", "ZarrWriter", "zarr_write_arrays"]
+
+_SCALAR_CHUNK = 65536
+_JPEG_DATA_CHUNK = 1 << 18  # 256 KiB
+_RAW_SHARD = 16
+
+
+class ZarrStore(PatchStore):
+    """A patch store in a Zarr v3 folder (see :class:`wsi_milssl.store.base.PatchStore`)."""
+
+    format = "zarr"
+
+    def _handle_fields(self) -> tuple[str, ...]:
+        return ("_group", "_arrays")
+
+    def _open(self) -> None:
+        if not (self.path / "zarr.json").is_file():
+            raise self._fail("no zarr.json in this folder, so it is not a Zarr v3 store",
+                             "give the path of a .zarr store written by `wsi-milssl tile`")
+        self._group = zarr.open_group(self.path, mode="r")
+        self._arrays: dict[str, Any] = {}
+
+    def _drop_inherited(self) -> None:
+        self._group = None
+        self._arrays = {}
+
+    def _close(self) -> None:
+        self._group = None
+        self._arrays = {}
+
+    def _array(self, name: str):
+        arr = self._arrays.get(name)
+        if arr is None:
+            arr = self._group[name]
+            self._arrays[name] = arr
+        return arr
+
+    def _read_attrs(self) -> dict[str, Any]:
+        return dict(self._group.attrs)
+
+    def _array_names(self) -> list[str]:
+        names = sorted(self._group.array_keys())
+        if schema.PATCHES in self._group.group_keys():
+            names.append(schema.PATCHES)
+        return names
+
+    def _array_attrs(self, name: str) -> dict[str, Any]:
+        return dict(self._group[name].attrs)
+
+    def _array_len(self, name: str) -> int:
+        return int(self._array(name).shape[0])
+
+    def _read_range(self, name: str, start: int, stop: int) -> np.ndarray:
+        return self._array(name)[start:stop]
+
+    def _read_rows(self, name: str, sorted_unique: np.ndarray) -> np.ndarray:
+        return self._array(name).get_orthogonal_selection((sorted_unique,) + (slice(None),) * (self._array(name).ndim - 1))
+
+    def _offsets(self) -> np.ndarray:
+        offsets = self._cache.get("offsets")
+        if offsets is None or self._cache.get("offsets_pid") != os.getpid():
+            offsets = self._array(f"{schema.PATCHES}/{schema.ZARR_JPEG_OFFSETS}")[:]
+            self._cache["offsets"] = offsets
+            self._cache["offsets_pid"] = os.getpid()
+        return offsets
+
+    def _read_jpeg_sorted(self, sorted_unique: np.ndarray) -> list[bytes]:
+        from wsi_milssl.store.base import runs
+
+        offsets = self._offsets()
+        data = self._array(f"{schema.PATCHES}/{schema.ZARR_JPEG_DATA}")
+        out: list[bytes] = []
+        for start, stop in runs(sorted_unique):
+            lo, hi = int(offsets[start]), int(offsets[stop])
+            blob = data[lo:hi].tobytes()
+            for i in range(start, stop):
+                out.append(blob[int(offsets[i]) - lo: int(offsets[i + 1]) - lo])
+        return out
+
+
+class _Appender:
+    """Appends rows to a Zarr array in whole write units (a chunk or a shard), buffering the rest."""
+
+    def __init__(self, array, unit: int) -> None:
+        self.array = array
+        self.unit = int(unit)
+        self.n_written = 0
+        self._buf: list[np.ndarray] = []
+        self._buf_len = 0
+
+    def append(self, values: np.ndarray) -> None:
+        if len(values) == 0:
+            return
+        self._buf.append(values)
+        self._buf_len += len(values)
+        if self._buf_len >= self.unit:
+            self._flush(full_only=True)
+
+    def _flush(self, *, full_only: bool) -> None:
+        if not self._buf:
+            return
+        data = self._buf[0] if len(self._buf) == 1 else np.concatenate(self._buf)
+        n = (len(data) // self.unit) * self.unit if full_only else len(data)
+        if n:
+            stop = self.n_written + n
+            self.array.resize((stop,) + tuple(self.array.shape[1:]))
+            self.array[self.n_written:stop] = data[:n]
+            self.n_written = stop
+        rest = data[n:]
+        self._buf = [rest] if len(rest) else []
+        self._buf_len = len(rest)
+
+    def close(self) -> None:
+        self._flush(full_only=False)
+
+
+def _to_zarr_attrs(attrs: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in attrs.items()}
+
+
+class ZarrWriter(StoreWriter):
+    """Streams a slide's patches into ``<stem>.zarr.partial`` (a Zarr v3 folder)."""
+
+    format = "zarr"
+
+    def _create(self) -> None:
+        g = zarr.open_group(self.partial_path, mode="w", zarr_format=3)
+        self._group = g
+        coords = g.create_array(schema.COORDS, shape=(0, 2), dtype=np.int64, chunks=(_SCALAR_CHUNK, 2))
+        coords.attrs.update(_to_zarr_attrs(self.coords_attrs))
+        self._app = {schema.COORDS: _Appender(coords, _SCALAR_CHUNK)}
+        for name in (schema.ENTROPY, schema.TISSUE_FRACTION):
+            arr = g.create_array(name, shape=(0,), dtype=np.float32, chunks=(_SCALAR_CHUNK,))
+            self._app[name] = _Appender(arr, _SCALAR_CHUNK)
+        p = self.patch_size_px
+        if self.pixels == "jpeg":
+            pg = g.create_group(schema.PATCHES, attributes={"encoding": "jpeg"})
+            data = pg.create_array(schema.ZARR_JPEG_DATA, shape=(0,), dtype=np.uint8, chunks=(_JPEG_DATA_CHUNK,),
+                                   compressors=None)
+            offsets = pg.create_array(schema.ZARR_JPEG_OFFSETS, shape=(0,), dtype=np.int64, chunks=(_SCALAR_CHUNK,))
+            self._app["data"] = _Appender(data, _JPEG_DATA_CHUNK)
+            self._app["offsets"] = _Appender(offsets, _SCALAR_CHUNK)
+            self._app["offsets"].append(np.zeros(1, np.int64))
+            self._n_bytes = 0
+        elif self.pixels == "raw":
+            arr = g.create_array(schema.PATCHES, shape=(0, p, p, 3), dtype=np.uint8, chunks=(1, p, p, 3),
+                                 shards=(_RAW_SHARD, p, p, 3), compressors=None)
+            arr.attrs["encoding"] = "raw"
+            self._app[schema.PATCHES] = _Appender(arr, _RAW_SHARD)
+
+    def _append(self, coords, entropy, tissue, patches) -> None:
+        self._app[schema.COORDS].append(coords)
+        self._app[schema.ENTROPY].append(entropy)
+        self._app[schema.TISSUE_FRACTION].append(tissue)
+        if self.pixels == "jpeg":
+            lengths = np.fromiter((len(b) for b in patches), dtype=np.int64, count=len(patches))
+            ends = self._n_bytes + np.cumsum(lengths)
+            self._n_bytes = int(ends[-1])
+            self._app["offsets"].append(ends)
+            self._app["data"].append(np.frombuffer(b"".join(patches), dtype=np.uint8))
+        elif self.pixels == "raw":
+            self._app[schema.PATCHES].append(patches)
+
+    def _write_attrs_and_close(self, attrs: dict[str, Any]) -> None:
+        for app in self._app.values():
+            app.close()
+        body = {k: v for k, v in attrs.items() if k != schema.COMPLETE_ATTR}
+        self._group.attrs.update(_to_zarr_attrs(body))
+        self._group.attrs[schema.COMPLETE_ATTR] = True
+        self._group = None
+        self._app = {}
+
+    def _close_quietly(self) -> None:
+        self._group = None
+        self._app = {}
+
+
+def _link_tree(src: Path, dst: Path, *, skip: set[Path]) -> None:
+    """Recreate ``src`` at ``dst`` with hard links to its files (copies where links fail), leaving out ``skip``."""
+    for root, dirs, files in os.walk(src):
+        root_p = Path(root)
+        rel = root_p.relative_to(src)
+        dirs[:] = [d for d in dirs if (rel / d) not in skip]
+        (dst / rel).mkdir(parents=True, exist_ok=True)
+        for name in files:
+            if (rel / name) in skip:
+                continue
+            s, d = root_p / name, dst / rel / name
+            try:
+                os.link(s, d)
+            except OSError:
+                shutil.copy2(s, d)
+
+
+def zarr_write_arrays(path: Path, arrays: Mapping[str, np.ndarray], attrs: Mapping[str, Any]) -> None:
+    """Add or replace arrays and attrs of a Zarr store atomically.
+
+    A new folder is built beside the store from hard links to the unchanged chunk files (Zarr
+    writes every file through a temporary name, so linked files are never modified in place), the
+    new arrays and a fresh root ``zarr.json``; it is then swapped in with one atomic rename.
+    """
+    tmp = path.with_name(f".{path.name}.write-{os.getpid()}")
+    remove_path(tmp)
+    try:
+        skip = {Path(name) for name in arrays} | {Path("zarr.json")}
+        _link_tree(path, tmp, skip=skip)
+        shutil.copy2(path / "zarr.json", tmp / "zarr.json")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            g = zarr.open_group(tmp, mode="r+")
+            for name, values in arrays.items():
+                chunks = (min(max(len(values), 1), _SCALAR_CHUNK),) + values.shape[1:]
+                g.create_array(name, shape=values.shape, dtype=values.dtype, chunks=chunks)[...] = values
+            if attrs:
+                g.attrs.update(_to_zarr_attrs(attrs))
+        fsync_path(tmp)
+        swap_into_place(tmp, path)
+    except OSError as exc:
+        remove_path(tmp)
+        raise StoreError(f"{path}: cannot update the store ({exc}). Fix: check free disk space and permissions.") from None
+    except BaseException:
+        remove_path(tmp)
+        raise

@@ -1,0 +1,106 @@
+"""Turn the SLIDES arguments of ``wsi-milssl tile`` (files, folders, CSV lists) into slide paths."""
+
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+from typing import Iterable
+
+from wsi_milssl.errors import ConfigError
+
+__all__ = ["SLIDE_SUFFIXES", "find_slides", "slide_stem"]
+
+# File suffixes OpenSlide reads (a folder is searched for these).
+SLIDE_SUFFIXES = (".svs", ".tif", ".tiff", ".ndpi", ".vms", ".vmu", ".scn", ".mrxs", ".svslide", ".bif",
+                  ".czi", ".dcm")
+
+
+def slide_stem(path: str | os.PathLike) -> str:
+    """The name a slide's outputs are keyed by: the file name without its last suffix."""
+    return Path(path).stem
+
+
+def _from_csv(csv_path: Path) -> list[Path]:
+    try:
+        with open(csv_path, newline="") as fh:
+            reader = csv.DictReader(fh)
+            if not reader.fieldnames or "slide" not in [f.strip() for f in reader.fieldnames]:
+                raise ConfigError(
+                    f"{csv_path}: no 'slide' column (columns: {', '.join(reader.fieldnames or []) or 'none'}). "
+                    "Fix: add a header row with a 'slide' column of slide paths or names."
+                )
+            key = next(f for f in reader.fieldnames if f.strip() == "slide")
+            entries = [(row.get(key) or "").strip() for row in reader]
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise ConfigError(f"{csv_path}: cannot read the slide list ({exc}). Fix: give a UTF-8 CSV file.") from None
+    out: list[Path] = []
+    missing: list[str] = []
+    for entry in entries:
+        if not entry:
+            continue
+        p = Path(entry).expanduser()
+        if not p.is_absolute():
+            p = csv_path.parent / p
+        if p.exists():
+            out.append(p)
+            continue
+        # A bare slide name (as in labels.csv): look for <name><suffix> beside the CSV.
+        hits = [p.with_name(p.name + s) for s in SLIDE_SUFFIXES if p.with_name(p.name + s).exists()]
+        if hits:
+            out.append(hits[0])
+        else:
+            missing.append(entry)
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ConfigError(
+            f"{csv_path}: {len(missing)} slide(s) not found: {shown}. Fix: give paths (absolute or relative "
+            "to the CSV's folder) or names of slide files beside the CSV."
+        )
+    return out
+
+
+def find_slides(inputs: Iterable[str | os.PathLike]) -> list[Path]:
+    """Slide paths from files, folders (slides directly inside, by suffix) and CSV files with a
+    ``slide`` column, in the order given, without duplicates.
+
+    Raises ConfigError for a path that does not exist, an empty folder, a CSV without a ``slide``
+    column, or two slides with the same file stem (their stores would collide).
+    """
+    found: list[Path] = []
+    seen: set[str] = set()
+
+    def add(p: Path) -> None:
+        key = str(p.resolve())
+        if key not in seen:
+            seen.add(key)
+            found.append(p)
+
+    for raw in inputs:
+        p = Path(raw).expanduser()
+        if not p.exists():
+            raise ConfigError(f"{p}: no such slide file or folder. Fix: check the path.")
+        if p.is_dir() and p.suffix.lower() not in (".mrxs",):
+            hits = sorted(c for c in p.iterdir()
+                          if c.is_file() and not c.name.startswith(".") and c.suffix.lower() in SLIDE_SUFFIXES)
+            if not hits:
+                raise ConfigError(
+                    f"{p}: no slide files in this folder (looked for {', '.join(SLIDE_SUFFIXES)}). "
+                    "Fix: give the folder that holds the slides, or the slide files themselves."
+                )
+            for h in hits:
+                add(h)
+        elif p.suffix.lower() == ".csv":
+            for h in _from_csv(p):
+                add(h)
+        else:
+            add(p)
+    stems: dict[str, Path] = {}
+    for p in found:
+        other = stems.setdefault(slide_stem(p), p)
+        if other != p:
+            raise ConfigError(
+                f"slides {other} and {p} have the same name {slide_stem(p)!r}, so their stores would collide. "
+                "Fix: rename one, or tile them into different --out folders."
+            )
+    return found

@@ -1,0 +1,396 @@
+"""Tile slides into patch stores: per-slide pipeline, parallel runner, resume and status CSV.
+
+Per slide: tissue mask on a thumbnail -> grid at the target resolution -> cells with enough tissue
+are read (bands of neighbours at the read level, on reader threads) -> entropy filter -> JPEG/raw
+pixels streamed in batches into ``<stem>.<fmt>.partial`` -> QC PNG -> rename to the final store.
+A run killed at any moment leaves no store that looks complete; re-running skips complete stores
+made with the same settings and refuses to mix settings in one folder.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import traceback
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from wsi_milssl import __version__
+from wsi_milssl.config.base import config_to_dict
+from wsi_milssl.config.tile import TileConfig
+from wsi_milssl.errors import MissingResolutionError, StoreError, WsiMilsslError
+from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
+from wsi_milssl.slide.entropy import entropy_bits_batch
+from wsi_milssl.slide.reader import open_slide
+from wsi_milssl.slide.resolution import mpp_to_magnification
+from wsi_milssl.slide.tissue import slide_tissue_mask
+from wsi_milssl.store import create_writer, encode_jpeg, open_store
+from wsi_milssl.store.base import dumps_settings
+from wsi_milssl.store.schema import store_path
+from wsi_milssl.tiling.grid import TileGeometry
+from wsi_milssl.tiling.inputs import slide_stem
+from wsi_milssl.tiling.qc import render_qc, write_qc_png
+from wsi_milssl.tiling.reading import Band, ordered_map, plan_bands, read_band
+from wsi_milssl.tiling.status import STATUS_FILENAME, TileResult, write_status_csv
+
+__all__ = [
+    "CONFIG_FILENAME",
+    "QC_DIRNAME",
+    "TileRun",
+    "check_existing_store",
+    "qc_path",
+    "tile_slide",
+    "tile_slides",
+]
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILENAME = "tile_config.json"
+QC_DIRNAME = "qc"
+# Flush buffered patches to the store when they hold this many bytes (raw pixels are large).
+_FLUSH_BYTES = 64 << 20
+_MAX_BAND_PX = 4096
+_QC_MAX_PX = 1024
+_QC_MIN_PX = 512
+
+
+def qc_path(out_dir: str | os.PathLike, stem: str) -> Path:
+    """Where the QC thumbnail of slide ``stem`` goes: ``DIR/qc/<stem>.png``."""
+    return Path(out_dir) / QC_DIRNAME / f"{stem}.png"
+
+
+def check_existing_store(path: Path, config: TileConfig) -> int | None:
+    """Number of patches of a complete store at ``path`` made with ``config``'s settings, or None when
+    there is no store. Raises StoreError (suggesting a new --out or --overwrite) when a store is there
+    but was made with other settings or cannot be read."""
+    if not path.exists():
+        return None
+    try:
+        with open_store(path) as store:
+            attrs = store.attrs
+            n = len(store)
+    except StoreError as exc:
+        raise StoreError(
+            f"{path}: a store is already there but cannot be reused ({exc}). "
+            "Fix: pass --overwrite to replace it, or write to a new folder with --out."
+        ) from None
+    if attrs.get("config_hash") == config.settings_hash():
+        return n
+    try:
+        old = json.loads(attrs.get("settings", "{}"))
+    except (TypeError, ValueError):
+        old = {}
+    new = config.settings()
+    diffs = [f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    raise StoreError(
+        f"{path}: this store was made with different settings ({'; '.join(diffs) or 'settings hash differs'}). "
+        "Fix: write to a new folder with --out, or pass --overwrite to replace it."
+    )
+
+
+@dataclass
+class _Buffer:
+    coords: list[np.ndarray] = field(default_factory=list)
+    entropy: list[np.ndarray] = field(default_factory=list)
+    tissue: list[np.ndarray] = field(default_factory=list)
+    patches: list[Any] = field(default_factory=list)
+    n: int = 0
+    nbytes: int = 0
+
+    def add(self, coords, entropy, tissue, payload, nbytes: int) -> None:
+        self.coords.append(coords)
+        self.entropy.append(entropy)
+        self.tissue.append(tissue)
+        if payload is not None:
+            self.patches.append(payload)
+        self.n += len(coords)
+        self.nbytes += nbytes
+
+    def flush(self, writer, pixels: str) -> None:
+        if self.n == 0:
+            return
+        if pixels == "jpeg":
+            patches: Any = [b for chunk in self.patches for b in chunk]
+        elif pixels == "raw":
+            patches = np.concatenate(self.patches)
+        else:
+            patches = None
+        writer.append(coords=np.concatenate(self.coords), entropy_bits=np.concatenate(self.entropy),
+                      tissue_fraction=np.concatenate(self.tissue), patches=patches)
+        self.__init__()
+
+
+def _slide_error(exc: BaseException) -> str:
+    if isinstance(exc, WsiMilsslError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
+def tile_slide(slide_path: str | os.PathLike, out_dir: str | os.PathLike, config: TileConfig, *,
+               overwrite: bool = False, progress: ProgressCallback | None = None) -> TileResult:
+    """Tile one slide into ``out_dir/<stem>.<format>`` and its QC PNG; returns its TileResult.
+
+    Skips (status 'skipped') when a complete store with the same settings exists, unless
+    ``overwrite``. Raises SlideReadError / MissingResolutionError / StoreError on bad input; the
+    partial store is deleted on any error.
+    """
+    t0 = time.perf_counter()
+    slide_path = Path(slide_path)
+    out_dir = Path(out_dir)
+    stem = slide_stem(slide_path)
+    final = store_path(out_dir, stem, config.format)
+    if not overwrite:
+        n_existing = check_existing_store(final, config)
+        if n_existing is not None:
+            return TileResult(stem, str(slide_path), "skipped", n_existing, time.perf_counter() - t0, "", str(final))
+
+    with open_slide(slide_path, mpp_override=config.slide_mpp) as slide:
+        try:
+            slide_mpp = slide.mpp
+        except MissingResolutionError:
+            raise MissingResolutionError(
+                f"{slide_path}: the slide has no MPP and no objective power, so its physical scale is unknown. "
+                "Fix: give its level-0 resolution with --slide-mpp (µm per pixel, e.g. --slide-mpp 0.25)."
+            ) from None
+        geometry = TileGeometry.from_slide(slide, target_mpp=config.resolved_target_mpp,
+                                           patch_size_px=config.patch_size_px, stride_px=config.resolved_stride_px)
+        tissue = slide_tissue_mask(slide, method=config.tissue, mask_mpp=config.mask_mpp)
+        grid = geometry.grid()
+        if config.tissue == "none":
+            fraction = np.ones(len(grid), np.float32)
+        else:
+            fraction = tissue.fraction(grid, geometry.patch_size_lv0)
+        candidate = fraction >= config.min_tissue
+        cand_coords = grid[candidate]
+        cand_fraction = fraction[candidate]
+        logger.info("%s: %d grid cells, %d with tissue >= %.2f; level %d (downsample %.3f), patch %d lv0 px",
+                    stem, len(grid), len(cand_coords), config.min_tissue, geometry.level,
+                    geometry.level_downsample, geometry.patch_size_lv0)
+
+        coords_attrs = {
+            "patch_size": geometry.patch_size_level,
+            "patch_level": geometry.level,
+            "downsample": [geometry.level_downsample, geometry.level_downsample],
+            "level_dim": list(geometry.level_dimensions),
+            "patch_size_level0": geometry.patch_size_lv0,
+            "target_magnification": float(geometry.target_magnification),
+            "level0_magnification": float(mpp_to_magnification(slide_mpp)),
+            "overlap": max(0, config.patch_size_px - config.resolved_stride_px),
+            "name": stem,
+        }
+        bands = plan_bands(cand_coords, geometry, max_band_px=_MAX_BAND_PX)
+        threshold = float(config.entropy_threshold_bits)
+        pixels = config.pixels
+        quality = config.jpeg_quality
+
+        def process(band: Band):
+            patches = read_band(slide, band, geometry)
+            entropy = entropy_bits_batch(patches)
+            keep = entropy >= threshold
+            if pixels == "jpeg":
+                payload = [encode_jpeg(p, quality=quality) for p in patches[keep]]
+                nbytes = sum(len(b) for b in payload)
+            elif pixels == "raw":
+                payload = patches[keep]
+                nbytes = payload.nbytes
+            else:
+                payload, nbytes = None, 0
+            return band, keep, entropy, payload, nbytes
+
+        kept_chunks: list[np.ndarray] = []
+        dropped_chunks: list[np.ndarray] = []
+        buffer = _Buffer()
+        done = 0
+        total = len(cand_coords)
+        emit(progress, ProgressEvent("tile-patches", 0, total, unit="patch", item=stem))
+        with create_writer(final, pixels=pixels, patch_size_px=config.patch_size_px,
+                           coords_attrs=coords_attrs) as writer:
+            for band, keep, entropy, payload, nbytes in ordered_map(process, bands, threads=config.threads):
+                idx = band.indices
+                kept_idx = idx[keep]
+                kept_chunks.append(cand_coords[kept_idx])
+                dropped_chunks.append(cand_coords[idx[~keep]])
+                if len(kept_idx):
+                    buffer.add(cand_coords[kept_idx], entropy[keep].astype(np.float32), cand_fraction[kept_idx],
+                               payload, nbytes)
+                if buffer.n >= config.batch_size or buffer.nbytes >= _FLUSH_BYTES:
+                    buffer.flush(writer, pixels)
+                done += len(idx)
+                emit(progress, ProgressEvent("tile-patches", done, total, unit="patch", item=stem))
+            buffer.flush(writer, pixels)
+
+            kept = np.concatenate(kept_chunks) if kept_chunks else np.zeros((0, 2), np.int64)
+            dropped = np.concatenate(dropped_chunks) if dropped_chunks else np.zeros((0, 2), np.int64)
+            qc_thumb = _qc_thumbnail(slide, tissue.thumbnail)
+            w0, h0 = slide.dimensions
+            qc = render_qc(qc_thumb, downsample_xy=(w0 / qc_thumb.shape[1], h0 / qc_thumb.shape[0]),
+                           mask=None if config.tissue == "none" else tissue.mask,
+                           kept_lv0=kept, dropped_lv0=dropped, patch_size_lv0=geometry.patch_size_lv0)
+            write_qc_png(qc, qc_path(out_dir, stem))
+
+            settings = config.settings()
+            attrs = {
+                "package_version": __version__,
+                "slide_path": str(slide_path.resolve()),
+                "slide_stem": stem,
+                "dimensions_lv0": list(slide.dimensions),
+                "mpp": float(slide_mpp),
+                "mpp_source": slide.mpp_source,
+                "target_mpp": float(geometry.target_mpp),
+                "target_magnification": float(geometry.target_magnification),
+                "patch_size_px": geometry.patch_size_px,
+                "patch_size_lv0": geometry.patch_size_lv0,
+                "patch_size_level": geometry.patch_size_level,
+                "stride_px": geometry.stride_px,
+                "stride_lv0": geometry.stride_lv0,
+                "grid_origin_lv0": [0, 0],
+                "level": geometry.level,
+                "level_downsample": geometry.level_downsample,
+                "pixels": pixels,
+                "jpeg_quality": quality,
+                "entropy_threshold_bits": threshold,
+                "tissue_detector": config.tissue,
+                "min_tissue": float(config.min_tissue),
+                "mask_mpp": float(config.mask_mpp),
+                "n_grid": int(len(grid)),
+                "n_candidates": int(total),
+                "settings": dumps_settings(settings),
+                "config_hash": config.settings_hash(),
+            }
+            writer.finalize(attrs)
+    n_kept = int(len(kept))
+    if n_kept == 0:
+        logger.warning("%s: no patch passed the tissue and entropy filters; the store is empty.", stem)
+    return TileResult(stem, str(slide_path), "ok", n_kept, time.perf_counter() - t0, "", str(final))
+
+
+def _qc_thumbnail(slide, mask_thumbnail: np.ndarray) -> np.ndarray:
+    """RGB uint8 thumbnail for the QC image: the tissue-mask thumbnail when it is large enough
+    (shrunk to at most _QC_MAX_PX), else a new one of up to _QC_MIN_PX."""
+    from PIL import Image
+
+    h, w = mask_thumbnail.shape[:2]
+    if max(h, w) < _QC_MIN_PX and max(slide.dimensions) > max(h, w):
+        thumb, _ = slide.thumbnail(max_size_px=min(_QC_MIN_PX, max(slide.dimensions)))
+        return thumb
+    if max(h, w) > _QC_MAX_PX:
+        scale = _QC_MAX_PX / max(h, w)
+        size = (max(1, round(w * scale)), max(1, round(h * scale)))
+        return np.asarray(Image.fromarray(mask_thumbnail).resize(size, Image.Resampling.BOX))
+    return mask_thumbnail
+
+
+def _tile_one_safely(slide_path: str, out_dir: str, config: TileConfig, overwrite: bool,
+                     progress: ProgressCallback | None = None) -> TileResult:
+    """tile_slide that turns any error into a 'failed' TileResult (runs in worker processes)."""
+    t0 = time.perf_counter()
+    try:
+        return tile_slide(slide_path, out_dir, config, overwrite=overwrite, progress=progress)
+    except Exception as exc:  # noqa: BLE001 - one bad slide must not stop the others
+        if not isinstance(exc, WsiMilsslError):
+            logger.debug("unexpected error on %s:\n%s", slide_path, traceback.format_exc())
+        logger.error("%s: failed: %s", slide_path, _slide_error(exc))
+        return TileResult(slide_stem(slide_path), str(slide_path), "failed", 0, time.perf_counter() - t0,
+                          _slide_error(exc), "")
+
+
+@dataclass(frozen=True)
+class TileRun:
+    """Outcome of :func:`tile_slides`: per-slide results (input order) and the files written."""
+
+    results: tuple[TileResult, ...]
+    status_csv: Path
+    config_json: Path
+
+    @property
+    def n_failed(self) -> int:
+        return sum(r.status == "failed" for r in self.results)
+
+    @property
+    def ok(self) -> bool:
+        return self.n_failed == 0
+
+
+def _write_config(out_dir: Path, config: TileConfig) -> Path:
+    data = {"tile": config_to_dict(config), "settings": config.settings(), "config_hash": config.settings_hash(),
+            "package_version": __version__}
+    out = out_dir / CONFIG_FILENAME
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, out)
+    return out
+
+
+def tile_slides(slides: Iterable[str | os.PathLike], out_dir: str | os.PathLike, config: TileConfig, *,
+                overwrite: bool = False, progress: ProgressCallback | None = None) -> TileRun:
+    """Tile every slide into ``out_dir`` with ``config.workers`` processes.
+
+    Before any work, existing stores are checked: one made with other settings raises StoreError
+    (unless ``overwrite``). Slides that fail are recorded as 'failed' in ``out_dir/tile_status.csv``
+    (rewritten after each slide) while the others finish. Also writes ``tile_config.json`` and
+    ``qc/<stem>.png`` per slide.
+    """
+    slides = [Path(s) for s in slides]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not overwrite:
+        for s in slides:
+            check_existing_store(store_path(out_dir, slide_stem(s), config.format), config)
+    config_json = _write_config(out_dir, config)
+    status_csv = out_dir / STATUS_FILENAME
+    results: dict[int, TileResult] = {}
+    total = len(slides)
+
+    def record(i: int, result: TileResult) -> None:
+        results[i] = result
+        write_status_csv([results[k] for k in sorted(results)], status_csv)
+        emit(progress, ProgressEvent("tile", len(results), total, unit="slide", item=result.slide,
+                                     message=result.status))
+
+    emit(progress, ProgressEvent("tile", 0, total, unit="slide"))
+    if config.workers <= 1 or total <= 1:
+        for i, s in enumerate(slides):
+            record(i, _tile_one_safely(str(s), str(out_dir), config, overwrite, progress))
+    else:
+        _run_pool(slides, out_dir, config, overwrite, record, workers=min(config.workers, total))
+    ordered = tuple(results[i] for i in range(total))
+    write_status_csv(ordered, status_csv)
+    return TileRun(ordered, status_csv, config_json)
+
+
+def _run_pool(slides: list[Path], out_dir: Path, config: TileConfig, overwrite: bool, record,
+              *, workers: int) -> None:
+    """Run slides on a process pool; slides caught in a crashed pool are retried alone, once."""
+    ctx = get_context("spawn")
+    todo = list(range(len(slides)))
+    retry: list[int] = []
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        futures = {pool.submit(_tile_one_safely, str(slides[i]), str(out_dir), config, overwrite): i for i in todo}
+        pending = set(futures)
+        while pending:
+            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in finished:
+                i = futures[fut]
+                try:
+                    record(i, fut.result())
+                except BrokenProcessPool:
+                    retry.append(i)
+    for i in sorted(retry):
+        t0 = time.perf_counter()
+        try:
+            with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+                record(i, pool.submit(_tile_one_safely, str(slides[i]), str(out_dir), config, overwrite).result())
+        except BrokenProcessPool:
+            record(i, TileResult(
+                slide_stem(slides[i]), str(slides[i]), "failed", 0, time.perf_counter() - t0,
+                "the worker process died while tiling this slide (a crash in the slide library or out of "
+                "memory). Fix: check the file opens with `wsi-milssl info`, or run with fewer --workers.",
+            ))
