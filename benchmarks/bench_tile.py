@@ -13,7 +13,9 @@ read one call each at the same pyramid level, single thread) before and after th
 Columns: ``patches/s`` = kept patches per second of wall time over the run (tissue mask, reading,
 entropy, encoding, writing, QC included; process start-up excluded); ``bare/s`` = the bare read
 rate; ``ratio`` = patches/s / bare/s; ``RSS MB`` = peak resident memory of the run's process
-(and its worker processes); ``store MB`` = size of one slide's store.
+(and its worker processes); ``store MB`` = size of one slide's store; ``reader`` = ``direct``
+(tiled JPEG TIFF tiles decoded directly after a per-slide identity check against OpenSlide, the
+default) or ``openslide`` (every pixel through OpenSlide, ``--openslide-only``).
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ def _child(args: argparse.Namespace) -> None:
     from wsi_milssl.tiling import tile_slides
 
     config = TileConfig(magnification=args.magnification, patch_size_px=args.patch_size, format=args.format,
-                        pixels=args.pixels, workers=args.workers, threads=args.threads)
+                        pixels=args.pixels, workers=args.workers, threads=args.threads,
+                        direct_tiff_read=not args.openslide_only)
     slides = [Path(s) for s in args.child_slides]
     t0 = time.perf_counter()
     run = tile_slides(slides, args.child_out, config, overwrite=True)
@@ -123,6 +126,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--formats", nargs="+", default=["h5", "zarr"])
     parser.add_argument("--pixels", nargs="+", default=["jpeg", "raw"])
     parser.add_argument("--copies", type=int, default=2, help="slides per run (symlinked copies)")
+    parser.add_argument("--openslide-only", action="store_true",
+                        help="(child runs) read every pixel through OpenSlide; the table adds one such row for "
+                             "1 worker, the first format and the first pixel mode")
     # internal: one run in a child process
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child-slides", nargs="*", help=argparse.SUPPRESS)
@@ -143,31 +149,34 @@ def main(argv: list[str] | None = None) -> None:
         slides = _copies(slide, args.cache / f"run_{size}" / "slides", args.copies)
         bare: list[float] = []
         results = []
-        for workers in args.workers:
-            for fmt in args.formats:
-                for pixels in args.pixels:
-                    out = args.cache / f"run_{size}" / f"out_{workers}_{fmt}_{pixels}"
-                    shutil.rmtree(out, ignore_errors=True)
-                    cmd = [sys.executable, __file__, "--child", "--child-slides", *map(str, slides),
-                           "--child-out", str(out), "--format", fmt, "--child-pixels", pixels,
-                           "--child-workers", str(workers), "--threads", str(args.threads),
-                           "--magnification", str(args.magnification), "--patch-size", str(args.patch_size)]
-                    proc = subprocess.run(cmd, capture_output=True, text=True)
-                    if proc.returncode != 0:
-                        print(proc.stderr, file=sys.stderr)
-                        raise SystemExit(f"tile run failed: {' '.join(cmd)}")
-                    res = json.loads(proc.stdout.strip().splitlines()[-1])
-                    if any(s != "ok" for s in res["status"]):
-                        raise SystemExit(f"tile run had failures: {res['errors']}")
-                    if not bare:
-                        bare.append(_bare_rate(res["store"], slide)[0])
-                    results.append((workers, fmt, pixels, res, out))
-        bare.append(_bare_rate(results[0][3]["store"], slide)[0])
+        runs = [(w, f, p, "direct") for w in args.workers for f in args.formats for p in args.pixels]
+        runs.append((1, args.formats[0], args.pixels[0], "openslide"))
+        for workers, fmt, pixels, reader in runs:
+            out = args.cache / f"run_{size}" / f"out_{workers}_{fmt}_{pixels}_{reader}"
+            shutil.rmtree(out, ignore_errors=True)
+            cmd = [sys.executable, __file__, "--child", "--child-slides", *map(str, slides),
+                   "--child-out", str(out), "--format", fmt, "--child-pixels", pixels,
+                   "--child-workers", str(workers), "--threads", str(args.threads),
+                   "--magnification", str(args.magnification), "--patch-size", str(args.patch_size)]
+            if reader == "openslide":
+                cmd.append("--openslide-only")
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                print(proc.stderr, file=sys.stderr)
+                raise SystemExit(f"tile run failed: {' '.join(cmd)}")
+            res = json.loads(proc.stdout.strip().splitlines()[-1])
+            if any(s != "ok" for s in res["status"]):
+                raise SystemExit(f"tile run had failures: {res['errors']}")
+            if not bare:
+                bare.append(_bare_rate(res["store"], slide)[0])
+            results.append((workers, fmt, pixels, reader, res, out))
+        bare.append(_bare_rate(results[0][4]["store"], slide)[0])
         bare_rate = float(np.mean(bare))
-        for workers, fmt, pixels, res, out in results:
+        for workers, fmt, pixels, reader, res, out in results:
             rate = res["n_patches"] / res["seconds"]
             rows.append({
-                "size": size, "workers": workers, "threads": args.threads, "format": fmt, "pixels": pixels,
+                "size": size, "workers": workers, "threads": args.threads, "reader": reader, "format": fmt,
+                "pixels": pixels,
                 "slides": len(slides), "patches": res["n_patches"] // len(slides),
                 "s/slide": res["seconds"] / len(slides), "patches/s": rate, "bare/s": bare_rate,
                 "ratio": rate / bare_rate, "RSS MB": res["rss_mb"], "store MB": _size_of(res["store"]),
@@ -175,13 +184,14 @@ def main(argv: list[str] | None = None) -> None:
         print(f"bare read_region rate on the {size}-px slide: "
               + ", ".join(f"{b:.0f}" for b in bare) + " patches/s (before, after)", flush=True)
 
-    head = ["size", "workers", "threads", "format", "pixels", "slides", "patches", "s/slide", "patches/s",
-            "bare/s", "ratio", "RSS MB", "store MB"]
-    fmt_row = "{:>6} {:>7} {:>7} {:>6} {:>6} {:>6} {:>7} {:>8} {:>9} {:>7} {:>6} {:>7} {:>8}"
+    head = ["size", "workers", "threads", "reader", "format", "pixels", "slides", "patches", "s/slide",
+            "patches/s", "bare/s", "ratio", "RSS MB", "store MB"]
+    fmt_row = "{:>6} {:>7} {:>7} {:>9} {:>6} {:>6} {:>6} {:>7} {:>8} {:>9} {:>7} {:>6} {:>7} {:>8}"
     print()
     print(fmt_row.format(*head))
     for r in rows:
-        print(fmt_row.format(r["size"], r["workers"], r["threads"], r["format"], r["pixels"], r["slides"],
+        print(fmt_row.format(r["size"], r["workers"], r["threads"], r["reader"], r["format"], r["pixels"],
+                             r["slides"],
                              r["patches"], f"{r['s/slide']:.2f}", f"{r['patches/s']:.1f}", f"{r['bare/s']:.1f}",
                              f"{r['ratio']:.2f}", f"{r['RSS MB']:.0f}", f"{r['store MB']:.1f}"))
     print(f"\nCPU cores: {os.cpu_count()}; load average at end: {os.getloadavg()[0]:.2f}")

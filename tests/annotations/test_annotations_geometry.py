@@ -36,7 +36,7 @@ def _xml_polygons(path):
     return out
 
 
-def _reference_fraction(polys_by_group, coords, size, *, samples=32):
+def _reference_fraction(polys_by_group, coords, size, *, samples=96):
     """Fraction of sample points (samples x samples per patch, at sub-cell centres) inside
     (any tumour polygon) and outside (every _2 polygon): an independent rasterised computation."""
     tumour = [MplPath(p) for g in ("_0", "_1") for p in polys_by_group.get(g, [])]

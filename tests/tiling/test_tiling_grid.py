@@ -62,22 +62,16 @@ def test_entropy_filter_alone_drops_glass_and_threshold_zero_keeps_it(box_slide,
         assert (s.read_array("entropy_bits")[s.coords[:, 0] != 2048] < 5).all()
 
 
-def test_stride_and_other_magnification(box_slide, tmp_path):
+def test_stride_and_other_magnification(box_slide, box_lv0, tmp_path):
     config = TileConfig(magnification=20, patch_size_px=256, stride_px=192, pixels="none", threads=1)
     result = tile_slide(box_slide, tmp_path, config)
     with open_store(result.store_path) as s:
         assert s.patch_size_lv0 == 512 and s.attrs["stride_lv0"] == 384
         assert len(s) > 0 and (s.coords % 384 == 0).all()
-        bx0, by0, bx1, by1 = box_lv0_of()
+        bx0, by0, bx1, by1 = box_lv0
         # every kept patch overlaps the tissue square
         x, y = s.coords[:, 0], s.coords[:, 1]
         assert ((x + 512 > bx0) & (x < bx1) & (y + 512 > by0) & (y < by1)).all()
-
-
-def box_lv0_of():
-    from conftest import BOX_LV0  # noqa: PLC0415 - the tiling conftest
-
-    return BOX_LV0
 
 
 @pytest.mark.parametrize("target_mpp", [1.0, 0.75, 0.2])
@@ -96,3 +90,20 @@ def test_band_reads_equal_single_reads(synth_slides, target_mpp):
                 x, y = coords[i]
                 want = slide.read_region(int(x), int(y), 128, target_mpp=target_mpp)
                 np.testing.assert_array_equal(got[k], want)
+
+
+def test_direct_tiff_reads_equal_openslide(synth_slides, tmp_path):
+    from wsi_milssl.tiling.tiff_source import TiffLevelSource
+
+    with open_slide(synth_slides["tumor"]) as slide:
+        for level, (w, h) in enumerate(slide.level_dimensions[:3]):
+            ds = int(slide.level_downsamples[level])
+            with TiffLevelSource.open(slide.path, level_size=(w, h)) as src:
+                for x, y, rw, rh in [(0, 0, 300, 200), (257, 130, 512, 256), (w - 100, h - 60, 100, 60)]:
+                    np.testing.assert_array_equal(src.read(x, y, rw, rh),
+                                                  slide.read_level(x * ds, y * ds, level, (rw, rh)))
+                assert (src.read(w - 10, 0, 20, 5)[:, 10:] == 255).all()  # outside the level: white
+    text = tmp_path / "x.tif"
+    text.write_text("not a tiff")
+    assert TiffLevelSource.open(text, level_size=(10, 10)) is None
+    assert TiffLevelSource.open(synth_slides["tumor"], level_size=(123, 45)) is None

@@ -28,7 +28,7 @@ def _thumb(rng) -> tuple[np.ndarray, np.ndarray]:
 
 def test_saturation_of_grey_and_colour():
     img = np.array([[[200, 200, 200], [255, 0, 0], [0, 0, 0], [200, 100, 200]]], np.uint8)
-    np.testing.assert_array_equal(saturation_uint8(img), [[0, 255, 0, 128]])
+    np.testing.assert_array_equal(saturation_uint8(img), [[0, 255, 0, 127]])
 
 
 def test_otsu_finds_the_disc_fills_holes_and_drops_specks():

@@ -22,12 +22,14 @@ COMMANDS = {
     "synth": "synth",
     "info": "info",
     "demo": "demo",
+    "run": "run",
     "tile": "tile",
     "evaluate": "evaluate",
     "label": "label",
     "annotations": "annotations",
     "train": "train",
     "benchmark": "benchmark",
+    "heatmap": "heatmap",
 }
 
 

@@ -1,11 +1,20 @@
-"""``wsi-milssl demo OUT_DIR``: the whole pipeline on freshly generated slides, on the CPU."""
+"""``wsi-milssl demo OUT_DIR``: the whole pipeline on freshly generated slides, on the CPU.
+
+It runs ``pipelines/demo.toml`` (shipped inside the package) with OUT_DIR as its output folder.
+"""
 
 from __future__ import annotations
 
 import argparse
+from importlib.resources import as_file, files
 from pathlib import Path
 
-__all__ = ["register", "run"]
+__all__ = ["register", "run", "demo_pipeline_file"]
+
+
+def demo_pipeline_file():
+    """The packaged ``pipelines/demo.toml`` (a Traversable; use with ``importlib.resources.as_file``)."""
+    return files("wsi_milssl") / "pipelines" / "demo.toml"
 
 
 def register(subparsers) -> None:
@@ -14,22 +23,18 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "demo",
         help="run every stage end to end on generated slides (CPU, a few minutes)",
-        description="Generate slides and run the pipeline that exists on them, end to end.",
+        description="Generate slides and run synth -> tile -> label -> train -> heatmap -> evaluate on them,\n"
+        "as pipelines/demo.toml describes, ending with OUT_DIR/evaluation/report.html. Re-running\n"
+        "skips the stages that are up to date.",
         formatter_class=HelpFormatter,
     )
     p.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="folder for every artifact of the demo")
+    p.add_argument("--until", default=None, metavar="STAGE", help="stop after this stage (e.g. tile)")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from wsi_milssl.cli.info import describe_slide
-    from wsi_milssl.cli.progress import TqdmProgress
-    from wsi_milssl.config import SynthConfig
-    from wsi_milssl.synth import generate_slides
+    from wsi_milssl.cli.run import run_and_report
 
-    slides_dir = args.out_dir / "slides"
-    with TqdmProgress() as progress:
-        slides = generate_slides(SynthConfig(n_slides=4, seed=0), slides_dir, progress=progress)
-    print(f"[synth] {len(slides)} slides in {slides_dir}")
-    print(describe_slide(slides[0].slide_path, mpp=None, magnifications=[10.0, 20.0], mpp_at_40x=0.25))
-    return 0
+    with as_file(demo_pipeline_file()) as path:
+        return run_and_report(Path(path), out=args.out_dir, until=args.until)

@@ -14,17 +14,16 @@ __all__ = ["register", "run", "tile_config_from_args"]
 
 def tile_config_from_args(args: argparse.Namespace) -> TileConfig:
     return TileConfig(
-        magnification=args.magnification, target_mpp=args.mpp, patch_size_px=args.patch_size,
-        stride_px=args.stride, entropy_threshold_bits=args.entropy_threshold, tissue=args.tissue,
+        magnification=getattr(args, "magnification", None), target_mpp=getattr(args, "mpp", None),
+        patch_size_px=args.patch_size, stride_px=getattr(args, "stride", None), entropy_threshold_bits=args.entropy_threshold, tissue=args.tissue,
         min_tissue=args.min_tissue, mask_mpp=args.mask_mpp, pixels=args.pixels, jpeg_quality=args.jpeg_quality,
-        format=args.format, slide_mpp=args.slide_mpp, workers=args.workers, threads=args.threads,
-        batch_size=args.batch_size,
+        format=args.format, slide_mpp=getattr(args, "slide_mpp", None), workers=args.workers, threads=args.threads,
+        batch_size=args.batch_size, direct_tiff_read=not args.openslide_only,
     )
 
 
 def register(subparsers) -> None:
     from wsi_milssl.cli import HelpFormatter
-    from wsi_milssl.slide.tissue import TISSUE_DETECTORS
 
     d = TileConfig()
     p = subparsers.add_parser(
@@ -48,19 +47,20 @@ def register(subparsers) -> None:
     p.add_argument("--out", type=Path, required=True, default=argparse.SUPPRESS, metavar="DIR",
                    help="output folder for the stores (created)")
     res = p.add_mutually_exclusive_group()
-    res.add_argument("--magnification", type=float, default=None,
+    res.add_argument("--magnification", type=float, default=argparse.SUPPRESS, metavar="X",
                      help=f"target objective magnification (40x = 0.25 µm/px); default {DEFAULT_MAGNIFICATION:g}x "
                           "when --mpp is not given")
-    res.add_argument("--mpp", type=float, default=None, help="target resolution in µm per pixel (instead of "
+    res.add_argument("--mpp", type=float, default=argparse.SUPPRESS, help="target resolution in µm per pixel (instead of "
                                                               "--magnification)")
     p.add_argument("--patch-size", type=int, default=d.patch_size_px, metavar="PX",
                    help="patch side in pixels at the target resolution")
-    p.add_argument("--stride", type=int, default=None, metavar="PX",
+    p.add_argument("--stride", type=int, default=argparse.SUPPRESS, metavar="PX",
                    help="grid step in pixels at the target resolution (default: the patch size)")
     p.add_argument("--entropy-threshold", type=float, default=d.entropy_threshold_bits, metavar="BITS",
                    help="drop patches whose greyscale-histogram entropy is below this many bits (0-8)")
-    p.add_argument("--tissue", default=d.tissue, choices=sorted(TISSUE_DETECTORS),
-                   help="tissue detector run on a thumbnail before any patch is read ('none' reads every cell)")
+    p.add_argument("--tissue", default=d.tissue, metavar="NAME",
+                   help="registered tissue detector run on a thumbnail before any patch is read: 'otsu', or "
+                        "'none' to read every grid cell")
     p.add_argument("--min-tissue", type=float, default=d.min_tissue, metavar="FRACTION",
                    help="fraction of a patch that must be tissue for it to be read")
     p.add_argument("--mask-mpp", type=float, default=d.mask_mpp, metavar="MPP",
@@ -69,14 +69,17 @@ def register(subparsers) -> None:
     p.add_argument("--pixels", default=d.pixels, choices=("jpeg", "raw", "none"),
                    help="keep patch pixels as JPEG bytes, raw uint8, or not at all (coordinates only)")
     p.add_argument("--jpeg-quality", type=int, default=d.jpeg_quality, metavar="Q", help="JPEG quality 1-100")
-    p.add_argument("--slide-mpp", type=float, default=None, metavar="MPP",
+    p.add_argument("--slide-mpp", type=float, default=argparse.SUPPRESS, metavar="MPP",
                    help="level-0 µm per pixel for every slide, overriding the slide metadata "
-                        "(for slides without an MPP)")
+                        "(for slides without an MPP; default: each slide's own)")
     p.add_argument("--workers", type=int, default=d.workers, metavar="N", help="slides tiled in parallel (processes)")
     p.add_argument("--threads", type=int, default=d.threads, metavar="N",
                    help="reader threads per worker (reading, entropy and JPEG encoding overlap)")
     p.add_argument("--batch-size", type=int, default=d.batch_size, metavar="N",
                    help="patches per write to the store (bounds memory)")
+    p.add_argument("--openslide-only", action="store_true",
+                   help="read every pixel through OpenSlide (by default tiled JPEG TIFF/SVS tiles are decoded "
+                        "directly, several times faster, after a check that the pixels are identical)")
     p.add_argument("--overwrite", action="store_true",
                    help="re-tile slides whose store exists, replacing it (also when made with other settings)")
     p.set_defaults(run=run)

@@ -26,7 +26,8 @@ class TileConfig:
         background (the paper: 5 bits). 0 keeps every patch read.
     tissue : tissue detector run on a thumbnail before any patch is read ('otsu' or 'none').
     min_tissue : fraction of a patch's square that must be tissue for it to be read, in [0, 1].
-    mask_mpp : resolution of the tissue-mask thumbnail in µm per pixel.
+    mask_mpp : resolution of the tissue-mask thumbnail in µm per pixel (16 = 64x downsample of a
+        0.25 µm/px slide); the thumbnail's longer side is kept between 256 and 8192 px.
     pixels : keep patches as 'jpeg' bytes, 'raw' uint8, or 'none' (coordinates only).
     jpeg_quality : JPEG quality 1-100 when pixels = 'jpeg'.
     format : store format, 'h5' (HDF5) or 'zarr' (Zarr v3).
@@ -34,9 +35,12 @@ class TileConfig:
     workers : slides tiled in parallel (processes).
     threads : reader threads per worker (pixel reading, entropy and JPEG encoding overlap).
     batch_size : patches per write to the store (memory is bounded by this, not by slide size).
+    direct_tiff_read : decode the tiles of tiled JPEG TIFF slides (generic TIFF, SVS) directly,
+        several times faster than OpenSlide; used only when a probe read gives exactly OpenSlide's
+        pixels. False reads everything through OpenSlide.
 
-    ``workers``, ``threads`` and ``batch_size`` change speed only, so they are left out of the
-    settings hash that decides whether an existing store can be reused.
+    ``workers``, ``threads``, ``batch_size`` and ``direct_tiff_read`` change speed only, so they are
+    left out of the settings hash that decides whether an existing store can be reused.
     """
 
     magnification: float | None = None
@@ -46,7 +50,7 @@ class TileConfig:
     entropy_threshold_bits: float = 5.0
     tissue: str = "otsu"
     min_tissue: float = 0.1
-    mask_mpp: float = 8.0
+    mask_mpp: float = 16.0
     pixels: str = "jpeg"
     jpeg_quality: int = 90
     format: str = "h5"
@@ -54,6 +58,7 @@ class TileConfig:
     workers: int = 1
     threads: int = 2
     batch_size: int = 256
+    direct_tiff_read: bool = True
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -87,6 +92,7 @@ class TileConfig:
         for field, high in (("workers", 256), ("threads", 64), ("batch_size", 1 << 20)):
             check_type(name, field, getattr(self, field), int)
             check_range(name, field, getattr(self, field), low=1, high=high)
+        check_type(name, "direct_tiff_read", self.direct_tiff_read, bool)
 
     @property
     def resolved_target_mpp(self) -> float:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+from PIL import Image
 from skimage import filters, morphology
 from skimage.filters import rank
 
@@ -48,15 +49,13 @@ def register_tissue_detector(name: str):
 
 
 def saturation_uint8(rgb: np.ndarray) -> np.ndarray:
-    """HSV saturation of an RGB uint8 (h, w, 3) image as uint8 (h, w), 0 = grey, 255 = pure colour."""
+    """HSV saturation ``floor(255 (max - min) / max)`` of an RGB uint8 (h, w, 3) image as uint8 (h, w),
+    0 = grey, 255 = pure colour."""
     rgb = np.asarray(rgb)
     if rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3:
         raise ValueError(f"expected an RGB uint8 (h, w, 3) image; got {rgb.dtype} {rgb.shape}.")
-    hi = rgb.max(axis=2).astype(np.int32)
-    lo = rgb.min(axis=2).astype(np.int32)
-    sat = np.zeros(hi.shape, np.int32)
-    np.floor_divide((hi - lo) * 255 + hi // 2, hi, out=sat, where=hi > 0)
-    return sat.astype(np.uint8)
+    # Pillow's HSV conversion (C): S = floor(255 (max - min) / max), 0 where max = 0.
+    return np.asarray(Image.fromarray(np.ascontiguousarray(rgb)).convert("HSV"))[..., 1].copy()
 
 
 def _remove_small_objects(mask: np.ndarray, max_px: int) -> np.ndarray:
@@ -82,7 +81,7 @@ def otsu_saturation_mask(
     rgb: np.ndarray,
     *,
     mpp: float,
-    median_um: float = 48.0,
+    median_um: float = 64.0,
     min_saturation: float = 0.05,
     min_object_um2: float = 10_000.0,
     min_hole_um2: float = 10_000.0,
@@ -166,7 +165,7 @@ class TissueMask:
         return (inside / area).astype(np.float32)
 
 
-def slide_tissue_mask(slide, *, method: str = "otsu", mask_mpp: float = 8.0,
+def slide_tissue_mask(slide, *, method: str = "otsu", mask_mpp: float = 16.0,
                       min_size_px: int = 256, max_size_px: int = 8192) -> TissueMask:
     """Tissue mask of a SlideReader ``slide`` computed on a thumbnail of about ``mask_mpp`` µm/px.
 

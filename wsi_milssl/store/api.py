@@ -21,6 +21,11 @@ _WRITERS = {"h5": H5Writer, "zarr": ZarrWriter}
 
 
 def _format_or_fail(path: Path) -> str:
+    if str(path).rstrip("/\\").endswith(schema.PARTIAL_SUFFIX):
+        raise StoreError(
+            f"{path}: this is an incomplete store (still being written, or left by a run that was killed). "
+            "Fix: re-run `wsi-milssl tile` with the same settings to finish it, then open the final store."
+        )
     fmt = schema.format_of(path)
     if fmt is None:
         raise StoreError(

@@ -12,7 +12,7 @@ import os
 import shutil
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import imagecodecs
 import numpy as np
@@ -23,11 +23,15 @@ from wsi_milssl.store import schema
 __all__ = [
     "PatchStore",
     "StoreWriter",
+    "check_attr_value",
     "decode_jpeg",
+    "dumps_settings",
     "encode_jpeg",
     "fsync_path",
     "normalize_indices",
     "plain_attr",
+    "remove_path",
+    "runs",
     "swap_into_place",
 ]
 
@@ -555,13 +559,3 @@ def dumps_settings(settings: Mapping[str, Any]) -> str:
     """Canonical JSON of a settings mapping (sorted keys), as stored in the ``settings`` attribute."""
     return json.dumps(dict(settings), sort_keys=True, separators=(",", ":"))
 
-
-def iter_unique(values: Iterable[Path]) -> list[Path]:
-    seen: set[str] = set()
-    out: list[Path] = []
-    for v in values:
-        key = str(Path(v).resolve())
-        if key not in seen:
-            seen.add(key)
-            out.append(Path(v))
-    return out

@@ -123,6 +123,9 @@ class H5Writer(StoreWriter):
         ds = f[schema.PATCHES]
         ds.resize(stop, axis=0)
         if self.pixels == "jpeg":
+            if len(patches) == 1:  # h5py cannot broadcast a length-1 object array of arrays
+                ds[start] = np.frombuffer(patches[0], dtype=np.uint8)
+                return
             arr = np.empty(len(patches), dtype=object)
             for i, b in enumerate(patches):
                 arr[i] = np.frombuffer(b, dtype=np.uint8)

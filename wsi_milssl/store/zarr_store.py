@@ -121,19 +121,30 @@ class _Appender:
         if self._buf_len >= self.unit:
             self._flush(full_only=True)
 
+    def _take(self, n: int) -> np.ndarray:
+        """The first ``n`` buffered rows (removed from the buffer), copying only what is needed."""
+        parts: list[np.ndarray] = []
+        need = n
+        while need:
+            head = self._buf[0]
+            if len(head) <= need:
+                parts.append(self._buf.pop(0))
+                need -= len(head)
+            else:
+                parts.append(head[:need])
+                self._buf[0] = head[need:]
+                need = 0
+        self._buf_len -= n
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
     def _flush(self, *, full_only: bool) -> None:
-        if not self._buf:
-            return
-        data = self._buf[0] if len(self._buf) == 1 else np.concatenate(self._buf)
-        n = (len(data) // self.unit) * self.unit if full_only else len(data)
-        if n:
-            stop = self.n_written + n
+        # One write unit at a time, so at most one extra unit is copied in memory.
+        while self._buf_len >= self.unit or (not full_only and self._buf_len > 0):
+            data = self._take(min(self.unit, self._buf_len))
+            stop = self.n_written + len(data)
             self.array.resize((stop,) + tuple(self.array.shape[1:]))
-            self.array[self.n_written:stop] = data[:n]
+            self.array[self.n_written:stop] = data
             self.n_written = stop
-        rest = data[n:]
-        self._buf = [rest] if len(rest) else []
-        self._buf_len = len(rest)
 
     def close(self) -> None:
         self._flush(full_only=False)

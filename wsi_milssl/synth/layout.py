@@ -81,6 +81,7 @@ class SlideLayout:
     blur: np.ndarray
     faint: np.ndarray
     tumor: np.ndarray  # per-map-pixel subtlety of the lesion covering it (0 outside lesions)
+    stain: np.ndarray  # slow variation of staining strength across the slide (about 0.75-1.25)
     pen_od: np.ndarray  # (3,) optical density of the pen ink
     fibre_angle_rad: float
     lesions: list[Lesion] = field(default_factory=list)
@@ -199,7 +200,9 @@ def make_layout(
     layout = SlideLayout(
         width_px=width_px, height_px=height_px, mpp=mpp, is_tumor=is_tumor,
         tissue=tissue_soft, follicle=follicle, fold=fold, pen=pen, blur=blur, faint=faint,
-        tumor=np.zeros(shape, np.float32), pen_od=pen_od, fibre_angle_rad=float(rng.uniform(0, np.pi)),
+        tumor=np.zeros(shape, np.float32),
+        stain=np.clip(1.0 + 0.12 * _smooth_noise(rng, shape, sigma=max(2.0, 150 * um / MAP_DOWNSAMPLE)), 0.7, 1.3),
+        pen_od=pen_od, fibre_angle_rad=float(rng.uniform(0, np.pi)),
     )
     if is_tumor:
         layout.lesions = _make_lesions(rng, layout, tissue, um)

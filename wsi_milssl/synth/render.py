@@ -180,20 +180,18 @@ def render_block(
     nuclei = np.zeros_like(haem)
     _stamp_nuclei(nuclei, layout, rx0, ry0, r)
     np.maximum(haem, nuclei, out=haem)
-    eosin += 0.012 * noise
-    haem += 0.01 * noise
+    eosin += 0.02 * noise
+    haem += 0.012 * noise
     np.maximum(eosin, 0.0, out=eosin)
     np.maximum(haem, 0.0, out=haem)
 
-    scale = None
+    scale = up("stain")
     if layout.fold.any():
-        scale = 1.0 + 0.9 * up("fold")
+        scale = scale * (1.0 + 0.9 * up("fold"))
     if layout.faint.any():
-        faint = 1.0 - 0.5 * up("faint")
-        scale = faint if scale is None else scale * faint
-    if scale is not None:
-        haem *= scale
-        eosin *= scale
+        scale = scale * (1.0 - 0.5 * up("faint"))
+    haem *= scale
+    eosin *= scale
     if layout.blur.any():
         blur = up("blur")
         if blur.max() > 0.01:

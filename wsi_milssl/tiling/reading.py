@@ -20,7 +20,7 @@ from PIL import Image
 
 from wsi_milssl.tiling.grid import TileGeometry
 
-__all__ = ["Band", "plan_bands", "read_band", "ordered_map"]
+__all__ = ["Band", "band_origin_level", "ordered_map", "plan_bands", "read_band", "read_band_region"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -84,11 +84,35 @@ def _resize(patch: np.ndarray, size_px: int) -> np.ndarray:
     return np.asarray(Image.fromarray(patch).resize((size_px, size_px), resample=resample))
 
 
-def read_band(slide, band: Band, geometry: TileGeometry) -> np.ndarray:
+def band_origin_level(band: Band, geometry: TileGeometry) -> tuple[int, int] | None:
+    """The band's top-left in pixels of the read level when it falls on whole pixels, else None."""
+    ds = geometry.level_downsample
+    x, y = band.x_lv0 / ds, band.y_lv0 / ds
+    if float(x).is_integer() and float(y).is_integer():
+        return int(x), int(y)
+    return None
+
+
+def read_band_region(slide, band: Band, geometry: TileGeometry, *, source=None) -> np.ndarray:
+    """uint8 (h, width_level, 3) RGB of the whole band at the read level.
+
+    ``source``: an optional direct reader of the read level (see
+    :class:`wsi_milssl.tiling.tiff_source.TiffLevelSource`), used when the band starts on a whole
+    pixel of that level; otherwise OpenSlide reads it through ``slide.read_level``.
+    """
+    g = geometry
+    size = (band.width_level, g.patch_size_level)
+    origin = band_origin_level(band, g) if source is not None else None
+    if origin is not None:
+        return source.read(origin[0], origin[1], *size)
+    return slide.read_level(band.x_lv0, band.y_lv0, g.level, size)
+
+
+def read_band(slide, band: Band, geometry: TileGeometry, *, source=None) -> np.ndarray:
     """uint8 (B, P, P, 3) RGB patches of ``band`` at the target resolution (P = patch_size_px)."""
     g = geometry
     p_level = g.patch_size_level
-    region = slide.read_level(band.x_lv0, band.y_lv0, g.level, (band.width_level, p_level))
+    region = read_band_region(slide, band, g, source=source)
     out = np.empty((len(band.indices), g.patch_size_px, g.patch_size_px, 3), np.uint8)
     for k, off in enumerate(band.offsets_level):
         crop = region[:, int(off): int(off) + p_level]

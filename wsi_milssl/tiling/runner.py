@@ -12,12 +12,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 import traceback
+from contextlib import contextmanager
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
-from multiprocessing import get_context
+from multiprocessing import get_all_start_methods, get_context
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -38,7 +40,8 @@ from wsi_milssl.store.schema import store_path
 from wsi_milssl.tiling.grid import TileGeometry
 from wsi_milssl.tiling.inputs import slide_stem
 from wsi_milssl.tiling.qc import render_qc, write_qc_png
-from wsi_milssl.tiling.reading import Band, ordered_map, plan_bands, read_band
+from wsi_milssl.tiling.reading import Band, band_origin_level, ordered_map, plan_bands, read_band, read_band_region
+from wsi_milssl.tiling.tiff_source import TiffLevelSource
 from wsi_milssl.tiling.status import STATUS_FILENAME, TileResult, write_status_csv
 
 __all__ = [
@@ -187,12 +190,13 @@ def tile_slide(slide_path: str | os.PathLike, out_dir: str | os.PathLike, config
             "name": stem,
         }
         bands = plan_bands(cand_coords, geometry, max_band_px=_MAX_BAND_PX)
+        source = _direct_source(slide, bands, geometry) if config.direct_tiff_read else None
         threshold = float(config.entropy_threshold_bits)
         pixels = config.pixels
         quality = config.jpeg_quality
 
         def process(band: Band):
-            patches = read_band(slide, band, geometry)
+            patches = read_band(slide, band, geometry, source=source)
             entropy = entropy_bits_batch(patches)
             keep = entropy >= threshold
             if pixels == "jpeg":
@@ -212,7 +216,7 @@ def tile_slide(slide_path: str | os.PathLike, out_dir: str | os.PathLike, config
         total = len(cand_coords)
         emit(progress, ProgressEvent("tile-patches", 0, total, unit="patch", item=stem))
         with create_writer(final, pixels=pixels, patch_size_px=config.patch_size_px,
-                           coords_attrs=coords_attrs) as writer:
+                           coords_attrs=coords_attrs) as writer, _closing(source):
             for band, keep, entropy, payload, nbytes in ordered_map(process, bands, threads=config.threads):
                 idx = band.indices
                 kept_idx = idx[keep]
@@ -272,6 +276,39 @@ def tile_slide(slide_path: str | os.PathLike, out_dir: str | os.PathLike, config
     return TileResult(stem, str(slide_path), "ok", n_kept, time.perf_counter() - t0, "", str(final))
 
 
+@contextmanager
+def _closing(source):
+    try:
+        yield source
+    finally:
+        if source is not None:
+            source.close()
+
+
+def _direct_source(slide, bands: list[Band], geometry: TileGeometry) -> TiffLevelSource | None:
+    """A direct TIFF reader of the read level, when the slide is a tiled JPEG TIFF and the reader
+    gives exactly OpenSlide's pixels on the first band that starts on a whole level pixel."""
+    probe = next((b for b in bands if band_origin_level(b, geometry) is not None), None)
+    if probe is None:
+        return None
+    source = TiffLevelSource.open(slide.path, level_size=geometry.level_dimensions)
+    if source is None:
+        return None
+    # one patch-sized square at the probe band's origin, read both ways
+    square = Band(probe.indices[:1], probe.x_lv0, probe.y_lv0, probe.offsets_level[:1], geometry.patch_size_level)
+    try:
+        same = np.array_equal(read_band_region(slide, square, geometry, source=source),
+                              read_band_region(slide, square, geometry))
+    except Exception as exc:  # noqa: BLE001 - any trouble: stay with OpenSlide
+        logger.debug("%s: direct TIFF reads disabled (%s)", slide.path, exc)
+        same = False
+    if not same:
+        logger.info("%s: direct TIFF tile reads differ from OpenSlide; reading through OpenSlide", slide.path)
+        source.close()
+        return None
+    return source
+
+
 def _qc_thumbnail(slide, mask_thumbnail: np.ndarray) -> np.ndarray:
     """RGB uint8 thumbnail for the QC image: the tissue-mask thumbnail when it is large enough
     (shrunk to at most _QC_MAX_PX), else a new one of up to _QC_MIN_PX."""
@@ -297,7 +334,7 @@ def _tile_one_safely(slide_path: str, out_dir: str, config: TileConfig, overwrit
     except Exception as exc:  # noqa: BLE001 - one bad slide must not stop the others
         if not isinstance(exc, WsiMilsslError):
             logger.debug("unexpected error on %s:\n%s", slide_path, traceback.format_exc())
-        logger.error("%s: failed: %s", slide_path, _slide_error(exc))
+        logger.info("%s: failed: %s", slide_path, _slide_error(exc))
         return TileResult(slide_stem(slide_path), str(slide_path), "failed", 0, time.perf_counter() - t0,
                           _slide_error(exc), "")
 
@@ -366,13 +403,21 @@ def tile_slides(slides: Iterable[str | os.PathLike], out_dir: str | os.PathLike,
     return TileRun(ordered, status_csv, config_json)
 
 
+def _pool_context():
+    """Fork on Linux (fast start; the parent holds no open slide or store at this point), else spawn."""
+    if sys.platform.startswith("linux") and "fork" in get_all_start_methods():
+        return get_context("fork")
+    return get_context("spawn")
+
+
 def _run_pool(slides: list[Path], out_dir: Path, config: TileConfig, overwrite: bool, record,
               *, workers: int) -> None:
     """Run slides on a process pool; slides caught in a crashed pool are retried alone, once."""
-    ctx = get_context("spawn")
+    ctx = _pool_context()
     todo = list(range(len(slides)))
     retry: list[int] = []
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
+    try:
         futures = {pool.submit(_tile_one_safely, str(slides[i]), str(out_dir), config, overwrite): i for i in todo}
         pending = set(futures)
         while pending:
@@ -383,6 +428,10 @@ def _run_pool(slides: list[Path], out_dir: Path, config: TileConfig, overwrite: 
                     record(i, fut.result())
                 except BrokenProcessPool:
                     retry.append(i)
+    except BaseException:  # Ctrl-C or an error in the parent: drop queued slides, do not wait
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
     for i in sorted(retry):
         t0 = time.perf_counter()
         try:

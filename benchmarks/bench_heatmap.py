@@ -1,0 +1,288 @@
+"""Heatmap throughput and memory: the whole ``wsi-milssl heatmap`` command beside the bare model forward.
+
+    python benchmarks/bench_heatmap.py                       # 16k px slide, ResNet18 at 0.5 µm/px, 224 px
+    python benchmarks/bench_heatmap.py --big 50000           # + memory on a 50,000 x 50,000 px slide
+    python benchmarks/bench_heatmap.py --iou-checkpoint runs/r1/best.pt --iou-slides slides/
+
+1. Throughput. A slide is generated with ``wsi_milssl.synth`` (cached in ``--cache``), a checkpoint
+   of a ResNet18 (random weights: speed does not depend on them) with the tiling settings is written,
+   and ``python -m wsi_milssl heatmap`` runs on it in a child process. Reported: patches/s of the
+   whole command (wall time from process start to exit: imports, tissue mask, tiling, reading,
+   inference, PNG and exports) and of the slide itself (its seconds in heatmap_status.csv); then, in
+   this process, the bare forward rate of the same model with the same runtime (bfloat16 autocast,
+   channels_last, threads) on the same number of ready-made input tensors in batches of the same
+   size. Runs alternate ``--repeat`` times (the machine may be shared); the median is reported.
+2. Memory. Peak RSS of the command's main process (``wait4``) and the peak of the summed RSS of the
+   process tree (main + DataLoader workers, sampled every 0.1 s; shared pages counted twice), on the
+   throughput slide and, with ``--big``, on a generated ``--big`` x ``--big`` px slide.
+3. IoU (optional). With a trained checkpoint and a folder of generated slides with their ASAP XML:
+   per tumour slide, grid cells with p >= 0.5 against cells whose exact tumour fraction is >= 0.5.
+
+Prints tables; ``--json PATH`` also writes the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _synth_slide(cache: Path, size: int, *, seed: int) -> Path:
+    from wsi_milssl.config import SynthConfig
+    from wsi_milssl.synth import generate_slides
+
+    folder = cache / f"synth_{size}_s{seed}"
+    slide = folder / "synth_000.tif"
+    if not slide.exists():
+        t0 = time.perf_counter()
+        print(f"generating a {size} x {size} px slide in {folder} ...", flush=True)
+        generate_slides(SynthConfig(n_slides=1, seed=seed, width_px=size, height_px=size, tumor_slide_fraction=1.0),
+                        folder)
+        print(f"  {time.perf_counter() - t0:.0f} s", flush=True)
+    return slide
+
+
+def _dims(slide: Path) -> list[int]:
+    from wsi_milssl.slide import open_slide
+
+    with open_slide(slide) as s:
+        return [int(v) for v in s.dimensions]
+
+
+def _checkpoint(path: Path, *, target_mpp: float, patch_size_px: int, entropy_bits: float) -> Path:
+    import torch
+
+    from wsi_milssl.mil.checkpoint import save_checkpoint
+    from wsi_milssl.mil.data import NORMALISATION
+    from wsi_milssl.mil.models import create_model
+
+    torch.manual_seed(0)
+    model = create_model("resnet18")
+    config = {"mode": "images", "model": "resnet18", "bag_pooling": "max", "target_mpp": target_mpp,
+              "patch_size_px": patch_size_px, "entropy_threshold_bits": entropy_bits,
+              "store_settings": {"target_mpp": target_mpp, "patch_size_px": patch_size_px, "stride_px": patch_size_px,
+                                 "entropy_threshold_bits": entropy_bits},
+              "normalisation": {k: list(v) for k, v in NORMALISATION.items()}, "model_name": "resnet18",
+              "model_kwargs": {}}
+    return save_checkpoint({"model": model.state_dict(), "optimizer": {}, "epoch": 0, "pseudo_labels": {}, "rng": {},
+                            "config": config, "model_name": "resnet18", "model_kwargs": {}, "bag_pooling": "max"},
+                           path)
+
+
+def _tree_rss_kb(root: int) -> int:
+    """Summed VmRSS (kB) of ``root`` and all its descendants."""
+    children: dict[int, list[int]] = {}
+    rss: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                stat = fh.read()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+            with open(f"/proc/{entry}/status") as fh:
+                for line in fh:
+                    if line.startswith("VmRSS:"):
+                        rss[int(entry)] = int(line.split()[1])
+                        break
+        except (OSError, ValueError, IndexError):
+            continue
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        total += rss.get(pid, 0)
+        todo.extend(children.get(pid, []))
+    return total
+
+
+def run_command(slide: Path, ckpt: Path, out: Path, *, batch_size: int, workers: int, threads: int) -> dict:
+    """Run ``wsi-milssl heatmap`` in a child process; wall time, peak RSS, patches and slide seconds."""
+    cmd = [sys.executable, "-m", "wsi_milssl", "heatmap", str(slide), "--model", str(ckpt), "--out", str(out),
+           "--batch-size", str(batch_size), "--workers", str(workers), "--threads", str(threads)]
+    peak_tree = 0
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stop = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak_tree
+        while not stop.is_set():
+            peak_tree = max(peak_tree, _tree_rss_kb(proc.pid))
+            stop.wait(0.1)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    output = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    stop.set()
+    sampler.join()
+    if proc.returncode != 0:
+        raise SystemExit(f"heatmap command failed ({proc.returncode}):\n{output}")
+    with open(out / "heatmap_status.csv", newline="") as fh:
+        row = next(csv.DictReader(fh))
+    return {"wall_s": wall, "slide_s": float(row["seconds"]), "n_patches": int(row["n_patches"]),
+            "peak_rss_main_mb": usage.ru_maxrss / 1024, "peak_rss_tree_mb": peak_tree / 1024}
+
+
+def bare_forward(ckpt: Path, n: int, *, patch_size_px: int, batch_size: int, workers: int, threads: int) -> dict:
+    """Forward rate of the checkpoint's model on ``n`` ready-made tensors (same runtime as the command)."""
+    import torch
+
+    from wsi_milssl.config import HeatmapConfig
+    from wsi_milssl.inference import load_inference_model
+    from wsi_milssl.inference.predict import Preprocess
+
+    config = HeatmapConfig(batch_size=batch_size, num_workers=workers, threads=threads)
+    model = load_inference_model(ckpt, config=config)
+    rng = np.random.default_rng(0)
+    u8 = torch.from_numpy(rng.integers(0, 256, (batch_size, patch_size_px, patch_size_px, 3), dtype=np.uint8))
+    prep = model.worker_preprocess or Preprocess(model.tiling.mean, model.tiling.std)
+    x = prep(u8)  # the tensor the command's workers hand over (bf16 channels_last on the CPU)
+    model.predict(x[: min(8, batch_size)])  # warm-up (oneDNN primitive creation)
+    sizes = [batch_size] * (n // batch_size) + ([n % batch_size] if n % batch_size else [])
+    t0 = time.perf_counter()
+    for b in sizes:
+        model.predict(x[:b])
+    dt = time.perf_counter() - t0
+    return {"seconds": dt, "n": n, "patches_per_s": n / dt, "runtime": model.runtime.describe(),
+            "torch_threads": torch.get_num_threads()}
+
+
+def iou_report(ckpt: Path, slides_dir: Path, out: Path, *, threshold: float = 0.5) -> list[dict]:
+    """Per tumour slide in ``slides_dir``: IoU of map cells >= threshold with cells >= 50 % tumour."""
+    from wsi_milssl.annotations import read_annotations, tumor_fraction
+    from wsi_milssl.config import HeatmapConfig
+    from wsi_milssl.inference import make_heatmaps
+
+    slides = sorted(p for p in slides_dir.glob("*.tif") if p.with_suffix(".xml").exists())
+    if not slides:
+        raise SystemExit(f"{slides_dir}: no slide with an XML annotation beside it.")
+    make_heatmaps(slides, ckpt, out, HeatmapConfig(), annotations_dir=slides_dir)
+    rows = []
+    for slide in slides:
+        grid = np.load(out / f"{slide.stem}_probs.npy")
+        side = json.loads((out / f"{slide.stem}_probs.json").read_text())
+        r, c = np.mgrid[: grid.shape[0], : grid.shape[1]]
+        ox, oy = side["origin_lv0"]
+        coords = np.stack([ox + c.ravel() * side["stride_lv0"], oy + r.ravel() * side["stride_lv0"]], axis=1)
+        region = read_annotations(slide.with_suffix(".xml")).with_dimensions(tuple(side["dimensions_lv0"])).region
+        truth = (tumor_fraction(region, coords, side["patch_size_lv0"]) >= 0.5).reshape(grid.shape)
+        high = np.nan_to_num(grid, nan=0.0) >= threshold
+        inter, union = int((high & truth).sum()), int((high | truth).sum())
+        rows.append({"slide": slide.stem, "tumour_cells": int(truth.sum()), "high_cells": int(high.sum()),
+                     "intersection": inter, "iou": inter / union if union else float("nan")})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", type=int, default=16384, help="side of the throughput slide in px (0.25 µm/px)")
+    p.add_argument("--seed", type=int, default=1, help="synth seed of the generated slides")
+    p.add_argument("--target-mpp", type=float, default=0.5, help="model resolution (µm/px)")
+    p.add_argument("--patch-size", type=int, default=224, help="model patch size (px)")
+    p.add_argument("--entropy-threshold", type=float, default=5.0, help="entropy filter (bits)")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--workers", type=int, default=-1, help="DataLoader workers of the command (-1 auto)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    p.add_argument("--repeat", type=int, default=2, help="alternating command/bare runs; medians reported")
+    p.add_argument("--slide", type=Path, default=None, help="use this slide for the throughput instead of generating")
+    p.add_argument("--big", type=int, default=0, help="also run on a BIG x BIG px slide (memory check)")
+    p.add_argument("--big-slide", type=Path, default=None,
+                   help="an existing large slide for the memory check (e.g. one generated with --big before)")
+    p.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "wsi_milssl_bench",
+                   help="folder for generated slides (reused)")
+    p.add_argument("--iou-checkpoint", type=Path, default=None, help="trained RUN_DIR/best.pt for the IoU table")
+    p.add_argument("--iou-slides", type=Path, default=None, help="folder of generated slides + XML for the IoU")
+    p.add_argument("--no-throughput", action="store_true", help="skip the throughput/memory runs (IoU only)")
+    p.add_argument("--json", type=Path, default=None, help="write the numbers to this JSON file")
+    args = p.parse_args(argv)
+
+    args.cache.mkdir(parents=True, exist_ok=True)
+    report: dict = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                    "cpu_count": os.cpu_count()}
+    with tempfile.TemporaryDirectory(prefix="bench_heatmap_") as tmp:
+        tmp = Path(tmp)
+        if not args.no_throughput:
+            ckpt = _checkpoint(tmp / "run" / "best.pt", target_mpp=args.target_mpp, patch_size_px=args.patch_size,
+                               entropy_bits=args.entropy_threshold)
+            slide = args.slide or _synth_slide(args.cache, args.size, seed=args.seed)
+            cmd_runs, bare_runs = [], []
+            for i in range(args.repeat):
+                cmd_runs.append(run_command(slide, ckpt, tmp / f"hm{i}", batch_size=args.batch_size,
+                                            workers=args.workers, threads=args.threads))
+                n = cmd_runs[-1]["n_patches"]
+                bare_runs.append(bare_forward(ckpt, n, patch_size_px=args.patch_size, batch_size=args.batch_size,
+                                              workers=args.workers, threads=args.threads))
+                c, b = cmd_runs[-1], bare_runs[-1]
+                print(f"run {i + 1}: command {n / c['wall_s']:.1f} patches/s (slide {n / c['slide_s']:.1f}), "
+                      f"bare forward {b['patches_per_s']:.1f} patches/s", flush=True)
+            n = cmd_runs[0]["n_patches"]
+            cmd_rate = statistics.median(n / r["wall_s"] for r in cmd_runs)
+            slide_rate = statistics.median(n / r["slide_s"] for r in cmd_runs)
+            bare_rate = statistics.median(b["patches_per_s"] for b in bare_runs)
+            dims = _dims(slide)
+            report["throughput"] = {"slide": str(slide), "dimensions_lv0": dims, "n_patches": n,
+                                    "command_patches_per_s": cmd_rate,
+                                    "slide_patches_per_s": slide_rate, "bare_forward_patches_per_s": bare_rate,
+                                    "ratio_command": cmd_rate / bare_rate, "ratio_slide": slide_rate / bare_rate,
+                                    "runtime": bare_runs[0]["runtime"], "torch_threads": bare_runs[0]["torch_threads"],
+                                    "runs": cmd_runs, "bare_runs": bare_runs}
+            print()
+            print(f"| {dims[0]} x {dims[1]} px slide, {n} patches of {args.patch_size} px at {args.target_mpp} µm/px, "
+                  f"batch {args.batch_size}, {bare_runs[0]['runtime']}, "
+                  f"torch threads {bare_runs[0]['torch_threads']} |")
+            print("| measure | patches/s | x bare forward |")
+            print("|---|---:|---:|")
+            print(f"| bare model forward (same tensors) | {bare_rate:.1f} | 1.00 |")
+            print(f"| heatmap command, whole (wall) | {cmd_rate:.1f} | {cmd_rate / bare_rate:.2f} |")
+            print(f"| heatmap command, slide time | {slide_rate:.1f} | {slide_rate / bare_rate:.2f} |")
+            mem = [(dims, cmd_runs[0])]
+            if args.big or args.big_slide:
+                big = args.big_slide or _synth_slide(args.cache, args.big, seed=args.seed)
+                r = run_command(big, ckpt, tmp / "hm_big", batch_size=args.batch_size, workers=args.workers,
+                                threads=args.threads)
+                big_dims = _dims(big)
+                report["big"] = {"slide": str(big), "dimensions_lv0": big_dims, **r}
+                mem.append((big_dims, r))
+                print(f"\n{big_dims[0]} x {big_dims[1]} px slide: {r['n_patches']} patches in {r['wall_s']:.0f} s "
+                      f"({r['n_patches'] / r['wall_s']:.1f} patches/s)")
+            print()
+            print("| slide | patches | peak RSS main (MB) | peak RSS process tree (MB) |")
+            print("|---|---:|---:|---:|")
+            for (w, h), r in mem:
+                print(f"| {w} x {h} px | {r['n_patches']} | {r['peak_rss_main_mb']:.0f} | "
+                      f"{r['peak_rss_tree_mb']:.0f} |")
+        if args.iou_checkpoint is not None:
+            if args.iou_slides is None:
+                raise SystemExit("--iou-checkpoint needs --iou-slides")
+            rows = iou_report(args.iou_checkpoint, args.iou_slides, tmp / "hm_iou")
+            report["iou"] = rows
+            print("\n| slide | tumour cells | cells p >= 0.5 | intersection | IoU |")
+            print("|---|---:|---:|---:|---:|")
+            for row in rows:
+                print(f"| {row['slide']} | {row['tumour_cells']} | {row['high_cells']} | {row['intersection']} | "
+                      f"{row['iou']:.3f} |")
+            inter = sum(r["intersection"] for r in rows)
+            union = sum(r["tumour_cells"] + r["high_cells"] - r["intersection"] for r in rows)
+            print(f"| all | | | | {inter / union if union else float('nan'):.3f} |")
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

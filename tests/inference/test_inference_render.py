@@ -1,0 +1,120 @@
+"""The probability grid, the pixel -> cell rule, smoothing, overlay drawing and the colour-map registry."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import shapely
+
+from wsi_milssl.inference.colormaps import COLORMAPS, apply_colormap, colormap_lut, register_colormap
+from wsi_milssl.inference.heatmap import (
+    colorbar_panel,
+    grid_indices,
+    pixel_cells,
+    probability_grid,
+    render_overlay,
+    sample_grid,
+)
+
+
+def test_probability_grid_places_each_patch_by_origin_and_stride():
+    coords = np.array([[100, 50], [164, 50], [100, 178]])
+    grid = probability_grid(coords, [0.1, 0.2, 0.3], origin_lv0=(100, 50), stride_lv0=64, shape=(3, 2))
+    assert grid.dtype == np.float32
+    np.testing.assert_allclose(grid, [[0.1, 0.2], [np.nan, np.nan], [0.3, np.nan]])
+    assert grid_indices(coords, origin_lv0=(100, 50), stride_lv0=64).tolist() == [[0, 0], [0, 1], [2, 0]]
+
+
+def test_probability_grid_rejects_off_grid_and_outside_patches():
+    with pytest.raises(ValueError, match=r"not on the grid of stride 64"):
+        probability_grid(np.array([[10, 0]]), [0.5], origin_lv0=(0, 0), stride_lv0=64, shape=(2, 2))
+    with pytest.raises(ValueError, match="outside the 2 x 2 grid"):
+        probability_grid(np.array([[128, 0]]), [0.5], origin_lv0=(0, 0), stride_lv0=64, shape=(2, 2))
+
+
+def test_pixel_cells_nearest_centre_rule_with_overlap_and_gaps():
+    # patches 100 px every 50 px (overlap): pixel centres at 10, 30, ..., each goes to the nearest centre
+    r, rin, c, cin = pixel_cells((1, 12), (20.0, 20.0), origin_lv0=(0, 0), stride_lv0=50, patch_size_lv0=100,
+                                 grid_shape=(1, 4))
+    centres = (np.arange(12) + 0.5) * 20  # 10 .. 230; patch centres at 50, 100, 150, 200
+    expected = np.clip(np.floor((centres - 50) / 50 + 0.5), 0, 3).astype(int)
+    assert c.tolist() == expected.tolist()
+    assert cin.tolist() == [True] * 12  # the grid covers 0..250
+    # patches 40 px every 100 px (gaps): pixels between patches belong to none
+    _, _, c, cin = pixel_cells((1, 10), (20.0, 20.0), origin_lv0=(0, 0), stride_lv0=100, patch_size_lv0=40,
+                               grid_shape=(1, 2))
+    assert cin.tolist() == [True, True, False, False, False, True, True, False, False, False]
+    assert c[:2].tolist() == [0, 0] and c[5:7].tolist() == [1, 1]
+
+
+def test_sample_grid_without_and_with_smoothing():
+    grid = np.full((4, 4), 0.0, np.float32)
+    grid[1, 1] = 1.0
+    grid[3, 3] = np.nan
+    raw = sample_grid(grid, (8, 8), (16.0, 16.0), origin_lv0=(0, 0), stride_lv0=32, patch_size_lv0=32)
+    assert raw.shape == (8, 8)
+    assert np.argwhere(raw == 1.0).tolist() == [[2, 2], [2, 3], [3, 2], [3, 3]]
+    assert np.isnan(raw[6:, 6:]).all()
+    smooth = sample_grid(grid, (8, 8), (16.0, 16.0), origin_lv0=(0, 0), stride_lv0=32, patch_size_lv0=32,
+                         smooth_sigma_cells=1.0)
+    assert np.isnan(smooth[6:, 6:]).all()  # no patch stays no patch
+    assert 0 < smooth[2, 2] < 1.0 and smooth[0, 7] < smooth[2, 2]  # spread out and falling off
+    assert np.nanmax(smooth) == pytest.approx(smooth[2:4, 2:4].max())
+
+
+def test_render_overlay_colours_patch_pixels_only_and_appends_a_colour_bar():
+    thumb = np.full((20, 30, 3), 200, np.uint8)
+    grid = np.array([[0.9, 0.2, np.nan]], np.float32)
+    out = render_overlay(grid, thumb, downsample_xy=(10.0, 10.0), origin_lv0=(0, 0), stride_lv0=100,
+                         patch_size_lv0=100, colormap="red", alpha=1.0, colorbar=False)
+    assert out.shape == thumb.shape
+    def colour(p):
+        return np.broadcast_to(apply_colormap(np.float64(np.float32(p)), "red"), (10, 10, 3))
+
+    np.testing.assert_array_equal(out[:10, :10], colour(0.9))
+    np.testing.assert_array_equal(out[:10, 10:20], colour(0.2))
+    np.testing.assert_array_equal(out[:10, 20:], thumb[:10, 20:])  # NaN cell: untouched
+    np.testing.assert_array_equal(out[10:], thumb[10:])  # below the grid: untouched
+    # threshold, alpha, tissue clipping
+    tissue = np.zeros((2, 3), bool)
+    tissue[0, 0] = True
+    out = render_overlay(grid, thumb, downsample_xy=(10.0, 10.0), origin_lv0=(0, 0), stride_lv0=100,
+                         patch_size_lv0=100, colormap="red", alpha=0.5, threshold=0.5, tissue_mask=tissue,
+                         tissue_downsample_xy=(100.0, 100.0), colorbar=True)
+    assert out.shape[0] == 20 and out.shape[1] > 30
+    red = apply_colormap(np.float64(np.float32(0.9)), "red").astype(float)
+    np.testing.assert_array_equal(out[0, 0], np.round(0.5 * 200 + 0.5 * red).astype(np.uint8))
+    np.testing.assert_array_equal(out[:10, 10:30], thumb[:10, 10:30])  # below threshold
+
+
+def test_render_overlay_draws_annotation_outlines_at_their_level0_place():
+    thumb = np.full((50, 50, 3), 255, np.uint8)
+    square = shapely.box(100, 100, 300, 300)  # level-0 px; downsample 10 -> pixels 10..30
+    out = render_overlay(np.zeros((0, 0), np.float32), thumb, downsample_xy=(10.0, 10.0), origin_lv0=(0, 0),
+                         stride_lv0=100, patch_size_lv0=100, outlines=square, outline_color="#0000ff",
+                         outline_width_px=1, colorbar=False)
+    blue = (out == [0, 0, 255]).all(axis=2)
+    ys, xs = np.nonzero(blue)
+    assert abs(xs.min() - 10) <= 1 and abs(xs.max() - 30) <= 1 and abs(ys.min() - 10) <= 1 and abs(ys.max() - 30) <= 1
+    assert not blue[20, 20]  # an outline, not a fill
+
+
+def test_colormap_registry_accepts_new_maps_and_rejects_unknown_ones():
+    assert {"jet", "viridis", "inferno", "red"} <= set(COLORMAPS)
+    lut = colormap_lut("viridis", 4)
+    assert lut.shape == (4, 3) and lut.dtype == np.uint8
+    assert colormap_lut("jet", 2)[1].tolist() == [128, 0, 0]  # jet ends in dark red
+
+    @register_colormap("test_grey")
+    def grey(values):
+        g = np.round(np.asarray(values) * 255).astype(np.uint8)
+        return np.stack([g, g, g], axis=-1)
+
+    try:
+        assert apply_colormap(np.array([0.0, 1.0]), "test_grey").tolist() == [[0, 0, 0], [255, 255, 255]]
+        panel = colorbar_panel(200, colormap="test_grey")
+        assert panel.shape[0] == 200 and panel.dtype == np.uint8
+    finally:
+        COLORMAPS.pop("test_grey")
+    with pytest.raises(ValueError, match="unknown colour map 'nope'; registered colour maps: .*jet"):
+        apply_colormap(np.zeros(2), "nope")

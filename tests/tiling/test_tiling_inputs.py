@@ -1,0 +1,38 @@
+"""SLIDES arguments: files, folders and CSV lists become slide paths; bad input is a usage error."""
+
+from __future__ import annotations
+
+import pytest
+
+from wsi_milssl.errors import ConfigError
+from wsi_milssl.tiling import find_slides
+
+
+def test_folder_csv_and_files(synth_dir, tmp_path):
+    from_folder = find_slides([synth_dir])
+    assert [p.name for p in from_folder] == ["synth_000.tif", "synth_001.tif"]
+    # labels.csv names slides without a suffix; they are found beside the CSV
+    assert find_slides([synth_dir / "labels.csv"]) == from_folder
+    listing = tmp_path / "list.csv"
+    listing.write_text(f"slide,label\n{synth_dir / 'synth_001.tif'},0\n")
+    assert find_slides([listing, synth_dir / "synth_001.tif"]) == [synth_dir / "synth_001.tif"]
+
+
+def test_bad_inputs(synth_dir, tmp_path):
+    with pytest.raises(ConfigError, match="no such slide file or folder"):
+        find_slides([tmp_path / "nope"])
+    with pytest.raises(ConfigError, match="no slide files in this folder"):
+        find_slides([tmp_path])
+    bad = tmp_path / "bad.csv"
+    bad.write_text("path\nx.tif\n")
+    with pytest.raises(ConfigError, match=r"bad\.csv: no 'slide' column \(columns: path\)"):
+        find_slides([bad])
+    missing = tmp_path / "missing.csv"
+    missing.write_text("slide\nghost\n")
+    with pytest.raises(ConfigError, match=r"1 slide\(s\) not found: ghost"):
+        find_slides([missing])
+    twin = tmp_path / "twin"
+    twin.mkdir()
+    (twin / "synth_000.svs").write_text("another slide with the same stem")
+    with pytest.raises(ConfigError, match="have the same name 'synth_000', so their stores would collide"):
+        find_slides([synth_dir, twin])

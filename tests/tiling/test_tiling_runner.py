@@ -1,0 +1,152 @@
+"""The tile runner on generated slides: both formats, resume, settings mismatch, workers, bad slides."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from wsi_milssl.config import TileConfig
+from wsi_milssl.errors import StoreError
+from wsi_milssl.slide import open_slide
+from wsi_milssl.store import find_stores, open_store
+from wsi_milssl.synth.pyramid import write_pyramidal_tiff
+from wsi_milssl.tiling import find_slides, qc_path, read_status_csv, tile_slide, tile_slides
+
+# 20x / 256 px on the 4096-px fixture slides: 8 x 8 grid cells of 512 level-0 px. The entropy
+# threshold is lowered so that the test does not depend on how rich the synthetic texture is.
+FAST = dict(magnification=20, patch_size_px=256, entropy_threshold_bits=4.0)
+
+
+@pytest.fixture(scope="module")
+def h5_run(synth_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiles_h5")
+    return out, tile_slides(find_slides([synth_dir]), out, TileConfig(**FAST, format="h5"))
+
+
+def test_run_writes_stores_status_config_and_qc(h5_run, synth_dir):
+    out, run = h5_run
+    assert run.ok and [r.status for r in run.results] == ["ok", "ok"]
+    rows = read_status_csv(out / "tile_status.csv")
+    assert list(rows[0]) == ["slide", "status", "n_patches", "seconds", "error"]
+    assert [(r["slide"], r["status"]) for r in rows] == [("synth_000", "ok"), ("synth_001", "ok")]
+    assert [int(r["n_patches"]) for r in rows] == [r.n_patches for r in run.results]
+    assert all(r.n_patches > 0 for r in run.results)
+    assert [p.name for p in find_stores(out)] == ["synth_000.h5", "synth_001.h5"]
+    cfg = json.loads((out / "tile_config.json").read_text())
+    assert cfg["tile"]["patch_size_px"] == 256 and cfg["settings"]["target_mpp"] == 0.5
+    for r in run.results:
+        with Image.open(qc_path(out, r.slide)) as im:
+            assert im.format == "PNG" and max(im.size) >= 512
+        with open_store(r.store_path) as s:
+            a = s.attrs
+            assert a["slide_path"] == str((synth_dir / f"{r.slide}.tif").resolve())
+            assert a["target_magnification"] == 20.0 and a["target_mpp"] == 0.5 and a["mpp"] == 0.25
+            assert a["patch_size_lv0"] == 512 and a["level"] == 1 and a["level_downsample"] == 2.0
+            assert a["n_patches"] == len(s) <= a["n_candidates"] <= a["n_grid"] == 64
+            assert a["config_hash"] == TileConfig(**FAST).settings_hash()
+            assert (s.read_array("entropy_bits") >= 4.0).all()
+            assert (s.read_array("tissue_fraction") >= 0.1).all()
+            # rows in grid order (y, then x)
+            order = np.lexsort((s.coords[:, 0], s.coords[:, 1]))
+            np.testing.assert_array_equal(order, np.arange(len(s)))
+
+
+def test_jpeg_patches_match_the_slide_and_raw_is_exact(h5_run, synth_slides, tmp_path):
+    out, _ = h5_run
+    raw = tile_slide(synth_slides["tumor"], tmp_path, TileConfig(**FAST, pixels="raw", format="zarr"))
+    with open_store(out / "synth_000.h5") as jp, open_store(raw.store_path) as rw, \
+            open_slide(synth_slides["tumor"]) as slide:
+        assert jp.stem == rw.stem == synth_slides["tumor"].stem
+        np.testing.assert_array_equal(jp.coords, rw.coords)
+        idx = np.arange(0, len(jp), 3)
+        want = np.stack([slide.read_region(int(x), int(y), 256, target_mpp=0.5) for x, y in jp.coords[idx]])
+        np.testing.assert_array_equal(rw.read_patches(idx), want)
+        err = np.abs(jp.read_patches(idx).astype(int) - want).mean()
+        assert err < 4.0  # JPEG quality 90
+
+
+def test_h5_and_zarr_runs_have_the_same_content(h5_run, synth_dir, tmp_path, store_contents, same_contents):
+    out, _ = h5_run
+    run = tile_slides(find_slides([synth_dir / "labels.csv"]), tmp_path, TileConfig(**FAST, format="zarr", threads=1))
+    assert run.ok
+    for r in run.results:
+        same_contents(store_contents(out / f"{r.slide}.h5"), store_contents(r.store_path),
+                      ignore_attrs=("settings", "config_hash"))
+
+
+def test_workers_2_give_the_same_stores(h5_run, synth_dir, tmp_path, store_contents, same_contents):
+    out, _ = h5_run
+    run = tile_slides(find_slides([synth_dir]), tmp_path, TileConfig(**FAST, workers=2, threads=1))
+    assert run.ok and [r.slide for r in run.results] == ["synth_000", "synth_001"]
+    for r in run.results:
+        same_contents(store_contents(out / f"{r.slide}.h5"), store_contents(r.store_path))
+
+
+def test_resume_skips_same_settings_and_refuses_others(synth_slides, tmp_path):
+    slides = [synth_slides["normal"]]
+    first = tile_slides(slides, tmp_path, TileConfig(**FAST, pixels="none"))
+    store = tmp_path / f"{slides[0].stem}.h5"
+    mtime = store.stat().st_mtime_ns
+    again = tile_slides(slides, tmp_path, TileConfig(**FAST, pixels="none", threads=1, batch_size=7))
+    assert [r.status for r in again.results] == ["skipped"]
+    assert again.results[0].n_patches == first.results[0].n_patches
+    assert store.stat().st_mtime_ns == mtime
+    assert read_status_csv(tmp_path / "tile_status.csv")[0]["status"] == "skipped"
+    other = TileConfig(**{**FAST, "patch_size_px": 128}, pixels="none")
+    with pytest.raises(StoreError, match=r"made with different settings \(patch_size_px 256 -> 128; "
+                                         r"stride_px 256 -> 128\)\. "
+                                         r"Fix: write to a new folder with --out, or pass --overwrite"):
+        tile_slides(slides, tmp_path, other)
+    redo = tile_slides(slides, tmp_path, other, overwrite=True)
+    assert redo.results[0].status == "ok"
+    with open_store(store) as s:
+        assert s.patch_size_px == 128
+
+
+def test_bad_slide_is_recorded_and_others_finish(synth_slides, tmp_path):
+    bad = tmp_path / "slides" / "broken.tif"
+    bad.parent.mkdir()
+    bad.write_text("this is a text file, not a slide\n")
+    good = bad.parent / "good.tif"
+    good.symlink_to(synth_slides["normal"])
+    run = tile_slides(find_slides([bad.parent]), tmp_path / "out",
+                      TileConfig(**FAST, pixels="none", workers=2, threads=1))
+    status = {r.slide: r for r in run.results}
+    assert status["broken"].status == "failed" and status["good"].status == "ok"
+    assert "broken.tif: OpenSlide does not recognise this file" in status["broken"].error
+    assert not run.ok and run.n_failed == 1
+    rows = {r["slide"]: r for r in read_status_csv(tmp_path / "out" / "tile_status.csv")}
+    assert rows["broken"]["status"] == "failed" and "OpenSlide" in rows["broken"]["error"]
+    assert [p.name for p in (tmp_path / "out").iterdir() if "broken" in p.name] == []
+
+
+def test_slide_without_mpp_needs_slide_mpp(tmp_path):
+    path = tmp_path / "nompp.tif"
+    write_pyramidal_tiff(path, lambda x0, y0, x1, y1: np.full((y1 - y0, x1 - x0, 3), 240, np.uint8),
+                         width=1024, height=1024, mpp=None)
+    run = tile_slides([path], tmp_path / "out", TileConfig(**FAST))
+    assert run.results[0].status == "failed"
+    assert "Fix: give its level-0 resolution with --slide-mpp" in run.results[0].error
+    run = tile_slides([path], tmp_path / "out", TileConfig(**FAST, slide_mpp=0.5))
+    assert run.ok and run.results[0].n_patches == 0  # blank glass: an empty store, not an error
+    with open_store(tmp_path / "out" / "nompp.h5") as s:
+        assert s.attrs["mpp"] == 0.5 and s.attrs["mpp_source"] == "override" and len(s) == 0
+
+
+def test_config_validation_messages():
+    from wsi_milssl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="give magnification or target_mpp, not both"):
+        TileConfig(magnification=10, target_mpp=1.0)
+    with pytest.raises(ConfigError, match=r"TileConfig.pixels must be one of 'jpeg', 'raw', 'none'; got 'png'"):
+        TileConfig(pixels="png")
+    with pytest.raises(ConfigError, match=r"TileConfig.tissue must be one of 'none', 'otsu'; got 'x'"):
+        TileConfig(tissue="x")
+    with pytest.raises(ConfigError, match=r"TileConfig.patch_size_px must satisfy 8 <= value <= 8192; got 0"):
+        TileConfig(patch_size_px=0)
+    assert TileConfig().resolved_target_mpp == 1.0 and TileConfig(target_mpp=0.5).resolved_target_mpp == 0.5
+    assert TileConfig(workers=4, threads=1, batch_size=3).settings_hash() == TileConfig().settings_hash()
+    assert TileConfig(magnification=20).settings_hash() == TileConfig(target_mpp=0.5).settings_hash()

@@ -1,0 +1,161 @@
+"""``wsi-milssl heatmap SLIDE... --model RUN_DIR/best.pt --out DIR``: probability maps, overlays and exports."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+__all__ = ["register", "run", "heatmap_config_from_args"]
+
+# CLI option -> HeatmapConfig field, for options that are plain values.
+_VALUE_OPTIONS = {
+    "batch_size": "batch_size", "workers": "num_workers", "device": "device", "amp": "amp", "threads": "threads",
+    "tissue": "tissue", "min_tissue": "min_tissue", "mask_mpp": "mask_mpp", "slide_mpp": "slide_mpp",
+    "colormap": "colormap", "alpha": "alpha", "vmin": "vmin", "vmax": "vmax",
+    "overlay_threshold": "overlay_threshold", "smooth_um": "smooth_um", "thumbnail_px": "thumbnail_px",
+    "annotation_color": "annotation_color", "annotation_width": "annotation_width_px",
+    "detection_threshold": "detection_threshold", "nms_radius_um": "nms_radius_um",
+}
+# CLI flag -> (HeatmapConfig field, value when given)
+_FLAG_OPTIONS = {
+    "no_channels_last": ("channels_last", False),
+    "no_clip_tissue": ("clip_to_tissue", False),
+    "no_colorbar": ("colorbar", False),
+}
+
+
+def heatmap_config_from_args(args: argparse.Namespace):
+    """HeatmapConfig from ``--config`` TOML (top level or a [heatmap] table), then the options given."""
+    from wsi_milssl.config.base import config_from_mapping, load_toml
+    from wsi_milssl.config.heatmap import HeatmapConfig
+
+    values: dict = {}
+    if getattr(args, "config", None) is not None:
+        data = load_toml(args.config)
+        values.update(data.get("heatmap", data))
+    for opt, name in _VALUE_OPTIONS.items():
+        value = getattr(args, opt, None)
+        if value is not None:
+            values[name] = value
+    for opt, (name, value) in _FLAG_OPTIONS.items():
+        if getattr(args, opt, False):
+            values[name] = value
+    return config_from_mapping(HeatmapConfig, values, source=str(getattr(args, "config", None) or "options"))
+
+
+def register(subparsers) -> None:
+    from wsi_milssl.cli import HelpFormatter
+    from wsi_milssl.config.heatmap import HeatmapConfig
+    from wsi_milssl.inference.colormaps import COLORMAPS
+    from wsi_milssl.slide.tissue import TISSUE_DETECTORS
+
+    d = HeatmapConfig()
+    p = subparsers.add_parser(
+        "heatmap",
+        help="per-patch tumour probabilities of slides: maps, overlays, QuPath GeoJSON, CAMELYON16 detections",
+        description=(
+            "Run a trained model over whole slides. Each slide is tiled on the fly with the settings\n"
+            "recorded in the checkpoint (resolution, patch size, stride, entropy threshold, normalisation),\n"
+            "or read from its patch store with --store. Per slide, in DIR:\n"
+            "  <stem>_probs.npy/.tif  float32 probability map on the patch grid (NaN = no patch)\n"
+            "  <stem>_probs.json      its level-0 origin, stride, patch size, mpp and shape\n"
+            "  <stem>_heatmap.png     overlay on the thumbnail, colour bar, annotation outlines\n"
+            "  <stem>_patches.csv     x_lv0,y_lv0,prob per patch (top-left, level-0 px)\n"
+            "  <stem>_patches.geojson one QuPath detection per patch, measurement tumor_probability\n"
+            "  <stem>_detections.csv  CAMELYON16 prob,x,y (level-0 px, no header): non-maximum suppression\n"
+            "                         of the map down to --detection-threshold, radius --nms-radius-um\n"
+            "and scores.csv (slide,score; max or mean pooling as trained), heatmap_status.csv and\n"
+            "heatmap_config.json. Exit code 1 when any slide failed, 2 for usage errors.\n\n"
+            "examples:\n"
+            "  wsi-milssl heatmap slides/ --model runs/r1/best.pt --out heatmaps/\n"
+            "  wsi-milssl heatmap slides/a.tif --model runs/r1 --out hm/ --annotations slides/\n"
+            "  wsi-milssl heatmap --store stores/ --model runs/r1/best.pt --out hm/   (slides from the stores)"
+        ),
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("slides", nargs="*", type=Path, metavar="SLIDE",
+                   help="slide files, folders of slides or CSV lists (optional with --store)")
+    p.add_argument("--model", type=Path, required=True, metavar="CHECKPOINT",
+                   help="RUN_DIR/best.pt, RUN_DIR/last.pt or RUN_DIR (best.pt, else last.pt)")
+    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="output folder (created)")
+    p.add_argument("--store", type=Path, nargs="+", default=None, metavar="STORE_OR_DIR",
+                   help="read patches from these stores (files or folders) instead of tiling the slides")
+    p.add_argument("--annotations", type=Path, default=None, metavar="DIR",
+                   help="folder of <stem>.xml / <stem>.geojson annotations to outline on the overlays")
+    p.add_argument("--config", type=Path, default=None, metavar="TOML",
+                   help="TOML file of HeatmapConfig fields (top level or a [heatmap] table); options override it")
+    r = p.add_argument_group("inference")
+    r.add_argument("--batch-size", type=int, default=None, help=f"patches per model call [{d.batch_size}]")
+    r.add_argument("--workers", type=int, default=None,
+                   help="DataLoader workers reading patches (-1 = min(4, CPUs - 1)) [-1]")
+    r.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None, help=f"[{d.device}]")
+    r.add_argument("--amp", choices=("auto", "off", "bf16", "fp16"), default=None,
+                   help="autocast precision; auto = bf16 on CPU and bf16-capable GPUs, else fp16 [auto]")
+    r.add_argument("--no-channels-last", action="store_true", help="keep the NCHW memory layout")
+    r.add_argument("--threads", type=int, default=None, help="torch CPU threads (0 = torch default) [0]")
+    t = p.add_argument_group("tiling on the fly (the rest comes from the checkpoint)")
+    t.add_argument("--tissue", choices=sorted(TISSUE_DETECTORS), default=None,
+                   help="tissue detector [as recorded with the training stores, else otsu]")
+    t.add_argument("--min-tissue", type=float, default=None, metavar="FRACTION",
+                   help="fraction of a patch that must be tissue [as recorded, else 0.1]")
+    t.add_argument("--mask-mpp", type=float, default=None, metavar="MPP",
+                   help="tissue-mask resolution in µm/px [as recorded, else 8]")
+    t.add_argument("--slide-mpp", type=float, default=None, metavar="MPP",
+                   help="level-0 µm/px for slides without an MPP (overrides the metadata)")
+    o = p.add_argument_group("overlay (<stem>_heatmap.png)")
+    o.add_argument("--colormap", choices=sorted(COLORMAPS), default=None, help=f"colour map [{d.colormap}]")
+    o.add_argument("--alpha", type=float, default=None, help=f"colour opacity 0-1 [{d.alpha}]")
+    o.add_argument("--vmin", type=float, default=None, help=f"probability at the low end of the colours [{d.vmin}]")
+    o.add_argument("--vmax", type=float, default=None, help=f"probability at the high end of the colours [{d.vmax}]")
+    o.add_argument("--overlay-threshold", type=float, default=None, metavar="P",
+                   help=f"leave patches below this probability uncoloured [{d.overlay_threshold}]")
+    o.add_argument("--smooth-um", type=float, default=None, metavar="UM",
+                   help=f"Gaussian sigma in µm applied to the map before drawing (0 = none) [{d.smooth_um}]")
+    o.add_argument("--no-clip-tissue", action="store_true", help="colour patches outside the tissue mask too")
+    o.add_argument("--thumbnail-px", type=int, default=None, metavar="PX",
+                   help=f"longer side of the overlay thumbnail [{d.thumbnail_px}]")
+    o.add_argument("--no-colorbar", action="store_true", help="no colour bar panel")
+    o.add_argument("--annotation-color", default=None, metavar="#RRGGBB",
+                   help=f"outline colour of the annotations [{d.annotation_color}]")
+    o.add_argument("--annotation-width", type=int, default=None, metavar="PX",
+                   help=f"outline width [{d.annotation_width_px}]")
+    x = p.add_argument_group("detections (<stem>_detections.csv)")
+    x.add_argument("--detection-threshold", type=float, default=None, metavar="P",
+                   help="report local maxima down to this probability; keep it low, FROC sweeps thresholds "
+                        f"[{d.detection_threshold}]")
+    x.add_argument("--nms-radius-um", type=float, default=None, metavar="UM",
+                   help=f"suppress patches whose centre is within this distance of a detection [{d.nms_radius_um:g}]")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from wsi_milssl.cli.progress import TqdmProgress
+    from wsi_milssl.errors import ConfigError
+    from wsi_milssl.inference import make_heatmaps
+    from wsi_milssl.tiling import find_slides
+
+    try:
+        config = heatmap_config_from_args(args)
+        slides = find_slides(args.slides) if args.slides else []
+        if not slides and args.store is None:
+            raise ConfigError("no slides given; pass SLIDE files or folders, or --store with patch stores.")
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    with TqdmProgress() as progress:
+        result = make_heatmaps(slides, args.model, args.out, config, stores=args.store,
+                               annotations_dir=args.annotations, progress=progress)
+    ok = [r for r in result.results if r.status == "ok"]
+    n_patches = sum(r.n_patches for r in ok)
+    seconds = sum(r.seconds for r in result.results)
+    rate = f", {n_patches / seconds:.1f} patches/s" if seconds > 0 and n_patches else ""
+    print(f"heatmaps of {len(result.results)} slide(s): {len(ok)} ok, {result.n_failed} failed; "
+          f"{n_patches} patches{rate} -> {result.out_dir}")
+    for r in ok:
+        print(f"  {r.slide}: score {r.score:.4f}, {r.n_patches} patches")
+    print(f"scores: {result.scores_csv}; status: {result.status_csv}")
+    for r in result.results:
+        if r.status == "failed":
+            print(f"failed: {r.slide}: {r.error}", file=sys.stderr)
+    return 1 if result.n_failed else 0

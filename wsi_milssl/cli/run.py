@@ -1,0 +1,56 @@
+"""``wsi-milssl run PIPELINE.toml``: every stage in order, skipping those already up to date."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+__all__ = ["register", "run", "run_and_report"]
+
+
+def register(subparsers) -> None:
+    from wsi_milssl.cli import HelpFormatter
+    from wsi_milssl.pipeline import STAGES
+
+    p = subparsers.add_parser(
+        "run",
+        help="run a pipeline file (synth -> tile -> label -> train -> heatmap -> evaluate)",
+        description="Run the stages of a pipeline TOML file in order. A stage whose settings and inputs\n"
+        "match its last run, and whose outputs still exist, is skipped. Ready-made files are in\n"
+        "pipelines/ (demo, camelyon16, tcga-features, mil-benchmark).",
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("pipeline", type=Path, metavar="PIPELINE.toml", help="pipeline file")
+    p.add_argument("--out", type=Path, default=None,
+                   help="output folder, overriding [pipeline].out_dir (default: as in the file)")
+    p.add_argument("--force", nargs="+", default=[], choices=STAGES, metavar="STAGE",
+                   help="re-run these stages (and everything after them) even when up to date")
+    p.add_argument("--until", default=None, choices=STAGES, metavar="STAGE", help="stop after this stage")
+    p.set_defaults(run=run)
+
+
+def run_and_report(pipeline: Path, *, out: Path | None, force=(), until=None) -> int:
+    from wsi_milssl.cli.progress import TqdmProgress
+    from wsi_milssl.pipeline import load_pipeline, run_pipeline
+
+    spec = load_pipeline(pipeline, out_dir=out)
+    print(f"pipeline {spec.name!r} from {spec.source} -> {spec.out_dir}")
+
+    def show(outcome) -> None:
+        if outcome.status == "skipped":
+            print(f"[{outcome.stage}] skipped (up to date)", flush=True)
+        else:
+            print(f"[{outcome.stage}] {outcome.seconds:.1f} s: {outcome.summary}", flush=True)
+
+    with TqdmProgress() as progress:
+        run_pipeline(spec, force=force, until=until, progress=progress, on_stage=show)
+    report = spec.out_dir / "evaluation" / "report.html"
+    if report.exists() and until in (None, "evaluate"):
+        print(f"report: {report}")
+    sys.stdout.flush()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    return run_and_report(args.pipeline, out=args.out, force=args.force, until=args.until)

@@ -1,0 +1,136 @@
+"""Settings of the heatmap stage (``wsi-milssl heatmap``): slide inference, overlay and exports.
+
+The tiling settings (target resolution, patch size, stride, entropy threshold, normalisation) are
+not here: they come from the checkpoint, so a slide is cut exactly as the training stores were.
+Only the tissue-mask settings, which checkpoints of older stores may lack, can be given here.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from wsi_milssl.config.base import check_choice, check_range, check_type
+
+__all__ = ["HeatmapConfig"]
+
+_HEX_COLOR = re.compile(r"^#[0-9a-fA-F]{6}$")
+
+
+@dataclass(frozen=True)
+class HeatmapConfig:
+    """Slide inference, the overlay PNG and the exported files.
+
+    Inference
+    ---------
+    batch_size : patches per model call (a DataLoader item holds at most this many).
+    num_workers : DataLoader worker processes that read and decode patches while the model runs;
+        -1 = min(4, CPUs - 1) (at least 1), 0 = read in the main process.
+    device : 'auto' (CUDA when present), 'cpu' or 'cuda'.
+    amp : autocast precision: 'auto' = bfloat16 on the CPU and on CUDA with bf16 support, float16 on
+        older GPUs; 'off' = float32; 'bf16' / 'fp16' force one.
+    channels_last : NHWC memory layout for the convolutional model (faster on CPU and tensor cores).
+    threads : torch intra-op CPU threads (0 = leave torch's default).
+    tissue, min_tissue, mask_mpp : tissue detector, minimum tissue fraction of a patch, and mask
+        resolution (µm/px) used when tiling a slide on the fly; None = the value recorded with the
+        training stores in the checkpoint, else the tile stage's default ('otsu', 0.1, 8.0).
+    slide_mpp : level-0 µm/px to use instead of the slides' metadata (slides without an MPP).
+
+    Overlay (``<stem>_heatmap.png``)
+    --------------------------------
+    colormap : a registered colour map (``wsi_milssl.inference.heatmap.COLORMAPS``).
+    alpha : opacity of the colour over the thumbnail, in [0, 1].
+    vmin, vmax : probabilities mapped to the two ends of the colour map (and the colour bar).
+    overlay_threshold : patches with a probability below this are left uncoloured.
+    smooth_um : standard deviation in µm of a Gaussian applied to the map before drawing (0 = none;
+        the map is then drawn with bilinear interpolation). Exports always hold the raw map.
+    clip_to_tissue : colour only thumbnail pixels inside the tissue mask.
+    thumbnail_px : longer side of the slide thumbnail under the overlay, in pixels.
+    colorbar : append a colour bar panel to the right of the thumbnail.
+    annotation_color, annotation_width_px : outline colour (#RRGGBB) and width of the tumour
+        annotations, drawn when an annotation file is found for the slide.
+
+    Detections (``<stem>_detections.csv``)
+    --------------------------------------
+    detection_threshold : non-maximum suppression reports local maxima of the probability map down
+        to this probability. FROC sweeps a threshold over the reported detections, so keep this well
+        below the operating point (default 0.1).
+    nms_radius_um : after a maximum is reported, every patch whose centre lies within this distance
+        (µm, centre to centre) is suppressed. The default 1000 µm also suppresses the eight
+        neighbours on the paper's grid (10x, 512 px patches = 512 µm stride).
+    """
+
+    batch_size: int = 64
+    num_workers: int = -1
+    device: str = "auto"
+    amp: str = "auto"
+    channels_last: bool = True
+    threads: int = 0
+    tissue: str | None = None
+    min_tissue: float | None = None
+    mask_mpp: float | None = None
+    slide_mpp: float | None = None
+    colormap: str = "jet"
+    alpha: float = 0.5
+    vmin: float = 0.0
+    vmax: float = 1.0
+    overlay_threshold: float = 0.0
+    smooth_um: float = 0.0
+    clip_to_tissue: bool = True
+    thumbnail_px: int = 2048
+    colorbar: bool = True
+    annotation_color: str = "#000000"
+    annotation_width_px: int = 3
+    detection_threshold: float = 0.1
+    nms_radius_um: float = 1000.0
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        check_type(name, "batch_size", self.batch_size, int)
+        check_range(name, "batch_size", self.batch_size, low=1, high=65536)
+        check_type(name, "num_workers", self.num_workers, int)
+        check_range(name, "num_workers", self.num_workers, low=-1, high=256)
+        check_choice(name, "device", self.device, ("auto", "cpu", "cuda"))
+        check_choice(name, "amp", self.amp, ("auto", "off", "bf16", "fp16"))
+        check_type(name, "channels_last", self.channels_last, bool)
+        check_type(name, "threads", self.threads, int)
+        check_range(name, "threads", self.threads, low=0, high=1024)
+        if self.tissue is not None:
+            check_type(name, "tissue", self.tissue, str)
+            from wsi_milssl.slide.tissue import TISSUE_DETECTORS
+
+            check_choice(name, "tissue", self.tissue, sorted(TISSUE_DETECTORS))
+        if self.min_tissue is not None:
+            check_range(name, "min_tissue", self.min_tissue, low=0.0, high=1.0)
+        if self.mask_mpp is not None:
+            check_range(name, "mask_mpp", self.mask_mpp, low=0.5, high=200.0)
+        if self.slide_mpp is not None:
+            check_range(name, "slide_mpp", self.slide_mpp, low=0.01, high=100.0)
+        check_type(name, "colormap", self.colormap, str)
+        from wsi_milssl.inference.colormaps import COLORMAPS
+
+        check_choice(name, "colormap", self.colormap, sorted(COLORMAPS))
+        check_range(name, "alpha", self.alpha, low=0.0, high=1.0)
+        check_range(name, "vmin", self.vmin, low=0.0, high=1.0)
+        check_range(name, "vmax", self.vmax, low=0.0, high=1.0)
+        if not self.vmin < self.vmax:
+            from wsi_milssl.errors import ConfigError
+
+            raise ConfigError(f"{name}.vmin must be below vmax; got vmin={self.vmin!r}, vmax={self.vmax!r}.")
+        check_range(name, "overlay_threshold", self.overlay_threshold, low=0.0, high=1.0)
+        check_range(name, "smooth_um", self.smooth_um, low=0.0, high=1e6)
+        check_type(name, "clip_to_tissue", self.clip_to_tissue, bool)
+        check_type(name, "thumbnail_px", self.thumbnail_px, int)
+        check_range(name, "thumbnail_px", self.thumbnail_px, low=64, high=16384)
+        check_type(name, "colorbar", self.colorbar, bool)
+        check_type(name, "annotation_color", self.annotation_color, str)
+        if not _HEX_COLOR.match(self.annotation_color):
+            from wsi_milssl.errors import ConfigError
+
+            raise ConfigError(
+                f"{name}.annotation_color must be a colour '#RRGGBB'; got {self.annotation_color!r}."
+            )
+        check_type(name, "annotation_width_px", self.annotation_width_px, int)
+        check_range(name, "annotation_width_px", self.annotation_width_px, low=1, high=64)
+        check_range(name, "detection_threshold", self.detection_threshold, low=0.0, high=1.0)
+        check_range(name, "nms_radius_um", self.nms_radius_um, low=0.0, high=1e6)

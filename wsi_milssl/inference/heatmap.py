@@ -1,0 +1,301 @@
+"""The probability map on the patch grid, and its overlay on the slide thumbnail.
+
+Geometry (level-0 pixels): grid cell (r, c) is the patch with top-left
+``(origin_x + c * stride_lv0, origin_y + r * stride_lv0)`` and side ``patch_size_lv0``; its
+centre is that corner plus ``patch_size_lv0 / 2``. A thumbnail pixel (i, j) with downsample
+(dx, dy) covers level-0 ``[j dx, (j+1) dx) x [i dy, (i+1) dy)`` and takes the value of the cell
+whose centre is nearest to the pixel centre ``((j + 0.5) dx, (i + 0.5) dy)`` when that centre lies
+inside the cell's patch square, else none. With stride = patch size this is simply the patch that
+contains the pixel centre; with overlapping patches each pixel shows the patch centred nearest to it.
+
+The overlay PNG is the thumbnail (left, same pixels and downsample as the thumbnail) with the colour
+blended in, plus an optional colour bar panel appended on the right; the PNG's ``wsi-milssl`` text
+chunk records the downsample and grid geometry as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageFont
+
+from wsi_milssl.inference.colormaps import COLORMAPS, apply_colormap, colormap_lut, register_colormap
+
+__all__ = [
+    "COLORMAPS",
+    "register_colormap",
+    "probability_grid",
+    "grid_indices",
+    "pixel_cells",
+    "sample_grid",
+    "smooth_grid",
+    "render_overlay",
+    "draw_outlines",
+    "colorbar_panel",
+    "write_png",
+    "PNG_TEXT_KEY",
+]
+
+PNG_TEXT_KEY = "wsi-milssl"
+
+
+def grid_indices(coords_lv0: np.ndarray, *, origin_lv0: tuple[int, int], stride_lv0: int) -> np.ndarray:
+    """int64 (N, 2) grid (row, col) of level-0 top-left patch coordinates int (N, 2).
+
+    Raises ValueError when a coordinate is not on the grid (offset from the origin not a multiple of
+    the stride).
+    """
+    coords = np.asarray(coords_lv0, dtype=np.int64).reshape(-1, 2)
+    off = coords - np.asarray(origin_lv0, dtype=np.int64)
+    if len(coords) and ((off % stride_lv0) != 0).any():
+        bad = coords[((off % stride_lv0) != 0).any(axis=1)][0]
+        raise ValueError(f"patch at level-0 {bad.tolist()} is not on the grid of stride {stride_lv0} "
+                         f"from origin {list(origin_lv0)}.")
+    cr = off // stride_lv0
+    return np.stack([cr[:, 1], cr[:, 0]], axis=1)
+
+
+def probability_grid(coords_lv0: np.ndarray, probs: np.ndarray, *, origin_lv0: tuple[int, int], stride_lv0: int,
+                     shape: tuple[int, int]) -> np.ndarray:
+    """float32 (rows, cols) map with ``probs[k]`` at the cell of ``coords_lv0[k]``; NaN where no patch."""
+    rows, cols = int(shape[0]), int(shape[1])
+    out = np.full((rows, cols), np.nan, np.float32)
+    rc = grid_indices(coords_lv0, origin_lv0=origin_lv0, stride_lv0=stride_lv0)
+    if len(rc) == 0:
+        return out
+    if rc.min() < 0 or rc[:, 0].max() >= rows or rc[:, 1].max() >= cols:
+        raise ValueError(f"patch coordinates fall outside the {rows} x {cols} grid.")
+    out[rc[:, 0], rc[:, 1]] = np.asarray(probs, dtype=np.float32)
+    return out
+
+
+def _axis_cells(n_px: int, ds: float, *, origin: int, stride: int, patch: int, n_cells: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per pixel along one axis: nearest cell index (clipped), whether the pixel centre is inside that
+    cell's patch, and the continuous cell coordinate (0 at the centre of cell 0)."""
+    centre = (np.arange(n_px, dtype=np.float64) + 0.5) * ds
+    u = (centre - origin - patch / 2.0) / stride
+    cell = np.clip(np.floor(u + 0.5), 0, max(n_cells - 1, 0)).astype(np.int64)
+    start = origin + cell * stride
+    inside = (centre >= start) & (centre < start + patch) & (n_cells > 0)
+    return cell, inside, u
+
+
+def pixel_cells(image_hw: tuple[int, int], downsample_xy: tuple[float, float], *, origin_lv0: tuple[int, int],
+                stride_lv0: int, patch_size_lv0: int, grid_shape: tuple[int, int]
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """For an image of ``image_hw`` = (h, w) pixels at ``downsample_xy`` level-0 px per pixel:
+    (row int64 (h,), row_inside bool (h,), col int64 (w,), col_inside bool (w,)) — the grid cell of
+    each pixel row/column (see the module docstring) and whether the pixel centre is in its patch."""
+    h, w = image_hw
+    rows, cols = grid_shape
+    c, cin, _ = _axis_cells(w, downsample_xy[0], origin=origin_lv0[0], stride=stride_lv0, patch=patch_size_lv0,
+                            n_cells=cols)
+    r, rin, _ = _axis_cells(h, downsample_xy[1], origin=origin_lv0[1], stride=stride_lv0, patch=patch_size_lv0,
+                            n_cells=rows)
+    return r, rin, c, cin
+
+
+def smooth_grid(grid: np.ndarray, sigma_cells: float) -> tuple[np.ndarray, np.ndarray]:
+    """Normalised Gaussian smoothing of a map with NaN holes: (sum of w * p, sum of w) over patches,
+    each float64 (rows, cols); their ratio is the smoothed map (holes do not pull it towards 0)."""
+    from scipy.ndimage import gaussian_filter
+
+    valid = np.isfinite(grid)
+    num = gaussian_filter(np.where(valid, grid, 0.0).astype(np.float64), sigma_cells, mode="constant")
+    den = gaussian_filter(valid.astype(np.float64), sigma_cells, mode="constant")
+    return num, den
+
+
+def sample_grid(grid: np.ndarray, image_hw: tuple[int, int], downsample_xy: tuple[float, float], *,
+                origin_lv0: tuple[int, int], stride_lv0: int, patch_size_lv0: int,
+                smooth_sigma_cells: float = 0.0) -> np.ndarray:
+    """float32 (h, w): the map's value at every pixel centre of an image over the slide; NaN where no patch.
+
+    Without smoothing each pixel takes its cell's value (nearest-centre rule). With
+    ``smooth_sigma_cells`` > 0 the map is Gaussian-smoothed (over patches only) and interpolated
+    bilinearly between cell centres, still NaN where the pixel's own cell has no patch.
+    """
+    grid = np.asarray(grid, dtype=np.float32)
+    h, w = image_hw
+    rows, cols = grid.shape
+    r, rin, c, cin = pixel_cells(image_hw, downsample_xy, origin_lv0=origin_lv0, stride_lv0=stride_lv0,
+                                 patch_size_lv0=patch_size_lv0, grid_shape=grid.shape)
+    if rows == 0 or cols == 0:
+        return np.full((h, w), np.nan, np.float32)
+    values = grid[r[:, None], c[None, :]]
+    values = np.where(rin[:, None] & cin[None, :], values, np.nan).astype(np.float32)
+    if smooth_sigma_cells > 0:
+        from scipy.ndimage import map_coordinates
+
+        num, den = smooth_grid(grid, smooth_sigma_cells)
+        _, _, u = _axis_cells(w, downsample_xy[0], origin=origin_lv0[0], stride=stride_lv0, patch=patch_size_lv0,
+                              n_cells=cols)
+        _, _, v = _axis_cells(h, downsample_xy[1], origin=origin_lv0[1], stride=stride_lv0, patch=patch_size_lv0,
+                              n_cells=rows)
+        smooth = np.empty((h, w), np.float32)
+        step = max(1, (1 << 22) // max(w, 1))  # rows per block: bounded memory for large thumbnails
+        for i0 in range(0, h, step):
+            vv, uu = np.meshgrid(v[i0:i0 + step], u, indexing="ij")
+            at = np.stack([vv.ravel(), uu.ravel()])
+            n = map_coordinates(num, at, order=1, mode="nearest").reshape(vv.shape)
+            d = map_coordinates(den, at, order=1, mode="nearest").reshape(vv.shape)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                smooth[i0:i0 + step] = np.where(d > 1e-12, n / np.maximum(d, 1e-12), np.nan)
+        values = np.where(np.isfinite(values), smooth, np.nan).astype(np.float32)
+    return values
+
+
+def _mask_at_pixels(mask: np.ndarray, mask_downsample_xy: tuple[float, float], image_hw: tuple[int, int],
+                    downsample_xy: tuple[float, float]) -> np.ndarray:
+    """bool (h, w): a level-0-registered mask sampled at the pixel centres of another image."""
+    h, w = image_hw
+    mh, mw = mask.shape
+    xs = np.clip(np.floor((np.arange(w) + 0.5) * downsample_xy[0] / mask_downsample_xy[0]), 0, mw - 1).astype(np.intp)
+    ys = np.clip(np.floor((np.arange(h) + 0.5) * downsample_xy[1] / mask_downsample_xy[1]), 0, mh - 1).astype(np.intp)
+    return np.asarray(mask, dtype=bool)[ys[:, None], xs[None, :]]
+
+
+def _hex_rgb(color: str) -> tuple[int, int, int]:
+    text = color.lstrip("#")
+    return int(text[0:2], 16), int(text[2:4], 16), int(text[4:6], 16)
+
+
+def draw_outlines(image: np.ndarray, geometry, downsample_xy: tuple[float, float], *, color: str = "#000000",
+                  width_px: int = 3) -> np.ndarray:
+    """Draw the exterior and hole rings of a shapely (multi)polygon in level-0 pixels onto an RGB
+    uint8 image at ``downsample_xy``; returns a new image."""
+    import shapely
+
+    if geometry is None or geometry.is_empty:
+        return image
+    img = Image.fromarray(np.ascontiguousarray(image))
+    draw = ImageDraw.Draw(img)
+    rgb = _hex_rgb(color)
+    dx, dy = downsample_xy
+    for poly in shapely.get_parts(geometry):
+        if poly.geom_type != "Polygon" or poly.is_empty:
+            continue
+        for ring in (poly.exterior, *poly.interiors):
+            xy = np.asarray(ring.coords, dtype=np.float64)
+            pts = [(float(x) / dx - 0.5, float(y) / dy - 0.5) for x, y in xy]
+            if len(pts) >= 2:
+                draw.line(pts, fill=rgb, width=int(width_px), joint="curve")
+    return np.asarray(img)
+
+
+def _font(size: int):
+    try:
+        return ImageFont.load_default(size=size)
+    except TypeError:  # Pillow < 10.1
+        return ImageFont.load_default()
+
+
+def colorbar_panel(height_px: int, *, colormap: str, vmin: float = 0.0, vmax: float = 1.0,
+                   label: str = "P(tumour)") -> np.ndarray:
+    """RGB uint8 (height_px, W, 3) white panel with a vertical colour bar (vmax at the top) and ticks."""
+    height_px = int(height_px)
+    font_px = int(np.clip(round(height_px / 40), 9, 28))
+    width = int(font_px * 5.5)
+    panel = Image.new("RGB", (width, height_px), (255, 255, 255))
+    draw = ImageDraw.Draw(panel)
+    font = _font(font_px)
+    top = font_px * 2
+    bottom = height_px - font_px
+    bar_x0, bar_x1 = font_px // 2, font_px // 2 + max(6, font_px)
+    n = max(bottom - top, 2)
+    if bottom > top:
+        lut = colormap_lut(colormap, n)[::-1]  # vmax at the top
+        bar = np.repeat(lut[:, None, :], bar_x1 - bar_x0, axis=1)
+        panel.paste(Image.fromarray(bar), (bar_x0, top))
+        draw.rectangle((bar_x0, top, bar_x1 - 1, top + n - 1), outline=(0, 0, 0))
+        for frac in (0.0, 0.25, 0.5, 0.75, 1.0):
+            y = top + (n - 1) * (1.0 - frac)
+            value = vmin + frac * (vmax - vmin)
+            draw.line((bar_x1, y, bar_x1 + font_px // 2, y), fill=(0, 0, 0))
+            draw.text((bar_x1 + font_px // 2 + 2, y), f"{value:.2f}", fill=(0, 0, 0), font=font, anchor="lm")
+    draw.text((2, font_px // 2), label, fill=(0, 0, 0), font=_font(max(8, int(font_px * 0.8))), anchor="lt")
+    return np.asarray(panel)
+
+
+def render_overlay(
+    grid: np.ndarray,
+    thumbnail: np.ndarray,
+    *,
+    downsample_xy: tuple[float, float],
+    origin_lv0: tuple[int, int],
+    stride_lv0: int,
+    patch_size_lv0: int,
+    colormap: str = "jet",
+    alpha: float = 0.5,
+    vmin: float = 0.0,
+    vmax: float = 1.0,
+    threshold: float = 0.0,
+    smooth_sigma_cells: float = 0.0,
+    tissue_mask: np.ndarray | None = None,
+    tissue_downsample_xy: tuple[float, float] | None = None,
+    outlines=None,
+    outline_color: str = "#000000",
+    outline_width_px: int = 3,
+    colorbar: bool = True,
+) -> np.ndarray:
+    """RGB uint8 (h, w [+ bar], 3): ``thumbnail`` (h, w, 3) with the probability map blended in.
+
+    ``grid`` float (rows, cols) probabilities (NaN = no patch) on the grid given by ``origin_lv0``,
+    ``stride_lv0`` and ``patch_size_lv0`` (level-0 px); ``downsample_xy`` level-0 px per thumbnail
+    pixel. A pixel is coloured when its value is finite, at least ``threshold`` and (with a
+    ``tissue_mask`` bool (mh, mw) at ``tissue_downsample_xy``) on tissue: colour =
+    colormap((p - vmin) / (vmax - vmin)), blended with weight ``alpha``. ``outlines``: a shapely
+    geometry in level-0 px drawn on top. The colour bar panel is appended on the right.
+    """
+    thumb = np.asarray(thumbnail)
+    if thumb.dtype != np.uint8 or thumb.ndim != 3 or thumb.shape[2] != 3:
+        raise ValueError(f"thumbnail must be RGB uint8 (h, w, 3); got {thumb.dtype} {thumb.shape}.")
+    if colormap not in COLORMAPS:
+        raise ValueError(f"unknown colour map {colormap!r}; registered: {', '.join(sorted(COLORMAPS))}.")
+    h, w = thumb.shape[:2]
+    values = sample_grid(grid, (h, w), downsample_xy, origin_lv0=origin_lv0, stride_lv0=stride_lv0,
+                         patch_size_lv0=patch_size_lv0, smooth_sigma_cells=smooth_sigma_cells)
+    paint = np.isfinite(values)
+    paint &= np.where(paint, values, -np.inf) >= threshold
+    if tissue_mask is not None:
+        if tissue_downsample_xy is None:
+            raise ValueError("tissue_downsample_xy is required with tissue_mask.")
+        paint &= _mask_at_pixels(tissue_mask, tissue_downsample_xy, (h, w), downsample_xy)
+    out = thumb.copy()
+    if paint.any():
+        norm = (values[paint].astype(np.float64) - vmin) / (vmax - vmin)
+        colors = apply_colormap(norm, colormap).astype(np.float32)
+        blended = thumb[paint].astype(np.float32) * (1.0 - alpha) + colors * alpha
+        out[paint] = np.clip(np.round(blended), 0, 255).astype(np.uint8)
+    if outlines is not None:
+        out = draw_outlines(out, outlines, downsample_xy, color=outline_color, width_px=outline_width_px)
+    if colorbar:
+        out = np.concatenate([out, colorbar_panel(h, colormap=colormap, vmin=vmin, vmax=vmax)], axis=1)
+    return out
+
+
+def write_png(image: np.ndarray, path: str | os.PathLike, *, metadata: Mapping[str, Any] | None = None) -> Path:
+    """Write an RGB uint8 image as PNG atomically, with ``metadata`` as JSON in the ``wsi-milssl`` text chunk."""
+    from PIL.PngImagePlugin import PngInfo
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    info = PngInfo()
+    if metadata:
+        info.add_text(PNG_TEXT_KEY, json.dumps(dict(metadata), sort_keys=True))
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as fh:
+            Image.fromarray(np.ascontiguousarray(image)).save(fh, format="PNG", pnginfo=info, compress_level=6)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path

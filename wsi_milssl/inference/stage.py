@@ -1,0 +1,350 @@
+"""The heatmap stage: slides (or their stores) + a trained checkpoint -> maps, overlays and exports.
+
+    from wsi_milssl.config import HeatmapConfig
+    from wsi_milssl.inference import make_heatmaps
+
+    run = make_heatmaps(["slides/a.tif"], "runs/r1/best.pt", "heatmaps/", HeatmapConfig())
+    run.ok, run.scores_csv      # heatmaps/scores.csv: slide,score
+
+Besides the per-slide files (see :mod:`wsi_milssl.inference.exports`) the folder gets
+``heatmap_config.json`` (resolved settings, checkpoint, tiling settings, runtime) and
+``heatmap_status.csv`` (slide,status,n_patches,score,seconds,error). A slide that fails is recorded
+as failed while the others go on.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import json
+import logging
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from wsi_milssl import __version__
+from wsi_milssl.config.base import config_to_dict
+from wsi_milssl.config.heatmap import HeatmapConfig
+from wsi_milssl.errors import ConfigError, StoreError, WsiMilsslError
+from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
+from wsi_milssl.inference.exports import (
+    SCORES_FILENAME,
+    atomic_file,
+    nms_detections,
+    output_paths,
+    update_scores_csv,
+    write_detections_csv,
+    write_patches_csv,
+    write_patches_geojson,
+    write_probs,
+)
+from wsi_milssl.inference.heatmap import render_overlay, write_png
+from wsi_milssl.inference.predict import (
+    InferenceModel,
+    SlidePrediction,
+    load_inference_model,
+    predict_slide,
+    predict_store,
+    tissue_mask_for,
+)
+from wsi_milssl.tiling.inputs import slide_stem
+
+__all__ = [
+    "CONFIG_FILENAME",
+    "STATUS_FILENAME",
+    "HeatmapInput",
+    "HeatmapResult",
+    "HeatmapRun",
+    "match_inputs",
+    "write_slide_outputs",
+    "make_heatmaps",
+]
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILENAME = "heatmap_config.json"
+STATUS_FILENAME = "heatmap_status.csv"
+STATUS_COLUMNS = ("slide", "status", "n_patches", "score", "seconds", "error")
+
+
+@dataclass(frozen=True)
+class HeatmapInput:
+    """One slide to process: its stem, the slide file (None when only a store is known and its
+    recorded slide is missing) and the store to read patches from (None: tile on the fly)."""
+
+    stem: str
+    slide_path: Path | None
+    store_path: Path | None
+
+
+@dataclass(frozen=True)
+class HeatmapResult:
+    """Outcome of one slide: ``status`` 'ok' or 'failed'; ``outputs`` maps kind -> written file."""
+
+    slide: str
+    slide_path: str
+    status: str
+    n_patches: int
+    score: float | None
+    seconds: float
+    error: str = ""
+    outputs: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class HeatmapRun:
+    """Outcome of :func:`make_heatmaps`: per-slide results (input order) and the folder's files."""
+
+    results: tuple[HeatmapResult, ...]
+    out_dir: Path
+    status_csv: Path
+    config_json: Path
+    scores_csv: Path
+
+    @property
+    def n_failed(self) -> int:
+        return sum(r.status == "failed" for r in self.results)
+
+    @property
+    def ok(self) -> bool:
+        return self.n_failed == 0
+
+
+def match_inputs(slides: Sequence[str | os.PathLike], stores: Sequence[str | os.PathLike] | None = None
+                 ) -> list[HeatmapInput]:
+    """Pair slides with their stores.
+
+    Without ``stores`` every slide is tiled on the fly. With ``stores`` (store paths or folders of
+    stores), each slide uses the store of the same stem; without slides, every store is used with the
+    slide recorded in it. Raises ConfigError for a slide without a store, duplicate stems or no input.
+    """
+    slides = [Path(s) for s in slides]
+    if stores is None:
+        if not slides:
+            raise ConfigError("no slides given; pass slide files or folders (or --store with stores).")
+        out = [HeatmapInput(slide_stem(s), s, None) for s in slides]
+    else:
+        from wsi_milssl.store import find_stores, open_store
+
+        by_stem: dict[str, tuple[Path, Path | None]] = {}
+        for sp in find_stores(list(stores)):
+            with open_store(sp) as store:
+                stem = store.stem
+                recorded = Path(store.attrs["slide_path"]) if store.attrs.get("slide_path") else None
+            if stem in by_stem:
+                raise ConfigError(f"stores {by_stem[stem][0]} and {sp} are both for slide {stem!r}; pass one.")
+            by_stem[stem] = (sp, recorded)
+        if not by_stem:
+            raise StoreError(f"no patch stores found in {', '.join(str(s) for s in stores)}; run `wsi-milssl tile` "
+                             "first or drop --store to tile the slides on the fly.")
+        if slides:
+            out = []
+            for s in slides:
+                stem = slide_stem(s)
+                if stem not in by_stem:
+                    raise ConfigError(
+                        f"{s}: no store for slide {stem!r} in {', '.join(str(p) for p in stores)} (stores found: "
+                        f"{', '.join(sorted(by_stem)[:5])}{' ...' if len(by_stem) > 5 else ''}). Fix: tile it, or "
+                        "drop --store to tile slides on the fly."
+                    )
+                out.append(HeatmapInput(stem, s, by_stem[stem][0]))
+        else:
+            out = []
+            for stem, (sp, recorded) in sorted(by_stem.items()):
+                slide = recorded if recorded is not None and recorded.exists() else None
+                if slide is None:
+                    logger.warning("%s: the slide recorded in the store (%s) is not there; the heatmap PNG will be "
+                                   "skipped (pass the slide as SLIDE to draw it).", sp, recorded)
+                out.append(HeatmapInput(stem, slide, sp))
+    seen: dict[str, HeatmapInput] = {}
+    for item in out:
+        if item.stem in seen:
+            raise ConfigError(f"slides {seen[item.stem].slide_path} and {item.slide_path} share the name "
+                              f"{item.stem!r}, so their outputs would collide. Fix: rename one.")
+        seen[item.stem] = item
+    return out
+
+
+def _read_outlines(stem: str, annotations_dir: Path | None, dims: tuple[int, int]):
+    if annotations_dir is None:
+        return None
+    from wsi_milssl.annotations import find_annotation, read_annotations
+
+    path = find_annotation(stem, annotations_dir)
+    if path is None:
+        return None
+    try:
+        region = read_annotations(path).with_dimensions(dims).region
+    except WsiMilsslError as exc:
+        logger.warning("%s: annotations not drawn: %s", stem, exc)
+        return None
+    return region
+
+
+def write_slide_outputs(pred: SlidePrediction, out_dir: str | os.PathLike, *, model: InferenceModel,
+                        config: HeatmapConfig, annotations_dir: str | os.PathLike | None = None) -> dict[str, Path]:
+    """Write every per-slide file of ``pred`` into ``out_dir``; returns kind -> path.
+
+    The overlay needs the slide (``pred.slide_path``); without it the PNG is skipped with a warning.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = output_paths(out_dir, pred.stem)
+    grid = pred.grid()
+    score = pred.score(model.pooling)
+    sidecar = {
+        "slide": pred.stem,
+        "slide_path": None if pred.slide_path is None else str(Path(pred.slide_path).resolve()),
+        "origin_lv0": [int(pred.origin_lv0[0]), int(pred.origin_lv0[1])],
+        "stride_lv0": int(pred.stride_lv0),
+        "patch_size_lv0": int(pred.patch_size_lv0),
+        "mpp": float(pred.mpp),
+        "shape": [int(grid.shape[0]), int(grid.shape[1])],
+        "cell_rule": ("cell (r, c) is the patch with level-0 top-left "
+                      "(origin_x + c*stride_lv0, origin_y + r*stride_lv0)"),
+        "dimensions_lv0": [int(pred.dimensions_lv0[0]), int(pred.dimensions_lv0[1])],
+        "target_mpp": float(pred.target_mpp),
+        "patch_size_px": int(pred.patch_size_px),
+        "n_patches": len(pred),
+        "source": pred.source,
+        "store_path": None if pred.store_path is None else str(pred.store_path),
+        "checkpoint": None if model.checkpoint_path is None else str(model.checkpoint_path),
+        "model_name": model.config.get("model_name"),
+        "bag_pooling": model.pooling,
+        "score": score,
+        "detection_threshold": float(config.detection_threshold),
+        "nms_radius_um": float(config.nms_radius_um),
+        "package_version": __version__,
+    }
+    written = dict(write_probs(out_dir, pred.stem, grid, sidecar))
+    written["patches_csv"] = write_patches_csv(paths["patches_csv"], pred.coords_lv0, pred.probs)
+    written["patches_geojson"] = write_patches_geojson(paths["patches_geojson"], pred.coords_lv0, pred.probs,
+                                                       patch_size_lv0=pred.patch_size_lv0, slide=pred.stem)
+    dp, dx, dy = nms_detections(grid, origin_lv0=pred.origin_lv0, stride_lv0=pred.stride_lv0,
+                                patch_size_lv0=pred.patch_size_lv0, mpp=pred.mpp,
+                                threshold=config.detection_threshold, radius_um=config.nms_radius_um)
+    written["detections_csv"] = write_detections_csv(paths["detections_csv"], dp, dx, dy)
+    if pred.slide_path is not None and Path(pred.slide_path).exists():
+        ann_dir = None if annotations_dir is None else Path(annotations_dir)
+        written["heatmap_png"] = _write_overlay(pred, grid, paths["heatmap_png"], config=config, annotations_dir=ann_dir)
+    else:
+        logger.warning("%s: slide file not available; %s not drawn.", pred.stem, paths["heatmap_png"].name)
+    return written
+
+
+def _write_overlay(pred: SlidePrediction, grid: np.ndarray, path: Path, *, config: HeatmapConfig,
+                   annotations_dir: Path | None) -> Path:
+    from wsi_milssl.slide.reader import open_slide
+
+    with open_slide(pred.slide_path, mpp_override=config.slide_mpp) as slide:
+        thumb, _ = slide.thumbnail(max_size_px=min(config.thumbnail_px, max(slide.dimensions)))
+        w0, h0 = slide.dimensions
+        tissue = pred.tissue
+        if config.clip_to_tissue and tissue is None and pred.tissue_detector != "none":
+            tissue = tissue_mask_for(slide, method=pred.tissue_detector, mask_mpp=pred.mask_mpp)
+    ds_xy = (w0 / thumb.shape[1], h0 / thumb.shape[0])
+    use_tissue = config.clip_to_tissue and tissue is not None and pred.tissue_detector != "none"
+    sigma_cells = config.smooth_um / (pred.stride_lv0 * pred.mpp) if config.smooth_um > 0 else 0.0
+    outlines = _read_outlines(pred.stem, annotations_dir, (w0, h0))
+    image = render_overlay(
+        grid, thumb, downsample_xy=ds_xy, origin_lv0=pred.origin_lv0, stride_lv0=pred.stride_lv0,
+        patch_size_lv0=pred.patch_size_lv0, colormap=config.colormap, alpha=config.alpha, vmin=config.vmin,
+        vmax=config.vmax, threshold=config.overlay_threshold, smooth_sigma_cells=sigma_cells,
+        tissue_mask=tissue.mask if use_tissue else None,
+        tissue_downsample_xy=tissue.downsample_xy if use_tissue else None,
+        outlines=outlines, outline_color=config.annotation_color, outline_width_px=config.annotation_width_px,
+        colorbar=config.colorbar,
+    )
+    meta = {
+        "slide": pred.stem, "downsample_xy": [ds_xy[0], ds_xy[1]], "thumbnail_hw": [thumb.shape[0], thumb.shape[1]],
+        "origin_lv0": list(pred.origin_lv0), "stride_lv0": pred.stride_lv0, "patch_size_lv0": pred.patch_size_lv0,
+        "colormap": config.colormap, "alpha": config.alpha, "vmin": config.vmin, "vmax": config.vmax,
+        "annotations": outlines is not None,
+    }
+    return write_png(image, path, metadata=meta)
+
+
+def _write_status(results: Iterable[HeatmapResult], path: Path) -> Path:
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(STATUS_COLUMNS)
+    for r in results:
+        writer.writerow([r.slide, r.status, r.n_patches, "" if r.score is None else f"{r.score:.6f}",
+                         f"{r.seconds:.2f}", " ".join(r.error.split())])
+    with atomic_file(path, "w") as fh:
+        fh.write(buf.getvalue())
+    return path
+
+
+def _write_config(out_dir: Path, config: HeatmapConfig, model: InferenceModel) -> Path:
+    data = {
+        "heatmap": config_to_dict(config),
+        "checkpoint": None if model.checkpoint_path is None else str(model.checkpoint_path),
+        "model_name": model.config.get("model_name"),
+        "bag_pooling": model.pooling,
+        "tiling": dataclasses.asdict(model.tiling),
+        "runtime": model.runtime.describe(),
+        "package_version": __version__,
+    }
+    path = out_dir / CONFIG_FILENAME
+    with atomic_file(path, "w") as fh:
+        fh.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.PathLike | InferenceModel,
+                  out_dir: str | os.PathLike, config: HeatmapConfig | None = None, *,
+                  stores: Sequence[str | os.PathLike] | None = None,
+                  annotations_dir: str | os.PathLike | None = None,
+                  progress: ProgressCallback | None = None) -> HeatmapRun:
+    """Predict every slide with the model of ``checkpoint`` and write its files into ``out_dir``.
+
+    ``slides``: slide files (tiled on the fly with the checkpoint's settings), or with ``stores``
+    the slides whose stores to read (an empty list = every store). ``annotations_dir``: folder of
+    ``<stem>.xml``/``.geojson`` annotations, outlined on the overlays. Raises CheckpointError /
+    ConfigError before any slide for a bad checkpoint or bad inputs; per-slide errors are recorded in
+    ``heatmap_status.csv`` and the run goes on.
+    """
+    config = config or HeatmapConfig()
+    out_dir = Path(out_dir)
+    inputs = match_inputs(slides, stores)
+    model = checkpoint if isinstance(checkpoint, InferenceModel) else load_inference_model(checkpoint, config=config)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config_json = _write_config(out_dir, config, model)
+    status_csv = out_dir / STATUS_FILENAME
+    results: list[HeatmapResult] = []
+    emit(progress, ProgressEvent("heatmap", 0, len(inputs), unit="slide"))
+    for item in inputs:
+        t0 = time.perf_counter()
+        try:
+            if item.store_path is not None:
+                pred = predict_store(item.store_path, model, config=config, progress=progress)
+                if item.slide_path is not None:
+                    pred.slide_path = item.slide_path
+            else:
+                pred = predict_slide(item.slide_path, model, config=config, progress=progress)
+            written = write_slide_outputs(pred, out_dir, model=model, config=config, annotations_dir=annotations_dir)
+            score = pred.score(model.pooling)
+            update_scores_csv(out_dir, {pred.stem: score})
+            result = HeatmapResult(item.stem, str(item.slide_path or ""), "ok", len(pred), score,
+                                   time.perf_counter() - t0, "", {k: str(v) for k, v in written.items()})
+            logger.info("%s: %d patches, score %.4f (%s pooling), %.1f s", item.stem, len(pred), score,
+                        model.pooling, result.seconds)
+        except Exception as exc:  # noqa: BLE001 - one bad slide must not stop the others
+            if not isinstance(exc, WsiMilsslError):
+                logger.debug("unexpected error on %s:\n%s", item.stem, traceback.format_exc())
+            message = str(exc) if isinstance(exc, WsiMilsslError) else f"{type(exc).__name__}: {exc}"
+            logger.error("%s: failed: %s", item.stem, message)
+            result = HeatmapResult(item.stem, str(item.slide_path or ""), "failed", 0, None,
+                                   time.perf_counter() - t0, message)
+        results.append(result)
+        _write_status(results, status_csv)
+        emit(progress, ProgressEvent("heatmap", len(results), len(inputs), unit="slide", item=item.stem,
+                                     message=result.status))
+    return HeatmapRun(tuple(results), out_dir, status_csv, config_json, out_dir / SCORES_FILENAME)

@@ -1,0 +1,274 @@
+"""``wsi-milssl run PIPELINE.toml``: synth -> tile -> label -> train -> heatmap -> evaluate, in order.
+
+Every stage writes under the pipeline's output folder::
+
+    OUT/slides/<set>/     generated slides, labels.csv, XML (synth only)
+    OUT/stores/<set>/     patch stores, tile_status.csv, qc/
+    OUT/labels/<set>/     FROC evaluation masks, label_status.csv
+    OUT/model/            config.json, last.pt, best.pt, metrics.jsonl, metrics.png
+    OUT/heatmaps/test/    probability maps, overlays, GeoJSON, detections, scores.csv
+    OUT/evaluation/       metrics.json, per_slide.csv, plots, report.html
+    OUT/.pipeline/        one stamp per stage (settings + inputs digest)
+
+A stage is skipped when its stamp matches its settings and the stamps of the stages it reads from,
+and its outputs still exist. ``force`` re-runs the named stages and everything downstream.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+
+from wsi_milssl.config import config_from_mapping, config_to_dict
+from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
+from wsi_milssl.pipeline.spec import SETS, STAGES, PipelineSpec
+from wsi_milssl.pipeline.stamps import fingerprint_paths, is_up_to_date, read_stamp, stamp_digest, write_stamp
+
+__all__ = ["StageOutcome", "run_pipeline", "split_train_val"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StageOutcome:
+    stage: str
+    status: str  # "ran" or "skipped"
+    seconds: float
+    summary: str = ""
+
+
+def split_train_val(stems: list[str], labels: dict[str, int], *, val_fraction: float, seed: int
+                    ) -> tuple[list[str], list[str]]:
+    """Stratified split of training slides into (train, val); at least one slide of each class in val
+    when there are two or more of that class (never the test set)."""
+    if val_fraction <= 0:
+        return sorted(stems), []
+    rng = np.random.default_rng(seed)
+    train, val = [], []
+    for label in sorted({labels[s] for s in stems}):
+        group = sorted(s for s in stems if labels[s] == label)
+        rng.shuffle(group)
+        n_val = int(round(len(group) * val_fraction))
+        if len(group) >= 2:
+            n_val = min(max(n_val, 1), len(group) - 1)
+        else:
+            n_val = 0
+        val += group[:n_val]
+        train += group[n_val:]
+    return sorted(train), sorted(val)
+
+
+class _Context:
+    def __init__(self, spec: PipelineSpec, progress: ProgressCallback | None) -> None:
+        self.spec = spec
+        self.out = spec.out_dir
+        self.state = spec.out_dir / ".pipeline"
+        self.progress = progress
+
+    def stores(self, set_name: str) -> Path:
+        return self.out / "stores" / set_name
+
+    def labels_dir(self, set_name: str) -> Path:
+        return self.out / "labels" / set_name
+
+    @property
+    def model_dir(self) -> Path:
+        return self.out / "model"
+
+    @property
+    def heatmap_dir(self) -> Path:
+        return self.out / "heatmaps" / "test"
+
+    @property
+    def evaluation_dir(self) -> Path:
+        return self.out / "evaluation"
+
+
+# ------------------------------------------------------------------------------------------------
+# One function per stage: (context) -> (outputs, summary). Each calls exactly one stage API.
+
+def _synth(ctx: _Context) -> tuple[list[str], str]:
+    from wsi_milssl.synth import generate_slides
+
+    outputs, counts = [], []
+    for set_name, ds in ctx.spec.sets.items():
+        slides = generate_slides(ds.synth, ds.slides, progress=ctx.progress)
+        outputs.append(str(ds.labels))
+        counts.append(f"{set_name}: {len(slides)} slides ({sum(s.label for s in slides)} tumour)")
+    return outputs, "; ".join(counts)
+
+
+def _tile(ctx: _Context) -> tuple[list[str], str]:
+    from wsi_milssl.config import TileConfig
+    from wsi_milssl.tiling import find_slides, tile_slides
+
+    config = config_from_mapping(TileConfig, ctx.spec.section("tile"), source=f"{ctx.spec.source} [tile]")
+    outputs, parts = [], []
+    for set_name, ds in ctx.spec.sets.items():
+        run = tile_slides(find_slides([ds.slides]), ctx.stores(set_name), config, overwrite=True,
+                          progress=ctx.progress)
+        failed = [r for r in run.results if r.status == "failed"]
+        if failed:
+            from wsi_milssl.errors import WsiMilsslError
+
+            raise WsiMilsslError(
+                f"tile: {len(failed)} slide(s) of the {set_name} set failed (see {run.status_csv}): "
+                + "; ".join(f"{r.slide}: {r.error}" for r in failed[:3])
+            )
+        outputs.append(str(run.status_csv))
+        parts.append(f"{set_name}: {sum(r.n_patches for r in run.results)} patches from {len(run.results)} slides")
+    return outputs, "; ".join(parts)
+
+
+def _label(ctx: _Context) -> tuple[list[str], str]:
+    from wsi_milssl.config import LabelConfig
+    from wsi_milssl.labeling import label_stores
+
+    config = config_from_mapping(LabelConfig, ctx.spec.section("label"), source=f"{ctx.spec.source} [label]")
+    outputs, parts = [], []
+    for set_name, ds in ctx.spec.sets.items():
+        report = label_stores(ctx.stores(set_name), annotations_dir=ds.annotations, labels_csv=ds.labels,
+                              config=config, out_dir=ctx.labels_dir(set_name), progress=ctx.progress)
+        failed = [r for r in report.results if r.status == "failed"]
+        if failed:
+            from wsi_milssl.errors import WsiMilsslError
+
+            raise WsiMilsslError(f"label: {len(failed)} store(s) of the {set_name} set failed: "
+                                 + "; ".join(f"{r.stem}: {r.error}" for r in failed[:3]))
+        outputs.append(str(ctx.labels_dir(set_name) / "label_status.csv"))
+        parts.append(f"{set_name}: {len(report.results)} stores")
+    return outputs, "; ".join(parts)
+
+
+def _train(ctx: _Context) -> tuple[list[str], str]:
+    from wsi_milssl.config import TrainConfig
+    from wsi_milssl.mil.data import read_labels_csv, read_patch_stores
+    from wsi_milssl.mil.selftrain import fit
+    from wsi_milssl.store import find_stores
+
+    section = ctx.spec.section("train")
+    section.setdefault("mode", "images")
+    config = config_from_mapping(TrainConfig, section, source=f"{ctx.spec.source} [train]")
+    ds = ctx.spec.sets["train"]
+    labels = read_labels_csv(ds.labels)
+    stores = {p.stem: p for p in find_stores([ctx.stores("train")])}
+    train_stems, val_stems = split_train_val(sorted(stores), labels, val_fraction=ctx.spec.val_fraction,
+                                             seed=ctx.spec.split_seed)
+    train = read_patch_stores([stores[s] for s in train_stems], labels)
+    val = read_patch_stores([stores[s] for s in val_stems], labels) if val_stems else None
+    run_info = {"data": {"inputs": [str(stores[s]) for s in train_stems], "labels": str(ds.labels),
+                         "val_inputs": [str(stores[s]) for s in val_stems] or None,
+                         "val_labels": str(ds.labels) if val_stems else None, "input_mode": "images"}}
+    ctx.model_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("last.pt", "best.pt", "metrics.jsonl"):
+        (ctx.model_dir / stale).unlink(missing_ok=True)
+    result = fit(train, config=config, out_dir=ctx.model_dir, val=val, run_info=run_info, progress=ctx.progress)
+    checkpoint = ctx.model_dir / ("best.pt" if (ctx.model_dir / "best.pt").exists() else "last.pt")
+    return [str(checkpoint)], (f"{len(train_stems)} training / {len(val_stems)} validation slides, "
+                               f"best epoch {result.best_epoch}")
+
+
+def _heatmap(ctx: _Context) -> tuple[list[str], str]:
+    from wsi_milssl.config import HeatmapConfig
+    from wsi_milssl.inference import heatmap_stores
+
+    config = config_from_mapping(HeatmapConfig, ctx.spec.section("heatmap"), source=f"{ctx.spec.source} [heatmap]")
+    checkpoint = ctx.model_dir / ("best.pt" if (ctx.model_dir / "best.pt").exists() else "last.pt")
+    ds = ctx.spec.sets["test"]
+    result = heatmap_stores(ctx.stores("test"), checkpoint=checkpoint, out_dir=ctx.heatmap_dir, config=config,
+                            annotations_dir=ds.annotations, progress=ctx.progress)
+    return [str(ctx.heatmap_dir / "scores.csv")], f"{result} "
+
+
+def _evaluate(ctx: _Context) -> tuple[list[str], str]:
+    from wsi_milssl.config import EvaluateConfig
+    from wsi_milssl.evaluation import evaluate_predictions
+
+    config = config_from_mapping(EvaluateConfig, ctx.spec.section("evaluate"), source=f"{ctx.spec.source} [evaluate]")
+    ds = ctx.spec.sets["test"]
+    result = evaluate_predictions(ctx.heatmap_dir, labels_csv=ds.labels, out_dir=ctx.evaluation_dir,
+                                  annotations_dir=ds.annotations, slides=ds.slides, config=config,
+                                  progress=ctx.progress)
+    m = result.metrics
+    fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
+    return [str(ctx.evaluation_dir / "report.html")], (
+        f"instance AUC {fmt(m.get('instance_auc'))}, bag AUC {fmt(m.get('bag_auc'))}, FROC {fmt(m.get('froc'))}"
+    )
+
+
+_RUNNERS: dict[str, Callable[[_Context], tuple[list[str], str]]] = {
+    "synth": _synth, "tile": _tile, "label": _label, "train": _train, "heatmap": _heatmap, "evaluate": _evaluate,
+}
+# What each stage reads: upstream stages (by stamp) and external input paths.
+_UPSTREAM = {"synth": (), "tile": ("synth",), "label": ("tile",), "train": ("label",),
+             "heatmap": ("train", "label"), "evaluate": ("heatmap",)}
+
+
+def _stage_settings(spec: PipelineSpec, stage: str):
+    if stage == "synth":
+        return {name: config_to_dict(ds.synth) for name, ds in spec.sets.items()}
+    settings = {"section": spec.section(stage)}
+    if stage == "train":
+        settings.update(val_fraction=spec.val_fraction, split_seed=spec.split_seed)
+    return settings
+
+
+def _external_inputs(spec: PipelineSpec, stage: str) -> list:
+    if spec.sets["train"].synth is not None:
+        return []
+    if stage == "tile":
+        return fingerprint_paths([ds.slides for ds in spec.sets.values()])
+    if stage == "label":
+        return fingerprint_paths([p for ds in spec.sets.values() for p in (ds.labels, ds.annotations)])
+    return []
+
+
+def run_pipeline(
+    spec: PipelineSpec,
+    *,
+    force: Iterable[str] = (),
+    until: str | None = None,
+    progress: ProgressCallback | None = None,
+    on_stage: Callable[[StageOutcome], None] | None = None,
+) -> list[StageOutcome]:
+    """Run the pipeline's stages in order, skipping those that are up to date."""
+    forced = set(force)
+    unknown = forced - set(STAGES)
+    if unknown or (until is not None and until not in STAGES):
+        from wsi_milssl.errors import ConfigError
+
+        bad = sorted(unknown) or [until]
+        raise ConfigError(f"unknown stage(s) {', '.join(map(str, bad))}; stages are {', '.join(STAGES)}.")
+    stages = [s for s in STAGES if s != "synth" or spec.sets["train"].synth is not None]
+    if until is not None:
+        stages = stages[: stages.index(until) + 1]
+    ctx = _Context(spec, progress)
+    digests: dict[str, str] = {}
+    outcomes: list[StageOutcome] = []
+    dirty = False
+    for i, stage in enumerate(stages):
+        upstream = {u: digests.get(u) or (read_stamp(ctx.state, u) or {}).get("digest") for u in _UPSTREAM[stage]}
+        digest = stamp_digest(_stage_settings(spec, stage), {"upstream": upstream,
+                                                              "external": _external_inputs(spec, stage)})
+        digests[stage] = digest
+        emit(progress, ProgressEvent("pipeline", i, len(stages), unit="stage", item=stage))
+        if stage in forced:
+            dirty = True
+        if not dirty and is_up_to_date(ctx.state, stage, digest):
+            outcome = StageOutcome(stage, "skipped", 0.0, "up to date")
+        else:
+            dirty = True
+            start = time.perf_counter()
+            outputs, summary = _RUNNERS[stage](ctx)
+            write_stamp(ctx.state, stage, digest=digest, outputs=outputs)
+            outcome = StageOutcome(stage, "ran", time.perf_counter() - start, summary)
+        outcomes.append(outcome)
+        if on_stage is not None:
+            on_stage(outcome)
+    emit(progress, ProgressEvent("pipeline", len(stages), len(stages), unit="stage"))
+    return outcomes

@@ -1,0 +1,129 @@
+"""Pipeline files (``pipelines/*.toml``): which data, and each stage's settings.
+
+A pipeline file has one table per stage, whose keys are the fields of that stage's config
+dataclass, plus ``[pipeline]`` and ``[data]``::
+
+    [pipeline]
+    name = "demo"
+    out_dir = "demo_out"            # where every artifact goes (``wsi-milssl run --out`` overrides)
+
+    [data]                          # either generated sets ...
+    generate = true
+    [synth.train]                   # SynthConfig fields, one table per set
+    n_slides = 8
+    seed = 0
+    [synth.test]
+    n_slides = 4
+    seed = 1000
+
+    [data]                          # ... or existing slides
+    train_slides = "/data/camelyon16/training"      # folder or CSV with a `slide` column
+    train_labels = "/data/camelyon16/training/labels.csv"
+    train_annotations = "/data/camelyon16/training/annotations"
+    test_slides = ...               # (same three keys for the test set)
+    val_fraction = 0.2              # training slides held out to choose best.pt (never the test set)
+    split_seed = 0
+
+    [tile]      # TileConfig      [label]     # LabelConfig     [train]    # TrainConfig
+    [heatmap]   # HeatmapConfig   [evaluate]  # EvaluateConfig
+
+Relative data paths are resolved against the pipeline file's folder; a generated set lives in
+``OUT/slides/<set>`` and serves as its own labels and annotations folder.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from wsi_milssl.config import SynthConfig, config_from_mapping, load_toml
+from wsi_milssl.errors import ConfigError
+
+__all__ = ["PipelineSpec", "DataSet", "load_pipeline", "STAGES", "SETS"]
+
+STAGES = ("synth", "tile", "label", "train", "heatmap", "evaluate")
+SETS = ("train", "test")
+_TOP_LEVEL = {"pipeline", "data", *STAGES}
+
+
+@dataclass(frozen=True)
+class DataSet:
+    """One set of slides: where the slides, slide labels and annotations are."""
+
+    name: str
+    slides: Path
+    labels: Path
+    annotations: Path
+    synth: SynthConfig | None = None
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    name: str
+    source: Path
+    out_dir: Path
+    sets: dict[str, DataSet]
+    val_fraction: float
+    split_seed: int
+    sections: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def section(self, stage: str) -> dict[str, Any]:
+        """The raw table of ``stage`` (empty when absent)."""
+        return dict(self.sections.get(stage, {}))
+
+
+def _path(base: Path, value: Any, key: str, source: Path) -> Path:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{source}: [data].{key} must be a path string; got {value!r}.")
+    p = Path(os.path.expanduser(value))
+    return p if p.is_absolute() else (base / p)
+
+
+def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None = None) -> PipelineSpec:
+    """Read and validate a pipeline file; every stage table is checked against its config class."""
+    source = Path(path)
+    raw = load_toml(source)
+    unknown = sorted(set(raw) - _TOP_LEVEL)
+    if unknown:
+        raise ConfigError(
+            f"{source}: unknown table(s) {', '.join(unknown)}; valid tables are {', '.join(sorted(_TOP_LEVEL))}."
+        )
+    meta = raw.get("pipeline", {})
+    name = str(meta.get("name", source.stem))
+    out = Path(out_dir) if out_dir is not None else Path(meta.get("out_dir", f"{name}_out"))
+    data = dict(raw.get("data", {}))
+    base = source.resolve().parent
+    generate = bool(data.pop("generate", "synth" in raw))
+    val_fraction = float(data.pop("val_fraction", 0.25))
+    split_seed = int(data.pop("split_seed", 0))
+    if not 0.0 <= val_fraction < 1.0:
+        raise ConfigError(f"{source}: [data].val_fraction must satisfy 0 <= value < 1; got {val_fraction!r}.")
+
+    sets: dict[str, DataSet] = {}
+    if generate:
+        synth = raw.get("synth", {})
+        for set_name in SETS:
+            if set_name not in synth:
+                raise ConfigError(f"{source}: a generated pipeline needs a [synth.{set_name}] table.")
+            cfg = config_from_mapping(SynthConfig, synth[set_name], source=f"{source} [synth.{set_name}]")
+            folder = out / "slides" / set_name
+            sets[set_name] = DataSet(set_name, folder, folder / "labels.csv", folder, cfg)
+        if data:
+            raise ConfigError(f"{source}: [data] keys {', '.join(sorted(data))} are not used with generated data.")
+    else:
+        for set_name in SETS:
+            keys = {k: f"{set_name}_{k}" for k in ("slides", "labels", "annotations")}
+            missing = [v for v in keys.values() if v not in data]
+            if missing:
+                raise ConfigError(f"{source}: [data] is missing {', '.join(missing)}.")
+            sets[set_name] = DataSet(
+                set_name, *(_path(base, data.pop(keys[k]), keys[k], source) for k in ("slides", "labels", "annotations"))
+            )
+        if data:
+            raise ConfigError(f"{source}: unknown [data] key(s) {', '.join(sorted(data))}.")
+
+    sections = {stage: dict(raw.get(stage, {})) for stage in STAGES if stage != "synth"}
+    return PipelineSpec(name=name, source=source, out_dir=out, sets=sets, val_fraction=val_fraction,
+                        split_seed=split_seed, sections=sections)

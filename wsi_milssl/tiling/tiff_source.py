@@ -1,0 +1,105 @@
+"""Direct reads of one pyramid level of a tiled JPEG TIFF (generic TIFF, SVS), bypassing OpenSlide.
+
+OpenSlide spends most of a ``read_region`` call outside JPEG decoding (compositing, pixel-format
+conversion); decoding the TIFF tiles with tifffile/imagecodecs and copying them into place is
+several times faster. The pixels are the same decoded tiles, and the tile stage checks that on
+every slide: its first band is read both ways and the direct path is only used when the two are
+identical (otherwise, and for anything that is not a plain tiled 8-bit RGB/YCbCr JPEG TIFF level,
+everything is read through OpenSlide).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["TiffLevelSource"]
+
+logger = logging.getLogger(__name__)
+
+_JPEG = 7  # TIFF compression tag value
+
+
+class TiffLevelSource:
+    """RGB uint8 regions of one pyramid level, decoded straight from the TIFF tiles.
+
+    Use :meth:`open` (returns None when the level is not a plain tiled JPEG TIFF page). Thread-safe:
+    tiles are read with ``os.pread`` and decoded by imagecodecs, which releases the GIL.
+    """
+
+    def __init__(self, tif, page, path: Path) -> None:
+        self._tif = tif
+        self._page = page
+        self._decode = page.decode
+        self._tables = page.jpegtables
+        self._fd = os.open(path, os.O_RDONLY)
+        self.width = int(page.imagewidth)
+        self.height = int(page.imagelength)
+        self.tile_w = int(page.tilewidth)
+        self.tile_h = int(page.tilelength)
+        self._across = -(-self.width // self.tile_w)
+        self._offsets = np.asarray(page.dataoffsets, dtype=np.int64)
+        self._counts = np.asarray(page.databytecounts, dtype=np.int64)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, *, level_size: tuple[int, int]) -> "TiffLevelSource | None":
+        """The source for the TIFF page of size ``level_size`` = (width, height), or None."""
+        path = Path(path)
+        try:
+            import tifffile
+
+            tif = tifffile.TiffFile(path)
+        except Exception:  # noqa: BLE001 - not a TIFF (or unreadable): use OpenSlide
+            return None
+        try:
+            for page in tif.pages:
+                if (
+                    getattr(page, "is_tiled", False)
+                    and int(page.compression) == _JPEG
+                    and page.samplesperpixel == 3
+                    and page.bitspersample == 8
+                    and int(page.planarconfig) == 1
+                    and (int(page.imagewidth), int(page.imagelength)) == tuple(level_size)
+                    and getattr(page, "imagedepth", 1) == 1
+                ):
+                    return cls(tif, page, path)
+        except Exception as exc:  # noqa: BLE001
+            logger.debug("%s: no direct TIFF reads (%s)", path, exc)
+        tif.close()
+        return None
+
+    def read(self, x: int, y: int, w: int, h: int) -> np.ndarray:
+        """uint8 (h, w, 3) RGB of the region with top-left (x, y) in this level's pixels; white outside."""
+        out = np.full((h, w, 3), 255, np.uint8)
+        x0, y0 = max(0, x), max(0, y)
+        x1, y1 = min(self.width, x + w), min(self.height, y + h)
+        if x0 >= x1 or y0 >= y1:
+            return out
+        tw, th = self.tile_w, self.tile_h
+        for ty in range(y0 // th, (y1 - 1) // th + 1):
+            for tx in range(x0 // tw, (x1 - 1) // tw + 1):
+                index = ty * self._across + tx
+                data = os.pread(self._fd, int(self._counts[index]), int(self._offsets[index]))
+                tile = self._decode(data, index, jpegtables=self._tables)[0]
+                tile = tile.reshape(tile.shape[-3:])
+                ax0, ay0 = max(x0, tx * tw), max(y0, ty * th)
+                ax1, ay1 = min(x1, (tx + 1) * tw), min(y1, (ty + 1) * th)
+                out[ay0 - y: ay1 - y, ax0 - x: ax1 - x] = tile[ay0 - ty * th: ay1 - ty * th,
+                                                              ax0 - tx * tw: ax1 - tx * tw, :3]
+        return out
+
+    def close(self) -> None:
+        try:
+            os.close(self._fd)
+        except OSError:
+            pass
+        self._tif.close()
+
+    def __enter__(self) -> "TiffLevelSource":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
