@@ -41,8 +41,8 @@ def _cli(argv):
     return args.run(args)
 
 
-def test_synth_xml_round_trip_is_lossless(synth_dir, tmp_path):
-    src = synth_dir / "synth_000.xml"
+def test_synth_xml_round_trip_is_lossless(synth_slides, tmp_path):
+    src = synth_slides["tumor"].with_suffix(".xml")
     gj = convert_annotations(src, tmp_path / "a.geojson")
     back = convert_annotations(gj, tmp_path / "a.xml")
     assert _xml_content(back) == _xml_content(src)
@@ -96,8 +96,8 @@ def test_geojson_holes_become_non_tumour_polygons_in_xml(tmp_path, caplog):
     assert read_annotations(out).region.area == pytest.approx(read_annotations(src).region.area) == 10_000 - 400
 
 
-def test_convert_refuses_same_file_and_unknown_suffix(synth_dir, tmp_path):
-    src = synth_dir / "synth_000.xml"
+def test_convert_refuses_same_file_and_unknown_suffix(synth_slides, tmp_path):
+    src = synth_slides["tumor"].with_suffix(".xml")
     with pytest.raises(AnnotationError, match="input and output are the same file"):
         convert_annotations(src, src)
     with pytest.raises(AnnotationError, match=r"cannot tell the output format from suffix '\.txt'"):

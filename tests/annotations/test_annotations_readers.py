@@ -66,8 +66,8 @@ def _write(path, text):
     return path
 
 
-def test_read_synth_xml_matches_plain_parse(synth_dir):
-    path = synth_dir / "synth_000.xml"
+def test_read_synth_xml_matches_plain_parse(synth_slides):
+    path = synth_slides["tumor"].with_suffix(".xml")
     polys, groups = read_asap_xml(path)
     root = ET.parse(path).getroot()
     expected = root.findall(".//Annotation")

@@ -1,29 +1,32 @@
-"""Fixtures of the evaluation tests: prediction folders in the heatmap stage's format and one
-shared evaluation run (see evaluation_fixtures.py for how the predictions are made)."""
+"""Fixtures of the evaluation tests: the tumour slide's annotation (written by the test, with known
+lesions), prediction folders in the heatmap stage's format and one shared evaluation run (see
+evaluation_fixtures.py for how the annotation and the predictions are made)."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 
-from evaluation_fixtures import write_predictions
+from evaluation_fixtures import KnownAnnotation, write_known_annotation, write_predictions
 
 
 @pytest.fixture(scope="session")
-def annotations_dir(synth_dir, tmp_path_factory) -> Path:
-    """Only the annotation files of the generated slides."""
-    out = tmp_path_factory.mktemp("annotations")
-    for p in synth_dir.glob("*.xml"):
-        shutil.copy(p, out / p.name)
-    return out
+def known_annotation(synth_dir, tmp_path_factory) -> KnownAnnotation:
+    """The tumour slide's ASAP XML with one lesion and one ITC disc at known places."""
+    return write_known_annotation(synth_dir, tmp_path_factory.mktemp("annotations"))
 
 
 @pytest.fixture(scope="session")
-def predictions(synth_dir, tmp_path_factory) -> tuple[Path, dict]:
+def annotations_dir(known_annotation) -> Path:
+    """The folder holding only the tumour slide's known annotation (the generator's XML is not used)."""
+    return known_annotation.path.parent
+
+
+@pytest.fixture(scope="session")
+def predictions(synth_dir, known_annotation, tmp_path_factory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("predictions")
-    return out, write_predictions(synth_dir, out)
+    return out, write_predictions(synth_dir, known_annotation, out)
 
 
 @pytest.fixture(scope="session")

@@ -16,9 +16,10 @@ from evaluation_fixtures import write_predictions
 
 
 def test_metrics_json_by_hand(evaluated):
-    """On the generated tumour slide the evaluation mask has one lesion (the macro lesion; its
-    micro-lesions and ITC grow to under 275 µm and are ITCs). Detections: 0.7 on the lesion (TP),
-    0.7 again on it (repeat), 0.95 on an ITC (ignored); 0.8 on the normal slide (FP). Two slides.
+    """The tumour slide's annotation (written by the fixture) has two discs: a 320 µm lesion, about
+    395 µm once grown by the 75/2 µm margin (a lesion), and a 70 µm one, about 145 µm grown (an ITC:
+    under 275 µm). Detections: 0.7 on the lesion (TP), 0.7 again on it (repeat), 0.95 on the ITC
+    (ignored); 0.8 on the normal slide (FP). Two slides.
 
     Curve: (0, 0); t=0.8: (1/2, 0); t=0.7: (1/2, 1). Sensitivity at 1/4 FP/slide: 0 (between (0, 0)
     and (1/2, 0)); at 1/2: 1 (vertical step, the higher value); at 1..8: 1. FROC = 5/6.
@@ -26,7 +27,7 @@ def test_metrics_json_by_hand(evaluated):
     result, out, info = evaluated
     metrics = json.loads((out / "metrics.json").read_text())
     assert {"instance_auc", "bag_auc", "froc", "froc_sensitivities", "n_slides", "n_lesions"} <= set(metrics)
-    assert metrics["n_slides"] == 2 and metrics["n_lesions"] == 1 and metrics["n_itc"] >= 1
+    assert metrics["n_slides"] == 2 and metrics["n_lesions"] == 1 and metrics["n_itc"] == 1
     assert metrics["froc_sensitivities"] == pytest.approx([0, 1, 1, 1, 1, 1], abs=1e-12)
     assert metrics["froc"] == pytest.approx(5 / 6, abs=1e-12)
     assert metrics["fp_rates"] == list(FP_RATES)
@@ -37,6 +38,11 @@ def test_metrics_json_by_hand(evaluated):
     assert metrics["bag_auc"] == 1.0
     assert metrics["reasons"] == {}
     assert result.metrics == metrics
+    # the regions as designed: major axes on the level-5 (8 µm/px) raster within two pixels
+    mask = next(s for s in result.slides if s.stem == info["tumor"]).match.mask
+    lesion, itc = mask.lesion_labels[0], next(iter(mask.itc_labels))
+    assert mask.major_axis_um[lesion - 1] == pytest.approx(395, abs=16)
+    assert mask.major_axis_um[itc - 1] == pytest.approx(145, abs=16)
 
 
 def test_per_slide_csv_and_detection_outcomes(evaluated):
@@ -70,11 +76,11 @@ def test_every_output_is_written(evaluated):
     assert config["positive_fraction"] == 0.25 and config["margin_um"] == 75.0
 
 
-def test_detection_csvs_from_another_tool(synth_dir, annotations_dir, tmp_path):
+def test_detection_csvs_from_another_tool(synth_dir, annotations_dir, known_annotation, tmp_path):
     """Only CAMELYON16 detection CSVs (no patch table, no scores): AUCs are null with a reason,
     FROC is still computed, no ROC plot is left behind."""
     pred = tmp_path / "pred"
-    write_predictions(synth_dir, pred, with_patches=False, with_scores=False)
+    write_predictions(synth_dir, known_annotation, pred, with_patches=False, with_scores=False)
     out = tmp_path / "out"
     out.mkdir()
     (out / "roc_bag.png").write_bytes(b"stale")  # from an imagined earlier run
@@ -90,11 +96,11 @@ def test_detection_csvs_from_another_tool(synth_dir, annotations_dir, tmp_path):
     assert result.instance_roc is None and result.bag_roc is None
 
 
-def test_camelyon16_submission_names_and_header(synth_dir, annotations_dir, tmp_path):
+def test_camelyon16_submission_names_and_header(synth_dir, annotations_dir, known_annotation, tmp_path):
     """Detection files named <stem>.csv (CAMELYON16 submissions), one with a 'prob,x,y' header and
     one empty (a slide with no detections)."""
     pred = tmp_path / "pred"
-    info = write_predictions(synth_dir, pred, with_patches=False, with_scores=False)
+    info = write_predictions(synth_dir, known_annotation, pred, with_patches=False, with_scores=False)
     tumour_lines = (pred / f"{info['tumor']}_detections.csv").read_text()
     (pred / f"{info['tumor']}_detections.csv").unlink()
     (pred / f"{info['tumor']}.csv").write_text("prob,x,y\n" + tumour_lines)
@@ -108,8 +114,13 @@ def test_camelyon16_submission_names_and_header(synth_dir, annotations_dir, tmp_
 
 def test_slides_given_as_csv_and_mpp_override(synth_dir, annotations_dir, predictions, tmp_path):
     """--slides as a CSV 'slide,path'. With mpp forced to 1.0 µm/px a level-5 px is 32 µm: the
-    macro lesion (about 370 µm across at 0.25) now spans ~1500 µm -> still a lesion, and the
-    smaller parts grow past 275 µm too, so more lesions are counted."""
+    lesion disc (1280 px) is 1280 µm across, about 1355 µm grown, and the ITC disc (280 px) is 280 µm,
+    about 355 µm grown: past 275 µm, so it is a second lesion and no ITC is left.
+
+    Lesion best hits 0.7 and 0.95, one FP at 0.8. Curve: (0, 0); t=0.95: (0, 1/2); t=0.8: (1/2, 1/2);
+    t=0.7: (1/2, 1). Sensitivity at 1/4: 1/2 (flat between (0, 1/2) and (1/2, 1/2)); at 1/2..8: 1.
+    FROC = (1/2 + 5) / 6 = 11/12.
+    """
     pred_dir, info = predictions
     listing = tmp_path / "slides.csv"
     listing.write_text("slide,path\n" + "".join(f"{s},{synth_dir / (s + '.tif')}\n" for s in info["labels"]))
@@ -117,10 +128,16 @@ def test_slides_given_as_csv_and_mpp_override(synth_dir, annotations_dir, predic
 
     base = evaluate_predictions(pred_dir, labels_csv=synth_dir / "labels.csv", out_dir=tmp_path / "a",
                                 annotations_dir=annotations_dir, slides=listing)
-    assert base.metrics["n_lesions"] == 1
+    assert base.metrics["n_lesions"] == 1 and base.metrics["n_itc"] == 1
+    assert base.metrics["froc"] == pytest.approx(5 / 6, abs=1e-12)
     forced = evaluate_predictions(pred_dir, labels_csv=synth_dir / "labels.csv", out_dir=tmp_path / "b",
                                   annotations_dir=annotations_dir, slides=listing, config=EvaluateConfig(mpp=1.0))
-    assert forced.metrics["n_lesions"] > 1 and forced.slides[0].mpp == 1.0
+    assert forced.metrics["n_lesions"] == 2 and forced.metrics["n_itc"] == 0
+    assert forced.metrics["froc_sensitivities"] == pytest.approx([0.5, 1, 1, 1, 1, 1], abs=1e-12)
+    assert forced.metrics["froc"] == pytest.approx(11 / 12, abs=1e-12)
+    assert all(s.mpp == 1.0 for s in forced.slides)
+    mask = next(s for s in forced.slides if s.stem == info["tumor"]).match.mask
+    assert sorted(mask.major_axis_um) == pytest.approx([355, 1355], abs=32)  # within one 32 µm pixel
 
 
 def test_unlabelled_slide_is_an_error(synth_dir, annotations_dir, predictions, tmp_path):
@@ -141,9 +158,9 @@ def test_tumour_slide_without_annotation_is_an_error(synth_dir, predictions, tmp
                              annotations_dir=empty, slides=empty)
 
 
-def test_tumour_slide_without_slide_file_is_an_error(synth_dir, annotations_dir, tmp_path):
+def test_tumour_slide_without_slide_file_is_an_error(synth_dir, annotations_dir, known_annotation, tmp_path):
     pred = tmp_path / "pred"
-    write_predictions(synth_dir, pred, with_patches=False)  # no sidecar: no slide_path fallback
+    write_predictions(synth_dir, known_annotation, pred, with_patches=False)  # no sidecar: no slide_path fallback
     with pytest.raises(EvaluationError, match="slide file was not found.*--slides"):
         evaluate_predictions(pred, labels_csv=synth_dir / "labels.csv", out_dir=tmp_path / "o",
                              annotations_dir=annotations_dir, slides=tmp_path)
@@ -166,9 +183,9 @@ def test_labels_reader(tmp_path):
         read_labels(p)
 
 
-def test_bad_detection_file_names_file_and_line(synth_dir, annotations_dir, tmp_path):
+def test_bad_detection_file_names_file_and_line(synth_dir, annotations_dir, known_annotation, tmp_path):
     pred = tmp_path / "pred"
-    info = write_predictions(synth_dir, pred, with_patches=False)
+    info = write_predictions(synth_dir, known_annotation, pred, with_patches=False)
     (pred / f"{info['normal']}_detections.csv").write_text("0.5,10,20\n0.4,abc,5\n")
     with pytest.raises(EvaluationError, match=r"_detections.csv: line 2: x 'abc' is not a number"):
         evaluate_predictions(pred, labels_csv=synth_dir / "labels.csv", out_dir=tmp_path / "o",

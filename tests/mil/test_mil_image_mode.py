@@ -59,7 +59,7 @@ def test_patch_batches_match_store_reads_with_and_without_workers(stores):
 
 
 def test_train_resume_and_load_model(tmp_path):
-    paths, labels_csv = make_image_stores(tmp_path / "stores", n_patches=12, pixels="raw")
+    paths, labels_csv = make_image_stores(tmp_path / "stores", n_patches=8, pixels="raw")
     inst = read_patch_stores(paths, read_labels_csv(labels_csv))
     cfg = _cfg()
     runtime = resolve_runtime(cfg)

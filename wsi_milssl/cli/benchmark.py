@@ -56,6 +56,9 @@ def register(subparsers) -> None:
     )
     sub = p.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
     _register_mil_csv(sub)
+    from wsi_milssl.cli.benchmark_bags import register_bags
+
+    register_bags(sub)  # digit-bag benchmarks (issue 8)
 
 
 def run(args: argparse.Namespace) -> int:  # pragma: no cover - argparse dispatches to a subcommand

@@ -162,12 +162,11 @@ class SlideReader:
                 f"{self.path}: cannot read region at level-0 ({x_lv0}, {y_lv0}), level {level}, "
                 f"size {size} ({exc}). Fix: the file is probably truncated or corrupt; re-copy it."
             ) from None
+        if rgba.getchannel("A").getextrema()[0] == 255:
+            return np.asarray(rgba.convert("RGB"))
+        # Outside the scanned area OpenSlide returns transparent pixels: composite them on white.
         arr = np.asarray(rgba)
-        alpha = arr[..., 3:4]
-        if alpha.min() == 255:
-            return np.ascontiguousarray(arr[..., :3])
-        # OpenSlide returns premultiplied-free RGBA with alpha 0 outside the scanned area.
-        a = alpha.astype(np.float32) / 255.0
+        a = arr[..., 3:4].astype(np.float32) / 255.0
         rgb = arr[..., :3].astype(np.float32) * a + 255.0 * (1.0 - a)
         return np.round(rgb).astype(np.uint8)
 

@@ -1,0 +1,78 @@
+"""`wsi-milssl train` and `wsi-milssl benchmark mil-csv` end to end on small generated MIL data."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from wsi_milssl.cli import main
+from wsi_milssl.mil import read_checkpoint
+
+
+def test_train_mil_csv_then_resume_via_cli(tmp_path, mil_csv, mil_csv_val, capsys):
+    run = tmp_path / "run"
+    rc = main(["train", str(mil_csv), "--out", str(run), "--val", str(mil_csv_val), "--epochs", "4",
+               "--mu", "0.25", "--mu-ramp-epochs", "2", "--threads", "1", "--no-plots"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "best epoch on validation" in out and "val_bag_auc" in out
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["mu"] == 0.25 and saved["model"] == "mlp" and saved["optimizer"] == "adam"
+    assert saved["data"]["input_mode"] == "mil-csv"
+    # a second run into the same folder is refused; --resume continues it with the saved settings
+    assert main(["train", str(mil_csv), "--out", str(run), "--epochs", "4"]) == 1
+    assert "already holds a run" in capsys.readouterr().err
+    assert main(["train", "--resume", str(run), "--epochs", "6"]) == 0
+    ckpt = read_checkpoint(run / "last.pt")
+    assert ckpt["epoch"] == 6 and ckpt["config"]["mu"] == 0.25
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 6
+
+
+def test_train_cli_ablation_switches_reach_the_config(tmp_path, mil_csv):
+    run = tmp_path / "abl"
+    rc = main(["train", str(mil_csv), "--out", str(run), "--epochs", "1", "--hard-labels",
+               "--no-global-constraint", "--no-local-constraint", "--fixed-mu", "--bag-pooling", "mean",
+               "--online-pseudo-labels", "--refresh-every", "2", "--model", "linear", "--optimizer", "sgd",
+               "--threads", "1", "--no-plots"])
+    assert rc == 0
+    cfg = read_checkpoint(run / "last.pt")["config"]
+    assert (cfg["soft_labels"], cfg["global_constraint"], cfg["local_constraint"], cfg["fixed_mu"]) == (
+        False, False, False, True)
+    assert (cfg["bag_pooling"], cfg["online_pseudo_labels"], cfg["refresh_every"]) == ("mean", True, 2)
+    assert (cfg["model"], cfg["optimizer"]) == ("linear", "sgd")
+
+
+def test_train_cli_errors(tmp_path, mil_csv, capsys):
+    assert main(["train", str(mil_csv)]) == 1
+    assert "--out RUN_DIR is required" in capsys.readouterr().err
+    assert main(["train", "--resume", str(tmp_path / "nothing")]) == 1
+    assert "no last.pt/config.json to resume from" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", str(mil_csv), "--out", str(tmp_path / "x"), "--bag-pooling", "attention"])
+
+
+def test_benchmark_mil_csv_nested_cv(tmp_path, mil_csv, capsys):
+    out = tmp_path / "bench.json"
+    rc = main(["benchmark", "mil-csv", str(mil_csv), "--folds", "3", "--inner-folds", "2", "--seed", "0",
+               "--mu-grid", "0.2", "0.3", "--ramp-grid", "2", "--epoch-grid", "20", "40", "--batch-size", "64",
+               "--threads", "1",
+               "--json", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "bag accuracy" in printed and "±" in printed and "bag AUC" in printed
+    result = json.loads(out.read_text())
+    assert len(result["folds"]) == 3
+    for row in result["folds"]:
+        assert row["mu"] in (0.2, 0.3) and row["epochs"] in (20, 40)
+        assert row["n_train_bags"] + row["n_test_bags"] == 40
+    assert result["summary"]["auc"]["mean"] > 0.8  # an easy toy problem
+    assert set(result["summary"]) == {"accuracy", "accuracy_at_0_5", "auc"}
+
+
+def test_checkpoint_loads_with_weights_only(tmp_path, mil_csv):
+    run = tmp_path / "w"
+    assert main(["train", str(mil_csv), "--out", str(run), "--epochs", "1", "--threads", "1", "--no-plots"]) == 0
+    ckpt = torch.load(run / "last.pt", weights_only=True)
+    assert ckpt["model_name"] == "mlp" and isinstance(ckpt["rng"]["torch"], torch.Tensor)

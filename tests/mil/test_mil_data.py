@@ -1,0 +1,106 @@
+"""Instance readers (MIL CSV, HDF5 features, labels CSV), preprocessing and augmentation."""
+
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from wsi_milssl.errors import ConfigError, StoreError
+from wsi_milssl.mil import read_feature_files, read_labels_csv, read_mil_csv, to_tensor
+from wsi_milssl.mil.data import NORMALISATION, augment_batch, to_unit_float
+
+
+def test_read_mil_csv(mil_csv):
+    inst = read_mil_csv(mil_csv)
+    assert inst.kind == "features" and inst.n_bags == 40 and inst.in_features == 8
+    assert inst.bag_labels.sum() == 20 and inst.features.dtype == np.float32
+    assert inst.instance_labels is not None
+    sub = inst.subset_bags([3, 0])
+    assert sub.bag_names == [inst.bag_names[3], inst.bag_names[0]]
+    assert np.all(np.diff(sub.bag_ids) >= 0) and len(sub) == np.isin(inst.bag_ids, [0, 3]).sum()
+
+
+def test_mil_csv_with_bag_labels_only_has_no_instance_labels(tmp_path):
+    # MUSK/ELEPHANT repeat the bag label on every instance: that says nothing about instances
+    path = tmp_path / "bags.csv"
+    path.write_text("1,a,0.1,0.2\n1,a,0.3,0.1\n0,b,0.0,0.0\n")
+    inst = read_mil_csv(path)
+    assert inst.instance_labels is None and inst.bag_labels.tolist() == [1, 0]
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [("1,a\n", "at least one feature"), ("1,a,0.1\n0,b,0.1,0.2\n", "row 2 has 4 columns"),
+     ("2,a,0.1\n", "must be 0 or 1"), ("1,a,x\n", "non-numeric")],
+)
+def test_mil_csv_errors(tmp_path, text, match):
+    path = tmp_path / "bad.csv"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        read_mil_csv(path)
+
+
+def test_labels_csv(tmp_path):
+    path = tmp_path / "labels.csv"
+    path.write_text("slide,label\nslides/a.tif,1\nb,0\nc,tumor\n")
+    assert read_labels_csv(path) == {"a": 1, "b": 0, "c": 1}
+    path.write_text("name_of_thing,y\na,1\n")
+    with pytest.raises(ConfigError, match="needs a header with a name column"):
+        read_labels_csv(path)
+    path.write_text("slide,label\na,maybe\n")
+    with pytest.raises(ConfigError, match="line 2: label 'maybe'"):
+        read_labels_csv(path)
+    with pytest.raises(ConfigError, match="labels file not found"):
+        read_labels_csv(tmp_path / "missing.csv")
+
+
+def test_read_feature_files_per_slide_and_multi_bag(tmp_path):
+    rng = np.random.default_rng(0)
+    with h5py.File(tmp_path / "s1.h5", "w") as fh:
+        fh["features"] = rng.normal(size=(5, 4)).astype(np.float32)
+        fh["instance_label"] = np.array([1, 0, 0, 0, 0], dtype=np.uint8)
+    with h5py.File(tmp_path / "many.h5", "w") as fh:
+        fh["features"] = rng.normal(size=(6, 4)).astype(np.float32)
+        fh["bag_ids"] = np.array([b"x", b"y", b"x", b"y", b"x", b"y"])
+        fh["instance_label"] = np.zeros(6, dtype=np.uint8)
+    inst = read_feature_files([tmp_path / "s1.h5", tmp_path / "many.h5"], {"s1": 1, "x": 0, "y": 0})
+    assert inst.bag_names == ["s1", "x", "y"] and inst.bag_labels.tolist() == [1, 0, 0]
+    assert len(inst) == 11 and inst.instance_labels.sum() == 1
+    assert np.all(np.diff(inst.bag_ids) >= 0)
+    with pytest.raises(ConfigError, match="bag 'y' has no row in labels.csv"):
+        read_feature_files([tmp_path / "many.h5"], {"x": 0})
+    with h5py.File(tmp_path / "nofeat.h5", "w") as fh:
+        fh["coords"] = np.zeros((2, 2))
+    with pytest.raises(StoreError, match="no 'features' dataset"):
+        read_feature_files([tmp_path / "nofeat.h5"], {"nofeat": 1})
+
+
+def test_to_tensor_layout_and_normalisation():
+    patches = np.zeros((2, 4, 5, 3), dtype=np.uint8)
+    patches[1, ..., 0] = 255
+    x = to_tensor(patches)
+    assert x.shape == (2, 3, 4, 5) and x.dtype == torch.float32
+    mean, std = NORMALISATION["mean"], NORMALISATION["std"]
+    assert x[0, 0, 0, 0].item() == pytest.approx(-mean[0] / std[0])
+    assert x[1, 0, 0, 0].item() == pytest.approx((1 - mean[0]) / std[0])
+    with pytest.raises(ValueError, match="uint8 \\(B, H, W, 3\\)"):
+        to_tensor(np.zeros((2, 4, 4, 3), dtype=np.float32))
+
+
+def test_augment_batch_is_reproducible_and_geometric_only_without_jitter():
+    rng = np.random.default_rng(0)
+    x = to_unit_float(rng.integers(0, 256, size=(16, 8, 8, 3), dtype=np.uint8))
+    a = augment_batch(x, torch.Generator().manual_seed(1), colour_jitter=0.05)
+    b = augment_batch(x, torch.Generator().manual_seed(1), colour_jitter=0.05)
+    assert torch.equal(a, b) and not torch.equal(a, x)
+    assert a.min() >= 0 and a.max() <= 1
+    g = augment_batch(x, torch.Generator().manual_seed(2), colour_jitter=0.0)
+    changed = 0
+    for i in range(16):  # each output is one of the 8 symmetries of its input square
+        variants = [torch.rot90(x[i], k, (1, 2)) for k in range(4)]
+        variants += [v.flip(-1) for v in variants]
+        assert any(torch.equal(g[i], v) for v in variants)
+        changed += not torch.equal(g[i], x[i])
+    assert changed > 8

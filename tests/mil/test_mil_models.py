@@ -1,0 +1,63 @@
+"""The model registry: every registered model builds, maps a batch to 2 logits, and loads local weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from wsi_milssl.errors import CheckpointError, ConfigError
+from wsi_milssl.mil.models import MODELS, create_model, is_image_model, list_models, register_model
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_registered_models_give_two_logits(name):
+    model = create_model(name, in_features=7)
+    x = torch.randn(3, 3, 32, 32) if is_image_model(name) else torch.randn(3, 7)
+    model.eval()
+    with torch.no_grad():
+        out = model(x)
+    assert out.shape == (3, 2) and torch.isfinite(out).all()
+
+
+def test_registry_contents_and_errors():
+    assert {"resnet18", "linear", "mlp"} <= set(list_models())
+    with pytest.raises(ConfigError, match="unknown model 'vit'; registered models are"):
+        create_model("vit")
+    with pytest.raises(ConfigError, match="needs in_features"):
+        create_model("mlp")
+
+
+def test_register_a_new_model():
+    @register_model("tiny-test-head")
+    def tiny(*, in_features: int, **_):
+        return torch.nn.Linear(in_features, 2)
+
+    try:
+        assert create_model("tiny-test-head", in_features=4)(torch.randn(2, 4)).shape == (2, 2)
+    finally:
+        MODELS.pop("tiny-test-head")
+
+
+def test_resnet18_loads_local_imagenet_style_weights(tmp_path, caplog):
+    from torchvision.models import resnet18
+
+    donor = resnet18(weights=None, num_classes=1000)
+    path = tmp_path / "imagenet_like.pt"
+    torch.save(donor.state_dict(), path)
+    model = create_model("resnet18", weights_path=str(path))
+    assert torch.equal(model.conv1.weight, donor.conv1.weight)
+    assert model.fc.out_features == 2
+    assert "skipped 2 tensors" in caplog.text
+    torch.save({"conv1.weight": torch.zeros(1)}, tmp_path / "wrong.pt")
+    with pytest.raises(CheckpointError, match="weights do not fit the model"):
+        create_model("resnet18", weights_path=str(tmp_path / "wrong.pt"))
+    with pytest.raises(CheckpointError, match="weights file not found"):
+        create_model("resnet18", weights_path=str(tmp_path / "missing.pt"))
+
+
+def test_feature_head_standardises_with_its_buffers():
+    model = create_model("linear", in_features=3)
+    feats = torch.tensor([[1.0, 10.0, 5.0], [3.0, 30.0, 5.0]])
+    model.standardize.set_stats(feats)
+    assert torch.allclose(model.standardize(feats), torch.tensor([[-1.0, -1.0, 0.0], [1.0, 1.0, 0.0]]))
+    assert set(model.state_dict()) >= {"standardize.mean", "standardize.std"}
