@@ -12,6 +12,8 @@
    this process, the bare forward rate of the same model with the same runtime (bfloat16 autocast,
    channels_last, threads) on the same number of ready-made input tensors in batches of the same
    size. Runs alternate ``--repeat`` times (the machine may be shared); the median is reported.
+   CPU seconds per patch (the command with its DataLoader workers, from ``wait4``; the bare forward
+   from ``process_time``) are printed too: unlike wall time they barely move with other load.
 2. Memory. Peak RSS of the command's main process (``wait4``) and the peak of the summed RSS of the
    process tree (main + DataLoader workers, sampled every 0.1 s; shared pages counted twice), on the
    throughput slide and, with ``--big``, on a generated ``--big`` x ``--big`` px slide.
@@ -135,6 +137,7 @@ def run_command(slide: Path, ckpt: Path, out: Path, *, batch_size: int, workers:
     with open(out / "heatmap_status.csv", newline="") as fh:
         row = next(csv.DictReader(fh))
     return {"wall_s": wall, "slide_s": float(row["seconds"]), "n_patches": int(row["n_patches"]),
+            "cpu_s": usage.ru_utime + usage.ru_stime,  # the command and its reaped DataLoader workers
             "peak_rss_main_mb": usage.ru_maxrss / 1024, "peak_rss_tree_mb": peak_tree / 1024}
 
 
@@ -154,11 +157,11 @@ def bare_forward(ckpt: Path, n: int, *, patch_size_px: int, batch_size: int, wor
     x = prep(u8)  # the tensor the command's workers hand over (bf16 channels_last on the CPU)
     model.predict(x[: min(8, batch_size)])  # warm-up (oneDNN primitive creation)
     sizes = [batch_size] * (n // batch_size) + ([n % batch_size] if n % batch_size else [])
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for b in sizes:
         model.predict(x[:b])
-    dt = time.perf_counter() - t0
-    return {"seconds": dt, "n": n, "patches_per_s": n / dt, "runtime": model.runtime.describe(),
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"seconds": dt, "cpu_s": cpu, "n": n, "patches_per_s": n / dt, "runtime": model.runtime.describe(),
             "torch_threads": torch.get_num_threads()}
 
 
@@ -250,16 +253,31 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| bare model forward (same tensors) | {bare_rate:.1f} | 1.00 |")
             print(f"| heatmap command, whole (wall) | {cmd_rate:.1f} | {cmd_rate / bare_rate:.2f} |")
             print(f"| heatmap command, slide time | {slide_rate:.1f} | {slide_rate / bare_rate:.2f} |")
+            cpu_cmd = statistics.median(r["cpu_s"] for r in cmd_runs) / n
+            cpu_bare = statistics.median(b["cpu_s"] for b in bare_runs) / n
+            report["throughput"].update(cpu_ms_per_patch_command=1e3 * cpu_cmd, cpu_ms_per_patch_bare=1e3 * cpu_bare)
+            print(f"\nCPU time per patch (all threads and workers; insensitive to other load): command "
+                  f"{1e3 * cpu_cmd:.1f} ms, bare forward {1e3 * cpu_bare:.1f} ms (ratio {cpu_bare / cpu_cmd:.2f})")
             mem = [(dims, cmd_runs[0])]
             if args.big or args.big_slide:
                 big = args.big_slide or _synth_slide(args.cache, args.big, seed=args.seed)
                 r = run_command(big, ckpt, tmp / "hm_big", batch_size=args.batch_size, workers=args.workers,
                                 threads=args.threads)
                 big_dims = _dims(big)
-                report["big"] = {"slide": str(big), "dimensions_lv0": big_dims, **r}
+                bare = bare_forward(ckpt, r["n_patches"], patch_size_px=args.patch_size, batch_size=args.batch_size,
+                                    workers=args.workers, threads=args.threads)
+                report["big"] = {"slide": str(big), "dimensions_lv0": big_dims, **r, "bare_forward": bare}
                 mem.append((big_dims, r))
-                print(f"\n{big_dims[0]} x {big_dims[1]} px slide: {r['n_patches']} patches in {r['wall_s']:.0f} s "
-                      f"({r['n_patches'] / r['wall_s']:.1f} patches/s)")
+                n_big = r["n_patches"]
+                print(f"\n| {big_dims[0]} x {big_dims[1]} px slide, {n_big} patches | patches/s | x bare forward |")
+                print("|---|---:|---:|")
+                print(f"| bare model forward (same tensors) | {bare['patches_per_s']:.1f} | 1.00 |")
+                for label, secs in (("heatmap command, whole (wall)", r["wall_s"]),
+                                    ("heatmap command, slide time", r["slide_s"])):
+                    rate = n_big / secs
+                    print(f"| {label} | {rate:.1f} | {rate / bare['patches_per_s']:.2f} |")
+                print(f"CPU time per patch: command {1e3 * r['cpu_s'] / n_big:.1f} ms, bare forward "
+                      f"{1e3 * bare['cpu_s'] / n_big:.1f} ms (ratio {bare['cpu_s'] / r['cpu_s']:.2f})")
             print()
             print("| slide | patches | peak RSS main (MB) | peak RSS process tree (MB) |")
             print("|---|---:|---:|---:|")

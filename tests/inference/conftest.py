@@ -98,6 +98,12 @@ def write_slide(path: Path, *, width: int, height: int, tissue_box, tumour) -> P
                                 width=width, height=height, mpp=MPP)
 
 
+@pytest.fixture(scope="session")
+def slide_writer():
+    """write_slide(path, *, width, height, tissue_box, tumour) -> path (see make_renderer)."""
+    return write_slide
+
+
 # -- marker slide: exactly one grid cell is tumour ------------------------------------------------
 MARKER_SIZE = (4096, 3072)
 MARKER_TISSUE = (256, 256, 3840, 2816)

@@ -184,3 +184,15 @@ def test_cuda_autocast_matches_the_cpu(tmp_path, tumour_slide, checkpoint_factor
     gpu = predict_slide(tumour_slide, gpu_model, config=HeatmapConfig(device="cuda"))
     np.testing.assert_array_equal(cpu.coords_lv0, gpu.coords_lv0)
     np.testing.assert_allclose(cpu.probs, gpu.probs, atol=2e-2)
+
+
+def test_a_slide_without_tissue_gives_an_empty_map_and_score_zero(tmp_path, checkpoint_factory, slide_writer):
+    slide = slide_writer(tmp_path / "glass.tif", width=2048, height=2048, tissue_box=(0, 0, 0, 0),
+                        tumour=lambda xs, ys: np.zeros(xs.shape, bool))
+    run = make_heatmaps([slide], checkpoint_factory(), tmp_path / "hm", HeatmapConfig(num_workers=1, **FAST))
+    assert run.ok and run.results[0].n_patches == 0 and run.results[0].score == 0.0
+    grid = np.load(tmp_path / "hm" / "glass_probs.npy")
+    assert grid.shape == (16, 16) and np.isnan(grid).all()
+    assert (tmp_path / "hm" / "glass_patches.csv").read_text() == "x_lv0,y_lv0,prob\n"
+    assert (tmp_path / "hm" / "glass_detections.csv").read_text() == ""
+    assert json.loads((tmp_path / "hm" / "glass_patches.geojson").read_text())["features"] == []

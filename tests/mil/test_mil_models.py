@@ -11,8 +11,9 @@ from wsi_milssl.mil.models import MODELS, create_model, is_image_model, list_mod
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_registered_models_give_two_logits(name):
-    model = create_model(name, in_features=7)
-    x = torch.randn(3, 3, 32, 32) if is_image_model(name) else torch.randn(3, 7)
+    # 64 features: also a valid flattened 8 x 8 image for heads that reshape (e.g. digit-cnn)
+    model = create_model(name, in_features=64)
+    x = torch.randn(3, 3, 32, 32) if is_image_model(name) else torch.randn(3, 64)
     model.eval()
     with torch.no_grad():
         out = model(x)

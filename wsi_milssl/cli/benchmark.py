@@ -50,7 +50,7 @@ def register(subparsers) -> None:
 
     p = subparsers.add_parser(
         "benchmark",
-        help="accuracy benchmarks (classical MIL datasets)",
+        help="accuracy benchmarks (classical MIL datasets, digit bags)",
         description="Accuracy benchmarks with an honest protocol: nothing is selected on test folds.",
         formatter_class=HelpFormatter,
     )

@@ -118,7 +118,10 @@ def config_from_mapping(cls: type, data: Mapping[str, Any], *, source: str = "co
             if isinstance(value, list) and isinstance(f.default, tuple):
                 value = tuple(value)
             kwargs[f.name] = value
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
 
 
 def load_toml(path: str | os.PathLike) -> dict[str, Any]:

@@ -195,6 +195,13 @@ def _font(size: int):
         return ImageFont.load_default()
 
 
+def _text(draw: ImageDraw.ImageDraw, xy: tuple[float, float], text: str, *, font, anchor: str) -> None:
+    try:
+        draw.text(xy, text, fill=(0, 0, 0), font=font, anchor=anchor)
+    except (ValueError, TypeError):  # bitmap fonts of old Pillow releases take no anchor
+        draw.text(xy, text, fill=(0, 0, 0), font=font)
+
+
 def colorbar_panel(height_px: int, *, colormap: str, vmin: float = 0.0, vmax: float = 1.0,
                    label: str = "P(tumour)") -> np.ndarray:
     """RGB uint8 (height_px, W, 3) white panel with a vertical colour bar (vmax at the top) and ticks."""
@@ -217,8 +224,8 @@ def colorbar_panel(height_px: int, *, colormap: str, vmin: float = 0.0, vmax: fl
             y = top + (n - 1) * (1.0 - frac)
             value = vmin + frac * (vmax - vmin)
             draw.line((bar_x1, y, bar_x1 + font_px // 2, y), fill=(0, 0, 0))
-            draw.text((bar_x1 + font_px // 2 + 2, y), f"{value:.2f}", fill=(0, 0, 0), font=font, anchor="lm")
-    draw.text((2, font_px // 2), label, fill=(0, 0, 0), font=_font(max(8, int(font_px * 0.8))), anchor="lt")
+            _text(draw, (bar_x1 + font_px // 2 + 2, y), f"{value:.2f}", font=font, anchor="lm")
+    _text(draw, (2, font_px // 2), label, font=_font(max(8, int(font_px * 0.8))), anchor="lt")
     return np.asarray(panel)
 
 
@@ -291,7 +298,7 @@ def write_png(image: np.ndarray, path: str | os.PathLike, *, metadata: Mapping[s
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as fh:
-            Image.fromarray(np.ascontiguousarray(image)).save(fh, format="PNG", pnginfo=info, compress_level=6)
+            Image.fromarray(np.ascontiguousarray(image)).save(fh, format="PNG", pnginfo=info, compress_level=3)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)

@@ -173,8 +173,8 @@ def resolve_runtime(config: HeatmapConfig) -> InferenceRuntime:
         amp = "bf16" if (not cuda or torch.cuda.is_bf16_supported()) else "fp16"
     dtype = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[amp]
     workers = config.num_workers
-    if workers < 0:
-        workers = min(4, max(1, (os.cpu_count() or 1) - 1))
+    if workers < 0:  # the GPU outpaces the readers, the CPU forward does not
+        workers = min(8 if cuda else 4, max(1, (os.cpu_count() or 1) - 1))
     return InferenceRuntime(device=device, amp_dtype=dtype, channels_last=bool(config.channels_last),
                             num_workers=int(workers), preprocess_in_workers=not cuda and workers > 0)
 
@@ -237,7 +237,7 @@ class Preprocess:
         u8 = patches.numpy()
         out = np.empty(u8.shape, self._lut.dtype)
         for c in range(3):
-            np.take(self._lut[c], u8[..., c], out=out[..., c])
+            np.take(self._lut[c], u8[..., c], out=out[..., c], mode="wrap")  # indices 0-255: in range
         x = torch.from_numpy(out.view(np.int16)).view(torch.bfloat16) if self.dtype is torch.bfloat16 \
             else torch.from_numpy(out)
         return x.permute(0, 3, 1, 2)

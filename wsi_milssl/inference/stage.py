@@ -329,6 +329,9 @@ def make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.Path
                     pred.slide_path = item.slide_path
             else:
                 pred = predict_slide(item.slide_path, model, config=config, progress=progress)
+            if len(pred) == 0:
+                logger.warning("%s: no patch passed the tissue and entropy filters; the map is empty and the "
+                               "slide scores 0.", item.stem)
             written = write_slide_outputs(pred, out_dir, model=model, config=config, annotations_dir=annotations_dir)
             score = pred.score(model.pooling)
             update_scores_csv(out_dir, {pred.stem: score})

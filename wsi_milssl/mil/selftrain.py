@@ -17,7 +17,6 @@ run resumed from ``last.pt`` continues exactly as an uninterrupted run (bit-iden
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import logging
@@ -27,7 +26,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -159,7 +158,7 @@ def _prepare_inputs(raw: torch.Tensor, runtime: Runtime, *, kind: str,
                     ) -> torch.Tensor:
     if kind == "features":
         return raw.to(runtime.device, non_blocking=True)
-    x = to_unit_float(raw).to(runtime.device, non_blocking=True)
+    x = to_unit_float(raw.to(runtime.device, non_blocking=True))  # move uint8, convert on the device
     if aug_generator is not None and config is not None and config.augment:
         x = augment_batch(x, aug_generator, colour_jitter=config.colour_jitter)
     x = normalize(x)
@@ -706,7 +705,3 @@ def fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike |
         val_dataset.close()
     return result
 
-
-def config_with(config: TrainConfig, **changes) -> TrainConfig:
-    """A copy of ``config`` with ``changes`` applied (validated again)."""
-    return dataclasses.replace(config, **changes)

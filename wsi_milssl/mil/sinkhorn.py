@@ -195,7 +195,7 @@ def assign_pseudo_labels(
         "no soft pseudo label" row).
     local_constraint : set the label of each bag's highest-probability instance to 1.
     global_constraint : solve the transport problem; ``False`` takes the labels straight from P (eq. 2).
-    max_iter, tol : Sinkhorn iteration cap and relative row-marginal tolerance.
+    max_iter, tol : iteration cap and tolerance on the positive share |Σ_i Q[0, i] / N - μ|.
 
     Returns
     -------

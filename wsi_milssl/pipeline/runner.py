@@ -145,32 +145,157 @@ def _label(ctx: _Context) -> tuple[list[str], str]:
     return outputs, "; ".join(parts)
 
 
+def _grid_runs(section: dict, source: str) -> list[dict]:
+    """Expand ``[train.grid]`` (TrainConfig field -> list of values) into one override dict per run."""
+    import itertools
+
+    from wsi_milssl.errors import ConfigError
+
+    grid = section.pop("grid", None)
+    if not grid:
+        return [{}]
+    for key, values in grid.items():
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"{source} [train.grid].{key} must be a non-empty list; got {values!r}.")
+    keys = sorted(grid)
+    return [dict(zip(keys, combo)) for combo in itertools.product(*(grid[k] for k in keys))]
+
+
+def _validation_score(result, select_metric: str) -> tuple[float, float] | None:
+    from wsi_milssl.mil.selftrain import _selection_score
+
+    if result.best_epoch is None:
+        return None
+    record = next(r for r in result.history if r.get("epoch") == result.best_epoch)
+    metrics = {k[len("val_"):]: v for k, v in record.items() if k.startswith("val_")}
+    return _selection_score(metrics, select_metric)
+
+
 def _train(ctx: _Context) -> tuple[list[str], str]:
+    """Train on the training set; with ``[train.grid]``, train every combination and keep the one
+    that scores best on the validation slides (held out from the training set, never the test set)."""
+    import shutil
+
     from wsi_milssl.config import TrainConfig
     from wsi_milssl.mil.data import read_labels_csv, read_patch_stores
     from wsi_milssl.mil.selftrain import fit
     from wsi_milssl.store import find_stores
 
+    source = f"{ctx.spec.source} [train]"
     section = ctx.spec.section("train")
     section.setdefault("mode", "images")
-    config = config_from_mapping(TrainConfig, section, source=f"{ctx.spec.source} [train]")
+    runs = _grid_runs(section, source)
+    configs = [config_from_mapping(TrainConfig, {**section, **o}, source=source) for o in runs]
     ds = ctx.spec.sets["train"]
     labels = read_labels_csv(ds.labels)
     stores = {p.stem: p for p in find_stores([ctx.stores("train")])}
     train_stems, val_stems = split_train_val(sorted(stores), labels, val_fraction=ctx.spec.val_fraction,
                                              seed=ctx.spec.split_seed)
+    if len(configs) > 1 and not val_stems:
+        from wsi_milssl.errors import ConfigError
+
+        raise ConfigError(f"{source}: a [train.grid] needs validation slides; set [data].val_fraction > 0.")
     train = read_patch_stores([stores[s] for s in train_stems], labels)
     val = read_patch_stores([stores[s] for s in val_stems], labels) if val_stems else None
     run_info = {"data": {"inputs": [str(stores[s]) for s in train_stems], "labels": str(ds.labels),
                          "val_inputs": [str(stores[s]) for s in val_stems] or None,
                          "val_labels": str(ds.labels) if val_stems else None, "input_mode": "images"}}
-    ctx.model_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("last.pt", "best.pt", "metrics.jsonl"):
-        (ctx.model_dir / stale).unlink(missing_ok=True)
-    result = fit(train, config=config, out_dir=ctx.model_dir, val=val, run_info=run_info, progress=ctx.progress)
+    if ctx.model_dir.exists():
+        shutil.rmtree(ctx.model_dir)
+    ctx.model_dir.mkdir(parents=True)
+    if len(configs) == 1:
+        result = fit(train, config=configs[0], out_dir=ctx.model_dir, val=val, run_info=run_info,
+                     progress=ctx.progress)
+        chosen, summary_extra = ctx.model_dir, ""
+    else:
+        scored = []
+        for overrides, config in zip(runs, configs):
+            name = "_".join(f"{k}-{v}" for k, v in overrides.items())
+            run_dir = ctx.model_dir / "grid" / name
+            result = fit(train, config=config, out_dir=run_dir, val=val, run_info=run_info, progress=ctx.progress)
+            score = _validation_score(result, config.select_metric)
+            scored.append((score if score is not None else (-float("inf"), -float("inf")), name, run_dir,
+                           overrides, result))
+        scored.sort(key=lambda item: item[0], reverse=True)
+        _, name, chosen, overrides, result = scored[0]
+        for item in chosen.iterdir():
+            if item.is_file():
+                shutil.copy2(item, ctx.model_dir / item.name)
+        import json
+
+        (ctx.model_dir / "grid.json").write_text(json.dumps(
+            [{"run": n, "overrides": o, "validation_score": list(s)} for s, n, _, o, _ in scored], indent=2))
+        summary_extra = f", grid of {len(runs)}: chose {name} on validation"
     checkpoint = ctx.model_dir / ("best.pt" if (ctx.model_dir / "best.pt").exists() else "last.pt")
     return [str(checkpoint)], (f"{len(train_stems)} training / {len(val_stems)} validation slides, "
-                               f"best epoch {result.best_epoch}")
+                               f"best epoch {result.best_epoch}{summary_extra}")
+
+
+def _train_features(ctx: _Context) -> tuple[list[str], str]:
+    """Feature mode: MIL-SSL on pre-extracted instance features; validation bags split off the training set."""
+    from wsi_milssl.config import TrainConfig
+    from wsi_milssl.mil.data import read_feature_files, read_labels_csv
+    from wsi_milssl.mil.selftrain import fit
+
+    section = ctx.spec.section("train")
+    section.pop("grid", None)
+    section.setdefault("mode", "features")
+    config = config_from_mapping(TrainConfig, section, source=f"{ctx.spec.source} [train]")
+    ds = ctx.spec.sets["train"]
+    data = read_feature_files(_feature_files(ds.features), read_labels_csv(ds.labels))
+    labels = {name: int(lab) for name, lab in zip(data.bag_names, data.bag_labels)}
+    train_names, val_names = split_train_val(list(data.bag_names), labels, val_fraction=ctx.spec.val_fraction,
+                                             seed=ctx.spec.split_seed)
+    index = {n: i for i, n in enumerate(data.bag_names)}
+    train = data.subset_bags([index[n] for n in train_names])
+    val = data.subset_bags([index[n] for n in val_names]) if val_names else None
+    import shutil
+
+    if ctx.model_dir.exists():
+        shutil.rmtree(ctx.model_dir)
+    result = fit(train, config=config, out_dir=ctx.model_dir, val=val, progress=ctx.progress,
+                 run_info={"data": {"features": str(ds.features), "labels": str(ds.labels), "input_mode": "features"}})
+    checkpoint = ctx.model_dir / ("best.pt" if (ctx.model_dir / "best.pt").exists() else "last.pt")
+    return [str(checkpoint)], f"{len(train_names)} training / {len(val_names)} validation bags, best epoch {result.best_epoch}"
+
+
+def _feature_files(path: Path) -> list[Path]:
+    return sorted(path.glob("*.h5")) if path.is_dir() else [path]
+
+
+def _evaluate_features(ctx: _Context) -> tuple[list[str], str]:
+    """Feature mode: bag AUC / accuracy (and instance AUC when the files carry instance labels) on the test set."""
+    import csv
+    import json
+    import os
+
+    from wsi_milssl.config import TrainConfig
+    from wsi_milssl.mil.checkpoint import load_model
+    from wsi_milssl.mil.data import read_feature_files, read_labels_csv
+    from wsi_milssl.mil.selftrain import evaluate, resolve_runtime
+
+    checkpoint = ctx.model_dir / ("best.pt" if (ctx.model_dir / "best.pt").exists() else "last.pt")
+    model, saved = load_model(checkpoint)
+    fields = set(TrainConfig.__dataclass_fields__)
+    config = TrainConfig(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k in fields})
+    ds = ctx.spec.sets["test"]
+    test = read_feature_files(_feature_files(ds.features), read_labels_csv(ds.labels))
+    metrics = evaluate(model, test, runtime=resolve_runtime(config), bag_pooling=config.bag_pooling)
+    out = ctx.evaluation_dir
+    out.mkdir(parents=True, exist_ok=True)
+    summary = {k: metrics[k] for k in ("instance_auc", "bag_auc", "bag_accuracy", "bag_nll")}
+    summary.update(n_bags=int(test.n_bags), n_instances=int(len(test)), checkpoint=str(checkpoint))
+    tmp = out / "metrics.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    os.replace(tmp, out / "metrics.json")
+    with open(out / "scores.csv", "w", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(["slide", "score", "label"])
+        for name, score, label in zip(test.bag_names, metrics["bag_scores"], test.bag_labels):
+            writer.writerow([name, f"{score:.6f}", int(label)])
+    fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
+    return [str(out / "metrics.json")], (f"bag AUC {fmt(summary['bag_auc'])}, bag accuracy "
+                                         f"{fmt(summary['bag_accuracy'])} on {test.n_bags} test bags")
 
 
 def _heatmap(ctx: _Context) -> tuple[list[str], str]:
@@ -204,6 +329,7 @@ def _evaluate(ctx: _Context) -> tuple[list[str], str]:
 _RUNNERS: dict[str, Callable[[_Context], tuple[list[str], str]]] = {
     "synth": _synth, "tile": _tile, "label": _label, "train": _train, "heatmap": _heatmap, "evaluate": _evaluate,
 }
+_FEATURE_RUNNERS = {"train": _train_features, "evaluate": _evaluate_features}
 # What each stage reads: upstream stages (by stamp) and external input paths.
 _UPSTREAM = {"synth": (), "tile": ("synth",), "label": ("tile",), "train": ("label",),
              "heatmap": ("train", "label"), "evaluate": ("heatmap",)}
@@ -219,6 +345,8 @@ def _stage_settings(spec: PipelineSpec, stage: str):
 
 
 def _external_inputs(spec: PipelineSpec, stage: str) -> list:
+    if spec.mode == "features":
+        return fingerprint_paths([p for ds in spec.sets.values() for p in (ds.features, ds.labels)])
     if spec.sets["train"].synth is not None:
         return []
     if stage == "tile":
@@ -244,7 +372,10 @@ def run_pipeline(
 
         bad = sorted(unknown) or [until]
         raise ConfigError(f"unknown stage(s) {', '.join(map(str, bad))}; stages are {', '.join(STAGES)}.")
-    stages = [s for s in STAGES if s != "synth" or spec.sets["train"].synth is not None]
+    if spec.mode == "features":
+        stages = ["train", "evaluate"]
+    else:
+        stages = [s for s in STAGES if s != "synth" or spec.sets["train"].synth is not None]
     if until is not None:
         stages = stages[: stages.index(until) + 1]
     ctx = _Context(spec, progress)
@@ -264,7 +395,8 @@ def run_pipeline(
         else:
             dirty = True
             start = time.perf_counter()
-            outputs, summary = _RUNNERS[stage](ctx)
+            runner = _FEATURE_RUNNERS[stage] if spec.mode == "features" else _RUNNERS[stage]
+            outputs, summary = runner(ctx)
             write_stamp(ctx.state, stage, digest=digest, outputs=outputs)
             outcome = StageOutcome(stage, "ran", time.perf_counter() - start, summary)
         outcomes.append(outcome)

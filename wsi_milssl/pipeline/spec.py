@@ -53,10 +53,11 @@ class DataSet:
     """One set of slides: where the slides, slide labels and annotations are."""
 
     name: str
-    slides: Path
+    slides: Path | None
     labels: Path
-    annotations: Path
+    annotations: Path | None
     synth: SynthConfig | None = None
+    features: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class PipelineSpec:
     val_fraction: float
     split_seed: int
     sections: dict[str, dict[str, Any]] = field(default_factory=dict)
+    mode: str = "images"
 
     def section(self, stage: str) -> dict[str, Any]:
         """The raw table of ``stage`` (empty when absent)."""
@@ -95,7 +97,10 @@ def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None 
     out = Path(out_dir) if out_dir is not None else Path(meta.get("out_dir", f"{name}_out"))
     data = dict(raw.get("data", {}))
     base = source.resolve().parent
-    generate = bool(data.pop("generate", "synth" in raw))
+    mode = str(data.pop("mode", "images"))
+    if mode not in ("images", "features"):
+        raise ConfigError(f"{source}: [data].mode must be 'images' or 'features'; got {mode!r}.")
+    generate = bool(data.pop("generate", "synth" in raw)) and mode == "images"
     val_fraction = float(data.pop("val_fraction", 0.25))
     split_seed = int(data.pop("split_seed", 0))
     if not 0.0 <= val_fraction < 1.0:
@@ -112,6 +117,16 @@ def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None 
             sets[set_name] = DataSet(set_name, folder, folder / "labels.csv", folder, cfg)
         if data:
             raise ConfigError(f"{source}: [data] keys {', '.join(sorted(data))} are not used with generated data.")
+    elif mode == "features":
+        for set_name in SETS:
+            keys = {k: f"{set_name}_{k}" for k in ("features", "labels")}
+            missing = [v for v in keys.values() if v not in data]
+            if missing:
+                raise ConfigError(f"{source}: [data] is missing {', '.join(missing)} (features mode).")
+            features, labels = (_path(base, data.pop(keys[k]), keys[k], source) for k in ("features", "labels"))
+            sets[set_name] = DataSet(set_name, None, labels, None, None, features)
+        if data:
+            raise ConfigError(f"{source}: unknown [data] key(s) {', '.join(sorted(data))}.")
     else:
         for set_name in SETS:
             keys = {k: f"{set_name}_{k}" for k in ("slides", "labels", "annotations")}
@@ -125,5 +140,24 @@ def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None 
             raise ConfigError(f"{source}: unknown [data] key(s) {', '.join(sorted(data))}.")
 
     sections = {stage: dict(raw.get(stage, {})) for stage in STAGES if stage != "synth"}
+    _validate_sections(sections, source)
     return PipelineSpec(name=name, source=source, out_dir=out, sets=sets, val_fraction=val_fraction,
-                        split_seed=split_seed, sections=sections)
+                        split_seed=split_seed, sections=sections, mode=mode)
+
+
+def _validate_sections(sections: dict[str, dict[str, Any]], source: Path) -> None:
+    """Build every stage's config once, so a wrong key or value fails before any stage runs."""
+    from wsi_milssl import config as cfg
+
+    classes = {"tile": cfg.TileConfig, "label": cfg.LabelConfig, "train": cfg.TrainConfig,
+               "heatmap": cfg.HeatmapConfig, "evaluate": cfg.EvaluateConfig}
+    for stage, cls in classes.items():
+        section = {k: v for k, v in sections.get(stage, {}).items() if k != "grid"}
+        config_from_mapping(cls, section, source=f"{source} [{stage}]")
+        grid = sections.get(stage, {}).get("grid")
+        if grid is not None:
+            if stage != "train" or not isinstance(grid, dict):
+                raise ConfigError(f"{source}: only [train.grid] is supported (a table of lists).")
+            for key, values in grid.items():
+                for value in values if isinstance(values, list) else [values]:
+                    config_from_mapping(cls, {**section, key: value}, source=f"{source} [train.grid]")

@@ -1,0 +1,130 @@
+"""``wsi-milssl run``: pipeline files, validation, stage order, skipping up-to-date stages."""
+
+from __future__ import annotations
+
+import json
+
+import h5py
+import numpy as np
+import pytest
+
+from wsi_milssl.cli import main
+from wsi_milssl.errors import ConfigError
+from wsi_milssl.pipeline import load_pipeline, run_pipeline, split_train_val
+
+
+def _write_bags(folder, *, n_bags: int, seed: int) -> dict[str, int]:
+    """One HDF5 file per bag: 20 instances of 8 features; positive bags hold 4 shifted instances."""
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True)
+    labels = {}
+    for b in range(n_bags):
+        label = b % 2
+        x = rng.normal(size=(20, 8)).astype(np.float32)
+        inst = np.zeros(20, np.uint8)
+        if label:
+            x[:4] += 3.0
+            inst[:4] = 1
+        with h5py.File(folder / f"bag_{b:02d}.h5", "w") as fh:
+            fh["features"] = x
+            fh["instance_label"] = inst
+        labels[f"bag_{b:02d}"] = label
+    with open(folder / "labels.csv", "w") as fh:
+        fh.write("slide,label\n" + "".join(f"{k},{v}\n" for k, v in labels.items()))
+    return labels
+
+
+@pytest.fixture()
+def feature_pipeline(tmp_path):
+    _write_bags(tmp_path / "train", n_bags=16, seed=0)
+    _write_bags(tmp_path / "test", n_bags=8, seed=1)
+    toml = tmp_path / "features.toml"
+    toml.write_text(
+        """
+[pipeline]
+name = "t"
+[data]
+mode = "features"
+train_features = "train"
+train_labels = "train/labels.csv"
+test_features = "test"
+test_labels = "test/labels.csv"
+val_fraction = 0.25
+[train]
+mode = "features"
+model = "linear"
+epochs = 30
+batch_size = 32
+mu = 0.2
+mu_ramp_epochs = 2
+plots = false
+"""
+    )
+    return toml
+
+
+def test_feature_pipeline_runs_then_skips_then_forces(feature_pipeline, tmp_path):
+    spec = load_pipeline(feature_pipeline, out_dir=tmp_path / "out")
+    first = run_pipeline(spec)
+    assert [(o.stage, o.status) for o in first] == [("train", "ran"), ("evaluate", "ran")]
+    metrics = json.loads((tmp_path / "out" / "evaluation" / "metrics.json").read_text())
+    assert metrics["n_bags"] == 8 and metrics["bag_auc"] > 0.9  # shifted instances are easy
+    second = run_pipeline(spec)
+    assert [o.status for o in second] == ["skipped", "skipped"]
+    forced = run_pipeline(spec, force=["evaluate"])
+    assert [o.status for o in forced] == ["skipped", "ran"]
+    (tmp_path / "out" / "model" / "best.pt").unlink()  # an output went missing: train and after re-run
+    third = run_pipeline(spec)
+    assert [o.status for o in third] == ["ran", "ran"]
+
+
+def test_changed_settings_rerun_the_stage(feature_pipeline, tmp_path):
+    run_pipeline(load_pipeline(feature_pipeline, out_dir=tmp_path / "out"))
+    feature_pipeline.write_text(feature_pipeline.read_text().replace("epochs = 30", "epochs = 31"))
+    outcomes = run_pipeline(load_pipeline(feature_pipeline, out_dir=tmp_path / "out"))
+    assert [o.status for o in outcomes] == ["ran", "ran"]
+
+
+def test_cli_run_prints_each_stage(feature_pipeline, tmp_path, capsys):
+    assert main(["run", str(feature_pipeline), "--out", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    assert "[train]" in out and "[evaluate]" in out and "bag AUC" in out
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[bogus]\n", r"unknown table\(s\) bogus"),
+        ("[data]\nmode = 'pixels'\n", r"\[data\]\.mode must be 'images' or 'features'; got 'pixels'"),
+        ("[data]\ntrain_slides = 's'\n", r"\[data\] is missing train_labels, train_annotations"),
+        ("[synth.train]\nn_slides = 2\n[synth.test]\nn_slides = 0\n", r"SynthConfig\.n_slides must satisfy"),
+        ("[synth.train]\n[synth.test]\n[tile]\npatch_size = 5\n", r"\[tile\]: unknown key\(s\) patch_size"),
+        ("[synth.train]\n[synth.test]\n[train]\nmu = 2.0\n", r"TrainConfig\.mu must satisfy"),
+        ("[synth.train]\n[synth.test]\n[train.grid]\nmu = [0.1, 1.5]\n", r"\[train.grid\].*TrainConfig\.mu"),
+    ],
+)
+def test_bad_pipeline_files_name_the_problem(tmp_path, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_pipeline(path)
+
+
+def test_split_is_stratified_seeded_and_disjoint():
+    stems = [f"s{i}" for i in range(10)]
+    labels = {s: int(i < 4) for i, s in enumerate(stems)}
+    train, val = split_train_val(stems, labels, val_fraction=0.25, seed=3)
+    assert sorted(train + val) == sorted(stems) and not set(train) & set(val)
+    assert {labels[s] for s in val} == {0, 1}  # both classes held out
+    assert (train, val) == split_train_val(stems, labels, val_fraction=0.25, seed=3)
+    assert split_train_val(stems, labels, val_fraction=0.0, seed=3) == (sorted(stems), [])
+
+
+def test_packaged_pipelines_load():
+    from importlib.resources import files
+
+    for name in ("demo", "camelyon16", "tcga-features"):
+        spec = load_pipeline(files("wsi_milssl") / "pipelines" / f"{name}.toml")
+        assert set(spec.sets) == {"train", "test"}
+    assert load_pipeline(files("wsi_milssl") / "pipelines" / "camelyon16.toml").section("train")["grid"] == {
+        "mu": [0.1, 0.15, 0.2, 0.25], "mu_ramp_epochs": [5, 10, 20, 40]}
