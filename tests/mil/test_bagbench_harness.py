@@ -156,3 +156,12 @@ def test_mil_ssl_beats_abmil_on_instances_at_a_high_ratio():
     acc = acceptance(result)["normal"]["0.7"]
     assert acc["met"] and acc["mil_ssl"] > 0.95, acc
     assert np.isfinite(acc["margin"])
+
+
+def test_ratios_with_the_same_bags_are_trained_once(fast):
+    result = run_normal(BagBenchConfig(ratios=(0.05, 0.1, 0.08), methods=("abmil",), **fast))
+    # at bag size 10: 5 % -> 1 positive (= 10 %), 8 % -> 1 positive: one training run for all three
+    assert result["same_bags"] == {"0.1": "0.05", "0.08": "0.05"}
+    by_ratio = {r["ratio"]: r["instance_auc"] for r in result["rows"] if r["scoring"] == "attention"}
+    assert by_ratio[0.05] == by_ratio[0.1] == by_ratio[0.08]
+    assert "the same bags, as 5%" in format_markdown(result)

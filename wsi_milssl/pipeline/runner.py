@@ -300,14 +300,20 @@ def _evaluate_features(ctx: _Context) -> tuple[list[str], str]:
 
 def _heatmap(ctx: _Context) -> tuple[list[str], str]:
     from wsi_milssl.config import HeatmapConfig
-    from wsi_milssl.inference import heatmap_stores
+    from wsi_milssl.errors import WsiMilsslError
+    from wsi_milssl.inference import make_heatmaps
 
     config = config_from_mapping(HeatmapConfig, ctx.spec.section("heatmap"), source=f"{ctx.spec.source} [heatmap]")
     checkpoint = ctx.model_dir / ("best.pt" if (ctx.model_dir / "best.pt").exists() else "last.pt")
     ds = ctx.spec.sets["test"]
-    result = heatmap_stores(ctx.stores("test"), checkpoint=checkpoint, out_dir=ctx.heatmap_dir, config=config,
-                            annotations_dir=ds.annotations, progress=ctx.progress)
-    return [str(ctx.heatmap_dir / "scores.csv")], f"{result} "
+    run = make_heatmaps([], checkpoint, ctx.heatmap_dir, config, stores=[ctx.stores("test")],
+                        annotations_dir=ds.annotations, progress=ctx.progress)
+    failed = [r for r in run.results if r.status != "ok"]
+    if failed:
+        raise WsiMilsslError(f"heatmap: {len(failed)} slide(s) failed (see {ctx.heatmap_dir}): "
+                             + "; ".join(f"{r.slide}: {r.error}" for r in failed[:3]))
+    n = sum(r.n_patches for r in run.results)
+    return [str(ctx.heatmap_dir / "scores.csv")], f"{len(run.results)} slides, {n} patches"
 
 
 def _evaluate(ctx: _Context) -> tuple[list[str], str]:
