@@ -82,3 +82,9 @@ def make_image_stores(out_dir: Path, *, fmt: str = "h5", n_bags: int = 4, n_patc
     labels_csv = out_dir / "labels.csv"
     labels_csv.write_text("\n".join(rows) + "\n")
     return paths, labels_csv
+
+
+@pytest.fixture(scope="session")
+def image_store_factory():
+    """The :func:`make_image_stores` helper, as a fixture (test modules cannot import conftest reliably)."""
+    return make_image_stores

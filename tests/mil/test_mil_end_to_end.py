@@ -21,7 +21,8 @@ def test_demo_scale_training_reaches_instance_auc_on_held_out_slides(tmp_path):
     # the held-out slides are only measured (last epoch), never used to pick a checkpoint
     assert main(["train", str(tmp_path / "train_stores"), "--labels", str(tmp_path / "train_slides" / "labels.csv"),
                  "--out", str(run), "--val", str(tmp_path / "test_stores"),
-                 "--val-labels", str(tmp_path / "test_slides" / "labels.csv"), "--epochs", "10"]) == 0
+                 "--val-labels", str(tmp_path / "test_slides" / "labels.csv"), "--epochs", "6",
+                 "--mu-ramp-epochs", "5"]) == 0
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["val_instance_auc"] >= 0.9
     assert records[-1]["pseudo_precision"] > 0.5

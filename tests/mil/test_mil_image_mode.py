@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_image_stores
 from wsi_milssl.config.train import TrainConfig
 from wsi_milssl.errors import ConfigError, StoreError
 from wsi_milssl.events import ProgressEvent
@@ -18,8 +17,8 @@ from wsi_milssl.store import open_store
 
 
 @pytest.fixture(scope="module", params=["h5", "zarr"])
-def stores(request, tmp_path_factory):
-    paths, labels = make_image_stores(tmp_path_factory.mktemp(f"img_{request.param}"), fmt=request.param)
+def stores(request, tmp_path_factory, image_store_factory):
+    paths, labels = image_store_factory(tmp_path_factory.mktemp(f"img_{request.param}"), fmt=request.param)
     return paths, labels
 
 
@@ -58,8 +57,8 @@ def test_patch_batches_match_store_reads_with_and_without_workers(stores):
     assert np.array_equal(x0[0].numpy(), expected)
 
 
-def test_train_resume_and_load_model(tmp_path):
-    paths, labels_csv = make_image_stores(tmp_path / "stores", n_patches=8, pixels="raw")
+def test_train_resume_and_load_model(tmp_path, image_store_factory):
+    paths, labels_csv = image_store_factory(tmp_path / "stores", n_patches=8, pixels="raw")
     inst = read_patch_stores(paths, read_labels_csv(labels_csv))
     cfg = _cfg()
     runtime = resolve_runtime(cfg)
@@ -90,11 +89,11 @@ def test_train_resume_and_load_model(tmp_path):
     np.testing.assert_allclose(probs, reference[start:start + 8], atol=1e-4)
 
 
-def test_stores_without_pixels_or_labels_are_rejected(tmp_path, stores):
+def test_stores_without_pixels_or_labels_are_rejected(tmp_path, stores, image_store_factory):
     paths, labels_csv = stores
     with pytest.raises(ConfigError, match="has no row in"):
         read_patch_stores(paths, {"slide_0_00": 0}, labels_path="my_labels.csv")
-    none_paths, _ = make_image_stores(tmp_path / "none", n_bags=2, n_patches=4, pixels="none")
+    none_paths, _ = image_store_factory(tmp_path / "none", n_bags=2, n_patches=4, pixels="none")
     with pytest.raises(StoreError, match="holds no patch pixels"):
         read_patch_stores(none_paths, {"slide_0_00": 0, "slide_0_01": 1})
 

@@ -84,7 +84,7 @@ def add_train_options(p: argparse.ArgumentParser) -> None:
     r.add_argument("--amp", choices=("auto", "off", "bf16", "fp16"), default=None,
                    help="autocast precision; auto = bf16 on CUDA and for ResNet on CPU [auto]")
     r.add_argument("--no-channels-last", action="store_true", help="keep NCHW memory layout for the ResNet")
-    r.add_argument("--workers", type=int, default=None, help="patch-decoding workers (-1 = auto) [-1]")
+    r.add_argument("--workers", type=int, default=None, help="patch-decoding workers (-1 = auto: min(4, CPUs - 1), none on <= 2 CPUs) [-1]")
     r.add_argument("--threads", type=int, default=None, help="torch CPU threads (0 = torch default) [0]")
     r.add_argument("--no-plots", action="store_true", help="do not draw metrics.png")
     r.add_argument("--config", type=Path, default=None, metavar="TOML",

@@ -47,7 +47,7 @@ class TrainConfig:
     Runtime: ``device`` "auto" picks CUDA when present; ``amp`` "auto" uses bfloat16 autocast (CUDA with
     bf16 support, or the CPU for image models), float16 with a gradient scaler on older GPUs, and
     full precision for feature heads on the CPU. ``num_workers`` -1 picks min(4, CPUs - 1) decoding
-    workers for image mode. ``threads`` 0 leaves torch's intra-op thread count alone.
+    workers for image mode on machines with more than 2 CPUs, none otherwise. ``threads`` 0 leaves torch's intra-op thread count alone.
     """
 
     mode: str = "images"
