@@ -164,4 +164,4 @@ def test_ratios_with_the_same_bags_are_trained_once(fast):
     assert result["same_bags"] == {"0.1": "0.05", "0.08": "0.05"}
     by_ratio = {r["ratio"]: r["instance_auc"] for r in result["rows"] if r["scoring"] == "attention"}
     assert by_ratio[0.05] == by_ratio[0.1] == by_ratio[0.08]
-    assert "the same bags, as 5%" in format_markdown(result)
+    assert "5% and 10% and 8% all give 1 positive(s) per positive bag" in format_markdown(result)

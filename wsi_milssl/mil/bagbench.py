@@ -564,11 +564,17 @@ def format_markdown(result: dict[str, Any]) -> str:
         ]
         parts += ["Table 1 analog: bags per positive-instance ratio.", "",
                   _table(["Positive instance ratio"] + names, count_rows), ""]
+        groups: dict[str, list[str]] = {}
         for ratio, src in (result.get("same_bags") or {}).items():
-            parts += [f"At bag size {result['bag_size']} the {float(ratio) * 100:g}% setting has the same positives "
-                      f"per bag, hence the same bags, as {float(src) * 100:g}%: it is trained once and shown in both "
-                      f"columns (a realised {float(ratio) * 100:g}% needs bags of {round(1 / float(ratio))} or more "
-                      "instances, e.g. MNIST with --mnist DIR and the paper's 100).", ""]
+            groups.setdefault(src, [src]).append(ratio)
+        for members in groups.values():
+            c = first_seed.get(members[0])
+            pcts = [f"{float(r) * 100:g}%" for r in members]
+            low = min(float(r) for r in members)
+            parts += [f"At bag size {result['bag_size']}, {' and '.join(pcts)} all give "
+                      f"{c['positives_per_bag'] if c else '?'} positive(s) per positive bag, hence the same bags: "
+                      f"trained once, shown in each column. A realised {low * 100:g}% needs bags of "
+                      f"{round(1 / low)} or more instances (MNIST with --mnist DIR and the paper's bag size 100).", ""]
         labels = _ordered([lab for (lab, _c) in summary])
         parts += ["Table 2 analog: instance-level AUC, normal bags.", "",
                   _table(["Method"] + names, _grid(summary, labels, ratios, "instance_auc")), ""]
