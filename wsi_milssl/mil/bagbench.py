@@ -27,7 +27,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
-import math
 import multiprocessing
 import time
 from dataclasses import dataclass
