@@ -26,7 +26,7 @@ NUCLEUS_KINDS = ("fibroblast", "lymphocyte", "tumor")
 
 # Nuclear densities in nuclei per µm² of tissue.
 STROMA_DENSITY = 1 / 300.0
-FOLLICLE_DENSITY = 1 / 45.0
+FOLLICLE_DENSITY = 1 / 38.0
 TUMOR_DENSITY_SUBTLE = 1 / 260.0
 TUMOR_DENSITY_OBVIOUS = 1 / 80.0
 
@@ -346,7 +346,7 @@ def _make_nuclei(rng, layout: SlideLayout, um: float) -> Nuclei:
         m = len(px)
         r = (3.4 + 3.0 * s) * np.exp(rng.normal(0, 0.12 + 0.12 * s, m))
         add(px, py, 2, r, r * rng.uniform(0.65, 1.0, m), rng.uniform(0, np.pi, m),
-            rng.uniform(0.85, 1.1, m), s * rng.uniform(0.6, 1.0, m))
+            rng.uniform(0.7, 0.95, m), s * rng.uniform(0.7, 1.0, m))
 
     cat = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
     order = np.argsort(cat["y"], kind="stable")

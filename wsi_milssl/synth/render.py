@@ -112,7 +112,7 @@ def _kernel(a_q: int, b_q: int, angle_q: int, ves_q: int) -> np.ndarray:
     v = (-xx * s + yy * c) / b
     d = np.sqrt(u * u + v * v)
     edge = np.clip((1.0 - d) * b + 0.5, 0.0, 1.0)
-    centre = 1.0 - 0.55 * vesicular
+    centre = 1.0 - 0.65 * vesicular
     profile = centre + (1.0 - centre) * np.clip((d - 0.5) / 0.35, 0.0, 1.0)
     return (edge * profile).astype(np.float32)
 
@@ -174,7 +174,7 @@ def render_block(
     # Eosin: fibrous collagen in normal stroma; tumour replaces it with evenly stained cytoplasm
     # (loss of the stromal pattern); follicles are packed cells with little stroma between.
     stroma_e = 0.20 + 0.36 * fibre
-    tumour_e = 0.36 + 0.06 * grain
+    tumour_e = 0.32 + 0.06 * grain
     eosin = tissue * (stroma_e + tumor * (tumour_e - stroma_e)) * (1.0 - 0.35 * follicle)
     haem = tissue * (0.045 + 0.05 * tumor + 0.015 * grain)
     nuclei = np.zeros_like(haem)
