@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import logging
 import os
-import xml.etree.ElementTree as ET
+from xml.etree.ElementTree import Element, TreeBuilder  # tree types only; parsing is defusedxml's
+from xml.sax.saxutils import escape
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -34,6 +35,7 @@ import defusedxml
 import defusedxml.ElementTree as DET
 import numpy as np
 
+from wsi_milssl.atomic import atomic_open
 from wsi_milssl.errors import AnnotationError
 
 __all__ = [
@@ -70,6 +72,12 @@ class PolygonAnnotation:
     holes_lv0: tuple[np.ndarray, ...] = ()
 
 
+def _attrs(**values: str) -> str:
+    """XML attributes in the given order, escaped as ElementTree escapes them."""
+    table = {'"': "&quot;", "\n": "&#10;", "\r": "&#13;", "\t": "&#09;"}
+    return "".join(f' {key}="{escape(str(value), table)}"' for key, value in values.items())
+
+
 def _fmt(value: float) -> str:
     # repr-exact for floats so that a round trip keeps every vertex.
     text = repr(float(value))
@@ -93,14 +101,19 @@ def write_asap_xml(
     """
     path = Path(path)
     colors = {**GROUP_COLORS, **(group_colors or {})}
-    root = ET.Element("ASAP_Annotations")
-    anns = ET.SubElement(root, "Annotations")
+    lines = ["<?xml version='1.0' encoding='utf-8'?>", "<ASAP_Annotations>", "\t<Annotations>"]
 
     def add(name: str, type_: str, group: str, color: str, coords: np.ndarray) -> None:
-        el = ET.SubElement(anns, "Annotation", {"Name": name, "Type": type_, "PartOfGroup": group, "Color": color})
-        coords_el = ET.SubElement(el, "Coordinates")
-        for order, (x, y) in enumerate(np.asarray(coords, dtype=np.float64).reshape(-1, 2)):
-            ET.SubElement(coords_el, "Coordinate", {"Order": str(order), "X": _fmt(x), "Y": _fmt(y)})
+        lines.append(f"\t\t<Annotation{_attrs(Name=name, Type=type_, PartOfGroup=group, Color=color)}>")
+        points = np.asarray(coords, dtype=np.float64).reshape(-1, 2)
+        if len(points) == 0:
+            lines.append("\t\t\t<Coordinates />")
+        else:
+            lines.append("\t\t\t<Coordinates>")
+            lines.extend(f"\t\t\t\t<Coordinate{_attrs(Order=str(order), X=_fmt(x), Y=_fmt(y))} />"
+                         for order, (x, y) in enumerate(points))
+            lines.append("\t\t\t</Coordinates>")
+        lines.append("\t\t</Annotation>")
 
     used = []
     for ann in annotations:
@@ -110,35 +123,32 @@ def write_asap_xml(
         for k, hole in enumerate(ann.holes_lv0):
             add(f"{ann.name} hole {k}", "Polygon", hole_group, colors.get(hole_group, "#64FE2E"), hole)
             used.append(hole_group)
-    group_el = ET.SubElement(root, "AnnotationGroups")
+    if lines[-1] == "\t<Annotations>":
+        lines[-1] = "\t<Annotations />"
+    else:
+        lines.append("\t</Annotations>")
     names = list(groups) if groups is not None else sorted(set(used))
     names += [g for g in dict.fromkeys(used) if g not in names]
-    for name in names:
-        g = ET.SubElement(
-            group_el, "Group", {"Name": name, "PartOfGroup": "None", "Color": colors.get(name, "#64FE2E")}
-        )
-        ET.SubElement(g, "Attributes")
-    ET.indent(root, space="\t")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as fh:
-            ET.ElementTree(root).write(fh, encoding="utf-8", xml_declaration=True)
-            fh.write(b"\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    if names:
+        lines.append("\t<AnnotationGroups>")
+        for name in names:
+            lines.append(f"\t\t<Group{_attrs(Name=name, PartOfGroup='None', Color=colors.get(name, '#64FE2E'))}>")
+            lines.extend(["\t\t\t<Attributes />", "\t\t</Group>"])
+        lines.append("\t</AnnotationGroups>")
+    else:
+        lines.append("\t<AnnotationGroups />")
+    lines.append("</ASAP_Annotations>")
+    with atomic_open(path, "wb") as fh:
+        fh.write(("\n".join(lines) + "\n").encode("utf-8"))
     return path
 
 
-class _LineTreeBuilder(ET.TreeBuilder):
+class _LineTreeBuilder(TreeBuilder):
     """A TreeBuilder that remembers the source line of every element (for error messages)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.lines: dict[ET.Element, int] = {}
+        self.lines: dict[Element, int] = {}
         self.parser: DET.DefusedXMLParser | None = None
 
     def start(self, tag, attrs):  # noqa: D401 - TreeBuilder API
@@ -148,7 +158,7 @@ class _LineTreeBuilder(ET.TreeBuilder):
         return elem
 
 
-def _parse_xml(path: Path) -> tuple[ET.Element, dict[ET.Element, int]]:
+def _parse_xml(path: Path) -> tuple[Element, dict[Element, int]]:
     builder = _LineTreeBuilder()
     parser = DET.DefusedXMLParser(target=builder, forbid_dtd=True, forbid_entities=True, forbid_external=True)
     builder.parser = parser
@@ -181,7 +191,7 @@ def _parse_xml(path: Path) -> tuple[ET.Element, dict[ET.Element, int]]:
             f"{path}: refused XML with an external reference or other unsafe construct at line {line} "
             f"({type(exc).__name__}: {exc}). Remove it or re-export the file from ASAP."
         ) from None
-    except ET.ParseError as exc:
+    except DET.ParseError as exc:
         line, col = getattr(exc, "position", (None, None))
         raise AnnotationError(
             f"{path}: not well-formed XML at line {line}, column {col} ({exc.msg if hasattr(exc, 'msg') else exc}); "

@@ -23,6 +23,7 @@ from typing import Any, Mapping
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from wsi_milssl.atomic import atomic_open
 from wsi_milssl.inference.colormaps import COLORMAPS, apply_colormap, colormap_lut, register_colormap
 
 __all__ = [
@@ -295,14 +296,6 @@ def write_png(image: np.ndarray, path: str | os.PathLike, *, metadata: Mapping[s
     info = PngInfo()
     if metadata:
         info.add_text(PNG_TEXT_KEY, json.dumps(dict(metadata), sort_keys=True))
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as fh:
-            Image.fromarray(np.ascontiguousarray(image)).save(fh, format="PNG", pnginfo=info, compress_level=3)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    with atomic_open(path, "wb") as fh:
+        Image.fromarray(np.ascontiguousarray(image)).save(fh, format="PNG", pnginfo=info, compress_level=3)
     return path

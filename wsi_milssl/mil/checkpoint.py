@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from wsi_milssl.atomic import atomic_open
 from wsi_milssl.errors import CheckpointError
 
 __all__ = ["save_checkpoint", "read_checkpoint", "load_model", "capture_rng", "restore_rng",
@@ -56,17 +57,8 @@ def restore_rng(state: dict[str, Any]) -> None:
 def save_checkpoint(checkpoint: dict[str, Any], path: str | os.PathLike) -> Path:
     """Write ``checkpoint`` atomically: temporary file in the same folder, fsync, rename."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as fh:
-            torch.save({"format": CHECKPOINT_FORMAT, **checkpoint}, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    with atomic_open(path, "wb") as fh:
+        torch.save({"format": CHECKPOINT_FORMAT, **checkpoint}, fh)
     return path
 
 
