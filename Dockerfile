@@ -11,7 +11,7 @@ WORKDIR /opt/wsi-milssl
 COPY pyproject.toml README.md ./
 COPY wsi_milssl ./wsi_milssl
 COPY pipelines ./pipelines
-# torch and torchvision come from the base image; pip keeps them when they satisfy the ranges.
+# torch comes from the base image; pip keeps it when it satisfies the range.
 RUN pip install --no-cache-dir . \
     && useradd --create-home --uid 1000 milssl \
     && mkdir -p /data && chown milssl /data

@@ -141,15 +141,17 @@ def run_command(slide: Path, ckpt: Path, out: Path, *, batch_size: int, workers:
             "peak_rss_main_mb": usage.ru_maxrss / 1024, "peak_rss_tree_mb": peak_tree / 1024}
 
 
-def bare_forward(ckpt: Path, n: int, *, patch_size_px: int, batch_size: int, workers: int, threads: int) -> dict:
-    """Forward rate of the checkpoint's model on ``n`` ready-made tensors (same runtime as the command)."""
+def bare_forward(ckpt: Path, n: int, *, patch_size_px: int, batch_size: int, workers: int, threads: int,
+                 fuse: bool = True) -> dict:
+    """Forward rate of the checkpoint's model on ``n`` ready-made tensors (same runtime as the command;
+    ``fuse=False``: the model as trained, without BatchNorm folded into the convolutions)."""
     import torch
 
     from wsi_milssl.config import HeatmapConfig
     from wsi_milssl.inference import load_inference_model
     from wsi_milssl.inference.predict import Preprocess
 
-    config = HeatmapConfig(batch_size=batch_size, num_workers=workers, threads=threads)
+    config = HeatmapConfig(batch_size=batch_size, num_workers=workers, threads=threads, fuse_batchnorm=fuse)
     model = load_inference_model(ckpt, config=config)
     rng = np.random.default_rng(0)
     u8 = torch.from_numpy(rng.integers(0, 256, (batch_size, patch_size_px, patch_size_px, 3), dtype=np.uint8))
@@ -223,36 +225,44 @@ def main(argv: list[str] | None = None) -> int:
             ckpt = _checkpoint(tmp / "run" / "best.pt", target_mpp=args.target_mpp, patch_size_px=args.patch_size,
                                entropy_bits=args.entropy_threshold)
             slide = args.slide or _synth_slide(args.cache, args.size, seed=args.seed)
-            cmd_runs, bare_runs = [], []
+            cmd_runs, bare_runs, trained_runs = [], [], []
+            bare_kw = dict(patch_size_px=args.patch_size, batch_size=args.batch_size, workers=args.workers,
+                           threads=args.threads)
             for i in range(args.repeat):
                 cmd_runs.append(run_command(slide, ckpt, tmp / f"hm{i}", batch_size=args.batch_size,
                                             workers=args.workers, threads=args.threads))
                 n = cmd_runs[-1]["n_patches"]
-                bare_runs.append(bare_forward(ckpt, n, patch_size_px=args.patch_size, batch_size=args.batch_size,
-                                              workers=args.workers, threads=args.threads))
-                c, b = cmd_runs[-1], bare_runs[-1]
+                bare_runs.append(bare_forward(ckpt, n, **bare_kw))
+                trained_runs.append(bare_forward(ckpt, n, fuse=False, **bare_kw))
+                c, b, t = cmd_runs[-1], bare_runs[-1], trained_runs[-1]
                 print(f"run {i + 1}: command {n / c['wall_s']:.1f} patches/s (slide {n / c['slide_s']:.1f}), "
-                      f"bare forward {b['patches_per_s']:.1f} patches/s", flush=True)
+                      f"bare forward {b['patches_per_s']:.1f} (as trained {t['patches_per_s']:.1f}) patches/s",
+                      flush=True)
             n = cmd_runs[0]["n_patches"]
             cmd_rate = statistics.median(n / r["wall_s"] for r in cmd_runs)
             slide_rate = statistics.median(n / r["slide_s"] for r in cmd_runs)
             bare_rate = statistics.median(b["patches_per_s"] for b in bare_runs)
+            trained_rate = statistics.median(b["patches_per_s"] for b in trained_runs)
             dims = _dims(slide)
             report["throughput"] = {"slide": str(slide), "dimensions_lv0": dims, "n_patches": n,
                                     "command_patches_per_s": cmd_rate,
                                     "slide_patches_per_s": slide_rate, "bare_forward_patches_per_s": bare_rate,
+                                    "bare_forward_as_trained_patches_per_s": trained_rate,
                                     "ratio_command": cmd_rate / bare_rate, "ratio_slide": slide_rate / bare_rate,
+                                    "ratio_command_as_trained": cmd_rate / trained_rate,
+                                    "ratio_slide_as_trained": slide_rate / trained_rate,
                                     "runtime": bare_runs[0]["runtime"], "torch_threads": bare_runs[0]["torch_threads"],
-                                    "runs": cmd_runs, "bare_runs": bare_runs}
+                                    "runs": cmd_runs, "bare_runs": bare_runs, "bare_as_trained_runs": trained_runs}
             print()
-            print(f"| {dims[0]} x {dims[1]} px slide, {n} patches of {args.patch_size} px at {args.target_mpp} µm/px, "
-                  f"batch {args.batch_size}, {bare_runs[0]['runtime']}, "
-                  f"torch threads {bare_runs[0]['torch_threads']} |")
-            print("| measure | patches/s | x bare forward |")
-            print("|---|---:|---:|")
-            print(f"| bare model forward (same tensors) | {bare_rate:.1f} | 1.00 |")
-            print(f"| heatmap command, whole (wall) | {cmd_rate:.1f} | {cmd_rate / bare_rate:.2f} |")
-            print(f"| heatmap command, slide time | {slide_rate:.1f} | {slide_rate / bare_rate:.2f} |")
+            print(f"{dims[0]} x {dims[1]} px slide, {n} patches of {args.patch_size} px at {args.target_mpp} µm/px, "
+                  f"batch {args.batch_size}, {bare_runs[0]['runtime']}, torch threads {bare_runs[0]['torch_threads']}; "
+                  f"medians of {args.repeat} runs\n")
+            print("| measure | patches/s | x bare forward (BN folded, what the command runs) | x bare forward (as trained) |")
+            print("|---|---:|---:|---:|")
+            print(f"| bare forward, BatchNorm folded | {bare_rate:.1f} | 1.00 | {bare_rate / trained_rate:.2f} |")
+            print(f"| bare forward, model as trained | {trained_rate:.1f} | {trained_rate / bare_rate:.2f} | 1.00 |")
+            for label, rate in (("heatmap command, whole (wall)", cmd_rate), ("heatmap command, slide time", slide_rate)):
+                print(f"| {label} | {rate:.1f} | {rate / bare_rate:.2f} | {rate / trained_rate:.2f} |")
             cpu_cmd = statistics.median(r["cpu_s"] for r in cmd_runs) / n
             cpu_bare = statistics.median(b["cpu_s"] for b in bare_runs) / n
             report["throughput"].update(cpu_ms_per_patch_command=1e3 * cpu_cmd, cpu_ms_per_patch_bare=1e3 * cpu_bare)

@@ -56,5 +56,5 @@ def test_runtime_on_the_cpu_uses_bf16_channels_last_and_worker_preprocessing():
     assert rt.device.type == "cpu" and rt.channels_last and rt.num_workers == 2 and rt.preprocess_in_workers
     assert str(rt.amp_dtype) == "torch.bfloat16"
     rt = resolve_runtime(HeatmapConfig(device="cpu", num_workers=0, amp="off", channels_last=False))
-    assert rt.amp_dtype is None and not rt.preprocess_in_workers and not rt.channels_last
+    assert rt.amp_dtype is None and rt.preprocess_in_workers and not rt.channels_last
     assert resolve_runtime(HeatmapConfig(device="cpu")).num_workers >= 1

@@ -106,3 +106,22 @@ def test_patch_dataset_reopens_stores_after_fork(stores):
     state = ds.__getstate__()
     assert state["_stores"] == {} and state["_pid"] is None  # no open handle crosses a pickle/fork
     ds.close()
+
+
+@pytest.mark.gpu
+def test_cuda_training_uses_autocast_and_its_checkpoint_loads_on_the_cpu(tmp_path, image_store_factory):
+    # deselected by default (pyproject addopts); run on a GPU machine with: pytest -m gpu
+    assert torch.cuda.is_available(), "the gpu marker needs a CUDA device"
+    paths, labels_csv = image_store_factory(tmp_path / "stores", n_patches=8, pixels="raw")
+    inst = read_patch_stores(paths, read_labels_csv(labels_csv))
+    cfg = _cfg(device="cuda", amp="auto", num_workers=2)
+    runtime = resolve_runtime(cfg)
+    assert runtime.device.type == "cuda" and runtime.amp_dtype in (torch.bfloat16, torch.float16)
+    result = fit(inst, config=cfg, out_dir=tmp_path / "gpu", val=inst)
+    assert next(result.model.parameters()).device.type == "cuda"
+    gpu_probs = evaluate(result.model, inst, runtime=runtime)["probs"]
+    model, _ = load_model(tmp_path / "gpu" / "last.pt")  # weights_only load onto the CPU
+    assert next(model.parameters()).device.type == "cpu"
+    cpu_probs = evaluate(model, inst, runtime=resolve_runtime(_cfg(amp="off")))["probs"]
+    np.testing.assert_allclose(cpu_probs, gpu_probs, atol=2e-2)
+    assert np.isfinite(cpu_probs).all() and np.std(cpu_probs) > 0

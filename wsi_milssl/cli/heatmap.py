@@ -20,6 +20,7 @@ _VALUE_OPTIONS = {
 # CLI flag -> (HeatmapConfig field, value when given)
 _FLAG_OPTIONS = {
     "no_channels_last": ("channels_last", False),
+    "no_fuse_batchnorm": ("fuse_batchnorm", False),
     "no_clip_tissue": ("clip_to_tissue", False),
     "no_colorbar": ("colorbar", False),
 }
@@ -93,6 +94,8 @@ def register(subparsers) -> None:
     r.add_argument("--amp", choices=("auto", "off", "bf16", "fp16"), default=None,
                    help="autocast precision; auto = bf16 on CPU and bf16-capable GPUs, else fp16 [auto]")
     r.add_argument("--no-channels-last", action="store_true", help="keep the NCHW memory layout")
+    r.add_argument("--no-fuse-batchnorm", action="store_true",
+                   help="run the model as trained instead of folding BatchNorm into the convolutions")
     r.add_argument("--threads", type=int, default=None, help="torch CPU threads (0 = torch default) [0]")
     t = p.add_argument_group("tiling on the fly (the rest comes from the checkpoint)")
     t.add_argument("--tissue", choices=sorted(TISSUE_DETECTORS), default=None,

@@ -3,7 +3,8 @@
 Every model maps a batch of instances to two logits (column 0 negative, column 1 positive), so the
 positive-class probability is ``softmax(logits)[:, 1]``.
 
-- ``resnet18``: torchvision ResNet18 from scratch (``weights=None``), 2-class head; input float32
+- ``resnet18``: ResNet18 from scratch (torchvision's network, built by :mod:`wsi_milssl.mil.resnet`
+  without importing torchvision), 2-class head; input float32
   (B, 3, H, W) as made by :func:`wsi_milssl.mil.data.to_tensor`. ``weights_path`` loads a local state
   dict (an ImageNet checkpoint's 1000-class head is skipped with a warning). Nothing is downloaded.
 - ``linear``: one fully connected layer over (B, D) float32 instance features (the paper's head for
@@ -104,10 +105,11 @@ def _load_state_dict_file(model: nn.Module, weights_path: str | os.PathLike, *, 
 
 @register_model("resnet18", image=True)
 def resnet18(*, num_classes: int = 2, weights_path: str | None = None, **_ignored) -> nn.Module:
-    """torchvision ResNet18, random init (``weights=None``), ``num_classes`` outputs; optional local weights."""
-    from torchvision.models import resnet18 as tv_resnet18
+    """ResNet18 (torchvision's, see :mod:`wsi_milssl.mil.resnet`), random init, ``num_classes`` outputs;
+    optional local weights (a torchvision/ImageNet state dict loads as it is)."""
+    from wsi_milssl.mil.resnet import ResNet18
 
-    model = tv_resnet18(weights=None, num_classes=num_classes)
+    model = ResNet18(num_classes=num_classes)
     if weights_path:
         _load_state_dict_file(model, weights_path, skip_prefix="fc.")
     return model
