@@ -157,7 +157,9 @@ def bare_forward(ckpt: Path, n: int, *, patch_size_px: int, batch_size: int, wor
     u8 = torch.from_numpy(rng.integers(0, 256, (batch_size, patch_size_px, patch_size_px, 3), dtype=np.uint8))
     prep = model.worker_preprocess or Preprocess(model.tiling.mean, model.tiling.std)
     x = prep(u8)  # the tensor the command's workers hand over (bf16 channels_last on the CPU)
-    model.predict(x[: min(8, batch_size)])  # warm-up (oneDNN primitive creation)
+    x = x.to(model.runtime.device)  # on CUDA: already on the GPU (the command copies uint8 there)
+    model.predict(x[: min(8, batch_size)])  # warm-up (oneDNN primitive creation, cuDNN plans)
+    model.predict(x[:batch_size])
     sizes = [batch_size] * (n // batch_size) + ([n % batch_size] if n % batch_size else [])
     t0, c0 = time.perf_counter(), time.process_time()
     for b in sizes:
