@@ -122,6 +122,6 @@ def test_cuda_training_uses_autocast_and_its_checkpoint_loads_on_the_cpu(tmp_pat
     gpu_probs = evaluate(result.model, inst, runtime=runtime)["probs"]
     model, _ = load_model(tmp_path / "gpu" / "last.pt")  # weights_only load onto the CPU
     assert next(model.parameters()).device.type == "cpu"
-    cpu_probs = evaluate(model, inst, runtime=resolve_runtime(_cfg(amp="off")))["probs"]
+    cpu_probs = evaluate(model, inst, runtime=resolve_runtime(_cfg(amp="off", device="cpu")))["probs"]
     np.testing.assert_allclose(cpu_probs, gpu_probs, atol=2e-2)
     assert np.isfinite(cpu_probs).all() and np.std(cpu_probs) > 0
