@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
+
+from wsi_milssl.atomic import atomic_write_text
 
 __all__ = ["register", "run", "run_mil_csv"]
 
@@ -93,9 +94,6 @@ def run_mil_csv(args: argparse.Namespace) -> int:
           f"(threshold 0.5: {s['accuracy_at_0_5']['mean']:.3f} ± {s['accuracy_at_0_5']['std']:.3f}); "
           f"bag AUC {s['auc']['mean']:.3f} ± {s['auc']['std']:.3f}  [{result['seconds']:.0f} s]")
     out = args.json or Path(f"benchmark_{args.file.stem}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, out)
+    atomic_write_text(out, json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
     return 0

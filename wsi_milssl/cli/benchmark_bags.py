@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 __all__ = ["register_bags", "run_bags"]
@@ -76,13 +75,9 @@ def register_bags(sub) -> None:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    from wsi_milssl.atomic import atomic_write_text
+
+    atomic_write_text(path, text)
 
 
 def run_bags(args: argparse.Namespace) -> int:

@@ -89,7 +89,8 @@ def register(subparsers) -> None:
     r = p.add_argument_group("inference")
     r.add_argument("--batch-size", type=int, default=None, help=f"patches per model call [{d.batch_size}]")
     r.add_argument("--workers", type=int, default=None,
-                   help="DataLoader workers reading patches (-1 = CPUs - 1, at most 4 on CPU, 8 on CUDA) [-1]")
+                   help="DataLoader workers reading patches (-1 = auto: 2-4 low-priority workers for a CPU model, "
+                        "min(8, CPUs - 1) for CUDA) [-1]")
     r.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None, help=f"[{d.device}]")
     r.add_argument("--amp", choices=("auto", "off", "bf16", "fp16"), default=None,
                    help="autocast precision; auto = bf16 on CPU and bf16-capable GPUs, else fp16 [auto]")

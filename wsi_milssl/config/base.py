@@ -138,9 +138,6 @@ def load_toml(path: str | os.PathLike) -> dict[str, Any]:
 
 def write_resolved_config(config: Any, out_dir: str | os.PathLike, *, name: str = "config.json") -> Path:
     """Write the resolved config as JSON beside a stage's outputs (atomically) and return its path."""
-    out = Path(out_dir) / name
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(config_to_dict(config), indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, out)
-    return out
+    from wsi_milssl.atomic import atomic_write_json
+
+    return atomic_write_json(Path(out_dir) / name, config_to_dict(config), sort_keys=True)

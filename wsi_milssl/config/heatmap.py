@@ -25,8 +25,8 @@ class HeatmapConfig:
     ---------
     batch_size : patches per model call (a DataLoader item holds at most this many).
     num_workers : DataLoader worker processes that read and decode patches while the model runs;
-        -1 = CPUs - 1, at most 4 for a CPU model and 8 for CUDA (at least 1); 0 = read in the main
-        process.
+        -1 = auto: for a CPU model min(4, max(2, CPUs)) workers at the lowest priority (they fill the
+        forward pass's gaps), for CUDA min(8, CPUs - 1); 0 = read in the main process.
     device : 'auto' (CUDA when present), 'cpu' or 'cuda'.
     amp : autocast precision: 'auto' = bfloat16 on the CPU and on CUDA with bf16 support, float16 on
         older GPUs; 'off' = float32; 'bf16' / 'fp16' force one.

@@ -172,6 +172,6 @@ def render_report_html(data: ReportData) -> str:
 
 def write_report(data: ReportData, path: str | os.PathLike) -> Path:
     """Write ``report.html`` atomically (temp file in the same folder, fsync, rename)."""
-    from wsi_milssl.evaluation._io import atomic_write_bytes
+    from wsi_milssl.atomic import atomic_write_bytes
 
     return atomic_write_bytes(Path(path), render_report_html(data).encode("utf-8"))

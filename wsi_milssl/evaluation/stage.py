@@ -30,10 +30,10 @@ import numpy as np
 from PIL import Image
 
 from wsi_milssl.annotations import find_annotation, rasterize_region, read_annotations, tumor_fraction
+from wsi_milssl.atomic import atomic_write_bytes, atomic_write_csv, atomic_write_json
 from wsi_milssl.config.base import config_hash, config_to_dict, write_resolved_config
 from wsi_milssl.config.evaluate import EvaluateConfig
 from wsi_milssl.errors import EvaluationError, MissingResolutionError
-from wsi_milssl.evaluation._io import atomic_write_bytes, atomic_write_csv, atomic_write_json
 from wsi_milssl.evaluation.froc import (
     CAMELYON16_DOWNSAMPLE,
     FP_RATES,

@@ -26,19 +26,18 @@ import io
 import json
 import math
 import os
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
+from wsi_milssl.atomic import atomic_open
 from wsi_milssl.errors import ConfigError
 
 __all__ = [
     "SCORES_FILENAME",
     "MEASUREMENT_NAME",
     "output_paths",
-    "atomic_file",
     "nms_detections",
     "write_probs",
     "write_patches_csv",
@@ -63,24 +62,6 @@ def output_paths(out_dir: str | os.PathLike, stem: str) -> dict[str, Path]:
         "detections_csv": d / f"{stem}_detections.csv",
         "heatmap_png": d / f"{stem}_heatmap.png",
     }
-
-
-@contextmanager
-def atomic_file(path: str | os.PathLike, mode: str = "wb") -> Iterator[Any]:
-    """Open a temporary file beside ``path``; on success fsync and rename it to ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    kwargs = {"newline": ""} if "b" not in mode else {}
-    try:
-        with open(tmp, mode, **kwargs) as fh:
-            yield fh
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 def _num(value: float) -> str:
@@ -158,15 +139,15 @@ def write_probs(out_dir: str | os.PathLike, stem: str, grid: np.ndarray, sidecar
         raise ValueError(f"probability-map sidecar lacks {', '.join(missing)}.")
     if list(sidecar["shape"]) != list(grid.shape):
         raise ValueError(f"sidecar shape {sidecar['shape']} differs from the map's {list(grid.shape)}.")
-    with atomic_file(paths["probs_npy"]) as fh:
+    with atomic_open(paths["probs_npy"]) as fh:
         np.save(fh, grid)
     text = json.dumps(dict(sidecar), indent=2, sort_keys=True) + "\n"
     cell_um = float(sidecar["stride_lv0"]) * float(sidecar["mpp"])
-    with atomic_file(paths["probs_tif"]) as fh:
+    with atomic_open(paths["probs_tif"]) as fh:
         px_per_cm = 1e4 / cell_um if cell_um > 0 else 1.0
         tifffile.imwrite(fh, grid, photometric="minisblack", description=text, metadata=None,
                          resolution=(px_per_cm, px_per_cm), resolutionunit="CENTIMETER")
-    with atomic_file(paths["probs_json"], "w") as fh:
+    with atomic_open(paths["probs_json"], "w") as fh:
         fh.write(text)
     return {k: paths[k] for k in ("probs_npy", "probs_tif", "probs_json")}
 
@@ -175,7 +156,7 @@ def write_patches_csv(path: str | os.PathLike, coords_lv0: np.ndarray, probs: np
     """``x_lv0,y_lv0,prob`` with one row per patch (level-0 top-left)."""
     coords = np.asarray(coords_lv0, dtype=np.int64).reshape(-1, 2)
     probs = np.asarray(probs, dtype=np.float64)
-    with atomic_file(path, "w") as fh:
+    with atomic_open(path, "w") as fh:
         fh.write("x_lv0,y_lv0,prob\n")
         for start in range(0, len(coords), 65536):
             block = coords[start:start + 65536]
@@ -192,7 +173,7 @@ def write_patches_geojson(path: str | os.PathLike, coords_lv0: np.ndarray, probs
     coords = np.asarray(coords_lv0, dtype=np.int64).reshape(-1, 2)
     probs = np.asarray(probs, dtype=np.float64)
     s = int(patch_size_lv0)
-    with atomic_file(path, "w") as fh:
+    with atomic_open(path, "w") as fh:
         fh.write('{"type": "FeatureCollection", ')
         if slide:
             fh.write(f'"name": {json.dumps(slide)}, ')
@@ -211,7 +192,7 @@ def write_patches_geojson(path: str | os.PathLike, coords_lv0: np.ndarray, probs
 
 def write_detections_csv(path: str | os.PathLike, probs: np.ndarray, x_lv0: np.ndarray, y_lv0: np.ndarray) -> Path:
     """CAMELYON16 detections: ``prob,x,y`` per line, level-0 pixels, no header."""
-    with atomic_file(path, "w") as fh:
+    with atomic_open(path, "w") as fh:
         for p, x, y in zip(np.asarray(probs).tolist(), np.asarray(x_lv0).tolist(), np.asarray(y_lv0).tolist()):
             fh.write(f"{p:.6f},{_num(x)},{_num(y)}\n")
     return Path(path)
@@ -252,6 +233,6 @@ def update_scores_csv(out_dir: str | os.PathLike, scores: Mapping[str, float]) -
         writer.writerow(["slide", "score"])
         for stem in sorted(rows):
             writer.writerow([stem, rows[stem]])
-        with atomic_file(path, "w") as fh:
+        with atomic_open(path, "w") as fh:
             fh.write(buf.getvalue())
     return path

@@ -9,9 +9,12 @@ From a store (``--store``), the store's patches are used as they are.
 Patches are read, decoded and filtered by DataLoader worker processes while the model runs in the
 main process. On the CPU the workers also apply the model's preprocessing
 (:func:`wsi_milssl.mil.data.to_tensor`) and cast to bfloat16, so the main process does nothing but
-the forward pass (bfloat16 autocast, channels_last). On CUDA the workers hand over uint8 pixels
-(4x less to copy), which are moved to the GPU from pinned memory and normalised there; the forward
-pass runs under autocast (bfloat16, or float16 on GPUs without bf16).
+the forward pass (bfloat16 autocast, channels_last), and they run at the lowest priority: the forward
+pass already keeps every core busy, so the readers fill its gaps instead of stalling its threads. On
+CUDA the workers hand over uint8 pixels (4x less to copy), which are moved to the GPU from pinned
+memory and normalised there; the forward pass runs under autocast (bfloat16, or float16 on GPUs
+without bf16). On both, eval-mode BatchNorm is folded into the convolutions first
+(:func:`fuse_batchnorm`).
 
 Memory is bounded by ``num_workers x prefetch x batch_size`` patches whatever the slide size: only
 the level-0 coordinates and one float per patch are kept for the whole slide.

@@ -29,13 +29,13 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from wsi_milssl import __version__
+from wsi_milssl.atomic import atomic_open
 from wsi_milssl.config.base import config_to_dict
 from wsi_milssl.config.heatmap import HeatmapConfig
 from wsi_milssl.errors import ConfigError, StoreError, WsiMilsslError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.inference.exports import (
     SCORES_FILENAME,
-    atomic_file,
     nms_detections,
     output_paths,
     update_scores_csv,
@@ -277,7 +277,7 @@ def _write_status(results: Iterable[HeatmapResult], path: Path) -> Path:
     for r in results:
         writer.writerow([r.slide, r.status, r.n_patches, "" if r.score is None else f"{r.score:.6f}",
                          f"{r.seconds:.2f}", " ".join(r.error.split())])
-    with atomic_file(path, "w") as fh:
+    with atomic_open(path, "w") as fh:
         fh.write(buf.getvalue())
     return path
 
@@ -293,7 +293,7 @@ def _write_config(out_dir: Path, config: HeatmapConfig, model: InferenceModel) -
         "package_version": __version__,
     }
     path = out_dir / CONFIG_FILENAME
-    with atomic_file(path, "w") as fh:
+    with atomic_open(path, "w") as fh:
         fh.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
     return path
 

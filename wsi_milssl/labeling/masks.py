@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from wsi_milssl.atomic import atomic_open, atomic_write_text
 from wsi_milssl.errors import AnnotationError
 
 __all__ = [
@@ -53,12 +54,6 @@ def eval_mask_paths(out_dir: str | os.PathLike, stem: str) -> tuple[Path, Path]:
     """(PNG path, JSON sidecar path) of slide ``stem``'s mask in ``out_dir``."""
     out = Path(out_dir)
     return out / f"{stem}{MASK_SUFFIX}", out / f"{stem}{MASK_META_SUFFIX}"
-
-
-def _fsync_replace(tmp: Path, final: Path) -> None:
-    with open(tmp, "rb+") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, final)
 
 
 def write_eval_mask(
@@ -100,17 +95,10 @@ def write_eval_mask(
     }
     for key, value in (meta or {}).items():
         sidecar.setdefault(key, value)
-    tmp_png = png_path.with_name(png_path.name + ".tmp")
-    tmp_json = json_path.with_name(json_path.name + ".tmp")
-    try:
-        json_path.unlink(missing_ok=True)  # no sidecar while the PNG is being replaced
-        Image.fromarray(mask.astype(np.uint8) * np.uint8(255)).save(tmp_png, format="PNG", optimize=True)
-        _fsync_replace(tmp_png, png_path)
-        tmp_json.write_text(json.dumps(sidecar, indent=2) + "\n")
-        _fsync_replace(tmp_json, json_path)
-    finally:
-        tmp_png.unlink(missing_ok=True)
-        tmp_json.unlink(missing_ok=True)
+    json_path.unlink(missing_ok=True)  # no sidecar while the PNG is being replaced
+    with atomic_open(png_path, "wb") as fh:
+        Image.fromarray(mask.astype(np.uint8) * np.uint8(255)).save(fh, format="PNG", optimize=True)
+    atomic_write_text(json_path, json.dumps(sidecar, indent=2) + "\n")
     return png_path
 
 

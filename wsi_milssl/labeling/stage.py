@@ -41,6 +41,7 @@ import numpy as np
 
 from wsi_milssl.annotations import find_annotation, list_annotation_files, rasterize_region, read_annotations
 from wsi_milssl.annotations.geometry import tumor_fraction
+from wsi_milssl.atomic import atomic_open
 from wsi_milssl.config.base import config_hash, write_resolved_config
 from wsi_milssl.config.label import LabelConfig
 from wsi_milssl.errors import StoreError, WsiMilsslError
@@ -254,8 +255,7 @@ def _store_stem(path: Path) -> str:
 
 def _write_status_csv(results: Sequence[LabelResult], out_dir: Path) -> Path:
     out = out_dir / STATUS_CSV
-    tmp = out.with_name(out.name + ".tmp")
-    with open(tmp, "w", newline="") as fh:
+    with atomic_open(out, "w") as fh:
         writer = csv.writer(fh)
         writer.writerow(["slide", "store", "status", "label_status", "n_patches", "n_positive", "slide_label",
                          "slide_label_source", "annotation", "mask", "error"])
@@ -263,9 +263,6 @@ def _write_status_csv(results: Sequence[LabelResult], out_dir: Path) -> Path:
             writer.writerow([r.stem, r.store_path, r.status, r.label_status, r.n_patches, r.n_positive,
                              "" if r.slide_label is None else r.slide_label, r.slide_label_source,
                              r.annotation_path or "", r.mask_path or "", r.error])
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, out)
     return out
 
 

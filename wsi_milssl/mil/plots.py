@@ -6,6 +6,8 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
+from wsi_milssl.atomic import atomic_open
+
 __all__ = ["plot_training_metrics"]
 
 
@@ -53,8 +55,9 @@ def plot_training_metrics(history: Sequence[dict[str, Any]], path: str | os.Path
         else:
             ax.text(0.5, 0.5, "not available", ha="center", va="center", transform=ax.transAxes, color="gray")
         ax.grid(alpha=0.3)
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        with atomic_open(path, "wb") as fh:
+            fig.savefig(fh, format="png", dpi=100)
+    finally:
+        plt.close(fig)
     return path

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from wsi_milssl import __version__
+from wsi_milssl.atomic import atomic_write_text
 from wsi_milssl.config.base import config_to_dict
 from wsi_milssl.config.train import TrainConfig
 from wsi_milssl.errors import CheckpointError, ConfigError
@@ -467,12 +468,7 @@ def _json_default(value):
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    atomic_write_text(path, text)
 
 
 #: Redraw metrics.png at most this often (seconds); the last epoch is always drawn.

@@ -24,9 +24,10 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from wsi_milssl.atomic import atomic_open, atomic_write_json
 from wsi_milssl.config import config_from_mapping, config_to_dict
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
-from wsi_milssl.pipeline.spec import SETS, STAGES, PipelineSpec
+from wsi_milssl.pipeline.spec import STAGES, PipelineSpec
 from wsi_milssl.pipeline.stamps import fingerprint_paths, is_up_to_date, read_stamp, stamp_digest, write_stamp
 
 __all__ = ["StageOutcome", "run_pipeline", "split_train_val"]
@@ -266,8 +267,6 @@ def _feature_files(path: Path) -> list[Path]:
 def _evaluate_features(ctx: _Context) -> tuple[list[str], str]:
     """Feature mode: bag AUC / accuracy (and instance AUC when the files carry instance labels) on the test set."""
     import csv
-    import json
-    import os
 
     from wsi_milssl.config import TrainConfig
     from wsi_milssl.mil.checkpoint import load_model
@@ -285,10 +284,8 @@ def _evaluate_features(ctx: _Context) -> tuple[list[str], str]:
     out.mkdir(parents=True, exist_ok=True)
     summary = {k: metrics[k] for k in ("instance_auc", "bag_auc", "bag_accuracy", "bag_nll")}
     summary.update(n_bags=int(test.n_bags), n_instances=int(len(test)), checkpoint=str(checkpoint))
-    tmp = out / "metrics.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2) + "\n")
-    os.replace(tmp, out / "metrics.json")
-    with open(out / "scores.csv", "w", newline="") as fh:
+    atomic_write_json(out / "metrics.json", summary)
+    with atomic_open(out / "scores.csv", "w") as fh:
         writer = csv.writer(fh)
         writer.writerow(["slide", "score", "label"])
         for name, score, label in zip(test.bag_names, metrics["bag_scores"], test.bag_labels):

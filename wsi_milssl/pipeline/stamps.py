@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
+from wsi_milssl.atomic import atomic_write_json
+
 __all__ = ["StageStamp", "fingerprint_paths", "stamp_digest", "read_stamp", "write_stamp", "is_up_to_date"]
 
 StageStamp = dict[str, Any]
@@ -54,10 +56,7 @@ def read_stamp(state_dir: str | os.PathLike, stage: str) -> StageStamp | None:
 def write_stamp(state_dir: str | os.PathLike, stage: str, *, digest: str, outputs: list[str]) -> None:
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
-    path = _stamp_path(state_dir, stage)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"stage": stage, "digest": digest, "outputs": outputs}, indent=2))
-    os.replace(tmp, path)
+    atomic_write_json(_stamp_path(state_dir, stage), {"stage": stage, "digest": digest, "outputs": outputs})
 
 
 def is_up_to_date(state_dir: str | os.PathLike, stage: str, digest: str) -> bool:

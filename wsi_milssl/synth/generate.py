@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from wsi_milssl.annotations.asap import PolygonAnnotation, write_asap_xml
+from wsi_milssl.atomic import atomic_open, atomic_write_text
 from wsi_milssl.config import SynthConfig, config_to_dict
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.synth.layout import Lesion, SlideLayout, make_layout
@@ -114,13 +115,11 @@ def generate_slides(
         slides.append(SynthSlide(stem, slide_path, ann_path, int(layout.is_tumor), tuple(layout.lesions)))
         emit(progress, ProgressEvent("synth", index + 1, config.n_slides, unit="slide", item=stem))
 
-    tmp = out / "labels.csv.tmp"
-    with open(tmp, "w", newline="") as fh:
+    with atomic_open(out / "labels.csv", "w") as fh:
         writer = csv.writer(fh)
         writer.writerow(["slide", "label"])
         for s in slides:
             writer.writerow([s.stem, s.label])
-    os.replace(tmp, out / "labels.csv")
 
     manifest = {
         "config": config_to_dict(config),
@@ -138,9 +137,7 @@ def generate_slides(
             for s in slides
         ],
     }
-    tmp = out / "manifest.json.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, out / "manifest.json")
+    atomic_write_text(out / "manifest.json", json.dumps(manifest, indent=2) + "\n")
     return slides
 
 

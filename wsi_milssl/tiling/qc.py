@@ -9,6 +9,8 @@ import numpy as np
 from PIL import Image, ImageDraw
 from skimage.segmentation import find_boundaries
 
+from wsi_milssl.atomic import atomic_open
+
 __all__ = ["render_qc", "write_qc_png"]
 
 MASK_COLOUR = (0, 170, 0)  # tissue outline
@@ -44,12 +46,6 @@ def render_qc(thumbnail: np.ndarray, *, downsample_xy: tuple[float, float], mask
 
 def write_qc_png(image: np.ndarray, path: str | os.PathLike) -> Path:
     """Write an RGB uint8 image as PNG atomically (temporary name, fsync, rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as fh:
+    with atomic_open(path, "wb") as fh:
         Image.fromarray(image).save(fh, format="PNG", compress_level=1)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    return path
+    return Path(path)

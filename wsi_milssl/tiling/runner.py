@@ -15,9 +15,9 @@ import os
 import sys
 import time
 import traceback
-from contextlib import contextmanager
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing import get_all_start_methods, get_context
 from pathlib import Path
@@ -26,6 +26,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from wsi_milssl import __version__
+from wsi_milssl.atomic import atomic_write_json
 from wsi_milssl.config.base import config_to_dict
 from wsi_milssl.config.tile import TileConfig
 from wsi_milssl.errors import MissingResolutionError, StoreError, WsiMilsslError
@@ -41,8 +42,8 @@ from wsi_milssl.tiling.grid import TileGeometry
 from wsi_milssl.tiling.inputs import slide_stem
 from wsi_milssl.tiling.qc import render_qc, write_qc_png
 from wsi_milssl.tiling.reading import Band, band_origin_level, ordered_map, plan_bands, read_band, read_band_region
-from wsi_milssl.tiling.tiff_source import TiffLevelSource
 from wsi_milssl.tiling.status import STATUS_FILENAME, TileResult, write_status_csv
+from wsi_milssl.tiling.tiff_source import TiffLevelSource
 
 __all__ = [
     "CONFIG_FILENAME",
@@ -359,11 +360,7 @@ class TileRun:
 def _write_config(out_dir: Path, config: TileConfig) -> Path:
     data = {"tile": config_to_dict(config), "settings": config.settings(), "config_hash": config.settings_hash(),
             "package_version": __version__}
-    out = out_dir / CONFIG_FILENAME
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, out)
-    return out
+    return atomic_write_json(out_dir / CONFIG_FILENAME, data, sort_keys=True)
 
 
 def tile_slides(slides: Iterable[str | os.PathLike], out_dir: str | os.PathLike, config: TileConfig, *,

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
+from wsi_milssl.atomic import atomic_write_text
+
 __all__ = ["TileResult", "STATUS_COLUMNS", "STATUS_FILENAME", "write_status_csv", "read_status_csv"]
 
 STATUS_COLUMNS = ("slide", "status", "n_patches", "seconds", "error")
@@ -41,13 +43,7 @@ def write_status_csv(results: Iterable[TileResult], path: str | os.PathLike) -> 
     writer.writerow(STATUS_COLUMNS)
     for r in results:
         writer.writerow([r.slide, r.status, r.n_patches, f"{r.seconds:.2f}", " ".join(r.error.split())])
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", newline="") as fh:
-        fh.write(buf.getvalue())
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    return path
+    return atomic_write_text(path, buf.getvalue())
 
 
 def read_status_csv(path: str | os.PathLike) -> list[dict[str, str]]:
