@@ -47,6 +47,7 @@ from wsi_milssl.slide.tissue import TissueMask, slide_tissue_mask
 from wsi_milssl.tiling.grid import TileGeometry
 from wsi_milssl.tiling.inputs import slide_stem
 from wsi_milssl.tiling.reading import Band, plan_bands, read_band
+from wsi_milssl.tiling.tiff_source import direct_source
 
 __all__ = [
     "TilingSettings",
@@ -455,16 +456,11 @@ class SlidePrediction:
 
 def _direct_source(slide, bands: list[Band], geometry: TileGeometry):
     """The tile stage's direct TIFF reader of the read level (same pixels as OpenSlide, checked on a
-    probe read), when this version of the tiling package has one; else None (OpenSlide reads)."""
-    try:
-        from wsi_milssl.tiling import runner
-    except ImportError:  # pragma: no cover
-        return None
-    make = getattr(runner, "direct_source", None) or getattr(runner, "_direct_source", None)
-    if make is None or not bands:
+    probe read), or None (OpenSlide reads)."""
+    if not bands:
         return None
     try:
-        return make(slide, bands, geometry)
+        return direct_source(slide, bands, geometry)
     except Exception as exc:  # noqa: BLE001 - any trouble: read through OpenSlide
         logger.debug("%s: direct TIFF reads disabled (%s)", slide.path, exc)
         return None

@@ -41,9 +41,9 @@ from wsi_milssl.store.schema import store_path
 from wsi_milssl.tiling.grid import TileGeometry
 from wsi_milssl.tiling.inputs import slide_stem
 from wsi_milssl.tiling.qc import render_qc, write_qc_png
-from wsi_milssl.tiling.reading import Band, band_origin_level, ordered_map, plan_bands, read_band, read_band_region
+from wsi_milssl.tiling.reading import Band, ordered_map, plan_bands, read_band
 from wsi_milssl.tiling.status import STATUS_FILENAME, TileResult, write_status_csv
-from wsi_milssl.tiling.tiff_source import TiffLevelSource
+from wsi_milssl.tiling.tiff_source import direct_source
 
 __all__ = [
     "CONFIG_FILENAME",
@@ -191,7 +191,7 @@ def tile_slide(slide_path: str | os.PathLike, out_dir: str | os.PathLike, config
             "name": stem,
         }
         bands = plan_bands(cand_coords, geometry, max_band_px=_MAX_BAND_PX)
-        source = _direct_source(slide, bands, geometry) if config.direct_tiff_read else None
+        source = direct_source(slide, bands, geometry) if config.direct_tiff_read else None
         threshold = float(config.entropy_threshold_bits)
         pixels = config.pixels
         quality = config.jpeg_quality
@@ -284,30 +284,6 @@ def _closing(source):
     finally:
         if source is not None:
             source.close()
-
-
-def _direct_source(slide, bands: list[Band], geometry: TileGeometry) -> TiffLevelSource | None:
-    """A direct TIFF reader of the read level, when the slide is a tiled JPEG TIFF and the reader
-    gives exactly OpenSlide's pixels on the first band that starts on a whole level pixel."""
-    probe = next((b for b in bands if band_origin_level(b, geometry) is not None), None)
-    if probe is None:
-        return None
-    source = TiffLevelSource.open(slide.path, level_size=geometry.level_dimensions)
-    if source is None:
-        return None
-    # one patch-sized square at the probe band's origin, read both ways
-    square = Band(probe.indices[:1], probe.x_lv0, probe.y_lv0, probe.offsets_level[:1], geometry.patch_size_level)
-    try:
-        same = np.array_equal(read_band_region(slide, square, geometry, source=source),
-                              read_band_region(slide, square, geometry))
-    except Exception as exc:  # noqa: BLE001 - any trouble: stay with OpenSlide
-        logger.debug("%s: direct TIFF reads disabled (%s)", slide.path, exc)
-        same = False
-    if not same:
-        logger.info("%s: direct TIFF tile reads differ from OpenSlide; reading through OpenSlide", slide.path)
-        source.close()
-        return None
-    return source
 
 
 def _qc_thumbnail(slide, mask_thumbnail: np.ndarray) -> np.ndarray:

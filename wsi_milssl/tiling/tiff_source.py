@@ -18,7 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["TiffLevelSource"]
+from wsi_milssl.tiling.grid import TileGeometry
+from wsi_milssl.tiling.reading import Band, band_origin_level, read_band_region
+
+__all__ = ["TiffLevelSource", "direct_source"]
 
 logger = logging.getLogger(__name__)
 
@@ -137,3 +140,27 @@ class TiffLevelSource:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def direct_source(slide, bands: list[Band], geometry: TileGeometry) -> "TiffLevelSource | None":
+    """A direct TIFF reader of the read level, when the slide is a tiled JPEG TIFF and the reader
+    gives exactly OpenSlide's pixels on the first band that starts on a whole level pixel."""
+    probe = next((b for b in bands if band_origin_level(b, geometry) is not None), None)
+    if probe is None:
+        return None
+    source = TiffLevelSource.open(slide.path, level_size=geometry.level_dimensions)
+    if source is None:
+        return None
+    # one patch-sized square at the probe band's origin, read both ways
+    square = Band(probe.indices[:1], probe.x_lv0, probe.y_lv0, probe.offsets_level[:1], geometry.patch_size_level)
+    try:
+        same = np.array_equal(read_band_region(slide, square, geometry, source=source),
+                              read_band_region(slide, square, geometry))
+    except Exception as exc:  # noqa: BLE001 - any trouble: stay with OpenSlide
+        logger.debug("%s: direct TIFF reads disabled (%s)", slide.path, exc)
+        same = False
+    if not same:
+        logger.info("%s: direct TIFF tile reads differ from OpenSlide; reading through OpenSlide", slide.path)
+        source.close()
+        return None
+    return source
