@@ -62,3 +62,12 @@ def test_feature_head_standardises_with_its_buffers():
     model.standardize.set_stats(feats)
     assert torch.allclose(model.standardize(feats), torch.tensor([[-1.0, -1.0, 0.0], [1.0, 1.0, 0.0]]))
     assert set(model.state_dict()) >= {"standardize.mean", "standardize.std"}
+
+
+def test_every_built_in_model_is_listed_without_importing_its_module_first():
+    import subprocess
+    import sys
+
+    code = "from wsi_milssl.mil.models import list_models; print(' '.join(list_models()))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert {"resnet18", "linear", "mlp", "digit-cnn"} <= set(out)

@@ -47,18 +47,32 @@ def register_model(name: str, *, image: bool = False):
     return deco
 
 
+# Modules that register further built-in models (imported on first use of the registry).
+_BUILTIN_MODULES = ("wsi_milssl.mil.baselines",)  # digit-cnn
+
+
+def _load_builtins() -> None:
+    import importlib
+
+    for module in _BUILTIN_MODULES:
+        importlib.import_module(module)
+
+
 def list_models() -> list[str]:
     """Names of the registered models, sorted."""
+    _load_builtins()
     return sorted(MODELS)
 
 
 def is_image_model(name: str) -> bool:
     """True when the registered model ``name`` takes image patches rather than feature vectors."""
+    _load_builtins()
     return name in _IMAGE_MODELS
 
 
 def create_model(name: str, **kwargs) -> nn.Module:
     """Build the registered model ``name`` with ``kwargs`` (e.g. ``in_features`` for feature heads)."""
+    _load_builtins()
     try:
         factory = MODELS[name]
     except KeyError:
