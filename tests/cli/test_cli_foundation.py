@@ -52,6 +52,22 @@ def test_info_on_bad_file_exits_1_with_one_clear_line(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: ") and "broken.svs" in lines[0]
 
 
+def test_top_level_help_is_fast_and_each_command_builds_alone(capsys):
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom wsi_milssl.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules, 'skimage' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "heatmap" in out and "train an instance classifier" in out
+    assert out.strip().splitlines()[-1] == "False False"  # the list of commands imports neither
+    for command in COMMANDS:
+        with pytest.raises(SystemExit) as exit_info:
+            main([command, "--help"])
+        assert exit_info.value.code == 0
+        assert f"usage: wsi-milssl {command}" in capsys.readouterr().out
+
+
 def test_usage_error_exits_2():
     assert _cli("synth").returncode == 2
     assert _cli("no-such-command").returncode == 2

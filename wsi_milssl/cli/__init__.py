@@ -37,7 +37,13 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
     """Show defaults in --help and keep the description's line breaks."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+_ALL = object()
+
+
+def build_parser(command: str | None | object = _ALL) -> argparse.ArgumentParser:
+    """The ``wsi-milssl`` parser. ``command``: the one subcommand to build in full (its options may
+    import torch or scikit-image); the others get a one-line entry, enough for ``--help`` and for
+    argparse's errors. By default every subcommand is built in full."""
     parser = argparse.ArgumentParser(
         prog="wsi-milssl",
         description="Whole-slide images to an instance-level tumour classifier with MIL-SSL.",
@@ -46,13 +52,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, module in COMMANDS.items():
-        importlib.import_module(f"wsi_milssl.cli.{module}").register(sub)
+    for name, module_name in COMMANDS.items():
+        module = importlib.import_module(f"wsi_milssl.cli.{module_name}")
+        if command is _ALL or command == name:
+            module.register(sub)
+        else:
+            sub.add_parser(name, help=module.SUMMARY)
     return parser
 
 
+def _command_in(argv: list[str]) -> str | None:
+    """The subcommand named in ``argv`` (the first word that is not a top-level option), or None."""
+    for word in argv:
+        if not word.startswith("-"):
+            return word if word in COMMANDS else None
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(_command_in(argv))
     args = parser.parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")

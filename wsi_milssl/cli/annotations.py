@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-__all__ = ["register", "run_convert"]
+__all__ = ["SUMMARY", "register", "run_convert"]
+
+#: one line for ``wsi-milssl --help``
+SUMMARY = "annotation file tools (convert ASAP XML <-> GeoJSON)"
 
 
 def register(subparsers) -> None:
@@ -13,7 +16,7 @@ def register(subparsers) -> None:
 
     p = subparsers.add_parser(
         "annotations",
-        help="annotation file tools (convert ASAP XML <-> GeoJSON)",
+        help=SUMMARY,
         description="Tools for annotation files: ASAP XML (CAMELYON16) and GeoJSON (QuPath).",
         formatter_class=HelpFormatter,
     )

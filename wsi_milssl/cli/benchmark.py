@@ -9,7 +9,10 @@ from pathlib import Path
 
 from wsi_milssl.atomic import atomic_write_text
 
-__all__ = ["register", "run", "run_mil_csv"]
+__all__ = ["SUMMARY", "register", "run", "run_mil_csv"]
+
+#: one line for ``wsi-milssl --help``
+SUMMARY = "accuracy benchmarks (classical MIL datasets, digit bags)"
 
 
 def _register_mil_csv(sub) -> None:
@@ -51,7 +54,7 @@ def register(subparsers) -> None:
 
     p = subparsers.add_parser(
         "benchmark",
-        help="accuracy benchmarks (classical MIL datasets, digit bags)",
+        help=SUMMARY,
         description="Accuracy benchmarks with an honest protocol: nothing is selected on test folds.",
         formatter_class=HelpFormatter,
     )

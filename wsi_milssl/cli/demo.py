@@ -9,7 +9,10 @@ import argparse
 from importlib.resources import as_file, files
 from pathlib import Path
 
-__all__ = ["register", "run", "demo_pipeline_file"]
+__all__ = ["SUMMARY", "register", "run", "demo_pipeline_file"]
+
+#: one line for ``wsi-milssl --help``
+SUMMARY = "run every stage end to end on generated slides (CPU, a few minutes)"
 
 
 def demo_pipeline_file():
@@ -22,7 +25,7 @@ def register(subparsers) -> None:
 
     p = subparsers.add_parser(
         "demo",
-        help="run every stage end to end on generated slides (CPU, a few minutes)",
+        help=SUMMARY,
         description="Generate slides and run synth -> tile -> label -> train -> heatmap -> evaluate on them,\n"
         "as pipelines/demo.toml describes, ending with OUT_DIR/evaluation/report.html. Re-running\n"
         "skips the stages that are up to date.",

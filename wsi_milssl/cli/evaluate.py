@@ -7,7 +7,10 @@ from pathlib import Path
 
 from wsi_milssl.config.evaluate import EvaluateConfig
 
-__all__ = ["register", "run", "evaluate_config_from_args"]
+__all__ = ["SUMMARY", "register", "run", "evaluate_config_from_args"]
+
+#: one line for ``wsi-milssl --help``
+SUMMARY = "score predictions: instance AUC, bag AUC, CAMELYON16 FROC, HTML report"
 
 
 def evaluate_config_from_args(args: argparse.Namespace) -> EvaluateConfig:
@@ -24,7 +27,7 @@ def register(subparsers) -> None:
     d = EvaluateConfig()
     p = subparsers.add_parser(
         "evaluate",
-        help="score predictions: instance AUC, bag AUC, CAMELYON16 FROC, HTML report",
+        help=SUMMARY,
         description=(
             "Evaluate the heatmap stage's predictions (or CAMELYON16 detection CSVs 'prob,x,y' in level-0\n"
             "pixels from any tool) against annotations and slide labels. Writes metrics.json,\n"

@@ -6,7 +6,10 @@ import argparse
 import sys
 from pathlib import Path
 
-__all__ = ["register", "run", "heatmap_config_from_args"]
+__all__ = ["SUMMARY", "register", "run", "heatmap_config_from_args"]
+
+#: one line for ``wsi-milssl --help``
+SUMMARY = "per-patch tumour probabilities of slides: maps, overlays, QuPath GeoJSON, CAMELYON16 detections"
 
 # CLI option -> HeatmapConfig field, for options that are plain values.
 _VALUE_OPTIONS = {
@@ -54,7 +57,7 @@ def register(subparsers) -> None:
     d = HeatmapConfig()
     p = subparsers.add_parser(
         "heatmap",
-        help="per-patch tumour probabilities of slides: maps, overlays, QuPath GeoJSON, CAMELYON16 detections",
+        help=SUMMARY,
         description=(
             "Run a trained model over whole slides. Each slide is tiled on the fly with the settings\n"
             "recorded in the checkpoint (resolution, patch size, stride, entropy threshold, normalisation),\n"

@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-__all__ = ["register", "run", "describe_slide"]
+__all__ = ["SUMMARY", "register", "run", "describe_slide"]
+
+#: one line for ``wsi-milssl --help``
+SUMMARY = "describe a slide: levels, MPP, objective power, and the level serving 10x/20x"
 
 
 def register(subparsers) -> None:
@@ -13,7 +16,7 @@ def register(subparsers) -> None:
 
     p = subparsers.add_parser(
         "info",
-        help="describe a slide: levels, MPP, objective power, and the level serving 10x/20x",
+        help=SUMMARY,
         description="Print a slide's level-0 size, pyramid levels and downsamples, MPP, objective power,\n"
         "vendor, and which pyramid level plus residual scale would serve each magnification.",
         formatter_class=HelpFormatter,

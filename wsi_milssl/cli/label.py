@@ -7,7 +7,10 @@ from pathlib import Path
 
 from wsi_milssl.config.label import LabelConfig
 
-__all__ = ["register", "run", "label_config_from_args"]
+__all__ = ["SUMMARY", "register", "run", "label_config_from_args"]
+
+#: one line for ``wsi-milssl --help``
+SUMMARY = "label patches from annotations: exact tumour fractions, instance labels, FROC masks"
 
 
 def _groups(text: str) -> tuple[str, ...]:
@@ -31,7 +34,7 @@ def register(subparsers) -> None:
     d = LabelConfig()
     p = subparsers.add_parser(
         "label",
-        help="label patches from annotations: exact tumour fractions, instance labels, FROC masks",
+        help=SUMMARY,
         description=(
             "For every patch store: tumour fraction = area((tumour polygons) - (non-tumour polygons) within\n"
             "the patch square) / patch area, computed exactly with shapely (not by sampling points);\n"

@@ -6,7 +6,10 @@ import argparse
 import sys
 from pathlib import Path
 
-__all__ = ["register", "run", "run_and_report"]
+__all__ = ["SUMMARY", "register", "run", "run_and_report"]
+
+#: one line for ``wsi-milssl --help``
+SUMMARY = "run a pipeline file (synth -> tile -> label -> train -> heatmap -> evaluate)"
 
 
 def register(subparsers) -> None:
@@ -15,7 +18,7 @@ def register(subparsers) -> None:
 
     p = subparsers.add_parser(
         "run",
-        help="run a pipeline file (synth -> tile -> label -> train -> heatmap -> evaluate)",
+        help=SUMMARY,
         description="Run the stages of a pipeline TOML file in order. A stage whose settings and inputs\n"
         "match its last run, and whose outputs still exist, is skipped. Ready-made files are in\n"
         "pipelines/ (demo, camelyon16, tcga-features, mil-benchmark).",

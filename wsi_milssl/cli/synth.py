@@ -7,7 +7,10 @@ from pathlib import Path
 
 from wsi_milssl.config import SynthConfig
 
-__all__ = ["register", "run", "add_synth_options", "synth_config_from_args"]
+__all__ = ["SUMMARY", "register", "run", "add_synth_options", "synth_config_from_args"]
+
+#: one line for ``wsi-milssl --help``
+SUMMARY = "generate synthetic H&E-like slides with ASAP XML annotations"
 
 
 def add_synth_options(parser: argparse.ArgumentParser, *, default_slides: int = 4) -> None:
@@ -36,7 +39,7 @@ def register(subparsers) -> None:
 
     p = subparsers.add_parser(
         "synth",
-        help="generate synthetic H&E-like slides with ASAP XML annotations",
+        help=SUMMARY,
         description=(
             "Write pyramidal, tiled, JPEG-compressed TIFF slides that OpenSlide opens, an ASAP XML file\n"
             "(CAMELYON16 layout, level-0 pixels) beside each tumour slide, labels.csv (slide,label; 1 =\n"

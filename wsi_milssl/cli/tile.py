@@ -9,7 +9,10 @@ from pathlib import Path
 from wsi_milssl.config.tile import DEFAULT_MAGNIFICATION, TileConfig
 from wsi_milssl.errors import ConfigError, StoreError
 
-__all__ = ["register", "run", "tile_config_from_args"]
+__all__ = ["SUMMARY", "register", "run", "tile_config_from_args"]
+
+#: one line for ``wsi-milssl --help``
+SUMMARY = "cut slides into patches at a physical resolution and store them (HDF5 or Zarr)"
 
 
 def tile_config_from_args(args: argparse.Namespace) -> TileConfig:
@@ -28,7 +31,7 @@ def register(subparsers) -> None:
     d = TileConfig()
     p = subparsers.add_parser(
         "tile",
-        help="cut slides into patches at a physical resolution and store them (HDF5 or Zarr)",
+        help=SUMMARY,
         description=(
             "For each slide: a tissue mask on a thumbnail (Otsu on HSV saturation after a median blur,\n"
             "small objects and holes removed), a grid at the target resolution, patches with enough\n"

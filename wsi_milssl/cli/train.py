@@ -11,7 +11,10 @@ import argparse
 import json
 from pathlib import Path
 
-__all__ = ["register", "run", "add_train_options", "train_config_from_args", "load_instances", "detect_mode"]
+__all__ = ["SUMMARY", "register", "run", "add_train_options", "train_config_from_args", "load_instances", "detect_mode"]
+
+#: one line for ``wsi-milssl --help``
+SUMMARY = "train an instance classifier with MIL-SSL (slide labels only)"
 
 # CLI option -> TrainConfig field for options that are plain values.
 _VALUE_OPTIONS = {
@@ -160,7 +163,7 @@ def register(subparsers) -> None:
 
     p = subparsers.add_parser(
         "train",
-        help="train an instance classifier with MIL-SSL (slide labels only)",
+        help=SUMMARY,
         description=(
             "MIL-SSL: every patch of a negative slide is a negative; the patches of positive slides get\n"
             "optimal-transport pseudo labels (a fraction μ positive, each slide's top patch positive) that\n"
