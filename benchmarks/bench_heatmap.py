@@ -1,7 +1,7 @@
 """Heatmap throughput and memory: the whole ``wsi-milssl heatmap`` command beside the bare model forward.
 
-    python benchmarks/bench_heatmap.py                       # 16k px slide, ResNet18 at 0.5 µm/px, 224 px
-    python benchmarks/bench_heatmap.py --big 50000           # + memory on a 50,000 x 50,000 px slide
+    python benchmarks/bench_heatmap.py                       # 50,000 px slide, ResNet18 at 0.5 µm/px, 224 px
+    python benchmarks/bench_heatmap.py --size 16384 --repeat 1   # a quick look (startup costs weigh more)
     python benchmarks/bench_heatmap.py --iou-checkpoint runs/r1/best.pt --iou-slides slides/
 
 1. Throughput. A slide is generated with ``wsi_milssl.synth`` (cached in ``--cache``), a checkpoint
@@ -11,7 +11,8 @@
    inference, PNG and exports) and of the slide itself (its seconds in heatmap_status.csv); then, in
    this process, the bare forward rate of the same model with the same runtime (bfloat16 autocast,
    channels_last, threads) on the same number of ready-made input tensors in batches of the same
-   size. Runs alternate ``--repeat`` times (the machine may be shared); the median is reported.
+   size, twice: the network the command runs (BatchNorm folded into the convolutions) and the model
+   as trained (``--no-fuse-batchnorm``). Runs alternate ``--repeat`` times (the machine may be shared); the median is reported.
    CPU seconds per patch (the command with its DataLoader workers, from ``wait4``; the bare forward
    from ``process_time``) are printed too: unlike wall time they barely move with other load.
 2. Memory. Peak RSS of the command's main process (``wait4``) and the peak of the summed RSS of the
@@ -197,7 +198,8 @@ def iou_report(ckpt: Path, slides_dir: Path, out: Path, *, threshold: float = 0.
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", type=int, default=16384, help="side of the throughput slide in px (0.25 µm/px)")
+    p.add_argument("--size", type=int, default=50000,
+                   help="side of the throughput slide in px (0.25 µm/px; generated once, ~2.5 min for 50,000)")
     p.add_argument("--seed", type=int, default=1, help="synth seed of the generated slides")
     p.add_argument("--target-mpp", type=float, default=0.5, help="model resolution (µm/px)")
     p.add_argument("--patch-size", type=int, default=224, help="model patch size (px)")
