@@ -100,9 +100,20 @@ def _write_plain_tiff(path, *, description=None, resolution=True):
 def test_slide_without_mpp_or_objective_power_names_file_and_override(tmp_path):
     path = _write_plain_tiff(tmp_path / "no_mpp.tif", resolution=False)
     slide = open_slide(path)
-    with pytest.raises(MissingResolutionError, match=r"no_mpp\.tif.*no MPP and no objective power.*--mpp"):
+    with pytest.raises(MissingResolutionError, match=r"no_mpp\.tif.*no MPP and no objective power.*--slide-mpp"):
         slide.mpp
     assert open_slide(path, mpp_override=0.5).mpp == 0.5
+
+
+def test_info_takes_the_level_0_override_as_slide_mpp_like_tile_and_heatmap(tmp_path, capsys):
+    from wsi_milssl.cli import main
+
+    path = _write_plain_tiff(tmp_path / "no_mpp.tif", resolution=False)
+    assert main(["info", str(path)]) == 1
+    assert "--slide-mpp" in capsys.readouterr().err
+    for option in ("--slide-mpp", "--mpp"):  # --mpp: the older name, still accepted
+        assert main(["info", str(path), option, "0.5"]) == 0
+        assert "0.5" in capsys.readouterr().out
 
 
 def test_objective_power_is_the_fallback_when_mpp_is_missing(tmp_path):

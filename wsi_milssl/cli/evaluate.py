@@ -54,9 +54,9 @@ def register(subparsers) -> None:
                    help="output folder (created)")
     p.add_argument("--positive-fraction", type=float, default=d.positive_fraction,
                    help="a patch is a positive instance when its tumour-area fraction is at least this")
-    p.add_argument("--mpp", type=float, default=argparse.SUPPRESS,
-                   help="level-0 µm per pixel for every slide, overriding the slide metadata "
-                        "(default: each slide's own)")
+    p.add_argument("--slide-mpp", "--mpp", dest="mpp", type=float, default=argparse.SUPPRESS, metavar="MPP",
+                   help="level-0 µm per pixel for every slide, overriding the slide metadata; --mpp is the "
+                        "older name (default: each slide's own)")
     p.add_argument("--margin-um", type=float, default=d.margin_um,
                    help="tumour is dilated by half of this distance in µm (CAMELYON16: 75)")
     p.add_argument("--itc-major-axis-um", type=float, default=d.itc_major_axis_um,

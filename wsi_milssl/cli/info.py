@@ -22,8 +22,9 @@ def register(subparsers) -> None:
         formatter_class=HelpFormatter,
     )
     p.add_argument("slides", type=Path, nargs="+", metavar="SLIDE", help="slide file(s)")
-    p.add_argument("--mpp", type=float, default=None,
-                   help="level-0 µm per pixel, overriding the slide's metadata (for slides without MPP)")
+    p.add_argument("--slide-mpp", "--mpp", dest="mpp", type=float, default=None, metavar="MPP",
+                   help="level-0 µm per pixel, overriding the slide's metadata (for slides without MPP; "
+                        "--mpp is the older name)")
     p.add_argument("--magnifications", type=float, nargs="+", default=[10.0, 20.0], metavar="MAG",
                    help="objective magnifications to plan reads for")
     p.add_argument("--mpp-at-40x", type=float, default=0.25,
@@ -43,7 +44,7 @@ def describe_slide(path: Path, *, mpp: float | None, magnifications: list[float]
             f"dimensions:       {w} x {h} px (level 0)",
             f"objective power:  {slide.objective_power if slide.objective_power is not None else 'unknown'}",
         ]
-        slide_mpp = slide.mpp  # raises MissingResolutionError with the --mpp fix
+        slide_mpp = slide.mpp  # raises MissingResolutionError with the --slide-mpp fix
         lines.append(f"mpp:              {slide_mpp:.4f} µm/px (from {slide.mpp_source})")
         lines.append(f"levels:           {slide.level_count}")
         for i, ((lw, lh), ds) in enumerate(zip(slide.level_dimensions, slide.level_downsamples)):

@@ -55,7 +55,7 @@ class SlideReader:
     Parameters
     ----------
     path : slide file (.svs, .ndpi, .mrxs, pyramidal .tif, ...).
-    mpp_override : level-0 µm/px to use instead of the slide's own metadata (``--mpp``).
+    mpp_override : level-0 µm/px to use instead of the slide's own metadata (``--slide-mpp``).
     mpp_at_40x : µm/px of a 40x objective, used to turn magnifications into resolutions.
 
     Raises SlideReadError when OpenSlide cannot open the file, and MissingResolutionError (on
@@ -141,7 +141,7 @@ class SlideReader:
             return magnification_to_mpp(self.objective_power, mpp_at_40x=self.mpp_at_40x)
         raise MissingResolutionError(
             f"{self.path}: the slide has no MPP and no objective power, so its physical scale is "
-            "unknown. Fix: pass the level-0 resolution with --mpp (µm per pixel, e.g. --mpp 0.25)."
+            "unknown. Fix: pass the level-0 resolution with --slide-mpp (µm per pixel, e.g. --slide-mpp 0.25)."
         )
 
     @property
