@@ -22,7 +22,6 @@ the level-0 coordinates and one float per patch are kept for the whole slide.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import math
@@ -36,6 +35,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
+from wsi_milssl import runtime as runtime_rules
 from wsi_milssl.config.heatmap import HeatmapConfig
 from wsi_milssl.config.tile import TileConfig
 from wsi_milssl.errors import CheckpointError, ConfigError, MissingResolutionError, StoreError
@@ -171,26 +171,18 @@ class InferenceRuntime:
         return 19 if self.device.type == "cpu" and self.num_workers > 0 else 0
 
     def autocast(self):
-        if self.amp_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
+        return runtime_rules.autocast(self.device, self.amp_dtype)
 
     def describe(self) -> str:
-        amp = "off" if self.amp_dtype is None else str(self.amp_dtype).replace("torch.", "")
-        return (f"{self.device} amp={amp} channels_last={self.channels_last} fuse_batchnorm={self.fuse_batchnorm} "
-                f"workers={self.num_workers}")
+        return runtime_rules.describe(self.device, self.amp_dtype, channels_last=self.channels_last,
+                                      fuse_batchnorm=self.fuse_batchnorm, workers=self.num_workers)
 
 
 def resolve_runtime(config: HeatmapConfig) -> InferenceRuntime:
-    """Pick device, precision and workers for ``config`` on this machine."""
-    if config.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("HeatmapConfig.device is 'cuda' but no CUDA device is available; use 'auto' or 'cpu'.")
-    cuda = config.device in ("auto", "cuda") and torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
-    amp = config.amp
-    if amp == "auto":
-        amp = "bf16" if (not cuda or torch.cuda.is_bf16_supported()) else "fp16"
-    dtype = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[amp]
+    """Pick device, precision and workers for ``config`` on this machine (rules in :mod:`wsi_milssl.runtime`)."""
+    device = runtime_rules.pick_device(config.device, owner="HeatmapConfig")
+    cuda = device.type == "cuda"
+    dtype = runtime_rules.pick_amp_dtype(config.amp, device, cpu_auto="bf16")
     workers = config.num_workers
     if workers < 0:  # the GPU outpaces the readers, the CPU forward does not
         workers = min(8, max(1, (os.cpu_count() or 1) - 1)) if cuda else min(4, max(2, os.cpu_count() or 1))

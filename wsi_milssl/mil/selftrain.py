@@ -16,7 +16,6 @@ run resumed from ``last.pt`` continues exactly as an uninterrupted run (bit-iden
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -34,6 +33,7 @@ import torch.nn.functional as F
 
 from wsi_milssl import __version__
 from wsi_milssl.atomic import atomic_write_text
+from wsi_milssl import runtime as runtime_rules
 from wsi_milssl.config.base import config_to_dict
 from wsi_milssl.config.train import TrainConfig
 from wsi_milssl.errors import CheckpointError, ConfigError
@@ -88,28 +88,19 @@ class Runtime:
     num_workers: int
 
     def autocast(self):
-        if self.amp_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
+        return runtime_rules.autocast(self.device, self.amp_dtype)
 
     def describe(self) -> str:
-        amp = "off" if self.amp_dtype is None else str(self.amp_dtype).replace("torch.", "")
-        return f"{self.device} amp={amp} channels_last={self.channels_last} workers={self.num_workers}"
+        return runtime_rules.describe(self.device, self.amp_dtype, channels_last=self.channels_last,
+                                      workers=self.num_workers)
 
 
 def resolve_runtime(config: TrainConfig) -> Runtime:
-    """Pick the device, precision and worker count for ``config`` on this machine."""
-    if config.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("TrainConfig.device is 'cuda' but no CUDA device is available; use 'auto' or 'cpu'.")
-    device = torch.device("cuda" if config.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
+    """Pick the device, precision and worker count for ``config`` on this machine (rules in
+    :mod:`wsi_milssl.runtime`; on the CPU 'auto' precision is bf16 for image models, float32 for heads)."""
+    device = runtime_rules.pick_device(config.device, owner="TrainConfig")
     image = is_image_model(config.model)
-    amp = config.amp
-    if amp == "auto":
-        if device.type == "cuda":
-            amp = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-        else:
-            amp = "bf16" if image else "off"
-    dtype = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[amp]
+    dtype = runtime_rules.pick_amp_dtype(config.amp, device, cpu_auto="bf16" if image else "off")
     scaler = dtype is torch.float16 and device.type == "cuda"
     workers = config.num_workers
     if workers < 0:
