@@ -27,6 +27,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from wsi_milssl.atomic import atomic_open
 from wsi_milssl.annotations.asap import GROUP_COLORS, PolygonAnnotation
 from wsi_milssl.annotations.groups import UNCLASSIFIED
 from wsi_milssl.errors import AnnotationError
@@ -322,15 +323,7 @@ def write_geojson(
         "asapGroups": [{"name": n, "color": c} for n, c in group_colors.items()],
         "features": [_feature(a, group_colors) for a in annotations],
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(doc, fh, allow_nan=False)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_open(path, "w") as fh:
+        json.dump(doc, fh, allow_nan=False)
+        fh.write("\n")
     return path
