@@ -3,6 +3,7 @@ checked, and the ``wsi-milssl heatmap`` command writes every file."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -86,7 +87,15 @@ def test_model_calls_have_one_batch_size(tumour_slide, checkpoint_factory):
     model.model.register_forward_hook(lambda module, args, output: sizes.append(int(args[0].shape[0])))
     pred = predict_slide(tumour_slide, model, config=config)
     assert sum(sizes) == len(pred) and len(sizes) > 5
-    assert set(sizes[:-1]) == {40} and 0 < sizes[-1] <= 40
+    assert set(sizes[:-1]) == {40} and 0 < sizes[-1] < 40  # this slide's count is not a multiple of 40
+    # padding the last batch (what CUDA does) gives one shape and the same probabilities
+    assert not model.runtime.pad_last_batch
+    model.runtime = dataclasses.replace(model.runtime, pad_last_batch=True)
+    sizes.clear()
+    padded = predict_slide(tumour_slide, model, config=config)
+    assert set(sizes) == {40} and len(padded) == len(pred)
+    np.testing.assert_array_equal(padded.coords_lv0, pred.coords_lv0)
+    np.testing.assert_allclose(padded.probs, pred.probs, atol=2e-3)
 
 
 def test_preprocess_matches_to_tensor_and_honours_the_checkpoint_normalisation():

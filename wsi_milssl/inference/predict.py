@@ -160,6 +160,10 @@ class InferenceRuntime:
     num_workers: int
     preprocess_in_workers: bool
     fuse_batchnorm: bool = True
+    #: pad each slide's last, smaller batch to the full batch size and drop the padding's outputs:
+    #: on CUDA every new input shape costs a cuDNN autotune and padded patches cost next to nothing;
+    #: on the CPU they would be wasted forward passes (so: True on CUDA only)
+    pad_last_batch: bool = False
 
     @property
     def reader_niceness(self) -> int:
@@ -188,7 +192,7 @@ def resolve_runtime(config: HeatmapConfig) -> InferenceRuntime:
         workers = min(8, max(1, (os.cpu_count() or 1) - 1)) if cuda else min(4, max(2, os.cpu_count() or 1))
     return InferenceRuntime(device=device, amp_dtype=dtype, channels_last=bool(config.channels_last),
                             num_workers=int(workers), preprocess_in_workers=not cuda,
-                            fuse_batchnorm=bool(config.fuse_batchnorm))
+                            fuse_batchnorm=bool(config.fuse_batchnorm), pad_last_batch=cuda)
 
 
 class Preprocess:
@@ -616,7 +620,10 @@ def _run_model(dataset: torch.utils.data.Dataset, model: InferenceModel, *, tota
             emit(progress, ProgressEvent("heatmap-patches", done, total, unit="patch", item=stem))
         if n_buf:
             idx_parts.append(np.concatenate(buf_idx))
-            prob_parts.append(model.predict(torch.cat(buf_x)))
+            x = torch.cat(buf_x)
+            if rt.pad_last_batch and n_buf < batch_size:
+                x = torch.cat([x, x.new_zeros((batch_size - n_buf,) + tuple(x.shape[1:]))])
+            prob_parts.append(model.predict(x)[:n_buf])
     finally:
         dataset.close()  # handles opened here when num_workers == 0
     if not idx_parts:
