@@ -7,6 +7,8 @@ import argparse
 import json
 from pathlib import Path
 
+from wsi_milssl.atomic import atomic_write_text
+
 __all__ = ["register_bags", "run_bags"]
 
 
@@ -74,12 +76,6 @@ def register_bags(sub) -> None:
     p.set_defaults(run=run_bags)
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    from wsi_milssl.atomic import atomic_write_text
-
-    atomic_write_text(path, text)
-
-
 def run_bags(args: argparse.Namespace) -> int:
     from wsi_milssl.cli.progress import TqdmProgress
     from wsi_milssl.errors import ConfigError
@@ -109,9 +105,9 @@ def run_bags(args: argparse.Namespace) -> int:
     text = format_markdown(result)
     print(text)
     out = args.json or Path(f"benchmark_bags_{name}.json")
-    _write_atomic(out, json.dumps(result, indent=2) + "\n")
+    atomic_write_text(out, json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
     if args.markdown is not None:
-        _write_atomic(args.markdown, text + "\n")
+        atomic_write_text(args.markdown, text + "\n")
         print(f"wrote {args.markdown}")
     return 0

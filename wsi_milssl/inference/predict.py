@@ -450,18 +450,6 @@ class SlidePrediction:
         return float(bag_scores(self.probs, np.zeros(len(self), np.int64), 1, pooling=pooling)[0])
 
 
-def _direct_source(slide, bands: list[Band], geometry: TileGeometry):
-    """The tile stage's direct TIFF reader of the read level (same pixels as OpenSlide, checked on a
-    probe read), or None (OpenSlide reads)."""
-    if not bands:
-        return None
-    try:
-        return direct_source(slide, bands, geometry)
-    except Exception as exc:  # noqa: BLE001 - any trouble: read through OpenSlide
-        logger.debug("%s: direct TIFF reads disabled (%s)", slide.path, exc)
-        return None
-
-
 class _SlideChunks(torch.utils.data.Dataset):
     """Item k: the patches of ``chunks[k]`` (a few bands of neighbouring cells) read from the slide,
     entropy-filtered and (optionally) preprocessed. The slide opens lazily once per process."""
@@ -484,7 +472,7 @@ class _SlideChunks(torch.utils.data.Dataset):
     def _open(self):
         if self._pid != os.getpid():
             self._slide = open_slide(self.slide_path, mpp_override=self.mpp_override)
-            self._source = _direct_source(self._slide, [b for chunk in self.chunks[:4] for b in chunk], self.geometry)
+            self._source = direct_source(self._slide, [b for chunk in self.chunks[:4] for b in chunk], self.geometry)
             self._pid = os.getpid()
         return self._slide
 
@@ -565,14 +553,8 @@ class _StoreChunks(torch.utils.data.Dataset):
         return state
 
 
-def _lower_priority(niceness: int):
-    """A DataLoader ``worker_init_fn`` that raises the worker's niceness (None when 0)."""
-    if niceness <= 0:
-        return None
-    return functools.partial(_renice, niceness)
-
-
 def _renice(niceness: int, _worker_id: int) -> None:
+    """DataLoader ``worker_init_fn``: raise this worker's niceness."""
     try:
         os.nice(niceness)
     except OSError:  # pragma: no cover - not allowed here: run at the same priority
@@ -592,7 +574,8 @@ def _run_model(dataset: torch.utils.data.Dataset, model: InferenceModel, *, tota
     loader = torch.utils.data.DataLoader(
         dataset, batch_size=None, shuffle=False, num_workers=workers,
         pin_memory=rt.device.type == "cuda", prefetch_factor=_PREFETCH if workers > 0 else None,
-        persistent_workers=False, worker_init_fn=_lower_priority(rt.reader_niceness if workers > 0 else 0),
+        persistent_workers=False,
+        worker_init_fn=functools.partial(_renice, rt.reader_niceness) if rt.reader_niceness else None,
     )
     idx_parts: list[np.ndarray] = []
     prob_parts: list[np.ndarray] = []

@@ -42,7 +42,7 @@ from wsi_milssl.config.base import check_choice, check_range, check_type
 from wsi_milssl.errors import ConfigError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.mil.data import InstanceSet
-from wsi_milssl.mil.models import Standardize, register_model
+from wsi_milssl.mil.models import Standardize, hidden_layers, register_model
 
 __all__ = [
     "BASELINES",
@@ -133,13 +133,8 @@ class MLPEncoder(nn.Module):
     def __init__(self, in_features: int, *, hidden_dims: tuple[int, ...]) -> None:
         super().__init__()
         self.standardize = Standardize(in_features)
-        layers: list[nn.Module] = []
-        width = in_features
-        for h in hidden_dims:
-            layers += [nn.Linear(width, h), nn.ReLU(inplace=True)]
-            width = h
+        layers, self.out_features = hidden_layers(in_features, hidden_dims)
         self.body = nn.Sequential(*layers)
-        self.out_features = width
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.body(self.standardize(x))

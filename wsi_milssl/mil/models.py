@@ -149,6 +149,19 @@ class Standardize(nn.Module):
         return (x - self.mean) / self.std
 
 
+def hidden_layers(in_features: int, hidden_dims: tuple[int, ...], *, dropout: float = 0.0
+                  ) -> tuple[list[nn.Module], int]:
+    """[Linear -> ReLU (-> Dropout)] per entry of ``hidden_dims``, and the width they end with."""
+    layers: list[nn.Module] = []
+    width = in_features
+    for h in hidden_dims:
+        layers += [nn.Linear(width, h), nn.ReLU(inplace=True)]
+        if dropout > 0:
+            layers.append(nn.Dropout(dropout))
+        width = h
+    return layers, width
+
+
 class FeatureHead(nn.Module):
     """Standardize -> [Linear -> ReLU -> Dropout] * len(hidden_dims) -> Linear(num_classes)."""
 
@@ -156,13 +169,7 @@ class FeatureHead(nn.Module):
                  num_classes: int = 2) -> None:
         super().__init__()
         self.standardize = Standardize(in_features)
-        layers: list[nn.Module] = []
-        width = in_features
-        for h in hidden_dims:
-            layers += [nn.Linear(width, h), nn.ReLU(inplace=True)]
-            if dropout > 0:
-                layers.append(nn.Dropout(dropout))
-            width = h
+        layers, width = hidden_layers(in_features, hidden_dims, dropout=dropout)
         layers.append(nn.Linear(width, num_classes))
         self.body = nn.Sequential(*layers)
 

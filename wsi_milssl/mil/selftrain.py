@@ -458,17 +458,13 @@ def _json_default(value):
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
-    atomic_write_text(path, text)
-
-
 #: Redraw metrics.png at most this often (seconds); the last epoch is always drawn.
 PLOT_INTERVAL_S = 10.0
 
 
 def _write_metrics(out_dir: Path, history: list[dict[str, Any]], *, plots: bool) -> None:
     lines = "".join(json.dumps(rec, default=_json_default, sort_keys=True) + "\n" for rec in history)
-    _write_text_atomic(out_dir / "metrics.jsonl", lines)
+    atomic_write_text(out_dir / "metrics.jsonl", lines)
     if plots:
         from wsi_milssl.mil.plots import plot_training_metrics
 
@@ -604,7 +600,7 @@ def fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike |
         log.info("resumed %s at epoch %d (step %d)", out / "last.pt", start_epoch, step)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        _write_text_atomic(out / "config.json", json.dumps(ckpt_config, indent=2, sort_keys=True,
+        atomic_write_text(out / "config.json", json.dumps(ckpt_config, indent=2, sort_keys=True,
                                                            default=_json_default) + "\n")
 
     dataset = PatchDataset(train) if train.kind == "images" else None
