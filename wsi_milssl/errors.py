@@ -9,6 +9,7 @@ __all__ = [
     "StoreError",
     "CheckpointError",
     "EvaluationError",
+    "LabelsError",
 ]
 
 
@@ -42,3 +43,7 @@ class CheckpointError(WsiMilsslError):
 
 class EvaluationError(WsiMilsslError):
     """Predictions, labels or slides given to the evaluation are missing, malformed or do not match."""
+
+
+class LabelsError(WsiMilsslError, ValueError):
+    """A slide-labels file is missing, malformed or contradicts itself, or a slide has no label in it."""

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from wsi_milssl.errors import EvaluationError
+from wsi_milssl.errors import EvaluationError, LabelsError
 from wsi_milssl.evaluation import evaluate_predictions, read_labels
 from wsi_milssl.evaluation.froc import FP_RATES
 
@@ -144,7 +144,7 @@ def test_unlabelled_slide_is_an_error(synth_dir, annotations_dir, predictions, t
     pred_dir, info = predictions
     labels = tmp_path / "labels.csv"
     labels.write_text(f"slide,label\n{info['tumor']},1\n")
-    with pytest.raises(EvaluationError, match=rf"no label for the predicted slides {info['normal']}.*Fix"):
+    with pytest.raises(LabelsError, match=rf"labels\.csv: no label for 1 predicted slide\(s\): {info['normal']} .*Fix: add"):
         evaluate_predictions(pred_dir, labels_csv=labels, out_dir=tmp_path / "o", annotations_dir=annotations_dir,
                              slides=synth_dir)
 
@@ -176,10 +176,10 @@ def test_labels_reader(tmp_path):
     p.write_text("slide,label\nA.tif,Tumor\nB,0\nC,normal\n")
     assert read_labels(p) == {"A": 1, "B": 0, "C": 0}
     p.write_text("slide,label\nA,maybe\n")
-    with pytest.raises(EvaluationError, match=r"line 2: label 'maybe'.*Fix"):
+    with pytest.raises(LabelsError, match=r"labels\.csv: line 2: label 'maybe' of slide 'A' is not 0/1.*Fix"):
         read_labels(p)
     p.write_text("name,class\nA,1\n")
-    with pytest.raises(EvaluationError, match="header must contain 'slide' and 'label'"):
+    with pytest.raises(LabelsError, match=r"line 1: 'name,class' is neither a header with a name column"):
         read_labels(p)
 
 

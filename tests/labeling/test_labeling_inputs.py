@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from wsi_milssl.errors import AnnotationError
+from wsi_milssl.errors import AnnotationError, LabelsError
 from wsi_milssl.labeling import eval_mask_paths, read_eval_mask, read_slide_labels, write_eval_mask
 
 
@@ -27,15 +27,15 @@ def test_camelyon16_reference_csv_without_header(tmp_path):
 def test_bad_labels_name_file_and_line(tmp_path):
     path = tmp_path / "labels.csv"
     path.write_text("slide,label\na,1\nb,maybe\n")
-    with pytest.raises(AnnotationError, match=r"labels\.csv: line 3: label 'maybe' of slide 'b' is not 0/1"):
+    with pytest.raises(LabelsError, match=r"labels\.csv: line 3: label 'maybe' of slide 'b' is not 0/1"):
         read_slide_labels(path)
     path.write_text("slide,label\na,1\na,0\n")
-    with pytest.raises(AnnotationError, match=r"line 3: slide 'a' is listed twice with different labels"):
+    with pytest.raises(LabelsError, match=r"lines 2 and 3 give slide 'a' different labels \(1 and 0\)"):
         read_slide_labels(path)
     path.write_text("name,class\na,1\n")
-    with pytest.raises(AnnotationError, match=r"line 1: header 'name,class' has no 'slide' and 'label' columns"):
+    with pytest.raises(LabelsError, match=r"line 1: 'name,class' is neither a header with a name column"):
         read_slide_labels(path)
-    with pytest.raises(AnnotationError, match="slide labels file not found"):
+    with pytest.raises(LabelsError, match="slide-labels file not found"):
         read_slide_labels(tmp_path / "missing.csv")
 
 

@@ -43,16 +43,18 @@ def test_mil_csv_errors(tmp_path, text, match):
 
 
 def test_labels_csv(tmp_path):
+    from wsi_milssl.errors import LabelsError
+
     path = tmp_path / "labels.csv"
     path.write_text("slide,label\nslides/a.tif,1\nb,0\nc,tumor\n")
     assert read_labels_csv(path) == {"a": 1, "b": 0, "c": 1}
     path.write_text("name_of_thing,y\na,1\n")
-    with pytest.raises(ConfigError, match="needs a header with a name column"):
+    with pytest.raises(LabelsError, match="is neither a header with a name column"):
         read_labels_csv(path)
     path.write_text("slide,label\na,maybe\n")
-    with pytest.raises(ConfigError, match="line 2: label 'maybe'"):
+    with pytest.raises(LabelsError, match="line 2: label 'maybe'"):
         read_labels_csv(path)
-    with pytest.raises(ConfigError, match="labels file not found"):
+    with pytest.raises(LabelsError, match="labels file not found"):
         read_labels_csv(tmp_path / "missing.csv")
 
 

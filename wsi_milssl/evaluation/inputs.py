@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from wsi_milssl.cohorts import SLIDE_SUFFIXES, read_labels, slide_stem, stem_key
 from wsi_milssl.errors import EvaluationError
 
 __all__ = [
@@ -37,19 +38,6 @@ __all__ = [
     "resolve_slides",
     "slide_stem",
 ]
-
-SLIDE_SUFFIXES = (".svs", ".tif", ".tiff", ".ndpi", ".mrxs", ".scn", ".vms", ".vmu", ".bif", ".svslide")
-"""File suffixes taken as whole-slide images when ``--slides`` is a folder."""
-
-
-def slide_stem(name: str) -> str:
-    """A slide's stem: ``name`` without its folder and without a whole-slide suffix, if it has one."""
-    base = Path(name).name
-    for suffix in SLIDE_SUFFIXES:
-        if base.lower().endswith(suffix):
-            return base[: -len(suffix)]
-    return base
-
 
 @dataclass(frozen=True)
 class Detections:
@@ -185,43 +173,6 @@ def read_scores(path: str | os.PathLike) -> dict[str, float]:
     return out
 
 
-_LABEL_WORDS = {"0": 0, "1": 1, "normal": 0, "negative": 0, "tumor": 1, "tumour": 1, "positive": 1}
-
-
-def read_labels(path: str | os.PathLike) -> dict[str, int]:
-    """Read ``labels.csv`` (header ``slide,label``; label 1/tumor/tumour = tumour, 0/normal = normal)
-    into {stem: 0 or 1}. A slide name with a whole-slide suffix is reduced to its stem."""
-    path = Path(path)
-    try:
-        fh = open(path, newline="")
-    except OSError as exc:
-        raise EvaluationError(f"{path}: cannot read the slide labels ({exc.strerror}). Fix: check the path.") from None
-    out: dict[str, int] = {}
-    with fh:
-        reader = csv.DictReader(fh)
-        names = [f.strip() for f in (reader.fieldnames or [])]
-        if "slide" not in names or "label" not in names:
-            raise EvaluationError(
-                f"{path}: header must contain 'slide' and 'label'; got {','.join(names)!r}. "
-                "Fix: write 'slide,label' with one slide stem and 0 (normal) or 1 (tumour) per line."
-            )
-        for line_no, row in enumerate(reader, start=2):
-            row = {k.strip(): (v or "").strip() for k, v in row.items() if k is not None}
-            if not row.get("slide"):
-                continue
-            value = _LABEL_WORDS.get(row["label"].lower())
-            if value is None:
-                raise EvaluationError(
-                    f"{path}: line {line_no}: label {row['label']!r} of slide {row['slide']!r} is not 0/1 "
-                    "(or normal/tumor). Fix: use 1 for tumour slides and 0 for normal slides."
-                )
-            stem = slide_stem(row["slide"])
-            if stem in out and out[stem] != value:
-                raise EvaluationError(f"{path}: line {line_no}: slide {stem!r} is listed twice with different labels.")
-            out[stem] = value
-    return out
-
-
 def resolve_slides(source: str | os.PathLike | None) -> dict[str, Path]:
     """Map slide stem -> slide path from a folder of slides or a CSV listing them.
 
@@ -269,7 +220,7 @@ def find_predictions(directory: str | os.PathLike, *, known_stems: set[str] | fr
     """Find prediction files per slide stem in ``directory`` (sorted by stem).
 
     ``<stem>_detections.csv`` files always count; a plain ``<stem>.csv`` counts as a detection file
-    only when ``stem`` is in ``known_stems`` (the labelled slides) and has no ``_detections.csv``.
+    only when ``stem`` is in ``known_stems`` (the labelled slides; case-insensitive) and has no ``_detections.csv``.
     """
     directory = Path(directory)
     if not directory.is_dir():
@@ -291,7 +242,8 @@ def find_predictions(directory: str | os.PathLike, *, known_stems: set[str] | fr
         else:
             if p.suffix == ".csv" and p.name != "scores.csv":
                 plain_csv[p.stem] = p
+    known = {stem_key(s) for s in known_stems}
     for stem, p in plain_csv.items():
-        if stem in known_stems and "detections" not in found.get(stem, {}):
+        if stem_key(stem) in known and "detections" not in found.get(stem, {}):
             found.setdefault(stem, {})["detections"] = p
     return {stem: PredictionFiles(stem=stem, **files) for stem, files in sorted(found.items())}

@@ -31,6 +31,7 @@ from PIL import Image
 
 from wsi_milssl.annotations import find_annotation, rasterize_region, read_annotations, tumor_fraction
 from wsi_milssl.atomic import atomic_write_bytes, atomic_write_csv, atomic_write_json
+from wsi_milssl.cohorts import labels_for, stem_key
 from wsi_milssl.config.base import config_hash, config_to_dict, write_resolved_config
 from wsi_milssl.config.evaluate import EvaluateConfig
 from wsi_milssl.errors import EvaluationError, MissingResolutionError
@@ -311,13 +312,9 @@ def evaluate_predictions(
             "<stem>_detections.csv, so the FROC would miss them. Fix: re-run the heatmap stage for them "
             "or remove their files from the folder."
         )
-    unlabelled = sorted(s for s in evaluated if s not in labels)
-    if unlabelled:
-        raise EvaluationError(
-            f"{labels_csv}: no label for the predicted slides {', '.join(unlabelled)}. Fix: add a "
-            "'slide,label' line for each (1 tumour, 0 normal)."
-        )
-    skipped = sorted(set(labels) - set(evaluated))
+    slide_labels = labels_for(labels, evaluated, what="predicted slide")  # one error lists every unlabelled slide
+    evaluated_keys = {stem_key(s) for s in evaluated}
+    skipped = sorted(s for s in labels if stem_key(s) not in evaluated_keys)
     if skipped:
         logger.info("%d labelled slides have no predictions and are not evaluated", len(skipped))
     slide_paths = resolve_slides(slides)
@@ -326,7 +323,7 @@ def evaluate_predictions(
     total = len(evaluated)
     emit(progress, ProgressEvent("evaluate", 0, total, unit="slide"))
     for i, (stem, files) in enumerate(evaluated.items(), start=1):
-        results.append(_evaluate_slide(files, labels[stem], annotations_dir=annotations_dir,
+        results.append(_evaluate_slide(files, slide_labels[stem], annotations_dir=annotations_dir,
                                        slide_paths=slide_paths, config=config))
         emit(progress, ProgressEvent("evaluate", i, total, unit="slide", item=stem))
 

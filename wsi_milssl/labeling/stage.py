@@ -42,12 +42,12 @@ import numpy as np
 from wsi_milssl.annotations import find_annotation, list_annotation_files, rasterize_region, read_annotations
 from wsi_milssl.annotations.geometry import tumor_fraction
 from wsi_milssl.atomic import atomic_open
+from wsi_milssl.cohorts import read_labels
 from wsi_milssl.config.base import config_hash, write_resolved_config
 from wsi_milssl.config.label import LabelConfig
 from wsi_milssl.errors import StoreError, WsiMilsslError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.labeling.masks import write_eval_mask
-from wsi_milssl.labeling.slide_labels import read_slide_labels
 from wsi_milssl.store import find_stores, open_store, schema, write_arrays
 
 __all__ = [
@@ -291,7 +291,7 @@ def label_stores(
     if not paths:
         raise StoreError(f"no patch stores found in {stores}; run `wsi-milssl tile` first or check the paths.")
     annotations_dir = Path(annotations_dir)
-    labels = read_slide_labels(labels_csv) if labels_csv is not None else None
+    labels = read_labels(labels_csv) if labels_csv is not None else None
     ann_files = list_annotation_files(annotations_dir)  # raises when the folder is missing
     out = Path(out_dir) if out_dir is not None else paths[0].parent / "labels"
     out.mkdir(parents=True, exist_ok=True)

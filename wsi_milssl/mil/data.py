@@ -195,46 +195,16 @@ class InstanceSet:
 _NAME_COLUMNS = ("slide", "bag", "bag_id", "stem", "slide_id", "name", "case_id")
 
 
-def read_labels_csv(path: str | os.PathLike) -> dict[str, int]:
-    """Read a bag-label CSV with a header: a name column (``slide``, ``bag``, ``bag_id`` or ``stem``)
-    and a ``label`` column of 0/1 (``normal``/``tumor`` and ``negative``/``positive`` also accepted).
+def read_labels_csv(path: str | os.PathLike) -> "SlideLabels":
+    """Read slide (bag) labels: a thin delegate to :func:`wsi_milssl.cohorts.read_labels`, the one
+    labels reader every stage uses (header or not, CAMELYON16 reference layout, BOM, CRLF).
 
-    Returns {name: 0 or 1}; a slide path or file name in the name column is reduced to its stem.
+    Returns ``{stem: 0 or 1}`` with case-insensitive lookups; raises LabelsError naming the file,
+    the line and the fix.
     """
-    path = Path(path)
-    try:
-        with open(path, newline="") as fh:
-            reader = csv.DictReader(fh)
-            fields = [f.strip().lower() for f in (reader.fieldnames or [])]
-            rows = list(reader)
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: labels file not found; pass --labels with a CSV of slide,label.") from None
-    name_col = next((f for f in _NAME_COLUMNS if f in fields), None)
-    if name_col is None or "label" not in fields:
-        raise ConfigError(
-            f"{path}: needs a header with a name column ({', '.join(_NAME_COLUMNS[:4])}) and a 'label' "
-            f"column; found {fields or 'no header'}."
-        )
-    raw_fields = reader.fieldnames or []
-    name_key = raw_fields[fields.index(name_col)]
-    label_key = raw_fields[fields.index("label")]
-    words = {"0": 0, "1": 1, "normal": 0, "tumor": 1, "tumour": 1, "negative": 0, "positive": 1}
-    out: dict[str, int] = {}
-    for line, row in enumerate(rows, start=2):
-        name = (row.get(name_key) or "").strip()
-        value = (row.get(label_key) or "").strip().lower()
-        if not name:
-            continue
-        if value not in words:
-            raise ConfigError(f"{path}: line {line}: label {value!r} is not 0/1 (or normal/tumor); fix that row.")
-        stem = Path(name).name
-        for suffix in (".h5", ".zarr", ".tif", ".tiff", ".svs", ".ndpi", ".mrxs"):
-            if stem.lower().endswith(suffix):
-                stem = stem[: -len(suffix)]
-        out[stem] = words[value]
-    if not out:
-        raise ConfigError(f"{path}: no labelled rows; add rows of slide,label.")
-    return out
+    from wsi_milssl.cohorts import read_labels
+
+    return read_labels(path)
 
 
 def _bag_labels_from_instances(labels: np.ndarray, bag_ids: np.ndarray, n_bags: int) -> np.ndarray:

@@ -1,0 +1,24 @@
+"""Cohorts: slide names and slide labels, read one way for every stage.
+
+- ``slide_stem(name)`` / ``stem_key(name)``: the name a slide's outputs are keyed by, and the
+  case-insensitive key stems are matched with; ``SLIDE_SUFFIXES``: whole-slide file suffixes.
+- ``read_labels(labels.csv)`` -> ``SlideLabels`` (``{stem: 0/1}``, case-insensitive lookups);
+  ``labels_for(labels, names)``: the labels of given slides, or one error listing every name
+  without a label.
+"""
+
+from wsi_milssl.cohorts.labels import LABEL_WORDS, NAME_COLUMNS, SlideLabels, labels_for, read_labels
+from wsi_milssl.cohorts.names import NAME_SUFFIXES, SLIDE_SUFFIXES, STORE_SUFFIXES, slide_stem, stem_key
+
+__all__ = [
+    "LABEL_WORDS",
+    "NAME_COLUMNS",
+    "NAME_SUFFIXES",
+    "SLIDE_SUFFIXES",
+    "STORE_SUFFIXES",
+    "SlideLabels",
+    "labels_for",
+    "read_labels",
+    "slide_stem",
+    "stem_key",
+]

@@ -1,0 +1,218 @@
+"""Slide labels: the one reader every stage uses (``label``, ``train``, ``evaluate``, ``run``).
+
+Accepted files (UTF-8 with or without a byte-order mark, or UTF-16 with one; LF or CRLF line ends):
+
+- a header with a name column and a ``label`` column, other columns ignored. The name column is the
+  first of :data:`NAME_COLUMNS` present (``slide``, ``bag``, ``bag_id``, ``stem``, ``slide_id``,
+  ``name``, ``case_id``); header names are matched case-insensitively;
+- no header: ``name,label[,...]`` per line, which includes CAMELYON16's ``reference.csv`` as shipped
+  (``Test_001,Tumor,Macro,...`` / ``Test_002,Normal,,...``).
+
+Labels (any case): ``1``, ``tumor``, ``tumour``, ``positive``, ``true`` are tumour; ``0``, ``normal``,
+``negative``, ``false`` are normal. Names are reduced to slide stems (folder and slide/store suffix
+removed, see :func:`wsi_milssl.cohorts.slide_stem`) and matched case-insensitively.
+
+A slide listed twice with the same label is accepted (the first line's spelling of the name is
+kept); listed twice with different labels it is an error naming both lines. Blank lines and lines
+with an empty name are skipped.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+from pathlib import Path
+from typing import Iterable, Iterator, Mapping
+
+from wsi_milssl.cohorts.names import slide_stem, stem_key
+from wsi_milssl.errors import LabelsError
+
+__all__ = ["LABEL_WORDS", "NAME_COLUMNS", "SlideLabels", "read_labels", "labels_for"]
+
+#: Label words (case-insensitive) -> 0 (normal) or 1 (tumour).
+LABEL_WORDS = {
+    "1": 1, "tumor": 1, "tumour": 1, "positive": 1, "true": 1,
+    "0": 0, "normal": 0, "negative": 0, "false": 0,
+}
+
+#: Header names accepted for the slide-name column, in order of preference.
+NAME_COLUMNS = ("slide", "bag", "bag_id", "stem", "slide_id", "name", "case_id")
+
+_FIX_LAYOUT = ("Fix: write a header 'slide,label' and one 'name,label' line per slide (label 1/tumor or "
+               "0/normal), or CAMELYON16's header-less reference.csv layout 'Test_001,Tumor,...'.")
+_MAX_FILE_BYTES = 256 << 20  # 256 MiB: millions of slides; anything larger is not a labels file
+
+
+class SlideLabels(Mapping[str, int]):
+    """Slide labels read from one file: ``{stem: 0 or 1}`` with case-insensitive lookups.
+
+    Iteration yields the stems as first written in the file; ``labels["TEST_001"]``,
+    ``"test_001.tif" in labels`` and ``labels.get("Test_001")`` all find ``Test_001`` (keys are
+    reduced with :func:`slide_stem` and case-folded before lookup). ``path`` is the file read;
+    ``line(name)`` the line that gave a slide its label.
+    """
+
+    def __init__(self, items: Iterable[tuple[str, int, int]] = (), *, path: str | os.PathLike | None = None) -> None:
+        self.path = None if path is None else Path(path)
+        self._by_key: dict[str, tuple[str, int, int]] = {}
+        for stem, label, line in items:
+            self._by_key.setdefault(stem_key(stem), (stem, int(label), int(line)))
+
+    def __getitem__(self, name: str) -> int:
+        try:
+            return self._by_key[stem_key(name)][1]
+        except KeyError:
+            raise KeyError(name) from None
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, (str, os.PathLike)) and stem_key(name) in self._by_key
+
+    def __iter__(self) -> Iterator[str]:
+        return (stem for stem, _, _ in self._by_key.values())
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def line(self, name: str) -> int:
+        """Line number (1-based) of ``name``'s label in the file."""
+        return self._by_key[stem_key(name)][2]
+
+    def __repr__(self) -> str:
+        return f"SlideLabels({dict(self)!r}, path={str(self.path) if self.path else None!r})"
+
+
+def _decode(path: Path, raw: bytes) -> str:
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+        encoding = "utf-16"
+    else:
+        encoding = "utf-8-sig"
+    try:
+        return raw.decode(encoding)
+    except UnicodeDecodeError as exc:
+        raise LabelsError(
+            f"{path}: not {'UTF-16' if encoding == 'utf-16' else 'UTF-8'} text (undecodable byte at offset "
+            f"{exc.start}). Fix: save the labels as UTF-8 CSV (in Excel: 'CSV UTF-8')."
+        ) from None
+
+
+def _rows(path: Path, text: str) -> list[tuple[int, list[str]]]:
+    """(line number, stripped cells) of every non-blank row."""
+    if "\x00" in text:
+        raise LabelsError(f"{path}: contains NUL bytes, so it is not a text CSV file. {_FIX_LAYOUT}")
+    reader = csv.reader(io.StringIO(text, newline=""))
+    out: list[tuple[int, list[str]]] = []
+    try:
+        for row in reader:
+            cells = [c.strip() for c in row]
+            if any(cells):
+                out.append((reader.line_num, cells))
+    except csv.Error as exc:
+        raise LabelsError(f"{path}: line {reader.line_num}: not valid CSV ({exc}). {_FIX_LAYOUT}") from None
+    return out
+
+
+def _short(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def read_labels(path: str | os.PathLike) -> SlideLabels:
+    """Read a slide-labels CSV (layouts in the module docstring) into a :class:`SlideLabels`.
+
+    Raises LabelsError naming the file, the line and the fix for a missing or unreadable file, a
+    header without name and label columns, an unknown label, a slide listed twice with different
+    labels, or a file without any labelled slide.
+    """
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        if path.is_dir():
+            raise IsADirectoryError(21, "is a folder")
+        if size > _MAX_FILE_BYTES:
+            raise LabelsError(f"{path}: {size} bytes is far too large for a slide-labels CSV. {_FIX_LAYOUT}")
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise LabelsError(f"{path}: slide-labels file not found. Fix: check the path given with --labels.") from None
+    except OSError as exc:
+        raise LabelsError(
+            f"{path}: cannot read the slide labels ({exc.strerror or exc}). Fix: give a readable CSV file."
+        ) from None
+    rows = _rows(path, _decode(path, raw))
+    if not rows:
+        raise LabelsError(f"{path}: no slide labels in the file. {_FIX_LAYOUT}")
+
+    name_col, label_col = 0, 1
+    first_line, first = rows[0]
+    lowered = [c.casefold() for c in first]
+    named = [c for c in NAME_COLUMNS if c in lowered]
+    if named and "label" in lowered:
+        name_col, label_col = lowered.index(named[0]), lowered.index("label")
+        rows = rows[1:]
+    elif len(first) < 2 or first[1].casefold() not in LABEL_WORDS:
+        raise LabelsError(
+            f"{path}: line {first_line}: {_short(','.join(first))!r} is neither a header with a name column "
+            f"({', '.join(NAME_COLUMNS)}) and a 'label' column nor a 'name,label' row. {_FIX_LAYOUT}"
+        )
+
+    items: list[tuple[str, int, int]] = []
+    seen: dict[str, tuple[int, int]] = {}
+    for line, cells in rows:
+        name = cells[name_col] if name_col < len(cells) else ""
+        if not name:
+            continue
+        stem = slide_stem(name)
+        if not stem:
+            raise LabelsError(f"{path}: line {line}: {_short(name)!r} is not a slide name. {_FIX_LAYOUT}")
+        if label_col >= len(cells) or not cells[label_col]:
+            raise LabelsError(
+                f"{path}: line {line}: slide {_short(stem)!r} has no label. Fix: add 1 (tumour) or 0 (normal) "
+                "in its label column."
+            )
+        word = cells[label_col]
+        value = LABEL_WORDS.get(word.casefold())
+        if value is None:
+            raise LabelsError(
+                f"{path}: line {line}: label {_short(word)!r} of slide {_short(stem)!r} is not 0/1 or "
+                "normal/tumor. Fix: use 1 (or tumor) for tumour slides and 0 (or normal) for normal slides."
+            )
+        key = stem.casefold()
+        if key in seen:
+            other_line, other_value = seen[key]
+            if other_value != value:
+                raise LabelsError(
+                    f"{path}: lines {other_line} and {line} give slide {_short(stem)!r} different labels "
+                    f"({other_value} and {value}); a slide's label must not be guessed. Fix: keep one line "
+                    "per slide, with its true label."
+                )
+            continue  # the same label again: harmless
+        seen[key] = (line, value)
+        items.append((stem, value, line))
+    if not items:
+        raise LabelsError(f"{path}: no labelled slides (only a header or empty names). {_FIX_LAYOUT}")
+    return SlideLabels(items, path=path)
+
+
+def _names(items: list[str], limit: int = 20) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def labels_for(labels: Mapping[str, int], names: Iterable[str], *, what: str = "slide",
+               source: str | os.PathLike | None = None) -> dict[str, int]:
+    """``{name: label}`` for every name in ``names``, matched as :class:`SlideLabels` matches them.
+
+    Raises one LabelsError listing every name without a label (``what`` names the kind of item, e.g.
+    "predicted slide"; ``source`` the labels file, default ``labels.path``).
+    """
+    names = list(names)
+    table = labels if isinstance(labels, SlideLabels) else SlideLabels(
+        ((k, v, 0) for k, v in labels.items()), path=None)
+    missing = [n for n in names if n not in table]
+    if missing:
+        where = source if source is not None else (table.path or "the slide labels")
+        raise LabelsError(
+            f"{where}: no label for {len(missing)} {what}(s): {_names(missing)} (names are matched without "
+            f"folder, slide suffix and case). Fix: add a 'slide,label' line for each (1 tumour, 0 normal), or "
+            f"leave those {what}s out."
+        )
+    return {n: table[n] for n in names}

@@ -1,0 +1,44 @@
+"""Slide names: the one list of slide suffixes and the one way to reduce a name to its stem.
+
+A slide's outputs (stores, heatmaps, labels, annotations) are keyed by its *stem*: the file name
+without its folder and without a whole-slide or store suffix (matched case-insensitively). Stems are
+compared case-insensitively by every stage (:func:`stem_key`), so ``Tumor_001.tif``, ``tumor_001``
+and ``TUMOR_001.h5`` name the same slide.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["SLIDE_SUFFIXES", "STORE_SUFFIXES", "NAME_SUFFIXES", "slide_stem", "stem_key"]
+
+#: Suffixes of whole-slide image files (a folder of slides is searched for these).
+SLIDE_SUFFIXES = (".svs", ".tif", ".tiff", ".ndpi", ".mrxs", ".scn", ".vms", ".vmu", ".bif", ".svslide",
+                  ".czi", ".dcm")
+
+#: Suffixes of per-slide outputs named after the slide (patch stores, feature files).
+STORE_SUFFIXES = (".h5", ".hdf5", ".zarr")
+
+#: Every suffix :func:`slide_stem` removes.
+NAME_SUFFIXES = SLIDE_SUFFIXES + STORE_SUFFIXES
+
+
+def slide_stem(name: str | os.PathLike) -> str:
+    """``"slides/Tumor_001.TIF"`` -> ``"Tumor_001"``: the base name without a slide or store suffix.
+
+    Folders are dropped (``/`` and ``\\`` both separate), surrounding blanks are stripped, and one
+    suffix of :data:`NAME_SUFFIXES` is removed, matched case-insensitively; a name with another
+    suffix is kept whole (``"case.01"`` stays ``"case.01"``).
+    """
+    text = os.fspath(name).strip().replace("\\", "/").rstrip("/")
+    base = text.rsplit("/", 1)[-1].strip()
+    lower = base.lower()
+    for suffix in NAME_SUFFIXES:
+        if lower.endswith(suffix) and len(base) > len(suffix):
+            return base[: -len(suffix)]
+    return base
+
+
+def stem_key(name: str | os.PathLike) -> str:
+    """The key stems are matched by: :func:`slide_stem`, case-folded."""
+    return slide_stem(name).casefold()
