@@ -9,7 +9,8 @@ import torch
 
 from wsi_milssl.errors import ConfigError, StoreError
 from wsi_milssl.mil import read_feature_files, read_labels_csv, read_mil_csv, to_tensor
-from wsi_milssl.mil.data import NORMALISATION, augment_batch, to_unit_float
+from wsi_milssl.mil.data import NORMALISATION, to_unit_float
+from wsi_milssl.mil.pixels import LUMA_WEIGHTS, prepare_patches
 
 
 def test_read_mil_csv(mil_csv):
@@ -91,14 +92,53 @@ def test_to_tensor_layout_and_normalisation():
         to_tensor(np.zeros((2, 4, 4, 3), dtype=np.float32))
 
 
-def test_augment_batch_is_reproducible_and_geometric_only_without_jitter():
+def _reference_augment(x_unit: torch.Tensor, draws: torch.Tensor, jitter: float) -> torch.Tensor:
+    """The augmentation written out step by step (float (B, 3, H, W) in [0, 1]), as docs describe it."""
+    out = []
+    w = torch.tensor(LUMA_WEIGHTS).view(3, 1, 1)
+    for img, d in zip(x_unit, draws):
+        if d[0] < 0.5:
+            img = img.flip(-1)
+        if d[1] < 0.5:
+            img = img.flip(-2)
+        if d[2] < 0.5:
+            img = img.rot90(1, (1, 2))
+        b, c, s = (1.0 + (2.0 * d[3:6] - 1.0) * jitter).tolist()
+        img = img * b
+        m = (img * w).sum(0).mean()
+        img = (img - m) * c + m
+        gray = (img * w).sum(0, keepdim=True)
+        img = ((img - gray) * s + gray).clamp(0, 1)
+        out.append(img)
+    return torch.stack(out)
+
+
+def test_prepare_patches_matches_the_written_out_augmentation():
     rng = np.random.default_rng(0)
-    x = to_unit_float(rng.integers(0, 256, size=(16, 8, 8, 3), dtype=np.uint8))
-    a = augment_batch(x, torch.Generator().manual_seed(1), colour_jitter=0.05)
-    b = augment_batch(x, torch.Generator().manual_seed(1), colour_jitter=0.05)
+    pixels = torch.from_numpy(rng.integers(0, 256, size=(16, 8, 8, 3), dtype=np.uint8))
+    mean = torch.tensor(NORMALISATION["mean"]).view(1, 3, 1, 1)
+    std = torch.tensor(NORMALISATION["std"]).view(1, 3, 1, 1)
+    for jitter in (0.0, 0.3):
+        got = prepare_patches(pixels, generator=torch.Generator().manual_seed(1), colour_jitter=jitter)
+        draws = torch.rand(16, 6, generator=torch.Generator().manual_seed(1))
+        want = (_reference_augment(to_unit_float(pixels), draws, jitter) - mean) / std
+        assert got.shape == (16, 3, 8, 8) and got.is_contiguous(memory_format=torch.channels_last)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+    plain = prepare_patches(pixels)  # no generator: the normalisation alone
+    torch.testing.assert_close(plain, (to_unit_float(pixels) - mean) / std, atol=1e-6, rtol=0)
+
+
+def test_prepare_patches_is_reproducible_and_geometric_only_without_jitter():
+    rng = np.random.default_rng(0)
+    pixels = torch.from_numpy(rng.integers(0, 256, size=(16, 8, 8, 3), dtype=np.uint8))
+    a = prepare_patches(pixels, generator=torch.Generator().manual_seed(1), colour_jitter=0.05)
+    b = prepare_patches(pixels, generator=torch.Generator().manual_seed(1), colour_jitter=0.05)
+    x = prepare_patches(pixels)
     assert torch.equal(a, b) and not torch.equal(a, x)
-    assert a.min() >= 0 and a.max() <= 1
-    g = augment_batch(x, torch.Generator().manual_seed(2), colour_jitter=0.0)
+    low = (0 - torch.tensor(NORMALISATION["mean"])) / torch.tensor(NORMALISATION["std"])
+    high = (1 - torch.tensor(NORMALISATION["mean"])) / torch.tensor(NORMALISATION["std"])
+    assert (a >= low.view(1, 3, 1, 1) - 1e-6).all() and (a <= high.view(1, 3, 1, 1) + 1e-6).all()
+    g = prepare_patches(pixels, generator=torch.Generator().manual_seed(2), colour_jitter=0.0)
     changed = 0
     for i in range(16):  # each output is one of the 8 symmetries of its input square
         variants = [torch.rot90(x[i], k, (1, 2)) for k in range(4)]

@@ -25,7 +25,7 @@ _VALUE_OPTIONS = {
     "refresh_every": "refresh_every", "bag_pooling": "bag_pooling", "colour_jitter": "colour_jitter",
     "select_metric": "select_metric", "seed": "seed", "device": "device", "amp": "amp",
     "workers": "num_workers", "threads": "threads", "sinkhorn_max_iter": "sinkhorn_max_iter",
-    "sinkhorn_tol": "sinkhorn_tol",
+    "sinkhorn_tol": "sinkhorn_tol", "shuffle_block": "shuffle_block", "decode": "decode",
 }
 # CLI flag -> (TrainConfig field, value when the flag is given)
 _FLAG_OPTIONS = {
@@ -87,7 +87,15 @@ def add_train_options(p: argparse.ArgumentParser) -> None:
     r.add_argument("--amp", choices=("auto", "off", "bf16", "fp16"), default=None,
                    help="autocast precision; auto = bf16 on CUDA and for ResNet on CPU [auto]")
     r.add_argument("--no-channels-last", action="store_true", help="keep NCHW memory layout for the ResNet")
-    r.add_argument("--workers", type=int, default=None, help="patch-decoding workers (-1 = auto: min(4, CPUs - 1), none on <= 2 CPUs) [-1]")
+    r.add_argument("--workers", type=int, default=None,
+                   help="patch-reading processes, alive for the whole run (-1 = auto: CPUs - 2 up to 16 on CUDA; "
+                        "min(4, CPUs - 1) on the CPU, none on <= 2 CPUs) [-1]")
+    r.add_argument("--shuffle-block", type=int, default=None, metavar="N",
+                   help="image mode: shuffle blocks of N consecutive patches of a slide, then the patches in each "
+                        f"block (sequential reads; 1 = a uniform permutation) [{d.shuffle_block}]")
+    r.add_argument("--decode", choices=("workers", "device"), default=None,
+                   help="where stored JPEG patches are decoded: in the readers, or on the training device in "
+                        f"batches (torchvision; nvJPEG on CUDA) [{d.decode}]")
     r.add_argument("--threads", type=int, default=None, help="torch CPU threads (0 = torch default) [0]")
     r.add_argument("--no-plots", action="store_true", help="do not draw metrics.png")
     r.add_argument("--config", type=Path, default=None, metavar="TOML",

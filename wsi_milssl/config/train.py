@@ -46,8 +46,15 @@ class TrainConfig:
 
     Runtime: ``device`` "auto" picks CUDA when present; ``amp`` "auto" uses bfloat16 autocast (CUDA with
     bf16 support, or the CPU for image models), float16 with a gradient scaler on older GPUs, and
-    full precision for feature heads on the CPU. ``num_workers`` -1 picks min(4, CPUs - 1) decoding
-    workers for image mode on machines with more than 2 CPUs, none otherwise. ``threads`` 0 leaves torch's intra-op thread count alone.
+    full precision for feature heads on the CPU. ``num_workers`` -1 picks the reader processes for image
+    mode (CPUs - 2, at most 16, on CUDA; min(4, CPUs - 1) on the CPU with more than 2 CPUs; none
+    otherwise); they live for the whole run. ``decode`` 'device' decodes stored JPEG patches on the
+    training device (torchvision; nvJPEG on CUDA) instead of in the readers. ``threads`` 0 leaves
+    torch's intra-op thread count alone.
+
+    Data order: image instances are visited in shuffled blocks of ``shuffle_block`` consecutive
+    patches of one slide (shuffled within the block), so reads are sequential within a store; 1 is a
+    uniform permutation (see :func:`wsi_milssl.mil.loader.block_order` for the effect on randomness).
     """
 
     mode: str = "images"
@@ -77,12 +84,14 @@ class TrainConfig:
     bag_pooling: str = "max"
     augment: bool = True
     colour_jitter: float = 0.05
+    shuffle_block: int = 16
     select_metric: str = "bag_auc"
     seed: int = 0
     device: str = "auto"
     amp: str = "auto"
     channels_last: bool = True
     num_workers: int = -1
+    decode: str = "workers"
     threads: int = 0
     plots: bool = True
 
@@ -127,6 +136,9 @@ class TrainConfig:
         check_range(name, "seed", self.seed, low=0)
         check_choice(name, "device", self.device, ("auto", "cpu", "cuda"))
         check_choice(name, "amp", self.amp, ("auto", "off", "bf16", "fp16"))
+        check_type(name, "shuffle_block", self.shuffle_block, int)
+        check_range(name, "shuffle_block", self.shuffle_block, low=1)
+        check_choice(name, "decode", self.decode, ("workers", "device"))
         check_type(name, "num_workers", self.num_workers, int)
         check_range(name, "num_workers", self.num_workers, low=-1)
         check_type(name, "threads", self.threads, int)

@@ -4,9 +4,9 @@ Everything the training loop needs is an :class:`InstanceSet`: one row per insta
 bag labels, and either the feature matrix or where each patch lives (store path + index in the store).
 Instance labels (``instance_label`` in stores) ride along for evaluation only; training never reads them.
 
-Image preprocessing for every model lives in :func:`to_tensor` (inference uses the same function);
-:func:`augment_batch` applies the training augmentation (flips, 90-degree rotations, mild colour jitter)
-to a whole batch with an explicit ``torch.Generator``, so augmentation is reproducible and resumable.
+Image preprocessing and the training augmentation live in :mod:`wsi_milssl.mil.pixels` (``to_tensor``
+and ``NORMALISATION`` are re-exported here); batches for a whole run come from
+:class:`wsi_milssl.mil.loader.BatchLoader`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from wsi_milssl.errors import ConfigError, StoreError
+from wsi_milssl.mil.pixels import NORMALISATION, normalize, to_tensor, to_unit_float
 
 __all__ = [
     "NORMALISATION",
@@ -30,7 +31,6 @@ __all__ = [
     "to_tensor",
     "to_unit_float",
     "normalize",
-    "augment_batch",
     "read_labels_csv",
     "read_mil_csv",
     "read_feature_files",
@@ -41,79 +41,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Per-channel RGB mean and standard deviation (of [0, 1] pixel values) used by :func:`to_tensor`.
-#: The ImageNet statistics, so a local ImageNet state dict passed with ``--weights`` sees familiar input.
-NORMALISATION = {"mean": (0.485, 0.456, 0.406), "std": (0.229, 0.224, 0.225)}
-
 #: Store attributes copied into a training checkpoint's config so that inference tiles the same way.
 STORE_SETTING_KEYS = (
     "target_mpp", "target_magnification", "patch_size_px", "stride_px", "entropy_threshold_bits",
     "tissue_detector", "min_tissue", "mask_mpp", "pixels", "jpeg_quality", "schema_version",
 )
-
-
-# ----------------------------------------------------------------------------------------------
-# Image preprocessing and augmentation
-# ----------------------------------------------------------------------------------------------
-
-def to_unit_float(patches_uint8) -> torch.Tensor:
-    """uint8 (B, H, W, 3) RGB (numpy or torch) -> float32 (B, 3, H, W) in [0, 1]."""
-    x = torch.as_tensor(patches_uint8)
-    if x.dtype != torch.uint8 or x.ndim != 4 or x.shape[-1] != 3:
-        raise ValueError(f"patches must be uint8 (B, H, W, 3) RGB; got {x.dtype} {tuple(x.shape)}.")
-    return x.permute(0, 3, 1, 2).float().div_(255.0)
-
-
-def normalize(x_unit: torch.Tensor) -> torch.Tensor:
-    """float (B, 3, H, W) in [0, 1] -> normalised with :data:`NORMALISATION` (a new tensor)."""
-    mean = torch.tensor(NORMALISATION["mean"], dtype=x_unit.dtype, device=x_unit.device).view(1, 3, 1, 1)
-    std = torch.tensor(NORMALISATION["std"], dtype=x_unit.dtype, device=x_unit.device).view(1, 3, 1, 1)
-    return (x_unit - mean) / std
-
-
-def to_tensor(patches_uint8) -> torch.Tensor:
-    """The model input for image patches: uint8 (B, H, W, 3) RGB -> float32 (B, 3, H, W), normalised.
-
-    Pixels are scaled to [0, 1] and standardised per channel with :data:`NORMALISATION`. Training
-    (after augmentation) and inference both go through this normalisation.
-    """
-    return normalize(to_unit_float(patches_uint8))
-
-
-def augment_batch(x_unit: torch.Tensor, generator: torch.Generator, *, flips: bool = True,
-                  rot90: bool = True, colour_jitter: float = 0.05) -> torch.Tensor:
-    """Random per-sample augmentation of float (B, 3, H, W) images in [0, 1].
-
-    Horizontal and vertical flips and a 90-degree rotation (together all eight symmetries of the
-    square, when H == W), then brightness, contrast and saturation each scaled by a factor drawn
-    uniformly from [1 - colour_jitter, 1 + colour_jitter]. Random numbers come from ``generator``
-    (CPU), so the same generator state gives the same batch.
-    """
-    b = x_unit.shape[0]
-    if b == 0:
-        return x_unit
-    draws = torch.rand(b, 6, generator=generator).to(x_unit.device)
-
-    def where(mask: torch.Tensor, a: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        return torch.where(mask.view(-1, 1, 1, 1), a, other)
-
-    x = x_unit
-    if flips:
-        x = where(draws[:, 0] < 0.5, x.flip(-1), x)
-        x = where(draws[:, 1] < 0.5, x.flip(-2), x)
-    if rot90 and x.shape[-1] == x.shape[-2]:
-        x = where(draws[:, 2] < 0.5, x.rot90(1, (2, 3)), x)
-    if colour_jitter > 0:
-        j = float(colour_jitter)
-        factors = 1.0 + (2.0 * draws[:, 3:6] - 1.0) * j  # (B, 3): brightness, contrast, saturation
-        x = x * factors[:, 0].view(-1, 1, 1, 1)
-        gray = (0.299 * x[:, 0] + 0.587 * x[:, 1] + 0.114 * x[:, 2]).unsqueeze(1)  # (B, 1, H, W)
-        mean_gray = gray.mean(dim=(2, 3), keepdim=True)
-        x = (x - mean_gray) * factors[:, 1].view(-1, 1, 1, 1) + mean_gray
-        gray = (0.299 * x[:, 0] + 0.587 * x[:, 1] + 0.114 * x[:, 2]).unsqueeze(1)
-        x = (x - gray) * factors[:, 2].view(-1, 1, 1, 1) + gray
-        x = x.clamp_(0.0, 1.0)
-    return x
 
 
 # ----------------------------------------------------------------------------------------------
@@ -438,17 +370,35 @@ class PatchDataset(torch.utils.data.Dataset):
         return store
 
     def __getitem__(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.fetch(batch)
+
+    def fetch(self, batch, *, encoded: bool = False) -> tuple[torch.Tensor, torch.Tensor | list[torch.Tensor]]:
+        """``(indices int64 (B,), patches uint8 (B, H, W, 3))`` for instance indices ``batch``; with
+        ``encoded`` and JPEG stores, the patches as a list of uint8 (n_bytes,) JPEG tensors instead.
+
+        Each store is read once per call, in ascending store order (runs of consecutive patches are
+        single slice reads), and the result is put back in the order of ``batch``.
+        """
         idx = np.asarray(batch, dtype=np.int64).reshape(-1)
-        out: np.ndarray | None = None
         bags = self.bag_ids[idx]
+        groups = []
         for bag in np.unique(bags):
             pos = np.flatnonzero(bags == bag)
             local = self.local_index[idx[pos]]
             order = np.argsort(local, kind="stable")
-            pix = np.asarray(self._store(int(bag)).read_patches(local[order]))
+            groups.append((self._store(int(bag)), pos[order], local[order]))
+        if encoded and groups and all(getattr(store, "pixels", None) == "jpeg" for store, _, _ in groups):
+            data: list = [None] * idx.size
+            for store, pos, local in groups:
+                for p, b in zip(pos.tolist(), store.read_jpeg(local)):
+                    data[p] = torch.from_numpy(np.frombuffer(b, dtype=np.uint8).copy())
+            return torch.from_numpy(idx), data
+        out: np.ndarray | None = None
+        for store, pos, local in groups:
+            pix = np.asarray(store.read_patches(local))
             if out is None:
                 out = np.empty((idx.size,) + pix.shape[1:], dtype=np.uint8)
-            out[pos[order]] = pix
+            out[pos] = pix
         if out is None:  # an empty batch
             return torch.from_numpy(idx), torch.zeros((0, 1, 1, 3), dtype=torch.uint8)
         return torch.from_numpy(idx), torch.from_numpy(out)
@@ -468,27 +418,14 @@ class PatchDataset(torch.utils.data.Dataset):
 
 
 def iterate_batches(instances: InstanceSet, order: torch.Tensor | np.ndarray, *, batch_size: int,
-                    num_workers: int = 0, dataset: PatchDataset | None = None,
-                    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Yield ``(indices int64 (B,), inputs)`` over ``order`` (instance indices) in batches.
+                    num_workers: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Yield ``(indices int64 (B,), inputs)`` over ``order`` (instance indices) in batches, once.
 
     Inputs are float32 (B, D) features, or uint8 (B, H, W, 3) patches decoded (by ``num_workers``
-    DataLoader workers when > 0; in order, so the result does not depend on the worker count).
+    reader processes when > 0; in order, so the result does not depend on the worker count). A run with
+    several passes uses one :class:`wsi_milssl.mil.loader.BatchLoader` instead (its readers live on).
     """
-    order = torch.as_tensor(np.asarray(order), dtype=torch.int64)
-    batches = [order[i:i + batch_size] for i in range(0, order.numel(), batch_size)]
-    if instances.kind == "features":
-        feats = torch.from_numpy(instances.features)
-        for b in batches:
-            yield b, feats[b]
-        return
-    ds = dataset if dataset is not None else PatchDataset(instances)
-    if num_workers <= 0:
-        for b in batches:
-            yield ds[b.numpy()]
-        return
-    loader = torch.utils.data.DataLoader(
-        ds, batch_size=None, sampler=[b.numpy() for b in batches], num_workers=num_workers,
-        persistent_workers=False, prefetch_factor=4,
-    )
-    yield from loader
+    from wsi_milssl.mil.loader import BatchLoader
+
+    with BatchLoader([instances], num_workers=num_workers) as loader:
+        yield from loader.batches(instances, order, batch_size=batch_size)

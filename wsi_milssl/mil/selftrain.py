@@ -39,16 +39,10 @@ from wsi_milssl.config.train import TrainConfig
 from wsi_milssl.errors import CheckpointError, ConfigError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.mil.checkpoint import capture_rng, read_checkpoint, restore_rng, save_checkpoint
-from wsi_milssl.mil.data import (
-    NORMALISATION,
-    InstanceSet,
-    PatchDataset,
-    augment_batch,
-    iterate_batches,
-    normalize,
-    to_unit_float,
-)
+from wsi_milssl.mil.data import NORMALISATION, InstanceSet
+from wsi_milssl.mil.loader import BatchLoader, block_order
 from wsi_milssl.mil.models import create_model, is_image_model
+from wsi_milssl.mil.pixels import prepare_patches
 from wsi_milssl.mil.sinkhorn import adaptive_mu, assign_pseudo_labels
 
 __all__ = [
@@ -69,7 +63,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: Config fields that may differ between a run and its resume without changing the result.
-RUNTIME_ONLY_FIELDS = ("num_workers", "threads", "plots", "device", "eval_batch_size")
+RUNTIME_ONLY_FIELDS = ("num_workers", "threads", "plots", "device", "eval_batch_size", "decode")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -79,20 +73,22 @@ RUNTIME_ONLY_FIELDS = ("num_workers", "threads", "plots", "device", "eval_batch_
 @dataclass(frozen=True)
 class Runtime:
     """Where and how tensors are computed: ``device``, autocast dtype (None = full precision), whether a
-    float16 gradient scaler is needed, channels_last for image models, and decoding workers."""
+    float16 gradient scaler is needed, channels_last for image models, reader processes, and where
+    stored JPEG patches are decoded (``decode``: 'workers' or 'device')."""
 
     device: torch.device
     amp_dtype: torch.dtype | None
     use_grad_scaler: bool
     channels_last: bool
     num_workers: int
+    decode: str = "workers"
 
     def autocast(self):
         return runtime_rules.autocast(self.device, self.amp_dtype)
 
     def describe(self) -> str:
         return runtime_rules.describe(self.device, self.amp_dtype, channels_last=self.channels_last,
-                                      workers=self.num_workers)
+                                      workers=self.num_workers, decode=self.decode)
 
 
 def resolve_runtime(config: TrainConfig) -> Runtime:
@@ -104,12 +100,20 @@ def resolve_runtime(config: TrainConfig) -> Runtime:
     scaler = dtype is torch.float16 and device.type == "cuda"
     workers = config.num_workers
     if workers < 0:
-        # Measured on 2 cores: JPEG decoding of small patches (~3,000/s in-process) is not the bottleneck
-        # and a worker process only competes with the model for the cores, so none there.
+        # On a GPU the readers must keep up with the train step (7,400 patches/s at 224 px on an H100,
+        # one process decodes ~2,400), so most cores read. On the CPU the model uses every core: with 2
+        # cores JPEG decoding in-process (~3,000 patches/s) is not the bottleneck and a reader process
+        # only competes with the model, so none there.
         cpus = os.cpu_count() or 1
-        workers = min(4, cpus - 1) if image and cpus > 2 else 0
+        if not image:
+            workers = 0
+        elif device.type == "cuda":
+            workers = max(1, min(16, cpus - 2))
+        else:
+            workers = min(4, cpus - 1) if cpus > 2 else 0
     return Runtime(device=device, amp_dtype=dtype, use_grad_scaler=scaler,
-                   channels_last=bool(config.channels_last and image), num_workers=workers)
+                   channels_last=bool(config.channels_last and image), num_workers=workers,
+                   decode=config.decode if image else "workers")
 
 
 def _seed_for(seed: int, *stream: int) -> int:
@@ -151,42 +155,54 @@ def build_model(config: TrainConfig, instances: InstanceSet) -> tuple[torch.nn.M
 def _prepare_inputs(raw: torch.Tensor, runtime: Runtime, *, kind: str,
                     aug_generator: torch.Generator | None = None, config: TrainConfig | None = None
                     ) -> torch.Tensor:
+    """The model input of a batch already on the device: features as they are; uint8 pixels normalised
+    (and augmented with ``aug_generator`` when ``config.augment``) by :func:`prepare_patches`."""
     if kind == "features":
-        return raw.to(runtime.device, non_blocking=True)
-    x = to_unit_float(raw.to(runtime.device, non_blocking=True))  # move uint8, convert on the device
-    if aug_generator is not None and config is not None and config.augment:
-        x = augment_batch(x, aug_generator, colour_jitter=config.colour_jitter)
-    x = normalize(x)
-    if runtime.channels_last:
-        x = x.contiguous(memory_format=torch.channels_last)
-    return x
+        return raw
+    augment = aug_generator is not None and config is not None and config.augment
+    x = prepare_patches(raw, generator=aug_generator if augment else None,
+                        colour_jitter=config.colour_jitter if augment else 0.0)
+    return x if runtime.channels_last else x.contiguous()
+
+
+def _loader_for(loader: BatchLoader | None, instances: InstanceSet, runtime: Runtime) -> BatchLoader:
+    """``loader``, or a one-pass loader of ``instances`` (closed by the caller when it is not ``loader``)."""
+    if loader is not None:
+        return loader
+    return BatchLoader([instances], num_workers=runtime.num_workers, device=runtime.device, decode=runtime.decode)
 
 
 @torch.no_grad()
 def predict_probs(model: torch.nn.Module, instances: InstanceSet, indices: np.ndarray | None = None, *,
-                  runtime: Runtime, batch_size: int = 512, dataset: PatchDataset | None = None,
+                  runtime: Runtime, batch_size: int = 512, loader: BatchLoader | None = None,
                   progress: ProgressCallback | None = None, stage: str = "predict") -> np.ndarray:
-    """Positive-class probabilities (eq. 2), float32 (len(indices),), eval mode, no augmentation."""
+    """Positive-class probabilities (eq. 2), float32 (len(indices),), eval mode, no augmentation.
+
+    Batches come from ``loader`` (the run's readers) or a one-pass loader; the probabilities stay on
+    the device until the pass ends, so the GPU never waits for the host.
+    """
     idx = np.arange(len(instances)) if indices is None else np.asarray(indices, dtype=np.int64)
-    out = np.empty(idx.size, dtype=np.float32)
     if idx.size == 0:
-        return out
+        return np.empty(0, dtype=np.float32)
     was_training = model.training
     model.eval()
+    source = _loader_for(loader, instances, runtime)
+    parts: list[torch.Tensor] = []
     done = 0
     try:
-        for bidx, raw in iterate_batches(instances, idx, batch_size=batch_size, num_workers=runtime.num_workers,
-                                         dataset=dataset):
-            x = _prepare_inputs(raw, runtime, kind=instances.kind)
-            with runtime.autocast():
-                logits = model(x)
-            probs = torch.softmax(logits.float(), dim=1)[:, 1]
-            out[done:done + bidx.numel()] = probs.cpu().numpy()
-            done += bidx.numel()
-            emit(progress, ProgressEvent(stage=stage, done=done, total=int(idx.size), unit="inst"))
+        with torch.inference_mode():
+            for bidx, raw in source.batches(instances, idx, batch_size=batch_size):
+                x = _prepare_inputs(raw, runtime, kind=instances.kind)
+                with runtime.autocast():
+                    logits = model(x)
+                parts.append(torch.softmax(logits.float(), dim=1)[:, 1])
+                done += bidx.numel()
+                emit(progress, ProgressEvent(stage=stage, done=done, total=int(idx.size), unit="inst"))
     finally:
         model.train(was_training)
-    return out
+        if source is not loader:
+            source.close()
+    return torch.cat(parts).cpu().numpy().astype(np.float32, copy=False)
 
 
 def bag_scores(probs: np.ndarray, bag_ids: np.ndarray, n_bags: int, *, pooling: str = "max") -> np.ndarray:
@@ -249,7 +265,7 @@ class PseudoLabelState:
 
 def refresh_pseudo_labels(model: torch.nn.Module, instances: InstanceSet, state: PseudoLabelState, *,
                           mu_t: float, config: TrainConfig, runtime: Runtime,
-                          dataset: PatchDataset | None = None, progress: ProgressCallback | None = None
+                          loader: BatchLoader | None = None, progress: ProgressCallback | None = None
                           ) -> None:
     """Recompute the pseudo labels of the positive-bag instances in place (``state.targets``).
 
@@ -267,7 +283,7 @@ def refresh_pseudo_labels(model: torch.nn.Module, instances: InstanceSet, state:
             probs = seen.numpy().astype(np.float64)
     if probs is None:
         probs = predict_probs(model, instances, pos, runtime=runtime, batch_size=config.eval_batch_size,
-                              dataset=dataset, progress=progress, stage="train-refresh")
+                              loader=loader, progress=progress, stage="train-refresh")
     q = assign_pseudo_labels(probs, instances.bag_ids[pos], mu=mu_t, lam=config.lam,
                              soft=config.soft_labels, local_constraint=config.local_constraint,
                              global_constraint=config.global_constraint,
@@ -306,47 +322,68 @@ def soft_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     return -(targets * logp[:, 1] + (1.0 - targets) * logp[:, 0]).mean()
 
 
+#: Seconds between progress events that carry the running loss (reading it waits for the device).
+LOSS_REPORT_S = 2.0
+
+
 def train_one_epoch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, instances: InstanceSet,
                     state: PseudoLabelState, *, order: torch.Tensor, config: TrainConfig, runtime: Runtime,
                     aug_generator: torch.Generator | None, step: int = 0, mu_t: float = 0.5,
-                    scaler: torch.amp.GradScaler | None = None, dataset: PatchDataset | None = None,
+                    scaler: torch.amp.GradScaler | None = None, loader: BatchLoader | None = None,
                     progress: ProgressCallback | None = None) -> dict[str, float]:
     """One pass over ``order`` (a permutation of all instance indices) in batches of ``config.batch_size``.
 
     Refreshes the pseudo labels every ``config.refresh_every`` steps (counted globally from ``step``)
     when that is > 0. Records training probabilities into ``state.online_probs``. Returns
     ``{"loss": mean loss, "steps": steps taken, "instances": instances seen}``.
+
+    The loop never waits for the device: targets, the running loss and the probabilities of the pass
+    live on the device and are read back once at the end (and with the loss in a progress event at
+    most every :data:`LOSS_REPORT_S` seconds).
     """
     model.train()
-    total_loss, steps, seen = 0.0, 0, 0
+    dev = runtime.device
+    source = _loader_for(loader, instances, runtime)
+    targets = state.targets.to(dev)
+    online = state.online_probs.to(dev)
+    total_loss = torch.zeros((), dtype=torch.float64, device=dev)
+    steps, seen = 0, 0
     n = int(order.numel())
-    for bidx, raw in iterate_batches(instances, order, batch_size=config.batch_size,
-                                     num_workers=runtime.num_workers, dataset=dataset):
-        if config.refresh_every > 0 and (step + steps) % config.refresh_every == 0:
-            refresh_pseudo_labels(model, instances, state, mu_t=mu_t, config=config, runtime=runtime,
-                                  dataset=dataset)
-            model.train()
-        x = _prepare_inputs(raw, runtime, kind=instances.kind, aug_generator=aug_generator, config=config)
-        y = state.targets[bidx].to(runtime.device, non_blocking=True)
-        with runtime.autocast():
-            logits = model(x)
-        loss = soft_cross_entropy(logits, y)
-        optimizer.zero_grad(set_to_none=True)
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            loss.backward()
-            optimizer.step()
-        with torch.no_grad():
-            state.online_probs[bidx] = torch.softmax(logits.detach().float(), dim=1)[:, 1].cpu()
-        total_loss += float(loss.detach()) * bidx.numel()
-        steps += 1
-        seen += int(bidx.numel())
-        emit(progress, ProgressEvent(stage="train-epoch", done=seen, total=n, unit="inst",
-                                     message=f"loss {total_loss / max(seen, 1):.4f}"))
-    return {"loss": total_loss / max(seen, 1), "steps": steps, "instances": seen}
+    message, last_report = "", time.perf_counter()
+    try:
+        for bidx, raw in source.batches(instances, order, batch_size=config.batch_size):
+            if config.refresh_every > 0 and (step + steps) % config.refresh_every == 0:
+                state.online_probs.copy_(online.cpu())
+                refresh_pseudo_labels(model, instances, state, mu_t=mu_t, config=config, runtime=runtime,
+                                      loader=source)
+                targets = state.targets.to(dev)
+                model.train()
+            x = _prepare_inputs(raw, runtime, kind=instances.kind, aug_generator=aug_generator, config=config)
+            bidx_dev = bidx.to(dev, non_blocking=True)
+            with runtime.autocast():
+                logits = model(x)
+            loss = soft_cross_entropy(logits, targets[bidx_dev])
+            optimizer.zero_grad(set_to_none=True)
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                loss.backward()
+                optimizer.step()
+            with torch.no_grad():
+                online[bidx_dev] = torch.softmax(logits.detach().float(), dim=1)[:, 1]
+                total_loss += loss.detach().double() * bidx.numel()
+            steps += 1
+            seen += int(bidx.numel())
+            if progress is not None and (seen == n or time.perf_counter() - last_report >= LOSS_REPORT_S):
+                message, last_report = f"loss {float(total_loss) / seen:.4f}", time.perf_counter()
+            emit(progress, ProgressEvent(stage="train-epoch", done=seen, total=n, unit="inst", message=message))
+    finally:
+        if source is not loader:
+            source.close()
+    state.online_probs.copy_(online.cpu())
+    return {"loss": float(total_loss) / max(seen, 1), "steps": steps, "instances": seen}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -364,7 +401,7 @@ def _auc(y: np.ndarray, score: np.ndarray) -> float | None:
 
 
 def evaluate(model: torch.nn.Module, instances: InstanceSet, *, runtime: Runtime, bag_pooling: str = "max",
-             batch_size: int = 512, threshold: float = 0.5, dataset: PatchDataset | None = None,
+             batch_size: int = 512, threshold: float = 0.5, loader: BatchLoader | None = None,
              progress: ProgressCallback | None = None) -> dict[str, Any]:
     """Instance and bag metrics of ``model`` on ``instances`` (eval mode, no augmentation).
 
@@ -372,7 +409,7 @@ def evaluate(model: torch.nn.Module, instances: InstanceSet, *, runtime: Runtime
     ``bag_accuracy`` (bag score > ``threshold``), ``bag_nll`` (mean binary cross-entropy of the bag
     scores) and the arrays ``probs`` float32 (N,) and ``bag_scores`` float64 (n_bags,).
     """
-    probs = predict_probs(model, instances, runtime=runtime, batch_size=batch_size, dataset=dataset,
+    probs = predict_probs(model, instances, runtime=runtime, batch_size=batch_size, loader=loader,
                           progress=progress, stage="train-eval")
     scores = bag_scores(probs, instances.bag_ids, instances.n_bags, pooling=bag_pooling)
     labels = instances.bag_labels.astype(np.int64)
@@ -603,91 +640,88 @@ def fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike |
         atomic_write_text(out / "config.json", json.dumps(ckpt_config, indent=2, sort_keys=True,
                                                            default=_json_default) + "\n")
 
-    dataset = PatchDataset(train) if train.kind == "images" else None
-    val_dataset = PatchDataset(val) if val is not None and val.kind == "images" else None
     eval_set = None if eval_at is None else {int(e) for e in eval_at}
     result = FitResult(model=model, history=history, best_epoch=best_epoch, out_dir=out)
     emit(progress, ProgressEvent(stage="train", done=start_epoch, total=config.epochs, unit="epoch"))
     last_plot = -math.inf
 
-    for epoch in range(start_epoch, config.epochs):
-        t0 = time.perf_counter()
-        # Re-seed every random stream from (seed, epoch): a resumed run draws exactly the same numbers.
-        torch.manual_seed(_seed_for(config.seed, epoch, 3))
-        mu_t = adaptive_mu(epoch, mu=config.mu, ramp_epochs=config.mu_ramp_epochs, fixed=config.fixed_mu)
-        refresh_s = 0.0
-        if config.refresh_every == 0:
-            t_ref = time.perf_counter()
-            refresh_pseudo_labels(model, train, state, mu_t=mu_t, config=config, runtime=runtime,
-                                  dataset=dataset, progress=progress)
-            refresh_s = time.perf_counter() - t_ref
-        label_metrics = pseudo_label_metrics(state, train)
-        order = torch.randperm(len(train), generator=_generator(config.seed, epoch, 1))
-        aug = _generator(config.seed, epoch, 2) if train.kind == "images" else None
-        stats = train_one_epoch(model, optimizer, train, state, order=order, config=config, runtime=runtime,
-                                aug_generator=aug, step=step, mu_t=mu_t, scaler=scaler, dataset=dataset,
-                                progress=progress)
-        if config.refresh_every > 0:
+    # One pool of readers serves every pass of the run (training, refresh, validation; all epochs).
+    with BatchLoader([train, val], num_workers=runtime.num_workers, device=runtime.device,
+                     decode=runtime.decode) as loader:
+        for epoch in range(start_epoch, config.epochs):
+            t0 = time.perf_counter()
+            # Re-seed every random stream from (seed, epoch): a resumed run draws exactly the same numbers.
+            torch.manual_seed(_seed_for(config.seed, epoch, 3))
+            mu_t = adaptive_mu(epoch, mu=config.mu, ramp_epochs=config.mu_ramp_epochs, fixed=config.fixed_mu)
+            refresh_s = 0.0
+            if config.refresh_every == 0:
+                t_ref = time.perf_counter()
+                refresh_pseudo_labels(model, train, state, mu_t=mu_t, config=config, runtime=runtime,
+                                      loader=loader, progress=progress)
+                refresh_s = time.perf_counter() - t_ref
             label_metrics = pseudo_label_metrics(state, train)
-        step += stats["steps"]
-        lr = optimizer.param_groups[0]["lr"]
-        if scheduler is not None:
-            scheduler.step()
-        train_s = time.perf_counter() - t0
-        record: dict[str, Any] = {"epoch": epoch + 1, "step": step, "loss": stats["loss"], "mu_t": mu_t,
-                                  "lr": lr, **label_metrics, "train_seconds": train_s,
-                                  "refresh_seconds": refresh_s,
-                                  "instances_per_second": stats["instances"] / max(train_s - refresh_s, 1e-9)}
-        improved = False
-        if val is not None and (eval_set is None or epoch + 1 in eval_set):
-            t_val = time.perf_counter()
-            metrics = evaluate(model, val, runtime=runtime, bag_pooling=config.bag_pooling,
-                               batch_size=config.eval_batch_size, dataset=val_dataset)
-            if keep_val_scores:
-                result.val_bag_scores[epoch + 1] = metrics["bag_scores"]
-                result.val_probs[epoch + 1] = metrics["probs"]
-            record.update({f"val_{k}": v for k, v in metrics.items() if k not in ("probs", "bag_scores")})
-            record["val_seconds"] = time.perf_counter() - t_val
-            score = _selection_score(metrics, config.select_metric)
-            if score is not None and (best_score is None or score > best_score):
-                best_score, best_epoch, improved = score, epoch + 1, True
-        record["best_epoch"] = best_epoch
-        history.append(record)
-        result.best_epoch = best_epoch
-        if out is not None:
-            ckpt = {
-                "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-                "model_name": config.model,
-                "model_kwargs": model_kwargs,
-                "bag_pooling": config.bag_pooling,
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "grad_scaler": scaler.state_dict() if scaler is not None else None,
-                "epoch": epoch + 1,
-                "step": step,
-                "pseudo_labels": state.to_dict(),
-                "rng": capture_rng(),
-                "config": ckpt_config,
-                "best": {"epoch": best_epoch, "score": None if best_score is None else list(best_score),
-                         "metric": config.select_metric},
-                "metrics": {k: v for k, v in record.items() if isinstance(v, (int, float, str, type(None)))},
-            }
-            save_checkpoint(ckpt, out / "last.pt")
-            if improved:
-                save_checkpoint(ckpt, out / "best.pt")
-            draw = config.plots and (epoch + 1 == config.epochs or time.perf_counter() - last_plot >= PLOT_INTERVAL_S)
-            _write_metrics(out, history, plots=draw)
-            if draw:
-                last_plot = time.perf_counter()
-        log.info("epoch %d/%d loss %.4f mu_t %.3f pseudo+ %.3f%s", epoch + 1, config.epochs, stats["loss"], mu_t,
-                 label_metrics["pseudo_positive_fraction"] or 0.0,
-                 "" if val is None else f" val bag_auc {record.get('val_bag_auc')} inst_auc {record.get('val_instance_auc')}")
-        emit(progress, ProgressEvent(stage="train", done=epoch + 1, total=config.epochs, unit="epoch",
-                                     item=f"epoch {epoch + 1}", message=f"loss {stats['loss']:.4f}"))
+            order = block_order(train, _generator(config.seed, epoch, 1), block_size=config.shuffle_block)
+            aug = _generator(config.seed, epoch, 2) if train.kind == "images" else None
+            stats = train_one_epoch(model, optimizer, train, state, order=order, config=config, runtime=runtime,
+                                    aug_generator=aug, step=step, mu_t=mu_t, scaler=scaler, loader=loader,
+                                    progress=progress)
+            if config.refresh_every > 0:
+                label_metrics = pseudo_label_metrics(state, train)
+            step += stats["steps"]
+            lr = optimizer.param_groups[0]["lr"]
+            if scheduler is not None:
+                scheduler.step()
+            train_s = time.perf_counter() - t0
+            record: dict[str, Any] = {"epoch": epoch + 1, "step": step, "loss": stats["loss"], "mu_t": mu_t,
+                                      "lr": lr, **label_metrics, "train_seconds": train_s,
+                                      "refresh_seconds": refresh_s,
+                                      "instances_per_second": stats["instances"] / max(train_s - refresh_s, 1e-9)}
+            improved = False
+            if val is not None and (eval_set is None or epoch + 1 in eval_set):
+                t_val = time.perf_counter()
+                metrics = evaluate(model, val, runtime=runtime, bag_pooling=config.bag_pooling,
+                                   batch_size=config.eval_batch_size, loader=loader)
+                if keep_val_scores:
+                    result.val_bag_scores[epoch + 1] = metrics["bag_scores"]
+                    result.val_probs[epoch + 1] = metrics["probs"]
+                record.update({f"val_{k}": v for k, v in metrics.items() if k not in ("probs", "bag_scores")})
+                record["val_seconds"] = time.perf_counter() - t_val
+                score = _selection_score(metrics, config.select_metric)
+                if score is not None and (best_score is None or score > best_score):
+                    best_score, best_epoch, improved = score, epoch + 1, True
+            record["best_epoch"] = best_epoch
+            history.append(record)
+            result.best_epoch = best_epoch
+            if out is not None:
+                ckpt = {
+                    "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+                    "model_name": config.model,
+                    "model_kwargs": model_kwargs,
+                    "bag_pooling": config.bag_pooling,
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                    "grad_scaler": scaler.state_dict() if scaler is not None else None,
+                    "epoch": epoch + 1,
+                    "step": step,
+                    "pseudo_labels": state.to_dict(),
+                    "rng": capture_rng(),
+                    "config": ckpt_config,
+                    "best": {"epoch": best_epoch, "score": None if best_score is None else list(best_score),
+                             "metric": config.select_metric},
+                    "metrics": {k: v for k, v in record.items() if isinstance(v, (int, float, str, type(None)))},
+                }
+                save_checkpoint(ckpt, out / "last.pt")
+                if improved:
+                    save_checkpoint(ckpt, out / "best.pt")
+                draw = config.plots and (epoch + 1 == config.epochs or time.perf_counter() - last_plot >= PLOT_INTERVAL_S)
+                _write_metrics(out, history, plots=draw)
+                if draw:
+                    last_plot = time.perf_counter()
+            log.info("epoch %d/%d loss %.4f mu_t %.3f pseudo+ %.3f%s", epoch + 1, config.epochs, stats["loss"], mu_t,
+                     label_metrics["pseudo_positive_fraction"] or 0.0,
+                     "" if val is None else f" val bag_auc {record.get('val_bag_auc')} inst_auc {record.get('val_instance_auc')}")
+            emit(progress, ProgressEvent(stage="train", done=epoch + 1, total=config.epochs, unit="epoch",
+                                         item=f"epoch {epoch + 1}", message=f"loss {stats['loss']:.4f}"))
     model.eval()
-    if dataset is not None:
-        dataset.close()
-    if val_dataset is not None:
-        val_dataset.close()
     return result
 

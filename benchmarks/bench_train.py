@@ -1,0 +1,255 @@
+"""Training throughput: the product's training and refresh passes beside the bare model step, same run.
+
+    python benchmarks/bench_train.py                        # CPU defaults: 4 slides of 8,192 px, 224 px patches
+    python benchmarks/bench_train.py --preset gpu14         # the GPU set: 14 slides of 24,576 px, 224 and 512 px
+    python benchmarks/bench_train.py --json out.json --workers 8 --decode device
+
+1. Data. Slides are generated with ``wsi-milssl synth --slides 1 --seed K`` (one process per slide, in
+   parallel; even seeds tumour, odd seeds normal), linked under unique names and tiled with the tile
+   stage at ``--mpp`` µm/px into ``--patch-size`` px JPEG patch stores (HDF5). Everything is cached in
+   ``--cache``.
+2. Bare rates, measured in this process with the runtime the training resolves (device, autocast
+   dtype, channels_last, threads): the train step of the same model (ResNet18, SGD with the config's
+   momentum and weight decay, soft cross-entropy) on a ready-made normalised batch already on the
+   device, and the inference forward at the evaluation batch size. Both are measured before and after
+   the training run and averaged, because a shared machine drifts.
+3. The product: ``wsi_milssl.mil.fit`` for ``--epochs`` epochs on the stores (augmentation on, the
+   run's readers, the pseudo-label refresh every epoch). The last epoch is reported: its training
+   pass (patches per second, reading, decoding, augmentation and the step, refresh excluded) and its
+   refresh pass (positive-bag patches per second).
+
+Prints a table per patch size; ``--json PATH`` writes the numbers, with ``train_pass_ratio`` and
+``refresh_ratio`` (of the first patch size) at the top level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+PRESETS = {
+    "cpu": {"slides": 4, "size": 8192, "patch_sizes": [224], "epochs": 2},
+    "gpu14": {"slides": 14, "size": 24576, "patch_sizes": [224, 512], "epochs": 3},
+}
+
+
+def build_slides(cache: Path, *, n: int, size: int) -> tuple[list[Path], Path]:
+    """``n`` generated slides ``slide_KK.tif`` (seeds 0..n-1, made in parallel) and their labels.csv."""
+    root = cache / f"slides_{size}"
+    linked = root / "linked"
+    linked.mkdir(parents=True, exist_ok=True)
+
+    def one(seed: int) -> tuple[Path, int]:
+        folder = root / f"seed{seed:02d}"
+        if not (folder / "labels.csv").exists():
+            subprocess.run([sys.executable, "-m", "wsi_milssl", "synth", str(folder), "--slides", "1",
+                            "--seed", str(seed), "--size-px", str(size), str(size),
+                            "--tumor-slide-fraction", "1" if seed % 2 == 0 else "0"],
+                           check=True, stdout=subprocess.DEVNULL)
+        with open(folder / "labels.csv", newline="") as fh:
+            label = int(next(csv.DictReader(fh))["label"])
+        link = linked / f"slide_{seed:02d}.tif"
+        if not link.exists():
+            link.symlink_to((folder / "synth_000.tif").resolve())
+        return link, label
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=max(1, min(n, os.cpu_count() or 1))) as pool:
+        made = list(pool.map(one, range(n)))
+    labels = linked / "labels.csv"
+    labels.write_text("slide,label\n" + "".join(f"{p.stem},{y}\n" for p, y in made))
+    print(f"slides: {n} x {size} px ready in {time.perf_counter() - t0:.1f} s ({root})", flush=True)
+    return [p for p, _ in made], labels
+
+
+def build_stores(slides: list[Path], out: Path, *, mpp: float, patch_size: int, workers: int) -> list[Path]:
+    from wsi_milssl.config import TileConfig
+    from wsi_milssl.tiling import tile_slides
+
+    t0 = time.perf_counter()
+    run = tile_slides(slides, out, TileConfig(target_mpp=mpp, patch_size_px=patch_size, workers=workers))
+    if not run.ok:
+        raise SystemExit(f"tiling failed: see {run.status_csv}")
+    n = sum(r.n_patches for r in run.results)
+    print(f"stores: {n} patches of {patch_size} px in {time.perf_counter() - t0:.1f} s ({out})", flush=True)
+    return [Path(r.store_path) for r in run.results]
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bare_rates(config, *, patch_size: int, min_seconds: float, eval_batch: int) -> dict:
+    """Bare train step (``config.batch_size``) and inference forward (``eval_batch``) rates, images/s."""
+    import numpy as np
+    import torch
+
+    from wsi_milssl.mil.models import create_model
+    from wsi_milssl.mil.pixels import prepare_patches
+    from wsi_milssl.mil.selftrain import _make_optimizer, resolve_runtime, soft_cross_entropy
+
+    runtime = resolve_runtime(config)
+    dev = runtime.device
+    torch.manual_seed(0)
+    model = create_model(config.model, num_classes=2).to(dev)
+    if runtime.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    optimizer = _make_optimizer(model, config)
+    rng = np.random.default_rng(0)
+
+    def batch(b: int) -> torch.Tensor:
+        u8 = torch.from_numpy(rng.integers(0, 256, (b, patch_size, patch_size, 3), dtype=np.uint8))
+        return prepare_patches(u8.to(dev))
+
+    def timed(fn, n_warm: int = 3) -> float:
+        for _ in range(n_warm):
+            fn()
+        _sync(dev)
+        steps, t0 = 0, time.perf_counter()
+        while True:
+            fn()
+            steps += 1
+            if steps >= 3 and time.perf_counter() - t0 >= min_seconds:
+                break
+        _sync(dev)
+        return steps / (time.perf_counter() - t0)
+
+    x, y = batch(config.batch_size), torch.rand(config.batch_size, device=dev)
+    model.train()
+
+    def step() -> None:
+        with runtime.autocast():
+            logits = model(x)
+        loss = soft_cross_entropy(logits, y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    train_rate = timed(step) * config.batch_size
+    xe = batch(eval_batch)
+    model.eval()
+
+    def forward() -> None:
+        with torch.inference_mode(), runtime.autocast():
+            torch.softmax(model(xe).float(), 1)
+
+    infer_rate = timed(forward, n_warm=2) * eval_batch
+    return {"train_step": train_rate, "inference": infer_rate, "runtime": runtime.describe()}
+
+
+def count_positive_bag_patches(stores: list[Path], labels: Path) -> int:
+    from wsi_milssl.mil import read_labels_csv, read_patch_stores
+
+    inst = read_patch_stores(stores, read_labels_csv(labels))
+    return int((inst.instance_bag_labels == 1).sum())
+
+
+def product_rates(stores: list[Path], labels: Path, config) -> dict:
+    """The last epoch of ``fit``: training-pass and refresh-pass patches/s."""
+    from wsi_milssl.mil import fit, read_labels_csv, read_patch_stores
+
+    inst = read_patch_stores(stores, read_labels_csv(labels))
+    n_pos = int((inst.instance_bag_labels == 1).sum())
+    t0 = time.perf_counter()
+    result = fit(inst, config=config)
+    wall = time.perf_counter() - t0
+    last = result.history[-1]
+    return {"instances": len(inst), "positive_bag_instances": n_pos, "epochs": config.epochs, "fit_s": wall,
+            "train_pass": last["instances_per_second"], "refresh": n_pos / max(last["refresh_seconds"], 1e-9),
+            "epoch_s": [round(h["train_seconds"], 2) for h in result.history],
+            "refresh_s": [round(h["refresh_seconds"], 2) for h in result.history]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    p.add_argument("--slides", type=int, default=None, help="generated slides (preset)")
+    p.add_argument("--size", type=int, default=None, help="slide side in level-0 px at 0.25 µm/px (preset)")
+    p.add_argument("--patch-size", type=int, nargs="+", default=None, help="patch sizes in px (preset)")
+    p.add_argument("--mpp", type=float, default=0.5, help="tiling resolution, µm/px [0.5]")
+    p.add_argument("--epochs", type=int, default=None, help="epochs; the last one is reported (preset)")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--eval-batch-size", type=int, default=512)
+    p.add_argument("--workers", type=int, default=-1, help="training readers (-1 = the product's auto)")
+    p.add_argument("--decode", choices=("workers", "device"), default="workers")
+    p.add_argument("--shuffle-block", type=int, default=None, help="[TrainConfig default]")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    p.add_argument("--min-seconds", type=float, default=None, help="time per bare measurement [5 CPU, 3 GPU]")
+    p.add_argument("--tile-workers", type=int, default=None, help="[CPUs]")
+    p.add_argument("--cache", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "wsi_milssl_bench_train")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+
+    import torch
+
+    from wsi_milssl.config.train import TrainConfig
+
+    preset = PRESETS[args.preset]
+    n_slides = args.slides or preset["slides"]
+    size = args.size or preset["size"]
+    patch_sizes = args.patch_size or preset["patch_sizes"]
+    epochs = args.epochs or preset["epochs"]
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+    slides, labels = build_slides(args.cache, n=n_slides, size=size)
+    report: dict = {"preset": args.preset, "slides": n_slides, "size_px": size, "mpp": args.mpp, "results": []}
+    if torch.cuda.is_available() and args.device != "cpu":
+        report["gpu"] = torch.cuda.get_device_name(0)
+    report["cpus"] = os.cpu_count()
+    for patch in patch_sizes:
+        stores = build_stores(slides, args.cache / f"stores_{size}_{args.mpp:g}_{patch}", mpp=args.mpp,
+                              patch_size=patch, workers=args.tile_workers or (os.cpu_count() or 1))
+        extra = {} if args.shuffle_block is None else {"shuffle_block": args.shuffle_block}
+        config = TrainConfig(mode="images", epochs=epochs, batch_size=args.batch_size,
+                             eval_batch_size=args.eval_batch_size, num_workers=args.workers, decode=args.decode,
+                             device=args.device, threads=args.threads, plots=False, mu_ramp_epochs=1, **extra)
+        dev_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+        min_s = args.min_seconds or (3.0 if dev_cuda else 5.0)
+        # the refresh pass runs batches of eval_batch_size (one smaller batch when fewer patches)
+        n_pos = count_positive_bag_patches(stores, labels)
+        eval_batch = min(args.eval_batch_size, n_pos)
+        before = bare_rates(config, patch_size=patch, min_seconds=min_s, eval_batch=eval_batch)
+        product = product_rates(stores, labels, config)
+        after = bare_rates(config, patch_size=patch, min_seconds=min_s, eval_batch=eval_batch)
+        step = statistics.mean([before["train_step"], after["train_step"]])
+        infer = statistics.mean([before["inference"], after["inference"]])
+        row = {"patch_size_px": patch, "runtime": before["runtime"], "eval_batch": eval_batch, **product,
+               "bare_train_step": step, "bare_train_step_runs": [before["train_step"], after["train_step"]],
+               "bare_inference": infer, "bare_inference_runs": [before["inference"], after["inference"]],
+               "train_pass_ratio": product["train_pass"] / step, "refresh_ratio": product["refresh"] / infer}
+        report["results"].append(row)
+        print(f"\n{patch} px patches, {product['instances']} instances ({product['positive_bag_instances']} in "
+              f"positive bags), batch {args.batch_size}, eval batch {eval_batch}; {before['runtime']}")
+        print(f"{'measure':<38}{'patches/s':>12}{'ratio':>8}")
+        print(f"{'bare train step (before, after)':<38}{step:>12.1f}{'1.00':>8}   "
+              f"({before['train_step']:.1f}, {after['train_step']:.1f})")
+        print(f"{'training pass (last epoch)':<38}{product['train_pass']:>12.1f}{row['train_pass_ratio']:>8.2f}")
+        print(f"{'bare inference (before, after)':<38}{infer:>12.1f}{'1.00':>8}   "
+              f"({before['inference']:.1f}, {after['inference']:.1f})")
+        print(f"{'refresh pass (last epoch)':<38}{product['refresh']:>12.1f}{row['refresh_ratio']:>8.2f}")
+        print(f"epoch seconds {product['epoch_s']}, refresh seconds {product['refresh_s']}", flush=True)
+    report["train_pass_ratio"] = report["results"][0]["train_pass_ratio"]
+    report["refresh_ratio"] = report["results"][0]["refresh_ratio"]
+    report["total_s"] = time.perf_counter() - t_start
+    print(f"\nwhole benchmark: {report['total_s']:.0f} s")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,126 @@
+"""The training data path: block-shuffled order, one pool of readers for a whole run, batches that do
+not depend on workers, item size or where JPEG is decoded."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from wsi_milssl.config.train import TrainConfig
+from wsi_milssl.errors import ConfigError
+from wsi_milssl.mil import fit, read_labels_csv, read_patch_stores
+from wsi_milssl.mil.loader import BatchLoader, block_order
+from wsi_milssl.store import open_store
+
+
+@pytest.fixture(scope="module")
+def instances(tmp_path_factory, image_store_factory):
+    paths, labels = image_store_factory(tmp_path_factory.mktemp("loader"), n_bags=4, n_patches=40)
+    return read_patch_stores(paths, read_labels_csv(labels))
+
+
+def test_block_order_keeps_runs_of_a_store_together(instances):
+    order = block_order(instances, torch.Generator().manual_seed(0), block_size=8).numpy()
+    assert sorted(order.tolist()) == list(range(len(instances)))  # every instance once
+    bags, local = instances.bag_ids[order], instances.local_index[order]
+    blocks = bags * 1000 + local // 8
+    # each block's 8 patches sit in 8 consecutive positions, shuffled inside the block
+    for start in range(0, len(order), 8):
+        assert len(set(blocks[start:start + 8].tolist())) == 1
+    assert not np.array_equal(local[:8], np.sort(local[:8])) or not np.array_equal(local[8:16], np.sort(local[8:16]))
+    again = block_order(instances, torch.Generator().manual_seed(0), block_size=8).numpy()
+    other = block_order(instances, torch.Generator().manual_seed(1), block_size=8).numpy()
+    assert np.array_equal(order, again) and not np.array_equal(order, other)
+    plain = block_order(instances, torch.Generator().manual_seed(3), block_size=1)
+    assert torch.equal(plain, torch.randperm(len(instances), generator=torch.Generator().manual_seed(3)))
+
+
+def test_block_order_with_a_ragged_last_block(instances):
+    order = block_order(instances, torch.Generator().manual_seed(0), block_size=7).numpy()
+    assert sorted(order.tolist()) == list(range(len(instances)))
+    bags, local = instances.bag_ids[order], instances.local_index[order]
+    blocks = list(zip(bags.tolist(), (local // 7).tolist()))
+    runs = [b for i, b in enumerate(blocks) if i == 0 or b != blocks[i - 1]]
+    assert len(runs) == len(set(runs)) == 4 * 6  # 40 patches per store: 5 blocks of 7 and one of 5
+
+
+def _all_batches(loader, inst, order, batch_size):
+    return [(i.clone(), x.clone()) for i, x in loader.batches(inst, order, batch_size=batch_size)]
+
+
+def test_batches_do_not_depend_on_workers_or_item_size(instances):
+    order = block_order(instances, torch.Generator().manual_seed(0), block_size=4)
+    with BatchLoader([instances], num_workers=0) as loader:
+        ref = _all_batches(loader, instances, order, 24)
+    # items of 5 patches (rebatched into 24) read by 2 persistent workers, for two passes
+    with BatchLoader([instances], num_workers=2, item_bytes=5 * 32 * 32 * 3) as loader:
+        first = _all_batches(loader, instances, order, 24)
+        second = _all_batches(loader, instances, order, 24)
+    for got in (first, second):
+        assert [len(i) for i, _ in got] == [24] * 6 + [16]
+        for (ia, xa), (ib, xb) in zip(ref, got):
+            assert torch.equal(ia, ib) and torch.equal(xa, xb)
+    i0, x0 = ref[0]
+    bag, local = int(instances.bag_ids[i0[3]]), int(instances.local_index[i0[3]])
+    with open_store(instances.store_paths[bag]) as store:
+        assert np.array_equal(x0[3].numpy(), store.read_patches([local])[0])
+
+
+def test_an_abandoned_pass_and_a_nested_pass_leave_the_readers_usable(instances):
+    order = torch.arange(len(instances))
+    with BatchLoader([instances], num_workers=2) as loader:
+        ref = _all_batches(loader, instances, order, 16)
+        stream = loader.batches(instances, order, batch_size=16)
+        next(stream)
+        nested = _all_batches(loader, instances, order.flip(0), 16)  # while the outer pass is open
+        rest = [(i, x.clone()) for i, x in stream]
+        assert all(torch.equal(a[1], b[1]) for a, b in zip(ref[1:], rest))
+        assert torch.equal(torch.cat([i for i, _ in nested]), order.flip(0))
+        stream = loader.batches(instances, order, batch_size=16)
+        next(stream)
+        stream.close()  # abandoned after one batch
+        again = _all_batches(loader, instances, order, 16)
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(ref, again))
+
+
+def test_device_decode_gives_the_readers_pixels(instances):
+    order = torch.arange(60)
+    with BatchLoader([instances], num_workers=0) as loader:
+        ref = _all_batches(loader, instances, order, 32)
+    with BatchLoader([instances], num_workers=1, decode="device") as loader:
+        got = _all_batches(loader, instances, order, 32)
+    for (ia, xa), (ib, xb) in zip(ref, got):
+        assert torch.equal(ia, ib) and xb.dtype == torch.uint8 and xb.shape == xa.shape
+        # libjpeg-turbo in both; allow the last bit for other IDCTs (nvJPEG on a GPU)
+        assert (xa.int() - xb.int()).abs().max() <= 1
+
+
+def test_unknown_decode_is_refused():
+    with pytest.raises(ConfigError, match="decode must be one of workers, device"):
+        BatchLoader([], decode="gpu")
+    with pytest.raises(ConfigError, match="TrainConfig.decode"):
+        TrainConfig(decode="gpu")
+
+
+def test_one_pool_of_readers_serves_every_pass_and_the_result_does_not_depend_on_workers(
+        tmp_path, instances, monkeypatch):
+    made = []
+    original = BatchLoader._make_loader
+
+    def counting(self, reader, sampler, *, persistent):
+        made.append(persistent)
+        return original(self, reader, sampler, persistent=persistent)
+
+    monkeypatch.setattr(BatchLoader, "_make_loader", counting)
+    cfg = dict(mode="images", epochs=3, batch_size=16, eval_batch_size=32, threads=2, mu=0.25,
+               mu_ramp_epochs=1, plots=False, shuffle_block=4)
+    two = fit(instances, config=TrainConfig(num_workers=2, **cfg), val=instances)
+    # training, refresh and validation passes of 3 epochs: one persistent DataLoader
+    assert made == [True]
+    again = fit(instances, config=TrainConfig(num_workers=2, **cfg), val=instances)
+    none = fit(instances, config=TrainConfig(num_workers=0, **cfg), val=instances)
+    for other in (again, none):
+        a, b = two.model.state_dict(), other.model.state_dict()
+        assert all(torch.equal(a[k], b[k]) for k in a)
+        assert [h["loss"] for h in two.history] == [h["loss"] for h in other.history]

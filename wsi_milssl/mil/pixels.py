@@ -1,0 +1,131 @@
+"""Image patches -> model input: normalisation and the training augmentation, in one fused pass.
+
+Every image model sees ``(x / 255 - mean) / std`` per RGB channel (:data:`NORMALISATION`, the ImageNet
+statistics). Training adds, per patch, one of the eight symmetries of the square (horizontal flip,
+vertical flip, then a 90-degree rotation, each with probability 1/2) and a mild colour jitter:
+brightness, contrast and saturation factors ``b, c, s`` drawn uniformly from ``[1 - j, 1 + j]``.
+
+The colour jitter is an affine map of each pixel's RGB vector, so it is applied as one 3x3 matrix and
+offset per patch, folded together with the normalisation. With ``w = (0.299, 0.587, 0.114)`` the
+luma weights, ``x`` a pixel in [0, 1] and ``m`` the patch's mean luma::
+
+    brightness   x1 = b x
+    contrast     x2 = c (x1 - b m) + b m
+    saturation   x3 = s x2 + (1 - s) (w . x2) 1   = M x2,  M = s I + (1 - s) 1 w^T
+    so           x3 = c b M x + (1 - c) b m 1      (M 1 = 1 because w sums to 1)
+    clamped to [0, 1], then normalised.
+
+Geometric transforms run on the uint8 pixels (a quarter of the bytes of float), grouped by symmetry;
+the colour map is one batched matrix product on the float pixels. Random numbers come from an
+explicit CPU ``torch.Generator`` (6 uniform draws per patch: flips, rotation, b, c, s), so a batch is
+reproducible on any device, and nothing here waits for the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["NORMALISATION", "LUMA_WEIGHTS", "to_unit_float", "normalize", "to_tensor", "prepare_patches"]
+
+#: Per-channel RGB mean and standard deviation (of [0, 1] pixel values) applied to every image input.
+#: The ImageNet statistics, so a local ImageNet state dict passed with ``--weights`` sees familiar input.
+NORMALISATION = {"mean": (0.485, 0.456, 0.406), "std": (0.229, 0.224, 0.225)}
+
+#: ITU-R BT.601 luma weights (R, G, B), used by the contrast and saturation jitter.
+LUMA_WEIGHTS = (0.299, 0.587, 0.114)
+
+
+def to_unit_float(patches_uint8) -> torch.Tensor:
+    """uint8 (B, H, W, 3) RGB (numpy or torch) -> float32 (B, 3, H, W) in [0, 1]."""
+    x = torch.as_tensor(patches_uint8)
+    if x.dtype != torch.uint8 or x.ndim != 4 or x.shape[-1] != 3:
+        raise ValueError(f"patches must be uint8 (B, H, W, 3) RGB; got {x.dtype} {tuple(x.shape)}.")
+    return x.permute(0, 3, 1, 2).float().div_(255.0)
+
+
+def normalize(x_unit: torch.Tensor) -> torch.Tensor:
+    """float (B, 3, H, W) in [0, 1] -> normalised with :data:`NORMALISATION` (a new tensor)."""
+    mean = torch.tensor(NORMALISATION["mean"], dtype=x_unit.dtype, device=x_unit.device).view(1, 3, 1, 1)
+    std = torch.tensor(NORMALISATION["std"], dtype=x_unit.dtype, device=x_unit.device).view(1, 3, 1, 1)
+    return (x_unit - mean) / std
+
+
+def to_tensor(patches_uint8) -> torch.Tensor:
+    """The model input for image patches: uint8 (B, H, W, 3) RGB -> float32 (B, 3, H, W), normalised.
+
+    Pixels are scaled to [0, 1] and standardised per channel with :data:`NORMALISATION`. Training
+    (through :func:`prepare_patches`) and inference apply the same normalisation.
+    """
+    return normalize(to_unit_float(patches_uint8))
+
+
+def _symmetries(x: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
+    """Apply to each uint8 (H, W, 3) patch of ``x`` (B, H, W, 3) its symmetry ``code`` (CPU int64 (B,)):
+    bit 0 horizontal flip, bit 1 vertical flip, bit 2 a 90-degree rotation (after the flips)."""
+    if not bool(code.any()):
+        return x
+    out = x.clone()
+    for c in torch.unique(code).tolist():
+        if c == 0:
+            continue
+        idx = torch.nonzero(code == c).view(-1).to(x.device, non_blocking=True)
+        sub = x.index_select(0, idx)
+        if c & 1:
+            sub = sub.flip(2)
+        if c & 2:
+            sub = sub.flip(1)
+        if c & 4:
+            sub = sub.rot90(1, (1, 2))
+        out.index_copy_(0, idx, sub)
+    return out
+
+
+def prepare_patches(pixels: torch.Tensor, *, generator: torch.Generator | None = None, flips: bool = True,
+                    rot90: bool = True, colour_jitter: float = 0.0,
+                    mean: tuple[float, float, float] = NORMALISATION["mean"],
+                    std: tuple[float, float, float] = NORMALISATION["std"]) -> torch.Tensor:
+    """uint8 (B, H, W, 3) RGB patches (on any device) -> float32 (B, 3, H, W) model input.
+
+    Without ``generator`` this is the normalisation alone (inference, pseudo-label refresh,
+    validation). With it, each patch also gets the random symmetry (``flips``; ``rot90`` only for
+    square patches) and the colour jitter of strength ``colour_jitter`` described in the module
+    docstring. The result is channels_last in memory (a permuted (B, H, W, 3) buffer) on the input's
+    device; the same generator state gives the same batch.
+    """
+    x = torch.as_tensor(pixels)
+    if x.dtype != torch.uint8 or x.ndim != 4 or x.shape[-1] != 3:
+        raise ValueError(f"patches must be uint8 (B, H, W, 3) RGB; got {x.dtype} {tuple(x.shape)}.")
+    b, h, w, _ = x.shape
+    dev = x.device
+    inv_std = torch.tensor([1.0 / s for s in std], dtype=torch.float32)
+    mean_t = torch.tensor(mean, dtype=torch.float32)
+    jitter = generator is not None and colour_jitter > 0 and b > 0
+    if generator is not None and b > 0:
+        draws = torch.rand(b, 6, generator=generator)
+        code = torch.zeros(b, dtype=torch.int64)
+        if flips:
+            code |= (draws[:, 0] < 0.5).long() | ((draws[:, 1] < 0.5).long() << 1)
+        if rot90 and h == w:
+            code |= (draws[:, 2] < 0.5).long() << 2
+        x = _symmetries(x.contiguous(), code)
+    u = x.reshape(b, h * w, 3).float()  # (B, HW, 3) in 0..255
+    if not jitter:
+        scale = (inv_std / 255.0).to(dev, non_blocking=True)
+        shift = (-mean_t * inv_std).to(dev, non_blocking=True)
+        z = torch.addcmul(shift, u, scale)
+        return z.view(b, h, w, 3).permute(0, 3, 1, 2)
+    factors = 1.0 + (2.0 * draws[:, 3:6] - 1.0) * float(colour_jitter)  # (B, 3): brightness, contrast, sat
+    bright, contrast, sat = factors[:, 0], factors[:, 1], factors[:, 2]
+    luma = torch.tensor(LUMA_WEIGHTS, dtype=torch.float32)
+    eye = torch.eye(3).expand(b, 3, 3)
+    m = sat.view(b, 1, 1) * eye + (1.0 - sat).view(b, 1, 1) * luma.view(1, 1, 3).expand(b, 3, 3)
+    # z = A u + o, with A = diag(1/std) c b M / 255 and o = diag(1/std) ((1 - c) b m_luma 1 - mean)
+    a = inv_std.view(1, 3, 1) * (contrast * bright).view(b, 1, 1) * m / 255.0
+    mean_luma = u.mean(dim=1) @ luma.to(dev) / 255.0  # (B,) on the device
+    k = ((1.0 - contrast) * bright).to(dev, non_blocking=True)
+    o = (k * mean_luma).view(b, 1) * inv_std.to(dev).view(1, 3) - (mean_t * inv_std).to(dev).view(1, 3)
+    z = torch.baddbmm(o.view(b, 1, 3), u, a.transpose(1, 2).to(dev, non_blocking=True))
+    low = (-mean_t * inv_std).to(dev)
+    high = ((1.0 - mean_t) * inv_std).to(dev)
+    z.clamp_(low, high)
+    return z.view(b, h, w, 3).permute(0, 3, 1, 2)
