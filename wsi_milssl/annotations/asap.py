@@ -43,6 +43,7 @@ __all__ = [
     "read_asap_xml",
     "GROUP_COLORS",
     "AREA_TYPES",
+    "MAX_ANNOTATION_BYTES",
 ]
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,10 @@ GROUP_COLORS = {"_0": "#FF0000", "_1": "#FF0000", "_2": "#00FF00", "Tumor": "#FF
 AREA_TYPES = ("Polygon", "Spline", "Rectangle")
 
 _CHUNK_BYTES = 1 << 20
+
+#: Largest annotation file read, ASAP XML or GeoJSON (bytes): far above any slide's annotations
+#: (CAMELYON16's largest XML is a few MB), so that reading one file has bounded time and memory.
+MAX_ANNOTATION_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -166,6 +171,12 @@ def _parse_xml(path: Path) -> tuple[Element, dict[Element, int]]:
     parser = DET.DefusedXMLParser(target=builder, forbid_dtd=True, forbid_entities=True, forbid_external=True)
     builder.parser = parser
     try:
+        size = path.stat().st_size
+        if size > MAX_ANNOTATION_BYTES:
+            raise AnnotationError(
+                f"{path}: {size} bytes is larger than any slide's annotations ({MAX_ANNOTATION_BYTES} bytes at "
+                "most are read). Fix: check this is an ASAP annotation file; re-export it from ASAP."
+            )
         with open(path, "rb") as fh:
             while chunk := fh.read(_CHUNK_BYTES):
                 parser.feed(chunk)

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -28,11 +30,11 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from wsi_milssl.atomic import atomic_open
-from wsi_milssl.annotations.asap import GROUP_COLORS, PolygonAnnotation
+from wsi_milssl.annotations.asap import GROUP_COLORS, MAX_ANNOTATION_BYTES, PolygonAnnotation
 from wsi_milssl.annotations.groups import UNCLASSIFIED
 from wsi_milssl.errors import AnnotationError
 
-__all__ = ["read_geojson", "write_geojson", "hex_to_rgb", "rgb_to_hex"]
+__all__ = ["read_geojson", "write_geojson", "hex_to_rgb", "rgb_to_hex", "MAX_JSON_DEPTH"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +44,12 @@ _BARE_GEOMETRIES = ("Polygon", "MultiPolygon", "Point", "MultiPoint", "LineStrin
                     "GeometryCollection")
 _ASAP_TO_GEOMETRY = {"Polygon": "Polygon", "Spline": "Polygon", "Rectangle": "Polygon",
                      "Dot": "Point", "PointSet": "MultiPoint", "Measurement": "LineString"}
+
+#: Deepest nesting of JSON arrays and objects accepted. A QuPath MultiPolygon feature inside a
+#: FeatureCollection is 8 levels deep; deeper files are refused before any recursive code sees them.
+MAX_JSON_DEPTH = 64
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+_FIX_EXPORT = "Fix: re-export the annotations from QuPath (File > Export objects as GeoJSON) or another GeoJSON writer."
 
 
 def hex_to_rgb(color: str) -> list[int] | None:
@@ -62,7 +70,7 @@ def rgb_to_hex(value: Any) -> str | None:
     if isinstance(value, int):
         value = [(value >> 16) & 255, (value >> 8) & 255, value & 255]
     if isinstance(value, (list, tuple)) and len(value) >= 3 and all(
-        isinstance(v, (int, float)) and not isinstance(v, bool) for v in value[:3]
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value[:3]
     ):
         r, g, b = (int(np.clip(round(v), 0, 255)) for v in value[:3])
         return f"#{r:02X}{g:02X}{b:02X}"
@@ -175,30 +183,68 @@ def _geometry_annotations(
     return out
 
 
-def read_geojson(path: str | os.PathLike) -> tuple[list[PolygonAnnotation], dict[str, str]]:
-    """Read a GeoJSON file: (annotations in file order, groups ``{name: colour}`` in first-use order).
+def _json_depth(text: str) -> int:
+    """Deepest nesting of arrays and objects in valid JSON ``text`` (strings left out), without recursion."""
+    codes = np.frombuffer(_JSON_STRING.sub("", text).encode("utf-8", "surrogatepass"), dtype=np.uint8)
+    opens = (codes == ord("[")) | (codes == ord("{"))
+    where = np.flatnonzero(opens | (codes == ord("]")) | (codes == ord("}")))
+    if not where.size:
+        return 0
+    return int(np.cumsum(np.where(opens[where], 1, -1).astype(np.int32)).max())
 
-    Raises AnnotationError naming the file and the line (invalid JSON) or the feature (invalid
-    structure or coordinates).
-    """
-    path = Path(path)
-    ctx = _Ctx(path)
+
+def _load_json(path: Path) -> Any:
+    """Parse the file with bounded size and depth; AnnotationError (file, cause, fix) for anything else."""
     try:
+        size = path.stat().st_size
+        if size > MAX_ANNOTATION_BYTES:
+            raise AnnotationError(
+                f"{path}: {size} bytes is larger than any slide's annotations ({MAX_ANNOTATION_BYTES} bytes at "
+                f"most are read). Fix: export annotations only (no detections or cells) as GeoJSON."
+            )
         with open(path, "rb") as fh:
             raw = fh.read()
     except FileNotFoundError:
         raise AnnotationError(f"{path}: annotation file not found; check the path.") from None
     except OSError as exc:
-        raise AnnotationError(f"{path}: cannot read the annotation file ({exc}).") from None
+        raise AnnotationError(f"{path}: cannot read the annotation file ({exc.strerror or exc}).") from None
     try:
-        data = json.loads(raw.decode("utf-8-sig"))
+        text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
-        raise AnnotationError(f"{path}: not UTF-8 text at byte {exc.start}; GeoJSON must be UTF-8.") from None
+        raise AnnotationError(f"{path}: not UTF-8 text at byte {exc.start}; GeoJSON must be UTF-8. {_FIX_EXPORT}") from None
+    try:
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise AnnotationError(
             f"{path}: invalid JSON at line {exc.lineno}, column {exc.colno} ({exc.msg}); "
             "fix the syntax there or re-export the file."
         ) from None
+    except RecursionError:
+        raise AnnotationError(
+            f"{path}: JSON nested too deeply to parse (hundreds of levels of [ or {{); GeoJSON annotations are "
+            f"fewer than {MAX_JSON_DEPTH} levels deep. {_FIX_EXPORT}"
+        ) from None
+    except ValueError as exc:  # e.g. an integer with more digits than Python converts
+        raise AnnotationError(f"{path}: invalid JSON ({exc}). {_FIX_EXPORT}") from None
+    depth = _json_depth(text)
+    if depth > MAX_JSON_DEPTH:
+        raise AnnotationError(
+            f"{path}: JSON nested {depth} levels deep; GeoJSON annotations are at most {MAX_JSON_DEPTH} levels "
+            f"deep (a MultiPolygon feature is 8). {_FIX_EXPORT}"
+        )
+    return data
+
+
+def read_geojson(path: str | os.PathLike) -> tuple[list[PolygonAnnotation], dict[str, str]]:
+    """Read a GeoJSON file: (annotations in file order, groups ``{name: colour}`` in first-use order).
+
+    Raises AnnotationError naming the file and the line (invalid JSON) or the feature (invalid
+    structure or coordinates), and for files over :data:`MAX_ANNOTATION_BYTES` or nested deeper
+    than :data:`MAX_JSON_DEPTH`.
+    """
+    path = Path(path)
+    ctx = _Ctx(path)
+    data = _load_json(path)
 
     groups: dict[str, str] = {}
     if isinstance(data, Mapping) and isinstance(data.get("asapGroups"), list):

@@ -4,7 +4,8 @@
 polygons, non-tumour = union of the non-tumour-group polygons, region = tumour minus non-tumour.
 Polygons that are invalid as drawn (self-intersections, duplicate or collinear points) are
 repaired with ``shapely.make_valid``; with the slide size known, parts outside the slide are
-clipped with a warning.
+clipped with a warning. A file whose tumour-group polygons all turn out unusable (no area, or
+wholly outside the slide) is an error, not a normal slide.
 
 ``tumor_fraction`` computes, for every patch square, area(region ∩ square) / area(square) exactly
 (polygon clipping, not point sampling) with shapely 2's vectorised functions and an STRtree.
@@ -27,6 +28,7 @@ from shapely.geometry.base import BaseGeometry
 
 from wsi_milssl.annotations.asap import AREA_TYPES, PolygonAnnotation
 from wsi_milssl.annotations.groups import DEFAULT_GROUP_MAP, GroupMap
+from wsi_milssl.errors import AnnotationError
 
 __all__ = [
     "AnnotationSet",
@@ -103,7 +105,10 @@ class AnnotationSet:
     ``groups``: declared groups ``{name: "#RRGGBB"}``; ``group_map``: which groups are tumour;
     ``source``: the file read; ``dimensions_lv0``: (width, height) of the slide, when known, to clip
     the geometry to. ``tumor``, ``non_tumor`` and ``region`` are computed once, on first use, and
-    log a warning for repaired, clipped, unknown-group and non-area annotations.
+    log a warning for repaired, clipped, unknown-group and non-area annotations. They raise
+    AnnotationError when the file has tumour-group polygons but none of them is usable (every one
+    without area or outside the slide): such a file contradicts itself, and reading it as "no
+    tumour" would turn a tumour slide into a normal one.
     """
 
     polygons: list[PolygonAnnotation]
@@ -136,6 +141,7 @@ class AnnotationSet:
         if self.dimensions_lv0 is not None:
             slide_box = shapely.box(0, 0, *self.dimensions_lv0)
             shapely.prepare(slide_box)
+        unusable_tumor: Counter[str] = Counter()  # why tumour-group polygons were dropped
         for ann in self.polygons:
             role = self.group_map.role(ann.group)
             if ann.type not in AREA_TYPES:
@@ -149,14 +155,28 @@ class AnnotationSet:
                 repaired.append(ann.name)
             if geom is None:
                 degenerate.append(ann.name)
+                if role == "tumor":
+                    unusable_tumor["without area"] += 1
                 continue
             if slide_box is not None and not slide_box.contains(geom):
                 geom = polygonal(shapely.intersection(geom, slide_box))
                 if geom.is_empty:
                     outside.append(ann.name)
+                    if role == "tumor":
+                        unusable_tumor["outside the slide"] += 1
                     continue
                 clipped.append(ann.name)
             (tumor if role == "tumor" else non_tumor).append(geom)
+        n_unusable = sum(unusable_tumor.values())
+        if n_unusable and not tumor:
+            size = "" if self.dimensions_lv0 is None else " ({} x {} px at level 0)".format(*self.dimensions_lv0)
+            why = ", ".join(f"{n} {reason}" for reason, n in sorted(unusable_tumor.items()))
+            raise AnnotationError(
+                f"{self._label}: none of its {n_unusable} tumour polygon(s) (groups "
+                f"{', '.join(self.group_map.tumor)}) encloses an area on the slide{size}: {why}. Reading it as "
+                "'no tumour' would label a tumour slide normal. Fix: check that the file belongs to this slide "
+                "and that its coordinates are level-0 pixels, or delete the empty tumour annotations."
+            )
 
         def names(items: Sequence[str]) -> str:
             return ", ".join(items[:8]) + (f" and {len(items) - 8} more" if len(items) > 8 else "")

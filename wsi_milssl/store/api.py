@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -79,12 +80,30 @@ def _check_array(path: Path, name: Any, values: Any, n: int) -> np.ndarray:
     return np.ascontiguousarray(arr)
 
 
+def _check_writable(path: Path) -> None:
+    """Refuse to rebuild a store the user protected: one without write permission (``chmod a-w``)."""
+    targets = [path] if path.is_file() else [path, path / "zarr.json"]
+    for target in targets:
+        try:
+            mode = target.stat().st_mode
+        except OSError:
+            continue  # a missing part is reported by the reader
+        if not mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH) or not os.access(target, os.W_OK):
+            raise StoreError(
+                f"{path}: the store is read-only ({target.name} has mode {stat.S_IMODE(mode):04o}), and adding "
+                "arrays would replace it; a protected store is never replaced. Fix: make it writable "
+                f"(chmod -R u+w {path}) if it may be changed, or run the stage on a writable copy."
+            )
+
+
 def write_arrays(path: str | os.PathLike, arrays: Mapping[str, Any], *, attrs: Mapping[str, Any] | None = None) -> None:
     """Add or replace per-patch arrays (first axis N, store order) and store attributes, all or nothing.
 
     Known names get their schema dtype (``tumor_fraction`` float32, ``instance_label`` uint8); other
     names must be numeric. ``coords``/``patches`` and the tile stage's attributes cannot be changed.
-    The store is rebuilt beside itself and swapped in atomically, so a crash leaves the old store.
+    The store is rebuilt beside itself and swapped in atomically, so a crash leaves the old store;
+    it keeps its permission bits. A read-only store (no write permission) is refused with a
+    StoreError and left as it is.
     """
     path = Path(path)
     with open_store(path) as store:
@@ -102,6 +121,7 @@ def write_arrays(path: str | os.PathLike, arrays: Mapping[str, Any], *, attrs: M
         clean_attrs[key] = check_attr_value(key, value, where=str(path))
     if not checked and not clean_attrs:
         return
+    _check_writable(path)
     if fmt == "h5":
         h5_write_arrays(path, checked, clean_attrs)
     else:

@@ -159,6 +159,7 @@ def h5_write_arrays(path: Path, arrays: Mapping[str, np.ndarray], attrs: Mapping
     remove_path(tmp)
     try:
         shutil.copyfile(path, tmp)
+        shutil.copymode(path, tmp)  # the store keeps its permission bits
         with h5py.File(tmp, "r+") as f:
             for name, values in arrays.items():
                 if name in f:

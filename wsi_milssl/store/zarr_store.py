@@ -240,6 +240,7 @@ def zarr_write_arrays(path: Path, arrays: Mapping[str, np.ndarray], attrs: Mappi
     try:
         skip = {Path(name) for name in arrays} | {Path("zarr.json")}
         _link_tree(path, tmp, skip=skip)
+        shutil.copymode(path, tmp)  # the store keeps its permission bits
         shutil.copy2(path / "zarr.json", tmp / "zarr.json")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
