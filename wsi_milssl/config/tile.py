@@ -38,9 +38,14 @@ class TileConfig:
     direct_tiff_read : decode the tiles of tiled JPEG TIFF slides (generic TIFF, SVS) directly,
         several times faster than OpenSlide; used only when a probe read gives exactly OpenSlide's
         pixels. False reads everything through OpenSlide.
+    allow_upsample : read slides whose resolution is coarser than the target by enlarging them
+        (``--allow-upsample``). By default such a slide fails with an error that names both
+        resolutions: upsampled patches look sharp but hold no more detail than the scan.
 
     ``workers``, ``threads``, ``batch_size`` and ``direct_tiff_read`` change speed only, so they are
     left out of the settings hash that decides whether an existing store can be reused.
+    ``allow_upsample`` is left out too: it only permits a read, and a store records the resolution
+    it was read at (``mpp``, ``target_mpp``).
     """
 
     magnification: float | None = None
@@ -59,6 +64,7 @@ class TileConfig:
     threads: int = 2
     batch_size: int = 256
     direct_tiff_read: bool = True
+    allow_upsample: bool = False
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -93,6 +99,7 @@ class TileConfig:
             check_type(name, field, getattr(self, field), int)
             check_range(name, field, getattr(self, field), low=1, high=high)
         check_type(name, "direct_tiff_read", self.direct_tiff_read, bool)
+        check_type(name, "allow_upsample", self.allow_upsample, bool)
 
     @property
     def resolved_target_mpp(self) -> float:
