@@ -5,6 +5,7 @@ __all__ = [
     "ConfigError",
     "SlideReadError",
     "MissingResolutionError",
+    "ResolutionError",
     "AnnotationError",
     "StoreError",
     "CheckpointError",
@@ -27,6 +28,10 @@ class SlideReadError(WsiMilsslError):
 
 class MissingResolutionError(WsiMilsslError):
     """A slide carries neither an MPP nor an objective power, so no physical scale is known."""
+
+
+class ResolutionError(WsiMilsslError, ValueError):
+    """A slide cannot serve the requested resolution as asked (e.g. it would have to be upsampled)."""
 
 
 class AnnotationError(WsiMilsslError):

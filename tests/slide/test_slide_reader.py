@@ -50,7 +50,7 @@ def test_plan_picks_largest_level_not_exceeding_needed_downsample():
     plan = plan_read(0.25, downsamples, target_mpp=0.75)  # needs 3x: level 1, residual 1.5
     assert plan.level == 1
     assert plan.residual_scale == pytest.approx(3 / 2.0004)
-    assert plan_read(0.25, downsamples, target_mpp=0.2).level == 0  # finer than level 0
+    assert plan_read(0.25, downsamples, target_mpp=0.2, allow_upsample=True).level == 0  # finer than level 0
 
 
 def test_10x_read_matches_downsampled_level0_and_uses_level_below(synth_slides):

@@ -77,8 +77,9 @@ def test_stride_and_other_magnification(box_slide, box_lv0, tmp_path):
 @pytest.mark.parametrize("target_mpp", [1.0, 0.75, 0.2])
 def test_band_reads_equal_single_reads(synth_slides, target_mpp):
     """Cutting patches from one band read gives the same pixels as one read_region per patch
-    (also with a residual resize: 0.75 µm/px reads the 2x level and shrinks by 1.5)."""
-    with open_slide(synth_slides["tumor"]) as slide:
+    (also with a residual resize: 0.75 µm/px reads the 2x level and shrinks by 1.5; 0.2 µm/px enlarges
+    the 0.25 µm/px slide, which needs allow_upsample)."""
+    with open_slide(synth_slides["tumor"], allow_upsample=True) as slide:
         g = TileGeometry.from_slide(slide, target_mpp=target_mpp, patch_size_px=128, stride_px=128)
         coords = g.grid()[:12]
         bands = plan_bands(coords, g, max_band_px=700)

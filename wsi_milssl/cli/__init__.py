@@ -2,7 +2,8 @@
 
 Every subcommand module defines ``register(subparsers)`` (adds its parser, with every option's unit
 and default in ``--help``) and ``run(args) -> int`` (builds a config, calls one stage function and
-renders progress). Exit codes: 0 success, 1 a stage failed (error message on stderr), 2 usage error.
+renders progress). Exit codes: 0 success, 1 a stage failed (error message on stderr), 2 usage error,
+141 when the reader of stdout went away (``wsi-milssl info SLIDE | head``; quiet, as for SIGPIPE).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 from wsi_milssl import __version__
@@ -76,10 +78,31 @@ def main(argv: list[str] | None = None) -> int:
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return int(args.run(args) or 0)
+        code = int(args.run(args) or 0)
+    except BrokenPipeError:
+        return _stdout_closed()
     except WsiMilsslError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        code = 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        code = 130
+    try:
+        sys.stdout.flush()  # a closed pipe shows here, not as a traceback at interpreter exit
+    except BrokenPipeError:
+        return _stdout_closed()
+    return code
+
+
+def _stdout_closed() -> int:
+    """The reader of stdout exited (``| head``): stop quietly, as a program killed by SIGPIPE would.
+
+    stdout is pointed at /dev/null so that Python's final flush does not raise again (the recipe in
+    the documentation of the ``signal`` module).
+    """
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout has no file descriptor (replaced in tests)
+        pass
+    return 141

@@ -18,7 +18,9 @@ def register(subparsers) -> None:
         "info",
         help=SUMMARY,
         description="Print a slide's level-0 size, pyramid levels and downsamples, MPP, objective power,\n"
-        "vendor, and which pyramid level plus residual scale would serve each magnification.",
+        "vendor, and which pyramid level plus residual scale would serve each magnification. A tile at\n"
+        "the centre of the highest- and the lowest-resolution level is decoded, so a slide whose pixels\n"
+        "are corrupt is reported as an error. Exit code 1 when any slide failed.",
         formatter_class=HelpFormatter,
     )
     p.add_argument("slides", type=Path, nargs="+", metavar="SLIDE", help="slide file(s)")
@@ -33,10 +35,16 @@ def register(subparsers) -> None:
 
 
 def describe_slide(path: Path, *, mpp: float | None, magnifications: list[float], mpp_at_40x: float) -> str:
-    """A human-readable description of the slide at ``path``."""
+    """A human-readable description of the slide at ``path``.
+
+    Raises SlideReadError when the slide cannot be opened or its pixels cannot be decoded, and
+    MissingResolutionError when its physical scale is unknown.
+    """
+    from wsi_milssl.errors import ResolutionError
     from wsi_milssl.slide import magnification_to_mpp, open_slide
 
     with open_slide(path, mpp_override=mpp, mpp_at_40x=mpp_at_40x) as slide:
+        slide.check_pixels()  # opening reads the header only; corrupt tiles fail here
         w, h = slide.dimensions
         lines = [
             f"slide:            {slide.path}",
@@ -51,7 +59,11 @@ def describe_slide(path: Path, *, mpp: float | None, magnifications: list[float]
             lines.append(f"  level {i}: {lw:>7} x {lh:<7} px  downsample {ds:8.3f}  ({slide_mpp * ds:.3f} µm/px)")
         for mag in magnifications:
             target = magnification_to_mpp(mag, mpp_at_40x=mpp_at_40x)
-            plan = slide.plan(target_mpp=target)
+            try:
+                plan = slide.plan(target_mpp=target)
+            except ResolutionError:
+                lines.append(f"{mag:g}x ({target:.3f} µm/px): finer than the slide; refused unless --allow-upsample")
+                continue
             lines.append(
                 f"{mag:g}x ({target:.3f} µm/px): read level {plan.level} (downsample {plan.level_downsample:.3f}), "
                 f"residual scale {plan.residual_scale:.3f}"
@@ -60,8 +72,20 @@ def describe_slide(path: Path, *, mpp: float | None, magnifications: list[float]
 
 
 def run(args: argparse.Namespace) -> int:
+    import sys
+
+    from wsi_milssl.errors import WsiMilsslError
+
+    failed = 0
     for i, path in enumerate(args.slides):
         if i:
             print()
-        print(describe_slide(path, mpp=args.mpp, magnifications=args.magnifications, mpp_at_40x=args.mpp_at_40x))
-    return 0
+        try:
+            text = describe_slide(path, mpp=args.mpp, magnifications=args.magnifications, mpp_at_40x=args.mpp_at_40x)
+        except WsiMilsslError as exc:  # one bad slide is reported, the others are still described
+            sys.stdout.flush()
+            print(f"error: {exc}", file=sys.stderr)
+            failed += 1
+            continue
+        print(text)
+    return 1 if failed else 0

@@ -22,6 +22,7 @@ def tile_config_from_args(args: argparse.Namespace) -> TileConfig:
         min_tissue=args.min_tissue, mask_mpp=args.mask_mpp, pixels=args.pixels, jpeg_quality=args.jpeg_quality,
         format=args.format, slide_mpp=getattr(args, "slide_mpp", None), workers=args.workers, threads=args.threads,
         batch_size=args.batch_size, direct_tiff_read=not args.openslide_only,
+        allow_upsample=getattr(args, "allow_upsample", False),
     )
 
 
@@ -83,6 +84,9 @@ def register(subparsers) -> None:
     p.add_argument("--openslide-only", action="store_true",
                    help="read every pixel through OpenSlide (by default tiled JPEG TIFF/SVS tiles are decoded "
                         "directly, several times faster, after a check that the pixels are identical)")
+    p.add_argument("--allow-upsample", action="store_true",
+                   help="tile slides scanned coarser than the target resolution by enlarging them (by default "
+                        "such a slide fails: upsampled patches hold no more detail than the scan)")
     p.add_argument("--overwrite", action="store_true",
                    help="re-tile slides whose store exists, replacing it (also when made with other settings)")
     p.set_defaults(run=run)

@@ -3,10 +3,16 @@
 Coordinates are level-0 pixels everywhere. A patch at ``target_mpp`` is read from the pyramid level
 with the largest downsample not exceeding the one needed and resized by the remainder with area
 averaging (antialiased), so a 10x read of a 0.25 µm/px slide comes from the 4x level, not level 0.
+Reads finer than the slide's own resolution are refused unless ``allow_upsample`` is given.
+
+An MPP from the slide's metadata is used only when a microscope could have made it
+(:data:`PLAUSIBLE_MPP`, 0.05-20 µm/px): a TIFF resolution tag written by an image editor (72 dpi
+is 352.78 µm/px) is ignored with a warning that names ``--slide-mpp``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Callable
@@ -23,7 +29,13 @@ from wsi_milssl.slide.resolution import (
     plan_read,
 )
 
-__all__ = ["SlideReader", "open_slide", "register_reader", "READERS"]
+__all__ = ["SlideReader", "open_slide", "register_reader", "READERS", "PLAUSIBLE_MPP"]
+
+logger = logging.getLogger(__name__)
+
+#: Level-0 resolutions (µm/px) a slide scanner or microscope camera produces; metadata outside this
+#: range (screen or print dpi tags, zero-ish values) is not a microscope's and is ignored.
+PLAUSIBLE_MPP = (0.05, 20.0)
 
 READERS: dict[str, Callable[..., "SlideReader"]] = {}
 
@@ -57,10 +69,13 @@ class SlideReader:
     path : slide file (.svs, .ndpi, .mrxs, pyramidal .tif, ...).
     mpp_override : level-0 µm/px to use instead of the slide's own metadata (``--slide-mpp``).
     mpp_at_40x : µm/px of a 40x objective, used to turn magnifications into resolutions.
+    allow_upsample : let :meth:`plan` serve resolutions finer than the slide's (``--allow-upsample``);
+        by default such a plan raises ResolutionError.
 
     Raises SlideReadError when OpenSlide cannot open the file, and MissingResolutionError (on
-    first use of ``mpp``) when the slide has neither an MPP nor an objective power and no override
-    is given.
+    first use of ``mpp``) when the slide has neither a plausible MPP nor an objective power and no
+    override is given. A metadata MPP outside :data:`PLAUSIBLE_MPP` is ignored with a warning
+    (``ignored_metadata_mpp`` keeps it).
     """
 
     def __init__(
@@ -69,9 +84,11 @@ class SlideReader:
         *,
         mpp_override: float | None = None,
         mpp_at_40x: float = DEFAULT_MPP_AT_40X,
+        allow_upsample: bool = False,
     ) -> None:
         self.path = Path(path)
         self.mpp_at_40x = float(mpp_at_40x)
+        self.allow_upsample = bool(allow_upsample)
         self._mpp_override = None if mpp_override is None else float(mpp_override)
         if self._mpp_override is not None and self._mpp_override <= 0:
             raise ValueError(f"mpp_override must be positive; got {mpp_override!r}.")
@@ -99,6 +116,13 @@ class SlideReader:
             self.metadata_mpp = (mpp_x + mpp_y) / 2
         elif mpp_x or mpp_y:
             self.metadata_mpp = mpp_x or mpp_y
+        self.ignored_metadata_mpp: float | None = None
+        if self.metadata_mpp is not None and not PLAUSIBLE_MPP[0] <= self.metadata_mpp <= PLAUSIBLE_MPP[1]:
+            self.ignored_metadata_mpp, self.metadata_mpp = self.metadata_mpp, None
+            if self._mpp_override is None:
+                logger.warning("%s: ignoring the resolution in its metadata (%s): not a microscope's (those are "
+                               "%g-%g µm/px). Pass the level-0 resolution with --slide-mpp (µm per pixel).",
+                               self.path, self._ignored_mpp_text(), *PLAUSIBLE_MPP)
 
     # -- metadata -----------------------------------------------------------------------------
     @property
@@ -117,6 +141,12 @@ class SlideReader:
     @property
     def level_downsamples(self) -> tuple[float, ...]:
         return tuple(float(d) for d in self._slide.level_downsamples)
+
+    def _ignored_mpp_text(self) -> str:
+        props = self._slide.properties
+        unit, res = props.get("tiff.ResolutionUnit"), props.get("tiff.XResolution")
+        tag = f"{res} pixels per {unit} = " if unit in ("inch", "centimeter") and res else ""
+        return f"{tag}{self.ignored_metadata_mpp:.6g} µm/px"
 
     @property
     def mpp_source(self) -> str:
@@ -139,8 +169,10 @@ class SlideReader:
             return self.metadata_mpp
         if source == "objective-power":
             return magnification_to_mpp(self.objective_power, mpp_at_40x=self.mpp_at_40x)
+        ignored = (f" (its metadata says {self._ignored_mpp_text()}, which is not a microscope's resolution)"
+                   if self.ignored_metadata_mpp is not None else "")
         raise MissingResolutionError(
-            f"{self.path}: the slide has no MPP and no objective power, so its physical scale is "
+            f"{self.path}: the slide has no MPP{ignored} and no objective power, so its physical scale is "
             "unknown. Fix: pass the level-0 resolution with --slide-mpp (µm per pixel, e.g. --slide-mpp 0.25)."
         )
 
@@ -148,9 +180,36 @@ class SlideReader:
     def properties(self) -> dict[str, str]:
         return dict(self._slide.properties)
 
-    def plan(self, *, target_mpp: float) -> ReadPlan:
-        """The pyramid level and residual scale that serve ``target_mpp``."""
-        return plan_read(self.mpp, self.level_downsamples, target_mpp=target_mpp)
+    def plan(self, *, target_mpp: float, allow_upsample: bool | None = None) -> ReadPlan:
+        """The pyramid level and residual scale that serve ``target_mpp``.
+
+        Raises ResolutionError (naming the slide, both resolutions and ``--allow-upsample``) when
+        ``target_mpp`` is finer than the slide's resolution, unless ``allow_upsample`` (default: the
+        reader's own setting) is True.
+        """
+        allow = self.allow_upsample if allow_upsample is None else bool(allow_upsample)
+        return plan_read(self.mpp, self.level_downsamples, target_mpp=target_mpp, allow_upsample=allow,
+                         source=self.path)
+
+    def check_pixels(self, *, size_px: int = 256) -> None:
+        """Decode a ``size_px`` square at the centre of the highest- and the lowest-resolution level.
+
+        Opening a slide reads only its header; a slide whose tile data is corrupt (OpenSlide's
+        ``unreadable.svs``: "Bogus marker length") fails only here. Raises SlideReadError.
+        """
+        for level in sorted({0, self.level_count - 1}):
+            w, h = self.level_dimensions[level]
+            ds = self.level_downsamples[level]
+            rw, rh = min(size_px, w), min(size_px, h)
+            x_lv0 = int(((w - rw) // 2) * ds)
+            y_lv0 = int(((h - rh) // 2) * ds)
+            try:
+                self._slide.read_region((x_lv0, y_lv0), level, (rw, rh))
+            except (openslide.OpenSlideError, OSError) as exc:
+                raise SlideReadError(
+                    f"{self.path}: OpenSlide opens the slide but cannot decode its pixels at level {level} "
+                    f"({exc}). Fix: the file is corrupt or truncated; re-copy or re-export it."
+                ) from None
 
     # -- pixels -------------------------------------------------------------------------------
     def read_level(self, x_lv0: int, y_lv0: int, level: int, size: tuple[int, int]) -> np.ndarray:

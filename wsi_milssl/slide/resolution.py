@@ -2,16 +2,25 @@
 
 Magnification and resolution are tied by ``mpp = mpp_at_40x * 40 / magnification``; with the
 default ``mpp_at_40x = 0.25`` that gives 40x = 0.25, 20x = 0.5 and 10x = 1.0 µm/px.
+
+Reading at a finer resolution than the slide was scanned at (upsampling) invents detail the scan
+does not have, so :func:`plan_read` refuses it unless ``allow_upsample`` is given; a target within
+:data:`UPSAMPLE_TOLERANCE` of the slide's resolution counts as the slide's own (a 0.2525 µm/px
+slide serves 40x = 0.25 µm/px).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Sequence
+
+from wsi_milssl.errors import ResolutionError
 
 __all__ = [
     "DEFAULT_MPP_AT_40X",
     "LEVEL_TOLERANCE",
+    "UPSAMPLE_TOLERANCE",
     "ReadPlan",
     "magnification_to_mpp",
     "mpp_to_magnification",
@@ -22,6 +31,8 @@ DEFAULT_MPP_AT_40X = 0.25
 # Pyramids whose level-0 size is not divisible by the level factor report downsamples such as
 # 4.0002; a level counts as "not exceeding" the needed downsample within this relative tolerance.
 LEVEL_TOLERANCE = 1e-3
+# A target at most this much finer than level 0 (relative) is read as level 0, not refused.
+UPSAMPLE_TOLERANCE = 0.01
 
 
 def magnification_to_mpp(magnification: float, *, mpp_at_40x: float = DEFAULT_MPP_AT_40X) -> float:
@@ -68,12 +79,24 @@ class ReadPlan:
 
 
 def plan_read(
-    slide_mpp: float, level_downsamples: Sequence[float], *, target_mpp: float
+    slide_mpp: float, level_downsamples: Sequence[float], *, target_mpp: float, allow_upsample: bool = False,
+    source: str | os.PathLike | None = None,
 ) -> ReadPlan:
-    """Pick the level with the largest downsample not exceeding target_mpp / slide_mpp."""
+    """Pick the level with the largest downsample not exceeding target_mpp / slide_mpp.
+
+    Raises ResolutionError when ``target_mpp`` is finer than ``slide_mpp`` by more than
+    :data:`UPSAMPLE_TOLERANCE` and ``allow_upsample`` is False; ``source`` (the slide) names it.
+    """
     if target_mpp <= 0 or slide_mpp <= 0:
         raise ValueError(f"resolutions must be positive; got target {target_mpp!r}, slide {slide_mpp!r}.")
     downsample = target_mpp / slide_mpp
+    if downsample < 1.0 - UPSAMPLE_TOLERANCE and not allow_upsample:
+        raise ResolutionError(
+            f"{source if source is not None else 'slide'}: reading at {target_mpp:.4g} µm/px would upsample this "
+            f"slide, which is scanned at {slide_mpp:.4g} µm/px ({1.0 / downsample:.2f}x enlarged pixels add no "
+            f"detail). Fix: ask for {slide_mpp:.4g} µm/px or coarser (--mpp, or a lower --magnification), or pass "
+            "--allow-upsample to enlarge it anyway."
+        )
     level = 0
     for i, ds in enumerate(level_downsamples):
         if ds <= downsample * (1 + LEVEL_TOLERANCE) and ds >= level_downsamples[level]:
