@@ -124,8 +124,6 @@ def test_allow_upsample_is_a_tile_setting_outside_the_settings_hash():
         TileConfig(allow_upsample="yes")
 
 
-@pytest.mark.xfail(strict=True, reason="tiling/runner.py must pass allow_upsample=config.allow_upsample to "
-                                       "open_slide (owned by the tiling work; remove this marker then)")
 def test_tile_with_allow_upsample_tiles_the_coarse_slide(half_micron_slide, tmp_path):
     run = tile_slides([half_micron_slide], tmp_path / "out",
                       TileConfig(magnification=40, patch_size_px=256, entropy_threshold_bits=0.0, tissue="none",

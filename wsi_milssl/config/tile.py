@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from wsi_milssl.config.base import check_choice, check_range, check_type, config_hash
 from wsi_milssl.errors import ConfigError
+
+if TYPE_CHECKING:
+    from wsi_milssl.tiling.plan import TilingPlan
 
 __all__ = ["TileConfig", "DEFAULT_MAGNIFICATION"]
 
@@ -136,3 +139,10 @@ class TileConfig:
     def settings_hash(self) -> str:
         """Short SHA-256 of :meth:`settings`."""
         return config_hash(self.settings())
+
+    def tiling_plan(self) -> "TilingPlan":
+        """The tile recipe of this config (:class:`wsi_milssl.tiling.TilingPlan`): what decides which
+        cells are cut and how they are read; recorded in every store and carried into checkpoints."""
+        from wsi_milssl.tiling.plan import TilingPlan
+
+        return TilingPlan.from_tile_config(self)

@@ -122,6 +122,12 @@ STORE_ATTRS: dict[str, type | tuple[type, ...]] = {
     "n_patches": int,  # kept after the entropy filter (= N)
     "settings": str,  # JSON of the resolved settings the hash is taken over
     "config_hash": str,
+    # JSON of the tile recipe (wsi_milssl.tiling.TilingPlan.to_json): target_mpp, patch_size_px,
+    # stride_px, tissue, min_tissue, mask_mpp, entropy_threshold_bits, direct_tiff_read,
+    # allow_upsample. Training copies it into the checkpoint; the heatmap stage cuts slides with it.
+    # Stores written before it existed lack it (the separate attributes above say the same, less the
+    # reader choice and allow_upsample).
+    "tiling_plan": str,
 }
 
 # Attributes ``write_arrays`` may not change.

@@ -5,10 +5,16 @@
 
     run = tile_slides(find_slides(["slides/"]), "tiles/", TileConfig(magnification=10, patch_size_px=512))
     run.ok, run.status_csv          # tiles/tile_status.csv: slide,status,n_patches,seconds,error
+
+The recipe is one :class:`TilingPlan` (``TileConfig.tiling_plan()``), recorded in every store; any
+stage that cuts a slide (the heatmap stage too) does it with :func:`plan_slide`,
+:func:`open_band_source` and :func:`cut_band`, so it keeps the cells the tile stage keeps.
 """
 
+from wsi_milssl.tiling.cells import MAX_BAND_PX, BandCut, SlideCells, cut_band, open_band_source, plan_slide
 from wsi_milssl.tiling.grid import TileGeometry, grid_coords
 from wsi_milssl.tiling.inputs import SLIDE_SUFFIXES, find_slides, slide_stem
+from wsi_milssl.tiling.plan import PLAN_ATTR, TilingPlan
 from wsi_milssl.tiling.qc import render_qc
 from wsi_milssl.tiling.reading import Band, plan_bands, read_band
 from wsi_milssl.tiling.runner import (
@@ -24,18 +30,26 @@ from wsi_milssl.tiling.status import STATUS_COLUMNS, STATUS_FILENAME, TileResult
 
 __all__ = [
     "Band",
+    "BandCut",
     "CONFIG_FILENAME",
+    "MAX_BAND_PX",
+    "PLAN_ATTR",
     "QC_DIRNAME",
     "SLIDE_SUFFIXES",
     "STATUS_COLUMNS",
     "STATUS_FILENAME",
+    "SlideCells",
     "TileGeometry",
     "TileResult",
     "TileRun",
+    "TilingPlan",
     "check_existing_store",
+    "cut_band",
     "find_slides",
     "grid_coords",
+    "open_band_source",
     "plan_bands",
+    "plan_slide",
     "qc_path",
     "read_band",
     "read_status_csv",

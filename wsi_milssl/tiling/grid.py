@@ -75,9 +75,11 @@ class TileGeometry:
         )
 
     @classmethod
-    def from_slide(cls, slide, *, target_mpp: float, patch_size_px: int, stride_px: int) -> "TileGeometry":
-        """Geometry for a SlideReader ``slide``."""
-        plan = slide.plan(target_mpp=target_mpp)
+    def from_slide(cls, slide, *, target_mpp: float, patch_size_px: int, stride_px: int,
+                   allow_upsample: bool | None = None) -> "TileGeometry":
+        """Geometry for a SlideReader ``slide``; ``allow_upsample``: serve a ``target_mpp`` finer than the
+        slide's (None = the reader's own setting; see :meth:`SlideReader.plan`)."""
+        plan = slide.plan(target_mpp=target_mpp, allow_upsample=allow_upsample)
         return cls.from_plan(plan, dimensions_lv0=slide.dimensions, level_dimensions=slide.level_dimensions[plan.level],
                              patch_size_px=patch_size_px, stride_px=stride_px)
 

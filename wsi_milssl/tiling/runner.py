@@ -1,8 +1,11 @@
 """Tile slides into patch stores: per-slide pipeline, parallel runner, resume and status CSV.
 
-Per slide: tissue mask on a thumbnail -> grid at the target resolution -> cells with enough tissue
-are read (bands of neighbours at the read level, on reader threads) -> entropy filter -> JPEG/raw
-pixels streamed in batches into ``<stem>.<fmt>.partial`` -> QC PNG -> rename to the final store.
+Per slide, the config's :class:`~wsi_milssl.tiling.plan.TilingPlan` is cut by the functions in
+:mod:`wsi_milssl.tiling.cells` (the heatmap stage calls the same ones): tissue mask on a thumbnail ->
+grid at the target resolution -> cells with enough tissue are read (bands of neighbours at the read
+level, on reader threads) -> entropy filter. The kept patches' JPEG/raw pixels are streamed in
+batches into ``<stem>.<fmt>.partial`` -> QC PNG -> rename to the final store, whose attributes
+record the plan.
 A run killed at any moment leaves no store that looks complete; re-running skips complete stores
 made with the same settings and refuses to mix settings in one folder.
 """
@@ -29,21 +32,19 @@ from wsi_milssl import __version__
 from wsi_milssl.atomic import atomic_write_json
 from wsi_milssl.config.base import config_to_dict
 from wsi_milssl.config.tile import TileConfig
-from wsi_milssl.errors import MissingResolutionError, StoreError, WsiMilsslError
+from wsi_milssl.errors import StoreError, WsiMilsslError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
-from wsi_milssl.slide.entropy import entropy_bits_batch
 from wsi_milssl.slide.reader import open_slide
 from wsi_milssl.slide.resolution import mpp_to_magnification
-from wsi_milssl.slide.tissue import slide_tissue_mask
 from wsi_milssl.store import create_writer, encode_jpeg, open_store
 from wsi_milssl.store.base import dumps_settings
 from wsi_milssl.store.schema import store_path
-from wsi_milssl.tiling.grid import TileGeometry
+from wsi_milssl.tiling.cells import cut_band, open_band_source, plan_slide
 from wsi_milssl.tiling.inputs import slide_stem
 from wsi_milssl.tiling.qc import render_qc, write_qc_png
-from wsi_milssl.tiling.reading import Band, ordered_map, plan_bands, read_band
+from wsi_milssl.tiling.plan import PLAN_ATTR
+from wsi_milssl.tiling.reading import Band, ordered_map
 from wsi_milssl.tiling.status import STATUS_FILENAME, TileResult, write_status_csv
-from wsi_milssl.tiling.tiff_source import direct_source
 
 __all__ = [
     "CONFIG_FILENAME",
@@ -61,7 +62,6 @@ CONFIG_FILENAME = "tile_config.json"
 QC_DIRNAME = "qc"
 # Flush buffered patches to the store when they hold this many bytes (raw pixels are large).
 _FLUSH_BYTES = 64 << 20
-_MAX_BAND_PX = 4096
 _QC_MAX_PX = 1024
 _QC_MIN_PX = 512
 
@@ -156,27 +156,15 @@ def tile_slide(slide_path: str | os.PathLike, out_dir: str | os.PathLike, config
         if n_existing is not None:
             return TileResult(stem, str(slide_path), "skipped", n_existing, time.perf_counter() - t0, "", str(final))
 
+    plan = config.tiling_plan()
     with open_slide(slide_path, mpp_override=config.slide_mpp) as slide:
-        try:
-            slide_mpp = slide.mpp
-        except MissingResolutionError:
-            raise MissingResolutionError(
-                f"{slide_path}: the slide has no MPP and no objective power, so its physical scale is unknown. "
-                "Fix: give its level-0 resolution with --slide-mpp (µm per pixel, e.g. --slide-mpp 0.25)."
-            ) from None
-        geometry = TileGeometry.from_slide(slide, target_mpp=config.resolved_target_mpp,
-                                           patch_size_px=config.patch_size_px, stride_px=config.resolved_stride_px)
-        tissue = slide_tissue_mask(slide, method=config.tissue, mask_mpp=config.mask_mpp)
-        grid = geometry.grid()
-        if config.tissue == "none":
-            fraction = np.ones(len(grid), np.float32)
-        else:
-            fraction = tissue.fraction(grid, geometry.patch_size_lv0)
-        candidate = fraction >= config.min_tissue
-        cand_coords = grid[candidate]
-        cand_fraction = fraction[candidate]
+        cells = plan_slide(slide, plan)
+        slide_mpp = slide.mpp
+        geometry, tissue = cells.geometry, cells.tissue
+        cand_coords = cells.coords_lv0
+        cand_fraction = cells.tissue_fraction
         logger.info("%s: %d grid cells, %d with tissue >= %.2f; level %d (downsample %.3f), patch %d lv0 px",
-                    stem, len(grid), len(cand_coords), config.min_tissue, geometry.level,
+                    stem, cells.n_grid, cells.n_candidates, plan.min_tissue, geometry.level,
                     geometry.level_downsample, geometry.patch_size_lv0)
 
         coords_attrs = {
@@ -187,28 +175,25 @@ def tile_slide(slide_path: str | os.PathLike, out_dir: str | os.PathLike, config
             "patch_size_level0": geometry.patch_size_lv0,
             "target_magnification": float(geometry.target_magnification),
             "level0_magnification": float(mpp_to_magnification(slide_mpp)),
-            "overlap": max(0, config.patch_size_px - config.resolved_stride_px),
+            "overlap": max(0, plan.patch_size_px - plan.stride_px),
             "name": stem,
         }
-        bands = plan_bands(cand_coords, geometry, max_band_px=_MAX_BAND_PX)
-        source = direct_source(slide, bands, geometry) if config.direct_tiff_read else None
-        threshold = float(config.entropy_threshold_bits)
+        bands = list(cells.bands)
+        source = open_band_source(slide, geometry, bands, plan=plan)
         pixels = config.pixels
         quality = config.jpeg_quality
 
         def process(band: Band):
-            patches = read_band(slide, band, geometry, source=source)
-            entropy = entropy_bits_batch(patches)
-            keep = entropy >= threshold
+            cut = cut_band(slide, band, geometry, plan=plan, source=source)
             if pixels == "jpeg":
-                payload = [encode_jpeg(p, quality=quality) for p in patches[keep]]
+                payload = [encode_jpeg(p, quality=quality) for p in cut.patches]
                 nbytes = sum(len(b) for b in payload)
             elif pixels == "raw":
-                payload = patches[keep]
+                payload = cut.patches
                 nbytes = payload.nbytes
             else:
                 payload, nbytes = None, 0
-            return band, keep, entropy, payload, nbytes
+            return cut, payload, nbytes
 
         kept_chunks: list[np.ndarray] = []
         dropped_chunks: list[np.ndarray] = []
@@ -218,17 +203,16 @@ def tile_slide(slide_path: str | os.PathLike, out_dir: str | os.PathLike, config
         emit(progress, ProgressEvent("tile-patches", 0, total, unit="patch", item=stem))
         with create_writer(final, pixels=pixels, patch_size_px=config.patch_size_px,
                            coords_attrs=coords_attrs) as writer, _closing(source):
-            for band, keep, entropy, payload, nbytes in ordered_map(process, bands, threads=config.threads):
-                idx = band.indices
-                kept_idx = idx[keep]
+            for cut, payload, nbytes in ordered_map(process, bands, threads=config.threads):
+                kept_idx = cut.indices
                 kept_chunks.append(cand_coords[kept_idx])
-                dropped_chunks.append(cand_coords[idx[~keep]])
+                dropped_chunks.append(cand_coords[cut.dropped_indices])
                 if len(kept_idx):
-                    buffer.add(cand_coords[kept_idx], entropy[keep].astype(np.float32), cand_fraction[kept_idx],
-                               payload, nbytes)
+                    buffer.add(cand_coords[kept_idx], cut.entropy_bits[cut.keep].astype(np.float32),
+                               cand_fraction[kept_idx], payload, nbytes)
                 if buffer.n >= config.batch_size or buffer.nbytes >= _FLUSH_BYTES:
                     buffer.flush(writer, pixels)
-                done += len(idx)
+                done += cut.n_read
                 emit(progress, ProgressEvent("tile-patches", done, total, unit="patch", item=stem))
             buffer.flush(writer, pixels)
 
@@ -237,7 +221,7 @@ def tile_slide(slide_path: str | os.PathLike, out_dir: str | os.PathLike, config
             qc_thumb = _qc_thumbnail(slide, tissue.thumbnail)
             w0, h0 = slide.dimensions
             qc = render_qc(qc_thumb, downsample_xy=(w0 / qc_thumb.shape[1], h0 / qc_thumb.shape[0]),
-                           mask=None if config.tissue == "none" else tissue.mask,
+                           mask=None if plan.tissue == "none" else tissue.mask,
                            kept_lv0=kept, dropped_lv0=dropped, patch_size_lv0=geometry.patch_size_lv0)
             write_qc_png(qc, qc_path(out_dir, stem))
 
@@ -261,14 +245,15 @@ def tile_slide(slide_path: str | os.PathLike, out_dir: str | os.PathLike, config
                 "level_downsample": geometry.level_downsample,
                 "pixels": pixels,
                 "jpeg_quality": quality,
-                "entropy_threshold_bits": threshold,
-                "tissue_detector": config.tissue,
-                "min_tissue": float(config.min_tissue),
-                "mask_mpp": float(config.mask_mpp),
-                "n_grid": int(len(grid)),
+                "entropy_threshold_bits": plan.entropy_threshold_bits,
+                "tissue_detector": plan.tissue,
+                "min_tissue": plan.min_tissue,
+                "mask_mpp": plan.mask_mpp,
+                "n_grid": cells.n_grid,
                 "n_candidates": int(total),
                 "settings": dumps_settings(settings),
                 "config_hash": config.settings_hash(),
+                PLAN_ATTR: plan.to_json(),
             }
             writer.finalize(attrs)
     n_kept = int(len(kept))
