@@ -273,9 +273,13 @@ def read_patch_stores(paths: Iterable[str | os.PathLike], labels: dict[str, int]
 
     Bag names are the stores' slide stems, labelled from ``labels``. Instance labels are taken from the
     stores' ``instance_label`` datasets when every store has one (evaluation only). All stores must share
-    the target resolution and patch size.
+    the target resolution and patch size. The stores' tile recipe (attribute ``tiling_plan``) goes into
+    ``settings["tiling_plan"]`` as a dict (the first store's that has one; stores written before it
+    existed have none), for training to copy into the checkpoint.
     """
+    from wsi_milssl.errors import ConfigError
     from wsi_milssl.store import find_stores, open_store
+    from wsi_milssl.tiling.plan import PLAN_ATTR, TilingPlan
 
     store_paths = find_stores(list(paths))
     if not store_paths:
@@ -296,6 +300,12 @@ def read_patch_stores(paths: Iterable[str | os.PathLike], labels: dict[str, int]
             else:
                 have_inst = False
         here = {k: _plain_attr(attrs[k]) for k in STORE_SETTING_KEYS if k in attrs}
+        if PLAN_ATTR in attrs:
+            try:
+                here[PLAN_ATTR] = TilingPlan.from_json(_plain_attr(attrs[PLAN_ATTR]),
+                                                       source=f"{sp}: attribute {PLAN_ATTR!r}").to_dict()
+            except ConfigError as exc:
+                raise StoreError(str(exc)) from None
         if settings is None:
             settings = here
         else:
@@ -305,6 +315,13 @@ def read_patch_stores(paths: Iterable[str | os.PathLike], labels: dict[str, int]
                         f"{sp}: {key} = {here[key]} differs from {store_paths[0]} ({settings[key]}); "
                         "tile every slide with the same settings."
                     )
+            if PLAN_ATTR in here:
+                first = settings.setdefault(PLAN_ATTR, here[PLAN_ATTR])
+                differ = sorted(k for k, v in here[PLAN_ATTR].items() if k != "direct_tiff_read" and first.get(k) != v)
+                if differ:
+                    log.warning("%s: tiled with other settings (%s) than the first store; the checkpoint records "
+                                "the first store's tiling plan, so heatmaps will cut slides that way.",
+                                sp, ", ".join(f"{k} {first.get(k)!r} -> {here[PLAN_ATTR][k]!r}" for k in differ))
         if stem in names:
             raise StoreError(f"{sp}: slide {stem!r} appears twice; pass each store once.")
         names.append(stem)

@@ -470,7 +470,11 @@ def _checkpoint_config(config: TrainConfig, instances: InstanceSet, runtime: Run
                        model_kwargs: dict[str, Any]) -> dict[str, Any]:
     cfg = config_to_dict(config)
     settings = dict(instances.settings)
+    # the stores' tile recipe, unchanged (None for stores written before it was recorded): the heatmap
+    # stage cuts slides with it
+    tiling_plan = settings.pop("tiling_plan", None)
     cfg.update({
+        "tiling_plan": tiling_plan,
         "target_mpp": settings.get("target_mpp"),
         "target_magnification": settings.get("target_magnification"),
         "patch_size_px": settings.get("patch_size_px"),
