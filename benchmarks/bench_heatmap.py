@@ -150,7 +150,7 @@ def bare_forward(ckpt: Path, n: int, *, patch_size_px: int, batch_size: int, wor
 
     from wsi_milssl.config import HeatmapConfig
     from wsi_milssl.inference import load_inference_model
-    from wsi_milssl.inference.predict import Preprocess
+    from wsi_milssl.inference import Preprocess
 
     config = HeatmapConfig(batch_size=batch_size, num_workers=workers, threads=threads, fuse_batchnorm=fuse)
     model = load_inference_model(ckpt, config=config)

@@ -169,8 +169,12 @@ def make_checkpoint(path: Path, *, model_name: str = "darkness", model_kwargs: d
                     model: nn.Module | None = None, target_mpp: float = 1.0, patch_size_px: int = 32,
                     stride_px: int | None = None, entropy_threshold_bits: float = 3.0, bag_pooling: str = "max",
                     tissue: str = "otsu", min_tissue: float = 0.1, mask_mpp: float = 8.0,
-                    normalisation: dict | None = None, drop: tuple[str, ...] = ()) -> Path:
-    """A training checkpoint as ``wsi-milssl train`` writes it, for a fixed-weight or given model."""
+                    normalisation: dict | None = None, drop: tuple[str, ...] = (),
+                    tiling_plan: dict | None = None) -> Path:
+    """A training checkpoint as ``wsi-milssl train`` writes it, for a fixed-weight or given model.
+
+    ``tiling_plan``: the stores' recorded plan (a dict), which checkpoints of newer stores carry;
+    without it only the older separate keys are written."""
     from wsi_milssl.mil.models import create_model
 
     kwargs = dict(model_kwargs or {})
@@ -185,6 +189,8 @@ def make_checkpoint(path: Path, *, model_name: str = "darkness", model_kwargs: d
         "normalisation": normalisation or {k: list(v) for k, v in NORMALISATION.items()},
         "model_name": model_name, "model_kwargs": kwargs,
     }
+    if tiling_plan is not None:
+        config["tiling_plan"] = dict(tiling_plan)
     for key in drop:
         config.pop(key, None)
         config["store_settings"].pop(key, None)

@@ -9,7 +9,7 @@ import pytest
 from wsi_milssl.cli.heatmap import heatmap_config_from_args
 from wsi_milssl.config import HeatmapConfig, TileConfig
 from wsi_milssl.errors import ConfigError
-from wsi_milssl.inference.predict import TilingSettings, resolve_runtime
+from wsi_milssl.inference import TilingSettings, resolve_runtime
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -42,12 +42,13 @@ def test_toml_then_options(tmp_path):
 def test_tiling_settings_come_from_the_checkpoint_with_tile_stage_fallbacks():
     cfg = {"target_mpp": 0.5, "patch_size_px": 224, "entropy_threshold_bits": 4.5,
            "store_settings": {"stride_px": 112, "tissue_detector": "none", "min_tissue": 0.3}}
-    t = TilingSettings.from_checkpoint_config(cfg, config=HeatmapConfig())
+    t = TilingSettings.from_checkpoint_config(cfg, config=HeatmapConfig()).plan
     assert (t.target_mpp, t.patch_size_px, t.stride_px, t.entropy_threshold_bits) == (0.5, 224, 112, 4.5)
     assert (t.tissue, t.min_tissue, t.mask_mpp) == ("none", 0.3, TileConfig().mask_mpp)
-    t = TilingSettings.from_checkpoint_config(cfg, config=HeatmapConfig(tissue="otsu", min_tissue=0.5, mask_mpp=4.0))
+    t = TilingSettings.from_checkpoint_config(cfg, config=HeatmapConfig(tissue="otsu", min_tissue=0.5,
+                                                                        mask_mpp=4.0)).plan
     assert (t.tissue, t.min_tissue, t.mask_mpp) == ("otsu", 0.5, 4.0)
-    t = TilingSettings.from_checkpoint_config({"target_mpp": 1.0, "patch_size_px": 64}, config=HeatmapConfig())
+    t = TilingSettings.from_checkpoint_config({"target_mpp": 1.0, "patch_size_px": 64}, config=HeatmapConfig()).plan
     assert (t.stride_px, t.entropy_threshold_bits, t.tissue) == (64, TileConfig().entropy_threshold_bits, "otsu")
 
 

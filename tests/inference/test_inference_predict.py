@@ -17,7 +17,7 @@ from wsi_milssl.config import HeatmapConfig, TileConfig
 from wsi_milssl.errors import CheckpointError, ConfigError
 from wsi_milssl.inference import load_inference_model, make_heatmaps, predict_slide, predict_store
 from wsi_milssl.inference.heatmap import PNG_TEXT_KEY
-from wsi_milssl.inference.predict import Preprocess
+from wsi_milssl.inference import Preprocess
 from wsi_milssl.mil.data import to_tensor
 
 FAST = dict(thumbnail_px=256, batch_size=64)

@@ -5,8 +5,13 @@
 
     run = make_heatmaps(["slides/a.tif"], "runs/r1/best.pt", "heatmaps/", HeatmapConfig())
 
-- :mod:`~wsi_milssl.inference.predict`: slide or store -> per-patch probabilities (DataLoader workers
-  read and decode while the model runs; CUDA autocast on GPU, bfloat16 + channels_last on CPU).
+- :mod:`~wsi_milssl.inference.model`: the checkpoint's model ready for inference (BatchNorm folded,
+  CUDA autocast on GPU, bfloat16 + channels_last on CPU), the tile recipe it was trained on
+  (:class:`~wsi_milssl.tiling.TilingPlan`) and the runtime.
+- :mod:`~wsi_milssl.inference.sources`: DataLoader datasets of patches, cut from a slide with the
+  tile stage's public functions (``wsi_milssl.tiling.plan_slide`` / ``cut_band``) or read from a store.
+- :mod:`~wsi_milssl.inference.predict`: the prediction loop, slide or store -> per-patch probabilities
+  (workers read and decode while the model runs).
 - :mod:`~wsi_milssl.inference.heatmap`: the probability grid and its overlay on the thumbnail.
 - :mod:`~wsi_milssl.inference.colormaps`: the colour-map registry.
 - :mod:`~wsi_milssl.inference.exports`: ``_probs.npy/.tif/.json``, ``_patches.csv/.geojson``,
@@ -26,17 +31,17 @@ from wsi_milssl.inference.exports import (
     write_probs,
 )
 from wsi_milssl.inference.heatmap import probability_grid, render_overlay, sample_grid, write_png
-from wsi_milssl.inference.predict import (
+from wsi_milssl.inference.model import (
     InferenceModel,
     InferenceRuntime,
     Preprocess,
-    SlidePrediction,
     TilingSettings,
+    fuse_batchnorm,
     load_inference_model,
-    predict_slide,
-    predict_store,
+    plan_from_checkpoint_config,
     resolve_runtime,
 )
+from wsi_milssl.inference.predict import SlidePrediction, predict_slide, predict_store
 from wsi_milssl.inference.stage import (
     CONFIG_FILENAME,
     STATUS_FILENAME,
@@ -63,11 +68,13 @@ __all__ = [
     "SlidePrediction",
     "TilingSettings",
     "apply_colormap",
+    "fuse_batchnorm",
     "load_inference_model",
     "make_heatmaps",
     "match_inputs",
     "nms_detections",
     "output_paths",
+    "plan_from_checkpoint_config",
     "predict_slide",
     "predict_store",
     "probability_grid",

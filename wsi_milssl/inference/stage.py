@@ -7,7 +7,7 @@
     run.ok, run.scores_csv      # heatmaps/scores.csv: slide,score
 
 Besides the per-slide files (see :mod:`wsi_milssl.inference.exports`) the folder gets
-``heatmap_config.json`` (resolved settings, checkpoint, tiling settings, runtime) and
+``heatmap_config.json`` (resolved settings, checkpoint, tiling plan and normalisation, runtime) and
 ``heatmap_status.csv`` (slide,status,n_patches,score,seconds,error). A slide that fails is recorded
 as failed while the others go on.
 """
@@ -15,7 +15,6 @@ as failed while the others go on.
 from __future__ import annotations
 
 import csv
-import dataclasses
 import io
 import json
 import logging
@@ -45,15 +44,10 @@ from wsi_milssl.inference.exports import (
     write_probs,
 )
 from wsi_milssl.inference.heatmap import render_overlay, write_png
-from wsi_milssl.inference.predict import (
-    InferenceModel,
-    SlidePrediction,
-    load_inference_model,
-    predict_slide,
-    predict_store,
-    tissue_mask_for,
-)
-from wsi_milssl.tiling.inputs import slide_stem
+from wsi_milssl.inference.model import InferenceModel, load_inference_model
+from wsi_milssl.inference.predict import SlidePrediction, predict_slide, predict_store
+from wsi_milssl.slide.tissue import slide_tissue_mask
+from wsi_milssl.tiling import slide_stem
 
 __all__ = [
     "CONFIG_FILENAME",
@@ -247,7 +241,7 @@ def _write_overlay(pred: SlidePrediction, grid: np.ndarray, path: Path, *, confi
         w0, h0 = slide.dimensions
         tissue = pred.tissue
         if config.clip_to_tissue and tissue is None and pred.tissue_detector != "none":
-            tissue = tissue_mask_for(slide, method=pred.tissue_detector, mask_mpp=pred.mask_mpp)
+            tissue = slide_tissue_mask(slide, method=pred.tissue_detector, mask_mpp=pred.mask_mpp)
     ds_xy = (w0 / thumb.shape[1], h0 / thumb.shape[0])
     use_tissue = config.clip_to_tissue and tissue is not None and pred.tissue_detector != "none"
     sigma_cells = config.smooth_um / (pred.stride_lv0 * pred.mpp) if config.smooth_um > 0 else 0.0
@@ -288,7 +282,7 @@ def _write_config(out_dir: Path, config: HeatmapConfig, model: InferenceModel) -
         "checkpoint": None if model.checkpoint_path is None else str(model.checkpoint_path),
         "model_name": model.config.get("model_name"),
         "bag_pooling": model.pooling,
-        "tiling": dataclasses.asdict(model.tiling),
+        "tiling": model.tiling.to_dict(),
         "runtime": model.runtime.describe(),
         "package_version": __version__,
     }
