@@ -2,22 +2,32 @@
 
     python benchmarks/bench_heatmap.py                       # 50,000 px slide, ResNet18 at 0.5 µm/px, 224 px
     python benchmarks/bench_heatmap.py --size 16384 --repeat 1   # a quick look (startup costs weigh more)
+    python benchmarks/bench_heatmap.py --preset gpu14        # GPU: 14 slides of 24,576 px made in parallel
     python benchmarks/bench_heatmap.py --iou-checkpoint runs/r1/best.pt --iou-slides slides/
+
+Presets: ``cpu`` (the default) is one generated slide of ``--size`` px; ``gpu14`` is the GPU set of
+the issue tracker: 14 slides of 24,576 x 24,576 px at 0.25 µm/px (``synth --slides 1 --seed K``, seeds
+0-13, made in parallel; 7 tumour, 7 normal), batch 256, and all of them in one heatmap command.
 
 1. Throughput. A slide is generated with ``wsi_milssl.synth`` (cached in ``--cache``), a checkpoint
    of a ResNet18 (random weights: speed does not depend on them) with the tiling settings is written,
-   and ``python -m wsi_milssl heatmap`` runs on it in a child process. Reported: patches/s of the
-   whole command (wall time from process start to exit: imports, tissue mask, tiling, reading,
-   inference, PNG and exports) and of the slide itself (its seconds in heatmap_status.csv); then, in
+   and ``python -m wsi_milssl heatmap`` runs on it (on all of them) in a child process. Reported:
+   patches/s of the whole command (wall time from process start to exit: imports, tissue mask,
+   tiling, reading, inference, PNG and exports) and of the slides (from the first slide opened to the
+   last file written, as the command prints it); then, in
    this process, the bare forward rate of the same model with the same runtime (bfloat16 autocast,
    channels_last, threads) on the same number of ready-made input tensors in batches of the same
    size, twice: the network the command runs (BatchNorm folded into the convolutions) and the model
-   as trained (``--no-fuse-batchnorm``). Runs alternate ``--repeat`` times (the machine may be shared); the median is reported.
+   as trained (``--no-fuse-batchnorm``). On CUDA the bare forward runs full batches only (the command
+   pads a slide's last batch to one shape too), waits for the GPU only at the end, and repeats until
+   ``--min-seconds`` have passed. Runs alternate ``--repeat`` times (the machine may be shared); the
+   median is reported.
    CPU seconds per patch (the command with its DataLoader workers, from ``wait4``; the bare forward
    from ``process_time``) are printed too: unlike wall time they barely move with other load.
-2. Memory. Peak RSS of the command's main process (``wait4``) and the peak of the summed RSS of the
-   process tree (main + DataLoader workers, sampled every 0.1 s; shared pages counted twice), on the
-   throughput slide and, with ``--big``, on a generated ``--big`` x ``--big`` px slide.
+2. Memory. Peak RSS of the command's main process (``wait4``) and the peaks of the summed RSS and
+   summed PSS of the process tree (main, reader fork server and readers, sampled every 0.1 s; RSS
+   counts shared pages once per process, PSS splits them), on the throughput slides and, with
+   ``--big``, on a generated ``--big`` x ``--big`` px slide.
 3. IoU (optional). With a trained checkpoint and a folder of generated slides with their ASAP XML:
    per tumour slide, grid cells with p >= 0.5 against cells whose exact tumour fraction is >= 0.5.
 
@@ -30,6 +40,7 @@ import argparse
 import csv
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -39,6 +50,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from _slides import build_slides  # benchmarks/_slides.py
 
 
 def _synth_slide(cache: Path, size: int, *, seed: int) -> Path:
@@ -54,6 +67,12 @@ def _synth_slide(cache: Path, size: int, *, seed: int) -> Path:
                         folder)
         print(f"  {time.perf_counter() - t0:.0f} s", flush=True)
     return slide
+
+
+def _gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
 
 
 def _dims(slide: Path) -> list[int]:
@@ -83,6 +102,42 @@ def _checkpoint(path: Path, *, target_mpp: float, patch_size_px: int, entropy_bi
                            path)
 
 
+def _pss_kb(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as fh:
+            for line in fh:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def _tree_pids(root: int) -> list[int]:
+    """``root`` and all its descendants."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                stat = fh.read()
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def _tree_pss_kb(root: int) -> int:
+    """Summed PSS (kB) of ``root`` and its descendants (shared pages split between their users)."""
+    return sum(_pss_kb(pid) for pid in _tree_pids(root))
+
+
 def _tree_rss_kb(root: int) -> int:
     """Summed VmRSS (kB) of ``root`` and all its descendants."""
     children: dict[int, list[int]] = {}
@@ -110,19 +165,21 @@ def _tree_rss_kb(root: int) -> int:
     return total
 
 
-def run_command(slide: Path, ckpt: Path, out: Path, *, batch_size: int, workers: int, threads: int) -> dict:
-    """Run ``wsi-milssl heatmap`` in a child process; wall time, peak RSS, patches and slide seconds."""
-    cmd = [sys.executable, "-m", "wsi_milssl", "heatmap", str(slide), "--model", str(ckpt), "--out", str(out),
+def run_command(slides: list[Path], ckpt: Path, out: Path, *, batch_size: int, workers: int, threads: int) -> dict:
+    """Run ``wsi-milssl heatmap`` on ``slides`` in a child process; wall time, the slides' time (first
+    slide opened to last file written), peak RSS and PSS, patches."""
+    cmd = [sys.executable, "-m", "wsi_milssl", "heatmap", *map(str, slides), "--model", str(ckpt), "--out", str(out),
            "--batch-size", str(batch_size), "--workers", str(workers), "--threads", str(threads)]
-    peak_tree = 0
+    peak_tree = peak_pss = 0
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     stop = threading.Event()
 
     def sample() -> None:
-        nonlocal peak_tree
+        nonlocal peak_tree, peak_pss
         while not stop.is_set():
             peak_tree = max(peak_tree, _tree_rss_kb(proc.pid))
+            peak_pss = max(peak_pss, _tree_pss_kb(proc.pid))
             stop.wait(0.1)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -136,37 +193,65 @@ def run_command(slide: Path, ckpt: Path, out: Path, *, batch_size: int, workers:
     if proc.returncode != 0:
         raise SystemExit(f"heatmap command failed ({proc.returncode}):\n{output}")
     with open(out / "heatmap_status.csv", newline="") as fh:
-        row = next(csv.DictReader(fh))
-    return {"wall_s": wall, "slide_s": float(row["seconds"]), "n_patches": int(row["n_patches"]),
-            "cpu_s": usage.ru_utime + usage.ru_stime,  # the command and its reaped DataLoader workers
-            "peak_rss_main_mb": usage.ru_maxrss / 1024, "peak_rss_tree_mb": peak_tree / 1024}
+        rows = list(csv.DictReader(fh))
+    found = re.search(r"patches in ([0-9.]+) s", output)
+    if found is None:
+        raise SystemExit(f"the heatmap command did not print its time:\n{output}")
+    return {"wall_s": wall, "slide_s": float(found.group(1)), "n_patches": sum(int(r["n_patches"]) for r in rows),
+            "n_slides": len(rows), "cpu_s": usage.ru_utime + usage.ru_stime,  # the command and its reaped readers
+            "peak_rss_main_mb": usage.ru_maxrss / 1024, "peak_rss_tree_mb": peak_tree / 1024,
+            "peak_pss_tree_mb": peak_pss / 1024}
 
 
 def bare_forward(ckpt: Path, n: int, *, patch_size_px: int, batch_size: int, workers: int, threads: int,
-                 fuse: bool = True) -> dict:
-    """Forward rate of the checkpoint's model on ``n`` ready-made tensors (same runtime as the command;
-    ``fuse=False``: the model as trained, without BatchNorm folded into the convolutions)."""
+                 fuse: bool = True, min_seconds: float = 2.0) -> dict:
+    """Forward rate of the checkpoint's model on ready-made input tensors, with the command's runtime
+    (``fuse=False``: the model as trained, without BatchNorm folded into the convolutions).
+
+    CPU: ``n`` patches in the command's batches (the last one smaller), once. CUDA: full batches,
+    synchronised only at the end, repeated for at least ``min_seconds``."""
     import torch
 
     from wsi_milssl.config import HeatmapConfig
-    from wsi_milssl.inference import load_inference_model
-    from wsi_milssl.inference import Preprocess
+    from wsi_milssl.inference import Preprocess, load_inference_model
 
     config = HeatmapConfig(batch_size=batch_size, num_workers=workers, threads=threads, fuse_batchnorm=fuse)
     model = load_inference_model(ckpt, config=config)
+    dev = model.runtime.device
     rng = np.random.default_rng(0)
     u8 = torch.from_numpy(rng.integers(0, 256, (batch_size, patch_size_px, patch_size_px, 3), dtype=np.uint8))
-    prep = model.worker_preprocess or Preprocess(model.tiling.mean, model.tiling.std)
-    x = prep(u8)  # the tensor the command's workers hand over (bf16 channels_last on the CPU)
-    x = x.to(model.runtime.device)  # on CUDA: already on the GPU (the command copies uint8 there)
-    model.predict(x[: min(8, batch_size)])  # warm-up (oneDNN primitive creation, cuDNN plans)
-    model.predict(x[:batch_size])
-    sizes = [batch_size] * (n // batch_size) + ([n % batch_size] if n % batch_size else [])
+    if dev.type == "cuda":
+        x = u8.to(dev)  # the command hands the GPU uint8 pixels and normalises them there
+    else:
+        x = (model.worker_preprocess or Preprocess(model.tiling.mean, model.tiling.std))(u8)  # what readers make
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    for _ in range(3):  # warm-up: oneDNN primitives, cuDNN plans (one shape)
+        model.probabilities(x)
+    sync()
+    if dev.type == "cuda":
+        sizes, rounds = [batch_size], 0
+    else:
+        sizes = [batch_size] * (n // batch_size) + ([n % batch_size] if n % batch_size else [])
     t0, c0 = time.perf_counter(), time.process_time()
-    for b in sizes:
-        model.predict(x[:b])
+    done = 0
+    while True:
+        for b in sizes:
+            model.probabilities(x[:b])
+            done += b
+        if dev.type != "cuda":
+            break
+        rounds += 1
+        if rounds % 20 == 0:
+            sync()
+            if time.perf_counter() - t0 >= min_seconds:
+                break
+    sync()
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-    return {"seconds": dt, "cpu_s": cpu, "n": n, "patches_per_s": n / dt, "runtime": model.runtime.describe(),
+    return {"seconds": dt, "cpu_s": cpu, "n": done, "patches_per_s": done / dt, "runtime": model.runtime.describe(),
             "torch_threads": torch.get_num_threads()}
 
 
@@ -198,14 +283,17 @@ def iou_report(ckpt: Path, slides_dir: Path, out: Path, *, threshold: float = 0.
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=("cpu", "gpu14"), default="cpu",
+                   help="cpu: one --size slide; gpu14: 14 slides of 24,576 px in one command, batch 256")
+    p.add_argument("--min-seconds", type=float, default=2.0, help="CUDA: time the bare forward at least this long")
     p.add_argument("--size", type=int, default=50000,
                    help="side of the throughput slide in px (0.25 µm/px; generated once, ~2.5 min for 50,000)")
     p.add_argument("--seed", type=int, default=1, help="synth seed of the generated slides")
     p.add_argument("--target-mpp", type=float, default=0.5, help="model resolution (µm/px)")
     p.add_argument("--patch-size", type=int, default=224, help="model patch size (px)")
     p.add_argument("--entropy-threshold", type=float, default=5.0, help="entropy filter (bits)")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--workers", type=int, default=-1, help="DataLoader workers of the command (-1 auto)")
+    p.add_argument("--batch-size", type=int, default=None, help="[64; 256 with --preset gpu14]")
+    p.add_argument("--workers", type=int, default=-1, help="reader processes of the command (-1 auto)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     p.add_argument("--repeat", type=int, default=2, help="alternating command/bare runs; medians reported")
     p.add_argument("--slide", type=Path, default=None, help="use this slide for the throughput instead of generating")
@@ -219,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-throughput", action="store_true", help="skip the throughput/memory runs (IoU only)")
     p.add_argument("--json", type=Path, default=None, help="write the numbers to this JSON file")
     args = p.parse_args(argv)
+    if args.batch_size is None:
+        args.batch_size = 256 if args.preset == "gpu14" else 64
 
     args.cache.mkdir(parents=True, exist_ok=True)
     report: dict = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -228,18 +318,21 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_throughput:
             ckpt = _checkpoint(tmp / "run" / "best.pt", target_mpp=args.target_mpp, patch_size_px=args.patch_size,
                                entropy_bits=args.entropy_threshold)
-            slide = args.slide or _synth_slide(args.cache, args.size, seed=args.seed)
+            if args.preset == "gpu14":
+                slides, _ = build_slides(args.cache, n=14, size=24576)
+            else:
+                slides = [args.slide or _synth_slide(args.cache, args.size, seed=args.seed)]
             cmd_runs, bare_runs, trained_runs = [], [], []
             bare_kw = dict(patch_size_px=args.patch_size, batch_size=args.batch_size, workers=args.workers,
-                           threads=args.threads)
+                           threads=args.threads, min_seconds=args.min_seconds)
             for i in range(args.repeat):
-                cmd_runs.append(run_command(slide, ckpt, tmp / f"hm{i}", batch_size=args.batch_size,
+                cmd_runs.append(run_command(slides, ckpt, tmp / f"hm{i}", batch_size=args.batch_size,
                                             workers=args.workers, threads=args.threads))
                 n = cmd_runs[-1]["n_patches"]
                 bare_runs.append(bare_forward(ckpt, n, **bare_kw))
                 trained_runs.append(bare_forward(ckpt, n, fuse=False, **bare_kw))
                 c, b, t = cmd_runs[-1], bare_runs[-1], trained_runs[-1]
-                print(f"run {i + 1}: command {n / c['wall_s']:.1f} patches/s (slide {n / c['slide_s']:.1f}), "
+                print(f"run {i + 1}: command {n / c['wall_s']:.1f} patches/s (slides {n / c['slide_s']:.1f}), "
                       f"bare forward {b['patches_per_s']:.1f} (as trained {t['patches_per_s']:.1f}) patches/s",
                       flush=True)
             n = cmd_runs[0]["n_patches"]
@@ -247,8 +340,8 @@ def main(argv: list[str] | None = None) -> int:
             slide_rate = statistics.median(n / r["slide_s"] for r in cmd_runs)
             bare_rate = statistics.median(b["patches_per_s"] for b in bare_runs)
             trained_rate = statistics.median(b["patches_per_s"] for b in trained_runs)
-            dims = _dims(slide)
-            report["throughput"] = {"slide": str(slide), "dimensions_lv0": dims, "n_patches": n,
+            dims = _dims(slides[0])
+            report["throughput"] = {"slides": [str(x) for x in slides], "dimensions_lv0": dims, "n_patches": n,
                                     "command_patches_per_s": cmd_rate,
                                     "slide_patches_per_s": slide_rate, "bare_forward_patches_per_s": bare_rate,
                                     "bare_forward_as_trained_patches_per_s": trained_rate,
@@ -258,14 +351,18 @@ def main(argv: list[str] | None = None) -> int:
                                     "runtime": bare_runs[0]["runtime"], "torch_threads": bare_runs[0]["torch_threads"],
                                     "runs": cmd_runs, "bare_runs": bare_runs, "bare_as_trained_runs": trained_runs}
             print()
-            print(f"{dims[0]} x {dims[1]} px slide, {n} patches of {args.patch_size} px at {args.target_mpp} µm/px, "
+            if torch_gpu := _gpu_name():
+                report["gpu"] = torch_gpu
+            print(f"{len(slides)} slide(s) of {dims[0]} x {dims[1]} px, {n} patches of {args.patch_size} px at "
+                  f"{args.target_mpp} µm/px, {'GPU ' + torch_gpu + ', ' if torch_gpu else ''}"
                   f"batch {args.batch_size}, {bare_runs[0]['runtime']}, torch threads {bare_runs[0]['torch_threads']}; "
                   f"medians of {args.repeat} runs\n")
             print("| measure | patches/s | x bare forward (BN folded, what the command runs) | x bare forward (as trained) |")
             print("|---|---:|---:|---:|")
             print(f"| bare forward, BatchNorm folded | {bare_rate:.1f} | 1.00 | {bare_rate / trained_rate:.2f} |")
             print(f"| bare forward, model as trained | {trained_rate:.1f} | {trained_rate / bare_rate:.2f} | 1.00 |")
-            for label, rate in (("heatmap command, whole (wall)", cmd_rate), ("heatmap command, slide time", slide_rate)):
+            for label, rate in (("heatmap command, whole (wall)", cmd_rate),
+                                ("heatmap command, first slide opened to last file written", slide_rate)):
                 print(f"| {label} | {rate:.1f} | {rate / bare_rate:.2f} | {rate / trained_rate:.2f} |")
             cpu_cmd = statistics.median(r["cpu_s"] for r in cmd_runs) / n
             cpu_bare = statistics.median(b["cpu_s"] for b in bare_runs) / n
@@ -275,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
             mem = [(dims, cmd_runs[0])]
             if args.big or args.big_slide:
                 big = args.big_slide or _synth_slide(args.cache, args.big, seed=args.seed)
-                r = run_command(big, ckpt, tmp / "hm_big", batch_size=args.batch_size, workers=args.workers,
+                r = run_command([big], ckpt, tmp / "hm_big", batch_size=args.batch_size, workers=args.workers,
                                 threads=args.threads)
                 big_dims = _dims(big)
                 bare = bare_forward(ckpt, r["n_patches"], patch_size_px=args.patch_size, batch_size=args.batch_size,
@@ -293,11 +390,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"CPU time per patch: command {1e3 * r['cpu_s'] / n_big:.1f} ms, bare forward "
                       f"{1e3 * bare['cpu_s'] / n_big:.1f} ms (ratio {bare['cpu_s'] / r['cpu_s']:.2f})")
             print()
-            print("| slide | patches | peak RSS main (MB) | peak RSS process tree (MB) |")
-            print("|---|---:|---:|---:|")
+            print("| slides | patches | peak RSS main (MB) | peak RSS process tree (MB) | peak PSS process tree (MB) |")
+            print("|---|---:|---:|---:|---:|")
             for (w, h), r in mem:
-                print(f"| {w} x {h} px | {r['n_patches']} | {r['peak_rss_main_mb']:.0f} | "
-                      f"{r['peak_rss_tree_mb']:.0f} |")
+                print(f"| {r['n_slides']} x {w} x {h} px | {r['n_patches']} | {r['peak_rss_main_mb']:.0f} | "
+                      f"{r['peak_rss_tree_mb']:.0f} | {r['peak_pss_tree_mb']:.0f} |")
         if args.iou_checkpoint is not None:
             if args.iou_slides is None:
                 raise SystemExit("--iou-checkpoint needs --iou-slides")

@@ -25,49 +25,18 @@ Prints a table per patch size; ``--json PATH`` writes the numbers, with ``train_
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from _slides import build_slides  # benchmarks/_slides.py
 
 PRESETS = {
     "cpu": {"slides": 4, "size": 8192, "patch_sizes": [224], "epochs": 2},
     "gpu14": {"slides": 14, "size": 24576, "patch_sizes": [224, 512], "epochs": 3},
 }
-
-
-def build_slides(cache: Path, *, n: int, size: int) -> tuple[list[Path], Path]:
-    """``n`` generated slides ``slide_KK.tif`` (seeds 0..n-1, made in parallel) and their labels.csv."""
-    root = cache / f"slides_{size}"
-    linked = root / "linked"
-    linked.mkdir(parents=True, exist_ok=True)
-
-    def one(seed: int) -> tuple[Path, int]:
-        folder = root / f"seed{seed:02d}"
-        if not (folder / "labels.csv").exists():
-            subprocess.run([sys.executable, "-m", "wsi_milssl", "synth", str(folder), "--slides", "1",
-                            "--seed", str(seed), "--size-px", str(size), str(size),
-                            "--tumor-slide-fraction", "1" if seed % 2 == 0 else "0"],
-                           check=True, stdout=subprocess.DEVNULL)
-        with open(folder / "labels.csv", newline="") as fh:
-            label = int(next(csv.DictReader(fh))["label"])
-        link = linked / f"slide_{seed:02d}.tif"
-        if not link.exists():
-            link.symlink_to((folder / "synth_000.tif").resolve())
-        return link, label
-
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=max(1, min(n, os.cpu_count() or 1))) as pool:
-        made = list(pool.map(one, range(n)))
-    labels = linked / "labels.csv"
-    labels.write_text("slide,label\n" + "".join(f"{p.stem},{y}\n" for p, y in made))
-    print(f"slides: {n} x {size} px ready in {time.perf_counter() - t0:.1f} s ({root})", flush=True)
-    return [p for p, _ in made], labels
 
 
 def build_stores(slides: list[Path], out: Path, *, mpp: float, patch_size: int, workers: int) -> list[Path]:

@@ -14,7 +14,7 @@ import torch
 
 from wsi_milssl.errors import ConfigError
 
-__all__ = ["pick_device", "pick_amp_dtype", "autocast", "describe"]
+__all__ = ["pick_device", "pick_amp_dtype", "autocast", "describe", "require_device_decode", "decode_jpeg_batch"]
 
 _AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -48,3 +48,36 @@ def describe(device: torch.device, dtype: torch.dtype | None, **flags) -> str:
     """One line for logs and configs: ``cpu amp=bfloat16 channels_last=True workers=2``."""
     amp = "off" if dtype is None else str(dtype).replace("torch.", "")
     return " ".join([str(device), f"amp={amp}"] + [f"{k}={v}" for k, v in flags.items()])
+
+
+def _decode_jpeg():
+    import warnings
+
+    with warnings.catch_warnings():  # torchvision 0.29 announces a move of its codecs to torchcodec
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from torchvision.io import ImageReadMode, decode_jpeg
+    return decode_jpeg, ImageReadMode
+
+
+def require_device_decode(*, owner: str) -> None:
+    """Raise ConfigError (naming ``owner``) when JPEG cannot be decoded on the device (no torchvision)."""
+    try:
+        _decode_jpeg()
+    except ImportError:
+        raise ConfigError(f"{owner}.decode 'device' decodes JPEG patches with torchvision.io.decode_jpeg, but "
+                          "torchvision is not installed. Fix: pip install torchvision (the build matching torch), "
+                          "or decode in the readers (--decode workers).") from None
+
+
+def decode_jpeg_batch(data: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """uint8 (B, H, W, 3) RGB on ``device`` from B JPEG byte tensors (uint8, 1-D, on the CPU), decoded
+    there in one call (``torchvision.io.decode_jpeg``: nvJPEG on CUDA, libjpeg-turbo on the CPU)."""
+    if not data:
+        return torch.zeros((0, 1, 1, 3), dtype=torch.uint8, device=device)
+    import warnings
+
+    decode_jpeg, mode = _decode_jpeg()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        images = decode_jpeg(list(data), mode=mode.RGB, device=device)
+    return torch.stack(images).permute(0, 2, 3, 1)

@@ -107,13 +107,13 @@ def test_preprocess_matches_to_tensor_and_honours_the_checkpoint_normalisation()
     torch.testing.assert_close(standard(torch.from_numpy(u8)), to_tensor(u8))
     assert standard(torch.from_numpy(u8)).is_contiguous(memory_format=torch.channels_last)
     fast = Preprocess(NORMALISATION["mean"], NORMALISATION["std"], dtype=torch.bfloat16)
-    assert fast._lut is not None and fast._pairs is not None  # table lookups, equal to to_tensor bit for bit
+    assert fast.tables is not None and fast.tables.pairs is not None  # table lookups, equal to to_tensor bit for bit
     big = np.random.default_rng(1).integers(0, 256, (2, 64, 64, 3), dtype=np.uint8)
     assert torch.equal(fast(torch.from_numpy(big)), to_tensor(big).to(torch.bfloat16))
     odd = big[:1, :5, :5]  # 25 pixels: the byte-pair tables do not apply, the one-byte ones do
     assert torch.equal(fast(torch.from_numpy(odd)), to_tensor(odd).to(torch.bfloat16))
     half = Preprocess(NORMALISATION["mean"], NORMALISATION["std"], dtype=torch.float16)
-    assert half._pairs is not None and torch.equal(half(torch.from_numpy(big)), to_tensor(big).to(torch.float16))
+    assert half.tables.pairs is not None and torch.equal(half(torch.from_numpy(big)), to_tensor(big).to(torch.float16))
     custom = Preprocess((0.5, 0.5, 0.5), (0.25, 0.25, 0.25), dtype=torch.bfloat16)
     out = custom(torch.from_numpy(u8))
     assert out.dtype == torch.bfloat16
@@ -199,13 +199,21 @@ def test_cuda_autocast_matches_the_cpu(tmp_path, tumour_slide, checkpoint_factor
     np.testing.assert_allclose(cpu.probs, gpu.probs, atol=2e-2)
 
 
-def test_a_slide_without_tissue_gives_an_empty_map_and_score_zero(tmp_path, checkpoint_factory, slide_writer):
-    slide = slide_writer(tmp_path / "glass.tif", width=2048, height=2048, tissue_box=(0, 0, 0, 0),
-                        tumour=lambda xs, ys: np.zeros(xs.shape, bool))
-    run = make_heatmaps([slide], checkpoint_factory(), tmp_path / "hm", HeatmapConfig(num_workers=1, **FAST))
-    assert run.ok and run.results[0].n_patches == 0 and run.results[0].score == 0.0
-    grid = np.load(tmp_path / "hm" / "glass_probs.npy")
-    assert grid.shape == (16, 16) and np.isnan(grid).all()
-    assert (tmp_path / "hm" / "glass_patches.csv").read_text() == "x_lv0,y_lv0,prob\n"
-    assert (tmp_path / "hm" / "glass_detections.csv").read_text() == ""
-    assert json.loads((tmp_path / "hm" / "glass_patches.geojson").read_text())["features"] == []
+def test_a_slide_without_a_patch_is_empty_never_a_confident_zero(tmp_path, checkpoint_factory, slide_writer):
+    # issue 14 row 4: 0 patches used to be status ok with score 0.000000, a confidently normal slide
+    glass = slide_writer(tmp_path / "glass.tif", width=2048, height=2048, tissue_box=(0, 0, 0, 0),
+                         tumour=lambda xs, ys: np.zeros(xs.shape, bool))
+    tissue = slide_writer(tmp_path / "tissue.tif", width=2048, height=2048, tissue_box=(256, 256, 1792, 1792),
+                          tumour=lambda xs, ys: np.zeros(xs.shape, bool))
+    run = make_heatmaps([glass, tissue], checkpoint_factory(), tmp_path / "hm",
+                        HeatmapConfig(num_workers=1, **FAST))
+    empty, ok = run.results
+    assert empty.status == "empty" and empty.score is None and empty.n_patches == 0
+    assert "glass.tif: no patch has tissue" in empty.error and "Fix:" in empty.error
+    assert ok.status == "ok" and ok.n_patches > 0
+    assert not run.ok and run.n_empty == 1 and run.n_failed == 0
+    assert not list((tmp_path / "hm").glob("glass_*"))  # no map, no detections: nothing to read as a result
+    scores = (tmp_path / "hm" / "scores.csv").read_text()
+    assert "tissue," in scores and "glass" not in scores
+    status = (tmp_path / "hm" / "heatmap_status.csv").read_text().splitlines()
+    assert status[1].startswith("glass,empty,0,,") and status[2].startswith("tissue,ok,")

@@ -13,7 +13,7 @@ SUMMARY = "per-patch tumour probabilities of slides: maps, overlays, QuPath GeoJ
 
 # CLI option -> HeatmapConfig field, for options that are plain values.
 _VALUE_OPTIONS = {
-    "batch_size": "batch_size", "workers": "num_workers", "device": "device", "amp": "amp", "threads": "threads",
+    "batch_size": "batch_size", "workers": "num_workers", "decode": "decode", "device": "device", "amp": "amp", "threads": "threads",
     "tissue": "tissue", "min_tissue": "min_tissue", "mask_mpp": "mask_mpp", "slide_mpp": "slide_mpp",
     "colormap": "colormap", "alpha": "alpha", "vmin": "vmin", "vmax": "vmax",
     "overlay_threshold": "overlay_threshold", "smooth_um": "smooth_um", "thumbnail_px": "thumbnail_px",
@@ -92,8 +92,10 @@ def register(subparsers) -> None:
     r = p.add_argument_group("inference")
     r.add_argument("--batch-size", type=int, default=None, help=f"patches per model call [{d.batch_size}]")
     r.add_argument("--workers", type=int, default=None,
-                   help="DataLoader workers reading patches (-1 = auto: 2-4 low-priority workers for a CPU model, "
-                        "min(8, CPUs - 1) for CUDA) [-1]")
+                   help="reader processes, one pool for all slides (-1 = auto: 2-4 low-priority readers for a CPU "
+                        "model, CPUs - 2 up to 16 for CUDA; 0 = read in this process) [-1]")
+    r.add_argument("--decode", choices=("workers", "device"), default=None,
+                   help=f"with --store: decode JPEG patches in the readers or on the device (nvJPEG) [{d.decode}]")
     r.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None, help=f"[{d.device}]")
     r.add_argument("--amp", choices=("auto", "off", "bf16", "fp16"), default=None,
                    help="autocast precision; auto = bf16 on CPU and bf16-capable GPUs, else fp16 [auto]")
@@ -153,16 +155,16 @@ def run(args: argparse.Namespace) -> int:
     with TqdmProgress() as progress:
         result = make_heatmaps(slides, args.model, args.out, config, stores=args.store,
                                annotations_dir=args.annotations, progress=progress)
+    seconds = result.seconds  # first slide opened to last file written
     ok = [r for r in result.results if r.status == "ok"]
     n_patches = sum(r.n_patches for r in ok)
-    seconds = sum(r.seconds for r in result.results)
     rate = f", {n_patches / seconds:.1f} patches/s" if seconds > 0 and n_patches else ""
-    print(f"heatmaps of {len(result.results)} slide(s): {len(ok)} ok, {result.n_failed} failed; "
-          f"{n_patches} patches{rate} -> {result.out_dir}")
+    print(f"heatmaps of {len(result.results)} slide(s): {len(ok)} ok, {result.n_failed} failed, "
+          f"{result.n_empty} empty; {n_patches} patches in {seconds:.1f} s{rate} -> {result.out_dir}")
     for r in ok:
         print(f"  {r.slide}: score {r.score:.4f}, {r.n_patches} patches")
     print(f"scores: {result.scores_csv}; status: {result.status_csv}")
     for r in result.results:
-        if r.status == "failed":
-            print(f"failed: {r.slide}: {r.error}", file=sys.stderr)
-    return 1 if result.n_failed else 0
+        if r.status != "ok":
+            print(f"{r.status}: {r.slide}: {r.error}", file=sys.stderr)
+    return 0 if result.ok else 1

@@ -24,9 +24,13 @@ class HeatmapConfig:
     Inference
     ---------
     batch_size : patches per model call (a DataLoader item holds at most this many).
-    num_workers : DataLoader worker processes that read and decode patches while the model runs;
-        -1 = auto: for a CPU model min(4, max(2, CPUs)) workers at the lowest priority (they fill the
-        forward pass's gaps), for CUDA min(8, CPUs - 1); 0 = read in the main process.
+    num_workers : reader processes (one pool for the whole call, several slides in flight) that read,
+        filter and decode patches while the model runs; -1 = auto: for a CPU model min(4, max(2, CPUs))
+        readers at the lowest priority (they fill the forward pass's gaps), for CUDA CPUs - 2 (at
+        most 16); 0 = read in the main process.
+    decode : where a store's JPEG patches are decoded (``--store``): 'workers' (the readers) or
+        'device' (``torchvision.io.decode_jpeg`` on the model's device in batches: nvJPEG on CUDA).
+        Slides cut on the fly are always decoded by the readers.
     device : 'auto' (CUDA when present), 'cpu' or 'cuda'.
     amp : autocast precision: 'auto' = bfloat16 on the CPU and on CUDA with bf16 support, float16 on
         older GPUs; 'off' = float32; 'bf16' / 'fp16' force one.
@@ -71,6 +75,7 @@ class HeatmapConfig:
     amp: str = "auto"
     channels_last: bool = True
     fuse_batchnorm: bool = True
+    decode: str = "workers"
     threads: int = 0
     tissue: str | None = None
     min_tissue: float | None = None
@@ -100,6 +105,7 @@ class HeatmapConfig:
         check_choice(name, "amp", self.amp, ("auto", "off", "bf16", "fp16"))
         check_type(name, "channels_last", self.channels_last, bool)
         check_type(name, "fuse_batchnorm", self.fuse_batchnorm, bool)
+        check_choice(name, "decode", self.decode, ("workers", "device"))
         check_type(name, "threads", self.threads, int)
         check_range(name, "threads", self.threads, low=0, high=1024)
         if self.tissue is not None:

@@ -8,50 +8,73 @@
 - :mod:`~wsi_milssl.inference.model`: the checkpoint's model ready for inference (BatchNorm folded,
   CUDA autocast on GPU, bfloat16 + channels_last on CPU), the tile recipe it was trained on
   (:class:`~wsi_milssl.tiling.TilingPlan`) and the runtime.
-- :mod:`~wsi_milssl.inference.sources`: DataLoader datasets of patches, cut from a slide with the
+- :mod:`~wsi_milssl.inference.sources`: the reader processes (no torch): slides cut with the
   tile stage's public functions (``wsi_milssl.tiling.plan_slide`` / ``cut_band``) or read from a store.
-- :mod:`~wsi_milssl.inference.predict`: the prediction loop, slide or store -> per-patch probabilities
-  (workers read and decode while the model runs).
+- :mod:`~wsi_milssl.inference.predict`: the prediction loop, slides or stores -> per-patch
+  probabilities, several slides in flight from one pool of readers (:func:`predict_many`).
 - :mod:`~wsi_milssl.inference.heatmap`: the probability grid and its overlay on the thumbnail.
 - :mod:`~wsi_milssl.inference.colormaps`: the colour-map registry.
 - :mod:`~wsi_milssl.inference.exports`: ``_probs.npy/.tif/.json``, ``_patches.csv/.geojson``,
   ``_detections.csv`` (non-maximum suppression) and ``scores.csv``.
 """
 
-from wsi_milssl.inference.colormaps import COLORMAPS, apply_colormap, register_colormap
-from wsi_milssl.inference.exports import (
-    MEASUREMENT_NAME,
-    SCORES_FILENAME,
-    nms_detections,
-    output_paths,
-    update_scores_csv,
-    write_detections_csv,
-    write_patches_csv,
-    write_patches_geojson,
-    write_probs,
-)
-from wsi_milssl.inference.heatmap import probability_grid, render_overlay, sample_grid, write_png
-from wsi_milssl.inference.model import (
-    InferenceModel,
-    InferenceRuntime,
-    Preprocess,
-    TilingSettings,
-    fuse_batchnorm,
-    load_inference_model,
-    plan_from_checkpoint_config,
-    resolve_runtime,
-)
-from wsi_milssl.inference.predict import SlidePrediction, predict_slide, predict_store
-from wsi_milssl.inference.stage import (
-    CONFIG_FILENAME,
-    STATUS_FILENAME,
-    HeatmapInput,
-    HeatmapResult,
-    HeatmapRun,
-    make_heatmaps,
-    match_inputs,
-    write_slide_outputs,
-)
+#: Public name -> the module that defines it. Imported on first use (PEP 562), so importing a
+#: submodule (the torch-free reader processes import ``inference.sources``) does not import torch.
+_EXPORTS = {
+    "COLORMAPS": "wsi_milssl.inference.colormaps",
+    "CONFIG_FILENAME": "wsi_milssl.inference.stage",
+    "HeatmapInput": "wsi_milssl.inference.stage",
+    "HeatmapResult": "wsi_milssl.inference.stage",
+    "HeatmapRun": "wsi_milssl.inference.stage",
+    "InferenceModel": "wsi_milssl.inference.model",
+    "InferenceRuntime": "wsi_milssl.inference.model",
+    "MEASUREMENT_NAME": "wsi_milssl.inference.exports",
+    "Preprocess": "wsi_milssl.inference.model",
+    "SCORES_FILENAME": "wsi_milssl.inference.exports",
+    "STATUS_FILENAME": "wsi_milssl.inference.stage",
+    "SlideInput": "wsi_milssl.inference.predict",
+    "SlidePrediction": "wsi_milssl.inference.predict",
+    "TilingSettings": "wsi_milssl.inference.model",
+    "apply_colormap": "wsi_milssl.inference.colormaps",
+    "fuse_batchnorm": "wsi_milssl.inference.model",
+    "load_inference_model": "wsi_milssl.inference.model",
+    "make_heatmaps": "wsi_milssl.inference.stage",
+    "match_inputs": "wsi_milssl.inference.stage",
+    "nms_detections": "wsi_milssl.inference.exports",
+    "output_paths": "wsi_milssl.inference.exports",
+    "plan_from_checkpoint_config": "wsi_milssl.inference.model",
+    "predict_many": "wsi_milssl.inference.predict",
+    "predict_slide": "wsi_milssl.inference.predict",
+    "predict_store": "wsi_milssl.inference.predict",
+    "probability_grid": "wsi_milssl.inference.heatmap",
+    "register_colormap": "wsi_milssl.inference.colormaps",
+    "render_overlay": "wsi_milssl.inference.heatmap",
+    "resolve_runtime": "wsi_milssl.inference.model",
+    "sample_grid": "wsi_milssl.inference.heatmap",
+    "update_scores_csv": "wsi_milssl.inference.exports",
+    "write_detections_csv": "wsi_milssl.inference.exports",
+    "write_patches_csv": "wsi_milssl.inference.exports",
+    "write_patches_geojson": "wsi_milssl.inference.exports",
+    "write_png": "wsi_milssl.inference.heatmap",
+    "write_probs": "wsi_milssl.inference.exports",
+    "write_slide_outputs": "wsi_milssl.inference.stage",
+}
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 __all__ = [
     "COLORMAPS",
@@ -65,6 +88,7 @@ __all__ = [
     "InferenceModel",
     "InferenceRuntime",
     "Preprocess",
+    "SlideInput",
     "SlidePrediction",
     "TilingSettings",
     "apply_colormap",
@@ -75,6 +99,7 @@ __all__ = [
     "nms_detections",
     "output_paths",
     "plan_from_checkpoint_config",
+    "predict_many",
     "predict_slide",
     "predict_store",
     "probability_grid",

@@ -26,6 +26,7 @@ from wsi_milssl import runtime as runtime_rules
 from wsi_milssl.config.heatmap import HeatmapConfig
 from wsi_milssl.config.tile import TileConfig
 from wsi_milssl.errors import CheckpointError, ConfigError
+from wsi_milssl.inference.sources import PixelTables, apply_tables
 from wsi_milssl.mil.data import NORMALISATION, to_tensor, to_unit_float
 from wsi_milssl.tiling import PLAN_ATTR, TilingPlan
 
@@ -176,8 +177,9 @@ def resolve_runtime(config: HeatmapConfig) -> InferenceRuntime:
     cuda = device.type == "cuda"
     dtype = runtime_rules.pick_amp_dtype(config.amp, device, cpu_auto="bf16")
     workers = config.num_workers
-    if workers < 0:  # the GPU outpaces the readers, the CPU forward does not
-        workers = min(8, max(1, (os.cpu_count() or 1) - 1)) if cuda else min(4, max(2, os.cpu_count() or 1))
+    if workers < 0:  # the GPU outpaces the readers (keep most cores reading), the CPU forward does not
+        cpus = os.cpu_count() or 1
+        workers = max(1, min(16, cpus - 2)) if cuda else min(4, max(2, cpus))
     return InferenceRuntime(device=device, amp_dtype=dtype, channels_last=bool(config.channels_last),
                             num_workers=int(workers), preprocess_in_workers=not cuda,
                             fuse_batchnorm=bool(config.fuse_batchnorm), pad_last_batch=cuda)
@@ -205,8 +207,8 @@ class Preprocess:
         self.dtype = dtype
         self.standard = bool(np.allclose(self.mean, NORMALISATION["mean"], atol=1e-7)
                              and np.allclose(self.std, NORMALISATION["std"], atol=1e-7))
-        self._lut: np.ndarray | None = None
-        self._pairs: np.ndarray | None = None
+        #: the lookup tables (None: computed directly), also handed to the reader processes
+        self.tables: PixelTables | None = None
         self._make_tables()
 
     def _direct(self, patches_uint8) -> torch.Tensor:
@@ -234,12 +236,14 @@ class Preprocess:
             lut = table.view(torch.int16).numpy().view(np.uint16)
         else:
             lut = table.numpy().astype(storage, copy=False)
-        self._lut = np.ascontiguousarray(lut)
-        if self._lut.itemsize == 2 and sys.byteorder == "little":
-            bits = self._lut.view(np.uint16).astype(np.uint32)
+        lut = np.ascontiguousarray(lut)
+        pairs = None
+        if lut.itemsize == 2 and sys.byteorder == "little":
+            bits = lut.view(np.uint16).astype(np.uint32)
             code = np.arange(65536, dtype=np.uint32)  # a byte pair read as one little-endian uint16
-            self._pairs = np.stack([bits[lo][code & 255] | (bits[hi][code >> 8] << 16)
-                                    for lo, hi in ((0, 1), (2, 0), (1, 2))])
+            pairs = np.stack([bits[lo][code & 255] | (bits[hi][code >> 8] << 16)
+                              for lo, hi in ((0, 1), (2, 0), (1, 2))])
+        self.tables = PixelTables(lut=lut, pairs=pairs)
         probe = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (2, 8, 8, 3), dtype=np.uint8))
         odd = probe[:1, :1, :3].contiguous()  # an odd pixel count: the one-byte tables
         try:
@@ -247,27 +251,17 @@ class Preprocess:
         except Exception:  # noqa: BLE001 - any doubt: no tables
             same = False
         if not same:
-            self._lut, self._pairs = None, None
+            self.tables = None
 
     def _from_tables(self, patches: torch.Tensor) -> torch.Tensor:
-        u8 = patches.numpy()
-        if self._pairs is not None and u8.size % 6 == 0:
-            codes = u8.reshape(-1).view(np.uint16).reshape(-1, 3)
-            out = np.empty(codes.shape, np.uint32)
-            for k in range(3):
-                out[:, k] = self._pairs[k][codes[:, k]]
-            out = out.view(self._lut.dtype).reshape(u8.shape)
-        else:
-            out = np.empty(u8.shape, self._lut.dtype)
-            for c in range(3):
-                out[..., c] = self._lut[c][u8[..., c]]
+        out = apply_tables(patches.numpy(), self.tables)
         x = torch.from_numpy(out.view(np.int16)).view(torch.bfloat16) if self.dtype is torch.bfloat16 \
             else torch.from_numpy(out)
         return x.permute(0, 3, 1, 2)
 
     def __call__(self, patches_uint8) -> torch.Tensor:
         x = torch.as_tensor(patches_uint8)
-        if (self._lut is not None and x.device.type == "cpu" and x.dtype == torch.uint8 and x.ndim == 4
+        if (self.tables is not None and x.device.type == "cpu" and x.dtype == torch.uint8 and x.ndim == 4
                 and x.shape[-1] == 3):
             return self._from_tables(x.contiguous())
         return self._direct(x)
@@ -333,9 +327,14 @@ class InferenceModel:
         self.config = dict(config or {})
         self.checkpoint_path = None if checkpoint_path is None else Path(checkpoint_path)
         worker_dtype = runtime.amp_dtype if runtime.preprocess_in_workers else None
-        #: what DataLoader workers apply to uint8 pixels (None: the main process does it)
+        #: the model input readers make from uint8 pixels on the CPU (None: the main process makes it)
         self.worker_preprocess: Preprocess | None = (
             Preprocess(tiling.mean, tiling.std, dtype=worker_dtype) if runtime.preprocess_in_workers else None)
+        #: its lookup tables, handed to the reader processes (None: readers deliver uint8 pixels)
+        self.reader_tables: PixelTables | None = (
+            None if self.worker_preprocess is None else self.worker_preprocess.tables)
+        #: the torch dtype of the readers' output with ``reader_tables``
+        self.reader_dtype: torch.dtype = worker_dtype or torch.float32
         self._main_preprocess = Preprocess(tiling.mean, tiling.std)
 
     @property
@@ -346,9 +345,13 @@ class InferenceModel:
     def predict(self, batch: torch.Tensor | np.ndarray) -> np.ndarray:
         """Positive-class probabilities float32 (B,) of a batch: uint8 (B, H, W, 3) pixels, or a
         tensor (B, 3, H, W) already made by :attr:`worker_preprocess`."""
-        x = torch.as_tensor(batch)
-        if x.shape[0] == 0:
+        if len(batch) == 0:
             return np.zeros(0, np.float32)
+        return self.probabilities(batch).cpu().numpy().astype(np.float32, copy=False)
+
+    def probabilities(self, batch: torch.Tensor | np.ndarray) -> torch.Tensor:
+        """As :meth:`predict`, but a float32 (B,) tensor left on the device (nothing waits for it)."""
+        x = torch.as_tensor(batch)
         with torch.inference_mode():
             if x.dtype == torch.uint8:
                 x = self._main_preprocess(x.to(self.runtime.device, non_blocking=True))
@@ -358,8 +361,7 @@ class InferenceModel:
                 x = x.contiguous(memory_format=torch.channels_last)
             with self.runtime.autocast():
                 logits = self.model(x)
-            probs = torch.softmax(logits.float(), dim=1)[:, 1]
-            return probs.cpu().numpy().astype(np.float32, copy=False)
+            return torch.softmax(logits.float(), dim=1)[:, 1]
 
 
 def load_inference_model(checkpoint_path: str | os.PathLike, *, config: HeatmapConfig | None = None

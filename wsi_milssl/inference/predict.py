@@ -1,55 +1,88 @@
-"""The prediction loop: slide (or patch store) -> per-patch tumour probabilities.
+"""The prediction loop: slides (or patch stores) -> per-patch tumour probabilities, many slides at once.
 
-Straight from a slide, the slide is cut with the model's :class:`~wsi_milssl.tiling.TilingPlan` (the
-one its training stores were tiled with, recorded in the checkpoint) through the tile stage's own
-functions, :func:`wsi_milssl.tiling.plan_slide` and :func:`wsi_milssl.tiling.cut_band`: the
-probabilities are for exactly the cells a store tiled with that plan holds. From a store
-(``--store``), the store's patches are used as they are.
+A slide is cut with the model's :class:`~wsi_milssl.tiling.TilingPlan` (the one its training stores were
+tiled with, recorded in the checkpoint) through the tile stage's own functions
+(:func:`wsi_milssl.tiling.plan_slide`, :func:`wsi_milssl.tiling.cut_band`), so the probabilities are
+for exactly the cells a store tiled with that plan holds. From a store (``--store``) the store's
+patches are used as they are.
 
-Patches are read, decoded and filtered by DataLoader worker processes
-(:mod:`wsi_milssl.inference.sources`) while the model runs in the main process
-(:class:`~wsi_milssl.inference.model.InferenceModel`). On the CPU the workers also make the model
-input and run at the lowest priority: the forward pass already keeps every core busy, so the readers
-fill its gaps instead of stalling its threads. Items are re-batched here into model calls of exactly
-``batch_size`` patches; on CUDA the last, smaller batch is padded to that size.
+:func:`predict_many` serves a whole batch of slides from one pool of reader processes
+(:mod:`wsi_milssl.inference.sources`; they start from a small fork server and never import torch):
 
-Memory is bounded by ``num_workers x prefetch`` items of at most ``batch_size`` patches (or one band,
-when a band holds more) whatever the slide size: only the level-0 coordinates and one float per patch
-are kept for the whole slide.
+- readers plan the next slides (tissue mask, bands) while others are read, so several slides are in
+  flight and the model never waits at a slide boundary;
+- each chunk of patches is written by a reader into a slot of one shared-memory buffer (uint8
+  pixels; on the CPU the bfloat16 model input, by table lookup; with ``decode='device'`` a store's
+  JPEG bytes, decoded on the GPU by ``torchvision.io.decode_jpeg``), so only indices cross a pipe;
+- the main process takes each slide's chunks in order and runs the model on batches of exactly
+  ``batch_size`` patches (a slide's last batch is smaller, padded on CUDA), keeping the
+  probabilities on the device until the slide is done. Per slide the batches are the ones a slide
+  alone would get, so results do not depend on the worker count or on the other slides.
+
+Memory is bounded by the slots (``(workers x 2 + 2)`` chunks of at most :data:`CHUNK_BYTES`) and a few
+planned slides, whatever the slide count or size: per slide only the level-0 coordinates and one
+float per patch are kept. On the CPU the readers run at the lowest priority: the forward pass keeps
+every core busy, so they fill its gaps instead of stalling its threads.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import math
-import os
+import multiprocessing
 import time
+from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
+from multiprocessing import shared_memory
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from wsi_milssl.config.heatmap import HeatmapConfig
 from wsi_milssl.config.tile import TileConfig
-from wsi_milssl.errors import ConfigError, StoreError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
+from wsi_milssl.runtime import decode_jpeg_batch, require_device_decode
 from wsi_milssl.inference.model import InferenceModel
-from wsi_milssl.inference.sources import SlideChunks, StoreChunks, chunk_bands, store_chunks
-from wsi_milssl.slide.reader import open_slide
+from wsi_milssl.inference.sources import (
+    ChunkResult,
+    JobPlan,
+    PredictJob,
+    ReaderSetup,
+    close_reader,
+    init_reader,
+    plan_job,
+    read_chunk,
+)
 from wsi_milssl.slide.tissue import TissueMask
-from wsi_milssl.tiling import plan_slide, slide_stem
+from wsi_milssl.tiling import MAX_BAND_PX, slide_stem
 
-__all__ = ["SlidePrediction", "predict_slide", "predict_store"]
+__all__ = ["CHUNK_BYTES", "SlideInput", "SlidePrediction", "predict_many", "predict_slide", "predict_store"]
 
 logger = logging.getLogger(__name__)
 
 _TILE_DEFAULTS = TileConfig()
 _DEFAULT_TISSUE = _TILE_DEFAULTS.tissue
 _DEFAULT_MASK_MPP = float(_TILE_DEFAULTS.mask_mpp)
-_PREFETCH = 2
+#: Bytes of model input in one reader chunk (a slot of the shared buffer); chunks hold at most
+#: ``batch_size`` patches, or one band when a band holds more.
+CHUNK_BYTES = 32 << 20
+#: Slots per reader: one being written, one waiting for the model.
+_SLOTS_PER_READER = 2
+#: Room for the JPEG bytes of a patch beyond its raw size (headers of tiny patches).
+_JPEG_SLACK = 4096
+
+
+@dataclass(frozen=True)
+class SlideInput:
+    """One slide to predict: its stem, the slide file (None when only a store is known and its recorded
+    slide is missing) and the store to read patches from (None: cut the slide on the fly)."""
+
+    stem: str
+    slide_path: Path | None
+    store_path: Path | None
 
 
 @dataclass
@@ -103,115 +136,348 @@ class SlidePrediction:
         return float(bag_scores(self.probs, np.zeros(len(self), np.int64), 1, pooling=pooling)[0])
 
 
-def _renice(niceness: int, _worker_id: int) -> None:
-    """DataLoader ``worker_init_fn``: raise this worker's niceness."""
-    try:
-        os.nice(niceness)
-    except OSError:  # pragma: no cover - not allowed here: run at the same priority
-        pass
+# ----------------------------------------------------------------------------------------------
+# The reader pool
+# ----------------------------------------------------------------------------------------------
+
+class _InlineExecutor:
+    """Runs tasks in the calling process (no reader processes), with the executor's interface."""
+
+    def submit(self, fn, *args, **kwargs) -> Future:
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - delivered through the future, as a process pool does
+            future.set_exception(exc)
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        close_reader()
 
 
-def _run_model(dataset: torch.utils.data.Dataset, model: InferenceModel, *, total: int, stem: str,
-               progress: ProgressCallback | None, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Run ``model`` over every item of ``dataset``; (int64 indices, float32 probabilities) in order.
-
-    Items hold a variable number of patches (whole bands, minus those the entropy filter drops); they
-    are re-batched here into model calls of exactly ``batch_size`` (the last one smaller), so the
-    backend sees one input shape (oneDNN primitives / cuDNN plans are made once, not per size).
-    """
-    rt = model.runtime
-    workers = min(rt.num_workers, len(dataset))
-    loader = torch.utils.data.DataLoader(
-        dataset, batch_size=None, shuffle=False, num_workers=workers,
-        pin_memory=rt.device.type == "cuda", prefetch_factor=_PREFETCH if workers > 0 else None,
-        persistent_workers=False,
-        worker_init_fn=functools.partial(_renice, rt.reader_niceness) if rt.reader_niceness else None,
-    )
-    idx_parts: list[np.ndarray] = []
-    prob_parts: list[np.ndarray] = []
-    buf_idx: list[np.ndarray] = []
-    buf_x: list[torch.Tensor] = []
-    n_buf = 0
-    done = 0
-    emit(progress, ProgressEvent("heatmap-patches", 0, total, unit="patch", item=stem))
-    try:
-        for item in loader:
-            index = item["index"].numpy()
-            if index.size:
-                buf_idx.append(index)
-                buf_x.append(item["pixels"])
-                n_buf += int(index.size)
-            while n_buf >= batch_size:
-                idx_all = buf_idx[0] if len(buf_idx) == 1 else np.concatenate(buf_idx)
-                x_all = buf_x[0] if len(buf_x) == 1 else torch.cat(buf_x)
-                idx_parts.append(idx_all[:batch_size])
-                prob_parts.append(model.predict(x_all[:batch_size]))
-                n_buf -= batch_size
-                buf_idx = [idx_all[batch_size:]] if n_buf else []
-                buf_x = [x_all[batch_size:]] if n_buf else []
-            done += int(item["n_read"])
-            emit(progress, ProgressEvent("heatmap-patches", done, total, unit="patch", item=stem))
-        if n_buf:
-            idx_parts.append(np.concatenate(buf_idx))
-            x = torch.cat(buf_x)
-            if rt.pad_last_batch and n_buf < batch_size:
-                x = torch.cat([x, x.new_zeros((batch_size - n_buf,) + tuple(x.shape[1:]))])
-            prob_parts.append(model.predict(x)[:n_buf])
-    finally:
-        dataset.close()  # handles opened here when num_workers == 0
-    if not idx_parts:
-        return np.zeros(0, np.int64), np.zeros(0, np.float32)
-    return np.concatenate(idx_parts).astype(np.int64), np.concatenate(prob_parts).astype(np.float32)
+def _reader_context():
+    """A fork server that imports only the readers' module: readers start small (no torch, no CUDA
+    state, nothing of the main process's memory); spawn where there is no fork server."""
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["wsi_milssl.inference.sources"])
+        return ctx
+    return multiprocessing.get_context("spawn")
 
 
-def predict_slide(slide_path: str | os.PathLike, model: InferenceModel, *, config: HeatmapConfig | None = None,
-                  progress: ProgressCallback | None = None) -> SlidePrediction:
-    """Cut ``slide_path`` on the fly with ``model.plan`` and predict every kept patch.
+class _Readers:
+    """The reader processes (or the calling process with ``workers == 0``) and the shared slots."""
 
-    The cells are those the tile stage stores for the same plan (:func:`wsi_milssl.tiling.plan_slide`,
-    then :func:`wsi_milssl.tiling.cut_band`'s entropy filter in the readers).
+    def __init__(self, *, workers: int, slot_bytes: int, n_slots: int, setup_kwargs: dict[str, Any]) -> None:
+        self.workers = workers
+        self.slot_bytes = slot_bytes
+        self.n_slots = n_slots
+        self.shm = shared_memory.SharedMemory(create=True, size=max(1, slot_bytes * n_slots))
+        self.setup = ReaderSetup(shm_name=self.shm.name, slot_bytes=slot_bytes, **setup_kwargs)
+        self.free = list(range(n_slots))
+        self.pool = None
+        self.start()
+
+    def start(self) -> None:
+        if self.workers > 0:
+            self.pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=_reader_context(),
+                                            initializer=init_reader, initargs=(self.setup,))
+        else:
+            init_reader(self.setup, shm=self.shm)
+            self.pool = _InlineExecutor()
+
+    def restart(self) -> None:
+        """A new pool after a reader died (every slot is free again)."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.free = list(range(self.n_slots))
+        self.start()
+
+    def view(self, slot: int, shape: tuple[int, ...], dtype) -> np.ndarray:
+        return np.ndarray(shape, dtype=dtype, buffer=self.shm.buf, offset=slot * self.slot_bytes)
+
+    def close(self) -> None:
+        try:
+            if self.pool is not None:
+                self.pool.shutdown(wait=True, cancel_futures=True)
+        finally:
+            try:
+                self.shm.close()
+            except BufferError:  # a view still referenced somewhere: the unlink below frees it at exit
+                logger.debug("shared reader buffer %s still referenced at close", self.shm.name)
+            self.shm.unlink()
+
+
+# ----------------------------------------------------------------------------------------------
+# Batches of one slide
+# ----------------------------------------------------------------------------------------------
+
+class _Batcher:
+    """Joins a slide's chunks, in order, into model calls of exactly ``batch_size`` patches; the
+    probabilities stay on the device until :meth:`finish`."""
+
+    def __init__(self, model: InferenceModel, batch_size: int) -> None:
+        self.model = model
+        self.batch_size = batch_size
+        self._idx: np.ndarray | None = None
+        self._x: torch.Tensor | None = None
+        self._out_idx: list[np.ndarray] = []
+        self._out_probs: list[torch.Tensor] = []
+
+    def add(self, idx: np.ndarray, x: torch.Tensor) -> None:
+        """Add patches ``x`` (may alias a reader slot: nothing of it is kept after the call)."""
+        if len(idx) == 0:
+            return
+        if self._x is not None:
+            x = torch.cat([self._x, x])
+            idx = np.concatenate([self._idx, idx])
+        b = self.batch_size
+        full = len(idx) // b * b
+        for start in range(0, full, b):
+            self._run(idx[start:start + b], x[start:start + b])
+        if full < len(idx):
+            self._idx, self._x = idx[full:], x[full:].clone()
+        else:
+            self._idx, self._x = None, None
+
+    def _run(self, idx: np.ndarray, x: torch.Tensor) -> None:
+        self._out_idx.append(idx)
+        self._out_probs.append(self.model.probabilities(x))
+
+    def finish(self) -> tuple[np.ndarray, np.ndarray]:
+        """(int64 indices, float32 probabilities) of every patch added, in order."""
+        if self._x is not None:
+            n, x = len(self._idx), self._x
+            if self.model.runtime.pad_last_batch and n < self.batch_size:
+                x = torch.cat([x, x.new_zeros((self.batch_size - n,) + tuple(x.shape[1:]))])
+            self._out_idx.append(self._idx)
+            self._out_probs.append(self.model.probabilities(x)[:n])
+            self._idx, self._x = None, None
+        if not self._out_idx:
+            return np.zeros(0, np.int64), np.zeros(0, np.float32)
+        probs = torch.cat(self._out_probs).float().cpu().numpy()
+        return np.concatenate(self._out_idx).astype(np.int64), probs.astype(np.float32, copy=False)
+
+
+@dataclass(eq=False)
+class _Run:
+    """A slide in flight: its plan, chunks submitted / received / consumed, and its batches."""
+
+    index: int
+    job: PredictJob
+    t0: float
+    plan: JobPlan | None = None
+    planning: bool = False
+    next_submit: int = 0
+    next_consume: int = 0
+    received: dict[int, tuple[int, ChunkResult]] = field(default_factory=dict)
+    inflight: int = 0
+    batcher: _Batcher | None = None
+    error: BaseException | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.plan is not None and self.next_consume == len(self.plan.chunks)
+
+
+def _chunk_patches(model: InferenceModel, config: HeatmapConfig, itemsize: int) -> int:
+    side = model.plan.patch_size_px
+    return max(1, min(config.batch_size, CHUNK_BYTES // (side * side * 3 * itemsize)))
+
+
+def predict_many(inputs: Sequence[SlideInput], model: InferenceModel, *, config: HeatmapConfig | None = None,
+                 progress: ProgressCallback | None = None) -> Iterator[tuple[int, SlidePrediction | Exception]]:
+    """Predict every input with ``model``; yields ``(position in inputs, SlidePrediction or the error)``
+    as slides finish (not in input order). One bad slide is yielded as its exception and the others go
+    on; a reader that dies fails the slides it was reading and a new pool takes the rest.
+
+    Progress: ``heatmap-patches`` events count the patches read over all slides planned so far.
     """
     config = config or HeatmapConfig()
-    t0 = time.perf_counter()
-    slide_path = Path(slide_path)
-    plan = model.plan
-    with open_slide(slide_path, mpp_override=config.slide_mpp) as slide:
-        cells = plan_slide(slide, plan)
-        mpp = float(slide.mpp)
-        dims = tuple(int(v) for v in slide.dimensions)
-    geometry = cells.geometry
-    stem = slide_stem(slide_path)
-    logger.info("%s: %d grid cells, %d with tissue; level %d, patch %d lv0 px; %s", stem, cells.n_grid,
-                cells.n_candidates, geometry.level, geometry.patch_size_lv0, model.runtime.describe())
-    dataset = SlideChunks(slide_path, mpp_override=config.slide_mpp, plan=plan, geometry=geometry,
-                          chunks=chunk_bands(cells.bands, config.batch_size), preprocess=model.worker_preprocess)
-    idx, probs = _run_model(dataset, model, total=cells.n_candidates, stem=stem, progress=progress,
-                            batch_size=config.batch_size)
+    inputs = list(inputs)
+    if not inputs:
+        return
+    rt = model.runtime
+    tables = model.reader_tables
+    itemsize = 1 if tables is None else tables.itemsize
+    side = model.plan.patch_size_px
+    encoded = config.decode == "device"
+    if encoded:
+        require_device_decode(owner="HeatmapConfig")
+    chunk = _chunk_patches(model, config, itemsize)
+    capacity = max(chunk, MAX_BAND_PX // max(1, model.plan.stride_px) + 1)  # a band is never split
+    slot_bytes = capacity * (side * side * 3 * itemsize + (_JPEG_SLACK if encoded else 0))
+    workers = max(0, rt.num_workers)
+    readers = _Readers(workers=workers, slot_bytes=slot_bytes, n_slots=max(1, workers) * _SLOTS_PER_READER + 2,
+                       setup_kwargs={"tables": tables, "niceness": rt.reader_niceness})
+    runs = [_Run(i, PredictJob(stem=item.stem, slide_path=None if item.slide_path is None else Path(item.slide_path),
+                               store_path=None if item.store_path is None else Path(item.store_path),
+                               plan=model.plan, mpp_override=config.slide_mpp, chunk_patches=chunk,
+                               encoded=encoded and item.store_path is not None), time.perf_counter())
+            for i, item in enumerate(inputs)]
+    waiting = deque(runs)  # not yet planned
+    active: list[_Run] = []  # planned or planning, not finished
+    futures: dict[Future, tuple] = {}
+    lookahead = max(2, workers)
+    totals = {"read": 0, "candidates": 0}
+
+    def submit() -> None:
+        while waiting and len(active) < lookahead:
+            run = waiting.popleft()
+            run.t0, run.planning = time.perf_counter(), True
+            active.append(run)
+            futures[readers.pool.submit(plan_job, run.job)] = ("plan", run)
+        for run in active:
+            if run.plan is None or run.error is not None:
+                continue
+            plan = run.plan
+            while readers.free and run.next_submit < len(plan.chunks):
+                slot = readers.free.pop()
+                fut = readers.pool.submit(read_chunk, plan.job, plan.chunks[run.next_submit], slot,
+                                          geometry=plan.geometry, probe_bands=plan.probe_bands)
+                futures[fut] = ("chunk", run, run.next_submit, slot)
+                run.next_submit += 1
+                run.inflight += 1
+
+    def inputs_of(run: _Run, slot: int, result: ChunkResult) -> torch.Tensor:
+        k = len(result.indices)
+        if result.offsets is not None:  # JPEG bytes: decode on the device
+            raw = readers.view(slot, (int(result.offsets[-1]),), np.uint8)
+            data = [torch.from_numpy(raw[a:b].copy()) for a, b in zip(result.offsets[:-1], result.offsets[1:])]
+            return decode_jpeg_batch(data, rt.device)
+        if tables is None:
+            x = torch.from_numpy(readers.view(slot, (k, side, side, 3), np.uint8))
+            return x.to(rt.device) if rt.device.type != "cpu" else x
+        if tables.lut.dtype == np.uint16:  # bfloat16 bits
+            x = torch.from_numpy(readers.view(slot, (k, side, side, 3), np.int16)).view(model.reader_dtype)
+        else:
+            x = torch.from_numpy(readers.view(slot, (k, side, side, 3), tables.lut.dtype))
+        return x.permute(0, 3, 1, 2)
+
+    def finished(run: _Run) -> tuple[int, SlidePrediction | Exception]:
+        active.remove(run)
+        for slot, _ in run.received.values():
+            readers.free.append(slot)
+        run.received.clear()
+        if run.error is not None:
+            return run.index, run.error
+        idx, probs = run.batcher.finish() if run.batcher is not None else (np.zeros(0, np.int64), np.zeros(0, np.float32))
+        return run.index, _prediction(run.plan, idx, probs, seconds=time.perf_counter() - run.t0)
+
+    def consume(run: _Run) -> None:
+        while run.next_consume in run.received:
+            slot, result = run.received.pop(run.next_consume)
+            try:
+                run.batcher.add(result.indices, inputs_of(run, slot, result))
+            finally:
+                readers.free.append(slot)
+            run.next_consume += 1
+            totals["read"] += result.n_read
+            emit(progress, ProgressEvent("heatmap-patches", totals["read"], totals["candidates"], unit="patch",
+                                         item=run.job.stem))
+
+    emit(progress, ProgressEvent("heatmap-patches", 0, 0, unit="patch"))
+    try:
+        while waiting or active:
+            submit()
+            done_runs: list[_Run] = []
+            if not futures:  # every active slide finished without reads (no chunks)
+                done_runs = [r for r in active if r.complete or r.error is not None]
+            else:
+                done, _ = wait(list(futures), return_when=FIRST_COMPLETED)
+                broken = False
+                for fut in sorted(done, key=lambda f: futures[f][1].index):
+                    kind, run, *rest = futures.pop(fut)
+                    try:
+                        result = fut.result()
+                    except BrokenProcessPool:
+                        broken = True
+                        continue
+                    except Exception as exc:  # noqa: BLE001 - one bad slide must not stop the others
+                        if kind == "chunk":
+                            readers.free.append(rest[1])
+                            run.inflight -= 1
+                        run.planning = False
+                        run.error = run.error or exc
+                        if run.inflight == 0:
+                            done_runs.append(run)
+                        continue
+                    if kind == "plan":
+                        run.plan, run.planning = result, False
+                        run.batcher = _Batcher(model, config.batch_size)
+                        totals["candidates"] += result.n_candidates
+                        logger.info("%s; %s", result.log, rt.describe())
+                        if not result.chunks:
+                            done_runs.append(run)
+                        continue
+                    k, slot = rest
+                    run.inflight -= 1
+                    if run.error is not None:
+                        readers.free.append(slot)
+                        if run.inflight == 0:
+                            done_runs.append(run)
+                        continue
+                    run.received[k] = (slot, result)
+                    try:
+                        consume(run)
+                    except Exception as exc:  # noqa: BLE001 - a model error fails this slide only
+                        run.error = exc
+                    if run.complete or (run.error is not None and run.inflight == 0):
+                        done_runs.append(run)
+                if broken:
+                    done_runs += _fail_broken(active, futures, readers)
+            for run in dict.fromkeys(done_runs):
+                if run in active:
+                    yield finished(run)
+    finally:
+        readers.close()
+
+
+def _fail_broken(active: list[_Run], futures: dict, readers: _Readers) -> list[_Run]:
+    """A reader died (a crash in the slide library, or out of memory): fail the slides it may have been
+    reading, start a new pool for the rest."""
+    hit = [r for r in active if r.inflight > 0 or r.planning or r.received]
+    for run in hit:
+        run.error = run.error or RuntimeError(
+            f"{run.job.slide_path or run.job.store_path}: a reader process died while reading this slide (a crash "
+            "in the slide library or out of memory). Fix: check the file with `wsi-milssl info`, or run with "
+            "fewer --workers.")
+        run.inflight, run.planning = 0, False
+        run.received.clear()
+    futures.clear()
+    readers.restart()
+    return hit
+
+
+def _prediction(plan: JobPlan, idx: np.ndarray, probs: np.ndarray, *, seconds: float) -> SlidePrediction:
+    job = plan.job
     return SlidePrediction(
-        stem=stem, slide_path=slide_path, source="slide", coords_lv0=cells.coords_lv0[idx], probs=probs,
-        origin_lv0=(0, 0), stride_lv0=geometry.stride_lv0, patch_size_lv0=geometry.patch_size_lv0,
-        patch_size_px=geometry.patch_size_px, target_mpp=geometry.target_mpp, mpp=mpp, dimensions_lv0=dims,
-        grid_shape=geometry.grid_shape(), n_candidates=cells.n_candidates, tissue=cells.tissue,
-        tissue_detector=plan.tissue, mask_mpp=plan.mask_mpp, seconds=time.perf_counter() - t0,
+        stem=job.stem, slide_path=plan.slide_path, source=plan.source, coords_lv0=plan.coords_lv0[idx], probs=probs,
+        origin_lv0=plan.origin_lv0, stride_lv0=plan.stride_lv0, patch_size_lv0=plan.patch_size_lv0,
+        patch_size_px=plan.patch_size_px, target_mpp=plan.target_mpp, mpp=plan.mpp,
+        dimensions_lv0=plan.dimensions_lv0, grid_shape=plan.grid_shape, n_candidates=plan.n_candidates,
+        store_path=job.store_path, tissue=plan.tissue, tissue_detector=plan.tissue_detector, mask_mpp=plan.mask_mpp,
+        seconds=seconds,
     )
 
 
-def _grid_shape(dims: tuple[int, int] | None, coords: np.ndarray, *, origin: tuple[int, int], patch: int,
-                stride: int) -> tuple[int, int]:
-    if dims is not None:
-        w, h = dims
-        cols = (w - origin[0] - patch) // stride + 1 if w - origin[0] >= patch else 0
-        rows = (h - origin[1] - patch) // stride + 1 if h - origin[1] >= patch else 0
-        if len(coords):
-            cols = max(cols, int((coords[:, 0].max() - origin[0]) // stride) + 1)
-            rows = max(rows, int((coords[:, 1].max() - origin[1]) // stride) + 1)
-        return int(rows), int(cols)
-    if len(coords) == 0:
-        return 0, 0
-    return (int((coords[:, 1].max() - origin[1]) // stride) + 1, int((coords[:, 0].max() - origin[0]) // stride) + 1)
+def _predict_one(item: SlideInput, model: InferenceModel, config: HeatmapConfig | None,
+                 progress: ProgressCallback | None) -> SlidePrediction:
+    for _, outcome in predict_many([item], model, config=config, progress=progress):
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+    raise AssertionError("predict_many yielded nothing for one input")  # pragma: no cover
 
 
-def predict_store(store_path: str | os.PathLike, model: InferenceModel, *, config: HeatmapConfig | None = None,
+def predict_slide(slide_path, model: InferenceModel, *, config: HeatmapConfig | None = None,
+                  progress: ProgressCallback | None = None) -> SlidePrediction:
+    """Cut ``slide_path`` on the fly with ``model.plan`` and predict every kept patch (the cells the
+    tile stage stores for the same plan)."""
+    path = Path(slide_path)
+    return _predict_one(SlideInput(slide_stem(path), path, None), model, config, progress)
+
+
+def predict_store(store_path, model: InferenceModel, *, config: HeatmapConfig | None = None,
                   progress: ProgressCallback | None = None) -> SlidePrediction:
     """Predict every patch of an existing patch store.
 
@@ -220,48 +486,7 @@ def predict_store(store_path: str | os.PathLike, model: InferenceModel, *, confi
     """
     from wsi_milssl.store import open_store
 
-    config = config or HeatmapConfig()
-    t0 = time.perf_counter()
-    store_path = Path(store_path)
-    plan = model.plan
-    with open_store(store_path) as store:
-        attrs = store.attrs
-        if not store.has("patches"):
-            raise StoreError(f"{store_path}: the store holds coordinates only (tiled with --pixels none), so there "
-                             "is nothing to classify. Fix: drop --store to tile the slide on the fly, or re-tile "
-                             "with --pixels jpeg.")
-        coords = np.asarray(store.coords, dtype=np.int64).reshape(-1, 2)
+    path = Path(store_path)
+    with open_store(path) as store:
         stem = store.stem
-        slide_path = Path(attrs["slide_path"]) if attrs.get("slide_path") else None
-    target_mpp = float(attrs.get("target_mpp", math.nan))
-    patch_px = int(attrs.get("patch_size_px", -1))
-    if not (math.isclose(target_mpp, plan.target_mpp, rel_tol=1e-6) and patch_px == plan.patch_size_px):
-        raise ConfigError(
-            f"{store_path}: the store was tiled at {target_mpp:g} µm/px with {patch_px} px patches, but the model "
-            f"was trained at {plan.target_mpp:g} µm/px with {plan.patch_size_px} px patches. Fix: drop --store to "
-            "tile the slide on the fly with the model's settings, or pass stores tiled like the training stores."
-        )
-    stride_lv0 = int(attrs.get("stride_lv0") or attrs["patch_size_lv0"])
-    patch_lv0 = int(attrs["patch_size_lv0"])
-    origin = tuple(int(v) for v in (attrs.get("grid_origin_lv0") or (0, 0)))
-    off_grid = (coords - np.asarray(origin)) % stride_lv0 != 0
-    if len(coords) and off_grid.any():
-        raise StoreError(f"{store_path}: patch coordinates are not on a regular grid of stride {stride_lv0} level-0 "
-                         f"px from {list(origin)}, so they cannot form a probability map. Fix: re-tile the slide "
-                         "with `wsi-milssl tile`.")
-    dims_attr = attrs.get("dimensions_lv0")
-    dims = (int(dims_attr[0]), int(dims_attr[1])) if dims_attr else None
-    shape = _grid_shape(dims, coords, origin=origin, patch=patch_lv0, stride=stride_lv0)
-    if dims is None:
-        dims = (origin[0] + (shape[1] - 1) * stride_lv0 + patch_lv0,
-                origin[1] + (shape[0] - 1) * stride_lv0 + patch_lv0)
-    n = len(coords)
-    dataset = StoreChunks(store_path, store_chunks(n, config.batch_size), model.worker_preprocess)
-    idx, probs = _run_model(dataset, model, total=n, stem=stem, progress=progress, batch_size=config.batch_size)
-    return SlidePrediction(
-        stem=stem, slide_path=slide_path, source="store", coords_lv0=coords[idx], probs=probs, origin_lv0=origin,
-        stride_lv0=stride_lv0, patch_size_lv0=patch_lv0, patch_size_px=patch_px, target_mpp=target_mpp,
-        mpp=float(attrs["mpp"]), dimensions_lv0=dims, grid_shape=shape, n_candidates=n, store_path=store_path,
-        tissue=None, tissue_detector=str(attrs.get("tissue_detector") or plan.tissue),
-        mask_mpp=float(attrs.get("mask_mpp") or plan.mask_mpp), seconds=time.perf_counter() - t0,
-    )
+    return _predict_one(SlideInput(stem, None, path), model, config, progress)

@@ -9,7 +9,9 @@
 Besides the per-slide files (see :mod:`wsi_milssl.inference.exports`) the folder gets
 ``heatmap_config.json`` (resolved settings, checkpoint, tiling plan and normalisation, runtime) and
 ``heatmap_status.csv`` (slide,status,n_patches,score,seconds,error). A slide that fails is recorded
-as failed while the others go on.
+as failed while the others go on; a slide without a single patch is 'empty' and gets no score. Slides
+are predicted several at a time (:func:`wsi_milssl.inference.predict.predict_many`) and their files are
+written by threads while the model goes on.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import logging
 import os
 import time
 import traceback
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -45,7 +48,7 @@ from wsi_milssl.inference.exports import (
 )
 from wsi_milssl.inference.heatmap import render_overlay, write_png
 from wsi_milssl.inference.model import InferenceModel, load_inference_model
-from wsi_milssl.inference.predict import SlidePrediction, predict_slide, predict_store
+from wsi_milssl.inference.predict import SlideInput, SlidePrediction, predict_many
 from wsi_milssl.slide.tissue import slide_tissue_mask
 from wsi_milssl.tiling import slide_stem
 
@@ -67,19 +70,14 @@ STATUS_FILENAME = "heatmap_status.csv"
 STATUS_COLUMNS = ("slide", "status", "n_patches", "score", "seconds", "error")
 
 
-@dataclass(frozen=True)
-class HeatmapInput:
-    """One slide to process: its stem, the slide file (None when only a store is known and its
-    recorded slide is missing) and the store to read patches from (None: tile on the fly)."""
-
-    stem: str
-    slide_path: Path | None
-    store_path: Path | None
+#: One slide to process (stem, slide file or None, store or None); see :class:`SlideInput`.
+HeatmapInput = SlideInput
 
 
 @dataclass(frozen=True)
 class HeatmapResult:
-    """Outcome of one slide: ``status`` 'ok' or 'failed'; ``outputs`` maps kind -> written file."""
+    """Outcome of one slide: ``status`` 'ok', 'failed' (``error`` says why) or 'empty' (no patch passed the
+    tissue and entropy filters: no files, no score); ``outputs`` maps kind -> written file."""
 
     slide: str
     slide_path: str
@@ -93,21 +91,28 @@ class HeatmapResult:
 
 @dataclass(frozen=True)
 class HeatmapRun:
-    """Outcome of :func:`make_heatmaps`: per-slide results (input order) and the folder's files."""
+    """Outcome of :func:`make_heatmaps`: per-slide results (input order), the folder's files, and
+    ``seconds`` from the first slide opened to the last file written."""
 
     results: tuple[HeatmapResult, ...]
     out_dir: Path
     status_csv: Path
     config_json: Path
     scores_csv: Path
+    seconds: float = 0.0
 
     @property
     def n_failed(self) -> int:
         return sum(r.status == "failed" for r in self.results)
 
     @property
+    def n_empty(self) -> int:
+        """Slides without a single kept patch (status 'empty', no score)."""
+        return sum(r.status == "empty" for r in self.results)
+
+    @property
     def ok(self) -> bool:
-        return self.n_failed == 0
+        return all(r.status == "ok" for r in self.results)
 
 
 def match_inputs(slides: Sequence[str | os.PathLike], stores: Sequence[str | os.PathLike] | None = None
@@ -292,6 +297,23 @@ def _write_config(out_dir: Path, config: HeatmapConfig, model: InferenceModel) -
     return path
 
 
+#: Threads that write per-slide files while the model runs, and predictions that may wait for them.
+_WRITER_THREADS = 2
+_PENDING_WRITES = 4
+
+
+def _empty_result(item: SlideInput, pred: SlidePrediction, model: InferenceModel) -> HeatmapResult:
+    """A slide without a single kept patch: status 'empty' and no score (never a confident 0)."""
+    plan = model.plan
+    where = "in the store" if pred.source == "store" else (
+        f"of {pred.n_candidates} candidate cells passed the entropy filter ({plan.entropy_threshold_bits:g} bits)"
+        if pred.n_candidates else f"has tissue >= {plan.min_tissue:g} on the mask")
+    message = (f"{item.slide_path or item.store_path}: no patch {where}, so the slide has no score. Fix: check the "
+               "slide and its tissue mask (tile's qc/ PNG); --tissue/--min-tissue/--mask-mpp change the mask.")
+    logger.warning("%s: empty: %s", item.stem, message)
+    return HeatmapResult(item.stem, str(item.slide_path or ""), "empty", 0, None, pred.seconds, message)
+
+
 def make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.PathLike | InferenceModel,
                   out_dir: str | os.PathLike, config: HeatmapConfig | None = None, *,
                   stores: Sequence[str | os.PathLike] | None = None,
@@ -312,36 +334,70 @@ def make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.Path
     out_dir.mkdir(parents=True, exist_ok=True)
     config_json = _write_config(out_dir, config, model)
     status_csv = out_dir / STATUS_FILENAME
-    results: list[HeatmapResult] = []
-    emit(progress, ProgressEvent("heatmap", 0, len(inputs), unit="slide"))
-    for item in inputs:
-        t0 = time.perf_counter()
-        try:
-            if item.store_path is not None:
-                pred = predict_store(item.store_path, model, config=config, progress=progress)
-                if item.slide_path is not None:
-                    pred.slide_path = item.slide_path
-            else:
-                pred = predict_slide(item.slide_path, model, config=config, progress=progress)
-            if len(pred) == 0:
-                logger.warning("%s: no patch passed the tissue and entropy filters; the map is empty and the "
-                               "slide scores 0.", item.stem)
-            written = write_slide_outputs(pred, out_dir, model=model, config=config, annotations_dir=annotations_dir)
+    results: dict[int, HeatmapResult] = {}
+    writes: dict = {}  # future -> (position, prediction)
+
+    def record(i: int, result: HeatmapResult) -> None:
+        results[i] = result
+        _write_status([results[k] for k in sorted(results)], status_csv)
+        emit(progress, ProgressEvent("heatmap", len(results), len(inputs), unit="slide", item=result.slide,
+                                     message=result.status))
+
+    def failed(i: int, exc: BaseException, seconds: float) -> HeatmapResult:
+        item = inputs[i]
+        if not isinstance(exc, WsiMilsslError):
+            logger.debug("unexpected error on %s:\n%s", item.stem,
+                         "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+        message = str(exc) if isinstance(exc, WsiMilsslError) else f"{type(exc).__name__}: {exc}"
+        logger.error("%s: failed: %s", item.stem, message)
+        return HeatmapResult(item.stem, str(item.slide_path or ""), "failed", 0, None, seconds, message)
+
+    def collect(block: bool) -> None:
+        """Record the slides whose files are written (wait for one at least with ``block``)."""
+        done, _ = wait(list(writes), timeout=None if block else 0, return_when=FIRST_COMPLETED)
+        for fut in done:
+            i, pred = writes.pop(fut)
+            item = inputs[i]
+            try:
+                written, write_s = fut.result()
+            except Exception as exc:  # noqa: BLE001 - one slide's files must not stop the others
+                record(i, failed(i, exc, pred.seconds))
+                continue
             score = pred.score(model.pooling)
             update_scores_csv(out_dir, {pred.stem: score})
-            result = HeatmapResult(item.stem, str(item.slide_path or ""), "ok", len(pred), score,
-                                   time.perf_counter() - t0, "", {k: str(v) for k, v in written.items()})
+            seconds = pred.seconds + write_s
+            record(i, HeatmapResult(item.stem, str(item.slide_path or ""), "ok", len(pred), score, seconds, "",
+                                    {k: str(v) for k, v in written.items()}))
             logger.info("%s: %d patches, score %.4f (%s pooling), %.1f s", item.stem, len(pred), score,
-                        model.pooling, result.seconds)
-        except Exception as exc:  # noqa: BLE001 - one bad slide must not stop the others
-            if not isinstance(exc, WsiMilsslError):
-                logger.debug("unexpected error on %s:\n%s", item.stem, traceback.format_exc())
-            message = str(exc) if isinstance(exc, WsiMilsslError) else f"{type(exc).__name__}: {exc}"
-            logger.error("%s: failed: %s", item.stem, message)
-            result = HeatmapResult(item.stem, str(item.slide_path or ""), "failed", 0, None,
-                                   time.perf_counter() - t0, message)
-        results.append(result)
-        _write_status(results, status_csv)
-        emit(progress, ProgressEvent("heatmap", len(results), len(inputs), unit="slide", item=item.stem,
-                                     message=result.status))
-    return HeatmapRun(tuple(results), out_dir, status_csv, config_json, out_dir / SCORES_FILENAME)
+                        model.pooling, seconds)
+
+    def write(pred: SlidePrediction) -> tuple[dict[str, Path], float]:
+        t0 = time.perf_counter()
+        written = write_slide_outputs(pred, out_dir, model=model, config=config, annotations_dir=annotations_dir)
+        return written, time.perf_counter() - t0
+
+    emit(progress, ProgressEvent("heatmap", 0, len(inputs), unit="slide"))
+    t_start = time.perf_counter()
+    # Files are written by threads while the model goes on with the next slides; at most
+    # _PENDING_WRITES predictions wait for them, so memory stays bounded.
+    with ThreadPoolExecutor(max_workers=_WRITER_THREADS, thread_name_prefix="wsi-heatmap-write") as writers:
+        for i, outcome in predict_many(inputs, model, config=config, progress=progress):
+            if isinstance(outcome, Exception):
+                record(i, failed(i, outcome, 0.0))
+                continue
+            pred = outcome
+            if inputs[i].slide_path is not None:
+                pred.slide_path = inputs[i].slide_path
+            if len(pred) == 0:
+                record(i, _empty_result(inputs[i], pred, model))
+                continue
+            writes[writers.submit(write, pred)] = (i, pred)
+            collect(block=False)
+            while len(writes) >= _PENDING_WRITES:
+                collect(block=True)
+        while writes:
+            collect(block=True)
+    results_list = [results[k] for k in range(len(inputs))]
+    _write_status(results_list, status_csv)
+    return HeatmapRun(tuple(results_list), out_dir, status_csv, config_json, out_dir / SCORES_FILENAME,
+                      seconds=time.perf_counter() - t_start)

@@ -29,6 +29,7 @@ import torch
 
 from wsi_milssl.errors import ConfigError
 from wsi_milssl.mil.data import InstanceSet, PatchDataset
+from wsi_milssl.runtime import decode_jpeg_batch, require_device_decode
 
 __all__ = ["ITEM_BYTES", "DECODE_CHOICES", "BatchLoader", "block_order"]
 
@@ -131,7 +132,7 @@ class BatchLoader:
         self._loader: torch.utils.data.DataLoader | None = None
         self._plan = _Plan()
         if decode == "device":
-            _require_torchvision()
+            require_device_decode(owner="TrainConfig")
         images = {k: PatchDataset(s) for k, s in self._sets.items() if s.kind == "images"}
         self._reader = _Reader(images, encoded=decode == "device")
 
@@ -221,12 +222,7 @@ class BatchLoader:
 
     def _to_device(self, raw) -> torch.Tensor:
         if isinstance(raw, (list, tuple)):  # JPEG bytes: decode on the device in one call
-            from torchvision.io import ImageReadMode, decode_jpeg
-
-            if not raw:
-                return torch.zeros((0, 1, 1, 3), dtype=torch.uint8, device=self.device)
-            images = decode_jpeg(list(raw), mode=ImageReadMode.RGB, device=self.device)
-            return torch.stack(images).permute(0, 2, 3, 1)
+            return decode_jpeg_batch(list(raw), self.device)
         return raw.to(self.device, non_blocking=True)
 
 
@@ -249,11 +245,3 @@ def _rebatch(stream, batch_size: int):
     if n:
         yield (idx_parts[0], x_parts[0]) if len(idx_parts) == 1 else (torch.cat(idx_parts), torch.cat(x_parts))
 
-
-def _require_torchvision() -> None:
-    try:
-        import torchvision.io  # noqa: F401
-    except ImportError:
-        raise ConfigError("decode='device' decodes JPEG patches with torchvision.io.decode_jpeg, but torchvision "
-                          "is not installed. Fix: pip install torchvision (a build matching torch), or use "
-                          "--decode workers.") from None
