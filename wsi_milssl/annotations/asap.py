@@ -205,6 +205,11 @@ def _parse_xml(path: Path) -> tuple[Element, dict[Element, int]]:
             f"{path}: refused XML with an external reference or other unsafe construct at line {line} "
             f"({type(exc).__name__}: {exc}). Remove it or re-export the file from ASAP."
         ) from None
+    except (LookupError, ValueError) as exc:  # an unknown or unsupported encoding in the XML declaration
+        raise AnnotationError(
+            f"{path}: cannot decode the XML ({type(exc).__name__}: {exc}). Fix: save the file as UTF-8 with "
+            "<?xml version='1.0' encoding='utf-8'?>, or re-export it from ASAP."
+        ) from None
     except DET.ParseError as exc:
         line, col = getattr(exc, "position", (None, None))
         raise AnnotationError(

@@ -100,9 +100,13 @@ def _positions(ctx: _Ctx, where: str, value: Any, *, min_len: int = 1) -> np.nda
             or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in pos[:2])
         ):
             raise ctx.error(where, f"position {k} must be [x, y] numbers; got {_short(pos)}.")
-        out[k] = pos[0], pos[1]
+        try:
+            out[k] = pos[0], pos[1]
+        except OverflowError:  # an integer too large for a float
+            out[k] = np.inf, np.inf
     if not np.isfinite(out).all():
-        raise ctx.error(where, "has a non-finite coordinate (NaN or Infinity); coordinates must be level-0 pixels.")
+        raise ctx.error(where, "has a non-finite coordinate (NaN, Infinity, or a number too large for float64); "
+                               "coordinates must be level-0 pixels.")
     return out
 
 

@@ -31,6 +31,7 @@ from wsi_milssl.annotations.groups import DEFAULT_GROUP_MAP, GroupMap
 from wsi_milssl.errors import AnnotationError
 
 __all__ = [
+    "MAX_COORDINATE",
     "AnnotationSet",
     "annotation_geometry",
     "polygonal",
@@ -42,6 +43,11 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _EMPTY = shapely.MultiPolygon()
+
+#: Largest coordinate magnitude (level-0 px) turned into geometry: beyond any slide, and small enough
+#: that areas and intersections stay finite and exact in float64. Readers keep any finite value (so
+#: conversions are lossless); a tumour or non-tumour polygon beyond it is an AnnotationError.
+MAX_COORDINATE = float(1 << 31)
 
 
 def _explode_polygons(geoms: np.ndarray) -> np.ndarray:
@@ -150,6 +156,7 @@ class AnnotationSet:
             if role is None:
                 unknown[ann.group] += 1
                 continue
+            self._check_range(ann)
             geom, was_repaired = _repaired_geometry(ann)
             if was_repaired:
                 repaired.append(ann.name)
@@ -208,6 +215,16 @@ class AnnotationSet:
                            "wrong slide, or coordinates not at level 0?): %s.",
                            self._label, len(outside), *self.dimensions_lv0, names(outside))
         return tumor, non_tumor
+
+    def _check_range(self, ann: PolygonAnnotation) -> None:
+        for ring in (ann.coords_lv0, *ann.holes_lv0):
+            arr = np.asarray(ring, dtype=np.float64)
+            if arr.size and not np.abs(arr).max() <= MAX_COORDINATE:  # also NaN
+                raise AnnotationError(
+                    f"{self._label}: polygon {ann.name!r} has a vertex at {np.abs(arr).max():.6g} px, outside any "
+                    f"slide (level-0 coordinates are below {MAX_COORDINATE:.0f}). Fix: check that its coordinates "
+                    "are level-0 pixels, or delete that polygon."
+                )
 
     @cached_property
     def tumor(self) -> BaseGeometry:

@@ -57,16 +57,23 @@ class SlideLabels(Mapping[str, int]):
         self.path = None if path is None else Path(path)
         self._by_key: dict[str, tuple[str, int, int]] = {}
         for stem, label, line in items:
-            self._by_key.setdefault(stem_key(stem), (stem, int(label), int(line)))
+            self._by_key.setdefault(stem.casefold(), (stem, int(label), int(line)))
+
+    def _find(self, name: object) -> tuple[str, int, int] | None:
+        if not isinstance(name, (str, os.PathLike)):
+            return None
+        text = os.fspath(name)
+        # a stem as stored ("x.h5" from "x.h5.tif") first, then the name reduced to its stem
+        return self._by_key.get(text.strip().casefold()) or self._by_key.get(stem_key(text))
 
     def __getitem__(self, name: str) -> int:
-        try:
-            return self._by_key[stem_key(name)][1]
-        except KeyError:
-            raise KeyError(name) from None
+        hit = self._find(name)
+        if hit is None:
+            raise KeyError(name)
+        return hit[1]
 
     def __contains__(self, name: object) -> bool:
-        return isinstance(name, (str, os.PathLike)) and stem_key(name) in self._by_key
+        return self._find(name) is not None
 
     def __iter__(self) -> Iterator[str]:
         return (stem for stem, _, _ in self._by_key.values())
@@ -76,7 +83,10 @@ class SlideLabels(Mapping[str, int]):
 
     def line(self, name: str) -> int:
         """Line number (1-based) of ``name``'s label in the file."""
-        return self._by_key[stem_key(name)][2]
+        hit = self._find(name)
+        if hit is None:
+            raise KeyError(name)
+        return hit[2]
 
     def __repr__(self) -> str:
         return f"SlideLabels({dict(self)!r}, path={str(self.path) if self.path else None!r})"

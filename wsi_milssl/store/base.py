@@ -8,11 +8,13 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import json
+import math
 import os
 import shutil
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import imagecodecs
 import numpy as np
@@ -21,6 +23,7 @@ from wsi_milssl.errors import StoreError
 from wsi_milssl.store import schema
 
 __all__ = [
+    "MAX_PATCHES",
     "PatchStore",
     "StoreWriter",
     "check_attr_value",
@@ -34,6 +37,13 @@ __all__ = [
     "runs",
     "swap_into_place",
 ]
+
+
+#: More patches than any slide has (a 200,000 x 100,000 px slide in 64 px patches has 5 million): a
+#: store claiming more is corrupt, and reading its coordinates would exhaust memory.
+MAX_PATCHES = 1 << 26
+
+_CORRUPT_FIX = "the store is corrupt; delete it and re-run `wsi-milssl tile` for this slide"
 
 
 # -- codec --------------------------------------------------------------------------------------
@@ -243,6 +253,10 @@ class PatchStore(ABC):
         """First-axis length of one array."""
 
     @abstractmethod
+    def _array_shape(self, name: str) -> tuple[int, ...]:
+        """Shape of one array (not the Zarr JPEG ``patches`` group)."""
+
+    @abstractmethod
     def _read_range(self, name: str, start: int, stop: int) -> np.ndarray:
         """Rows [start, stop) of a per-patch array (not JPEG patches)."""
 
@@ -266,6 +280,32 @@ class PatchStore(ABC):
 
     def _fail(self, what: str, fix: str) -> StoreError:
         return StoreError(f"{self.path}: {what}. Fix: {fix}")
+
+    @contextmanager
+    def _reading(self, what: str) -> Iterator[None]:
+        """Turn any backend or codec failure while reading ``what`` into a StoreError (a corrupt store)."""
+        try:
+            yield
+        except StoreError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - h5py, zarr, numcodecs and the JPEG codec raise many types
+            raise self._fail(f"cannot read {what} ({type(exc).__name__}: {exc})", _CORRUPT_FIX) from None
+
+    def _check_shapes(self, names: list[str]) -> int:
+        """Number of patches, after checking coords is (N, 2) and every per-patch array has N rows."""
+        shape = tuple(self._array_shape(schema.COORDS))
+        if len(shape) != 2 or shape[1] != 2:
+            raise self._fail(f"'coords' has shape {shape}, not (N, 2)", _CORRUPT_FIX)
+        n = int(shape[0])
+        if n > MAX_PATCHES:
+            raise self._fail(f"'coords' claims {n} patches, more than any slide has ({MAX_PATCHES})", _CORRUPT_FIX)
+        for name in names:
+            if name == schema.PATCHES and self.format == "zarr" and self._attrs_pixels == "jpeg":
+                continue  # a group (data + offsets), checked when patches are read
+            length = int(self._array_len(name))
+            if length != n:
+                raise self._fail(f"array {name!r} has {length} rows but 'coords' has {n}", _CORRUPT_FIX)
+        return n
 
     def _validate(self) -> None:
         if str(self.path).rstrip("/").endswith(schema.PARTIAL_SUFFIX):
@@ -304,7 +344,13 @@ class PatchStore(ABC):
             raise self._fail("the store is incomplete", "re-run `wsi-milssl tile --overwrite` for this slide")
         self._attrs = attrs
         self._names = names
-        self._n = self._array_len(schema.COORDS)
+        self._attrs_pixels = attrs.get("pixels", "none")
+        try:
+            with self._reading("the array shapes"):
+                self._n = self._check_shapes(names)
+        except StoreError:
+            self.close()
+            raise
 
     def close(self) -> None:
         """Close the backend handle; the store reopens on next use."""
@@ -353,19 +399,29 @@ class PatchStore(ABC):
         """'jpeg', 'raw' or 'none'."""
         return str(self._attrs.get("pixels", "none"))
 
+    def _positive_int_attr(self, key: str) -> int:
+        value = self._attrs.get(key)
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                or value <= 0 or value != int(value)):
+            raise self._fail(f"attribute {key!r} is {value!r}, not a positive whole number", _CORRUPT_FIX)
+        return int(value)
+
     @property
     def patch_size_px(self) -> int:
         """Patch side in pixels at the target resolution."""
-        return int(self._attrs["patch_size_px"])
+        return self._positive_int_attr("patch_size_px")
 
     @property
     def patch_size_lv0(self) -> int:
         """Patch side in level-0 pixels."""
-        return int(self._attrs["patch_size_lv0"])
+        return self._positive_int_attr("patch_size_lv0")
 
     @property
     def slide_path(self) -> Path:
-        return Path(self._attrs["slide_path"])
+        value = self._attrs.get("slide_path")
+        if not isinstance(value, str) or not value:
+            raise self._fail(f"attribute 'slide_path' is {value!r}, not a path", _CORRUPT_FIX)
+        return Path(value)
 
     @property
     def stem(self) -> str:
@@ -374,8 +430,9 @@ class PatchStore(ABC):
     def array_attrs(self, name: str) -> dict[str, Any]:
         """Attributes of one array, e.g. the CLAM attrs of ``coords``."""
         self._require(name)
-        self._ensure_open()
-        return {k: plain_attr(v) for k, v in self._array_attrs(name).items()}
+        with self._reading(f"the attributes of {name!r}"):
+            self._ensure_open()
+            return {k: plain_attr(v) for k, v in self._array_attrs(name).items()}
 
     # data ----------------------------------------------------------------------------------------
     @property
@@ -398,17 +455,20 @@ class PatchStore(ABC):
     def read_array(self, name: str, indices: Any = None) -> np.ndarray:
         """A per-patch array, whole or at ``indices``. JPEG ``patches`` come back as an object array of bytes."""
         self._require(name)
-        self._ensure_open()
         if name == schema.PATCHES and self.pixels == "jpeg":
             idx = np.arange(self._n) if indices is None else normalize_indices(indices, self._n, where=str(self.path))
             out = np.empty(len(idx), dtype=object)
             for i, b in enumerate(self.read_jpeg(idx) if len(idx) else []):
                 out[i] = b
             return out
-        if indices is None:
-            return self._read_range(name, 0, self._n)
-        idx = normalize_indices(indices, self._n, where=str(self.path))
-        return self._gather(name, idx)
+        idx = None if indices is None else normalize_indices(indices, self._n, where=str(self.path))
+        with self._reading(f"array {name!r}"):
+            self._ensure_open()
+            rows = self._read_range(name, 0, self._n) if idx is None else self._gather(name, idx)
+            if len(rows) != (self._n if idx is None else len(idx)):
+                raise self._fail(f"array {name!r} returned {len(rows)} rows where {self._n} were stored",
+                                 _CORRUPT_FIX)
+            return rows
 
     def _gather(self, name: str, idx: np.ndarray) -> np.ndarray:
         uniq, inverse = np.unique(idx, return_inverse=True)
@@ -425,29 +485,34 @@ class PatchStore(ABC):
         self._require(schema.PATCHES)
         if self.pixels != "jpeg":
             raise self._fail(f"patches are stored as {self.pixels!r}, not JPEG", "use read_patches()")
-        self._ensure_open()
         idx = normalize_indices(indices, self._n, where=str(self.path))
         uniq, inverse = np.unique(idx, return_inverse=True)
-        data = self._read_jpeg_sorted(uniq)
-        return [data[i] for i in inverse.ravel()]
+        with self._reading("JPEG patches"):
+            self._ensure_open()
+            data = self._read_jpeg_sorted(uniq)
+            return [data[i] for i in inverse.ravel()]
 
     def read_patches(self, indices: Any) -> np.ndarray:
         """uint8 (B, H, W, 3) RGB patches at the target resolution, decoded, in the order of ``indices``."""
         self._require(schema.PATCHES)
-        self._ensure_open()
         idx = normalize_indices(indices, self._n, where=str(self.path))
         size = self.patch_size_px
         if self.pixels == "raw":
-            return self._gather(schema.PATCHES, idx)
+            with self._reading("raw patches"):
+                self._ensure_open()
+                return self._gather(schema.PATCHES, idx)
+        if size > 16384:
+            raise self._fail(f"attribute 'patch_size_px' is {size}, larger than any patch", _CORRUPT_FIX)
         out = np.empty((len(idx), size, size, 3), np.uint8)
         uniq, inverse = np.unique(idx, return_inverse=True)
-        data = self._read_jpeg_sorted(uniq)
+        data = self.read_jpeg(uniq)
         decoded: dict[int, int] = {}
         for pos, u in enumerate(inverse.ravel()):
             if u in decoded:
                 out[pos] = out[decoded[u]]
                 continue
-            img = decode_jpeg(data[u])
+            with self._reading(f"patch {int(uniq[u])} (JPEG)"):
+                img = decode_jpeg(data[u])
             if img.shape != (size, size, 3):
                 raise self._fail(
                     f"patch {int(uniq[u])} decodes to shape {img.shape}, expected {(size, size, 3)}",

@@ -70,6 +70,9 @@ class H5Store(PatchStore):
     def _array_len(self, name: str) -> int:
         return int(self._file[name].shape[0])
 
+    def _array_shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(d) for d in self._file[name].shape)
+
     def _read_range(self, name: str, start: int, stop: int) -> np.ndarray:
         return self._file[name][start:stop]
 

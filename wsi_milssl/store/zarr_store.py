@@ -28,6 +28,7 @@ __all__ = ["ZarrStore", "ZarrWriter", "zarr_write_arrays"]
 _SCALAR_CHUNK = 65536
 _JPEG_DATA_CHUNK = 1 << 18  # 256 KiB
 _RAW_SHARD = 16
+_MAX_JPEG_BYTES = 1 << 26  # one JPEG patch is at most a few MB; larger offsets mean a corrupt store
 
 
 class ZarrStore(PatchStore):
@@ -75,6 +76,9 @@ class ZarrStore(PatchStore):
     def _array_len(self, name: str) -> int:
         return int(self._array(name).shape[0])
 
+    def _array_shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(d) for d in self._array(name).shape)
+
     def _read_range(self, name: str, start: int, stop: int) -> np.ndarray:
         return self._array(name)[start:stop]
 
@@ -84,7 +88,15 @@ class ZarrStore(PatchStore):
     def _offsets(self) -> np.ndarray:
         offsets = self._cache.get("offsets")
         if offsets is None or self._cache.get("offsets_pid") != os.getpid():
-            offsets = self._array(f"{schema.PATCHES}/{schema.ZARR_JPEG_OFFSETS}")[:]
+            offsets = np.asarray(self._array(f"{schema.PATCHES}/{schema.ZARR_JPEG_OFFSETS}")[:], dtype=np.int64)
+            n_bytes = self._array(f"{schema.PATCHES}/{schema.ZARR_JPEG_DATA}").shape[0]
+            sizes = np.diff(offsets)
+            if (offsets.shape != (self._n + 1,) or offsets[0] != 0 or offsets[-1] > n_bytes
+                    or (sizes.size and (sizes.min() < 0 or sizes.max() > _MAX_JPEG_BYTES))):
+                raise self._fail(
+                    f"the JPEG offsets do not fit {self._n} patches in {n_bytes} bytes (corrupt 'patches/offsets')",
+                    "the store is corrupt; delete it and re-run `wsi-milssl tile` for this slide",
+                )
             self._cache["offsets"] = offsets
             self._cache["offsets_pid"] = os.getpid()
         return offsets
