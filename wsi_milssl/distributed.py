@@ -1,0 +1,227 @@
+"""Several processes on one job: ranks of a torchrun group (training), shards of a slide list (slide stages).
+
+Training under ``torchrun --nproc-per-node N [--nnodes M --rdzv-endpoint HOST:PORT] -m wsi_milssl train
+...`` joins the group torchrun describes in its environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``)
+with :func:`init_group`: NCCL when the processes run on GPUs (rank ``LOCAL_RANK`` of a node takes GPU
+``LOCAL_RANK``), gloo on CPUs. Without torchrun (or with one process) nothing is initialised and
+:data:`SINGLE` describes the one process, so world size 1 runs exactly the single-process code.
+
+Slide stages (``tile``, ``label``, ``heatmap``) split their slides instead: shard ``I`` of ``N``
+takes every ``N``-th slide starting at the ``I``-th (:func:`shard_items`), either from
+``--shard I/N`` (0-based; for job arrays such as SLURM ``--array``) or, under torchrun, from the rank
+and world size (:func:`slide_shard`).
+
+The collectives used by training are here too, each a no-op for one process: :func:`gather_values`
+(every rank's values at its indices -> the whole vector on every rank), :func:`all_sum`,
+:func:`barrier`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Sequence, TypeVar
+
+import numpy as np
+
+from wsi_milssl.errors import ConfigError
+
+__all__ = [
+    "DistContext",
+    "SINGLE",
+    "torchrun_env",
+    "init_group",
+    "close_group",
+    "parse_shard",
+    "slide_shard",
+    "shard_items",
+    "rank_share",
+    "split_evenly",
+    "gather_values",
+    "all_sum",
+    "barrier",
+]
+
+T = TypeVar("T")
+
+#: How long a rank waits in a collective for the others before it gives up (a rank died or hangs).
+TIMEOUT = datetime.timedelta(minutes=30)
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Where this process stands in its group: ``rank`` of ``world_size`` (``local_rank`` on its node)
+    and the ``backend`` ('nccl', 'gloo'; None for one process)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    backend: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one process that writes checkpoints, metrics, plots and reports progress."""
+        return self.rank == 0
+
+    def describe(self) -> dict:
+        return {"world_size": self.world_size, "backend": self.backend or "none"}
+
+
+SINGLE = DistContext()
+
+
+def torchrun_env() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) from torchrun's environment, or None when not launched by it."""
+    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+        return None
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local = int(os.environ.get("LOCAL_RANK", rank))
+    except ValueError:
+        raise ConfigError(f"RANK={os.environ.get('RANK')!r}, WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} are not "
+                          "integers. Fix: launch with torchrun, which sets them, or unset them.") from None
+    if world < 1 or not 0 <= rank < world:
+        raise ConfigError(f"RANK={rank} is not in 0..WORLD_SIZE-1 (WORLD_SIZE={world}). Fix: launch with torchrun.")
+    return rank, world, local
+
+
+def init_group(device: str = "auto") -> DistContext:
+    """Join torchrun's process group (NCCL on GPUs, gloo on CPUs) and return this process's place in it;
+    :data:`SINGLE` without torchrun or with one process. ``device``: the training device setting
+    ('auto', 'cpu', 'cuda'); with CUDA each rank takes GPU ``LOCAL_RANK``."""
+    env = torchrun_env()
+    if env is None or env[1] == 1:
+        return SINGLE
+    import torch
+    import torch.distributed as dist
+
+    rank, world, local = env
+    cuda = device != "cpu" and torch.cuda.is_available()
+    if cuda:
+        if local >= torch.cuda.device_count():
+            raise ConfigError(f"rank {rank}: LOCAL_RANK {local} but this node has {torch.cuda.device_count()} GPU(s). "
+                              "Fix: --nproc-per-node at most the GPUs of a node.")
+        torch.cuda.set_device(local)
+    backend = "nccl" if cuda else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=TIMEOUT)
+    return DistContext(rank=rank, world_size=world, local_rank=local, backend=backend)
+
+
+def close_group(ctx: DistContext) -> None:
+    """Leave the process group (after the last collective)."""
+    if ctx.enabled:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------
+# Shards of a list (slide stages)
+# ----------------------------------------------------------------------------------------------
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``'I/N'`` (0-based shard I of N) -> (I, N); ConfigError naming the value otherwise."""
+    try:
+        index, count = (int(v) for v in str(text).split("/"))
+    except ValueError:
+        raise ConfigError(f"--shard {text!r} is not I/N; give the 0-based shard and the count, e.g. --shard 0/4 "
+                          "(SLURM: --shard $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT).") from None
+    if count < 1 or not 0 <= index < count:
+        raise ConfigError(f"--shard {text!r}: the shard must be 0..{max(count, 1) - 1} of {count} (0-based), and the "
+                          "count at least 1.")
+    return index, count
+
+
+def slide_shard(shard: str | None) -> tuple[int, int]:
+    """This process's (shard, count) of a slide stage: ``--shard I/N`` when given, else torchrun's
+    (rank, world size), else (0, 1)."""
+    if shard is not None:
+        return parse_shard(shard)
+    env = torchrun_env()
+    if env is not None:
+        return env[0], env[1]
+    return 0, 1
+
+
+def shard_items(items: Sequence[T], index: int, count: int) -> list[T]:
+    """Every ``count``-th item starting at ``index`` (shards of similar size and mix; all shards
+    together hold each item once)."""
+    return list(items[index::count]) if count > 1 else list(items)
+
+
+# ----------------------------------------------------------------------------------------------
+# Shares of an epoch (training)
+# ----------------------------------------------------------------------------------------------
+
+def rank_share(order, *, batch_size: int, ctx: DistContext):
+    """This rank's instances of a global epoch ``order`` (int64 tensor), so that the ranks' steps
+    together are the steps of one process with batch ``batch_size x world_size``: each global batch is
+    cut into ``world_size`` consecutive pieces of ``batch_size`` (consecutive, so shuffle blocks stay
+    whole), and rank r takes piece r. A last, smaller global batch is split evenly when it has at
+    least one instance per rank and dropped otherwise (every rank must take the same number of steps);
+    the order changes every epoch, so no instance is left out for long."""
+    if not ctx.enabled:
+        return order
+    import torch
+
+    world, b = ctx.world_size, batch_size
+    n = int(order.numel())
+    full = n // (b * world) * (b * world)
+    main = order[:full].reshape(-1, world, b)[:, ctx.rank].reshape(-1)
+    tail = order[full:]
+    if tail.numel() >= world:
+        return torch.cat([main, torch.tensor_split(tail, world)[ctx.rank]])
+    return main
+
+
+def split_evenly(indices: np.ndarray, ctx: DistContext) -> np.ndarray:
+    """This rank's consecutive piece of ``indices`` (for predictions: every rank reads runs of a store)."""
+    if not ctx.enabled:
+        return indices
+    return np.array_split(np.asarray(indices), ctx.world_size)[ctx.rank]
+
+
+def gather_values(values, positions, *, size: int, ctx: DistContext):
+    """Every rank's float ``values`` at int ``positions`` (numpy or CPU tensors) -> the float32 numpy
+    vector of length ``size`` on every rank (positions no rank gave stay NaN)."""
+    values = np.asarray(values, dtype=np.float32)
+    positions = np.asarray(positions, dtype=np.int64)
+    out = np.full(size, np.nan, dtype=np.float32)
+    if not ctx.enabled:
+        out[positions] = values
+        return out
+    import torch.distributed as dist
+
+    parts: list = [None] * ctx.world_size
+    dist.all_gather_object(parts, (positions, values))
+    for pos, val in parts:
+        out[pos] = val
+    return out
+
+
+def all_sum(*values: float, ctx: DistContext) -> tuple[float, ...]:
+    """The sums over ranks of each of ``values`` (float64)."""
+    if not ctx.enabled:
+        return tuple(float(v) for v in values)
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if ctx.backend == "nccl" else torch.device("cpu")
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return tuple(float(v) for v in t.cpu())
+
+
+def barrier(ctx: DistContext) -> None:
+    """Wait until every rank gets here."""
+    if ctx.enabled:
+        import torch.distributed as dist
+
+        dist.barrier()
