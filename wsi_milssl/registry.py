@@ -1,0 +1,65 @@
+"""One small registry type for swappable parts: a name -> factory map that refuses a duplicate name.
+
+    ENCODERS = Registry("encoder")
+
+    @ENCODERS.register("resnet50_trunc")
+    def resnet50_trunc(**kwargs): ...
+
+    ENCODERS.get("resnet50_trunc")        # the factory; ConfigError listing the names for an unknown one
+
+Registering a second factory under a name already taken raises ValueError (a silent overwrite would
+make the part that runs depend on import order). Used by the feature encoders
+(:mod:`wsi_milssl.features.encoders`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Generic, Iterator, TypeVar
+
+from wsi_milssl.errors import ConfigError
+
+__all__ = ["Registry"]
+
+T = TypeVar("T", bound=Callable)
+
+
+class Registry(Generic[T]):
+    """Factories by name. ``kind`` names the parts in messages ('encoder', 'model')."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._items: dict[str, T] = {}
+
+    def register(self, name: str) -> Callable[[T], T]:
+        """Decorator registering a factory under ``name``; ValueError when the name is taken."""
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"a {self.kind} name must be a non-empty string; got {name!r}.")
+
+        def deco(factory: T) -> T:
+            if name in self._items and self._items[name] is not factory:
+                raise ValueError(f"{self.kind} {name!r} is already registered (by {self._items[name].__module__}."
+                                 f"{self._items[name].__qualname__}); choose another name.")
+            self._items[name] = factory
+            return factory
+
+        return deco
+
+    def get(self, name: str) -> T:
+        """The factory registered as ``name``; ConfigError naming the registered ones otherwise."""
+        try:
+            return self._items[name]
+        except (KeyError, TypeError):
+            raise ConfigError(f"unknown {self.kind} {name!r}; registered: {', '.join(self.names())}.") from None
+
+    def names(self) -> list[str]:
+        """Registered names, sorted."""
+        return sorted(self._items)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._items
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __len__(self) -> int:
+        return len(self._items)
