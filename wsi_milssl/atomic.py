@@ -3,42 +3,201 @@
 A killed process never leaves a file under the final name that looks complete. Every stage writes
 its small outputs (JSON, CSV, PNG, XML, checkpoints, the generated TIFF) through :func:`atomic_open`
 or the helpers built on it; patch stores have their own commit step (:mod:`wsi_milssl.store`).
+
+One rule names every temporary (:func:`temp_path`): ``.<final name>.<pid>.<random>.<kind>`` beside
+the final file, so two writers never share a name, and the temporaries of a killed run are
+recognised and removed by the next run that locks the folder (:func:`clean_stale_temporaries`,
+called by :func:`wsi_milssl.locks.folder_lock`). Failures to write (full disk, read-only file
+system, no permission) become :class:`~wsi_milssl.errors.OutputError` through :func:`output_error`.
 """
 
 from __future__ import annotations
 
 import csv
+import errno as errno_
 import io
 import json
+import logging
 import os
+import re
 import secrets
+import shutil
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Iterator, Mapping, Sequence
 
-__all__ = ["atomic_open", "atomic_write_bytes", "atomic_write_text", "atomic_write_json", "atomic_write_csv"]
+from wsi_milssl.errors import OutputError
+
+__all__ = [
+    "TEMP_KINDS",
+    "atomic_open",
+    "atomic_write_bytes",
+    "atomic_write_text",
+    "atomic_write_json",
+    "atomic_write_csv",
+    "clean_stale_temporaries",
+    "find_write_error",
+    "output_error",
+    "temp_path",
+]
+
+log = logging.getLogger(__name__)
+
+#: The kinds of temporary :func:`temp_path` makes: a file being written (``tmp``), a patch store or
+#: slide being written (``partial``), the old copy of a store during a swap (``old``), scratch space.
+TEMP_KINDS: tuple[str, ...] = ("tmp", "partial", "old", "scratch")
+_TEMP_RE = re.compile(r"^\.(?P<target>.+)\.(?P<pid>[1-9][0-9]{0,9})\.(?P<token>[0-9a-f]{8})\.(?P<kind>%s)$"
+                      % "|".join(TEMP_KINDS))
+
+# errno values that can only come from writing: translated wherever they appear.
+_WRITE_ERRNOS = {errno_.ENOSPC, errno_.EDQUOT, errno_.EFBIG, errno_.EROFS}
+# ... and these too when they come from opening or renaming the output itself.
+_ACCESS_ERRNOS = {errno_.EACCES, errno_.EPERM}
+
+
+def temp_path(path: str | os.PathLike, *, kind: str = "tmp") -> Path:
+    """A new, unique temporary name beside ``path``: ``.<name>.<pid>.<8 hex>.<kind>``.
+
+    Hidden (store and slide searches skip it), unique per call (process id and a random token), and
+    recognisable by :func:`clean_stale_temporaries` once its process is gone.
+    """
+    if kind not in TEMP_KINDS:
+        raise ValueError(f"temporary kind must be one of {', '.join(TEMP_KINDS)}; got {kind!r}.")
+    path = Path(path)
+    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.{kind}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, owned by someone else
+        return True
+    except OSError:
+        return True
+    return True
+
+
+def clean_stale_temporaries(folder: str | os.PathLike) -> list[Path]:
+    """Delete the temporaries (files or folders named by :func:`temp_path`) in ``folder`` whose
+    process no longer exists; returns what was removed.
+
+    Call it only while holding the folder's lock (:func:`wsi_milssl.locks.folder_lock` does): every
+    writer into the folder then either holds the lock (this process) or is gone. Temporaries of a
+    process that still runs are kept (a reused process id only delays the clean-up). Not recursive.
+    """
+    folder = Path(folder)
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _TEMP_RE.match(entry.name)
+        if m is None:
+            continue
+        pid = int(m.group("pid"))
+        if pid == os.getpid() or _pid_alive(pid):
+            continue
+        path = folder / entry.name
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        except OSError as exc:
+            log.warning("%s: cannot remove the temporary left by a killed run (%s)", path, exc)
+            continue
+        log.info("%s: removed a temporary left by a run that was killed (pid %d)", path, pid)
+        removed.append(path)
+    return removed
+
+
+def find_write_error(exc: BaseException, *, access: bool = False) -> OSError | None:
+    """The OSError behind ``exc`` (itself, or its cause/context: torch and h5py wrap them) that says
+    the output cannot be written (disk full, file too large, read-only; with ``access`` also
+    permission denied), or None."""
+    wanted = _WRITE_ERRNOS | (_ACCESS_ERRNOS if access else set())
+    seen = 0
+    while exc is not None and seen < 16:
+        if isinstance(exc, OSError) and exc.errno in wanted:
+            return exc
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return None
+
+
+def output_error(path: str | os.PathLike, exc: OSError, *, what: str = "cannot write this file",
+                 folder: str | os.PathLike | None = None) -> OutputError:
+    """An OutputError for a failed write of ``path``: ``PATH: what (cause). Fix: ...``.
+
+    The fix depends on the cause: free space (full disk or quota), another file system (read-only,
+    file too large) or permissions. ``folder`` (default: the parent of ``path``) is the folder named
+    in the fix.
+    """
+    path = Path(path)
+    folder = Path(folder) if folder is not None else path.parent
+    code = exc.errno
+    cause = exc.strerror or str(exc)
+    if code in (errno_.ENOSPC, errno_.EDQUOT):
+        cause, fix = f"{cause}: the disk is full", (
+            f"free disk space where {folder} lives (`df -h {folder}`), or write to another folder, and re-run")
+    elif code == errno_.EROFS:
+        cause, fix = f"{cause}: {folder} is on a read-only file system", (
+            "write to a folder on a writable disk (another --out), or remount it read-write")
+    elif code == errno_.EFBIG:
+        cause, fix = f"{cause}: the file grew past a size limit", (
+            f"raise the file-size limit (`ulimit -f`) or write to another file system than {folder}'s")
+    elif code in (errno_.EACCES, errno_.EPERM):
+        cause, fix = f"{cause}: no permission to write in {folder}", (
+            f"make it writable (`chmod u+w {folder}`) or write to another folder")
+    else:
+        fix = f"check free disk space and permissions of {folder}, then re-run"
+    return OutputError(f"{path}: {what} ({cause}). Fix: {fix}.", errno=code)
+
+
+def _remove_quietly(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:  # a read-only folder: nothing was created there
+        pass
 
 
 @contextmanager
 def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
     """Open a temporary sibling of ``path`` for writing; on success fsync and rename it to ``path``.
 
-    The temporary name is unique per call (process id and a random token), and the file gets the
-    usual permissions (0666 minus the umask). Text modes write UTF-8 with newlines untranslated (as
-    the csv module expects). On an exception nothing is left behind.
+    The temporary name is unique per call (:func:`temp_path`), and the file gets the usual
+    permissions (0666 minus the umask). Text modes write UTF-8 with newlines untranslated (as the
+    csv module expects). On an exception nothing is left behind. A full disk, a read-only file
+    system or a folder without write permission raises OutputError naming ``path`` and the fix.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    tmp = temp_path(path)
     text = {} if "b" in mode else {"encoding": "utf-8", "newline": ""}
     try:
-        with open(tmp, mode, **text) as fh:
-            yield fh
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fh = open(tmp, mode, **text)
+        except OSError as exc:
+            cause = find_write_error(exc, access=True)
+            if cause is None:
+                raise
+            raise output_error(path, cause) from None
+        try:
+            with fh:
+                yield fh
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except Exception as exc:
+            cause = find_write_error(exc)
+            if cause is None:
+                raise
+            raise output_error(path, cause) from None
     finally:
-        tmp.unlink(missing_ok=True)
+        _remove_quietly(tmp)
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:

@@ -11,6 +11,8 @@ __all__ = [
     "CheckpointError",
     "EvaluationError",
     "LabelsError",
+    "OutputError",
+    "FolderLockedError",
 ]
 
 
@@ -52,3 +54,16 @@ class EvaluationError(WsiMilsslError):
 
 class LabelsError(WsiMilsslError, ValueError):
     """A slide-labels file is missing, malformed or contradicts itself, or a slide has no label in it."""
+
+
+class OutputError(WsiMilsslError):
+    """An output file or folder cannot be written: the disk is full, the file system is read-only or
+    permission is denied. ``errno`` is the operating system's error number (None when unknown)."""
+
+    def __init__(self, message: str, *, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno
+
+
+class FolderLockedError(WsiMilsslError):
+    """Another run holds the lock of an output folder (see :func:`wsi_milssl.locks.folder_lock`)."""

@@ -18,7 +18,7 @@ FORMATS = ["h5", "zarr"]
 def test_roundtrip(tmp_path, make_store, fmt, pixels):
     path = tmp_path / f"s1.{fmt}"
     made = make_store(path, pixels=pixels)
-    assert not path.with_name(path.name + ".partial").exists()
+    assert sorted(q.name for q in tmp_path.iterdir()) == [path.name]  # no temporary left beside it
     with open_store(path) as store:
         assert len(store) == 37 and store.format == fmt and store.pixels == pixels
         np.testing.assert_array_equal(store.coords, made["coords"])

@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = tile_config_from_args(args)
-        slides = find_slides(args.slides)
+        slides = find_slides(args.slides, keep_missing=True)  # a missing slide fails alone
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

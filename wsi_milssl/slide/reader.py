@@ -93,7 +93,11 @@ class SlideReader:
         if self._mpp_override is not None and self._mpp_override <= 0:
             raise ValueError(f"mpp_override must be positive; got {mpp_override!r}.")
         if not self.path.exists():
-            raise SlideReadError(f"{self.path}: slide file not found; check the path.")
+            raise SlideReadError(f"{self.path}: slide file not found. Fix: check the path, or leave it out of "
+                                 "the list of slides.")
+        if self.path.is_dir():
+            raise SlideReadError(f"{self.path}: this is a folder, not a slide file. Fix: give the slide file "
+                                 "itself (a folder of slides must not be named like a slide).")
         try:
             self._slide = openslide.OpenSlide(str(self.path))
         except openslide.OpenSlideUnsupportedFormatError:

@@ -8,9 +8,11 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import json
+import logging
 import math
 import os
 import shutil
+import time
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,6 +21,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import imagecodecs
 import numpy as np
 
+from wsi_milssl.atomic import find_write_error, output_error, temp_path
 from wsi_milssl.errors import StoreError
 from wsi_milssl.store import schema
 
@@ -44,6 +47,8 @@ __all__ = [
 MAX_PATCHES = 1 << 26
 
 _CORRUPT_FIX = "the store is corrupt; delete it and re-run `wsi-milssl tile` for this slide"
+
+log = logging.getLogger(__name__)
 
 
 # -- codec --------------------------------------------------------------------------------------
@@ -195,7 +200,7 @@ def swap_into_place(new: Path, final: Path) -> None:
         _fsync_dir(final.parent)
         shutil.rmtree(new) if new.is_dir() else new.unlink()
         return
-    aside = final.with_name(final.name + f".old-{os.getpid()}")
+    aside = temp_path(final, kind="old")
     os.replace(final, aside)
     os.replace(new, final)
     _fsync_dir(final.parent)
@@ -525,10 +530,14 @@ class PatchStore(ABC):
 
 # -- writer -------------------------------------------------------------------------------------
 class StoreWriter(ABC):
-    """Streams one slide's patches into a new store under ``<final>.partial`` and renames it when complete.
+    """Streams one slide's patches into a new store under a temporary name and renames it when complete.
 
-    Use as a context manager: leaving the block with an exception deletes the partial store.
-    ``append`` takes one batch at a time, so memory stays bounded by the batch.
+    The temporary name is unique per writer (``.<final name>.<pid>.<random>.partial``, see
+    :func:`wsi_milssl.atomic.temp_path`), so two writers never share one. Use as a context manager:
+    leaving the block with an exception deletes the partial store. ``append`` takes one batch at a
+    time, so memory stays bounded by the batch. A write that fails because the disk is full, the file
+    system is read-only or permission is denied deletes the partial store and raises OutputError
+    naming the store and the fix.
     """
 
     format: str = ""
@@ -538,15 +547,14 @@ class StoreWriter(ABC):
         if pixels not in schema.PIXEL_ENCODINGS:
             raise ValueError(f"pixels must be one of {', '.join(schema.PIXEL_ENCODINGS)}; got {pixels!r}.")
         self.path = Path(final_path)
-        self.partial_path = self.path.with_name(self.path.name + schema.PARTIAL_SUFFIX)
+        self.partial_path = temp_path(self.path, kind=schema.PARTIAL_SUFFIX.lstrip("."))
         self.pixels = pixels
         self.patch_size_px = int(patch_size_px)
         self.coords_attrs = dict(coords_attrs or {})
         self.n_written = 0
         self._done = False
-        remove_path(self.partial_path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._create()
+        self._io(self.path.parent.mkdir, parents=True, exist_ok=True)
+        self._io(self._create)
 
     @abstractmethod
     def _create(self) -> None:
@@ -563,6 +571,23 @@ class StoreWriter(ABC):
     @abstractmethod
     def _close_quietly(self) -> None:
         """Close handles after a failure."""
+
+    def _write_error(self, exc: BaseException) -> OSError | None:
+        """The OSError behind ``exc`` when it says the store cannot be written (disk full, read-only,
+        no permission), else None. Backends that see more (the HDF5 file wrapper) extend it."""
+        return find_write_error(exc, access=True)
+
+    def _io(self, fn, *args, **kwargs):
+        """Run one write step; when the disk is full (or read-only, or permission is denied) the
+        partial store is deleted and OutputError names the store and the fix."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            cause = self._write_error(exc)
+            if cause is None:
+                raise
+            self.abort()
+            raise output_error(self.path, cause, what="cannot write this patch store") from None
 
     def append(self, *, coords: np.ndarray, entropy_bits: np.ndarray, tissue_fraction: np.ndarray,
                patches: Sequence[bytes] | np.ndarray | None = None) -> None:
@@ -588,7 +613,7 @@ class StoreWriter(ABC):
                 raise ValueError(f"got {len(patches)} JPEG patches for {b} coordinates.")
         if b == 0:
             return
-        self._append(coords, entropy, tissue, patches)
+        self._io(self._append, coords, entropy, tissue, patches)
         self.n_written += b
 
     def finalize(self, attrs: Mapping[str, Any]) -> Path:
@@ -598,9 +623,9 @@ class StoreWriter(ABC):
         full["n_patches"] = self.n_written
         full[schema.COMPLETE_ATTR] = True
         clean = {k: check_attr_value(k, v, where=str(self.path)) for k, v in full.items()}
-        self._write_attrs_and_close(clean)
-        fsync_path(self.partial_path)
-        swap_into_place(self.partial_path, self.path)
+        self._io(self._write_attrs_and_close, clean)
+        self._io(fsync_path, self.partial_path)
+        self._io(swap_into_place, self.partial_path, self.path)
         self._done = True
         return self.path
 
@@ -608,9 +633,16 @@ class StoreWriter(ABC):
         """Close and delete the partial store."""
         if self._done:
             return
-        self._close_quietly()
-        remove_path(self.partial_path)
         self._done = True
+        self._close_quietly()
+        for attempt in range(3):
+            try:
+                remove_path(self.partial_path)
+                return
+            except OSError:  # a file vanished under us (Zarr finishing an in-flight write), or read-only
+                time.sleep(0.05 * (attempt + 1))
+        log.warning("%s: cannot remove this partial store; the next run into its folder removes it",
+                    self.partial_path)
 
     def __enter__(self) -> "StoreWriter":
         return self

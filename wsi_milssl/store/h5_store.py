@@ -3,10 +3,18 @@
 Layout: root attributes; datasets ``coords`` int64 (N, 2) with the CLAM/TRIDENT attributes,
 ``entropy_bits`` and ``tissue_fraction`` float32 (N,), and ``patches`` as variable-length uint8
 (JPEG, chunks of 64 patches) or uint8 (N, H, W, 3) (raw, one uncompressed chunk per patch).
+
+Stores are written through :class:`_FailSafeFile` (h5py's ``fileobj`` driver), not by the HDF5
+library's own file driver: when the disk fills up, HDF5's POSIX driver leaves the library with a
+file it can neither flush nor close, and the process dies with a segmentation fault at exit. The
+wrapper records the first failed write and then discards further writes, so the file closes
+cleanly, the partial store is deleted and the failure is reported as an OutputError.
 """
 
 from __future__ import annotations
 
+import errno
+import io
 import os
 import shutil
 from pathlib import Path
@@ -15,6 +23,7 @@ from typing import Any, Mapping
 import h5py
 import numpy as np
 
+from wsi_milssl.atomic import temp_path
 from wsi_milssl.errors import StoreError
 from wsi_milssl.store import schema
 from wsi_milssl.store.base import PatchStore, StoreWriter, fsync_path, remove_path
@@ -90,13 +99,107 @@ class H5Store(PatchStore):
         return [r.tobytes() for r in rows]
 
 
+class _FailSafeFile(io.RawIOBase):
+    """The file HDF5 writes a store through (h5py ``fileobj`` driver) that survives a full disk.
+
+    Writes are written completely (h5py ignores short writes). The first failed write or truncate is
+    kept in ``error`` and not passed to HDF5 (whose failure paths print "Exception ignored" tracebacks
+    and can leave a file it cannot close); from then on writes are discarded and reads past the data
+    are zero-filled. The writer calls :meth:`check` after every step, which raises the error; the
+    partial store is then closed and deleted.
+    """
+
+    def __init__(self, path: str | os.PathLike, mode: str = "w+b") -> None:
+        super().__init__()
+        self._raw = open(path, mode, buffering=0)
+        self.error: OSError | None = None
+
+    def readable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._raw.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._raw.tell()
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def read(self, size: int = -1) -> bytes:
+        if size is None or size < 0:
+            return self._raw.read()
+        parts, got = [], 0
+        while got < size:
+            chunk = self._raw.read(size - got)
+            if not chunk:
+                break
+            parts.append(chunk)
+            got += len(chunk)
+        data = b"".join(parts)
+        if self.error is not None and len(data) < size:
+            data += bytes(size - len(data))  # never written: HDF5 only reads it to close the file
+        return data
+
+    def readinto(self, buffer) -> int:
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        if self.error is not None:
+            return len(view)
+        done = 0
+        try:
+            while done < len(view):
+                n = self._raw.write(view[done:])
+                if not n:
+                    raise OSError(errno.EIO, "the write stored no bytes")
+                done += n
+        except OSError as exc:
+            self.error = exc
+        return len(view)
+
+    def truncate(self, size: int | None = None) -> int:
+        if self.error is not None:
+            return self.tell() if size is None else size
+        try:
+            return self._raw.truncate(size)
+        except OSError as exc:
+            self.error = exc
+            return self.tell() if size is None else size
+
+    def flush(self) -> None:
+        pass  # unbuffered; the store is fsynced by the writer before it is renamed
+
+    def check(self) -> None:
+        """Raise the first failed write (HDF5 does not always pass it on: chunk-cache writes fail quietly)."""
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        if not self.closed:
+            try:
+                super().close()
+            finally:
+                self._raw.close()
+
+
 class H5Writer(StoreWriter):
-    """Streams a slide's patches into ``<stem>.h5.partial`` (resizable chunked datasets)."""
+    """Streams a slide's patches into an HDF5 file under a temporary name (resizable chunked datasets)."""
 
     format = "h5"
 
     def _create(self) -> None:
-        self._file = h5py.File(self.partial_path, "w")
+        self._fh = _FailSafeFile(self.partial_path)
+        self._file = h5py.File(self._fh, "w")
         f = self._file
         coords = f.create_dataset(schema.COORDS, shape=(0, 2), maxshape=(None, 2), dtype=np.int64,
                                   chunks=(_SCALAR_CHUNK, 2))
@@ -115,6 +218,10 @@ class H5Writer(StoreWriter):
             ds.attrs["encoding"] = "raw"
 
     def _append(self, coords, entropy, tissue, patches) -> None:
+        self._append_rows(coords, entropy, tissue, patches)
+        self._fh.check()
+
+    def _append_rows(self, coords, entropy, tissue, patches) -> None:
         f = self._file
         start, stop = self.n_written, self.n_written + len(coords)
         for name, values in ((schema.COORDS, coords), (schema.ENTROPY, entropy), (schema.TISSUE_FRACTION, tissue)):
@@ -142,9 +249,18 @@ class H5Writer(StoreWriter):
             if key != schema.COMPLETE_ATTR:
                 f.attrs[key] = _to_h5_attr(value)
         f.flush()
+        self._fh.check()
         f.attrs[schema.COMPLETE_ATTR] = True
         f.close()
         self._file = None
+        self._fh.check()
+        self._fh.close()
+
+    def _write_error(self, exc: BaseException) -> OSError | None:
+        fh = getattr(self, "_fh", None)
+        if fh is not None and fh.error is not None:
+            return fh.error  # HDF5 reports it as its own error (e.g. "Unable to flush file's cached information")
+        return super()._write_error(exc)
 
     def _close_quietly(self) -> None:
         f = getattr(self, "_file", None)
@@ -154,23 +270,37 @@ class H5Writer(StoreWriter):
             except Exception:  # noqa: BLE001
                 pass
         self._file = None
+        fh = getattr(self, "_fh", None)
+        if fh is not None:
+            try:
+                fh.close()
+            except OSError:
+                pass
 
 
 def h5_write_arrays(path: Path, arrays: Mapping[str, np.ndarray], attrs: Mapping[str, Any]) -> None:
     """Add or replace arrays and attrs of an HDF5 store: edit a copy, fsync, then ``os.replace``."""
-    tmp = path.with_name(f".{path.name}.write-{os.getpid()}")
-    remove_path(tmp)
+    tmp = temp_path(path)
     try:
         shutil.copyfile(path, tmp)
         shutil.copymode(path, tmp)  # the store keeps its permission bits
-        with h5py.File(tmp, "r+") as f:
-            for name, values in arrays.items():
-                if name in f:
-                    del f[name]
-                chunks = (min(max(len(values), 1), _SCALAR_CHUNK),) + values.shape[1:]
-                f.create_dataset(name, data=values, maxshape=(None,) + values.shape[1:], chunks=chunks)
-            for key, value in attrs.items():
-                f.attrs[key] = _to_h5_attr(value)
+        fh = _FailSafeFile(tmp, "r+b")  # a full disk must not leave HDF5 unable to close (see above)
+        try:
+            with h5py.File(fh, "r+") as f:
+                for name, values in arrays.items():
+                    if name in f:
+                        del f[name]
+                    chunks = (min(max(len(values), 1), _SCALAR_CHUNK),) + values.shape[1:]
+                    f.create_dataset(name, data=values, maxshape=(None,) + values.shape[1:], chunks=chunks)
+                for key, value in attrs.items():
+                    f.attrs[key] = _to_h5_attr(value)
+            fh.check()
+        except Exception:
+            if fh.error is not None:
+                raise fh.error from None
+            raise
+        finally:
+            fh.close()
         fsync_path(tmp)
         os.replace(tmp, path)
     except OSError as exc:

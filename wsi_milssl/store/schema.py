@@ -134,7 +134,8 @@ STORE_ATTRS: dict[str, type | tuple[type, ...]] = {
 RESERVED_ATTRS: tuple[str, ...] = tuple(STORE_ATTRS)
 
 COMPLETE_ATTR = "complete"
-# A store being written lives at ``<final name><PARTIAL_SUFFIX>`` until it is complete.
+# A store being written lives at ``.<final name>.<pid>.<random><PARTIAL_SUFFIX>`` (unique per writer,
+# see wsi_milssl.atomic.temp_path) until it is complete and renamed to its final name.
 PARTIAL_SUFFIX = ".partial"
 
 

@@ -19,6 +19,7 @@ from typing import Any, Mapping
 import numpy as np
 import zarr
 
+from wsi_milssl.atomic import temp_path
 from wsi_milssl.errors import StoreError
 from wsi_milssl.store import schema
 from wsi_milssl.store.base import PatchStore, StoreWriter, fsync_path, remove_path, swap_into_place
@@ -167,7 +168,7 @@ def _to_zarr_attrs(attrs: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class ZarrWriter(StoreWriter):
-    """Streams a slide's patches into ``<stem>.zarr.partial`` (a Zarr v3 folder)."""
+    """Streams a slide's patches into a Zarr v3 folder under a temporary name (see StoreWriter)."""
 
     format = "zarr"
 
@@ -247,8 +248,7 @@ def zarr_write_arrays(path: Path, arrays: Mapping[str, np.ndarray], attrs: Mappi
     writes every file through a temporary name, so linked files are never modified in place), the
     new arrays and a fresh root ``zarr.json``; it is then swapped in with one atomic rename.
     """
-    tmp = path.with_name(f".{path.name}.write-{os.getpid()}")
-    remove_path(tmp)
+    tmp = temp_path(path, kind="partial")
     try:
         skip = {Path(name) for name in arrays} | {Path("zarr.json")}
         _link_tree(path, tmp, skip=skip)

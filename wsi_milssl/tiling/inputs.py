@@ -21,7 +21,7 @@ def slide_stem(path: str | os.PathLike) -> str:
     return Path(path).stem
 
 
-def _from_csv(csv_path: Path) -> list[Path]:
+def _from_csv(csv_path: Path, *, keep_missing: bool) -> list[Path]:
     try:
         with open(csv_path, newline="") as fh:
             reader = csv.DictReader(fh)
@@ -49,6 +49,8 @@ def _from_csv(csv_path: Path) -> list[Path]:
         hits = [p.with_name(p.name + s) for s in SLIDE_SUFFIXES if p.with_name(p.name + s).exists()]
         if hits:
             out.append(hits[0])
+        elif keep_missing:
+            out.append(p)
         else:
             missing.append(entry)
     if missing:
@@ -60,12 +62,15 @@ def _from_csv(csv_path: Path) -> list[Path]:
     return out
 
 
-def find_slides(inputs: Iterable[str | os.PathLike]) -> list[Path]:
+def find_slides(inputs: Iterable[str | os.PathLike], *, keep_missing: bool = False) -> list[Path]:
     """Slide paths from files, folders (slides directly inside, by suffix) and CSV files with a
     ``slide`` column, in the order given, without duplicates.
 
-    Raises ConfigError for a path that does not exist, an empty folder, a CSV without a ``slide``
-    column, or two slides with the same file stem (their stores would collide).
+    A folder whose name ends in a slide suffix (``x.svs/``) is returned as a slide, not searched:
+    opening it fails for that slide alone. Raises ConfigError for an empty folder, a CSV without a
+    ``slide`` column, two slides with the same file stem (their stores would collide), and a path
+    that does not exist (a file or a CSV entry) unless ``keep_missing``: then it is returned too, so
+    that the stage reports it as one failed slide and tiles the others.
     """
     found: list[Path] = []
     seen: set[str] = set()
@@ -79,8 +84,11 @@ def find_slides(inputs: Iterable[str | os.PathLike]) -> list[Path]:
     for raw in inputs:
         p = Path(raw).expanduser()
         if not p.exists():
+            if keep_missing:
+                add(p)
+                continue
             raise ConfigError(f"{p}: no such slide file or folder. Fix: check the path.")
-        if p.is_dir() and p.suffix.lower() not in (".mrxs",):
+        if p.is_dir() and p.suffix.lower() not in SLIDE_SUFFIXES:
             hits = sorted(c for c in p.iterdir()
                           if c.is_file() and not c.name.startswith(".") and c.suffix.lower() in SLIDE_SUFFIXES)
             if not hits:
@@ -91,7 +99,7 @@ def find_slides(inputs: Iterable[str | os.PathLike]) -> list[Path]:
             for h in hits:
                 add(h)
         elif p.suffix.lower() == ".csv":
-            for h in _from_csv(p):
+            for h in _from_csv(p, keep_missing=keep_missing):
                 add(h)
         else:
             add(p)

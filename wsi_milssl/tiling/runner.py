@@ -4,17 +4,22 @@ Per slide, the config's :class:`~wsi_milssl.tiling.plan.TilingPlan` is cut by th
 :mod:`wsi_milssl.tiling.cells` (the heatmap stage calls the same ones): tissue mask on a thumbnail ->
 grid at the target resolution -> cells with enough tissue are read (bands of neighbours at the read
 level, on reader threads) -> entropy filter. The kept patches' JPEG/raw pixels are streamed in
-batches into ``<stem>.<fmt>.partial`` -> QC PNG -> rename to the final store, whose attributes
-record the plan.
+batches into a temporary ``.<stem>.<fmt>.<pid>.<random>.partial`` -> QC PNG -> rename to the final
+store, whose attributes record the plan.
 A run killed at any moment leaves no store that looks complete; re-running skips complete stores
-made with the same settings and refuses to mix settings in one folder.
+made with the same settings, removes the killed run's temporaries and refuses to mix settings in
+one folder. A run holds the output folder's lock (:func:`wsi_milssl.locks.folder_lock`): a second
+run into the same folder is refused. Before each slide the free disk space is checked against an
+estimate of its store; a slide that does not fit, or whose store fills the disk anyway, fails alone.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 import traceback
@@ -32,8 +37,9 @@ from wsi_milssl import __version__
 from wsi_milssl.atomic import atomic_write_json
 from wsi_milssl.config.base import config_to_dict
 from wsi_milssl.config.tile import TileConfig
-from wsi_milssl.errors import StoreError, WsiMilsslError
+from wsi_milssl.errors import OutputError, StoreError, WsiMilsslError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
+from wsi_milssl.locks import folder_lock
 from wsi_milssl.slide.reader import open_slide
 from wsi_milssl.slide.resolution import mpp_to_magnification
 from wsi_milssl.store import create_writer, encode_jpeg, open_store
@@ -51,6 +57,8 @@ __all__ = [
     "QC_DIRNAME",
     "TileRun",
     "check_existing_store",
+    "check_free_space",
+    "estimate_store_bytes",
     "qc_path",
     "tile_slide",
     "tile_slides",
@@ -64,6 +72,39 @@ QC_DIRNAME = "qc"
 _FLUSH_BYTES = 64 << 20
 _QC_MAX_PX = 1024
 _QC_MIN_PX = 512
+# Free space a slide needs beyond its estimated store: HDF5/Zarr metadata, the QC PNG, status files.
+_FREE_SPACE_MARGIN = 16 << 20
+_FREE_SPACE_FACTOR = 1.1
+
+
+def estimate_store_bytes(n_patches: int, *, pixels: str, patch_size_px: int, jpeg_quality: int | None = 90) -> int:
+    """Upper estimate of a store's size in bytes for ``n_patches`` patches of ``patch_size_px``.
+
+    Raw pixels count in full; JPEG at 1/8 of raw up to quality 90 (H&E patches measure 9-12x smaller),
+    1/3 above it; each patch adds 24 bytes of coordinates, entropy and tissue fraction.
+    """
+    raw = patch_size_px * patch_size_px * 3
+    per_patch = {"raw": raw, "jpeg": raw // (8 if (jpeg_quality or 90) <= 90 else 3), "none": 0}[pixels]
+    return int(n_patches) * (per_patch + 24)
+
+
+def check_free_space(path: str | os.PathLike, n_bytes: int, *, what: str) -> None:
+    """Raise OutputError (naming ``path``, the sizes and the fix) when the disk that holds ``path``'s
+    folder has less than ``n_bytes`` free."""
+    path = Path(path)
+    folder = path.parent
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:  # cannot tell (e.g. the folder vanished): let the write report it
+        return
+    if free < n_bytes:
+        mib = 1 << 20
+        raise OutputError(
+            f"{path}: not enough free disk space for {what}: it needs about {n_bytes / mib:.1f} MiB "
+            f"(estimate with a margin), {free / mib:.1f} MiB are free in {folder}. Fix: free disk space "
+            f"(`df -h {folder}`) or write to another folder (--out), and re-run.",
+            errno=errno.ENOSPC,
+        )
 
 
 def qc_path(out_dir: str | os.PathLike, stem: str) -> Path:
@@ -178,6 +219,10 @@ def tile_slide(slide_path: str | os.PathLike, out_dir: str | os.PathLike, config
             "overlap": max(0, plan.patch_size_px - plan.stride_px),
             "name": stem,
         }
+        need = estimate_store_bytes(cells.n_candidates, pixels=config.pixels, patch_size_px=plan.patch_size_px,
+                                    jpeg_quality=config.jpeg_quality)
+        check_free_space(final, int(need * _FREE_SPACE_FACTOR) + _FREE_SPACE_MARGIN,
+                         what=f"this store ({cells.n_candidates} candidate patches)")
         bands = list(cells.bands)
         source = open_band_source(slide, geometry, bands, plan=plan)
         pixels = config.pixels
@@ -328,14 +373,22 @@ def tile_slides(slides: Iterable[str | os.PathLike], out_dir: str | os.PathLike,
                 overwrite: bool = False, progress: ProgressCallback | None = None) -> TileRun:
     """Tile every slide into ``out_dir`` with ``config.workers`` processes.
 
-    Before any work, existing stores are checked: one made with other settings raises StoreError
-    (unless ``overwrite``). Slides that fail are recorded as 'failed' in ``out_dir/tile_status.csv``
-    (rewritten after each slide) while the others finish. Also writes ``tile_config.json`` and
+    Holds the lock of ``out_dir`` for the whole run: while another run holds it, FolderLockedError
+    (naming the folder and the other run's pid); an output folder that cannot be written,
+    OutputError. Before any work, existing stores are checked: one made with other settings raises
+    StoreError (unless ``overwrite``). Slides that fail (including a missing file, a folder named
+    like a slide, a full disk) are recorded as 'failed' in ``out_dir/tile_status.csv`` (rewritten
+    after each slide) while the others finish. Also writes ``tile_config.json`` and
     ``qc/<stem>.png`` per slide.
     """
     slides = [Path(s) for s in slides]
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    with folder_lock(out_dir):
+        return _tile_slides_locked(slides, out_dir, config, overwrite=overwrite, progress=progress)
+
+
+def _tile_slides_locked(slides: list[Path], out_dir: Path, config: TileConfig, *, overwrite: bool,
+                        progress: ProgressCallback | None) -> TileRun:
     if not overwrite:
         for s in slides:
             check_existing_store(store_path(out_dir, slide_stem(s), config.format), config)
@@ -346,7 +399,10 @@ def tile_slides(slides: Iterable[str | os.PathLike], out_dir: str | os.PathLike,
 
     def record(i: int, result: TileResult) -> None:
         results[i] = result
-        write_status_csv([results[k] for k in sorted(results)], status_csv)
+        try:
+            write_status_csv([results[k] for k in sorted(results)], status_csv)
+        except OutputError as exc:  # a full disk: the batch goes on; the final write reports it
+            logger.warning("%s", exc)
         emit(progress, ProgressEvent("tile", len(results), total, unit="slide", item=result.slide,
                                      message=result.status))
 

@@ -1,0 +1,102 @@
+"""Store writers on a full disk (issue 14 row 1, deliverable 2): an OutputError naming the store and
+the fix, the partial store removed, and the process unharmed. HDF5 used to leave the library with a
+file it could neither flush nor close, and the process died with a segmentation fault."""
+
+from __future__ import annotations
+
+import errno
+import io
+
+import numpy as np
+import pytest
+
+from diskfaults import can_mount, file_size_limit, full_disk
+from wsi_milssl.errors import OutputError, StoreError
+from wsi_milssl.store import create_writer, open_store, write_arrays
+from wsi_milssl.store import h5_store
+
+FORMATS = ["h5", "zarr"]
+
+
+def _batch(rng, pixels: str, n: int = 50):
+    if pixels == "raw":
+        patches = rng.integers(0, 255, (n, 64, 64, 3), dtype=np.uint8)
+    elif pixels == "jpeg":
+        patches = [rng.bytes(int(rng.integers(2000, 4000))) for _ in range(n)]
+    else:
+        patches = None
+    return dict(coords=rng.integers(0, 10_000, (n, 2)), entropy_bits=np.ones(n), tissue_fraction=np.ones(n),
+                patches=patches)
+
+
+def _write(path, pixels: str, *, batches: int = 10) -> None:
+    rng = np.random.default_rng(0)
+    with create_writer(path, pixels=pixels, patch_size_px=64) as w:
+        for _ in range(batches):
+            w.append(**_batch(rng, pixels))
+        w.finalize({"pixels": pixels, "patch_size_px": 64})
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("pixels", ["jpeg", "raw"])
+@pytest.mark.parametrize("limit", [20_000, 100_000, 180_000])  # below a Zarr chunk or shard
+def test_a_write_past_the_file_size_limit_fails_cleanly(tmp_path, fmt, pixels, limit):
+    """A real failed write(2) at several points of the store (RLIMIT_FSIZE: EFBIG from the kernel)."""
+    path = tmp_path / f"s.{fmt}"
+    with file_size_limit(limit):
+        with pytest.raises(OutputError, match=(
+                rf"^{path}: cannot write this patch store \(File too large: the file grew past a size limit\)\. "
+                rf"Fix: raise the file-size limit \(`ulimit -f`\) or write to another file system than {tmp_path}'s\.$")
+                           ) as info:
+            _write(path, pixels)
+    assert info.value.errno == errno.EFBIG
+    assert list(tmp_path.iterdir()) == []  # the partial store is gone
+    _write(path, pixels, batches=2)  # the process (and HDF5) still work
+    with open_store(path) as store:
+        assert len(store) == 100
+
+
+def test_hdf5_on_a_full_disk_raises_enospc(tmp_path, monkeypatch):
+    """ENOSPC itself: a real tmpfs that fills up where the machine allows a mount, else the store's
+    file fails its writes with ENOSPC past 150 KB (a fault-injecting file under the HDF5 writer)."""
+    path = tmp_path / "disk" / "s.h5"
+
+    class FullDisk(io.FileIO):
+        def write(self, data):
+            if self.tell() + len(data) > 150_000:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return super().write(data)
+
+    def attempt() -> None:
+        with pytest.raises(OutputError, match=(
+                rf"^{path}: cannot write this patch store \(No space left on device: the disk is full\)\. Fix: free "
+                rf"disk space where {path.parent} lives \(`df -h {path.parent}`\), or write to another folder, and "
+                r"re-run\.$")):
+            _write(path, "raw")
+        assert list(path.parent.iterdir()) == []
+
+    if can_mount():
+        with full_disk(path.parent, n_bytes=150_000) as (method, _):
+            assert method == "tmpfs"
+            attempt()
+    else:
+        path.parent.mkdir()
+        with monkeypatch.context() as mp:
+            mp.setattr(h5_store, "open", lambda p, mode, buffering=-1: FullDisk(p, mode.replace("b", "")),
+                       raising=False)
+            attempt()
+    _write(path, "raw", batches=1)  # the process is unharmed
+
+
+def test_adding_arrays_to_an_hdf5_store_on_a_full_disk_keeps_the_store(tmp_path):
+    """``write_arrays`` (the label stage) rebuilds the store beside itself through the same fail-safe
+    file: a failed write leaves the old store as it was and no temporary."""
+    path = tmp_path / "s.h5"
+    _write(path, "none", batches=2)
+    size_before = sorted(p.name for p in tmp_path.iterdir())
+    with file_size_limit(200):
+        with pytest.raises(StoreError, match=rf"{path}: cannot update the store \(.*File too large.*\)\. Fix: "):
+            write_arrays(path, {"tumor_fraction": np.zeros(100, np.float32) + np.arange(100)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == size_before
+    with open_store(path) as store:
+        assert len(store) == 100 and "tumor_fraction" not in store.names()

@@ -1,0 +1,194 @@
+"""``tile`` under hostile conditions (issue 14): a full disk (row 1), two runs into one folder (row 3),
+a read-only ``--out`` (row 5), missing paths and folders named like slides in the batch (row 11)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from diskfaults import full_disk, read_only_folder
+from wsi_milssl.cli import main
+from wsi_milssl.config import TileConfig
+from wsi_milssl.locks import lock_holder
+from wsi_milssl.store import find_stores, open_store
+from wsi_milssl.tiling import find_slides, read_status_csv, tile_slides
+from wsi_milssl.tiling.runner import estimate_store_bytes
+
+FAST_ARGS = ["--magnification", "20", "--patch-size", "256", "--entropy-threshold", "4", "--pixels", "none"]
+
+
+def _tile_cli(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "wsi_milssl", "tile", *args], capture_output=True, text=True,
+                          timeout=600, **kw)
+
+
+def _hidden(folder) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+# -- row 1: a full disk ---------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_tile_onto_a_full_disk_fails_each_slide_cleanly(synth_dir, tmp_path, fmt):
+    """HDF5 used to die with a segfault (exit 139) inside h5py. Now every slide fails alone with one
+    line naming its store and the fix, nothing partial is left, and the exit code is 1. The disk is a
+    100 KB tmpfs where the machine allows a mount (then the free-space check refuses the slides), else
+    a 100 KB file-size limit (then the store writer meets the failed write); see tests/diskfaults.py."""
+    out = tmp_path / "disk"
+    with full_disk(out, n_bytes=100_000) as (method, preexec):
+        result = _tile_cli(str(synth_dir), "--out", str(out), "--format", fmt, "--magnification", "20",
+                           "--patch-size", "64", "--pixels", "raw", preexec_fn=preexec)
+        rows = read_status_csv(out / "tile_status.csv")
+        hidden, stores = _hidden(out), find_stores(out)
+    assert result.returncode == 1, (method, result.returncode, result.stderr[-3000:])  # not -11 / 139
+    assert "Traceback" not in result.stderr and "Exception ignored" not in result.stderr, result.stderr[-3000:]
+    assert [r["slide"] for r in rows] == ["synth_000", "synth_001"]
+    for r in rows:
+        assert r["status"] == "failed"
+        assert re.fullmatch(
+            rf"{out}/{r['slide']}\.{fmt}: (cannot write this patch store \((No space left on device: the disk "
+            r"is full|File too large: the file grew past a size limit)\)|not enough free disk space for this "
+            r"store .*)\. Fix: .*", r["error"]), (method, r["error"])
+        assert f"failed: {r['slide']}: {r['error']}" in result.stderr
+    assert stores == [] and hidden == []  # no store, no partial store, no lock file
+
+
+def test_free_space_is_checked_before_each_slide_and_the_batch_goes_on(synth_dir, tmp_path, monkeypatch):
+    """The first slide finds 5 MiB free (its store needs more), the second plenty: one failed row
+    naming the store, the sizes and the fix, one ok row."""
+    real = shutil.disk_usage
+    calls = []
+
+    def disk_usage(path):
+        calls.append(path)
+        usage = real(path)
+        return usage._replace(free=5 << 20) if len(calls) == 1 else usage
+
+    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+    out = tmp_path / "out"
+    run = tile_slides(find_slides([synth_dir]), out,
+                      TileConfig(magnification=20, patch_size_px=64, pixels="raw", format="h5", threads=1))
+    first, second = run.results
+    assert len(calls) == 2 and (first.status, second.status) == ("failed", "ok")
+    assert re.fullmatch(
+        rf"{out}/synth_000\.h5: not enough free disk space for this store \(\d+ candidate patches\): it needs "
+        rf"about \d+\.\d MiB \(estimate with a margin\), 5\.0 MiB are free in {out}\. Fix: free disk space "
+        rf"\(`df -h {out}`\) or write to another folder \(--out\), and re-run\.", first.error), first.error
+    assert [p.name for p in find_stores(out)] == ["synth_001.h5"] and _hidden(out) == []
+    rows = read_status_csv(out / "tile_status.csv")
+    assert [(r["slide"], r["status"]) for r in rows] == [("synth_000", "failed"), ("synth_001", "ok")]
+
+
+def test_store_size_estimate():
+    assert estimate_store_bytes(100, pixels="raw", patch_size_px=64) == 100 * (64 * 64 * 3 + 24)
+    assert estimate_store_bytes(100, pixels="jpeg", patch_size_px=64) == 100 * (64 * 64 * 3 // 8 + 24)
+    assert estimate_store_bytes(100, pixels="jpeg", patch_size_px=64, jpeg_quality=95) == 100 * (4096 + 24)
+    assert estimate_store_bytes(100, pixels="none", patch_size_px=64) == 2400
+
+
+# -- row 3: two runs into one folder ---------------------------------------------------------------
+@pytest.mark.parametrize("sizes", [(32, 48), (32, 32)], ids=["different-settings", "same-settings"])
+def test_two_tile_runs_into_one_folder_one_refuses_and_every_store_matches_the_config(synth_dir, tmp_path,
+                                                                                     sizes):
+    """Run A takes the folder's lock and is frozen (SIGSTOP) mid-run, so both runs are alive at once;
+    run B, with other (or equal) settings, refuses naming the folder and A's pid. A then finishes,
+    and every store agrees with tile_config.json."""
+    out = tmp_path / "out"
+    args = ["--magnification", "20", "--entropy-threshold", "4", "--pixels", "jpeg", "--threads", "1"]
+    a = subprocess.Popen([sys.executable, "-m", "wsi_milssl", "tile", str(synth_dir), "--out", str(out),
+                          "--patch-size", str(sizes[0]), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while (lock_holder(out) or {}).get("pid") != a.pid:
+            assert a.poll() is None and time.monotonic() < deadline, "run A never took the lock"
+            time.sleep(0.01)
+        os.kill(a.pid, signal.SIGSTOP)
+        try:
+            assert a.poll() is None  # A holds the folder and is mid-run
+            b = _tile_cli(str(synth_dir), "--out", str(out), "--patch-size", str(sizes[1]), *args)
+        finally:
+            os.kill(a.pid, signal.SIGCONT)
+        a_out, a_err = a.communicate(timeout=300)
+    finally:
+        if a.poll() is None:
+            a.kill()
+            a.wait()
+    assert b.returncode == 1, b.stderr
+    assert re.search(rf"^error: {out}: another wsi-milssl run \(pid {a.pid}, since [^)]*: wsi-milssl tile .*\) is "
+                     r"writing to this folder\. Fix: wait until it finishes, or write to another folder \(--out\)\.$",
+                     b.stderr, re.M), b.stderr
+    assert "Traceback" not in b.stderr
+    assert a.returncode == 0, a_err
+    assert "2 ok, 0 skipped, 0 failed" in a_out
+    config = json.loads((out / "tile_config.json").read_text())
+    assert config["tile"]["patch_size_px"] == sizes[0]
+    stores = find_stores(out)
+    assert [p.name for p in stores] == ["synth_000.h5", "synth_001.h5"]
+    for path in stores:
+        with open_store(path) as store:
+            assert store.attrs["config_hash"] == config["config_hash"] and store.patch_size_px == sizes[0]
+    assert [r["status"] for r in read_status_csv(out / "tile_status.csv")] == ["ok", "ok"]
+    assert _hidden(out) == []
+
+
+# -- row 5: a read-only --out ----------------------------------------------------------------------
+@pytest.mark.parametrize("sub", ["", "new"], ids=["existing-folder", "new-folder"])
+def test_tile_into_a_read_only_folder_is_one_clear_error(synth_slides, tmp_path, capsys, sub):
+    """One line naming the folder, the cause and the fix; exit code 1 (the stage could not run; 2 is
+    for command-line mistakes); no traceback (there used to be two: EROFS, then the temp clean-up).
+    A read-only tmpfs where the machine allows a mount, else EROFS from the opening calls (root
+    ignores chmod); see tests/diskfaults.py."""
+    ro = tmp_path / "ro"
+    out = ro / sub if sub else ro
+    with read_only_folder(ro) as method:
+        code = main(["tile", str(synth_slides["normal"]), "--out", str(out), *FAST_ARGS])
+    err = capsys.readouterr().err
+    what = "cannot create this output folder" if sub else "cannot write to this output folder"
+    assert code == 1, (method, err)
+    assert err == (f"error: {out}: {what} (Read-only file system: {out} is on a read-only file system). "
+                   "Fix: write to a folder on a writable disk (another --out), or remount it read-write.\n"), method
+
+
+# -- row 11: bad items in the batch ----------------------------------------------------------------
+def test_missing_paths_and_folders_named_like_slides_fail_alone(synth_slides, tmp_path, capsys):
+    good = synth_slides["normal"]
+    missing = tmp_path / "missing.svs"
+    folder = tmp_path / "x.svs"
+    folder.mkdir()
+    listing = tmp_path / "list.csv"
+    listing.write_text("slide\nghost\n")  # a CSV entry that names no file
+    out = tmp_path / "out"
+    code = main(["tile", str(missing), str(good), str(folder), str(listing), "--out", str(out), *FAST_ARGS])
+    captured = capsys.readouterr()
+    assert code == 1, captured.err
+    assert "tiled 4 slide(s): 1 ok, 0 skipped, 3 failed" in captured.out
+    rows = {r["slide"]: r for r in read_status_csv(out / "tile_status.csv")}
+    assert list(rows) == ["missing", good.stem, "x", "ghost"]
+    assert rows[good.stem]["status"] == "ok" and (out / f"{good.stem}.h5").is_file()
+    assert rows["missing"]["error"] == (f"{missing}: slide file not found. Fix: check the path, or leave it out of "
+                                        "the list of slides.")
+    assert rows["x"]["error"] == (f"{folder}: this is a folder, not a slide file. Fix: give the slide file itself "
+                                  "(a folder of slides must not be named like a slide).")
+    assert rows["ghost"]["error"].startswith(f"{tmp_path / 'ghost'}: slide file not found. Fix: ")
+    assert all(rows[s]["status"] == "failed" for s in ("missing", "x", "ghost"))
+    for stem in ("missing", "x", "ghost"):
+        assert f"failed: {stem}: {rows[stem]['error']}" in captured.err
+
+
+def test_find_slides_keeps_missing_items_only_when_asked(tmp_path):
+    from wsi_milssl.errors import ConfigError
+
+    folder = tmp_path / "x.svs"
+    folder.mkdir()
+    assert find_slides([folder]) == [folder]  # a folder named like a slide is an item, not searched
+    with pytest.raises(ConfigError, match="no such slide file or folder"):
+        find_slides([tmp_path / "nope.svs"])
+    assert find_slides([tmp_path / "nope.svs", folder], keep_missing=True) == [tmp_path / "nope.svs", folder]
