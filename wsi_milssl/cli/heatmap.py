@@ -82,7 +82,13 @@ def register(subparsers) -> None:
                    help="slide files, folders of slides or CSV lists (optional with --store)")
     p.add_argument("--model", type=Path, required=True, metavar="CHECKPOINT",
                    help="RUN_DIR/best.pt, RUN_DIR/last.pt or RUN_DIR (best.pt, else last.pt)")
-    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="output folder (created)")
+    p.add_argument("--out", type=Path, required=True, metavar="DIR",
+                   help="output folder (created); slides finished there with the same checkpoint and settings are "
+                        "skipped")
+    p.add_argument("--overwrite", action="store_true", help="predict every slide again, even those already done")
+    p.add_argument("--shard", default=None, metavar="I/N",
+                   help="take every N-th slide from the I-th (0-based), e.g. a SLURM array task; shards write into "
+                        "one --out. Under torchrun: rank/world size")
     p.add_argument("--store", type=Path, nargs="+", default=None, metavar="STORE_OR_DIR",
                    help="read patches from these stores (files or folders) instead of tiling the slides")
     p.add_argument("--annotations", type=Path, default=None, metavar="DIR",
@@ -138,13 +144,24 @@ def register(subparsers) -> None:
     p.set_defaults(run=run)
 
 
+def _use_local_gpu(local_rank: int) -> None:
+    """Under torchrun, rank ``LOCAL_RANK`` of a node takes that GPU (when there are GPUs)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+
+
 def run(args: argparse.Namespace) -> int:
     from wsi_milssl.cli.progress import TqdmProgress
     from wsi_milssl.errors import ConfigError
     from wsi_milssl.inference import make_heatmaps
     from wsi_milssl.tiling import find_slides
 
+    from wsi_milssl.distributed import slide_shard, torchrun_env
+
     try:
+        shard = slide_shard(args.shard)
         config = heatmap_config_from_args(args)
         slides = find_slides(args.slides) if args.slides else []
         if not slides and args.store is None:
@@ -153,8 +170,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     with TqdmProgress() as progress:
+        env = torchrun_env()
+        if env is not None and config.device != "cpu":
+            _use_local_gpu(env[2])
         result = make_heatmaps(slides, args.model, args.out, config, stores=args.store,
-                               annotations_dir=args.annotations, progress=progress)
+                               annotations_dir=args.annotations, progress=progress, shard=shard,
+                               overwrite=args.overwrite)
     seconds = result.seconds  # first slide opened to last file written
     ok = [r for r in result.results if r.status == "ok"]
     n_patches = sum(r.n_patches for r in ok)

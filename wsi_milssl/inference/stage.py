@@ -17,6 +17,9 @@ written by threads while the model goes on.
 from __future__ import annotations
 
 import csv
+import dataclasses
+import fcntl
+import hashlib
 import io
 import json
 import logging
@@ -24,6 +27,7 @@ import os
 import time
 import traceback
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -49,6 +53,7 @@ from wsi_milssl.inference.exports import (
 from wsi_milssl.inference.heatmap import render_overlay, write_png
 from wsi_milssl.inference.model import InferenceModel, load_inference_model
 from wsi_milssl.inference.predict import SlideInput, SlidePrediction, predict_many
+from wsi_milssl.distributed import shard_items
 from wsi_milssl.slide.tissue import slide_tissue_mask
 from wsi_milssl.tiling import slide_stem
 
@@ -269,22 +274,100 @@ def _write_overlay(pred: SlidePrediction, grid: np.ndarray, path: Path, *, confi
     return write_png(image, path, metadata=meta)
 
 
-def _write_status(results: Iterable[HeatmapResult], path: Path) -> Path:
-    buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow(STATUS_COLUMNS)
-    for r in results:
-        writer.writerow([r.slide, r.status, r.n_patches, "" if r.score is None else f"{r.score:.6f}",
-                         f"{r.seconds:.2f}", " ".join(r.error.split())])
-    with atomic_open(path, "w") as fh:
-        fh.write(buf.getvalue())
+#: HeatmapConfig fields that change how fast, not what: a folder made with other values is reused.
+_RUNTIME_FIELDS = ("batch_size", "num_workers", "device", "amp", "channels_last", "fuse_batchnorm", "threads",
+                   "decode")
+
+
+def _fingerprint(config: HeatmapConfig, model: InferenceModel) -> str:
+    """What decides a folder's files: the checkpoint's bytes, the settings that shape outputs and the
+    tiling; runtime settings (workers, device, precision, batch) are left out."""
+    h = hashlib.sha256()
+    if model.checkpoint_path is not None and Path(model.checkpoint_path).is_file():
+        with open(model.checkpoint_path, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 22), b""):
+                h.update(block)
+    settings = {k: v for k, v in config_to_dict(config).items() if k not in _RUNTIME_FIELDS}
+    h.update(json.dumps({"heatmap": settings, "tiling": model.tiling.to_dict(), "pooling": model.pooling},
+                        sort_keys=True).encode())
+    return h.hexdigest()[:16]
+
+
+@contextmanager
+def _folder_mutex(folder: Path):
+    """Serialise read-modify-write of the folder's shared files between concurrent runs (shards): an
+    exclusive flock on the folder itself, so no lock file is ever left behind."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _read_status(path: Path) -> dict[str, dict[str, str]]:
+    if not path.is_file():
+        return {}
+    try:
+        with open(path, newline="", encoding="utf-8") as fh:
+            return {row["slide"]: row for row in csv.DictReader(fh) if row.get("slide")}
+    except (OSError, ValueError, KeyError, csv.Error):
+        logger.warning("%s: unreadable; its slides are predicted again", path)
+        return {}
+
+
+def _status_row(r: HeatmapResult) -> dict[str, str]:
+    return {"slide": r.slide, "status": r.status, "n_patches": str(r.n_patches),
+            "score": "" if r.score is None else f"{r.score:.6f}", "seconds": f"{r.seconds:.2f}",
+            "error": " ".join(r.error.split())}
+
+
+def _merge_status(path: Path, results: Iterable[HeatmapResult]) -> Path:
+    """Add or replace the rows of ``results`` in the status CSV, keeping other slides' rows (other
+    shards, earlier runs); rows sorted by slide."""
+    with _folder_mutex(path.parent):
+        rows = _read_status(path)
+        for r in results:
+            rows[r.slide] = _status_row(r)
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=STATUS_COLUMNS, lineterminator="\n", extrasaction="ignore")
+        writer.writeheader()
+        for stem in sorted(rows):
+            writer.writerow(rows[stem])
+        with atomic_open(path, "w") as fh:
+            fh.write(buf.getvalue())
     return path
 
 
-def _write_config(out_dir: Path, config: HeatmapConfig, model: InferenceModel) -> Path:
+def _finished(out_dir: Path, fingerprint: str) -> dict[str, HeatmapResult]:
+    """Slides a run with the same fingerprint already finished in ``out_dir``: status ok with every
+    file there, or empty."""
+    try:
+        previous = json.loads((out_dir / CONFIG_FILENAME).read_text(encoding="utf-8")).get("fingerprint")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    if previous != fingerprint:
+        return {}
+    done = {}
+    for stem, row in _read_status(out_dir / STATUS_FILENAME).items():
+        paths = output_paths(out_dir, stem)
+        files_there = all(paths[k].is_file() for k in ("probs_npy", "probs_json", "detections_csv", "patches_csv"))
+        if row.get("status") == "empty" or (row.get("status") == "ok" and files_there):
+            try:
+                score = float(row["score"]) if row.get("score") else None
+                done[stem] = HeatmapResult(stem, "", row["status"], int(row.get("n_patches") or 0), score,
+                                           float(row.get("seconds") or 0.0), row.get("error") or "",
+                                           {k: str(p) for k, p in paths.items() if p.is_file()})
+            except (KeyError, ValueError):
+                continue
+    return done
+
+
+def _write_config(out_dir: Path, config: HeatmapConfig, model: InferenceModel, fingerprint: str) -> Path:
     data = {
         "heatmap": config_to_dict(config),
         "checkpoint": None if model.checkpoint_path is None else str(model.checkpoint_path),
+        "fingerprint": fingerprint,
         "model_name": model.config.get("model_name"),
         "bag_pooling": model.pooling,
         "tiling": model.tiling.to_dict(),
@@ -318,7 +401,8 @@ def make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.Path
                   out_dir: str | os.PathLike, config: HeatmapConfig | None = None, *,
                   stores: Sequence[str | os.PathLike] | None = None,
                   annotations_dir: str | os.PathLike | None = None,
-                  progress: ProgressCallback | None = None) -> HeatmapRun:
+                  progress: ProgressCallback | None = None, shard: tuple[int, int] = (0, 1),
+                  overwrite: bool = False) -> HeatmapRun:
     """Predict every slide with the model of ``checkpoint`` and write its files into ``out_dir``.
 
     ``slides``: slide files (tiled on the fly with the checkpoint's settings), or with ``stores``
@@ -326,20 +410,28 @@ def make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.Path
     ``<stem>.xml``/``.geojson`` annotations, outlined on the overlays. Raises CheckpointError /
     ConfigError before any slide for a bad checkpoint or bad inputs; per-slide errors are recorded in
     ``heatmap_status.csv`` and the run goes on.
+
+    Resume: slides a run with the same checkpoint and settings already finished in ``out_dir`` are
+    skipped (``overwrite`` predicts them again). ``shard`` = (I, N): this call takes every N-th slide
+    from the I-th (:func:`wsi_milssl.distributed.shard_items`); shards may run at once into one folder,
+    and their status and score rows merge (sorted by slide), so N shards leave the files of one run.
     """
     config = config or HeatmapConfig()
     out_dir = Path(out_dir)
-    inputs = match_inputs(slides, stores)
+    inputs = shard_items(match_inputs(slides, stores), *shard)
     model = checkpoint if isinstance(checkpoint, InferenceModel) else load_inference_model(checkpoint, config=config)
     out_dir.mkdir(parents=True, exist_ok=True)
-    config_json = _write_config(out_dir, config, model)
+    fingerprint = _fingerprint(config, model)
+    finished = {} if overwrite else _finished(out_dir, fingerprint)
+    config_json = _write_config(out_dir, config, model, fingerprint)
     status_csv = out_dir / STATUS_FILENAME
     results: dict[int, HeatmapResult] = {}
     writes: dict = {}  # future -> (position, prediction)
 
-    def record(i: int, result: HeatmapResult) -> None:
+    def record(i: int, result: HeatmapResult, *, merge: bool = True) -> None:
         results[i] = result
-        _write_status([results[k] for k in sorted(results)], status_csv)
+        if merge:
+            _merge_status(status_csv, [result])
         emit(progress, ProgressEvent("heatmap", len(results), len(inputs), unit="slide", item=result.slide,
                                      message=result.status))
 
@@ -377,11 +469,21 @@ def make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.Path
         return written, time.perf_counter() - t0
 
     emit(progress, ProgressEvent("heatmap", 0, len(inputs), unit="slide"))
+    todo = []
+    for i, item in enumerate(inputs):
+        if item.stem in finished:
+            record(i, dataclasses.replace(finished[item.stem], slide_path=str(item.slide_path or "")), merge=False)
+        else:
+            todo.append(i)
+    if finished:
+        logger.info("%s: %d of %d slides already done with this checkpoint and settings; skipped", out_dir,
+                    len(inputs) - len(todo), len(inputs))
     t_start = time.perf_counter()
     # Files are written by threads while the model goes on with the next slides; at most
     # _PENDING_WRITES predictions wait for them, so memory stays bounded.
     with ThreadPoolExecutor(max_workers=_WRITER_THREADS, thread_name_prefix="wsi-heatmap-write") as writers:
-        for i, outcome in predict_many(inputs, model, config=config, progress=progress):
+        for j, outcome in predict_many([inputs[i] for i in todo], model, config=config, progress=progress):
+            i = todo[j]
             if isinstance(outcome, Exception):
                 record(i, failed(i, outcome, 0.0))
                 continue
@@ -398,6 +500,7 @@ def make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.Path
         while writes:
             collect(block=True)
     results_list = [results[k] for k in range(len(inputs))]
-    _write_status(results_list, status_csv)
+    if not status_csv.exists():
+        _merge_status(status_csv, results_list)
     return HeatmapRun(tuple(results_list), out_dir, status_csv, config_json, out_dir / SCORES_FILENAME,
                       seconds=time.perf_counter() - t_start)

@@ -1,0 +1,89 @@
+"""Heatmap runs that resume (finished slides are skipped) and shards that write one folder together."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from wsi_milssl.config import HeatmapConfig
+from wsi_milssl.inference import make_heatmaps
+
+FAST = dict(thumbnail_px=128, batch_size=32, num_workers=1)
+
+
+@pytest.fixture(scope="module")
+def four_slides(tmp_path_factory, slide_writer):
+    folder = tmp_path_factory.mktemp("four")
+    boxes = [(256, 256, 1792, 1792), (0, 512, 2048, 1536), (512, 0, 1536, 2048), (128, 128, 1024, 1024)]
+    return [slide_writer(folder / f"s{k}.tif", width=2048, height=2048, tissue_box=box,
+                         tumour=lambda xs, ys, k=k: (xs // 300 + ys // 300 + k) % 4 == 0)
+            for k, box in enumerate(boxes)]
+
+
+def _status(folder: Path) -> list[dict]:
+    with open(folder / "heatmap_status.csv", newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def _without_timing(folder: Path) -> dict[str, bytes]:
+    """Every file of a heatmap folder, with the timing column of the status CSV blanked."""
+    out = {}
+    for path in sorted(folder.iterdir()):
+        if path.name.startswith("."):
+            continue
+        data = path.read_bytes()
+        if path.name == "heatmap_status.csv":
+            rows = _status(folder)
+            data = "\n".join(",".join(v for k, v in r.items() if k != "seconds") for r in rows).encode()
+        out[path.name] = data
+    return out
+
+
+def test_a_rerun_skips_finished_slides_and_other_settings_redo_them(tmp_path, four_slides, checkpoint_factory):
+    ckpt = checkpoint_factory()
+    out = tmp_path / "hm"
+    first = make_heatmaps(four_slides[:2], ckpt, out, HeatmapConfig(**FAST))
+    assert first.ok
+    stamps = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    events = []
+    again = make_heatmaps(four_slides[:3], ckpt, out, HeatmapConfig(**FAST), progress=events.append)
+    assert again.ok and [r.slide for r in again.results] == ["s0", "s1", "s2"]
+    read = [e.item for e in events if e.stage == "heatmap-patches" and e.item]
+    assert set(read) == {"s2"}  # only the new slide was read
+    for name in ("s0_probs.npy", "s1_probs.npy", "s0_heatmap.png"):
+        assert (out / name).stat().st_mtime_ns == stamps[name]  # not written again
+    assert [r["slide"] for r in _status(out)] == ["s0", "s1", "s2"]
+    # the workers count does not change what is made: still skipped
+    make_heatmaps(four_slides[:1], ckpt, out, HeatmapConfig(**{**FAST, "num_workers": 0}))
+    assert (out / "s0_probs.npy").stat().st_mtime_ns == stamps["s0_probs.npy"]
+    # another detection threshold changes the files: predicted again
+    make_heatmaps(four_slides[:1], ckpt, out, HeatmapConfig(**FAST, detection_threshold=0.3))
+    assert (out / "s0_probs.npy").stat().st_mtime_ns != stamps["s0_probs.npy"]
+    stamp = (out / "s0_probs.npy").stat().st_mtime_ns
+    make_heatmaps(four_slides[:1], ckpt, out, HeatmapConfig(**FAST, detection_threshold=0.3), overwrite=True)
+    assert (out / "s0_probs.npy").stat().st_mtime_ns != stamp
+
+
+def test_two_shards_at_once_make_the_files_of_one_run(tmp_path, four_slides, checkpoint_factory):
+    torch.manual_seed(0)
+    ckpt = checkpoint_factory(model_name="resnet18")  # a registered model: the shards are separate processes
+    whole = make_heatmaps(four_slides, ckpt, tmp_path / "whole", HeatmapConfig(**FAST))
+    assert whole.ok
+    cmd = [sys.executable, "-m", "wsi_milssl", "heatmap", *map(str, four_slides), "--model", str(ckpt),
+           "--out", str(tmp_path / "sharded"), "--thumbnail-px", "128", "--batch-size", "32", "--workers", "1"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    procs = [subprocess.Popen(cmd + ["--shard", f"{i}/2"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for i in range(2)]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert "2 ok" in outputs[0] and "2 ok" in outputs[1]
+    whole_files, sharded_files = _without_timing(tmp_path / "whole"), _without_timing(tmp_path / "sharded")
+    assert sorted(whole_files) == sorted(sharded_files)
+    different = [name for name in whole_files if whole_files[name] != sharded_files[name]]
+    assert different == []
