@@ -36,8 +36,9 @@ from wsi_milssl.atomic import atomic_write_text
 from wsi_milssl import runtime as runtime_rules
 from wsi_milssl.config.base import config_to_dict
 from wsi_milssl.config.train import TrainConfig
-from wsi_milssl.errors import CheckpointError, ConfigError
+from wsi_milssl.errors import CheckpointError, ConfigError, OutputError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
+from wsi_milssl.locks import folder_lock
 from wsi_milssl.mil.checkpoint import capture_rng, read_checkpoint, restore_rng, save_checkpoint
 from wsi_milssl.mil.data import NORMALISATION, InstanceSet
 from wsi_milssl.mil.loader import BatchLoader, block_order
@@ -572,7 +573,33 @@ def fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike |
     keep_val_scores : keep the validation bag scores and instance probabilities of every evaluation.
     run_info : extra JSON-ready entries for the saved config (the CLI records its inputs under "data").
     progress : callback receiving ProgressEvents ("train" per epoch, "train-epoch" per batch).
+
+    The run holds the lock of ``out_dir`` (a second run into it raises FolderLockedError, and
+    temporaries left there by a killed run are removed). A run folder that cannot be written (full
+    disk, read-only) raises one OutputError naming the folder and the fix.
     """
+    kwargs = dict(config=config, out_dir=out_dir, val=val, resume=resume, eval_at=eval_at,
+                  keep_val_scores=keep_val_scores, run_info=run_info, progress=progress)
+    if out_dir is None:
+        return _fit(train, **kwargs)
+    with folder_lock(out_dir):
+        return _fit(train, **kwargs)
+
+
+def _save_failed(out: Path, exc: OutputError, *, saved_epoch: int) -> OutputError:
+    """The error for a checkpoint or metrics write that failed (full disk, read-only): what happened,
+    and how to go on from the last complete checkpoint."""
+    if saved_epoch > 0 and (out / "last.pt").is_file():
+        then = (f"The run folder {out} keeps the checkpoint of epoch {saved_epoch} (last.pt): once there is "
+                f"space, continue with `wsi-milssl train --resume {out}`.")
+    else:
+        then = f"No epoch of this run was saved yet: start it again once {out} can be written."
+    return OutputError(f"{exc} {then}", errno=exc.errno)
+
+
+def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike | None,
+         val: InstanceSet | None, resume: bool, eval_at: Sequence[int] | None, keep_val_scores: bool,
+         run_info: dict[str, Any] | None, progress: ProgressCallback | None) -> FitResult:
     if train.kind != config.mode:
         raise ConfigError(f"training instances are {train.kind!r} but TrainConfig.mode is {config.mode!r}; "
                           "use the matching mode.")
@@ -714,11 +741,16 @@ def fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike |
                              "metric": config.select_metric},
                     "metrics": {k: v for k, v in record.items() if isinstance(v, (int, float, str, type(None)))},
                 }
-                save_checkpoint(ckpt, out / "last.pt")
-                if improved:
-                    save_checkpoint(ckpt, out / "best.pt")
                 draw = config.plots and (epoch + 1 == config.epochs or time.perf_counter() - last_plot >= PLOT_INTERVAL_S)
-                _write_metrics(out, history, plots=draw)
+                saved = epoch  # the epoch last.pt holds until this save succeeds
+                try:
+                    save_checkpoint(ckpt, out / "last.pt")
+                    saved = epoch + 1
+                    if improved:
+                        save_checkpoint(ckpt, out / "best.pt")
+                    _write_metrics(out, history, plots=draw)
+                except OutputError as exc:
+                    raise _save_failed(out, exc, saved_epoch=saved) from None
                 if draw:
                     last_plot = time.perf_counter()
             log.info("epoch %d/%d loss %.4f mu_t %.3f pseudo+ %.3f%s", epoch + 1, config.epochs, stats["loss"], mu_t,

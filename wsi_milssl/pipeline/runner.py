@@ -11,7 +11,9 @@ Every stage writes under the pipeline's output folder::
     OUT/.pipeline/        one stamp per stage (settings + inputs digest)
 
 A stage is skipped when its stamp matches its settings and the stamps of the stages it reads from,
-and its outputs still exist. ``force`` re-runs the named stages and everything downstream.
+and its outputs still exist. ``force`` re-runs the named stages and everything downstream. A run
+holds the lock of ``OUT`` (:func:`wsi_milssl.locks.folder_lock`): a second run of the same pipeline
+(or another one into the same folder) is refused, naming the folder and the running one's pid.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import numpy as np
 from wsi_milssl.atomic import atomic_open, atomic_write_json
 from wsi_milssl.config import config_from_mapping, config_to_dict
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
+from wsi_milssl.locks import folder_lock
 from wsi_milssl.pipeline.spec import STAGES, PipelineSpec
 from wsi_milssl.pipeline.stamps import fingerprint_paths, is_up_to_date, read_stamp, stamp_digest, write_stamp
 
@@ -220,7 +223,7 @@ def _train(ctx: _Context) -> tuple[list[str], str]:
         scored.sort(key=lambda item: item[0], reverse=True)
         _, name, chosen, overrides, result = scored[0]
         for item in chosen.iterdir():
-            if item.is_file():
+            if item.is_file() and not item.name.startswith("."):  # not the lock file or temporaries
                 shutil.copy2(item, ctx.model_dir / item.name)
         import json
 
@@ -367,7 +370,11 @@ def run_pipeline(
     progress: ProgressCallback | None = None,
     on_stage: Callable[[StageOutcome], None] | None = None,
 ) -> list[StageOutcome]:
-    """Run the pipeline's stages in order, skipping those that are up to date."""
+    """Run the pipeline's stages in order, skipping those that are up to date.
+
+    Holds the lock of the pipeline's output folder for the whole run (FolderLockedError while
+    another run holds it).
+    """
     forced = set(force)
     unknown = forced - set(STAGES)
     if unknown or (until is not None and until not in STAGES):
@@ -381,6 +388,13 @@ def run_pipeline(
         stages = [s for s in STAGES if s != "synth" or spec.sets["train"].synth is not None]
     if until is not None:
         stages = stages[: stages.index(until) + 1]
+    with folder_lock(spec.out_dir):
+        return _run_stages(spec, stages, forced, progress=progress, on_stage=on_stage)
+
+
+def _run_stages(spec: PipelineSpec, stages: list[str], forced: set[str], *,
+                progress: ProgressCallback | None, on_stage: Callable[[StageOutcome], None] | None
+                ) -> list[StageOutcome]:
     ctx = _Context(spec, progress)
     digests: dict[str, str] = {}
     outcomes: list[StageOutcome] = []

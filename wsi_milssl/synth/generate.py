@@ -24,6 +24,7 @@ from wsi_milssl.annotations.asap import PolygonAnnotation, write_asap_xml
 from wsi_milssl.atomic import atomic_open, atomic_write_text
 from wsi_milssl.config import SynthConfig, config_to_dict
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
+from wsi_milssl.locks import folder_lock
 from wsi_milssl.synth.layout import Lesion, SlideLayout, make_layout
 from wsi_milssl.synth.pyramid import write_pyramidal_tiff
 from wsi_milssl.synth.render import make_textures, render_block
@@ -93,9 +94,15 @@ def _tumour_flags(config: SynthConfig) -> np.ndarray:
 def generate_slides(
     config: SynthConfig, out_dir: str | os.PathLike, *, progress: ProgressCallback | None = None
 ) -> list[SynthSlide]:
-    """Generate ``config.n_slides`` slides into ``out_dir`` and return what was written."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    """Generate ``config.n_slides`` slides into ``out_dir`` and return what was written.
+
+    Holds the lock of ``out_dir`` while writing (a second run into it raises FolderLockedError).
+    """
+    with folder_lock(out_dir):
+        return _generate_slides(config, Path(out_dir), progress=progress)
+
+
+def _generate_slides(config: SynthConfig, out: Path, *, progress: ProgressCallback | None) -> list[SynthSlide]:
     flags = _tumour_flags(config)
     slides: list[SynthSlide] = []
     um2_per_px2 = config.mpp**2

@@ -11,13 +11,15 @@ temporary name and renamed when complete.
 from __future__ import annotations
 
 import os
-import tempfile
+import shutil
 from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
 import tifffile
 from PIL import Image
+
+from wsi_milssl.atomic import find_write_error, output_error, temp_path
 
 __all__ = ["write_pyramidal_tiff", "level_sizes"]
 
@@ -61,8 +63,11 @@ def write_pyramidal_tiff(
     path = Path(path)
     sizes = level_sizes(width, height, factor=level_factor, min_size_px=min_level_size_px)
     strip_h = tile_px * strip_tiles  # a multiple of the tile and of the level factor
-    tmp_path = path.with_name(f".{path.name}.partial")
-    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".pyramid-") as scratch:
+    tmp_path = temp_path(path, kind="partial")  # unique per writer: two runs never share it
+    scratch_dir = temp_path(path, kind="scratch")
+    try:
+        scratch_dir.mkdir()
+        scratch = str(scratch_dir)
         reduced: list[np.ndarray] = []
         for level, (w, h) in enumerate(sizes[1:], start=1):
             reduced.append(np.lib.format.open_memmap(
@@ -116,5 +121,16 @@ def write_pyramidal_tiff(
             del reduced
         with open(tmp_path, "rb+") as fh:
             os.fsync(fh.fileno())
-    os.replace(tmp_path, path)
+        os.replace(tmp_path, path)
+    except Exception as exc:
+        cause = find_write_error(exc, access=True)
+        if cause is None:
+            raise
+        raise output_error(path, cause, what="cannot write this slide") from None
+    finally:
+        shutil.rmtree(scratch_dir, ignore_errors=True)
+        try:
+            tmp_path.unlink(missing_ok=True)
+        except OSError:
+            pass
     return path

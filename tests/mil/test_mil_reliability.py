@@ -1,0 +1,119 @@
+"""``train`` under hostile conditions (issue 14): a full disk (row 1), a read-only ``--out`` (row 5),
+the temporary of a checkpoint save killed with SIGKILL (row 13), two runs into one folder."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from contextlib import nullcontext
+
+from conftest import make_mil_csv
+from diskfaults import file_size_limit, full_disk, read_only_folder
+from wsi_milssl.cli import main
+
+TRAIN = ["--epochs", "2", "--threads", "1", "--no-plots"]
+
+
+def test_train_on_a_full_disk_is_one_clear_error(tmp_path, capsys):
+    """The checkpoint does not fit: one error naming the run folder and the fix, no traceback, no
+    temporary left (a 64 KB tmpfs where the machine allows a mount, else a 64 KB file-size limit)."""
+    data = make_mil_csv(tmp_path / "wide.csv", dim=64)  # a checkpoint of ~200 KB
+    run = tmp_path / "disk" / "run"
+    with full_disk(run.parent, n_bytes=64_000) as (method, _):
+        with file_size_limit(64_000) if method == "rlimit" else nullcontext():
+            code = main(["train", str(data), "--out", str(run), *TRAIN])
+        err = capsys.readouterr().err
+        left = sorted(p.name for p in run.iterdir())
+    assert code == 1, (method, err)
+    assert "Traceback" not in err
+    assert re.fullmatch(
+        rf"error: {run}/last\.pt: cannot write this file \((No space left on device: the disk is full|File too "
+        r"large: the file grew past a size limit)\)\. Fix: [^\n]*\. No epoch of this run was saved yet: start it "
+        rf"again once {run} can be written\.\n", err), (method, err)
+    assert left == ["config.json"]  # no .last.pt.*.tmp, no lock file
+
+
+def test_a_checkpoint_that_fails_later_says_how_to_resume(tmp_path, capsys, monkeypatch, mil_csv):
+    """The disk fills up at epoch 2: the error says that last.pt holds epoch 1 and how to resume."""
+    import errno
+
+    from wsi_milssl.atomic import output_error
+    from wsi_milssl.mil import selftrain
+
+    real = selftrain.save_checkpoint
+    calls = []
+
+    def save(ckpt, path):
+        calls.append(path)
+        if len(calls) == 2:
+            raise output_error(path, OSError(errno.ENOSPC, "No space left on device"))
+        return real(ckpt, path)
+
+    monkeypatch.setattr(selftrain, "save_checkpoint", save)
+    run = tmp_path / "run"
+    assert main(["train", str(mil_csv), "--out", str(run), *TRAIN]) == 1
+    err = capsys.readouterr().err
+    assert err.endswith(
+        f"Fix: free disk space where {run} lives (`df -h {run}`), or write to another folder, and re-run. The run "
+        f"folder {run} keeps the checkpoint of epoch 1 (last.pt): once there is space, continue with "
+        f"`wsi-milssl train --resume {run}`.\n"), err
+    monkeypatch.undo()
+    assert main(["train", "--resume", str(run), "--epochs", "2", "--threads", "1", "--no-plots"]) == 0
+
+
+def test_train_into_a_read_only_folder_is_one_clear_error(tmp_path, capsys, mil_csv):
+    ro = tmp_path / "ro"
+    with read_only_folder(ro) as method:
+        code = main(["train", str(mil_csv), "--out", str(ro / "run"), *TRAIN])
+    err = capsys.readouterr().err
+    assert code == 1, (method, err)
+    assert err == (f"error: {ro / 'run'}: cannot create this output folder (Read-only file system: {ro / 'run'} is "
+                   "on a read-only file system). Fix: write to a folder on a writable disk (another --out), or "
+                   "remount it read-write.\n"), method
+
+
+def test_a_checkpoint_save_killed_with_sigkill_leaves_a_temporary_that_resume_removes(tmp_path, mil_csv):
+    """Row 13: kill -9 during the save of last.pt leaves ``.last.pt.<pid>.<random>.tmp``; the next run
+    into the folder (here ``--resume``) removes it, and last.pt was never touched."""
+    run = tmp_path / "run"
+    assert main(["train", str(mil_csv), "--out", str(run), "--epochs", "1", "--threads", "1", "--no-plots"]) == 0
+    before = (run / "last.pt").read_bytes()
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import time\n"
+        "from wsi_milssl.atomic import atomic_open\n"  # the writer save_checkpoint uses
+        f"with atomic_open({str(run / 'last.pt')!r}) as fh:\n"
+        "    fh.write(b'x' * 2_000_000); fh.flush(); print('written', flush=True); time.sleep(60)\n"
+    )], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "written"
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=30)
+    assert len(list(run.glob(f".last.pt.{child.pid}.*.tmp"))) == 1 and (run / "last.pt").read_bytes() == before
+    assert main(["train", "--resume", str(run), "--epochs", "2", "--threads", "1", "--no-plots"]) == 0
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith(".")) == []
+
+
+def test_a_second_train_into_a_busy_run_folder_is_refused(tmp_path, capsys, mil_csv):
+    from wsi_milssl.locks import folder_lock
+
+    run = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import time\n"
+        "from wsi_milssl.locks import folder_lock\n"
+        f"with folder_lock({str(run)!r}):\n"
+        "    print('locked', flush=True); time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert main(["train", str(mil_csv), "--out", str(run), *TRAIN]) == 1
+    finally:
+        holder.kill()
+        holder.wait()
+    err = capsys.readouterr().err
+    assert f"error: {run}: another wsi-milssl run (pid {holder.pid}" in err and "Fix: wait until it finishes" in err
+    assert not (run / "last.pt").exists()
+    with folder_lock(run):  # the killed holder's lock is free again
+        pass

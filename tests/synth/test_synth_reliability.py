@@ -1,0 +1,64 @@
+"""Two writers of one slide at once (issue 14 row 14): each writes its own temporary file, so both
+finish and the slide is whole. (With one shared ``.x.tif.partial`` name, the second writer's file
+vanished under it: the first renamed it away.) A synth run also holds its folder's lock."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from wsi_milssl.config import SynthConfig
+from wsi_milssl.errors import FolderLockedError
+from wsi_milssl.slide.reader import open_slide
+from wsi_milssl.synth import generate_slides
+from wsi_milssl.synth.pyramid import write_pyramidal_tiff
+
+
+def test_two_writers_of_one_slide_at_once_both_finish(tmp_path):
+    path = tmp_path / "x.tif"
+    both_open = threading.Barrier(2, timeout=60)
+    errors: list[BaseException] = []
+
+    def render(x0, y0, x1, y1):
+        if x0 == 0 and y0 == 0:
+            both_open.wait()  # both writers have created their temporary file before either finishes
+        return np.full((y1 - y0, x1 - x0, 3), 200, np.uint8)
+
+    def write():
+        try:
+            write_pyramidal_tiff(path, render, width=1024, height=1024, mpp=0.5, min_level_size_px=256)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert errors == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.tif"]  # no temporary or scratch folder left
+    with open_slide(path) as slide:
+        assert slide.dimensions == (1024, 1024) and slide.mpp == pytest.approx(0.5)
+
+
+def test_synth_into_a_folder_another_run_holds_is_refused(tmp_path):
+    out = tmp_path / "slides"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import time\n"
+        "from wsi_milssl.locks import folder_lock\n"
+        f"with folder_lock({str(out)!r}):\n"
+        "    print('locked', flush=True); time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(FolderLockedError, match=rf"^{out}: another wsi-milssl run \(pid {holder.pid}"):
+            generate_slides(SynthConfig(n_slides=1, width_px=1024, height_px=1024), out)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert list(out.iterdir()) == [out / ".wsi-milssl.lock"]  # nothing written; the lock file of the killed run
+    generate_slides(SynthConfig(n_slides=1, width_px=1024, height_px=1024), out)
+    assert sorted(p.name for p in out.iterdir()) == ["labels.csv", "manifest.json", "synth_000.tif"]
