@@ -34,6 +34,7 @@ __all__ = [
     "TilingSettings",
     "InferenceRuntime",
     "Preprocess",
+    "PatchModel",
     "InferenceModel",
     "fuse_batchnorm",
     "load_inference_model",
@@ -172,8 +173,11 @@ class InferenceRuntime:
 
 
 def resolve_runtime(config: HeatmapConfig) -> InferenceRuntime:
-    """Pick device, precision and workers for ``config`` on this machine (rules in :mod:`wsi_milssl.runtime`)."""
-    device = runtime_rules.pick_device(config.device, owner="HeatmapConfig")
+    """Pick device, precision and workers for ``config`` on this machine (rules in :mod:`wsi_milssl.runtime`).
+
+    ``config``: a HeatmapConfig, or any config with its fields ``device``, ``amp``, ``num_workers``,
+    ``channels_last`` and ``fuse_batchnorm`` (the feature stage's FeaturesConfig)."""
+    device = runtime_rules.pick_device(config.device, owner=type(config).__name__)
     cuda = device.type == "cuda"
     dtype = runtime_rules.pick_amp_dtype(config.amp, device, cpu_auto="bf16")
     workers = config.num_workers
@@ -296,36 +300,34 @@ def fuse_batchnorm(model: torch.nn.Module, probe: torch.Tensor) -> tuple[torch.n
     return fused, True
 
 
-class InferenceModel:
-    """A trained patch classifier ready for slide inference.
+class PatchModel:
+    """A network over image patches, ready for the slide engine (:func:`wsi_milssl.inference.predict.run_slides`).
 
-    ``model`` in eval mode on ``runtime.device``; ``tiling``: how slides are cut for it (``plan``) and
-    its input normalisation;
-    ``pooling``: 'max' or 'mean', the bag pooling it was trained with; ``config``: the checkpoint's
-    config dict; ``checkpoint_path``.
+    ``model`` in eval mode on ``runtime.device`` (BatchNorm folded into the convolutions when
+    ``runtime.fuse_batchnorm`` and the outputs allow, channels_last when asked); ``tiling``: how slides
+    are cut for it (``plan``) and its input normalisation. ``probe_side``: the input side of the probe
+    batch that checks the folding (default: the plan's patch size).
+
+    What the engine uses: :attr:`plan`, :attr:`runtime`, :attr:`reader_tables` / :attr:`reader_dtype`
+    (what the readers make of uint8 pixels on the CPU) and :meth:`forward_batch`, which subclasses define:
+    a batch of patches -> a device tensor (B,) (probabilities) or (B, D) (features).
     """
 
     def __init__(self, model: torch.nn.Module, *, tiling: TilingSettings, runtime: InferenceRuntime,
-                 pooling: str = "max", config: Mapping[str, Any] | None = None,
-                 checkpoint_path: str | os.PathLike | None = None) -> None:
-        if pooling not in ("max", "mean"):
-            raise CheckpointError(f"{checkpoint_path}: bag pooling {pooling!r} is not 'max' or 'mean'.")
+                 probe_side: int | None = None) -> None:
         self.runtime = runtime
         model = model.to(runtime.device).eval()
-        #: whether BatchNorm was folded into the convolutions (HeatmapConfig.fuse_batchnorm)
+        #: whether BatchNorm was folded into the convolutions (``runtime.fuse_batchnorm``)
         self.fused = False
         if runtime.fuse_batchnorm:
             generator = torch.Generator().manual_seed(0)
-            side = tiling.plan.patch_size_px
+            side = int(probe_side or tiling.plan.patch_size_px)
             probe = torch.randn(2, 3, side, side, generator=generator)
             model, self.fused = fuse_batchnorm(model, probe.to(runtime.device))
         self.model = model
         if runtime.channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)
         self.tiling = tiling
-        self.pooling = pooling
-        self.config = dict(config or {})
-        self.checkpoint_path = None if checkpoint_path is None else Path(checkpoint_path)
         worker_dtype = runtime.amp_dtype if runtime.preprocess_in_workers else None
         #: the model input readers make from uint8 pixels on the CPU (None: the main process makes it)
         self.worker_preprocess: Preprocess | None = (
@@ -342,6 +344,43 @@ class InferenceModel:
         """The tile recipe slides are cut with for this model (``tiling.plan``)."""
         return self.tiling.plan
 
+    def network_input(self, batch: torch.Tensor | np.ndarray) -> torch.Tensor:
+        """The network's input on the device: uint8 (B, H, W, 3) pixels are normalised here, a tensor
+        (B, 3, H, W) made by :attr:`worker_preprocess` is moved as it is; channels_last when asked.
+        Call inside ``torch.inference_mode()``."""
+        x = torch.as_tensor(batch)
+        if x.dtype == torch.uint8:
+            x = self._main_preprocess(x.to(self.runtime.device, non_blocking=True))
+        else:
+            x = x.to(self.runtime.device, non_blocking=True)
+        if self.runtime.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return x
+
+    def forward_batch(self, batch: torch.Tensor | np.ndarray) -> torch.Tensor:
+        """The engine's batch function: a device tensor (B,) or (B, D) for a batch of patches."""
+        raise NotImplementedError
+
+
+class InferenceModel(PatchModel):
+    """A trained patch classifier ready for slide inference.
+
+    ``model`` in eval mode on ``runtime.device``; ``tiling``: how slides are cut for it (``plan``) and
+    its input normalisation;
+    ``pooling``: 'max' or 'mean', the bag pooling it was trained with; ``config``: the checkpoint's
+    config dict; ``checkpoint_path``. Its batch function is :meth:`probabilities`.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, tiling: TilingSettings, runtime: InferenceRuntime,
+                 pooling: str = "max", config: Mapping[str, Any] | None = None,
+                 checkpoint_path: str | os.PathLike | None = None) -> None:
+        if pooling not in ("max", "mean"):
+            raise CheckpointError(f"{checkpoint_path}: bag pooling {pooling!r} is not 'max' or 'mean'.")
+        super().__init__(model, tiling=tiling, runtime=runtime)
+        self.pooling = pooling
+        self.config = dict(config or {})
+        self.checkpoint_path = None if checkpoint_path is None else Path(checkpoint_path)
+
     def predict(self, batch: torch.Tensor | np.ndarray) -> np.ndarray:
         """Positive-class probabilities float32 (B,) of a batch: uint8 (B, H, W, 3) pixels, or a
         tensor (B, 3, H, W) already made by :attr:`worker_preprocess`."""
@@ -351,17 +390,15 @@ class InferenceModel:
 
     def probabilities(self, batch: torch.Tensor | np.ndarray) -> torch.Tensor:
         """As :meth:`predict`, but a float32 (B,) tensor left on the device (nothing waits for it)."""
-        x = torch.as_tensor(batch)
         with torch.inference_mode():
-            if x.dtype == torch.uint8:
-                x = self._main_preprocess(x.to(self.runtime.device, non_blocking=True))
-            else:
-                x = x.to(self.runtime.device, non_blocking=True)
-            if self.runtime.channels_last:
-                x = x.contiguous(memory_format=torch.channels_last)
+            x = self.network_input(batch)
             with self.runtime.autocast():
                 logits = self.model(x)
             return torch.softmax(logits.float(), dim=1)[:, 1]
+
+    def forward_batch(self, batch: torch.Tensor | np.ndarray) -> torch.Tensor:
+        """The engine's batch function: :meth:`probabilities`."""
+        return self.probabilities(batch)
 
 
 def load_inference_model(checkpoint_path: str | os.PathLike, *, config: HeatmapConfig | None = None

@@ -1,12 +1,20 @@
-"""The prediction loop: slides (or patch stores) -> per-patch tumour probabilities, many slides at once.
+"""The slide engine: slides (or patch stores) -> a model's output per patch, many slides at once.
 
-A slide is cut with the model's :class:`~wsi_milssl.tiling.TilingPlan` (the one its training stores were
-tiled with, recorded in the checkpoint) through the tile stage's own functions
-(:func:`wsi_milssl.tiling.plan_slide`, :func:`wsi_milssl.tiling.cut_band`), so the probabilities are
-for exactly the cells a store tiled with that plan holds. From a store (``--store``) the store's
-patches are used as they are.
+Heatmaps run a classifier through it (per-patch tumour probabilities, :func:`predict_many`); the
+feature stage runs a frozen encoder (per-patch features, :mod:`wsi_milssl.features`). Both go through
+:func:`run_slides` with a model object that has ``plan`` (the
+:class:`~wsi_milssl.tiling.TilingPlan` slides are cut with), ``runtime`` (an
+:class:`~wsi_milssl.inference.model.InferenceRuntime`), ``reader_tables`` / ``reader_dtype`` (what the
+readers make of uint8 pixels on the CPU) and ``forward_batch(x)`` returning a device tensor (B,) or
+(B, D): :class:`~wsi_milssl.inference.model.PatchModel` and its subclasses.
 
-:func:`predict_many` serves a whole batch of slides from one pool of reader processes
+A slide is cut with the model's :class:`~wsi_milssl.tiling.TilingPlan` (for a classifier the one its
+training stores were tiled with, recorded in the checkpoint) through the tile stage's own functions
+(:func:`wsi_milssl.tiling.plan_slide`, :func:`wsi_milssl.tiling.cut_band`), so the outputs are for
+exactly the cells a store tiled with that plan holds. From a store (``--store``) the store's patches
+are used as they are.
+
+:func:`run_slides` serves a whole batch of slides from one pool of reader processes
 (:mod:`wsi_milssl.inference.sources`; they start from a small fork server and never import torch):
 
 - readers plan the next slides (tissue mask, bands) while others are read, so several slides are in
@@ -16,12 +24,12 @@ patches are used as they are.
   JPEG bytes, decoded on the GPU by ``torchvision.io.decode_jpeg``), so only indices cross a pipe;
 - the main process takes each slide's chunks in order and runs the model on batches of exactly
   ``batch_size`` patches (a slide's last batch is smaller, padded on CUDA), keeping the
-  probabilities on the device until the slide is done. Per slide the batches are the ones a slide
+  outputs on the device until the slide is done. Per slide the batches are the ones a slide
   alone would get, so results do not depend on the worker count or on the other slides.
 
 Memory is bounded by the slots (``(workers x 2 + 2)`` chunks of at most :data:`CHUNK_BYTES`) and a few
-planned slides, whatever the slide count or size: per slide only the level-0 coordinates and one
-float per patch are kept. On the CPU the readers run at the lowest priority: the forward pass keeps
+planned slides, whatever the slide count or size: per slide only the level-0 coordinates and the
+outputs (one float, or one feature vector, per patch) are kept. On the CPU the readers run at the lowest priority: the forward pass keeps
 every core busy, so they fill its gaps instead of stalling its threads.
 """
 
@@ -45,7 +53,7 @@ from wsi_milssl.config.heatmap import HeatmapConfig
 from wsi_milssl.config.tile import TileConfig
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.runtime import decode_jpeg_batch, require_device_decode
-from wsi_milssl.inference.model import InferenceModel
+from wsi_milssl.inference.model import InferenceModel, PatchModel
 from wsi_milssl.inference.sources import (
     ChunkResult,
     JobPlan,
@@ -57,9 +65,10 @@ from wsi_milssl.inference.sources import (
     read_chunk,
 )
 from wsi_milssl.slide.tissue import TissueMask
-from wsi_milssl.tiling import MAX_BAND_PX, slide_stem
+from wsi_milssl.tiling import MAX_BAND_PX, TileGeometry, slide_stem
 
-__all__ = ["CHUNK_BYTES", "SlideInput", "SlidePrediction", "predict_many", "predict_slide", "predict_store"]
+__all__ = ["CHUNK_BYTES", "SlideInput", "SlideOutputs", "SlidePrediction", "run_slides", "predict_many",
+           "predict_slide", "predict_store"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,21 +95,23 @@ class SlideInput:
 
 
 @dataclass
-class SlidePrediction:
-    """Per-patch probabilities of one slide and the grid they sit on.
+class SlideOutputs:
+    """A model's outputs for the patches of one slide and the grid they sit on.
 
-    ``coords_lv0``: int64 (N, 2) level-0 top-left (x, y) of each patch, row-major; ``probs``: float32
-    (N,). Grid cell (r, c) is the patch with top-left (origin_x + c * stride_lv0, origin_y + r *
-    stride_lv0); ``grid_shape`` = (rows, cols). ``mpp`` is the level-0 µm/px, ``dimensions_lv0`` the
-    slide's (width, height). ``tissue`` is the mask used to pick cells (slides tiled on the fly).
-    ``n_candidates``: cells read (before the entropy filter) or patches in the store.
+    ``coords_lv0``: int64 (N, 2) level-0 top-left (x, y) of each patch, row-major; ``outputs``: (N,)
+    or (N, D), float32 (float16 when the model returns float16), row i for patch i. Grid cell (r, c)
+    is the patch with top-left (origin_x + c * stride_lv0, origin_y + r * stride_lv0); ``grid_shape``
+    = (rows, cols). ``mpp`` is the level-0 µm/px, ``dimensions_lv0`` the slide's (width, height).
+    ``tissue`` is the mask used to pick cells (slides tiled on the fly). ``n_candidates``: cells read
+    (before the entropy filter) or patches in the store. ``geometry``: how a slide cut on the fly was
+    read (None for stores).
     """
 
     stem: str
     slide_path: Path | None
     source: str
     coords_lv0: np.ndarray
-    probs: np.ndarray
+    outputs: np.ndarray
     origin_lv0: tuple[int, int]
     stride_lv0: int
     patch_size_lv0: int
@@ -115,10 +126,22 @@ class SlidePrediction:
     tissue_detector: str = _DEFAULT_TISSUE
     mask_mpp: float = _DEFAULT_MASK_MPP
     seconds: float = 0.0
+    geometry: TileGeometry | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __len__(self) -> int:
-        return int(self.probs.shape[0])
+        return int(self.outputs.shape[0])
+
+
+@dataclass
+class SlidePrediction(SlideOutputs):
+    """Per-patch tumour probabilities of one slide (``probs``: float32 (N,), the ``outputs`` of a
+    classifier) and the grid they sit on (see :class:`SlideOutputs`)."""
+
+    @property
+    def probs(self) -> np.ndarray:
+        """float32 (N,) positive-class probability of each patch."""
+        return self.outputs
 
     def grid(self) -> np.ndarray:
         """float32 (rows, cols) probability map, NaN where there is no patch."""
@@ -213,15 +236,15 @@ class _Readers:
 
 class _Batcher:
     """Joins a slide's chunks, in order, into model calls of exactly ``batch_size`` patches; the
-    probabilities stay on the device until :meth:`finish`."""
+    outputs stay on the device until :meth:`finish`."""
 
-    def __init__(self, model: InferenceModel, batch_size: int) -> None:
+    def __init__(self, model: PatchModel, batch_size: int) -> None:
         self.model = model
         self.batch_size = batch_size
         self._idx: np.ndarray | None = None
         self._x: torch.Tensor | None = None
         self._out_idx: list[np.ndarray] = []
-        self._out_probs: list[torch.Tensor] = []
+        self._outputs: list[torch.Tensor] = []
 
     def add(self, idx: np.ndarray, x: torch.Tensor) -> None:
         """Add patches ``x`` (may alias a reader slot: nothing of it is kept after the call)."""
@@ -241,21 +264,24 @@ class _Batcher:
 
     def _run(self, idx: np.ndarray, x: torch.Tensor) -> None:
         self._out_idx.append(idx)
-        self._out_probs.append(self.model.probabilities(x))
+        self._outputs.append(self.model.forward_batch(x))
 
     def finish(self) -> tuple[np.ndarray, np.ndarray]:
-        """(int64 indices, float32 probabilities) of every patch added, in order."""
+        """(int64 indices, outputs (N,) or (N, D)) of every patch added, in order; float16 outputs
+        stay float16, any other dtype becomes float32."""
         if self._x is not None:
             n, x = len(self._idx), self._x
             if self.model.runtime.pad_last_batch and n < self.batch_size:
                 x = torch.cat([x, x.new_zeros((self.batch_size - n,) + tuple(x.shape[1:]))])
             self._out_idx.append(self._idx)
-            self._out_probs.append(self.model.probabilities(x)[:n])
+            self._outputs.append(self.model.forward_batch(x)[:n])
             self._idx, self._x = None, None
         if not self._out_idx:
             return np.zeros(0, np.int64), np.zeros(0, np.float32)
-        probs = torch.cat(self._out_probs).float().cpu().numpy()
-        return np.concatenate(self._out_idx).astype(np.int64), probs.astype(np.float32, copy=False)
+        out = torch.cat(self._outputs)
+        if out.dtype != torch.float16:
+            out = out.float()
+        return np.concatenate(self._out_idx).astype(np.int64), out.cpu().numpy()
 
 
 @dataclass(eq=False)
@@ -279,9 +305,9 @@ class _Run:
         return self.plan is not None and self.next_consume == len(self.plan.chunks)
 
 
-def _chunk_patches(model: InferenceModel, config: HeatmapConfig, itemsize: int) -> int:
+def _chunk_patches(model: PatchModel, batch_size: int, itemsize: int) -> int:
     side = model.plan.patch_size_px
-    return max(1, min(config.batch_size, CHUNK_BYTES // (side * side * 3 * itemsize)))
+    return max(1, min(batch_size, CHUNK_BYTES // (side * side * 3 * itemsize)))
 
 
 def predict_many(inputs: Sequence[SlideInput], model: InferenceModel, *, config: HeatmapConfig | None = None,
@@ -293,6 +319,24 @@ def predict_many(inputs: Sequence[SlideInput], model: InferenceModel, *, config:
     Progress: ``heatmap-patches`` events count the patches read over all slides planned so far.
     """
     config = config or HeatmapConfig()
+    yield from run_slides(inputs, model, batch_size=config.batch_size, decode=config.decode,
+                          slide_mpp=config.slide_mpp, progress=progress, event="heatmap-patches",
+                          owner="HeatmapConfig", result_type=SlidePrediction)
+
+
+def run_slides(inputs: Sequence[SlideInput], model: PatchModel, *, batch_size: int, decode: str = "workers",
+               slide_mpp: float | None = None, progress: ProgressCallback | None = None,
+               event: str = "patches", owner: str = "config", result_type: type[SlideOutputs] = SlideOutputs
+               ) -> Iterator[tuple[int, SlideOutputs | Exception]]:
+    """Run ``model.forward_batch`` over every patch of every input; yields ``(position in inputs,
+    result_type or the error)`` as slides finish (not in input order).
+
+    ``batch_size``: patches per model call; ``decode``: 'workers' or 'device' (a store's JPEG bytes
+    decoded on the model's device); ``slide_mpp``: level-0 µm/px instead of the slides' metadata.
+    One bad slide is yielded as its exception and the others go on; a reader that dies fails the
+    slides it was reading and a new pool takes the rest. Progress: ``event`` events count the patches
+    read over all slides planned so far; ``owner`` names the config in errors.
+    """
     inputs = list(inputs)
     if not inputs:
         return
@@ -300,10 +344,10 @@ def predict_many(inputs: Sequence[SlideInput], model: InferenceModel, *, config:
     tables = model.reader_tables
     itemsize = 1 if tables is None else tables.itemsize
     side = model.plan.patch_size_px
-    encoded = config.decode == "device"
+    encoded = decode == "device"
     if encoded:
-        require_device_decode(owner="HeatmapConfig")
-    chunk = _chunk_patches(model, config, itemsize)
+        require_device_decode(owner=owner)
+    chunk = _chunk_patches(model, batch_size, itemsize)
     capacity = max(chunk, MAX_BAND_PX // max(1, model.plan.stride_px) + 1)  # a band is never split
     slot_bytes = capacity * (side * side * 3 * itemsize + (_JPEG_SLACK if encoded else 0))
     workers = max(0, rt.num_workers)
@@ -311,7 +355,7 @@ def predict_many(inputs: Sequence[SlideInput], model: InferenceModel, *, config:
                        setup_kwargs={"tables": tables, "niceness": rt.reader_niceness})
     runs = [_Run(i, PredictJob(stem=item.stem, slide_path=None if item.slide_path is None else Path(item.slide_path),
                                store_path=None if item.store_path is None else Path(item.store_path),
-                               plan=model.plan, mpp_override=config.slide_mpp, chunk_patches=chunk,
+                               plan=model.plan, mpp_override=slide_mpp, chunk_patches=chunk,
                                encoded=encoded and item.store_path is not None), time.perf_counter())
             for i, item in enumerate(inputs)]
     waiting = deque(runs)  # not yet planned
@@ -353,15 +397,15 @@ def predict_many(inputs: Sequence[SlideInput], model: InferenceModel, *, config:
             x = torch.from_numpy(readers.view(slot, (k, side, side, 3), tables.lut.dtype))
         return x.permute(0, 3, 1, 2)
 
-    def finished(run: _Run) -> tuple[int, SlidePrediction | Exception]:
+    def finished(run: _Run) -> tuple[int, SlideOutputs | Exception]:
         active.remove(run)
         for slot, _ in run.received.values():
             readers.free.append(slot)
         run.received.clear()
         if run.error is not None:
             return run.index, run.error
-        idx, probs = run.batcher.finish() if run.batcher is not None else (np.zeros(0, np.int64), np.zeros(0, np.float32))
-        return run.index, _prediction(run.plan, idx, probs, seconds=time.perf_counter() - run.t0)
+        idx, outputs = run.batcher.finish() if run.batcher is not None else (np.zeros(0, np.int64), np.zeros(0, np.float32))
+        return run.index, _result(result_type, run.plan, idx, outputs, seconds=time.perf_counter() - run.t0)
 
     def consume(run: _Run) -> None:
         while run.next_consume in run.received:
@@ -372,10 +416,10 @@ def predict_many(inputs: Sequence[SlideInput], model: InferenceModel, *, config:
                 readers.free.append(slot)
             run.next_consume += 1
             totals["read"] += result.n_read
-            emit(progress, ProgressEvent("heatmap-patches", totals["read"], totals["candidates"], unit="patch",
+            emit(progress, ProgressEvent(event, totals["read"], totals["candidates"], unit="patch",
                                          item=run.job.stem))
 
-    emit(progress, ProgressEvent("heatmap-patches", 0, 0, unit="patch"))
+    emit(progress, ProgressEvent(event, 0, 0, unit="patch"))
     try:
         while waiting or active:
             submit()
@@ -403,7 +447,7 @@ def predict_many(inputs: Sequence[SlideInput], model: InferenceModel, *, config:
                         continue
                     if kind == "plan":
                         run.plan, run.planning = result, False
-                        run.batcher = _Batcher(model, config.batch_size)
+                        run.batcher = _Batcher(model, batch_size)
                         totals["candidates"] += result.n_candidates
                         logger.info("%s; %s", result.log, rt.describe())
                         if not result.chunks:
@@ -448,15 +492,16 @@ def _fail_broken(active: list[_Run], futures: dict, readers: _Readers) -> list[_
     return hit
 
 
-def _prediction(plan: JobPlan, idx: np.ndarray, probs: np.ndarray, *, seconds: float) -> SlidePrediction:
+def _result(result_type: type[SlideOutputs], plan: JobPlan, idx: np.ndarray, outputs: np.ndarray, *,
+            seconds: float) -> SlideOutputs:
     job = plan.job
-    return SlidePrediction(
-        stem=job.stem, slide_path=plan.slide_path, source=plan.source, coords_lv0=plan.coords_lv0[idx], probs=probs,
+    return result_type(
+        stem=job.stem, slide_path=plan.slide_path, source=plan.source, coords_lv0=plan.coords_lv0[idx], outputs=outputs,
         origin_lv0=plan.origin_lv0, stride_lv0=plan.stride_lv0, patch_size_lv0=plan.patch_size_lv0,
         patch_size_px=plan.patch_size_px, target_mpp=plan.target_mpp, mpp=plan.mpp,
         dimensions_lv0=plan.dimensions_lv0, grid_shape=plan.grid_shape, n_candidates=plan.n_candidates,
         store_path=job.store_path, tissue=plan.tissue, tissue_detector=plan.tissue_detector, mask_mpp=plan.mask_mpp,
-        seconds=seconds,
+        seconds=seconds, geometry=plan.geometry,
     )
 
 
