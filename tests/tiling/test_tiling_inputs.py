@@ -24,8 +24,8 @@ def test_bad_inputs(synth_dir, tmp_path):
     with pytest.raises(ConfigError, match="no slide files in this folder"):
         find_slides([tmp_path])
     bad = tmp_path / "bad.csv"
-    bad.write_text("path\nx.tif\n")
-    with pytest.raises(ConfigError, match=r"bad\.csv: no 'slide' column \(columns: path\)"):
+    bad.write_text("file\nx.tif\n")
+    with pytest.raises(ConfigError, match=r"bad\.csv: no 'slide' or 'path' column \(columns: file\)"):
         find_slides([bad])
     missing = tmp_path / "missing.csv"
     missing.write_text("slide\nghost\n")

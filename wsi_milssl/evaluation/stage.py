@@ -1,6 +1,6 @@
 """The evaluation stage: predictions + annotations + labels -> metrics, curves and an HTML report.
 
-Outputs in ``out_dir``:
+Outputs in ``out_dir`` (names from :data:`wsi_milssl.artifacts.EVALUATION_FILES`; ``docs/artifacts.md``):
 
     metrics.json            instance_auc, bag_auc, froc, froc_sensitivities (at 1/4, 1/2, 1, 2, 4, 8
                             FP/slide), n_slides, n_lesions, ... ; null with a reason in "reasons"
@@ -18,7 +18,6 @@ Tumour slides need their annotation file and their slide (for the level-0 size a
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -30,6 +29,14 @@ import numpy as np
 from PIL import Image
 
 from wsi_milssl.annotations import find_annotation, rasterize_region, read_annotations, tumor_fraction
+from wsi_milssl.artifacts import (
+    DETECTION_OUTCOME_COLUMNS,
+    EVALUATION_FILES,
+    FROC_CURVE_COLUMNS,
+    PER_SLIDE_COLUMNS,
+    SCORES_FILENAME,
+    read_heatmap_config,
+)
 from wsi_milssl.atomic import atomic_write_bytes, atomic_write_csv, atomic_write_json
 from wsi_milssl.cohorts import labels_for, stem_key
 from wsi_milssl.config.base import config_hash, config_to_dict, write_resolved_config
@@ -72,11 +79,6 @@ __all__ = ["PER_SLIDE_COLUMNS", "EvaluationResult", "SlideResult", "evaluate_pre
 
 logger = logging.getLogger(__name__)
 
-PER_SLIDE_COLUMNS = (
-    "slide", "label", "n_detections", "n_fp", "n_lesions", "n_lesions_detected", "n_itc",
-    "n_repeat_hits", "n_itc_hits", "max_prob", "score", "n_patches", "n_positive_patches",
-    "instance_auc", "mpp",
-)
 
 
 @dataclass(frozen=True)
@@ -256,16 +258,6 @@ def _thumbnails(r: SlideResult, *, max_px: int) -> list[tuple[str, bytes]]:
     return out
 
 
-def _read_predictions_config(predictions_dir: Path) -> Any:
-    path = predictions_dir / "config.json"
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
 def _none_if_nan(value: float) -> float | None:
     return None if value is None or not math.isfinite(value) else float(value)
 
@@ -337,7 +329,7 @@ def evaluate_predictions(
         froc_value, sens_list = None, [None] * len(FP_RATES)
         reasons["froc"] = "no lesions (no tumour slide with a non-ITC region): sensitivity is undefined"
     inst_metric, inst_roc = _instance_metric(results)
-    bag_metric, bag_roc, scores = _bag_metric(results, predictions_dir / "scores.csv")
+    bag_metric, bag_roc, scores = _bag_metric(results, predictions_dir / SCORES_FILENAME)
     if inst_metric.value is None:
         reasons["instance_auc"] = inst_metric.reason
     if bag_metric.value is None:
@@ -366,38 +358,39 @@ def evaluate_predictions(
 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path] = {}
-    paths["metrics"] = atomic_write_json(out_dir / "metrics.json", metrics)
+    names = EVALUATION_FILES
+    paths["metrics"] = atomic_write_json(out_dir / names["metrics"], metrics)
     rows = [_slide_row(r, scores.get(r.stem)) for r in results]
-    paths["per_slide"] = atomic_write_csv(out_dir / "per_slide.csv", rows, columns=PER_SLIDE_COLUMNS)
+    paths["per_slide"] = atomic_write_csv(out_dir / names["per_slide"], rows, columns=PER_SLIDE_COLUMNS)
     det_rows = [
         {"slide": r.stem, "prob": float(p), "x_lv0": float(x), "y_lv0": float(y), "outcome": o, "region": int(h)}
         for r in results
         for p, x, y, o, h in zip(r.match.probs, r.match.x_lv0, r.match.y_lv0, r.match.outcome, r.match.hit_label)
     ]
     paths["detection_outcomes"] = atomic_write_csv(
-        out_dir / "detection_outcomes.csv", det_rows, columns=("slide", "prob", "x_lv0", "y_lv0", "outcome", "region"))
+        out_dir / names["detection_outcomes"], det_rows, columns=DETECTION_OUTCOME_COLUMNS)
     curve_rows = [{"threshold": t, "fp_per_slide": f, "sensitivity": None if math.isnan(s) else s}
                   for t, f, s in zip(curve.thresholds, curve.fp_per_slide, curve.sensitivity)]
-    paths["froc_curve"] = atomic_write_csv(out_dir / "froc_curve.csv", curve_rows,
-                                           columns=("threshold", "fp_per_slide", "sensitivity"))
+    paths["froc_curve"] = atomic_write_csv(out_dir / names["froc_curve"], curve_rows, columns=FROC_CURVE_COLUMNS)
     plots: list[tuple[str, bytes]] = []
     if curve.n_lesions:
         png = froc_png(curve, score=froc_value, sensitivities=sens_list)
-        paths["froc_png"] = atomic_write_bytes(out_dir / "froc.png", png)
+        paths["froc_png"] = atomic_write_bytes(out_dir / names["froc_png"], png)
         plots.append(("FROC curve (CAMELYON16 protocol)", png))
     else:
-        (out_dir / "froc.png").unlink(missing_ok=True)
-    for key, name, curve_roc, caption in (
-        ("roc_instance_png", "roc_instance.png", inst_roc, "Instance ROC (patches)"),
-        ("roc_bag_png", "roc_bag.png", bag_roc, "Bag ROC (slides)"),
+        (out_dir / names["froc_png"]).unlink(missing_ok=True)
+    for key, curve_roc, caption in (
+        ("roc_instance_png", inst_roc, "Instance ROC (patches)"),
+        ("roc_bag_png", bag_roc, "Bag ROC (slides)"),
     ):
+        name = names[key]
         if curve_roc is not None:
             png = roc_png(curve_roc, title=caption)
             paths[key] = atomic_write_bytes(out_dir / name, png)
             plots.append((caption, png))
         else:  # never leave a plot from an earlier run beside metrics that say n/a
             (out_dir / name).unlink(missing_ok=True)
-    paths["config"] = write_resolved_config(config, out_dir)
+    paths["config"] = write_resolved_config(config, out_dir, name=names["config"])
 
     notes = [f"{k.replace('_', ' ')} unavailable: {v}." for k, v in reasons.items()]
     n_outside = sum(r.match.n_outside_mask for r in results)
@@ -416,13 +409,13 @@ def evaluate_predictions(
             "positive_fraction": config.positive_fraction,
         },
     }
-    pred_config = _read_predictions_config(predictions_dir)
+    pred_config = read_heatmap_config(predictions_dir)
     if pred_config is not None:
         configuration["predictions_config"] = pred_config
     thumbs = {r.stem: _thumbnails(r, max_px=config.thumbnail_px) for r in results}
     data = ReportData(title=config.title, metrics=metrics, plots=plots, slide_rows=rows, thumbnails=thumbs,
                       configuration=configuration, notes=notes)
-    paths["report"] = write_report(data, out_dir / "report.html")
+    paths["report"] = write_report(data, out_dir / names["report"])
     logger.info("evaluated %d slides: FROC %s, instance AUC %s, bag AUC %s", len(results),
                 metrics["froc"], metrics["instance_auc"], metrics["bag_auc"])
     return EvaluationResult(metrics=metrics, slides=results, curve=curve, instance_roc=inst_roc,

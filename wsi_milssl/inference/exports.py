@@ -1,20 +1,8 @@
-"""The heatmap stage's files (names and formats fixed by the cross-stage contract).
+"""The heatmap stage's per-slide files, written with the cross-stage contract :mod:`wsi_milssl.artifacts`.
 
-Per slide, in the output folder:
-
-- ``<stem>_probs.npy``: float32 (rows, cols) probability map, NaN where no patch;
-  ``<stem>_probs.tif``: the same map as a small float32 TIFF (pixel size = stride, in the
-  resolution tags; the sidecar as the image description);
-  ``<stem>_probs.json``: ``slide``, ``slide_path``, ``origin_lv0`` [x, y], ``stride_lv0``,
-  ``patch_size_lv0``, ``mpp``, ``shape`` [rows, cols] (+ provenance). Cell (r, c) is the patch with
-  level-0 top-left (origin_x + c * stride_lv0, origin_y + r * stride_lv0).
-- ``<stem>_patches.csv``: header ``x_lv0,y_lv0,prob``, one row per patch (top-left, level-0 px).
-- ``<stem>_patches.geojson``: a QuPath FeatureCollection, one ``detection`` square per patch (level-0
-  px) with the probability as the measurement ``tumor_probability``.
-- ``<stem>_detections.csv``: CAMELYON16 ``prob,x,y`` (level-0 px, no header) from
-  :func:`nms_detections`.
-
-Per folder: ``scores.csv`` (``slide,score``), updated slide by slide.
+The names, columns, dtypes and coordinate frames of every file are defined there (and in
+``docs/artifacts.md``); the evaluation stage reads them with the same module. This module holds the
+writers and the non-maximum suppression that turns a probability map into CAMELYON16 detections.
 
 Every file is written to a temporary name in the same folder, fsynced and renamed.
 """
@@ -31,6 +19,14 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from wsi_milssl.artifacts import (
+    MEASUREMENT_NAME,
+    PATCHES_COLUMNS,
+    SCORES_COLUMNS,
+    SCORES_FILENAME,
+    SIDECAR_KEYS,
+    heatmap_paths,
+)
 from wsi_milssl.atomic import atomic_open
 from wsi_milssl.errors import ConfigError
 
@@ -46,22 +42,10 @@ __all__ = [
     "update_scores_csv",
 ]
 
-SCORES_FILENAME = "scores.csv"
-MEASUREMENT_NAME = "tumor_probability"
-
 
 def output_paths(out_dir: str | os.PathLike, stem: str) -> dict[str, Path]:
-    """The per-slide output files of ``stem`` in ``out_dir`` by kind."""
-    d = Path(out_dir)
-    return {
-        "probs_npy": d / f"{stem}_probs.npy",
-        "probs_tif": d / f"{stem}_probs.tif",
-        "probs_json": d / f"{stem}_probs.json",
-        "patches_csv": d / f"{stem}_patches.csv",
-        "patches_geojson": d / f"{stem}_patches.geojson",
-        "detections_csv": d / f"{stem}_detections.csv",
-        "heatmap_png": d / f"{stem}_heatmap.png",
-    }
+    """The per-slide output files of ``stem`` in ``out_dir`` by kind (:func:`wsi_milssl.artifacts.heatmap_paths`)."""
+    return heatmap_paths(out_dir, stem)
 
 
 def _num(value: float) -> str:
@@ -133,8 +117,7 @@ def write_probs(out_dir: str | os.PathLike, stem: str, grid: np.ndarray, sidecar
 
     paths = output_paths(out_dir, stem)
     grid = np.ascontiguousarray(np.asarray(grid, dtype=np.float32))
-    missing = [k for k in ("slide", "slide_path", "origin_lv0", "stride_lv0", "patch_size_lv0", "mpp", "shape")
-               if k not in sidecar]
+    missing = [k for k in SIDECAR_KEYS if k not in sidecar]
     if missing:
         raise ValueError(f"probability-map sidecar lacks {', '.join(missing)}.")
     if list(sidecar["shape"]) != list(grid.shape):
@@ -157,7 +140,7 @@ def write_patches_csv(path: str | os.PathLike, coords_lv0: np.ndarray, probs: np
     coords = np.asarray(coords_lv0, dtype=np.int64).reshape(-1, 2)
     probs = np.asarray(probs, dtype=np.float64)
     with atomic_open(path, "w") as fh:
-        fh.write("x_lv0,y_lv0,prob\n")
+        fh.write(",".join(PATCHES_COLUMNS) + "\n")
         for start in range(0, len(coords), 65536):
             block = coords[start:start + 65536]
             p = probs[start:start + 65536]
@@ -204,7 +187,7 @@ def _read_scores(path: Path) -> dict[str, str]:
     try:
         with open(path, newline="") as fh:
             reader = csv.DictReader(fh)
-            if reader.fieldnames is None or [f.strip() for f in reader.fieldnames][:2] != ["slide", "score"]:
+            if reader.fieldnames is None or [f.strip() for f in reader.fieldnames][:2] != list(SCORES_COLUMNS):
                 raise ConfigError(f"{path}: not a scores file (header must be 'slide,score'). Fix: move it away or "
                                   "write the heatmaps to another --out folder.")
             return {row["slide"].strip(): row["score"].strip() for row in reader if row.get("slide")}
@@ -230,7 +213,7 @@ def update_scores_csv(out_dir: str | os.PathLike, scores: Mapping[str, float]) -
             rows[str(stem)] = f"{float(score):.6f}"
         buf = io.StringIO()
         writer = csv.writer(buf, lineterminator="\n")
-        writer.writerow(["slide", "score"])
+        writer.writerow(SCORES_COLUMNS)
         for stem in sorted(rows):
             writer.writerow([stem, rows[stem]])
         with atomic_open(path, "w") as fh:

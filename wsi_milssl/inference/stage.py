@@ -35,6 +35,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from wsi_milssl import __version__
+from wsi_milssl.artifacts import HEATMAP_CONFIG_FILENAME, HEATMAP_STATUS_COLUMNS, HEATMAP_STATUS_FILENAME
 from wsi_milssl.atomic import atomic_open
 from wsi_milssl.config.base import config_to_dict
 from wsi_milssl.config.heatmap import HeatmapConfig
@@ -70,9 +71,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-CONFIG_FILENAME = "heatmap_config.json"
-STATUS_FILENAME = "heatmap_status.csv"
-STATUS_COLUMNS = ("slide", "status", "n_patches", "score", "seconds", "error")
+# The folder's files, as the cross-stage contract (wsi_milssl.artifacts) names them.
+CONFIG_FILENAME = HEATMAP_CONFIG_FILENAME
+STATUS_FILENAME = HEATMAP_STATUS_FILENAME
+STATUS_COLUMNS = HEATMAP_STATUS_COLUMNS
 
 
 #: One slide to process (stem, slide file or None, store or None); see :class:`SlideInput`.

@@ -7,30 +7,29 @@ import os
 from pathlib import Path
 from typing import Iterable
 
+from wsi_milssl.cohorts import SLIDE_SUFFIXES, slide_stem, stem_key
 from wsi_milssl.errors import ConfigError
 
+# The one list of slide suffixes and the one stem rule live in wsi_milssl.cohorts (every stage uses them).
 __all__ = ["SLIDE_SUFFIXES", "find_slides", "slide_stem"]
 
-# File suffixes OpenSlide reads (a folder is searched for these).
-SLIDE_SUFFIXES = (".svs", ".tif", ".tiff", ".ndpi", ".vms", ".vmu", ".scn", ".mrxs", ".svslide", ".bif",
-                  ".czi", ".dcm")
-
-
-def slide_stem(path: str | os.PathLike) -> str:
-    """The name a slide's outputs are keyed by: the file name without its last suffix."""
-    return Path(path).stem
+#: Columns of a slide list that hold slide paths, in order of preference (``slide`` may hold a path
+#: or a bare name looked up beside the CSV).
+PATH_COLUMNS = ("path", "slide_path", "slide")
 
 
 def _from_csv(csv_path: Path, *, keep_missing: bool) -> list[Path]:
     try:
         with open(csv_path, newline="") as fh:
             reader = csv.DictReader(fh)
-            if not reader.fieldnames or "slide" not in [f.strip() for f in reader.fieldnames]:
+            names = [f.strip() for f in reader.fieldnames or []]
+            column = next((c for c in PATH_COLUMNS if c in names), None)
+            if column is None:
                 raise ConfigError(
-                    f"{csv_path}: no 'slide' column (columns: {', '.join(reader.fieldnames or []) or 'none'}). "
-                    "Fix: add a header row with a 'slide' column of slide paths or names."
+                    f"{csv_path}: no 'slide' or 'path' column (columns: {', '.join(names) or 'none'}). "
+                    "Fix: add a header row with a 'slide' column of slide paths or names (or 'slide,path')."
                 )
-            key = next(f for f in reader.fieldnames if f.strip() == "slide")
+            key = reader.fieldnames[names.index(column)]
             entries = [(row.get(key) or "").strip() for row in reader]
     except (OSError, UnicodeDecodeError, csv.Error) as exc:
         raise ConfigError(f"{csv_path}: cannot read the slide list ({exc}). Fix: give a UTF-8 CSV file.") from None
@@ -64,7 +63,8 @@ def _from_csv(csv_path: Path, *, keep_missing: bool) -> list[Path]:
 
 def find_slides(inputs: Iterable[str | os.PathLike], *, keep_missing: bool = False) -> list[Path]:
     """Slide paths from files, folders (slides directly inside, by suffix) and CSV files with a
-    ``slide`` column, in the order given, without duplicates.
+    ``path`` or ``slide`` column (``wsi-milssl prepare`` writes ``slide,path``), in the order given,
+    without duplicates. Suffixes and stems follow :mod:`wsi_milssl.cohorts`.
 
     A folder whose name ends in a slide suffix (``x.svs/``) is returned as a slide, not searched:
     opening it fails for that slide alone. Raises ConfigError for an empty folder, a CSV without a
@@ -105,7 +105,7 @@ def find_slides(inputs: Iterable[str | os.PathLike], *, keep_missing: bool = Fal
             add(p)
     stems: dict[str, Path] = {}
     for p in found:
-        other = stems.setdefault(slide_stem(p), p)
+        other = stems.setdefault(stem_key(p), p)  # stems that differ only in case name the same slide
         if other != p:
             raise ConfigError(
                 f"slides {other} and {p} have the same name {slide_stem(p)!r}, so their stores would collide. "

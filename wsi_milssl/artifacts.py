@@ -1,0 +1,364 @@
+"""The contract of every output after the patch store: heatmap files, detections, scores, evaluation.
+
+``docs/artifacts.md`` documents the same contract for people (as ``store/schema.py`` does for the
+stores); the heatmap stage writes with these names and formats and the evaluation stage reads with
+them, so change both here. Coordinates are level-0 pixels of the slide, x to the right, y down.
+
+Heatmap folder (``wsi-milssl heatmap --out DIR``; ``OUT/heatmaps/test`` in a pipeline run), per slide
+``<stem>`` (:func:`wsi_milssl.cohorts.slide_stem`):
+
+======================  =====================================================================
+file                    contents
+======================  =====================================================================
+``_probs.npy``          float32 (rows, cols) probability map on the patch grid, NaN = no patch
+``_probs.json``         sidecar (:data:`SIDECAR_KEYS`): cell (r, c) is the patch with level-0
+                        top-left ``(origin_x + c * stride_lv0, origin_y + r * stride_lv0)``
+``_probs.tif``          the same map as one float32 page (resolution = one grid cell)
+``_patches.csv``        ``x_lv0,y_lv0,prob`` (:data:`PATCHES_COLUMNS`), one row per patch (top-left)
+``_patches.geojson``    QuPath detections, one square per patch, measurement ``tumor_probability``
+``_detections.csv``     CAMELYON16 detections: ``prob,x,y`` per line, no header, x and y integers
+                        (the level-0 pixel holding the patch centre, :func:`detection_point_lv0`)
+``_heatmap.png``        overlay on the slide thumbnail (PNG text chunk ``wsi-milssl``: geometry)
+======================  =====================================================================
+
+Per folder: :data:`SCORES_FILENAME` (``slide,score``), :data:`HEATMAP_STATUS_FILENAME`
+(:data:`HEATMAP_STATUS_COLUMNS`) and :data:`HEATMAP_CONFIG_FILENAME` (settings, checkpoint, tiling).
+
+Evaluation folder (``wsi-milssl evaluate --out DIR``; ``OUT/evaluation``): :data:`EVALUATION_FILES`.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from wsi_milssl.errors import EvaluationError
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "HEATMAP_FILES",
+    "HEATMAP_CONFIG_FILENAME",
+    "HEATMAP_STATUS_FILENAME",
+    "HEATMAP_STATUS_COLUMNS",
+    "HEATMAP_STATUSES",
+    "SCORES_FILENAME",
+    "SCORES_COLUMNS",
+    "PATCHES_COLUMNS",
+    "SIDECAR_KEYS",
+    "MEASUREMENT_NAME",
+    "EVALUATION_FILES",
+    "PER_SLIDE_COLUMNS",
+    "DETECTION_OUTCOME_COLUMNS",
+    "FROC_CURVE_COLUMNS",
+    "Detections",
+    "PredictionFiles",
+    "heatmap_paths",
+    "parse_heatmap_name",
+    "detection_point_lv0",
+    "format_detection",
+    "read_detections",
+    "read_patch_probs",
+    "read_probs_sidecar",
+    "read_scores",
+    "read_heatmap_config",
+    "find_predictions",
+]
+
+#: Version of the layout below; recorded in every ``_probs.json`` sidecar.
+SCHEMA_VERSION = 1
+
+#: Per-slide files of a heatmap folder: kind -> suffix after the slide stem.
+HEATMAP_FILES: dict[str, str] = {
+    "probs_npy": "_probs.npy",
+    "probs_json": "_probs.json",
+    "probs_tif": "_probs.tif",
+    "patches_csv": "_patches.csv",
+    "patches_geojson": "_patches.geojson",
+    "detections_csv": "_detections.csv",
+    "heatmap_png": "_heatmap.png",
+}
+
+HEATMAP_CONFIG_FILENAME = "heatmap_config.json"
+HEATMAP_STATUS_FILENAME = "heatmap_status.csv"
+HEATMAP_STATUS_COLUMNS = ("slide", "status", "n_patches", "score", "seconds", "error")
+#: ``ok``: every file written; ``failed``: ``error`` says why; ``empty``: no patch, no files, no score.
+HEATMAP_STATUSES = ("ok", "failed", "empty")
+SCORES_FILENAME = "scores.csv"
+SCORES_COLUMNS = ("slide", "score")
+PATCHES_COLUMNS = ("x_lv0", "y_lv0", "prob")
+
+#: Keys every ``_probs.json`` sidecar holds (more are kept: provenance, thresholds).
+SIDECAR_KEYS = ("slide", "slide_path", "origin_lv0", "stride_lv0", "patch_size_lv0", "mpp", "shape")
+
+#: QuPath measurement holding a patch's probability in ``_patches.geojson``.
+MEASUREMENT_NAME = "tumor_probability"
+
+#: Files of an evaluation folder: kind -> file name.
+EVALUATION_FILES: dict[str, str] = {
+    "metrics": "metrics.json",
+    "per_slide": "per_slide.csv",
+    "detection_outcomes": "detection_outcomes.csv",
+    "froc_curve": "froc_curve.csv",
+    "froc_png": "froc.png",
+    "roc_instance_png": "roc_instance.png",
+    "roc_bag_png": "roc_bag.png",
+    "config": "config.json",
+    "report": "report.html",
+}
+
+PER_SLIDE_COLUMNS = (
+    "slide", "label", "n_detections", "n_fp", "n_lesions", "n_lesions_detected", "n_itc",
+    "n_repeat_hits", "n_itc_hits", "max_prob", "score", "n_patches", "n_positive_patches",
+    "instance_auc", "mpp",
+)
+DETECTION_OUTCOME_COLUMNS = ("slide", "prob", "x_lv0", "y_lv0", "outcome", "region")
+FROC_CURVE_COLUMNS = ("threshold", "fp_per_slide", "sensitivity")
+
+
+# ----------------------------------------------------------------------------------------------
+# Names
+# ----------------------------------------------------------------------------------------------
+
+def heatmap_paths(out_dir: str | os.PathLike, stem: str) -> dict[str, Path]:
+    """Every per-slide file of ``stem`` in the heatmap folder ``out_dir``, by kind."""
+    d = Path(out_dir)
+    return {kind: d / f"{stem}{suffix}" for kind, suffix in HEATMAP_FILES.items()}
+
+
+# Longest suffix first, so that ``x_probs.ome.tif`` is never read as a ``_probs.tif`` of ``x_probs.ome``.
+_BY_LENGTH = sorted(HEATMAP_FILES.items(), key=lambda item: -len(item[1]))
+
+
+def parse_heatmap_name(name: str) -> tuple[str, str] | None:
+    """``"Tumor_001_detections.csv"`` -> ``("Tumor_001", "detections_csv")``; None for other names."""
+    for kind, suffix in _BY_LENGTH:
+        if name.endswith(suffix) and len(name) > len(suffix):
+            return name[: -len(suffix)], kind
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Detections (CAMELYON16)
+# ----------------------------------------------------------------------------------------------
+
+def detection_point_lv0(top_left_lv0: np.ndarray | int, patch_size_lv0: int) -> np.ndarray:
+    """int64: the level-0 pixel that holds the centre of a patch (``top_left + patch_size // 2``).
+
+    For an odd side (2107 px at 10x/512 px on a 0.243 µm/px slide) the centre point
+    ``top_left + side / 2`` lies inside pixel ``top_left + side // 2``; for an even side it lies on
+    the corner shared by four pixels and the lower-right one is taken. Either way the challenge's
+    reader (``int(x)``) parses it.
+    """
+    return np.asarray(top_left_lv0, dtype=np.int64) + int(patch_size_lv0) // 2
+
+
+def format_detection(prob: float, x_lv0: int, y_lv0: int) -> str:
+    """One detection line ``prob,x,y\\n``: probability with 6 decimals, integer level-0 pixels."""
+    if not (isinstance(x_lv0, (int, np.integer)) and isinstance(y_lv0, (int, np.integer))):
+        raise TypeError(f"detection coordinates must be integers (level-0 pixels); got {x_lv0!r}, {y_lv0!r}.")
+    return f"{float(prob):.6f},{int(x_lv0)},{int(y_lv0)}\n"
+
+
+@dataclass(frozen=True)
+class Detections:
+    """One slide's detections: float64 (D,) probability and level-0 (x, y) pixel position."""
+
+    probs: np.ndarray
+    x_lv0: np.ndarray
+    y_lv0: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.probs.shape[0])
+
+
+def _float(text: str, path: Path, line: int, column: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise EvaluationError(
+            f"{path}: line {line}: {column} {text.strip()!r} is not a number. Fix: write numbers only."
+        ) from None
+    if not math.isfinite(value):
+        raise EvaluationError(f"{path}: line {line}: {column} is {text.strip()!r}; it must be a finite number.")
+    return value
+
+
+def read_detections(path: str | os.PathLike) -> Detections:
+    """Read a CAMELYON16 detection CSV: ``prob,x,y`` per line, level-0 pixels, no header.
+
+    An empty file means no detections. A first line ``prob,x,y`` (a header) and fractional
+    coordinates (files of other tools) are tolerated; this package writes integers.
+    """
+    path = Path(path)
+    probs: list[float] = []
+    xs: list[float] = []
+    ys: list[float] = []
+    try:
+        fh = open(path, newline="")
+    except OSError as exc:
+        raise EvaluationError(f"{path}: cannot read the detections file ({exc.strerror}).") from None
+    with fh:
+        for line_no, row in enumerate(csv.reader(fh), start=1):
+            if not row or all(not c.strip() for c in row):
+                continue
+            if line_no == 1 and [c.strip().lower() for c in row] == ["prob", "x", "y"]:
+                continue
+            if len(row) != 3:
+                raise EvaluationError(
+                    f"{path}: line {line_no}: expected 3 values 'prob,x,y' (CAMELYON16 detections, level-0 "
+                    f"pixels), got {len(row)}. Fix: write one detection per line as prob,x,y."
+                )
+            probs.append(_float(row[0], path, line_no, "prob"))
+            xs.append(_float(row[1], path, line_no, "x"))
+            ys.append(_float(row[2], path, line_no, "y"))
+    return Detections(np.asarray(probs, dtype=np.float64), np.asarray(xs, dtype=np.float64),
+                      np.asarray(ys, dtype=np.float64))
+
+
+# ----------------------------------------------------------------------------------------------
+# Patch probabilities, sidecar, scores, heatmap config
+# ----------------------------------------------------------------------------------------------
+
+def read_patch_probs(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray]:
+    """Read ``<stem>_patches.csv`` (header ``x_lv0,y_lv0,prob``): int64 (N, 2) level-0 top-left
+    coordinates and float64 (N,) probabilities."""
+    path = Path(path)
+    try:
+        fh = open(path, newline="")
+    except OSError as exc:
+        raise EvaluationError(f"{path}: cannot read the patch probabilities ({exc.strerror}).") from None
+    coords: list[tuple[float, float]] = []
+    probs: list[float] = []
+    with fh:
+        reader = csv.reader(fh)
+        header = [c.strip() for c in next(reader, [])]
+        if header != list(PATCHES_COLUMNS):
+            raise EvaluationError(
+                f"{path}: header is {','.join(header)!r}; expected {','.join(PATCHES_COLUMNS)!r}. Fix: write the "
+                "heatmap stage's patch table (one row per patch, level-0 top-left, probability)."
+            )
+        for line_no, row in enumerate(reader, start=2):
+            if not row:
+                continue
+            if len(row) != 3:
+                raise EvaluationError(f"{path}: line {line_no}: expected 3 values x_lv0,y_lv0,prob; got {len(row)}.")
+            coords.append((_float(row[0], path, line_no, "x_lv0"), _float(row[1], path, line_no, "y_lv0")))
+            probs.append(_float(row[2], path, line_no, "prob"))
+    xy = np.asarray(coords, dtype=np.float64).reshape(-1, 2)
+    return np.round(xy).astype(np.int64), np.asarray(probs, dtype=np.float64)
+
+
+def read_probs_sidecar(path: str | os.PathLike) -> dict:
+    """Read ``<stem>_probs.json`` and check ``patch_size_lv0`` (a positive number) is present."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise EvaluationError(f"{path}: cannot read the probability-map sidecar ({exc.strerror}).") from None
+    except json.JSONDecodeError as exc:
+        raise EvaluationError(f"{path}: invalid JSON at line {exc.lineno} ({exc.msg}).") from None
+    if not isinstance(data, dict):
+        raise EvaluationError(f"{path}: expected a JSON object with patch_size_lv0, mpp, origin_lv0, ...")
+    size = data.get("patch_size_lv0")
+    if isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0:
+        raise EvaluationError(
+            f"{path}: 'patch_size_lv0' is {size!r}; it must be the patch side in level-0 pixels (> 0)."
+        )
+    return data
+
+
+def read_scores(path: str | os.PathLike) -> dict[str, float]:
+    """Read ``scores.csv`` (header ``slide,score``) into {stem: score}."""
+    from wsi_milssl.cohorts import slide_stem
+
+    path = Path(path)
+    out: dict[str, float] = {}
+    try:
+        fh = open(path, newline="")
+    except OSError as exc:
+        raise EvaluationError(f"{path}: cannot read the slide scores ({exc.strerror}).") from None
+    with fh:
+        reader = csv.DictReader(fh)
+        if reader.fieldnames is None or not set(SCORES_COLUMNS) <= {f.strip() for f in reader.fieldnames}:
+            raise EvaluationError(
+                f"{path}: header must contain 'slide,score'; got {reader.fieldnames!r}."
+            )
+        for line_no, row in enumerate(reader, start=2):
+            row = {k.strip(): (v or "") for k, v in row.items() if k is not None}
+            stem = slide_stem(row["slide"].strip())
+            if stem in out:
+                raise EvaluationError(f"{path}: line {line_no}: slide {stem!r} is listed twice.")
+            out[stem] = _float(row["score"], path, line_no, "score")
+    return out
+
+
+def read_heatmap_config(directory: str | os.PathLike) -> dict[str, Any] | None:
+    """The heatmap folder's ``heatmap_config.json`` as a dict, or None when absent or unreadable."""
+    path = Path(directory) / HEATMAP_CONFIG_FILENAME
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+# ----------------------------------------------------------------------------------------------
+# A folder of predictions
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PredictionFiles:
+    """The prediction files found for one slide stem (None where absent)."""
+
+    stem: str
+    detections: Path | None = None
+    patches: Path | None = None
+    sidecar: Path | None = None
+    probs_npy: Path | None = None
+    heatmap_png: Path | None = None
+
+
+#: Heatmap file kinds the evaluation reads -> PredictionFiles field.
+_EVALUATED_KINDS = {"detections_csv": "detections", "patches_csv": "patches", "probs_json": "sidecar",
+                    "probs_npy": "probs_npy", "heatmap_png": "heatmap_png"}
+
+
+def find_predictions(directory: str | os.PathLike, *, known_stems: Iterable[str] = ()
+                     ) -> dict[str, PredictionFiles]:
+    """Find prediction files per slide stem in ``directory`` (sorted by stem).
+
+    ``<stem>_detections.csv`` files always count; a plain ``<stem>.csv`` (CAMELYON16 submission
+    naming) counts as a detection file only when ``stem`` is in ``known_stems`` (the labelled
+    slides; case-insensitive) and has no ``_detections.csv``.
+    """
+    from wsi_milssl.cohorts import stem_key
+
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise EvaluationError(
+            f"{directory}: the predictions folder does not exist. Fix: pass the heatmap output folder."
+        )
+    found: dict[str, dict[str, Path]] = {}
+    plain_csv: dict[str, Path] = {}
+    for p in sorted(directory.iterdir()):
+        if not p.is_file():
+            continue
+        parsed = parse_heatmap_name(p.name)
+        if parsed is not None:
+            stem, kind = parsed
+            if kind in _EVALUATED_KINDS:
+                found.setdefault(stem, {})[_EVALUATED_KINDS[kind]] = p
+        elif p.suffix == ".csv" and p.name not in (SCORES_FILENAME, HEATMAP_STATUS_FILENAME):
+            plain_csv[p.stem] = p
+    known = {stem_key(s) for s in known_stems}
+    for stem, p in plain_csv.items():
+        if stem_key(stem) in known and "detections" not in found.get(stem, {}):
+            found.setdefault(stem, {})["detections"] = p
+    return {stem: PredictionFiles(stem=stem, **files) for stem, files in sorted(found.items())}
