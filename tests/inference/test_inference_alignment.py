@@ -27,7 +27,23 @@ GEOMETRIES = {
     "exact-level": (1.0, 32, None, (8, 10)),      # 128 lv0 px patches read at level 2 as they are
     "resized": (1.5, 32, None, (5, 7)),           # 192 lv0 px, read as 48 px at level 2, resized to 32
     "overlapping": (1.0, 32, 16, (16, 20)),       # 128 lv0 px patches every 64 lv0 px
+    # 97 lv0 px: an odd side, as 10x / 512 px on a 0.243 µm/px CAMELYON16 slide (2107 px); the
+    # patch centre is a half pixel, the detection must still be an integer pixel inside the square
+    "odd-side": (0.7578125, 32, None, (8, 10)),
 }
+
+
+def challenge_read_csv(csvDIR):
+    """``readCSVContent`` of the CAMELYON16 evaluation script (Evaluation_FROC.py), line for line."""
+    Xcorr, Ycorr, Probs = ([] for i in range(3))
+    csv_lines = open(csvDIR, "r").readlines()
+    for i in range(len(csv_lines)):
+        line = csv_lines[i]
+        elems = line.rstrip().split(',')
+        Probs.append(float(elems[0]))
+        Xcorr.append(int(elems[1]))
+        Ycorr.append(int(elems[2]))
+    return Probs, Xcorr, Ycorr
 
 
 def _expected(geometry):
@@ -94,11 +110,17 @@ def test_one_positive_patch_lands_on_its_square_in_every_output(tmp_path, marker
     ring = hot[0]["geometry"]["coordinates"][0]
     assert ring == [[x, y], [x + patch_lv0, y], [x + patch_lv0, y + patch_lv0], [x, y + patch_lv0], [x, y]]
 
-    # 5. detections: the strongest is at the square's centre
+    # 5. detections: the strongest is at the pixel holding the square's centre, and the challenge's own
+    #    reader (int(x), int(y)) parses every line
     dets = read_detections(out / f"{stem}_detections.csv")
     assert dets.probs[0] > 0.99
-    assert (dets.x_lv0[0], dets.y_lv0[0]) == (x + patch_lv0 / 2, y + patch_lv0 / 2)
+    assert (dets.x_lv0[0], dets.y_lv0[0]) == (x + patch_lv0 // 2, y + patch_lv0 // 2)
     assert (dets.probs[1:] < 0.5).all()
+    probs_c, xs_c, ys_c = challenge_read_csv(out / f"{stem}_detections.csv")
+    assert len(probs_c) == len(dets) >= 1
+    assert (xs_c[0], ys_c[0]) == (x + patch_lv0 // 2, y + patch_lv0 // 2)
+    assert x <= xs_c[0] < x + patch_lv0 and y <= ys_c[0] < y + patch_lv0
+    assert (xs_c, ys_c) == (dets.x_lv0.astype(int).tolist(), dets.y_lv0.astype(int).tolist())
 
     # 6. overlay: exactly the thumbnail pixels whose centres lie in the cell's part of the slide changed
     png = Image.open(out / f"{stem}_heatmap.png")

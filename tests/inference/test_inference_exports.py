@@ -54,6 +54,15 @@ def test_nms_reports_maxima_at_patch_centres_and_suppresses_within_the_radius():
     assert len(_nms(np.full((2, 2), np.nan))[0]) == 0
 
 
+def test_nms_places_detections_on_the_pixel_holding_an_odd_patch_centre():
+    grid = np.zeros((3, 3), np.float32)
+    grid[1, 2] = 0.9
+    p, x, y = _nms(grid, stride_lv0=2107, patch_size_lv0=2107, mpp=0.243, origin=(5, 7))
+    assert x.dtype == np.int64 and y.dtype == np.int64
+    # centre point 5 + 2 * 2107 + 1053.5 lies inside pixel 5 + 2 * 2107 + 1053
+    assert (x[0], y[0]) == (5 + 2 * 2107 + 1053, 7 + 2107 + 1053)
+
+
 def test_nms_radius_is_centre_to_centre_distance_in_micrometres():
     grid = np.zeros((1, 6), np.float32)
     grid[0, 0], grid[0, 3] = 0.9, 0.8  # centres 300 lv0 px = 150 µm apart at 0.5 µm/px
@@ -83,11 +92,14 @@ def test_written_files_read_back_with_the_evaluation_readers(tmp_path):
     f = fc["features"][2]
     assert f["properties"] == {"objectType": "detection", "measurements": {MEASUREMENT_NAME: 0.875}}
     assert f["geometry"]["coordinates"][0] == [[0, 256], [256, 256], [256, 512], [0, 512], [0, 256]]
-    write_detections_csv(tmp_path / "s1_detections.csv", [0.875, 0.5], [128.0, 384.5], [384.0, 128.0])
+    write_detections_csv(tmp_path / "s1_detections.csv", [0.875, 0.5], [128.0, 384], np.array([384, 128]))
     text = (tmp_path / "s1_detections.csv").read_text()
-    assert text == "0.875000,128,384\n0.500000,384.5,128\n"  # CAMELYON16: prob,x,y, no header
+    assert text == "0.875000,128,384\n0.500000,384,128\n"  # CAMELYON16: prob,x,y, integers, no header
     dets = read_detections(tmp_path / "s1_detections.csv")
-    assert dets.x_lv0.tolist() == [128.0, 384.5]
+    assert dets.x_lv0.tolist() == [128.0, 384.0]
+    with pytest.raises(ValueError, match="x_lv0 384.5 is not a whole level-0 pixel"):
+        write_detections_csv(tmp_path / "s2_detections.csv", [0.5], [384.5], [128])
+    assert not (tmp_path / "s2_detections.csv").exists()
     found = find_predictions(tmp_path)
     assert found["s1"].detections and found["s1"].patches and found["s1"].sidecar and found["s1"].probs_npy
     assert not list(tmp_path.glob(".*tmp*"))  # no temporary files left

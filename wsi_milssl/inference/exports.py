@@ -25,6 +25,8 @@ from wsi_milssl.artifacts import (
     SCORES_COLUMNS,
     SCORES_FILENAME,
     SIDECAR_KEYS,
+    detection_point_lv0,
+    format_detection,
     heatmap_paths,
 )
 from wsi_milssl.atomic import atomic_open
@@ -48,12 +50,6 @@ def output_paths(out_dir: str | os.PathLike, stem: str) -> dict[str, Path]:
     return heatmap_paths(out_dir, stem)
 
 
-def _num(value: float) -> str:
-    """A coordinate as text: an integer when whole, else with one decimal (patch centres of odd sizes)."""
-    v = float(value)
-    return str(int(v)) if v.is_integer() else f"{v:.1f}"
-
-
 # ----------------------------------------------------------------------------------------------
 # Non-maximum suppression
 # ----------------------------------------------------------------------------------------------
@@ -64,11 +60,13 @@ def nms_detections(grid: np.ndarray, *, origin_lv0: tuple[int, int], stride_lv0:
     """Detections from a probability map by non-maximum suppression.
 
     Repeat until no unsuppressed cell with probability >= ``threshold`` is left: report the highest
-    remaining cell at its patch centre (level-0 ``origin + (c, r) * stride + patch / 2``), then
-    suppress every cell whose centre is within ``radius_um`` µm of it (centre-to-centre distance
-    ``<= radius_um / mpp`` level-0 px). Ties are broken in row-major order.
+    remaining cell at the level-0 pixel holding its patch centre (``origin + (c, r) * stride +
+    patch // 2``, :func:`wsi_milssl.artifacts.detection_point_lv0`: integers, as the CAMELYON16
+    reader needs, also for odd patch sides), then suppress every cell whose centre is within
+    ``radius_um`` µm of it (centre-to-centre distance ``<= radius_um / mpp`` level-0 px). Ties are
+    broken in row-major order.
 
-    Returns (prob float64 (D,), x_lv0 float64 (D,), y_lv0 float64 (D,)), highest probability first.
+    Returns (prob float64 (D,), x_lv0 int64 (D,), y_lv0 int64 (D,)), highest probability first.
     """
     grid = np.asarray(grid, dtype=np.float64)
     if mpp <= 0 or stride_lv0 <= 0:
@@ -78,7 +76,7 @@ def nms_detections(grid: np.ndarray, *, origin_lv0: tuple[int, int], stride_lv0:
     flat = values.ravel()
     cand = np.flatnonzero(flat >= threshold)
     if cand.size == 0:
-        return np.zeros(0), np.zeros(0), np.zeros(0)
+        return np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64)
     order = cand[np.argsort(-flat[cand], kind="stable")]
     radius_cells = float(radius_um) / float(mpp) / float(stride_lv0)
     k = int(math.floor(radius_cells))
@@ -97,10 +95,9 @@ def nms_detections(grid: np.ndarray, *, origin_lv0: tuple[int, int], stride_lv0:
         suppressed[rr[ok] * cols + cc[ok]] = True
     picked_arr = np.asarray(picked, dtype=np.int64)
     r, c = np.divmod(picked_arr, cols)
-    half = patch_size_lv0 / 2.0
-    x = origin_lv0[0] + c * float(stride_lv0) + half
-    y = origin_lv0[1] + r * float(stride_lv0) + half
-    return flat[picked_arr].astype(np.float64), x.astype(np.float64), y.astype(np.float64)
+    x = detection_point_lv0(int(origin_lv0[0]) + c * int(stride_lv0), patch_size_lv0)
+    y = detection_point_lv0(int(origin_lv0[1]) + r * int(stride_lv0), patch_size_lv0)
+    return flat[picked_arr].astype(np.float64), x, y
 
 
 # ----------------------------------------------------------------------------------------------
@@ -174,10 +171,24 @@ def write_patches_geojson(path: str | os.PathLike, coords_lv0: np.ndarray, probs
 
 
 def write_detections_csv(path: str | os.PathLike, probs: np.ndarray, x_lv0: np.ndarray, y_lv0: np.ndarray) -> Path:
-    """CAMELYON16 detections: ``prob,x,y`` per line, level-0 pixels, no header."""
+    """CAMELYON16 detections: ``prob,x,y`` per line, integer level-0 pixels, no header
+    (:func:`wsi_milssl.artifacts.format_detection`).
+
+    ``x_lv0`` / ``y_lv0`` must be whole numbers (ValueError otherwise): place a detection on a pixel
+    with :func:`wsi_milssl.artifacts.detection_point_lv0`, as :func:`nms_detections` does.
+    """
+    probs = np.asarray(probs, dtype=np.float64).reshape(-1)
+    xy = [np.asarray(v, dtype=np.float64).reshape(-1) for v in (x_lv0, y_lv0)]
+    if not (len(probs) == len(xy[0]) == len(xy[1])):
+        raise ValueError(f"detections: {len(probs)} probabilities but {len(xy[0])} x and {len(xy[1])} y values.")
+    for name, values in zip(("x_lv0", "y_lv0"), xy):
+        bad = ~np.isfinite(values) | (values != np.round(values))
+        if bad.any():
+            raise ValueError(f"detections: {name} {float(values[bad][0])!r} is not a whole level-0 pixel; the CAMELYON16 "
+                             "reader parses coordinates with int(). Use wsi_milssl.artifacts.detection_point_lv0.")
+    xs, ys = (v.astype(np.int64).tolist() for v in xy)
     with atomic_open(path, "w") as fh:
-        for p, x, y in zip(np.asarray(probs).tolist(), np.asarray(x_lv0).tolist(), np.asarray(y_lv0).tolist()):
-            fh.write(f"{p:.6f},{_num(x)},{_num(y)}\n")
+        fh.write("".join(format_detection(p, x, y) for p, x, y in zip(probs.tolist(), xs, ys)))
     return Path(path)
 
 
