@@ -29,6 +29,7 @@ COMMANDS = {
     "evaluate": "evaluate",
     "label": "label",
     "annotations": "annotations",
+    "features": "features",
     "train": "train",
     "benchmark": "benchmark",
     "heatmap": "heatmap",

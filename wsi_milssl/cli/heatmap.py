@@ -1,4 +1,8 @@
-"""``wsi-milssl heatmap SLIDE... --model RUN_DIR/best.pt --out DIR``: probability maps, overlays and exports."""
+"""``wsi-milssl heatmap SLIDE... --model RUN_DIR/best.pt --out DIR``: probability maps, overlays and exports.
+
+With ``--features FILES_OR_DIRS`` and a feature-head checkpoint (``train`` in feature mode) the head's
+instance probabilities are drawn on the coordinates of the feature files instead.
+"""
 
 from __future__ import annotations
 
@@ -74,7 +78,10 @@ def register(subparsers) -> None:
             "examples:\n"
             "  wsi-milssl heatmap slides/ --model runs/r1/best.pt --out heatmaps/\n"
             "  wsi-milssl heatmap slides/a.tif --model runs/r1 --out hm/ --annotations slides/\n"
-            "  wsi-milssl heatmap --store stores/ --model runs/r1/best.pt --out hm/   (slides from the stores)"
+            "  wsi-milssl heatmap --store stores/ --model runs/r1/best.pt --out hm/   (slides from the stores)\n"
+            "  wsi-milssl heatmap slides/ --features feats/ --model runs/f1/best.pt --out hm/\n"
+            "                        (a feature head: its probabilities on the feature files' coordinates;\n"
+            "                         SLIDE is optional there, for overlays and for files without the µm/px)"
         ),
         formatter_class=HelpFormatter,
     )
@@ -91,6 +98,9 @@ def register(subparsers) -> None:
                         "one --out. Under torchrun: rank/world size")
     p.add_argument("--store", type=Path, nargs="+", default=None, metavar="STORE_OR_DIR",
                    help="read patches from these stores (files or folders) instead of tiling the slides")
+    p.add_argument("--features", type=Path, nargs="+", default=None, metavar="FILE_OR_DIR",
+                   help="feature files (wsi-milssl features, TRIDENT, CLAM) or folders of them, with a feature-head "
+                        "--model: its per-patch probabilities on their coordinates")
     p.add_argument("--annotations", type=Path, default=None, metavar="DIR",
                    help="folder of <stem>.xml / <stem>.geojson annotations to outline on the overlays")
     p.add_argument("--config", type=Path, default=None, metavar="TOML",
@@ -152,7 +162,39 @@ def _use_local_gpu(local_rank: int) -> None:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
 
 
+def _run_features(args: argparse.Namespace) -> int:
+    """``--features``: a feature head's probabilities on the feature files' coordinates."""
+    from wsi_milssl.cli.progress import TqdmProgress
+    from wsi_milssl.errors import ConfigError
+    from wsi_milssl.inference.feature_maps import make_feature_heatmaps
+    from wsi_milssl.tiling import find_slides
+
+    try:
+        if args.store is not None:
+            raise ConfigError("--features and --store are two sources of the same patches; pass one.")
+        config = heatmap_config_from_args(args)
+        slides = find_slides(args.slides) if args.slides else []
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    with TqdmProgress() as progress:
+        result = make_feature_heatmaps(args.features, args.model, args.out, config, slides=slides,
+                                       annotations_dir=args.annotations, progress=progress)
+    ok = [r for r in result.results if r.status == "ok"]
+    print(f"heatmaps of {len(result.results)} feature file(s): {len(ok)} ok, {result.n_failed} failed, "
+          f"{result.n_empty} empty; {sum(r.n_patches for r in ok)} patches in {result.seconds:.1f} s -> {result.out_dir}")
+    for r in ok:
+        print(f"  {r.slide}: score {r.score:.4f}, {r.n_patches} patches")
+    print(f"scores: {result.scores_csv}; status: {result.status_csv}")
+    for r in result.results:
+        if r.status != "ok":
+            print(f"{r.status}: {r.slide}: {r.error}", file=sys.stderr)
+    return 0 if result.ok else 1
+
+
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "features", None) is not None:
+        return _run_features(args)
     from wsi_milssl.cli.progress import TqdmProgress
     from wsi_milssl.errors import ConfigError
     from wsi_milssl.inference import make_heatmaps

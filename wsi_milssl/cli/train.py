@@ -123,27 +123,22 @@ def train_config_from_args(args: argparse.Namespace, *, mode: str, base: dict | 
 
 
 def detect_mode(inputs: list[Path]) -> str:
-    """'mil-csv' for .csv inputs, 'features' for HDF5 files with 'features' and no 'patches', else 'images'."""
+    """'mil-csv' for .csv inputs; 'features' when the first HDF5 file given, or found in a folder given,
+    holds 'features' and no 'patches' (this project's, TRIDENT's and CLAM's feature files); else 'images'."""
+    from wsi_milssl.features.schema import is_feature_file
+
     if inputs and all(p.suffix.lower() == ".csv" for p in inputs):
         return "mil-csv"
-    h5 = [p for p in inputs if p.suffix.lower() in (".h5", ".hdf5") and p.is_file()]
-    if h5:
-        import h5py
-
-        try:
-            with h5py.File(h5[0], "r") as fh:
-                if "features" in fh and "patches" not in fh:
-                    return "features"
-        except OSError:
-            pass
-    return "images"
+    h5 = [p for p in _expand_feature_inputs(inputs) if p.suffix.lower() in (".h5", ".hdf5") and p.is_file()]
+    return "features" if h5 and is_feature_file(h5[0]) else "images"
 
 
 def _expand_feature_inputs(inputs: list[Path]) -> list[Path]:
+    """Files as given; folders: their .h5/.hdf5 files (not hidden), sorted."""
     out: list[Path] = []
     for p in inputs:
         if p.is_dir():
-            out += sorted(q for q in p.iterdir() if q.suffix.lower() in (".h5", ".hdf5"))
+            out += sorted(q for q in p.iterdir() if q.suffix.lower() in (".h5", ".hdf5") and not q.name.startswith("."))
         else:
             out.append(p)
     return out
@@ -180,13 +175,15 @@ def register(subparsers) -> None:
             "examples:\n"
             "  wsi-milssl train stores/ --labels slides/labels.csv --out runs/r1 --val val_stores/\n"
             "  wsi-milssl train musk1.csv --out runs/musk1          (MIL CSV: label,bag_id,f1..fn)\n"
-            "  wsi-milssl train feats/*.h5 --labels labels.csv --out runs/f1  (HDF5 'features')\n"
+            "  wsi-milssl train feats/ --labels labels.csv --out runs/f1   (HDF5 'features': files of\n"
+            "                        `wsi-milssl features`, TRIDENT or CLAM, as they are)\n"
             "  wsi-milssl train --resume runs/r1                     (continue an interrupted run)"
         ),
         formatter_class=HelpFormatter,
     )
     p.add_argument("inputs", nargs="*", type=Path, metavar="INPUTS",
-                   help="patch stores or folders of them, HDF5 feature files, or one MIL CSV")
+                   help="patch stores or folders of them, HDF5 feature files (wsi-milssl features, TRIDENT, CLAM) "
+                        "or folders of them, or one MIL CSV")
     p.add_argument("--labels", type=Path, default=None, metavar="CSV", help="slide,label CSV (1 = tumour)")
     p.add_argument("--out", type=Path, default=None, metavar="RUN_DIR", help="run folder (created)")
     p.add_argument("--val", type=Path, nargs="+", default=None, metavar="INPUTS",

@@ -11,6 +11,7 @@ from wsi_milssl.config.base import (
     write_resolved_config,
 )
 from wsi_milssl.config.evaluate import EvaluateConfig
+from wsi_milssl.config.features import FeaturesConfig
 from wsi_milssl.config.heatmap import HeatmapConfig
 from wsi_milssl.config.label import LabelConfig
 from wsi_milssl.config.synth import SynthConfig
@@ -21,6 +22,7 @@ __all__ = [
     "BenchmarkConfig",
     "TrainConfig",
     "EvaluateConfig",
+    "FeaturesConfig",
     "HeatmapConfig",
     "LabelConfig",
     "SynthConfig",

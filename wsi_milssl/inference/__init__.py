@@ -14,6 +14,8 @@
   probabilities, several slides in flight from one pool of readers (:func:`predict_many`).
 - :mod:`~wsi_milssl.inference.heatmap`: the probability grid and its overlay on the thumbnail.
 - :mod:`~wsi_milssl.inference.colormaps`: the colour-map registry.
+- :mod:`~wsi_milssl.inference.feature_maps`: the same files for a feature head over feature files
+  (``heatmap --features``).
 - :mod:`~wsi_milssl.inference.exports`: ``_probs.npy/.tif/.json``, ``_patches.csv/.geojson``,
   ``_detections.csv`` (non-maximum suppression) and ``scores.csv``.
 """
@@ -38,6 +40,7 @@ _EXPORTS = {
     "apply_colormap": "wsi_milssl.inference.colormaps",
     "fuse_batchnorm": "wsi_milssl.inference.model",
     "load_inference_model": "wsi_milssl.inference.model",
+    "make_feature_heatmaps": "wsi_milssl.inference.feature_maps",
     "make_heatmaps": "wsi_milssl.inference.stage",
     "match_inputs": "wsi_milssl.inference.stage",
     "nms_detections": "wsi_milssl.inference.exports",
@@ -46,6 +49,9 @@ _EXPORTS = {
     "predict_many": "wsi_milssl.inference.predict",
     "predict_slide": "wsi_milssl.inference.predict",
     "predict_store": "wsi_milssl.inference.predict",
+    "run_slides": "wsi_milssl.inference.predict",
+    "SlideOutputs": "wsi_milssl.inference.predict",
+    "PatchModel": "wsi_milssl.inference.model",
     "probability_grid": "wsi_milssl.inference.heatmap",
     "register_colormap": "wsi_milssl.inference.colormaps",
     "render_overlay": "wsi_milssl.inference.heatmap",
@@ -88,12 +94,15 @@ __all__ = [
     "InferenceModel",
     "InferenceRuntime",
     "Preprocess",
+    "PatchModel",
     "SlideInput",
+    "SlideOutputs",
     "SlidePrediction",
     "TilingSettings",
     "apply_colormap",
     "fuse_batchnorm",
     "load_inference_model",
+    "make_feature_heatmaps",
     "make_heatmaps",
     "match_inputs",
     "nms_detections",
@@ -102,6 +111,7 @@ __all__ = [
     "predict_many",
     "predict_slide",
     "predict_store",
+    "run_slides",
     "probability_grid",
     "register_colormap",
     "render_overlay",

@@ -205,48 +205,43 @@ def _label_for(name: str, labels: dict[str, int], source: str, labels_path: str)
 
 def read_feature_files(paths: Iterable[str | os.PathLike], labels: dict[str, int], *,
                        labels_path: str = "labels.csv") -> InstanceSet:
-    """Read instance feature vectors from HDF5 files.
+    """Read instance feature vectors from HDF5 feature files (:mod:`wsi_milssl.features.schema`).
 
-    Each file holds ``features`` float (N, D). A file with a ``bag_ids`` dataset (N,) (integers or
-    strings) holds several bags named by those ids; otherwise the whole file is one bag named by its
-    ``slide_stem`` attribute or file stem (a patch store with a ``features`` dataset works as is).
-    Bag labels come from ``labels`` (name -> 0/1); an optional ``instance_label`` dataset (N,) is kept for
-    evaluation.
+    Each file holds ``features`` float (N, D): files of ``wsi-milssl features``, TRIDENT's
+    ``extract_patch_features`` and CLAM's ``extract_features_fp.py`` are read as they are. A file with a
+    ``bag_ids`` dataset (N,) (integers or strings) holds several bags named by those ids; otherwise the
+    whole file is one bag named by its ``slide_stem`` attribute or file stem. A file without a row
+    (TRIDENT's features of a slide without patches) is left out with a warning. Bag labels come from
+    ``labels`` (name -> 0/1); an optional ``instance_label`` dataset (N,) is kept for evaluation.
+
+    ``settings`` of the result record the encoder the files name (``feature_encoder``, with its weights'
+    SHA-256), which a feature checkpoint keeps; files naming different encoders are refused.
     """
-    import h5py
+    from wsi_milssl.features.schema import read_feature_file
 
     feats_all, bag_all, inst_all = [], [], []
     names: list[str] = []
     index: dict[str, int] = {}
     bag_labels: list[int] = []
     have_inst = True
+    encoders: dict[tuple[str, str], Path] = {}
     paths = [Path(p) for p in paths]
     if not paths:
         raise ConfigError("no feature files given; pass one or more .h5 files holding a 'features' dataset.")
+    used: list[Path] = []
     for path in paths:
-        try:
-            fh = h5py.File(path, "r")
-        except (OSError, FileNotFoundError) as exc:
-            raise StoreError(f"{path}: cannot open as HDF5 ({exc}); pass .h5 files with a 'features' dataset.") from None
-        with fh:
-            if "features" not in fh:
-                raise StoreError(f"{path}: no 'features' dataset; extract features first or use image mode.")
-            feats = np.asarray(fh["features"][()], dtype=np.float32)
-            if feats.ndim != 2:
-                raise StoreError(f"{path}: 'features' must be 2-D (N, D); got shape {feats.shape}.")
-            if "bag_ids" in fh:
-                raw = fh["bag_ids"][()]
-                file_bags = [b.decode() if isinstance(b, bytes) else str(b) for b in raw.tolist()]
-            else:
-                stem = fh.attrs.get("slide_stem", path.stem)
-                stem = stem.decode() if isinstance(stem, bytes) else str(stem)
-                file_bags = [stem] * feats.shape[0]
-            if len(file_bags) != feats.shape[0]:
-                raise StoreError(f"{path}: 'bag_ids' has {len(file_bags)} rows but 'features' has {feats.shape[0]}.")
-            if "instance_label" in fh:
-                inst_all.append(np.asarray(fh["instance_label"][()], dtype=np.uint8))
-            else:
-                have_inst = False
+        ff = read_feature_file(path)
+        if len(ff) == 0:
+            log.warning("%s: no feature rows (a slide without patches); left out of the training set.", path)
+            continue
+        if ff.encoder is not None:
+            encoders.setdefault((ff.encoder, str(ff.attrs.get("encoder_weights_sha256") or "")), path)
+        feats = np.asarray(ff.features, dtype=np.float32)
+        file_bags = ff.bag_ids if ff.bag_ids is not None else [ff.stem] * feats.shape[0]
+        if ff.instance_label is not None:
+            inst_all.append(ff.instance_label)
+        else:
+            have_inst = False
         for b in dict.fromkeys(file_bags):
             if b in index:
                 raise ConfigError(f"{path}: bag {b!r} appears in more than one file; each bag must live in one file.")
@@ -255,6 +250,16 @@ def read_feature_files(paths: Iterable[str | os.PathLike], labels: dict[str, int
             bag_labels.append(_label_for(b, labels, str(path), labels_path))
         feats_all.append(feats)
         bag_all.append(np.array([index[b] for b in file_bags], dtype=np.int64))
+        used.append(path)
+    if not feats_all:
+        raise StoreError(f"{', '.join(str(p) for p in paths[:3])}: no feature rows in any file; extract features "
+                         "of slides with patches.")
+    if len(encoders) > 1:
+        (e1, w1), (e2, w2) = list(encoders)[:2]
+        raise ConfigError(
+            f"{encoders[(e1, w1)]} and {encoders[(e2, w2)]} hold features of different encoders ({e1} "
+            f"{w1[:12] or 'weights unknown'} vs {e2} {w2[:12] or 'weights unknown'}); a head needs one encoder's "
+            "features. Fix: extract every slide with the same encoder and weights.")
     dims = {f.shape[1] for f in feats_all}
     if len(dims) > 1:
         raise StoreError(f"feature files disagree on the feature length ({sorted(dims)}); use one extractor for all.")
@@ -262,9 +267,13 @@ def read_feature_files(paths: Iterable[str | os.PathLike], labels: dict[str, int
     order = np.argsort(bag_ids, kind="stable")
     features = np.concatenate(feats_all)[order]
     inst = np.concatenate(inst_all)[order] if have_inst and inst_all else None
+    settings: dict = {}
+    if encoders:
+        (encoder, sha), = encoders
+        settings = {"feature_encoder": encoder, "feature_encoder_weights_sha256": sha or None}
     return InstanceSet(kind="features", bag_ids=bag_ids[order], bag_names=names,
                        bag_labels=np.asarray(bag_labels, dtype=np.int64), instance_labels=inst,
-                       features=features, source=", ".join(str(p) for p in paths[:3]))
+                       features=features, settings=settings, source=", ".join(str(p) for p in used[:3]))
 
 
 def read_patch_stores(paths: Iterable[str | os.PathLike], labels: dict[str, int], *,

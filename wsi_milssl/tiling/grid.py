@@ -91,6 +91,23 @@ class TileGeometry:
         """int64 (N, 2) level-0 top-left (x, y) of every cell wholly inside the slide, row-major."""
         return grid_coords(self.dimensions_lv0, patch_size_lv0=self.patch_size_lv0, stride_lv0=self.stride_lv0)
 
+    def coords_attrs(self, *, name: str) -> dict:
+        """The CLAM / TRIDENT attributes of a ``coords`` dataset of patches cut with this geometry
+        (``docs/artifacts.md``): ``patch_size`` (side at the level read), ``patch_level``, ``downsample``,
+        ``level_dim``, ``patch_size_level0``, ``target_magnification``, ``level0_magnification``,
+        ``overlap`` (target px) and ``name`` (the slide stem)."""
+        return {
+            "patch_size": int(self.patch_size_level),
+            "patch_level": int(self.level),
+            "downsample": [float(self.level_downsample), float(self.level_downsample)],
+            "level_dim": [int(v) for v in self.level_dimensions],
+            "patch_size_level0": int(self.patch_size_lv0),
+            "target_magnification": float(self.target_magnification),
+            "level0_magnification": float(mpp_to_magnification(self.slide_mpp)),
+            "overlap": max(0, int(self.patch_size_px) - int(self.stride_px)),
+            "name": str(name),
+        }
+
     def grid_shape(self) -> tuple[int, int]:
         """(rows, cols) of the grid."""
         w, h = self.dimensions_lv0

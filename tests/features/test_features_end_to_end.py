@@ -1,0 +1,91 @@
+"""Acceptance (issue 17): on generated slides, `features` (random-weight ResNet50 trunk) then `train
+--mode features` then `heatmap --features` then `evaluate` run end to end, and the maps sit on the
+stores' grid; foreign feature files make heatmaps too; wrong pairings are refused."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+import pytest
+
+from feature_fixtures import write_clam_features
+from wsi_milssl.cli import main
+from wsi_milssl.features import read_feature_file
+from wsi_milssl.store import open_store
+
+
+@pytest.fixture(scope="module")
+def feature_run(tmp_path_factory, labelled_stores, synth_dir):
+    """features -> train on them: (feature folder, run folder)."""
+    root = tmp_path_factory.mktemp("feature_run")
+    feats, run = root / "feats", root / "run"
+    assert main(["features", str(labelled_stores), "--out", str(feats), "--encoder", "resnet50_trunc",
+                 "--weights", "random", "--workers", "1", "--batch-size", "32"]) == 0
+    assert main(["train", str(feats), "--mode", "features", "--labels", str(synth_dir / "labels.csv"), "--out",
+                 str(run), "--epochs", "3", "--mu", "0.2", "--mu-ramp-epochs", "1", "--threads", "1", "--no-plots"]) == 0
+    return feats, run
+
+
+def test_features_train_heatmap_evaluate_end_to_end(tmp_path, feature_run, labelled_stores, synth_dir):
+    feats, run = feature_run
+    assert read_feature_file(feats / "synth_000.h5").features.shape[1] == 1024
+    hm = tmp_path / "hm"
+    assert main(["heatmap", str(synth_dir), "--features", str(feats), "--model", str(run), "--out", str(hm),
+                 "--annotations", str(synth_dir), "--thumbnail-px", "256"]) == 0
+    for stem in ("synth_000", "synth_001"):
+        sidecar = json.loads((hm / f"{stem}_probs.json").read_text())
+        with open_store(labelled_stores / f"{stem}.h5") as store:
+            attrs, coords = store.attrs, store.coords
+        assert sidecar["stride_lv0"] == attrs["stride_lv0"] and sidecar["patch_size_lv0"] == attrs["patch_size_lv0"]
+        assert sidecar["origin_lv0"] == [0, 0] and sidecar["mpp"] == pytest.approx(attrs["mpp"])
+        assert sidecar["shape"] == [attrs["dimensions_lv0"][1] // attrs["stride_lv0"],
+                                    attrs["dimensions_lv0"][0] // attrs["stride_lv0"]]
+        probs = np.load(hm / f"{stem}_probs.npy")
+        assert np.isfinite(probs).sum() == len(coords)
+        with open(hm / f"{stem}_patches.csv", newline="") as fh:
+            rows = list(csv.DictReader(fh))
+        assert [[int(r["x_lv0"]), int(r["y_lv0"])] for r in rows] == coords.tolist()
+        assert (hm / f"{stem}_heatmap.png").stat().st_size > 0 and (hm / f"{stem}_detections.csv").exists()
+    ev = tmp_path / "ev"
+    assert main(["evaluate", "--predictions", str(hm), "--annotations", str(synth_dir), "--slides", str(synth_dir),
+                 "--labels", str(synth_dir / "labels.csv"), "--out", str(ev)]) == 0
+    metrics = json.loads((ev / "metrics.json").read_text())
+    assert metrics["froc"] is not None and metrics["instance_auc"] is not None and metrics["n_slides"] == 2
+    assert metrics["n_patches"] == sum(len(read_feature_file(p)) for p in feats.glob("*.h5"))
+
+
+def test_clam_files_without_attributes_make_heatmaps_with_the_slide(tmp_path, feature_run, synth_dir):
+    feats, run = feature_run
+    ours = read_feature_file(feats / "synth_000.h5")
+    clam = write_clam_features(tmp_path / "clam", "synth_000", ours.features, ours.coords)
+    hm = tmp_path / "hm"
+    assert main(["heatmap", str(synth_dir / "synth_000.tif"), "--features", str(clam), "--model", str(run),
+                 "--out", str(hm), "--thumbnail-px", "256"]) == 0
+    got = json.loads((hm / "synth_000_probs.json").read_text())
+    assert got["mpp"] == pytest.approx(0.25) and got["stride_lv0"] == 256 and got["shape"] == [16, 16]
+    mine = tmp_path / "mine"
+    assert main(["heatmap", "--features", str(feats / "synth_000.h5"), "--model", str(run), "--out", str(mine)]) == 0
+    np.testing.assert_array_equal(np.load(hm / "synth_000_probs.npy"), np.load(mine / "synth_000_probs.npy"))
+
+
+def test_heatmap_features_refuses_wrong_pairings(tmp_path, feature_run, labelled_stores, capsys):
+    from wsi_milssl.mil.models import create_model
+    from wsi_milssl.mil.checkpoint import save_checkpoint
+
+    feats, run = feature_run
+    assert main(["heatmap", "--features", str(feats), "--store", str(labelled_stores), "--model", str(run),
+                 "--out", str(tmp_path / "a")]) == 2
+    assert "--features and --store are two sources" in capsys.readouterr().err
+    image = save_checkpoint({"model": create_model("resnet18").state_dict(), "model_name": "resnet18",
+                             "model_kwargs": {}, "config": {"mode": "images"}}, tmp_path / "img" / "best.pt")
+    assert main(["heatmap", "--features", str(feats), "--model", str(image), "--out", str(tmp_path / "b")]) == 1
+    assert "classifies image patches, not feature vectors. Fix: drop --features" in capsys.readouterr().err
+    narrow = tmp_path / "narrow.h5"
+    from wsi_milssl.features import write_feature_file
+
+    write_feature_file(narrow, features=np.zeros((2, 8), np.float32), coords=np.array([[0, 0], [256, 0]]),
+                       attrs={"mpp": 0.25}, coords_attrs={}, features_attrs={"encoder": "resnet50_trunc"})
+    assert main(["heatmap", "--features", str(narrow), "--model", str(run), "--out", str(tmp_path / "c")]) == 1
+    assert "features of width 8, but the head was trained on 1024" in capsys.readouterr().err

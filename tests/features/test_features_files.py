@@ -1,0 +1,124 @@
+"""Feature files of TRIDENT and CLAM, written the way their code writes them, are read by `train` as
+they are; ours open the way their readers open theirs; grids of foreign files are placed or refused."""
+
+from __future__ import annotations
+
+import json
+
+import h5py
+import numpy as np
+import pytest
+
+from feature_fixtures import write_clam_features, write_trident_features
+from wsi_milssl.cli import main
+from wsi_milssl.cli.train import detect_mode
+from wsi_milssl.errors import ConfigError, StoreError
+from wsi_milssl.features import read_feature_file, write_feature_file
+from wsi_milssl.mil import read_checkpoint, read_feature_files
+
+
+def _bags(n_bags: int = 6, dim: int = 16, seed: int = 0):
+    """Bags of a 10x10 grid at 20x (512 level-0 px at 40x, 256 px patches); odd bags positive with a
+    shifted corner of patches."""
+    rng = np.random.default_rng(seed)
+    ys, xs = np.mgrid[0:10, 0:10]
+    coords = np.stack([xs.ravel() * 512, ys.ravel() * 512], axis=1).astype(np.int64)
+    out = []
+    for b in range(n_bags):
+        feats = rng.normal(size=(len(coords), dim)).astype(np.float32)
+        if b % 2:
+            feats[:20] += 3.0
+        out.append((f"slide_{b}", feats, coords, b % 2))
+    return out
+
+
+def _labels(path, bags, extra=()):
+    path.write_text("slide,label\n" + "".join(f"{name},{label}\n" for name, _, _, label in bags)
+                    + "".join(f"{name},0\n" for name in extra))
+    return path
+
+
+def test_train_reads_trident_feature_files_as_they_are(tmp_path, capsys):
+    folder = tmp_path / "trident" / "20x_256px_0px_overlap" / "features_conch_v15"
+    bags = _bags()
+    for name, feats, coords, _ in bags:
+        write_trident_features(folder, name, feats, coords, patch_size=256, src_mag=40, dst_mag=20, width=5120,
+                               height=5120)
+    # TRIDENT's file of a slide without patches: features of shape (0,)
+    write_trident_features(folder, "empty", np.empty((0,), np.float32), np.empty((0, 2), np.int64), patch_size=256,
+                           src_mag=40, dst_mag=20, width=5120, height=5120)
+    labels = _labels(tmp_path / "labels.csv", bags, extra=["empty"])
+    assert detect_mode([folder]) == "features"
+    run = tmp_path / "run"
+    rc = main(["train", str(folder), "--labels", str(labels), "--out", str(run), "--epochs", "3", "--threads", "1",
+               "--no-plots"])
+    assert rc == 0, capsys.readouterr().err
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["data"]["input_mode"] == "features" and saved["model"] == "mlp" and saved["in_features"] == 16
+    ckpt = read_checkpoint(run / "last.pt")
+    assert ckpt["config"]["store_settings"]["feature_encoder"] == "conch_v15"
+    assert sorted(ckpt["config"]["train_bags"]) == [name for name, *_ in bags]  # the empty slide is left out
+
+
+def test_train_reads_clam_feature_files_as_they_are(tmp_path):
+    bags = _bags(seed=1)
+    for name, feats, coords, _ in bags:
+        write_clam_features(tmp_path / "clam", name, feats, coords)
+    with h5py.File(tmp_path / "clam" / "h5_files" / "slide_0.h5") as fh:
+        assert fh["coords"].dtype == np.int32 and fh["features"].chunks == (32, 16) and not fh.attrs
+    inst = read_feature_files(sorted((tmp_path / "clam" / "h5_files").glob("*.h5")),
+                              {name: label for name, _, _, label in bags})
+    assert inst.bag_names == [name for name, *_ in bags] and inst.features.shape == (600, 16)
+    np.testing.assert_array_equal(inst.features[:100], bags[0][1])
+    labels = _labels(tmp_path / "labels.csv", bags)
+    assert main(["train", str(tmp_path / "clam" / "h5_files"), "--labels", str(labels), "--out",
+                 str(tmp_path / "run"), "--epochs", "2", "--threads", "1", "--no-plots"]) == 0
+
+
+def test_features_of_two_encoders_are_not_mixed(tmp_path):
+    bags = _bags(n_bags=2)
+    for (name, feats, coords, _), encoder in zip(bags, ("uni_v1", "conch_v15")):
+        write_trident_features(tmp_path, name, feats, coords, patch_size=256, src_mag=40, dst_mag=20, width=5120,
+                               height=5120, encoder=encoder)
+    with pytest.raises(ConfigError, match=r"slide_0.h5 and .*slide_1.h5 hold features of different encoders "
+                                          r"\(uni_v1 .* vs conch_v15"):
+        read_feature_files([tmp_path / "slide_0.h5", tmp_path / "slide_1.h5"], {"slide_0": 0, "slide_1": 1})
+
+
+def test_our_files_open_as_trident_and_clam_read_theirs(tmp_path):
+    coords = np.array([[0, 0], [512, 0], [0, 512]], np.int64)
+    path = write_feature_file(tmp_path / "s.h5", features=np.ones((3, 4), np.float16), coords=coords,
+                              attrs={"slide_stem": "s", "mpp": 0.25, "dimensions_lv0": [2048, 2048]},
+                              coords_attrs={"patch_size": 256, "patch_size_level0": 512, "level0_magnification": 40.0,
+                                            "target_magnification": 20.0, "overlap": 0},
+                              features_attrs={"name": "s", "savetodir": str(tmp_path), "encoder": "resnet50_trunc"})
+    with h5py.File(path, "r") as f:  # TRIDENT's read_coords, then the attributes extract_patch_features needs
+        attrs = dict(f["coords"].attrs)
+        assert None not in (attrs.get("patch_size"), attrs.get("level0_magnification"), attrs.get("target_magnification"))
+        features, xy = f["features"][:], f["coords"][:]  # CLAM's Generic_MIL_Dataset with use_h5
+        assert f["features"].maxshape == (None, 4)  # resizable, as their writers append
+    assert features.dtype == np.float16 and features.shape == (3, 4) and np.array_equal(xy, coords)
+    assert not list(tmp_path.glob(".*"))
+
+
+def test_grids_of_foreign_files_come_from_their_attributes_or_coordinates(tmp_path):
+    ys, xs = np.mgrid[0:4, 1:5]
+    coords = np.stack([xs.ravel() * 512, ys.ravel() * 512], axis=1)
+    feats = np.zeros((len(coords), 8), np.float32)
+    trident = read_feature_file(write_trident_features(tmp_path / "t", "a", feats, coords, patch_size=256, src_mag=40,
+                                                       dst_mag=20, width=4000, height=3000))
+    layout = trident.grid_layout()
+    assert layout.stride_lv0 == layout.patch_size_lv0 == 512 and layout.origin_lv0 == (0, 0)
+    assert layout.dimensions_lv0 == (4000, 3000) and layout.grid_shape == (5, 7)
+    assert layout.mpp == pytest.approx(0.25) and layout.target_mpp == pytest.approx(0.5) and layout.patch_size_px == 256
+    clam = read_feature_file(write_clam_features(tmp_path / "c", "b", feats, coords + 7))
+    with pytest.raises(StoreError, match=r"b.h5: the level-0 µm/px of the slide is not recorded. Fix: pass the slide"):
+        clam.grid_layout()
+    layout = clam.grid_layout(slide_mpp=0.5)
+    assert layout.stride_lv0 == 512 and layout.origin_lv0 == (7, 7) and layout.grid_shape == (4, 5)
+    assert any("inferred from the coordinates" in n for n in layout.notes)
+    off = coords.copy()
+    off[0] += 100  # a second tissue region gridded on its own
+    odd = read_feature_file(write_clam_features(tmp_path / "d", "c", feats, off))
+    with pytest.raises(StoreError, match="not on one regular grid"):
+        odd.grid_layout(slide_mpp=0.5)

@@ -1,0 +1,123 @@
+"""The feature stage: the encoder's output on exactly the stored patches, in files TRIDENT and CLAM
+read; slides cut on the fly like the stores; resume, settings changes and bad inputs per slide."""
+
+from __future__ import annotations
+
+import csv
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from feature_fixtures import TILE
+from wsi_milssl.cli import main
+from wsi_milssl.config import FeaturesConfig, TileConfig
+from wsi_milssl.errors import ConfigError
+from wsi_milssl.features import create_encoder, extract_features, read_feature_file
+from wsi_milssl.features.schema import FEATURES_ATTRS, SCHEMA, TRIDENT_COORDS_ATTRS
+from wsi_milssl.store import open_store
+from wsi_milssl.store.schema import COORDS_ATTRS
+
+
+#: float32 end to end, nothing folded: the stage must give the encoder's own numbers.
+EXACT = FeaturesConfig(encoder="resnet18", weights="random", amp="off", fuse_batchnorm=False, channels_last=False,
+                       num_workers=1, batch_size=24)
+
+
+def _status(path):
+    with open(path, newline="") as fh:
+        return {row["slide"]: row for row in csv.DictReader(fh)}
+
+
+def test_features_of_stores_are_the_encoders_output_on_the_stored_patches(tmp_path, labelled_stores):
+    run = extract_features([labelled_stores], tmp_path / "feats", EXACT)
+    assert run.ok and [r.status for r in run.results] == ["ok", "ok"]
+    encoder = create_encoder("resnet18", weights="random")
+    mean = torch.tensor(encoder.mean).view(1, 3, 1, 1)
+    std = torch.tensor(encoder.std).view(1, 3, 1, 1)
+    for result in run.results:
+        ff = read_feature_file(result.path)
+        with open_store(labelled_stores / f"{result.slide}.h5") as store:
+            pixels = store.read_patches(np.arange(len(store)))
+            coords, labels = store.coords, store.read_array("instance_label")
+            store_coords_attrs = store.array_attrs("coords")
+        x = (torch.from_numpy(pixels).permute(0, 3, 1, 2).float() / 255 - mean) / std
+        with torch.no_grad():
+            want = encoder.module(x).numpy()
+        assert ff.features.dtype == np.float32 and ff.features.shape == (len(coords), 512) and len(coords) > 30
+        np.testing.assert_allclose(ff.features, want, rtol=1e-4, atol=1e-4)
+        np.testing.assert_array_equal(ff.coords, coords)
+        np.testing.assert_array_equal(ff.instance_label, labels)  # evaluation labels ride along
+        assert set(FEATURES_ATTRS) <= set(ff.features_attrs) and ff.features_attrs["encoder"] == "resnet18"
+        assert set(COORDS_ATTRS) | set(TRIDENT_COORDS_ATTRS) <= set(ff.coords_attrs)
+        assert ff.coords_attrs["patch_size_level0"] == store_coords_attrs["patch_size_level0"] == 256
+        assert ff.attrs["schema"] == SCHEMA and ff.attrs["slide_stem"] == result.slide == ff.stem
+        assert ff.attrs["stride_lv0"] == 256 and ff.attrs["mpp"] == pytest.approx(0.25)
+    rows = _status(run.status_csv)
+    assert rows["synth_000"]["status"] == "ok" and rows["synth_000"]["feature_dim"] == "512"
+    assert (tmp_path / "feats" / "features_config.json").is_file()
+
+
+def test_slides_cut_on_the_fly_are_the_cells_the_stores_hold(tmp_path, labelled_stores, synth_slides):
+    slide = synth_slides["normal"]
+    run = extract_features([slide], tmp_path / "feats", EXACT, tile=TILE)
+    assert run.ok
+    ff = read_feature_file(run.results[0].path)
+    with open_store(labelled_stores / f"{slide.stem}.h5") as store:
+        np.testing.assert_array_equal(ff.coords, store.coords)
+        want = store.array_attrs("coords")
+        attrs = store.attrs
+    for key in ("patch_size", "patch_level", "patch_size_level0", "level_dim", "overlap"):
+        assert np.array_equal(ff.coords_attrs[key], want[key]), key
+    assert ff.attrs["source"] == "slide" and ff.attrs["store_path"] == "" and ff.instance_label is None
+    assert list(ff.attrs["grid_shape"]) == [attrs["dimensions_lv0"][1] // 256, attrs["dimensions_lv0"][0] // 256]
+
+
+def test_resume_skips_refuses_other_settings_and_overwrites_on_request(tmp_path, stores_copy):
+    out = tmp_path / "feats"
+    first = extract_features([stores_copy], out, EXACT)
+    assert [r.status for r in first.results] == ["ok", "ok"]
+    again = extract_features([stores_copy], out, EXACT)
+    assert [r.status for r in again.results] == ["skipped", "skipped"] and again.n_patches == 0
+    # runtime settings do not matter ...
+    faster = extract_features([stores_copy], out, FeaturesConfig(**{**EXACT.__dict__, "batch_size": 7, "num_workers": 0}))
+    assert {r.status for r in faster.results} == {"skipped"}
+    # ... the features' dtype does: never replaced silently
+    half = FeaturesConfig(**{**EXACT.__dict__, "dtype": "float16"})
+    refused = extract_features([stores_copy], out, half)
+    assert not refused.ok
+    assert "made with other settings (dtype 'float32' -> 'float16'). Fix: write to a new folder" in refused.results[0].error
+    assert _status(refused.status_csv)["synth_000"]["status"] == "failed"
+    redone = extract_features([stores_copy], out, half, overwrite=True)
+    assert redone.ok and read_feature_file(out / "synth_000.h5").features.dtype == np.float16
+    # a store made again (another source fingerprint) is embedded again
+    with h5py.File(out / "synth_001.h5", "r+") as fh:
+        fh.attrs["source_hash"] = "stale"
+    third = extract_features([stores_copy], out, half)
+    assert [r.status for r in third.results] == ["skipped", "ok"]
+    assert not list(out.glob(".*"))  # no temporaries left
+
+
+def test_bad_inputs_fail_alone_or_before_anything_runs(tmp_path, stores_copy, synth_slides, capsys):
+    with pytest.raises(ConfigError, match="would replace the store itself"):
+        extract_features([stores_copy], stores_copy, EXACT)
+    other = tmp_path / "other"
+    from wsi_milssl.tiling import tile_slide
+
+    tile_slide(synth_slides["tumor"], other, TileConfig(**{**TILE.__dict__, "patch_size_px": 16}))
+    (other / "synth_000.h5").rename(other / "coarse.h5")
+    with h5py.File(other / "coarse.h5", "r+") as fh:
+        fh.attrs["slide_stem"] = "coarse"
+    rc = main(["features", str(stores_copy), str(other / "coarse.h5"), "--out", str(tmp_path / "f"),
+               "--encoder", "resnet18", "--weights", "random", "--workers", "0"])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "coarse.h5: tiled at 2 µm/px with 16 px patches, but this run embeds patches of 2 µm/px and 32 px" in err
+    rows = _status(tmp_path / "f" / "features_status.csv")
+    assert rows["coarse"]["status"] == "failed" and rows["synth_000"]["status"] == "ok"
+    assert main(["features", str(stores_copy), "--out", str(tmp_path / "g"), "--encoder-kwargs", "[1]"]) == 2
+    assert "--encoder-kwargs must be a JSON object" in capsys.readouterr().err
+    assert main(["features", str(stores_copy), "--out", str(tmp_path / "g"), "--encoder", "nope",
+                 "--weights", "random"]) == 1
+    assert "unknown encoder 'nope'; registered: resnet18, resnet50_trunc" in capsys.readouterr().err

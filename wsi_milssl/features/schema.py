@@ -1,0 +1,397 @@
+"""The feature-file contract: dataset names, dtypes and attributes (one place), writer and reader.
+
+``docs/artifacts.md`` documents the same contract for people; keep both in step and bump
+``SCHEMA_VERSION`` when a reader of the old layout would misread the new one.
+
+One HDF5 file per slide, ``DIR/<slide_stem>.h5``, laid out as TRIDENT's ``extract_patch_features`` and
+CLAM's ``extract_features_fp.py`` write theirs, so their tools (and this project's ``train``) read it
+as it is:
+
+=================  ===================  ========  ==================================================
+name               dtype                shape     meaning
+=================  ===================  ========  ==================================================
+``features``       float32 or float16   (N, D)    the encoder's output for patch i
+``coords``         int64                (N, 2)    level-0 top-left (x, y) of patch i, row-major
+``instance_label`` uint8                (N,)      1 = tumour patch, copied from the store (optional;
+                                                  evaluation only)
+=================  ===================  ========  ==================================================
+
+Attributes of ``features`` (TRIDENT's): ``name`` (slide stem), ``savetodir`` (the output folder),
+``encoder``. Attributes of ``coords``: the store's CLAM/TRIDENT ``coords`` attributes (``patch_size``,
+``patch_level``, ``downsample``, ``level_dim``, ``patch_size_level0``, ``target_magnification``,
+``level0_magnification``, ``overlap``, ``name``) plus TRIDENT's ``savetodir``, ``level0_width`` and
+``level0_height``. Root attributes (this project's; see :data:`ROOT_ATTRS`): provenance, the encoder,
+and the grid the patches sit on, so heatmaps can be drawn from the file alone.
+
+Files written by other tools are read too (:func:`read_feature_file`): TRIDENT's (features and coords
+with their attributes, no root attributes), CLAM's (``features`` float32 and ``coords`` int32, no
+attributes) and files with a ``bag_ids`` dataset holding several bags (the MIL CSV layout).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from wsi_milssl.errors import StoreError
+
+__all__ = [
+    "SCHEMA",
+    "SCHEMA_VERSION",
+    "SUFFIX",
+    "FEATURES",
+    "COORDS",
+    "INSTANCE_LABEL",
+    "BAG_IDS",
+    "FEATURE_DTYPES",
+    "FEATURES_ATTRS",
+    "TRIDENT_COORDS_ATTRS",
+    "ROOT_ATTRS",
+    "FeatureFile",
+    "GridLayout",
+    "feature_path",
+    "write_feature_file",
+    "read_feature_file",
+    "is_feature_file",
+]
+
+SCHEMA = "wsi-milssl-features"
+SCHEMA_VERSION = 1
+SUFFIX = ".h5"
+
+FEATURES = "features"
+COORDS = "coords"
+INSTANCE_LABEL = "instance_label"
+#: Several bags in one file (the MIL CSV layout): (N,) integer or string bag ids.
+BAG_IDS = "bag_ids"
+
+#: Feature dtypes a file may hold (as ``FeaturesConfig.dtype`` names them).
+FEATURE_DTYPES: dict[str, np.dtype] = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16)}
+
+#: Attributes of the ``features`` dataset, as TRIDENT writes them.
+FEATURES_ATTRS: tuple[str, ...] = ("name", "savetodir", "encoder")
+#: TRIDENT's ``coords`` attributes beyond the store's (``wsi_milssl.store.schema.COORDS_ATTRS``).
+TRIDENT_COORDS_ATTRS: tuple[str, ...] = ("savetodir", "level0_width", "level0_height")
+
+#: Root attributes written by the feature stage -> Python type.
+ROOT_ATTRS: dict[str, type | tuple[type, ...]] = {
+    "schema": str,  # SCHEMA
+    "schema_version": int,
+    "package_version": str,
+    "slide_stem": str,
+    "slide_path": str,  # "" when unknown
+    "store_path": str,  # "" when cut from the slide on the fly
+    "source": str,  # store | slide
+    "encoder": str,  # registry name, e.g. resnet50_trunc or timm:vit_large_patch16_224
+    "encoder_kwargs": str,  # JSON
+    "encoder_weights": str,  # the weights file, or "random"
+    "encoder_weights_sha256": str,  # "" for random weights
+    "feature_dim": int,
+    "feature_dtype": str,  # float32 | float16
+    "input_size_px": int,  # patch side the encoder saw (after resizing; = patch_size_px without)
+    "normalisation": str,  # JSON {"mean": [...], "std": [...]}
+    "n_patches": int,
+    "mpp": float,  # level-0 µm/px of the slide
+    "dimensions_lv0": list,  # [width, height]
+    "target_mpp": float,
+    "patch_size_px": int,
+    "patch_size_lv0": int,
+    "stride_lv0": int,
+    "grid_origin_lv0": list,  # [x, y]: patch (r, c) of the grid starts at origin + (c, r) * stride_lv0
+    "grid_shape": list,  # [rows, cols]
+    "tissue_detector": str,
+    "mask_mpp": float,
+    "tiling_plan": str,  # JSON of the tile recipe (wsi_milssl.tiling.TilingPlan), "" when unknown
+    "settings": str,  # JSON of what decides the features (encoder, weights, dtype, input size, precision)
+    "settings_hash": str,
+    "source_hash": str,  # what the patches came from (store settings and size, or slide file and plan)
+}
+
+
+def feature_path(out_dir: str | os.PathLike, stem: str) -> Path:
+    """``out_dir / <stem>.h5``: where the features of slide ``stem`` go."""
+    return Path(out_dir) / f"{stem}{SUFFIX}"
+
+
+def _h5_attr(value: Any) -> Any:
+    if value is None:
+        return "None"  # as TRIDENT writes a None
+    if isinstance(value, Mapping):
+        return json.dumps(dict(value), sort_keys=True)
+    if isinstance(value, (list, tuple)):
+        return np.asarray(value)
+    return value
+
+
+def write_feature_file(path: str | os.PathLike, *, features: np.ndarray, coords: np.ndarray,
+                       attrs: Mapping[str, Any], coords_attrs: Mapping[str, Any],
+                       features_attrs: Mapping[str, Any], instance_label: np.ndarray | None = None) -> Path:
+    """Write one slide's feature file atomically (temporary name in the same folder, fsync, rename).
+
+    ``features`` float32/float16 (N, D), ``coords`` int (N, 2) level-0 top-left; ``instance_label`` uint8
+    (N,) or None. Datasets are resizable along N, as TRIDENT's and CLAM's (their tools append to them).
+    Raises ValueError for inconsistent shapes or dtypes.
+    """
+    from wsi_milssl.atomic import atomic_open
+    import h5py
+
+    features = np.asarray(features)
+    coords = np.asarray(coords, dtype=np.int64).reshape(-1, 2)
+    if features.ndim != 2 or features.dtype not in FEATURE_DTYPES.values():
+        raise ValueError(f"features must be float32 or float16 (N, D); got {features.dtype} {features.shape}.")
+    n, dim = features.shape
+    if len(coords) != n:
+        raise ValueError(f"features have {n} rows but coords {len(coords)}.")
+    if instance_label is not None and np.asarray(instance_label).shape != (n,):
+        raise ValueError(f"instance_label must have shape ({n},); got {np.asarray(instance_label).shape}.")
+    rows = max(1, min(n, 256))
+    path = Path(path)
+    with atomic_open(path, "w+b") as fh:
+        with h5py.File(fh, "w") as f:
+            ds = f.create_dataset(FEATURES, data=features, maxshape=(None, dim), chunks=(rows, max(1, dim)))
+            for key, value in features_attrs.items():
+                ds.attrs[key] = _h5_attr(value)
+            ds = f.create_dataset(COORDS, data=coords, maxshape=(None, 2), chunks=(rows, 2))
+            for key, value in coords_attrs.items():
+                ds.attrs[key] = _h5_attr(value)
+            if instance_label is not None:
+                f.create_dataset(INSTANCE_LABEL, data=np.asarray(instance_label, dtype=np.uint8), maxshape=(None,),
+                                 chunks=(rows,))
+            for key, value in attrs.items():
+                f.attrs[key] = _h5_attr(value)
+    return path
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+@dataclass(frozen=True)
+class GridLayout:
+    """The regular grid a slide's patches sit on (what a probability map needs): level-0 ``origin_lv0``,
+    ``stride_lv0`` and ``patch_size_lv0``, ``grid_shape`` (rows, cols), ``dimensions_lv0`` (width,
+    height), level-0 ``mpp``, and where each fact came from (``notes``, for logs)."""
+
+    origin_lv0: tuple[int, int]
+    stride_lv0: int
+    patch_size_lv0: int
+    grid_shape: tuple[int, int]
+    dimensions_lv0: tuple[int, int]
+    mpp: float
+    target_mpp: float
+    patch_size_px: int
+    notes: tuple[str, ...] = ()
+
+
+@dataclass
+class FeatureFile:
+    """One feature file as read: ``features`` (N, D) as stored, ``coords`` int64 (N, 2) or None,
+    ``instance_label`` uint8 (N,) or None, ``bag_ids`` (N bag names) for a file of several bags, else
+    None, and the attributes of the root, ``features`` and ``coords``."""
+
+    path: Path
+    stem: str
+    features: np.ndarray
+    coords: np.ndarray | None
+    instance_label: np.ndarray | None = None
+    bag_ids: list[str] | None = None
+    attrs: dict[str, Any] = field(default_factory=dict)
+    features_attrs: dict[str, Any] = field(default_factory=dict)
+    coords_attrs: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.features.shape[0])
+
+    @property
+    def encoder(self) -> str | None:
+        """The encoder that made the features (root ``encoder`` or TRIDENT's ``features.attrs['encoder']``)."""
+        value = self.attrs.get("encoder") or self.features_attrs.get("encoder")
+        return None if value in (None, "", "None") else str(value)
+
+    def grid_layout(self, *, slide_mpp: float | None = None, slide_dimensions: tuple[int, int] | None = None
+                    ) -> GridLayout:
+        """The grid of the patches, for a probability map: from this project's root attributes, else
+        from TRIDENT's ``coords`` attributes, else inferred from the coordinates (their common step).
+        ``slide_mpp`` / ``slide_dimensions``: the slide's own facts, used where the file has none.
+
+        Raises StoreError (with the fix) when the level-0 µm/px is unknown or the coordinates are not
+        on one regular grid (CLAM and TRIDENT may grid each tissue region separately)."""
+        if self.coords is None:
+            raise StoreError(f"{self.path}: no 'coords' dataset, so the features cannot be placed on the slide. "
+                             "Fix: extract features with coordinates (wsi-milssl features, TRIDENT or CLAM).")
+        a, c, notes = self.attrs, self.coords_attrs, []
+        coords = self.coords
+        patch_lv0 = _first_int(a.get("patch_size_lv0"), c.get("patch_size_level0"))
+        if patch_lv0 is None and c.get("patch_size") is not None and c.get("downsample") is not None:
+            patch_lv0 = int(round(float(c["patch_size"]) * float(np.ravel(c["downsample"])[0])))
+        stride = _first_int(a.get("stride_lv0"))
+        if stride is None and patch_lv0 is not None and c.get("overlap") is not None and c.get("patch_size"):
+            overlap = float(c["overlap"])
+            stride = int(round(patch_lv0 * (1.0 - overlap / float(c["patch_size"]))))
+        if stride is None or stride < 1:
+            stride = _common_step(coords)
+            notes.append(f"stride {stride} level-0 px inferred from the coordinates")
+        if patch_lv0 is None:
+            patch_lv0 = stride
+            notes.append("patch size taken as the stride (no attribute says otherwise)")
+        origin = tuple(int(v) for v in a["grid_origin_lv0"]) if a.get("grid_origin_lv0") is not None else None
+        if origin is None:
+            origin = (int(coords[:, 0].min() % stride), int(coords[:, 1].min() % stride)) if len(coords) else (0, 0)
+        if len(coords) and ((coords - np.asarray(origin)) % stride != 0).any():
+            raise StoreError(
+                f"{self.path}: the patch coordinates are not on one regular grid of stride {stride} level-0 px "
+                "(tools that grid each tissue region separately place them so), so they cannot form a "
+                "probability map. Fix: extract features from stores made by `wsi-milssl tile` "
+                "(`wsi-milssl features STORES...`).")
+        dims = None
+        if a.get("dimensions_lv0") is not None:
+            dims = tuple(int(v) for v in a["dimensions_lv0"])
+        elif c.get("level0_width") is not None and c.get("level0_height") is not None:
+            dims = (int(c["level0_width"]), int(c["level0_height"]))
+        elif slide_dimensions is not None:
+            dims = (int(slide_dimensions[0]), int(slide_dimensions[1]))
+        elif len(coords):
+            dims = (int(coords[:, 0].max()) + patch_lv0, int(coords[:, 1].max()) + patch_lv0)
+            notes.append("slide size taken from the coordinates")
+        else:
+            dims = (patch_lv0, patch_lv0)
+        mpp = _first_float(a.get("mpp"), slide_mpp)
+        if mpp is None and c.get("level0_magnification") not in (None, "None"):
+            from wsi_milssl.slide.resolution import magnification_to_mpp
+
+            mpp = magnification_to_mpp(float(c["level0_magnification"]))
+            notes.append(f"level-0 {mpp:g} µm/px from level0_magnification {float(c['level0_magnification']):g}x")
+        if mpp is None:
+            raise StoreError(f"{self.path}: the level-0 µm/px of the slide is not recorded. Fix: pass the slide (SLIDE "
+                             "arguments) or --slide-mpp.")
+        w, h = dims
+        cols = (w - origin[0] - patch_lv0) // stride + 1 if w - origin[0] >= patch_lv0 else 0
+        rows = (h - origin[1] - patch_lv0) // stride + 1 if h - origin[1] >= patch_lv0 else 0
+        if len(coords):
+            cols = max(cols, int((coords[:, 0].max() - origin[0]) // stride) + 1)
+            rows = max(rows, int((coords[:, 1].max() - origin[1]) // stride) + 1)
+        target_mpp = _first_float(a.get("target_mpp"))
+        patch_px = _first_int(a.get("patch_size_px"))
+        if target_mpp is None:
+            mag = c.get("target_magnification")
+            if mag not in (None, "None"):
+                from wsi_milssl.slide.resolution import magnification_to_mpp
+
+                target_mpp = magnification_to_mpp(float(mag))
+            else:
+                target_mpp = mpp
+        if patch_px is None:
+            patch_px = int(round(patch_lv0 * mpp / target_mpp))
+        return GridLayout(origin_lv0=(int(origin[0]), int(origin[1])), stride_lv0=int(stride),
+                          patch_size_lv0=int(patch_lv0), grid_shape=(int(rows), int(cols)), dimensions_lv0=(w, h),
+                          mpp=float(mpp), target_mpp=float(target_mpp), patch_size_px=int(patch_px),
+                          notes=tuple(notes))
+
+
+def _first_int(*values: Any) -> int | None:
+    for v in values:
+        if v is not None and v != "None":
+            try:
+                return int(v)
+            except (TypeError, ValueError):
+                continue
+    return None
+
+
+def _first_float(*values: Any) -> float | None:
+    for v in values:
+        if v is not None and v != "None":
+            try:
+                f = float(v)
+            except (TypeError, ValueError):
+                continue
+            if math.isfinite(f) and f > 0:
+                return f
+    return None
+
+
+def _common_step(coords: np.ndarray) -> int:
+    """The most common step between neighbouring distinct x (and y) positions: the grid's stride when the
+    patches sit on one (1 without two distinct positions)."""
+    diffs = [np.diff(np.unique(coords[:, axis])) for axis in (0, 1)]
+    diffs = np.concatenate([d for d in diffs if len(d)]) if any(len(d) for d in diffs) else np.zeros(0, np.int64)
+    if len(diffs) == 0:
+        return 1
+    values, counts = np.unique(diffs, return_counts=True)
+    return max(1, int(values[np.argmax(counts)]))
+
+
+def is_feature_file(path: str | os.PathLike) -> bool:
+    """True for an HDF5 file with a ``features`` dataset and no ``patches`` (not a patch store)."""
+    import h5py
+
+    path = Path(path)
+    if not path.is_file() or path.suffix.lower() not in (".h5", ".hdf5"):
+        return False
+    try:
+        with h5py.File(path, "r") as fh:
+            return FEATURES in fh and "patches" not in fh
+    except OSError:
+        return False
+
+
+def read_feature_file(path: str | os.PathLike) -> FeatureFile:
+    """Read a feature file (this project's, TRIDENT's or CLAM's) of one slide.
+
+    The slide stem is the root ``slide_stem`` attribute, else the file stem (TRIDENT and CLAM name the
+    file after the slide). Raises StoreError naming the file for one that cannot be opened, has no
+    ``features``, features that are not (N, D) (TRIDENT's empty (0,) counts as N = 0) or coordinates
+    whose count differs.
+    """
+    import h5py
+
+    path = Path(path)
+    try:
+        fh = h5py.File(path, "r")
+    except (OSError, FileNotFoundError) as exc:
+        raise StoreError(f"{path}: cannot open as HDF5 ({exc}). Fix: pass .h5 feature files made by "
+                         "`wsi-milssl features`, TRIDENT or CLAM.") from None
+    with fh:
+        if FEATURES not in fh:
+            raise StoreError(f"{path}: no 'features' dataset. Fix: extract features first (`wsi-milssl features`), "
+                             "or train on patch stores in image mode.")
+        feats = np.asarray(fh[FEATURES][()])
+        if feats.ndim == 1 and feats.size == 0:  # TRIDENT's file of a slide without patches
+            feats = feats.reshape(0, 0)
+        if feats.ndim != 2:
+            raise StoreError(f"{path}: 'features' must be 2-D (N, D); got shape {feats.shape}. Fix: write one row "
+                             "per patch.")
+        if feats.dtype.kind != "f":
+            raise StoreError(f"{path}: 'features' must be floating point; got {feats.dtype}.")
+        coords = None
+        if COORDS in fh:
+            coords = np.asarray(fh[COORDS][()]).astype(np.int64, copy=False).reshape(-1, 2)
+            if len(coords) != len(feats):
+                raise StoreError(f"{path}: 'coords' has {len(coords)} rows but 'features' {len(feats)}. Fix: "
+                                 "extract the features again.")
+        inst = np.asarray(fh[INSTANCE_LABEL][()], dtype=np.uint8) if INSTANCE_LABEL in fh else None
+        if inst is not None and inst.shape != (len(feats),):
+            raise StoreError(f"{path}: 'instance_label' has shape {inst.shape}; expected ({len(feats)},).")
+        bag_ids = None
+        if BAG_IDS in fh:
+            bag_ids = [b.decode() if isinstance(b, bytes) else str(b) for b in np.asarray(fh[BAG_IDS][()]).tolist()]
+            if len(bag_ids) != len(feats):
+                raise StoreError(f"{path}: 'bag_ids' has {len(bag_ids)} rows but 'features' has {len(feats)}.")
+        attrs = {k: _plain(v) for k, v in fh.attrs.items()}
+        features_attrs = {k: _plain(v) for k, v in fh[FEATURES].attrs.items()}
+        coords_attrs = {k: _plain(v) for k, v in fh[COORDS].attrs.items()} if COORDS in fh else {}
+    stem = str(attrs.get("slide_stem") or path.stem)
+    return FeatureFile(path=path, stem=stem, features=feats, coords=coords, instance_label=inst, bag_ids=bag_ids,
+                       attrs=attrs, features_attrs=features_attrs, coords_attrs=coords_attrs)

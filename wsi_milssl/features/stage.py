@@ -1,0 +1,462 @@
+"""The feature stage: patch stores (or slides) -> a frozen encoder -> one feature file per slide.
+
+    from wsi_milssl.config import FeaturesConfig
+    from wsi_milssl.features import extract_features
+
+    run = extract_features(["stores/"], "features/", FeaturesConfig(encoder="resnet50_trunc"))
+    run.ok, run.status_csv          # features/features_status.csv
+
+Patches go through the slide engine of the heatmap stage (:func:`wsi_milssl.inference.predict.run_slides`:
+one pool of torch-free readers, chunks in shared memory, per-slide batches, outputs kept on the device),
+so features come at the data-path speed of slide inference. Stores are read as they are; slides are cut
+on the fly with a :class:`~wsi_milssl.tiling.TilingPlan` (a TileConfig's, else the stores' own), the
+cells ``tile`` would keep.
+
+The folder gets ``<stem>.h5`` per slide (:mod:`wsi_milssl.features.schema`), ``features_config.json``
+(resolved settings, encoder, tiling plan, runtime) and ``features_status.csv``
+(slide,status,n_patches,feature_dim,seconds,error,path; rewritten after every slide). Status: 'ok',
+'empty' (no patch: the file holds (0, D) features), 'skipped' (a file made with the same settings
+from the same source is there) or 'failed'. Each file is written under a temporary name and renamed
+when complete, so a killed run resumes where it stopped. A file made with other settings (another
+encoder, weights, dtype, input size or precision) is never replaced silently: that slide fails with
+the fix (``overwrite`` or another folder); a file whose source changed (a store tiled or labelled
+again) is made again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+import traceback
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from wsi_milssl import __version__
+from wsi_milssl.atomic import atomic_write_csv, atomic_write_json
+from wsi_milssl.config.base import config_to_dict
+from wsi_milssl.config.features import FeaturesConfig
+from wsi_milssl.config.tile import TileConfig
+from wsi_milssl.errors import ConfigError, StoreError, WsiMilsslError
+from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
+from wsi_milssl.features import schema
+from wsi_milssl.features.encoders import Encoder
+from wsi_milssl.tiling import PLAN_ATTR, TilingPlan
+
+__all__ = ["CONFIG_FILENAME", "STATUS_FILENAME", "STATUS_COLUMNS", "FeatureResult", "FeatureRun", "feature_inputs",
+           "extract_features"]
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILENAME = "features_config.json"
+STATUS_FILENAME = "features_status.csv"
+STATUS_COLUMNS = ("slide", "status", "n_patches", "feature_dim", "seconds", "error", "path")
+#: Feature files written by a thread while the encoder goes on; predictions that may wait for it.
+_PENDING_WRITES = 3
+
+
+@dataclass(frozen=True)
+class FeatureResult:
+    """What happened to one slide: ``status`` 'ok', 'empty', 'skipped' or 'failed' (``error`` says why);
+    ``path`` the feature file (empty when failed)."""
+
+    slide: str
+    slide_path: str
+    status: str
+    n_patches: int
+    feature_dim: int
+    seconds: float
+    error: str = ""
+    path: str = ""
+
+
+@dataclass(frozen=True)
+class FeatureRun:
+    """Outcome of :func:`extract_features`: per-slide results (input order), the folder's files and
+    ``seconds`` from the first slide opened to the last file written."""
+
+    results: tuple[FeatureResult, ...]
+    out_dir: Path
+    status_csv: Path
+    config_json: Path
+    seconds: float = 0.0
+
+    @property
+    def n_failed(self) -> int:
+        return sum(r.status == "failed" for r in self.results)
+
+    @property
+    def ok(self) -> bool:
+        return self.n_failed == 0
+
+    @property
+    def n_patches(self) -> int:
+        """Patches embedded by this call (skipped slides not counted)."""
+        return sum(r.n_patches for r in self.results if r.status in ("ok", "empty"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs
+# ----------------------------------------------------------------------------------------------
+
+def feature_inputs(paths: Sequence[str | os.PathLike]):
+    """Stores and slides from ``paths``: a store (``.h5`` file or ``.zarr`` folder), a folder holding
+    stores (taken as stores), slide files, folders of slides or CSV lists. Returns
+    :class:`~wsi_milssl.inference.predict.SlideInput` items (a store keeps the slide recorded in it).
+    Raises ConfigError for a missing path, no input at all or two inputs with the same slide stem."""
+    from wsi_milssl.inference.stage import match_inputs
+    from wsi_milssl.store.schema import format_of
+
+    stores: list[Path] = []
+    slides: list[Path] = []
+    for raw in paths:
+        p = Path(raw).expanduser()
+        if not p.exists():
+            raise ConfigError(f"{p}: no such store, slide or folder. Fix: check the path.")
+        fmt = format_of(p)
+        if (fmt == "h5" and p.is_file()) or (fmt == "zarr" and p.is_dir()):
+            stores.append(p)
+        elif p.is_dir() and any(format_of(c) is not None and not c.name.startswith(".") for c in p.iterdir()):
+            stores.append(p)
+        else:
+            slides.append(p)
+    if not stores and not slides:
+        raise ConfigError("no inputs; pass patch stores (or folders of them) or slides.")
+    items = (match_inputs([], stores) if stores else [])
+    if slides:
+        from wsi_milssl.tiling import find_slides
+
+        items += match_inputs(find_slides(slides), None)
+    seen: dict[str, Any] = {}
+    for item in items:
+        if item.stem in seen:
+            raise ConfigError(f"{seen[item.stem].store_path or seen[item.stem].slide_path} and "
+                              f"{item.store_path or item.slide_path} are both slide {item.stem!r}, so their feature "
+                              "files would collide. Fix: pass one of them.")
+        seen[item.stem] = item
+    return items
+
+
+@dataclass
+class _Source:
+    """What one input's features come from: the store's attributes (None for a slide), its coords
+    attributes, whether it holds instance labels, and the fingerprint that decides reuse."""
+
+    attrs: dict[str, Any] | None
+    coords_attrs: dict[str, Any]
+    has_labels: bool
+    fingerprint: dict[str, Any]
+    error: str = ""
+
+
+def _read_store(path: Path) -> _Source:
+    from wsi_milssl.store import open_store
+
+    try:
+        with open_store(path) as store:
+            attrs = dict(store.attrs)
+            coords_attrs = dict(store.array_attrs("coords"))
+            has_labels = store.has(schema.INSTANCE_LABEL)
+            n = len(store)
+    except WsiMilsslError as exc:
+        return _Source(None, {}, False, {}, error=str(exc))
+    plain = {k: v.item() if isinstance(v, np.generic) else v for k, v in attrs.items()}
+    return _Source(plain, coords_attrs, has_labels,
+                   {"store_config_hash": plain.get("config_hash"), "n_patches": n, "instance_label": has_labels})
+
+
+def _slide_fingerprint(path: Path | None, plan: TilingPlan, slide_mpp: float | None) -> dict[str, Any]:
+    try:
+        st = path.stat() if path is not None else None
+    except OSError:
+        st = None
+    return {"slide": None if path is None else str(path.resolve()), "size": None if st is None else st.st_size,
+            "mtime_ns": None if st is None else st.st_mtime_ns, "plan": plan.to_dict(), "slide_mpp": slide_mpp}
+
+
+def _choose_plan(store_attrs: list[dict[str, Any]], tile: TileConfig | None) -> TilingPlan:
+    """The tile recipe for slides cut on the fly (and the resolution every store must have): ``tile``'s,
+    else the recorded plan of the stores of the most common resolution and patch size (older stores:
+    their separate attributes), else the tile stage's defaults."""
+    if tile is not None:
+        return tile.tiling_plan()
+    keys = [(attrs.get("target_mpp"), attrs.get("patch_size_px")) for attrs in store_attrs]
+    if keys:
+        common = max(keys, key=keys.count)
+        store_attrs = [a for a, k in zip(store_attrs, keys) if k == common]
+    for attrs in store_attrs:
+        if attrs.get(PLAN_ATTR):
+            try:
+                return TilingPlan.from_json(str(attrs[PLAN_ATTR]), source=f"{attrs.get('slide_stem')}: {PLAN_ATTR}")
+            except ConfigError as exc:
+                raise StoreError(str(exc)) from None
+    if store_attrs:
+        from wsi_milssl.inference.model import plan_from_checkpoint_config
+
+        attrs = store_attrs[0]
+        return plan_from_checkpoint_config({"target_mpp": attrs.get("target_mpp"),
+                                            "patch_size_px": attrs.get("patch_size_px"), "store_settings": attrs},
+                                           source=str(attrs.get("slide_stem")))
+    return TileConfig().tiling_plan()
+
+
+# ----------------------------------------------------------------------------------------------
+# Settings and reuse
+# ----------------------------------------------------------------------------------------------
+
+def _digest(data: Any) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def _settings(config: FeaturesConfig, encoder: Encoder, model) -> dict[str, Any]:
+    """What decides the features' values (runtime settings that only change speed are left out)."""
+    amp = model.runtime.amp_dtype
+    return {"encoder": encoder.name, "encoder_kwargs": dict(encoder.kwargs),
+            "encoder_weights_sha256": encoder.weights_sha256 or "random", "dtype": config.dtype,
+            "input_size_px": int(model.input_size_px or model.plan.patch_size_px),
+            "amp": "off" if amp is None else str(amp).replace("torch.", "")}
+
+
+def _check_existing(path: Path, settings: dict[str, Any], settings_hash: str, source_hash: str) -> int | None:
+    """Patches in a reusable file at ``path`` (same settings, same source), None when there is none or
+    its source changed (made again); StoreError with the fix when it was made with other settings or is
+    not a feature file of this project."""
+    import h5py
+
+    if not path.exists():
+        return None
+    try:
+        with h5py.File(path, "r") as fh:
+            attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in fh.attrs.items()}
+    except OSError as exc:
+        raise StoreError(f"{path}: a file is already there but cannot be read ({exc}). Fix: pass --overwrite to "
+                         "replace it, or write to a new folder with --out.") from None
+    if attrs.get("schema") != schema.SCHEMA:
+        raise StoreError(f"{path}: a file not made by `wsi-milssl features` is already there. Fix: write to a new "
+                         "folder with --out (or pass --overwrite to replace it).")
+    if attrs.get("settings_hash") != settings_hash:
+        try:
+            old = json.loads(str(attrs.get("settings", "{}")))
+        except ValueError:
+            old = {}
+        diffs = [f"{k} {old.get(k)!r} -> {settings.get(k)!r}" for k in sorted(set(old) | set(settings))
+                 if old.get(k) != settings.get(k)]
+        raise StoreError(f"{path}: these features were made with other settings ({'; '.join(diffs) or 'hash differs'}). "
+                         "Fix: write to a new folder with --out, or pass --overwrite to replace them.")
+    if attrs.get("source_hash") != source_hash:
+        logger.info("%s: its store or slide changed since; made again", path)
+        return None
+    return int(attrs.get("n_patches", 0))
+
+
+# ----------------------------------------------------------------------------------------------
+# The stage
+# ----------------------------------------------------------------------------------------------
+
+def extract_features(inputs: Sequence[str | os.PathLike], out_dir: str | os.PathLike,
+                     config: FeaturesConfig | None = None, *, tile: TileConfig | None = None,
+                     encoder: Encoder | None = None, overwrite: bool = False,
+                     progress: ProgressCallback | None = None) -> FeatureRun:
+    """Embed every patch of every input with the encoder of ``config`` and write one feature file per slide.
+
+    ``inputs``: stores, folders of stores, slides, folders of slides or CSV lists
+    (:func:`feature_inputs`). ``tile``: how slides are cut on the fly (default: the stores' recorded
+    plan, else TileConfig's defaults); every store must have that plan's resolution and patch size.
+    ``encoder``: an :class:`~wsi_milssl.features.encoders.Encoder` to use instead of building
+    ``config.encoder``. ``overwrite``: make every file again. Raises ConfigError / CheckpointError before
+    any slide for bad inputs, settings or weights; per-slide errors are recorded in
+    ``features_status.csv`` and the run goes on.
+    """
+    from wsi_milssl.features.model import load_feature_model
+    from wsi_milssl.inference.predict import run_slides
+
+    config = config or FeaturesConfig()
+    out_dir = Path(out_dir)
+    items = feature_inputs(inputs)
+    sources: list[_Source | None] = [(_read_store(it.store_path) if it.store_path is not None else None) for it in items]
+    plan = _choose_plan([s.attrs for s in sources if s is not None and s.attrs is not None], tile)
+    for it in items:
+        target = schema.feature_path(out_dir, it.stem)
+        if it.store_path is not None and target.resolve() == Path(it.store_path).resolve():
+            raise ConfigError(f"{it.store_path}: the feature file of this store would replace the store itself. Fix: "
+                              "write features to another folder (--out).")
+    model = load_feature_model(config, plan=plan, encoder=encoder)
+    encoder = model.encoder
+    settings = _settings(config, encoder, model)
+    settings_hash = _digest(settings)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config_json = atomic_write_json(out_dir / CONFIG_FILENAME, {
+        "features": config_to_dict(config), "encoder": encoder.describe(), "settings": settings,
+        "settings_hash": settings_hash, "tiling_plan": plan.to_dict(), "runtime": model.runtime.describe(),
+        "package_version": __version__}, sort_keys=True)
+    status_csv = out_dir / STATUS_FILENAME
+    results: dict[int, FeatureResult] = {}
+
+    def record(i: int, result: FeatureResult) -> None:
+        results[i] = result
+        _write_status([results[k] for k in sorted(results)], status_csv)
+        emit(progress, ProgressEvent("features", len(results), len(items), unit="slide", item=result.slide,
+                                     message=result.status))
+
+    def failed(i: int, message: str, seconds: float = 0.0) -> FeatureResult:
+        logger.error("%s: failed: %s", items[i].stem, message)
+        return FeatureResult(items[i].stem, str(items[i].slide_path or ""), "failed", 0, encoder.dim, seconds, message)
+
+    emit(progress, ProgressEvent("features", 0, len(items), unit="slide"))
+    todo: list[int] = []
+    source_hashes: dict[int, str] = {}
+    for i, (it, src) in enumerate(zip(items, sources)):
+        if src is not None and src.error:
+            record(i, failed(i, src.error))
+            continue
+        if src is not None:
+            mismatch = _resolution_mismatch(it, src.attrs, plan)
+            if mismatch:
+                record(i, failed(i, mismatch))
+                continue
+            fingerprint = src.fingerprint
+        else:
+            fingerprint = _slide_fingerprint(it.slide_path, plan, config.slide_mpp)
+        source_hashes[i] = _digest(fingerprint)
+        path = schema.feature_path(out_dir, it.stem)
+        if not overwrite:
+            try:
+                n = _check_existing(path, settings, settings_hash, source_hashes[i])
+            except StoreError as exc:
+                record(i, failed(i, str(exc)))
+                continue
+            if n is not None:
+                record(i, FeatureResult(it.stem, str(it.slide_path or ""), "skipped", n, encoder.dim, 0.0, "",
+                                        str(path)))
+                continue
+        todo.append(i)
+    if len(todo) < len(items):
+        logger.info("%s: %d of %d slides need features", out_dir, len(todo), len(items))
+
+    def write(i: int, out) -> FeatureResult:
+        t0 = time.perf_counter()
+        it, src = items[i], sources[i]
+        path = _write_slide(out_dir, it, src, out, model=model, settings=settings, settings_hash=settings_hash,
+                            source_hash=source_hashes[i])
+        status = "ok" if len(out) else "empty"
+        if status == "empty":
+            logger.warning("%s: no patch, so its feature file holds no rows", it.stem)
+        return FeatureResult(it.stem, str(it.slide_path or ""), status, len(out), encoder.dim,
+                             out.seconds + time.perf_counter() - t0, "", str(path))
+
+    writes: dict = {}
+
+    def collect(block: bool) -> None:
+        done, _ = wait(list(writes), timeout=None if block else 0, return_when=FIRST_COMPLETED)
+        for fut in done:
+            i, seconds = writes.pop(fut)
+            try:
+                result = fut.result()
+            except Exception as exc:  # noqa: BLE001 - one slide's file must not stop the others
+                record(i, failed(i, _message(items[i].stem, exc), seconds))
+                continue
+            logger.info("%s: %d patches -> %s (%.1f s)", result.slide, result.n_patches, result.path, result.seconds)
+            record(i, result)
+
+    t_start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="wsi-features-write") as writer:
+        for j, outcome in run_slides([items[i] for i in todo], model, batch_size=config.batch_size,
+                                     decode=config.decode, slide_mpp=config.slide_mpp, progress=progress,
+                                     event="features-patches", owner="FeaturesConfig"):
+            i = todo[j]
+            if isinstance(outcome, Exception):
+                record(i, failed(i, _message(items[i].stem, outcome)))
+                continue
+            writes[writer.submit(write, i, outcome)] = (i, outcome.seconds)
+            collect(block=False)
+            while len(writes) >= _PENDING_WRITES:
+                collect(block=True)
+        while writes:
+            collect(block=True)
+    ordered = tuple(results[k] for k in range(len(items)))
+    _write_status(ordered, status_csv)
+    return FeatureRun(ordered, out_dir, status_csv, config_json, seconds=time.perf_counter() - t_start)
+
+
+def _message(stem: str, exc: BaseException) -> str:
+    if isinstance(exc, WsiMilsslError):
+        return str(exc)
+    logger.debug("unexpected error on %s:\n%s", stem,
+                 "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _resolution_mismatch(item, attrs: dict[str, Any], plan: TilingPlan) -> str:
+    try:
+        target_mpp, patch = float(attrs.get("target_mpp")), int(attrs.get("patch_size_px"))
+    except (TypeError, ValueError):
+        return f"{item.store_path}: the store records no target_mpp / patch_size_px. Fix: tile the slide again."
+    if abs(target_mpp - plan.target_mpp) > 1e-6 * plan.target_mpp or patch != plan.patch_size_px:
+        return (f"{item.store_path}: tiled at {target_mpp:g} µm/px with {patch} px patches, but this run embeds "
+                f"patches of {plan.target_mpp:g} µm/px and {plan.patch_size_px} px (one feature set, one resolution). "
+                "Fix: extract features of stores tiled differently into another --out.")
+    return ""
+
+
+def _write_status(results, path: Path) -> Path:
+    rows = [{"slide": r.slide, "status": r.status, "n_patches": r.n_patches, "feature_dim": r.feature_dim,
+             "seconds": f"{r.seconds:.2f}", "error": " ".join(r.error.split()), "path": r.path} for r in results]
+    return atomic_write_csv(path, rows, columns=STATUS_COLUMNS)
+
+
+def _write_slide(out_dir: Path, item, src: _Source | None, out, *, model, settings: dict[str, Any],
+                 settings_hash: str, source_hash: str) -> Path:
+    """The feature file of one slide's engine output ``out`` (a SlideOutputs with (N, D) outputs)."""
+    encoder = model.encoder
+    dtype = schema.FEATURE_DTYPES[settings["dtype"]]
+    feats = np.asarray(out.outputs)
+    if len(out) == 0:
+        feats = np.zeros((0, encoder.dim), dtype)
+    feats = feats.reshape(len(out), -1).astype(dtype, copy=False)
+    stem = item.stem
+    labels = None
+    if src is not None:
+        coords_attrs = dict(src.coords_attrs)
+        if src.has_labels:
+            from wsi_milssl.store import open_store
+
+            with open_store(item.store_path) as store:
+                labels = np.asarray(store.read_array(schema.INSTANCE_LABEL), dtype=np.uint8)
+            if labels.shape != (len(out),):
+                labels = None
+        attrs = src.attrs or {}
+        tiling_plan = str(attrs.get(PLAN_ATTR) or "")
+    else:
+        coords_attrs = out.geometry.coords_attrs(name=stem) if out.geometry is not None else {"name": stem}
+        tiling_plan = model.plan.to_json()
+    coords_attrs.update(savetodir=str(out_dir.resolve()), level0_width=int(out.dimensions_lv0[0]),
+                        level0_height=int(out.dimensions_lv0[1]))
+    coords_attrs.setdefault("name", stem)
+    slide_path = item.slide_path or out.slide_path
+    root = {
+        "schema": schema.SCHEMA, "schema_version": schema.SCHEMA_VERSION, "package_version": __version__,
+        "slide_stem": stem, "slide_path": "" if slide_path is None else str(Path(slide_path).resolve()),
+        "store_path": "" if item.store_path is None else str(Path(item.store_path).resolve()),
+        "source": out.source, "encoder": encoder.name, "encoder_kwargs": json.dumps(dict(encoder.kwargs), sort_keys=True),
+        "encoder_weights": encoder.weights, "encoder_weights_sha256": encoder.weights_sha256 or "",
+        "feature_dim": int(encoder.dim), "feature_dtype": settings["dtype"],
+        "input_size_px": int(settings["input_size_px"]),
+        "normalisation": json.dumps({"mean": list(encoder.mean), "std": list(encoder.std)}),
+        "n_patches": len(out), "mpp": float(out.mpp), "dimensions_lv0": [int(v) for v in out.dimensions_lv0],
+        "target_mpp": float(out.target_mpp), "patch_size_px": int(out.patch_size_px),
+        "patch_size_lv0": int(out.patch_size_lv0), "stride_lv0": int(out.stride_lv0),
+        "grid_origin_lv0": [int(v) for v in out.origin_lv0], "grid_shape": [int(v) for v in out.grid_shape],
+        "tissue_detector": str(out.tissue_detector), "mask_mpp": float(out.mask_mpp), "tiling_plan": tiling_plan,
+        "settings": json.dumps(settings, sort_keys=True), "settings_hash": settings_hash, "source_hash": source_hash,
+    }
+    return schema.write_feature_file(
+        schema.feature_path(out_dir, stem), features=feats, coords=out.coords_lv0, attrs=root,
+        coords_attrs=coords_attrs, features_attrs={"name": stem, "savetodir": str(out_dir.resolve()),
+                                                   "encoder": encoder.name},
+        instance_label=labels)

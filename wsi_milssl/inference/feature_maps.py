@@ -1,0 +1,243 @@
+"""Heatmaps of feature runs: a feature-head checkpoint over feature files -> the heatmap stage's files.
+
+    from wsi_milssl.inference.feature_maps import make_feature_heatmaps
+
+    run = make_feature_heatmaps(["features/"], "runs/f1/best.pt", "heatmaps/", HeatmapConfig())
+
+The head's instance probabilities (``softmax(head(features))[:, 1]``) are placed on the coordinates of
+each feature file, on the grid its attributes describe (:meth:`wsi_milssl.features.schema.FeatureFile.grid_layout`:
+this project's files record it; TRIDENT's and CLAM's are read from their ``coords`` attributes or
+inferred), and written through the heatmap stage's own per-slide writer
+(:func:`wsi_milssl.inference.stage.write_slide_outputs`): probability maps, overlays (when the slide
+is found), QuPath GeoJSON, CAMELYON16 detections, ``scores.csv``, ``heatmap_status.csv`` and
+``heatmap_config.json``. So ``wsi-milssl evaluate`` (FROC, instance and bag AUC) works on feature runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from wsi_milssl import __version__
+from wsi_milssl import runtime as runtime_rules
+from wsi_milssl.atomic import atomic_write_csv, atomic_write_json
+from wsi_milssl.config.base import config_to_dict
+from wsi_milssl.config.heatmap import HeatmapConfig
+from wsi_milssl.errors import CheckpointError, ConfigError, StoreError, WsiMilsslError
+from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
+from wsi_milssl.artifacts import (
+    HEATMAP_CONFIG_FILENAME,
+    HEATMAP_STATUS_COLUMNS,
+    HEATMAP_STATUS_FILENAME,
+    SCORES_FILENAME,
+)
+from wsi_milssl.inference.exports import update_scores_csv
+from wsi_milssl.inference.predict import SlidePrediction
+from wsi_milssl.inference.stage import HeatmapResult, HeatmapRun, write_slide_outputs
+
+__all__ = ["FeatureHead", "load_feature_head", "find_feature_files", "make_feature_heatmaps"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class FeatureHead:
+    """A trained feature head (``train`` in feature mode) ready for inference: ``model`` in eval mode on
+    ``device``; ``pooling`` ('max' or 'mean'), ``config`` (the checkpoint's config dict) and
+    ``checkpoint_path``, as :func:`~wsi_milssl.inference.stage.write_slide_outputs` records them."""
+
+    model: torch.nn.Module
+    device: torch.device
+    pooling: str
+    config: dict[str, Any] = field(default_factory=dict)
+    checkpoint_path: Path | None = None
+    amp_dtype: torch.dtype | None = None
+
+    @property
+    def in_features(self) -> int | None:
+        value = self.config.get("in_features") or (self.config.get("model_kwargs") or {}).get("in_features")
+        return None if value is None else int(value)
+
+    @property
+    def encoder(self) -> str | None:
+        """The encoder of the features the head was trained on, when the files named it."""
+        return (self.config.get("store_settings") or {}).get("feature_encoder")
+
+    def probabilities(self, features: np.ndarray, *, batch_size: int = 8192) -> np.ndarray:
+        """float32 (N,) positive-class probabilities of float (N, D) features."""
+        out = np.zeros(len(features), np.float32)
+        with torch.inference_mode():
+            for start in range(0, len(features), batch_size):
+                x = torch.from_numpy(np.asarray(features[start:start + batch_size], dtype=np.float32))
+                with runtime_rules.autocast(self.device, self.amp_dtype):
+                    logits = self.model(x.to(self.device))
+                out[start:start + len(x)] = torch.softmax(logits.float(), dim=1)[:, 1].cpu().numpy()
+        return out
+
+
+def load_feature_head(checkpoint: str | os.PathLike, *, config: HeatmapConfig | None = None) -> FeatureHead:
+    """The feature head of ``checkpoint`` (RUN_DIR/best.pt, last.pt or RUN_DIR) on ``config``'s device
+    (float32 on the CPU, autocast as asked on CUDA). Raises CheckpointError for a model over image patches."""
+    from wsi_milssl.mil import load_model
+    from wsi_milssl.mil.checkpoint import resolve_checkpoint_path
+    from wsi_milssl.mil.models import is_image_model
+
+    config = config or HeatmapConfig()
+    device = runtime_rules.pick_device(config.device, owner="HeatmapConfig")
+    path = resolve_checkpoint_path(checkpoint)
+    model, cfg = load_model(path, device=device)
+    name = str(cfg.get("model_name"))
+    if is_image_model(name):
+        raise CheckpointError(f"{path}: model {name!r} classifies image patches, not feature vectors. Fix: drop "
+                              "--features and pass slides (or --store) to make its heatmaps.")
+    pooling = str(cfg.get("bag_pooling") or "max")
+    if pooling not in ("max", "mean"):
+        raise CheckpointError(f"{path}: bag pooling {pooling!r} is not 'max' or 'mean'.")
+    amp = runtime_rules.pick_amp_dtype(config.amp, device, cpu_auto="off")
+    return FeatureHead(model=model.eval(), device=device, pooling=pooling, config=cfg, checkpoint_path=path,
+                       amp_dtype=amp)
+
+
+def find_feature_files(paths: Sequence[str | os.PathLike]) -> list[Path]:
+    """Feature files from files and folders (their ``.h5`` / ``.hdf5`` files, not hidden), sorted per folder.
+    Raises ConfigError for a missing path or no file at all."""
+    out: list[Path] = []
+    for raw in paths:
+        p = Path(raw).expanduser()
+        if not p.exists():
+            raise ConfigError(f"{p}: no such feature file or folder. Fix: check the path.")
+        if p.is_dir():
+            out += sorted(q for q in p.iterdir() if q.is_file() and q.suffix.lower() in (".h5", ".hdf5")
+                          and not q.name.startswith("."))
+        else:
+            out.append(p)
+    if not out:
+        raise ConfigError(f"no feature files (.h5) in {', '.join(str(p) for p in paths)}. Fix: run `wsi-milssl "
+                          "features` first, or pass TRIDENT/CLAM feature files.")
+    return out
+
+
+def _slide_facts(path: Path | None, slide_mpp: float | None) -> tuple[float | None, tuple[int, int] | None]:
+    if path is None or not path.exists():
+        return slide_mpp, None
+    from wsi_milssl.slide.reader import open_slide
+
+    try:
+        with open_slide(path, mpp_override=slide_mpp) as slide:
+            return float(slide.mpp), (int(slide.dimensions[0]), int(slide.dimensions[1]))
+    except WsiMilsslError as exc:
+        logger.warning("%s: slide not read (%s); using the feature file's own facts", path, exc)
+        return slide_mpp, None
+
+
+def _prediction(ff, probs: np.ndarray, *, slide_path: Path | None, config: HeatmapConfig, seconds: float
+                ) -> SlidePrediction:
+    mpp, dims = _slide_facts(slide_path, config.slide_mpp)
+    layout = ff.grid_layout(slide_mpp=mpp, slide_dimensions=dims)
+    for note in layout.notes:
+        logger.info("%s: %s", ff.path, note)
+    attrs = ff.attrs
+    tissue = str(config.tissue or attrs.get("tissue_detector") or "otsu")
+    mask_mpp = float(config.mask_mpp or attrs.get("mask_mpp") or 16.0)
+    return SlidePrediction(
+        stem=ff.stem, slide_path=slide_path, source="features", coords_lv0=ff.coords, outputs=probs,
+        origin_lv0=layout.origin_lv0, stride_lv0=layout.stride_lv0, patch_size_lv0=layout.patch_size_lv0,
+        patch_size_px=layout.patch_size_px, target_mpp=layout.target_mpp, mpp=layout.mpp,
+        dimensions_lv0=layout.dimensions_lv0, grid_shape=layout.grid_shape, n_candidates=len(ff),
+        tissue_detector=tissue, mask_mpp=mask_mpp, seconds=seconds, extra={"features_path": str(ff.path)})
+
+
+def make_feature_heatmaps(features: Sequence[str | os.PathLike], checkpoint: str | os.PathLike | FeatureHead,
+                          out_dir: str | os.PathLike, config: HeatmapConfig | None = None, *,
+                          slides: Sequence[str | os.PathLike] = (), annotations_dir: str | os.PathLike | None = None,
+                          progress: ProgressCallback | None = None) -> HeatmapRun:
+    """Heatmap files of every feature file (or folder of them) in ``features`` with the feature head of
+    ``checkpoint``, into ``out_dir`` (the files :func:`~wsi_milssl.inference.stage.make_heatmaps` writes).
+
+    ``slides``: slide files of the same stems, for the overlay PNG and for the slide's µm/px and size
+    where a file does not record them (TRIDENT, CLAM); without one, the slide recorded in the file is
+    used when it exists, else the PNG is skipped. ``config``: the overlay, detection and device
+    settings (its tiling and reader settings do not apply). A file whose features do not fit the head
+    (another width, or another encoder than the head was trained on) fails alone, as does one that
+    cannot be placed on a grid; the others go on. Raises CheckpointError for an image-model checkpoint.
+    """
+    config = config or HeatmapConfig()
+    out_dir = Path(out_dir)
+    files = find_feature_files(features)
+    head = checkpoint if isinstance(checkpoint, FeatureHead) else load_feature_head(checkpoint, config=config)
+    by_stem = {Path(s).stem: Path(s) for s in slides}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config_json = atomic_write_json(out_dir / HEATMAP_CONFIG_FILENAME, {
+        "heatmap": config_to_dict(config), "checkpoint": str(head.checkpoint_path), "source": "features",
+        "features": [str(p) for p in files], "model_name": head.config.get("model_name"), "bag_pooling": head.pooling,
+        "feature_encoder": head.encoder, "package_version": __version__}, sort_keys=True)
+    status_csv = out_dir / HEATMAP_STATUS_FILENAME
+    results: list[HeatmapResult] = []
+    emit(progress, ProgressEvent("heatmap", 0, len(files), unit="slide"))
+    t_start = time.perf_counter()
+    seen: dict[str, Path] = {}
+    for path in files:
+        t0 = time.perf_counter()
+        stem, slide_path = path.stem, None
+        try:
+            from wsi_milssl.features.schema import read_feature_file
+
+            ff = read_feature_file(path)
+            stem = ff.stem
+            if stem in seen:
+                raise ConfigError(f"{path}: slide {stem!r} is also in {seen[stem]}; their outputs would collide. Fix: "
+                                  "pass one of them.")
+            seen[stem] = path
+            slide_path = by_stem.get(stem)
+            if slide_path is None and ff.attrs.get("slide_path") and Path(str(ff.attrs["slide_path"])).exists():
+                slide_path = Path(str(ff.attrs["slide_path"]))
+            _check_fit(ff, head)
+            if len(ff) == 0:
+                results.append(HeatmapResult(stem, str(slide_path or ""), "empty", 0, None, 0.0,
+                                             f"{path}: no patch, so the slide has no score."))
+            else:
+                probs = head.probabilities(ff.features, batch_size=max(1024, config.batch_size))
+                pred = _prediction(ff, probs, slide_path=slide_path, config=config, seconds=time.perf_counter() - t0)
+                written = write_slide_outputs(pred, out_dir, model=head, config=config, annotations_dir=annotations_dir)
+                score = pred.score(head.pooling)
+                update_scores_csv(out_dir, {stem: score})
+                results.append(HeatmapResult(stem, str(slide_path or ""), "ok", len(pred), score,
+                                             time.perf_counter() - t0, "", {k: str(v) for k, v in written.items()}))
+                logger.info("%s: %d patches, score %.4f (%s pooling)", stem, len(pred), score, head.pooling)
+        except WsiMilsslError as exc:
+            logger.error("%s: failed: %s", stem, exc)
+            results.append(HeatmapResult(stem, str(slide_path or ""), "failed", 0, None, time.perf_counter() - t0,
+                                         str(exc)))
+        _write_status(results, status_csv)
+        emit(progress, ProgressEvent("heatmap", len(results), len(files), unit="slide", item=stem,
+                                     message=results[-1].status))
+    return HeatmapRun(tuple(results), out_dir, status_csv, config_json, out_dir / SCORES_FILENAME,
+                      seconds=time.perf_counter() - t_start)
+
+
+def _check_fit(ff, head: FeatureHead) -> None:
+    width = int(ff.features.shape[1]) if ff.features.ndim == 2 else 0
+    if len(ff) and head.in_features is not None and width != head.in_features:
+        raise StoreError(f"{ff.path}: features of width {width}, but the head was trained on {head.in_features}. Fix: "
+                         "pass feature files made with the encoder the head was trained on.")
+    if ff.encoder and head.encoder and ff.encoder != head.encoder:
+        raise StoreError(f"{ff.path}: features of encoder {ff.encoder!r}, but the head was trained on {head.encoder!r} "
+                         "features. Fix: pass feature files of the training encoder.")
+    if ff.bag_ids is not None:
+        raise StoreError(f"{ff.path}: a file of several bags ('bag_ids') has no slide to draw. Fix: pass one feature "
+                         "file per slide.")
+
+
+def _write_status(results: Sequence[HeatmapResult], path: Path) -> Path:
+    rows = [{"slide": r.slide, "status": r.status, "n_patches": r.n_patches,
+             "score": "" if r.score is None else f"{r.score:.6f}", "seconds": f"{r.seconds:.2f}",
+             "error": " ".join(r.error.split())} for r in results]
+    return atomic_write_csv(path, rows, columns=HEATMAP_STATUS_COLUMNS)
