@@ -13,6 +13,7 @@ __all__ = [
     "LabelsError",
     "OutputError",
     "FolderLockedError",
+    "DistributedError",
 ]
 
 
@@ -67,3 +68,7 @@ class OutputError(WsiMilsslError):
 
 class FolderLockedError(WsiMilsslError):
     """Another run holds the lock of an output folder (see :func:`wsi_milssl.locks.folder_lock`)."""
+
+
+class DistributedError(WsiMilsslError):
+    """A rank of a distributed run lost the others (one died or was killed) or the ranks diverged."""

@@ -219,6 +219,7 @@ def _resume_setup(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from wsi_milssl.cli.progress import TqdmProgress
+    from wsi_milssl.distributed import close_group, init_group
     from wsi_milssl.errors import ConfigError
     from wsi_milssl.mil.selftrain import fit
 
@@ -244,11 +245,21 @@ def run(args: argparse.Namespace) -> int:
                          "val_inputs": [str(p) for p in val_inputs] if val_inputs else None,
                          "val_labels": str(val_labels) if val_inputs and val_labels else None,
                          "input_mode": input_mode}}
-    print(f"training {config.model} on {len(train)} instances in {train.n_bags} bags "
-          f"({int(train.bag_labels.sum())} positive){'' if val is None else f'; validation {val.n_bags} bags'}")
-    with TqdmProgress() as progress:
-        result = fit(train, config=config, out_dir=out, val=val, resume=args.resume is not None,
-                     run_info=run_info, progress=progress)
+    dist = init_group(config.device)  # under torchrun: this process's rank; else one process
+    try:
+        if not dist.is_main:  # rank 0 reports; the others train quietly
+            result = fit(train, config=config, out_dir=out, val=val, resume=args.resume is not None,
+                         run_info=run_info, dist=dist)
+            return 0
+        ranks = f" on {dist.world_size} ranks ({dist.backend})" if dist.enabled else ""
+        print(f"training {config.model} on {len(train)} instances in {train.n_bags} bags "
+              f"({int(train.bag_labels.sum())} positive){'' if val is None else f'; validation {val.n_bags} bags'}"
+              f"{ranks}")
+        with TqdmProgress() as progress:
+            result = fit(train, config=config, out_dir=out, val=val, resume=args.resume is not None,
+                         run_info=run_info, progress=progress, dist=dist)
+    finally:
+        close_group(dist)
     last = result.history[-1] if result.history else {}
     shown = {k: last.get(k) for k in ("loss", "pseudo_label_mean", "pseudo_precision", "val_instance_auc",
                                       "val_bag_auc", "val_bag_accuracy") if last.get(k) is not None}

@@ -36,7 +36,8 @@ from wsi_milssl.atomic import atomic_write_text
 from wsi_milssl import runtime as runtime_rules
 from wsi_milssl.config.base import config_to_dict
 from wsi_milssl.config.train import TrainConfig
-from wsi_milssl.errors import CheckpointError, ConfigError, OutputError
+from wsi_milssl.distributed import SINGLE, DistContext, all_sum, gather_values, rank_share, split_evenly
+from wsi_milssl.errors import CheckpointError, ConfigError, DistributedError, OutputError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.locks import folder_lock
 from wsi_milssl.mil.checkpoint import capture_rng, read_checkpoint, restore_rng, save_checkpoint
@@ -176,13 +177,20 @@ def _loader_for(loader: BatchLoader | None, instances: InstanceSet, runtime: Run
 @torch.no_grad()
 def predict_probs(model: torch.nn.Module, instances: InstanceSet, indices: np.ndarray | None = None, *,
                   runtime: Runtime, batch_size: int = 512, loader: BatchLoader | None = None,
-                  progress: ProgressCallback | None = None, stage: str = "predict") -> np.ndarray:
+                  progress: ProgressCallback | None = None, stage: str = "predict",
+                  dist: DistContext = SINGLE) -> np.ndarray:
     """Positive-class probabilities (eq. 2), float32 (len(indices),), eval mode, no augmentation.
 
     Batches come from ``loader`` (the run's readers) or a one-pass loader; the probabilities stay on
-    the device until the pass ends, so the GPU never waits for the host.
+    the device until the pass ends, so the GPU never waits for the host. With several ranks
+    (``dist``) each predicts a consecutive piece of ``indices`` and every rank gets all of them.
     """
     idx = np.arange(len(instances)) if indices is None else np.asarray(indices, dtype=np.int64)
+    if dist.enabled:
+        mine = split_evenly(np.arange(idx.size), dist)
+        local = predict_probs(model, instances, idx[mine], runtime=runtime, batch_size=batch_size, loader=loader,
+                              progress=progress, stage=stage)
+        return gather_values(local, mine, size=idx.size, ctx=dist)
     if idx.size == 0:
         return np.empty(0, dtype=np.float32)
     was_training = model.training
@@ -266,8 +274,8 @@ class PseudoLabelState:
 
 def refresh_pseudo_labels(model: torch.nn.Module, instances: InstanceSet, state: PseudoLabelState, *,
                           mu_t: float, config: TrainConfig, runtime: Runtime,
-                          loader: BatchLoader | None = None, progress: ProgressCallback | None = None
-                          ) -> None:
+                          loader: BatchLoader | None = None, progress: ProgressCallback | None = None,
+                          dist: DistContext = SINGLE) -> None:
     """Recompute the pseudo labels of the positive-bag instances in place (``state.targets``).
 
     Probabilities come from an eval-mode pass without augmentation, or, with
@@ -283,8 +291,8 @@ def refresh_pseudo_labels(model: torch.nn.Module, instances: InstanceSet, state:
         if not torch.isnan(seen).any():
             probs = seen.numpy().astype(np.float64)
     if probs is None:
-        probs = predict_probs(model, instances, pos, runtime=runtime, batch_size=config.eval_batch_size,
-                              loader=loader, progress=progress, stage="train-refresh")
+        probs = predict_probs(_core(model), instances, pos, runtime=runtime, batch_size=config.eval_batch_size,
+                              loader=loader, progress=progress, stage="train-refresh", dist=dist)
     q = assign_pseudo_labels(probs, instances.bag_ids[pos], mu=mu_t, lam=config.lam,
                              soft=config.soft_labels, local_constraint=config.local_constraint,
                              global_constraint=config.global_constraint,
@@ -292,6 +300,11 @@ def refresh_pseudo_labels(model: torch.nn.Module, instances: InstanceSet, state:
     state.targets[state.pos_index] = torch.from_numpy(q)
     state.mu_t = float(mu_t)
     state.refreshes += 1
+
+
+def _core(model: torch.nn.Module) -> torch.nn.Module:
+    """The network inside a DistributedDataParallel wrapper (predictions run on it: no collectives)."""
+    return getattr(model, "module", model)
 
 
 def pseudo_label_metrics(state: PseudoLabelState, instances: InstanceSet) -> dict[str, float | None]:
@@ -331,12 +344,13 @@ def train_one_epoch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, in
                     state: PseudoLabelState, *, order: torch.Tensor, config: TrainConfig, runtime: Runtime,
                     aug_generator: torch.Generator | None, step: int = 0, mu_t: float = 0.5,
                     scaler: torch.amp.GradScaler | None = None, loader: BatchLoader | None = None,
-                    progress: ProgressCallback | None = None) -> dict[str, float]:
+                    progress: ProgressCallback | None = None, dist: DistContext = SINGLE) -> dict[str, float]:
     """One pass over ``order`` (a permutation of all instance indices) in batches of ``config.batch_size``.
 
     Refreshes the pseudo labels every ``config.refresh_every`` steps (counted globally from ``step``)
     when that is > 0. Records training probabilities into ``state.online_probs``. Returns
-    ``{"loss": mean loss, "steps": steps taken, "instances": instances seen}``.
+    ``{"loss": mean loss, "steps": steps taken, "instances": instances seen}`` (of this rank: ``order``
+    is this rank's share when several ranks train, and ``model`` their DistributedDataParallel wrapper).
 
     The loop never waits for the device: targets, the running loss and the probabilities of the pass
     live on the device and are read back once at the end (and with the loss in a progress event at
@@ -356,7 +370,7 @@ def train_one_epoch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, in
             if config.refresh_every > 0 and (step + steps) % config.refresh_every == 0:
                 state.online_probs.copy_(online.cpu())
                 refresh_pseudo_labels(model, instances, state, mu_t=mu_t, config=config, runtime=runtime,
-                                      loader=source)
+                                      loader=source, dist=dist)
                 targets = state.targets.to(dev)
                 model.train()
             x = _prepare_inputs(raw, runtime, kind=instances.kind, aug_generator=aug_generator, config=config)
@@ -403,15 +417,15 @@ def _auc(y: np.ndarray, score: np.ndarray) -> float | None:
 
 def evaluate(model: torch.nn.Module, instances: InstanceSet, *, runtime: Runtime, bag_pooling: str = "max",
              batch_size: int = 512, threshold: float = 0.5, loader: BatchLoader | None = None,
-             progress: ProgressCallback | None = None) -> dict[str, Any]:
+             progress: ProgressCallback | None = None, dist: DistContext = SINGLE) -> dict[str, Any]:
     """Instance and bag metrics of ``model`` on ``instances`` (eval mode, no augmentation).
 
     Returns a dict with ``instance_auc`` (None without instance labels or with one class), ``bag_auc``,
     ``bag_accuracy`` (bag score > ``threshold``), ``bag_nll`` (mean binary cross-entropy of the bag
     scores) and the arrays ``probs`` float32 (N,) and ``bag_scores`` float64 (n_bags,).
     """
-    probs = predict_probs(model, instances, runtime=runtime, batch_size=batch_size, loader=loader,
-                          progress=progress, stage="train-eval")
+    probs = predict_probs(_core(model), instances, runtime=runtime, batch_size=batch_size, loader=loader,
+                          progress=progress, stage="train-eval", dist=dist)
     scores = bag_scores(probs, instances.bag_ids, instances.n_bags, pooling=bag_pooling)
     labels = instances.bag_labels.astype(np.int64)
     ok = np.isfinite(scores)
@@ -532,7 +546,7 @@ def _read_history(out_dir: Path, *, before_epoch: int) -> list[dict[str, Any]]:
 def _check_resume_config(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
     diffs = []
     for key, value in current.items():
-        if key in RUNTIME_ONLY_FIELDS or key in ("runtime", "package_version", "data"):
+        if key in RUNTIME_ONLY_FIELDS or key in ("runtime", "package_version", "data", "distributed"):
             continue
         if key == "epochs" and saved.get("scheduler", "none") == "none":
             continue  # extending a constant-rate run keeps the first epochs identical
@@ -557,7 +571,7 @@ def _make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.
 def fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike | None = None,
         val: InstanceSet | None = None, resume: bool = False, eval_at: Sequence[int] | None = None,
         keep_val_scores: bool = False, run_info: dict[str, Any] | None = None,
-        progress: ProgressCallback | None = None) -> FitResult:
+        progress: ProgressCallback | None = None, dist: DistContext = SINGLE) -> FitResult:
     """Train an instance classifier with MIL-SSL.
 
     Parameters
@@ -573,14 +587,21 @@ def fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike |
     keep_val_scores : keep the validation bag scores and instance probabilities of every evaluation.
     run_info : extra JSON-ready entries for the saved config (the CLI records its inputs under "data").
     progress : callback receiving ProgressEvents ("train" per epoch, "train-epoch" per batch).
+    dist : this process's place in a torchrun group (:func:`wsi_milssl.distributed.init_group`).
+        With several ranks the model trains under DistributedDataParallel: the ranks together take
+        the steps of one process with batch ``batch_size x world_size`` (BatchNorm normalises each
+        rank's batch, and its running statistics are rank 0's, as DistributedDataParallel keeps them);
+        refresh and validation predictions are split between the ranks and gathered, so every rank
+        holds the same pseudo labels; rank 0 alone writes the run folder; after every epoch the ranks
+        check that they hold the same weights and pseudo labels.
 
     The run holds the lock of ``out_dir`` (a second run into it raises FolderLockedError, and
     temporaries left there by a killed run are removed). A run folder that cannot be written (full
     disk, read-only) raises one OutputError naming the folder and the fix.
     """
     kwargs = dict(config=config, out_dir=out_dir, val=val, resume=resume, eval_at=eval_at,
-                  keep_val_scores=keep_val_scores, run_info=run_info, progress=progress)
-    if out_dir is None:
+                  keep_val_scores=keep_val_scores, run_info=run_info, progress=progress, dist=dist)
+    if out_dir is None or not dist.is_main:  # the other ranks never write the run folder
         return _fit(train, **kwargs)
     with folder_lock(out_dir):
         return _fit(train, **kwargs)
@@ -597,9 +618,68 @@ def _save_failed(out: Path, exc: OutputError, *, saved_epoch: int) -> OutputErro
     return OutputError(f"{exc} {then}", errno=exc.errno)
 
 
+def _broadcast_buffers(model: torch.nn.Module, dist: DistContext) -> None:
+    """Rank 0's buffers (BatchNorm running statistics) on every rank: DistributedDataParallel sends
+    them before each forward, so after the last step the ranks differ by their own last update."""
+    import torch.distributed as tdist
+
+    for buffer in _core(model).buffers():
+        tdist.broadcast(buffer, src=0)
+
+
+def _combine_ranks(stats: dict[str, float], state: PseudoLabelState, order: torch.Tensor,
+                   dist: DistContext, model: torch.nn.Module) -> dict[str, float]:
+    """The epoch over all ranks: summed loss, steps of one rank (they take the same number), every
+    instance seen; rank 0's buffers on every rank; the probabilities each rank recorded for its
+    share, gathered into every rank's ``state.online_probs`` (instances no rank saw keep theirs)."""
+    loss_sum, seen = all_sum(stats["loss"] * stats["instances"], stats["instances"], ctx=dist)
+    _broadcast_buffers(model, dist)
+    mine = order.numpy()
+    gathered = gather_values(state.online_probs.numpy()[mine], mine, size=len(state.online_probs), ctx=dist)
+    update = torch.from_numpy(gathered)
+    keep = torch.isnan(update)
+    state.online_probs.copy_(torch.where(keep, state.online_probs, update))
+    return {"loss": loss_sum / max(seen, 1.0), "steps": stats["steps"], "instances": int(seen)}
+
+
+def _ranks_agree(model: torch.nn.Module, state: PseudoLabelState, dist: DistContext) -> bool:
+    """Whether every rank holds the same weights, buffers and pseudo labels (a digest per rank,
+    gathered); DistributedError when they do not, which would mean the ranks diverged."""
+    h = hashlib.sha256()
+    for key, value in sorted(model.state_dict().items()):
+        h.update(key.encode())
+        h.update(value.detach().float().cpu().contiguous().numpy().tobytes())
+    h.update(state.targets.numpy().tobytes())
+    digests = [None] * dist.world_size
+    import torch.distributed as tdist
+
+    tdist.all_gather_object(digests, h.hexdigest())
+    if len(set(digests)) != 1:
+        raise DistributedError(f"rank {dist.rank}: the {dist.world_size} ranks hold different weights or pseudo labels "
+                               f"after an epoch ({', '.join(d[:8] for d in digests)}). Fix: this is a bug; report it "
+                               "with the run's config.json, and train with one process meanwhile.")
+    return True
+
+
+def _lost_peer(exc: RuntimeError, dist: DistContext, epoch: int, out: Path | None) -> BaseException:
+    """A failed collective (a rank died or was killed): one clear error naming the epoch and how to
+    continue; other RuntimeErrors pass as they are."""
+    if not dist.enabled:
+        return exc
+    text = str(exc)
+    markers = ("connection", "peer", "gloo", "nccl", "timed out", "timeout", "broken pipe", "closed", "socket")
+    if not any(m in text.lower() for m in markers):
+        return exc
+    where = f"; {out} keeps the checkpoint of the last finished epoch" if out is not None else ""
+    resume = (f" Fix: find why the other rank stopped (its log), then continue with `torchrun ... wsi-milssl train "
+              f"--resume {out}` (any number of processes)." if out is not None else "")
+    return DistributedError(f"rank {dist.rank}: lost the other ranks during epoch {epoch + 1} ({text.splitlines()[0]})"
+                            f"{where}.{resume}")
+
+
 def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike | None,
          val: InstanceSet | None, resume: bool, eval_at: Sequence[int] | None, keep_val_scores: bool,
-         run_info: dict[str, Any] | None, progress: ProgressCallback | None) -> FitResult:
+         run_info: dict[str, Any] | None, progress: ProgressCallback | None, dist: DistContext) -> FitResult:
     if train.kind != config.mode:
         raise ConfigError(f"training instances are {train.kind!r} but TrainConfig.mode is {config.mode!r}; "
                           "use the matching mode.")
@@ -638,6 +718,7 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
     scaler = torch.amp.GradScaler("cuda") if runtime.use_grad_scaler else None
     state = PseudoLabelState.initial(train)
     ckpt_config = _checkpoint_config(config, train, runtime, model_kwargs)
+    ckpt_config["distributed"] = dist.describe()
     ckpt_config.update(run_info or {})
     out = Path(out_dir) if out_dir is not None else None
 
@@ -666,10 +747,15 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
             best_epoch = best.get("epoch")
         history = _read_history(out, before_epoch=start_epoch)
         log.info("resumed %s at epoch %d (step %d)", out / "last.pt", start_epoch, step)
-    if out is not None:
+    if out is not None and dist.is_main:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out / "config.json", json.dumps(ckpt_config, indent=2, sort_keys=True,
                                                            default=_json_default) + "\n")
+    trainer = model
+    if dist.enabled:
+        from torch.nn.parallel import DistributedDataParallel
+
+        trainer = DistributedDataParallel(model, device_ids=[dist.local_rank] if dist.backend == "nccl" else None)
 
     eval_set = None if eval_at is None else {int(e) for e in eval_at}
     result = FitResult(model=model, history=history, best_epoch=best_epoch, out_dir=out)
@@ -682,20 +768,28 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
         for epoch in range(start_epoch, config.epochs):
             t0 = time.perf_counter()
             # Re-seed every random stream from (seed, epoch): a resumed run draws exactly the same numbers.
-            torch.manual_seed(_seed_for(config.seed, epoch, 3))
+            # Ranks share the data order and differ in their augmentation and dropout streams.
+            rank_stream = (dist.rank,) if dist.enabled else ()
+            torch.manual_seed(_seed_for(config.seed, epoch, 3, *rank_stream))
             mu_t = adaptive_mu(epoch, mu=config.mu, ramp_epochs=config.mu_ramp_epochs, fixed=config.fixed_mu)
             refresh_s = 0.0
             if config.refresh_every == 0:
                 t_ref = time.perf_counter()
                 refresh_pseudo_labels(model, train, state, mu_t=mu_t, config=config, runtime=runtime,
-                                      loader=loader, progress=progress)
+                                      loader=loader, progress=progress, dist=dist)
                 refresh_s = time.perf_counter() - t_ref
             label_metrics = pseudo_label_metrics(state, train)
             order = block_order(train, _generator(config.seed, epoch, 1), block_size=config.shuffle_block)
-            aug = _generator(config.seed, epoch, 2) if train.kind == "images" else None
-            stats = train_one_epoch(model, optimizer, train, state, order=order, config=config, runtime=runtime,
-                                    aug_generator=aug, step=step, mu_t=mu_t, scaler=scaler, loader=loader,
-                                    progress=progress)
+            order = rank_share(order, batch_size=config.batch_size, ctx=dist)
+            aug = _generator(config.seed, epoch, 2, *rank_stream) if train.kind == "images" else None
+            try:
+                stats = train_one_epoch(trainer, optimizer, train, state, order=order, config=config,
+                                        runtime=runtime, aug_generator=aug, step=step, mu_t=mu_t, scaler=scaler,
+                                        loader=loader, progress=progress, dist=dist)
+                if dist.enabled:
+                    stats = _combine_ranks(stats, state, order, dist, trainer)
+            except RuntimeError as exc:
+                raise _lost_peer(exc, dist, epoch, out) from None
             if config.refresh_every > 0:
                 label_metrics = pseudo_label_metrics(state, train)
             step += stats["steps"]
@@ -711,7 +805,7 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
             if val is not None and (eval_set is None or epoch + 1 in eval_set):
                 t_val = time.perf_counter()
                 metrics = evaluate(model, val, runtime=runtime, bag_pooling=config.bag_pooling,
-                                   batch_size=config.eval_batch_size, loader=loader)
+                                   batch_size=config.eval_batch_size, loader=loader, dist=dist)
                 if keep_val_scores:
                     result.val_bag_scores[epoch + 1] = metrics["bag_scores"]
                     result.val_probs[epoch + 1] = metrics["probs"]
@@ -721,9 +815,11 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
                 if score is not None and (best_score is None or score > best_score):
                     best_score, best_epoch, improved = score, epoch + 1, True
             record["best_epoch"] = best_epoch
+            if dist.enabled:
+                record["ranks_agree"] = _ranks_agree(model, state, dist)
             history.append(record)
             result.best_epoch = best_epoch
-            if out is not None:
+            if out is not None and dist.is_main:
                 ckpt = {
                     "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
                     "model_name": config.model,
