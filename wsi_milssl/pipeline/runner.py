@@ -5,6 +5,7 @@ Every stage writes under the pipeline's output folder::
     OUT/slides/<set>/     generated slides, labels.csv, XML (synth only)
     OUT/stores/<set>/     patch stores, tile_status.csv, qc/
     OUT/labels/<set>/     FROC evaluation masks, label_status.csv
+    OUT/features/<set>/   feature files, features_status.csv (with a [features] table only)
     OUT/model/            config.json, last.pt, best.pt, metrics.jsonl, metrics.png
     OUT/heatmaps/test/    probability maps, overlays, GeoJSON, detections, scores.csv
     OUT/evaluation/       metrics.json, per_slide.csv, plots, report.html
@@ -80,6 +81,9 @@ class _Context:
     def labels_dir(self, set_name: str) -> Path:
         return self.out / "labels" / set_name
 
+    def features_dir(self, set_name: str) -> Path:
+        return self.out / "features" / set_name
+
     @property
     def model_dir(self) -> Path:
         return self.out / "model"
@@ -147,6 +151,28 @@ def _label(ctx: _Context) -> tuple[list[str], str]:
         outputs.append(str(ctx.labels_dir(set_name) / "label_status.csv"))
         parts.append(f"{set_name}: {len(report.results)} stores")
     return outputs, "; ".join(parts)
+
+
+def _features(ctx: _Context) -> tuple[list[str], str]:
+    """Embed every store of both sets with the [features] encoder (every file made again: the stage
+    runs when its settings or the stores changed)."""
+    from wsi_milssl.config import FeaturesConfig
+    from wsi_milssl.errors import WsiMilsslError
+    from wsi_milssl.features import extract_features
+
+    config = config_from_mapping(FeaturesConfig, ctx.spec.section("features"), source=f"{ctx.spec.source} [features]")
+    outputs, parts = [], []
+    for set_name in ctx.spec.sets:
+        run = extract_features([ctx.stores(set_name)], ctx.features_dir(set_name), config, overwrite=True,
+                               progress=ctx.progress)
+        failed = [r for r in run.results if r.status == "failed"]
+        if failed:
+            raise WsiMilsslError(f"features: {len(failed)} slide(s) of the {set_name} set failed (see {run.status_csv}): "
+                                 + "; ".join(f"{r.slide}: {r.error}" for r in failed[:3]))
+        outputs.append(str(run.status_csv))
+        dim = run.results[0].feature_dim if run.results else 0
+        parts.append(f"{set_name}: {run.n_patches} patches x {dim} from {len(run.results)} slides")
+    return outputs, f"{config.encoder}: " + "; ".join(parts)
 
 
 def _grid_runs(section: dict, source: str) -> list[dict]:
@@ -236,7 +262,8 @@ def _train(ctx: _Context) -> tuple[list[str], str]:
 
 
 def _train_features(ctx: _Context) -> tuple[list[str], str]:
-    """Feature mode: MIL-SSL on pre-extracted instance features; validation bags split off the training set."""
+    """Feature mode: MIL-SSL on instance features (pre-extracted, or the features stage's); validation bags
+    split off the training set."""
     from wsi_milssl.config import TrainConfig
     from wsi_milssl.mil.data import read_feature_files, read_labels_csv
     from wsi_milssl.mil.selftrain import fit
@@ -246,7 +273,8 @@ def _train_features(ctx: _Context) -> tuple[list[str], str]:
     section.setdefault("mode", "features")
     config = config_from_mapping(TrainConfig, section, source=f"{ctx.spec.source} [train]")
     ds = ctx.spec.sets["train"]
-    data = read_feature_files(_feature_files(ds.features), read_labels_csv(ds.labels))
+    features = ctx.features_dir("train") if ctx.spec.feature_stage else ds.features
+    data = read_feature_files(_feature_files(features), read_labels_csv(ds.labels))
     labels = {name: int(lab) for name, lab in zip(data.bag_names, data.bag_labels)}
     train_names, val_names = split_train_val(list(data.bag_names), labels, val_fraction=ctx.spec.val_fraction,
                                              seed=ctx.spec.split_seed)
@@ -258,7 +286,7 @@ def _train_features(ctx: _Context) -> tuple[list[str], str]:
     if ctx.model_dir.exists():
         shutil.rmtree(ctx.model_dir)
     result = fit(train, config=config, out_dir=ctx.model_dir, val=val, progress=ctx.progress,
-                 run_info={"data": {"features": str(ds.features), "labels": str(ds.labels), "input_mode": "features"}})
+                 run_info={"data": {"features": str(features), "labels": str(ds.labels), "input_mode": "features"}})
     checkpoint = ctx.model_dir / ("best.pt" if (ctx.model_dir / "best.pt").exists() else "last.pt")
     return [str(checkpoint)], f"{len(train_names)} training / {len(val_names)} validation bags, best epoch {result.best_epoch}"
 
@@ -316,6 +344,27 @@ def _heatmap(ctx: _Context) -> tuple[list[str], str]:
     return [str(ctx.heatmap_dir / "scores.csv")], f"{len(run.results)} slides, {n} patches"
 
 
+def _heatmap_features(ctx: _Context) -> tuple[list[str], str]:
+    """With a [features] table: the head's probabilities on the test set's feature files (the stores' grid)."""
+    from wsi_milssl.config import HeatmapConfig
+    from wsi_milssl.errors import WsiMilsslError
+    from wsi_milssl.inference.feature_maps import make_feature_heatmaps
+    from wsi_milssl.tiling import find_slides
+
+    config = config_from_mapping(HeatmapConfig, ctx.spec.section("heatmap"), source=f"{ctx.spec.source} [heatmap]")
+    checkpoint = ctx.model_dir / ("best.pt" if (ctx.model_dir / "best.pt").exists() else "last.pt")
+    ds = ctx.spec.sets["test"]
+    run = make_feature_heatmaps([ctx.features_dir("test")], checkpoint, ctx.heatmap_dir, config,
+                                slides=find_slides([ds.slides]) if ds.slides is not None else (),
+                                annotations_dir=ds.annotations, progress=ctx.progress)
+    failed = [r for r in run.results if r.status == "failed"]
+    if failed:
+        raise WsiMilsslError(f"heatmap: {len(failed)} slide(s) failed (see {ctx.heatmap_dir}): "
+                             + "; ".join(f"{r.slide}: {r.error}" for r in failed[:3]))
+    n = sum(r.n_patches for r in run.results)
+    return [str(ctx.heatmap_dir / "scores.csv")], f"{len(run.results)} slides, {n} patches (feature head)"
+
+
 def _evaluate(ctx: _Context) -> tuple[list[str], str]:
     from wsi_milssl.config import EvaluateConfig
     from wsi_milssl.evaluation import evaluate_predictions
@@ -336,9 +385,12 @@ _RUNNERS: dict[str, Callable[[_Context], tuple[list[str], str]]] = {
     "synth": _synth, "tile": _tile, "label": _label, "train": _train, "heatmap": _heatmap, "evaluate": _evaluate,
 }
 _FEATURE_RUNNERS = {"train": _train_features, "evaluate": _evaluate_features}
+# Image data with a [features] table: the stores are embedded, the head trains and draws on the features.
+_EMBEDDED_RUNNERS = {**_RUNNERS, "features": _features, "train": _train_features, "heatmap": _heatmap_features}
 # What each stage reads: upstream stages (by stamp) and external input paths.
-_UPSTREAM = {"synth": (), "tile": ("synth",), "label": ("tile",), "train": ("label",),
+_UPSTREAM = {"synth": (), "tile": ("synth",), "label": ("tile",), "features": ("label",), "train": ("label",),
              "heatmap": ("train", "label"), "evaluate": ("heatmap",)}
+_EMBEDDED_UPSTREAM = {**_UPSTREAM, "train": ("features",), "heatmap": ("train", "features")}
 
 
 def _stage_settings(spec: PipelineSpec, stage: str):
@@ -385,8 +437,14 @@ def run_pipeline(
     if spec.mode == "features":
         stages = ["train", "evaluate"]
     else:
-        stages = [s for s in STAGES if s != "synth" or spec.sets["train"].synth is not None]
+        stages = [s for s in STAGES if (s != "synth" or spec.sets["train"].synth is not None)
+                  and (s != "features" or spec.feature_stage)]
     if until is not None:
+        if until not in stages:
+            from wsi_milssl.errors import ConfigError
+
+            raise ConfigError(f"{spec.source}: stage {until!r} is not part of this pipeline (its stages: "
+                              f"{', '.join(stages)}).")
         stages = stages[: stages.index(until) + 1]
     with folder_lock(spec.out_dir):
         return _run_stages(spec, stages, forced, progress=progress, on_stage=on_stage)
@@ -400,7 +458,8 @@ def _run_stages(spec: PipelineSpec, stages: list[str], forced: set[str], *,
     outcomes: list[StageOutcome] = []
     dirty = False
     for i, stage in enumerate(stages):
-        upstream = {u: digests.get(u) or (read_stamp(ctx.state, u) or {}).get("digest") for u in _UPSTREAM[stage]}
+        reads = (_EMBEDDED_UPSTREAM if spec.feature_stage else _UPSTREAM)[stage]
+        upstream = {u: digests.get(u) or (read_stamp(ctx.state, u) or {}).get("digest") for u in reads}
         digest = stamp_digest(_stage_settings(spec, stage), {"upstream": upstream,
                                                               "external": _external_inputs(spec, stage)})
         digests[stage] = digest
@@ -412,7 +471,10 @@ def _run_stages(spec: PipelineSpec, stages: list[str], forced: set[str], *,
         else:
             dirty = True
             start = time.perf_counter()
-            runner = _FEATURE_RUNNERS[stage] if spec.mode == "features" else _RUNNERS[stage]
+            if spec.mode == "features":
+                runner = _FEATURE_RUNNERS[stage]
+            else:
+                runner = (_EMBEDDED_RUNNERS if spec.feature_stage else _RUNNERS)[stage]
             outputs, summary = runner(ctx)
             write_stamp(ctx.state, stage, digest=digest, outputs=outputs)
             outcome = StageOutcome(stage, "ran", time.perf_counter() - start, summary)

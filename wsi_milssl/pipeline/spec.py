@@ -27,6 +27,10 @@ dataclass, plus ``[pipeline]`` and ``[data]``::
     [tile]      # TileConfig      [label]     # LabelConfig     [train]    # TrainConfig
     [heatmap]   # HeatmapConfig   [evaluate]  # EvaluateConfig
 
+    [features]  # FeaturesConfig: with this table (image data only) the stores are embedded by a frozen
+                # encoder (OUT/features/<set>), train fits a head on the features ([train].mode
+                # "features"), heatmap draws its probabilities on the stores' grid, evaluate as usual
+
 Relative data paths are resolved against the pipeline file's folder; a generated set lives in
 ``OUT/slides/<set>`` and serves as its own labels and annotations folder.
 """
@@ -43,7 +47,7 @@ from wsi_milssl.errors import ConfigError
 
 __all__ = ["PipelineSpec", "DataSet", "load_pipeline", "STAGES", "SETS"]
 
-STAGES = ("synth", "tile", "label", "train", "heatmap", "evaluate")
+STAGES = ("synth", "tile", "label", "features", "train", "heatmap", "evaluate")
 SETS = ("train", "test")
 _TOP_LEVEL = {"pipeline", "data", *STAGES}
 
@@ -70,6 +74,8 @@ class PipelineSpec:
     split_seed: int
     sections: dict[str, dict[str, Any]] = field(default_factory=dict)
     mode: str = "images"
+    #: a [features] table: stores are embedded by a frozen encoder and the head trains on the features
+    feature_stage: bool = False
 
     def section(self, stage: str) -> dict[str, Any]:
         """The raw table of ``stage`` (empty when absent)."""
@@ -139,18 +145,27 @@ def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None 
         if data:
             raise ConfigError(f"{source}: unknown [data] key(s) {', '.join(sorted(data))}.")
 
+    feature_stage = "features" in raw
+    if feature_stage and mode == "features":
+        raise ConfigError(f"{source}: a [features] table embeds the patches of slides, but [data].mode = 'features' "
+                          "trains on features that exist already. Fix: drop one of them.")
     sections = {stage: dict(raw.get(stage, {})) for stage in STAGES if stage != "synth"}
+    if feature_stage:
+        train_mode = sections["train"].setdefault("mode", "features")
+        if train_mode != "features":
+            raise ConfigError(f"{source}: with a [features] table the head trains on features; [train].mode is "
+                              f"{train_mode!r}. Fix: set mode = \"features\" (and an MLP head) or drop [features].")
     _validate_sections(sections, source)
     return PipelineSpec(name=name, source=source, out_dir=out, sets=sets, val_fraction=val_fraction,
-                        split_seed=split_seed, sections=sections, mode=mode)
+                        split_seed=split_seed, sections=sections, mode=mode, feature_stage=feature_stage)
 
 
 def _validate_sections(sections: dict[str, dict[str, Any]], source: Path) -> None:
     """Build every stage's config once, so a wrong key or value fails before any stage runs."""
     from wsi_milssl import config as cfg
 
-    classes = {"tile": cfg.TileConfig, "label": cfg.LabelConfig, "train": cfg.TrainConfig,
-               "heatmap": cfg.HeatmapConfig, "evaluate": cfg.EvaluateConfig}
+    classes = {"tile": cfg.TileConfig, "label": cfg.LabelConfig, "features": cfg.FeaturesConfig,
+               "train": cfg.TrainConfig, "heatmap": cfg.HeatmapConfig, "evaluate": cfg.EvaluateConfig}
     for stage, cls in classes.items():
         section = {k: v for k, v in sections.get(stage, {}).items() if k != "grid"}
         config_from_mapping(cls, section, source=f"{source} [{stage}]")
