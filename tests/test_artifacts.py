@@ -24,6 +24,9 @@ def test_every_heatmap_file_name_parses_back_to_its_stem_and_kind():
     assert set(paths) == set(artifacts.HEATMAP_FILES)
     for kind, path in paths.items():
         assert artifacts.parse_heatmap_name(path.name) == ("Tumor_001.v2", kind)
+    # the OME-TIFF is never mistaken for the plain TIFF of a slide called "x_probs.ome" or vice versa
+    assert artifacts.parse_heatmap_name("x_probs.ome.tif") == ("x", "probs_ome_tif")
+    assert artifacts.parse_heatmap_name("x_probs.tif") == ("x", "probs_tif")
     assert artifacts.parse_heatmap_name("scores.csv") is None
     assert artifacts.parse_heatmap_name("_detections.csv") is None
 

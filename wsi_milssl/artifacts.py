@@ -14,8 +14,16 @@ file                    contents
 ``_probs.json``         sidecar (:data:`SIDECAR_KEYS`): cell (r, c) is the patch with level-0
                         top-left ``(origin_x + c * stride_lv0, origin_y + r * stride_lv0)``
 ``_probs.tif``          the same map as one float32 page (resolution = one grid cell)
+``_probs.ome.tif``      the map registered to the slide: tiled, pyramidal OME-TIFF, float32,
+                        pixel (i, j) of level 0 covers level-0 ``[j d, (j+1) d) x [i d, (i+1) d)``
+                        with ``d`` = ``ome_downsample`` in the sidecar; physical pixel size
+                        ``mpp * d`` µm; NaN = no patch
 ``_patches.csv``        ``x_lv0,y_lv0,prob`` (:data:`PATCHES_COLUMNS`), one row per patch (top-left)
-``_patches.geojson``    QuPath detections, one square per patch, measurement ``tumor_probability``
+``_patches.geojson``    QuPath detections, one square per patch, measurement ``tumor_probability``,
+                        classification Tumor (p >= the sidecar's ``tumor_threshold``) or Normal
+``_lesions.geojson``    predicted lesions: contours of the map at ``tumor_threshold``, QuPath
+                        annotations classified Tumor (holes kept)
+``_lesions.xml``        the same polygons as ASAP XML (group ``Tumor``; holes as group ``_2``)
 ``_detections.csv``     CAMELYON16 detections: ``prob,x,y`` per line, no header, x and y integers
                         (the level-0 pixel holding the patch centre, :func:`detection_point_lv0`)
 ``_heatmap.png``        overlay on the slide thumbnail (PNG text chunk ``wsi-milssl``: geometry)
@@ -53,6 +61,9 @@ __all__ = [
     "PATCHES_COLUMNS",
     "SIDECAR_KEYS",
     "MEASUREMENT_NAME",
+    "TUMOR_CLASS",
+    "NORMAL_CLASS",
+    "LESION_GROUP",
     "EVALUATION_FILES",
     "PER_SLIDE_COLUMNS",
     "DETECTION_OUTCOME_COLUMNS",
@@ -79,8 +90,11 @@ HEATMAP_FILES: dict[str, str] = {
     "probs_npy": "_probs.npy",
     "probs_json": "_probs.json",
     "probs_tif": "_probs.tif",
+    "probs_ome_tif": "_probs.ome.tif",
     "patches_csv": "_patches.csv",
     "patches_geojson": "_patches.geojson",
+    "lesions_geojson": "_lesions.geojson",
+    "lesions_xml": "_lesions.xml",
     "detections_csv": "_detections.csv",
     "heatmap_png": "_heatmap.png",
 }
@@ -99,6 +113,11 @@ SIDECAR_KEYS = ("slide", "slide_path", "origin_lv0", "stride_lv0", "patch_size_l
 
 #: QuPath measurement holding a patch's probability in ``_patches.geojson``.
 MEASUREMENT_NAME = "tumor_probability"
+#: QuPath classifications (name, RGB) of patch features; the lesion polygons are Tumor.
+TUMOR_CLASS = ("Tumor", (200, 0, 0))
+NORMAL_CLASS = ("Normal", (90, 160, 90))
+#: Annotation group of predicted lesions in ``_lesions.xml`` / ``_lesions.geojson``.
+LESION_GROUP = "Tumor"
 
 #: Files of an evaluation folder: kind -> file name.
 EVALUATION_FILES: dict[str, str] = {

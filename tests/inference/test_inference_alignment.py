@@ -22,6 +22,8 @@ from wsi_milssl.inference.exports import MEASUREMENT_NAME
 from wsi_milssl.inference.heatmap import PNG_TEXT_KEY
 from wsi_milssl.slide import open_slide
 
+MPP = 0.25  # the marker slides' level-0 µm/px
+
 # (target_mpp, patch_size_px, stride_px, marked cell (row, col)); the slide is 0.25 µm/px.
 GEOMETRIES = {
     "exact-level": (1.0, 32, None, (8, 10)),      # 128 lv0 px patches read at level 2 as they are
@@ -67,7 +69,8 @@ def _run(tmp_path, marker_slide_factory, checkpoint_factory, geometry, *, source
                                                           stride_px=stride_px, entropy_threshold_bits=3.0,
                                                           pixels="raw"))
         stores = [tmp_path / "stores"]
-    config = HeatmapConfig(num_workers=workers, batch_size=48, thumbnail_px=512, alpha=1.0, overlay_threshold=0.5)
+    config = HeatmapConfig(num_workers=workers, batch_size=48, thumbnail_px=512, alpha=1.0, overlay_threshold=0.5,
+                           ome_downsample=4)
     run = make_heatmaps([slide], ckpt, tmp_path / "hm", config, stores=stores)
     assert run.ok, run.results
     return slide, tmp_path / "hm", (patch_lv0, stride_lv0, x, y)
@@ -107,6 +110,8 @@ def test_one_positive_patch_lands_on_its_square_in_every_output(tmp_path, marker
     assert len(features) == len(coords)
     hot = [f for f in features if f["properties"]["measurements"][MEASUREMENT_NAME] >= 0.5]
     assert len(hot) == 1 and hot[0]["properties"]["objectType"] == "detection"
+    assert hot[0]["properties"]["classification"] == {"name": "Tumor", "color": [200, 0, 0]}
+    assert {f["properties"]["classification"]["name"] for f in features if f is not hot[0]} == {"Normal"}
     ring = hot[0]["geometry"]["coordinates"][0]
     assert ring == [[x, y], [x + patch_lv0, y], [x + patch_lv0, y + patch_lv0], [x, y + patch_lv0], [x, y]]
 
@@ -134,7 +139,8 @@ def test_one_positive_patch_lands_on_its_square_in_every_output(tmp_path, marker
     assert meta["downsample_xy"] == pytest.approx([dx, dy])
     image = np.asarray(png.convert("RGB"))
     assert image.shape[1] > tw  # the colour bar is appended on the right
-    changed = (image[:, :tw] != thumb).any(axis=2)
+    assert image.shape[0] > th  # the title and scale bar sit in a band below the thumbnail
+    changed = (image[:th, :tw] != thumb).any(axis=2)
     # With overlapping patches each pixel shows the patch whose centre is nearest: the central
     # stride x stride part of the marked patch.
     lo = (patch_lv0 - stride_lv0) / 2
@@ -145,6 +151,54 @@ def test_one_positive_patch_lands_on_its_square_in_every_output(tmp_path, marker
     expected = in_y[:, None] & in_x[None, :]
     assert expected.sum() >= 4
     np.testing.assert_array_equal(changed, expected)
+
+    # 7. OME-TIFF: a pyramid with physical pixel sizes and schema-valid OME-XML, whose level 0 lies on
+    #    the slide: mapped through the physical pixel size, exactly the marked part is positive
+    import ome_types
+    import tifffile
+
+    with tifffile.TiffFile(out / f"{stem}_probs.ome.tif") as tif:
+        assert tif.is_ome
+        levels = tif.series[0].levels
+        level0 = levels[0].asarray()
+        shapes = [lv.shape for lv in levels]
+        xml = tif.ome_metadata
+        tags = tif.pages[0].tags
+        assert tif.pages[0].is_tiled
+        x_res = tags["XResolution"].value
+    ome_types.validate_xml(xml)
+    pixels = ome_types.from_xml(xml).images[0].pixels
+    d = side["ome_downsample"]
+    assert d == 4 and pixels.physical_size_x == pytest.approx(MPP * d) == pixels.physical_size_y
+    assert pixels.physical_size_x_unit.value == "µm"
+    assert x_res[0] / x_res[1] == pytest.approx(1e4 / (MPP * d))  # pixels per cm in the TIFF tags too
+    assert shapes[0] == (-(-h0 // d), -(-w0 // d)) == (pixels.size_y, pixels.size_x)
+    assert len(shapes) >= 2 and all(b == (-(-a[0] // 2), -(-a[1] // 2)) for a, b in zip(shapes, shapes[1:]))
+    assert level0.dtype == np.float32
+    lv0_per_px = pixels.physical_size_x / MPP
+    ocx = (np.arange(level0.shape[1]) + 0.5) * lv0_per_px
+    ocy = (np.arange(level0.shape[0]) + 0.5) * lv0_per_px
+    expected_ome = ((ocy >= y + lo) & (ocy < y + lo + stride_lv0))[:, None] & \
+        ((ocx >= x + lo) & (ocx < x + lo + stride_lv0))[None, :]
+    np.testing.assert_array_equal(np.nan_to_num(level0) >= 0.5, expected_ome)
+    centre = (int((y + patch_lv0 / 2) // lv0_per_px), int((x + patch_lv0 / 2) // lv0_per_px))
+    assert level0[centre] == pytest.approx(grid[r0, c0])
+
+    # 8. predicted lesions: one polygon around the marked cell, in QuPath GeoJSON and ASAP XML alike
+    import shapely
+
+    from wsi_milssl.annotations import read_annotations
+
+    for suffix in ("_lesions.xml", "_lesions.geojson"):
+        region = read_annotations(out / f"{stem}{suffix}").region
+        assert len(shapely.get_parts(region)) == 1
+        assert region.contains(shapely.Point(x + patch_lv0 / 2, y + patch_lv0 / 2))
+        x0, y0, x1, y1 = region.bounds
+        assert x - stride_lv0 < x0 and x1 < x + patch_lv0 + stride_lv0 and y - stride_lv0 < y0
+    lesion = json.loads((out / f"{stem}_lesions.geojson").read_text())["features"][0]["properties"]
+    assert lesion["classification"] == {"name": "Tumor", "color": [200, 0, 0]}
+    assert lesion["objectType"] == "annotation" and lesion["name"].startswith("Lesion 1 (max p ")
+    assert float(lesion["name"].split("max p ")[1].split(",")[0]) == pytest.approx(grid[r0, c0], abs=5e-4)
 
 
 def test_store_input_gives_the_same_cell(tmp_path, marker_slide_factory, checkpoint_factory):

@@ -90,7 +90,9 @@ def test_written_files_read_back_with_the_evaluation_readers(tmp_path):
     fc = json.loads((tmp_path / "s1_patches.geojson").read_text())
     assert fc["type"] == "FeatureCollection" and len(fc["features"]) == 3
     f = fc["features"][2]
-    assert f["properties"] == {"objectType": "detection", "measurements": {MEASUREMENT_NAME: 0.875}}
+    assert f["properties"] == {"objectType": "detection", "measurements": {MEASUREMENT_NAME: 0.875},
+                               "classification": {"name": "Tumor", "color": [200, 0, 0]}}
+    assert fc["features"][0]["properties"]["classification"] == {"name": "Normal", "color": [90, 160, 90]}
     assert f["geometry"]["coordinates"][0] == [[0, 256], [256, 256], [256, 512], [0, 512], [0, 256]]
     write_detections_csv(tmp_path / "s1_detections.csv", [0.875, 0.5], [128.0, 384], np.array([384, 128]))
     text = (tmp_path / "s1_detections.csv").read_text()
@@ -116,3 +118,72 @@ def test_scores_csv_is_updated_slide_by_slide(tmp_path):
     (tmp_path / "other" / "scores.csv").write_text("x,y\n1,2\n")
     with pytest.raises(ConfigError, match=r"scores.csv: not a scores file \(header must be 'slide,score'\)"):
         update_scores_csv(tmp_path / "other", {"a": 0.1})
+
+
+# ------------------------------------------------------------------------------ viewer files
+
+def test_lesion_polygons_are_contours_of_the_map_with_holes_and_separate_lesions():
+    import shapely
+
+    from wsi_milssl.inference.exports import lesion_polygons
+
+    grid = np.full((9, 12), 0.1, np.float32)
+    grid[1:6, 1:6] = 0.9      # a ring of positive cells around one negative cell: a lesion with a hole
+    grid[3, 3] = 0.2
+    grid[7, 10] = 0.8         # a lone positive cell far away
+    grid[0, 11] = np.nan      # no patch counts as negative
+    polys = lesion_polygons(grid, origin_lv0=(1000, 2000), stride_lv0=100, patch_size_lv0=100, threshold=0.5)
+    assert len(polys) == 2
+    big, lone = polys
+    assert len(big.interiors) == 1 and big.is_valid
+    centre = lambda r, c: shapely.Point(1000 + c * 100 + 50, 2000 + r * 100 + 50)  # noqa: E731
+    assert all(big.contains(centre(r, c)) for r in range(1, 6) for c in range(1, 6) if (r, c) != (3, 3))
+    assert not big.contains(centre(3, 3)) and not big.contains(centre(0, 0))
+    assert lone.contains(centre(7, 10)) and not lone.contains(centre(7, 9))
+    # 0.8 -> 0.1 crosses 0.5 at 3/7 of a stride: a diamond of that half-diagonal around the cell centre
+    assert lone.area == pytest.approx(2 * (100 * 3 / 7) ** 2, rel=1e-6)
+    assert lesion_polygons(np.full((3, 3), 0.4), origin_lv0=(0, 0), stride_lv0=10, patch_size_lv0=10,
+                           threshold=0.5) == []
+
+
+def test_lesions_round_trip_through_the_annotation_readers(tmp_path):
+    import shapely
+
+    from wsi_milssl.annotations import read_annotations
+    from wsi_milssl.inference.exports import lesion_polygons, write_lesions
+
+    grid = np.zeros((6, 6), np.float32)
+    grid[1:5, 1:5] = 0.95
+    grid[2:4, 2:4] = 0.0
+    polys = lesion_polygons(grid, origin_lv0=(0, 0), stride_lv0=64, patch_size_lv0=64, threshold=0.5)
+    written = write_lesions(tmp_path / "s_lesions.geojson", tmp_path / "s_lesions.xml", polys, grid=grid,
+                            origin_lv0=(0, 0), stride_lv0=64, patch_size_lv0=64, mpp=0.5)
+    for path in written.values():
+        region = read_annotations(path).region
+        assert region.symmetric_difference(polys[0]).area < 1e-6 * polys[0].area, path
+    fc = json.loads(written["lesions_geojson"].read_text())
+    props = fc["features"][0]["properties"]
+    assert props["classification"] == {"name": "Tumor", "color": [200, 0, 0]}
+    assert props["name"] == f"Lesion 1 (max p 0.950, {polys[0].area * 0.25 / 1e6:.3f} mm2)"
+    assert 'PartOfGroup="_2"' in written["lesions_xml"].read_text()  # ASAP holds the hole as a _2 polygon
+    assert shapely.get_num_interior_rings(polys[0]) == 1
+
+
+def test_ome_downsample_and_pyramid_levels(tmp_path):
+    import tifffile
+
+    from wsi_milssl.inference.exports import ome_downsample, write_probs_ome_tiff
+
+    assert ome_downsample(2107) == 256      # 10x / 512 px on a 0.243 µm/px slide: 8.2 px per stride
+    assert ome_downsample(128) == 16 and ome_downsample(12) == 1 and ome_downsample(2107, 3) == 3
+    grid = np.full((4, 5), np.nan, np.float32)
+    grid[0, 0], grid[3, 4] = 0.2, 0.9
+    path = write_probs_ome_tiff(tmp_path / "s_probs.ome.tif", grid, origin_lv0=(0, 0), stride_lv0=200,
+                                patch_size_lv0=200, mpp=0.5, dimensions_lv0=(1000, 801), downsample=1)
+    with tifffile.TiffFile(path) as tif:
+        levels = [lv.asarray() for lv in tif.series[0].levels]
+    assert [lv.shape for lv in levels] == [(801, 1000), (401, 500), (201, 250)]
+    assert levels[0][700, 900] == pytest.approx(0.9) and levels[0][10, 10] == pytest.approx(0.2)
+    assert np.isnan(levels[0][10, 500]) and np.isnan(levels[0][800, 10])  # no patch / below the grid
+    # reduced levels keep the maximum of each 2 x 2 block, so small positives stay visible
+    assert np.nanmax(levels[2]) == pytest.approx(0.9)

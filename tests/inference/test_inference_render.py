@@ -118,3 +118,28 @@ def test_colormap_registry_accepts_new_maps_and_rejects_unknown_ones():
         COLORMAPS.pop("test_grey")
     with pytest.raises(ValueError, match="unknown colour map 'nope'; registered colour maps: .*jet"):
         apply_colormap(np.zeros(2), "nope")
+
+
+def test_overlay_defaults_keep_the_tissue_visible_and_add_a_title_band_and_scale_bar():
+    from wsi_milssl.config import HeatmapConfig
+    from wsi_milssl.inference.heatmap import footer_panel, scale_bar_length_um
+
+    d = HeatmapConfig()
+    assert d.colormap == "viridis" and d.overlay_threshold >= 0.5 and d.alpha <= 0.5 and d.title and d.scale_bar
+    thumb = np.full((40, 60, 3), 200, np.uint8)
+    grid = np.array([[0.2, 0.9]], np.float32)
+    out = render_overlay(grid, thumb, downsample_xy=(10.0, 10.0), origin_lv0=(0, 0), stride_lv0=300,
+                         patch_size_lv0=300, colormap=d.colormap, alpha=d.alpha, threshold=d.overlay_threshold,
+                         colorbar=True, title="slide_1: score 0.900", scale_bar_um_per_px=5.0)
+    assert out.shape[0] > 40 and out.shape[1] > 60
+    np.testing.assert_array_equal(out[:30, :30], thumb[:30, :30])   # below the threshold: the H&E as it is
+    assert (out[:30, 30:60] != thumb[:30, 30:60]).any(axis=2).all()  # above: blended, the H&E beneath
+    assert (out[:40, 30:60] != 0).all()
+    band = out[40:, :60]
+    assert (band < 128).any()  # text and the scale bar are drawn in the band below the thumbnail
+    # 60 px at 5 µm/px = 300 µm: 20 % is 60 µm, the round length nearest is 50 µm
+    assert scale_bar_length_um(60, 5.0) == 50.0
+    assert scale_bar_length_um(2048, 0.243 * 50) == 5000.0
+    panel = footer_panel(300, title="t", um_per_px=10.0)
+    bar_rows = (panel[:, :, 0] == 0) & (panel[:, :, 1] == 0)
+    assert bar_rows.any(axis=0).sum() >= 50  # a 500 µm bar is 50 px long at 10 µm/px

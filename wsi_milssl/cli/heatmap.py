@@ -23,6 +23,7 @@ _VALUE_OPTIONS = {
     "overlay_threshold": "overlay_threshold", "smooth_um": "smooth_um", "thumbnail_px": "thumbnail_px",
     "annotation_color": "annotation_color", "annotation_width": "annotation_width_px",
     "detection_threshold": "detection_threshold", "nms_radius_um": "nms_radius_um",
+    "tumor_threshold": "tumor_threshold", "ome_downsample": "ome_downsample",
 }
 # CLI flag -> (HeatmapConfig field, value when given)
 _FLAG_OPTIONS = {
@@ -30,6 +31,8 @@ _FLAG_OPTIONS = {
     "no_fuse_batchnorm": ("fuse_batchnorm", False),
     "no_clip_tissue": ("clip_to_tissue", False),
     "no_colorbar": ("colorbar", False),
+    "no_title": ("title", False),
+    "no_scale_bar": ("scale_bar", False),
 }
 
 
@@ -141,10 +144,19 @@ def register(subparsers) -> None:
     o.add_argument("--thumbnail-px", type=int, default=None, metavar="PX",
                    help=f"longer side of the overlay thumbnail [{d.thumbnail_px}]")
     o.add_argument("--no-colorbar", action="store_true", help="no colour bar panel")
+    o.add_argument("--no-title", action="store_true", help="no title (slide, score) below the thumbnail")
+    o.add_argument("--no-scale-bar", action="store_true", help="no scale bar below the thumbnail")
     o.add_argument("--annotation-color", default=None, metavar="#RRGGBB",
                    help=f"outline colour of the annotations [{d.annotation_color}]")
     o.add_argument("--annotation-width", type=int, default=None, metavar="PX",
                    help=f"outline width [{d.annotation_width_px}]")
+    v = p.add_argument_group("viewer files (<stem>_probs.ome.tif, _patches.geojson, _lesions.geojson/.xml)")
+    v.add_argument("--tumor-threshold", type=float, default=None, metavar="P",
+                   help="patches at or above it are classified Tumor in the GeoJSON (else Normal); the predicted "
+                        f"lesions are the map's contours at it [{d.tumor_threshold}]")
+    v.add_argument("--ome-downsample", type=int, default=None, metavar="D",
+                   help="level-0 px per pixel of the OME-TIFF (an integer: registered exactly; 1 = the slide's own "
+                        f"grid); 0 = the largest power of two with >= 8 px per patch stride [{d.ome_downsample}]")
     x = p.add_argument_group("detections (<stem>_detections.csv)")
     x.add_argument("--detection-threshold", type=float, default=None, metavar="P",
                    help="report local maxima down to this probability; keep it low, FROC sweeps thresholds "

@@ -47,17 +47,31 @@ class HeatmapConfig:
 
     Overlay (``<stem>_heatmap.png``)
     --------------------------------
+    The defaults keep the H&E readable: only patches at or above ``overlay_threshold`` are coloured,
+    with a perceptually uniform map (viridis: brightness rises with the probability, readable in grey
+    and by colour-blind readers) at half opacity.
+
     colormap : a registered colour map (``wsi_milssl.inference.heatmap.COLORMAPS``).
     alpha : opacity of the colour over the thumbnail, in [0, 1].
     vmin, vmax : probabilities mapped to the two ends of the colour map (and the colour bar).
-    overlay_threshold : patches with a probability below this are left uncoloured.
+    overlay_threshold : patches with a probability below this are left uncoloured (transparent).
     smooth_um : standard deviation in µm of a Gaussian applied to the map before drawing (0 = none;
         the map is then drawn with bilinear interpolation). Exports always hold the raw map.
     clip_to_tissue : colour only thumbnail pixels inside the tissue mask.
     thumbnail_px : longer side of the slide thumbnail under the overlay, in pixels.
     colorbar : append a colour bar panel to the right of the thumbnail.
+    title : write the slide name and score in a band below the thumbnail.
+    scale_bar : draw a scale bar (a round length in µm or mm) in that band.
     annotation_color, annotation_width_px : outline colour (#RRGGBB) and width of the tumour
         annotations, drawn when an annotation file is found for the slide.
+
+    Viewer files (``<stem>_probs.ome.tif``, ``_patches.geojson``, ``_lesions.geojson/.xml``)
+    ---------------------------------------------------------------------------------------
+    tumor_threshold : a patch at or above this probability is classified Tumor in the patch GeoJSON
+        (else Normal), and the predicted lesion polygons are the contours of the map at this level.
+    ome_downsample : level-0 pixels per pixel of the OME-TIFF's level 0 (an integer, so that it is
+        registered to the slide exactly); 0 = automatic, the largest power of two that leaves at least
+        8 pixels per grid stride (256 for 10x / 512 px patches on a 0.243 µm/px slide).
 
     Detections (``<stem>_detections.csv``)
     --------------------------------------
@@ -81,17 +95,21 @@ class HeatmapConfig:
     min_tissue: float | None = None
     mask_mpp: float | None = None
     slide_mpp: float | None = None
-    colormap: str = "jet"
+    colormap: str = "viridis"
     alpha: float = 0.5
     vmin: float = 0.0
     vmax: float = 1.0
-    overlay_threshold: float = 0.0
+    overlay_threshold: float = 0.5
     smooth_um: float = 0.0
     clip_to_tissue: bool = True
     thumbnail_px: int = 2048
     colorbar: bool = True
+    title: bool = True
+    scale_bar: bool = True
     annotation_color: str = "#000000"
     annotation_width_px: int = 3
+    tumor_threshold: float = 0.5
+    ome_downsample: int = 0
     detection_threshold: float = 0.1
     nms_radius_um: float = 1000.0
 
@@ -136,6 +154,11 @@ class HeatmapConfig:
         check_type(name, "thumbnail_px", self.thumbnail_px, int)
         check_range(name, "thumbnail_px", self.thumbnail_px, low=64, high=16384)
         check_type(name, "colorbar", self.colorbar, bool)
+        check_type(name, "title", self.title, bool)
+        check_type(name, "scale_bar", self.scale_bar, bool)
+        check_range(name, "tumor_threshold", self.tumor_threshold, low=0.0, high=1.0)
+        check_type(name, "ome_downsample", self.ome_downsample, int)
+        check_range(name, "ome_downsample", self.ome_downsample, low=0, high=65536)
         check_type(name, "annotation_color", self.annotation_color, str)
         if not _HEX_COLOR.match(self.annotation_color):
             from wsi_milssl.errors import ConfigError

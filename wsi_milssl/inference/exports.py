@@ -10,21 +10,26 @@ Every file is written to a temporary name in the same folder, fsynced and rename
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import math
 import os
+import uuid
 from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
 
 from wsi_milssl.artifacts import (
+    LESION_GROUP,
     MEASUREMENT_NAME,
+    NORMAL_CLASS,
     PATCHES_COLUMNS,
     SCORES_COLUMNS,
     SCORES_FILENAME,
     SIDECAR_KEYS,
+    TUMOR_CLASS,
     detection_point_lv0,
     format_detection,
     heatmap_paths,
@@ -38,6 +43,10 @@ __all__ = [
     "output_paths",
     "nms_detections",
     "write_probs",
+    "ome_downsample",
+    "write_probs_ome_tiff",
+    "lesion_polygons",
+    "write_lesions",
     "write_patches_csv",
     "write_patches_geojson",
     "write_detections_csv",
@@ -132,6 +141,159 @@ def write_probs(out_dir: str | os.PathLike, stem: str, grid: np.ndarray, sidecar
     return {k: paths[k] for k in ("probs_npy", "probs_tif", "probs_json")}
 
 
+#: Pixels of one OME-TIFF tile side; a pyramid level is added while the last is larger than a tile.
+OME_TILE_PX = 256
+#: Automatic OME-TIFF downsample: at least this many OME pixels per grid stride.
+OME_PX_PER_STRIDE = 8
+#: Largest OME-TIFF level 0 (pixels), so that a tiny ``ome_downsample`` on a large slide is refused.
+OME_MAX_PIXELS = 1 << 28
+
+
+def ome_downsample(stride_lv0: int, requested: int = 0) -> int:
+    """Level-0 pixels per OME-TIFF pixel: ``requested`` when > 0, else the largest power of two that
+    leaves at least :data:`OME_PX_PER_STRIDE` pixels per grid stride (1 for strides below 16 px)."""
+    if requested > 0:
+        return int(requested)
+    d = 1
+    while stride_lv0 / (2 * d) >= OME_PX_PER_STRIDE:
+        d *= 2
+    return d
+
+
+def _halve_max(level: np.ndarray) -> np.ndarray:
+    """Next pyramid level: the maximum of each 2 x 2 block, ignoring NaN (all NaN stays NaN), so a
+    small positive region stays visible when zoomed out."""
+    h, w = level.shape
+    padded = np.full((h + h % 2, w + w % 2), np.nan, np.float32)
+    padded[:h, :w] = level
+    blocks = padded.reshape(padded.shape[0] // 2, 2, padded.shape[1] // 2, 2)
+    finite = np.isfinite(blocks)
+    out = np.where(finite, blocks, -np.inf).max(axis=(1, 3))
+    return np.where(finite.any(axis=(1, 3)), out, np.nan).astype(np.float32)
+
+
+def write_probs_ome_tiff(path: str | os.PathLike, grid: np.ndarray, *, origin_lv0: tuple[int, int], stride_lv0: int,
+                         patch_size_lv0: int, mpp: float, dimensions_lv0: tuple[int, int], downsample: int,
+                         name: str = "", description: Mapping[str, Any] | None = None) -> Path:
+    """The probability map as a tiled, pyramidal OME-TIFF registered to the slide.
+
+    Level 0 spans the slide: pixel (i, j) covers level-0 ``[j d, (j+1) d) x [i d, (i+1) d)`` (``d`` =
+    ``downsample``; ``ceil(W0 / d) x ceil(H0 / d)`` pixels) and holds the probability of the patch
+    centred nearest to the pixel centre when that centre lies inside the patch (the overlay PNG's
+    rule, :func:`wsi_milssl.inference.heatmap.sample_grid`), NaN elsewhere; float32. The physical
+    pixel size (OME ``PhysicalSizeX/Y`` and the TIFF resolution tags) is ``mpp * d`` µm, so a viewer
+    that scales images by pixel size (QuPath's image overlay and alignment) puts it on the slide.
+    Reduced levels halve the previous one (2 x 2 maximum, see :func:`_halve_max`) in SubIFDs, as the
+    OME-TIFF pyramid layout has it, down to one tile; tiles of 256 x 256, zlib-compressed.
+    ``description``: JSON-ready facts stored in the OME ``Image`` description.
+    """
+    import tifffile
+
+    from wsi_milssl.inference.heatmap import sample_grid
+
+    d = int(downsample)
+    if d < 1:
+        raise ValueError(f"downsample must be a positive integer; got {downsample!r}.")
+    w0, h0 = (int(v) for v in dimensions_lv0)
+    width, height = -(-w0 // d), -(-h0 // d)
+    if width * height > OME_MAX_PIXELS:
+        raise ConfigError(f"{path}: an OME-TIFF of {width} x {height} pixels (downsample {d} on a {w0} x {h0} px "
+                          f"slide) is too large. Fix: raise ome_downsample (0 = automatic).")
+    level = sample_grid(grid, (height, width), (float(d), float(d)), origin_lv0=origin_lv0, stride_lv0=stride_lv0,
+                        patch_size_lv0=patch_size_lv0)
+    levels = [np.ascontiguousarray(level, dtype=np.float32)]
+    while max(levels[-1].shape) > OME_TILE_PX:
+        levels.append(_halve_max(levels[-1]))
+    px_um = float(mpp) * d
+    options = dict(photometric="minisblack", tile=(OME_TILE_PX, OME_TILE_PX), compression="zlib",
+                   resolutionunit="CENTIMETER")
+    metadata = {"axes": "YX", "Name": name or Path(path).name, "PhysicalSizeX": px_um, "PhysicalSizeXUnit": "µm",
+                "PhysicalSizeY": px_um, "PhysicalSizeYUnit": "µm"}
+    if description:
+        metadata["Description"] = json.dumps(dict(description), sort_keys=True)
+    # The same map gives the same file, byte for byte (tifffile would draw a random UUID).
+    digest = hashlib.sha256(levels[0].tobytes() + json.dumps(metadata, sort_keys=True).encode()).hexdigest()
+    metadata["UUID"] = f"urn:uuid:{uuid.uuid5(uuid.NAMESPACE_URL, 'wsi-milssl:' + digest)}"
+    bigtiff = sum(a.nbytes for a in levels) > (1 << 31)
+    with atomic_open(path) as fh:
+        with tifffile.TiffWriter(fh, bigtiff=bigtiff, ome=True) as tif:
+            for k, data in enumerate(levels):
+                scale = px_um * (2 ** k)
+                extra = {"subifds": len(levels) - 1, "metadata": metadata} if k == 0 else {"subfiletype": 1}
+                tif.write(data, resolution=(1e4 / scale, 1e4 / scale), **options, **extra)
+    return Path(path)
+
+
+def lesion_polygons(grid: np.ndarray, *, origin_lv0: tuple[int, int], stride_lv0: int, patch_size_lv0: int,
+                    threshold: float):
+    """Predicted lesions: the contours of the probability map at ``threshold``, in level-0 px.
+
+    The map's cell (r, c) sits at its patch centre ``origin + (c, r) * stride + patch / 2``; no patch
+    (NaN) counts as 0. ``skimage.measure.find_contours`` traces the iso-line at ``threshold``
+    (linear interpolation between cell centres, so a lone positive cell becomes a diamond reaching
+    half a stride from its centre); nested rings become holes (even-odd rule). Returns a list of
+    shapely Polygons (valid, largest first; empty when no cell reaches ``threshold``).
+    """
+    import shapely
+    from skimage.measure import find_contours
+
+    values = np.nan_to_num(np.asarray(grid, dtype=np.float64), nan=0.0)
+    if values.size == 0 or not (values >= threshold).any():
+        return []
+    padded = np.pad(values, 1, constant_values=min(0.0, float(threshold) - 1.0))
+    rings = []
+    half = patch_size_lv0 / 2.0
+    for contour in find_contours(padded, float(threshold), fully_connected="high"):
+        rc = contour - 1.0  # undo the padding: (row, col) in cells
+        xy = np.stack([origin_lv0[0] + half + rc[:, 1] * stride_lv0,
+                       origin_lv0[1] + half + rc[:, 0] * stride_lv0], axis=1)
+        if len(xy) >= 4:
+            ring = shapely.Polygon(xy)
+            if ring.area > 0:
+                rings.append(shapely.make_valid(ring))
+    region = shapely.GeometryCollection()
+    for ring in sorted(rings, key=lambda g: -g.area):  # even-odd: a ring inside another is a hole
+        region = shapely.symmetric_difference(region, ring)
+    polys = [g for g in shapely.get_parts(region) if g.geom_type == "Polygon" and g.area > 0]
+    polys += [p for g in shapely.get_parts(region) if g.geom_type == "MultiPolygon" for p in g.geoms]
+    return sorted((shapely.normalize(p) for p in polys), key=lambda g: -g.area)
+
+
+def write_lesions(geojson_path: str | os.PathLike, xml_path: str | os.PathLike, polygons, *, grid: np.ndarray,
+                  origin_lv0: tuple[int, int], stride_lv0: int, patch_size_lv0: int, mpp: float) -> dict[str, Path]:
+    """Write predicted lesion ``polygons`` (shapely, level-0 px) as QuPath GeoJSON annotations and ASAP
+    XML with the project's annotation writers: group/classification ``Tumor`` (red), holes kept
+    (ASAP: holes as polygons of group ``_2``). Each is named ``Lesion k (max p P, A mm2)`` with the
+    highest map value of the cells inside and its area."""
+    import shapely
+
+    from wsi_milssl.annotations import PolygonAnnotation, write_annotations
+
+    grid = np.asarray(grid, dtype=np.float64)
+    rows, cols = grid.shape
+    anns = []
+    for k, poly in enumerate(polygons, start=1):
+        x0, y0, x1, y1 = poly.bounds
+        c0 = max(0, int(np.floor((x0 - origin_lv0[0]) / stride_lv0)) - 1)
+        r0 = max(0, int(np.floor((y0 - origin_lv0[1]) / stride_lv0)) - 1)
+        c1 = min(cols, int(np.ceil((x1 - origin_lv0[0]) / stride_lv0)) + 1)
+        r1 = min(rows, int(np.ceil((y1 - origin_lv0[1]) / stride_lv0)) + 1)
+        rr, cc = np.mgrid[r0:r1, c0:c1]
+        half = patch_size_lv0 / 2.0
+        centres = (origin_lv0[0] + cc * stride_lv0 + half, origin_lv0[1] + rr * stride_lv0 + half)
+        inside = shapely.contains_xy(poly, *centres) if rr.size else np.zeros(0, bool)
+        values = grid[rr[inside], cc[inside]] if rr.size else np.zeros(0)
+        peak = float(np.nanmax(values)) if np.isfinite(values).any() else float("nan")
+        area_mm2 = poly.area * float(mpp) ** 2 / 1e6
+        name = f"Lesion {k} (max p {peak:.3f}, {area_mm2:.3f} mm2)"
+        shell = np.asarray(poly.exterior.coords, dtype=np.float64)[:-1]
+        holes = tuple(np.asarray(r.coords, dtype=np.float64)[:-1] for r in poly.interiors)
+        anns.append(PolygonAnnotation(name, LESION_GROUP, shell, "#C80000", "Polygon", holes))
+    groups = {LESION_GROUP: "#C80000"}
+    return {"lesions_geojson": write_annotations(anns, geojson_path, format="geojson", groups=groups),
+            "lesions_xml": write_annotations(anns, xml_path, format="asap", groups=groups)}
+
+
 def write_patches_csv(path: str | os.PathLike, coords_lv0: np.ndarray, probs: np.ndarray) -> Path:
     """``x_lv0,y_lv0,prob`` with one row per patch (level-0 top-left)."""
     coords = np.asarray(coords_lv0, dtype=np.int64).reshape(-1, 2)
@@ -145,14 +307,23 @@ def write_patches_csv(path: str | os.PathLike, coords_lv0: np.ndarray, probs: np
     return Path(path)
 
 
+def _qupath_class(item: tuple[str, tuple[int, int, int]]) -> dict[str, Any]:
+    """A QuPath ``classification`` member: QuPath 0.4+ reads ``{"name", "color": [r, g, b]}`` (both keys)."""
+    name, rgb = item
+    return {"name": name, "color": [int(v) for v in rgb]}
+
+
 def write_patches_geojson(path: str | os.PathLike, coords_lv0: np.ndarray, probs: np.ndarray, *,
-                          patch_size_lv0: int, slide: str = "") -> Path:
+                          patch_size_lv0: int, slide: str = "", tumor_threshold: float | None = 0.5) -> Path:
     """A QuPath-readable FeatureCollection: one ``detection`` Polygon per patch square (level-0 px,
-    closed ring, clockwise in image coordinates) with ``measurements`` {``tumor_probability``: p}.
-    Written feature by feature, so memory does not grow with the slide."""
+    closed ring, clockwise in image coordinates) with ``measurements`` {``tumor_probability``: p} and
+    a ``classification``: Tumor (red) when ``p >= tumor_threshold``, else Normal (green), so QuPath
+    colours the patches as it opens them (None: no classification). Written feature by feature, so
+    memory does not grow with the slide."""
     coords = np.asarray(coords_lv0, dtype=np.int64).reshape(-1, 2)
     probs = np.asarray(probs, dtype=np.float64)
     s = int(patch_size_lv0)
+    classes = (_qupath_class(NORMAL_CLASS), _qupath_class(TUMOR_CLASS))
     with atomic_open(path, "w") as fh:
         fh.write('{"type": "FeatureCollection", ')
         if slide:
@@ -165,6 +336,8 @@ def write_patches_geojson(path: str | os.PathLike, coords_lv0: np.ndarray, probs
                 "geometry": {"type": "Polygon", "coordinates": [ring]},
                 "properties": {"objectType": "detection", "measurements": {MEASUREMENT_NAME: round(float(p), 6)}},
             }
+            if tumor_threshold is not None:
+                feature["properties"]["classification"] = classes[int(p >= tumor_threshold)]
             fh.write(("\n" if k == 0 else ",\n") + json.dumps(feature, separators=(",", ":")))
         fh.write("\n]}\n")
     return Path(path)

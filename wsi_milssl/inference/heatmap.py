@@ -8,9 +8,11 @@ whose centre is nearest to the pixel centre ``((j + 0.5) dx, (i + 0.5) dy)`` whe
 inside the cell's patch square, else none. With stride = patch size this is simply the patch that
 contains the pixel centre; with overlapping patches each pixel shows the patch centred nearest to it.
 
-The overlay PNG is the thumbnail (left, same pixels and downsample as the thumbnail) with the colour
-blended in, plus an optional colour bar panel appended on the right; the PNG's ``wsi-milssl`` text
-chunk records the downsample and grid geometry as JSON.
+The overlay PNG is the thumbnail (top-left, same pixels and downsample as the thumbnail) with the
+colour blended in where the probability reaches the threshold (the H&E stays visible elsewhere and,
+at ``alpha`` < 1, beneath), an optional footer band below it (title, scale bar) and an optional
+colour bar panel on the right; the PNG's ``wsi-milssl`` text chunk records the downsample and grid
+geometry as JSON.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ __all__ = [
     "render_overlay",
     "draw_outlines",
     "colorbar_panel",
+    "footer_panel",
+    "scale_bar_length_um",
     "write_png",
     "PNG_TEXT_KEY",
 ]
@@ -230,6 +234,48 @@ def colorbar_panel(height_px: int, *, colormap: str, vmin: float = 0.0, vmax: fl
     return np.asarray(panel)
 
 
+#: Scale-bar lengths to choose from (µm).
+_SCALE_BAR_UM = (10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+
+
+def scale_bar_length_um(width_px: int, um_per_px: float, *, fraction: float = 0.2) -> float:
+    """The round length (µm, from 10 µm to 5 cm) closest to ``fraction`` of an image ``width_px`` wide,
+    no longer than half the width."""
+    target = width_px * um_per_px * fraction
+    fits = [v for v in _SCALE_BAR_UM if v / um_per_px <= width_px / 2] or [_SCALE_BAR_UM[0]]
+    return float(min(fits, key=lambda v: abs(np.log(v / target))))
+
+
+def _um_text(um: float) -> str:
+    return f"{um / 1000:g} mm" if um >= 1000 else f"{um:g} µm"
+
+
+def footer_panel(width_px: int, *, title: str | None = None, um_per_px: float | None = None) -> np.ndarray:
+    """RGB uint8 (h, width_px, 3) white band: ``title`` on the left, and with ``um_per_px`` (µm per
+    pixel of the image above) a scale bar of :func:`scale_bar_length_um` on the right, labelled."""
+    font_px = int(np.clip(round(width_px / 60), 10, 28))
+    height = font_px * 2 + 4
+    panel = Image.new("RGB", (int(width_px), height), (255, 255, 255))
+    draw = ImageDraw.Draw(panel)
+    font = _font(font_px)
+    right = int(width_px) - font_px // 2
+    if um_per_px is not None and um_per_px > 0:
+        length_um = scale_bar_length_um(width_px, um_per_px)
+        bar_px = max(1, int(round(length_um / um_per_px)))
+        x1 = right
+        x0 = x1 - bar_px
+        y = height - font_px // 2 - 2
+        draw.rectangle((x0, y - max(2, font_px // 5), x1, y), fill=(0, 0, 0))
+        _text(draw, ((x0 + x1) / 2, y - max(2, font_px // 5) - 2), _um_text(length_um), font=font, anchor="mb")
+        right = x0 - font_px
+    if title:
+        text = title
+        while len(text) > 4 and draw.textlength(text, font=font) > max(right - font_px // 2, 8):
+            text = text[:-4] + "..."
+        _text(draw, (font_px // 2, height // 2), text, font=font, anchor="lm")
+    return np.asarray(panel)
+
+
 def render_overlay(
     grid: np.ndarray,
     thumbnail: np.ndarray,
@@ -238,7 +284,7 @@ def render_overlay(
     origin_lv0: tuple[int, int],
     stride_lv0: int,
     patch_size_lv0: int,
-    colormap: str = "jet",
+    colormap: str = "viridis",
     alpha: float = 0.5,
     vmin: float = 0.0,
     vmax: float = 1.0,
@@ -250,6 +296,8 @@ def render_overlay(
     outline_color: str = "#000000",
     outline_width_px: int = 3,
     colorbar: bool = True,
+    title: str | None = None,
+    scale_bar_um_per_px: float | None = None,
 ) -> np.ndarray:
     """RGB uint8 (h, w [+ bar], 3): ``thumbnail`` (h, w, 3) with the probability map blended in.
 
@@ -258,7 +306,9 @@ def render_overlay(
     pixel. A pixel is coloured when its value is finite, at least ``threshold`` and (with a
     ``tissue_mask`` bool (mh, mw) at ``tissue_downsample_xy``) on tissue: colour =
     colormap((p - vmin) / (vmax - vmin)), blended with weight ``alpha``. ``outlines``: a shapely
-    geometry in level-0 px drawn on top. The colour bar panel is appended on the right.
+    geometry in level-0 px drawn on top. With ``title`` or ``scale_bar_um_per_px`` (µm per thumbnail
+    pixel) a footer band (:func:`footer_panel`) is appended below the thumbnail, so nothing covers the
+    tissue; the colour bar panel is appended on the right. The thumbnail keeps its place at (0, 0).
     """
     thumb = np.asarray(thumbnail)
     if thumb.dtype != np.uint8 or thumb.ndim != 3 or thumb.shape[2] != 3:
@@ -282,8 +332,13 @@ def render_overlay(
         out[paint] = np.clip(np.round(blended), 0, 255).astype(np.uint8)
     if outlines is not None:
         out = draw_outlines(out, outlines, downsample_xy, color=outline_color, width_px=outline_width_px)
+    if title or scale_bar_um_per_px:
+        out = np.concatenate([out, footer_panel(w, title=title, um_per_px=scale_bar_um_per_px)], axis=0)
     if colorbar:
-        out = np.concatenate([out, colorbar_panel(h, colormap=colormap, vmin=vmin, vmax=vmax)], axis=1)
+        bar = colorbar_panel(h, colormap=colormap, vmin=vmin, vmax=vmax)
+        if out.shape[0] > h:
+            bar = np.concatenate([bar, np.full((out.shape[0] - h, bar.shape[1], 3), 255, np.uint8)], axis=0)
+        out = np.concatenate([out, bar], axis=1)
     return out
 
 

@@ -36,6 +36,7 @@ import numpy as np
 
 from wsi_milssl import __version__
 from wsi_milssl.artifacts import HEATMAP_CONFIG_FILENAME, HEATMAP_STATUS_COLUMNS, HEATMAP_STATUS_FILENAME
+from wsi_milssl.artifacts import SCHEMA_VERSION as ARTIFACTS_SCHEMA_VERSION
 from wsi_milssl.atomic import atomic_open
 from wsi_milssl.config.base import config_to_dict
 from wsi_milssl.config.heatmap import HeatmapConfig
@@ -43,13 +44,17 @@ from wsi_milssl.errors import ConfigError, StoreError, WsiMilsslError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.inference.exports import (
     SCORES_FILENAME,
+    lesion_polygons,
     nms_detections,
+    ome_downsample,
     output_paths,
     update_scores_csv,
     write_detections_csv,
+    write_lesions,
     write_patches_csv,
     write_patches_geojson,
     write_probs,
+    write_probs_ome_tiff,
 )
 from wsi_milssl.inference.heatmap import render_overlay, write_png
 from wsi_milssl.inference.model import InferenceModel, load_inference_model
@@ -197,6 +202,10 @@ def write_slide_outputs(pred: SlidePrediction, out_dir: str | os.PathLike, *, mo
                         config: HeatmapConfig, annotations_dir: str | os.PathLike | None = None) -> dict[str, Path]:
     """Write every per-slide file of ``pred`` into ``out_dir``; returns kind -> path.
 
+    The files are those of :data:`wsi_milssl.artifacts.HEATMAP_FILES`: the map (``.npy``, ``.json``,
+    ``.tif`` and the pyramidal OME-TIFF registered to the slide), the patch table and QuPath GeoJSON
+    (classified Tumor/Normal at ``config.tumor_threshold``), the predicted lesions (contours of the map
+    at the same threshold) as QuPath GeoJSON and ASAP XML, the CAMELYON16 detections and the overlay.
     The overlay needs the slide (``pred.slide_path``); without it the PNG is skipped with a warning.
     """
     out_dir = Path(out_dir)
@@ -226,26 +235,42 @@ def write_slide_outputs(pred: SlidePrediction, out_dir: str | os.PathLike, *, mo
         "score": score,
         "detection_threshold": float(config.detection_threshold),
         "nms_radius_um": float(config.nms_radius_um),
+        "tumor_threshold": float(config.tumor_threshold),
+        "ome_downsample": ome_downsample(int(pred.stride_lv0), config.ome_downsample),
+        "schema_version": ARTIFACTS_SCHEMA_VERSION,
         "package_version": __version__,
     }
     written = dict(write_probs(out_dir, pred.stem, grid, sidecar))
+    geometry = dict(origin_lv0=pred.origin_lv0, stride_lv0=int(pred.stride_lv0),
+                    patch_size_lv0=int(pred.patch_size_lv0))
+    written["probs_ome_tif"] = write_probs_ome_tiff(
+        paths["probs_ome_tif"], grid, **geometry, mpp=float(pred.mpp), dimensions_lv0=tuple(pred.dimensions_lv0),
+        downsample=sidecar["ome_downsample"], name=pred.stem,
+        description={k: sidecar[k] for k in ("slide", "origin_lv0", "stride_lv0", "patch_size_lv0", "mpp",
+                                             "ome_downsample", "score")})
     written["patches_csv"] = write_patches_csv(paths["patches_csv"], pred.coords_lv0, pred.probs)
     written["patches_geojson"] = write_patches_geojson(paths["patches_geojson"], pred.coords_lv0, pred.probs,
-                                                       patch_size_lv0=pred.patch_size_lv0, slide=pred.stem)
+                                                       patch_size_lv0=pred.patch_size_lv0, slide=pred.stem,
+                                                       tumor_threshold=config.tumor_threshold)
+    lesions = lesion_polygons(grid, **geometry, threshold=config.tumor_threshold)
+    written.update(write_lesions(paths["lesions_geojson"], paths["lesions_xml"], lesions, grid=grid, **geometry,
+                                 mpp=float(pred.mpp)))
     dp, dx, dy = nms_detections(grid, origin_lv0=pred.origin_lv0, stride_lv0=pred.stride_lv0,
                                 patch_size_lv0=pred.patch_size_lv0, mpp=pred.mpp,
                                 threshold=config.detection_threshold, radius_um=config.nms_radius_um)
     written["detections_csv"] = write_detections_csv(paths["detections_csv"], dp, dx, dy)
     if pred.slide_path is not None and Path(pred.slide_path).exists():
         ann_dir = None if annotations_dir is None else Path(annotations_dir)
-        written["heatmap_png"] = _write_overlay(pred, grid, paths["heatmap_png"], config=config, annotations_dir=ann_dir)
+        title = f"{pred.stem}: slide score {score:.3f} ({model.pooling} pooling), {len(pred)} patches"
+        written["heatmap_png"] = _write_overlay(pred, grid, paths["heatmap_png"], config=config, annotations_dir=ann_dir,
+                                                title=title)
     else:
         logger.warning("%s: slide file not available; %s not drawn.", pred.stem, paths["heatmap_png"].name)
     return written
 
 
 def _write_overlay(pred: SlidePrediction, grid: np.ndarray, path: Path, *, config: HeatmapConfig,
-                   annotations_dir: Path | None) -> Path:
+                   annotations_dir: Path | None, title: str | None = None) -> Path:
     from wsi_milssl.slide.reader import open_slide
 
     with open_slide(pred.slide_path, mpp_override=config.slide_mpp) as slide:
@@ -265,13 +290,14 @@ def _write_overlay(pred: SlidePrediction, grid: np.ndarray, path: Path, *, confi
         tissue_mask=tissue.mask if use_tissue else None,
         tissue_downsample_xy=tissue.downsample_xy if use_tissue else None,
         outlines=outlines, outline_color=config.annotation_color, outline_width_px=config.annotation_width_px,
-        colorbar=config.colorbar,
+        colorbar=config.colorbar, title=title if config.title else None,
+        scale_bar_um_per_px=ds_xy[0] * float(pred.mpp) if config.scale_bar else None,
     )
     meta = {
         "slide": pred.stem, "downsample_xy": [ds_xy[0], ds_xy[1]], "thumbnail_hw": [thumb.shape[0], thumb.shape[1]],
         "origin_lv0": list(pred.origin_lv0), "stride_lv0": pred.stride_lv0, "patch_size_lv0": pred.patch_size_lv0,
         "colormap": config.colormap, "alpha": config.alpha, "vmin": config.vmin, "vmax": config.vmax,
-        "annotations": outlines is not None,
+        "annotations": outlines is not None, "overlay_threshold": config.overlay_threshold,
     }
     return write_png(image, path, metadata=meta)
 
