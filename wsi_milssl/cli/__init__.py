@@ -24,6 +24,7 @@ COMMANDS = {
     "synth": "synth",
     "info": "info",
     "demo": "demo",
+    "prepare": "prepare",
     "run": "run",
     "tile": "tile",
     "evaluate": "evaluate",

@@ -1,0 +1,135 @@
+"""``wsi-milssl prepare``: a cohort folder as downloaded -> slide lists, labels, annotations, a ready pipeline.
+
+The slide files here are empty placeholders: prepare matches names and never opens a slide (the
+end-to-end test with real generated slides is tests/pipeline/test_pipeline_camelyon16.py)."""
+
+from __future__ import annotations
+
+import csv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from wsi_milssl.cli import main
+from wsi_milssl.cohorts import prepare_camelyon16, prepare_folder
+from wsi_milssl.config import load_toml
+from wsi_milssl.errors import LabelsError
+from wsi_milssl.pipeline import load_pipeline
+
+XML = "<ASAP_Annotations><Annotations /></ASAP_Annotations>\n"
+
+
+def _touch(path: Path, text: str = "") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def _rows(path: Path) -> list[list[str]]:
+    with open(path, newline="") as fh:
+        return list(csv.reader(fh))
+
+
+def camelyon16_tree(root: Path) -> Path:
+    """CAMELYON16 as downloaded (GigaDB layout), names in the mixed case of the real files."""
+    _touch(root / "training" / "normal" / "normal_001.tif")
+    _touch(root / "training" / "normal" / "Normal_002.tif")
+    _touch(root / "training" / "tumor" / "tumor_001.tif")
+    _touch(root / "training" / "tumor" / "Tumor_002.tif")
+    _touch(root / "training" / "lesion_annotations" / "Tumor_001.xml", XML)
+    with zipfile.ZipFile(_touch(root / "training" / "lesion_annotations.zip").parent / "lesion_annotations.zip",
+                         "w") as archive:
+        archive.writestr("lesion_annotations/TUMOR_002.xml", XML.replace("<Annotations />", "<Annotations/>"))
+    _touch(root / "training" / "masks" / "Tumor_001_Mask.tif")  # a mask, not a slide
+    _touch(root / "testing" / "images" / "test_001.tif")
+    _touch(root / "testing" / "images" / "Test_002.tif")
+    _touch(root / "testing" / "lesion_annotations" / "Test_001.xml", XML)
+    _touch(root / "testing" / "reference.csv",
+           "Test_001,Tumor,Macro,Yes\r\nTest_002,Normal,,\r\nTest_003,Tumor,Micro,No\r\n")  # Test_003 not downloaded
+    return root
+
+
+def test_camelyon16_as_downloaded_becomes_a_ready_pipeline(tmp_path):
+    root = camelyon16_tree(tmp_path / "CAMELYON16")
+    out = tmp_path / "prepared"
+    result = prepare_camelyon16(root, out)
+    train, test = result.sets["train"], result.sets["test"]
+    assert _rows(train.labels_csv) == [["slide", "label"], ["normal_001", "0"], ["Normal_002", "0"],
+                                       ["tumor_001", "1"], ["Tumor_002", "1"]]
+    assert _rows(test.labels_csv) == [["slide", "label"], ["test_001", "1"], ["Test_002", "0"]]
+    paths = dict(_rows(train.slides_csv)[1:])
+    assert paths["tumor_001"] == str((root / "training" / "tumor" / "tumor_001.tif").resolve())
+    # annotations found by name in any case, loose or zipped, written under the slide's own name
+    assert sorted(p.name for p in train.annotations_dir.iterdir()) == ["Tumor_002.xml", "tumor_001.xml"]
+    assert (train.annotations_dir / "Tumor_002.xml").read_text() == XML.replace("<Annotations />", "<Annotations/>")
+    assert [p.name for p in test.annotations_dir.iterdir()] == ["test_001.xml"]
+    # the pipeline: template settings kept, [data] pointing at these files, outputs in OUT/run
+    spec = load_pipeline(result.pipeline_toml)
+    assert spec.out_dir == (out / "run").resolve()
+    assert spec.sets["train"].slides == train.slides_csv.resolve()
+    assert spec.sets["test"].labels == test.labels_csv.resolve()
+    assert spec.sets["test"].annotations == test.annotations_dir.resolve()
+    assert spec.val_fraction == 0.2
+    raw = load_toml(result.pipeline_toml)
+    template = load_toml(Path(__file__).resolve().parents[2] / "pipelines" / "camelyon16.toml")
+    for table in ("tile", "label", "train", "heatmap", "evaluate"):
+        assert raw[table] == template[table], table
+    # tile reads the slide list as it is
+    from wsi_milssl.tiling import find_slides
+
+    assert [p.name for p in find_slides([spec.sets["train"].slides])] == [
+        "normal_001.tif", "Normal_002.tif", "tumor_001.tif", "Tumor_002.tif"]
+
+
+def test_every_problem_is_listed_in_one_error(tmp_path):
+    root = camelyon16_tree(tmp_path / "c16")
+    _touch(root / "testing" / "images" / "Test_004.tif")             # not in reference.csv
+    _touch(root / "testing" / "images" / "Test_003.tif")             # a tumour test slide without annotation
+    _touch(root / "extra" / "slide_x.svs")                           # not a CAMELYON16 name
+    with pytest.raises(LabelsError) as info:
+        prepare_camelyon16(root, tmp_path / "out")
+    message = str(info.value)
+    assert "1 test slide(s) have no line in" in message and "Test_004" in message
+    assert "not named as in CAMELYON16" in message and "slide_x.svs" in message
+    assert "1 tumour test slide(s) have no annotation" in message and "Test_003" in message
+    assert "Fix:" in message
+    assert not (tmp_path / "out" / "pipeline.toml").exists()
+
+
+def test_cli_prepare_camelyon16_then_a_clear_error(tmp_path, capsys):
+    root = camelyon16_tree(tmp_path / "c16")
+    assert main(["prepare", "camelyon16", str(root), "--out", str(tmp_path / "out"), "--val-fraction", "0.5"]) == 0
+    printed = capsys.readouterr().out
+    assert "train: 4 slides (2 tumour, 2 normal), 2 annotated" in printed
+    assert f"wsi-milssl run {tmp_path / 'out' / 'pipeline.toml'}" in printed
+    assert load_pipeline(tmp_path / "out" / "pipeline.toml").val_fraction == 0.5
+    (root / "testing" / "reference.csv").unlink()
+    assert main(["prepare", "camelyon16", str(root), "--out", str(tmp_path / "out2")]) == 1
+    assert "reference.csv" in capsys.readouterr().err
+
+
+def test_prepare_folder_holds_out_a_stratified_test_set(tmp_path):
+    slides = tmp_path / "cohort"
+    for i in range(8):
+        _touch(slides / ("pos" if i % 2 else "neg") / f"case_{i:02d}.svs")
+        if i % 2:
+            _touch(tmp_path / "ann" / "nested" / f"CASE_{i:02d}.geojson", '{"type": "FeatureCollection", "features": []}')
+    labels = _touch(tmp_path / "labels.csv",
+                    "\ufeffslide,label\r\n" + "".join(f"Case_{i:02d},{'Tumor' if i % 2 else 'Normal'}\r\n"
+                                                      for i in range(8)) + "case_99,1\r\n")
+    result = prepare_folder(slides, labels, tmp_path / "out", annotations_dir=tmp_path / "ann", test_fraction=0.25,
+                            seed=3)
+    train, test = result.sets["train"], result.sets["test"]
+    assert len(test.slides) == 2 and test.n_tumor == 1  # one of each class
+    assert len(train.slides) == 6 and not set(train.slides) & set(test.slides)
+    again = prepare_folder(slides, labels, tmp_path / "out2", annotations_dir=tmp_path / "ann", test_fraction=0.25,
+                           seed=3)
+    assert set(again.sets["test"].slides) == set(test.slides)  # seeded
+    tumour_test = next(s for s, v in test.labels.items() if v == 1)
+    assert (test.annotations_dir / f"{tumour_test}.geojson").is_file()
+    assert load_pipeline(result.pipeline_toml).name == "out"
+
+    unlabelled = _touch(tmp_path / "few.csv", "case_00,0\ncase_01,1\n")
+    with pytest.raises(LabelsError, match=r"6 slide\(s\) have no label in .*few\.csv: case_02, case_03"):
+        prepare_folder(slides, unlabelled, tmp_path / "out3", annotations_dir=tmp_path / "ann")

@@ -1,0 +1,105 @@
+"""``wsi-milssl prepare camelyon16 ROOT --out DIR`` / ``prepare folder --slides DIR --labels CSV --out DIR``."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+__all__ = ["SUMMARY", "register", "run"]
+
+#: one line for ``wsi-milssl --help``
+SUMMARY = "turn a downloaded cohort (CAMELYON16 or any folder) into slide lists, labels and a ready pipeline"
+
+
+def register(subparsers) -> None:
+    from wsi_milssl.cli import HelpFormatter
+
+    p = subparsers.add_parser(
+        "prepare",
+        help=SUMMARY,
+        description=(
+            "Find the slides of a cohort (recursively), match them to their labels and annotations by name\n"
+            "(case-insensitive) and write OUT/cohort/{train,test}_slides.csv, {train,test}_labels.csv,\n"
+            "annotations/{train,test}/ and OUT/pipeline.toml, ready for `wsi-milssl run OUT/pipeline.toml`\n"
+            "(outputs in OUT/run). Every unmatched name is listed in one error (exit code 1).\n\n"
+            "examples:\n"
+            "  wsi-milssl prepare camelyon16 /data/CAMELYON16 --out /data/c16\n"
+            "  wsi-milssl prepare folder --slides /data/cohort --labels /data/cohort/labels.csv --out /data/prep\n"
+            "  wsi-milssl run /data/c16/pipeline.toml"
+        ),
+        formatter_class=HelpFormatter,
+    )
+    layouts = p.add_subparsers(dest="layout", metavar="LAYOUT", required=True)
+
+    c = layouts.add_parser(
+        "camelyon16",
+        help="the CAMELYON16 folder as downloaded",
+        description=(
+            "ROOT as downloaded: training/normal/Normal_NNN.tif, training/tumor/Tumor_NNN.tif,\n"
+            "testing/images/Test_NNN.tif (or every slide in one folder), the lesion annotations (ASAP XML,\n"
+            "loose or in lesion_annotations.zip) and the test set's reference.csv as shipped (no header:\n"
+            "Test_001,Tumor,Macro,...). Training labels come from the names, test labels from reference.csv."
+        ),
+        formatter_class=HelpFormatter,
+    )
+    c.add_argument("root", type=Path, metavar="ROOT", help="the CAMELYON16 folder")
+    c.add_argument("--reference", type=Path, default=None, metavar="CSV",
+                   help="the test labels (default: the reference.csv found below ROOT)")
+    _common(c)
+
+    f = layouts.add_parser(
+        "folder",
+        help="any folder of slides with a labels file",
+        description=(
+            "Slides below --slides (recursively), labels from --labels ('slide,label' with or without a\n"
+            "header, Tumor/Normal or 1/0), annotations (<name>.xml / .geojson) below --annotations (default:\n"
+            "the slides folder). The test set is --test-slides/--test-labels, or a stratified, seeded\n"
+            "--test-fraction of the slides. Tumour test slides need their annotation (the FROC does)."
+        ),
+        formatter_class=HelpFormatter,
+    )
+    f.add_argument("--slides", type=Path, required=True, metavar="DIR", help="folder of slides (searched recursively)")
+    f.add_argument("--labels", type=Path, required=True, metavar="CSV", help="slide labels")
+    f.add_argument("--annotations", type=Path, default=None, metavar="DIR",
+                   help="folder of annotations (default: the slides folder)")
+    f.add_argument("--test-slides", type=Path, default=None, metavar="DIR", help="a separate test set's slides")
+    f.add_argument("--test-labels", type=Path, default=None, metavar="CSV", help="its labels")
+    f.add_argument("--test-annotations", type=Path, default=None, metavar="DIR",
+                   help="its annotations (default: the test slides folder)")
+    f.add_argument("--test-fraction", type=float, default=0.25, metavar="F",
+                   help="share of each class held out as the test set when there is no --test-slides")
+    f.add_argument("--seed", type=int, default=0, help="seed of that split")
+    f.add_argument("--name", default=None, help="pipeline name (default: the --out folder's name)")
+    _common(f)
+    p.set_defaults(run=run)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", type=Path, required=True, metavar="DIR",
+                   help="folder for cohort/ and pipeline.toml (the run's outputs go to DIR/run)")
+    p.add_argument("--template", type=Path, default=None, metavar="PIPELINE.toml",
+                   help="pipeline whose stage settings to use (default: the packaged pipelines/camelyon16.toml)")
+    p.add_argument("--val-fraction", type=float, default=None, metavar="F",
+                   help="training slides held out to choose best.pt [the template's, else 0.2]")
+
+
+def run(args: argparse.Namespace) -> int:
+    from wsi_milssl.cohorts import prepare_camelyon16, prepare_folder
+
+    if args.layout == "camelyon16":
+        result = prepare_camelyon16(args.root, args.out, template=args.template, reference=args.reference,
+                                    val_fraction=args.val_fraction)
+    else:
+        result = prepare_folder(args.slides, args.labels, args.out, annotations_dir=args.annotations,
+                                test_slides_dir=args.test_slides, test_labels_csv=args.test_labels,
+                                test_annotations_dir=args.test_annotations, test_fraction=args.test_fraction,
+                                seed=args.seed, template=args.template, name=args.name,
+                                val_fraction=args.val_fraction)
+    for name, s in result.sets.items():
+        print(f"{name}: {len(s.slides)} slides ({s.n_tumor} tumour, {len(s.slides) - s.n_tumor} normal), "
+              f"{len(s.annotations)} annotated -> {s.slides_csv.parent}")
+    for note in result.notes:
+        print(f"note: {note}")
+    print(f"pipeline: {result.pipeline_toml}")
+    print(f"next: wsi-milssl run {result.pipeline_toml}")
+    return 0

@@ -1,0 +1,541 @@
+"""``wsi-milssl prepare``: a downloaded cohort -> slide lists, label files, annotations and a ready pipeline.
+
+Two layouts:
+
+- :func:`prepare_camelyon16`: the CAMELYON16 folder as downloaded, searched recursively:
+  ``training/normal/Normal_001.tif``, ``training/tumor/Tumor_001.tif``, ``testing/images/Test_001.tif``
+  (or all slides in one folder), ASAP XML annotations anywhere below it (``lesion_annotations/``,
+  also inside ``.zip`` archives as shipped), and the test set's ``reference.csv`` as shipped (no
+  header: ``Test_001,Tumor,Macro,...``). Training labels come from the names (``Tumor_*`` 1,
+  ``Normal_*`` 0), test labels from ``reference.csv``.
+- :func:`prepare_folder`: any cohort: a folder of slides (searched recursively), a labels file in
+  any layout :func:`wsi_milssl.cohorts.read_labels` reads, optional annotations, and either a
+  separate test set or a stratified, seeded share of the slides held out as the test set.
+
+Names are matched case-insensitively (``tumor_001.tif``, ``Tumor_001.xml`` and a label row
+``TUMOR_001`` are one slide). Every problem found (a slide without a label, a tumour test slide
+without its annotation, two slides with one name, a name that is not CAMELYON16's) is reported in
+one error that lists the names. Written into ``out_dir``::
+
+    pipeline.toml                      the template's stage settings, [data] pointing at the files below,
+                                       [pipeline].out_dir = out_dir/run
+    cohort/train_slides.csv            slide,path (absolute paths)
+    cohort/train_labels.csv            slide,label (1 tumour, 0 normal)
+    cohort/test_slides.csv, cohort/test_labels.csv
+    cohort/annotations/train/, test/   one <stem>.xml (or .geojson) per annotated slide, named as the slide
+    cohort/prepare.json                what was found: counts, sources, names skipped
+
+The validation slides that choose ``best.pt`` (and the grid point) are held out from the training
+set by ``run`` itself (``[data].val_fraction``), never from the test set.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import os
+import re
+import zipfile
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import numpy as np
+
+from wsi_milssl.atomic import atomic_write_bytes, atomic_write_text
+from wsi_milssl.cohorts.labels import read_labels
+from wsi_milssl.cohorts.names import SLIDE_SUFFIXES, slide_stem, stem_key
+from wsi_milssl.errors import ConfigError, LabelsError
+
+__all__ = [
+    "ANNOTATION_SUFFIXES",
+    "PreparedCohort",
+    "CohortSet",
+    "find_slide_files",
+    "prepare_camelyon16",
+    "prepare_folder",
+    "default_template",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Annotation files matched to slides by stem (ASAP XML, GeoJSON).
+ANNOTATION_SUFFIXES = (".xml", ".geojson", ".json")
+_MAX_ANNOTATION_BYTES = 256 << 20
+_CAMELYON16_PREFIXES = {"normal_": ("train", 0), "tumor_": ("train", 1), "test_": ("test", None)}
+
+
+@dataclass(frozen=True)
+class CohortSet:
+    """One set of a prepared cohort: ``slides`` {stem: path}, ``labels`` {stem: 0/1},
+    ``annotations`` {stem: source file (or ``archive.zip:member``)}; the files written for it."""
+
+    name: str
+    slides: dict[str, Path]
+    labels: dict[str, int]
+    annotations: dict[str, str]
+    slides_csv: Path
+    labels_csv: Path
+    annotations_dir: Path
+
+    @property
+    def n_tumor(self) -> int:
+        return sum(self.labels.values())
+
+
+@dataclass(frozen=True)
+class PreparedCohort:
+    """What :func:`prepare_camelyon16` / :func:`prepare_folder` wrote (``pipeline_toml`` is ready to run)."""
+
+    out_dir: Path
+    pipeline_toml: Path
+    sets: dict[str, CohortSet]
+    summary_json: Path
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+# ------------------------------------------------------------------------------------------------
+# Finding files
+# ------------------------------------------------------------------------------------------------
+
+def _walk(root: Path, *, skip: Iterable[Path] = ()) -> Iterable[Path]:
+    """Every non-hidden file below ``root``, sorted, not descending into ``skip`` folders or hidden ones."""
+    skip_resolved = {p.resolve() for p in skip}
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")
+                             and (here / d).resolve() not in skip_resolved)
+        # a folder named like a slide (.mrxs data folders are named without the suffix) is not searched as one
+        for name in sorted(filenames):
+            if not name.startswith("."):
+                yield here / name
+
+
+def _is_slide(path: Path) -> bool:
+    return path.name.lower().endswith(SLIDE_SUFFIXES)
+
+
+def _is_mask(path: Path) -> bool:
+    """CAMELYON16 ships tumour masks as TIFFs (``Tumor_001_Mask.tif``): not slides."""
+    return bool(re.search(r"[_-]mask$", slide_stem(path).casefold()))
+
+
+def find_slide_files(root: str | os.PathLike, *, skip: Iterable[str | os.PathLike] = ()) -> list[Path]:
+    """Slide files (by :data:`wsi_milssl.cohorts.SLIDE_SUFFIXES`, any case) anywhere below ``root``,
+    sorted; hidden files and folders, ``skip`` folders and mask images (``*_mask.tif``) left out."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ConfigError(f"{root}: no such folder. Fix: give the folder that holds the slides.")
+    return [p for p in _walk(root, skip=[Path(s) for s in skip]) if _is_slide(p) and not _is_mask(p)]
+
+
+def _annotation_sources(roots: Iterable[Path], *, skip: Iterable[Path] = ()) -> list[tuple[str, str, Path, str | None]]:
+    """(stem, suffix, file, zip member or None) for every annotation file below ``roots``, loose files
+    first, then members of ``.zip`` archives (CAMELYON16 ships ``lesion_annotations.zip``)."""
+    loose, zipped = [], []
+    for root in roots:
+        for p in _walk(root, skip=skip):
+            suffix = p.suffix.lower()
+            if suffix in ANNOTATION_SUFFIXES:
+                loose.append((slide_stem(p.name[: -len(suffix)]), suffix, p, None))
+            elif suffix == ".zip":
+                try:
+                    with zipfile.ZipFile(p) as archive:
+                        for info in archive.infolist():
+                            name = info.filename.rsplit("/", 1)[-1]
+                            msuffix = Path(name).suffix.lower()
+                            if info.is_dir() or name.startswith(".") or msuffix not in ANNOTATION_SUFFIXES:
+                                continue
+                            zipped.append((name[: -len(msuffix)], msuffix, p, info.filename))
+                except (OSError, zipfile.BadZipFile) as exc:
+                    logger.warning("%s: not read (%s)", p, exc)
+    return loose + zipped
+
+
+def _match_annotations(sources, stems: Iterable[str]) -> dict[str, tuple[str, Path, str | None]]:
+    """{slide stem: (suffix, file, member)} for the slides with an annotation (first source wins)."""
+    by_key = {stem_key(s): s for s in stems}
+    out: dict[str, tuple[str, Path, str | None]] = {}
+    for stem, suffix, path, member in sources:
+        target = by_key.get(stem.casefold())
+        if target is None or target in out:
+            continue
+        if suffix == ".json" and member is None and not _looks_like_geojson(path):
+            continue
+        out[target] = (suffix, path, member)
+    return out
+
+
+def _looks_like_geojson(path: Path) -> bool:
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(65536)
+    except OSError:
+        return False
+    return b'"Feature' in head or b'"Polygon"' in head or b'"MultiPolygon"' in head
+
+
+def _read_source(path: Path, member: str | None) -> bytes:
+    if member is None:
+        if path.stat().st_size > _MAX_ANNOTATION_BYTES:
+            raise ConfigError(f"{path}: larger than {_MAX_ANNOTATION_BYTES >> 20} MiB; not an annotation file.")
+        return path.read_bytes()
+    with zipfile.ZipFile(path) as archive:
+        info = archive.getinfo(member)
+        if info.file_size > _MAX_ANNOTATION_BYTES:
+            raise ConfigError(f"{path}:{member}: larger than {_MAX_ANNOTATION_BYTES >> 20} MiB.")
+        return archive.read(info)
+
+
+# ------------------------------------------------------------------------------------------------
+# Checks
+# ------------------------------------------------------------------------------------------------
+
+def _names(items: list[str], limit: int = 20) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
+
+
+def _duplicates(paths: Iterable[Path]) -> dict[str, list[Path]]:
+    by_key: dict[str, list[Path]] = {}
+    for p in paths:
+        by_key.setdefault(stem_key(p), []).append(p)
+    return {k: v for k, v in by_key.items() if len(v) > 1}
+
+
+def _raise_problems(where: str, problems: list[str], fix: str) -> None:
+    if problems:
+        body = "; ".join(problems)
+        raise LabelsError(f"{where}: cannot prepare the cohort: {body}. Fix: {fix}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Writing
+# ------------------------------------------------------------------------------------------------
+
+def _csv_text(header: tuple[str, ...], rows: Iterable[tuple]) -> str:
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(header)
+    writer.writerows(rows)
+    return buf.getvalue()
+
+
+def _write_set(out: Path, name: str, slides: Mapping[str, Path], labels: Mapping[str, int],
+               annotations: Mapping[str, tuple[str, Path, str | None]]) -> CohortSet:
+    cohort = out / "cohort"
+    ann_dir = cohort / "annotations" / name
+    ann_dir.mkdir(parents=True, exist_ok=True)
+    stems = sorted(slides, key=str.casefold)
+    slides_csv = atomic_write_text(cohort / f"{name}_slides.csv",
+                                   _csv_text(("slide", "path"), ((s, str(slides[s].resolve())) for s in stems)))
+    labels_csv = atomic_write_text(cohort / f"{name}_labels.csv",
+                                   _csv_text(("slide", "label"), ((s, int(labels[s])) for s in stems)))
+    keep = set()
+    sources = {}
+    for stem in stems:
+        if stem not in annotations:
+            continue
+        suffix, path, member = annotations[stem]
+        target = ann_dir / f"{stem}{suffix}"
+        data = _read_source(path, member)
+        if not (target.is_file() and target.read_bytes() == data):
+            atomic_write_bytes(target, data)
+        keep.add(target.name)
+        sources[stem] = str(path) if member is None else f"{path}:{member}"
+    for old in ann_dir.iterdir():  # the folder is ours: files of slides no longer in the set go
+        if old.is_file() and old.name not in keep and old.suffix.lower() in ANNOTATION_SUFFIXES:
+            old.unlink()
+    return CohortSet(name, {s: slides[s] for s in stems}, {s: int(labels[s]) for s in stems}, sources,
+                     slides_csv, labels_csv, ann_dir)
+
+
+def default_template() -> Path:
+    """``pipelines/camelyon16.toml`` as shipped in the package (the paper's settings)."""
+    from importlib.resources import files
+
+    path = Path(str(files("wsi_milssl") / "pipelines" / "camelyon16.toml"))
+    if not path.is_file():
+        raise ConfigError(f"{path}: the packaged pipeline template is missing. Fix: pass --template PIPELINE.toml.")
+    return path
+
+
+_TABLE = re.compile(r"^\s*\[([^\[\]]+)\]\s*(#.*)?$")
+
+
+def _template_body(template: Path) -> str:
+    """The template's text without its leading comments and without its [pipeline] and [data] tables
+    (every other table, with its comments, is kept as written)."""
+    lines = template.read_text(encoding="utf-8").splitlines()
+    out: list[str] = []
+    skipping = True  # the preamble before the first table describes the template, not this cohort
+    for line in lines:
+        m = _TABLE.match(line)
+        if m:
+            name = m.group(1).strip()
+            skipping = name in ("pipeline", "data") or name.startswith(("pipeline.", "data."))
+        if not skipping:
+            out.append(line)
+    while out and not out[-1].strip():
+        out.pop()
+    return "\n".join(out) + "\n"
+
+
+def _toml_str(value: str) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _write_pipeline(out: Path, *, name: str, template: Path, sets: Mapping[str, CohortSet],
+                    val_fraction: float | None, split_seed: int | None, command: str) -> Path:
+    from wsi_milssl.config import load_toml
+
+    raw = load_toml(template)  # a template that is not TOML fails here, naming the file
+    data = raw.get("data", {}) if isinstance(raw.get("data"), dict) else {}
+    val = float(data.get("val_fraction", 0.2)) if val_fraction is None else float(val_fraction)
+    seed = int(data.get("split_seed", 0)) if split_seed is None else int(split_seed)
+    rel = lambda p: os.path.relpath(p, out)  # noqa: E731 - data paths are resolved against this file's folder
+    lines = [
+        f"# Written by `{command}` on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC.",
+        f"# Stage settings from {template}; [data] points at the slide lists, labels and annotations",
+        "# found by prepare (cohort/). Run it as it is:  wsi-milssl run " + str(out / "pipeline.toml"),
+        "",
+        "[pipeline]",
+        f"name = {_toml_str(name)}",
+        f"out_dir = {_toml_str(str((out / 'run').resolve()))}",
+        "",
+        "[data]",
+    ]
+    for set_name in ("train", "test"):
+        s = sets[set_name]
+        lines += [f"{set_name}_slides = {_toml_str(rel(s.slides_csv))}",
+                  f"{set_name}_labels = {_toml_str(rel(s.labels_csv))}",
+                  f"{set_name}_annotations = {_toml_str(rel(s.annotations_dir))}"]
+    lines += [f"val_fraction = {val!r}      # training slides held out to choose best.pt (never the test set)",
+              f"split_seed = {seed}", "", ""]
+    text = "\n".join(lines) + _template_body(template)
+    path = atomic_write_text(out / "pipeline.toml", text)
+    from wsi_milssl.pipeline.spec import load_pipeline
+
+    load_pipeline(path)  # the file must be one `run` accepts
+    return path
+
+
+def _finish(out: Path, *, name: str, template: Path | None, sets: dict[str, CohortSet], val_fraction: float | None,
+            split_seed: int | None, command: str, facts: dict, notes: list[str]) -> PreparedCohort:
+    template = Path(template) if template is not None else default_template()
+    toml = _write_pipeline(out, name=name, template=template, sets=sets, val_fraction=val_fraction,
+                           split_seed=split_seed, command=command)
+    summary = {
+        "command": command,
+        "template": str(template),
+        "pipeline": str(toml),
+        "sets": {k: {"slides": len(s.slides), "tumor": s.n_tumor, "normal": len(s.slides) - s.n_tumor,
+                     "annotated": len(s.annotations), "slides_csv": str(s.slides_csv),
+                     "labels_csv": str(s.labels_csv), "annotations": str(s.annotations_dir),
+                     "annotation_sources": s.annotations} for k, s in sets.items()},
+        **facts,
+        "notes": notes,
+    }
+    summary_json = atomic_write_text(out / "cohort" / "prepare.json", json.dumps(summary, indent=2) + "\n")
+    for note in notes:
+        logger.warning("%s", note)
+    return PreparedCohort(out, toml, sets, summary_json, tuple(notes))
+
+
+# ------------------------------------------------------------------------------------------------
+# CAMELYON16
+# ------------------------------------------------------------------------------------------------
+
+def _camelyon16_role(path: Path, root: Path) -> tuple[str, int | None] | None:
+    key = stem_key(path)
+    for prefix, role in _CAMELYON16_PREFIXES.items():
+        if key.startswith(prefix):
+            return role
+    return None
+
+
+def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
+                       template: str | os.PathLike | None = None, reference: str | os.PathLike | None = None,
+                       val_fraction: float | None = None, split_seed: int | None = None) -> PreparedCohort:
+    """Prepare the CAMELYON16 folder ``root`` (as downloaded; see the module docstring) into ``out_dir``.
+
+    ``reference``: the test set's label file (default: the one ``reference.csv`` found below
+    ``root``, any case). ``template``: the pipeline whose stage settings to use (default: the
+    packaged ``pipelines/camelyon16.toml``); ``val_fraction`` / ``split_seed`` override its
+    ``[data]`` values. Raises one LabelsError listing every problem found.
+    """
+    root = Path(root)
+    out = Path(out_dir)
+    slides = find_slide_files(root, skip=[out])
+    if not slides:
+        raise ConfigError(f"{root}: no slide files below this folder (looked for {', '.join(SLIDE_SUFFIXES)}). "
+                          "Fix: give the CAMELYON16 folder that holds training/ and testing/.")
+    problems: list[str] = []
+    dup = _duplicates(slides)
+    if dup:
+        problems.append(f"{len(dup)} name(s) used by more than one slide: "
+                        + _names([" and ".join(str(p) for p in v) for v in dup.values()]))
+    unknown = [str(p.relative_to(root)) for p in slides if _camelyon16_role(p, root) is None]
+    if unknown:
+        problems.append(f"{len(unknown)} slide(s) not named as in CAMELYON16 (Normal_NNN, Tumor_NNN, Test_NNN): "
+                        + _names(unknown))
+    train = {slide_stem(p): p for p in slides if (_camelyon16_role(p, root) or ("",))[0] == "train"}
+    test = {slide_stem(p): p for p in slides if (_camelyon16_role(p, root) or ("",))[0] == "test"}
+    train_labels = {s: _camelyon16_role(p, root)[1] for s, p in train.items()}
+    if not train:
+        problems.append("no training slide (Normal_NNN / Tumor_NNN) found")
+    if not test:
+        problems.append("no test slide (Test_NNN) found")
+
+    ref_path: Path | None = Path(reference) if reference is not None else None
+    test_labels: dict[str, int] = {}
+    if ref_path is None and test:
+        found = [p for p in _walk(root, skip=[out]) if p.name.casefold() == "reference.csv"]
+        if not found:
+            problems.append("the test set's reference.csv (Test_NNN,Tumor|Normal,...) is not below the folder")
+        elif len(found) > 1:
+            problems.append("more than one reference.csv: " + _names([str(p) for p in found]) + " (pass --reference)")
+        else:
+            ref_path = found[0]
+    if ref_path is not None and test:
+        reference_labels = read_labels(ref_path)
+        missing = sorted((s for s in test if s not in reference_labels), key=str.casefold)
+        if missing:
+            problems.append(f"{len(missing)} test slide(s) have no line in {ref_path}: {_names(missing)}")
+        test_labels = {s: reference_labels[s] for s in test if s in reference_labels}
+        extra = [s for s in reference_labels if stem_key(s) not in {stem_key(t) for t in test}]
+        if extra:
+            logger.info("%d slide(s) of %s are not below %s (not downloaded?): %s", len(extra), ref_path, root,
+                        _names(extra))
+
+    sources = _annotation_sources([root], skip=[out])
+    train_ann = _match_annotations(sources, train)
+    test_ann = _match_annotations(sources, test)
+    no_ann_test = sorted((s for s, v in test_labels.items() if v == 1 and s not in test_ann), key=str.casefold)
+    if no_ann_test:
+        problems.append(f"{len(no_ann_test)} tumour test slide(s) have no annotation (<name>.xml, also inside .zip "
+                        f"archives): {_names(no_ann_test)}; the FROC needs them")
+    _raise_problems(str(root), problems,
+                    "keep the slides' CAMELYON16 names, download testing/reference.csv and the lesion annotations, "
+                    "or use `wsi-milssl prepare folder` for another layout.")
+    notes = []
+    no_ann_train = sorted((s for s, v in train_labels.items() if v == 1 and s not in train_ann), key=str.casefold)
+    if no_ann_train:
+        notes.append(f"{len(no_ann_train)} tumour training slide(s) have no annotation: {_names(no_ann_train)} "
+                     "(training does not need them; their patches get no instance labels for the metrics)")
+    sets = {"train": _write_set(out, "train", train, train_labels, train_ann),
+            "test": _write_set(out, "test", test, test_labels, test_ann)}
+    facts = {"root": str(root.resolve()), "reference": str(ref_path) if ref_path else None}
+    return _finish(out, name="camelyon16", template=template, sets=sets, val_fraction=val_fraction,
+                   split_seed=split_seed, command=f"wsi-milssl prepare camelyon16 {root} --out {out}",
+                   facts=facts, notes=notes)
+
+
+# ------------------------------------------------------------------------------------------------
+# Any folder
+# ------------------------------------------------------------------------------------------------
+
+def _labelled_set(slides_dir: Path, labels_csv: Path, skip: list[Path], what: str
+                  ) -> tuple[dict[str, Path], dict[str, int], list[str]]:
+    slides = find_slide_files(slides_dir, skip=skip)
+    problems = []
+    if not slides:
+        problems.append(f"no slide files below {slides_dir} (looked for {', '.join(SLIDE_SUFFIXES)})")
+    dup = _duplicates(slides)
+    if dup:
+        problems.append(f"{len(dup)} name(s) used by more than one slide: "
+                        + _names([" and ".join(str(p) for p in v) for v in dup.values()]))
+    labels = read_labels(labels_csv)
+    by_stem = {slide_stem(p): p for p in slides}
+    missing = sorted((s for s in by_stem if s not in labels), key=str.casefold)
+    if missing:
+        kind = f"{what} slide(s)" if what else "slide(s)"
+        problems.append(f"{len(missing)} {kind} have no label in {labels_csv}: {_names(missing)}")
+    extra = [s for s in labels if stem_key(s) not in {stem_key(t) for t in by_stem}]
+    if extra:
+        logger.info("%d labelled slide(s) of %s are not below %s: %s", len(extra), labels_csv, slides_dir,
+                    _names(extra))
+    return by_stem, {s: labels[s] for s in by_stem if s in labels}, problems
+
+
+def _split_test(labels: Mapping[str, int], *, fraction: float, seed: int) -> tuple[list[str], list[str]]:
+    """Stratified, seeded (train, test) split: ``fraction`` of each class (at least one when the class
+    has two or more slides) goes to the test set."""
+    rng = np.random.default_rng(seed)
+    train, test = [], []
+    for label in (0, 1):
+        group = sorted((s for s, v in labels.items() if v == label), key=str.casefold)
+        rng.shuffle(group)
+        n = int(round(len(group) * fraction))
+        n = min(max(n, 1), len(group) - 1) if len(group) >= 2 else 0
+        test += group[:n]
+        train += group[n:]
+    return sorted(train, key=str.casefold), sorted(test, key=str.casefold)
+
+
+def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike, out_dir: str | os.PathLike, *,
+                   annotations_dir: str | os.PathLike | None = None,
+                   test_slides_dir: str | os.PathLike | None = None, test_labels_csv: str | os.PathLike | None = None,
+                   test_annotations_dir: str | os.PathLike | None = None, test_fraction: float = 0.25,
+                   seed: int = 0, template: str | os.PathLike | None = None, name: str | None = None,
+                   val_fraction: float | None = None, split_seed: int | None = None) -> PreparedCohort:
+    """Prepare any cohort (see the module docstring) into ``out_dir``.
+
+    Without ``test_slides_dir``, a stratified, seeded ``test_fraction`` of the slides becomes the
+    test set (the rest trains; ``run`` then holds validation slides out of those). Annotations are
+    looked up by slide name below ``annotations_dir`` (default: the slides folder), recursively,
+    ``.zip`` archives included. Tumour test slides need one (the FROC does). Raises one LabelsError
+    listing every problem found.
+    """
+    slides_dir, labels_csv, out = Path(slides_dir), Path(labels_csv), Path(out_dir)
+    if not 0.0 < test_fraction < 1.0:
+        raise ConfigError(f"test_fraction must satisfy 0 < value < 1; got {test_fraction!r}.")
+    if (test_slides_dir is None) != (test_labels_csv is None):
+        raise ConfigError("--test-slides and --test-labels go together; give both, or neither to hold out "
+                          "--test-fraction of the slides.")
+    slides, labels, problems = _labelled_set(slides_dir, labels_csv, [out], "training" if test_slides_dir else "")
+    ann_roots = [Path(annotations_dir)] if annotations_dir is not None else [slides_dir]
+    facts = {"slides": str(slides_dir.resolve()), "labels": str(labels_csv.resolve())}
+    if test_slides_dir is not None:
+        t_slides, t_labels, t_problems = _labelled_set(Path(test_slides_dir), Path(test_labels_csv), [out], "test")
+        problems += t_problems
+        overlap = sorted({stem_key(s) for s in slides} & {stem_key(s) for s in t_slides})
+        if overlap:
+            problems.append(f"{len(overlap)} slide(s) are in both the training and the test set: {_names(overlap)}")
+        t_roots = [Path(test_annotations_dir)] if test_annotations_dir is not None else [Path(test_slides_dir)]
+        train = (slides, labels)
+        test = (t_slides, t_labels)
+        facts.update(test_slides=str(Path(test_slides_dir).resolve()), test_labels=str(Path(test_labels_csv).resolve()))
+    else:
+        for label, word in ((0, "normal"), (1, "tumour")):
+            if sum(v == label for v in labels.values()) < 2 and labels:
+                problems.append(f"fewer than two {word} slides: cannot hold any out for the test set")
+        tr, te = _split_test(labels, fraction=test_fraction, seed=seed)
+        train = ({s: slides[s] for s in tr}, {s: labels[s] for s in tr})
+        test = ({s: slides[s] for s in te}, {s: labels[s] for s in te})
+        t_roots = ann_roots
+        facts.update(test_fraction=test_fraction, seed=seed)
+    for root in (*ann_roots, *t_roots):
+        if not root.is_dir():
+            problems.append(f"annotation folder {root} does not exist")
+    _raise_problems(str(slides_dir), problems,
+                    "add a 'slide,label' line for every slide (1 tumour, 0 normal), keep one file per slide name, "
+                    "and add the tumour test slides' annotations (<name>.xml or .geojson).")
+    train_ann = _match_annotations(_annotation_sources(ann_roots, skip=[out]), train[0])
+    test_ann = _match_annotations(_annotation_sources(t_roots, skip=[out]), test[0])
+    no_ann_test = sorted((s for s, v in test[1].items() if v == 1 and s not in test_ann), key=str.casefold)
+    _raise_problems(str(slides_dir), [f"{len(no_ann_test)} tumour test slide(s) have no annotation "
+                                      f"(<name>.xml or .geojson) below {', '.join(map(str, t_roots))}: "
+                                      f"{_names(no_ann_test)}; the FROC needs them"] if no_ann_test else [],
+                    "add their annotations, or pass --annotations / --test-annotations with the folder that holds them.")
+    notes = []
+    no_ann_train = sorted((s for s, v in train[1].items() if v == 1 and s not in train_ann), key=str.casefold)
+    if no_ann_train:
+        notes.append(f"{len(no_ann_train)} tumour training slide(s) have no annotation: {_names(no_ann_train)}")
+    sets = {"train": _write_set(out, "train", *train, train_ann), "test": _write_set(out, "test", *test, test_ann)}
+    command = f"wsi-milssl prepare folder --slides {slides_dir} --labels {labels_csv} --out {out}"
+    return _finish(out, name=name or out.resolve().name, template=template, sets=sets, val_fraction=val_fraction,
+                   split_seed=split_seed, command=command, facts=facts, notes=notes)
