@@ -18,6 +18,11 @@
    pass (patches per second, reading, decoding, augmentation and the step, refresh excluded) and its
    refresh pass (positive-bag patches per second).
 
+4. With ``--ddp N``: the ``wsi-milssl train`` command itself, once as one plain process and once under
+   ``torchrun --nproc-per-node N`` (DistributedDataParallel; NCCL on GPUs, gloo on CPUs), on the
+   same stores and settings; the last epoch's training-pass rate of each (all ranks together) and
+   their ratio. ``--ddp 1`` is the cost of the distributed machinery on one GPU.
+
 Prints a table per patch size; ``--json PATH`` writes the numbers, with ``train_pass_ratio`` and
 ``refresh_ratio`` (of the first patch size) at the top level.
 """
@@ -28,6 +33,9 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -66,7 +74,7 @@ def bare_rates(config, *, patch_size: int, min_seconds: float, eval_batch: int) 
 
     from wsi_milssl.mil.models import create_model
     from wsi_milssl.mil.pixels import prepare_patches
-    from wsi_milssl.mil.selftrain import _make_optimizer, resolve_runtime, soft_cross_entropy
+    from wsi_milssl.mil.selftrain import make_optimizer, resolve_runtime, soft_cross_entropy
 
     runtime = resolve_runtime(config)
     dev = runtime.device
@@ -74,7 +82,7 @@ def bare_rates(config, *, patch_size: int, min_seconds: float, eval_batch: int) 
     model = create_model(config.model, num_classes=2).to(dev)
     if runtime.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    optimizer = _make_optimizer(model, config)
+    optimizer = make_optimizer(model, config)
     rng = np.random.default_rng(0)
 
     def batch(b: int) -> torch.Tensor:
@@ -140,6 +148,27 @@ def product_rates(stores: list[Path], labels: Path, config) -> dict:
             "refresh_s": [round(h["refresh_seconds"], 2) for h in result.history]}
 
 
+def command_rate(stores: list[Path], labels: Path, config, *, nproc: int) -> dict:
+    """The last epoch's training-pass rate of ``wsi-milssl train`` (a plain process with ``nproc`` 0,
+    else under torchrun with ``nproc`` processes)."""
+    args = ["train", *map(str, stores), "--labels", str(labels), "--epochs", str(config.epochs),
+            "--batch-size", str(config.batch_size), "--eval-batch-size", str(config.eval_batch_size),
+            "--workers", str(config.num_workers), "--device", config.device, "--threads", str(config.threads),
+            "--mu-ramp-epochs", "1", "--no-plots", "--shuffle-block", str(config.shuffle_block),
+            "--decode", config.decode]
+    with tempfile.TemporaryDirectory(prefix="bench_train_cmd_") as tmp:
+        out = Path(tmp) / "run"
+        launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                     "-m", "wsi_milssl"] if nproc else [sys.executable, "-m", "wsi_milssl"])
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        t0 = time.perf_counter()
+        done = subprocess.run([*launcher, *args, "--out", str(out)], env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"train command failed:\n{done.stdout}\n{done.stderr}")
+        history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {"nproc": nproc, "train_pass": history[-1]["instances_per_second"], "wall_s": time.perf_counter() - t0}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
@@ -158,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-seconds", type=float, default=None, help="time per bare measurement [5 CPU, 3 GPU]")
     p.add_argument("--tile-workers", type=int, default=None, help="[CPUs]")
     p.add_argument("--cache", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "wsi_milssl_bench_train")
+    p.add_argument("--ddp", type=int, default=0, metavar="N",
+                   help="also compare the train command under torchrun with N processes to one plain process")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
 
@@ -210,6 +241,13 @@ def main(argv: list[str] | None = None) -> int:
               f"({before['inference']:.1f}, {after['inference']:.1f})")
         print(f"{'refresh pass (last epoch)':<38}{product['refresh']:>12.1f}{row['refresh_ratio']:>8.2f}")
         print(f"epoch seconds {product['epoch_s']}, refresh seconds {product['refresh_s']}", flush=True)
+        if args.ddp:
+            plain = command_rate(stores, labels, config, nproc=0)
+            ddp = command_rate(stores, labels, config, nproc=args.ddp)
+            row["ddp"] = {"plain": plain, "torchrun": ddp, "ratio": ddp["train_pass"] / plain["train_pass"]}
+            print(f"{'train command, one process':<38}{plain['train_pass']:>12.1f}{'1.00':>8}")
+            print(f"{f'train command, torchrun x {args.ddp}':<38}{ddp['train_pass']:>12.1f}"
+                  f"{row['ddp']['ratio']:>8.2f}", flush=True)
     report["train_pass_ratio"] = report["results"][0]["train_pass_ratio"]
     report["refresh_ratio"] = report["results"][0]["refresh_ratio"]
     report["total_s"] = time.perf_counter() - t_start

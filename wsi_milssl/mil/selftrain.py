@@ -60,6 +60,7 @@ __all__ = [
     "evaluate",
     "fit",
     "build_model",
+    "make_optimizer",
 ]
 
 log = logging.getLogger(__name__)
@@ -559,7 +560,8 @@ def _check_resume_config(saved: dict[str, Any], current: dict[str, Any], path: P
         )
 
 
-def _make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """The optimizer of ``config`` (sgd with momentum, adam, adamw) over the trainable parameters."""
     params = [p for p in model.parameters() if p.requires_grad]
     if config.optimizer == "sgd":
         return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
@@ -712,7 +714,7 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
     model.to(runtime.device)
     if runtime.channels_last:
         model.to(memory_format=torch.channels_last)
-    optimizer = _make_optimizer(model, config)
+    optimizer = make_optimizer(model, config)
     scheduler = (torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=config.epochs)
                  if config.scheduler == "cosine" else None)
     scaler = torch.amp.GradScaler("cuda") if runtime.use_grad_scaler else None
