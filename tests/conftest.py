@@ -30,3 +30,25 @@ def synth_slides(synth_dir) -> dict[str, Path]:
     for row in rows:
         out["tumor" if row["label"] == "1" else "normal"] = synth_dir / f"{row['slide']}.tif"
     return out
+
+
+@pytest.fixture(scope="session")
+def four_slides(synth_dir, tmp_path_factory) -> tuple[Path, Path]:
+    """(folder of slides slide_0..slide_3, annotation folder): hard links to (or copies of) synth_000
+    and synth_001 in turn, with the tumour slides' ASAP XML as slide_0.xml and slide_2.xml."""
+    import os
+    import shutil
+
+    root = tmp_path_factory.mktemp("four")
+    slides, annotations = root / "slides", root / "annotations"
+    slides.mkdir()
+    annotations.mkdir()
+    for k in range(4):
+        source = synth_dir / f"synth_00{k % 2}.tif"
+        try:
+            os.link(source, slides / f"slide_{k}.tif")
+        except OSError:
+            shutil.copy(source, slides / f"slide_{k}.tif")
+    for k in (0, 2):
+        shutil.copy(synth_dir / "synth_000.xml", annotations / f"slide_{k}.xml")
+    return slides, annotations

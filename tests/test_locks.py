@@ -1,5 +1,6 @@
 """One lock per output folder (issue 14 rows 3, 5, 13, 14): a second run is refused or waits, the
-lock of a killed run is reclaimed, a read-only folder is one clear error."""
+lock of a killed run is reclaimed, a read-only folder is one clear error. Shards of one run share the
+folder (issue 13); the short mutex for shared files leaves no file behind."""
 
 from __future__ import annotations
 
@@ -14,16 +15,19 @@ from pathlib import Path
 import pytest
 
 from diskfaults import read_only_folder
+from wsi_milssl.atomic import temp_path
 from wsi_milssl.errors import FolderLockedError, OutputError
-from wsi_milssl.locks import LOCK_FILENAME, folder_lock, lock_holder
+from wsi_milssl.locks import LOCK_FILENAME, folder_lock, folder_mutex, lock_holder, shard_lock_filename
+
+REFUSED = r" is writing to this folder\. Fix: wait until it finishes, or write to another folder \(--out\)\.$"
 
 
-def _hold(folder: Path, *, seconds: float) -> subprocess.Popen:
-    """Another process that takes the folder's lock, says so, and keeps it for ``seconds``."""
+def _hold(folder: Path, *, seconds: float, shard: tuple[int, int] | None = None) -> subprocess.Popen:
+    """Another process that takes the folder's lock (as ``shard``), says so, and keeps it for ``seconds``."""
     proc = subprocess.Popen([sys.executable, "-c", (
         "import sys, time\n"
         "from wsi_milssl.locks import folder_lock\n"
-        f"with folder_lock({str(folder)!r}):\n"
+        f"with folder_lock({str(folder)!r}, shard={shard!r}):\n"
         "    print('locked', flush=True)\n"
         f"    time.sleep({seconds})\n"
     )], stdout=subprocess.PIPE, text=True)
@@ -87,3 +91,96 @@ def test_a_read_only_output_folder_is_one_clear_error(tmp_path):
                 with folder_lock(target):
                     pass
             assert info.value.errno == errno.EROFS
+
+
+def test_shards_of_one_run_share_the_folder_and_everything_else_is_refused(tmp_path):
+    """Shard 1/2 runs beside shard 0/2; a second copy of shard 0/2, an unsharded run and a shard of
+    another count are refused, naming the running shard's pid."""
+    folder = tmp_path / "out"
+    other = _hold(folder, seconds=60, shard=(0, 2))
+    try:
+        with folder_lock(folder, shard=(1, 2)):
+            assert lock_holder(folder, shard=(0, 2))["pid"] == other.pid
+            assert lock_holder(folder, shard=(1, 2))["shard"] == "1/2"
+        assert (folder / shard_lock_filename(0, 2)).exists() and not (folder / shard_lock_filename(1, 2)).exists()
+        running = rf"^{folder}: another wsi-milssl run \(shard 0/2, pid {other.pid}, since [^)]*\)"
+        with pytest.raises(FolderLockedError, match=running + REFUSED):
+            with folder_lock(folder, shard=(0, 2)):
+                pass
+        with pytest.raises(FolderLockedError, match=running + REFUSED):
+            with folder_lock(folder):
+                pass
+        with pytest.raises(FolderLockedError, match=(
+                running + r" is writing to this folder as a shard of 2, and this run is shard 3/4: shards of one run "
+                r"must share the count\. Fix: wait until that run finishes, give every shard the same count, or "
+                r"write to another folder \(--out\)\.$")):
+            with folder_lock(folder, shard=(3, 4)):
+                pass
+        assert not (folder / shard_lock_filename(3, 4)).exists()
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_an_unsharded_run_refuses_shards(tmp_path):
+    folder = tmp_path / "out"
+    other = _hold(folder, seconds=60)
+    try:
+        with pytest.raises(FolderLockedError, match=rf"^{folder}: another wsi-milssl run \(pid {other.pid}, " + r"[^)]*\)"
+                                                    + REFUSED):
+            with folder_lock(folder, shard=(1, 2)):
+                pass
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_a_killed_shard_leaves_no_lock_and_its_temporaries_are_removed(tmp_path):
+    """The files of a shard killed with -9 are taken over; its temporaries go, those of a live process
+    stay; the last shard out leaves no lock file."""
+    folder = tmp_path / "out"
+    other = _hold(folder, seconds=60, shard=(0, 2))
+    os.kill(other.pid, signal.SIGKILL)
+    other.wait()
+    dead = temp_path(folder / "a.h5", kind="partial").name.replace(f".{os.getpid()}.", f".{other.pid}.")
+    live = temp_path(folder / "b.h5", kind="partial").name.replace(f".{os.getpid()}.", f".{os.getppid()}.")
+    for name in (dead, live):
+        (folder / name).write_bytes(b"x")
+    assert sorted(p.name for p in folder.iterdir()) == sorted([LOCK_FILENAME, shard_lock_filename(0, 2), dead, live])
+    with folder_lock(folder, shard=(0, 2)):  # the killed shard's own copy is not running any more
+        assert lock_holder(folder, shard=(0, 2))["pid"] == os.getpid()
+        assert not (folder / dead).exists() and (folder / live).exists()
+    assert sorted(p.name for p in folder.iterdir()) == [live]
+
+
+def test_folder_mutex_serialises_updates_across_processes_and_leaves_no_file(tmp_path):
+    """Two processes add 1 to a counter 150 times each, reading and writing under the mutex (with a
+    pause in between, so that updates without it would be lost)."""
+    counter = tmp_path / "counter"
+    counter.write_text("0")
+    code = (
+        "import time\n"
+        "from pathlib import Path\n"
+        "from wsi_milssl.locks import folder_mutex\n"
+        f"path = Path({str(counter)!r})\n"
+        "for _ in range(150):\n"
+        "    with folder_mutex(path.parent):\n"
+        "        with folder_mutex(path.parent):  # re-entrant\n"
+        "            n = int(path.read_text())\n"
+        "        time.sleep(0.001)\n"
+        "        path.write_text(str(n + 1))\n"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(2)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    assert counter.read_text() == "300"
+    assert [p.name for p in tmp_path.iterdir()] == ["counter"]
+
+
+def test_scores_csv_updates_leave_no_lock_file(tmp_path):
+    """Issue 14 row 13: update_scores_csv used to leave .scores.csv.lock behind for good."""
+    from wsi_milssl.inference.exports import update_scores_csv
+
+    update_scores_csv(tmp_path, {"b": 0.5})
+    update_scores_csv(tmp_path, {"a": 0.25})
+    assert [p.name for p in tmp_path.iterdir()] == ["scores.csv"]
+    assert (tmp_path / "scores.csv").read_text() == "slide,score\na,0.250000\nb,0.500000\n"

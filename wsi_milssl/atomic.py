@@ -35,6 +35,7 @@ __all__ = [
     "atomic_write_text",
     "atomic_write_json",
     "atomic_write_csv",
+    "merge_csv_rows",
     "clean_stale_temporaries",
     "find_write_error",
     "output_error",
@@ -225,3 +226,43 @@ def atomic_write_csv(path: str | os.PathLike, rows: Sequence[Mapping[str, Any]],
     for row in rows:
         writer.writerow(["" if row.get(c) is None else row.get(c) for c in columns])
     return atomic_write_text(path, buf.getvalue())
+
+
+def merge_csv_rows(path: str | os.PathLike, rows: Sequence[Mapping[str, Any]], *, columns: Sequence[str],
+                   key: str = "slide") -> Path:
+    """Add or replace ``rows`` (matched by their ``key`` column) in the CSV at ``path`` and rewrite it
+    atomically with a header of ``columns`` and every row sorted by ``key``; rows of other keys (other
+    shards of a run, earlier runs) are kept. None becomes an empty cell.
+
+    The read-modify-write runs under :func:`wsi_milssl.locks.folder_mutex` of the CSV's folder, so runs
+    that update one file at once (shards) lose no row, and one run or N shards leave the same file. A
+    file that cannot be read as such a CSV is replaced, with a warning.
+    """
+    from wsi_milssl.locks import folder_mutex  # locks imports this module
+
+    path = Path(path)
+    with folder_mutex(path.parent):
+        merged = _read_csv_rows(path, key)
+        for row in rows:
+            merged[str(row[key])] = {c: "" if row.get(c) is None else str(row.get(c)) for c in columns}
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=list(columns), lineterminator="\n", extrasaction="ignore",
+                                restval="")
+        writer.writeheader()
+        for k in sorted(merged):
+            writer.writerow(merged[k])
+        return atomic_write_text(path, buf.getvalue())
+
+
+def _read_csv_rows(path: Path, key: str) -> dict[str, dict[str, str]]:
+    if not path.is_file():
+        return {}
+    try:
+        with open(path, newline="", encoding="utf-8") as fh:
+            reader = csv.DictReader(fh)
+            if key not in (reader.fieldnames or ()):
+                raise ValueError(f"no {key!r} column")
+            return {row[key]: row for row in reader if row.get(key)}
+    except (OSError, ValueError, UnicodeDecodeError, csv.Error) as exc:
+        log.warning("%s: cannot read its rows (%s); the file is written anew", path, exc)
+        return {}

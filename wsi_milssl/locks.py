@@ -1,53 +1,87 @@
-"""One lock per output folder, so that two runs never write into the same folder at once.
+"""Locks of output folders: one run per folder, or the shards of one run together.
 
-Every stage that writes a folder (``synth``, ``tile``, ``train``, ``run``) holds
-:func:`folder_lock` on it for the whole run. The lock is ``fcntl.flock`` on ``DIR/.wsi-milssl.lock``,
-a file that records the holder's pid and command and is deleted when the run ends. The kernel
-releases a flock when the holding process exits in any way (kill -9 included), so the file a killed
-run leaves behind is no lock at all: the next run takes it over. (A run that took the lock checks
-that the file it locked is still the one at the path, because the previous holder may have deleted
-it in between.) While holding the lock, the temporaries of killed runs in that folder are removed
-(:func:`wsi_milssl.atomic.clean_stale_temporaries`).
+Every stage that writes a folder (``synth``, ``tile``, ``label``, ``train``, ``heatmap``, ``run``)
+holds :func:`folder_lock` on it for the whole run. The lock is ``fcntl.flock`` on
+``DIR/.wsi-milssl.lock``:
+
+- an unsharded run takes it EXCLUSIVE, so it shares the folder with nobody;
+- shard ``I`` of ``N`` (``--shard I/N``, or a torchrun rank) takes it SHARED, so the shards of one run
+  write the folder together while an unsharded run is refused, and takes
+  ``DIR/.wsi-milssl.shard-I-of-N.lock`` EXCLUSIVE, so a second copy of the same shard is refused. A
+  shard is also refused while shards with another count ``N`` write there (their slides overlap).
+
+Lock files record the holder's pid, host and command (refusals name them) and are deleted when free:
+a holder deletes its file while still holding it; the last shard to leave deletes the folder's file.
+The kernel releases a flock when the holding process exits in any way (kill -9 included), so a file a
+killed run leaves behind is no lock at all: the next run takes it over (and removes stale shard
+files). A run that took a lock checks that the file it locked is still the one at the path, because
+the previous holder may have deleted it in between.
+
+While holding the lock, the temporaries of killed runs in the folder are removed
+(:func:`wsi_milssl.atomic.clean_stale_temporaries`, which keeps the temporaries of processes that
+still run). A shard does this only when every other shard writing the folder runs on its host: a
+process id says nothing about another machine's processes (SLURM array tasks on several nodes).
 
 Within one process the lock is re-entrant (a pipeline that holds ``OUT`` may call stages that lock
 ``OUT`` again); worker processes forked by a holder share it.
+
+:func:`folder_mutex` is the short lock for a read-modify-write of a file that concurrent runs
+(shards) share, such as a status CSV: ``DIR/.wsi-milssl.mutex``, held for the update only.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
 import os
+import re
 import socket
 import sys
 import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from wsi_milssl.atomic import clean_stale_temporaries, find_write_error, output_error
-from wsi_milssl.errors import FolderLockedError
+from wsi_milssl.errors import ConfigError, FolderLockedError
 
-__all__ = ["LOCK_FILENAME", "folder_lock", "lock_holder"]
+__all__ = ["LOCK_FILENAME", "MUTEX_FILENAME", "folder_lock", "folder_mutex", "lock_holder", "shard_lock_filename"]
 
 log = logging.getLogger(__name__)
 
 LOCK_FILENAME = ".wsi-milssl.lock"
+MUTEX_FILENAME = ".wsi-milssl.mutex"
+_SHARD_RE = re.compile(r"^\.wsi-milssl\.shard-(?P<index>[0-9]+)-of-(?P<count>[0-9]+)\.lock$")
+#: How long a shard retries a lock that another shard holds for a moment only (while it checks or
+#: deletes a lock file) before it concludes that the lock is taken.
+SHARD_GRACE_S = 2.0
 
 _held: dict[str, int] = {}  # real path of a folder this process holds -> nesting depth
 _held_guard = threading.Lock()
 
 
-def lock_holder(folder: str | os.PathLike) -> dict | None:
-    """What the lock file of ``folder`` says about its last holder (pid, command, host, started), or
-    None when there is no readable record. The holder may have finished since."""
+def shard_lock_filename(index: int, count: int) -> str:
+    """Name of the lock file of shard ``index`` of ``count`` in a folder."""
+    return f".wsi-milssl.shard-{index}-of-{count}.lock"
+
+
+def _read_record(path: Path) -> dict | None:
     try:
-        data = json.loads((Path(folder) / LOCK_FILENAME).read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def lock_holder(folder: str | os.PathLike, *, shard: tuple[int, int] | None = None) -> dict | None:
+    """What the lock file of ``folder`` (with ``shard`` = (I, N): of that shard) says about its last
+    holder (pid, command, host, started; shard), or None when there is no readable record. The holder
+    may have finished since."""
+    name = LOCK_FILENAME if shard is None else shard_lock_filename(*shard)
+    return _read_record(Path(folder) / name)
 
 
 def _describe(holder: dict | None) -> str:
@@ -63,16 +97,48 @@ def _describe(holder: dict | None) -> str:
         since = time.strftime(", since %Y-%m-%d %H:%M:%S", time.localtime(started))
     host = holder.get("host")
     where = f" on {host}" if host and host != socket.gethostname() else ""
-    return f"another wsi-milssl run (pid {pid}{where}{since}: {command})"
+    shard = f"shard {holder['shard']}, " if holder.get("shard") else ""
+    return f"another wsi-milssl run ({shard}pid {pid}{where}{since}: {command})"
 
 
-def _record(fd: int) -> None:
+def _shard_records(folder: Path) -> list[dict]:
+    """Records of the shard lock files in ``folder`` (live or left by killed runs), by shard."""
+    found = []
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    for name in names:
+        m = _SHARD_RE.match(name)
+        record = _read_record(folder / name) if m else None
+        if record:
+            found.append((int(m.group("count")), int(m.group("index")), record))
+    return [r for _, _, r in sorted(found, key=lambda t: t[:2])]
+
+
+def _describe_folder(folder: Path) -> str:
+    """Who writes ``folder``: the shards that hold it, else the record of its lock file."""
+    shards = _shard_records(folder)
+    if shards:
+        more = len(shards) - 1
+        return _describe(shards[0]) + (f" with {more} more shard{'s' if more > 1 else ''}" if more else "")
+    return _describe(lock_holder(folder))
+
+
+def _locked_message(folder: Path, who: str) -> str:
+    return (f"{folder}: {who} is writing to this folder. Fix: wait until it finishes, or write to another "
+            "folder (--out).")
+
+
+def _record(fd: int, shard: tuple[int, int] | None = None) -> None:
     """Write who holds the lock into the lock file (best effort: it only improves messages)."""
     program = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "python"
     if program in ("__main__.py", "wsi-milssl"):  # python -m wsi_milssl, or the console script
         program = "wsi-milssl"
     info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
             "command": " ".join([program, *sys.argv[1:]])}
+    if shard is not None:
+        info["shard"] = f"{shard[0]}/{shard[1]}"
     data = (json.dumps(info) + "\n").encode("utf-8")
     try:
         os.ftruncate(fd, 0)
@@ -81,18 +147,36 @@ def _record(fd: int) -> None:
         log.debug("cannot record the lock holder: %s", exc)
 
 
-@contextmanager
-def folder_lock(path: str | os.PathLike, *, wait: bool = False) -> Iterator[Path]:
-    """Hold the exclusive lock of output folder ``path`` (created if missing) for the ``with`` block.
+def _check_shard(shard) -> tuple[int, int] | None:
+    """(I, N) of a shard, or None for an unsharded run (no shard, or one of one)."""
+    if shard is None:
+        return None
+    try:
+        index, count = (int(v) for v in shard)
+    except (TypeError, ValueError):
+        raise ConfigError(f"shard {shard!r} is not a pair (I, N) of integers.") from None
+    if count < 1 or not 0 <= index < count:
+        raise ConfigError(f"shard {index}/{count}: the shard must be 0..{max(count, 1) - 1} of {count} (0-based), "
+                          "and the count at least 1.")
+    return None if count == 1 else (index, count)
 
-    When another process holds it: with ``wait`` block until it is released, else raise
-    FolderLockedError naming the folder and the other run's pid and command. A folder that cannot be
-    written (read-only file system, no permission, full disk) raises OutputError naming it and the
-    fix. After the lock is taken, temporaries left in the folder by killed runs are removed. Yields
-    the folder path.
+
+@contextmanager
+def folder_lock(path: str | os.PathLike, *, wait: bool = False,
+                shard: tuple[int, int] | None = None) -> Iterator[Path]:
+    """Hold the lock of output folder ``path`` (created if missing) for the ``with`` block.
+
+    ``shard`` = (I, N) with N > 1: hold it as shard I of N (see the module docstring): the other
+    shards of the run may hold it too; an unsharded run, a second copy of shard I/N and shards with
+    another N may not. None (or N = 1): hold it alone.
+
+    When the lock is taken: with ``wait`` block until it is released, else raise FolderLockedError
+    naming the folder and the other run's pid and command. A folder that cannot be written (read-only
+    file system, no permission, full disk) raises OutputError naming it and the fix. After the lock is
+    taken, temporaries left in the folder by killed runs are removed. Yields the folder path.
     """
     folder = Path(path)
-    lock_file = folder / LOCK_FILENAME
+    shard = _check_shard(shard)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         key = os.path.realpath(folder)
@@ -112,18 +196,38 @@ def folder_lock(path: str | os.PathLike, *, wait: bool = False) -> Iterator[Path
             with _held_guard:
                 _held[key] -= 1
         return
+    if shard is None:
+        with _exclusive(folder, wait=wait):
+            with _holding(key):
+                yield folder
+    else:
+        with _as_shard(folder, shard, wait=wait):
+            with _holding(key):
+                yield folder
 
-    fd = _acquire(folder, lock_file, wait=wait)
+
+@contextmanager
+def _holding(key: str) -> Iterator[None]:
+    with _held_guard:
+        _held[key] = 1
+    try:
+        yield
+    finally:
+        with _held_guard:
+            _held.pop(key, None)
+
+
+@contextmanager
+def _exclusive(folder: Path, *, wait: bool) -> Iterator[None]:
+    lock_file = folder / LOCK_FILENAME
+    fd = _acquire(folder, lock_file, shared=False, wait=wait, grace=0.0, who=lambda: _describe_folder(folder))
     try:
         _record(fd)
-        with _held_guard:
-            _held[key] = 1
         try:
+            _scan_shards(folder)  # no shard runs while the folder is held alone: their files are stale
             clean_stale_temporaries(folder)
-            yield folder
+            yield
         finally:
-            with _held_guard:
-                _held.pop(key, None)
             try:
                 os.unlink(lock_file)  # while still holding it: see the module docstring
             except OSError:
@@ -132,37 +236,226 @@ def folder_lock(path: str | os.PathLike, *, wait: bool = False) -> Iterator[Path
         os.close(fd)  # releases the flock (forked workers that share it hold it until they exit)
 
 
-def _acquire(folder: Path, lock_file: Path, *, wait: bool) -> int:
-    """Open and flock the lock file; returns its descriptor. Retries when the file was deleted or
-    replaced by the previous holder between our open and our flock."""
-    while True:
+@contextmanager
+def _as_shard(folder: Path, shard: tuple[int, int], *, wait: bool) -> Iterator[None]:
+    index, count = shard
+    lock_file = folder / LOCK_FILENAME
+    shard_file = folder / shard_lock_filename(index, count)
+    fd = _acquire(folder, lock_file, shared=True, wait=wait, grace=SHARD_GRACE_S,
+                  who=lambda: _describe(lock_holder(folder)))
+    sfd = None
+    try:
+        sfd = _acquire(folder, shard_file, shared=False, wait=wait, grace=SHARD_GRACE_S,
+                       who=lambda: _describe(_read_record(shard_file)))
+        _record(sfd, shard)
+        others = _scan_shards(folder, skip=shard_file.name)
+        clash = [rec for (_, n), rec in others if n != count]
+        if clash:
+            raise FolderLockedError(
+                f"{folder}: {_describe(clash[0])} is writing to this folder as a shard of {_count_of(clash[0])}, "
+                f"and this run is shard {index}/{count}: shards of one run must share the count. Fix: wait until "
+                "that run finishes, give every shard the same count, or write to another folder (--out)."
+            )
+        here = socket.gethostname()
+        if all(rec and rec.get("host") == here for _, rec in others):
+            clean_stale_temporaries(folder)
+        else:
+            log.info("%s: shards on other hosts write here; temporaries of killed runs are removed by a later run",
+                     folder)
+        yield
+    finally:
+        if sfd is not None:
+            try:
+                os.unlink(shard_file)  # while still holding it
+            except OSError:
+                pass
+            os.close(sfd)
+        _leave_shared(folder, fd, lock_file)
+
+
+def _count_of(record: dict) -> str:
+    return str(record.get("shard", "?/?")).split("/")[-1]
+
+
+def _leave_shared(folder: Path, fd: int, lock_file: Path) -> None:
+    """Release a shard's hold of the folder lock; the last shard out deletes the lock file (and the
+    files of killed shards)."""
+    try:
         try:
-            fd = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
-        except OSError as exc:
-            cause = find_write_error(exc, access=True)
-            if cause is None:
-                raise
-            raise output_error(folder, cause, what="cannot write to this output folder", folder=folder) from None
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # drops the shared lock first
+        except OSError:
+            return  # other shards still hold it
+        if _same_file(fd, lock_file):
+            _scan_shards(folder)
+            try:
+                os.unlink(lock_file)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+
+
+def _scan_shards(folder: Path, *, skip: str = "") -> list[tuple[tuple[int, int], dict | None]]:
+    """The shards that hold their lock files in ``folder`` ((I, N), record or None when not yet
+    readable); deletes the files of shards that are gone."""
+    live = []
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return live
+    for name in names:
+        m = _SHARD_RE.match(name)
+        if m is None or name == skip:
+            continue
+        path = folder / name
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            live.append(((int(m.group("index")), int(m.group("count"))), _read_record(path)))
+            continue
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = lock_holder(folder)
+            except OSError:
+                live.append(((int(m.group("index")), int(m.group("count"))), _read_record(path)))
+                continue
+            if _same_file(fd, path):  # a killed shard's file (exclusive: nobody else may delete it now)
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+        finally:
+            os.close(fd)
+    return live
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` is still the file open as ``fd`` (a holder may have deleted it meanwhile)."""
+    try:
+        mine = os.fstat(fd)
+        current = os.stat(path)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        if exc.errno == errno.ESTALE:  # a network file system: the file was deleted meanwhile
+            return False
+        raise
+    return (current.st_dev, current.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def _try_flock(fd: int, operation: int, grace: float) -> bool:
+    """Take the flock without blocking, retrying for ``grace`` seconds; False when it stays taken."""
+    deadline = time.monotonic() + grace
+    while True:
+        try:
+            fcntl.flock(fd, operation | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+
+
+def _open_lock_file(folder: Path, lock_file: Path) -> int:
+    try:
+        return os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    except OSError as exc:
+        cause = find_write_error(exc, access=True)
+        if cause is None:
+            raise
+        raise output_error(folder, cause, what="cannot write to this output folder", folder=folder) from None
+
+
+def _acquire(folder: Path, lock_file: Path, *, shared: bool, wait: bool, grace: float,
+             who: Callable[[], str]) -> int:
+    """Open and flock the lock file (shared or exclusive); returns its descriptor. ``who()`` describes
+    the holder for the refusal. Retries when the file was deleted or replaced by the previous holder
+    between our open and our flock."""
+    operation = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+    while True:
+        fd = _open_lock_file(folder, lock_file)
+        try:
+            if not _try_flock(fd, operation, grace):
                 if not wait:
-                    raise FolderLockedError(
-                        f"{folder}: {_describe(holder)} is writing to this folder. Fix: wait until it "
-                        "finishes, or write to another folder (--out)."
-                    ) from None
-                log.warning("%s: waiting for %s to finish", folder, _describe(holder))
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            mine = os.fstat(fd)
-            try:
-                current = os.stat(lock_file)
-            except FileNotFoundError:
-                current = None
+                    raise FolderLockedError(_locked_message(folder, who()))
+                log.warning("%s: waiting for %s to finish", folder, who())
+                fcntl.flock(fd, operation)
+            same = _same_file(fd, lock_file)
         except BaseException:
             os.close(fd)
             raise
-        if current is not None and (current.st_dev, current.st_ino) == (mine.st_dev, mine.st_ino):
+        if same:
             return fd
         os.close(fd)  # the previous holder deleted the file after we opened it: take the new one
+
+
+# ----------------------------------------------------------------------------------------------
+# Short locks for shared files
+# ----------------------------------------------------------------------------------------------
+
+_mutex_guard = threading.Lock()
+_mutex_threads: dict[str, threading.RLock] = {}
+_mutex_depth: dict[str, int] = {}
+
+
+@contextmanager
+def folder_mutex(path: str | os.PathLike) -> Iterator[Path]:
+    """Hold the short exclusive lock of folder ``path`` (created if missing) for a read-modify-write
+    of a file that concurrent runs share (the shards' status and score CSVs). Blocks until it is free;
+    threads of one process take turns; re-entrant in one thread. The lock file
+    ``DIR/.wsi-milssl.mutex`` is a regular file (flock on it works across the hosts of a network file
+    system) and is deleted before the lock is released, so none is left behind. Yields the folder.
+    """
+    folder = Path(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        key = os.path.realpath(folder)
+    except OSError as exc:
+        cause = find_write_error(exc, access=True)
+        if cause is None:
+            raise
+        raise output_error(folder, cause, what="cannot create this output folder", folder=folder) from None
+    with _mutex_guard:
+        guard = _mutex_threads.setdefault(key, threading.RLock())
+    with guard:
+        if _mutex_depth.get(key):
+            _mutex_depth[key] += 1
+            try:
+                yield folder
+            finally:
+                _mutex_depth[key] -= 1
+            return
+        mutex = folder / MUTEX_FILENAME
+        fd = _lock_mutex(folder, mutex)
+        _mutex_depth[key] = 1
+        try:
+            yield folder
+        finally:
+            _mutex_depth[key] = 0
+            try:
+                os.unlink(mutex)  # while still holding it: a waiter that opened it retries on a new file
+            except OSError:
+                pass
+            os.close(fd)
+
+
+def _lock_mutex(folder: Path, mutex: Path) -> int:
+    while True:
+        fd = _open_lock_file(folder, mutex)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as exc:
+                if exc.errno != errno.ESTALE:  # a network file system: the file was deleted meanwhile
+                    raise
+                same = False
+            else:
+                same = _same_file(fd, mutex)
+        except BaseException:
+            os.close(fd)
+            raise
+        if same:
+            return fd
+        os.close(fd)

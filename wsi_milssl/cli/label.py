@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from wsi_milssl.config.label import LabelConfig
+from wsi_milssl.errors import ConfigError
 
 __all__ = ["SUMMARY", "register", "run", "label_config_from_args"]
 
@@ -30,6 +32,7 @@ def label_config_from_args(args: argparse.Namespace) -> LabelConfig:
 
 def register(subparsers) -> None:
     from wsi_milssl.cli import HelpFormatter
+    from wsi_milssl.cli.sharding import add_shard_argument
 
     d = LabelConfig()
     p = subparsers.add_parser(
@@ -46,7 +49,11 @@ def register(subparsers) -> None:
             "names do not match are listed. A FROC evaluation mask per slide (<stem>_tumor_mask.png, 255 =\n"
             "tumour, 32x downsample = CAMELYON16 level 5, holes carved) with a JSON sidecar, plus\n"
             "label_status.csv and label_config.json, go to --out. XML with a DOCTYPE or entity\n"
-            "declarations is refused and the store is left unchanged."
+            "declarations is refused and the store is left unchanged.\n\n"
+            "Re-running skips stores already labelled with the same settings, annotation file and slide\n"
+            "label whose mask is in --out (status 'skipped'; --overwrite labels them again). --shard I/N\n"
+            "labels every N-th store from the I-th (a job array task, or a torchrun rank); the shards of\n"
+            "one run write one --out at once and their label_status.csv rows merge, sorted by slide."
         ),
         formatter_class=HelpFormatter,
     )
@@ -69,18 +76,27 @@ def register(subparsers) -> None:
     p.add_argument("--mask-downsample", type=int, default=d.mask_downsample, metavar="DS",
                    help="level-0 pixels per evaluation-mask pixel (32 = CAMELYON16 level 5)")
     p.add_argument("--no-masks", action="store_true", help="do not write evaluation masks")
+    p.add_argument("--overwrite", action="store_true",
+                   help="label every store again, also those already labelled with these settings")
+    add_shard_argument(p, items="stores (sorted by path)")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from wsi_milssl.cli.progress import TqdmProgress
+    from wsi_milssl.cli.sharding import shard_from_args
     from wsi_milssl.labeling import label_stores
 
+    try:
+        shard = shard_from_args(args)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     config = label_config_from_args(args)
     with TqdmProgress() as progress:
         report = label_stores(
             args.stores, annotations_dir=args.annotations, labels_csv=getattr(args, "labels", None), config=config,
-            out_dir=getattr(args, "out", None), progress=progress,
+            out_dir=getattr(args, "out", None), progress=progress, shard=shard, overwrite=args.overwrite,
         )
     width = max([len(r.stem) for r in report.results] + [5])
     print(f"{'slide':<{width}}  {'status':<7} {'labels':<11} {'patches':>8} {'positive':>8}  slide label")

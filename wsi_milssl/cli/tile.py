@@ -28,6 +28,7 @@ def tile_config_from_args(args: argparse.Namespace) -> TileConfig:
 
 def register(subparsers) -> None:
     from wsi_milssl.cli import HelpFormatter
+    from wsi_milssl.cli.sharding import add_shard_argument
 
     d = TileConfig()
     p = subparsers.add_parser(
@@ -42,6 +43,10 @@ def register(subparsers) -> None:
             "in blue, entropy-dropped in orange), DIR/tile_status.csv (slide,status,n_patches,seconds,error)\n"
             "and DIR/tile_config.json. Re-running skips slides whose store is complete with the same\n"
             "settings. Exit code 1 when any slide failed, 2 for usage errors.\n\n"
+            "--shard I/N tiles every N-th slide from the I-th (a job array task, or a torchrun rank); the\n"
+            "shards of one run write one --out at once, their tile_status.csv rows merge (sorted by slide,\n"
+            "as one run writes them) and every shard writes the same tile_config.json. A second copy of a\n"
+            "shard, or an unsharded run, into a folder that shards are writing is refused.\n\n"
             "SLIDES are slide files, folders of slides, or CSV files with a 'slide' column (paths or\n"
             "names of slides beside the CSV, e.g. labels.csv from `wsi-milssl synth`)."
         ),
@@ -89,14 +94,17 @@ def register(subparsers) -> None:
                         "such a slide fails: upsampled patches hold no more detail than the scan)")
     p.add_argument("--overwrite", action="store_true",
                    help="re-tile slides whose store exists, replacing it (also when made with other settings)")
+    add_shard_argument(p, items="slides")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from wsi_milssl.cli.progress import TqdmProgress
+    from wsi_milssl.cli.sharding import shard_from_args
     from wsi_milssl.tiling import find_slides, tile_slides
 
     try:
+        shard = shard_from_args(args)
         config = tile_config_from_args(args)
         slides = find_slides(args.slides, keep_missing=True)  # a missing slide fails alone
     except ConfigError as exc:
@@ -104,13 +112,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         with TqdmProgress() as progress:
-            result = tile_slides(slides, args.out, config, overwrite=args.overwrite, progress=progress)
+            result = tile_slides(slides, args.out, config, overwrite=args.overwrite, progress=progress, shard=shard)
     except StoreError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     counts = {k: sum(r.status == k for r in result.results) for k in ("ok", "skipped", "failed")}
     n_patches = sum(r.n_patches for r in result.results)
-    print(f"tiled {len(result.results)} slide(s): {counts['ok']} ok, {counts['skipped']} skipped, "
+    part = f" (shard {shard[0]}/{shard[1]})" if shard[1] > 1 else ""
+    print(f"tiled {len(result.results)} slide(s){part}: {counts['ok']} ok, {counts['skipped']} skipped, "
           f"{counts['failed']} failed; {n_patches} patches in {args.out}")
     print(f"status: {result.status_csv}")
     for r in result.results:

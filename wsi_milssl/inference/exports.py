@@ -381,17 +381,16 @@ def _read_scores(path: Path) -> dict[str, str]:
 
 def update_scores_csv(out_dir: str | os.PathLike, scores: Mapping[str, float]) -> Path:
     """Add or replace the rows of ``scores`` ({stem: score}) in ``out_dir/scores.csv`` (``slide,score``),
-    keeping other slides' rows; rows sorted by slide."""
-    import fcntl
+    keeping other slides' rows; rows sorted by slide. Safe while other runs (shards) update the file
+    (:func:`wsi_milssl.locks.folder_mutex`; no lock file is left behind)."""
+    from wsi_milssl.locks import folder_mutex
 
     path = Path(out_dir) / SCORES_FILENAME
     path.parent.mkdir(parents=True, exist_ok=True)
     for stem, score in scores.items():
         if not math.isfinite(float(score)):
             raise ValueError(f"slide {stem!r}: score {score!r} is not a finite number.")
-    # A lock file serialises concurrent runs writing into the same folder (read-modify-write).
-    with open(path.with_name(f".{path.name}.lock"), "a") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+    with folder_mutex(path.parent):
         rows = _read_scores(path)
         for stem, score in scores.items():
             rows[str(stem)] = f"{float(score):.6f}"

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import fcntl
 import hashlib
 import io
 import json
@@ -27,7 +26,6 @@ import os
 import time
 import traceback
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -60,6 +58,7 @@ from wsi_milssl.inference.heatmap import render_overlay, write_png
 from wsi_milssl.inference.model import InferenceModel, load_inference_model
 from wsi_milssl.inference.predict import SlideInput, SlidePrediction, predict_many
 from wsi_milssl.distributed import shard_items
+from wsi_milssl.locks import folder_lock, folder_mutex
 from wsi_milssl.slide.tissue import slide_tissue_mask
 from wsi_milssl.tiling import slide_stem
 
@@ -321,18 +320,6 @@ def _fingerprint(config: HeatmapConfig, model: InferenceModel) -> str:
     return h.hexdigest()[:16]
 
 
-@contextmanager
-def _folder_mutex(folder: Path):
-    """Serialise read-modify-write of the folder's shared files between concurrent runs (shards): an
-    exclusive flock on the folder itself, so no lock file is ever left behind."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
 def _read_status(path: Path) -> dict[str, dict[str, str]]:
     if not path.is_file():
         return {}
@@ -353,7 +340,7 @@ def _status_row(r: HeatmapResult) -> dict[str, str]:
 def _merge_status(path: Path, results: Iterable[HeatmapResult]) -> Path:
     """Add or replace the rows of ``results`` in the status CSV, keeping other slides' rows (other
     shards, earlier runs); rows sorted by slide."""
-    with _folder_mutex(path.parent):
+    with folder_mutex(path.parent):
         rows = _read_status(path)
         for r in results:
             rows[r.slide] = _status_row(r)
@@ -443,7 +430,18 @@ def make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.Path
     skipped (``overwrite`` predicts them again). ``shard`` = (I, N): this call takes every N-th slide
     from the I-th (:func:`wsi_milssl.distributed.shard_items`); shards may run at once into one folder,
     and their status and score rows merge (sorted by slide), so N shards leave the files of one run.
+    The lock of ``out_dir`` is held for the run (:func:`wsi_milssl.locks.folder_lock`, as shard I of
+    N): another run into the folder, or a second copy of the shard, is refused with FolderLockedError.
     """
+    with folder_lock(out_dir, shard=shard):
+        return _make_heatmaps(slides, checkpoint, out_dir, config, stores=stores, annotations_dir=annotations_dir,
+                              progress=progress, shard=shard, overwrite=overwrite)
+
+
+def _make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.PathLike | InferenceModel,
+                   out_dir: str | os.PathLike, config: HeatmapConfig | None, *,
+                   stores: Sequence[str | os.PathLike] | None, annotations_dir: str | os.PathLike | None,
+                   progress: ProgressCallback | None, shard: tuple[int, int], overwrite: bool) -> HeatmapRun:
     config = config or HeatmapConfig()
     out_dir = Path(out_dir)
     inputs = shard_items(match_inputs(slides, stores), *shard)

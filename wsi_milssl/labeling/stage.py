@@ -25,12 +25,18 @@ attribute                   type   meaning
 Instance labels are for evaluation only; training never reads them. Every input is read and
 every number computed before anything is written, so a malformed or hostile annotation file
 leaves the store untouched.
+
+A batch (:func:`label_stores`) holds the lock of its output folder and skips stores already labelled
+with the same settings, annotation file (path and SHA-256) and slide label whose mask is there
+(status ``skipped``). Shard I of N (``shard=(I, N)``: ``--shard I/N`` or a torchrun rank) labels every
+N-th store from the I-th; the shards of one run may write one output folder at once, and their
+``label_status.csv`` rows merge, sorted by slide as one run writes them.
 """
 
 from __future__ import annotations
 
-import csv
 import hashlib
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -41,13 +47,15 @@ import numpy as np
 
 from wsi_milssl.annotations import find_annotation, list_annotation_files, rasterize_region, read_annotations
 from wsi_milssl.annotations.geometry import tumor_fraction
-from wsi_milssl.atomic import atomic_open
+from wsi_milssl.atomic import merge_csv_rows
 from wsi_milssl.cohorts import read_labels
 from wsi_milssl.config.base import config_hash, write_resolved_config
 from wsi_milssl.config.label import LabelConfig
+from wsi_milssl.distributed import shard_items
 from wsi_milssl.errors import StoreError, WsiMilsslError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
-from wsi_milssl.labeling.masks import write_eval_mask
+from wsi_milssl.labeling.masks import eval_mask_paths, write_eval_mask
+from wsi_milssl.locks import folder_lock
 from wsi_milssl.store import find_stores, open_store, schema, write_arrays
 
 __all__ = [
@@ -65,11 +73,14 @@ logger = logging.getLogger(__name__)
 
 STATUS_CSV = "label_status.csv"
 CONFIG_JSON = "label_config.json"
+STATUS_COLUMNS = ("slide", "store", "status", "label_status", "n_patches", "n_positive", "slide_label",
+                  "slide_label_source", "annotation", "mask", "error")
 
 
 @dataclass(frozen=True)
 class LabelResult:
-    """What happened to one store. ``status`` is ``ok`` or ``failed`` (then ``error`` says why)."""
+    """What happened to one store. ``status`` is ``ok``, ``skipped`` (already labelled with the same
+    settings, annotation and slide label; nothing written) or ``failed`` (then ``error`` says why)."""
 
     stem: str
     store_path: Path
@@ -103,7 +114,7 @@ class LabelReport:
 
     @property
     def n_failed(self) -> int:
-        return sum(r.status != "ok" for r in self.results)
+        return sum(r.status == "failed" for r in self.results)
 
 
 def label_config_hash(config: LabelConfig) -> str:
@@ -253,17 +264,61 @@ def _store_stem(path: Path) -> str:
     return name[: -len(schema.FORMAT_SUFFIXES[fmt])] if fmt else path.stem
 
 
-def _write_status_csv(results: Sequence[LabelResult], out_dir: Path) -> Path:
-    out = out_dir / STATUS_CSV
-    with atomic_open(out, "w") as fh:
-        writer = csv.writer(fh)
-        writer.writerow(["slide", "store", "status", "label_status", "n_patches", "n_positive", "slide_label",
-                         "slide_label_source", "annotation", "mask", "error"])
-        for r in results:
-            writer.writerow([r.stem, r.store_path, r.status, r.label_status, r.n_patches, r.n_positive,
-                             "" if r.slide_label is None else r.slide_label, r.slide_label_source,
-                             r.annotation_path or "", r.mask_path or "", r.error])
-    return out
+def _status_row(r: LabelResult) -> dict[str, str]:
+    values = (r.stem, r.store_path, r.status, r.label_status, r.n_patches, r.n_positive,
+              "" if r.slide_label is None else r.slide_label, r.slide_label_source, r.annotation_path or "",
+              r.mask_path or "", r.error)
+    return dict(zip(STATUS_COLUMNS, (str(v) for v in values)))
+
+
+def _merge_status_csv(results: Sequence[LabelResult], out_dir: Path) -> Path:
+    """Add or replace the rows of ``results`` in ``label_status.csv``, keeping other stores' rows (other
+    shards, earlier runs), sorted by slide."""
+    return merge_csv_rows(out_dir / STATUS_CSV, [_status_row(r) for r in results], columns=STATUS_COLUMNS)
+
+
+def _already_labelled(store_path: Path, stem: str, *, annotation: Path | None, slide_label: int | None,
+                      config: LabelConfig, mask_dir: Path | None) -> LabelResult | None:
+    """The result of an earlier run that labelled this store exactly as this one would (same label
+    settings, annotation file path and SHA-256, slide label, and with masks wanted: the mask with the
+    same downsample and groups for this store), or None when it must be labelled (again)."""
+    try:
+        with open_store(store_path) as store:
+            attrs = store.attrs
+            n = len(store)
+            has_arrays = store.has(schema.TUMOR_FRACTION) and store.has(schema.INSTANCE_LABEL)
+    except (WsiMilsslError, OSError):
+        return None  # label_store reports it
+    status = attrs.get("label_status")
+    sha = _sha256(annotation) if annotation is not None else ""
+    expected_source = "annotations" if slide_label is None else "labels.csv"
+    if (attrs.get("label_config_hash") != label_config_hash(config)
+            or attrs.get("label_annotation") != (str(annotation) if annotation is not None else "")
+            or attrs.get("label_annotation_sha256") != sha
+            or attrs.get("slide_label_source") != expected_source
+            or (slide_label is not None and attrs.get("slide_label") != int(slide_label))
+            or status not in ("annotated", "negative", "unannotated")
+            or (status != "unannotated" and not has_arrays)):
+        return None
+    mask_path = None
+    if mask_dir is not None and config.write_masks and status != "unannotated":
+        png, sidecar = eval_mask_paths(mask_dir, stem)
+        try:
+            meta = json.loads(sidecar.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        if (not png.is_file() or not isinstance(meta, dict) or meta.get("downsample") != config.mask_downsample
+                or meta.get("store") != str(store_path) or (meta.get("annotation_sha256") or "") != sha
+                or meta.get("slide_label") != attrs.get("slide_label")
+                or meta.get("tumor_groups") != list(config.tumor_groups)
+                or meta.get("non_tumor_groups") != list(config.non_tumor_groups)):
+            return None
+        mask_path = png
+    return LabelResult(
+        stem=stem, store_path=store_path, status="skipped", label_status=status, n_patches=n,
+        n_positive=int(attrs.get("n_positive_patches", 0)), slide_label=int(attrs["slide_label"]),
+        slide_label_source=expected_source, annotation_path=annotation, mask_path=mask_path,
+    )
 
 
 def _names(items: Sequence[str]) -> str:
@@ -278,14 +333,22 @@ def label_stores(
     config: LabelConfig = LabelConfig(),
     out_dir: str | os.PathLike | None = None,
     progress: ProgressCallback | None = None,
+    shard: tuple[int, int] = (0, 1),
+    overwrite: bool = False,
 ) -> LabelReport:
     """Label every store in ``stores`` (store paths or folders of stores).
 
     Annotation files are matched by name: store ``DIR/<stem>.h5`` takes ``<stem>.xml``,
     ``<stem>.geojson`` or ``<stem>.json`` from ``annotations_dir``. ``out_dir`` (default: a
     ``labels`` folder beside the first store) receives the evaluation masks, ``label_status.csv``
-    and ``label_config.json``. A store that fails (bad annotation file, unreadable store) is
-    reported with status ``failed`` and left unchanged; the others go on.
+    (a row per store, added after each store, rows of other stores kept, sorted by slide) and
+    ``label_config.json``. A store that fails (bad annotation file, unreadable store) is reported
+    with status ``failed`` and left unchanged; the others go on.
+
+    Stores already labelled exactly as this run would label them are skipped (status ``skipped``)
+    unless ``overwrite``. ``shard`` = (I, N): label only every N-th store (sorted by path) from the
+    I-th; the output folder's lock (FolderLockedError while another run writes it) is held as that
+    shard, so the N shards may write ``out_dir`` at once.
     """
     paths = find_stores(stores)
     if not paths:
@@ -294,18 +357,25 @@ def label_stores(
     labels = read_labels(labels_csv) if labels_csv is not None else None
     ann_files = list_annotation_files(annotations_dir)  # raises when the folder is missing
     out = Path(out_dir) if out_dir is not None else paths[0].parent / "labels"
-    out.mkdir(parents=True, exist_ok=True)
-    write_resolved_config(config, out, name=CONFIG_JSON)
+    with folder_lock(out, shard=shard):
+        return _label_stores_locked(paths, annotations_dir, labels, labels_csv, ann_files, config, out, progress,
+                                    shard=shard, overwrite=overwrite)
 
+
+def _label_stores_locked(paths: list[Path], annotations_dir: Path, labels, labels_csv, ann_files: list[Path],
+                         config: LabelConfig, out: Path, progress: ProgressCallback | None, *,
+                         shard: tuple[int, int], overwrite: bool) -> LabelReport:
+    write_resolved_config(config, out, name=CONFIG_JSON)
     stems = [_store_stem(p) for p in paths]
     stem_keys = {s.casefold() for s in stems}
     unmatched = [p for p in ann_files if p.stem.casefold() not in stem_keys]
+    mine = shard_items(list(zip(paths, stems)), *shard)
     without_ann: list[str] = []
     unannotated_tumor: list[str] = []
     missing_labels: list[str] = []
     results: list[LabelResult] = []
-    emit(progress, ProgressEvent("label", 0, len(paths), unit="slide"))
-    for k, (path, stem) in enumerate(zip(paths, stems)):
+    emit(progress, ProgressEvent("label", 0, len(mine), unit="slide"))
+    for k, (path, stem) in enumerate(mine):
         ann = find_annotation(stem, annotations_dir)
         slide_label = None
         if labels is not None:
@@ -317,12 +387,22 @@ def label_stores(
             if slide_label == 1:
                 unannotated_tumor.append(stem)
         try:
-            result = label_store(path, annotation_path=ann, slide_label=slide_label, config=config, mask_dir=out)
+            result = None if overwrite else _already_labelled(path, stem, annotation=ann, slide_label=slide_label,
+                                                              config=config, mask_dir=out)
+            if result is None:
+                result = label_store(path, annotation_path=ann, slide_label=slide_label, config=config,
+                                     mask_dir=out)
+            else:
+                logger.info("%s: already labelled with these settings; skipped", stem)
         except (WsiMilsslError, OSError) as exc:
             logger.error("%s: labelling failed: %s", stem, exc)
             result = LabelResult(stem=stem, store_path=path, status="failed", annotation_path=ann, error=str(exc))
         results.append(result)
-        emit(progress, ProgressEvent("label", k + 1, len(paths), unit="slide", item=stem))
+        try:
+            _merge_status_csv([result], out)
+        except WsiMilsslError as exc:  # a full disk: the batch goes on; the final write reports it
+            logger.warning("%s", exc)
+        emit(progress, ProgressEvent("label", k + 1, len(mine), unit="slide", item=stem))
 
     if unmatched:
         logger.warning("%d annotation file(s) in %s match no store (names must be <store stem>.xml/.geojson): %s",
@@ -333,7 +413,7 @@ def label_stores(
     if without_ann:
         logger.info("%d store(s) have no annotation file in %s: %s", len(without_ann), annotations_dir,
                     _names(without_ann))
-    status_csv = _write_status_csv(results, out)
+    status_csv = _merge_status_csv(results, out)
     return LabelReport(
         results=results, unmatched_annotations=unmatched, stores_without_annotation=without_ann,
         unannotated_tumor_slides=unannotated_tumor, stores_missing_from_labels=missing_labels,

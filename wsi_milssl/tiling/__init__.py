@@ -6,6 +6,8 @@
     run = tile_slides(find_slides(["slides/"]), "tiles/", TileConfig(magnification=10, patch_size_px=512))
     run.ok, run.status_csv          # tiles/tile_status.csv: slide,status,n_patches,seconds,error
 
+    tile_slides(slides, "tiles/", config, shard=(i, n))   # shard i of n: every n-th slide from the i-th
+
 The recipe is one :class:`TilingPlan` (``TileConfig.tiling_plan()``), recorded in every store; any
 stage that cuts a slide (the heatmap stage too) does it with :func:`plan_slide`,
 :func:`open_band_source` and :func:`cut_band`, so it keeps the cells the tile stage keeps.
@@ -26,7 +28,14 @@ from wsi_milssl.tiling.runner import (
     tile_slide,
     tile_slides,
 )
-from wsi_milssl.tiling.status import STATUS_COLUMNS, STATUS_FILENAME, TileResult, read_status_csv, write_status_csv
+from wsi_milssl.tiling.status import (
+    STATUS_COLUMNS,
+    STATUS_FILENAME,
+    TileResult,
+    merge_status_csv,
+    read_status_csv,
+    write_status_csv,
+)
 
 __all__ = [
     "Band",
@@ -47,6 +56,7 @@ __all__ = [
     "cut_band",
     "find_slides",
     "grid_coords",
+    "merge_status_csv",
     "open_band_source",
     "plan_bands",
     "plan_slide",

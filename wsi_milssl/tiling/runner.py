@@ -9,7 +9,9 @@ store, whose attributes record the plan.
 A run killed at any moment leaves no store that looks complete; re-running skips complete stores
 made with the same settings, removes the killed run's temporaries and refuses to mix settings in
 one folder. A run holds the output folder's lock (:func:`wsi_milssl.locks.folder_lock`): a second
-run into the same folder is refused. Before each slide the free disk space is checked against an
+run into the same folder is refused. Shard I of N (``shard=(I, N)``: ``--shard I/N`` or a torchrun
+rank) tiles every N-th slide from the I-th; the shards of one run may write one folder at once, and
+their ``tile_status.csv`` rows merge, sorted by slide as one run writes them. Before each slide the free disk space is checked against an
 estimate of its store; a slide that does not fit, or whose store fills the disk anyway, fails alone.
 """
 
@@ -37,6 +39,7 @@ from wsi_milssl import __version__
 from wsi_milssl.atomic import atomic_write_json
 from wsi_milssl.config.base import config_to_dict
 from wsi_milssl.config.tile import TileConfig
+from wsi_milssl.distributed import shard_items
 from wsi_milssl.errors import OutputError, StoreError, WsiMilsslError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.locks import folder_lock
@@ -50,7 +53,7 @@ from wsi_milssl.tiling.inputs import slide_stem
 from wsi_milssl.tiling.qc import render_qc, write_qc_png
 from wsi_milssl.tiling.plan import PLAN_ATTR
 from wsi_milssl.tiling.reading import Band, ordered_map
-from wsi_milssl.tiling.status import STATUS_FILENAME, TileResult, write_status_csv
+from wsi_milssl.tiling.status import STATUS_FILENAME, TileResult, merge_status_csv
 
 __all__ = [
     "CONFIG_FILENAME",
@@ -348,7 +351,8 @@ def _tile_one_safely(slide_path: str, out_dir: str, config: TileConfig, overwrit
 
 @dataclass(frozen=True)
 class TileRun:
-    """Outcome of :func:`tile_slides`: per-slide results (input order) and the files written."""
+    """Outcome of :func:`tile_slides`: per-slide results (input order; this shard's slides) and the
+    files written."""
 
     results: tuple[TileResult, ...]
     status_csv: Path
@@ -370,20 +374,25 @@ def _write_config(out_dir: Path, config: TileConfig) -> Path:
 
 
 def tile_slides(slides: Iterable[str | os.PathLike], out_dir: str | os.PathLike, config: TileConfig, *,
-                overwrite: bool = False, progress: ProgressCallback | None = None) -> TileRun:
+                overwrite: bool = False, progress: ProgressCallback | None = None,
+                shard: tuple[int, int] = (0, 1)) -> TileRun:
     """Tile every slide into ``out_dir`` with ``config.workers`` processes.
 
-    Holds the lock of ``out_dir`` for the whole run: while another run holds it, FolderLockedError
-    (naming the folder and the other run's pid); an output folder that cannot be written,
-    OutputError. Before any work, existing stores are checked: one made with other settings raises
-    StoreError (unless ``overwrite``). Slides that fail (including a missing file, a folder named
-    like a slide, a full disk) are recorded as 'failed' in ``out_dir/tile_status.csv`` (rewritten
-    after each slide) while the others finish. Also writes ``tile_config.json`` and
+    ``shard`` = (I, N): tile only every N-th slide from the I-th
+    (:func:`wsi_milssl.distributed.shard_items`); every shard must get the same slide list.
+
+    Holds the lock of ``out_dir`` for the whole run (as shard I of N: together with the other shards):
+    while another run holds it, FolderLockedError (naming the folder and the other run's pid); an
+    output folder that cannot be written, OutputError. Before any work, existing stores are checked:
+    one made with other settings raises StoreError (unless ``overwrite``). Slides that fail
+    (including a missing file, a folder named like a slide, a full disk) are recorded as 'failed' in
+    ``out_dir/tile_status.csv`` (its row added after each slide, rows of other slides kept, sorted by
+    slide) while the others finish. Also writes ``tile_config.json`` (the same from every shard) and
     ``qc/<stem>.png`` per slide.
     """
-    slides = [Path(s) for s in slides]
+    slides = shard_items([Path(s) for s in slides], *shard)
     out_dir = Path(out_dir)
-    with folder_lock(out_dir):
+    with folder_lock(out_dir, shard=shard):
         return _tile_slides_locked(slides, out_dir, config, overwrite=overwrite, progress=progress)
 
 
@@ -400,7 +409,7 @@ def _tile_slides_locked(slides: list[Path], out_dir: Path, config: TileConfig, *
     def record(i: int, result: TileResult) -> None:
         results[i] = result
         try:
-            write_status_csv([results[k] for k in sorted(results)], status_csv)
+            merge_status_csv([result], status_csv)
         except OutputError as exc:  # a full disk: the batch goes on; the final write reports it
             logger.warning("%s", exc)
         emit(progress, ProgressEvent("tile", len(results), total, unit="slide", item=result.slide,
@@ -413,7 +422,7 @@ def _tile_slides_locked(slides: list[Path], out_dir: Path, config: TileConfig, *
     else:
         _run_pool(slides, out_dir, config, overwrite, record, workers=min(config.workers, total))
     ordered = tuple(results[i] for i in range(total))
-    write_status_csv(ordered, status_csv)
+    merge_status_csv(ordered, status_csv)
     return TileRun(ordered, status_csv, config_json)
 
 

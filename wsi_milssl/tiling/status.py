@@ -1,4 +1,5 @@
-"""Per-slide outcome of a tile run and the run's ``tile_status.csv``."""
+"""Per-slide outcome of a tile run and the folder's ``tile_status.csv`` (one row per slide, sorted by
+slide; the shards of a run merge their rows into one file)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from wsi_milssl.atomic import atomic_write_text
+from wsi_milssl.atomic import atomic_write_text, merge_csv_rows
 
-__all__ = ["TileResult", "STATUS_COLUMNS", "STATUS_FILENAME", "write_status_csv", "read_status_csv"]
+__all__ = ["TileResult", "STATUS_COLUMNS", "STATUS_FILENAME", "write_status_csv", "merge_status_csv",
+           "read_status_csv"]
 
 STATUS_COLUMNS = ("slide", "status", "n_patches", "seconds", "error")
 STATUS_FILENAME = "tile_status.csv"
@@ -35,15 +37,26 @@ class TileResult:
         return self.status != "failed"
 
 
+def _row(r: TileResult) -> dict[str, str]:
+    return {"slide": r.slide, "status": r.status, "n_patches": str(r.n_patches), "seconds": f"{r.seconds:.2f}",
+            "error": " ".join(r.error.split())}
+
+
 def write_status_csv(results: Iterable[TileResult], path: str | os.PathLike) -> Path:
-    """Write ``slide,status,n_patches,seconds,error`` rows atomically to ``path``."""
+    """Write ``slide,status,n_patches,seconds,error`` rows (in the order given) atomically to ``path``."""
     path = Path(path)
     buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow(STATUS_COLUMNS)
-    for r in results:
-        writer.writerow([r.slide, r.status, r.n_patches, f"{r.seconds:.2f}", " ".join(r.error.split())])
+    writer = csv.DictWriter(buf, fieldnames=STATUS_COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(_row(r) for r in results)
     return atomic_write_text(path, buf.getvalue())
+
+
+def merge_status_csv(results: Iterable[TileResult], path: str | os.PathLike) -> Path:
+    """Add or replace the rows of ``results`` in the status CSV at ``path``, keeping the rows of other
+    slides (other shards, earlier runs), sorted by slide; safe while other runs update it
+    (:func:`wsi_milssl.atomic.merge_csv_rows`)."""
+    return merge_csv_rows(path, [_row(r) for r in results], columns=STATUS_COLUMNS)
 
 
 def read_status_csv(path: str | os.PathLike) -> list[dict[str, str]]:

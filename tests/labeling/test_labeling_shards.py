@@ -1,0 +1,100 @@
+"""Issue 13 item 2 for label: shards of the stores (--shard I/N or a torchrun rank) write one --out at
+once and leave what one run leaves; a re-run skips stores labelled with the same inputs."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+
+from wsi_milssl.cli import main
+from wsi_milssl.config import LabelConfig, TileConfig
+from wsi_milssl.labeling import STATUS_CSV, label_stores
+from wsi_milssl.store import find_stores, open_store
+from wsi_milssl.tiling import find_slides, tile_slides
+
+STEMS = ["slide_0", "slide_1", "slide_2", "slide_3"]
+
+
+def _contents(path) -> dict:
+    with open_store(path) as s:
+        return {"attrs": s.attrs, **{name: s.read_array(name) for name in s.names()}}
+
+
+def _text(path, root) -> str:
+    return path.read_text().replace(str(root), "ROOT")
+
+
+def _env(**extra) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return {**env, **extra}
+
+
+def test_two_shards_at_once_label_the_stores_as_one_run_and_a_rerun_skips(four_slides, tmp_path, capsys):
+    """Shard 0 by --shard 0/2, shard 1 by torchrun's RANK=1 WORLD_SIZE=2, at once: the same arrays and
+    attributes in every store, and the same label_status.csv, masks and sidecars (folder names aside)."""
+    slides, annotations = four_slides
+    tiled = tmp_path / "tiled"
+    run = tile_slides(find_slides([slides]), tiled, TileConfig(magnification=20, patch_size_px=256, pixels="none",
+                                                             threads=1))
+    assert run.ok
+    whole, sharded = tmp_path / "whole", tmp_path / "sharded"
+    for root in (whole, sharded):
+        shutil.copytree(tiled, root / "stores")
+    assert main(["label", str(whole / "stores"), "--annotations", str(annotations), "--out",
+                 str(whole / "labels")]) == 0
+    cmd = [sys.executable, "-m", "wsi_milssl", "label", str(sharded / "stores"), "--annotations", str(annotations),
+           "--out", str(sharded / "labels")]
+    procs = [subprocess.Popen(cmd + ["--shard", "0/2"], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True),
+             subprocess.Popen(cmd, env=_env(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1"), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert [re.findall(r"^(slide_\d)\s+ok\s", out, re.M) for out in outputs] == [["slide_0", "slide_2"],
+                                                                                 ["slide_1", "slide_3"]]
+
+    for stem in STEMS:
+        a, b = _contents(whole / "stores" / f"{stem}.h5"), _contents(sharded / "stores" / f"{stem}.h5")
+        assert a["attrs"] == b["attrs"] and a["attrs"]["label_status"] == ("annotated" if stem in ("slide_0", "slide_2")
+                                                                          else "negative")
+        assert set(a) == set(b) and {"tumor_fraction", "instance_label"} <= set(a)
+        for name in a:
+            if name != "attrs":
+                np.testing.assert_array_equal(a[name], b[name], err_msg=f"{stem}: {name}")
+        for suffix in ("_tumor_mask.png", "_tumor_mask.json"):
+            assert (whole / "labels" / f"{stem}{suffix}").is_file()
+        assert ((whole / "labels" / f"{stem}_tumor_mask.png").read_bytes()
+                == (sharded / "labels" / f"{stem}_tumor_mask.png").read_bytes())
+        assert (_text(whole / "labels" / f"{stem}_tumor_mask.json", whole)
+                == _text(sharded / "labels" / f"{stem}_tumor_mask.json", sharded))
+    status = _text(sharded / "labels" / STATUS_CSV, sharded)
+    assert status == _text(whole / "labels" / STATUS_CSV, whole)
+    assert [line.split(",")[:3] for line in status.splitlines()[1:]] == [
+        [stem, f"ROOT/stores/{stem}.h5", "ok"] for stem in STEMS]
+    for name in ("label_config.json",):
+        assert (whole / "labels" / name).read_bytes() == (sharded / "labels" / name).read_bytes()
+    assert [p.name for p in (sharded / "labels").iterdir() if p.name.startswith(".")] == []
+
+    # a re-run skips what is labelled exactly so; other settings, a lost mask or --overwrite label again
+    stores = sharded / "stores"
+    stamps = {p.name: p.stat().st_mtime_ns for p in find_stores(stores)}
+    again = label_stores(stores, annotations_dir=annotations, out_dir=sharded / "labels", shard=(1, 2))
+    assert [(r.stem, r.status) for r in again.results] == [("slide_1", "skipped"), ("slide_3", "skipped")]
+    assert again.n_failed == 0 and {p.name: p.stat().st_mtime_ns for p in find_stores(stores)} == stamps
+    assert _text(sharded / "labels" / STATUS_CSV, sharded).replace(",skipped,", ",ok,") == status
+    (sharded / "labels" / "slide_3_tumor_mask.png").unlink()
+    third = label_stores(stores, annotations_dir=annotations, out_dir=sharded / "labels", shard=(1, 2))
+    assert [(r.stem, r.status) for r in third.results] == [("slide_1", "skipped"), ("slide_3", "ok")]
+    assert (sharded / "labels" / "slide_3_tumor_mask.png").is_file()
+    fourth = label_stores(stores, annotations_dir=annotations, out_dir=sharded / "labels",
+                          config=LabelConfig(positive_fraction=0.5))
+    assert [r.status for r in fourth.results] == ["ok"] * 4
+    capsys.readouterr()
+    assert main(["label", str(stores), "--annotations", str(annotations), "--out", str(sharded / "labels"),
+                 "--positive-fraction", "0.5", "--overwrite", "--shard", "0/2"]) == 0
+    assert re.findall(r"^(slide_\d)\s+(\w+)\s", capsys.readouterr().out, re.M) == [("slide_0", "ok"), ("slide_2", "ok")]
