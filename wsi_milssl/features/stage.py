@@ -274,9 +274,10 @@ def extract_features(inputs: Sequence[str | os.PathLike], out_dir: str | os.Path
     ``features_status.csv`` and the run goes on.
     """
     from wsi_milssl.features.model import load_feature_model
-    from wsi_milssl.inference.predict import run_slides
+    from wsi_milssl.inference.predict import prestart_readers, run_slides
 
     config = config or FeaturesConfig()
+    prestart_readers()  # the readers' fork server starts while the inputs are read and the encoder is built
     out_dir = Path(out_dir)
     items = feature_inputs(inputs)
     sources: list[_Source | None] = [(_read_store(it.store_path) if it.store_path is not None else None) for it in items]
