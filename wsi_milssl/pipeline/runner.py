@@ -12,7 +12,12 @@ Every stage writes under the pipeline's output folder::
     OUT/.pipeline/        one stamp per stage (settings + inputs digest)
 
 A stage is skipped when its stamp matches its settings and the stamps of the stages it reads from,
-and its outputs still exist. ``force`` re-runs the named stages and everything downstream. A run
+and its outputs still exist. A stage that runs again after an interruption goes on from what is
+finished: ``tile`` keeps every complete store made with the same settings (settings hash) and
+re-tiles only when a store was made with other settings; ``train`` continues each run folder from its
+``last.pt`` when the folder was started with the same settings, data split and labels (recorded in
+``pipeline_run.json``), skips finished grid points, and never deletes a run folder: one holding a run
+with other settings is renamed ``<folder>.replaced-<UTC time>`` and kept. ``force`` re-runs the named stages and everything downstream. A run
 holds the lock of ``OUT`` (:func:`wsi_milssl.locks.folder_lock`): a second run of the same pipeline
 (or another one into the same folder) is refused, naming the folder and the running one's pid.
 """
@@ -118,8 +123,14 @@ def _tile(ctx: _Context) -> tuple[list[str], str]:
     config = config_from_mapping(TileConfig, ctx.spec.section("tile"), source=f"{ctx.spec.source} [tile]")
     outputs, parts = [], []
     for set_name, ds in ctx.spec.sets.items():
-        run = tile_slides(find_slides([ds.slides]), ctx.stores(set_name), config, overwrite=True,
-                          progress=ctx.progress)
+        slides = find_slides([ds.slides])
+        # Complete stores with these settings are kept (tile skips them); stores made with other
+        # settings (or unreadable ones) mean the settings changed: the set is tiled again.
+        stale = _stale_stores(slides, ctx.stores(set_name), config)
+        if stale:
+            log.info("tile: %d store(s) of the %s set were made with other settings (%s); re-tiling the set",
+                     len(stale), set_name, ", ".join(stale[:5]))
+        run = tile_slides(slides, ctx.stores(set_name), config, overwrite=bool(stale), progress=ctx.progress)
         failed = [r for r in run.results if r.status == "failed"]
         if failed:
             from wsi_milssl.errors import WsiMilsslError
@@ -218,7 +229,7 @@ def _train(ctx: _Context) -> tuple[list[str], str]:
     configs = [config_from_mapping(TrainConfig, {**section, **o}, source=source) for o in runs]
     ds = ctx.spec.sets["train"]
     labels = read_labels_csv(ds.labels)
-    stores = {p.stem: p for p in find_stores([ctx.stores("train")])}
+    stores = _set_stores(ctx, "train", find_stores([ctx.stores("train")]))
     train_stems, val_stems = split_train_val(sorted(stores), labels, val_fraction=ctx.spec.val_fraction,
                                              seed=ctx.spec.split_seed)
     if len(configs) > 1 and not val_stems:
@@ -230,35 +241,141 @@ def _train(ctx: _Context) -> tuple[list[str], str]:
     run_info = {"data": {"inputs": [str(stores[s]) for s in train_stems], "labels": str(ds.labels),
                          "val_inputs": [str(stores[s]) for s in val_stems] or None,
                          "val_labels": str(ds.labels) if val_stems else None, "input_mode": "images"}}
-    if ctx.model_dir.exists():
-        shutil.rmtree(ctx.model_dir)
-    ctx.model_dir.mkdir(parents=True)
+    split = {"train": train_stems, "val": val_stems}
     if len(configs) == 1:
-        result = fit(train, config=configs[0], out_dir=ctx.model_dir, val=val, run_info=run_info,
+        resume = _prepare_run_dir(ctx.model_dir, _run_fingerprint(ctx, configs[0], split, kind="single"))
+        result = fit(train, config=configs[0], out_dir=ctx.model_dir, val=val, run_info=run_info, resume=resume,
                      progress=ctx.progress)
         chosen, summary_extra = ctx.model_dir, ""
     else:
+        _keep_grid_parent(ctx.model_dir)
         scored = []
         for overrides, config in zip(runs, configs):
             name = "_".join(f"{k}-{v}" for k, v in overrides.items())
             run_dir = ctx.model_dir / "grid" / name
-            result = fit(train, config=config, out_dir=run_dir, val=val, run_info=run_info, progress=ctx.progress)
+            # a finished grid point resumes at its last epoch: nothing to train, its result is read back
+            resume = _prepare_run_dir(run_dir, _run_fingerprint(ctx, config, split, kind="grid"))
+            result = fit(train, config=config, out_dir=run_dir, val=val, run_info=run_info, resume=resume,
+                         progress=ctx.progress)
             score = _validation_score(result, config.select_metric)
             scored.append((score if score is not None else (-float("inf"), -float("inf")), name, run_dir,
                            overrides, result))
         scored.sort(key=lambda item: item[0], reverse=True)
         _, name, chosen, overrides, result = scored[0]
         for item in chosen.iterdir():
-            if item.is_file() and not item.name.startswith("."):  # not the lock file or temporaries
-                shutil.copy2(item, ctx.model_dir / item.name)
-        import json
-
-        (ctx.model_dir / "grid.json").write_text(json.dumps(
-            [{"run": n, "overrides": o, "validation_score": list(s)} for s, n, _, o, _ in scored], indent=2))
+            if item.is_file() and not item.name.startswith(".") and item.name != RUN_MARKER:
+                with open(item, "rb") as src, atomic_open(ctx.model_dir / item.name, "wb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 22)
+        atomic_write_json(ctx.model_dir / "grid.json",
+                          [{"run": n, "overrides": o, "validation_score": list(s)} for s, n, _, o, _ in scored])
+        atomic_write_json(ctx.model_dir / RUN_MARKER, {"kind": "grid-choice", "chosen": name})
         summary_extra = f", grid of {len(runs)}: chose {name} on validation"
     checkpoint = ctx.model_dir / ("best.pt" if (ctx.model_dir / "best.pt").exists() else "last.pt")
     return [str(checkpoint)], (f"{len(train_stems)} training / {len(val_stems)} validation slides, "
                                f"best epoch {result.best_epoch}{summary_extra}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Resuming: tile keeps finished stores, train continues its run folders
+
+#: Written into each training run folder the pipeline starts: what the run was started with.
+RUN_MARKER = "pipeline_run.json"
+
+
+def _stale_stores(slides: list[Path], out_dir: Path, config) -> list[str]:
+    """Stems whose store in ``out_dir`` exists but was made with other settings or cannot be read."""
+    from wsi_milssl.errors import StoreError
+    from wsi_milssl.store.schema import store_path
+    from wsi_milssl.tiling import check_existing_store, slide_stem
+
+    stale = []
+    for slide in slides:
+        stem = slide_stem(slide)
+        try:
+            check_existing_store(store_path(out_dir, stem, config.format), config)
+        except StoreError:
+            stale.append(stem)
+    return stale
+
+
+def _set_stores(ctx: _Context, set_name: str, paths: list[Path]) -> dict[str, Path]:
+    """{stem: store} of the set's current slides (stores of slides since removed from the set are left out)."""
+    from wsi_milssl.cohorts import slide_stem, stem_key
+    from wsi_milssl.tiling import find_slides
+
+    stores = {slide_stem(p): p for p in paths}
+    ds = ctx.spec.sets[set_name]
+    if ds.slides is None or not Path(ds.slides).exists():
+        return stores
+    wanted = {stem_key(s) for s in find_slides([ds.slides], keep_missing=True)}
+    return {stem: p for stem, p in stores.items() if stem_key(stem) in wanted}
+
+
+def _run_fingerprint(ctx: _Context, config, split: dict, *, kind: str) -> dict:
+    """What a training run folder is started with: the settings that change the result, the data
+    split and the stamp of the stage whose outputs it trains on."""
+    from wsi_milssl.mil.selftrain import RUNTIME_ONLY_FIELDS
+
+    upstream = "features" if ctx.spec.feature_stage else ("label" if ctx.spec.mode == "images" else None)
+    settings = {k: v for k, v in config_to_dict(config).items() if k not in RUNTIME_ONLY_FIELDS}
+    return {"kind": kind, "settings": settings, "split": {k: list(v) for k, v in split.items()},
+            "upstream": None if upstream is None else (read_stamp(ctx.state, upstream) or {}).get("digest"),
+            "external": _external_inputs(ctx.spec, "train")}
+
+
+def _replace_aside(folder: Path, why: str) -> Path:
+    """Rename ``folder`` to ``<folder>.replaced-<UTC time>`` (kept, never deleted) and say so."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    aside = folder.with_name(f"{folder.name}.replaced-{stamp}")
+    k = 1
+    while aside.exists():
+        k += 1
+        aside = folder.with_name(f"{folder.name}.replaced-{stamp}-{k}")
+    folder.rename(aside)
+    log.warning("%s %s; it is kept as %s", folder, why, aside)
+    return aside
+
+
+def _has_files(folder: Path) -> bool:
+    return folder.is_dir() and any(not p.name.startswith(".") for p in folder.iterdir())
+
+
+def _prepare_run_dir(run_dir: Path, fingerprint: dict) -> bool:
+    """Get ``run_dir`` ready for a training run started with ``fingerprint``; True when it holds that
+    run's ``last.pt`` to continue from (a finished run continues at its last epoch: nothing to train).
+
+    A folder holding a run started otherwise (other settings, split or labels; or a folder from
+    before this record) is renamed aside by :func:`_replace_aside`, never deleted.
+    """
+    import json
+
+    marker = run_dir / RUN_MARKER
+    if _has_files(run_dir):
+        try:
+            previous = json.loads(marker.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            previous = None
+        same = json.dumps(previous, sort_keys=True, default=str) == json.dumps(fingerprint, sort_keys=True, default=str)
+        if same:
+            return (run_dir / "last.pt").is_file()
+        _replace_aside(run_dir, "holds a training run started with other settings, data or labels")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(marker, fingerprint, sort_keys=True)
+    return False
+
+
+def _keep_grid_parent(model_dir: Path) -> None:
+    """Before a grid: a model folder that holds a single run (not a grid's chosen copy) is renamed aside."""
+    import json
+
+    if not _has_files(model_dir):
+        return
+    try:
+        kind = json.loads((model_dir / RUN_MARKER).read_text(encoding="utf-8")).get("kind")
+    except (OSError, ValueError, AttributeError):
+        kind = None
+    if kind != "grid-choice" and any(p.name != "grid" for p in model_dir.iterdir() if not p.name.startswith(".")):
+        _replace_aside(model_dir, "holds a single training run, not a grid")
 
 
 def _train_features(ctx: _Context) -> tuple[list[str], str]:
@@ -281,11 +398,9 @@ def _train_features(ctx: _Context) -> tuple[list[str], str]:
     index = {n: i for i, n in enumerate(data.bag_names)}
     train = data.subset_bags([index[n] for n in train_names])
     val = data.subset_bags([index[n] for n in val_names]) if val_names else None
-    import shutil
-
-    if ctx.model_dir.exists():
-        shutil.rmtree(ctx.model_dir)
-    result = fit(train, config=config, out_dir=ctx.model_dir, val=val, progress=ctx.progress,
+    resume = _prepare_run_dir(ctx.model_dir, _run_fingerprint(ctx, config, {"train": train_names, "val": val_names},
+                                                              kind="single"))
+    result = fit(train, config=config, out_dir=ctx.model_dir, val=val, progress=ctx.progress, resume=resume,
                  run_info={"data": {"features": str(features), "labels": str(ds.labels), "input_mode": "features"}})
     checkpoint = ctx.model_dir / ("best.pt" if (ctx.model_dir / "best.pt").exists() else "last.pt")
     return [str(checkpoint)], f"{len(train_names)} training / {len(val_names)} validation bags, best epoch {result.best_epoch}"

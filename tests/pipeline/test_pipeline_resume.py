@@ -1,0 +1,217 @@
+"""``wsi-milssl run`` after a kill: it goes on from what is finished and ends with the files of an
+uninterrupted run (issue 15, deliverable 2: tile and train; the heatmap stage has its own resume).
+
+A child process runs the pipeline and kills itself with SIGKILL at a chosen progress event (inside
+a slide being tiled; inside the second epoch of the second grid point), so the interruption lands
+at the same place every time. The run is then started again to the end and its outputs compared
+with those of a run that was never interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from wsi_milssl.pipeline import load_pipeline, run_pipeline
+from wsi_milssl.store import find_stores, open_store
+
+PIPELINE = """
+[pipeline]
+name = "resume"
+[data]
+generate = true
+val_fraction = 0.34
+[synth.train]
+n_slides = 4
+seed = 0
+width_px = 2048
+height_px = 2048
+[synth.test]
+n_slides = 2
+seed = 1000
+width_px = 2048
+height_px = 2048
+[tile]
+magnification = 10.0
+patch_size_px = 32
+entropy_threshold_bits = 4.0
+min_tissue = 0.5
+workers = 1
+[train]
+mode = "images"
+model = "resnet18"
+epochs = 2
+batch_size = 32
+mu_ramp_epochs = 1
+num_workers = 0
+plots = false
+[train.grid]
+mu = [0.1, 0.2]
+[heatmap]
+num_workers = 0
+thumbnail_px = 128
+[evaluate]
+thumbnail_px = 64
+"""
+
+# Runs the pipeline and SIGKILLs itself at the N-th progress event matching a rule.
+KILLER = r"""
+import os, signal, sys
+from wsi_milssl.pipeline import load_pipeline, run_pipeline
+
+toml, out, where = sys.argv[1], sys.argv[2], sys.argv[3]
+state = {"tiled": 0, "epochs": 0}
+
+def progress(event):
+    if where == "tile":      # inside the third slide of the training set, its store half written
+        if event.stage == "tile" and event.done > 0:
+            state["tiled"] += 1
+        elif event.stage == "tile-patches" and event.done > 0 and state["tiled"] == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+    elif where == "train":   # inside the 2nd epoch of the 2nd grid point (the 1st point is finished)
+        if event.stage == "train" and event.done > 0:
+            state["epochs"] += 1
+        elif event.stage == "train-epoch" and event.done > 0 and state["epochs"] == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+run_pipeline(load_pipeline(toml, out_dir=out), progress=progress)
+"""
+
+
+def _run_killed(toml: Path, out: Path, where: str) -> None:
+    proc = subprocess.run([sys.executable, "-c", KILLER, str(toml), str(out), where], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+
+
+def _seed(reference: Path, out: Path, stages: tuple[str, ...]) -> None:
+    """Start ``out`` with the finished stages of the uninterrupted run (their folders and stamps, the
+    stamps' paths moved to ``out``), so a test only repeats the stages it interrupts."""
+    import shutil
+
+    folders = {"synth": "slides", "tile": "stores", "label": "labels"}
+    (out / ".pipeline").mkdir(parents=True)
+    for stage in stages:
+        shutil.copytree(reference / folders[stage], out / folders[stage], symlinks=True)
+        stamp = (reference / ".pipeline" / f"{stage}.json").read_text()
+        (out / ".pipeline" / f"{stage}.json").write_text(stamp.replace(str(reference), str(out)))
+
+
+def _stores(out: Path) -> dict[str, dict[str, np.ndarray]]:
+    found = {}
+    for path in find_stores([out / "stores" / "train", out / "stores" / "test"]):
+        with open_store(path) as store:
+            found[f"{path.parent.name}/{path.name}"] = {
+                "coords": store.coords, "patches": np.asarray(store.read_patches(list(range(len(store))))),
+                **{name: store.read_array(name) for name in ("entropy_bits", "tumor_fraction", "instance_label")
+                   if store.has(name)}}
+    return found
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, map_location="cpu", weights_only=False)["model"]
+
+
+def _assert_same_outputs(a: Path, b: Path) -> None:
+    sa, sb = _stores(a), _stores(b)
+    assert sorted(sa) == sorted(sb) and len(sa) == 6
+    for name in sa:
+        for key in sa[name]:
+            np.testing.assert_array_equal(sa[name][key], sb[name][key], err_msg=f"{name} {key}")
+    assert not list((b / "stores").rglob("*.partial")), "a killed store was left behind"
+    for ckpt in ("model/last.pt", "model/best.pt", "model/grid/mu-0.1/last.pt", "model/grid/mu-0.2/last.pt"):
+        wa, wb = _weights(a / ckpt), _weights(b / ckpt)
+        assert wa.keys() == wb.keys()
+        for k in wa:
+            assert torch.equal(wa[k], wb[k]), f"{ckpt}: {k}"
+    assert json.loads((a / "model" / "grid.json").read_text()) == json.loads((b / "model" / "grid.json").read_text())
+    heat_a, heat_b = a / "heatmaps" / "test", b / "heatmaps" / "test"
+    for path in sorted(heat_a.glob("*_probs.npy")):
+        np.testing.assert_array_equal(np.load(path), np.load(heat_b / path.name))
+    for pattern in ("*_detections.csv", "*_patches.csv", "scores.csv"):
+        files = sorted(heat_a.glob(pattern))
+        assert files
+        for path in files:
+            assert path.read_bytes() == (heat_b / path.name).read_bytes(), path.name
+    assert json.loads((a / "evaluation" / "metrics.json").read_text()) == \
+        json.loads((b / "evaluation" / "metrics.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory) -> tuple[Path, Path]:
+    """The pipeline file and an uninterrupted run of it."""
+    folder = tmp_path_factory.mktemp("resume")
+    toml = folder / "resume.toml"
+    toml.write_text(PIPELINE)
+    reference = folder / "uninterrupted"
+    run_pipeline(load_pipeline(toml, out_dir=reference))
+    return toml, reference
+
+
+def test_run_killed_inside_tile_goes_on_and_matches_an_uninterrupted_run(pipeline, tmp_path):
+    toml, reference = pipeline
+    out = tmp_path / "killed"
+    _seed(reference, out, ("synth",))
+    _run_killed(toml, out, "tile")
+    done = sorted(p.name for p in (out / "stores" / "train").glob("*.h5"))
+    assert len(done) == 2  # two stores finished, the third was being written
+    tiled = []
+
+    def watch(event):
+        if event.stage == "tile" and event.done > 0:
+            tiled.append((event.item, event.message))
+
+    outcomes = run_pipeline(load_pipeline(toml, out_dir=out), progress=watch)
+    assert [o.status for o in outcomes] == ["skipped"] + ["ran"] * 5  # synth was finished before the kill
+    # the finished stores were kept, not tiled again: only the other two training slides and the test set
+    assert tiled[:4] == [("synth_000", "skipped"), ("synth_001", "skipped"), ("synth_002", "ok"), ("synth_003", "ok")]
+    status = (out / "stores" / "train" / "tile_status.csv").read_text()
+    assert status.count(",skipped,") == 2 and status.count(",ok,") == 2
+    _assert_same_outputs(reference, out)
+
+
+def test_run_killed_inside_training_resumes_and_skips_finished_grid_points(pipeline, tmp_path):
+    toml, reference = pipeline
+    out = tmp_path / "killed"
+    _seed(reference, out, ("synth", "tile", "label"))
+    _run_killed(toml, out, "train")
+    model = out / "model"
+    first = model / "grid" / "mu-0.1" / "last.pt"
+    assert torch.load(first, weights_only=False)["epoch"] == 2  # the first grid point had finished
+    assert torch.load(model / "grid" / "mu-0.2" / "last.pt", weights_only=False)["epoch"] == 1
+    first_mtime = first.stat().st_mtime_ns
+    epochs_trained = []
+
+    def count(event):
+        if event.stage == "train" and event.item.startswith("epoch"):  # an epoch finished
+            epochs_trained.append(event.done)
+
+    outcomes = run_pipeline(load_pipeline(toml, out_dir=out), progress=count)
+    assert [(o.stage, o.status) for o in outcomes][:4] == [
+        ("synth", "skipped"), ("tile", "skipped"), ("label", "skipped"), ("train", "ran")]
+    assert epochs_trained == [2]            # only the second point's last epoch was trained again
+    assert first.stat().st_mtime_ns == first_mtime
+    assert not list(out.glob("model.replaced-*"))  # nothing was moved aside, nothing deleted
+    _assert_same_outputs(reference, out)
+
+
+def test_changed_training_settings_keep_the_old_run_folder(tmp_path):
+    """Another learning rate: the old run is renamed aside (never deleted) and a new run starts."""
+    from wsi_milssl.pipeline.runner import RUN_MARKER, _prepare_run_dir
+
+    run = tmp_path / "model"
+    assert _prepare_run_dir(run, {"settings": {"lr": 0.1}}) is False
+    (run / "last.pt").write_bytes(b"x")
+    assert _prepare_run_dir(run, {"settings": {"lr": 0.1}}) is True      # same settings: continue
+    assert _prepare_run_dir(run, {"settings": {"lr": 0.01}}) is False    # other settings: a new run
+    aside = list(tmp_path.glob("model.replaced-*"))
+    assert len(aside) == 1 and (aside[0] / "last.pt").read_bytes() == b"x"
+    assert json.loads((run / RUN_MARKER).read_text()) == {"settings": {"lr": 0.01}}
+    assert not (run / "last.pt").exists()
