@@ -57,6 +57,7 @@ def heatmap_config_from_args(args: argparse.Namespace):
 
 def register(subparsers) -> None:
     from wsi_milssl.cli import HelpFormatter
+    from wsi_milssl.cli.sharding import add_shard_argument
     from wsi_milssl.config.heatmap import HeatmapConfig
     from wsi_milssl.inference.colormaps import COLORMAPS
     from wsi_milssl.slide.tissue import TISSUE_DETECTORS
@@ -96,9 +97,7 @@ def register(subparsers) -> None:
                    help="output folder (created); slides finished there with the same checkpoint and settings are "
                         "skipped")
     p.add_argument("--overwrite", action="store_true", help="predict every slide again, even those already done")
-    p.add_argument("--shard", default=None, metavar="I/N",
-                   help="take every N-th slide from the I-th (0-based), e.g. a SLURM array task; shards write into "
-                        "one --out. Under torchrun: rank/world size")
+    add_shard_argument(p, items="slides")
     p.add_argument("--store", type=Path, nargs="+", default=None, metavar="STORE_OR_DIR",
                    help="read patches from these stores (files or folders) instead of tiling the slides")
     p.add_argument("--features", type=Path, nargs="+", default=None, metavar="FILE_OR_DIR",
@@ -212,10 +211,11 @@ def run(args: argparse.Namespace) -> int:
     from wsi_milssl.inference import make_heatmaps
     from wsi_milssl.tiling import find_slides
 
-    from wsi_milssl.distributed import slide_shard, torchrun_env
+    from wsi_milssl.cli.sharding import shard_from_args
+    from wsi_milssl.distributed import torchrun_env
 
     try:
-        shard = slide_shard(args.shard)
+        shard = shard_from_args(args)
         config = heatmap_config_from_args(args)
         slides = find_slides(args.slides) if args.slides else []
         if not slides and args.store is None:
