@@ -4,6 +4,11 @@ Every subcommand module defines ``register(subparsers)`` (adds its parser, with 
 and default in ``--help``) and ``run(args) -> int`` (builds a config, calls one stage function and
 renders progress). Exit codes: 0 success, 1 a stage failed (error message on stderr), 2 usage error,
 141 when the reader of stdout went away (``wsi-milssl info SLIDE | head``; quiet, as for SIGPIPE).
+
+``-v``/``-vv`` (more log output), ``-q`` (errors only, no progress on stderr) and ``--log-file FILE``
+(log records and progress lines appended with timestamps) are accepted before or after the
+subcommand. When stderr is not a terminal, progress is one timestamped line per slide, epoch and
+stage instead of bars (:mod:`wsi_milssl.cli.progress`).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import importlib
 import logging
 import os
 import sys
+from pathlib import Path
 
 from wsi_milssl import __version__
 from wsi_milssl.errors import WsiMilsslError
@@ -54,37 +60,115 @@ def build_parser(command: str | None | object = _ALL) -> argparse.ArgumentParser
         formatter_class=HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
+    _add_output_options(parser, top=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module_name in COMMANDS.items():
         module = importlib.import_module(f"wsi_milssl.cli.{module_name}")
         if command is _ALL or command == name:
             module.register(sub)
+            for sub_parser in _parser_tree(sub.choices[name]):
+                if not any(isinstance(a, argparse._SubParsersAction) for a in sub_parser._actions):
+                    _add_output_options(sub_parser, top=False)  # the commands that run (leaves)
         else:
             sub.add_parser(name, help=module.SUMMARY)
     return parser
 
 
+def _add_output_options(parser: argparse.ArgumentParser, *, top: bool) -> None:
+    """-v/-q/--log-file, on the top-level parser and again on every subcommand (so they may follow it;
+    the subcommand's copies write other names, merged in :func:`main`)."""
+    suffix, default = ("", 0) if top else ("_after", argparse.SUPPRESS)
+    group = parser.add_argument_group("output") if not top else parser
+    group.add_argument("-v", "--verbose", action="count", default=default, dest=f"verbose{suffix}",
+                       help="more log output (-vv for debug)")
+    group.add_argument("-q", "--quiet", action="count", default=default, dest=f"quiet{suffix}",
+                       help="errors only: no progress and no warnings on stderr")
+    group.add_argument("--log-file", type=Path, default=None if top else argparse.SUPPRESS, dest=f"log_file{suffix}",
+                       metavar="FILE", help="append log records and timestamped progress lines to FILE")
+
+
+def _parser_tree(parser: argparse.ArgumentParser):
+    """``parser`` and every parser nested under it (``prepare camelyon16``, ``annotations convert``)."""
+    yield parser
+    for action in parser._actions:  # argparse keeps subparsers only here
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                yield from _parser_tree(child)
+
+
 def _command_in(argv: list[str]) -> str | None:
     """The subcommand named in ``argv`` (the first word that is not a top-level option), or None."""
+    skip = False
     for word in argv:
-        if not word.startswith("-"):
+        if skip:
+            skip = False
+        elif word == "--log-file":
+            skip = True  # its value is not the subcommand
+        elif not word.startswith("-"):
             return word if word in COMMANDS else None
     return None
+
+
+_OUR_HANDLERS: list[logging.Handler] = []
+
+
+def _configure_output(*, verbose: int, quiet: int, log_file: Path | None) -> logging.Handler | None:
+    """Log records to stderr (WARNING; -v INFO; -vv DEBUG; -q ERROR) and, with ``log_file``, every
+    record from INFO up and the progress lines to that file, with timestamps. Returns the file's handler."""
+    from wsi_milssl.cli.progress import configure_progress_lines
+
+    level = logging.ERROR if quiet else logging.WARNING - 10 * min(verbose, 2)
+    root = logging.getLogger()
+    for handler in _OUR_HANDLERS:  # main() may run more than once in a process (tests)
+        root.removeHandler(handler)
+        handler.close()
+    _OUR_HANDLERS.clear()
+    console = logging.StreamHandler(sys.stderr)
+    console.setLevel(level)
+    console.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    handlers: list[logging.Handler] = [console]
+    file_handler = None
+    if log_file is not None:
+        try:
+            log_file.parent.mkdir(parents=True, exist_ok=True)
+            file_handler = logging.FileHandler(log_file, mode="a", encoding="utf-8")
+        except OSError as exc:
+            raise WsiMilsslError(f"{log_file}: cannot write the log file ({exc.strerror}). Fix: give a writable "
+                                 "path to --log-file.") from None
+        file_handler.setLevel(min(level, logging.INFO))
+        file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s",
+                                                    datefmt="%Y-%m-%d %H:%M:%S"))
+        handlers.append(file_handler)
+    for handler in handlers:
+        root.addHandler(handler)
+        _OUR_HANDLERS.append(handler)
+    root.setLevel(min(h.level for h in handlers))
+    configure_progress_lines(stderr=not quiet and not sys.stderr.isatty(), log_handler=file_handler,
+                             bars=False if quiet else None)
+    return file_handler
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(_command_in(argv))
     args = parser.parse_args(argv)
-    level = logging.WARNING - 10 * min(args.verbose, 2)
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    verbose = args.verbose + getattr(args, "verbose_after", 0)
+    quiet = args.quiet + getattr(args, "quiet_after", 0)
+    log_file = getattr(args, "log_file_after", None) or args.log_file
+    try:
+        log_handler = _configure_output(verbose=verbose, quiet=quiet, log_file=log_file)
+    except WsiMilsslError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     try:
         code = int(args.run(args) or 0)
     except BrokenPipeError:
         return _stdout_closed()
     except WsiMilsslError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        if log_handler is not None:
+            log_handler.handle(logging.makeLogRecord({"name": "wsi_milssl.cli", "levelno": logging.ERROR,
+                                                      "levelname": "ERROR", "msg": f"error: {exc}"}))
         code = 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -30,15 +30,21 @@ def register(subparsers) -> None:
     p.add_argument("--force", nargs="+", default=[], choices=STAGES, metavar="STAGE",
                    help="re-run these stages (and everything after them) even when up to date")
     p.add_argument("--until", default=None, choices=STAGES, metavar="STAGE", help="stop after this stage")
+    p.add_argument("--set", action="append", default=[], dest="overrides", metavar="TABLE.KEY=VALUE",
+                   help="override one setting of the file, repeatable: --set train.epochs=3 --set "
+                        "heatmap.colormap=magma --set 'train.grid.mu=[0.1, 0.2]' (values in TOML syntax; a "
+                        "bare word is a string). The run writes the resolved pipeline to "
+                        "OUT/resolved_pipeline.toml")
     p.set_defaults(run=run)
 
 
-def run_and_report(pipeline: Path, *, out: Path | None, force=(), until=None) -> int:
+def run_and_report(pipeline: Path, *, out: Path | None, force=(), until=None, overrides=()) -> int:
     from wsi_milssl.cli.progress import TqdmProgress
     from wsi_milssl.pipeline import load_pipeline, run_pipeline
 
-    spec = load_pipeline(pipeline, out_dir=out)
-    print(f"pipeline {spec.name!r} from {spec.source} -> {spec.out_dir}")
+    spec = load_pipeline(pipeline, out_dir=out, overrides=overrides)
+    print(f"pipeline {spec.name!r} from {spec.source} -> {spec.out_dir}"
+          + (f" (with --set {' --set '.join(spec.overrides)})" if spec.overrides else ""))
 
     def show(outcome) -> None:
         if outcome.status == "skipped":
@@ -56,4 +62,4 @@ def run_and_report(pipeline: Path, *, out: Path | None, force=(), until=None) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    return run_and_report(args.pipeline, out=args.out, force=args.force, until=args.until)
+    return run_and_report(args.pipeline, out=args.out, force=args.force, until=args.until, overrides=args.overrides)

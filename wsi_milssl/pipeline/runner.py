@@ -10,6 +10,7 @@ Every stage writes under the pipeline's output folder::
     OUT/heatmaps/test/    probability maps, overlays, GeoJSON, detections, scores.csv
     OUT/evaluation/       metrics.json, per_slide.csv, plots, report.html
     OUT/.pipeline/        one stamp per stage (settings + inputs digest)
+    OUT/resolved_pipeline.toml   the pipeline as run: --set overrides applied, every setting, absolute paths
 
 A stage is skipped when its stamp matches its settings and the stamps of the stages it reads from,
 and its outputs still exist. A stage that runs again after an interruption goes on from what is
@@ -36,7 +37,7 @@ from wsi_milssl.atomic import atomic_open, atomic_write_json
 from wsi_milssl.config import config_from_mapping, config_to_dict
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.locks import folder_lock
-from wsi_milssl.pipeline.spec import STAGES, PipelineSpec
+from wsi_milssl.pipeline.spec import RESOLVED_FILENAME, STAGES, PipelineSpec, write_resolved_pipeline
 from wsi_milssl.pipeline.stamps import fingerprint_paths, is_up_to_date, read_stamp, stamp_digest, write_stamp
 
 __all__ = ["StageOutcome", "run_pipeline", "split_train_val"]
@@ -562,6 +563,8 @@ def run_pipeline(
                               f"{', '.join(stages)}).")
         stages = stages[: stages.index(until) + 1]
     with folder_lock(spec.out_dir):
+        # the pipeline as it runs (overrides applied, every setting, absolute paths), beside its outputs
+        write_resolved_pipeline(spec, spec.out_dir / RESOLVED_FILENAME)
         return _run_stages(spec, stages, forced, progress=progress, on_stage=on_stage)
 
 

@@ -33,6 +33,10 @@ dataclass, plus ``[pipeline]`` and ``[data]``::
 
 Relative data paths are resolved against the pipeline file's folder; a generated set lives in
 ``OUT/slides/<set>`` and serves as its own labels and annotations folder.
+
+``overrides`` (``wsi-milssl run --set train.epochs=3``) replace values of the file before it is
+validated; :func:`resolved_pipeline` gives the pipeline as it runs (every stage table with all its
+settings, absolute paths), which ``run`` writes to ``OUT/resolved_pipeline.toml``.
 """
 
 from __future__ import annotations
@@ -40,12 +44,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
-from wsi_milssl.config import SynthConfig, config_from_mapping, load_toml
+from wsi_milssl.config import SynthConfig, config_from_mapping, config_to_dict, load_toml
 from wsi_milssl.errors import ConfigError
 
-__all__ = ["PipelineSpec", "DataSet", "load_pipeline", "STAGES", "SETS"]
+__all__ = ["PipelineSpec", "DataSet", "load_pipeline", "parse_override", "resolved_pipeline",
+           "write_resolved_pipeline", "RESOLVED_FILENAME", "STAGES", "SETS"]
+
+#: The resolved pipeline ``run`` writes into its output folder.
+RESOLVED_FILENAME = "resolved_pipeline.toml"
 
 STAGES = ("synth", "tile", "label", "features", "train", "heatmap", "evaluate")
 SETS = ("train", "test")
@@ -76,6 +84,8 @@ class PipelineSpec:
     mode: str = "images"
     #: a [features] table: stores are embedded by a frozen encoder and the head trains on the features
     feature_stage: bool = False
+    #: the ``--set`` overrides applied, as given (``train.epochs=3``)
+    overrides: tuple[str, ...] = ()
 
     def section(self, stage: str) -> dict[str, Any]:
         """The raw table of ``stage`` (empty when absent)."""
@@ -89,10 +99,47 @@ def _path(base: Path, value: Any, key: str, source: Path) -> Path:
     return p if p.is_absolute() else (base / p)
 
 
-def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None = None) -> PipelineSpec:
-    """Read and validate a pipeline file; every stage table is checked against its config class."""
+def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
+    """``"train.epochs=3"`` -> ``(("train", "epochs"), 3)``: a dotted key, ``=``, and a TOML value
+    (``0.1``, ``true``, ``[0.1, 0.2]``, ``"viridis"``); a value that is not TOML is taken as a string
+    (``heatmap.colormap=magma``)."""
+    import tomllib
+
+    key, sep, value = str(text).partition("=")
+    parts = tuple(p.strip() for p in key.split("."))
+    if not sep or len(parts) < 2 or not all(parts) or not value.strip():
+        raise ConfigError(f"--set {text!r}: expected TABLE.KEY=VALUE (e.g. train.epochs=3, heatmap.colormap=magma, "
+                          "data.val_fraction=0.2).")
+    try:
+        parsed = tomllib.loads(f"v = {value.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        parsed = value.strip()
+    return parts, parsed
+
+
+def _apply_overrides(raw: dict[str, Any], overrides: Iterable[str], source: Path) -> None:
+    for text in overrides:
+        parts, value = parse_override(text)
+        if parts[0] not in _TOP_LEVEL:
+            raise ConfigError(f"--set {text!r}: unknown table [{parts[0]}]; tables are {', '.join(sorted(_TOP_LEVEL))}.")
+        table = raw
+        for part in parts[:-1]:
+            table = table.setdefault(part, {})
+            if not isinstance(table, dict):
+                raise ConfigError(f"--set {text!r}: {'.'.join(parts[:-1])} in {source} is a value, not a table.")
+        table[parts[-1]] = value
+
+
+def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None = None,
+                  overrides: Iterable[str] = ()) -> PipelineSpec:
+    """Read and validate a pipeline file; every stage table is checked against its config class.
+
+    ``overrides``: ``TABLE.KEY=VALUE`` texts (:func:`parse_override`) applied before validation.
+    """
     source = Path(path)
     raw = load_toml(source)
+    overrides = tuple(overrides)
+    _apply_overrides(raw, overrides, source)
     unknown = sorted(set(raw) - _TOP_LEVEL)
     if unknown:
         raise ConfigError(
@@ -157,15 +204,76 @@ def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None 
                               f"{train_mode!r}. Fix: set mode = \"features\" (and an MLP head) or drop [features].")
     _validate_sections(sections, source)
     return PipelineSpec(name=name, source=source, out_dir=out, sets=sets, val_fraction=val_fraction,
-                        split_seed=split_seed, sections=sections, mode=mode, feature_stage=feature_stage)
+                        split_seed=split_seed, sections=sections, mode=mode, feature_stage=feature_stage,
+                        overrides=overrides)
+
+
+def _stage_classes() -> dict[str, type]:
+    from wsi_milssl import config as cfg
+
+    return {"tile": cfg.TileConfig, "label": cfg.LabelConfig, "features": cfg.FeaturesConfig,
+            "train": cfg.TrainConfig, "heatmap": cfg.HeatmapConfig, "evaluate": cfg.EvaluateConfig}
+
+
+def _without_none(value: Any) -> Any:
+    """TOML has no null: a None setting is its default, so it is left out."""
+    if isinstance(value, dict):
+        return {k: _without_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, (list, tuple)):
+        return [_without_none(v) for v in value]
+    return value
+
+
+def resolved_pipeline(spec: PipelineSpec) -> dict[str, Any]:
+    """The pipeline as it runs: [pipeline] with the absolute output folder, [data] with absolute
+    paths, the generated sets' [synth.*] tables, and every stage table with all its settings
+    (defaults filled in; ``[train.grid]`` kept). Loading it gives the same configs again."""
+    data: dict[str, Any] = {}
+    out: dict[str, Any] = {"pipeline": {"name": spec.name, "out_dir": str(Path(spec.out_dir).resolve())}, "data": data}
+    generated = any(ds.synth is not None for ds in spec.sets.values())
+    if generated:
+        data["generate"] = True
+        out["synth"] = {name: config_to_dict(ds.synth) for name, ds in spec.sets.items()}
+    elif spec.mode == "features":
+        data["mode"] = "features"
+        for name, ds in spec.sets.items():
+            data[f"{name}_features"] = str(Path(ds.features).resolve())
+            data[f"{name}_labels"] = str(Path(ds.labels).resolve())
+    else:
+        for name, ds in spec.sets.items():
+            for key in ("slides", "labels", "annotations"):
+                data[f"{name}_{key}"] = str(Path(getattr(ds, key)).resolve())
+    data["val_fraction"] = spec.val_fraction
+    data["split_seed"] = spec.split_seed
+    for stage, cls in _stage_classes().items():
+        if stage == "features" and not spec.feature_stage:
+            continue
+        section = spec.section(stage)
+        grid = section.pop("grid", None)
+        table = config_to_dict(config_from_mapping(cls, section, source=f"{spec.source} [{stage}]"))
+        if grid is not None:
+            table["grid"] = grid
+        out[stage] = table
+    return _without_none(out)
+
+
+def write_resolved_pipeline(spec: PipelineSpec, path: str | os.PathLike) -> Path:
+    """Write :func:`resolved_pipeline` as TOML (atomically), headed by where it came from."""
+    import tomli_w
+
+    from wsi_milssl import __version__
+    from wsi_milssl.atomic import atomic_write_text
+
+    header = [f"# The pipeline as `wsi-milssl run` ran it (wsi-milssl {__version__}): {spec.source}"]
+    if spec.overrides:
+        header.append("# with --set " + " --set ".join(spec.overrides))
+    header.append("# Every stage table holds all its settings; `wsi-milssl run` accepts this file as it is.")
+    return atomic_write_text(Path(path), "\n".join(header) + "\n\n" + tomli_w.dumps(resolved_pipeline(spec)))
 
 
 def _validate_sections(sections: dict[str, dict[str, Any]], source: Path) -> None:
     """Build every stage's config once, so a wrong key or value fails before any stage runs."""
-    from wsi_milssl import config as cfg
-
-    classes = {"tile": cfg.TileConfig, "label": cfg.LabelConfig, "features": cfg.FeaturesConfig,
-               "train": cfg.TrainConfig, "heatmap": cfg.HeatmapConfig, "evaluate": cfg.EvaluateConfig}
+    classes = _stage_classes()
     for stage, cls in classes.items():
         section = {k: v for k, v in sections.get(stage, {}).items() if k != "grid"}
         config_from_mapping(cls, section, source=f"{source} [{stage}]")

@@ -1,0 +1,94 @@
+"""``run --set TABLE.KEY=VALUE`` and the resolved pipeline written beside the outputs (issue 15, D5)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from wsi_milssl.cli import main
+from wsi_milssl.config import load_toml
+from wsi_milssl.errors import ConfigError
+from wsi_milssl.pipeline import RESOLVED_FILENAME, load_pipeline, resolved_pipeline
+from wsi_milssl.pipeline.spec import parse_override
+
+PIPELINE = """
+[pipeline]
+name = "t"
+[data]
+mode = "features"
+train_features = "train"
+train_labels = "train/labels.csv"
+test_features = "test"
+test_labels = "test/labels.csv"
+val_fraction = 0.25
+[train]
+mode = "features"
+model = "linear"
+epochs = 3
+batch_size = 32
+mu = 0.2
+mu_ramp_epochs = 2
+plots = false
+"""
+
+
+def _bags(folder, n: int, seed: int) -> None:
+    import h5py
+
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True)
+    lines = ["slide,label"]
+    for b in range(n):
+        x = rng.normal(size=(20, 8)).astype(np.float32)
+        x[:4] += 3.0 * (b % 2)
+        with h5py.File(folder / f"bag_{b:02d}.h5", "w") as fh:
+            fh["features"] = x
+        lines.append(f"bag_{b:02d},{b % 2}")
+    (folder / "labels.csv").write_text("\n".join(lines) + "\n")
+
+
+@pytest.fixture()
+def toml(tmp_path):
+    _bags(tmp_path / "train", 8, 0)
+    _bags(tmp_path / "test", 4, 1)
+    path = tmp_path / "p.toml"
+    path.write_text(PIPELINE)
+    return path
+
+
+def test_parse_override_values_and_errors():
+    assert parse_override("train.epochs=3") == (("train", "epochs"), 3)
+    assert parse_override("train.grid.mu=[0.1, 0.2]") == (("train", "grid", "mu"), [0.1, 0.2])
+    assert parse_override("heatmap.colormap=magma") == (("heatmap", "colormap"), "magma")
+    assert parse_override('heatmap.colormap="magma"') == (("heatmap", "colormap"), "magma")
+    assert parse_override("train.plots=false") == (("train", "plots"), False)
+    for bad in ("epochs=3", "train.epochs", "train.epochs=", ".x=1"):
+        with pytest.raises(ConfigError, match="expected TABLE.KEY=VALUE"):
+            parse_override(bad)
+
+
+def test_set_overrides_and_the_resolved_pipeline_reloads_to_the_same_run(toml, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["run", str(toml), "--out", str(out), "--set", "train.epochs=2", "--set", "data.val_fraction=0.5"]) == 0
+    assert "with --set train.epochs=2 --set data.val_fraction=0.5" in capsys.readouterr().out
+    resolved = out / RESOLVED_FILENAME
+    text = resolved.read_text()
+    assert "# with --set train.epochs=2 --set data.val_fraction=0.5" in text
+    raw = load_toml(resolved)
+    assert raw["train"]["epochs"] == 2 and raw["data"]["val_fraction"] == 0.5
+    assert raw["train"]["optimizer"]  # every setting, defaults included
+    assert raw["data"]["train_features"] == str((tmp_path / "train").resolve())
+    assert raw["pipeline"]["out_dir"] == str(out.resolve())
+    spec = load_pipeline(toml, out_dir=out, overrides=["train.epochs=2", "data.val_fraction=0.5"])
+    again = load_pipeline(resolved)
+    assert resolved_pipeline(again) == resolved_pipeline(spec)
+    assert (again.val_fraction, again.section("train")["epochs"]) == (0.5, 2)
+    config = load_toml(toml)
+    assert config["train"]["epochs"] == 3  # the source file is not touched
+
+
+def test_bad_overrides_name_the_problem(toml, tmp_path, capsys):
+    assert main(["run", str(toml), "--out", str(tmp_path / "o"), "--set", "trian.epochs=2"]) == 1
+    assert "unknown table [trian]" in capsys.readouterr().err
+    assert main(["run", str(toml), "--out", str(tmp_path / "o"), "--set", "train.epoch=2"]) == 1
+    assert "epoch" in capsys.readouterr().err
