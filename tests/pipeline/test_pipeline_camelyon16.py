@@ -106,3 +106,21 @@ def test_camelyon16_shaped_folder_to_report_with_no_hand_edits(tmp_path, capsys)
     for stem in test_labels:
         assert (run / "heatmaps" / "test" / f"{stem}_detections.csv").is_file()
         assert (run / "heatmaps" / "test" / f"{stem}_probs.ome.tif").is_file()
+
+
+def test_readme_recipe_commands_parse():
+    """The README's CAMELYON16 recipe uses commands and options that exist."""
+    import re
+    import shlex
+
+    from wsi_milssl.cli import build_parser
+
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## CAMELYON16 from download to report", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    commands = [line for line in block.splitlines() if line.startswith("wsi-milssl ")]
+    assert [c.split()[1] for c in commands] == ["prepare", "run"]
+    for command in commands:
+        words = shlex.split(command)[1:]
+        build_parser(words[0]).parse_args(words)
+    assert "| train, the whole grid |" in section and "computed from" in section
