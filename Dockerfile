@@ -1,20 +1,32 @@
 # wsi-milssl for a GPU workstation: CUDA-enabled PyTorch base, the package on top.
 #   docker build -t wsi-milssl .
-#   docker run --gpus all -v /path/to/data:/data wsi-milssl tile /data/slides --out /data/patches
-FROM pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime
+#   docker run --gpus all --ipc=host --user "$(id -u):$(id -g)" -v /path/to/data:/data wsi-milssl tile /data/slides --out /data/patches
+# torch 2.14.1 (CUDA 13.0, cuDNN 9) is the version the test suite ran with; the base image provides it.
+FROM pytorch/pytorch:2.14.1-cuda13.0-cudnn9-runtime
 
+# Caches go to /tmp, so the image runs as any user (docker run --user "$(id -u):$(id -g)").
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
-    PIP_NO_CACHE_DIR=1
+    PIP_NO_CACHE_DIR=1 \
+    MPLCONFIGDIR=/tmp/matplotlib \
+    XDG_CACHE_HOME=/tmp/.cache
 
 WORKDIR /opt/wsi-milssl
-COPY pyproject.toml README.md ./
+
+# 1. The dependencies alone, from pyproject.toml: this layer is rebuilt when they change, not when the code does.
+#    torch is pinned to the base image's version, so pip keeps it.
+COPY pyproject.toml ./
+RUN python -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; open('/tmp/requirements.txt', 'w').write('\n'.join(deps) + '\n')" \
+    && pip install --no-cache-dir "torch==2.14.1" -r /tmp/requirements.txt \
+    && rm /tmp/requirements.txt
+
+# 2. The code and the ready-made pipelines (/opt/wsi-milssl/pipelines; also inside the installed package).
+COPY README.md ./
 COPY wsi_milssl ./wsi_milssl
 COPY pipelines ./pipelines
-# torch comes from the base image; pip keeps it when it satisfies the range.
-RUN pip install --no-cache-dir . \
+RUN pip install --no-cache-dir --no-deps . \
     && useradd --create-home --uid 1000 milssl \
-    && mkdir -p /data && chown milssl /data
+    && mkdir -p /data && chmod 1777 /data
 
 USER 1000
 WORKDIR /data

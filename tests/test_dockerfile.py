@@ -27,4 +27,25 @@ def test_dockerfile_uses_cuda_pytorch_base_and_cli_entrypoint():
 def test_readme_shows_docker_build_and_gpu_run():
     readme = (ROOT / "README.md").read_text()
     assert "docker build -t wsi-milssl ." in readme
-    assert re.search(r"docker run --gpus all -v \S+:/data", readme)
+    runs = re.findall(r"^docker run [^\n]*", readme, re.M)
+    assert runs and all(re.search(r"--gpus all .*-v \S+:/data", r) for r in runs)
+    # shared memory for the readers, files owned by the caller, and where the pipelines are
+    assert all("--ipc=host" in r and '--user "$(id -u):$(id -g)"' in r for r in runs)
+    assert "/opt/wsi-milssl/pipelines/demo.toml" in readme
+
+
+def test_dependencies_are_a_layer_before_the_code_and_torch_is_pinned_to_the_tested_version():
+    text = (ROOT / "Dockerfile").read_text()
+    lines = [line.strip() for line in text.splitlines()]
+    deps = next(i for i, line in enumerate(lines) if line.startswith("RUN") and "-r /tmp/requirements.txt" in text
+                and "requirements" in line)
+    code = next(i for i, line in enumerate(lines) if line.startswith("COPY wsi_milssl"))
+    assert lines.index("COPY pyproject.toml ./") < deps < code
+    assert "pip install --no-cache-dir --no-deps ." in text  # the code layer adds no dependency
+    import torch
+
+    tested = torch.__version__.split("+")[0]
+    base = re.search(r"^FROM\s+pytorch/pytorch:(\S+)", text, re.M).group(1)
+    assert base.startswith(f"{tested}-cuda"), (base, tested)
+    assert f'"torch=={tested}"' in text
+    assert "COPY pipelines ./pipelines" in text and "WORKDIR /opt/wsi-milssl" in text
