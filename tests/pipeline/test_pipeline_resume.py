@@ -3,8 +3,8 @@ uninterrupted run (issue 15, deliverable 2: tile and train; the heatmap stage ha
 
 A child process runs the pipeline and kills itself with SIGKILL at a chosen progress event (inside
 a slide being tiled; inside the second epoch of the second grid point), so the interruption lands
-at the same place every time. The run is then started again to the end and its outputs compared
-with those of a run that was never interrupted.
+at the same place every time. The run is then started again to the end, in a fresh process as every
+run here, and its outputs compared with those of a run that was never interrupted.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 import torch
 
-from wsi_milssl.pipeline import load_pipeline, run_pipeline
 from wsi_milssl.store import find_stores, open_store
 
 PIPELINE = """
@@ -61,15 +60,19 @@ thumbnail_px = 128
 thumbnail_px = 64
 """
 
-# Runs the pipeline and SIGKILLs itself at the N-th progress event matching a rule.
-KILLER = r"""
-import os, signal, sys
+# Runs the pipeline in a fresh process (every run of a test starts alike: torch's thread settings
+# left by other tests in the pytest process would change the floating-point sums), prints each
+# progress event and the outcomes as JSON lines, and with a rule SIGKILLs itself at that event.
+RUNNER = r"""
+import json, os, signal, sys
 from wsi_milssl.pipeline import load_pipeline, run_pipeline
 
 toml, out, where = sys.argv[1], sys.argv[2], sys.argv[3]
 state = {"tiled": 0, "epochs": 0}
 
 def progress(event):
+    print(json.dumps({"stage": event.stage, "done": event.done, "item": event.item, "message": event.message}),
+          flush=True)
     if where == "tile":      # inside the third slide of the training set, its store half written
         if event.stage == "tile" and event.done > 0:
             state["tiled"] += 1
@@ -81,14 +84,22 @@ def progress(event):
         elif event.stage == "train-epoch" and event.done > 0 and state["epochs"] == 3:
             os.kill(os.getpid(), signal.SIGKILL)
 
-run_pipeline(load_pipeline(toml, out_dir=out), progress=progress)
+outcomes = run_pipeline(load_pipeline(toml, out_dir=out), progress=progress)
+print(json.dumps({"outcomes": [[o.stage, o.status] for o in outcomes]}), flush=True)
 """
 
 
-def _run_killed(toml: Path, out: Path, where: str) -> None:
-    proc = subprocess.run([sys.executable, "-c", KILLER, str(toml), str(out), where], capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+def _run(toml: Path, out: Path, kill_at: str = "") -> tuple[list[dict], list[list[str]]]:
+    """Run the pipeline in a child process (killed at ``kill_at`` when given): its events and outcomes."""
+    proc = subprocess.run([sys.executable, "-c", RUNNER, str(toml), str(out), kill_at or "-"], capture_output=True,
+                          text=True, timeout=900)
+    if kill_at:
+        assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    else:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    outcomes = [line["outcomes"] for line in lines if "outcomes" in line]
+    return [line for line in lines if "stage" in line], (outcomes[0] if outcomes else [])
 
 
 def _seed(reference: Path, out: Path, stages: tuple[str, ...]) -> None:
@@ -151,7 +162,7 @@ def pipeline(tmp_path_factory) -> tuple[Path, Path]:
     toml = folder / "resume.toml"
     toml.write_text(PIPELINE)
     reference = folder / "uninterrupted"
-    run_pipeline(load_pipeline(toml, out_dir=reference))
+    _run(toml, reference)
     return toml, reference
 
 
@@ -159,17 +170,12 @@ def test_run_killed_inside_tile_goes_on_and_matches_an_uninterrupted_run(pipelin
     toml, reference = pipeline
     out = tmp_path / "killed"
     _seed(reference, out, ("synth",))
-    _run_killed(toml, out, "tile")
+    _run(toml, out, "tile")
     done = sorted(p.name for p in (out / "stores" / "train").glob("*.h5"))
     assert len(done) == 2  # two stores finished, the third was being written
-    tiled = []
-
-    def watch(event):
-        if event.stage == "tile" and event.done > 0:
-            tiled.append((event.item, event.message))
-
-    outcomes = run_pipeline(load_pipeline(toml, out_dir=out), progress=watch)
-    assert [o.status for o in outcomes] == ["skipped"] + ["ran"] * 5  # synth was finished before the kill
+    events, outcomes = _run(toml, out)
+    assert [status for _, status in outcomes] == ["skipped"] + ["ran"] * 5  # synth was finished before the kill
+    tiled = [(e["item"], e["message"]) for e in events if e["stage"] == "tile" and e["done"] > 0]
     # the finished stores were kept, not tiled again: only the other two training slides and the test set
     assert tiled[:4] == [("synth_000", "skipped"), ("synth_001", "skipped"), ("synth_002", "ok"), ("synth_003", "ok")]
     status = (out / "stores" / "train" / "tile_status.csv").read_text()
@@ -181,21 +187,15 @@ def test_run_killed_inside_training_resumes_and_skips_finished_grid_points(pipel
     toml, reference = pipeline
     out = tmp_path / "killed"
     _seed(reference, out, ("synth", "tile", "label"))
-    _run_killed(toml, out, "train")
+    _run(toml, out, "train")
     model = out / "model"
     first = model / "grid" / "mu-0.1" / "last.pt"
     assert torch.load(first, weights_only=False)["epoch"] == 2  # the first grid point had finished
     assert torch.load(model / "grid" / "mu-0.2" / "last.pt", weights_only=False)["epoch"] == 1
     first_mtime = first.stat().st_mtime_ns
-    epochs_trained = []
-
-    def count(event):
-        if event.stage == "train" and event.item.startswith("epoch"):  # an epoch finished
-            epochs_trained.append(event.done)
-
-    outcomes = run_pipeline(load_pipeline(toml, out_dir=out), progress=count)
-    assert [(o.stage, o.status) for o in outcomes][:4] == [
-        ("synth", "skipped"), ("tile", "skipped"), ("label", "skipped"), ("train", "ran")]
+    events, outcomes = _run(toml, out)
+    assert outcomes[:4] == [["synth", "skipped"], ["tile", "skipped"], ["label", "skipped"], ["train", "ran"]]
+    epochs_trained = [e["done"] for e in events if e["stage"] == "train" and e["item"].startswith("epoch")]
     assert epochs_trained == [2]            # only the second point's last epoch was trained again
     assert first.stat().st_mtime_ns == first_mtime
     assert not list(out.glob("model.replaced-*"))  # nothing was moved aside, nothing deleted
