@@ -61,6 +61,7 @@ __all__ = [
     "fit",
     "build_model",
     "make_optimizer",
+    "selection_score",
 ]
 
 log = logging.getLogger(__name__)
@@ -443,7 +444,7 @@ def evaluate(model: torch.nn.Module, instances: InstanceSet, *, runtime: Runtime
     }
 
 
-def _selection_score(metrics: dict[str, Any], select_metric: str) -> tuple[float, float] | None:
+def selection_score(metrics: dict[str, Any], select_metric: str) -> tuple[float, float] | None:
     """Higher is better; None when the metric is undefined (e.g. one class only)."""
     nll = metrics.get("bag_nll")
     tie = -nll if nll is not None else -math.inf
@@ -813,7 +814,7 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
                     result.val_probs[epoch + 1] = metrics["probs"]
                 record.update({f"val_{k}": v for k, v in metrics.items() if k not in ("probs", "bag_scores")})
                 record["val_seconds"] = time.perf_counter() - t_val
-                score = _selection_score(metrics, config.select_metric)
+                score = selection_score(metrics, config.select_metric)
                 if score is not None and (best_score is None or score > best_score):
                     best_score, best_epoch, improved = score, epoch + 1, True
             record["best_epoch"] = best_epoch

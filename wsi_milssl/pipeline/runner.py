@@ -204,13 +204,101 @@ def _grid_runs(section: dict, source: str) -> list[dict]:
 
 
 def _validation_score(result, select_metric: str) -> tuple[float, float] | None:
-    from wsi_milssl.mil.selftrain import _selection_score
+    from wsi_milssl.mil.selftrain import selection_score
 
     if result.best_epoch is None:
         return None
     record = next(r for r in result.history if r.get("epoch") == result.best_epoch)
     metrics = {k[len("val_"):]: v for k, v in record.items() if k.startswith("val_")}
-    return _selection_score(metrics, select_metric)
+    return selection_score(metrics, select_metric)
+
+
+@dataclass(frozen=True)
+class _GridPoint:
+    """One [train.grid] point: its name, overrides, config, run folder and whether it resumes."""
+
+    name: str
+    overrides: dict
+    config: object
+    run_dir: Path
+    resume: bool
+
+
+def grid_worker_count(setting: int | str, n_points: int) -> int:
+    """Grid points trained at once: ``"auto"`` = one per visible GPU (1 without GPUs, or with one), or
+    the given count; never more than there are points."""
+    if setting == "auto":
+        import torch
+
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 1
+    else:
+        n = int(setting)
+    return max(1, min(n, n_points))
+
+
+def _train_grid(points: list[_GridPoint], train, val, run_info: dict, *, ctx: _Context,
+                stores: tuple[list[Path], list[Path], Path]) -> list[tuple[tuple[float, float] | None, int | None]]:
+    """Train every grid point; returns (validation score, best epoch) per point, in order.
+
+    One point at a time in this process, or with ``[pipeline].grid_workers`` > 1 (or one per GPU),
+    that many at once, each in its own process (spawned; point k on GPU k mod the GPU count, or on
+    a share of the CPU threads). Each point is chosen on the same validation slides either way.
+    """
+    from wsi_milssl.mil.selftrain import fit
+
+    workers = grid_worker_count(ctx.spec.grid_workers, len(points))
+    if workers == 1:
+        out = []
+        for point in points:
+            result = fit(train, config=point.config, out_dir=point.run_dir, val=val, run_info=run_info,
+                         resume=point.resume, progress=ctx.progress)
+            out.append((_validation_score(result, point.config.select_metric), result.best_epoch))
+        return out
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    import torch
+
+    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    threads = 0 if n_gpus else max(1, (multiprocessing.cpu_count() or 1) // workers)
+    train_stores, val_stores, labels = stores
+    log.info("training %d grid points, %d at a time (%s)", len(points), workers,
+             f"{n_gpus} GPU(s)" if n_gpus else f"CPU, {threads} thread(s) each")
+    emit(ctx.progress, ProgressEvent("train-grid", 0, len(points), unit="run"))
+    results: list = [None] * len(points)
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_fit_grid_point, [str(p) for p in train_stores], [str(p) for p in val_stores],
+                               str(labels), config_to_dict(point.config), str(point.run_dir), point.resume,
+                               run_info, None if not n_gpus else k % n_gpus, threads): k
+                   for k, point in enumerate(points)}
+        from concurrent.futures import as_completed
+
+        for done, fut in enumerate(as_completed(futures), start=1):
+            k = futures[fut]
+            results[k] = fut.result()
+            emit(ctx.progress, ProgressEvent("train-grid", done, len(points), unit="run", item=points[k].name))
+    return results
+
+
+def _fit_grid_point(train_stores: list[str], val_stores: list[str], labels: str, config: dict, run_dir: str,
+                    resume: bool, run_info: dict, gpu: int | None, threads: int):
+    """One grid point in its own process (see :func:`_train_grid`): (validation score, best epoch)."""
+    import torch
+
+    from wsi_milssl.config import TrainConfig
+    from wsi_milssl.mil.data import read_labels_csv, read_patch_stores
+    from wsi_milssl.mil.selftrain import fit
+
+    if gpu is not None:
+        torch.cuda.set_device(gpu)
+    cfg = config_from_mapping(TrainConfig, config, source=f"{run_dir} (grid point)")
+    if threads and cfg.threads == 0:
+        torch.set_num_threads(threads)
+    label_map = read_labels_csv(labels)
+    train = read_patch_stores([Path(p) for p in train_stores], label_map)
+    val = read_patch_stores([Path(p) for p in val_stores], label_map) if val_stores else None
+    result = fit(train, config=cfg, out_dir=Path(run_dir), val=val, run_info=run_info, resume=resume)
+    return _validation_score(result, cfg.select_metric), result.best_epoch
 
 
 def _train(ctx: _Context) -> tuple[list[str], str]:
@@ -248,21 +336,26 @@ def _train(ctx: _Context) -> tuple[list[str], str]:
         result = fit(train, config=configs[0], out_dir=ctx.model_dir, val=val, run_info=run_info, resume=resume,
                      progress=ctx.progress)
         chosen, summary_extra = ctx.model_dir, ""
+        best_epoch = result.best_epoch
     else:
         _keep_grid_parent(ctx.model_dir)
-        scored = []
+        points = []
         for overrides, config in zip(runs, configs):
             name = "_".join(f"{k}-{v}" for k, v in overrides.items())
             run_dir = ctx.model_dir / "grid" / name
             # a finished grid point resumes at its last epoch: nothing to train, its result is read back
             resume = _prepare_run_dir(run_dir, _run_fingerprint(ctx, config, split, kind="grid"))
-            result = fit(train, config=config, out_dir=run_dir, val=val, run_info=run_info, resume=resume,
-                         progress=ctx.progress)
-            score = _validation_score(result, config.select_metric)
-            scored.append((score if score is not None else (-float("inf"), -float("inf")), name, run_dir,
-                           overrides, result))
+            points.append(_GridPoint(name, overrides, config, run_dir, resume))
+        t_grid = time.perf_counter()
+        outcomes = _train_grid(points, train, val, run_info, ctx=ctx,
+                               stores=([stores[s] for s in train_stems], [stores[s] for s in val_stems], ds.labels))
+        grid_s = time.perf_counter() - t_grid
+        scored = []
+        for point, (score, best_epoch) in zip(points, outcomes):
+            scored.append((score if score is not None else (-float("inf"), -float("inf")), point.name, point.run_dir,
+                           point.overrides, best_epoch))
         scored.sort(key=lambda item: item[0], reverse=True)
-        _, name, chosen, overrides, result = scored[0]
+        _, name, chosen, overrides, best_epoch = scored[0]
         for item in chosen.iterdir():
             if item.is_file() and not item.name.startswith(".") and item.name != RUN_MARKER:
                 with open(item, "rb") as src, atomic_open(ctx.model_dir / item.name, "wb") as dst:
@@ -270,10 +363,11 @@ def _train(ctx: _Context) -> tuple[list[str], str]:
         atomic_write_json(ctx.model_dir / "grid.json",
                           [{"run": n, "overrides": o, "validation_score": list(s)} for s, n, _, o, _ in scored])
         atomic_write_json(ctx.model_dir / RUN_MARKER, {"kind": "grid-choice", "chosen": name})
-        summary_extra = f", grid of {len(runs)}: chose {name} on validation"
+        log.info("grid of %d points trained in %.1f s", len(points), grid_s)
+        summary_extra = f", grid of {len(runs)} in {grid_s:.0f} s: chose {name} on validation"
     checkpoint = ctx.model_dir / ("best.pt" if (ctx.model_dir / "best.pt").exists() else "last.pt")
     return [str(checkpoint)], (f"{len(train_stems)} training / {len(val_stems)} validation slides, "
-                               f"best epoch {result.best_epoch}{summary_extra}")
+                               f"best epoch {best_epoch}{summary_extra}")
 
 
 # ------------------------------------------------------------------------------------------------

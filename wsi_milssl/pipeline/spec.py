@@ -6,6 +6,7 @@ dataclass, plus ``[pipeline]`` and ``[data]``::
     [pipeline]
     name = "demo"
     out_dir = "demo_out"            # where every artifact goes (``wsi-milssl run --out`` overrides)
+    grid_workers = "auto"           # [train.grid] points trained at once: "auto" = one per GPU, or a number
 
     [data]                          # either generated sets ...
     generate = true
@@ -86,6 +87,8 @@ class PipelineSpec:
     feature_stage: bool = False
     #: the ``--set`` overrides applied, as given (``train.epochs=3``)
     overrides: tuple[str, ...] = ()
+    #: [train.grid] points trained at once: "auto" (one per visible GPU, one at a time without GPUs) or a count
+    grid_workers: int | str = "auto"
 
     def section(self, stage: str) -> dict[str, Any]:
         """The raw table of ``stage`` (empty when absent)."""
@@ -147,6 +150,11 @@ def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None 
         )
     meta = raw.get("pipeline", {})
     name = str(meta.get("name", source.stem))
+    grid_workers = meta.get("grid_workers", "auto")
+    if grid_workers != "auto" and (isinstance(grid_workers, bool) or not isinstance(grid_workers, int)
+                                   or grid_workers < 1):
+        raise ConfigError(f"{source}: [pipeline].grid_workers must be \"auto\" or a whole number >= 1; got "
+                          f"{grid_workers!r}.")
     out = Path(out_dir) if out_dir is not None else Path(meta.get("out_dir", f"{name}_out"))
     data = dict(raw.get("data", {}))
     base = source.resolve().parent
@@ -205,7 +213,7 @@ def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None 
     _validate_sections(sections, source)
     return PipelineSpec(name=name, source=source, out_dir=out, sets=sets, val_fraction=val_fraction,
                         split_seed=split_seed, sections=sections, mode=mode, feature_stage=feature_stage,
-                        overrides=overrides)
+                        overrides=overrides, grid_workers=grid_workers)
 
 
 def _stage_classes() -> dict[str, type]:
@@ -229,7 +237,8 @@ def resolved_pipeline(spec: PipelineSpec) -> dict[str, Any]:
     paths, the generated sets' [synth.*] tables, and every stage table with all its settings
     (defaults filled in; ``[train.grid]`` kept). Loading it gives the same configs again."""
     data: dict[str, Any] = {}
-    out: dict[str, Any] = {"pipeline": {"name": spec.name, "out_dir": str(Path(spec.out_dir).resolve())}, "data": data}
+    out: dict[str, Any] = {"pipeline": {"name": spec.name, "out_dir": str(Path(spec.out_dir).resolve()),
+                                        "grid_workers": spec.grid_workers}, "data": data}
     generated = any(ds.synth is not None for ds in spec.sets.values())
     if generated:
         data["generate"] = True

@@ -1,0 +1,92 @@
+"""[train.grid] points trained at once ([pipeline].grid_workers): the same runs, scores and choice as one
+point at a time (issue 13 item 3; on a GPU machine "auto" puts one point on each GPU)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from wsi_milssl.errors import ConfigError
+from wsi_milssl.pipeline import load_pipeline
+from wsi_milssl.pipeline.runner import grid_worker_count
+
+PIPELINE = """
+[pipeline]
+name = "grid"
+grid_workers = {workers}
+[data]
+generate = true
+val_fraction = 0.34
+[synth.train]
+n_slides = 4
+seed = 0
+width_px = 2048
+height_px = 2048
+[synth.test]
+n_slides = 2
+seed = 1000
+width_px = 2048
+height_px = 2048
+[tile]
+magnification = 10.0
+patch_size_px = 32
+entropy_threshold_bits = 4.0
+min_tissue = 0.5
+[train]
+mode = "images"
+model = "resnet18"
+epochs = 2
+batch_size = 32
+mu_ramp_epochs = 1
+num_workers = 0
+threads = 1
+plots = false
+[train.grid]
+mu = [0.1, 0.2]
+"""
+
+# every run in a fresh process, so torch's thread settings are the same for both
+RUNNER = """
+import sys
+from wsi_milssl.pipeline import load_pipeline, run_pipeline
+outcomes = run_pipeline(load_pipeline(sys.argv[1], out_dir=sys.argv[2]), until="train")
+print([o.summary for o in outcomes if o.stage == "train"][0])
+"""
+
+
+def _run(tmp_path: Path, workers: int) -> tuple[Path, str]:
+    toml = tmp_path / f"grid{workers}.toml"
+    toml.write_text(PIPELINE.format(workers=workers))
+    out = tmp_path / f"out{workers}"
+    done = subprocess.run([sys.executable, "-c", RUNNER, str(toml), str(out)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return out, done.stdout
+
+
+def test_grid_points_at_once_give_the_runs_of_one_at_a_time(tmp_path):
+    one, summary_one = _run(tmp_path, 1)
+    two, summary_two = _run(tmp_path, 2)
+    assert "grid of 2 in" in summary_two and "chose" in summary_two
+    assert json.loads((one / "model" / "grid.json").read_text()) == json.loads((two / "model" / "grid.json").read_text())
+    for ckpt in ("model/best.pt", "model/grid/mu-0.1/last.pt", "model/grid/mu-0.2/last.pt"):
+        a = torch.load(one / ckpt, map_location="cpu", weights_only=True)["model"]
+        b = torch.load(two / ckpt, map_location="cpu", weights_only=True)["model"]
+        assert all(torch.equal(a[k], b[k]) for k in a), ckpt
+
+
+def test_grid_workers_setting(tmp_path):
+    assert grid_worker_count(3, 2) == 2 and grid_worker_count(1, 5) == 1
+    assert grid_worker_count("auto", 4) == (max(1, torch.cuda.device_count()) if torch.cuda.is_available() else 1)
+    bad = tmp_path / "bad.toml"
+    bad.write_text(PIPELINE.format(workers=0))
+    with pytest.raises(ConfigError, match=r"\[pipeline\].grid_workers must be"):
+        load_pipeline(bad)
+    ok = tmp_path / "ok.toml"
+    ok.write_text(PIPELINE.format(workers='"auto"'))
+    assert load_pipeline(ok).grid_workers == "auto"
