@@ -124,3 +124,18 @@ def test_one_pool_of_readers_serves_every_pass_and_the_result_does_not_depend_on
         a, b = two.model.state_dict(), other.model.state_dict()
         assert all(torch.equal(a[k], b[k]) for k in a)
         assert [h["loss"] for h in two.history] == [h["loss"] for h in other.history]
+
+
+@pytest.mark.gpu
+def test_cuda_batches_from_pinned_memory_and_nvjpeg_match_the_cpu(instances):
+    # deselected by default (pyproject addopts); run on a GPU machine with: pytest -m gpu
+    assert torch.cuda.is_available(), "the gpu marker needs a CUDA device"
+    order = block_order(instances, torch.Generator().manual_seed(0), block_size=4)
+    with BatchLoader([instances], num_workers=0) as loader:
+        ref = _all_batches(loader, instances, order, 32)
+    for decode in ("workers", "device"):
+        with BatchLoader([instances], num_workers=2, device="cuda", decode=decode) as loader:
+            got = _all_batches(loader, instances, order, 32)
+        for (ia, xa), (ib, xb) in zip(ref, got):
+            assert xb.device.type == "cuda" and torch.equal(ia, ib)
+            assert (xa.int() - xb.cpu().int()).abs().max() <= (0 if decode == "workers" else 2)
