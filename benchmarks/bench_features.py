@@ -15,16 +15,19 @@
    seconds (``wait4``: the command and its reaped readers).
 3. The bare forward. In this process, the same encoder with the same runtime (``FeatureModel``:
    bfloat16 autocast and channels_last on the CPU, BatchNorm folded, the same torch threads) runs on
-   the same patches, read from the stores beforehand and turned into the model input the readers
-   would hand over (on the CPU the normalised bfloat16 tensors; on CUDA normalised tensors already on
-   the GPU), in the same batches (per slide, ``--batch-size``, each slide's last batch smaller on the
+   the same patches, read from the stores beforehand and turned into what the readers would hand over
+   (on the CPU the normalised bfloat16 model input; on CUDA the uint8 pixels, already on the GPU and
+   normalised there as in the stage), in the same batches (per slide, ``--batch-size``, each slide's last batch smaller on the
    CPU and padded on CUDA, as the stage does). On CUDA the batches repeat until ``--min-seconds``
    have passed and the GPU is synchronised only at the end.
 
 Stage and bare runs alternate ``--repeat`` times (the machine may be shared); the medians and the
 range are reported, and the ratio of the medians is the figure: the stage's patches/s over the bare
-forward's (the ratio of each run, stage and bare forward a few seconds apart, is printed too).
-``--json PATH`` also writes the numbers.
+forward's (the ratio of each pair, stage and bare forward a few seconds apart, is printed too).
+Other processes' load is measured during every run (CPU time of the whole machine from
+``/proc/stat`` less this benchmark's own): a pair in which it exceeds ``--max-foreign`` of the
+machine is run again (up to ``--max-tries`` times) and left out of the medians, and the report
+says how many were. ``--json PATH`` also writes the numbers.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -67,24 +71,82 @@ def build_stores(slides: list[Path], folder: Path, *, magnification: float, patc
     return sorted(folder.glob("*.h5"))
 
 
+def _busy_seconds() -> float:
+    """CPU seconds the whole machine has been busy since boot (``/proc/stat``; 0 where there is none)."""
+    try:
+        with open("/proc/stat") as fh:
+            fields = [int(v) for v in fh.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return 0.0
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _foreign(busy0: float, busy1: float, own_cpu_s: float, wall_s: float) -> float:
+    """Share of the machine's CPU capacity that other processes used during a run."""
+    capacity = (os.cpu_count() or 1) * max(wall_s, 1e-9)
+    return max(0.0, (busy1 - busy0 - own_cpu_s) / capacity)
+
+
+def _descendant_cpu(root: int) -> dict[int, float]:
+    """CPU seconds (user + system) of every living descendant of ``root`` (its reader fork server and
+    readers, which the command does not reap), from ``/proc``."""
+    parents: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        parents[int(entry)] = int(fields[1])
+        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    out, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        for child, parent in parents.items():
+            if parent == pid:
+                out[child] = cpu[child]
+                todo.append(child)
+    return out
+
+
 def run_stage(stores: list[Path], out: Path, *, batch_size: int, workers: int, threads: int, dtype: str) -> dict:
-    """``wsi-milssl features`` in a child process; its own seconds (first slide to last file), wall, CPU."""
+    """``wsi-milssl features`` in a child process; its own seconds (first slide to last file), wall, CPU,
+    and the other processes' share of the machine meanwhile."""
     cmd = [sys.executable, "-m", "wsi_milssl", "features", *map(str, stores), "--out", str(out), "--encoder",
            "resnet50_trunc", "--weights", "random", "--overwrite", "--batch-size", str(batch_size), "--workers",
            str(workers), "--threads", str(threads), "--dtype", dtype]
-    t0 = time.perf_counter()
+    t0, busy0 = time.perf_counter(), _busy_seconds()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: dict[int, float] = {}
+    stop = threading.Event()
+
+    def sample() -> None:  # the readers' CPU, which the command's rusage does not hold (every 0.5 s)
+        while not stop.is_set():
+            for pid, value in _descendant_cpu(proc.pid).items():
+                seen[pid] = max(seen.get(pid, 0.0), value)
+            stop.wait(0.5)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     output = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
+    wall, busy1 = time.perf_counter() - t0, _busy_seconds()
+    stop.set()
+    sampler.join()
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"the features command failed:\n{output}")
     found = re.search(r"; (\d+) patches in ([0-9.]+) s", output)
     if found is None:
         raise SystemExit(f"the features command did not print its time:\n{output}")
     n, seconds = int(found.group(1)), float(found.group(2))
-    return {"n_patches": n, "stage_s": seconds, "patches_per_s": n / seconds, "wall_s": wall,
-            "cpu_s": usage.ru_utime + usage.ru_stime}
+    cpu = usage.ru_utime + usage.ru_stime + sum(seen.values())
+    return {"n_patches": n, "stage_s": seconds, "patches_per_s": n / seconds, "wall_s": wall, "cpu_s": cpu,
+            "foreign": _foreign(busy0, busy1, cpu, wall)}
 
 
 class Bare:
@@ -115,8 +177,7 @@ class Bare:
                 if cuda:
                     if n < batch_size:  # the stage pads a slide's last batch on CUDA
                         u8 = torch.cat([u8, u8.new_zeros((batch_size - n,) + tuple(u8.shape[1:]))])
-                    with torch.inference_mode():
-                        x = self.model.network_input(u8.to(self.device))  # normalised, on the GPU
+                    x = u8.to(self.device)  # uint8 on the GPU, normalised there as in the stage
                 else:
                     x = self.model.worker_preprocess(u8)  # the readers' bfloat16 model input
                 self.batches.append((x, n))
@@ -132,7 +193,7 @@ class Bare:
         for x, _ in self.batches[:2]:  # warm-up: oneDNN primitives, cuDNN plans
             self.model.forward_batch(x)
         self.sync()
-        t0, c0, done = time.perf_counter(), time.process_time(), 0
+        t0, c0, busy0, done = time.perf_counter(), time.process_time(), _busy_seconds(), 0
         while True:
             for x, n in self.batches:
                 self.model.forward_batch(x)
@@ -143,8 +204,9 @@ class Bare:
             if time.perf_counter() - t0 >= min_seconds:
                 break
         self.sync()
-        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-        return {"n_patches": done, "seconds": dt, "patches_per_s": done / dt, "cpu_s": cpu}
+        dt, cpu, busy1 = time.perf_counter() - t0, time.process_time() - c0, _busy_seconds()
+        return {"n_patches": done, "seconds": dt, "patches_per_s": done / dt, "cpu_s": cpu,
+                "foreign": _foreign(busy0, busy1, cpu, dt)}
 
 
 def _spread(values: list[float]) -> str:
@@ -162,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=("float32", "float16"), default="float32", help="feature dtype in the files")
     p.add_argument("--repeat", type=int, default=5, help="alternating stage/bare runs; medians reported")
     p.add_argument("--min-seconds", type=float, default=3.0, help="CUDA: time the bare forward at least this long")
+    p.add_argument("--max-foreign", type=float, default=0.1,
+                   help="run a pair again when other processes used more than this share of the machine")
+    p.add_argument("--max-tries", type=int, default=4, help="tries per pair before it is kept, flagged as noisy")
     p.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "wsi_milssl_bench",
                    help="folder for generated slides and stores (reused)")
     p.add_argument("--json", type=Path, default=None, help="write the numbers to this JSON file")
@@ -187,38 +252,49 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{bare.n} patches of {preset['patch_size']} px in {len(stores)} stores; resnet50_trunc (random weights), "
           f"batch {batch}; {runtime}; torch threads {torch.get_num_threads()}; {os.cpu_count()} CPUs"
           f"{'; ' + gpu if gpu else ''}", flush=True)
-    stage_runs, bare_runs = [], []
+    stage_runs, bare_runs, noisy = [], [], []
     with tempfile.TemporaryDirectory(prefix="bench_features_") as tmp:
         for i in range(args.repeat):
-            stage_runs.append(run_stage(stores, Path(tmp) / "feats", batch_size=batch, workers=args.workers,
-                                        threads=args.threads, dtype=args.dtype))
-            bare_runs.append(bare.run(min_seconds=args.min_seconds))
-            s, b = stage_runs[-1], bare_runs[-1]
-            print(f"run {i + 1}/{args.repeat}: stage {s['patches_per_s']:.1f} patches/s (wall {s['wall_s']:.1f} s), "
-                  f"bare forward {b['patches_per_s']:.1f} patches/s, ratio {s['patches_per_s'] / b['patches_per_s']:.3f}",
-                  flush=True)
-            if stage_runs[-1]["n_patches"] != bare.n:
-                raise SystemExit(f"the stage embedded {stage_runs[-1]['n_patches']} patches, the stores hold {bare.n}")
+            for attempt in range(1, args.max_tries + 1):
+                s = run_stage(stores, Path(tmp) / "feats", batch_size=batch, workers=args.workers,
+                              threads=args.threads, dtype=args.dtype)
+                b = bare.run(min_seconds=args.min_seconds)
+                if s["n_patches"] != bare.n:
+                    raise SystemExit(f"the stage embedded {s['n_patches']} patches, the stores hold {bare.n}")
+                clean = max(s["foreign"], b["foreign"]) <= args.max_foreign
+                print(f"pair {i + 1}/{args.repeat} try {attempt}: stage {s['patches_per_s']:.1f} patches/s (wall "
+                      f"{s['wall_s']:.1f} s), bare forward {b['patches_per_s']:.1f} patches/s, ratio "
+                      f"{s['patches_per_s'] / b['patches_per_s']:.3f}; other load {s['foreign']:.0%} / {b['foreign']:.0%}"
+                      f"{'' if clean else ' (noisy)'}", flush=True)
+                if clean:
+                    stage_runs.append(s)
+                    bare_runs.append(b)
+                    break
+                noisy.append((s, b))
+        if not stage_runs:
+            print("every pair ran beside other load; reporting the noisy ones", flush=True)
+            stage_runs, bare_runs = [s for s, _ in noisy], [b for _, b in noisy]
 
     stage_rate = statistics.median(r["patches_per_s"] for r in stage_runs)
     bare_rate = statistics.median(r["patches_per_s"] for r in bare_runs)
     ratios = [s["patches_per_s"] / b["patches_per_s"] for s, b in zip(stage_runs, bare_runs)]
     wall_rate = statistics.median(bare.n / r["wall_s"] for r in stage_runs)
     print()
-    print(f"| measure ({args.repeat} alternating runs; median (min-max)) | patches/s | vs bare forward |")
+    print(f"| measure ({len(stage_runs)} alternating pairs; median (min-max)) | patches/s | vs bare forward |")
     print("|---|---:|---:|")
     print(f"| bare forward, same patches and batches | {_spread([r['patches_per_s'] for r in bare_runs])} | 1.00 |")
     print(f"| features stage (first slide to last file) | {_spread([r['patches_per_s'] for r in stage_runs])} | "
           f"{stage_rate / bare_rate:.2f} |")
     print(f"| whole command (wall, from process start) | {wall_rate:.1f} | {wall_rate / bare_rate:.2f} |")
-    print(f"\nratio per run: {', '.join(f'{r:.3f}' for r in ratios)} (median {statistics.median(ratios):.3f})")
+    print(f"\nratio per pair: {', '.join(f'{r:.3f}' for r in ratios)} (median {statistics.median(ratios):.3f}); "
+          f"{len(noisy)} pair(s) beside more than {args.max_foreign:.0%} other load left out")
     if args.json is not None:
         args.json.write_text(json.dumps({
             "settings": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                          "n_slides": n_slides, "size": size, "batch_size": batch, **preset},
             "runtime": runtime, "gpu": gpu, "cpu_count": os.cpu_count(), "n_patches": bare.n,
             "stage": stage_runs, "bare": bare_runs, "ratio_of_medians": stage_rate / bare_rate,
-            "ratios": ratios}, indent=2))
+            "ratios": ratios, "noisy_pairs": [{"stage": s, "bare": b} for s, b in noisy]}, indent=2))
     return 0
 
 
