@@ -38,6 +38,7 @@ from wsi_milssl.artifacts import SCHEMA_VERSION as ARTIFACTS_SCHEMA_VERSION
 from wsi_milssl.atomic import atomic_open
 from wsi_milssl.config.base import config_to_dict
 from wsi_milssl.config.heatmap import HeatmapConfig
+from wsi_milssl.distributed import shard_items
 from wsi_milssl.errors import ConfigError, StoreError, WsiMilsslError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.inference.exports import (
@@ -56,8 +57,7 @@ from wsi_milssl.inference.exports import (
 )
 from wsi_milssl.inference.heatmap import render_overlay, write_png
 from wsi_milssl.inference.model import InferenceModel, load_inference_model
-from wsi_milssl.inference.predict import SlideInput, SlidePrediction, predict_many
-from wsi_milssl.distributed import shard_items
+from wsi_milssl.inference.predict import SlideInput, SlidePrediction, predict_many, prestart_readers
 from wsi_milssl.locks import folder_lock, folder_mutex
 from wsi_milssl.slide.tissue import slide_tissue_mask
 from wsi_milssl.tiling import slide_stem
@@ -445,6 +445,8 @@ def _make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.Pat
     config = config or HeatmapConfig()
     out_dir = Path(out_dir)
     inputs = shard_items(match_inputs(slides, stores), *shard)
+    if inputs and config.num_workers != 0:
+        prestart_readers()  # the readers' fork server starts while the checkpoint loads
     model = checkpoint if isinstance(checkpoint, InferenceModel) else load_inference_model(checkpoint, config=config)
     out_dir.mkdir(parents=True, exist_ok=True)
     fingerprint = _fingerprint(config, model)
