@@ -1,14 +1,16 @@
 """``wsi-milssl run`` after a kill: it goes on from what is finished and ends with the files of an
-uninterrupted run (issue 15, deliverable 2: tile and train; the heatmap stage has its own resume).
+uninterrupted run (issue 15, deliverable 2: tile, train and heatmap).
 
 A child process runs the pipeline and kills itself with SIGKILL at a chosen progress event (inside
-a slide being tiled; inside the second epoch of the second grid point), so the interruption lands
+a slide being tiled; inside the second epoch of the second grid point; after the first test slide's
+heatmap is recorded, the second in flight), so the interruption lands
 at the same place every time. The run is then started again to the end, in a fresh process as every
 run here, and its outputs compared with those of a run that was never interrupted.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import signal
 import subprocess
@@ -19,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+from wsi_milssl.inference.stage import STATUS_FILENAME
 from wsi_milssl.store import find_stores, open_store
 
 PIPELINE = """
@@ -83,6 +86,9 @@ def progress(event):
             state["epochs"] += 1
         elif event.stage == "train-epoch" and event.done > 0 and state["epochs"] == 3:
             os.kill(os.getpid(), signal.SIGKILL)
+    elif where == "heatmap":  # the first test slide's files are written, the second slide is in flight
+        if event.stage == "heatmap" and event.done == 1 and event.item:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 outcomes = run_pipeline(load_pipeline(toml, out_dir=out), progress=progress)
 print(json.dumps({"outcomes": [[o.stage, o.status] for o in outcomes]}), flush=True)
@@ -107,7 +113,7 @@ def _seed(reference: Path, out: Path, stages: tuple[str, ...]) -> None:
     stamps' paths moved to ``out``), so a test only repeats the stages it interrupts."""
     import shutil
 
-    folders = {"synth": "slides", "tile": "stores", "label": "labels"}
+    folders = {"synth": "slides", "tile": "stores", "label": "labels", "train": "model"}
     (out / ".pipeline").mkdir(parents=True)
     for stage in stages:
         shutil.copytree(reference / folders[stage], out / folders[stage], symlinks=True)
@@ -199,6 +205,28 @@ def test_run_killed_inside_training_resumes_and_skips_finished_grid_points(pipel
     assert epochs_trained == [2]            # only the second point's last epoch was trained again
     assert first.stat().st_mtime_ns == first_mtime
     assert not list(out.glob("model.replaced-*"))  # nothing was moved aside, nothing deleted
+    _assert_same_outputs(reference, out)
+
+
+def test_run_killed_inside_heatmap_skips_finished_slides_and_matches_an_uninterrupted_run(pipeline, tmp_path):
+    toml, reference = pipeline
+    out = tmp_path / "killed"
+    _seed(reference, out, ("synth", "tile", "label", "train"))
+    _run(toml, out, "heatmap")
+    heat = out / "heatmaps" / "test"
+    with open(heat / STATUS_FILENAME, newline="") as fh:  # what the killed run recorded as finished
+        rows = [r for r in csv.DictReader(fh) if r["status"] == "ok"]
+    assert len(rows) == 1  # one slide finished before the kill
+    finished = rows[0]["slide"]
+    first = heat / f"{finished}_probs.npy"
+    stamp = first.stat().st_mtime_ns
+    events, outcomes = _run(toml, out)
+    assert outcomes[:5] == [["synth", "skipped"], ["tile", "skipped"], ["label", "skipped"], ["train", "skipped"],
+                            ["heatmap", "ran"]]
+    read = {e["item"] for e in events if e["stage"] == "heatmap-patches" and e["item"]}
+    stems = {p.stem for p in (out / "stores" / "test").glob("*.h5")}
+    assert len(stems) == 2 and read == stems - {finished}  # only the unfinished slide was read again
+    assert first.stat().st_mtime_ns == stamp  # the finished slide was not predicted again
     _assert_same_outputs(reference, out)
 
 
