@@ -3,7 +3,7 @@ MIL-SSL ablation (table 8), written to ``benchmarks/results/bags.md`` (and ``bag
 
 MIL-SSL runs with λ = 1 (the main row) and the paper's λ = 25 (shown for honesty); ABMIL's instance
 scores are reported as the softmax attention and as the raw attention logit. Nothing is chosen on test
-bags (see ``wsi_milssl.mil.bagbench``).
+bags (see ``wsi_milssl.benchmark.bags``).
 
 Run: ``python benchmarks/bench_bags.py [--seeds 0 1 2 3 4] [--workers 2] [--epochs 100] [--mnist DIR]
 [--only normal hard ablation] [--out benchmarks/results/bags.md]``. With the defaults (scikit-learn's 8x8
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from wsi_milssl.events import ProgressEvent
-from wsi_milssl.mil.bagbench import BagBenchConfig, acceptance, format_markdown, run_ablation, run_hard, run_normal
+from wsi_milssl.benchmark.bags import BagBenchConfig, acceptance, format_markdown, run_ablation, run_hard, run_normal
 
 
 def _write(path: Path, text: str) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from wsi_milssl.config import SynthConfig
+from milcsv import make_mil_csv
 from wsi_milssl.synth import generate_slides
 
 
@@ -52,3 +53,15 @@ def four_slides(synth_dir, tmp_path_factory) -> tuple[Path, Path]:
     for k in (0, 2):
         shutil.copy(synth_dir / "synth_000.xml", annotations / f"slide_{k}.xml")
     return slides, annotations
+
+
+@pytest.fixture(scope="session")
+def mil_csv(tmp_path_factory) -> Path:
+    """40 bags (20 positive), 8 features, informative instance labels."""
+    return make_mil_csv(tmp_path_factory.mktemp("milcsv") / "toy.csv")
+
+
+@pytest.fixture(scope="session")
+def mil_csv_val(tmp_path_factory) -> Path:
+    """An independent draw of the same problem, for validation."""
+    return make_mil_csv(tmp_path_factory.mktemp("milcsv_val") / "toy_val.csv", seed=1)

@@ -1,4 +1,4 @@
-"""Fixtures of the MIL tests: a small generated MIL problem written as a MIL CSV."""
+"""Fixtures of the MIL tests: small generated patch stores (the MIL CSV fixtures are in tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -6,37 +6,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-
-def make_mil_csv(path: Path, *, n_bags: int = 40, dim: int = 8, seed: int = 0, shift: float = 2.5) -> Path:
-    """Write ``label,bag_id,f1..fn`` rows: half the bags positive, 10-40 % positive instances in each;
-    positives are shifted by ``shift`` along a fixed random direction. Instance labels are the truth."""
-    direction = np.random.default_rng(12345).normal(size=dim)  # the same concept in every draw
-    rng = np.random.default_rng(seed)
-    direction /= np.linalg.norm(direction)
-    rows = []
-    for bag in range(n_bags):
-        size = int(rng.integers(8, 20))
-        positive = bag % 2 == 1
-        n_pos = max(1, int(round(size * rng.uniform(0.1, 0.4)))) if positive else 0
-        for i in range(size):
-            label = 1 if i < n_pos else 0
-            x = rng.normal(size=dim) + label * shift * direction
-            rows.append(f"{label},b{bag:03d}," + ",".join(f"{v:.5f}" for v in x))
-    path.write_text("\n".join(rows) + "\n")
-    return path
-
-
-@pytest.fixture(scope="session")
-def mil_csv(tmp_path_factory) -> Path:
-    """40 bags (20 positive), 8 features, informative instance labels."""
-    return make_mil_csv(tmp_path_factory.mktemp("milcsv") / "toy.csv")
-
-
-@pytest.fixture(scope="session")
-def mil_csv_val(tmp_path_factory) -> Path:
-    """An independent draw of the same problem, for validation."""
-    return make_mil_csv(tmp_path_factory.mktemp("milcsv_val") / "toy_val.csv", seed=1)
 
 
 def make_image_stores(out_dir: Path, *, fmt: str = "h5", n_bags: int = 4, n_patches: int = 48,

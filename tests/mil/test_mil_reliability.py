@@ -10,7 +10,7 @@ import subprocess
 import sys
 from contextlib import nullcontext
 
-from conftest import make_mil_csv
+from milcsv import make_mil_csv
 from diskfaults import file_size_limit, full_disk, read_only_folder
 from wsi_milssl.cli import main
 

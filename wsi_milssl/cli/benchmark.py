@@ -73,7 +73,7 @@ def run_mil_csv(args: argparse.Namespace) -> int:
     from wsi_milssl.cli.progress import TqdmProgress
     from wsi_milssl.cli.train import train_config_from_args
     from wsi_milssl.config.train import BenchmarkConfig
-    from wsi_milssl.mil.benchmark import nested_cross_validation
+    from wsi_milssl.benchmark.mil_csv import nested_cross_validation
     from wsi_milssl.mil.data import read_mil_csv
 
     seed = args.seed if args.seed is not None else 0

@@ -15,7 +15,7 @@ __all__ = ["register_bags", "run_bags"]
 def register_bags(sub) -> None:
     """Add the ``bags`` parser to the ``benchmark`` sub-commands."""
     from wsi_milssl.cli import HelpFormatter
-    from wsi_milssl.mil.bagbench import METHODS, BagBenchConfig
+    from wsi_milssl.benchmark.bags import METHODS, BagBenchConfig
 
     d = BagBenchConfig()
     p = sub.add_parser(
@@ -79,7 +79,7 @@ def register_bags(sub) -> None:
 def run_bags(args: argparse.Namespace) -> int:
     from wsi_milssl.cli.progress import TqdmProgress
     from wsi_milssl.errors import ConfigError
-    from wsi_milssl.mil.bagbench import (
+    from wsi_milssl.benchmark.bags import (
         BagBenchConfig,
         format_markdown,
         run_ablation,

@@ -48,7 +48,7 @@ def register_model(name: str, *, image: bool = False):
 
 
 # Modules that register further built-in models (imported on first use of the registry).
-_BUILTIN_MODULES = ("wsi_milssl.mil.baselines",)  # digit-cnn
+_BUILTIN_MODULES = ("wsi_milssl.benchmark.baselines",)  # digit-cnn
 
 
 def _load_builtins() -> None:

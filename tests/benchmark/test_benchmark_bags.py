@@ -12,7 +12,7 @@ import pytest
 
 from wsi_milssl.cli import main
 from wsi_milssl.errors import ConfigError
-from wsi_milssl.mil.bagbench import (
+from wsi_milssl.benchmark.bags import (
     ABLATION_ROWS,
     BagBenchConfig,
     acceptance,
@@ -25,7 +25,7 @@ from wsi_milssl.mil.bagbench import (
     run_normal,
     summarise,
 )
-from wsi_milssl.synth.digits import DigitImages, load_digit_images, normal_protocol
+from wsi_milssl.benchmark.digits import DigitImages, load_digit_images, normal_protocol
 
 N_IMAGES = 700  # a subset of scikit-learn's 1,797 digits keeps these tests fast
 

@@ -1,7 +1,7 @@
 """The paper's digit-bag benchmarks (its tables 1-4 and 8): MIL-SSL against ABMIL, gated ABMIL and
 max-pooling MIL on the same bags, encoder and budget.
 
-Protocols (bags from :mod:`wsi_milssl.synth.digits`):
+Protocols (bags from :mod:`wsi_milssl.benchmark.digits`):
 
 - ``normal`` (tables 1-3): digit 9 positive, one setting per positive ratio; instance AUC and bag AUC
   on held-out bags.
@@ -37,9 +37,9 @@ import numpy as np
 from wsi_milssl.config.base import check_choice, check_range, check_type, config_to_dict
 from wsi_milssl.errors import ConfigError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
-from wsi_milssl.mil.baselines import BASELINES, ENCODERS, INSTANCE_SCORES, BaselineConfig, fit_baseline, predict_baseline
+from wsi_milssl.benchmark.baselines import BASELINES, ENCODERS, INSTANCE_SCORES, BaselineConfig, fit_baseline, predict_baseline
 from wsi_milssl.mil.data import InstanceSet
-from wsi_milssl.synth.digits import (
+from wsi_milssl.benchmark.digits import (
     NORMAL_RATIOS,
     DigitBags,
     DigitImages,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from wsi_milssl.errors import ConfigError
-from wsi_milssl.synth.digits import load_digit_images, normal_protocol, read_idx, read_mnist_idx
+from wsi_milssl.benchmark.digits import load_digit_images, normal_protocol, read_idx, read_mnist_idx
 
 
 def _idx_bytes(array: np.ndarray) -> bytes:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from wsi_milssl.errors import ConfigError
-from wsi_milssl.synth.digits import (
+from wsi_milssl.benchmark.digits import (
     DigitImages,
     hard_protocol,
     load_digit_images,

@@ -9,7 +9,7 @@ from sklearn.metrics import roc_auc_score
 
 from wsi_milssl.errors import ConfigError
 from wsi_milssl.mil import create_model, read_mil_csv
-from wsi_milssl.mil.baselines import (
+from wsi_milssl.benchmark.baselines import (
     AttentionMIL,
     BaselineConfig,
     DigitCNN,
