@@ -23,21 +23,12 @@ _FLAG_OPTIONS = {"no_channels_last": ("channels_last", False), "no_fuse_batchnor
 
 def features_config_from_args(args: argparse.Namespace):
     """FeaturesConfig from ``--config`` TOML (top level or a [features] table), then the options given."""
-    from wsi_milssl.config.base import config_from_mapping, load_toml
+    from wsi_milssl.cli.options import values_from_args
+    from wsi_milssl.config.base import config_from_mapping
     from wsi_milssl.config.features import FeaturesConfig
     from wsi_milssl.errors import ConfigError
 
-    values: dict = {}
-    if getattr(args, "config", None) is not None:
-        data = load_toml(args.config)
-        values.update(data.get("features", data))
-    for opt, name in _VALUE_OPTIONS.items():
-        value = getattr(args, opt, None)
-        if value is not None:
-            values[name] = value
-    for opt, (name, value) in _FLAG_OPTIONS.items():
-        if getattr(args, opt, False):
-            values[name] = value
+    values = values_from_args(args, table="features", value_options=_VALUE_OPTIONS, flag_options=_FLAG_OPTIONS)
     if getattr(args, "encoder_kwargs", None) is not None:
         try:
             kwargs = json.loads(args.encoder_kwargs)

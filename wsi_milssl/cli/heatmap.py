@@ -38,20 +38,11 @@ _FLAG_OPTIONS = {
 
 def heatmap_config_from_args(args: argparse.Namespace):
     """HeatmapConfig from ``--config`` TOML (top level or a [heatmap] table), then the options given."""
-    from wsi_milssl.config.base import config_from_mapping, load_toml
+    from wsi_milssl.cli.options import values_from_args
+    from wsi_milssl.config.base import config_from_mapping
     from wsi_milssl.config.heatmap import HeatmapConfig
 
-    values: dict = {}
-    if getattr(args, "config", None) is not None:
-        data = load_toml(args.config)
-        values.update(data.get("heatmap", data))
-    for opt, name in _VALUE_OPTIONS.items():
-        value = getattr(args, opt, None)
-        if value is not None:
-            values[name] = value
-    for opt, (name, value) in _FLAG_OPTIONS.items():
-        if getattr(args, opt, False):
-            values[name] = value
+    values = values_from_args(args, table="heatmap", value_options=_VALUE_OPTIONS, flag_options=_FLAG_OPTIONS)
     return config_from_mapping(HeatmapConfig, values, source=str(getattr(args, "config", None) or "options"))
 
 
