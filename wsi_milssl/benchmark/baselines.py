@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -310,12 +310,15 @@ def _seed(seed: int, *stream: int) -> int:
 # ----------------------------------------------------------------------------------------------
 
 def fit_baseline(train: InstanceSet, *, config: BaselineConfig,
-                 progress: ProgressCallback | None = None) -> nn.Module:
+                 progress: ProgressCallback | None = None,
+                 on_epoch: Callable[[int, nn.Module], None] | None = None) -> nn.Module:
     """Train baseline ``config.method`` on the bag labels of ``train`` (instance labels are never read).
 
     Binary cross-entropy on the bag logit, ``config.epochs`` passes over the bags in a seeded random
     order, ``config.bags_per_batch`` bags per step. Returns the model in eval mode (on the CPU).
-    Reproducible: the same seed, data and thread count give the same weights.
+    Reproducible: the same seed, data and thread count give the same weights. ``on_epoch(epoch, model)``
+    is called after every epoch (1-based count) to score snapshots (e.g. :func:`predict_baseline`);
+    it must not change the model's weights.
     """
     labels = train.bag_labels
     if not ((labels == 0).any() and (labels == 1).any()):
@@ -351,6 +354,9 @@ def fit_baseline(train: InstanceSet, *, config: BaselineConfig,
             raise ConfigError(f"{config.method}: training diverged (loss {total}); lower the learning rate.")
         emit(progress, ProgressEvent(stage="baseline", done=epoch + 1, total=config.epochs, unit="epoch",
                                      item=config.method, message=f"loss {total / n_bags:.4f}"))
+        if on_epoch is not None:
+            on_epoch(epoch + 1, model)
+            model.train()
     model.eval()
     return model
 
