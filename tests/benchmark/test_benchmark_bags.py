@@ -16,6 +16,7 @@ from wsi_milssl.benchmark.bags import (
     ABLATION_ROWS,
     BagBenchConfig,
     acceptance,
+    choose,
     digit_instance_set,
     format_markdown,
     mil_ssl_config,
@@ -23,6 +24,7 @@ from wsi_milssl.benchmark.bags import (
     run_hard,
     run_methods,
     run_normal,
+    run_tuned,
     summarise,
 )
 from wsi_milssl.benchmark.digits import DigitImages, load_digit_images, normal_protocol
@@ -50,7 +52,17 @@ def digits_dir(tmp_path_factory, small_digits) -> str:
 
 @pytest.fixture()
 def fast(digits_dir) -> dict:
-    return dict(epochs=2, bag_size=10, seeds=(0,), threads=1, mnist_dir=digits_dir)
+    """Untuned (no validation bags): one value per axis, last epoch scored."""
+    return dict(epoch_grid=(2,), lrs=(1e-3,), encoders=("digit-cnn",), attention_dims=(64,), maxpool_weight_decays=(1e-4,),
+                lams=(1.0,), val_fraction=0.0, bag_size=10, seeds=(0,), threads=1, mnist=digits_dir)
+
+
+@pytest.fixture()
+def tuned(digits_dir) -> dict:
+    """A small equal-budget grid: lr x encoder x own axis (2 values) = 4 runs per method, 2 epoch counts."""
+    return dict(epoch_grid=(1, 3), lrs=(1e-3,), encoders=("mlp", "digit-cnn"), lams=(1.0, 25.0),
+                attention_dims=(16, 64), maxpool_weight_decays=(1e-4, 1e-3), val_fraction=0.25, bag_size=10,
+                seeds=(0,), threads=1, mnist=digits_dir)
 
 
 def _strip(rows):
@@ -58,7 +70,8 @@ def _strip(rows):
 
 
 def test_every_method_is_scored_on_the_same_bags_and_reproducible_by_seed(small_digits):
-    config = BagBenchConfig(epochs=2, threads=1)
+    config = BagBenchConfig(epoch_grid=(2,), lrs=(1e-3,), encoders=("digit-cnn",), lams=(1.0,), attention_dims=(64,),
+                            maxpool_weight_decays=(1e-4,), val_fraction=0.0, threads=1)
     train, test = normal_protocol(small_digits, ratio=0.2, bag_size=10, seed=0)
     rows = run_methods(config, train, {"test": test}, seed=0)
     labels = [r["label"] for r in rows]
@@ -74,11 +87,13 @@ def test_every_method_is_scored_on_the_same_bags_and_reproducible_by_seed(small_
 
 def test_mil_ssl_config_uses_the_construction_ratio_and_half_the_epochs_as_ramp(small_digits):
     train, _ = normal_protocol(small_digits, ratio=0.2, bag_size=10, seed=0)
-    cfg = mil_ssl_config(BagBenchConfig(epochs=30), train, seed=4, lam=1.0)
-    assert cfg.mode == "features" and cfg.model == "digit-cnn"
+    cfg = mil_ssl_config(BagBenchConfig(epoch_grid=(10, 30)), train, seed=4, lam=1.0)
+    assert cfg.mode == "features" and cfg.model == "digit-cnn" and cfg.epochs == 30 and cfg.lr == 1e-3
     assert cfg.mu == pytest.approx(0.2) and cfg.mu_ramp_epochs == 15 and cfg.lam == 1.0 and cfg.seed == 4
-    fixed = mil_ssl_config(BagBenchConfig(epochs=30, mu=0.15, mu_ramp_epochs=5, encoder="mlp"), train, seed=0, lam=25.0)
-    assert (fixed.mu, fixed.mu_ramp_epochs, fixed.model, fixed.lam) == (0.15, 5, "mlp", 25.0)
+    fixed = mil_ssl_config(BagBenchConfig(epoch_grid=(30,), mu=0.15, mu_ramp_epochs=5), train, seed=0, lam=25.0,
+                           encoder="mlp", lr=3e-4, epochs=10)
+    assert (fixed.mu, fixed.mu_ramp_epochs, fixed.model, fixed.lam, fixed.lr, fixed.epochs) == (0.15, 5, "mlp", 25.0,
+                                                                                            3e-4, 10)
     s = digit_instance_set(train)
     assert s.kind == "features" and s.in_features == 64 and s.n_bags == train.n_bags
 
@@ -95,7 +110,9 @@ def test_normal_tables_have_the_paper_shape(fast):
     acc = acceptance(result)
     assert set(acc["normal"]) == {"0.1", "0.5"}
     v = acc["normal"]["0.1"]
-    assert v["margin"] == pytest.approx(v["mil_ssl"] - v["best_abmil"]) and v["met"] == (v["margin"] > 0)
+    assert v["margin"] == pytest.approx(v["mil_ssl"] - v["abmil_logit"]) and v["met"] == (v["margin"] >= 0)
+    logit = summary[("ABMIL (raw attention logit)", "0.1")]["instance_auc"]["mean"]
+    assert v["abmil_logit"] == logit
     assert json.loads(json.dumps(result))["protocol"] == "normal"
 
 
@@ -104,12 +121,17 @@ def test_hard_table_reports_three_test_sets_and_the_margin(fast):
     assert {r["test"] for r in result["rows"]} == {"test-normal", "test-pos0", "test-pos8"}
     text = format_markdown(result)
     assert "Table 4 analog" in text and "| Method | Test set | Instance-level AUC | Bag-level AUC |" in text
-    acc = acceptance(result)["hard"]
-    assert acc["harder_test"] in ("test-pos0", "test-pos8") and acc["best_baseline"] == "Max-pooling MIL"
+    acc = acceptance(result)
+    assert set(acc["hard"]) == {"test-pos0", "test-pos8"}
+    for t, v in acc["hard"].items():
+        assert v["best_baseline"] == "Max-pooling MIL" and v["met"] == (v["mil_ssl"] >= 0.95)
+        assert v["shortfall"] == pytest.approx(max(0.0, 0.95 - v["mil_ssl"]))
+    assert acc["met"] == all(v["met"] for v in acc["hard"].values())
+    assert "Acceptance (MIL-SSL instance AUC >= 0.95 on test-pos0 and on test-pos8)" in text
 
 
 def test_ablation_rows_switch_soft_labels_constraints_and_adaptive_mu(fast):
-    result = run_ablation(BagBenchConfig(ablation_ratio=0.2, **{**fast, "epochs": 4}))
+    result = run_ablation(BagBenchConfig(ablation_ratio=0.2, **{**fast, "epoch_grid": (4,)}))
     rows = result["rows"]
     assert [(r["soft"], r["constraint"], r["adaptive_mu"]) for r in rows] == list(ABLATION_ROWS)
     # without the constraints the pseudo labels of positive bags collapse toward all-negative
@@ -125,22 +147,32 @@ def test_config_is_validated_with_the_field_name():
         BagBenchConfig(methods=("dsmil",))
     with pytest.raises(ConfigError, match="BagBenchConfig.ratios"):
         BagBenchConfig(ratios=(0.0,))
-    with pytest.raises(ConfigError, match="must not repeat a seed"):
+    with pytest.raises(ConfigError, match="seeds must not repeat a value"):
         BagBenchConfig(seeds=(1, 1))
     assert BagBenchConfig().resolved_bag_size() == 20
-    assert BagBenchConfig(mnist_dir="/data/mnist").resolved_bag_size() == 100
+    assert BagBenchConfig(mnist="/data/mnist_5k.csv.gz").resolved_bag_size() == 100
+    with pytest.raises(ConfigError, match="unequal tuning budgets"):
+        BagBenchConfig(lams=(1.0, 5.0, 25.0))
+    with pytest.raises(ConfigError, match="several candidates but val_fraction is 0"):
+        BagBenchConfig(val_fraction=0.0, lams=(1.0,), attention_dims=(64,), maxpool_weight_decays=(1e-4,))
+    # a method left out does not count: MIL-SSL alone may have any number of λ
+    assert BagBenchConfig(methods=("mil-ssl",), lams=(1.0, 5.0, 25.0)).candidates("mil-ssl")[-1] == {
+        "lr": 3e-4, "encoder": "mlp", "lam": 25.0}
 
 
 def test_cli_prints_tables_and_writes_json(tmp_path, capsys, digits_dir):
     out = tmp_path / "hard.json"
     md = tmp_path / "hard.md"
-    code = main(["benchmark", "bags", "--protocol", "hard", "--seeds", "0", "--epochs", "1", "--bag-size", "10",
-                 "--mnist", digits_dir, "--methods", "mil-ssl", "abmil", "--json", str(out), "--markdown", str(md)])
+    code = main(["benchmark", "bags", "--protocol", "hard", "--seeds", "0", "--epochs", "1", "2", "--bag-size", "10",
+                 "--mnist", digits_dir, "--methods", "mil-ssl", "abmil", "--encoders", "mlp", "--lr", "1e-3",
+                 "--lam", "1", "--attention-dims", "32", "--json", str(out), "--markdown", str(md)])
     assert code == 0
     printed = capsys.readouterr().out
     assert "Table 4 analog" in printed and "ABMIL (raw attention logit)" in printed
+    assert "Settings chosen on validation bags" in printed
     data = json.loads(out.read_text())
-    assert data["protocol"] == "hard" and data["config"]["epochs"] == 1 and len(data["rows"]) == 9
+    assert data["protocol"] == "hard" and data["config"]["epoch_grid"] == [1, 2] and len(data["rows"]) == 9
+    assert {r["chosen"]["epochs"] for r in data["rows"]} <= {1, 2}
     assert md.read_text().startswith("Images: MNIST IDX")
 
 
@@ -152,7 +184,8 @@ def test_cli_rejects_the_ablation_on_the_hard_protocol(capsys):
 @pytest.mark.slow
 def test_mil_ssl_beats_abmil_on_instances_at_a_high_ratio():
     """Default settings at 70 %: bag classifiers need only a few 9s; MIL-SSL learns them all."""
-    result = run_normal(BagBenchConfig(ratios=(0.7,), seeds=(0, 1), methods=("mil-ssl", "abmil")))
+    result = run_normal(BagBenchConfig(ratios=(0.7,), seeds=(0, 1), methods=("mil-ssl", "abmil"), encoders=("digit-cnn",),
+                                       lrs=(1e-3,), epoch_grid=(50, 100)))
     acc = acceptance(result)["normal"]["0.7"]
     assert acc["met"] and acc["mil_ssl"] > 0.95, acc
     assert np.isfinite(acc["margin"])
@@ -165,3 +198,95 @@ def test_ratios_with_the_same_bags_are_trained_once(fast):
     by_ratio = {r["ratio"]: r["instance_auc"] for r in result["rows"] if r["scoring"] == "attention"}
     assert by_ratio[0.05] == by_ratio[0.1] == by_ratio[0.08]
     assert "5% and 10% and 8% all give 1 positive(s) per positive bag" in format_markdown(result)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tuning on validation bags with an equal budget
+# ----------------------------------------------------------------------------------------------
+
+def _tuned_bags(small_digits, seed=0):
+    from wsi_milssl.benchmark.digits import normal_bags
+
+    return normal_bags(small_digits, ratio=0.2, bag_size=10, seed=seed, val_fraction=0.25)
+
+
+def test_validation_bags_come_from_training_images_only(small_digits):
+    bags = _tuned_bags(small_digits)
+    assert set(bags) == {"train", "val", "test"}
+    used = {k: set(b.image_index.tolist()) for k, b in bags.items()}
+    assert not used["val"] & used["train"] and not used["val"] & used["test"] and not used["train"] & used["test"]
+    # the test bags are those of the untuned protocol: tuning does not change what is scored
+    _, test = normal_protocol(small_digits, ratio=0.2, bag_size=10, seed=0)
+    assert np.array_equal(test.image_index, bags["test"].image_index)
+
+
+def test_every_method_gets_the_same_budget_and_rows_report_their_choice(small_digits, tuned):
+    config = BagBenchConfig(**{k: v for k, v in tuned.items() if k != "mnist"})
+    rows = run_tuned(config, _tuned_bags(small_digits), seed=0)
+    assert {r["candidates"] for r in rows} == {4}  # 1 lr x 2 encoders x 2 values of the method's own axis
+    by = {r["label"]: r for r in rows}
+    assert set(by["MIL-SSL"]["chosen"]) == {"lr", "encoder", "lam", "epochs"}
+    assert set(by["ABMIL (raw attention logit)"]["chosen"]) == {"lr", "encoder", "attention_dim", "epochs"}
+    assert set(by["Max-pooling MIL"]["chosen"]) == {"lr", "encoder", "weight_decay", "epochs"}
+    for r in rows:
+        assert r["chosen"]["epochs"] in (1, 3) and r["test"] == "test"
+        assert r["primary"] == (r["scoring"] in ("probability", "attention_logit", "instance_prob"))
+
+
+def test_the_choice_never_reads_the_test_bags(small_digits, tuned):
+    """Shuffling the test bags' instance and bag labels changes the test scores, never the choice."""
+    import dataclasses
+
+    config = BagBenchConfig(**{k: v for k, v in tuned.items() if k != "mnist"})
+    bags = _tuned_bags(small_digits)
+    rng = np.random.default_rng(0)
+    scrambled = dataclasses.replace(bags["test"], instance_labels=rng.permutation(bags["test"].instance_labels),
+                                    bag_labels=rng.permutation(bags["test"].bag_labels))
+    a = run_tuned(config, bags, seed=0, methods=("mil-ssl", "abmil"))
+    b = run_tuned(config, {**bags, "test": scrambled}, seed=0, methods=("mil-ssl", "abmil"))
+    assert [r["chosen"] for r in a] == [r["chosen"] for r in b]
+    assert [r["val_instance_auc"] for r in a] == [r["val_instance_auc"] for r in b]
+    assert [r["instance_auc"] for r in a] != [r["instance_auc"] for r in b]
+
+
+def test_choose_takes_the_best_validation_score_and_keeps_the_earlier_on_ties():
+    def run(val_aucs, test_auc=0.5):
+        return {"scores": {e: {"val": {"instance_auc": {"s": v}, "bag_auc": 0.5, "bag_nll": 0.7},
+                               "test": {"instance_auc": {"s": test_auc}, "bag_auc": 1.0, "bag_nll": 0.1}}
+                           for e, v in val_aucs.items()}}
+
+    runs = [({"c": 0}, run({5: 0.80, 10: 0.90}, test_auc=1.0)), ({"c": 1}, run({5: 0.95, 10: 0.90})),
+            ({"c": 2}, run({5: 0.95, 10: 0.70}))]
+    assert choose(runs, "s", "instance_auc") == (1, 5)
+    runs[2][1]["scores"][5]["val"]["bag_auc"] = 0.9  # bag AUC breaks an instance-AUC tie
+    assert choose(runs, "s", "instance_auc") == (2, 5)
+    assert choose(runs, "s", "bag_auc") == (2, 5)
+
+
+def test_an_epoch_snapshot_equals_a_run_of_that_many_epochs(small_digits, tuned):
+    """Epoch counts are scored as snapshots of one run; each equals a separate shorter run."""
+    from wsi_milssl.benchmark.bags import train_and_score
+
+    config = BagBenchConfig(**{k: v for k, v in tuned.items() if k != "mnist"})
+    bags = _tuned_bags(small_digits)
+    train = digit_instance_set(bags["train"])
+    evals = {"val": digit_instance_set(bags["val"])}
+    for method, settings in (("mil-ssl", {"lr": 1e-3, "encoder": "mlp", "lam": 1.0}),
+                             ("gated-abmil", {"lr": 1e-3, "encoder": "mlp", "attention_dim": 16})):
+        kw = dict(seed=0, settings=settings, bag_size=10, mu=0.2)
+        long = train_and_score(config, method, train, evals, eval_at=(1, 3), **kw)
+        short = train_and_score(config, method, train, evals, eval_at=(1,), **kw)
+        assert set(long["scores"]) == {1, 3}
+        assert long["scores"][1] == short["scores"][1], method
+        assert long["scores"][1] != long["scores"][3]
+
+
+def test_tuned_tables_show_choices_and_bag_auc_of_the_primary_scoring(tuned):
+    result = run_normal(BagBenchConfig(ratios=(0.2,), methods=("mil-ssl", "abmil"), **tuned))
+    text = format_markdown(result)
+    assert "every method tuned with the same budget on validation bags" in text
+    assert "| bags (train : validation : test) |" in text
+    assert "Settings chosen on validation bags" in text and "- MIL-SSL: lr 0.001 x1; encoder " in text
+    logit = next(r for r in result["rows"] if r["scoring"] == "attention_logit")
+    table3 = text.split("Table 3 analog")[1].split("Acceptance")[0]
+    assert f"| ABMIL | {logit['bag_auc']:.4f}" in table3.replace("**", "")

