@@ -290,3 +290,22 @@ def test_tuned_tables_show_choices_and_bag_auc_of_the_primary_scoring(tuned):
     logit = next(r for r in result["rows"] if r["scoring"] == "attention_logit")
     table3 = text.split("Table 3 analog")[1].split("Acceptance")[0]
     assert f"| ABMIL | {logit['bag_auc']:.4f}" in table3.replace("**", "")
+
+
+def test_bench_script_merges_runs_of_other_seeds(fast):
+    """benchmarks/bench_bags.py --from-json pools the rows of runs made with other seeds (same settings)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_bags.py"
+    spec = importlib.util.spec_from_file_location("bench_bags", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cfg = dict(fast, methods=("abmil",), ratios=(0.2,))
+    a = run_normal(BagBenchConfig(**cfg))
+    b = run_normal(BagBenchConfig(**{**cfg, "seeds": (1,)}))
+    merged = bench._merge(a, b)
+    assert merged["config"]["seeds"] == [0, 1] and len(merged["rows"]) == len(a["rows"]) * 2
+    assert summarise(merged)[("ABMIL (softmax attention)", "0.2")]["instance_auc"]["n"] == 2
+    with pytest.raises(SystemExit, match="seeds repeat"):
+        bench._merge(a, a)
