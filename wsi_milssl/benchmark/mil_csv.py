@@ -1,9 +1,22 @@
-"""The classical MIL benchmark protocol with honest nested cross-validation.
+"""The classical MIL benchmark protocol: every method under the same honest nested cross-validation.
 
-Outer loop: stratified k-fold over bags. Inside each outer training split only, an inner stratified
-k-fold grid search picks μ, T (the adaptive-μ ramp) and the number of epochs, and calibrates the bag
-threshold on the inner out-of-fold bag scores. The chosen setting is retrained on the whole outer
-training split and scored once on the outer test fold, which nothing else ever sees.
+Outer loop: stratified k-fold over bags (``BenchmarkConfig.folds``; the same split for every method).
+Inside each outer training split only, the same stratified inner folds serve every method: each grid
+point of a method is trained on every inner training part and scored on the inner held-out bags, and the
+out-of-fold (OOF) bag scores of the whole training split pick the grid point and the number of epochs
+(by ``select_metric``, ties by the other of AUC/accuracy) and calibrate the bag threshold. The chosen
+setting, trained on the whole outer training split, is scored once on the outer test fold; with the
+``ensemble`` option the test score is the mean of that model and the chosen setting's inner-fold models.
+Nothing is ever chosen on an outer test fold.
+
+Speed: the grid points x (inner folds + the whole split) of one outer fold are one stack of models
+trained at once (:mod:`wsi_milssl.benchmark.stacked`), evaluated at every epoch of the epoch grid.
+
+Methods (:data:`METHODS`) are named :class:`MethodSpec` s: a kind (``mil-ssl``, ``abmil``,
+``gated-abmil``, ``maxpool``), fixed settings, a hyperparameter grid and an epoch grid of comparable
+size. ``mil-ssl-paper`` is the paper's method and grids; ``mil-ssl-improved`` the improved MIL-SSL;
+``mil-ssl`` is whichever :data:`DEFAULT_PRESET` names. The ``mil-ssl-improved-no-*`` methods are the
+ablation rows (the improved method with one change undone).
 """
 
 from __future__ import annotations
@@ -13,20 +26,195 @@ import itertools
 import logging
 import math
 import time
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import numpy as np
+import torch
 
-from wsi_milssl.config.train import BenchmarkConfig, TrainConfig
+from wsi_milssl.config.train import BenchmarkConfig
 from wsi_milssl.errors import ConfigError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.mil.data import InstanceSet
-from wsi_milssl.mil.selftrain import _auc, fit
 
-__all__ = ["nested_cross_validation", "best_threshold", "summarise"]
+__all__ = ["MethodSpec", "METHODS", "PRESETS", "DEFAULT_PRESET", "resolve_methods", "nested_cross_validation",
+           "best_threshold", "summarise", "format_table", "format_markdown"]
 
 log = logging.getLogger(__name__)
 
+KINDS = ("mil-ssl", "abmil", "gated-abmil", "maxpool")
+#: grid keys each kind searches or fixes (anything else is a ConfigError)
+GRID_KEYS = {
+    "mil-ssl": ("mu", "ramp_epochs", "lr", "weight_decay", "dropout", "pooling"),
+    "abmil": ("lr", "weight_decay", "attention_dim", "dropout"),
+    "gated-abmil": ("lr", "weight_decay", "attention_dim", "dropout"),
+    "maxpool": ("lr", "weight_decay", "dropout"),
+}
+FIXED_KEYS = {
+    "mil-ssl": ("hidden_dims", "batch_size", "lam", "fixed_mu", "soft_labels", "local_constraint",
+                "global_constraint", "class_balanced", "warmup_epochs"),
+    "abmil": ("hidden_dims", "bags_per_batch"),
+    "gated-abmil": ("hidden_dims", "bags_per_batch"),
+    "maxpool": ("hidden_dims", "bags_per_batch"),
+}
+DEFAULTS = {
+    "mil-ssl": {"mu": 0.15, "ramp_epochs": 10, "lr": 1e-3, "weight_decay": 1e-4, "dropout": 0.5, "pooling": "max",
+                "hidden_dims": (256,), "batch_size": 512, "lam": 25.0, "fixed_mu": False, "soft_labels": True,
+                "local_constraint": True, "global_constraint": True, "class_balanced": False, "warmup_epochs": 0},
+    "abmil": {"lr": 1e-3, "weight_decay": 1e-4, "attention_dim": 64, "dropout": 0.0, "hidden_dims": (128, 64),
+              "bags_per_batch": 8},
+}
+DEFAULTS["gated-abmil"] = dict(DEFAULTS["abmil"])
+DEFAULTS["maxpool"] = {k: v for k, v in DEFAULTS["abmil"].items() if k != "attention_dim"}
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One benchmark row: ``kind`` trained with ``fixed`` settings, ``grid`` searched on inner folds
+    (every combination) at every epoch count of ``epoch_grid``; ``ensemble``: test score = mean of the
+    chosen setting's model on the whole split and its inner-fold models; ``threshold``: "inner" (the
+    accuracy-best threshold on the OOF scores) or "0.5"."""
+
+    name: str
+    kind: str
+    grid: tuple[tuple[str, tuple], ...] = ()
+    fixed: tuple[tuple[str, Any], ...] = ()
+    epoch_grid: tuple[int, ...] = (50, 100)
+    ensemble: bool = False
+    threshold: str = "inner"
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ConfigError(f"method {self.name!r}: kind must be one of {', '.join(KINDS)}; got {self.kind!r}.")
+        for key, values in self.grid:
+            if key not in GRID_KEYS[self.kind]:
+                raise ConfigError(f"method {self.name!r}: {self.kind} cannot search {key!r}; its grid keys are "
+                                  f"{', '.join(GRID_KEYS[self.kind])}.")
+            if not values:
+                raise ConfigError(f"method {self.name!r}: the grid of {key!r} is empty; give at least one value.")
+        for key, _ in self.fixed:
+            if key not in GRID_KEYS[self.kind] + FIXED_KEYS[self.kind]:
+                raise ConfigError(f"method {self.name!r}: unknown setting {key!r} for {self.kind}; known: "
+                                  f"{', '.join(GRID_KEYS[self.kind] + FIXED_KEYS[self.kind])}.")
+        if not self.epoch_grid or any((not isinstance(e, int)) or e < 1 for e in self.epoch_grid):
+            raise ConfigError(f"method {self.name!r}: epoch_grid needs positive integers; got {self.epoch_grid!r}.")
+        if self.threshold not in ("inner", "0.5"):
+            raise ConfigError(f"method {self.name!r}: threshold must be 'inner' or '0.5'; got {self.threshold!r}.")
+
+    def settings(self) -> dict[str, Any]:
+        """Defaults of the kind, then ``fixed``."""
+        out = dict(DEFAULTS[self.kind])
+        out.update(dict(self.fixed))
+        return out
+
+    def points(self) -> list[dict[str, Any]]:
+        """Every grid combination (training settings; ``pooling`` is applied after training)."""
+        keys = [k for k, _ in self.grid]
+        return [dict(zip(keys, combo)) for combo in itertools.product(*[v for _, v in self.grid])]
+
+    def grid_size(self) -> int:
+        return len(self.points()) * len(self.epoch_grid)
+
+    def with_overrides(self, overrides: dict[str, tuple], epoch_grid: tuple[int, ...] | None) -> "MethodSpec":
+        """This spec with grid keys in ``overrides`` replaced (only keys this kind can search)."""
+        grid = dict(self.grid)
+        fixed = dict(self.fixed)
+        for key, values in overrides.items():
+            if key in GRID_KEYS[self.kind]:
+                grid[key] = tuple(values)
+                fixed.pop(key, None)
+        return dataclasses.replace(self, grid=tuple(grid.items()), fixed=tuple(fixed.items()),
+                                   epoch_grid=tuple(epoch_grid) if epoch_grid else self.epoch_grid)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.kind, "grid": {k: list(v) for k, v in self.grid},
+                "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.settings().items()},
+                "epoch_grid": list(self.epoch_grid), "ensemble": self.ensemble, "threshold": self.threshold,
+                "grid_size": self.grid_size(), "description": self.description}
+
+
+_BASELINE_GRID = (("lr", (3e-4, 1e-3)), ("weight_decay", (1e-4, 1e-2)))
+_PAPER = MethodSpec(
+    name="mil-ssl-paper", kind="mil-ssl",
+    grid=(("mu", (0.1, 0.15, 0.2, 0.25)), ("ramp_epochs", (5, 10, 20, 40))),
+    epoch_grid=(50, 100),
+    description="the paper's method: μ, T grids of the paper, λ = 25, max pooling, one model",
+)
+_IMPROVED = MethodSpec(
+    name="mil-ssl-improved", kind="mil-ssl",
+    grid=(("mu", (0.5, 0.7, 0.9)), ("lr", (1e-3, 3e-3)), ("pooling", ("max", "mean", "top2"))),
+    fixed=(("fixed_mu", True), ("warmup_epochs", 5)),
+    epoch_grid=(25, 50, 100),
+    ensemble=True,
+    description="μ up to 0.9 (fixed), 5 warm-up epochs, Adam at two rates, bag pooling chosen on the inner "
+                "folds (max, mean, top-2 mean), ensemble of the inner-fold models",
+)
+
+
+def _ablation(name: str, spec: MethodSpec, description: str, **changes) -> MethodSpec:
+    grid = dict(spec.grid)
+    fixed = dict(spec.fixed)
+    for key, value in changes.get("grid", {}).items():
+        grid[key] = value
+    for key, value in changes.get("fixed", {}).items():
+        grid.pop(key, None)
+        fixed[key] = value
+    return dataclasses.replace(spec, name=name, grid=tuple(grid.items()), fixed=tuple(fixed.items()),
+                               ensemble=changes.get("ensemble", spec.ensemble),
+                               threshold=changes.get("threshold", spec.threshold), description=description)
+
+
+#: presets of MIL-SSL: ``--preset`` picks which one ``mil-ssl`` means
+PRESETS: dict[str, MethodSpec] = {"paper": _PAPER, "improved": _IMPROVED}
+DEFAULT_PRESET = "improved"
+
+METHODS: dict[str, MethodSpec] = {
+    "mil-ssl-paper": _PAPER,
+    "mil-ssl-improved": _IMPROVED,
+    "abmil": MethodSpec(name="abmil", kind="abmil", grid=_BASELINE_GRID + (("attention_dim", (64, 128)),),
+                        epoch_grid=(25, 50, 100), description="attention MIL (Ilse et al. 2018)"),
+    "gated-abmil": MethodSpec(name="gated-abmil", kind="gated-abmil",
+                              grid=_BASELINE_GRID + (("attention_dim", (64, 128)),),
+                              epoch_grid=(25, 50, 100), description="gated attention MIL"),
+    "maxpool": MethodSpec(name="maxpool", kind="maxpool", grid=_BASELINE_GRID + (("dropout", (0.0, 0.25)),),
+                          epoch_grid=(25, 50, 100), description="instance-level max-pooling MIL (mi-Net style)"),
+    # ablation rows: the improved method with one change undone
+    "mil-ssl-improved-no-ensemble": _ablation("mil-ssl-improved-no-ensemble", _IMPROVED,
+                                              "improved, one model (no inner-fold ensemble)", ensemble=False),
+    "mil-ssl-improved-max-pooling": _ablation("mil-ssl-improved-max-pooling", _IMPROVED,
+                                              "improved, max pooling only (eq. 11)", fixed={"pooling": "max"}),
+    "mil-ssl-improved-no-warmup": _ablation("mil-ssl-improved-no-warmup", _IMPROVED,
+                                            "improved, first refresh before any training", fixed={"warmup_epochs": 0}),
+    "mil-ssl-improved-paper-mu": _ablation("mil-ssl-improved-paper-mu", _IMPROVED,
+                                           "improved with the paper's μ grid and ramp",
+                                           grid={"mu": (0.1, 0.15, 0.2, 0.25)}, fixed={"fixed_mu": False,
+                                                                                        "ramp_epochs": 10}),
+    "mil-ssl-improved-threshold-0.5": _ablation("mil-ssl-improved-threshold-0.5", _IMPROVED,
+                                                "improved, bag threshold 0.5 (not calibrated)", threshold="0.5"),
+}
+
+
+def resolve_methods(names: Sequence[str], *, preset: str = DEFAULT_PRESET) -> list[MethodSpec]:
+    """The specs of ``names``; ``mil-ssl`` is the ``preset`` (named ``mil-ssl (<preset>)``)."""
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown MIL-SSL preset {preset!r}; choose one of {', '.join(PRESETS)}.")
+    out = []
+    for name in names:
+        if name == "mil-ssl":
+            out.append(dataclasses.replace(PRESETS[preset], name=f"mil-ssl ({preset})"))
+        elif name in METHODS:
+            out.append(METHODS[name])
+        else:
+            raise ConfigError(f"unknown benchmark method {name!r}; choose from mil-ssl, {', '.join(METHODS)}.")
+    if len({m.name for m in out}) != len(out):
+        raise ConfigError(f"a method is listed twice in {list(names)}; list each once.")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Metrics
+# ----------------------------------------------------------------------------------------------
 
 def best_threshold(scores: np.ndarray, labels: np.ndarray) -> float:
     """The bag-score threshold with the highest accuracy on (scores, labels): the midpoint between two
@@ -44,95 +232,186 @@ def best_threshold(scores: np.ndarray, labels: np.ndarray) -> float:
     return float(cands[best[np.argmin(np.abs(cands[best] - 0.5))]])
 
 
+def _auc(labels: np.ndarray, scores: np.ndarray) -> float | None:
+    from sklearn.metrics import roc_auc_score
+
+    ok = np.isfinite(scores)
+    y, s = labels[ok], scores[ok]
+    if y.size == 0 or y.min() == y.max():
+        return None
+    return float(roc_auc_score(y, s))
+
+
 def _metric(scores: np.ndarray, labels: np.ndarray, name: str) -> float:
     if name == "auc":
         value = _auc(labels.astype(np.int64), scores)
         return -math.inf if value is None else value
-    return float(np.mean((scores > 0.5) == (labels == 1)))
+    return float(np.mean((scores > best_threshold(scores, labels)) == (labels == 1)))
 
 
-def _stratified(labels: np.ndarray, n_splits: int, seed: int):
+def _stratified(labels: np.ndarray, n_splits: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
     from sklearn.model_selection import StratifiedKFold
 
     counts = np.bincount(labels.astype(np.int64), minlength=2)
     if counts.min() < n_splits:
         raise ConfigError(f"only {counts.min()} bags of the rarer class for {n_splits} folds; use fewer folds.")
-    return StratifiedKFold(n_splits=n_splits, shuffle=True, random_state=seed).split(np.zeros(labels.size), labels)
+    return list(StratifiedKFold(n_splits=n_splits, shuffle=True, random_state=seed).split(np.zeros(labels.size),
+                                                                                          labels))
 
 
-def nested_cross_validation(instances: InstanceSet, *, train_config: TrainConfig, bench: BenchmarkConfig,
+# ----------------------------------------------------------------------------------------------
+# One method on one outer fold
+# ----------------------------------------------------------------------------------------------
+
+def _fit_fold(spec: MethodSpec, train_set: InstanceSet, test_set: InstanceSet, inner: list[tuple[np.ndarray, np.ndarray]],
+              *, seed: int) -> tuple[list[dict[str, Any]], dict[int, np.ndarray], dict[int, np.ndarray]]:
+    """Train every grid point on every inner training part and on the whole split, as one stack.
+
+    Returns (points, train_scores, test_scores): ``points`` the grid points (with ``pooling`` for
+    MIL-SSL), ``train_scores[e]`` float64 (P, F, B_train) bag scores of the training split and
+    ``test_scores[e]`` (P, F, B_test), F = inner folds + 1 (the last is the whole split).
+    """
+    from wsi_milssl.benchmark.stacked import StackedData, fit_stacked_baseline, fit_stacked_milssl, pool_bags
+
+    settings = spec.settings()
+    train_points = spec.points()
+    poolings = [settings["pooling"]] if spec.kind == "mil-ssl" else [None]
+    if spec.kind == "mil-ssl":
+        pool_grid = dict(spec.grid).get("pooling")
+        if pool_grid:
+            poolings = list(pool_grid)
+            train_points = [p for p in train_points if p.get("pooling", poolings[0]) == poolings[0]]
+            for p in train_points:
+                p.pop("pooling", None)
+    n_folds = len(inner) + 1
+    weights = []
+    for _p in train_points:
+        for in_tr, _ in inner:
+            w = np.zeros(train_set.n_bags, dtype=np.float32)
+            w[in_tr] = 1.0
+            weights.append(w)
+        weights.append(np.ones(train_set.n_bags, dtype=np.float32))
+    data = StackedData.from_instances(train_set, np.stack(weights))
+    per_model = [{**settings, **p} for p in train_points for _ in range(n_folds)]
+    seeds = [int(np.random.SeedSequence([seed, g, f]).generate_state(1)[0] >> 1)
+             for g in range(len(train_points)) for f in range(n_folds)]
+    col = lambda key: [s[key] for s in per_model]  # noqa: E731
+    if spec.kind == "mil-ssl":
+        raw = fit_stacked_milssl(
+            data, lr=col("lr"), weight_decay=col("weight_decay"), dropout=col("dropout"), mu=col("mu"),
+            ramp_epochs=col("ramp_epochs"), hidden_dims=settings["hidden_dims"], batch_size=settings["batch_size"],
+            lam=settings["lam"], fixed_mu=settings["fixed_mu"], soft_labels=settings["soft_labels"],
+            local_constraint=settings["local_constraint"], global_constraint=settings["global_constraint"],
+            class_balanced=settings["class_balanced"], warmup_epochs=settings["warmup_epochs"],
+            eval_at=spec.epoch_grid, eval_sets={"test": test_set}, seeds=seeds, seed=seed)
+        points, train_scores, test_scores = [], {}, {}
+        for e in spec.epoch_grid:
+            tr, te = [], []
+            for pooling in poolings:
+                tr.append(pool_bags(raw["train"][e], train_set.bag_ids, train_set.n_bags, pooling))
+                te.append(pool_bags(raw["test"][e], test_set.bag_ids, test_set.n_bags, pooling))
+            train_scores[e] = np.concatenate(tr).reshape(len(poolings) * len(train_points), n_folds, -1)
+            test_scores[e] = np.concatenate(te).reshape(len(poolings) * len(train_points), n_folds, -1)
+        points = [{**p, "pooling": pooling} for pooling in poolings for p in train_points]
+        return points, train_scores, test_scores
+    raw = fit_stacked_baseline(
+        data, method=spec.kind, lr=col("lr"), weight_decay=col("weight_decay"),
+        attention_dim=[s.get("attention_dim", 1) for s in per_model], dropout=col("dropout"),
+        hidden_dims=settings["hidden_dims"], bags_per_batch=settings["bags_per_batch"], eval_at=spec.epoch_grid,
+        eval_sets={"test": test_set}, seeds=seeds, seed=seed)
+    shape = lambda a: a.reshape(len(train_points), n_folds, -1)  # noqa: E731
+    return (train_points, {e: shape(raw["train"][e]) for e in spec.epoch_grid},
+            {e: shape(raw["test"][e]) for e in spec.epoch_grid})
+
+
+def _select(spec: MethodSpec, points: list[dict[str, Any]], train_scores: dict[int, np.ndarray],
+            inner: list[tuple[np.ndarray, np.ndarray]], labels: np.ndarray, select_metric: str
+            ) -> tuple[int, int, np.ndarray, float, float]:
+    """(point index, epochs, OOF scores, inner metric, threshold) of the best setting on the OOF scores
+    of the training split alone."""
+    other = "accuracy" if select_metric == "auc" else "auc"
+    best = None
+    for e in spec.epoch_grid:
+        for g in range(len(points)):
+            oof = np.full(labels.size, np.nan)
+            for k, (_, in_va) in enumerate(inner):
+                oof[in_va] = train_scores[e][g, k, in_va]
+            key = (_metric(oof, labels, select_metric), _metric(oof, labels, other))
+            if best is None or key > best[0]:
+                best = (key, g, e, oof)
+    key, g, e, oof = best
+    threshold = best_threshold(oof, labels) if spec.threshold == "inner" else 0.5
+    return g, e, oof, key[0], threshold
+
+
+def nested_cross_validation(instances: InstanceSet, *, bench: BenchmarkConfig,
+                            methods: Sequence[MethodSpec] | None = None,
                             progress: ProgressCallback | None = None) -> dict[str, Any]:
-    """Run the nested cross-validation of MIL-SSL on a feature InstanceSet.
+    """Run every method of ``methods`` (default: ``bench.methods`` resolved with ``bench.preset``) under
+    the same nested cross-validation of ``instances`` (feature bags).
 
-    Returns a JSON-ready dict: ``folds`` (per outer fold: chosen mu/T/epochs, threshold, test bag accuracy
-    at 0.5 and at the calibrated threshold, test AUC), ``summary`` (mean and std of each), the settings
-    and the runtime.
+    Returns a JSON-ready dict: per method its spec, per outer fold the chosen setting, inner metric,
+    threshold and the test bag accuracy (calibrated threshold and 0.5) and AUC, the summary (mean and
+    std over folds) and the seconds it took; plus the data set, the protocol and the total runtime.
     """
     if instances.kind != "features":
         raise ConfigError("the MIL benchmark needs feature instances (a MIL CSV or feature files).")
+    if methods is None:
+        methods = resolve_methods(bench.methods, preset=bench.preset)
+    methods = [m.with_overrides(bench.grid_overrides(), bench.epoch_grid) for m in methods]
+    if bench.threads > 0:
+        torch.set_num_threads(bench.threads)
     labels = instances.bag_labels
-    grid = list(itertools.product(bench.mu_grid, bench.ramp_grid))
-    max_epochs = max(bench.epoch_grid)
-    folds_out: list[dict[str, Any]] = []
     t_start = time.perf_counter()
-    total_fits = bench.repeats * bench.folds * (len(grid) * bench.inner_folds + 1)
-    fits_done = 0
+    results = {m.name: {"spec": m.to_dict(), "folds": [], "seconds": 0.0, "cpu_seconds": 0.0} for m in methods}
+    total = bench.repeats * bench.folds * len(methods)
+    done = 0
     for repeat in range(bench.repeats):
         outer_seed = bench.seed + 1000 * repeat
         for fold, (train_bags, test_bags) in enumerate(_stratified(labels, bench.folds, outer_seed)):
             train_set = instances.subset_bags(train_bags)
             test_set = instances.subset_bags(test_bags)
             tr_labels = train_set.bag_labels
-            # Inner grid search: out-of-fold bag scores of every (mu, T, epochs) on the training bags.
-            oof = {(mu, t, e): np.full(train_set.n_bags, np.nan) for mu, t in grid for e in bench.epoch_grid}
-            inner = list(_stratified(tr_labels, bench.inner_folds, outer_seed + 1 + fold))
-            for mu, t in grid:
-                for k, (in_tr, in_va) in enumerate(inner):
-                    cfg = dataclasses.replace(train_config, mu=float(mu), mu_ramp_epochs=int(t),
-                                              epochs=max_epochs, seed=train_config.seed + k, plots=False)
-                    res = fit(train_set.subset_bags(in_tr), config=cfg, val=train_set.subset_bags(in_va),
-                              eval_at=bench.epoch_grid, keep_val_scores=True)
-                    for e in bench.epoch_grid:
-                        oof[(mu, t, e)][in_va] = res.val_bag_scores[e]
-                    fits_done += 1
-                    emit(progress, ProgressEvent(stage="benchmark", done=fits_done, total=total_fits, unit="fit",
-                                                 item=f"fold {fold + 1}/{bench.folds}"))
-            inner_scores = {key: _metric(s, tr_labels, bench.select_metric) for key, s in oof.items()}
-            tie = {key: _metric(s, tr_labels, "auc" if bench.select_metric == "accuracy" else "accuracy")
-                   for key, s in oof.items()}
-            best_key = max(oof, key=lambda key: (inner_scores[key], tie[key]))
-            mu, t, e = best_key
-            threshold = best_threshold(oof[best_key], tr_labels)
-            cfg = dataclasses.replace(train_config, mu=float(mu), mu_ramp_epochs=int(t), epochs=int(e),
-                                      plots=False)
-            res = fit(train_set, config=cfg, val=test_set, eval_at=[int(e)], keep_val_scores=True)
-            fits_done += 1
-            scores = res.val_bag_scores[int(e)]
             y = test_set.bag_labels
-            row = {
-                "repeat": repeat, "fold": fold, "n_train_bags": int(train_set.n_bags),
-                "n_test_bags": int(test_set.n_bags), "mu": float(mu), "ramp_epochs": int(t), "epochs": int(e),
-                "inner_" + bench.select_metric: float(inner_scores[best_key]),
-                "threshold": threshold,
-                "accuracy": float(np.mean((scores > threshold) == (y == 1))),
-                "accuracy_at_0_5": float(np.mean((scores > 0.5) == (y == 1))),
-                "auc": _auc(y.astype(np.int64), scores),
-            }
-            folds_out.append(row)
-            log.info("fold %d: mu %.2f T %d epochs %d -> accuracy %.3f (at 0.5: %.3f) auc %s", fold + 1, mu, t, e,
-                     row["accuracy"], row["accuracy_at_0_5"], row["auc"])
-            emit(progress, ProgressEvent(stage="benchmark", done=fits_done, total=total_fits, unit="fit",
-                                         item=f"fold {fold + 1}/{bench.folds}",
-                                         message=f"acc {row['accuracy']:.3f}"))
+            inner = _stratified(tr_labels, bench.inner_folds, outer_seed + 1 + fold)
+            for spec in methods:
+                t0, c0 = time.perf_counter(), time.process_time()
+                fold_seed = int(np.random.SeedSequence([bench.seed, repeat, fold]).generate_state(1)[0] >> 1)
+                points, train_scores, test_scores = _fit_fold(spec, train_set, test_set, inner, seed=fold_seed)
+                g, e, _oof, inner_value, threshold = _select(spec, points, train_scores, inner, tr_labels,
+                                                              bench.select_metric)
+                if spec.ensemble:
+                    scores = test_scores[e][g].mean(axis=0)  # the whole-split model and the inner-fold models
+                else:
+                    scores = test_scores[e][g, -1]  # the model trained on the whole split
+                row = {
+                    "repeat": repeat, "fold": fold, "n_train_bags": int(train_set.n_bags),
+                    "n_test_bags": int(test_set.n_bags), "setting": {**points[g]}, "epochs": int(e),
+                    "inner_" + bench.select_metric: float(inner_value), "threshold": float(threshold),
+                    "accuracy": float(np.mean((scores > threshold) == (y == 1))),
+                    "accuracy_at_0_5": float(np.mean((scores > 0.5) == (y == 1))),
+                    "auc": _auc(y.astype(np.int64), scores),
+                }
+                res = results[spec.name]
+                res["folds"].append(row)
+                res["seconds"] += time.perf_counter() - t0
+                res["cpu_seconds"] += time.process_time() - c0
+                done += 1
+                log.info("%s fold %d: %s epochs %d -> accuracy %.3f auc %s", spec.name, fold + 1, points[g], e,
+                         row["accuracy"], row["auc"])
+                emit(progress, ProgressEvent(stage="benchmark", done=done, total=total, unit="fit",
+                                             item=f"fold {fold + 1}/{bench.folds} {spec.name}",
+                                             message=f"acc {row['accuracy']:.3f}"))
+    for res in results.values():
+        res["summary"] = summarise(res["folds"])
     return {
         "source": instances.source,
         "n_bags": int(instances.n_bags),
         "n_positive_bags": int((labels == 1).sum()),
         "n_instances": int(len(instances)),
-        "benchmark": dataclasses.asdict(bench),
-        "train_config": dataclasses.asdict(train_config),
-        "folds": folds_out,
-        "summary": summarise(folds_out),
+        "n_features": int(instances.in_features or 0),
+        "benchmark": bench.to_dict(),
+        "methods": results,
         "seconds": time.perf_counter() - t_start,
     }
 
@@ -145,3 +424,33 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
         out[key] = {"mean": float(values.mean()) if values.size else None,
                     "std": float(values.std()) if values.size else None, "n": int(values.size)}
     return out
+
+
+def _pm(stat: dict[str, Any]) -> str:
+    return "—" if stat.get("mean") is None else f"{stat['mean']:.3f} ± {stat['std']:.3f}"
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """A plain-text table: one row per method, bag accuracy (calibrated and at 0.5) and AUC."""
+    rows = [("method", "grid", "bag accuracy", "accuracy at 0.5", "bag AUC", "seconds")]
+    for name, res in result["methods"].items():
+        s = res["summary"]
+        rows.append((name, str(res["spec"]["grid_size"]), _pm(s["accuracy"]), _pm(s["accuracy_at_0_5"]),
+                     _pm(s["auc"]), f"{res['seconds']:.0f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def format_markdown(result: dict[str, Any]) -> str:
+    """The same table in markdown, with the data set and protocol above it."""
+    b = result["benchmark"]
+    lines = [f"{result['source']}: {result['n_bags']} bags ({result['n_positive_bags']} positive), "
+             f"{result['n_instances']} instances; {b['folds']}-fold x {b['repeats']}, inner {b['inner_folds']}-fold, "
+             f"seed {b['seed']}, selected by inner {b['select_metric']}", "",
+             "| method | grid | bag accuracy | accuracy at 0.5 | bag AUC | seconds |",
+             "|---|---|---|---|---|---|"]
+    for name, res in result["methods"].items():
+        s = res["summary"]
+        lines.append(f"| {name} | {res['spec']['grid_size']} | {_pm(s['accuracy'])} | {_pm(s['accuracy_at_0_5'])} | "
+                     f"{_pm(s['auc'])} | {res['seconds']:.0f} |")
+    return "\n".join(lines) + "\n"

@@ -1,5 +1,6 @@
-"""``wsi-milssl benchmark mil-csv FILE --folds 10 --seed S``: honest nested cross-validation of MIL-SSL
-on a classical MIL dataset (MUSK1, MUSK2, ELEPHANT, ... as ``label,bag_id,f1,...,fn`` CSV)."""
+"""``wsi-milssl benchmark mil-csv FILE --methods mil-ssl abmil gated-abmil maxpool``: MIL-SSL and the MIL
+baselines under one honest nested cross-validation on a classical MIL dataset (MUSK1, MUSK2, ELEPHANT,
+UCSB breast cancer, ... as ``label,bag_id,f1,...,fn`` CSV); ``benchmark bags``: the digit-bag protocols."""
 
 from __future__ import annotations
 
@@ -17,36 +18,47 @@ SUMMARY = "accuracy benchmarks (classical MIL datasets, digit bags)"
 
 def _register_mil_csv(sub) -> None:
     from wsi_milssl.cli import HelpFormatter
-    from wsi_milssl.cli.train import add_train_options
     from wsi_milssl.config.train import BenchmarkConfig
+    from wsi_milssl.benchmark.mil_csv import METHODS, PRESETS
 
     d = BenchmarkConfig()
     p = sub.add_parser(
         "mil-csv",
-        help="nested k-fold cross-validation of feature-mode MIL-SSL on a MIL CSV",
+        help="nested k-fold cross-validation of MIL-SSL and the MIL baselines on a MIL CSV",
         description=(
-            "Stratified k-fold over bags. Inside each training split only, an inner k-fold grid search\n"
-            "picks μ, T and the number of epochs and calibrates the bag threshold on out-of-fold scores;\n"
-            "the chosen setting is retrained on the split and scored once on the held-out fold. Prints\n"
-            "bag accuracy and AUC as mean ± std over folds and writes every fold to JSON.\n\n"
-            "example:\n  wsi-milssl benchmark mil-csv musk1.csv --folds 10 --seed 0 --json musk1.json"
+            "Every method runs in the same stratified outer folds over bags and, inside each training\n"
+            "split only, the same inner folds: each method's own grid (MIL-SSL: μ, T, learning rate;\n"
+            "baselines: learning rate, weight decay, attention size or dropout) and its number of epochs\n"
+            "are chosen on the inner out-of-fold bag scores, which also calibrate the bag threshold. The\n"
+            "chosen setting is trained on the whole split and scored once on the held-out fold. Prints one\n"
+            "table (bag accuracy and AUC, mean ± std over folds) and writes every fold to JSON and the\n"
+            "table to markdown.\n\n"
+            f"methods: mil-ssl (the --preset), {', '.join(METHODS)}\n\n"
+            "example:\n  wsi-milssl benchmark mil-csv musk1.csv --methods mil-ssl abmil gated-abmil maxpool \\\n"
+            "      --folds 10 --seed 0 --json musk1.json --markdown musk1.md"
         ),
         formatter_class=HelpFormatter,
     )
     p.add_argument("file", type=Path, metavar="FILE", help="MIL CSV: label,bag_id,f1,...,fn (no header)")
+    p.add_argument("--methods", nargs="+", default=list(d.methods), metavar="METHOD",
+                   help=f"methods to compare, one table row each [{' '.join(d.methods)}]")
+    p.add_argument("--preset", choices=tuple(PRESETS), default=d.preset,
+                   help=f"what 'mil-ssl' means: the paper's method and grids, or the improved one [{d.preset}]")
     p.add_argument("--folds", type=int, default=d.folds, help="outer cross-validation folds")
     p.add_argument("--inner-folds", type=int, default=d.inner_folds, help="inner folds of the grid search")
     p.add_argument("--repeats", type=int, default=d.repeats, help="repeat the outer split with other seeds")
-    p.add_argument("--mu-grid", type=float, nargs="+", default=list(d.mu_grid), help="μ values searched")
-    p.add_argument("--ramp-grid", type=int, nargs="+", default=list(d.ramp_grid), help="T values searched (eq. 10)")
-    p.add_argument("--epoch-grid", type=int, nargs="+", default=list(d.epoch_grid), help="epoch counts searched")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the folds and of every model")
     p.add_argument("--select", choices=("accuracy", "auc"), default=d.select_metric,
-                   help="inner-fold metric that picks the setting")
+                   help="inner out-of-fold metric that picks each method's setting")
+    p.add_argument("--mu-grid", type=float, nargs="+", default=None, help="replace MIL-SSL's μ grid")
+    p.add_argument("--ramp-grid", type=int, nargs="+", default=None, help="replace MIL-SSL's T grid (eq. 10)")
+    p.add_argument("--lr-grid", type=float, nargs="+", default=None, help="replace every method's learning-rate grid")
+    p.add_argument("--epoch-grid", type=int, nargs="+", default=None, help="replace every method's epoch grid")
+    p.add_argument("--threads", type=int, default=d.threads, help="torch CPU threads (0 = torch default)")
     p.add_argument("--json", type=Path, default=None, metavar="PATH",
                    help="result file [benchmark_<FILE stem>.json in the current folder]")
-    add_train_options(p)
+    p.add_argument("--markdown", type=Path, default=None, metavar="PATH", help="also write the table as markdown")
     p.set_defaults(run=run_mil_csv)
-    # --seed from the train options seeds both the folds and the training.
 
 
 def register(subparsers) -> None:
@@ -71,32 +83,33 @@ def run(args: argparse.Namespace) -> int:  # pragma: no cover - argparse dispatc
 
 def run_mil_csv(args: argparse.Namespace) -> int:
     from wsi_milssl.cli.progress import TqdmProgress
-    from wsi_milssl.cli.train import train_config_from_args
     from wsi_milssl.config.train import BenchmarkConfig
-    from wsi_milssl.benchmark.mil_csv import nested_cross_validation
+    from wsi_milssl.benchmark.mil_csv import format_markdown, format_table, nested_cross_validation
     from wsi_milssl.mil.data import read_mil_csv
 
-    seed = args.seed if args.seed is not None else 0
-    bench = BenchmarkConfig(folds=args.folds, inner_folds=args.inner_folds, seed=seed, repeats=args.repeats,
-                            mu_grid=tuple(args.mu_grid), ramp_grid=tuple(args.ramp_grid),
-                            epoch_grid=tuple(args.epoch_grid), select_metric=args.select)
-    args.no_plots = True
-    config = train_config_from_args(args, mode="features")
+    opt = lambda v: None if v is None else tuple(v)  # noqa: E731
+    bench = BenchmarkConfig(folds=args.folds, inner_folds=args.inner_folds, seed=args.seed, repeats=args.repeats,
+                            methods=tuple(args.methods), preset=args.preset, mu_grid=opt(args.mu_grid),
+                            ramp_grid=opt(args.ramp_grid), lr_grid=opt(args.lr_grid), epoch_grid=opt(args.epoch_grid),
+                            select_metric=args.select, threads=args.threads)
     instances = read_mil_csv(args.file)
     print(f"{args.file}: {instances.n_bags} bags ({int(instances.bag_labels.sum())} positive), "
           f"{len(instances)} instances, {instances.in_features} features; {bench.folds}-fold x {bench.repeats}, "
-          f"inner {bench.inner_folds}-fold grid of {len(bench.mu_grid) * len(bench.ramp_grid) * len(bench.epoch_grid)}")
+          f"inner {bench.inner_folds}-fold; methods {' '.join(bench.methods)}")
     with TqdmProgress() as progress:
-        result = nested_cross_validation(instances, train_config=config, bench=bench, progress=progress)
-    s = result["summary"]
-    for row in result["folds"]:
-        print(f"  fold {row['fold'] + 1:2d}: mu {row['mu']:.2f} T {row['ramp_epochs']:2d} epochs {row['epochs']:3d} "
-              f"threshold {row['threshold']:.3f} -> accuracy {row['accuracy']:.3f} "
-              f"(at 0.5: {row['accuracy_at_0_5']:.3f}) auc {row['auc'] if row['auc'] is None else round(row['auc'], 3)}")
-    print(f"bag accuracy {s['accuracy']['mean']:.3f} ± {s['accuracy']['std']:.3f} "
-          f"(threshold 0.5: {s['accuracy_at_0_5']['mean']:.3f} ± {s['accuracy_at_0_5']['std']:.3f}); "
-          f"bag AUC {s['auc']['mean']:.3f} ± {s['auc']['std']:.3f}  [{result['seconds']:.0f} s]")
+        result = nested_cross_validation(instances, bench=bench, progress=progress)
+    for name, res in result["methods"].items():
+        for row in res["folds"]:
+            setting = " ".join(f"{k} {v}" for k, v in row["setting"].items())
+            print(f"  {name} fold {row['fold'] + 1:2d}: {setting} epochs {row['epochs']} threshold "
+                  f"{row['threshold']:.3f} -> accuracy {row['accuracy']:.3f} (at 0.5: {row['accuracy_at_0_5']:.3f}) "
+                  f"auc {row['auc'] if row['auc'] is None else round(row['auc'], 3)}")
+    print(format_table(result))
+    print(f"[{result['seconds']:.0f} s]")
     out = args.json or Path(f"benchmark_{args.file.stem}.json")
     atomic_write_text(out, json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
+    if args.markdown is not None:
+        atomic_write_text(args.markdown, format_markdown(result))
+        print(f"wrote {args.markdown}")
     return 0

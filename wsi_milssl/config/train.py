@@ -157,20 +157,27 @@ class TrainConfig:
 class BenchmarkConfig:
     """The classical MIL benchmark protocol (``wsi-milssl benchmark mil-csv``).
 
-    Stratified ``folds``-fold cross-validation over bags. Inside each training split, μ, T and the
-    number of epochs are chosen by an ``inner_folds``-fold grid search over ``mu_grid`` x ``ramp_grid``
-    x ``epoch_grid`` (the test fold is never seen), the bag threshold is calibrated on the inner
-    out-of-fold bag scores, and the chosen setting is retrained on the whole training split.
+    Stratified ``folds``-fold cross-validation over bags, ``repeats`` times (other seeds). Every method
+    of ``methods`` (names of :data:`wsi_milssl.benchmark.mil_csv.METHODS`, or ``mil-ssl`` = the MIL-SSL
+    ``preset``) runs in the same outer and inner folds: inside each training split an ``inner_folds``-fold
+    grid search over the method's own grid picks its setting and epochs by ``select_metric`` ("auc" or
+    "accuracy" of the out-of-fold bag scores) and calibrates the bag threshold; the test fold is never
+    seen. ``mu_grid``, ``ramp_grid``, ``lr_grid`` and ``epoch_grid`` (when given) replace those grids of
+    every method that searches them. ``threads`` > 0 sets torch's CPU threads.
     """
 
     folds: int = 10
     inner_folds: int = 3
     seed: int = 0
     repeats: int = 1
-    mu_grid: tuple[float, ...] = (0.1, 0.15, 0.2, 0.25)
-    ramp_grid: tuple[int, ...] = (5, 10, 20, 40)
-    epoch_grid: tuple[int, ...] = (50, 100)
+    methods: tuple[str, ...] = ("mil-ssl", "abmil", "gated-abmil", "maxpool")
+    preset: str = "improved"
+    mu_grid: tuple[float, ...] | None = None
+    ramp_grid: tuple[int, ...] | None = None
+    lr_grid: tuple[float, ...] | None = None
+    epoch_grid: tuple[int, ...] | None = None
     select_metric: str = "auc"
+    threads: int = 0
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -181,17 +188,40 @@ class BenchmarkConfig:
         check_range(name, "seed", self.seed, low=0)
         check_type(name, "repeats", self.repeats, int)
         check_range(name, "repeats", self.repeats, low=1)
-        for field in ("mu_grid", "ramp_grid", "epoch_grid"):
+        check_type(name, "methods", self.methods, tuple)
+        if not self.methods:
+            raise ConfigError(f"{name}.methods must name at least one method; got ().")
+        check_choice(name, "preset", self.preset, ("paper", "improved"))
+        for field in ("mu_grid", "ramp_grid", "lr_grid", "epoch_grid"):
             value = getattr(self, field)
+            if value is None:
+                continue
             check_type(name, field, value, tuple)
             if not value:
-                raise ConfigError(f"{name}.{field} must hold at least one value; got ().")
-        for mu in self.mu_grid:
+                raise ConfigError(f"{name}.{field} must hold at least one value or be None; got ().")
+        for mu in self.mu_grid or ():
             check_range(name, "mu_grid", mu, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
-        for t in self.ramp_grid:
+        for t in self.ramp_grid or ():
             check_type(name, "ramp_grid", t, int)
             check_range(name, "ramp_grid", t, low=0)
-        for e in self.epoch_grid:
+        for lr in self.lr_grid or ():
+            check_range(name, "lr_grid", lr, low=0.0, low_inclusive=False)
+        for e in self.epoch_grid or ():
             check_type(name, "epoch_grid", e, int)
             check_range(name, "epoch_grid", e, low=1)
         check_choice(name, "select_metric", self.select_metric, ("accuracy", "auc"))
+        check_type(name, "threads", self.threads, int)
+        check_range(name, "threads", self.threads, low=0)
+        from wsi_milssl.benchmark.mil_csv import resolve_methods
+
+        resolve_methods(self.methods, preset=self.preset)  # unknown or repeated names: ConfigError
+
+    def grid_overrides(self) -> dict[str, tuple]:
+        """The grids given here, by the method grid key they replace."""
+        keys = {"mu_grid": "mu", "ramp_grid": "ramp_epochs", "lr_grid": "lr"}
+        return {key: getattr(self, f) for f, key in keys.items() if getattr(self, f) is not None}
+
+    def to_dict(self) -> dict:
+        from dataclasses import asdict
+
+        return asdict(self)

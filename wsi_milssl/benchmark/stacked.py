@@ -1,0 +1,512 @@
+"""Many small MIL models trained at once: the grid points and folds of one nested-CV split as one stack.
+
+The benchmark (:mod:`wsi_milssl.benchmark.mil_csv`) trains, inside each outer training split, every
+grid point on every inner fold plus once on the whole split. Those models are tiny (a feature MLP), so
+one at a time the run is dominated by per-step overhead. Here M models share one forward pass: every
+weight has a leading model axis (M, ...), every model sees the same batch and each model's loss only
+counts the bags (or instances) of its own training set, given as a 0/1 weight per model. The models
+never mix: a model's gradient comes from its own loss alone; its hyperparameters (learning rate, weight
+decay, dropout, attention width, μ, T) are per-model tensors.
+
+Two trainers:
+
+- :func:`fit_stacked_baseline`: ABMIL, gated ABMIL and max-pooling MIL as in
+  :mod:`wsi_milssl.benchmark.baselines` (same encoder ``Standardize -> [Linear -> ReLU]*``, same
+  attention and classifier, bag-level binary cross-entropy, Adam), with per-model attention width
+  (units beyond a model's width are masked out) and encoder dropout.
+- :func:`fit_stacked_milssl`: MIL-SSL (paper eq. 2-11) with the feature ``mlp``/``linear`` heads of
+  :mod:`wsi_milssl.mil.models`: negatives are 0, the positive-bag instances get pseudo labels at the
+  start of every epoch from :func:`stacked_pseudo_labels` (the Sinkhorn solution of eq. 5-8 plus the
+  local constraint, per model, with per-model μ_t of eq. 10), soft cross-entropy (eq. 9), Adam.
+
+Both standardise with each model's own training instances (mean and std per model), evaluate at the
+epochs in ``eval_at`` and return probabilities / bag scores of the given evaluation sets per model.
+Everything is seeded: a fixed seed and thread count give the same numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from wsi_milssl.errors import ConfigError
+from wsi_milssl.mil.data import InstanceSet
+from wsi_milssl.mil.sinkhorn import PROB_EPS
+
+__all__ = ["StackedData", "stacked_pseudo_labels", "fit_stacked_baseline", "fit_stacked_milssl", "pool_bags",
+           "POOLINGS"]
+
+#: Bag scores from instance probabilities (MIL-SSL): max (eq. 11), mean, mean of the top two, noisy-or.
+POOLINGS = ("max", "mean", "top2", "noisy-or")
+
+
+def _seed(*stream: int) -> int:
+    return int(np.random.SeedSequence([0x57AC, *[int(s) for s in stream]]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+def _gen(*stream: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(_seed(*stream))
+    return g
+
+
+@dataclass
+class StackedData:
+    """The instances of one training split, flat.
+
+    ``x`` float32 (N, D); ``bag_ids`` int64 (N,) into ``bag_labels`` int64 (B,);
+    ``bag_weight`` float32 (M, B): 1 where bag b is in model m's training set.
+    """
+
+    x: torch.Tensor
+    bag_ids: torch.Tensor
+    bag_labels: torch.Tensor
+    bag_weight: torch.Tensor
+
+    @classmethod
+    def from_instances(cls, instances: InstanceSet, bag_weight: np.ndarray) -> "StackedData":
+        if instances.kind != "features" or instances.features is None:
+            raise ConfigError("stacked training takes feature instances (a MIL CSV or feature files).")
+        w = np.asarray(bag_weight, dtype=np.float32)
+        if w.ndim != 2 or w.shape[1] != instances.n_bags:
+            raise ConfigError(f"bag_weight must be (models, {instances.n_bags}); got {w.shape}.")
+        return cls(x=torch.from_numpy(np.ascontiguousarray(instances.features, dtype=np.float32)),
+                   bag_ids=torch.from_numpy(instances.bag_ids.astype(np.int64)),
+                   bag_labels=torch.from_numpy(instances.bag_labels.astype(np.int64)),
+                   bag_weight=torch.from_numpy(w))
+
+    @property
+    def n_models(self) -> int:
+        return int(self.bag_weight.shape[0])
+
+    def instance_weight(self) -> torch.Tensor:
+        """float32 (M, N): 1 where instance i belongs to model m's training bags."""
+        return self.bag_weight[:, self.bag_ids]
+
+    def standardisation(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-model mean and std (M, 1, D) of the model's training instances (a constant feature keeps 1)."""
+        w = self.instance_weight().double()  # (M, N)
+        x = self.x.double()
+        n = w.sum(1, keepdim=True).clamp_min(1.0)
+        mean = (w @ x) / n
+        var = ((w @ (x * x)) / n - mean * mean).clamp_min(0.0)
+        std = var.sqrt()
+        std = torch.where(std > 1e-12, std, torch.ones_like(std))
+        return mean.float().unsqueeze(1), std.float().unsqueeze(1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Stacked layers and optimizer
+# ----------------------------------------------------------------------------------------------
+
+def _linear_init(m: int, fan_in: int, fan_out: int, gens: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+    """nn.Linear's default initialisation, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), one generator per model."""
+    bound = 1.0 / math.sqrt(fan_in)
+    w = torch.stack([(torch.rand(fan_in, fan_out, generator=g) * 2 - 1) * bound for g in gens])
+    b = torch.stack([(torch.rand(1, fan_out, generator=g) * 2 - 1) * bound for g in gens])
+    return w.requires_grad_(), b.requires_grad_()
+
+
+def _apply(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(M, n, I) or (n, I) @ (M, I, O) + (M, 1, O) -> (M, n, O)."""
+    return torch.baddbmm(b, x, w) if x.dim() == 3 else torch.matmul(x, w) + b
+
+
+class _Adam:
+    """Adam (torch's update, L2 weight decay added to the gradient) with per-model learning rate and
+    weight decay: ``lr`` and ``wd`` are (M,) tensors broadcast over each parameter's model axis."""
+
+    def __init__(self, params: list[torch.Tensor], lr: torch.Tensor, wd: torch.Tensor,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
+        self.params = params
+        self.lr, self.wd, self.betas, self.eps = lr.float(), wd.float(), betas, eps
+        self.any_wd = bool((self.wd != 0).any())
+        self.m = [torch.zeros_like(p) for p in params]
+        self.v = [torch.zeros_like(p) for p in params]
+        self.t = 0
+
+    @torch.no_grad()
+    def step(self) -> None:
+        # torch's Adam, p -= lr/c1 * m / (sqrt(v/c2) + eps), rewritten with the bias corrections folded
+        # into one per-model factor: lr sqrt(c2)/c1 * m / (sqrt(v) + eps sqrt(c2)); fewer passes over
+        # the (memory-bound) stacked weights.
+        self.t += 1
+        b1, b2 = self.betas
+        c1, c2 = 1 - b1 ** self.t, 1 - b2 ** self.t
+        factor = self.lr * (math.sqrt(c2) / c1)
+        eps = self.eps * math.sqrt(c2)
+        for p, m, v in zip(self.params, self.m, self.v):
+            shape = (-1,) + (1,) * (p.dim() - 1)
+            g = p.grad
+            if self.any_wd:
+                g.add_(p * self.wd.view(shape))
+            m.lerp_(g, 1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            update = m / v.sqrt().add_(eps)
+            p.sub_(update.mul_(factor.view(shape)))
+            p.grad = None
+
+
+def _dropout(h: torch.Tensor, p: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """Inverted dropout with per-model rate ``p`` (M,) on h (M, n, H)."""
+    if not bool((p > 0).any()):
+        return h
+    keep = 1.0 - p.view(-1, 1, 1)
+    mask = (torch.rand(h.shape, generator=g) < keep).to(h.dtype)
+    return h * mask / keep
+
+
+# ----------------------------------------------------------------------------------------------
+# Segment helpers (instances grouped by bag)
+# ----------------------------------------------------------------------------------------------
+
+def _segment_max(values: torch.Tensor, seg: torch.Tensor, n_seg: int) -> torch.Tensor:
+    """(M, n) values, (n,) segment index -> (M, n_seg) maxima (-inf for empty segments)."""
+    out = torch.full((values.shape[0], n_seg), float("-inf"), dtype=values.dtype)
+    return out.scatter_reduce(1, seg.expand(values.shape[0], -1), values, reduce="amax", include_self=True)
+
+
+def _segment_sum(values: torch.Tensor, seg: torch.Tensor, n_seg: int) -> torch.Tensor:
+    """(M, n, ...) values -> (M, n_seg, ...) sums over segments."""
+    out = torch.zeros((values.shape[0], n_seg) + tuple(values.shape[2:]), dtype=values.dtype)
+    return out.index_add(1, seg, values)
+
+
+def pool_bags(probs: np.ndarray, bag_ids: np.ndarray, n_bags: int, pooling: str) -> np.ndarray:
+    """Bag scores (M, n_bags) float64 from instance probabilities (M, N): ``max`` (eq. 11), ``mean``,
+    ``top2`` (mean of the two highest; the highest alone in a one-instance bag) or ``noisy-or``
+    (1 - Π(1 - p))."""
+    p = torch.from_numpy(np.asarray(probs, dtype=np.float64))
+    seg = torch.from_numpy(np.asarray(bag_ids, dtype=np.int64))
+    if pooling == "max":
+        out = _segment_max(p, seg, n_bags)
+    elif pooling == "mean":
+        counts = torch.bincount(seg, minlength=n_bags).double()
+        out = _segment_sum(p, seg, n_bags) / counts
+    elif pooling == "top2":
+        arr = p.numpy()
+        seg_np = seg.numpy()
+        out = torch.empty(arr.shape[0], n_bags, dtype=torch.float64)
+        for row in range(arr.shape[0]):
+            order = np.lexsort((-arr[row], seg_np))  # by bag, then probability descending
+            sb = seg_np[order]
+            first = np.ones(sb.size, dtype=bool)
+            first[1:] = sb[1:] != sb[:-1]
+            second = np.zeros(sb.size, dtype=bool)
+            second[1:] = first[:-1] & ~first[1:]
+            top = np.full(n_bags, np.nan)
+            top[sb[first]] = arr[row][order][first]
+            two = top.copy()
+            two[sb[second]] = (top[sb[second]] + arr[row][order][second]) / 2
+            out[row] = torch.from_numpy(two)
+    elif pooling == "noisy-or":
+        logs = torch.log1p(-p.clamp(0.0, 1.0 - 1e-12))
+        out = 1.0 - torch.exp(_segment_sum(logs, seg, n_bags))
+    else:
+        raise ConfigError(f"bag pooling must be one of {', '.join(POOLINGS)}; got {pooling!r}.")
+    return out.numpy()
+
+
+# ----------------------------------------------------------------------------------------------
+# Pseudo labels for a stack of models
+# ----------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def stacked_pseudo_labels(probs: torch.Tensor, mask: torch.Tensor, bag_ids: torch.Tensor, *,
+                          mu: torch.Tensor, lam: float, soft: bool = True, local_constraint: bool = True,
+                          global_constraint: bool = True, iters: int = 80) -> torch.Tensor:
+    """Pseudo labels (M, N) float32 for M models at once, each over its own instances (``mask`` (M, N)).
+
+    With two classes and unit column marginals the Sinkhorn solution of eq. 7 is
+    Q[0, i] = sigmoid(λ logit(p_i) + s), where the shift s = log(α_0 / α_1) makes Σ_i Q[0, i] = μN
+    (row marginal, eq. 5). s is found per model by bisection in float64 (``iters`` halvings of a bracket
+    that holds every root), which is the fixed point :func:`wsi_milssl.mil.sinkhorn.assign_pseudo_labels`
+    iterates to. Then ``soft=False`` binarises at 0.5 and the local constraint sets each bag's
+    top-probability instance to 1. Entries outside ``mask`` are 0. ``mu`` is (M,).
+    """
+    p = probs.double().clamp(PROB_EPS, 1.0 - PROB_EPS)
+    m = mask.bool()
+    if global_constraint:
+        z = float(lam) * (torch.log(p) - torch.log1p(-p))
+        n = m.sum(1).double()
+        target = mu.double() * n
+        bound = float(z.abs().max()) + 60.0 if z.numel() else 60.0
+        lo = torch.full((p.shape[0],), -bound, dtype=torch.float64)
+        hi = torch.full((p.shape[0],), bound, dtype=torch.float64)
+        for _ in range(iters):
+            mid = (lo + hi) / 2
+            total = torch.where(m, torch.sigmoid(z + mid[:, None]), torch.zeros_like(z)).sum(1)
+            below = total < target
+            lo = torch.where(below, mid, lo)
+            hi = torch.where(below, hi, mid)
+        q = torch.sigmoid(z + ((lo + hi) / 2)[:, None])
+    else:
+        q = p.clone()
+    if not soft:
+        q = (q > 0.5).double()
+    if local_constraint:
+        n_bags = int(bag_ids.max()) + 1 if bag_ids.numel() else 0
+        masked = p.masked_fill(~m, -1.0)
+        top = _segment_max(masked, bag_ids, n_bags)
+        q = torch.where(m & (masked == top[:, bag_ids]), torch.ones_like(q), q)
+    return torch.where(m, q, torch.zeros_like(q)).float()
+
+
+# ----------------------------------------------------------------------------------------------
+# Baselines (bag level)
+# ----------------------------------------------------------------------------------------------
+
+def _bag_batches(order: torch.Tensor, bag_ids_sorted_starts: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                 bags_per_batch: int):
+    """Yield (bags (b,), instance indices (n,), local bag index (n,)) for consecutive chunks of ``order``."""
+    inst_order, starts, counts = bag_ids_sorted_starts
+    for i in range(0, order.numel(), bags_per_batch):
+        bags = order[i:i + bags_per_batch]
+        idx = torch.cat([inst_order[starts[b]:starts[b] + counts[b]] for b in bags.tolist()])
+        local = torch.repeat_interleave(torch.arange(bags.numel()), counts[bags])
+        yield bags, idx, local
+
+
+def _group(bag_ids: torch.Tensor, n_bags: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    counts = torch.bincount(bag_ids, minlength=n_bags)
+    order = torch.argsort(bag_ids, stable=True)
+    starts = torch.cumsum(counts, 0) - counts
+    return order, starts, counts
+
+
+class _StackedBaseline:
+    """Stacked ABMIL / gated ABMIL / max-pooling MIL over a shared MLP encoder (see the module doc)."""
+
+    def __init__(self, method: str, in_features: int, *, hidden_dims: Sequence[int], attention_dims: torch.Tensor,
+                 dropout: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, gens: list[torch.Generator]) -> None:
+        m = len(gens)
+        self.method, self.mean, self.std, self.dropout = method, mean, std, dropout
+        self.layers = []
+        width = in_features
+        for h in hidden_dims:
+            self.layers.append(_linear_init(m, width, int(h), gens))
+            width = int(h)
+        self.params = [t for layer in self.layers for t in layer]
+        if method in ("abmil", "gated-abmil"):
+            a_max = int(attention_dims.max())
+            self.att_mask = (torch.arange(a_max)[None, :] < attention_dims[:, None]).float().unsqueeze(1)  # (M,1,A)
+            # each model initialises its own width, so its V/U/w match nn.Linear(width, a_m), nn.Linear(a_m, 1)
+            self.v = _linear_init(m, width, a_max, gens)
+            self.u = _linear_init(m, width, a_max, gens) if method == "gated-abmil" else None
+            self.w = _linear_init(m, a_max, 1, gens)
+            with torch.no_grad():  # w's fan-in is the model's own width a_m
+                scale = (a_max / attention_dims.double()).sqrt().float().view(-1, 1, 1)
+                self.w[0].mul_(scale)
+                self.w[1].mul_(scale)
+            self.params += [*self.v, *(self.u or ()), *self.w]
+        self.cls = _linear_init(m, width, 1, gens)
+        self.params += list(self.cls)
+
+    def encode(self, x: torch.Tensor, g: torch.Generator | None) -> torch.Tensor:
+        h = (x.unsqueeze(0) - self.mean) / self.std  # (M, n, D)
+        for w, b in self.layers:
+            h = torch.relu(_apply(h, w, b))
+            if g is not None:
+                h = _dropout(h, self.dropout, g)
+        return h
+
+    def forward(self, x: torch.Tensor, local: torch.Tensor, n_bags: int, g: torch.Generator | None
+                ) -> torch.Tensor:
+        """Bag logits (M, n_bags) of the bags whose instances are ``x`` (n, D) with bag index ``local``."""
+        h = self.encode(x, g)
+        if self.method == "maxpool":
+            s = _apply(h, *self.cls).squeeze(-1)  # (M, n)
+            return _segment_max(s, local, n_bags)
+        v = torch.tanh(_apply(h, *self.v))
+        if self.u is not None:
+            v = v * torch.sigmoid(_apply(h, *self.u))
+        a = _apply(v * self.att_mask, *self.w).squeeze(-1)  # (M, n)
+        amax = _segment_max(a.detach(), local, n_bags)
+        e = torch.exp(a - amax[:, local])
+        weights = e / _segment_sum(e, local, n_bags)[:, local]
+        z = _segment_sum(weights.unsqueeze(-1) * h, local, n_bags)  # (M, b, E)
+        return _apply(z, *self.cls).squeeze(-1)
+
+    @torch.no_grad()
+    def predict(self, x: torch.Tensor, bag_ids: torch.Tensor, n_bags: int, *, chunk_bags: int = 64) -> np.ndarray:
+        """Bag probabilities (M, n_bags) float64."""
+        grouped = _group(bag_ids, n_bags)
+        out = torch.empty(len(self.mean), n_bags, dtype=torch.float64)
+        for bags, idx, local in _bag_batches(torch.arange(n_bags), grouped, chunk_bags):
+            out[:, bags] = torch.sigmoid(self.forward(x[idx], local, bags.numel(), None)).double()
+        return out.numpy()
+
+
+def fit_stacked_baseline(data: StackedData, *, method: str, lr: Sequence[float], weight_decay: Sequence[float],
+                         attention_dim: Sequence[int], dropout: Sequence[float], hidden_dims: Sequence[int] = (128, 64),
+                         bags_per_batch: int = 8, eval_at: Sequence[int], eval_sets: dict[str, InstanceSet],
+                         seeds: Sequence[int], seed: int = 0) -> dict[str, dict[int, np.ndarray]]:
+    """Train M = len(lr) baselines ``method`` at once on ``data`` (model m on its bags, ``data.bag_weight[m]``).
+
+    Every per-model sequence has length M; ``seeds[m]`` seeds model m's initialisation; ``seed`` the bag
+    order and dropout shared by the stack. Returns ``{set name: {epoch: bag probabilities (M, n_bags)}}``
+    for each evaluation set at each epoch in ``eval_at`` (``"train"`` is the training split itself).
+    """
+    m = data.n_models
+    for name, seq in (("lr", lr), ("weight_decay", weight_decay), ("attention_dim", attention_dim),
+                      ("dropout", dropout), ("seeds", seeds)):
+        if len(seq) != m:
+            raise ConfigError(f"{name} needs one value per model ({m}); got {len(seq)}.")
+    if method not in ("abmil", "gated-abmil", "maxpool"):
+        raise ConfigError(f"unknown baseline {method!r}; choose abmil, gated-abmil or maxpool.")
+    mean, std = data.standardisation()
+    gens = [_gen(1, s) for s in seeds]
+    model = _StackedBaseline(method, int(data.x.shape[1]), hidden_dims=hidden_dims,
+                             attention_dims=torch.tensor(list(attention_dim)), dropout=torch.tensor(list(dropout)),
+                             mean=mean, std=std, gens=gens)
+    opt = _Adam(model.params, torch.tensor(list(lr)), torch.tensor(list(weight_decay)))
+    n_bags = int(data.bag_labels.numel())
+    grouped = _group(data.bag_ids, n_bags)
+    y = data.bag_labels.float()
+    sets = {"train": (data.x, data.bag_ids, n_bags)}
+    for name, s in eval_sets.items():
+        sets[name] = (torch.from_numpy(np.ascontiguousarray(s.features, dtype=np.float32)),
+                      torch.from_numpy(s.bag_ids.astype(np.int64)), s.n_bags)
+    wanted = sorted({int(e) for e in eval_at})
+    out: dict[str, dict[int, np.ndarray]] = {name: {} for name in sets}
+    for epoch in range(max(wanted)):
+        order = torch.randperm(n_bags, generator=_gen(2, seed, epoch))
+        g = _gen(3, seed, epoch)
+        for bags, idx, local in _bag_batches(order, grouped, bags_per_batch):
+            logits = model.forward(data.x[idx], local, bags.numel(), g)  # (M, b)
+            w = data.bag_weight[:, bags]
+            loss = F.binary_cross_entropy_with_logits(logits, y[bags].expand_as(logits), reduction="none")
+            per_model = (loss * w).sum(1) / w.sum(1).clamp_min(1.0)
+            per_model.sum().backward()
+            opt.step()
+        if epoch + 1 in wanted:
+            for name, (x, bid, nb) in sets.items():
+                out[name][epoch + 1] = model.predict(x, bid, nb)
+            if not np.isfinite(out["train"][epoch + 1]).all():
+                raise ConfigError(f"{method}: training diverged (non-finite scores); lower the learning rate.")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# MIL-SSL (instance level)
+# ----------------------------------------------------------------------------------------------
+
+class _StackedHead:
+    """Stacked ``Standardize -> [Linear -> ReLU -> Dropout]* -> Linear(2)`` (the ``mlp``/``linear`` heads)."""
+
+    def __init__(self, in_features: int, *, hidden_dims: Sequence[int], dropout: torch.Tensor, mean: torch.Tensor,
+                 std: torch.Tensor, gens: list[torch.Generator]) -> None:
+        m = len(gens)
+        self.mean, self.std, self.dropout = mean, std, dropout
+        self.layers = []
+        width = in_features
+        for h in list(hidden_dims) + [2]:
+            self.layers.append(_linear_init(m, width, int(h), gens))
+            width = int(h)
+        self.params = [t for layer in self.layers for t in layer]
+
+    def logits(self, x: torch.Tensor, g: torch.Generator | None) -> torch.Tensor:
+        h = (x.unsqueeze(0) - self.mean) / self.std
+        for i, (w, b) in enumerate(self.layers):
+            h = _apply(h, w, b)
+            if i < len(self.layers) - 1:
+                h = torch.relu(h)
+                if g is not None:
+                    h = _dropout(h, self.dropout, g)
+        return h  # (M, n, 2)
+
+    @torch.no_grad()
+    def probs(self, x: torch.Tensor, *, chunk: int = 2048) -> torch.Tensor:
+        parts = [torch.softmax(self.logits(x[i:i + chunk], None), dim=-1)[..., 1] for i in range(0, x.shape[0], chunk)]
+        return torch.cat(parts, dim=1) if parts else torch.zeros(len(self.mean), 0)
+
+
+def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: Sequence[float],
+                       dropout: Sequence[float], mu: Sequence[float], ramp_epochs: Sequence[int],
+                       hidden_dims: Sequence[int] = (256,), batch_size: int = 512, lam: float = 25.0,
+                       fixed_mu: bool = False, soft_labels: bool = True, local_constraint: bool = True,
+                       global_constraint: bool = True, class_balanced: bool = False, warmup_epochs: int = 0,
+                       eval_at: Sequence[int], eval_sets: dict[str, InstanceSet], seeds: Sequence[int],
+                       seed: int = 0) -> dict[str, dict[int, np.ndarray]]:
+    """Train M MIL-SSL instance classifiers at once (model m on the bags ``data.bag_weight[m]``).
+
+    Per epoch (as :func:`wsi_milssl.mil.selftrain.fit` with ``refresh_every=0``): μ_t of eq. 10 per model
+    (``fixed_mu`` skips the ramp), pseudo labels of the model's positive-bag instances from its eval-mode
+    probabilities (:func:`stacked_pseudo_labels`), then one pass over all instances in a seeded random
+    order, ``batch_size`` per step, soft cross-entropy (eq. 9) averaged over the model's own instances.
+
+    Options beyond the paper: ``class_balanced`` weighs the positive and negative parts of the loss so
+    each carries half of it (from the current targets); ``warmup_epochs`` W trains the first W epochs
+    with every positive-bag instance labelled 1 before the first refresh.
+
+    Returns ``{set name: {epoch: instance probabilities (M, N_set) float64}}`` (``"train"`` included).
+    """
+    m = data.n_models
+    for name, seq in (("lr", lr), ("weight_decay", weight_decay), ("dropout", dropout), ("mu", mu),
+                      ("ramp_epochs", ramp_epochs), ("seeds", seeds)):
+        if len(seq) != m:
+            raise ConfigError(f"{name} needs one value per model ({m}); got {len(seq)}.")
+    mean, std = data.standardisation()
+    gens = [_gen(4, s) for s in seeds]
+    model = _StackedHead(int(data.x.shape[1]), hidden_dims=hidden_dims, dropout=torch.tensor(list(dropout)),
+                         mean=mean, std=std, gens=gens)
+    opt = _Adam(model.params, torch.tensor(list(lr)), torch.tensor(list(weight_decay)))
+    n = int(data.x.shape[0])
+    inst_w = data.instance_weight()  # (M, N)
+    pos_bag = (data.bag_labels[data.bag_ids] == 1)
+    pos_mask = inst_w.bool() & pos_bag[None, :]
+    pos_idx = torch.nonzero(pos_bag).flatten()
+    pos_local_bags = torch.unique(data.bag_ids[pos_idx], return_inverse=True)[1]
+    mu_t = torch.tensor(list(mu), dtype=torch.float64)
+    ramp = torch.tensor(list(ramp_epochs), dtype=torch.float64)
+    targets = torch.zeros(m, n)
+    sets = {"train": data.x}
+    for name, s in eval_sets.items():
+        sets[name] = torch.from_numpy(np.ascontiguousarray(s.features, dtype=np.float32))
+    wanted = sorted({int(e) for e in eval_at})
+    out: dict[str, dict[int, np.ndarray]] = {name: {} for name in sets}
+    for epoch in range(max(wanted)):
+        if epoch < warmup_epochs:
+            targets = pos_mask.float()
+        elif pos_idx.numel():
+            if fixed_mu:
+                mus = mu_t
+            else:
+                frac = torch.where(ramp > 0, (epoch / ramp.clamp_min(1.0)).clamp(max=1.0), torch.ones_like(ramp))
+                mus = 0.5 + (mu_t - 0.5) * frac
+            p = model.probs(data.x[pos_idx])
+            q = stacked_pseudo_labels(p, pos_mask[:, pos_idx], pos_local_bags, mu=mus, lam=lam, soft=soft_labels,
+                                      local_constraint=local_constraint, global_constraint=global_constraint)
+            targets = torch.zeros(m, n)
+            targets[:, pos_idx] = q
+        if class_balanced:
+            tw = inst_w.clamp_min(0)
+            pos_mass = (targets * tw).sum(1, keepdim=True).clamp_min(1e-6)
+            neg_mass = ((1 - targets) * tw).sum(1, keepdim=True).clamp_min(1e-6)
+            total = tw.sum(1, keepdim=True)
+            w_pos, w_neg = 0.5 * total / pos_mass, 0.5 * total / neg_mass
+        order = torch.randperm(n, generator=_gen(5, seed, epoch))
+        g = _gen(6, seed, epoch)
+        for i in range(0, n, batch_size):
+            idx = order[i:i + batch_size]
+            logp = F.log_softmax(model.logits(data.x[idx], g), dim=-1)  # (M, b, 2)
+            q = targets[:, idx]
+            if class_balanced:
+                ce = -(w_pos * q * logp[..., 1] + w_neg * (1 - q) * logp[..., 0])
+            else:
+                ce = -(q * logp[..., 1] + (1 - q) * logp[..., 0])
+            w = inst_w[:, idx]
+            per_model = (ce * w).sum(1) / w.sum(1).clamp_min(1.0)
+            per_model.sum().backward()
+            opt.step()
+        if epoch + 1 in wanted:
+            for name, x in sets.items():
+                out[name][epoch + 1] = model.probs(x).double().numpy()
+            if not np.isfinite(out["train"][epoch + 1]).all():
+                raise ConfigError("MIL-SSL training diverged (non-finite probabilities); lower the learning rate.")
+    return out
