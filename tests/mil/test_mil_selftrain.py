@@ -147,3 +147,28 @@ def test_train_config_validation_and_mode_defaults():
         TrainConfig(mode="features", model="resnet18")
     with pytest.raises(ConfigError, match="TrainConfig.bag_pooling must be one of"):
         TrainConfig(bag_pooling="attention")
+
+
+def test_warmup_epochs_keep_self_training_off_the_inverted_concept(mil_csv, mil_csv_val):
+    """From a random start the paper's loop often locks onto the inverted concept on the toy problem (its
+    first pseudo labels come from the random model, and self-training reinforces them); warm-up epochs
+    (positive-bag instances labelled 1 before the first refresh) start the refreshes from a model that
+    has seen the bags. Measured: instance AUC 0.17 / 0.11 / 0.85 / 0.46 without, 0.84 / 0.90 / 0.95 /
+    0.82 with 5 warm-up epochs."""
+    from sklearn.metrics import roc_auc_score
+
+    train, val = read_mil_csv(mil_csv), read_mil_csv(mil_csv_val)
+    aucs = {}
+    for warmup in (0, 5):
+        for seed in range(4):
+            cfg = _config(hidden_dims=(32,), mu=0.2, mu_ramp_epochs=2, epochs=30, seed=seed, warmup_epochs=warmup)
+            res = fit(train, config=cfg, val=val, eval_at=[30], keep_val_scores=True)
+            aucs[warmup, seed] = roc_auc_score(val.instance_labels, res.val_probs[30])
+            if warmup:
+                assert [r["pseudo_label_mean"] for r in res.history[:5]] == [1.0] * 5
+                assert res.history[5]["pseudo_label_mean"] < 0.5
+    without = np.mean([aucs[0, s] for s in range(4)])
+    with_warmup = [aucs[5, s] for s in range(4)]
+    assert min(with_warmup) > 0.75 and np.mean(with_warmup) > without + 0.3, aucs
+    with pytest.raises(ConfigError, match="warmup_epochs"):
+        _config(warmup_epochs=-1)

@@ -22,7 +22,8 @@ _VALUE_OPTIONS = {
     "epochs": "epochs", "batch_size": "batch_size", "eval_batch_size": "eval_batch_size",
     "optimizer": "optimizer", "lr": "lr", "momentum": "momentum", "weight_decay": "weight_decay",
     "scheduler": "scheduler", "mu": "mu", "mu_ramp_epochs": "mu_ramp_epochs", "lam": "lam",
-    "refresh_every": "refresh_every", "bag_pooling": "bag_pooling", "colour_jitter": "colour_jitter",
+    "refresh_every": "refresh_every", "warmup_epochs": "warmup_epochs", "bag_pooling": "bag_pooling",
+    "colour_jitter": "colour_jitter",
     "select_metric": "select_metric", "seed": "seed", "device": "device", "amp": "amp",
     "workers": "num_workers", "threads": "threads", "sinkhorn_max_iter": "sinkhorn_max_iter",
     "sinkhorn_tol": "sinkhorn_tol", "shuffle_block": "shuffle_block", "decode": "decode",
@@ -72,6 +73,9 @@ def add_train_options(p: argparse.ArgumentParser) -> None:
                    help="do not force each positive bag's top instance to 1")
     s.add_argument("--refresh-every", type=int, default=None, metavar="STEPS",
                    help="refresh pseudo labels every STEPS optimizer steps (0 = every epoch) [0]")
+    s.add_argument("--warmup-epochs", type=int, default=None, metavar="W",
+                   help="train W epochs with every positive-bag instance labelled 1 before the first refresh "
+                        f"[{d.warmup_epochs}]")
     s.add_argument("--online-pseudo-labels", action="store_true",
                    help="reuse the probabilities of the training pass instead of an extra forward pass")
     s.add_argument("--sinkhorn-max-iter", type=int, default=None, help=f"Sinkhorn iteration cap [{d.sinkhorn_max_iter}]")

@@ -41,7 +41,9 @@ class TrainConfig:
     the adaptive schedule μ_t = 0.5 + (μ - 0.5) t / T over ``mu_ramp_epochs`` = T epochs (eq. 10) unless
     ``fixed_mu``; ``lam`` is the entropic λ (eq. 6); ``soft_labels``, ``global_constraint`` and
     ``local_constraint`` are the table-8 ablation switches. Pseudo labels refresh every epoch, or every
-    ``refresh_every`` optimizer steps when > 0; ``online_pseudo_labels`` reuses the probabilities seen in
+    ``refresh_every`` optimizer steps when > 0; the first ``warmup_epochs`` epochs (default 0, the paper)
+    train with every positive-bag instance labelled 1 before the first refresh, so the first pseudo
+    labels come from a model that has seen the bags rather than from a random one; ``online_pseudo_labels`` reuses the probabilities seen in
     the training pass instead of an extra forward pass.
 
     Runtime: ``device`` "auto" picks CUDA when present; ``amp`` "auto" uses bfloat16 autocast (CUDA with
@@ -80,6 +82,7 @@ class TrainConfig:
     global_constraint: bool = True
     local_constraint: bool = True
     refresh_every: int = 0
+    warmup_epochs: int = 0
     online_pseudo_labels: bool = False
     bag_pooling: str = "max"
     augment: bool = True
@@ -129,6 +132,8 @@ class TrainConfig:
             check_type(name, field, getattr(self, field), bool)
         check_type(name, "refresh_every", self.refresh_every, int)
         check_range(name, "refresh_every", self.refresh_every, low=0)
+        check_type(name, "warmup_epochs", self.warmup_epochs, int)
+        check_range(name, "warmup_epochs", self.warmup_epochs, low=0)
         check_choice(name, "bag_pooling", self.bag_pooling, ("max", "mean"))
         check_range(name, "colour_jitter", self.colour_jitter, low=0.0, high=0.5)
         check_choice(name, "select_metric", self.select_metric, ("bag_auc", "instance_auc", "bag_nll"))

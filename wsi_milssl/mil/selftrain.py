@@ -346,11 +346,12 @@ def train_one_epoch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, in
                     state: PseudoLabelState, *, order: torch.Tensor, config: TrainConfig, runtime: Runtime,
                     aug_generator: torch.Generator | None, step: int = 0, mu_t: float = 0.5,
                     scaler: torch.amp.GradScaler | None = None, loader: BatchLoader | None = None,
-                    progress: ProgressCallback | None = None, dist: DistContext = SINGLE) -> dict[str, float]:
+                    progress: ProgressCallback | None = None, dist: DistContext = SINGLE,
+                    refresh: bool = True) -> dict[str, float]:
     """One pass over ``order`` (a permutation of all instance indices) in batches of ``config.batch_size``.
 
     Refreshes the pseudo labels every ``config.refresh_every`` steps (counted globally from ``step``)
-    when that is > 0. Records training probabilities into ``state.online_probs``. Returns
+    when that is > 0 and ``refresh`` (False during warm-up epochs). Records training probabilities into ``state.online_probs``. Returns
     ``{"loss": mean loss, "steps": steps taken, "instances": instances seen}`` (of this rank: ``order``
     is this rank's share when several ranks train, and ``model`` their DistributedDataParallel wrapper).
 
@@ -369,7 +370,7 @@ def train_one_epoch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, in
     message, last_report = "", time.perf_counter()
     try:
         for bidx, raw in source.batches(instances, order, batch_size=config.batch_size):
-            if config.refresh_every > 0 and (step + steps) % config.refresh_every == 0:
+            if refresh and config.refresh_every > 0 and (step + steps) % config.refresh_every == 0:
                 state.online_probs.copy_(online.cpu())
                 refresh_pseudo_labels(model, instances, state, mu_t=mu_t, config=config, runtime=runtime,
                                       loader=source, dist=dist)
@@ -776,7 +777,11 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
             torch.manual_seed(_seed_for(config.seed, epoch, 3, *rank_stream))
             mu_t = adaptive_mu(epoch, mu=config.mu, ramp_epochs=config.mu_ramp_epochs, fixed=config.fixed_mu)
             refresh_s = 0.0
-            if config.refresh_every == 0:
+            warming = epoch < config.warmup_epochs
+            if warming:
+                # warm-up (before the first refresh): every positive-bag instance is a positive
+                state.targets[state.pos_index] = 1.0
+            elif config.refresh_every == 0:
                 t_ref = time.perf_counter()
                 refresh_pseudo_labels(model, train, state, mu_t=mu_t, config=config, runtime=runtime,
                                       loader=loader, progress=progress, dist=dist)
@@ -788,7 +793,7 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
             try:
                 stats = train_one_epoch(trainer, optimizer, train, state, order=order, config=config,
                                         runtime=runtime, aug_generator=aug, step=step, mu_t=mu_t, scaler=scaler,
-                                        loader=loader, progress=progress, dist=dist)
+                                        loader=loader, progress=progress, dist=dist, refresh=not warming)
                 if dist.enabled:
                     stats = _combine_ranks(stats, state, order, dist, trainer)
             except RuntimeError as exc:
