@@ -10,14 +10,21 @@ Protocols (bags from :mod:`wsi_milssl.benchmark.digits`):
 - ablation (table 8): MIL-SSL with soft labels, the constraints and adaptive μ switched on one after the
   other, on one normal-protocol setting (``ablation_ratio``).
 
-Fairness and honesty. Every method of a seed sees the same train/test bags (the image split and the
-bags depend only on the seed). All methods share the encoder (``encoder``), the optimizer, learning
-rate, weight decay and number of epochs, and take about the same instances per step (MIL-SSL
-``batch_size`` instances; a baseline ``round(batch_size / bag_size)`` bags). The model after the last
-epoch is evaluated: no epoch, threshold or hyperparameter is chosen on test bags. μ is the training bags'
+Fairness and honesty. Every method of a seed sees the same train, validation and test bags (the image
+split and the bags depend only on the seed). Every method gets the same tuning budget (see
+:class:`BagBenchConfig`): one training run per candidate of learning rate x encoder x its own axis
+(MIL-SSL λ, ABMIL and gated ABMIL attention size, max-pooling weight decay; all of equal length), each
+scored on the validation bags after every epoch count of ``epoch_grid``. The validation bags are built
+like the training bags from training images held out per digit (``val_fraction``); each reported row
+(method and instance scoring) takes the best validation candidate and epoch count (:func:`choose` reads
+validation scores only) and reports that choice's test scores. All methods share the optimizer, the
+weight decay (but max pooling's own axis) and take about the same instances per step (MIL-SSL
+``batch_size`` instances; a baseline ``round(batch_size / bag_size)`` bags). μ is the training bags'
 construction ratio a / bag_size (the paper's choice: "the ground truth μ on the synthetic datasets"),
-known from how the training bags were built, unless ``mu`` is given; T defaults to half the epochs;
-λ defaults to 1 (see :class:`BagBenchConfig`). Instance labels are used only to score.
+known from how the training bags were built, unless ``mu`` is given; T defaults to half the largest
+epoch count. Instance labels are used only to score (and, with ``select="instance_auc"``, to choose on
+validation bags). ``val_fraction=0`` gives the untuned comparison: one value per axis, the last epoch
+scored.
 
 Results are reproducible by seed (the same seeds, settings and ``threads`` give the same numbers).
 """
