@@ -78,6 +78,15 @@ def render(results: dict) -> str:
                      for m in extra]
             lines.append(f"| {TITLES.get(ds, ds)} | " + " | ".join(cells) + " |")
         lines.append("")
+    lines += ["## Protocol per data set", "", "| data set | outer x inner folds | grid (trained settings x epochs) per method |",
+              "|---|---|---|"]
+    for ds, run in runs.items():
+        b = run["benchmark"]
+        grids = "; ".join(f"{m}: {run['methods'][m]['spec']['grid_size']} "
+                          f"({', '.join(f'{k} {v}' for k, v in run['methods'][m]['spec']['grid'].items())}; "
+                          f"epochs {run['methods'][m]['spec']['epoch_grid']})" for m in meta["methods"])
+        lines.append(f"| {TITLES.get(ds, ds)} | {b['folds']} x {b['inner_folds']} | {grids} |")
+    lines.append("")
     lines += ["## Time (wall s / CPU s)", "", "| data set | " + " | ".join(meta["methods"]) + " | all |",
               "|---|" + "---|" * (len(meta["methods"]) + 1)]
     for ds, run in runs.items():
@@ -97,19 +106,29 @@ def main() -> None:
     ap.add_argument("--inner-folds", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--select", choices=("auc", "accuracy"), default="auc")
+    ap.add_argument("--epoch-grid", type=int, nargs="+", default=None, help="replace every method's epoch grid")
+    ap.add_argument("--lr-grid", type=float, nargs="+", default=None, help="replace the learning-rate grids")
+    ap.add_argument("--ramp-grid", type=int, nargs="+", default=None, help="replace the T grid (paper preset)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/mil_csv.md"))
-    ap.add_argument("--from-json", type=Path, default=None)
+    ap.add_argument("--from-json", type=Path, nargs="+", default=None,
+                    help="re-render saved runs (several files: their data sets side by side)")
     args = ap.parse_args()
     if args.from_json:
-        text = render(json.loads(args.from_json.read_text()))
+        runs = [json.loads(p.read_text()) for p in args.from_json]
+        merged = runs[0]
+        for other in runs[1:]:
+            merged["datasets"].update(other["datasets"])
+        text = render(merged)
         args.out.write_text(text)
         print(text)
         return
     methods = list(args.methods) + (list(ABLATION) if args.ablation else [])
     specs = resolve_methods(methods)
+    opt = lambda v: None if v is None else tuple(v)  # noqa: E731
     bench = BenchmarkConfig(folds=args.folds, inner_folds=args.inner_folds, seed=args.seed, select_metric=args.select,
-                            threads=args.threads, methods=tuple(methods))
+                            threads=args.threads, methods=tuple(methods), epoch_grid=opt(args.epoch_grid),
+                            lr_grid=opt(args.lr_grid), ramp_grid=opt(args.ramp_grid))
     if args.threads:
         torch.set_num_threads(args.threads)
     results = {"meta": {"methods": methods, "folds": args.folds, "inner_folds": args.inner_folds, "seed": args.seed,

@@ -254,8 +254,8 @@ def test_method_specs_and_config_errors():
         mc.MethodSpec(name="x", kind="abmil", grid=(("mu", (0.1,)),))
     with pytest.raises(ConfigError, match="grid of 'lr' is empty"):
         mc.MethodSpec(name="x", kind="abmil", grid=(("lr", ()),))
-    spec = mc.METHODS["mil-ssl-paper"].with_overrides({"mu": (0.3,), "attention_dim": (9,)}, (5,))
-    assert dict(spec.grid)["mu"] == (0.3,) and "attention_dim" not in dict(spec.grid) and spec.epoch_grid == (5,)
+    spec = mc.METHODS["mil-ssl-paper"].with_overrides({"mu": (0.3,), "attention_dim": (9,), "lr": (1.0,)}, (5,))
+    assert dict(spec.grid) == {"mu": (0.3,), "ramp_epochs": (5, 10, 20, 40)} and spec.epoch_grid == (5,)
 
 
 def test_benchmark_mil_csv_cli(tmp_path, mil_csv, capsys):
@@ -273,7 +273,7 @@ def test_benchmark_mil_csv_cli(tmp_path, mil_csv, capsys):
     for row in ssl["folds"]:
         assert row["setting"]["mu"] in (0.2, 0.3) and row["epochs"] in (40, 60)
         assert row["n_train_bags"] + row["n_test_bags"] == 40
-    assert ssl["spec"]["grid"]["lr"] == [1e-2] and result["methods"]["abmil"]["spec"]["grid"]["lr"] == [1e-2]
+    assert "lr" not in ssl["spec"]["grid"] and result["methods"]["abmil"]["spec"]["grid"]["lr"] == [1e-2]
     assert result["methods"]["abmil"]["summary"]["auc"]["mean"] > 0.8
     assert "| mil-ssl (paper) |" in md.read_text()
 

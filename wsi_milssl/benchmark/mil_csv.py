@@ -117,13 +117,14 @@ class MethodSpec:
         return len(self.points()) * len(self.epoch_grid)
 
     def with_overrides(self, overrides: dict[str, tuple], epoch_grid: tuple[int, ...] | None) -> "MethodSpec":
-        """This spec with grid keys in ``overrides`` replaced (only keys this kind can search)."""
+        """This spec with the grids in ``overrides`` replaced where this spec searches that key (a key it
+        does not search is left alone: the paper preset keeps its learning rate, the improved one its
+        fixed μ)."""
         grid = dict(self.grid)
         fixed = dict(self.fixed)
         for key, values in overrides.items():
-            if key in GRID_KEYS[self.kind]:
+            if key in grid:
                 grid[key] = tuple(values)
-                fixed.pop(key, None)
         return dataclasses.replace(self, grid=tuple(grid.items()), fixed=tuple(fixed.items()),
                                    epoch_grid=tuple(epoch_grid) if epoch_grid else self.epoch_grid)
 
@@ -190,6 +191,9 @@ METHODS: dict[str, MethodSpec] = {
                                            "improved with the paper's μ grid and ramp",
                                            grid={"mu": (0.1, 0.15, 0.2, 0.25)}, fixed={"fixed_mu": False,
                                                                                         "ramp_epochs": 10}),
+    "mil-ssl-improved-class-balanced": _ablation("mil-ssl-improved-class-balanced", _IMPROVED,
+                                                 "improved plus a class-balanced loss (not adopted)",
+                                                 fixed={"class_balanced": True}),
     "mil-ssl-improved-threshold-0.5": _ablation("mil-ssl-improved-threshold-0.5", _IMPROVED,
                                                 "improved, bag threshold 0.5 (not calibrated)", threshold="0.5"),
 }

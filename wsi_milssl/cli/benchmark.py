@@ -50,9 +50,12 @@ def _register_mil_csv(sub) -> None:
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the folds and of every model")
     p.add_argument("--select", choices=("accuracy", "auc"), default=d.select_metric,
                    help="inner out-of-fold metric that picks each method's setting")
-    p.add_argument("--mu-grid", type=float, nargs="+", default=None, help="replace MIL-SSL's μ grid")
-    p.add_argument("--ramp-grid", type=int, nargs="+", default=None, help="replace MIL-SSL's T grid (eq. 10)")
-    p.add_argument("--lr-grid", type=float, nargs="+", default=None, help="replace every method's learning-rate grid")
+    p.add_argument("--mu-grid", type=float, nargs="+", default=None,
+                   help="replace the μ grid of every method that searches μ")
+    p.add_argument("--ramp-grid", type=int, nargs="+", default=None,
+                   help="replace the T grid (eq. 10) of every method that searches T")
+    p.add_argument("--lr-grid", type=float, nargs="+", default=None,
+                   help="replace the learning-rate grid of every method that searches one")
     p.add_argument("--epoch-grid", type=int, nargs="+", default=None, help="replace every method's epoch grid")
     p.add_argument("--threads", type=int, default=d.threads, help="torch CPU threads (0 = torch default)")
     p.add_argument("--json", type=Path, default=None, metavar="PATH",
