@@ -5,6 +5,8 @@ method itself (:mod:`wsi_milssl.mil`).
   MUSK2, ELEPHANT, UCSB breast cancer): ``wsi-milssl benchmark mil-csv``.
 - :mod:`wsi_milssl.benchmark.bags` — the paper's digit-bag protocols (normal, hard, ablation):
   ``wsi-milssl benchmark bags``.
+- :mod:`wsi_milssl.benchmark.stacked` — many small MIL models (MIL-SSL and the baselines) trained at once,
+  one leading model axis: the grid points and folds of one nested-CV split.
 - :mod:`wsi_milssl.benchmark.baselines` — ABMIL, gated ABMIL and max-pooling MIL, and the digit CNN.
 - :mod:`wsi_milssl.benchmark.digits` — digit images (bundled 8 x 8, MNIST IDX files) and the bags
   built from them.
