@@ -58,7 +58,8 @@ def render(results: dict) -> str:
     methods = [m for m in meta["methods"] if m in HEADERS]
     extra = [m for m in meta["methods"] if m not in HEADERS]
     lines = ["# Classical MIL benchmark (nested cross-validation)", "",
-             f"{meta['folds']}-fold outer x {meta['inner_folds']}-fold inner cross-validation, seed {meta['seed']}; "
+             f"Nested cross-validation (outer x inner folds and grids per data set under 'Protocol per data set'), "
+             f"seed {meta['seed']}; "
              f"every method in the same folds with its own grid chosen on the inner folds only "
              f"(selected by inner out-of-fold {meta['select']}); bag threshold calibrated on the inner out-of-fold "
              f"scores. Mean ± std over the outer folds. {meta['machine']}.", ""]
