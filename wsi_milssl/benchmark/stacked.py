@@ -261,10 +261,10 @@ def stacked_pseudo_labels(probs: torch.Tensor, mask: torch.Tensor, bag_ids: torc
 # Baselines (bag level)
 # ----------------------------------------------------------------------------------------------
 
-def _bag_batches(order: torch.Tensor, bag_ids_sorted_starts: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+def _bag_batches(order: torch.Tensor, grouped: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                  bags_per_batch: int):
     """Yield (bags (b,), instance indices (n,), local bag index (n,)) for consecutive chunks of ``order``."""
-    inst_order, starts, counts = bag_ids_sorted_starts
+    inst_order, starts, counts = grouped  # from _group: instance order by bag, bag starts, bag sizes
     for i in range(0, order.numel(), bags_per_batch):
         bags = order[i:i + bags_per_batch]
         idx = torch.cat([inst_order[starts[b]:starts[b] + counts[b]] for b in bags.tolist()])
