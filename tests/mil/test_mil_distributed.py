@@ -101,7 +101,7 @@ def test_a_killed_rank_stops_the_run_clearly_and_resume_continues_on_one_process
     assert proc.returncode != 0
     assert "rank      : 1" in output and "SIGKILL" in output or "lost the other ranks" in output, output
     saved = len(_history(run))
-    assert 1 <= saved < epochs
+    assert saved in range(1, epochs)  # some epochs saved, not all
     # resume with another world size: one process continues from last.pt to the end
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     done = subprocess.run([sys.executable, "-m", "wsi_milssl", "train", "--resume", str(run), *COMMON],
