@@ -36,6 +36,7 @@ from wsi_milssl.config.train import BenchmarkConfig
 from wsi_milssl.errors import ConfigError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.mil.data import InstanceSet
+from wsi_milssl.mil.selftrain import auc_or_none
 
 __all__ = ["MethodSpec", "METHODS", "PRESETS", "DEFAULT_PRESET", "resolve_methods", "nested_cross_validation",
            "best_threshold", "summarise", "format_table", "format_markdown"]
@@ -236,19 +237,9 @@ def best_threshold(scores: np.ndarray, labels: np.ndarray) -> float:
     return float(cands[best[np.argmin(np.abs(cands[best] - 0.5))]])
 
 
-def _auc(labels: np.ndarray, scores: np.ndarray) -> float | None:
-    from sklearn.metrics import roc_auc_score
-
-    ok = np.isfinite(scores)
-    y, s = labels[ok], scores[ok]
-    if y.size == 0 or y.min() == y.max():
-        return None
-    return float(roc_auc_score(y, s))
-
-
 def _metric(scores: np.ndarray, labels: np.ndarray, name: str) -> float:
     if name == "auc":
-        value = _auc(labels.astype(np.int64), scores)
+        value = auc_or_none(labels.astype(np.int64), scores)
         return -math.inf if value is None else value
     return float(np.mean((scores > best_threshold(scores, labels)) == (labels == 1)))
 
@@ -394,7 +385,7 @@ def nested_cross_validation(instances: InstanceSet, *, bench: BenchmarkConfig,
                     "inner_" + bench.select_metric: float(inner_value), "threshold": float(threshold),
                     "accuracy": float(np.mean((scores > threshold) == (y == 1))),
                     "accuracy_at_0_5": float(np.mean((scores > 0.5) == (y == 1))),
-                    "auc": _auc(y.astype(np.int64), scores),
+                    "auc": auc_or_none(y.astype(np.int64), scores),
                 }
                 res = results[spec.name]
                 res["folds"].append(row)

@@ -48,6 +48,7 @@ from wsi_milssl.mil.pixels import prepare_patches
 from wsi_milssl.mil.sinkhorn import adaptive_mu, assign_pseudo_labels
 
 __all__ = [
+    "auc_or_none",
     "Runtime",
     "resolve_runtime",
     "PseudoLabelState",
@@ -408,7 +409,8 @@ def train_one_epoch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, in
 # Evaluation
 # ----------------------------------------------------------------------------------------------
 
-def _auc(y: np.ndarray, score: np.ndarray) -> float | None:
+def auc_or_none(y: np.ndarray, score: np.ndarray) -> float | None:
+    """ROC AUC of ``score`` for the 0/1 labels ``y`` over the finite scores; None when one class is missing."""
     from sklearn.metrics import roc_auc_score
 
     ok = np.isfinite(score)
@@ -436,8 +438,8 @@ def evaluate(model: torch.nn.Module, instances: InstanceSet, *, runtime: Runtime
     nll = float(-np.mean(labels[ok] * np.log(clipped) + (1 - labels[ok]) * np.log1p(-clipped))) if ok.any() else None
     return {
         "instance_auc": None if instances.instance_labels is None
-        else _auc(instances.instance_labels.astype(np.int64), probs.astype(np.float64)),
-        "bag_auc": _auc(labels, scores),
+        else auc_or_none(instances.instance_labels.astype(np.int64), probs.astype(np.float64)),
+        "bag_auc": auc_or_none(labels, scores),
         "bag_accuracy": float(np.mean((scores[ok] > threshold) == (labels[ok] == 1))) if ok.any() else None,
         "bag_nll": nll,
         "probs": probs,
