@@ -555,24 +555,19 @@ def bag_availability(images: DigitImages, *, ratios: Sequence[float], bag_size: 
                      val_fraction: float, hard_ratio: float, seed: int = 0) -> list[dict[str, Any]]:
     """How many bags the images allow per protocol setting: [{"setting", "positives_per_bag", "train", "val",
     "test"}] (bag counts of seed ``seed``; 0 where a split cannot fill one pair). No training."""
-    out = []
-    for ratio in ratios:
-        entry: dict[str, Any] = {"setting": f"normal {ratio * 100:g}%", "positives_per_bag": positives_per_bag(ratio, bag_size)}
+
+    def count(setting: str, ratio: float, make) -> dict[str, Any]:
+        entry: dict[str, Any] = {"setting": f"{setting} {ratio * 100:g}%",
+                                 "positives_per_bag": positives_per_bag(ratio, bag_size)}
         try:
-            b = normal_bags(images, ratio=ratio, bag_size=bag_size, seed=seed, test_fraction=test_fraction,
-                            val_fraction=val_fraction)
-            entry.update({k: v.n_bags for k, v in b.items()})
+            entry.update({k: v.n_bags for k, v in make().items()})
         except ConfigError as exc:
             entry["error"] = str(exc)
-        out.append(entry)
-    entry = {"setting": f"hard {hard_ratio * 100:g}%", "positives_per_bag": positives_per_bag(hard_ratio, bag_size)}
-    try:
-        b = hard_bags(images, bag_size=bag_size, seed=seed, ratio=hard_ratio, test_fraction=test_fraction,
-                      val_fraction=val_fraction)
-        entry.update({k: v.n_bags for k, v in b.items()})
-    except ConfigError as exc:
-        entry["error"] = str(exc)
-    out.append(entry)
+        return entry
+
+    common = dict(bag_size=bag_size, seed=seed, test_fraction=test_fraction, val_fraction=val_fraction)
+    out = [count("normal", r, lambda r=r: normal_bags(images, ratio=r, **common)) for r in ratios]
+    out.append(count("hard", hard_ratio, lambda: hard_bags(images, ratio=hard_ratio, **common)))
     return out
 
 
