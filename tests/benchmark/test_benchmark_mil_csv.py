@@ -303,3 +303,110 @@ def test_stacked_adam_equals_torch_adam_per_model():
             ref[i].zero_grad()
     for i in range(2):
         torch.testing.assert_close(p[i].detach(), q[i].detach(), atol=1e-6, rtol=1e-5)
+
+
+def test_bag_balanced_loss_weights_give_every_training_bag_one_share(mil_csv):
+    from wsi_milssl.benchmark.stacked import instance_loss_weights
+
+    data = read_mil_csv(mil_csv)
+    w = np.ones((3, data.n_bags), dtype=np.float32)
+    w[1, :5] = 0.0  # model 1 does not train on the first five bags
+    stacked = StackedData.from_instances(data, w)
+    plain = instance_loss_weights(stacked, False)
+    assert torch.equal(plain, stacked.instance_weight())
+    mixed = instance_loss_weights(stacked, [True, True, False])
+    assert torch.equal(mixed[2], plain[2])
+    per_bag = torch.zeros(3, data.n_bags).index_add(1, stacked.bag_ids, mixed)
+    np.testing.assert_allclose(per_bag[0].numpy(), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(per_bag[1, 5:].numpy(), 1.0, rtol=1e-6)
+    assert (per_bag[1, :5] == 0).all()
+    sizes = np.bincount(data.bag_ids)
+    assert len(set(sizes.tolist())) > 1  # the fixture's bags differ in size, so the weights do too
+    np.testing.assert_allclose(per_bag[2].numpy(), sizes, rtol=1e-6)
+
+
+def test_bag_balanced_flag_is_per_model_in_one_stack(mil_csv):
+    """Two identical models (same seed) in one stack, one bag-balanced: the plain one equals a plain model
+    trained alone, the balanced one differs (the fixture's bags differ in size)."""
+    data = read_mil_csv(mil_csv)
+    kw = dict(weight_decay=[0.0], dropout=[0.0], mu=[0.5], ramp_epochs=[0], hidden_dims=(8,), batch_size=64,
+              warmup_epochs=1, eval_at=[3], eval_sets={})
+    pair = fit_stacked_milssl(StackedData.from_instances(data, np.ones((2, data.n_bags), np.float32)),
+                              lr=[1e-2, 1e-2], seeds=[3, 3], bag_balanced=[False, True],
+                              **{**kw, "weight_decay": [0.0] * 2, "dropout": [0.0] * 2, "mu": [0.5] * 2,
+                                 "ramp_epochs": [0] * 2})["train"][3]
+    alone = fit_stacked_milssl(StackedData.from_instances(data, np.ones((1, data.n_bags), np.float32)),
+                               lr=[1e-2], seeds=[3], bag_balanced=False, **kw)["train"][3]
+    np.testing.assert_allclose(pair[0], alone[0], atol=1e-6)
+    assert np.abs(pair[1] - pair[0]).max() > 1e-3
+
+
+def test_whole_seeds_average_more_whole_split_models_without_changing_the_choice(mil_csv):
+    data = read_mil_csv(mil_csv)
+    small = _small(mc.METHODS["mil-ssl-improved"])
+    # no dropout: dropout masks are drawn for the whole stack, so extra models would change the others' masks
+    base = dataclasses.replace(small, ensemble=False, fixed=small.fixed + (("dropout", 0.0),))
+    variants = [dataclasses.replace(base, name="one"), dataclasses.replace(base, name="three", whole_seeds=3)]
+    res = mc.nested_cross_validation(data, bench=BENCH, methods=variants)["methods"]
+    for a, b in zip(res["one"]["folds"], res["three"]["folds"]):
+        assert (a["setting"], a["epochs"], a["threshold"]) == (b["setting"], b["epochs"], b["threshold"])
+    assert [a["auc"] for a in res["one"]["folds"]] != [b["auc"] for b in res["three"]["folds"]]
+    assert res["three"]["spec"]["whole_seeds"] == 3
+    with pytest.raises(ConfigError, match="whole_seeds must be an integer >= 0"):
+        dataclasses.replace(base, whole_seeds=-1)
+    with pytest.raises(ConfigError, match="needs ensemble = True"):
+        dataclasses.replace(base, whole_seeds=0)
+
+
+def test_cross_validation_ensemble_scores_the_test_fold_with_the_inner_fold_models_alone(mil_csv):
+    """whole_seeds = 0: no model on the whole split; the test score is the mean of the inner-fold models,
+    the same models (so the same choice and threshold) as with one whole-split model added."""
+    data = read_mil_csv(mil_csv)
+    small = _small(mc.METHODS["mil-ssl-improved"])
+    base = dataclasses.replace(small, ensemble=True, fixed=small.fixed + (("dropout", 0.0),))
+    variants = [dataclasses.replace(base, name="with-whole"), dataclasses.replace(base, name="cv", whole_seeds=0)]
+    res = mc.nested_cross_validation(data, bench=BENCH, methods=variants)["methods"]
+    for a, b in zip(res["with-whole"]["folds"], res["cv"]["folds"]):
+        assert (a["setting"], a["epochs"], a["threshold"]) == (b["setting"], b["epochs"], b["threshold"])
+    assert [a["auc"] for a in res["with-whole"]["folds"]] != [b["auc"] for b in res["cv"]["folds"]]
+    assert res["cv"]["summary"]["auc"]["mean"] > 0.8
+
+
+def test_bench_script_merges_a_rerun_method_into_saved_runs(mil_csv):
+    """benchmarks/bench_mil_csv.py --from-json: a later run's method replaces the earlier one's row of that
+    data set, other rows stay, times are re-summed; runs with other folds are refused."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_mil_csv.py"
+    spec = importlib.util.spec_from_file_location("bench_mil_csv", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    data = read_mil_csv(mil_csv)
+
+    def run(names, **changes):
+        specs = [dataclasses.replace(_small(mc.METHODS[n]), epoch_grid=(5,)) for n in names]
+        cfg = dataclasses.replace(BENCH, **changes)
+        return {"meta": {"methods": list(names), "folds": cfg.folds, "inner_folds": cfg.inner_folds, "seed": 0,
+                         "select": "auc", "machine": "test"},
+                "datasets": {"toy": {**mc.nested_cross_validation(data, bench=cfg, methods=specs),
+                                     "wall_s": 1.0, "cpu_s": 1.0}}}
+
+    first = run(["abmil", "mil-ssl-improved"])
+    rerun = run(["mil-ssl-improved", "mil-ssl-improved-batch-512"], seed=1)
+    with pytest.raises(SystemExit, match="cannot merge toy"):
+        bench.merge([first, rerun])
+    rerun = run(["mil-ssl-improved", "mil-ssl-improved-batch-512"])
+    rerun["datasets"]["toy"]["methods"]["mil-ssl-improved"]["summary"]["accuracy"]["mean"] = 0.123
+    merged = bench.merge([first, rerun])
+    methods = merged["datasets"]["toy"]["methods"]
+    assert merged["meta"]["methods"] == ["abmil", "mil-ssl-improved", "mil-ssl-improved-batch-512"]
+    assert methods["abmil"] == first["datasets"]["toy"]["methods"]["abmil"]
+    assert methods["mil-ssl-improved"]["summary"]["accuracy"]["mean"] == 0.123
+    assert merged["datasets"]["toy"]["wall_s"] == pytest.approx(sum(m["seconds"] for m in methods.values()))
+    assert first["datasets"]["toy"]["methods"]["mil-ssl-improved"]["summary"]["accuracy"]["mean"] != 0.123
+    other = run(["abmil"])
+    other["datasets"] = {"toy2": other["datasets"]["toy"]}
+    text = bench.render(bench.merge([merged, other]))
+    assert "| toy2 |" in text and "0.123 ±" in text
+    assert "| toy2 | — |" in text.split("## Ablation")[1].split("## Protocol")[0]

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 KINDS = ("mil-ssl", "abmil", "gated-abmil", "maxpool")
 #: grid keys each kind searches or fixes (anything else is a ConfigError)
 GRID_KEYS = {
-    "mil-ssl": ("mu", "ramp_epochs", "lr", "weight_decay", "dropout", "pooling"),
+    "mil-ssl": ("mu", "ramp_epochs", "lr", "weight_decay", "dropout", "pooling", "bag_balanced"),
     "abmil": ("lr", "weight_decay", "attention_dim", "dropout"),
     "gated-abmil": ("lr", "weight_decay", "attention_dim", "dropout"),
     "maxpool": ("lr", "weight_decay", "dropout"),
@@ -61,7 +61,8 @@ FIXED_KEYS = {
 DEFAULTS = {
     "mil-ssl": {"mu": 0.15, "ramp_epochs": 10, "lr": 1e-3, "weight_decay": 1e-4, "dropout": 0.5, "pooling": "max",
                 "hidden_dims": (256,), "batch_size": 512, "lam": 25.0, "fixed_mu": False, "soft_labels": True,
-                "local_constraint": True, "global_constraint": True, "class_balanced": False, "warmup_epochs": 0},
+                "local_constraint": True, "global_constraint": True, "class_balanced": False, "warmup_epochs": 0,
+                "bag_balanced": False},
     "abmil": {"lr": 1e-3, "weight_decay": 1e-4, "attention_dim": 64, "dropout": 0.0, "hidden_dims": (128, 64),
               "bags_per_batch": 8},
 }
@@ -74,7 +75,10 @@ class MethodSpec:
     """One benchmark row: ``kind`` trained with ``fixed`` settings, ``grid`` searched on inner folds
     (every combination) at every epoch count of ``epoch_grid``; ``ensemble``: test score = mean of the
     chosen setting's model on the whole split and its inner-fold models; ``threshold``: "inner" (the
-    accuracy-best threshold on the OOF scores) or "0.5"."""
+    accuracy-best threshold on the OOF scores) or "0.5"; ``whole_seeds``: how many models (seeds) of the
+    chosen setting are trained on the whole split (their mean is its test score); 0 with ``ensemble``:
+    none, the test score is the mean of the inner-fold models alone (the models whose out-of-fold scores
+    chose the setting and calibrated the threshold, so test and calibration scores share one scale)."""
 
     name: str
     kind: str
@@ -83,6 +87,7 @@ class MethodSpec:
     epoch_grid: tuple[int, ...] = (50, 100)
     ensemble: bool = False
     threshold: str = "inner"
+    whole_seeds: int = 1
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -100,6 +105,11 @@ class MethodSpec:
                                   f"{', '.join(GRID_KEYS[self.kind] + FIXED_KEYS[self.kind])}.")
         if not self.epoch_grid or any((not isinstance(e, int)) or e < 1 for e in self.epoch_grid):
             raise ConfigError(f"method {self.name!r}: epoch_grid needs positive integers; got {self.epoch_grid!r}.")
+        if not isinstance(self.whole_seeds, int) or self.whole_seeds < 0:
+            raise ConfigError(f"method {self.name!r}: whole_seeds must be an integer >= 0; got {self.whole_seeds!r}.")
+        if self.whole_seeds == 0 and not self.ensemble:
+            raise ConfigError(f"method {self.name!r}: whole_seeds = 0 (no model on the whole split) needs "
+                              f"ensemble = True (the test score is then the mean of the inner-fold models).")
         if self.threshold not in ("inner", "0.5"):
             raise ConfigError(f"method {self.name!r}: threshold must be 'inner' or '0.5'; got {self.threshold!r}.")
 
@@ -133,6 +143,7 @@ class MethodSpec:
         return {"name": self.name, "kind": self.kind, "grid": {k: list(v) for k, v in self.grid},
                 "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.settings().items()},
                 "epoch_grid": list(self.epoch_grid), "ensemble": self.ensemble, "threshold": self.threshold,
+                "whole_seeds": self.whole_seeds,
                 "grid_size": self.grid_size(), "description": self.description}
 
 
@@ -145,12 +156,13 @@ _PAPER = MethodSpec(
 )
 _IMPROVED = MethodSpec(
     name="mil-ssl-improved", kind="mil-ssl",
-    grid=(("mu", (0.5, 0.7, 0.9)), ("lr", (1e-3, 3e-3)), ("pooling", ("max", "mean", "top2"))),
-    fixed=(("fixed_mu", True), ("warmup_epochs", 5)),
+    grid=(("mu", (0.5, 0.9)), ("lr", (1e-3, 3e-3)), ("pooling", ("mean", "top2"))),
+    fixed=(("fixed_mu", True), ("warmup_epochs", 5), ("bag_balanced", True), ("batch_size", 64)),
     epoch_grid=(25, 50, 100),
     ensemble=True,
-    description="μ up to 0.9 (fixed), 5 warm-up epochs, Adam at two rates, bag pooling chosen on the inner "
-                "folds (max, mean, top-2 mean), ensemble of the inner-fold models",
+    description="μ ∈ {0.5, 0.9} (fixed), 5 warm-up epochs, every bag one share of the loss, 64 instances "
+                "per step, Adam at two rates, bag pooling chosen on the inner folds (mean, top-2 mean), "
+                "ensemble of the inner-fold models; 24 candidates like the baselines",
 )
 
 
@@ -186,6 +198,12 @@ METHODS: dict[str, MethodSpec] = {
                                               "improved, one model (no inner-fold ensemble)", ensemble=False),
     "mil-ssl-improved-max-pooling": _ablation("mil-ssl-improved-max-pooling", _IMPROVED,
                                               "improved, max pooling only (eq. 11)", fixed={"pooling": "max"}),
+    "mil-ssl-improved-no-bag-balance": _ablation("mil-ssl-improved-no-bag-balance", _IMPROVED,
+                                                 "improved, every instance one share of the loss (large bags "
+                                                 "dominate)", fixed={"bag_balanced": False}),
+    "mil-ssl-improved-batch-512": _ablation("mil-ssl-improved-batch-512", _IMPROVED,
+                                            "improved, 512 instances per step (the paper's feature batch)",
+                                            fixed={"batch_size": 512}),
     "mil-ssl-improved-no-warmup": _ablation("mil-ssl-improved-no-warmup", _IMPROVED,
                                             "improved, first refresh before any training", fixed={"warmup_epochs": 0}),
     "mil-ssl-improved-paper-mu": _ablation("mil-ssl-improved-paper-mu", _IMPROVED,
@@ -264,7 +282,8 @@ def _fit_fold(spec: MethodSpec, train_set: InstanceSet, test_set: InstanceSet, i
 
     Returns (points, train_scores, test_scores): ``points`` the grid points (with ``pooling`` for
     MIL-SSL), ``train_scores[e]`` float64 (P, F, B_train) bag scores of the training split and
-    ``test_scores[e]`` (P, F, B_test), F = inner folds + 1 (the last is the whole split).
+    ``test_scores[e]`` (P, F, B_test), F = inner folds + ``spec.whole_seeds`` (the last are
+    the models trained on the whole split).
     """
     from wsi_milssl.benchmark.stacked import StackedData, fit_stacked_baseline, fit_stacked_milssl, pool_bags
 
@@ -278,14 +297,14 @@ def _fit_fold(spec: MethodSpec, train_set: InstanceSet, test_set: InstanceSet, i
             train_points = [p for p in train_points if p.get("pooling", poolings[0]) == poolings[0]]
             for p in train_points:
                 p.pop("pooling", None)
-    n_folds = len(inner) + 1
+    n_folds = len(inner) + spec.whole_seeds
     weights = []
     for _p in train_points:
         for in_tr, _ in inner:
             w = np.zeros(train_set.n_bags, dtype=np.float32)
             w[in_tr] = 1.0
             weights.append(w)
-        weights.append(np.ones(train_set.n_bags, dtype=np.float32))
+        weights += [np.ones(train_set.n_bags, dtype=np.float32)] * spec.whole_seeds
     data = StackedData.from_instances(train_set, np.stack(weights))
     per_model = [{**settings, **p} for p in train_points for _ in range(n_folds)]
     seeds = [int(np.random.SeedSequence([seed, g, f]).generate_state(1)[0] >> 1)
@@ -298,7 +317,7 @@ def _fit_fold(spec: MethodSpec, train_set: InstanceSet, test_set: InstanceSet, i
             lam=settings["lam"], fixed_mu=settings["fixed_mu"], soft_labels=settings["soft_labels"],
             local_constraint=settings["local_constraint"], global_constraint=settings["global_constraint"],
             class_balanced=settings["class_balanced"], warmup_epochs=settings["warmup_epochs"],
-            eval_at=spec.epoch_grid, eval_sets={"test": test_set}, seeds=seeds, seed=seed)
+            bag_balanced=col("bag_balanced"), eval_at=spec.epoch_grid, eval_sets={"test": test_set}, seeds=seeds, seed=seed)
         points, train_scores, test_scores = [], {}, {}
         for e in spec.epoch_grid:
             tr, te = [], []
@@ -376,9 +395,9 @@ def nested_cross_validation(instances: InstanceSet, *, bench: BenchmarkConfig,
                 g, e, _oof, inner_value, threshold = _select(spec, points, train_scores, inner, tr_labels,
                                                               bench.select_metric)
                 if spec.ensemble:
-                    scores = test_scores[e][g].mean(axis=0)  # the whole-split model and the inner-fold models
+                    scores = test_scores[e][g].mean(axis=0)  # the whole-split models and the inner-fold models
                 else:
-                    scores = test_scores[e][g, -1]  # the model trained on the whole split
+                    scores = test_scores[e][g, len(inner):].mean(axis=0)  # the models trained on the whole split
                 row = {
                     "repeat": repeat, "fold": fold, "n_train_bags": int(train_set.n_bags),
                     "n_test_bags": int(test_set.n_bags), "setting": {**points[g]}, "epochs": int(e),

@@ -39,7 +39,7 @@ from wsi_milssl.mil.data import InstanceSet
 from wsi_milssl.mil.sinkhorn import PROB_EPS
 
 __all__ = ["StackedData", "stacked_pseudo_labels", "fit_stacked_baseline", "fit_stacked_milssl", "pool_bags",
-           "POOLINGS"]
+           "instance_loss_weights", "POOLINGS"]
 
 #: Bag scores from instance probabilities (MIL-SSL): max (eq. 11), mean, mean of the top two, noisy-or.
 POOLINGS = ("max", "mean", "top2", "noisy-or")
@@ -426,12 +426,25 @@ class _StackedHead:
         return torch.cat(parts, dim=1) if parts else torch.zeros(len(self.mean), 0)
 
 
+def instance_loss_weights(data: StackedData, bag_balanced: Sequence[bool] | bool = False) -> torch.Tensor:
+    """float32 (M, N): each instance's weight in model m's loss, 0 outside its training bags; 1 inside, or
+    1 / (size of the instance's bag) where ``bag_balanced`` (one flag, or one per model) is set, so every
+    training bag then carries the same total weight."""
+    inst_w = data.instance_weight()
+    balanced = torch.as_tensor(bag_balanced, dtype=torch.bool).expand(data.n_models)
+    if not bool(balanced.any()):
+        return inst_w
+    sizes = torch.bincount(data.bag_ids, minlength=int(data.bag_labels.numel())).float()
+    return torch.where(balanced[:, None], inst_w / sizes[data.bag_ids][None, :], inst_w)
+
+
 def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: Sequence[float],
                        dropout: Sequence[float], mu: Sequence[float], ramp_epochs: Sequence[int],
                        hidden_dims: Sequence[int] = (256,), batch_size: int = 512, lam: float = 25.0,
                        fixed_mu: bool = False, soft_labels: bool = True, local_constraint: bool = True,
                        global_constraint: bool = True, class_balanced: bool = False, warmup_epochs: int = 0,
-                       eval_at: Sequence[int], eval_sets: dict[str, InstanceSet], seeds: Sequence[int],
+                       bag_balanced: Sequence[bool] | bool = False, eval_at: Sequence[int],
+                       eval_sets: dict[str, InstanceSet], seeds: Sequence[int],
                        seed: int = 0) -> dict[str, dict[int, np.ndarray]]:
     """Train M MIL-SSL instance classifiers at once (model m on the bags ``data.bag_weight[m]``).
 
@@ -442,7 +455,9 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
 
     Options beyond the paper: ``class_balanced`` weighs the positive and negative parts of the loss so
     each carries half of it (from the current targets); ``warmup_epochs`` W trains the first W epochs
-    with every positive-bag instance labelled 1 before the first refresh.
+    with every positive-bag instance labelled 1 before the first refresh; ``bag_balanced`` (one flag, or
+    one per model) weighs every instance by 1 / its bag's size, so each bag carries the same share of the
+    loss (as in the bag-level baselines) instead of large bags dominating it.
 
     Returns ``{set name: {epoch: instance probabilities (M, N_set) float64}}`` (``"train"`` included).
     """
@@ -460,6 +475,7 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
     inst_w = data.instance_weight()  # (M, N)
     pos_bag = (data.bag_labels[data.bag_ids] == 1)
     pos_mask = inst_w.bool() & pos_bag[None, :]
+    loss_w = instance_loss_weights(data, bag_balanced)
     pos_idx = torch.nonzero(pos_bag).flatten()
     pos_local_bags = torch.unique(data.bag_ids[pos_idx], return_inverse=True)[1]
     mu_t = torch.tensor(list(mu), dtype=torch.float64)
@@ -500,8 +516,8 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
                 ce = -(w_pos * q * logp[..., 1] + w_neg * (1 - q) * logp[..., 0])
             else:
                 ce = -(q * logp[..., 1] + (1 - q) * logp[..., 0])
-            w = inst_w[:, idx]
-            per_model = (ce * w).sum(1) / w.sum(1).clamp_min(1.0)
+            w = loss_w[:, idx]
+            per_model = (ce * w).sum(1) / w.sum(1).clamp_min(1e-6)
             per_model.sum().backward()
             opt.step()
         if epoch + 1 in wanted:
