@@ -140,7 +140,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/mil_csv.md"))
     ap.add_argument("--from-json", type=Path, nargs="+", default=None,
-                    help="re-render saved runs (several files: their data sets side by side)")
+                    help="re-render saved runs, merged (data sets side by side; a later file's methods added or replacing)")
     args = ap.parse_args()
     if args.from_json:
         runs = [json.loads(p.read_text()) for p in args.from_json]
