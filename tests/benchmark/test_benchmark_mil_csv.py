@@ -81,6 +81,12 @@ def test_pool_bags_by_hand():
     np.testing.assert_allclose(pool_bags(probs, bags, 3, "max"), [[0.9, 0.2, 0.4]])
     np.testing.assert_allclose(pool_bags(probs, bags, 3, "mean"), [[0.5, 0.2, 0.4]])
     np.testing.assert_allclose(pool_bags(probs, bags, 3, "top2"), [[0.7, 0.2, 0.4]])
+    np.testing.assert_allclose(pool_bags(probs, bags, 3, "top-half"), [[0.7, 0.2, 0.4]])  # 2 of 3, 1 of 1
+    four = np.array([[0.1, 0.8, 0.3, 0.6, 0.9, 0.05], [0.5, 0.5, 0.5, 0.5, 0.0, 1.0]])
+    four_bags = np.array([1, 1, 1, 1, 0, 0])  # bag 0: two instances, bag 1: four (not sorted by bag)
+    np.testing.assert_allclose(pool_bags(four, four_bags, 3, "top-half")[:, :2], [[0.9, 0.7], [1.0, 0.5]])
+    np.testing.assert_allclose(pool_bags(four, four_bags, 3, "top2")[:, :2], [[0.475, 0.7], [0.5, 0.5]])
+    assert np.isnan(pool_bags(four, four_bags, 3, "top-half")[:, 2]).all()  # bag 2 has no instance
     np.testing.assert_allclose(pool_bags(probs, bags, 3, "noisy-or"), [[1 - 0.1 * 0.9 * 0.5, 0.2, 0.4]])
     with pytest.raises(ConfigError, match="bag pooling must be one of"):
         pool_bags(probs, bags, 3, "attention")

@@ -41,8 +41,9 @@ from wsi_milssl.mil.sinkhorn import PROB_EPS
 __all__ = ["StackedData", "stacked_pseudo_labels", "fit_stacked_baseline", "fit_stacked_milssl", "pool_bags",
            "instance_loss_weights", "POOLINGS"]
 
-#: Bag scores from instance probabilities (MIL-SSL): max (eq. 11), mean, mean of the top two, noisy-or.
-POOLINGS = ("max", "mean", "top2", "noisy-or")
+#: Bag scores from instance probabilities (MIL-SSL): max (eq. 11), mean, mean of the top two, mean of the
+#: top half, noisy-or.
+POOLINGS = ("max", "mean", "top2", "top-half", "noisy-or")
 
 
 def _seed(*stream: int) -> int:
@@ -179,8 +180,8 @@ def _segment_sum(values: torch.Tensor, seg: torch.Tensor, n_seg: int) -> torch.T
 
 def pool_bags(probs: np.ndarray, bag_ids: np.ndarray, n_bags: int, pooling: str) -> np.ndarray:
     """Bag scores (M, n_bags) float64 from instance probabilities (M, N): ``max`` (eq. 11), ``mean``,
-    ``top2`` (mean of the two highest; the highest alone in a one-instance bag) or ``noisy-or``
-    (1 - Π(1 - p))."""
+    ``top2`` (mean of the two highest; the highest alone in a one-instance bag), ``top-half`` (mean of the
+    highest ceil(n / 2) of a bag's n) or ``noisy-or`` (1 - Π(1 - p)); NaN for a bag without instances."""
     p = torch.from_numpy(np.asarray(probs, dtype=np.float64))
     seg = torch.from_numpy(np.asarray(bag_ids, dtype=np.int64))
     if pooling == "max":
@@ -188,22 +189,20 @@ def pool_bags(probs: np.ndarray, bag_ids: np.ndarray, n_bags: int, pooling: str)
     elif pooling == "mean":
         counts = torch.bincount(seg, minlength=n_bags).double()
         out = _segment_sum(p, seg, n_bags) / counts
-    elif pooling == "top2":
+    elif pooling in ("top2", "top-half"):
         arr = p.numpy()
         seg_np = seg.numpy()
+        sizes = np.bincount(seg_np, minlength=n_bags)
+        keep = np.minimum(sizes, 2) if pooling == "top2" else np.ceil(sizes / 2.0).astype(np.int64)
         out = torch.empty(arr.shape[0], n_bags, dtype=torch.float64)
         for row in range(arr.shape[0]):
             order = np.lexsort((-arr[row], seg_np))  # by bag, then probability descending
             sb = seg_np[order]
-            first = np.ones(sb.size, dtype=bool)
-            first[1:] = sb[1:] != sb[:-1]
-            second = np.zeros(sb.size, dtype=bool)
-            second[1:] = first[:-1] & ~first[1:]
-            top = np.full(n_bags, np.nan)
-            top[sb[first]] = arr[row][order][first]
-            two = top.copy()
-            two[sb[second]] = (top[sb[second]] + arr[row][order][second]) / 2
-            out[row] = torch.from_numpy(two)
+            rank = np.arange(sb.size) - np.searchsorted(sb, sb)  # 0 for each bag's highest probability
+            top = rank < keep[sb]
+            total = np.bincount(sb[top], weights=arr[row][order][top], minlength=n_bags)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                out[row] = torch.from_numpy(np.where(sizes > 0, total / np.maximum(keep, 1), np.nan))
     elif pooling == "noisy-or":
         logs = torch.log1p(-p.clamp(0.0, 1.0 - 1e-12))
         out = 1.0 - torch.exp(_segment_sum(logs, seg, n_bags))
