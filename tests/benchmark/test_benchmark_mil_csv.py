@@ -347,17 +347,25 @@ def test_bag_balanced_flag_is_per_model_in_one_stack(mil_csv):
     assert np.abs(pair[1] - pair[0]).max() > 1e-3
 
 
-def test_whole_seeds_average_more_whole_split_models_without_changing_the_choice(mil_csv):
+def _whole_seed_runs(mil_csv, *, ensemble: bool, whole_seeds: int) -> tuple[dict, dict]:
+    """Nested runs of the small improved spec with one whole-split model and with ``whole_seeds``; the
+    chosen setting, epochs and threshold must agree (they come from the same inner-fold models) and the
+    test scores must not."""
     data = read_mil_csv(mil_csv)
     small = _small(mc.METHODS["mil-ssl-improved"])
     # no dropout: dropout masks are drawn for the whole stack, so extra models would change the others' masks
-    base = dataclasses.replace(small, ensemble=False, fixed=small.fixed + (("dropout", 0.0),))
-    variants = [dataclasses.replace(base, name="one"), dataclasses.replace(base, name="three", whole_seeds=3)]
+    base = dataclasses.replace(small, ensemble=ensemble, fixed=small.fixed + (("dropout", 0.0),))
+    variants = [dataclasses.replace(base, name="one"), dataclasses.replace(base, name="other", whole_seeds=whole_seeds)]
     res = mc.nested_cross_validation(data, bench=BENCH, methods=variants)["methods"]
-    for a, b in zip(res["one"]["folds"], res["three"]["folds"]):
+    for a, b in zip(res["one"]["folds"], res["other"]["folds"]):
         assert (a["setting"], a["epochs"], a["threshold"]) == (b["setting"], b["epochs"], b["threshold"])
-    assert [a["auc"] for a in res["one"]["folds"]] != [b["auc"] for b in res["three"]["folds"]]
-    assert res["three"]["spec"]["whole_seeds"] == 3
+    assert [a["auc"] for a in res["one"]["folds"]] != [b["auc"] for b in res["other"]["folds"]]
+    return res["other"], base
+
+
+def test_whole_seeds_average_more_whole_split_models_without_changing_the_choice(mil_csv):
+    three, base = _whole_seed_runs(mil_csv, ensemble=False, whole_seeds=3)
+    assert three["spec"]["whole_seeds"] == 3
     with pytest.raises(ConfigError, match="whole_seeds must be an integer >= 0"):
         dataclasses.replace(base, whole_seeds=-1)
     with pytest.raises(ConfigError, match="needs ensemble = True"):
@@ -367,15 +375,8 @@ def test_whole_seeds_average_more_whole_split_models_without_changing_the_choice
 def test_cross_validation_ensemble_scores_the_test_fold_with_the_inner_fold_models_alone(mil_csv):
     """whole_seeds = 0: no model on the whole split; the test score is the mean of the inner-fold models,
     the same models (so the same choice and threshold) as with one whole-split model added."""
-    data = read_mil_csv(mil_csv)
-    small = _small(mc.METHODS["mil-ssl-improved"])
-    base = dataclasses.replace(small, ensemble=True, fixed=small.fixed + (("dropout", 0.0),))
-    variants = [dataclasses.replace(base, name="with-whole"), dataclasses.replace(base, name="cv", whole_seeds=0)]
-    res = mc.nested_cross_validation(data, bench=BENCH, methods=variants)["methods"]
-    for a, b in zip(res["with-whole"]["folds"], res["cv"]["folds"]):
-        assert (a["setting"], a["epochs"], a["threshold"]) == (b["setting"], b["epochs"], b["threshold"])
-    assert [a["auc"] for a in res["with-whole"]["folds"]] != [b["auc"] for b in res["cv"]["folds"]]
-    assert res["cv"]["summary"]["auc"]["mean"] > 0.8
+    cv, _ = _whole_seed_runs(mil_csv, ensemble=True, whole_seeds=0)
+    assert cv["summary"]["auc"]["mean"] > 0.8
 
 
 def test_bench_script_merges_a_rerun_method_into_saved_runs(mil_csv):
