@@ -115,8 +115,8 @@ def merge(runs: list[dict]) -> dict:
                 merged["datasets"][ds] = run
                 continue
             mine = merged["datasets"][ds]
-            if mine["benchmark"]["inner_folds"] != run["benchmark"]["inner_folds"] or \
-                    mine["benchmark"]["folds"] != run["benchmark"]["folds"] or mine["benchmark"]["seed"] != run["benchmark"]["seed"]:
+            protocol = ("folds", "inner_folds", "seed")
+            if any(mine["benchmark"][k] != run["benchmark"][k] for k in protocol):
                 raise SystemExit(f"cannot merge {ds}: the runs differ in folds, inner folds or seed")
             mine["methods"].update(run["methods"])
             mine["wall_s"] = sum(r["seconds"] for r in mine["methods"].values())
@@ -140,7 +140,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/mil_csv.md"))
     ap.add_argument("--from-json", type=Path, nargs="+", default=None,
-                    help="re-render saved runs, merged (data sets side by side; a later file's methods added or replacing)")
+                    help="re-render saved runs, merged (data sets side by side; a later file's methods are added "
+                         "or replace an earlier file's)")
     args = ap.parse_args()
     if args.from_json:
         runs = [json.loads(p.read_text()) for p in args.from_json]

@@ -201,8 +201,7 @@ def pool_bags(probs: np.ndarray, bag_ids: np.ndarray, n_bags: int, pooling: str)
             rank = np.arange(sb.size) - np.searchsorted(sb, sb)  # 0 for each bag's highest probability
             top = rank < keep[sb]
             total = np.bincount(sb[top], weights=arr[row][order][top], minlength=n_bags)
-            with np.errstate(invalid="ignore", divide="ignore"):
-                out[row] = torch.from_numpy(np.where(sizes > 0, total / np.maximum(keep, 1), np.nan))
+            out[row] = torch.from_numpy(np.where(sizes > 0, total / np.maximum(keep, 1), np.nan))
     elif pooling == "noisy-or":
         logs = torch.log1p(-p.clamp(0.0, 1.0 - 1e-12))
         out = 1.0 - torch.exp(_segment_sum(logs, seg, n_bags))
