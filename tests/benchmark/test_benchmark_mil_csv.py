@@ -236,10 +236,13 @@ def test_ensemble_and_threshold_options_change_only_the_test_score(mil_csv):
     base = _small(mc.METHODS["mil-ssl-improved"])
     variants = [dataclasses.replace(base, name="ens", ensemble=True),
                 dataclasses.replace(base, name="one", ensemble=False),
-                dataclasses.replace(base, name="half", ensemble=False, threshold="0.5")]
+                dataclasses.replace(base, name="half", ensemble=False, threshold="0.5"),
+                dataclasses.replace(base, name="logit", threshold="logistic")]
     res = mc.nested_cross_validation(data, bench=BENCH, methods=variants)["methods"]
-    for a, b in zip(res["ens"]["folds"], res["one"]["folds"]):
+    for a, b, c in zip(res["ens"]["folds"], res["one"]["folds"], res["logit"]["folds"]):
         assert (a["setting"], a["epochs"], a["threshold"]) == (b["setting"], b["epochs"], b["threshold"])
+        assert (a["setting"], a["epochs"], a["auc"]) == (c["setting"], c["epochs"], c["auc"])
+    assert [a["threshold"] for a in res["ens"]["folds"]] != [c["threshold"] for c in res["logit"]["folds"]]
     assert all(r["threshold"] == 0.5 for r in res["half"]["folds"])
     assert all(r["accuracy"] == r["accuracy_at_0_5"] for r in res["half"]["folds"])
 
@@ -417,3 +420,17 @@ def test_bench_script_merges_a_rerun_method_into_saved_runs(mil_csv):
     text = bench.render(bench.merge([merged, other]))
     assert "| toy2 |" in text and "0.123 ±" in text
     assert "| toy2 | — |" in text.split("## Ablation")[1].split("## Protocol")[0]
+
+
+def test_logistic_threshold_is_where_the_fitted_probability_crosses_one_half():
+    rng = np.random.default_rng(0)
+    z = rng.normal(size=4000) * 3
+    labels = (rng.uniform(size=z.size) < 1 / (1 + np.exp(-(2.0 * z - 1.0)))).astype(np.int64)  # a = 2, b = -1
+    scores = 1 / (1 + np.exp(-z))
+    assert mc.logistic_threshold(scores, labels) == pytest.approx(1 / (1 + np.exp(-0.5)), abs=0.02)
+    # the fit falls back to the accuracy-best cut when the labels fall with the score, or one class is missing
+    assert mc.logistic_threshold(1 - scores, labels) == mc.best_threshold(1 - scores, labels)
+    assert mc.logistic_threshold(scores, np.zeros_like(labels)) == mc.best_threshold(scores, np.zeros_like(labels))
+    spec = dataclasses.replace(_small(mc.METHODS["abmil"]), threshold="logistic")
+    with pytest.raises(ConfigError, match="threshold must be one of inner, logistic, 0.5"):
+        dataclasses.replace(spec, threshold="platt")

@@ -44,6 +44,8 @@ __all__ = ["MethodSpec", "METHODS", "PRESETS", "DEFAULT_PRESET", "resolve_method
 log = logging.getLogger(__name__)
 
 KINDS = ("mil-ssl", "abmil", "gated-abmil", "maxpool")
+#: how the bag threshold is set: accuracy-best on the inner OOF scores, a logistic fit on them, or 0.5
+THRESHOLDS = ("inner", "logistic", "0.5")
 #: grid keys each kind searches or fixes (anything else is a ConfigError)
 GRID_KEYS = {
     "mil-ssl": ("mu", "ramp_epochs", "lr", "weight_decay", "dropout", "pooling", "bag_balanced"),
@@ -110,8 +112,9 @@ class MethodSpec:
         if self.whole_seeds == 0 and not self.ensemble:
             raise ConfigError(f"method {self.name!r}: whole_seeds = 0 (no model on the whole split) needs "
                               f"ensemble = True (the test score is then the mean of the inner-fold models).")
-        if self.threshold not in ("inner", "0.5"):
-            raise ConfigError(f"method {self.name!r}: threshold must be 'inner' or '0.5'; got {self.threshold!r}.")
+        if self.threshold not in THRESHOLDS:
+            raise ConfigError(f"method {self.name!r}: threshold must be one of {', '.join(THRESHOLDS)}; "
+                              f"got {self.threshold!r}.")
 
     def settings(self) -> dict[str, Any]:
         """Defaults of the kind, then ``fixed``."""
@@ -160,9 +163,11 @@ _IMPROVED = MethodSpec(
     fixed=(("fixed_mu", True), ("warmup_epochs", 5), ("bag_balanced", True), ("batch_size", 64)),
     epoch_grid=(25, 50, 100),
     ensemble=True,
+    threshold="logistic",
     description="μ ∈ {0.5, 0.9} (fixed), 5 warm-up epochs, every bag one share of the loss, 64 instances "
                 "per step, Adam at two rates, bag pooling chosen on the inner folds (mean, mean of the top half), "
-                "ensemble of the inner-fold models; 24 candidates like the baselines",
+                "ensemble of the inner-fold models, bag threshold from a logistic fit on the inner out-of-fold scores; "
+                "24 candidates like the baselines",
 )
 
 
@@ -216,6 +221,9 @@ METHODS: dict[str, MethodSpec] = {
     "mil-ssl-improved-class-balanced": _ablation("mil-ssl-improved-class-balanced", _IMPROVED,
                                                  "improved plus a class-balanced loss (not adopted)",
                                                  fixed={"class_balanced": True}),
+    "mil-ssl-improved-accuracy-threshold": _ablation("mil-ssl-improved-accuracy-threshold", _IMPROVED,
+                                                     "improved, bag threshold at the accuracy-best cut of the "
+                                                     "inner out-of-fold scores", threshold="inner"),
     "mil-ssl-improved-threshold-0.5": _ablation("mil-ssl-improved-threshold-0.5", _IMPROVED,
                                                 "improved, bag threshold 0.5 (not calibrated)", threshold="0.5"),
 }
@@ -256,6 +264,26 @@ def best_threshold(scores: np.ndarray, labels: np.ndarray) -> float:
     acc = np.array([np.mean((scores > t) == labels) for t in cands])
     best = np.flatnonzero(acc == acc.max())
     return float(cands[best[np.argmin(np.abs(cands[best] - 0.5))]])
+
+
+def logistic_threshold(scores: np.ndarray, labels: np.ndarray) -> float:
+    """The bag score at which a logistic fit of the labels on logit(score) crosses 1/2 (Platt scaling on
+    the out-of-fold scores): it uses every score, not only the few near the accuracy-best cut, so it moves
+    less with single bags. Falls back to :func:`best_threshold` when the fit does not rise with the score."""
+    from sklearn.linear_model import LogisticRegression
+
+    scores = np.asarray(scores, dtype=np.float64)
+    labels = np.asarray(labels).astype(np.int64)
+    ok = np.isfinite(scores)
+    if ok.sum() < 2 or len(np.unique(labels[ok])) < 2:
+        return best_threshold(scores, labels)
+    eps = 1e-6
+    z = np.log(np.clip(scores[ok], eps, 1 - eps)) - np.log1p(-np.clip(scores[ok], eps, 1 - eps))
+    fit = LogisticRegression(C=1e6).fit(z[:, None], labels[ok])
+    a, b = float(fit.coef_[0, 0]), float(fit.intercept_[0])
+    if a <= 0:
+        return best_threshold(scores, labels)
+    return float(1.0 / (1.0 + np.exp(b / a)))
 
 
 def _metric(scores: np.ndarray, labels: np.ndarray, name: str) -> float:
@@ -358,7 +386,12 @@ def _select(spec: MethodSpec, points: list[dict[str, Any]], train_scores: dict[i
             if best is None or key > best[0]:
                 best = (key, g, e, oof)
     key, g, e, oof = best
-    threshold = best_threshold(oof, labels) if spec.threshold == "inner" else 0.5
+    if spec.threshold == "inner":
+        threshold = best_threshold(oof, labels)
+    elif spec.threshold == "logistic":
+        threshold = logistic_threshold(oof, labels)
+    else:
+        threshold = 0.5
     return g, e, oof, key[0], threshold
 
 
