@@ -233,7 +233,7 @@ def test_selection_never_looks_at_the_test_fold(mil_csv, monkeypatch):
 
 def test_ensemble_and_threshold_options_change_only_the_test_score(mil_csv):
     data = read_mil_csv(mil_csv)
-    base = _small(mc.METHODS["mil-ssl-improved"])
+    base = dataclasses.replace(_small(mc.METHODS["mil-ssl-improved"]), threshold="inner")
     variants = [dataclasses.replace(base, name="ens", ensemble=True),
                 dataclasses.replace(base, name="one", ensemble=False),
                 dataclasses.replace(base, name="half", ensemble=False, threshold="0.5"),
