@@ -165,9 +165,9 @@ _IMPROVED = MethodSpec(
     ensemble=True,
     threshold="logistic",
     description="μ ∈ {0.5, 0.9} (fixed), 5 warm-up epochs, every bag one share of the loss, 64 instances "
-                "per step, Adam at two rates, bag pooling chosen on the inner folds (mean, mean of the top half), "
-                "ensemble of the inner-fold models, bag threshold from a logistic fit on the inner out-of-fold scores; "
-                "24 candidates like the baselines",
+                "per step, Adam at two rates, bag pooling chosen on the inner folds (mean, mean of the top "
+                "half), ensemble of the inner-fold models, bag threshold from a logistic fit on the inner "
+                "out-of-fold scores; 24 candidates like the baselines",
 )
 
 
@@ -277,8 +277,8 @@ def logistic_threshold(scores: np.ndarray, labels: np.ndarray) -> float:
     ok = np.isfinite(scores)
     if ok.sum() < 2 or len(np.unique(labels[ok])) < 2:
         return best_threshold(scores, labels)
-    eps = 1e-6
-    z = np.log(np.clip(scores[ok], eps, 1 - eps)) - np.log1p(-np.clip(scores[ok], eps, 1 - eps))
+    s = np.clip(scores[ok], 1e-6, 1 - 1e-6)
+    z = np.log(s) - np.log1p(-s)
     fit = LogisticRegression(C=1e6).fit(z[:, None], labels[ok])
     a, b = float(fit.coef_[0, 0]), float(fit.intercept_[0])
     if a <= 0:

@@ -499,7 +499,7 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
             targets = torch.zeros(m, n)
             targets[:, pos_idx] = q
         if class_balanced:
-            tw = inst_w.clamp_min(0)
+            tw = loss_w  # the weights the loss uses, so each class carries half of that loss
             pos_mass = (targets * tw).sum(1, keepdim=True).clamp_min(1e-6)
             neg_mass = ((1 - targets) * tw).sum(1, keepdim=True).clamp_min(1e-6)
             total = tw.sum(1, keepdim=True)
