@@ -9,13 +9,14 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_suite_out}
 STEPS=${STEPS:-"tests train heatmap"}
+CACHE=${CACHE:-/tmp/wsi_milssl_gpu_suite}  # slides generated once, shared by train and heatmap
 mkdir -p "$OUT/logs"
 summary="$OUT/summary.txt"
 { date; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; python3 -c "import torch; print('torch', torch.__version__)"; } > "$summary" 2>&1
 
 step() {  # name, command...
   local name=$1; shift
-  echo "== $name: $*" | tee -a "$summary"
+  echo "== $name ($(date +%T)): $*" | tee -a "$summary"
   local t0=$SECONDS
   "$@" > "$OUT/logs/$name.log" 2>&1
   local rc=$?
@@ -26,8 +27,8 @@ step() {  # name, command...
 for s in $STEPS; do
   case $s in
     tests)   step gpu-tests python3 -m pytest -q -m gpu -p no:cacheprovider ;;
-    train)   step train python3 benchmarks/bench_train.py --preset gpu14 --ddp 1 --json "$OUT/train.json" ;;
-    heatmap) step heatmap python3 benchmarks/bench_heatmap.py --preset gpu14 --repeat 2 --json "$OUT/heatmap.json" ;;
+    train)   step train python3 benchmarks/bench_train.py --preset gpu14 --ddp 1 --cache "$CACHE" --json "$OUT/train.json" ;;
+    heatmap) step heatmap python3 benchmarks/bench_heatmap.py --preset gpu14 --repeat 2 --cache "$CACHE" --json "$OUT/heatmap.json" ;;
     *) echo "unknown step $s" | tee -a "$summary" ;;
   esac
 done
