@@ -5,11 +5,17 @@
 #
 #   bash benchmarks/gpu_suite.sh                 # all of it
 #   STEPS="train heatmap" bash benchmarks/gpu_suite.sh
+#   TRAIN_ARGS="" bash benchmarks/gpu_suite.sh    # without the torchrun comparison (--ddp 1)
+#
+# Further steps, not in the default list: heatmap-log (the heatmap command once more, -v, its log and
+# status CSV kept: the per-slide timeline), train-device (bench_train at 224 px with --decode device),
+# nvjpeg (how far nvJPEG's pixels are from PIL's on the stored patches).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_suite_out}
 STEPS=${STEPS:-"tests train heatmap"}
 CACHE=${CACHE:-/tmp/wsi_milssl_gpu_suite}  # slides generated once, shared by train and heatmap
+TRAIN_ARGS=${TRAIN_ARGS---ddp 1}
 mkdir -p "$OUT/logs"
 summary="$OUT/summary.txt"
 { date; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; python3 -c "import torch; print('torch', torch.__version__)"; } > "$summary" 2>&1
@@ -27,8 +33,17 @@ step() {  # name, command...
 for s in $STEPS; do
   case $s in
     tests)   step gpu-tests python3 -m pytest -q -m gpu -p no:cacheprovider ;;
-    train)   step train python3 benchmarks/bench_train.py --preset gpu14 --ddp 1 --cache "$CACHE" --json "$OUT/train.json" ;;
+    train)   step train python3 benchmarks/bench_train.py --preset gpu14 $TRAIN_ARGS --cache "$CACHE" --json "$OUT/train.json" ;;
     heatmap) step heatmap python3 benchmarks/bench_heatmap.py --preset gpu14 --repeat 2 --cache "$CACHE" --json "$OUT/heatmap.json" ;;
+    heatmap-log)
+      python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from bench_heatmap import _checkpoint; _checkpoint(Path('$CACHE/ckpt/best.pt'), target_mpp=0.5, patch_size_px=224, entropy_bits=5.0)"
+      rm -rf "$CACHE/hm_log"
+      step heatmap-log python3 -m wsi_milssl heatmap "$CACHE/slides_24576/linked" --model "$CACHE/ckpt/best.pt" \
+        --out "$CACHE/hm_log" --batch-size 256 -v --log-file "$OUT/logs/heatmap-command.log"
+      cp "$CACHE/hm_log/heatmap_status.csv" "$OUT/logs/heatmap-status.csv" ;;
+    train-device) step train-device python3 benchmarks/bench_train.py --preset gpu14 --patch-size 224 --decode device \
+        --cache "$CACHE" --json "$OUT/train_device.json" ;;
+    nvjpeg) step nvjpeg python3 benchmarks/nvjpeg_vs_pil.py "$CACHE/stores_24576_0.5_224" ;;
     *) echo "unknown step $s" | tee -a "$summary" ;;
   esac
 done

@@ -194,6 +194,15 @@ def test_cuda_autocast_matches_the_cpu(tmp_path, tumour_slide, checkpoint_factor
     cpu = predict_slide(tumour_slide, load_inference_model(ckpt, config=HeatmapConfig(device="cpu", amp="off")))
     gpu_model = load_inference_model(ckpt, config=HeatmapConfig(device="cuda"))
     assert gpu_model.runtime.device.type == "cuda" and not gpu_model.runtime.preprocess_in_workers
+    side = gpu_model.plan.patch_size_px
+    batch = torch.randint(0, 256, (8, side, side, 3), dtype=torch.uint8).cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # the forward of a batch never waits for the device
+    try:
+        queued = gpu_model.forward_batch(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert queued.shape == (8,) and bool(torch.isfinite(queued).all())
     gpu = predict_slide(tumour_slide, gpu_model, config=HeatmapConfig(device="cuda"))
     np.testing.assert_array_equal(cpu.coords_lv0, gpu.coords_lv0)
     np.testing.assert_allclose(cpu.probs, gpu.probs, atol=2e-2)

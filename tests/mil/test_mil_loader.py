@@ -136,6 +136,15 @@ def test_cuda_batches_from_pinned_memory_and_nvjpeg_match_the_cpu(instances):
     for decode in ("workers", "device"):
         with BatchLoader([instances], num_workers=2, device="cuda", decode=decode) as loader:
             got = _all_batches(loader, instances, order, 32)
+        assert len(got) == len(ref)
         for (ia, xa), (ib, xb) in zip(ref, got):
-            assert xb.device.type == "cuda" and torch.equal(ia, ib)
-            assert (xa.int() - xb.cpu().int()).abs().max() <= (0 if decode == "workers" else 2)
+            assert xb.device.type == "cuda" and torch.equal(ia, ib) and xb.shape == xa.shape
+            diff = (xa.int() - xb.cpu().int()).abs().float()
+            if decode == "workers":
+                assert diff.max() == 0
+            else:
+                # nvJPEG is another conforming decoder than libjpeg-turbo (PIL): its IDCT and chroma
+                # upsampling differ, by up to 30 levels at sharp colour edges of these noisy patches
+                # (H100, 2026-11). A swapped channel order, a transposed or shifted patch would be off
+                # by tens of levels on average.
+                assert diff.mean() <= 2.0, f"mean |nvJPEG - PIL| {diff.mean():.2f} levels"

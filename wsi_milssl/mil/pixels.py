@@ -18,14 +18,17 @@ luma weights, ``x`` a pixel in [0, 1] and ``m`` the patch's mean luma::
 Geometric transforms run on the uint8 pixels (a quarter of the bytes of float), grouped by symmetry;
 the colour map is one batched matrix product on the float pixels. Random numbers come from an
 explicit CPU ``torch.Generator`` (6 uniform draws per patch: flips, rotation, b, c, s), so a batch is
-reproducible on any device, and nothing here waits for the GPU.
+reproducible on any device, and nothing here waits for the GPU: what is computed on the host goes to a
+CUDA device through pinned memory without blocking (a blocking copy would wait for every queued kernel,
+the previous training step's included, and leave the GPU idle while the next step is launched).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["NORMALISATION", "LUMA_WEIGHTS", "to_unit_float", "normalize", "to_tensor", "prepare_patches"]
+__all__ = ["NORMALISATION", "LUMA_WEIGHTS", "host_to_device", "to_unit_float", "normalize", "to_tensor",
+           "prepare_patches"]
 
 #: Per-channel RGB mean and standard deviation (of [0, 1] pixel values) applied to every image input.
 #: The ImageNet statistics, so a local ImageNet state dict passed with ``--weights`` sees familiar input.
@@ -33,6 +36,15 @@ NORMALISATION = {"mean": (0.485, 0.456, 0.406), "std": (0.229, 0.224, 0.225)}
 
 #: ITU-R BT.601 luma weights (R, G, B), used by the contrast and saturation jitter.
 LUMA_WEIGHTS = (0.299, 0.587, 0.114)
+
+
+def host_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Host tensor ``t`` on ``device`` without waiting for the device: through pinned memory and a
+    non-blocking copy on CUDA (a blocking copy waits for every kernel queued before it)."""
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def to_unit_float(patches_uint8) -> torch.Tensor:
@@ -45,9 +57,9 @@ def to_unit_float(patches_uint8) -> torch.Tensor:
 
 def normalize(x_unit: torch.Tensor) -> torch.Tensor:
     """float (B, 3, H, W) in [0, 1] -> normalised with :data:`NORMALISATION` (a new tensor)."""
-    mean = torch.tensor(NORMALISATION["mean"], dtype=x_unit.dtype, device=x_unit.device).view(1, 3, 1, 1)
-    std = torch.tensor(NORMALISATION["std"], dtype=x_unit.dtype, device=x_unit.device).view(1, 3, 1, 1)
-    return (x_unit - mean) / std
+    mean_std = host_to_device(torch.tensor([NORMALISATION["mean"], NORMALISATION["std"]], dtype=x_unit.dtype),
+                              x_unit.device)
+    return (x_unit - mean_std[0].view(1, 3, 1, 1)) / mean_std[1].view(1, 3, 1, 1)
 
 
 def to_tensor(patches_uint8) -> torch.Tensor:
@@ -68,7 +80,7 @@ def _symmetries(x: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
     for c in torch.unique(code).tolist():
         if c == 0:
             continue
-        idx = torch.nonzero(code == c).view(-1).to(x.device, non_blocking=True)
+        idx = host_to_device(torch.nonzero(code == c).view(-1), x.device)
         sub = x.index_select(0, idx)
         if c & 1:
             sub = sub.flip(2)
@@ -110,9 +122,8 @@ def prepare_patches(pixels: torch.Tensor, *, generator: torch.Generator | None =
         x = _symmetries(x.contiguous(), code)
     u = x.reshape(b, h * w, 3).float()  # (B, HW, 3) in 0..255
     if not jitter:
-        scale = (inv_std / 255.0).to(dev, non_blocking=True)
-        shift = (-mean_t * inv_std).to(dev, non_blocking=True)
-        z = torch.addcmul(shift, u, scale)
+        scale_shift = host_to_device(torch.stack([inv_std / 255.0, -mean_t * inv_std]), dev)  # (2, 3)
+        z = torch.addcmul(scale_shift[1], u, scale_shift[0])
         return z.view(b, h, w, 3).permute(0, 3, 1, 2)
     factors = 1.0 + (2.0 * draws[:, 3:6] - 1.0) * float(colour_jitter)  # (B, 3): brightness, contrast, sat
     bright, contrast, sat = factors[:, 0], factors[:, 1], factors[:, 2]
@@ -121,11 +132,17 @@ def prepare_patches(pixels: torch.Tensor, *, generator: torch.Generator | None =
     m = sat.view(b, 1, 1) * eye + (1.0 - sat).view(b, 1, 1) * luma.view(1, 1, 3).expand(b, 3, 3)
     # z = A u + o, with A = diag(1/std) c b M / 255 and o = diag(1/std) ((1 - c) b m_luma 1 - mean)
     a = inv_std.view(1, 3, 1) * (contrast * bright).view(b, 1, 1) * m / 255.0
-    mean_luma = u.mean(dim=1) @ luma.to(dev) / 255.0  # (B,) on the device
-    k = ((1.0 - contrast) * bright).to(dev, non_blocking=True)
-    o = (k * mean_luma).view(b, 1) * inv_std.to(dev).view(1, 3) - (mean_t * inv_std).to(dev).view(1, 3)
-    z = torch.baddbmm(o.view(b, 1, 3), u, a.transpose(1, 2).to(dev, non_blocking=True))
-    low = (-mean_t * inv_std).to(dev)
-    high = ((1.0 - mean_t) * inv_std).to(dev)
+    k = (1.0 - contrast) * bright
+    # every host value in one transfer: per patch A (9) and k (1), then the rows luma, 1/std,
+    # mean/std and the clamp bounds
+    per_patch = torch.cat([a.reshape(b, 9), k.view(b, 1)], dim=1)  # (B, 10)
+    fixed = torch.stack([luma, inv_std, mean_t * inv_std, -mean_t * inv_std, (1.0 - mean_t) * inv_std])  # (5, 3)
+    packed = host_to_device(torch.cat([per_patch.reshape(-1), fixed.reshape(-1)]), dev)
+    per_patch_d = packed[:10 * b].view(b, 10)
+    a_d, k_d = per_patch_d[:, :9].reshape(b, 3, 3), per_patch_d[:, 9]
+    luma_d, inv_std_d, mean_std_d, low, high = packed[10 * b:].view(5, 3)
+    mean_luma = u.mean(dim=1) @ luma_d / 255.0  # (B,) on the device
+    o = (k_d * mean_luma).view(b, 1) * inv_std_d.view(1, 3) - mean_std_d.view(1, 3)
+    z = torch.baddbmm(o.view(b, 1, 3), u, a_d.transpose(1, 2))
     z.clamp_(low, high)
     return z.view(b, h, w, 3).permute(0, 3, 1, 2)
