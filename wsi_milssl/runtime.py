@@ -77,6 +77,12 @@ def decode_jpeg_batch(data: list[torch.Tensor], device: torch.device) -> torch.T
     import warnings
 
     decode_jpeg, mode = _decode_jpeg()
+    if device.type == "cuda":
+        # nvJPEG's hardware decoder (A100, H100) writes its output before the work already queued on the
+        # stream has run, into blocks the caching allocator just freed: kernels still queued then read
+        # the decoded bytes instead of their own data (NaN probabilities on an H100, 2026-11; see
+        # pytorch/vision#9606 and meta-pytorch/torchcodec#1634). Drain the stream first.
+        torch.cuda.current_stream(device).synchronize()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         images = decode_jpeg(list(data), mode=mode.RGB, device=device)

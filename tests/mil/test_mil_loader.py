@@ -144,7 +144,8 @@ def test_cuda_batches_from_pinned_memory_and_nvjpeg_match_the_cpu(instances):
                 assert diff.max() == 0
             else:
                 # nvJPEG is another conforming decoder than libjpeg-turbo (PIL): its IDCT and chroma
-                # upsampling differ, by up to 30 levels at sharp colour edges of these noisy patches
-                # (H100, 2026-11). A swapped channel order, a transposed or shifted patch would be off
-                # by tens of levels on average.
-                assert diff.mean() <= 2.0, f"mean |nvJPEG - PIL| {diff.mean():.2f} levels"
+                # upsampling differ. On an H100 (2026-11): mean 2.37 levels, max 30 on these noisy
+                # patches; mean 1.11, max 23 on the stored patches of generated slides
+                # (benchmarks/nvjpeg_vs_pil.py). A swapped channel order, a transposed or shifted
+                # patch would be off by tens of levels on average.
+                assert diff.mean() <= 4.0, f"mean |nvJPEG - PIL| {diff.mean():.2f} levels"
