@@ -23,6 +23,10 @@
    same stores and settings; the last epoch's training-pass rate of each (all ranks together) and
    their ratio. ``--ddp 1`` is the cost of the distributed machinery on one GPU.
 
+5. With ``--profile DIR``: a separate one-epoch run with 20 training steps under ``torch.profiler``
+   (operators of the main process by CPU and device time, a Perfetto trace, and the fraction of the
+   window the GPU was busy): where the training pass loses against the bare step.
+
 Prints a table per patch size; ``--json PATH`` writes the numbers, with ``train_pass_ratio`` and
 ``refresh_ratio`` (of the first patch size) at the top level.
 """
@@ -148,6 +152,70 @@ def product_rates(stores: list[Path], labels: Path, config) -> dict:
             "refresh_s": [round(h["refresh_seconds"], 2) for h in result.history]}
 
 
+def profile_steps(stores: list[Path], labels: Path, config, out_dir: Path, *, tag: str, skip: int = 20,
+                  active: int = 20) -> dict:
+    """A one-epoch ``fit`` under ``torch.profiler``: ``active`` training steps after ``skip`` (+3 warm-up).
+
+    Writes ``out_dir/<tag>_ops.txt`` (the main process's operators by self CPU time and by device
+    time) and ``out_dir/<tag>_trace.json.gz`` (a Chrome/Perfetto trace of the window). Returns the
+    window's wall time per step, the device (kernel) time per step and their ratio, the fraction of
+    the window the GPU was busy (CUDA only). The profiled run is not one of the timed ones.
+    """
+    import dataclasses
+    import gzip
+    import shutil
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from wsi_milssl.mil import fit, read_labels_csv, read_patch_stores
+
+    inst = read_patch_stores(stores, read_labels_csv(labels))
+    cuda = torch.cuda.is_available() and config.device != "cpu"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamps: list[float] = []
+    report: dict = {}
+
+    def ready(prof) -> None:
+        events = prof.key_averages()
+        dev_attr = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+        device_us = sum(getattr(e, dev_attr, 0.0) for e in events)
+        cpu_us = sum(e.self_cpu_time_total for e in events)
+        lines = [f"{tag}: {active} training steps of {config.batch_size} after {skip} + 3 warm-up", "",
+                 "by self CPU time (main process):",
+                 events.table(sort_by="self_cpu_time_total", row_limit=40)]
+        if cuda:
+            lines += ["", "by device time:", events.table(sort_by=dev_attr, row_limit=25)]
+        (out_dir / f"{tag}_ops.txt").write_text("\n".join(lines) + "\n")
+        trace = out_dir / f"{tag}_trace.json"
+        prof.export_chrome_trace(str(trace))
+        with open(trace, "rb") as src, gzip.open(str(trace) + ".gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        trace.unlink()
+        steps = max(1, min(active, len(stamps) - (skip + 3)))  # fewer when the epoch ends first
+        report.update(steps=steps, device_ms_per_step=device_us / 1e3 / steps, cpu_op_ms_per_step=cpu_us / 1e3 / steps)
+
+    def on_event(event) -> None:
+        if event.stage == "train-epoch":
+            stamps.append(time.perf_counter())
+            prof.step()
+
+    cfg = dataclasses.replace(config, epochs=1)
+    with profile(activities=activities, schedule=schedule(wait=skip, warmup=3, active=active, repeat=1),
+                 on_trace_ready=ready) as prof:
+        fit(inst, config=cfg, progress=on_event)
+    first = skip + 3  # stamps[i] is the end of step i + 1
+    steps = report.get("steps", 0)
+    if steps and len(stamps) >= first + steps:
+        wall_ms = (stamps[first + steps - 1] - stamps[first - 1]) * 1e3 / steps
+        report["wall_ms_per_step"] = wall_ms
+        if "device_ms_per_step" in report and cuda:
+            report["gpu_busy_fraction"] = report["device_ms_per_step"] / wall_ms
+    report["files"] = [f"{tag}_ops.txt", f"{tag}_trace.json.gz"]
+    return report
+
+
 def command_rate(stores: list[Path], labels: Path, config, *, nproc: int) -> dict:
     """The last epoch's training-pass rate of ``wsi-milssl train`` (a plain process with ``nproc`` 0,
     else under torchrun with ``nproc`` processes)."""
@@ -189,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "wsi_milssl_bench_train")
     p.add_argument("--ddp", type=int, default=0, metavar="N",
                    help="also compare the train command under torchrun with N processes to one plain process")
+    p.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                   help="also profile 20 training steps of a one-epoch run per patch size (torch.profiler) into DIR")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
 
@@ -241,6 +311,11 @@ def main(argv: list[str] | None = None) -> int:
               f"({before['inference']:.1f}, {after['inference']:.1f})")
         print(f"{'refresh pass (last epoch)':<38}{product['refresh']:>12.1f}{row['refresh_ratio']:>8.2f}")
         print(f"epoch seconds {product['epoch_s']}, refresh seconds {product['refresh_s']}", flush=True)
+        if args.profile:
+            row["profile"] = profile_steps(stores, labels, config, args.profile, tag=f"train_{patch}px")
+            prof = row["profile"]
+            print("profiled window: " + ", ".join(f"{k} {v:.3f}" for k, v in prof.items() if isinstance(v, float))
+                  + f" ({args.profile})", flush=True)
         if args.ddp:
             plain = command_rate(stores, labels, config, nproc=0)
             ddp = command_rate(stores, labels, config, nproc=args.ddp)

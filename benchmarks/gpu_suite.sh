@@ -9,6 +9,7 @@
 #
 # Further steps, not in the default list: heatmap-log (the heatmap command once more, -v, its log and
 # status CSV kept: the per-slide timeline), train-device (bench_train at 224 px with --decode device),
+# profile (20 training steps at 224 px under torch.profiler: $OUT/profile/*_ops.txt and a trace),
 # nvjpeg (how far nvJPEG's pixels are from PIL's on the stored patches).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,6 +44,8 @@ for s in $STEPS; do
       cp "$CACHE/hm_log/heatmap_status.csv" "$OUT/logs/heatmap-status.csv" ;;
     train-device) step train-device python3 benchmarks/bench_train.py --preset gpu14 --patch-size 224 --decode device \
         --cache "$CACHE" --json "$OUT/train_device.json" ;;
+    profile) step profile python3 benchmarks/bench_train.py --preset gpu14 --patch-size 224 --epochs 2 \
+        --cache "$CACHE" --profile "$OUT/profile" ;;
     nvjpeg) step nvjpeg python3 benchmarks/nvjpeg_vs_pil.py "$CACHE/stores_24576_0.5_224" ;;
     *) echo "unknown step $s" | tee -a "$summary" ;;
   esac
