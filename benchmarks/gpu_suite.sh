@@ -10,6 +10,7 @@
 # Further steps, not in the default list: heatmap-log (the heatmap command once more, -v, its log and
 # status CSV kept: the per-slide timeline), train-device (bench_train at 224 px with --decode device),
 # profile (20 training steps at 224 px under torch.profiler: $OUT/profile/*_ops.txt and a trace),
+# heatmap-profile (the heatmap command's main process under cProfile: where its wall time goes),
 # nvjpeg (how far nvJPEG's pixels are from PIL's on the stored patches).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,6 +43,12 @@ for s in $STEPS; do
       step heatmap-log python3 -m wsi_milssl heatmap "$CACHE/slides_24576/linked" --model "$CACHE/ckpt/best.pt" \
         --out "$CACHE/hm_log" --batch-size 256 -v --log-file "$OUT/logs/heatmap-command.log"
       cp "$CACHE/hm_log/heatmap_status.csv" "$OUT/logs/heatmap-status.csv" ;;
+    heatmap-profile)  # the main process under cProfile: waiting for readers ('acquire') against its own work
+      python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from bench_heatmap import _checkpoint; _checkpoint(Path('$CACHE/ckpt/best.pt'), target_mpp=0.5, patch_size_px=224, entropy_bits=5.0)"
+      rm -rf "$CACHE/hm_prof"
+      step heatmap-profile python3 -m cProfile -o "$OUT/logs/heatmap.pstats" -m wsi_milssl heatmap \
+        "$CACHE/slides_24576/linked" --model "$CACHE/ckpt/best.pt" --out "$CACHE/hm_prof" --batch-size 256
+      step heatmap-profile-table python3 -c "import pstats; s = pstats.Stats('$OUT/logs/heatmap.pstats'); s.sort_stats('tottime').print_stats(25); s.sort_stats('cumulative').print_stats(25)" ;;
     train-device) step train-device python3 benchmarks/bench_train.py --preset gpu14 --patch-size 224 --decode device \
         --cache "$CACHE" --json "$OUT/train_device.json" ;;
     profile) step profile python3 benchmarks/bench_train.py --preset gpu14 --patch-size 224 --epochs 2 \
