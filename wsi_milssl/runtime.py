@@ -14,7 +14,8 @@ import torch
 
 from wsi_milssl.errors import ConfigError
 
-__all__ = ["pick_device", "pick_amp_dtype", "autocast", "describe", "require_device_decode", "decode_jpeg_batch"]
+__all__ = ["pick_device", "pick_amp_dtype", "autocast", "describe", "host_to_device", "require_device_decode",
+           "decode_jpeg_batch"]
 
 _AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -57,6 +58,15 @@ def _decode_jpeg():
         warnings.simplefilter("ignore", DeprecationWarning)
         from torchvision.io import ImageReadMode, decode_jpeg
     return decode_jpeg, ImageReadMode
+
+
+def host_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Host tensor ``t`` on ``device`` without waiting for the device: through pinned memory and a
+    non-blocking copy on CUDA (a blocking copy waits for every kernel queued before it)."""
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def require_device_decode(*, owner: str) -> None:

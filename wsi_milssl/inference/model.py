@@ -28,7 +28,6 @@ from wsi_milssl.config.tile import TileConfig
 from wsi_milssl.errors import CheckpointError, ConfigError
 from wsi_milssl.inference.sources import PixelTables, apply_tables
 from wsi_milssl.mil.data import NORMALISATION, to_tensor, to_unit_float
-from wsi_milssl.mil.pixels import host_to_device
 from wsi_milssl.tiling import PLAN_ATTR, TilingPlan
 
 __all__ = [
@@ -221,7 +220,7 @@ class Preprocess:
             x = to_tensor(patches_uint8)
         else:
             x = to_unit_float(patches_uint8)
-            mean_std = host_to_device(torch.tensor([self.mean, self.std], dtype=x.dtype), x.device)
+            mean_std = runtime_rules.host_to_device(torch.tensor([self.mean, self.std], dtype=x.dtype), x.device)
             x = (x - mean_std[0].view(1, 3, 1, 1)) / mean_std[1].view(1, 3, 1, 1)
         if self.dtype is not None:
             x = x.to(self.dtype)

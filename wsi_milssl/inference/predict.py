@@ -52,9 +52,8 @@ import torch
 from wsi_milssl.config.heatmap import HeatmapConfig
 from wsi_milssl.config.tile import TileConfig
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
-from wsi_milssl.runtime import decode_jpeg_batch, require_device_decode
+from wsi_milssl.runtime import decode_jpeg_batch, host_to_device, require_device_decode
 from wsi_milssl.inference.model import InferenceModel, PatchModel
-from wsi_milssl.mil.pixels import host_to_device
 from wsi_milssl.inference.sources import (
     ChunkResult,
     JobPlan,
@@ -402,8 +401,8 @@ def run_slides(inputs: Sequence[SlideInput], model: PatchModel, *, batch_size: i
             return decode_jpeg_batch(data, rt.device)
         if tables is None:
             x = torch.from_numpy(readers.view(slot, (k, side, side, 3), np.uint8))
-            # pinned first (the slot is reused as soon as this returns), then a copy that waits for nothing
-            return host_to_device(x, rt.device) if rt.device.type != "cpu" else x
+            # on CUDA pinned first (the slot is reused as soon as this returns), then a copy that waits for nothing
+            return host_to_device(x, rt.device)
         if tables.lut.dtype == np.uint16:  # bfloat16 bits
             x = torch.from_numpy(readers.view(slot, (k, side, side, 3), np.int16)).view(model.reader_dtype)
         else:

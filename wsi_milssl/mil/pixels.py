@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["NORMALISATION", "LUMA_WEIGHTS", "host_to_device", "to_unit_float", "normalize", "to_tensor",
-           "prepare_patches"]
+from wsi_milssl.runtime import host_to_device
+
+__all__ = ["NORMALISATION", "LUMA_WEIGHTS", "to_unit_float", "normalize", "to_tensor", "prepare_patches"]
 
 #: Per-channel RGB mean and standard deviation (of [0, 1] pixel values) applied to every image input.
 #: The ImageNet statistics, so a local ImageNet state dict passed with ``--weights`` sees familiar input.
@@ -36,15 +37,6 @@ NORMALISATION = {"mean": (0.485, 0.456, 0.406), "std": (0.229, 0.224, 0.225)}
 
 #: ITU-R BT.601 luma weights (R, G, B), used by the contrast and saturation jitter.
 LUMA_WEIGHTS = (0.299, 0.587, 0.114)
-
-
-def host_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """Host tensor ``t`` on ``device`` without waiting for the device: through pinned memory and a
-    non-blocking copy on CUDA (a blocking copy waits for every kernel queued before it)."""
-    device = torch.device(device)
-    if device.type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 def to_unit_float(patches_uint8) -> torch.Tensor:
