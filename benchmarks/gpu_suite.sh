@@ -32,19 +32,23 @@ step() {  # name, command...
   echo "== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$summary"
 }
 
+checkpoint() {  # an untrained 224-px ResNet18 checkpoint for the heatmap command: $CACHE/ckpt/best.pt
+  python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from bench_heatmap import _checkpoint; _checkpoint(Path('$CACHE/ckpt/best.pt'), target_mpp=0.5, patch_size_px=224, entropy_bits=5.0)"
+}
+
 for s in $STEPS; do
   case $s in
     tests)   step gpu-tests python3 -m pytest -q -m gpu -p no:cacheprovider ;;
     train)   step train python3 benchmarks/bench_train.py --preset gpu14 $TRAIN_ARGS --cache "$CACHE" --json "$OUT/train.json" ;;
     heatmap) step heatmap python3 benchmarks/bench_heatmap.py --preset gpu14 --repeat 2 --cache "$CACHE" --json "$OUT/heatmap.json" ;;
     heatmap-log)
-      python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from bench_heatmap import _checkpoint; _checkpoint(Path('$CACHE/ckpt/best.pt'), target_mpp=0.5, patch_size_px=224, entropy_bits=5.0)"
+      checkpoint
       rm -rf "$CACHE/hm_log"
       step heatmap-log python3 -m wsi_milssl heatmap "$CACHE/slides_24576/linked" --model "$CACHE/ckpt/best.pt" \
         --out "$CACHE/hm_log" --batch-size 256 -v --log-file "$OUT/logs/heatmap-command.log"
       cp "$CACHE/hm_log/heatmap_status.csv" "$OUT/logs/heatmap-status.csv" ;;
     heatmap-profile)  # the main process under cProfile: waiting for readers ('acquire') against its own work
-      python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from bench_heatmap import _checkpoint; _checkpoint(Path('$CACHE/ckpt/best.pt'), target_mpp=0.5, patch_size_px=224, entropy_bits=5.0)"
+      checkpoint
       rm -rf "$CACHE/hm_prof"
       step heatmap-profile python3 -m cProfile -o "$OUT/logs/heatmap.pstats" -m wsi_milssl heatmap \
         "$CACHE/slides_24576/linked" --model "$CACHE/ckpt/best.pt" --out "$CACHE/hm_prof" --batch-size 256
