@@ -8,7 +8,8 @@ its best validation instance AUC and is scored once on the test bags. ABMIL's in
 reported as the softmax attention and as the raw attention logit.
 
 Run: ``python benchmarks/bench_bags.py --mnist mnist_5k.csv.gz [--seeds 0 1 2 3 4] [--workers 2]
-[--epochs 10 20] [--encoders digit-cnn mlp] [--lr 1e-3] [--only normal hard ablation]
+[--epochs 10 20] [--encoders digit-cnn mlp] [--lr 1e-3] [--mu-ramp-epochs T] [--pseudo-negative-weight W]
+[--only normal hard ablation]
 [--out benchmarks/results/bags.md]``. Without ``--mnist`` the bags come from scikit-learn's 8x8 digits.
 The JSON and markdown are rewritten after each protocol; ``--from-json bags.json`` re-renders the
 markdown of a saved run without training.
@@ -93,6 +94,10 @@ def main() -> int:
     ap.add_argument("--maxpool-weight-decays", type=float, nargs="+", default=list(d.maxpool_weight_decays),
                     help="max-pooling MIL's own axis")
     ap.add_argument("--val-fraction", type=float, default=d.val_fraction)
+    ap.add_argument("--mu-ramp-epochs", type=int, default=None, metavar="T",
+                    help="MIL-SSL's T of eq. 10 [the largest --epochs // 2]")
+    ap.add_argument("--pseudo-negative-weight", type=float, default=d.pseudo_negative_weight, metavar="W",
+                    help="MIL-SSL's weight of the negative part of positive-bag pseudo labels (1 = the paper)")
     ap.add_argument("--only", nargs="+", choices=("normal", "hard", "ablation"), default=["normal", "hard"])
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "bags.md")
     ap.add_argument("--from-json", type=Path, nargs="+", default=None, metavar="PATH",
@@ -112,7 +117,8 @@ def main() -> int:
                             bag_size=args.bag_size, epoch_grid=tuple(args.epochs), lrs=tuple(args.lr),
                             encoders=tuple(args.encoders), lams=tuple(args.lams),
                             attention_dims=tuple(args.attention_dims),
-                            maxpool_weight_decays=tuple(args.maxpool_weight_decays), val_fraction=args.val_fraction)
+                            maxpool_weight_decays=tuple(args.maxpool_weight_decays), val_fraction=args.val_fraction,
+                            mu_ramp_epochs=args.mu_ramp_epochs, pseudo_negative_weight=args.pseudo_negative_weight)
     results: dict = {"machine": f"{os.cpu_count()} CPUs ({platform.machine()}, {platform.system()}), torch "
                                 f"{torch.__version__}, {time.strftime('%Y-%m-%d')}",
                      "availability": format_availability(config)}

@@ -109,3 +109,40 @@ def test_digit_cnn_is_registered_and_shares_its_encoder_with_the_baselines():
         create_model("digit-cnn", in_features=63)
     mlp = build_baseline("maxpool", 10, encoder="mlp", hidden_dims=(16, 4))
     assert isinstance(mlp.encoder, MLPEncoder) and mlp.encoder.out_features == 4
+
+
+def test_random_shift_moves_each_image_by_at_most_the_shift_with_zero_fill():
+    from wsi_milssl.benchmark.baselines import random_shift
+
+    torch.manual_seed(0)
+    img = torch.zeros(400, 1, 6, 6)
+    img[:, 0, 2, 3] = 1.0  # one bright pixel away from the border
+    out = random_shift(img, 1)
+    assert out.shape == img.shape and out.sum() == 400  # every pixel kept, nothing invented
+    rows, cols = torch.nonzero(out[:, 0] == 1.0)[:, 1], torch.nonzero(out[:, 0] == 1.0)[:, 2]
+    offsets = {(int(r) - 2, int(c) - 3) for r, c in zip(rows, cols)}
+    assert offsets == {(dr, dc) for dr in (-1, 0, 1) for dc in (-1, 0, 1)}  # all nine, none larger
+    edge = torch.zeros(50, 1, 4, 4)
+    edge[:, 0, 0, :] = 1.0  # a top row: a shift up drops it, zeros come in
+    moved = random_shift(edge, 1)
+    assert set(moved.sum(dim=(1, 2, 3)).tolist()) <= {0.0, 3.0, 4.0}
+
+
+def test_digit_cnn_shift_shifts_while_training_only():
+    from wsi_milssl.benchmark.baselines import DigitCNNEncoder, build_encoder
+
+    shifted = create_model("digit-cnn-shift", in_features=64)
+    plain = create_model("digit-cnn", in_features=64)
+    assert isinstance(shifted, DigitCNN) and shifted.encoder.shift_px == 1 and plain.encoder.shift_px == 0
+    plain.load_state_dict(shifted.state_dict())  # same weights: the shift is not a parameter
+    x = torch.rand(32, 64)
+    shifted.eval(), plain.eval()
+    assert torch.equal(shifted(x), plain(x))
+    shifted.train(), plain.train()
+    torch.manual_seed(0)
+    assert not torch.allclose(shifted(x), plain(x))
+    assert build_encoder("digit-cnn-shift", 784).shift_px == 1
+    assert build_baseline("abmil", 64, encoder="digit-cnn-shift").encoder.shift_px == 1
+    assert BaselineConfig(encoder="digit-cnn-shift").encoder == "digit-cnn-shift"
+    with pytest.raises(ConfigError, match="shift_px"):
+        DigitCNNEncoder(64, shift_px=-1)

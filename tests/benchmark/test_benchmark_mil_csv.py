@@ -434,3 +434,19 @@ def test_logistic_threshold_is_where_the_fitted_probability_crosses_one_half():
     spec = dataclasses.replace(_small(mc.METHODS["abmil"]), threshold="logistic")
     with pytest.raises(ConfigError, match="threshold must be one of inner, logistic, 0.5"):
         dataclasses.replace(spec, threshold="platt")
+
+
+def test_stacked_pseudo_negative_weight_one_is_the_paper_loss_and_zero_changes_it(mil_csv, mil_csv_val):
+    train, val = read_mil_csv(mil_csv), read_mil_csv(mil_csv_val)
+    data = StackedData.from_instances(train, _weights(train.n_bags, [None, None]))
+    kw = dict(lr=[3e-3] * 2, weight_decay=[1e-4] * 2, dropout=[0.0] * 2, mu=[0.3] * 2, ramp_epochs=[2] * 2,
+              hidden_dims=(16,), batch_size=64, eval_at=[10], eval_sets={"val": val}, lam=5.0, warmup_epochs=2,
+              seeds=[0, 1], seed=0)
+    paper = fit_stacked_milssl(data, **kw)["val"][10]
+    np.testing.assert_array_equal(fit_stacked_milssl(data, pseudo_negative_weight=1.0, **kw)["val"][10], paper)
+    pu = fit_stacked_milssl(data, pseudo_negative_weight=0.0, **kw)["val"][10]
+    assert not np.allclose(pu, paper)
+    assert min(roc_auc_score(val.instance_labels, p) for p in pu) > 0.8
+    spec = mc.METHODS["mil-ssl-improved-pu"]
+    assert spec.settings()["pseudo_negative_weight"] == 0.0
+    assert mc.METHODS["mil-ssl-improved"].settings()["pseudo_negative_weight"] == 1.0

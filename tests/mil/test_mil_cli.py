@@ -35,13 +35,13 @@ def test_train_cli_ablation_switches_reach_the_config(tmp_path, mil_csv):
     rc = main(["train", str(mil_csv), "--out", str(run), "--epochs", "1", "--hard-labels",
                "--no-global-constraint", "--no-local-constraint", "--fixed-mu", "--bag-pooling", "mean",
                "--online-pseudo-labels", "--refresh-every", "2", "--model", "linear", "--optimizer", "sgd",
-               "--threads", "1", "--no-plots"])
+               "--pseudo-negative-weight", "0.5", "--threads", "1", "--no-plots"])
     assert rc == 0
     cfg = read_checkpoint(run / "last.pt")["config"]
     assert (cfg["soft_labels"], cfg["global_constraint"], cfg["local_constraint"], cfg["fixed_mu"]) == (
         False, False, False, True)
     assert (cfg["bag_pooling"], cfg["online_pseudo_labels"], cfg["refresh_every"]) == ("mean", True, 2)
-    assert (cfg["model"], cfg["optimizer"]) == ("linear", "sgd")
+    assert (cfg["model"], cfg["optimizer"], cfg["pseudo_negative_weight"]) == ("linear", "sgd", 0.5)
 
 
 def test_train_cli_errors(tmp_path, mil_csv, capsys):

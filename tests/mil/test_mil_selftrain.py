@@ -108,6 +108,13 @@ def test_resume_rejects_other_settings_and_missing_run(tmp_path, mil_csv):
     assert fit(train, config=_config(epochs=3), out_dir=tmp_path / "run", resume=True).history[-1]["epoch"] == 3
     with pytest.raises(CheckpointError, match="no last.pt to resume from"):
         fit(train, config=_config(epochs=2), out_dir=tmp_path / "empty", resume=True)
+    # a run saved before a setting existed ran at its default: it resumes at the default, not otherwise
+    ckpt = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
+    del ckpt["config"]["pseudo_negative_weight"]
+    torch.save(ckpt, tmp_path / "run" / "last.pt")
+    with pytest.raises(CheckpointError, match="pseudo_negative_weight: 1.0 -> 0.5"):
+        fit(train, config=_config(epochs=4, pseudo_negative_weight=0.5), out_dir=tmp_path / "run", resume=True)
+    assert fit(train, config=_config(epochs=4), out_dir=tmp_path / "run", resume=True).history[-1]["epoch"] == 4
 
 
 def test_without_constraints_pseudo_labels_collapse(mil_csv):
@@ -172,3 +179,36 @@ def test_warmup_epochs_keep_self_training_off_the_inverted_concept(mil_csv, mil_
     assert min(with_warmup) > 0.75 and np.mean(with_warmup) > without + 0.3, aucs
     with pytest.raises(ConfigError, match="warmup_epochs"):
         _config(warmup_epochs=-1)
+
+
+def test_pseudo_negative_weight_scales_only_the_negative_term_of_positive_bag_instances(mil_csv, mil_csv_val):
+    """``pseudo_negative_weight`` w: loss = -(q log p1 + w_i (1 - q) log p0) with w_i = w in positive bags and 1
+    in negative bags (known negatives); w = 1 is eq. 9 exactly."""
+    from sklearn.metrics import roc_auc_score
+
+    from wsi_milssl.mil.selftrain import negative_weights, soft_cross_entropy
+
+    logits = torch.tensor([[0.3, -1.2], [2.0, 0.5], [-0.7, 0.1], [0.0, 1.5]])
+    q = torch.tensor([0.0, 0.3, 1.0, 0.0])
+    w = torch.tensor([1.0, 0.0, 0.0, 0.5])
+    logp = torch.log_softmax(logits, dim=1)
+    by_hand = -(q * logp[:, 1] + w * (1 - q) * logp[:, 0]).mean()
+    assert torch.allclose(soft_cross_entropy(logits, q, w), by_hand)
+    assert torch.equal(soft_cross_entropy(logits, q, torch.ones(4)), soft_cross_entropy(logits, q))
+    assert not torch.allclose(soft_cross_entropy(logits, q, w), soft_cross_entropy(logits, q))
+
+    train, val = read_mil_csv(mil_csv), read_mil_csv(mil_csv_val)
+    assert negative_weights(train, _config()) is None  # the paper's loss: no weights at all
+    weights = negative_weights(train, _config(pseudo_negative_weight=0.25)).numpy()
+    in_positive_bag = train.instance_bag_labels == 1
+    assert in_positive_bag.any() and (~in_positive_bag).any()
+    assert (weights[in_positive_bag] == 0.25).all() and (weights[~in_positive_bag] == 1.0).all()
+
+    cfg = dict(hidden_dims=(32,), mu=0.2, mu_ramp_epochs=2, epochs=20, seed=0, warmup_epochs=5)
+    runs = {pnw: fit(train, config=_config(pseudo_negative_weight=pnw, **cfg), val=val, eval_at=[20],
+                     keep_val_scores=True) for pnw in (1.0, 0.0)}
+    assert not np.allclose(runs[1.0].val_probs[20], runs[0.0].val_probs[20])
+    assert roc_auc_score(val.instance_labels, runs[0.0].val_probs[20]) > 0.8
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ConfigError, match="pseudo_negative_weight"):
+            _config(pseudo_negative_weight=bad)

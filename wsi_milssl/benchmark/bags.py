@@ -110,7 +110,7 @@ class BagBenchConfig:
     1 = the paper's), ``seeds``.
 
     Methods and their equal tuning budget. Every method trains one run per candidate of the shared
-    axes ``lrs`` x ``encoders`` ("digit-cnn" or "mlp" with ``hidden_dims``) x its own axis - MIL-SSL
+    axes ``lrs`` x ``encoders`` ("digit-cnn", "digit-cnn-shift" or "mlp" with ``hidden_dims``) x its own axis - MIL-SSL
     ``lams`` (λ of eq. 6), ABMIL and gated ABMIL ``attention_dims``, max-pooling MIL
     ``maxpool_weight_decays`` - and each run is scored on the validation bags after every epoch count
     of ``epoch_grid`` (snapshots of one run to the largest). The three own axes must have equal
@@ -123,7 +123,8 @@ class BagBenchConfig:
     after the last epoch is scored, and each λ gives a MIL-SSL row (the untuned comparison).
 
     MIL-SSL: ``mu`` (None: the construction ratio a / bag_size of the training bags), ``mu_ramp_epochs``
-    (T of eq. 10; None: the largest epoch count // 2). ``ablation_ratio``: the normal-protocol ratio
+    (T of eq. 10; None: the largest epoch count // 2), ``pseudo_negative_weight`` (the weight of the
+    negative part of positive-bag pseudo labels in the loss; 1 = the paper). ``ablation_ratio``: the normal-protocol ratio
     of the table-8 ablation (run with the first candidate of every axis and the largest epoch count).
 
     Runtime: ``threads`` per training run (results are reproducible for a fixed value), ``workers``
@@ -152,6 +153,7 @@ class BagBenchConfig:
     weight_decay: float = 1e-4
     mu: float | None = None
     mu_ramp_epochs: int | None = None
+    pseudo_negative_weight: float = 1.0
     ablation_ratio: float = 0.05
     threads: int = 1
     workers: int = 0
@@ -201,6 +203,7 @@ class BagBenchConfig:
             check_range(name, "mu_ramp_epochs", self.mu_ramp_epochs, low=0)
         for lam in self.lams:
             check_range(name, "lams", lam, low=0.0, low_inclusive=False)
+        check_range(name, "pseudo_negative_weight", self.pseudo_negative_weight, low=0.0, high=1.0)
         check_type(name, "threads", self.threads, int)
         check_range(name, "threads", self.threads, low=0)
         check_type(name, "workers", self.workers, int)
@@ -276,6 +279,7 @@ def mil_ssl_config(config: BagBenchConfig, train: DigitBags, *, seed: int, lam: 
         mode="features", model=encoder, epochs=int(epochs or max(config.epoch_grid)),
         batch_size=config.batch_size, optimizer=config.optimizer, lr=float(lr or config.lrs[0]),
         weight_decay=config.weight_decay, mu=float(mu), mu_ramp_epochs=config.ramp_epochs(), lam=float(lam),
+        pseudo_negative_weight=config.pseudo_negative_weight,
         seed=int(seed), plots=False, threads=config.threads, device="cpu", num_workers=0,
     )
     if encoder == "mlp":

@@ -8,7 +8,11 @@ All three baselines share MIL-SSL's instance encoder, so the comparison isolates
 - ``digit-cnn``: :class:`DigitCNN` (registered in the model registry under that name, so MIL-SSL can
   train it in feature mode) without its head: a flattened square grey image (B, S*S) -> two 3x3
   convolutions -> 2x2 max-pool -> a fully connected embedding (the paper used AlexNet on 28x28
-  MNIST; this is a CPU-sized stand-in for 8x8 digits that also takes 28x28).
+  MNIST; this is a CPU-sized stand-in for 8x8 digits that also takes 28x28);
+- ``digit-cnn-shift``: the same CNN that, while training, moves every input digit by a random whole
+  number of pixels (at most :data:`SHIFT_PX` each way, zero fill): the augmentation small-data MNIST
+  wants. Evaluation (and MIL-SSL's pseudo-label refresh, which runs in eval mode) sees the digits as
+  they are.
 
 Each baseline is trained on bag labels only with binary cross-entropy on a bag logit.
 
@@ -71,14 +75,17 @@ INSTANCE_SCORES: dict[str, tuple[str, ...]] = {
 }
 BASELINES: tuple[str, ...] = tuple(INSTANCE_SCORES)
 #: Instance encoders shared by MIL-SSL and the baselines (MIL-SSL model name = encoder name).
-ENCODERS: tuple[str, ...] = ("mlp", "digit-cnn")
+ENCODERS: tuple[str, ...] = ("mlp", "digit-cnn", "digit-cnn-shift")
+#: Largest shift (pixels, each axis) of ``digit-cnn-shift`` while training.
+SHIFT_PX = 1
 
 
 @dataclass(frozen=True)
 class BaselineConfig:
     """Training settings of a baseline (defaults match MIL-SSL's feature mode: Adam, lr 1e-3).
 
-    ``encoder``: "mlp" (``hidden_dims`` layer widths) or "digit-cnn" (fixed :class:`DigitCNNEncoder`);
+    ``encoder``: "mlp" (``hidden_dims`` layer widths), "digit-cnn" or "digit-cnn-shift" (fixed
+    :class:`DigitCNNEncoder`, the latter shifting its training digits);
     ``attention_dim``: width of V (and U);
     ``epochs``: passes over the training bags; ``bags_per_batch``: bags per optimizer step;
     ``weight_decay``: L2; ``seed`` seeds the initialisation and the bag order; ``threads`` > 0 sets
@@ -146,10 +153,18 @@ class DigitCNNEncoder(nn.Module):
     conv3x3(1 -> c1) -> ReLU -> conv3x3(c1 -> c2) -> ReLU -> maxpool 2x2 -> Linear(c2 (S/2)^2 -> embed_dim)
     -> ReLU. About 37k parameters for 8x8 digits: a training epoch over a few thousand instances takes
     well under a second on one CPU core.
+
+    ``shift_px`` > 0: in training mode every image first moves by a random offset in
+    [-shift_px, shift_px] pixels on each axis (zero fill; torch's global random stream, which the
+    trainers seed).
     """
 
-    def __init__(self, in_features: int, *, channels: tuple[int, int] = (16, 32), embed_dim: int = 64) -> None:
+    def __init__(self, in_features: int, *, channels: tuple[int, int] = (16, 32), embed_dim: int = 64,
+                 shift_px: int = 0) -> None:
         super().__init__()
+        if not isinstance(shift_px, int) or shift_px < 0:
+            raise ConfigError(f"digit-cnn shift_px must be an integer >= 0; got {shift_px!r}.")
+        self.shift_px = shift_px
         side = int(round(math.sqrt(in_features)))
         if side * side != in_features or side < 2:
             raise ConfigError(f"digit-cnn needs flattened square images (in_features = S*S, S >= 2); got "
@@ -166,8 +181,25 @@ class DigitCNNEncoder(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        h = self.body(x.reshape(-1, 1, self.side, self.side))
+        img = x.reshape(-1, 1, self.side, self.side)
+        if self.training and self.shift_px > 0:
+            img = random_shift(img, self.shift_px)
+        h = self.body(img)
         return h.reshape(*lead, self.out_features)
+
+
+def random_shift(img: torch.Tensor, shift_px: int) -> torch.Tensor:
+    """(B, C, S, S) images each moved by its own random offset in [-shift_px, shift_px] pixels per axis,
+    zero fill (a crop of the zero-padded image)."""
+    b, _, s, _ = img.shape
+    padded = F.pad(img, (shift_px,) * 4)
+    start = torch.randint(0, 2 * shift_px + 1, (b, 2), device=img.device)
+    span = torch.arange(s, device=img.device)
+    rows = (start[:, :1] + span)[:, None, :, None]  # (B, 1, S, 1)
+    cols = (start[:, 1:] + span)[:, None, None, :]  # (B, 1, 1, S)
+    batch = torch.arange(b, device=img.device)[:, None, None, None]
+    channel = torch.arange(img.shape[1], device=img.device)[None, :, None, None]
+    return padded[batch, channel, rows, cols]
 
 
 class DigitCNN(nn.Module):
@@ -175,33 +207,44 @@ class DigitCNN(nn.Module):
 
     Registered as model ``digit-cnn`` (a feature-mode model: instances are flattened images)."""
 
-    def __init__(self, in_features: int, *, num_classes: int = 2) -> None:
+    def __init__(self, in_features: int, *, num_classes: int = 2, shift_px: int = 0) -> None:
         super().__init__()
-        self.encoder = DigitCNNEncoder(in_features)
+        self.encoder = DigitCNNEncoder(in_features, shift_px=shift_px)
         self.head = nn.Linear(self.encoder.out_features, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.encoder(x))
 
 
-@register_model("digit-cnn")
-def digit_cnn(*, in_features: int | None = None, num_classes: int = 2, weights_path: str | None = None,
-              **_ignored) -> nn.Module:
-    """:class:`DigitCNN` over flattened square grey images (``in_features`` = S*S)."""
+def _digit_cnn(name: str, shift_px: int, in_features, num_classes: int, weights_path: str | None) -> nn.Module:
     if not isinstance(in_features, int) or in_features < 4:
-        raise ConfigError(f"model 'digit-cnn' needs in_features (S*S pixels) >= 4; got {in_features!r}.")
-    model = DigitCNN(in_features, num_classes=num_classes)
+        raise ConfigError(f"model {name!r} needs in_features (S*S pixels) >= 4; got {in_features!r}.")
+    model = DigitCNN(in_features, num_classes=num_classes, shift_px=shift_px)
     if weights_path:
         model.load_state_dict(torch.load(weights_path, map_location="cpu", weights_only=True))
     return model
 
 
+@register_model("digit-cnn")
+def digit_cnn(*, in_features: int | None = None, num_classes: int = 2, weights_path: str | None = None,
+              **_ignored) -> nn.Module:
+    """:class:`DigitCNN` over flattened square grey images (``in_features`` = S*S)."""
+    return _digit_cnn("digit-cnn", 0, in_features, num_classes, weights_path)
+
+
+@register_model("digit-cnn-shift")
+def digit_cnn_shift(*, in_features: int | None = None, num_classes: int = 2, weights_path: str | None = None,
+                    **_ignored) -> nn.Module:
+    """:class:`DigitCNN` that shifts its training digits by up to :data:`SHIFT_PX` pixels."""
+    return _digit_cnn("digit-cnn-shift", SHIFT_PX, in_features, num_classes, weights_path)
+
+
 def build_encoder(name: str, in_features: int, *, hidden_dims: tuple[int, ...] = (128, 64)) -> nn.Module:
-    """The shared instance encoder ``name`` ("mlp" or "digit-cnn"); it has ``out_features``."""
+    """The shared instance encoder ``name`` (one of :data:`ENCODERS`); it has ``out_features``."""
     if name == "mlp":
         return MLPEncoder(in_features, hidden_dims=tuple(hidden_dims))
-    if name == "digit-cnn":
-        return DigitCNNEncoder(in_features)
+    if name in ("digit-cnn", "digit-cnn-shift"):
+        return DigitCNNEncoder(in_features, shift_px=SHIFT_PX if name == "digit-cnn-shift" else 0)
     raise ConfigError(f"unknown encoder {name!r}; choose one of {', '.join(ENCODERS)}.")
 
 
@@ -255,7 +298,7 @@ class MaxPoolingMIL(nn.Module):
 def build_baseline(method: str, in_features: int, *, encoder: str = "mlp", hidden_dims: tuple[int, ...] = (128, 64),
                    attention_dim: int = 64) -> nn.Module:
     """A fresh baseline model ``method`` ("abmil", "gated-abmil" or "maxpool") over ``in_features``
-    with the shared ``encoder`` ("mlp" or "digit-cnn")."""
+    with the shared ``encoder`` (one of :data:`ENCODERS`)."""
     if method not in INSTANCE_SCORES:
         raise ConfigError(f"unknown baseline {method!r}; choose one of {', '.join(BASELINES)}.")
     encoder = build_encoder(encoder, in_features, hidden_dims=hidden_dims)

@@ -55,7 +55,7 @@ GRID_KEYS = {
 }
 FIXED_KEYS = {
     "mil-ssl": ("hidden_dims", "batch_size", "lam", "fixed_mu", "soft_labels", "local_constraint",
-                "global_constraint", "class_balanced", "warmup_epochs"),
+                "global_constraint", "class_balanced", "warmup_epochs", "pseudo_negative_weight"),
     "abmil": ("hidden_dims", "bags_per_batch"),
     "gated-abmil": ("hidden_dims", "bags_per_batch"),
     "maxpool": ("hidden_dims", "bags_per_batch"),
@@ -64,7 +64,7 @@ DEFAULTS = {
     "mil-ssl": {"mu": 0.15, "ramp_epochs": 10, "lr": 1e-3, "weight_decay": 1e-4, "dropout": 0.5, "pooling": "max",
                 "hidden_dims": (256,), "batch_size": 512, "lam": 25.0, "fixed_mu": False, "soft_labels": True,
                 "local_constraint": True, "global_constraint": True, "class_balanced": False, "warmup_epochs": 0,
-                "bag_balanced": False},
+                "bag_balanced": False, "pseudo_negative_weight": 1.0},
     "abmil": {"lr": 1e-3, "weight_decay": 1e-4, "attention_dim": 64, "dropout": 0.0, "hidden_dims": (128, 64),
               "bags_per_batch": 8},
 }
@@ -224,6 +224,10 @@ METHODS: dict[str, MethodSpec] = {
     "mil-ssl-improved-accuracy-threshold": _ablation("mil-ssl-improved-accuracy-threshold", _IMPROVED,
                                                      "improved, bag threshold at the accuracy-best cut of the "
                                                      "inner out-of-fold scores", threshold="inner"),
+    "mil-ssl-improved-pu": _ablation("mil-ssl-improved-pu", _IMPROVED,
+                                     "improved, positive bags teach positives only (pseudo_negative_weight 0; "
+                                     "tried on the development sets, not adopted)",
+                                     fixed={"pseudo_negative_weight": 0.0}),
     "mil-ssl-improved-threshold-0.5": _ablation("mil-ssl-improved-threshold-0.5", _IMPROVED,
                                                 "improved, bag threshold 0.5 (not calibrated)", threshold="0.5"),
 }
@@ -348,7 +352,7 @@ def _fit_fold(spec: MethodSpec, train_set: InstanceSet, test_set: InstanceSet, i
             lam=settings["lam"], fixed_mu=settings["fixed_mu"], soft_labels=settings["soft_labels"],
             local_constraint=settings["local_constraint"], global_constraint=settings["global_constraint"],
             class_balanced=settings["class_balanced"], warmup_epochs=settings["warmup_epochs"],
-            bag_balanced=col("bag_balanced"), eval_at=spec.epoch_grid, eval_sets={"test": test_set}, seeds=seeds,
+            bag_balanced=col("bag_balanced"), pseudo_negative_weight=settings["pseudo_negative_weight"], eval_at=spec.epoch_grid, eval_sets={"test": test_set}, seeds=seeds,
             seed=seed)
         points, train_scores, test_scores = [], {}, {}
         for e in spec.epoch_grid:

@@ -441,8 +441,8 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
                        hidden_dims: Sequence[int] = (256,), batch_size: int = 512, lam: float = 25.0,
                        fixed_mu: bool = False, soft_labels: bool = True, local_constraint: bool = True,
                        global_constraint: bool = True, class_balanced: bool = False, warmup_epochs: int = 0,
-                       bag_balanced: Sequence[bool] | bool = False, eval_at: Sequence[int],
-                       eval_sets: dict[str, InstanceSet], seeds: Sequence[int],
+                       bag_balanced: Sequence[bool] | bool = False, pseudo_negative_weight: float = 1.0,
+                       eval_at: Sequence[int], eval_sets: dict[str, InstanceSet], seeds: Sequence[int],
                        seed: int = 0) -> dict[str, dict[int, np.ndarray]]:
     """Train M MIL-SSL instance classifiers at once (model m on the bags ``data.bag_weight[m]``).
 
@@ -455,7 +455,8 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
     each carries half of it (from the current targets); ``warmup_epochs`` W trains the first W epochs
     with every positive-bag instance labelled 1 before the first refresh; ``bag_balanced`` (one flag, or
     one per model) weighs every instance by 1 / its bag's size, so each bag carries the same share of the
-    loss (as in the bag-level baselines) instead of large bags dominating it.
+    loss (as in the bag-level baselines) instead of large bags dominating it; ``pseudo_negative_weight``
+    scales the negative term of positive-bag instances (``TrainConfig.pseudo_negative_weight``).
 
     Returns ``{set name: {epoch: instance probabilities (M, N_set) float64}}`` (``"train"`` included).
     """
@@ -474,6 +475,7 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
     pos_bag = (data.bag_labels[data.bag_ids] == 1)
     pos_mask = inst_w.bool() & pos_bag[None, :]
     loss_w = instance_loss_weights(data, bag_balanced)
+    neg_w = torch.where(pos_bag, float(pseudo_negative_weight), 1.0).float()  # (N,)
     pos_idx = torch.nonzero(pos_bag).flatten()
     pos_local_bags = torch.unique(data.bag_ids[pos_idx], return_inverse=True)[1]
     mu_t = torch.tensor(list(mu), dtype=torch.float64)
@@ -510,10 +512,11 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
             idx = order[i:i + batch_size]
             logp = F.log_softmax(model.logits(data.x[idx], g), dim=-1)  # (M, b, 2)
             q = targets[:, idx]
+            negative = neg_w[idx] * (1 - q) * logp[..., 0]
             if class_balanced:
-                ce = -(w_pos * q * logp[..., 1] + w_neg * (1 - q) * logp[..., 0])
+                ce = -(w_pos * q * logp[..., 1] + w_neg * negative)
             else:
-                ce = -(q * logp[..., 1] + (1 - q) * logp[..., 0])
+                ce = -(q * logp[..., 1] + negative)
             w = loss_w[:, idx]
             per_model = (ce * w).sum(1) / w.sum(1).clamp_min(1e-6)
             per_model.sum().backward()

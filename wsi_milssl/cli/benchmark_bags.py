@@ -15,7 +15,7 @@ __all__ = ["register_bags", "run_bags"]
 def register_bags(sub) -> None:
     """Add the ``bags`` parser to the ``benchmark`` sub-commands."""
     from wsi_milssl.cli import HelpFormatter
-    from wsi_milssl.benchmark.bags import METHODS, BagBenchConfig
+    from wsi_milssl.benchmark.bags import ENCODERS, METHODS, BagBenchConfig
 
     d = BagBenchConfig()
     p = sub.add_parser(
@@ -65,8 +65,9 @@ def register_bags(sub) -> None:
     g.add_argument("--seeds", type=int, nargs="+", default=list(d.seeds), help="seeds (split, bags, training)")
     m = p.add_argument_group("methods and their equal tuning budget")
     m.add_argument("--methods", nargs="+", choices=METHODS, default=list(d.methods), help="methods to run")
-    m.add_argument("--encoders", nargs="+", choices=("digit-cnn", "mlp"), default=list(d.encoders),
-                   help="instance encoder candidates (every method)")
+    m.add_argument("--encoders", nargs="+", choices=ENCODERS, default=list(d.encoders),
+                   help="instance encoder candidates (every method; digit-cnn-shift shifts the training digits "
+                        "by up to 1 px)")
     m.add_argument("--hidden-dims", type=int, nargs="+", default=list(d.hidden_dims), help="mlp encoder widths")
     m.add_argument("--epochs", type=int, nargs="+", default=list(d.epoch_grid),
                    help="epoch-count candidates (snapshots of one run to the largest; every method)")
@@ -87,6 +88,9 @@ def register_bags(sub) -> None:
     m.add_argument("--mu", type=float, default=None, help="MIL-SSL μ [the training bags' construction ratio]")
     m.add_argument("--mu-ramp-epochs", type=int, default=None, metavar="T",
                    help="MIL-SSL T of eq. 10 [the largest --epochs // 2]")
+    m.add_argument("--pseudo-negative-weight", type=float, default=d.pseudo_negative_weight, metavar="W",
+                   help="MIL-SSL: weight of the negative part of positive-bag pseudo labels in the loss "
+                        "(1 = the paper; 0 = positive bags teach positives only)")
     r = p.add_argument_group("runtime and outputs")
     r.add_argument("--threads", type=int, default=d.threads, help="torch threads per training run")
     r.add_argument("--workers", type=int, default=d.workers, help="parallel worker processes (0 = none)")
@@ -119,7 +123,8 @@ def run_bags(args: argparse.Namespace) -> int:
         lams=tuple(dict.fromkeys(args.lam)), attention_dims=tuple(dict.fromkeys(args.attention_dims)),
         maxpool_weight_decays=tuple(dict.fromkeys(args.maxpool_weight_decays)), select=args.select,
         batch_size=args.batch_size, optimizer=args.optimizer, weight_decay=args.weight_decay, mu=args.mu,
-        mu_ramp_epochs=args.mu_ramp_epochs, ablation_ratio=args.ablation_ratio, threads=args.threads,
+        mu_ramp_epochs=args.mu_ramp_epochs, pseudo_negative_weight=args.pseudo_negative_weight,
+        ablation_ratio=args.ablation_ratio, threads=args.threads,
         workers=args.workers,
     )
     if args.show_bags:

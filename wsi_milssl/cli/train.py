@@ -22,7 +22,8 @@ _VALUE_OPTIONS = {
     "epochs": "epochs", "batch_size": "batch_size", "eval_batch_size": "eval_batch_size",
     "optimizer": "optimizer", "lr": "lr", "momentum": "momentum", "weight_decay": "weight_decay",
     "scheduler": "scheduler", "mu": "mu", "mu_ramp_epochs": "mu_ramp_epochs", "lam": "lam",
-    "refresh_every": "refresh_every", "warmup_epochs": "warmup_epochs", "bag_pooling": "bag_pooling",
+    "refresh_every": "refresh_every", "warmup_epochs": "warmup_epochs",
+    "pseudo_negative_weight": "pseudo_negative_weight", "bag_pooling": "bag_pooling",
     "colour_jitter": "colour_jitter",
     "select_metric": "select_metric", "seed": "seed", "device": "device", "amp": "amp",
     "workers": "num_workers", "threads": "threads", "sinkhorn_max_iter": "sinkhorn_max_iter",
@@ -76,6 +77,9 @@ def add_train_options(p: argparse.ArgumentParser) -> None:
     s.add_argument("--warmup-epochs", type=int, default=None, metavar="W",
                    help="train W epochs with every positive-bag instance labelled 1 before the first refresh "
                         f"[{d.warmup_epochs}]")
+    s.add_argument("--pseudo-negative-weight", type=float, default=None, metavar="W",
+                   help="weight of the negative part of positive-bag pseudo labels in the loss (1 = the paper's "
+                        f"eq. 9; 0 = positive bags teach positives only) [{d.pseudo_negative_weight}]")
     s.add_argument("--online-pseudo-labels", action="store_true",
                    help="reuse the probabilities of the training pass instead of an extra forward pass")
     s.add_argument("--sinkhorn-max-iter", type=int, default=None, help=f"Sinkhorn iteration cap [{d.sinkhorn_max_iter}]")

@@ -44,7 +44,10 @@ class TrainConfig:
     ``refresh_every`` optimizer steps when > 0; the first ``warmup_epochs`` epochs (default 0, the paper)
     train with every positive-bag instance labelled 1 before the first refresh, so the first pseudo
     labels come from a model that has seen the bags rather than from a random one; ``online_pseudo_labels`` reuses the probabilities seen in
-    the training pass instead of an extra forward pass.
+    the training pass instead of an extra forward pass. ``pseudo_negative_weight`` scales the negative
+    part (1 - q) of a positive-bag instance's pseudo label in the loss: 1 is the paper's eq. 9; 0 lets
+    positive bags teach positives only, so negatives come from the negative bags alone (the positive-
+    unlabelled view: an instance of a positive bag is never trained towards negative on a guess).
 
     Runtime: ``device`` "auto" picks CUDA when present; ``amp`` "auto" uses bfloat16 autocast (CUDA with
     bf16 support, or the CPU for image models), float16 with a gradient scaler on older GPUs, and
@@ -83,6 +86,7 @@ class TrainConfig:
     local_constraint: bool = True
     refresh_every: int = 0
     warmup_epochs: int = 0
+    pseudo_negative_weight: float = 1.0
     online_pseudo_labels: bool = False
     bag_pooling: str = "max"
     augment: bool = True
@@ -134,6 +138,7 @@ class TrainConfig:
         check_range(name, "refresh_every", self.refresh_every, low=0)
         check_type(name, "warmup_epochs", self.warmup_epochs, int)
         check_range(name, "warmup_epochs", self.warmup_epochs, low=0)
+        check_range(name, "pseudo_negative_weight", self.pseudo_negative_weight, low=0.0, high=1.0)
         check_choice(name, "bag_pooling", self.bag_pooling, ("max", "mean"))
         check_range(name, "colour_jitter", self.colour_jitter, low=0.0, high=0.5)
         check_choice(name, "select_metric", self.select_metric, ("bag_auc", "instance_auc", "bag_nll"))

@@ -23,7 +23,7 @@ import math
 import os
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -333,10 +333,26 @@ def pseudo_label_metrics(state: PseudoLabelState, instances: InstanceSet) -> dic
 # One epoch of training
 # ----------------------------------------------------------------------------------------------
 
-def soft_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of (B, 2) logits against soft positive targets (B,) in [0, 1] (eq. 9)."""
+def soft_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
+                       negative_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean cross-entropy of (B, 2) logits against soft positive targets (B,) in [0, 1] (eq. 9); the
+    negative term of each instance is scaled by ``negative_weights`` (B,) when given
+    (``TrainConfig.pseudo_negative_weight``)."""
     logp = F.log_softmax(logits.float(), dim=1)
-    return -(targets * logp[:, 1] + (1.0 - targets) * logp[:, 0]).mean()
+    negative = (1.0 - targets) * logp[:, 0]
+    if negative_weights is not None:
+        negative = negative_weights * negative
+    return -(targets * logp[:, 1] + negative).mean()
+
+
+def negative_weights(instances: InstanceSet, config: TrainConfig) -> torch.Tensor | None:
+    """(N,) weight of each instance's negative loss term: ``config.pseudo_negative_weight`` for the
+    instances of positive bags, 1 for those of negative bags (known negatives); None when every weight is
+    1 (the paper's loss)."""
+    if config.pseudo_negative_weight == 1.0:
+        return None
+    weights = np.where(instances.instance_bag_labels == 1, config.pseudo_negative_weight, 1.0)
+    return torch.from_numpy(weights.astype(np.float32))
 
 
 #: Seconds between progress events that carry the running loss (reading it waits for the device).
@@ -364,6 +380,9 @@ def train_one_epoch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, in
     dev = runtime.device
     source = _loader_for(loader, instances, runtime)
     targets = state.targets.to(dev)
+    neg_weights = negative_weights(instances, config)
+    if neg_weights is not None:
+        neg_weights = neg_weights.to(dev)
     online = state.online_probs.to(dev)
     total_loss = torch.zeros((), dtype=torch.float64, device=dev)
     steps, seen = 0, 0
@@ -381,7 +400,8 @@ def train_one_epoch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, in
             bidx_dev = bidx.to(dev, non_blocking=True)
             with runtime.autocast():
                 logits = model(x)
-            loss = soft_cross_entropy(logits, targets[bidx_dev])
+            loss = soft_cross_entropy(logits, targets[bidx_dev],
+                                      None if neg_weights is None else neg_weights[bidx_dev])
             optimizer.zero_grad(set_to_none=True)
             if scaler is not None:
                 scaler.scale(loss).backward()
@@ -549,14 +569,17 @@ def _read_history(out_dir: Path, *, before_epoch: int) -> list[dict[str, Any]]:
 
 
 def _check_resume_config(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
+    # a setting added after the run was saved ran at its default (which is the old behaviour)
+    defaults = {f.name: f.default for f in fields(TrainConfig) if f.default is not MISSING}
     diffs = []
     for key, value in current.items():
         if key in RUNTIME_ONLY_FIELDS or key in ("runtime", "package_version", "data", "distributed"):
             continue
         if key == "epochs" and saved.get("scheduler", "none") == "none":
             continue  # extending a constant-rate run keeps the first epochs identical
-        if json.dumps(saved.get(key), sort_keys=True) != json.dumps(value, sort_keys=True):
-            diffs.append(f"{key}: {saved.get(key)!r} -> {value!r}")
+        before = saved.get(key, defaults.get(key))
+        if json.dumps(before, sort_keys=True) != json.dumps(value, sort_keys=True):
+            diffs.append(f"{key}: {before!r} -> {value!r}")
     if diffs:
         raise CheckpointError(
             f"{path}: cannot resume with different settings ({'; '.join(diffs[:4])}); resume with the "
