@@ -205,7 +205,8 @@ def random_shift(img: torch.Tensor, shift_px: int) -> torch.Tensor:
 class DigitCNN(nn.Module):
     """:class:`DigitCNNEncoder` followed by a 2-class linear layer: (B, S*S) -> logits (B, 2).
 
-    Registered as model ``digit-cnn`` (a feature-mode model: instances are flattened images)."""
+    Registered as models ``digit-cnn`` and ``digit-cnn-shift`` (``shift_px`` = :data:`SHIFT_PX`), feature-mode
+    models: instances are flattened images."""
 
     def __init__(self, in_features: int, *, num_classes: int = 2, shift_px: int = 0) -> None:
         super().__init__()
