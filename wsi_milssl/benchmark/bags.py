@@ -820,7 +820,8 @@ def _head(result: dict[str, Any]) -> str:
                   "(nothing chosen on test bags)")
     return (f"Images: {result['source']}; bag size {result['bag_size']}; seeds {seeds} (mean ± std); {tuning}; "
             f"{cfg['optimizer']}, weight decay {cfg['weight_decay']:g}, {cfg['batch_size']} instances per step; "
-            f"MIL-SSL μ = {mu_text}, T = {ramp}; {result['seconds']:.0f} s.")
+            f"MIL-SSL μ = {mu_text}, T = {ramp}, pseudo-negative weight {cfg.get('pseudo_negative_weight', 1.0):g}; "
+            f"{result['seconds']:.0f} s.")
 
 
 def format_markdown(result: dict[str, Any]) -> str:
