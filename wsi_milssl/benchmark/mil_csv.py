@@ -352,8 +352,8 @@ def _fit_fold(spec: MethodSpec, train_set: InstanceSet, test_set: InstanceSet, i
             lam=settings["lam"], fixed_mu=settings["fixed_mu"], soft_labels=settings["soft_labels"],
             local_constraint=settings["local_constraint"], global_constraint=settings["global_constraint"],
             class_balanced=settings["class_balanced"], warmup_epochs=settings["warmup_epochs"],
-            bag_balanced=col("bag_balanced"), pseudo_negative_weight=settings["pseudo_negative_weight"], eval_at=spec.epoch_grid, eval_sets={"test": test_set}, seeds=seeds,
-            seed=seed)
+            bag_balanced=col("bag_balanced"), pseudo_negative_weight=settings["pseudo_negative_weight"],
+            eval_at=spec.epoch_grid, eval_sets={"test": test_set}, seeds=seeds, seed=seed)
         points, train_scores, test_scores = [], {}, {}
         for e in spec.epoch_grid:
             tr, te = [], []
