@@ -436,6 +436,42 @@ def test_logistic_threshold_is_where_the_fitted_probability_crosses_one_half():
         dataclasses.replace(spec, threshold="platt")
 
 
+def test_calibrated_ensemble_puts_every_model_on_the_scale_of_its_held_out_bags():
+    rng = np.random.default_rng(1)
+    labels = np.repeat([0, 1], 40)
+    z = np.where(labels == 1, 1.0, -1.0) + rng.normal(scale=0.8, size=labels.size)  # a true margin per bag
+    inner = [(np.arange(1, 80, 2), np.arange(0, 80, 2)), (np.arange(0, 80, 2), np.arange(1, 80, 2))]
+    sig = lambda v: 1 / (1 + np.exp(-v))  # noqa: E731
+    # two inner models 4 and 3 log-odds too low, and a model trained on the whole split (no held-out bags)
+    shifts = np.array([4.0, 3.0, 3.5])[:, None]
+    train = sig(z[None, :] - shifts)
+    test_z = np.array([-2.0, -0.5, 0.5, 2.0])
+    test = sig(test_z[None, :] - shifts)
+    assert not ((test.mean(0) > 0.5) == (test_z > 0)).all()  # the raw mean at 1/2 misses
+    for models in ([0], [1], [2], [0, 1, 2]):
+        out = mc.calibrated_ensemble(test, train, inner, labels, models=models)
+        assert ((out > 0.5) == (test_z > 0)).all(), models
+    fits = [mc.platt_fit(train[k, va], labels[va]) for k, (_, va) in enumerate(inner)]
+    for (a, b), s in zip(fits, (4.0, 3.0)):
+        assert b / a == pytest.approx(s, abs=0.6)  # each fit undoes its own model's shift
+    whole = mc.calibrated_ensemble(test, train, inner, labels, models=[2])  # the mean of the two fits
+    a, b = np.mean([f[0] for f in fits]), np.mean([f[1] for f in fits])
+    np.testing.assert_allclose(whole, sig(a * (test_z - 3.5) + b), rtol=1e-6)
+    assert mc.platt_fit(train[0], np.zeros(80)) is None and mc.platt_fit(1 - train[0], labels) is None
+
+
+def test_calibrated_threshold_in_the_nested_protocol(mil_csv):
+    data = read_mil_csv(mil_csv)
+    base = _small(mc.METHODS["mil-ssl-improved"])
+    variants = [dataclasses.replace(base, name="logit", threshold="logistic"),
+                dataclasses.replace(base, name="cal", threshold="calibrated")]
+    res = mc.nested_cross_validation(data, bench=BENCH, methods=variants)["methods"]
+    for a, c in zip(res["logit"]["folds"], res["cal"]["folds"]):
+        assert (a["setting"], a["epochs"]) == (c["setting"], c["epochs"])  # selection is untouched
+        assert c["threshold"] == 0.5 and c["accuracy"] == c["accuracy_at_0_5"]
+    assert [a["accuracy_at_0_5"] for a in res["logit"]["folds"]] != [c["accuracy_at_0_5"] for c in res["cal"]["folds"]]
+
+
 def test_stacked_pseudo_negative_weight_one_is_the_paper_loss_and_zero_changes_it(mil_csv, mil_csv_val):
     train, val = read_mil_csv(mil_csv), read_mil_csv(mil_csv_val)
     data = StackedData.from_instances(train, _weights(train.n_bags, [None, None]))
@@ -450,3 +486,43 @@ def test_stacked_pseudo_negative_weight_one_is_the_paper_loss_and_zero_changes_i
     spec = mc.METHODS["mil-ssl-improved-pu"]
     assert spec.settings()["pseudo_negative_weight"] == 0.0
     assert mc.METHODS["mil-ssl-improved"].settings()["pseudo_negative_weight"] == 1.0
+
+
+def test_max_bag_loss_is_the_bag_cross_entropy_of_the_top_instance(mil_csv):
+    from wsi_milssl.benchmark.stacked import _StackedHead, _max_bag_loss
+
+    train = read_mil_csv(mil_csv)
+    data = StackedData.from_instances(train, _weights(train.n_bags, [None, [0, 1, 2]]))
+    mean, std = data.standardisation()
+    gens = [torch.Generator().manual_seed(s) for s in (0, 1)]
+    head = _StackedHead(int(data.x.shape[1]), hidden_dims=(8,), dropout=torch.zeros(2), mean=mean, std=std, gens=gens)
+    chunk = next(_bag_batches(torch.arange(6), _group(data.bag_ids, train.n_bags), 6))
+    loss = _max_bag_loss(head, data, chunk, data.bag_labels.double(), torch.Generator())
+    probs = head.probs(data.x).numpy()
+    for m in range(2):
+        expected = []
+        for b in range(6):
+            if data.bag_weight[m, b] == 0:
+                continue
+            top = probs[m, train.bag_ids == b].max()
+            y = train.bag_labels[b]
+            expected.append(-(y * np.log(top) + (1 - y) * np.log(1 - top)))
+        assert float(loss[m].detach()) == pytest.approx(np.mean(expected), rel=1e-4)
+    loss.sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in head.params)
+
+
+def test_stacked_bag_loss_weight_zero_is_unchanged_and_positive_changes_training(mil_csv, mil_csv_val):
+    train, val = read_mil_csv(mil_csv), read_mil_csv(mil_csv_val)
+    data = StackedData.from_instances(train, _weights(train.n_bags, [None, None]))
+    kw = dict(lr=[3e-3] * 2, weight_decay=[1e-4] * 2, dropout=[0.0] * 2, mu=[0.3] * 2, ramp_epochs=[2] * 2,
+              hidden_dims=(16,), batch_size=64, eval_at=[10], eval_sets={"val": val}, lam=5.0, warmup_epochs=2,
+              seeds=[0, 1], seed=0)
+    plain = fit_stacked_milssl(data, **kw)["val"][10]
+    np.testing.assert_array_equal(fit_stacked_milssl(data, bag_loss_weight=0.0, **kw)["val"][10], plain)
+    hybrid = fit_stacked_milssl(data, bag_loss_weight=1.0, **kw)["val"][10]
+    assert not np.allclose(hybrid, plain)
+    assert min(roc_auc_score(val.instance_labels, p) for p in hybrid) > 0.8
+    with pytest.raises(ConfigError, match="bag_loss_weight must be >= 0"):
+        fit_stacked_milssl(data, bag_loss_weight=-1.0, **kw)
+    assert mc.METHODS["mil-ssl-improved"].settings()["bag_loss_weight"] == 0.0

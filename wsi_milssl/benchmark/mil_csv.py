@@ -39,13 +39,16 @@ from wsi_milssl.mil.data import InstanceSet
 from wsi_milssl.mil.selftrain import auc_or_none
 
 __all__ = ["MethodSpec", "METHODS", "PRESETS", "DEFAULT_PRESET", "resolve_methods", "nested_cross_validation",
-           "best_threshold", "summarise", "format_table", "format_markdown"]
+           "best_threshold", "logistic_threshold", "platt_fit", "calibrated_ensemble", "summarise", "format_table",
+           "format_markdown"]
 
 log = logging.getLogger(__name__)
 
 KINDS = ("mil-ssl", "abmil", "gated-abmil", "maxpool")
-#: how the bag threshold is set: accuracy-best on the inner OOF scores, a logistic fit on them, or 0.5
-THRESHOLDS = ("inner", "logistic", "0.5")
+#: how the bag threshold is set: accuracy-best on the inner OOF scores, a logistic fit on them, 0.5, or
+#: "calibrated": every model's scores Platt-scaled on its own inner held-out bags, the ensemble the mean of
+#: the calibrated log-odds, threshold 1/2 (:func:`calibrated_ensemble`)
+THRESHOLDS = ("inner", "logistic", "0.5", "calibrated")
 #: grid keys each kind searches or fixes (anything else is a ConfigError)
 GRID_KEYS = {
     "mil-ssl": ("mu", "ramp_epochs", "lr", "weight_decay", "dropout", "pooling", "bag_balanced"),
@@ -55,7 +58,7 @@ GRID_KEYS = {
 }
 FIXED_KEYS = {
     "mil-ssl": ("hidden_dims", "batch_size", "lam", "fixed_mu", "soft_labels", "local_constraint",
-                "global_constraint", "class_balanced", "warmup_epochs", "pseudo_negative_weight"),
+                "global_constraint", "class_balanced", "warmup_epochs", "pseudo_negative_weight", "bag_loss_weight"),
     "abmil": ("hidden_dims", "bags_per_batch"),
     "gated-abmil": ("hidden_dims", "bags_per_batch"),
     "maxpool": ("hidden_dims", "bags_per_batch"),
@@ -64,7 +67,7 @@ DEFAULTS = {
     "mil-ssl": {"mu": 0.15, "ramp_epochs": 10, "lr": 1e-3, "weight_decay": 1e-4, "dropout": 0.5, "pooling": "max",
                 "hidden_dims": (256,), "batch_size": 512, "lam": 25.0, "fixed_mu": False, "soft_labels": True,
                 "local_constraint": True, "global_constraint": True, "class_balanced": False, "warmup_epochs": 0,
-                "bag_balanced": False, "pseudo_negative_weight": 1.0},
+                "bag_balanced": False, "pseudo_negative_weight": 1.0, "bag_loss_weight": 0.0},
     "abmil": {"lr": 1e-3, "weight_decay": 1e-4, "attention_dim": 64, "dropout": 0.0, "hidden_dims": (128, 64),
               "bags_per_batch": 8},
 }
@@ -77,7 +80,9 @@ class MethodSpec:
     """One benchmark row: ``kind`` trained with ``fixed`` settings, ``grid`` searched on inner folds
     (every combination) at every epoch count of ``epoch_grid``; ``ensemble``: test score = mean of the
     chosen setting's model on the whole split and its inner-fold models; ``threshold``: "inner" (the
-    accuracy-best threshold on the OOF scores) or "0.5"; ``whole_seeds``: how many models (seeds) of the
+    accuracy-best threshold on the OOF scores), "logistic" (where a logistic fit on them crosses 1/2),
+    "0.5", or "calibrated" (each model Platt-scaled on its own held-out bags before the ensemble mean,
+    :func:`calibrated_ensemble`); ``whole_seeds``: how many models (seeds) of the
     chosen setting are trained on the whole split (their mean is its test score); 0 with ``ensemble``:
     none, the test score is the mean of the inner-fold models alone (the models whose out-of-fold scores
     chose the setting and calibrated the threshold, so test and calibration scores share one scale)."""
@@ -274,20 +279,59 @@ def logistic_threshold(scores: np.ndarray, labels: np.ndarray) -> float:
     """The bag score at which a logistic fit of the labels on logit(score) crosses 1/2 (Platt scaling on
     the out-of-fold scores): it uses every score, not only the few near the accuracy-best cut, so it moves
     less with single bags. Falls back to :func:`best_threshold` when the fit does not rise with the score."""
+    fit = platt_fit(scores, labels, c=1e6)
+    if fit is None:
+        return best_threshold(scores, labels)
+    a, b = fit
+    return float(1.0 / (1.0 + np.exp(b / a)))
+
+
+def _logit(scores: np.ndarray) -> np.ndarray:
+    s = np.clip(np.asarray(scores, dtype=np.float64), 1e-6, 1 - 1e-6)
+    return np.log(s) - np.log1p(-s)
+
+
+def platt_fit(scores: np.ndarray, labels: np.ndarray, *, c: float = 1.0) -> tuple[float, float] | None:
+    """(a, b) of a logistic fit P(y = 1) = sigmoid(a logit(score) + b) (inverse regularisation ``c``), or
+    None when the scores hold fewer than two finite values, one class, or the fit does not rise (a <= 0)."""
     from sklearn.linear_model import LogisticRegression
 
     scores = np.asarray(scores, dtype=np.float64)
     labels = np.asarray(labels).astype(np.int64)
     ok = np.isfinite(scores)
     if ok.sum() < 2 or len(np.unique(labels[ok])) < 2:
-        return best_threshold(scores, labels)
-    s = np.clip(scores[ok], 1e-6, 1 - 1e-6)
-    z = np.log(s) - np.log1p(-s)
-    fit = LogisticRegression(C=1e6).fit(z[:, None], labels[ok])
+        return None
+    fit = LogisticRegression(C=c).fit(_logit(scores[ok])[:, None], labels[ok])
     a, b = float(fit.coef_[0, 0]), float(fit.intercept_[0])
-    if a <= 0:
-        return best_threshold(scores, labels)
-    return float(1.0 / (1.0 + np.exp(b / a)))
+    return (a, b) if a > 0 else None
+
+
+def calibrated_ensemble(test_scores: np.ndarray, train_scores: np.ndarray, inner: list[tuple[np.ndarray, np.ndarray]],
+                        labels: np.ndarray, *, models: Sequence[int]) -> np.ndarray:
+    """Test bag probabilities of an ensemble whose members are calibrated one by one.
+
+    ``test_scores`` (F, B_test) and ``train_scores`` (F, B_train) are the bag scores of the F models of
+    one setting (the inner-fold models first, then the models trained on the whole split). Inner model k
+    is Platt-scaled (:func:`platt_fit`, C = 1) on the bags it was held out from; a model without its own
+    held-out bags (trained on the whole split), or whose fit fails, takes the mean (a, b) of the inner
+    fits. The ensemble of ``models`` is sigmoid(mean_k (a_k logit(s_k) + b_k)), so its 1/2 is the
+    threshold, and models of different score scales (trained on less or more data) meet on one scale
+    before they are averaged (the mean of raw scores, thresholded where the inner models' scores were
+    calibrated, mixes scales). Without any fit the raw mean with the logistic threshold shift is used.
+    """
+    fits = [platt_fit(train_scores[k, va], labels[va]) for k, (_, va) in enumerate(inner)]
+    good = [f for f in fits if f is not None]
+    if good:
+        mean_fit = (float(np.mean([f[0] for f in good])), float(np.mean([f[1] for f in good])))
+    else:  # no inner fit: shift the raw scores so the OOF logistic threshold sits at 1/2
+        oof = np.full(labels.size, np.nan)
+        for k, (_, va) in enumerate(inner):
+            oof[va] = train_scores[k, va]
+        mean_fit = (1.0, -float(_logit(np.array([logistic_threshold(oof, labels)]))[0]))
+    z = _logit(test_scores)
+    cal = [(fits[k] if k < len(fits) and fits[k] is not None else mean_fit) for k in range(z.shape[0])]
+    logodds = np.stack([cal[k][0] * z[k] + cal[k][1] for k in models]).mean(axis=0)
+    return 1.0 / (1.0 + np.exp(-logodds))
 
 
 def _metric(scores: np.ndarray, labels: np.ndarray, name: str) -> float:
@@ -353,6 +397,7 @@ def _fit_fold(spec: MethodSpec, train_set: InstanceSet, test_set: InstanceSet, i
             local_constraint=settings["local_constraint"], global_constraint=settings["global_constraint"],
             class_balanced=settings["class_balanced"], warmup_epochs=settings["warmup_epochs"],
             bag_balanced=col("bag_balanced"), pseudo_negative_weight=settings["pseudo_negative_weight"],
+            bag_loss_weight=settings["bag_loss_weight"],
             eval_at=spec.epoch_grid, eval_sets={"test": test_set}, seeds=seeds, seed=seed)
         points, train_scores, test_scores = [], {}, {}
         for e in spec.epoch_grid:
@@ -394,7 +439,7 @@ def _select(spec: MethodSpec, points: list[dict[str, Any]], train_scores: dict[i
         threshold = best_threshold(oof, labels)
     elif spec.threshold == "logistic":
         threshold = logistic_threshold(oof, labels)
-    else:
+    else:  # "0.5", or "calibrated" (the calibrated ensemble's scores are probabilities)
         threshold = 0.5
     return g, e, oof, key[0], threshold
 
@@ -435,10 +480,12 @@ def nested_cross_validation(instances: InstanceSet, *, bench: BenchmarkConfig,
                 points, train_scores, test_scores = _fit_fold(spec, train_set, test_set, inner, seed=fold_seed)
                 g, e, _oof, inner_value, threshold = _select(spec, points, train_scores, inner, tr_labels,
                                                               bench.select_metric)
-                if spec.ensemble:
-                    scores = test_scores[e][g].mean(axis=0)  # the whole-split models and the inner-fold models
-                else:
-                    scores = test_scores[e][g, len(inner):].mean(axis=0)  # the models trained on the whole split
+                members = range(0 if spec.ensemble else len(inner), test_scores[e].shape[1])
+                if spec.threshold == "calibrated":
+                    scores = calibrated_ensemble(test_scores[e][g], train_scores[e][g], inner, tr_labels,
+                                                 models=members)
+                else:  # the mean of the whole-split models (and, with ensemble, the inner-fold models)
+                    scores = test_scores[e][g, list(members)].mean(axis=0)
                 row = {
                     "repeat": repeat, "fold": fold, "n_train_bags": int(train_set.n_bags),
                     "n_test_bags": int(test_set.n_bags), "setting": {**points[g]}, "epochs": int(e),

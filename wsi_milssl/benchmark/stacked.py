@@ -436,14 +436,28 @@ def instance_loss_weights(data: StackedData, bag_balanced: Sequence[bool] | bool
     return torch.where(balanced[:, None], inst_w / sizes[data.bag_ids][None, :], inst_w)
 
 
+def _max_bag_loss(model: _StackedHead, data: StackedData, chunk: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                  bag_y: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """(M,) mean over each model's training bags of ``chunk`` of the binary cross-entropy of the bag label
+    against the bag's highest instance probability (log max p = max log p)."""
+    bags, idx, local = chunk
+    logp = F.log_softmax(model.logits(data.x[idx], g), dim=-1)  # (M, n, 2)
+    log_max = _segment_max(logp[..., 1], local, bags.numel()).clamp(max=0.0)  # (M, b)
+    log_none = torch.log1p(-torch.exp(log_max).clamp(max=1.0 - PROB_EPS))
+    y = bag_y[bags].to(log_max.dtype)
+    bce = -(y * log_max + (1 - y) * log_none)
+    w = data.bag_weight[:, bags]
+    return (bce * w).sum(1) / w.sum(1).clamp_min(1.0)
+
+
 def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: Sequence[float],
                        dropout: Sequence[float], mu: Sequence[float], ramp_epochs: Sequence[int],
                        hidden_dims: Sequence[int] = (256,), batch_size: int = 512, lam: float = 25.0,
                        fixed_mu: bool = False, soft_labels: bool = True, local_constraint: bool = True,
                        global_constraint: bool = True, class_balanced: bool = False, warmup_epochs: int = 0,
                        bag_balanced: Sequence[bool] | bool = False, pseudo_negative_weight: float = 1.0,
-                       eval_at: Sequence[int], eval_sets: dict[str, InstanceSet], seeds: Sequence[int],
-                       seed: int = 0) -> dict[str, dict[int, np.ndarray]]:
+                       bag_loss_weight: float = 0.0, eval_at: Sequence[int], eval_sets: dict[str, InstanceSet],
+                       seeds: Sequence[int], seed: int = 0) -> dict[str, dict[int, np.ndarray]]:
     """Train M MIL-SSL instance classifiers at once (model m on the bags ``data.bag_weight[m]``).
 
     Per epoch (as :func:`wsi_milssl.mil.selftrain.fit` with ``refresh_every=0``): μ_t of eq. 10 per model
@@ -456,7 +470,10 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
     with every positive-bag instance labelled 1 before the first refresh; ``bag_balanced`` (one flag, or
     one per model) weighs every instance by 1 / its bag's size, so each bag carries the same share of the
     loss (as in the bag-level baselines) instead of large bags dominating it; ``pseudo_negative_weight``
-    scales the negative term of positive-bag instances (``TrainConfig.pseudo_negative_weight``).
+    scales the negative term of positive-bag instances (``TrainConfig.pseudo_negative_weight``);
+    ``bag_loss_weight`` β > 0 adds β times a bag-level term to every step: the binary cross-entropy of the
+    bag label against the bag's highest instance probability (eq. 11, as max-pooling MIL trains), over a
+    chunk of the model's training bags (every bag once per epoch, chunks in a seeded random order).
 
     Returns ``{set name: {epoch: instance probabilities (M, N_set) float64}}`` (``"train"`` included).
     """
@@ -465,6 +482,8 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
                       ("ramp_epochs", ramp_epochs), ("seeds", seeds)):
         if len(seq) != m:
             raise ConfigError(f"{name} needs one value per model ({m}); got {len(seq)}.")
+    if not bag_loss_weight >= 0:
+        raise ConfigError(f"bag_loss_weight must be >= 0 (0 = no bag-level term); got {bag_loss_weight!r}.")
     mean, std = data.standardisation()
     gens = [_gen(4, s) for s in seeds]
     model = _StackedHead(int(data.x.shape[1]), hidden_dims=hidden_dims, dropout=torch.tensor(list(dropout)),
@@ -481,6 +500,10 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
     mu_t = torch.tensor(list(mu), dtype=torch.float64)
     ramp = torch.tensor(list(ramp_epochs), dtype=torch.float64)
     targets = torch.zeros(m, n)
+    n_bags = int(data.bag_labels.numel())
+    grouped = _group(data.bag_ids, n_bags)
+    bags_per_step = max(1, math.ceil(n_bags / max(1, math.ceil(n / batch_size))))
+    bag_y = data.bag_labels.double()
     sets = {"train": data.x}
     for name, s in eval_sets.items():
         sets[name] = torch.from_numpy(np.ascontiguousarray(s.features, dtype=np.float32))
@@ -508,7 +531,9 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
             w_pos, w_neg = 0.5 * total / pos_mass, 0.5 * total / neg_mass
         order = torch.randperm(n, generator=_gen(5, seed, epoch))
         g = _gen(6, seed, epoch)
-        for i in range(0, n, batch_size):
+        bag_chunks = (list(_bag_batches(torch.randperm(n_bags, generator=_gen(7, seed, epoch)), grouped,
+                                        bags_per_step)) if bag_loss_weight > 0 else [])
+        for step, i in enumerate(range(0, n, batch_size)):
             idx = order[i:i + batch_size]
             logp = F.log_softmax(model.logits(data.x[idx], g), dim=-1)  # (M, b, 2)
             q = targets[:, idx]
@@ -519,6 +544,8 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
                 ce = -(q * logp[..., 1] + negative)
             w = loss_w[:, idx]
             per_model = (ce * w).sum(1) / w.sum(1).clamp_min(1e-6)
+            if step < len(bag_chunks):
+                per_model = per_model + bag_loss_weight * _max_bag_loss(model, data, bag_chunks[step], bag_y, g)
             per_model.sum().backward()
             opt.step()
         if epoch + 1 in wanted:
