@@ -420,6 +420,11 @@ def test_bench_script_merges_a_rerun_method_into_saved_runs(mil_csv):
     text = bench.render(bench.merge([merged, other]))
     assert "| toy2 |" in text and "0.123 ±" in text
     assert "| toy2 | — |" in text.split("## Ablation")[1].split("## Protocol")[0]
+    assert "## Other rows" not in text
+    fair = run(["abmil-ensemble-calibrated"])
+    text = bench.render(bench.merge([merged, fair]))
+    ablation, others = text.split("## Ablation")[1].split("## Other rows")
+    assert "abmil-ensemble-calibrated" not in ablation and "| data set | abmil-ensemble-calibrated |" in others
 
 
 def test_logistic_threshold_is_where_the_fitted_probability_crosses_one_half():

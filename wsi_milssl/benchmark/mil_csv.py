@@ -203,6 +203,12 @@ METHODS: dict[str, MethodSpec] = {
                               epoch_grid=(25, 50, 100), description="gated attention MIL"),
     "maxpool": MethodSpec(name="maxpool", kind="maxpool", grid=_BASELINE_GRID + (("dropout", (0.0, 0.25)),),
                           epoch_grid=(25, 50, 100), description="instance-level max-pooling MIL (mi-Net style)"),
+    # the baseline with the improved MIL-SSL's protocol options (a fairness check, not a preset)
+    "abmil-ensemble-calibrated": MethodSpec(name="abmil-ensemble-calibrated", kind="abmil",
+                                            grid=_BASELINE_GRID + (("attention_dim", (64, 128)),),
+                                            epoch_grid=(25, 50, 100), ensemble=True, threshold="calibrated",
+                                            description="ABMIL with the improved MIL-SSL's ensemble of the "
+                                                        "inner-fold models, each calibrated on its held-out bags"),
     # ablation rows: the improved method with one change undone
     "mil-ssl-improved-no-ensemble": _ablation("mil-ssl-improved-no-ensemble", _IMPROVED,
                                               "improved, one model (no inner-fold ensemble)", ensemble=False),
