@@ -331,7 +331,8 @@ def calibrated_ensemble(test_scores: np.ndarray, train_scores: np.ndarray, inner
     fits. The ensemble of ``models`` is sigmoid(mean_k (a_k logit(s_k) + b_k)), so its 1/2 is the
     threshold, and models of different score scales (trained on less or more data) meet on one scale
     before they are averaged (the mean of raw scores, thresholded where the inner models' scores were
-    calibrated, mixes scales). Without any fit the raw mean with the logistic threshold shift is used.
+    calibrated, mixes scales). Without any inner fit every model's log-odds are only shifted, so that
+    the logistic threshold of the out-of-fold scores (:func:`logistic_threshold`) sits at 1/2.
     """
     fits = [platt_fit(train_scores[k, va], labels[va]) for k, (_, va) in enumerate(inner)]
     good = [f for f in fits if f is not None]
