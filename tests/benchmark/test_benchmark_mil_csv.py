@@ -477,12 +477,18 @@ def test_calibrated_threshold_in_the_nested_protocol(mil_csv):
     assert [a["accuracy_at_0_5"] for a in res["logit"]["folds"]] != [c["accuracy_at_0_5"] for c in res["cal"]["folds"]]
 
 
-def test_stacked_pseudo_negative_weight_one_is_the_paper_loss_and_zero_changes_it(mil_csv, mil_csv_val):
+def _two_stacked_models(mil_csv, mil_csv_val):
+    """(validation set, training data of two models on every bag, fit_stacked_milssl keywords): 10 epochs."""
     train, val = read_mil_csv(mil_csv), read_mil_csv(mil_csv_val)
     data = StackedData.from_instances(train, _weights(train.n_bags, [None, None]))
     kw = dict(lr=[3e-3] * 2, weight_decay=[1e-4] * 2, dropout=[0.0] * 2, mu=[0.3] * 2, ramp_epochs=[2] * 2,
               hidden_dims=(16,), batch_size=64, eval_at=[10], eval_sets={"val": val}, lam=5.0, warmup_epochs=2,
               seeds=[0, 1], seed=0)
+    return val, data, kw
+
+
+def test_stacked_pseudo_negative_weight_one_is_the_paper_loss_and_zero_changes_it(mil_csv, mil_csv_val):
+    val, data, kw = _two_stacked_models(mil_csv, mil_csv_val)
     paper = fit_stacked_milssl(data, **kw)["val"][10]
     np.testing.assert_array_equal(fit_stacked_milssl(data, pseudo_negative_weight=1.0, **kw)["val"][10], paper)
     pu = fit_stacked_milssl(data, pseudo_negative_weight=0.0, **kw)["val"][10]
@@ -518,11 +524,7 @@ def test_max_bag_loss_is_the_bag_cross_entropy_of_the_top_instance(mil_csv):
 
 
 def test_stacked_bag_loss_weight_zero_is_unchanged_and_positive_changes_training(mil_csv, mil_csv_val):
-    train, val = read_mil_csv(mil_csv), read_mil_csv(mil_csv_val)
-    data = StackedData.from_instances(train, _weights(train.n_bags, [None, None]))
-    kw = dict(lr=[3e-3] * 2, weight_decay=[1e-4] * 2, dropout=[0.0] * 2, mu=[0.3] * 2, ramp_epochs=[2] * 2,
-              hidden_dims=(16,), batch_size=64, eval_at=[10], eval_sets={"val": val}, lam=5.0, warmup_epochs=2,
-              seeds=[0, 1], seed=0)
+    val, data, kw = _two_stacked_models(mil_csv, mil_csv_val)
     plain = fit_stacked_milssl(data, **kw)["val"][10]
     np.testing.assert_array_equal(fit_stacked_milssl(data, bag_loss_weight=0.0, **kw)["val"][10], plain)
     hybrid = fit_stacked_milssl(data, bag_loss_weight=1.0, **kw)["val"][10]

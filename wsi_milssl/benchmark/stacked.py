@@ -500,10 +500,11 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
     mu_t = torch.tensor(list(mu), dtype=torch.float64)
     ramp = torch.tensor(list(ramp_epochs), dtype=torch.float64)
     targets = torch.zeros(m, n)
-    n_bags = int(data.bag_labels.numel())
-    grouped = _group(data.bag_ids, n_bags)
-    bags_per_step = max(1, math.ceil(n_bags / max(1, math.ceil(n / batch_size))))
-    bag_y = data.bag_labels.double()
+    if bag_loss_weight > 0:  # every training bag once per epoch, spread over the epoch's steps
+        n_bags = int(data.bag_labels.numel())
+        grouped = _group(data.bag_ids, n_bags)
+        bags_per_step = max(1, math.ceil(n_bags / max(1, math.ceil(n / batch_size))))
+        bag_y = data.bag_labels.double()
     sets = {"train": data.x}
     for name, s in eval_sets.items():
         sets[name] = torch.from_numpy(np.ascontiguousarray(s.features, dtype=np.float32))
