@@ -1,0 +1,50 @@
+"""benchmarks/mil_csv_seeds.py: the per-seed table of saved bench_mil_csv runs and the differences to a
+reference method, on hand-made run dicts."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+
+def _module():
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "mil_csv_seeds.py"
+    spec = importlib.util.spec_from_file_location("mil_csv_seeds", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run(seed: int, values: dict[str, dict[str, tuple[float, float]]]) -> dict:
+    return {"meta": {"seed": seed}, "datasets": {
+        ds: {"methods": {m: {"summary": {"accuracy": {"mean": acc}, "auc": {"mean": auc}}}
+                         for m, (acc, auc) in methods.items()}}
+        for ds, methods in values.items()}}
+
+
+def test_seed_table_means_and_differences_to_the_reference(tmp_path):
+    mod = _module()
+    runs = [_run(0, {"musk1": {"a": (0.80, 0.90), "ref": (0.90, 0.95)}}),
+            _run(1, {"musk1": {"a": (0.90, 0.92), "ref": (0.85, 0.91)}, "fox": {"a": (0.6, 0.7)}})]
+    for i, r in enumerate(runs):
+        (tmp_path / f"s{i}.json").write_text(json.dumps(r))
+    out = tmp_path / "seeds.md"
+    mod.main([str(tmp_path / "s0.json"), str(tmp_path / "s1.json"), "--reference", "ref", "--out", str(out)])
+    lines = out.read_text().splitlines()
+    row_a = next(line for line in lines if line.startswith("| musk1 | a |"))
+    assert "0.800 / 0.900 | 0.900 / 0.920 | 0.850 / 0.910 |" in row_a
+    assert row_a.endswith("-0.025 / -0.020 (2 seeds) |")  # ((0.80-0.90) + (0.90-0.85)) / 2
+    row_ref = next(line for line in lines if line.startswith("| musk1 | ref |"))
+    assert row_ref.endswith("— |")
+    row_fox = next(line for line in lines if line.startswith("| fox | a |"))
+    assert "| — | 0.600 / 0.700 |" in row_fox and row_fox.endswith("— |")  # no reference run for fox
+
+
+def test_a_seed_given_twice_is_an_error():
+    mod = _module()
+    run = _run(3, {"musk1": {"a": (0.8, 0.9)}})
+    with pytest.raises(SystemExit, match="musk1 / a / seed 3"):
+        mod.collect([run, run])
