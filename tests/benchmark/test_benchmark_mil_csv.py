@@ -115,6 +115,15 @@ def test_stacked_milssl_learns_and_models_do_not_mix(mil_csv, mil_csv_val):
                                mu=[0.3], seeds=[1], seed=0, **{k: (v[:1] if isinstance(v, list) else v)
                                                                for k, v in kw.items()})
     np.testing.assert_allclose(alone["val"][15][0], probs[1], atol=1e-5)
+    # with dropout the masks are drawn for the whole stack, so the same model trains otherwise alone (the
+    # improved preset has no dropout, so its models do not depend on their stack)
+    drop = {**kw, "dropout": [0.5] * 3}
+    in_stack = fit_stacked_milssl(data, lr=[3e-3, 3e-3, 5e-3], mu=[0.3, 0.3, 0.2], seeds=[0, 1, 2], seed=0, **drop)
+    alone = fit_stacked_milssl(StackedData.from_instances(train, _weights(train.n_bags, [half])), lr=[3e-3],
+                               mu=[0.3], seeds=[1], seed=0, **{k: (v[:1] if isinstance(v, list) else v)
+                                                               for k, v in drop.items()})
+    assert not np.allclose(alone["val"][15][0], in_stack["val"][15][1], atol=1e-3)
+    assert mc.METHODS["mil-ssl-improved"].settings()["dropout"] == 0.0
     # same seed: same numbers; another model seed: other numbers
     again = fit_stacked_milssl(data, lr=[3e-3, 3e-3, 5e-3], mu=[0.3, 0.3, 0.2], seeds=[0, 1, 2], seed=0, **kw)
     np.testing.assert_array_equal(again["val"][15], probs)
@@ -533,3 +542,11 @@ def test_stacked_bag_loss_weight_zero_is_unchanged_and_positive_changes_training
     with pytest.raises(ConfigError, match="bag_loss_weight must be >= 0"):
         fit_stacked_milssl(data, bag_loss_weight=-1.0, **kw)
     assert mc.METHODS["mil-ssl-improved"].settings()["bag_loss_weight"] == 0.0
+
+
+def test_the_dropout_row_is_the_improved_preset_with_dropout_half():
+    preset, row = mc.METHODS["mil-ssl-improved"], mc.METHODS["mil-ssl-improved-dropout-0.5"]
+    a, b = preset.to_dict(), row.to_dict()
+    assert a["settings"].pop("dropout") == 0.0 and b["settings"].pop("dropout") == 0.5
+    for key in ("settings", "grid", "epoch_grid", "ensemble", "threshold", "whole_seeds", "grid_size"):
+        assert a[key] == b[key], key
