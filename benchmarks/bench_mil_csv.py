@@ -35,7 +35,10 @@ from wsi_milssl.config.train import BenchmarkConfig
 from wsi_milssl.mil.data import read_mil_csv
 
 DATASETS = ("musk1", "musk2", "elephant", "ucsb_breast_cancer")
-TITLES = {"musk1": "MUSK1", "musk2": "MUSK2", "elephant": "ELEPHANT", "ucsb_breast_cancer": "UCSB breast cancer"}
+TITLES = {"musk1": "MUSK1", "musk2": "MUSK2", "elephant": "ELEPHANT", "ucsb_breast_cancer": "UCSB breast cancer",
+          # development sets (README: "How the improved MIL-SSL was chosen")
+          "birds_brown_creeper": "BIRDS brown creeper", "protein": "PROTEIN", "corel_dogs": "COREL dogs",
+          "fox": "FOX", "tiger": "TIGER", "mutagenesis1": "MUTAGENESIS1"}
 #: the paper's table 5 (bag accuracy) and its AUCs in the text; UCSB is not in the paper
 PAPER = {"musk1": ("0.989 ± 0.033", "0.933 ± 0.111"), "musk2": ("0.950 ± 0.067", "0.957 ± 0.065"),
          "elephant": ("0.945 ± 0.027", "0.959 ± 0.024"), "ucsb_breast_cancer": ("—", "—")}

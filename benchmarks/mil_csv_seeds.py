@@ -65,12 +65,15 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", type=Path, nargs="+", help="JSON files written by bench_mil_csv.py")
     ap.add_argument("--reference", default="abmil", help="method to subtract ('' for none)")
-    ap.add_argument("--methods", nargs="+", default=None, help="only these methods")
+    ap.add_argument("--methods", nargs="+", default=None, help="only these methods, in this order")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     table = collect([json.loads(p.read_text()) for p in args.runs])
-    if args.methods:
-        table = {k: v for k, v in table.items() if k[1] in args.methods}
+    if args.methods:  # only these, in this order within each data set
+        order = {m: i for i, m in enumerate(args.methods)}
+        datasets = list(dict.fromkeys(ds for ds, _ in table))
+        table = dict(sorted(((k, v) for k, v in table.items() if k[1] in order),
+                            key=lambda kv: (datasets.index(kv[0][0]), order[kv[0][1]])))
     text = render(table, args.reference or None)
     if args.out:
         args.out.write_text(text)

@@ -48,3 +48,12 @@ def test_a_seed_given_twice_is_an_error():
     run = _run(3, {"musk1": {"a": (0.8, 0.9)}})
     with pytest.raises(SystemExit, match="musk1 / a / seed 3"):
         mod.collect([run, run])
+
+
+def test_methods_filter_and_order_the_rows(tmp_path, capsys):
+    mod = _module()
+    run = _run(0, {"musk1": {"a": (0.8, 0.9), "b": (0.7, 0.8), "ref": (0.9, 0.95)}})
+    (tmp_path / "s0.json").write_text(json.dumps(run))
+    mod.main([str(tmp_path / "s0.json"), "--reference", "ref", "--methods", "ref", "a"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| musk1 |")]
+    assert [r.split(" | ")[1] for r in rows] == ["ref", "a"]
