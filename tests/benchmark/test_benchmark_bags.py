@@ -294,13 +294,9 @@ def test_tuned_tables_show_choices_and_bag_auc_of_the_primary_scoring(tuned):
 
 def test_bench_script_merges_runs_of_other_seeds(fast):
     """benchmarks/bench_bags.py --from-json pools the rows of runs made with other seeds (same settings)."""
-    import importlib.util
-    from pathlib import Path
+    from benchscripts import load_benchmark_script
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_bags.py"
-    spec = importlib.util.spec_from_file_location("bench_bags", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark_script("bench_bags")
     cfg = dict(fast, methods=("abmil",), ratios=(0.2,))
     a = run_normal(BagBenchConfig(**cfg))
     b = run_normal(BagBenchConfig(**{**cfg, "seeds": (1,)}))

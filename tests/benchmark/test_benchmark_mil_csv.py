@@ -11,6 +11,7 @@ import pytest
 import torch
 from sklearn.metrics import roc_auc_score
 
+from benchscripts import load_benchmark_script
 from wsi_milssl.benchmark import mil_csv as mc
 import torch.nn.functional as F
 
@@ -394,13 +395,7 @@ def test_cross_validation_ensemble_scores_the_test_fold_with_the_inner_fold_mode
 def test_bench_script_merges_a_rerun_method_into_saved_runs(mil_csv):
     """benchmarks/bench_mil_csv.py --from-json: a later run's method replaces the earlier one's row of that
     data set, other rows stay, times are re-summed; runs with other folds are refused."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_mil_csv.py"
-    spec = importlib.util.spec_from_file_location("bench_mil_csv", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark_script("bench_mil_csv")
     data = read_mil_csv(mil_csv)
 
     def run(names, **changes):

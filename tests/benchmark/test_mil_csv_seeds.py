@@ -3,19 +3,14 @@ reference method, on hand-made run dicts."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from benchscripts import load_benchmark_script
 
 
 def _module():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "mil_csv_seeds.py"
-    spec = importlib.util.spec_from_file_location("mil_csv_seeds", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark_script("mil_csv_seeds")
 
 
 def _run(seed: int, values: dict[str, dict[str, tuple[float, float]]]) -> dict:

@@ -4,22 +4,18 @@ read_mil_csv."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
+from benchscripts import load_benchmark_script
 
 from wsi_milssl.mil import read_mil_csv
 
 
 def _module():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "mil_jld_to_csv.py"
-    spec = importlib.util.spec_from_file_location("mil_jld_to_csv", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark_script("mil_jld_to_csv")
 
 
 def _write_jld(path: Path, bags: list[np.ndarray], labels: np.ndarray, *, bitarray: bool = True) -> None:
