@@ -243,7 +243,7 @@ METHODS: dict[str, MethodSpec] = {
     "mil-ssl-improved-logistic-threshold": _ablation("mil-ssl-improved-logistic-threshold", _IMPROVED,
                                                      "improved, raw ensemble mean with the threshold where a "
                                                      "logistic fit on the inner out-of-fold scores crosses 1/2 "
-                                                     "(the previous preset)", threshold="logistic"),
+                                                     "(the threshold of an earlier preset)", threshold="logistic"),
     "mil-ssl-improved-bag-loss": _ablation("mil-ssl-improved-bag-loss", _IMPROVED,
                                            "improved plus a max-pooled bag cross-entropy term (bag_loss_weight "
                                            "1; tried on the development sets, not adopted)",
