@@ -545,3 +545,53 @@ def test_the_dropout_row_is_the_improved_preset_with_dropout_half():
     assert a["settings"].pop("dropout") == 0.0 and b["settings"].pop("dropout") == 0.5
     for key in ("settings", "grid", "epoch_grid", "ensemble", "threshold", "whole_seeds", "grid_size"):
         assert a[key] == b[key], key
+
+
+def test_stacked_target_momentum_zero_is_unchanged_and_positive_averages_refreshes(mil_csv, mil_csv_val):
+    val, data, kw = _two_stacked_models(mil_csv, mil_csv_val)
+    plain = fit_stacked_milssl(data, **kw)["val"][10]
+    np.testing.assert_array_equal(fit_stacked_milssl(data, target_momentum=0.0, **kw)["val"][10], plain)
+    averaged = fit_stacked_milssl(data, target_momentum=0.7, **kw)["val"][10]
+    assert not np.allclose(averaged, plain)
+    assert min(roc_auc_score(val.instance_labels, p) for p in averaged) > 0.8
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ConfigError, match="target_momentum must be in"):
+            fit_stacked_milssl(data, target_momentum=bad, **kw)
+    assert mc.METHODS["mil-ssl-improved"].settings()["target_momentum"] == 0.0
+    assert mc.METHODS["mil-ssl-improved-target-momentum"].settings()["target_momentum"] == 0.7
+
+
+def test_bag_context_appends_each_bags_own_mean(mil_csv):
+    bags = read_mil_csv(mil_csv)
+    ctx = mc.with_bag_context(bags)
+    d = bags.in_features
+    assert ctx.features.shape == (len(bags), 2 * d)
+    np.testing.assert_array_equal(ctx.features[:, :d], bags.features)
+    for b in range(bags.n_bags):
+        rows = ctx.features[bags.bag_ids == b, d:]
+        mean = bags.features[bags.bag_ids == b].astype(np.float64).mean(axis=0)
+        np.testing.assert_allclose(rows, np.broadcast_to(mean, rows.shape), rtol=1e-6, atol=1e-7)
+    # a bag's context comes from that bag alone: the same in any subset of bags
+    part = [4, 1, 7]
+    np.testing.assert_array_equal(mc.with_bag_context(bags.subset_bags(part)).features, ctx.subset_bags(part).features)
+    assert not mc.METHODS["mil-ssl-improved"].settings()["bag_context"]
+
+
+def test_bag_context_row_trains_on_the_widened_features(mil_csv, monkeypatch):
+    from wsi_milssl.benchmark import stacked
+
+    widths = []
+    real = stacked.fit_stacked_milssl
+
+    def spy(data, **kw):
+        widths.append(int(data.x.shape[1]))
+        assert all(s.features.shape[1] == data.x.shape[1] for s in kw["eval_sets"].values())
+        return real(data, **kw)
+
+    monkeypatch.setattr(stacked, "fit_stacked_milssl", spy)
+    d = read_mil_csv(mil_csv).in_features
+    for name, width in (("mil-ssl-improved", d), ("mil-ssl-improved-bag-context", 2 * d)):
+        widths.clear()
+        out = mc.nested_cross_validation(read_mil_csv(mil_csv), bench=BENCH, methods=[_small(mc.METHODS[name])])
+        assert widths and set(widths) == {width}
+        assert len(out["methods"][name]["folds"]) == BENCH.folds

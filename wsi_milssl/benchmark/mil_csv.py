@@ -58,7 +58,8 @@ GRID_KEYS = {
 }
 FIXED_KEYS = {
     "mil-ssl": ("hidden_dims", "batch_size", "lam", "fixed_mu", "soft_labels", "local_constraint",
-                "global_constraint", "class_balanced", "warmup_epochs", "pseudo_negative_weight", "bag_loss_weight"),
+                "global_constraint", "class_balanced", "warmup_epochs", "pseudo_negative_weight", "bag_loss_weight",
+                "target_momentum", "bag_context"),
     "abmil": ("hidden_dims", "bags_per_batch"),
     "gated-abmil": ("hidden_dims", "bags_per_batch"),
     "maxpool": ("hidden_dims", "bags_per_batch"),
@@ -67,7 +68,8 @@ DEFAULTS = {
     "mil-ssl": {"mu": 0.15, "ramp_epochs": 10, "lr": 1e-3, "weight_decay": 1e-4, "dropout": 0.5, "pooling": "max",
                 "hidden_dims": (256,), "batch_size": 512, "lam": 25.0, "fixed_mu": False, "soft_labels": True,
                 "local_constraint": True, "global_constraint": True, "class_balanced": False, "warmup_epochs": 0,
-                "bag_balanced": False, "pseudo_negative_weight": 1.0, "bag_loss_weight": 0.0},
+                "bag_balanced": False, "pseudo_negative_weight": 1.0, "bag_loss_weight": 0.0, "target_momentum": 0.0,
+                "bag_context": False},
     "abmil": {"lr": 1e-3, "weight_decay": 1e-4, "attention_dim": 64, "dropout": 0.0, "hidden_dims": (128, 64),
               "bags_per_batch": 8},
 }
@@ -221,6 +223,8 @@ METHODS: dict[str, MethodSpec] = {
     "mil-ssl-improved-batch-512": _ablation("mil-ssl-improved-batch-512", _IMPROVED,
                                             "improved, 512 instances per step (the paper's feature batch)",
                                             fixed={"batch_size": 512}),
+    "mil-ssl-improved-batch-32": _ablation("mil-ssl-improved-batch-32", _IMPROVED,
+                                           "improved, 32 instances per step", fixed={"batch_size": 32}),
     "mil-ssl-improved-top2": _ablation("mil-ssl-improved-top2", _IMPROVED,
                                        "improved with the mean of the top two instead of the top half",
                                        grid={"pooling": ("mean", "top2")}),
@@ -251,6 +255,14 @@ METHODS: dict[str, MethodSpec] = {
     "mil-ssl-improved-dropout-0.5": _ablation("mil-ssl-improved-dropout-0.5", _IMPROVED,
                                               "improved with dropout 0.5 in the instance classifier (the "
                                               "previous preset)", fixed={"dropout": 0.5}),
+    "mil-ssl-improved-target-momentum": _ablation("mil-ssl-improved-target-momentum", _IMPROVED,
+                                                  "improved, pseudo labels averaged over refreshes (target_momentum "
+                                                  "0.7; tried on the development sets, not adopted)",
+                                                  fixed={"target_momentum": 0.7}),
+    "mil-ssl-improved-bag-context": _ablation("mil-ssl-improved-bag-context", _IMPROVED,
+                                              "improved, every instance also sees its bag's mean features "
+                                              "(bag_context; tried on the development sets, not adopted)",
+                                              fixed={"bag_context": True}),
     "mil-ssl-improved-threshold-0.5": _ablation("mil-ssl-improved-threshold-0.5", _IMPROVED,
                                                 "improved, bag threshold 0.5 (not calibrated)", threshold="0.5"),
 }
@@ -370,6 +382,19 @@ def _stratified(labels: np.ndarray, n_splits: int, seed: int) -> list[tuple[np.n
                                                                                           labels))
 
 
+def with_bag_context(instances: InstanceSet) -> InstanceSet:
+    """``instances`` with every instance's features followed by the mean features of its own bag
+    (D -> 2D columns): the instance classifier sees each instance in the context of its bag. It uses the
+    bag's own instances alone (no label, nothing of another bag), so a test bag gets it like a training bag."""
+    x = np.asarray(instances.features, dtype=np.float64)
+    sums = np.zeros((instances.n_bags, x.shape[1]))
+    np.add.at(sums, instances.bag_ids, x)
+    counts = np.bincount(instances.bag_ids, minlength=instances.n_bags)
+    means = sums / np.maximum(counts, 1)[:, None]
+    return dataclasses.replace(instances, features=np.concatenate([x, means[instances.bag_ids]], axis=1)
+                               .astype(np.float32))
+
+
 # ----------------------------------------------------------------------------------------------
 # One method on one outer fold
 # ----------------------------------------------------------------------------------------------
@@ -386,6 +411,8 @@ def _fit_fold(spec: MethodSpec, train_set: InstanceSet, test_set: InstanceSet, i
     from wsi_milssl.benchmark.stacked import StackedData, fit_stacked_baseline, fit_stacked_milssl, pool_bags
 
     settings = spec.settings()
+    if spec.kind == "mil-ssl" and settings["bag_context"]:
+        train_set, test_set = with_bag_context(train_set), with_bag_context(test_set)
     train_points = spec.points()
     poolings = [settings["pooling"]] if spec.kind == "mil-ssl" else [None]
     if spec.kind == "mil-ssl":
@@ -416,7 +443,7 @@ def _fit_fold(spec: MethodSpec, train_set: InstanceSet, test_set: InstanceSet, i
             local_constraint=settings["local_constraint"], global_constraint=settings["global_constraint"],
             class_balanced=settings["class_balanced"], warmup_epochs=settings["warmup_epochs"],
             bag_balanced=col("bag_balanced"), pseudo_negative_weight=settings["pseudo_negative_weight"],
-            bag_loss_weight=settings["bag_loss_weight"],
+            bag_loss_weight=settings["bag_loss_weight"], target_momentum=settings["target_momentum"],
             eval_at=spec.epoch_grid, eval_sets={"test": test_set}, seeds=seeds, seed=seed)
         points, train_scores, test_scores = [], {}, {}
         for e in spec.epoch_grid:

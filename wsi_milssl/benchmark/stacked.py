@@ -456,8 +456,8 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
                        fixed_mu: bool = False, soft_labels: bool = True, local_constraint: bool = True,
                        global_constraint: bool = True, class_balanced: bool = False, warmup_epochs: int = 0,
                        bag_balanced: Sequence[bool] | bool = False, pseudo_negative_weight: float = 1.0,
-                       bag_loss_weight: float = 0.0, eval_at: Sequence[int], eval_sets: dict[str, InstanceSet],
-                       seeds: Sequence[int], seed: int = 0) -> dict[str, dict[int, np.ndarray]]:
+                       bag_loss_weight: float = 0.0, target_momentum: float = 0.0, eval_at: Sequence[int],
+                       eval_sets: dict[str, InstanceSet], seeds: Sequence[int], seed: int = 0) -> dict[str, dict[int, np.ndarray]]:
     """Train M MIL-SSL instance classifiers at once (model m on the bags ``data.bag_weight[m]``).
 
     Per epoch (as :func:`wsi_milssl.mil.selftrain.fit` with ``refresh_every=0``): μ_t of eq. 10 per model
@@ -473,7 +473,9 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
     scales the negative term of positive-bag instances (``TrainConfig.pseudo_negative_weight``);
     ``bag_loss_weight`` β > 0 adds β times a bag-level term to every step: the binary cross-entropy of the
     bag label against the bag's highest instance probability (eq. 11, as max-pooling MIL trains), over a
-    chunk of the model's training bags (every bag once per epoch, chunks in a seeded random order).
+    chunk of the model's training bags (every bag once per epoch, chunks in a seeded random order);
+    ``target_momentum`` α > 0 averages the pseudo labels over refreshes: after the first refresh the
+    targets are α Q_{t-1} + (1 - α) Q_t.
 
     Returns ``{set name: {epoch: instance probabilities (M, N_set) float64}}`` (``"train"`` included).
     """
@@ -484,6 +486,8 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
             raise ConfigError(f"{name} needs one value per model ({m}); got {len(seq)}.")
     if not bag_loss_weight >= 0:
         raise ConfigError(f"bag_loss_weight must be >= 0 (0 = no bag-level term); got {bag_loss_weight!r}.")
+    if not 0 <= target_momentum < 1:
+        raise ConfigError(f"target_momentum must be in [0, 1) (0 = each refresh alone); got {target_momentum!r}.")
     mean, std = data.standardisation()
     gens = [_gen(4, s) for s in seeds]
     model = _StackedHead(int(data.x.shape[1]), hidden_dims=hidden_dims, dropout=torch.tensor(list(dropout)),
@@ -522,6 +526,8 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
             p = model.probs(data.x[pos_idx])
             q = stacked_pseudo_labels(p, pos_mask[:, pos_idx], pos_local_bags, mu=mus, lam=lam, soft=soft_labels,
                                       local_constraint=local_constraint, global_constraint=global_constraint)
+            if target_momentum > 0 and epoch > warmup_epochs:  # pseudo labels averaged over refreshes
+                q = target_momentum * targets[:, pos_idx] + (1 - target_momentum) * q
             targets = torch.zeros(m, n)
             targets[:, pos_idx] = q
         if class_balanced:
