@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from tinypipeline import GENERATED_SLIDES
 from wsi_milssl.errors import ConfigError
 from wsi_milssl.features import read_feature_file
 from wsi_milssl.pipeline import load_pipeline, run_pipeline
@@ -14,25 +15,7 @@ from wsi_milssl.pipeline import load_pipeline, run_pipeline
 TINY = """
 [pipeline]
 name = "tiny-features"
-[data]
-generate = true
-val_fraction = 0.34
-[synth.train]
-n_slides = 4
-seed = 0
-width_px = 2048
-height_px = 2048
-[synth.test]
-n_slides = 2
-seed = 1000
-width_px = 2048
-height_px = 2048
-[tile]
-magnification = 10.0
-patch_size_px = 32
-entropy_threshold_bits = 4.0
-min_tissue = 0.5
-[features]
+""" + GENERATED_SLIDES + """[features]
 encoder = "resnet18"
 weights = "random"
 num_workers = 0

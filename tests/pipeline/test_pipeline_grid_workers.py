@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tinypipeline import GENERATED_SLIDES
 from wsi_milssl.errors import ConfigError
 from wsi_milssl.pipeline import load_pipeline
 from wsi_milssl.pipeline.runner import grid_worker_count
@@ -19,25 +20,7 @@ PIPELINE = """
 [pipeline]
 name = "grid"
 grid_workers = {workers}
-[data]
-generate = true
-val_fraction = 0.34
-[synth.train]
-n_slides = 4
-seed = 0
-width_px = 2048
-height_px = 2048
-[synth.test]
-n_slides = 2
-seed = 1000
-width_px = 2048
-height_px = 2048
-[tile]
-magnification = 10.0
-patch_size_px = 32
-entropy_threshold_bits = 4.0
-min_tissue = 0.5
-[train]
+""" + GENERATED_SLIDES + """[train]
 mode = "images"
 model = "resnet18"
 epochs = 2

@@ -8,6 +8,7 @@ import json
 from importlib.resources import files
 from pathlib import Path
 
+from tinypipeline import GENERATED_SLIDES
 from wsi_milssl.config import load_toml
 from wsi_milssl.pipeline import load_pipeline, run_pipeline
 
@@ -25,25 +26,7 @@ def _browser_check():
 TINY = """
 [pipeline]
 name = "tiny"
-[data]
-generate = true
-val_fraction = 0.34
-[synth.train]
-n_slides = 4
-seed = 0
-width_px = 2048
-height_px = 2048
-[synth.test]
-n_slides = 2
-seed = 1000
-width_px = 2048
-height_px = 2048
-[tile]
-magnification = 10.0
-patch_size_px = 32
-entropy_threshold_bits = 4.0
-min_tissue = 0.5
-[train]
+""" + GENERATED_SLIDES + """[train]
 mode = "images"
 model = "resnet18"
 epochs = 2

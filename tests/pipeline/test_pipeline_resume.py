@@ -21,31 +21,15 @@ import numpy as np
 import pytest
 import torch
 
+from tinypipeline import GENERATED_SLIDES
 from wsi_milssl.inference.stage import STATUS_FILENAME
 from wsi_milssl.store import find_stores, open_store
 
+# GENERATED_SLIDES ends in its [tile] table: "workers = 1" is one more key of it
 PIPELINE = """
 [pipeline]
 name = "resume"
-[data]
-generate = true
-val_fraction = 0.34
-[synth.train]
-n_slides = 4
-seed = 0
-width_px = 2048
-height_px = 2048
-[synth.test]
-n_slides = 2
-seed = 1000
-width_px = 2048
-height_px = 2048
-[tile]
-magnification = 10.0
-patch_size_px = 32
-entropy_threshold_bits = 4.0
-min_tissue = 0.5
-workers = 1
+""" + GENERATED_SLIDES + """workers = 1
 [train]
 mode = "images"
 model = "resnet18"
