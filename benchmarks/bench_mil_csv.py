@@ -12,7 +12,8 @@ Run: ``python benchmarks/bench_mil_csv.py --data DATA_DIR [--datasets musk1 musk
 [--threads 0] [--out benchmarks/results/mil_csv.md]``. ``--ablation`` adds the ablation rows of the
 improved MIL-SSL. ``--from-json FILE [FILE ...]`` re-renders saved runs without training, merged: data sets
 side by side, and a later file's methods of a data set added to or replacing an earlier file's (re-run one
-method with ``--methods NAME`` and merge it into the table).
+method with ``--methods NAME`` and merge it into the table). Beside the markdown it writes the JSON of
+every fold and a PNG of the main rows' fold scores (``--out X.md`` -> ``X.json``, ``X.png``).
 
 Timing: wall seconds and CPU seconds (user + sys of this process, which runs the methods one after the
 other) per data set and method; the machine may be shared, so CPU time is the steadier figure.
@@ -30,7 +31,9 @@ from pathlib import Path
 
 import torch
 
+from wsi_milssl.atomic import atomic_write_bytes
 from wsi_milssl.benchmark.mil_csv import METHODS, nested_cross_validation, resolve_methods
+from wsi_milssl.benchmark.plots import fold_scores_png
 from wsi_milssl.config.train import BenchmarkConfig
 from wsi_milssl.mil.data import read_mil_csv
 
@@ -55,6 +58,13 @@ def _cpu() -> float:
 
 def _pm(stat: dict) -> str:
     return "—" if stat.get("mean") is None else f"{stat['mean']:.3f} ± {stat['std']:.3f}"
+
+
+def plot(results: dict) -> bytes:
+    """The PNG of the main rows (the table's columns): every outer fold's bag accuracy and AUC."""
+    runs = {TITLES.get(ds, ds): run for ds, run in results["datasets"].items()}
+    methods = [m for m in results["meta"]["methods"] if m in HEADERS]
+    return fold_scores_png(runs, methods=methods, labels=HEADERS)
 
 
 def render(results: dict) -> str:
@@ -155,6 +165,7 @@ def main() -> None:
         args.out.with_suffix(".json").write_text(json.dumps(merged, indent=2) + "\n")
         text = render(merged)
         args.out.write_text(text)
+        atomic_write_bytes(args.out.with_suffix(".png"), plot(merged))
         print(text)
         return
     methods = list(args.methods) + (list(ABLATION) if args.ablation else [])
@@ -184,6 +195,7 @@ def main() -> None:
                   f"[{res['seconds']:.0f} s wall, {res['cpu_seconds']:.0f} s CPU]", flush=True)
         args.out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
         args.out.write_text(render(results))
+        atomic_write_bytes(args.out.with_suffix(".png"), plot(results))
     print(render(results))
 
 

@@ -4,6 +4,7 @@ small generated MIL CSVs (never the real data sets)."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 
 import numpy as np
@@ -14,6 +15,7 @@ from sklearn.metrics import roc_auc_score
 from benchscripts import load_benchmark_script
 from wsi_milssl.benchmark import mil_csv as mc
 import torch.nn.functional as F
+from PIL import Image
 
 from wsi_milssl.benchmark.baselines import build_baseline, pad_bags
 from wsi_milssl.benchmark.stacked import (StackedData, _bag_batches, _group, _StackedBaseline, fit_stacked_baseline,
@@ -282,7 +284,7 @@ def test_benchmark_mil_csv_cli(tmp_path, mil_csv, capsys):
     rc = main(["benchmark", "mil-csv", str(mil_csv), "--methods", "mil-ssl", "abmil", "--preset", "paper",
                "--folds", "3", "--inner-folds", "2", "--seed", "0", "--mu-grid", "0.2", "0.3", "--ramp-grid", "2",
                "--lr-grid", "1e-2", "--epoch-grid", "40", "60", "--threads", "1", "--json", str(out),
-               "--markdown", str(md)])
+               "--markdown", str(md), "--plot", str(tmp_path / "bench.png")])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "mil-ssl (paper)" in printed and "abmil" in printed and "±" in printed and "bag AUC" in printed
@@ -295,6 +297,8 @@ def test_benchmark_mil_csv_cli(tmp_path, mil_csv, capsys):
     assert "lr" not in ssl["spec"]["grid"] and result["methods"]["abmil"]["spec"]["grid"]["lr"] == [1e-2]
     assert result["methods"]["abmil"]["summary"]["auc"]["mean"] > 0.8
     assert "| mil-ssl (paper) |" in md.read_text()
+    with Image.open(tmp_path / "bench.png") as png:
+        assert png.format == "PNG" and png.width > 200
 
 
 def test_benchmark_mil_csv_cli_errors(tmp_path, mil_csv, capsys):
@@ -429,6 +433,10 @@ def test_bench_script_merges_a_rerun_method_into_saved_runs(mil_csv):
     text = bench.render(bench.merge([merged, fair]))
     ablation, others = text.split("## Ablation")[1].split("## Other rows")
     assert "abmil-ensemble-calibrated" not in ablation and "| data set | abmil-ensemble-calibrated |" in others
+    # the PNG beside the table draws the table's main rows only (the ablation row has no colour of its own)
+    png = bench.plot(bench.merge([merged, other]))
+    assert _colour_pixels(png, "#1f77b4") > 50 and _colour_pixels(png, "#ff7f0e") > 50
+    assert _colour_pixels(png, "#2ca02c") == 0
 
 
 def test_logistic_threshold_is_where_the_fitted_probability_crosses_one_half():
@@ -595,3 +603,42 @@ def test_bag_context_row_trains_on_the_widened_features(mil_csv, monkeypatch):
         out = mc.nested_cross_validation(read_mil_csv(mil_csv), bench=BENCH, methods=[_small(mc.METHODS[name])])
         assert widths and set(widths) == {width}
         assert len(out["methods"][name]["folds"]) == BENCH.folds
+
+
+def _fold_rows(accuracies, aucs):
+    return {"folds": [{"accuracy": a, "auc": u} for a, u in zip(accuracies, aucs)]}
+
+
+def _colour_pixels(png: bytes, hex_colour: str) -> int:
+    import io
+
+    rgb = np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).astype(int)
+    target = np.array([int(hex_colour[i:i + 2], 16) for i in (1, 3, 5)])
+    return int((np.abs(rgb - target).sum(axis=2) < 30).sum())
+
+
+def test_fold_scores_png_draws_each_chosen_method_in_its_own_colour():
+    from wsi_milssl.benchmark.plots import fold_scores_png
+
+    one = {"methods": {"a": _fold_rows([0.8, 0.9, 1.0], [0.9, None, 1.0]),
+                       "b": _fold_rows([0.6, 0.7, 0.7], [0.7, 0.8, 0.6])}}
+    two = {"methods": {"a": _fold_rows([0.2, 0.3], [0.2, 0.3])}}  # "b" missing: its place stays empty
+    png = fold_scores_png({"set 1": one, "set 2": two}, methods=["a", "b"], labels={"a": "method A"})
+    with Image.open(io.BytesIO(png)) as image:
+        wide = image.width
+    assert _colour_pixels(png, "#1f77b4") > 50 and _colour_pixels(png, "#ff7f0e") > 50  # C0, C1
+    assert _colour_pixels(png, "#2ca02c") == 0  # C2: no third method
+    # the y axis of a row is shared and reaches the lowest value of any data set: set 2's low folds are drawn
+    right_half = Image.open(io.BytesIO(png))
+    right_half = right_half.crop((right_half.width // 2, 0, right_half.width, right_half.height))
+    buf = io.BytesIO()
+    right_half.save(buf, format="PNG")
+    assert _colour_pixels(buf.getvalue(), "#1f77b4") > 20
+    only_a = fold_scores_png({"set 1": one}, methods=["a"])
+    assert _colour_pixels(only_a, "#ff7f0e") == 0
+    with Image.open(io.BytesIO(only_a)) as image:
+        assert image.width < wide
+    with pytest.raises(ConfigError, match="no benchmark run"):
+        fold_scores_png({})
+    with pytest.raises(ConfigError, match="none of the methods"):
+        fold_scores_png({"set 1": one}, methods=["c"])

@@ -8,7 +8,7 @@ import argparse
 import json
 from pathlib import Path
 
-from wsi_milssl.atomic import atomic_write_text
+from wsi_milssl.atomic import atomic_write_bytes, atomic_write_text
 
 __all__ = ["SUMMARY", "register", "run", "run_mil_csv"]
 
@@ -35,7 +35,7 @@ def _register_mil_csv(sub) -> None:
             "table to markdown.\n\n"
             f"methods: mil-ssl (the --preset), {', '.join(METHODS)}\n\n"
             "example:\n  wsi-milssl benchmark mil-csv musk1.csv --methods mil-ssl abmil gated-abmil maxpool \\\n"
-            "      --folds 10 --seed 0 --json musk1.json --markdown musk1.md"
+            "      --folds 10 --seed 0 --json musk1.json --markdown musk1.md --plot musk1.png"
         ),
         formatter_class=HelpFormatter,
     )
@@ -61,6 +61,8 @@ def _register_mil_csv(sub) -> None:
     p.add_argument("--json", type=Path, default=None, metavar="PATH",
                    help="result file [benchmark_<FILE stem>.json in the current folder]")
     p.add_argument("--markdown", type=Path, default=None, metavar="PATH", help="also write the table as markdown")
+    p.add_argument("--plot", type=Path, default=None, metavar="PATH",
+                   help="also draw every outer fold's bag accuracy and AUC per method as a PNG")
     p.set_defaults(run=run_mil_csv)
 
 
@@ -115,4 +117,9 @@ def run_mil_csv(args: argparse.Namespace) -> int:
     if args.markdown is not None:
         atomic_write_text(args.markdown, format_markdown(result))
         print(f"wrote {args.markdown}")
+    if args.plot is not None:
+        from wsi_milssl.benchmark.plots import fold_scores_png
+
+        atomic_write_bytes(args.plot, fold_scores_png({args.file.stem: result}))
+        print(f"wrote {args.plot}")
     return 0
