@@ -11,8 +11,8 @@ Run: ``python benchmarks/bench_bags.py --mnist mnist_5k.csv.gz [--seeds 0 1 2 3 
 [--epochs 10 20] [--encoders digit-cnn mlp] [--lr 1e-3] [--mu-ramp-epochs T] [--pseudo-negative-weight W]
 [--only normal hard ablation]
 [--out benchmarks/results/bags.md]``. Without ``--mnist`` the bags come from scikit-learn's 8x8 digits.
-The JSON and markdown are rewritten after each protocol; ``--from-json bags.json`` re-renders the
-markdown of a saved run without training.
+The JSON, the markdown and a figure per protocol (``bags_normal.png``, ``bags_hard.png``) are rewritten
+after each protocol; ``--from-json bags.json`` re-renders them from a saved run without training.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from wsi_milssl.benchmark.plots import digit_bags_png
 from wsi_milssl.events import ProgressEvent
 from wsi_milssl.benchmark.bags import (
     BagBenchConfig,
@@ -72,6 +73,19 @@ def _merge(a: dict, b: dict) -> dict:
             "config": {**a["config"], "seeds": a["config"]["seeds"] + b["config"]["seeds"]}}
 
 
+def _write_all(out: Path, results: dict) -> None:
+    """The markdown, the JSON and a PNG per protocol (``bags.md`` -> ``bags.json``, ``bags_normal.png``,
+    ``bags_hard.png``)."""
+    _write(out, _render(results) + "\n")
+    _write(out.with_suffix(".json"), json.dumps(results, indent=1) + "\n")
+    for name in ("normal", "hard"):
+        if name in results:
+            png = out.with_name(f"{out.stem}_{name}.png")
+            tmp = png.with_name(f".{png.name}.tmp")
+            tmp.write_bytes(digit_bags_png(results[name]))
+            os.replace(tmp, png)
+
+
 def _progress(event: ProgressEvent) -> None:
     if event.total:
         print(f"  {event.stage}: {event.done}/{event.total} {event.item}", flush=True)
@@ -108,9 +122,8 @@ def main() -> int:
         for path in args.from_json:
             for key, value in json.loads(path.read_text()).items():
                 saved[key] = _merge(saved[key], value) if key in TITLES and key in saved else value
-        _write(args.out, _render(saved) + "\n")
-        _write(args.out.with_suffix(".json"), json.dumps(saved, indent=1) + "\n")
-        print(f"wrote {args.out} and {args.out.with_suffix('.json')}")
+        _write_all(args.out, saved)
+        print(f"wrote {args.out}, its JSON and figures")
         return 0
 
     config = BagBenchConfig(seeds=tuple(args.seeds), workers=args.workers, threads=1, mnist=args.mnist,
@@ -131,11 +144,9 @@ def main() -> int:
         results[name] = result
         print(format_markdown(result), flush=True)
         print(json.dumps(acceptance(result), indent=1, default=str), flush=True)
-        _write(args.out, _render(results) + "\n")
-        _write(args.out.with_suffix(".json"), json.dumps(results, indent=1) + "\n")
-    _write(args.out, _render(results) + "\n")
-    _write(args.out.with_suffix(".json"), json.dumps(results, indent=1) + "\n")
-    print(f"wrote {args.out} and {args.out.with_suffix('.json')}")
+        _write_all(args.out, results)
+    _write_all(args.out, results)
+    print(f"wrote {args.out}, its JSON and figures")
     return 0
 
 

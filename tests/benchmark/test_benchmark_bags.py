@@ -4,11 +4,13 @@ and the ``wsi-milssl benchmark bags`` command. Tiny bags and few epochs; the ful
 
 from __future__ import annotations
 
+import io
 import json
 import struct
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from wsi_milssl.cli import main
 from wsi_milssl.errors import ConfigError
@@ -165,7 +167,8 @@ def test_cli_prints_tables_and_writes_json(tmp_path, capsys, digits_dir):
     md = tmp_path / "hard.md"
     code = main(["benchmark", "bags", "--protocol", "hard", "--seeds", "0", "--epochs", "1", "2", "--bag-size", "10",
                  "--mnist", digits_dir, "--methods", "mil-ssl", "abmil", "--encoders", "mlp", "--lr", "1e-3",
-                 "--lam", "1", "--attention-dims", "32", "--json", str(out), "--markdown", str(md)])
+                 "--lam", "1", "--attention-dims", "32", "--json", str(out), "--markdown", str(md),
+                 "--plot", str(tmp_path / "hard.png")])
     assert code == 0
     printed = capsys.readouterr().out
     assert "Table 4 analog" in printed and "ABMIL (raw attention logit)" in printed
@@ -174,11 +177,45 @@ def test_cli_prints_tables_and_writes_json(tmp_path, capsys, digits_dir):
     assert data["protocol"] == "hard" and data["config"]["epoch_grid"] == [1, 2] and len(data["rows"]) == 9
     assert {r["chosen"]["epochs"] for r in data["rows"]} <= {1, 2}
     assert md.read_text().startswith("Images: MNIST IDX")
+    with Image.open(tmp_path / "hard.png") as png:
+        assert png.format == "PNG" and png.width > 300
 
 
 def test_cli_rejects_the_ablation_on_the_hard_protocol(capsys):
     assert main(["benchmark", "bags", "--ablation", "--protocol", "hard"]) == 1
     assert "--ablation runs on the normal protocol" in capsys.readouterr().err
+    assert main(["benchmark", "bags", "--ablation", "--plot", "x.png"]) == 1
+    assert "the ablation is one table" in capsys.readouterr().err
+
+
+def _pixels_near(png: bytes, hex_colour: str, rows: slice = slice(None)) -> int:
+    import io
+
+    rgb = np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).astype(int)[rows]
+    target = np.array([int(hex_colour[i:i + 2], 16) for i in (1, 3, 5)])
+    return int((np.abs(rgb - target).sum(axis=2) < 30).sum())
+
+
+def test_digit_bags_png_keeps_a_colour_per_method_and_shows_every_value():
+    from wsi_milssl.benchmark.plots import digit_bags_png
+
+    def row(method, scoring, label, primary, ratio, seed, auc):
+        return {"method": method, "scoring": scoring, "label": label, "bag_label": method, "primary": primary,
+                "ratio": ratio, "test": "test", "seed": seed, "instance_auc": auc, "bag_auc": auc}
+
+    rows = [row("mil-ssl", "probability", "MIL-SSL", True, r, s, 0.9 + 0.01 * s) for r in (0.1, 0.5) for s in (0, 1)]
+    rows += [row("abmil", "attention", "ABMIL (softmax)", False, r, s, 0.6) for r in (0.1, 0.5) for s in (0, 1)]
+    rows += [row("abmil", "attention_logit", "ABMIL (logit)", True, r, s, 0.05) for r in (0.1, 0.5) for s in (0, 1)]
+    png = digit_bags_png({"protocol": "normal", "rows": rows})
+    assert _pixels_near(png, "#1f77b4") > 50 and _pixels_near(png, "#ff7f0e") > 50  # C0 MIL-SSL, C1 ABMIL
+    assert _pixels_near(png, "#2ca02c") == 0  # no third method
+    # ABMIL's logit series at 0.05 is inside the axes: the y axis reaches below chance level for it
+    height = Image.open(io.BytesIO(png)).height
+    assert _pixels_near(png, "#ff7f0e", slice(int(height * 0.7), None)) > 20
+    hard = [{**r, "test": f"test-{r['ratio']}", "ratio": None} for r in rows]
+    assert _pixels_near(digit_bags_png({"protocol": "hard", "rows": hard}), "#1f77b4") > 20
+    with pytest.raises(ConfigError, match="no rows"):
+        digit_bags_png({"protocol": "normal", "rows": []})
 
 
 @pytest.mark.slow
@@ -305,3 +342,17 @@ def test_bench_script_merges_runs_of_other_seeds(fast):
     assert summarise(merged)[("ABMIL (softmax attention)", "0.2")]["instance_auc"]["n"] == 2
     with pytest.raises(SystemExit, match="seeds repeat"):
         bench._merge(a, a)
+
+
+def test_bench_script_writes_table_json_and_a_figure_per_protocol(fast, tmp_path):
+    from benchscripts import load_benchmark_script
+
+    bench = load_benchmark_script("bench_bags")
+    normal = run_normal(BagBenchConfig(**dict(fast, methods=("abmil",), ratios=(0.2,))))
+    bench._write_all(tmp_path / "bags.md", {"machine": "test", "normal": normal})
+    assert "## Normal bags" in (tmp_path / "bags.md").read_text()
+    assert json.loads((tmp_path / "bags.json").read_text())["normal"]["rows"] == normal["rows"]
+    with Image.open(tmp_path / "bags_normal.png") as png:
+        assert png.format == "PNG"
+    assert not (tmp_path / "bags_hard.png").exists()
+    assert not list(tmp_path.glob(".*.tmp"))

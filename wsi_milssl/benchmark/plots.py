@@ -1,8 +1,12 @@
-"""A PNG of the classical MIL benchmark: every outer fold's bag accuracy and AUC, per method and data set.
+"""PNG figures of the benchmarks, drawn from the same result dicts as their tables.
 
-Drawn with matplotlib's Agg canvas (no pyplot state, never opens a window). The input is what
-:func:`wsi_milssl.benchmark.mil_csv.nested_cross_validation` returns, one per data set, so the figure
-and the tables come from the same fold rows.
+- :func:`fold_scores_png`: the classical MIL benchmark, every outer fold's bag accuracy and AUC per
+  method and data set (input: :func:`wsi_milssl.benchmark.mil_csv.nested_cross_validation` results).
+- :func:`digit_bags_png`: the digit-bag benchmark, instance and bag AUC per setting (positive ratio of
+  the normal protocol, test set of the hard one), mean ± std over seeds (input: a result of
+  :func:`wsi_milssl.benchmark.bags.run_normal` or ``run_hard``).
+
+Drawn with matplotlib's Agg canvas (no pyplot state, never opens a window).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import numpy as np
 
 from wsi_milssl.errors import ConfigError
 
-__all__ = ["fold_scores_png"]
+__all__ = ["fold_scores_png", "digit_bags_png"]
 
 #: (fold row key, axis label)
 METRICS = (("accuracy", "bag accuracy"), ("auc", "bag AUC"))
@@ -27,7 +31,6 @@ def fold_scores_png(runs: Mapping[str, Mapping[str, Any]], *, methods: Sequence[
     and ± one standard deviation as a line (cut at 1.03). ``methods`` picks and orders the methods (default: every
     method of the first run, in its order; a method a data set lacks leaves its place empty);
     ``labels`` renames them on the axis."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     if not runs:
@@ -73,6 +76,64 @@ def fold_scores_png(runs: Mapping[str, Mapping[str, Any]], *, methods: Sequence[
     for row in range(len(METRICS)):  # both metrics end at 1; a std line past it is cut
         axes[row, 0].set_ylim(max(0.0, lowest[row] - 0.03), 1.03)
     fig.suptitle("outer folds (dots), mean (bar, value) and ± 1 std (line)", fontsize=9)
+    return _png(fig)
+
+
+def digit_bags_png(result: Mapping[str, Any]) -> bytes:
+    """Instance AUC (a series per method and instance scoring; ABMIL's softmax attention dashed beside its
+    raw logit, open markers) and bag AUC (a series per method) per setting: the positive ratio for the normal protocol
+    (lines through the seed means), the test set for the hard one (points); error bars ± one standard
+    deviation over the seeds; a method keeps its colour in both panels."""
+    from matplotlib.figure import Figure
+
+    rows = result.get("rows") or []
+    if not rows:
+        raise ConfigError("nothing to plot: the digit-bag result has no rows.")
+    normal = result.get("protocol") == "normal"
+    setting = (lambda r: float(r["ratio"])) if normal else (lambda r: str(r["test"]))  # noqa: E731
+    settings = sorted({setting(r) for r in rows}) if normal else list(dict.fromkeys(setting(r) for r in rows))
+    names = [f"{x:.0%}" for x in settings] if normal else settings
+    fig = Figure(figsize=(11, 4.2), constrained_layout=True)
+    axes = fig.subplots(1, 2, sharey=True)
+    panels = ((axes[0], "instance_auc", "label", lambda r: True, "instance AUC"),
+              (axes[1], "bag_auc", "bag_label", lambda r: r.get("primary", True), "bag AUC"))
+    colour = {m: f"C{i % 10}" for i, m in enumerate(dict.fromkeys(r["method"] for r in rows))}
+    lowest = 0.5  # the shared y axis shows chance level and every error bar; an AUC ends at 1, a bar past it is cut
+    for ax, key, label_key, keep, title in panels:
+        series = list(dict.fromkeys((r["method"], r[label_key], bool(r.get("primary", True))) for r in rows
+                                    if keep(r)))
+        for i, (method, label, primary) in enumerate(series):
+            means, stds = [], []
+            for x in settings:
+                values = [r[key] for r in rows if keep(r) and r[label_key] == label and setting(r) == x
+                          and r.get(key) is not None]
+                means.append(float(np.mean(values)) if values else np.nan)
+                stds.append(float(np.std(values)) if values else np.nan)
+            lowest = np.nanmin([lowest, *(np.array(means) - np.array(stds))])
+            dodge = (i - (len(series) - 1) / 2) * (0.05 if normal else 0.08)  # error bars side by side
+            ax.errorbar(np.arange(len(settings)) + dodge, means, yerr=stds, color=colour[method], marker="o",
+                        markersize=4, markerfacecolor=colour[method] if primary else "white", capsize=2,
+                        elinewidth=1, linewidth=1.2 if normal else 0, linestyle="-" if primary else "--",
+                        label=label)
+        ax.set_xticks(range(len(settings)))
+        ax.set_xticklabels(names)
+        ax.set_xlabel("positive instances per positive bag" if normal else "test set")
+        ax.set_title(title, fontsize=10)
+        ax.axhline(0.5, color="gray", linewidth=0.8, linestyle=":")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylim(max(0.0, lowest - 0.03), 1.03)
+    axes[0].set_ylabel("AUC (mean ± std over seeds)")
+    axes[0].legend(fontsize=7, loc="lower right")
+    axes[1].legend(fontsize=7, loc="lower right")
+    seeds = sorted({r["seed"] for r in rows})
+    fig.suptitle(f"digit bags, {result.get('protocol', '?')} protocol, seeds {', '.join(map(str, seeds))}",
+                 fontsize=9)
+    return _png(fig)
+
+
+def _png(fig) -> bytes:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
     FigureCanvasAgg(fig)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)

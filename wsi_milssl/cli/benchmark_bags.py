@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from wsi_milssl.atomic import atomic_write_text
+from wsi_milssl.atomic import atomic_write_bytes, atomic_write_text
 
 __all__ = ["register_bags", "run_bags"]
 
@@ -97,6 +97,8 @@ def register_bags(sub) -> None:
     r.add_argument("--json", type=Path, default=None, metavar="PATH",
                    help="result file [benchmark_bags_<protocol|ablation>.json in the current folder]")
     r.add_argument("--markdown", type=Path, default=None, metavar="PATH", help="also write the tables here")
+    r.add_argument("--plot", type=Path, default=None, metavar="PATH",
+                   help="also draw instance and bag AUC per ratio (normal) or test set (hard) as a PNG")
     p.set_defaults(run=run_bags)
 
 
@@ -113,6 +115,8 @@ def run_bags(args: argparse.Namespace) -> int:
 
     if args.ablation and args.protocol == "hard":
         raise ConfigError("--ablation runs on the normal protocol (at --ablation-ratio); drop --protocol hard.")
+    if args.ablation and args.plot is not None:
+        raise ConfigError("--plot draws the normal or hard protocol; the ablation is one table (drop --plot).")
     config = BagBenchConfig(
         mnist=None if args.mnist is None else str(Path(args.mnist).expanduser()),
         bag_size=args.bag_size, ratios=tuple(args.ratios), hard_ratio=args.hard_ratio,
@@ -144,4 +148,9 @@ def run_bags(args: argparse.Namespace) -> int:
     if args.markdown is not None:
         atomic_write_text(args.markdown, text + "\n")
         print(f"wrote {args.markdown}")
+    if args.plot is not None:
+        from wsi_milssl.benchmark.plots import digit_bags_png
+
+        atomic_write_bytes(args.plot, digit_bags_png(result))
+        print(f"wrote {args.plot}")
     return 0
