@@ -61,10 +61,12 @@ def _pm(stat: dict) -> str:
 
 
 def plot(results: dict) -> bytes:
-    """The PNG of the main rows (the table's columns): every outer fold's bag accuracy and AUC."""
+    """The PNG of the main rows (the table's columns; every row when none of them ran): every outer fold's
+    bag accuracy and AUC, a main row in the same colour in every figure."""
     runs = {TITLES.get(ds, ds): run for ds, run in results["datasets"].items()}
-    methods = [m for m in results["meta"]["methods"] if m in HEADERS]
-    return fold_scores_png(runs, methods=methods, labels=HEADERS)
+    methods = [m for m in results["meta"]["methods"] if m in HEADERS] or list(results["meta"]["methods"])
+    colours = {m: f"C{i}" for i, m in enumerate(MAIN)}
+    return fold_scores_png(runs, methods=methods, labels=HEADERS, colours=colours)
 
 
 def render(results: dict) -> str:

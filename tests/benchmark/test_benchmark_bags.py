@@ -188,16 +188,14 @@ def test_cli_rejects_the_ablation_on_the_hard_protocol(capsys):
     assert "the ablation is one table" in capsys.readouterr().err
 
 
-def _pixels_near(png: bytes, hex_colour: str, rows: slice = slice(None)) -> int:
-    import io
-
-    rgb = np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).astype(int)[rows]
+def _pixels_near(png: bytes, hex_colour: str) -> int:
+    rgb = np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).astype(int)
     target = np.array([int(hex_colour[i:i + 2], 16) for i in (1, 3, 5)])
     return int((np.abs(rgb - target).sum(axis=2) < 30).sum())
 
 
 def test_digit_bags_png_keeps_a_colour_per_method_and_shows_every_value():
-    from wsi_milssl.benchmark.plots import digit_bags_png
+    from wsi_milssl.benchmark.plots import digit_bags_figure, digit_bags_png
 
     def row(method, scoring, label, primary, ratio, seed, auc):
         return {"method": method, "scoring": scoring, "label": label, "bag_label": method, "primary": primary,
@@ -209,13 +207,18 @@ def test_digit_bags_png_keeps_a_colour_per_method_and_shows_every_value():
     png = digit_bags_png({"protocol": "normal", "rows": rows})
     assert _pixels_near(png, "#1f77b4") > 50 and _pixels_near(png, "#ff7f0e") > 50  # C0 MIL-SSL, C1 ABMIL
     assert _pixels_near(png, "#2ca02c") == 0  # no third method
-    # ABMIL's logit series at 0.05 is inside the axes: the y axis reaches below chance level for it
-    height = Image.open(io.BytesIO(png)).height
-    assert _pixels_near(png, "#ff7f0e", slice(int(height * 0.7), None)) > 20
+    # ABMIL's logit series at 0.05 is inside the axes: the shared y axis reaches below chance level for it
+    figure = digit_bags_figure({"protocol": "normal", "rows": rows})
+    bottom, top = figure.axes[0].get_ylim()
+    assert bottom < 0.05 and top == pytest.approx(1.03) and figure.axes[1].get_ylim() == (bottom, top)
+    ticks = [t.get_text() for t in figure.axes[0].get_xticklabels()]
+    assert ticks == ["10%", "50%"]
     hard = [{**r, "test": f"test-{r['ratio']}", "ratio": None} for r in rows]
     assert _pixels_near(digit_bags_png({"protocol": "hard", "rows": hard}), "#1f77b4") > 20
     with pytest.raises(ConfigError, match="no rows"):
         digit_bags_png({"protocol": "normal", "rows": []})
+    with pytest.raises(ConfigError, match="normal or hard protocol"):
+        digit_bags_png({"protocol": "ablation", "rows": rows})
 
 
 @pytest.mark.slow

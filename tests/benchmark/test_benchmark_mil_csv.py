@@ -433,10 +433,14 @@ def test_bench_script_merges_a_rerun_method_into_saved_runs(mil_csv):
     text = bench.render(bench.merge([merged, fair]))
     ablation, others = text.split("## Ablation")[1].split("## Other rows")
     assert "abmil-ensemble-calibrated" not in ablation and "| data set | abmil-ensemble-calibrated |" in others
-    # the PNG beside the table draws the table's main rows only (the ablation row has no colour of its own)
+    # the PNG beside the table draws the table's main rows only, each in its fixed colour (improved C1,
+    # ABMIL C2; the paper preset's C0 did not run, the ablation row is not drawn)
     png = bench.plot(bench.merge([merged, other]))
-    assert _colour_pixels(png, "#1f77b4") > 50 and _colour_pixels(png, "#ff7f0e") > 50
-    assert _colour_pixels(png, "#2ca02c") == 0
+    assert _colour_pixels(png, "#ff7f0e") > 50 and _colour_pixels(png, "#2ca02c") > 50
+    assert _colour_pixels(png, "#1f77b4") == 0
+    # a run of ablation rows alone draws them all (nothing to fall back on)
+    ablation_only = run(["mil-ssl-improved-batch-512"])
+    assert _colour_pixels(bench.plot(ablation_only), "#1f77b4") > 50
 
 
 def test_logistic_threshold_is_where_the_fitted_probability_crosses_one_half():
@@ -562,6 +566,12 @@ def test_stacked_target_momentum_zero_is_unchanged_and_positive_averages_refresh
     averaged = fit_stacked_milssl(data, target_momentum=0.7, **kw)["val"][10]
     assert not np.allclose(averaged, plain)
     assert min(roc_auc_score(val.instance_labels, p) for p in averaged) > 0.8
+    # the first refresh after the 2 warm-up epochs is taken as it is; the average starts at the second
+    early = {**kw, "eval_at": [3, 4]}
+    plain = fit_stacked_milssl(data, **early)["val"]
+    averaged = fit_stacked_milssl(data, target_momentum=0.7, **early)["val"]
+    np.testing.assert_array_equal(averaged[3], plain[3])
+    assert not np.allclose(averaged[4], plain[4])
     for bad in (-0.1, 1.0):
         with pytest.raises(ConfigError, match="target_momentum must be in"):
             fit_stacked_milssl(data, target_momentum=bad, **kw)
@@ -642,3 +652,49 @@ def test_fold_scores_png_draws_each_chosen_method_in_its_own_colour():
         fold_scores_png({})
     with pytest.raises(ConfigError, match="none of the methods"):
         fold_scores_png({"set 1": one}, methods=["c"])
+
+
+def test_neighbour_graphs_are_built_per_group_of_models_from_their_own_instances(mil_csv):
+    from wsi_milssl.benchmark.stacked import neighbour_graphs
+
+    train = read_mil_csv(mil_csv)
+    data = StackedData.from_instances(train, _weights(train.n_bags, [None, [0, 1, 2, 3, 4, 5, 6, 7], None]))
+    pos_idx = torch.nonzero(data.bag_labels[data.bag_ids] == 1).flatten()
+    graphs = neighbour_graphs(data, pos_idx, 3)
+    assert [g[0].tolist() for g in graphs] == [[0, 2], [1]]  # models 0 and 2 train on the same bags
+    for models, members, near in graphs:
+        own = data.instance_weight()[int(models[0]), pos_idx[members]]
+        assert bool((own == 1).all())  # members: the group's own training instances
+        assert near.shape == (members.numel(), 4) and (near[:, 0] == torch.arange(members.numel())).all()
+        assert all(len(set(row.tolist())) == 4 for row in near)
+        x = data.x[pos_idx[members]].double()
+        x = (x - x.mean(0)) / x.std(0)
+        i = 0  # by hand: the 3 nearest others of member 0
+        d = ((x - x[i]) ** 2).sum(1)
+        d[i] = float("inf")
+        assert set(near[i, 1:].tolist()) == set(torch.topk(-d, 3).indices.tolist())
+    assert graphs[1][1].numel() < graphs[0][1].numel()
+
+
+def test_stacked_neighbours_zero_is_unchanged_and_positive_smooths_the_refresh(mil_csv, mil_csv_val):
+    val, data, kw = _two_stacked_models(mil_csv, mil_csv_val)
+    # a model never sees the bags it does not train on: flipping their labels leaves it as it was
+    train = read_mil_csv(mil_csv)
+    held = np.flatnonzero(train.bag_labels == 1)[:4]
+    w = np.ones((2, train.n_bags), dtype=np.float32)
+    w[0, held] = 0
+    flipped = dataclasses.replace(train, bag_labels=train.bag_labels.copy())
+    flipped.bag_labels[held] = 0
+    for k in (0, 5):
+        a = fit_stacked_milssl(StackedData.from_instances(train, w), neighbours=k, **kw)["val"][10][0]
+        b = fit_stacked_milssl(StackedData.from_instances(flipped, w), neighbours=k, **kw)["val"][10][0]
+        np.testing.assert_array_equal(a, b)
+    plain = fit_stacked_milssl(data, **kw)["val"][10]
+    np.testing.assert_array_equal(fit_stacked_milssl(data, neighbours=0, **kw)["val"][10], plain)
+    smoothed = fit_stacked_milssl(data, neighbours=5, **kw)["val"][10]
+    assert not np.allclose(smoothed, plain)
+    assert min(roc_auc_score(val.instance_labels, p) for p in smoothed) > 0.8
+    for bad in (-1, True, 2.0):
+        with pytest.raises(ConfigError, match="neighbours must be an integer"):
+            fit_stacked_milssl(data, neighbours=bad, **kw)
+    assert mc.METHODS["mil-ssl-improved"].settings()["neighbours"] == 0

@@ -39,7 +39,7 @@ from wsi_milssl.mil.data import InstanceSet
 from wsi_milssl.mil.sinkhorn import PROB_EPS
 
 __all__ = ["StackedData", "stacked_pseudo_labels", "fit_stacked_baseline", "fit_stacked_milssl", "pool_bags",
-           "instance_loss_weights", "POOLINGS"]
+           "instance_loss_weights", "neighbour_graphs", "POOLINGS"]
 
 #: Bag scores from instance probabilities (MIL-SSL): max (eq. 11), mean, mean of the top two, mean of the
 #: top half, noisy-or.
@@ -424,6 +424,34 @@ class _StackedHead:
         return torch.cat(parts, dim=1) if parts else torch.zeros(len(self.mean), 0)
 
 
+def neighbour_graphs(data: StackedData, pos_idx: torch.Tensor, k: int
+                     ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The k-nearest-neighbour graphs of the positive-bag instances ``pos_idx``, one per group of models
+    that train on the same bags: (models (G,), members (n,) positions into ``pos_idx`` of the group's own
+    positive-bag training instances, near (n, k') positions into ``members``: each member and its k
+    nearest other members, k' = min(k + 1, n)). A graph is built from the group's own instances alone,
+    standardised with their own mean and std, so bags a model does not train on (their features and
+    labels) never shape its graph."""
+    from sklearn.neighbors import NearestNeighbors
+
+    inst_w = data.instance_weight()[:, pos_idx] > 0  # (M, n_pos)
+    graphs = []
+    rows = data.bag_weight.numpy()
+    for key in dict.fromkeys(r.tobytes() for r in rows):
+        models = torch.from_numpy(np.flatnonzero([r.tobytes() == key for r in rows]))
+        members = torch.nonzero(inst_w[int(models[0])]).flatten()
+        if members.numel() < 2:
+            continue
+        x = data.x[pos_idx[members]].double()
+        x = ((x - x.mean(0)) / x.std(0).clamp_min(1e-12)).numpy()
+        kk = min(int(k) + 1, members.numel())
+        found = NearestNeighbors(n_neighbors=kk).fit(x).kneighbors(x, return_distance=False)
+        # the instance itself first, then its kk - 1 nearest others (a duplicate may come before itself)
+        near = np.stack([np.concatenate([[i], row[row != i][:kk - 1]]) for i, row in enumerate(found)])
+        graphs.append((models, members, torch.from_numpy(near)))
+    return graphs
+
+
 def instance_loss_weights(data: StackedData, bag_balanced: Sequence[bool] | bool = False) -> torch.Tensor:
     """float32 (M, N): each instance's weight in model m's loss, 0 outside its training bags; 1 inside, or
     1 / (size of the instance's bag) where ``bag_balanced`` (one flag, or one per model) is set, so every
@@ -456,8 +484,9 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
                        fixed_mu: bool = False, soft_labels: bool = True, local_constraint: bool = True,
                        global_constraint: bool = True, class_balanced: bool = False, warmup_epochs: int = 0,
                        bag_balanced: Sequence[bool] | bool = False, pseudo_negative_weight: float = 1.0,
-                       bag_loss_weight: float = 0.0, target_momentum: float = 0.0, eval_at: Sequence[int],
-                       eval_sets: dict[str, InstanceSet], seeds: Sequence[int], seed: int = 0) -> dict[str, dict[int, np.ndarray]]:
+                       bag_loss_weight: float = 0.0, target_momentum: float = 0.0, neighbours: int = 0,
+                       eval_at: Sequence[int], eval_sets: dict[str, InstanceSet], seeds: Sequence[int],
+                       seed: int = 0) -> dict[str, dict[int, np.ndarray]]:
     """Train M MIL-SSL instance classifiers at once (model m on the bags ``data.bag_weight[m]``).
 
     Per epoch (as :func:`wsi_milssl.mil.selftrain.fit` with ``refresh_every=0``): μ_t of eq. 10 per model
@@ -475,7 +504,10 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
     bag label against the bag's highest instance probability (eq. 11, as max-pooling MIL trains), over a
     chunk of the model's training bags (every bag once per epoch, chunks in a seeded random order);
     ``target_momentum`` α > 0 averages the pseudo labels over refreshes: after the first refresh the
-    targets are α Q_{t-1} + (1 - α) Q_t.
+    targets are T_t = α T_{t-1} + (1 - α) Q_t (an exponential moving average of the refreshes);
+    ``neighbours`` k > 0 smooths P before every refresh: a positive-bag instance's probability becomes
+    the mean over itself and its k nearest positive-bag instances among the model's own training
+    instances (:func:`neighbour_graphs`).
 
     Returns ``{set name: {epoch: instance probabilities (M, N_set) float64}}`` (``"train"`` included).
     """
@@ -486,6 +518,8 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
             raise ConfigError(f"{name} needs one value per model ({m}); got {len(seq)}.")
     if not bag_loss_weight >= 0:
         raise ConfigError(f"bag_loss_weight must be >= 0 (0 = no bag-level term); got {bag_loss_weight!r}.")
+    if isinstance(neighbours, bool) or not isinstance(neighbours, (int, np.integer)) or neighbours < 0:
+        raise ConfigError(f"neighbours must be an integer >= 0 (0 = no smoothing of P); got {neighbours!r}.")
     if not 0 <= target_momentum < 1:
         raise ConfigError(f"target_momentum must be in [0, 1) (0 = each refresh alone); got {target_momentum!r}.")
     mean, std = data.standardisation()
@@ -500,6 +534,7 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
     loss_w = instance_loss_weights(data, bag_balanced)
     neg_w = torch.where(pos_bag, float(pseudo_negative_weight), 1.0).float()  # (N,)
     pos_idx = torch.nonzero(pos_bag).flatten()
+    graphs = neighbour_graphs(data, pos_idx, neighbours) if neighbours > 0 else []
     pos_local_bags = torch.unique(data.bag_ids[pos_idx], return_inverse=True)[1]
     mu_t = torch.tensor(list(mu), dtype=torch.float64)
     ramp = torch.tensor(list(ramp_epochs), dtype=torch.float64)
@@ -524,6 +559,9 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
                 frac = torch.where(ramp > 0, (epoch / ramp.clamp_min(1.0)).clamp(max=1.0), torch.ones_like(ramp))
                 mus = 0.5 + (mu_t - 0.5) * frac
             p = model.probs(data.x[pos_idx])
+            for models, members, near in graphs:  # P smoothed over each model's own neighbours
+                rows, cols = models[:, None], members[None, :]
+                p[rows, cols] = p[rows, cols][:, near].mean(2)
             q = stacked_pseudo_labels(p, pos_mask[:, pos_idx], pos_local_bags, mu=mus, lam=lam, soft=soft_labels,
                                       local_constraint=local_constraint, global_constraint=global_constraint)
             if target_momentum > 0 and epoch > warmup_epochs:  # pseudo labels averaged over refreshes
