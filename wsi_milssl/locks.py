@@ -161,6 +161,19 @@ def _check_shard(shard) -> tuple[int, int] | None:
     return None if count == 1 else (index, count)
 
 
+def _create_folder(folder: Path) -> str:
+    """Create ``folder`` (and its parents) and return its real path, the key of its locks; a folder that
+    cannot be made (read-only file system, no permission, full disk) raises OutputError naming it."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        return os.path.realpath(folder)
+    except OSError as exc:
+        cause = find_write_error(exc, access=True)
+        if cause is None:
+            raise
+        raise output_error(folder, cause, what="cannot create this output folder", folder=folder) from None
+
+
 @contextmanager
 def folder_lock(path: str | os.PathLike, *, wait: bool = False,
                 shard: tuple[int, int] | None = None) -> Iterator[Path]:
@@ -177,14 +190,7 @@ def folder_lock(path: str | os.PathLike, *, wait: bool = False,
     """
     folder = Path(path)
     shard = _check_shard(shard)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        key = os.path.realpath(folder)
-    except OSError as exc:
-        cause = find_write_error(exc, access=True)
-        if cause is None:
-            raise
-        raise output_error(folder, cause, what="cannot create this output folder", folder=folder) from None
+    key = _create_folder(folder)
     with _held_guard:
         depth = _held.get(key, 0)
         if depth:
@@ -409,14 +415,7 @@ def folder_mutex(path: str | os.PathLike) -> Iterator[Path]:
     system) and is deleted before the lock is released, so none is left behind. Yields the folder.
     """
     folder = Path(path)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        key = os.path.realpath(folder)
-    except OSError as exc:
-        cause = find_write_error(exc, access=True)
-        if cause is None:
-            raise
-        raise output_error(folder, cause, what="cannot create this output folder", folder=folder) from None
+    key = _create_folder(folder)
     with _mutex_guard:
         guard = _mutex_threads.setdefault(key, threading.RLock())
     with guard:

@@ -19,6 +19,7 @@ from wsi_milssl.errors import ConfigError
 
 __all__ = [
     "check_choice",
+    "check_inference_runtime",
     "check_range",
     "check_type",
     "config_to_dict",
@@ -73,6 +74,23 @@ def check_choice(cls_name: str, field: str, value: Any, choices: Iterable[Any]) 
     if value not in choices:
         allowed = ", ".join(repr(c) for c in choices)
         raise ConfigError(f"{_where(cls_name, field)} must be one of {allowed}; got {value!r}.")
+
+
+def check_inference_runtime(config: Any) -> None:
+    """Check the runtime fields that the stages running a model over patch stores share (``features``,
+    ``heatmap``): batch_size, num_workers, device, amp, channels_last, fuse_batchnorm, decode, threads."""
+    name = type(config).__name__
+    check_type(name, "batch_size", config.batch_size, int)
+    check_range(name, "batch_size", config.batch_size, low=1, high=65536)
+    check_type(name, "num_workers", config.num_workers, int)
+    check_range(name, "num_workers", config.num_workers, low=-1, high=256)
+    check_choice(name, "device", config.device, ("auto", "cpu", "cuda"))
+    check_choice(name, "amp", config.amp, ("auto", "off", "bf16", "fp16"))
+    check_type(name, "channels_last", config.channels_last, bool)
+    check_type(name, "fuse_batchnorm", config.fuse_batchnorm, bool)
+    check_choice(name, "decode", config.decode, ("workers", "device"))
+    check_type(name, "threads", config.threads, int)
+    check_range(name, "threads", config.threads, low=0, high=1024)
 
 
 def _plain(value: Any) -> Any:

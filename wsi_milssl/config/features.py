@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from wsi_milssl.config.base import check_choice, check_range, check_type
+from wsi_milssl.config.base import check_choice, check_inference_runtime, check_range, check_type
 from wsi_milssl.errors import ConfigError
 
 __all__ = ["FeaturesConfig"]
@@ -79,16 +79,6 @@ class FeaturesConfig:
         if self.input_size_px is not None:
             check_type(name, "input_size_px", self.input_size_px, int)
             check_range(name, "input_size_px", self.input_size_px, low=16, high=4096)
-        check_type(name, "batch_size", self.batch_size, int)
-        check_range(name, "batch_size", self.batch_size, low=1, high=65536)
-        check_type(name, "num_workers", self.num_workers, int)
-        check_range(name, "num_workers", self.num_workers, low=-1, high=256)
-        check_choice(name, "device", self.device, ("auto", "cpu", "cuda"))
-        check_choice(name, "amp", self.amp, ("auto", "off", "bf16", "fp16"))
-        check_type(name, "channels_last", self.channels_last, bool)
-        check_type(name, "fuse_batchnorm", self.fuse_batchnorm, bool)
-        check_choice(name, "decode", self.decode, ("workers", "device"))
-        check_type(name, "threads", self.threads, int)
-        check_range(name, "threads", self.threads, low=0, high=1024)
+        check_inference_runtime(self)
         if self.slide_mpp is not None:
             check_range(name, "slide_mpp", self.slide_mpp, low=0.01, high=100.0)

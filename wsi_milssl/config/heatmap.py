@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from wsi_milssl.config.base import check_choice, check_range, check_type
+from wsi_milssl.config.base import check_choice, check_inference_runtime, check_range, check_type
 
 __all__ = ["HeatmapConfig"]
 
@@ -115,17 +115,7 @@ class HeatmapConfig:
 
     def __post_init__(self) -> None:
         name = type(self).__name__
-        check_type(name, "batch_size", self.batch_size, int)
-        check_range(name, "batch_size", self.batch_size, low=1, high=65536)
-        check_type(name, "num_workers", self.num_workers, int)
-        check_range(name, "num_workers", self.num_workers, low=-1, high=256)
-        check_choice(name, "device", self.device, ("auto", "cpu", "cuda"))
-        check_choice(name, "amp", self.amp, ("auto", "off", "bf16", "fp16"))
-        check_type(name, "channels_last", self.channels_last, bool)
-        check_type(name, "fuse_batchnorm", self.fuse_batchnorm, bool)
-        check_choice(name, "decode", self.decode, ("workers", "device"))
-        check_type(name, "threads", self.threads, int)
-        check_range(name, "threads", self.threads, low=0, high=1024)
+        check_inference_runtime(self)
         if self.tissue is not None:
             check_type(name, "tissue", self.tissue, str)
             from wsi_milssl.slide.tissue import TISSUE_DETECTORS
