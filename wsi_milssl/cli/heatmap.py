@@ -182,16 +182,7 @@ def _run_features(args: argparse.Namespace) -> int:
     with TqdmProgress() as progress:
         result = make_feature_heatmaps(args.features, args.model, args.out, config, slides=slides,
                                        annotations_dir=args.annotations, progress=progress)
-    ok = [r for r in result.results if r.status == "ok"]
-    print(f"heatmaps of {len(result.results)} feature file(s): {len(ok)} ok, {result.n_failed} failed, "
-          f"{result.n_empty} empty; {sum(r.n_patches for r in ok)} patches in {result.seconds:.1f} s -> {result.out_dir}")
-    for r in ok:
-        print(f"  {r.slide}: score {r.score:.4f}, {r.n_patches} patches")
-    print(f"scores: {result.scores_csv}; status: {result.status_csv}")
-    for r in result.results:
-        if r.status != "ok":
-            print(f"{r.status}: {r.slide}: {r.error}", file=sys.stderr)
-    return 0 if result.ok else 1
+    return _report(result, "feature file(s)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -221,11 +212,17 @@ def run(args: argparse.Namespace) -> int:
         result = make_heatmaps(slides, args.model, args.out, config, stores=args.store,
                                annotations_dir=args.annotations, progress=progress, shard=shard,
                                overwrite=args.overwrite)
-    seconds = result.seconds  # first slide opened to last file written
+    return _report(result, "slide(s)")
+
+
+def _report(result, what: str) -> int:
+    """Print a heatmap run's summary (patches per second from the first input opened to the last file
+    written), one line per slide, failures to stderr; the exit code: 0, or 1 when a slide failed."""
+    seconds = result.seconds
     ok = [r for r in result.results if r.status == "ok"]
     n_patches = sum(r.n_patches for r in ok)
     rate = f", {n_patches / seconds:.1f} patches/s" if seconds > 0 and n_patches else ""
-    print(f"heatmaps of {len(result.results)} slide(s): {len(ok)} ok, {result.n_failed} failed, "
+    print(f"heatmaps of {len(result.results)} {what}: {len(ok)} ok, {result.n_failed} failed, "
           f"{result.n_empty} empty; {n_patches} patches in {seconds:.1f} s{rate} -> {result.out_dir}")
     for r in ok:
         print(f"  {r.slide}: score {r.score:.4f}, {r.n_patches} patches")
