@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from diskfaults import file_size_limit, read_only_folder
-from wsi_milssl.atomic import atomic_open, atomic_write_bytes, clean_stale_temporaries, temp_path
+from wsi_milssl.atomic import atomic_open, atomic_write_bytes, check_writable, clean_stale_temporaries, temp_path
 from wsi_milssl.errors import OutputError
 
 
@@ -114,3 +114,21 @@ def test_enospc_names_the_folder_and_how_to_free_space(tmp_path):
                         f"full). Fix: free disk space where {tmp_path}/run lives (`df -h {tmp_path}/run`), or "
                         "write to another folder, and re-run.")
     assert err.errno == errno.ENOSPC
+
+
+def test_check_writable_makes_the_folders_leaves_files_and_no_temporary(tmp_path):
+    existing = tmp_path / "old.json"
+    existing.write_text("kept")
+    check_writable(tmp_path / "new" / "deeper" / "x.png", existing, None)
+    assert (tmp_path / "new" / "deeper").is_dir() and list((tmp_path / "new" / "deeper").iterdir()) == []
+    assert existing.read_text() == "kept" and sorted(p.name for p in tmp_path.iterdir()) == ["new", "old.json"]
+
+
+def test_check_writable_names_a_path_whose_folder_cannot_be_made(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(OutputError, match=r"a_file/x\.md: cannot write this file \(.*a_file cannot be made there\)\. "
+                                          r"Fix: give a path under a folder that exists"):
+        check_writable(tmp_path / "ok.json", tmp_path / "a_file" / "x.md")
+    with read_only_folder(tmp_path / "ro"):
+        with pytest.raises(OutputError, match="read-only file system"):
+            check_writable(tmp_path / "ro" / "x.png")

@@ -35,6 +35,7 @@ __all__ = [
     "atomic_write_text",
     "atomic_write_json",
     "atomic_write_csv",
+    "check_writable",
     "merge_csv_rows",
     "clean_stale_temporaries",
     "find_write_error",
@@ -134,7 +135,7 @@ def output_error(path: str | os.PathLike, exc: OSError, *, what: str = "cannot w
     """An OutputError for a failed write of ``path``: ``PATH: what (cause). Fix: ...``.
 
     The fix depends on the cause: free space (full disk or quota), another file system (read-only,
-    file too large) or permissions. ``folder`` (default: the parent of ``path``) is the folder named
+    file too large), permissions, or a path whose folder cannot be made. ``folder`` (default: the parent of ``path``) is the folder named
     in the fix.
     """
     path = Path(path)
@@ -153,6 +154,10 @@ def output_error(path: str | os.PathLike, exc: OSError, *, what: str = "cannot w
     elif code in (errno_.EACCES, errno_.EPERM):
         cause, fix = f"{cause}: no permission to write in {folder}", (
             f"make it writable (`chmod u+w {folder}`) or write to another folder")
+    elif code in (errno_.ENOENT, errno_.ENOTDIR, errno_.EEXIST):
+        cause, fix = f"{cause}: {folder} cannot be made there", (
+            "give a path under a folder that exists and is writable (a part of this one is missing or is a "
+            "file)")
     else:
         fix = f"check free disk space and permissions of {folder}, then re-run"
     return OutputError(f"{path}: {what} ({cause}). Fix: {fix}.", errno=code)
@@ -163,6 +168,25 @@ def _remove_quietly(path: Path) -> None:
         path.unlink(missing_ok=True)
     except OSError:  # a read-only folder: nothing was created there
         pass
+
+
+def check_writable(*paths: str | os.PathLike | None) -> None:
+    """Fail now rather than after a long run: for every given ``path`` (None is skipped), create its
+    folder and a temporary file beside it, then remove the temporary. A path that cannot be written
+    raises OutputError naming it and the fix; an existing file is left as it is."""
+    for path in paths:
+        if path is None:
+            continue
+        path = Path(path)
+        tmp = temp_path(path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb"):
+                pass
+        except OSError as exc:
+            raise output_error(path, find_write_error(exc, access=True) or exc) from None
+        finally:
+            _remove_quietly(tmp)
 
 
 @contextmanager

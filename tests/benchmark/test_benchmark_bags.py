@@ -188,6 +188,15 @@ def test_cli_rejects_the_ablation_on_the_hard_protocol(capsys):
     assert "the ablation is one table" in capsys.readouterr().err
 
 
+def test_cli_checks_its_outputs_before_the_run(tmp_path, capsys):
+    (tmp_path / "a_file").write_text("")
+    assert main(["benchmark", "bags", "--json", str(tmp_path / "b.json"),
+                 "--markdown", str(tmp_path / "a_file" / "b.md")]) == 1
+    captured = capsys.readouterr()
+    assert "a_file/b.md: cannot write this file" in captured.err and "Table" not in captured.out
+    assert not (tmp_path / "b.json").exists()
+
+
 def _pixels_near(png: bytes, hex_colour: str) -> int:
     rgb = np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).astype(int)
     target = np.array([int(hex_colour[i:i + 2], 16) for i in (1, 3, 5)])

@@ -304,6 +304,13 @@ def test_benchmark_mil_csv_cli(tmp_path, mil_csv, capsys):
 def test_benchmark_mil_csv_cli_errors(tmp_path, mil_csv, capsys):
     assert main(["benchmark", "mil-csv", str(mil_csv), "--methods", "svm"]) == 1
     assert "unknown benchmark method 'svm'" in capsys.readouterr().err
+    # an output that cannot be written fails before the run, not after it
+    (tmp_path / "a_file").write_text("")
+    assert main(["benchmark", "mil-csv", str(mil_csv), "--json", str(tmp_path / "r.json"),
+                 "--plot", str(tmp_path / "a_file" / "r.png")]) == 1
+    captured = capsys.readouterr()
+    assert "a_file/r.png: cannot write this file" in captured.err and "bags" not in captured.out
+    assert not (tmp_path / "r.json").exists()
     assert main(["benchmark", "mil-csv", str(mil_csv), "--folds", "30"]) == 1
     assert "use fewer folds" in capsys.readouterr().err
 

@@ -8,7 +8,7 @@ import argparse
 import json
 from pathlib import Path
 
-from wsi_milssl.atomic import atomic_write_bytes, atomic_write_text
+from wsi_milssl.atomic import atomic_write_bytes, atomic_write_text, check_writable
 
 __all__ = ["SUMMARY", "register", "run", "run_mil_csv"]
 
@@ -97,6 +97,8 @@ def run_mil_csv(args: argparse.Namespace) -> int:
                             methods=tuple(args.methods), preset=args.preset, mu_grid=opt(args.mu_grid),
                             ramp_grid=opt(args.ramp_grid), lr_grid=opt(args.lr_grid), epoch_grid=opt(args.epoch_grid),
                             select_metric=args.select, threads=args.threads)
+    out = args.json or Path(f"benchmark_{args.file.stem}.json")
+    check_writable(out, args.markdown, args.plot)  # before the run, not after it
     instances = read_mil_csv(args.file)
     print(f"{args.file}: {instances.n_bags} bags ({int(instances.bag_labels.sum())} positive), "
           f"{len(instances)} instances, {instances.in_features} features; {bench.folds}-fold x {bench.repeats}, "
@@ -111,7 +113,6 @@ def run_mil_csv(args: argparse.Namespace) -> int:
                   f"auc {row['auc'] if row['auc'] is None else round(row['auc'], 3)}")
     print(format_table(result))
     print(f"[{result['seconds']:.0f} s]")
-    out = args.json or Path(f"benchmark_{args.file.stem}.json")
     atomic_write_text(out, json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
     if args.markdown is not None:

@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from wsi_milssl.atomic import atomic_write_bytes, atomic_write_text
+from wsi_milssl.atomic import atomic_write_bytes, atomic_write_text, check_writable
 
 __all__ = ["register_bags", "run_bags"]
 
@@ -137,12 +137,13 @@ def run_bags(args: argparse.Namespace) -> int:
         print(format_availability(config))
         return 0
     name = "ablation" if args.ablation else args.protocol
+    out = args.json or Path(f"benchmark_bags_{name}.json")
+    check_writable(out, args.markdown, args.plot)  # before the run, not after it
     runner = {"ablation": run_ablation, "normal": run_normal, "hard": run_hard}[name]
     with TqdmProgress() as progress:
         result = runner(config, progress=progress)
     text = format_markdown(result)
     print(text)
-    out = args.json or Path(f"benchmark_bags_{name}.json")
     atomic_write_text(out, json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
     if args.markdown is not None:
