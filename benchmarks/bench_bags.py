@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from wsi_milssl.atomic import check_writable
 from wsi_milssl.benchmark.plots import digit_bags_png
 from wsi_milssl.events import ProgressEvent
 from wsi_milssl.benchmark.bags import (
@@ -117,6 +118,7 @@ def main() -> int:
     ap.add_argument("--from-json", type=Path, nargs="+", default=None, metavar="PATH",
                     help="re-render the tables of saved bags.json files (protocols merged) instead of training")
     args = ap.parse_args()
+    check_writable(args.out, args.out.with_suffix(".json"))  # before the run, not after it
     if args.from_json is not None:
         saved: dict = {}
         for path in args.from_json:

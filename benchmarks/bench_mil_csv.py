@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from wsi_milssl.atomic import atomic_write_bytes
+from wsi_milssl.atomic import atomic_write_bytes, check_writable
 from wsi_milssl.benchmark.mil_csv import METHODS, nested_cross_validation, resolve_methods
 from wsi_milssl.benchmark.plots import fold_scores_png
 from wsi_milssl.config.train import BenchmarkConfig
@@ -161,6 +161,7 @@ def main() -> None:
                     help="re-render saved runs, merged (data sets side by side; a later file's methods are added "
                          "or replace an earlier file's)")
     args = ap.parse_args()
+    check_writable(args.out, args.out.with_suffix(".json"), args.out.with_suffix(".png"))  # before, not after
     if args.from_json:
         runs = [json.loads(p.read_text()) for p in args.from_json]
         merged = merge(runs)
