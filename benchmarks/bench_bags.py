@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from wsi_milssl.atomic import check_writable
+from wsi_milssl.atomic import atomic_write_bytes, atomic_write_text, check_writable
 from wsi_milssl.benchmark.plots import digit_bags_png
 from wsi_milssl.events import ProgressEvent
 from wsi_milssl.benchmark.bags import (
@@ -38,13 +38,6 @@ from wsi_milssl.benchmark.bags import (
     run_hard,
     run_normal,
 )
-
-
-def _write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 TITLES = {"normal": "Normal bags", "hard": "Hard bags", "ablation": "Ablation"}
@@ -77,14 +70,11 @@ def _merge(a: dict, b: dict) -> dict:
 def _write_all(out: Path, results: dict) -> None:
     """The markdown, the JSON and a PNG per protocol (``bags.md`` -> ``bags.json``, ``bags_normal.png``,
     ``bags_hard.png``)."""
-    _write(out, _render(results) + "\n")
-    _write(out.with_suffix(".json"), json.dumps(results, indent=1) + "\n")
+    atomic_write_text(out, _render(results) + "\n")
+    atomic_write_text(out.with_suffix(".json"), json.dumps(results, indent=1) + "\n")
     for name in ("normal", "hard"):
         if name in results:
-            png = out.with_name(f"{out.stem}_{name}.png")
-            tmp = png.with_name(f".{png.name}.tmp")
-            tmp.write_bytes(digit_bags_png(results[name]))
-            os.replace(tmp, png)
+            atomic_write_bytes(out.with_name(f"{out.stem}_{name}.png"), digit_bags_png(results[name]))
 
 
 def _progress(event: ProgressEvent) -> None:

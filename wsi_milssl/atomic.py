@@ -135,8 +135,8 @@ def output_error(path: str | os.PathLike, exc: OSError, *, what: str = "cannot w
     """An OutputError for a failed write of ``path``: ``PATH: what (cause). Fix: ...``.
 
     The fix depends on the cause: free space (full disk or quota), another file system (read-only,
-    file too large), permissions, or a path whose folder cannot be made. ``folder`` (default: the parent of ``path``) is the folder named
-    in the fix.
+    file too large), permissions, or a path whose folder cannot be made. ``folder`` (default: the parent
+    of ``path``) is the folder named in the fix.
     """
     path = Path(path)
     folder = Path(folder) if folder is not None else path.parent

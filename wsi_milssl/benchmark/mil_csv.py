@@ -266,7 +266,8 @@ METHODS: dict[str, MethodSpec] = {
     "mil-ssl-improved-neighbours": _ablation("mil-ssl-improved-neighbours", _IMPROVED,
                                              "improved, before every refresh P averaged over each instance and "
                                              "its 5 nearest positive-bag instances of the model's own training "
-                                             "bags", fixed={"neighbours": 5}),
+                                             "bags (neighbours; tried on the development sets, not adopted)",
+                                             fixed={"neighbours": 5}),
     "mil-ssl-improved-threshold-0.5": _ablation("mil-ssl-improved-threshold-0.5", _IMPROVED,
                                                 "improved, bag threshold 0.5 (not calibrated)", threshold="0.5"),
 }
