@@ -77,12 +77,9 @@ class ResNet50(nn.Module):
         self.fc = None if self.trunk else nn.Linear(in_planes, num_classes)
         #: width of the output: 1024 for the trunk, ``num_classes`` otherwise
         self.out_features = in_planes if self.trunk else int(num_classes)
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-            elif isinstance(m, nn.BatchNorm2d):
-                nn.init.constant_(m.weight, 1)
-                nn.init.constant_(m.bias, 0)
+        from wsi_milssl.mil.resnet import init_resnet_weights  # here: importing wsi_milssl.mil costs ~0.1 s
+
+        init_resnet_weights(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.maxpool(self.relu(self.bn1(self.conv1(x))))

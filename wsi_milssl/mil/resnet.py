@@ -13,7 +13,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["ResNet18", "BasicBlock"]
+__all__ = ["ResNet18", "BasicBlock", "init_resnet_weights"]
+
+
+def init_resnet_weights(model: nn.Module) -> None:
+    """torchvision's ResNet initialisation, in module order: Kaiming-normal (fan out) convolutions,
+    BatchNorm weight 1 and bias 0 (linear layers keep their default)."""
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+        elif isinstance(m, nn.BatchNorm2d):
+            nn.init.constant_(m.weight, 1)
+            nn.init.constant_(m.bias, 0)
 
 
 def _conv3x3(in_planes: int, out_planes: int, stride: int = 1) -> nn.Conv2d:
@@ -61,12 +72,7 @@ class ResNet18(nn.Module):
             in_planes = planes
         self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
         self.fc = nn.Linear(512, num_classes)
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-            elif isinstance(m, nn.BatchNorm2d):
-                nn.init.constant_(m.weight, 1)
-                nn.init.constant_(m.bias, 0)
+        init_resnet_weights(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
