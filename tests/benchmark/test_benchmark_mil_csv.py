@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 
 import numpy as np
 import pytest
@@ -695,3 +696,39 @@ def test_stacked_neighbours_zero_is_unchanged_and_positive_smooths_the_refresh(m
     for bad in (-1, True, 2.0):
         with pytest.raises(ConfigError, match="neighbours must be an integer"):
             fit_stacked_milssl(data, neighbours=bad, **kw)
+
+
+def test_stacked_input_noise_zero_is_unchanged_and_positive_perturbs_training_only(mil_csv, mil_csv_val):
+    val, data, kw = _two_stacked_models(mil_csv, mil_csv_val)
+    _option_is_off_by_default_and_changes_training(data, kw, val, "input_noise", 0.0, 0.3)
+    assert mc.METHODS["mil-ssl-improved-input-noise"].settings()["input_noise"] == 0.3
+    for bad in (-0.1, float("nan")):
+        with pytest.raises(ConfigError, match="input_noise must be >= 0"):
+            fit_stacked_milssl(data, input_noise=bad, **kw)
+
+
+def test_weight_average_is_the_moving_average_of_the_steps():
+    from wsi_milssl.benchmark.stacked import _WeightAverage
+
+    w0, b0 = torch.zeros(2, 3, 4), torch.zeros(2, 1, 4)
+    avg = _WeightAverage([(w0, b0)], epochs=2.0, steps_per_epoch=5)
+    decay = math.exp(-1 / 10)
+    expected = np.zeros((2, 3, 4))
+    for t in range(30):
+        w = torch.full((2, 3, 4), float(t + 1))
+        avg.update([(w, torch.zeros(2, 1, 4))])
+        d = min(decay, (1 + t) / (10 + t))
+        expected = d * expected + (1 - d) * (t + 1)
+    np.testing.assert_allclose(avg.layers[0][0].numpy(), expected, rtol=1e-5)
+    assert w0.abs().sum() == 0  # the head's own weights are not touched
+
+
+def test_stacked_weight_average_zero_is_unchanged_and_positive_scores_with_the_average(mil_csv, mil_csv_val):
+    val, data, kw = _two_stacked_models(mil_csv, mil_csv_val)
+    _option_is_off_by_default_and_changes_training(data, kw, val, "weight_average_epochs", 0.0, 3.0)
+    # a very short average is almost the last weights
+    short = fit_stacked_milssl(data, weight_average_epochs=1e-6, **kw)["val"][10]
+    np.testing.assert_allclose(short, fit_stacked_milssl(data, **kw)["val"][10], atol=1e-6)
+    assert mc.METHODS["mil-ssl-improved-weight-average"].settings()["weight_average_epochs"] == 3.0
+    with pytest.raises(ConfigError, match="weight_average_epochs must be >= 0"):
+        fit_stacked_milssl(data, weight_average_epochs=-1.0, **kw)

@@ -408,20 +408,46 @@ class _StackedHead:
             width = int(h)
         self.params = [t for layer in self.layers for t in layer]
 
-    def logits(self, x: torch.Tensor, g: torch.Generator | None) -> torch.Tensor:
+    def logits(self, x: torch.Tensor, g: torch.Generator | None, *, noise: torch.Tensor | None = None,
+               layers: list | None = None) -> torch.Tensor:
+        """(M, n, 2) logits; ``g`` draws dropout (training), ``noise`` (M,) adds N(0, noise²) to the
+        standardised features (training, drawn from ``g``), ``layers`` replaces the weights (their average)."""
         h = (x.unsqueeze(0) - self.mean) / self.std
-        for i, (w, b) in enumerate(self.layers):
+        if g is not None and noise is not None:
+            h = h + noise.view(-1, 1, 1) * torch.randn(h.shape[0], h.shape[1], h.shape[2], generator=g)
+        layers = self.layers if layers is None else layers
+        for i, (w, b) in enumerate(layers):
             h = _apply(h, w, b)
-            if i < len(self.layers) - 1:
+            if i < len(layers) - 1:
                 h = torch.relu(h)
                 if g is not None:
                     h = _dropout(h, self.dropout, g)
         return h  # (M, n, 2)
 
     @torch.no_grad()
-    def probs(self, x: torch.Tensor, *, chunk: int = 2048) -> torch.Tensor:
-        parts = [torch.softmax(self.logits(x[i:i + chunk], None), dim=-1)[..., 1] for i in range(0, x.shape[0], chunk)]
+    def probs(self, x: torch.Tensor, *, chunk: int = 2048, layers: list | None = None) -> torch.Tensor:
+        parts = [torch.softmax(self.logits(x[i:i + chunk], None, layers=layers), dim=-1)[..., 1]
+                 for i in range(0, x.shape[0], chunk)]
         return torch.cat(parts, dim=1) if parts else torch.zeros(len(self.mean), 0)
+
+
+class _WeightAverage:
+    """An exponential moving average of a head's weights: after every step a ← d a + (1 - d) w with
+    d = min(exp(-1 / (epochs x steps per epoch)), (1 + t) / (10 + t)) at step t (the average forgets the
+    starting weights within the first steps, then spans about ``epochs`` epochs of steps)."""
+
+    def __init__(self, layers: list, epochs: float, steps_per_epoch: int) -> None:
+        self.layers = [(w.detach().clone(), b.detach().clone()) for w, b in layers]
+        self.decay = math.exp(-1.0 / (float(epochs) * max(1, steps_per_epoch)))
+        self.t = 0
+
+    @torch.no_grad()
+    def update(self, layers: list) -> None:
+        d = min(self.decay, (1 + self.t) / (10 + self.t))
+        self.t += 1
+        for (aw, ab), (w, b) in zip(self.layers, layers):
+            aw.lerp_(w, 1 - d)
+            ab.lerp_(b, 1 - d)
 
 
 def neighbour_graphs(data: StackedData, pos_idx: torch.Tensor, k: int
@@ -485,7 +511,7 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
                        global_constraint: bool = True, class_balanced: bool = False, warmup_epochs: int = 0,
                        bag_balanced: Sequence[bool] | bool = False, pseudo_negative_weight: float = 1.0,
                        bag_loss_weight: float = 0.0, target_momentum: float = 0.0, neighbours: int = 0,
-                       eval_at: Sequence[int], eval_sets: dict[str, InstanceSet], seeds: Sequence[int],
+                       input_noise: float = 0.0, weight_average_epochs: float = 0.0, eval_at: Sequence[int], eval_sets: dict[str, InstanceSet], seeds: Sequence[int],
                        seed: int = 0) -> dict[str, dict[int, np.ndarray]]:
     """Train M MIL-SSL instance classifiers at once (model m on the bags ``data.bag_weight[m]``).
 
@@ -507,7 +533,10 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
     targets are T_t = α T_{t-1} + (1 - α) Q_t (an exponential moving average of the refreshes);
     ``neighbours`` k > 0 smooths P before every refresh: a positive-bag instance's probability becomes
     the mean over itself and its k nearest positive-bag instances among the model's own training
-    instances (:func:`neighbour_graphs`).
+    instances (:func:`neighbour_graphs`); ``input_noise`` σ > 0 adds N(0, σ²) to every standardised
+    feature of every training step (not to the refreshes or evaluations); ``weight_average_epochs`` h > 0
+    refreshes and evaluates with an exponential moving average of the weights over about h epochs of
+    steps (:class:`_WeightAverage`) instead of the last step's weights.
 
     Returns ``{set name: {epoch: instance probabilities (M, N_set) float64}}`` (``"train"`` included).
     """
@@ -522,12 +551,21 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
         raise ConfigError(f"neighbours must be an integer >= 0 (0 = no smoothing of P); got {neighbours!r}.")
     if not 0 <= target_momentum < 1:
         raise ConfigError(f"target_momentum must be in [0, 1) (0 = each refresh alone); got {target_momentum!r}.")
+    if not input_noise >= 0:
+        raise ConfigError(f"input_noise must be >= 0 (the std of the noise on standardised features; 0 = none); "
+                          f"got {input_noise!r}.")
+    if not weight_average_epochs >= 0:
+        raise ConfigError(f"weight_average_epochs must be >= 0 (0 = the last weights); got {weight_average_epochs!r}.")
     mean, std = data.standardisation()
     gens = [_gen(4, s) for s in seeds]
     model = _StackedHead(int(data.x.shape[1]), hidden_dims=hidden_dims, dropout=torch.tensor(list(dropout)),
                          mean=mean, std=std, gens=gens)
     opt = _Adam(model.params, torch.tensor(list(lr)), torch.tensor(list(weight_decay)))
     n = int(data.x.shape[0])
+    average = (_WeightAverage(model.layers, weight_average_epochs, math.ceil(n / batch_size))
+               if weight_average_epochs > 0 else None)
+    use = lambda: average.layers if average is not None else None  # noqa: E731  (weights of refresh/eval)
+    noise = torch.full((m,), float(input_noise)) if input_noise > 0 else None
     inst_w = data.instance_weight()  # (M, N)
     pos_bag = (data.bag_labels[data.bag_ids] == 1)
     pos_mask = inst_w.bool() & pos_bag[None, :]
@@ -558,7 +596,7 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
             else:
                 frac = torch.where(ramp > 0, (epoch / ramp.clamp_min(1.0)).clamp(max=1.0), torch.ones_like(ramp))
                 mus = 0.5 + (mu_t - 0.5) * frac
-            p = model.probs(data.x[pos_idx])
+            p = model.probs(data.x[pos_idx], layers=use())
             for models, members, near in graphs:  # P smoothed over each model's own neighbours
                 rows, cols = models[:, None], members[None, :]
                 p[rows, cols] = p[rows, cols][:, near].mean(2)
@@ -580,7 +618,7 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
                                         bags_per_step)) if bag_loss_weight > 0 else [])
         for step, i in enumerate(range(0, n, batch_size)):
             idx = order[i:i + batch_size]
-            logp = F.log_softmax(model.logits(data.x[idx], g), dim=-1)  # (M, b, 2)
+            logp = F.log_softmax(model.logits(data.x[idx], g, noise=noise), dim=-1)  # (M, b, 2)
             q = targets[:, idx]
             negative = neg_w[idx] * (1 - q) * logp[..., 0]
             if class_balanced:
@@ -593,9 +631,11 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
                 per_model = per_model + bag_loss_weight * _max_bag_loss(model, data, bag_chunks[step], bag_y, g)
             per_model.sum().backward()
             opt.step()
+            if average is not None:
+                average.update(model.layers)
         if epoch + 1 in wanted:
             for name, x in sets.items():
-                out[name][epoch + 1] = model.probs(x).double().numpy()
+                out[name][epoch + 1] = model.probs(x, layers=use()).double().numpy()
             if not np.isfinite(out["train"][epoch + 1]).all():
                 raise ConfigError("MIL-SSL training diverged (non-finite probabilities); lower the learning rate.")
     return out
