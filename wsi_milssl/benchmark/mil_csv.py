@@ -270,10 +270,12 @@ METHODS: dict[str, MethodSpec] = {
                                              fixed={"neighbours": 5}),
     "mil-ssl-improved-input-noise": _ablation("mil-ssl-improved-input-noise", _IMPROVED,
                                               "improved, N(0, 0.3²) added to every standardised feature of "
-                                              "every training step (input_noise)", fixed={"input_noise": 0.3}),
+                                              "every training step (input_noise; tried on the development sets, "
+                                              "not adopted)", fixed={"input_noise": 0.3}),
     "mil-ssl-improved-weight-average": _ablation("mil-ssl-improved-weight-average", _IMPROVED,
                                                  "improved, refreshes and scores from a moving average of the "
-                                                 "weights over about 3 epochs of steps (weight_average_epochs)",
+                                                 "weights over about 3 epochs of steps (weight_average_epochs; "
+                                                 "tried on the development sets, not adopted)",
                                                  fixed={"weight_average_epochs": 3.0}),
     "mil-ssl-improved-threshold-0.5": _ablation("mil-ssl-improved-threshold-0.5", _IMPROVED,
                                                 "improved, bag threshold 0.5 (not calibrated)", threshold="0.5"),
