@@ -14,6 +14,7 @@ __all__ = [
     "OutputError",
     "FolderLockedError",
     "DistributedError",
+    "TrainingDivergedError",
 ]
 
 
@@ -72,3 +73,8 @@ class FolderLockedError(WsiMilsslError):
 
 class DistributedError(WsiMilsslError):
     """A rank of a distributed run lost the others (one died or was killed) or the ranks diverged."""
+
+
+class TrainingDivergedError(WsiMilsslError):
+    """Training produced a non-finite loss or non-finite weights (the learning rate is too high for the
+    data); nothing of the diverged epoch is saved."""

@@ -117,3 +117,52 @@ def test_a_second_train_into_a_busy_run_folder_is_refused(tmp_path, capsys, mil_
     assert not (run / "last.pt").exists()
     with folder_lock(run):  # the killed holder's lock is free again
         pass
+
+
+def test_a_diverged_training_stops_with_one_error_and_saves_no_non_finite_weights(tmp_path, capsys, mil_csv):
+    """A learning rate far too high makes the loss non-finite in epoch 1: one error with the fix, exit 1,
+    no checkpoint (before this, the run exited 0 with NaN weights in last.pt)."""
+    run = tmp_path / "run"
+    assert main(["train", str(mil_csv), "--out", str(run), *TRAIN, "--lr", "1e30"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert re.fullmatch(r"error: training diverged in epoch 1: the (loss|weights) became non-finite \(loss [^)]*\)\. "
+                        r"No checkpoint was written\. Fix: lower the learning rate \(--lr\), e\.g\. by 10x, and train "
+                        r"again\.\n", err), err
+    assert not (run / "last.pt").exists() and not (run / "best.pt").exists()
+
+
+def test_weights_that_turn_non_finite_in_a_later_epoch_keep_the_last_finite_checkpoint(tmp_path, capsys, monkeypatch,
+                                                                                      mil_csv):
+    import torch
+
+    from wsi_milssl.mil import selftrain
+
+    real = selftrain.train_one_epoch
+
+    def poisoned(model, *args, **kwargs):
+        stats = real(model, *args, **kwargs)
+        if kwargs["step"] > 0:  # the second epoch: a weight becomes NaN, the loss stays finite
+            with torch.no_grad():
+                next(model.parameters()).view(-1)[0] = float("nan")
+        return stats
+
+    monkeypatch.setattr(selftrain, "train_one_epoch", poisoned)
+    run = tmp_path / "run"
+    assert main(["train", str(mil_csv), "--out", str(run), *TRAIN]) == 1
+    err = capsys.readouterr().err
+    assert "training diverged in epoch 2: the weights became non-finite" in err
+    assert f"{run / 'last.pt'} still holds epoch 1 (the last finite one)." in err
+    ckpt = torch.load(run / "last.pt", weights_only=True)
+    assert ckpt["epoch"] == 1 and all(torch.isfinite(v).all() for v in ckpt["model"].values() if v.is_floating_point())
+
+
+def test_an_infinite_learning_rate_is_refused():
+    import pytest
+
+    from wsi_milssl.config.train import TrainConfig
+    from wsi_milssl.errors import ConfigError
+
+    for field in ("lr", "weight_decay", "lam"):
+        with pytest.raises(ConfigError, match=field):
+            TrainConfig(**{field: float("inf")})

@@ -20,6 +20,8 @@ feature mode defaults to Adam.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 from wsi_milssl.config.base import check_choice, check_range, check_type
@@ -120,14 +122,14 @@ class TrainConfig:
             check_type(name, field, getattr(self, field), int)
             check_range(name, field, getattr(self, field), low=1)
         check_choice(name, "optimizer", self.optimizer, ("sgd", "adam", "adamw"))
-        check_range(name, "lr", self.lr, low=0.0, low_inclusive=False)
+        check_range(name, "lr", self.lr, low=0.0, low_inclusive=False, high=math.inf, high_inclusive=False)
         check_range(name, "momentum", self.momentum, low=0.0, high=1.0, high_inclusive=False)
-        check_range(name, "weight_decay", self.weight_decay, low=0.0)
+        check_range(name, "weight_decay", self.weight_decay, low=0.0, high=math.inf, high_inclusive=False)
         check_choice(name, "scheduler", self.scheduler, ("none", "cosine"))
         check_range(name, "mu", self.mu, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
         check_type(name, "mu_ramp_epochs", self.mu_ramp_epochs, int)
         check_range(name, "mu_ramp_epochs", self.mu_ramp_epochs, low=0)
-        check_range(name, "lam", self.lam, low=0.0, low_inclusive=False)
+        check_range(name, "lam", self.lam, low=0.0, low_inclusive=False, high=math.inf, high_inclusive=False)
         check_type(name, "sinkhorn_max_iter", self.sinkhorn_max_iter, int)
         check_range(name, "sinkhorn_max_iter", self.sinkhorn_max_iter, low=1)
         check_range(name, "sinkhorn_tol", self.sinkhorn_tol, low=0.0, low_inclusive=False)
@@ -215,7 +217,7 @@ class BenchmarkConfig:
             check_type(name, "ramp_grid", t, int)
             check_range(name, "ramp_grid", t, low=0)
         for lr in self.lr_grid or ():
-            check_range(name, "lr_grid", lr, low=0.0, low_inclusive=False)
+            check_range(name, "lr_grid", lr, low=0.0, low_inclusive=False, high=math.inf, high_inclusive=False)
         for e in self.epoch_grid or ():
             check_type(name, "epoch_grid", e, int)
             check_range(name, "epoch_grid", e, low=1)

@@ -37,7 +37,7 @@ from wsi_milssl import runtime as runtime_rules
 from wsi_milssl.config.base import config_to_dict
 from wsi_milssl.config.train import TrainConfig
 from wsi_milssl.distributed import SINGLE, DistContext, all_sum, gather_values, rank_share, split_evenly
-from wsi_milssl.errors import CheckpointError, ConfigError, DistributedError, OutputError
+from wsi_milssl.errors import CheckpointError, ConfigError, DistributedError, OutputError, TrainingDivergedError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.locks import folder_lock
 from wsi_milssl.mil.checkpoint import capture_rng, read_checkpoint, restore_rng, save_checkpoint
@@ -597,6 +597,20 @@ def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.O
     return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
 
 
+def _check_finite(model: torch.nn.Module, loss: float, *, amp: bool, epoch: int, out: Path | None) -> None:
+    """Raise :class:`TrainingDivergedError` when the epoch left non-finite weights, or (without mixed
+    precision, whose scaler skips steps with overflowing gradients on its own) a non-finite loss; called
+    before the epoch's checkpoint, so ``last.pt`` keeps the last finite epoch."""
+    weights_ok = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    if weights_ok and (amp or math.isfinite(loss)):
+        return
+    kept = (f" {out / 'last.pt'} still holds epoch {epoch} (the last finite one)." if epoch and out is not None
+            else " No checkpoint was written.")
+    what = "weights" if not weights_ok else "loss"
+    raise TrainingDivergedError(f"training diverged in epoch {epoch + 1}: the {what} became non-finite (loss "
+                                f"{loss}).{kept} Fix: lower the learning rate (--lr), e.g. by 10x, and train again.")
+
+
 def fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike | None = None,
         val: InstanceSet | None = None, resume: bool = False, eval_at: Sequence[int] | None = None,
         keep_val_scores: bool = False, run_info: dict[str, Any] | None = None,
@@ -823,6 +837,7 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
                     stats = _combine_ranks(stats, state, order, dist, trainer)
             except RuntimeError as exc:
                 raise _lost_peer(exc, dist, epoch, out) from None
+            _check_finite(model, stats["loss"], amp=scaler is not None, epoch=epoch, out=out)
             if config.refresh_every > 0:
                 label_metrics = pseudo_label_metrics(state, train)
             step += stats["steps"]
