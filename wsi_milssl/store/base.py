@@ -310,7 +310,11 @@ class PatchStore(ABC):
             length = int(self._array_len(name))
             if length != n:
                 raise self._fail(f"array {name!r} has {length} rows but 'coords' has {n}", _CORRUPT_FIX)
+        self._check_chunks(names)
         return n
+
+    def _check_chunks(self, names: list[str]) -> None:
+        """Raise StoreError if a backend stores arrays in chunk files and one of them is missing."""
 
     def _validate(self) -> None:
         if str(self.path).rstrip("/").endswith(schema.PARTIAL_SUFFIX):
@@ -442,9 +446,17 @@ class PatchStore(ABC):
     # data ----------------------------------------------------------------------------------------
     @property
     def coords(self) -> np.ndarray:
-        """int64 (N, 2) level-0 top-left (x, y) of every patch."""
+        """int64 (N, 2) level-0 top-left (x, y) of every patch (each patch once)."""
         if "coords" not in self._cache:
-            self._cache["coords"] = self.read_array(schema.COORDS)
+            coords = self.read_array(schema.COORDS)
+            if len(coords) > 1:
+                order = np.lexsort((coords[:, 1], coords[:, 0]))
+                dup = np.flatnonzero((np.diff(coords[order], axis=0) == 0).all(axis=1))
+                if dup.size:
+                    x, y = (int(v) for v in coords[order[dup[0]]])
+                    raise self._fail(f"'coords' holds {dup.size} duplicate coordinate(s), e.g. ({x}, {y}), "
+                                     "so patches are not the slide's grid", _CORRUPT_FIX)
+            self._cache["coords"] = coords
         return self._cache["coords"]
 
     def _require(self, name: str) -> None:

@@ -30,6 +30,9 @@ _SCALAR_CHUNK = 65536
 _JPEG_DATA_CHUNK = 1 << 18  # 256 KiB
 _RAW_SHARD = 16
 _MAX_JPEG_BYTES = 1 << 26  # one JPEG patch is at most a few MB; larger offsets mean a corrupt store
+# Store every chunk, even one of zeros (e.g. instance_label of a normal slide): a missing chunk file
+# then always means a damaged store, which the reader detects.
+_CONFIG = {"write_empty_chunks": True}
 
 
 class ZarrStore(PatchStore):
@@ -79,6 +82,36 @@ class ZarrStore(PatchStore):
 
     def _array_shape(self, name: str) -> tuple[int, ...]:
         return tuple(int(d) for d in self._array(name).shape)
+
+    def _check_chunks(self, names: list[str]) -> None:
+        """Raise StoreError if a chunk (or shard) file of an array is missing: Zarr would read it as zeros.
+
+        Only lists file names; no data is read. The writers store every chunk, even an all-zero one.
+        """
+        for name in names:
+            if name == schema.PATCHES and self._attrs_pixels == "jpeg":
+                self._check_array_chunks(f"{schema.PATCHES}/{schema.ZARR_JPEG_DATA}")
+                self._check_array_chunks(f"{schema.PATCHES}/{schema.ZARR_JPEG_OFFSETS}")
+            else:
+                self._check_array_chunks(name)
+
+    def _check_array_chunks(self, name: str) -> None:
+        arr = self._array(name)
+        unit = arr.shards or arr.chunks
+        grid = [-(-int(n) // int(c)) for n, c in zip(arr.shape, unit)]
+        folder = self.path / name
+        present = {
+            str((Path(root) / f).relative_to(folder)) for root, _dirs, files in os.walk(folder) for f in files
+        }
+        missing = [key for key in (arr.metadata.encode_chunk_key(i) for i in np.ndindex(*grid))
+                   if key not in present]
+        if missing:
+            shown = ", ".join(f"{name}/{k}" for k in missing[:3]) + (", ..." if len(missing) > 3 else "")
+            raise self._fail(
+                f"array {name!r} is missing {len(missing)} of its {int(np.prod(grid))} chunk files ({shown}); "
+                "its data would read as zeros",
+                "the store is corrupt; delete it and re-run `wsi-milssl tile` for this slide",
+            )
 
     def _read_range(self, name: str, start: int, stop: int) -> np.ndarray:
         return self._array(name)[start:stop]
@@ -175,25 +208,27 @@ class ZarrWriter(StoreWriter):
     def _create(self) -> None:
         g = zarr.open_group(self.partial_path, mode="w", zarr_format=3)
         self._group = g
-        coords = g.create_array(schema.COORDS, shape=(0, 2), dtype=np.int64, chunks=(_SCALAR_CHUNK, 2))
+        coords = g.create_array(schema.COORDS, shape=(0, 2), dtype=np.int64, chunks=(_SCALAR_CHUNK, 2),
+                                config=_CONFIG)
         coords.attrs.update(_to_zarr_attrs(self.coords_attrs))
         self._app = {schema.COORDS: _Appender(coords, _SCALAR_CHUNK)}
         for name in (schema.ENTROPY, schema.TISSUE_FRACTION):
-            arr = g.create_array(name, shape=(0,), dtype=np.float32, chunks=(_SCALAR_CHUNK,))
+            arr = g.create_array(name, shape=(0,), dtype=np.float32, chunks=(_SCALAR_CHUNK,), config=_CONFIG)
             self._app[name] = _Appender(arr, _SCALAR_CHUNK)
         p = self.patch_size_px
         if self.pixels == "jpeg":
             pg = g.create_group(schema.PATCHES, attributes={"encoding": "jpeg"})
             data = pg.create_array(schema.ZARR_JPEG_DATA, shape=(0,), dtype=np.uint8, chunks=(_JPEG_DATA_CHUNK,),
-                                   compressors=None)
-            offsets = pg.create_array(schema.ZARR_JPEG_OFFSETS, shape=(0,), dtype=np.int64, chunks=(_SCALAR_CHUNK,))
+                                   compressors=None, config=_CONFIG)
+            offsets = pg.create_array(schema.ZARR_JPEG_OFFSETS, shape=(0,), dtype=np.int64, chunks=(_SCALAR_CHUNK,),
+                                      config=_CONFIG)
             self._app["data"] = _Appender(data, _JPEG_DATA_CHUNK)
             self._app["offsets"] = _Appender(offsets, _SCALAR_CHUNK)
             self._app["offsets"].append(np.zeros(1, np.int64))
             self._n_bytes = 0
         elif self.pixels == "raw":
             arr = g.create_array(schema.PATCHES, shape=(0, p, p, 3), dtype=np.uint8, chunks=(1, p, p, 3),
-                                 shards=(_RAW_SHARD, p, p, 3), compressors=None)
+                                 shards=(_RAW_SHARD, p, p, 3), compressors=None, config=_CONFIG)
             arr.attrs["encoding"] = "raw"
             self._app[schema.PATCHES] = _Appender(arr, _RAW_SHARD)
 
@@ -259,7 +294,8 @@ def zarr_write_arrays(path: Path, arrays: Mapping[str, np.ndarray], attrs: Mappi
             g = zarr.open_group(tmp, mode="r+")
             for name, values in arrays.items():
                 chunks = (min(max(len(values), 1), _SCALAR_CHUNK),) + values.shape[1:]
-                g.create_array(name, shape=values.shape, dtype=values.dtype, chunks=chunks)[...] = values
+                g.create_array(name, shape=values.shape, dtype=values.dtype, chunks=chunks,
+                               config=_CONFIG)[...] = values
             if attrs:
                 g.attrs.update(_to_zarr_attrs(attrs))
         fsync_path(tmp)
