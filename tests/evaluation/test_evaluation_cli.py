@@ -47,3 +47,41 @@ def test_evaluate_config_validation():
         EvaluateConfig(mpp=-1.0)
     with pytest.raises(ConfigError, match=r"EvaluateConfig.thumbnail_px must be int"):
         EvaluateConfig(thumbnail_px=100.0)
+
+
+def _without_one_slide(pred_dir, tmp_path):
+    """A copy of the predictions folder with one slide's files removed; (copy, removed stem)."""
+    import shutil
+
+    copy = tmp_path / "preds"
+    shutil.copytree(pred_dir, copy)
+    stem = sorted(p.name[: -len("_detections.csv")] for p in copy.glob("*_detections.csv"))[-1]
+    for path in copy.glob(f"{stem}_*"):
+        path.unlink()
+    return copy, stem
+
+
+def test_evaluate_names_labelled_slides_without_predictions(synth_dir, annotations_dir, predictions, tmp_path,
+                                                            capsys):
+    copy, stem = _without_one_slide(predictions[0], tmp_path)
+    out = tmp_path / "out"
+    args = ["evaluate", "--predictions", str(copy), "--annotations", str(annotations_dir), "--slides",
+            str(synth_dir), "--labels", str(synth_dir / "labels.csv"), "--out", str(out)]
+    assert main(args) == 0
+    assert "not evaluated: 1 labelled slides without predictions" in capsys.readouterr().out
+    assert json.loads((out / "metrics.json").read_text())["not_evaluated"] == [stem]
+    assert f"are not evaluated: {stem}." in (out / "report.html").read_text()
+
+
+def test_evaluate_refuses_when_the_heatmap_stage_failed_on_a_labelled_slide(synth_dir, annotations_dir, predictions,
+                                                                            tmp_path, capsys):
+    copy, stem = _without_one_slide(predictions[0], tmp_path)
+    (copy / "heatmap_status.csv").write_text(f"slide,status,n_patches,score,seconds,error\n{stem},failed,0,,0.1,"
+                                             "SlideReadError: cannot read\n")
+    out = tmp_path / "out"
+    assert main(["evaluate", "--predictions", str(copy), "--annotations", str(annotations_dir), "--slides",
+                 str(synth_dir), "--labels", str(synth_dir / "labels.csv"), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert f"the heatmap stage failed on labelled slides {stem} (SlideReadError: cannot read)" in err
+    assert "Fix: mend and re-run the heatmap stage for them" in err and "Traceback" not in err
+    assert not out.exists()

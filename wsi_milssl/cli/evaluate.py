@@ -86,5 +86,7 @@ def run(args: argparse.Namespace) -> int:
           f"instance AUC {_fmt(m['instance_auc'])}  bag AUC {_fmt(m['bag_auc'])}")
     for key, reason in m["reasons"].items():
         print(f"  {key}: n/a ({reason})")
+    if m["not_evaluated"]:
+        print(f"  not evaluated: {len(m['not_evaluated'])} labelled slides without predictions (metrics.json lists them)")
     print(f"report: {result.paths['report']}")
     return 0

@@ -18,6 +18,7 @@ Tumour slides need their annotation file and their slide (for the level-0 size a
 
 from __future__ import annotations
 
+import csv
 import logging
 import math
 import os
@@ -33,6 +34,7 @@ from wsi_milssl.artifacts import (
     DETECTION_OUTCOME_COLUMNS,
     EVALUATION_FILES,
     FROC_CURVE_COLUMNS,
+    HEATMAP_STATUS_FILENAME,
     PER_SLIDE_COLUMNS,
     SCORES_FILENAME,
     read_heatmap_config,
@@ -262,6 +264,25 @@ def _none_if_nan(value: float) -> float | None:
     return None if value is None or not math.isfinite(value) else float(value)
 
 
+def _heatmap_failures(predictions_dir: Path, stems: list[str]) -> dict[str, str]:
+    """{slide: error} of the slides among ``stems`` that the heatmap stage's status file (when the folder
+    has one) records as failed."""
+    import csv
+
+    path = predictions_dir / HEATMAP_STATUS_FILENAME
+    if not stems or not path.is_file():
+        return {}
+    wanted = {stem_key(s): s for s in stems}
+    try:
+        with path.open(newline="", encoding="utf-8") as fh:
+            rows = list(csv.DictReader(fh))
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise EvaluationError(f"{path}: cannot read the heatmap status file ({exc}). Fix: re-run the heatmap "
+                              "stage, or delete the file to evaluate without it.") from None
+    return {wanted[stem_key(r.get("slide") or "")]: (r.get("error") or "no message").strip()
+            for r in rows if r.get("status") == "failed" and stem_key(r.get("slide") or "") in wanted}
+
+
 def evaluate_predictions(
     predictions_dir: str | os.PathLike,
     *,
@@ -307,8 +328,16 @@ def evaluate_predictions(
     slide_labels = labels_for(labels, evaluated, what="predicted slide")  # one error lists every unlabelled slide
     evaluated_keys = {stem_key(s) for s in evaluated}
     skipped = sorted(s for s in labels if stem_key(s) not in evaluated_keys)
+    failed = _heatmap_failures(predictions_dir, skipped)
+    if failed:
+        raise EvaluationError(
+            f"{predictions_dir / HEATMAP_STATUS_FILENAME}: the heatmap stage failed on labelled slides "
+            f"{', '.join(f'{s} ({e})' for s, e in failed.items())}, so the FROC would count only the others. "
+            "Fix: mend and re-run the heatmap stage for them, or remove them from the labels CSV to evaluate "
+            "the rest.")
     if skipped:
-        logger.info("%d labelled slides have no predictions and are not evaluated", len(skipped))
+        logger.info("%d labelled slides have no predictions and are not evaluated (listed in %s under "
+                    "not_evaluated)", len(skipped), EVALUATION_FILES["metrics"])
     slide_paths = resolve_slides(slides)
 
     results: list[SlideResult] = []
@@ -353,6 +382,7 @@ def evaluate_predictions(
         "n_patches": n_patches if inst_metric.n else None,
         "n_positive_patches": inst_metric.n_positive if inst_metric.n else None,
         "reasons": reasons,
+        "not_evaluated": skipped,
         "config_hash": config_hash(config, exclude=("title", "thumbnail_px")),
     }
 
@@ -394,6 +424,9 @@ def evaluate_predictions(
 
     notes = [f"{k.replace('_', ' ')} unavailable: {v}." for k, v in reasons.items()]
     n_outside = sum(r.match.n_outside_mask for r in results)
+    if skipped:
+        notes.append(f"{len(skipped)} labelled slide(s) have no predictions here and are not evaluated: "
+                     f"{', '.join(skipped[:20])}{' ...' if len(skipped) > 20 else ''}.")
     if n_outside:
         notes.append(f"{n_outside} detection(s) lie outside their slide and count as false positives.")
     configuration = {
