@@ -62,3 +62,20 @@ def test_synth_into_a_folder_another_run_holds_is_refused(tmp_path):
     assert list(out.iterdir()) == [out / ".wsi-milssl.lock"]  # nothing written; the lock file of the killed run
     generate_slides(SynthConfig(n_slides=1, width_px=1024, height_px=1024), out)
     assert sorted(p.name for p in out.iterdir()) == ["labels.csv", "manifest.json", "synth_000.tif"]
+
+
+def test_a_new_run_into_a_used_folder_leaves_none_of_the_old_runs_slides_or_annotations(tmp_path):
+    """Three tumour slides, then two normal ones into the same folder: the old annotations and the third
+    slide go (before this, the normal slide kept its tumour XML and labelling gave it positive patches);
+    a file the command does not own stays."""
+    import csv
+
+    out = tmp_path / "data"
+    generate_slides(SynthConfig(n_slides=3, width_px=1024, height_px=1024, tumor_slide_fraction=1.0), out)
+    assert len(list(out.glob("synth_*.xml"))) == 3
+    (out / "notes.txt").write_text("mine")
+    generate_slides(SynthConfig(n_slides=2, width_px=1024, height_px=1024, tumor_slide_fraction=0.0, seed=5), out)
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
+        "labels.csv", "manifest.json", "notes.txt", "synth_000.tif", "synth_001.tif"]
+    with (out / "labels.csv").open() as fh:
+        assert [row["label"] for row in csv.DictReader(fh)] == ["0", "0"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,7 +95,9 @@ def _tumour_flags(config: SynthConfig) -> np.ndarray:
 def generate_slides(
     config: SynthConfig, out_dir: str | os.PathLike, *, progress: ProgressCallback | None = None
 ) -> list[SynthSlide]:
-    """Generate ``config.n_slides`` slides into ``out_dir`` and return what was written.
+    """Generate ``config.n_slides`` slides into ``out_dir`` and return what was written. The files of an
+    earlier run in ``out_dir`` (``synth_NNN.tif`` / ``.xml``, ``labels.csv``, ``manifest.json``) are removed
+    first; other files are left alone.
 
     Holds the lock of ``out_dir`` while writing (a second run into it raises FolderLockedError).
     """
@@ -102,7 +105,23 @@ def generate_slides(
         return _generate_slides(config, Path(out_dir), progress=progress)
 
 
+#: the files a synth run owns in its folder (removed before a new run writes it)
+_OWNED = re.compile(r"synth_\d{3,}\.(tif|xml)")
+
+
+def _clear_previous_run(out: Path) -> None:
+    """Remove an earlier run's files from ``out`` (its labels and manifest first, so an interrupted run
+    never leaves a labels.csv that lists slides of another run), leaving any other file alone: a slide
+    the new run makes normal must not keep its old annotation, and slides beyond the new count must go."""
+    for name in ("manifest.json", "labels.csv"):
+        (out / name).unlink(missing_ok=True)
+    for path in out.iterdir():
+        if _OWNED.fullmatch(path.name) and path.is_file():
+            path.unlink()
+
+
 def _generate_slides(config: SynthConfig, out: Path, *, progress: ProgressCallback | None) -> list[SynthSlide]:
+    _clear_previous_run(out)
     flags = _tumour_flags(config)
     slides: list[SynthSlide] = []
     um2_per_px2 = config.mpp**2
