@@ -168,3 +168,22 @@ def test_write_arrays_refuses_read_only_and_keeps_mode(tmp_path):
         os.chmod(path, 0o640)
     write_arrays(path, {"score": np.zeros(256, np.float32)})
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o640  # a writable store keeps its mode when rebuilt
+
+
+@pytest.mark.parametrize("labels_csv", [True, False])
+def test_a_tumour_annotation_in_unknown_groups_only_fails_alone(batch, tmp_path, labels_csv):
+    """Every polygon in a group that is neither tumour nor non-tumour ("Metastasis"): used to be labelled
+    'ok' with 0 positive patches (labels.csv says tumour) or read as a normal slide (no labels.csv)."""
+    paths, ann, labels = batch
+    write_asap_xml([PolygonAnnotation(name="Annotation 0", group="Metastasis",
+                                      coords_lv0=np.asarray([(100, 100), (900, 100), (900, 900)], float))],
+                   ann / "bad.xml", groups=["Metastasis"])
+    before = _digest(paths["bad"])
+    report = label_stores(list(paths.values()), annotations_dir=ann, labels_csv=labels if labels_csv else None,
+                          out_dir=tmp_path / "out")
+    rows = _status(tmp_path / "out")
+    assert rows["good"]["status"] == "ok" and rows["bad"]["status"] == "failed"
+    assert "bad.xml: no polygon of bad is in a tumour group (_0, _1, Tumor)" in rows["bad"]["error"]
+    assert "group(s) 'Metastasis', which are neither tumour nor non-tumour" in rows["bad"]["error"]
+    assert "Fix: name the tumour group(s) with --tumor-groups" in rows["bad"]["error"]
+    assert report.n_failed == 1 and _digest(paths["bad"]) == before

@@ -52,7 +52,7 @@ from wsi_milssl.cohorts import read_labels
 from wsi_milssl.config.base import config_hash, write_resolved_config
 from wsi_milssl.config.label import LabelConfig
 from wsi_milssl.distributed import shard_items
-from wsi_milssl.errors import StoreError, WsiMilsslError
+from wsi_milssl.errors import AnnotationError, StoreError, WsiMilsslError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.labeling.masks import eval_mask_paths, write_eval_mask
 from wsi_milssl.locks import folder_lock
@@ -164,6 +164,20 @@ def _dimensions(store, attrs: dict) -> tuple[int, int]:
         ) from None
 
 
+def _refuse_unknown_groups_only(aset, annotation: Path, stem: str, config: LabelConfig) -> None:
+    """Raise AnnotationError when a slide that is (or would be read as) tumour has no tumour polygon
+    because its polygons are in groups that are neither tumour nor non-tumour: labelling it would give a
+    tumour slide no positive patch, or read it as normal."""
+    unknown = sorted({str(a.group) for a in aset.polygons if aset.group_map.role(a.group) is None})
+    if not unknown:
+        return
+    raise AnnotationError(
+        f"{annotation}: no polygon of {stem} is in a tumour group ({', '.join(config.tumor_groups)}); its "
+        f"polygons are in group(s) {', '.join(repr(g) for g in unknown)}, which are neither tumour nor non-tumour, "
+        "so labelling would give this slide no tumour patch. Fix: name the tumour group(s) with --tumor-groups "
+        "(and the others with --non-tumor-groups), or correct the annotation file.")
+
+
 def label_store(
     store_path: str | os.PathLike,
     *,
@@ -197,6 +211,8 @@ def label_store(
         label, source = int(has_tumor), "annotations"
     else:
         label, source = int(slide_label), "labels.csv"
+    if aset is not None and not has_tumor and (label == 1 or source == "annotations"):
+        _refuse_unknown_groups_only(aset, annotation, stem, config)
     if aset is not None:
         status = "annotated"
         if label == 0 and has_tumor:
