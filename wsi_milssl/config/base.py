@@ -150,6 +150,15 @@ def load_toml(path: str | os.PathLike) -> dict[str, Any]:
             return tomllib.load(fh)
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found; check the path.") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a folder, not a config file; give the path of a TOML file "
+                          "(e.g. pipelines/demo.toml).") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config file ({exc.strerror or exc}); check the path and "
+                          "its permissions.") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start} cannot be decoded), so not a TOML file; "
+                          "give a TOML file, or save this one as UTF-8.") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML ({exc}); fix the syntax at that line.") from None
 

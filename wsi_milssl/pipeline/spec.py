@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from wsi_milssl.config import SynthConfig, config_from_mapping, config_to_dict, load_toml
+from wsi_milssl.config import SynthConfig, check_range, check_type, config_from_mapping, config_to_dict, load_toml
 from wsi_milssl.errors import ConfigError
 
 __all__ = ["PipelineSpec", "DataSet", "load_pipeline", "parse_override", "resolved_pipeline",
@@ -102,6 +102,26 @@ def _path(base: Path, value: Any, key: str, source: Path) -> Path:
     return p if p.is_absolute() else (base / p)
 
 
+def _check(source: Path, table: str, key: str, value: Any, types: type | tuple[type, ...], *,
+           low: float | None = None, high: float | None = None, high_inclusive: bool = True) -> Any:
+    """``value`` of ``[table].key`` after checking its type (and range); ConfigError naming the file."""
+    try:
+        check_type(f"[{table}]", key, value, types)
+        if low is not None or high is not None:
+            check_range(f"[{table}]", key, value, low=low, high=high, high_inclusive=high_inclusive)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    return value
+
+
+def _table(source: Path, name: str, value: Any) -> dict[str, Any]:
+    """``value`` if it is a TOML table, else ConfigError naming the file and the table."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source}: {name} must be a table ([{name}] with key = value lines below it); got "
+                          f"{value!r} ({type(value).__name__}).")
+    return value
+
+
 def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
     """``"train.epochs=3"`` -> ``(("train", "epochs"), 3)``: a dotted key, ``=``, and a TOML value
     (``0.1``, ``true``, ``[0.1, 0.2]``, ``"viridis"``); a value that is not TOML is taken as a string
@@ -148,24 +168,33 @@ def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None 
         raise ConfigError(
             f"{source}: unknown table(s) {', '.join(unknown)}; valid tables are {', '.join(sorted(_TOP_LEVEL))}."
         )
+    for key, value in raw.items():
+        _table(source, key, value)
+    for key, value in raw.get("synth", {}).items():
+        _table(source, f"synth.{key}", value)
     meta = raw.get("pipeline", {})
-    name = str(meta.get("name", source.stem))
+    name = _check(source, "pipeline", "name", meta.get("name", source.stem), str)
+    if not name:
+        raise ConfigError(f"{source}: [pipeline].name must not be empty.")
     grid_workers = meta.get("grid_workers", "auto")
     if grid_workers != "auto" and (isinstance(grid_workers, bool) or not isinstance(grid_workers, int)
                                    or grid_workers < 1):
         raise ConfigError(f"{source}: [pipeline].grid_workers must be \"auto\" or a whole number >= 1; got "
                           f"{grid_workers!r}.")
-    out = Path(out_dir) if out_dir is not None else Path(meta.get("out_dir", f"{name}_out"))
+    if out_dir is None:
+        out_dir = _check(source, "pipeline", "out_dir", meta.get("out_dir", f"{name}_out"), str)
+        if not out_dir:
+            raise ConfigError(f"{source}: [pipeline].out_dir must not be empty.")
+    out = Path(out_dir)
     data = dict(raw.get("data", {}))
     base = source.resolve().parent
-    mode = str(data.pop("mode", "images"))
+    mode = _check(source, "data", "mode", data.pop("mode", "images"), str)
     if mode not in ("images", "features"):
         raise ConfigError(f"{source}: [data].mode must be 'images' or 'features'; got {mode!r}.")
-    generate = bool(data.pop("generate", "synth" in raw)) and mode == "images"
-    val_fraction = float(data.pop("val_fraction", 0.25))
-    split_seed = int(data.pop("split_seed", 0))
-    if not 0.0 <= val_fraction < 1.0:
-        raise ConfigError(f"{source}: [data].val_fraction must satisfy 0 <= value < 1; got {val_fraction!r}.")
+    generate = _check(source, "data", "generate", data.pop("generate", "synth" in raw), bool) and mode == "images"
+    val_fraction = float(_check(source, "data", "val_fraction", data.pop("val_fraction", 0.25), (int, float),
+                                low=0.0, high=1.0, high_inclusive=False))
+    split_seed = _check(source, "data", "split_seed", data.pop("split_seed", 0), int)
 
     sets: dict[str, DataSet] = {}
     if generate:
