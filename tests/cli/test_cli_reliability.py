@@ -75,3 +75,23 @@ def test_tile_allow_upsample_option_reaches_the_config():
     assert tile_config_from_args(args).allow_upsample is True
     args = parser.parse_args(["tile", "s.tif", "--out", "o"])
     assert tile_config_from_args(args).allow_upsample is False
+
+
+@pytest.mark.parametrize("command", ["synth", "tile", "train", "tile-inside"])
+def test_an_output_path_that_is_a_file_is_one_error(command, tmp_path, capsys, synth_slides, mil_csv):
+    """``--out`` naming an existing file (or a folder under one) used to end in a FileExistsError /
+    NotADirectoryError traceback from whichever mkdir came first."""
+    afile = tmp_path / "afile"
+    afile.write_text("keep me")
+    out = afile / "sub" if command == "tile-inside" else afile
+    argv = {
+        "synth": ["synth", str(out), "--slides", "1", "--size-px", "1024", "1024"],
+        "tile": ["tile", str(synth_slides["normal"]), "--out", str(out)],
+        "tile-inside": ["tile", str(synth_slides["normal"]), "--out", str(out)],
+        "train": ["train", str(mil_csv), "--out", str(out), "--epochs", "1", "--no-plots"],
+    }[command]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("error: ") == 1, err
+    assert ": a file is in the way. Fix: give a folder path that is not an existing file" in err, err
+    assert afile.read_text() == "keep me"

@@ -164,12 +164,12 @@ def main(argv: list[str] | None = None) -> int:
         code = int(args.run(args) or 0)
     except BrokenPipeError:
         return _stdout_closed()
+    except (FileExistsError, NotADirectoryError, IsADirectoryError) as exc:
+        if exc.filename is None:
+            raise
+        code = _report(_in_the_way(exc), log_handler)
     except WsiMilsslError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        if log_handler is not None:
-            log_handler.handle(logging.makeLogRecord({"name": "wsi_milssl.cli", "levelno": logging.ERROR,
-                                                      "levelname": "ERROR", "msg": f"error: {exc}"}))
-        code = 1
+        code = _report(exc, log_handler)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         code = 130
@@ -178,6 +178,28 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return _stdout_closed()
     return code
+
+
+def _in_the_way(exc: OSError) -> WsiMilsslError:
+    """One error for an output path that a file or folder is in the way of (``--out`` naming an existing
+    file, a folder where a file is expected): every stage makes its folders with ``mkdir``, and this
+    names the path and the fix once for all of them."""
+    path = exc.filename
+    if isinstance(exc, IsADirectoryError):
+        return WsiMilsslError(f"{path}: is a folder where a file is expected ({exc.strerror}). Fix: give the path "
+                              "of a file, or move the folder away.")
+    return WsiMilsslError(f"{path}: cannot be made or used as a folder ({exc.strerror}): a file is in the way. "
+                          "Fix: give a folder path that is not an existing file (e.g. another --out), or move "
+                          "the file away.")
+
+
+def _report(exc: WsiMilsslError, log_handler: logging.Handler | None) -> int:
+    """Print ``error: ...`` (and log it to the log file); exit code 1."""
+    print(f"error: {exc}", file=sys.stderr)
+    if log_handler is not None:
+        log_handler.handle(logging.makeLogRecord({"name": "wsi_milssl.cli", "levelno": logging.ERROR,
+                                                  "levelname": "ERROR", "msg": f"error: {exc}"}))
+    return 1
 
 
 def _stdout_closed() -> int:
