@@ -206,23 +206,45 @@ def register(subparsers) -> None:
 
 
 def _resume_setup(args: argparse.Namespace):
+    from wsi_milssl.config.base import config_from_mapping
     from wsi_milssl.config.train import TrainConfig
-    from wsi_milssl.errors import CheckpointError
+    from wsi_milssl.errors import CheckpointError, ConfigError
 
     run_dir = args.resume
     cfg_path = run_dir / "config.json"
     if not (run_dir / "last.pt").is_file() or not cfg_path.is_file():
         raise CheckpointError(f"{run_dir}: no last.pt/config.json to resume from; start the run without --resume.")
-    saved = json.loads(cfg_path.read_text())
-    data = saved.get("data") or {}
+    fix = "restore it from the run's last.pt (its 'config'), or start a new run without --resume"
+    try:
+        saved = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{cfg_path}: cannot read the run's settings ({type(exc).__name__}: {exc}); "
+                              f"the file is damaged. Fix: {fix}.") from None
+    data = saved.get("data") if isinstance(saved, dict) else None
+    data = {} if data is None else data
+    if not isinstance(saved, dict) or not isinstance(data, dict):
+        raise CheckpointError(f"{cfg_path}: not the settings of a `wsi-milssl train` run (expected a JSON object "
+                              f"with a 'data' object). Fix: {fix}.")
+    inputs, labels = data.get("inputs", []), data.get("labels")
+    val, val_labels = data.get("val_inputs"), data.get("val_labels")
+    input_mode = data.get("input_mode", "images")
+    if (not isinstance(inputs, list) or not all(isinstance(p, str) and p for p in inputs)
+            or not (val is None or isinstance(val, list) and all(isinstance(p, str) and p for p in val))
+            or not all(v is None or isinstance(v, str) for v in (labels, val_labels))
+            or input_mode not in ("images", "features", "mil-csv")):
+        raise CheckpointError(f"{cfg_path}: 'data' does not list the run's inputs as paths (inputs, labels, "
+                              f"val_inputs, val_labels, input_mode). Fix: {fix}.")
     fields = {f for f in TrainConfig.__dataclass_fields__}
     base = {k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k in fields}
     base.pop("mode", None)
-    inputs = [Path(p) for p in data.get("inputs", [])]
-    val = [Path(p) for p in data.get("val_inputs") or []] or None
-    labels = Path(data["labels"]) if data.get("labels") else None
-    val_labels = Path(data["val_labels"]) if data.get("val_labels") else None
-    return run_dir, base, data.get("input_mode", "images"), inputs, labels, val, val_labels
+    mode = "images" if input_mode == "images" else "features"
+    try:
+        config_from_mapping(TrainConfig, {**base, "mode": mode}, source=str(cfg_path))
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} Fix: correct that value in {cfg_path.name}, or start a new run without "
+                          "--resume.") from None
+    return (run_dir, base, input_mode, [Path(p) for p in inputs], Path(labels) if labels else None,
+            [Path(p) for p in val or []] or None, Path(val_labels) if val_labels else None)
 
 
 def run(args: argparse.Namespace) -> int:

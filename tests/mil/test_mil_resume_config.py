@@ -1,0 +1,63 @@
+"""`train --resume RUN` with a damaged or wrong RUN/config.json gives one error naming config.json."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from wsi_milssl.cli import main
+
+
+@pytest.fixture(scope="module")
+def run_dir(mil_csv, tmp_path_factory):
+    run = tmp_path_factory.mktemp("resume") / "run"
+    assert main(["train", str(mil_csv), "--out", str(run), "--epochs", "1", "--threads", "1", "--no-plots"]) == 0
+    return run
+
+
+def _resume(run, tmp_path, capsys, config_text):
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    (copy / "config.json").write_text(config_text)
+    capsys.readouterr()
+    code = main(["train", "--resume", str(copy), "--epochs", "2"])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    assert len([line for line in err.splitlines() if line.startswith("error:")]) == 1
+    return err, copy / "config.json"
+
+
+def _edited(run, **changes):
+    saved = json.loads((run / "config.json").read_text())
+    for key, value in changes.items():
+        if key == "data":
+            saved["data"].update(value)
+        else:
+            saved[key] = value
+    return json.dumps(saved)
+
+
+@pytest.mark.parametrize("text", ["{", "\xff\xfe", "[1, 2]", '{"data": 3}'])
+def test_damaged_config_json(run_dir, tmp_path, capsys, text):
+    err, path = _resume(run_dir, tmp_path, capsys, text)
+    assert f"error: {path}: " in err
+    assert "Fix: restore it from the run's last.pt" in err
+
+
+def test_wrong_value_names_config_json(run_dir, tmp_path, capsys):
+    err, path = _resume(run_dir, tmp_path, capsys, _edited(run_dir, mu="high"))
+    assert f"error: {path}: TrainConfig.mu must be " in err and "got 'high'" in err
+    assert "Fix: correct that value in config.json" in err and "options:" not in err
+
+
+def test_wrong_data_entry(run_dir, tmp_path, capsys):
+    err, path = _resume(run_dir, tmp_path, capsys, _edited(run_dir, data={"inputs": [3]}))
+    assert f"error: {path}: 'data' does not list the run's inputs as paths" in err
+
+
+def test_intact_config_resumes(run_dir, tmp_path, capsys):
+    copy = tmp_path / "ok"
+    shutil.copytree(run_dir, copy)
+    assert main(["train", "--resume", str(copy), "--epochs", "2"]) == 0
