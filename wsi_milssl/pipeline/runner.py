@@ -125,8 +125,10 @@ def _tile(ctx: _Context) -> tuple[list[str], str]:
     outputs, parts = [], []
     for set_name, ds in ctx.spec.sets.items():
         slides = find_slides([ds.slides])
-        # Complete stores with these settings are kept (tile skips them); stores made with other
-        # settings (or unreadable ones) mean the settings changed: the set is tiled again.
+        # Complete stores with these settings, cut from the slide files as they are now (same path,
+        # size and modification time), are kept: tile skips them and re-tiles a slide generated or
+        # exported again since. Stores made with other settings (or unreadable ones) mean the
+        # settings changed: the set is tiled again.
         stale = _stale_stores(slides, ctx.stores(set_name), config)
         if stale:
             log.info("tile: %d store(s) of the %s set were made with other settings (%s); re-tiling the set",
@@ -378,7 +380,8 @@ RUN_MARKER = "pipeline_run.json"
 
 
 def _stale_stores(slides: list[Path], out_dir: Path, config) -> list[str]:
-    """Stems whose store in ``out_dir`` exists but was made with other settings or cannot be read."""
+    """Stems whose store in ``out_dir`` exists but was made with other settings or cannot be read.
+    (A store of an older version of its slide file is not stale here: ``tile_slides`` replaces it.)"""
     from wsi_milssl.errors import StoreError
     from wsi_milssl.store.schema import store_path
     from wsi_milssl.tiling import check_existing_store, slide_stem

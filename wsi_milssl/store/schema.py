@@ -96,7 +96,12 @@ STORE_ATTRS: dict[str, type | tuple[type, ...]] = {
     "schema_version": int,
     "package_version": str,
     "complete": bool,
-    "slide_path": str,
+    "slide_path": str,  # absolute, symlinks resolved
+    # With slide_path, the slide file's fingerprint when it was tiled: its size in bytes and
+    # modification time (st_mtime_ns). `tile` reuses a store only while the file still matches them.
+    # Stores written before they existed lack both (`tile` then tiles the slide again).
+    "slide_size_bytes": int,
+    "slide_mtime_ns": int,
     "slide_stem": str,
     "dimensions_lv0": list,  # [width, height] level-0 pixels
     "mpp": float,  # level-0 µm/px actually used

@@ -15,7 +15,7 @@ stage that cuts a slide (the heatmap stage too) does it with :func:`plan_slide`,
 
 from wsi_milssl.tiling.cells import MAX_BAND_PX, BandCut, SlideCells, cut_band, open_band_source, plan_slide
 from wsi_milssl.tiling.grid import TileGeometry, grid_coords
-from wsi_milssl.tiling.inputs import SLIDE_SUFFIXES, find_slides, slide_stem
+from wsi_milssl.tiling.inputs import SLIDE_SUFFIXES, file_fingerprint, find_slides, slide_stem
 from wsi_milssl.tiling.plan import PLAN_ATTR, TilingPlan
 from wsi_milssl.tiling.qc import render_qc
 from wsi_milssl.tiling.reading import Band, plan_bands, read_band
@@ -54,6 +54,7 @@ __all__ = [
     "TilingPlan",
     "check_existing_store",
     "cut_band",
+    "file_fingerprint",
     "find_slides",
     "grid_coords",
     "merge_status_csv",

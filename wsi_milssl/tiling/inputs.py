@@ -11,11 +11,24 @@ from wsi_milssl.cohorts import SLIDE_SUFFIXES, slide_stem, stem_key
 from wsi_milssl.errors import ConfigError
 
 # The one list of slide suffixes and the one stem rule live in wsi_milssl.cohorts (every stage uses them).
-__all__ = ["SLIDE_SUFFIXES", "find_slides", "slide_stem"]
+__all__ = ["SLIDE_SUFFIXES", "file_fingerprint", "find_slides", "slide_stem"]
 
 #: Columns of a slide list that hold slide paths, in order of preference (``slide`` may hold a path
 #: or a bare name looked up beside the CSV).
 PATH_COLUMNS = ("path", "slide_path", "slide")
+
+
+def file_fingerprint(path: str | os.PathLike) -> dict[str, str | int] | None:
+    """What identifies one version of a file: ``{"path": absolute path (symlinks resolved),
+    "size_bytes": int, "mtime_ns": int}`` (a folder, such as a Zarr store: the folder entry's own), or
+    None when ``path`` does not exist or cannot be read. A file rewritten in place (a slide generated
+    or exported again under the same name) gets a new ``mtime_ns`` and usually a new size."""
+    try:
+        resolved = Path(path).resolve()
+        st = resolved.stat()
+    except (OSError, RuntimeError):  # missing, permission denied, a symlink loop
+        return None
+    return {"path": str(resolved), "size_bytes": int(st.st_size), "mtime_ns": int(st.st_mtime_ns)}
 
 
 def _from_csv(csv_path: Path, *, keep_missing: bool) -> list[Path]:

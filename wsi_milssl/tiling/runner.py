@@ -49,7 +49,7 @@ from wsi_milssl.store import create_writer, encode_jpeg, open_store
 from wsi_milssl.store.base import dumps_settings
 from wsi_milssl.store.schema import store_path
 from wsi_milssl.tiling.cells import cut_band, open_band_source, plan_slide
-from wsi_milssl.tiling.inputs import slide_stem
+from wsi_milssl.tiling.inputs import file_fingerprint, slide_stem
 from wsi_milssl.tiling.qc import render_qc, write_qc_png
 from wsi_milssl.tiling.plan import PLAN_ATTR
 from wsi_milssl.tiling.reading import Band, ordered_map
@@ -115,10 +115,45 @@ def qc_path(out_dir: str | os.PathLike, stem: str) -> Path:
     return Path(out_dir) / QC_DIRNAME / f"{stem}.png"
 
 
-def check_existing_store(path: Path, config: TileConfig) -> int | None:
+def _slide_fingerprint_attrs(slide_path: str | os.PathLike) -> dict[str, Any]:
+    """``slide_path`` (absolute), ``slide_size_bytes`` and ``slide_mtime_ns`` of the slide file, as
+    recorded in a store; the size and time are None when the file cannot be stat'ed."""
+    fp = file_fingerprint(slide_path)
+    if fp is None:
+        return {"slide_path": str(Path(slide_path).resolve()), "slide_size_bytes": None, "slide_mtime_ns": None}
+    return {"slide_path": fp["path"], "slide_size_bytes": fp["size_bytes"], "slide_mtime_ns": fp["mtime_ns"]}
+
+
+def _other_slide_reason(attrs: dict[str, Any], slide_path: str | os.PathLike) -> str | None:
+    """Why a store with root ``attrs`` was not cut from the current file at ``slide_path`` (another
+    path, or the same path since rewritten), or None when it was."""
+    now = _slide_fingerprint_attrs(slide_path)
+    if now["slide_size_bytes"] is None:
+        return f"the slide file {slide_path} cannot be read, so the store cannot be checked against it"
+    if attrs.get("slide_path") != now["slide_path"]:
+        return f"it was cut from another slide file ({attrs.get('slide_path')!r}, now {now['slide_path']!r})"
+    if "slide_size_bytes" not in attrs or "slide_mtime_ns" not in attrs:
+        return "it records no slide size and modification time (written by an older wsi-milssl)"
+    if (attrs.get("slide_size_bytes"), attrs.get("slide_mtime_ns")) != (now["slide_size_bytes"], now["slide_mtime_ns"]):
+        return (f"the slide file changed since it was tiled (size {attrs.get('slide_size_bytes')} -> "
+                f"{now['slide_size_bytes']} bytes, modified time {attrs.get('slide_mtime_ns')} -> "
+                f"{now['slide_mtime_ns']} ns)")
+    return None
+
+
+def check_existing_store(path: Path, config: TileConfig, *, slide_path: str | os.PathLike | None = None
+                         ) -> int | None:
     """Number of patches of a complete store at ``path`` made with ``config``'s settings, or None when
     there is no store. Raises StoreError (suggesting a new --out or --overwrite) when a store is there
-    but was made with other settings or cannot be read."""
+    but was made with other settings or cannot be read.
+
+    With ``slide_path``, a store that was not cut from that very file also counts as no store (None,
+    with a warning saying why), so that the slide is tiled again: the store's ``slide_path``,
+    ``slide_size_bytes`` and ``slide_mtime_ns`` must equal the file's resolved path, size and
+    modification time now. A store written before these attributes existed cannot be checked and is
+    tiled again too (the safe choice), as is a store whose slide file is missing or unreadable (the
+    old store stays until a new one replaces it).
+    """
     if not path.exists():
         return None
     try:
@@ -130,18 +165,24 @@ def check_existing_store(path: Path, config: TileConfig) -> int | None:
             f"{path}: a store is already there but cannot be reused ({exc}). "
             "Fix: pass --overwrite to replace it, or write to a new folder with --out."
         ) from None
-    if attrs.get("config_hash") == config.settings_hash():
-        return n
-    try:
-        old = json.loads(attrs.get("settings", "{}"))
-    except (TypeError, ValueError):
-        old = {}
-    new = config.settings()
-    diffs = [f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
-    raise StoreError(
-        f"{path}: this store was made with different settings ({'; '.join(diffs) or 'settings hash differs'}). "
-        "Fix: write to a new folder with --out, or pass --overwrite to replace it."
-    )
+    if attrs.get("config_hash") != config.settings_hash():
+        try:
+            old = json.loads(attrs.get("settings", "{}"))
+        except (TypeError, ValueError):
+            old = {}
+        new = config.settings()
+        diffs = [f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
+                 if old.get(k) != new.get(k)]
+        raise StoreError(
+            f"{path}: this store was made with different settings ({'; '.join(diffs) or 'settings hash differs'}). "
+            "Fix: write to a new folder with --out, or pass --overwrite to replace it."
+        )
+    if slide_path is not None:
+        reason = _other_slide_reason(attrs, slide_path)
+        if reason is not None:
+            logger.warning("%s: not reused: %s; tiling the slide again.", path, reason)
+            return None
+    return n
 
 
 @dataclass
@@ -176,27 +217,33 @@ class _Buffer:
         self.__init__()
 
 
-def _slide_error(exc: BaseException) -> str:
+def _slide_error(exc: BaseException, slide_path: str | os.PathLike) -> str:
+    """The status CSV's error for a slide: a project error's own message (it names the file and the
+    fix), else the exception named with the slide file it happened on."""
     if isinstance(exc, WsiMilsslError):
         return str(exc)
-    return f"{type(exc).__name__}: {exc}"
+    return f"{slide_path}: {type(exc).__name__}: {exc}"
 
 
 def tile_slide(slide_path: str | os.PathLike, out_dir: str | os.PathLike, config: TileConfig, *,
                overwrite: bool = False, progress: ProgressCallback | None = None) -> TileResult:
     """Tile one slide into ``out_dir/<stem>.<format>`` and its QC PNG; returns its TileResult.
 
-    Skips (status 'skipped') when a complete store with the same settings exists, unless
-    ``overwrite``. Raises SlideReadError / MissingResolutionError / StoreError on bad input; the
-    partial store is deleted on any error.
+    Skips (status 'skipped') when a complete store with the same settings, cut from this very slide
+    file (same resolved path, size and modification time: see :func:`check_existing_store`), exists,
+    unless ``overwrite``; a store of another or a changed slide file is replaced. Raises
+    SlideReadError / MissingResolutionError / StoreError on bad input; the partial store is deleted on
+    any error.
     """
     t0 = time.perf_counter()
     slide_path = Path(slide_path)
     out_dir = Path(out_dir)
     stem = slide_stem(slide_path)
     final = store_path(out_dir, stem, config.format)
+    # taken before any pixel is read: a slide rewritten while it is tiled is tiled again next time
+    fingerprint = _slide_fingerprint_attrs(slide_path)
     if not overwrite:
-        n_existing = check_existing_store(final, config)
+        n_existing = check_existing_store(final, config, slide_path=slide_path)
         if n_existing is not None:
             return TileResult(stem, str(slide_path), "skipped", n_existing, time.perf_counter() - t0, "", str(final))
 
@@ -276,7 +323,7 @@ def tile_slide(slide_path: str | os.PathLike, out_dir: str | os.PathLike, config
             settings = config.settings()
             attrs = {
                 "package_version": __version__,
-                "slide_path": str(slide_path.resolve()),
+                **{k: v for k, v in fingerprint.items() if v is not None},
                 "slide_stem": stem,
                 "dimensions_lv0": list(slide.dimensions),
                 "mpp": float(slide_mpp),
@@ -344,9 +391,10 @@ def _tile_one_safely(slide_path: str, out_dir: str, config: TileConfig, overwrit
     except Exception as exc:  # noqa: BLE001 - one bad slide must not stop the others
         if not isinstance(exc, WsiMilsslError):
             logger.debug("unexpected error on %s:\n%s", slide_path, traceback.format_exc())
-        logger.info("%s: failed: %s", slide_path, _slide_error(exc))
+        message = _slide_error(exc, slide_path)
+        logger.info("%s: failed: %s", slide_path, message)
         return TileResult(slide_stem(slide_path), str(slide_path), "failed", 0, time.perf_counter() - t0,
-                          _slide_error(exc), "")
+                          message, "")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from wsi_milssl.errors import SlideReadError
 from wsi_milssl.tiling.grid import TileGeometry
 from wsi_milssl.tiling.reading import Band, band_origin_level, read_band_region
 
@@ -49,6 +50,7 @@ class TiffLevelSource:
         self._page = page
         self._decode = page.decode
         self._tables = page.jpegtables
+        self.path = Path(path)
         self._fd = os.open(path, os.O_RDONLY)
         self.width = int(page.imagewidth)
         self.height = int(page.imagelength)
@@ -99,15 +101,28 @@ class TiffLevelSource:
                 self._cache.move_to_end(index)
                 self.n_cached += 1
                 return tile
-        data = os.pread(self._fd, int(self._counts[index]), int(self._offsets[index]))
-        tile = self._decode(data, index, jpegtables=self._tables)[0]
-        tile = tile.reshape(tile.shape[-3:])
+        try:
+            data = os.pread(self._fd, int(self._counts[index]), int(self._offsets[index]))
+            tile = self._decode(data, index, jpegtables=self._tables)[0]
+            tile = tile.reshape(tile.shape[-3:])
+        except Exception as exc:  # noqa: BLE001 - a codec's own error type (Jpeg8Error, ...) or OSError
+            raise self._read_error(index, exc) from exc
         with self._lock:
             self.n_decoded += 1
             self._cache[index] = tile
             while len(self._cache) > self.cache_tiles:
                 self._cache.popitem(last=False)
         return tile
+
+    def _read_error(self, index: int, exc: BaseException) -> SlideReadError:
+        """SlideReadError naming the slide, the tile and the fix, for a tile that cannot be read or decoded."""
+        row, col = divmod(index, self._across)
+        return SlideReadError(
+            f"{self.path}: the slide's tile data is corrupt: tile {index} (row {row}, column {col}) of the "
+            f"{self.width} x {self.height} px level cannot be decoded ({type(exc).__name__}: {exc}). "
+            "Fix: re-export the slide from the scanner software (or re-scan it), or re-copy it if the copy "
+            "was truncated; check it with `wsi-milssl info`."
+        )
 
     def read(self, x: int, y: int, w: int, h: int) -> np.ndarray:
         """uint8 (h, w, 3) RGB of the region with top-left (x, y) in this level's pixels; white outside."""
