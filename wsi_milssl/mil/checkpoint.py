@@ -100,17 +100,52 @@ def load_model(checkpoint_path: str | os.PathLike, *, device: str | torch.device
     ``normalisation``, ``model_name``, ``model_kwargs`` and ``bag_pooling``). Image inputs must be
     prepared with :func:`wsi_milssl.mil.data.to_tensor`.
     """
+    from wsi_milssl.errors import ConfigError
     from wsi_milssl.mil.models import create_model
 
-    ckpt = read_checkpoint(checkpoint_path)
-    model = create_model(ckpt["model_name"], **dict(ckpt.get("model_kwargs") or {}))
+    path = resolve_checkpoint_path(checkpoint_path)
+    ckpt = read_checkpoint(path)
+    _check_model_parts(ckpt, path)
+    kwargs = dict(ckpt.get("model_kwargs") or {})
+    try:
+        model = create_model(ckpt["model_name"], **kwargs)
+    except (ConfigError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: cannot build model {ckpt['model_name']!r} with the saved model_kwargs "
+                              f"{kwargs!r} ({exc}). {_INCOMPLETE_FIX}") from None
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as exc:
-        raise CheckpointError(f"{checkpoint_path}: weights do not fit model {ckpt['model_name']!r} ({exc}).") from None
+        raise CheckpointError(f"{path}: weights do not fit model {ckpt['model_name']!r} ({exc}).") from None
     model.to(device).eval()
     config = dict(ckpt.get("config") or {})
     config.setdefault("model_name", ckpt["model_name"])
-    config.setdefault("model_kwargs", dict(ckpt.get("model_kwargs") or {}))
+    config.setdefault("model_kwargs", kwargs)
     config.setdefault("bag_pooling", ckpt.get("bag_pooling", "max"))
     return model, config
+
+
+_INCOMPLETE_FIX = ("The checkpoint is incomplete or was not written by this version's `wsi-milssl train`. "
+                   "Fix: re-run training, or pass RUN_DIR/best.pt or RUN_DIR/last.pt of a complete run.")
+
+
+def _check_model_parts(ckpt: dict[str, Any], path: Path) -> None:
+    """Raise CheckpointError unless ``ckpt`` holds what :func:`load_model` needs, of the right types."""
+    problems = []
+    name = ckpt.get("model_name")
+    if not isinstance(name, str) or not name:
+        problems.append("'model_name' is missing" if name is None else f"'model_name' is {name!r}, not a model name")
+    state = ckpt.get("model")
+    if state is None:
+        problems.append("'model' (the weights) is missing")
+    elif not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                for k, v in state.items()):
+        problems.append(f"'model' is a {type(state).__name__}, not a state dict of tensors")
+    for key in ("model_kwargs", "config"):
+        value = ckpt.get(key)
+        if value is not None and not isinstance(value, dict):
+            problems.append(f"{key!r} is a {type(value).__name__}, not a dict")
+    pooling = ckpt.get("bag_pooling")
+    if pooling is not None and not isinstance(pooling, str):
+        problems.append(f"'bag_pooling' is {pooling!r}, not a name")
+    if problems:
+        raise CheckpointError(f"{path}: {'; '.join(problems)}. {_INCOMPLETE_FIX}")
