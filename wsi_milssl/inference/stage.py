@@ -39,7 +39,7 @@ from wsi_milssl.atomic import atomic_open
 from wsi_milssl.config.base import config_to_dict
 from wsi_milssl.config.heatmap import HeatmapConfig
 from wsi_milssl.distributed import shard_items
-from wsi_milssl.errors import ConfigError, StoreError, WsiMilsslError
+from wsi_milssl.errors import CheckpointError, ConfigError, StoreError, WsiMilsslError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.inference.exports import (
     SCORES_FILENAME,
@@ -60,7 +60,7 @@ from wsi_milssl.inference.model import InferenceModel, load_inference_model
 from wsi_milssl.inference.predict import SlideInput, SlidePrediction, predict_many, prestart_readers
 from wsi_milssl.locks import folder_lock, folder_mutex
 from wsi_milssl.slide.tissue import slide_tissue_mask
-from wsi_milssl.tiling import slide_stem
+from wsi_milssl.tiling import file_fingerprint, slide_stem
 
 __all__ = [
     "CONFIG_FILENAME",
@@ -198,7 +198,8 @@ def _read_outlines(stem: str, annotations_dir: Path | None, dims: tuple[int, int
 
 
 def write_slide_outputs(pred: SlidePrediction, out_dir: str | os.PathLike, *, model: InferenceModel,
-                        config: HeatmapConfig, annotations_dir: str | os.PathLike | None = None) -> dict[str, Path]:
+                        config: HeatmapConfig, annotations_dir: str | os.PathLike | None = None,
+                        input_files: dict | None = None) -> dict[str, Path]:
     """Write every per-slide file of ``pred`` into ``out_dir``; returns kind -> path.
 
     The files are those of :data:`wsi_milssl.artifacts.HEATMAP_FILES`: the map (``.npy``, ``.json``,
@@ -206,6 +207,8 @@ def write_slide_outputs(pred: SlidePrediction, out_dir: str | os.PathLike, *, mo
     (classified Tumor/Normal at ``config.tumor_threshold``), the predicted lesions (contours of the map
     at the same threshold) as QuPath GeoJSON and ASAP XML, the CAMELYON16 detections and the overlay.
     The overlay needs the slide (``pred.slide_path``); without it the PNG is skipped with a warning.
+    ``input_files``: the fingerprints of the slide and store files read (see ``_input_files``), kept in
+    the sidecar so that a later run can tell whether the same files are asked for again.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -228,6 +231,7 @@ def write_slide_outputs(pred: SlidePrediction, out_dir: str | os.PathLike, *, mo
         "n_patches": len(pred),
         "source": pred.source,
         "store_path": None if pred.store_path is None else str(pred.store_path),
+        "input_files": input_files,
         "checkpoint": None if model.checkpoint_path is None else str(model.checkpoint_path),
         "model_name": model.config.get("model_name"),
         "bag_pooling": model.pooling,
@@ -354,27 +358,56 @@ def _merge_status(path: Path, results: Iterable[HeatmapResult]) -> Path:
     return path
 
 
-def _finished(out_dir: Path, fingerprint: str) -> dict[str, HeatmapResult]:
-    """Slides a run with the same fingerprint already finished in ``out_dir``: status ok with every
-    file there, or empty."""
+def _input_files(item: SlideInput) -> dict[str, dict | None]:
+    """``{"slide": ..., "store": ...}``: :func:`wsi_milssl.tiling.file_fingerprint` (resolved path, size
+    in bytes, modification time in ns) of the slide file and of the store a slide is predicted from
+    (None for an input not given or not there)."""
+    return {"slide": None if item.slide_path is None else file_fingerprint(item.slide_path),
+            "store": None if item.store_path is None else file_fingerprint(item.store_path)}
+
+
+def _recorded_inputs(path: Path) -> dict | None:
+    """The ``input_files`` a slide's ``_probs.json`` recorded, or None (unreadable, or written before
+    the key existed)."""
+    try:
+        recorded = json.loads(path.read_text(encoding="utf-8")).get("input_files")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return recorded if isinstance(recorded, dict) else None
+
+
+def _finished(out_dir: Path, fingerprint: str, inputs: Sequence[SlideInput]) -> dict[str, HeatmapResult]:
+    """Slides of ``inputs`` a run with the same fingerprint already finished in ``out_dir``: status ok
+    with every file there, made from the same slide and store files (resolved path, size and
+    modification time, as ``_probs.json`` records them in ``input_files``). A slide predicted from
+    other or changed files, from files not recorded (an older folder), or that was 'empty' (no files
+    record its inputs) is predicted again."""
     try:
         previous = json.loads((out_dir / CONFIG_FILENAME).read_text(encoding="utf-8")).get("fingerprint")
     except (OSError, ValueError, AttributeError):
         return {}
     if previous != fingerprint:
         return {}
+    rows = _read_status(out_dir / STATUS_FILENAME)
     done = {}
-    for stem, row in _read_status(out_dir / STATUS_FILENAME).items():
-        paths = output_paths(out_dir, stem)
-        files_there = all(paths[k].is_file() for k in ("probs_npy", "probs_json", "detections_csv", "patches_csv"))
-        if row.get("status") == "empty" or (row.get("status") == "ok" and files_there):
-            try:
-                score = float(row["score"]) if row.get("score") else None
-                done[stem] = HeatmapResult(stem, "", row["status"], int(row.get("n_patches") or 0), score,
-                                           float(row.get("seconds") or 0.0), row.get("error") or "",
-                                           {k: str(p) for k, p in paths.items() if p.is_file()})
-            except (KeyError, ValueError):
-                continue
+    for item in inputs:
+        row = rows.get(item.stem)
+        if row is None or row.get("status") != "ok":
+            continue
+        paths = output_paths(out_dir, item.stem)
+        if not all(paths[k].is_file() for k in ("probs_npy", "probs_json", "detections_csv", "patches_csv")):
+            continue
+        if _recorded_inputs(paths["probs_json"]) != _input_files(item):
+            logger.info("%s: the slide or store file differs from the one its outputs in %s were made from; "
+                        "predicting it again", item.stem, out_dir)
+            continue
+        try:
+            score = float(row["score"]) if row.get("score") else None
+            done[item.stem] = HeatmapResult(item.stem, "", row["status"], int(row.get("n_patches") or 0), score,
+                                            float(row.get("seconds") or 0.0), row.get("error") or "",
+                                            {k: str(p) for k, p in paths.items() if p.is_file()})
+        except (KeyError, ValueError):
+            continue
     return done
 
 
@@ -412,6 +445,20 @@ def _empty_result(item: SlideInput, pred: SlidePrediction, model: InferenceModel
                "slide and its tissue mask (tile's qc/ PNG); --tissue/--min-tissue/--mask-mpp change the mask.")
     logger.warning("%s: empty: %s", item.stem, message)
     return HeatmapResult(item.stem, str(item.slide_path or ""), "empty", 0, None, pred.seconds, message)
+
+
+def _non_finite_error(pred: SlidePrediction, model: InferenceModel) -> CheckpointError | None:
+    """CheckpointError (naming the checkpoint, the slide and the fix) when some of ``pred``'s
+    probabilities are NaN or infinite, else None."""
+    n_bad = int(np.count_nonzero(~np.isfinite(pred.probs)))
+    if n_bad == 0:
+        return None
+    return CheckpointError(
+        f"{model.checkpoint_path or 'the model'}: the model gives non-finite probabilities (NaN or infinity) for "
+        f"{n_bad} of {len(pred)} patches of slide {pred.stem!r}, so no map or score was written for it; the "
+        "checkpoint is likely from a diverged run (its weights hold NaN or infinity). Fix: retrain with a lower "
+        "learning rate (--lr), and check that the losses in the run's metrics.jsonl stay finite."
+    )
 
 
 def make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.PathLike | InferenceModel,
@@ -452,7 +499,7 @@ def _make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.Pat
     model = checkpoint if isinstance(checkpoint, InferenceModel) else load_inference_model(checkpoint, config=config)
     out_dir.mkdir(parents=True, exist_ok=True)
     fingerprint = _fingerprint(config, model)
-    finished = {} if overwrite else _finished(out_dir, fingerprint)
+    finished = {} if overwrite else _finished(out_dir, fingerprint, inputs)
     config_json = _write_config(out_dir, config, model, fingerprint)
     status_csv = out_dir / STATUS_FILENAME
     results: dict[int, HeatmapResult] = {}
@@ -485,17 +532,22 @@ def _make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.Pat
             except Exception as exc:  # noqa: BLE001 - one slide's files must not stop the others
                 record(i, failed(i, exc, pred.seconds))
                 continue
-            score = pred.score(model.pooling)
-            update_scores_csv(out_dir, {pred.stem: score})
+            try:
+                score = pred.score(model.pooling)
+                update_scores_csv(out_dir, {pred.stem: score})
+            except Exception as exc:  # noqa: BLE001 - one slide's score must not stop the others
+                record(i, failed(i, exc, pred.seconds + write_s))
+                continue
             seconds = pred.seconds + write_s
             record(i, HeatmapResult(item.stem, str(item.slide_path or ""), "ok", len(pred), score, seconds, "",
                                     {k: str(v) for k, v in written.items()}))
             logger.info("%s: %d patches, score %.4f (%s pooling), %.1f s (patches %.2f s, files %.2f s)", item.stem,
                         len(pred), score, model.pooling, seconds, pred.seconds, write_s)
 
-    def write(pred: SlidePrediction) -> tuple[dict[str, Path], float]:
+    def write(pred: SlidePrediction, files: dict) -> tuple[dict[str, Path], float]:
         t0 = time.perf_counter()
-        written = write_slide_outputs(pred, out_dir, model=model, config=config, annotations_dir=annotations_dir)
+        written = write_slide_outputs(pred, out_dir, model=model, config=config, annotations_dir=annotations_dir,
+                                      input_files=files)
         return written, time.perf_counter() - t0
 
     emit(progress, ProgressEvent("heatmap", 0, len(inputs), unit="slide"))
@@ -508,6 +560,8 @@ def _make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.Pat
     if finished:
         logger.info("%s: %d of %d slides already done with this checkpoint and settings; skipped", out_dir,
                     len(inputs) - len(todo), len(inputs))
+    # taken before the files are read: a file rewritten while it is predicted is predicted again next time
+    files_of = {i: _input_files(inputs[i]) for i in todo}
     t_start = time.perf_counter()
     # Files are written by threads while the model goes on with the next slides; at most
     # _PENDING_WRITES predictions wait for them, so memory stays bounded.
@@ -523,7 +577,11 @@ def _make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.Pat
             if len(pred) == 0:
                 record(i, _empty_result(inputs[i], pred, model))
                 continue
-            writes[writers.submit(write, pred)] = (i, pred)
+            bad = _non_finite_error(pred, model)
+            if bad is not None:  # before any file is written: a failed slide leaves no new files
+                record(i, failed(i, bad, pred.seconds))
+                continue
+            writes[writers.submit(write, pred, files_of[i])] = (i, pred)
             collect(block=False)
             while len(writes) >= _PENDING_WRITES:
                 collect(block=True)

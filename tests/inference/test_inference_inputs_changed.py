@@ -1,0 +1,173 @@
+"""``heatmap`` resumes only slides whose slide and store files are the ones their outputs were made
+from, and a checkpoint that gives NaN fails each slide cleanly, before any of its files is written."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_checkpoint
+from wsi_milssl.config import HeatmapConfig, TileConfig
+from wsi_milssl.inference import make_heatmaps
+
+FAST = dict(thumbnail_px=128, batch_size=32, num_workers=0)
+# the checkpoints' tiling (conftest.make_checkpoint defaults), for stores the heatmap may read
+TILE = dict(target_mpp=1.0, patch_size_px=32, entropy_threshold_bits=3.0, mask_mpp=8.0, pixels="raw")
+
+
+@pytest.fixture(scope="module")
+def two_slides(tmp_path_factory, slide_writer) -> tuple[Path, Path]:
+    """Two different 2048-px slides (other tissue and tumour layouts)."""
+    folder = tmp_path_factory.mktemp("two")
+    a = slide_writer(folder / "a.tif", width=2048, height=2048, tissue_box=(256, 256, 1792, 1792),
+                     tumour=lambda xs, ys: (xs // 300 + ys // 300) % 4 == 0)
+    b = slide_writer(folder / "b.tif", width=2048, height=2048, tissue_box=(0, 512, 2048, 1536),
+                     tumour=lambda xs, ys: (xs // 300 + ys // 300 + 1) % 4 == 0)
+    return a, b
+
+
+def _status(folder: Path) -> dict[str, dict]:
+    with open(folder / "heatmap_status.csv", newline="") as fh:
+        return {r["slide"]: r for r in csv.DictReader(fh)}
+
+
+def _scores(folder: Path) -> dict[str, str]:
+    path = folder / "scores.csv"
+    if not path.exists():
+        return {}
+    with open(path, newline="") as fh:
+        return {r["slide"]: r["score"] for r in csv.DictReader(fh)}
+
+
+def test_a_slide_rewritten_at_the_same_path_is_predicted_again(tmp_path, two_slides, checkpoint_factory):
+    a, b = two_slides
+    ckpt = checkpoint_factory()
+    slide = tmp_path / "slides" / "case.tif"
+    slide.parent.mkdir()
+    shutil.copyfile(a, slide)
+    out = tmp_path / "hm"
+    assert make_heatmaps([slide], ckpt, out, HeatmapConfig(**FAST)).ok
+    stamp = (out / "case_probs.npy").stat().st_mtime_ns
+    recorded = json.loads((out / "case_probs.json").read_text())["input_files"]
+    assert recorded["slide"]["path"] == str(slide.resolve()) and recorded["store"] is None
+    assert recorded["slide"]["size_bytes"] == slide.stat().st_size
+    # unchanged: skipped
+    events = []
+    make_heatmaps([slide], ckpt, out, HeatmapConfig(**FAST), progress=events.append)
+    assert not [e for e in events if e.stage == "heatmap-patches" and e.item]
+    assert (out / "case_probs.npy").stat().st_mtime_ns == stamp
+
+    shutil.copyfile(b, slide)  # another slide under the same name and path
+    events = []
+    run = make_heatmaps([slide], ckpt, out, HeatmapConfig(**FAST), progress=events.append)
+    assert run.ok and {e.item for e in events if e.stage == "heatmap-patches" and e.item} == {"case"}
+    alone = make_heatmaps([b], ckpt, tmp_path / "b_alone", HeatmapConfig(**FAST))
+    np.testing.assert_array_equal(np.load(out / "case_probs.npy"), np.load(tmp_path / "b_alone" / "b_probs.npy"))
+    assert _scores(out)["case"] == _scores(tmp_path / "b_alone")["b"]
+    assert _status(out)["case"]["n_patches"] == str(alone.results[0].n_patches)
+
+
+def test_another_slide_file_with_the_same_name_is_predicted_again(tmp_path, two_slides, checkpoint_factory):
+    a, b = two_slides
+    ckpt = checkpoint_factory()
+    first, second = tmp_path / "x" / "case.tif", tmp_path / "y" / "case.tif"
+    for path, source in ((first, a), (second, b)):
+        path.parent.mkdir()
+        shutil.copyfile(source, path)
+    out = tmp_path / "hm"
+    make_heatmaps([first], ckpt, out, HeatmapConfig(**FAST))
+    events = []
+    make_heatmaps([second], ckpt, out, HeatmapConfig(**FAST), progress=events.append)
+    assert {e.item for e in events if e.stage == "heatmap-patches" and e.item} == {"case"}
+    sidecar = json.loads((out / "case_probs.json").read_text())
+    assert sidecar["slide_path"] == str(second.resolve())
+    assert sidecar["input_files"]["slide"]["path"] == str(second.resolve())
+
+
+def test_a_store_tiled_again_is_predicted_again(tmp_path, two_slides, checkpoint_factory):
+    from wsi_milssl.tiling import tile_slide
+
+    a, b = two_slides
+    ckpt = checkpoint_factory()
+    slide = tmp_path / "slides" / "case.tif"
+    slide.parent.mkdir()
+    shutil.copyfile(a, slide)
+    stores = tmp_path / "stores"
+    tile_slide(slide, stores, TileConfig(**TILE))
+    out = tmp_path / "hm"
+    assert make_heatmaps([], ckpt, out, HeatmapConfig(**FAST), stores=[stores]).ok
+    recorded = json.loads((out / "case_probs.json").read_text())["input_files"]
+    assert recorded["store"]["path"] == str((stores / "case.h5").resolve())
+    n_a = _status(out)["case"]["n_patches"]
+
+    shutil.copyfile(b, slide)
+    assert tile_slide(slide, stores, TileConfig(**TILE)).status == "ok"  # the slide changed: re-tiled
+    events = []
+    assert make_heatmaps([], ckpt, out, HeatmapConfig(**FAST), stores=[stores], progress=events.append).ok
+    assert {e.item for e in events if e.stage == "heatmap-patches" and e.item} == {"case"}
+    n_b = _status(out)["case"]["n_patches"]
+    assert n_b != n_a
+    alone = make_heatmaps([b], ckpt, tmp_path / "b_alone", HeatmapConfig(**FAST))
+    assert n_b == str(alone.results[0].n_patches)
+
+
+def test_outputs_without_recorded_inputs_are_predicted_again(tmp_path, two_slides, checkpoint_factory):
+    """A folder written before ``input_files`` existed cannot be checked: its slides are predicted again."""
+    a, _ = two_slides
+    ckpt = checkpoint_factory()
+    out = tmp_path / "hm"
+    make_heatmaps([a], ckpt, out, HeatmapConfig(**FAST))
+    sidecar = json.loads((out / "a_probs.json").read_text())
+    del sidecar["input_files"]
+    (out / "a_probs.json").write_text(json.dumps(sidecar))
+    events = []
+    make_heatmaps([a], ckpt, out, HeatmapConfig(**FAST), progress=events.append)
+    assert {e.item for e in events if e.stage == "heatmap-patches" and e.item} == {"a"}
+    assert "input_files" in json.loads((out / "a_probs.json").read_text())
+
+
+def test_a_nan_checkpoint_fails_every_slide_cleanly_and_writes_no_files(tmp_path, two_slides):
+    from wsi_milssl.mil.models import create_model
+
+    torch.manual_seed(0)
+    model = create_model("resnet18")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    ckpt = make_checkpoint(tmp_path / "diverged" / "best.pt", model_name="resnet18", model=model)
+    out = tmp_path / "hm"
+    run = make_heatmaps(list(two_slides), ckpt, out, HeatmapConfig(**FAST))
+    assert [r.status for r in run.results] == ["failed", "failed"]  # the second slide was still tried
+    status = _status(out)
+    assert sorted(status) == ["a", "b"]
+    for stem, row in status.items():
+        assert row["status"] == "failed" and row["score"] == ""
+        assert row["error"].startswith(f"{ckpt}: the model gives non-finite probabilities (NaN or infinity) for ")
+        assert f"patches of slide '{stem}'" in row["error"]
+        assert "diverged run" in row["error"] and "Fix: retrain with a lower learning rate (--lr)" in row["error"]
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
+        "heatmap_config.json", "heatmap_status.csv"]
+    assert _scores(out) == {}
+
+
+def test_heatmap_command_with_a_nan_checkpoint_reports_the_failed_slides(tmp_path, two_slides, capsys):
+    from wsi_milssl.cli import main
+    from wsi_milssl.mil.models import create_model
+
+    model = create_model("resnet18")
+    with torch.no_grad():
+        next(model.parameters()).fill_(float("nan"))
+    ckpt = make_checkpoint(tmp_path / "diverged" / "best.pt", model_name="resnet18", model=model)
+    code = main(["heatmap", str(two_slides[0]), "--model", str(ckpt), "--out", str(tmp_path / "hm"),
+                 "--workers", "0", "--thumbnail-px", "128"])
+    captured = capsys.readouterr()
+    assert code != 0
+    assert "Traceback" not in captured.err and "ValueError" not in captured.err
+    assert "non-finite probabilities" in captured.out + captured.err
+    assert _status(tmp_path / "hm")["a"]["status"] == "failed"
