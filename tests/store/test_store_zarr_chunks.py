@@ -87,3 +87,18 @@ def test_duplicate_coords_are_refused(tmp_path, fmt):
     with pytest.raises(StoreError, match=r"'coords' holds 1 duplicate coordinate\(s\), e\.g\. \(64, 0\).*Fix: .*"
                                          r"re-run `wsi-milssl tile`"):
         store.coords
+
+
+def test_an_array_of_an_earlier_version_without_its_zero_chunks_still_opens(tiled, tmp_path):
+    """Earlier versions skipped all-zero chunks and did not mark their arrays: a chunk missing there is not
+    damage (the normal slide's instance_label was all zeros), so unmarked arrays are not checked."""
+    import json
+
+    store = _copy(tiled, tmp_path, "synth_000")
+    meta_path = store / "instance_label" / "zarr.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["attributes"].pop("all_chunks_written") is True
+    meta_path.write_text(json.dumps(meta))
+    (store / "instance_label" / "c" / "0").unlink()
+    with open_store(store) as opened:
+        assert len(opened.read_array("instance_label")) == len(opened)

@@ -33,6 +33,16 @@ _MAX_JPEG_BYTES = 1 << 26  # one JPEG patch is at most a few MB; larger offsets 
 # Store every chunk, even one of zeros (e.g. instance_label of a normal slide): a missing chunk file
 # then always means a damaged store, which the reader detects.
 _CONFIG = {"write_empty_chunks": True}
+#: array attribute marking an array written with every chunk (stores of earlier versions skipped all-zero
+#: chunks, so a missing chunk there is not damage; only marked arrays are checked)
+_ALL_CHUNKS_ATTR = "all_chunks_written"
+
+
+def _new_array(group, name: str, **kwargs):
+    """``group.create_array`` writing every chunk, marked so the reader checks its chunk files."""
+    arr = group.create_array(name, config=_CONFIG, **kwargs)
+    arr.attrs[_ALL_CHUNKS_ATTR] = True
+    return arr
 
 
 class ZarrStore(PatchStore):
@@ -86,7 +96,9 @@ class ZarrStore(PatchStore):
     def _check_chunks(self, names: list[str]) -> None:
         """Raise StoreError if a chunk (or shard) file of an array is missing: Zarr would read it as zeros.
 
-        Only lists file names; no data is read. The writers store every chunk, even an all-zero one.
+        Only lists file names; no data is read. The writers store every chunk, even an all-zero one, and
+        mark the array (``all_chunks_written``); arrays of earlier versions, which skipped all-zero
+        chunks, are not checked.
         """
         for name in names:
             if name == schema.PATCHES and self._attrs_pixels == "jpeg":
@@ -97,6 +109,8 @@ class ZarrStore(PatchStore):
 
     def _check_array_chunks(self, name: str) -> None:
         arr = self._array(name)
+        if not arr.attrs.get(_ALL_CHUNKS_ATTR):  # written by an earlier version: all-zero chunks were skipped
+            return
         unit = arr.shards or arr.chunks
         grid = [-(-int(n) // int(c)) for n, c in zip(arr.shape, unit)]
         folder = self.path / name
@@ -208,27 +222,25 @@ class ZarrWriter(StoreWriter):
     def _create(self) -> None:
         g = zarr.open_group(self.partial_path, mode="w", zarr_format=3)
         self._group = g
-        coords = g.create_array(schema.COORDS, shape=(0, 2), dtype=np.int64, chunks=(_SCALAR_CHUNK, 2),
-                                config=_CONFIG)
+        coords = _new_array(g, schema.COORDS, shape=(0, 2), dtype=np.int64, chunks=(_SCALAR_CHUNK, 2))
         coords.attrs.update(_to_zarr_attrs(self.coords_attrs))
         self._app = {schema.COORDS: _Appender(coords, _SCALAR_CHUNK)}
         for name in (schema.ENTROPY, schema.TISSUE_FRACTION):
-            arr = g.create_array(name, shape=(0,), dtype=np.float32, chunks=(_SCALAR_CHUNK,), config=_CONFIG)
+            arr = _new_array(g, name, shape=(0,), dtype=np.float32, chunks=(_SCALAR_CHUNK,))
             self._app[name] = _Appender(arr, _SCALAR_CHUNK)
         p = self.patch_size_px
         if self.pixels == "jpeg":
             pg = g.create_group(schema.PATCHES, attributes={"encoding": "jpeg"})
-            data = pg.create_array(schema.ZARR_JPEG_DATA, shape=(0,), dtype=np.uint8, chunks=(_JPEG_DATA_CHUNK,),
-                                   compressors=None, config=_CONFIG)
-            offsets = pg.create_array(schema.ZARR_JPEG_OFFSETS, shape=(0,), dtype=np.int64, chunks=(_SCALAR_CHUNK,),
-                                      config=_CONFIG)
+            data = _new_array(pg, schema.ZARR_JPEG_DATA, shape=(0,), dtype=np.uint8, chunks=(_JPEG_DATA_CHUNK,),
+                              compressors=None)
+            offsets = _new_array(pg, schema.ZARR_JPEG_OFFSETS, shape=(0,), dtype=np.int64, chunks=(_SCALAR_CHUNK,))
             self._app["data"] = _Appender(data, _JPEG_DATA_CHUNK)
             self._app["offsets"] = _Appender(offsets, _SCALAR_CHUNK)
             self._app["offsets"].append(np.zeros(1, np.int64))
             self._n_bytes = 0
         elif self.pixels == "raw":
-            arr = g.create_array(schema.PATCHES, shape=(0, p, p, 3), dtype=np.uint8, chunks=(1, p, p, 3),
-                                 shards=(_RAW_SHARD, p, p, 3), compressors=None, config=_CONFIG)
+            arr = _new_array(g, schema.PATCHES, shape=(0, p, p, 3), dtype=np.uint8, chunks=(1, p, p, 3),
+                             shards=(_RAW_SHARD, p, p, 3), compressors=None)
             arr.attrs["encoding"] = "raw"
             self._app[schema.PATCHES] = _Appender(arr, _RAW_SHARD)
 
@@ -294,8 +306,7 @@ def zarr_write_arrays(path: Path, arrays: Mapping[str, np.ndarray], attrs: Mappi
             g = zarr.open_group(tmp, mode="r+")
             for name, values in arrays.items():
                 chunks = (min(max(len(values), 1), _SCALAR_CHUNK),) + values.shape[1:]
-                g.create_array(name, shape=values.shape, dtype=values.dtype, chunks=chunks,
-                               config=_CONFIG)[...] = values
+                _new_array(g, name, shape=values.shape, dtype=values.dtype, chunks=chunks)[...] = values
             if attrs:
                 g.attrs.update(_to_zarr_attrs(attrs))
         fsync_path(tmp)
