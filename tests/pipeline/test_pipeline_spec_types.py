@@ -85,3 +85,12 @@ def test_run_on_a_folder_or_non_utf8_file_gives_one_error_line(tmp_path, capsys)
     assert code != 0 and "Traceback" not in err
     assert f"error: {bad}: not UTF-8 text (byte 0 cannot be decoded), so not a TOML file" in err
     assert not (tmp_path / "x").exists()
+
+
+def test_an_unknown_synth_set_is_refused(tmp_path):
+    """A third generated set ([synth.validation]) used to be ignored without a word."""
+    path = tmp_path / "extra.toml"
+    path.write_text(DEMO + "\n[synth.validation]\nn_slides = 2\n")
+    with pytest.raises(ConfigError, match=re.escape(str(path)) + r": unknown table\(s\) \[synth\.validation\]; a "
+                                          r"generated pipeline has the sets \[synth\.train\], \[synth\.test\]\."):
+        load_pipeline(path)

@@ -199,6 +199,10 @@ def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None 
     sets: dict[str, DataSet] = {}
     if generate:
         synth = raw.get("synth", {})
+        extra = sorted(set(synth) - set(SETS))
+        if extra:
+            raise ConfigError(f"{source}: unknown table(s) {', '.join(f'[synth.{k}]' for k in extra)}; a generated "
+                              f"pipeline has the sets {', '.join(f'[synth.{k}]' for k in SETS)}.")
         for set_name in SETS:
             if set_name not in synth:
                 raise ConfigError(f"{source}: a generated pipeline needs a [synth.{set_name}] table.")
