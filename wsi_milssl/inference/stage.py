@@ -475,8 +475,10 @@ def make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.Path
     ConfigError before any slide for a bad checkpoint or bad inputs; per-slide errors are recorded in
     ``heatmap_status.csv`` and the run goes on.
 
-    Resume: slides a run with the same checkpoint and settings already finished in ``out_dir`` are
-    skipped (``overwrite`` predicts them again). ``shard`` = (I, N): this call takes every N-th slide
+    Resume: slides a run with the same checkpoint and settings already finished in ``out_dir`` from
+    the same slide and store files (path, size, modification time) are skipped (``overwrite`` predicts
+    them again). A model that gives NaN or infinite probabilities fails each slide (CheckpointError in
+    the status CSV) before any of its files is written. ``shard`` = (I, N): this call takes every N-th slide
     from the I-th (:func:`wsi_milssl.distributed.shard_items`); shards may run at once into one folder,
     and their status and score rows merge (sorted by slide), so N shards leave the files of one run.
     The lock of ``out_dir`` is held for the run (:func:`wsi_milssl.locks.folder_lock`, as shard I of
