@@ -89,3 +89,27 @@ def test_heatmap_features_refuses_wrong_pairings(tmp_path, feature_run, labelled
                        attrs={"mpp": 0.25}, coords_attrs={}, features_attrs={"encoder": "resnet50_trunc"})
     assert main(["heatmap", "--features", str(narrow), "--model", str(run), "--out", str(tmp_path / "c")]) == 1
     assert "features of width 8, but the head was trained on 1024" in capsys.readouterr().err
+
+
+def test_heatmap_features_with_a_nan_head_fails_each_slide_before_writing(tmp_path, feature_run, capsys):
+    """A diverged feature head (NaN weights): every slide is failed with the fix, no per-slide file is
+    written, and the command ends with its summary, not a ValueError from the scores file."""
+    import torch
+
+    from wsi_milssl.mil.checkpoint import save_checkpoint
+
+    feats, run = feature_run
+    ckpt = torch.load(run / "last.pt", weights_only=True)
+    first = next(k for k, v in ckpt["model"].items() if v.is_floating_point())
+    ckpt["model"][first] = torch.full_like(ckpt["model"][first], float("nan"))
+    save_checkpoint(ckpt, tmp_path / "nan.pt")
+    hm = tmp_path / "hm"
+    code = main(["heatmap", "--features", str(feats), "--model", str(tmp_path / "nan.pt"), "--out", str(hm)])
+    err = capsys.readouterr().err
+    assert code != 0 and "Traceback" not in err
+    with open(hm / "heatmap_status.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["status"] for r in rows] == ["failed", "failed"]
+    assert all("the model gives non-finite probabilities" in r["error"] and "lower learning rate" in r["error"]
+               for r in rows)
+    assert not list(hm.glob("synth_*")) and not (hm / "scores.csv").exists()

@@ -41,7 +41,7 @@ from wsi_milssl.artifacts import (
 )
 from wsi_milssl.inference.exports import update_scores_csv
 from wsi_milssl.inference.predict import SlidePrediction
-from wsi_milssl.inference.stage import HeatmapResult, HeatmapRun, write_slide_outputs
+from wsi_milssl.inference.stage import HeatmapResult, HeatmapRun, non_finite_error, write_slide_outputs
 
 __all__ = ["FeatureHead", "load_feature_head", "find_feature_files", "make_feature_heatmaps"]
 
@@ -206,6 +206,9 @@ def make_feature_heatmaps(features: Sequence[str | os.PathLike], checkpoint: str
             else:
                 probs = head.probabilities(ff.features, batch_size=max(1024, config.batch_size))
                 pred = _prediction(ff, probs, slide_path=slide_path, config=config, seconds=time.perf_counter() - t0)
+                bad = non_finite_error(pred, head)  # a diverged head: fail this slide before writing anything
+                if bad is not None:
+                    raise bad
                 written = write_slide_outputs(pred, out_dir, model=head, config=config, annotations_dir=annotations_dir)
                 score = pred.score(head.pooling)
                 update_scores_csv(out_dir, {stem: score})

@@ -447,9 +447,10 @@ def _empty_result(item: SlideInput, pred: SlidePrediction, model: InferenceModel
     return HeatmapResult(item.stem, str(item.slide_path or ""), "empty", 0, None, pred.seconds, message)
 
 
-def _non_finite_error(pred: SlidePrediction, model: InferenceModel) -> CheckpointError | None:
+def non_finite_error(pred: SlidePrediction, model: Any) -> CheckpointError | None:
     """CheckpointError (naming the checkpoint, the slide and the fix) when some of ``pred``'s
-    probabilities are NaN or infinite, else None."""
+    probabilities are NaN or infinite, else None. ``model``: an InferenceModel or a FeatureHead (the image and
+    the feature heatmaps both call it; only its ``checkpoint_path`` is read)."""
     n_bad = int(np.count_nonzero(~np.isfinite(pred.probs)))
     if n_bad == 0:
         return None
@@ -579,7 +580,7 @@ def _make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.Pat
             if len(pred) == 0:
                 record(i, _empty_result(inputs[i], pred, model))
                 continue
-            bad = _non_finite_error(pred, model)
+            bad = non_finite_error(pred, model)
             if bad is not None:  # before any file is written: a failed slide leaves no new files
                 record(i, failed(i, bad, pred.seconds))
                 continue
