@@ -277,6 +277,13 @@ METHODS: dict[str, MethodSpec] = {
                                                  "weights over about 3 epochs of steps (weight_average_epochs; "
                                                  "tried on the development sets, not adopted)",
                                                  fixed={"weight_average_epochs": 3.0}),
+    "mil-ssl-improved-hidden-64": _ablation("mil-ssl-improved-hidden-64", _IMPROVED,
+                                            "improved with a narrower instance classifier: one hidden layer of "
+                                            "64 units instead of 256 (tried on the development sets, not "
+                                            "adopted)", fixed={"hidden_dims": (64,)}),
+    "mil-ssl-improved-hidden-512": _ablation("mil-ssl-improved-hidden-512", _IMPROVED,
+                                             "improved with a wider instance classifier: one hidden layer of 512 "
+                                             "units instead of 256", fixed={"hidden_dims": (512,)}),
     "mil-ssl-improved-threshold-0.5": _ablation("mil-ssl-improved-threshold-0.5", _IMPROVED,
                                                 "improved, bag threshold 0.5 (not calibrated)", threshold="0.5"),
 }
