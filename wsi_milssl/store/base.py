@@ -310,11 +310,19 @@ class PatchStore(ABC):
             length = int(self._array_len(name))
             if length != n:
                 raise self._fail(f"array {name!r} has {length} rows but 'coords' has {n}", _CORRUPT_FIX)
-        self._check_chunks(names)
+        self._check_chunks([name for name in names if name != schema.PATCHES])  # patches: on their first read
         return n
 
     def _check_chunks(self, names: list[str]) -> None:
         """Raise StoreError if a backend stores arrays in chunk files and one of them is missing."""
+
+    def _check_patch_chunks_once(self) -> None:
+        """The chunk check of ``patches`` (most of a store's files), made on the first read of patches
+        rather than on every open, so opening a store to read its attributes or coordinates stays cheap."""
+        if "patch_chunks_checked" not in self._cache:
+            self._ensure_open()
+            self._check_chunks([schema.PATCHES])
+            self._cache["patch_chunks_checked"] = True
 
     def _validate(self) -> None:
         if str(self.path).rstrip("/").endswith(schema.PARTIAL_SUFFIX):
@@ -472,6 +480,8 @@ class PatchStore(ABC):
     def read_array(self, name: str, indices: Any = None) -> np.ndarray:
         """A per-patch array, whole or at ``indices``. JPEG ``patches`` come back as an object array of bytes."""
         self._require(name)
+        if name == schema.PATCHES:
+            self._check_patch_chunks_once()
         if name == schema.PATCHES and self.pixels == "jpeg":
             idx = np.arange(self._n) if indices is None else normalize_indices(indices, self._n, where=str(self.path))
             out = np.empty(len(idx), dtype=object)
@@ -504,6 +514,7 @@ class PatchStore(ABC):
             raise self._fail(f"patches are stored as {self.pixels!r}, not JPEG", "use read_patches()")
         idx = normalize_indices(indices, self._n, where=str(self.path))
         uniq, inverse = np.unique(idx, return_inverse=True)
+        self._check_patch_chunks_once()
         with self._reading("JPEG patches"):
             self._ensure_open()
             data = self._read_jpeg_sorted(uniq)
@@ -515,6 +526,7 @@ class PatchStore(ABC):
         idx = normalize_indices(indices, self._n, where=str(self.path))
         size = self.patch_size_px
         if self.pixels == "raw":
+            self._check_patch_chunks_once()
             with self._reading("raw patches"):
                 self._ensure_open()
                 return self._gather(schema.PATCHES, idx)

@@ -10,6 +10,7 @@ written once.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import warnings
@@ -113,12 +114,18 @@ class ZarrStore(PatchStore):
             return
         unit = arr.shards or arr.chunks
         grid = [-(-int(n) // int(c)) for n, c in zip(arr.shape, unit)]
-        folder = self.path / name
-        present = {
-            str((Path(root) / f).relative_to(folder)) for root, _dirs, files in os.walk(folder) for f in files
-        }
-        missing = [key for key in (arr.metadata.encode_chunk_key(i) for i in np.ndindex(*grid))
-                   if key not in present]
+        folder = os.fspath(self.path / name)
+        present: set[str] = set()  # chunk keys ("c/3", "c/1/0/0/0"), built as strings: a big store has ~10^4
+        for root, _dirs, files in os.walk(folder):
+            rel = os.path.relpath(root, folder)
+            prefix = "" if rel == "." else rel.replace(os.sep, "/") + "/"
+            present.update(prefix + f for f in files)
+        enc = arr.metadata.chunk_key_encoding
+        if getattr(enc, "name", "") == "default" and getattr(enc, "separator", "") == "/":  # what the writers use
+            keys = ("c/" + "/".join(map(str, i)) for i in itertools.product(*map(range, grid)))
+        else:
+            keys = (arr.metadata.encode_chunk_key(i) for i in np.ndindex(*grid))
+        missing = [key for key in keys if key not in present]
         if missing:
             shown = ", ".join(f"{name}/{k}" for k in missing[:3]) + (", ..." if len(missing) > 3 else "")
             raise self._fail(
