@@ -122,3 +122,15 @@ def test_grids_of_foreign_files_come_from_their_attributes_or_coordinates(tmp_pa
     odd = read_feature_file(write_clam_features(tmp_path / "d", "c", feats, off))
     with pytest.raises(StoreError, match="not on one regular grid"):
         odd.grid_layout(slide_mpp=0.5)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_feature_file_with_non_finite_values_is_refused_naming_the_rows(tmp_path, capsys, bad):
+    """An overflowed half-precision encoder leaves inf in a row: the file is refused where it is read (train,
+    heatmap), not passed on as a 'diverged training' or a 'diverged checkpoint'."""
+    feats = np.ones((6, 4), np.float32)
+    feats[4, 2] = bad
+    path = write_clam_features(tmp_path, "s1", feats, np.arange(12).reshape(6, 2) * 256)
+    with pytest.raises(StoreError, match=r"s1\.h5: 'features' holds NaN or infinite values in 1 of 6 rows \(first: "
+                                         r"row 4\), so no model can score them\. Fix: extract the features again"):
+        read_feature_file(path)

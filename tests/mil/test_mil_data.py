@@ -168,3 +168,13 @@ def test_prepare_patches_is_reproducible_and_geometric_only_without_jitter():
         assert any(torch.equal(g[i], v) for v in variants)
         changed += not torch.equal(g[i], x[i])
     assert changed > 8
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "1e40"])
+def test_a_mil_csv_with_a_non_finite_feature_is_refused(tmp_path, value):
+    """Was read as it is: a NaN feature then made the training loss NaN, reported as a diverged run."""
+    path = tmp_path / "bad.csv"
+    path.write_text(f"label,bag,f1,f2\n0,a,1,2\n1,b,3,{value}\n1,b,1,1\n0,a,0,0\n")
+    with pytest.raises(ConfigError, match=r"bad\.csv: 1 instance row\(s\) have a NaN or infinite feature .* the first "
+                                          r"is data row 2 \(a header not counted\)"):
+        read_mil_csv(path)

@@ -352,8 +352,8 @@ def read_feature_file(path: str | os.PathLike) -> FeatureFile:
 
     The slide stem is the root ``slide_stem`` attribute, else the file stem (TRIDENT and CLAM name the
     file after the slide). Raises StoreError naming the file for one that cannot be opened, has no
-    ``features``, features that are not (N, D) (TRIDENT's empty (0,) counts as N = 0) or coordinates
-    whose count differs.
+    ``features``, features that are not (N, D) (TRIDENT's empty (0,) counts as N = 0) or not all finite,
+    or coordinates whose count differs.
     """
     import h5py
 
@@ -375,6 +375,11 @@ def read_feature_file(path: str | os.PathLike) -> FeatureFile:
                              "per patch.")
         if feats.dtype.kind != "f":
             raise StoreError(f"{path}: 'features' must be floating point; got {feats.dtype}.")
+        bad_rows = np.flatnonzero(~np.isfinite(feats).all(axis=1)) if feats.size else np.zeros(0, np.int64)
+        if bad_rows.size:
+            raise StoreError(f"{path}: 'features' holds NaN or infinite values in {bad_rows.size} of {len(feats)} rows "
+                             f"(first: row {int(bad_rows[0])}), so no model can score them. Fix: extract the features "
+                             "again (in float32 if a half-precision encoder overflowed).")
         coords = None
         if COORDS in fh:
             coords = np.asarray(fh[COORDS][()]).astype(np.int64, copy=False).reshape(-1, 2)

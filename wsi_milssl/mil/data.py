@@ -179,6 +179,11 @@ def read_mil_csv(path: str | os.PathLike) -> InstanceSet:
         raise ConfigError(f"{path}: non-numeric label or feature ({exc}); labels are 0/1 and features numbers.") from None
     if not np.all(np.isin(labels, (0.0, 1.0))):
         raise ConfigError(f"{path}: labels (first column) must be 0 or 1; found {sorted(set(labels.tolist()))[:5]}.")
+    bad_rows = np.flatnonzero(~np.isfinite(feats).all(axis=1))
+    if bad_rows.size:
+        raise ConfigError(f"{path}: {bad_rows.size} instance row(s) have a NaN or infinite feature (or one beyond "
+                          f"float32's range), the first is data row {int(bad_rows[0]) + 1} (a header not counted); "
+                          "fix or drop those rows.")
     raw_bags = [r[1].strip() for r in rows]
     names: list[str] = []
     index: dict[str, int] = {}
