@@ -66,16 +66,18 @@ def test_synth_into_a_folder_another_run_holds_is_refused(tmp_path):
 
 def test_a_new_run_into_a_used_folder_leaves_none_of_the_old_runs_slides_or_annotations(tmp_path):
     """Three tumour slides, then two normal ones into the same folder: the old annotations and the third
-    slide go (before this, the normal slide kept its tumour XML and labelling gave it positive patches);
-    a file the command does not own stays."""
+    slide (listed in the old manifest) go (before this, the normal slide kept its tumour XML and
+    labelling gave it positive patches); files the command did not write stay."""
     import csv
 
     out = tmp_path / "data"
     generate_slides(SynthConfig(n_slides=3, width_px=1024, height_px=1024, tumor_slide_fraction=1.0), out)
     assert len(list(out.glob("synth_*.xml"))) == 3
-    (out / "notes.txt").write_text("mine")
+    for name in ("notes.txt", "synth_0001.xml", "tumor_001.tif"):  # files synth did not write stay
+        (out / name).write_text("mine")
     generate_slides(SynthConfig(n_slides=2, width_px=1024, height_px=1024, tumor_slide_fraction=0.0, seed=5), out)
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
-        "labels.csv", "manifest.json", "notes.txt", "synth_000.tif", "synth_001.tif"]
+        "labels.csv", "manifest.json", "notes.txt", "synth_000.tif", "synth_0001.xml", "synth_001.tif",
+        "tumor_001.tif"]
     with (out / "labels.csv").open() as fh:
         assert [row["label"] for row in csv.DictReader(fh)] == ["0", "0"]

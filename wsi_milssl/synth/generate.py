@@ -97,7 +97,8 @@ def generate_slides(
 ) -> list[SynthSlide]:
     """Generate ``config.n_slides`` slides into ``out_dir`` and return what was written. The files of an
     earlier run in ``out_dir`` (``synth_NNN.tif`` / ``.xml``, ``labels.csv``, ``manifest.json``) are removed
-    first; other files are left alone.
+    first (the slides its manifest lists, and annotations of the names this run writes); other files are
+    left alone.
 
     Holds the lock of ``out_dir`` while writing (a second run into it raises FolderLockedError).
     """
@@ -105,23 +106,29 @@ def generate_slides(
         return _generate_slides(config, Path(out_dir), progress=progress)
 
 
-#: the files a synth run owns in its folder (removed before a new run writes it)
-_OWNED = re.compile(r"synth_\d{3,}\.(tif|xml)")
-
-
-def _clear_previous_run(out: Path) -> None:
-    """Remove an earlier run's files from ``out`` (its labels and manifest first, so an interrupted run
-    never leaves a labels.csv that lists slides of another run), leaving any other file alone: a slide
-    the new run makes normal must not keep its old annotation, and slides beyond the new count must go."""
+def _clear_previous_run(out: Path, n_slides: int) -> None:
+    """Remove what an earlier run wrote into ``out`` and this run would not overwrite: the slides and
+    annotations its ``manifest.json`` lists (slides beyond the new count must go) and the annotation of
+    every slide name this run writes (a slide made normal must not keep its old tumour XML); then the
+    old manifest and labels, so an interrupted run never leaves a labels.csv that lists another run's
+    slides. No other file is touched."""
+    own = {f"synth_{i:03d}" for i in range(n_slides)}
+    earlier: set[str] = set()
+    try:
+        listed = json.loads((out / "manifest.json").read_text(encoding="utf-8")).get("slides", [])
+        earlier = {s["slide"] for s in listed if isinstance(s, dict) and isinstance(s.get("slide"), str)}
+    except (OSError, ValueError, AttributeError, TypeError):
+        pass  # no (readable) manifest: only this run's own names
+    for stem in own | {s for s in earlier if re.fullmatch(r"synth_\d{3,}", s)}:  # names synth writes, no paths
+        (out / f"{stem}.xml").unlink(missing_ok=True)
+        if stem not in own:  # this run overwrites its own slides
+            (out / f"{stem}.tif").unlink(missing_ok=True)
     for name in ("manifest.json", "labels.csv"):
         (out / name).unlink(missing_ok=True)
-    for path in out.iterdir():
-        if _OWNED.fullmatch(path.name) and path.is_file():
-            path.unlink()
 
 
 def _generate_slides(config: SynthConfig, out: Path, *, progress: ProgressCallback | None) -> list[SynthSlide]:
-    _clear_previous_run(out)
+    _clear_previous_run(out, config.n_slides)
     flags = _tumour_flags(config)
     slides: list[SynthSlide] = []
     um2_per_px2 = config.mpp**2
