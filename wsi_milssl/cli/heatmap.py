@@ -85,8 +85,9 @@ def register(subparsers) -> None:
     p.add_argument("--model", type=Path, required=True, metavar="CHECKPOINT",
                    help="RUN_DIR/best.pt, RUN_DIR/last.pt or RUN_DIR (best.pt, else last.pt)")
     p.add_argument("--out", type=Path, required=True, metavar="DIR",
-                   help="output folder (created); slides finished there with the same checkpoint and settings are "
-                        "skipped")
+                   help="output folder (created); slides finished there with the same checkpoint and settings, "
+                        "from the same unchanged slide and store files, are skipped (slides with no patch "
+                        "are predicted again)")
     p.add_argument("--overwrite", action="store_true", help="predict every slide again, even those already done")
     add_shard_argument(p, items="slides")
     p.add_argument("--store", type=Path, nargs="+", default=None, metavar="STORE_OR_DIR",

@@ -14,8 +14,9 @@ Every stage writes under the pipeline's output folder::
 
 A stage is skipped when its stamp matches its settings and the stamps of the stages it reads from,
 and its outputs still exist. A stage that runs again after an interruption goes on from what is
-finished: ``tile`` keeps every complete store made with the same settings (settings hash) and
-re-tiles only when a store was made with other settings; ``train`` continues each run folder from its
+finished: ``tile`` keeps every complete store made with the same settings (settings hash) from the
+same slide file (path, size, modification time) and re-tiles when the settings or the slide file
+changed; ``train`` continues each run folder from its
 ``last.pt`` when the folder was started with the same settings, data split and labels (recorded in
 ``pipeline_run.json``), skips finished grid points, and never deletes a run folder: one holding a run
 with other settings is renamed ``<folder>.replaced-<UTC time>`` and kept. ``force`` re-runs the named stages and everything downstream. A run
