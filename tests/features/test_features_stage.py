@@ -121,3 +121,15 @@ def test_bad_inputs_fail_alone_or_before_anything_runs(tmp_path, stores_copy, sy
     assert main(["features", str(stores_copy), "--out", str(tmp_path / "g"), "--encoder", "nope",
                  "--weights", "random"]) == 1
     assert "unknown encoder 'nope'; registered: resnet18, resnet50_trunc" in capsys.readouterr().err
+
+
+def test_a_store_tiled_again_from_a_changed_slide_is_embedded_again(tmp_path, stores_copy):
+    """Same settings and patch count, but the store was cut from a changed slide file (its recorded size
+    and modification time differ): its features are made again, the other slide's are kept."""
+    out = tmp_path / "feats"
+    assert extract_features([stores_copy], out, EXACT).ok
+    with h5py.File(stores_copy / "synth_001.h5", "r+") as fh:
+        assert "slide_mtime_ns" in fh.attrs
+        fh.attrs["slide_mtime_ns"] = int(fh.attrs["slide_mtime_ns"]) + 1
+    again = extract_features([stores_copy], out, EXACT)
+    assert [r.status for r in again.results] == ["skipped", "ok"]

@@ -167,8 +167,11 @@ def _read_store(path: Path) -> _Source:
     except WsiMilsslError as exc:
         return _Source(None, {}, False, {}, error=str(exc))
     plain = {k: v.item() if isinstance(v, np.generic) else v for k, v in attrs.items()}
-    return _Source(plain, coords_attrs, has_labels,
-                   {"store_config_hash": plain.get("config_hash"), "n_patches": n, "instance_label": has_labels})
+    fingerprint = {"store_config_hash": plain.get("config_hash"), "n_patches": n, "instance_label": has_labels}
+    # the slide file the store was cut from (stores of earlier versions do not record it): a store tiled
+    # again from a changed slide, with the same settings and patch count, is not the same source
+    fingerprint.update({k: plain[k] for k in ("slide_path", "slide_size_bytes", "slide_mtime_ns") if k in plain})
+    return _Source(plain, coords_attrs, has_labels, fingerprint)
 
 
 def _slide_fingerprint(path: Path | None, plan: TilingPlan, slide_mpp: float | None) -> dict[str, Any]:
