@@ -174,7 +174,8 @@ def read_mil_csv(path: str | os.PathLike) -> InstanceSet:
         raise ConfigError(f"{path}: row {bad + 1} has {len(rows[bad])} columns, expected {width}; fix the file.")
     try:
         labels = np.array([float(r[0]) for r in rows])
-        feats = np.array([[float(v) for v in r[2:]] for r in rows], dtype=np.float32)
+        with np.errstate(over="ignore"):  # beyond float32's range becomes inf, refused below
+            feats = np.array([[float(v) for v in r[2:]] for r in rows], dtype=np.float32)
     except ValueError as exc:
         raise ConfigError(f"{path}: non-numeric label or feature ({exc}); labels are 0/1 and features numbers.") from None
     if not np.all(np.isin(labels, (0.0, 1.0))):

@@ -320,8 +320,9 @@ class PatchStore(ABC):
         """The chunk check of ``patches`` (most of a store's files), made on the first read of patches
         rather than on every open, so opening a store to read its attributes or coordinates stays cheap."""
         if "patch_chunks_checked" not in self._cache:
-            self._ensure_open()
-            self._check_chunks([schema.PATCHES])
+            with self._reading("the chunk files of 'patches'"):  # a damaged array's metadata: one StoreError
+                self._ensure_open()
+                self._check_chunks([schema.PATCHES])
             self._cache["patch_chunks_checked"] = True
 
     def _validate(self) -> None:
