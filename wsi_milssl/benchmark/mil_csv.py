@@ -283,7 +283,8 @@ METHODS: dict[str, MethodSpec] = {
                                             "adopted)", fixed={"hidden_dims": (64,)}),
     "mil-ssl-improved-hidden-512": _ablation("mil-ssl-improved-hidden-512", _IMPROVED,
                                              "improved with a wider instance classifier: one hidden layer of 512 "
-                                             "units instead of 256", fixed={"hidden_dims": (512,)}),
+                                             "units instead of 256 (tried on the development sets, not "
+                                             "adopted)", fixed={"hidden_dims": (512,)}),
     "mil-ssl-improved-threshold-0.5": _ablation("mil-ssl-improved-threshold-0.5", _IMPROVED,
                                                 "improved, bag threshold 0.5 (not calibrated)", threshold="0.5"),
 }
