@@ -86,7 +86,8 @@ class ZarrStore(PatchStore):
         return names
 
     def _array_attrs(self, name: str) -> dict[str, Any]:
-        return dict(self._group[name].attrs)
+        # the chunk mark is this backend's bookkeeping, not content (both formats hold the same attributes)
+        return {k: v for k, v in self._group[name].attrs.items() if k != _ALL_CHUNKS_ATTR}
 
     def _array_len(self, name: str) -> int:
         return int(self._array(name).shape[0])
