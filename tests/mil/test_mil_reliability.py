@@ -166,3 +166,70 @@ def test_an_infinite_learning_rate_is_refused():
     for field in ("lr", "weight_decay", "lam"):
         with pytest.raises(ConfigError, match=field):
             TrainConfig(**{field: float("inf")})
+
+
+class _Killed(BaseException):
+    """Stands in for SIGKILL in the middle of an epoch's saves."""
+
+
+def _kill_at(monkeypatch, name: str, epoch: int):
+    """Make the save of ``name`` (last.pt / best.pt) at ``epoch`` die, once."""
+    from wsi_milssl.mil import selftrain
+
+    real, fired = selftrain.save_checkpoint, []
+
+    def save(ckpt, path):
+        if path.name == name and ckpt["epoch"] == epoch and not fired:
+            fired.append(path)
+            raise _Killed()
+        return real(ckpt, path)
+
+    monkeypatch.setattr(selftrain, "save_checkpoint", save)
+    return fired
+
+
+def test_a_kill_between_an_epochs_saves_resumes_to_the_same_best_and_metrics(tmp_path, monkeypatch, mil_csv,
+                                                                            mil_csv_val):
+    """Killed as epoch 2's last.pt is written (best.pt and metrics.jsonl already hold epoch 2): the resume
+    runs epoch 2 again; best.pt is the epoch last.pt names and metrics.jsonl lists every epoch once, as in
+    an uninterrupted run (before, last.pt was written first and a kill left best.pt stale for good)."""
+    import json
+
+    import torch
+
+    args = ["--val", str(mil_csv_val), "--epochs", "3", "--threads", "1", "--no-plots"]
+    whole = tmp_path / "whole"
+    assert main(["train", str(mil_csv), "--out", str(whole), *args]) == 0
+    run = tmp_path / "run"
+    fired = _kill_at(monkeypatch, "last.pt", 2)
+    try:
+        main(["train", str(mil_csv), "--out", str(run), *args])
+    except _Killed:
+        pass
+    assert fired and torch.load(run / "last.pt", weights_only=True)["epoch"] == 1
+    monkeypatch.undo()
+    assert main(["train", "--resume", str(run)]) == 0
+    for folder in (whole, run):
+        last = torch.load(folder / "last.pt", weights_only=True)
+        assert torch.load(folder / "best.pt", weights_only=True)["epoch"] == last["best"]["epoch"]
+    epochs = [json.loads(line)["epoch"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert epochs == [1, 2, 3]
+    whole_best = torch.load(whole / "best.pt", weights_only=True)
+    run_best = torch.load(run / "best.pt", weights_only=True)
+    assert whole_best["epoch"] == run_best["epoch"]
+    assert all(torch.equal(whole_best["model"][k], run_best["model"][k]) for k in whole_best["model"])
+
+
+def test_resume_rewrites_a_missing_best_checkpoint_from_last_when_last_is_the_best(tmp_path, mil_csv, mil_csv_val):
+    """A run of an earlier version killed between last.pt and best.pt: best.pt missing while last.pt names
+    its own epoch as the best. The resume writes best.pt from last.pt before it goes on."""
+    import torch
+
+    run = tmp_path / "run"
+    assert main(["train", str(mil_csv), "--out", str(run), "--val", str(mil_csv_val), "--epochs", "1", "--threads",
+                 "1", "--no-plots"]) == 0
+    assert torch.load(run / "last.pt", weights_only=True)["best"]["epoch"] == 1
+    (run / "best.pt").unlink()
+    assert main(["train", "--resume", str(run), "--epochs", "2"]) == 0
+    last = torch.load(run / "last.pt", weights_only=True)
+    assert torch.load(run / "best.pt", weights_only=True)["epoch"] == last["best"]["epoch"]

@@ -555,6 +555,32 @@ def _write_metrics(out_dir: Path, history: list[dict[str, Any]], *, plots: bool)
             log.warning("could not draw %s: %s", out_dir / "metrics.png", exc)
 
 
+def _check_best(out: Path, last: dict[str, Any], best_epoch: int | None) -> None:
+    """On resume: make ``best.pt`` the epoch ``last.pt`` names as best where it can (runs of earlier
+    versions wrote last.pt first, so a kill between the two saves left best.pt stale or missing): the
+    best epoch is last.pt's own epoch -> best.pt is rewritten from it; otherwise a stale best.pt is
+    reported. A best.pt from an epoch after last.pt's (a kill after best.pt's save) is rewritten when
+    that epoch runs again."""
+    if best_epoch is None:
+        return
+    path = out / "best.pt"
+    held = None
+    if path.is_file():
+        try:
+            held = int(read_checkpoint(path).get("epoch", -1))
+        except CheckpointError:
+            held = None
+    if held == best_epoch or (held is not None and held > int(last["epoch"])):
+        return
+    if best_epoch == int(last["epoch"]):
+        save_checkpoint(last, path)
+        log.info("%s rewritten from last.pt (epoch %d, the best so far)", path, best_epoch)
+        return
+    log.warning("%s holds %s, not epoch %d that last.pt names as the best (a run killed between its two "
+                "saves by an earlier version); best.pt is replaced when a later epoch scores better, else use "
+                "last.pt or train again.", path, "nothing" if held is None else f"epoch {held}", best_epoch)
+
+
 def _read_history(out_dir: Path, *, before_epoch: int) -> list[dict[str, Any]]:
     path = out_dir / "metrics.jsonl"
     if not path.is_file():
@@ -648,6 +674,13 @@ def fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike |
         return _fit(train, **kwargs)
     with folder_lock(out_dir):
         return _fit(train, **kwargs)
+
+
+def _remove_quietly(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def _save_failed(out: Path, exc: OutputError, *, saved_epoch: int) -> OutputError:
@@ -789,6 +822,10 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
             best_score = tuple(best["score"])
             best_epoch = best.get("epoch")
         history = _read_history(out, before_epoch=start_epoch)
+        if (not history or int(history[-1].get("epoch", 0)) < start_epoch) and ckpt.get("metrics"):
+            history.append(dict(ckpt["metrics"]))  # killed before metrics.jsonl got last.pt's epoch (older runs)
+        if dist.is_main:
+            _check_best(out, ckpt, best_epoch)
         log.info("resumed %s at epoch %d (step %d)", out / "last.pt", start_epoch, step)
     if out is not None and dist.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -888,12 +925,17 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
                 draw = config.plots and (epoch + 1 == config.epochs or time.perf_counter() - last_plot >= PLOT_INTERVAL_S)
                 saved = epoch  # the epoch last.pt holds until this save succeeds
                 try:
-                    save_checkpoint(ckpt, out / "last.pt")
-                    saved = epoch + 1
+                    # last.pt last: it is what a resume starts from, so a kill between these writes re-runs
+                    # this epoch, which writes best.pt and its metrics record again
                     if improved:
                         save_checkpoint(ckpt, out / "best.pt")
                     _write_metrics(out, history, plots=draw)
+                    save_checkpoint(ckpt, out / "last.pt")
+                    saved = epoch + 1
                 except OutputError as exc:
+                    if saved == 0:  # no epoch saved: nothing written for this one may look like a run
+                        for name in ("best.pt", "metrics.jsonl", "metrics.png"):
+                            _remove_quietly(out / name)
                     raise _save_failed(out, exc, saved_epoch=saved) from None
                 if draw:
                     last_plot = time.perf_counter()
