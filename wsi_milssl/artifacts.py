@@ -355,7 +355,8 @@ def find_predictions(directory: str | os.PathLike, *, known_stems: Iterable[str]
 
     ``<stem>_detections.csv`` files always count; a plain ``<stem>.csv`` (CAMELYON16 submission
     naming) counts as a detection file only when ``stem`` is in ``known_stems`` (the labelled
-    slides; case-insensitive) and has no ``_detections.csv``.
+    slides; case-insensitive) and has no ``_detections.csv``. Stems match without case: two files of
+    one kind for one slide (``a_detections.csv``, ``A_detections.csv``) are an EvaluationError.
     """
     from wsi_milssl.cohorts import stem_key
 
@@ -364,7 +365,9 @@ def find_predictions(directory: str | os.PathLike, *, known_stems: Iterable[str]
         raise EvaluationError(
             f"{directory}: the predictions folder does not exist. Fix: pass the heatmap output folder."
         )
+    # one slide per case-folded stem: test_002_detections.csv and Test_002_detections.csv are one slide
     found: dict[str, dict[str, Path]] = {}
+    names: dict[str, str] = {}  # key -> the stem as first written
     plain_csv: dict[str, Path] = {}
     for p in sorted(directory.iterdir()):
         if not p.is_file():
@@ -373,11 +376,23 @@ def find_predictions(directory: str | os.PathLike, *, known_stems: Iterable[str]
         if parsed is not None:
             stem, kind = parsed
             if kind in _EVALUATED_KINDS:
-                found.setdefault(stem, {})[_EVALUATED_KINDS[kind]] = p
+                key, field = stem_key(stem), _EVALUATED_KINDS[kind]
+                other = found.get(key, {}).get(field)
+                if other is not None:
+                    raise EvaluationError(f"{directory}: {other.name} and {p.name} are files of one slide (names "
+                                          "match without case). Fix: keep one of them.")
+                names.setdefault(key, stem)
+                found.setdefault(key, {})[field] = p
         elif p.suffix == ".csv" and p.name not in (SCORES_FILENAME, HEATMAP_STATUS_FILENAME):
-            plain_csv[p.stem] = p
+            key = stem_key(p.stem)
+            if key in plain_csv:
+                raise EvaluationError(f"{directory}: {plain_csv[key].name} and {p.name} are detection files of one "
+                                      "slide (names match without case). Fix: keep one of them.")
+            plain_csv[key] = p
     known = {stem_key(s) for s in known_stems}
-    for stem, p in plain_csv.items():
-        if stem_key(stem) in known and "detections" not in found.get(stem, {}):
-            found.setdefault(stem, {})["detections"] = p
-    return {stem: PredictionFiles(stem=stem, **files) for stem, files in sorted(found.items())}
+    for key, p in plain_csv.items():
+        if key in known and "detections" not in found.get(key, {}):
+            names.setdefault(key, p.stem)
+            found.setdefault(key, {})["detections"] = p
+    return {names[key]: PredictionFiles(stem=names[key], **files)
+            for key, files in sorted(found.items(), key=lambda kv: names[kv[0]])}

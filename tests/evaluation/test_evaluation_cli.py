@@ -8,7 +8,7 @@ import pytest
 
 from wsi_milssl.cli import COMMANDS, main
 from wsi_milssl.config import EvaluateConfig
-from wsi_milssl.errors import ConfigError
+from wsi_milssl.errors import ConfigError, EvaluationError
 
 
 def test_evaluate_command(synth_dir, annotations_dir, predictions, tmp_path, capsys):
@@ -85,3 +85,51 @@ def test_evaluate_refuses_when_the_heatmap_stage_failed_on_a_labelled_slide(synt
     assert f"the heatmap stage failed on labelled slides {stem} (SlideReadError: cannot read)" in err
     assert "Fix: mend and re-run the heatmap stage for them" in err and "Traceback" not in err
     assert not out.exists()
+
+
+def _evaluate(pred_dir, synth_dir, annotations_dir, out):
+    from wsi_milssl.evaluation import evaluate_predictions
+
+    return evaluate_predictions(pred_dir, labels_csv=synth_dir / "labels.csv", out_dir=out,
+                                annotations_dir=annotations_dir, slides=synth_dir).metrics
+
+
+def test_a_tumour_slide_the_heatmap_found_empty_counts_with_its_lesions_missed(synth_dir, annotations_dir,
+                                                                              predictions, tmp_path):
+    """No tissue patch -> no detection file: the slide is evaluated with no detection (its lesion missed,
+    score 0), not dropped (which took its lesions out of the sensitivity and raised the FROC)."""
+    import shutil
+
+    pred_dir, info = predictions
+    copy = tmp_path / "preds"
+    shutil.copytree(pred_dir, copy)
+    for path in copy.glob(f"{info['tumor']}_*"):
+        path.unlink()
+    (copy / "scores.csv").write_text(f"slide,score\n{info['normal']},0.2\n")
+    (copy / "heatmap_status.csv").write_text(f"slide,status,n_patches,score,seconds,error\n{info['tumor']},empty,0,,"
+                                             f"0.1,no patch\n{info['normal']},ok,256,0.2,0.1,\n")
+    m = _evaluate(copy, synth_dir, annotations_dir, tmp_path / "out")
+    assert m["n_slides"] == 2 and m["n_lesions"] == 1 and m["n_lesions_detected"] == 0
+    assert m["froc"] == 0.0 and m["not_evaluated"] == []
+    assert m["bag_auc"] == 0.0  # the tumour slide's 0 ranks below the normal slide's 0.2
+
+
+def test_detection_files_named_in_another_case_match_their_slides(synth_dir, annotations_dir, predictions,
+                                                                   tmp_path):
+    """The challenge's capitalised CSV names (Synth_000.csv) against lower-case slide files and scores: the
+    same FROC and bag AUC as the heatmap's own names; a slide is never counted twice."""
+    import shutil
+
+    pred_dir, info = predictions
+    reference = _evaluate(pred_dir, synth_dir, annotations_dir, tmp_path / "ref")
+    copy = tmp_path / "preds"
+    copy.mkdir()
+    for stem in (info["tumor"], info["normal"]):
+        shutil.copy(pred_dir / f"{stem}_detections.csv", copy / f"{stem.capitalize()}.csv")
+    shutil.copy(pred_dir / "scores.csv", copy / "scores.csv")
+    m = _evaluate(copy, synth_dir, annotations_dir, tmp_path / "out")
+    assert m["n_slides"] == 2 and m["froc"] == reference["froc"] and m["bag_auc"] == reference["bag_auc"]
+    shutil.copy(pred_dir / f"{info['normal']}_detections.csv", copy / f"{info['normal'].upper()}_detections.csv")
+    shutil.copy(pred_dir / f"{info['normal']}_detections.csv", copy / f"{info['normal']}_detections.csv")
+    with pytest.raises(EvaluationError, match=r"are files of one slide \(names match without case\)"):
+        _evaluate(copy, synth_dir, annotations_dir, tmp_path / "out2")

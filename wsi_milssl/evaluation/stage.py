@@ -32,6 +32,7 @@ from PIL import Image
 from wsi_milssl.annotations import find_annotation, rasterize_region, read_annotations, tumor_fraction
 from wsi_milssl.artifacts import (
     DETECTION_OUTCOME_COLUMNS,
+    Detections,
     EVALUATION_FILES,
     FROC_CURVE_COLUMNS,
     HEATMAP_STATUS_FILENAME,
@@ -136,6 +137,10 @@ def _slide_geometry(stem: str, slide_path: Path | None, sidecar: dict | None, co
 def _find_slide_path(stem: str, slide_paths: dict[str, Path], sidecar: dict | None) -> Path | None:
     if stem in slide_paths:
         return slide_paths[stem]
+    key = stem_key(stem)  # names match without case (the challenge's Test_001.csv, the download's test_001.tif)
+    for name, path in slide_paths.items():
+        if stem_key(name) == key:
+            return path
     candidate = (sidecar or {}).get("slide_path")
     if isinstance(candidate, str) and candidate and Path(candidate).exists():
         return Path(candidate)
@@ -147,7 +152,10 @@ def _evaluate_slide(
     config: EvaluateConfig,
 ) -> SlideResult:
     stem = files.stem
-    dets = read_detections(files.detections)
+    if files.detections is None:  # the heatmap stage found no tissue patch: no detection, no patch
+        dets = Detections(np.zeros(0), np.zeros(0), np.zeros(0))
+    else:
+        dets = read_detections(files.detections)
     sidecar = read_probs_sidecar(files.sidecar) if files.sidecar is not None else None
     coords = probs = None
     if files.patches is not None:
@@ -184,7 +192,9 @@ def _evaluate_slide(
         match = match_detections(dets.probs, dets.x_lv0, dets.y_lv0, mask=None, stem=stem)
 
     inst = None
-    if coords is not None and sidecar is not None:
+    if files.detections is None:
+        probs, inst = np.zeros(0), np.zeros(0, dtype=np.uint8)
+    elif coords is not None and sidecar is not None:
         if region is None:
             inst = np.zeros(coords.shape[0], dtype=np.uint8)
         else:
@@ -212,8 +222,10 @@ def _instance_metric(results: list[SlideResult]) -> tuple[Metric, RocCurve | Non
 def _bag_metric(results: list[SlideResult], scores_path: Path) -> tuple[Metric, RocCurve | None, dict]:
     if not scores_path.is_file():
         return Metric(None, f"no slide scores ({scores_path.name} is missing from the predictions folder)"), None, {}
-    scores = read_scores(scores_path)
-    missing = [r.stem for r in results if r.stem not in scores]
+    keyed = {stem_key(k): v for k, v in read_scores(scores_path).items()}
+    # a slide without a tissue patch has no score; as a max over no patch it ranks below every other
+    scores = {r.stem: keyed.get(stem_key(r.stem), 0.0 if r.files.detections is None else None) for r in results}
+    missing = [stem for stem, v in scores.items() if v is None]
     if missing:
         shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
         return Metric(None, f"{scores_path.name} has no score for {len(missing)} of {len(results)} slides "
@@ -264,14 +276,14 @@ def _none_if_nan(value: float) -> float | None:
     return None if value is None or not math.isfinite(value) else float(value)
 
 
-def _heatmap_failures(predictions_dir: Path, stems: list[str]) -> dict[str, str]:
-    """{slide: error} of the slides among ``stems`` that the heatmap stage's status file (when the folder
-    has one) records as failed."""
+def _heatmap_outcomes(predictions_dir: Path, stems: list[str]) -> tuple[dict[str, str], list[str]]:
+    """({slide: error} of the slides among ``stems`` that the heatmap stage's status file (when the folder
+    has one) records as failed, [slides it records as empty: no tissue patch])."""
     import csv
 
     path = predictions_dir / HEATMAP_STATUS_FILENAME
     if not stems or not path.is_file():
-        return {}
+        return {}, []
     wanted = {stem_key(s): s for s in stems}
     try:
         with path.open(newline="", encoding="utf-8") as fh:
@@ -279,8 +291,9 @@ def _heatmap_failures(predictions_dir: Path, stems: list[str]) -> dict[str, str]
     except (OSError, UnicodeDecodeError, csv.Error) as exc:
         raise EvaluationError(f"{path}: cannot read the heatmap status file ({exc}). Fix: re-run the heatmap "
                               "stage, or delete the file to evaluate without it.") from None
-    return {wanted[stem_key(r.get("slide") or "")]: (r.get("error") or "no message").strip()
-            for r in rows if r.get("status") == "failed" and stem_key(r.get("slide") or "") in wanted}
+    ours = [(wanted[stem_key(r.get("slide") or "")], r) for r in rows if stem_key(r.get("slide") or "") in wanted]
+    failed = {s: (r.get("error") or "no message").strip() for s, r in ours if r.get("status") == "failed"}
+    return failed, sorted({s for s, r in ours if r.get("status") == "empty"})
 
 
 def evaluate_predictions(
@@ -328,13 +341,19 @@ def evaluate_predictions(
     slide_labels = labels_for(labels, evaluated, what="predicted slide")  # one error lists every unlabelled slide
     evaluated_keys = {stem_key(s) for s in evaluated}
     skipped = sorted(s for s in labels if stem_key(s) not in evaluated_keys)
-    failed = _heatmap_failures(predictions_dir, skipped)
+    failed, empty = _heatmap_outcomes(predictions_dir, skipped)
     if failed:
         raise EvaluationError(
             f"{predictions_dir / HEATMAP_STATUS_FILENAME}: the heatmap stage failed on labelled slides "
             f"{', '.join(f'{s} ({e})' for s, e in failed.items())}, so the FROC would count only the others. "
             "Fix: mend and re-run the heatmap stage for them, or remove them from the labels CSV to evaluate "
             "the rest.")
+    if empty:  # no tissue patch: evaluated with no detection (a tumour slide's lesions are missed)
+        evaluated.update({s: PredictionFiles(stem=s) for s in empty})
+        slide_labels.update(labels_for(labels, {s: None for s in empty}, what="predicted slide"))
+        skipped = [s for s in skipped if s not in empty]
+        logger.warning("%d slide(s) had no tissue patch in the heatmap stage (%s); they count with no detection "
+                       "(their lesions missed) and score 0.", len(empty), ", ".join(empty))
     if skipped:
         logger.info("%d labelled slides have no predictions and are not evaluated (listed in %s under "
                     "not_evaluated)", len(skipped), EVALUATION_FILES["metrics"])
