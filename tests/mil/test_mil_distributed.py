@@ -110,3 +110,15 @@ def test_a_killed_rank_stops_the_run_clearly_and_resume_continues_on_one_process
     history = _history(run)
     assert [h["epoch"] for h in history] == list(range(1, epochs + 1))
     assert json.loads((run / "config.json").read_text())["distributed"]["world_size"] == 1
+
+
+def test_online_pseudo_labels_with_refreshes_inside_epochs_keep_the_ranks_together(tmp_path, stores):
+    """Each rank records online probabilities for its own share of an epoch only: a refresh in the middle
+    of an epoch used to label from those partial records and the ranks diverged (a 'this is a bug' error)."""
+    folder, labels = stores
+    run = tmp_path / "online"
+    proc = _torchrun(2, str(folder), "--labels", str(labels), "--out", str(run), "--epochs", "2", "--batch-size", "8",
+                     "--online-pseudo-labels", "--refresh-every", "2", *COMMON)
+    output = proc.communicate(timeout=240)[0]
+    assert proc.returncode == 0, output
+    assert [h["ranks_agree"] for h in _history(run)] == [True, True]

@@ -283,13 +283,16 @@ def refresh_pseudo_labels(model: torch.nn.Module, instances: InstanceSet, state:
 
     Probabilities come from an eval-mode pass without augmentation, or, with
     ``config.online_pseudo_labels``, from the probabilities recorded during training when every
-    positive-bag instance has one.
+    positive-bag instance has one (with several ranks only at epoch ends, where the ranks' records are
+    merged: refreshes inside an epoch predict).
     """
     pos = state.pos_index.numpy()
     if pos.size == 0:
         return
     probs = None
-    if config.online_pseudo_labels:
+    # several ranks: between epochs the ranks' online probabilities are merged (_combine_ranks); in the
+    # middle of an epoch (refresh_every) each rank holds only its own share, so predict instead
+    if config.online_pseudo_labels and not (dist.enabled and config.refresh_every > 0):
         seen = state.online_probs[state.pos_index]
         if not torch.isnan(seen).any():
             probs = seen.numpy().astype(np.float64)
