@@ -58,3 +58,32 @@ def test_checkpoint_loads_with_weights_only(tmp_path, mil_csv):
     assert main(["train", str(mil_csv), "--out", str(run), "--epochs", "1", "--threads", "1", "--no-plots"]) == 0
     ckpt = torch.load(run / "last.pt", weights_only=True)
     assert ckpt["model_name"] == "mlp" and isinstance(ckpt["rng"]["torch"], torch.Tensor)
+
+
+def test_resume_refuses_inputs_it_would_ignore_and_runs_from_another_folder(tmp_path, mil_csv, mil_csv_val, capsys,
+                                                                           monkeypatch):
+    run = tmp_path / "run"
+    base = ["--epochs", "1", "--threads", "1", "--no-plots"]
+    assert main(["train", str(mil_csv), "--val", str(mil_csv_val), "--out", str(run), *base]) == 0
+    saved = json.loads((run / "config.json").read_text())["data"]
+    assert saved["inputs"] == [str(mil_csv.resolve())] and saved["val_inputs"] == [str(mil_csv_val.resolve())]
+    capsys.readouterr()
+    # inputs given beside --resume used to be dropped without a word
+    assert main(["train", str(mil_csv_val), "--val", str(mil_csv), "--resume", str(run), "--epochs", "2"]) == 1
+    err = capsys.readouterr().err
+    assert f"--resume {run} continues the run with the inputs it saved; INPUTS, --val would be ignored" in err
+    # the saved paths are absolute: a resume from another folder finds them
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main(["train", "--resume", str(run), "--epochs", "2"]) == 0
+    assert read_checkpoint(run / "last.pt")["epoch"] == 2
+
+
+def test_validation_bags_that_are_training_bags_are_reported(tmp_path, mil_csv, caplog):
+    with caplog.at_level("WARNING", logger="wsi_milssl.mil.selftrain"):
+        assert main(["train", str(mil_csv), "--val", str(mil_csv), "--out", str(tmp_path / "run"), "--epochs", "1",
+                     "--threads", "1", "--no-plots"]) == 0
+    assert any("of the 40 validation bags are also training bags" in r.getMessage() and
+               "best.pt and the validation metrics then come from data the model trains on" in r.getMessage()
+               for r in caplog.records)

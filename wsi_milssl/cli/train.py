@@ -243,6 +243,11 @@ def _resume_setup(args: argparse.Namespace):
     except ConfigError as exc:
         raise ConfigError(f"{exc} Fix: correct that value in {cfg_path.name}, or start a new run without "
                           "--resume.") from None
+    missing = [p for p in [*inputs, labels, *(val or []), val_labels] if p and not Path(p).exists()]
+    if missing:
+        raise CheckpointError(f"{cfg_path}: the run's inputs {', '.join(missing[:3])} are not found from {Path.cwd()}"
+                              " (runs of earlier versions recorded paths as typed). Fix: run `train --resume` from "
+                              "the folder the run was started in, or put the inputs back.")
     return (run_dir, base, input_mode, [Path(p) for p in inputs], Path(labels) if labels else None,
             [Path(p) for p in val or []] or None, Path(val_labels) if val_labels else None)
 
@@ -254,6 +259,12 @@ def run(args: argparse.Namespace) -> int:
     from wsi_milssl.mil.selftrain import fit
 
     if args.resume is not None:
+        given = [name for name, value in (("INPUTS", args.inputs), ("--labels", args.labels), ("--out", args.out),
+                                          ("--val", args.val), ("--val-labels", args.val_labels))
+                 if value] + (["--mode"] if args.mode != "auto" else [])
+        if given:
+            raise ConfigError(f"--resume {args.resume} continues the run with the inputs it saved; {', '.join(given)} "
+                              "would be ignored. Fix: drop them, or start a new run (a new --out) with them.")
         out, base, input_mode, inputs, labels, val_inputs, val_labels = _resume_setup(args)
     else:
         if not args.inputs:
@@ -271,9 +282,11 @@ def run(args: argparse.Namespace) -> int:
     config = train_config_from_args(args, mode=mode, base=base)
     train = load_instances(inputs, mode=input_mode, labels_path=labels)
     val = load_instances(val_inputs, mode=input_mode, labels_path=val_labels) if val_inputs else None
-    run_info = {"data": {"inputs": [str(p) for p in inputs], "labels": str(labels) if labels else None,
-                         "val_inputs": [str(p) for p in val_inputs] if val_inputs else None,
-                         "val_labels": str(val_labels) if val_inputs and val_labels else None,
+    # absolute paths: `train --resume` may run from another folder
+    run_info = {"data": {"inputs": [str(Path(p).resolve()) for p in inputs],
+                         "labels": str(Path(labels).resolve()) if labels else None,
+                         "val_inputs": [str(Path(p).resolve()) for p in val_inputs] if val_inputs else None,
+                         "val_labels": str(Path(val_labels).resolve()) if val_inputs and val_labels else None,
                          "input_mode": input_mode}}
     dist = init_group(config.device)  # under torchrun: this process's rank; else one process
     try:

@@ -766,6 +766,11 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
         raise ConfigError(f"validation instances are {val.kind!r} but training instances are {train.kind!r}.")
     if val is not None and train.kind == "features" and val.in_features != train.in_features:
         raise ConfigError(f"validation features have length {val.in_features}, training {train.in_features}.")
+    shared = sorted(set(val.bag_names) & set(train.bag_names)) if val is not None else []
+    if shared and dist.is_main:
+        log.warning("%d of the %d validation bags are also training bags (%s%s): best.pt and the validation "
+                    "metrics then come from data the model trains on. Fix: validate on bags held out from "
+                    "training.", len(shared), val.n_bags, ", ".join(shared[:5]), ", ..." if len(shared) > 5 else "")
     bag_labels = train.bag_labels
     if not (bag_labels == 0).any():
         raise ConfigError(f"{train.source}: no negative bag among the {train.n_bags} training bags; MIL-SSL "
