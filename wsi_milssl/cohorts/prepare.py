@@ -7,7 +7,9 @@ Two layouts:
   (or all slides in one folder), ASAP XML annotations anywhere below it (``lesion_annotations/``,
   also inside ``.zip`` archives as shipped), and the test set's ``reference.csv`` as shipped (no
   header: ``Test_001,Tumor,Macro,...``). Training labels come from the names (``Tumor_*`` 1,
-  ``Normal_*`` 0), test labels from ``reference.csv``.
+  ``Normal_*`` 0), test labels from ``reference.csv``. The AWS bucket's mask images (``masks/``,
+  ``background_tissue/``, ``*_mask.tif``, ``*_tissue.tif``) are left out and counted; every other
+  slide must be named ``Normal_NNN``, ``Tumor_NNN`` or ``Test_NNN``.
 - :func:`prepare_folder`: any cohort: a folder of slides (searched recursively), a labels file in
   any layout :func:`wsi_milssl.cohorts.read_labels` reads, optional annotations, and either a
   separate test set or a stratified, seeded share of the slides held out as the test set.
@@ -25,6 +27,9 @@ one error that lists the names. Written into ``out_dir``::
     cohort/annotations/train/, test/   one <stem>.xml (or .geojson) per annotated slide, named as the slide
     cohort/prepare.json                what was found: counts, sources, names skipped
 
+Everything is found, checked and read (annotations included, also from ``.zip`` archives) before
+anything is written, so a problem leaves ``out_dir`` as it was; ``pipeline.toml`` is written last.
+
 The validation slides that choose ``best.pt`` (and the grid point) are held out from the training
 set by ``run`` itself (``[data].val_fraction``), never from the test set.
 """
@@ -35,9 +40,11 @@ import csv
 import io
 import json
 import logging
+import lzma
 import os
 import re
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -45,7 +52,7 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from wsi_milssl.atomic import atomic_write_bytes, atomic_write_text
+from wsi_milssl.atomic import atomic_open, atomic_write_bytes, atomic_write_text
 from wsi_milssl.cohorts.labels import read_labels
 from wsi_milssl.cohorts.names import SLIDE_SUFFIXES, slide_stem, stem_key
 from wsi_milssl.errors import ConfigError, LabelsError
@@ -65,7 +72,16 @@ logger = logging.getLogger(__name__)
 #: Annotation files matched to slides by stem (ASAP XML, GeoJSON).
 ANNOTATION_SUFFIXES = (".xml", ".geojson", ".json")
 _MAX_ANNOTATION_BYTES = 256 << 20
-_CAMELYON16_PREFIXES = {"normal_": ("train", 0), "tumor_": ("train", 1), "test_": ("test", None)}
+_CAMELYON16_ROLES = {"normal": ("train", 0), "tumor": ("train", 1), "test": ("test", None)}
+#: A CAMELYON16 slide's name: Normal_NNN, Tumor_NNN, Test_NNN (any case).
+_CAMELYON16_NAME = re.compile(r"^(normal|tumor|test)_\d+$", re.IGNORECASE)
+#: The mask images shipped beside the slides (the AWS bucket's masks/<name>_mask.tif and
+#: background_tissue/<name>_tissue.tif, GigaDB's Tumor_001_Mask.tif): not slides.
+_CAMELYON16_MASK_NAME = re.compile(r"[_-](mask|tissue)$", re.IGNORECASE)
+_CAMELYON16_MASK_DIRS = frozenset({"masks", "background_tissue"})
+#: What a damaged archive member or an unreadable file raises while it is read.
+_READ_ERRORS = (zipfile.BadZipFile, zlib.error, lzma.LZMAError, OSError, EOFError, NotImplementedError,
+                RuntimeError)
 
 
 @dataclass(frozen=True)
@@ -179,15 +195,40 @@ def _looks_like_geojson(path: Path) -> bool:
 
 
 def _read_source(path: Path, member: str | None) -> bytes:
-    if member is None:
-        if path.stat().st_size > _MAX_ANNOTATION_BYTES:
-            raise ConfigError(f"{path}: larger than {_MAX_ANNOTATION_BYTES >> 20} MiB; not an annotation file.")
-        return path.read_bytes()
-    with zipfile.ZipFile(path) as archive:
-        info = archive.getinfo(member)
-        if info.file_size > _MAX_ANNOTATION_BYTES:
-            raise ConfigError(f"{path}:{member}: larger than {_MAX_ANNOTATION_BYTES >> 20} MiB.")
-        return archive.read(info)
+    """The bytes of an annotation file or of ``member`` of the ``.zip`` archive ``path``; a file or
+    member that cannot be read (damaged, truncated, gone) raises one ConfigError naming it and the fix."""
+    where = str(path) if member is None else f"{path}:{member}"
+    try:
+        if member is None:
+            if path.stat().st_size > _MAX_ANNOTATION_BYTES:
+                raise ConfigError(f"{path}: larger than {_MAX_ANNOTATION_BYTES >> 20} MiB; not an annotation file.")
+            return path.read_bytes()
+        with zipfile.ZipFile(path) as archive:
+            info = archive.getinfo(member)
+            if info.file_size > _MAX_ANNOTATION_BYTES:
+                raise ConfigError(f"{where}: larger than {_MAX_ANNOTATION_BYTES >> 20} MiB.")
+            return archive.read(info)
+    except ConfigError:
+        raise
+    except (*_READ_ERRORS, KeyError) as exc:
+        kind = type(exc).__name__
+        if type(exc).__module__ != "builtins":  # zlib.error, zipfile.BadZipFile
+            kind = f"{type(exc).__module__}.{kind}"
+        cause = f"{kind}: {exc}"
+        if member is None:
+            fix = "check the file (copy or download it again), or remove it"
+        else:
+            fix = f"download {path.name} again (the archive is damaged or incomplete) and re-run prepare"
+        raise ConfigError(f"{where}: cannot be read ({cause}); nothing was written. Fix: {fix}.") from None
+
+
+def _read_annotations(annotations: Mapping[str, tuple[str, Path, str | None]]
+                      ) -> dict[str, tuple[str, bytes, str]]:
+    """{stem: (suffix, bytes, source)}: every matched annotation read now, before anything is written."""
+    out = {}
+    for stem, (suffix, path, member) in annotations.items():
+        out[stem] = (suffix, _read_source(path, member), str(path) if member is None else f"{path}:{member}")
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -225,27 +266,26 @@ def _csv_text(header: tuple[str, ...], rows: Iterable[tuple]) -> str:
 
 
 def _write_set(out: Path, name: str, slides: Mapping[str, Path], labels: Mapping[str, int],
-               annotations: Mapping[str, tuple[str, Path, str | None]]) -> CohortSet:
-    cohort = out / "cohort"
-    ann_dir = cohort / "annotations" / name
+               annotations: Mapping[str, tuple[str, bytes, str]]) -> CohortSet:
+    """Write one set; ``annotations`` already read (:func:`_read_annotations`)."""
+    slides_path, labels_path, ann_dir = _set_paths(out, name)
     ann_dir.mkdir(parents=True, exist_ok=True)
     stems = sorted(slides, key=str.casefold)
-    slides_csv = atomic_write_text(cohort / f"{name}_slides.csv",
+    slides_csv = atomic_write_text(slides_path,
                                    _csv_text(("slide", "path"), ((s, str(slides[s].resolve())) for s in stems)))
-    labels_csv = atomic_write_text(cohort / f"{name}_labels.csv",
+    labels_csv = atomic_write_text(labels_path,
                                    _csv_text(("slide", "label"), ((s, int(labels[s])) for s in stems)))
     keep = set()
     sources = {}
     for stem in stems:
         if stem not in annotations:
             continue
-        suffix, path, member = annotations[stem]
+        suffix, data, source = annotations[stem]
         target = ann_dir / f"{stem}{suffix}"
-        data = _read_source(path, member)
         if not (target.is_file() and target.read_bytes() == data):
             atomic_write_bytes(target, data)
         keep.add(target.name)
-        sources[stem] = str(path) if member is None else f"{path}:{member}"
+        sources[stem] = source
     for old in ann_dir.iterdir():  # the folder is ours: files of slides no longer in the set go
         if old.is_file() and old.name not in keep and old.suffix.lower() in ANNOTATION_SUFFIXES:
             old.unlink()
@@ -288,8 +328,14 @@ def _toml_str(value: str) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def _write_pipeline(out: Path, *, name: str, template: Path, sets: Mapping[str, CohortSet],
-                    val_fraction: float | None, split_seed: int | None, command: str) -> Path:
+def _set_paths(out: Path, name: str) -> tuple[Path, Path, Path]:
+    """(slides CSV, labels CSV, annotations folder) of the set ``name`` under ``out``."""
+    cohort = out / "cohort"
+    return cohort / f"{name}_slides.csv", cohort / f"{name}_labels.csv", cohort / "annotations" / name
+
+
+def _pipeline_text(out: Path, *, name: str, template: Path, set_names: Iterable[str],
+                   val_fraction: float | None, split_seed: int | None, command: str) -> str:
     from wsi_milssl.config import load_toml
 
     raw = load_toml(template)  # a template that is not TOML fails here, naming the file
@@ -308,41 +354,64 @@ def _write_pipeline(out: Path, *, name: str, template: Path, sets: Mapping[str, 
         "",
         "[data]",
     ]
-    for set_name in ("train", "test"):
-        s = sets[set_name]
-        lines += [f"{set_name}_slides = {_toml_str(rel(s.slides_csv))}",
-                  f"{set_name}_labels = {_toml_str(rel(s.labels_csv))}",
-                  f"{set_name}_annotations = {_toml_str(rel(s.annotations_dir))}"]
+    for set_name in set_names:
+        slides_csv, labels_csv, ann_dir = _set_paths(out, set_name)
+        lines += [f"{set_name}_slides = {_toml_str(rel(slides_csv))}",
+                  f"{set_name}_labels = {_toml_str(rel(labels_csv))}",
+                  f"{set_name}_annotations = {_toml_str(rel(ann_dir))}"]
     lines += [f"val_fraction = {val!r}      # training slides held out to choose best.pt (never the test set)",
               f"split_seed = {seed}", "", ""]
-    text = "\n".join(lines) + _template_body(template)
-    path = atomic_write_text(out / "pipeline.toml", text)
+    return "\n".join(lines) + _template_body(template)
+
+
+def _finish(out: Path, *, name: str, template: Path | None,
+            sets: dict[str, tuple[Mapping[str, Path], Mapping[str, int], Mapping[str, tuple[str, bytes, str]]]],
+            val_fraction: float | None, split_seed: int | None, command: str, facts: dict,
+            notes: list[str]) -> PreparedCohort:
+    """Write everything: ``sets`` {name: (slides, labels, annotations read)}, all checked and read.
+
+    The pipeline is made and validated first (in a temporary file beside ``pipeline.toml``), so a
+    template that gives no valid pipeline leaves ``out`` as it was; ``pipeline.toml`` gets its name last.
+    """
     from wsi_milssl.pipeline.spec import load_pipeline
 
-    load_pipeline(path)  # the file must be one `run` accepts
-    return path
-
-
-def _finish(out: Path, *, name: str, template: Path | None, sets: dict[str, CohortSet], val_fraction: float | None,
-            split_seed: int | None, command: str, facts: dict, notes: list[str]) -> PreparedCohort:
     template = Path(template) if template is not None else default_template()
-    toml = _write_pipeline(out, name=name, template=template, sets=sets, val_fraction=val_fraction,
-                           split_seed=split_seed, command=command)
-    summary = {
-        "command": command,
-        "template": str(template),
-        "pipeline": str(toml),
-        "sets": {k: {"slides": len(s.slides), "tumor": s.n_tumor, "normal": len(s.slides) - s.n_tumor,
-                     "annotated": len(s.annotations), "slides_csv": str(s.slides_csv),
-                     "labels_csv": str(s.labels_csv), "annotations": str(s.annotations_dir),
-                     "annotation_sources": s.annotations} for k, s in sets.items()},
-        **facts,
-        "notes": notes,
-    }
-    summary_json = atomic_write_text(out / "cohort" / "prepare.json", json.dumps(summary, indent=2) + "\n")
+    text = _pipeline_text(out, name=name, template=template, set_names=("train", "test"),
+                          val_fraction=val_fraction, split_seed=split_seed, command=command)
+    toml = out / "pipeline.toml"
+    created = not out.exists()
+    try:
+        with atomic_open(toml, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            try:
+                load_pipeline(fh.name)  # the file must be one `run` accepts
+            except ConfigError as exc:
+                raise ConfigError(f"{str(exc).replace(str(fh.name), str(toml))} (in the pipeline written from "
+                                  f"{template}; nothing was written)") from None
+            written = {k: _write_set(out, k, *v) for k, v in sets.items()}
+            summary = {
+                "command": command,
+                "template": str(template),
+                "pipeline": str(toml),
+                "sets": {k: {"slides": len(s.slides), "tumor": s.n_tumor, "normal": len(s.slides) - s.n_tumor,
+                             "annotated": len(s.annotations), "slides_csv": str(s.slides_csv),
+                             "labels_csv": str(s.labels_csv), "annotations": str(s.annotations_dir),
+                             "annotation_sources": s.annotations} for k, s in written.items()},
+                **facts,
+                "notes": notes,
+            }
+            summary_json = atomic_write_text(out / "cohort" / "prepare.json", json.dumps(summary, indent=2) + "\n")
+    except BaseException:
+        if created:
+            try:
+                out.rmdir()  # only when nothing is in it
+            except OSError:
+                pass
+        raise
     for note in notes:
         logger.warning("%s", note)
-    return PreparedCohort(out, toml, sets, summary_json, tuple(notes))
+    return PreparedCohort(out, toml, written, summary_json, tuple(notes))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -350,11 +419,22 @@ def _finish(out: Path, *, name: str, template: Path | None, sets: dict[str, Coho
 # ------------------------------------------------------------------------------------------------
 
 def _camelyon16_role(path: Path, root: Path) -> tuple[str, int | None] | None:
-    key = stem_key(path)
-    for prefix, role in _CAMELYON16_PREFIXES.items():
-        if key.startswith(prefix):
-            return role
-    return None
+    """("train", 0) for Normal_NNN, ("train", 1) for Tumor_NNN, ("test", None) for Test_NNN, else None."""
+    m = _CAMELYON16_NAME.match(slide_stem(path))
+    return _CAMELYON16_ROLES[m.group(1).lower()] if m else None
+
+
+def _camelyon16_mask(path: Path, root: Path) -> bool:
+    """A mask image shipped with CAMELYON16, not a slide: ``*_mask`` / ``*_tissue`` by name (the AWS
+    bucket's ``masks/tumor_001_mask.tif``, ``background_tissue/normal_001_tissue.tif``, GigaDB's
+    ``Tumor_001_Mask.tif``), or any image below a ``masks/`` or ``background_tissue/`` folder."""
+    if _CAMELYON16_MASK_NAME.search(slide_stem(path)):
+        return True
+    try:
+        folders = path.relative_to(root).parts[:-1]
+    except ValueError:
+        folders = ()
+    return any(f.casefold() in _CAMELYON16_MASK_DIRS for f in folders)
 
 
 def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
@@ -369,10 +449,19 @@ def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
     """
     root = Path(root)
     out = Path(out_dir)
-    slides = find_slide_files(root, skip=[out])
+    if not root.is_dir():
+        raise ConfigError(f"{root}: no such folder. Fix: give the CAMELYON16 folder that holds the slides.")
+    images = [p for p in _walk(root, skip=[out]) if _is_slide(p)]
+    masks = [p for p in images if _camelyon16_mask(p, root)]
+    slides = [p for p in images if not _camelyon16_mask(p, root)]
+    if masks:
+        logger.info("%d mask image(s) left out (masks/, background_tissue/, *_mask, *_tissue): not slides",
+                    len(masks))
     if not slides:
-        raise ConfigError(f"{root}: no slide files below this folder (looked for {', '.join(SLIDE_SUFFIXES)}). "
-                          "Fix: give the CAMELYON16 folder that holds training/ and testing/.")
+        raise ConfigError(f"{root}: no slide files below this folder (looked for {', '.join(SLIDE_SUFFIXES)}"
+                          + (f"; {len(masks)} mask image(s) left out" if masks else "")
+                          + "). Fix: give the CAMELYON16 folder that holds training/ and testing/ (GigaDB) "
+                          "or images/ (AWS).")
     problems: list[str] = []
     dup = _duplicates(slides)
     if dup:
@@ -426,9 +515,11 @@ def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
     if no_ann_train:
         notes.append(f"{len(no_ann_train)} tumour training slide(s) have no annotation: {_names(no_ann_train)} "
                      "(training does not need them; their patches get no instance labels for the metrics)")
-    sets = {"train": _write_set(out, "train", train, train_labels, train_ann),
-            "test": _write_set(out, "test", test, test_labels, test_ann)}
-    facts = {"root": str(root.resolve()), "reference": str(ref_path) if ref_path else None}
+    # read every annotation now: a damaged archive member stops here, before anything is written
+    sets = {"train": (train, train_labels, _read_annotations(train_ann)),
+            "test": (test, test_labels, _read_annotations(test_ann))}
+    facts = {"root": str(root.resolve()), "reference": str(ref_path) if ref_path else None,
+             "mask_images_left_out": len(masks)}
     return _finish(out, name="camelyon16", template=template, sets=sets, val_fraction=val_fraction,
                    split_seed=split_seed, command=f"wsi-milssl prepare camelyon16 {root} --out {out}",
                    facts=facts, notes=notes)
@@ -535,7 +626,7 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
     no_ann_train = sorted((s for s, v in train[1].items() if v == 1 and s not in train_ann), key=str.casefold)
     if no_ann_train:
         notes.append(f"{len(no_ann_train)} tumour training slide(s) have no annotation: {_names(no_ann_train)}")
-    sets = {"train": _write_set(out, "train", *train, train_ann), "test": _write_set(out, "test", *test, test_ann)}
+    sets = {"train": (*train, _read_annotations(train_ann)), "test": (*test, _read_annotations(test_ann))}
     command = f"wsi-milssl prepare folder --slides {slides_dir} --labels {labels_csv} --out {out}"
     return _finish(out, name=name or out.resolve().name, template=template, sets=sets, val_fraction=val_fraction,
                    split_seed=split_seed, command=command, facts=facts, notes=notes)

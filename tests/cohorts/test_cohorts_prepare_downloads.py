@@ -1,0 +1,191 @@
+"""``prepare camelyon16`` on the downloads as they come: the AWS bucket's layout (with its tumour masks
+and tissue masks beside the slides) and a damaged member inside ``lesion_annotations.zip``.
+
+The slides are hard links to (or copies of) the session's tiny generated slides (tests/conftest.py);
+prepare matches names and never opens them."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import struct
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from wsi_milssl.cli import main
+from wsi_milssl.cohorts import prepare_camelyon16
+from wsi_milssl.errors import ConfigError, LabelsError
+
+
+def _rows(path: Path) -> list[list[str]]:
+    with open(path, newline="") as fh:
+        return list(csv.reader(fh))
+
+
+def _link(source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy(source, target)
+
+
+def _xml(k: int) -> str:
+    """An ASAP XML file long enough to be compressed into many bytes."""
+    coords = "".join(f'<Coordinate Order="{i}" X="{1000 + 37 * i * k}" Y="{2000 + 53 * i}" />' for i in range(200))
+    return ('<?xml version="1.0"?><ASAP_Annotations><Annotations><Annotation Name="_0" Type="Polygon" '
+            f'PartOfGroup="_0"><Coordinates>{coords}</Coordinates></Annotation></Annotations></ASAP_Annotations>\n')
+
+
+def aws_tree(root: Path, slides: dict[str, Path]) -> Path:
+    """``aws s3 sync s3://camelyon-dataset/CAMELYON16/``: images/, masks/<name>_mask.tif,
+    background_tissue/<name>_tissue.tif (every slide), annotations/, evaluation/reference.csv."""
+    names = {"normal_001": "normal", "normal_002": "normal", "tumor_001": "tumor", "tumor_002": "tumor",
+             "test_001": "tumor", "test_002": "normal"}
+    for name, kind in names.items():
+        _link(slides[kind], root / "images" / f"{name}.tif")
+        _link(slides["normal"], root / "background_tissue" / f"{name}_tissue.tif")
+        if kind == "tumor":
+            _link(slides["normal"], root / "masks" / f"{name}_mask.tif")
+            (root / "annotations").mkdir(parents=True, exist_ok=True)
+            (root / "annotations" / f"{name}.xml").write_text(_xml(1))
+    (root / "evaluation").mkdir(parents=True)
+    (root / "evaluation" / "reference.csv").write_text("test_001,Tumor,Macro,Yes\ntest_002,Normal,,\n")
+    return root
+
+
+def test_aws_download_masks_and_tissue_masks_are_not_slides(tmp_path, synth_slides):
+    root = aws_tree(tmp_path / "CAMELYON16", synth_slides)
+    # the bucket's mask folders also hold images without the suffix now and then: not slides either
+    _link(synth_slides["normal"], root / "masks" / "Tumor_002.tif")
+    _link(synth_slides["normal"], root / "background_tissue" / "extra" / "TEST_002.TIF")
+    result = prepare_camelyon16(root, tmp_path / "out")
+    train, test = result.sets["train"], result.sets["test"]
+    assert _rows(train.labels_csv) == [["slide", "label"], ["normal_001", "0"], ["normal_002", "0"],
+                                       ["tumor_001", "1"], ["tumor_002", "1"]]
+    assert _rows(test.labels_csv) == [["slide", "label"], ["test_001", "1"], ["test_002", "0"]]
+    listed = [row[1] for row in _rows(train.slides_csv)[1:] + _rows(test.slides_csv)[1:]]
+    assert all(Path(p).parent == (root / "images").resolve() for p in listed)
+    assert sorted(p.name for p in train.annotations_dir.iterdir()) == ["tumor_001.xml", "tumor_002.xml"]
+    summary = json.loads(result.summary_json.read_text())
+    assert summary["mask_images_left_out"] == 6 + 3 + 2  # tissue masks, tumour masks, the two unsuffixed
+    assert summary["sets"]["train"]["slides"] == 4 and summary["sets"]["test"]["slides"] == 2
+
+
+def test_aws_download_without_test_tissue_masks_lists_six_training_slides(tmp_path, synth_slides):
+    """Without the test set's tissue masks the old prepare exited 0 with normal_001_tissue,0 and
+    tumor_001_tissue,1 among the training slides."""
+    root = aws_tree(tmp_path / "CAMELYON16", synth_slides)
+    for p in (root / "background_tissue").glob("test_*"):
+        p.unlink()
+    result = prepare_camelyon16(root, tmp_path / "out")
+    stems = [row[0] for row in _rows(result.sets["train"].labels_csv)[1:]]
+    assert stems == ["normal_001", "normal_002", "tumor_001", "tumor_002"]
+    assert not any("tissue" in s or "mask" in s for s in stems)
+
+
+def test_only_camelyon16_names_are_slides(tmp_path, synth_slides):
+    root = aws_tree(tmp_path / "CAMELYON16", synth_slides)
+    _link(synth_slides["normal"], root / "images" / "Normal_001_copy.tif")  # once counted as Normal
+    _link(synth_slides["normal"], root / "images" / "tumor_a.tif")
+    _link(synth_slides["normal"], root / "images" / "TUMOR_003_Tissue.tif")  # a tissue mask in any case: skipped
+    with pytest.raises(LabelsError) as info:
+        prepare_camelyon16(root, tmp_path / "out")
+    message = str(info.value)
+    assert "2 slide(s) not named as in CAMELYON16" in message
+    assert "Normal_001_copy.tif" in message and "tumor_a.tif" in message
+    assert "TUMOR_003_Tissue" not in message
+    assert "no line in" not in message  # the tissue masks are not taken for test slides
+    assert not (tmp_path / "out").exists()
+
+
+def _damage_member(archive: Path, member: str) -> None:
+    """Flip bytes in the middle of ``member``'s compressed data."""
+    with zipfile.ZipFile(archive) as z:
+        info = z.getinfo(member)
+        assert info.compress_type == zipfile.ZIP_DEFLATED and info.compress_size > 200
+    data = bytearray(archive.read_bytes())
+    name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26: info.header_offset + 30])
+    start = info.header_offset + 30 + name_len + extra_len
+    for i in range(start + info.compress_size // 3, start + info.compress_size // 3 + 16):
+        data[i] ^= 0xA5
+    archive.write_bytes(bytes(data))
+
+
+def gigadb_tree(root: Path, slides: dict[str, Path]) -> Path:
+    for name, kind, folder in (("Normal_001", "normal", "training/normal"), ("normal_002", "normal", "training/normal"),
+                               ("Tumor_001", "tumor", "training/tumor"), ("tumor_002", "tumor", "training/tumor"),
+                               ("test_001", "tumor", "testing/images"), ("Test_002", "normal", "testing/images")):
+        _link(slides[kind], root / folder / f"{name}.tif")
+    with zipfile.ZipFile(root / "training" / "lesion_annotations.zip", "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("lesion_annotations/", "")
+        z.writestr("lesion_annotations/tumor_001.xml", _xml(1))
+        z.writestr("lesion_annotations/tumor_002.xml", _xml(2))
+    with zipfile.ZipFile(root / "testing" / "lesion_annotations.zip", "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("test_001.xml", _xml(3))
+    (root / "testing" / "reference.csv").write_text("Test_001,Tumor,Macro,Yes\r\nTest_002,Normal,,\r\n")
+    return root
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_damaged_archive_member_is_one_error_and_nothing_is_written(tmp_path, synth_slides, capsys):
+    root = gigadb_tree(tmp_path / "C16", synth_slides)
+    archive = root / "training" / "lesion_annotations.zip"
+    _damage_member(archive, "lesion_annotations/tumor_002.xml")
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError) as info:
+        prepare_camelyon16(root, out)
+    message = str(info.value)
+    assert message.startswith(f"{archive}:lesion_annotations/tumor_002.xml: cannot be read")
+    assert "download lesion_annotations.zip again" in message
+    assert not out.exists()  # no cohort/ with the slide lists and half the annotations
+    # the command line: one error line, no traceback
+    assert main(["prepare", "camelyon16", str(root), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "lesion_annotations.zip:lesion_annotations/tumor_002.xml" in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_damaged_archive_leaves_an_earlier_prepare_as_it_was(tmp_path, synth_slides):
+    root = gigadb_tree(tmp_path / "C16", synth_slides)
+    out = tmp_path / "out"
+    prepare_camelyon16(root, out)
+    before = _snapshot(out)
+    assert "pipeline.toml" in before and "cohort/annotations/train/tumor_002.xml" in before
+    _link(synth_slides["normal"], root / "training" / "normal" / "Normal_003.tif")  # a new slide, then damage
+    _damage_member(root / "testing" / "lesion_annotations.zip", "test_001.xml")
+    with pytest.raises(ConfigError, match=r"lesion_annotations\.zip:test_001\.xml: cannot be read"):
+        prepare_camelyon16(root, out)
+    assert _snapshot(out) == before
+    assert not [p for p in out.rglob(".*") if p.is_file()]  # no temporaries left
+
+
+def test_truncated_archive_member_is_one_error(tmp_path, synth_slides):
+    root = gigadb_tree(tmp_path / "C16", synth_slides)
+    archive = root / "training" / "lesion_annotations.zip"
+    with zipfile.ZipFile(archive) as z:
+        info = z.getinfo("lesion_annotations/tumor_001.xml")
+    # the member's data overwritten with zeros: a CRC or inflate failure, depending on the bytes
+    data = bytearray(archive.read_bytes())
+    data[info.header_offset + 80: info.header_offset + 80 + 64] = bytes(64)
+    archive.write_bytes(bytes(data))
+    with pytest.raises(ConfigError, match=r"tumor_001\.xml: cannot be read .*Fix: download"):
+        prepare_camelyon16(root, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_template_that_gives_no_valid_pipeline_writes_nothing(tmp_path, synth_slides):
+    root = gigadb_tree(tmp_path / "C16", synth_slides)
+    template = tmp_path / "bad.toml"
+    template.write_text("[tile]\nno_such_setting = 1\n")
+    with pytest.raises(ConfigError) as info:
+        prepare_camelyon16(root, tmp_path / "out", template=template)
+    assert "nothing was written" in str(info.value) and ".tmp" not in str(info.value)
+    assert not (tmp_path / "out").exists()
