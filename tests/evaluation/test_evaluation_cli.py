@@ -133,3 +133,19 @@ def test_detection_files_named_in_another_case_match_their_slides(synth_dir, ann
     shutil.copy(pred_dir / f"{info['normal']}_detections.csv", copy / f"{info['normal']}_detections.csv")
     with pytest.raises(EvaluationError, match=r"are files of one slide \(names match without case\)"):
         _evaluate(copy, synth_dir, annotations_dir, tmp_path / "out2")
+
+
+def test_detections_off_a_normal_slide_are_reported_too(synth_dir, annotations_dir, predictions, tmp_path, caplog):
+    """Outside-the-slide detections were only checked on tumour slides (against their mask)."""
+    import shutil
+
+    pred_dir, info = predictions
+    copy = tmp_path / "preds"
+    shutil.copytree(pred_dir, copy)
+    with open(copy / f"{info['normal']}_detections.csv", "a") as fh:
+        fh.write("0.99,-5,10\n")
+    with caplog.at_level("WARNING", logger="wsi_milssl.evaluation.froc"):
+        _evaluate(copy, synth_dir, annotations_dir, tmp_path / "out")
+    assert any(f"{info['normal']}: 1 detection(s) lie outside the slide (4096 x 4096 level-0 px)" in r.getMessage()
+               for r in caplog.records)
+    assert "1 detection(s) lie outside their slide" in (tmp_path / "out" / "report.html").read_text()

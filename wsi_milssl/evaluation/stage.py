@@ -44,7 +44,7 @@ from wsi_milssl.atomic import atomic_write_bytes, atomic_write_csv, atomic_write
 from wsi_milssl.cohorts import labels_for, stem_key
 from wsi_milssl.config.base import config_hash, config_to_dict, write_resolved_config
 from wsi_milssl.config.evaluate import EvaluateConfig
-from wsi_milssl.errors import EvaluationError, MissingResolutionError
+from wsi_milssl.errors import EvaluationError, MissingResolutionError, WsiMilsslError
 from wsi_milssl.evaluation.froc import (
     CAMELYON16_DOWNSAMPLE,
     FP_RATES,
@@ -134,6 +134,20 @@ def _slide_geometry(stem: str, slide_path: Path | None, sidecar: dict | None, co
     return dims, mpp
 
 
+def _normal_slide_size(stem: str, slide_paths: dict[str, Path], sidecar: dict | None, config: EvaluateConfig
+                       ) -> tuple[int, int] | None:
+    """A normal slide's level-0 (width, height) when its slide file is at hand (to report detections off the
+    slide), else None: a normal slide needs neither its file nor its MPP to be evaluated."""
+    path = _find_slide_path(stem, slide_paths, sidecar)
+    if path is None:
+        return None
+    try:
+        with open_slide(path, mpp_override=config.mpp) as slide:
+            return tuple(int(v) for v in slide.dimensions)
+    except WsiMilsslError:
+        return None
+
+
 def _find_slide_path(stem: str, slide_paths: dict[str, Path], sidecar: dict | None) -> Path | None:
     if stem in slide_paths:
         return slide_paths[stem]
@@ -189,7 +203,8 @@ def _evaluate_slide(
         if annotations_dir is not None and find_annotation(stem, annotations_dir) is not None:
             logger.warning("%s: labelled normal but has an annotation file; following the label, every "
                            "detection on it is a false positive and every patch negative.", stem)
-        match = match_detections(dets.probs, dets.x_lv0, dets.y_lv0, mask=None, stem=stem)
+        match = match_detections(dets.probs, dets.x_lv0, dets.y_lv0, mask=None, stem=stem,
+                                 dimensions_lv0=_normal_slide_size(stem, slide_paths, sidecar, config))
 
     inst = None
     if files.detections is None:
