@@ -324,5 +324,10 @@ def _validate_sections(sections: dict[str, dict[str, Any]], source: Path) -> Non
             if stage != "train" or not isinstance(grid, dict):
                 raise ConfigError(f"{source}: only [train.grid] is supported (a table of lists).")
             for key, values in grid.items():
-                for value in values if isinstance(values, list) else [values]:
+                if not isinstance(values, list) or not values:
+                    raise ConfigError(
+                        f"{source}: [train.grid].{key} must be a non-empty list of values to try; got {values!r}. "
+                        f"Fix: write {key} = [a, b, ...] (--set 'train.grid.{key}=[a, b]'), or set one value "
+                        f"as [train].{key}.")
+                for value in values:
                     config_from_mapping(cls, {**section, key: value}, source=f"{source} [train.grid]")
