@@ -19,7 +19,9 @@ same slide file (path, size, modification time) and re-tiles when the settings o
 changed; ``train`` continues each run folder from its
 ``last.pt`` when the folder was started with the same settings, data split and labels (recorded in
 ``pipeline_run.json``), skips finished grid points, and never deletes a run folder: one holding a run
-with other settings is renamed ``<folder>.replaced-<UTC time>`` and kept. ``force`` re-runs the named stages and everything downstream. A run
+with other settings is renamed ``<folder>.replaced-<UTC time>`` and kept. ``force`` re-runs the named
+stages and everything downstream and redoes their work: tile, label and heatmap overwrite their
+files, train renames ``OUT/model`` (its run or grid) aside the same way and trains from scratch. A run
 holds the lock of ``OUT`` (:func:`wsi_milssl.locks.folder_lock`): a second run of the same pipeline
 (or another one into the same folder) is refused, naming the folder and the running one's pid.
 """
@@ -81,6 +83,9 @@ class _Context:
         self.out = spec.out_dir
         self.state = spec.out_dir / ".pipeline"
         self.progress = progress
+        #: the stage runs because of ``force`` (named, or downstream of a named stage): its work is
+        #: redone from scratch (tile, label and heatmap overwrite; train moves its run folders aside)
+        self.redo = False
 
     def stores(self, set_name: str) -> Path:
         return self.out / "stores" / set_name
@@ -130,11 +135,14 @@ def _tile(ctx: _Context) -> tuple[list[str], str]:
         # size and modification time), are kept: tile skips them and re-tiles a slide generated or
         # exported again since. Stores made with other settings (or unreadable ones) mean the
         # settings changed: the set is tiled again.
-        stale = _stale_stores(slides, ctx.stores(set_name), config)
-        if stale:
+        stale = [] if ctx.redo else _stale_stores(slides, ctx.stores(set_name), config)
+        if ctx.redo:
+            log.info("tile: forced; re-tiling every slide of the %s set", set_name)
+        elif stale:
             log.info("tile: %d store(s) of the %s set were made with other settings (%s); re-tiling the set",
                      len(stale), set_name, ", ".join(stale[:5]))
-        run = tile_slides(slides, ctx.stores(set_name), config, overwrite=bool(stale), progress=ctx.progress)
+        run = tile_slides(slides, ctx.stores(set_name), config, overwrite=ctx.redo or bool(stale),
+                           progress=ctx.progress)
         failed = [r for r in run.results if r.status == "failed"]
         if failed:
             from wsi_milssl.errors import WsiMilsslError
@@ -156,7 +164,8 @@ def _label(ctx: _Context) -> tuple[list[str], str]:
     outputs, parts = [], []
     for set_name, ds in ctx.spec.sets.items():
         report = label_stores(ctx.stores(set_name), annotations_dir=ds.annotations, labels_csv=ds.labels,
-                              config=config, out_dir=ctx.labels_dir(set_name), progress=ctx.progress)
+                              config=config, out_dir=ctx.labels_dir(set_name), progress=ctx.progress,
+                              overwrite=ctx.redo)
         failed = [r for r in report.results if r.status == "failed"]
         if failed:
             from wsi_milssl.errors import WsiMilsslError
@@ -206,14 +215,51 @@ def _grid_runs(section: dict, source: str) -> list[dict]:
     return [dict(zip(keys, combo)) for combo in itertools.product(*(grid[k] for k in keys))]
 
 
-def _validation_score(result, select_metric: str) -> tuple[float, float] | None:
+def _validation_score(result, select_metric: str, run_dir: Path | None = None) -> tuple[float, float] | None:
+    """The validation score of ``result``'s best epoch (None without one): from its metrics record, or,
+    when ``metrics.jsonl`` lacks that record (a run killed between its writes), from the score the
+    run folder's checkpoints recorded; else one WsiMilsslError naming the folder and the fix."""
     from wsi_milssl.mil.selftrain import selection_score
 
     if result.best_epoch is None:
         return None
-    record = next(r for r in result.history if r.get("epoch") == result.best_epoch)
+    record = next((r for r in result.history if r.get("epoch") == result.best_epoch), None)
+    if record is None and run_dir is not None:
+        record = _checkpoint_score(Path(run_dir), result.best_epoch, select_metric)
+        if isinstance(record, tuple):
+            return record
+    if record is None:
+        from wsi_milssl.errors import WsiMilsslError
+
+        where = run_dir if run_dir is not None else result.out_dir
+        raise WsiMilsslError(
+            f"{where}: no record of the best epoch ({result.best_epoch}) in metrics.jsonl nor in the folder's "
+            "checkpoints, so its validation score is unknown (the run was interrupted or its files edited). Fix: "
+            f"move {where} aside (or re-run the pipeline with --force train, which does) and train it again.")
     metrics = {k[len("val_"):]: v for k, v in record.items() if k.startswith("val_")}
     return selection_score(metrics, select_metric)
+
+
+def _checkpoint_score(run_dir: Path, epoch: int, select_metric: str) -> tuple[float, float] | dict | None:
+    """What ``last.pt`` / ``best.pt`` of ``run_dir`` recorded about ``epoch``: the selection score their
+    "best" entry holds (a tuple), else their "metrics" record of that epoch (a dict); None when neither."""
+    from wsi_milssl.errors import CheckpointError
+    from wsi_milssl.mil.checkpoint import read_checkpoint
+
+    for name in ("last.pt", "best.pt"):
+        try:
+            ckpt = read_checkpoint(run_dir / name)
+        except (CheckpointError, OSError):
+            continue
+        best = ckpt.get("best") or {}
+        score = best.get("score")
+        if (best.get("epoch") == epoch and best.get("metric", select_metric) == select_metric
+                and isinstance(score, (list, tuple)) and len(score) == 2):
+            return (float(score[0]), float(score[1]))
+        metrics = ckpt.get("metrics") or {}
+        if metrics.get("epoch") == epoch:
+            return metrics
+    return None
 
 
 @dataclass(frozen=True)
@@ -240,12 +286,13 @@ def grid_worker_count(setting: int | str, n_points: int) -> int:
 
 
 def _train_grid(points: list[_GridPoint], train, val, run_info: dict, *, ctx: _Context,
-                stores: tuple[list[Path], list[Path], Path]) -> list[tuple[tuple[float, float] | None, int | None]]:
+                data: dict) -> list[tuple[tuple[float, float] | None, int | None]]:
     """Train every grid point; returns (validation score, best epoch) per point, in order.
 
     One point at a time in this process, or with ``[pipeline].grid_workers`` > 1 (or one per GPU),
     that many at once, each in its own process (spawned; point k on GPU k mod the GPU count, or on
-    a share of the CPU threads). Each point is chosen on the same validation slides either way.
+    a share of the CPU threads), which reads the data again from ``data`` (:func:`_load_grid_data`).
+    Each point is chosen on the same validation slides either way.
     """
     from wsi_milssl.mil.selftrain import fit
 
@@ -255,7 +302,7 @@ def _train_grid(points: list[_GridPoint], train, val, run_info: dict, *, ctx: _C
         for point in points:
             result = fit(train, config=point.config, out_dir=point.run_dir, val=val, run_info=run_info,
                          resume=point.resume, progress=ctx.progress)
-            out.append((_validation_score(result, point.config.select_metric), result.best_epoch))
+            out.append((_validation_score(result, point.config.select_metric, point.run_dir), result.best_epoch))
         return out
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
@@ -264,14 +311,12 @@ def _train_grid(points: list[_GridPoint], train, val, run_info: dict, *, ctx: _C
 
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     threads = 0 if n_gpus else max(1, (multiprocessing.cpu_count() or 1) // workers)
-    train_stores, val_stores, labels = stores
     log.info("training %d grid points, %d at a time (%s)", len(points), workers,
              f"{n_gpus} GPU(s)" if n_gpus else f"CPU, {threads} thread(s) each")
     emit(ctx.progress, ProgressEvent("train-grid", 0, len(points), unit="run"))
     results: list = [None] * len(points)
     with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(_fit_grid_point, [str(p) for p in train_stores], [str(p) for p in val_stores],
-                               str(labels), config_to_dict(point.config), str(point.run_dir), point.resume,
+        futures = {pool.submit(_fit_grid_point, data, config_to_dict(point.config), str(point.run_dir), point.resume,
                                run_info, None if not n_gpus else k % n_gpus, threads): k
                    for k, point in enumerate(points)}
         from concurrent.futures import as_completed
@@ -283,13 +328,30 @@ def _train_grid(points: list[_GridPoint], train, val, run_info: dict, *, ctx: _C
     return results
 
 
-def _fit_grid_point(train_stores: list[str], val_stores: list[str], labels: str, config: dict, run_dir: str,
-                    resume: bool, run_info: dict, gpu: int | None, threads: int):
+def _load_grid_data(data: dict):
+    """(train, val) instance sets from a picklable description: ``{"mode": "images", "train": [stores],
+    "val": [stores], "labels": csv}`` or ``{"mode": "features", "files": [h5], "labels": csv, "train":
+    [bag names], "val": [bag names]}``."""
+    from wsi_milssl.mil.data import read_feature_files, read_labels_csv, read_patch_stores
+
+    label_map = read_labels_csv(data["labels"])
+    if data["mode"] == "features":
+        everything = read_feature_files([Path(p) for p in data["files"]], label_map)
+        index = {n: i for i, n in enumerate(everything.bag_names)}
+        train = everything.subset_bags([index[n] for n in data["train"]])
+        val = everything.subset_bags([index[n] for n in data["val"]]) if data["val"] else None
+        return train, val
+    train = read_patch_stores([Path(p) for p in data["train"]], label_map)
+    val = read_patch_stores([Path(p) for p in data["val"]], label_map) if data["val"] else None
+    return train, val
+
+
+def _fit_grid_point(data: dict, config: dict, run_dir: str, resume: bool, run_info: dict, gpu: int | None,
+                    threads: int):
     """One grid point in its own process (see :func:`_train_grid`): (validation score, best epoch)."""
     import torch
 
     from wsi_milssl.config import TrainConfig
-    from wsi_milssl.mil.data import read_labels_csv, read_patch_stores
     from wsi_milssl.mil.selftrain import fit
 
     if gpu is not None:
@@ -297,28 +359,78 @@ def _fit_grid_point(train_stores: list[str], val_stores: list[str], labels: str,
     cfg = config_from_mapping(TrainConfig, config, source=f"{run_dir} (grid point)")
     if threads and cfg.threads == 0:
         torch.set_num_threads(threads)
-    label_map = read_labels_csv(labels)
-    train = read_patch_stores([Path(p) for p in train_stores], label_map)
-    val = read_patch_stores([Path(p) for p in val_stores], label_map) if val_stores else None
+    train, val = _load_grid_data(data)
     result = fit(train, config=cfg, out_dir=Path(run_dir), val=val, run_info=run_info, resume=resume)
-    return _validation_score(result, cfg.select_metric), result.best_epoch
+    return _validation_score(result, cfg.select_metric, Path(run_dir)), result.best_epoch
+
+
+def _train_configs(ctx: _Context, mode: str) -> tuple[list[dict], list, str]:
+    """The [train] table's runs: (grid overrides, TrainConfig per run, source); with ``force`` the
+    model folder (its single run or grid) is first renamed aside, so training starts again."""
+    from wsi_milssl.config import TrainConfig
+
+    source = f"{ctx.spec.source} [train]"
+    section = ctx.spec.section("train")
+    section.setdefault("mode", mode)
+    runs = _grid_runs(section, source)
+    configs = [config_from_mapping(TrainConfig, {**section, **o}, source=source) for o in runs]
+    if ctx.redo and _has_files(ctx.model_dir):
+        _replace_aside(ctx.model_dir, "is trained again (--force)")
+    return runs, configs, source
+
+
+def _fit_runs(ctx: _Context, runs: list[dict], configs: list, source: str, *, train, val, split: dict,
+              run_info: dict, data: dict) -> tuple[int | None, str]:
+    """Train the single run into OUT/model, or every [train.grid] point into OUT/model/grid/<point> and
+    copy the best on validation into OUT/model; returns (best epoch, summary addition)."""
+    import shutil
+
+    from wsi_milssl.mil.selftrain import fit
+
+    if len(configs) > 1 and val is None:
+        from wsi_milssl.errors import ConfigError
+
+        raise ConfigError(f"{source}: a [train.grid] needs validation slides; set [data].val_fraction > 0.")
+    if len(configs) == 1:
+        resume = _prepare_run_dir(ctx.model_dir, _run_fingerprint(ctx, configs[0], split, kind="single"))
+        result = fit(train, config=configs[0], out_dir=ctx.model_dir, val=val, run_info=run_info, resume=resume,
+                     progress=ctx.progress)
+        return result.best_epoch, ""
+    _keep_grid_parent(ctx.model_dir)
+    points = []
+    for overrides, config in zip(runs, configs):
+        name = "_".join(f"{k}-{v}" for k, v in overrides.items())
+        run_dir = ctx.model_dir / "grid" / name
+        # a finished grid point resumes at its last epoch: nothing to train, its result is read back
+        resume = _prepare_run_dir(run_dir, _run_fingerprint(ctx, config, split, kind="grid"))
+        points.append(_GridPoint(name, overrides, config, run_dir, resume))
+    t_grid = time.perf_counter()
+    outcomes = _train_grid(points, train, val, run_info, ctx=ctx, data=data)
+    grid_s = time.perf_counter() - t_grid
+    scored = []
+    for point, (score, best_epoch) in zip(points, outcomes):
+        scored.append((score if score is not None else (-float("inf"), -float("inf")), point.name, point.run_dir,
+                       point.overrides, best_epoch))
+    scored.sort(key=lambda item: item[0], reverse=True)
+    _, name, chosen, overrides, best_epoch = scored[0]
+    for item in chosen.iterdir():
+        if item.is_file() and not item.name.startswith(".") and item.name != RUN_MARKER:
+            with open(item, "rb") as src, atomic_open(ctx.model_dir / item.name, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 22)
+    atomic_write_json(ctx.model_dir / "grid.json",
+                      [{"run": n, "overrides": o, "validation_score": list(s)} for s, n, _, o, _ in scored])
+    atomic_write_json(ctx.model_dir / RUN_MARKER, {"kind": "grid-choice", "chosen": name})
+    log.info("grid of %d points trained in %.1f s", len(points), grid_s)
+    return best_epoch, f", grid of {len(runs)} in {grid_s:.0f} s: chose {name} on validation"
 
 
 def _train(ctx: _Context) -> tuple[list[str], str]:
     """Train on the training set; with ``[train.grid]``, train every combination and keep the one
     that scores best on the validation slides (held out from the training set, never the test set)."""
-    import shutil
-
-    from wsi_milssl.config import TrainConfig
     from wsi_milssl.mil.data import read_labels_csv, read_patch_stores
-    from wsi_milssl.mil.selftrain import fit
     from wsi_milssl.store import find_stores
 
-    source = f"{ctx.spec.source} [train]"
-    section = ctx.spec.section("train")
-    section.setdefault("mode", "images")
-    runs = _grid_runs(section, source)
-    configs = [config_from_mapping(TrainConfig, {**section, **o}, source=source) for o in runs]
+    runs, configs, source = _train_configs(ctx, "images")
     ds = ctx.spec.sets["train"]
     labels = read_labels_csv(ds.labels)
     stores = _set_stores(ctx, "train", find_stores([ctx.stores("train")]))
@@ -333,41 +445,10 @@ def _train(ctx: _Context) -> tuple[list[str], str]:
     run_info = {"data": {"inputs": [str(stores[s]) for s in train_stems], "labels": str(ds.labels),
                          "val_inputs": [str(stores[s]) for s in val_stems] or None,
                          "val_labels": str(ds.labels) if val_stems else None, "input_mode": "images"}}
-    split = {"train": train_stems, "val": val_stems}
-    if len(configs) == 1:
-        resume = _prepare_run_dir(ctx.model_dir, _run_fingerprint(ctx, configs[0], split, kind="single"))
-        result = fit(train, config=configs[0], out_dir=ctx.model_dir, val=val, run_info=run_info, resume=resume,
-                     progress=ctx.progress)
-        chosen, summary_extra = ctx.model_dir, ""
-        best_epoch = result.best_epoch
-    else:
-        _keep_grid_parent(ctx.model_dir)
-        points = []
-        for overrides, config in zip(runs, configs):
-            name = "_".join(f"{k}-{v}" for k, v in overrides.items())
-            run_dir = ctx.model_dir / "grid" / name
-            # a finished grid point resumes at its last epoch: nothing to train, its result is read back
-            resume = _prepare_run_dir(run_dir, _run_fingerprint(ctx, config, split, kind="grid"))
-            points.append(_GridPoint(name, overrides, config, run_dir, resume))
-        t_grid = time.perf_counter()
-        outcomes = _train_grid(points, train, val, run_info, ctx=ctx,
-                               stores=([stores[s] for s in train_stems], [stores[s] for s in val_stems], ds.labels))
-        grid_s = time.perf_counter() - t_grid
-        scored = []
-        for point, (score, best_epoch) in zip(points, outcomes):
-            scored.append((score if score is not None else (-float("inf"), -float("inf")), point.name, point.run_dir,
-                           point.overrides, best_epoch))
-        scored.sort(key=lambda item: item[0], reverse=True)
-        _, name, chosen, overrides, best_epoch = scored[0]
-        for item in chosen.iterdir():
-            if item.is_file() and not item.name.startswith(".") and item.name != RUN_MARKER:
-                with open(item, "rb") as src, atomic_open(ctx.model_dir / item.name, "wb") as dst:
-                    shutil.copyfileobj(src, dst, 1 << 22)
-        atomic_write_json(ctx.model_dir / "grid.json",
-                          [{"run": n, "overrides": o, "validation_score": list(s)} for s, n, _, o, _ in scored])
-        atomic_write_json(ctx.model_dir / RUN_MARKER, {"kind": "grid-choice", "chosen": name})
-        log.info("grid of %d points trained in %.1f s", len(points), grid_s)
-        summary_extra = f", grid of {len(runs)} in {grid_s:.0f} s: chose {name} on validation"
+    data = {"mode": "images", "train": [str(stores[s]) for s in train_stems],
+            "val": [str(stores[s]) for s in val_stems], "labels": str(ds.labels)}
+    best_epoch, summary_extra = _fit_runs(ctx, runs, configs, source, train=train, val=val,
+                                          split={"train": train_stems, "val": val_stems}, run_info=run_info, data=data)
     checkpoint = ctx.model_dir / ("best.pt" if (ctx.model_dir / "best.pt").exists() else "last.pt")
     return [str(checkpoint)], (f"{len(train_stems)} training / {len(val_stems)} validation slides, "
                                f"best epoch {best_epoch}{summary_extra}")
@@ -479,30 +560,87 @@ def _keep_grid_parent(model_dir: Path) -> None:
 
 def _train_features(ctx: _Context) -> tuple[list[str], str]:
     """Feature mode: MIL-SSL on instance features (pre-extracted, or the features stage's); validation bags
-    split off the training set."""
-    from wsi_milssl.config import TrainConfig
+    split off the training set. A ``[train.grid]`` is trained and chosen on them as in image mode."""
     from wsi_milssl.mil.data import read_feature_files, read_labels_csv
-    from wsi_milssl.mil.selftrain import fit
 
-    section = ctx.spec.section("train")
-    section.pop("grid", None)
-    section.setdefault("mode", "features")
-    config = config_from_mapping(TrainConfig, section, source=f"{ctx.spec.source} [train]")
+    runs, configs, source = _train_configs(ctx, "features")
     ds = ctx.spec.sets["train"]
     features = ctx.features_dir("train") if ctx.spec.feature_stage else ds.features
-    data = read_feature_files(_feature_files(features), read_labels_csv(ds.labels))
+    files = [p.resolve() for p in _feature_files(features)]
+    labels_csv = Path(ds.labels).resolve()
+    data = read_feature_files(files, read_labels_csv(labels_csv))
     labels = {name: int(lab) for name, lab in zip(data.bag_names, data.bag_labels)}
     train_names, val_names = split_train_val(list(data.bag_names), labels, val_fraction=ctx.spec.val_fraction,
                                              seed=ctx.spec.split_seed)
+    if len(configs) > 1 and not val_names:
+        from wsi_milssl.errors import ConfigError
+
+        raise ConfigError(f"{source}: a [train.grid] needs validation bags; set [data].val_fraction > 0.")
     index = {n: i for i, n in enumerate(data.bag_names)}
     train = data.subset_bags([index[n] for n in train_names])
     val = data.subset_bags([index[n] for n in val_names]) if val_names else None
-    resume = _prepare_run_dir(ctx.model_dir, _run_fingerprint(ctx, config, {"train": train_names, "val": val_names},
-                                                              kind="single"))
-    result = fit(train, config=config, out_dir=ctx.model_dir, val=val, progress=ctx.progress, resume=resume,
-                 run_info={"data": {"features": str(features), "labels": str(ds.labels), "input_mode": "features"}})
+    run_info = {"data": _feature_run_data(files, labels_csv, train_names, val_names)}
+    grid_data = {"mode": "features", "files": [str(p) for p in files], "labels": str(labels_csv),
+                 "train": list(train_names), "val": list(val_names)}
+    best_epoch, summary_extra = _fit_runs(ctx, runs, configs, source, train=train, val=val,
+                                          split={"train": train_names, "val": val_names}, run_info=run_info,
+                                          data=grid_data)
     checkpoint = ctx.model_dir / ("best.pt" if (ctx.model_dir / "best.pt").exists() else "last.pt")
-    return [str(checkpoint)], f"{len(train_names)} training / {len(val_names)} validation bags, best epoch {result.best_epoch}"
+    return [str(checkpoint)], (f"{len(train_names)} training / {len(val_names)} validation bags, "
+                               f"best epoch {best_epoch}{summary_extra}")
+
+
+def _feature_file_bags(path: Path) -> list[str] | None:
+    """The bag names a feature file holds (its ``bag_ids``, else its slide stem), as
+    :func:`wsi_milssl.mil.data.read_feature_files` names them; None when the file cannot be read."""
+    import h5py
+
+    from wsi_milssl.features.schema import BAG_IDS, FEATURES
+
+    try:
+        with h5py.File(path, "r") as fh:
+            n = fh[FEATURES].shape[0] if fh[FEATURES].ndim == 2 else 0
+            if n == 0:
+                return []
+            if BAG_IDS in fh:
+                ids = [b.decode() if isinstance(b, bytes) else str(b) for b in fh[BAG_IDS][()].tolist()]
+                return list(dict.fromkeys(ids))
+            stem = fh.attrs.get("slide_stem")
+    except (OSError, KeyError, ValueError):
+        return None
+    if isinstance(stem, bytes):
+        stem = stem.decode()
+    return [str(stem or path.stem)]
+
+
+def _feature_run_data(files: list[Path], labels_csv: Path, train_names: list[str], val_names: list[str]) -> dict:
+    """The "data" entry of a feature run's config.json, as ``wsi-milssl train`` records it (so ``train
+    --resume RUN`` reads the same bags again): the training files as ``inputs``, the validation files as
+    ``val_inputs``, absolute paths. The split is by bag; a file whose bags fall on both sides cannot be
+    listed, so then no inputs are recorded (a warning says so) and ``bags`` keeps the split."""
+    train_set, val_set = set(train_names), set(val_names)
+    train_files, val_files, mixed = [], [], []
+    for path in files:
+        bags = _feature_file_bags(path)
+        if bags is None:
+            mixed.append(path)
+        elif not bags or set(bags) <= train_set:
+            train_files.append(path)
+        elif set(bags) <= val_set:
+            val_files.append(path)
+        else:
+            mixed.append(path)
+    record: dict = {"labels": str(labels_csv), "input_mode": "features",
+                    "bags": {"train": list(train_names), "val": list(val_names)}}
+    if mixed:
+        log.warning("%s holds bags of both the training and the validation split; the run's config.json lists "
+                    "no inputs, so `wsi-milssl train --resume` cannot read them (the pipeline itself resumes).",
+                    mixed[0])
+        record.update(inputs=[], val_inputs=None, val_labels=None)
+        return record
+    record.update(inputs=[str(p) for p in train_files], val_inputs=[str(p) for p in val_files] or None,
+                  val_labels=str(labels_csv) if val_files else None)
+    return record
 
 
 def _feature_files(path: Path) -> list[Path]:
@@ -549,7 +687,7 @@ def _heatmap(ctx: _Context) -> tuple[list[str], str]:
     checkpoint = ctx.model_dir / ("best.pt" if (ctx.model_dir / "best.pt").exists() else "last.pt")
     ds = ctx.spec.sets["test"]
     run = make_heatmaps([], checkpoint, ctx.heatmap_dir, config, stores=[ctx.stores("test")],
-                        annotations_dir=ds.annotations, progress=ctx.progress)
+                        annotations_dir=ds.annotations, progress=ctx.progress, overwrite=ctx.redo)
     failed = [r for r in run.results if r.status != "ok"]
     if failed:
         raise WsiMilsslError(f"heatmap: {len(failed)} slide(s) failed (see {ctx.heatmap_dir}): "
@@ -681,7 +819,7 @@ def _run_stages(spec: PipelineSpec, stages: list[str], forced: set[str], *,
         digests[stage] = digest
         emit(progress, ProgressEvent("pipeline", i, len(stages), unit="stage", item=stage))
         if stage in forced:
-            dirty = True
+            dirty = ctx.redo = True
         if not dirty and is_up_to_date(ctx.state, stage, digest):
             outcome = StageOutcome(stage, "skipped", 0.0, "up to date")
         else:
