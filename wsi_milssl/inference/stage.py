@@ -199,7 +199,7 @@ def _read_outlines(stem: str, annotations_dir: Path | None, dims: tuple[int, int
 
 def write_slide_outputs(pred: SlidePrediction, out_dir: str | os.PathLike, *, model: InferenceModel,
                         config: HeatmapConfig, annotations_dir: str | os.PathLike | None = None,
-                        input_files: dict | None = None) -> dict[str, Path]:
+                        input_files: dict | None = None, fingerprint: str | None = None) -> dict[str, Path]:
     """Write every per-slide file of ``pred`` into ``out_dir``; returns kind -> path.
 
     The files are those of :data:`wsi_milssl.artifacts.HEATMAP_FILES`: the map (``.npy``, ``.json``,
@@ -209,10 +209,19 @@ def write_slide_outputs(pred: SlidePrediction, out_dir: str | os.PathLike, *, mo
     The overlay needs the slide (``pred.slide_path``); without it the PNG is skipped with a warning.
     ``input_files``: the fingerprints of the slide and store files read (see ``_input_files``), kept in
     the sidecar so that a later run can tell whether the same files are asked for again.
+    ``fingerprint``: what made the files (the checkpoint's bytes and the settings, as the folder's
+    ``heatmap_config.json`` names it), kept in the sidecar so that a later run reuses the slide only when
+    it has the same fingerprint (None: never reused).
+
+    The old ``<stem>_probs.json`` is removed first, and the sidecar gets its fingerprint only when it
+    is written again after every other file (the ``.tif`` description has none): a slide whose files were
+    only partly rewritten (a killed run) has no fingerprint that a later run could take for finished
+    outputs.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = output_paths(out_dir, pred.stem)
+    paths["probs_json"].unlink(missing_ok=True)
     grid = pred.grid()
     score = pred.score(model.pooling)
     sidecar = {
@@ -232,6 +241,7 @@ def write_slide_outputs(pred: SlidePrediction, out_dir: str | os.PathLike, *, mo
         "source": pred.source,
         "store_path": None if pred.store_path is None else str(pred.store_path),
         "input_files": input_files,
+        "fingerprint": fingerprint,
         "checkpoint": None if model.checkpoint_path is None else str(model.checkpoint_path),
         "model_name": model.config.get("model_name"),
         "bag_pooling": model.pooling,
@@ -243,7 +253,8 @@ def write_slide_outputs(pred: SlidePrediction, out_dir: str | os.PathLike, *, mo
         "schema_version": ARTIFACTS_SCHEMA_VERSION,
         "package_version": __version__,
     }
-    written = dict(write_probs(out_dir, pred.stem, grid, sidecar))
+    # without the fingerprint until every file is written (the sidecar is written again at the end)
+    written = dict(write_probs(out_dir, pred.stem, grid, {k: v for k, v in sidecar.items() if k != "fingerprint"}))
     geometry = dict(origin_lv0=pred.origin_lv0, stride_lv0=int(pred.stride_lv0),
                     patch_size_lv0=int(pred.patch_size_lv0))
     written["probs_ome_tif"] = write_probs_ome_tiff(
@@ -269,6 +280,8 @@ def write_slide_outputs(pred: SlidePrediction, out_dir: str | os.PathLike, *, mo
                                                 title=title)
     else:
         logger.warning("%s: slide file not available; %s not drawn.", pred.stem, paths["heatmap_png"].name)
+    with atomic_open(paths["probs_json"], "w") as fh:  # last: the slide's files are complete
+        fh.write(json.dumps(sidecar, indent=2, sort_keys=True) + "\n")
     return written
 
 
@@ -366,28 +379,35 @@ def _input_files(item: SlideInput) -> dict[str, dict | None]:
             "store": None if item.store_path is None else file_fingerprint(item.store_path)}
 
 
-def _recorded_inputs(path: Path) -> dict | None:
-    """The ``input_files`` a slide's ``_probs.json`` recorded, or None (unreadable, or written before
-    the key existed)."""
+def _read_sidecar(path: Path) -> dict:
+    """A slide's ``_probs.json`` as a dict ({} when missing or unreadable)."""
     try:
-        recorded = json.loads(path.read_text(encoding="utf-8")).get("input_files")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return recorded if isinstance(recorded, dict) else None
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _same_prediction(row: dict[str, str], sidecar: dict) -> bool:
+    """Whether the status row describes the prediction the sidecar records (score and patch count): a
+    run killed after a slide's files but before its status row leaves the previous run's row."""
+    try:
+        score = sidecar.get("score")
+        return (row.get("score") or "") == ("" if score is None else f"{float(score):.6f}") and \
+            int(row.get("n_patches") or 0) == int(sidecar.get("n_patches"))
+    except (TypeError, ValueError):
+        return False
 
 
 def _finished(out_dir: Path, fingerprint: str, inputs: Sequence[SlideInput]) -> dict[str, HeatmapResult]:
-    """Slides of ``inputs`` a run with the same fingerprint already finished in ``out_dir``: status ok
-    with every file there, made from the same slide and store files (resolved path, size and
-    modification time, as ``_probs.json`` records them in ``input_files``). A slide predicted from
-    other or changed files, from files not recorded (an older folder), or that was 'empty' (no files
-    record its inputs) is predicted again."""
-    try:
-        previous = json.loads((out_dir / CONFIG_FILENAME).read_text(encoding="utf-8")).get("fingerprint")
-    except (OSError, ValueError, AttributeError):
-        return {}
-    if previous != fingerprint:
-        return {}
+    """Slides of ``inputs`` already finished in ``out_dir`` by a run with the same fingerprint: status
+    ok with every file there, their ``_probs.json`` recording this ``fingerprint`` (checkpoint and
+    settings; the folder's ``heatmap_config.json`` names the latest run's, not what made each slide) and
+    the same slide and store files (resolved path, size and modification time, in ``input_files``), and
+    the status row agreeing with the sidecar's score and patch count. A slide made by another checkpoint
+    or settings (a run resumed with a new checkpoint), from other or changed files, without these
+    records (an older folder), or that was 'empty' (no files record it) is predicted again. Only
+    ``inputs`` are checked: shards writing one folder each check their own slides."""
     rows = _read_status(out_dir / STATUS_FILENAME)
     done = {}
     for item in inputs:
@@ -397,9 +417,19 @@ def _finished(out_dir: Path, fingerprint: str, inputs: Sequence[SlideInput]) -> 
         paths = output_paths(out_dir, item.stem)
         if not all(paths[k].is_file() for k in ("probs_npy", "probs_json", "detections_csv", "patches_csv")):
             continue
-        if _recorded_inputs(paths["probs_json"]) != _input_files(item):
+        sidecar = _read_sidecar(paths["probs_json"])
+        if sidecar.get("fingerprint") != fingerprint:
+            logger.info("%s: its outputs in %s were made with another checkpoint or settings (or record none); "
+                        "predicting it again", item.stem, out_dir)
+            continue
+        recorded = sidecar.get("input_files")
+        if not isinstance(recorded, dict) or recorded != _input_files(item):
             logger.info("%s: the slide or store file differs from the one its outputs in %s were made from; "
                         "predicting it again", item.stem, out_dir)
+            continue
+        if not _same_prediction(row, sidecar):
+            logger.info("%s: its status row in %s is not that of its files (an interrupted run); predicting it "
+                        "again", item.stem, out_dir)
             continue
         try:
             score = float(row["score"]) if row.get("score") else None
@@ -478,8 +508,10 @@ def make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.Path
 
     Resume: slides a run with the same checkpoint and settings already finished in ``out_dir`` from
     the same slide and store files (path, size, modification time) are skipped (``overwrite`` predicts
-    them again). A model that gives NaN or infinite probabilities fails each slide (CheckpointError in
-    the status CSV) before any of its files is written. ``shard`` = (I, N): this call takes every N-th slide
+    them again); each slide's ``_probs.json`` records the fingerprint of the checkpoint and settings that
+    made it, so a folder resumed with another checkpoint predicts again every slide the old one made. A
+    model that gives NaN or infinite probabilities fails each slide (CheckpointError in the status CSV)
+    before any of its files is written. ``shard`` = (I, N): this call takes every N-th slide
     from the I-th (:func:`wsi_milssl.distributed.shard_items`); shards may run at once into one folder,
     and their status and score rows merge (sorted by slide), so N shards leave the files of one run.
     The lock of ``out_dir`` is held for the run (:func:`wsi_milssl.locks.folder_lock`, as shard I of
@@ -550,7 +582,7 @@ def _make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.Pat
     def write(pred: SlidePrediction, files: dict) -> tuple[dict[str, Path], float]:
         t0 = time.perf_counter()
         written = write_slide_outputs(pred, out_dir, model=model, config=config, annotations_dir=annotations_dir,
-                                      input_files=files)
+                                      input_files=files, fingerprint=fingerprint)
         return written, time.perf_counter() - t0
 
     emit(progress, ProgressEvent("heatmap", 0, len(inputs), unit="slide"))

@@ -1,0 +1,226 @@
+"""``heatmap`` resumes a slide only when its own outputs were made by the same checkpoint and settings.
+
+The folder's ``heatmap_config.json`` names the latest run's fingerprint, written before any slide is
+done; a run killed after a few slides with a new checkpoint must not make the old checkpoint's other
+slides look finished. Each ``<stem>_probs.json`` records the fingerprint that made it, once every file of
+the slide is written (one partly rewritten is not reused), and must agree with the status row.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from wsi_milssl.config import HeatmapConfig
+from wsi_milssl.inference import make_heatmaps
+from wsi_milssl.inference import stage as stage_module
+
+FAST = dict(thumbnail_px=128, batch_size=32, num_workers=0)
+#: a second "checkpoint": the same oracle model, other weights (scores differ from the default's)
+OTHER = dict(model_kwargs={"gain": 5.0, "min_fraction": 0.5})
+
+
+@pytest.fixture(scope="module")
+def slides(tmp_path_factory, slide_writer) -> list[Path]:
+    """Two different 2048-px slides (other tissue and tumour layouts)."""
+    folder = tmp_path_factory.mktemp("ckpt_changed")
+    a = slide_writer(folder / "a.tif", width=2048, height=2048, tissue_box=(256, 256, 1792, 1792),
+                     tumour=lambda xs, ys: (xs // 300 + ys // 300) % 4 == 0)
+    b = slide_writer(folder / "b.tif", width=2048, height=2048, tissue_box=(0, 512, 2048, 1536),
+                     tumour=lambda xs, ys: (xs // 300 + ys // 300 + 1) % 4 == 0)
+    return [a, b]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> tuple[Path, Path]:
+    """(last.pt, best.pt) of one run: two checkpoints with different weights."""
+    from conftest import make_checkpoint
+
+    run = tmp_path_factory.mktemp("run1")
+    return make_checkpoint(run / "last.pt"), make_checkpoint(run / "best.pt", **OTHER)
+
+
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory, slides, checkpoints) -> dict[str, Path]:
+    """Folders of each checkpoint's uninterrupted run over both slides: {'last': ..., 'best': ...}."""
+    out = {}
+    for name, ckpt in zip(("last", "best"), checkpoints):
+        out[name] = tmp_path_factory.mktemp(f"alone_{name}")
+        assert make_heatmaps(slides, ckpt, out[name], HeatmapConfig(**FAST)).ok
+    assert _scores(out["last"]) != _scores(out["best"])  # the test needs checkpoints that disagree
+    return out
+
+
+def _status(folder: Path) -> dict[str, dict]:
+    with open(folder / "heatmap_status.csv", newline="") as fh:
+        return {r["slide"]: r for r in csv.DictReader(fh)}
+
+
+def _scores(folder: Path) -> dict[str, str]:
+    with open(folder / "scores.csv", newline="") as fh:
+        return {r["slide"]: r["score"] for r in csv.DictReader(fh)}
+
+
+def _read(events) -> set[str]:
+    """Slides whose patches a run read (predicted, not skipped)."""
+    return {e.item for e in events if e.stage == "heatmap-patches" and e.item}
+
+
+def _assert_made_by(out: Path, reference: Path, ckpt: Path) -> None:
+    """Every slide's map, score and status in ``out`` are those of ``reference`` (one checkpoint's run)."""
+    assert _scores(out) == _scores(reference)
+    status, expected = _status(out), _status(reference)
+    assert {s: (r["status"], r["score"], r["n_patches"]) for s, r in status.items()} == \
+        {s: (r["status"], r["score"], r["n_patches"]) for s, r in expected.items()}
+    config = json.loads((out / "heatmap_config.json").read_text())
+    assert config["checkpoint"] == str(ckpt)
+    for stem in status:
+        np.testing.assert_array_equal(np.load(out / f"{stem}_probs.npy"), np.load(reference / f"{stem}_probs.npy"))
+        sidecar = json.loads((out / f"{stem}_probs.json").read_text())
+        assert sidecar["checkpoint"] == str(ckpt)
+        assert sidecar["fingerprint"] == config["fingerprint"]
+        assert (out / f"{stem}_detections.csv").read_bytes() == (reference / f"{stem}_detections.csv").read_bytes()
+
+
+def test_a_run_resumed_with_a_new_checkpoint_predicts_the_old_checkpoints_slides_again(
+        tmp_path, slides, checkpoints, alone):
+    last, best = checkpoints
+    out = tmp_path / "H5"
+    assert make_heatmaps(slides, last, out, HeatmapConfig(**FAST)).ok
+    # `heatmap --model best.pt` killed after its first slide: the folder names best.pt, slide b is last.pt's
+    assert make_heatmaps(slides[:1], best, out, HeatmapConfig(**FAST)).ok
+    assert json.loads((out / "heatmap_config.json").read_text())["checkpoint"] == str(best)
+    events = []
+    run = make_heatmaps(slides, best, out, HeatmapConfig(**FAST), progress=events.append)
+    assert run.ok
+    assert _read(events) == {"b"}  # a was finished by best.pt; b was last.pt's
+    _assert_made_by(out, alone["best"], best)
+    # the same checkpoint and settings again: everything skipped
+    events = []
+    assert make_heatmaps(slides, best, out, HeatmapConfig(**FAST), progress=events.append).ok
+    assert _read(events) == set()
+    _assert_made_by(out, alone["best"], best)
+
+
+def test_a_folder_config_rewritten_for_another_checkpoint_does_not_adopt_the_slides(
+        tmp_path, slides, checkpoints, alone):
+    """The killed run wrote its config and no slide: every slide is predicted again with its checkpoint."""
+    last, best = checkpoints
+    out = tmp_path / "hm"
+    assert make_heatmaps(slides, last, out, HeatmapConfig(**FAST)).ok
+    shutil.copyfile(alone["best"] / "heatmap_config.json", out / "heatmap_config.json")
+    events = []
+    assert make_heatmaps(slides, best, out, HeatmapConfig(**FAST), progress=events.append).ok
+    assert _read(events) == {"a", "b"}
+    _assert_made_by(out, alone["best"], best)
+
+
+def test_shards_resumed_with_a_new_checkpoint_predict_their_own_old_slides_again(
+        tmp_path, slides, checkpoints, alone):
+    last, best = checkpoints
+    out = tmp_path / "hm"
+    for i in range(2):
+        assert make_heatmaps(slides, last, out, HeatmapConfig(**FAST), shard=(i, 2)).ok
+    # shard 0 of the best.pt run finished, shard 1 was killed before its slide
+    events = []
+    assert make_heatmaps(slides, best, out, HeatmapConfig(**FAST), shard=(0, 2), progress=events.append).ok
+    assert _read(events) == {"a"}
+    events = []
+    run = make_heatmaps(slides, best, out, HeatmapConfig(**FAST), shard=(1, 2), progress=events.append)
+    assert run.ok and [r.slide for r in run.results] == ["b"]
+    assert _read(events) == {"b"}  # its slide is last.pt's: predicted again, not reported ok
+    _assert_made_by(out, alone["best"], best)
+    for i in range(2):  # each shard again: nothing to do
+        events = []
+        assert make_heatmaps(slides, best, out, HeatmapConfig(**FAST), shard=(i, 2), progress=events.append).ok
+        assert _read(events) == set()
+
+
+def test_going_back_to_the_old_checkpoint_predicts_the_new_ones_slides_again(tmp_path, slides, checkpoints, alone):
+    last, best = checkpoints
+    out = tmp_path / "hm"
+    assert make_heatmaps(slides, last, out, HeatmapConfig(**FAST)).ok
+    assert make_heatmaps(slides[:1], best, out, HeatmapConfig(**FAST)).ok
+    events = []
+    assert make_heatmaps(slides, last, out, HeatmapConfig(**FAST), progress=events.append).ok
+    assert _read(events) == {"a"}  # b is still last.pt's own
+    _assert_made_by(out, alone["last"], last)
+
+
+def test_other_settings_recorded_per_slide(tmp_path, slides, checkpoints):
+    """A settings change is in the per-slide fingerprint too (not only the checkpoint)."""
+    last, _ = checkpoints
+    out = tmp_path / "hm"
+    assert make_heatmaps(slides, last, out, HeatmapConfig(**FAST)).ok
+    stamp = (out / "b_detections.csv").stat().st_mtime_ns
+    assert make_heatmaps(slides[:1], last, out, HeatmapConfig(**FAST, detection_threshold=0.3)).ok
+    events = []
+    assert make_heatmaps(slides, last, out, HeatmapConfig(**FAST, detection_threshold=0.3),
+                         progress=events.append).ok
+    assert _read(events) == {"b"}
+    assert (out / "b_detections.csv").stat().st_mtime_ns != stamp
+    assert json.loads((out / "b_probs.json").read_text())["detection_threshold"] == 0.3
+
+
+def test_outputs_without_a_recorded_fingerprint_are_predicted_again(tmp_path, slides, checkpoints):
+    """A folder written before the per-slide fingerprint existed: its slides are predicted again (safe)."""
+    last, _ = checkpoints
+    out = tmp_path / "hm"
+    assert make_heatmaps(slides[:1], last, out, HeatmapConfig(**FAST)).ok
+    sidecar = json.loads((out / "a_probs.json").read_text())
+    assert sidecar["fingerprint"] == json.loads((out / "heatmap_config.json").read_text())["fingerprint"]
+    del sidecar["fingerprint"]
+    (out / "a_probs.json").write_text(json.dumps(sidecar))
+    events = []
+    assert make_heatmaps(slides[:1], last, out, HeatmapConfig(**FAST), progress=events.append).ok
+    assert _read(events) == {"a"}
+    assert "fingerprint" in json.loads((out / "a_probs.json").read_text())
+
+
+def test_a_status_row_older_than_the_slides_files_is_not_trusted(tmp_path, slides, checkpoints, alone):
+    """Killed after a slide's files but before its status row: the row (and scores.csv) are the previous
+    checkpoint's, so the slide is predicted again rather than reported with the old score."""
+    last, best = checkpoints
+    out = tmp_path / "hm"
+    assert make_heatmaps(slides, last, out, HeatmapConfig(**FAST)).ok
+    shutil.copyfile(alone["best"] / "heatmap_config.json", out / "heatmap_config.json")
+    for path in alone["best"].glob("a_*"):  # best.pt's files of slide a, but not its status or score
+        shutil.copyfile(path, out / path.name)
+    events = []
+    assert make_heatmaps(slides, best, out, HeatmapConfig(**FAST), progress=events.append).ok
+    assert _read(events) == {"a", "b"}
+    _assert_made_by(out, alone["best"], best)
+
+
+class _Killed(BaseException):
+    """Stands for the process being killed (not an error a slide is recorded as failed for)."""
+
+
+def test_a_slide_whose_files_were_partly_rewritten_is_predicted_again(tmp_path, slides, checkpoints, alone,
+                                                                     monkeypatch):
+    last, best = checkpoints
+    out = tmp_path / "hm"
+    assert make_heatmaps(slides[:1], last, out, HeatmapConfig(**FAST)).ok
+
+    def killed(*args, **kwargs):
+        raise _Killed()
+
+    # best.pt's run dies while writing slide a's files: its map is written, its detections are not
+    with monkeypatch.context() as m:
+        m.setattr(stage_module, "write_detections_csv", killed)
+        with pytest.raises(_Killed):
+            make_heatmaps(slides[:1], best, out, HeatmapConfig(**FAST))
+    # the sidecar records no fingerprint until every file is written
+    assert "fingerprint" not in json.loads((out / "a_probs.json").read_text())
+    assert _status(out)["a"]["score"] == _status(alone["last"])["a"]["score"]  # the old row is still there
+    for ckpt, name in ((best, "best"), (last, "last")):
+        events = []
+        assert make_heatmaps(slides[:1], ckpt, out, HeatmapConfig(**FAST), progress=events.append).ok
+        assert _read(events) == {"a"}
+        assert _scores(out)["a"] == _scores(alone[name])["a"]
+        assert (out / "a_detections.csv").read_bytes() == (alone[name] / "a_detections.csv").read_bytes()
