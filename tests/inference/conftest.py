@@ -199,6 +199,13 @@ def make_checkpoint(path: Path, *, model_name: str = "darkness", model_kwargs: d
     return save_checkpoint(ckpt, path)
 
 
+@pytest.fixture(scope="session")
+def checkpoint_writer():
+    """:func:`make_checkpoint` as a fixture (test modules cannot import conftest reliably: another test
+    folder's conftest may be the module named ``conftest`` when they run)."""
+    return make_checkpoint
+
+
 @pytest.fixture
 def checkpoint_factory(tmp_path):
     """Function (**make_checkpoint kwargs) -> checkpoint path in a fresh folder."""

@@ -37,12 +37,10 @@ def slides(tmp_path_factory, slide_writer) -> list[Path]:
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> tuple[Path, Path]:
+def checkpoints(tmp_path_factory, checkpoint_writer) -> tuple[Path, Path]:
     """(last.pt, best.pt) of one run: two checkpoints with different weights."""
-    from conftest import make_checkpoint
-
     run = tmp_path_factory.mktemp("run1")
-    return make_checkpoint(run / "last.pt"), make_checkpoint(run / "best.pt", **OTHER)
+    return checkpoint_writer(run / "last.pt"), checkpoint_writer(run / "best.pt", **OTHER)
 
 
 @pytest.fixture(scope="module")

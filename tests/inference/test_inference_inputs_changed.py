@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_checkpoint
 from wsi_milssl.config import HeatmapConfig, TileConfig
 from wsi_milssl.inference import make_heatmaps
 
@@ -132,7 +131,7 @@ def test_outputs_without_recorded_inputs_are_predicted_again(tmp_path, two_slide
     assert "input_files" in json.loads((out / "a_probs.json").read_text())
 
 
-def test_a_nan_checkpoint_fails_every_slide_cleanly_and_writes_no_files(tmp_path, two_slides):
+def test_a_nan_checkpoint_fails_every_slide_cleanly_and_writes_no_files(tmp_path, two_slides, checkpoint_writer):
     from wsi_milssl.mil.models import create_model
 
     torch.manual_seed(0)
@@ -140,7 +139,7 @@ def test_a_nan_checkpoint_fails_every_slide_cleanly_and_writes_no_files(tmp_path
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(float("nan"))
-    ckpt = make_checkpoint(tmp_path / "diverged" / "best.pt", model_name="resnet18", model=model)
+    ckpt = checkpoint_writer(tmp_path / "diverged" / "best.pt", model_name="resnet18", model=model)
     out = tmp_path / "hm"
     run = make_heatmaps(list(two_slides), ckpt, out, HeatmapConfig(**FAST))
     assert [r.status for r in run.results] == ["failed", "failed"]  # the second slide was still tried
@@ -156,14 +155,15 @@ def test_a_nan_checkpoint_fails_every_slide_cleanly_and_writes_no_files(tmp_path
     assert _scores(out) == {}
 
 
-def test_heatmap_command_with_a_nan_checkpoint_reports_the_failed_slides(tmp_path, two_slides, capsys):
+def test_heatmap_command_with_a_nan_checkpoint_reports_the_failed_slides(tmp_path, two_slides, capsys,
+                                                                       checkpoint_writer):
     from wsi_milssl.cli import main
     from wsi_milssl.mil.models import create_model
 
     model = create_model("resnet18")
     with torch.no_grad():
         next(model.parameters()).fill_(float("nan"))
-    ckpt = make_checkpoint(tmp_path / "diverged" / "best.pt", model_name="resnet18", model=model)
+    ckpt = checkpoint_writer(tmp_path / "diverged" / "best.pt", model_name="resnet18", model=model)
     code = main(["heatmap", str(two_slides[0]), "--model", str(ckpt), "--out", str(tmp_path / "hm"),
                  "--workers", "0", "--thumbnail-px", "128"])
     captured = capsys.readouterr()
