@@ -36,6 +36,7 @@ __all__ = [
     "atomic_write_json",
     "atomic_write_csv",
     "check_writable",
+    "remove_quietly",
     "merge_csv_rows",
     "clean_stale_temporaries",
     "find_write_error",
@@ -163,9 +164,10 @@ def output_error(path: str | os.PathLike, exc: OSError, *, what: str = "cannot w
     return OutputError(f"{path}: {what} ({cause}). Fix: {fix}.", errno=code)
 
 
-def _remove_quietly(path: Path) -> None:
+def remove_quietly(path: str | os.PathLike) -> None:
+    """Delete ``path`` if it is there; a failure (a read-only folder) is ignored."""
     try:
-        path.unlink(missing_ok=True)
+        Path(path).unlink(missing_ok=True)
     except OSError:  # a read-only folder: nothing was created there
         pass
 
@@ -186,7 +188,7 @@ def check_writable(*paths: str | os.PathLike | None) -> None:
         except OSError as exc:
             raise output_error(path, find_write_error(exc, access=True) or exc) from None
         finally:
-            _remove_quietly(tmp)
+            remove_quietly(tmp)
 
 
 @contextmanager
@@ -222,7 +224,7 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
                 raise
             raise output_error(path, cause) from None
     finally:
-        _remove_quietly(tmp)
+        remove_quietly(tmp)
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from wsi_milssl import __version__
-from wsi_milssl.atomic import atomic_write_text
+from wsi_milssl.atomic import atomic_write_text, remove_quietly
 from wsi_milssl import runtime as runtime_rules
 from wsi_milssl.config.base import config_to_dict
 from wsi_milssl.config.train import TrainConfig
@@ -679,13 +679,6 @@ def fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike |
         return _fit(train, **kwargs)
 
 
-def _remove_quietly(path: Path) -> None:
-    try:
-        path.unlink(missing_ok=True)
-    except OSError:
-        pass
-
-
 def _save_failed(out: Path, exc: OutputError, *, saved_epoch: int) -> OutputError:
     """The error for a checkpoint or metrics write that failed (full disk, read-only): what happened,
     and how to go on from the last complete checkpoint."""
@@ -943,7 +936,7 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
                 except OutputError as exc:
                     if saved == 0:  # no epoch saved: nothing written for this one may look like a run
                         for name in ("best.pt", "metrics.jsonl", "metrics.png"):
-                            _remove_quietly(out / name)
+                            remove_quietly(out / name)
                     raise _save_failed(out, exc, saved_epoch=saved) from None
                 if draw:
                     last_plot = time.perf_counter()
