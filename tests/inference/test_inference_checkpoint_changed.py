@@ -222,3 +222,18 @@ def test_a_slide_whose_files_were_partly_rewritten_is_predicted_again(tmp_path, 
         assert _read(events) == {"a"}
         assert _scores(out)["a"] == _scores(alone[name])["a"]
         assert (out / "a_detections.csv").read_bytes() == (alone[name] / "a_detections.csv").read_bytes()
+
+
+def test_a_run_folder_as_the_model_is_fingerprinted_by_the_checkpoint_it_loads(tmp_path, slides, checkpoints):
+    """``--model RUN_DIR``: the folder was kept as the checkpoint path, no bytes were hashed, and a retrained
+    run's heatmaps reused the old model's slides."""
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(checkpoints[0], run / "best.pt")
+    out = tmp_path / "hm"
+    assert make_heatmaps(slides, run, out, HeatmapConfig(**FAST)).ok
+    first = _scores(out)
+    shutil.copy(checkpoints[1], run / "best.pt")  # the run trained again
+    assert make_heatmaps(slides, run, out, HeatmapConfig(**FAST)).ok
+    assert _scores(out) != first
+    assert json.loads((out / "heatmap_config.json").read_text())["checkpoint"] == str(run / "best.pt")

@@ -408,8 +408,11 @@ def load_inference_model(checkpoint_path: str | os.PathLike, *, config: HeatmapC
     model over image patches) or lacks the tiling settings of its training stores.
     """
     from wsi_milssl.mil import load_model
+    from wsi_milssl.mil.checkpoint import resolve_checkpoint_path
     from wsi_milssl.mil.models import is_image_model
 
+    # the file itself (a run folder's best.pt, else last.pt): what is recorded and fingerprinted
+    checkpoint_path = resolve_checkpoint_path(checkpoint_path)
     config = config or HeatmapConfig()
     runtime = resolve_runtime(config)
     if config.threads > 0:
