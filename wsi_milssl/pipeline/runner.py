@@ -442,9 +442,12 @@ def _train(ctx: _Context) -> tuple[list[str], str]:
         raise ConfigError(f"{source}: a [train.grid] needs validation slides; set [data].val_fraction > 0.")
     train = read_patch_stores([stores[s] for s in train_stems], labels)
     val = read_patch_stores([stores[s] for s in val_stems], labels) if val_stems else None
-    run_info = {"data": {"inputs": [str(stores[s]) for s in train_stems], "labels": str(ds.labels),
-                         "val_inputs": [str(stores[s]) for s in val_stems] or None,
-                         "val_labels": str(ds.labels) if val_stems else None, "input_mode": "images"}}
+    # absolute, as `train` records them: `train --resume OUT/model` may run from another folder
+    run_info = {"data": {"inputs": [str(stores[s].resolve()) for s in train_stems],
+                         "labels": str(Path(ds.labels).resolve()),
+                         "val_inputs": [str(stores[s].resolve()) for s in val_stems] or None,
+                         "val_labels": str(Path(ds.labels).resolve()) if val_stems else None,
+                         "input_mode": "images"}}
     data = {"mode": "images", "train": [str(stores[s]) for s in train_stems],
             "val": [str(stores[s]) for s in val_stems], "labels": str(ds.labels)}
     best_epoch, summary_extra = _fit_runs(ctx, runs, configs, source, train=train, val=val,
