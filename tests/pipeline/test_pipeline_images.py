@@ -42,10 +42,11 @@ thumbnail_px = 128
 """
 
 
-def test_tiny_image_pipeline_ends_in_a_report_that_renders(tmp_path):
+def test_tiny_image_pipeline_ends_in_a_report_that_renders(tmp_path, monkeypatch):
     toml = tmp_path / "tiny.toml"
     toml.write_text(TINY)
-    spec = load_pipeline(toml, out_dir=tmp_path / "out")
+    monkeypatch.chdir(tmp_path)  # a relative output folder: the run's config.json must still hold absolute paths
+    spec = load_pipeline(toml, out_dir=Path("out"))
     outcomes = run_pipeline(spec)
     assert [(o.stage, o.status) for o in outcomes] == [
         (s, "ran") for s in ("synth", "tile", "label", "train", "heatmap", "evaluate")
@@ -56,6 +57,9 @@ def test_tiny_image_pipeline_ends_in_a_report_that_renders(tmp_path):
         assert key in metrics
     assert metrics["n_slides"] == 2 and len(metrics["froc_sensitivities"]) == 6
     assert (out / "model" / "last.pt").exists() and (out / "heatmaps" / "test" / "scores.csv").exists()
+    data = json.loads((out / "model" / "config.json").read_text())["data"]
+    recorded = data["inputs"] + (data["val_inputs"] or []) + [data["labels"]]
+    assert all(Path(p).is_absolute() and Path(p).exists() for p in recorded), recorded
     loaded, total, broken = _browser_check()(out / "evaluation" / "report.html", tmp_path)
     assert total >= 4 and loaded == total, broken
     assert [o.status for o in run_pipeline(spec)] == ["skipped"] * 6

@@ -136,6 +136,20 @@ def test_force_train_trains_again_and_keeps_the_old_run(tmp_path):
     assert (model / "grid" / "mu-0.1" / "last.pt").is_file()
 
 
+def test_refused_forced_train_leaves_the_model_in_place(tmp_path):
+    spec = load_pipeline(_pipeline(tmp_path), out_dir=tmp_path / "out")
+    run_pipeline(spec)
+    model = tmp_path / "out" / "model"
+    before = (model / "last.pt").read_bytes()
+    # a grid without validation bags is refused: the forced run must not have moved the model aside first
+    refused = load_pipeline(tmp_path / "feat.toml", out_dir=tmp_path / "out",
+                            overrides=["train.grid.mu=[0.1, 0.3]", "data.val_fraction=0"])
+    with pytest.raises(ConfigError, match="needs validation bags"):
+        run_pipeline(refused, force=["train"])
+    assert (model / "last.pt").read_bytes() == before
+    assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith("model.replaced-")]
+
+
 def test_feature_run_records_its_inputs_so_train_resume_continues_it(tmp_path):
     from wsi_milssl.cli import main
 

@@ -365,8 +365,7 @@ def _fit_grid_point(data: dict, config: dict, run_dir: str, resume: bool, run_in
 
 
 def _train_configs(ctx: _Context, mode: str) -> tuple[list[dict], list, str]:
-    """The [train] table's runs: (grid overrides, TrainConfig per run, source); with ``force`` the
-    model folder (its single run or grid) is first renamed aside, so training starts again."""
+    """The [train] table's runs: (grid overrides, TrainConfig per run, source)."""
     from wsi_milssl.config import TrainConfig
 
     source = f"{ctx.spec.source} [train]"
@@ -374,15 +373,15 @@ def _train_configs(ctx: _Context, mode: str) -> tuple[list[dict], list, str]:
     section.setdefault("mode", mode)
     runs = _grid_runs(section, source)
     configs = [config_from_mapping(TrainConfig, {**section, **o}, source=source) for o in runs]
-    if ctx.redo and _has_files(ctx.model_dir):
-        _replace_aside(ctx.model_dir, "is trained again (--force)")
     return runs, configs, source
 
 
 def _fit_runs(ctx: _Context, runs: list[dict], configs: list, source: str, *, train, val, split: dict,
               run_info: dict, data: dict) -> tuple[int | None, str]:
     """Train the single run into OUT/model, or every [train.grid] point into OUT/model/grid/<point> and
-    copy the best on validation into OUT/model; returns (best epoch, summary addition)."""
+    copy the best on validation into OUT/model; returns (best epoch, summary addition). With ``force`` the
+    model folder (its single run or grid) is renamed aside first, after every check that can refuse the
+    run, so a refused run leaves the model where it was."""
     import shutil
 
     from wsi_milssl.mil.selftrain import fit
@@ -391,6 +390,8 @@ def _fit_runs(ctx: _Context, runs: list[dict], configs: list, source: str, *, tr
         from wsi_milssl.errors import ConfigError
 
         raise ConfigError(f"{source}: a [train.grid] needs validation slides; set [data].val_fraction > 0.")
+    if ctx.redo and _has_files(ctx.model_dir):
+        _replace_aside(ctx.model_dir, "is trained again (--force)")
     if len(configs) == 1:
         resume = _prepare_run_dir(ctx.model_dir, _run_fingerprint(ctx, configs[0], split, kind="single"))
         result = fit(train, config=configs[0], out_dir=ctx.model_dir, val=val, run_info=run_info, resume=resume,
