@@ -285,6 +285,12 @@ METHODS: dict[str, MethodSpec] = {
                                              "improved with a wider instance classifier: one hidden layer of 512 "
                                              "units instead of 256 (tried on the development sets, not "
                                              "adopted)", fixed={"hidden_dims": (512,)}),
+    "mil-ssl-improved-lam-5": _ablation("mil-ssl-improved-lam-5", _IMPROVED,
+                                        "improved with softer pseudo labels: Sinkhorn sharpness λ = 5 instead of "
+                                        "25 (tried on the development sets, not adopted)", fixed={"lam": 5.0}),
+    "mil-ssl-improved-lam-2": _ablation("mil-ssl-improved-lam-2", _IMPROVED,
+                                        "improved with much softer pseudo labels: λ = 2 instead of 25 (tried on "
+                                        "the development sets, not adopted)", fixed={"lam": 2.0}),
     "mil-ssl-improved-threshold-0.5": _ablation("mil-ssl-improved-threshold-0.5", _IMPROVED,
                                                 "improved, bag threshold 0.5 (not calibrated)", threshold="0.5"),
 }
