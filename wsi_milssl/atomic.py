@@ -155,6 +155,11 @@ def output_error(path: str | os.PathLike, exc: OSError, *, what: str = "cannot w
     elif code in (errno_.EACCES, errno_.EPERM):
         cause, fix = f"{cause}: no permission to write in {folder}", (
             f"make it writable (`chmod u+w {folder}`) or write to another folder")
+    elif code == errno_.EISDIR:
+        cause, fix = f"{cause}: {path} is a folder", "give the path of a file, or move the folder away"
+    elif code in (errno_.ENOENT, errno_.ENOTDIR, errno_.EEXIST) and folder.is_dir():
+        cause, fix = f"{cause}: no file can be made in {folder}", (
+            "write to a folder on an ordinary writable disk (another output path)")
     elif code in (errno_.ENOENT, errno_.ENOTDIR, errno_.EEXIST):
         cause, fix = f"{cause}: {folder} cannot be made there", (
             "give a path under a folder that exists and is writable (a part of this one is missing or is a "
@@ -180,6 +185,7 @@ def check_writable(*paths: str | os.PathLike | None) -> None:
         if path is None:
             continue
         path = Path(path)
+        _refuse_folder(path)
         tmp = temp_path(path)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -191,6 +197,12 @@ def check_writable(*paths: str | os.PathLike | None) -> None:
             remove_quietly(tmp)
 
 
+def _refuse_folder(path: Path) -> None:
+    """OutputError naming ``path`` when it is an existing folder (a file cannot replace it)."""
+    if path.is_dir():
+        raise output_error(path, IsADirectoryError(errno_.EISDIR, os.strerror(errno_.EISDIR), str(path)))
+
+
 @contextmanager
 def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
     """Open a temporary sibling of ``path`` for writing; on success fsync and rename it to ``path``.
@@ -198,9 +210,11 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
     The temporary name is unique per call (:func:`temp_path`), and the file gets the usual
     permissions (0666 minus the umask). Text modes write UTF-8 with newlines untranslated (as the
     csv module expects). On an exception nothing is left behind. A full disk, a read-only file
-    system or a folder without write permission raises OutputError naming ``path`` and the fix.
+    system, a folder without write permission or one that cannot hold a new file (``/proc``), and a
+    ``path`` that is a folder, raise OutputError naming ``path`` and the fix.
     """
     path = Path(path)
+    _refuse_folder(path)
     tmp = temp_path(path)
     text = {} if "b" in mode else {"encoding": "utf-8", "newline": ""}
     try:
@@ -209,20 +223,23 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
             fh = open(tmp, mode, **text)
         except OSError as exc:
             cause = find_write_error(exc, access=True)
-            if cause is None:
-                raise
-            raise output_error(path, cause) from None
+            if cause is None and exc.filename != str(tmp):
+                raise  # mkdir met a file in the way of the folder: the CLI names that folder
+            raise output_error(path, cause or exc) from None
         try:
             with fh:
                 yield fh
                 fh.flush()
                 os.fsync(fh.fileno())
-            os.replace(tmp, path)
         except Exception as exc:
             cause = find_write_error(exc)
             if cause is None:
                 raise
             raise output_error(path, cause) from None
+        try:
+            os.replace(tmp, path)
+        except OSError as exc:  # e.g. a folder made at ``path`` meanwhile: name the path, not the temporary
+            raise output_error(path, exc) from None
     finally:
         remove_quietly(tmp)
 
