@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from xml.etree.ElementTree import Element, TreeBuilder  # tree types only; parsing is defusedxml's
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,9 +82,28 @@ _ATTR_ESCAPES = str.maketrans({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&qu
                                "\t": "&#09;"})
 
 
+# Characters XML 1.0 cannot hold, escaped or not: control characters other than tab and newlines,
+# lone surrogates, U+FFFE and U+FFFF.
+_XML_FORBIDDEN = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
 def _attrs(**values: str) -> str:
     """XML attributes in the given order, their values escaped (no XML library involved in writing)."""
     return "".join(f' {key}="{str(value).translate(_ATTR_ESCAPES)}"' for key, value in values.items())
+
+
+def _text_attrs(path: Path, where: str, **values: str) -> str:
+    """:func:`_attrs` of names, groups and colours: AnnotationError naming ``where`` when a value holds a
+    character that XML 1.0 cannot hold (the file written could not be read back)."""
+    for key, value in values.items():
+        bad = _XML_FORBIDDEN.search(str(value))
+        if bad is not None:
+            raise AnnotationError(
+                f"{path}: {where} cannot be written as ASAP XML: its {key} {str(value)!r} holds the character "
+                f"U+{ord(bad.group()):04X}, which XML 1.0 cannot hold. Fix: remove that character in the source file "
+                "(or keep GeoJSON, which can hold it)."
+            )
+    return _attrs(**values)
 
 
 def _fmt(value: float) -> str:
@@ -112,7 +132,8 @@ def write_asap_xml(
     lines = ["<?xml version='1.0' encoding='utf-8'?>", "<ASAP_Annotations>", "\t<Annotations>"]
 
     def add(name: str, type_: str, group: str, color: str, coords: np.ndarray) -> None:
-        lines.append(f"\t\t<Annotation{_attrs(Name=name, Type=type_, PartOfGroup=group, Color=color)}>")
+        attrs = _text_attrs(path, f"annotation {name!r}", Name=name, Type=type_, PartOfGroup=group, Color=color)
+        lines.append(f"\t\t<Annotation{attrs}>")
         points = np.asarray(coords, dtype=np.float64).reshape(-1, 2)
         if len(points) == 0:
             lines.append("\t\t\t<Coordinates />")
@@ -140,7 +161,8 @@ def write_asap_xml(
     if names:
         lines.append("\t<AnnotationGroups>")
         for name in names:
-            lines.append(f"\t\t<Group{_attrs(Name=name, PartOfGroup='None', Color=colors.get(name, '#64FE2E'))}>")
+            attrs = _text_attrs(path, f"group {name!r}", Name=name, PartOfGroup="None", Color=colors.get(name, "#64FE2E"))
+            lines.append(f"\t\t<Group{attrs}>")
             lines.extend(["\t\t\t<Attributes />", "\t\t</Group>"])
         lines.append("\t</AnnotationGroups>")
     else:
@@ -241,13 +263,26 @@ def _number(path: Path, line: int | None, where: str, attr: str, text: str | Non
     return value
 
 
-def read_asap_xml(path: str | os.PathLike) -> tuple[list[PolygonAnnotation], dict[str, str]]:
+def report_skipped(path: Path, what: Sequence[str], skipped: list[str] | None) -> None:
+    """What a reader left out of ``path``: appended to ``skipped`` when it is a list (the caller decides),
+    else logged as one warning each."""
+    if skipped is not None:
+        skipped.extend(what)
+        return
+    for item in what:
+        logger.warning("%s: skipped %s.", path, item)
+
+
+def read_asap_xml(
+    path: str | os.PathLike, *, skipped: list[str] | None = None
+) -> tuple[list[PolygonAnnotation], dict[str, str]]:
     """Read an ASAP XML file: (polygons in file order, declared groups ``{name: colour}`` in file order).
 
     Every annotation with coordinates is returned, whatever its ``Type`` (points and lines too, so
-    that a conversion keeps them; AnnotationSet leaves out those that enclose no area). Raises
-    AnnotationError naming the file and the line for malformed or hostile XML and for coordinates
-    that are not numbers.
+    that a conversion keeps them; AnnotationSet leaves out those that enclose no area). Annotations
+    without coordinates are left out with a warning, or described in ``skipped`` when it is a list.
+    Raises AnnotationError naming the file and the line for malformed or hostile XML and for
+    coordinates that are not numbers.
     """
     path = Path(path)
     root, lines = _parse_xml(path)
@@ -287,10 +322,8 @@ def read_asap_xml(path: str | os.PathLike) -> tuple[list[PolygonAnnotation], dic
             coords = coords[np.argsort(order_keys, kind="stable")]
         polygons.append(PolygonAnnotation(name=name, group=group, coords_lv0=coords, color=color, type=type_))
     if empty:
-        logger.warning(
-            "%s: skipped %d annotation(s) without coordinates: %s.",
-            path, len(empty), ", ".join(empty[:10]) + (" ..." if len(empty) > 10 else ""),
-        )
+        names = ", ".join(empty[:10]) + (" ..." if len(empty) > 10 else "")
+        report_skipped(path, [f"{len(empty)} annotation(s) without coordinates: {names}"], skipped)
     groups: dict[str, str] = {}
     for group in root.iter("Group"):
         name = group.get("Name")

@@ -13,7 +13,8 @@ Written files are a ``FeatureCollection`` with one ``Polygon`` feature per annot
 ``properties = {"objectType": "annotation", "name", "classification": {"name": group, "color":
 [r, g, b]}, "color": [r, g, b]}`` plus ``"asapType"`` when the ASAP type is not the one implied by
 the geometry, and a top-level foreign member ``"asapGroups": [{"name", "color"}]`` that keeps the
-declared ASAP groups. Rings are closed (first vertex repeated), as GeoJSON requires.
+declared ASAP groups. Rings are closed (first vertex repeated), as GeoJSON requires; an ASAP polygon
+of fewer than 3 vertices is written as a ``Point`` (1) or ``LineString`` (2) with its ``asapType``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from wsi_milssl.atomic import atomic_open
-from wsi_milssl.annotations.asap import GROUP_COLORS, MAX_ANNOTATION_BYTES, PolygonAnnotation
+from wsi_milssl.annotations.asap import GROUP_COLORS, MAX_ANNOTATION_BYTES, PolygonAnnotation, report_skipped
 from wsi_milssl.annotations.groups import UNCLASSIFIED
 from wsi_milssl.errors import AnnotationError
 
@@ -239,10 +240,13 @@ def _load_json(path: Path) -> Any:
     return data
 
 
-def read_geojson(path: str | os.PathLike) -> tuple[list[PolygonAnnotation], dict[str, str]]:
+def read_geojson(
+    path: str | os.PathLike, *, skipped: list[str] | None = None
+) -> tuple[list[PolygonAnnotation], dict[str, str]]:
     """Read a GeoJSON file: (annotations in file order, groups ``{name: colour}`` in first-use order).
 
-    Raises AnnotationError naming the file and the line (invalid JSON) or the feature (invalid
+    Objects that are not annotations and features without geometry are left out with a warning, or
+    described in ``skipped`` when it is a list. Raises AnnotationError naming the file and the line (invalid JSON) or the feature (invalid
     structure or coordinates), and for files over :data:`MAX_ANNOTATION_BYTES` or nested deeper
     than :data:`MAX_JSON_DEPTH`.
     """
@@ -305,13 +309,14 @@ def read_geojson(path: str | os.PathLike) -> tuple[list[PolygonAnnotation], dict
             continue
         out += _geometry_annotations(ctx, where, geometry, name=name, group=group, color=color, asap_type=asap_type)
         groups.setdefault(group, class_color or GROUP_COLORS.get(group, "#64FE2E"))
+    left_out = []
     if skipped_objects:
-        logger.warning(
-            "%s: skipped %d object(s) that are not annotations (%s); only QuPath annotations are read.",
-            path, sum(skipped_objects.values()), ", ".join(f"{k}: {v}" for k, v in sorted(skipped_objects.items())),
-        )
+        kinds = ", ".join(f"{k}: {v}" for k, v in sorted(skipped_objects.items()))
+        left_out.append(f"{sum(skipped_objects.values())} object(s) that are not annotations ({kinds}); only QuPath "
+                        "annotations are read")
     if no_geometry:
-        logger.warning("%s: skipped %d feature(s) with a null geometry.", path, no_geometry)
+        left_out.append(f"{no_geometry} feature(s) with a null geometry")
+    report_skipped(path, left_out, skipped)
     return out, groups
 
 
@@ -323,11 +328,19 @@ def _closed(coords: np.ndarray) -> list[list[float]]:
     return pts + [pts[0]]
 
 
-def _feature(ann: PolygonAnnotation, group_colors: Mapping[str, str]) -> dict[str, Any]:
+def _feature(path: Path, ann: PolygonAnnotation, group_colors: Mapping[str, str]) -> dict[str, Any]:
     gtype = _ASAP_TO_GEOMETRY.get(ann.type, "MultiPoint")
     pts = np.asarray(ann.coords_lv0, dtype=np.float64).reshape(-1, 2)
+    if gtype == "Polygon" and len(pts) < 3:
+        # A GeoJSON ring needs 3 distinct vertices; fewer are written as the Point or LineString they
+        # are (QuPath reads both), and asapType keeps the ASAP type for the way back.
+        gtype = "Point" if len(pts) == 1 else "LineString"
     if gtype == "Polygon":
-        geometry = {"type": "Polygon", "coordinates": [_closed(pts)] + [_closed(h) for h in ann.holes_lv0]}
+        holes = [h for h in ann.holes_lv0 if len(h) >= 3]
+        if len(holes) < len(ann.holes_lv0):
+            logger.warning("%s: dropped %d hole(s) of fewer than 3 vertices of %r: they enclose no area and are "
+                           "not valid GeoJSON rings.", path, len(ann.holes_lv0) - len(holes), ann.name)
+        geometry = {"type": "Polygon", "coordinates": [_closed(pts)] + [_closed(h) for h in holes]}
     elif gtype == "Point" and len(pts) == 1:
         geometry = {"type": "Point", "coordinates": pts[0].tolist()}
     elif gtype == "LineString" and len(pts) >= 2:
@@ -371,7 +384,7 @@ def write_geojson(
     doc = {
         "type": "FeatureCollection",
         "asapGroups": [{"name": n, "color": c} for n, c in group_colors.items()],
-        "features": [_feature(a, group_colors) for a in annotations],
+        "features": [_feature(path, a, group_colors) for a in annotations],
     }
     with atomic_open(path, "w") as fh:
         json.dump(doc, fh, allow_nan=False)

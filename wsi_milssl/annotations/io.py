@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Literal, Mapping, Sequence
 
-from wsi_milssl.annotations.asap import PolygonAnnotation, read_asap_xml, write_asap_xml
+from wsi_milssl.annotations.asap import PolygonAnnotation, read_asap_xml, report_skipped, write_asap_xml
 from wsi_milssl.annotations.geojson import read_geojson, write_geojson
 from wsi_milssl.annotations.geometry import AnnotationSet
 from wsi_milssl.annotations.groups import GroupMap, as_group_map
@@ -58,10 +58,9 @@ def annotation_format(path: str | os.PathLike) -> AnnotationFormat:
     )
 
 
-def _read_raw(path: Path) -> tuple[list[PolygonAnnotation], dict[str, str]]:
-    if annotation_format(path) == "asap":
-        return read_asap_xml(path)
-    return read_geojson(path)
+def _read_raw(path: Path, skipped: list[str] | None) -> tuple[list[PolygonAnnotation], dict[str, str]]:
+    reader = read_asap_xml if annotation_format(path) == "asap" else read_geojson
+    return reader(path, skipped=skipped)
 
 
 def read_annotations(
@@ -69,18 +68,21 @@ def read_annotations(
     *,
     group_map: GroupMap | Mapping[str, str] | None = None,
     dimensions_lv0: tuple[int, int] | None = None,
+    skipped: list[str] | None = None,
 ) -> AnnotationSet:
     """Read ASAP XML or GeoJSON into an AnnotationSet (level-0 px).
 
     ``group_map``: which groups are tumour / non-tumour (default CAMELYON16: ``_0``, ``_1``,
     ``Tumor`` tumour; ``_2``, ``Exclusion``, ``None`` non-tumour), a GroupMap or a mapping
     ``{group: "tumor" | "non_tumor"}``. ``dimensions_lv0`` = (width, height) of the slide clips
-    the geometry to it (with a warning). Raises AnnotationError for missing, malformed or hostile
+    the geometry to it (with a warning). What the reader leaves out (objects that are not annotations,
+    annotations without coordinates) is warned about, or described in ``skipped`` when it is a list.
+    Raises AnnotationError for missing, malformed or hostile
     files, naming the file and the element or line.
     """
     path = Path(path)
     gmap = as_group_map(group_map)
-    polygons, groups = _read_raw(path)
+    polygons, groups = _read_raw(path, skipped)
     aset = AnnotationSet(polygons=polygons, group_map=gmap, groups=groups, source=path)
     return aset.with_dimensions(dimensions_lv0) if dimensions_lv0 is not None else aset
 
@@ -146,11 +148,23 @@ def convert_annotations(
     *,
     group_map: GroupMap | Mapping[str, str] | None = None,
 ) -> Path:
-    """Convert ASAP XML <-> GeoJSON (formats from the suffixes). Every vertex and group is kept."""
+    """Convert ASAP XML <-> GeoJSON (formats from the suffixes). Every vertex and group is kept.
+
+    An input whose every object is left out (QuPath detections, annotations without coordinates) is
+    refused with an AnnotationError saying what was left out; nothing is written.
+    """
     source, destination = Path(source), Path(destination)
     if source.resolve() == destination.resolve():
         raise AnnotationError(f"{source}: input and output are the same file; choose another output path.")
-    aset = read_annotations(source, group_map=group_map)
+    skipped: list[str] = []
+    aset = read_annotations(source, group_map=group_map, skipped=skipped)
+    if skipped and not aset.polygons:
+        raise AnnotationError(
+            f"{source}: no annotation to convert: skipped {'; '.join(skipped)}. Nothing was written to "
+            f"{destination}. Fix: convert a file of annotations (QuPath: export the annotations as GeoJSON; a "
+            "heatmap's <stem>_lesions.geojson or .xml, not its <stem>_patches.geojson of patch detections)."
+        )
+    report_skipped(source, skipped, None)
     return write_annotations(aset, destination)
 
 
