@@ -71,11 +71,31 @@ def describe_slide(path: Path, *, mpp: float | None, magnifications: list[float]
     return "\n".join(lines)
 
 
+# The ranges the other stages accept: --slide-mpp as heatmap/tile/features, --magnifications as
+# tile's --magnification; a 40x objective's µm per pixel is an MPP like any other.
+_OPTION_RANGES = {"--slide-mpp": (0.01, 100.0), "--mpp-at-40x": (0.01, 100.0), "--magnifications": (0.1, 200.0)}
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """ConfigError for an option value that is no resolution or magnification (NaN, infinite, 0,
+    negative, absurdly large), before any slide is described."""
+    from wsi_milssl.errors import ConfigError
+
+    given = {"--slide-mpp": [] if args.mpp is None else [args.mpp], "--mpp-at-40x": [args.mpp_at_40x],
+             "--magnifications": args.magnifications}
+    for option, values in given.items():
+        low, high = _OPTION_RANGES[option]
+        for value in values:
+            if not low <= value <= high:  # False for NaN too
+                raise ConfigError(f"{option} must be between {low:g} and {high:g}; got {value!r}.")
+
+
 def run(args: argparse.Namespace) -> int:
     import sys
 
     from wsi_milssl.errors import WsiMilsslError
 
+    check_options(args)
     failed = 0
     for i, path in enumerate(args.slides):
         if i:

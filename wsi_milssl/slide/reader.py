@@ -13,6 +13,7 @@ is 352.78 µm/px) is ignored with a warning that names ``--slide-mpp``.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Callable
@@ -25,6 +26,7 @@ from wsi_milssl.errors import MissingResolutionError, SlideReadError
 from wsi_milssl.slide.resolution import (
     DEFAULT_MPP_AT_40X,
     ReadPlan,
+    check_positive,
     magnification_to_mpp,
     plan_read,
 )
@@ -58,7 +60,7 @@ def _float_property(props, key: str) -> float | None:
         value = float(value)
     except ValueError:
         return None
-    return value if value > 0 else None
+    return value if math.isfinite(value) and value > 0 else None
 
 
 class SlideReader:
@@ -72,7 +74,8 @@ class SlideReader:
     allow_upsample : let :meth:`plan` serve resolutions finer than the slide's (``--allow-upsample``);
         by default such a plan raises ResolutionError.
 
-    Raises SlideReadError when OpenSlide cannot open the file, and MissingResolutionError (on
+    Raises ConfigError when ``mpp_override`` or ``mpp_at_40x`` is not a finite number above 0,
+    SlideReadError when OpenSlide cannot open the file, and MissingResolutionError (on
     first use of ``mpp``) when the slide has neither a plausible MPP nor an objective power and no
     override is given. A metadata MPP outside :data:`PLAUSIBLE_MPP` is ignored with a warning
     (``ignored_metadata_mpp`` keeps it).
@@ -87,11 +90,10 @@ class SlideReader:
         allow_upsample: bool = False,
     ) -> None:
         self.path = Path(path)
-        self.mpp_at_40x = float(mpp_at_40x)
+        self.mpp_at_40x = check_positive("mpp_at_40x", mpp_at_40x, where=self.path)
         self.allow_upsample = bool(allow_upsample)
-        self._mpp_override = None if mpp_override is None else float(mpp_override)
-        if self._mpp_override is not None and self._mpp_override <= 0:
-            raise ValueError(f"mpp_override must be positive; got {mpp_override!r}.")
+        self._mpp_override = None if mpp_override is None else check_positive(
+            "the level-0 µm per pixel given (--slide-mpp)", mpp_override, where=self.path)
         if not self.path.exists():
             raise SlideReadError(f"{self.path}: slide file not found. Fix: check the path, or leave it out of "
                                  "the list of slides.")

@@ -11,17 +11,19 @@ slide serves 40x = 0.25 µm/px).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Sequence
 
-from wsi_milssl.errors import ResolutionError
+from wsi_milssl.errors import ConfigError, ResolutionError
 
 __all__ = [
     "DEFAULT_MPP_AT_40X",
     "LEVEL_TOLERANCE",
     "UPSAMPLE_TOLERANCE",
     "ReadPlan",
+    "check_positive",
     "magnification_to_mpp",
     "mpp_to_magnification",
     "plan_read",
@@ -35,18 +37,22 @@ LEVEL_TOLERANCE = 1e-3
 UPSAMPLE_TOLERANCE = 0.01
 
 
+def check_positive(name: str, value: float, *, where: str | os.PathLike = "") -> float:
+    """``value`` as a float; ConfigError (``where: name must be ...``) unless it is a finite number above 0:
+    NaN, infinity, 0 and below are no scale or resolution."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{f'{where}: ' if where else ''}{name} must be a finite number above 0; got {value!r}.")
+    return float(value)
+
+
 def magnification_to_mpp(magnification: float, *, mpp_at_40x: float = DEFAULT_MPP_AT_40X) -> float:
     """µm per pixel of an objective magnification (10 -> 1.0 with the default scale)."""
-    if magnification <= 0:
-        raise ValueError(f"magnification must be positive; got {magnification!r}.")
-    return mpp_at_40x * 40.0 / magnification
+    return check_positive("mpp_at_40x", mpp_at_40x) * 40.0 / check_positive("magnification", magnification)
 
 
 def mpp_to_magnification(mpp: float, *, mpp_at_40x: float = DEFAULT_MPP_AT_40X) -> float:
     """Objective magnification equivalent of a resolution in µm per pixel (1.0 -> 10)."""
-    if mpp <= 0:
-        raise ValueError(f"mpp must be positive; got {mpp!r}.")
-    return mpp_at_40x * 40.0 / mpp
+    return check_positive("mpp_at_40x", mpp_at_40x) * 40.0 / check_positive("mpp", mpp)
 
 
 @dataclass(frozen=True)
@@ -87,8 +93,8 @@ def plan_read(
     Raises ResolutionError when ``target_mpp`` is finer than ``slide_mpp`` by more than
     :data:`UPSAMPLE_TOLERANCE` and ``allow_upsample`` is False; ``source`` (the slide) names it.
     """
-    if target_mpp <= 0 or slide_mpp <= 0:
-        raise ValueError(f"resolutions must be positive; got target {target_mpp!r}, slide {slide_mpp!r}.")
+    check_positive("target_mpp", target_mpp, where=source or "")
+    check_positive("slide_mpp", slide_mpp, where=source or "")
     downsample = target_mpp / slide_mpp
     if downsample < 1.0 - UPSAMPLE_TOLERANCE and not allow_upsample:
         raise ResolutionError(
