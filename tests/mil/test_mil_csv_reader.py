@@ -1,0 +1,55 @@
+"""read_mil_csv on awkward files: pandas' numbered header, binary or oversized content, a non-numeric
+field (each one clear ConfigError naming the file), and the header rule shared with the MNIST CSV reader."""
+
+from __future__ import annotations
+
+import pytest
+
+from wsi_milssl.errors import ConfigError
+from wsi_milssl.mil.data import is_csv_header, read_mil_csv
+
+ROWS = "1,a,0.5,0.25\n0,a,0.0,0.5\n0,b,1.5,2.0\n"
+
+
+@pytest.mark.parametrize("header", ["0,1,2,3\n", '"0","1","2","3"\n', "label,bag,f1,f2\n", ""])
+def test_a_header_row_is_not_an_instance(tmp_path, header):
+    # pandas' to_csv(index=False) of a frame without column names writes the column numbers as header
+    path = tmp_path / "bags.csv"
+    path.write_text(header + ROWS)
+    inst = read_mil_csv(path)
+    assert len(inst) == 3 and inst.bag_names == ["a", "b"] and inst.bag_labels.tolist() == [1, 0]
+
+
+def test_the_header_rule():
+    assert is_csv_header(["label", "bag", "f1"]) and is_csv_header(["0", "1", "2"]) and is_csv_header([])
+    # numbers that are data: scientific notation, signs, column numbers out of order or not from 0
+    for row in (["1e2", "3"], ["-0.5", "x"], ["0", "2", "1"], ["1", "2", "3"], ["0", "1", "2.5"]):
+        assert not is_csv_header(row), row
+
+
+def test_a_binary_file_is_one_clear_error(tmp_path):
+    path = tmp_path / "image.csv"
+    path.write_bytes(b"1,a,0.5\n" + bytes(range(128, 256)))
+    with pytest.raises(ConfigError, match=r"image\.csv: not a text CSV \(byte \d+ is not UTF-8\)"):
+        read_mil_csv(path)
+
+
+def test_a_field_beyond_the_csv_limit_is_one_clear_error(tmp_path):
+    path = tmp_path / "huge.csv"
+    path.write_text("1,a," + "1" * 200_000 + "\n")
+    with pytest.raises(ConfigError, match=r"huge\.csv: cannot read the MIL CSV \(field larger than field limit"):
+        read_mil_csv(path)
+
+
+def test_a_non_numeric_field_names_its_row(tmp_path):
+    path = tmp_path / "typo.csv"
+    path.write_text("label,bag,f1\n1,a,0.5\n0,b,0.x\n")
+    with pytest.raises(ConfigError, match=r"typo\.csv: non-numeric label or feature in data row 2 \(a header not "
+                                          r"counted\): .*'0\.x'"):
+        read_mil_csv(path)
+
+
+def test_a_utf8_byte_order_mark_is_not_a_header(tmp_path):
+    path = tmp_path / "bom.csv"
+    path.write_bytes(b"\xef\xbb\xbf" + ROWS.encode())
+    assert len(read_mil_csv(path)) == 3
