@@ -8,7 +8,7 @@ import pytest
 from wsi_milssl.cli import main
 from wsi_milssl.config import load_toml
 from wsi_milssl.errors import ConfigError
-from wsi_milssl.pipeline import RESOLVED_FILENAME, load_pipeline, resolved_pipeline
+from wsi_milssl.pipeline import RESOLVED_FILENAME, load_pipeline, resolved_pipeline, run_pipeline
 from wsi_milssl.pipeline.spec import parse_override
 
 PIPELINE = """
@@ -85,6 +85,34 @@ def test_set_overrides_and_the_resolved_pipeline_reloads_to_the_same_run(toml, t
     assert (again.val_fraction, again.section("train")["epochs"]) == (0.5, 2)
     config = load_toml(toml)
     assert config["train"]["epochs"] == 3  # the source file is not touched
+    # the resolved file spells out every default; run as it is, it finds every stage up to date
+    statuses = [o.status for o in run_pipeline(again)]
+    assert statuses and set(statuses) == {"skipped"}
+
+
+def test_resolved_pipeline_of_a_feature_pipeline_trains_on_features(toml, tmp_path):
+    # [train] without mode: the head trains on features in a features pipeline, and the resolved file says so
+    toml.write_text(PIPELINE.replace('mode = "features"\nmodel = "linear"', 'model = "linear"'))
+    spec = load_pipeline(toml, out_dir=tmp_path / "out")
+    assert "mode" not in spec.section("train")
+    table = resolved_pipeline(spec)["train"]
+    assert (table["mode"], table["model"], table["optimizer"]) == ("features", "linear", "adam")
+
+
+def test_stage_digests_cover_settings_not_their_spelling(tmp_path):
+    from wsi_milssl.pipeline.runner import _stage_settings
+
+    base = load_pipeline(_write(tmp_path / "a.toml", PIPELINE))
+    explicit = load_pipeline(_write(tmp_path / "b.toml", PIPELINE.replace("epochs = 3", "epochs = 3\nlam = 25.0")))
+    changed = load_pipeline(_write(tmp_path / "c.toml", PIPELINE.replace("epochs = 3", "epochs = 3\nlam = 10.0")))
+    assert _stage_settings(explicit, "train") == _stage_settings(base, "train")  # a default spelled out
+    assert _stage_settings(changed, "train") != _stage_settings(base, "train")
+    assert _stage_settings(explicit, "train", legacy=True) != _stage_settings(base, "train", legacy=True)
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path
 
 
 def test_bad_overrides_name_the_problem(toml, tmp_path, capsys):

@@ -40,7 +40,7 @@ from wsi_milssl.atomic import atomic_open, atomic_write_json
 from wsi_milssl.config import config_from_mapping, config_to_dict
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.locks import folder_lock
-from wsi_milssl.pipeline.spec import RESOLVED_FILENAME, STAGES, PipelineSpec, write_resolved_pipeline
+from wsi_milssl.pipeline.spec import RESOLVED_FILENAME, STAGES, PipelineSpec, stage_config, write_resolved_pipeline
 from wsi_milssl.pipeline.stamps import fingerprint_paths, is_up_to_date, read_stamp, stamp_digest, write_stamp
 
 __all__ = ["StageOutcome", "run_pipeline", "split_train_val"]
@@ -749,10 +749,21 @@ _UPSTREAM = {"synth": (), "tile": ("synth",), "label": ("tile",), "features": ("
 _EMBEDDED_UPSTREAM = {**_UPSTREAM, "train": ("features",), "heatmap": ("train", "features")}
 
 
-def _stage_settings(spec: PipelineSpec, stage: str):
+def _stage_settings(spec: PipelineSpec, stage: str, *, legacy: bool = False):
+    """What a stage's stamp digest covers: its settings that differ from their defaults (so the pipeline's
+    own resolved_pipeline.toml, which spells out every default, is up to date with the pipeline it came
+    from) and its [train.grid]; ``legacy``: the raw table, as stamps of earlier versions recorded it."""
     if stage == "synth":
         return {name: config_to_dict(ds.synth) for name, ds in spec.sets.items()}
-    settings = {"section": spec.section(stage)}
+    if legacy:
+        settings = {"section": spec.section(stage)}
+    else:
+        chosen = config_to_dict(stage_config(spec, stage))
+        default = config_to_dict(stage_config(spec, stage, defaults_only=True))
+        section = {k: v for k, v in chosen.items() if v != default.get(k)}
+        if "grid" in spec.section(stage):
+            section["grid"] = spec.section(stage)["grid"]
+        settings = {"section": section}
     if stage == "train":
         settings.update(val_fraction=spec.val_fraction, split_seed=spec.split_seed)
     return settings
@@ -812,19 +823,24 @@ def _run_stages(spec: PipelineSpec, stages: list[str], forced: set[str], *,
                 progress: ProgressCallback | None, on_stage: Callable[[StageOutcome], None] | None
                 ) -> list[StageOutcome]:
     ctx = _Context(spec, progress)
+    # two chains of digests: this version's, and the one stamps of earlier versions hold (accepted for skipping)
     digests: dict[str, str] = {}
+    legacy_digests: dict[str, str] = {}
     outcomes: list[StageOutcome] = []
     dirty = False
     for i, stage in enumerate(stages):
         reads = (_EMBEDDED_UPSTREAM if spec.feature_stage else _UPSTREAM)[stage]
-        upstream = {u: digests.get(u) or (read_stamp(ctx.state, u) or {}).get("digest") for u in reads}
-        digest = stamp_digest(_stage_settings(spec, stage), {"upstream": upstream,
-                                                              "external": _external_inputs(spec, stage)})
-        digests[stage] = digest
+        external = _external_inputs(spec, stage)
+        for chain, legacy in ((digests, False), (legacy_digests, True)):
+            upstream = {u: chain.get(u) or (read_stamp(ctx.state, u) or {}).get("digest") for u in reads}
+            chain[stage] = stamp_digest(_stage_settings(spec, stage, legacy=legacy),
+                                        {"upstream": upstream, "external": external})
+        digest = digests[stage]
         emit(progress, ProgressEvent("pipeline", i, len(stages), unit="stage", item=stage))
         if stage in forced:
             dirty = ctx.redo = True
-        if not dirty and is_up_to_date(ctx.state, stage, digest):
+        if not dirty and (is_up_to_date(ctx.state, stage, digest)
+                          or is_up_to_date(ctx.state, stage, legacy_digests[stage])):
             outcome = StageOutcome(stage, "skipped", 0.0, "up to date")
         else:
             dirty = True

@@ -50,7 +50,7 @@ from typing import Any, Iterable
 from wsi_milssl.config import SynthConfig, check_range, check_type, config_from_mapping, config_to_dict, load_toml
 from wsi_milssl.errors import ConfigError
 
-__all__ = ["PipelineSpec", "DataSet", "load_pipeline", "parse_override", "resolved_pipeline",
+__all__ = ["PipelineSpec", "DataSet", "load_pipeline", "parse_override", "resolved_pipeline", "stage_config",
            "write_resolved_pipeline", "RESOLVED_FILENAME", "STAGES", "SETS"]
 
 #: The resolved pipeline ``run`` writes into its output folder.
@@ -93,6 +93,21 @@ class PipelineSpec:
     def section(self, stage: str) -> dict[str, Any]:
         """The raw table of ``stage`` (empty when absent)."""
         return dict(self.sections.get(stage, {}))
+
+    @property
+    def train_mode(self) -> str:
+        """What the head trains on: "features" (pre-extracted, or embedded by a [features] table) or "images"."""
+        return "features" if self.mode == "features" or self.feature_stage else "images"
+
+
+def stage_config(spec: PipelineSpec, stage: str, *, defaults_only: bool = False):
+    """The config object [stage] runs with ([train.grid] aside; [train].mode defaults to the pipeline's
+    :attr:`PipelineSpec.train_mode`); ``defaults_only``: the same stage with every setting at its default."""
+    section = {} if defaults_only else spec.section(stage)
+    section.pop("grid", None)
+    if stage == "train":
+        section.setdefault("mode", spec.train_mode)
+    return config_from_mapping(_stage_classes()[stage], section, source=f"{spec.source} [{stage}]")
 
 
 def _path(base: Path, value: Any, key: str, source: Path) -> Path:
@@ -243,7 +258,7 @@ def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None 
         if train_mode != "features":
             raise ConfigError(f"{source}: with a [features] table the head trains on features; [train].mode is "
                               f"{train_mode!r}. Fix: set mode = \"features\" (and an MLP head) or drop [features].")
-    _validate_sections(sections, source)
+    _validate_sections(sections, source, train_mode="features" if mode == "features" or feature_stage else "images")
     return PipelineSpec(name=name, source=source, out_dir=out, sets=sets, val_fraction=val_fraction,
                         split_seed=split_seed, sections=sections, mode=mode, feature_stage=feature_stage,
                         overrides=overrides, grid_workers=grid_workers)
@@ -278,21 +293,20 @@ def resolved_pipeline(spec: PipelineSpec) -> dict[str, Any]:
         out["synth"] = {name: config_to_dict(ds.synth) for name, ds in spec.sets.items()}
     elif spec.mode == "features":
         data["mode"] = "features"
-        for name, ds in spec.sets.items():
-            data[f"{name}_features"] = str(Path(ds.features).resolve())
-            data[f"{name}_labels"] = str(Path(ds.labels).resolve())
+        for name, ds in spec.sets.items():  # absolute already (see load_pipeline); written as loaded so
+            data[f"{name}_features"] = str(ds.features)  # that the stages' input fingerprints match
+            data[f"{name}_labels"] = str(ds.labels)
     else:
         for name, ds in spec.sets.items():
             for key in ("slides", "labels", "annotations"):
-                data[f"{name}_{key}"] = str(Path(getattr(ds, key)).resolve())
+                data[f"{name}_{key}"] = str(getattr(ds, key))
     data["val_fraction"] = spec.val_fraction
     data["split_seed"] = spec.split_seed
-    for stage, cls in _stage_classes().items():
+    for stage in _stage_classes():
         if stage == "features" and not spec.feature_stage:
             continue
-        section = spec.section(stage)
-        grid = section.pop("grid", None)
-        table = config_to_dict(config_from_mapping(cls, section, source=f"{spec.source} [{stage}]"))
+        grid = spec.section(stage).get("grid")
+        table = config_to_dict(stage_config(spec, stage))
         if grid is not None:
             table["grid"] = grid
         out[stage] = table
@@ -313,11 +327,14 @@ def write_resolved_pipeline(spec: PipelineSpec, path: str | os.PathLike) -> Path
     return atomic_write_text(Path(path), "\n".join(header) + "\n\n" + tomli_w.dumps(resolved_pipeline(spec)))
 
 
-def _validate_sections(sections: dict[str, dict[str, Any]], source: Path) -> None:
-    """Build every stage's config once, so a wrong key or value fails before any stage runs."""
+def _validate_sections(sections: dict[str, dict[str, Any]], source: Path, *, train_mode: str) -> None:
+    """Build every stage's config once ([train].mode defaulting to ``train_mode``), so a wrong key or value
+    fails before any stage runs."""
     classes = _stage_classes()
     for stage, cls in classes.items():
         section = {k: v for k, v in sections.get(stage, {}).items() if k != "grid"}
+        if stage == "train":
+            section.setdefault("mode", train_mode)
         config_from_mapping(cls, section, source=f"{source} [{stage}]")
         grid = sections.get(stage, {}).get("grid")
         if grid is not None:
