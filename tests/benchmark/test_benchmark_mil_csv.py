@@ -313,7 +313,7 @@ def test_benchmark_mil_csv_cli_errors(tmp_path, mil_csv, capsys):
     assert "a_file/r.png: cannot write this file" in captured.err and "bags" not in captured.out
     assert not (tmp_path / "r.json").exists()
     assert main(["benchmark", "mil-csv", str(mil_csv), "--folds", "30"]) == 1
-    assert "use fewer folds" in capsys.readouterr().err
+    assert "for 30 outer folds (each fold needs one); use --folds" in capsys.readouterr().err
 
 
 def test_stacked_adam_equals_torch_adam_per_model():

@@ -400,12 +400,36 @@ def _metric(scores: np.ndarray, labels: np.ndarray, name: str) -> float:
     return float(np.mean((scores > best_threshold(scores, labels)) == (labels == 1)))
 
 
+def _check_fold_counts(labels: np.ndarray, folds: int, inner_folds: int, *, source: str | None = None) -> None:
+    """Refuse (ConfigError, naming ``source`` when given) bag labels that cannot fill ``folds`` stratified
+    outer folds and, inside every training split, ``inner_folds`` inner folds: before any training.
+
+    Every fold needs a bag of each class, and a training split keeps ``n - ceil(n / folds)`` bags of a
+    class of ``n`` bags (stratified folds differ by at most one bag per class)."""
+    where = f"{source}: " if source else ""
+    counts = np.bincount(np.asarray(labels, dtype=np.int64), minlength=2)
+    cls = ("negative", "positive")[int(np.argmin(counts))]
+    rare = int(counts.min())
+    if rare == 0:
+        raise ConfigError(f"{where}all {labels.size} bags are {('negative', 'positive')[int(np.argmax(counts))]}; "
+                          "the benchmark needs bags of both classes: fix the labels (first column) or the file.")
+    if rare < 3:
+        raise ConfigError(f"{where}only {rare} {cls} bag(s); nested cross-validation needs at least 3 bags of "
+                          "each class: use a file with more bags.")
+    if rare < folds:
+        raise ConfigError(f"{where}only {rare} {cls} bags for {folds} outer folds (each fold needs one); use "
+                          f"--folds {rare} or fewer.")
+    train_rare = rare - -(-rare // folds)
+    if train_rare < inner_folds:
+        fix = (f"use --inner-folds {train_rare} or fewer" if train_rare >= 2 else
+               f"use more outer folds (--folds {rare} leaves {rare - 1} to train on) or fewer inner folds")
+        raise ConfigError(f"{where}a training split of {folds} outer folds keeps as few as {train_rare} of the "
+                          f"{rare} {cls} bags, too few for {inner_folds} inner folds; {fix}.")
+
+
 def _stratified(labels: np.ndarray, n_splits: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
     from sklearn.model_selection import StratifiedKFold
 
-    counts = np.bincount(labels.astype(np.int64), minlength=2)
-    if counts.min() < n_splits:
-        raise ConfigError(f"only {counts.min()} bags of the rarer class for {n_splits} folds; use fewer folds.")
     return list(StratifiedKFold(n_splits=n_splits, shuffle=True, random_state=seed).split(np.zeros(labels.size),
                                                                                           labels))
 
@@ -538,6 +562,7 @@ def nested_cross_validation(instances: InstanceSet, *, bench: BenchmarkConfig,
     if bench.threads > 0:
         torch.set_num_threads(bench.threads)
     labels = instances.bag_labels
+    _check_fold_counts(labels, bench.folds, bench.inner_folds, source=instances.source)
     t_start = time.perf_counter()
     results = {m.name: {"spec": m.to_dict(), "folds": [], "seconds": 0.0, "cpu_seconds": 0.0} for m in methods}
     total = bench.repeats * bench.folds * len(methods)
