@@ -209,34 +209,53 @@ def _float(text: str, path: Path, line: int, column: str) -> float:
     return value
 
 
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def read_detections(path: str | os.PathLike) -> Detections:
     """Read a CAMELYON16 detection CSV: ``prob,x,y`` per line, level-0 pixels, no header.
 
-    An empty file means no detections. A first line ``prob,x,y`` (a header) and fractional
-    coordinates (files of other tools) are tolerated; this package writes integers.
+    An empty file means no detections. A header (a first line of no number, such as ``prob,x,y`` or
+    CAMELYON16's ``Confidence,X coordinate,Y coordinate``) and fractional coordinates (files of other
+    tools) are tolerated; this package writes integers. The file must be UTF-8 (or ASCII) text.
     """
     path = Path(path)
     probs: list[float] = []
     xs: list[float] = []
     ys: list[float] = []
     try:
-        fh = open(path, newline="")
+        rows = list(csv.reader(path.read_bytes().decode("utf-8-sig").splitlines()))
     except OSError as exc:
         raise EvaluationError(f"{path}: cannot read the detections file ({exc.strerror}).") from None
-    with fh:
-        for line_no, row in enumerate(csv.reader(fh), start=1):
-            if not row or all(not c.strip() for c in row):
+    except UnicodeDecodeError as exc:
+        raise EvaluationError(
+            f"{path}: not UTF-8 text (byte {exc.start}); a detections file is text lines 'prob,x,y'. Fix: save "
+            "it as UTF-8 or ASCII text, or write it again with the heatmap stage."
+        ) from None
+    except csv.Error as exc:
+        raise EvaluationError(f"{path}: not a CSV file of detections ({exc}). Fix: write one detection per line "
+                              "as prob,x,y.") from None
+    seen_row = False
+    for line_no, row in enumerate(rows, start=1):
+        if not row or all(not c.strip() for c in row):
+            continue
+        if not seen_row:
+            seen_row = True
+            if not any(_is_number(c) for c in row):  # a header
                 continue
-            if line_no == 1 and [c.strip().lower() for c in row] == ["prob", "x", "y"]:
-                continue
-            if len(row) != 3:
-                raise EvaluationError(
-                    f"{path}: line {line_no}: expected 3 values 'prob,x,y' (CAMELYON16 detections, level-0 "
-                    f"pixels), got {len(row)}. Fix: write one detection per line as prob,x,y."
-                )
-            probs.append(_float(row[0], path, line_no, "prob"))
-            xs.append(_float(row[1], path, line_no, "x"))
-            ys.append(_float(row[2], path, line_no, "y"))
+        if len(row) != 3:
+            raise EvaluationError(
+                f"{path}: line {line_no}: expected 3 values 'prob,x,y' (CAMELYON16 detections, level-0 "
+                f"pixels), got {len(row)}. Fix: write one detection per line as prob,x,y."
+            )
+        probs.append(_float(row[0], path, line_no, "prob"))
+        xs.append(_float(row[1], path, line_no, "x"))
+        ys.append(_float(row[2], path, line_no, "y"))
     return Detections(np.asarray(probs, dtype=np.float64), np.asarray(xs, dtype=np.float64),
                       np.asarray(ys, dtype=np.float64))
 

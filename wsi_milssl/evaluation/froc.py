@@ -238,14 +238,14 @@ class SlideMatch:
         return int(self.fp_probs.shape[0])
 
 
-def _count_outside(x: np.ndarray, y: np.ndarray, width: int, height: int, *, stem: str, what: str) -> int:
-    """How many detections lie outside [0, width) x [0, height) level-0 px (logged when any)."""
-    n_outside = int(np.count_nonzero((x < 0) | (y < 0) | (x >= width) | (y >= height)))
-    if n_outside:
+def _outside(x: np.ndarray, y: np.ndarray, width: int, height: int, *, stem: str, what: str) -> np.ndarray:
+    """bool (D,): the detections outside [0, width) x [0, height) level-0 px (logged when any)."""
+    outside = (x < 0) | (y < 0) | (x >= width) | (y >= height)
+    if outside.any():
         logger.warning("%s: %d detection(s) lie outside the %s (%d x %d level-0 px); counted as false positives. "
-                       "Check that detection coordinates are level-0 pixels.", stem or "slide", n_outside, what,
-                       width, height)
-    return n_outside
+                       "Check that the x, y of the detections are level-0 pixels.", stem or "slide",
+                       int(np.count_nonzero(outside)), what, width, height)
+    return outside
 
 
 def match_detections(
@@ -261,9 +261,9 @@ def match_detections(
 
     ``probs``, ``x_lv0``, ``y_lv0`` are (D,) arrays (probability and level-0 pixel position of each
     detection); ``mask`` is the slide's :class:`EvaluationMask`, or None for a normal slide (every
-    detection is then a false positive). Detections outside the mask's extent (a normal slide:
-    outside ``dimensions_lv0``, (width, height), when given) are false positives and logged: their
-    coordinates are probably not level-0 pixels.
+    detection is then a false positive). Detections outside the slide, ``dimensions_lv0`` = (width,
+    height) when given (else, on a tumour slide, the mask's extent), are false positives and logged, on
+    tumour and normal slides alike: their coordinates are probably not level-0 pixels.
     """
     p = np.asarray(probs, dtype=np.float64).reshape(-1)
     x = np.asarray(x_lv0, dtype=np.float64).reshape(-1)
@@ -275,16 +275,21 @@ def match_detections(
     n = p.shape[0]
     outcome = np.full(n, "fp", dtype="<U6")
     if mask is None:
-        n_outside = 0 if dimensions_lv0 is None else _count_outside(x, y, *dimensions_lv0, stem=stem, what="slide")
+        n_outside = 0 if dimensions_lv0 is None else int(_outside(x, y, *dimensions_lv0, stem=stem, what="slide").sum())
         return SlideMatch(
             stem=stem, is_tumor=False, probs=p, x_lv0=x, y_lv0=y, outcome=outcome,
             hit_label=np.zeros(n, dtype=np.int32), lesion_labels=(), lesion_probs=np.zeros(0),
             fp_probs=p.copy(), n_outside_mask=n_outside,
         )
     hit = mask.label_at(x, y)
-    ds = mask.downsample
-    rows, cols = mask.shape_px
-    n_outside = _count_outside(x, y, cols * ds, rows * ds, stem=stem, what="slide's evaluation mask")
+    if dimensions_lv0 is not None:
+        outside = _outside(x, y, *dimensions_lv0, stem=stem, what="slide")
+    else:
+        rows, cols = mask.shape_px
+        outside = _outside(x, y, cols * mask.downsample, rows * mask.downsample, stem=stem,
+                           what="slide's evaluation mask")
+    hit[outside] = 0  # the mask's last row and column reach past the slide's edge
+    n_outside = int(outside.sum())
     lesion_index = {label: i for i, label in enumerate(mask.lesion_labels)}
     lesion_probs = np.full(len(mask.lesion_labels), np.nan)
     best_det = np.full(len(mask.lesion_labels), -1, dtype=np.int64)

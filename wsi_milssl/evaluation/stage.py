@@ -197,7 +197,7 @@ def _evaluate_slide(
                            "evaluation region (every detection on it is a false positive).", stem)
         mask = evaluation_mask(tumor, mpp=mpp, margin_um=config.margin_um,
                                itc_major_axis_um=config.itc_major_axis_um)
-        match = match_detections(dets.probs, dets.x_lv0, dets.y_lv0, mask=mask, stem=stem)
+        match = match_detections(dets.probs, dets.x_lv0, dets.y_lv0, mask=mask, stem=stem, dimensions_lv0=dims)
     else:
         region = None
         if annotations_dir is not None and find_annotation(stem, annotations_dir) is not None:
