@@ -172,8 +172,9 @@ class BagBenchConfig:
                 raise ConfigError(f"{name}.{f} needs at least one value; got ().")
             if len(set(getattr(self, f))) != len(getattr(self, f)):
                 raise ConfigError(f"{name}.{f} must not repeat a value; got {getattr(self, f)}.")
-        for r in (*self.ratios, self.hard_ratio, self.ablation_ratio):
-            check_range(name, "ratios", r, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
+        for f, r in (*(("ratios", r) for r in self.ratios), ("hard_ratio", self.hard_ratio),
+                     ("ablation_ratio", self.ablation_ratio)):
+            check_range(name, f, r, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
         check_range(name, "test_fraction", self.test_fraction, low=0.0, high=1.0, low_inclusive=False,
                     high_inclusive=False)
         check_range(name, "val_fraction", self.val_fraction, low=0.0, high=1.0, high_inclusive=False)

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from wsi_milssl.atomic import atomic_write_bytes, atomic_write_text, check_writable
 
-__all__ = ["SUMMARY", "register", "run", "run_mil_csv"]
+__all__ = ["SUMMARY", "refuse_shared_paths", "register", "run", "run_mil_csv"]
 
 #: one line for ``wsi-milssl --help``
 SUMMARY = "accuracy benchmarks (classical MIL datasets, digit bags)"
@@ -39,7 +40,9 @@ def _register_mil_csv(sub) -> None:
         ),
         formatter_class=HelpFormatter,
     )
-    p.add_argument("file", type=Path, metavar="FILE", help="MIL CSV: label,bag_id,f1,...,fn (no header)")
+    p.add_argument("file", type=Path, metavar="FILE",
+                   help="MIL CSV: label,bag_id,f1,...,fn; the first row is a header when its first field is not a "
+                        "number or its fields are 0,1,...,n-1 (pandas' to_csv of an unnamed frame)")
     p.add_argument("--methods", nargs="+", default=list(d.methods), metavar="METHOD",
                    help=f"methods to compare, one table row each [{' '.join(d.methods)}]")
     p.add_argument("--preset", choices=tuple(PRESETS), default=d.preset,
@@ -82,6 +85,35 @@ def register(subparsers) -> None:
     register_bags(sub)  # digit-bag benchmarks (issue 8)
 
 
+def _file_key(path: str | os.PathLike) -> object:
+    """What identifies the file ``path`` names: its device and inode when it exists (a link, another
+    spelling or letter case of the same file), else its resolved path."""
+    resolved = Path(path).expanduser().resolve()
+    try:
+        st = resolved.stat()
+    except OSError:
+        return resolved
+    return st.st_dev, st.st_ino
+
+
+def refuse_shared_paths(inputs: dict[str, str | os.PathLike | None],
+                        outputs: dict[str, str | os.PathLike | None]) -> None:
+    """Refuse (ConfigError), before any work, an output naming the same file as an input or as another
+    output (keys: the option names; None is skipped): writing it would replace the input, or the output
+    written first, without a word."""
+    from wsi_milssl.errors import ConfigError
+
+    seen: dict[object, str] = {_file_key(p): f"the input {name}" for name, p in inputs.items() if p is not None}
+    for name, path in outputs.items():
+        if path is None:
+            continue
+        key = _file_key(path)
+        if key in seen:
+            raise ConfigError(f"{path}: {name} names the same file as {seen[key]}; give {name} a path of its own "
+                              "(nothing was run or written).")
+        seen[key] = name
+
+
 def run(args: argparse.Namespace) -> int:  # pragma: no cover - argparse dispatches to a subcommand
     return int(args.run(args))
 
@@ -98,6 +130,7 @@ def run_mil_csv(args: argparse.Namespace) -> int:
                             ramp_grid=opt(args.ramp_grid), lr_grid=opt(args.lr_grid), epoch_grid=opt(args.epoch_grid),
                             select_metric=args.select, threads=args.threads)
     out = args.json or Path(f"benchmark_{args.file.stem}.json")
+    refuse_shared_paths({"FILE": args.file}, {"--json": out, "--markdown": args.markdown, "--plot": args.plot})
     check_writable(out, args.markdown, args.plot)  # before the run, not after it
     instances = read_mil_csv(args.file)
     print(f"{args.file}: {instances.n_bags} bags ({int(instances.bag_labels.sum())} positive), "

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from wsi_milssl.atomic import atomic_write_bytes, atomic_write_text, check_writable
+from wsi_milssl.cli.benchmark import refuse_shared_paths
 
 __all__ = ["register_bags", "run_bags"]
 
@@ -138,6 +139,7 @@ def run_bags(args: argparse.Namespace) -> int:
         return 0
     name = "ablation" if args.ablation else args.protocol
     out = args.json or Path(f"benchmark_bags_{name}.json")
+    refuse_shared_paths({"--mnist": config.mnist}, {"--json": out, "--markdown": args.markdown, "--plot": args.plot})
     check_writable(out, args.markdown, args.plot)  # before the run, not after it
     runner = {"ablation": run_ablation, "normal": run_normal, "hard": run_hard}[name]
     with TqdmProgress() as progress:
