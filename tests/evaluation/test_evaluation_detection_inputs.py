@@ -53,7 +53,7 @@ def test_evaluate_cli_reports_a_non_utf8_detections_file_in_one_line(tmp_path, c
                  "--annotations", str(tmp_path / "annotations"), "--slides", str(tmp_path / "slides")])
     err = capsys.readouterr().err
     assert code == 1 and "Traceback" not in err and err.count("error: ") == 1, err
-    assert f"n1_detections.csv: not UTF-8 text (byte 0)" in err
+    assert "n1_detections.csv: not UTF-8 text (byte 0)" in err
 
 
 def test_detections_off_a_tumour_slide_that_the_mask_still_covers_are_reported(caplog):
