@@ -87,3 +87,20 @@ def test_validation_bags_that_are_training_bags_are_reported(tmp_path, mil_csv, 
     assert any("of the 40 validation bags are also training bags" in r.getMessage() and
                "best.pt and the validation metrics then come from data the model trains on" in r.getMessage()
                for r in caplog.records)
+
+
+def test_same_named_stores_of_other_slides_are_not_shared_bags(tmp_path):
+    from types import SimpleNamespace
+
+    from wsi_milssl.mil.selftrain import _shared_bags
+
+    (tmp_path / "train").mkdir()
+    (tmp_path / "test").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "train")
+    train = SimpleNamespace(bag_names=["s0", "s1"], store_paths=[str(tmp_path / "train" / f"s{i}.h5") for i in (0, 1)])
+    other = SimpleNamespace(bag_names=["s0", "s1"], store_paths=[str(tmp_path / "test" / f"s{i}.h5") for i in (0, 1)])
+    same = SimpleNamespace(bag_names=["s1"], store_paths=[str(tmp_path / "link" / "s1.h5")])
+    assert _shared_bags(train, other) == []  # the demo's two sets both name their slides synth_000, ...
+    assert _shared_bags(train, same) == ["s1"]  # the same store, reached by another path
+    names_only = SimpleNamespace(bag_names=["s1", "x"], store_paths=None)
+    assert _shared_bags(SimpleNamespace(bag_names=["s1"], store_paths=None), names_only) == ["s1"]

@@ -142,7 +142,8 @@ def read_labels(path: str | os.PathLike) -> SlideLabels:
             raise LabelsError(f"{path}: {size} bytes is far too large for a slide-labels CSV. {_FIX_LAYOUT}")
         raw = path.read_bytes()
     except FileNotFoundError:
-        raise LabelsError(f"{path}: slide-labels file not found. Fix: check the path given with --labels.") from None
+        raise LabelsError(f"{path}: slide-labels file not found. Fix: check the path (given with --labels, or as a "
+                          "[data] *_labels path in a pipeline file).") from None
     except OSError as exc:
         raise LabelsError(
             f"{path}: cannot read the slide labels ({exc.strerror or exc}). Fix: give a readable CSV file."

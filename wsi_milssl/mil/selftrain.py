@@ -749,6 +749,15 @@ def _lost_peer(exc: RuntimeError, dist: DistContext, epoch: int, out: Path | Non
                             f"{where}.{resume}")
 
 
+def _shared_bags(train: InstanceSet, val: InstanceSet) -> list[str]:
+    """Validation bags that are also training bags: the same store file where both sets come from stores
+    (two folders may hold stores of the same name from different slides), else the same bag name."""
+    if train.store_paths is not None and val.store_paths is not None:
+        seen = {os.path.realpath(p) for p in train.store_paths}
+        return sorted(n for n, p in zip(val.bag_names, val.store_paths) if os.path.realpath(p) in seen)
+    return sorted(set(val.bag_names) & set(train.bag_names))
+
+
 def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike | None,
          val: InstanceSet | None, resume: bool, eval_at: Sequence[int] | None, keep_val_scores: bool,
          run_info: dict[str, Any] | None, progress: ProgressCallback | None, dist: DistContext) -> FitResult:
@@ -759,7 +768,7 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
         raise ConfigError(f"validation instances are {val.kind!r} but training instances are {train.kind!r}.")
     if val is not None and train.kind == "features" and val.in_features != train.in_features:
         raise ConfigError(f"validation features have length {val.in_features}, training {train.in_features}.")
-    shared = sorted(set(val.bag_names) & set(train.bag_names)) if val is not None else []
+    shared = _shared_bags(train, val) if val is not None else []
     if shared and dist.is_main:
         log.warning("%d of the %d validation bags are also training bags (%s%s): best.pt and the validation "
                     "metrics then come from data the model trains on. Fix: validate on bags held out from "
