@@ -119,7 +119,7 @@ def register(subparsers) -> None:
     t.add_argument("--min-tissue", type=float, default=None, metavar="FRACTION",
                    help="fraction of a patch that must be tissue [as recorded, else 0.1]")
     t.add_argument("--mask-mpp", type=float, default=None, metavar="MPP",
-                   help="tissue-mask resolution in µm/px [as recorded, else 8]")
+                   help="tissue-mask resolution in µm/px [as recorded, else 16]")
     t.add_argument("--slide-mpp", type=float, default=None, metavar="MPP",
                    help="level-0 µm/px for slides without an MPP (overrides the metadata)")
     o = p.add_argument_group("overlay (<stem>_heatmap.png)")

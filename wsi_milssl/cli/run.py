@@ -21,7 +21,7 @@ def register(subparsers) -> None:
         help=SUMMARY,
         description="Run the stages of a pipeline TOML file in order. A stage whose settings and inputs\n"
         "match its last run, and whose outputs still exist, is skipped. Ready-made files are in\n"
-        "pipelines/ (demo, camelyon16, tcga-features, mil-benchmark).",
+        "pipelines/ (demo, camelyon16, camelyon16-features, tcga-features).",
         formatter_class=HelpFormatter,
     )
     p.add_argument("pipeline", type=Path, metavar="PIPELINE.toml", help="pipeline file")
