@@ -220,8 +220,8 @@ def _is_number(text: str) -> bool:
 def read_detections(path: str | os.PathLike) -> Detections:
     """Read a CAMELYON16 detection CSV: ``prob,x,y`` per line, level-0 pixels, no header.
 
-    An empty file means no detections. A header (a first line of no number, such as ``prob,x,y`` or
-    CAMELYON16's ``Confidence,X coordinate,Y coordinate``) and fractional coordinates (files of other
+    An empty file means no detections. A header (a first line of three fields and no number, such as
+    ``prob,x,y`` or CAMELYON16's ``Confidence,X coordinate,Y coordinate``) and fractional coordinates (files of other
     tools) are tolerated; this package writes integers. The file must be UTF-8 (or ASCII) text.
     """
     path = Path(path)
@@ -246,7 +246,7 @@ def read_detections(path: str | os.PathLike) -> Detections:
             continue
         if not seen_row:
             seen_row = True
-            if not any(_is_number(c) for c in row):  # a header
+            if len(row) == 3 and not any(_is_number(c) for c in row):  # a header of the three columns
                 continue
         if len(row) != 3:
             raise EvaluationError(

@@ -89,7 +89,7 @@ def test_validation_bags_that_are_training_bags_are_reported(tmp_path, mil_csv, 
                for r in caplog.records)
 
 
-def test_same_named_stores_of_other_slides_are_not_shared_bags(tmp_path):
+def test_shared_bags_compare_the_slides_the_stores_were_cut_from(tmp_path):
     from types import SimpleNamespace
 
     from wsi_milssl.mil.selftrain import _shared_bags
@@ -97,10 +97,27 @@ def test_same_named_stores_of_other_slides_are_not_shared_bags(tmp_path):
     (tmp_path / "train").mkdir()
     (tmp_path / "test").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "train")
-    train = SimpleNamespace(bag_names=["s0", "s1"], store_paths=[str(tmp_path / "train" / f"s{i}.h5") for i in (0, 1)])
-    other = SimpleNamespace(bag_names=["s0", "s1"], store_paths=[str(tmp_path / "test" / f"s{i}.h5") for i in (0, 1)])
-    same = SimpleNamespace(bag_names=["s1"], store_paths=[str(tmp_path / "link" / "s1.h5")])
+    train = SimpleNamespace(bag_names=["s0", "s1"], bag_sources=[str(tmp_path / "train" / f"s{i}.tif") for i in (0, 1)])
+    other = SimpleNamespace(bag_names=["s0", "s1"], bag_sources=[str(tmp_path / "test" / f"s{i}.tif") for i in (0, 1)])
+    same = SimpleNamespace(bag_names=["s1"], bag_sources=[str(tmp_path / "link" / "s1.tif")])
     assert _shared_bags(train, other) == []  # the demo's two sets both name their slides synth_000, ...
-    assert _shared_bags(train, same) == ["s1"]  # the same store, reached by another path
-    names_only = SimpleNamespace(bag_names=["s1", "x"], store_paths=None)
-    assert _shared_bags(SimpleNamespace(bag_names=["s1"], store_paths=None), names_only) == ["s1"]
+    assert _shared_bags(train, same) == ["s1"]  # the same slide, reached by another path (or tiled twice)
+    names_only = SimpleNamespace(bag_names=["s1", "x"], bag_sources=None)
+    assert _shared_bags(SimpleNamespace(bag_names=["s1"], bag_sources=None), names_only) == ["s1"]
+
+
+def test_stores_record_their_slide_so_a_slide_tiled_twice_is_one_bag(tmp_path, image_store_factory):
+    import shutil
+
+    from wsi_milssl.mil.data import read_labels_csv, read_patch_stores
+    from wsi_milssl.mil.selftrain import _shared_bags
+
+    paths, labels_csv = image_store_factory(tmp_path / "a", n_bags=2, n_patches=4, size_px=8)
+    labels = read_labels_csv(labels_csv)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")  # the same slides' stores in another folder
+    others, _ = image_store_factory(tmp_path / "c", n_bags=2, n_patches=4, size_px=8)  # same names, other slides
+    train = read_patch_stores(paths, labels)
+    assert train.bag_sources == [str(tmp_path / "a" / f"{p.stem}.tif") for p in paths]
+    assert _shared_bags(train, read_patch_stores([tmp_path / "b"], labels)) == sorted(train.bag_names)
+    assert _shared_bags(train, read_patch_stores(others, labels)) == []
+    assert train.subset_bags([1]).bag_sources == train.bag_sources[1:]

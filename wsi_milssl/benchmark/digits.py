@@ -191,7 +191,7 @@ def _csv_rows(path: Path) -> list[str]:
         magic = fh.read(2)
     opener = gzip.open if magic == b"\x1f\x8b" else open
     try:
-        with opener(path, "rt", encoding="ascii", newline="") as fh:
+        with opener(path, "rt", encoding="utf-8-sig", newline="") as fh:  # ASCII in practice; a BOM is dropped
             return [line for line in (ln.strip() for ln in fh) if line]
     except (OSError, EOFError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read the digit CSV ({exc}); pass the complete mnist_5k.csv.gz "

@@ -103,7 +103,12 @@ def refuse_shared_paths(inputs: dict[str, str | os.PathLike | None],
     written first, without a word."""
     from wsi_milssl.errors import ConfigError
 
-    seen: dict[object, str] = {_file_key(p): f"the input {name}" for name, p in inputs.items() if p is not None}
+    seen: dict[object, str] = {}
+    for name, p in inputs.items():
+        if p is not None:  # a folder of inputs (MNIST IDX files) stands for each file in it too
+            files = sorted(Path(p).iterdir()) if Path(p).is_dir() else []
+            seen.update({_file_key(f): f"the input {f} ({name})" for f in files if f.is_file()})
+            seen[_file_key(p)] = f"the input {name}"
     for name, path in outputs.items():
         if path is None:
             continue

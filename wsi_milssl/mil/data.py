@@ -66,6 +66,8 @@ class InstanceSet:
     instance_labels : uint8 (N,) or None; evaluation only (never used to train).
     features : float32 (N, D) (kind "features").
     store_paths : one patch-store path per bag (kind "images").
+    bag_sources : the slide file each bag was cut from, as its store records it (else the store path; kind
+        "images"): two stores of one slide are one bag's data, two slides of one name are not.
     local_index : int64 (N,), index of each patch in its bag's store (kind "images").
     settings : store tiling attributes shared by all bags (kind "images"), see STORE_SETTING_KEYS.
     source : where the instances came from (for messages).
@@ -78,6 +80,7 @@ class InstanceSet:
     instance_labels: np.ndarray | None = None
     features: np.ndarray | None = None
     store_paths: list[str] | None = None
+    bag_sources: list[str] | None = None
     local_index: np.ndarray | None = None
     settings: dict = field(default_factory=dict)
     source: str = ""
@@ -115,6 +118,7 @@ class InstanceSet:
             instance_labels=None if self.instance_labels is None else self.instance_labels[keep],
             features=None if self.features is None else self.features[keep],
             store_paths=None if self.store_paths is None else [self.store_paths[i] for i in bags],
+            bag_sources=None if self.bag_sources is None else [self.bag_sources[i] for i in bags],
             local_index=None if self.local_index is None else self.local_index[keep],
             settings=dict(self.settings),
             source=self.source,
@@ -151,11 +155,17 @@ def is_csv_header(fields: Sequence[str]) -> bool:
     ``pixel0``, ...), or its fields are the column numbers ``0,1,...,n-1`` (what pandas' ``to_csv`` writes
     for a frame without column names). A first field such as ``1e2`` or ``-0.5`` is a number: a data row."""
     cells = [f.strip().strip('"').strip() for f in fields]
-    try:
-        float(cells[0])
-    except (ValueError, IndexError):
+    if not cells or not _is_number(cells[0]):
         return True
     return cells == [str(i) for i in range(len(cells))]
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def read_mil_csv(path: str | os.PathLike) -> InstanceSet:
@@ -179,6 +189,9 @@ def read_mil_csv(path: str | os.PathLike) -> InstanceSet:
     except (csv.Error, OSError) as exc:
         raise ConfigError(f"{path}: cannot read the MIL CSV ({exc}); {fix}.") from None
     if rows and is_csv_header(rows[0]):
+        if _is_number(rows[0][0]):  # could be data: label 0, bag 1, features 2, 3, ...
+            log.warning("%s: the first row %s is read as pandas' column numbers (a header), not as an instance; "
+                        "add a named header row if it is data.", path, ",".join(c.strip() for c in rows[0]))
         rows = rows[1:]
     if not rows:
         raise ConfigError(f"{path}: no instances; expected rows of label,bag_id,f1,...,fn.")
@@ -319,7 +332,7 @@ def read_patch_stores(paths: Iterable[str | os.PathLike], labels: dict[str, int]
     store_paths = find_stores(list(paths))
     if not store_paths:
         raise StoreError("no patch stores found in the given paths; run `wsi-milssl tile` first.")
-    names, bag_labels, ids, local, inst = [], [], [], [], []
+    names, sources, bag_labels, ids, local, inst = [], [], [], [], [], []
     have_inst = True
     settings: dict | None = None
     for i, sp in enumerate(store_paths):
@@ -360,6 +373,7 @@ def read_patch_stores(paths: Iterable[str | os.PathLike], labels: dict[str, int]
         if stem in names:
             raise StoreError(f"{sp}: slide {stem!r} appears twice; pass each store once.")
         names.append(stem)
+        sources.append(str(_plain_attr(attrs["slide_path"])) if attrs.get("slide_path") else str(sp))
         bag_labels.append(_label_for(stem, labels, str(sp), labels_path))
         ids.append(np.full(n, i, dtype=np.int64))
         local.append(np.arange(n, dtype=np.int64))
@@ -369,7 +383,8 @@ def read_patch_stores(paths: Iterable[str | os.PathLike], labels: dict[str, int]
     return InstanceSet(kind="images", bag_ids=bag_ids, bag_names=names,
                        bag_labels=np.asarray(bag_labels, dtype=np.int64),
                        instance_labels=np.concatenate(inst) if have_inst else None,
-                       store_paths=[str(p) for p in store_paths], local_index=np.concatenate(local),
+                       store_paths=[str(p) for p in store_paths], bag_sources=sources,
+                       local_index=np.concatenate(local),
                        settings=settings or {}, source=str(store_paths[0]))
 
 

@@ -750,11 +750,12 @@ def _lost_peer(exc: RuntimeError, dist: DistContext, epoch: int, out: Path | Non
 
 
 def _shared_bags(train: InstanceSet, val: InstanceSet) -> list[str]:
-    """Validation bags that are also training bags: the same store file where both sets come from stores
-    (two folders may hold stores of the same name from different slides), else the same bag name."""
-    if train.store_paths is not None and val.store_paths is not None:
-        seen = {os.path.realpath(p) for p in train.store_paths}
-        return sorted(n for n, p in zip(val.bag_names, val.store_paths) if os.path.realpath(p) in seen)
+    """Validation bags that are also training bags: cut from the same slide file where both sets come from
+    stores (two folders may hold stores of one name cut from different slides, or two stores of one
+    slide), else the same bag name."""
+    if train.bag_sources is not None and val.bag_sources is not None:
+        seen = {os.path.realpath(p) for p in train.bag_sources}
+        return sorted(n for n, p in zip(val.bag_names, val.bag_sources) if os.path.realpath(p) in seen)
     return sorted(set(val.bag_names) & set(train.bag_names))
 
 

@@ -376,20 +376,24 @@ def _train_configs(ctx: _Context, mode: str) -> tuple[list[dict], list, str]:
     return runs, configs, source
 
 
+def _refuse_grid_without_validation(configs: list, val: list, source: str, what: str) -> None:
+    if len(configs) > 1 and not val:
+        from wsi_milssl.errors import ConfigError
+
+        raise ConfigError(f"{source}: a [train.grid] needs validation {what}; set [data].val_fraction > 0.")
+
+
 def _fit_runs(ctx: _Context, runs: list[dict], configs: list, source: str, *, train, val, split: dict,
               run_info: dict, data: dict) -> tuple[int | None, str]:
     """Train the single run into OUT/model, or every [train.grid] point into OUT/model/grid/<point> and
     copy the best on validation into OUT/model; returns (best epoch, summary addition). With ``force`` the
-    model folder (its single run or grid) is renamed aside first, after every check that can refuse the
-    run, so a refused run leaves the model where it was."""
+    model folder (its single run or grid) is renamed aside first; the callers have made every check that
+    can refuse the run (:func:`_refuse_grid_without_validation`), so a refused run leaves the model where
+    it was."""
     import shutil
 
     from wsi_milssl.mil.selftrain import fit
 
-    if len(configs) > 1 and val is None:
-        from wsi_milssl.errors import ConfigError
-
-        raise ConfigError(f"{source}: a [train.grid] needs validation slides; set [data].val_fraction > 0.")
     if ctx.redo and _has_files(ctx.model_dir):
         _replace_aside(ctx.model_dir, "is trained again (--force)")
     if len(configs) == 1:
@@ -437,10 +441,7 @@ def _train(ctx: _Context) -> tuple[list[str], str]:
     stores = _set_stores(ctx, "train", find_stores([ctx.stores("train")]))
     train_stems, val_stems = split_train_val(sorted(stores), labels, val_fraction=ctx.spec.val_fraction,
                                              seed=ctx.spec.split_seed)
-    if len(configs) > 1 and not val_stems:
-        from wsi_milssl.errors import ConfigError
-
-        raise ConfigError(f"{source}: a [train.grid] needs validation slides; set [data].val_fraction > 0.")
+    _refuse_grid_without_validation(configs, val_stems, source, "slides")
     train = read_patch_stores([stores[s] for s in train_stems], labels)
     val = read_patch_stores([stores[s] for s in val_stems], labels) if val_stems else None
     # absolute, as `train` records them: `train --resume OUT/model` may run from another folder
@@ -576,10 +577,7 @@ def _train_features(ctx: _Context) -> tuple[list[str], str]:
     labels = {name: int(lab) for name, lab in zip(data.bag_names, data.bag_labels)}
     train_names, val_names = split_train_val(list(data.bag_names), labels, val_fraction=ctx.spec.val_fraction,
                                              seed=ctx.spec.split_seed)
-    if len(configs) > 1 and not val_names:
-        from wsi_milssl.errors import ConfigError
-
-        raise ConfigError(f"{source}: a [train.grid] needs validation bags; set [data].val_fraction > 0.")
+    _refuse_grid_without_validation(configs, val_names, source, "bags")
     index = {n: i for i, n in enumerate(data.bag_names)}
     train = data.subset_bags([index[n] for n in train_names])
     val = data.subset_bags([index[n] for n in val_names]) if val_names else None
