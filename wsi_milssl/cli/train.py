@@ -252,6 +252,20 @@ def _resume_setup(args: argparse.Namespace):
             [Path(p) for p in val or []] or None, Path(val_labels) if val_labels else None)
 
 
+def _check_same_encoder(train, val) -> None:
+    """Refuse validation features of another encoder or other weights than the training features (as
+    :func:`~wsi_milssl.mil.data.read_feature_files` refuses such a mix inside one set)."""
+    from wsi_milssl.errors import ConfigError
+    from wsi_milssl.features.schema import encoder_label, encoders_differ
+
+    keys = ("feature_encoder", "feature_encoder_weights_sha256")
+    trained, checked = (tuple(s.settings.get(k) for k in keys) for s in (train, val))
+    if encoders_differ(checked, trained):
+        raise ConfigError(f"the validation features ({val.source}) are of {encoder_label(*checked)}, but the training "
+                          f"features ({train.source}) of {encoder_label(*trained)}; a head needs one encoder's "
+                          "features. Fix: extract the validation slides with the training encoder and weights.")
+
+
 def run(args: argparse.Namespace) -> int:
     from wsi_milssl.cli.progress import TqdmProgress
     from wsi_milssl.distributed import close_group, init_group
@@ -282,6 +296,8 @@ def run(args: argparse.Namespace) -> int:
     config = train_config_from_args(args, mode=mode, base=base)
     train = load_instances(inputs, mode=input_mode, labels_path=labels)
     val = load_instances(val_inputs, mode=input_mode, labels_path=val_labels) if val_inputs else None
+    if val is not None:
+        _check_same_encoder(train, val)
     # absolute paths: `train --resume` may run from another folder
     run_info = {"data": {"inputs": [str(Path(p).resolve()) for p in inputs],
                          "labels": str(Path(labels).resolve()) if labels else None,

@@ -55,6 +55,8 @@ __all__ = [
     "ROOT_ATTRS",
     "FeatureFile",
     "GridLayout",
+    "encoder_label",
+    "encoders_differ",
     "feature_path",
     "write_feature_file",
     "read_feature_file",
@@ -117,6 +119,18 @@ ROOT_ATTRS: dict[str, type | tuple[type, ...]] = {
 def feature_path(out_dir: str | os.PathLike, stem: str) -> Path:
     """``out_dir / <stem>.h5``: where the features of slide ``stem`` go."""
     return Path(out_dir) / f"{stem}{SUFFIX}"
+
+
+def encoders_differ(a: tuple[str | None, str | None], b: tuple[str | None, str | None]) -> bool:
+    """Whether two sets of features come from different encoders, given their (encoder name, weights
+    SHA-256) pairs: the names differ where both record one, or the weights where both record a hash."""
+    (name_a, sha_a), (name_b, sha_b) = a, b
+    return bool(name_a and name_b and name_a != name_b) or bool(sha_a and sha_b and sha_a != sha_b)
+
+
+def encoder_label(name: str | None, sha256: str | None) -> str:
+    """``'resnet50_trunc weights 0123456789ab'``: an encoder and its weights, for messages."""
+    return f"{name or 'encoder unknown'} {f'weights {sha256[:12]}' if sha256 else 'weights unknown'}"
 
 
 def _h5_attr(value: Any) -> Any:
@@ -219,6 +233,12 @@ class FeatureFile:
         """The encoder that made the features (root ``encoder`` or TRIDENT's ``features.attrs['encoder']``)."""
         value = self.attrs.get("encoder") or self.features_attrs.get("encoder")
         return None if value in (None, "", "None") else str(value)
+
+    @property
+    def encoder_weights_sha256(self) -> str | None:
+        """The SHA-256 of the encoder's weights file (this project's files; None for random weights and
+        for TRIDENT's and CLAM's files)."""
+        return str(self.attrs.get("encoder_weights_sha256") or "") or None
 
     def grid_layout(self, *, slide_mpp: float | None = None, slide_dimensions: tuple[int, int] | None = None
                     ) -> GridLayout:

@@ -71,6 +71,11 @@ class FeatureHead:
         """The encoder of the features the head was trained on, when the files named it."""
         return (self.config.get("store_settings") or {}).get("feature_encoder")
 
+    @property
+    def encoder_weights_sha256(self) -> str | None:
+        """The SHA-256 of the encoder weights of the features the head was trained on, when recorded."""
+        return (self.config.get("store_settings") or {}).get("feature_encoder_weights_sha256") or None
+
     def probabilities(self, features: np.ndarray, *, batch_size: int = 8192) -> np.ndarray:
         """float32 (N,) positive-class probabilities of float (N, D) features."""
         out = np.zeros(len(features), np.float32)
@@ -166,8 +171,8 @@ def make_feature_heatmaps(features: Sequence[str | os.PathLike], checkpoint: str
     where a file does not record them (TRIDENT, CLAM); without one, the slide recorded in the file is
     used when it exists, else the PNG is skipped. ``config``: the overlay, detection and device
     settings (its tiling and reader settings do not apply). A file whose features do not fit the head
-    (another width, or another encoder than the head was trained on) fails alone, as does one that
-    cannot be placed on a grid; the others go on. Raises CheckpointError for an image-model checkpoint.
+    (another width, or another encoder or encoder weights than the head was trained on) fails alone, as
+    does one that cannot be placed on a grid; the others go on. Raises CheckpointError for an image-model checkpoint.
     """
     config = config or HeatmapConfig()
     out_dir = Path(out_dir)
@@ -178,7 +183,8 @@ def make_feature_heatmaps(features: Sequence[str | os.PathLike], checkpoint: str
     config_json = atomic_write_json(out_dir / HEATMAP_CONFIG_FILENAME, {
         "heatmap": config_to_dict(config), "checkpoint": str(head.checkpoint_path), "source": "features",
         "features": [str(p) for p in files], "model_name": head.config.get("model_name"), "bag_pooling": head.pooling,
-        "feature_encoder": head.encoder, "package_version": __version__}, sort_keys=True)
+        "feature_encoder": head.encoder, "feature_encoder_weights_sha256": head.encoder_weights_sha256,
+        "package_version": __version__}, sort_keys=True)
     status_csv = out_dir / HEATMAP_STATUS_FILENAME
     results: list[HeatmapResult] = []
     emit(progress, ProgressEvent("heatmap", 0, len(files), unit="slide"))
@@ -231,9 +237,13 @@ def _check_fit(ff, head: FeatureHead) -> None:
     if len(ff) and head.in_features is not None and width != head.in_features:
         raise StoreError(f"{ff.path}: features of width {width}, but the head was trained on {head.in_features}. Fix: "
                          "pass feature files made with the encoder the head was trained on.")
-    if ff.encoder and head.encoder and ff.encoder != head.encoder:
-        raise StoreError(f"{ff.path}: features of encoder {ff.encoder!r}, but the head was trained on {head.encoder!r} "
-                         "features. Fix: pass feature files of the training encoder.")
+    from wsi_milssl.features.schema import encoder_label, encoders_differ
+
+    made, trained = (ff.encoder, ff.encoder_weights_sha256), (head.encoder, head.encoder_weights_sha256)
+    if encoders_differ(made, trained):
+        raise StoreError(f"{ff.path}: features of {encoder_label(*made)}, but the head {head.checkpoint_path} was "
+                         f"trained on features of {encoder_label(*trained)}. Fix: pass feature files made with the "
+                         "training encoder and weights (`wsi-milssl features --encoder ... --weights ...`).")
     if ff.bag_ids is not None:
         raise StoreError(f"{ff.path}: a file of several bags ('bag_ids') has no slide to draw. Fix: pass one feature "
                          "file per slide.")
