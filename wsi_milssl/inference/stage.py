@@ -69,6 +69,7 @@ __all__ = [
     "HeatmapResult",
     "HeatmapRun",
     "match_inputs",
+    "store_mismatch",
     "write_slide_outputs",
     "make_heatmaps",
 ]
@@ -132,7 +133,9 @@ def match_inputs(slides: Sequence[str | os.PathLike], stores: Sequence[str | os.
 
     Without ``stores`` every slide is tiled on the fly. With ``stores`` (store paths or folders of
     stores), each slide uses the store of the same stem; without slides, every store is used with the
-    slide recorded in it. Raises ConfigError for a slide without a store, duplicate stems or no input.
+    slide recorded in it. A store that cannot be opened keeps its file name as the stem and fails its
+    slide when it is read (see :func:`store_mismatch`), not the batch. Raises ConfigError for a slide
+    without a store, duplicate stems or no input.
     """
     slides = [Path(s) for s in slides]
     if stores is None:
@@ -144,9 +147,12 @@ def match_inputs(slides: Sequence[str | os.PathLike], stores: Sequence[str | os.
 
         by_stem: dict[str, tuple[Path, Path | None]] = {}
         for sp in find_stores(list(stores)):
-            with open_store(sp) as store:
-                stem = store.stem
-                recorded = Path(store.attrs["slide_path"]) if store.attrs.get("slide_path") else None
+            try:
+                with open_store(sp) as store:
+                    stem = store.stem
+                    recorded = Path(store.attrs["slide_path"]) if store.attrs.get("slide_path") else None
+            except WsiMilsslError:  # a damaged store fails its slide when it is read, not the batch
+                stem, recorded = sp.stem, None
             if stem in by_stem:
                 raise ConfigError(f"stores {by_stem[stem][0]} and {sp} are both for slide {stem!r}; pass one.")
             by_stem[stem] = (sp, recorded)
@@ -179,6 +185,44 @@ def match_inputs(slides: Sequence[str | os.PathLike], stores: Sequence[str | os.
                               f"{item.stem!r}, so their outputs would collide. Fix: rename one.")
         seen[item.stem] = item
     return out
+
+
+def store_mismatch(item: SlideInput, *, slide_mpp: float | None = None) -> WsiMilsslError | None:
+    """StoreError when ``item``'s store was not cut from ``item``'s slide file (a store of another slide
+    of the same name), else None: the slide size in bytes and level-0 dimensions the store records are
+    compared with the slide's (a store of an earlier version without the size: the dimensions; without
+    either: accepted). The error of a store that cannot be opened is returned as it is."""
+    if item.store_path is None or item.slide_path is None:
+        return None
+    from wsi_milssl.slide.reader import open_slide
+    from wsi_milssl.store import open_store
+
+    try:
+        with open_store(item.store_path) as store:
+            attrs = dict(store.attrs)
+    except WsiMilsslError as exc:
+        return exc
+    size, dims = attrs.get("slide_size_bytes"), attrs.get("dimensions_lv0")
+    recorded = (None if size is None else int(size), None if dims is None else tuple(int(v) for v in dims))
+    fp = file_fingerprint(item.slide_path)
+    now_size = None if fp is None else int(fp["size_bytes"])
+    now_dims = None
+    if recorded[1] is not None and (recorded[0] is None or recorded[0] == now_size):
+        with open_slide(item.slide_path, mpp_override=slide_mpp) as slide:
+            now_dims = tuple(int(v) for v in slide.dimensions)
+    if (recorded[0] is None or recorded[0] == now_size) and (recorded[1] is None or recorded[1] == now_dims):
+        return None
+
+    def describe(size, dims) -> str:
+        parts = [f"{size} bytes" if size is not None else "", f"{dims[0]} x {dims[1]} px" if dims else ""]
+        return ", ".join(p for p in parts if p)
+
+    return StoreError(
+        f"{item.slide_path}: the store {item.store_path} was cut from another slide of the same name "
+        f"({attrs.get('slide_path') or 'not recorded'}: {describe(*recorded)}; this slide: "
+        f"{describe(now_size, now_dims if recorded[1] is not None else None)}), so its predictions do not belong "
+        "to this slide. Fix: tile this slide again (`wsi-milssl tile`), or pass the store tiled from it with --store."
+    )
 
 
 def _read_outlines(stem: str, annotations_dir: Path | None, dims: tuple[int, int]):
@@ -510,9 +554,10 @@ def make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.Path
     the same slide and store files (path, size, modification time) are skipped (``overwrite`` predicts
     them again); each slide's ``_probs.json`` records the fingerprint of the checkpoint and settings that
     made it, so a folder resumed with another checkpoint predicts again every slide the old one made. A
-    model that gives NaN or infinite probabilities fails each slide (CheckpointError in the status CSV)
-    before any of its files is written. ``shard`` = (I, N): this call takes every N-th slide
-    from the I-th (:func:`wsi_milssl.distributed.shard_items`); shards may run at once into one folder,
+    store cut from another slide than the one given, or one that cannot be opened, fails its slide
+    (:func:`store_mismatch`). A model that gives NaN or infinite probabilities fails each slide
+    (CheckpointError in the status CSV) before any of its files is written. ``shard`` = (I, N): this
+    call takes every N-th slide from the I-th (:func:`wsi_milssl.distributed.shard_items`); shards may run at once into one folder,
     and their status and score rows merge (sorted by slide), so N shards leave the files of one run.
     The lock of ``out_dir`` is held for the run (:func:`wsi_milssl.locks.folder_lock`, as shard I of
     N): another run into the folder, or a second copy of the shard, is refused with FolderLockedError.
@@ -586,15 +631,22 @@ def _make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.Pat
         return written, time.perf_counter() - t0
 
     emit(progress, ProgressEvent("heatmap", 0, len(inputs), unit="slide"))
-    todo = []
+    todo, n_done = [], 0
     for i, item in enumerate(inputs):
-        if item.stem in finished:
+        try:
+            mismatch = store_mismatch(item, slide_mpp=config.slide_mpp)
+        except Exception as exc:  # noqa: BLE001 - an unreadable slide fails only itself
+            mismatch = exc
+        if mismatch is not None:
+            record(i, failed(i, mismatch, 0.0))
+        elif item.stem in finished:
             record(i, dataclasses.replace(finished[item.stem], slide_path=str(item.slide_path or "")), merge=False)
+            n_done += 1
         else:
             todo.append(i)
-    if finished:
+    if n_done:
         logger.info("%s: %d of %d slides already done with this checkpoint and settings; skipped", out_dir,
-                    len(inputs) - len(todo), len(inputs))
+                    n_done, len(inputs))
     # taken before the files are read: a file rewritten while it is predicted is predicted again next time
     files_of = {i: _input_files(inputs[i]) for i in todo}
     t_start = time.perf_counter()

@@ -1,0 +1,100 @@
+"""``heatmap SLIDE --store STORES``: a store cut from another slide of the same name fails that slide
+(not drawn on the given one), and a store that cannot be opened fails only its slide."""
+
+from __future__ import annotations
+
+import csv
+import shutil
+from pathlib import Path
+
+import h5py
+import pytest
+
+from wsi_milssl.config import HeatmapConfig, TileConfig
+from wsi_milssl.inference import make_heatmaps
+from wsi_milssl.tiling import tile_slide
+
+FAST = dict(thumbnail_px=128, batch_size=32, num_workers=0)
+# the checkpoints' tiling (conftest.make_checkpoint defaults)
+TILE = dict(target_mpp=1.0, patch_size_px=32, entropy_threshold_bits=3.0, mask_mpp=8.0, pixels="raw")
+
+
+def _status(folder: Path) -> dict[str, dict]:
+    with open(folder / "heatmap_status.csv", newline="") as fh:
+        return {r["slide"]: r for r in csv.DictReader(fh)}
+
+
+@pytest.fixture(scope="module")
+def cohort(tmp_path_factory, slide_writer):
+    """``old/case.tif`` (2048 x 2048) and ``other.tif`` tiled into ``stores/``; ``new/case.tif``: another
+    slide of the same name (2048 x 1024) that was never tiled."""
+    root = tmp_path_factory.mktemp("pairing")
+    (root / "old").mkdir()
+    (root / "new").mkdir()
+    old = slide_writer(root / "old" / "case.tif", width=2048, height=2048, tissue_box=(256, 256, 1792, 1792),
+                       tumour=lambda xs, ys: (xs // 300 + ys // 300) % 4 == 0)
+    new = slide_writer(root / "new" / "case.tif", width=2048, height=1024, tissue_box=(0, 128, 2048, 896),
+                       tumour=lambda xs, ys: (xs // 300) % 3 == 0)
+    other = slide_writer(root / "other.tif", width=1024, height=1024, tissue_box=(128, 128, 896, 896),
+                         tumour=lambda xs, ys: xs < 400)
+    stores = root / "stores"
+    for slide in (old, other):
+        assert tile_slide(slide, stores, TileConfig(**TILE)).status == "ok"
+    return {"old": old, "new": new, "other": other, "stores": stores}
+
+
+def _copy_stores(cohort, dest: Path) -> Path:
+    shutil.copytree(cohort["stores"], dest)
+    return dest
+
+
+def test_a_store_of_another_slide_of_the_same_name_fails_that_slide(tmp_path, cohort, checkpoint_factory):
+    ckpt = checkpoint_factory()
+    out = tmp_path / "hm"
+    run = make_heatmaps([cohort["new"], cohort["other"]], ckpt, out, HeatmapConfig(**FAST),
+                        stores=[cohort["stores"]])
+    assert [r.status for r in run.results] == ["failed", "ok"]  # the other slide still ran
+    error = _status(out)["case"]["error"]
+    assert error.startswith(f"{cohort['new']}: the store {cohort['stores'] / 'case.h5'} was cut from another slide")
+    assert str(cohort["old"].resolve()) in error and "2048 x 2048 px" in error
+    assert "Fix: tile this slide again" in error
+    assert not (out / "case_probs.json").exists() and (out / "other_probs.json").exists()
+
+
+def test_the_same_slide_at_another_path_still_uses_the_store(tmp_path, cohort, checkpoint_factory):
+    copy = tmp_path / "copy" / "case.tif"
+    copy.parent.mkdir()
+    shutil.copyfile(cohort["old"], copy)
+    run = make_heatmaps([copy], checkpoint_factory(), tmp_path / "hm", HeatmapConfig(**FAST),
+                        stores=[cohort["stores"]])
+    assert run.ok and run.results[0].n_patches > 0
+
+
+def test_an_older_store_without_the_slide_size_is_checked_on_its_dimensions(tmp_path, cohort, checkpoint_factory):
+    stores = _copy_stores(cohort, tmp_path / "stores")
+    with h5py.File(stores / "case.h5", "a") as fh:
+        for key in ("slide_size_bytes", "slide_mtime_ns"):
+            del fh.attrs[key]
+    ckpt = checkpoint_factory()
+    run = make_heatmaps([cohort["new"]], ckpt, tmp_path / "hm", HeatmapConfig(**FAST), stores=[stores])
+    assert run.results[0].status == "failed"
+    assert "2048 x 2048 px" in run.results[0].error and "2048 x 1024 px" in run.results[0].error
+    # the slide it was cut from passes; without any record the store is accepted
+    assert make_heatmaps([cohort["old"]], ckpt, tmp_path / "hm2", HeatmapConfig(**FAST), stores=[stores]).ok
+    with h5py.File(stores / "case.h5", "a") as fh:
+        del fh.attrs["dimensions_lv0"]
+    assert make_heatmaps([cohort["new"]], ckpt, tmp_path / "hm3", HeatmapConfig(**FAST), stores=[stores]).ok
+
+
+@pytest.mark.parametrize("with_slides", [False, True])
+def test_a_damaged_store_fails_only_its_slide(tmp_path, cohort, checkpoint_factory, with_slides):
+    stores = _copy_stores(cohort, tmp_path / "stores")
+    damaged = stores / "case.h5"
+    damaged.write_bytes(damaged.read_bytes()[:1000])  # truncated
+    out = tmp_path / "hm"
+    slides = [cohort["old"], cohort["other"]] if with_slides else []
+    run = make_heatmaps(slides, checkpoint_factory(), out, HeatmapConfig(**FAST), stores=[stores])
+    assert {r.slide: r.status for r in run.results} == {"case": "failed", "other": "ok"}
+    status = _status(out)
+    assert status["other"]["status"] == "ok"
+    assert status["case"]["status"] == "failed" and str(damaged) in status["case"]["error"]
