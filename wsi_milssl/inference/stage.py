@@ -557,8 +557,8 @@ def make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.Path
     store cut from another slide than the one given, or one that cannot be opened, fails its slide
     (:func:`store_mismatch`). A model that gives NaN or infinite probabilities fails each slide
     (CheckpointError in the status CSV) before any of its files is written. ``shard`` = (I, N): this
-    call takes every N-th slide from the I-th (:func:`wsi_milssl.distributed.shard_items`); shards may run at once into one folder,
-    and their status and score rows merge (sorted by slide), so N shards leave the files of one run.
+    call takes every N-th slide from the I-th (:func:`wsi_milssl.distributed.shard_items`); shards may
+    run at once into one folder, and their status and score rows merge (sorted by slide), so N shards leave the files of one run.
     The lock of ``out_dir`` is held for the run (:func:`wsi_milssl.locks.folder_lock`, as shard I of
     N): another run into the folder, or a second copy of the shard, is refused with FolderLockedError.
     """
