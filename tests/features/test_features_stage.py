@@ -133,3 +133,22 @@ def test_a_store_tiled_again_from_a_changed_slide_is_embedded_again(tmp_path, st
         fh.attrs["slide_mtime_ns"] = int(fh.attrs["slide_mtime_ns"]) + 1
     again = extract_features([stores_copy], out, EXACT)
     assert [r.status for r in again.results] == ["skipped", "ok"]
+
+
+def test_a_store_labelled_again_is_embedded_again(tmp_path, stores_copy, synth_dir):
+    """`label` with another threshold changes the tumour store's instance labels: its feature file is made
+    again with the new labels; the normal store's labels (all 0) are unchanged, so its file is kept."""
+    from wsi_milssl.config import LabelConfig
+    from wsi_milssl.labeling import label_stores
+
+    out = tmp_path / "feats"
+    assert extract_features([stores_copy], out, EXACT).ok
+    old = read_feature_file(out / "synth_000.h5").instance_label
+    label_stores(stores_copy, annotations_dir=synth_dir, labels_csv=synth_dir / "labels.csv",
+                 config=LabelConfig(positive_fraction=1.0), out_dir=tmp_path / "labels")
+    with open_store(stores_copy / "synth_000.h5") as store:
+        new = np.asarray(store.read_array("instance_label"))
+    assert not np.array_equal(old, new)
+    again = extract_features([stores_copy], out, EXACT)
+    assert [r.status for r in again.results] == ["ok", "skipped"]
+    np.testing.assert_array_equal(read_feature_file(out / "synth_000.h5").instance_label, new)

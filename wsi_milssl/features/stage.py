@@ -163,11 +163,15 @@ def _read_store(path: Path) -> _Source:
             attrs = dict(store.attrs)
             coords_attrs = dict(store.array_attrs("coords"))
             has_labels = store.has(schema.INSTANCE_LABEL)
+            # the labels themselves: a store labelled again (other settings or annotations) is not the same source
+            labels_sha = (hashlib.sha256(np.ascontiguousarray(store.read_array(schema.INSTANCE_LABEL),
+                                                              dtype=np.uint8).tobytes()).hexdigest()
+                          if has_labels else None)
             n = len(store)
     except WsiMilsslError as exc:
         return _Source(None, {}, False, {}, error=str(exc))
     plain = {k: v.item() if isinstance(v, np.generic) else v for k, v in attrs.items()}
-    fingerprint = {"store_config_hash": plain.get("config_hash"), "n_patches": n, "instance_label": has_labels}
+    fingerprint = {"store_config_hash": plain.get("config_hash"), "n_patches": n, "instance_label": labels_sha}
     # the slide file the store was cut from (stores of earlier versions do not record it): a store tiled
     # again from a changed slide, with the same settings and patch count, is not the same source
     fingerprint.update({k: plain[k] for k in ("slide_path", "slide_size_bytes", "slide_mtime_ns") if k in plain})
