@@ -162,6 +162,9 @@ def _random_or_file(weights: str, *, name: str, cached: list[Path], looked: str)
             "yourself, e.g. from the model's page), put it in that cache, or use --weights random for speed "
             "tests only.")
     path = Path(os.path.expanduser(weights))
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a folder, not a weights file (encoder {name!r}). Fix: pass the weights file "
+                          "in it (a state dict, .pth/.bin/.safetensors) with --weights.")
     if not path.is_file():
         raise ConfigError(f"{path}: weights file not found (encoder {name!r}). Fix: pass the path of a local "
                           "state dict with --weights, or --weights cached / random.")
@@ -232,10 +235,14 @@ def load_weights_file(module: nn.Module, path: str | os.PathLike, *, name: str,
     """Load the state dict in ``path`` into ``module``: every tensor of the module must be in the file
     with its shape, and every tensor of the file must be the module's, except those under the prefixes
     in ``skip`` (parts the encoder drops: classifier heads, ``layer4``); CheckpointError naming the
-    first few otherwise."""
+    first few otherwise. BatchNorm's ``num_batches_tracked`` counters may be missing (older torchvision
+    files lack them; they do not change the output). Weights with NaN or infinity are refused."""
     path = Path(path)
     own = module.state_dict()
     state = _strip_prefixes(_read_state_dict(path), set(own))
+    for k in own:
+        if k.endswith(".num_batches_tracked") and k not in state:
+            state[k] = own[k]
     bad = [k for k in own if k not in state or tuple(state[k].shape) != tuple(own[k].shape)]
     if bad:
         detail = ", ".join(f"{k} {'missing' if k not in state else f'{tuple(state[k].shape)} != {tuple(own[k].shape)}'}"
@@ -251,6 +258,12 @@ def load_weights_file(module: nn.Module, path: str | os.PathLike, *, name: str,
             f"{' ...' if len(extra) > 3 else ''}), so it is not the network they were trained in. Fix: for timm "
             "models pass the --encoder-kwargs the checkpoint was made with (e.g. init_values), or the matching "
             "--encoder.")
+    non_finite = [k for k in own if state[k].is_floating_point() and not bool(torch.isfinite(state[k]).all())]
+    if non_finite:
+        raise CheckpointError(
+            f"{path}: {len(non_finite)} tensors of these weights hold NaN or infinity ({', '.join(non_finite[:3])}"
+            f"{' ...' if len(non_finite) > 3 else ''}), so every feature would be NaN. Fix: pass the weights of a "
+            "model that trained without diverging (or an earlier checkpoint of it).")
     module.load_state_dict({k: state[k] for k in own}, strict=True)
 
 

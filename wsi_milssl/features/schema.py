@@ -128,6 +128,11 @@ def encoders_differ(a: tuple[str | None, str | None], b: tuple[str | None, str |
     return bool(name_a and name_b and name_a != name_b) or bool(sha_a and sha_b and sha_a != sha_b)
 
 
+def non_finite_rows(features: np.ndarray) -> np.ndarray:
+    """The indices of the rows of (N, D) ``features`` that hold NaN or infinity."""
+    return np.flatnonzero(~np.isfinite(features).all(axis=1)) if features.size else np.zeros(0, np.int64)
+
+
 def encoder_label(name: str | None, sha256: str | None) -> str:
     """``'resnet50_trunc weights 0123456789ab'``: an encoder and its weights, for messages."""
     return f"{name or 'encoder unknown'} {f'weights {sha256[:12]}' if sha256 else 'weights unknown'}"
@@ -395,7 +400,7 @@ def read_feature_file(path: str | os.PathLike) -> FeatureFile:
                              "per patch.")
         if feats.dtype.kind != "f":
             raise StoreError(f"{path}: 'features' must be floating point; got {feats.dtype}.")
-        bad_rows = np.flatnonzero(~np.isfinite(feats).all(axis=1)) if feats.size else np.zeros(0, np.int64)
+        bad_rows = non_finite_rows(feats)
         if bad_rows.size:
             raise StoreError(f"{path}: 'features' holds NaN or infinite values in {bad_rows.size} of {len(feats)} rows "
                              f"(first: row {int(bad_rows[0])}), so no model can score them. Fix: extract the features "

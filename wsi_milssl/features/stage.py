@@ -427,6 +427,12 @@ def _write_slide(out_dir: Path, item, src: _Source | None, out, *, model, settin
     if len(out) == 0:
         feats = np.zeros((0, encoder.dim), dtype)
     feats = feats.reshape(len(out), -1).astype(dtype, copy=False)
+    bad_rows = schema.non_finite_rows(feats)
+    if bad_rows.size:
+        raise StoreError(f"{item.store_path or item.slide_path}: the encoder {encoder.name!r} (weights "
+                         f"{encoder.weights}) gave NaN or infinite features in {bad_rows.size} of {len(feats)} patches, "
+                         "so none was written. Fix: check those weights, or extract in float32 (--dtype float32 "
+                         "--amp off) if half precision overflowed.")
     stem = item.stem
     labels = None
     if src is not None:
