@@ -2,13 +2,14 @@
 
 A slide's outputs (stores, heatmaps, labels, annotations) are keyed by its *stem*: the file name
 without its folder and without a whole-slide or store suffix (matched case-insensitively). Stems are
-compared case-insensitively by every stage (:func:`stem_key`), so ``Tumor_001.tif``, ``tumor_001``
-and ``TUMOR_001.h5`` name the same slide.
+compared case-insensitively and in one Unicode normal form by every stage (:func:`stem_key`), so
+``Tumor_001.tif``, ``tumor_001`` and ``TUMOR_001.h5`` name the same slide.
 """
 
 from __future__ import annotations
 
 import os
+import unicodedata
 
 __all__ = ["SLIDE_SUFFIXES", "STORE_SUFFIXES", "NAME_SUFFIXES", "slide_stem", "stem_key"]
 
@@ -40,5 +41,6 @@ def slide_stem(name: str | os.PathLike) -> str:
 
 
 def stem_key(name: str | os.PathLike) -> str:
-    """The key stems are matched by: :func:`slide_stem`, case-folded."""
-    return slide_stem(name).casefold()
+    """The key stems are matched by: :func:`slide_stem`, case-folded and in Unicode NFC, so that a
+    name decomposed by macOS (``café_3.tif`` as ``e`` + combining accent) matches the composed one."""
+    return unicodedata.normalize("NFC", slide_stem(name).casefold())

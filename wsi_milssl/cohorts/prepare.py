@@ -21,7 +21,7 @@ one error that lists the names. Written into ``out_dir``::
 
     pipeline.toml                      the template's stage settings, [data] pointing at the files below,
                                        [pipeline].out_dir = out_dir/run
-    cohort/train_slides.csv            slide,path (absolute paths)
+    cohort/train_slides.csv            slide,path (absolute paths; a symlinked slide keeps its link's name)
     cohort/train_labels.csv            slide,label (1 tumour, 0 normal)
     cohort/test_slides.csv, cohort/test_labels.csv
     cohort/annotations/train/, test/   one <stem>.xml (or .geojson) per annotated slide, named as the slide
@@ -176,7 +176,7 @@ def _match_annotations(sources, stems: Iterable[str]) -> dict[str, tuple[str, Pa
     by_key = {stem_key(s): s for s in stems}
     out: dict[str, tuple[str, Path, str | None]] = {}
     for stem, suffix, path, member in sources:
-        target = by_key.get(stem.casefold())
+        target = by_key.get(stem_key(stem))
         if target is None or target in out:
             continue
         if suffix == ".json" and member is None and not _looks_like_geojson(path):
@@ -272,7 +272,7 @@ def _write_set(out: Path, name: str, slides: Mapping[str, Path], labels: Mapping
     ann_dir.mkdir(parents=True, exist_ok=True)
     stems = sorted(slides, key=str.casefold)
     slides_csv = atomic_write_text(slides_path,
-                                   _csv_text(("slide", "path"), ((s, str(slides[s].resolve())) for s in stems)))
+                                   _csv_text(("slide", "path"), ((s, str(slides[s].absolute())) for s in stems)))
     labels_csv = atomic_write_text(labels_path,
                                    _csv_text(("slide", "label"), ((s, int(labels[s])) for s in stems)))
     keep = set()
@@ -530,7 +530,9 @@ def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
 # ------------------------------------------------------------------------------------------------
 
 def _labelled_set(slides_dir: Path, labels_csv: Path, skip: list[Path], what: str
-                  ) -> tuple[dict[str, Path], dict[str, int], list[str]]:
+                  ) -> tuple[dict[str, Path], dict[str, int], list[str], list[str]]:
+    """(slides by stem, their labels, problems, notes): a labelled slide that is not below
+    ``slides_dir`` is left out with a note (it is in no set)."""
     slides = find_slide_files(slides_dir, skip=skip)
     problems = []
     if not slides:
@@ -546,10 +548,9 @@ def _labelled_set(slides_dir: Path, labels_csv: Path, skip: list[Path], what: st
         kind = f"{what} slide(s)" if what else "slide(s)"
         problems.append(f"{len(missing)} {kind} have no label in {labels_csv}: {_names(missing)}")
     extra = [s for s in labels if stem_key(s) not in {stem_key(t) for t in by_stem}]
-    if extra:
-        logger.info("%d labelled slide(s) of %s are not below %s: %s", len(extra), labels_csv, slides_dir,
-                    _names(extra))
-    return by_stem, {s: labels[s] for s in by_stem if s in labels}, problems
+    notes = [f"{len(extra)} labelled slide(s) of {labels_csv} are not below {slides_dir}, so they are left out: "
+             f"{_names(extra)} (check their file names, or remove their lines)"] if extra else []
+    return by_stem, {s: labels[s] for s in by_stem if s in labels}, problems, notes
 
 
 def _split_test(labels: Mapping[str, int], *, fraction: float, seed: int) -> tuple[list[str], list[str]]:
@@ -587,12 +588,15 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
     if (test_slides_dir is None) != (test_labels_csv is None):
         raise ConfigError("--test-slides and --test-labels go together; give both, or neither to hold out "
                           "--test-fraction of the slides.")
-    slides, labels, problems = _labelled_set(slides_dir, labels_csv, [out], "training" if test_slides_dir else "")
+    slides, labels, problems, notes = _labelled_set(slides_dir, labels_csv, [out],
+                                                    "training" if test_slides_dir else "")
     ann_roots = [Path(annotations_dir)] if annotations_dir is not None else [slides_dir]
     facts = {"slides": str(slides_dir.resolve()), "labels": str(labels_csv.resolve())}
     if test_slides_dir is not None:
-        t_slides, t_labels, t_problems = _labelled_set(Path(test_slides_dir), Path(test_labels_csv), [out], "test")
+        t_slides, t_labels, t_problems, t_notes = _labelled_set(Path(test_slides_dir), Path(test_labels_csv), [out],
+                                                                "test")
         problems += t_problems
+        notes += t_notes
         overlap = sorted({stem_key(s) for s in slides} & {stem_key(s) for s in t_slides})
         if overlap:
             problems.append(f"{len(overlap)} slide(s) are in both the training and the test set: {_names(overlap)}")
@@ -622,7 +626,6 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
                                       f"(<name>.xml or .geojson) below {', '.join(map(str, t_roots))}: "
                                       f"{_names(no_ann_test)}; the FROC needs them"] if no_ann_test else [],
                     "add their annotations, or pass --annotations / --test-annotations with the folder that holds them.")
-    notes = []
     no_ann_train = sorted((s for s, v in train[1].items() if v == 1 and s not in train_ann), key=str.casefold)
     if no_ann_train:
         notes.append(f"{len(no_ann_train)} tumour training slide(s) have no annotation: {_names(no_ann_train)}")

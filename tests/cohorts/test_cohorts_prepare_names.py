@@ -1,0 +1,82 @@
+"""``prepare folder``: labelled slides that are not there are reported (a warning and a note), a
+symlinked slide keeps its link's name, and decomposed (NFD, as macOS writes them) file names match
+composed (NFC) names in the labels file."""
+
+from __future__ import annotations
+
+import json
+import logging
+import unicodedata
+from pathlib import Path
+
+from wsi_milssl.cohorts import prepare_folder, read_labels, stem_key
+from wsi_milssl.tiling import find_slides, slide_stem
+
+EMPTY_GEOJSON = '{"type": "FeatureCollection", "features": []}'
+
+
+def _touch(path: Path, text: str = "") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def _cohort(root: Path, names: dict[str, int]) -> Path:
+    """Placeholder slides (prepare never opens them) and an annotation beside each tumour slide."""
+    for name, label in names.items():
+        _touch(root / f"{name}.tif")
+        if label:
+            _touch(root / f"{name}.geojson", EMPTY_GEOJSON)
+    return root
+
+
+BASE = {"n1": 0, "n2": 0, "n3": 0, "t1": 1, "t2": 1, "t3": 1}
+
+
+def test_labelled_slides_that_are_not_there_are_a_warning_and_a_note(tmp_path, caplog):
+    slides = _cohort(tmp_path / "slides", BASE)
+    labels = _touch(tmp_path / "labels.csv", "".join(f"{s},{v}\n" for s, v in BASE.items())
+                    + "ghost,1\nphantom,0\n")
+    with caplog.at_level(logging.WARNING):
+        result = prepare_folder(slides, labels, tmp_path / "out")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    note = next(n for n in result.notes if "not below" in n)
+    assert note.startswith(f"2 labelled slide(s) of {labels} are not below {slides}, so they are left out: ")
+    assert "ghost" in note and "phantom" in note
+    assert note in warnings
+    assert note in json.loads(result.summary_json.read_text())["notes"]
+    assert sum(len(s.slides) for s in result.sets.values()) == 6
+
+
+def test_a_symlinked_slide_keeps_the_name_of_its_link(tmp_path):
+    elsewhere = _touch(tmp_path / "storage" / "synth_006.tif")
+    slides = _cohort(tmp_path / "slides", {k: v for k, v in BASE.items() if k != "t3"})
+    (slides / "lt.tif").symlink_to(elsewhere)
+    _touch(slides / "lt.geojson", EMPTY_GEOJSON)
+    labels = _touch(tmp_path / "labels.csv", "".join(f"{s},{v}\n" for s, v in BASE.items() if s != "t3")
+                    + "lt,1\n")
+    result = prepare_folder(slides, labels, tmp_path / "out", test_fraction=0.25, seed=0)
+    where = next(s for s in result.sets.values() if "lt" in s.slides)
+    assert where.labels["lt"] == 1
+    # the slide list names the link (the tile stage names the store after the path it reads)
+    listed = [p for p in find_slides([where.slides_csv]) if p.name == "lt.tif"]
+    assert listed == [slides.absolute() / "lt.tif"] and slide_stem(listed[0]) == "lt"
+    assert not any("synth_006" in p.name for p in find_slides([where.slides_csv]))
+
+
+def test_decomposed_file_names_match_composed_labels(tmp_path):
+    nfc, nfd = unicodedata.normalize("NFC", "café_3"), unicodedata.normalize("NFD", "café_3")
+    assert nfc != nfd and stem_key(nfd + ".tif") == stem_key(nfc) == stem_key(nfc.upper())
+    names = {**BASE, nfd: 1}
+    slides = _cohort(tmp_path / "slides", {k: v for k, v in names.items() if k != nfd})
+    _touch(slides / f"{nfd}.tif")
+    _touch(tmp_path / "ann" / f"{nfc}.geojson", EMPTY_GEOJSON)  # the annotation in the composed form
+    for s, v in BASE.items():
+        if v:
+            _touch(tmp_path / "ann" / f"{s}.geojson", EMPTY_GEOJSON)
+    labels = _touch(tmp_path / "labels.csv", "".join(f"{s},{v}\n" for s, v in BASE.items()) + f"{nfc},1\n")
+    assert nfd in read_labels(labels)
+    result = prepare_folder(slides, labels, tmp_path / "out", annotations_dir=tmp_path / "ann")
+    where = next(s for s in result.sets.values() if nfd in s.slides)
+    assert where.labels[nfd] == 1 and nfd in where.annotations
+    assert not result.notes
