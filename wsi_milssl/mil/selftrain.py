@@ -23,6 +23,7 @@ import math
 import os
 import random
 import time
+from contextlib import contextmanager
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Sequence
@@ -63,6 +64,7 @@ __all__ = [
     "build_model",
     "make_optimizer",
     "selection_score",
+    "missing_checkpoint_error",
 ]
 
 log = logging.getLogger(__name__)
@@ -664,8 +666,9 @@ def fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike |
         the steps of one process with batch ``batch_size x world_size`` (BatchNorm normalises each
         rank's batch, and its running statistics are rank 0's, as DistributedDataParallel keeps them);
         refresh and validation predictions are split between the ranks and gathered, so every rank
-        holds the same pseudo labels; rank 0 alone writes the run folder; after every epoch the ranks
-        check that they hold the same weights and pseudo labels.
+        holds the same pseudo labels; rank 0 alone writes the run folder; at the start the ranks check
+        that they were given the same settings and data, after every epoch that they hold the same
+        weights and pseudo labels; a rank lost in a collective is one DistributedError.
 
     The run holds the lock of ``out_dir`` (a second run into it raises FolderLockedError, and
     temporaries left there by a killed run are removed). A run folder that cannot be written (full
@@ -733,20 +736,77 @@ def _ranks_agree(model: torch.nn.Module, state: PseudoLabelState, dist: DistCont
     return True
 
 
-def _lost_peer(exc: RuntimeError, dist: DistContext, epoch: int, out: Path | None) -> BaseException:
-    """A failed collective (a rank died or was killed): one clear error naming the epoch and how to
-    continue; other RuntimeErrors pass as they are."""
+def _same_inputs(config: TrainConfig, train: InstanceSet, val: InstanceSet | None, *, resume: bool,
+                 eval_at: Sequence[int] | None, dist: DistContext) -> None:
+    """Refuse on every rank, with one error naming what differs, when the ranks were not given the same
+    settings and data (torchrun runs one command on every rank, but each node of a multi-node run is
+    started by hand): different labels or epochs made the ranks fail later with raw tracebacks or lost
+    peers. Runtime-only settings (threads, workers, device, ...) may differ."""
+    if not dist.enabled:
+        return
+    settings = {k: v for k, v in config_to_dict(config).items() if k not in RUNTIME_ONLY_FIELDS}
+    settings.update(resume=resume, eval_at=None if eval_at is None else sorted(int(e) for e in eval_at))
+
+    def data(s: InstanceSet | None) -> str | None:
+        return None if s is None else (f"{s.n_bags} bags ({int((s.bag_labels == 1).sum())} positive), {len(s)} "
+                                       f"instances, digest {_data_fingerprint(s)}")
+
+    mine = {**{k: json.dumps(v, sort_keys=True, default=str) for k, v in settings.items()},
+            "training data": data(train), "validation data": data(val)}
+    every: list = [None] * dist.world_size
+    import torch.distributed as tdist
+
+    tdist.all_gather_object(every, mine)
+    for rank, theirs in enumerate(every[1:], start=1):
+        diffs = [f"{k} {theirs.get(k)} vs {v}" for k, v in every[0].items() if theirs.get(k) != v]
+        if diffs:
+            raise DistributedError(
+                f"rank {dist.rank}: rank {rank}'s settings or data differ from rank 0's: {'; '.join(diffs[:4])}. "
+                "Fix: give every rank the same command (the same inputs, labels, validation set and settings).")
+
+
+def _lost_peer(exc: RuntimeError, dist: DistContext, epoch: int | None, out: Path | None) -> BaseException:
+    """A failed collective (a rank died or was killed): one clear error naming the epoch (None: before
+    the first) and how to continue; other RuntimeErrors pass as they are."""
     if not dist.enabled:
         return exc
     text = str(exc)
     markers = ("connection", "peer", "gloo", "nccl", "timed out", "timeout", "broken pipe", "closed", "socket")
     if not any(m in text.lower() for m in markers):
         return exc
-    where = f"; {out} keeps the checkpoint of the last finished epoch" if out is not None else ""
-    resume = (f" Fix: find why the other rank stopped (its log), then continue with `torchrun ... wsi-milssl train "
-              f"--resume {out}` (any number of processes)." if out is not None else "")
-    return DistributedError(f"rank {dist.rank}: lost the other ranks during epoch {epoch + 1} ({text.splitlines()[0]})"
-                            f"{where}.{resume}")
+    when = "before training started" if epoch is None else f"during epoch {epoch + 1}"
+    check = "find why the other rank stopped (its log)"
+    if out is not None and (out / "last.pt").is_file():
+        then = (f"; {out} keeps the checkpoint of the last finished epoch. Fix: {check}, then continue with "
+                f"`torchrun ... wsi-milssl train --resume {out}` (any number of processes).")
+    elif out is not None:
+        then = f"; no epoch was saved. Fix: {check}, then start the run again with the same command (the same --out)."
+    else:
+        then = "."
+    return DistributedError(f"rank {dist.rank}: lost the other ranks {when} ({text.splitlines()[0]}){then}")
+
+
+@contextmanager
+def _peer_guard(dist: DistContext, epoch: int | None, out: Path | None):
+    """Around collectives: a lost rank becomes :func:`_lost_peer`'s one error."""
+    try:
+        yield
+    except RuntimeError as exc:
+        error = _lost_peer(exc, dist, epoch, out)
+        if error is exc:
+            raise
+        raise error from None
+
+
+def missing_checkpoint_error(run_dir: Path) -> CheckpointError:
+    """The error for a resume from ``run_dir`` without ``last.pt``: a run stopped before it saved its first
+    epoch leaves ``config.json`` (and maybe ``metrics.jsonl``) without it, and is started again instead."""
+    if (run_dir / "config.json").is_file():
+        return CheckpointError(f"{run_dir}: last.pt is missing: the run there never finished an epoch (last.pt is "
+                               "saved at the end of each), so there is nothing to resume. Fix: start the run again "
+                               "with its command into the same --out (without --resume); it starts from epoch 1.")
+    return CheckpointError(f"{run_dir}: no last.pt to resume from; start the run without resume (--resume) or pass "
+                           "the folder of an earlier run.")
 
 
 def _shared_bags(train: InstanceSet, val: InstanceSet) -> list[str]:
@@ -762,6 +822,8 @@ def _shared_bags(train: InstanceSet, val: InstanceSet) -> list[str]:
 def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike | None,
          val: InstanceSet | None, resume: bool, eval_at: Sequence[int] | None, keep_val_scores: bool,
          run_info: dict[str, Any] | None, progress: ProgressCallback | None, dist: DistContext) -> FitResult:
+    with _peer_guard(dist, None, None):  # first, before any rank can stop on its own inputs
+        _same_inputs(config, train, val, resume=resume, eval_at=eval_at, dist=dist)
     if train.kind != config.mode:
         raise ConfigError(f"training instances are {train.kind!r} but TrainConfig.mode is {config.mode!r}; "
                           "use the matching mode.")
@@ -815,8 +877,7 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
     history: list[dict[str, Any]] = []
     if resume and out is not None:
         if not (out / "last.pt").is_file():
-            raise CheckpointError(f"{out}: no last.pt to resume from; start the run without resume "
-                                  "(--resume) or pass the folder of an earlier run.")
+            raise missing_checkpoint_error(out)
         ckpt = read_checkpoint(out / "last.pt")
         _check_resume_config(ckpt["config"], ckpt_config, out / "last.pt")
         model.load_state_dict(ckpt["model"])
@@ -846,7 +907,8 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
     if dist.enabled:
         from torch.nn.parallel import DistributedDataParallel
 
-        trainer = DistributedDataParallel(model, device_ids=[dist.local_rank] if dist.backend == "nccl" else None)
+        with _peer_guard(dist, start_epoch, out):
+            trainer = DistributedDataParallel(model, device_ids=[dist.local_rank] if dist.backend == "nccl" else None)
 
     eval_set = None if eval_at is None else {int(e) for e in eval_at}
     result = FitResult(model=model, history=history, best_epoch=best_epoch, out_dir=out)
@@ -870,21 +932,20 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
                 state.targets[state.pos_index] = 1.0
             elif config.refresh_every == 0:
                 t_ref = time.perf_counter()
-                refresh_pseudo_labels(model, train, state, mu_t=mu_t, config=config, runtime=runtime,
-                                      loader=loader, progress=progress, dist=dist)
+                with _peer_guard(dist, epoch, out):
+                    refresh_pseudo_labels(model, train, state, mu_t=mu_t, config=config, runtime=runtime,
+                                          loader=loader, progress=progress, dist=dist)
                 refresh_s = time.perf_counter() - t_ref
             label_metrics = pseudo_label_metrics(state, train)
             order = block_order(train, _generator(config.seed, epoch, 1), block_size=config.shuffle_block)
             order = rank_share(order, batch_size=config.batch_size, ctx=dist)
             aug = _generator(config.seed, epoch, 2, *rank_stream) if train.kind == "images" else None
-            try:
+            with _peer_guard(dist, epoch, out):
                 stats = train_one_epoch(trainer, optimizer, train, state, order=order, config=config,
                                         runtime=runtime, aug_generator=aug, step=step, mu_t=mu_t, scaler=scaler,
                                         loader=loader, progress=progress, dist=dist, refresh=not warming)
                 if dist.enabled:
                     stats = _combine_ranks(stats, state, order, dist, trainer)
-            except RuntimeError as exc:
-                raise _lost_peer(exc, dist, epoch, out) from None
             _check_finite(model, stats["loss"], amp=scaler is not None, epoch=epoch, out=out)
             if config.refresh_every > 0:
                 label_metrics = pseudo_label_metrics(state, train)
@@ -900,8 +961,9 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
             improved = False
             if val is not None and (eval_set is None or epoch + 1 in eval_set):
                 t_val = time.perf_counter()
-                metrics = evaluate(model, val, runtime=runtime, bag_pooling=config.bag_pooling,
-                                   batch_size=config.eval_batch_size, loader=loader, dist=dist)
+                with _peer_guard(dist, epoch, out):
+                    metrics = evaluate(model, val, runtime=runtime, bag_pooling=config.bag_pooling,
+                                       batch_size=config.eval_batch_size, loader=loader, dist=dist)
                 if keep_val_scores:
                     result.val_bag_scores[epoch + 1] = metrics["bag_scores"]
                     result.val_probs[epoch + 1] = metrics["probs"]
@@ -912,7 +974,8 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
                     best_score, best_epoch, improved = score, epoch + 1, True
             record["best_epoch"] = best_epoch
             if dist.enabled:
-                record["ranks_agree"] = _ranks_agree(model, state, dist)
+                with _peer_guard(dist, epoch, out):
+                    record["ranks_agree"] = _ranks_agree(model, state, dist)
             history.append(record)
             result.best_epoch = best_epoch
             if out is not None and dist.is_main:
