@@ -59,7 +59,17 @@ class StageOutcome:
 def split_train_val(stems: list[str], labels: dict[str, int], *, val_fraction: float, seed: int
                     ) -> tuple[list[str], list[str]]:
     """Stratified split of training slides into (train, val); at least one slide of each class in val
-    when there are two or more of that class (never the test set)."""
+    when there are two or more of that class (never the test set). Raises ConfigError naming the
+    slides that have no label (and the labels file, when ``labels`` is read from one)."""
+    unlabelled = sorted(s for s in stems if s not in labels)
+    if unlabelled:
+        from wsi_milssl.errors import ConfigError
+
+        where = getattr(labels, "path", None) or "the training labels"
+        shown = ", ".join(unlabelled[:10]) + (" ..." if len(unlabelled) > 10 else "")
+        raise ConfigError(f"{where}: {len(unlabelled)} training slide(s) have no label: {shown}. Fix: add a "
+                          "'slide,label' line for each, named as its slide file (or store), or leave them out "
+                          "of the training slides.")
     if val_fraction <= 0:
         return sorted(stems), []
     rng = np.random.default_rng(seed)
