@@ -48,7 +48,11 @@ def test_train_cli_errors(tmp_path, mil_csv, capsys):
     assert main(["train", str(mil_csv)]) == 1
     assert "--out RUN_DIR is required" in capsys.readouterr().err
     assert main(["train", "--resume", str(tmp_path / "nothing")]) == 1
-    assert "no last.pt/config.json to resume from" in capsys.readouterr().err
+    assert "no last.pt to resume from" in capsys.readouterr().err
+    (tmp_path / "stopped").mkdir()  # stopped before its first epoch was saved: config.json, no last.pt
+    (tmp_path / "stopped" / "config.json").write_text("{}")
+    assert main(["train", "--resume", str(tmp_path / "stopped")]) == 1
+    assert "last.pt is missing: the run there never finished an epoch" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["train", str(mil_csv), "--out", str(tmp_path / "x"), "--bag-pooling", "attention"])
 

@@ -212,8 +212,12 @@ def _resume_setup(args: argparse.Namespace):
 
     run_dir = args.resume
     cfg_path = run_dir / "config.json"
-    if not (run_dir / "last.pt").is_file() or not cfg_path.is_file():
-        raise CheckpointError(f"{run_dir}: no last.pt/config.json to resume from; start the run without --resume.")
+    if not (run_dir / "last.pt").is_file():
+        from wsi_milssl.mil.selftrain import missing_checkpoint_error
+
+        raise missing_checkpoint_error(run_dir)
+    if not cfg_path.is_file():
+        raise CheckpointError(f"{run_dir}: no config.json to resume from; start the run without --resume.")
     fix = "restore it from the run's last.pt (its 'config'), or start a new run without --resume"
     try:
         saved = json.loads(cfg_path.read_text(encoding="utf-8"))
