@@ -180,9 +180,11 @@ def find_annotation(slide_stem: str, annotations_dir: str | os.PathLike) -> Path
         candidate = directory / f"{slide_stem}{suffix}"
         if candidate.is_file():
             return candidate
-    wanted = {f"{slide_stem}{suffix}".casefold(): k for k, suffix in enumerate(ANNOTATION_SUFFIXES)}
+    from wsi_milssl.cohorts.names import name_key
+
+    wanted = {name_key(f"{slide_stem}{suffix}"): k for k, suffix in enumerate(ANNOTATION_SUFFIXES)}
     matches = sorted(
-        (wanted[p.name.casefold()], p) for p in directory.iterdir() if p.name.casefold() in wanted and p.is_file()
+        (wanted[name_key(p.name)], p) for p in directory.iterdir() if name_key(p.name) in wanted and p.is_file()
     )
     return matches[0][1] if matches else None
 

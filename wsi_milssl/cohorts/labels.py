@@ -25,7 +25,7 @@ import os
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping
 
-from wsi_milssl.cohorts.names import slide_stem, stem_key
+from wsi_milssl.cohorts.names import name_key, slide_stem, stem_key
 from wsi_milssl.errors import LabelsError
 
 __all__ = ["LABEL_WORDS", "NAME_COLUMNS", "SlideLabels", "read_labels", "labels_for"]
@@ -57,14 +57,14 @@ class SlideLabels(Mapping[str, int]):
         self.path = None if path is None else Path(path)
         self._by_key: dict[str, tuple[str, int, int]] = {}
         for stem, label, line in items:
-            self._by_key.setdefault(stem.casefold(), (stem, int(label), int(line)))
+            self._by_key.setdefault(name_key(stem), (stem, int(label), int(line)))
 
     def _find(self, name: object) -> tuple[str, int, int] | None:
         if not isinstance(name, (str, os.PathLike)):
             return None
         text = os.fspath(name)
         # a stem as stored ("x.h5" from "x.h5.tif") first, then the name reduced to its stem
-        return self._by_key.get(text.strip().casefold()) or self._by_key.get(stem_key(text))
+        return self._by_key.get(name_key(text.strip())) or self._by_key.get(stem_key(text))
 
     def __getitem__(self, name: str) -> int:
         hit = self._find(name)
@@ -186,7 +186,7 @@ def read_labels(path: str | os.PathLike) -> SlideLabels:
                 f"{path}: line {line}: label {_short(word)!r} of slide {_short(stem)!r} is not 0/1 or "
                 "normal/tumor. Fix: use 1 (or tumor) for tumour slides and 0 (or normal) for normal slides."
             )
-        key = stem.casefold()
+        key = name_key(stem)
         if key in seen:
             other_line, other_value = seen[key]
             if other_value != value:

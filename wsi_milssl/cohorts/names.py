@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import unicodedata
 
-__all__ = ["SLIDE_SUFFIXES", "STORE_SUFFIXES", "NAME_SUFFIXES", "slide_stem", "stem_key"]
+__all__ = ["SLIDE_SUFFIXES", "STORE_SUFFIXES", "NAME_SUFFIXES", "name_key", "slide_stem", "stem_key"]
 
 #: Suffixes of whole-slide image files (a folder of slides is searched for these).
 SLIDE_SUFFIXES = (".svs", ".tif", ".tiff", ".ndpi", ".mrxs", ".scn", ".vms", ".vmu", ".bif", ".svslide",
@@ -40,7 +40,12 @@ def slide_stem(name: str | os.PathLike) -> str:
     return base
 
 
+def name_key(text: str) -> str:
+    """The key names are matched by: case-folded and in Unicode NFC, so that a name decomposed by macOS
+    (``café_3.tif`` as ``e`` + combining accent) matches the composed one."""
+    return unicodedata.normalize("NFC", text.casefold())
+
+
 def stem_key(name: str | os.PathLike) -> str:
-    """The key stems are matched by: :func:`slide_stem`, case-folded and in Unicode NFC, so that a
-    name decomposed by macOS (``café_3.tif`` as ``e`` + combining accent) matches the composed one."""
-    return unicodedata.normalize("NFC", slide_stem(name).casefold())
+    """The key stems are matched by: :func:`name_key` of :func:`slide_stem`."""
+    return name_key(slide_stem(name))

@@ -49,6 +49,7 @@ from wsi_milssl.annotations import find_annotation, list_annotation_files, raste
 from wsi_milssl.annotations.geometry import tumor_fraction
 from wsi_milssl.atomic import merge_csv_rows
 from wsi_milssl.cohorts import read_labels
+from wsi_milssl.cohorts.names import name_key
 from wsi_milssl.config.base import config_hash, write_resolved_config
 from wsi_milssl.config.label import LabelConfig
 from wsi_milssl.distributed import shard_items
@@ -383,8 +384,8 @@ def _label_stores_locked(paths: list[Path], annotations_dir: Path, labels, label
                          shard: tuple[int, int], overwrite: bool) -> LabelReport:
     write_resolved_config(config, out, name=CONFIG_JSON)
     stems = [_store_stem(p) for p in paths]
-    stem_keys = {s.casefold() for s in stems}
-    unmatched = [p for p in ann_files if p.stem.casefold() not in stem_keys]
+    stem_keys = {name_key(s) for s in stems}
+    unmatched = [p for p in ann_files if name_key(p.stem) not in stem_keys]
     mine = shard_items(list(zip(paths, stems)), *shard)
     without_ann: list[str] = []
     unannotated_tumor: list[str] = []
