@@ -135,9 +135,9 @@ def test_a_store_tiled_again_from_a_changed_slide_is_embedded_again(tmp_path, st
     assert [r.status for r in again.results] == ["skipped", "ok"]
 
 
-def test_a_store_labelled_again_is_embedded_again(tmp_path, stores_copy, synth_dir):
-    """`label` with another threshold changes the tumour store's instance labels: its feature file is made
-    again with the new labels; the normal store's labels (all 0) are unchanged, so its file is kept."""
+def test_a_store_labelled_again_keeps_its_features_with_the_new_labels(tmp_path, stores_copy, synth_dir):
+    """`label` with another threshold changes the tumour store's instance labels: its feature file is kept
+    (the features do not depend on labels) and its labels are brought up to date in place."""
     from wsi_milssl.config import LabelConfig
     from wsi_milssl.labeling import label_stores
 
@@ -149,6 +149,8 @@ def test_a_store_labelled_again_is_embedded_again(tmp_path, stores_copy, synth_d
     with open_store(stores_copy / "synth_000.h5") as store:
         new = np.asarray(store.read_array("instance_label"))
     assert not np.array_equal(old, new)
+    feats = read_feature_file(out / "synth_000.h5").features.copy()
     again = extract_features([stores_copy], out, EXACT)
-    assert [r.status for r in again.results] == ["ok", "skipped"]
+    assert [r.status for r in again.results] == ["skipped", "skipped"]
     np.testing.assert_array_equal(read_feature_file(out / "synth_000.h5").instance_label, new)
+    np.testing.assert_array_equal(read_feature_file(out / "synth_000.h5").features, feats)

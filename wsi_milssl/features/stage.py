@@ -163,15 +163,13 @@ def _read_store(path: Path) -> _Source:
             attrs = dict(store.attrs)
             coords_attrs = dict(store.array_attrs("coords"))
             has_labels = store.has(schema.INSTANCE_LABEL)
-            # the labels themselves: a store labelled again (other settings or annotations) is not the same source
-            labels_sha = (hashlib.sha256(np.ascontiguousarray(store.read_array(schema.INSTANCE_LABEL),
-                                                              dtype=np.uint8).tobytes()).hexdigest()
-                          if has_labels else None)
             n = len(store)
     except WsiMilsslError as exc:
         return _Source(None, {}, False, {}, error=str(exc))
     plain = {k: v.item() if isinstance(v, np.generic) else v for k, v in attrs.items()}
-    fingerprint = {"store_config_hash": plain.get("config_hash"), "n_patches": n, "instance_label": labels_sha}
+    # whether the store has labels, not the labels themselves: a store labelled again keeps its features,
+    # and a kept file's labels are brought up to date (_refresh_labels)
+    fingerprint = {"store_config_hash": plain.get("config_hash"), "n_patches": n, "instance_label": has_labels}
     # the slide file the store was cut from (stores of earlier versions do not record it): a store tiled
     # again from a changed slide, with the same settings and patch count, is not the same source
     fingerprint.update({k: plain[k] for k in ("slide_path", "slide_size_bytes", "slide_mtime_ns") if k in plain})
@@ -262,6 +260,27 @@ def _check_existing(path: Path, settings: dict[str, Any], settings_hash: str, so
     return int(attrs.get("n_patches", 0))
 
 
+def _refresh_labels(path: Path, store_path: Path) -> bool:
+    """Bring the instance labels of the kept feature file ``path`` up to date with its store's (a store
+    labelled again: the features are the same, the labels not). They are written in place, the same
+    length, so a file stays whole; a run killed in between leaves labels that the next run writes again.
+    False when the file's labels cannot be updated in place (another length, or none): make it again."""
+    import h5py
+
+    from wsi_milssl.store import open_store
+
+    with open_store(store_path) as store:
+        labels = np.asarray(store.read_array(schema.INSTANCE_LABEL), dtype=np.uint8)
+    with h5py.File(path, "r+") as fh:
+        held = fh.get(schema.INSTANCE_LABEL)
+        if held is None or held.shape != labels.shape:
+            return False
+        if not np.array_equal(held[()], labels):
+            held[...] = labels
+            logger.info("%s: instance labels updated from its store (labelled again)", path)
+    return True
+
+
 # ----------------------------------------------------------------------------------------------
 # The stage
 # ----------------------------------------------------------------------------------------------
@@ -339,6 +358,8 @@ def extract_features(inputs: Sequence[str | os.PathLike], out_dir: str | os.Path
             except StoreError as exc:
                 record(i, failed(i, str(exc)))
                 continue
+            if n is not None and src is not None and src.has_labels and not _refresh_labels(path, it.store_path):
+                n = None  # labels of another length: made again
             if n is not None:
                 record(i, FeatureResult(it.stem, str(it.slide_path or ""), "skipped", n, encoder.dim, 0.0, "",
                                         str(path)))
