@@ -9,7 +9,10 @@ import logging
 import unicodedata
 from pathlib import Path
 
+import pytest
+
 from wsi_milssl.cohorts import prepare_folder, read_labels, stem_key
+from wsi_milssl.errors import LabelsError
 from wsi_milssl.tiling import find_slides, slide_stem
 
 EMPTY_GEOJSON = '{"type": "FeatureCollection", "features": []}'
@@ -80,3 +83,20 @@ def test_decomposed_file_names_match_composed_labels(tmp_path):
     where = next(s for s in result.sets.values() if nfd in s.slides)
     assert where.labels[nfd] == 1 and nfd in where.annotations
     assert not result.notes
+
+
+def test_one_slide_file_under_two_names_is_refused(tmp_path):
+    slides = _cohort(tmp_path / "slides", BASE)
+    (slides / "t1_copy.tif").symlink_to(slides / "t1.tif")  # would count twice, and could be train and test
+    labels = _touch(tmp_path / "labels.csv", "".join(f"{s},{v}\n" for s, v in BASE.items()) + "t1_copy,1\n")
+    with pytest.raises(LabelsError, match=r"1 slide file\(s\) are reached under more than one name \(links\).*t1"):
+        prepare_folder(slides, labels, tmp_path / "out", test_fraction=0.5, seed=1)
+    # across a given test set too
+    (slides / "t1_copy.tif").unlink()
+    test = _cohort(tmp_path / "test", {"n9": 0, "t9": 1})
+    (test / "t1_again.tif").symlink_to(slides / "t1.tif")
+    test_labels = _touch(tmp_path / "test_labels.csv", "n9,0\nt9,1\nt1_again,1\n")
+    _touch(test / "t1_again.geojson", EMPTY_GEOJSON)
+    labels.write_text("".join(f"{s},{v}\n" for s, v in BASE.items()))
+    with pytest.raises(LabelsError, match=r"in both the training and the test set under other names \(links\)"):
+        prepare_folder(slides, labels, tmp_path / "out", test_slides_dir=test, test_labels_csv=test_labels)

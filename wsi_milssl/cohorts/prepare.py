@@ -240,11 +240,24 @@ def _names(items: list[str], limit: int = 20) -> str:
     return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
 
 
-def _duplicates(paths: Iterable[Path]) -> dict[str, list[Path]]:
+def _duplicates(paths: Iterable[Path], key=stem_key) -> dict[str, list[Path]]:
+    """Paths grouped by ``key`` (the slide name; ``os.path.realpath``: the file, links followed), groups
+    of two or more only."""
     by_key: dict[str, list[Path]] = {}
     for p in paths:
-        by_key.setdefault(stem_key(p), []).append(p)
+        by_key.setdefault(key(p), []).append(p)
     return {k: v for k, v in by_key.items() if len(v) > 1}
+
+
+def _linked_twice(paths: Iterable[Path]) -> str | None:
+    """The problem of one slide file reached under two names (a link and its target, two links): it would
+    count as two slides, and could be in both the training and the test set."""
+    same = _duplicates(paths, key=os.path.realpath)
+    if not same:
+        return None
+    return (f"{len(same)} slide file(s) are reached under more than one name (links): "
+            + _names([" and ".join(str(p) for p in v) for v in same.values()])
+            + " (keep one name per slide file)")
 
 
 def _raise_problems(where: str, problems: list[str], fix: str) -> None:
@@ -467,6 +480,7 @@ def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
     if dup:
         problems.append(f"{len(dup)} name(s) used by more than one slide: "
                         + _names([" and ".join(str(p) for p in v) for v in dup.values()]))
+    problems += filter(None, [_linked_twice(slides)])
     unknown = [str(p.relative_to(root)) for p in slides if _camelyon16_role(p, root) is None]
     if unknown:
         problems.append(f"{len(unknown)} slide(s) not named as in CAMELYON16 (Normal_NNN, Tumor_NNN, Test_NNN): "
@@ -541,6 +555,7 @@ def _labelled_set(slides_dir: Path, labels_csv: Path, skip: list[Path], what: st
     if dup:
         problems.append(f"{len(dup)} name(s) used by more than one slide: "
                         + _names([" and ".join(str(p) for p in v) for v in dup.values()]))
+    problems += filter(None, [_linked_twice(slides)])
     labels = read_labels(labels_csv)
     by_stem = {slide_stem(p): p for p in slides}
     missing = sorted((s for s in by_stem if s not in labels), key=str.casefold)
@@ -600,6 +615,10 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
         overlap = sorted({stem_key(s) for s in slides} & {stem_key(s) for s in t_slides})
         if overlap:
             problems.append(f"{len(overlap)} slide(s) are in both the training and the test set: {_names(overlap)}")
+        linked = sorted({os.path.realpath(p) for p in slides.values()} & {os.path.realpath(p) for p in t_slides.values()})
+        if linked:
+            problems.append(f"{len(linked)} slide file(s) are in both the training and the test set under other "
+                            f"names (links): {_names(linked)}")
         t_roots = [Path(test_annotations_dir)] if test_annotations_dir is not None else [Path(test_slides_dir)]
         train = (slides, labels)
         test = (t_slides, t_labels)
