@@ -98,3 +98,37 @@ def test_a_damaged_store_fails_only_its_slide(tmp_path, cohort, checkpoint_facto
     status = _status(out)
     assert status["other"]["status"] == "ok"
     assert status["case"]["status"] == "failed" and str(damaged) in status["case"]["error"]
+
+
+def test_a_slide_rewritten_with_the_same_level0_size_keeps_its_store(tmp_path, cohort, checkpoint_factory, caplog):
+    copy = tmp_path / "copy" / "case.tif"
+    copy.parent.mkdir()
+    shutil.copyfile(cohort["old"], copy)
+    with open(copy, "ab") as fh:  # a tool rewrote the file (more bytes), not its pixels
+        fh.write(b"\0" * 10)
+    with caplog.at_level("WARNING", logger="wsi_milssl.inference.stage"):
+        run = make_heatmaps([copy], checkpoint_factory(), tmp_path / "hm", HeatmapConfig(**FAST),
+                            stores=[cohort["stores"]])
+    assert run.ok and run.results[0].n_patches > 0
+    assert any("the file's size changed since" in r.getMessage() for r in caplog.records)
+
+
+def test_a_slide_changed_since_it_was_tiled_is_named_so(tmp_path, cohort, slide_writer, checkpoint_factory):
+    (tmp_path / "s").mkdir()
+    slide = slide_writer(tmp_path / "s" / "case.tif", width=1024, height=1024, tissue_box=(128, 128, 896, 896),
+                         tumour=lambda xs, ys: xs < 400)
+    stores = tmp_path / "stores"
+    assert tile_slide(slide, stores, TileConfig(**TILE)).status == "ok"
+    slide_writer(slide, width=2048, height=1024, tissue_box=(0, 128, 2048, 896), tumour=lambda xs, ys: xs < 400)
+    run = make_heatmaps([slide], checkpoint_factory(), tmp_path / "hm", HeatmapConfig(**FAST), stores=[stores])
+    assert run.results[0].status == "failed"
+    assert "was cut from this slide before it changed" in run.results[0].error
+
+
+def test_a_slide_finds_its_store_whatever_the_case_of_its_name(tmp_path, cohort, checkpoint_factory):
+    copy = tmp_path / "copy" / "CASE.tif"  # names match by stem_key (case and Unicode form aside)
+    copy.parent.mkdir()
+    shutil.copyfile(cohort["old"], copy)  # CASE.tif: the store is case.h5
+    run = make_heatmaps([copy], checkpoint_factory(), tmp_path / "hm", HeatmapConfig(**FAST),
+                        stores=[cohort["stores"]])
+    assert run.ok and run.results[0].n_patches > 0

@@ -36,6 +36,7 @@ from wsi_milssl import __version__
 from wsi_milssl.artifacts import HEATMAP_CONFIG_FILENAME, HEATMAP_STATUS_COLUMNS, HEATMAP_STATUS_FILENAME
 from wsi_milssl.artifacts import SCHEMA_VERSION as ARTIFACTS_SCHEMA_VERSION
 from wsi_milssl.atomic import atomic_open
+from wsi_milssl.cohorts.names import stem_key
 from wsi_milssl.config.base import config_to_dict
 from wsi_milssl.config.heatmap import HeatmapConfig
 from wsi_milssl.distributed import shard_items
@@ -145,7 +146,8 @@ def match_inputs(slides: Sequence[str | os.PathLike], stores: Sequence[str | os.
     else:
         from wsi_milssl.store import find_stores, open_store
 
-        by_stem: dict[str, tuple[Path, Path | None]] = {}
+        # stores by name as every stage matches names (stem_key: case and Unicode form aside)
+        by_stem: dict[str, tuple[str, Path, Path | None]] = {}
         for sp in find_stores(list(stores)):
             try:
                 with open_store(sp) as store:
@@ -153,9 +155,10 @@ def match_inputs(slides: Sequence[str | os.PathLike], stores: Sequence[str | os.
                     recorded = Path(store.attrs["slide_path"]) if store.attrs.get("slide_path") else None
             except WsiMilsslError:  # a damaged store fails its slide when it is read, not the batch
                 stem, recorded = sp.stem, None
-            if stem in by_stem:
-                raise ConfigError(f"stores {by_stem[stem][0]} and {sp} are both for slide {stem!r}; pass one.")
-            by_stem[stem] = (sp, recorded)
+            if stem_key(stem) in by_stem:
+                raise ConfigError(f"stores {by_stem[stem_key(stem)][1]} and {sp} are both for slide {stem!r}; "
+                                  "pass one.")
+            by_stem[stem_key(stem)] = (stem, sp, recorded)
         if not by_stem:
             raise StoreError(f"no patch stores found in {', '.join(str(s) for s in stores)}; run `wsi-milssl tile` "
                              "first or drop --store to tile the slides on the fly.")
@@ -163,16 +166,17 @@ def match_inputs(slides: Sequence[str | os.PathLike], stores: Sequence[str | os.
             out = []
             for s in slides:
                 stem = slide_stem(s)
-                if stem not in by_stem:
+                if stem_key(stem) not in by_stem:
+                    names = sorted(v[0] for v in by_stem.values())
                     raise ConfigError(
                         f"{s}: no store for slide {stem!r} in {', '.join(str(p) for p in stores)} (stores found: "
-                        f"{', '.join(sorted(by_stem)[:5])}{' ...' if len(by_stem) > 5 else ''}). Fix: tile it, or "
+                        f"{', '.join(names[:5])}{' ...' if len(names) > 5 else ''}). Fix: tile it, or "
                         "drop --store to tile slides on the fly."
                     )
-                out.append(HeatmapInput(stem, s, by_stem[stem][0]))
+                out.append(HeatmapInput(stem, s, by_stem[stem_key(stem)][1]))
         else:
             out = []
-            for stem, (sp, recorded) in sorted(by_stem.items()):
+            for stem, sp, recorded in sorted(by_stem.values()):
                 slide = recorded if recorded is not None and recorded.exists() else None
                 if slide is None:
                     logger.warning("%s: the slide recorded in the store (%s) is not there; the heatmap PNG will be "
@@ -188,10 +192,11 @@ def match_inputs(slides: Sequence[str | os.PathLike], stores: Sequence[str | os.
 
 
 def store_mismatch(item: SlideInput, *, slide_mpp: float | None = None) -> WsiMilsslError | None:
-    """StoreError when ``item``'s store was not cut from ``item``'s slide file (a store of another slide
-    of the same name), else None: the slide size in bytes and level-0 dimensions the store records are
-    compared with the slide's (a store of an earlier version without the size: the dimensions; without
-    either: accepted). The error of a store that cannot be opened is returned as it is."""
+    """StoreError when ``item``'s store was not cut from ``item``'s slide (a store of another slide of the
+    same name, or of this file before it changed), else None. The level-0 dimensions the store records
+    decide; where they match but the size in bytes differs (a tool rewrote the file's metadata, say), the
+    store is used with a warning. A store of an earlier version without the dimensions is compared by size;
+    without either, accepted. The error of a store that cannot be opened is returned as it is."""
     if item.store_path is None or item.slide_path is None:
         return None
     from wsi_milssl.slide.reader import open_slide
@@ -207,21 +212,30 @@ def store_mismatch(item: SlideInput, *, slide_mpp: float | None = None) -> WsiMi
     fp = file_fingerprint(item.slide_path)
     now_size = None if fp is None else int(fp["size_bytes"])
     now_dims = None
-    if recorded[1] is not None and (recorded[0] is None or recorded[0] == now_size):
+    if recorded[1] is not None:
         with open_slide(item.slide_path, mpp_override=slide_mpp) as slide:
             now_dims = tuple(int(v) for v in slide.dimensions)
-    if (recorded[0] is None or recorded[0] == now_size) and (recorded[1] is None or recorded[1] == now_dims):
+    same_size = recorded[0] is None or recorded[0] == now_size
+    if recorded[1] is not None and recorded[1] == now_dims:
+        if not same_size:
+            logger.warning("%s: the file's size changed since %s was tiled (%s -> %s bytes), its level-0 size did "
+                        "not; the store is used.", item.slide_path, item.store_path, recorded[0], now_size)
+        return None
+    if recorded[1] is None and same_size:
         return None
 
     def describe(size, dims) -> str:
         parts = [f"{size} bytes" if size is not None else "", f"{dims[0]} x {dims[1]} px" if dims else ""]
         return ", ".join(p for p in parts if p)
 
+    source = str(attrs.get("slide_path") or "")
+    same_file = bool(source) and Path(source).resolve() == Path(item.slide_path).resolve()
+    what = ("was cut from this slide before it changed" if same_file else
+            f"was cut from another slide of the same name ({source or 'not recorded'})")
     return StoreError(
-        f"{item.slide_path}: the store {item.store_path} was cut from another slide of the same name "
-        f"({attrs.get('slide_path') or 'not recorded'}: {describe(*recorded)}; this slide: "
-        f"{describe(now_size, now_dims if recorded[1] is not None else None)}), so its predictions do not belong "
-        "to this slide. Fix: tile this slide again (`wsi-milssl tile`), or pass the store tiled from it with --store."
+        f"{item.slide_path}: the store {item.store_path} {what} (then: {describe(*recorded)}; now: "
+        f"{describe(now_size, now_dims)}), so its predictions do not belong to this slide. Fix: tile this slide "
+        "again (`wsi-milssl tile`), or pass the store tiled from it with --store."
     )
 
 
