@@ -97,3 +97,38 @@ def test_resume_of_a_run_that_saved_no_epoch_says_last_pt_is_missing(tmp_path, m
     empty = tmp_path / "empty"
     empty.mkdir()
     assert "no last.pt to resume from" in str(missing_checkpoint_error(empty))
+
+
+def test_the_start_check_compares_a_weights_file_not_how_each_node_spells_its_path(tmp_path, mil_csv, monkeypatch):
+    from types import SimpleNamespace
+
+    import torch.distributed as tdist
+
+    from wsi_milssl.config import TrainConfig
+    from wsi_milssl.errors import DistributedError
+    from wsi_milssl.mil.data import read_mil_csv
+    from wsi_milssl.mil.selftrain import _same_inputs
+
+    data = read_mil_csv(mil_csv)
+    (tmp_path / "w.pth").write_bytes(b"weights")
+    (tmp_path / "other.pth").write_bytes(b"other weights")
+    dist = SimpleNamespace(enabled=True, world_size=2, rank=0)
+
+    def gathered(rank0_path, rank1_path):
+        sent = {}
+        def keep(out, obj):  # rank 1's own call: what it sends
+            sent["x"] = obj
+            out[:] = [obj, obj]
+
+        monkeypatch.setattr(tdist, "all_gather_object", keep)
+        _same_inputs(TrainConfig(mode="features", weights_path=str(rank1_path)), data, None, resume=False,
+                     eval_at=None, dist=dist)
+        theirs = sent["x"]
+        monkeypatch.setattr(tdist, "all_gather_object", lambda out, obj: out.__setitem__(slice(None), [obj, theirs]))
+        _same_inputs(TrainConfig(mode="features", weights_path=str(rank0_path)), data, None, resume=False,
+                     eval_at=None, dist=dist)
+
+    monkeypatch.chdir(tmp_path)
+    gathered(tmp_path / "w.pth", "w.pth")  # one file, two spellings: no error
+    with pytest.raises(DistributedError, match="weights_path"):
+        gathered(tmp_path / "w.pth", tmp_path / "other.pth")
