@@ -257,8 +257,10 @@ def _resume_setup(args: argparse.Namespace):
 
 
 def _check_same_encoder(train, val) -> None:
-    """Refuse validation features of another encoder or other weights than the training features (as
-    :func:`~wsi_milssl.mil.data.read_feature_files` refuses such a mix inside one set)."""
+    """Refuse validation features of another encoder or other weights than the training features, where
+    both sets record them (:func:`~wsi_milssl.features.schema.encoders_differ`, the rule heatmap applies).
+    Inside one set :func:`~wsi_milssl.mil.data.read_feature_files` is stricter: files that record weights
+    and files that do not (random weights, other tools) are not mixed."""
     from wsi_milssl.errors import ConfigError
     from wsi_milssl.features.schema import encoder_label, encoders_differ
 
