@@ -1,8 +1,8 @@
 """``prepare camelyon16`` on the downloads as they come: the AWS bucket's layout (with its tumour masks
 and tissue masks beside the slides) and a damaged member inside ``lesion_annotations.zip``.
 
-The slides are hard links to (or copies of) the session's tiny generated slides (tests/conftest.py);
-prepare matches names and never opens them."""
+The slides are copies of the session's tiny generated slides (tests/conftest.py), one file per name
+(prepare refuses one file under two names); prepare matches names and never opens them."""
 
 from __future__ import annotations
 
@@ -28,10 +28,7 @@ def _rows(path: Path) -> list[list[str]]:
 
 def _link(source: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(source, target)
-    except OSError:
-        shutil.copy(source, target)
+    shutil.copy(source, target)
 
 
 def _xml(k: int) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import unicodedata
 from pathlib import Path
 
@@ -85,9 +86,13 @@ def test_decomposed_file_names_match_composed_labels(tmp_path):
     assert not result.notes
 
 
-def test_one_slide_file_under_two_names_is_refused(tmp_path):
+@pytest.mark.parametrize("link", ["symbolic", "hard"])
+def test_one_slide_file_under_two_names_is_refused(tmp_path, link):
     slides = _cohort(tmp_path / "slides", BASE)
-    (slides / "t1_copy.tif").symlink_to(slides / "t1.tif")  # would count twice, and could be train and test
+    if link == "symbolic":  # would count twice, and could be train and test
+        (slides / "t1_copy.tif").symlink_to(slides / "t1.tif")
+    else:
+        os.link(slides / "t1.tif", slides / "t1_copy.tif")
     labels = _touch(tmp_path / "labels.csv", "".join(f"{s},{v}\n" for s, v in BASE.items()) + "t1_copy,1\n")
     with pytest.raises(LabelsError, match=r"1 slide file\(s\) are reached under more than one name \(links\).*t1"):
         prepare_folder(slides, labels, tmp_path / "out", test_fraction=0.5, seed=1)

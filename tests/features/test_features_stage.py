@@ -154,3 +154,22 @@ def test_a_store_labelled_again_keeps_its_features_with_the_new_labels(tmp_path,
     assert [r.status for r in again.results] == ["skipped", "skipped"]
     np.testing.assert_array_equal(read_feature_file(out / "synth_000.h5").instance_label, new)
     np.testing.assert_array_equal(read_feature_file(out / "synth_000.h5").features, feats)
+
+
+def test_a_kept_file_is_only_read_when_its_labels_are_unchanged(tmp_path, stores_copy):
+    import h5py
+
+    out = tmp_path / "feats"
+    assert extract_features([stores_copy], out, EXACT).ok
+    files = sorted(out.glob("*.h5"))
+    for f in files:
+        f.chmod(0o444)  # a file another process holds, or one not ours to write: reading it is enough
+    try:
+        before = [f.stat().st_mtime_ns for f in files]
+        with h5py.File(files[0], "r"):  # held open for reading elsewhere
+            again = extract_features([stores_copy], out, EXACT)
+        assert [r.status for r in again.results] == ["skipped", "skipped"]
+        assert [f.stat().st_mtime_ns for f in files] == before
+    finally:
+        for f in files:
+            f.chmod(0o644)

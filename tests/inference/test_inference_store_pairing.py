@@ -11,6 +11,7 @@ import h5py
 import pytest
 
 from wsi_milssl.config import HeatmapConfig, TileConfig
+from wsi_milssl.errors import ConfigError
 from wsi_milssl.inference import make_heatmaps
 from wsi_milssl.tiling import tile_slide
 
@@ -100,17 +101,29 @@ def test_a_damaged_store_fails_only_its_slide(tmp_path, cohort, checkpoint_facto
     assert status["case"]["status"] == "failed" and str(damaged) in status["case"]["error"]
 
 
-def test_a_slide_rewritten_with_the_same_level0_size_keeps_its_store(tmp_path, cohort, checkpoint_factory, caplog):
-    copy = tmp_path / "copy" / "case.tif"
-    copy.parent.mkdir()
-    shutil.copyfile(cohort["old"], copy)
-    with open(copy, "ab") as fh:  # a tool rewrote the file (more bytes), not its pixels
+def test_a_slide_rewritten_with_the_same_level0_size_keeps_its_store(tmp_path, slide_writer, checkpoint_factory,
+                                                                     caplog):
+    (tmp_path / "s").mkdir()
+    slide = slide_writer(tmp_path / "s" / "case.tif", width=1024, height=1024, tissue_box=(128, 128, 896, 896),
+                         tumour=lambda xs, ys: xs < 400)
+    stores = tmp_path / "stores"
+    assert tile_slide(slide, stores, TileConfig(**TILE)).status == "ok"
+    with open(slide, "ab") as fh:  # a tool rewrote the file (more bytes), not its pixels
         fh.write(b"\0" * 10)
     with caplog.at_level("WARNING", logger="wsi_milssl.inference.stage"):
-        run = make_heatmaps([copy], checkpoint_factory(), tmp_path / "hm", HeatmapConfig(**FAST),
-                            stores=[cohort["stores"]])
+        run = make_heatmaps([slide], checkpoint_factory(), tmp_path / "hm", HeatmapConfig(**FAST), stores=[stores])
     assert run.ok and run.results[0].n_patches > 0
     assert any("the file's size changed since" in r.getMessage() for r in caplog.records)
+
+
+def test_another_slide_of_the_same_level0_size_does_not_take_the_store(tmp_path, cohort, slide_writer,
+                                                                       checkpoint_factory):
+    (tmp_path / "s").mkdir()  # as large as old/case.tif, other pixels, other file
+    other = slide_writer(tmp_path / "s" / "case.tif", width=2048, height=2048, tissue_box=(0, 0, 2048, 2048),
+                         tumour=lambda xs, ys: xs < 400)
+    run = make_heatmaps([other], checkpoint_factory(), tmp_path / "hm", HeatmapConfig(**FAST),
+                        stores=[cohort["stores"]])
+    assert run.results[0].status == "failed" and "another slide of the same name" in run.results[0].error
 
 
 def test_a_slide_changed_since_it_was_tiled_is_named_so(tmp_path, cohort, slide_writer, checkpoint_factory):
@@ -132,3 +145,21 @@ def test_a_slide_finds_its_store_whatever_the_case_of_its_name(tmp_path, cohort,
     run = make_heatmaps([copy], checkpoint_factory(), tmp_path / "hm", HeatmapConfig(**FAST),
                         stores=[cohort["stores"]])
     assert run.ok and run.results[0].n_patches > 0
+
+
+def test_stores_whose_names_differ_only_in_case_need_the_exact_one(tmp_path, cohort, checkpoint_factory):
+    stores = _copy_stores(cohort, tmp_path / "stores")
+    upper = tmp_path / "more" / "CASE.h5"
+    upper.parent.mkdir()
+    shutil.copyfile(stores / "case.h5", upper)
+    with h5py.File(upper, "a") as fh:
+        fh.attrs["slide_stem"] = "CASE"
+    run = make_heatmaps([cohort["old"]], checkpoint_factory(), tmp_path / "hm", HeatmapConfig(**FAST),
+                        stores=[stores, upper.parent])
+    assert run.ok  # case.tif takes case.h5, its exact name
+    lower = tmp_path / "copy" / "Case.tif"
+    lower.parent.mkdir()
+    shutil.copyfile(cohort["old"], lower)
+    with pytest.raises(ConfigError, match="differ only in case or Unicode form"):
+        make_heatmaps([lower], checkpoint_factory(), tmp_path / "hm2", HeatmapConfig(**FAST),
+                      stores=[stores, upper.parent])

@@ -262,22 +262,29 @@ def _check_existing(path: Path, settings: dict[str, Any], settings_hash: str, so
 
 def _refresh_labels(path: Path, store_path: Path) -> bool:
     """Bring the instance labels of the kept feature file ``path`` up to date with its store's (a store
-    labelled again: the features are the same, the labels not). They are written in place, the same
-    length, so a file stays whole; a run killed in between leaves labels that the next run writes again.
-    False when the file's labels cannot be updated in place (another length, or none): make it again."""
+    labelled again: the features are the same, the labels not). Compared read-only; written in place only
+    when they differ, at the same length, so a file stays whole (a run killed in between leaves labels that
+    the next run writes again). False when they cannot be updated in place (another length, none, or the
+    file or store cannot be opened for it): the file is made again."""
     import h5py
 
     from wsi_milssl.store import open_store
 
-    with open_store(store_path) as store:
-        labels = np.asarray(store.read_array(schema.INSTANCE_LABEL), dtype=np.uint8)
-    with h5py.File(path, "r+") as fh:
-        held = fh.get(schema.INSTANCE_LABEL)
-        if held is None or held.shape != labels.shape:
-            return False
-        if not np.array_equal(held[()], labels):
-            held[...] = labels
-            logger.info("%s: instance labels updated from its store (labelled again)", path)
+    try:
+        with open_store(store_path) as store:
+            labels = np.asarray(store.read_array(schema.INSTANCE_LABEL), dtype=np.uint8)
+        with h5py.File(path, "r") as fh:
+            held = fh.get(schema.INSTANCE_LABEL)
+            if held is None or held.shape != labels.shape:
+                return False
+            if np.array_equal(held[()], labels):
+                return True
+        with h5py.File(path, "r+") as fh:
+            fh[schema.INSTANCE_LABEL][...] = labels
+    except (OSError, WsiMilsslError) as exc:
+        logger.info("%s: its labels cannot be updated in place (%s); made again", path, exc)
+        return False
+    logger.info("%s: instance labels updated from its store (labelled again)", path)
     return True
 
 

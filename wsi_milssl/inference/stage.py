@@ -146,8 +146,7 @@ def match_inputs(slides: Sequence[str | os.PathLike], stores: Sequence[str | os.
     else:
         from wsi_milssl.store import find_stores, open_store
 
-        # stores by name as every stage matches names (stem_key: case and Unicode form aside)
-        by_stem: dict[str, tuple[str, Path, Path | None]] = {}
+        by_stem: dict[str, tuple[Path, Path | None]] = {}
         for sp in find_stores(list(stores)):
             try:
                 with open_store(sp) as store:
@@ -155,28 +154,17 @@ def match_inputs(slides: Sequence[str | os.PathLike], stores: Sequence[str | os.
                     recorded = Path(store.attrs["slide_path"]) if store.attrs.get("slide_path") else None
             except WsiMilsslError:  # a damaged store fails its slide when it is read, not the batch
                 stem, recorded = sp.stem, None
-            if stem_key(stem) in by_stem:
-                raise ConfigError(f"stores {by_stem[stem_key(stem)][1]} and {sp} are both for slide {stem!r}; "
-                                  "pass one.")
-            by_stem[stem_key(stem)] = (stem, sp, recorded)
+            if stem in by_stem:
+                raise ConfigError(f"stores {by_stem[stem][0]} and {sp} are both for slide {stem!r}; pass one.")
+            by_stem[stem] = (sp, recorded)
         if not by_stem:
             raise StoreError(f"no patch stores found in {', '.join(str(s) for s in stores)}; run `wsi-milssl tile` "
                              "first or drop --store to tile the slides on the fly.")
         if slides:
-            out = []
-            for s in slides:
-                stem = slide_stem(s)
-                if stem_key(stem) not in by_stem:
-                    names = sorted(v[0] for v in by_stem.values())
-                    raise ConfigError(
-                        f"{s}: no store for slide {stem!r} in {', '.join(str(p) for p in stores)} (stores found: "
-                        f"{', '.join(names[:5])}{' ...' if len(names) > 5 else ''}). Fix: tile it, or "
-                        "drop --store to tile slides on the fly."
-                    )
-                out.append(HeatmapInput(stem, s, by_stem[stem_key(stem)][1]))
+            out = [HeatmapInput(slide_stem(s), s, _store_for(s, by_stem, stores)) for s in slides]
         else:
             out = []
-            for stem, sp, recorded in sorted(by_stem.values()):
+            for stem, (sp, recorded) in sorted(by_stem.items()):
                 slide = recorded if recorded is not None and recorded.exists() else None
                 if slide is None:
                     logger.warning("%s: the slide recorded in the store (%s) is not there; the heatmap PNG will be "
@@ -191,12 +179,32 @@ def match_inputs(slides: Sequence[str | os.PathLike], stores: Sequence[str | os.
     return out
 
 
+def _store_for(slide: Path, by_stem: dict[str, tuple[Path, Path | None]], stores) -> Path:
+    """The store of ``slide`` among ``by_stem``: the one of its exact name, else the one whose name matches
+    by :func:`~wsi_milssl.cohorts.names.stem_key` (case and Unicode form aside), as every stage matches."""
+    stem = slide_stem(slide)
+    if stem in by_stem:
+        return by_stem[stem][0]
+    near = [name for name in by_stem if stem_key(name) == stem_key(stem)]
+    if len(near) > 1:
+        raise ConfigError(f"{slide}: the stores {', '.join(str(by_stem[n][0]) for n in near)} all match slide "
+                          f"{stem!r} (their names differ only in case or Unicode form). Fix: pass the one of this "
+                          "slide with --store.")
+    if not near:
+        names = sorted(by_stem)
+        raise ConfigError(
+            f"{slide}: no store for slide {stem!r} in {', '.join(str(p) for p in stores)} (stores found: "
+            f"{', '.join(names[:5])}{' ...' if len(names) > 5 else ''}). Fix: tile it, or drop --store to tile "
+            "slides on the fly.")
+    return by_stem[near[0]][0]
+
+
 def store_mismatch(item: SlideInput, *, slide_mpp: float | None = None) -> WsiMilsslError | None:
     """StoreError when ``item``'s store was not cut from ``item``'s slide (a store of another slide of the
-    same name, or of this file before it changed), else None. The level-0 dimensions the store records
-    decide; where they match but the size in bytes differs (a tool rewrote the file's metadata, say), the
-    store is used with a warning. A store of an earlier version without the dimensions is compared by size;
-    without either, accepted. The error of a store that cannot be opened is returned as it is."""
+    same name, or of this file before it changed), else None: the slide size in bytes and level-0
+    dimensions the store records must match the slide's; where only the size differs and the store was cut
+    from this very file (a tool rewrote its metadata, say), the store is used with a warning. A store of an
+    earlier version without the size is compared by dimensions; without either, accepted. The error of a store that cannot be opened is returned as it is."""
     if item.store_path is None or item.slide_path is None:
         return None
     from wsi_milssl.slide.reader import open_slide
@@ -216,20 +224,20 @@ def store_mismatch(item: SlideInput, *, slide_mpp: float | None = None) -> WsiMi
         with open_slide(item.slide_path, mpp_override=slide_mpp) as slide:
             now_dims = tuple(int(v) for v in slide.dimensions)
     same_size = recorded[0] is None or recorded[0] == now_size
-    if recorded[1] is not None and recorded[1] == now_dims:
-        if not same_size:
-            logger.warning("%s: the file's size changed since %s was tiled (%s -> %s bytes), its level-0 size did "
-                        "not; the store is used.", item.slide_path, item.store_path, recorded[0], now_size)
+    same_dims = recorded[1] is None or recorded[1] == now_dims
+    source = str(attrs.get("slide_path") or "")
+    same_file = bool(source) and Path(source).resolve() == Path(item.slide_path).resolve()
+    if same_size and same_dims:
         return None
-    if recorded[1] is None and same_size:
+    if same_dims and recorded[1] is not None and same_file:  # this very file, rewritten with its level-0 size
+        logger.warning("%s: the file's size changed since %s was tiled (%s -> %s bytes), its level-0 size did "
+                       "not; the store is used.", item.slide_path, item.store_path, recorded[0], now_size)
         return None
 
     def describe(size, dims) -> str:
         parts = [f"{size} bytes" if size is not None else "", f"{dims[0]} x {dims[1]} px" if dims else ""]
         return ", ".join(p for p in parts if p)
 
-    source = str(attrs.get("slide_path") or "")
-    same_file = bool(source) and Path(source).resolve() == Path(item.slide_path).resolve()
     what = ("was cut from this slide before it changed" if same_file else
             f"was cut from another slide of the same name ({source or 'not recorded'})")
     return StoreError(
