@@ -209,7 +209,8 @@ def _float(text: str, path: Path, line: int, column: str) -> float:
     return value
 
 
-def _is_number(text: str) -> bool:
+def is_number(text: str) -> bool:
+    """Whether ``text`` reads as a number (``1``, ``-0.5``, ``1e2``, ``nan``): the header rule of CSV readers."""
     try:
         float(text)
     except ValueError:
@@ -246,7 +247,7 @@ def read_detections(path: str | os.PathLike) -> Detections:
             continue
         if not seen_row:
             seen_row = True
-            if len(row) == 3 and not any(_is_number(c) for c in row):  # a header of the three columns
+            if len(row) == 3 and not any(is_number(c) for c in row):  # a header of the three columns
                 continue
         if len(row) != 3:
             raise EvaluationError(

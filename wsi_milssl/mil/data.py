@@ -21,6 +21,7 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
+from wsi_milssl.artifacts import is_number
 from wsi_milssl.errors import ConfigError, StoreError
 from wsi_milssl.mil.pixels import NORMALISATION, normalize, to_tensor, to_unit_float
 
@@ -155,17 +156,9 @@ def is_csv_header(fields: Sequence[str]) -> bool:
     ``pixel0``, ...), or its fields are the column numbers ``0,1,...,n-1`` (what pandas' ``to_csv`` writes
     for a frame without column names). A first field such as ``1e2`` or ``-0.5`` is a number: a data row."""
     cells = [f.strip().strip('"').strip() for f in fields]
-    if not cells or not _is_number(cells[0]):
+    if not cells or not is_number(cells[0]):
         return True
     return cells == [str(i) for i in range(len(cells))]
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
 
 
 def read_mil_csv(path: str | os.PathLike) -> InstanceSet:
@@ -189,7 +182,7 @@ def read_mil_csv(path: str | os.PathLike) -> InstanceSet:
     except (csv.Error, OSError) as exc:
         raise ConfigError(f"{path}: cannot read the MIL CSV ({exc}); {fix}.") from None
     if rows and is_csv_header(rows[0]):
-        if _is_number(rows[0][0]):  # could be data: label 0, bag 1, features 2, 3, ...
+        if is_number(rows[0][0]):  # could be data: label 0, bag 1, features 2, 3, ...
             log.warning("%s: the first row %s is read as pandas' column numbers (a header), not as an instance; "
                         "add a named header row if it is data.", path, ",".join(c.strip() for c in rows[0]))
         rows = rows[1:]
