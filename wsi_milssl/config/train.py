@@ -27,7 +27,10 @@ from dataclasses import dataclass
 from wsi_milssl.config.base import check_choice, check_range, check_type
 from wsi_milssl.errors import ConfigError
 
-__all__ = ["TrainConfig", "MODE_DEFAULTS", "BenchmarkConfig"]
+__all__ = ["TrainConfig", "MODE_DEFAULTS", "BenchmarkConfig", "RUNTIME_ONLY_FIELDS"]
+
+#: TrainConfig fields that may differ between a run and its resume without changing the result.
+RUNTIME_ONLY_FIELDS = ("num_workers", "threads", "plots", "device", "eval_batch_size", "decode")
 
 MODE_DEFAULTS: dict[str, dict[str, object]] = {
     "images": {"model": "resnet18", "optimizer": "sgd", "lr": 1e-3, "batch_size": 64, "epochs": 10},

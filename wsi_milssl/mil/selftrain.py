@@ -36,7 +36,7 @@ from wsi_milssl import __version__
 from wsi_milssl.atomic import atomic_write_text, remove_quietly
 from wsi_milssl import runtime as runtime_rules
 from wsi_milssl.config.base import config_to_dict
-from wsi_milssl.config.train import TrainConfig
+from wsi_milssl.config.train import RUNTIME_ONLY_FIELDS, TrainConfig
 from wsi_milssl.distributed import SINGLE, DistContext, all_sum, gather_values, rank_share, split_evenly
 from wsi_milssl.errors import CheckpointError, ConfigError, DistributedError, OutputError, TrainingDivergedError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
@@ -69,8 +69,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Config fields that may differ between a run and its resume without changing the result.
-RUNTIME_ONLY_FIELDS = ("num_workers", "threads", "plots", "device", "eval_batch_size", "decode")
 
 
 # ----------------------------------------------------------------------------------------------

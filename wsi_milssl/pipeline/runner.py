@@ -38,6 +38,7 @@ import numpy as np
 
 from wsi_milssl.atomic import atomic_open, atomic_write_json
 from wsi_milssl.config import config_from_mapping, config_to_dict
+from wsi_milssl.config.train import RUNTIME_ONLY_FIELDS
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.locks import folder_lock
 from wsi_milssl.pipeline.spec import RESOLVED_FILENAME, STAGES, PipelineSpec, stage_config, write_resolved_pipeline
@@ -509,8 +510,6 @@ def _set_stores(ctx: _Context, set_name: str, paths: list[Path]) -> dict[str, Pa
 def _run_fingerprint(ctx: _Context, config, split: dict, *, kind: str) -> dict:
     """What a training run folder is started with: the settings that change the result, the data
     split and the stamp of the stage whose outputs it trains on."""
-    from wsi_milssl.mil.selftrain import RUNTIME_ONLY_FIELDS
-
     upstream = "features" if ctx.spec.feature_stage else ("label" if ctx.spec.mode == "images" else None)
     settings = {k: v for k, v in config_to_dict(config).items() if k not in RUNTIME_ONLY_FIELDS}
     return {"kind": kind, "settings": settings, "split": {k: list(v) for k, v in split.items()},
@@ -757,10 +756,17 @@ _UPSTREAM = {"synth": (), "tile": ("synth",), "label": ("tile",), "features": ("
 _EMBEDDED_UPSTREAM = {**_UPSTREAM, "train": ("features",), "heatmap": ("train", "features")}
 
 
+#: settings that change how fast a stage runs, not what it makes: left out of its stamp digest
+SPEED_ONLY = {"tile": ("workers", "threads", "batch_size", "direct_tiff_read"),
+              "features": ("num_workers", "threads", "device", "decode", "batch_size"),
+              "train": RUNTIME_ONLY_FIELDS,
+              "heatmap": ("num_workers", "threads", "device", "decode", "batch_size")}
+
+
 def _stage_settings(spec: PipelineSpec, stage: str, *, legacy: bool = False):
     """What a stage's stamp digest covers: its settings that differ from their defaults (so the pipeline's
     own resolved_pipeline.toml, which spells out every default, is up to date with the pipeline it came
-    from) and its [train.grid]; ``legacy``: the raw table, as stamps of earlier versions recorded it."""
+    from), speed-only settings (:data:`SPEED_ONLY`) aside, and its [train.grid]; ``legacy``: the raw table, as stamps of earlier versions recorded it."""
     if stage == "synth":
         return {name: config_to_dict(ds.synth) for name, ds in spec.sets.items()}
     if legacy:
@@ -768,7 +774,7 @@ def _stage_settings(spec: PipelineSpec, stage: str, *, legacy: bool = False):
     else:
         chosen = config_to_dict(stage_config(spec, stage))
         default = config_to_dict(stage_config(spec, stage, defaults_only=True))
-        section = {k: v for k, v in chosen.items() if v != default.get(k)}
+        section = {k: v for k, v in chosen.items() if v != default.get(k) and k not in SPEED_ONLY.get(stage, ())}
         if "grid" in spec.section(stage):
             section["grid"] = spec.section(stage)["grid"]
         settings = {"section": section}
@@ -777,15 +783,30 @@ def _stage_settings(spec: PipelineSpec, stage: str, *, legacy: bool = False):
     return settings
 
 
-def _external_inputs(spec: PipelineSpec, stage: str) -> list:
+def _external_inputs(spec: PipelineSpec, stage: str, *, legacy: bool = False) -> list:
+    """Fingerprints of the inputs from outside the pipeline a stage reads: small files by content, the
+    slides (those a slide list names too) by size and modification time; ``legacy``: every file by size
+    and modification time and a slide list as a file, as stamps of earlier versions recorded them."""
     if spec.mode == "features":
-        return fingerprint_paths([p for ds in spec.sets.values() for p in (ds.features, ds.labels)])
+        return fingerprint_paths([p for ds in spec.sets.values() for p in (ds.features, ds.labels)],
+                                 content=not legacy)
     if spec.sets["train"].synth is not None:
         return []
     if stage == "tile":
-        return fingerprint_paths([ds.slides for ds in spec.sets.values()])
+        if legacy:
+            return fingerprint_paths([ds.slides for ds in spec.sets.values()])
+        from wsi_milssl.errors import WsiMilsslError
+        from wsi_milssl.tiling import find_slides
+
+        lists = [ds.slides for ds in spec.sets.values() if Path(ds.slides).is_file()]
+        try:
+            listed = [p for ds in spec.sets.values() for p in find_slides([ds.slides], keep_missing=True)]
+        except WsiMilsslError:  # the tile stage says what is wrong with them
+            listed = [ds.slides for ds in spec.sets.values()]
+        return fingerprint_paths(lists, content=True) + fingerprint_paths(listed)
     if stage == "label":
-        return fingerprint_paths([p for ds in spec.sets.values() for p in (ds.labels, ds.annotations)])
+        return fingerprint_paths([p for ds in spec.sets.values() for p in (ds.labels, ds.annotations)],
+                                 content=not legacy)
     return []
 
 
@@ -838,11 +859,10 @@ def _run_stages(spec: PipelineSpec, stages: list[str], forced: set[str], *,
     dirty = False
     for i, stage in enumerate(stages):
         reads = (_EMBEDDED_UPSTREAM if spec.feature_stage else _UPSTREAM)[stage]
-        external = _external_inputs(spec, stage)
         for chain, legacy in ((digests, False), (legacy_digests, True)):
             upstream = {u: chain.get(u) or (read_stamp(ctx.state, u) or {}).get("digest") for u in reads}
             chain[stage] = stamp_digest(_stage_settings(spec, stage, legacy=legacy),
-                                        {"upstream": upstream, "external": external})
+                                        {"upstream": upstream, "external": _external_inputs(spec, stage, legacy=legacy)})
         digest = digests[stage]
         emit(progress, ProgressEvent("pipeline", i, len(stages), unit="stage", item=stage))
         if stage in forced:

@@ -21,18 +21,28 @@ __all__ = ["StageStamp", "fingerprint_paths", "stamp_digest", "read_stamp", "wri
 StageStamp = dict[str, Any]
 
 
-def fingerprint_paths(paths: Iterable[str | os.PathLike]) -> list[list]:
-    """[path, size, mtime_ns] of every file under ``paths`` (folders walked, sorted)."""
+#: files up to this size are fingerprinted by their content (labels, annotations, slide lists: a file
+#: written again with the same bytes, or touched, is the same input); larger ones (slides, feature files)
+#: by size and modification time
+CONTENT_BYTES = 16 << 20
+
+
+def fingerprint_paths(paths: Iterable[str | os.PathLike], *, content: bool = False) -> list[list]:
+    """[path, size, mtime_ns] of every file under ``paths`` (folders walked, sorted); ``content``: files of
+    at most :data:`CONTENT_BYTES` as [path, size, SHA-256] instead."""
     out: list[list] = []
     for path in paths:
         path = Path(path)
         files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
         for f in files:
-            if f.exists():
-                st = f.stat()
-                out.append([str(f), st.st_size, st.st_mtime_ns])
-            else:
+            if not f.exists():
                 out.append([str(f), None, None])
+                continue
+            st = f.stat()
+            if content and st.st_size <= CONTENT_BYTES:
+                out.append([str(f), st.st_size, hashlib.sha256(f.read_bytes()).hexdigest()])
+            else:
+                out.append([str(f), st.st_size, st.st_mtime_ns])
     return out
 
 

@@ -1,0 +1,67 @@
+"""What a stage's stamp covers: speed-only settings do not count, small input files count by content
+(written again with the same bytes or touched: the same input), and the slides a slide list names count
+(a slide replaced or renamed behind the list is a change)."""
+
+from __future__ import annotations
+
+import os
+
+from wsi_milssl.pipeline import load_pipeline
+from wsi_milssl.pipeline.runner import _external_inputs, _stage_settings
+
+PIPELINE = """
+[pipeline]
+name = "stamps"
+[data]
+train_slides = "cohort/train_slides.csv"
+train_labels = "cohort/train_labels.csv"
+train_annotations = "cohort/annotations"
+test_slides = "cohort/test_slides.csv"
+test_labels = "cohort/test_labels.csv"
+test_annotations = "cohort/annotations"
+"""
+
+
+def _cohort(root):
+    (root / "slides").mkdir(parents=True)
+    (root / "cohort" / "annotations").mkdir(parents=True)
+    for name, size in (("a", 100), ("b", 200), ("c", 300)):
+        (root / "slides" / f"{name}.tif").write_bytes(b"x" * size)
+    (root / "cohort" / "train_slides.csv").write_text(f"path\n{root / 'slides' / 'a.tif'}\n{root / 'slides' / 'b.tif'}\n")
+    (root / "cohort" / "test_slides.csv").write_text(f"path\n{root / 'slides' / 'c.tif'}\n")
+    (root / "cohort" / "train_labels.csv").write_text("slide,label\na,1\nb,0\n")
+    (root / "cohort" / "test_labels.csv").write_text("slide,label\nc,1\n")
+    (root / "cohort" / "annotations" / "a.xml").write_text("<ASAP_Annotations/>")
+    (root / "p.toml").write_text(PIPELINE)
+    return load_pipeline(root / "p.toml", out_dir=root / "out")
+
+
+def test_speed_only_settings_leave_the_digest_alone(tmp_path):
+    spec = _cohort(tmp_path)
+    faster = load_pipeline(tmp_path / "p.toml", out_dir=tmp_path / "out",
+                           overrides=["tile.workers=4", "tile.threads=8", "heatmap.batch_size=512"])
+    other = load_pipeline(tmp_path / "p.toml", out_dir=tmp_path / "out", overrides=["tile.patch_size_px=128"])
+    for stage in ("tile", "heatmap"):
+        assert _stage_settings(faster, stage) == _stage_settings(spec, stage)
+    assert _stage_settings(other, "tile") != _stage_settings(spec, "tile")
+
+
+def test_small_inputs_count_by_content(tmp_path):
+    spec = _cohort(tmp_path)
+    before = _external_inputs(spec, "label")
+    xml = tmp_path / "cohort" / "annotations" / "a.xml"
+    xml.write_text(xml.read_text())  # written again, same bytes (prepare run again)
+    os.utime(tmp_path / "cohort" / "test_labels.csv", ns=(1, 1))  # touched
+    assert _external_inputs(spec, "label") == before
+    xml.write_text("<ASAP_Annotations><Annotations/></ASAP_Annotations>")
+    assert _external_inputs(spec, "label") != before
+
+
+def test_the_slides_a_list_names_count(tmp_path):
+    spec = _cohort(tmp_path)
+    before = _external_inputs(spec, "tile")
+    (tmp_path / "slides" / "b.tif").write_bytes(b"y" * 250)  # another slide under the same name
+    replaced = _external_inputs(spec, "tile")
+    assert replaced != before
+    (tmp_path / "slides" / "b.tif").rename(tmp_path / "slides" / "b_renamed.tif")  # the list names it still
+    assert _external_inputs(spec, "tile") != replaced
