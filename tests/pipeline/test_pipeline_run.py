@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from wsi_milssl.cli import main
-from wsi_milssl.errors import ConfigError
+from wsi_milssl.errors import CheckpointError, ConfigError
 from wsi_milssl.pipeline import load_pipeline, run_pipeline, split_train_val
 
 
@@ -73,9 +73,12 @@ def test_feature_pipeline_runs_then_skips_then_forces(feature_pipeline, tmp_path
     assert [o.status for o in second] == ["skipped", "skipped"]
     forced = run_pipeline(spec, force=["evaluate"])
     assert [o.status for o in forced] == ["skipped", "ran"]
-    (tmp_path / "out" / "model" / "best.pt").unlink()  # an output went missing: train and after re-run
-    third = run_pipeline(spec)
-    assert [o.status for o in third] == ["ran", "ran"]
+    # best.pt went missing: the run cannot make it again, and last.pt is not the epoch validation chose
+    (tmp_path / "out" / "model" / "best.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"best.pt \(the epoch the validation slides chose\) is missing"):
+        run_pipeline(spec)
+    third = run_pipeline(spec, force=["train"])
+    assert [o.status for o in third] == ["ran", "ran"] and (tmp_path / "out" / "model" / "best.pt").is_file()
 
 
 def test_changed_settings_rerun_the_stage(feature_pipeline, tmp_path):

@@ -440,6 +440,26 @@ def _fit_runs(ctx: _Context, runs: list[dict], configs: list, source: str, *, tr
     return best_epoch, f", grid of {len(runs)} in {grid_s:.0f} s: chose {name} on validation"
 
 
+def _model_checkpoint(model_dir: Path) -> Path:
+    """The checkpoint the later stages use: ``best.pt`` (chosen on the validation slides), or ``last.pt``
+    of a run without validation. A run with validation whose ``best.pt`` is gone is an error: its last
+    epoch is not the one validation chose."""
+    import json
+
+    if (model_dir / "best.pt").is_file():
+        return model_dir / "best.pt"
+    try:
+        data = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get("data") or {}
+    except (OSError, ValueError, AttributeError):
+        data = {}
+    if data.get("val_inputs"):
+        from wsi_milssl.errors import CheckpointError
+
+        raise CheckpointError(f"{model_dir}: best.pt (the epoch the validation slides chose) is missing, and "
+                              "last.pt may be another epoch. Fix: restore best.pt, or train again with --force train.")
+    return model_dir / "last.pt"
+
+
 def _train(ctx: _Context) -> tuple[list[str], str]:
     """Train on the training set; with ``[train.grid]``, train every combination and keep the one
     that scores best on the validation slides (held out from the training set, never the test set)."""
@@ -465,7 +485,7 @@ def _train(ctx: _Context) -> tuple[list[str], str]:
             "val": [str(stores[s]) for s in val_stems], "labels": str(ds.labels)}
     best_epoch, summary_extra = _fit_runs(ctx, runs, configs, source, train=train, val=val,
                                           split={"train": train_stems, "val": val_stems}, run_info=run_info, data=data)
-    checkpoint = ctx.model_dir / ("best.pt" if (ctx.model_dir / "best.pt").exists() else "last.pt")
+    checkpoint = _model_checkpoint(ctx.model_dir)
     return [str(checkpoint)], (f"{len(train_stems)} training / {len(val_stems)} validation slides, "
                                f"best epoch {best_epoch}{summary_extra}")
 
@@ -596,7 +616,7 @@ def _train_features(ctx: _Context) -> tuple[list[str], str]:
     best_epoch, summary_extra = _fit_runs(ctx, runs, configs, source, train=train, val=val,
                                           split={"train": train_names, "val": val_names}, run_info=run_info,
                                           data=grid_data)
-    checkpoint = ctx.model_dir / ("best.pt" if (ctx.model_dir / "best.pt").exists() else "last.pt")
+    checkpoint = _model_checkpoint(ctx.model_dir)
     return [str(checkpoint)], (f"{len(train_names)} training / {len(val_names)} validation bags, "
                                f"best epoch {best_epoch}{summary_extra}")
 
@@ -667,7 +687,7 @@ def _evaluate_features(ctx: _Context) -> tuple[list[str], str]:
     from wsi_milssl.mil.data import read_feature_files, read_labels_csv
     from wsi_milssl.mil.selftrain import evaluate, resolve_runtime
 
-    checkpoint = ctx.model_dir / ("best.pt" if (ctx.model_dir / "best.pt").exists() else "last.pt")
+    checkpoint = _model_checkpoint(ctx.model_dir)
     model, saved = load_model(checkpoint)
     fields = set(TrainConfig.__dataclass_fields__)
     config = TrainConfig(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k in fields})
@@ -695,7 +715,7 @@ def _heatmap(ctx: _Context) -> tuple[list[str], str]:
     from wsi_milssl.inference import make_heatmaps
 
     config = config_from_mapping(HeatmapConfig, ctx.spec.section("heatmap"), source=f"{ctx.spec.source} [heatmap]")
-    checkpoint = ctx.model_dir / ("best.pt" if (ctx.model_dir / "best.pt").exists() else "last.pt")
+    checkpoint = _model_checkpoint(ctx.model_dir)
     ds = ctx.spec.sets["test"]
     run = make_heatmaps([], checkpoint, ctx.heatmap_dir, config, stores=[ctx.stores("test")],
                         annotations_dir=ds.annotations, progress=ctx.progress, overwrite=ctx.redo)
@@ -715,7 +735,7 @@ def _heatmap_features(ctx: _Context) -> tuple[list[str], str]:
     from wsi_milssl.tiling import find_slides
 
     config = config_from_mapping(HeatmapConfig, ctx.spec.section("heatmap"), source=f"{ctx.spec.source} [heatmap]")
-    checkpoint = ctx.model_dir / ("best.pt" if (ctx.model_dir / "best.pt").exists() else "last.pt")
+    checkpoint = _model_checkpoint(ctx.model_dir)
     ds = ctx.spec.sets["test"]
     run = make_feature_heatmaps([ctx.features_dir("test")], checkpoint, ctx.heatmap_dir, config,
                                 slides=find_slides([ds.slides]) if ds.slides is not None else (),
