@@ -105,3 +105,18 @@ def test_one_slide_file_under_two_names_is_refused(tmp_path, link):
     labels.write_text("".join(f"{s},{v}\n" for s, v in BASE.items()))
     with pytest.raises(LabelsError, match=r"in both the training and the test set under other names \(links\)"):
         prepare_folder(slides, labels, tmp_path / "out", test_slides_dir=test, test_labels_csv=test_labels)
+
+
+def test_a_prepare_again_that_moves_slides_across_the_split_says_so(tmp_path, caplog):
+    slides = _cohort(tmp_path / "slides", BASE)
+    labels = _touch(tmp_path / "labels.csv", "".join(f"{s},{v}\n" for s, v in BASE.items()))
+    first = prepare_folder(slides, labels, tmp_path / "out", test_fraction=0.34, seed=0)
+    assert not any("test set differs" in n for n in first.notes)
+    again = prepare_folder(slides, labels, tmp_path / "out", test_fraction=0.34, seed=0)  # the same split
+    assert not any("test set differs" in n for n in again.notes)
+    _cohort(slides, {"n4": 0, "t4": 1, "t5": 1})  # slides added: the seeded split moves
+    labels.write_text(labels.read_text() + "n4,0\nt4,1\nt5,1\n")
+    with caplog.at_level(logging.WARNING):
+        moved = prepare_folder(slides, labels, tmp_path / "out", test_fraction=0.34, seed=0)
+    note = next(n for n in moved.notes if "test set differs" in n)
+    assert "has seen test slides" in note and note in [r.getMessage() for r in caplog.records]

@@ -592,6 +592,23 @@ def _split_test(labels: Mapping[str, int], *, fraction: float, seed: int) -> tup
     return sorted(train, key=str.casefold), sorted(test, key=str.casefold)
 
 
+def _split_change(out: Path, test: list[str]) -> list[str]:
+    """A note when ``out`` holds an earlier prepare whose test set differs (slides added or removed move
+    others across the seeded split): a model trained there saw slides that are now test slides."""
+    try:
+        earlier = read_labels(out / "cohort" / "test_labels.csv")
+    except LabelsError:
+        return []
+    old, new = {stem_key(s) for s in earlier}, {stem_key(s) for s in test}
+    if old == new:
+        return []
+    into = sorted((s for s in test if stem_key(s) not in old), key=str.casefold)
+    out_of = sorted((s for s in earlier if stem_key(s) not in new), key=str.casefold)
+    return [f"the test set differs from the earlier prepare in {out}: now in it {_names(into) or 'none'}; no longer in "
+            f"it {_names(out_of) or 'none'}. A model trained on the earlier split has seen test slides: run the "
+            "pipeline into a new output folder (or pass --test-slides/--test-labels to fix the test set)"]
+
+
 def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike, out_dir: str | os.PathLike, *,
                    annotations_dir: str | os.PathLike | None = None,
                    test_slides_dir: str | os.PathLike | None = None, test_labels_csv: str | os.PathLike | None = None,
@@ -642,6 +659,7 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
         test = ({s: slides[s] for s in te}, {s: labels[s] for s in te})
         t_roots = ann_roots
         facts.update(test_fraction=test_fraction, seed=seed)
+        notes += _split_change(out, te)
     for root in (*ann_roots, *t_roots):
         if not root.is_dir():
             problems.append(f"annotation folder {root} does not exist")
