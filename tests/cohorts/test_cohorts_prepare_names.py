@@ -120,3 +120,17 @@ def test_a_prepare_again_that_moves_slides_across_the_split_says_so(tmp_path, ca
         moved = prepare_folder(slides, labels, tmp_path / "out", test_fraction=0.34, seed=0)
     note = next(n for n in moved.notes if "test set differs" in n)
     assert "has seen test slides" in note and note in [r.getMessage() for r in caplog.records]
+
+
+def test_a_generating_template_gives_a_pipeline_of_the_cohort(tmp_path):
+    from importlib.resources import files
+
+    from wsi_milssl.pipeline import load_pipeline
+
+    slides = _cohort(tmp_path / "slides", BASE)
+    labels = _touch(tmp_path / "labels.csv", "".join(f"{s},{v}\n" for s, v in BASE.items()))
+    demo = Path(str(files("wsi_milssl") / "pipelines" / "demo.toml"))  # holds [synth.train] and [synth.test]
+    result = prepare_folder(slides, labels, tmp_path / "out", template=demo)
+    spec = load_pipeline(result.pipeline_toml)
+    assert all(ds.synth is None for ds in spec.sets.values())
+    assert "[synth" not in result.pipeline_toml.read_text()

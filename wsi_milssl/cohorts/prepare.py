@@ -329,8 +329,9 @@ _TABLE = re.compile(r"^\s*\[([^\[\]]+)\]\s*(#.*)?$")
 
 
 def _template_body(template: Path) -> str:
-    """The template's text without its leading comments and without its [pipeline] and [data] tables
-    (every other table, with its comments, is kept as written)."""
+    """The template's text without its leading comments and without its [pipeline], [data] and [synth.*]
+    tables (the cohort's slides are real, not generated; every other table, with its comments, is kept
+    as written)."""
     lines = template.read_text(encoding="utf-8").splitlines()
     out: list[str] = []
     skipping = True  # the preamble before the first table describes the template, not this cohort
@@ -338,7 +339,7 @@ def _template_body(template: Path) -> str:
         m = _TABLE.match(line)
         if m:
             name = m.group(1).strip()
-            skipping = name in ("pipeline", "data") or name.startswith(("pipeline.", "data."))
+            skipping = name in ("pipeline", "data", "synth") or name.startswith(("pipeline.", "data.", "synth."))
         if not skipping:
             out.append(line)
     while out and not out[-1].strip():
