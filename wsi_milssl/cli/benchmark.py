@@ -85,34 +85,24 @@ def register(subparsers) -> None:
     register_bags(sub)  # digit-bag benchmarks (issue 8)
 
 
-def _file_key(path: str | os.PathLike) -> object:
-    """What identifies the file ``path`` names: its device and inode when it exists (a link, another
-    spelling or letter case of the same file), else its resolved path."""
-    resolved = Path(path).expanduser().resolve()
-    try:
-        st = resolved.stat()
-    except OSError:
-        return resolved
-    return st.st_dev, st.st_ino
-
-
 def refuse_shared_paths(inputs: dict[str, str | os.PathLike | None],
                         outputs: dict[str, str | os.PathLike | None]) -> None:
     """Refuse (ConfigError), before any work, an output naming the same file as an input or as another
     output (keys: the option names; None is skipped): writing it would replace the input, or the output
     written first, without a word."""
+    from wsi_milssl.cohorts.names import file_identity
     from wsi_milssl.errors import ConfigError
 
     seen: dict[object, str] = {}
     for name, p in inputs.items():
         if p is not None:  # a folder of inputs (MNIST IDX files) stands for each file in it too
             files = sorted(Path(p).iterdir()) if Path(p).is_dir() else []
-            seen.update({_file_key(f): f"the input {f} ({name})" for f in files if f.is_file()})
-            seen[_file_key(p)] = f"the input {name}"
+            seen.update({file_identity(f): f"the input {f} ({name})" for f in files if f.is_file()})
+            seen[file_identity(p)] = f"the input {name}"
     for name, path in outputs.items():
         if path is None:
             continue
-        key = _file_key(path)
+        key = file_identity(path)
         if key in seen:
             raise ConfigError(f"{path}: {name} names the same file as {seen[key]}; give {name} a path of its own "
                               "(nothing was run or written).")

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 import unicodedata
+from pathlib import Path
 
-__all__ = ["SLIDE_SUFFIXES", "STORE_SUFFIXES", "NAME_SUFFIXES", "name_key", "slide_stem", "stem_key"]
+__all__ = ["SLIDE_SUFFIXES", "STORE_SUFFIXES", "NAME_SUFFIXES", "file_identity", "name_key", "slide_stem", "stem_key"]
 
 #: Suffixes of whole-slide image files (a folder of slides is searched for these).
 SLIDE_SUFFIXES = (".svs", ".tif", ".tiff", ".ndpi", ".mrxs", ".scn", ".vms", ".vmu", ".bif", ".svslide",
@@ -49,3 +50,14 @@ def name_key(text: str) -> str:
 def stem_key(name: str | os.PathLike) -> str:
     """The key stems are matched by: :func:`name_key` of :func:`slide_stem`."""
     return name_key(slide_stem(name))
+
+
+def file_identity(path: str | os.PathLike) -> tuple[int, int] | str:
+    """What identifies the file ``path`` names whatever its names (symbolic and hard links, another
+    spelling): its device and inode when it exists, else its resolved path."""
+    p = Path(path).expanduser()
+    try:
+        st = p.stat()
+    except OSError:
+        return os.path.realpath(p)
+    return st.st_dev, st.st_ino

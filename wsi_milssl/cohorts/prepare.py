@@ -54,7 +54,7 @@ import numpy as np
 
 from wsi_milssl.atomic import atomic_open, atomic_write_bytes, atomic_write_text
 from wsi_milssl.cohorts.labels import read_labels
-from wsi_milssl.cohorts.names import SLIDE_SUFFIXES, slide_stem, stem_key
+from wsi_milssl.cohorts.names import SLIDE_SUFFIXES, file_identity, slide_stem, stem_key
 from wsi_milssl.errors import ConfigError, LabelsError
 
 __all__ = [
@@ -241,7 +241,7 @@ def _names(items: list[str], limit: int = 20) -> str:
 
 
 def _duplicates(paths: Iterable[Path], key=stem_key) -> dict[str, list[Path]]:
-    """Paths grouped by ``key`` (the slide name; :func:`_file_id`: the file, whatever its names), groups
+    """Paths grouped by ``key`` (the slide name; ``file_identity``: the file, whatever its names), groups
     of two or more only."""
     by_key: dict[str, list[Path]] = {}
     for p in paths:
@@ -249,19 +249,10 @@ def _duplicates(paths: Iterable[Path], key=stem_key) -> dict[str, list[Path]]:
     return {k: v for k, v in by_key.items() if len(v) > 1}
 
 
-def _file_id(path: Path) -> tuple | str:
-    """What identifies a file whatever its names (symbolic and hard links): its device and inode."""
-    try:
-        st = path.stat()
-    except OSError:
-        return os.path.realpath(path)
-    return (st.st_dev, st.st_ino)
-
-
 def _linked_twice(paths: Iterable[Path]) -> str | None:
     """The problem of one slide file reached under two names (a link and its target, two links): it would
     count as two slides, and could be in both the training and the test set."""
-    same = _duplicates(paths, key=_file_id)
+    same = _duplicates(paths, key=file_identity)
     if not same:
         return None
     return (f"{len(same)} slide file(s) are reached under more than one name (links): "
@@ -642,8 +633,8 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
         overlap = sorted({stem_key(s) for s in slides} & {stem_key(s) for s in t_slides})
         if overlap:
             problems.append(f"{len(overlap)} slide(s) are in both the training and the test set: {_names(overlap)}")
-        test_files = {_file_id(p) for p in t_slides.values()}
-        linked = sorted(str(p) for p in slides.values() if _file_id(p) in test_files)
+        test_files = {file_identity(p) for p in t_slides.values()}
+        linked = sorted(str(p) for p in slides.values() if file_identity(p) in test_files)
         if linked:
             problems.append(f"{len(linked)} slide file(s) are in both the training and the test set under other "
                             f"names (links): {_names(linked)}")
