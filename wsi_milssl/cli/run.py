@@ -50,7 +50,8 @@ def run_and_report(pipeline: Path, *, out: Path | None, force=(), until=None, ov
         if outcome.status == "skipped":
             print(f"[{outcome.stage}] skipped (up to date)", flush=True)
         else:
-            print(f"[{outcome.stage}] {outcome.seconds:.1f} s: {outcome.summary}", flush=True)
+            why = f" ({outcome.reason})" if outcome.reason else ""
+            print(f"[{outcome.stage}] {outcome.seconds:.1f} s{why}: {outcome.summary}", flush=True)
 
     with TqdmProgress() as progress:
         run_pipeline(spec, force=force, until=until, progress=progress, on_stage=show)

@@ -13,8 +13,10 @@ Every stage writes under the pipeline's output folder::
     OUT/resolved_pipeline.toml   the pipeline as run: --set overrides applied, every setting, absolute paths
 
 A stage is skipped when its stamp matches its settings and the stamps of the stages it reads from,
-and its outputs still exist. A stage that runs again after an interruption goes on from what is
-finished: ``tile`` keeps every complete store made with the same settings (settings hash) from the
+and its outputs still exist; one that runs says why (:attr:`StageOutcome.reason`). Each stage reads only
+the stores (and feature files) of the slides now in each set: those of slides a changed split moved to
+the other set stay on disk, ignored with a warning. A stage that runs again after an interruption goes
+on from what is finished: ``tile`` keeps every complete store made with the same settings (settings hash) from the
 same slide file (path, size, modification time) and re-tiles when the settings or the slide file
 changed; ``train`` continues each run folder from its
 ``last.pt`` when the folder was started with the same settings, data split and labels (recorded in
@@ -42,7 +44,7 @@ from wsi_milssl.config.train import RUNTIME_ONLY_FIELDS
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.locks import folder_lock
 from wsi_milssl.pipeline.spec import RESOLVED_FILENAME, STAGES, PipelineSpec, stage_config, write_resolved_pipeline
-from wsi_milssl.pipeline.stamps import fingerprint_paths, is_up_to_date, read_stamp, stamp_digest, write_stamp
+from wsi_milssl.pipeline.stamps import fingerprint_paths, read_stamp, stale_reason, stamp_digest, write_stamp
 
 __all__ = ["StageOutcome", "run_pipeline", "split_train_val"]
 
@@ -55,6 +57,9 @@ class StageOutcome:
     status: str  # "ran" or "skipped"
     seconds: float
     summary: str = ""
+    #: why a stage ran, one line: "first run (no stamp)", "settings changed: train.epochs", "input changed:
+    #: FILE", "output missing: FILE", "forced (--force tile)", "the label stage ran before it", ...
+    reason: str = ""
 
 
 def split_train_val(stems: list[str], labels: dict[str, int], *, val_fraction: float, seed: int
@@ -97,6 +102,8 @@ class _Context:
         #: the stage runs because of ``force`` (named, or downstream of a named stage): its work is
         #: redone from scratch (tile, label and heatmap overwrite; train moves its run folders aside)
         self.redo = False
+        #: folders whose files of slides no longer in their set were reported (one warning per folder and run)
+        self.warned_ignored: set[Path] = set()
 
     def stores(self, set_name: str) -> Path:
         return self.out / "stores" / set_name
@@ -174,9 +181,9 @@ def _label(ctx: _Context) -> tuple[list[str], str]:
     config = config_from_mapping(LabelConfig, ctx.spec.section("label"), source=f"{ctx.spec.source} [label]")
     outputs, parts = [], []
     for set_name, ds in ctx.spec.sets.items():
-        report = label_stores(ctx.stores(set_name), annotations_dir=ds.annotations, labels_csv=ds.labels,
-                              config=config, out_dir=ctx.labels_dir(set_name), progress=ctx.progress,
-                              overwrite=ctx.redo)
+        report = label_stores(list(_set_stores(ctx, set_name).values()), annotations_dir=ds.annotations,
+                              labels_csv=ds.labels, config=config, out_dir=ctx.labels_dir(set_name),
+                              progress=ctx.progress, overwrite=ctx.redo)
         failed = [r for r in report.results if r.status == "failed"]
         if failed:
             from wsi_milssl.errors import WsiMilsslError
@@ -198,8 +205,8 @@ def _features(ctx: _Context) -> tuple[list[str], str]:
     config = config_from_mapping(FeaturesConfig, ctx.spec.section("features"), source=f"{ctx.spec.source} [features]")
     outputs, parts = [], []
     for set_name in ctx.spec.sets:
-        run = extract_features([ctx.stores(set_name)], ctx.features_dir(set_name), config, overwrite=True,
-                               progress=ctx.progress)
+        run = extract_features(list(_set_stores(ctx, set_name).values()), ctx.features_dir(set_name), config,
+                               overwrite=True, progress=ctx.progress)
         failed = [r for r in run.results if r.status == "failed"]
         if failed:
             raise WsiMilsslError(f"features: {len(failed)} slide(s) of the {set_name} set failed (see {run.status_csv}): "
@@ -464,12 +471,11 @@ def _train(ctx: _Context) -> tuple[list[str], str]:
     """Train on the training set; with ``[train.grid]``, train every combination and keep the one
     that scores best on the validation slides (held out from the training set, never the test set)."""
     from wsi_milssl.mil.data import read_labels_csv, read_patch_stores
-    from wsi_milssl.store import find_stores
 
     runs, configs, source = _train_configs(ctx, "images")
     ds = ctx.spec.sets["train"]
     labels = read_labels_csv(ds.labels)
-    stores = _set_stores(ctx, "train", find_stores([ctx.stores("train")]))
+    stores = _set_stores(ctx, "train")
     train_stems, val_stems = split_train_val(sorted(stores), labels, val_fraction=ctx.spec.val_fraction,
                                              seed=ctx.spec.split_seed)
     _refuse_grid_without_validation(configs, val_stems, source, "slides")
@@ -514,17 +520,32 @@ def _stale_stores(slides: list[Path], out_dir: Path, config) -> list[str]:
     return stale
 
 
-def _set_stores(ctx: _Context, set_name: str, paths: list[Path]) -> dict[str, Path]:
-    """{stem: store} of the set's current slides (stores of slides since removed from the set are left out)."""
+def _set_stores(ctx: _Context, set_name: str, paths: list[Path] | None = None, *, what: str = "store"
+                ) -> dict[str, Path]:
+    """{stem: path} of the set's current slides among ``paths`` (default: the stores in ``OUT/stores/<set>``;
+    or the feature files made from them). Those of slides no longer in the set (its slide list changed, as
+    when a cohort's split moves slides between train and test) are left out, and kept on disk; one warning
+    per folder and run says how many."""
     from wsi_milssl.cohorts import slide_stem, stem_key
+    from wsi_milssl.store import find_stores
     from wsi_milssl.tiling import find_slides
 
+    if paths is None:
+        paths = find_stores([ctx.stores(set_name)])
     stores = {slide_stem(p): p for p in paths}
     ds = ctx.spec.sets[set_name]
     if ds.slides is None or not Path(ds.slides).exists():
         return stores
     wanted = {stem_key(s) for s in find_slides([ds.slides], keep_missing=True)}
-    return {stem: p for stem, p in stores.items() if stem_key(stem) in wanted}
+    current = {stem: p for stem, p in stores.items() if stem_key(stem) in wanted}
+    ignored = sorted(stem for stem in stores if stem not in current)
+    folder = Path(stores[ignored[0]]).parent if ignored else None
+    if folder is not None and folder not in ctx.warned_ignored:
+        ctx.warned_ignored.add(folder)
+        log.warning("%s: ignored %d %s(s) of slides no longer in the %s set (%s%s); they are kept, remove them "
+                    "if they are not needed", folder, len(ignored), what, set_name, ", ".join(ignored[:5]),
+                    " ..." if len(ignored) > 5 else "")
+    return current
 
 
 def _run_fingerprint(ctx: _Context, config, split: dict, *, kind: str) -> dict:
@@ -599,8 +620,11 @@ def _train_features(ctx: _Context) -> tuple[list[str], str]:
 
     runs, configs, source = _train_configs(ctx, "features")
     ds = ctx.spec.sets["train"]
-    features = ctx.features_dir("train") if ctx.spec.feature_stage else ds.features
-    files = [p.resolve() for p in _feature_files(features)]
+    if ctx.spec.feature_stage:  # the features stage's files of the set's current slides
+        files = [p.resolve() for p in _set_stores(ctx, "train", _feature_files(ctx.features_dir("train")),
+                                                  what="feature file").values()]
+    else:
+        files = [p.resolve() for p in _feature_files(ds.features)]
     labels_csv = Path(ds.labels).resolve()
     data = read_feature_files(files, read_labels_csv(labels_csv))
     labels = {name: int(lab) for name, lab in zip(data.bag_names, data.bag_labels)}
@@ -717,7 +741,7 @@ def _heatmap(ctx: _Context) -> tuple[list[str], str]:
     config = config_from_mapping(HeatmapConfig, ctx.spec.section("heatmap"), source=f"{ctx.spec.source} [heatmap]")
     checkpoint = _model_checkpoint(ctx.model_dir)
     ds = ctx.spec.sets["test"]
-    run = make_heatmaps([], checkpoint, ctx.heatmap_dir, config, stores=[ctx.stores("test")],
+    run = make_heatmaps([], checkpoint, ctx.heatmap_dir, config, stores=list(_set_stores(ctx, "test").values()),
                         annotations_dir=ds.annotations, progress=ctx.progress, overwrite=ctx.redo)
     failed = [r for r in run.results if r.status != "ok"]
     if failed:
@@ -737,7 +761,8 @@ def _heatmap_features(ctx: _Context) -> tuple[list[str], str]:
     config = config_from_mapping(HeatmapConfig, ctx.spec.section("heatmap"), source=f"{ctx.spec.source} [heatmap]")
     checkpoint = _model_checkpoint(ctx.model_dir)
     ds = ctx.spec.sets["test"]
-    run = make_feature_heatmaps([ctx.features_dir("test")], checkpoint, ctx.heatmap_dir, config,
+    files = _set_stores(ctx, "test", _feature_files(ctx.features_dir("test")), what="feature file")
+    run = make_feature_heatmaps(list(files.values()), checkpoint, ctx.heatmap_dir, config,
                                 slides=find_slides([ds.slides]) if ds.slides is not None else (),
                                 annotations_dir=ds.annotations, progress=ctx.progress)
     failed = [r for r in run.results if r.status == "failed"]
@@ -801,6 +826,26 @@ def _stage_settings(spec: PipelineSpec, stage: str, *, legacy: bool = False):
     if stage == "train":
         settings.update(val_fraction=spec.val_fraction, split_seed=spec.split_seed)
     return settings
+
+
+def _setting_names(stage: str, settings: dict) -> dict:
+    """A stage's digest settings (:func:`_stage_settings`) by the names ``--set`` gives them: ``train.epochs``,
+    ``train.grid``, ``data.val_fraction``, ``synth.train.seed``."""
+    if stage == "synth":
+        return {f"synth.{set_name}.{k}": v for set_name, table in settings.items() for k, v in table.items()}
+    names = {f"{stage}.{k}": v for k, v in settings["section"].items()}
+    names.update({f"data.{k}": v for k, v in settings.items() if k != "section"})
+    return names
+
+
+def _digest_parts(spec: PipelineSpec, stage: str, chain: dict[str, str], state: Path, *, legacy: bool
+                  ) -> tuple[dict, dict]:
+    """(settings, inputs) that a stage's stamp digest covers; the stages it reads from count by their digest
+    in ``chain`` (this run's) or else their stamp's."""
+    reads = (_EMBEDDED_UPSTREAM if spec.feature_stage else _UPSTREAM)[stage]
+    upstream = {u: chain.get(u) or (read_stamp(state, u) or {}).get("digest") for u in reads}
+    return (_stage_settings(spec, stage, legacy=legacy),
+            {"upstream": upstream, "external": _external_inputs(spec, stage, legacy=legacy)})
 
 
 def _external_inputs(spec: PipelineSpec, stage: str, *, legacy: bool = False) -> list:
@@ -876,30 +921,34 @@ def _run_stages(spec: PipelineSpec, stages: list[str], forced: set[str], *,
     digests: dict[str, str] = {}
     legacy_digests: dict[str, str] = {}
     outcomes: list[StageOutcome] = []
-    dirty = False
+    forced_first: str | None = None  # the first stage run for `force`: every later one is redone too
     for i, stage in enumerate(stages):
-        reads = (_EMBEDDED_UPSTREAM if spec.feature_stage else _UPSTREAM)[stage]
-        for chain, legacy in ((digests, False), (legacy_digests, True)):
-            upstream = {u: chain.get(u) or (read_stamp(ctx.state, u) or {}).get("digest") for u in reads}
-            chain[stage] = stamp_digest(_stage_settings(spec, stage, legacy=legacy),
-                                        {"upstream": upstream, "external": _external_inputs(spec, stage, legacy=legacy)})
-        digest = digests[stage]
+        settings, inputs = _digest_parts(spec, stage, digests, ctx.state, legacy=False)
+        digests[stage] = digest = stamp_digest(settings, inputs)
+        legacy_digests[stage] = stamp_digest(*_digest_parts(spec, stage, legacy_digests, ctx.state, legacy=True))
+        settings = _setting_names(stage, settings)
         emit(progress, ProgressEvent("pipeline", i, len(stages), unit="stage", item=stage))
-        if stage in forced:
-            dirty = ctx.redo = True
-        if not dirty and (is_up_to_date(ctx.state, stage, digest)
-                          or is_up_to_date(ctx.state, stage, legacy_digests[stage])):
+        if stage in forced and forced_first is None:
+            forced_first = stage
+            ctx.redo = True
+        stale = stale_reason(ctx.state, stage, (digest, legacy_digests[stage]), settings=settings, inputs=inputs)
+        ran_before = [o.stage for o in outcomes if o.status == "ran"]
+        if stale is None and not ran_before and forced_first is None:
             outcome = StageOutcome(stage, "skipped", 0.0, "up to date")
         else:
-            dirty = True
+            if forced_first is not None:
+                reason = f"forced (--force {forced_first})"
+            else:
+                reason = stale or f"the {ran_before[-1]} stage ran before it"
+            log.info("%s runs: %s", stage, reason)
             start = time.perf_counter()
             if spec.mode == "features":
                 runner = _FEATURE_RUNNERS[stage]
             else:
                 runner = (_EMBEDDED_RUNNERS if spec.feature_stage else _RUNNERS)[stage]
             outputs, summary = runner(ctx)
-            write_stamp(ctx.state, stage, digest=digest, outputs=outputs)
-            outcome = StageOutcome(stage, "ran", time.perf_counter() - start, summary)
+            write_stamp(ctx.state, stage, digest=digest, outputs=outputs, settings=settings, inputs=inputs)
+            outcome = StageOutcome(stage, "ran", time.perf_counter() - start, summary, reason)
         outcomes.append(outcome)
         if on_stage is not None:
             on_stage(outcome)

@@ -3,7 +3,9 @@
 After a stage finishes, a stamp ``OUT/.pipeline/<stage>.json`` records the stage's settings, the
 fingerprints of its inputs (the stamps of the stages it reads from, or file sizes and modification
 times for inputs from outside the pipeline) and its output paths. A stage is skipped when a stamp
-with the same digest exists and every recorded output still exists.
+with the same digest exists and every recorded output still exists. Stamps also record what the digest
+covered (``settings``: {name: value}; ``inputs``: the upstream digests and the fingerprints), so that a
+stage that runs again can say why (:func:`stale_reason`); stamps of earlier versions hold only the digest.
 """
 
 from __future__ import annotations
@@ -11,12 +13,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any, Iterable
 
 from wsi_milssl.atomic import atomic_write_json
 
-__all__ = ["StageStamp", "fingerprint_paths", "stamp_digest", "read_stamp", "write_stamp", "is_up_to_date"]
+__all__ = ["StageStamp", "fingerprint_paths", "stamp_digest", "read_stamp", "write_stamp", "stale_reason"]
 
 StageStamp = dict[str, Any]
 
@@ -63,14 +66,66 @@ def read_stamp(state_dir: str | os.PathLike, stage: str) -> StageStamp | None:
         return None
 
 
-def write_stamp(state_dir: str | os.PathLike, stage: str, *, digest: str, outputs: list[str]) -> None:
+def _plain(value: Any) -> Any:
+    """``value`` as JSON reads it back (tuples as lists, paths as strings): how a stamp records it."""
+    return json.loads(json.dumps(value, sort_keys=True, default=str))
+
+
+def write_stamp(state_dir: str | os.PathLike, stage: str, *, digest: str, outputs: list[str],
+                settings: dict[str, Any] | None = None, inputs: dict[str, Any] | None = None) -> None:
+    """Write the stamp of ``stage``; ``settings`` ({name: value}) and ``inputs`` ({"upstream": {stage:
+    digest}, "external": fingerprints}) are what ``digest`` covered, recorded for :func:`stale_reason`."""
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(_stamp_path(state_dir, stage), {"stage": stage, "digest": digest, "outputs": outputs})
+    stamp: StageStamp = {"stage": stage, "digest": digest, "outputs": outputs}
+    if settings is not None:
+        stamp["settings"] = _plain(settings)
+    if inputs is not None:
+        stamp["inputs"] = _plain(inputs)
+    atomic_write_json(_stamp_path(state_dir, stage), stamp)
 
 
-def is_up_to_date(state_dir: str | os.PathLike, stage: str, digest: str) -> bool:
+def stale_reason(state_dir: str | os.PathLike, stage: str, digests: Iterable[str], *,
+                 settings: dict[str, Any], inputs: dict[str, Any]) -> str | None:
+    """None when ``stage`` is up to date: its stamp holds one of ``digests`` (this version's, an earlier
+    version's) and every output it records exists. Else why not, in one line: no stamp, an output missing,
+    the names of the settings that changed, the inputs that changed (a stage read from, a file or slide
+    added, removed or changed), or, from a stamp that records no details (an earlier version's), "settings
+    or inputs changed since <time the stamp was written>". ``settings`` and ``inputs`` as :func:`write_stamp`
+    takes them."""
+    path = _stamp_path(Path(state_dir), stage)
     stamp = read_stamp(state_dir, stage)
-    if stamp is None or stamp.get("digest") != digest:
-        return False
-    return all(Path(p).exists() for p in stamp.get("outputs", []))
+    if stamp is None:
+        return "first run (no stamp)" if not path.exists() else f"{path} cannot be read"
+    if stamp.get("digest") in set(digests):
+        missing = [p for p in stamp.get("outputs", []) if not Path(p).exists()]
+        return f"output missing: {missing[0]}" if missing else None
+    detailed = isinstance(stamp.get("settings"), dict) and isinstance(stamp.get("inputs"), dict)
+    changes = _changes(stamp["settings"], _plain(settings), stamp["inputs"], _plain(inputs)) if detailed else []
+    if changes:
+        return "; ".join(changes)
+    written = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(path.stat().st_mtime))
+    earlier = "" if detailed else " (a stamp of an earlier version, which records no details)"
+    return f"settings or inputs changed since {written}{earlier}"
+
+
+def _changes(old_settings: dict, settings: dict, old_inputs: dict, inputs: dict) -> list[str]:
+    """What differs between a stamp's record and this run's: "settings changed: NAMES", "input changed:
+    the STAGE stage's settings or inputs" (its digest), "input changed: FILES" (changed, new, gone)."""
+    missing = object()
+    out = []
+    names = sorted(k for k in set(old_settings) | set(settings)
+                   if old_settings.get(k, missing) != settings.get(k, missing))
+    if names:
+        out.append("settings changed: " + ", ".join(names))
+    old_up, up = old_inputs.get("upstream") or {}, inputs.get("upstream") or {}
+    out += [f"input changed: the {u} stage's settings or inputs"
+            for u in sorted(set(old_up) | set(up)) if old_up.get(u) != up.get(u)]
+    old_files = {row[0]: row[1:] for row in old_inputs.get("external") or []}
+    files = {row[0]: row[1:] for row in inputs.get("external") or []}
+    changed = [f if f in old_files else f"{f} (new)" for f in files if old_files.get(f) != files[f]]
+    changed += [f"{f} (gone)" for f in old_files if f not in files]
+    if changed:
+        shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+        out.append(f"input changed: {shown}")
+    return out
