@@ -108,10 +108,15 @@ def bare_rates(config, *, patch_size: int, min_seconds: float, eval_batch: int) 
 
     x, y = batch(config.batch_size), torch.rand(config.batch_size, device=dev)
     model.train()
+    trainer = model
+    if config.compile != "off":  # as fit() compiles
+        trainer = torch.compile(model, mode=None if config.compile == "default" else config.compile, dynamic=False)
 
     def step() -> None:
+        if config.compile == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
         with runtime.autocast():
-            logits = model(x)
+            logits = trainer(x)
         loss = soft_cross_entropy(logits, y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -249,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-batch-size", type=int, default=512)
     p.add_argument("--workers", type=int, default=-1, help="training readers (-1 = the product's auto)")
     p.add_argument("--decode", choices=("workers", "device"), default="workers")
+    p.add_argument("--compile", default="off", metavar="MODE",
+                   help="torch.compile mode of the training step (TrainConfig.compile), in the bare step too [off]")
     p.add_argument("--shuffle-block", type=int, default=None, help="[TrainConfig default]")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
@@ -285,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         extra = {} if args.shuffle_block is None else {"shuffle_block": args.shuffle_block}
         config = TrainConfig(mode="images", epochs=epochs, batch_size=args.batch_size,
                              eval_batch_size=args.eval_batch_size, num_workers=args.workers, decode=args.decode,
-                             device=args.device, threads=args.threads, plots=False, mu_ramp_epochs=1, **extra)
+                             device=args.device, threads=args.threads, plots=False, mu_ramp_epochs=1,
+                             compile=args.compile, **extra)
         dev_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
         min_s = args.min_seconds or (3.0 if dev_cuda else 5.0)
         # the refresh pass runs batches of eval_batch_size (one smaller batch when fewer patches)

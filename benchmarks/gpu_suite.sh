@@ -11,13 +11,18 @@
 # status CSV kept: the per-slide timeline), train-device (bench_train at 224 px with --decode device),
 # profile (20 training steps at 224 px under torch.profiler: $OUT/profile/*_ops.txt and a trace),
 # heatmap-profile (the heatmap command's main process under cProfile: where its wall time goes),
-# nvjpeg (how far nvJPEG's pixels are from PIL's on the stored patches).
+# nvjpeg (how far nvJPEG's pixels are from PIL's on the stored patches), train-compile (bench_train at
+# 224 px with --compile $COMPILE_MODE (default 'default'): the training step through torch.compile),
+# heatmap-b64 / heatmap-b512 (bench_heatmap at batch 64 / 512 instead of the preset's 256).
+# STEP_LIMIT_S stops any one step after that many seconds (default: no limit).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_suite_out}
 STEPS=${STEPS:-"tests train heatmap"}
 CACHE=${CACHE:-/tmp/wsi_milssl_gpu_suite}  # slides generated once, shared by train and heatmap
 TRAIN_ARGS=${TRAIN_ARGS---ddp 1}
+STEP_LIMIT_S=${STEP_LIMIT_S:-0}  # 0: none
+REPEAT=${REPEAT:-2}  # bench_heatmap's alternating command/bare runs
 mkdir -p "$OUT/logs"
 summary="$OUT/summary.txt"
 { date; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; python3 -c "import torch; print('torch', torch.__version__)"; } > "$summary" 2>&1
@@ -26,7 +31,11 @@ step() {  # name, command...
   local name=$1; shift
   echo "== $name ($(date +%T)): $*" | tee -a "$summary"
   local t0=$SECONDS
-  "$@" > "$OUT/logs/$name.log" 2>&1
+  if [ "$STEP_LIMIT_S" -gt 0 ]; then
+    timeout "$STEP_LIMIT_S" "$@" > "$OUT/logs/$name.log" 2>&1
+  else
+    "$@" > "$OUT/logs/$name.log" 2>&1
+  fi
   local rc=$?
   tail -n 25 "$OUT/logs/$name.log" >> "$summary"
   echo "== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$summary"
@@ -40,7 +49,13 @@ for s in $STEPS; do
   case $s in
     tests)   step gpu-tests python3 -m pytest -q -m gpu -p no:cacheprovider ;;
     train)   step train python3 benchmarks/bench_train.py --preset gpu14 $TRAIN_ARGS --cache "$CACHE" --json "$OUT/train.json" ;;
-    heatmap) step heatmap python3 benchmarks/bench_heatmap.py --preset gpu14 --repeat 2 --cache "$CACHE" --json "$OUT/heatmap.json" ;;
+    heatmap) step heatmap python3 benchmarks/bench_heatmap.py --preset gpu14 --repeat "$REPEAT" --cache "$CACHE" --json "$OUT/heatmap.json" ;;
+    heatmap-b64) step heatmap-b64 python3 benchmarks/bench_heatmap.py --preset gpu14 --batch-size 64 --repeat "$REPEAT" \
+        --cache "$CACHE" --json "$OUT/heatmap_b64.json" ;;
+    train-compile) step train-compile python3 benchmarks/bench_train.py --preset gpu14 --patch-size 224 \
+        --compile "${COMPILE_MODE:-default}" --cache "$CACHE" --json "$OUT/train_compile.json" ;;
+    heatmap-b512) step heatmap-b512 python3 benchmarks/bench_heatmap.py --preset gpu14 --batch-size 512 --repeat "$REPEAT" \
+        --cache "$CACHE" --json "$OUT/heatmap_b512.json" ;;
     heatmap-log)
       checkpoint
       rm -rf "$CACHE/hm_log"

@@ -31,3 +31,15 @@ def test_precision_rules_and_description():
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype is torch.float32
     assert runtime.describe(cpu, None, workers=2) == "cpu amp=off workers=2"
     assert runtime.describe(cpu, torch.bfloat16, channels_last=True) == "cpu amp=bfloat16 channels_last=True"
+
+
+def test_inference_batch_size_auto_is_larger_on_a_gpu_and_an_explicit_size_is_kept():
+    from wsi_milssl.config import HeatmapConfig
+    from wsi_milssl.config.features import FeaturesConfig
+
+    assert HeatmapConfig().batch_size == 0 and FeaturesConfig().batch_size == 0  # auto by default
+    assert runtime.inference_batch_size(0, torch.device("cuda")) == 256
+    assert runtime.inference_batch_size(0, torch.device("cpu")) == 64
+    assert runtime.inference_batch_size(32, torch.device("cuda")) == 32
+    with pytest.raises(ConfigError, match=r"HeatmapConfig\.batch_size"):
+        HeatmapConfig(batch_size=-1)

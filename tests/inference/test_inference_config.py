@@ -17,7 +17,7 @@ from wsi_milssl.inference import TilingSettings, resolve_runtime
     ({"alpha": 1.5}, r"HeatmapConfig.alpha must satisfy 0.0 <= value <= 1.0; got 1.5"),
     ({"vmin": 0.6, "vmax": 0.4}, r"HeatmapConfig.vmin must be below vmax; got vmin=0.6, vmax=0.4"),
     ({"annotation_color": "green"}, r"HeatmapConfig.annotation_color must be a colour '#RRGGBB'; got 'green'"),
-    ({"batch_size": 0}, r"HeatmapConfig.batch_size must satisfy 1 <= value"),
+    ({"batch_size": -1}, r"HeatmapConfig.batch_size must satisfy 0 <= value"),
     ({"device": "tpu"}, r"HeatmapConfig.device must be one of 'auto', 'cpu', 'cuda'; got 'tpu'"),
     ({"tissue": "magic"}, r"HeatmapConfig.tissue must be one of .*'otsu'.*; got 'magic'"),
     ({"nms_radius_um": -1.0}, r"HeatmapConfig.nms_radius_um must satisfy 0.0 <= value"),

@@ -170,6 +170,29 @@ def test_prepare_patches_is_reproducible_and_geometric_only_without_jitter():
     assert changed > 8
 
 
+def test_each_patch_gets_the_symmetry_its_draws_name():
+    """The symmetry of patch i is fixed by its own draws (bit 0 horizontal flip, bit 1 vertical flip, bit 2
+    rotation after the flips), whatever the other patches of the batch get, so a seed gives the same
+    batch in every version of the batched transform."""
+    rng = np.random.default_rng(3)
+    pixels = torch.from_numpy(rng.integers(0, 256, size=(40, 6, 6, 3), dtype=np.uint8))
+    got = prepare_patches(pixels, generator=torch.Generator().manual_seed(9), colour_jitter=0.0)
+    draws = torch.rand(40, 6, generator=torch.Generator().manual_seed(9))
+    want = []
+    for i in range(40):
+        p = pixels[i]
+        if draws[i, 0] < 0.5:
+            p = p.flip(1)
+        if draws[i, 1] < 0.5:
+            p = p.flip(0)
+        if draws[i, 2] < 0.5:
+            p = p.rot90(1, (0, 1))
+        want.append(p)
+    assert torch.equal(got, prepare_patches(torch.stack(want)))
+    codes = {(bool(d[0] < 0.5), bool(d[1] < 0.5), bool(d[2] < 0.5)) for d in draws}
+    assert len(codes) == 8  # every symmetry occurs, so each transform is checked against the others
+
+
 @pytest.mark.parametrize("value", ["nan", "inf", "1e40"])
 def test_a_mil_csv_with_a_non_finite_feature_is_refused(tmp_path, value):
     """Was read as it is: a NaN feature then made the training loss NaN, reported as a diverged run."""

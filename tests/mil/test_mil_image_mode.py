@@ -140,3 +140,19 @@ def test_cuda_training_with_device_decode_stays_finite(tmp_path, image_store_fac
     assert all(np.isfinite(h["loss"]) for h in result.history)
     probs = evaluate(result.model, inst, runtime=resolve_runtime(cfg))["probs"]
     assert np.isfinite(probs).all() and ((probs >= 0) & (probs <= 1)).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_cuda_compiled_training_step_trains_and_saves_the_plain_model(tmp_path, image_store_factory, mode):
+    # deselected by default (pyproject addopts); run on a GPU machine with: pytest -m gpu
+    assert torch.cuda.is_available(), "the gpu marker needs a CUDA device"
+    paths, labels_csv = image_store_factory(tmp_path / "stores", n_bags=6, n_patches=96, size_px=64)
+    inst = read_patch_stores(paths, read_labels_csv(labels_csv))
+    cfg = _cfg(device="cuda", amp="auto", num_workers=2, epochs=2, compile=mode)
+    result = fit(inst, config=cfg, out_dir=tmp_path / "run", val=inst)
+    assert all(np.isfinite(h["loss"]) for h in result.history)
+    model, _ = load_model(tmp_path / "run" / "last.pt")
+    assert list(model.state_dict()) == list(result.model.state_dict())
+    probs = evaluate(result.model, inst, runtime=resolve_runtime(cfg))["probs"]
+    assert np.isfinite(probs).all() and np.std(probs) > 0

@@ -111,7 +111,8 @@ def register(subparsers) -> None:
     e.add_argument("--input-size", type=int, default=None, metavar="PX",
                    help="resize patches to PX before the encoder [the encoder's fixed size, else as tiled]")
     r = p.add_argument_group("runtime")
-    r.add_argument("--batch-size", type=int, default=None, help=f"patches per encoder call [{d.batch_size}]")
+    r.add_argument("--batch-size", type=int, default=None,
+                   help="patches per encoder call (0 = auto: 256 on CUDA, 64 on the CPU) [0]")
     r.add_argument("--workers", type=int, default=None,
                    help="reader processes, one pool for all slides (-1 = auto: 2-4 low-priority readers on the CPU, "
                         "CPUs - 2 up to 16 with CUDA; 0 = read in this process) [-1]")

@@ -100,7 +100,8 @@ def register(subparsers) -> None:
     p.add_argument("--config", type=Path, default=None, metavar="TOML",
                    help="TOML file of HeatmapConfig fields (top level or a [heatmap] table); options override it")
     r = p.add_argument_group("inference")
-    r.add_argument("--batch-size", type=int, default=None, help=f"patches per model call [{d.batch_size}]")
+    r.add_argument("--batch-size", type=int, default=None,
+                   help="patches per model call (0 = auto: 256 on CUDA, 64 on the CPU) [0]")
     r.add_argument("--workers", type=int, default=None,
                    help="reader processes, one pool for all slides (-1 = auto: 2-4 low-priority readers for a CPU "
                         "model, CPUs - 2 up to 16 for CUDA; 0 = read in this process) [-1]")

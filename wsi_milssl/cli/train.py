@@ -27,7 +27,7 @@ _VALUE_OPTIONS = {
     "colour_jitter": "colour_jitter",
     "select_metric": "select_metric", "seed": "seed", "device": "device", "amp": "amp",
     "workers": "num_workers", "threads": "threads", "sinkhorn_max_iter": "sinkhorn_max_iter",
-    "sinkhorn_tol": "sinkhorn_tol", "shuffle_block": "shuffle_block", "decode": "decode",
+    "sinkhorn_tol": "sinkhorn_tol", "shuffle_block": "shuffle_block", "decode": "decode", "compile": "compile",
 }
 # CLI flag -> (TrainConfig field, value when the flag is given)
 _FLAG_OPTIONS = {
@@ -41,7 +41,7 @@ _FLAG_OPTIONS = {
 def add_train_options(p: argparse.ArgumentParser) -> None:
     """The TrainConfig options (shared by ``train`` and ``benchmark``). Unset options keep the config's
     defaults, which depend on the mode (see ``wsi_milssl.config.train``)."""
-    from wsi_milssl.config.train import TrainConfig
+    from wsi_milssl.config.train import COMPILE_MODES, TrainConfig
     from wsi_milssl.mil.models import list_models
 
     d = TrainConfig()
@@ -104,6 +104,10 @@ def add_train_options(p: argparse.ArgumentParser) -> None:
     r.add_argument("--decode", choices=("workers", "device"), default=None,
                    help="where stored JPEG patches are decoded: in the readers, or on the training device in "
                         f"batches (torchvision; nvJPEG on CUDA) [{d.decode}]")
+    r.add_argument("--compile", choices=COMPILE_MODES, default=None,
+                   help="run the training step through torch.compile in this mode (up to a minute of compilation "
+                        "first); on a GPU reduce-overhead (CUDA graphs) doubled the training pass at 224 px on an "
+                        "H100, default slowed it (README, Speed) [off]")
     r.add_argument("--threads", type=int, default=None, help="torch CPU threads (0 = torch default) [0]")
     r.add_argument("--no-plots", action="store_true", help="do not draw metrics.png")
     r.add_argument("--config", type=Path, default=None, metavar="TOML",

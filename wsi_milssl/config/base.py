@@ -81,7 +81,7 @@ def check_inference_runtime(config: Any) -> None:
     ``heatmap``): batch_size, num_workers, device, amp, channels_last, fuse_batchnorm, decode, threads."""
     name = type(config).__name__
     check_type(name, "batch_size", config.batch_size, int)
-    check_range(name, "batch_size", config.batch_size, low=1, high=65536)
+    check_range(name, "batch_size", config.batch_size, low=0, high=65536)  # 0: auto, per device
     check_type(name, "num_workers", config.num_workers, int)
     check_range(name, "num_workers", config.num_workers, low=-1, high=256)
     check_choice(name, "device", config.device, ("auto", "cpu", "cuda"))

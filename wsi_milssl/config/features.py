@@ -32,7 +32,7 @@ class FeaturesConfig:
 
     Runtime (as for heatmaps; they change speed, not the features, beyond rounding)
     -------
-    batch_size : patches per encoder call.
+    batch_size : patches per encoder call; 0 = auto: 256 on CUDA, 64 on the CPU.
     num_workers : reader processes (-1 = auto: 2-4 low-priority readers on the CPU, CPUs - 2 up to 16
         with CUDA; 0 = read in the main process).
     device : 'auto' (CUDA when present), 'cpu' or 'cuda'.
@@ -50,7 +50,7 @@ class FeaturesConfig:
     encoder_kwargs: dict[str, Any] = field(default_factory=dict)
     dtype: str = "float32"
     input_size_px: int | None = None
-    batch_size: int = 64
+    batch_size: int = 0
     num_workers: int = -1
     device: str = "auto"
     amp: str = "auto"

@@ -23,7 +23,8 @@ class HeatmapConfig:
 
     Inference
     ---------
-    batch_size : patches per model call (a DataLoader item holds at most this many).
+    batch_size : patches per model call (a DataLoader item holds at most this many); 0 = auto: 256 on
+        CUDA, 64 on the CPU (:data:`wsi_milssl.runtime.AUTO_INFERENCE_BATCH`).
     num_workers : reader processes (one pool for the whole call, several slides in flight) that read,
         filter and decode patches while the model runs; -1 = auto: for a CPU model min(4, max(2, CPUs))
         readers at the lowest priority (they fill the forward pass's gaps), for CUDA CPUs - 2 (at
@@ -83,7 +84,7 @@ class HeatmapConfig:
         neighbours on the paper's grid (10x, 512 px patches = 512 µm stride).
     """
 
-    batch_size: int = 64
+    batch_size: int = 0
     num_workers: int = -1
     device: str = "auto"
     amp: str = "auto"

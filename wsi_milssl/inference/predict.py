@@ -52,7 +52,7 @@ import torch
 from wsi_milssl.config.heatmap import HeatmapConfig
 from wsi_milssl.config.tile import TileConfig
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
-from wsi_milssl.runtime import decode_jpeg_batch, host_to_device, require_device_decode
+from wsi_milssl.runtime import decode_jpeg_batch, host_to_device, inference_batch_size, require_device_decode
 from wsi_milssl.inference.model import InferenceModel, PatchModel
 from wsi_milssl.inference.sources import (
     ChunkResult,
@@ -342,8 +342,8 @@ def run_slides(inputs: Sequence[SlideInput], model: PatchModel, *, batch_size: i
     """Run ``model.forward_batch`` over every patch of every input; yields ``(position in inputs,
     result_type or the error)`` as slides finish (not in input order).
 
-    ``batch_size``: patches per model call; ``decode``: 'workers' or 'device' (a store's JPEG bytes
-    decoded on the model's device); ``slide_mpp``: level-0 µm/px instead of the slides' metadata.
+    ``batch_size``: patches per model call (0: auto, per device); ``decode``: 'workers' or 'device'
+    (a store's JPEG bytes decoded on the model's device); ``slide_mpp``: level-0 µm/px instead of the slides' metadata.
     One bad slide is yielded as its exception and the others go on; a reader that dies fails the
     slides it was reading and a new pool takes the rest. Progress: ``event`` events count the patches
     read over all slides planned so far; ``owner`` names the config in errors.
@@ -352,6 +352,7 @@ def run_slides(inputs: Sequence[SlideInput], model: PatchModel, *, batch_size: i
     if not inputs:
         return
     rt = model.runtime
+    batch_size = inference_batch_size(batch_size, rt.device)
     tables = model.reader_tables
     itemsize = 1 if tables is None else tables.itemsize
     side = model.plan.patch_size_px

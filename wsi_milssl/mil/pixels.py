@@ -65,23 +65,20 @@ def to_tensor(patches_uint8) -> torch.Tensor:
 
 def _symmetries(x: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
     """Apply to each uint8 (H, W, 3) patch of ``x`` (B, H, W, 3) its symmetry ``code`` (CPU int64 (B,)):
-    bit 0 horizontal flip, bit 1 vertical flip, bit 2 a 90-degree rotation (after the flips)."""
-    if not bool(code.any()):
+    bit 0 horizontal flip, bit 1 vertical flip, bit 2 a 90-degree rotation (after the flips).
+
+    Each of the three transforms is computed for the whole batch and kept where its bit is set (a
+    select): at most six kernels per batch whatever the mix of symmetries, instead of a group of
+    kernels per symmetry present."""
+    bits = torch.stack([(code >> k) & 1 for k in range(3)]).bool()  # (3, B) on the host
+    wanted = bits.any(dim=1).tolist()
+    if not any(wanted):
         return x
-    out = x.clone()
-    for c in torch.unique(code).tolist():
-        if c == 0:
-            continue
-        idx = host_to_device(torch.nonzero(code == c).view(-1), x.device)
-        sub = x.index_select(0, idx)
-        if c & 1:
-            sub = sub.flip(2)
-        if c & 2:
-            sub = sub.flip(1)
-        if c & 4:
-            sub = sub.rot90(1, (1, 2))
-        out.index_copy_(0, idx, sub)
-    return out
+    masks = host_to_device(bits, x.device).view(3, -1, 1, 1, 1)
+    for k, transform in enumerate((lambda t: t.flip(2), lambda t: t.flip(1), lambda t: t.rot90(1, (1, 2)))):
+        if wanted[k]:
+            x = torch.where(masks[k], transform(x), x)
+    return x
 
 
 def prepare_patches(pixels: torch.Tensor, *, generator: torch.Generator | None = None, flips: bool = True,

@@ -309,7 +309,9 @@ def refresh_pseudo_labels(model: torch.nn.Module, instances: InstanceSet, state:
 
 
 def _core(model: torch.nn.Module) -> torch.nn.Module:
-    """The network inside a DistributedDataParallel wrapper (predictions run on it: no collectives)."""
+    """The network inside a ``torch.compile`` and a DistributedDataParallel wrapper (predictions run on it,
+    eager and without collectives)."""
+    model = getattr(model, "_orig_mod", model)
     return getattr(model, "module", model)
 
 
@@ -401,6 +403,8 @@ def train_one_epoch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, in
                 model.train()
             x = _prepare_inputs(raw, runtime, kind=instances.kind, aug_generator=aug_generator, config=config)
             bidx_dev = bidx.to(dev, non_blocking=True)
+            if config.compile == "reduce-overhead":
+                torch.compiler.cudagraph_mark_step_begin()  # the last step's graph outputs are done with
             with runtime.autocast():
                 logits = model(x)
             loss = soft_cross_entropy(logits, targets[bidx_dev],
@@ -911,6 +915,9 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
 
         with _peer_guard(dist, start_epoch, out):
             trainer = DistributedDataParallel(model, device_ids=[dist.local_rank] if dist.backend == "nccl" else None)
+    if config.compile != "off":
+        # shapes are static: a pass has full batches and at most one smaller last batch (two graphs)
+        trainer = torch.compile(trainer, mode=None if config.compile == "default" else config.compile, dynamic=False)
 
     eval_set = None if eval_at is None else {int(e) for e in eval_at}
     result = FitResult(model=model, history=history, best_epoch=best_epoch, out_dir=out)
