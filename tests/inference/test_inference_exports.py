@@ -112,6 +112,8 @@ def test_scores_csv_is_updated_slide_by_slide(tmp_path):
     update_scores_csv(tmp_path, {"a": 0.25, "b": 0.75})
     assert (tmp_path / "scores.csv").read_text() == "slide,score\na,0.250000\nb,0.750000\n"
     assert read_scores(tmp_path / "scores.csv") == {"a": 0.25, "b": 0.75}
+    update_scores_csv(tmp_path, {"c": 0.5, "b": 0.25}, keep_others=False)  # a's row is dropped
+    assert (tmp_path / "scores.csv").read_text() == "slide,score\nb,0.250000\nc,0.500000\n"
     with pytest.raises(ValueError, match="not a finite number"):
         update_scores_csv(tmp_path, {"c": float("nan")})
     (tmp_path / "other").mkdir()

@@ -1,7 +1,9 @@
 """``wsi-milssl run`` after a cohort's split changed (as when ``prepare folder`` is run again after a slide
 was added): the stores (and feature files) of slides that moved to the other set stay in
 ``OUT/stores/<set>/`` (``OUT/features/<set>/``), but label, features, train and heatmap use only those of
-the slides now in each set, with one warning per folder."""
+the slides now in each set, with one warning per folder; likewise the heatmap files of a slide that left
+the test set stay in ``OUT/heatmaps/test/``, but ``scores.csv`` and the evaluate stage hold only the test set's
+slides now."""
 
 from __future__ import annotations
 
@@ -140,3 +142,24 @@ thumbnail_px = 64
         _ignored(out / "features" / "train", "train", "synth_002", "feature file"),
         _ignored(out / "stores" / "test", "test", "synth_003"),
         _ignored(out / "stores" / "train", "train", "synth_002")]
+
+
+def test_heatmap_files_of_a_slide_that_left_the_test_set_are_ignored_by_evaluate_and_kept(moved, tmp_path, caplog):
+    outcomes = moved(PIPELINE, "evaluate")  # the first split's heatmaps (synth_003) and report are made too
+    out = tmp_path / "out"
+    assert [(o.stage, o.status) for o in outcomes] == [
+        (s, "ran") for s in ("tile", "label", "train", "heatmap", "evaluate")]
+    heatmaps = out / "heatmaps" / "test"
+    # synth_003's files stay in the heatmap folder ...
+    for name in ("synth_003_detections.csv", "synth_003_patches.csv", "synth_003_probs.json", "synth_003_probs.npy"):
+        assert (heatmaps / name).is_file(), name
+    # ... but neither scores.csv nor the report count it
+    assert _slides_in(heatmaps / "scores.csv") == ["synth_002"]
+    assert _slides_in(out / "evaluation" / "per_slide.csv") == ["synth_002"]
+    metrics = json.loads((out / "evaluation" / "metrics.json").read_text())
+    assert (metrics["n_slides"], metrics["n_tumor_slides"], metrics["n_normal_slides"]) == (1, 1, 0)
+    assert metrics["not_evaluated"] == []
+    assert "synth_003" not in (out / "evaluation" / "report.html").read_text()
+    assert _warnings(caplog) == [_ignored(heatmaps, "test", "synth_003", "heatmap output"),
+                                 _ignored(out / "stores" / "test", "test", "synth_003"),
+                                 _ignored(out / "stores" / "train", "train", "synth_002")]

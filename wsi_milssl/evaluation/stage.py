@@ -24,7 +24,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 import numpy as np
 from PIL import Image
@@ -320,6 +320,7 @@ def evaluate_predictions(
     slides: str | os.PathLike | None = None,
     config: EvaluateConfig | None = None,
     progress: ProgressCallback | None = None,
+    only: Collection[str] | None = None,
 ) -> EvaluationResult:
     """Evaluate heatmap predictions and write metrics, curves, tables and ``report.html``.
 
@@ -331,6 +332,8 @@ def evaluate_predictions(
     annotations_dir : ASAP XML / GeoJSON per tumour slide (``<stem>.xml`` / ``<stem>.geojson``).
     slides : a folder of slides or a CSV ``slide,path``; a tumour slide's file gives its level-0
         size and MPP (the sidecar's ``slide_path`` is used when the slide is not listed here).
+    only : the slides (stems) to evaluate; the files of other slides in ``predictions_dir`` are ignored (as
+        the pipeline ignores those of slides no longer in its test set). Default: every predicted slide.
     """
     config = config or EvaluateConfig()
     predictions_dir = Path(predictions_dir)
@@ -340,6 +343,9 @@ def evaluate_predictions(
         raise EvaluationError(f"{annotations_dir}: the annotations folder does not exist. Fix: check --annotations.")
     labels = read_labels(labels_csv)
     found = find_predictions(predictions_dir, known_stems=set(labels))
+    if only is not None:
+        wanted = {stem_key(s) for s in only}
+        found = {s: f for s, f in found.items() if stem_key(s) in wanted}
     evaluated = {s: f for s, f in found.items() if f.detections is not None}
     if not evaluated:
         raise EvaluationError(

@@ -379,9 +379,10 @@ def _read_scores(path: Path) -> dict[str, str]:
         raise ConfigError(f"{path}: cannot read the existing scores ({exc}). Fix: delete it and re-run.") from None
 
 
-def update_scores_csv(out_dir: str | os.PathLike, scores: Mapping[str, float]) -> Path:
+def update_scores_csv(out_dir: str | os.PathLike, scores: Mapping[str, float], *, keep_others: bool = True) -> Path:
     """Add or replace the rows of ``scores`` ({stem: score}) in ``out_dir/scores.csv`` (``slide,score``),
-    keeping other slides' rows; rows sorted by slide. Safe while other runs (shards) update the file
+    keeping other slides' rows (``keep_others=False``: dropping them, so the file lists exactly the slides of
+    ``scores``); rows sorted by slide. Safe while other runs (shards) update the file
     (:func:`wsi_milssl.locks.folder_mutex`; no lock file is left behind)."""
     from wsi_milssl.locks import folder_mutex
 
@@ -391,7 +392,7 @@ def update_scores_csv(out_dir: str | os.PathLike, scores: Mapping[str, float]) -
         if not math.isfinite(float(score)):
             raise ValueError(f"slide {stem!r}: score {score!r} is not a finite number.")
     with folder_mutex(path.parent):
-        rows = _read_scores(path)
+        rows = _read_scores(path) if keep_others else {}
         for stem, score in scores.items():
             rows[str(stem)] = f"{float(score):.6f}"
         buf = io.StringIO()

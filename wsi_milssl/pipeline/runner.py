@@ -12,20 +12,21 @@ Every stage writes under the pipeline's output folder::
     OUT/.pipeline/        one stamp per stage (settings + inputs digest)
     OUT/resolved_pipeline.toml   the pipeline as run: --set overrides applied, every setting, absolute paths
 
-A stage is skipped when its stamp matches its settings and the stamps of the stages it reads from,
-and its outputs still exist; one that runs says why (:attr:`StageOutcome.reason`). Each stage reads only
-the stores (and feature files) of the slides now in each set: those of slides a changed split moved to
-the other set stay on disk, ignored with a warning. A stage that runs again after an interruption goes
-on from what is finished: ``tile`` keeps every complete store made with the same settings (settings hash) from the
-same slide file (path, size, modification time) and re-tiles when the settings or the slide file
-changed; ``train`` continues each run folder from its
-``last.pt`` when the folder was started with the same settings, data split and labels (recorded in
-``pipeline_run.json``), skips finished grid points, and never deletes a run folder: one holding a run
-with other settings is renamed ``<folder>.replaced-<UTC time>`` and kept. ``force`` re-runs the named
-stages and everything downstream and redoes their work: tile, label and heatmap overwrite their
-files, train renames ``OUT/model`` (its run or grid) aside the same way and trains from scratch. A run
-holds the lock of ``OUT`` (:func:`wsi_milssl.locks.folder_lock`): a second run of the same pipeline
-(or another one into the same folder) is refused, naming the folder and the running one's pid.
+A stage is skipped when its stamp matches its settings and the stamps of the stages it reads from, and
+its outputs still exist; one that runs says why (:attr:`StageOutcome.reason`). Each stage reads only the
+stores (feature files, heatmap files) of the slides now in each set: those of slides a changed split
+moved to the other set stay on disk, ignored with a warning (``scores.csv`` lists the test set's slides
+only). A stage that runs again after an interruption goes on from what is finished: ``tile`` keeps every
+complete store made with the same settings (settings hash) from the same slide file (path, size,
+modification time) and re-tiles when the settings or the slide file changed; ``train`` continues each
+run folder from its ``last.pt`` when the folder was started with the same settings, data split and
+labels (recorded in ``pipeline_run.json``), skips finished grid points, and never deletes a run folder:
+one holding a run with other settings is renamed ``<folder>.replaced-<UTC time>`` and kept. ``force``
+re-runs the named stages and everything downstream and redoes their work: tile, label and heatmap
+overwrite their files, train renames ``OUT/model`` (its run or grid) aside the same way and trains from
+scratch. A run holds the lock of ``OUT`` (:func:`wsi_milssl.locks.folder_lock`): a second run of the
+same pipeline (or another one into the same folder) is refused, naming the folder and the running one's
+pid.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, TypeVar
 
 import numpy as np
 
@@ -49,6 +50,7 @@ from wsi_milssl.pipeline.stamps import fingerprint_paths, read_stamp, stale_reas
 __all__ = ["StageOutcome", "run_pipeline", "split_train_val"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -526,21 +528,28 @@ def _set_stores(ctx: _Context, set_name: str, paths: list[Path] | None = None, *
     or the feature files made from them). Those of slides no longer in the set (its slide list changed, as
     when a cohort's split moves slides between train and test) are left out, and kept on disk; one warning
     per folder and run says how many."""
-    from wsi_milssl.cohorts import slide_stem, stem_key
+    from wsi_milssl.cohorts import slide_stem
     from wsi_milssl.store import find_stores
-    from wsi_milssl.tiling import find_slides
 
     if paths is None:
         paths = find_stores([ctx.stores(set_name)])
     stores = {slide_stem(p): p for p in paths}
+    return _in_set(ctx, set_name, stores, Path(paths[0]).parent if paths else None, what=what)
+
+
+def _in_set(ctx: _Context, set_name: str, found: dict[str, T], folder: Path | None, *, what: str) -> dict[str, T]:
+    """The items of ``found`` ({stem: item} of the files in ``folder``) whose slides are now in the set; those
+    of slides no longer in it are left out, with one warning per folder and run naming them."""
+    from wsi_milssl.cohorts import stem_key
+    from wsi_milssl.tiling import find_slides
+
     ds = ctx.spec.sets[set_name]
     if ds.slides is None or not Path(ds.slides).exists():
-        return stores
+        return found
     wanted = {stem_key(s) for s in find_slides([ds.slides], keep_missing=True)}
-    current = {stem: p for stem, p in stores.items() if stem_key(stem) in wanted}
-    ignored = sorted(stem for stem in stores if stem not in current)
-    folder = Path(stores[ignored[0]]).parent if ignored else None
-    if folder is not None and folder not in ctx.warned_ignored:
+    current = {stem: item for stem, item in found.items() if stem_key(stem) in wanted}
+    ignored = sorted(stem for stem in found if stem not in current)
+    if ignored and folder not in ctx.warned_ignored:
         ctx.warned_ignored.add(folder)
         log.warning("%s: ignored %d %s(s) of slides no longer in the %s set (%s%s); they are kept, remove them "
                     "if they are not needed", folder, len(ignored), what, set_name, ", ".join(ignored[:5]),
@@ -747,8 +756,18 @@ def _heatmap(ctx: _Context) -> tuple[list[str], str]:
     if failed:
         raise WsiMilsslError(f"heatmap: {len(failed)} slide(s) failed (see {ctx.heatmap_dir}): "
                              + "; ".join(f"{r.slide}: {r.error}" for r in failed[:3]))
+    _write_set_scores(run)
     n = sum(r.n_patches for r in run.results)
     return [str(ctx.heatmap_dir / "scores.csv")], f"{len(run.results)} slides, {n} patches"
+
+
+def _write_set_scores(run) -> None:
+    """``scores.csv`` of the heatmap folder with the scores of the run's slides (the test set's now): rows
+    of slides no longer in the set are dropped (their other files are kept, and ignored by evaluate)."""
+    from wsi_milssl.inference.exports import update_scores_csv
+
+    update_scores_csv(run.out_dir, {r.slide: r.score for r in run.results if r.score is not None},
+                      keep_others=False)
 
 
 def _heatmap_features(ctx: _Context) -> tuple[list[str], str]:
@@ -769,19 +788,23 @@ def _heatmap_features(ctx: _Context) -> tuple[list[str], str]:
     if failed:
         raise WsiMilsslError(f"heatmap: {len(failed)} slide(s) failed (see {ctx.heatmap_dir}): "
                              + "; ".join(f"{r.slide}: {r.error}" for r in failed[:3]))
+    _write_set_scores(run)
     n = sum(r.n_patches for r in run.results)
     return [str(ctx.heatmap_dir / "scores.csv")], f"{len(run.results)} slides, {n} patches (feature head)"
 
 
 def _evaluate(ctx: _Context) -> tuple[list[str], str]:
+    from wsi_milssl.artifacts import find_predictions
     from wsi_milssl.config import EvaluateConfig
     from wsi_milssl.evaluation import evaluate_predictions
 
     config = config_from_mapping(EvaluateConfig, ctx.spec.section("evaluate"), source=f"{ctx.spec.source} [evaluate]")
     ds = ctx.spec.sets["test"]
+    # the heatmap files of slides no longer in the test set (a changed split) stay in the folder, ignored
+    current = _in_set(ctx, "test", find_predictions(ctx.heatmap_dir), ctx.heatmap_dir, what="heatmap output")
     result = evaluate_predictions(ctx.heatmap_dir, labels_csv=ds.labels, out_dir=ctx.evaluation_dir,
                                   annotations_dir=ds.annotations, slides=ds.slides, config=config,
-                                  progress=ctx.progress)
+                                  progress=ctx.progress, only=list(current))
     m = result.metrics
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
     return [str(ctx.evaluation_dir / "report.html")], (
