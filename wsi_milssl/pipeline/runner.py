@@ -19,8 +19,9 @@ moved to the other set stay on disk, ignored with a warning (``scores.csv`` list
 only). A stage that runs again after an interruption goes on from what is finished: ``tile`` keeps every
 complete store made with the same settings (settings hash) from the same slide file (path, size,
 modification time) and re-tiles when the settings or the slide file changed; ``train`` continues each
-run folder from its ``last.pt`` when the folder was started with the same settings, data split and
-labels (recorded in ``pipeline_run.json``), skips finished grid points, and never deletes a run folder:
+run folder from its ``last.pt`` when the folder was started with the same settings, data split and training
+data (the training set's files and the settings they were tiled, labelled and embedded with, recorded in
+``pipeline_run.json``; the test set's files do not count), skips finished grid points, and never deletes a run folder:
 one holding a run with other settings is renamed ``<folder>.replaced-<UTC time>`` and kept. ``force``
 re-runs the named stages and everything downstream and redoes their work: tile, label and heatmap
 overwrite their files, train renames ``OUT/model`` (its run or grid) aside the same way and trains from
@@ -417,7 +418,8 @@ def _fit_runs(ctx: _Context, runs: list[dict], configs: list, source: str, *, tr
     if ctx.redo and _has_files(ctx.model_dir):
         _replace_aside(ctx.model_dir, "is trained again (--force)")
     if len(configs) == 1:
-        resume = _prepare_run_dir(ctx.model_dir, _run_fingerprint(ctx, configs[0], split, kind="single"))
+        resume = _prepare_run_dir(ctx.model_dir, _run_fingerprint(ctx, configs[0], split, kind="single"),
+                                  _run_fingerprint(ctx, configs[0], split, kind="single", legacy=True))
         result = fit(train, config=configs[0], out_dir=ctx.model_dir, val=val, run_info=run_info, resume=resume,
                      progress=ctx.progress)
         return result.best_epoch, ""
@@ -427,7 +429,8 @@ def _fit_runs(ctx: _Context, runs: list[dict], configs: list, source: str, *, tr
         name = "_".join(f"{k}-{v}" for k, v in overrides.items())
         run_dir = ctx.model_dir / "grid" / name
         # a finished grid point resumes at its last epoch: nothing to train, its result is read back
-        resume = _prepare_run_dir(run_dir, _run_fingerprint(ctx, config, split, kind="grid"))
+        resume = _prepare_run_dir(run_dir, _run_fingerprint(ctx, config, split, kind="grid"),
+                                  _run_fingerprint(ctx, config, split, kind="grid", legacy=True))
         points.append(_GridPoint(name, overrides, config, run_dir, resume))
     t_grid = time.perf_counter()
     outcomes = _train_grid(points, train, val, run_info, ctx=ctx, data=data)
@@ -557,14 +560,34 @@ def _in_set(ctx: _Context, set_name: str, found: dict[str, T], folder: Path | No
     return current
 
 
-def _run_fingerprint(ctx: _Context, config, split: dict, *, kind: str) -> dict:
-    """What a training run folder is started with: the settings that change the result, the data
-    split and the stamp of the stage whose outputs it trains on."""
-    upstream = "features" if ctx.spec.feature_stage else ("label" if ctx.spec.mode == "images" else None)
+def _run_fingerprint(ctx: _Context, config, split: dict, *, kind: str, legacy: bool = False) -> dict:
+    """What a training run folder is started with: the settings that change the result, the data split
+    and what the training set's data come from (:func:`_training_data`); ``legacy``: as earlier versions
+    recorded it, with the stamp digest of the stage it trains on and the inputs of both sets instead (so a
+    change to the test set's files made them train again)."""
     settings = {k: v for k, v in config_to_dict(config).items() if k not in RUNTIME_ONLY_FIELDS}
-    return {"kind": kind, "settings": settings, "split": {k: list(v) for k, v in split.items()},
-            "upstream": None if upstream is None else (read_stamp(ctx.state, upstream) or {}).get("digest"),
-            "external": _external_inputs(ctx.spec, "train")}
+    fingerprint = {"kind": kind, "settings": settings, "split": {k: list(v) for k, v in split.items()}}
+    if not legacy:
+        return {**fingerprint, "data": _training_data(ctx.spec)}
+    upstream = "features" if ctx.spec.feature_stage else ("label" if ctx.spec.mode == "images" else None)
+    digest = None if upstream is None else (read_stamp(ctx.state, upstream) or {}).get("digest")
+    return {**fingerprint, "upstream": digest, "external": _external_inputs(ctx.spec, "train")}
+
+
+def _training_data(spec: PipelineSpec) -> dict:
+    """Where the data training reads come from, the training set's only (the test set's files never reach
+    training): its stores (the tile settings and its slides and slide list, or its synth settings), the
+    instance labels the label stage wrote into them (the label settings, its labels CSV and annotations by
+    content) and, with a [features] table, the features settings; in feature mode its feature files and labels."""
+    train = spec.sets["train"]
+    if spec.mode == "features":
+        return {"external": _external_inputs(spec, "train", only="train")}
+    data = {"synth": None if train.synth is None else config_to_dict(train.synth),
+            "tile": _stage_settings(spec, "tile"), "label": _stage_settings(spec, "label"),
+            "external": [row for stage in ("tile", "label") for row in _external_inputs(spec, stage, only="train")]}
+    if spec.feature_stage:
+        data["features"] = _stage_settings(spec, "features")
+    return data
 
 
 def _replace_aside(folder: Path, why: str) -> Path:
@@ -584,9 +607,11 @@ def _has_files(folder: Path) -> bool:
     return folder.is_dir() and any(not p.name.startswith(".") for p in folder.iterdir())
 
 
-def _prepare_run_dir(run_dir: Path, fingerprint: dict) -> bool:
+def _prepare_run_dir(run_dir: Path, fingerprint: dict, earlier: dict | None = None) -> bool:
     """Get ``run_dir`` ready for a training run started with ``fingerprint``; True when it holds that
     run's ``last.pt`` to continue from (a finished run continues at its last epoch: nothing to train).
+    ``earlier``: the same run's fingerprint as earlier versions recorded it, also accepted (the record is
+    then rewritten as ``fingerprint``).
 
     A folder holding a run started otherwise (other settings, split or labels; or a folder from
     before this record) is renamed aside by :func:`_replace_aside`, never deleted.
@@ -599,8 +624,10 @@ def _prepare_run_dir(run_dir: Path, fingerprint: dict) -> bool:
             previous = json.loads(marker.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             previous = None
-        same = json.dumps(previous, sort_keys=True, default=str) == json.dumps(fingerprint, sort_keys=True, default=str)
-        if same:
+        as_json = lambda value: json.dumps(value, sort_keys=True, default=str)  # noqa: E731
+        if previous is not None and as_json(previous) in {as_json(f) for f in (fingerprint, earlier) if f}:
+            if as_json(previous) != as_json(fingerprint):
+                atomic_write_json(marker, fingerprint, sort_keys=True)
             return (run_dir / "last.pt").is_file()
         _replace_aside(run_dir, "holds a training run started with other settings, data or labels")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -871,30 +898,30 @@ def _digest_parts(spec: PipelineSpec, stage: str, chain: dict[str, str], state: 
             {"upstream": upstream, "external": _external_inputs(spec, stage, legacy=legacy)})
 
 
-def _external_inputs(spec: PipelineSpec, stage: str, *, legacy: bool = False) -> list:
+def _external_inputs(spec: PipelineSpec, stage: str, *, legacy: bool = False, only: str | None = None) -> list:
     """Fingerprints of the inputs from outside the pipeline a stage reads: small files by content, the
     slides (those a slide list names too) by size and modification time; ``legacy``: every file by size
-    and modification time and a slide list as a file, as stamps of earlier versions recorded them."""
+    and modification time and a slide list as a file, as stamps of earlier versions recorded them;
+    ``only``: those of that set ("train", "test") alone."""
+    sets = [ds for name, ds in spec.sets.items() if only in (None, name)]
     if spec.mode == "features":
-        return fingerprint_paths([p for ds in spec.sets.values() for p in (ds.features, ds.labels)],
-                                 content=not legacy)
+        return fingerprint_paths([p for ds in sets for p in (ds.features, ds.labels)], content=not legacy)
     if spec.sets["train"].synth is not None:
         return []
     if stage == "tile":
         if legacy:
-            return fingerprint_paths([ds.slides for ds in spec.sets.values()])
+            return fingerprint_paths([ds.slides for ds in sets])
         from wsi_milssl.errors import WsiMilsslError
         from wsi_milssl.tiling import find_slides
 
-        lists = [ds.slides for ds in spec.sets.values() if Path(ds.slides).is_file()]
+        lists = [ds.slides for ds in sets if Path(ds.slides).is_file()]
         try:
-            listed = [p for ds in spec.sets.values() for p in find_slides([ds.slides], keep_missing=True)]
+            listed = [p for ds in sets for p in find_slides([ds.slides], keep_missing=True)]
         except WsiMilsslError:  # the tile stage says what is wrong with them
-            listed = [ds.slides for ds in spec.sets.values()]
+            listed = [ds.slides for ds in sets]
         return fingerprint_paths(lists, content=True) + fingerprint_paths(listed)
     if stage == "label":
-        return fingerprint_paths([p for ds in spec.sets.values() for p in (ds.labels, ds.annotations)],
-                                 content=not legacy)
+        return fingerprint_paths([p for ds in sets for p in (ds.labels, ds.annotations)], content=not legacy)
     return []
 
 

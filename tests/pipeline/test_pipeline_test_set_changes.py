@@ -1,0 +1,228 @@
+"""A training run folder is reused when only the test set's files changed (a fixed test annotation): label,
+heatmap and evaluate run again, the model is not trained again. Training reads the training set's stores,
+bag labels and instance labels only, and its run folder is started again (the old one renamed aside) when
+one of those changed; a run folder recorded by an earlier version (``pipeline_run.json`` with the label
+stage's stamp digest) is still reused."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import h5py
+import numpy as np
+import pytest
+
+from wsi_milssl.config import SynthConfig
+from wsi_milssl.pipeline import load_pipeline, run_pipeline
+from wsi_milssl.pipeline.runner import RUN_MARKER, _training_data
+from wsi_milssl.synth import generate_slides
+
+PIPELINE = """
+[pipeline]
+name = "test-set-changes"
+[data]
+train_slides = "cohort/train_slides.csv"
+train_labels = "cohort/train_labels.csv"
+train_annotations = "cohort/annotations/train"
+test_slides = "cohort/test_slides.csv"
+test_labels = "cohort/test_labels.csv"
+test_annotations = "cohort/annotations/test"
+val_fraction = 0.34
+[tile]
+magnification = 10.0
+patch_size_px = 32
+entropy_threshold_bits = 4.0
+min_tissue = 0.5
+[train]
+mode = "images"
+model = "resnet18"
+epochs = 1
+batch_size = 32
+mu_ramp_epochs = 1
+select_metric = "bag_nll"  # defined on one validation slide
+num_workers = 0
+plots = false
+[heatmap]
+num_workers = 0
+thumbnail_px = 64
+[evaluate]
+thumbnail_px = 64
+"""
+
+TRAIN, TEST = ["synth_000", "synth_001", "synth_003"], ["synth_002"]  # synth_001 and synth_002 are tumours
+
+
+@pytest.fixture(scope="module")
+def slides(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("slides")
+    generate_slides(SynthConfig(n_slides=4, seed=0, width_px=2048, height_px=2048), folder)
+    return folder
+
+
+@pytest.fixture()
+def cohort(slides, tmp_path):
+    """The pipeline file of a cohort as `prepare` writes one: slide lists, labels, and each set's
+    annotations in its own folder."""
+    labels = dict(line.split(",") for line in (slides / "labels.csv").read_text().split()[1:])
+    for set_name, stems in (("train", TRAIN), ("test", TEST)):
+        (tmp_path / "cohort" / "annotations" / set_name).mkdir(parents=True)
+        (tmp_path / "cohort" / f"{set_name}_slides.csv").write_text(
+            "path\n" + "".join(f"{slides / stem}.tif\n" for stem in stems))
+        (tmp_path / "cohort" / f"{set_name}_labels.csv").write_text(
+            "slide,label\n" + "".join(f"{stem},{labels[stem]}\n" for stem in stems))
+        for stem in stems:
+            if (slides / f"{stem}.xml").is_file():
+                shutil.copy(slides / f"{stem}.xml", tmp_path / "cohort" / "annotations" / set_name)
+    (tmp_path / "p.toml").write_text(PIPELINE)
+    return tmp_path / "p.toml"
+
+
+def _fix_annotation(xml) -> None:
+    """A corrected annotation: its first polygon's first point moved by 20 px."""
+    text = xml.read_text()
+    fixed = re.sub(r'X="([0-9.]+)"', lambda m: f'X="{float(m.group(1)) + 20:.2f}"', text, count=1)
+    assert fixed != text
+    xml.write_text(fixed)
+
+
+EMBEDDED = PIPELINE.split("[train]")[0] + """[features]
+encoder = "resnet18"
+weights = "random"
+num_workers = 0
+[train]
+epochs = 1
+mu_ramp_epochs = 1
+select_metric = "bag_nll"
+plots = false
+"""
+
+FEATURES = """
+[pipeline]
+name = "test-set-changes-features"
+[data]
+mode = "features"
+train_features = "feats/train"
+train_labels = "feats/train_labels.csv"
+test_features = "feats/test"
+test_labels = "feats/test_labels.csv"
+val_fraction = 0.34
+[train]
+mode = "features"
+model = "mlp"
+epochs = 1
+batch_size = 16
+plots = false
+"""
+
+
+def _run(toml, until: str = "evaluate") -> dict[str, str]:
+    outcomes = run_pipeline(load_pipeline(toml, out_dir=toml.parent / "out"), until=until)
+    return {o.stage: o.status for o in outcomes}
+
+
+def _aside(toml) -> list:
+    return sorted((toml.parent / "out").glob("model.replaced-*"))
+
+
+def test_a_fixed_test_annotation_reruns_label_and_evaluate_but_does_not_train_again(cohort):
+    out = cohort.parent / "out"
+    model = out / "model"
+    assert set(_run(cohort).values()) == {"ran"}
+    best, metrics, marker = ((model / name).read_bytes() for name in ("best.pt", "metrics.jsonl", RUN_MARKER))
+    outputs = (out / "heatmaps" / "test" / "synth_002_probs.json", out / "evaluation" / "metrics.json")
+    written = {path: path.stat().st_mtime_ns for path in outputs}
+
+    _fix_annotation(cohort.parent / "cohort" / "annotations" / "test" / "synth_002.xml")
+    assert _run(cohort) == {"tile": "skipped", "label": "ran", "train": "ran", "heatmap": "ran", "evaluate": "ran"}
+    assert _aside(cohort) == []  # the run folder was reused: its finished run has nothing left to train
+    assert (model / "best.pt").read_bytes() == best
+    assert (model / "metrics.jsonl").read_bytes() == metrics
+    assert (model / RUN_MARKER).read_bytes() == marker
+    # the test slide's store holds its new instance labels: its heatmap and the report are made again
+    assert all(path.stat().st_mtime_ns != mtime_ns for path, mtime_ns in written.items())
+    assert set(_run(cohort).values()) == {"skipped"}
+
+
+def test_what_training_reads_comes_from_the_training_set_alone(cohort):
+    spec = load_pipeline(cohort, out_dir=cohort.parent / "out")
+    before = _training_data(spec)
+    test_list = cohort.parent / "cohort" / "test_slides.csv"
+    test_list.write_text(test_list.read_text() + f"{cohort.parent / 'other.tif'}\n")  # a test slide added
+    _fix_annotation(cohort.parent / "cohort" / "annotations" / "test" / "synth_002.xml")
+    assert _training_data(spec) == before
+    train_list = cohort.parent / "cohort" / "train_slides.csv"
+    train_list.write_text(train_list.read_text().replace("synth_003", "synth_002"))  # another training slide
+    assert _training_data(spec) != before
+    other_labels = load_pipeline(cohort, out_dir=cohort.parent / "out", overrides=["label.positive_fraction=0.5"])
+    assert _training_data(other_labels) != before
+
+
+def test_a_changed_training_annotation_or_training_label_trains_again(cohort):
+    model = cohort.parent / "out" / "model"
+    _run(cohort, until="train")
+    first = (model / "best.pt").read_bytes()
+
+    _fix_annotation(cohort.parent / "cohort" / "annotations" / "train" / "synth_001.xml")
+    assert _run(cohort, until="train") == {"tile": "skipped", "label": "ran", "train": "ran"}
+    (aside,) = _aside(cohort)
+    assert (aside / "best.pt").read_bytes() == first  # kept, renamed aside; the new run trained from epoch 1
+    assert [json.loads(line)["epoch"] for line in (model / "metrics.jsonl").read_text().splitlines()] == [1]
+
+    labels = cohort.parent / "cohort" / "train_labels.csv"  # two labels swapped: the split stays the same
+    labels.write_text(labels.read_text().replace("synth_001,1", "synth_001,0").replace("synth_003,0", "synth_003,1"))
+    assert _run(cohort, until="train") == {"tile": "skipped", "label": "ran", "train": "ran"}
+    assert len(_aside(cohort)) == 2
+
+
+def test_a_run_folder_recorded_by_an_earlier_version_is_reused(cohort):
+    out = cohort.parent / "out"
+    _run(cohort, until="train")
+    marker = json.loads((out / "model" / RUN_MARKER).read_text())
+    best = (out / "model" / "best.pt").read_bytes()
+    # pipeline_run.json as earlier versions wrote it: the label stage's stamp digest and the external
+    # inputs of the train stage (none in an image pipeline) in place of what the training set comes from
+    earlier = {k: marker[k] for k in ("kind", "settings", "split")}
+    earlier.update(upstream=json.loads((out / ".pipeline" / "label.json").read_text())["digest"], external=[])
+    (out / "model" / RUN_MARKER).write_text(json.dumps(earlier, sort_keys=True))
+    (out / ".pipeline" / "train.json").unlink()  # the train stage runs again (as after an interruption)
+
+    assert _run(cohort, until="train") == {"tile": "skipped", "label": "skipped", "train": "ran"}
+    assert _aside(cohort) == []
+    assert (out / "model" / "best.pt").read_bytes() == best
+    assert json.loads((out / "model" / RUN_MARKER).read_text()) == marker  # recorded again in this version's form
+
+
+def test_with_a_features_table_a_fixed_test_annotation_does_not_train_again(cohort):
+    cohort.write_text(EMBEDDED)
+    model = cohort.parent / "out" / "model"
+    _run(cohort, until="train")
+    best = (model / "best.pt").read_bytes()
+    _fix_annotation(cohort.parent / "cohort" / "annotations" / "test" / "synth_002.xml")
+    assert _run(cohort, until="train") == {"tile": "skipped", "label": "ran", "features": "ran", "train": "ran"}
+    assert _aside(cohort) == [] and (model / "best.pt").read_bytes() == best
+
+    _fix_annotation(cohort.parent / "cohort" / "annotations" / "train" / "synth_001.xml")
+    assert _run(cohort, until="train") == {"tile": "skipped", "label": "ran", "features": "ran", "train": "ran"}
+    assert len(_aside(cohort)) == 1
+
+
+def test_in_feature_mode_a_changed_test_label_does_not_train_again(tmp_path):
+    rng = np.random.default_rng(0)
+    for set_name, n_bags in (("train", 6), ("test", 4)):
+        (tmp_path / "feats" / set_name).mkdir(parents=True)
+        for i in range(n_bags):
+            with h5py.File(tmp_path / "feats" / set_name / f"{set_name}{i}.h5", "w") as fh:
+                fh["features"] = rng.normal(size=(12, 8)).astype(np.float32) + i % 2
+        (tmp_path / "feats" / f"{set_name}_labels.csv").write_text(
+            "slide,label\n" + "".join(f"{set_name}{i},{i % 2}\n" for i in range(n_bags)))
+    toml = tmp_path / "feat.toml"
+    toml.write_text(FEATURES)
+    model = tmp_path / "out" / "model"
+    _run(toml)
+    metrics = (model / "metrics.jsonl").read_bytes()
+    labels = tmp_path / "feats" / "test_labels.csv"
+    labels.write_text(labels.read_text().replace("test0,0", "test0,1"))
+    assert _run(toml) == {"train": "ran", "evaluate": "ran"}
+    assert _aside(toml) == [] and (model / "metrics.jsonl").read_bytes() == metrics
