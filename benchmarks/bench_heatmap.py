@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-mpp", type=float, default=0.5, help="model resolution (µm/px)")
     p.add_argument("--patch-size", type=int, default=224, help="model patch size (px)")
     p.add_argument("--entropy-threshold", type=float, default=5.0, help="entropy filter (bits)")
-    p.add_argument("--batch-size", type=int, default=None, help="[64; 256 with --preset gpu14]")
+    p.add_argument("--batch-size", type=int, default=None, help="[64; 256 with --preset gpu14; 0 = the commands' auto]")
     p.add_argument("--workers", type=int, default=-1, help="reader processes of the command (-1 auto)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     p.add_argument("--repeat", type=int, default=2, help="alternating command/bare runs; medians reported")
@@ -315,6 +315,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.batch_size is None:
         args.batch_size = 256 if args.preset == "gpu14" else 64
+    if args.batch_size == 0:  # the commands' auto, resolved as they resolve it (the bare forward needs a number)
+        import torch
+
+        from wsi_milssl.runtime import inference_batch_size
+
+        args.batch_size = inference_batch_size(0, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
     args.cache.mkdir(parents=True, exist_ok=True)
     report: dict = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

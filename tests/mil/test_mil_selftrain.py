@@ -235,3 +235,25 @@ def test_compiled_training_step_saves_the_plain_model_and_matches_eager(tmp_path
     assert json.loads((tmp_path / "run" / "config.json").read_text())["compile"] == "default"
     model, _ = load_model(tmp_path / "run" / "last.pt")
     assert list(model.state_dict()) == list(a)
+
+
+def test_every_compiled_fit_in_one_process_compiles_its_own_graphs(mil_csv):
+    """A grid trains its points one after another in one process; each model used to add guards on the
+    same forward until torch's recompile limit, after which later points silently ran eager."""
+    train = read_mil_csv(mil_csv)
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    with torch._dynamo.config.patch({limit: 2}):
+        for batch in (40, 48):  # each fit: a full batch and a smaller last one (two graphs)
+            torch._dynamo.utils.counters.clear()
+            fit(train, config=_config(epochs=1, batch_size=batch, compile="default"))
+            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2, batch
+
+
+def test_a_compiler_that_cannot_run_is_one_error_naming_compile_off(mil_csv):
+    train = read_mil_csv(mil_csv)
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch({"fx_graph_cache": False, "cpp.cxx": (None, "/nonexistent/g++")}):
+        with pytest.raises(ConfigError, match=r"TrainConfig\.compile 'default': torch\.compile could not compile the "
+                                              r"training step .*Fix: --compile off"):
+            fit(train, config=_config(epochs=1, batch_size=48, compile="default"))

@@ -71,3 +71,14 @@ def test_a_stage_that_runs_again_says_why(tmp_path, capsys):
     (outcome,) = [o for o in run(*seed) if o[0] == "tile"]
     assert re.fullmatch(r"settings or inputs changed since \d{4}-\d\d-\d\d \d\d:\d\d:\d\d \(a stamp of an "
                         r"earlier version, which records no details\)", outcome[2]), outcome
+
+
+def test_a_file_taken_off_the_inputs_is_not_called_gone_while_it_is_on_disk(tmp_path):
+    from wsi_milssl.pipeline.stamps import _changes
+
+    kept, deleted = tmp_path / "a.tif", tmp_path / "b.tif"
+    kept.write_bytes(b"x")
+    old = {"upstream": {"tile": "d1"}, "external": [[str(kept), 1, 2], [str(deleted), 1, 2]]}
+    new = {"upstream": {"tile": "d2"}, "external": []}
+    assert _changes({}, {}, old, new) == [
+        f"input changed: the tile stage's settings or inputs, {kept} (no longer an input), {deleted} (gone)"]

@@ -163,3 +163,47 @@ def test_heatmap_files_of_a_slide_that_left_the_test_set_are_ignored_by_evaluate
     assert _warnings(caplog) == [_ignored(heatmaps, "test", "synth_003", "heatmap output"),
                                  _ignored(out / "stores" / "test", "test", "synth_003"),
                                  _ignored(out / "stores" / "train", "train", "synth_002")]
+
+
+@pytest.fixture()
+def cohort(tmp_path):
+    """Four generated slides, synth_000-002 for training and synth_003 for testing; returns the labels."""
+    generate_slides(SynthConfig(n_slides=4, seed=0, width_px=2048, height_px=2048), tmp_path / "slides")
+    with open(tmp_path / "slides" / "labels.csv", newline="") as fh:
+        labels = {row["slide"]: row["label"] for row in csv.DictReader(fh)}
+    (tmp_path / "cohort").mkdir()
+    _split(tmp_path, labels, train=["synth_000", "synth_001", "synth_002"], test=["synth_003"])
+    (tmp_path / "moved.toml").write_text(PIPELINE)
+    return labels
+
+
+def _trained_on(out: Path) -> list[str]:
+    return sorted(Path(p).name for p in json.loads((out / "model" / "config.json").read_text())["data"]["inputs"])
+
+
+def test_stores_of_an_earlier_format_are_ignored_not_trained_on(cohort, tmp_path, caplog):
+    """An earlier run's Zarr stores beside the current HDF5 ones (same slides): the HDF5 stores of the
+    tile stage's format are read; a sorted listing used to let the stale .zarr store replace the .h5 one."""
+    pipe, out = tmp_path / "moved.toml", tmp_path / "out"
+    run_pipeline(load_pipeline(pipe, out_dir=out, overrides=["tile.format=zarr", "tile.patch_size_px=48"]),
+                 until="tile")
+    with caplog.at_level(logging.WARNING, logger="wsi_milssl.pipeline.runner"):
+        run_pipeline(load_pipeline(pipe, out_dir=out), until="train")
+    assert _trained_on(out) == ["synth_000.h5", "synth_001.h5", "synth_002.h5"]
+    assert json.loads((out / "model" / "config.json").read_text())["patch_size_px"] == 32
+    assert (out / "stores" / "train" / "synth_000.zarr").exists()  # kept
+    assert any("ignored 3 store(s) in another format than [tile] format = 'h5'" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_the_store_of_a_slide_renamed_in_letter_case_is_not_the_renamed_slides(cohort, tmp_path, caplog):
+    pipe, out = tmp_path / "moved.toml", tmp_path / "out"
+    run_pipeline(load_pipeline(pipe, out_dir=out), until="tile")
+    (tmp_path / "slides" / "synth_000.tif").rename(tmp_path / "slides" / "Synth_000.tif")
+    (tmp_path / "slides" / "synth_000.xml").unlink(missing_ok=True)
+    cohort["Synth_000"] = cohort.pop("synth_000")
+    _split(tmp_path, cohort, train=["Synth_000", "synth_001", "synth_002"], test=["synth_003"])
+    with caplog.at_level(logging.WARNING, logger="wsi_milssl.pipeline.runner"):
+        run_pipeline(load_pipeline(pipe, out_dir=out), until="train")
+    assert _trained_on(out) == ["Synth_000.h5", "synth_001.h5", "synth_002.h5"]
+    assert _ignored(out / "stores" / "train", "train", "synth_000") in _warnings(caplog)

@@ -630,6 +630,29 @@ def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.O
     return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
 
 
+def _compiled(trainer: torch.nn.Module, mode: str) -> torch.nn.Module:
+    """``trainer`` through ``torch.compile`` in ``mode`` ('default' or 'reduce-overhead'). Shapes are
+    static: a pass has full batches and at most one smaller last batch (two graphs). Graphs of earlier
+    fits in this process are dropped first: each model is a new guard on the same ``forward``, and after
+    torch's recompile limit (8) later fits (a grid's points) would silently run eager."""
+    torch._dynamo.reset()
+    return torch.compile(trainer, mode=None if mode == "default" else mode, dynamic=False)
+
+
+@contextmanager
+def _compile_errors(config: TrainConfig):
+    """A failure of ``torch.compile`` itself (no C++ compiler, no Triton) as one ConfigError naming the fix."""
+    try:
+        yield
+    except torch._dynamo.exc.TorchDynamoException as exc:
+        if config.compile == "off":
+            raise
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise ConfigError(f"TrainConfig.compile {config.compile!r}: torch.compile could not compile the training "
+                          f"step ({type(exc).__name__}: {first}). Fix: --compile off (compilation needs a working "
+                          "C++ compiler, and Triton on a GPU).") from exc
+
+
 def _check_finite(model: torch.nn.Module, loss: float, *, amp: bool, epoch: int, out: Path | None) -> None:
     """Raise :class:`TrainingDivergedError` when the epoch left non-finite weights, or (without mixed
     precision, whose scaler skips steps with overflowing gradients on its own) a non-finite loss; called
@@ -916,8 +939,7 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
         with _peer_guard(dist, start_epoch, out):
             trainer = DistributedDataParallel(model, device_ids=[dist.local_rank] if dist.backend == "nccl" else None)
     if config.compile != "off":
-        # shapes are static: a pass has full batches and at most one smaller last batch (two graphs)
-        trainer = torch.compile(trainer, mode=None if config.compile == "default" else config.compile, dynamic=False)
+        trainer = _compiled(trainer, config.compile)
 
     eval_set = None if eval_at is None else {int(e) for e in eval_at}
     result = FitResult(model=model, history=history, best_epoch=best_epoch, out_dir=out)
@@ -949,7 +971,7 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
             order = block_order(train, _generator(config.seed, epoch, 1), block_size=config.shuffle_block)
             order = rank_share(order, batch_size=config.batch_size, ctx=dist)
             aug = _generator(config.seed, epoch, 2, *rank_stream) if train.kind == "images" else None
-            with _peer_guard(dist, epoch, out):
+            with _peer_guard(dist, epoch, out), _compile_errors(config):
                 stats = train_one_epoch(trainer, optimizer, train, state, order=order, config=config,
                                         runtime=runtime, aug_generator=aug, step=step, mu_t=mu_t, scaler=scaler,
                                         loader=loader, progress=progress, dist=dist, refresh=not warming)

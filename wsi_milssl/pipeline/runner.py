@@ -105,8 +105,9 @@ class _Context:
         #: the stage runs because of ``force`` (named, or downstream of a named stage): its work is
         #: redone from scratch (tile, label and heatmap overwrite; train moves its run folders aside)
         self.redo = False
-        #: folders whose files of slides no longer in their set were reported (one warning per folder and run)
-        self.warned_ignored: set[Path] = set()
+        #: folders whose files of slides no longer in their set (or, as (folder, "format"), whose stores in
+        #: another format) were reported: one warning per folder and run
+        self.warned_ignored: set = set()
 
     def stores(self, set_name: str) -> Path:
         return self.out / "stores" / set_name
@@ -527,30 +528,48 @@ def _stale_stores(slides: list[Path], out_dir: Path, config) -> list[str]:
 
 def _set_stores(ctx: _Context, set_name: str, paths: list[Path] | None = None, *, what: str = "store"
                 ) -> dict[str, Path]:
-    """{stem: path} of the set's current slides among ``paths`` (default: the stores in ``OUT/stores/<set>``;
-    or the feature files made from them). Those of slides no longer in the set (its slide list changed, as
-    when a cohort's split moves slides between train and test) are left out, and kept on disk; one warning
-    per folder and run says how many."""
+    """{stem: path} of the set's current slides among ``paths`` (default: the stores in ``OUT/stores/<set>``
+    in the tile stage's format; or the feature files made from them). Those of slides no longer in the set
+    (its slide list changed, as when a cohort's split moves slides between train and test, or a slide was
+    renamed) and stores in another format (an earlier run's) are left out, and kept on disk; one warning
+    per folder and run says which."""
     from wsi_milssl.cohorts import slide_stem
+    from wsi_milssl.config import TileConfig
     from wsi_milssl.store import find_stores
+    from wsi_milssl.store.schema import store_path
 
     if paths is None:
-        paths = find_stores([ctx.stores(set_name)])
+        folder = ctx.stores(set_name)
+        paths = find_stores([folder])
+        fmt = config_from_mapping(TileConfig, ctx.spec.section("tile"), source=f"{ctx.spec.source} [tile]").format
+        suffix = store_path(folder, "x", fmt).suffix
+        other = sorted(Path(p).name for p in paths if Path(p).suffix != suffix)
+        if other and (folder, "format") not in ctx.warned_ignored:
+            ctx.warned_ignored.add((folder, "format"))
+            log.warning("%s: ignored %d store(s) in another format than [tile] format = %r (%s%s), from an earlier "
+                        "run; they are kept, remove them if they are not needed", folder, len(other), fmt,
+                        ", ".join(other[:5]), " ..." if len(other) > 5 else "")
+        paths = [p for p in paths if Path(p).suffix == suffix]
     stores = {slide_stem(p): p for p in paths}
     return _in_set(ctx, set_name, stores, Path(paths[0]).parent if paths else None, what=what)
 
 
 def _in_set(ctx: _Context, set_name: str, found: dict[str, T], folder: Path | None, *, what: str) -> dict[str, T]:
-    """The items of ``found`` ({stem: item} of the files in ``folder``) whose slides are now in the set; those
-    of slides no longer in it are left out, with one warning per folder and run naming them."""
-    from wsi_milssl.cohorts import stem_key
+    """The items of ``found`` ({stem: item} of the files in ``folder``) whose slides are now in the set, by
+    the exact stem of a listed slide (in Unicode NFC: the store of a slide since renamed, if only in letter
+    case, is not the renamed slide's); the others are left out, with one warning per folder and run naming
+    them."""
+    import unicodedata
+
+    from wsi_milssl.cohorts import slide_stem, stem_key
     from wsi_milssl.tiling import find_slides
 
     ds = ctx.spec.sets[set_name]
     if ds.slides is None or not Path(ds.slides).exists():
         return found
-    wanted = {stem_key(s) for s in find_slides([ds.slides], keep_missing=True)}
-    current = {stem: item for stem, item in found.items() if stem_key(stem) in wanted}
+    nfc = lambda name: unicodedata.normalize("NFC", name)  # noqa: E731
+    wanted = {stem_key(s): nfc(slide_stem(s)) for s in find_slides([ds.slides], keep_missing=True)}
+    current = {stem: item for stem, item in found.items() if wanted.get(stem_key(stem)) == nfc(stem)}
     ignored = sorted(stem for stem in found if stem not in current)
     if ignored and folder not in ctx.warned_ignored:
         ctx.warned_ignored.add(folder)

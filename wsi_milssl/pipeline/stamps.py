@@ -111,7 +111,8 @@ def stale_reason(state_dir: str | os.PathLike, stage: str, digests: Iterable[str
 
 def _changes(old_settings: dict, settings: dict, old_inputs: dict, inputs: dict) -> list[str]:
     """What differs between a stamp's record and this run's: "settings changed: NAMES", "input changed:
-    the STAGE stage's settings or inputs" (its digest), "input changed: FILES" (changed, new, gone)."""
+    the STAGE stage's settings or inputs" (its digest) and FILES (changed, new, no longer an input, gone),
+    in one line."""
     missing = object()
     out = []
     names = sorted(k for k in set(old_settings) | set(settings)
@@ -119,12 +120,13 @@ def _changes(old_settings: dict, settings: dict, old_inputs: dict, inputs: dict)
     if names:
         out.append("settings changed: " + ", ".join(names))
     old_up, up = old_inputs.get("upstream") or {}, inputs.get("upstream") or {}
-    out += [f"input changed: the {u} stage's settings or inputs"
-            for u in sorted(set(old_up) | set(up)) if old_up.get(u) != up.get(u)]
+    changed = [f"the {u} stage's settings or inputs" for u in sorted(set(old_up) | set(up))
+               if old_up.get(u) != up.get(u)]
     old_files = {row[0]: row[1:] for row in old_inputs.get("external") or []}
     files = {row[0]: row[1:] for row in inputs.get("external") or []}
-    changed = [f if f in old_files else f"{f} (new)" for f in files if old_files.get(f) != files[f]]
-    changed += [f"{f} (gone)" for f in old_files if f not in files]
+    changed += [f if f in old_files else f"{f} (new)" for f in files if old_files.get(f) != files[f]]
+    # a file no longer among the inputs may still be on disk (taken off a slide list)
+    changed += [f"{f} ({'no longer an input' if Path(f).exists() else 'gone'})" for f in old_files if f not in files]
     if changed:
         shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
         out.append(f"input changed: {shown}")
