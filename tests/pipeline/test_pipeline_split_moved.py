@@ -207,3 +207,23 @@ def test_the_store_of_a_slide_renamed_in_letter_case_is_not_the_renamed_slides(c
         run_pipeline(load_pipeline(pipe, out_dir=out), until="train")
     assert _trained_on(out) == ["Synth_000.h5", "synth_001.h5", "synth_002.h5"]
     assert _ignored(out / "stores" / "train", "train", "synth_000") in _warnings(caplog)
+
+
+def test_a_deleted_store_or_heatmap_file_makes_its_stage_run_again(cohort, tmp_path):
+    """The tile and heatmap stamps record every slide's files: a store deleted after a run used to leave
+    the tile stage 'up to date' and train silently trained without that slide."""
+    pipe, out = tmp_path / "moved.toml", tmp_path / "out"
+    run_pipeline(load_pipeline(pipe, out_dir=out))
+    (out / "stores" / "train" / "synth_001.h5").unlink()
+    (out / "heatmaps" / "test" / "synth_003_detections.csv").unlink()
+    outcomes = run_pipeline(load_pipeline(pipe, out_dir=out))
+    assert (outcomes[0].stage, outcomes[0].status) == ("tile", "ran")
+    assert outcomes[0].reason == f"output missing: {out / 'stores' / 'train' / 'synth_001.h5'}"
+    assert (out / "stores" / "train" / "synth_001.h5").is_file()
+    assert _trained_on(out) == ["synth_000.h5", "synth_001.h5", "synth_002.h5"]
+    assert (out / "heatmaps" / "test" / "synth_003_detections.csv").is_file()
+    (out / "heatmaps" / "test" / "synth_003_patches.csv").unlink()
+    outcomes = run_pipeline(load_pipeline(pipe, out_dir=out))
+    ran = [(o.stage, o.reason) for o in outcomes if o.status == "ran"]
+    assert ran[0] == ("heatmap", f"output missing: {out / 'heatmaps' / 'test' / 'synth_003_patches.csv'}")
+    assert (out / "heatmaps" / "test" / "synth_003_patches.csv").is_file()

@@ -173,9 +173,20 @@ def _tile(ctx: _Context) -> tuple[list[str], str]:
                 f"tile: {len(failed)} slide(s) of the {set_name} set failed (see {run.status_csv}): "
                 + "; ".join(f"{r.slide}: {r.error}" for r in failed[:3])
             )
-        outputs.append(str(run.status_csv))
+        outputs += [str(run.status_csv)] + _existing(r.store_path for r in run.results)
         parts.append(f"{set_name}: {sum(r.n_patches for r in run.results)} patches from {len(run.results)} slides")
     return outputs, "; ".join(parts)
+
+
+def _existing(paths) -> list[str]:
+    """The paths among ``paths`` that exist: a stage's per-slide files, recorded in its stamp so that one
+    deleted later makes the stage run again (it redoes only what is missing) instead of a later stage
+    silently working without that slide."""
+    return [str(p) for p in paths if p and Path(p).exists()]
+
+
+#: the per-slide heatmap files that make a slide complete (the heatmap stage resumes slides that have them)
+_HEATMAP_KEY_FILES = ("probs_npy", "probs_json", "detections_csv", "patches_csv")
 
 
 def _label(ctx: _Context) -> tuple[list[str], str]:
@@ -215,7 +226,7 @@ def _features(ctx: _Context) -> tuple[list[str], str]:
         if failed:
             raise WsiMilsslError(f"features: {len(failed)} slide(s) of the {set_name} set failed (see {run.status_csv}): "
                                  + "; ".join(f"{r.slide}: {r.error}" for r in failed[:3]))
-        outputs.append(str(run.status_csv))
+        outputs += [str(run.status_csv)] + _existing(r.path for r in run.results)
         dim = run.results[0].feature_dim if run.results else 0
         parts.append(f"{set_name}: {run.n_patches} patches x {dim} from {len(run.results)} slides")
     return outputs, f"{config.encoder}: " + "; ".join(parts)
@@ -804,7 +815,8 @@ def _heatmap(ctx: _Context) -> tuple[list[str], str]:
                              + "; ".join(f"{r.slide}: {r.error}" for r in failed[:3]))
     _write_set_scores(run)
     n = sum(r.n_patches for r in run.results)
-    return [str(ctx.heatmap_dir / "scores.csv")], f"{len(run.results)} slides, {n} patches"
+    slide_files = _existing(r.outputs.get(k) for r in run.results for k in _HEATMAP_KEY_FILES)
+    return [str(ctx.heatmap_dir / "scores.csv")] + slide_files, f"{len(run.results)} slides, {n} patches"
 
 
 def _write_set_scores(run) -> None:
@@ -836,7 +848,8 @@ def _heatmap_features(ctx: _Context) -> tuple[list[str], str]:
                              + "; ".join(f"{r.slide}: {r.error}" for r in failed[:3]))
     _write_set_scores(run)
     n = sum(r.n_patches for r in run.results)
-    return [str(ctx.heatmap_dir / "scores.csv")], f"{len(run.results)} slides, {n} patches (feature head)"
+    slide_files = _existing(r.outputs.get(k) for r in run.results for k in _HEATMAP_KEY_FILES)
+    return [str(ctx.heatmap_dir / "scores.csv")] + slide_files, f"{len(run.results)} slides, {n} patches (feature head)"
 
 
 def _evaluate(ctx: _Context) -> tuple[list[str], str]:
