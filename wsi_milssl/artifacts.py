@@ -369,16 +369,22 @@ _EVALUATED_KINDS = {"detections_csv": "detections", "patches_csv": "patches", "p
                     "probs_npy": "probs_npy", "heatmap_png": "heatmap_png"}
 
 
-def find_predictions(directory: str | os.PathLike, *, known_stems: Iterable[str] = ()
-                     ) -> dict[str, PredictionFiles]:
+def find_predictions(directory: str | os.PathLike, *, known_stems: Iterable[str] = (),
+                     only: Iterable[str] | None = None) -> dict[str, PredictionFiles]:
     """Find prediction files per slide stem in ``directory`` (sorted by stem).
 
     ``<stem>_detections.csv`` files always count; a plain ``<stem>.csv`` (CAMELYON16 submission
     naming) counts as a detection file only when ``stem`` is in ``known_stems`` (the labelled
     slides; case-insensitive) and has no ``_detections.csv``. Stems match without case: two files of
     one kind for one slide (``a_detections.csv``, ``A_detections.csv``) are an EvaluationError.
+    ``only``: the exact stems (in Unicode NFC) to look at; files of other stems are passed over, an old
+    slide's files beside those of the slide renamed from it in letter case included.
     """
+    import unicodedata
+
     from wsi_milssl.cohorts import stem_key
+
+    wanted = None if only is None else {unicodedata.normalize("NFC", s) for s in only}
 
     directory = Path(directory)
     if not directory.is_dir():
@@ -393,6 +399,9 @@ def find_predictions(directory: str | os.PathLike, *, known_stems: Iterable[str]
         if not p.is_file():
             continue
         parsed = parse_heatmap_name(p.name)
+        named = parsed[0] if parsed is not None else p.stem
+        if wanted is not None and unicodedata.normalize("NFC", named) not in wanted:
+            continue
         if parsed is not None:
             stem, kind = parsed
             if kind in _EVALUATED_KINDS:

@@ -147,9 +147,9 @@ def test_unlabelled_slide_is_an_error(synth_dir, annotations_dir, predictions, t
     with pytest.raises(LabelsError, match=rf"labels\.csv: no label for 1 predicted slide\(s\): {info['normal']} .*Fix: add"):
         evaluate_predictions(pred_dir, labels_csv=labels, out_dir=tmp_path / "o", annotations_dir=annotations_dir,
                              slides=synth_dir)
-    # `only` (the pipeline's test set now) leaves the other slides' files out
+    # `only` (the pipeline's test set now, by exact stem) leaves the other slides' files out
     result = evaluate_predictions(pred_dir, labels_csv=labels, out_dir=tmp_path / "o",
-                                  annotations_dir=annotations_dir, slides=synth_dir, only=[info["tumor"].upper()])
+                                  annotations_dir=annotations_dir, slides=synth_dir, only=[info["tumor"]])
     assert [s.stem for s in result.slides] == [info["tumor"]]
 
 

@@ -6,6 +6,7 @@ stage's stamp digest) is still reused."""
 
 from __future__ import annotations
 
+import csv
 import json
 import re
 import shutil
@@ -13,8 +14,11 @@ import shutil
 import h5py
 import numpy as np
 import pytest
+import torch
 
 from wsi_milssl.config import SynthConfig
+from wsi_milssl.errors import ConfigError
+from wsi_milssl.mil.resnet import ResNet18
 from wsi_milssl.pipeline import load_pipeline, run_pipeline
 from wsi_milssl.pipeline.runner import RUN_MARKER, _training_data
 from wsi_milssl.synth import generate_slides
@@ -226,3 +230,65 @@ def test_in_feature_mode_a_changed_test_label_does_not_train_again(tmp_path):
     labels.write_text(labels.read_text().replace("test0,0", "test0,1"))
     assert _run(toml) == {"train": "ran", "evaluate": "ran"}
     assert _aside(toml) == [] and (model / "metrics.jsonl").read_bytes() == metrics
+
+
+def test_with_one_annotations_folder_for_both_sets_a_fixed_test_annotation_does_not_train_again(cohort):
+    """Training reads its own slides' rows and annotation files, not the whole folder or CSV that a
+    pipeline may share between the sets."""
+    shared = cohort.parent / "cohort" / "annotations" / "test"
+    for xml in (cohort.parent / "cohort" / "annotations" / "train").iterdir():
+        shutil.copy(xml, shared)
+    cohort.write_text(cohort.read_text().replace('train_annotations = "cohort/annotations/train"',
+                                                 'train_annotations = "cohort/annotations/test"'))
+    _run(cohort, until="train")
+    _fix_annotation(shared / "synth_002.xml")  # the test slide's
+    assert _run(cohort, until="train") == {"tile": "skipped", "label": "ran", "train": "ran"}
+    assert _aside(cohort) == []
+    _fix_annotation(shared / "synth_001.xml")  # a training slide's
+    assert _run(cohort, until="train") == {"tile": "skipped", "label": "ran", "train": "ran"}
+    assert len(_aside(cohort)) == 1
+
+
+def test_new_encoder_weights_behind_the_same_path_train_again(cohort):
+    """The training feature files are embedded again with the new weights: the head trained on the old
+    ones is not reused (its resume used to fail on every later run, naming no fix)."""
+    weights = cohort.parent / "enc.pt"
+
+    def write_weights(seed: int) -> None:
+        torch.manual_seed(seed)
+        torch.save(ResNet18(num_classes=1).state_dict(), weights)
+
+    write_weights(1)
+    cohort.write_text(EMBEDDED.replace('weights = "random"', f'weights = "{weights}"'))
+    _run(cohort, until="train")
+    write_weights(2)
+    _fix_annotation(cohort.parent / "cohort" / "annotations" / "test" / "synth_002.xml")
+    assert _run(cohort, until="train") == {"tile": "skipped", "label": "ran", "features": "ran", "train": "ran"}
+    assert len(_aside(cohort)) == 1
+    assert set(_run(cohort, until="train").values()) == {"skipped"}
+
+
+def test_a_test_slide_renamed_in_letter_case_is_evaluated_under_its_new_name(cohort, slides):
+    """Its heatmap files under the old name stay and are ignored (they were a 'two files of one slide'
+    error on every later run)."""
+    out = cohort.parent / "out"
+    _run(cohort)
+    renamed = cohort.parent / "Synth_002.tif"
+    shutil.copy(slides / "synth_002.tif", renamed)
+    root = cohort.parent / "cohort"
+    (root / "test_slides.csv").write_text(f"path\n{renamed}\n")
+    (root / "test_labels.csv").write_text((root / "test_labels.csv").read_text().replace("synth_002", "Synth_002"))
+    (root / "annotations" / "test" / "synth_002.xml").rename(root / "annotations" / "test" / "Synth_002.xml")
+    assert _run(cohort)["evaluate"] == "ran"
+    with open(out / "evaluation" / "per_slide.csv", newline="") as fh:
+        assert [row["slide"] for row in csv.DictReader(fh)] == ["Synth_002"]
+    assert (out / "heatmaps" / "test" / "synth_002_detections.csv").is_file()
+
+
+def test_a_slide_in_both_sets_is_refused_before_any_stage(cohort, slides):
+    listed = cohort.parent / "cohort" / "test_slides.csv"
+    listed.write_text(listed.read_text() + f"{slides / 'synth_000.tif'}\n")  # a training slide
+    with pytest.raises(ConfigError, match=r"1 slide\(s\) are in both the training and the test set \(.*synth_000"
+                                          r"\.tif\).*Fix: take them off one of the two slide lists"):
+        _run(cohort)
+    assert not (cohort.parent / "out" / "stores").exists()

@@ -332,8 +332,9 @@ def evaluate_predictions(
     annotations_dir : ASAP XML / GeoJSON per tumour slide (``<stem>.xml`` / ``<stem>.geojson``).
     slides : a folder of slides or a CSV ``slide,path``; a tumour slide's file gives its level-0
         size and MPP (the sidecar's ``slide_path`` is used when the slide is not listed here).
-    only : the slides (stems) to evaluate; the files of other slides in ``predictions_dir`` are ignored (as
-        the pipeline ignores those of slides no longer in its test set). Default: every predicted slide.
+    only : the slides (exact stems) to evaluate; the files of other slides in ``predictions_dir`` are ignored
+        (as the pipeline ignores those of slides no longer in its test set, or renamed). Default: every
+        predicted slide.
     """
     config = config or EvaluateConfig()
     predictions_dir = Path(predictions_dir)
@@ -342,10 +343,7 @@ def evaluate_predictions(
     if annotations_dir is not None and not annotations_dir.is_dir():
         raise EvaluationError(f"{annotations_dir}: the annotations folder does not exist. Fix: check --annotations.")
     labels = read_labels(labels_csv)
-    found = find_predictions(predictions_dir, known_stems=set(labels))
-    if only is not None:
-        wanted = {stem_key(s) for s in only}
-        found = {s: f for s, f in found.items() if stem_key(s) in wanted}
+    found = find_predictions(predictions_dir, known_stems=set(labels), only=only)
     evaluated = {s: f for s, f in found.items() if f.detections is not None}
     if not evaluated:
         raise EvaluationError(

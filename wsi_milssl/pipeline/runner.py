@@ -32,6 +32,7 @@ pid.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -468,7 +469,6 @@ def _model_checkpoint(model_dir: Path) -> Path:
     """The checkpoint the later stages use: ``best.pt`` (chosen on the validation slides), or ``last.pt``
     of a run without validation. A run with validation whose ``best.pt`` is gone is an error: its last
     epoch is not the one validation chose."""
-    import json
 
     if (model_dir / "best.pt").is_file():
         return model_dir / "best.pt"
@@ -614,10 +614,42 @@ def _training_data(spec: PipelineSpec) -> dict:
         return {"external": _external_inputs(spec, "train", only="train")}
     data = {"synth": None if train.synth is None else config_to_dict(train.synth),
             "tile": _stage_settings(spec, "tile"), "label": _stage_settings(spec, "label"),
-            "external": [row for stage in ("tile", "label") for row in _external_inputs(spec, stage, only="train")]}
+            "external": _external_inputs(spec, "tile", only="train") + _training_labels(spec)}
     if spec.feature_stage:
+        # what made the training feature files: encoder, its weights by SHA-256, dtype, input size (as the
+        # features stage recorded it), so new weights behind the same weights path count
+        from wsi_milssl.features.stage import CONFIG_FILENAME as FEATURES_CONFIG
+
         data["features"] = _stage_settings(spec, "features")
+        try:
+            made = json.loads((spec.out_dir / "features" / "train" / FEATURES_CONFIG).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            made = {}
+        data["features_settings_hash"] = made.get("settings_hash") if isinstance(made, dict) else None
     return data
+
+
+def _training_labels(spec: PipelineSpec) -> list:
+    """What the label stage reads for the training slides: their rows of the labels CSV and their annotation
+    files (by content), not the whole CSV and folder, which a pipeline may share with the test set."""
+    from wsi_milssl.annotations.io import find_annotation
+    from wsi_milssl.cohorts import slide_stem
+    from wsi_milssl.errors import WsiMilsslError
+    from wsi_milssl.mil.data import read_labels_csv
+    from wsi_milssl.tiling import find_slides
+
+    train = spec.sets["train"]
+    if train.synth is not None:
+        return []
+    try:
+        stems = [slide_stem(p) for p in find_slides([train.slides], keep_missing=True)]
+        labels = read_labels_csv(train.labels)
+    except (WsiMilsslError, OSError):  # the tile and label stages say what is wrong
+        return fingerprint_paths([train.labels, train.annotations], content=True)
+    rows = [[stem, labels.get(stem)] for stem in sorted(stems)]
+    notes = [find_annotation(stem, train.annotations) if Path(train.annotations).is_dir() else None
+             for stem in sorted(stems)]
+    return [["labels", rows]] + fingerprint_paths([n for n in notes if n is not None], content=True)
 
 
 def _replace_aside(folder: Path, why: str) -> Path:
@@ -646,7 +678,6 @@ def _prepare_run_dir(run_dir: Path, fingerprint: dict, earlier: dict | None = No
     A folder holding a run started otherwise (other settings, split or labels; or a folder from
     before this record) is renamed aside by :func:`_replace_aside`, never deleted.
     """
-    import json
 
     marker = run_dir / RUN_MARKER
     if _has_files(run_dir):
@@ -667,7 +698,6 @@ def _prepare_run_dir(run_dir: Path, fingerprint: dict, earlier: dict | None = No
 
 def _keep_grid_parent(model_dir: Path) -> None:
     """Before a grid: a model folder that holds a single run (not a grid's chosen copy) is renamed aside."""
-    import json
 
     if not _has_files(model_dir):
         return
@@ -853,14 +883,17 @@ def _heatmap_features(ctx: _Context) -> tuple[list[str], str]:
 
 
 def _evaluate(ctx: _Context) -> tuple[list[str], str]:
-    from wsi_milssl.artifacts import find_predictions
+    from wsi_milssl.artifacts import parse_heatmap_name
     from wsi_milssl.config import EvaluateConfig
     from wsi_milssl.evaluation import evaluate_predictions
 
     config = config_from_mapping(EvaluateConfig, ctx.spec.section("evaluate"), source=f"{ctx.spec.source} [evaluate]")
     ds = ctx.spec.sets["test"]
-    # the heatmap files of slides no longer in the test set (a changed split) stay in the folder, ignored
-    current = _in_set(ctx, "test", find_predictions(ctx.heatmap_dir), ctx.heatmap_dir, what="heatmap output")
+    # the heatmap files of slides no longer in the test set (a changed split, a renamed slide) stay in the
+    # folder, ignored
+    names = sorted(p.name for p in ctx.heatmap_dir.iterdir()) if ctx.heatmap_dir.is_dir() else []
+    stems = {parsed[0]: parsed[0] for parsed in map(parse_heatmap_name, names) if parsed}
+    current = _in_set(ctx, "test", stems, ctx.heatmap_dir, what="heatmap output")
     result = evaluate_predictions(ctx.heatmap_dir, labels_csv=ds.labels, out_dir=ctx.evaluation_dir,
                                   annotations_dir=ds.annotations, slides=ds.slides, config=config,
                                   progress=ctx.progress, only=list(current))
@@ -989,10 +1022,34 @@ def run_pipeline(
             raise ConfigError(f"{spec.source}: stage {until!r} is not part of this pipeline (its stages: "
                               f"{', '.join(stages)}).")
         stages = stages[: stages.index(until) + 1]
+    _refuse_shared_slides(spec)
     with folder_lock(spec.out_dir):
         # the pipeline as it runs (overrides applied, every setting, absolute paths), beside its outputs
         write_resolved_pipeline(spec, spec.out_dir / RESOLVED_FILENAME)
         return _run_stages(spec, stages, forced, progress=progress, on_stage=on_stage)
+
+
+def _refuse_shared_slides(spec: PipelineSpec) -> None:
+    """ConfigError when a slide file is in both the training and the test set (a test slide the model
+    trained or validated on would be scored as unseen); files are compared by device and inode, so one
+    file under two names counts, and two slides that only share a name (two folders) do not."""
+    from wsi_milssl.cohorts.names import file_identity
+    from wsi_milssl.errors import ConfigError, WsiMilsslError
+    from wsi_milssl.tiling import find_slides
+
+    if spec.mode == "features" or any(ds.synth is not None or ds.slides is None for ds in spec.sets.values()):
+        return
+    try:
+        train = {file_identity(p): p for p in find_slides([spec.sets["train"].slides], keep_missing=True)}
+        test = find_slides([spec.sets["test"].slides], keep_missing=True)
+    except WsiMilsslError:  # the tile stage says what is wrong with the lists
+        return
+    shared = [(train[file_identity(p)], p) for p in test if file_identity(p) in train]
+    if shared:
+        raise ConfigError(f"{spec.source}: {len(shared)} slide(s) are in both the training and the test set ("
+                          + ", ".join(f"{a}" if Path(a) == Path(b) else f"{a} = {b}" for a, b in shared[:3])
+                          + (", ..." if len(shared) > 3 else "") + "): the model would be scored on slides it "
+                          "trained or validated on. Fix: take them off one of the two slide lists.")
 
 
 def _run_stages(spec: PipelineSpec, stages: list[str], forced: set[str], *,
