@@ -292,3 +292,43 @@ def test_a_slide_in_both_sets_is_refused_before_any_stage(cohort, slides):
                                           r"\.tif\).*Fix: take them off one of the two slide lists"):
         _run(cohort)
     assert not (cohort.parent / "out" / "stores").exists()
+
+
+def _blank_slide(path):
+    """A pyramidal slide without tissue (every tile is background)."""
+    from wsi_milssl.synth.pyramid import write_pyramidal_tiff
+
+    write_pyramidal_tiff(path, lambda x0, y0, x1, y1: np.full((y1 - y0, x1 - x0, 3), 245, np.uint8),
+                         width=2048, height=2048, mpp=0.25)
+    return path
+
+
+@pytest.mark.parametrize("text", [PIPELINE, EMBEDDED], ids=["images", "features"])
+def test_a_test_slide_without_tissue_counts_as_empty_and_leaves_with_the_list(cohort, text):
+    """A no-tissue test slide failed the heatmap stage of an image pipeline (and the features stage) on every
+    run; taken off the test list, it was still evaluated with score 0 from the heatmap status file."""
+    cohort.write_text(text)
+    root = cohort.parent / "cohort"
+    blank = _blank_slide(cohort.parent / "blank.tif")
+    (root / "test_slides.csv").write_text((root / "test_slides.csv").read_text() + f"{blank}\n")
+    (root / "test_labels.csv").write_text((root / "test_labels.csv").read_text() + "blank,0\n")
+    assert set(_run(cohort).values()) == {"ran"}
+    metrics = json.loads((cohort.parent / "out" / "evaluation" / "metrics.json").read_text())
+    assert metrics["n_slides"] == 2 and metrics["n_normal_slides"] == 1  # blank counts, with no detection
+    (root / "test_slides.csv").write_text((root / "test_slides.csv").read_text().replace(f"{blank}\n", ""))
+    _run(cohort)
+    metrics = json.loads((cohort.parent / "out" / "evaluation" / "metrics.json").read_text())
+    assert metrics["n_slides"] == 1 and metrics["not_evaluated"] == []
+
+
+def test_a_store_deleted_under_a_stamp_of_an_earlier_version_is_made_again(cohort):
+    out = cohort.parent / "out"
+    _run(cohort, until="tile")
+    stamp = json.loads((out / ".pipeline" / "tile.json").read_text())
+    stamp["outputs"] = [p for p in stamp["outputs"] if p.endswith(".csv")]  # as earlier versions recorded it
+    (out / ".pipeline" / "tile.json").write_text(json.dumps(stamp))
+    (out / "stores" / "train" / "synth_000.h5").unlink()
+    outcomes = run_pipeline(load_pipeline(cohort, out_dir=out), until="tile")
+    missing = out / "stores" / "train" / "synth_000.h5"
+    assert [(o.status, o.reason) for o in outcomes] == [("ran", f"output missing: {missing}")]
+    assert (out / "stores" / "train" / "synth_000.h5").is_file()

@@ -332,9 +332,10 @@ def evaluate_predictions(
     annotations_dir : ASAP XML / GeoJSON per tumour slide (``<stem>.xml`` / ``<stem>.geojson``).
     slides : a folder of slides or a CSV ``slide,path``; a tumour slide's file gives its level-0
         size and MPP (the sidecar's ``slide_path`` is used when the slide is not listed here).
-    only : the slides (exact stems) to evaluate; the files of other slides in ``predictions_dir`` are ignored
-        (as the pipeline ignores those of slides no longer in its test set, or renamed). Default: every
-        predicted slide.
+    only : the slides (exact stems) to evaluate; the files, labels and heatmap status rows of other slides
+        are ignored (as the pipeline ignores those of slides no longer in its test set, or renamed), and a
+        slide of ``only`` without files counts as the heatmap stage recorded it (empty, failed). Default:
+        every predicted slide, and every labelled one.
     """
     config = config or EvaluateConfig()
     predictions_dir = Path(predictions_dir)
@@ -359,7 +360,9 @@ def evaluate_predictions(
         )
     slide_labels = labels_for(labels, evaluated, what="predicted slide")  # one error lists every unlabelled slide
     evaluated_keys = {stem_key(s) for s in evaluated}
-    skipped = sorted(s for s in labels if stem_key(s) not in evaluated_keys)
+    listed = None if only is None else {stem_key(s) for s in only}
+    skipped = sorted(s for s in labels
+                     if stem_key(s) not in evaluated_keys and (listed is None or stem_key(s) in listed))
     failed, empty = _heatmap_outcomes(predictions_dir, skipped)
     if failed:
         raise EvaluationError(

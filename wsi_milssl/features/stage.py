@@ -451,10 +451,10 @@ def _write_slide(out_dir: Path, item, src: _Source | None, out, *, model, settin
     """The feature file of one slide's engine output ``out`` (a SlideOutputs with (N, D) outputs)."""
     encoder = model.encoder
     dtype = schema.FEATURE_DTYPES[settings["dtype"]]
-    feats = np.asarray(out.outputs)
-    if len(out) == 0:
+    if len(out) == 0:  # a slide without a tissue patch: an empty feature file (its heatmap is 'empty')
         feats = np.zeros((0, encoder.dim), dtype)
-    feats = feats.reshape(len(out), -1).astype(dtype, copy=False)
+    else:
+        feats = np.asarray(out.outputs).reshape(len(out), -1).astype(dtype, copy=False)
     bad_rows = schema.non_finite_rows(feats)
     if bad_rows.size:
         raise StoreError(f"{item.store_path or item.slide_path}: the encoder {encoder.name!r} (weights "

@@ -565,6 +565,29 @@ def _set_stores(ctx: _Context, set_name: str, paths: list[Path] | None = None, *
     return _in_set(ctx, set_name, stores, Path(paths[0]).parent if paths else None, what=what)
 
 
+def _missing_stores(ctx: _Context) -> list[Path]:
+    """The stores (in the tile stage's format) of listed slides that are not in ``OUT/stores/<set>``: a store
+    deleted after its stage ran must be made again, not left out of training without a word."""
+    from wsi_milssl.config import TileConfig
+    from wsi_milssl.store.schema import store_path
+
+    fmt = config_from_mapping(TileConfig, ctx.spec.section("tile"), source=f"{ctx.spec.source} [tile]").format
+    expected = [store_path(ctx.stores(name), stem, fmt) for name in ctx.spec.sets
+                for stem in (_listed_stems(ctx, name) or [])]
+    return [p for p in expected if not p.exists()]
+
+
+def _listed_stems(ctx: _Context, set_name: str) -> list[str] | None:
+    """The exact stems of the set's slides (its slide list or folder); None without one (every file counts)."""
+    from wsi_milssl.cohorts import slide_stem
+    from wsi_milssl.tiling import find_slides
+
+    ds = ctx.spec.sets[set_name]
+    if ds.slides is None or not Path(ds.slides).exists():
+        return None
+    return [slide_stem(p) for p in find_slides([ds.slides], keep_missing=True)]
+
+
 def _in_set(ctx: _Context, set_name: str, found: dict[str, T], folder: Path | None, *, what: str) -> dict[str, T]:
     """The items of ``found`` ({stem: item} of the files in ``folder``) whose slides are now in the set, by
     the exact stem of a listed slide (in Unicode NFC: the store of a slide since renamed, if only in letter
@@ -839,7 +862,7 @@ def _heatmap(ctx: _Context) -> tuple[list[str], str]:
     ds = ctx.spec.sets["test"]
     run = make_heatmaps([], checkpoint, ctx.heatmap_dir, config, stores=list(_set_stores(ctx, "test").values()),
                         annotations_dir=ds.annotations, progress=ctx.progress, overwrite=ctx.redo)
-    failed = [r for r in run.results if r.status != "ok"]
+    failed = [r for r in run.results if r.status == "failed"]
     if failed:
         raise WsiMilsslError(f"heatmap: {len(failed)} slide(s) failed (see {ctx.heatmap_dir}): "
                              + "; ".join(f"{r.slide}: {r.error}" for r in failed[:3]))
@@ -893,10 +916,10 @@ def _evaluate(ctx: _Context) -> tuple[list[str], str]:
     # folder, ignored
     names = sorted(p.name for p in ctx.heatmap_dir.iterdir()) if ctx.heatmap_dir.is_dir() else []
     stems = {parsed[0]: parsed[0] for parsed in map(parse_heatmap_name, names) if parsed}
-    current = _in_set(ctx, "test", stems, ctx.heatmap_dir, what="heatmap output")
+    _in_set(ctx, "test", stems, ctx.heatmap_dir, what="heatmap output")  # warns about the others
     result = evaluate_predictions(ctx.heatmap_dir, labels_csv=ds.labels, out_dir=ctx.evaluation_dir,
                                   annotations_dir=ds.annotations, slides=ds.slides, config=config,
-                                  progress=ctx.progress, only=list(current))
+                                  progress=ctx.progress, only=_listed_stems(ctx, "test"))
     m = result.metrics
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
     return [str(ctx.evaluation_dir / "report.html")], (
@@ -1071,6 +1094,9 @@ def _run_stages(spec: PipelineSpec, stages: list[str], forced: set[str], *,
             forced_first = stage
             ctx.redo = True
         stale = stale_reason(ctx.state, stage, (digest, legacy_digests[stage]), settings=settings, inputs=inputs)
+        if stale is None and stage == "tile":  # stamps of earlier versions record no store
+            missing = _missing_stores(ctx)
+            stale = f"output missing: {missing[0]}" if missing else None
         ran_before = [o.stage for o in outcomes if o.status == "ran"]
         if stale is None and not ran_before and forced_first is None:
             outcome = StageOutcome(stage, "skipped", 0.0, "up to date")
