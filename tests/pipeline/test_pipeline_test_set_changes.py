@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from wsi_milssl.config import SynthConfig
-from wsi_milssl.errors import ConfigError
+from wsi_milssl.errors import ConfigError, WsiMilsslError
 from wsi_milssl.mil.resnet import ResNet18
 from wsi_milssl.pipeline import load_pipeline, run_pipeline
 from wsi_milssl.pipeline.runner import RUN_MARKER, _training_data
@@ -332,3 +332,33 @@ def test_a_store_deleted_under_a_stamp_of_an_earlier_version_is_made_again(cohor
     missing = out / "stores" / "train" / "synth_000.h5"
     assert [(o.status, o.reason) for o in outcomes] == [("ran", f"output missing: {missing}")]
     assert (out / "stores" / "train" / "synth_000.h5").is_file()
+
+
+@pytest.mark.parametrize("text", [PIPELINE, EMBEDDED], ids=["images", "features"])
+def test_a_test_slide_found_empty_on_a_later_run_is_not_scored_on_its_earlier_predictions(cohort, slides, text):
+    """The slide file was replaced by one without tissue: its earlier heatmap files and scores.csv row are
+    removed, so evaluate counts it with no detection (it used to score the old predictions again)."""
+    cohort.write_text(text)
+    copy = cohort.parent / "synth_002.tif"
+    shutil.copy(slides / "synth_002.tif", copy)
+    (cohort.parent / "cohort" / "test_slides.csv").write_text(f"path\n{copy}\n")
+    _run(cohort)
+    heatmaps = cohort.parent / "out" / "heatmaps" / "test"
+    assert (heatmaps / "synth_002_detections.csv").is_file()
+    copy.unlink()
+    _blank_slide(copy)
+    _run(cohort)
+    assert not (heatmaps / "synth_002_detections.csv").exists()
+    assert "synth_002" not in (heatmaps / "scores.csv").read_text()
+    metrics = json.loads((cohort.parent / "out" / "evaluation" / "metrics.json").read_text())
+    assert (metrics["n_slides"], metrics["n_detections"], metrics["n_lesions_detected"]) == (1, 0, 0)
+
+
+def test_a_missing_slide_file_in_both_lists_is_reported_missing_not_shared(cohort):
+    gone = cohort.parent / "gone.tif"
+    for set_name in ("train", "test"):
+        listed = cohort.parent / "cohort" / f"{set_name}_slides.csv"
+        listed.write_text(listed.read_text() + f"{gone}\n")
+    with pytest.raises(WsiMilsslError) as caught:
+        _run(cohort)
+    assert "gone.tif" in str(caught.value) and "both the training and the test set" not in str(caught.value)

@@ -346,11 +346,6 @@ def evaluate_predictions(
     labels = read_labels(labels_csv)
     found = find_predictions(predictions_dir, known_stems=set(labels), only=only)
     evaluated = {s: f for s, f in found.items() if f.detections is not None}
-    if not evaluated:
-        raise EvaluationError(
-            f"{predictions_dir}: no detection files (<stem>_detections.csv, CAMELYON16 'prob,x,y') found. "
-            "Fix: pass the heatmap stage's output folder as --predictions."
-        )
     orphans = sorted(s for s, f in found.items() if f.detections is None and (f.patches or f.sidecar))
     if orphans:
         raise EvaluationError(
@@ -376,6 +371,11 @@ def evaluate_predictions(
         skipped = [s for s in skipped if s not in empty]
         logger.warning("%d slide(s) had no tissue patch in the heatmap stage (%s); they count with no detection "
                        "(their lesions missed) and score 0.", len(empty), ", ".join(empty))
+    if not evaluated:  # neither a detection file nor a slide the heatmap stage found empty
+        raise EvaluationError(
+            f"{predictions_dir}: no detection files (<stem>_detections.csv, CAMELYON16 'prob,x,y') found. "
+            "Fix: pass the heatmap stage's output folder as --predictions."
+        )
     if skipped:
         logger.info("%d labelled slides have no predictions and are not evaluated (listed in %s under "
                     "not_evaluated)", len(skipped), EVALUATION_FILES["metrics"])

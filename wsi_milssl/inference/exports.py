@@ -17,7 +17,7 @@ import math
 import os
 import uuid
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
@@ -41,6 +41,7 @@ __all__ = [
     "SCORES_FILENAME",
     "MEASUREMENT_NAME",
     "output_paths",
+    "remove_slide_outputs",
     "nms_detections",
     "write_probs",
     "ome_downsample",
@@ -379,11 +380,23 @@ def _read_scores(path: Path) -> dict[str, str]:
         raise ConfigError(f"{path}: cannot read the existing scores ({exc}). Fix: delete it and re-run.") from None
 
 
-def update_scores_csv(out_dir: str | os.PathLike, scores: Mapping[str, float], *, keep_others: bool = True) -> Path:
+def remove_slide_outputs(out_dir: str | os.PathLike, stem: str) -> None:
+    """Delete ``stem``'s per-slide files and its ``scores.csv`` row in ``out_dir``: a slide found empty (no
+    tissue patch) on a later run must not be evaluated on the predictions of an earlier version of it."""
+    from wsi_milssl.atomic import remove_quietly
+
+    for path in output_paths(out_dir, stem).values():
+        remove_quietly(path)
+    if (Path(out_dir) / SCORES_FILENAME).is_file():
+        update_scores_csv(out_dir, {}, drop=[stem])
+
+
+def update_scores_csv(out_dir: str | os.PathLike, scores: Mapping[str, float], *, keep_others: bool = True,
+                      drop: Iterable[str] = ()) -> Path:
     """Add or replace the rows of ``scores`` ({stem: score}) in ``out_dir/scores.csv`` (``slide,score``),
-    keeping other slides' rows (``keep_others=False``: dropping them, so the file lists exactly the slides of
-    ``scores``); rows sorted by slide. Safe while other runs (shards) update the file
-    (:func:`wsi_milssl.locks.folder_mutex`; no lock file is left behind)."""
+    keeping other slides' rows but those of ``drop`` (``keep_others=False``: dropping them all, so the file
+    lists exactly the slides of ``scores``); rows sorted by slide. Safe while other runs (shards) update the
+    file (:func:`wsi_milssl.locks.folder_mutex`; no lock file is left behind)."""
     from wsi_milssl.locks import folder_mutex
 
     path = Path(out_dir) / SCORES_FILENAME
@@ -393,6 +406,8 @@ def update_scores_csv(out_dir: str | os.PathLike, scores: Mapping[str, float], *
             raise ValueError(f"slide {stem!r}: score {score!r} is not a finite number.")
     with folder_mutex(path.parent):
         rows = _read_scores(path) if keep_others else {}
+        for stem in drop:
+            rows.pop(str(stem), None)
         for stem, score in scores.items():
             rows[str(stem)] = f"{float(score):.6f}"
         buf = io.StringIO()

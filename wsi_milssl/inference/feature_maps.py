@@ -39,7 +39,7 @@ from wsi_milssl.artifacts import (
     HEATMAP_STATUS_FILENAME,
     SCORES_FILENAME,
 )
-from wsi_milssl.inference.exports import update_scores_csv
+from wsi_milssl.inference.exports import remove_slide_outputs, update_scores_csv
 from wsi_milssl.inference.predict import SlidePrediction
 from wsi_milssl.inference.stage import HeatmapResult, HeatmapRun, non_finite_error, write_slide_outputs
 
@@ -207,6 +207,7 @@ def make_feature_heatmaps(features: Sequence[str | os.PathLike], checkpoint: str
                 slide_path = Path(str(ff.attrs["slide_path"]))
             _check_fit(ff, head)
             if len(ff) == 0:
+                remove_slide_outputs(out_dir, stem)  # an earlier version's predictions must go
                 results.append(HeatmapResult(stem, str(slide_path or ""), "empty", 0, None, 0.0,
                                              f"{path}: no patch, so the slide has no score."))
             else:

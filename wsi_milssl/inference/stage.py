@@ -48,6 +48,7 @@ from wsi_milssl.inference.exports import (
     nms_detections,
     ome_downsample,
     output_paths,
+    remove_slide_outputs,
     update_scores_csv,
     write_detections_csv,
     write_lesions,
@@ -684,6 +685,7 @@ def _make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.Pat
             if inputs[i].slide_path is not None:
                 pred.slide_path = inputs[i].slide_path
             if len(pred) == 0:
+                remove_slide_outputs(out_dir, inputs[i].stem)  # an earlier version's predictions must go
                 record(i, _empty_result(inputs[i], pred, model))
                 continue
             bad = non_finite_error(pred, model)

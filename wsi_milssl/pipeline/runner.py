@@ -1063,8 +1063,10 @@ def _refuse_shared_slides(spec: PipelineSpec) -> None:
     if spec.mode == "features" or any(ds.synth is not None or ds.slides is None for ds in spec.sets.values()):
         return
     try:
-        train = {file_identity(p): p for p in find_slides([spec.sets["train"].slides], keep_missing=True)}
-        test = find_slides([spec.sets["test"].slides], keep_missing=True)
+        # a listed file that does not exist is the tile stage's error to report
+        train = {file_identity(p): p for p in find_slides([spec.sets["train"].slides], keep_missing=True)
+                 if Path(p).exists()}
+        test = [p for p in find_slides([spec.sets["test"].slides], keep_missing=True) if Path(p).exists()]
     except WsiMilsslError:  # the tile stage says what is wrong with the lists
         return
     shared = [(train[file_identity(p)], p) for p in test if file_identity(p) in train]
