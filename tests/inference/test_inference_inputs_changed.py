@@ -171,3 +171,58 @@ def test_heatmap_command_with_a_nan_checkpoint_reports_the_failed_slides(tmp_pat
     assert "Traceback" not in captured.err and "ValueError" not in captured.err
     assert "non-finite probabilities" in captured.out + captured.err
     assert _status(tmp_path / "hm")["a"]["status"] == "failed"
+
+
+def _blank(path: Path) -> Path:
+    from wsi_milssl.synth.pyramid import write_pyramidal_tiff
+
+    return write_pyramidal_tiff(path, lambda x0, y0, x1, y1: np.full((y1 - y0, x1 - x0, 3), 245, np.uint8),
+                                width=2048, height=2048, mpp=0.25)
+
+
+def test_a_slide_found_empty_loses_its_earlier_files_under_any_spelling_of_its_name(tmp_path, two_slides,
+                                                                                       checkpoint_factory):
+    """Its earlier predictions (also those of a name that differs only in case, which evaluate takes for the
+    same slide) would be evaluated as its current ones; other slides' files stay."""
+    a, b = two_slides
+    ckpt = checkpoint_factory()
+    slides = tmp_path / "slides"
+    slides.mkdir()
+    shutil.copyfile(a, slides / "case.tif")
+    shutil.copyfile(b, slides / "case_2.tif")
+    out = tmp_path / "hm"
+    assert make_heatmaps([slides / "case.tif", slides / "case_2.tif"], ckpt, out, HeatmapConfig(**FAST)).ok
+    (slides / "case.tif").unlink()
+    _blank(slides / "Case.tif")  # renamed in letter case, and no tissue now
+    run = make_heatmaps([slides / "Case.tif"], ckpt, out, HeatmapConfig(**FAST))
+    assert [r.status for r in run.results] == ["empty"]
+    assert sorted(p.name for p in out.glob("case*")) == sorted(p.name for p in out.glob("case_2*")) != []
+    assert not list(out.glob("Case_*")) and set(_scores(out)) == {"case_2"}
+
+
+def test_an_unreadable_scores_file_fails_an_empty_slide_alone(tmp_path, two_slides, checkpoint_factory):
+    a, _ = two_slides
+    ckpt = checkpoint_factory()
+    out = tmp_path / "hm"
+    out.mkdir()
+    (out / "scores.csv").write_bytes(b"\xff\xfe not a csv")
+    run = make_heatmaps([_blank(tmp_path / "blank.tif"), a], ckpt, out, HeatmapConfig(**FAST))
+    assert [r.status for r in run.results] == ["failed", "failed"]  # each slide alone, and a status row each
+    assert set(_status(out)) == {"blank", "a"}
+
+
+def test_evaluate_of_a_folder_whose_slides_are_all_empty_says_so(tmp_path, checkpoint_factory):
+    """No slide has a score, so the heatmap writes no scores.csv: the bag AUC's reason says every slide was
+    empty, not that the folder lacks a file (and evaluate used to refuse the folder altogether)."""
+    from wsi_milssl.evaluation import evaluate_predictions
+
+    out = tmp_path / "hm"
+    blank = _blank(tmp_path / "blank.tif")
+    assert [r.status for r in make_heatmaps([blank], checkpoint_factory(), out, HeatmapConfig(**FAST)).results] == [
+        "empty"]
+    labels = tmp_path / "labels.csv"
+    labels.write_text("slide,label\nblank,0\n")
+    result = evaluate_predictions(out, labels_csv=labels, out_dir=tmp_path / "ev", slides=tmp_path)
+    assert result.metrics["n_slides"] == 1
+    assert json.loads((tmp_path / "ev" / "metrics.json").read_text())["reasons"]["bag_auc"] == (
+        "every slide was empty (no tissue patch), so no slide has a score")

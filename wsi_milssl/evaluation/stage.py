@@ -236,6 +236,8 @@ def _instance_metric(results: list[SlideResult]) -> tuple[Metric, RocCurve | Non
 
 def _bag_metric(results: list[SlideResult], scores_path: Path) -> tuple[Metric, RocCurve | None, dict]:
     if not scores_path.is_file():
+        if results and all(r.files.detections is None for r in results):
+            return Metric(None, "every slide was empty (no tissue patch), so no slide has a score"), None, {}
         return Metric(None, f"no slide scores ({scores_path.name} is missing from the predictions folder)"), None, {}
     keyed = {stem_key(k): v for k, v in read_scores(scores_path).items()}
     # a slide without a tissue patch has no score; as a max over no patch it ranks below every other

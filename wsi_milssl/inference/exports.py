@@ -381,14 +381,26 @@ def _read_scores(path: Path) -> dict[str, str]:
 
 
 def remove_slide_outputs(out_dir: str | os.PathLike, stem: str) -> None:
-    """Delete ``stem``'s per-slide files and its ``scores.csv`` row in ``out_dir``: a slide found empty (no
+    """Delete the per-slide files and ``scores.csv`` rows of ``stem`` in ``out_dir``, under any spelling of
+    the name that matches it without case (evaluate takes those for one slide): a slide found empty (no
     tissue patch) on a later run must not be evaluated on the predictions of an earlier version of it."""
+    from wsi_milssl.artifacts import parse_heatmap_name
     from wsi_milssl.atomic import remove_quietly
+    from wsi_milssl.cohorts import stem_key
 
-    for path in output_paths(out_dir, stem).values():
-        remove_quietly(path)
-    if (Path(out_dir) / SCORES_FILENAME).is_file():
-        update_scores_csv(out_dir, {}, drop=[stem])
+    key = stem_key(stem)
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return
+    for path in out_dir.iterdir():
+        parsed = parse_heatmap_name(path.name)
+        if parsed is not None and stem_key(parsed[0]) == key and path.is_file():
+            remove_quietly(path)
+    scores = out_dir / SCORES_FILENAME
+    if scores.is_file():
+        stale = [name for name in _read_scores(scores) if stem_key(name) == key]
+        if stale:
+            update_scores_csv(out_dir, {}, drop=stale)
 
 
 def update_scores_csv(out_dir: str | os.PathLike, scores: Mapping[str, float], *, keep_others: bool = True,

@@ -685,7 +685,11 @@ def _make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.Pat
             if inputs[i].slide_path is not None:
                 pred.slide_path = inputs[i].slide_path
             if len(pred) == 0:
-                remove_slide_outputs(out_dir, inputs[i].stem)  # an earlier version's predictions must go
+                try:
+                    remove_slide_outputs(out_dir, inputs[i].stem)  # an earlier version's predictions must go
+                except Exception as exc:  # noqa: BLE001 - one slide's files must not stop the others
+                    record(i, failed(i, exc, pred.seconds))
+                    continue
                 record(i, _empty_result(inputs[i], pred, model))
                 continue
             bad = non_finite_error(pred, model)
