@@ -545,14 +545,13 @@ def _set_stores(ctx: _Context, set_name: str, paths: list[Path] | None = None, *
     renamed) and stores in another format (an earlier run's) are left out, and kept on disk; one warning
     per folder and run says which."""
     from wsi_milssl.cohorts import slide_stem
-    from wsi_milssl.config import TileConfig
     from wsi_milssl.store import find_stores
     from wsi_milssl.store.schema import store_path
 
     if paths is None:
         folder = ctx.stores(set_name)
         paths = find_stores([folder])
-        fmt = config_from_mapping(TileConfig, ctx.spec.section("tile"), source=f"{ctx.spec.source} [tile]").format
+        fmt = _store_format(ctx)
         suffix = store_path(folder, "x", fmt).suffix
         other = sorted(Path(p).name for p in paths if Path(p).suffix != suffix)
         if other and (folder, "format") not in ctx.warned_ignored:
@@ -568,13 +567,19 @@ def _set_stores(ctx: _Context, set_name: str, paths: list[Path] | None = None, *
 def _missing_stores(ctx: _Context) -> list[Path]:
     """The stores (in the tile stage's format) of listed slides that are not in ``OUT/stores/<set>``: a store
     deleted after its stage ran must be made again, not left out of training without a word."""
-    from wsi_milssl.config import TileConfig
     from wsi_milssl.store.schema import store_path
 
-    fmt = config_from_mapping(TileConfig, ctx.spec.section("tile"), source=f"{ctx.spec.source} [tile]").format
+    fmt = _store_format(ctx)
     expected = [store_path(ctx.stores(name), stem, fmt) for name in ctx.spec.sets
                 for stem in (_listed_stems(ctx, name) or [])]
     return [p for p in expected if not p.exists()]
+
+
+def _store_format(ctx: _Context) -> str:
+    """The store format the tile stage writes (``[tile] format``)."""
+    from wsi_milssl.config import TileConfig
+
+    return config_from_mapping(TileConfig, ctx.spec.section("tile"), source=f"{ctx.spec.source} [tile]").format
 
 
 def _listed_stems(ctx: _Context, set_name: str) -> list[str] | None:
@@ -595,14 +600,13 @@ def _in_set(ctx: _Context, set_name: str, found: dict[str, T], folder: Path | No
     them."""
     import unicodedata
 
-    from wsi_milssl.cohorts import slide_stem, stem_key
-    from wsi_milssl.tiling import find_slides
+    from wsi_milssl.cohorts import stem_key
 
-    ds = ctx.spec.sets[set_name]
-    if ds.slides is None or not Path(ds.slides).exists():
+    listed = _listed_stems(ctx, set_name)
+    if listed is None:
         return found
     nfc = lambda name: unicodedata.normalize("NFC", name)  # noqa: E731
-    wanted = {stem_key(s): nfc(slide_stem(s)) for s in find_slides([ds.slides], keep_missing=True)}
+    wanted = {stem_key(stem): nfc(stem) for stem in listed}
     current = {stem: item for stem, item in found.items() if wanted.get(stem_key(stem)) == nfc(stem)}
     ignored = sorted(stem for stem in found if stem not in current)
     if ignored and folder not in ctx.warned_ignored:
