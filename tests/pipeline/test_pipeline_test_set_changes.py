@@ -212,7 +212,9 @@ def test_with_a_features_table_a_fixed_test_annotation_does_not_train_again(coho
     assert len(_aside(cohort)) == 1
 
 
-def test_in_feature_mode_a_changed_test_label_does_not_train_again(tmp_path):
+@pytest.mark.parametrize("shared", [False, True], ids=["own-labels", "one-labels-csv"])
+def test_in_feature_mode_a_changed_test_label_does_not_train_again(tmp_path, shared):
+    """Also with one labels CSV for both sets: training counts its own bags' rows, not the whole file."""
     rng = np.random.default_rng(0)
     for set_name, n_bags in (("train", 6), ("test", 4)):
         (tmp_path / "feats" / set_name).mkdir(parents=True)
@@ -222,14 +224,25 @@ def test_in_feature_mode_a_changed_test_label_does_not_train_again(tmp_path):
         (tmp_path / "feats" / f"{set_name}_labels.csv").write_text(
             "slide,label\n" + "".join(f"{set_name}{i},{i % 2}\n" for i in range(n_bags)))
     toml = tmp_path / "feat.toml"
-    toml.write_text(FEATURES)
+    text = FEATURES
+    labels = tmp_path / "feats" / "test_labels.csv"
+    train_labels = tmp_path / "feats" / "train_labels.csv"
+    if shared:
+        both = tmp_path / "feats" / "labels.csv"
+        both.write_text((tmp_path / "feats" / "train_labels.csv").read_text() + labels.read_text().split("\n", 1)[1])
+        text = text.replace("feats/train_labels.csv", "feats/labels.csv").replace("feats/test_labels.csv",
+                                                                                  "feats/labels.csv")
+        labels = train_labels = both
+    toml.write_text(text)
     model = tmp_path / "out" / "model"
     _run(toml)
     metrics = (model / "metrics.jsonl").read_bytes()
-    labels = tmp_path / "feats" / "test_labels.csv"
     labels.write_text(labels.read_text().replace("test0,0", "test0,1"))
     assert _run(toml) == {"train": "ran", "evaluate": "ran"}
     assert _aside(toml) == [] and (model / "metrics.jsonl").read_bytes() == metrics
+    train_labels.write_text(train_labels.read_text().replace("train0,0", "train0,1"))  # a training bag's label
+    _run(toml)
+    assert len(_aside(toml)) == 1
 
 
 def test_with_one_annotations_folder_for_both_sets_a_fixed_test_annotation_does_not_train_again(cohort):

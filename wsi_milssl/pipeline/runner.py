@@ -638,7 +638,7 @@ def _training_data(spec: PipelineSpec) -> dict:
     content) and, with a [features] table, the features settings; in feature mode its feature files and labels."""
     train = spec.sets["train"]
     if spec.mode == "features":
-        return {"external": _external_inputs(spec, "train", only="train")}
+        return {"external": fingerprint_paths([train.features], content=True) + _training_bag_labels(spec)}
     data = {"synth": None if train.synth is None else config_to_dict(train.synth),
             "tile": _stage_settings(spec, "tile"), "label": _stage_settings(spec, "label"),
             "external": _external_inputs(spec, "tile", only="train") + _training_labels(spec)}
@@ -654,6 +654,23 @@ def _training_data(spec: PipelineSpec) -> dict:
             made = {}
         data["features_settings_hash"] = made.get("settings_hash") if isinstance(made, dict) else None
     return data
+
+
+def _training_bag_labels(spec: PipelineSpec) -> list:
+    """Feature mode: the rows of the labels CSV for the bags of the training feature files, not the whole CSV,
+    which a pipeline may share with the test set."""
+    from wsi_milssl.errors import WsiMilsslError
+    from wsi_milssl.mil.data import read_labels_csv
+
+    train = spec.sets["train"]
+    bags = [_feature_file_bags(f) for f in _feature_files(Path(train.features))]
+    try:
+        labels = read_labels_csv(train.labels)
+    except (WsiMilsslError, OSError):  # the train stage says what is wrong
+        labels = None
+    if labels is None or any(b is None for b in bags):
+        return fingerprint_paths([train.labels], content=True)
+    return [["labels", [[name, labels.get(name)] for name in sorted({n for names in bags for n in names})]]]
 
 
 def _training_labels(spec: PipelineSpec) -> list:
