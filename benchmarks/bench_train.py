@@ -78,7 +78,7 @@ def bare_rates(config, *, patch_size: int, min_seconds: float, eval_batch: int) 
 
     from wsi_milssl.mil.models import create_model
     from wsi_milssl.mil.pixels import prepare_patches
-    from wsi_milssl.mil.selftrain import make_optimizer, resolve_runtime, soft_cross_entropy
+    from wsi_milssl.mil.selftrain import _compiled, make_optimizer, resolve_runtime, soft_cross_entropy
 
     runtime = resolve_runtime(config)
     dev = runtime.device
@@ -108,9 +108,7 @@ def bare_rates(config, *, patch_size: int, min_seconds: float, eval_batch: int) 
 
     x, y = batch(config.batch_size), torch.rand(config.batch_size, device=dev)
     model.train()
-    trainer = model
-    if config.compile != "off":  # as fit() compiles
-        trainer = torch.compile(model, mode=None if config.compile == "default" else config.compile, dynamic=False)
+    trainer = model if config.compile == "off" else _compiled(model, config.compile)  # as fit() compiles
 
     def step() -> None:
         if config.compile == "reduce-overhead":

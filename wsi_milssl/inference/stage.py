@@ -466,6 +466,10 @@ def _same_prediction(row: dict[str, str], sidecar: dict) -> bool:
         return False
 
 
+#: The per-slide files a slide's outputs are complete with (a later run resumes the slide only with them).
+COMPLETE_SLIDE_FILES = ("probs_npy", "probs_json", "detections_csv", "patches_csv")
+
+
 def _finished(out_dir: Path, fingerprint: str, inputs: Sequence[SlideInput]) -> dict[str, HeatmapResult]:
     """Slides of ``inputs`` already finished in ``out_dir`` by a run with the same fingerprint: status
     ok with every file there, their ``_probs.json`` recording this ``fingerprint`` (checkpoint and
@@ -482,7 +486,7 @@ def _finished(out_dir: Path, fingerprint: str, inputs: Sequence[SlideInput]) -> 
         if row is None or row.get("status") != "ok":
             continue
         paths = output_paths(out_dir, item.stem)
-        if not all(paths[k].is_file() for k in ("probs_npy", "probs_json", "detections_csv", "patches_csv")):
+        if not all(paths[k].is_file() for k in COMPLETE_SLIDE_FILES):
             continue
         sidecar = _read_sidecar(paths["probs_json"])
         if sidecar.get("fingerprint") != fingerprint:

@@ -186,9 +186,6 @@ def _existing(paths) -> list[str]:
     return [str(p) for p in paths if p and Path(p).exists()]
 
 
-#: the per-slide heatmap files that make a slide complete (the heatmap stage resumes slides that have them)
-_HEATMAP_KEY_FILES = ("probs_npy", "probs_json", "detections_csv", "patches_csv")
-
 
 def _label(ctx: _Context) -> tuple[list[str], str]:
     from wsi_milssl.config import LabelConfig
@@ -877,6 +874,7 @@ def _heatmap(ctx: _Context) -> tuple[list[str], str]:
     from wsi_milssl.config import HeatmapConfig
     from wsi_milssl.errors import WsiMilsslError
     from wsi_milssl.inference import make_heatmaps
+    from wsi_milssl.inference.stage import COMPLETE_SLIDE_FILES
 
     config = config_from_mapping(HeatmapConfig, ctx.spec.section("heatmap"), source=f"{ctx.spec.source} [heatmap]")
     checkpoint = _model_checkpoint(ctx.model_dir)
@@ -889,7 +887,7 @@ def _heatmap(ctx: _Context) -> tuple[list[str], str]:
                              + "; ".join(f"{r.slide}: {r.error}" for r in failed[:3]))
     _write_set_scores(run)
     n = sum(r.n_patches for r in run.results)
-    slide_files = _existing(r.outputs.get(k) for r in run.results for k in _HEATMAP_KEY_FILES)
+    slide_files = _existing(r.outputs.get(k) for r in run.results for k in COMPLETE_SLIDE_FILES)
     return [str(ctx.heatmap_dir / "scores.csv")] + slide_files, f"{len(run.results)} slides, {n} patches"
 
 
@@ -907,6 +905,7 @@ def _heatmap_features(ctx: _Context) -> tuple[list[str], str]:
     from wsi_milssl.config import HeatmapConfig
     from wsi_milssl.errors import WsiMilsslError
     from wsi_milssl.inference.feature_maps import make_feature_heatmaps
+    from wsi_milssl.inference.stage import COMPLETE_SLIDE_FILES
     from wsi_milssl.tiling import find_slides
 
     config = config_from_mapping(HeatmapConfig, ctx.spec.section("heatmap"), source=f"{ctx.spec.source} [heatmap]")
@@ -922,7 +921,7 @@ def _heatmap_features(ctx: _Context) -> tuple[list[str], str]:
                              + "; ".join(f"{r.slide}: {r.error}" for r in failed[:3]))
     _write_set_scores(run)
     n = sum(r.n_patches for r in run.results)
-    slide_files = _existing(r.outputs.get(k) for r in run.results for k in _HEATMAP_KEY_FILES)
+    slide_files = _existing(r.outputs.get(k) for r in run.results for k in COMPLETE_SLIDE_FILES)
     return [str(ctx.heatmap_dir / "scores.csv")] + slide_files, f"{len(run.results)} slides, {n} patches (feature head)"
 
 
