@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -231,3 +233,29 @@ def test_format_detection_and_find(tmp_path):
     assert [p.name for p in list_annotation_files(tmp_path)] == ["S2.GeoJSON", "s1.xml"]
     with pytest.raises(AnnotationError, match=r"annotation folder not found"):
         find_annotation("s1", tmp_path / "nope")
+
+
+def test_find_annotation_lists_a_folder_once_for_many_slides_and_sees_new_files(tmp_path, monkeypatch):
+    # the case-insensitive fallback listed the whole folder once per slide: a cohort of n slides
+    # without annotations cost n listings of n files
+    for k in range(40):
+        (tmp_path / f"Slide_{k:03d}.XML").write_text(ASAP_OK)
+    listings = []
+    real_iterdir = Path.iterdir
+
+    def counting_iterdir(self):
+        listings.append(self)
+        return real_iterdir(self)
+
+    monkeypatch.setattr(Path, "iterdir", counting_iterdir)
+    found = [find_annotation(f"slide_{k:03d}", tmp_path) for k in range(40)]
+    assert found == [tmp_path / f"Slide_{k:03d}.XML" for k in range(40)]
+    assert [find_annotation(f"other_{k}", tmp_path) for k in range(20)] == [None] * 20
+    assert len(listings) <= 1
+    # a file added later is found (the folder's state changed), and a removed one is no longer returned
+    (tmp_path / "OTHER_7.GeoJSON").write_text('{"type": "FeatureCollection", "features": []}')
+    (tmp_path / "Slide_000.XML").unlink()
+    stat = tmp_path.stat()
+    os.utime(tmp_path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))  # coarse-clock file systems
+    assert find_annotation("other_7", tmp_path) == tmp_path / "OTHER_7.GeoJSON"
+    assert find_annotation("slide_000", tmp_path) is None

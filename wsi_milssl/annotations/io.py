@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import replace
@@ -182,11 +183,25 @@ def find_annotation(slide_stem: str, annotations_dir: str | os.PathLike) -> Path
             return candidate
     from wsi_milssl.cohorts.names import name_key
 
-    wanted = {name_key(f"{slide_stem}{suffix}"): k for k, suffix in enumerate(ANNOTATION_SUFFIXES)}
-    matches = sorted(
-        (wanted[name_key(p.name)], p) for p in directory.iterdir() if name_key(p.name) in wanted and p.is_file()
-    )
+    stat = directory.stat()
+    index = _folder_index(str(directory), stat.st_ino, stat.st_mtime_ns)
+    matches = sorted((k, p) for k, suffix in enumerate(ANNOTATION_SUFFIXES)
+                     for p in index.get(name_key(f"{slide_stem}{suffix}"), ()))
     return matches[0][1] if matches else None
+
+
+@functools.lru_cache(maxsize=8)
+def _folder_index(directory: str, inode: int, mtime_ns: int) -> dict[str, tuple[Path, ...]]:
+    """The files of ``directory`` by :func:`name_key` of their names, for find_annotation's case-insensitive
+    fallback: listed once per folder state (inode and modification time, which an added, removed or renamed
+    entry changes), not once per slide (a 2,000-slide cohort without annotations was 2,000 listings)."""
+    from wsi_milssl.cohorts.names import name_key
+
+    index: dict[str, list[Path]] = {}
+    for p in sorted(Path(directory).iterdir()):
+        if p.is_file():
+            index.setdefault(name_key(p.name), []).append(p)
+    return {k: tuple(v) for k, v in index.items()}
 
 
 def list_annotation_files(annotations_dir: str | os.PathLike) -> list[Path]:
