@@ -97,6 +97,17 @@ def test_resume_skips_refuses_other_settings_and_overwrites_on_request(tmp_path,
     third = extract_features([stores_copy], out, half)
     assert [r.status for r in third.results] == ["skipped", "ok"]
     assert not list(out.glob(".*"))  # no temporaries left
+    # replace_other (what `run` uses in its own folders): files of other settings, or not feature files,
+    # are made again; files of these settings are kept
+    with h5py.File(out / "synth_000.h5", "r+") as fh:
+        fh.attrs["settings_hash"] = "other"
+    (out / "synth_001.h5").write_bytes(b"not hdf5")
+    kept_inode = (out / "synth_001.h5").stat().st_ino
+    fourth = extract_features([stores_copy], out, half, replace_other=True)
+    assert [r.status for r in fourth.results] == ["ok", "ok"]
+    assert (out / "synth_001.h5").stat().st_ino != kept_inode and read_feature_file(out / "synth_001.h5")
+    fifth = extract_features([stores_copy], out, half, replace_other=True)
+    assert [r.status for r in fifth.results] == ["skipped", "skipped"]
 
 
 def test_bad_inputs_fail_alone_or_before_anything_runs(tmp_path, stores_copy, synth_slides, capsys):

@@ -203,9 +203,18 @@ def test_with_a_features_table_a_fixed_test_annotation_does_not_train_again(coho
     model = cohort.parent / "out" / "model"
     _run(cohort, until="train")
     best = (model / "best.pt").read_bytes()
+    features = sorted((cohort.parent / "out" / "features").glob("*/*.h5"))
+    made = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in features}
+    assert len(made) == 4
     _fix_annotation(cohort.parent / "cohort" / "annotations" / "test" / "synth_002.xml")
     assert _run(cohort, until="train") == {"tile": "skipped", "label": "ran", "features": "ran", "train": "ran"}
     assert _aside(cohort) == [] and (model / "best.pt").read_bytes() == best
+    # the stores are the same (labelled again): every feature file is kept, none embedded again (the
+    # stage made every file again on each run)
+    assert {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in features if p.stem != "synth_002"} == {
+        p: v for p, v in made.items() if p.stem != "synth_002"}
+    test_file = cohort.parent / "out" / "features" / "test" / "synth_002.h5"
+    assert test_file.stat().st_ino == made[test_file][0]  # its labels, if they changed, are updated in place
 
     _fix_annotation(cohort.parent / "cohort" / "annotations" / "train" / "synth_001.xml")
     assert _run(cohort, until="train") == {"tile": "skipped", "label": "ran", "features": "ran", "train": "ran"}

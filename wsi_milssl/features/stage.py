@@ -19,7 +19,7 @@ The folder gets ``<stem>.h5`` per slide (:mod:`wsi_milssl.features.schema`), ``f
 from the same source is there) or 'failed'. Each file is written under a temporary name and renamed
 when complete, so a killed run resumes where it stopped. A file made with other settings (another
 encoder, weights, dtype, input size or precision) is never replaced silently: that slide fails with
-the fix (``overwrite`` or another folder); a file whose source changed (a store tiled or labelled
+the fix (``overwrite`` or another folder; ``run`` replaces them in its own folders); a file whose source changed (a store tiled or labelled
 again) is made again.
 """
 
@@ -294,7 +294,7 @@ def _refresh_labels(path: Path, store_path: Path) -> bool:
 
 def extract_features(inputs: Sequence[str | os.PathLike], out_dir: str | os.PathLike,
                      config: FeaturesConfig | None = None, *, tile: TileConfig | None = None,
-                     encoder: Encoder | None = None, overwrite: bool = False,
+                     encoder: Encoder | None = None, overwrite: bool = False, replace_other: bool = False,
                      progress: ProgressCallback | None = None) -> FeatureRun:
     """Embed every patch of every input with the encoder of ``config`` and write one feature file per slide.
 
@@ -302,7 +302,10 @@ def extract_features(inputs: Sequence[str | os.PathLike], out_dir: str | os.Path
     (:func:`feature_inputs`). ``tile``: how slides are cut on the fly (default: the stores' recorded
     plan, else TileConfig's defaults); every store must have that plan's resolution and patch size.
     ``encoder``: an :class:`~wsi_milssl.features.encoders.Encoder` to use instead of building
-    ``config.encoder``. ``overwrite``: make every file again. Raises ConfigError / CheckpointError before
+    ``config.encoder``. ``overwrite``: make every file again. ``replace_other``: keep the files made with
+    these settings from the same source, and make again those made with other settings (or unreadable,
+    or not feature files), which otherwise fail their slide (``run`` uses it for the folders it owns, so
+    a re-run embeds only the slides whose store or settings changed). Raises ConfigError / CheckpointError before
     any slide for bad inputs, settings or weights; per-slide errors are recorded in
     ``features_status.csv`` and the run goes on.
     """
@@ -363,8 +366,11 @@ def extract_features(inputs: Sequence[str | os.PathLike], out_dir: str | os.Path
             try:
                 n = _check_existing(path, settings, settings_hash, source_hashes[i])
             except StoreError as exc:
-                record(i, failed(i, str(exc)))
-                continue
+                if not replace_other:
+                    record(i, failed(i, str(exc)))
+                    continue
+                logger.info("%s; made again", str(exc).split(" Fix:")[0])
+                n = None
             if n is not None and src is not None and src.has_labels and not _refresh_labels(path, it.store_path):
                 n = None  # labels of another length: made again
             if n is not None:

@@ -209,8 +209,9 @@ def _label(ctx: _Context) -> tuple[list[str], str]:
 
 
 def _features(ctx: _Context) -> tuple[list[str], str]:
-    """Embed every store of both sets with the [features] encoder (every file made again: the stage
-    runs when its settings or the stores changed)."""
+    """Embed the stores of both sets with the [features] encoder: a feature file made with these settings
+    from the same store is kept (its instance labels brought up to date), one made with other settings or
+    from a changed store is made again; every file with ``--force``."""
     from wsi_milssl.config import FeaturesConfig
     from wsi_milssl.errors import WsiMilsslError
     from wsi_milssl.features import extract_features
@@ -219,14 +220,16 @@ def _features(ctx: _Context) -> tuple[list[str], str]:
     outputs, parts = [], []
     for set_name in ctx.spec.sets:
         run = extract_features(list(_set_stores(ctx, set_name).values()), ctx.features_dir(set_name), config,
-                               overwrite=True, progress=ctx.progress)
+                               overwrite=ctx.redo, replace_other=True, progress=ctx.progress)
         failed = [r for r in run.results if r.status == "failed"]
         if failed:
             raise WsiMilsslError(f"features: {len(failed)} slide(s) of the {set_name} set failed (see {run.status_csv}): "
                                  + "; ".join(f"{r.slide}: {r.error}" for r in failed[:3]))
         outputs += [str(run.status_csv)] + _existing(r.path for r in run.results)
         dim = run.results[0].feature_dim if run.results else 0
-        parts.append(f"{set_name}: {run.n_patches} patches x {dim} from {len(run.results)} slides")
+        kept = sum(r.status == "skipped" for r in run.results)
+        parts.append(f"{set_name}: {run.n_patches} patches x {dim} from {len(run.results) - kept} slides"
+                     + (f" ({kept} up to date)" if kept else ""))
     return outputs, f"{config.encoder}: " + "; ".join(parts)
 
 
