@@ -732,3 +732,23 @@ def test_stacked_weight_average_zero_is_unchanged_and_positive_scores_with_the_a
     assert mc.METHODS["mil-ssl-improved-weight-average"].settings()["weight_average_epochs"] == 3.0
     with pytest.raises(ConfigError, match="weight_average_epochs must be >= 0"):
         fit_stacked_milssl(data, weight_average_epochs=-1.0, **kw)
+
+
+def test_stacked_mixup_zero_is_unchanged_and_held_out_bags_never_shape_a_model(mil_csv, mil_csv_val):
+    val, data, kw = _two_stacked_models(mil_csv, mil_csv_val)
+    _option_is_off_by_default_and_changes_training(data, kw, val, "mixup", 0.0, 0.4)
+    assert mc.METHODS["mil-ssl-improved-mixup"].settings()["mixup"] == 0.4
+    for bad in (-0.1, float("nan")):
+        with pytest.raises(ConfigError, match="mixup must be >= 0"):
+            fit_stacked_milssl(data, mixup=bad, **kw)
+    # model 0 trains on bags 0-2 only: the features of the other bags (mixed into the batch as partners of
+    # its instances) must not change it, while model 1 (every bag) does change
+    train = read_mil_csv(mil_csv)
+    held = StackedData.from_instances(train, _weights(train.n_bags, [[0, 1, 2], None]))
+    first = fit_stacked_milssl(held, mixup=0.4, **kw)["val"][10]
+    others = torch.isin(held.bag_ids, torch.tensor([0, 1, 2]), invert=True)
+    moved = StackedData(x=held.x.clone(), bag_ids=held.bag_ids, bag_labels=held.bag_labels, bag_weight=held.bag_weight)
+    moved.x[others] = moved.x[others] * 3.0 + 1.0
+    second = fit_stacked_milssl(moved, mixup=0.4, **kw)["val"][10]
+    np.testing.assert_allclose(second[0], first[0], rtol=1e-5, atol=1e-6)
+    assert not np.allclose(second[1], first[1])

@@ -153,6 +153,12 @@ class _Adam:
             p.grad = None
 
 
+def _beta(alpha: float, n: int, g: torch.Generator) -> torch.Tensor:
+    """n draws of Beta(alpha, alpha) (float32), seeded from ``g``."""
+    rng = np.random.default_rng(int(torch.randint(2 ** 62, (1,), generator=g)))
+    return torch.from_numpy(rng.beta(alpha, alpha, n).astype(np.float32))
+
+
 def _dropout(h: torch.Tensor, p: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     """Inverted dropout with per-model rate ``p`` (M,) on h (M, n, H)."""
     if not bool((p > 0).any()):
@@ -511,7 +517,8 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
                        global_constraint: bool = True, class_balanced: bool = False, warmup_epochs: int = 0,
                        bag_balanced: Sequence[bool] | bool = False, pseudo_negative_weight: float = 1.0,
                        bag_loss_weight: float = 0.0, target_momentum: float = 0.0, neighbours: int = 0,
-                       input_noise: float = 0.0, weight_average_epochs: float = 0.0, eval_at: Sequence[int], eval_sets: dict[str, InstanceSet], seeds: Sequence[int],
+                       input_noise: float = 0.0, weight_average_epochs: float = 0.0, mixup: float = 0.0,
+                       eval_at: Sequence[int], eval_sets: dict[str, InstanceSet], seeds: Sequence[int],
                        seed: int = 0) -> dict[str, dict[int, np.ndarray]]:
     """Train M MIL-SSL instance classifiers at once (model m on the bags ``data.bag_weight[m]``).
 
@@ -536,7 +543,10 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
     instances (:func:`neighbour_graphs`); ``input_noise`` σ > 0 adds N(0, σ²) to every standardised
     feature of every training step (not to the refreshes or evaluations); ``weight_average_epochs`` h > 0
     refreshes and evaluates with an exponential moving average of the weights over about h epochs of
-    steps (:class:`_WeightAverage`) instead of the last step's weights.
+    steps (:class:`_WeightAverage`) instead of the last step's weights; ``mixup`` α > 0 trains every step
+    on convex combinations of the batch's instances with a shuffled copy of it (mixup: weight l ~ Beta(α, α)
+    per pair, features and targets mixed alike; a pair counts for model m only when both instances are
+    among its training instances, so held-out instances never shape a model).
 
     Returns ``{set name: {epoch: instance probabilities (M, N_set) float64}}`` (``"train"`` included).
     """
@@ -556,6 +566,8 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
                           f"got {input_noise!r}.")
     if not weight_average_epochs >= 0:
         raise ConfigError(f"weight_average_epochs must be >= 0 (0 = the last weights); got {weight_average_epochs!r}.")
+    if not mixup >= 0:
+        raise ConfigError(f"mixup must be >= 0 (the Beta(α, α) of the mixing weights; 0 = no mixup); got {mixup!r}.")
     mean, std = data.standardisation()
     gens = [_gen(4, s) for s in seeds]
     model = _StackedHead(int(data.x.shape[1]), hidden_dims=hidden_dims, dropout=torch.tensor(list(dropout)),
@@ -618,14 +630,21 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
                                         bags_per_step)) if bag_loss_weight > 0 else [])
         for step, i in enumerate(range(0, n, batch_size)):
             idx = order[i:i + batch_size]
-            logp = F.log_softmax(model.logits(data.x[idx], g, noise=noise), dim=-1)  # (M, b, 2)
-            q = targets[:, idx]
-            negative = neg_w[idx] * (1 - q) * logp[..., 0]
+            x, q, w, nw = data.x[idx], targets[:, idx], loss_w[:, idx], neg_w[idx]
+            if mixup > 0:  # pairs (j, perm[j]) mixed with weight l_j; a pair counts where both are a model's own
+                perm = torch.randperm(idx.numel(), generator=g)
+                mix = _beta(mixup, idx.numel(), g)
+                x = mix[:, None] * x + (1 - mix[:, None]) * x[perm]
+                q = mix * q + (1 - mix) * q[:, perm]
+                nw = mix * nw + (1 - mix) * nw[perm]
+                own = (inst_w[:, idx] > 0) & (inst_w[:, idx[perm]] > 0)
+                w = torch.where(own, mix * w + (1 - mix) * w[:, perm], torch.zeros_like(w))
+            logp = F.log_softmax(model.logits(x, g, noise=noise), dim=-1)  # (M, b, 2)
+            negative = nw * (1 - q) * logp[..., 0]
             if class_balanced:
                 ce = -(w_pos * q * logp[..., 1] + w_neg * negative)
             else:
                 ce = -(q * logp[..., 1] + negative)
-            w = loss_w[:, idx]
             per_model = (ce * w).sum(1) / w.sum(1).clamp_min(1e-6)
             if step < len(bag_chunks):
                 per_model = per_model + bag_loss_weight * _max_bag_loss(model, data, bag_chunks[step], bag_y, g)
