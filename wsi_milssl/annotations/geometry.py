@@ -38,6 +38,7 @@ __all__ = [
     "tumor_fraction",
     "rasterize_region",
     "subdivide",
+    "without_holes",
 ]
 
 logger = logging.getLogger(__name__)
@@ -286,6 +287,37 @@ def subdivide(geometry: BaseGeometry, *, max_vertices: int = 256, max_rounds: in
         todo = _explode_polygons(halves)
     if todo.size:
         done.append(todo)
+    return np.concatenate(done) if done else np.empty(0, dtype=object)
+
+
+def without_holes(geometry: BaseGeometry, *, max_rounds: int = 16) -> np.ndarray:
+    """Split ``geometry`` into polygons without interior rings that together cover it (object array).
+
+    ASAP XML has no holes: an area with a hole (an annulus around a tumour island) can only be written
+    as polygons without holes. Each polygon with holes is split along vertical lines, one through a
+    point inside each hole (``shapely.ops.split``), so that every hole opens onto the cut; the pieces
+    share the vertices on the cut lines, so their union is ``geometry`` again. Polygons without holes
+    are returned as they are. Should a split leave a hole (a numerical corner case), that piece is
+    split into its constrained Delaunay triangles, which have no holes by construction.
+    """
+    from shapely.ops import split
+
+    todo = _explode_polygons(np.array([geometry], dtype=object))
+    done = []
+    for _ in range(max_rounds):
+        if not todo.size:
+            break
+        holed = shapely.get_num_interior_rings(todo) > 0
+        done.append(todo[~holed])
+        pieces = []
+        for poly in todo[holed]:
+            _, y0, _, y1 = poly.bounds
+            xs = sorted({shapely.Polygon(ring).representative_point().x for ring in poly.interiors})
+            cuts = shapely.MultiLineString([[(x, y0 - 1.0), (x, y1 + 1.0)] for x in xs])
+            pieces.extend(split(poly, cuts).geoms)
+        todo = _explode_polygons(np.array(pieces, dtype=object))
+    if todo.size:
+        done.append(_explode_polygons(shapely.constrained_delaunay_triangles(todo)))
     return np.concatenate(done) if done else np.empty(0, dtype=object)
 
 

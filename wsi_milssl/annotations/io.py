@@ -9,9 +9,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Literal, Mapping, Sequence
 
-from wsi_milssl.annotations.asap import PolygonAnnotation, read_asap_xml, report_skipped, write_asap_xml
+import numpy as np
+import shapely
+
+from wsi_milssl.annotations.asap import AREA_TYPES, PolygonAnnotation, read_asap_xml, report_skipped, write_asap_xml
 from wsi_milssl.annotations.geojson import read_geojson, write_geojson
-from wsi_milssl.annotations.geometry import AnnotationSet
+from wsi_milssl.annotations.geometry import AnnotationSet, annotation_geometry, polygonal, without_holes
 from wsi_milssl.annotations.groups import GroupMap, as_group_map
 from wsi_milssl.errors import AnnotationError
 
@@ -99,7 +102,12 @@ def write_annotations(
     """Write annotations as ASAP XML or GeoJSON (by ``format`` or the suffix of ``path``), atomically.
 
     ASAP XML has no holes: holes of tumour polygons become polygons of the first non-tumour group
-    (``_2``); holes of non-tumour polygons cannot be expressed and are dropped with a warning.
+    (``_2``), which the ASAP reader subtracts from the union of all tumour polygons. A hole that holds
+    tumour (an island drawn as another polygon, or another part of a MultiPolygon) is written as the
+    hole minus that tumour, split into polygons without holes (:func:`without_holes`), so that the
+    file read back covers the same tumour region; a non-tumour polygon whose hole holds tumour is
+    written as such pieces itself. Other holes of non-tumour polygons cannot be expressed and are
+    dropped with a warning (they carve nothing out of the tumour).
     """
     path = Path(path)
     if isinstance(annotations, AnnotationSet):
@@ -125,6 +133,7 @@ def write_annotations(
     if format != "asap":
         raise AnnotationError(f"{path}: unknown annotation format {format!r}; use 'asap' or 'geojson'.")
     hole_group = gmap.first_non_tumor()
+    polygons = _holes_around_tumour(polygons, gmap)
     dropped = [a.name for a in polygons if a.holes_lv0 and gmap.role(a.group) != "tumor"]
     if dropped:
         logger.warning(
@@ -141,6 +150,65 @@ def write_annotations(
 
 def _without_holes(annotation: PolygonAnnotation) -> PolygonAnnotation:
     return replace(annotation, holes_lv0=())
+
+
+def _hole_geometry(ring: np.ndarray):
+    """A hole ring as a valid (Multi)Polygon, or None when it encloses no area."""
+    ring = np.asarray(ring, dtype=np.float64).reshape(-1, 2)
+    if len(np.unique(ring, axis=0)) < 3:
+        return None
+    hole = shapely.Polygon(ring)
+    if not hole.is_valid:
+        hole = polygonal(shapely.make_valid(hole, method="structure", keep_collapsed=False))
+    return None if hole.is_empty or hole.area <= 0 else hole
+
+
+def _holes_around_tumour(polygons: list[PolygonAnnotation], gmap: GroupMap) -> list[PolygonAnnotation]:
+    """``polygons`` made fit for ASAP XML without losing tumour that lies inside a hole.
+
+    The ASAP reader computes (union of tumour polygons) minus (union of non-tumour polygons), and a
+    hole written as a non-tumour polygon would carve away a tumour island inside it. So a hole of a
+    tumour polygon that overlaps tumour becomes the hole minus all tumour, split into polygons without
+    holes (written as ``"<name> hole <k>"``, one per piece); a non-tumour polygon with a hole that
+    overlaps tumour becomes its own pieces without holes (same name and group). Holes that hold no
+    tumour are left as they are (one ``_2`` polygon each, or dropped for non-tumour polygons).
+    """
+    if not any(a.holes_lv0 for a in polygons):
+        return polygons
+    tumour = [g for g in (annotation_geometry(a) for a in polygons if gmap.role(a.group) == "tumor") if g is not None]
+    if not tumour:
+        return polygons
+    tree = shapely.STRtree(tumour)
+
+    def tumour_in(hole):
+        near = tree.query(hole, predicate="intersects")
+        if not near.size:
+            return None
+        inside = shapely.intersection(hole, shapely.union_all([tumour[i] for i in near]))
+        return inside if shapely.area(inside) > 0 else None
+
+    def rings(geometry) -> list[np.ndarray]:
+        return [np.asarray(p.exterior.coords, dtype=np.float64)[:-1] for p in without_holes(geometry)]
+
+    out: list[PolygonAnnotation] = []
+    for ann in polygons:
+        role = gmap.role(ann.group)
+        if not ann.holes_lv0 or ann.type not in AREA_TYPES or role is None:
+            out.append(ann)
+            continue
+        holes = [(ring, _hole_geometry(ring)) for ring in ann.holes_lv0]
+        inside = [None if hole is None else tumour_in(hole) for _, hole in holes]
+        if not any(i is not None for i in inside):
+            out.append(ann)
+        elif role == "tumor":
+            new_holes: list[np.ndarray] = []
+            for (ring, hole), tumour_part in zip(holes, inside):
+                new_holes += [ring] if tumour_part is None else rings(shapely.difference(hole, tumour_part))
+            out.append(replace(ann, holes_lv0=tuple(new_holes)))
+        else:
+            geometry = annotation_geometry(ann)
+            out += [] if geometry is None else [replace(ann, coords_lv0=r, holes_lv0=()) for r in rings(geometry)]
+    return out
 
 
 def convert_annotations(

@@ -264,7 +264,8 @@ def write_lesions(geojson_path: str | os.PathLike, xml_path: str | os.PathLike, 
                   origin_lv0: tuple[int, int], stride_lv0: int, patch_size_lv0: int, mpp: float) -> dict[str, Path]:
     """Write predicted lesion ``polygons`` (shapely, level-0 px) as QuPath GeoJSON annotations and ASAP
     XML with the project's annotation writers: group/classification ``Tumor`` (red), holes kept
-    (ASAP: holes as polygons of group ``_2``). Each is named ``Lesion k (max p P, A mm2)`` with the
+    (ASAP: holes as polygons of group ``_2``; a hole around another lesion as the hole minus that
+    lesion, in pieces without holes, so the XML read back covers every lesion). Each is named ``Lesion k (max p P, A mm2)`` with the
     highest map value of the cells inside and its area."""
     import shapely
 
