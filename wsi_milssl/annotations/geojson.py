@@ -7,7 +7,10 @@ non-area annotations (``Dot``/``PointSet``/``Measurement``, as ASAP names them) 
 conversion loses nothing; ``GeometryCollection`` is walked. The group of a feature is
 ``properties.classification.name`` (or ``properties.classification`` when it is a string);
 features without one get the group ``Unclassified``. Objects whose ``objectType`` is not
-``annotation`` (QuPath detections, cells, tiles) are skipped with a warning.
+``annotation`` (QuPath detections, cells, tiles) are skipped with a warning; QuPath 0.2 exports,
+which have no ``objectType``, name the object type in the feature's ``id`` (``PathDetectionObject``,
+``PathCellObject``, ``PathTileObject``, ``PathAnnotationObject``: :data:`QUPATH_02_OBJECT_TYPES`),
+which is read the same way and is not taken for the annotation's name.
 
 Written files are a ``FeatureCollection`` with one ``Polygon`` feature per annotation:
 ``properties = {"objectType": "annotation", "name", "classification": {"name": group, "color":
@@ -35,7 +38,7 @@ from wsi_milssl.annotations.asap import GROUP_COLORS, MAX_ANNOTATION_BYTES, Poly
 from wsi_milssl.annotations.groups import UNCLASSIFIED
 from wsi_milssl.errors import AnnotationError
 
-__all__ = ["read_geojson", "write_geojson", "hex_to_rgb", "rgb_to_hex", "MAX_JSON_DEPTH"]
+__all__ = ["read_geojson", "write_geojson", "hex_to_rgb", "rgb_to_hex", "MAX_JSON_DEPTH", "QUPATH_02_OBJECT_TYPES"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +48,17 @@ _BARE_GEOMETRIES = ("Polygon", "MultiPolygon", "Point", "MultiPoint", "LineStrin
                     "GeometryCollection")
 _ASAP_TO_GEOMETRY = {"Polygon": "Polygon", "Spline": "Polygon", "Rectangle": "Polygon",
                      "Dot": "Point", "PointSet": "MultiPoint", "Measurement": "LineString"}
+
+#: Feature ids of QuPath 0.2 exports, which gave the object type there (0.3 moved it to
+#: ``properties.objectType``) -> the objectType they stand for. Such an id is not a name.
+QUPATH_02_OBJECT_TYPES = {
+    "PathAnnotationObject": "annotation",
+    "PathDetectionObject": "detection",
+    "PathCellObject": "cell",
+    "PathTileObject": "tile",
+    "PathTMACoreObject": "tma_core",
+    "PathRootObject": "root",
+}
 
 #: Deepest nesting of JSON arrays and objects accepted. A QuPath MultiPolygon feature inside a
 #: FeatureCollection is 8 levels deep; deeper files are refused before any recursive code sees them.
@@ -289,14 +303,17 @@ def read_geojson(
         props = feature.get("properties") or {}
         if not isinstance(props, Mapping):
             raise ctx.error(where, f"'properties' must be an object; got {_short(props)}.")
+        fid = feature.get("id")
         object_type = props.get("objectType", props.get("object_type"))
+        if object_type is None and isinstance(fid, str):
+            object_type = QUPATH_02_OBJECT_TYPES.get(fid)  # QuPath 0.2 gave the object type as the feature id
         if object_type is not None and object_type != "annotation":
             skipped_objects[str(object_type)] += 1
             continue
         name = props.get("name")
         if not isinstance(name, str) or not name:
-            fid = feature.get("id")
-            name = str(fid) if fid is not None else f"Annotation {index}"
+            qupath_02_type = isinstance(fid, str) and fid in QUPATH_02_OBJECT_TYPES
+            name = str(fid) if fid is not None and not qupath_02_type else f"Annotation {index}"
         where = f"feature {index} ({name!r})"
         group, class_color = _classification(props)
         if class_color and group not in groups:
