@@ -38,6 +38,7 @@ Evaluation folder (``wsi-milssl evaluate --out DIR``; ``OUT/evaluation``): :data
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import os
@@ -68,12 +69,14 @@ __all__ = [
     "PER_SLIDE_COLUMNS",
     "DETECTION_OUTCOME_COLUMNS",
     "FROC_CURVE_COLUMNS",
+    "MAX_COORDINATE_LV0",
     "Detections",
     "PredictionFiles",
     "heatmap_paths",
     "parse_heatmap_name",
     "detection_point_lv0",
     "format_detection",
+    "read_text",
     "read_detections",
     "read_patch_probs",
     "read_probs_sidecar",
@@ -140,6 +143,11 @@ PER_SLIDE_COLUMNS = (
 DETECTION_OUTCOME_COLUMNS = ("slide", "prob", "x_lv0", "y_lv0", "outcome", "region")
 FROC_CURVE_COLUMNS = ("threshold", "fp_per_slide", "sensitivity")
 
+#: Largest level-0 coordinate magnitude (px) read from a detections or patches file: beyond any slide, and
+#: small enough that pixel arithmetic stays exact in float64 and int64 (``wsi_milssl.annotations`` uses the same
+#: bound for polygons). A larger value is an EvaluationError naming the file and line, not an overflow.
+MAX_COORDINATE_LV0 = float(1 << 31)
+
 
 # ----------------------------------------------------------------------------------------------
 # Names
@@ -197,6 +205,42 @@ class Detections:
         return int(self.probs.shape[0])
 
 
+def read_text(path: str | os.PathLike, *, what: str, fix: str) -> str:
+    """The whole of a UTF-8 text file (a leading byte-order mark dropped, as Excel writes it).
+
+    EvaluationError naming ``path`` when the file cannot be read or is not UTF-8: ``what`` says what the
+    file is (``"the slide scores"``), ``fix`` how to mend it (a sentence starting ``Fix:``).
+    """
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise EvaluationError(f"{path}: cannot read {what} ({exc.strerror or exc}).") from None
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise EvaluationError(f"{path}: not UTF-8 text (byte {exc.start}); {what} must be UTF-8 (or ASCII) text. "
+                              f"{fix}") from None
+
+
+def _csv_rows(text: str, path: Path, fix: str) -> list[list[str]]:
+    try:
+        return list(csv.reader(io.StringIO(text, newline="")))
+    except csv.Error as exc:
+        raise EvaluationError(f"{path}: not a CSV file ({exc}). {fix}") from None
+
+
+def _coordinate(text: str, path: Path, line: int, column: str) -> float:
+    """A level-0 coordinate: a finite number within :data:`MAX_COORDINATE_LV0` (EvaluationError otherwise)."""
+    value = _float(text, path, line, column)
+    if abs(value) >= MAX_COORDINATE_LV0:
+        raise EvaluationError(
+            f"{path}: line {line}: {column} {text.strip()!r} lies beyond any slide (level-0 pixel coordinates are "
+            f"below {MAX_COORDINATE_LV0:.0f} in magnitude). Fix: write level-0 pixel coordinates."
+        )
+    return value
+
+
 def _float(text: str, path: Path, line: int, column: str) -> float:
     try:
         value = float(text)
@@ -223,7 +267,8 @@ def read_detections(path: str | os.PathLike) -> Detections:
 
     An empty file means no detections. A header (a first line of three fields and no number, such as
     ``prob,x,y`` or CAMELYON16's ``Confidence,X coordinate,Y coordinate``) and fractional coordinates (files of other
-    tools) are tolerated; this package writes integers. The file must be UTF-8 (or ASCII) text.
+    tools) are tolerated; this package writes integers. The file must be UTF-8 (or ASCII) text, and x, y
+    finite and below :data:`MAX_COORDINATE_LV0` in magnitude (EvaluationError naming the file and line).
     """
     path = Path(path)
     probs: list[float] = []
@@ -255,8 +300,8 @@ def read_detections(path: str | os.PathLike) -> Detections:
                 f"pixels), got {len(row)}. Fix: write one detection per line as prob,x,y."
             )
         probs.append(_float(row[0], path, line_no, "prob"))
-        xs.append(_float(row[1], path, line_no, "x"))
-        ys.append(_float(row[2], path, line_no, "y"))
+        xs.append(_coordinate(row[1], path, line_no, "x"))
+        ys.append(_coordinate(row[2], path, line_no, "y"))
     return Detections(np.asarray(probs, dtype=np.float64), np.asarray(xs, dtype=np.float64),
                       np.asarray(ys, dtype=np.float64))
 
@@ -267,74 +312,86 @@ def read_detections(path: str | os.PathLike) -> Detections:
 
 def read_patch_probs(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray]:
     """Read ``<stem>_patches.csv`` (header ``x_lv0,y_lv0,prob``): int64 (N, 2) level-0 top-left
-    coordinates and float64 (N,) probabilities."""
+    coordinates and float64 (N,) probabilities. EvaluationError naming the file (and line) for a file
+    that is not UTF-8 CSV, another header, or a value that is not a finite number (coordinates also
+    below :data:`MAX_COORDINATE_LV0` in magnitude)."""
     path = Path(path)
-    try:
-        fh = open(path, newline="")
-    except OSError as exc:
-        raise EvaluationError(f"{path}: cannot read the patch probabilities ({exc.strerror}).") from None
+    fix = ("Fix: write the heatmap stage's patch table again (one row per patch: level-0 top-left x_lv0, y_lv0, "
+           "probability).")
+    rows = _csv_rows(read_text(path, what="the patch probabilities", fix=fix), path, fix)
+    header = [c.strip() for c in rows[0]] if rows else []
+    if header != list(PATCHES_COLUMNS):
+        raise EvaluationError(
+            f"{path}: header is {','.join(header)!r}; expected {','.join(PATCHES_COLUMNS)!r}. Fix: write the "
+            "heatmap stage's patch table (one row per patch, level-0 top-left, probability)."
+        )
     coords: list[tuple[float, float]] = []
     probs: list[float] = []
-    with fh:
-        reader = csv.reader(fh)
-        header = [c.strip() for c in next(reader, [])]
-        if header != list(PATCHES_COLUMNS):
-            raise EvaluationError(
-                f"{path}: header is {','.join(header)!r}; expected {','.join(PATCHES_COLUMNS)!r}. Fix: write the "
-                "heatmap stage's patch table (one row per patch, level-0 top-left, probability)."
-            )
-        for line_no, row in enumerate(reader, start=2):
-            if not row:
-                continue
-            if len(row) != 3:
-                raise EvaluationError(f"{path}: line {line_no}: expected 3 values x_lv0,y_lv0,prob; got {len(row)}.")
-            coords.append((_float(row[0], path, line_no, "x_lv0"), _float(row[1], path, line_no, "y_lv0")))
-            probs.append(_float(row[2], path, line_no, "prob"))
+    for line_no, row in enumerate(rows[1:], start=2):
+        if not row:
+            continue
+        if len(row) != 3:
+            raise EvaluationError(f"{path}: line {line_no}: expected 3 values x_lv0,y_lv0,prob; got {len(row)}.")
+        coords.append((_coordinate(row[0], path, line_no, "x_lv0"), _coordinate(row[1], path, line_no, "y_lv0")))
+        probs.append(_float(row[2], path, line_no, "prob"))
     xy = np.asarray(coords, dtype=np.float64).reshape(-1, 2)
     return np.round(xy).astype(np.int64), np.asarray(probs, dtype=np.float64)
 
 
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
 def read_probs_sidecar(path: str | os.PathLike) -> dict:
-    """Read ``<stem>_probs.json`` and check ``patch_size_lv0`` (a positive number) is present."""
+    """Read ``<stem>_probs.json``: a JSON object whose ``patch_size_lv0`` (the patch side, level-0 px) is a
+    finite positive number, as is ``mpp`` (level-0 µm/px) when given (not null). EvaluationError naming the
+    file otherwise, and for a file that is not UTF-8 JSON."""
     path = Path(path)
+    fix = "Fix: run the heatmap stage again for this slide, or move the file away."
     try:
-        data = json.loads(path.read_text())
-    except OSError as exc:
-        raise EvaluationError(f"{path}: cannot read the probability-map sidecar ({exc.strerror}).") from None
+        data = json.loads(read_text(path, what="the probability-map sidecar", fix=fix))
     except json.JSONDecodeError as exc:
-        raise EvaluationError(f"{path}: invalid JSON at line {exc.lineno} ({exc.msg}).") from None
+        raise EvaluationError(f"{path}: invalid JSON at line {exc.lineno} ({exc.msg}). {fix}") from None
+    except (ValueError, RecursionError) as exc:  # e.g. an integer of more digits than Python converts
+        raise EvaluationError(f"{path}: invalid JSON ({type(exc).__name__}: {exc}). {fix}") from None
     if not isinstance(data, dict):
-        raise EvaluationError(f"{path}: expected a JSON object with patch_size_lv0, mpp, origin_lv0, ...")
+        raise EvaluationError(f"{path}: expected a JSON object with patch_size_lv0, mpp, origin_lv0, ... {fix}")
     size = data.get("patch_size_lv0")
-    if isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0:
+    if not _positive(size):
         raise EvaluationError(
-            f"{path}: 'patch_size_lv0' is {size!r}; it must be the patch side in level-0 pixels (> 0)."
+            f"{path}: 'patch_size_lv0' is {size!r}; it must be the patch side in level-0 pixels (a finite number "
+            f"> 0). {fix}"
+        )
+    mpp = data.get("mpp")
+    if mpp is not None and not _positive(mpp):
+        raise EvaluationError(
+            f"{path}: 'mpp' is {mpp!r}; it must be the slide's level-0 µm per pixel (a finite number > 0). {fix}"
         )
     return data
 
 
 def read_scores(path: str | os.PathLike) -> dict[str, float]:
-    """Read ``scores.csv`` (header ``slide,score``) into {stem: score}."""
+    """Read ``scores.csv`` (header ``slide,score``; a leading byte-order mark is dropped) into {stem: score}.
+    EvaluationError naming the file (and line) for a file that is not UTF-8 CSV, a header without those
+    columns, a score that is not a finite number and a slide listed twice."""
     from wsi_milssl.cohorts import slide_stem
 
     path = Path(path)
+    fix = "Fix: write it as UTF-8 text 'slide,score' with one slide per line, or run the heatmap stage again."
+    rows = _csv_rows(read_text(path, what="the slide scores", fix=fix), path, fix)
+    header = [c.strip() for c in rows[0]] if rows else None
+    if header is None or not set(SCORES_COLUMNS) <= set(header):
+        raise EvaluationError(f"{path}: header must contain 'slide,score'; got {header!r}. {fix}")
+    slide_col, score_col = header.index("slide"), header.index("score")
     out: dict[str, float] = {}
-    try:
-        fh = open(path, newline="")
-    except OSError as exc:
-        raise EvaluationError(f"{path}: cannot read the slide scores ({exc.strerror}).") from None
-    with fh:
-        reader = csv.DictReader(fh)
-        if reader.fieldnames is None or not set(SCORES_COLUMNS) <= {f.strip() for f in reader.fieldnames}:
-            raise EvaluationError(
-                f"{path}: header must contain 'slide,score'; got {reader.fieldnames!r}."
-            )
-        for line_no, row in enumerate(reader, start=2):
-            row = {k.strip(): (v or "") for k, v in row.items() if k is not None}
-            stem = slide_stem(row["slide"].strip())
-            if stem in out:
-                raise EvaluationError(f"{path}: line {line_no}: slide {stem!r} is listed twice.")
-            out[stem] = _float(row["score"], path, line_no, "score")
+    for line_no, row in enumerate(rows[1:], start=2):
+        if not row:
+            continue
+        cells = row + [""] * (len(header) - len(row))
+        stem = slide_stem(cells[slide_col].strip())
+        if stem in out:
+            raise EvaluationError(f"{path}: line {line_no}: slide {stem!r} is listed twice.")
+        out[stem] = _float(cells[score_col], path, line_no, "score")
     return out
 
 

@@ -28,6 +28,7 @@ from shapely.geometry.base import BaseGeometry
 
 from wsi_milssl.annotations.asap import AREA_TYPES, PolygonAnnotation
 from wsi_milssl.annotations.groups import DEFAULT_GROUP_MAP, GroupMap
+from wsi_milssl.artifacts import MAX_COORDINATE_LV0
 from wsi_milssl.errors import AnnotationError
 
 __all__ = [
@@ -48,7 +49,7 @@ _EMPTY = shapely.MultiPolygon()
 #: Largest coordinate magnitude (level-0 px) turned into geometry: beyond any slide, and small enough
 #: that areas and intersections stay finite and exact in float64. Readers keep any finite value (so
 #: conversions are lossless); a tumour or non-tumour polygon beyond it is an AnnotationError.
-MAX_COORDINATE = float(1 << 31)
+MAX_COORDINATE = MAX_COORDINATE_LV0
 
 
 def _explode_polygons(geoms: np.ndarray) -> np.ndarray:

@@ -123,14 +123,13 @@ class EvaluationMask:
     def label_at(self, x_lv0: np.ndarray, y_lv0: np.ndarray) -> np.ndarray:
         """int32 (D,) region label under each level-0 point (pixel ``(x // ds, y // ds)``); 0 outside
         every region and for points outside the slide."""
-        col = np.floor(np.asarray(x_lv0, dtype=np.float64) / self.downsample).astype(np.int64)
-        row = np.floor(np.asarray(y_lv0, dtype=np.float64) / self.downsample).astype(np.int64)
-        row = row - self.offset_px[0]
-        col = col - self.offset_px[1]
+        # compared as floats before any integer cast: a point far off the slide (x = 1e300) is simply outside
+        col = np.floor(np.asarray(x_lv0, dtype=np.float64) / self.downsample) - self.offset_px[1]
+        row = np.floor(np.asarray(y_lv0, dtype=np.float64) / self.downsample) - self.offset_px[0]
         h, w = self.labels.shape
         inside = (col >= 0) & (row >= 0) & (col < w) & (row < h)
         out = np.zeros(col.shape, dtype=np.int32)
-        out[inside] = self.labels[row[inside], col[inside]]
+        out[inside] = self.labels[row[inside].astype(np.int64), col[inside].astype(np.int64)]
         return out
 
 

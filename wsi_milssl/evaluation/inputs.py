@@ -10,6 +10,7 @@ from :func:`wsi_milssl.cohorts.read_labels`; slides and their suffixes from :mod
 from __future__ import annotations
 
 import csv
+import io
 import os
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from wsi_milssl.artifacts import (
     read_patch_probs,
     read_probs_sidecar,
     read_scores,
+    read_text,
 )
 from wsi_milssl.cohorts import SLIDE_SUFFIXES, read_labels, slide_stem
 from wsi_milssl.errors import EvaluationError
@@ -45,7 +47,8 @@ def resolve_slides(source: str | os.PathLike | None) -> dict[str, Path]:
 
     A folder: every file with one of :data:`SLIDE_SUFFIXES`. A CSV: a ``path`` (or ``slide_path``)
     column, optional ``slide`` column for the stem; relative paths are taken from the CSV's folder.
-    None gives an empty mapping.
+    None gives an empty mapping. The CSV must be UTF-8 text (a leading byte-order mark is dropped);
+    EvaluationError naming it otherwise.
     """
     if source is None:
         return {}
@@ -58,21 +61,26 @@ def resolve_slides(source: str | os.PathLike | None) -> dict[str, Path]:
         return out
     if not source.is_file():
         raise EvaluationError(f"{source}: --slides is neither a folder nor a CSV file. Fix: check the path.")
-    with open(source, newline="") as fh:
-        reader = csv.DictReader(fh)
+    fix = "Fix: write it as UTF-8 text 'slide,path' with one slide per line, or pass the folder that holds the slides."
+    text = read_text(source, what="a slide list (--slides)", fix=fix)
+    try:
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        rows = list(reader)
         names = [f.strip() for f in (reader.fieldnames or [])]
-        column = "path" if "path" in names else "slide_path" if "slide_path" in names else None
-        if column is None:
-            raise EvaluationError(
-                f"{source}: a slide list needs a 'path' (or 'slide_path') column; got {','.join(names)!r}. "
-                "Fix: write 'slide,path' with one slide per line, or pass the folder that holds the slides."
-            )
-        for row in reader:
-            row = {k.strip(): (v or "").strip() for k, v in row.items() if k is not None}
-            if not row.get(column):
-                continue
-            p = Path(row[column])
-            if not p.is_absolute():
-                p = source.parent / p
-            out[row.get("slide") or slide_stem(p.name)] = p
+    except csv.Error as exc:
+        raise EvaluationError(f"{source}: not a CSV file ({exc}). {fix}") from None
+    column = "path" if "path" in names else "slide_path" if "slide_path" in names else None
+    if column is None:
+        raise EvaluationError(
+            f"{source}: a slide list needs a 'path' (or 'slide_path') column; got {','.join(names)!r}. "
+            "Fix: write 'slide,path' with one slide per line, or pass the folder that holds the slides."
+        )
+    for row in rows:
+        row = {k.strip(): (v or "").strip() for k, v in row.items() if k is not None}
+        if not row.get(column):
+            continue
+        p = Path(row[column])
+        if not p.is_absolute():
+            p = source.parent / p
+        out[row.get("slide") or slide_stem(p.name)] = p
     return out

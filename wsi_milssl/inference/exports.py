@@ -371,7 +371,7 @@ def _read_scores(path: Path) -> dict[str, str]:
     if not path.is_file():
         return {}
     try:
-        with open(path, newline="") as fh:
+        with open(path, newline="", encoding="utf-8-sig") as fh:
             reader = csv.DictReader(fh)
             if reader.fieldnames is None or [f.strip() for f in reader.fieldnames][:2] != list(SCORES_COLUMNS):
                 raise ConfigError(f"{path}: not a scores file (header must be 'slide,score'). Fix: move it away or "
