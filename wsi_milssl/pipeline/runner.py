@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +48,8 @@ from wsi_milssl.config.train import RUNTIME_ONLY_FIELDS
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.locks import folder_lock
 from wsi_milssl.pipeline.spec import RESOLVED_FILENAME, STAGES, PipelineSpec, stage_config, write_resolved_pipeline
-from wsi_milssl.pipeline.stamps import fingerprint_paths, read_stamp, stale_reason, stamp_digest, write_stamp
+from wsi_milssl.pipeline.stamps import (fingerprint_paths, mark_running, read_stamp, stale_reason, stamp_digest,
+                                        write_stamp)
 
 __all__ = ["StageOutcome", "run_pipeline", "split_train_val"]
 
@@ -857,6 +859,7 @@ def _evaluate_features(ctx: _Context) -> tuple[list[str], str]:
     config = TrainConfig(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k in fields})
     ds = ctx.spec.sets["test"]
     test = read_feature_files(_feature_files(ds.features), read_labels_csv(ds.labels))
+    _check_test_features(test, saved, checkpoint)
     metrics = evaluate(model, test, runtime=resolve_runtime(config), bag_pooling=config.bag_pooling)
     out = ctx.evaluation_dir
     out.mkdir(parents=True, exist_ok=True)
@@ -871,6 +874,27 @@ def _evaluate_features(ctx: _Context) -> tuple[list[str], str]:
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
     return [str(out / "metrics.json")], (f"bag AUC {fmt(summary['bag_auc'])}, bag accuracy "
                                          f"{fmt(summary['bag_accuracy'])} on {test.n_bags} test bags")
+
+
+def _check_test_features(test, saved: dict, checkpoint: Path) -> None:
+    """Refuse test features the head was not trained on: another width, or another encoder or weights where
+    both record them (the rule of ``heatmap --features`` and ``train --val``)."""
+    from wsi_milssl.errors import ConfigError
+    from wsi_milssl.features.schema import encoder_label, encoders_differ
+
+    width = int(test.features.shape[1]) if test.features is not None and test.features.ndim == 2 else None
+    trained_width = saved.get("in_features") or (saved.get("model_kwargs") or {}).get("in_features")
+    if width is not None and len(test) and trained_width is not None and width != int(trained_width):
+        raise ConfigError(f"the test features ({test.source}) have {width} values per patch, but the head "
+                          f"{checkpoint} was trained on {int(trained_width)}. Fix: point [data].test_features at "
+                          "features made with the training encoder.")
+    keys = ("feature_encoder", "feature_encoder_weights_sha256")
+    made = tuple(test.settings.get(k) for k in keys)
+    trained = tuple((saved.get("store_settings") or {}).get(k) for k in keys)
+    if encoders_differ(made, trained):
+        raise ConfigError(f"the test features ({test.source}) are of {encoder_label(*made)}, but the head {checkpoint} "
+                          f"was trained on features of {encoder_label(*trained)}. Fix: point [data].test_features at "
+                          "features made with the training encoder and weights.")
 
 
 def _heatmap(ctx: _Context) -> tuple[list[str], str]:
@@ -1017,6 +1041,11 @@ def _external_inputs(spec: PipelineSpec, stage: str, *, legacy: bool = False, on
     sets = [ds for name, ds in spec.sets.items() if only in (None, name)]
     if spec.mode == "features":
         return fingerprint_paths([p for ds in sets for p in (ds.features, ds.labels)], content=not legacy)
+    if stage == "features" and not legacy:
+        # the encoder's weights file by size and modification time: new weights behind the same path count
+        # ('cached' weights: the library cache is not looked up here; `run --force features` after replacing it)
+        weights = str(spec.section("features").get("weights", "cached"))
+        return [] if weights in ("cached", "random") else fingerprint_paths([Path(os.path.expanduser(weights))])
     if spec.sets["train"].synth is not None:
         return []
     if stage == "tile":
@@ -1061,6 +1090,12 @@ def run_pipeline(
     else:
         stages = [s for s in STAGES if (s != "synth" or spec.sets["train"].synth is not None)
                   and (s != "features" or spec.feature_stage)]
+    absent = sorted(forced - set(stages))
+    if absent:
+        from wsi_milssl.errors import ConfigError
+
+        raise ConfigError(f"{spec.source}: --force {', '.join(absent)}: not a stage of this pipeline (its stages: "
+                          f"{', '.join(stages)}).")
     if until is not None:
         if until not in stages:
             from wsi_milssl.errors import ConfigError
@@ -1136,6 +1171,7 @@ def _run_stages(spec: PipelineSpec, stages: list[str], forced: set[str], *,
                 runner = _FEATURE_RUNNERS[stage]
             else:
                 runner = (_EMBEDDED_RUNNERS if spec.feature_stage else _RUNNERS)[stage]
+            mark_running(ctx.state, stage)
             outputs, summary = runner(ctx)
             write_stamp(ctx.state, stage, digest=digest, outputs=outputs, settings=settings, inputs=inputs)
             outcome = StageOutcome(stage, "ran", time.perf_counter() - start, summary, reason)

@@ -85,10 +85,21 @@ def write_stamp(state_dir: str | os.PathLike, stage: str, *, digest: str, output
     atomic_write_json(_stamp_path(state_dir, stage), stamp)
 
 
+def mark_running(state_dir: str | os.PathLike, stage: str) -> None:
+    """Mark the stamp of ``stage`` as belonging to a run in progress, before the stage changes its outputs:
+    until :func:`write_stamp` replaces it at the end, the stage is never up to date. A run stopped inside
+    the stage (a kill, a crash) then makes the next run redo it, also with the settings of the stamp (a
+    stage killed while it rewrote its files with other settings had left a stamp that still matched them)."""
+    stamp = read_stamp(state_dir, stage)
+    if stamp is not None and not stamp.get("running"):
+        atomic_write_json(_stamp_path(Path(state_dir), stage), {**stamp, "running": True})
+
+
 def stale_reason(state_dir: str | os.PathLike, stage: str, digests: Iterable[str], *,
                  settings: dict[str, Any], inputs: dict[str, Any]) -> str | None:
     """None when ``stage`` is up to date: its stamp holds one of ``digests`` (this version's, an earlier
-    version's) and every output it records exists. Else why not, in one line: no stamp, an output missing,
+    version's), is not marked running (:func:`mark_running`) and every output it records exists. Else why
+    not, in one line: no stamp, a run that did not finish, an output missing,
     the names of the settings that changed, the inputs that changed (a stage read from, a file or slide
     added, removed or changed), or, from a stamp that records no details (an earlier version's), "settings
     or inputs changed since <time the stamp was written>". ``settings`` and ``inputs`` as :func:`write_stamp`
@@ -97,6 +108,8 @@ def stale_reason(state_dir: str | os.PathLike, stage: str, digests: Iterable[str
     stamp = read_stamp(state_dir, stage)
     if stamp is None:
         return "first run (no stamp)" if not path.exists() else f"{path} cannot be read"
+    if stamp.get("running"):
+        return "its last run did not finish (stopped inside the stage)"
     if stamp.get("digest") in set(digests):
         missing = [p for p in stamp.get("outputs", []) if not Path(p).exists()]
         return f"output missing: {missing[0]}" if missing else None

@@ -1,0 +1,124 @@
+"""What makes a stage of `run` run again beyond its settings: a run stopped inside a stage (its stamp must
+not stay valid while the stage rewrote its files), new encoder weights behind the same weights path, and
+the checks of the feature-mode evaluation and of `--force`."""
+
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from tinypipeline import GENERATED_SLIDES
+from wsi_milssl.errors import ConfigError
+from wsi_milssl.mil.resnet import ResNet18
+from wsi_milssl.pipeline import load_pipeline, run_pipeline
+from wsi_milssl.pipeline.runner import _check_test_features
+
+TINY = """
+[pipeline]
+name = "stage-records"
+""" + GENERATED_SLIDES + """[features]
+encoder = "resnet18"
+weights = "WEIGHTS"
+num_workers = 0
+[train]
+epochs = 1
+mu_ramp_epochs = 1
+plots = false
+"""
+
+
+def _weights(path, seed: int) -> None:
+    torch.manual_seed(seed)
+    torch.save(ResNet18(num_classes=1).state_dict(), path)
+
+
+def _feature_attrs(out, key: str) -> dict:
+    found = {}
+    for p in sorted((out / "features").glob("*/*.h5")):
+        with h5py.File(p, "r") as fh:
+            value = fh.attrs[key]
+        found[f"{p.parent.name}/{p.stem}"] = value.decode() if isinstance(value, bytes) else str(value)
+    return found
+
+
+@pytest.fixture()
+def tiny(tmp_path):
+    _weights(tmp_path / "w.pth", 1)
+    toml = tmp_path / "tiny.toml"
+    toml.write_text(TINY.replace("WEIGHTS", str(tmp_path / "w.pth")))
+    return toml
+
+
+def _outcomes(toml, *overrides, until="features") -> dict[str, tuple[str, str]]:
+    spec = load_pipeline(toml, out_dir=toml.parent / "out", overrides=overrides)
+    return {o.stage: (o.status, o.reason) for o in run_pipeline(spec, until=until)}
+
+
+def test_a_stage_stopped_inside_runs_again_even_with_the_settings_of_its_stamp(tiny, monkeypatch):
+    import wsi_milssl.features as features
+
+    out = tiny.parent / "out"
+    _outcomes(tiny)
+    assert set(_feature_attrs(out, "feature_dtype").values()) == {"float32"}
+    real = features.extract_features
+    calls = []
+
+    def stopped_after_the_first_set(*args, **kwargs):  # a kill while the test set is being embedded
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(features, "extract_features", stopped_after_the_first_set)
+    with pytest.raises(KeyboardInterrupt):
+        _outcomes(tiny, 'features.dtype="float16"')
+    monkeypatch.setattr(features, "extract_features", real)
+    assert set(_feature_attrs(out, "feature_dtype").values()) == {"float32", "float16"}  # a mix on disk
+    # back to the settings of the stamp: the stage did not finish, so it runs and the files agree again
+    status, reason = _outcomes(tiny)["features"]
+    assert (status, reason) == ("ran", "its last run did not finish (stopped inside the stage)")
+    assert set(_feature_attrs(out, "feature_dtype").values()) == {"float32"}
+    assert _outcomes(tiny)["features"] == ("skipped", "")
+
+
+def test_new_encoder_weights_behind_the_same_path_embed_again(tiny):
+    out = tiny.parent / "out"
+    _outcomes(tiny)
+    before = _feature_attrs(out, "encoder_weights_sha256")
+    _weights(tiny.parent / "w.pth", 2)
+    status, reason = _outcomes(tiny)["features"]
+    assert status == "ran" and "w.pth" in reason
+    after = _feature_attrs(out, "encoder_weights_sha256")
+    assert after.keys() == before.keys() and all(after[k] != before[k] for k in after)
+
+
+def test_force_of_a_stage_the_pipeline_does_not_have_is_refused(tiny):
+    features_mode = tiny.parent / "f.toml"
+    features_mode.write_text('[pipeline]\nname = "f"\n[data]\nmode = "features"\ntrain_features = "a"\n'
+                             'train_labels = "a.csv"\ntest_features = "b"\ntest_labels = "b.csv"\n')
+    with pytest.raises(ConfigError, match=r"--force features: not a stage of this pipeline \(its stages: train, "
+                                          r"evaluate\)"):
+        run_pipeline(load_pipeline(features_mode, out_dir=tiny.parent / "o2"), force=["features"])
+
+
+class _Features:
+    def __init__(self, width: int, settings: dict) -> None:
+        self.features = np.zeros((3, width), np.float32)
+        self.settings = settings
+        self.source = "feats/test"
+
+    def __len__(self) -> int:
+        return 3
+
+
+def test_feature_mode_evaluation_refuses_test_features_the_head_was_not_trained_on():
+    saved = {"in_features": 8, "store_settings": {"feature_encoder": "resnet18",
+                                                  "feature_encoder_weights_sha256": "a" * 64}}
+    same = {"feature_encoder": "resnet18", "feature_encoder_weights_sha256": "a" * 64}
+    _check_test_features(_Features(8, same), saved, "best.pt")
+    with pytest.raises(ConfigError, match=r"have 16 values per patch, but the head best.pt was trained on 8"):
+        _check_test_features(_Features(16, same), saved, "best.pt")
+    with pytest.raises(ConfigError, match=r"are of resnet18 .*but the head best.pt was trained on features of"):
+        _check_test_features(_Features(8, {**same, "feature_encoder_weights_sha256": "b" * 64}), saved, "best.pt")
