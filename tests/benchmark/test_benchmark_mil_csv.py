@@ -752,3 +752,29 @@ def test_stacked_mixup_zero_is_unchanged_and_held_out_bags_never_shape_a_model(m
     second = fit_stacked_milssl(moved, mixup=0.4, **kw)["val"][10]
     np.testing.assert_allclose(second[0], first[0], rtol=1e-5, atol=1e-6)
     assert not np.allclose(second[1], first[1])
+
+
+def test_cross_fit_halves_split_each_models_training_bags_by_class():
+    from wsi_milssl.benchmark.stacked import _cross_fit_halves
+
+    labels = torch.tensor([0, 1] * 10)
+    weight = torch.zeros(2, 20)
+    weight[0] = 1.0
+    weight[1, :13] = 1.0
+    data = StackedData(x=torch.zeros(20, 1), bag_ids=torch.arange(20), bag_labels=labels, bag_weight=weight)
+    halves = _cross_fit_halves(data, seed=3)
+    assert torch.equal(halves > 0, weight > 0)  # every training bag in one half, no other bag
+    for k in range(2):
+        for label in (0, 1):
+            counts = [int(((halves[k] == h) & (labels == label)).sum()) for h in (1, 2)]
+            assert abs(counts[0] - counts[1]) <= 1 and min(counts) >= 3
+    assert torch.equal(halves, _cross_fit_halves(data, seed=3)) and not torch.equal(halves, _cross_fit_halves(data, 4))
+
+
+def test_stacked_cross_fit_is_off_by_default_and_returns_the_models_alone(mil_csv, mil_csv_val):
+    val, data, kw = _two_stacked_models(mil_csv, mil_csv_val)
+    _option_is_off_by_default_and_changes_training(data, kw, val, "cross_fit", False, True)
+    out = fit_stacked_milssl(data, cross_fit=True, **kw)
+    assert out["val"][10].shape == (2, len(val.bag_ids)) and out["train"][10].shape[0] == 2
+    with pytest.raises(ConfigError, match="cross_fit and neighbours cannot be combined"):
+        fit_stacked_milssl(data, cross_fit=True, neighbours=3, **kw)

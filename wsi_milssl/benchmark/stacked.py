@@ -518,7 +518,7 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
                        bag_balanced: Sequence[bool] | bool = False, pseudo_negative_weight: float = 1.0,
                        bag_loss_weight: float = 0.0, target_momentum: float = 0.0, neighbours: int = 0,
                        input_noise: float = 0.0, weight_average_epochs: float = 0.0, mixup: float = 0.0,
-                       eval_at: Sequence[int], eval_sets: dict[str, InstanceSet], seeds: Sequence[int],
+                       cross_fit: bool = False, eval_at: Sequence[int], eval_sets: dict[str, InstanceSet], seeds: Sequence[int],
                        seed: int = 0) -> dict[str, dict[int, np.ndarray]]:
     """Train M MIL-SSL instance classifiers at once (model m on the bags ``data.bag_weight[m]``).
 
@@ -546,7 +546,11 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
     steps (:class:`_WeightAverage`) instead of the last step's weights; ``mixup`` α > 0 trains every step
     on convex combinations of the batch's instances with a shuffled copy of it (mixup: weight l ~ Beta(α, α)
     per pair, features and targets mixed alike; a pair counts for model m only when both instances are
-    among its training instances, so held-out instances never shape a model).
+    among its training instances, so held-out instances never shape a model); ``cross_fit`` takes every
+    refresh's P out of sample: each model's training bags are split in two halves (stratified, seeded),
+    two helper models train on one half each (with the same settings, their pseudo labels cross-fitted
+    the same way), and a positive-bag instance's P comes from the helper that never trained on its bag
+    (:func:`_cross_fit_halves`; three times the training; the helpers only give P).
 
     Returns ``{set name: {epoch: instance probabilities (M, N_set) float64}}`` (``"train"`` included).
     """
@@ -568,6 +572,19 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
         raise ConfigError(f"weight_average_epochs must be >= 0 (0 = the last weights); got {weight_average_epochs!r}.")
     if not mixup >= 0:
         raise ConfigError(f"mixup must be >= 0 (the Beta(α, α) of the mixing weights; 0 = no mixup); got {mixup!r}.")
+    if cross_fit:
+        if neighbours:
+            raise ConfigError("cross_fit and neighbours cannot be combined; set one of them.")
+        main = m
+        halves = _cross_fit_halves(data, seed)  # (M, B): 1 or 2 for a model's training bags, 0 elsewhere
+        data = StackedData(x=data.x, bag_ids=data.bag_ids, bag_labels=data.bag_labels,
+                           bag_weight=torch.cat([data.bag_weight, (halves == 1).float(), (halves == 2).float()]))
+        three = lambda seq: list(seq) * 3  # noqa: E731  (the helpers take their model's settings)
+        lr, weight_decay, dropout, mu, ramp_epochs = (three(v) for v in (lr, weight_decay, dropout, mu, ramp_epochs))
+        if not isinstance(bag_balanced, (bool, np.bool_)):
+            bag_balanced = three(bag_balanced)
+        seeds = list(seeds) + [_seed(8, s, k) for k in (1, 2) for s in seeds]
+        m = data.n_models
     mean, std = data.standardisation()
     gens = [_gen(4, s) for s in seeds]
     model = _StackedHead(int(data.x.shape[1]), hidden_dims=hidden_dims, dropout=torch.tensor(list(dropout)),
@@ -586,6 +603,12 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
     pos_idx = torch.nonzero(pos_bag).flatten()
     graphs = neighbour_graphs(data, pos_idx, neighbours) if neighbours > 0 else []
     pos_local_bags = torch.unique(data.bag_ids[pos_idx], return_inverse=True)[1]
+    source = None  # cross_fit: (M, n_pos) the model whose P each model's positive-bag instance takes
+    if cross_fit:
+        half = halves[:, data.bag_ids[pos_idx]]  # (main, n_pos)
+        group = torch.arange(main)[:, None]
+        other = torch.where(half == 1, 2 * main + group, torch.where(half == 2, main + group, group))
+        source = other.repeat(3, 1)
     mu_t = torch.tensor(list(mu), dtype=torch.float64)
     ramp = torch.tensor(list(ramp_epochs), dtype=torch.float64)
     targets = torch.zeros(m, n)
@@ -609,6 +632,8 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
                 frac = torch.where(ramp > 0, (epoch / ramp.clamp_min(1.0)).clamp(max=1.0), torch.ones_like(ramp))
                 mus = 0.5 + (mu_t - 0.5) * frac
             p = model.probs(data.x[pos_idx], layers=use())
+            if source is not None:
+                p = p.gather(0, source)
             for models, members, near in graphs:  # P smoothed over each model's own neighbours
                 rows, cols = models[:, None], members[None, :]
                 p[rows, cols] = p[rows, cols][:, near].mean(2)
@@ -657,4 +682,19 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
                 out[name][epoch + 1] = model.probs(x, layers=use()).double().numpy()
             if not np.isfinite(out["train"][epoch + 1]).all():
                 raise ConfigError("MIL-SSL training diverged (non-finite probabilities); lower the learning rate.")
+    if cross_fit:
+        out = {name: {e: v[:main] for e, v in by_epoch.items()} for name, by_epoch in out.items()}
     return out
+
+
+def _cross_fit_halves(data: StackedData, seed: int) -> torch.Tensor:
+    """int64 (M, B): each model's training bags split in two halves, 1 and 2 (0 for bags it does not train
+    on); within a model the positive and the negative bags are each dealt alternately in a seeded random
+    order, so both halves hold both classes."""
+    halves = torch.zeros(data.bag_weight.shape, dtype=torch.int64)
+    for k in range(data.n_models):
+        order = torch.randperm(data.bag_weight.shape[1], generator=_gen(9, seed, k))
+        for label in (0, 1):
+            mine = order[(data.bag_weight[k, order] > 0) & (data.bag_labels[order] == label)]
+            halves[k, mine] = 1 + torch.arange(mine.numel()) % 2
+    return halves
