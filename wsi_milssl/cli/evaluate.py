@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
+from wsi_milssl.cli.label import _groups
 from wsi_milssl.config.evaluate import EvaluateConfig
 
 __all__ = ["SUMMARY", "register", "run", "evaluate_config_from_args"]
@@ -13,12 +15,27 @@ __all__ = ["SUMMARY", "register", "run", "evaluate_config_from_args"]
 SUMMARY = "score predictions: instance AUC, bag AUC, CAMELYON16 FROC, HTML report"
 
 
+#: the option of each EvaluateConfig field, to name it in an error
+_OPTIONS = {"positive_fraction": "--positive-fraction", "margin_um": "--margin-um",
+            "itc_major_axis_um": "--itc-major-axis-um", "mpp": "--slide-mpp", "thumbnail_px": "--thumbnail-px",
+            "title": "--title", "tumor_groups": "--tumor-groups", "non_tumor_groups": "--non-tumor-groups"}
+
+
 def evaluate_config_from_args(args: argparse.Namespace) -> EvaluateConfig:
-    return EvaluateConfig(
-        positive_fraction=args.positive_fraction, margin_um=args.margin_um,
-        itc_major_axis_um=args.itc_major_axis_um, mpp=getattr(args, "mpp", None), thumbnail_px=args.thumbnail_px,
-        title=args.title,
-    )
+    """The EvaluateConfig of the parsed options; ConfigError (naming the option) for a value it refuses."""
+    from wsi_milssl.errors import ConfigError
+
+    try:
+        return EvaluateConfig(
+            positive_fraction=args.positive_fraction, margin_um=args.margin_um,
+            itc_major_axis_um=args.itc_major_axis_um, mpp=getattr(args, "mpp", None),
+            thumbnail_px=args.thumbnail_px, title=args.title, tumor_groups=args.tumor_groups,
+            non_tumor_groups=args.non_tumor_groups,
+        )
+    except ConfigError as exc:
+        text = str(exc)
+        named = [opt for field, opt in _OPTIONS.items() if text.startswith(f"EvaluateConfig.{field} ")]
+        raise ConfigError(f"{named[0]}: {text}" if named else text) from None
 
 
 def register(subparsers) -> None:
@@ -38,7 +55,11 @@ def register(subparsers) -> None:
             "275 µm are isolated tumour cells (neither TP nor FP); score = mean sensitivity at\n"
             "1/4, 1/2, 1, 2, 4 and 8 false positives per slide. Instance AUC needs <stem>_patches.csv and\n"
             "<stem>_probs.json; bag AUC needs scores.csv. A metric that cannot be computed is null in\n"
-            "metrics.json, with its reason."
+            "metrics.json, with its reason.\n\n"
+            "Annotations are read as label reads them (--tumor-groups, --non-tumor-groups); a tumour slide\n"
+            "whose polygons are all in other groups is refused. So is a slide whose latest heatmap run\n"
+            "failed (heatmap_status.csv), and a folder whose slides' <stem>_probs.json record different\n"
+            "heatmap runs (another checkpoint or settings): run heatmap again with --overwrite on all of them."
         ),
         formatter_class=HelpFormatter,
     )
@@ -54,13 +75,18 @@ def register(subparsers) -> None:
                    help="output folder (created)")
     p.add_argument("--positive-fraction", type=float, default=d.positive_fraction,
                    help="a patch is a positive instance when its tumour-area fraction is at least this")
+    p.add_argument("--tumor-groups", type=_groups, default=",".join(d.tumor_groups), metavar="G1,G2",
+                   help="annotation groups / QuPath classes that are tumour (case-insensitive), as label's")
+    p.add_argument("--non-tumor-groups", type=_groups, default=",".join(d.non_tumor_groups), metavar="G1,G2",
+                   help="groups carved out of tumour (case-insensitive), as label's")
     p.add_argument("--slide-mpp", "--mpp", dest="mpp", type=float, default=argparse.SUPPRESS, metavar="MPP",
-                   help="level-0 µm per pixel for every slide, overriding the slide metadata; --mpp is the "
-                        "older name (default: each slide's own)")
+                   help="level-0 µm per pixel for every slide (0.01-100), overriding the slide metadata; --mpp "
+                        "is the older name (default: each slide's own)")
     p.add_argument("--margin-um", type=float, default=d.margin_um,
-                   help="tumour is dilated by half of this distance in µm (CAMELYON16: 75)")
+                   help="tumour is dilated by half of this distance in µm (CAMELYON16: 75; at most 100000)")
     p.add_argument("--itc-major-axis-um", type=float, default=d.itc_major_axis_um,
-                   help="regions with a shorter major axis (µm) are isolated tumour cells (CAMELYON16: 275)")
+                   help="regions with a shorter major axis (µm) are isolated tumour cells (CAMELYON16: 275; at "
+                        "most 100000)")
     p.add_argument("--thumbnail-px", type=int, default=d.thumbnail_px,
                    help="longer side of each per-slide image in report.html, in pixels")
     p.add_argument("--title", default=d.title, help="heading of report.html")
@@ -75,7 +101,13 @@ def run(args: argparse.Namespace) -> int:
     from wsi_milssl.cli.progress import TqdmProgress
     from wsi_milssl.evaluation import evaluate_predictions
 
-    config = evaluate_config_from_args(args)
+    from wsi_milssl.errors import ConfigError
+
+    try:
+        config = evaluate_config_from_args(args)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     with TqdmProgress() as progress:
         result = evaluate_predictions(
             args.predictions, labels_csv=args.labels, out_dir=args.out, annotations_dir=args.annotations,

@@ -5,8 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from wsi_milssl.config.base import check_range, check_type
+from wsi_milssl.errors import ConfigError
 
-__all__ = ["EvaluateConfig"]
+__all__ = ["EvaluateConfig", "MAX_DISTANCE_UM"]
+
+#: The largest ``margin_um`` / ``itc_major_axis_um`` accepted: 100 mm, longer than a glass slide (75 mm).
+MAX_DISTANCE_UM = 100_000.0
 
 
 @dataclass(frozen=True)
@@ -14,13 +18,19 @@ class EvaluateConfig:
     """Evaluation of heatmap predictions: instance AUC, bag AUC and the CAMELYON16 FROC.
 
     positive_fraction : a patch is a positive instance when the exact tumour-area fraction of its
-        square is at least this (the paper's rule: 0.25).
+        square is at least this (the paper's rule: 0.25). ``run`` takes ``[label] positive_fraction``
+        unless ``[evaluate]`` sets it.
+    tumor_groups : annotation groups (ASAP ``PartOfGroup``, QuPath classification) that are tumour;
+        CAMELYON16: ``_0``, ``_1``, ``Tumor``. Matched case-insensitively. As ``LabelConfig.tumor_groups``
+        (``run`` takes ``[label]``'s unless ``[evaluate]`` sets them).
+    non_tumor_groups : groups carved out of tumour; CAMELYON16: ``_2``, ``Exclusion``, ``None``.
     margin_um : evaluation regions take in every level-5 pixel closer than ``margin_um / 2`` µm to
-        tumour (CAMELYON16: 75 µm, about five tumour cells).
+        tumour (CAMELYON16: 75 µm, about five tumour cells). At most :data:`MAX_DISTANCE_UM`.
     itc_major_axis_um : regions whose major axis is under this are isolated tumour cells, neither
-        true nor false positives (CAMELYON16: 275 µm).
-    mpp : level-0 µm per pixel used for every slide instead of the slide's own metadata; None uses
-        each slide's MPP (then the ``mpp`` of its ``<stem>_probs.json``).
+        true nor false positives (CAMELYON16: 275 µm). At most :data:`MAX_DISTANCE_UM`.
+    mpp : level-0 µm per pixel used for every slide instead of the slide's own metadata, in
+        [0.01, 100] as every stage's ``slide_mpp``; None uses each slide's MPP (then the ``mpp`` of its
+        ``<stem>_probs.json``).
     thumbnail_px : longer side of the per-slide images in ``report.html``, in screen pixels.
     title : heading of ``report.html``.
 
@@ -33,14 +43,40 @@ class EvaluateConfig:
     mpp: float | None = None
     thumbnail_px: int = 320
     title: str = "wsi-milssl evaluation"
+    tumor_groups: tuple[str, ...] = ("_0", "_1", "Tumor")
+    non_tumor_groups: tuple[str, ...] = ("_2", "Exclusion", "None")
 
     def __post_init__(self) -> None:
         name = type(self).__name__
         check_range(name, "positive_fraction", self.positive_fraction, low=0.0, high=1.0, low_inclusive=False)
-        check_range(name, "margin_um", self.margin_um, low=0.0)
-        check_range(name, "itc_major_axis_um", self.itc_major_axis_um, low=0.0)
-        if self.mpp is not None:
-            check_range(name, "mpp", self.mpp, low=0.0, high=100.0, low_inclusive=False)
+        for field in ("margin_um", "itc_major_axis_um"):  # finite: infinity overflowed the mask arithmetic
+            check_range(name, field, getattr(self, field), low=0.0, high=MAX_DISTANCE_UM)
+        if self.mpp is not None:  # the range of slide_mpp in tile, heatmap and features, and of info's --slide-mpp
+            check_range(name, "mpp", self.mpp, low=0.01, high=100.0)
         check_type(name, "thumbnail_px", self.thumbnail_px, int)
         check_range(name, "thumbnail_px", self.thumbnail_px, low=32, high=4096)
         check_type(name, "title", self.title, str)
+        for field in ("tumor_groups", "non_tumor_groups"):
+            value = getattr(self, field)
+            if isinstance(value, list):
+                value = tuple(value)
+                object.__setattr__(self, field, value)
+            check_type(name, field, value, tuple)
+            bad = [v for v in value if not isinstance(v, str) or not v.strip()]
+            if bad:
+                raise ConfigError(f"{name}.{field} must hold non-empty group names; got {bad!r}.")
+        if not self.tumor_groups:
+            raise ConfigError(f"{name}.tumor_groups must name at least one group; got an empty tuple.")
+        both = sorted({g.strip().casefold() for g in self.tumor_groups}
+                      & {g.strip().casefold() for g in self.non_tumor_groups})
+        if both:
+            raise ConfigError(
+                f"{name}: group(s) {', '.join(both)} are in both tumor_groups and non_tumor_groups; "
+                "list each group once."
+            )
+
+    def group_map(self):
+        """The annotations' GroupMap for these groups."""
+        from wsi_milssl.annotations.groups import GroupMap
+
+        return GroupMap(tumor=self.tumor_groups, non_tumor=self.non_tumor_groups)

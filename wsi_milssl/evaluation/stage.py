@@ -13,7 +13,11 @@ Outputs in ``out_dir`` (names from :data:`wsi_milssl.artifacts.EVALUATION_FILES`
     report.html             self-contained report (images embedded)
 
 The evaluated slides are those with a detections file in the predictions folder; each needs a label.
-Tumour slides need their annotation file and their slide (for the level-0 size and the MPP).
+Tumour slides need their annotation file and their slide (for the level-0 size and the MPP); their
+polygons are read with ``config.tumor_groups`` / ``non_tumor_groups`` (as the label stage reads them),
+and one whose polygons are all in other groups is refused. Refused too: a slide whose latest heatmap
+run failed (``heatmap_status.csv``), whatever files an earlier run left, and a folder whose slides'
+``<stem>_probs.json`` record different heatmap runs (:func:`_one_run`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from wsi_milssl.artifacts import (
     Detections,
     EVALUATION_FILES,
     FROC_CURVE_COLUMNS,
+    HEATMAP_CONFIG_FILENAME,
     HEATMAP_STATUS_FILENAME,
     PER_SLIDE_COLUMNS,
     SCORES_FILENAME,
@@ -161,6 +166,22 @@ def _find_slide_path(stem: str, slide_paths: dict[str, Path], sidecar: dict | No
     return None
 
 
+def _refuse_unknown_groups_only(aset, annotation: Path, stem: str, config: EvaluateConfig) -> None:
+    """EvaluationError when a tumour slide has no tumour polygon because its polygons are in groups that are
+    neither tumour nor non-tumour (as ``label`` refuses it): evaluated so, its lesions would vanish and every
+    detection on them count as a false positive."""
+    unknown = sorted({str(a.group) for a in aset.polygons if aset.group_map.role(a.group) is None})
+    if not unknown:
+        return
+    raise EvaluationError(
+        f"{annotation}: slide {stem!r} is labelled tumour but none of its polygons is in a tumour group "
+        f"({', '.join(config.tumor_groups)}); they are in group(s) {', '.join(repr(g) for g in unknown)}, which "
+        "are neither tumour nor non-tumour, so the slide would have no lesion and its true positives would count "
+        "as false positives. Fix: name the tumour group(s) with --tumor-groups (and the others with "
+        "--non-tumor-groups; in a pipeline, [label] tumor_groups / non_tumor_groups), or correct the annotation "
+        "file.")
+
+
 def _evaluate_slide(
     files: PredictionFiles, label: int, *, annotations_dir: Path | None, slide_paths: dict[str, Path],
     config: EvaluateConfig,
@@ -190,9 +211,16 @@ def _evaluate_slide(
                 "folder that holds it, or correct its label in the labels CSV."
             )
         dims, mpp = _slide_geometry(stem, _find_slide_path(stem, slide_paths, sidecar), sidecar, config)
-        region = read_annotations(ann_path, dimensions_lv0=dims).region
+        aset = read_annotations(ann_path, group_map=config.group_map(), dimensions_lv0=dims)
+        region = aset.region
+        if not aset.has_tumor:
+            _refuse_unknown_groups_only(aset, ann_path, stem, config)
         tumor = rasterize_region(region, dimensions_lv0=dims, downsample=CAMELYON16_DOWNSAMPLE)
-        if not np.any(tumor):
+        if not aset.has_tumor:  # as label: an empty file, or carved-out regions alone, is allowed with a word
+            logger.warning("%s: labelled tumour, but %s has no tumour polygon (groups %s); the slide has no "
+                           "evaluation region (every detection on it is a false positive).", stem, ann_path,
+                           ", ".join(config.tumor_groups))
+        elif not np.any(tumor):
             logger.warning("%s: the tumour annotations cover no level-5 pixel centre; the slide has no "
                            "evaluation region (every detection on it is a false positive).", stem)
         mask = evaluation_mask(tumor, mpp=mpp, margin_um=config.margin_um,
@@ -313,6 +341,58 @@ def _heatmap_outcomes(predictions_dir: Path, stems: list[str]) -> tuple[dict[str
     return failed, sorted({s for s, r in ours if r.get("status") == "empty"})
 
 
+#: What a slide's ``<stem>_probs.json`` records of the run that made it, compared across the evaluated
+#: slides when a sidecar has no ``fingerprint`` (feature heads, earlier versions): the checkpoint and the
+#: settings that shape the detections and the score.
+_RUN_FIELDS = ("checkpoint", "model_name", "bag_pooling", "detection_threshold", "nms_radius_um", "tumor_threshold")
+
+
+def _run_key(sidecar: dict) -> tuple:
+    """What identifies the heatmap run that made a slide: its ``fingerprint`` (the checkpoint's bytes and the
+    settings; runtime settings such as workers or device aside), else the recorded checkpoint and settings."""
+    fingerprint = sidecar.get("fingerprint")
+    if isinstance(fingerprint, str) and fingerprint:
+        return ("fingerprint", fingerprint)
+    return ("settings",) + tuple(repr(sidecar.get(k)) for k in _RUN_FIELDS)
+
+
+def _describe_run(sidecar: dict, others_have_fingerprints: bool) -> str:
+    parts = [f"checkpoint {sidecar.get('checkpoint') or 'not recorded'}"]
+    fingerprint = sidecar.get("fingerprint")
+    if isinstance(fingerprint, str) and fingerprint:
+        parts.append(f"fingerprint {fingerprint}")
+    elif others_have_fingerprints:
+        parts.append("no fingerprint: made by a feature head or an earlier version, or its files were left "
+                     "half-written by an interrupted run")
+    parts += [f"{k} {sidecar.get(k)}" for k in _RUN_FIELDS[1:] if sidecar.get(k) is not None]
+    return ", ".join(parts)
+
+
+def _one_run(predictions_dir: Path, sidecars: dict[str, dict]) -> dict | None:
+    """The sidecar of one evaluated slide (they agree) when every slide with a ``<stem>_probs.json`` was made by
+    the same heatmap run (same checkpoint and settings: :func:`_run_key`), None without sidecars (detection
+    CSVs of other tools); EvaluationError naming the slides of each run otherwise. A run resumed, sharded or
+    re-run with other runtime settings (workers, device, batch size) counts as one."""
+    runs: dict[tuple, list[str]] = {}
+    for stem, sidecar in sidecars.items():
+        runs.setdefault(_run_key(sidecar), []).append(stem)
+    if len(runs) <= 1:
+        return next(iter(sidecars.values()), None)
+    fingerprinted = any(key[0] == "fingerprint" for key in runs)
+
+    def slides(stems: list[str]) -> str:
+        return ", ".join(stems[:10]) + (f" and {len(stems) - 10} more" if len(stems) > 10 else "")
+
+    groups = sorted(runs.values(), key=lambda stems: (-len(stems), stems[0]))
+    described = "; ".join(f"slides {slides(stems)} by {_describe_run(sidecars[stems[0]], fingerprinted)}"
+                          for stems in groups)
+    raise EvaluationError(
+        f"{predictions_dir}: its slides were predicted by {len(runs)} different heatmap runs (another checkpoint "
+        f"or other settings), so evaluating them together would mix models and report only the last run's "
+        f"settings: {described}. Fix: run the heatmap stage again with --overwrite on the whole set of slides "
+        "into this folder (or into a new one), then evaluate.")
+
+
 def evaluate_predictions(
     predictions_dir: str | os.PathLike,
     *,
@@ -360,13 +440,22 @@ def evaluate_predictions(
     listed = None if only is None else {stem_key(s) for s in only}
     skipped = sorted(s for s in labels
                      if stem_key(s) not in evaluated_keys and (listed is None or stem_key(s) in listed))
-    failed, empty = _heatmap_outcomes(predictions_dir, skipped)
+    # every slide to evaluate, with files or without: the status file records the heatmap stage's latest run
+    failed, empty = _heatmap_outcomes(predictions_dir, sorted(set(evaluated) | set(skipped)))
     if failed:
+        old = [s for s in failed if s in evaluated]
         raise EvaluationError(
             f"{predictions_dir / HEATMAP_STATUS_FILENAME}: the heatmap stage failed on labelled slides "
-            f"{', '.join(f'{s} ({e})' for s, e in failed.items())}, so the FROC would count only the others. "
-            "Fix: mend and re-run the heatmap stage for them, or remove them from the labels CSV to evaluate "
+            f"{', '.join(f'{s} ({e})' for s, e in failed.items())}, so the FROC would count only the others"
+            + (f" (the files of {', '.join(old)} in the folder are an earlier run's, not the latest)" if old else "")
+            + ". Fix: mend and re-run the heatmap stage for them, or remove them from the labels CSV to evaluate "
             "the rest.")
+    stale = [s for s in empty if s in evaluated]
+    if stale:  # the heatmap stage removes a slide's files when it finds it empty: these are older
+        raise EvaluationError(
+            f"{predictions_dir / HEATMAP_STATUS_FILENAME}: the heatmap stage's latest run found no tissue patch on "
+            f"slides {', '.join(stale)}, but prediction files of an earlier run of them are in {predictions_dir}. "
+            "Fix: re-run the heatmap stage for them (it removes those files), or delete their files.")
     if empty:  # no tissue patch: evaluated with no detection (a tumour slide's lesions are missed)
         evaluated.update({s: PredictionFiles(stem=s) for s in empty})
         slide_labels.update(labels_for(labels, {s: None for s in empty}, what="predicted slide"))
@@ -382,6 +471,8 @@ def evaluate_predictions(
         logger.info("%d labelled slides have no predictions and are not evaluated (listed in %s under "
                     "not_evaluated)", len(skipped), EVALUATION_FILES["metrics"])
     slide_paths = resolve_slides(slides)
+    run_sidecar = _one_run(predictions_dir, {s: read_probs_sidecar(f.sidecar) for s, f in evaluated.items()
+                                             if f.sidecar is not None})
 
     results: list[SlideResult] = []
     total = len(evaluated)
@@ -486,7 +577,16 @@ def evaluate_predictions(
         },
     }
     pred_config = read_heatmap_config(predictions_dir)
-    if pred_config is not None:
+    if run_sidecar is not None:  # what made the evaluated slides, as their sidecars record it
+        configuration["predictions_run"] = {k: run_sidecar.get(k) for k in ("fingerprint",) + _RUN_FIELDS}
+    later_run = pred_config is not None and run_sidecar is not None and any(
+        run_sidecar.get(k) is not None and pred_config.get(k) is not None and run_sidecar[k] != pred_config[k]
+        for k in ("fingerprint", "checkpoint"))
+    if later_run:
+        notes.append(f"{HEATMAP_CONFIG_FILENAME} describes a later heatmap run (checkpoint "
+                     f"{pred_config.get('checkpoint')}) than the one that made the evaluated slides (checkpoint "
+                     f"{run_sidecar.get('checkpoint')}); the configuration shows what the slides' sidecars record.")
+    elif pred_config is not None:
         configuration["predictions_config"] = pred_config
     thumbs = {r.stem: _thumbnails(r, max_px=config.thumbnail_px) for r in results}
     data = ReportData(title=config.title, metrics=metrics, plots=plots, slide_rows=rows, thumbnails=thumbs,
