@@ -952,12 +952,34 @@ def _heatmap_features(ctx: _Context) -> tuple[list[str], str]:
     return [str(ctx.heatmap_dir / "scores.csv")] + slide_files, f"{len(run.results)} slides, {n} patches (feature head)"
 
 
+#: [evaluate] settings that take [label]'s value unless [evaluate] sets another than the default
+_LABEL_SETTINGS = ("positive_fraction", "tumor_groups", "non_tumor_groups")
+
+
+def _evaluate_config(spec: PipelineSpec):
+    """The EvaluateConfig of [evaluate], with [label]'s positive_fraction and tumour / non-tumour groups where
+    [evaluate] leaves them at their defaults (absent, or spelled out as in resolved_pipeline.toml): the
+    evaluation reads the annotations as the label stage did."""
+    import dataclasses
+
+    from wsi_milssl.config import EvaluateConfig, LabelConfig
+    from wsi_milssl.errors import ConfigError
+
+    config = config_from_mapping(EvaluateConfig, spec.section("evaluate"), source=f"{spec.source} [evaluate]")
+    label = config_from_mapping(LabelConfig, spec.section("label"), source=f"{spec.source} [label]")
+    default = EvaluateConfig()
+    taken = {k: getattr(label, k) for k in _LABEL_SETTINGS if getattr(config, k) == getattr(default, k)}
+    try:
+        return dataclasses.replace(config, **taken)
+    except ConfigError as exc:  # e.g. [label]'s tumour group is [evaluate]'s non-tumour group
+        raise ConfigError(f"{spec.source} [evaluate] with [label]'s {', '.join(sorted(taken))}: {exc}") from None
+
+
 def _evaluate(ctx: _Context) -> tuple[list[str], str]:
     from wsi_milssl.artifacts import parse_heatmap_name
-    from wsi_milssl.config import EvaluateConfig
     from wsi_milssl.evaluation import evaluate_predictions
 
-    config = config_from_mapping(EvaluateConfig, ctx.spec.section("evaluate"), source=f"{ctx.spec.source} [evaluate]")
+    config = _evaluate_config(ctx.spec)
     ds = ctx.spec.sets["test"]
     # the heatmap files of slides no longer in the test set (a changed split, a renamed slide) stay in the
     # folder, ignored

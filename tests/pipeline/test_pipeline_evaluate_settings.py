@@ -1,0 +1,75 @@
+"""``run``'s evaluate stage reads the annotations as its label stage did: [label]'s tumour / non-tumour
+groups and positive_fraction go to the evaluation unless [evaluate] sets other values (it used the
+CAMELYON16 groups and its own 0.25 whatever [label] said)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tinypipeline import GENERATED_SLIDES
+from wsi_milssl.errors import ConfigError
+from wsi_milssl.pipeline import load_pipeline, write_resolved_pipeline
+from wsi_milssl.pipeline.runner import _Context, _evaluate
+
+LABEL = """
+[label]
+tumor_groups = ["Metastasis"]
+non_tumor_groups = ["Exclusion"]
+positive_fraction = 0.5
+"""
+
+
+def _spec(tmp_path: Path, tables: str):
+    path = tmp_path / "p.toml"
+    path.write_text('[pipeline]\nname = "t"\n' + GENERATED_SLIDES + tables)
+    return load_pipeline(path, out_dir=tmp_path / "out")
+
+
+@pytest.fixture
+def evaluated_with(monkeypatch):
+    """Function (spec) -> the EvaluateConfig the pipeline's evaluate stage passes to evaluate_predictions."""
+    import wsi_milssl.evaluation as evaluation
+
+    seen = {}
+
+    def fake(predictions_dir, **kwargs):
+        seen.update(kwargs)
+        return SimpleNamespace(metrics={})
+
+    monkeypatch.setattr(evaluation, "evaluate_predictions", fake)
+
+    def run(spec):
+        _evaluate(_Context(spec, None))
+        return seen["config"]
+
+    return run
+
+
+def test_evaluate_takes_the_label_stage_s_groups_and_positive_fraction(tmp_path, evaluated_with):
+    config = evaluated_with(_spec(tmp_path, LABEL))
+    assert config.tumor_groups == ("Metastasis",) and config.non_tumor_groups == ("Exclusion",)
+    assert config.positive_fraction == 0.5
+
+
+def test_evaluate_s_own_settings_win(tmp_path, evaluated_with):
+    config = evaluated_with(_spec(tmp_path, LABEL + '[evaluate]\npositive_fraction = 0.3\ntumor_groups = ["Tumor"]\n'))
+    assert config.positive_fraction == 0.3 and config.tumor_groups == ("Tumor",)
+    assert config.non_tumor_groups == ("Exclusion",)
+
+
+def test_the_resolved_pipeline_evaluates_as_the_pipeline_it_came_from(tmp_path, evaluated_with):
+    """resolved_pipeline.toml spells out [evaluate]'s defaults; they do not hide [label]'s values."""
+    spec = _spec(tmp_path, LABEL)
+    resolved = write_resolved_pipeline(spec, tmp_path / "resolved.toml")
+    assert evaluated_with(load_pipeline(resolved)) == evaluated_with(spec)
+    assert evaluated_with(load_pipeline(resolved)).tumor_groups == ("Metastasis",)
+
+
+def test_a_label_group_that_evaluate_carves_out_is_one_error(tmp_path, evaluated_with):
+    spec = _spec(tmp_path, LABEL + '[evaluate]\nnon_tumor_groups = ["Metastasis"]\n')
+    with pytest.raises(ConfigError, match=r"p.toml \[evaluate\] with \[label\]'s positive_fraction, tumor_groups: "
+                                          r".*group\(s\) metastasis are in both tumor_groups and non_tumor_groups"):
+        evaluated_with(spec)
