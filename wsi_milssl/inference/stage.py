@@ -9,7 +9,8 @@
 Besides the per-slide files (see :mod:`wsi_milssl.inference.exports`) the folder gets
 ``heatmap_config.json`` (resolved settings, checkpoint, tiling plan and normalisation, runtime) and
 ``heatmap_status.csv`` (slide,status,n_patches,score,seconds,error). A slide that fails is recorded
-as failed while the others go on; a slide without a single patch is 'empty' and gets no score. Slides
+as failed while the others go on; a slide without a single patch is 'empty' and gets no score. Both
+lose the files and ``scores.csv`` row an earlier run left for them (they are not this run's). Slides
 are predicted several at a time (:func:`wsi_milssl.inference.predict.predict_many`) and their files are
 written by threads while the model goes on.
 """
@@ -626,6 +627,11 @@ def _make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.Pat
                          "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
         message = str(exc) if isinstance(exc, WsiMilsslError) else f"{type(exc).__name__}: {exc}"
         logger.error("%s: failed: %s", item.stem, message)
+        try:  # an earlier run's files (another checkpoint), or this run's half-written ones, must not stay
+            remove_slide_outputs(out_dir, item.stem)
+        except Exception as rm_exc:  # noqa: BLE001 - the slide is recorded as failed either way
+            logger.warning("%s: cannot remove its earlier files from %s (%s); its status row says failed",
+                           item.stem, out_dir, rm_exc)
         return HeatmapResult(item.stem, str(item.slide_path or ""), "failed", 0, None, seconds, message)
 
     def collect(block: bool) -> None:
