@@ -169,6 +169,7 @@ def _use_local_gpu(local_rank: int) -> None:
 def _run_features(args: argparse.Namespace) -> int:
     """``--features``: a feature head's probabilities on the feature files' coordinates."""
     from wsi_milssl.cli.progress import TqdmProgress
+    from wsi_milssl.cli.sharding import shard_from_args
     from wsi_milssl.errors import ConfigError
     from wsi_milssl.inference.feature_maps import make_feature_heatmaps
     from wsi_milssl.tiling import find_slides
@@ -176,6 +177,13 @@ def _run_features(args: argparse.Namespace) -> int:
     try:
         if args.store is not None:
             raise ConfigError("--features and --store are two sources of the same patches; pass one.")
+        _, count = shard_from_args(args)
+        if count > 1:
+            given = f"--shard {args.shard}" if args.shard is not None else f"torchrun's {count} ranks"
+            raise ConfigError(f"{given}: heatmaps of feature files (--features) are not split into shards (each "
+                              "takes well under a second, and shards would overwrite each other's "
+                              "heatmap_status.csv). Fix: drop --shard and run once (one process), or give each "
+                              "process its own feature files and --out.")
         config = heatmap_config_from_args(args)
         slides = find_slides(args.slides) if args.slides else []
     except ConfigError as exc:

@@ -135,14 +135,24 @@ def train_config_from_args(args: argparse.Namespace, *, mode: str, base: dict | 
 
 
 def detect_mode(inputs: list[Path]) -> str:
-    """'mil-csv' for .csv inputs; 'features' when the first HDF5 file given, or found in a folder given,
-    holds 'features' and no 'patches' (this project's, TRIDENT's and CLAM's feature files); else 'images'."""
+    """'mil-csv' for .csv inputs; 'features' when the first readable HDF5 file given, or found in a folder
+    given, holds 'features' and no 'patches' (this project's, TRIDENT's and CLAM's feature files); else
+    'images'. A file that cannot be opened (a damaged one) does not decide: its reader names it later."""
+    import h5py
+
     from wsi_milssl.features.schema import is_feature_file
 
     if inputs and all(p.suffix.lower() == ".csv" for p in inputs):
         return "mil-csv"
     h5 = [p for p in _expand_feature_inputs(inputs) if p.suffix.lower() in (".h5", ".hdf5") and p.is_file()]
-    return "features" if h5 and is_feature_file(h5[0]) else "images"
+    for path in h5:
+        try:
+            with h5py.File(path, "r"):
+                pass
+        except OSError:
+            continue
+        return "features" if is_feature_file(path) else "images"
+    return "images"
 
 
 def _expand_feature_inputs(inputs: list[Path]) -> list[Path]:
@@ -262,11 +272,15 @@ def _resume_setup(args: argparse.Namespace):
 
 def _check_same_encoder(train, val) -> None:
     """Refuse validation features of another encoder or other weights than the training features, where
-    both sets record them (:func:`~wsi_milssl.features.schema.encoders_differ`, the rule heatmap applies).
-    Inside one set :func:`~wsi_milssl.mil.data.read_feature_files` is stricter: files that record weights
-    and files that do not (random weights, other tools) are not mixed."""
+    both sets record them (:func:`~wsi_milssl.features.schema.encoders_differ`, the rule heatmap applies),
+    and validation files that record other feature settings (encoder settings, dtype, input size,
+    precision, resolution, patch size) than the training files
+    (:func:`~wsi_milssl.mil.data.feature_settings_clash`). Inside one set
+    :func:`~wsi_milssl.mil.data.read_feature_files` is stricter: files that record weights and files that
+    do not (random weights, other tools) are not mixed."""
     from wsi_milssl.errors import ConfigError
     from wsi_milssl.features.schema import encoder_label, encoders_differ
+    from wsi_milssl.mil.data import feature_settings_clash
 
     keys = ("feature_encoder", "feature_encoder_weights_sha256")
     trained, checked = (tuple(s.settings.get(k) for k in keys) for s in (train, val))
@@ -274,6 +288,27 @@ def _check_same_encoder(train, val) -> None:
         raise ConfigError(f"the validation features ({val.source}) are of {encoder_label(*checked)}, but the training "
                           f"features ({train.source}) of {encoder_label(*trained)}; a head needs one encoder's "
                           "features. Fix: extract the validation slides with the training encoder and weights.")
+    clash = feature_settings_clash(train, val)
+    if clash is not None:
+        trained_file, val_file, diffs = clash
+        raise ConfigError(f"the validation features {val_file} were made with other settings than the training "
+                          f"features {trained_file} ({'; '.join(diffs)}); validation must see features like the "
+                          "ones the head trains on. Fix: extract the validation slides with the training settings "
+                          "(the same encoder options, resolution and patch size).")
+
+
+def _check_held_out(train, val, val_inputs) -> None:
+    """Refuse a validation set whose every bag is a training bag (``train X --val X``): best.pt would be
+    chosen on the data the model trains on. A partial overlap is a warning of the training loop."""
+    from wsi_milssl.errors import ConfigError
+    from wsi_milssl.mil.data import held_out_bags
+
+    if val.n_bags and not held_out_bags(train, val):
+        names = ", ".join(val.bag_names[:5]) + (", ..." if val.n_bags > 5 else "")
+        raise ConfigError(f"--val {' '.join(str(p) for p in val_inputs)}: all {val.n_bags} validation bags are "
+                          f"training bags ({names}), so best.pt would be chosen on the data the model trains on. "
+                          "Fix: validate on slides held out from training (their own stores or feature files), "
+                          "or drop --val.")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -308,6 +343,8 @@ def run(args: argparse.Namespace) -> int:
     val = load_instances(val_inputs, mode=input_mode, labels_path=val_labels) if val_inputs else None
     if val is not None:
         _check_same_encoder(train, val)
+        if args.resume is None and input_mode in ("images", "features"):
+            _check_held_out(train, val, val_inputs)
     # absolute paths: `train --resume` may run from another folder
     run_info = {"data": {"inputs": [str(Path(p).resolve()) for p in inputs],
                          "labels": str(Path(labels).resolve()) if labels else None,

@@ -55,12 +55,16 @@ __all__ = [
     "ROOT_ATTRS",
     "FeatureFile",
     "GridLayout",
+    "FEATURE_SETTING_KEYS",
     "encoder_label",
     "encoders_differ",
+    "settings_differences",
     "feature_path",
     "write_feature_file",
     "read_feature_file",
     "is_feature_file",
+    "looks_like_hdf5",
+    "damaged_message",
 ]
 
 SCHEMA = "wsi-milssl-features"
@@ -126,6 +130,33 @@ def encoders_differ(a: tuple[str | None, str | None], b: tuple[str | None, str |
     SHA-256) pairs: the names differ where both record one, or the weights where both record a hash."""
     (name_a, sha_a), (name_b, sha_b) = a, b
     return bool(name_a and name_b and name_a != name_b) or bool(sha_a and sha_b and sha_a != sha_b)
+
+
+#: What a feature file records that decides its values besides the patches themselves (see
+#: :attr:`FeatureFile.feature_settings`): the files of one training set, its validation set and the test
+#: features of a head must agree on each that both record.
+FEATURE_SETTING_KEYS: tuple[str, ...] = ("settings_hash", "encoder", "encoder_weights_sha256", "encoder_kwargs",
+                                         "feature_dtype", "input_size_px", "amp", "target_mpp", "patch_size_px")
+
+
+def settings_differences(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str]:
+    """``['target_mpp 0.5 vs 1', ...]``: the :data:`FEATURE_SETTING_KEYS` that ``a`` and ``b`` (two
+    :attr:`FeatureFile.feature_settings`) both record with different values (µm/px within 0.1 %); the
+    settings hash only when no other difference explains it. Empty when they agree."""
+    out = []
+    for key in FEATURE_SETTING_KEYS:
+        if key == "settings_hash" or a.get(key) is None or b.get(key) is None:
+            continue
+        x, y = a[key], b[key]
+        if key == "target_mpp":
+            if not math.isclose(float(x), float(y), rel_tol=1e-3):
+                out.append(f"target_mpp {float(x):g} vs {float(y):g} µm/px")
+        elif x != y:
+            width = 12 if key == "encoder_weights_sha256" else None
+            out.append(f"{key} {str(x)[:width]} vs {str(y)[:width]}")
+    if not out and a.get("settings_hash") and b.get("settings_hash") and a["settings_hash"] != b["settings_hash"]:
+        out.append(f"settings_hash {a['settings_hash']} vs {b['settings_hash']}")
+    return out
 
 
 def non_finite_rows(features: np.ndarray) -> np.ndarray:
@@ -244,6 +275,38 @@ class FeatureFile:
         """The SHA-256 of the encoder's weights file (this project's files; None for random weights and
         for TRIDENT's and CLAM's files)."""
         return str(self.attrs.get("encoder_weights_sha256") or "") or None
+
+    @property
+    def feature_settings(self) -> dict[str, Any]:
+        """What decides these features' values besides the patches, as far as the file records it
+        (:data:`FEATURE_SETTING_KEYS`; a key is left out when unknown): this project's files record all
+        of them (``settings_hash`` covers the encoder, its arguments and weights, the dtype, the input
+        size and the precision; not the resolution, hence ``target_mpp`` and ``patch_size_px``);
+        TRIDENT's the encoder and the resolution (from ``coords``' ``target_magnification`` and
+        ``patch_size``); CLAM's nothing."""
+        a, c = self.attrs, self.coords_attrs
+        out: dict[str, Any] = {"settings_hash": str(a.get("settings_hash") or "") or None, "encoder": self.encoder,
+                               "encoder_weights_sha256": self.encoder_weights_sha256,
+                               "feature_dtype": str(a.get("feature_dtype") or "") or None,
+                               "input_size_px": _first_int(a.get("input_size_px"))}
+        for key, attr in (("encoder_kwargs", a.get("encoder_kwargs")), ("amp", a.get("settings"))):
+            try:
+                value = json.loads(str(attr)) if attr not in (None, "", "None") else None
+            except ValueError:
+                value = str(attr)
+            if key == "amp":
+                value = value.get("amp") if isinstance(value, dict) else None
+            elif value is not None:
+                value = json.dumps(value, sort_keys=True)
+            out[key] = value
+        target_mpp = _first_float(a.get("target_mpp"))
+        if target_mpp is None and _first_float(c.get("target_magnification")) is not None:
+            from wsi_milssl.slide.resolution import magnification_to_mpp
+
+            target_mpp = magnification_to_mpp(_first_float(c.get("target_magnification")))
+        out["target_mpp"] = target_mpp
+        out["patch_size_px"] = _first_int(a.get("patch_size_px"), c.get("patch_size"))
+        return {k: v for k, v in out.items() if v is not None}
 
     def grid_layout(self, *, slide_mpp: float | None = None, slide_dimensions: tuple[int, int] | None = None
                     ) -> GridLayout:
@@ -378,7 +441,8 @@ def read_feature_file(path: str | os.PathLike) -> FeatureFile:
     The slide stem is the root ``slide_stem`` attribute, else the file stem (TRIDENT and CLAM name the
     file after the slide). Raises StoreError naming the file for one that cannot be opened, has no
     ``features``, features that are not (N, D) (TRIDENT's empty (0,) counts as N = 0) or not all finite,
-    or coordinates whose count differs.
+    or coordinates whose count differs; an HDF5 file that cannot be read (cut short) is called damaged,
+    with the fix (:func:`damaged_message`).
     """
     import h5py
 
@@ -386,42 +450,78 @@ def read_feature_file(path: str | os.PathLike) -> FeatureFile:
     try:
         fh = h5py.File(path, "r")
     except (OSError, FileNotFoundError) as exc:
+        if looks_like_hdf5(path):
+            raise StoreError(damaged_message(path, exc)) from None
         raise StoreError(f"{path}: cannot open as HDF5 ({exc}). Fix: pass .h5 feature files made by "
                          "`wsi-milssl features`, TRIDENT or CLAM.") from None
-    with fh:
-        if FEATURES not in fh:
-            raise StoreError(f"{path}: no 'features' dataset. Fix: extract features first (`wsi-milssl features`), "
-                             "or train on patch stores in image mode.")
-        feats = np.asarray(fh[FEATURES][()])
-        if feats.ndim == 1 and feats.size == 0:  # TRIDENT's file of a slide without patches
-            feats = feats.reshape(0, 0)
-        if feats.ndim != 2:
-            raise StoreError(f"{path}: 'features' must be 2-D (N, D); got shape {feats.shape}. Fix: write one row "
-                             "per patch.")
-        if feats.dtype.kind != "f":
-            raise StoreError(f"{path}: 'features' must be floating point; got {feats.dtype}.")
-        bad_rows = non_finite_rows(feats)
-        if bad_rows.size:
-            raise StoreError(f"{path}: 'features' holds NaN or infinite values in {bad_rows.size} of {len(feats)} rows "
-                             f"(first: row {int(bad_rows[0])}), so no model can score them. Fix: extract the features "
-                             "again (in float32 if a half-precision encoder overflowed).")
-        coords = None
-        if COORDS in fh:
-            coords = np.asarray(fh[COORDS][()]).astype(np.int64, copy=False).reshape(-1, 2)
-            if len(coords) != len(feats):
-                raise StoreError(f"{path}: 'coords' has {len(coords)} rows but 'features' {len(feats)}. Fix: "
-                                 "extract the features again.")
-        inst = np.asarray(fh[INSTANCE_LABEL][()], dtype=np.uint8) if INSTANCE_LABEL in fh else None
-        if inst is not None and inst.shape != (len(feats),):
-            raise StoreError(f"{path}: 'instance_label' has shape {inst.shape}; expected ({len(feats)},).")
-        bag_ids = None
-        if BAG_IDS in fh:
-            bag_ids = [b.decode() if isinstance(b, bytes) else str(b) for b in np.asarray(fh[BAG_IDS][()]).tolist()]
-            if len(bag_ids) != len(feats):
-                raise StoreError(f"{path}: 'bag_ids' has {len(bag_ids)} rows but 'features' has {len(feats)}.")
-        attrs = {k: _plain(v) for k, v in fh.attrs.items()}
-        features_attrs = {k: _plain(v) for k, v in fh[FEATURES].attrs.items()}
-        coords_attrs = {k: _plain(v) for k, v in fh[COORDS].attrs.items()} if COORDS in fh else {}
+    try:
+        with fh:
+            return _read_open_file(path, fh)
+    except OSError as exc:  # a dataset cut short: the file opened, its data cannot be read
+        raise StoreError(damaged_message(path, exc)) from None
+
+
+#: The signature an HDF5 file starts with (at byte 0, or at 512, 1024, ... after a user block).
+_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+def looks_like_hdf5(path: str | os.PathLike) -> bool:
+    """Whether ``path`` starts like an HDF5 file (its signature at byte 0, 512, 1024, 2048 or 4096)."""
+    try:
+        with open(path, "rb") as fh:
+            for offset in (0, 512, 1024, 2048, 4096):
+                fh.seek(offset)
+                if fh.read(len(_HDF5_SIGNATURE)) == _HDF5_SIGNATURE:
+                    return True
+    except OSError:
+        return False
+    return False
+
+
+def damaged_message(path: str | os.PathLike, exc: BaseException) -> str:
+    """The error for an HDF5 feature file that cannot be read (cut short by a copy, a full disk or a
+    tool killed while writing it), with the fix: delete it and make it again."""
+    return (f"{path}: the file looks damaged: an HDF5 file that cannot be read ({exc}), e.g. cut short by a copy, a "
+            "full disk or a writer that was killed. Fix: delete it and make it again: `wsi-milssl features` into its "
+            "folder embeds that slide alone (the other files are kept), `wsi-milssl run PIPELINE --force features` "
+            "remakes a pipeline's feature files; a file of TRIDENT or CLAM, with that tool.")
+
+
+def _read_open_file(path: Path, fh) -> FeatureFile:
+    """The contents of the open feature file ``fh`` (:func:`read_feature_file`)."""
+    if FEATURES not in fh:
+        raise StoreError(f"{path}: no 'features' dataset. Fix: extract features first (`wsi-milssl features`), "
+                         "or train on patch stores in image mode.")
+    feats = np.asarray(fh[FEATURES][()])
+    if feats.ndim == 1 and feats.size == 0:  # TRIDENT's file of a slide without patches
+        feats = feats.reshape(0, 0)
+    if feats.ndim != 2:
+        raise StoreError(f"{path}: 'features' must be 2-D (N, D); got shape {feats.shape}. Fix: write one row "
+                         "per patch.")
+    if feats.dtype.kind != "f":
+        raise StoreError(f"{path}: 'features' must be floating point; got {feats.dtype}.")
+    bad_rows = non_finite_rows(feats)
+    if bad_rows.size:
+        raise StoreError(f"{path}: 'features' holds NaN or infinite values in {bad_rows.size} of {len(feats)} rows "
+                         f"(first: row {int(bad_rows[0])}), so no model can score them. Fix: extract the features "
+                         "again (in float32 if a half-precision encoder overflowed).")
+    coords = None
+    if COORDS in fh:
+        coords = np.asarray(fh[COORDS][()]).astype(np.int64, copy=False).reshape(-1, 2)
+        if len(coords) != len(feats):
+            raise StoreError(f"{path}: 'coords' has {len(coords)} rows but 'features' {len(feats)}. Fix: "
+                             "extract the features again.")
+    inst = np.asarray(fh[INSTANCE_LABEL][()], dtype=np.uint8) if INSTANCE_LABEL in fh else None
+    if inst is not None and inst.shape != (len(feats),):
+        raise StoreError(f"{path}: 'instance_label' has shape {inst.shape}; expected ({len(feats)},).")
+    bag_ids = None
+    if BAG_IDS in fh:
+        bag_ids = [b.decode() if isinstance(b, bytes) else str(b) for b in np.asarray(fh[BAG_IDS][()]).tolist()]
+        if len(bag_ids) != len(feats):
+            raise StoreError(f"{path}: 'bag_ids' has {len(bag_ids)} rows but 'features' has {len(feats)}.")
+    attrs = {k: _plain(v) for k, v in fh.attrs.items()}
+    features_attrs = {k: _plain(v) for k, v in fh[FEATURES].attrs.items()}
+    coords_attrs = {k: _plain(v) for k, v in fh[COORDS].attrs.items()} if COORDS in fh else {}
     stem = str(attrs.get("slide_stem") or path.stem)
     return FeatureFile(path=path, stem=stem, features=feats, coords=coords, instance_label=inst, bag_ids=bag_ids,
                        attrs=attrs, features_attrs=features_attrs, coords_attrs=coords_attrs)

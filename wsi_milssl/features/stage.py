@@ -18,9 +18,11 @@ The folder gets ``<stem>.h5`` per slide (:mod:`wsi_milssl.features.schema`), ``f
 'empty' (no patch: the file holds (0, D) features), 'skipped' (a file made with the same settings
 from the same source is there) or 'failed'. Each file is written under a temporary name and renamed
 when complete, so a killed run resumes where it stopped. A file made with other settings (another
-encoder, weights, dtype, input size or precision) is never replaced silently: that slide fails with
-the fix (``overwrite`` or another folder; ``run`` replaces them in its own folders); a file whose source changed (a store tiled or labelled
-again) is made again.
+encoder, weights, dtype, input size or precision), or from another slide file (a slide of the same
+name elsewhere: test slides embedded into a training folder, say), is never replaced silently: that
+slide fails with the fix (``overwrite``, another folder or deleting the file; ``run`` replaces them in
+its own folders); a file whose source changed (a store tiled again, the same slide file changed) is
+made again, and one whose store was labelled again gets the new labels in place.
 """
 
 from __future__ import annotations
@@ -228,10 +230,12 @@ def _settings(config: FeaturesConfig, encoder: Encoder, model) -> dict[str, Any]
             "amp": "off" if amp is None else str(amp).replace("torch.", "")}
 
 
-def _check_existing(path: Path, settings: dict[str, Any], settings_hash: str, source_hash: str) -> int | None:
+def _check_existing(path: Path, settings: dict[str, Any], settings_hash: str, source_hash: str, *,
+                    slide_path: Path | None = None) -> int | None:
     """Patches in a reusable file at ``path`` (same settings, same source), None when there is none or
-    its source changed (made again); StoreError with the fix when it was made with other settings or is
-    not a feature file of this project."""
+    its source changed (the same slide file changed, or its store was made again: made again); StoreError
+    with the fix when it was made with other settings, from another slide file than ``slide_path`` (a
+    slide of the same name elsewhere), or is not a readable feature file of this project."""
     import h5py
 
     if not path.exists():
@@ -240,11 +244,19 @@ def _check_existing(path: Path, settings: dict[str, Any], settings_hash: str, so
         with h5py.File(path, "r") as fh:
             attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in fh.attrs.items()}
     except OSError as exc:
-        raise StoreError(f"{path}: a file is already there but cannot be read ({exc}). Fix: pass --overwrite to "
-                         "replace it, or write to a new folder with --out.") from None
+        raise StoreError(f"{path}: a file is already there but cannot be read, so it looks damaged ({exc}). Fix: "
+                         "delete that file (this slide alone is embedded again), or pass --overwrite (every slide "
+                         "is embedded again), or write to a new folder with --out.") from None
     if attrs.get("schema") != schema.SCHEMA:
         raise StoreError(f"{path}: a file not made by `wsi-milssl features` is already there. Fix: write to a new "
                          "folder with --out (or pass --overwrite to replace it).")
+    made_from = str(attrs.get("slide_path") or "")
+    if made_from and slide_path is not None and not _same_file(Path(made_from), Path(slide_path)):
+        raise StoreError(
+            f"{path}: these features were made from another slide file, {made_from}, not {Path(slide_path).resolve()} "
+            f"(two slides named {path.stem!r}: a test set embedded into a training set's folder, say). Fix: write "
+            "this slide's features to another folder with --out; if the other slide's features are no longer "
+            "wanted, delete that file (or pass --overwrite, which embeds every slide again).")
     if attrs.get("settings_hash") != settings_hash:
         try:
             old = json.loads(str(attrs.get("settings", "{}")))
@@ -258,6 +270,17 @@ def _check_existing(path: Path, settings: dict[str, Any], settings_hash: str, so
         logger.info("%s: its store or slide changed since; made again", path)
         return None
     return int(attrs.get("n_patches", 0))
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` name one file: the same resolved path, or one file reached twice (a hard
+    link; both must exist)."""
+    if a.resolve() == b.resolve():
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def _refresh_labels(path: Path, store_path: Path) -> bool:
@@ -303,11 +326,11 @@ def extract_features(inputs: Sequence[str | os.PathLike], out_dir: str | os.Path
     plan, else TileConfig's defaults); every store must have that plan's resolution and patch size.
     ``encoder``: an :class:`~wsi_milssl.features.encoders.Encoder` to use instead of building
     ``config.encoder``. ``overwrite``: make every file again. ``replace_other``: keep the files made with
-    these settings from the same source, and make again those made with other settings (or unreadable,
-    or not feature files), which otherwise fail their slide (``run`` uses it for the folders it owns, so
-    a re-run embeds only the slides whose store or settings changed). Raises ConfigError / CheckpointError before
-    any slide for bad inputs, settings or weights; per-slide errors are recorded in
-    ``features_status.csv`` and the run goes on.
+    these settings from the same source, and make again those made with other settings, from another
+    slide file of the same name (or unreadable, or not feature files), which otherwise fail their slide
+    (``run`` uses it for the folders it owns, so a re-run embeds only the slides whose store or settings
+    changed). Raises ConfigError / CheckpointError before any slide for bad inputs, settings or weights;
+    per-slide errors are recorded in ``features_status.csv`` and the run goes on.
     """
     from wsi_milssl.features.model import load_feature_model
     from wsi_milssl.inference.predict import prestart_readers, run_slides
@@ -353,7 +376,7 @@ def extract_features(inputs: Sequence[str | os.PathLike], out_dir: str | os.Path
             record(i, failed(i, src.error))
             continue
         if src is not None:
-            mismatch = _resolution_mismatch(it, src.attrs, plan)
+            mismatch = _resolution_mismatch(it, src.attrs, plan, tile_given=tile is not None)
             if mismatch:
                 record(i, failed(i, mismatch))
                 continue
@@ -364,7 +387,7 @@ def extract_features(inputs: Sequence[str | os.PathLike], out_dir: str | os.Path
         path = schema.feature_path(out_dir, it.stem)
         if not overwrite:
             try:
-                n = _check_existing(path, settings, settings_hash, source_hashes[i])
+                n = _check_existing(path, settings, settings_hash, source_hashes[i], slide_path=it.slide_path)
             except StoreError as exc:
                 if not replace_other:
                     record(i, failed(i, str(exc)))
@@ -434,12 +457,21 @@ def _message(stem: str, exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _resolution_mismatch(item, attrs: dict[str, Any], plan: TilingPlan) -> str:
+def _resolution_mismatch(item, attrs: dict[str, Any], plan: TilingPlan, *, tile_given: bool = False) -> str:
+    """Why the store of ``item`` (its attributes ``attrs``) cannot join this run's features of ``plan``'s
+    resolution and patch size ('' when it can). ``tile_given``: the plan is the caller's tile settings
+    (``features --magnification / --mpp / --patch-size / --tile-config``), which cut slides only."""
     try:
         target_mpp, patch = float(attrs.get("target_mpp")), int(attrs.get("patch_size_px"))
     except (TypeError, ValueError):
         return f"{item.store_path}: the store records no target_mpp / patch_size_px. Fix: tile the slide again."
     if abs(target_mpp - plan.target_mpp) > 1e-6 * plan.target_mpp or patch != plan.patch_size_px:
+        if tile_given:
+            return (f"{item.store_path}: tiled at {target_mpp:g} µm/px with {patch} px patches, but the tile settings "
+                    f"given ({plan.target_mpp:g} µm/px, {plan.patch_size_px} px: --magnification / --mpp / "
+                    "--patch-size / --tile-config) apply to slides cut on the fly only: a store is embedded as it was "
+                    "tiled. Fix: drop those options to embed the stores as they are, or pass the slides instead of "
+                    "their stores to cut them at that resolution (or tile them again with `wsi-milssl tile`).")
         return (f"{item.store_path}: tiled at {target_mpp:g} µm/px with {patch} px patches, but this run embeds "
                 f"patches of {plan.target_mpp:g} µm/px and {plan.patch_size_px} px (one feature set, one resolution). "
                 "Fix: extract features of stores tiled differently into another --out.")

@@ -43,7 +43,7 @@ from wsi_milssl.inference.exports import remove_slide_outputs, update_scores_csv
 from wsi_milssl.inference.predict import SlidePrediction
 from wsi_milssl.inference.stage import HeatmapResult, HeatmapRun, non_finite_error, write_slide_outputs
 
-__all__ = ["FeatureHead", "load_feature_head", "find_feature_files", "make_feature_heatmaps"]
+__all__ = ["FeatureHead", "load_feature_head", "find_feature_files", "feature_slide_mismatch", "make_feature_heatmaps"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,14 @@ class FeatureHead:
     def encoder_weights_sha256(self) -> str | None:
         """The SHA-256 of the encoder weights of the features the head was trained on, when recorded."""
         return (self.config.get("store_settings") or {}).get("feature_encoder_weights_sha256") or None
+
+    @property
+    def feature_settings(self) -> dict[str, Any]:
+        """What decided the training features besides the patches (encoder settings, dtype, input size,
+        precision, resolution, patch size; :attr:`wsi_milssl.features.schema.FeatureFile.feature_settings`),
+        as far as the training files recorded it ({} for heads of earlier versions)."""
+        value = (self.config.get("store_settings") or {}).get("feature_settings")
+        return dict(value) if isinstance(value, dict) else {}
 
     def probabilities(self, features: np.ndarray, *, batch_size: int = 8192) -> np.ndarray:
         """float32 (N,) positive-class probabilities of float (N, D) features."""
@@ -143,9 +151,47 @@ def _slide_facts(path: Path | None, slide_mpp: float | None) -> tuple[float | No
         return slide_mpp, None
 
 
-def _prediction(ff, probs: np.ndarray, *, slide_path: Path | None, config: HeatmapConfig, seconds: float
-                ) -> SlidePrediction:
-    mpp, dims = _slide_facts(slide_path, config.slide_mpp)
+def feature_slide_mismatch(ff, slide: Path, *, dimensions: tuple[int, int] | None) -> StoreError | None:
+    """StoreError when the feature file ``ff`` was not made from ``slide`` (level-0 ``dimensions``, None
+    when the slide cannot be read), else None: the level-0 size the file records (``dimensions_lv0``,
+    else TRIDENT's ``level0_width`` / ``level0_height``) must be the slide's; where they agree (or are not
+    recorded), a file made from another slide file that is still there and differs in size in bytes from
+    ``slide`` is another slide of the same name too. The same slide reached by another path (a copy, a link, a
+    moved folder) is used with a note in the log; files that record neither (CLAM) are not checked."""
+    a, c = ff.attrs, ff.coords_attrs
+    recorded_dims = None
+    if a.get("dimensions_lv0") is not None:
+        recorded_dims = tuple(int(v) for v in a["dimensions_lv0"])
+    elif c.get("level0_width") is not None and c.get("level0_height") is not None:
+        recorded_dims = (int(c["level0_width"]), int(c["level0_height"]))
+    made_from = Path(str(a["slide_path"])) if a.get("slide_path") not in (None, "", "None") else None
+    same_path = made_from is not None and made_from.resolve() == slide.resolve()
+
+    def error(why: str) -> StoreError:
+        return StoreError(
+            f"{slide}: the feature file {ff.path} was made from another slide of the same name ({why}), so its "
+            "probabilities do not belong to this slide. Fix: pass the feature files of this slide (`wsi-milssl "
+            "features` of it, into its own folder), or drop the slide to draw the file over the slide it records.")
+
+    if recorded_dims is not None and dimensions is not None and tuple(dimensions) != recorded_dims:
+        return error(f"{made_from or 'slide not recorded'}, {recorded_dims[0]} x {recorded_dims[1]} px; this slide: "
+                     f"{dimensions[0]} x {dimensions[1]} px")
+    if made_from is None or same_path:
+        return None
+    try:
+        other_size, size = made_from.stat().st_size, slide.stat().st_size
+    except OSError:
+        other_size = size = None
+    if other_size is not None and other_size != size:
+        return error(f"{made_from}, {other_size} bytes; this slide: {size} bytes")
+    logger.info("%s: made from %s, drawn over %s (the same level-0 size%s)", ff.path, made_from, slide,
+                " and file size" if other_size is not None else "")
+    return None
+
+
+def _prediction(ff, probs: np.ndarray, *, slide_path: Path | None, config: HeatmapConfig, seconds: float,
+                facts: tuple[float | None, tuple[int, int] | None] | None = None) -> SlidePrediction:
+    mpp, dims = facts if facts is not None else _slide_facts(slide_path, config.slide_mpp)
     layout = ff.grid_layout(slide_mpp=mpp, slide_dimensions=dims)
     for note in layout.notes:
         logger.info("%s: %s", ff.path, note)
@@ -169,16 +215,21 @@ def make_feature_heatmaps(features: Sequence[str | os.PathLike], checkpoint: str
 
     ``slides``: slide files of the same stems, for the overlay PNG and for the slide's µm/px and size
     where a file does not record them (TRIDENT, CLAM); without one, the slide recorded in the file is
-    used when it exists, else the PNG is skipped. ``config``: the overlay, detection and device
-    settings (its tiling and reader settings do not apply). A file whose features do not fit the head
-    (another width, or another encoder or encoder weights than the head was trained on) fails alone, as
+    used when it exists, else the PNG is skipped. A slide given whose level-0 size differs from the one
+    the file records, or (same size) another slide file than the one recorded when that one is there and
+    of another size in bytes, is not the file's slide: that file fails (:func:`feature_slide_mismatch`).
+    ``config``: the overlay, detection and device settings (its tiling and reader settings do not apply).
+    A file whose features do not fit the head (another width, another encoder or encoder weights, or
+    other recorded feature settings such as the resolution than the head was trained on) fails alone, as
     does one that cannot be placed on a grid; the others go on. Raises CheckpointError for an image-model checkpoint.
     """
     config = config or HeatmapConfig()
     out_dir = Path(out_dir)
     files = find_feature_files(features)
     head = checkpoint if isinstance(checkpoint, FeatureHead) else load_feature_head(checkpoint, config=config)
-    by_stem = {Path(s).stem: Path(s) for s in slides}
+    from wsi_milssl.tiling import slide_stem
+
+    by_stem = {slide_stem(Path(s)): Path(s) for s in slides}
     out_dir.mkdir(parents=True, exist_ok=True)
     config_json = atomic_write_json(out_dir / HEATMAP_CONFIG_FILENAME, {
         "heatmap": config_to_dict(config), "checkpoint": str(head.checkpoint_path), "source": "features",
@@ -203,7 +254,13 @@ def make_feature_heatmaps(features: Sequence[str | os.PathLike], checkpoint: str
                                   "pass one of them.")
             seen[stem] = path
             slide_path = by_stem.get(stem)
-            if slide_path is None and ff.attrs.get("slide_path") and Path(str(ff.attrs["slide_path"])).exists():
+            facts = None
+            if slide_path is not None:
+                facts = _slide_facts(slide_path, config.slide_mpp)
+                mismatch = feature_slide_mismatch(ff, slide_path, dimensions=facts[1])
+                if mismatch is not None:
+                    raise mismatch
+            elif ff.attrs.get("slide_path") and Path(str(ff.attrs["slide_path"])).exists():
                 slide_path = Path(str(ff.attrs["slide_path"]))
             _check_fit(ff, head)
             if len(ff) == 0:
@@ -212,7 +269,8 @@ def make_feature_heatmaps(features: Sequence[str | os.PathLike], checkpoint: str
                                              f"{path}: no patch, so the slide has no score."))
             else:
                 probs = head.probabilities(ff.features, batch_size=max(1024, config.batch_size))
-                pred = _prediction(ff, probs, slide_path=slide_path, config=config, seconds=time.perf_counter() - t0)
+                pred = _prediction(ff, probs, slide_path=slide_path, config=config, seconds=time.perf_counter() - t0,
+                                   facts=facts)
                 bad = non_finite_error(pred, head)  # a diverged head: fail this slide before writing anything
                 if bad is not None:
                     raise bad
@@ -245,6 +303,13 @@ def _check_fit(ff, head: FeatureHead) -> None:
         raise StoreError(f"{ff.path}: features of {encoder_label(*made)}, but the head {head.checkpoint_path} was "
                          f"trained on features of {encoder_label(*trained)}. Fix: pass feature files made with the "
                          "training encoder and weights (`wsi-milssl features --encoder ... --weights ...`).")
+    from wsi_milssl.features.schema import settings_differences
+
+    diffs = settings_differences(ff.feature_settings, head.feature_settings)
+    if diffs:
+        raise StoreError(f"{ff.path}: features made with other settings than those the head {head.checkpoint_path} "
+                         f"was trained on ({'; '.join(diffs)}; this file first). Fix: pass feature files made with the "
+                         "training settings (the same encoder options, resolution and patch size).")
     if ff.bag_ids is not None:
         raise StoreError(f"{ff.path}: a file of several bags ('bag_ids') has no slide to draw. Fix: pass one feature "
                          "file per slide.")

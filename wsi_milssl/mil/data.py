@@ -36,6 +36,8 @@ __all__ = [
     "read_mil_csv",
     "is_csv_header",
     "read_feature_files",
+    "feature_settings_clash",
+    "held_out_bags",
     "read_patch_stores",
     "iterate_batches",
     "STORE_SETTING_KEYS",
@@ -67,11 +69,16 @@ class InstanceSet:
     instance_labels : uint8 (N,) or None; evaluation only (never used to train).
     features : float32 (N, D) (kind "features").
     store_paths : one patch-store path per bag (kind "images").
-    bag_sources : the slide file each bag was cut from, as its store records it (else the store path; kind
-        "images"): two stores of one slide are one bag's data, two slides of one name are not.
+    bag_sources : the slide file each bag was cut from, as its store (kind "images") or its feature file
+        (kind "features") records it, else the store or feature file itself: two stores of one slide are
+        one bag's data, two slides of one name are not. None for files of several bags (and MIL CSV).
     local_index : int64 (N,), index of each patch in its bag's store (kind "images").
-    settings : store tiling attributes shared by all bags (kind "images"), see STORE_SETTING_KEYS.
+    settings : store tiling attributes shared by all bags (kind "images"), see STORE_SETTING_KEYS; for
+        kind "features" the encoder and ``feature_settings`` (what decides the features' values, see
+        :data:`wsi_milssl.features.schema.FEATURE_SETTING_KEYS`), which a checkpoint keeps.
     source : where the instances came from (for messages).
+    file_settings : kind "features": (file, its ``feature_settings``) of each file read, to compare a
+        validation set's files with the training set's (:func:`feature_settings_clash`).
     """
 
     kind: str
@@ -85,6 +92,7 @@ class InstanceSet:
     local_index: np.ndarray | None = None
     settings: dict = field(default_factory=dict)
     source: str = ""
+    file_settings: list[tuple[str, dict]] | None = None
 
     def __len__(self) -> int:
         return int(self.bag_ids.shape[0])
@@ -123,6 +131,7 @@ class InstanceSet:
             local_index=None if self.local_index is None else self.local_index[keep],
             settings=dict(self.settings),
             source=self.source,
+            file_settings=self.file_settings,
         )
 
 
@@ -247,7 +256,11 @@ def read_feature_files(paths: Iterable[str | os.PathLike], labels: dict[str, int
     ``labels`` (name -> 0/1); an optional ``instance_label`` dataset (N,) is kept for evaluation.
 
     ``settings`` of the result record the encoder the files name (``feature_encoder``, with its weights'
-    SHA-256), which a feature checkpoint keeps; files naming different encoders are refused.
+    SHA-256) and ``feature_settings`` (what decides the features besides the patches: encoder settings,
+    dtype, input size, precision, resolution and patch size, as far as the files record them), which a
+    feature checkpoint keeps. Files naming different encoders, or recording different such settings
+    (:func:`wsi_milssl.features.schema.settings_differences`: 20x and 10x features in one folder, say), are
+    refused naming two of them; files that do not record a setting (TRIDENT's, CLAM's) are not compared on it.
     """
     from wsi_milssl.features.schema import read_feature_file
 
@@ -255,8 +268,11 @@ def read_feature_files(paths: Iterable[str | os.PathLike], labels: dict[str, int
     names: list[str] = []
     index: dict[str, int] = {}
     bag_labels: list[int] = []
+    sources: list[str] | None = []
     have_inst = True
     encoders: dict[tuple[str, str], Path] = {}
+    file_settings: list[tuple[str, dict]] = []
+    dims: dict[int, Path] = {}
     paths = [Path(p) for p in paths]
     if not paths:
         raise ConfigError("no feature files given; pass one or more .h5 files holding a 'features' dataset.")
@@ -268,12 +284,18 @@ def read_feature_files(paths: Iterable[str | os.PathLike], labels: dict[str, int
             continue
         if ff.encoder is not None:
             encoders.setdefault((ff.encoder, str(ff.attrs.get("encoder_weights_sha256") or "")), path)
+        file_settings.append((str(path), ff.feature_settings))
         feats = np.asarray(ff.features, dtype=np.float32)
+        dims.setdefault(int(feats.shape[1]), path)
         file_bags = ff.bag_ids if ff.bag_ids is not None else [ff.stem] * feats.shape[0]
         if ff.instance_label is not None:
             inst_all.append(ff.instance_label)
         else:
             have_inst = False
+        if ff.bag_ids is not None:
+            sources = None
+        elif sources is not None:
+            sources.append(str(ff.attrs.get("slide_path") or "") or str(path.resolve()))
         for b in dict.fromkeys(file_bags):
             if b in index:
                 raise ConfigError(f"{path}: bag {b!r} appears in more than one file; each bag must live in one file.")
@@ -292,9 +314,18 @@ def read_feature_files(paths: Iterable[str | os.PathLike], labels: dict[str, int
             f"{encoders[(e1, w1)]} and {encoders[(e2, w2)]} hold features of different encoders ({e1} "
             f"{w1[:12] or 'weights unknown'} vs {e2} {w2[:12] or 'weights unknown'}); a head needs one encoder's "
             "features. Fix: extract every slide with the same encoder and weights.")
-    dims = {f.shape[1] for f in feats_all}
+    clash = _settings_clash(file_settings)
+    if clash is not None:
+        first, second, diffs = clash
+        raise ConfigError(
+            f"{first} and {second} hold features made with different settings ({'; '.join(diffs)}); one training "
+            "set needs features of one encoder setting, resolution and patch size. Fix: extract every slide with the "
+            "same settings, each resolution or setting into its own folder (`wsi-milssl features ... --out`), and "
+            "train on one of them.")
     if len(dims) > 1:
-        raise StoreError(f"feature files disagree on the feature length ({sorted(dims)}); use one extractor for all.")
+        (d1, p1), (d2, p2) = sorted(dims.items())[:2]
+        raise StoreError(f"feature files disagree on the feature length ({sorted(dims)}): {p1} holds {d1}-d "
+                         f"features, {p2} {d2}-d. Fix: use one extractor for all.")
     bag_ids = np.concatenate(bag_all)
     order = np.argsort(bag_ids, kind="stable")
     features = np.concatenate(feats_all)[order]
@@ -303,9 +334,61 @@ def read_feature_files(paths: Iterable[str | os.PathLike], labels: dict[str, int
     if encoders:
         (encoder, sha), = encoders
         settings = {"feature_encoder": encoder, "feature_encoder_weights_sha256": sha or None}
+    common = _common_settings(file_settings)
+    if common:
+        settings["feature_settings"] = common
     return InstanceSet(kind="features", bag_ids=bag_ids[order], bag_names=names,
                        bag_labels=np.asarray(bag_labels, dtype=np.int64), instance_labels=inst,
-                       features=features, settings=settings, source=", ".join(str(p) for p in used[:3]))
+                       features=features, bag_sources=sources, settings=settings,
+                       source=", ".join(str(p) for p in used[:3]), file_settings=file_settings)
+
+
+def _common_settings(files: Sequence[tuple[str, dict]]) -> dict:
+    """Each feature setting as the first file that records it has it (the files agree where both record one)."""
+    out: dict = {}
+    for _, here in files:
+        for key, value in here.items():
+            out.setdefault(key, value)
+    return out
+
+
+def _settings_clash(files: Sequence[tuple[str, dict]]) -> tuple[str, str, list[str]] | None:
+    """The first two of ``files`` ((path, feature settings) in order) that record a setting with different
+    values, and what differs (:func:`wsi_milssl.features.schema.settings_differences`); None when they agree."""
+    from wsi_milssl.features.schema import settings_differences
+
+    first_with: dict[str, int] = {}  # setting -> the first file recording it
+    for i, (path, here) in enumerate(files):
+        for key in here:
+            j = first_with.get(key)
+            if j is not None:
+                diffs = settings_differences(files[j][1], here)
+                if diffs:
+                    return files[j][0], path, diffs
+        for key in here:
+            first_with.setdefault(key, i)
+    return None
+
+
+def feature_settings_clash(train: InstanceSet, val: InstanceSet) -> tuple[str, str, list[str]] | None:
+    """(a training file, a validation file, what differs) when the feature files of ``val`` record other
+    settings than those of ``train`` (encoder settings, dtype, input size, precision, resolution, patch
+    size: :func:`wsi_milssl.features.schema.settings_differences`), else None. Settings a file does not
+    record are not compared."""
+    if not train.file_settings or not val.file_settings:
+        return None
+    return _settings_clash(list(train.file_settings) + list(val.file_settings))
+
+
+def held_out_bags(train: InstanceSet, val: InstanceSet) -> list[str]:
+    """The bags of ``val`` that are not training bags: not cut from a slide file of ``train`` where both
+    sets record their slides (``bag_sources``, resolved: two folders may hold files of one name made from
+    different slides), else not named as a training bag."""
+    if train.bag_sources is not None and val.bag_sources is not None:
+        seen = {os.path.realpath(p) for p in train.bag_sources}
+        return [n for n, p in zip(val.bag_names, val.bag_sources) if os.path.realpath(p) not in seen]
+    known = set(train.bag_names)
+    return [n for n in val.bag_names if n not in known]
 
 
 def read_patch_stores(paths: Iterable[str | os.PathLike], labels: dict[str, int], *,

@@ -1,0 +1,68 @@
+"""The messages of review findings F8 and F9: a damaged feature file (in `features` and in `train`), feature
+files of different lengths, and tile options given with stores."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from wsi_milssl.cli import main
+from wsi_milssl.config import FeaturesConfig
+from wsi_milssl.errors import StoreError
+from wsi_milssl.features import extract_features, read_feature_file, write_feature_file
+from wsi_milssl.mil.data import read_feature_files
+
+FAST = FeaturesConfig(encoder="resnet18", weights="random", num_workers=0, batch_size=64, amp="off")
+
+
+def _cut_short(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def test_a_damaged_feature_file_names_the_one_file_to_delete(tmp_path, labelled_stores, synth_dir, capsys):
+    feats = tmp_path / "feats"
+    assert extract_features([labelled_stores], feats, FAST).ok
+    _cut_short(feats / "synth_000.h5")
+    # features: that file alone can be deleted; --overwrite embeds every slide again
+    run = extract_features([labelled_stores], feats, FAST)
+    assert [r.status for r in run.results] == ["failed", "skipped"]
+    error = run.results[0].error
+    assert "synth_000.h5: a file is already there but cannot be read, so it looks damaged" in error
+    assert "Fix: delete that file (this slide alone is embedded again), or pass --overwrite (every slide is " \
+           "embedded again)" in error
+    # train: the file looks damaged, not like a file of another kind
+    with pytest.raises(StoreError) as err:
+        read_feature_file(feats / "synth_000.h5")
+    assert "synth_000.h5: the file looks damaged" in str(err.value)
+    assert "Fix: delete it and make it again" in str(err.value)
+    assert "`wsi-milssl run PIPELINE --force features`" in str(err.value)
+    capsys.readouterr()
+    rc = main(["train", str(feats), "--labels", str(synth_dir / "labels.csv"), "--out", str(tmp_path / "run"),
+               "--epochs", "1", "--threads", "1", "--no-plots"])
+    assert rc != 0 and "the file looks damaged" in capsys.readouterr().err
+    # a file that is no HDF5 at all keeps its own message
+    (tmp_path / "notes.h5").write_text("not hdf5")
+    with pytest.raises(StoreError, match="cannot open as HDF5"):
+        read_feature_file(tmp_path / "notes.h5")
+
+
+def test_feature_files_of_different_lengths_are_named(tmp_path):
+    coords = np.array([[0, 0], [256, 0]])
+    for name, dim in (("a", 8), ("b", 16)):
+        write_feature_file(tmp_path / f"{name}.h5", features=np.zeros((2, dim), np.float32), coords=coords,
+                           attrs={"slide_stem": name}, coords_attrs={}, features_attrs={})
+    with pytest.raises(StoreError) as err:
+        read_feature_files([tmp_path / "a.h5", tmp_path / "b.h5"], {"a": 0, "b": 1})
+    assert f"feature files disagree on the feature length ([8, 16]): {tmp_path / 'a.h5'} holds 8-d features, " \
+           f"{tmp_path / 'b.h5'} 16-d" in str(err.value)
+
+
+def test_tile_options_with_stores_say_they_cut_slides_only(tmp_path, labelled_stores, capsys):
+    rc = main(["features", str(labelled_stores), "--out", str(tmp_path / "f"), "--magnification", "20",
+               "--encoder", "resnet18", "--weights", "random", "--workers", "0"])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "tiled at 2 µm/px with 32 px patches, but the tile settings given (0.5 µm/px, 512 px: " \
+           "--magnification" in err
+    assert "apply to slides cut on the fly only: a store is embedded as it was tiled. Fix: drop those options" in err

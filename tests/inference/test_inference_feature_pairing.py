@@ -1,0 +1,99 @@
+"""`heatmap SLIDES --features FILES` draws a feature file only over the slide it was made from (review
+finding F6): a slide of the same name but another level-0 size, or another slide file of another size
+while the recorded one is there, fails that slide; the same slide reached by another path is used.
+And `--shard` is refused with --features instead of being ignored (F9)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from wsi_milssl.cli import main
+from wsi_milssl.features import write_feature_file
+
+
+def _file(path, name, *, slide_path="", dims=(4096, 4096), seed=0):
+    """A feature file of a 6 x 6 grid of 512-px patches (this project's attributes, 8-d features)."""
+    rng = np.random.default_rng(seed)
+    ys, xs = np.mgrid[0:6, 0:6]
+    coords = np.stack([xs.ravel() * 512, ys.ravel() * 512], axis=1)
+    feats = rng.normal(size=(len(coords), 8)).astype(np.float32)
+    feats[:6] += 3.0 * (seed % 2)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_feature_file(path, features=feats, coords=coords,
+                       attrs={"slide_stem": name, "slide_path": slide_path, "mpp": 0.25, "dimensions_lv0": list(dims),
+                              "encoder": "resnet18", "target_mpp": 0.5, "patch_size_px": 256},
+                       coords_attrs={"patch_size": 256}, features_attrs={"encoder": "resnet18"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pairing")
+    names = [f"s{i}" for i in range(4)]
+    for i, n in enumerate(names):
+        _file(root / "train" / f"{n}.h5", n, seed=i)
+    (root / "labels.csv").write_text("slide,label\n" + "".join(f"{n},{i % 2}\n" for i, n in enumerate(names)))
+    assert main(["train", str(root / "train"), "--labels", str(root / "labels.csv"), "--out", str(root / "run"),
+                 "--epochs", "1", "--threads", "1", "--no-plots"]) == 0
+    return root / "run"
+
+
+def _status(folder):
+    return {r["slide"]: r for r in csv.DictReader((folder / "heatmap_status.csv").open())}
+
+
+def test_features_are_drawn_only_over_their_own_slide(tmp_path, head, synth_dir):
+    train_slide = synth_dir / "synth_000.tif"
+    feats = tmp_path / "feats"
+    _file(feats / "synth_000.h5", "synth_000", slide_path=str(train_slide.resolve()))
+    # a test slide of the same name (another slide, of the same level-0 size, another file size)
+    test_slide = tmp_path / "test" / "synth_000.tif"
+    test_slide.parent.mkdir()
+    shutil.copy(synth_dir / "synth_001.tif", test_slide)
+    assert test_slide.stat().st_size != train_slide.stat().st_size
+    rc = main(["heatmap", str(test_slide), "--features", str(feats), "--model", str(head), "--out", str(tmp_path / "a"),
+               "--thumbnail-px", "128"])
+    assert rc == 1
+    row = _status(tmp_path / "a")["synth_000"]
+    assert row["status"] == "failed"
+    assert f"the feature file {feats / 'synth_000.h5'} was made from another slide of the same name" in row["error"]
+    assert f"{train_slide.resolve()}, {train_slide.stat().st_size} bytes; this slide: {test_slide.stat().st_size} " \
+           "bytes" in row["error"]
+    assert not (tmp_path / "a" / "synth_000_probs.json").exists()
+    # its own slide, and the same slide reached by another path, are drawn
+    copy = tmp_path / "copy" / "synth_000.tif"
+    copy.parent.mkdir()
+    shutil.copy(train_slide, copy)
+    for slide, out in ((train_slide, tmp_path / "b"), (copy, tmp_path / "c")):
+        assert main(["heatmap", str(slide), "--features", str(feats), "--model", str(head), "--out", str(out),
+                     "--thumbnail-px", "128"]) == 0
+        assert json.loads((out / "synth_000_probs.json").read_text())["slide_path"] == str(slide)
+
+
+def test_a_slide_of_another_level0_size_is_not_the_files_slide(tmp_path, head, synth_dir):
+    feats = tmp_path / "feats"
+    _file(feats / "synth_001.h5", "synth_001", dims=(3072, 3072))  # no slide path recorded (another tool, say)
+    rc = main(["heatmap", str(synth_dir / "synth_001.tif"), "--features", str(feats), "--model", str(head), "--out",
+               str(tmp_path / "a"), "--thumbnail-px", "128"])
+    assert rc == 1
+    error = _status(tmp_path / "a")["synth_001"]["error"]
+    assert "made from another slide of the same name (slide not recorded, 3072 x 3072 px; this slide: 4096 x 4096 " \
+           "px)" in error and "Fix: pass the feature files of this slide" in error
+    # without the slide, the file is drawn from its own facts
+    assert main(["heatmap", "--features", str(feats), "--model", str(head), "--out", str(tmp_path / "b")]) == 0
+
+
+def test_heatmap_features_refuses_shards(tmp_path, head, capsys):
+    _file(tmp_path / "feats" / "s0.h5", "s0")
+    rc = main(["heatmap", "--features", str(tmp_path / "feats"), "--model", str(head), "--out", str(tmp_path / "a"),
+               "--shard", "0/2"])
+    assert rc == 2
+    assert "--shard 0/2: heatmaps of feature files (--features) are not split into shards" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()
+    assert main(["heatmap", "--features", str(tmp_path / "feats"), "--model", str(head), "--out", str(tmp_path / "b"),
+                 "--shard", "0/1"]) == 0
