@@ -27,6 +27,13 @@ def stores(tmp_path_factory, image_store_factory):
     return paths[0].parent, labels
 
 
+@pytest.fixture(scope="module")
+def val_stores(tmp_path_factory, image_store_factory):
+    """Held-out validation slides (train refuses validation bags that are all training bags)."""
+    paths, labels = image_store_factory(tmp_path_factory.mktemp("ddp_val"), n_bags=4, n_patches=32, seed=1)
+    return paths[0].parent, labels
+
+
 def _torchrun(nproc: int, *args: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
@@ -38,10 +45,12 @@ def _history(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def test_two_ranks_agree_every_epoch_and_stay_within_seed_spread(tmp_path, stores):
+def test_two_ranks_agree_every_epoch_and_stay_within_seed_spread(tmp_path, stores, val_stores):
     folder, labels = stores
+    val_folder, val_labels = val_stores
     run = tmp_path / "two"
-    proc = _torchrun(2, str(folder), "--labels", str(labels), "--val", str(folder), "--out", str(run),
+    proc = _torchrun(2, str(folder), "--labels", str(labels), "--val", str(val_folder), "--val-labels",
+                     str(val_labels), "--out", str(run),
                      "--epochs", str(EPOCHS), "--batch-size", "8", *COMMON)
     output = proc.communicate(timeout=240)[0]
     assert proc.returncode == 0, output
@@ -53,11 +62,12 @@ def test_two_ranks_agree_every_epoch_and_stay_within_seed_spread(tmp_path, store
     assert all(h["ranks_agree"] is True for h in history)  # same weights and pseudo labels on both ranks
     # one process with the same global batch (16), three seeds: the two-rank run lands in their spread
     inst = read_patch_stores(sorted(folder.glob("*.h5")), read_labels_csv(labels))
+    val = read_patch_stores(sorted(val_folder.glob("*.h5")), read_labels_csv(val_labels))
     singles = []
     for seed in range(3):
         cfg = TrainConfig(mode="images", epochs=EPOCHS, batch_size=16, threads=2, num_workers=0, device="cpu",
                           mu_ramp_epochs=2, plots=False, seed=seed)
-        singles.append(fit(inst, config=cfg, val=inst).history[-1])
+        singles.append(fit(inst, config=cfg, val=val).history[-1])
     last = history[-1]
     for key, slack in (("val_instance_auc", 0.05), ("pseudo_precision", 0.1)):
         low, high = min(s[key] for s in singles), max(s[key] for s in singles)
