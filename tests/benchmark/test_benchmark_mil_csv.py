@@ -778,3 +778,24 @@ def test_stacked_cross_fit_is_off_by_default_and_returns_the_models_alone(mil_cs
     assert out["val"][10].shape == (2, len(val.bag_ids)) and out["train"][10].shape[0] == 2
     with pytest.raises(ConfigError, match="cross_fit and neighbours cannot be combined"):
         fit_stacked_milssl(data, cross_fit=True, neighbours=3, **kw)
+
+
+def test_stacked_pseudo_labels_per_bag_puts_the_fraction_mu_in_every_bag():
+    from wsi_milssl.benchmark.stacked import stacked_pseudo_labels
+
+    rng = np.random.default_rng(0)
+    bag_ids = torch.tensor([0] * 30 + [1] * 6 + [2] * 4)
+    probs = torch.from_numpy(np.concatenate([rng.uniform(0.6, 0.99, 30), rng.uniform(0.01, 0.3, 10)]))[None]
+    probs = torch.cat([probs, probs.flip(1)])  # two models
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[1, :4] = False  # model 1 does not train on four instances of bag 0
+    mu = torch.tensor([0.5, 0.25])
+    q = stacked_pseudo_labels(probs, mask, bag_ids, mu=mu, lam=5.0, local_constraint=False, per_bag=True).double()
+    for k in range(2):
+        for b in range(3):
+            own = mask[k] & (bag_ids == b)
+            assert float(q[k, own].sum()) == pytest.approx(float(mu[k]) * int(own.sum()), rel=1e-6)
+        assert float(q[k, ~mask[k]].abs().sum()) == 0.0
+    # over all instances together (the paper's global constraint) the small bags get (almost) nothing
+    glob = stacked_pseudo_labels(probs, mask, bag_ids, mu=mu, lam=5.0, local_constraint=False).double()
+    assert float(glob[0].sum()) == pytest.approx(0.5 * 40, rel=1e-6) and float(glob[0, 30:].sum()) < 1.0

@@ -59,7 +59,8 @@ GRID_KEYS = {
 FIXED_KEYS = {
     "mil-ssl": ("hidden_dims", "batch_size", "lam", "fixed_mu", "soft_labels", "local_constraint",
                 "global_constraint", "class_balanced", "warmup_epochs", "pseudo_negative_weight", "bag_loss_weight",
-                "target_momentum", "bag_context", "neighbours", "input_noise", "weight_average_epochs", "mixup", "cross_fit"),
+                "target_momentum", "bag_context", "neighbours", "input_noise", "weight_average_epochs", "mixup",
+                "cross_fit", "per_bag_mu"),
     "abmil": ("hidden_dims", "bags_per_batch"),
     "gated-abmil": ("hidden_dims", "bags_per_batch"),
     "maxpool": ("hidden_dims", "bags_per_batch"),
@@ -70,7 +71,7 @@ DEFAULTS = {
                 "local_constraint": True, "global_constraint": True, "class_balanced": False, "warmup_epochs": 0,
                 "bag_balanced": False, "pseudo_negative_weight": 1.0, "bag_loss_weight": 0.0, "target_momentum": 0.0,
                 "bag_context": False, "neighbours": 0, "input_noise": 0.0, "weight_average_epochs": 0.0, "mixup": 0.0,
-                "cross_fit": False},
+                "cross_fit": False, "per_bag_mu": False},
     "abmil": {"lr": 1e-3, "weight_decay": 1e-4, "attention_dim": 64, "dropout": 0.0, "hidden_dims": (128, 64),
               "bags_per_batch": 8},
 }
@@ -307,6 +308,10 @@ METHODS: dict[str, MethodSpec] = {
                                             "scored by the one that never trained on its bag (cross_fit; tried on "
                                             "the development sets, not adopted)",
                                             fixed={"cross_fit": True}),
+    "mil-ssl-improved-per-bag-mu": _ablation("mil-ssl-improved-per-bag-mu", _IMPROVED,
+                                             "improved, the fraction μ of positive pseudo labels in every "
+                                             "positive bag instead of over all positive-bag instances "
+                                             "together (per_bag_mu)", fixed={"per_bag_mu": True}),
     "mil-ssl-improved-threshold-0.5": _ablation("mil-ssl-improved-threshold-0.5", _IMPROVED,
                                                 "improved, bag threshold 0.5 (not calibrated)", threshold="0.5"),
 }
@@ -513,6 +518,7 @@ def _fit_fold(spec: MethodSpec, train_set: InstanceSet, test_set: InstanceSet, i
             bag_balanced=col("bag_balanced"), pseudo_negative_weight=settings["pseudo_negative_weight"],
             bag_loss_weight=settings["bag_loss_weight"], target_momentum=settings["target_momentum"],
             neighbours=settings["neighbours"], input_noise=settings["input_noise"], mixup=settings["mixup"], cross_fit=settings["cross_fit"],
+            per_bag_mu=settings["per_bag_mu"],
             weight_average_epochs=settings["weight_average_epochs"],
             eval_at=spec.epoch_grid, eval_sets={"test": test_set}, seeds=seeds, seed=seed)
         points, train_scores, test_scores = [], {}, {}

@@ -223,7 +223,7 @@ def pool_bags(probs: np.ndarray, bag_ids: np.ndarray, n_bags: int, pooling: str)
 @torch.no_grad()
 def stacked_pseudo_labels(probs: torch.Tensor, mask: torch.Tensor, bag_ids: torch.Tensor, *,
                           mu: torch.Tensor, lam: float, soft: bool = True, local_constraint: bool = True,
-                          global_constraint: bool = True, iters: int = 80) -> torch.Tensor:
+                          global_constraint: bool = True, per_bag: bool = False, iters: int = 80) -> torch.Tensor:
     """Pseudo labels (M, N) float32 for M models at once, each over its own instances (``mask`` (M, N)).
 
     With two classes and unit column marginals the Sinkhorn solution of eq. 7 is
@@ -231,24 +231,29 @@ def stacked_pseudo_labels(probs: torch.Tensor, mask: torch.Tensor, bag_ids: torc
     (row marginal, eq. 5). s is found per model by bisection in float64 (``iters`` halvings of a bracket
     that holds every root), which is the fixed point :func:`wsi_milssl.mil.sinkhorn.assign_pseudo_labels`
     iterates to. Then ``soft=False`` binarises at 0.5 and the local constraint sets each bag's
-    top-probability instance to 1. Entries outside ``mask`` are 0. ``mu`` is (M,).
+    top-probability instance to 1. Entries outside ``mask`` are 0. ``mu`` is (M,). ``per_bag``: the
+    fraction μ holds in every positive bag (one shift per model and bag) instead of over all of a model's
+    positive-bag instances together, where the large bags decide where the negatives go.
     """
     p = probs.double().clamp(PROB_EPS, 1.0 - PROB_EPS)
     m = mask.bool()
     if global_constraint:
         z = float(lam) * (torch.log(p) - torch.log1p(-p))
-        n = m.sum(1).double()
-        target = mu.double() * n
+        # one shift per model, or per model and bag: segment g of instance i is 0, or its bag
+        seg = bag_ids if per_bag else torch.zeros_like(bag_ids)
+        n_seg = int(seg.max()) + 1 if seg.numel() else 1
+        n = _segment_sum(m.double(), seg, n_seg)
+        target = mu.double()[:, None] * n
         bound = float(z.abs().max()) + 60.0 if z.numel() else 60.0
-        lo = torch.full((p.shape[0],), -bound, dtype=torch.float64)
-        hi = torch.full((p.shape[0],), bound, dtype=torch.float64)
+        lo = torch.full((p.shape[0], n_seg), -bound, dtype=torch.float64)
+        hi = torch.full((p.shape[0], n_seg), bound, dtype=torch.float64)
         for _ in range(iters):
             mid = (lo + hi) / 2
-            total = torch.where(m, torch.sigmoid(z + mid[:, None]), torch.zeros_like(z)).sum(1)
+            total = _segment_sum(torch.where(m, torch.sigmoid(z + mid[:, seg]), torch.zeros_like(z)), seg, n_seg)
             below = total < target
             lo = torch.where(below, mid, lo)
             hi = torch.where(below, hi, mid)
-        q = torch.sigmoid(z + ((lo + hi) / 2)[:, None])
+        q = torch.sigmoid(z + ((lo + hi) / 2)[:, seg])
     else:
         q = p.clone()
     if not soft:
@@ -518,7 +523,7 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
                        bag_balanced: Sequence[bool] | bool = False, pseudo_negative_weight: float = 1.0,
                        bag_loss_weight: float = 0.0, target_momentum: float = 0.0, neighbours: int = 0,
                        input_noise: float = 0.0, weight_average_epochs: float = 0.0, mixup: float = 0.0,
-                       cross_fit: bool = False, eval_at: Sequence[int], eval_sets: dict[str, InstanceSet], seeds: Sequence[int],
+                       cross_fit: bool = False, per_bag_mu: bool = False, eval_at: Sequence[int], eval_sets: dict[str, InstanceSet], seeds: Sequence[int],
                        seed: int = 0) -> dict[str, dict[int, np.ndarray]]:
     """Train M MIL-SSL instance classifiers at once (model m on the bags ``data.bag_weight[m]``).
 
@@ -550,7 +555,8 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
     refresh's P out of sample: each model's training bags are split in two halves (stratified, seeded),
     two helper models train on one half each (with the same settings, their pseudo labels cross-fitted
     the same way), and a positive-bag instance's P comes from the helper that never trained on its bag
-    (:func:`_cross_fit_halves`; three times the training; the helpers only give P).
+    (:func:`_cross_fit_halves`; three times the training; the helpers only give P); ``per_bag_mu`` makes
+    the fraction μ of positive pseudo labels hold in every positive bag (:func:`stacked_pseudo_labels`).
 
     Returns ``{set name: {epoch: instance probabilities (M, N_set) float64}}`` (``"train"`` included).
     """
@@ -638,7 +644,8 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
                 rows, cols = models[:, None], members[None, :]
                 p[rows, cols] = p[rows, cols][:, near].mean(2)
             q = stacked_pseudo_labels(p, pos_mask[:, pos_idx], pos_local_bags, mu=mus, lam=lam, soft=soft_labels,
-                                      local_constraint=local_constraint, global_constraint=global_constraint)
+                                      local_constraint=local_constraint, global_constraint=global_constraint,
+                                      per_bag=per_bag_mu)
             if target_momentum > 0 and epoch > warmup_epochs:  # pseudo labels averaged over refreshes
                 q = target_momentum * targets[:, pos_idx] + (1 - target_momentum) * q
             targets = torch.zeros(m, n)
