@@ -311,7 +311,8 @@ METHODS: dict[str, MethodSpec] = {
     "mil-ssl-improved-per-bag-mu": _ablation("mil-ssl-improved-per-bag-mu", _IMPROVED,
                                              "improved, the fraction μ of positive pseudo labels in every "
                                              "positive bag instead of over all positive-bag instances "
-                                             "together (per_bag_mu)", fixed={"per_bag_mu": True}),
+                                             "together (per_bag_mu; tried on the development sets, not adopted)",
+                                             fixed={"per_bag_mu": True}),
     "mil-ssl-improved-threshold-0.5": _ablation("mil-ssl-improved-threshold-0.5", _IMPROVED,
                                                 "improved, bag threshold 0.5 (not calibrated)", threshold="0.5"),
 }
