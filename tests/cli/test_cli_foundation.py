@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
@@ -30,7 +31,11 @@ def test_every_option_has_help_with_default(command):
             continue
         assert action.help, f"{command} {action.option_strings} has no help"
     text = sub.format_help()
-    assert "(default:" in text or all(not a.option_strings or a.dest == "help" for a in sub._actions)
+    # defaults are shown, except None ("from --config or the settings' default", named in the help's brackets)
+    shown = [a for a in sub._actions if a.option_strings and a.dest != "help" and a.default is not None
+             and a.default is not argparse.SUPPRESS]
+    assert ("(default:" in text) == bool(shown)
+    assert "(default: None)" not in text
 
 
 def test_info_shows_levels_mpp_and_10x_20x_plan(synth_slides, capsys):

@@ -73,3 +73,51 @@ def test_a_label_group_that_evaluate_carves_out_is_one_error(tmp_path, evaluated
     with pytest.raises(ConfigError, match=r"p.toml \[evaluate\] with \[label\]'s positive_fraction, tumor_groups: "
                                           r".*group\(s\) metastasis are in both tumor_groups and non_tumor_groups"):
         evaluated_with(spec)
+
+
+def test_heatmap_outlines_take_the_label_stage_s_groups(tmp_path):
+    """The overlays outlined the annotations with CAMELYON16's groups whatever [label] said (a QuPath
+    'Metastasis' cohort got no outline); [heatmap]'s own groups win."""
+    from wsi_milssl.pipeline.runner import _with_label_settings
+
+    config = _with_label_settings(_spec(tmp_path, LABEL), "heatmap")
+    assert config.tumor_groups == ("Metastasis",) and config.non_tumor_groups == ("Exclusion",)
+    own = _with_label_settings(_spec(tmp_path, LABEL + '[heatmap]\ntumor_groups = ["Tumor"]\n'), "heatmap")
+    assert own.tumor_groups == ("Tumor",) and own.non_tumor_groups == ("Exclusion",)
+    assert _with_label_settings(_spec(tmp_path, ""), "heatmap").tumor_groups == ("_0", "_1", "Tumor")
+
+
+def test_heatmap_outlines_are_read_with_the_configured_groups(tmp_path):
+    import json
+
+    from wsi_milssl.config import HeatmapConfig
+    from wsi_milssl.inference.stage import _read_outlines
+
+    square = [[[0, 0], [400, 0], [400, 400], [0, 400], [0, 0]]]
+    (tmp_path / "s1.geojson").write_text(json.dumps({"type": "FeatureCollection", "features": [
+        {"type": "Feature", "geometry": {"type": "Polygon", "coordinates": square},
+         "properties": {"objectType": "annotation", "classification": {"name": "Metastasis"}}}]}))
+    default = _read_outlines("s1", tmp_path, (1000, 1000), HeatmapConfig())
+    assert default is None or default.is_empty
+    region = _read_outlines("s1", tmp_path, (1000, 1000), HeatmapConfig(tumor_groups=("Metastasis",)))
+    assert region.area == pytest.approx(400 * 400)
+    with pytest.raises(ConfigError, match="are in both tumor_groups and non_tumor_groups"):
+        HeatmapConfig(tumor_groups=("A",), non_tumor_groups=("a",))
+
+
+def test_default_outline_groups_keep_the_heatmap_fingerprint_of_earlier_versions():
+    """A heatmap folder made before the groups were a setting is still finished for the same settings;
+    other groups make its overlays again."""
+    import hashlib
+    import json
+
+    from wsi_milssl.config import HeatmapConfig
+    from wsi_milssl.config.base import config_to_dict
+    from wsi_milssl.inference.stage import _RUNTIME_FIELDS, _fingerprint
+
+    model = SimpleNamespace(checkpoint_path=None, tiling=SimpleNamespace(to_dict=lambda: {"patch": 32}), pooling="max")
+    earlier = {k: v for k, v in config_to_dict(HeatmapConfig()).items()
+               if k not in _RUNTIME_FIELDS and k not in ("tumor_groups", "non_tumor_groups")}
+    blob = json.dumps({"heatmap": earlier, "tiling": {"patch": 32}, "pooling": "max"}, sort_keys=True).encode()
+    assert _fingerprint(HeatmapConfig(), model) == hashlib.sha256(blob).hexdigest()[:16]
+    assert _fingerprint(HeatmapConfig(tumor_groups=("Metastasis",)), model) != _fingerprint(HeatmapConfig(), model)

@@ -44,7 +44,14 @@ COMMANDS = {
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Show defaults in --help and keep the description's line breaks."""
+    """Show defaults in --help and keep the description's line breaks. An option whose default is None
+    (taken from --config or the settings' own default, which its help names in brackets) shows no
+    "(default: None)"."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
 
 
 _ALL = object()

@@ -10,6 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from wsi_milssl.cli.label import _groups
+
 __all__ = ["SUMMARY", "register", "run", "heatmap_config_from_args"]
 
 #: one line for ``wsi-milssl --help``
@@ -24,6 +26,7 @@ _VALUE_OPTIONS = {
     "annotation_color": "annotation_color", "annotation_width": "annotation_width_px",
     "detection_threshold": "detection_threshold", "nms_radius_um": "nms_radius_um",
     "tumor_threshold": "tumor_threshold", "ome_downsample": "ome_downsample",
+    "tumor_groups": "tumor_groups", "non_tumor_groups": "non_tumor_groups",
 }
 # CLI flag -> (HeatmapConfig field, value when given)
 _FLAG_OPTIONS = {
@@ -142,6 +145,11 @@ def register(subparsers) -> None:
                    help=f"outline colour of the annotations [{d.annotation_color}]")
     o.add_argument("--annotation-width", type=int, default=None, metavar="PX",
                    help=f"outline width [{d.annotation_width_px}]")
+    o.add_argument("--tumor-groups", type=_groups, default=None, metavar="G1,G2",
+                   help="annotation groups / QuPath classes outlined as tumour (case-insensitive), as label's "
+                        f"[{','.join(d.tumor_groups)}]")
+    o.add_argument("--non-tumor-groups", type=_groups, default=None, metavar="G1,G2",
+                   help=f"groups carved out of the tumour outlines, as label's [{','.join(d.non_tumor_groups)}]")
     v = p.add_argument_group("viewer files (<stem>_probs.ome.tif, _patches.geojson, _lesions.geojson/.xml)")
     v.add_argument("--tumor-threshold", type=float, default=None, metavar="P",
                    help="patches at or above it are classified Tumor in the GeoJSON (else Normal); the predicted "

@@ -68,6 +68,33 @@ def check_range(
         raise ConfigError(f"{_where(cls_name, field)} must satisfy {lo}value{hi}; got {value!r}.")
 
 
+#: CAMELYON16's annotation groups (ASAP ``PartOfGroup``, QuPath classification), matched without case
+DEFAULT_TUMOR_GROUPS = ("_0", "_1", "Tumor")
+DEFAULT_NON_TUMOR_GROUPS = ("_2", "Exclusion", "None")
+
+
+def check_groups(config: Any) -> None:
+    """Check (and make tuples of) ``config.tumor_groups`` / ``non_tumor_groups``: non-empty names, at least
+    one tumour group, no group in both (the rule of every config that reads annotations)."""
+    name = type(config).__name__
+    for field in ("tumor_groups", "non_tumor_groups"):
+        value = getattr(config, field)
+        if isinstance(value, list):
+            value = tuple(value)
+            object.__setattr__(config, field, value)
+        check_type(name, field, value, tuple)
+        bad = [v for v in value if not isinstance(v, str) or not v.strip()]
+        if bad:
+            raise ConfigError(f"{name}.{field} must hold non-empty group names; got {bad!r}.")
+    if not config.tumor_groups:
+        raise ConfigError(f"{name}.tumor_groups must name at least one group; got an empty tuple.")
+    both = sorted({g.strip().casefold() for g in config.tumor_groups}
+                  & {g.strip().casefold() for g in config.non_tumor_groups})
+    if both:
+        raise ConfigError(f"{name}: group(s) {', '.join(both)} are in both tumor_groups and non_tumor_groups; "
+                          "list each group once.")
+
+
 def check_choice(cls_name: str, field: str, value: Any, choices: Iterable[Any]) -> None:
     """Raise ConfigError unless ``value`` is one of ``choices``."""
     choices = tuple(choices)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from wsi_milssl.config.base import check_range, check_type
-from wsi_milssl.errors import ConfigError
+from wsi_milssl.config.base import (DEFAULT_NON_TUMOR_GROUPS, DEFAULT_TUMOR_GROUPS, check_groups, check_range,
+                                     check_type)
 
 __all__ = ["EvaluateConfig", "MAX_DISTANCE_UM"]
 
@@ -43,8 +43,8 @@ class EvaluateConfig:
     mpp: float | None = None
     thumbnail_px: int = 320
     title: str = "wsi-milssl evaluation"
-    tumor_groups: tuple[str, ...] = ("_0", "_1", "Tumor")
-    non_tumor_groups: tuple[str, ...] = ("_2", "Exclusion", "None")
+    tumor_groups: tuple[str, ...] = DEFAULT_TUMOR_GROUPS
+    non_tumor_groups: tuple[str, ...] = DEFAULT_NON_TUMOR_GROUPS
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -56,24 +56,7 @@ class EvaluateConfig:
         check_type(name, "thumbnail_px", self.thumbnail_px, int)
         check_range(name, "thumbnail_px", self.thumbnail_px, low=32, high=4096)
         check_type(name, "title", self.title, str)
-        for field in ("tumor_groups", "non_tumor_groups"):
-            value = getattr(self, field)
-            if isinstance(value, list):
-                value = tuple(value)
-                object.__setattr__(self, field, value)
-            check_type(name, field, value, tuple)
-            bad = [v for v in value if not isinstance(v, str) or not v.strip()]
-            if bad:
-                raise ConfigError(f"{name}.{field} must hold non-empty group names; got {bad!r}.")
-        if not self.tumor_groups:
-            raise ConfigError(f"{name}.tumor_groups must name at least one group; got an empty tuple.")
-        both = sorted({g.strip().casefold() for g in self.tumor_groups}
-                      & {g.strip().casefold() for g in self.non_tumor_groups})
-        if both:
-            raise ConfigError(
-                f"{name}: group(s) {', '.join(both)} are in both tumor_groups and non_tumor_groups; "
-                "list each group once."
-            )
+        check_groups(self)
 
     def group_map(self):
         """The annotations' GroupMap for these groups."""

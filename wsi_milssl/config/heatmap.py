@@ -10,7 +10,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from wsi_milssl.config.base import check_choice, check_inference_runtime, check_range, check_type
+from wsi_milssl.config.base import (DEFAULT_NON_TUMOR_GROUPS, DEFAULT_TUMOR_GROUPS, check_choice, check_groups,
+                                     check_inference_runtime, check_range, check_type)
 
 __all__ = ["HeatmapConfig"]
 
@@ -65,6 +66,8 @@ class HeatmapConfig:
     scale_bar : draw a scale bar (a round length in µm or mm) in that band.
     annotation_color, annotation_width_px : outline colour (#RRGGBB) and width of the tumour
         annotations, drawn when an annotation file is found for the slide.
+    tumor_groups, non_tumor_groups : the annotation groups outlined as tumour and carved out of it, as
+        ``LabelConfig`` reads them (default CAMELYON16's; ``run`` takes ``[label]``'s).
 
     Viewer files (``<stem>_probs.ome.tif``, ``_patches.geojson``, ``_lesions.geojson/.xml``)
     ---------------------------------------------------------------------------------------
@@ -109,6 +112,8 @@ class HeatmapConfig:
     scale_bar: bool = True
     annotation_color: str = "#000000"
     annotation_width_px: int = 3
+    tumor_groups: tuple[str, ...] = DEFAULT_TUMOR_GROUPS
+    non_tumor_groups: tuple[str, ...] = DEFAULT_NON_TUMOR_GROUPS
     tumor_threshold: float = 0.5
     ome_downsample: int = 0
     detection_threshold: float = 0.1
@@ -159,5 +164,6 @@ class HeatmapConfig:
             )
         check_type(name, "annotation_width_px", self.annotation_width_px, int)
         check_range(name, "annotation_width_px", self.annotation_width_px, low=1, high=64)
+        check_groups(self)
         check_range(name, "detection_threshold", self.detection_threshold, low=0.0, high=1.0)
         check_range(name, "nms_radius_um", self.nms_radius_um, low=0.0, high=1e6)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from wsi_milssl.config.base import check_range, check_type
-from wsi_milssl.errors import ConfigError
+from wsi_milssl.config.base import (DEFAULT_NON_TUMOR_GROUPS, DEFAULT_TUMOR_GROUPS, check_groups, check_range,
+                                     check_type)
 
 __all__ = ["LabelConfig"]
 
@@ -26,32 +26,15 @@ class LabelConfig:
     """
 
     positive_fraction: float = 0.25
-    tumor_groups: tuple[str, ...] = ("_0", "_1", "Tumor")
-    non_tumor_groups: tuple[str, ...] = ("_2", "Exclusion", "None")
+    tumor_groups: tuple[str, ...] = DEFAULT_TUMOR_GROUPS
+    non_tumor_groups: tuple[str, ...] = DEFAULT_NON_TUMOR_GROUPS
     mask_downsample: int = 32
     write_masks: bool = True
 
     def __post_init__(self) -> None:
         name = type(self).__name__
         check_range(name, "positive_fraction", self.positive_fraction, low=0.0, high=1.0, low_inclusive=False)
-        for field in ("tumor_groups", "non_tumor_groups"):
-            value = getattr(self, field)
-            if isinstance(value, list):
-                value = tuple(value)
-                object.__setattr__(self, field, value)
-            check_type(name, field, value, tuple)
-            bad = [v for v in value if not isinstance(v, str) or not v.strip()]
-            if bad:
-                raise ConfigError(f"{name}.{field} must hold non-empty group names; got {bad!r}.")
-        if not self.tumor_groups:
-            raise ConfigError(f"{name}.tumor_groups must name at least one group; got an empty tuple.")
-        both = sorted({g.strip().casefold() for g in self.tumor_groups}
-                      & {g.strip().casefold() for g in self.non_tumor_groups})
-        if both:
-            raise ConfigError(
-                f"{name}: group(s) {', '.join(both)} are in both tumor_groups and non_tumor_groups; "
-                "list each group once."
-            )
+        check_groups(self)
         check_type(name, "mask_downsample", self.mask_downsample, int)
         check_range(name, "mask_downsample", self.mask_downsample, low=1, high=1024)
         check_type(name, "write_masks", self.write_masks, bool)

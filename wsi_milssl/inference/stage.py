@@ -249,16 +249,19 @@ def store_mismatch(item: SlideInput, *, slide_mpp: float | None = None) -> WsiMi
     )
 
 
-def _read_outlines(stem: str, annotations_dir: Path | None, dims: tuple[int, int]):
+def _read_outlines(stem: str, annotations_dir: Path | None, dims: tuple[int, int], config: HeatmapConfig):
+    """The tumour region of the slide's annotation file (with ``config``'s groups), or None."""
     if annotations_dir is None:
         return None
     from wsi_milssl.annotations import find_annotation, read_annotations
+    from wsi_milssl.annotations.groups import GroupMap
 
     path = find_annotation(stem, annotations_dir)
     if path is None:
         return None
+    groups = GroupMap(tumor=config.tumor_groups, non_tumor=config.non_tumor_groups)
     try:
-        region = read_annotations(path).with_dimensions(dims).region
+        region = read_annotations(path, group_map=groups).with_dimensions(dims).region
     except WsiMilsslError as exc:
         logger.warning("%s: annotations not drawn: %s", stem, exc)
         return None
@@ -366,7 +369,7 @@ def _write_overlay(pred: SlidePrediction, grid: np.ndarray, path: Path, *, confi
     ds_xy = (w0 / thumb.shape[1], h0 / thumb.shape[0])
     use_tissue = config.clip_to_tissue and tissue is not None and pred.tissue_detector != "none"
     sigma_cells = config.smooth_um / (pred.stride_lv0 * pred.mpp) if config.smooth_um > 0 else 0.0
-    outlines = _read_outlines(pred.stem, annotations_dir, (w0, h0))
+    outlines = _read_outlines(pred.stem, annotations_dir, (w0, h0), config)
     image = render_overlay(
         grid, thumb, downsample_xy=ds_xy, origin_lv0=pred.origin_lv0, stride_lv0=pred.stride_lv0,
         patch_size_lv0=pred.patch_size_lv0, colormap=config.colormap, alpha=config.alpha, vmin=config.vmin,
@@ -399,7 +402,11 @@ def _fingerprint(config: HeatmapConfig, model: InferenceModel) -> str:
         with open(model.checkpoint_path, "rb") as fh:
             for block in iter(lambda: fh.read(1 << 22), b""):
                 h.update(block)
-    settings = {k: v for k, v in config_to_dict(config).items() if k not in _RUNTIME_FIELDS}
+    # the annotation groups count where they are not the defaults (folders of earlier versions, which had
+    # no such setting, keep their fingerprint)
+    default = HeatmapConfig()
+    settings = {k: v for k, v in config_to_dict(config).items() if k not in _RUNTIME_FIELDS
+                and not (k in ("tumor_groups", "non_tumor_groups") and getattr(config, k) == getattr(default, k))}
     h.update(json.dumps({"heatmap": settings, "tiling": model.tiling.to_dict(), "pooling": model.pooling},
                         sort_keys=True).encode())
     return h.hexdigest()[:16]

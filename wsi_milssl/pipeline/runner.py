@@ -898,12 +898,11 @@ def _check_test_features(test, saved: dict, checkpoint: Path) -> None:
 
 
 def _heatmap(ctx: _Context) -> tuple[list[str], str]:
-    from wsi_milssl.config import HeatmapConfig
     from wsi_milssl.errors import WsiMilsslError
     from wsi_milssl.inference import make_heatmaps
     from wsi_milssl.inference.stage import COMPLETE_SLIDE_FILES
 
-    config = config_from_mapping(HeatmapConfig, ctx.spec.section("heatmap"), source=f"{ctx.spec.source} [heatmap]")
+    config = _with_label_settings(ctx.spec, "heatmap")
     checkpoint = _model_checkpoint(ctx.model_dir)
     ds = ctx.spec.sets["test"]
     run = make_heatmaps([], checkpoint, ctx.heatmap_dir, config, stores=list(_set_stores(ctx, "test").values()),
@@ -929,13 +928,12 @@ def _write_set_scores(run) -> None:
 
 def _heatmap_features(ctx: _Context) -> tuple[list[str], str]:
     """With a [features] table: the head's probabilities on the test set's feature files (the stores' grid)."""
-    from wsi_milssl.config import HeatmapConfig
     from wsi_milssl.errors import WsiMilsslError
     from wsi_milssl.inference.feature_maps import make_feature_heatmaps
     from wsi_milssl.inference.stage import COMPLETE_SLIDE_FILES
     from wsi_milssl.tiling import find_slides
 
-    config = config_from_mapping(HeatmapConfig, ctx.spec.section("heatmap"), source=f"{ctx.spec.source} [heatmap]")
+    config = _with_label_settings(ctx.spec, "heatmap")
     checkpoint = _model_checkpoint(ctx.model_dir)
     ds = ctx.spec.sets["test"]
     files = _set_stores(ctx, "test", _feature_files(ctx.features_dir("test")), what="feature file")
@@ -952,34 +950,36 @@ def _heatmap_features(ctx: _Context) -> tuple[list[str], str]:
     return [str(ctx.heatmap_dir / "scores.csv")] + slide_files, f"{len(run.results)} slides, {n} patches (feature head)"
 
 
-#: [evaluate] settings that take [label]'s value unless [evaluate] sets another than the default
-_LABEL_SETTINGS = ("positive_fraction", "tumor_groups", "non_tumor_groups")
+#: settings of [evaluate] and [heatmap] that take [label]'s value unless the table sets another than the default
+_LABEL_SETTINGS = {"evaluate": ("positive_fraction", "tumor_groups", "non_tumor_groups"),
+                   "heatmap": ("tumor_groups", "non_tumor_groups")}
 
 
-def _evaluate_config(spec: PipelineSpec):
-    """The EvaluateConfig of [evaluate], with [label]'s positive_fraction and tumour / non-tumour groups where
-    [evaluate] leaves them at their defaults (absent, or spelled out as in resolved_pipeline.toml): the
-    evaluation reads the annotations as the label stage did."""
+def _with_label_settings(spec: PipelineSpec, stage: str):
+    """The config of [evaluate] or [heatmap], with [label]'s settings of :data:`_LABEL_SETTINGS` where the
+    table leaves them at their defaults (absent, or spelled out as in resolved_pipeline.toml): the
+    evaluation reads the annotations, and the overlays outline them, as the label stage read them."""
     import dataclasses
 
-    from wsi_milssl.config import EvaluateConfig, LabelConfig
+    from wsi_milssl.config import EvaluateConfig, HeatmapConfig, LabelConfig
     from wsi_milssl.errors import ConfigError
 
-    config = config_from_mapping(EvaluateConfig, spec.section("evaluate"), source=f"{spec.source} [evaluate]")
+    cls = {"evaluate": EvaluateConfig, "heatmap": HeatmapConfig}[stage]
+    config = config_from_mapping(cls, spec.section(stage), source=f"{spec.source} [{stage}]")
     label = config_from_mapping(LabelConfig, spec.section("label"), source=f"{spec.source} [label]")
-    default = EvaluateConfig()
-    taken = {k: getattr(label, k) for k in _LABEL_SETTINGS if getattr(config, k) == getattr(default, k)}
+    default = cls()
+    taken = {k: getattr(label, k) for k in _LABEL_SETTINGS[stage] if getattr(config, k) == getattr(default, k)}
     try:
         return dataclasses.replace(config, **taken)
     except ConfigError as exc:  # e.g. [label]'s tumour group is [evaluate]'s non-tumour group
-        raise ConfigError(f"{spec.source} [evaluate] with [label]'s {', '.join(sorted(taken))}: {exc}") from None
+        raise ConfigError(f"{spec.source} [{stage}] with [label]'s {', '.join(sorted(taken))}: {exc}") from None
 
 
 def _evaluate(ctx: _Context) -> tuple[list[str], str]:
     from wsi_milssl.artifacts import parse_heatmap_name
     from wsi_milssl.evaluation import evaluate_predictions
 
-    config = _evaluate_config(ctx.spec)
+    config = _with_label_settings(ctx.spec, "evaluate")
     ds = ctx.spec.sets["test"]
     # the heatmap files of slides no longer in the test set (a changed split, a renamed slide) stay in the
     # folder, ignored
