@@ -97,3 +97,28 @@ def test_heatmap_features_refuses_shards(tmp_path, head, capsys):
     assert not (tmp_path / "a").exists()
     assert main(["heatmap", "--features", str(tmp_path / "feats"), "--model", str(head), "--out", str(tmp_path / "b"),
                  "--shard", "0/1"]) == 0
+
+
+def test_a_feature_slide_that_fails_loses_its_earlier_files_and_score(tmp_path, head):
+    """As the image heatmap does: an earlier run's files of a slide that now fails would be evaluated as
+    this run's (evaluate also refuses a failed slide)."""
+    feats = tmp_path / "feats"
+    for i in range(2):
+        _file(feats / f"t{i}.h5", f"t{i}", seed=i)
+    out = tmp_path / "hm"
+    assert main(["heatmap", "--features", str(feats), "--model", str(head), "--out", str(out),
+                 "--thumbnail-px", "128"]) == 0
+    assert sorted(out.glob("t1_*")) and "t1" in (out / "scores.csv").read_text()
+    # t1 now has features of another width: the head cannot read them, so the slide fails
+    rng = np.random.default_rng(1)
+    ys, xs = np.mgrid[0:6, 0:6]
+    write_feature_file(feats / "t1.h5", features=rng.normal(size=(36, 16)).astype(np.float32),
+                       coords=np.stack([xs.ravel() * 512, ys.ravel() * 512], axis=1),
+                       attrs={"slide_stem": "t1", "slide_path": "", "mpp": 0.25, "dimensions_lv0": [4096, 4096],
+                              "encoder": "resnet18", "target_mpp": 0.5, "patch_size_px": 256},
+                       coords_attrs={"patch_size": 256}, features_attrs={"encoder": "resnet18"})
+    assert main(["heatmap", "--features", str(feats), "--model", str(head), "--out", str(out),
+                 "--thumbnail-px", "128"]) != 0
+    assert _status(out)["t1"]["status"] == "failed"
+    assert not sorted(out.glob("t1_*")) and "t1" not in (out / "scores.csv").read_text()
+    assert sorted(out.glob("t0_*")) and "t0" in (out / "scores.csv").read_text()

@@ -282,6 +282,11 @@ def make_feature_heatmaps(features: Sequence[str | os.PathLike], checkpoint: str
                 logger.info("%s: %d patches, score %.4f (%s pooling)", stem, len(pred), score, head.pooling)
         except WsiMilsslError as exc:
             logger.error("%s: failed: %s", stem, exc)
+            try:  # an earlier run's files (another head), or this run's half-written ones, must not stay
+                remove_slide_outputs(out_dir, stem)
+            except OSError as rm_exc:  # the slide is recorded as failed either way
+                logger.warning("%s: cannot remove its earlier files from %s (%s); its status row says failed",
+                               stem, out_dir, rm_exc)
             results.append(HeatmapResult(stem, str(slide_path or ""), "failed", 0, None, time.perf_counter() - t0,
                                          str(exc)))
         _write_status(results, status_csv)
