@@ -121,3 +121,13 @@ def test_default_outline_groups_keep_the_heatmap_fingerprint_of_earlier_versions
     blob = json.dumps({"heatmap": earlier, "tiling": {"patch": 32}, "pooling": "max"}, sort_keys=True).encode()
     assert _fingerprint(HeatmapConfig(), model) == hashlib.sha256(blob).hexdigest()[:16]
     assert _fingerprint(HeatmapConfig(tumor_groups=("Metastasis",)), model) != _fingerprint(HeatmapConfig(), model)
+
+
+def test_the_evaluate_stamp_counts_the_label_settings_it_takes(tmp_path):
+    """A pipeline evaluated by an earlier version with CAMELYON16's groups although [label] named others
+    evaluates again; one with [label]'s defaults keeps its digest."""
+    from wsi_milssl.pipeline.runner import _stage_settings
+
+    assert _stage_settings(_spec(tmp_path, ""), "evaluate") == {"section": {}}
+    section = _stage_settings(_spec(tmp_path, LABEL), "evaluate")["section"]
+    assert section == {"tumor_groups": ["Metastasis"], "non_tumor_groups": ["Exclusion"], "positive_fraction": 0.5}

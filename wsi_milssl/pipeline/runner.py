@@ -1024,7 +1024,9 @@ def _stage_settings(spec: PipelineSpec, stage: str, *, legacy: bool = False):
     if legacy:
         settings = {"section": spec.section(stage)}
     else:
-        chosen = config_to_dict(stage_config(spec, stage))
+        # evaluate counts [label]'s groups and positive_fraction where it takes them (:func:`_with_label_settings`):
+        # an evaluation of earlier versions, made with the default ones, runs again
+        chosen = config_to_dict(_with_label_settings(spec, stage) if stage == "evaluate" else stage_config(spec, stage))
         default = config_to_dict(stage_config(spec, stage, defaults_only=True))
         section = {k: v for k, v in chosen.items() if v != default.get(k) and k not in SPEED_ONLY.get(stage, ())}
         if "grid" in spec.section(stage):
