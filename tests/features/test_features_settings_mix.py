@@ -60,10 +60,17 @@ def test_slides_embedded_at_two_resolutions_into_one_folder_do_not_train(tmp_pat
     assert rc != 0 and not (tmp_path / "run" / "last.pt").exists()
 
 
+def test_files_that_differ_only_in_precision_train_together(tmp_path):
+    """float16 storage or another autocast is the same features to rounding (amp = auto differs between
+    machines): not refused; the settings hash, which covers the precision, is not compared then."""
+    a = _ours(tmp_path / "a.h5", "a")
+    b = _ours(tmp_path / "b.h5", "b", seed=1, settings_hash="h2", dtype="float16")
+    assert read_feature_files([a, b], {"a": 0, "b": 1}).n_bags == 2
+
+
 @pytest.mark.parametrize("change, shown", [
     ({"patch": 256}, "patch_size_px 224 vs 256"),
-    ({"settings_hash": "h2", "dtype": "float16"}, "feature_dtype float32 vs float16"),
-    ({"settings_hash": "h2"}, "settings_hash h1 vs h2"),
+    ({"target_mpp": 1.0}, "target_mpp 0.5 vs 1 µm/px"),
 ])
 def test_one_training_set_shares_the_settings_its_files_record(tmp_path, change, shown):
     a = _ours(tmp_path / "a.h5", "a")

@@ -122,3 +122,21 @@ def test_feature_mode_evaluation_refuses_test_features_the_head_was_not_trained_
         _check_test_features(_Features(16, same), saved, "best.pt")
     with pytest.raises(ConfigError, match=r"are of resnet18 .*but the head best.pt was trained on features of"):
         _check_test_features(_Features(8, {**same, "feature_encoder_weights_sha256": "b" * 64}), saved, "best.pt")
+
+
+def test_feature_mode_evaluation_refuses_test_features_of_another_resolution():
+    made = {"feature_encoder": "resnet18", "feature_encoder_weights_sha256": "a" * 64}
+    trained = {"in_features": 8, "store_settings": {**made, "feature_settings": {"encoder": "resnet18",
+                                                                                  "target_mpp": 1.0}}}
+    _check_test_features(_Features(8, {**made, "feature_settings": {"encoder": "resnet18", "target_mpp": 1.0}}),
+                         trained, "best.pt")
+    with pytest.raises(ConfigError, match=r"other settings than the features the head best.pt was trained on "
+                                          r"\(target_mpp 2 vs 1 µm/px\)"):
+        _check_test_features(_Features(8, {**made, "feature_settings": {"encoder": "resnet18", "target_mpp": 2.0}}),
+                             trained, "best.pt")
+
+
+def test_force_of_a_stage_after_until_is_refused(tiny):
+    spec = load_pipeline(tiny, out_dir=tiny.parent / "out")
+    with pytest.raises(ConfigError, match=r"--force train: after --until tile, so it would not run"):
+        run_pipeline(spec, until="tile", force=["train"])

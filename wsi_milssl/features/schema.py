@@ -56,6 +56,7 @@ __all__ = [
     "FeatureFile",
     "GridLayout",
     "FEATURE_SETTING_KEYS",
+    "PRECISION_KEYS",
     "encoder_label",
     "encoders_differ",
     "settings_differences",
@@ -139,13 +140,19 @@ FEATURE_SETTING_KEYS: tuple[str, ...] = ("settings_hash", "encoder", "encoder_we
                                          "feature_dtype", "input_size_px", "amp", "target_mpp", "patch_size_px")
 
 
+#: Settings that change only the numerical precision of the same features (float16 storage, the encoder's
+#: autocast): files that differ in them alone may be mixed (``amp = auto`` differs between machines).
+PRECISION_KEYS: tuple[str, ...] = ("feature_dtype", "amp")
+
+
 def settings_differences(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str]:
     """``['target_mpp 0.5 vs 1', ...]``: the :data:`FEATURE_SETTING_KEYS` that ``a`` and ``b`` (two
-    :attr:`FeatureFile.feature_settings`) both record with different values (µm/px within 0.1 %); the
-    settings hash only when no other difference explains it. Empty when they agree."""
+    :attr:`FeatureFile.feature_settings`) both record with different values (µm/px within 0.1 %), the
+    precision aside (:data:`PRECISION_KEYS`); the settings hash (which covers the precision too) only when
+    a file does not record the settings it covers. Empty when they agree."""
     out = []
     for key in FEATURE_SETTING_KEYS:
-        if key == "settings_hash" or a.get(key) is None or b.get(key) is None:
+        if key == "settings_hash" or key in PRECISION_KEYS or a.get(key) is None or b.get(key) is None:
             continue
         x, y = a[key], b[key]
         if key == "target_mpp":
@@ -154,7 +161,10 @@ def settings_differences(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str
         elif x != y:
             width = 12 if key == "encoder_weights_sha256" else None
             out.append(f"{key} {str(x)[:width]} vs {str(y)[:width]}")
-    if not out and a.get("settings_hash") and b.get("settings_hash") and a["settings_hash"] != b["settings_hash"]:
+    covered = ("encoder", "encoder_kwargs", "input_size_px")
+    unrecorded = any(a.get(k) is None or b.get(k) is None for k in covered)
+    if (not out and unrecorded and a.get("settings_hash") and b.get("settings_hash")
+            and a["settings_hash"] != b["settings_hash"]):
         out.append(f"settings_hash {a['settings_hash']} vs {b['settings_hash']}")
     return out
 

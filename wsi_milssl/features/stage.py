@@ -251,7 +251,7 @@ def _check_existing(path: Path, settings: dict[str, Any], settings_hash: str, so
         raise StoreError(f"{path}: a file not made by `wsi-milssl features` is already there. Fix: write to a new "
                          "folder with --out (or pass --overwrite to replace it).")
     made_from = str(attrs.get("slide_path") or "")
-    if made_from and slide_path is not None and not _same_file(Path(made_from), Path(slide_path)):
+    if made_from and slide_path is not None and _other_slide(Path(made_from), Path(slide_path)):
         raise StoreError(
             f"{path}: these features were made from another slide file, {made_from}, not {Path(slide_path).resolve()} "
             f"(two slides named {path.stem!r}: a test set embedded into a training set's folder, say). Fix: write "
@@ -270,6 +270,19 @@ def _check_existing(path: Path, settings: dict[str, Any], settings_hash: str, so
         logger.info("%s: its store or slide changed since; made again", path)
         return None
     return int(attrs.get("n_patches", 0))
+
+
+def _other_slide(recorded: Path, given: Path) -> bool:
+    """Whether the slide file a feature file records is another slide than ``given``: another file that is
+    still there and differs in size. A recorded file that is gone, or one of the same size (the slides moved
+    or copied), is the same slide, whose changed source makes the file again (as ``heatmap --features``
+    pairs slides, :func:`wsi_milssl.inference.feature_maps.feature_slide_mismatch`)."""
+    if _same_file(recorded, given):
+        return False
+    try:
+        return recorded.stat().st_size != given.stat().st_size
+    except OSError:
+        return False
 
 
 def _same_file(a: Path, b: Path) -> bool:

@@ -611,6 +611,10 @@ def _check_resume_config(saved: dict[str, Any], current: dict[str, Any], path: P
         if key == "epochs" and saved.get("scheduler", "none") == "none":
             continue  # extending a constant-rate run keeps the first epochs identical
         before = saved.get(key, defaults.get(key))
+        if key == "store_settings" and isinstance(before, dict) and isinstance(value, dict):
+            # what the data record that a run saved by an earlier version did not (the feature files' settings):
+            # only what both record is compared
+            value = {k: v for k, v in value.items() if k in before}
         if json.dumps(before, sort_keys=True) != json.dumps(value, sort_keys=True):
             diffs.append(f"{key}: {before!r} -> {value!r}")
     if diffs:

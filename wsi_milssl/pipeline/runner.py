@@ -895,6 +895,14 @@ def _check_test_features(test, saved: dict, checkpoint: Path) -> None:
         raise ConfigError(f"the test features ({test.source}) are of {encoder_label(*made)}, but the head {checkpoint} "
                           f"was trained on features of {encoder_label(*trained)}. Fix: point [data].test_features at "
                           "features made with the training encoder and weights.")
+    from wsi_milssl.features.schema import settings_differences
+
+    diffs = settings_differences(test.settings.get("feature_settings") or {},
+                                 (saved.get("store_settings") or {}).get("feature_settings") or {})
+    if diffs:
+        raise ConfigError(f"the test features ({test.source}) were made with other settings than the features the "
+                          f"head {checkpoint} was trained on ({'; '.join(diffs)}). Fix: point [data].test_features at "
+                          "features made with the training encoder options, resolution and patch size.")
 
 
 def _heatmap(ctx: _Context) -> tuple[list[str], str]:
@@ -1127,6 +1135,12 @@ def run_pipeline(
             raise ConfigError(f"{spec.source}: stage {until!r} is not part of this pipeline (its stages: "
                               f"{', '.join(stages)}).")
         stages = stages[: stages.index(until) + 1]
+        later = sorted(forced - set(stages), key=STAGES.index)
+        if later:
+            from wsi_milssl.errors import ConfigError
+
+            raise ConfigError(f"--force {', '.join(later)}: after --until {until}, so it would not run. Fix: drop "
+                              f"--until, or force a stage up to {until}.")
     _refuse_shared_slides(spec)
     with folder_lock(spec.out_dir):
         # the pipeline as it runs (overrides applied, every setting, absolute paths), beside its outputs
