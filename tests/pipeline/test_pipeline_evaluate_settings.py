@@ -131,3 +131,19 @@ def test_the_evaluate_stamp_counts_the_label_settings_it_takes(tmp_path):
     assert _stage_settings(_spec(tmp_path, ""), "evaluate") == {"section": {}}
     section = _stage_settings(_spec(tmp_path, LABEL), "evaluate")["section"]
     assert section == {"tumor_groups": ["Metastasis"], "non_tumor_groups": ["Exclusion"], "positive_fraction": 0.5}
+
+
+def test_a_group_clash_with_label_is_refused_before_any_stage_runs(tmp_path):
+    from wsi_milssl.pipeline import run_pipeline
+
+    spec = _spec(tmp_path, LABEL + '[evaluate]\nnon_tumor_groups = ["Metastasis"]\n')
+    with pytest.raises(ConfigError, match=r"\[evaluate\] with \[label\]'s"):
+        run_pipeline(spec)
+    assert not (tmp_path / "out" / "slides").exists()  # nothing was generated, tiled or trained first
+
+
+def test_a_group_clash_with_the_default_non_tumour_groups_says_so():
+    from wsi_milssl.config import EvaluateConfig
+
+    with pytest.raises(ConfigError, match=r"non_tumor_groups are the default ones, _2, Exclusion, None: set them too"):
+        EvaluateConfig(tumor_groups=("_2",))

@@ -29,7 +29,9 @@ def register(subparsers) -> None:
             "formats come from the suffixes. Every vertex (repr-exact), annotation name, type, colour and\n"
             "group is kept: XML -> GeoJSON -> XML gives the same file. ASAP groups become QuPath\n"
             "classification names. ASAP XML has no holes: holes of tumour polygons become polygons of the\n"
-            "first non-tumour group (_2), holes of non-tumour polygons are dropped with a warning.\n"
+            "first non-tumour group (_2); a hole that holds tumour (an island) is written as the hole minus\n"
+            "that tumour in pieces without holes, so the region read back is the same; other holes of\n"
+            "non-tumour polygons are dropped with a warning.\n"
             "XML with a DOCTYPE or entity declarations is refused."
         ),
         formatter_class=HelpFormatter,

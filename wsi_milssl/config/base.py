@@ -91,8 +91,11 @@ def check_groups(config: Any) -> None:
     both = sorted({g.strip().casefold() for g in config.tumor_groups}
                   & {g.strip().casefold() for g in config.non_tumor_groups})
     if both:
-        raise ConfigError(f"{name}: group(s) {', '.join(both)} are in both tumor_groups and non_tumor_groups; "
-                          "list each group once.")
+        default = (" (non_tumor_groups are the default ones, " + ", ".join(DEFAULT_NON_TUMOR_GROUPS)
+                   + ": set them too, e.g. --non-tumor-groups)"
+                   if tuple(config.non_tumor_groups) == DEFAULT_NON_TUMOR_GROUPS else "")
+        raise ConfigError(f"{name}: group(s) {', '.join(both)} are in both tumor_groups and non_tumor_groups"
+                          f"{default}; list each group once.")
 
 
 def check_choice(cls_name: str, field: str, value: Any, choices: Iterable[Any]) -> None:

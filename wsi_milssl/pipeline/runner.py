@@ -1142,6 +1142,10 @@ def run_pipeline(
             raise ConfigError(f"--force {', '.join(later)}: after --until {until}, so it would not run. Fix: drop "
                               f"--until, or force a stage up to {until}.")
     _refuse_shared_slides(spec)
+    if spec.mode == "images":  # [label]'s settings in [heatmap] / [evaluate]: a clash found before any stage runs
+        for stage in ("heatmap", "evaluate"):
+            if stage in stages:
+                _with_label_settings(spec, stage)
     with folder_lock(spec.out_dir):
         # the pipeline as it runs (overrides applied, every setting, absolute paths), beside its outputs
         write_resolved_pipeline(spec, spec.out_dir / RESOLVED_FILENAME)
