@@ -291,15 +291,18 @@ def subdivide(geometry: BaseGeometry, *, max_vertices: int = 256, max_rounds: in
     return np.concatenate(done) if done else np.empty(0, dtype=object)
 
 
-def without_holes(geometry: BaseGeometry, *, max_rounds: int = 16) -> np.ndarray:
+def without_holes(geometry: BaseGeometry, *, max_rounds: int = 32) -> np.ndarray:
     """Split ``geometry`` into polygons without interior rings that together cover it (object array).
 
     ASAP XML has no holes: an area with a hole (an annulus around a tumour island) can only be written
-    as polygons without holes. Each polygon with holes is split along vertical lines, one through a
-    point inside each hole (``shapely.ops.split``), so that every hole opens onto the cut; the pieces
-    share the vertices on the cut lines, so their union is ``geometry`` again. Polygons without holes
-    are returned as they are. Should a split leave a hole (a numerical corner case), that piece is
-    split into its constrained Delaunay triangles, which have no holes by construction.
+    as polygons without holes. Each polygon with holes is split along a vertical line through a point
+    inside its median hole (by x; ``shapely.ops.split``), which opens that hole (and any other it crosses)
+    onto the cut and leaves about half of the rest on each side; the pieces are split again the same way,
+    so n holes take about log2(n) rounds and O(n) pieces (one line per hole at once cut every hole's strip
+    into pieces again: O(n^2)). The pieces share the vertices on the cut lines, so their union is
+    ``geometry`` again. Polygons without holes are returned as they are. A piece that still has a hole
+    after ``max_rounds`` (a numerical corner case) is split into its constrained Delaunay triangles, which
+    have no holes by construction.
     """
     from shapely.ops import split
 
@@ -313,9 +316,9 @@ def without_holes(geometry: BaseGeometry, *, max_rounds: int = 16) -> np.ndarray
         pieces = []
         for poly in todo[holed]:
             _, y0, _, y1 = poly.bounds
-            xs = sorted({shapely.Polygon(ring).representative_point().x for ring in poly.interiors})
-            cuts = shapely.MultiLineString([[(x, y0 - 1.0), (x, y1 + 1.0)] for x in xs])
-            pieces.extend(split(poly, cuts).geoms)
+            xs = sorted(shapely.Polygon(ring).representative_point().x for ring in poly.interiors)
+            x = xs[len(xs) // 2]
+            pieces.extend(split(poly, shapely.LineString([(x, y0 - 1.0), (x, y1 + 1.0)])).geoms)
         todo = _explode_polygons(np.array(pieces, dtype=object))
     if todo.size:
         done.append(_explode_polygons(shapely.constrained_delaunay_triangles(todo)))
