@@ -252,16 +252,16 @@ def find_annotation(slide_stem: str, annotations_dir: str | os.PathLike) -> Path
     from wsi_milssl.cohorts.names import name_key
 
     stat = directory.stat()
-    index = _folder_index(str(directory), stat.st_ino, stat.st_mtime_ns)
+    index = _folder_index(str(directory), (stat.st_dev, stat.st_ino), stat.st_mtime_ns)
     matches = sorted((k, p) for k, suffix in enumerate(ANNOTATION_SUFFIXES)
                      for p in index.get(name_key(f"{slide_stem}{suffix}"), ()))
     return matches[0][1] if matches else None
 
 
 @functools.lru_cache(maxsize=8)
-def _folder_index(directory: str, inode: int, mtime_ns: int) -> dict[str, tuple[Path, ...]]:
+def _folder_index(directory: str, inode: tuple[int, int], mtime_ns: int) -> dict[str, tuple[Path, ...]]:
     """The files of ``directory`` by :func:`name_key` of their names, for find_annotation's case-insensitive
-    fallback: listed once per folder state (inode and modification time, which an added, removed or renamed
+    fallback: listed once per folder state (device, inode and modification time, which an added, removed or renamed
     entry changes), not once per slide (a 2,000-slide cohort without annotations was 2,000 listings)."""
     from wsi_milssl.cohorts.names import name_key
 
