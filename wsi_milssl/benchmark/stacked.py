@@ -523,7 +523,8 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
                        bag_balanced: Sequence[bool] | bool = False, pseudo_negative_weight: float = 1.0,
                        bag_loss_weight: float = 0.0, target_momentum: float = 0.0, neighbours: int = 0,
                        input_noise: float = 0.0, weight_average_epochs: float = 0.0, mixup: float = 0.0,
-                       cross_fit: bool = False, per_bag_mu: bool = False, eval_at: Sequence[int], eval_sets: dict[str, InstanceSet], seeds: Sequence[int],
+                       cross_fit: bool = False, per_bag_mu: bool = False, eval_at: Sequence[int],
+                       eval_sets: dict[str, InstanceSet], seeds: Sequence[int],
                        seed: int = 0) -> dict[str, dict[int, np.ndarray]]:
     """Train M MIL-SSL instance classifiers at once (model m on the bags ``data.bag_weight[m]``).
 

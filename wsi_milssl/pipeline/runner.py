@@ -1026,7 +1026,8 @@ SPEED_ONLY = {"tile": ("workers", "threads", "batch_size", "direct_tiff_read"),
 def _stage_settings(spec: PipelineSpec, stage: str, *, legacy: bool = False):
     """What a stage's stamp digest covers: its settings that differ from their defaults (so the pipeline's
     own resolved_pipeline.toml, which spells out every default, is up to date with the pipeline it came
-    from), speed-only settings (:data:`SPEED_ONLY`) aside, and its [train.grid]; ``legacy``: the raw table, as stamps of earlier versions recorded it."""
+    from), speed-only settings (:data:`SPEED_ONLY`) aside, and its [train.grid]; ``legacy``: the raw table, as
+    stamps of earlier versions recorded it."""
     if stage == "synth":
         return {name: config_to_dict(ds.synth) for name, ds in spec.sets.items()}
     if legacy:
