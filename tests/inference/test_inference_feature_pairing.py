@@ -122,3 +122,99 @@ def test_a_feature_slide_that_fails_loses_its_earlier_files_and_score(tmp_path, 
     assert _status(out)["t1"]["status"] == "failed"
     assert not sorted(out.glob("t1_*")) and "t1" not in (out / "scores.csv").read_text()
     assert sorted(out.glob("t0_*")) and "t0" in (out / "scores.csv").read_text()
+
+
+# -- the run that made a feature heatmap (review findings F1, F2, F3b) -------------------------------
+
+def _evaluate_normals(folder, tmp_path, stems, name="eval"):
+    """``evaluate`` of ``folder`` with every slide of ``stems`` labelled normal (no annotation needed)."""
+    from wsi_milssl.config import EvaluateConfig
+    from wsi_milssl.evaluation import evaluate_predictions
+
+    labels = tmp_path / f"{name}_labels.csv"
+    labels.write_text("slide,label\n" + "".join(f"{s},0\n" for s in stems))
+    return evaluate_predictions(folder, labels_csv=labels, out_dir=tmp_path / name, config=EvaluateConfig())
+
+
+def _heatmap(feats, model, out, *extra) -> int:
+    return main(["heatmap", "--features", str(feats), "--model", str(model), "--out", str(out), "--thumbnail-px", "128",
+                 *extra])
+
+
+def test_two_heads_saved_at_one_path_are_not_evaluated_as_one_run(tmp_path, head):
+    """A head retrained into the same --out between two partial runs: the sidecars recorded no fingerprint and
+    the same checkpoint path, so evaluate mixed the two heads' slides silently."""
+    import hashlib
+
+    import torch
+
+    from wsi_milssl.errors import EvaluationError
+    from wsi_milssl.mil.checkpoint import resolve_checkpoint_path, save_checkpoint
+
+    run = tmp_path / "run"
+    shutil.copytree(head, run)
+    path = resolve_checkpoint_path(run)
+    for i in range(2):
+        _file(tmp_path / f"only{i}.h5", f"t{i}", seed=i)
+    out = tmp_path / "hm"
+    assert _heatmap(tmp_path / "only0.h5", run, out) == 0
+    before = path.read_bytes()
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    ckpt["model"] = {k: v + 1.0 if v.is_floating_point() else v for k, v in ckpt["model"].items()}
+    ckpt.pop("format", None)
+    save_checkpoint(ckpt, path)  # "retrained": other weights, the same file name
+    assert _heatmap(tmp_path / "only1.h5", run, out) == 0
+    with pytest.raises(EvaluationError) as exc:
+        _evaluate_normals(out, tmp_path, ["t0", "t1"])
+    message = str(exc.value)
+    assert "its slides were predicted by 2 different heatmap runs" in message
+    assert "What differs: slides t1 against slides t0: checkpoint file contents differ" in message
+    sides = {s: json.loads((out / f"{s}_probs.json").read_text()) for s in ("t0", "t1")}
+    assert sides["t0"]["checkpoint"] == sides["t1"]["checkpoint"] == str(path)
+    assert sides["t0"]["checkpoint_sha256"] == hashlib.sha256(before).hexdigest()
+    assert sides["t1"]["checkpoint_sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert sides["t0"]["fingerprint"] and sides["t0"]["fingerprint"] != sides["t1"]["fingerprint"]
+
+
+def test_one_head_named_two_ways_is_one_run(tmp_path, head, monkeypatch):
+    """`--model run` and `--model /abs/run/best.pt` are the same head; a second partial run with other drawing
+    settings (another fingerprint) is the same run too."""
+    from wsi_milssl.mil.checkpoint import resolve_checkpoint_path
+
+    for i in range(2):
+        _file(tmp_path / f"only{i}" / f"t{i}.h5", f"t{i}", seed=i)
+    out = tmp_path / "hm"
+    monkeypatch.chdir(head.parent)
+    assert _heatmap(tmp_path / "only0", head.name, out) == 0
+    assert _heatmap(tmp_path / "only1", resolve_checkpoint_path(head).resolve(), out, "--colormap", "magma") == 0
+    result = _evaluate_normals(out, tmp_path, ["t0", "t1"])
+    assert result.metrics["n_slides"] == 2
+    assert "describes a later heatmap run" not in (tmp_path / "eval" / "report.html").read_text()
+    sides = {s: json.loads((out / f"{s}_probs.json").read_text()) for s in ("t0", "t1")}
+    assert sides["t0"]["checkpoint"] != sides["t1"]["checkpoint"]
+    assert sides["t0"]["checkpoint_sha256"] == sides["t1"]["checkpoint_sha256"]
+
+
+def test_a_later_partial_feature_run_keeps_the_failed_row_of_an_earlier_one(tmp_path, head):
+    """heatmap_status.csv held only the latest call's slides, so a partial run erased t1's 'failed' row and
+    evaluate, finding neither files nor a failure for it, evaluated t0 alone."""
+    from wsi_milssl.errors import EvaluationError
+
+    feats = tmp_path / "feats"
+    _file(feats / "t0.h5", "t0", seed=0)
+    rng = np.random.default_rng(1)
+    ys, xs = np.mgrid[0:6, 0:6]
+    write_feature_file(feats / "t1.h5", features=rng.normal(size=(36, 16)).astype(np.float32),  # another width
+                       coords=np.stack([xs.ravel() * 512, ys.ravel() * 512], axis=1),
+                       attrs={"slide_stem": "t1", "slide_path": "", "mpp": 0.25, "dimensions_lv0": [4096, 4096],
+                              "encoder": "resnet18", "target_mpp": 0.5, "patch_size_px": 256},
+                       coords_attrs={"patch_size": 256}, features_attrs={"encoder": "resnet18"})
+    out = tmp_path / "hm"
+    assert _heatmap(feats, head, out) != 0
+    assert _status(out)["t1"]["status"] == "failed"
+    assert _heatmap(feats / "t0.h5", head, out) == 0  # t0 again, alone
+    rows = _status(out)
+    assert rows["t0"]["status"] == "ok" and rows["t1"]["status"] == "failed"
+    assert list(rows) == ["t0", "t1"]
+    with pytest.raises(EvaluationError, match=r"the heatmap stage failed on labelled slides t1 \("):
+        _evaluate_normals(out, tmp_path, ["t0", "t1"])

@@ -23,6 +23,7 @@ run failed (``heatmap_status.csv``), whatever files an earlier run left, and a f
 from __future__ import annotations
 
 import csv
+import json
 import logging
 import math
 import os
@@ -342,55 +343,184 @@ def _heatmap_outcomes(predictions_dir: Path, stems: list[str]) -> tuple[dict[str
 
 
 #: What a slide's ``<stem>_probs.json`` records of the run that made it, compared across the evaluated
-#: slides when a sidecar has no ``fingerprint`` (feature heads, earlier versions): the checkpoint and the
-#: settings that shape the detections and the score.
+#: slides when a sidecar has neither a ``fingerprint`` nor a ``checkpoint_sha256`` (feature heads and
+#: earlier versions, half-written slides): the checkpoint and the settings that shape the detections and
+#: the score.
 _RUN_FIELDS = ("checkpoint", "model_name", "bag_pooling", "detection_threshold", "nms_radius_um", "tumor_threshold")
 
-
-def _run_key(sidecar: dict) -> tuple:
-    """What identifies the heatmap run that made a slide: its ``fingerprint`` (the checkpoint's bytes and the
-    settings; runtime settings such as workers or device aside), else the recorded checkpoint and settings."""
-    fingerprint = sidecar.get("fingerprint")
-    if isinstance(fingerprint, str) and fingerprint:
-        return ("fingerprint", fingerprint)
-    return ("settings",) + tuple(repr(sidecar.get(k)) for k in _RUN_FIELDS)
+#: The settings that shape a slide's evaluated files, compared with ``checkpoint_sha256`` (the checkpoint's
+#: bytes): the model, the pooling, the detection and classification settings and the tiling. Per-slide
+#: facts (``mpp``, ``stride_lv0``) and the overlay's drawing settings are not among them.
+_CONTENT_FIELDS = ("model_name", "bag_pooling", "detection_threshold", "nms_radius_um", "tumor_threshold",
+                   "target_mpp", "patch_size_px", "tiling_plan")
 
 
-def _describe_run(sidecar: dict, others_have_fingerprints: bool) -> str:
-    parts = [f"checkpoint {sidecar.get('checkpoint') or 'not recorded'}"]
-    fingerprint = sidecar.get("fingerprint")
-    if isinstance(fingerprint, str) and fingerprint:
-        parts.append(f"fingerprint {fingerprint}")
+def _canonical(value: Any) -> str:
+    """One spelling of a recorded value (1000 and 1000.0 are the same setting)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return repr(float(value))
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def _recorded(sidecar: dict, key: str) -> str | None:
+    value = sidecar.get(key)
+    return value if isinstance(value, str) and value else None
+
+
+def _run_identities(sidecar: dict) -> list[tuple]:
+    """What identifies the heatmap run that made a slide; two slides share a run when they share any of them:
+    the same ``fingerprint`` (the checkpoint's bytes and every output setting: a resumed or sharded run, or one
+    with other runtime settings), or the same ``checkpoint_sha256`` with the same :data:`_CONTENT_FIELDS` (the
+    same weights, by whatever path, with the same detection settings and tiling: runs that differ only in
+    drawing settings or a per-slide µm/px). A sidecar with neither is identified by the recorded checkpoint
+    path and settings (:data:`_RUN_FIELDS`)."""
+    ids: list[tuple] = []
+    fingerprint = _recorded(sidecar, "fingerprint")
+    if fingerprint is not None:
+        ids.append(("fingerprint", fingerprint))
+    sha = _recorded(sidecar, "checkpoint_sha256")
+    if sha is not None:
+        ids.append(("contents", sha) + tuple(_canonical(sidecar.get(k)) for k in _CONTENT_FIELDS))
+    if not ids:
+        ids.append(("settings",) + tuple(repr(sidecar.get(k)) for k in _RUN_FIELDS))
+    return ids
+
+
+def _group_runs(sidecars: dict[str, dict]) -> list[list[str]]:
+    """The slides of ``sidecars`` grouped by run: the union of the slides that share an identity
+    (:func:`_run_identities`); largest group first."""
+    parent = {stem: stem for stem in sidecars}
+
+    def root(stem: str) -> str:
+        while parent[stem] != stem:
+            parent[stem] = parent[parent[stem]]
+            stem = parent[stem]
+        return stem
+
+    owner: dict[tuple, str] = {}
+    for stem, sidecar in sidecars.items():
+        for identity in _run_identities(sidecar):
+            if identity in owner:
+                parent[root(stem)] = root(owner[identity])
+            else:
+                owner[identity] = stem
+    groups: dict[str, list[str]] = {}
+    for stem in sidecars:
+        groups.setdefault(root(stem), []).append(stem)
+    return sorted(groups.values(), key=lambda stems: (-len(stems), stems[0]))
+
+
+def _values(sidecars: list[dict], key: str) -> list[Any]:
+    """The distinct recorded (not null) values of ``key`` among ``sidecars``, in order."""
+    seen: dict[str, Any] = {}
+    for sidecar in sidecars:
+        value = sidecar.get(key)
+        if value is not None and value != "":
+            seen.setdefault(_canonical(value), value)
+    return list(seen.values())
+
+
+def _show(values: list[Any]) -> str:
+    return " or ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in values)
+
+
+def _describe_run(sidecars: list[dict], others_have_fingerprints: bool) -> str:
+    checkpoints = _values(sidecars, "checkpoint")
+    parts = [f"checkpoint {' or '.join(str(c) for c in checkpoints) or 'not recorded'}"]
+    fingerprints = _values(sidecars, "fingerprint")
+    if fingerprints:
+        parts.append(f"fingerprint {' or '.join(str(f) for f in fingerprints)}")
     elif others_have_fingerprints:
-        parts.append("no fingerprint: made by a feature head or an earlier version, or its files were left "
-                     "half-written by an interrupted run")
-    parts += [f"{k} {sidecar.get(k)}" for k in _RUN_FIELDS[1:] if sidecar.get(k) is not None]
+        parts.append("no fingerprint: made by a feature head or an earlier version that recorded none, or its "
+                     "files were left half-written by an interrupted run")
+    for key in _RUN_FIELDS[1:]:
+        values = _values(sidecars, key)
+        if values:
+            parts.append(f"{key} {' or '.join(str(v) for v in values)}")
     return ", ".join(parts)
 
 
+def _differences(first: list[dict], other: list[dict], first_label: str, other_label: str) -> list[str]:
+    """What the slides of run ``other`` record differently from those of run ``first`` (other's value first)."""
+    out: list[str] = []
+
+    def disjoint(a: list[Any], b: list[Any]) -> bool:
+        return bool(a) and bool(b) and not {_canonical(v) for v in a} & {_canonical(v) for v in b}
+
+    sha_a, sha_b = _values(first, "checkpoint_sha256"), _values(other, "checkpoint_sha256")
+    path_a, path_b = _values(first, "checkpoint"), _values(other, "checkpoint")
+    if sha_a and sha_b:
+        if disjoint(sha_a, sha_b):
+            out.append(f"checkpoint file contents differ (SHA-256 {_show([v[:12] for v in sha_b])} vs "
+                       f"{_show([v[:12] for v in sha_a])})")
+    else:
+        if disjoint(path_a, path_b):
+            out.append(f"checkpoint {_show(path_b)} vs {_show(path_a)}")
+        if sha_a or sha_b:
+            out.append(f"slides {other_label if sha_a else first_label} record no checkpoint_sha256 (made by an "
+                       "earlier version, or left half-written by an interrupted run), so their checkpoint file "
+                       "contents cannot be compared")
+    for key in _CONTENT_FIELDS:
+        a, b = _values(first, key), _values(other, key)
+        if not disjoint(a, b):
+            continue
+        if key == "tiling_plan" and len(a) == 1 and len(b) == 1 and isinstance(a[0], dict) and isinstance(b[0], dict):
+            out += [f"tiling {k} {_show([b[0].get(k)])} vs {_show([a[0].get(k)])}"
+                    for k in sorted(set(a[0]) | set(b[0])) if _canonical(a[0].get(k)) != _canonical(b[0].get(k))]
+        else:
+            out.append(f"{key} {_show(b)} vs {_show(a)}")
+    if not sha_a and not sha_b and not out:
+        fp_a, fp_b = _values(first, "fingerprint"), _values(other, "fingerprint")
+        if fp_a and fp_b:
+            out.append(f"fingerprint {_show(fp_b)} vs {_show(fp_a)} (the checkpoint's bytes or another heatmap "
+                       "setting, drawing settings included; files of earlier versions do not record which)")
+        elif fp_a or fp_b:
+            out.append(f"slides {other_label if fp_a else first_label} record no fingerprint (made by an earlier "
+                       "version or a feature head of one, or left half-written by an interrupted run)")
+    return out
+
+
 def _one_run(predictions_dir: Path, sidecars: dict[str, dict]) -> dict | None:
-    """The sidecar of one evaluated slide (they agree) when every slide with a ``<stem>_probs.json`` was made by
-    the same heatmap run (same checkpoint and settings: :func:`_run_key`), None without sidecars (detection
-    CSVs of other tools); EvaluationError naming the slides of each run otherwise. A run resumed, sharded or
-    re-run with other runtime settings (workers, device, batch size) counts as one."""
-    runs: dict[tuple, list[str]] = {}
-    for stem, sidecar in sidecars.items():
-        runs.setdefault(_run_key(sidecar), []).append(stem)
-    if len(runs) <= 1:
+    """The sidecar of one evaluated slide when every slide with a ``<stem>_probs.json`` was made by the same
+    heatmap run (slides linked by a shared identity: :func:`_run_identities`), None without sidecars (detection
+    CSVs of other tools); EvaluationError naming the slides of each run and what differs between them
+    otherwise. A run resumed, sharded or re-run with other runtime or drawing settings (workers, device, batch
+    size; colour map, thumbnail size, outlines) counts as one, as does one checkpoint named by two paths."""
+    groups = _group_runs(sidecars)
+    if len(groups) <= 1:
         return next(iter(sidecars.values()), None)
-    fingerprinted = any(key[0] == "fingerprint" for key in runs)
+    runs = [[sidecars[s] for s in stems] for stems in groups]
+    fingerprinted = any(_recorded(s, "fingerprint") for s in sidecars.values())
 
     def slides(stems: list[str]) -> str:
         return ", ".join(stems[:10]) + (f" and {len(stems) - 10} more" if len(stems) > 10 else "")
 
-    groups = sorted(runs.values(), key=lambda stems: (-len(stems), stems[0]))
-    described = "; ".join(f"slides {slides(stems)} by {_describe_run(sidecars[stems[0]], fingerprinted)}"
-                          for stems in groups)
+    described = "; ".join(f"slides {slides(stems)} by {_describe_run(run, fingerprinted)}"
+                          for stems, run in zip(groups, runs))
+    differs = "; ".join(
+        f"slides {slides(stems)} against slides {slides(groups[0])}: "
+        + (", ".join(_differences(runs[0], run, slides(groups[0]), slides(stems))) or "no recorded setting")
+        for stems, run in zip(groups[1:], runs[1:]))
     raise EvaluationError(
-        f"{predictions_dir}: its slides were predicted by {len(runs)} different heatmap runs (another checkpoint "
+        f"{predictions_dir}: its slides were predicted by {len(groups)} different heatmap runs (another checkpoint "
         f"or other settings), so evaluating them together would mix models and report only the last run's "
-        f"settings: {described}. Fix: run the heatmap stage again with --overwrite on the whole set of slides "
-        "into this folder (or into a new one), then evaluate.")
+        f"settings: {described}. What differs: {differs}. Fix: run the heatmap stage again with --overwrite on the "
+        "whole set of slides into this folder (or into a new one), then evaluate.")
+
+
+def _later_run(pred_config: dict | None, sidecars: list[dict]) -> bool:
+    """Whether ``heatmap_config.json`` (rewritten by every heatmap run) describes another run than the one that
+    made the evaluated slides: its fingerprint is none of theirs (where both record fingerprints), else its
+    checkpoint path is none of theirs."""
+    if pred_config is None or not sidecars:
+        return False
+    fingerprint = _recorded(pred_config, "fingerprint")
+    fingerprints = _values(sidecars, "fingerprint")
+    if fingerprint is not None and fingerprints:
+        return fingerprint not in fingerprints
+    checkpoint = pred_config.get("checkpoint")
+    checkpoints = _values(sidecars, "checkpoint")
+    return checkpoint is not None and bool(checkpoints) and checkpoint not in checkpoints
 
 
 def evaluate_predictions(
@@ -471,8 +601,8 @@ def evaluate_predictions(
         logger.info("%d labelled slides have no predictions and are not evaluated (listed in %s under "
                     "not_evaluated)", len(skipped), EVALUATION_FILES["metrics"])
     slide_paths = resolve_slides(slides)
-    run_sidecar = _one_run(predictions_dir, {s: read_probs_sidecar(f.sidecar) for s, f in evaluated.items()
-                                             if f.sidecar is not None})
+    sidecars = {s: read_probs_sidecar(f.sidecar) for s, f in evaluated.items() if f.sidecar is not None}
+    run_sidecar = _one_run(predictions_dir, sidecars)
 
     results: list[SlideResult] = []
     total = len(evaluated)
@@ -578,10 +708,9 @@ def evaluate_predictions(
     }
     pred_config = read_heatmap_config(predictions_dir)
     if run_sidecar is not None:  # what made the evaluated slides, as their sidecars record it
-        configuration["predictions_run"] = {k: run_sidecar.get(k) for k in ("fingerprint",) + _RUN_FIELDS}
-    later_run = pred_config is not None and run_sidecar is not None and any(
-        run_sidecar.get(k) is not None and pred_config.get(k) is not None and run_sidecar[k] != pred_config[k]
-        for k in ("fingerprint", "checkpoint"))
+        configuration["predictions_run"] = {k: run_sidecar.get(k)
+                                            for k in ("fingerprint", "checkpoint_sha256") + _RUN_FIELDS}
+    later_run = _later_run(pred_config, list(sidecars.values()))
     if later_run:
         notes.append(f"{HEATMAP_CONFIG_FILENAME} describes a later heatmap run (checkpoint "
                      f"{pred_config.get('checkpoint')}) than the one that made the evaluated slides (checkpoint "

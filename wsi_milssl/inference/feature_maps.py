@@ -15,6 +15,7 @@ is found), QuPath GeoJSON, CAMELYON16 detections, ``scores.csv``, ``heatmap_stat
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -28,20 +29,23 @@ import torch
 
 from wsi_milssl import __version__
 from wsi_milssl import runtime as runtime_rules
-from wsi_milssl.atomic import atomic_write_csv, atomic_write_json
+from wsi_milssl.atomic import atomic_write_json
 from wsi_milssl.config.base import config_to_dict
 from wsi_milssl.config.heatmap import HeatmapConfig
 from wsi_milssl.errors import CheckpointError, ConfigError, StoreError, WsiMilsslError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
-from wsi_milssl.artifacts import (
-    HEATMAP_CONFIG_FILENAME,
-    HEATMAP_STATUS_COLUMNS,
-    HEATMAP_STATUS_FILENAME,
-    SCORES_FILENAME,
-)
+from wsi_milssl.artifacts import HEATMAP_CONFIG_FILENAME, HEATMAP_STATUS_FILENAME, SCORES_FILENAME
 from wsi_milssl.inference.exports import remove_slide_outputs, update_scores_csv
 from wsi_milssl.inference.predict import SlidePrediction
-from wsi_milssl.inference.stage import HeatmapResult, HeatmapRun, non_finite_error, write_slide_outputs
+from wsi_milssl.inference.stage import (
+    HeatmapResult,
+    HeatmapRun,
+    _fingerprint_settings,
+    _merge_status,
+    checkpoint_sha256,
+    non_finite_error,
+    write_slide_outputs,
+)
 
 __all__ = ["FeatureHead", "load_feature_head", "find_feature_files", "feature_slide_mismatch", "make_feature_heatmaps"]
 
@@ -222,6 +226,12 @@ def make_feature_heatmaps(features: Sequence[str | os.PathLike], checkpoint: str
     A file whose features do not fit the head (another width, another encoder or encoder weights, or
     other recorded feature settings such as the resolution than the head was trained on) fails alone, as
     does one that cannot be placed on a grid; the others go on. Raises CheckpointError for an image-model checkpoint.
+
+    Each slide's ``_probs.json`` records the run that made it as the image heatmaps do: a ``fingerprint``
+    (:func:`_feature_fingerprint`: the head's bytes and the settings) and ``checkpoint_sha256`` (the head's
+    bytes), so ``evaluate`` tells two heads saved at one path apart and takes one head named by two paths as
+    one. ``heatmap_status.csv`` keeps the rows of slides this call does not take (an earlier call's 'failed'
+    row stays until that slide is made again), as the image stage's does.
     """
     config = config or HeatmapConfig()
     out_dir = Path(out_dir)
@@ -231,8 +241,11 @@ def make_feature_heatmaps(features: Sequence[str | os.PathLike], checkpoint: str
 
     by_stem = {slide_stem(Path(s)): Path(s) for s in slides}
     out_dir.mkdir(parents=True, exist_ok=True)
+    sha256 = checkpoint_sha256(head)
+    fingerprint = _feature_fingerprint(config, head, sha256)
     config_json = atomic_write_json(out_dir / HEATMAP_CONFIG_FILENAME, {
         "heatmap": config_to_dict(config), "checkpoint": str(head.checkpoint_path), "source": "features",
+        "fingerprint": fingerprint, "checkpoint_sha256": sha256,
         "features": [str(p) for p in files], "model_name": head.config.get("model_name"), "bag_pooling": head.pooling,
         "feature_encoder": head.encoder, "feature_encoder_weights_sha256": head.encoder_weights_sha256,
         "package_version": __version__}, sort_keys=True)
@@ -274,7 +287,8 @@ def make_feature_heatmaps(features: Sequence[str | os.PathLike], checkpoint: str
                 bad = non_finite_error(pred, head)  # a diverged head: fail this slide before writing anything
                 if bad is not None:
                     raise bad
-                written = write_slide_outputs(pred, out_dir, model=head, config=config, annotations_dir=annotations_dir)
+                written = write_slide_outputs(pred, out_dir, model=head, config=config, annotations_dir=annotations_dir,
+                                              fingerprint=fingerprint, checkpoint_sha256=sha256)
                 score = pred.score(head.pooling)
                 update_scores_csv(out_dir, {stem: score})
                 results.append(HeatmapResult(stem, str(slide_path or ""), "ok", len(pred), score,
@@ -289,7 +303,7 @@ def make_feature_heatmaps(features: Sequence[str | os.PathLike], checkpoint: str
                                stem, out_dir, rm_exc)
             results.append(HeatmapResult(stem, str(slide_path or ""), "failed", 0, None, time.perf_counter() - t0,
                                          str(exc)))
-        _write_status(results, status_csv)
+        _merge_status(status_csv, results[-1:])  # other slides' rows (earlier calls) stay
         emit(progress, ProgressEvent("heatmap", len(results), len(files), unit="slide", item=stem,
                                      message=results[-1].status))
     return HeatmapRun(tuple(results), out_dir, status_csv, config_json, out_dir / SCORES_FILENAME,
@@ -320,8 +334,12 @@ def _check_fit(ff, head: FeatureHead) -> None:
                          "file per slide.")
 
 
-def _write_status(results: Sequence[HeatmapResult], path: Path) -> Path:
-    rows = [{"slide": r.slide, "status": r.status, "n_patches": r.n_patches,
-             "score": "" if r.score is None else f"{r.score:.6f}", "seconds": f"{r.seconds:.2f}",
-             "error": " ".join(r.error.split())} for r in results]
-    return atomic_write_csv(path, rows, columns=HEATMAP_STATUS_COLUMNS)
+def _feature_fingerprint(config: HeatmapConfig, head: FeatureHead, sha256: str | None) -> str | None:
+    """What made a feature run's files: the head's bytes (``sha256``), its pooling and the settings
+    (runtime ones aside), marked as a feature run so it never equals an image run's fingerprint. None when
+    the head has no file on disk (nothing to tell it from another)."""
+    if sha256 is None:
+        return None
+    blob = json.dumps({"checkpoint_sha256": sha256, "heatmap": _fingerprint_settings(config),
+                       "pooling": head.pooling, "source": "features"}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -73,6 +73,7 @@ __all__ = [
     "HeatmapRun",
     "match_inputs",
     "store_mismatch",
+    "checkpoint_sha256",
     "write_slide_outputs",
     "make_heatmaps",
 ]
@@ -270,7 +271,8 @@ def _read_outlines(stem: str, annotations_dir: Path | None, dims: tuple[int, int
 
 def write_slide_outputs(pred: SlidePrediction, out_dir: str | os.PathLike, *, model: InferenceModel,
                         config: HeatmapConfig, annotations_dir: str | os.PathLike | None = None,
-                        input_files: dict | None = None, fingerprint: str | None = None) -> dict[str, Path]:
+                        input_files: dict | None = None, fingerprint: str | None = None,
+                        checkpoint_sha256: str | None = None) -> dict[str, Path]:
     """Write every per-slide file of ``pred`` into ``out_dir``; returns kind -> path.
 
     The files are those of :data:`wsi_milssl.artifacts.HEATMAP_FILES`: the map (``.npy``, ``.json``,
@@ -282,12 +284,16 @@ def write_slide_outputs(pred: SlidePrediction, out_dir: str | os.PathLike, *, mo
     the sidecar so that a later run can tell whether the same files are asked for again.
     ``fingerprint``: what made the files (the checkpoint's bytes and the settings, as the folder's
     ``heatmap_config.json`` names it), kept in the sidecar so that a later run reuses the slide only when
-    it has the same fingerprint (None: never reused).
+    it has the same fingerprint (None: never reused). ``checkpoint_sha256``: the SHA-256 of the checkpoint
+    file's bytes (:func:`checkpoint_sha256`), kept in the sidecar with the settings that shape the files
+    (``model_name``, ``bag_pooling``, the detection settings, ``target_mpp``, ``patch_size_px`` and the
+    model's ``tiling_plan``), so that ``evaluate`` can tell slides of one model and settings from others
+    whatever the checkpoint's path or the overlay settings.
 
-    The old ``<stem>_probs.json`` is removed first, and the sidecar gets its fingerprint only when it
-    is written again after every other file (the ``.tif`` description has none): a slide whose files were
-    only partly rewritten (a killed run) has no fingerprint that a later run could take for finished
-    outputs.
+    The old ``<stem>_probs.json`` is removed first, and the sidecar gets its fingerprint and
+    ``checkpoint_sha256`` only when it is written again after every other file (the ``.tif`` description
+    has neither): a slide whose files were only partly rewritten (a killed run) has no record that a later
+    run, or ``evaluate``, could take for finished outputs.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -313,6 +319,7 @@ def write_slide_outputs(pred: SlidePrediction, out_dir: str | os.PathLike, *, mo
         "store_path": None if pred.store_path is None else str(pred.store_path),
         "input_files": input_files,
         "fingerprint": fingerprint,
+        "checkpoint_sha256": checkpoint_sha256,
         "checkpoint": None if model.checkpoint_path is None else str(model.checkpoint_path),
         "model_name": model.config.get("model_name"),
         "bag_pooling": model.pooling,
@@ -321,11 +328,14 @@ def write_slide_outputs(pred: SlidePrediction, out_dir: str | os.PathLike, *, mo
         "nms_radius_um": float(config.nms_radius_um),
         "tumor_threshold": float(config.tumor_threshold),
         "ome_downsample": ome_downsample(int(pred.stride_lv0), config.ome_downsample),
+        # the model's tile recipe (with --tissue/--min-tissue/--mask-mpp); None for feature heads
+        "tiling_plan": _plan_dict(model),
         "schema_version": ARTIFACTS_SCHEMA_VERSION,
         "package_version": __version__,
     }
-    # without the fingerprint until every file is written (the sidecar is written again at the end)
-    written = dict(write_probs(out_dir, pred.stem, grid, {k: v for k, v in sidecar.items() if k != "fingerprint"}))
+    # without the run's identity until every file is written (the sidecar is written again at the end)
+    written = dict(write_probs(out_dir, pred.stem, grid, {k: v for k, v in sidecar.items()
+                                                         if k not in ("fingerprint", "checkpoint_sha256")}))
     geometry = dict(origin_lv0=pred.origin_lv0, stride_lv0=int(pred.stride_lv0),
                     patch_size_lv0=int(pred.patch_size_lv0))
     written["probs_ome_tif"] = write_probs_ome_tiff(
@@ -402,14 +412,37 @@ def _fingerprint(config: HeatmapConfig, model: InferenceModel) -> str:
         with open(model.checkpoint_path, "rb") as fh:
             for block in iter(lambda: fh.read(1 << 22), b""):
                 h.update(block)
-    # the annotation groups count where they are not the defaults (folders of earlier versions, which had
-    # no such setting, keep their fingerprint)
-    default = HeatmapConfig()
-    settings = {k: v for k, v in config_to_dict(config).items() if k not in _RUNTIME_FIELDS
-                and not (k in ("tumor_groups", "non_tumor_groups") and getattr(config, k) == getattr(default, k))}
-    h.update(json.dumps({"heatmap": settings, "tiling": model.tiling.to_dict(), "pooling": model.pooling},
-                        sort_keys=True).encode())
+    h.update(json.dumps({"heatmap": _fingerprint_settings(config), "tiling": model.tiling.to_dict(),
+                         "pooling": model.pooling}, sort_keys=True).encode())
     return h.hexdigest()[:16]
+
+
+def _fingerprint_settings(config: HeatmapConfig) -> dict[str, Any]:
+    """The HeatmapConfig settings a fingerprint covers: all but the runtime ones; the annotation groups count
+    where they are not the defaults (folders of earlier versions, which had no such setting, keep their
+    fingerprint)."""
+    default = HeatmapConfig()
+    return {k: v for k, v in config_to_dict(config).items() if k not in _RUNTIME_FIELDS
+            and not (k in ("tumor_groups", "non_tumor_groups") and getattr(config, k) == getattr(default, k))}
+
+
+def _plan_dict(model: Any) -> dict[str, Any] | None:
+    """The tile recipe an InferenceModel cuts slides with, as a dict; None for a feature head (no tiling)."""
+    plan = getattr(model, "plan", None)
+    to_dict = getattr(plan, "to_dict", None)
+    return to_dict() if callable(to_dict) else None
+
+
+def checkpoint_sha256(model: Any) -> str | None:
+    """The SHA-256 (hex) of the bytes of ``model``'s checkpoint file (an InferenceModel or a FeatureHead), or
+    None when it has none on disk. Recorded in each slide's sidecar: two slides with the same value were
+    made by the same weights, whatever path named the file."""
+    path = getattr(model, "checkpoint_path", None)
+    if path is None or not Path(path).is_file():
+        return None
+    from wsi_milssl.features.encoders import file_sha256
+
+    return file_sha256(Path(path))
 
 
 def _read_status(path: Path) -> dict[str, dict[str, str]]:
@@ -520,11 +553,13 @@ def _finished(out_dir: Path, fingerprint: str, inputs: Sequence[SlideInput]) -> 
     return done
 
 
-def _write_config(out_dir: Path, config: HeatmapConfig, model: InferenceModel, fingerprint: str) -> Path:
+def _write_config(out_dir: Path, config: HeatmapConfig, model: InferenceModel, fingerprint: str,
+                  sha256: str | None) -> Path:
     data = {
         "heatmap": config_to_dict(config),
         "checkpoint": None if model.checkpoint_path is None else str(model.checkpoint_path),
         "fingerprint": fingerprint,
+        "checkpoint_sha256": sha256,
         "model_name": model.config.get("model_name"),
         "bag_pooling": model.pooling,
         "tiling": model.tiling.to_dict(),
@@ -614,8 +649,9 @@ def _make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.Pat
     model = checkpoint if isinstance(checkpoint, InferenceModel) else load_inference_model(checkpoint, config=config)
     out_dir.mkdir(parents=True, exist_ok=True)
     fingerprint = _fingerprint(config, model)
+    sha256 = checkpoint_sha256(model)
     finished = {} if overwrite else _finished(out_dir, fingerprint, inputs)
-    config_json = _write_config(out_dir, config, model, fingerprint)
+    config_json = _write_config(out_dir, config, model, fingerprint, sha256)
     status_csv = out_dir / STATUS_FILENAME
     results: dict[int, HeatmapResult] = {}
     writes: dict = {}  # future -> (position, prediction)
@@ -667,7 +703,7 @@ def _make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.Pat
     def write(pred: SlidePrediction, files: dict) -> tuple[dict[str, Path], float]:
         t0 = time.perf_counter()
         written = write_slide_outputs(pred, out_dir, model=model, config=config, annotations_dir=annotations_dir,
-                                      input_files=files, fingerprint=fingerprint)
+                                      input_files=files, fingerprint=fingerprint, checkpoint_sha256=sha256)
         return written, time.perf_counter() - t0
 
     emit(progress, ProgressEvent("heatmap", 0, len(inputs), unit="slide"))
