@@ -799,3 +799,9 @@ def test_stacked_pseudo_labels_per_bag_puts_the_fraction_mu_in_every_bag():
     # over all instances together (the paper's global constraint) the small bags get (almost) nothing
     glob = stacked_pseudo_labels(probs, mask, bag_ids, mu=mu, lam=5.0, local_constraint=False).double()
     assert float(glob[0].sum()) == pytest.approx(0.5 * 40, rel=1e-6) and float(glob[0, 30:].sum()) < 1.0
+
+
+def test_stacked_rff_zero_is_unchanged_and_random_fourier_features_still_learn(mil_csv, mil_csv_val):
+    val, data, kw = _two_stacked_models(mil_csv, mil_csv_val)
+    _option_is_off_by_default_and_changes_training(data, kw, val, "rff_dim", 0, 64)
+    assert mc.METHODS["mil-ssl-improved-rff"].settings()["rff_dim"] == 512

@@ -409,11 +409,12 @@ class _StackedHead:
     """Stacked ``Standardize -> [Linear -> ReLU -> Dropout]* -> Linear(2)`` (the ``mlp``/``linear`` heads)."""
 
     def __init__(self, in_features: int, *, hidden_dims: Sequence[int], dropout: torch.Tensor, mean: torch.Tensor,
-                 std: torch.Tensor, gens: list[torch.Generator]) -> None:
+                 std: torch.Tensor, gens: list[torch.Generator], rff: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> None:
         m = len(gens)
-        self.mean, self.std, self.dropout = mean, std, dropout
+        self.mean, self.std, self.dropout, self.rff = mean, std, dropout, rff
         self.layers = []
-        width = in_features
+        width = in_features if rff is None else int(rff[0].shape[1])
         for h in list(hidden_dims) + [2]:
             self.layers.append(_linear_init(m, width, int(h), gens))
             width = int(h)
@@ -426,6 +427,9 @@ class _StackedHead:
         h = (x.unsqueeze(0) - self.mean) / self.std
         if g is not None and noise is not None:
             h = h + noise.view(-1, 1, 1) * torch.randn(h.shape[0], h.shape[1], h.shape[2], generator=g)
+        if self.rff is not None:  # random Fourier features of a Gaussian kernel on the standardised features
+            w, b = self.rff
+            h = torch.cos(torch.matmul(h, w) + b) * math.sqrt(2.0 / w.shape[1])
         layers = self.layers if layers is None else layers
         for i, (w, b) in enumerate(layers):
             h = _apply(h, w, b)
@@ -523,7 +527,7 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
                        bag_balanced: Sequence[bool] | bool = False, pseudo_negative_weight: float = 1.0,
                        bag_loss_weight: float = 0.0, target_momentum: float = 0.0, neighbours: int = 0,
                        input_noise: float = 0.0, weight_average_epochs: float = 0.0, mixup: float = 0.0,
-                       cross_fit: bool = False, per_bag_mu: bool = False, eval_at: Sequence[int],
+                       cross_fit: bool = False, per_bag_mu: bool = False, rff_dim: int = 0, eval_at: Sequence[int],
                        eval_sets: dict[str, InstanceSet], seeds: Sequence[int],
                        seed: int = 0) -> dict[str, dict[int, np.ndarray]]:
     """Train M MIL-SSL instance classifiers at once (model m on the bags ``data.bag_weight[m]``).
@@ -557,7 +561,10 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
     two helper models train on one half each (with the same settings, their pseudo labels cross-fitted
     the same way), and a positive-bag instance's P comes from the helper that never trained on its bag
     (:func:`_cross_fit_halves`; three times the training; the helpers only give P); ``per_bag_mu`` makes
-    the fraction μ of positive pseudo labels hold in every positive bag (:func:`stacked_pseudo_labels`).
+    the fraction μ of positive pseudo labels hold in every positive bag (:func:`stacked_pseudo_labels`);
+    ``rff_dim`` R > 0 feeds the classifier R random Fourier features of a Gaussian kernel on the standardised
+    features (a local, kernel-like input, as the kernel MIL methods that do well on MUSK use) instead of
+    the features themselves.
 
     Returns ``{set name: {epoch: instance probabilities (M, N_set) float64}}`` (``"train"`` included).
     """
@@ -594,7 +601,13 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
         m = data.n_models
     mean, std = data.standardisation()
     gens = [_gen(4, s) for s in seeds]
-    model = _StackedHead(int(data.x.shape[1]), hidden_dims=hidden_dims, dropout=torch.tensor(list(dropout)),
+    rff = None
+    if rff_dim:  # Gaussian kernel of width sqrt(D) on the standardised features (γ = 1 / (2D)), shared by the models
+        d = int(data.x.shape[1])
+        g_rff = _gen(10, seed)
+        rff = (torch.randn(d, int(rff_dim), generator=g_rff) / math.sqrt(d),
+               torch.rand(int(rff_dim), generator=g_rff) * 2 * math.pi)
+    model = _StackedHead(int(data.x.shape[1]), hidden_dims=hidden_dims, dropout=torch.tensor(list(dropout)), rff=rff,
                          mean=mean, std=std, gens=gens)
     opt = _Adam(model.params, torch.tensor(list(lr)), torch.tensor(list(weight_decay)))
     n = int(data.x.shape[0])
