@@ -36,17 +36,49 @@ def test_features_that_differ_only_in_precision_may_be_mixed():
     assert settings_differences({"settings_hash": "h4", "encoder": "resnet18"}, bare) == ["settings_hash h4 vs h3"]
 
 
-def test_a_moved_or_copied_slide_is_the_same_slide(tmp_path):
+def test_a_moved_or_copied_slide_is_the_same_slide_and_another_one_is_not(tmp_path):
     slide = tmp_path / "a" / "s.tif"
     slide.parent.mkdir()
     slide.write_bytes(b"x" * 100)
     moved = tmp_path / "b" / "s.tif"
     moved.parent.mkdir()
     moved.write_bytes(b"x" * 100)
-    assert not _other_slide(slide, slide)
-    assert not _other_slide(slide, moved)  # a copy of the same size
-    assert not _other_slide(tmp_path / "gone" / "s.tif", moved)  # the recorded file is gone: moved
     other = tmp_path / "c" / "s.tif"
     other.parent.mkdir()
     other.write_bytes(b"y" * 70)
-    assert _other_slide(slide, other)  # another slide of the same name, still there
+    here = lambda p: (str(p), None)  # noqa: E731  (size from the file)
+    assert not _other_slide(here(slide), here(slide))
+    assert not _other_slide(here(slide), here(moved))  # a copy of the same size
+    assert _other_slide(here(slide), here(other))  # another slide of the same name, still there
+    gone = tmp_path / "gone" / "s.tif"
+    # the recorded slide is gone (moved, archived): its recorded size decides
+    assert not _other_slide((str(gone), 100), here(moved))
+    assert _other_slide((str(gone), 100), here(other))  # was replaced silently (review)
+    assert _other_slide((str(gone), None), here(moved))  # a file of an earlier version: unknown, refused
+
+
+def test_features_of_another_slide_of_the_same_name_are_not_replaced_when_its_file_is_gone(
+        tmp_path, synth_slides, synth_dir):
+    import shutil
+
+    from feature_fixtures import TILE
+    from wsi_milssl.config import FeaturesConfig
+    from wsi_milssl.features import extract_features
+
+    fast = FeaturesConfig(encoder="resnet18", weights="random", num_workers=0, batch_size=64, amp="off")
+    train, test = tmp_path / "train", tmp_path / "test"
+    train.mkdir()
+    test.mkdir()
+    shutil.copy(synth_slides["tumor"], train / "s.tif")
+    shutil.copy(synth_slides["normal"], test / "s.tif")
+    assert (train / "s.tif").stat().st_size != (test / "s.tif").stat().st_size
+    feats = tmp_path / "feats"
+    assert extract_features([train / "s.tif"], feats, fast, tile=TILE).ok
+    made = (feats / "s.h5").read_bytes()
+    shutil.move(train, tmp_path / "archived")  # the training slides archived
+    run = extract_features([test / "s.tif"], feats, fast, tile=TILE)
+    assert not run.ok and "made from another slide file" in run.results[0].error
+    assert (feats / "s.h5").read_bytes() == made
+    # the training slide itself, moved: the same slide (its size), made again from the new path
+    moved = extract_features([tmp_path / "archived" / "s.tif"], feats, fast, tile=TILE)
+    assert moved.ok and moved.results[0].status == "ok"

@@ -93,6 +93,7 @@ ROOT_ATTRS: dict[str, type | tuple[type, ...]] = {
     "package_version": str,
     "slide_stem": str,
     "slide_path": str,  # "" when unknown
+    "slide_size_bytes": int,  # the slide file's size when embedded; -1 when unknown (tells another slide of the same name)
     "store_path": str,  # "" when cut from the slide on the fly
     "source": str,  # store | slide
     "encoder": str,  # registry name, e.g. resnet50_trunc or timm:vit_large_patch16_224

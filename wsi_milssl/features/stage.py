@@ -230,12 +230,30 @@ def _settings(config: FeaturesConfig, encoder: Encoder, model) -> dict[str, Any]
             "amp": "off" if amp is None else str(amp).replace("torch.", "")}
 
 
+def _slide_of(item, src: "_Source | None") -> tuple[str | None, int | None]:
+    """(resolved path, size in bytes) of the slide file an input comes from: a slide's own, or the one its
+    store records (also when that file is gone); (None, None) when unknown."""
+    attrs = (src.attrs or {}) if src is not None else {}
+    recorded = str(attrs.get("slide_path") or "")
+    if item.slide_path is None and not recorded:
+        return None, None
+    path = str(Path(item.slide_path).resolve()) if item.slide_path is not None else recorded
+    size = attrs.get("slide_size_bytes") if (recorded and Path(recorded).resolve() == Path(path)) else None
+    if size is None:
+        try:
+            size = Path(path).stat().st_size
+        except OSError:
+            size = None
+    return path, None if size is None else int(size)
+
+
 def _check_existing(path: Path, settings: dict[str, Any], settings_hash: str, source_hash: str, *,
-                    slide_path: Path | None = None) -> int | None:
+                    slide: tuple[str | None, int | None] = (None, None)) -> int | None:
     """Patches in a reusable file at ``path`` (same settings, same source), None when there is none or
     its source changed (the same slide file changed, or its store was made again: made again); StoreError
-    with the fix when it was made with other settings, from another slide file than ``slide_path`` (a
-    slide of the same name elsewhere), or is not a readable feature file of this project."""
+    with the fix when it was made with other settings, from another slide file than ``slide`` ((path, size
+    in bytes) of the slide this input comes from: a slide of the same name elsewhere, :func:`_other_slide`),
+    or is not a readable feature file of this project."""
     import h5py
 
     if not path.exists():
@@ -251,9 +269,11 @@ def _check_existing(path: Path, settings: dict[str, Any], settings_hash: str, so
         raise StoreError(f"{path}: a file not made by `wsi-milssl features` is already there. Fix: write to a new "
                          "folder with --out (or pass --overwrite to replace it).")
     made_from = str(attrs.get("slide_path") or "")
-    if made_from and slide_path is not None and _other_slide(Path(made_from), Path(slide_path)):
+    recorded_size = attrs.get("slide_size_bytes")
+    recorded_size = int(recorded_size) if isinstance(recorded_size, (int, np.integer)) and recorded_size >= 0 else None
+    if made_from and slide[0] is not None and _other_slide((made_from, recorded_size), slide):
         raise StoreError(
-            f"{path}: these features were made from another slide file, {made_from}, not {Path(slide_path).resolve()} "
+            f"{path}: these features were made from another slide file, {made_from}, not {slide[0]} "
             f"(two slides named {path.stem!r}: a test set embedded into a training set's folder, say). Fix: write "
             "this slide's features to another folder with --out; if the other slide's features are no longer "
             "wanted, delete that file (or pass --overwrite, which embeds every slide again).")
@@ -272,17 +292,26 @@ def _check_existing(path: Path, settings: dict[str, Any], settings_hash: str, so
     return int(attrs.get("n_patches", 0))
 
 
-def _other_slide(recorded: Path, given: Path) -> bool:
-    """Whether the slide file a feature file records is another slide than ``given``: another file that is
-    still there and differs in size. A recorded file that is gone, or one of the same size (the slides moved
-    or copied), is the same slide, whose changed source makes the file again (as ``heatmap --features``
-    pairs slides, :func:`wsi_milssl.inference.feature_maps.feature_slide_mismatch`)."""
-    if _same_file(recorded, given):
+def _other_slide(recorded: tuple[str, int | None], given: tuple[str, int | None]) -> bool:
+    """Whether the slide a feature file records ((path, size in bytes; None: not recorded)) is another slide
+    than ``given``: another path whose size differs (the sizes recorded, else of the files still there).
+    The same slide moved or copied keeps its size, so its features are made again (its source changed);
+    when a size cannot be known (a file of an earlier version whose slide is gone), it counts as another
+    slide: refused rather than replaced silently."""
+    (a, a_size), (b, b_size) = recorded, given
+    if _same_file(Path(a), Path(b)):
         return False
-    try:
-        return recorded.stat().st_size != given.stat().st_size
-    except OSError:
-        return False
+
+    def size(path: str, known: int | None) -> int | None:
+        if known is not None:
+            return known
+        try:
+            return Path(path).stat().st_size
+        except OSError:
+            return None
+
+    a_size, b_size = size(a, a_size), size(b, b_size)
+    return a_size is None or b_size is None or a_size != b_size
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -400,7 +429,7 @@ def extract_features(inputs: Sequence[str | os.PathLike], out_dir: str | os.Path
         path = schema.feature_path(out_dir, it.stem)
         if not overwrite:
             try:
-                n = _check_existing(path, settings, settings_hash, source_hashes[i], slide_path=it.slide_path)
+                n = _check_existing(path, settings, settings_hash, source_hashes[i], slide=_slide_of(it, src))
             except StoreError as exc:
                 if not replace_other:
                     record(i, failed(i, str(exc)))
@@ -532,9 +561,11 @@ def _write_slide(out_dir: Path, item, src: _Source | None, out, *, model, settin
                         level0_height=int(out.dimensions_lv0[1]))
     coords_attrs.setdefault("name", stem)
     slide_path = item.slide_path or out.slide_path
+    slide_size = _slide_of(item, src)[1]
     root = {
         "schema": schema.SCHEMA, "schema_version": schema.SCHEMA_VERSION, "package_version": __version__,
         "slide_stem": stem, "slide_path": "" if slide_path is None else str(Path(slide_path).resolve()),
+        "slide_size_bytes": -1 if slide_size is None else slide_size,
         "store_path": "" if item.store_path is None else str(Path(item.store_path).resolve()),
         "source": out.source, "encoder": encoder.name, "encoder_kwargs": json.dumps(dict(encoder.kwargs), sort_keys=True),
         "encoder_weights": encoder.weights, "encoder_weights_sha256": encoder.weights_sha256 or "",
