@@ -49,8 +49,7 @@ def test_a_partial_rerun_with_other_drawing_settings_is_one_run(tmp_path, two_sl
     out = tmp_path / "hm"
     assert make_heatmaps([a], checkpoint, out, HeatmapConfig(**FAST)).ok
     drawing = HeatmapConfig(**{**FAST, "thumbnail_px": 96, "colormap": "magma", "title": False,
-                               "annotation_color": "#ff0000", "tumor_groups": ("Metastasis",),
-                               "slide_mpp": 0.25})  # the slides' own µm/px
+                               "annotation_color": "#ff0000", "tumor_groups": ("Metastasis",)})
     assert make_heatmaps([b], checkpoint, out, drawing).ok
     result = _evaluate(out, tmp_path, "eval")
     assert result.metrics["n_slides"] == 2
@@ -63,6 +62,20 @@ def test_a_partial_rerun_with_other_drawing_settings_is_one_run(tmp_path, two_sl
     assert first["tiling_plan"] == second["tiling_plan"] and first["tiling_plan"]["patch_size_px"] == 32
     config = json.loads((out / "heatmap_config.json").read_text())
     assert config["checkpoint_sha256"] == first["checkpoint_sha256"]
+    # the report does not show the last partial run's heatmap_config.json as every slide's configuration
+    assert "is not shown as the configuration of all of them" in report
+
+
+def test_a_partial_rerun_with_another_slide_mpp_is_refused(tmp_path, two_slides, checkpoint_factory):
+    """A --slide-mpp given to one partial run cuts its slides at another magnification (review: a wrong
+    0.5 for a 0.25 µm/px slide gave 475 patches instead of 124, and evaluate mixed it in silently)."""
+    a, b = two_slides
+    checkpoint = checkpoint_factory()
+    out = tmp_path / "hm"
+    assert make_heatmaps([a], checkpoint, out, HeatmapConfig(**FAST)).ok
+    assert make_heatmaps([b], checkpoint, out, HeatmapConfig(**{**FAST, "slide_mpp": 0.5})).ok
+    with pytest.raises(EvaluationError, match=r"slide_mpp 0.5 vs none \(the slide's own\)"):
+        _evaluate(out, tmp_path, "eval")
 
 
 def test_a_partial_rerun_with_other_detection_settings_is_refused_naming_them(tmp_path, two_slides,

@@ -349,10 +349,12 @@ def _heatmap_outcomes(predictions_dir: Path, stems: list[str]) -> tuple[dict[str
 _RUN_FIELDS = ("checkpoint", "model_name", "bag_pooling", "detection_threshold", "nms_radius_um", "tumor_threshold")
 
 #: The settings that shape a slide's evaluated files, compared with ``checkpoint_sha256`` (the checkpoint's
-#: bytes): the model, the pooling, the detection and classification settings and the tiling. Per-slide
-#: facts (``mpp``, ``stride_lv0``) and the overlay's drawing settings are not among them.
+#: bytes): the model, the pooling, the detection and classification settings, the tiling and the µm/px given
+#: in place of the slides' own (``slide_mpp``: a partial re-run with another --slide-mpp cut its slides at
+#: another magnification). Per-slide facts (``mpp``, ``stride_lv0``) and the overlay's drawing settings are
+#: not among them.
 _CONTENT_FIELDS = ("model_name", "bag_pooling", "detection_threshold", "nms_radius_um", "tumor_threshold",
-                   "target_mpp", "patch_size_px", "tiling_plan")
+                   "target_mpp", "patch_size_px", "tiling_plan", "slide_mpp")
 
 
 def _canonical(value: Any) -> str:
@@ -462,6 +464,10 @@ def _differences(first: list[dict], other: list[dict], first_label: str, other_l
                        "contents cannot be compared")
     for key in _CONTENT_FIELDS:
         a, b = _values(first, key), _values(other, key)
+        if key == "slide_mpp":  # None is a setting here: each slide's own µm/px
+            a, b = ([v if v is not None else "none (the slide's own)" for v in
+                     dict.fromkeys(_canonical(s.get(key)) if s.get(key) is not None else None for s in run)]
+                    for run in (first, other))
         if not disjoint(a, b):
             continue
         if key == "tiling_plan" and len(a) == 1 and len(b) == 1 and isinstance(a[0], dict) and isinstance(b[0], dict):
@@ -715,6 +721,10 @@ def evaluate_predictions(
         notes.append(f"{HEATMAP_CONFIG_FILENAME} describes a later heatmap run (checkpoint "
                      f"{pred_config.get('checkpoint')}) than the one that made the evaluated slides (checkpoint "
                      f"{run_sidecar.get('checkpoint')}); the configuration shows what the slides' sidecars record.")
+    elif pred_config is not None and len(_values(list(sidecars.values()), "fingerprint")) > 1:
+        notes.append(f"the evaluated slides were made by heatmap runs with other drawing settings (one run by their "
+                     f"checkpoint and detection settings); {HEATMAP_CONFIG_FILENAME}, which the last of them wrote, "
+                     "is not shown as the configuration of all of them.")
     elif pred_config is not None:
         configuration["predictions_config"] = pred_config
     thumbs = {r.stem: _thumbnails(r, max_px=config.thumbnail_px) for r in results}

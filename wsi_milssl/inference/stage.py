@@ -327,6 +327,7 @@ def write_slide_outputs(pred: SlidePrediction, out_dir: str | os.PathLike, *, mo
         "detection_threshold": float(config.detection_threshold),
         "nms_radius_um": float(config.nms_radius_um),
         "tumor_threshold": float(config.tumor_threshold),
+        "slide_mpp": None if config.slide_mpp is None else float(config.slide_mpp),
         "ome_downsample": ome_downsample(int(pred.stride_lv0), config.ome_downsample),
         # the model's tile recipe (with --tissue/--min-tissue/--mask-mpp); None for feature heads
         "tiling_plan": _plan_dict(model),
