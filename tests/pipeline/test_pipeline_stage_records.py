@@ -140,3 +140,30 @@ def test_force_of_a_stage_after_until_is_refused(tiny):
     spec = load_pipeline(tiny, out_dir=tiny.parent / "out")
     with pytest.raises(ConfigError, match=r"--force train: after --until tile, so it would not run"):
         run_pipeline(spec, until="tile", force=["train"])
+
+
+def test_feature_mode_test_features_made_otherwise_are_refused_before_training(tmp_path):
+    """They were found at evaluate, after the whole training (review)."""
+    from wsi_milssl.features import write_feature_file
+
+    rng = np.random.default_rng(0)
+    for set_name, target_mpp in (("train", 1.0), ("test", 2.0)):
+        for i in range(4):
+            coords = np.stack([np.arange(6) * 512, np.zeros(6, np.int64)], axis=1)
+            write_feature_file(tmp_path / "feats" / set_name / f"{set_name}{i}.h5",
+                               features=rng.normal(size=(6, 8)).astype(np.float32), coords=coords,
+                               attrs={"slide_stem": f"{set_name}{i}", "encoder": "resnet18", "mpp": 0.25,
+                                      "target_mpp": target_mpp, "patch_size_px": 256},
+                               coords_attrs={"patch_size": 256}, features_attrs={"encoder": "resnet18"})
+        (tmp_path / "feats" / f"{set_name}.csv").write_text(
+            "slide,label\n" + "".join(f"{set_name}{i},{i % 2}\n" for i in range(4)))
+    toml = tmp_path / "f.toml"
+    toml.write_text('[pipeline]\nname = "f"\n[data]\nmode = "features"\ntrain_features = "feats/train"\n'
+                    'train_labels = "feats/train.csv"\ntest_features = "feats/test"\ntest_labels = "feats/test.csv"\n'
+                    'val_fraction = 0.25\n[train]\nmode = "features"\nmodel = "mlp"\nepochs = 1\nplots = false\n')
+    spec = load_pipeline(toml, out_dir=tmp_path / "out")
+    with pytest.raises(ConfigError, match=r"the test features .*test0.h5\) were made otherwise than the training "
+                                          r"features .*train0.h5\): target_mpp 2 vs 1 µm/px"):
+        run_pipeline(spec)
+    assert not (tmp_path / "out" / "model").exists()  # refused before training
+    assert [o.stage for o in run_pipeline(spec, until="train")] == ["train"]  # training alone still runs

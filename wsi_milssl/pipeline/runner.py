@@ -876,6 +876,30 @@ def _evaluate_features(ctx: _Context) -> tuple[list[str], str]:
                                          f"{fmt(summary['bag_accuracy'])} on {test.n_bags} test bags")
 
 
+def _refuse_other_test_features(spec: PipelineSpec) -> None:
+    """Feature mode: test features made otherwise than the training features (another encoder, weights,
+    width, resolution or encoder options; a file of each set compared) refused before training, not after it.
+    Files that cannot be read are left to the stages, which name them."""
+    from wsi_milssl.errors import ConfigError, WsiMilsslError
+    from wsi_milssl.features.schema import encoder_label, encoders_differ, read_feature_file, settings_differences
+
+    try:
+        train, test = (read_feature_file(_feature_files(spec.sets[name].features)[0]) for name in ("train", "test"))
+    except (IndexError, OSError, WsiMilsslError):
+        return
+    diffs = settings_differences(test.feature_settings, train.feature_settings)
+    made, trained = (test.encoder, test.encoder_weights_sha256), (train.encoder, train.encoder_weights_sha256)
+    if encoders_differ(made, trained):
+        diffs.insert(0, f"{encoder_label(*made)} vs {encoder_label(*trained)}")
+    widths = [int(f.features.shape[1]) for f in (test, train) if f.features.ndim == 2 and len(f)]
+    if len(widths) == 2 and widths[0] != widths[1]:
+        diffs.insert(0, f"{widths[0]} vs {widths[1]} values per patch")
+    if diffs:
+        raise ConfigError(f"{spec.source}: the test features ({test.path}) were made otherwise than the training "
+                          f"features ({train.path}): {'; '.join(diffs)}. Fix: point [data].test_features at "
+                          "features made with the training encoder, weights, options, resolution and patch size.")
+
+
 def _check_test_features(test, saved: dict, checkpoint: Path) -> None:
     """Refuse test features the head was not trained on: another width, or another encoder or weights where
     both record them (the rule of ``heatmap --features`` and ``train --val``)."""
@@ -1147,6 +1171,8 @@ def run_pipeline(
         for stage in ("heatmap", "evaluate"):
             if stage in stages:
                 _with_label_settings(spec, stage)
+    elif "evaluate" in stages:
+        _refuse_other_test_features(spec)
     with folder_lock(spec.out_dir):
         # the pipeline as it runs (overrides applied, every setting, absolute paths), beside its outputs
         write_resolved_pipeline(spec, spec.out_dir / RESOLVED_FILENAME)
