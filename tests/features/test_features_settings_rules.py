@@ -82,3 +82,21 @@ def test_features_of_another_slide_of_the_same_name_are_not_replaced_when_its_fi
     # the training slide itself, moved: the same slide (its size), made again from the new path
     moved = extract_features([tmp_path / "archived" / "s.tif"], feats, fast, tile=TILE)
     assert moved.ok and moved.results[0].status == "ok"
+
+
+def test_an_earlier_versions_feature_file_whose_slide_is_gone_says_what_is_unknown(tmp_path):
+    import h5py
+
+    from wsi_milssl.errors import StoreError
+    from wsi_milssl.features.stage import _check_existing
+
+    path = tmp_path / "s.h5"
+    with h5py.File(path, "w") as fh:
+        fh.attrs.update(schema="wsi-milssl-features", slide_path=str(tmp_path / "gone" / "s.tif"))
+    given = tmp_path / "new" / "s.tif"
+    given.parent.mkdir()
+    given.write_bytes(b"x" * 10)
+    with pytest.raises(StoreError, match=r"made by an earlier version, which did not record the size of their slide "
+                                         r"file, and that file .* is gone"):
+        _check_existing(path, {}, "h", "src", slide=(str(given), 10))
+

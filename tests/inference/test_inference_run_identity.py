@@ -74,8 +74,28 @@ def test_a_partial_rerun_with_another_slide_mpp_is_refused(tmp_path, two_slides,
     out = tmp_path / "hm"
     assert make_heatmaps([a], checkpoint, out, HeatmapConfig(**FAST)).ok
     assert make_heatmaps([b], checkpoint, out, HeatmapConfig(**{**FAST, "slide_mpp": 0.5})).ok
-    with pytest.raises(EvaluationError, match=r"slide_mpp 0.5 vs none \(the slide's own\)"):
+    with pytest.raises(EvaluationError, match=r"cut at µm/px given in different ways \(slides a with --slide-mpp "
+                                              r"none \(the slide's own\); slides b with --slide-mpp 0.5\)"):
         _evaluate(out, tmp_path, "eval")
+
+
+def test_the_slides_own_slide_mpp_and_stores_are_one_run(tmp_path, two_slides, checkpoint_factory):
+    """--slide-mpp equal to the slide's own changes nothing, and a store brings its own µm/px; sidecars of
+    the previous version (no slide_mpp key) match any value (review)."""
+    a, b = two_slides
+    checkpoint = checkpoint_factory()
+    out = tmp_path / "hm"
+    assert make_heatmaps([a], checkpoint, out, HeatmapConfig(**FAST)).ok
+    assert make_heatmaps([b], checkpoint, out, HeatmapConfig(**{**FAST, "slide_mpp": 0.25})).ok
+    assert _sidecar(out, "b")["slide_mpp"] is None  # the slides' own µm/px
+    assert _evaluate(out, tmp_path, "eval").metrics["n_slides"] == 2
+    # a sidecar without the key (written by the previous version) against one cut at another µm/px
+    assert make_heatmaps([b], checkpoint, out, HeatmapConfig(**{**FAST, "slide_mpp": 0.5}), overwrite=True).ok
+    first = out / "a_probs.json"
+    sidecar = json.loads(first.read_text())
+    del sidecar["slide_mpp"]
+    first.write_text(json.dumps(sidecar))
+    assert _evaluate(out, tmp_path, "eval2").metrics["n_slides"] == 2
 
 
 def test_a_partial_rerun_with_other_detection_settings_is_refused_naming_them(tmp_path, two_slides,

@@ -349,12 +349,11 @@ def _heatmap_outcomes(predictions_dir: Path, stems: list[str]) -> tuple[dict[str
 _RUN_FIELDS = ("checkpoint", "model_name", "bag_pooling", "detection_threshold", "nms_radius_um", "tumor_threshold")
 
 #: The settings that shape a slide's evaluated files, compared with ``checkpoint_sha256`` (the checkpoint's
-#: bytes): the model, the pooling, the detection and classification settings, the tiling and the µm/px given
-#: in place of the slides' own (``slide_mpp``: a partial re-run with another --slide-mpp cut its slides at
-#: another magnification). Per-slide facts (``mpp``, ``stride_lv0``) and the overlay's drawing settings are
-#: not among them.
+#: bytes): the model, the pooling, the detection and classification settings and the tiling. Per-slide
+#: facts (``mpp``, ``stride_lv0``) and the overlay's drawing settings are not among them; the µm/px given
+#: in place of the slides' own is checked apart (:func:`_one_slide_mpp`).
 _CONTENT_FIELDS = ("model_name", "bag_pooling", "detection_threshold", "nms_radius_um", "tumor_threshold",
-                   "target_mpp", "patch_size_px", "tiling_plan", "slide_mpp")
+                   "target_mpp", "patch_size_px", "tiling_plan")
 
 
 def _canonical(value: Any) -> str:
@@ -464,10 +463,6 @@ def _differences(first: list[dict], other: list[dict], first_label: str, other_l
                        "contents cannot be compared")
     for key in _CONTENT_FIELDS:
         a, b = _values(first, key), _values(other, key)
-        if key == "slide_mpp":  # None is a setting here: each slide's own µm/px
-            a, b = ([v if v is not None else "none (the slide's own)" for v in
-                     dict.fromkeys(_canonical(s.get(key)) if s.get(key) is not None else None for s in run)]
-                    for run in (first, other))
         if not disjoint(a, b):
             continue
         if key == "tiling_plan" and len(a) == 1 and len(b) == 1 and isinstance(a[0], dict) and isinstance(b[0], dict):
@@ -494,6 +489,7 @@ def _one_run(predictions_dir: Path, sidecars: dict[str, dict]) -> dict | None:
     size; colour map, thumbnail size, outlines) counts as one, as does one checkpoint named by two paths."""
     groups = _group_runs(sidecars)
     if len(groups) <= 1:
+        _one_slide_mpp(predictions_dir, sidecars)
         return next(iter(sidecars.values()), None)
     runs = [[sidecars[s] for s in stems] for stems in groups]
     fingerprinted = any(_recorded(s, "fingerprint") for s in sidecars.values())
@@ -512,6 +508,25 @@ def _one_run(predictions_dir: Path, sidecars: dict[str, dict]) -> dict | None:
         f"or other settings), so evaluating them together would mix models and report only the last run's "
         f"settings: {described}. What differs: {differs}. Fix: run the heatmap stage again with --overwrite on the "
         "whole set of slides into this folder (or into a new one), then evaluate.")
+
+
+def _one_slide_mpp(predictions_dir: Path, sidecars: dict[str, dict]) -> None:
+    """EvaluationError when the slides cut on the fly were cut with different ``--slide-mpp`` values (a
+    partial re-run with a wrong one cut its slides at another magnification). Sidecars record ``slide_mpp``
+    only for slides cut on the fly (a store brings its own µm/px), null for the slide's own; sidecars of
+    earlier versions do not record it and match any value."""
+    values: dict[str, list[str]] = {}
+    for stem, sidecar in sidecars.items():
+        if "slide_mpp" in sidecar:
+            value = sidecar["slide_mpp"]
+            values.setdefault("none (the slide's own)" if value is None else _canonical(value), []).append(stem)
+    if len(values) > 1:
+        shown = "; ".join(f"slides {', '.join(stems[:10])}{' and more' if len(stems) > 10 else ''} with "
+                          f"--slide-mpp {value}" for value, stems in values.items())
+        raise EvaluationError(
+            f"{predictions_dir}: its slides were cut at µm/px given in different ways ({shown}), so some were cut "
+            "at another magnification than the others. Fix: run the heatmap stage again with --overwrite on the "
+            "whole set with one --slide-mpp (or none), then evaluate.")
 
 
 def _later_run(pred_config: dict | None, sidecars: list[dict]) -> bool:

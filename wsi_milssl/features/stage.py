@@ -271,6 +271,13 @@ def _check_existing(path: Path, settings: dict[str, Any], settings_hash: str, so
     made_from = str(attrs.get("slide_path") or "")
     recorded_size = attrs.get("slide_size_bytes")
     recorded_size = int(recorded_size) if isinstance(recorded_size, (int, np.integer)) and recorded_size >= 0 else None
+    if (made_from and slide[0] is not None and recorded_size is None and not Path(made_from).exists()
+            and not _same_file(Path(made_from), Path(slide[0]))):
+        raise StoreError(
+            f"{path}: these features were made by an earlier version, which did not record the size of their slide "
+            f"file, and that file ({made_from}) is gone, so it cannot tell whether {slide[0]} is the same slide "
+            "(moved) or another of the same name. Fix: delete that file if it is this slide's (it is embedded "
+            "again), or pass --overwrite (every slide is embedded again), or write to a new folder with --out.")
     if made_from and slide[0] is not None and _other_slide((made_from, recorded_size), slide):
         raise StoreError(
             f"{path}: these features were made from another slide file, {made_from}, not {slide[0]} "

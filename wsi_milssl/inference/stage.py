@@ -269,6 +269,21 @@ def _read_outlines(stem: str, annotations_dir: Path | None, dims: tuple[int, int
     return region
 
 
+def _given_mpp(pred: SlidePrediction, config: HeatmapConfig) -> float | None:
+    """The ``slide_mpp`` that changed how the slide was cut: None without one or when it is the slide's own
+    µm/px (within 0.1 %); the value when it differs or the slide records none."""
+    if config.slide_mpp is None:
+        return None
+    from wsi_milssl.slide.reader import open_slide
+
+    try:
+        with open_slide(pred.slide_path) as slide:
+            native = float(slide.mpp)
+    except (WsiMilsslError, OSError, TypeError):
+        return float(config.slide_mpp)
+    return None if abs(native - config.slide_mpp) <= 1e-3 * native else float(config.slide_mpp)
+
+
 def write_slide_outputs(pred: SlidePrediction, out_dir: str | os.PathLike, *, model: InferenceModel,
                         config: HeatmapConfig, annotations_dir: str | os.PathLike | None = None,
                         input_files: dict | None = None, fingerprint: str | None = None,
@@ -327,7 +342,8 @@ def write_slide_outputs(pred: SlidePrediction, out_dir: str | os.PathLike, *, mo
         "detection_threshold": float(config.detection_threshold),
         "nms_radius_um": float(config.nms_radius_um),
         "tumor_threshold": float(config.tumor_threshold),
-        "slide_mpp": None if config.slide_mpp is None else float(config.slide_mpp),
+        # the µm/px given in place of the slide's own, for slides cut on the fly (a store brings its own)
+        **({"slide_mpp": _given_mpp(pred, config)} if pred.source == "slide" else {}),
         "ome_downsample": ome_downsample(int(pred.stride_lv0), config.ome_downsample),
         # the model's tile recipe (with --tissue/--min-tissue/--mask-mpp); None for feature heads
         "tiling_plan": _plan_dict(model),

@@ -883,8 +883,15 @@ def _refuse_other_test_features(spec: PipelineSpec) -> None:
     from wsi_milssl.errors import ConfigError, WsiMilsslError
     from wsi_milssl.features.schema import encoder_label, encoders_differ, read_feature_file, settings_differences
 
+    def first(name: str):  # the first file with patches (training leaves empty ones out)
+        for path in _feature_files(spec.sets[name].features):
+            ff = read_feature_file(path)
+            if len(ff):
+                return ff
+        raise IndexError(name)
+
     try:
-        train, test = (read_feature_file(_feature_files(spec.sets[name].features)[0]) for name in ("train", "test"))
+        train, test = first("train"), first("test")
     except (IndexError, OSError, WsiMilsslError):
         return
     diffs = settings_differences(test.feature_settings, train.feature_settings)
