@@ -315,7 +315,8 @@ METHODS: dict[str, MethodSpec] = {
                                              fixed={"per_bag_mu": True}),
     "mil-ssl-improved-rff": _ablation("mil-ssl-improved-rff", _IMPROVED,
                                       "improved, the classifier on 512 random Fourier features of a Gaussian "
-                                      "kernel on the standardised features (rff_dim)", fixed={"rff_dim": 512}),
+                                      "kernel on the standardised features (rff_dim; tried on the development "
+                                      "sets, not adopted)", fixed={"rff_dim": 512}),
     "mil-ssl-improved-threshold-0.5": _ablation("mil-ssl-improved-threshold-0.5", _IMPROVED,
                                                 "improved, bag threshold 0.5 (not calibrated)", threshold="0.5"),
 }
