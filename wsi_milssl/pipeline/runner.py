@@ -908,10 +908,11 @@ def _refuse_other_test_features(spec: PipelineSpec) -> None:
 
 
 def _check_test_features(test, saved: dict, checkpoint: Path) -> None:
-    """Refuse test features the head was not trained on: another width, or another encoder or weights where
-    both record them (the rule of ``heatmap --features`` and ``train --val``)."""
+    """Refuse test features the head was not trained on: another width, another encoder or weights, or other
+    feature settings (resolution, encoder options) where both record them (the rule of ``heatmap --features``
+    and ``train --val``)."""
     from wsi_milssl.errors import ConfigError
-    from wsi_milssl.features.schema import encoder_label, encoders_differ
+    from wsi_milssl.features.schema import encoder_label, encoders_differ, settings_differences
 
     width = int(test.features.shape[1]) if test.features is not None and test.features.ndim == 2 else None
     trained_width = saved.get("in_features") or (saved.get("model_kwargs") or {}).get("in_features")
@@ -926,8 +927,6 @@ def _check_test_features(test, saved: dict, checkpoint: Path) -> None:
         raise ConfigError(f"the test features ({test.source}) are of {encoder_label(*made)}, but the head {checkpoint} "
                           f"was trained on features of {encoder_label(*trained)}. Fix: point [data].test_features at "
                           "features made with the training encoder and weights.")
-    from wsi_milssl.features.schema import settings_differences
-
     diffs = settings_differences(test.settings.get("feature_settings") or {},
                                  (saved.get("store_settings") or {}).get("feature_settings") or {})
     if diffs:
