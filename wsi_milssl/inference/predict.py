@@ -64,6 +64,7 @@ from wsi_milssl.inference.sources import (
     init_reader,
     plan_job,
     read_chunk,
+    start_reader,
 )
 from wsi_milssl.slide.tissue import TissueMask
 from wsi_milssl.tiling import MAX_BAND_PX, TileGeometry, slide_stem
@@ -200,50 +201,9 @@ def prestart_readers() -> None:
         forkserver.ensure_running()
 
 
-#: What each reader process runs first (the pool's initializer, through ``exec``, so that a reader imports
-#: nothing of this module, which imports torch; the names ``setup`` and ``main_pid`` are given): attach the
-#: shared buffer (:func:`~wsi_milssl.inference.sources.init_reader`), then watch the process that started
-#: the pool and end the reader as soon as it is gone. A main process killed (SIGKILL, or SIGTERM, which
-#: ends Python without cleanup) cannot shut its pool down, and a reader waiting for a task never notices
-#: (it holds the task queue's write end itself): the readers, the fork server (kept alive by them), the
-#: resource tracker and the shared buffer in /dev/shm stayed for minutes. With the readers gone the fork
-#: server exits and the resource tracker unlinks the buffer. The watch waits on multiprocessing's sentinel
-#: of the parent (a pipe the main process holds open while it has the reader), else polls the pid.
-_READER_START = """
-from wsi_milssl.inference.sources import init_reader
-
-init_reader(setup)
-
-
-def _end_with_main(main_pid):
-    import multiprocessing
-    import os
-    import time
-
-    parent = multiprocessing.parent_process()
-    if parent is not None and parent.pid == main_pid:
-        parent.join()  # returns once the main process is gone (or has let this reader go)
-    else:
-        while True:
-            time.sleep(0.5)
-            try:
-                os.kill(main_pid, 0)
-            except ProcessLookupError:
-                break
-            except PermissionError:
-                pass
-    os._exit(1)
-
-
-import threading
-
-threading.Thread(target=_end_with_main, args=(main_pid,), name="wsi-reader-watch", daemon=True).start()
-"""
-
-
 class _Readers:
     """The reader processes (or the calling process with ``workers == 0``) and the shared slots. Reader
-    processes end by themselves when the process that started them is gone (:data:`_READER_START`)."""
+    processes end by themselves when the process that started them is gone (:func:`start_reader`)."""
 
     def __init__(self, *, workers: int, slot_bytes: int, n_slots: int, setup_kwargs: dict[str, Any]) -> None:
         self.workers = workers
@@ -258,8 +218,7 @@ class _Readers:
     def start(self) -> None:
         if self.workers > 0:
             self.pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=_reader_context(),
-                                            initializer=exec,
-                                            initargs=(_READER_START, {"setup": self.setup, "main_pid": os.getpid()}))
+                                            initializer=start_reader, initargs=(self.setup, os.getpid()))
         else:
             init_reader(self.setup, shm=self.shm)
             self.pool = _InlineExecutor()
