@@ -20,6 +20,8 @@
   ``_detections.csv`` (non-maximum suppression) and ``scores.csv``.
 """
 
+from wsi_milssl.lazy import lazy_exports
+
 #: Public name -> the module that defines it. Imported on first use (PEP 562), so importing a
 #: submodule (the torch-free reader processes import ``inference.sources``) does not import torch.
 _EXPORTS = {
@@ -67,19 +69,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 
 __all__ = [

@@ -1,0 +1,30 @@
+"""Package attributes imported on first use (PEP 562), so that importing a package or one of its
+torch-free submodules does not import torch."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable
+
+__all__ = ["lazy_exports"]
+
+
+def lazy_exports(package: str, exports: dict[str, str]) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
+    """The ``__getattr__`` and ``__dir__`` of ``package`` whose public names live in other modules.
+
+    ``exports``: public name -> the module that defines it. A name is imported when first read and
+    kept in the package's namespace, so later reads are plain attribute reads."""
+
+    def __getattr__(name: str) -> object:
+        module = exports.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        setattr(sys.modules[package], name, value)
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted(set(vars(sys.modules[package])) | set(exports))
+
+    return __getattr__, __dir__
