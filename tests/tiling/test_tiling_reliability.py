@@ -139,6 +139,65 @@ def test_two_tile_runs_into_one_folder_one_refuses_and_every_store_matches_the_c
     assert _hidden(out) == []
 
 
+def _children(pid: int) -> list[int]:
+    """Live (not zombie) processes whose parent is ``pid``, from /proc."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                stat = open(f"/proc/{name}/stat").read()
+            except OSError:
+                continue
+            state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+            if int(ppid) == pid and state != "Z":
+                found.append(int(name))
+    return found
+
+
+def _exists(pid: int) -> bool:
+    """Whether process ``pid`` exists, a zombie not yet reaped included (a re-run keeps the temporaries
+    of every process that exists)."""
+    return os.path.exists(f"/proc/{pid}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["kill-9", "sigterm"])
+def test_workers_of_a_killed_tile_run_end_and_free_the_folder(synth_dir, tmp_path, sig):
+    """``tile --workers 2`` killed mid-run: its pool workers (forked, so holding the folder's lock too)
+    used to run on under pid 1 forever, and every re-run was refused naming the dead run. Now they end
+    within seconds and a re-run tiles both slides."""
+    out = tmp_path / "out"
+    args = [str(synth_dir), "--out", str(out), "--workers", "2", "--magnification", "40", "--patch-size", "64",
+            "--entropy-threshold", "3", "--threads", "1", "--openslide-only"]
+    a = subprocess.Popen([sys.executable, "-m", "wsi_milssl", "tile", *args, "-q"], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(workers) < 2 or not any(p.name.endswith(".partial") for p in out.glob(".*")):
+            assert a.poll() is None and time.monotonic() < deadline, "the run never started its two workers"
+            workers = _children(a.pid)
+            time.sleep(0.02)
+        os.kill(a.pid, sig)
+        a.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while any(_exists(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [w for w in workers if _exists(w)]
+    finally:
+        if a.poll() is None:
+            a.kill()
+            a.wait()
+        for w in workers:  # the old behaviour: do not leave orphans behind
+            if _exists(w):
+                os.kill(w, signal.SIGKILL)
+    assert left == [], "the pool workers outlived the killed run"
+    again = _tile_cli(*args, "-q")
+    assert again.returncode == 0, again.stderr
+    assert "2 ok, 0 skipped, 0 failed" in again.stdout
+    assert [p.name for p in find_stores(out)] == ["synth_000.h5", "synth_001.h5"] and _hidden(out) == []
+
+
 # -- row 5: a read-only --out ----------------------------------------------------------------------
 @pytest.mark.parametrize("sub", ["", "new"], ids=["existing-folder", "new-folder"])
 def test_tile_into_a_read_only_folder_is_one_clear_error(synth_slides, tmp_path, capsys, sub):

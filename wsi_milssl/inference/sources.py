@@ -31,6 +31,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from wsi_milssl.errors import ConfigError, StoreError
+from wsi_milssl.parent_watch import watch_parent
 from wsi_milssl.slide.reader import open_slide
 from wsi_milssl.slide.tissue import TissueMask
 from wsi_milssl.tiling import Band, TileGeometry, TilingPlan, cut_band, open_band_source, plan_slide, slide_stem
@@ -185,35 +186,13 @@ def init_reader(setup: ReaderSetup, *, shm=None) -> None:
 
 def start_reader(setup: ReaderSetup, main_pid: int) -> None:
     """A reader process's initializer: :func:`init_reader`, then a thread that ends the reader as soon as
-    the process that started the pool (``main_pid``) is gone. A main process killed (SIGKILL, or SIGTERM,
-    which ends Python without cleanup) cannot shut its pool down, and a reader waiting for a task never
-    notices (it holds the task queue's write end itself): the readers, the fork server (kept alive by them),
+    the process that started the pool (``main_pid``) is gone (:func:`wsi_milssl.parent_watch.watch_parent`).
+    A main process killed (SIGKILL, or SIGTERM, which ends Python without cleanup) cannot shut its pool
+    down, and a reader waiting for a task never notices: the readers, the fork server (kept alive by them),
     the resource tracker and the shared buffer in /dev/shm stayed for minutes. With the readers gone the
-    fork server exits and the resource tracker unlinks the buffer. The watch waits on multiprocessing's
-    sentinel of the parent (a pipe the main process holds open while it has the reader), else polls the pid."""
-    import threading
-
+    fork server exits and the resource tracker unlinks the buffer."""
     init_reader(setup)
-    threading.Thread(target=_end_with_main, args=(main_pid,), name="wsi-reader-watch", daemon=True).start()
-
-
-def _end_with_main(main_pid: int) -> None:
-    import multiprocessing
-    import time
-
-    parent = multiprocessing.parent_process()
-    if parent is not None and parent.pid == main_pid:
-        parent.join()  # returns once the main process is gone (or has let this reader go)
-    else:
-        while True:
-            time.sleep(0.5)
-            try:
-                os.kill(main_pid, 0)
-            except ProcessLookupError:
-                break
-            except PermissionError:
-                pass
-    os._exit(1)
+    watch_parent(main_pid)
 
 
 def close_reader() -> None:

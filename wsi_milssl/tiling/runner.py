@@ -43,6 +43,7 @@ from wsi_milssl.distributed import shard_items
 from wsi_milssl.errors import OutputError, StoreError, WsiMilsslError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.locks import folder_lock
+from wsi_milssl.parent_watch import watch_parent
 from wsi_milssl.slide.reader import open_slide
 from wsi_milssl.slide.resolution import mpp_to_magnification
 from wsi_milssl.store import create_writer, encode_jpeg, open_store
@@ -483,11 +484,16 @@ def _pool_context():
 
 def _run_pool(slides: list[Path], out_dir: Path, config: TileConfig, overwrite: bool, record,
               *, workers: int) -> None:
-    """Run slides on a process pool; slides caught in a crashed pool are retried alone, once."""
+    """Run slides on a process pool; slides caught in a crashed pool are retried alone, once.
+
+    The workers end themselves when this process is gone (:func:`wsi_milssl.parent_watch.watch_parent`):
+    forked, they hold the output folder's lock too, and after a kill -9 of this process they would run
+    on and keep every later run out of the folder."""
     ctx = _pool_context()
     todo = list(range(len(slides)))
     retry: list[int] = []
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
+    watch = {"initializer": watch_parent, "initargs": (os.getpid(),)}
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, **watch)
     try:
         futures = {pool.submit(_tile_one_safely, str(slides[i]), str(out_dir), config, overwrite): i for i in todo}
         pending = set(futures)
@@ -506,7 +512,7 @@ def _run_pool(slides: list[Path], out_dir: Path, config: TileConfig, overwrite: 
     for i in sorted(retry):
         t0 = time.perf_counter()
         try:
-            with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+            with ProcessPoolExecutor(max_workers=1, mp_context=ctx, **watch) as pool:
                 record(i, pool.submit(_tile_one_safely, str(slides[i]), str(out_dir), config, overwrite).result())
         except BrokenProcessPool:
             record(i, TileResult(
