@@ -106,6 +106,58 @@ def test_resume_skips_same_settings_and_refuses_others(synth_slides, tmp_path):
         assert s.patch_size_px == 128
 
 
+def test_one_folder_holds_stores_of_one_setting(synth_slides, tmp_path, caplog):
+    """Stores of other slides count too: tiling slide B with 128 px into a folder that holds slide A's
+    256-px store used to succeed, leaving stores of two settings and a tile_config.json that claimed 128 px
+    for both. Now it stops with one error naming A's store, the settings that differ and the fix; with
+    --overwrite A's store stays, with a warning, and tile_config.json lists it."""
+    import logging
+
+    a, b = synth_slides["normal"], synth_slides["tumor"]
+    fast = dict(FAST, pixels="none")
+    tile_slides([a], tmp_path, TileConfig(**fast))
+    config_before = (tmp_path / "tile_config.json").read_bytes()
+    other = TileConfig(**{**fast, "patch_size_px": 128})
+    with pytest.raises(StoreError) as err:
+        tile_slides([b], tmp_path, other)
+    assert str(err.value) == (
+        f"{tmp_path / a.stem}.h5: this store was made with different settings (patch_size_px 256 -> 128; stride_px "
+        "256 -> 128); its slide is not in this run, but one folder holds the stores of one setting. Fix: write to a "
+        "new folder with --out, or pass --overwrite and give its slide too, to re-tile it with these settings.")
+    assert [p.name for p in find_stores(tmp_path)] == [f"{a.stem}.h5"]
+    assert (tmp_path / "tile_config.json").read_bytes() == config_before
+    # the stores of the run's slides and of others in one error
+    tile_slides([b], tmp_path / "two", TileConfig(**fast))
+    tile_slides([a], tmp_path / "two", TileConfig(**fast))
+    first, second = sorted([a.stem, b.stem])
+    with pytest.raises(StoreError, match=(
+            rf"^{tmp_path / 'two'}: 2 stores in this folder were made with different settings: {first}\.h5, "
+            rf"{second}\.h5 \(patch_size_px 256 -> 128; stride_px 256 -> 128\); the slide of 1 of them is not in "
+            rf"this run \({b.stem}\.h5\), but one folder holds .* pass --overwrite and give the slides of the "
+            r"stores not in this run too, to re-tile them with these settings\.$")):
+        tile_slides([a], tmp_path / "two", other)
+
+    with caplog.at_level(logging.WARNING, logger="wsi_milssl.tiling.runner"):
+        run = tile_slides([b], tmp_path, other, overwrite=True)
+    assert run.ok
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{tmp_path}: 1 store(s) of slides not in this run were made with other settings and stay as they are: "
+        f"{a.stem}.h5 (patch_size_px 256 -> 128; stride_px 256 -> 128); tile_config.json lists them under "
+        "'stores_with_other_settings'. Fix: re-tile their slides with --overwrite too, or move them to another folder."]
+    config = json.loads((tmp_path / "tile_config.json").read_text())
+    assert config["tile"]["patch_size_px"] == 128 and config["stores_with_other_settings"] == [f"{a.stem}.h5"]
+    # the pipeline keeps the stores of slides that left a set: no refusal, no warning, still listed
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="wsi_milssl.tiling.runner"):
+        again = tile_slides([b], tmp_path, other, keep_other_stores=True)
+    assert [r.status for r in again.results] == ["skipped"] and caplog.records == []
+    assert json.loads((tmp_path / "tile_config.json").read_text())["stores_with_other_settings"] == [f"{a.stem}.h5"]
+    # once every store has these settings, the folder is one setting again
+    tile_slides([a], tmp_path, other, overwrite=True)
+    assert json.loads((tmp_path / "tile_config.json").read_text())["stores_with_other_settings"] == []
+    assert [r.status for r in tile_slides([a, b], tmp_path, other).results] == ["skipped", "skipped"]
+
+
 def test_bad_slide_is_recorded_and_others_finish(synth_slides, tmp_path):
     bad = tmp_path / "slides" / "broken.tif"
     bad.parent.mkdir()

@@ -167,7 +167,7 @@ def _tile(ctx: _Context) -> tuple[list[str], str]:
             log.info("tile: %d store(s) of the %s set were made with other settings (%s); re-tiling the set",
                      len(stale), set_name, ", ".join(stale[:5]))
         run = tile_slides(slides, ctx.stores(set_name), config, overwrite=ctx.redo or bool(stale),
-                           progress=ctx.progress)
+                           progress=ctx.progress, keep_other_stores=True)  # of slides that left the set
         failed = [r for r in run.results if r.status == "failed"]
         if failed:
             from wsi_milssl.errors import WsiMilsslError

@@ -46,7 +46,7 @@ from wsi_milssl.locks import folder_lock
 from wsi_milssl.parent_watch import watch_parent
 from wsi_milssl.slide.reader import open_slide
 from wsi_milssl.slide.resolution import mpp_to_magnification
-from wsi_milssl.store import create_writer, encode_jpeg, open_store
+from wsi_milssl.store import create_writer, encode_jpeg, find_stores, open_store
 from wsi_milssl.store.base import dumps_settings
 from wsi_milssl.store.schema import store_path
 from wsi_milssl.tiling.cells import cut_band, open_band_source, plan_slide
@@ -61,6 +61,7 @@ __all__ = [
     "QC_DIRNAME",
     "TileRun",
     "check_existing_store",
+    "check_folder_settings",
     "check_free_space",
     "estimate_store_bytes",
     "qc_path",
@@ -162,20 +163,11 @@ def check_existing_store(path: Path, config: TileConfig, *, slide_path: str | os
             attrs = store.attrs
             n = len(store)
     except StoreError as exc:
+        raise _unusable(path, exc) from None
+    diffs = _settings_diffs(attrs, config)
+    if diffs is not None:
         raise StoreError(
-            f"{path}: a store is already there but cannot be reused ({exc}). "
-            "Fix: pass --overwrite to replace it, or write to a new folder with --out."
-        ) from None
-    if attrs.get("config_hash") != config.settings_hash():
-        try:
-            old = json.loads(attrs.get("settings", "{}"))
-        except (TypeError, ValueError):
-            old = {}
-        new = config.settings()
-        diffs = [f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
-                 if old.get(k) != new.get(k)]
-        raise StoreError(
-            f"{path}: this store was made with different settings ({'; '.join(diffs) or 'settings hash differs'}). "
+            f"{path}: this store was made with different settings ({diffs}). "
             "Fix: write to a new folder with --out, or pass --overwrite to replace it."
         )
     if slide_path is not None:
@@ -184,6 +176,117 @@ def check_existing_store(path: Path, config: TileConfig, *, slide_path: str | os
             logger.warning("%s: not reused: %s; tiling the slide again.", path, reason)
             return None
     return n
+
+
+def _unusable(path: Path, exc: StoreError) -> StoreError:
+    return StoreError(f"{path}: a store is already there but cannot be reused ({exc}). "
+                      "Fix: pass --overwrite to replace it, or write to a new folder with --out.")
+
+
+def _settings_diffs(attrs: dict[str, Any], config: TileConfig) -> str | None:
+    """How the settings of a store with root ``attrs`` differ from ``config``'s ("patch_size_px 128 ->
+    256; stride_px 128 -> 256"), or None when they are the same (same settings hash)."""
+    if attrs.get("config_hash") == config.settings_hash():
+        return None
+    try:
+        old = json.loads(attrs.get("settings", "{}"))
+    except (TypeError, ValueError):
+        old = {}
+    if not isinstance(old, dict):
+        old = {}
+    new = config.settings()
+    diffs = [f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    return "; ".join(diffs) or "settings hash differs"
+
+
+def _other_settings_stores(out_dir: Path, slides: list[Path], config: TileConfig, *, overwrite: bool
+                           ) -> tuple[dict[Path, str], set[Path]]:
+    """The complete stores in ``out_dir`` (in ``config.format``) made with other settings: ({store: how the
+    settings differ}, the stores among them of slides not in ``slides``). With ``overwrite`` the stores of
+    ``slides`` are not checked (they are replaced). A store of one of ``slides`` that cannot be read
+    raises StoreError (unless ``overwrite``); one of another slide is skipped with a warning."""
+    suffix = store_path(out_dir, "x", config.format).suffix
+    mine = {store_path(out_dir, slide_stem(s), config.format) for s in slides}
+    differ: dict[Path, str] = {}
+    others: set[Path] = set()
+    for path in find_stores(out_dir):
+        if path.suffix != suffix or (overwrite and path in mine):
+            continue
+        try:
+            with open_store(path) as store:
+                diffs = _settings_diffs(store.attrs, config)
+        except StoreError as exc:
+            if path in mine:
+                raise _unusable(path, exc) from None
+            logger.warning("%s: not checked against this run's settings: %s", path, exc)
+            continue
+        if diffs is not None:
+            differ[path] = diffs
+            if path not in mine:
+                others.add(path)
+    return differ, others
+
+
+def _describe_stores(differ: dict[Path, str], *, limit: int = 5) -> str:
+    """``A.h5, B.h5 (patch_size_px 128 -> 256); C.h5 (pixels 'raw' -> 'jpeg')``: stores grouped by how
+    their settings differ, at most ``limit`` names per group and ``limit`` groups."""
+    groups: dict[str, list[str]] = {}
+    for path in sorted(differ):
+        groups.setdefault(differ[path], []).append(path.name)
+    parts = []
+    for diffs, names in list(groups.items())[:limit]:
+        more = f" and {len(names) - limit} more" if len(names) > limit else ""
+        parts.append(f"{', '.join(names[:limit])}{more} ({diffs})")
+    if len(groups) > limit:
+        parts.append(f"{sum(len(n) for n in list(groups.values())[limit:])} more with other differences")
+    return "; ".join(parts)
+
+
+def check_folder_settings(out_dir: str | os.PathLike, slides: list[Path], config: TileConfig, *,
+                          overwrite: bool = False, keep_other_stores: bool = False) -> list[str]:
+    """Check that the stores in ``out_dir`` (in ``config.format``) were made with ``config``'s settings,
+    so that one folder holds the stores of one setting (which ``tile_config.json`` describes); returns the
+    names of the stores of slides not in ``slides`` that were made with other settings and stay (sorted).
+
+    Without ``overwrite``, any store made with other settings raises one StoreError naming the stores,
+    how their settings differ and the fix; with it, the stores of ``slides`` are replaced and those of
+    other slides made with other settings stay, with a warning. ``keep_other_stores``: the stores of
+    other slides neither raise nor warn (the pipeline keeps the stores of slides that left a set in the
+    set's folder and reads only those of the set's slides).
+    """
+    out_dir = Path(out_dir)
+    differ, others = _other_settings_stores(out_dir, slides, config, overwrite=overwrite)
+    refused = {p: d for p, d in differ.items() if p not in others or not (overwrite or keep_other_stores)}
+    if refused:
+        n = len(refused)
+        if n == 1:
+            (path, diffs), = refused.items()
+            what = f"{path}: this store was made with different settings ({diffs})"
+        else:
+            what = f"{out_dir}: {n} stores in this folder were made with different settings: {_describe_stores(refused)}"
+        theirs = sorted(p.name for p in refused if p in others)
+        if not theirs:
+            fix = f"pass --overwrite to replace {'it' if n == 1 else 'them'}"
+        elif n == 1:
+            what += "; its slide is not in this run, but one folder holds the stores of one setting"
+            fix = "pass --overwrite and give its slide too, to re-tile it with these settings"
+        else:
+            more = " ..." if len(theirs) > 5 else ""
+            if len(theirs) == n:
+                whose, slides_of = "none of their slides is", "their slides"
+            else:
+                whose = f"the slide{'s' if len(theirs) > 1 else ''} of {len(theirs)} of them {'are' if len(theirs) > 1 else 'is'} not"
+                slides_of = "the slides of the stores not in this run"
+            what += f"; {whose} in this run ({', '.join(theirs[:5])}{more}), but one folder holds the stores of one setting"
+            fix = f"pass --overwrite and give {slides_of} too, to re-tile them with these settings"
+        raise StoreError(f"{what}. Fix: write to a new folder with --out, or {fix}.")
+    kept = {p: differ[p] for p in others}
+    if kept and not keep_other_stores:
+        logger.warning("%s: %d store(s) of slides not in this run were made with other settings and stay as they are: "
+                       "%s; %s lists them under 'stores_with_other_settings'. Fix: re-tile their slides with "
+                       "--overwrite too, or move them to another folder.", out_dir, len(kept), _describe_stores(kept),
+                       CONFIG_FILENAME)
+    return sorted(p.name for p in kept)
 
 
 @dataclass
@@ -416,15 +519,17 @@ class TileRun:
         return self.n_failed == 0
 
 
-def _write_config(out_dir: Path, config: TileConfig) -> Path:
+def _write_config(out_dir: Path, config: TileConfig, other_settings: list[str]) -> Path:
+    """``tile_config.json``: the config, its hashed settings and hash, and the stores in the folder it does
+    not describe (``stores_with_other_settings``: stores of other slides made with other settings)."""
     data = {"tile": config_to_dict(config), "settings": config.settings(), "config_hash": config.settings_hash(),
-            "package_version": __version__}
+            "package_version": __version__, "stores_with_other_settings": other_settings}
     return atomic_write_json(out_dir / CONFIG_FILENAME, data, sort_keys=True)
 
 
 def tile_slides(slides: Iterable[str | os.PathLike], out_dir: str | os.PathLike, config: TileConfig, *,
                 overwrite: bool = False, progress: ProgressCallback | None = None,
-                shard: tuple[int, int] = (0, 1)) -> TileRun:
+                shard: tuple[int, int] = (0, 1), keep_other_stores: bool = False) -> TileRun:
     """Tile every slide into ``out_dir`` with ``config.workers`` processes.
 
     ``shard`` = (I, N): tile only every N-th slide from the I-th
@@ -432,25 +537,29 @@ def tile_slides(slides: Iterable[str | os.PathLike], out_dir: str | os.PathLike,
 
     Holds the lock of ``out_dir`` for the whole run (as shard I of N: together with the other shards):
     while another run holds it, FolderLockedError (naming the folder and the other run's pid); an
-    output folder that cannot be written, OutputError. Before any work, existing stores are checked:
-    one made with other settings raises StoreError (unless ``overwrite``). Slides that fail
+    output folder that cannot be written, OutputError. Before any work, every store in ``out_dir`` (in
+    ``config.format``) is checked (:func:`check_folder_settings`): stores made with other settings raise
+    one StoreError, unless ``overwrite`` (then those of other slides stay, with a warning, and
+    ``tile_config.json`` lists them); ``keep_other_stores``: stores of slides not in ``slides`` are
+    kept without a word (the pipeline). Slides that fail
     (including a missing file, a folder named like a slide, a full disk) are recorded as 'failed' in
     ``out_dir/tile_status.csv`` (its row added after each slide, rows of other slides kept, sorted by
     slide) while the others finish. Also writes ``tile_config.json`` (the same from every shard) and
     ``qc/<stem>.png`` per slide.
     """
-    slides = shard_items([Path(s) for s in slides], *shard)
+    every = [Path(s) for s in slides]  # every shard checks the stores of the whole run's slides
+    slides = shard_items(every, *shard)
     out_dir = Path(out_dir)
     with folder_lock(out_dir, shard=shard):
-        return _tile_slides_locked(slides, out_dir, config, overwrite=overwrite, progress=progress)
+        other_settings = check_folder_settings(out_dir, every, config, overwrite=overwrite,
+                                               keep_other_stores=keep_other_stores)
+        return _tile_slides_locked(slides, out_dir, config, overwrite=overwrite, progress=progress,
+                                   other_settings=other_settings)
 
 
 def _tile_slides_locked(slides: list[Path], out_dir: Path, config: TileConfig, *, overwrite: bool,
-                        progress: ProgressCallback | None) -> TileRun:
-    if not overwrite:
-        for s in slides:
-            check_existing_store(store_path(out_dir, slide_stem(s), config.format), config)
-    config_json = _write_config(out_dir, config)
+                        progress: ProgressCallback | None, other_settings: list[str]) -> TileRun:
+    config_json = _write_config(out_dir, config, other_settings)
     status_csv = out_dir / STATUS_FILENAME
     results: dict[int, TileResult] = {}
     total = len(slides)
