@@ -82,6 +82,26 @@ def test_camelyon16_as_downloaded_becomes_a_ready_pipeline(tmp_path):
         "normal_001.tif", "Normal_002.tif", "tumor_001.tif", "Tumor_002.tif"]
 
 
+def test_test_slides_of_reference_csv_that_are_not_there_are_a_warning_and_a_note(tmp_path, caplog):
+    """An interrupted download leaves ``test_003.tif.part`` (no slide): the test set leaves Test_003 out,
+    which used to be said only with -v. Now it is a warning and a note in prepare.json, as for prepare folder."""
+    import json
+    import logging
+
+    root = camelyon16_tree(tmp_path / "c16")
+    _touch(root / "testing" / "images" / "test_003.tif.part")
+    with caplog.at_level(logging.WARNING):
+        result = prepare_camelyon16(root, tmp_path / "out")
+    assert sorted(result.sets["test"].slides) == ["Test_002", "test_001"]
+    ref = root / "testing" / "reference.csv"
+    note = next(n for n in result.notes if "reference.csv" in n)
+    assert note == (f"1 test slide(s) of {ref} are not below {root}, so the test set leaves them out: Test_003 (not "
+                    "downloaded, or the download stopped: a partial file such as Test_NNN.tif.part is no slide; "
+                    "download them and prepare again)")
+    assert note in [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert note in json.loads(result.summary_json.read_text())["notes"]
+
+
 def test_every_problem_is_listed_in_one_error(tmp_path):
     root = camelyon16_tree(tmp_path / "c16")
     _touch(root / "testing" / "images" / "Test_004.tif")             # not in reference.csv

@@ -496,6 +496,7 @@ def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
 
     ref_path: Path | None = Path(reference) if reference is not None else None
     test_labels: dict[str, int] = {}
+    not_here: list[str] = []
     if ref_path is None and test:
         found = [p for p in _walk(root, skip=[out]) if p.name.casefold() == "reference.csv"]
         if not found:
@@ -510,10 +511,7 @@ def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
         if missing:
             problems.append(f"{len(missing)} test slide(s) have no line in {ref_path}: {_names(missing)}")
         test_labels = {s: reference_labels[s] for s in test if s in reference_labels}
-        extra = [s for s in reference_labels if stem_key(s) not in {stem_key(t) for t in test}]
-        if extra:
-            logger.info("%d slide(s) of %s are not below %s (not downloaded?): %s", len(extra), ref_path, root,
-                        _names(extra))
+        not_here = [s for s in reference_labels if stem_key(s) not in {stem_key(t) for t in test}]
 
     sources = _annotation_sources([root], skip=[out])
     train_ann = _match_annotations(sources, train)
@@ -526,6 +524,10 @@ def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
                     "keep the slides' CAMELYON16 names, download testing/reference.csv and the lesion annotations, "
                     "or use `wsi-milssl prepare folder` for another layout.")
     notes = []
+    if ref_path is not None and not_here:
+        notes.append(f"{len(not_here)} test slide(s) of {ref_path} are not below {root}, so the test set leaves them "
+                     f"out: {_names(not_here, limit=10)} (not downloaded, or the download stopped: a partial file such "
+                     "as Test_NNN.tif.part is no slide; download them and prepare again)")
     no_ann_train = sorted((s for s, v in train_labels.items() if v == 1 and s not in train_ann), key=str.casefold)
     if no_ann_train:
         notes.append(f"{len(no_ann_train)} tumour training slide(s) have no annotation: {_names(no_ann_train)} "
