@@ -175,13 +175,45 @@ def test_bad_slide_is_recorded_and_others_finish(synth_slides, tmp_path):
     assert [p.name for p in (tmp_path / "out").iterdir() if "broken" in p.name] == []
 
 
+def test_a_72_dpi_tag_is_named_in_the_tile_error(tmp_path):
+    """The tile stage's error used to drop what `info` says about the ignored resolution tag."""
+    import tifffile
+
+    path = tmp_path / "boxes.tiff"
+    tifffile.imwrite(path, np.full((512, 512, 3), 120, np.uint8), tile=(256, 256), compression="jpeg",
+                     photometric="rgb", resolution=(72, 72), resolutionunit="INCH", metadata=None)
+    run = tile_slides([path], tmp_path / "out", TileConfig(**FAST))
+    assert run.results[0].status == "failed"
+    assert run.results[0].error == (
+        f"{path}: the slide has no MPP (its metadata says 72 pixels per inch = 352.778 µm/px, which is not a "
+        "microscope's resolution) and no objective power, so its physical scale is unknown. Fix: pass the "
+        "level-0 resolution with --slide-mpp (µm per pixel, e.g. --slide-mpp 0.25).")
+
+
+def test_a_slide_smaller_than_one_patch_says_so(tmp_path, caplog):
+    """1 x 3000 px: no grid cell fits, which is not "no patch passed the tissue and entropy filters"."""
+    import logging
+
+    path = tmp_path / "thin.tif"
+    write_pyramidal_tiff(path, lambda x0, y0, x1, y1: np.full((y1 - y0, x1 - x0, 3), 120, np.uint8),
+                         width=1, height=3000, mpp=0.25)
+    with caplog.at_level(logging.WARNING, logger="wsi_milssl.tiling.runner"):
+        run = tile_slides([path], tmp_path / "out", TileConfig(**FAST))
+    assert run.ok and run.results[0].n_patches == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        "thin: the slide (1 x 3000 px at level 0, 0.25 µm/px) is smaller than one patch at the chosen resolution "
+        "(256 px at 0.5 µm/px cover 512 x 512 level-0 px), so no grid cell fits in it; the store is empty."]
+
+
 def test_slide_without_mpp_needs_slide_mpp(tmp_path):
     path = tmp_path / "nompp.tif"
     write_pyramidal_tiff(path, lambda x0, y0, x1, y1: np.full((y1 - y0, x1 - x0, 3), 240, np.uint8),
                          width=1024, height=1024, mpp=None)
     run = tile_slides([path], tmp_path / "out", TileConfig(**FAST))
     assert run.results[0].status == "failed"
-    assert "Fix: give its level-0 resolution with --slide-mpp" in run.results[0].error
+    assert run.results[0].error == (
+        f"{path}: the slide has no MPP and no objective power, so its physical scale is unknown. Fix: pass the "
+        "level-0 resolution with --slide-mpp (µm per pixel, e.g. --slide-mpp 0.25).")
     run = tile_slides([path], tmp_path / "out", TileConfig(**FAST, slide_mpp=0.5))
     assert run.ok and run.results[0].n_patches == 0  # blank glass: an empty store, not an error
     with open_store(tmp_path / "out" / "nompp.h5") as s:

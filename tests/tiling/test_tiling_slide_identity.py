@@ -11,6 +11,7 @@ import h5py
 import pytest
 import tifffile
 
+from wsi_milssl.cli import main
 from wsi_milssl.config import TileConfig
 from wsi_milssl.store import open_store
 from wsi_milssl.tiling import read_status_csv, tile_slides
@@ -121,4 +122,8 @@ def test_corrupt_tile_data_fails_naming_the_slide_and_the_fix(synth_slides, tmp_
     assert error.startswith(f"{bad}: the slide's tile data is corrupt: tile ")
     assert "Not a JPEG file" in error
     assert "Fix: re-export the slide from the scanner software (or re-scan it)" in error
+    # `info` decodes the centre of the first and the last level only: it passes this slide, as the hint says
+    assert error.endswith("(`wsi-milssl info` decodes only a small square at the centre of the first and the "
+                          "last level, so it may pass this slide).")
+    assert main(["info", str(bad), "-q"]) == 0
     assert not (tmp_path / "out" / "bad.h5").exists()

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from wsi_milssl.errors import MissingResolutionError
 from wsi_milssl.slide.entropy import entropy_bits_batch
 from wsi_milssl.slide.tissue import TissueMask, slide_tissue_mask
 from wsi_milssl.tiling.grid import TileGeometry
@@ -93,17 +92,10 @@ class BandCut:
 def plan_slide(slide, plan: TilingPlan) -> SlideCells:
     """The candidate cells of an open SlideReader ``slide`` under ``plan`` (no patch pixels are read).
 
-    Raises MissingResolutionError (naming the slide and ``--slide-mpp``) when the slide's scale is unknown,
-    and ResolutionError when the plan's resolution is finer than the slide's and ``plan.allow_upsample``
-    is False.
+    Raises the reader's MissingResolutionError (naming the slide, a resolution tag it ignored such as
+    72 pixels per inch, and ``--slide-mpp``) when the slide's scale is unknown, and ResolutionError when
+    the plan's resolution is finer than the slide's and ``plan.allow_upsample`` is False.
     """
-    try:
-        slide.mpp
-    except MissingResolutionError:
-        raise MissingResolutionError(
-            f"{slide.path}: the slide has no MPP and no objective power, so its physical scale is unknown. "
-            "Fix: give its level-0 resolution with --slide-mpp (µm per pixel, e.g. --slide-mpp 0.25)."
-        ) from None
     geometry = TileGeometry.from_slide(slide, target_mpp=plan.target_mpp, patch_size_px=plan.patch_size_px,
                                        stride_px=plan.stride_px, allow_upsample=plan.allow_upsample)
     tissue = slide_tissue_mask(slide, method=plan.tissue, mask_mpp=plan.mask_mpp)

@@ -456,7 +456,12 @@ def tile_slide(slide_path: str | os.PathLike, out_dir: str | os.PathLike, config
             }
             writer.finalize(attrs)
     n_kept = int(len(kept))
-    if n_kept == 0:
+    if cells.n_grid == 0:
+        logger.warning("%s: the slide (%d x %d px at level 0, %.4g µm/px) is smaller than one patch at the chosen "
+                       "resolution (%d px at %.4g µm/px cover %d x %d level-0 px), so no grid cell fits in it; the "
+                       "store is empty.", stem, w0, h0, slide_mpp, plan.patch_size_px, geometry.target_mpp,
+                       geometry.patch_size_lv0, geometry.patch_size_lv0)
+    elif n_kept == 0:
         logger.warning("%s: no patch passed the tissue and entropy filters; the store is empty.", stem)
     return TileResult(stem, str(slide_path), "ok", n_kept, time.perf_counter() - t0, "", str(final))
 

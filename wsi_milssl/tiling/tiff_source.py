@@ -121,7 +121,8 @@ class TiffLevelSource:
             f"{self.path}: the slide's tile data is corrupt: tile {index} (row {row}, column {col}) of the "
             f"{self.width} x {self.height} px level cannot be decoded ({type(exc).__name__}: {exc}). "
             "Fix: re-export the slide from the scanner software (or re-scan it), or re-copy it if the copy "
-            "was truncated; check it with `wsi-milssl info`."
+            "was truncated (`wsi-milssl info` decodes only a small square at the centre of the first and the "
+            "last level, so it may pass this slide)."
         )
 
     def read(self, x: int, y: int, w: int, h: int) -> np.ndarray:
