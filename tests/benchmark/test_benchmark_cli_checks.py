@@ -83,3 +83,42 @@ def test_fold_counts_that_fit_pass():
     mc._check_fold_counts(np.array([0, 1] * 3), 3, 2)  # 3 per class: 3 outer folds leave 2 to train on
     with pytest.raises(ConfigError, match="use more outer folds"):
         mc._check_fold_counts(np.array([0, 1] * 3), 2, 2)
+
+
+def test_a_bad_setting_is_named_by_its_option(tmp_path, capsys):
+    """Said "BenchmarkConfig.folds must satisfy ..." for --folds 1."""
+    path = _mil_csv(tmp_path / "one.csv", [0, 1] * 4)
+    for option, value in (("--folds", "1"), ("--inner-folds", "1"), ("--repeats", "0")):
+        assert main(["benchmark", "mil-csv", str(path), *TINY, option, value, "--json", str(tmp_path / "r.json")]) == 1
+        err = capsys.readouterr().err
+        assert f"error: {option} must satisfy" in err and "BenchmarkConfig" not in err
+    assert main(["benchmark", "mil-csv", str(path), "--methods", "mil-ssl", "mil-ssl-improved"]) == 1
+    assert "'mil-ssl' is 'mil-ssl-improved' (the improved preset), and both are listed" in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_repeated_folds_are_printed_with_their_repeat(tmp_path, capsys):
+    """--repeats 2 printed "fold 1", "fold 2" twice, with nothing to tell the repeats apart."""
+    path = _mil_csv(tmp_path / "one.csv", [0, 1] * 4)
+    assert main(["benchmark", "mil-csv", str(path), *TINY, "--repeats", "2", "--json", str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    assert [line.split(":")[0].strip() for line in out.splitlines() if " fold " in line] == [
+        "maxpool repeat 1 fold  1", "maxpool repeat 1 fold  2", "maxpool repeat 2 fold  1", "maxpool repeat 2 fold  2"]
+
+
+def test_bags_refuses_a_setting_the_digits_cannot_fill_before_any_training(tmp_path, capsys, monkeypatch):
+    """Trained every job of the 5 % ratio, then found that the 70 % ratio "cannot fill one positive bag" and
+    wrote nothing."""
+    from wsi_milssl.benchmark import bags
+
+    trained = []
+    real = bags.train_and_score
+    monkeypatch.setattr(bags, "train_and_score", lambda *a, **k: trained.append(1) or real(*a, **k))
+    out = tmp_path / "by.json"
+    assert main(["benchmark", "bags", "--encoders", "mlp", "--hidden-dims", "8", "--epochs", "1", "--lr", "1e-3",
+                 "--lam", "25", "--attention-dims", "8", "--maxpool-weight-decays", "1e-4", "--threads", "1",
+                 "--seeds", "0", "--bag-size", "60", "--ratios", "0.05", "0.7", "--json", str(out)]) == 1
+    assert trained == [] and not out.exists()
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1
+    assert re.search(r"seed 0: normal-70%-val: .* cannot fill one positive bag .* Nothing was trained", err), err

@@ -44,8 +44,7 @@ def test_a_field_beyond_the_csv_limit_is_one_clear_error(tmp_path):
 def test_a_non_numeric_field_names_its_row(tmp_path):
     path = tmp_path / "typo.csv"
     path.write_text("label,bag,f1\n1,a,0.5\n0,b,0.x\n")
-    with pytest.raises(ConfigError, match=r"typo\.csv: non-numeric label or feature in data row 2 \(a header not "
-                                          r"counted\): .*'0\.x'"):
+    with pytest.raises(ConfigError, match=r"typo\.csv: non-numeric label or feature on line 3: .*'0\.x'"):
         read_mil_csv(path)
 
 
@@ -53,3 +52,18 @@ def test_a_utf8_byte_order_mark_is_not_a_header(tmp_path):
     path = tmp_path / "bom.csv"
     path.write_bytes(b"\xef\xbb\xbf" + ROWS.encode())
     assert len(read_mil_csv(path)) == 3
+
+
+def test_messages_name_the_file_line_and_a_minus_one_label_gets_the_fix(tmp_path):
+    """A ragged row was "row 4" for file line 5 under a header (other messages counted data rows); -1/1
+    labels were refused without saying how to fix them."""
+    path = tmp_path / "ragged.csv"
+    path.write_text("label,bag,f1\n1,a,0.5\n\n0,b,0.1\n0,b,0.1,0.2\n")
+    with pytest.raises(ConfigError, match=r"ragged\.csv: line 5 has 4 columns, expected 3 \(as line 2\)"):
+        read_mil_csv(path)
+    path = tmp_path / "signed.csv"
+    path.write_text("label,bag,f1\n1,a,0.5\n-1,b,0.1\n")
+    with pytest.raises(ConfigError, match=r"signed\.csv: labels \(first column\) must be 0 or 1; found \[-1\.0, 1\.0\] "
+                                          r"\(first on line 3\)\. A -1/1 file .* needs -1 mapped to 0 first, e\.g\. "
+                                          r"sed 's/\^-1,/0,/' signed\.csv > signed_01\.csv\."):
+        read_mil_csv(path)

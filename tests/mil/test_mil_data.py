@@ -33,7 +33,7 @@ def test_mil_csv_with_bag_labels_only_has_no_instance_labels(tmp_path):
 
 @pytest.mark.parametrize(
     "text, match",
-    [("1,a\n", "at least one feature"), ("1,a,0.1\n0,b,0.1,0.2\n", "row 2 has 4 columns"),
+    [("1,a\n", "at least one feature"), ("1,a,0.1\n0,b,0.1,0.2\n", "line 2 has 4 columns, expected 3"),
      ("2,a,0.1\n", "must be 0 or 1"), ("1,a,x\n", "non-numeric")],
 )
 def test_mil_csv_errors(tmp_path, text, match):
@@ -199,5 +199,5 @@ def test_a_mil_csv_with_a_non_finite_feature_is_refused(tmp_path, value):
     path = tmp_path / "bad.csv"
     path.write_text(f"label,bag,f1,f2\n0,a,1,2\n1,b,3,{value}\n1,b,1,1\n0,a,0,0\n")
     with pytest.raises(ConfigError, match=r"bad\.csv: 1 instance row\(s\) have a NaN or infinite feature .* the first "
-                                          r"is data row 2 \(a header not counted\)"):
+                                          r"on line 3; fix"):
         read_mil_csv(path)

@@ -59,6 +59,7 @@ from wsi_milssl.benchmark.digits import (
 __all__ = [
     "BagBenchConfig",
     "METHODS",
+    "check_jobs",
     "ABLATION_ROWS",
     "digit_instance_set",
     "mil_ssl_config",
@@ -522,20 +523,35 @@ def _bag_counts(bags: dict[str, DigitBags]) -> dict[str, Any]:
             "realised_ratio": train.realised_ratio, "train_instances": len(train)}
 
 
-def _job(kind: str, config: BagBenchConfig, seed: int, setting: Any) -> dict[str, Any]:
-    """Run one (protocol, seed, setting) job; returns {"rows": [...], "counts": {...}}."""
+def _job_bags(kind: str, config: BagBenchConfig, seed: int, setting: Any) -> dict[str, DigitBags]:
+    """The bags of one (protocol, seed, setting) job (ConfigError when the images cannot fill them)."""
     images = _images(config)
     bag_size = config.resolved_bag_size()
     val_fraction = config.val_fraction if kind != "ablation" else 0.0
     if kind in ("normal", "ablation"):
         ratio = float(setting) if kind == "normal" else config.ablation_ratio
-        bags = normal_bags(images, ratio=ratio, bag_size=bag_size, seed=seed, test_fraction=config.test_fraction,
+        return normal_bags(images, ratio=ratio, bag_size=bag_size, seed=seed, test_fraction=config.test_fraction,
                            val_fraction=val_fraction, passes=config.passes)
-    elif kind == "hard":
-        bags = hard_bags(images, bag_size=bag_size, seed=seed, ratio=config.hard_ratio,
+    if kind == "hard":
+        return hard_bags(images, bag_size=bag_size, seed=seed, ratio=config.hard_ratio,
                          test_fraction=config.test_fraction, val_fraction=val_fraction, passes=config.passes)
-    else:
-        raise ValueError(f"unknown job kind {kind!r}")
+    raise ValueError(f"unknown job kind {kind!r}")
+
+
+def check_jobs(kind: str, config: BagBenchConfig, jobs: list[tuple[int, Any]]) -> None:
+    """Build the bags of every job (no training) and refuse, before any job trains, a setting the images
+    cannot fill: ConfigError naming the setting and seed (the --show-bags table lists what fits)."""
+    for seed, setting in jobs:
+        try:
+            _job_bags(kind, config, seed, setting)
+        except ConfigError as exc:
+            raise ConfigError(f"seed {seed}: {exc} Nothing was trained (every setting is checked first); "
+                              "--show-bags lists the bags each setting allows.") from None
+
+
+def _job(kind: str, config: BagBenchConfig, seed: int, setting: Any) -> dict[str, Any]:
+    """Run one (protocol, seed, setting) job; returns {"rows": [...], "counts": {...}}."""
+    bags = _job_bags(kind, config, seed, setting)
     tests = {k: v for k, v in bags.items() if k not in ("train", "val")}
     if kind == "ablation":
         soft, constrained, adaptive = setting
@@ -578,6 +594,7 @@ def bag_availability(images: DigitImages, *, ratios: Sequence[float], bag_size: 
 
 def _run_jobs(kind: str, config: BagBenchConfig, jobs: list[tuple[int, Any]],
               progress: ProgressCallback | None) -> list[dict[str, Any]]:
+    check_jobs(kind, config, jobs)  # every setting's bags before the first job trains
     out: list[dict[str, Any] | None] = [None] * len(jobs)
     emit(progress, ProgressEvent(stage=f"bags-{kind}", done=0, total=len(jobs), unit="job"))
     if config.workers <= 0:

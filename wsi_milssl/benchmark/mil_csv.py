@@ -27,6 +27,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -40,7 +41,7 @@ from wsi_milssl.mil.selftrain import auc_or_none
 
 __all__ = ["MethodSpec", "METHODS", "PRESETS", "DEFAULT_PRESET", "resolve_methods", "nested_cross_validation",
            "best_threshold", "logistic_threshold", "platt_fit", "calibrated_ensemble", "summarise", "format_table",
-           "format_markdown"]
+           "format_markdown", "DATA_KEYS", "PROTOCOL_KEYS", "result_differences", "read_saved_runs"]
 
 log = logging.getLogger(__name__)
 
@@ -336,6 +337,9 @@ def resolve_methods(names: Sequence[str], *, preset: str = DEFAULT_PRESET) -> li
             raise ConfigError(f"unknown benchmark method {name!r}; choose from mil-ssl, {', '.join(METHODS)}.")
     if len({m.name for m in out}) != len(out):
         raise ConfigError(f"a method is listed twice in {list(names)}; list each once.")
+    if "mil-ssl" in names and PRESETS[preset].name in names:  # the same method and seeds: trained twice alike
+        raise ConfigError(f"'mil-ssl' is {PRESETS[preset].name!r} (the {preset} preset), and both are listed in "
+                          f"{list(names)}; list one of them.")
     return out
 
 
@@ -627,10 +631,11 @@ def nested_cross_validation(instances: InstanceSet, *, bench: BenchmarkConfig,
                 res["seconds"] += time.perf_counter() - t0
                 res["cpu_seconds"] += time.process_time() - c0
                 done += 1
-                log.info("%s fold %d: %s epochs %d -> accuracy %.3f auc %s", spec.name, fold + 1, points[g], e,
-                         row["accuracy"], row["auc"])
+                log.info("%s repeat %d fold %d: %s epochs %d -> accuracy %.3f auc %s", spec.name, repeat + 1,
+                         fold + 1, points[g], e, row["accuracy"], row["auc"])
+                of_repeat = f"repeat {repeat + 1}/{bench.repeats} " if bench.repeats > 1 else ""
                 emit(progress, ProgressEvent(stage="benchmark", done=done, total=total, unit="fit",
-                                             item=f"fold {fold + 1}/{bench.folds} {spec.name}",
+                                             item=f"{of_repeat}fold {fold + 1}/{bench.folds} {spec.name}",
                                              message=f"acc {row['accuracy']:.3f}"))
     for res in results.values():
         res["summary"] = summarise(res["folds"])
@@ -684,3 +689,68 @@ def format_markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {name} | {res['spec']['grid_size']} | {_pm(s['accuracy'])} | {_pm(s['accuracy_at_0_5'])} | "
                      f"{_pm(s['auc'])} | {res['seconds']:.0f} |")
     return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------------------------
+# Saved runs of benchmarks/bench_mil_csv.py (merged into one table, or compared across seeds)
+# ----------------------------------------------------------------------------------------------
+
+#: what a result records of its data set: the source file's name, size and SHA-256 (``source_bytes`` and
+#: ``source_sha256``, recorded by benchmarks/bench_mil_csv.py) and the counts of :func:`nested_cross_validation`
+DATA_KEYS = ("source_name", "source_bytes", "source_sha256", "n_bags", "n_positive_bags", "n_instances", "n_features")
+#: the settings of a result's ``benchmark`` (:class:`BenchmarkConfig`) that are its protocol (the grid overrides
+#: apply to every method)
+PROTOCOL_KEYS = ("folds", "inner_folds", "repeats", "seed", "select_metric", "mu_grid", "ramp_grid", "lr_grid",
+                 "epoch_grid")
+
+
+def result_differences(a: dict[str, Any], b: dict[str, Any], *, ignore: Sequence[str] = ()) -> list[str]:
+    """What differs between two results of :func:`nested_cross_validation` of one data set, as
+    ``"key (a's value vs b's)"`` texts: the data (:data:`DATA_KEYS`) and the protocol (:data:`PROTOCOL_KEYS`)
+    except the keys in ``ignore``. A key that either result lacks (a file of an earlier version) matches
+    anything; a grid override of None (none given) differs from a given grid. Empty: the two are rows of
+    one table."""
+    def recorded(r: dict[str, Any]) -> dict[str, Any]:
+        out = {k: r[k] for k in DATA_KEYS if k in r}
+        if r.get("source"):
+            out["source_name"] = Path(str(r["source"])).name
+        bench = r.get("benchmark") or {}
+        out.update({k: bench[k] for k in PROTOCOL_KEYS if k in bench})
+        return out
+
+    mine, theirs = recorded(a), recorded(b)
+    short = lambda k, v: f"{v[:12]}..." if k == "source_sha256" else v  # noqa: E731
+    return [f"{k} ({short(k, mine[k])} vs {short(k, theirs[k])})" for k in (*DATA_KEYS, *PROTOCOL_KEYS)
+            if k not in ignore and k in mine and k in theirs and mine[k] != theirs[k]]
+
+
+def read_saved_runs(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
+    """The JSON files benchmarks/bench_mil_csv.py writes beside its table (``{"meta": ..., "datasets": ...}``),
+    read; ConfigError naming the file for one that is missing, not complete JSON, or of another layout
+    (the ``wsi-milssl benchmark mil-csv --json`` result of one data set, say)."""
+    import json
+
+    runs = []
+    for path in map(Path, paths):
+        fix = "give the .json that benchmarks/bench_mil_csv.py wrote beside its --out table"
+        try:
+            run = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: not found; {fix}.") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path}: cannot read ({exc}); {fix}.") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}: not complete JSON ({exc.msg}: line {exc.lineno} column {exc.colno}): "
+                              f"a cut-off or edited file; re-run the benchmark or restore the file.") from None
+        if isinstance(run, dict) and "methods" in run and "benchmark" in run and "meta" not in run:
+            raise ConfigError(f"{path}: a result of `wsi-milssl benchmark mil-csv --json` (one data set), not of "
+                              f"benchmarks/bench_mil_csv.py (its 'meta' and 'datasets'); run the script for a "
+                              f"file to merge or compare, or read this one as it is.")
+        if (not isinstance(run, dict) or not isinstance(run.get("meta"), dict)
+                or not isinstance(run.get("datasets"), dict)
+                or not all(isinstance(r, dict) and isinstance(r.get("methods"), dict)
+                           for r in run["datasets"].values())):
+            raise ConfigError(f"{path}: not a saved run of benchmarks/bench_mil_csv.py (a 'meta' object and "
+                              f"'datasets' of results with their 'methods'); {fix}.")
+        runs.append(run)
+    return runs

@@ -22,6 +22,8 @@ __all__ = ["fold_scores_png", "fold_scores_figure", "digit_bags_png", "digit_bag
 
 #: (fold row key, axis label)
 METRICS = (("accuracy", "bag accuracy"), ("auc", "bag AUC"))
+#: the narrowest fold-score figure, inches: its title fits
+MIN_WIDTH = 4.0
 
 
 def fold_scores_png(runs: Mapping[str, Mapping[str, Any]], *, methods: Sequence[str] | None = None,
@@ -49,7 +51,8 @@ def fold_scores_figure(runs: Mapping[str, Mapping[str, Any]], *, methods: Sequen
     if not methods:
         raise ConfigError("nothing to plot: none of the methods is in the runs.")
     labels = dict(labels or {})
-    fig = Figure(figsize=(1.2 + 0.75 * len(methods) * len(titles), 6.4), constrained_layout=True)
+    # at least as wide as the title above the panels (one method of one data set was cut to 195 px)
+    fig = Figure(figsize=(max(MIN_WIDTH, 1.2 + 0.75 * len(methods) * len(titles)), 6.4), constrained_layout=True)
     axes = fig.subplots(len(METRICS), len(titles), squeeze=False, sharey="row")
     rng = np.random.default_rng(0)  # the sideways spread only
     colour = {m: (colours or {}).get(m, f"C{i % 10}") for i, m in enumerate(methods)}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from wsi_milssl.atomic import atomic_write_bytes, atomic_write_text, check_writable
 
-__all__ = ["SUMMARY", "refuse_shared_paths", "register", "run", "run_mil_csv"]
+__all__ = ["SUMMARY", "benchmark_config", "refuse_shared_paths", "register", "run", "run_mil_csv"]
 
 #: one line for ``wsi-milssl --help``
 SUMMARY = "accuracy benchmarks (classical MIL datasets, digit bags)"
@@ -109,21 +109,40 @@ def refuse_shared_paths(inputs: dict[str, str | os.PathLike | None],
         seen[key] = name
 
 
+#: the options that set BenchmarkConfig's fields (``mil-csv`` and benchmarks/bench_mil_csv.py), for its messages
+OPTIONS = {"folds": "--folds", "inner_folds": "--inner-folds", "repeats": "--repeats", "seed": "--seed",
+           "methods": "--methods", "preset": "--preset", "mu_grid": "--mu-grid", "ramp_grid": "--ramp-grid",
+           "lr_grid": "--lr-grid", "epoch_grid": "--epoch-grid", "select_metric": "--select", "threads": "--threads"}
+
+
+def benchmark_config(**fields):
+    """``BenchmarkConfig(**fields)`` (list values as tuples); a value it refuses is named by its option
+    (``--folds must satisfy 2 <= value; got 1.``), not by the field."""
+    from wsi_milssl.config.train import BenchmarkConfig
+    from wsi_milssl.errors import ConfigError
+
+    try:
+        return BenchmarkConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+    except ConfigError as exc:
+        text = str(exc)
+        for field, option in OPTIONS.items():
+            text = text.replace(f"BenchmarkConfig.{field} ", f"{option} ")
+        raise ConfigError(text) from None
+
+
 def run(args: argparse.Namespace) -> int:  # pragma: no cover - argparse dispatches to a subcommand
     return int(args.run(args))
 
 
 def run_mil_csv(args: argparse.Namespace) -> int:
     from wsi_milssl.cli.progress import TqdmProgress
-    from wsi_milssl.config.train import BenchmarkConfig
     from wsi_milssl.benchmark.mil_csv import format_markdown, format_table, nested_cross_validation
     from wsi_milssl.mil.data import read_mil_csv
 
-    opt = lambda v: None if v is None else tuple(v)  # noqa: E731
-    bench = BenchmarkConfig(folds=args.folds, inner_folds=args.inner_folds, seed=args.seed, repeats=args.repeats,
-                            methods=tuple(args.methods), preset=args.preset, mu_grid=opt(args.mu_grid),
-                            ramp_grid=opt(args.ramp_grid), lr_grid=opt(args.lr_grid), epoch_grid=opt(args.epoch_grid),
-                            select_metric=args.select, threads=args.threads)
+    bench = benchmark_config(folds=args.folds, inner_folds=args.inner_folds, seed=args.seed, repeats=args.repeats,
+                             methods=args.methods, preset=args.preset, mu_grid=args.mu_grid, ramp_grid=args.ramp_grid,
+                             lr_grid=args.lr_grid, epoch_grid=args.epoch_grid, select_metric=args.select,
+                             threads=args.threads)
     out = args.json or Path(f"benchmark_{args.file.stem}.json")
     refuse_shared_paths({"FILE": args.file}, {"--json": out, "--markdown": args.markdown, "--plot": args.plot})
     check_writable(out, args.markdown, args.plot)  # before the run, not after it
@@ -136,7 +155,8 @@ def run_mil_csv(args: argparse.Namespace) -> int:
     for name, res in result["methods"].items():
         for row in res["folds"]:
             setting = " ".join(f"{k} {v}" for k, v in row["setting"].items())
-            print(f"  {name} fold {row['fold'] + 1:2d}: {setting} epochs {row['epochs']} threshold "
+            repeat = f"repeat {row['repeat'] + 1} " if bench.repeats > 1 else ""
+            print(f"  {name} {repeat}fold {row['fold'] + 1:2d}: {setting} epochs {row['epochs']} threshold "
                   f"{row['threshold']:.3f} -> accuracy {row['accuracy']:.3f} (at 0.5: {row['accuracy_at_0_5']:.3f}) "
                   f"auc {row['auc'] if row['auc'] is None else round(row['auc'], 3)}")
     print(format_table(result))

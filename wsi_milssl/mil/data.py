@@ -181,9 +181,14 @@ def read_mil_csv(path: str | os.PathLike) -> InstanceSet:
     """
     path = Path(path)
     fix = "pass a UTF-8 text CSV of label,bag_id,f1,...,fn rows"
+    rows, lines = [], []  # the non-blank rows and their line numbers in the file (messages name those)
     try:
         with open(path, newline="", encoding="utf-8-sig") as fh:
-            rows = [r for r in csv.reader(fh) if r and any(c.strip() for c in r)]
+            reader = csv.reader(fh)
+            for r in reader:
+                if r and any(c.strip() for c in r):
+                    rows.append(r)
+                    lines.append(reader.line_num)
     except FileNotFoundError:
         raise ConfigError(f"{path}: MIL CSV not found; check the path.") from None
     except UnicodeDecodeError as exc:
@@ -194,15 +199,17 @@ def read_mil_csv(path: str | os.PathLike) -> InstanceSet:
         if is_number(rows[0][0]):  # could be data: label 0, bag 1, features 2, 3, ...
             log.warning("%s: the first row %s is read as pandas' column numbers (a header), not as an instance; "
                         "add a named header row if it is data.", path, ",".join(c.strip() for c in rows[0]))
-        rows = rows[1:]
+        rows, lines = rows[1:], lines[1:]
     if not rows:
         raise ConfigError(f"{path}: no instances; expected rows of label,bag_id,f1,...,fn.")
     width = len(rows[0])
     if width < 3:
-        raise ConfigError(f"{path}: rows need label,bag_id and at least one feature; got {width} columns.")
+        raise ConfigError(f"{path}: rows need label,bag_id and at least one feature; got {width} columns "
+                          f"(line {lines[0]}).")
     bad = next((i for i, r in enumerate(rows) if len(r) != width), None)
     if bad is not None:
-        raise ConfigError(f"{path}: row {bad + 1} has {len(rows[bad])} columns, expected {width}; fix the file.")
+        raise ConfigError(f"{path}: line {lines[bad]} has {len(rows[bad])} columns, expected {width} (as line "
+                          f"{lines[0]}); fix the file.")
     labels = np.empty(len(rows))
     feats = np.empty((len(rows), width - 2), dtype=np.float32)
     with np.errstate(over="ignore"):  # beyond float32's range becomes inf, refused below
@@ -211,15 +218,19 @@ def read_mil_csv(path: str | os.PathLike) -> InstanceSet:
                 labels[i] = float(r[0])
                 feats[i] = [float(v) for v in r[2:]]
             except ValueError as exc:
-                raise ConfigError(f"{path}: non-numeric label or feature in data row {i + 1} (a header not "
-                                  f"counted): {exc}; labels are 0/1 and features numbers.") from None
-    if not np.all(np.isin(labels, (0.0, 1.0))):
-        raise ConfigError(f"{path}: labels (first column) must be 0 or 1; found {sorted(set(labels.tolist()))[:5]}.")
+                raise ConfigError(f"{path}: non-numeric label or feature on line {lines[i]}: {exc}; labels are 0/1 "
+                                  "and features numbers.") from None
+    bad_label = np.flatnonzero(~np.isin(labels, (0.0, 1.0)))
+    if bad_label.size:
+        found = sorted(set(labels.tolist()))
+        hint = (" A -1/1 file (negative -1, as some MIL distributions write it) needs -1 mapped to 0 first, e.g. "
+                f"sed 's/^-1,/0,/' {path.name} > {path.stem}_01.csv." if set(found) <= {-1.0, 1.0} else "")
+        raise ConfigError(f"{path}: labels (first column) must be 0 or 1; found {found[:5]} (first on line "
+                          f"{lines[int(bad_label[0])]}).{hint}")
     bad_rows = np.flatnonzero(~np.isfinite(feats).all(axis=1))
     if bad_rows.size:
         raise ConfigError(f"{path}: {bad_rows.size} instance row(s) have a NaN or infinite feature (or one beyond "
-                          f"float32's range), the first is data row {int(bad_rows[0]) + 1} (a header not counted); "
-                          "fix or drop those rows.")
+                          f"float32's range), the first on line {lines[int(bad_rows[0])]}; fix or drop those rows.")
     raw_bags = [r[1].strip() for r in rows]
     names: list[str] = []
     index: dict[str, int] = {}
