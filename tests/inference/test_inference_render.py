@@ -143,3 +143,34 @@ def test_overlay_defaults_keep_the_tissue_visible_and_add_a_title_band_and_scale
     panel = footer_panel(300, title="t", um_per_px=10.0)
     bar_rows = (panel[:, :, 0] == 0) & (panel[:, :, 1] == 0)
     assert bar_rows.any(axis=0).sum() >= 50  # a 500 µm bar is 50 px long at 10 µm/px
+
+
+def _glyphs(font, text: str) -> tuple:
+    mask = font.getmask(text)
+    return mask.size, bytes(mask)
+
+
+def test_labels_draw_the_micro_sign_and_accented_slide_names():
+    """The scale bar's µ and a slide name's ü are drawn as letters, not as the box of a missing glyph (Pillow's
+    built-in font has ASCII only): the labels use matplotlib's DejaVu Sans."""
+    from wsi_milssl.inference.heatmap import _font, _um_text, footer_panel
+
+    font = _font(20)
+    missing = _glyphs(font, "\U000F0000")  # a private-use code point: no font has a glyph for it
+    for text in ("µ", "ü"):
+        assert _glyphs(font, text) != missing, text
+    assert _um_text(100, font) == "100 µm" and _um_text(2000, font) == "2 mm"
+    named = footer_panel(300, title="Zürich µ", um_per_px=10.0)
+    boxes = footer_panel(300, title="Z\U000F0000rich \U000F0000", um_per_px=10.0)
+    assert (named != boxes).any()
+
+
+def test_labels_without_dejavu_fall_back_to_ascii(monkeypatch):
+    from wsi_milssl.inference import heatmap
+
+    monkeypatch.setattr(heatmap, "_font_file", lambda: None)
+    font = heatmap._font(20)
+    assert _glyphs(font, "a") != _glyphs(font, "\U000F0000")
+    assert heatmap._um_text(100, font) == "100 um"  # not a box for µ
+    panel = heatmap.footer_panel(300, title="slide", um_per_px=10.0)
+    assert (panel < 128).any()

@@ -17,6 +17,7 @@ geometry as JSON.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -193,11 +194,36 @@ def draw_outlines(image: np.ndarray, geometry, downsample_xy: tuple[float, float
     return np.asarray(img)
 
 
+@functools.lru_cache(maxsize=1)
+def _font_file() -> str | None:
+    """matplotlib's DejaVu Sans (``mpl-data/fonts/ttf/DejaVuSans.ttf``), which draws ``µ`` and the accented
+    letters of slide names; None when it is not there. (Pillow's built-in font has ASCII only: other
+    characters come out as boxes.)"""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    path = Path(matplotlib.get_data_path()) / "fonts" / "ttf" / "DejaVuSans.ttf"
+    return str(path) if path.is_file() else None
+
+
 def _font(size: int):
+    """The labels' font at ``size`` px: DejaVu Sans (:func:`_font_file`), else Pillow's built-in font."""
+    path = _font_file()
+    if path is not None:
+        try:
+            return ImageFont.truetype(path, size)
+        except (OSError, ImportError):  # unreadable, or Pillow without FreeType
+            pass
     try:
         return ImageFont.load_default(size=size)
     except TypeError:  # Pillow < 10.1
         return ImageFont.load_default()
+
+
+def _draws_unicode(font) -> bool:
+    """Whether ``font`` is DejaVu Sans (draws ``µ``), not Pillow's ASCII-only built-in font."""
+    return _font_file() is not None and getattr(font, "path", None) == _font_file()
 
 
 def _text(draw: ImageDraw.ImageDraw, xy: tuple[float, float], text: str, *, font, anchor: str) -> None:
@@ -246,8 +272,11 @@ def scale_bar_length_um(width_px: int, um_per_px: float, *, fraction: float = 0.
     return float(min(fits, key=lambda v: abs(np.log(v / target))))
 
 
-def _um_text(um: float) -> str:
-    return f"{um / 1000:g} mm" if um >= 1000 else f"{um:g} µm"
+def _um_text(um: float, font) -> str:
+    """The scale bar's label in ``font``: ``100 µm``, ``2 mm``; ``100 um`` in a font without ``µ``."""
+    if um >= 1000:
+        return f"{um / 1000:g} mm"
+    return f"{um:g} {'µm' if _draws_unicode(font) else 'um'}"
 
 
 def footer_panel(width_px: int, *, title: str | None = None, um_per_px: float | None = None) -> np.ndarray:
@@ -266,7 +295,7 @@ def footer_panel(width_px: int, *, title: str | None = None, um_per_px: float | 
         x0 = x1 - bar_px
         y = height - font_px // 2 - 2
         draw.rectangle((x0, y - max(2, font_px // 5), x1, y), fill=(0, 0, 0))
-        _text(draw, ((x0 + x1) / 2, y - max(2, font_px // 5) - 2), _um_text(length_um), font=font, anchor="mb")
+        _text(draw, ((x0 + x1) / 2, y - max(2, font_px // 5) - 2), _um_text(length_um, font), font=font, anchor="mb")
         right = x0 - font_px
     if title:
         text = title
