@@ -35,6 +35,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import multiprocessing
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -44,6 +45,7 @@ import numpy as np
 from wsi_milssl.config.base import check_choice, check_range, check_type, config_to_dict
 from wsi_milssl.errors import ConfigError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
+from wsi_milssl.parent_watch import watch_parent
 from wsi_milssl.benchmark.baselines import BASELINES, ENCODERS, INSTANCE_SCORES, BaselineConfig, fit_baseline, predict_baseline
 from wsi_milssl.mil.data import InstanceSet
 from wsi_milssl.benchmark.digits import (
@@ -604,7 +606,9 @@ def _run_jobs(kind: str, config: BagBenchConfig, jobs: list[tuple[int, Any]],
                                          item=f"seed {seed} {setting}"))
     else:
         ctx = multiprocessing.get_context("spawn")  # no OpenMP/torch state crosses a fork
-        with concurrent.futures.ProcessPoolExecutor(max_workers=config.workers, mp_context=ctx) as pool:
+        # the workers end when this process is killed instead of training on for hours under pid 1
+        with concurrent.futures.ProcessPoolExecutor(max_workers=config.workers, mp_context=ctx,
+                                                    initializer=watch_parent, initargs=(os.getpid(),)) as pool:
             futures = {pool.submit(_job, kind, config, seed, setting): i for i, (seed, setting) in enumerate(jobs)}
             for done, fut in enumerate(concurrent.futures.as_completed(futures), start=1):
                 out[futures[fut]] = fut.result()
