@@ -14,7 +14,8 @@ cells ``tile`` would keep.
 
 The folder gets ``<stem>.h5`` per slide (:mod:`wsi_milssl.features.schema`), ``features_config.json``
 (resolved settings, encoder, tiling plan, runtime) and ``features_status.csv``
-(slide,status,n_patches,feature_dim,seconds,error,path; rewritten after every slide). Status: 'ok',
+(slide,status,n_patches,feature_dim,seconds,error,path; a slide's row added after it, rows of other slides
+kept, sorted by slide). Status: 'ok',
 'empty' (no patch: the file holds (0, D) features), 'skipped' (a file made with the same settings
 from the same source is there) or 'failed'. Each file is written under a temporary name and renamed
 when complete, so a killed run resumes where it stopped. A file made with other settings (another
@@ -41,7 +42,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from wsi_milssl import __version__
-from wsi_milssl.atomic import atomic_write_csv, atomic_write_json
+from wsi_milssl.atomic import atomic_write_json, merge_csv_rows
 from wsi_milssl.config.base import config_to_dict
 from wsi_milssl.config.features import FeaturesConfig
 from wsi_milssl.config.tile import TileConfig
@@ -49,6 +50,7 @@ from wsi_milssl.errors import ConfigError, StoreError, WsiMilsslError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.features import schema
 from wsi_milssl.features.encoders import Encoder
+from wsi_milssl.locks import folder_lock
 from wsi_milssl.tiling import PLAN_ATTR, TilingPlan
 
 __all__ = ["CONFIG_FILENAME", "STATUS_FILENAME", "STATUS_COLUMNS", "FeatureResult", "FeatureRun", "feature_inputs",
@@ -379,14 +381,26 @@ def extract_features(inputs: Sequence[str | os.PathLike], out_dir: str | os.Path
     slide file of the same name (or unreadable, or not feature files), which otherwise fail their slide
     (``run`` uses it for the folders it owns, so a re-run embeds only the slides whose store or settings
     changed). Raises ConfigError / CheckpointError before any slide for bad inputs, settings or weights;
-    per-slide errors are recorded in ``features_status.csv`` and the run goes on.
+    per-slide errors are recorded in ``features_status.csv`` (rows of other slides, from earlier runs, are
+    kept) and the run goes on. Holds the lock of ``out_dir`` for the run
+    (:func:`wsi_milssl.locks.folder_lock`): a second run into the folder is refused with FolderLockedError.
     """
-    from wsi_milssl.features.model import load_feature_model
-    from wsi_milssl.inference.predict import prestart_readers, run_slides
+    from wsi_milssl.inference.predict import prestart_readers
 
     config = config or FeaturesConfig()
     prestart_readers()  # the readers' fork server starts while the inputs are read and the encoder is built
     out_dir = Path(out_dir)
+    with folder_lock(out_dir):
+        return _extract_features(inputs, out_dir, config, tile=tile, encoder=encoder, overwrite=overwrite,
+                                 replace_other=replace_other, progress=progress)
+
+
+def _extract_features(inputs: Sequence[str | os.PathLike], out_dir: Path, config: FeaturesConfig, *,
+                      tile: TileConfig | None, encoder: Encoder | None, overwrite: bool, replace_other: bool,
+                      progress: ProgressCallback | None) -> FeatureRun:
+    from wsi_milssl.features.model import load_feature_model
+    from wsi_milssl.inference.predict import run_slides
+
     items = feature_inputs(inputs)
     sources: list[_Source | None] = [(_read_store(it.store_path) if it.store_path is not None else None) for it in items]
     plan = _choose_plan([s.attrs for s in sources if s is not None and s.attrs is not None], tile)
@@ -409,7 +423,7 @@ def extract_features(inputs: Sequence[str | os.PathLike], out_dir: str | os.Path
 
     def record(i: int, result: FeatureResult) -> None:
         results[i] = result
-        _write_status([results[k] for k in sorted(results)], status_csv)
+        _merge_status([result], status_csv)
         emit(progress, ProgressEvent("features", len(results), len(items), unit="slide", item=result.slide,
                                      message=result.status))
 
@@ -494,7 +508,7 @@ def extract_features(inputs: Sequence[str | os.PathLike], out_dir: str | os.Path
         while writes:
             collect(block=True)
     ordered = tuple(results[k] for k in range(len(items)))
-    _write_status(ordered, status_csv)
+    _merge_status(ordered, status_csv)
     return FeatureRun(ordered, out_dir, status_csv, config_json, seconds=time.perf_counter() - t_start)
 
 
@@ -527,10 +541,12 @@ def _resolution_mismatch(item, attrs: dict[str, Any], plan: TilingPlan, *, tile_
     return ""
 
 
-def _write_status(results, path: Path) -> Path:
+def _merge_status(results, path: Path) -> Path:
+    """Add or replace the rows of ``results`` in ``features_status.csv``; rows of other slides (earlier
+    runs) are kept, every row sorted by slide."""
     rows = [{"slide": r.slide, "status": r.status, "n_patches": r.n_patches, "feature_dim": r.feature_dim,
              "seconds": f"{r.seconds:.2f}", "error": " ".join(r.error.split()), "path": r.path} for r in results]
-    return atomic_write_csv(path, rows, columns=STATUS_COLUMNS)
+    return merge_csv_rows(path, rows, columns=STATUS_COLUMNS)
 
 
 def _write_slide(out_dir: Path, item, src: _Source | None, out, *, model, settings: dict[str, Any],
