@@ -149,3 +149,37 @@ def test_detections_off_a_normal_slide_are_reported_too(synth_dir, annotations_d
     assert any(f"{info['normal']}: 1 detection(s) lie outside the slide (4096 x 4096 level-0 px)" in r.getMessage()
                for r in caplog.records)
     assert "1 detection(s) lie outside their slide" in (tmp_path / "out" / "report.html").read_text()
+
+
+def test_evaluate_refuses_a_predictions_folder_that_heatmap_shards_still_write(synth_dir, annotations_dir,
+                                                                             predictions, tmp_path, capsys):
+    """While a heatmap shard holds the folder (another process here, holding it as shard 1/2 does), the
+    folder holds some slides only: evaluate stops, naming the shard's pid and the fix, and evaluates
+    once the shard has finished."""
+    import shutil
+    import subprocess
+    import sys
+
+    pred_dir = tmp_path / "heatmaps"
+    shutil.copytree(predictions[0], pred_dir)
+    cmd = ["evaluate", "--predictions", str(pred_dir), "--annotations", str(annotations_dir), "--slides",
+           str(synth_dir), "--labels", str(synth_dir / "labels.csv"), "--out", str(tmp_path / "out")]
+    shard = subprocess.Popen([sys.executable, "-c", (
+        "import time\n"
+        "from wsi_milssl.locks import folder_lock\n"
+        f"with folder_lock({str(pred_dir)!r}, shard=(1, 2)):\n"
+        "    print('locked', flush=True)\n"
+        "    time.sleep(60)\n"
+    )], stdout=subprocess.PIPE, text=True)
+    try:
+        assert shard.stdout.readline().strip() == "locked"
+        assert main(cmd) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {pred_dir}: another wsi-milssl run (shard 1/2, pid {shard.pid}"), err
+        assert err.rstrip().endswith("is still writing this folder, so its predictions are not complete. Fix: wait "
+                                     "until that heatmap run (every shard of it) finishes, then evaluate.")
+        assert not (tmp_path / "out" / "metrics.json").exists()
+    finally:
+        shard.kill()
+        shard.wait()
+    assert main(cmd) == 0

@@ -87,3 +87,31 @@ def test_two_shards_at_once_make_the_files_of_one_run(tmp_path, four_slides, che
     assert sorted(whole_files) == sorted(sharded_files)
     different = [name for name in whole_files if whole_files[name] != sharded_files[name]]
     assert different == []
+
+
+def test_a_shard_given_another_slide_list_is_refused(tmp_path, four_slides, checkpoint_factory, capsys):
+    """Shard 0/2 predicts s0 of [s0, s2], then shard 1/2 is given [s0, s1, s2]: it would predict s1 and
+    leave s2 without a heatmap and without a word. It is refused (exit 2) before predicting anything."""
+    from wsi_milssl.cli import main
+
+    ckpt = checkpoint_factory()
+    out = tmp_path / "hm"
+    cmd = ["heatmap", "--model", str(ckpt), "--out", str(out), "--thumbnail-px", "128", "--workers", "0"]
+    assert main([*cmd, str(four_slides[0]), str(four_slides[2]), "--shard", "0/2"]) == 0
+    capsys.readouterr()
+    assert main([*cmd, *map(str, four_slides[:3]), "--shard", "1/2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {out}: shard 1/2 has a list of 3 slide(s) or store(s), but the shard(s) of this "
+                          "2-way run that already ran here (0/2) had a list of 2"), err
+    assert [r["slide"] for r in _status(out)] == ["s0"]
+
+
+def test_a_shard_without_slides_names_only_the_files_it_wrote(tmp_path, four_slides, checkpoint_factory, capsys):
+    from wsi_milssl.cli import main
+
+    out = tmp_path / "hm"
+    assert main(["heatmap", *map(str, four_slides[:2]), "--model", str(checkpoint_factory()), "--out", str(out),
+                 "--shard", "7/8"]) == 0
+    printed = capsys.readouterr().out
+    assert "heatmaps of 0 slide(s)" in printed and "scores:" not in printed and not (out / "scores.csv").exists()
+    assert f"status: {out / 'heatmap_status.csv'}" in printed

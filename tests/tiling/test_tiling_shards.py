@@ -109,3 +109,65 @@ def test_a_bad_shard_is_a_usage_error(tmp_path, capsys, command, value, why):
     assert err.startswith(f"usage: wsi-milssl {command} ")
     assert re.search(rf"^wsi-milssl {command}: error: argument --shard: {why}$", err, re.M), err
     assert not (tmp_path / "out").exists()
+
+
+def _slides_folder(four_slides, folder, names):
+    """A folder of hard links (or copies) to some of the four slides, under other names."""
+    import shutil
+
+    slides, _ = four_slides
+    folder.mkdir(exist_ok=True)
+    for new, old in names.items():
+        try:
+            os.link(slides / f"{old}.tif", folder / f"{new}.tif")
+        except OSError:
+            shutil.copy(slides / f"{old}.tif", folder / f"{new}.tif")
+    return folder
+
+
+def test_a_shard_given_another_slide_list_than_the_shard_before_it_is_refused(four_slides, tmp_path, capsys):
+    """The reviewer's sequence: shard 0/2 tiles a folder of five slides, a sixth (sorted second) is copied
+    in, shard 1/2 is run: it would tile synth_002/004 twice and synth_001x/003/005 never, with every
+    shard exiting 0. It is refused (exit 2, no store, no status row); re-running shard 0 then shard 1
+    tiles every slide once and leaves no record."""
+    folder = _slides_folder(four_slides, tmp_path / "slidesC",
+                            {f"synth_00{k}": f"slide_{k % 4}" for k in (0, 2, 3, 4, 5)})
+    out = tmp_path / "shC"
+    cmd = ["tile", str(folder), "--out", str(out), *ARGS]
+    assert main([*cmd, "--shard", "0/2"]) == 0
+    assert [p.name for p in find_stores(out)] == ["synth_000.h5", "synth_003.h5", "synth_005.h5"]
+    _slides_folder(four_slides, folder, {"synth_001x": "slide_1"})
+    capsys.readouterr()
+    assert main([*cmd, "--shard", "1/2"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: {out}: shard 1/2 has a list of 6 slide(s) or store(s), but the shard(s) of this 2-way "
+                   "run that already ran here (0/2) had a list of 5 (other items, or another order), so some would "
+                   "be done twice and others never. Fix: give every shard the same list; when the list changed, "
+                   "re-run shard 0/2 with the new list first, then the others (finished slides are skipped).\n")
+    assert [p.name for p in find_stores(out)] == ["synth_000.h5", "synth_003.h5", "synth_005.h5"]
+    assert [r["slide"] for r in read_status_csv(out / "tile_status.csv")] == ["synth_000", "synth_003", "synth_005"]
+    assert main([*cmd, "--shard", "0/2"]) == 0 and main([*cmd, "--shard", "1/2"]) == 0
+    assert [(r["slide"], r["status"]) for r in read_status_csv(out / "tile_status.csv")] == [
+        ("synth_000", "skipped"), ("synth_001x", "ok"), ("synth_002", "ok"), ("synth_003", "skipped"),
+        ("synth_004", "ok"), ("synth_005", "skipped")]
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
+
+
+def test_torchrun_ranks_finish_their_slides_when_a_rank_has_a_failed_slide(four_slides, tmp_path):
+    """The reviewer's torchrun run: rank 1's only slide is not a slide, and fails at once. torchrun ends
+    every rank when one exits non-zero, so rank 1 used to stop rank 0 mid-slide (no status rows, a
+    .partial store left, the same on every re-run). Rank 1 now waits for rank 0 and then exits 1 with a
+    line naming the status CSV: every good slide is tiled and torchrun still reports the failure."""
+    folder = _slides_folder(four_slides, tmp_path / "slides", {"slide_0": "slide_0", "slide_1": "slide_1"})
+    (folder / "slide_0a.tif").write_bytes(os.urandom(5000))  # sorted second: rank 1's share
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "wsi_milssl",
+         "tile", str(folder), "--out", str(out), "--magnification", "40", "--patch-size", "64", "--pixels", "raw",
+         "--threads", "1", "--openslide-only"], env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0, proc.stderr
+    assert [(r["slide"], r["status"]) for r in read_status_csv(out / "tile_status.csv")] == [
+        ("slide_0", "ok"), ("slide_0a", "failed"), ("slide_1", "ok")]
+    assert f"error: 1 slide(s) failed (shard 1/2); see {out / 'tile_status.csv'}" in proc.stderr
+    assert [p.name for p in find_stores(out)] == ["slide_0.h5", "slide_1.h5"]
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []  # no .partial, no lock

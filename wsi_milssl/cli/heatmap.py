@@ -211,8 +211,9 @@ def run(args: argparse.Namespace) -> int:
     from wsi_milssl.inference import make_heatmaps
     from wsi_milssl.tiling import find_slides
 
-    from wsi_milssl.cli.sharding import shard_from_args
+    from wsi_milssl.cli.sharding import failed_exit, shard_from_args
     from wsi_milssl.distributed import torchrun_env
+    from wsi_milssl.errors import ShardListError
 
     try:
         shard = shard_from_args(args)
@@ -223,19 +224,30 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    with TqdmProgress() as progress:
-        env = torchrun_env()
-        if env is not None and config.device != "cpu":
-            _use_local_gpu(env[2])
-        result = make_heatmaps(slides, args.model, args.out, config, stores=args.store,
-                               annotations_dir=args.annotations, progress=progress, shard=shard,
-                               overwrite=args.overwrite)
-    return _report(result, "slide(s)")
+    try:
+        with TqdmProgress() as progress:
+            env = torchrun_env()
+            if env is not None and config.device != "cpu":
+                _use_local_gpu(env[2])
+            result = make_heatmaps(slides, args.model, args.out, config, stores=args.store,
+                                   annotations_dir=args.annotations, progress=progress, shard=shard,
+                                   overwrite=args.overwrite)
+    except ShardListError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    _report(result, "slide(s)")
+    return failed_exit(args, shard, len(result.results) - _n_ok(result), out_dir=result.out_dir,
+                       status_csv=result.status_csv, what="slide(s) failed or had no patch")
+
+
+def _n_ok(result) -> int:
+    return sum(r.status == "ok" for r in result.results)
 
 
 def _report(result, what: str) -> int:
     """Print a heatmap run's summary (patches per second from the first input opened to the last file
-    written), one line per slide, failures to stderr; the exit code: 0, or 1 when a slide failed."""
+    written), one line per slide, the files written, failures to stderr; the exit code: 0, or 1 when a
+    slide failed or had no patch."""
     seconds = result.seconds
     ok = [r for r in result.results if r.status == "ok"]
     n_patches = sum(r.n_patches for r in ok)
@@ -244,7 +256,10 @@ def _report(result, what: str) -> int:
           f"{result.n_empty} empty; {n_patches} patches in {seconds:.1f} s{rate} -> {result.out_dir}")
     for r in ok:
         print(f"  {r.slide}: score {r.score:.4f}, {r.n_patches} patches")
-    print(f"scores: {result.scores_csv}; status: {result.status_csv}")
+    files = [f"{name}: {path}" for name, path in (("scores", result.scores_csv), ("status", result.status_csv))
+             if path.exists()]  # a shard without slides writes neither
+    if files:
+        print("; ".join(files))
     for r in result.results:
         if r.status != "ok":
             print(f"{r.status}: {r.slide}: {r.error}", file=sys.stderr)

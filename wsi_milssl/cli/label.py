@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from wsi_milssl.config.label import LabelConfig
-from wsi_milssl.errors import ConfigError
+from wsi_milssl.errors import ConfigError, ShardListError
 
 __all__ = ["SUMMARY", "register", "run", "label_config_from_args"]
 
@@ -84,7 +84,7 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from wsi_milssl.cli.progress import TqdmProgress
-    from wsi_milssl.cli.sharding import shard_from_args
+    from wsi_milssl.cli.sharding import failed_exit, shard_from_args
     from wsi_milssl.labeling import label_stores
 
     try:
@@ -93,11 +93,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     config = label_config_from_args(args)
-    with TqdmProgress() as progress:
-        report = label_stores(
-            args.stores, annotations_dir=args.annotations, labels_csv=getattr(args, "labels", None), config=config,
-            out_dir=getattr(args, "out", None), progress=progress, shard=shard, overwrite=args.overwrite,
-        )
+    try:
+        with TqdmProgress() as progress:
+            report = label_stores(
+                args.stores, annotations_dir=args.annotations, labels_csv=getattr(args, "labels", None),
+                config=config, out_dir=getattr(args, "out", None), progress=progress, shard=shard,
+                overwrite=args.overwrite,
+            )
+    except ShardListError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     width = max([len(r.stem) for r in report.results] + [5])
     print(f"{'slide':<{width}}  {'status':<7} {'labels':<11} {'patches':>8} {'positive':>8}  slide label")
     for r in report.results:
@@ -119,4 +124,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"stores missing from {getattr(args, 'labels', None)} ({len(report.stores_missing_from_labels)}): "
               + ", ".join(report.stores_missing_from_labels))
     print(f"status: {report.status_csv}")
-    return 1 if report.n_failed else 0
+    return failed_exit(args, shard, report.n_failed, out_dir=report.status_csv.parent, status_csv=report.status_csv,
+                       what="store(s) failed")

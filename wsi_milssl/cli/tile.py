@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from wsi_milssl.config.tile import DEFAULT_MAGNIFICATION, TileConfig
-from wsi_milssl.errors import ConfigError, StoreError
+from wsi_milssl.errors import ConfigError, ShardListError, StoreError
 
 __all__ = ["SUMMARY", "register", "run", "tile_config_from_args"]
 
@@ -101,7 +101,7 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from wsi_milssl.cli.progress import TqdmProgress
-    from wsi_milssl.cli.sharding import shard_from_args
+    from wsi_milssl.cli.sharding import failed_exit, shard_from_args
     from wsi_milssl.tiling import find_slides, tile_slides
 
     try:
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with TqdmProgress() as progress:
             result = tile_slides(slides, args.out, config, overwrite=args.overwrite, progress=progress, shard=shard)
-    except StoreError as exc:
+    except (StoreError, ShardListError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     counts = {k: sum(r.status == k for r in result.results) for k in ("ok", "skipped", "failed")}
@@ -126,4 +126,4 @@ def run(args: argparse.Namespace) -> int:
     for r in result.results:
         if r.status == "failed":
             print(f"failed: {r.slide}: {r.error}", file=sys.stderr)
-    return 1 if counts["failed"] else 0
+    return failed_exit(args, shard, counts["failed"], out_dir=args.out, status_csv=result.status_csv)

@@ -50,7 +50,7 @@ from wsi_milssl.atomic import atomic_write_bytes, atomic_write_csv, atomic_write
 from wsi_milssl.cohorts import labels_for, stem_key
 from wsi_milssl.config.base import config_hash, config_to_dict, write_resolved_config
 from wsi_milssl.config.evaluate import EvaluateConfig
-from wsi_milssl.errors import EvaluationError, MissingResolutionError, WsiMilsslError
+from wsi_milssl.errors import EvaluationError, FolderLockedError, MissingResolutionError, WsiMilsslError
 from wsi_milssl.evaluation.froc import (
     CAMELYON16_DOWNSAMPLE,
     FP_RATES,
@@ -82,6 +82,7 @@ from wsi_milssl.evaluation.plots import (
 )
 from wsi_milssl.evaluation.report import ReportData, write_report
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
+from wsi_milssl.locks import folder_writer
 from wsi_milssl.slide import open_slide
 
 __all__ = ["PER_SLIDE_COLUMNS", "EvaluationResult", "SlideResult", "evaluate_predictions"]
@@ -573,6 +574,11 @@ def evaluate_predictions(
     config = config or EvaluateConfig()
     predictions_dir = Path(predictions_dir)
     out_dir = Path(out_dir)
+    writer = folder_writer(predictions_dir)
+    if writer is not None:
+        raise FolderLockedError(f"{predictions_dir}: {writer} is still writing this folder, so its predictions "
+                                "are not complete. Fix: wait until that heatmap run (every shard of it) finishes, "
+                                "then evaluate.")
     annotations_dir = None if annotations_dir is None else Path(annotations_dir)
     if annotations_dir is not None and not annotations_dir.is_dir():
         raise EvaluationError(f"{annotations_dir}: the annotations folder does not exist. Fix: check --annotations.")

@@ -649,18 +649,18 @@ def make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.Path
     The lock of ``out_dir`` is held for the run (:func:`wsi_milssl.locks.folder_lock`, as shard I of
     N): another run into the folder, or a second copy of the shard, is refused with FolderLockedError.
     """
-    with folder_lock(out_dir, shard=shard):
-        return _make_heatmaps(slides, checkpoint, out_dir, config, stores=stores, annotations_dir=annotations_dir,
-                              progress=progress, shard=shard, overwrite=overwrite)
+    every = match_inputs(slides, stores)
+    with folder_lock(out_dir, shard=shard, items=[i.stem for i in every]):
+        return _make_heatmaps(shard_items(every, *shard), checkpoint, out_dir, config,
+                              annotations_dir=annotations_dir, progress=progress, overwrite=overwrite)
 
 
-def _make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.PathLike | InferenceModel,
+def _make_heatmaps(inputs: list[HeatmapInput], checkpoint: str | os.PathLike | InferenceModel,
                    out_dir: str | os.PathLike, config: HeatmapConfig | None, *,
-                   stores: Sequence[str | os.PathLike] | None, annotations_dir: str | os.PathLike | None,
-                   progress: ProgressCallback | None, shard: tuple[int, int], overwrite: bool) -> HeatmapRun:
+                   annotations_dir: str | os.PathLike | None, progress: ProgressCallback | None,
+                   overwrite: bool) -> HeatmapRun:
     config = config or HeatmapConfig()
     out_dir = Path(out_dir)
-    inputs = shard_items(match_inputs(slides, stores), *shard)
     if inputs and config.num_workers != 0:
         prestart_readers()  # the readers' fork server starts while the checkpoint loads
     model = checkpoint if isinstance(checkpoint, InferenceModel) else load_inference_model(checkpoint, config=config)

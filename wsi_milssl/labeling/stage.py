@@ -374,7 +374,7 @@ def label_stores(
     labels = read_labels(labels_csv) if labels_csv is not None else None
     ann_files = list_annotation_files(annotations_dir)  # raises when the folder is missing
     out = Path(out_dir) if out_dir is not None else paths[0].parent / "labels"
-    with folder_lock(out, shard=shard):
+    with folder_lock(out, shard=shard, items=[p.name for p in paths]):
         return _label_stores_locked(paths, annotations_dir, labels, labels_csv, ann_files, config, out, progress,
                                     shard=shard, overwrite=overwrite)
 

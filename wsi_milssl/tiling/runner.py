@@ -538,7 +538,8 @@ def tile_slides(slides: Iterable[str | os.PathLike], out_dir: str | os.PathLike,
     """Tile every slide into ``out_dir`` with ``config.workers`` processes.
 
     ``shard`` = (I, N): tile only every N-th slide from the I-th
-    (:func:`wsi_milssl.distributed.shard_items`); every shard must get the same slide list.
+    (:func:`wsi_milssl.distributed.shard_items`); every shard must get the same slide list (a shard of a run
+    whose earlier shards had another list raises ShardListError before tiling anything).
 
     Holds the lock of ``out_dir`` for the whole run (as shard I of N: together with the other shards):
     while another run holds it, FolderLockedError (naming the folder and the other run's pid); an
@@ -555,7 +556,7 @@ def tile_slides(slides: Iterable[str | os.PathLike], out_dir: str | os.PathLike,
     every = [Path(s) for s in slides]  # every shard checks the stores of the whole run's slides
     slides = shard_items(every, *shard)
     out_dir = Path(out_dir)
-    with folder_lock(out_dir, shard=shard):
+    with folder_lock(out_dir, shard=shard, items=[s.name for s in every]):
         other_settings = check_folder_settings(out_dir, every, config, overwrite=overwrite,
                                                keep_other_stores=keep_other_stores)
         return _tile_slides_locked(slides, out_dir, config, overwrite=overwrite, progress=progress,
