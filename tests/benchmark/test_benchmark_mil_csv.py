@@ -805,3 +805,11 @@ def test_stacked_rff_zero_is_unchanged_and_random_fourier_features_still_learn(m
     val, data, kw = _two_stacked_models(mil_csv, mil_csv_val)
     _option_is_off_by_default_and_changes_training(data, kw, val, "rff_dim", 0, 64)
     assert mc.METHODS["mil-ssl-improved-rff"].settings()["rff_dim"] == 512
+
+
+def test_stacked_confidence_power_zero_is_unchanged_and_weighing_by_confidence_changes_training(mil_csv, mil_csv_val):
+    val, data, kw = _two_stacked_models(mil_csv, mil_csv_val)
+    _option_is_off_by_default_and_changes_training(data, kw, val, "confidence_power", 0.0, 1.0)
+    assert mc.METHODS["mil-ssl-improved-confidence"].settings()["confidence_power"] == 1.0
+    with pytest.raises(ConfigError, match="confidence_power"):
+        fit_stacked_milssl(data, confidence_power=-1.0, **kw)

@@ -61,7 +61,7 @@ FIXED_KEYS = {
     "mil-ssl": ("hidden_dims", "batch_size", "lam", "fixed_mu", "soft_labels", "local_constraint",
                 "global_constraint", "class_balanced", "warmup_epochs", "pseudo_negative_weight", "bag_loss_weight",
                 "target_momentum", "bag_context", "neighbours", "input_noise", "weight_average_epochs", "mixup",
-                "cross_fit", "per_bag_mu", "rff_dim"),
+                "cross_fit", "per_bag_mu", "rff_dim", "confidence_power"),
     "abmil": ("hidden_dims", "bags_per_batch"),
     "gated-abmil": ("hidden_dims", "bags_per_batch"),
     "maxpool": ("hidden_dims", "bags_per_batch"),
@@ -72,7 +72,8 @@ DEFAULTS = {
                 "local_constraint": True, "global_constraint": True, "class_balanced": False, "warmup_epochs": 0,
                 "bag_balanced": False, "pseudo_negative_weight": 1.0, "bag_loss_weight": 0.0, "target_momentum": 0.0,
                 "bag_context": False, "neighbours": 0, "input_noise": 0.0, "weight_average_epochs": 0.0, "mixup": 0.0,
-                "cross_fit": False, "per_bag_mu": False, "rff_dim": 0},
+                "cross_fit": False, "per_bag_mu": False, "rff_dim": 0,
+                "confidence_power": 0.0},
     "abmil": {"lr": 1e-3, "weight_decay": 1e-4, "attention_dim": 64, "dropout": 0.0, "hidden_dims": (128, 64),
               "bags_per_batch": 8},
 }
@@ -318,6 +319,10 @@ METHODS: dict[str, MethodSpec] = {
                                       "improved, the classifier on 512 random Fourier features of a Gaussian "
                                       "kernel on the standardised features (rff_dim; tried on the development "
                                       "sets, not adopted)", fixed={"rff_dim": 512}),
+    "mil-ssl-improved-confidence": _ablation("mil-ssl-improved-confidence", _IMPROVED,
+                                             "improved, every positive-bag instance's loss weighed by its pseudo "
+                                             "label's confidence |2q - 1| (confidence_power 1: self-paced)",
+                                             fixed={"confidence_power": 1.0}),
     "mil-ssl-improved-threshold-0.5": _ablation("mil-ssl-improved-threshold-0.5", _IMPROVED,
                                                 "improved, bag threshold 0.5 (not calibrated)", threshold="0.5"),
 }
@@ -527,7 +532,7 @@ def _fit_fold(spec: MethodSpec, train_set: InstanceSet, test_set: InstanceSet, i
             bag_balanced=col("bag_balanced"), pseudo_negative_weight=settings["pseudo_negative_weight"],
             bag_loss_weight=settings["bag_loss_weight"], target_momentum=settings["target_momentum"],
             neighbours=settings["neighbours"], input_noise=settings["input_noise"], mixup=settings["mixup"], cross_fit=settings["cross_fit"],
-            per_bag_mu=settings["per_bag_mu"], rff_dim=settings["rff_dim"],
+            per_bag_mu=settings["per_bag_mu"], rff_dim=settings["rff_dim"], confidence_power=settings["confidence_power"],
             weight_average_epochs=settings["weight_average_epochs"],
             eval_at=spec.epoch_grid, eval_sets={"test": test_set}, seeds=seeds, seed=seed)
         points, train_scores, test_scores = [], {}, {}

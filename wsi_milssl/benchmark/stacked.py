@@ -527,7 +527,8 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
                        bag_balanced: Sequence[bool] | bool = False, pseudo_negative_weight: float = 1.0,
                        bag_loss_weight: float = 0.0, target_momentum: float = 0.0, neighbours: int = 0,
                        input_noise: float = 0.0, weight_average_epochs: float = 0.0, mixup: float = 0.0,
-                       cross_fit: bool = False, per_bag_mu: bool = False, rff_dim: int = 0, eval_at: Sequence[int],
+                       cross_fit: bool = False, per_bag_mu: bool = False, rff_dim: int = 0, confidence_power: float = 0.0,
+                       eval_at: Sequence[int],
                        eval_sets: dict[str, InstanceSet], seeds: Sequence[int],
                        seed: int = 0) -> dict[str, dict[int, np.ndarray]]:
     """Train M MIL-SSL instance classifiers at once (model m on the bags ``data.bag_weight[m]``).
@@ -564,7 +565,10 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
     the fraction μ of positive pseudo labels hold in every positive bag (:func:`stacked_pseudo_labels`);
     ``rff_dim`` R > 0 feeds the classifier R random Fourier features of a Gaussian kernel on the standardised
     features (a local, kernel-like input, as the kernel MIL methods that do well on MUSK use) instead of
-    the features themselves.
+    the features themselves; ``confidence_power`` γ > 0 weighs every positive-bag instance's loss by
+    |2 q - 1|^γ, its pseudo label's confidence (self-paced: an instance the refresh leaves near 0.5 counts
+    little, one the local constraint or the transport sets near 0 or 1 fully; negative-bag instances keep
+    weight 1).
 
     Returns ``{set name: {epoch: instance probabilities (M, N_set) float64}}`` (``"train"`` included).
     """
@@ -586,6 +590,8 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
         raise ConfigError(f"weight_average_epochs must be >= 0 (0 = the last weights); got {weight_average_epochs!r}.")
     if not mixup >= 0:
         raise ConfigError(f"mixup must be >= 0 (the Beta(α, α) of the mixing weights; 0 = no mixup); got {mixup!r}.")
+    if not confidence_power >= 0:
+        raise ConfigError(f"confidence_power must be >= 0 (0 = every pseudo label counts fully); got {confidence_power!r}.")
     if cross_fit:
         if neighbours:
             raise ConfigError("cross_fit and neighbours cannot be combined; set one of them.")
@@ -677,6 +683,8 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
         for step, i in enumerate(range(0, n, batch_size)):
             idx = order[i:i + batch_size]
             x, q, w, nw = data.x[idx], targets[:, idx], loss_w[:, idx], neg_w[idx]
+            if confidence_power > 0 and epoch >= warmup_epochs:  # uncertain pseudo labels count less
+                w = torch.where(pos_bag[idx], (2 * q - 1).abs() ** confidence_power, torch.ones_like(q)) * w
             if mixup > 0:  # pairs (j, perm[j]) mixed with weight l_j; a pair counts where both are a model's own
                 perm = torch.randperm(idx.numel(), generator=g)
                 mix = _beta(mixup, idx.numel(), g)
