@@ -38,6 +38,9 @@ CASES = [
     ({"model": {"weight": 3}}, r"'model' is a dict, not a state dict of tensors"),
     ({"model_name": 7}, r"'model_name' is 7, not a model name"),
     ({"model_kwargs": {"no_such_argument": 1}}, r"cannot build model 'mlp' with the saved model_kwargs"),
+    # torch refuses the size with a RuntimeError
+    ({"model_kwargs": {"num_classes": 2, "in_features": 8, "hidden_dims": [-5], "dropout": 0.5}},
+     r"cannot build model 'mlp' with the saved model_kwargs .*\(.*negative dimension -5.*\)\."),
 ]
 
 
@@ -54,7 +57,8 @@ def test_complete_checkpoint_loads(checkpoint):
     assert config["model_name"] == "mlp" and not model.training
 
 
-@pytest.mark.parametrize("changes", [{"model_name": None}, {"model": None}, {"config": "x"}])
+@pytest.mark.parametrize("changes", [{"model_name": None}, {"model": None}, {"config": "x"},
+                                     {"model_kwargs": {"num_classes": 2, "in_features": 8, "hidden_dims": [-5]}}])
 def test_heatmap_gives_one_error_line(checkpoint, tmp_path, synth_slides, capsys, changes):
     path = _damaged(checkpoint, tmp_path, **changes)
     capsys.readouterr()

@@ -42,9 +42,9 @@ def test_images_validation_on_the_training_stores_is_refused(tmp_path, image_sto
     others, _ = image_store_factory(tmp_path / "others", n_bags=2, n_patches=8, size_px=16, seed=1)
     both = tmp_path / "both"
     both.mkdir()
-    for p in (paths[0], others[0]):
+    for p in (paths[0], others[1]):
         shutil.copy(p, both / p.name)
-    (both / "labels.csv").write_text(f"slide,label\n{paths[0].stem},0\n{others[0].stem},0\n")
+    (both / "labels.csv").write_text(f"slide,label\n{paths[0].stem},0\n{others[1].stem},1\n")
     assert main(["train", folder, "--labels", str(labels), "--val", str(both), "--val-labels",
                  str(both / "labels.csv"), "--out", str(tmp_path / "run4"), *BASE]) == 0
 

@@ -89,7 +89,11 @@ def add_train_options(p: argparse.ArgumentParser) -> None:
     r.add_argument("--colour-jitter", type=float, default=None,
                    help=f"brightness/contrast/saturation jitter amplitude [{d.colour_jitter}]")
     r.add_argument("--select-metric", choices=("bag_auc", "instance_auc", "bag_nll"), default=None,
-                   help=f"validation metric that picks best.pt [{d.select_metric}]")
+                   help="validation metric that picks best.pt: bag_auc (slide labels; needs validation slides of "
+                        "both classes), bag_nll (the bag loss on slide labels; works with one class) or "
+                        "instance_auc (reads the instance labels, from annotations, of the validation slides: "
+                        "never give it the test slides) "
+                        f"[{d.select_metric}]")
     r.add_argument("--seed", type=int, default=None, help=f"seed of every random stream [{d.seed}]")
     r.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None, help=f"[{d.device}]")
     r.add_argument("--amp", choices=("auto", "off", "bf16", "fp16"), default=None,

@@ -69,6 +69,12 @@ class TrainConfig:
     by kernel rounding, and dropout masks (feature heads) are drawn differently. On one H100,
     'reduce-overhead' doubled the training pass at 224 px and 'default' slowed it (README "Speed").
 
+    Selection: ``select_metric`` picks best.pt on the validation set: 'bag_auc' (slide labels; needs
+    validation slides of both classes), 'bag_nll' (the bag loss on slide labels, defined with one class)
+    or 'instance_auc', which reads the instance labels (from annotations) of the validation slides, the
+    one use of instance labels in training: never give it the test slides. A validation set on which the
+    metric is never defined is refused before training.
+
     Data order: image instances are visited in shuffled blocks of ``shuffle_block`` consecutive
     patches of one slide (shuffled within the block), so reads are sequential within a store; 1 is a
     uniform permutation (see :func:`wsi_milssl.mil.loader.block_order` for the effect on randomness).

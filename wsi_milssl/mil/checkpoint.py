@@ -23,7 +23,7 @@ from wsi_milssl.atomic import atomic_open
 from wsi_milssl.errors import CheckpointError
 
 __all__ = ["save_checkpoint", "read_checkpoint", "load_model", "capture_rng", "restore_rng",
-           "resolve_checkpoint_path", "CHECKPOINT_FORMAT"]
+           "resolve_checkpoint_path", "check_resume_parts", "CHECKPOINT_FORMAT", "INCOMPLETE_FIX"]
 
 CHECKPOINT_FORMAT = "wsi-milssl-train-checkpoint/1"
 
@@ -109,9 +109,10 @@ def load_model(checkpoint_path: str | os.PathLike, *, device: str | torch.device
     kwargs = dict(ckpt.get("model_kwargs") or {})
     try:
         model = create_model(ckpt["model_name"], **kwargs)
-    except (ConfigError, TypeError, ValueError) as exc:
+    except (ConfigError, TypeError, ValueError, RuntimeError) as exc:  # RuntimeError: torch refusing a size
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
         raise CheckpointError(f"{path}: cannot build model {ckpt['model_name']!r} with the saved model_kwargs "
-                              f"{kwargs!r} ({exc}). {_INCOMPLETE_FIX}") from None
+                              f"{kwargs!r} ({first}). {INCOMPLETE_FIX}") from None
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as exc:
@@ -124,12 +125,19 @@ def load_model(checkpoint_path: str | os.PathLike, *, device: str | torch.device
     return model, config
 
 
-_INCOMPLETE_FIX = ("The checkpoint is incomplete or was not written by this version's `wsi-milssl train`. "
+INCOMPLETE_FIX = ("The checkpoint is incomplete or was not written by this version's `wsi-milssl train`. "
                    "Fix: re-run training, or pass RUN_DIR/best.pt or RUN_DIR/last.pt of a complete run.")
 
 
 def _check_model_parts(ckpt: dict[str, Any], path: Path) -> None:
     """Raise CheckpointError unless ``ckpt`` holds what :func:`load_model` needs, of the right types."""
+    problems = _model_part_problems(ckpt)
+    if problems:
+        raise CheckpointError(f"{path}: {'; '.join(problems)}. {INCOMPLETE_FIX}")
+
+
+def _model_part_problems(ckpt: dict[str, Any]) -> list[str]:
+    """What is missing or mistyped among the parts :func:`load_model` reads."""
     problems = []
     name = ckpt.get("model_name")
     if not isinstance(name, str) or not name:
@@ -147,5 +155,26 @@ def _check_model_parts(ckpt: dict[str, Any], path: Path) -> None:
     pooling = ckpt.get("bag_pooling")
     if pooling is not None and not isinstance(pooling, str):
         problems.append(f"'bag_pooling' is {pooling!r}, not a name")
+    return problems
+
+
+#: What ``train --resume`` restores from ``last.pt`` besides the model, and the type each must have.
+_RESUME_PARTS = {"optimizer": dict, "pseudo_labels": dict, "rng": dict, "epoch": int, "step": int}
+
+
+def check_resume_parts(ckpt: dict[str, Any], path: Path) -> None:
+    """Raise CheckpointError, naming every missing or mistyped part, unless ``ckpt`` holds what a resume
+    needs: the model parts (:func:`load_model`'s) and the optimizer, pseudo labels, RNG states, config,
+    epoch and step."""
+    problems = _model_part_problems(ckpt)  # a mistyped 'config' among them
+    if ckpt.get("config") is None:
+        problems.append("'config' is missing")
+    for key, kind in _RESUME_PARTS.items():
+        value = ckpt.get(key)
+        if value is None:
+            problems.append(f"{key!r} is missing")
+        elif not isinstance(value, kind) or isinstance(value, bool):
+            problems.append(f"{key!r} is a {type(value).__name__}, not a{'n' if kind is int else ''} "
+                            f"{kind.__name__}")
     if problems:
-        raise CheckpointError(f"{path}: {'; '.join(problems)}. {_INCOMPLETE_FIX}")
+        raise CheckpointError(f"{path}: {'; '.join(problems)}. {INCOMPLETE_FIX}")

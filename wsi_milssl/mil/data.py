@@ -406,7 +406,9 @@ def read_patch_stores(paths: Iterable[str | os.PathLike], labels: dict[str, int]
                       labels_path: str = "labels.csv") -> InstanceSet:
     """Index the patches of patch stores (one store per slide = one bag) without reading pixels.
 
-    Bag names are the stores' slide stems, labelled from ``labels``. Instance labels are taken from the
+    Bag names are the stores' slide stems, labelled from ``labels``. A store without a patch (no tissue passed
+    the filters) is left out with a warning, as :func:`read_feature_files` leaves out files without rows: it
+    would count as a bag with nothing to learn from. Instance labels are taken from the
     stores' ``instance_label`` datasets when every store has one (evaluation only). All stores must share
     the target resolution and patch size. The stores' tile recipe (attribute ``tiling_plan``) goes into
     ``settings["tiling_plan"]`` as a dict (the first store's that has one; stores written before it
@@ -419,15 +421,18 @@ def read_patch_stores(paths: Iterable[str | os.PathLike], labels: dict[str, int]
     store_paths = find_stores(list(paths))
     if not store_paths:
         raise StoreError("no patch stores found in the given paths; run `wsi-milssl tile` first.")
-    names, sources, bag_labels, ids, local, inst = [], [], [], [], [], []
+    names, sources, bag_labels, ids, local, inst, used = [], [], [], [], [], [], []
     have_inst = True
     settings: dict | None = None
-    for i, sp in enumerate(store_paths):
+    for sp in store_paths:
         with open_store(sp) as store:
             if not store.has("patches"):
                 raise StoreError(f"{sp}: the store holds no patch pixels; re-tile with pixels stored "
                                  "(not 'none') to train on images.")
             n = len(store)
+            if n == 0:  # a bag without instances: it would count as a (positive) bag with nothing to learn from
+                log.warning("%s: no patches (none passed the tissue and entropy filters); left out of the set.", sp)
+                continue
             attrs = dict(store.attrs)
             stem = str(getattr(store, "stem", None) or attrs.get("slide_stem") or Path(sp).stem)
             if store.has("instance_label"):
@@ -462,17 +467,18 @@ def read_patch_stores(paths: Iterable[str | os.PathLike], labels: dict[str, int]
         names.append(stem)
         sources.append(str(_plain_attr(attrs["slide_path"])) if attrs.get("slide_path") else str(sp))
         bag_labels.append(_label_for(stem, labels, str(sp), labels_path))
-        ids.append(np.full(n, i, dtype=np.int64))
+        ids.append(np.full(n, len(used), dtype=np.int64))
         local.append(np.arange(n, dtype=np.int64))
-    bag_ids = np.concatenate(ids)
-    if bag_ids.size == 0:
-        raise StoreError("the given stores hold no patches; check the tiling settings (tissue/entropy filters).")
-    return InstanceSet(kind="images", bag_ids=bag_ids, bag_names=names,
+        used.append(sp)
+    if not used:
+        raise StoreError(f"{', '.join(str(p) for p in store_paths[:3])}{' ...' if len(store_paths) > 3 else ''}: the "
+                         "stores hold no patches; check the tiling settings (tissue/entropy filters).")
+    return InstanceSet(kind="images", bag_ids=np.concatenate(ids), bag_names=names,
                        bag_labels=np.asarray(bag_labels, dtype=np.int64),
                        instance_labels=np.concatenate(inst) if have_inst else None,
-                       store_paths=[str(p) for p in store_paths], bag_sources=sources,
+                       store_paths=[str(p) for p in used], bag_sources=sources,
                        local_index=np.concatenate(local),
-                       settings=settings or {}, source=str(store_paths[0]))
+                       settings=settings or {}, source=str(used[0]))
 
 
 def _plain_attr(value):

@@ -31,7 +31,7 @@ from wsi_milssl.errors import ConfigError
 from wsi_milssl.mil.data import InstanceSet, PatchDataset
 from wsi_milssl.runtime import decode_jpeg_batch, require_device_decode
 
-__all__ = ["ITEM_BYTES", "DECODE_CHOICES", "BatchLoader", "block_order"]
+__all__ = ["ITEM_BYTES", "DECODE_CHOICES", "BatchLoader", "block_order", "without_lone_last", "normalises_batches"]
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,29 @@ def block_order(instances: InstanceSet, generator: torch.Generator, *, block_siz
     keys = torch.rand(n, generator=generator).numpy()
     order = np.lexsort((keys, rank.numpy()[block_id]))
     return torch.from_numpy(by_store[order].astype(np.int64))
+
+
+def without_lone_last(order: torch.Tensor, *, batch_size: int, world_size: int = 1) -> torch.Tensor:
+    """``order`` (an epoch's global instance order) without its last, smaller global batch when that batch
+    would give some rank a training batch of one instance, which BatchNorm cannot normalise in training mode
+    ("Expected more than 1 value per channel when training").
+
+    The ranks' steps together are the steps of one process with batch ``batch_size x world_size``
+    (:func:`wsi_milssl.distributed.rank_share`), whose last global batch of t instances is split evenly,
+    the smallest piece holding t // world_size; so the t instances after the last full global batch are
+    dropped when 0 < t < 2 x world_size (one process: a last batch of one instance). Decided on the global
+    order, before the ranks' split, so every rank takes the same steps; the order changes every epoch, so
+    no instance is left out for long."""
+    n = int(order.numel())
+    tail = n % (batch_size * world_size)
+    if 0 < tail < 2 * world_size:
+        return order[:n - tail]
+    return order
+
+
+def normalises_batches(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds BatchNorm layers (which need two or more instances per training batch)."""
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
 class _Plan(torch.utils.data.Sampler):

@@ -41,9 +41,10 @@ from wsi_milssl.distributed import SINGLE, DistContext, all_sum, gather_values, 
 from wsi_milssl.errors import CheckpointError, ConfigError, DistributedError, OutputError, TrainingDivergedError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.locks import folder_lock
-from wsi_milssl.mil.checkpoint import capture_rng, read_checkpoint, restore_rng, save_checkpoint
+from wsi_milssl.mil.checkpoint import (INCOMPLETE_FIX, capture_rng, check_resume_parts, read_checkpoint, restore_rng,
+                                       save_checkpoint)
 from wsi_milssl.mil.data import NORMALISATION, InstanceSet
-from wsi_milssl.mil.loader import BatchLoader, block_order
+from wsi_milssl.mil.loader import BatchLoader, block_order, normalises_batches, without_lone_last
 from wsi_milssl.mil.models import create_model, is_image_model
 from wsi_milssl.mil.pixels import prepare_patches
 from wsi_milssl.mil.sinkhorn import adaptive_mu, assign_pseudo_labels
@@ -370,7 +371,8 @@ def train_one_epoch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, in
                     scaler: torch.amp.GradScaler | None = None, loader: BatchLoader | None = None,
                     progress: ProgressCallback | None = None, dist: DistContext = SINGLE,
                     refresh: bool = True) -> dict[str, float]:
-    """One pass over ``order`` (a permutation of all instance indices) in batches of ``config.batch_size``.
+    """One pass over ``order`` (a permutation of all instance indices) in batches of ``config.batch_size``
+    (a last batch of one instance is left out for models with BatchNorm: :func:`without_lone_last`).
 
     Refreshes the pseudo labels every ``config.refresh_every`` steps (counted globally from ``step``)
     when that is > 0 and ``refresh`` (False during warm-up epochs). Records training probabilities into ``state.online_probs``. Returns
@@ -382,6 +384,8 @@ def train_one_epoch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, in
     most every :data:`LOSS_REPORT_S` seconds).
     """
     model.train()
+    if not dist.enabled and normalises_batches(model):  # (several ranks: fit decides on the global order)
+        order = without_lone_last(order, batch_size=config.batch_size)
     dev = runtime.device
     source = _loader_for(loader, instances, runtime)
     targets = state.targets.to(dev)
@@ -474,6 +478,42 @@ def evaluate(model: torch.nn.Module, instances: InstanceSet, *, runtime: Runtime
     }
 
 
+def selection_problem(val: InstanceSet, select_metric: str) -> str | None:
+    """Why ``select_metric`` can never be computed on ``val`` (so no epoch could be chosen for best.pt), or
+    None: bag AUC needs bags of both labels, instance AUC instance labels of both classes. ``bag_nll`` is
+    defined with one class."""
+    def only(values: np.ndarray) -> str:
+        return "normal (label 0)" if int(values.max(initial=0)) == 0 else "tumour (label 1)"
+
+    if select_metric == "bag_auc" and np.unique(val.bag_labels).size < 2:
+        which = ("the one validation slide (bag) is" if val.n_bags == 1
+                 else f"the {val.n_bags} validation slides (bags) are all")
+        return f"{which} {only(val.bag_labels)}: bag AUC cannot be computed"
+    if select_metric == "instance_auc":
+        if val.instance_labels is None:
+            return ("the validation slides have no instance labels (annotations; `wsi-milssl label`): instance AUC "
+                    "cannot be computed")
+        if np.unique(val.instance_labels).size < 2:
+            return (f"every instance (patch) of the validation slides is {only(val.instance_labels)}: instance AUC "
+                    "cannot be computed")
+    return None
+
+
+def _check_selectable(val: InstanceSet, config: TrainConfig) -> None:
+    """Refuse, before training, a validation set on which ``config.select_metric`` is never defined: the run
+    would train to the end without choosing a best.pt."""
+    problem = selection_problem(val, config.select_metric)
+    if problem is None:
+        return
+    more = ("label the validation slides (`wsi-milssl label STORES --annotations ...`) or choose another metric"
+            if val.instance_labels is None else "validate on slides of both classes (more validation slides; in a "
+            "pipeline a larger [data].val_fraction, or more training slides of the missing class)")
+    raise ConfigError(f"{val.source}: {problem}, so no epoch could be chosen for best.pt "
+                      f"(select_metric {config.select_metric!r}). Fix: choose best.pt by the validation bag loss, "
+                      "which is defined with one class (--select-metric bag_nll; select_metric = \"bag_nll\" in "
+                      f"a pipeline's [train]), or {more}.")
+
+
 def selection_score(metrics: dict[str, Any], select_metric: str) -> tuple[float, float] | None:
     """Higher is better; None when the metric is undefined (e.g. one class only)."""
     nll = metrics.get("bag_nll")
@@ -505,12 +545,46 @@ class FitResult:
 
 
 def _data_fingerprint(instances: InstanceSet) -> str:
+    """The digest runs of earlier versions recorded (``data_fingerprint``: names, labels, bag ids and the first
+    4096 feature rows); still written and compared so that their checkpoints keep this check on resume.
+    :func:`data_digest` covers all of the data."""
     h = hashlib.sha256()
     h.update(json.dumps([instances.kind, instances.bag_names, instances.bag_labels.tolist(), len(instances)]).encode())
     h.update(np.ascontiguousarray(instances.bag_ids).tobytes())
     if instances.features is not None:
         h.update(np.ascontiguousarray(instances.features[: min(len(instances), 4096)]).tobytes())
     return h.hexdigest()[:16]
+
+
+def data_digest(instances: InstanceSet, *, instance_labels: bool = False) -> str:
+    """A digest of what training reads from ``instances`` (compared on resume, and between ranks): bag
+    names, bag labels and bag of every instance, and every feature row (kind 'features'), or for patch
+    stores (kind 'images') each store's patch count, every patch's coordinates and the stored bytes of its
+    first and last patch (the pixels come from the slide at those coordinates with the tiling settings, which
+    the checkpoint records apart): complete and cheap, a few reads per store whatever its size. With
+    ``instance_labels`` the instance labels too (a validation set that selects best.pt by instance AUC)."""
+    h = hashlib.sha256()
+    h.update(json.dumps([instances.kind, instances.bag_names, instances.bag_labels.tolist(), len(instances)]).encode())
+    h.update(np.ascontiguousarray(instances.bag_ids).tobytes())
+    if instances.features is not None:
+        h.update(np.ascontiguousarray(instances.features).tobytes())
+    if instances.kind == "images":
+        from wsi_milssl.store import open_store
+
+        for path in instances.store_paths or []:
+            with open_store(path) as store:
+                n = len(store)
+                h.update(f"{n}:{store.pixels}".encode())
+                h.update(np.ascontiguousarray(store.coords, dtype=np.int64).tobytes())
+                ends = sorted({0, n - 1}) if n else []
+                if store.pixels == "jpeg":
+                    for data in store.read_jpeg(ends):
+                        h.update(bytes(data))
+                elif ends:
+                    h.update(np.ascontiguousarray(store.read_patches(ends)).tobytes())
+    if instance_labels and instances.instance_labels is not None:
+        h.update(np.ascontiguousarray(instances.instance_labels).tobytes())
+    return h.hexdigest()[:24]
 
 
 def _checkpoint_config(config: TrainConfig, instances: InstanceSet, runtime: Runtime,
@@ -588,6 +662,23 @@ def _check_best(out: Path, last: dict[str, Any], best_epoch: int | None) -> None
                 "last.pt or train again.", path, "nothing" if held is None else f"epoch {held}", best_epoch)
 
 
+#: What a run writes into its folder besides config.json (a fresh run removes an earlier run's).
+RUN_FILES = ("last.pt", "best.pt", "metrics.jsonl", "metrics.png")
+
+
+def _clear_earlier_run(out: Path) -> None:
+    """A fresh (not resumed) run into ``out``: remove the checkpoints, metrics and plot of an earlier run
+    there (a run killed in its first epoch, or another run's files copied in), which would otherwise stand
+    beside the new run's, and a best.pt of another run be taken for this one's (``heatmap --model RUN``)."""
+    found = [name for name in RUN_FILES if (out / name).is_file()]
+    if not found:
+        return
+    for name in found:
+        (out / name).unlink()
+    log.warning("%s: removed %s of an earlier run (this run starts fresh; `train --resume %s` continues a run).",
+                out, ", ".join(found), out)
+
+
 def _read_history(out_dir: Path, *, before_epoch: int) -> list[dict[str, Any]]:
     path = out_dir / "metrics.jsonl"
     if not path.is_file():
@@ -601,12 +692,25 @@ def _read_history(out_dir: Path, *, before_epoch: int) -> list[dict[str, Any]]:
     return out
 
 
+#: The data digests of a run's config (:func:`data_digest`) and what they cover; a checkpoint of an earlier
+#: version lacks them, and resumes without that check.
+_DIGESTS = {"data_digest": "the training data", "val_data_digest": "the validation data"}
+
+
 def _check_resume_config(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
     # a setting added after the run was saved ran at its default (which is the old behaviour)
     defaults = {f.name: f.default for f in fields(TrainConfig) if f.default is not MISSING}
     diffs = []
+    unchecked = [what for key, what in _DIGESTS.items() if key not in saved]
+    if unchecked:
+        log.info("%s was saved by an earlier version without a digest of all of %s: resuming without checking that "
+                 "those are unchanged.", path, " and ".join(unchecked))
     for key, value in current.items():
         if key in RUNTIME_ONLY_FIELDS or key in ("runtime", "package_version", "data", "distributed"):
+            continue
+        if key in _DIGESTS:
+            if key in saved and saved[key] != value:
+                diffs.append(f"{_DIGESTS[key]} changed since the run was saved (digest {saved[key]} -> {value})")
             continue
         if key == "epochs" and saved.get("scheduler", "none") == "none":
             continue  # extending a constant-rate run keeps the first epochs identical
@@ -619,8 +723,8 @@ def _check_resume_config(saved: dict[str, Any], current: dict[str, Any], path: P
             diffs.append(f"{key}: {before!r} -> {value!r}")
     if diffs:
         raise CheckpointError(
-            f"{path}: cannot resume with different settings ({'; '.join(diffs[:4])}); resume with the "
-            "original settings (see config.json in the run folder) or start a new --out folder."
+            f"{path}: cannot resume with different settings or data ({'; '.join(diffs[:4])}); resume with the "
+            "original settings and data (see config.json in the run folder) or start a new --out folder."
         )
 
 
@@ -766,7 +870,7 @@ def _ranks_agree(model: torch.nn.Module, state: PseudoLabelState, dist: DistCont
 
 
 def _same_inputs(config: TrainConfig, train: InstanceSet, val: InstanceSet | None, *, resume: bool,
-                 eval_at: Sequence[int] | None, dist: DistContext) -> None:
+                 eval_at: Sequence[int] | None, dist: DistContext, digests: dict[str, str | None] | None = None) -> None:
     """Refuse on every rank, with one error naming what differs, when the ranks were not given the same
     settings and data (torchrun runs one command on every rank, but each node of a multi-node run is
     started by hand): different labels or epochs made the ranks fail later with raw tracebacks or lost
@@ -780,12 +884,16 @@ def _same_inputs(config: TrainConfig, train: InstanceSet, val: InstanceSet | Non
 
         settings["weights_path"] = f"weights of SHA-256 {file_sha256(Path(config.weights_path))[:12]}"
 
-    def data(s: InstanceSet | None) -> str | None:
+    if digests is None:
+        digests = {"data_digest": data_digest(train), "val_data_digest": None if val is None else data_digest(val)}
+
+    def data(s: InstanceSet | None, digest: str | None) -> str | None:
         return None if s is None else (f"{s.n_bags} bags ({int((s.bag_labels == 1).sum())} positive), {len(s)} "
-                                       f"instances, digest {_data_fingerprint(s)}")
+                                       f"instances, digest {digest}")
 
     mine = {**{k: json.dumps(v, sort_keys=True, default=str) for k, v in settings.items()},
-            "training data": data(train), "validation data": data(val)}
+            "training data": data(train, digests["data_digest"]),
+            "validation data": data(val, digests["val_data_digest"])}
     every: list = [None] * dist.world_size
     import torch.distributed as tdist
 
@@ -855,8 +963,13 @@ def _shared_bags(train: InstanceSet, val: InstanceSet) -> list[str]:
 def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike | None,
          val: InstanceSet | None, resume: bool, eval_at: Sequence[int] | None, keep_val_scores: bool,
          run_info: dict[str, Any] | None, progress: ProgressCallback | None, dist: DistContext) -> FitResult:
+    digests = None  # compared on resume and between ranks; a run in memory (the benchmark) needs none
+    if out_dir is not None or dist.enabled:
+        digests = {"data_digest": data_digest(train),
+                   "val_data_digest": None if val is None else data_digest(
+                       val, instance_labels=config.select_metric == "instance_auc")}
     with _peer_guard(dist, None, None):  # first, before any rank can stop on its own inputs
-        _same_inputs(config, train, val, resume=resume, eval_at=eval_at, dist=dist)
+        _same_inputs(config, train, val, resume=resume, eval_at=eval_at, dist=dist, digests=digests)
     if train.kind != config.mode:
         raise ConfigError(f"training instances are {train.kind!r} but TrainConfig.mode is {config.mode!r}; "
                           "use the matching mode.")
@@ -876,6 +989,8 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
     if not (bag_labels == 1).any():
         raise ConfigError(f"{train.source}: no positive bag among the {train.n_bags} training bags; add slides "
                           "labelled 1.")
+    if val is not None and out_dir is not None:
+        _check_selectable(val, config)
     if resume and out_dir is None:
         raise ConfigError("resume needs the run folder (out_dir) that holds last.pt.")
     if config.threads > 0:
@@ -900,6 +1015,7 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
     scaler = torch.amp.GradScaler("cuda") if runtime.use_grad_scaler else None
     state = PseudoLabelState.initial(train)
     ckpt_config = _checkpoint_config(config, train, runtime, model_kwargs)
+    ckpt_config.update(digests or {})
     ckpt_config["distributed"] = dist.describe()
     ckpt_config.update(run_info or {})
     out = Path(out_dir) if out_dir is not None else None
@@ -912,16 +1028,30 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
         if not (out / "last.pt").is_file():
             raise missing_checkpoint_error(out)
         ckpt = read_checkpoint(out / "last.pt")
+        check_resume_parts(ckpt, out / "last.pt")
         _check_resume_config(ckpt["config"], ckpt_config, out / "last.pt")
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        if scheduler is not None and ckpt.get("scheduler") is not None:
-            scheduler.load_state_dict(ckpt["scheduler"])
-        if scaler is not None and ckpt.get("grad_scaler") is not None:
-            scaler.load_state_dict(ckpt["grad_scaler"])
-        state = PseudoLabelState.from_dict(ckpt["pseudo_labels"])
-        restore_rng(ckpt["rng"])
         start_epoch, step = int(ckpt["epoch"]), int(ckpt["step"])
+        if config.epochs < start_epoch:
+            raise ConfigError(f"{out / 'last.pt'} holds {start_epoch} trained epochs, more than the {config.epochs} "
+                              "asked for (--epochs); a resume cannot go back, and the run is left as it is. Fix: "
+                              f"resume with --epochs {start_epoch} or more, or train again into a new --out with "
+                              f"--epochs {config.epochs}.")
+        try:
+            model.load_state_dict(ckpt["model"])
+            optimizer.load_state_dict(ckpt["optimizer"])
+            if scheduler is not None and ckpt.get("scheduler") is not None:
+                scheduler.load_state_dict(ckpt["scheduler"])
+            if scaler is not None and ckpt.get("grad_scaler") is not None:
+                scaler.load_state_dict(ckpt["grad_scaler"])
+            state = PseudoLabelState.from_dict(ckpt["pseudo_labels"])
+            if state.targets.numel() != len(train) or state.online_probs.numel() != len(train):
+                raise ValueError(f"its pseudo labels are of {state.targets.numel()} instances, the training set has "
+                                 f"{len(train)}")
+            restore_rng(ckpt["rng"])
+        except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, IndexError) as exc:
+            detail = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}"
+            raise CheckpointError(f"{out / 'last.pt'}: cannot restore the run from it ({detail[:300]}). "
+                                  f"{INCOMPLETE_FIX}") from None
         best = ckpt.get("best") or {}
         if best.get("score") is not None:
             best_score = tuple(best["score"])
@@ -934,6 +1064,8 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
         log.info("resumed %s at epoch %d (step %d)", out / "last.pt", start_epoch, step)
     if out is not None and dist.is_main:
         out.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            _clear_earlier_run(out)
         atomic_write_text(out / "config.json", json.dumps(ckpt_config, indent=2, sort_keys=True,
                                                            default=_json_default) + "\n")
     trainer = model
@@ -973,6 +1105,8 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
                 refresh_s = time.perf_counter() - t_ref
             label_metrics = pseudo_label_metrics(state, train)
             order = block_order(train, _generator(config.seed, epoch, 1), block_size=config.shuffle_block)
+            if normalises_batches(model):  # no rank gets a last batch of one instance (global, before the split)
+                order = without_lone_last(order, batch_size=config.batch_size, world_size=dist.world_size)
             order = rank_share(order, batch_size=config.batch_size, ctx=dist)
             aug = _generator(config.seed, epoch, 2, *rank_stream) if train.kind == "images" else None
             with _peer_guard(dist, epoch, out), _compile_errors(config):
