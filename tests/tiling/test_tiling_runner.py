@@ -158,6 +158,53 @@ def test_one_folder_holds_stores_of_one_setting(synth_slides, tmp_path, caplog):
     assert [r.status for r in tile_slides([a, b], tmp_path, other).results] == ["skipped", "skipped"]
 
 
+def test_stores_in_the_other_format_count_as_another_setting(synth_slides, tmp_path, caplog):
+    """The format is a setting: tiling the same slides with 128 px into Zarr in a folder of 256-px HDF5
+    stores used to succeed without a word (the .h5 stores were skipped by the check), leaving both sets in
+    one folder, a tile_config.json that described only the Zarr ones and `label` labelling both. Now it is
+    refused with one error naming the .h5 stores and the fix; with --overwrite (or the pipeline's
+    keep_other_stores) they stay, with a warning unless keep_other_stores, and tile_config.json lists them."""
+    import logging
+
+    slides = sorted(synth_slides.values())
+    fast = dict(FAST, pixels="none")
+    tile_slides(slides, tmp_path, TileConfig(**fast))
+    status_before = (tmp_path / "tile_status.csv").read_bytes()
+    names = [f"{s.stem}.h5" for s in slides]
+    zarr = TileConfig(**{**fast, "patch_size_px": 128, "format": "zarr"})
+    with pytest.raises(StoreError) as err:
+        tile_slides(slides, tmp_path, zarr)
+    assert str(err.value) == (
+        f"{tmp_path}: 2 stores in this folder were made with different settings: {', '.join(names)} (format 'h5' "
+        "-> 'zarr'; patch_size_px 256 -> 128; stride_px 256 -> 128); none of them is in this run's format (zarr). "
+        "Fix: write to a new folder with --out, or move the .h5 stores to another folder.")
+    assert [p.name for p in find_stores(tmp_path)] == names
+    assert (tmp_path / "tile_status.csv").read_bytes() == status_before
+    # the same settings in the other format are another setting too
+    with pytest.raises(StoreError, match=r"\(format 'h5' -> 'zarr'\); none of them is in this run's format"):
+        tile_slides(slides, tmp_path, TileConfig(**{**fast, "format": "zarr"}))
+
+    with caplog.at_level(logging.WARNING, logger="wsi_milssl.tiling.runner"):
+        run = tile_slides(slides, tmp_path, zarr, overwrite=True)
+    assert run.ok
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{tmp_path}: 2 store(s) not in this run's format (zarr) were made with other settings and stay as they "
+        f"are: {', '.join(names)} (format 'h5' -> 'zarr'; patch_size_px 256 -> 128; stride_px 256 -> 128); "
+        "tile_config.json lists them under 'stores_with_other_settings'. Fix: move them to another folder."]
+    config = json.loads((tmp_path / "tile_config.json").read_text())
+    assert config["tile"]["format"] == "zarr" and config["stores_with_other_settings"] == names
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="wsi_milssl.tiling.runner"):
+        again = tile_slides(slides, tmp_path, zarr, keep_other_stores=True)
+    assert [r.status for r in again.results] == ["skipped", "skipped"] and caplog.records == []
+    assert json.loads((tmp_path / "tile_config.json").read_text())["stores_with_other_settings"] == names
+    # back to HDF5 with the Zarr stores' settings: the .h5 stores of the run's slides are replaced, the .zarr
+    # ones are named in the error
+    with pytest.raises(StoreError, match=(
+            r"stores of this run's slides and move the \.zarr stores to another folder\.$")):
+        tile_slides(slides, tmp_path, TileConfig(**{**fast, "patch_size_px": 128}))
+
+
 def test_bad_slide_is_recorded_and_others_finish(synth_slides, tmp_path):
     bad = tmp_path / "slides" / "broken.tif"
     bad.parent.mkdir()

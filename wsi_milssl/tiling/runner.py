@@ -201,16 +201,17 @@ def _settings_diffs(attrs: dict[str, Any], config: TileConfig) -> str | None:
 
 def _other_settings_stores(out_dir: Path, slides: list[Path], config: TileConfig, *, overwrite: bool
                            ) -> tuple[dict[Path, str], set[Path]]:
-    """The complete stores in ``out_dir`` (in ``config.format``) made with other settings: ({store: how the
-    settings differ}, the stores among them of slides not in ``slides``). With ``overwrite`` the stores of
-    ``slides`` are not checked (they are replaced). A store of one of ``slides`` that cannot be read
-    raises StoreError (unless ``overwrite``); one of another slide is skipped with a warning."""
-    suffix = store_path(out_dir, "x", config.format).suffix
+    """The complete stores in ``out_dir`` made with other settings: ({store: how the settings differ}, the
+    stores among them that this run does not replace: those of slides not in ``slides`` and those in the
+    other format; the format is a setting, so a store in the other format always differs). With
+    ``overwrite`` the stores of ``slides`` in ``config.format`` are not checked (they are replaced). A
+    store of one of ``slides`` in ``config.format`` that cannot be read raises StoreError (unless
+    ``overwrite``); any other is skipped with a warning."""
     mine = {store_path(out_dir, slide_stem(s), config.format) for s in slides}
     differ: dict[Path, str] = {}
     others: set[Path] = set()
     for path in find_stores(out_dir):
-        if path.suffix != suffix or (overwrite and path in mine):
+        if overwrite and path in mine:
             continue
         try:
             with open_store(path) as store:
@@ -244,18 +245,20 @@ def _describe_stores(differ: dict[Path, str], *, limit: int = 5) -> str:
 
 def check_folder_settings(out_dir: str | os.PathLike, slides: list[Path], config: TileConfig, *,
                           overwrite: bool = False, keep_other_stores: bool = False) -> list[str]:
-    """Check that the stores in ``out_dir`` (in ``config.format``) were made with ``config``'s settings,
-    so that one folder holds the stores of one setting (which ``tile_config.json`` describes); returns the
-    names of the stores of slides not in ``slides`` that were made with other settings and stay (sorted).
+    """Check that the stores in ``out_dir`` (in either format) were made with ``config``'s settings, so
+    that one folder holds the stores of one setting (which ``tile_config.json`` describes; the format is
+    one of the settings); returns the names of the stores this run does not replace that were made with
+    other settings and stay: those of slides not in ``slides`` and those in the other format (sorted).
 
     Without ``overwrite``, any store made with other settings raises one StoreError naming the stores,
-    how their settings differ and the fix; with it, the stores of ``slides`` are replaced and those of
-    other slides made with other settings stay, with a warning. ``keep_other_stores``: the stores of
-    other slides neither raise nor warn (the pipeline keeps the stores of slides that left a set in the
-    set's folder and reads only those of the set's slides).
+    how their settings differ and the fix; with it, the stores of ``slides`` in ``config.format`` are
+    replaced and the others made with other settings stay, with a warning. ``keep_other_stores``: those
+    others neither raise nor warn (the pipeline keeps the stores of slides that left a set, and those of
+    an earlier run in the other format, in the set's folder and reads only the set's stores).
     """
     out_dir = Path(out_dir)
     differ, others = _other_settings_stores(out_dir, slides, config, overwrite=overwrite)
+    suffix = store_path(out_dir, "x", config.format).suffix
     refused = {p: d for p, d in differ.items() if p not in others or not (overwrite or keep_other_stores)}
     if refused:
         n = len(refused)
@@ -264,12 +267,15 @@ def check_folder_settings(out_dir: str | os.PathLike, slides: list[Path], config
             what = f"{path}: this store was made with different settings ({diffs})"
         else:
             what = f"{out_dir}: {n} stores in this folder were made with different settings: {_describe_stores(refused)}"
-        theirs = sorted(p.name for p in refused if p in others)
+        theirs = sorted(p.name for p in refused if p in others and p.suffix == suffix)
+        formats = sorted(p.name for p in refused if p.suffix != suffix)
+        fixes = []
         if not theirs:
-            fix = f"pass --overwrite to replace {'it' if n == 1 else 'them'}"
+            if len(formats) < n:
+                fixes.append("pass --overwrite to replace " + ("it" if n == 1 else "the stores of this run's slides"))
         elif n == 1:
             what += "; its slide is not in this run, but one folder holds the stores of one setting"
-            fix = "pass --overwrite and give its slide too, to re-tile it with these settings"
+            fixes.append("pass --overwrite and give its slide too, to re-tile it with these settings")
         else:
             more = " ..." if len(theirs) > 5 else ""
             if len(theirs) == n:
@@ -278,14 +284,27 @@ def check_folder_settings(out_dir: str | os.PathLike, slides: list[Path], config
                 whose = f"the slide{'s' if len(theirs) > 1 else ''} of {len(theirs)} of them {'are' if len(theirs) > 1 else 'is'} not"
                 slides_of = "the slides of the stores not in this run"
             what += f"; {whose} in this run ({', '.join(theirs[:5])}{more}), but one folder holds the stores of one setting"
-            fix = f"pass --overwrite and give {slides_of} too, to re-tile them with these settings"
-        raise StoreError(f"{what}. Fix: write to a new folder with --out, or {fix}.")
+            fixes.append(f"pass --overwrite and give {slides_of} too, to re-tile them with these settings")
+        if formats:
+            more = " ..." if len(formats) > 5 else ""
+            if n == 1:
+                what += f"; it is not in this run's format ({config.format})"
+            elif len(formats) == n:
+                what += f"; none of them is in this run's format ({config.format})"
+            else:
+                what += f"; {len(formats)} of them {'is' if len(formats) == 1 else 'are'} not in this run's format ({config.format}: {', '.join(formats[:5])}{more})"
+            fixes.append(f"move the {Path(formats[0]).suffix} store{'s' if len(formats) > 1 else ''} to another folder")
+        raise StoreError(f"{what}. Fix: write to a new folder with --out, or {' and '.join(fixes)}.")
     kept = {p: differ[p] for p in others}
     if kept and not keep_other_stores:
-        logger.warning("%s: %d store(s) of slides not in this run were made with other settings and stay as they are: "
-                       "%s; %s lists them under 'stores_with_other_settings'. Fix: re-tile their slides with "
-                       "--overwrite too, or move them to another folder.", out_dir, len(kept), _describe_stores(kept),
-                       CONFIG_FILENAME)
+        formats = any(p.suffix != suffix for p in kept)
+        slides_out = any(p.suffix == suffix for p in kept)
+        whose = " or ".join(w for w, yes in (("of slides not in this run", slides_out),
+                                             (f"not in this run's format ({config.format})", formats)) if yes)
+        fix = "re-tile their slides with --overwrite too, or move them" if slides_out and not formats else "move them"
+        logger.warning("%s: %d store(s) %s were made with other settings and stay as they are: %s; %s lists them "
+                       "under 'stores_with_other_settings'. Fix: %s to another folder.", out_dir, len(kept), whose,
+                       _describe_stores(kept), CONFIG_FILENAME, fix)
     return sorted(p.name for p in kept)
 
 
@@ -544,10 +563,10 @@ def tile_slides(slides: Iterable[str | os.PathLike], out_dir: str | os.PathLike,
     Holds the lock of ``out_dir`` for the whole run (as shard I of N: together with the other shards):
     while another run holds it, FolderLockedError (naming the folder and the other run's pid); an
     output folder that cannot be written, OutputError. Before any work, every store in ``out_dir`` (in
-    ``config.format``) is checked (:func:`check_folder_settings`): stores made with other settings raise
-    one StoreError, unless ``overwrite`` (then those of other slides stay, with a warning, and
-    ``tile_config.json`` lists them); ``keep_other_stores``: stores of slides not in ``slides`` are
-    kept without a word (the pipeline). Slides that fail
+    either format) is checked (:func:`check_folder_settings`): stores made with other settings raise
+    one StoreError, unless ``overwrite`` (then those of other slides and those in the other format stay,
+    with a warning, and ``tile_config.json`` lists them); ``keep_other_stores``: those are kept without a
+    word (the pipeline). Slides that fail
     (including a missing file, a folder named like a slide, a full disk) are recorded as 'failed' in
     ``out_dir/tile_status.csv`` (its row added after each slide, rows of other slides kept, sorted by
     slide) while the others finish. Also writes ``tile_config.json`` (the same from every shard) and
