@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -119,4 +122,54 @@ def test_bad_overrides_name_the_problem(toml, tmp_path, capsys):
     assert main(["run", str(toml), "--out", str(tmp_path / "o"), "--set", "trian.epochs=2"]) == 1
     assert "unknown table [trian]" in capsys.readouterr().err
     assert main(["run", str(toml), "--out", str(tmp_path / "o"), "--set", "train.epoch=2"]) == 1
-    assert "epoch" in capsys.readouterr().err
+    # an error a --set caused names it, not only the file (whose [train] has no such key)
+    assert (f"error: {toml} [train] with --set train.epoch=2: unknown key(s) epoch for TrainConfig"
+            in capsys.readouterr().err)
+    assert main(["run", str(toml), "--out", str(tmp_path / "o"), "--set", "train.epochs=2",
+                 "--set", "data.val_fraction=2"]) == 1
+    assert (f"error: {toml} with --set data.val_fraction=2: [data].val_fraction must satisfy"
+            in capsys.readouterr().err)
+    assert not (tmp_path / "o").exists()
+
+
+REAL_SLIDES = """
+[pipeline]
+name = "real"
+[data]
+train_slides = "train"
+train_labels = "train/labels.csv"
+train_annotations = "train"
+test_slides = "test"
+test_labels = "test/labels.csv"
+test_annotations = "test"
+"""
+
+
+def test_a_set_that_turns_on_generated_data_says_so(tmp_path):
+    """--set synth.train.n_slides=2 on a pipeline of existing slides makes it a generated one: the error says
+    that the --set did it."""
+    path = _write(tmp_path / "real.toml", REAL_SLIDES)
+    assert load_pipeline(path).sets["train"].synth is None
+    with pytest.raises(ConfigError) as caught:
+        load_pipeline(path, overrides=["synth.train.n_slides=2"])
+    assert str(caught.value) == (
+        f"{path} with --set synth.train.n_slides=2: a generated pipeline needs a [synth.test] table (the --set makes "
+        "it one: a [synth] table or data.generate = true means generated slides in place of [data]'s). Fix: drop "
+        "that --set to run on the slides of [data].")
+    with pytest.raises(ConfigError, match=re.escape(f"{path} with --set data.generate=true: a generated pipeline "
+                                                    "needs a [synth.train] table (the --set makes it one")):
+        load_pipeline(path, overrides=["data.generate=true"])
+    with pytest.raises(ConfigError, match=re.escape("are not used with generated data (the --set makes it one")):
+        load_pipeline(path, overrides=["synth.train.n_slides=2", "synth.test.n_slides=2"])
+
+
+def test_a_grid_without_validation_slides_is_refused_when_the_file_is_read(tmp_path):
+    """It was refused only when train ran, after tile and label (hours on CAMELYON16)."""
+    path = _write(tmp_path / "demo.toml", (Path(__file__).resolve().parents[2] / "pipelines" / "demo.toml").read_text())
+    with pytest.raises(ConfigError) as caught:
+        load_pipeline(path, out_dir=tmp_path / "out", overrides=["train.grid.epochs=[1, 2]", "data.val_fraction=0"])
+    assert str(caught.value) == (
+        f"{path} with --set train.grid.epochs=[1, 2] --set data.val_fraction=0: a [train.grid] of 2 points needs "
+        "validation slides to choose one on, but [data].val_fraction is 0. Fix: set [data].val_fraction > 0 (e.g. "
+        "0.25: training slides held out, never the test set), or drop [train.grid].")
+    load_pipeline(path, out_dir=tmp_path / "out", overrides=["train.grid.epochs=[2]", "data.val_fraction=0"])  # one point

@@ -82,10 +82,9 @@ def test_feature_pipeline_trains_its_grid_and_chooses_on_validation(tmp_path):
 
 
 def test_feature_grid_without_validation_bags_is_refused(tmp_path):
-    spec = load_pipeline(_pipeline(tmp_path, GRID), out_dir=tmp_path / "out",
-                         overrides=["data.val_fraction=0.0"])
-    with pytest.raises(ConfigError, match=r"a \[train.grid\] needs validation bags"):
-        run_pipeline(spec)
+    with pytest.raises(ConfigError, match=r"with --set data.val_fraction=0.0: a \[train.grid\] of 2 points needs "
+                                          r"validation bags to choose one on, but \[data\].val_fraction is 0"):
+        load_pipeline(_pipeline(tmp_path, GRID), out_dir=tmp_path / "out", overrides=["data.val_fraction=0.0"])
 
 
 def test_grid_score_comes_from_the_checkpoint_when_metrics_lack_the_best_epoch(tmp_path):
@@ -142,9 +141,9 @@ def test_refused_forced_train_leaves_the_model_in_place(tmp_path):
     model = tmp_path / "out" / "model"
     before = (model / "last.pt").read_bytes()
     # a grid without validation bags is refused: the forced run must not have moved the model aside first
-    refused = load_pipeline(tmp_path / "feat.toml", out_dir=tmp_path / "out",
-                            overrides=["train.grid.mu=[0.1, 0.3]", "data.val_fraction=0"])
     with pytest.raises(ConfigError, match="needs validation bags"):
+        refused = load_pipeline(tmp_path / "feat.toml", out_dir=tmp_path / "out",
+                                overrides=["train.grid.mu=[0.1, 0.3]", "data.val_fraction=0"])
         run_pipeline(refused, force=["train"])
     assert (model / "last.pt").read_bytes() == before
     assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith("model.replaced-")]

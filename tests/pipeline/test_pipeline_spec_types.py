@@ -63,7 +63,8 @@ def test_demo_pipeline_still_loads(tmp_path):
     path = tmp_path / "demo.toml"
     path.write_text(DEMO)
     spec = load_pipeline(path)
-    assert (spec.name, spec.val_fraction, spec.split_seed, spec.out_dir) == ("demo", 0.25, 0, Path("demo_out"))
+    assert (spec.name, spec.val_fraction, spec.split_seed) == ("demo", 0.25, 0)
+    assert spec.out_dir == Path("demo_out").resolve()  # relative to the folder the run starts in
     path.write_text(_replace(DEMO, "val_fraction = 0.25", "val_fraction = 0"))
     assert load_pipeline(path, out_dir=tmp_path / "o").val_fraction == 0.0
 
@@ -94,3 +95,29 @@ def test_an_unknown_synth_set_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=re.escape(str(path)) + r": unknown table\(s\) \[synth\.validation\]; a "
                                           r"generated pipeline has the sets \[synth\.train\], \[synth\.test\]\."):
         load_pipeline(path)
+
+
+@pytest.mark.parametrize("key", ["outdir = \"x\"", "epochs = 5"])
+def test_an_unknown_pipeline_key_is_refused(tmp_path, key):
+    """A misspelt [pipeline] key used to be ignored (`outdir` ran into the default folder)."""
+    path = tmp_path / "extra.toml"
+    path.write_text(_replace(DEMO, "name = \"demo\"", "name = \"demo\"\n" + key))
+    with pytest.raises(ConfigError, match=re.escape(f"{path}: unknown [pipeline] key(s) {key.split()[0]}; valid keys "
+                                                    "are grid_workers, name, out_dir")):
+        load_pipeline(path)
+
+
+def test_synth_tables_without_generated_data_are_refused(tmp_path):
+    """[synth.*] tables with generate = false (or a features pipeline) used to be ignored without a word."""
+    path = tmp_path / "off.toml"
+    path.write_text(_replace(DEMO, "generate = true", "generate = false"))
+    with pytest.raises(ConfigError, match=re.escape(f"{path}: [synth.train] and [synth.test] describe generated "
+                                                    "slides, but [data].generate = false, so they would be ignored. "
+                                                    "Fix: drop the [synth] tables, or set [data].generate = true")):
+        load_pipeline(path)
+    path.write_text(_replace(DEMO, "generate = true", "mode = \"features\""))
+    with pytest.raises(ConfigError, match=re.escape("but [data].mode = 'features' trains on features that exist")):
+        load_pipeline(path)
+    path.write_text(DEMO)
+    with pytest.raises(ConfigError, match=re.escape(f"{path} with --set data.generate=false: [synth.train]")):
+        load_pipeline(path, overrides=["data.generate=false"])

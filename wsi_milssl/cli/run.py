@@ -26,15 +26,16 @@ def register(subparsers) -> None:
     )
     p.add_argument("pipeline", type=Path, metavar="PIPELINE.toml", help="pipeline file")
     p.add_argument("--out", type=Path, default=None,
-                   help="output folder, overriding [pipeline].out_dir (default: as in the file)")
+                   help="output folder, overriding [pipeline].out_dir (default: as in the file); either, when "
+                        "relative, is below the current folder")
     p.add_argument("--force", nargs="+", default=[], choices=STAGES, metavar="STAGE",
                    help="re-run these stages (and everything after them) even when up to date")
     p.add_argument("--until", default=None, choices=STAGES, metavar="STAGE", help="stop after this stage")
     p.add_argument("--set", action="append", default=[], dest="overrides", metavar="TABLE.KEY=VALUE",
                    help="override one setting of the file, repeatable: --set train.epochs=3 --set "
                         "heatmap.colormap=magma --set 'train.grid.mu=[0.1, 0.2]' (values in TOML syntax; a "
-                        "bare word is a string). The run writes the resolved pipeline to "
-                        "OUT/resolved_pipeline.toml")
+                        "bare word is a string). A run of every stage (no --until) writes the pipeline as it ran to "
+                        "OUT/resolved_pipeline.toml when it finishes")
     p.set_defaults(run=run)
 
 

@@ -11,6 +11,7 @@ Every stage writes under the pipeline's output folder::
     OUT/evaluation/       metrics.json, per_slide.csv, plots, report.html
     OUT/.pipeline/        one stamp per stage (settings + inputs digest)
     OUT/resolved_pipeline.toml   the pipeline as run: --set overrides applied, every setting, absolute paths
+                                 (written when a run of every stage finishes; removed when a later run runs a stage)
 
 A stage is skipped when its stamp matches its settings and the stamps of the stages it reads from, and
 its outputs still exist; one that runs says why (:attr:`StageOutcome.reason`). Each stage reads only the
@@ -1153,6 +1154,7 @@ def run_pipeline(
     else:
         stages = [s for s in STAGES if (s != "synth" or spec.sets["train"].synth is not None)
                   and (s != "features" or spec.feature_stage)]
+    every_stage = list(stages)
     absent = sorted(forced - set(stages))
     if absent:
         from wsi_milssl.errors import ConfigError
@@ -1180,9 +1182,12 @@ def run_pipeline(
     elif "evaluate" in stages:
         _refuse_other_test_features(spec)
     with folder_lock(spec.out_dir):
-        # the pipeline as it runs (overrides applied, every setting, absolute paths), beside its outputs
-        write_resolved_pipeline(spec, spec.out_dir / RESOLVED_FILENAME)
-        return _run_stages(spec, stages, forced, progress=progress, on_stage=on_stage)
+        outcomes = _run_stages(spec, stages, forced, progress=progress, on_stage=on_stage)
+        if stages == every_stage:
+            # the pipeline as it ran (overrides applied, every setting, absolute paths), beside its outputs: only
+            # once every stage is done with these settings (_run_stages removed the file of an earlier run)
+            write_resolved_pipeline(spec, spec.out_dir / RESOLVED_FILENAME)
+        return outcomes
 
 
 def _refuse_shared_slides(spec: PipelineSpec) -> None:
@@ -1246,6 +1251,7 @@ def _run_stages(spec: PipelineSpec, stages: list[str], forced: set[str], *,
                 runner = _FEATURE_RUNNERS[stage]
             else:
                 runner = (_EMBEDDED_RUNNERS if spec.feature_stage else _RUNNERS)[stage]
+            _remove_resolved_pipeline(spec)
             mark_running(ctx.state, stage)
             outputs, summary = runner(ctx)
             write_stamp(ctx.state, stage, digest=digest, outputs=outputs, settings=settings, inputs=inputs)
@@ -1255,3 +1261,13 @@ def _run_stages(spec: PipelineSpec, stages: list[str], forced: set[str], *,
             on_stage(outcome)
     emit(progress, ProgressEvent("pipeline", len(stages), len(stages), unit="stage"))
     return outcomes
+
+
+def _remove_resolved_pipeline(spec: PipelineSpec) -> None:
+    """Before a stage changes the outputs: remove ``OUT/resolved_pipeline.toml`` of an earlier run, which would
+    no longer describe them (the settings of a run stopped by ``--until``, an interruption or an error never
+    reached the later stages); :func:`run_pipeline` writes it again when a run of every stage finishes."""
+    path = spec.out_dir / RESOLVED_FILENAME
+    if path.is_file():
+        path.unlink()
+        log.info("%s removed: a stage runs; it is written again when a run of every stage finishes", path)

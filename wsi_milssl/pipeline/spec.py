@@ -32,16 +32,20 @@ dataclass, plus ``[pipeline]`` and ``[data]``::
                 # encoder (OUT/features/<set>), train fits a head on the features ([train].mode
                 # "features"), heatmap draws its probabilities on the stores' grid, evaluate as usual
 
-Relative data paths are resolved against the pipeline file's folder; a generated set lives in
+Relative data paths are resolved against the pipeline file's folder, a relative ``out_dir`` (and
+``--out``) against the folder ``run`` starts in (``~`` is expanded in both); the spec holds them absolute, so
+the same run started from another folder finds the same files. A generated set lives in
 ``OUT/slides/<set>`` and serves as its own labels and annotations folder.
 
 ``overrides`` (``wsi-milssl run --set train.epochs=3``) replace values of the file before it is
-validated; :func:`resolved_pipeline` gives the pipeline as it runs (every stage table with all its
-settings, absolute paths), which ``run`` writes to ``OUT/resolved_pipeline.toml``.
+validated (an error they cause names them); :func:`resolved_pipeline` gives the pipeline as it runs
+(every stage table with all its settings, absolute paths), which ``run`` writes to
+``OUT/resolved_pipeline.toml`` when a run of every stage finishes.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +63,8 @@ RESOLVED_FILENAME = "resolved_pipeline.toml"
 STAGES = ("synth", "tile", "label", "features", "train", "heatmap", "evaluate")
 SETS = ("train", "test")
 _TOP_LEVEL = {"pipeline", "data", *STAGES}
+#: the keys of [pipeline]
+_PIPELINE_KEYS = ("name", "out_dir", "grid_workers")
 
 
 @dataclass(frozen=True)
@@ -117,16 +123,27 @@ def _path(base: Path, value: Any, key: str, source: Path) -> Path:
     return p if p.is_absolute() else (base / p)
 
 
-def _check(source: Path, table: str, key: str, value: Any, types: type | tuple[type, ...], *,
+def _check(where: str, table: str, key: str, value: Any, types: type | tuple[type, ...], *,
            low: float | None = None, high: float | None = None, high_inclusive: bool = True) -> Any:
-    """``value`` of ``[table].key`` after checking its type (and range); ConfigError naming the file."""
+    """``value`` of ``[table].key`` after checking its type (and range); ConfigError starting with ``where``
+    (the file, and the --set overrides of the table: :func:`_set_by`)."""
     try:
         check_type(f"[{table}]", key, value, types)
         if low is not None or high is not None:
             check_range(f"[{table}]", key, value, low=low, high=high, high_inclusive=high_inclusive)
     except ConfigError as exc:
-        raise ConfigError(f"{source}: {exc}") from None
+        raise ConfigError(f"{where}: {exc}") from None
     return value
+
+
+def _set_by(overrides: Iterable[str], *tables: str) -> str:
+    """``" with --set A --set B"``: the overrides of ``tables`` ("train", "synth.train"; every override
+    without tables), as messages add them to the file's name, so that an error a --set caused says so;
+    "" without such overrides."""
+    prefixes = [tuple(table.split(".")) for table in tables]
+    mine = [text for text in overrides
+            if not prefixes or any(parse_override(text)[0][:len(p)] == p for p in prefixes)]
+    return " with --set " + " --set ".join(mine) if mine else ""
 
 
 def _table(source: Path, name: str, value: Any) -> dict[str, Any]:
@@ -172,12 +189,19 @@ def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None 
                   overrides: Iterable[str] = ()) -> PipelineSpec:
     """Read and validate a pipeline file; every stage table is checked against its config class.
 
-    ``overrides``: ``TABLE.KEY=VALUE`` texts (:func:`parse_override`) applied before validation.
+    ``overrides``: ``TABLE.KEY=VALUE`` texts (:func:`parse_override`) applied before validation; an error in a
+    table they changed names them. ``out_dir`` (default: [pipeline].out_dir) is held absolute: ``~`` expanded,
+    a relative one resolved against the current folder.
     """
     source = Path(path)
     raw = load_toml(source)
     overrides = tuple(overrides)
+    generated_in_file = _asks_for_generated_slides(raw)
     _apply_overrides(raw, overrides, source)
+
+    def at(*tables: str) -> str:  # the file, as an error in these tables (any table: none given) names it
+        return f"{source}{_set_by(overrides, *tables)}"
+
     unknown = sorted(set(raw) - _TOP_LEVEL)
     if unknown:
         raise ConfigError(
@@ -188,80 +212,126 @@ def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None 
     for key, value in raw.get("synth", {}).items():
         _table(source, f"synth.{key}", value)
     meta = raw.get("pipeline", {})
-    name = _check(source, "pipeline", "name", meta.get("name", source.stem), str)
+    extra = sorted(set(meta) - set(_PIPELINE_KEYS))
+    if extra:
+        raise ConfigError(f"{at('pipeline')}: unknown [pipeline] key(s) {', '.join(extra)}; valid keys are "
+                          f"{', '.join(sorted(_PIPELINE_KEYS))} (a stage's settings go in its own table, e.g. "
+                          "[train] epochs).")
+    name = _check(at("pipeline"), "pipeline", "name", meta.get("name", source.stem), str)
     if not name:
-        raise ConfigError(f"{source}: [pipeline].name must not be empty.")
+        raise ConfigError(f"{at('pipeline')}: [pipeline].name must not be empty.")
     grid_workers = meta.get("grid_workers", "auto")
     if grid_workers != "auto" and (isinstance(grid_workers, bool) or not isinstance(grid_workers, int)
                                    or grid_workers < 1):
-        raise ConfigError(f"{source}: [pipeline].grid_workers must be \"auto\" or a whole number >= 1; got "
+        raise ConfigError(f"{at('pipeline')}: [pipeline].grid_workers must be \"auto\" or a whole number >= 1; got "
                           f"{grid_workers!r}.")
     if out_dir is None:
-        out_dir = _check(source, "pipeline", "out_dir", meta.get("out_dir", f"{name}_out"), str)
+        out_dir = _check(at("pipeline"), "pipeline", "out_dir", meta.get("out_dir", f"{name}_out"), str)
         if not out_dir:
-            raise ConfigError(f"{source}: [pipeline].out_dir must not be empty.")
-    out = Path(out_dir)
+            raise ConfigError(f"{at('pipeline')}: [pipeline].out_dir must not be empty.")
+    # absolute: the stages' files, and the stamps that record them, are the same wherever a run starts
+    out = Path(os.path.expanduser(os.fspath(out_dir))).resolve()
     data = dict(raw.get("data", {}))
     base = source.resolve().parent
-    mode = _check(source, "data", "mode", data.pop("mode", "images"), str)
+    mode = _check(at("data"), "data", "mode", data.pop("mode", "images"), str)
     if mode not in ("images", "features"):
-        raise ConfigError(f"{source}: [data].mode must be 'images' or 'features'; got {mode!r}.")
-    generate = _check(source, "data", "generate", data.pop("generate", "synth" in raw), bool) and mode == "images"
-    val_fraction = float(_check(source, "data", "val_fraction", data.pop("val_fraction", 0.25), (int, float),
+        raise ConfigError(f"{at('data')}: [data].mode must be 'images' or 'features'; got {mode!r}.")
+    synth = raw.get("synth", {})
+    generate = _check(at("data"), "data", "generate", data.pop("generate", "synth" in raw), bool)
+    if synth and not (generate and mode == "images"):
+        why = "[data].mode = 'features' trains on features that exist" if mode == "features" else \
+            "[data].generate = false"
+        tables = " and ".join(f"[synth.{k}]" for k in synth)
+        raise ConfigError(f"{at('data', 'synth')}: {tables} describe{'s' if len(synth) == 1 else ''} generated "
+                          f"slides, but {why}, so {'it' if len(synth) == 1 else 'they'} would be ignored. Fix: drop "
+                          "the [synth] tables, or set [data].generate = true (slides generated into OUT/slides).")
+    generate = generate and mode == "images"
+    val_fraction = float(_check(at("data"), "data", "val_fraction", data.pop("val_fraction", 0.25), (int, float),
                                 low=0.0, high=1.0, high_inclusive=False))
-    split_seed = _check(source, "data", "split_seed", data.pop("split_seed", 0), int)
+    split_seed = _check(at("data"), "data", "split_seed", data.pop("split_seed", 0), int)
 
     sets: dict[str, DataSet] = {}
     if generate:
-        synth = raw.get("synth", {})
+        # a file of existing slides that a --set made a generated pipeline: its errors say so
+        note = "" if generated_in_file else (
+            " (the --set makes it one: a [synth] table or data.generate = true means generated slides in place of "
+            "[data]'s). Fix: drop that --set to run on the slides of [data]")
         extra = sorted(set(synth) - set(SETS))
         if extra:
-            raise ConfigError(f"{source}: unknown table(s) {', '.join(f'[synth.{k}]' for k in extra)}; a generated "
-                              f"pipeline has the sets {', '.join(f'[synth.{k}]' for k in SETS)}.")
+            raise ConfigError(f"{at('synth')}: unknown table(s) {', '.join(f'[synth.{k}]' for k in extra)}; a "
+                              f"generated pipeline has the sets {', '.join(f'[synth.{k}]' for k in SETS)}.")
         for set_name in SETS:
             if set_name not in synth:
-                raise ConfigError(f"{source}: a generated pipeline needs a [synth.{set_name}] table.")
-            cfg = config_from_mapping(SynthConfig, synth[set_name], source=f"{source} [synth.{set_name}]")
+                raise ConfigError(f"{at('synth', 'data')}: a generated pipeline needs a [synth.{set_name}] "
+                                  f"table{note}.")
+            cfg = config_from_mapping(SynthConfig, synth[set_name],
+                                      source=f"{source} [synth.{set_name}]{_set_by(overrides, f'synth.{set_name}')}")
             folder = out / "slides" / set_name
             sets[set_name] = DataSet(set_name, folder, folder / "labels.csv", folder, cfg)
         if data:
-            raise ConfigError(f"{source}: [data] keys {', '.join(sorted(data))} are not used with generated data.")
+            raise ConfigError(f"{at('data', 'synth')}: [data] keys {', '.join(sorted(data))} are not used with "
+                              f"generated data{note}.")
     elif mode == "features":
         for set_name in SETS:
             keys = {k: f"{set_name}_{k}" for k in ("features", "labels")}
             missing = [v for v in keys.values() if v not in data]
             if missing:
-                raise ConfigError(f"{source}: [data] is missing {', '.join(missing)} (features mode).")
+                raise ConfigError(f"{at('data')}: [data] is missing {', '.join(missing)} (features mode).")
             features, labels = (_path(base, data.pop(keys[k]), keys[k], source) for k in ("features", "labels"))
             sets[set_name] = DataSet(set_name, None, labels, None, None, features)
         if data:
-            raise ConfigError(f"{source}: unknown [data] key(s) {', '.join(sorted(data))}.")
+            raise ConfigError(f"{at('data')}: unknown [data] key(s) {', '.join(sorted(data))}.")
     else:
         for set_name in SETS:
             keys = {k: f"{set_name}_{k}" for k in ("slides", "labels", "annotations")}
             missing = [v for v in keys.values() if v not in data]
             if missing:
-                raise ConfigError(f"{source}: [data] is missing {', '.join(missing)}.")
+                raise ConfigError(f"{at('data')}: [data] is missing {', '.join(missing)}.")
             sets[set_name] = DataSet(
                 set_name, *(_path(base, data.pop(keys[k]), keys[k], source) for k in ("slides", "labels", "annotations"))
             )
         if data:
-            raise ConfigError(f"{source}: unknown [data] key(s) {', '.join(sorted(data))}.")
+            raise ConfigError(f"{at('data')}: unknown [data] key(s) {', '.join(sorted(data))}.")
 
     feature_stage = "features" in raw
     if feature_stage and mode == "features":
-        raise ConfigError(f"{source}: a [features] table embeds the patches of slides, but [data].mode = 'features' "
-                          "trains on features that exist already. Fix: drop one of them.")
+        raise ConfigError(f"{at('features', 'data')}: a [features] table embeds the patches of slides, but [data].mode "
+                          "= 'features' trains on features that exist already. Fix: drop one of them.")
     sections = {stage: dict(raw.get(stage, {})) for stage in STAGES if stage != "synth"}
     if feature_stage:
         train_mode = sections["train"].setdefault("mode", "features")
         if train_mode != "features":
-            raise ConfigError(f"{source}: with a [features] table the head trains on features; [train].mode is "
-                              f"{train_mode!r}. Fix: set mode = \"features\" (and an MLP head) or drop [features].")
-    _validate_sections(sections, source, train_mode="features" if mode == "features" or feature_stage else "images")
+            raise ConfigError(f"{at('train', 'features')}: with a [features] table the head trains on features; "
+                              f"[train].mode is {train_mode!r}. Fix: set mode = \"features\" (and an MLP head) or "
+                              "drop [features].")
+    train_mode = "features" if mode == "features" or feature_stage else "images"
+    _validate_sections(sections, source, train_mode=train_mode, overrides=overrides)
+    _refuse_grid_without_validation(sections["train"].get("grid"), val_fraction, at("train", "data"),
+                                    "bags" if train_mode == "features" else "slides")
     return PipelineSpec(name=name, source=source, out_dir=out, sets=sets, val_fraction=val_fraction,
                         split_seed=split_seed, sections=sections, mode=mode, feature_stage=feature_stage,
                         overrides=overrides, grid_workers=grid_workers)
+
+
+def _asks_for_generated_slides(raw: dict[str, Any]) -> bool:
+    """Whether a pipeline file as read (before ``--set``) asks for generated slides: [data].generate = true,
+    or [synth] tables without a [data].generate."""
+    data = raw.get("data")
+    if isinstance(data, dict) and "generate" in data:
+        return data["generate"] is True
+    return "synth" in raw
+
+
+def _refuse_grid_without_validation(grid: Any, val_fraction: float, where: str, what: str) -> None:
+    """ConfigError, before any stage runs, for a [train.grid] of two or more points without validation slides
+    (``[data].val_fraction = 0``) to choose one on. (Training refuses too when the split leaves none.)"""
+    if not isinstance(grid, dict) or val_fraction > 0:
+        return
+    points = math.prod(len(values) for values in grid.values())
+    if points > 1:
+        raise ConfigError(f"{where}: a [train.grid] of {points} points needs validation {what} to choose one on, but "
+                          "[data].val_fraction is 0. Fix: set [data].val_fraction > 0 (e.g. 0.25: training "
+                          f"{what} held out, never the test set), or drop [train.grid].")
 
 
 def _stage_classes() -> dict[str, type]:
@@ -327,24 +397,26 @@ def write_resolved_pipeline(spec: PipelineSpec, path: str | os.PathLike) -> Path
     return atomic_write_text(Path(path), "\n".join(header) + "\n\n" + tomli_w.dumps(resolved_pipeline(spec)))
 
 
-def _validate_sections(sections: dict[str, dict[str, Any]], source: Path, *, train_mode: str) -> None:
+def _validate_sections(sections: dict[str, dict[str, Any]], source: Path, *, train_mode: str,
+                       overrides: tuple[str, ...] = ()) -> None:
     """Build every stage's config once ([train].mode defaulting to ``train_mode``), so a wrong key or value
-    fails before any stage runs."""
+    fails before any stage runs; an error names the ``overrides`` of its table."""
     classes = _stage_classes()
     for stage, cls in classes.items():
         section = {k: v for k, v in sections.get(stage, {}).items() if k != "grid"}
         if stage == "train":
             section.setdefault("mode", train_mode)
-        config_from_mapping(cls, section, source=f"{source} [{stage}]")
+        set_by = _set_by(overrides, stage)
+        config_from_mapping(cls, section, source=f"{source} [{stage}]{set_by}")
         grid = sections.get(stage, {}).get("grid")
         if grid is not None:
             if stage != "train" or not isinstance(grid, dict):
-                raise ConfigError(f"{source}: only [train.grid] is supported (a table of lists).")
+                raise ConfigError(f"{source}{set_by}: only [train.grid] is supported (a table of lists).")
             for key, values in grid.items():
                 if not isinstance(values, list) or not values:
                     raise ConfigError(
-                        f"{source}: [train.grid].{key} must be a non-empty list of values to try; got {values!r}. "
-                        f"Fix: write {key} = [a, b, ...] (--set 'train.grid.{key}=[a, b]'), or set one value "
-                        f"as [train].{key}.")
+                        f"{source}{set_by}: [train.grid].{key} must be a non-empty list of values to try; got "
+                        f"{values!r}. Fix: write {key} = [a, b, ...] (--set 'train.grid.{key}=[a, b]'), or set one "
+                        f"value as [train].{key}.")
                 for value in values:
-                    config_from_mapping(cls, {**section, key: value}, source=f"{source} [train.grid]")
+                    config_from_mapping(cls, {**section, key: value}, source=f"{source} [train.grid]{set_by}")

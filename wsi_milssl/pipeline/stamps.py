@@ -2,7 +2,8 @@
 
 After a stage finishes, a stamp ``OUT/.pipeline/<stage>.json`` records the stage's settings, the
 fingerprints of its inputs (the stamps of the stages it reads from, or file sizes and modification
-times for inputs from outside the pipeline) and its output paths. A stage is skipped when a stamp
+times for inputs from outside the pipeline) and its output paths (absolute; earlier versions' relative
+ones are found from any folder, see :func:`stale_reason`). A stage is skipped when a stamp
 with the same digest exists and every recorded output still exists. Stamps also record what the digest
 covered (``settings``: {name: value}; ``inputs``: the upstream digests and the fingerprints), so that a
 stage that runs again can say why (:func:`stale_reason`); stamps of earlier versions hold only the digest.
@@ -98,8 +99,9 @@ def mark_running(state_dir: str | os.PathLike, stage: str) -> None:
 def stale_reason(state_dir: str | os.PathLike, stage: str, digests: Iterable[str], *,
                  settings: dict[str, Any], inputs: dict[str, Any]) -> str | None:
     """None when ``stage`` is up to date: its stamp holds one of ``digests`` (this version's, an earlier
-    version's), is not marked running (:func:`mark_running`) and every output it records exists. Else why
-    not, in one line: no stamp, a run that did not finish, an output missing,
+    version's), is not marked running (:func:`mark_running`) and every output it records exists (the relative
+    paths of earlier versions' stamps found from any folder: :func:`_output_exists`). Else why not, in one
+    line: no stamp, a run that did not finish, an output missing,
     the names of the settings that changed, the inputs that changed (a stage read from, a file or slide
     added, removed or changed), or, from a stamp that records no details (an earlier version's), "settings
     or inputs changed since <time the stamp was written>". ``settings`` and ``inputs`` as :func:`write_stamp`
@@ -111,7 +113,8 @@ def stale_reason(state_dir: str | os.PathLike, stage: str, digests: Iterable[str
     if stamp.get("running"):
         return "its last run did not finish (stopped inside the stage)"
     if stamp.get("digest") in set(digests):
-        missing = [p for p in stamp.get("outputs", []) if not Path(p).exists()]
+        out_dir = Path(state_dir).parent
+        missing = [p for p in stamp.get("outputs", []) if not _output_exists(p, out_dir)]
         return f"output missing: {missing[0]}" if missing else None
     detailed = isinstance(stamp.get("settings"), dict) and isinstance(stamp.get("inputs"), dict)
     changes = _changes(stamp["settings"], _plain(settings), stamp["inputs"], _plain(inputs)) if detailed else []
@@ -120,6 +123,29 @@ def stale_reason(state_dir: str | os.PathLike, stage: str, digests: Iterable[str
     written = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(path.stat().st_mtime))
     earlier = "" if detailed else " (a stamp of an earlier version, which records no details)"
     return f"settings or inputs changed since {written}{earlier}"
+
+
+def _output_exists(recorded: str, out_dir: Path) -> bool:
+    """Whether an output a stamp records exists. Stamps record absolute paths; earlier versions recorded
+    them as the run spelled its output folder, relative to the folder it started in (``ci/stores/train/x.h5``
+    for ``--out ci``): such a path counts as there when it is there from the current folder, or below
+    ``out_dir`` (the stamp folder's parent) once the leading parts that name ``out_dir`` are taken off, so the
+    run finds its outputs from any folder."""
+    path = Path(recorded)
+    if path.is_absolute() or path.exists():
+        return path.exists()
+    parts = path.parts
+    return any(_may_name(parts[:k], out_dir) and out_dir.joinpath(*parts[k:]).exists() for k in range(1, len(parts)))
+
+
+def _may_name(parts: tuple[str, ...], folder: Path) -> bool:
+    """Whether the relative path of ``parts`` can name ``folder`` from some folder: ``..`` parts first, then the
+    last parts of ``folder``'s path (``ci``, ``runs/ci``, ``../ci`` name ``/tmp/w/runs/ci``)."""
+    names = list(parts)
+    while names and names[0] == "..":
+        names.pop(0)
+    tail = folder.parts[1:]
+    return bool(names) and ".." not in names and len(names) <= len(tail) and list(tail[-len(names):]) == names
 
 
 def _changes(old_settings: dict, settings: dict, old_inputs: dict, inputs: dict) -> list[str]:

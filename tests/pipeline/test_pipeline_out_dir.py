@@ -1,0 +1,204 @@
+"""Where a run's output folder is: ``out_dir`` / ``--out`` are held absolute, so the same run started from
+another folder (or through its own ``OUT/resolved_pipeline.toml``) finds its stages up to date, and an output
+folder of an earlier version, whose stamps and heatmap sidecars record paths relative to the folder its run
+started in, stays up to date too (nothing is tiled, trained or predicted again after an upgrade). And
+``OUT/resolved_pipeline.toml`` describes the run only once every stage has run with its settings."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from tinypipeline import GENERATED_SLIDES
+from wsi_milssl.cli import main
+from wsi_milssl.config import load_toml
+from wsi_milssl.pipeline import RESOLVED_FILENAME, load_pipeline, run_pipeline
+from wsi_milssl.pipeline import runner
+from wsi_milssl.pipeline import stamps
+
+FEATURES = """
+[pipeline]
+name = "feat"
+out_dir = "feat_out"
+[data]
+mode = "features"
+train_features = "bags/train"
+train_labels = "bags/train/labels.csv"
+test_features = "bags/test"
+test_labels = "bags/test/labels.csv"
+val_fraction = 0.25
+[train]
+model = "linear"
+epochs = 3
+batch_size = 32
+plots = false
+"""
+
+
+def _bags(folder: Path, n: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True)
+    lines = ["slide,label"]
+    for b in range(n):
+        x = rng.normal(size=(20, 8)).astype(np.float32)
+        x[:4] += 3.0 * (b % 2)
+        with h5py.File(folder / f"bag_{b:02d}.h5", "w") as fh:
+            fh["features"] = x
+        lines.append(f"bag_{b:02d},{b % 2}")
+    (folder / "labels.csv").write_text("\n".join(lines) + "\n")
+
+
+@pytest.fixture()
+def work(tmp_path, monkeypatch):
+    """A folder with a feature pipeline (``p.toml``, its bags beside it), the current folder of the test."""
+    folder = tmp_path / "work"
+    _bags(folder / "bags" / "train", 8, 0)
+    _bags(folder / "bags" / "test", 4, 1)
+    (folder / "p.toml").write_text(FEATURES)
+    monkeypatch.chdir(folder)
+    return folder
+
+
+def _statuses(spec) -> list[str]:
+    return [o.status for o in run_pipeline(spec)]
+
+
+def _as_an_earlier_version(out: Path, started_in: Path) -> None:
+    """Rewrite ``out`` as earlier versions left it when run from ``started_in`` with a relative ``--out``: the
+    stamps' outputs and the heatmap sidecars' checkpoint and store paths relative to ``started_in``."""
+    def relative(path):
+        return os.path.relpath(path, started_in) if path and Path(path).is_absolute() else path
+
+    for stamp_file in (out / ".pipeline").glob("*.json"):
+        stamp = json.loads(stamp_file.read_text())
+        stamp["outputs"] = [relative(p) for p in stamp["outputs"]]
+        assert stamp["outputs"] and not any(Path(p).is_absolute() for p in stamp["outputs"])
+        stamp_file.write_text(json.dumps(stamp))
+    for sidecar_file in [*(out / "heatmaps").rglob("*_probs.json"), *(out / "heatmaps").rglob("heatmap_config.json")]:
+        sidecar = json.loads(sidecar_file.read_text())
+        for key in ("checkpoint", "store_path"):
+            if key in sidecar:
+                sidecar[key] = relative(sidecar[key])
+        sidecar_file.write_text(json.dumps(sidecar))
+
+
+def test_a_relative_out_is_the_same_folder_from_anywhere(work, tmp_path, monkeypatch):
+    assert main(["run", "p.toml", "--out", "out"]) == 0
+    out = work / "out"
+    stamp = json.loads((out / ".pipeline" / "train.json").read_text())
+    assert all(Path(p).is_absolute() and Path(p).is_file() for p in stamp["outputs"])
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    # the pipeline's own resolved file, and the pipeline file with --out spelled from here
+    assert _statuses(load_pipeline(out / RESOLVED_FILENAME)) == ["skipped", "skipped"]
+    assert _statuses(load_pipeline(work / "p.toml", out_dir="../work/out")) == ["skipped", "skipped"]
+    assert not (elsewhere / "out").exists()
+
+
+def test_an_output_folder_of_an_earlier_version_stays_up_to_date(work, tmp_path, monkeypatch):
+    assert main(["run", "p.toml"]) == 0  # [pipeline].out_dir = "feat_out", relative
+    out = work / "feat_out"
+    _as_an_earlier_version(out, work)
+    # run again the same way from the same folder: nothing runs again after the upgrade
+    assert _statuses(load_pipeline("p.toml")) == ["skipped", "skipped"]
+    assert _statuses(load_pipeline("p.toml", out_dir="feat_out")) == ["skipped", "skipped"]
+    # and from another folder, through the resolved pipeline (the outputs are found below its out_dir)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert _statuses(load_pipeline(out / RESOLVED_FILENAME)) == ["skipped", "skipped"]
+    # a recorded output that is gone still makes its stage run
+    (out / "evaluation" / "metrics.json").unlink()
+    outcomes = run_pipeline(load_pipeline(out / RESOLVED_FILENAME))
+    assert [(o.stage, o.status) for o in outcomes] == [("train", "skipped"), ("evaluate", "ran")]
+    assert outcomes[1].reason == "output missing: feat_out/evaluation/metrics.json"
+
+
+def test_relative_outputs_of_earlier_stamps_are_found_below_their_output_folder(tmp_path, monkeypatch):
+    out = tmp_path / "runs" / "ci"
+    (out / "model").mkdir(parents=True)
+    (out / "model" / "best.pt").write_bytes(b"x")
+    monkeypatch.chdir(tmp_path)
+    for recorded in ("runs/ci/model/best.pt", "ci/model/best.pt", "../ci/model/best.pt", "../../runs/ci/model/best.pt",
+                     str(out / "model" / "best.pt")):
+        assert stamps._output_exists(recorded, out), recorded
+    for recorded in ("ci/model/last.pt", "other/model/best.pt", "model/best.pt/x", "ci/../ci/model/last.pt",
+                     str(tmp_path / "model" / "best.pt")):
+        assert not stamps._output_exists(recorded, out), recorded
+
+
+def test_out_dir_expands_the_home_folder(work, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (work / "p.toml").write_text(FEATURES.replace('out_dir = "feat_out"', 'out_dir = "~/runs/feat"'))
+    assert load_pipeline("p.toml").out_dir == tmp_path / "home" / "runs" / "feat"
+    assert load_pipeline("p.toml", out_dir="~/x").out_dir == tmp_path / "home" / "x"
+    assert load_pipeline("p.toml", out_dir="x").out_dir == work / "x"  # relative: to the current folder
+
+
+def test_the_resolved_pipeline_is_written_when_every_stage_has_run_with_its_settings(work, monkeypatch):
+    resolved = work / "feat_out" / RESOLVED_FILENAME
+    assert main(["run", "p.toml", "--until", "train"]) == 0
+    assert not resolved.exists()  # evaluate has not run
+    assert main(["run", "p.toml"]) == 0
+    assert load_toml(resolved)["train"]["epochs"] == 3
+    # --until with a setting of a later stage, and nothing that runs: the file stays as it was
+    assert main(["run", "p.toml", "--until", "train", "--set", "evaluate.thumbnail_px=64"]) == 0
+    assert load_toml(resolved)["train"]["epochs"] == 3
+    # a stage runs with other settings, and the run stops before the last stage: no file describes the folder
+    assert main(["run", "p.toml", "--until", "train", "--set", "train.epochs=2"]) == 0
+    assert not resolved.exists()
+    assert main(["run", "p.toml", "--set", "train.epochs=2"]) == 0
+    assert load_toml(resolved)["train"]["epochs"] == 2
+
+    def interrupted(ctx):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(runner._FEATURE_RUNNERS, "evaluate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_pipeline(load_pipeline("p.toml", overrides=["train.epochs=4"]))
+    assert not resolved.exists()  # epochs = 2 no longer describes the model, epochs = 4 not the evaluation
+
+
+TINY = """
+[pipeline]
+name = "tiny"
+out_dir = "tiny_out"
+""" + GENERATED_SLIDES + """[train]
+epochs = 1
+batch_size = 32
+num_workers = 0
+[heatmap]
+num_workers = 0
+thumbnail_px = 128
+[evaluate]
+thumbnail_px = 128
+"""
+
+
+def test_a_generated_pipeline_run_from_another_folder_is_up_to_date(tmp_path, monkeypatch):
+    """The reported case: `run base.toml --out ci`, then `run W/ci/resolved_pipeline.toml` from elsewhere made
+    new slides, tiled, trained and predicted again; and an earlier version's folder of it stays up to date."""
+    work, elsewhere = tmp_path / "w", tmp_path / "elsewhere"
+    work.mkdir()
+    elsewhere.mkdir()
+    (work / "base.toml").write_text(TINY)
+    monkeypatch.chdir(work)
+    assert main(["run", "base.toml", "--out", "ci"]) == 0
+    out = work / "ci"
+    files = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != RESOLVED_FILENAME}
+    sidecar = json.loads(next((out / "heatmaps" / "test").glob("*_probs.json")).read_text())
+    assert Path(sidecar["checkpoint"]).is_absolute() and Path(sidecar["store_path"]).is_absolute()
+    monkeypatch.chdir(elsewhere)
+    assert _statuses(load_pipeline(out / RESOLVED_FILENAME)) == ["skipped"] * 6
+    _as_an_earlier_version(out, work)
+    monkeypatch.chdir(work)
+    assert _statuses(load_pipeline("base.toml", out_dir="ci")) == ["skipped"] * 6
+    monkeypatch.chdir(elsewhere)
+    assert _statuses(load_pipeline(out / RESOLVED_FILENAME)) == ["skipped"] * 6
+    changed = [p for p, mtime in files.items() if p.suffix != ".json" and p.stat().st_mtime_ns != mtime]
+    assert not changed  # no slide made, tiled or predicted again
