@@ -39,9 +39,9 @@ from pathlib import Path
 import torch
 
 from wsi_milssl.atomic import atomic_write_bytes, atomic_write_text, check_writable
-from wsi_milssl.benchmark.mil_csv import (DEFAULT_PRESET, METHODS, PRESETS, _check_fold_counts,
-                                          nested_cross_validation, read_saved_runs, resolve_methods,
-                                          result_differences)
+from wsi_milssl.benchmark.mil_csv import (DATA_KEYS, DEFAULT_PRESET, METHODS, PRESETS, PROTOCOL_KEYS,
+                                          _check_fold_counts, nested_cross_validation, read_saved_runs,
+                                          resolve_methods, result_differences)
 from wsi_milssl.benchmark.plots import fold_scores_png
 from wsi_milssl.cli.benchmark import benchmark_config, refuse_shared_paths
 from wsi_milssl.errors import ConfigError, WsiMilsslError
@@ -135,11 +135,13 @@ def merge(runs: list[dict], names: list[str] | None = None) -> dict:
     replacing) an earlier run's, so one method can be re-run and merged; the data set's "all" time is then
     the sum of its methods' times. ConfigError (naming both runs, ``names``, and what differs) for runs of
     another seed or selection metric, or a data set of another file or protocol
-    (:func:`wsi_milssl.benchmark.mil_csv.result_differences`); a key a run lacks matches anything."""
+    (:func:`wsi_milssl.benchmark.mil_csv.result_differences`); a key a run lacks matches anything, so each
+    run's data set is compared with that data set in every earlier run (an earlier run without a key must
+    not let two later ones with different values merge)."""
     names = names or [f"run {i + 1}" for i in range(len(runs))]
     merged = json.loads(json.dumps(runs[0]))
     meta = merged["meta"]
-    origin = {ds: names[0] for ds in merged["datasets"]}
+    seen = {ds: [(names[0], run)] for ds, run in runs[0]["datasets"].items()}  # data set -> (run name, result)
     meta_of = {key: names[0] for key in ("seed", "select") if key in meta}
     for name, other in zip(names[1:], runs[1:]):
         for key, what, fix in (("seed", "seed", "merge runs of one --seed (benchmarks/mil_csv_seeds.py compares "
@@ -154,17 +156,27 @@ def merge(runs: list[dict], names: list[str] | None = None) -> dict:
             if m not in meta["methods"]:
                 meta["methods"].append(m)
         for ds, run in other["datasets"].items():
+            for earlier, result in seen.get(ds, []):
+                differences = result_differences(result, run)
+                if differences:
+                    raise ConfigError(f"cannot merge {name} into {earlier}: {ds} differs in {', '.join(differences)}; "
+                                      "a data set's runs must share its file and protocol: re-run it with the file "
+                                      f"and settings of {earlier}.")
+            seen.setdefault(ds, []).append((name, run))
             if ds not in merged["datasets"]:
-                merged["datasets"][ds] = run
-                origin[ds] = name
+                merged["datasets"][ds] = json.loads(json.dumps(run))
                 continue
             mine = merged["datasets"][ds]
-            differences = result_differences(mine, run)
-            if differences:
-                raise ConfigError(f"cannot merge {name} into {origin[ds]}: {ds} differs in {', '.join(differences)}; "
-                                  "a data set's runs must share its file and protocol: re-run it with the file "
-                                  f"and settings of {origin[ds]}.")
             mine["methods"].update(run["methods"])
+            # what a later run records of the data and protocol and an earlier one did not: the merged file
+            # states it, so that a run merged into it later is compared with it too
+            for key in ("source", *DATA_KEYS):
+                if run.get(key) not in (None, "") and mine.get(key) in (None, ""):
+                    mine[key] = run[key]
+            added = {k: v for k, v in (run.get("benchmark") or {}).items()
+                     if k in PROTOCOL_KEYS and k not in (mine.get("benchmark") or {})}
+            if added:
+                mine["benchmark"] = {**(mine.get("benchmark") or {}), **added}
             mine["wall_s"] = sum(r["seconds"] for r in mine["methods"].values())
             mine["cpu_s"] = sum(r["cpu_seconds"] for r in mine["methods"].values())
     return merged

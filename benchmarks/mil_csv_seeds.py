@@ -30,7 +30,7 @@ def collect(runs: list[dict], names: list[str] | None = None) -> dict[tuple[str,
     whose runs differ in anything but the seed (:func:`wsi_milssl.benchmark.mil_csv.result_differences`)."""
     names = names or [f"run {i + 1}" for i in range(len(runs))]
     out: dict[tuple[str, str], dict[int, dict[str, float]]] = defaultdict(dict)
-    first: dict[str, tuple[str, dict]] = {}  # data set -> (run name, its result) it was first seen in
+    seen: dict[str, list[tuple[str, dict]]] = defaultdict(list)  # data set -> (run name, its result) so far
     given: dict[tuple[str, str, int], str] = {}  # (data set, method, seed) -> the run that gave it
     select = next(((n, r["meta"]["select"]) for n, r in zip(names, runs) if "select" in r["meta"]), None)
     for name, run in zip(names, runs):
@@ -39,13 +39,14 @@ def collect(runs: list[dict], names: list[str] | None = None) -> dict[tuple[str,
                               f"{run['meta']['select']}); compare runs of one --select.")
         seed = int(run["meta"]["seed"])
         for ds, res in run["datasets"].items():
-            if ds in first:
-                differences = result_differences(first[ds][1], res, ignore=("seed",))
+            # every earlier run of the data set: a key a run lacks matches anything, so an earlier run without
+            # a key must not let two later ones with different values through
+            for earlier, result in seen[ds]:
+                differences = result_differences(result, res, ignore=("seed",))
                 if differences:
-                    raise ConfigError(f"{first[ds][0]} and {name} differ in more than the seed: {ds} differs in "
+                    raise ConfigError(f"{earlier} and {name} differ in more than the seed: {ds} differs in "
                                       f"{', '.join(differences)}; compare runs of one data file and protocol.")
-            else:
-                first[ds] = (name, res)
+            seen[ds].append((name, res))
             for method, r in res["methods"].items():
                 if seed in out[(ds, method)]:
                     raise ConfigError(f"{ds} / {method} / seed {seed} is in {given[(ds, method, seed)]} and {name}; "
@@ -62,7 +63,16 @@ def fold_counts(runs: list[dict]) -> dict[str, int]:
 
 
 def render(table: dict[tuple[str, str], dict[int, dict[str, float]]], reference: str | None,
-           folds: dict[str, int] | None = None) -> str:
+           folds: dict[str, int] | None = None, methods: list[str] | None = None) -> str:
+    """The Markdown table of :func:`collect`'s ``table``: a row per (data set, method), or with ``methods``
+    only those, in that order within each data set; the difference column subtracts ``reference``'s runs
+    whether or not its row is shown."""
+    ref_rows = table
+    if methods:
+        order = {m: i for i, m in enumerate(methods)}
+        datasets = list(dict.fromkeys(ds for ds, _ in table))
+        table = dict(sorted(((k, v) for k, v in table.items() if k[1] in order),
+                            key=lambda kv: (datasets.index(kv[0][0]), order[kv[0][1]])))
     seeds = sorted({s for per in table.values() for s in per})
     datasets = list(dict.fromkeys(ds for ds, _ in table))
     counts = sorted({n for ds, n in (folds or {}).items() if ds in datasets})
@@ -79,7 +89,7 @@ def render(table: dict[tuple[str, str], dict[int, dict[str, float]]], reference:
              + (f" mean − {reference} |" if reference else ""),
              "|---|---|" + "---|" * (len(seeds) + 1) + ("---|" if reference else "")]
     for ds in datasets:
-        ref = table.get((ds, reference), {}) if reference else {}
+        ref = ref_rows.get((ds, reference), {}) if reference else {}
         for (d, method), per in table.items():
             if d != ds:
                 continue
@@ -129,12 +139,7 @@ def _table(args: argparse.Namespace) -> str:
     if unknown:
         raise ConfigError(f"{', '.join(unknown)}: in none of the runs (their methods: {', '.join(known)}); give "
                           "--methods and --reference from those ('--reference \"\"' for no reference).")
-    if args.methods:  # only these, in this order within each data set
-        order = {m: i for i, m in enumerate(args.methods)}
-        datasets = list(dict.fromkeys(ds for ds, _ in table))
-        table = dict(sorted(((k, v) for k, v in table.items() if k[1] in order),
-                            key=lambda kv: (datasets.index(kv[0][0]), order[kv[0][1]])))
-    text = render(table, reference or None, fold_counts(runs))
+    text = render(table, reference or None, fold_counts(runs), args.methods)
     if args.out:
         atomic_write_text(args.out, text)
     return text

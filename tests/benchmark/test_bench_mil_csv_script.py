@@ -97,6 +97,33 @@ def test_from_json_joins_runs_of_one_protocol_and_data_sets_of_their_own(script,
     assert script.main(["--from-json", str(runs["a"]), str(tmp_path / "old.json"), "--out", str(out)]) == 0
 
 
+def test_an_earlier_versions_file_first_does_not_let_two_other_files_merge(script, runs, tmp_path, capsys):
+    """A key a run lacks matches anything, but was matched only against the first file: with a file of an
+    earlier version first (no size, SHA-256, counts or protocol), runs of a 5-feature and a 50-feature file
+    merged into one row, while the same two alone were refused. Every file is compared with every earlier
+    one now, and the merged file records what the later ones did, for a later merge."""
+    old = json.loads(runs["a"].read_text())
+    for key in ("source_bytes", "source_sha256", "n_bags", "n_positive_bags", "n_instances", "n_features",
+                "benchmark"):
+        del old["datasets"]["musk1"][key]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    out = tmp_path / "m.md"
+    for first in ([], [str(tmp_path / "old.json")]):
+        assert script.main(["--from-json", *first, str(runs["same"]), str(runs["other_file"]),
+                            "--out", str(out)]) == 2
+        assert re.search(r"cannot merge .*other_file\.json into .*same\.json: musk1 differs in source_bytes .*"
+                         r"n_features \(5 vs 50\)", _error(capsys))
+        assert not out.exists()
+    assert script.main(["--from-json", str(tmp_path / "old.json"), str(runs["same"]), "--out", str(out)]) == 0
+    same = json.loads(runs["same"].read_text())["datasets"]["musk1"]
+    merged = json.loads(out.with_suffix(".json").read_text())["datasets"]["musk1"]
+    assert (merged["source_sha256"], merged["n_features"]) == (same["source_sha256"], 5)
+    assert merged["benchmark"]["folds"] == 3
+    assert script.main(["--from-json", str(out.with_suffix(".json")), str(runs["other_file"]),
+                        "--out", str(tmp_path / "m2.md")]) == 2
+    assert re.search(r"cannot merge .*other_file\.json into .*m\.json: musk1 differs in source_bytes", _error(capsys))
+
+
 def test_mil_ssl_is_the_improved_presets_row(script, data, tmp_path, capsys):
     """``--methods mil-ssl`` ran as "mil-ssl (improved)" while the table looked for "mil-ssl": every cell
     was "—", and alone it made the PNG raise "nothing to plot" after the first data set."""

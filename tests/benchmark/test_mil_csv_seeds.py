@@ -85,6 +85,38 @@ def test_runs_of_another_file_or_protocol_are_refused(tmp_path, capsys, change, 
     assert err.count("\n") == 1 and re.search(message, err), err
 
 
+def test_a_run_without_the_data_files_record_first_does_not_let_two_other_files_through(tmp_path, capsys):
+    """A key a run lacks matches anything, but was matched only against the first run: an earlier version's
+    run (no size, SHA-256 or counts) first let seeds of two different data files be averaged, while the
+    same two alone were refused. Each run is compared with every earlier one now."""
+    mod = _module()
+    (tmp_path / "old.json").write_text(json.dumps(_run(0, {"musk1": {"a": (0.8, 0.9)}})))
+    for seed, size, sha in ((1, 100, "b" * 64), (2, 200, "c" * 64)):
+        run = _with_data(_run(seed, {"musk1": {"a": (0.7, 0.8)}}), source_bytes=size, source_sha256=sha)
+        (tmp_path / f"s{seed}.json").write_text(json.dumps(run))
+    for first in ([], [str(tmp_path / "old.json")]):
+        assert mod.main([*first, str(tmp_path / "s1.json"), str(tmp_path / "s2.json")]) == 2
+        err = capsys.readouterr().err
+        assert re.search(r"s1\.json and \S*s2\.json differ in more than the seed: musk1 differs in source_bytes "
+                         r"\(100 vs 200\), source_sha256 \(bbbbbbbbbbbb\.\.\. vs cccccccccccc\.\.\.\)", err), err
+    assert mod.main([str(tmp_path / "old.json"), str(tmp_path / "s1.json")]) == 0
+
+
+def test_the_reference_subtracts_when_its_row_is_not_shown(tmp_path, capsys):
+    """--methods a with the reference ref left out filtered ref's runs out before rendering: the
+    "mean − ref" column was all "—" without a word."""
+    mod = _module()
+    runs = [_run(0, {"musk1": {"a": (0.80, 0.90), "ref": (0.90, 0.95)}}),
+            _run(1, {"musk1": {"a": (0.90, 0.92), "ref": (0.85, 0.91)}})]
+    for i, r in enumerate(runs):
+        (tmp_path / f"s{i}.json").write_text(json.dumps(r))
+    assert mod.main([str(tmp_path / "s0.json"), str(tmp_path / "s1.json"), "--reference", "ref",
+                     "--methods", "a"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| musk1 |")]
+    assert len(rows) == 1 and rows[0].startswith("| musk1 | a |")
+    assert rows[0].endswith("| -0.025 / -0.020 (2 seeds) |")
+
+
 def test_another_selection_metric_is_refused_and_the_seed_alone_may_differ(tmp_path, capsys):
     mod = _module()
     runs = [_with_data(_run(s, {"musk1": {"a": (0.8, 0.9)}}), n_features=5, folds=5, seed=s) for s in (0, 1)]

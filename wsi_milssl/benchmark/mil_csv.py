@@ -713,8 +713,9 @@ def result_differences(a: dict[str, Any], b: dict[str, Any], *, ignore: Sequence
     """What differs between two results of :func:`nested_cross_validation` of one data set, as
     ``"key (a's value vs b's)"`` texts: the data (:data:`DATA_KEYS`) and the protocol (:data:`PROTOCOL_KEYS`)
     except the keys in ``ignore``. A key that either result lacks (a file of an earlier version) matches
-    anything; a grid override of None (none given) differs from a given grid. Empty: the two are rows of
-    one table."""
+    anything, so a result is to be compared with every earlier one, not only the first (which may lack a
+    key two later ones differ in); a grid override of None (none given) differs from a given grid. Empty:
+    the two are rows of one table."""
     def recorded(r: dict[str, Any]) -> dict[str, Any]:
         out = {k: r[k] for k in DATA_KEYS if k in r}
         if r.get("source"):
