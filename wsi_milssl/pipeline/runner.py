@@ -352,7 +352,12 @@ def _train_grid(points: list[_GridPoint], train, val, run_info: dict, *, ctx: _C
              f"{n_gpus} GPU(s)" if n_gpus else f"CPU, {threads} thread(s) each")
     emit(ctx.progress, ProgressEvent("train-grid", 0, len(points), unit="run"))
     results: list = [None] * len(points)
-    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+    from wsi_milssl.parent_watch import watch_parent
+
+    # the grid's trainers end when this process is killed: run on under pid 1 they would keep writing
+    # checkpoints into the run folders that the next `run` resumes
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=watch_parent, initargs=(os.getpid(),)) as pool:
         futures = {pool.submit(_fit_grid_point, data, config_to_dict(point.config), str(point.run_dir), point.resume,
                                run_info, None if not n_gpus else k % n_gpus, threads): k
                    for k, point in enumerate(points)}
