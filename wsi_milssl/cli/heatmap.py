@@ -245,19 +245,28 @@ def _n_ok(result) -> int:
 
 
 def _report(result, what: str) -> int:
-    """Print a heatmap run's summary (patches per second from the first input opened to the last file
-    written), one line per slide, the files written, failures to stderr; the exit code: 0, or 1 when a
-    slide failed or had no patch."""
+    """Print a heatmap run's summary (patches per second of the slides predicted in this run, from the
+    first input opened to the last file written; slides already done are named as such, without a rate),
+    one line per slide, the files written, failures to stderr; the exit code: 0, or 1 when a slide failed
+    or had no patch."""
     seconds = result.seconds
     ok = [r for r in result.results if r.status == "ok"]
-    n_patches = sum(r.n_patches for r in ok)
-    rate = f", {n_patches / seconds:.1f} patches/s" if seconds > 0 and n_patches else ""
+    skipped = set(result.skipped)
+    if skipped and len(skipped) == len(result.results):
+        done = (f"{sum(r.n_patches for r in ok)} patches; every slide was already done with this checkpoint and "
+                "settings (skipped, nothing predicted)")
+    else:
+        n_patches = sum(r.n_patches for r in ok if r.slide not in skipped)
+        rate = f", {n_patches / seconds:.1f} patches/s" if seconds > 0 and n_patches else ""
+        done = f"{n_patches} {'new ' if skipped else ''}patches in {seconds:.1f} s{rate}"
+        if skipped:
+            done += f"; {len(skipped)} slide(s) already done with this checkpoint and settings, skipped"
     print(f"heatmaps of {len(result.results)} {what}: {len(ok)} ok, {result.n_failed} failed, "
-          f"{result.n_empty} empty; {n_patches} patches in {seconds:.1f} s{rate} -> {result.out_dir}")
+          f"{result.n_empty} empty; {done} -> {result.out_dir}")
     for r in ok:
         print(f"  {r.slide}: score {r.score:.4f}, {r.n_patches} patches")
     files = [f"{name}: {path}" for name, path in (("scores", result.scores_csv), ("status", result.status_csv))
-             if path.exists()]  # a shard without slides writes neither
+             if path.exists()]  # a shard without slides writes no scores.csv (a header-only status CSV)
     if files:
         print("; ".join(files))
     for r in result.results:

@@ -107,8 +107,9 @@ class HeatmapResult:
 
 @dataclass(frozen=True)
 class HeatmapRun:
-    """Outcome of :func:`make_heatmaps`: per-slide results (input order), the folder's files, and
-    ``seconds`` from the first slide opened to the last file written."""
+    """Outcome of :func:`make_heatmaps`: per-slide results (input order), the folder's files,
+    ``seconds`` from the first slide opened to the last file written, and ``skipped``: the slides already
+    done with this checkpoint and settings (their results read from the folder, not predicted again)."""
 
     results: tuple[HeatmapResult, ...]
     out_dir: Path
@@ -116,6 +117,7 @@ class HeatmapRun:
     config_json: Path
     scores_csv: Path
     seconds: float = 0.0
+    skipped: tuple[str, ...] = ()
 
     @property
     def n_failed(self) -> int:
@@ -724,7 +726,7 @@ def _make_heatmaps(inputs: list[HeatmapInput], checkpoint: str | os.PathLike | I
         return written, time.perf_counter() - t0
 
     emit(progress, ProgressEvent("heatmap", 0, len(inputs), unit="slide"))
-    todo, n_done = [], 0
+    todo, skipped = [], []
     for i, item in enumerate(inputs):
         try:
             mismatch = store_mismatch(item, slide_mpp=config.slide_mpp)
@@ -734,12 +736,12 @@ def _make_heatmaps(inputs: list[HeatmapInput], checkpoint: str | os.PathLike | I
             record(i, failed(i, mismatch, 0.0))
         elif item.stem in finished:
             record(i, dataclasses.replace(finished[item.stem], slide_path=str(item.slide_path or "")), merge=False)
-            n_done += 1
+            skipped.append(item.stem)
         else:
             todo.append(i)
-    if n_done:
+    if skipped:
         logger.info("%s: %d of %d slides already done with this checkpoint and settings; skipped", out_dir,
-                    n_done, len(inputs))
+                    len(skipped), len(inputs))
     # taken before the files are read: a file rewritten while it is predicted is predicted again next time
     files_of = {i: _input_files(inputs[i]) for i in todo}
     t_start = time.perf_counter()
@@ -776,4 +778,4 @@ def _make_heatmaps(inputs: list[HeatmapInput], checkpoint: str | os.PathLike | I
     if not status_csv.exists():
         _merge_status(status_csv, results_list)
     return HeatmapRun(tuple(results_list), out_dir, status_csv, config_json, out_dir / SCORES_FILENAME,
-                      seconds=time.perf_counter() - t_start)
+                      seconds=time.perf_counter() - t_start, skipped=tuple(skipped))
