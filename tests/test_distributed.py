@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +17,7 @@ from wsi_milssl.distributed import (
     parse_shard,
     rank_share,
     shard_items,
+    shard_of,
     slide_shard,
     split_evenly,
 )
@@ -35,11 +40,59 @@ def test_slide_shard_prefers_the_option_then_torchrun(monkeypatch):
     assert slide_shard(None) == (1, 3) and slide_shard("0/2") == (0, 2)
 
 
-def test_shards_cover_every_item_once():
+def _no_torchrun(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_shards_cover_every_item_once(monkeypatch):
+    _no_torchrun(monkeypatch)
     items = [f"s{i}" for i in range(11)]
-    shards = [shard_items(items, i, 3) for i in range(3)]
-    assert sorted(sum(shards, [])) == sorted(items) and [len(s) for s in shards] == [4, 4, 3]
-    assert shard_items(items, 0, 1) == items
+    shards = [shard_items(items, i, 3, name=str) for i in range(3)]
+    assert sorted(sum(shards, [])) == sorted(items)
+    assert all(shard == [s for s in items if shard_of(s, 3) == i] for i, shard in enumerate(shards))  # list order
+    assert shard_items(items, 0, 1, name=str) == items
+
+
+def test_an_items_shard_is_its_names_hash_on_any_list(monkeypatch):
+    """Separate shards (--shard I/N) given different lists (an array task started after a slide was
+    added, another after one was removed, in another order): every item is in the same shard on every
+    list, so no item is done by two shards, and every item on all the lists is done once."""
+    _no_torchrun(monkeypatch)
+    assert [shard_of(f"Tumor_{k:03d}", 8) for k in range(1, 9)] == [0, 0, 6, 6, 3, 3, 0, 3]  # never changes
+    a = [f"Tumor_{k:03d}" for k in range(1, 41)]
+    b = sorted([*a[5:], "Tumor_001x", "Normal_001"], reverse=True)
+    common = set(a) & set(b)
+    done = sum((shard_items(a if i % 2 else b, i, 4, name=str) for i in range(4)), [])  # shards 0, 2 on b
+    assert len(done) == len(set(done)) and common <= set(done)  # none twice, every item of both lists once
+    for i in range(4):
+        assert common & set(shard_items(a, i, 4, name=str)) == common & set(shard_items(b, i, 4, name=str))
+
+
+def test_torchrun_ranks_split_one_list_by_position(monkeypatch):
+    """Ranks of one torchrun job start together on one list: every N-th item from the I-th (equal
+    shares). A shard that is not this process's rank splits by name."""
+    items = [f"s{i}" for i in range(11)]
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert shard_items(items, 1, 3, name=str) == ["s1", "s4", "s7", "s10"]
+    assert shard_items(items, 0, 2, name=str) == [s for s in items if shard_of(s, 2) == 0]
+
+
+def test_the_end_of_a_plain_or_a_shard_run_does_not_import_torch():
+    """Without torchrun, a slide stage's end (failed_exit) waits for no rank and imports no torch (tile and
+    label run without it)."""
+    code = ("import sys\n"
+            "from wsi_milssl.cli.sharding import failed_exit\n"
+            "from argparse import Namespace\n"
+            "assert failed_exit(Namespace(shard=None), (0, 1), 0, status_csv='s.csv') == 0\n"
+            "assert failed_exit(Namespace(shard='1/2'), (1, 2), 1, status_csv='s.csv') == 1\n"
+            "print('torch' in sys.modules)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "False\n"
+    assert proc.stderr == "error: 1 slide(s) failed (shard 1/2); see s.csv\n"
 
 
 @pytest.mark.parametrize("n", [64, 70, 257])

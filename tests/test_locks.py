@@ -16,9 +16,8 @@ import pytest
 
 from diskfaults import read_only_folder
 from wsi_milssl.atomic import temp_path
-from wsi_milssl.errors import FolderLockedError, OutputError, ShardListError
-from wsi_milssl.locks import (LOCK_FILENAME, RUN_FILENAME, folder_lock, folder_mutex, folder_writer, lock_holder,
-                              shard_lock_filename, wait_for_other_shards)
+from wsi_milssl.errors import FolderLockedError, OutputError
+from wsi_milssl.locks import LOCK_FILENAME, folder_lock, folder_mutex, folder_writer, lock_holder, shard_lock_filename
 
 REFUSED = r" is writing to this folder\. Fix: wait until it finishes, or write to another folder \(--out\)\.$"
 
@@ -185,113 +184,6 @@ def test_scores_csv_updates_leave_no_lock_file(tmp_path):
     update_scores_csv(tmp_path, {"a": 0.25})
     assert [p.name for p in tmp_path.iterdir()] == ["scores.csv"]
     assert (tmp_path / "scores.csv").read_text() == "slide,score\na,0.250000\nb,0.500000\n"
-
-
-# ----------------------------------------------------------------------------------------------
-# One item list for every shard of a run; a rank with failures waits for the others
-# ----------------------------------------------------------------------------------------------
-
-SIX = [f"synth_00{k}.tif" for k in range(6)]
-SEVEN = sorted([*SIX, "synth_001x.tif"])
-
-
-def test_a_shard_given_another_list_than_the_shards_before_it_is_refused(tmp_path):
-    """The reviewer's sequence: shard 0/2 runs on six slides, a slide is added, shard 1/2 runs on seven,
-    which would tile some slides twice and others never. It is refused; re-running shard 0 with the
-    new list starts a new run that shard 1 then joins, and the record goes with the last shard."""
-    folder = tmp_path / "out"
-    with folder_lock(folder, shard=(0, 2), items=SIX):
-        pass
-    assert (folder / RUN_FILENAME).is_file()
-    with pytest.raises(ShardListError) as info:
-        with folder_lock(folder, shard=(1, 2), items=SEVEN):
-            pytest.fail("the shard ran")
-    message = str(info.value)
-    assert message.startswith(f"{folder}: shard 1/2 has a list of 7 slide(s) or store(s), but the shard(s) of "
-                              "this 2-way run that already ran here (0/2) had a list of 6"), message
-    assert message.endswith("Fix: give every shard the same list; when the list changed, re-run shard 0/2 with the "
-                            "new list first, then the others (finished slides are skipped)."), message
-    assert not (folder / shard_lock_filename(1, 2)).exists()  # the refused shard let go of its locks
-    for index in (0, 1):  # the fix
-        with folder_lock(folder, shard=(index, 2), items=SEVEN):
-            pass
-    assert sorted(p.name for p in folder.iterdir()) == []  # both shards finished: no record, no lock
-
-
-def test_the_same_list_in_another_order_is_another_list(tmp_path):
-    """Shards split the list by position, so the order counts."""
-    folder = tmp_path / "out"
-    with folder_lock(folder, shard=(0, 2), items=SIX):
-        pass
-    with pytest.raises(ShardListError):
-        with folder_lock(folder, shard=(1, 2), items=SIX[::-1]):
-            pass
-
-
-def test_other_counts_reruns_and_unsharded_runs_start_a_new_record(tmp_path):
-    folder = tmp_path / "out"
-    with folder_lock(folder, shard=(0, 2), items=SIX):
-        pass
-    with folder_lock(folder, shard=(0, 2), items=SEVEN):  # shard 0 again, on a new list: a new run
-        pass
-    with folder_lock(folder, shard=(2, 3), items=SIX):  # another count: a new run
-        pass
-    with folder_lock(folder, items=SIX):  # an unsharded run did everything: the open record goes
-        pass
-    assert sorted(p.name for p in folder.iterdir()) == []
-    with folder_lock(folder, shard=(1, 2), items=SEVEN):
-        pass
-    assert (folder / RUN_FILENAME).is_file()
-
-
-def test_shards_with_the_same_list_at_once_leave_nothing_behind(tmp_path):
-    """Three shards, started together, each holding its lock a moment: no refusal, and the last one out
-    deletes the record (the shards of one run leave what one run leaves)."""
-    folder = tmp_path / "out"
-    code = (
-        "import sys, time\n"
-        "from wsi_milssl.locks import folder_lock\n"
-        f"with folder_lock({str(folder)!r}, shard=(int(sys.argv[1]), 3), items={SIX!r}):\n"
-        "    time.sleep(0.5)\n"
-    )
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(i)]) for i in range(3)]
-    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
-    assert sorted(p.name for p in folder.iterdir()) == []
-
-
-def test_a_rank_with_failures_waits_until_the_other_ranks_finish(tmp_path):
-    """wait_for_other_shards returns only once the other shard (another process, holding its lock for 2 s)
-    has finished; without a record (or once the run is over) it returns at once."""
-    folder = tmp_path / "out"
-    wait_for_other_shards(folder, (0, 2))  # no run here
-    code = (
-        "import time\n"
-        "from wsi_milssl.locks import folder_lock\n"
-        f"with folder_lock({str(folder)!r}, shard=(1, 2), items={SIX!r}):\n"
-        "    print('locked', flush=True)\n"
-        "    time.sleep(2)\n"
-    )
-    other = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    try:
-        assert other.stdout.readline().strip() == "locked"
-        with folder_lock(folder, shard=(0, 2), items=SIX):
-            pass
-        t0 = time.monotonic()
-        wait_for_other_shards(folder, (0, 2), poll_s=0.05)
-        assert other.poll() is not None or not (folder / RUN_FILENAME).exists()
-        assert time.monotonic() - t0 > 0.5
-    finally:
-        other.wait(timeout=60)
-    assert sorted(p.name for p in folder.iterdir()) == []
-
-
-def test_a_rank_waits_for_a_rank_that_has_not_started_yet_but_not_for_ever(tmp_path):
-    folder = tmp_path / "out"
-    with folder_lock(folder, shard=(0, 2), items=SIX):
-        pass
-    t0 = time.monotonic()
-    wait_for_other_shards(folder, (0, 2), poll_s=0.05, unseen_s=0.5)
-    assert 0.5 <= time.monotonic() - t0 < 30
 
 
 def test_folder_writer_names_the_run_or_the_shards_that_hold_the_folder(tmp_path):

@@ -6,10 +6,13 @@ with :func:`init_group`: NCCL when the processes run on GPUs (rank ``LOCAL_RANK`
 ``LOCAL_RANK``), gloo on CPUs. Without torchrun (or with one process) nothing is initialised and
 :data:`SINGLE` describes the one process, so world size 1 runs exactly the single-process code.
 
-Slide stages (``tile``, ``label``, ``heatmap``) split their slides instead: shard ``I`` of ``N``
-takes every ``N``-th slide starting at the ``I``-th (:func:`shard_items`), either from
-``--shard I/N`` (0-based; for job arrays such as SLURM ``--array``) or, under torchrun, from the rank
-and world size (:func:`slide_shard`).
+Slide stages (``tile``, ``label``, ``heatmap``) split their slides instead (:func:`shard_items`):
+shard ``I`` of ``N`` comes from ``--shard I/N`` (0-based; for job arrays such as SLURM ``--array``,
+whose tasks may start hours apart) or, under torchrun, from the rank and world size
+(:func:`slide_shard`). Separate shards take the slides whose name hashes to ``I`` (:func:`shard_of`),
+so a slide's shard does not depend on the list it is in; torchrun's ranks, started together on one
+list, take every ``N``-th slide from the ``I``-th (equal shares), and meet at the end
+(:func:`wait_for_ranks`) so that none exits before the others have finished.
 
 The collectives used by training are here too, each a no-op for one process: :func:`gather_values`
 (every rank's values at its indices -> the whole vector on every rank), :func:`all_sum`,
@@ -19,9 +22,10 @@ The collectives used by training are here too, each a no-op for one process: :fu
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
 from dataclasses import dataclass
-from typing import Sequence, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 
@@ -35,7 +39,9 @@ __all__ = [
     "close_group",
     "parse_shard",
     "slide_shard",
+    "shard_of",
     "shard_items",
+    "wait_for_ranks",
     "rank_share",
     "split_evenly",
     "gather_values",
@@ -47,6 +53,9 @@ T = TypeVar("T")
 
 #: How long a rank waits in a collective for the others before it gives up (a rank died or hangs).
 TIMEOUT = datetime.timedelta(minutes=30)
+#: How long a slide stage's rank waits at the end for the other ranks (:func:`wait_for_ranks`): ranks
+#: that tile or predict their own slides can finish hours apart (CAMELYON16 on a few GPUs).
+RANKS_APART = datetime.timedelta(days=7)
 
 
 @dataclass(frozen=True)
@@ -90,10 +99,11 @@ def torchrun_env() -> tuple[int, int, int] | None:
     return rank, world, local
 
 
-def init_group(device: str = "auto") -> DistContext:
+def init_group(device: str = "auto", *, timeout: datetime.timedelta = TIMEOUT) -> DistContext:
     """Join torchrun's process group (NCCL on GPUs, gloo on CPUs) and return this process's place in it;
     :data:`SINGLE` without torchrun or with one process. ``device``: the training device setting
-    ('auto', 'cpu', 'cuda'); with CUDA each rank takes GPU ``LOCAL_RANK``."""
+    ('auto', 'cpu', 'cuda'); with CUDA each rank takes GPU ``LOCAL_RANK``. ``timeout``: how long a
+    collective waits for the other ranks."""
     env = torchrun_env()
     if env is None or env[1] == 1:
         return SINGLE
@@ -109,7 +119,7 @@ def init_group(device: str = "auto") -> DistContext:
         torch.cuda.set_device(local)
     backend = "nccl" if cuda else "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=TIMEOUT)
+        dist.init_process_group(backend=backend, timeout=timeout)
     return DistContext(rank=rank, world_size=world, local_rank=local, backend=backend)
 
 
@@ -150,10 +160,44 @@ def slide_shard(shard: str | None) -> tuple[int, int]:
     return 0, 1
 
 
-def shard_items(items: Sequence[T], index: int, count: int) -> list[T]:
-    """Every ``count``-th item starting at ``index`` (shards of similar size and mix; all shards
-    together hold each item once)."""
-    return list(items[index::count]) if count > 1 else list(items)
+def shard_of(name: str, count: int) -> int:
+    """The shard (0..``count``-1) of the item called ``name`` among ``count`` separate shards: its name's
+    SHA-256 modulo ``count``, the same in every process, on every list and in every stage."""
+    return int(hashlib.sha256(name.encode("utf-8")).hexdigest(), 16) % count
+
+
+def shard_items(items: Sequence[T], index: int, count: int, *, name: Callable[[T], str]) -> list[T]:
+    """Shard ``index`` of ``count``'s items (all shards together hold each item once), in list order.
+
+    Separate processes (``--shard I/N``: array tasks, which may start hours apart on a list that changed
+    in between) take the items whose ``name(item)`` (the slide's stem) hashes to ``index``
+    (:func:`shard_of`): an item's shard does not depend on the other items, so shards given different
+    lists never do one item twice, and every item that all of them saw is done. An item added after its
+    shard ran is left for the next run (as after an unsharded run). The shares are about equal for
+    many items.
+
+    torchrun's ranks (``(index, count)`` is this process's rank and world size), which start together on
+    one list, take every ``count``-th item from the ``index``-th instead: equal shares of similar mix.
+    """
+    if count <= 1:
+        return list(items)
+    env = torchrun_env()
+    if env is not None and env[:2] == (index, count):
+        return list(items[index::count])
+    return [item for item in items if shard_of(name(item), count) == index]
+
+
+def wait_for_ranks() -> None:
+    """Under torchrun with several ranks, return when every rank has got here: a gloo barrier (on the
+    CPU) that waits up to :data:`RANKS_APART`. A slide stage's ranks call it at the end, before a rank
+    with failed slides exits 1: torchrun ends every rank as soon as one exits non-zero, which would
+    stop the others mid-slide. Without torchrun (or with one rank) it returns at once, without importing
+    torch."""
+    ctx = init_group("cpu", timeout=RANKS_APART)
+    try:
+        barrier(ctx)
+    finally:
+        close_group(ctx)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ __all__ = [
     "LabelsError",
     "OutputError",
     "FolderLockedError",
-    "ShardListError",
     "DistributedError",
     "TrainingDivergedError",
 ]
@@ -70,11 +69,6 @@ class OutputError(WsiMilsslError):
 
 class FolderLockedError(WsiMilsslError):
     """Another run holds the lock of an output folder (see :func:`wsi_milssl.locks.folder_lock`)."""
-
-
-class ShardListError(ConfigError):
-    """A shard of a run was given another list of items than the run's other shards (a usage error:
-    see :func:`wsi_milssl.locks.folder_lock`)."""
 
 
 class DistributedError(WsiMilsslError):

@@ -10,16 +10,6 @@ holds :func:`folder_lock` on it for the whole run. The lock is ``fcntl.flock`` o
   ``DIR/.wsi-milssl.shard-I-of-N.lock`` EXCLUSIVE, so a second copy of the same shard is refused. A
   shard is also refused while shards with another count ``N`` write there (their slides overlap).
 
-The shards of one run must split the same list (shard ``I`` takes every ``N``-th item from the
-``I``-th). A shard given ``items`` (the names of the whole run's items, in order) checks that: the first
-shard of an ``N``-way run writes ``DIR/.wsi-milssl.shard-run.json`` (``N``, the number of items, the
-sha256 of the list, the shards started and finished; under the mutex below), and a shard of the same
-run whose list differs is refused (:class:`~wsi_milssl.errors.ShardListError`). A record of another
-``N``, or one on which this shard already ran (a re-run of the shard), starts a new run; the record is
-deleted when every shard of its run has finished, and by an unsharded run that finishes. Under
-torchrun, a rank with failed items waits for the others before it exits non-zero
-(:func:`wait_for_other_shards`), because torchrun ends every rank when one exits non-zero.
-
 Lock files record the holder's pid, host and command (refusals name them) and are deleted when free:
 a holder deletes its file while still holding it; the last shard to leave deletes the folder's file.
 The kernel releases a flock when the holding process exits in any way (kill -9 included), so a file a
@@ -37,13 +27,15 @@ Within one process the lock is re-entrant (a pipeline that holds ``OUT`` may cal
 
 :func:`folder_mutex` is the short lock for a read-modify-write of a file that concurrent runs
 (shards) share, such as a status CSV: ``DIR/.wsi-milssl.mutex``, held for the update only.
+
+:func:`folder_writer` tells a reader of a stage's outputs (``evaluate``) which other run (or shard)
+still writes a folder.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -54,21 +46,18 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator
 
-from wsi_milssl.atomic import (atomic_write_json, clean_stale_temporaries, find_write_error, output_error,
-                               remove_quietly)
-from wsi_milssl.errors import ConfigError, FolderLockedError, ShardListError
+from wsi_milssl.atomic import clean_stale_temporaries, find_write_error, output_error
+from wsi_milssl.errors import ConfigError, FolderLockedError
 
-__all__ = ["LOCK_FILENAME", "MUTEX_FILENAME", "RUN_FILENAME", "folder_lock", "folder_mutex", "folder_writer",
-           "lock_holder", "shard_lock_filename", "wait_for_other_shards"]
+__all__ = ["LOCK_FILENAME", "MUTEX_FILENAME", "folder_lock", "folder_mutex", "folder_writer", "lock_holder",
+           "shard_lock_filename"]
 
 log = logging.getLogger(__name__)
 
 LOCK_FILENAME = ".wsi-milssl.lock"
 MUTEX_FILENAME = ".wsi-milssl.mutex"
-#: The record of a sharded run's item list and of its shards started and finished (see the module docstring).
-RUN_FILENAME = ".wsi-milssl.shard-run.json"
 _SHARD_RE = re.compile(r"^\.wsi-milssl\.shard-(?P<index>[0-9]+)-of-(?P<count>[0-9]+)\.lock$")
 #: How long a shard retries a lock that another shard holds for a moment only (while it checks or
 #: deletes a lock file) before it concludes that the lock is taken.
@@ -191,17 +180,12 @@ def _create_folder(folder: Path) -> str:
 
 @contextmanager
 def folder_lock(path: str | os.PathLike, *, wait: bool = False,
-                shard: tuple[int, int] | None = None, items: Sequence[str] | None = None) -> Iterator[Path]:
+                shard: tuple[int, int] | None = None) -> Iterator[Path]:
     """Hold the lock of output folder ``path`` (created if missing) for the ``with`` block.
 
     ``shard`` = (I, N) with N > 1: hold it as shard I of N (see the module docstring): the other
     shards of the run may hold it too; an unsharded run, a second copy of shard I/N and shards with
     another N may not. None (or N = 1): hold it alone.
-
-    ``items``: the names of the whole run's items (slides, stores) in the order the shards split them.
-    A shard checks them against the list the other shards of its run were given (ShardListError when
-    they differ; see the module docstring) and records when it has finished; an unsharded run that
-    finishes deletes the record of an unfinished sharded run.
 
     When the lock is taken: with ``wait`` block until it is released, else raise FolderLockedError
     naming the folder and the other run's pid and command. A folder that cannot be written (read-only
@@ -226,10 +210,8 @@ def folder_lock(path: str | os.PathLike, *, wait: bool = False,
         with _exclusive(folder, wait=wait):
             with _holding(key):
                 yield folder
-            if items is not None:
-                remove_quietly(folder / RUN_FILENAME)  # the whole list is done: no sharded run is left open
     else:
-        with _as_shard(folder, shard, wait=wait, items=items):
+        with _as_shard(folder, shard, wait=wait):
             with _holding(key):
                 yield folder
 
@@ -265,7 +247,7 @@ def _exclusive(folder: Path, *, wait: bool) -> Iterator[None]:
 
 
 @contextmanager
-def _as_shard(folder: Path, shard: tuple[int, int], *, wait: bool, items: Sequence[str] | None) -> Iterator[None]:
+def _as_shard(folder: Path, shard: tuple[int, int], *, wait: bool) -> Iterator[None]:
     index, count = shard
     lock_file = folder / LOCK_FILENAME
     shard_file = folder / shard_lock_filename(index, count)
@@ -290,10 +272,7 @@ def _as_shard(folder: Path, shard: tuple[int, int], *, wait: bool, items: Sequen
         else:
             log.info("%s: shards on other hosts write here; temporaries of killed runs are removed by a later run",
                      folder)
-        digest = None if items is None else _join_run(folder, shard, items)
         yield
-        if digest is not None:
-            _finish_run(folder, shard, digest)  # while still holding the shard's lock: see wait_for_other_shards
     finally:
         if sfd is not None:
             try:
@@ -422,73 +401,6 @@ def _acquire(folder: Path, lock_file: Path, *, shared: bool, wait: bool, grace: 
         os.close(fd)  # the previous holder deleted the file after we opened it: take the new one
 
 
-# ----------------------------------------------------------------------------------------------
-# The record of a sharded run: one item list for all shards
-# ----------------------------------------------------------------------------------------------
-
-def _list_digest(items: Sequence[str]) -> str:
-    return hashlib.sha256(json.dumps([str(i) for i in items]).encode("utf-8")).hexdigest()
-
-
-def _read_run(folder: Path) -> dict | None:
-    """The record of the sharded run in ``folder`` ({count, items, sha256, started, finished}), or None."""
-    record = _read_record(folder / RUN_FILENAME)
-    if record is None or not isinstance(record.get("count"), int):
-        return None
-    for name in ("started", "finished"):
-        shards = record.get(name)
-        record[name] = {i for i in shards if isinstance(i, int)} if isinstance(shards, list) else set()
-    return record
-
-
-def _write_run(folder: Path, record: dict) -> None:
-    atomic_write_json(folder / RUN_FILENAME, {**record, "started": sorted(record["started"]),
-                                              "finished": sorted(record["finished"])})
-
-
-def _join_run(folder: Path, shard: tuple[int, int], items: Sequence[str]) -> str:
-    """Record shard (I, N) as started on ``items``; ShardListError when the run's other shards were given
-    another list. Returns the digest of the list."""
-    index, count = shard
-    digest = _list_digest(items)
-    with folder_mutex(folder):
-        record = _read_run(folder)
-        same_run = record is not None and record["count"] == count
-        if same_run and index not in record["started"] and record.get("sha256") != digest:
-            raise ShardListError(_other_list_message(folder, shard, len(items), record))
-        if not same_run or record.get("sha256") != digest:  # no run, another N, or this shard again on a new list
-            record = {"count": count, "items": len(items), "sha256": digest, "started": set(), "finished": set()}
-        record["started"].add(index)
-        record["finished"].discard(index)
-        _write_run(folder, record)
-    return digest
-
-
-def _other_list_message(folder: Path, shard: tuple[int, int], n_items: int, record: dict) -> str:
-    index, count = shard
-    ran = sorted(record["started"])
-    names = ", ".join(f"{i}/{count}" for i in ran)
-    return (f"{folder}: shard {index}/{count} has a list of {n_items} slide(s) or store(s), but the shard(s) of this "
-            f"{count}-way run that already ran here ({names}) had a list of {record.get('items')} (other items, or "
-            "another order), so some would be done twice and others never. Fix: give every shard the same list; "
-            f"when the list changed, re-run shard {ran[0]}/{count} with the new list first, then the others "
-            "(finished slides are skipped).")
-
-
-def _finish_run(folder: Path, shard: tuple[int, int], digest: str) -> None:
-    """Record shard (I, N) as finished; the last shard of the run deletes the record."""
-    index, count = shard
-    with folder_mutex(folder):
-        record = _read_run(folder)
-        if record is None or record["count"] != count or record.get("sha256") != digest:
-            return  # a later run took the record over
-        record["finished"].add(index)
-        if record["finished"] >= set(range(count)):
-            remove_quietly(folder / RUN_FILENAME)
-        else:
-            _write_run(folder, record)
-
-
 def _shard_alive(folder: Path, index: int, count: int) -> bool:
     """Whether shard (I, N) holds its lock file in ``folder`` now (a probe that deletes nothing)."""
     return _held_by_another(folder / shard_lock_filename(index, count))
@@ -504,34 +416,6 @@ def _held_by_another(lock_file: Path) -> bool:
         return not _try_flock(fd, fcntl.LOCK_SH, 0.0)
     finally:
         os.close(fd)
-
-
-def wait_for_other_shards(path: str | os.PathLike, shard: tuple[int, int], *, poll_s: float = 1.0,
-                          unseen_s: float = 1800.0) -> None:
-    """Return when the other shards of shard (I, N)'s run in folder ``path`` have finished (or are gone).
-
-    For a torchrun rank with failed items: torchrun ends every rank when one exits non-zero, so such a
-    rank waits here first. A shard counts as running while it holds its lock file; one that has neither
-    finished nor taken its lock yet is waited for up to ``unseen_s`` seconds (a rank still starting).
-    Needs the run's record (shards that passed ``items`` to :func:`folder_lock`); without it, returns.
-    """
-    folder = Path(path)
-    index, count = shard
-    t0 = time.monotonic()
-    told = False
-    while True:
-        record = _read_run(folder)
-        if record is None or record["count"] != count:
-            return  # every shard finished (the last one deleted the record), or another run began
-        pending = [j for j in range(count) if j != index and j not in record["finished"]]
-        running = [j for j in pending if _shard_alive(folder, j, count)]
-        if not pending or (not running and time.monotonic() - t0 > unseen_s):
-            return
-        if not told:
-            log.warning("%s: waiting for shard(s) %s of %d to finish before exiting", folder,
-                        ", ".join(str(j) for j in pending), count)
-            told = True
-        time.sleep(poll_s)
 
 
 def folder_writer(path: str | os.PathLike) -> str | None:

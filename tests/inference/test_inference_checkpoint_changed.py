@@ -120,22 +120,25 @@ def test_a_folder_config_rewritten_for_another_checkpoint_does_not_adopt_the_sli
 
 def test_shards_resumed_with_a_new_checkpoint_predict_their_own_old_slides_again(
         tmp_path, slides, checkpoints, alone):
+    from wsi_milssl.distributed import shard_of
+
     last, best = checkpoints
     out = tmp_path / "hm"
-    for i in range(2):
-        assert make_heatmaps(slides, last, out, HeatmapConfig(**FAST), shard=(i, 2)).ok
-    # shard 0 of the best.pt run finished, shard 1 was killed before its slide
+    assert [shard_of(stem, 3) for stem in ("a", "b")] == [1, 2]  # shard 0 of 3 has no slide
+    for i in range(3):
+        assert make_heatmaps(slides, last, out, HeatmapConfig(**FAST), shard=(i, 3)).ok
+    # shard 1 of the best.pt run finished, shard 2 was killed before its slide
     events = []
-    assert make_heatmaps(slides, best, out, HeatmapConfig(**FAST), shard=(0, 2), progress=events.append).ok
+    assert make_heatmaps(slides, best, out, HeatmapConfig(**FAST), shard=(1, 3), progress=events.append).ok
     assert _read(events) == {"a"}
     events = []
-    run = make_heatmaps(slides, best, out, HeatmapConfig(**FAST), shard=(1, 2), progress=events.append)
+    run = make_heatmaps(slides, best, out, HeatmapConfig(**FAST), shard=(2, 3), progress=events.append)
     assert run.ok and [r.slide for r in run.results] == ["b"]
     assert _read(events) == {"b"}  # its slide is last.pt's: predicted again, not reported ok
     _assert_made_by(out, alone["best"], best)
-    for i in range(2):  # each shard again: nothing to do
+    for i in range(3):  # each shard again: nothing to do
         events = []
-        assert make_heatmaps(slides, best, out, HeatmapConfig(**FAST), shard=(i, 2), progress=events.append).ok
+        assert make_heatmaps(slides, best, out, HeatmapConfig(**FAST), shard=(i, 3), progress=events.append).ok
         assert _read(events) == set()
 
 

@@ -12,8 +12,10 @@ import sys
 import pytest
 
 from wsi_milssl.cli import main
+from wsi_milssl.config import TileConfig
+from wsi_milssl.distributed import shard_of
 from wsi_milssl.store import find_stores
-from wsi_milssl.tiling import read_status_csv
+from wsi_milssl.tiling import find_slides, read_status_csv, tile_slides
 
 ARGS = ["--magnification", "20", "--patch-size", "256", "--entropy-threshold", "4", "--threads", "1"]
 SLIDES = ["slide_0", "slide_1", "slide_2", "slide_3"]
@@ -28,22 +30,23 @@ def _rows_without_seconds(folder) -> list[dict]:
     return [{k: v for k, v in r.items() if k != "seconds"} for r in read_status_csv(folder / "tile_status.csv")]
 
 
-def test_two_slurm_array_tasks_at_once_make_the_stores_of_one_run(four_slides, tmp_path, store_contents,
-                                                                 same_contents, capsys):
-    """Two array tasks, started together with the README's --shard $SLURM_ARRAY_TASK_ID/
+def test_three_slurm_array_tasks_at_once_make_the_stores_of_one_run(four_slides, tmp_path, store_contents,
+                                                                   same_contents, capsys):
+    """Three array tasks, started together with the README's --shard $SLURM_ARRAY_TASK_ID/
     $SLURM_ARRAY_TASK_COUNT, give every store (each array and attribute), QC image, tile_config.json
     and tile_status.csv row (timing aside) of one unsharded run; a re-run of a task skips its slides."""
     slides, _ = four_slides
+    assert [shard_of(s, 3) for s in SLIDES] == [0, 0, 1, 2]  # each task's slides: the hash of their stems
     whole, sharded = tmp_path / "whole", tmp_path / "sharded"
     assert main(["tile", str(slides), "--out", str(whole), *ARGS]) == 0
     script = (f"exec {shlex.quote(sys.executable)} -m wsi_milssl tile {shlex.quote(str(slides))} --out "
               f"{shlex.quote(str(sharded))} {' '.join(ARGS)} --shard $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT")
     procs = [subprocess.Popen(["bash", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=_env(SLURM_ARRAY_TASK_ID=str(i), SLURM_ARRAY_TASK_COUNT="2")) for i in range(2)]
+                              env=_env(SLURM_ARRAY_TASK_ID=str(i), SLURM_ARRAY_TASK_COUNT="3")) for i in range(3)]
     outputs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs
-    for i, out in enumerate(outputs):
-        assert f"tiled 2 slide(s) (shard {i}/2): 2 ok, 0 skipped, 0 failed" in out, out
+    assert [p.returncode for p in procs] == [0, 0, 0], outputs
+    for i, (out, n) in enumerate(zip(outputs, (2, 1, 1))):
+        assert f"tiled {n} slide(s) (shard {i}/3): {n} ok, 0 skipped, 0 failed" in out, out
 
     names = [p.name for p in find_stores(whole)]
     assert names == [f"{s}.h5" for s in SLIDES] == [p.name for p in find_stores(sharded)]
@@ -60,10 +63,10 @@ def test_two_slurm_array_tasks_at_once_make_the_stores_of_one_run(four_slides, t
 
     stamps = {name: (sharded / name).stat().st_mtime_ns for name in names}
     capsys.readouterr()
-    assert main(["tile", str(slides), "--out", str(sharded), *ARGS, "--shard", "1/2"]) == 0
-    assert "tiled 2 slide(s) (shard 1/2): 0 ok, 2 skipped, 0 failed" in capsys.readouterr().out
+    assert main(["tile", str(slides), "--out", str(sharded), *ARGS, "--shard", "0/3"]) == 0
+    assert "tiled 2 slide(s) (shard 0/3): 0 ok, 2 skipped, 0 failed" in capsys.readouterr().out
     assert {name: (sharded / name).stat().st_mtime_ns for name in names} == stamps
-    assert [r["status"] for r in read_status_csv(sharded / "tile_status.csv")] == ["ok", "skipped", "ok", "skipped"]
+    assert [r["status"] for r in read_status_csv(sharded / "tile_status.csv")] == ["skipped", "skipped", "ok", "ok"]
 
 
 def test_a_copy_of_a_running_shard_or_an_unsharded_run_is_refused(four_slides, tmp_path, capsys):
@@ -87,7 +90,7 @@ def test_a_copy_of_a_running_shard_or_an_unsharded_run_is_refused(four_slides, t
                 r"this folder\. Fix: wait until it finishes, or write to another folder \(--out\)\.\n", err), err
         assert find_stores(out) == []
         assert main(["tile", str(slides), "--out", str(out), *ARGS, "--shard", "0/2"]) == 0  # the other shard runs
-        assert [p.name for p in find_stores(out)] == ["slide_0.h5", "slide_2.h5"]
+        assert [p.name for p in find_stores(out)] == [f"{s}.h5" for s in SLIDES if shard_of(s, 2) == 0]
     finally:
         holder.kill()
         holder.wait()
@@ -125,32 +128,74 @@ def _slides_folder(four_slides, folder, names):
     return folder
 
 
-def test_a_shard_given_another_slide_list_than_the_shard_before_it_is_refused(four_slides, tmp_path, capsys):
-    """The reviewer's sequence: shard 0/2 tiles a folder of five slides, a sixth (sorted second) is copied
-    in, shard 1/2 is run: it would tile synth_002/004 twice and synth_001x/003/005 never, with every
-    shard exiting 0. It is refused (exit 2, no store, no status row); re-running shard 0 then shard 1
-    tiles every slide once and leaves no record."""
-    folder = _slides_folder(four_slides, tmp_path / "slidesC",
-                            {f"synth_00{k}": f"slide_{k % 4}" for k in (0, 2, 3, 4, 5)})
-    out = tmp_path / "shC"
+#: Five slides and their shards of 2 (the hash of the stem): shard 0 tiles case_02 and case_04, shard 1 the others.
+CASES = ["case_00", "case_01", "case_02", "case_03", "case_04"]
+
+
+def _cases(four_slides, folder, names=CASES):
+    return _slides_folder(four_slides, folder, {name: f"slide_{k % 4}" for k, name in enumerate(names)})
+
+
+def _hidden(folder) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+def test_array_tasks_given_different_lists_tile_every_slide_they_all_saw_once(four_slides, tmp_path, capsys):
+    """The reviewer's sequence: shard 0/2 tiles a folder of five slides, two slides are copied in, shard
+    1/2 is run on the seven. A slide's shard is the hash of its stem, not its place in the list, so
+    shard 1 tiles its three slides of the five and the new slide of its share, none of shard 0's, and
+    exits 0. The new slide of shard 0's share is left, as after an unsharded run: the next run tiles it."""
+    assert [shard_of(s, 2) for s in [*CASES, "case_00a", "case_02x"]] == [1, 1, 0, 1, 0, 0, 1]
+    folder = _cases(four_slides, tmp_path / "slides")
+    out = tmp_path / "out"
     cmd = ["tile", str(folder), "--out", str(out), *ARGS]
     assert main([*cmd, "--shard", "0/2"]) == 0
-    assert [p.name for p in find_stores(out)] == ["synth_000.h5", "synth_003.h5", "synth_005.h5"]
-    _slides_folder(four_slides, folder, {"synth_001x": "slide_1"})
+    assert [r["slide"] for r in read_status_csv(out / "tile_status.csv")] == ["case_02", "case_04"]
+    _slides_folder(four_slides, folder, {"case_00a": "slide_1", "case_02x": "slide_0"})  # sorted 2nd and 5th
     capsys.readouterr()
-    assert main([*cmd, "--shard", "1/2"]) == 2
-    err = capsys.readouterr().err
-    assert err == (f"error: {out}: shard 1/2 has a list of 6 slide(s) or store(s), but the shard(s) of this 2-way "
-                   "run that already ran here (0/2) had a list of 5 (other items, or another order), so some would "
-                   "be done twice and others never. Fix: give every shard the same list; when the list changed, "
-                   "re-run shard 0/2 with the new list first, then the others (finished slides are skipped).\n")
-    assert [p.name for p in find_stores(out)] == ["synth_000.h5", "synth_003.h5", "synth_005.h5"]
-    assert [r["slide"] for r in read_status_csv(out / "tile_status.csv")] == ["synth_000", "synth_003", "synth_005"]
-    assert main([*cmd, "--shard", "0/2"]) == 0 and main([*cmd, "--shard", "1/2"]) == 0
+    assert main([*cmd, "--shard", "1/2"]) == 0
+    assert "tiled 4 slide(s) (shard 1/2): 4 ok, 0 skipped, 0 failed" in capsys.readouterr().out
     assert [(r["slide"], r["status"]) for r in read_status_csv(out / "tile_status.csv")] == [
-        ("synth_000", "skipped"), ("synth_001x", "ok"), ("synth_002", "ok"), ("synth_003", "skipped"),
-        ("synth_004", "ok"), ("synth_005", "skipped")]
-    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
+        ("case_00", "ok"), ("case_01", "ok"), ("case_02", "ok"), ("case_02x", "ok"), ("case_03", "ok"),
+        ("case_04", "ok")]  # case_00a: its shard ran before it came
+    assert _hidden(out) == []
+    capsys.readouterr()
+    assert main(cmd) == 0
+    assert "tiled 7 slide(s): 1 ok, 6 skipped, 0 failed" in capsys.readouterr().out
+    assert [p.name for p in find_stores(out)] == sorted(f"{s}.h5" for s in [*CASES, "case_00a", "case_02x"])
+
+
+class _Killed(Exception):
+    pass
+
+
+def _kill_after_first_slide(event):
+    if event.stage == "tile" and event.item:
+        raise _Killed
+
+
+def test_a_requeued_shard_given_a_changed_list_tiles_its_share_of_both(four_slides, tmp_path):
+    """Shard 1/2 is killed after its first slide and re-queued after a slide was added (and one of
+    shard 0's removed): it tiles the rest of its share of the old list, and no slide of shard 0's. The
+    re-run of shard 0 on the new list tiles only the new slide of its share. No shard leaves a file
+    behind that a later run would stumble on."""
+    config = TileConfig(magnification=20, patch_size_px=256, entropy_threshold_bits=4, threads=1)
+    folder = _cases(four_slides, tmp_path / "slides")
+    out = tmp_path / "out"
+    first = tile_slides(find_slides([folder]), out, config, shard=(0, 2))
+    assert [r.slide for r in first.results] == ["case_02", "case_04"]
+    with pytest.raises(_Killed):
+        tile_slides(find_slides([folder]), out, config, shard=(1, 2), progress=_kill_after_first_slide)
+    _slides_folder(four_slides, folder, {"case_00a": "slide_1"})
+    (folder / "case_04.tif").unlink()
+    again = tile_slides(find_slides([folder]), out, config, shard=(1, 2))
+    assert [(r.slide, r.status) for r in again.results] == [("case_00", "skipped"), ("case_01", "ok"),
+                                                             ("case_03", "ok")]
+    assert [(r["slide"], r["status"]) for r in read_status_csv(out / "tile_status.csv")] == [
+        ("case_00", "skipped"), ("case_01", "ok"), ("case_02", "ok"), ("case_03", "ok"), ("case_04", "ok")]
+    last = tile_slides(find_slides([folder]), out, config, shard=(0, 2))
+    assert [(r.slide, r.status) for r in last.results] == [("case_00a", "ok"), ("case_02", "skipped")]
+    assert _hidden(out) == []
 
 
 def test_torchrun_ranks_finish_their_slides_when_a_rank_has_a_failed_slide(four_slides, tmp_path):
@@ -171,3 +216,41 @@ def test_torchrun_ranks_finish_their_slides_when_a_rank_has_a_failed_slide(four_
     assert f"error: 1 slide(s) failed (shard 1/2); see {out / 'tile_status.csv'}" in proc.stderr
     assert [p.name for p in find_stores(out)] == ["slide_0.h5", "slide_1.h5"]
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []  # no .partial, no lock
+
+
+LATE_RANK = """\
+import os, sys, time
+from pathlib import Path
+from wsi_milssl.cli import main
+
+rank = os.environ["RANK"]
+if rank == "0":
+    time.sleep(float(sys.argv[1]))  # a rank that starts late (a slow node, a slow file system)
+code = main(sys.argv[3:])
+Path(sys.argv[2], f"rank{rank}-exit{code}").touch()
+sys.exit(code)
+"""
+
+
+def test_a_failed_rank_waits_for_a_rank_that_starts_late(four_slides, tmp_path):
+    """The reviewer's third case: an earlier `--shard 0/2` run tiled into the folder, then torchrun's
+    rank 1 fails its slide at once while rank 0 starts 3 s late. Rank 1 waits in the barrier for rank 0
+    (it used to find shard 0 'finished' in the earlier run's record and exit, and torchrun killed rank 0
+    before it began); both ranks end, rank 0 with 0, rank 1 with 1."""
+    folder = _slides_folder(four_slides, tmp_path / "slides", {"slide_0": "slide_0", "slide_1": "slide_1"})
+    (folder / "slide_0a.tif").write_bytes(os.urandom(5000))  # sorted second: rank 1's share
+    out, marks = tmp_path / "out", tmp_path / "marks"
+    marks.mkdir()
+    tile = ["tile", str(folder), "--out", str(out), "--magnification", "40", "--patch-size", "64", "--pixels",
+            "raw", "--threads", "1", "--openslide-only"]
+    assert main([*tile, "--shard", "0/2"]) == 0
+    script = tmp_path / "late_rank.py"
+    script.write_text(LATE_RANK)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(script), "3", str(marks), *tile], env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0, proc.stderr
+    assert sorted(p.name for p in marks.iterdir()) == ["rank0-exit0", "rank1-exit1"], proc.stderr
+    assert f"error: 1 slide(s) failed (shard 1/2); see {out / 'tile_status.csv'}" in proc.stderr
+    assert [(r["slide"], r["status"]) for r in read_status_csv(out / "tile_status.csv")] == [
+        ("slide_0", "skipped"), ("slide_0a", "failed"), ("slide_1", "skipped")]
+    assert _hidden(out) == []

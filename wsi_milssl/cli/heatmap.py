@@ -213,7 +213,6 @@ def run(args: argparse.Namespace) -> int:
 
     from wsi_milssl.cli.sharding import failed_exit, shard_from_args
     from wsi_milssl.distributed import torchrun_env
-    from wsi_milssl.errors import ShardListError
 
     try:
         shard = shard_from_args(args)
@@ -224,20 +223,16 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    try:
-        with TqdmProgress() as progress:
-            env = torchrun_env()
-            if env is not None and config.device != "cpu":
-                _use_local_gpu(env[2])
-            result = make_heatmaps(slides, args.model, args.out, config, stores=args.store,
-                                   annotations_dir=args.annotations, progress=progress, shard=shard,
-                                   overwrite=args.overwrite)
-    except ShardListError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    with TqdmProgress() as progress:
+        env = torchrun_env()
+        if env is not None and config.device != "cpu":
+            _use_local_gpu(env[2])
+        result = make_heatmaps(slides, args.model, args.out, config, stores=args.store,
+                               annotations_dir=args.annotations, progress=progress, shard=shard,
+                               overwrite=args.overwrite)
     _report(result, "slide(s)")
-    return failed_exit(args, shard, len(result.results) - _n_ok(result), out_dir=result.out_dir,
-                       status_csv=result.status_csv, what="slide(s) failed or had no patch")
+    return failed_exit(args, shard, len(result.results) - _n_ok(result), status_csv=result.status_csv,
+                       what="slide(s) failed or had no patch")
 
 
 def _n_ok(result) -> int:

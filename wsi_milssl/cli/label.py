@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from wsi_milssl.config.label import LabelConfig
-from wsi_milssl.errors import ConfigError, ShardListError
+from wsi_milssl.errors import ConfigError
 
 __all__ = ["SUMMARY", "register", "run", "label_config_from_args"]
 
@@ -52,7 +52,8 @@ def register(subparsers) -> None:
             "declarations is refused and the store is left unchanged.\n\n"
             "Re-running skips stores already labelled with the same settings, annotation file and slide\n"
             "label whose mask is in --out (status 'skipped'; --overwrite labels them again). --shard I/N\n"
-            "labels every N-th store from the I-th (a job array task, or a torchrun rank); the shards of\n"
+            "labels shard I of N of the stores (a job array task; a store's shard is fixed by a hash of its\n"
+            "slide's name), a torchrun rank every N-th store (sorted by path) from the I-th; the shards of\n"
             "one run write one --out at once and their label_status.csv rows merge, sorted by slide."
         ),
         formatter_class=HelpFormatter,
@@ -78,7 +79,7 @@ def register(subparsers) -> None:
     p.add_argument("--no-masks", action="store_true", help="do not write evaluation masks")
     p.add_argument("--overwrite", action="store_true",
                    help="label every store again, also those already labelled with these settings")
-    add_shard_argument(p, items="stores (sorted by path)")
+    add_shard_argument(p, items="stores")
     p.set_defaults(run=run)
 
 
@@ -93,16 +94,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     config = label_config_from_args(args)
-    try:
-        with TqdmProgress() as progress:
-            report = label_stores(
-                args.stores, annotations_dir=args.annotations, labels_csv=getattr(args, "labels", None),
-                config=config, out_dir=getattr(args, "out", None), progress=progress, shard=shard,
-                overwrite=args.overwrite,
-            )
-    except ShardListError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    with TqdmProgress() as progress:
+        report = label_stores(
+            args.stores, annotations_dir=args.annotations, labels_csv=getattr(args, "labels", None), config=config,
+            out_dir=getattr(args, "out", None), progress=progress, shard=shard, overwrite=args.overwrite,
+        )
     width = max([len(r.stem) for r in report.results] + [5])
     print(f"{'slide':<{width}}  {'status':<7} {'labels':<11} {'patches':>8} {'positive':>8}  slide label")
     for r in report.results:
@@ -124,5 +120,4 @@ def run(args: argparse.Namespace) -> int:
         print(f"stores missing from {getattr(args, 'labels', None)} ({len(report.stores_missing_from_labels)}): "
               + ", ".join(report.stores_missing_from_labels))
     print(f"status: {report.status_csv}")
-    return failed_exit(args, shard, report.n_failed, out_dir=report.status_csv.parent, status_csv=report.status_csv,
-                       what="store(s) failed")
+    return failed_exit(args, shard, report.n_failed, status_csv=report.status_csv, what="store(s) failed")

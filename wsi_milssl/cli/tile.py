@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from wsi_milssl.config.tile import DEFAULT_MAGNIFICATION, TileConfig
-from wsi_milssl.errors import ConfigError, ShardListError, StoreError
+from wsi_milssl.errors import ConfigError, StoreError
 
 __all__ = ["SUMMARY", "register", "run", "tile_config_from_args"]
 
@@ -44,10 +44,11 @@ def register(subparsers) -> None:
             "and DIR/tile_config.json. Re-running skips slides whose store is complete with the same\n"
             "settings and was cut from the same, unchanged slide file (path, size, modification time);\n"
             "a changed slide is tiled again. Exit code 1 when any slide failed, 2 for usage errors.\n\n"
-            "--shard I/N tiles every N-th slide from the I-th (a job array task, or a torchrun rank); the\n"
-            "shards of one run write one --out at once, their tile_status.csv rows merge (sorted by slide,\n"
-            "as one run writes them) and every shard writes the same tile_config.json. A second copy of a\n"
-            "shard, or an unsharded run, into a folder that shards are writing is refused.\n\n"
+            "--shard I/N tiles shard I of N of the slides (a job array task; a slide's shard is fixed by a\n"
+            "hash of its name), a torchrun rank every N-th slide from the I-th; the shards of one run write\n"
+            "one --out at once, their tile_status.csv rows merge (sorted by slide, as one run writes them)\n"
+            "and every shard writes the same tile_config.json. A second copy of a shard, or an unsharded\n"
+            "run, into a folder that shards are writing is refused.\n\n"
             "SLIDES are slide files, folders of slides, or CSV files with a 'slide' column (paths or\n"
             "names of slides beside the CSV, e.g. labels.csv from `wsi-milssl synth`)."
         ),
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with TqdmProgress() as progress:
             result = tile_slides(slides, args.out, config, overwrite=args.overwrite, progress=progress, shard=shard)
-    except (StoreError, ShardListError) as exc:
+    except StoreError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     counts = {k: sum(r.status == k for r in result.results) for k in ("ok", "skipped", "failed")}
@@ -126,4 +127,4 @@ def run(args: argparse.Namespace) -> int:
     for r in result.results:
         if r.status == "failed":
             print(f"failed: {r.slide}: {r.error}", file=sys.stderr)
-    return failed_exit(args, shard, counts["failed"], out_dir=args.out, status_csv=result.status_csv)
+    return failed_exit(args, shard, counts["failed"], status_csv=result.status_csv)

@@ -646,14 +646,15 @@ def make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.Path
     store cut from another slide than the one given, or one that cannot be opened, fails its slide
     (:func:`store_mismatch`). A model that gives NaN or infinite probabilities fails each slide
     (CheckpointError in the status CSV) before any of its files is written. ``shard`` = (I, N): this
-    call takes every N-th slide from the I-th (:func:`wsi_milssl.distributed.shard_items`); shards may
+    call takes shard I of N of the slides (:func:`wsi_milssl.distributed.shard_items`: by the hash of the
+    slide's stem; torchrun's ranks every N-th slide from the I-th); shards may
     run at once into one folder, and their status and score rows merge (sorted by slide), so N shards leave the files of one run.
     The lock of ``out_dir`` is held for the run (:func:`wsi_milssl.locks.folder_lock`, as shard I of
     N): another run into the folder, or a second copy of the shard, is refused with FolderLockedError.
     """
     every = match_inputs(slides, stores)
-    with folder_lock(out_dir, shard=shard, items=[i.stem for i in every]):
-        return _make_heatmaps(shard_items(every, *shard), checkpoint, out_dir, config,
+    with folder_lock(out_dir, shard=shard):
+        return _make_heatmaps(shard_items(every, *shard, name=lambda i: i.stem), checkpoint, out_dir, config,
                               annotations_dir=annotations_dir, progress=progress, overwrite=overwrite)
 
 

@@ -28,9 +28,9 @@ leaves the store untouched.
 
 A batch (:func:`label_stores`) holds the lock of its output folder and skips stores already labelled
 with the same settings, annotation file (path and SHA-256) and slide label whose mask is there
-(status ``skipped``). Shard I of N (``shard=(I, N)``: ``--shard I/N`` or a torchrun rank) labels every
-N-th store from the I-th; the shards of one run may write one output folder at once, and their
-``label_status.csv`` rows merge, sorted by slide as one run writes them.
+(status ``skipped``). Shard I of N (``shard=(I, N)``: ``--shard I/N`` or a torchrun rank) labels its
+share of the stores (:func:`wsi_milssl.distributed.shard_items`); the shards of one run may write one
+output folder at once, and their ``label_status.csv`` rows merge, sorted by slide as one run writes them.
 """
 
 from __future__ import annotations
@@ -363,9 +363,10 @@ def label_stores(
     with status ``failed`` and left unchanged; the others go on.
 
     Stores already labelled exactly as this run would label them are skipped (status ``skipped``)
-    unless ``overwrite``. ``shard`` = (I, N): label only every N-th store (sorted by path) from the
-    I-th; the output folder's lock (FolderLockedError while another run writes it) is held as that
-    shard, so the N shards may write ``out_dir`` at once.
+    unless ``overwrite``. ``shard`` = (I, N): label only shard I of N of the stores (by the hash of
+    the slide's stem; torchrun's ranks: every N-th store, sorted by path, from the I-th; see
+    :func:`wsi_milssl.distributed.shard_items`); the output folder's lock (FolderLockedError while
+    another run writes it) is held as that shard, so the N shards may write ``out_dir`` at once.
     """
     paths = find_stores(stores)
     if not paths:
@@ -374,7 +375,7 @@ def label_stores(
     labels = read_labels(labels_csv) if labels_csv is not None else None
     ann_files = list_annotation_files(annotations_dir)  # raises when the folder is missing
     out = Path(out_dir) if out_dir is not None else paths[0].parent / "labels"
-    with folder_lock(out, shard=shard, items=[p.name for p in paths]):
+    with folder_lock(out, shard=shard):
         return _label_stores_locked(paths, annotations_dir, labels, labels_csv, ann_files, config, out, progress,
                                     shard=shard, overwrite=overwrite)
 
@@ -386,7 +387,7 @@ def _label_stores_locked(paths: list[Path], annotations_dir: Path, labels, label
     stems = [_store_stem(p) for p in paths]
     stem_keys = {name_key(s) for s in stems}
     unmatched = [p for p in ann_files if name_key(p.stem) not in stem_keys]
-    mine = shard_items(list(zip(paths, stems)), *shard)
+    mine = shard_items(list(zip(paths, stems)), *shard, name=lambda path_stem: path_stem[1])
     without_ann: list[str] = []
     unannotated_tumor: list[str] = []
     missing_labels: list[str] = []

@@ -6,7 +6,7 @@
     run = tile_slides(find_slides(["slides/"]), "tiles/", TileConfig(magnification=10, patch_size_px=512))
     run.ok, run.status_csv          # tiles/tile_status.csv: slide,status,n_patches,seconds,error
 
-    tile_slides(slides, "tiles/", config, shard=(i, n))   # shard i of n: every n-th slide from the i-th
+    tile_slides(slides, "tiles/", config, shard=(i, n))   # shard i of n: the slides whose stem hashes to i
 
 The recipe is one :class:`TilingPlan` (``TileConfig.tiling_plan()``), recorded in every store; any
 stage that cuts a slide (the heatmap stage too) does it with :func:`plan_slide`,

@@ -10,8 +10,8 @@ A run killed at any moment leaves no store that looks complete; re-running skips
 made with the same settings, removes the killed run's temporaries and refuses to mix settings in
 one folder. A run holds the output folder's lock (:func:`wsi_milssl.locks.folder_lock`): a second
 run into the same folder is refused. Shard I of N (``shard=(I, N)``: ``--shard I/N`` or a torchrun
-rank) tiles every N-th slide from the I-th; the shards of one run may write one folder at once, and
-their ``tile_status.csv`` rows merge, sorted by slide as one run writes them. Before each slide the free disk space is checked against an
+rank) tiles its share of the slides (:func:`wsi_milssl.distributed.shard_items`); the shards of one
+run may write one folder at once, and their ``tile_status.csv`` rows merge, sorted by slide as one run writes them. Before each slide the free disk space is checked against an
 estimate of its store; a slide that does not fit, or whose store fills the disk anyway, fails alone.
 """
 
@@ -556,9 +556,9 @@ def tile_slides(slides: Iterable[str | os.PathLike], out_dir: str | os.PathLike,
                 shard: tuple[int, int] = (0, 1), keep_other_stores: bool = False) -> TileRun:
     """Tile every slide into ``out_dir`` with ``config.workers`` processes.
 
-    ``shard`` = (I, N): tile only every N-th slide from the I-th
-    (:func:`wsi_milssl.distributed.shard_items`); every shard must get the same slide list (a shard of a run
-    whose earlier shards had another list raises ShardListError before tiling anything).
+    ``shard`` = (I, N): tile only shard I of N of the slides (:func:`wsi_milssl.distributed.shard_items`:
+    the slides whose stem hashes to I, so shards given different lists never tile a slide twice; torchrun's
+    ranks take every N-th slide from the I-th).
 
     Holds the lock of ``out_dir`` for the whole run (as shard I of N: together with the other shards):
     while another run holds it, FolderLockedError (naming the folder and the other run's pid); an
@@ -573,9 +573,9 @@ def tile_slides(slides: Iterable[str | os.PathLike], out_dir: str | os.PathLike,
     ``qc/<stem>.png`` per slide.
     """
     every = [Path(s) for s in slides]  # every shard checks the stores of the whole run's slides
-    slides = shard_items(every, *shard)
+    slides = shard_items(every, *shard, name=slide_stem)
     out_dir = Path(out_dir)
-    with folder_lock(out_dir, shard=shard, items=[s.name for s in every]):
+    with folder_lock(out_dir, shard=shard):
         other_settings = check_folder_settings(out_dir, every, config, overwrite=overwrite,
                                                keep_other_stores=keep_other_stores)
         return _tile_slides_locked(slides, out_dir, config, overwrite=overwrite, progress=progress,
