@@ -18,9 +18,10 @@ def register(subparsers) -> None:
         "info",
         help=SUMMARY,
         description="Print a slide's level-0 size, pyramid levels and downsamples, MPP, objective power,\n"
-        "vendor, and which pyramid level plus residual scale would serve each magnification. A tile at\n"
-        "the centre of the highest- and the lowest-resolution level is decoded, so a slide whose pixels\n"
-        "are corrupt is reported as an error. Exit code 1 when any slide failed.",
+        "vendor, and which pyramid level plus residual scale would serve each magnification. A 256 px\n"
+        "square at the centre of the highest- and the lowest-resolution level is decoded, so a slide\n"
+        "whose header or those tiles are corrupt is reported as an error (corrupt tiles elsewhere show\n"
+        "only when `tile` reads them). Exit code 1 when any slide failed.",
         formatter_class=HelpFormatter,
     )
     p.add_argument("slides", type=Path, nargs="+", metavar="SLIDE", help="slide file(s)")
