@@ -181,3 +181,14 @@ def test_outputs_never_replace_an_input(script, runs, tmp_path, capsys):
     assert script.main(["--from-json", str(r1c), str(runs["same"]), "--out", str(tmp_path / "r1c.md")]) == 2
     assert "--out (its .json) names the same file as the input --from-json" in _error(capsys)
     assert r1c.read_bytes() == runs["a"].read_bytes() and not (tmp_path / "r1c.md").exists()
+
+
+def test_a_grid_override_no_method_searches_does_not_part_two_runs(script, data, runs, tmp_path, capsys):
+    """--ramp-grid replaces the paper preset's T grid alone: a run of ABMIL given it (as the development
+    table's first runs were) is ABMIL's run all the same, and merges with a run without it; an --lr-grid
+    that a method searches still parts them (test above)."""
+    ramp = _run(script, data, tmp_path / "ramp.md", "d5", "--datasets", "musk1", "--methods", "abmil", *TINY,
+                "--ramp-grid", "5")
+    out = tmp_path / "m.md"
+    assert script.main(["--from-json", str(runs["a"]), str(ramp), "--out", str(out)]) == 0, capsys.readouterr().err
+    assert set(json.loads(out.with_suffix(".json").read_text())["datasets"]["musk1"]["methods"]) == {"maxpool", "abmil"}

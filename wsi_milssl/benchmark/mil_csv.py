@@ -703,10 +703,12 @@ def format_markdown(result: dict[str, Any]) -> str:
 #: what a result records of its data set: the source file's name, size and SHA-256 (``source_bytes`` and
 #: ``source_sha256``, recorded by benchmarks/bench_mil_csv.py) and the counts of :func:`nested_cross_validation`
 DATA_KEYS = ("source_name", "source_bytes", "source_sha256", "n_bags", "n_positive_bags", "n_instances", "n_features")
-#: the settings of a result's ``benchmark`` (:class:`BenchmarkConfig`) that are its protocol (the grid overrides
-#: apply to every method)
+#: the settings of a result's ``benchmark`` (:class:`BenchmarkConfig`) that are its protocol
 PROTOCOL_KEYS = ("folds", "inner_folds", "repeats", "seed", "select_metric", "mu_grid", "ramp_grid", "lr_grid",
                  "epoch_grid")
+#: a grid override -> the method grid key it replaces (BenchmarkConfig.grid_overrides): it counts only where a
+#: method of either result searches that key (``--ramp-grid`` changes the paper preset alone)
+_OVERRIDDEN = {"mu_grid": "mu", "ramp_grid": "ramp_epochs", "lr_grid": "lr"}
 
 
 def result_differences(a: dict[str, Any], b: dict[str, Any], *, ignore: Sequence[str] = ()) -> list[str]:
@@ -716,12 +718,16 @@ def result_differences(a: dict[str, Any], b: dict[str, Any], *, ignore: Sequence
     anything, so a result is to be compared with every earlier one, not only the first (which may lack a
     key two later ones differ in); a grid override of None (none given) differs from a given grid. Empty:
     the two are rows of one table."""
+    searched = {key for r in (a, b) for m in (r.get("methods") or {}).values()
+                for key in ((m.get("spec") or {}).get("grid") or {})}
+
     def recorded(r: dict[str, Any]) -> dict[str, Any]:
         out = {k: r[k] for k in DATA_KEYS if k in r}
         if r.get("source"):
             out["source_name"] = Path(str(r["source"])).name
         bench = r.get("benchmark") or {}
-        out.update({k: bench[k] for k in PROTOCOL_KEYS if k in bench})
+        out.update({k: bench[k] for k in PROTOCOL_KEYS if k in bench
+                    and (k not in _OVERRIDDEN or _OVERRIDDEN[k] in searched)})
         return out
 
     mine, theirs = recorded(a), recorded(b)
