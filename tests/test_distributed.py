@@ -12,6 +12,7 @@ import torch
 
 from wsi_milssl.distributed import (
     SINGLE,
+    Shard,
     DistContext,
     gather_values,
     parse_shard,
@@ -31,13 +32,20 @@ def test_parse_shard_and_its_errors():
             parse_shard(bad)
 
 
-def test_slide_shard_prefers_the_option_then_torchrun(monkeypatch):
+def test_slide_shard_is_the_option_else_torchrun(monkeypatch):
+    """--shard splits by hash, torchrun's rank by position; --shard under torchrun with several ranks
+    (the two would split the slides differently) is refused."""
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert slide_shard(None) == (0, 1)
+    assert slide_shard(None) == Shard(0, 1) and slide_shard("1/2") == Shard(1, 2, "hash")
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "3")
-    assert slide_shard(None) == (1, 3) and slide_shard("0/2") == (0, 2)
+    assert slide_shard(None) == Shard(1, 3, "position")
+    with pytest.raises(ConfigError, match=r"--shard 0/2 under torchrun \(RANK=1, WORLD_SIZE=3\).*Fix: drop --shard"):
+        slide_shard("0/2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one rank: --shard is the only split
+    assert slide_shard("1/2") == Shard(1, 2, "hash")
 
 
 def _no_torchrun(monkeypatch):
@@ -71,12 +79,18 @@ def test_an_items_shard_is_its_names_hash_on_any_list(monkeypatch):
 
 def test_torchrun_ranks_split_one_list_by_position(monkeypatch):
     """Ranks of one torchrun job start together on one list: every N-th item from the I-th (equal
-    shares). A shard that is not this process's rank splits by name."""
+    shares). How a shard splits is its own (Shard.by), whatever the environment says: a pair (I, N)
+    splits by name, also in a process whose rank and world size are (I, N)."""
     items = [f"s{i}" for i in range(11)]
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "3")
-    assert shard_items(items, 1, 3, name=str) == ["s1", "s4", "s7", "s10"]
-    assert shard_items(items, 0, 2, name=str) == [s for s in items if shard_of(s, 2) == 0]
+    assert shard_items(items, *slide_shard(None), name=str) == ["s1", "s4", "s7", "s10"]
+    assert shard_items(items, *Shard(1, 3, "position"), name=str) == ["s1", "s4", "s7", "s10"]
+    by_hash = [s for s in items if shard_of(s, 3) == 1]
+    assert by_hash != ["s1", "s4", "s7", "s10"]
+    assert shard_items(items, 1, 3, name=str) == shard_items(items, *Shard(1, 3), name=str) == by_hash
+    _no_torchrun(monkeypatch)
+    assert shard_items(items, *Shard(1, 3, "position"), name=str) == ["s1", "s4", "s7", "s10"]
 
 
 def test_the_end_of_a_plain_or_a_shard_run_does_not_import_torch():
@@ -85,8 +99,9 @@ def test_the_end_of_a_plain_or_a_shard_run_does_not_import_torch():
     code = ("import sys\n"
             "from wsi_milssl.cli.sharding import failed_exit\n"
             "from argparse import Namespace\n"
-            "assert failed_exit(Namespace(shard=None), (0, 1), 0, status_csv='s.csv') == 0\n"
-            "assert failed_exit(Namespace(shard='1/2'), (1, 2), 1, status_csv='s.csv') == 1\n"
+            "from wsi_milssl.distributed import Shard\n"
+            "assert failed_exit(Namespace(shard=None), Shard(0, 1), 0, status_csv='s.csv') == 0\n"
+            "assert failed_exit(Namespace(shard='1/2'), Shard(1, 2), 1, status_csv='s.csv') == 1\n"
             "print('torch' in sys.modules)\n")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)

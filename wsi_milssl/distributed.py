@@ -7,12 +7,14 @@ with :func:`init_group`: NCCL when the processes run on GPUs (rank ``LOCAL_RANK`
 :data:`SINGLE` describes the one process, so world size 1 runs exactly the single-process code.
 
 Slide stages (``tile``, ``label``, ``heatmap``) split their slides instead (:func:`shard_items`):
-shard ``I`` of ``N`` comes from ``--shard I/N`` (0-based; for job arrays such as SLURM ``--array``,
-whose tasks may start hours apart) or, under torchrun, from the rank and world size
-(:func:`slide_shard`). Separate shards take the slides whose name hashes to ``I`` (:func:`shard_of`),
-so a slide's shard does not depend on the list it is in; torchrun's ranks, started together on one
-list, take every ``N``-th slide from the ``I``-th (equal shares), and meet at the end
-(:func:`wait_for_ranks`) so that none exits before the others have finished.
+shard ``I`` of ``N`` (a :class:`Shard`) comes from ``--shard I/N`` (0-based; for job arrays such as
+SLURM ``--array``, whose tasks may start hours apart) or, without ``--shard`` under torchrun, from the
+rank and world size (:func:`slide_shard`; both at once are refused). Shards given by ``--shard`` take
+the slides whose name hashes to ``I`` (:func:`shard_of`), so a slide's shard does not depend on the
+list it is in; torchrun's ranks, started together on one list, take every ``N``-th slide from the
+``I``-th (equal shares), and meet at the end (:func:`wait_for_ranks`) so that none exits before the
+others have finished. How a shard splits depends only on where it came from (:attr:`Shard.by`), never
+on the environment of the process that splits.
 
 The collectives used by training are here too, each a no-op for one process: :func:`gather_values`
 (every rank's values at its indices -> the whole vector on every rank), :func:`all_sum`,
@@ -25,7 +27,7 @@ import datetime
 import hashlib
 import os
 from dataclasses import dataclass
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Literal, NamedTuple, Sequence, TypeVar
 
 import numpy as np
 
@@ -37,6 +39,7 @@ __all__ = [
     "torchrun_env",
     "init_group",
     "close_group",
+    "Shard",
     "parse_shard",
     "slide_shard",
     "shard_of",
@@ -149,15 +152,31 @@ def parse_shard(text: str) -> tuple[int, int]:
     return index, count
 
 
-def slide_shard(shard: str | None) -> tuple[int, int]:
-    """This process's (shard, count) of a slide stage: ``--shard I/N`` when given, else torchrun's
-    (rank, world size), else (0, 1)."""
-    if shard is not None:
-        return parse_shard(shard)
+class Shard(NamedTuple):
+    """Shard ``index`` of ``count`` of a slide stage's items, and how the items are split (``by``):
+    'hash' for ``--shard I/N`` (separate processes, :func:`shard_of`), 'position' for torchrun's ranks
+    (every ``count``-th item from the ``index``-th). A plain pair (I, N) splits by hash."""
+
+    index: int = 0
+    count: int = 1
+    by: Literal["hash", "position"] = "hash"
+
+
+def slide_shard(shard: str | None) -> Shard:
+    """This process's shard of a slide stage: ``--shard I/N`` when given (split by hash), else
+    torchrun's rank of its world size (split by position), else 0 of 1. ``--shard`` under torchrun
+    with several ranks is refused (ConfigError): the two would split the slides differently."""
     env = torchrun_env()
+    if shard is not None:
+        if env is not None and env[1] > 1:
+            raise ConfigError(f"--shard {shard} under torchrun (RANK={env[0]}, WORLD_SIZE={env[1]}): torchrun's "
+                              "ranks already split the slides, and --shard would split them another way. Fix: "
+                              "drop --shard under torchrun, or run --shard I/N without torchrun (unset RANK and "
+                              "WORLD_SIZE).")
+        return Shard(*parse_shard(shard), by="hash")
     if env is not None:
-        return env[0], env[1]
-    return 0, 1
+        return Shard(env[0], env[1], by="position")
+    return Shard()
 
 
 def shard_of(name: str, count: int) -> int:
@@ -166,23 +185,26 @@ def shard_of(name: str, count: int) -> int:
     return int(hashlib.sha256(name.encode("utf-8")).hexdigest(), 16) % count
 
 
-def shard_items(items: Sequence[T], index: int, count: int, *, name: Callable[[T], str]) -> list[T]:
-    """Shard ``index`` of ``count``'s items (all shards together hold each item once), in list order.
+def shard_items(items: Sequence[T], index: int, count: int, by: Literal["hash", "position"] = "hash", *,
+                name: Callable[[T], str]) -> list[T]:
+    """Shard ``index`` of ``count``'s items (all shards together hold each item once), in list order;
+    ``shard_items(items, *shard, name=...)`` with a :class:`Shard` or a pair (I, N).
 
-    Separate processes (``--shard I/N``: array tasks, which may start hours apart on a list that changed
-    in between) take the items whose ``name(item)`` (the slide's stem) hashes to ``index``
-    (:func:`shard_of`): an item's shard does not depend on the other items, so shards given different
-    lists never do one item twice, and every item that all of them saw is done. An item added after its
-    shard ran is left for the next run (as after an unsharded run). The shares are about equal for
-    many items.
+    ``by='hash'``: separate processes (``--shard I/N``: array tasks, which may start hours apart on a
+    list that changed in between) take the items whose ``name(item)`` (the slide's stem) hashes to
+    ``index`` (:func:`shard_of`): an item's shard does not depend on the other items, so shards given
+    different lists never do one item twice, and every item that all of them saw is done. An item added
+    after its shard ran is left for the next run (as after an unsharded run). The shares are about
+    equal for many items.
 
-    torchrun's ranks (``(index, count)`` is this process's rank and world size), which start together on
-    one list, take every ``count``-th item from the ``index``-th instead: equal shares of similar mix.
+    ``by='position'``: torchrun's ranks, which start together on one list, take every ``count``-th item
+    from the ``index``-th instead: equal shares of similar mix.
     """
+    if by not in ("hash", "position"):
+        raise ConfigError(f"shard_items: by={by!r} is not 'hash' or 'position'.")
     if count <= 1:
         return list(items)
-    env = torchrun_env()
-    if env is not None and env[:2] == (index, count):
+    if by == "position":
         return list(items[index::count])
     return [item for item in items if shard_of(name(item), count) == index]
 

@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from wsi_milssl.atomic import clean_stale_temporaries, find_write_error, output_error
+from wsi_milssl.distributed import Shard
 from wsi_milssl.errors import ConfigError, FolderLockedError
 
 __all__ = ["LOCK_FILENAME", "MUTEX_FILENAME", "folder_lock", "folder_mutex", "folder_writer", "lock_holder",
@@ -152,9 +153,12 @@ def _record(fd: int, shard: tuple[int, int] | None = None) -> None:
 
 
 def _check_shard(shard) -> tuple[int, int] | None:
-    """(I, N) of a shard, or None for an unsharded run (no shard, or one of one)."""
+    """(I, N) of a shard (a pair or a :class:`wsi_milssl.distributed.Shard`), or None for an unsharded
+    run (no shard, or one of one)."""
     if shard is None:
         return None
+    if isinstance(shard, Shard):
+        shard = shard[:2]
     try:
         index, count = (int(v) for v in shard)
     except (TypeError, ValueError):

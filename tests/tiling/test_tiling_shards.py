@@ -114,6 +114,39 @@ def test_a_bad_shard_is_a_usage_error(tmp_path, capsys, command, value, why):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("command", ["tile", "label", "heatmap"])
+def test_a_shard_under_torchrun_is_refused(four_slides, tmp_path, monkeypatch, capsys, command):
+    """The reviewer's repro: `--shard 0/2` then `--shard 1/2` with RANK=0 WORLD_SIZE=2 in the environment
+    split shard 0 by position (the rank's) and shard 1 by hash, so a slide was never tiled and both
+    exited 0. --shard under torchrun with several ranks is refused before anything is written."""
+    slides, _ = four_slides
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    out = tmp_path / "out"
+    extra = {"tile": ARGS, "label": ["--annotations", str(tmp_path)], "heatmap": ["--model", str(tmp_path / "m.pt")]}
+    for i in range(2):
+        assert main([command, str(slides), "--out", str(out), *extra[command], "--shard", f"{i}/2"]) == 2
+        assert capsys.readouterr().err == (
+            f"error: --shard {i}/2 under torchrun (RANK=0, WORLD_SIZE=2): torchrun's ranks already split the slides, "
+            "and --shard would split them another way. Fix: drop --shard under torchrun, or run --shard I/N "
+            "without torchrun (unset RANK and WORLD_SIZE).\n")
+    assert not out.exists()
+
+
+def test_shards_under_one_rank_split_by_hash(four_slides, tmp_path, monkeypatch, capsys):
+    """With RANK=0 WORLD_SIZE=1 (one rank: torchrun does not split), --shard 0/2 and 1/2 take the
+    slides whose stem hashes to them, and together tile every slide once."""
+    slides, _ = four_slides
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    out = tmp_path / "out"
+    for i in range(2):
+        assert main(["tile", str(slides), "--out", str(out), *ARGS, "--shard", f"{i}/2"]) == 0
+        assert [r["slide"] for r in read_status_csv(out / "tile_status.csv") if shard_of(r["slide"], 2) == i] == [
+            s for s in SLIDES if shard_of(s, 2) == i]
+    assert [r["slide"] for r in read_status_csv(out / "tile_status.csv")] == SLIDES
+
+
 def _slides_folder(four_slides, folder, names):
     """A folder of hard links (or copies) to some of the four slides, under other names."""
     import shutil

@@ -185,7 +185,7 @@ def _run_features(args: argparse.Namespace) -> int:
     try:
         if args.store is not None:
             raise ConfigError("--features and --store are two sources of the same patches; pass one.")
-        _, count = shard_from_args(args)
+        count = shard_from_args(args).count
         if count > 1:
             given = f"--shard {args.shard}" if args.shard is not None else f"torchrun's {count} ranks"
             raise ConfigError(f"{given}: heatmaps of feature files (--features) are not split into shards (each "

@@ -8,7 +8,7 @@ import argparse
 import os
 import sys
 
-from wsi_milssl.distributed import parse_shard, slide_shard, wait_for_ranks
+from wsi_milssl.distributed import Shard, parse_shard, slide_shard, wait_for_ranks
 from wsi_milssl.errors import ConfigError
 
 __all__ = ["add_shard_argument", "failed_exit", "shard_from_args"]
@@ -32,16 +32,17 @@ def add_shard_argument(parser: argparse.ArgumentParser, *, items: str) -> None:
              f"together leave what one run leaves. A slide's shard is fixed by a hash of its name, not by its "
              f"place in the list: shards given different lists (a slide added between two array tasks) never "
              f"do a slide twice and do every slide that all of them saw; a slide added after its shard ran is "
-             f"done by the next run. Under torchrun: rank/world size (every N-th slide from the I-th)")
+             f"done by the next run. Under torchrun leave it out: rank/world size (every N-th slide from the I-th)")
 
 
-def shard_from_args(args: argparse.Namespace) -> tuple[int, int]:
-    """(I, N) from ``--shard``, else torchrun's rank and world size, else (0, 1). ConfigError for a
-    bad torchrun environment."""
+def shard_from_args(args: argparse.Namespace) -> Shard:
+    """The shard from ``--shard`` (split by hash), else torchrun's rank and world size (split by
+    position), else 0 of 1. ConfigError for a bad torchrun environment, or ``--shard`` under torchrun
+    with several ranks."""
     return slide_shard(getattr(args, "shard", None))
 
 
-def failed_exit(args: argparse.Namespace, shard: tuple[int, int], n_failed: int, *,
+def failed_exit(args: argparse.Namespace, shard: Shard, n_failed: int, *,
                 status_csv: str | os.PathLike, what: str = "slide(s) failed") -> int:
     """The exit code of a slide stage's run (or shard ``shard``): 0, or 1 when ``n_failed`` items failed
     (``what`` says how), after a line to stderr saying how many and where their errors are (``status_csv``).
@@ -50,7 +51,7 @@ def failed_exit(args: argparse.Namespace, shard: tuple[int, int], n_failed: int,
     (:func:`wsi_milssl.distributed.wait_for_ranks`): torchrun ends every rank as soon as one exits
     non-zero, which would leave their slides half done. Separate processes (``--shard I/N``, a job
     array) and unsharded runs exit at once, without importing torch."""
-    if getattr(args, "shard", None) is None and shard[1] > 1:
+    if isinstance(shard, Shard) and shard.by == "position" and shard.count > 1:
         wait_for_ranks()
     if not n_failed:
         return 0

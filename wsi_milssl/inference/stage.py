@@ -40,7 +40,7 @@ from wsi_milssl.atomic import atomic_open
 from wsi_milssl.cohorts.names import stem_key
 from wsi_milssl.config.base import config_to_dict
 from wsi_milssl.config.heatmap import HeatmapConfig
-from wsi_milssl.distributed import shard_items
+from wsi_milssl.distributed import Shard, shard_items
 from wsi_milssl.errors import CheckpointError, ConfigError, StoreError, WsiMilsslError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.inference.exports import (
@@ -629,7 +629,7 @@ def make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.Path
                   out_dir: str | os.PathLike, config: HeatmapConfig | None = None, *,
                   stores: Sequence[str | os.PathLike] | None = None,
                   annotations_dir: str | os.PathLike | None = None,
-                  progress: ProgressCallback | None = None, shard: tuple[int, int] = (0, 1),
+                  progress: ProgressCallback | None = None, shard: tuple[int, int] | Shard = (0, 1),
                   overwrite: bool = False) -> HeatmapRun:
     """Predict every slide with the model of ``checkpoint`` and write its files into ``out_dir``.
 
@@ -647,7 +647,8 @@ def make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.Path
     (:func:`store_mismatch`). A model that gives NaN or infinite probabilities fails each slide
     (CheckpointError in the status CSV) before any of its files is written. ``shard`` = (I, N): this
     call takes shard I of N of the slides (:func:`wsi_milssl.distributed.shard_items`: by the hash of the
-    slide's stem; torchrun's ranks every N-th slide from the I-th); shards may
+    slide's stem; a :class:`~wsi_milssl.distributed.Shard` with ``by='position'``, torchrun's ranks:
+    every N-th slide from the I-th); shards may
     run at once into one folder, and their status and score rows merge (sorted by slide), so N shards leave the files of one run.
     The lock of ``out_dir`` is held for the run (:func:`wsi_milssl.locks.folder_lock`, as shard I of
     N): another run into the folder, or a second copy of the shard, is refused with FolderLockedError.

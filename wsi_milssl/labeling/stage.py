@@ -52,7 +52,7 @@ from wsi_milssl.cohorts import read_labels
 from wsi_milssl.cohorts.names import name_key
 from wsi_milssl.config.base import config_hash, write_resolved_config
 from wsi_milssl.config.label import LabelConfig
-from wsi_milssl.distributed import shard_items
+from wsi_milssl.distributed import Shard, shard_items
 from wsi_milssl.errors import AnnotationError, StoreError, WsiMilsslError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.labeling.masks import eval_mask_paths, write_eval_mask
@@ -350,7 +350,7 @@ def label_stores(
     config: LabelConfig = LabelConfig(),
     out_dir: str | os.PathLike | None = None,
     progress: ProgressCallback | None = None,
-    shard: tuple[int, int] = (0, 1),
+    shard: tuple[int, int] | Shard = (0, 1),
     overwrite: bool = False,
 ) -> LabelReport:
     """Label every store in ``stores`` (store paths or folders of stores).
@@ -364,7 +364,8 @@ def label_stores(
 
     Stores already labelled exactly as this run would label them are skipped (status ``skipped``)
     unless ``overwrite``. ``shard`` = (I, N): label only shard I of N of the stores (by the hash of
-    the slide's stem; torchrun's ranks: every N-th store, sorted by path, from the I-th; see
+    the slide's stem; a :class:`~wsi_milssl.distributed.Shard` with ``by='position'``, torchrun's
+    ranks: every N-th store, sorted by path, from the I-th; see
     :func:`wsi_milssl.distributed.shard_items`); the output folder's lock (FolderLockedError while
     another run writes it) is held as that shard, so the N shards may write ``out_dir`` at once.
     """
@@ -382,7 +383,7 @@ def label_stores(
 
 def _label_stores_locked(paths: list[Path], annotations_dir: Path, labels, labels_csv, ann_files: list[Path],
                          config: LabelConfig, out: Path, progress: ProgressCallback | None, *,
-                         shard: tuple[int, int], overwrite: bool) -> LabelReport:
+                         shard: tuple[int, int] | Shard, overwrite: bool) -> LabelReport:
     write_resolved_config(config, out, name=CONFIG_JSON)
     stems = [_store_stem(p) for p in paths]
     stem_keys = {name_key(s) for s in stems}

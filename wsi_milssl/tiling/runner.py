@@ -39,7 +39,7 @@ from wsi_milssl import __version__
 from wsi_milssl.atomic import atomic_write_json
 from wsi_milssl.config.base import config_to_dict
 from wsi_milssl.config.tile import TileConfig
-from wsi_milssl.distributed import shard_items
+from wsi_milssl.distributed import Shard, shard_items
 from wsi_milssl.errors import OutputError, StoreError, WsiMilsslError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.locks import folder_lock
@@ -553,12 +553,13 @@ def _write_config(out_dir: Path, config: TileConfig, other_settings: list[str]) 
 
 def tile_slides(slides: Iterable[str | os.PathLike], out_dir: str | os.PathLike, config: TileConfig, *,
                 overwrite: bool = False, progress: ProgressCallback | None = None,
-                shard: tuple[int, int] = (0, 1), keep_other_stores: bool = False) -> TileRun:
+                shard: tuple[int, int] | Shard = (0, 1), keep_other_stores: bool = False) -> TileRun:
     """Tile every slide into ``out_dir`` with ``config.workers`` processes.
 
     ``shard`` = (I, N): tile only shard I of N of the slides (:func:`wsi_milssl.distributed.shard_items`:
-    the slides whose stem hashes to I, so shards given different lists never tile a slide twice; torchrun's
-    ranks take every N-th slide from the I-th).
+    the slides whose stem hashes to I, so shards given different lists never tile a slide twice; a
+    :class:`~wsi_milssl.distributed.Shard` with ``by='position'``, torchrun's ranks: every N-th slide
+    from the I-th).
 
     Holds the lock of ``out_dir`` for the whole run (as shard I of N: together with the other shards):
     while another run holds it, FolderLockedError (naming the folder and the other run's pid); an
