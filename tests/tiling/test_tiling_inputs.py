@@ -36,3 +36,21 @@ def test_bad_inputs(synth_dir, tmp_path):
     (twin / "synth_000.svs").write_text("another slide with the same stem")
     with pytest.raises(ConfigError, match="have the same name 'synth_000', so their stores would collide"):
         find_slides([synth_dir, twin])
+
+
+def test_bare_names_in_a_csv_find_slides_whatever_the_case_of_their_suffix(synth_dir, tmp_path):
+    """The reviewer's list: a bare name finds its slide beside the CSV with the suffix in any case
+    (UPPER -> UPPER.TIF), a name with dots its .tif (x.ome -> x.ome.tif), and a name in another case its
+    slide (stems are compared case-insensitively); a slide with another suffix (.h5) is not a slide."""
+    import shutil
+
+    files = ["UPPER.TIF", "x.ome.tif", "plain.tiff", "Tumor_001.TIFF", "sp ace.tif"]
+    for name in files:
+        shutil.copy(synth_dir / "synth_000.tif", tmp_path / name)
+    (tmp_path / "store.h5").write_text("not a slide")
+    listing = tmp_path / "l.csv"
+    listing.write_text("slide\nUPPER\nx.ome\nplain\ntumor_001\nsp ace\n")
+    assert find_slides([listing]) == [tmp_path / name for name in files]
+    listing.write_text("slide\nstore\n")
+    with pytest.raises(ConfigError, match=r"1 slide\(s\) not found: store"):
+        find_slides([listing])

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Iterable
 
 from wsi_milssl.cohorts import SLIDE_SUFFIXES, slide_stem, stem_key
+from wsi_milssl.cohorts.names import name_key
 from wsi_milssl.errors import ConfigError
 
 # The one list of slide suffixes and the one stem rule live in wsi_milssl.cohorts (every stage uses them).
@@ -31,6 +32,22 @@ def file_fingerprint(path: str | os.PathLike) -> dict[str, str | int] | None:
     return {"path": str(resolved), "size_bytes": int(st.st_size), "mtime_ns": int(st.st_mtime_ns)}
 
 
+def _slide_named(p: Path, listings: dict[Path, list[Path]]) -> Path | None:
+    """The slide file in ``p``'s folder whose stem is ``p.name`` (a bare slide name of a CSV list), or
+    None: suffix and stem matched case-insensitively as :mod:`wsi_milssl.cohorts.names` does (``UPPER``
+    finds ``UPPER.TIF``); of several, the first by :data:`SLIDE_SUFFIXES`. ``listings``: the slide
+    files of each folder, listed once per CSV."""
+    if p.parent not in listings:
+        try:
+            listings[p.parent] = sorted(c for c in p.parent.iterdir()
+                                        if c.suffix.lower() in SLIDE_SUFFIXES and not c.name.startswith("."))
+        except OSError:  # no such folder
+            listings[p.parent] = []
+    key = name_key(p.name)
+    hits = [c for c in listings[p.parent] if stem_key(c) == key]
+    return min(hits, key=lambda c: SLIDE_SUFFIXES.index(c.suffix.lower()), default=None)
+
+
 def _from_csv(csv_path: Path, *, keep_missing: bool) -> list[Path]:
     try:
         with open(csv_path, newline="") as fh:
@@ -48,6 +65,7 @@ def _from_csv(csv_path: Path, *, keep_missing: bool) -> list[Path]:
         raise ConfigError(f"{csv_path}: cannot read the slide list ({exc}). Fix: give a UTF-8 CSV file.") from None
     out: list[Path] = []
     missing: list[str] = []
+    listings: dict[Path, list[Path]] = {}
     for entry in entries:
         if not entry:
             continue
@@ -57,10 +75,9 @@ def _from_csv(csv_path: Path, *, keep_missing: bool) -> list[Path]:
         if p.exists():
             out.append(p)
             continue
-        # A bare slide name (as in labels.csv): look for <name><suffix> beside the CSV.
-        hits = [p.with_name(p.name + s) for s in SLIDE_SUFFIXES if p.with_name(p.name + s).exists()]
-        if hits:
-            out.append(hits[0])
+        hit = _slide_named(p, listings)  # a bare slide name (as in labels.csv)
+        if hit is not None:
+            out.append(hit)
         elif keep_missing:
             out.append(p)
         else:
