@@ -183,3 +183,20 @@ def test_missing_stores_or_folder_and_bad_config(tmp_path, stores):
         LabelConfig(positive_fraction=0)
     with pytest.raises(ConfigError, match=r"group\(s\) _2 are in both tumor_groups and non_tumor_groups"):
         LabelConfig(tumor_groups=("_0", "_2"))
+
+
+def test_two_stores_of_one_slide_are_refused(stores, synth_dir, tmp_path, capsys):
+    """The reviewer's folder: `tile --format zarr --overwrite` after an HDF5 run leaves synth_001.h5 and
+    synth_001.zarr. label used to label both, print the slide twice and keep one row in
+    label_status.csv; it now stops with one error naming both stores, as `heatmap --store` does, and
+    labels the store it is given."""
+    folder = stores["synth_000"].parent
+    zarr = _make_store(folder / "synth_001.zarr", "synth_001", synth_dir / "synth_001.tif")
+    out = tmp_path / "labels"
+    assert main(["label", str(folder), "--annotations", str(synth_dir), "--out", str(out)]) == 1
+    assert capsys.readouterr().err == (
+        f"error: stores {stores['synth_001']} and {zarr} are both for slide 'synth_001'; pass one (give its path, "
+        "or move the other to another folder).\n")
+    assert not out.exists()
+    report = label_stores([stores["synth_000"], zarr], annotations_dir=synth_dir, out_dir=out)
+    assert [(r.stem, r.status) for r in report.results] == [("synth_000", "ok"), ("synth_001", "ok")]

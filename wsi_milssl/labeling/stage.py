@@ -53,7 +53,7 @@ from wsi_milssl.cohorts.names import name_key
 from wsi_milssl.config.base import config_hash, write_resolved_config
 from wsi_milssl.config.label import LabelConfig
 from wsi_milssl.distributed import Shard, shard_items
-from wsi_milssl.errors import AnnotationError, StoreError, WsiMilsslError
+from wsi_milssl.errors import AnnotationError, ConfigError, StoreError, WsiMilsslError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.labeling.masks import eval_mask_paths, write_eval_mask
 from wsi_milssl.locks import folder_lock
@@ -281,6 +281,18 @@ def _store_stem(path: Path) -> str:
     return name[: -len(schema.FORMAT_SUFFIXES[fmt])] if fmt else path.stem
 
 
+def _check_one_store_per_slide(paths: list[Path]) -> None:
+    """ConfigError when two of ``paths`` are stores of one slide (``X.h5`` and ``X.zarr`` after a
+    re-tile in the other format; stems matched as every stage matches them): both would be labelled
+    and one row of ``label_status.csv`` kept."""
+    seen: dict[str, Path] = {}
+    for path in paths:
+        first = seen.setdefault(name_key(_store_stem(path)), path)
+        if first != path:
+            raise ConfigError(f"stores {first} and {path} are both for slide {_store_stem(first)!r}; pass one "
+                              "(give its path, or move the other to another folder).")
+
+
 def _status_row(r: LabelResult) -> dict[str, str]:
     values = (r.stem, r.store_path, r.status, r.label_status, r.n_patches, r.n_positive,
               "" if r.slide_label is None else r.slide_label, r.slide_label_source, r.annotation_path or "",
@@ -360,7 +372,8 @@ def label_stores(
     ``labels`` folder beside the first store) receives the evaluation masks, ``label_status.csv``
     (a row per store, added after each store, rows of other stores kept, sorted by slide) and
     ``label_config.json``. A store that fails (bad annotation file, unreadable store) is reported
-    with status ``failed`` and left unchanged; the others go on.
+    with status ``failed`` and left unchanged; the others go on. Two stores of one slide (``X.h5`` and
+    ``X.zarr``) raise ConfigError naming both.
 
     Stores already labelled exactly as this run would label them are skipped (status ``skipped``)
     unless ``overwrite``. ``shard`` = (I, N): label only shard I of N of the stores (by the hash of
@@ -372,6 +385,7 @@ def label_stores(
     paths = find_stores(stores)
     if not paths:
         raise StoreError(f"no patch stores found in {stores}; run `wsi-milssl tile` first or check the paths.")
+    _check_one_store_per_slide(paths)
     annotations_dir = Path(annotations_dir)
     labels = read_labels(labels_csv) if labels_csv is not None else None
     ann_files = list_annotation_files(annotations_dir)  # raises when the folder is missing
