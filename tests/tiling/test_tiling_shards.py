@@ -231,6 +231,44 @@ def test_a_requeued_shard_given_a_changed_list_tiles_its_share_of_both(four_slid
     assert _hidden(out) == []
 
 
+@pytest.mark.parametrize("other, why", [
+    ([], None),
+    (["--format", "zarr"], "format 'h5' -> 'zarr'"),
+    (["--patch-size", "128"], "patch_size_px 256 -> 128; stride_px 256 -> 128"),
+])
+def test_a_shard_started_with_other_settings_is_refused(four_slides, tmp_path, other, why):
+    """The reviewer's race: shard 0/2 and shard 1/2 start together with another format (or patch size).
+    Shard 1 used to find no store yet, pass the check and fill the folder with stores of two settings
+    (exit 0, tile_config.json describing one). The first shard records the run's settings in
+    tile_config.json before its first slide, so shard 1, started while shard 0 tiles, is refused with
+    one error naming both settings; with the same settings it tiles its share."""
+    slides, _ = four_slides
+    out = tmp_path / "out"
+    config = TileConfig(magnification=20, patch_size_px=256, entropy_threshold_bits=4, threads=1)
+    started: list[subprocess.CompletedProcess] = []
+
+    def start_shard_1(event):  # shard 0 holds the folder and has not tiled a slide yet
+        if not started:
+            started.append(subprocess.run(
+                [sys.executable, "-m", "wsi_milssl", "tile", str(slides), "--out", str(out), *ARGS, *other,
+                 "--shard", "1/2"], env=_env(), capture_output=True, text=True, timeout=300))
+
+    assert tile_slides(find_slides([slides]), out, config, shard=(0, 2), progress=start_shard_1).ok
+    proc, = started
+    if why is None:
+        assert proc.returncode == 0, proc.stderr
+        assert [p.name for p in find_stores(out)] == [f"{s}.h5" for s in SLIDES]
+        return
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr == (
+        f"error: {out / 'tile_config.json'}: this folder is tiled with other settings than this shard's ({why}); "
+        "the shards of one run must use the same settings. Fix: give this shard the settings of the other shards, "
+        "or write to a new folder with --out (or, when no other shard is running, pass --overwrite to re-tile "
+        "with these settings).\n")
+    assert [p.name for p in find_stores(out)] == [f"{s}.h5" for s in SLIDES if shard_of(s, 2) == 0]
+    assert [r["slide"] for r in read_status_csv(out / "tile_status.csv")] == [s for s in SLIDES if shard_of(s, 2) == 0]
+
+
 def test_torchrun_ranks_finish_their_slides_when_a_rank_has_a_failed_slide(four_slides, tmp_path):
     """The reviewer's torchrun run: rank 1's only slide is not a slide, and fails at once. torchrun ends
     every rank when one exits non-zero, so rank 1 used to stop rank 0 mid-slide (no status rows, a

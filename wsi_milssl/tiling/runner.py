@@ -42,7 +42,7 @@ from wsi_milssl.config.tile import TileConfig
 from wsi_milssl.distributed import Shard, shard_items
 from wsi_milssl.errors import OutputError, StoreError, WsiMilsslError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
-from wsi_milssl.locks import folder_lock
+from wsi_milssl.locks import folder_lock, folder_mutex
 from wsi_milssl.parent_watch import watch_parent
 from wsi_milssl.slide.reader import open_slide
 from wsi_milssl.slide.resolution import mpp_to_magnification
@@ -184,12 +184,14 @@ def _unusable(path: Path, exc: StoreError) -> StoreError:
 
 
 def _settings_diffs(attrs: dict[str, Any], config: TileConfig) -> str | None:
-    """How the settings of a store with root ``attrs`` differ from ``config``'s ("patch_size_px 128 ->
-    256; stride_px 128 -> 256"), or None when they are the same (same settings hash)."""
+    """How the settings of a store with root ``attrs`` (or of a ``tile_config.json``) differ from
+    ``config``'s ("patch_size_px 128 -> 256; stride_px 128 -> 256"), or None when they are the same
+    (same settings hash)."""
     if attrs.get("config_hash") == config.settings_hash():
         return None
+    old = attrs.get("settings", "{}")
     try:
-        old = json.loads(attrs.get("settings", "{}"))
+        old = json.loads(old) if isinstance(old, str) else old
     except (TypeError, ValueError):
         old = {}
     if not isinstance(old, dict):
@@ -567,25 +569,50 @@ def tile_slides(slides: Iterable[str | os.PathLike], out_dir: str | os.PathLike,
     either format) is checked (:func:`check_folder_settings`): stores made with other settings raise
     one StoreError, unless ``overwrite`` (then those of other slides and those in the other format stay,
     with a warning, and ``tile_config.json`` lists them); ``keep_other_stores``: those are kept without a
-    word (the pipeline). Slides that fail
+    word (the pipeline). The check and ``tile_config.json`` (the same from every shard) are done before
+    the first slide under the folder's mutex, one shard at a time: a shard (without ``overwrite``) whose
+    settings differ from the ``tile_config.json`` already there (of a shard started with it, before any
+    store exists) raises StoreError naming both. Slides that fail
     (including a missing file, a folder named like a slide, a full disk) are recorded as 'failed' in
     ``out_dir/tile_status.csv`` (its row added after each slide, rows of other slides kept, sorted by
-    slide) while the others finish. Also writes ``tile_config.json`` (the same from every shard) and
-    ``qc/<stem>.png`` per slide.
+    slide) while the others finish. Also writes ``qc/<stem>.png`` per slide.
     """
     every = [Path(s) for s in slides]  # every shard checks the stores of the whole run's slides
     slides = shard_items(every, *shard, name=slide_stem)
     out_dir = Path(out_dir)
     with folder_lock(out_dir, shard=shard):
-        other_settings = check_folder_settings(out_dir, every, config, overwrite=overwrite,
-                                               keep_other_stores=keep_other_stores)
+        with folder_mutex(out_dir):  # one shard at a time: the first records the run's settings
+            if shard[1] > 1 and not overwrite:
+                _check_shard_settings(out_dir, config)
+            other_settings = check_folder_settings(out_dir, every, config, overwrite=overwrite,
+                                                   keep_other_stores=keep_other_stores)
+            config_json = _write_config(out_dir, config, other_settings)
         return _tile_slides_locked(slides, out_dir, config, overwrite=overwrite, progress=progress,
-                                   other_settings=other_settings)
+                                   config_json=config_json)
+
+
+def _check_shard_settings(out_dir: Path, config: TileConfig) -> None:
+    """A shard's settings against those ``tile_config.json`` records (written by the first shard of the
+    run before its first store, or by an earlier run): StoreError naming both when they differ, since
+    shards started together with other settings would fill the folder with stores of two settings."""
+    path = out_dir / CONFIG_FILENAME
+    try:
+        recorded = json.loads(path.read_text())
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError) as exc:
+        raise StoreError(f"{path}: cannot read the settings of this folder ({exc}). Fix: write to a new folder "
+                         "with --out, or pass --overwrite.") from None
+    diffs = _settings_diffs(recorded if isinstance(recorded, dict) else {}, config)
+    if diffs is not None:
+        raise StoreError(f"{path}: this folder is tiled with other settings than this shard's ({diffs}); the "
+                         "shards of one run must use the same settings. Fix: give this shard the settings of "
+                         "the other shards, or write to a new folder with --out (or, when no other shard is "
+                         "running, pass --overwrite to re-tile with these settings).")
 
 
 def _tile_slides_locked(slides: list[Path], out_dir: Path, config: TileConfig, *, overwrite: bool,
-                        progress: ProgressCallback | None, other_settings: list[str]) -> TileRun:
-    config_json = _write_config(out_dir, config, other_settings)
+                        progress: ProgressCallback | None, config_json: Path) -> TileRun:
     status_csv = out_dir / STATUS_FILENAME
     results: dict[int, TileResult] = {}
     total = len(slides)
