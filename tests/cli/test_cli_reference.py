@@ -34,3 +34,21 @@ def test_the_renderer_covers_nested_subcommands():
     text = render_cli_reference()
     assert "## wsi-milssl annotations convert" in text and "## wsi-milssl benchmark bags" in text
     assert "--no-fuse-batchnorm" in _sections(text)["wsi-milssl heatmap"]
+
+
+
+def test_docs_cli_md_has_every_description_and_help_text_as_it_is_now():
+    """Help text changed without regenerating the page (an option's wording, a description) passed the test
+    above, which checks only that every option is named. Compared with whitespace left out (argparse wraps
+    lines, also inside hyphenated words, and lays out options differently across Python versions)."""
+    flat = lambda text: "".join(text.split())  # noqa: E731
+    sections = {title: flat(body) for title, body in _sections(DOC.read_text()).items()}
+    for path, parser in _subcommands(build_parser(), ()):
+        title = "wsi-milssl " + " ".join(path)
+        formatter = parser._get_formatter()
+        texts = [parser.description or ""] + [formatter._expand_help(a) for a in parser._actions
+                                              if a.help and a.help != "==SUPPRESS=="]
+        for text in texts:
+            assert flat(text) in sections[title], (
+                f"{title}: {' '.join(text.split())[:80]!r}... is not in docs/cli.md as it is now; regenerate it "
+                f"(python -m wsi_milssl.cli.reference > docs/cli.md)")
