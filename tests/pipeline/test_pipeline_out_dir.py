@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import h5py
@@ -76,7 +77,8 @@ def _as_an_earlier_version(out: Path, started_in: Path) -> None:
 
     for stamp_file in (out / ".pipeline").glob("*.json"):
         stamp = json.loads(stamp_file.read_text())
-        stamp["outputs"] = [relative(p) for p in stamp["outputs"]]
+        assert stamp.pop(stamps.OUTPUTS_BELOW) == "OUT"  # this version's: relative to OUT
+        stamp["outputs"] = [relative(out / p) for p in stamp["outputs"]]
         assert stamp["outputs"] and not any(Path(p).is_absolute() for p in stamp["outputs"])
         stamp_file.write_text(json.dumps(stamp))
     for sidecar_file in [*(out / "heatmaps").rglob("*_probs.json"), *(out / "heatmaps").rglob("heatmap_config.json")]:
@@ -91,7 +93,7 @@ def test_a_relative_out_is_the_same_folder_from_anywhere(work, tmp_path, monkeyp
     assert main(["run", "p.toml", "--out", "out"]) == 0
     out = work / "out"
     stamp = json.loads((out / ".pipeline" / "train.json").read_text())
-    assert all(Path(p).is_absolute() and Path(p).is_file() for p in stamp["outputs"])
+    assert stamp["outputs"] == ["model/best.pt"]  # relative to OUT, wherever OUT is
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
@@ -202,3 +204,72 @@ def test_a_generated_pipeline_run_from_another_folder_is_up_to_date(tmp_path, mo
     assert _statuses(load_pipeline(out / RESOLVED_FILENAME)) == ["skipped"] * 6
     changed = [p for p, mtime in files.items() if p.suffix != ".json" and p.stat().st_mtime_ns != mtime]
     assert not changed  # no slide made, tiled or predicted again
+
+
+def _mtimes(folder: Path) -> dict[Path, int]:
+    return {p.relative_to(folder): p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file()}
+
+
+def test_a_moved_output_folder_is_up_to_date_and_a_copy_checks_its_own_files(tmp_path, monkeypatch, caplog):
+    """`mv N1 N2` of the folder holding the pipeline and its OUT: nothing runs again (stamps record outputs relative
+    to OUT, a slide's heatmap the files by name, size and time); `cp -a N2 N3` with files deleted in N3: the stages
+    of those files run again (N2's files of the same names do not count)."""
+    n1, n2, n3 = tmp_path / "N1", tmp_path / "N2", tmp_path / "N3"
+    n1.mkdir()
+    (n1 / "base.toml").write_text(TINY)
+    monkeypatch.chdir(n1)
+    assert main(["run", "base.toml"]) == 0
+    monkeypatch.chdir(tmp_path)
+    n1.rename(n2)
+    monkeypatch.chdir(n2)
+    before = _mtimes(n2 / "tiny_out")
+    assert _statuses(load_pipeline("base.toml")) == ["skipped"] * 6
+    # the heatmap stage run again (its stamp gone) keeps each slide's maps: same slide and store, moved
+    (n2 / "tiny_out" / ".pipeline" / "heatmap.json").unlink()
+    caplog.clear()
+    outcomes = run_pipeline(load_pipeline("base.toml"))
+    assert [o.status for o in outcomes] == ["skipped"] * 4 + ["ran", "ran"]
+    assert "is not there" not in caplog.text  # the slides are found where they are now
+    after = _mtimes(n2 / "tiny_out")
+    assert [p for p in before if p.suffix == ".npy" and after[p] != before[p]] == []
+    shutil.copytree(n2, n3, copy_function=shutil.copy2, symlinks=True)
+    (n3 / "tiny_out" / "model" / "best.pt").unlink()
+    for npy in (n3 / "tiny_out" / "heatmaps" / "test").glob("*_probs.npy"):
+        npy.unlink()
+    monkeypatch.chdir(n3)
+    outcomes = run_pipeline(load_pipeline("base.toml"))
+    assert [(o.stage, o.status) for o in outcomes][:4] == [(s, "skipped") for s in ("synth", "tile", "label")] + [
+        ("train", "ran")]
+    assert outcomes[3].reason == f"output missing: {n3 / 'tiny_out' / 'model' / 'best.pt'}"
+    assert (n3 / "tiny_out" / "model" / "best.pt").is_file()
+    assert len(list((n3 / "tiny_out" / "heatmaps" / "test").glob("*_probs.npy"))) == 2
+    assert _mtimes(n2 / "tiny_out") == after  # the folder copied from is left alone
+
+
+def test_an_earlier_versions_folder_made_with_out_dot_or_dot_dot_is_up_to_date(work, tmp_path, monkeypatch):
+    """Earlier versions recorded `model/best.pt` for `--out .` and `../model/best.pt` for `--out ..`: found below
+    OUT from any folder, as other relative stamps are."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    # --out . from the pipeline's folder
+    assert main(["run", "p.toml", "--out", "."]) == 0
+    _as_an_earlier_version(work, work)
+    assert json.loads((work / ".pipeline" / "train.json").read_text())["outputs"] == ["model/best.pt"]
+    monkeypatch.chdir(elsewhere)
+    assert _statuses(load_pipeline(work / RESOLVED_FILENAME)) == ["skipped", "skipped"]
+    # --out .. from a folder inside it
+    out = tmp_path / "up"
+    (out / "sub").mkdir(parents=True)
+    (out / "p.toml").write_text((work / "p.toml").read_text().replace('"bags/', f'"{work}/bags/'))
+    monkeypatch.chdir(out / "sub")
+    assert main(["run", "../p.toml", "--out", ".."]) == 0
+    _as_an_earlier_version(out, out / "sub")
+    assert json.loads((out / ".pipeline" / "train.json").read_text())["outputs"] == ["../model/best.pt"]
+    monkeypatch.chdir(elsewhere)
+    assert _statuses(load_pipeline(out / RESOLVED_FILENAME)) == ["skipped", "skipped"]
+    # a file of the recorded name beside the current folder does not count for one missing below OUT
+    (out / "model" / "best.pt").unlink()
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "best.pt").write_bytes(b"x")
+    outcomes = run_pipeline(load_pipeline(out / RESOLVED_FILENAME))
+    assert [(o.stage, o.status) for o in outcomes] == [("train", "ran"), ("evaluate", "ran")]

@@ -506,6 +506,22 @@ def _input_files(item: SlideInput) -> dict[str, dict | None]:
             "store": None if item.store_path is None else file_fingerprint(item.store_path)}
 
 
+def _same_input_files(recorded: Any, now: dict[str, dict | None]) -> bool:
+    """Whether a sidecar's ``input_files`` name the files of ``now`` (:func:`_input_files`): the same slide and
+    store, each by file name, size and modification time, so that an output folder moved or copied together
+    with its slides and stores (``mv``, ``cp -a``: the times are kept) still holds their predictions; a file
+    written again gets a new modification time."""
+    if not isinstance(recorded, dict) or set(recorded) != set(now):
+        return False
+
+    def identity(fp: Any) -> Any:
+        if not isinstance(fp, dict):
+            return fp
+        return Path(str(fp.get("path"))).name, fp.get("size_bytes"), fp.get("mtime_ns")
+
+    return all(identity(recorded[k]) == identity(now[k]) for k in now)
+
+
 def _read_sidecar(path: Path) -> dict:
     """A slide's ``_probs.json`` as a dict ({} when missing or unreadable)."""
     try:
@@ -534,8 +550,8 @@ def _finished(out_dir: Path, fingerprint: str, inputs: Sequence[SlideInput]) -> 
     """Slides of ``inputs`` already finished in ``out_dir`` by a run with the same fingerprint: status
     ok with every file there, their ``_probs.json`` recording this ``fingerprint`` (checkpoint and
     settings; the folder's ``heatmap_config.json`` names the latest run's, not what made each slide) and
-    the same slide and store files (resolved path, size and modification time, in ``input_files``), and
-    the status row agreeing with the sidecar's score and patch count. A slide made by another checkpoint
+    the same slide and store files (name, size and modification time, in ``input_files``:
+    :func:`_same_input_files`), and the status row agreeing with the sidecar's score and patch count. A slide made by another checkpoint
     or settings (a run resumed with a new checkpoint), from other or changed files, without these
     records (an older folder), or that was 'empty' (no files record it) is predicted again. Only
     ``inputs`` are checked: shards writing one folder each check their own slides."""
@@ -553,8 +569,7 @@ def _finished(out_dir: Path, fingerprint: str, inputs: Sequence[SlideInput]) -> 
             logger.info("%s: its outputs in %s were made with another checkpoint or settings (or record none); "
                         "predicting it again", item.stem, out_dir)
             continue
-        recorded = sidecar.get("input_files")
-        if not isinstance(recorded, dict) or recorded != _input_files(item):
+        if not _same_input_files(sidecar.get("input_files"), _input_files(item)):
             logger.info("%s: the slide or store file differs from the one its outputs in %s were made from; "
                         "predicting it again", item.stem, out_dir)
             continue
@@ -640,7 +655,7 @@ def make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.Path
     ``heatmap_status.csv`` and the run goes on.
 
     Resume: slides a run with the same checkpoint and settings already finished in ``out_dir`` from
-    the same slide and store files (path, size, modification time) are skipped (``overwrite`` predicts
+    the same slide and store files (name, size, modification time) are skipped (``overwrite`` predicts
     them again); each slide's ``_probs.json`` records the fingerprint of the checkpoint and settings that
     made it, so a folder resumed with another checkpoint predicts again every slide the old one made. A
     store cut from another slide than the one given, or one that cannot be opened, fails its slide

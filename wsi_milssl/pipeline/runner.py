@@ -942,14 +942,20 @@ def _check_test_features(test, saved: dict, checkpoint: Path) -> None:
 
 
 def _heatmap(ctx: _Context) -> tuple[list[str], str]:
+    from wsi_milssl.cohorts import slide_stem
     from wsi_milssl.errors import WsiMilsslError
     from wsi_milssl.inference import make_heatmaps
     from wsi_milssl.inference.stage import COMPLETE_SLIDE_FILES
+    from wsi_milssl.tiling import find_slides
 
     config = _with_label_settings(ctx.spec, "heatmap")
     checkpoint = _model_checkpoint(ctx.model_dir)
     ds = ctx.spec.sets["test"]
-    run = make_heatmaps([], checkpoint, ctx.heatmap_dir, config, stores=list(_set_stores(ctx, "test").values()),
+    stores = _set_stores(ctx, "test")
+    # the slides as they are listed now, not as their stores record them (where they were tiled: another folder
+    # once OUT has been moved or copied)
+    slides = [p for p in find_slides([ds.slides]) if slide_stem(p) in stores]
+    run = make_heatmaps(slides, checkpoint, ctx.heatmap_dir, config, stores=list(stores.values()),
                         annotations_dir=ds.annotations, progress=ctx.progress, overwrite=ctx.redo)
     failed = [r for r in run.results if r.status == "failed"]
     if failed:

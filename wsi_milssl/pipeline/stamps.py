@@ -2,8 +2,9 @@
 
 After a stage finishes, a stamp ``OUT/.pipeline/<stage>.json`` records the stage's settings, the
 fingerprints of its inputs (the stamps of the stages it reads from, or file sizes and modification
-times for inputs from outside the pipeline) and its output paths (absolute; earlier versions' relative
-ones are found from any folder, see :func:`stale_reason`). A stage is skipped when a stamp
+times for inputs from outside the pipeline) and its output paths: those inside OUT relative to OUT (so a
+folder moved or copied elsewhere checks its own files), others absolute; earlier versions' relative ones
+are found below OUT too (:func:`_output_exists`). A stage is skipped when a stamp
 with the same digest exists and every recorded output still exists. Stamps also record what the digest
 covered (``settings``: {name: value}; ``inputs``: the upstream digests and the fingerprints), so that a
 stage that runs again can say why (:func:`stale_reason`); stamps of earlier versions hold only the digest.
@@ -23,6 +24,10 @@ from wsi_milssl.atomic import atomic_write_json
 __all__ = ["StageStamp", "fingerprint_paths", "stamp_digest", "read_stamp", "write_stamp", "stale_reason"]
 
 StageStamp = dict[str, Any]
+
+#: the stamp key saying that its relative outputs are relative to OUT (stamps of earlier versions: relative to
+#: the folder their run started in, or absolute)
+OUTPUTS_BELOW = "outputs_below"
 
 
 #: files up to this size are fingerprinted by their content (labels, annotations, slide lists: a file
@@ -78,7 +83,8 @@ def write_stamp(state_dir: str | os.PathLike, stage: str, *, digest: str, output
     digest}, "external": fingerprints}) are what ``digest`` covered, recorded for :func:`stale_reason`."""
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
-    stamp: StageStamp = {"stage": stage, "digest": digest, "outputs": outputs}
+    stamp: StageStamp = {"stage": stage, "digest": digest,
+                         "outputs": [_recorded(p, state_dir.parent) for p in outputs], OUTPUTS_BELOW: "OUT"}
     if settings is not None:
         stamp["settings"] = _plain(settings)
     if inputs is not None:
@@ -99,8 +105,8 @@ def mark_running(state_dir: str | os.PathLike, stage: str) -> None:
 def stale_reason(state_dir: str | os.PathLike, stage: str, digests: Iterable[str], *,
                  settings: dict[str, Any], inputs: dict[str, Any]) -> str | None:
     """None when ``stage`` is up to date: its stamp holds one of ``digests`` (this version's, an earlier
-    version's), is not marked running (:func:`mark_running`) and every output it records exists (the relative
-    paths of earlier versions' stamps found from any folder: :func:`_output_exists`). Else why not, in one
+    version's), is not marked running (:func:`mark_running`) and every output it records exists (those inside
+    OUT checked below the stamp's own OUT, wherever it is now: :func:`_output_exists`). Else why not, in one
     line: no stamp, a run that did not finish, an output missing,
     the names of the settings that changed, the inputs that changed (a stage read from, a file or slide
     added, removed or changed), or, from a stamp that records no details (an earlier version's), "settings
@@ -113,9 +119,12 @@ def stale_reason(state_dir: str | os.PathLike, stage: str, digests: Iterable[str
     if stamp.get("running"):
         return "its last run did not finish (stopped inside the stage)"
     if stamp.get("digest") in set(digests):
-        out_dir = Path(state_dir).parent
-        missing = [p for p in stamp.get("outputs", []) if not _output_exists(p, out_dir)]
-        return f"output missing: {missing[0]}" if missing else None
+        out_dir = Path(os.path.abspath(state_dir)).parent
+        below = stamp.get(OUTPUTS_BELOW) == "OUT"
+        missing = [p for p in stamp.get("outputs", []) if not _output_exists(p, out_dir, below_out=below)]
+        if not missing:
+            return None
+        return f"output missing: {out_dir / missing[0] if below else missing[0]}"
     detailed = isinstance(stamp.get("settings"), dict) and isinstance(stamp.get("inputs"), dict)
     changes = _changes(stamp["settings"], _plain(settings), stamp["inputs"], _plain(inputs)) if detailed else []
     if changes:
@@ -125,27 +134,40 @@ def stale_reason(state_dir: str | os.PathLike, stage: str, digests: Iterable[str
     return f"settings or inputs changed since {written}{earlier}"
 
 
-def _output_exists(recorded: str, out_dir: Path) -> bool:
-    """Whether an output a stamp records exists. Stamps record absolute paths; earlier versions recorded
-    them as the run spelled its output folder, relative to the folder it started in (``ci/stores/train/x.h5``
-    for ``--out ci``): such a path counts as there when it is there from the current folder, or below
-    ``out_dir`` (the stamp folder's parent) once the leading parts that name ``out_dir`` are taken off, so the
-    run finds its outputs from any folder."""
+def _recorded(output: str | os.PathLike, out_dir: Path) -> str:
+    """How a stamp records ``output``: relative to ``out_dir`` when it lies inside it, else absolute."""
+    path, out_dir = Path(os.path.abspath(output)), Path(os.path.abspath(out_dir))
+    return str(path.relative_to(out_dir)) if path.is_relative_to(out_dir) else str(path)
+
+
+def _output_exists(recorded: str, out_dir: Path, *, below_out: bool = False) -> bool:
+    """Whether an output a stamp records exists below ``out_dir`` (the stamp folder's parent, wherever the folder
+    is now). An absolute path (outside OUT) counts where it is. A relative one is below ``out_dir``: as it is
+    (``below_out``: this version's stamps), or, for earlier versions' stamps, which recorded it as the run spelled
+    its output folder from the folder it started in (``ci/stores/train/x.h5`` for ``--out ci``,
+    ``model/best.pt`` for ``--out .``), once the leading parts that may name ``out_dir`` are taken off. A file
+    of that name elsewhere (beside the current folder, in the folder a copy was made from) does not count."""
     path = Path(recorded)
-    if path.is_absolute() or path.exists():
+    if path.is_absolute():
         return path.exists()
     parts = path.parts
-    return any(_may_name(parts[:k], out_dir) and out_dir.joinpath(*parts[k:]).exists() for k in range(1, len(parts)))
+    if below_out:
+        return ".." not in parts and out_dir.joinpath(*parts).exists()
+    return any(_may_name(parts[:k], out_dir) and ".." not in parts[k:] and out_dir.joinpath(*parts[k:]).exists()
+               for k in range(len(parts)))
 
 
 def _may_name(parts: tuple[str, ...], folder: Path) -> bool:
-    """Whether the relative path of ``parts`` can name ``folder`` from some folder: ``..`` parts first, then the
-    last parts of ``folder``'s path (``ci``, ``runs/ci``, ``../ci`` name ``/tmp/w/runs/ci``)."""
+    """Whether the relative path of ``parts`` can name ``folder`` from some folder: nothing (``.``), ``..`` parts
+    alone, or ``..`` parts then the last parts of ``folder``'s path (``ci``, ``runs/ci``, ``../ci`` name
+    ``/tmp/w/runs/ci``)."""
     names = list(parts)
     while names and names[0] == "..":
         names.pop(0)
+    if not names:
+        return True
     tail = folder.parts[1:]
-    return bool(names) and ".." not in names and len(names) <= len(tail) and list(tail[-len(names):]) == names
+    return ".." not in names and len(names) <= len(tail) and list(tail[-len(names):]) == names
 
 
 def _changes(old_settings: dict, settings: dict, old_inputs: dict, inputs: dict) -> list[str]:
