@@ -246,6 +246,19 @@ def test_a_moved_output_folder_is_up_to_date_and_a_copy_checks_its_own_files(tmp
     assert _mtimes(n2 / "tiny_out") == after  # the folder copied from is left alone
 
 
+def test_a_run_started_from_its_resolved_pipeline_keeps_that_file(work, monkeypatch):
+    """`run OUT/resolved_pipeline.toml --set ... --until STAGE` ran a stage and removed the file it was started
+    from ("config file not found" on the next run)."""
+    assert main(["run", "p.toml"]) == 0
+    resolved = work / "feat_out" / RESOLVED_FILENAME
+    text = resolved.read_text()
+    assert main(["run", str(resolved), "--set", "train.epochs=2", "--until", "train"]) == 0
+    assert resolved.read_text() == text  # kept as it was: the settings of the last complete run
+    outcomes = run_pipeline(load_pipeline(resolved))
+    assert [(o.stage, o.status) for o in outcomes] == [("train", "ran"), ("evaluate", "ran")]  # epochs = 3 again
+    assert load_toml(resolved)["train"]["epochs"] == 3
+
+
 def test_an_earlier_versions_folder_made_with_out_dot_or_dot_dot_is_up_to_date(work, tmp_path, monkeypatch):
     """Earlier versions recorded `model/best.pt` for `--out .` and `../model/best.pt` for `--out ..`: found below
     OUT from any folder, as other relative stamps are."""

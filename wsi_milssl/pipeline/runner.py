@@ -11,7 +11,8 @@ Every stage writes under the pipeline's output folder::
     OUT/evaluation/       metrics.json, per_slide.csv, plots, report.html
     OUT/.pipeline/        one stamp per stage (settings + inputs digest)
     OUT/resolved_pipeline.toml   the pipeline as run: --set overrides applied, every setting, absolute paths
-                                 (written when a run of every stage finishes; removed when a later run runs a stage)
+                                 (written when a run of every stage finishes; removed when a later run runs a stage,
+                                 unless that run started from it)
 
 A stage is skipped when its stamp matches its settings and the stamps of the stages it reads from, and
 its outputs still exist; one that runs says why (:attr:`StageOutcome.reason`). Each stage reads only the
@@ -1277,8 +1278,11 @@ def _run_stages(spec: PipelineSpec, stages: list[str], forced: set[str], *,
 def _remove_resolved_pipeline(spec: PipelineSpec) -> None:
     """Before a stage changes the outputs: remove ``OUT/resolved_pipeline.toml`` of an earlier run, which would
     no longer describe them (the settings of a run stopped by ``--until``, an interruption or an error never
-    reached the later stages); :func:`run_pipeline` writes it again when a run of every stage finishes."""
+    reached the later stages); :func:`run_pipeline` writes it again when a run of every stage finishes. A run
+    started from that very file keeps it: it holds the user's settings (those of the last run of every stage)."""
     path = spec.out_dir / RESOLVED_FILENAME
+    if path.is_file() and Path(spec.source).is_file() and path.samefile(spec.source):
+        return
     if path.is_file():
         path.unlink()
         log.info("%s removed: a stage runs; it is written again when a run of every stage finishes", path)
