@@ -203,3 +203,23 @@ def test_feature_grid_trains_points_in_worker_processes_like_one_at_a_time(tmp_p
     b = json.loads((tmp_path / "two" / "model" / "grid.json").read_text())
     assert [g["run"] for g in a] == [g["run"] for g in b]
     assert all(x["validation_score"] == pytest.approx(y["validation_score"]) for x, y in zip(a, b))
+
+
+def test_a_run_refused_before_training_leaves_no_run_to_move_aside(tmp_path, caplog):
+    """Training refused before its first epoch (validation bags of one class, for a metric that needs two)
+    leaves only the run's record in OUT/model; the run with the suggested fix uses the folder without saying
+    that it holds a run started with other settings, and moves nothing aside."""
+    _feature_files(tmp_path / "feats" / "train", {f"tr{i}": int(i == 0) for i in range(6)}, 0)  # one tumour bag
+    _feature_files(tmp_path / "feats" / "test", {f"te{i}": i % 2 for i in range(4)}, 1)
+    toml = tmp_path / "feat.toml"
+    toml.write_text(FEATURES)
+    with pytest.raises(ConfigError, match="no epoch could be chosen"):
+        run_pipeline(load_pipeline(toml, out_dir=tmp_path / "out"))
+    model = tmp_path / "out" / "model"
+    assert [p.name for p in model.iterdir()] == ["pipeline_run.json"]
+    caplog.clear()
+    fixed = load_pipeline(toml, out_dir=tmp_path / "out", overrides=["train.select_metric=\"bag_nll\""])
+    assert [o.status for o in run_pipeline(fixed)] == ["ran", "ran"]
+    assert "started with other settings" not in caplog.text
+    assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith("model.replaced-")]
+    assert (model / "best.pt").is_file()

@@ -437,7 +437,7 @@ def _fit_runs(ctx: _Context, runs: list[dict], configs: list, source: str, *, tr
 
     from wsi_milssl.mil.selftrain import fit
 
-    if ctx.redo and _has_files(ctx.model_dir):
+    if ctx.redo and _holds_run(ctx.model_dir):
         _replace_aside(ctx.model_dir, "is trained again (--force)")
     if len(configs) == 1:
         resume = _prepare_run_dir(ctx.model_dir, _run_fingerprint(ctx, configs[0], split, kind="single"),
@@ -718,8 +718,10 @@ def _replace_aside(folder: Path, why: str) -> Path:
     return aside
 
 
-def _has_files(folder: Path) -> bool:
-    return folder.is_dir() and any(not p.name.startswith(".") for p in folder.iterdir())
+def _holds_run(folder: Path) -> bool:
+    """Whether ``folder`` holds files of a training run: a folder with only its :data:`RUN_MARKER` (a run refused
+    before it trained, for its data or settings) holds none."""
+    return folder.is_dir() and any(not p.name.startswith(".") and p.name != RUN_MARKER for p in folder.iterdir())
 
 
 def _prepare_run_dir(run_dir: Path, fingerprint: dict, earlier: dict | None = None) -> bool:
@@ -729,11 +731,12 @@ def _prepare_run_dir(run_dir: Path, fingerprint: dict, earlier: dict | None = No
     then rewritten as ``fingerprint``).
 
     A folder holding a run started otherwise (other settings, split or labels; or a folder from
-    before this record) is renamed aside by :func:`_replace_aside`, never deleted.
+    before this record) is renamed aside by :func:`_replace_aside`, never deleted; one holding only the
+    record (a run refused before its first epoch) is used as it is.
     """
 
     marker = run_dir / RUN_MARKER
-    if _has_files(run_dir):
+    if _holds_run(run_dir):
         try:
             previous = json.loads(marker.read_text(encoding="utf-8"))
         except (OSError, ValueError):
@@ -752,7 +755,7 @@ def _prepare_run_dir(run_dir: Path, fingerprint: dict, earlier: dict | None = No
 def _keep_grid_parent(model_dir: Path) -> None:
     """Before a grid: a model folder that holds a single run (not a grid's chosen copy) is renamed aside."""
 
-    if not _has_files(model_dir):
+    if not _holds_run(model_dir):
         return
     try:
         kind = json.loads((model_dir / RUN_MARKER).read_text(encoding="utf-8")).get("kind")
