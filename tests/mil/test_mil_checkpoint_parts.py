@@ -66,3 +66,21 @@ def test_heatmap_gives_one_error_line(checkpoint, tmp_path, synth_slides, capsys
     err = capsys.readouterr().err
     assert code != 0 and "Traceback" not in err
     assert f"error: {path}: " in err and "The checkpoint is incomplete" in err
+
+
+def test_resume_from_an_incomplete_last_pt_says_how_to_resume(checkpoint, tmp_path, capsys):
+    """`train --resume RUN` with a last.pt missing a resume part: the fix is about the run, not about passing
+    another checkpoint (RUN_DIR/best.pt cannot be resumed from)."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(checkpoint.parent, run)
+    ckpt = torch.load(run / "last.pt", map_location="cpu", weights_only=True)
+    del ckpt["optimizer"]
+    torch.save(ckpt, run / "last.pt")
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--epochs", "2"]) != 0
+    err = capsys.readouterr().err
+    assert f"{run / 'last.pt'}: 'optimizer' is missing. The run cannot be resumed from this file" in err
+    assert "put the run's complete last.pt back, or train again without --resume into a new --out" in err
+    assert "RUN_DIR/best.pt" not in err

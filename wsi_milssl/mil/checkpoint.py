@@ -23,7 +23,8 @@ from wsi_milssl.atomic import atomic_open
 from wsi_milssl.errors import CheckpointError
 
 __all__ = ["save_checkpoint", "read_checkpoint", "load_model", "capture_rng", "restore_rng",
-           "resolve_checkpoint_path", "check_resume_parts", "CHECKPOINT_FORMAT", "INCOMPLETE_FIX"]
+           "resolve_checkpoint_path", "check_resume_parts", "CHECKPOINT_FORMAT", "INCOMPLETE_FIX",
+           "RESUME_FIX"]
 
 CHECKPOINT_FORMAT = "wsi-milssl-train-checkpoint/1"
 
@@ -128,6 +129,11 @@ def load_model(checkpoint_path: str | os.PathLike, *, device: str | torch.device
 INCOMPLETE_FIX = ("The checkpoint is incomplete or was not written by this version's `wsi-milssl train`. "
                    "Fix: re-run training, or pass RUN_DIR/best.pt or RUN_DIR/last.pt of a complete run.")
 
+#: The fix a resume gives for a ``last.pt`` it cannot continue from (another checkpoint would not continue this run).
+RESUME_FIX = ("The run cannot be resumed from this file: it is incomplete or was not written by this version's "
+              "`wsi-milssl train`. Fix: put the run's complete last.pt back, or train again without --resume into a "
+              "new --out (in `wsi-milssl run`: --force train).")
+
 
 def _check_model_parts(ckpt: dict[str, Any], path: Path) -> None:
     """Raise CheckpointError unless ``ckpt`` holds what :func:`load_model` needs, of the right types."""
@@ -177,4 +183,4 @@ def check_resume_parts(ckpt: dict[str, Any], path: Path) -> None:
             problems.append(f"{key!r} is a {type(value).__name__}, not a{'n' if kind is int else ''} "
                             f"{kind.__name__}")
     if problems:
-        raise CheckpointError(f"{path}: {'; '.join(problems)}. {INCOMPLETE_FIX}")
+        raise CheckpointError(f"{path}: {'; '.join(problems)}. {RESUME_FIX}")
