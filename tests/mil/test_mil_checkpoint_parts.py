@@ -81,6 +81,7 @@ def test_resume_from_an_incomplete_last_pt_says_how_to_resume(checkpoint, tmp_pa
     capsys.readouterr()
     assert main(["train", "--resume", str(run), "--epochs", "2"]) != 0
     err = capsys.readouterr().err
-    assert f"{run / 'last.pt'}: 'optimizer' is missing. The run cannot be resumed from this file" in err
+    assert f"{run / 'last.pt'}: 'optimizer' is missing. The checkpoint is incomplete" in err
+    assert "so the run cannot be resumed from it" in err
     assert "put the run's complete last.pt back, or train again without --resume into a new --out" in err
     assert "RUN_DIR/best.pt" not in err

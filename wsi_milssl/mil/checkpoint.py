@@ -130,9 +130,9 @@ INCOMPLETE_FIX = ("The checkpoint is incomplete or was not written by this versi
                    "Fix: re-run training, or pass RUN_DIR/best.pt or RUN_DIR/last.pt of a complete run.")
 
 #: The fix a resume gives for a ``last.pt`` it cannot continue from (another checkpoint would not continue this run).
-RESUME_FIX = ("The run cannot be resumed from this file: it is incomplete or was not written by this version's "
-              "`wsi-milssl train`. Fix: put the run's complete last.pt back, or train again without --resume into a "
-              "new --out (in `wsi-milssl run`: --force train).")
+RESUME_FIX = ("The checkpoint is incomplete or was not written by this version's `wsi-milssl train`, so the run "
+              "cannot be resumed from it. Fix: put the run's complete last.pt back, or train again without --resume "
+              "into a new --out (in `wsi-milssl run`: --force train).")
 
 
 def _check_model_parts(ckpt: dict[str, Any], path: Path) -> None:
