@@ -236,6 +236,7 @@ def test_resume_from_a_last_pt_with_damaged_pseudo_labels(finished_run, tmp_path
     copy = _copy_with(finished_run, tmp_path, lambda ckpt: ckpt["pseudo_labels"].pop("targets"))
     line = _resume_error(copy, capsys, epochs="3")
     assert "cannot restore the run from it (KeyError" in line and "The checkpoint is incomplete" in line
+    assert "without --resume into a new --out" in line  # how to go on, not how to load a model
 
 
 # -- 7: fewer epochs than trained --------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from wsi_milssl.distributed import SINGLE, DistContext, all_sum, gather_values, 
 from wsi_milssl.errors import CheckpointError, ConfigError, DistributedError, OutputError, TrainingDivergedError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.locks import folder_lock
-from wsi_milssl.mil.checkpoint import (INCOMPLETE_FIX, capture_rng, check_resume_parts, read_checkpoint, restore_rng,
+from wsi_milssl.mil.checkpoint import (RESUME_FIX, capture_rng, check_resume_parts, read_checkpoint, restore_rng,
                                        save_checkpoint)
 from wsi_milssl.mil.data import NORMALISATION, InstanceSet
 from wsi_milssl.mil.loader import BatchLoader, block_order, normalises_batches, without_lone_last
@@ -1051,7 +1051,7 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
         except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, IndexError) as exc:
             detail = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}"
             raise CheckpointError(f"{out / 'last.pt'}: cannot restore the run from it ({detail[:300]}). "
-                                  f"{INCOMPLETE_FIX}") from None
+                                  f"{RESUME_FIX}") from None
         best = ckpt.get("best") or {}
         if best.get("score") is not None:
             best_score = tuple(best["score"])
