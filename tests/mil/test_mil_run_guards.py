@@ -56,8 +56,11 @@ def test_one_class_validation_selects_best_by_bag_nll(tmp_path, mil_csv, mil_csv
     train = read_mil_csv(mil_csv)
     val = read_mil_csv(mil_csv_val)
     positive_only = val.subset_bags(np.flatnonzero(val.bag_labels == 1))
-    with pytest.raises(ConfigError, match=r"all tumour \(label 1\): bag AUC cannot be computed"):
+    with pytest.raises(ConfigError, match=r"all tumour \(label 1\): bag AUC cannot be computed") as refused:
         fit(train, config=_features(), out_dir=tmp_path / "auc", val=positive_only)
+    # named by the validation bags themselves (a subset's source is its whole file, or in a pipeline's feature
+    # mode the first training feature files)
+    assert str(refused.value).startswith(f"validation slides {positive_only.bag_names[0]}, ")
     result = fit(train, config=_features(select_metric="bag_nll"), out_dir=tmp_path / "nll", val=positive_only)
     assert result.best_epoch is not None and (tmp_path / "nll" / "best.pt").is_file()
 
