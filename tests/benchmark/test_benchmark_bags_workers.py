@@ -9,31 +9,7 @@ import sys
 import time
 
 import pytest
-
-
-def _spawned_children(pid: int) -> list[int]:
-    """Live (not zombie) pool workers (multiprocessing's spawn_main) whose parent is ``pid``, from /proc."""
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            stat = open(f"/proc/{name}/stat").read()
-            cmdline = open(f"/proc/{name}/cmdline", "rb").read()
-        except OSError:
-            continue
-        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
-        if int(ppid) == pid and state != "Z" and b"spawn_main" in cmdline:
-            found.append(int(name))
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+from processes import alive, spawned_children
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -48,21 +24,21 @@ def test_workers_of_a_killed_bags_benchmark_end(tmp_path):
         deadline = time.monotonic() + 180
         while len(workers) < 2:
             assert run.poll() is None and time.monotonic() < deadline, "the run never started its two workers"
-            workers = _spawned_children(run.pid)
+            workers = spawned_children(run.pid)
             time.sleep(0.05)
         time.sleep(2)  # the workers have run their initializer and are training
         os.kill(run.pid, signal.SIGKILL)
         run.wait(timeout=30)
         deadline = time.monotonic() + 20
-        while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+        while any(alive(w) for w in workers) and time.monotonic() < deadline:
             time.sleep(0.1)
-        left = [w for w in workers if _alive(w)]
+        left = [w for w in workers if alive(w)]
     finally:
         if run.poll() is None:
             run.kill()
             run.wait()
         for w in workers:  # the old behaviour: leave no orphans behind
-            if _alive(w):
+            if alive(w):
                 os.kill(w, signal.SIGKILL)
     assert left == [], "the pool workers outlived the killed benchmark"
     assert not (tmp_path / "bags.json").exists()

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from processes import alive, spawned_children
 from tinypipeline import GENERATED_SLIDES
 from wsi_milssl.errors import ConfigError
 from wsi_milssl.pipeline import load_pipeline
@@ -75,33 +76,6 @@ def test_grid_workers_setting(tmp_path):
     assert load_pipeline(ok).grid_workers == "auto"
 
 
-def _spawned_children(pid: int) -> list[int]:
-    """Live (not zombie) pool workers (multiprocessing's spawn_main) whose parent is ``pid``, from /proc."""
-    import os
-
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            stat = open(f"/proc/{name}/stat").read()
-            cmdline = open(f"/proc/{name}/cmdline", "rb").read()
-        except OSError:
-            continue
-        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
-        if int(ppid) == pid and state != "Z" and b"spawn_main" in cmdline:
-            found.append(int(name))
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_grid_trainers_of_a_killed_run_end(tmp_path):
     """A `run` killed while its grid points train at once: the trainers used to run on under pid 1, writing
@@ -119,20 +93,20 @@ def test_grid_trainers_of_a_killed_run_end(tmp_path):
         deadline = time.monotonic() + 300
         while len(workers) < 2:
             assert run.poll() is None and time.monotonic() < deadline, "the run never started its two trainers"
-            workers = _spawned_children(run.pid)
+            workers = spawned_children(run.pid)
             time.sleep(0.1)
         time.sleep(3)  # the trainers have run their initializer
         os.kill(run.pid, signal.SIGKILL)
         run.wait(timeout=30)
         deadline = time.monotonic() + 20
-        while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+        while any(alive(w) for w in workers) and time.monotonic() < deadline:
             time.sleep(0.1)
-        left = [w for w in workers if _alive(w)]
+        left = [w for w in workers if alive(w)]
     finally:
         if run.poll() is None:
             run.kill()
             run.wait()
         for w in workers:  # the old behaviour: leave no orphans behind
-            if _alive(w):
+            if alive(w):
                 os.kill(w, signal.SIGKILL)
     assert left == [], "the grid's trainers outlived the killed run"
