@@ -286,3 +286,46 @@ def test_an_earlier_versions_folder_made_with_out_dot_or_dot_dot_is_up_to_date(w
     (tmp_path / "model" / "best.pt").write_bytes(b"x")
     outcomes = run_pipeline(load_pipeline(out / RESOLVED_FILENAME))
     assert [(o.stage, o.status) for o in outcomes] == [("train", "ran"), ("evaluate", "ran")]
+
+
+def _listing(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_moved_or_copied_output_folder_runs_through_its_own_resolved_pipeline(work, tmp_path):
+    """The resolved file records out_dir as an absolute path: run from a moved folder it made the run again
+    where the folder used to be, and from a copy it called the original up to date (a copy without best.pt
+    kept none) and re-ran stages in the original. A run's own resolved file now runs in the folder it is in."""
+    assert main(["run", "p.toml", "--out", "out"]) == 0
+    moved = tmp_path / "moved"
+    shutil.move(str(work / "out"), moved)
+    assert _statuses(load_pipeline(moved / RESOLVED_FILENAME)) == ["skipped", "skipped"]
+    assert not (work / "out").exists()
+    copy = tmp_path / "copy"
+    shutil.copytree(moved, copy)
+    (copy / "model" / "best.pt").unlink()
+    before = _listing(moved)
+    assert _statuses(load_pipeline(copy / RESOLVED_FILENAME)) == ["ran", "ran"]
+    assert (copy / "model" / "best.pt").is_file() and _listing(moved) == before
+    # with --out, the folder given is the run's, as for any pipeline file
+    assert load_pipeline(copy / RESOLVED_FILENAME, out_dir=moved).out_dir == moved.resolve()
+
+
+def test_a_copy_of_an_earlier_versions_folder_with_absolute_stamps_checks_its_own_files(work, tmp_path):
+    """Earlier versions recorded the outputs of a run with an absolute --out as absolute paths: a copy of
+    such a folder without best.pt was called up to date from the original's files. Those paths now count
+    only inside the folder the stamp is in (in place, the folder stays up to date)."""
+    out = work / "abs_out"
+    assert main(["run", "p.toml", "--out", str(out)]) == 0
+    for stamp_file in (out / ".pipeline").glob("*.json"):
+        stamp = json.loads(stamp_file.read_text())
+        assert stamp.pop(stamps.OUTPUTS_BELOW) == "OUT"
+        stamp["outputs"] = [str(out / p) for p in stamp["outputs"]]
+        stamp_file.write_text(json.dumps(stamp))
+    assert _statuses(load_pipeline("p.toml", out_dir=out)) == ["skipped", "skipped"]
+    copy = tmp_path / "abs_copy"
+    shutil.copytree(out, copy)
+    (copy / "model" / "best.pt").unlink()
+    outcomes = run_pipeline(load_pipeline("p.toml", out_dir=copy))
+    assert [o.status for o in outcomes] == ["ran", "ran"]
+    assert outcomes[0].reason.startswith("output missing") and (copy / "model" / "best.pt").is_file()

@@ -45,6 +45,7 @@ validated (an error they cause names them); :func:`resolved_pipeline` gives the 
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -53,6 +54,8 @@ from typing import Any, Iterable
 
 from wsi_milssl.config import SynthConfig, check_range, check_type, config_from_mapping, config_to_dict, load_toml
 from wsi_milssl.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["PipelineSpec", "DataSet", "load_pipeline", "parse_override", "resolved_pipeline", "stage_config",
            "write_resolved_pipeline", "RESOLVED_FILENAME", "STAGES", "SETS"]
@@ -229,6 +232,14 @@ def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None 
         out_dir = _check(at("pipeline"), "pipeline", "out_dir", meta.get("out_dir", f"{name}_out"), str)
         if not out_dir:
             raise ConfigError(f"{at('pipeline')}: [pipeline].out_dir must not be empty.")
+        own = source.resolve().parent
+        if source.name == RESOLVED_FILENAME and (own / ".pipeline").is_dir():
+            # a run's own resolved file belongs to the folder it lies in: moved or copied with it, it runs
+            # there, not in the folder its out_dir names (the original, or nothing after a move)
+            if Path(os.path.expanduser(out_dir)).resolve() != own:
+                logger.info("%s: running in the folder of this resolved pipeline, %s (its out_dir %s is where "
+                            "the run was made)", source, own, out_dir)
+            out_dir = own
     # absolute: the stages' files, and the stamps that record them, are the same wherever a run starts
     out = Path(os.path.expanduser(os.fspath(out_dir))).resolve()
     data = dict(raw.get("data", {}))

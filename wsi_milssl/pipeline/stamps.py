@@ -145,11 +145,16 @@ def _output_exists(recorded: str, out_dir: Path, *, below_out: bool = False) -> 
     is now). An absolute path (outside OUT) counts where it is. A relative one is below ``out_dir``: as it is
     (``below_out``: this version's stamps), or, for earlier versions' stamps, which recorded it as the run spelled
     its output folder from the folder it started in (``ci/stores/train/x.h5`` for ``--out ci``,
-    ``model/best.pt`` for ``--out .``), once the leading parts that may name ``out_dir`` are taken off. A file
-    of that name elsewhere (beside the current folder, in the folder a copy was made from) does not count."""
+    ``model/best.pt`` for ``--out .``), once the leading parts that may name ``out_dir`` are taken off, and an
+    absolute one (made with an absolute ``--out``) only inside ``out_dir``. A file of that name elsewhere (beside
+    the current folder, in the folder a copy was made from) does not count."""
     path = Path(recorded)
     if path.is_absolute():
-        return path.exists()
+        if below_out or not path.exists():
+            return path.exists()
+        # an earlier version's absolute path (its run had an absolute --out) lies inside the OUT it was made
+        # in: one inside another folder is the original's file, seen from a copy of it
+        return path.resolve().is_relative_to(out_dir.resolve())
     parts = path.parts
     if below_out:
         return ".." not in parts and out_dir.joinpath(*parts).exists()
