@@ -30,3 +30,36 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def workers_left_after_kill(argv: list[str], *, n_workers: int, start_s: float, settle_s: float,
+                            end_s: float = 20.0) -> list[int]:
+    """Start ``argv``, wait (up to ``start_s``) until it has ``n_workers`` spawned pool workers, give them
+    ``settle_s`` to run their initializer, kill -9 the main process and return the workers still alive
+    ``end_s`` later (none once they end with their parent). Kills whatever is left either way."""
+    import signal
+    import subprocess
+    import time
+
+    run = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + start_s
+        while len(workers) < n_workers:
+            assert run.poll() is None and time.monotonic() < deadline, "the run never started its workers"
+            workers = spawned_children(run.pid)
+            time.sleep(0.05)
+        time.sleep(settle_s)
+        os.kill(run.pid, signal.SIGKILL)
+        run.wait(timeout=30)
+        deadline = time.monotonic() + end_s
+        while any(alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return [w for w in workers if alive(w)]
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+        for w in workers:  # the old behaviour: leave no orphans behind
+            if alive(w):
+                os.kill(w, signal.SIGKILL)

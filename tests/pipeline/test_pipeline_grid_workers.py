@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from processes import alive, spawned_children
+from processes import workers_left_after_kill
 from tinypipeline import GENERATED_SLIDES
 from wsi_milssl.errors import ConfigError
 from wsi_milssl.pipeline import load_pipeline
@@ -80,33 +80,8 @@ def test_grid_workers_setting(tmp_path):
 def test_grid_trainers_of_a_killed_run_end(tmp_path):
     """A `run` killed while its grid points train at once: the trainers used to run on under pid 1, writing
     checkpoints into the run folders that the next `run` resumes; now they end within seconds."""
-    import os
-    import signal
-    import time
-
     toml = tmp_path / "grid.toml"
     toml.write_text(PIPELINE.format(workers=2).replace("epochs = 2", "epochs = 200"))
-    run = subprocess.Popen([sys.executable, "-c", RUNNER, str(toml), str(tmp_path / "out")],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    workers: list[int] = []
-    try:
-        deadline = time.monotonic() + 300
-        while len(workers) < 2:
-            assert run.poll() is None and time.monotonic() < deadline, "the run never started its two trainers"
-            workers = spawned_children(run.pid)
-            time.sleep(0.1)
-        time.sleep(3)  # the trainers have run their initializer
-        os.kill(run.pid, signal.SIGKILL)
-        run.wait(timeout=30)
-        deadline = time.monotonic() + 20
-        while any(alive(w) for w in workers) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        left = [w for w in workers if alive(w)]
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.wait()
-        for w in workers:  # the old behaviour: leave no orphans behind
-            if alive(w):
-                os.kill(w, signal.SIGKILL)
+    left = workers_left_after_kill([sys.executable, "-c", RUNNER, str(toml), str(tmp_path / "out")],
+                                   n_workers=2, start_s=300, settle_s=3)  # settled: initializers have run
     assert left == [], "the grid's trainers outlived the killed run"
