@@ -7,13 +7,17 @@
 #   STEPS="train heatmap" bash benchmarks/gpu_suite.sh
 #   TRAIN_ARGS="" bash benchmarks/gpu_suite.sh    # without the torchrun comparison (--ddp 1)
 #
-# Further steps, not in the default list: heatmap-log (the heatmap command once more, -v, its log and
+# Further steps, not in the default list: features (bench_features --preset gpu: the features stage
+# against the bare ResNet50-trunk forward, 20x 224-px patches of the same slides), heatmap-log (the heatmap command once more, -v, its log and
 # status CSV kept: the per-slide timeline), train-device (bench_train at 224 px with --decode device),
 # profile (20 training steps at 224 px under torch.profiler: $OUT/profile/*_ops.txt and a trace),
 # heatmap-profile (the heatmap command's main process under cProfile: where its wall time goes),
 # nvjpeg (how far nvJPEG's pixels are from PIL's on the stored patches), train-compile (bench_train at
 # 224 px with --compile $COMPILE_MODE (default 'default'): the training step through torch.compile),
-# heatmap-b64 / heatmap-b512 (bench_heatmap at batch 64 / 512 instead of the preset's 256).
+# heatmap-b64 / heatmap-b512 (bench_heatmap at batch 64 / 512 instead of the preset's 256), slides (the
+# 14 slides alone), train-spy / heatmap-spy (bench_train at 224 px / the heatmap command under py-spy:
+# collapsed stacks of every process and thread, idle included, in logs/*.spy; summarise them with
+# benchmarks/spy_summary.py).
 # STEP_LIMIT_S stops any one step after that many seconds (default: no limit).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +27,8 @@ CACHE=${CACHE:-/tmp/wsi_milssl_gpu_suite}  # slides generated once, shared by tr
 TRAIN_ARGS=${TRAIN_ARGS---ddp 1}
 STEP_LIMIT_S=${STEP_LIMIT_S:-0}  # 0: none
 REPEAT=${REPEAT:-2}  # bench_heatmap's alternating command/bare runs
+PY_SPY=${PY_SPY:-py-spy}  # the *-spy steps: py-spy (pip wheel py-spy) samples every process and thread
+SPY_ARGS=${SPY_ARGS:-"--subprocesses --idle --threads --nonblocking --rate 100 --format raw"}
 mkdir -p "$OUT/logs"
 summary="$OUT/summary.txt"
 { date; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; python3 -c "import torch; print('torch', torch.__version__)"; } > "$summary" 2>&1
@@ -50,6 +56,18 @@ for s in $STEPS; do
     tests)   step gpu-tests python3 -m pytest -q -m gpu -p no:cacheprovider ;;
     train)   step train python3 benchmarks/bench_train.py --preset gpu14 $TRAIN_ARGS --cache "$CACHE" --json "$OUT/train.json" ;;
     heatmap) step heatmap python3 benchmarks/bench_heatmap.py --preset gpu14 --repeat "$REPEAT" --cache "$CACHE" --json "$OUT/heatmap.json" ;;
+    slides) step slides python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; \
+from _slides import build_slides; build_slides(Path('$CACHE'), n=14, size=24576)" ;;
+    train-spy) step train-spy "$PY_SPY" record $SPY_ARGS -o "$OUT/logs/train224.spy" -- \
+        python3 benchmarks/bench_train.py --preset gpu14 --patch-size 224 --cache "$CACHE" --json "$OUT/train224.json" ;;
+    heatmap-spy)
+      checkpoint
+      rm -rf "$CACHE/hm_spy"
+      step heatmap-spy "$PY_SPY" record $SPY_ARGS -o "$OUT/logs/heatmap.spy" -- python3 -m wsi_milssl heatmap \
+        "$CACHE/slides_24576/linked" --model "$CACHE/ckpt/best.pt" --out "$CACHE/hm_spy" --batch-size 256 -v \
+        --log-file "$OUT/logs/heatmap-spy-command.log" ;;
+    features) step features python3 benchmarks/bench_features.py --preset gpu --repeat 3 --cache "$CACHE" \
+        --json "$OUT/features.json" ;;
     heatmap-b64) step heatmap-b64 python3 benchmarks/bench_heatmap.py --preset gpu14 --batch-size 64 --repeat "$REPEAT" \
         --cache "$CACHE" --json "$OUT/heatmap_b64.json" ;;
     train-compile) step train-compile python3 benchmarks/bench_train.py --preset gpu14 --patch-size 224 \
