@@ -81,3 +81,65 @@ def test_store_jpeg_decoded_on_the_device_matches_the_readers(tmp_path, three_sl
     np.testing.assert_array_equal(preds[0].coords_lv0, preds[1].coords_lv0)
     np.testing.assert_allclose(preds[0].probs, preds[1].probs, atol=2e-2)  # the same JPEG decoder family
     assert len(preds[0]) > 100
+
+
+def test_slides_are_planned_only_as_far_as_the_readers_need_them():
+    from wsi_milssl.inference.predict import plan_another
+
+    rule = dict(n_slots=30, max_active=14)
+    assert plan_another(n_waiting=12, n_active=0, backlog_chunks=0, **rule)
+    assert plan_another(n_waiting=12, n_active=1, backlog_chunks=500, **rule)  # two slides always
+    # big slides: two keep 14 readers busy, so the third waits until their chunks run low
+    assert not plan_another(n_waiting=12, n_active=2, backlog_chunks=60, **rule)
+    assert plan_another(n_waiting=12, n_active=2, backlog_chunks=59, **rule)
+    # small slides: as many in flight as the readers need, up to the cap
+    assert plan_another(n_waiting=12, n_active=13, backlog_chunks=5, **rule)
+    assert not plan_another(n_waiting=12, n_active=14, backlog_chunks=5, **rule)
+    assert not plan_another(n_waiting=0, n_active=0, backlog_chunks=0, **rule)
+
+
+class _RecordingModel:
+    """The engine's model interface, recording what each call gets (CPU; optional CUDA-style padding)."""
+
+    def __init__(self, pad_last_batch: bool) -> None:
+        import types
+
+        self.runtime = types.SimpleNamespace(pad_last_batch=pad_last_batch)
+        self.calls = []
+
+    def forward_batch(self, x):
+        self.calls.append((x.data_ptr(), x.clone()))
+        return x.float().reshape(len(x), -1).sum(dim=1)
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_chunks_are_joined_into_exact_batches_in_order(pad):
+    import torch
+
+    from wsi_milssl.inference.predict import _Batcher
+
+    rng = np.random.default_rng(0)
+    pixels = torch.from_numpy(rng.integers(0, 256, size=(103, 4, 4, 3), dtype=np.uint8))
+    model = _RecordingModel(pad)
+    batcher = _Batcher(model, batch_size=10)
+    sizes = [3, 25, 7, 1, 40, 27]  # chunks smaller and larger than a batch; a whole batch inside one
+    start, chunks = 0, []
+    for n in sizes:
+        chunk = pixels[start:start + n].clone()  # the engine's chunk (a reader slot) is reused afterwards
+        chunks.append(chunk)
+        batcher.add(np.arange(start, start + n), chunk)
+        chunk.fill_(0)
+        start += n
+    idx, out = batcher.finish()
+    np.testing.assert_array_equal(idx, np.arange(103))
+    np.testing.assert_allclose(out, pixels.float().reshape(103, -1).sum(dim=1).numpy())
+    seen = [x for _, x in model.calls]
+    assert [len(x) for x in seen] == [10] * 10 + [10 if pad else 3]
+    joined = torch.cat(seen)[:103]
+    assert torch.equal(joined, pixels)
+    if pad:
+        assert not seen[-1][3:].any()  # the padded tail is blank
+    # the 40-patch chunk completes the staged batch (4 patches), then its next 30 go to the model as
+    # three batches without a copy
+    chunk_40 = chunks[4]
+    assert [ptr for ptr, _ in model.calls[4:7]] == [chunk_40[k].data_ptr() for k in (4, 14, 24)]

@@ -28,7 +28,8 @@ are used as they are.
   alone would get, so results do not depend on the worker count or on the other slides.
 
 Memory is bounded by the slots (``(workers x 2 + 2)`` chunks of at most :data:`CHUNK_BYTES`) and a few
-planned slides, whatever the slide count or size: per slide only the level-0 coordinates and the
+planned slides (a slide is planned only while the chunks waiting for a reader are fewer than twice the
+slots, so slides finish one after another rather than all at the end), whatever the slide count or size: per slide only the level-0 coordinates and the
 outputs (one float, or one feature vector, per patch) are kept. On the CPU the readers run at the lowest priority: the forward pass keeps
 every core busy, so they fill its gaps instead of stalling its threads.
 """
@@ -78,8 +79,9 @@ _TILE_DEFAULTS = TileConfig()
 _DEFAULT_TISSUE = _TILE_DEFAULTS.tissue
 _DEFAULT_MASK_MPP = float(_TILE_DEFAULTS.mask_mpp)
 #: Bytes of model input in one reader chunk (a slot of the shared buffer); chunks hold at most
-#: ``batch_size`` patches, or one band when a band holds more.
-CHUNK_BYTES = 32 << 20
+#: ``batch_size`` patches, or one band when a band holds more. Small enough that a slide is many
+#: chunks (its reading spreads over the readers; 55 patches of 224 px) and the slots stay small.
+CHUNK_BYTES = 8 << 20
 #: Slots per reader: one being written, one waiting for the model.
 _SLOTS_PER_READER = 2
 #: Room for the JPEG bytes of a patch beyond its raw size (headers of tiny patches).
@@ -250,31 +252,57 @@ class _Readers:
 
 class _Batcher:
     """Joins a slide's chunks, in order, into model calls of exactly ``batch_size`` patches; the
-    outputs stay on the device until :meth:`finish`."""
+    outputs stay on the device until :meth:`finish`.
+
+    Patches of a batch that spans chunks are copied once, into a staging batch (chunks usually hold
+    fewer patches than a batch); a whole batch inside one chunk goes to the model as it is."""
 
     def __init__(self, model: PatchModel, batch_size: int) -> None:
         self.model = model
         self.batch_size = batch_size
-        self._idx: np.ndarray | None = None
-        self._x: torch.Tensor | None = None
+        self._stage: torch.Tensor | None = None  # (batch_size, ...) like the chunks, allocated once
+        self._idx_parts: list[np.ndarray] = []
+        self._count = 0  # patches waiting in the staging batch
         self._out_idx: list[np.ndarray] = []
         self._outputs: list[torch.Tensor] = []
 
+    def _staging(self, x: torch.Tensor) -> torch.Tensor:
+        if self._stage is None:
+            shape = (self.batch_size,) + tuple(x.shape[1:])
+            # the readers' (B, 3, H, W) view of (B, H, W, 3) pixels is channels_last: keep that layout
+            channels_last = x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+            self._stage = torch.empty(shape, dtype=x.dtype, device=x.device,
+                                      memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+        return self._stage
+
     def add(self, idx: np.ndarray, x: torch.Tensor) -> None:
         """Add patches ``x`` (may alias a reader slot: nothing of it is kept after the call)."""
-        if len(idx) == 0:
-            return
-        if self._x is not None:
-            x = torch.cat([self._x, x])
-            idx = np.concatenate([self._idx, idx])
-        b = self.batch_size
-        full = len(idx) // b * b
-        for start in range(0, full, b):
-            self._run(idx[start:start + b], x[start:start + b])
-        if full < len(idx):
-            self._idx, self._x = idx[full:], x[full:].clone()
+        b, n, pos = self.batch_size, len(idx), 0
+        while pos < n:
+            if self._count == 0 and n - pos >= b:  # a whole batch in this chunk: no copy
+                self._run(idx[pos:pos + b], x[pos:pos + b])
+                pos += b
+                continue
+            take = min(b - self._count, n - pos)
+            self._staging(x)[self._count:self._count + take].copy_(x[pos:pos + take])
+            self._idx_parts.append(idx[pos:pos + take])
+            self._count += take
+            pos += take
+            if self._count == b:
+                self._run_staged(b)
+
+    def _run_staged(self, n: int) -> None:
+        """Run the staging batch's first ``n`` patches (the whole batch with its tail zeroed where the
+        runtime pads a slide's last batch to one shape)."""
+        stage = self._stage
+        if n < self.batch_size and self.model.runtime.pad_last_batch:
+            stage[n:].zero_()
+            out = self.model.forward_batch(stage)[:n]
         else:
-            self._idx, self._x = None, None
+            out = self.model.forward_batch(stage[:n])
+        self._out_idx.append(np.concatenate(self._idx_parts))
+        self._outputs.append(out)
+        self._idx_parts, self._count = [], 0
 
     def _run(self, idx: np.ndarray, x: torch.Tensor) -> None:
         self._out_idx.append(idx)
@@ -283,19 +311,28 @@ class _Batcher:
     def finish(self) -> tuple[np.ndarray, np.ndarray]:
         """(int64 indices, outputs (N,) or (N, D)) of every patch added, in order; float16 outputs
         stay float16, any other dtype becomes float32."""
-        if self._x is not None:
-            n, x = len(self._idx), self._x
-            if self.model.runtime.pad_last_batch and n < self.batch_size:
-                x = torch.cat([x, x.new_zeros((self.batch_size - n,) + tuple(x.shape[1:]))])
-            self._out_idx.append(self._idx)
-            self._outputs.append(self.model.forward_batch(x)[:n])
-            self._idx, self._x = None, None
+        if self._count:
+            self._run_staged(self._count)
+        self._stage = None
         if not self._out_idx:
             return np.zeros(0, np.int64), np.zeros(0, np.float32)
         out = torch.cat(self._outputs)
         if out.dtype != torch.float16:
             out = out.float()
         return np.concatenate(self._out_idx).astype(np.int64), out.cpu().numpy()
+
+
+def plan_another(*, n_waiting: int, n_active: int, backlog_chunks: float, n_slots: int, max_active: int) -> bool:
+    """Whether the engine plans the next slide now: while slides wait, always up to two slides in flight,
+    then (up to ``max_active``) only while the chunks waiting for a reader (``backlog_chunks``: those of
+    planned slides not yet handed out, plus an estimate for slides being planned) are fewer than twice
+    the ``n_slots`` shared slots. So the readers always have work, yet slides are read in order and
+    finish one after another: their files are written while the model goes on with the next ones,
+    instead of all at the end (14 slides in flight on an H100 machine left 2.9 s of file writing after
+    the last batch, 2026-11-27)."""
+    if n_waiting == 0 or n_active >= max_active:
+        return False
+    return n_active < 2 or backlog_chunks < 2 * n_slots
 
 
 @dataclass(eq=False)
@@ -377,10 +414,17 @@ def run_slides(inputs: Sequence[SlideInput], model: PatchModel, *, batch_size: i
     active: list[_Run] = []  # planned or planning, not finished
     futures: dict[Future, tuple] = {}
     lookahead = max(2, workers)
-    totals = {"read": 0, "candidates": 0}
+    totals = {"read": 0, "candidates": 0, "planned": 0, "chunks": 0}
+
+    def another_slide() -> bool:
+        planned = [len(r.plan.chunks) - r.next_submit for r in active if r.plan is not None and r.error is None]
+        per_slide = totals["chunks"] / totals["planned"] if totals["planned"] else readers.n_slots
+        planning = sum(1 for r in active if r.plan is None and r.error is None)
+        return plan_another(n_waiting=len(waiting), n_active=len(active), n_slots=readers.n_slots,
+                            backlog_chunks=sum(planned) + planning * per_slide, max_active=lookahead)
 
     def submit() -> None:
-        while waiting and len(active) < lookahead:
+        while another_slide():
             run = waiting.popleft()
             run.t0, run.planning = time.perf_counter(), True
             active.append(run)
@@ -437,6 +481,8 @@ def run_slides(inputs: Sequence[SlideInput], model: PatchModel, *, batch_size: i
 
     emit(progress, ProgressEvent(event, 0, 0, unit="patch"))
     try:
+        submit()
+        model.warm_up(batch_size)  # while the readers plan the first slides
         while waiting or active:
             submit()
             done_runs: list[_Run] = []
@@ -465,6 +511,8 @@ def run_slides(inputs: Sequence[SlideInput], model: PatchModel, *, batch_size: i
                         run.plan, run.planning = result, False
                         run.batcher = _Batcher(model, batch_size)
                         totals["candidates"] += result.n_candidates
+                        totals["planned"] += 1
+                        totals["chunks"] += len(result.chunks)
                         logger.info("%s; %s", result.log, rt.describe())
                         if not result.chunks:
                             done_runs.append(run)
