@@ -106,8 +106,12 @@ def write_annotations(
     tumour (an island drawn as another polygon, or another part of a MultiPolygon) is written as the
     hole minus that tumour, split into polygons without holes (:func:`without_holes`), so that the
     file read back covers the same tumour region; a non-tumour polygon whose hole holds tumour is
-    written as such pieces itself. Other holes of non-tumour polygons cannot be expressed and are
-    dropped with a warning (they carve nothing out of the tumour).
+    written as such pieces itself. A polygon of a group that is neither tumour nor non-tumour (a
+    QuPath class such as ``Metastasis``, ``Tumor: Positive``, an unclassified polygon) may be read as
+    either later (``--tumor-groups``), so one with holes is written as such pieces too, in its own
+    group: the pieces cover the polygon minus its holes whatever its group is read as. Other holes of
+    non-tumour polygons cannot be expressed and are dropped with a warning (they carve nothing out of
+    the tumour), as are holes of polygons that enclose no area.
     """
     path = Path(path)
     if isinstance(annotations, AnnotationSet):
@@ -134,13 +138,19 @@ def write_annotations(
         raise AnnotationError(f"{path}: unknown annotation format {format!r}; use 'asap' or 'geojson'.")
     hole_group = gmap.first_non_tumor()
     polygons = _holes_around_tumour(polygons, gmap)
-    dropped = [a.name for a in polygons if a.holes_lv0 and gmap.role(a.group) != "tumor"]
-    if dropped:
+    non_tumour = [a.name for a in polygons if a.holes_lv0 and gmap.role(a.group) == "non_tumor"]
+    if non_tumour:
         logger.warning(
             "%s: ASAP XML cannot hold holes of non-tumour polygons; dropped the holes of %d polygon(s): %s.",
-            path, len(dropped), ", ".join(dropped[:8]),
+            path, len(non_tumour), ", ".join(non_tumour[:8]),
         )
-        polygons = [a if gmap.role(a.group) == "tumor" else _without_holes(a) for a in polygons]
+    no_area = [a.name for a in polygons if a.holes_lv0 and gmap.role(a.group) is None]
+    if no_area:  # an unknown group's polygon with area was split into pieces without holes above
+        logger.warning(
+            "%s: ASAP XML cannot hold holes; dropped the holes of %d polygon(s) that enclose no area: %s.",
+            path, len(no_area), ", ".join(no_area[:8]),
+        )
+    polygons = [a if gmap.role(a.group) == "tumor" else _without_holes(a) for a in polygons]
     declared = dict(groups or {})
     if any(a.holes_lv0 for a in polygons):
         declared.setdefault(hole_group, "#00FF00")
@@ -172,17 +182,19 @@ def _holes_around_tumour(polygons: list[PolygonAnnotation], gmap: GroupMap) -> l
     holes (written as ``"<name> hole <k>"``, one per piece); a non-tumour polygon with a hole that
     overlaps tumour becomes its own pieces without holes (same name and group). Holes that hold no
     tumour are left as they are (one ``_2`` polygon each, or dropped for non-tumour polygons).
+    A polygon of an unknown group (neither tumour nor non-tumour) with holes always becomes its own
+    pieces: whether it is tumour is decided only when the file is read (``--tumor-groups``), and its
+    pieces cover the same area either way, where a ``_2`` hole could carve other tumour and a dropped
+    hole would add its area.
     """
     if not any(a.holes_lv0 for a in polygons):
         return polygons
     tumour = [g for g in (annotation_geometry(a) for a in polygons if gmap.role(a.group) == "tumor") if g is not None]
-    if not tumour:
-        return polygons
-    tree = shapely.STRtree(tumour)
+    tree = shapely.STRtree(tumour) if tumour else None
 
     def tumour_in(hole):
-        near = tree.query(hole, predicate="intersects")
-        if not near.size:
+        near = tree.query(hole, predicate="intersects") if tree is not None else ()
+        if not len(near):
             return None
         inside = shapely.intersection(hole, shapely.union_all([tumour[i] for i in near]))
         return inside if shapely.area(inside) > 0 else None
@@ -190,11 +202,19 @@ def _holes_around_tumour(polygons: list[PolygonAnnotation], gmap: GroupMap) -> l
     def rings(geometry) -> list[np.ndarray]:
         return [np.asarray(p.exterior.coords, dtype=np.float64)[:-1] for p in without_holes(geometry)]
 
+    def pieces(ann: PolygonAnnotation) -> list[PolygonAnnotation]:
+        """``ann`` as polygons without holes (same name and group); ``ann`` itself when it encloses no area."""
+        geometry = annotation_geometry(ann)
+        return [ann] if geometry is None else [replace(ann, coords_lv0=r, holes_lv0=()) for r in rings(geometry)]
+
     out: list[PolygonAnnotation] = []
     for ann in polygons:
         role = gmap.role(ann.group)
-        if not ann.holes_lv0 or ann.type not in AREA_TYPES or role is None:
+        if not ann.holes_lv0 or ann.type not in AREA_TYPES:
             out.append(ann)
+            continue
+        if role is None:
+            out += pieces(ann)
             continue
         holes = [(ring, _hole_geometry(ring)) for ring in ann.holes_lv0]
         inside = [None if hole is None else tumour_in(hole) for _, hole in holes]
@@ -206,8 +226,7 @@ def _holes_around_tumour(polygons: list[PolygonAnnotation], gmap: GroupMap) -> l
                 new_holes += [ring] if tumour_part is None else rings(shapely.difference(hole, tumour_part))
             out.append(replace(ann, holes_lv0=tuple(new_holes)))
         else:
-            geometry = annotation_geometry(ann)
-            out += [] if geometry is None else [replace(ann, coords_lv0=r, holes_lv0=()) for r in rings(geometry)]
+            out += pieces(ann)
     return out
 
 
