@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from wsi_milssl.cli import main
-from wsi_milssl.errors import EvaluationError
+from wsi_milssl.errors import ConfigError, EvaluationError
 from wsi_milssl.evaluation.froc import evaluation_mask, match_detections
 from wsi_milssl.evaluation.inputs import (
     read_detections,
@@ -26,14 +26,14 @@ BOM = "\ufeff"
 def test_a_slide_list_with_a_byte_order_mark_is_read(tmp_path):
     p = tmp_path / "s1.csv"
     p.write_text(f"{BOM}path,slide\nslides/a.tif,s1\n", encoding="utf-8")
-    assert resolve_slides(p) == {"s1": tmp_path / "slides" / "a.tif"}
+    assert resolve_slides(p) == {"a": tmp_path / "slides" / "a.tif", "s1": tmp_path / "slides" / "a.tif"}
 
 
 def test_a_slide_list_that_is_not_utf8_is_one_error_naming_it(tmp_path):
     p = tmp_path / "s1.csv"
     p.write_bytes(b"slide,path\ns1,caf\xe9.tif\n")
-    with pytest.raises(EvaluationError, match=rf"^{p}: not UTF-8 text \(byte 17\); a slide list \(--slides\) must be "
-                                              r"UTF-8 \(or ASCII\) text\. Fix: "):
+    with pytest.raises(ConfigError, match=rf"^{p}: not UTF-8 text \(byte 17\); a slide list must be "
+                                          r"UTF-8 \(or ASCII\) text\. Fix: "):
         resolve_slides(p)
 
 

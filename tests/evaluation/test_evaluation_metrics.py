@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from wsi_milssl.errors import EvaluationError
+from wsi_milssl.errors import ConfigError, EvaluationError
 from wsi_milssl.evaluation import (
     auc_metric,
     find_predictions,
@@ -97,7 +97,7 @@ def test_find_predictions_and_slides(tmp_path):
     assert resolve_slides(slides) == {"s1": slides / "s1.tif", "s2": slides / "s2.SVS"}
     listing = tmp_path / "list.csv"
     listing.write_text("slide,path\nx,slides/s1.tif\n")
-    assert resolve_slides(listing) == {"x": tmp_path / "slides" / "s1.tif"}
+    assert resolve_slides(listing) == {"s1": tmp_path / "slides" / "s1.tif", "x": tmp_path / "slides" / "s1.tif"}
     listing.write_text("name\nx\n")
-    with pytest.raises(EvaluationError, match="needs a 'path'"):
+    with pytest.raises(ConfigError, match="no 'slide' or 'path' column"):
         resolve_slides(listing)

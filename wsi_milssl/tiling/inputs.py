@@ -1,8 +1,10 @@
-"""Turn the SLIDES arguments of ``wsi-milssl tile`` (files, folders, CSV lists) into slide paths."""
+"""Turn SLIDES arguments (files, folders, CSV lists) into slide paths: the one rule every stage finds slides
+with (``tile``, ``heatmap``, ``features``, ``evaluate --slides``, ``run``, the slide lists ``prepare`` writes)."""
 
 from __future__ import annotations
 
 import csv
+import io
 import os
 from pathlib import Path
 from typing import Iterable
@@ -12,7 +14,7 @@ from wsi_milssl.cohorts.names import name_key
 from wsi_milssl.errors import ConfigError
 
 # The one list of slide suffixes and the one stem rule live in wsi_milssl.cohorts (every stage uses them).
-__all__ = ["SLIDE_SUFFIXES", "file_fingerprint", "find_slides", "slide_stem"]
+__all__ = ["SLIDE_SUFFIXES", "file_fingerprint", "find_slides", "read_slide_list", "slide_stem", "slides_in_folder"]
 
 #: Columns of a slide list that hold slide paths, in order of preference (``slide`` may hold a path
 #: or a bare name looked up beside the CSV).
@@ -48,40 +50,59 @@ def _slide_named(p: Path, listings: dict[Path, list[Path]]) -> Path | None:
     return min(hits, key=lambda c: SLIDE_SUFFIXES.index(c.suffix.lower()), default=None)
 
 
-def _from_csv(csv_path: Path, *, keep_missing: bool) -> list[Path]:
+def read_slide_list(csv_path: str | os.PathLike, *, keep_missing: bool = False) -> list[tuple[Path, str | None]]:
+    """The slides a slide-list CSV names, in its order: ``(path, name)`` per non-empty entry.
+
+    The header row names the column of slide paths: the first of ``path``, ``slide_path`` and ``slide``
+    (:data:`PATH_COLUMNS`). An entry is a path (``~`` expanded; relative to the CSV's folder) or, when no
+    such file exists, a bare slide name looked up beside the CSV (``synth_000`` finds ``synth_000.tif``;
+    case-insensitive). ``name`` is the ``slide`` column's value when another column holds the path (the
+    ``slide,path`` lists ``prepare`` writes), else None. The file is UTF-8 text (a leading byte-order mark,
+    as Excel writes it, is dropped). ConfigError naming the CSV: not readable or not UTF-8, no such
+    column, or entries that name no slide file, unless ``keep_missing``: then their paths are returned
+    too (a stage reports them as failed slides).
+    """
+    csv_path = Path(csv_path)
+    fix = "Fix: save it as UTF-8 with a header row: a 'slide' column of slide paths or names, or 'slide,path'."
     try:
-        with open(csv_path, newline="") as fh:
-            reader = csv.DictReader(fh)
-            names = [f.strip() for f in reader.fieldnames or []]
-            column = next((c for c in PATH_COLUMNS if c in names), None)
-            if column is None:
-                raise ConfigError(
-                    f"{csv_path}: no 'slide' or 'path' column (columns: {', '.join(names) or 'none'}). "
-                    "Fix: add a header row with a 'slide' column of slide paths or names (or 'slide,path')."
-                )
-            key = reader.fieldnames[names.index(column)]
-            entries = [(row.get(key) or "").strip() for row in reader]
-    except (OSError, UnicodeDecodeError, csv.Error) as exc:
-        raise ConfigError(f"{csv_path}: cannot read the slide list ({exc}). Fix: give a UTF-8 CSV file.") from None
-    out: list[Path] = []
+        text = csv_path.read_bytes().decode("utf-8-sig")
+    except OSError as exc:
+        raise ConfigError(f"{csv_path}: cannot read the slide list ({exc.strerror or exc}).") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{csv_path}: not UTF-8 text (byte {exc.start}); a slide list must be UTF-8 (or ASCII) "
+                          f"text. {fix}") from None
+    try:
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        columns = [f.strip() for f in reader.fieldnames or []]
+        column = next((c for c in PATH_COLUMNS if c in columns), None)
+        if column is None:
+            raise ConfigError(
+                f"{csv_path}: no 'slide' or 'path' column (columns: {', '.join(columns) or 'none'}). "
+                "Fix: add a header row with a 'slide' column of slide paths or names (or 'slide,path')."
+            )
+        path_key = reader.fieldnames[columns.index(column)]
+        slide_key = reader.fieldnames[columns.index("slide")] if column != "slide" and "slide" in columns else None
+        entries = [((row.get(path_key) or "").strip(), (row.get(slide_key) or "").strip() if slide_key else "")
+                   for row in reader]
+    except csv.Error as exc:
+        raise ConfigError(f"{csv_path}: not a CSV file ({exc}). {fix}") from None
+    out: list[tuple[Path, str | None]] = []
     missing: list[str] = []
     listings: dict[Path, list[Path]] = {}
-    for entry in entries:
+    for entry, name in entries:
         if not entry:
             continue
         p = Path(entry).expanduser()
         if not p.is_absolute():
             p = csv_path.parent / p
-        if p.exists():
-            out.append(p)
-            continue
-        hit = _slide_named(p, listings)  # a bare slide name (as in labels.csv)
-        if hit is not None:
-            out.append(hit)
-        elif keep_missing:
-            out.append(p)
-        else:
-            missing.append(entry)
+        if not p.exists():
+            hit = _slide_named(p, listings)  # a bare slide name (as in labels.csv)
+            if hit is not None:
+                p = hit
+            elif not keep_missing:
+                missing.append(entry)
+                continue
+        out.append((p, name or None))
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ConfigError(
@@ -91,10 +112,16 @@ def _from_csv(csv_path: Path, *, keep_missing: bool) -> list[Path]:
     return out
 
 
+def slides_in_folder(folder: str | os.PathLike) -> list[Path]:
+    """The slide files directly inside ``folder`` (by suffix, :data:`SLIDE_SUFFIXES`; hidden files left out), sorted."""
+    return sorted(c for c in Path(folder).iterdir()
+                  if c.is_file() and not c.name.startswith(".") and c.suffix.lower() in SLIDE_SUFFIXES)
+
+
 def find_slides(inputs: Iterable[str | os.PathLike], *, keep_missing: bool = False) -> list[Path]:
     """Slide paths from files, folders (slides directly inside, by suffix) and CSV files with a
-    ``path`` or ``slide`` column (``wsi-milssl prepare`` writes ``slide,path``), in the order given,
-    without duplicates. Suffixes and stems follow :mod:`wsi_milssl.cohorts`.
+    ``path`` or ``slide`` column (:func:`read_slide_list`; ``wsi-milssl prepare`` writes ``slide,path``), in the
+    order given, without duplicates. Suffixes and stems follow :mod:`wsi_milssl.cohorts`.
 
     A folder whose name ends in a slide suffix (``x.svs/``) is returned as a slide, not searched:
     opening it fails for that slide alone. Raises ConfigError for an empty folder, a CSV without a
@@ -119,8 +146,7 @@ def find_slides(inputs: Iterable[str | os.PathLike], *, keep_missing: bool = Fal
                 continue
             raise ConfigError(f"{p}: no such slide file or folder. Fix: check the path.")
         if p.is_dir() and p.suffix.lower() not in SLIDE_SUFFIXES:
-            hits = sorted(c for c in p.iterdir()
-                          if c.is_file() and not c.name.startswith(".") and c.suffix.lower() in SLIDE_SUFFIXES)
+            hits = slides_in_folder(p)
             if not hits:
                 raise ConfigError(
                     f"{p}: no slide files in this folder (looked for {', '.join(SLIDE_SUFFIXES)}). "
@@ -129,7 +155,7 @@ def find_slides(inputs: Iterable[str | os.PathLike], *, keep_missing: bool = Fal
             for h in hits:
                 add(h)
         elif p.suffix.lower() == ".csv":
-            for h in _from_csv(p, keep_missing=keep_missing):
+            for h, _ in read_slide_list(p, keep_missing=keep_missing):
                 add(h)
         else:
             add(p)
