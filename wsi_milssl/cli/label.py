@@ -1,4 +1,4 @@
-"""``wsi-milssl label STORES... --annotations DIR``: exact tumour fractions, instance labels, FROC masks."""
+"""``wsi-milssl label STORES... --annotations DIR``: exact tumour fractions, instance labels, tumour masks."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from wsi_milssl.errors import ConfigError
 __all__ = ["SUMMARY", "register", "run", "label_config_from_args"]
 
 #: one line for ``wsi-milssl --help``
-SUMMARY = "label patches from annotations: exact tumour fractions, instance labels, FROC masks"
+SUMMARY = "label patches from annotations: exact tumour fractions, instance labels, tumour masks"
 
 
 def _groups(text: str) -> tuple[str, ...]:
@@ -46,8 +46,9 @@ def register(subparsers) -> None:
             "for evaluation only; training never reads them.\n\n"
             "Annotations are matched by name: store DIR/<stem>.h5 takes <stem>.xml (ASAP, CAMELYON16\n"
             "groups) or <stem>.geojson (QuPath) from --annotations. Annotation files and stores whose\n"
-            "names do not match are listed. A FROC evaluation mask per slide (<stem>_tumor_mask.png, 255 =\n"
-            "tumour, 32x downsample = CAMELYON16 level 5, holes carved) with a JSON sidecar, plus\n"
+            "names do not match are listed. A tumour mask per slide (<stem>_tumor_mask.png, 255 = tumour,\n"
+            "32x downsample = CAMELYON16 level 5, holes carved) with a JSON sidecar, to view and check the\n"
+            "labelled region (evaluate does not read it: it draws its FROC masks from the annotations), plus\n"
             "label_status.csv and label_config.json, go to --out. XML with a DOCTYPE or entity\n"
             "declarations is refused and the store is left unchanged.\n\n"
             "Re-running skips stores already labelled with the same settings, annotation file and slide\n"
@@ -72,11 +73,13 @@ def register(subparsers) -> None:
     p.add_argument("--non-tumor-groups", type=_groups, default=",".join(d.non_tumor_groups), metavar="G1,G2",
                    help="groups carved out of tumour (case-insensitive)")
     p.add_argument("--out", type=Path, default=argparse.SUPPRESS, metavar="DIR",
-                   help="folder for evaluation masks, label_status.csv and label_config.json "
+                   help="folder for the tumour masks, label_status.csv and label_config.json "
                         "(default: 'labels' beside the first store)")
     p.add_argument("--mask-downsample", type=int, default=d.mask_downsample, metavar="DS",
-                   help="level-0 pixels per evaluation-mask pixel (32 = CAMELYON16 level 5)")
-    p.add_argument("--no-masks", action="store_true", help="do not write evaluation masks")
+                   help="level-0 pixels per tumour-mask pixel (32 = CAMELYON16 level 5); the masks are for "
+                        "checking the labels and do not change the FROC")
+    p.add_argument("--no-masks", action="store_true",
+                   help="do not write the tumour masks (no stage reads them; evaluate draws its own)")
     p.add_argument("--overwrite", action="store_true",
                    help="label every store again, also those already labelled with these settings")
     add_shard_argument(p, items="stores")
