@@ -445,8 +445,9 @@ def find_predictions(directory: str | os.PathLike, *, known_stems: Iterable[str]
 
     directory = Path(directory)
     if not directory.is_dir():
+        what = "is a file, not a folder" if directory.exists() else "does not exist"
         raise EvaluationError(
-            f"{directory}: the predictions folder does not exist. Fix: pass the heatmap output folder."
+            f"{directory}: the predictions folder {what}. Fix: pass the heatmap output folder."
         )
     # one slide per case-folded stem: test_002_detections.csv and Test_002_detections.csv are one slide
     found: dict[str, dict[str, Path]] = {}

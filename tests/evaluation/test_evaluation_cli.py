@@ -31,6 +31,12 @@ def test_evaluate_command_reports_input_errors(synth_dir, annotations_dir, tmp_p
                "--slides", str(synth_dir), "--labels", str(synth_dir / "labels.csv"), "--out", str(tmp_path / "o")])
     assert rc == 1
     assert "the predictions folder does not exist" in capsys.readouterr().err
+    a_file = tmp_path / "scores.csv"
+    a_file.write_text("slide,score\n")
+    rc = main(["evaluate", "--predictions", str(a_file), "--annotations", str(annotations_dir),
+               "--slides", str(synth_dir), "--labels", str(synth_dir / "labels.csv"), "--out", str(tmp_path / "o")])
+    assert rc == 1
+    assert "the predictions folder is a file, not a folder" in capsys.readouterr().err
 
 
 def test_evaluate_command_requires_its_inputs(capsys):

@@ -19,8 +19,9 @@ class LabelConfig:
     tumor_groups : annotation groups (ASAP ``PartOfGroup``, QuPath classification) that are tumour;
         CAMELYON16: ``_0``, ``_1``, ``Tumor``. Matched case-insensitively.
     non_tumor_groups : groups carved out of tumour; CAMELYON16: ``_2``, ``Exclusion``, ``None``.
-    mask_downsample : level-0 pixels per evaluation-mask pixel; 32 is CAMELYON16's level 5.
-    write_masks : write a FROC evaluation mask per slide.
+    mask_downsample : level-0 pixels per tumour-mask pixel; 32 is CAMELYON16's level 5.
+    write_masks : write a tumour mask per slide, to view and check the labels (``evaluate``
+        does not read it).
 
     Instance labels are for evaluation only: training never reads them.
     """

@@ -1,4 +1,4 @@
-"""The label stage: exact per-patch tumour fractions, instance labels, slide labels, FROC masks.
+"""The label stage: exact per-patch tumour fractions, instance labels, slide labels, tumour masks to view.
 
 - ``label_stores(stores, *, annotations_dir, labels_csv=None, config=LabelConfig(), out_dir=None)``
   labels every store and returns a LabelReport (``wsi-milssl label``).

@@ -1,4 +1,5 @@
-"""FROC evaluation masks: one tumour mask per slide at a stated downsample, with a JSON sidecar.
+"""Tumour masks to view and check the labels: one per slide at a stated downsample, with a JSON sidecar
+(``evaluate`` does not read them: it rasterises the annotations itself for the FROC).
 
 Files, in the label stage's output folder::
 

@@ -1,5 +1,5 @@
 """The label stage: annotations -> exact tumour fraction and instance label per patch, slide label,
-FROC evaluation mask.
+tumour mask to view (not read by ``evaluate``).
 
 For every patch store: tumour fraction = area((∪ tumour) − (∪ non-tumour) ∩ patch square) /
 patch area, computed exactly (``wsi_milssl.annotations.tumor_fraction``); ``instance_label`` =
