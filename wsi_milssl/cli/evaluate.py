@@ -68,7 +68,8 @@ def register(subparsers) -> None:
     p.add_argument("--annotations", type=Path, required=True, default=argparse.SUPPRESS, metavar="DIR",
                    help="folder with <stem>.xml (ASAP) or <stem>.geojson per tumour slide")
     p.add_argument("--slides", type=Path, required=True, default=argparse.SUPPRESS, metavar="DIR|CSV",
-                   help="folder of slides, or a CSV 'slide,path'; gives each tumour slide's size and MPP")
+                   help="folder of slides, or a CSV slide list as tile reads it (a 'path' or 'slide_path' column, "
+                        "or only a 'slide' column of paths or names); gives each tumour slide's size and MPP")
     p.add_argument("--labels", type=Path, required=True, default=argparse.SUPPRESS, metavar="CSV",
                    help="slide labels 'slide,label' (1 tumour, 0 normal)")
     p.add_argument("--out", type=Path, required=True, default=argparse.SUPPRESS, metavar="DIR",
