@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -115,7 +116,9 @@ def test_camelyon16_submission_names_and_header(synth_dir, annotations_dir, know
 def test_slides_given_as_csv_and_mpp_override(synth_dir, annotations_dir, predictions, tmp_path):
     """--slides as a CSV 'slide,path'. With mpp forced to 1.0 µm/px a level-5 px is 32 µm: the
     lesion disc (1280 px) is 1280 µm across, about 1355 µm grown, and the ITC disc (280 px) is 280 µm,
-    about 355 µm grown: past 275 µm, so it is a second lesion and no ITC is left.
+    about 355 µm grown: past 275 µm, so it is a second lesion and no ITC is left. The heatmaps must
+    have been made at 1.0 (their sidecars say so; ``--mpp`` that contradicts them is refused:
+    test_evaluation_heatmap_records.py).
 
     Lesion best hits 0.7 and 0.95, one FP at 0.8. Curve: (0, 0); t=0.95: (0, 1/2); t=0.8: (1/2, 1/2);
     t=0.7: (1/2, 1). Sensitivity at 1/4: 1/2 (flat between (0, 1/2) and (1/2, 1/2)); at 1/2..8: 1.
@@ -130,6 +133,10 @@ def test_slides_given_as_csv_and_mpp_override(synth_dir, annotations_dir, predic
                                 annotations_dir=annotations_dir, slides=listing)
     assert base.metrics["n_lesions"] == 1 and base.metrics["n_itc"] == 1
     assert base.metrics["froc"] == pytest.approx(5 / 6, abs=1e-12)
+    pred_dir = tmp_path / "at_1"  # as `heatmap --slide-mpp 1.0` records it
+    shutil.copytree(predictions[0], pred_dir)
+    for sidecar in pred_dir.glob("*_probs.json"):
+        sidecar.write_text(json.dumps({**json.loads(sidecar.read_text()), "mpp": 1.0}))
     forced = evaluate_predictions(pred_dir, labels_csv=synth_dir / "labels.csv", out_dir=tmp_path / "b",
                                   annotations_dir=annotations_dir, slides=listing, config=EvaluateConfig(mpp=1.0))
     assert forced.metrics["n_lesions"] == 2 and forced.metrics["n_itc"] == 0

@@ -240,3 +240,31 @@ def test_a_run_folder_as_the_model_is_fingerprinted_by_the_checkpoint_it_loads(t
     assert make_heatmaps(slides, run, out, HeatmapConfig(**FAST)).ok
     assert _scores(out) != first
     assert json.loads((out / "heatmap_config.json").read_text())["checkpoint"] == str(run / "best.pt")
+
+
+def test_a_run_killed_once_a_slides_files_are_written_leaves_its_rows(tmp_path, slides, checkpoints, alone,
+                                                                     monkeypatch):
+    """`heatmap --overwrite` with best.pt killed right after the writer thread finished slide a's files: its
+    scores.csv and status rows waited for the main thread, so they stayed last.pt's beside best.pt's files
+    (and evaluate took last.pt's score). The writer writes them with the files now."""
+    from concurrent.futures import ALL_COMPLETED
+
+    last, best = checkpoints
+    out = tmp_path / "hm"
+    assert make_heatmaps(slides, last, out, HeatmapConfig(**FAST)).ok
+    real_wait = stage_module.wait
+
+    def killed_once_written(futures, timeout=None, return_when=ALL_COMPLETED):
+        real_wait(futures, return_when=ALL_COMPLETED)  # the slides' files are written ...
+        raise _Killed()  # ... and the process dies before the main thread collects them
+
+    with monkeypatch.context() as m:
+        m.setattr(stage_module, "wait", killed_once_written)
+        with pytest.raises(_Killed):
+            make_heatmaps(slides, best, out, HeatmapConfig(**FAST), overwrite=True)
+    assert json.loads((out / "a_probs.json").read_text())["checkpoint"] == str(best)
+    assert _scores(out)["a"] == _scores(alone["best"])["a"] != _scores(alone["last"])["a"]
+    for stem in ("a", "b"):  # whichever run made a slide's files, its rows are that run's
+        sidecar = json.loads((out / f"{stem}_probs.json").read_text())
+        assert _scores(out)[stem] == _status(out)[stem]["score"] == f"{sidecar['score']:.6f}"
+        assert int(_status(out)[stem]["n_patches"]) == sidecar["n_patches"]

@@ -147,3 +147,47 @@ def test_a_group_clash_with_the_default_non_tumour_groups_says_so():
 
     with pytest.raises(ConfigError, match=r"non_tumor_groups are the default ones, _2, Exclusion, None: set them too"):
         EvaluateConfig(tumor_groups=("_2",))
+
+
+def test_evaluate_measures_at_the_tile_stage_s_slide_mpp(tmp_path, evaluated_with):
+    """[tile] slide_mpp cuts the slides at that µm/px: the evaluation measures their lesions at it (it took the
+    slide's metadata); [evaluate]'s own mpp wins (and evaluate refuses one that the heatmaps contradict). The
+    evaluate stamp counts it: an evaluation made at the metadata's µm/px runs again."""
+    from wsi_milssl.pipeline.runner import _stage_settings
+
+    assert evaluated_with(_spec(tmp_path, "slide_mpp = 0.5\n")).mpp == 0.5  # a key of GENERATED_SLIDES' [tile]
+    assert evaluated_with(_spec(tmp_path, "slide_mpp = 0.5\n[evaluate]\nmpp = 0.3\n")).mpp == 0.3
+    assert evaluated_with(_spec(tmp_path, "")).mpp is None
+    assert _stage_settings(_spec(tmp_path, "slide_mpp = 0.5\n"), "evaluate") == {"section": {"mpp": 0.5}}
+
+
+def test_a_pipeline_with_a_slide_mpp_evaluates_every_slide_at_it(tmp_path):
+    """`run` with [tile] slide_mpp = 0.5 on slides whose metadata says 0.25: per_slide.csv had 0.25 for the
+    tumour slide (its FROC mask measured at the metadata's µm/px) and 0.5 for the normal one."""
+    import csv
+    import json
+
+    from wsi_milssl.pipeline import run_pipeline
+
+    spec = _spec(tmp_path, "slide_mpp = 0.5\n" + """[train]
+mode = "images"
+model = "resnet18"
+epochs = 1
+batch_size = 32
+mu = 0.2
+mu_ramp_epochs = 1
+num_workers = 0
+[heatmap]
+num_workers = 0
+thumbnail_px = 128
+[evaluate]
+thumbnail_px = 64
+""")
+    run_pipeline(spec)
+    out = tmp_path / "out"
+    with open(out / "evaluation" / "per_slide.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert {r["label"] for r in rows} == {"0", "1"}
+    assert [float(r["mpp"]) for r in rows] == [0.5] * len(rows)
+    sidecars = sorted((out / "heatmaps" / "test").glob("*_probs.json"))
+    assert len(sidecars) == len(rows) and all(json.loads(p.read_text())["mpp"] == 0.5 for p in sidecars)

@@ -13,7 +13,10 @@ Outputs in ``out_dir`` (names from :data:`wsi_milssl.artifacts.EVALUATION_FILES`
     report.html             self-contained report (images embedded)
 
 The evaluated slides are those with a detections file in the predictions folder; each needs a label.
-Tumour slides need their annotation file and their slide (for the level-0 size and the MPP); their
+Each slide is evaluated at the level-0 µm/px and with the score its ``<stem>_probs.json`` records (the
+heatmap's own, written after every other file of the slide; :func:`_slide_mpp`, :func:`_slide_scores`).
+Tumour slides need their annotation file and their slide (for the level-0 size, and the MPP where no
+sidecar records one); their
 polygons are read with ``config.tumor_groups`` / ``non_tumor_groups`` (as the label stage reads them),
 and one whose polygons are all in other groups is refused. Refused too: a slide whose latest heatmap
 run failed (``heatmap_status.csv``), whatever files an earlier run left, and a folder whose slides'
@@ -50,7 +53,7 @@ from wsi_milssl.atomic import atomic_write_bytes, atomic_write_csv, atomic_write
 from wsi_milssl.cohorts import labels_for, stem_key
 from wsi_milssl.config.base import config_hash, config_to_dict, write_resolved_config
 from wsi_milssl.config.evaluate import EvaluateConfig
-from wsi_milssl.errors import EvaluationError, FolderLockedError, MissingResolutionError, WsiMilsslError
+from wsi_milssl.errors import EvaluationError, FolderLockedError, WsiMilsslError
 from wsi_milssl.evaluation.froc import (
     CAMELYON16_DOWNSAMPLE,
     FP_RATES,
@@ -120,25 +123,45 @@ class EvaluationResult:
     paths: dict[str, Path] = field(default_factory=dict)
 
 
-def _slide_geometry(stem: str, slide_path: Path | None, sidecar: dict | None, config: EvaluateConfig
-                    ) -> tuple[tuple[int, int], float]:
-    """Level-0 (width, height) and µm/px of a tumour slide, from its slide file."""
+def _slide_geometry(stem: str, slide_path: Path | None, mpp: float | None) -> tuple[tuple[int, int], float]:
+    """Level-0 (width, height) of a tumour slide, from its slide file, and its µm/px: ``mpp`` (the one its
+    heatmap was made with, :func:`_slide_mpp`), else the slide's own."""
     if slide_path is None:
         raise EvaluationError(
             f"slide {stem!r} is a tumour slide but its slide file was not found (needed for its level-0 "
             "size and MPP). Fix: pass --slides with the folder (or a CSV 'slide,path') that holds it."
         )
-    with open_slide(slide_path, mpp_override=config.mpp) as slide:
-        dims = tuple(int(v) for v in slide.dimensions)
-        try:
-            mpp = float(slide.mpp)
-        except MissingResolutionError:
-            side_mpp = (sidecar or {}).get("mpp")
-            if isinstance(side_mpp, (int, float)) and not isinstance(side_mpp, bool) and side_mpp > 0:
-                mpp = float(side_mpp)
-            else:
-                raise
-    return dims, mpp
+    with open_slide(slide_path, mpp_override=mpp) as slide:
+        return tuple(int(v) for v in slide.dimensions), float(slide.mpp)
+
+
+def _slide_mpp(sidecar: dict | None, config: EvaluateConfig) -> float | None:
+    """The level-0 µm/px a slide is evaluated at: ``config.mpp`` when given (:func:`_check_mpp` refused one
+    that contradicts the sidecars), else the one its heatmap was made with (the ``mpp`` of its
+    ``<stem>_probs.json``: ``heatmap --slide-mpp`` or the store's), else None (the slide's own)."""
+    if config.mpp is not None:
+        return config.mpp
+    recorded = (sidecar or {}).get("mpp")  # read_probs_sidecar checked it is a positive number when given
+    return None if recorded is None else float(recorded)
+
+
+def _check_mpp(predictions_dir: Path, sidecars: dict[str, dict], config: EvaluateConfig) -> None:
+    """EvaluationError when ``config.mpp`` (``--slide-mpp``) differs (by more than 0.1 %) from the µm/px that
+    slides' heatmaps were made with, as their sidecars record it: their lesions would be measured at another
+    scale than the one their detections and patches were placed at."""
+    if config.mpp is None:
+        return
+    other = {stem: float(s["mpp"]) for stem, s in sidecars.items()
+             if s.get("mpp") is not None and abs(float(s["mpp"]) - config.mpp) > 1e-3 * float(s["mpp"])}
+    if not other:
+        return
+    stems = sorted(other)
+    shown = ", ".join(f"{stem} ({other[stem]:g})" for stem in stems[:10]) + (" and more" if len(stems) > 10 else "")
+    raise EvaluationError(
+        f"{predictions_dir}: --slide-mpp {config.mpp:g} (in a pipeline, [evaluate] mpp) is not the µm/px the heatmaps "
+        f"of slides {shown} were made with, as their <stem>_probs.json record it ('mpp'), so their lesions would be "
+        "measured at another scale than their detections. Fix: drop --slide-mpp (evaluate uses the µm/px each "
+        f"heatmap was made with), or run the heatmap stage again with --slide-mpp {config.mpp:g} --overwrite.")
 
 
 def _normal_slide_size(stem: str, slide_paths: dict[str, Path], sidecar: dict | None, config: EvaluateConfig
@@ -197,12 +220,7 @@ def _evaluate_slide(
     coords = probs = None
     if files.patches is not None:
         coords, probs = read_patch_probs(files.patches)
-    mpp: float | None = None
-    side_mpp = (sidecar or {}).get("mpp")
-    if isinstance(side_mpp, (int, float)) and not isinstance(side_mpp, bool) and side_mpp > 0:
-        mpp = float(side_mpp)
-    if config.mpp is not None:
-        mpp = config.mpp
+    mpp = _slide_mpp(sidecar, config)
 
     if label == 1:
         ann_path = find_annotation(stem, annotations_dir) if annotations_dir is not None else None
@@ -212,7 +230,7 @@ def _evaluate_slide(
                 f"({stem}.xml or {stem}.geojson) in {annotations_dir}. Fix: pass --annotations with the "
                 "folder that holds it, or correct its label in the labels CSV."
             )
-        dims, mpp = _slide_geometry(stem, _find_slide_path(stem, slide_paths, sidecar), sidecar, config)
+        dims, mpp = _slide_geometry(stem, _find_slide_path(stem, slide_paths, sidecar), mpp)
         aset = read_annotations(ann_path, group_map=config.group_map(), dimensions_lv0=dims)
         region = aset.region
         if not aset.has_tumor:
@@ -264,22 +282,47 @@ def _instance_metric(results: list[SlideResult]) -> tuple[Metric, RocCurve | Non
     return auc_metric(labels, probs, what="patches"), roc(labels, probs, what="patches")
 
 
-def _bag_metric(results: list[SlideResult], scores_path: Path) -> tuple[Metric, RocCurve | None, dict]:
-    if not scores_path.is_file():
-        if results and all(r.files.detections is None for r in results):
-            return Metric(None, "every slide was empty (no tissue patch), so no slide has a score"), None, {}
-        return Metric(None, f"no slide scores ({scores_path.name} is missing from the predictions folder)"), None, {}
-    keyed = {stem_key(k): v for k, v in read_scores(scores_path).items()}
-    # a slide without a tissue patch has no score; as a max over no patch it ranks below every other
-    scores = {r.stem: keyed.get(stem_key(r.stem), 0.0 if r.files.detections is None else None) for r in results}
-    missing = [stem for stem, v in scores.items() if v is None]
+def _slide_scores(results: list[SlideResult], sidecars: dict[str, dict], scores_path: Path
+                  ) -> tuple[dict[str, float | None], list[str]]:
+    """({slide: score}, [slides whose ``scores.csv`` row is not their sidecar's score]).
+
+    A slide's score is the one its ``<stem>_probs.json`` records: the heatmap stage writes it after every other
+    file of the slide, so it is the score of the very files evaluated, where ``scores.csv`` (updated after it) may
+    still hold an earlier run's row (a run killed in between). Slides whose sidecar records none (detection
+    folders of other tools, earlier versions) take their ``scores.csv`` row; a slide without a tissue patch
+    scores 0 (as a max over no patch, it ranks below every other); None: no score."""
+    scores: dict[str, float | None] = {}
+    for r in results:
+        value = sidecars.get(r.stem, {}).get("score")
+        if value is None:
+            continue
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise EvaluationError(f"{r.files.sidecar}: 'score' is {value!r}; it must be the slide's score (a finite "
+                                  "number). Fix: run the heatmap stage again for this slide, or move the file away.")
+        scores[r.stem] = float(value)
+    keyed = {stem_key(k): v for k, v in read_scores(scores_path).items()} if scores_path.is_file() else {}
+    stale = sorted(stem for stem, v in scores.items()
+                   if stem_key(stem) in keyed and abs(keyed[stem_key(stem)] - v) > 1e-6)
+    for r in results:
+        if r.stem not in scores:
+            scores[r.stem] = keyed.get(stem_key(r.stem), 0.0 if r.files.detections is None else None)
+    return scores, stale
+
+
+def _bag_metric(results: list[SlideResult], scores: dict[str, float | None], scores_path: Path
+                ) -> tuple[Metric, RocCurve | None]:
+    missing = [r.stem for r in results if scores[r.stem] is None]
+    if missing and not scores_path.is_file():
+        return Metric(None, f"no slide scores ({scores_path.name} is missing from the predictions folder)"), None
     if missing:
         shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
         return Metric(None, f"{scores_path.name} has no score for {len(missing)} of {len(results)} slides "
-                            f"({shown})"), None, scores
+                            f"({shown})"), None
+    if results and all(r.files.detections is None for r in results) and not scores_path.is_file():
+        return Metric(None, "every slide was empty (no tissue patch), so no slide has a score"), None
     labels = np.array([r.label for r in results])
     values = np.array([scores[r.stem] for r in results])
-    return auc_metric(labels, values, what="slides"), roc(labels, values, what="slides"), scores
+    return auc_metric(labels, values, what="slides"), roc(labels, values, what="slides")
 
 
 def _slide_row(r: SlideResult, score: float | None) -> dict[str, Any]:
@@ -630,6 +673,7 @@ def evaluate_predictions(
     slide_paths = resolve_slides(slides)
     sidecars = {s: read_probs_sidecar(f.sidecar) for s, f in evaluated.items() if f.sidecar is not None}
     run_sidecar = _one_run(predictions_dir, sidecars)
+    _check_mpp(predictions_dir, sidecars, config)
 
     results: list[SlideResult] = []
     total = len(evaluated)
@@ -649,7 +693,13 @@ def evaluate_predictions(
         froc_value, sens_list = None, [None] * len(FP_RATES)
         reasons["froc"] = "no lesions (no tumour slide with a non-ITC region): sensitivity is undefined"
     inst_metric, inst_roc = _instance_metric(results)
-    bag_metric, bag_roc, scores = _bag_metric(results, predictions_dir / SCORES_FILENAME)
+    scores, stale_scores = _slide_scores(results, sidecars, predictions_dir / SCORES_FILENAME)
+    if stale_scores:
+        logger.warning("%s: its rows of slides %s are not the scores their <stem>_probs.json record (an interrupted "
+                       "heatmap run left an earlier run's rows); the sidecars' scores are evaluated. Fix: run the "
+                       "heatmap stage again on the folder (it resumes) to mend %s.", predictions_dir / SCORES_FILENAME,
+                       ", ".join(stale_scores), SCORES_FILENAME)
+    bag_metric, bag_roc = _bag_metric(results, scores, predictions_dir / SCORES_FILENAME)
     if inst_metric.value is None:
         reasons["instance_auc"] = inst_metric.reason
     if bag_metric.value is None:
@@ -718,6 +768,10 @@ def evaluate_predictions(
     if skipped:
         notes.append(f"{len(skipped)} labelled slide(s) have no predictions here and are not evaluated: "
                      f"{', '.join(skipped[:20])}{' ...' if len(skipped) > 20 else ''}.")
+    if stale_scores:
+        notes.append(f"{SCORES_FILENAME} holds other scores than the sidecars of slides {', '.join(stale_scores[:20])}"
+                     f"{' ...' if len(stale_scores) > 20 else ''} (an interrupted heatmap run); the sidecars' scores, "
+                     "those of the evaluated files, are used.")
     if n_outside:
         notes.append(f"{n_outside} detection(s) lie outside their slide and count as false positives.")
     configuration = {

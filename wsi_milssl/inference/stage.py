@@ -12,7 +12,8 @@ Besides the per-slide files (see :mod:`wsi_milssl.inference.exports`) the folder
 as failed while the others go on; a slide without a single patch is 'empty' and gets no score. Both
 lose the files and ``scores.csv`` row an earlier run left for them (they are not this run's). Slides
 are predicted several at a time (:func:`wsi_milssl.inference.predict.predict_many`) and their files are
-written by threads while the model goes on.
+written by threads while the model goes on; the thread that writes a slide's files writes its ``scores.csv``
+and status rows right after them.
 """
 
 from __future__ import annotations
@@ -720,29 +721,29 @@ def _make_heatmaps(inputs: list[HeatmapInput], checkpoint: str | os.PathLike | I
         done, _ = wait(list(writes), timeout=None if block else 0, return_when=FIRST_COMPLETED)
         for fut in done:
             i, pred = writes.pop(fut)
-            item = inputs[i]
             try:
-                written, write_s = fut.result()
-            except Exception as exc:  # noqa: BLE001 - one slide's files must not stop the others
+                result, write_s = fut.result()
+            except Exception as exc:  # noqa: BLE001 - one slide's files or score must not stop the others
                 record(i, failed(i, exc, pred.seconds))
                 continue
-            try:
-                score = pred.score(model.pooling)
-                update_scores_csv(out_dir, {pred.stem: score})
-            except Exception as exc:  # noqa: BLE001 - one slide's score must not stop the others
-                record(i, failed(i, exc, pred.seconds + write_s))
-                continue
-            seconds = pred.seconds + write_s
-            record(i, HeatmapResult(item.stem, str(item.slide_path or ""), "ok", len(pred), score, seconds, "",
-                                    {k: str(v) for k, v in written.items()}))
-            logger.info("%s: %d patches, score %.4f (%s pooling), %.1f s (patches %.2f s, files %.2f s)", item.stem,
-                        len(pred), score, model.pooling, seconds, pred.seconds, write_s)
+            record(i, result, merge=False)  # its status row is written (by write)
+            logger.info("%s: %d patches, score %.4f (%s pooling), %.1f s (patches %.2f s, files %.2f s)", result.slide,
+                        len(pred), result.score, model.pooling, result.seconds, pred.seconds, write_s)
 
-    def write(pred: SlidePrediction, files: dict) -> tuple[dict[str, Path], float]:
+    def write(i: int, pred: SlidePrediction, files: dict) -> tuple[HeatmapResult, float]:
+        """Write the slide's files, then its scores.csv and status rows at once (not when the main thread
+        collects it: a run killed in between left the slide's new files beside an earlier run's rows)."""
         t0 = time.perf_counter()
         written = write_slide_outputs(pred, out_dir, model=model, config=config, annotations_dir=annotations_dir,
                                       input_files=files, fingerprint=fingerprint, checkpoint_sha256=sha256)
-        return written, time.perf_counter() - t0
+        write_s = time.perf_counter() - t0
+        score = pred.score(model.pooling)
+        update_scores_csv(out_dir, {pred.stem: score})  # the CSVs' updates take the folder's mutex
+        item = inputs[i]
+        result = HeatmapResult(item.stem, str(item.slide_path or ""), "ok", len(pred), score, pred.seconds + write_s,
+                               "", {k: str(v) for k, v in written.items()})
+        _merge_status(status_csv, [result])
+        return result, write_s
 
     emit(progress, ProgressEvent("heatmap", 0, len(inputs), unit="slide"))
     todo, skipped = [], []
@@ -787,7 +788,7 @@ def _make_heatmaps(inputs: list[HeatmapInput], checkpoint: str | os.PathLike | I
             if bad is not None:  # before any file is written: a failed slide leaves no new files
                 record(i, failed(i, bad, pred.seconds))
                 continue
-            writes[writers.submit(write, pred, files_of[i])] = (i, pred)
+            writes[writers.submit(write, i, pred, files_of[i])] = (i, pred)
             collect(block=False)
             while len(writes) >= _PENDING_WRITES:
                 collect(block=True)

@@ -1012,10 +1012,12 @@ _LABEL_SETTINGS = {"evaluate": ("positive_fraction", "tumor_groups", "non_tumor_
 def _with_label_settings(spec: PipelineSpec, stage: str):
     """The config of [evaluate] or [heatmap], with [label]'s settings of :data:`_LABEL_SETTINGS` where the
     table leaves them at their defaults (absent, or spelled out as in resolved_pipeline.toml): the
-    evaluation reads the annotations, and the overlays outline them, as the label stage read them."""
+    evaluation reads the annotations, and the overlays outline them, as the label stage read them. The
+    evaluation's ``mpp`` is [tile]'s ``slide_mpp`` unless [evaluate] sets one: lesions are measured at the
+    µm/px the slides were cut at (evaluate refuses an [evaluate] mpp that the heatmaps' sidecars contradict)."""
     import dataclasses
 
-    from wsi_milssl.config import EvaluateConfig, HeatmapConfig, LabelConfig
+    from wsi_milssl.config import EvaluateConfig, HeatmapConfig, LabelConfig, TileConfig
     from wsi_milssl.errors import ConfigError
 
     cls = {"evaluate": EvaluateConfig, "heatmap": HeatmapConfig}[stage]
@@ -1023,6 +1025,9 @@ def _with_label_settings(spec: PipelineSpec, stage: str):
     label = config_from_mapping(LabelConfig, spec.section("label"), source=f"{spec.source} [label]")
     default = cls()
     taken = {k: getattr(label, k) for k in _LABEL_SETTINGS[stage] if getattr(config, k) == getattr(default, k)}
+    if stage == "evaluate" and config.mpp is None:
+        tile = config_from_mapping(TileConfig, spec.section("tile"), source=f"{spec.source} [tile]")
+        config = dataclasses.replace(config, mpp=tile.slide_mpp)
     try:
         return dataclasses.replace(config, **taken)
     except ConfigError as exc:  # e.g. [label]'s tumour group is [evaluate]'s non-tumour group
