@@ -81,8 +81,9 @@ def register(subparsers) -> None:
     p.add_argument("--non-tumor-groups", type=_groups, default=",".join(d.non_tumor_groups), metavar="G1,G2",
                    help="groups carved out of tumour (case-insensitive), as label's")
     p.add_argument("--slide-mpp", "--mpp", dest="mpp", type=float, default=argparse.SUPPRESS, metavar="MPP",
-                   help="level-0 µm per pixel for every slide (0.01-100), overriding the slide metadata; --mpp "
-                        "is the older name (default: each slide's own)")
+                   help="level-0 µm per pixel for every slide (0.01-100), for folders whose slides record none "
+                        "(refused where it contradicts the µm/px the heatmaps were made at); --mpp is the older "
+                        "name (default: what each slide's <stem>_probs.json records, else the slide's metadata)")
     p.add_argument("--margin-um", type=float, default=d.margin_um,
                    help="tumour is dilated by half of this distance in µm (CAMELYON16: 75; at most 100000)")
     p.add_argument("--itc-major-axis-um", type=float, default=d.itc_major_axis_um,

@@ -28,9 +28,10 @@ class EvaluateConfig:
         tumour (CAMELYON16: 75 µm, about five tumour cells). At most :data:`MAX_DISTANCE_UM`.
     itc_major_axis_um : regions whose major axis is under this are isolated tumour cells, neither
         true nor false positives (CAMELYON16: 275 µm). At most :data:`MAX_DISTANCE_UM`.
-    mpp : level-0 µm per pixel used for every slide instead of the slide's own metadata, in
-        [0.01, 100] as every stage's ``slide_mpp``; None uses each slide's MPP (then the ``mpp`` of its
-        ``<stem>_probs.json``).
+    mpp : level-0 µm per pixel for every slide, in [0.01, 100] as every stage's ``slide_mpp``; None
+        uses the ``mpp`` each slide's ``<stem>_probs.json`` records (what its heatmap was made at), and
+        the slide's own metadata where there is no sidecar. A value that contradicts the sidecars is
+        refused.
     thumbnail_px : longer side of the per-slide images in ``report.html``, in screen pixels.
     title : heading of ``report.html``.
 
