@@ -3,8 +3,11 @@ readers, a bad slide that fails alone, JPEG decoded by the model's device."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -143,3 +146,69 @@ def test_chunks_are_joined_into_exact_batches_in_order(pad):
     # three batches without a copy
     chunk_40 = chunks[4]
     assert [ptr for ptr, _ in model.calls[4:7]] == [chunk_40[k].data_ptr() for k in (4, 14, 24)]
+
+
+def test_a_model_error_in_a_slides_last_batch_fails_that_slide_alone(three_slides, checkpoint_factory):
+    config = HeatmapConfig(num_workers=0, batch_size=50)
+    model = load_inference_model(checkpoint_factory(), config=config)
+    inner, failed_once = model.forward_batch, []
+
+    def forward_batch(x):
+        if len(x) < 50 and not failed_once:  # the first slide's last, smaller batch (run when it finishes)
+            failed_once.append(len(x))
+            raise RuntimeError("simulated device error in the last batch")
+        return inner(x)
+
+    model.forward_batch = forward_batch
+    inputs = [SlideInput(f"s{k}", path, None) for k, path in enumerate(three_slides)]
+    got = dict(predict_many(inputs, model, config=config))
+    assert failed_once and sorted(got) == [0, 1, 2]
+    errors = [k for k, v in got.items() if isinstance(v, Exception)]
+    assert len(errors) == 1 and "simulated device error" in str(got[errors[0]])
+    assert all(len(v) > 100 for k, v in got.items() if k not in errors)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if int(open(f"/proc/{name}/stat").read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(name))
+            except OSError:
+                pass
+    return found
+
+
+def test_a_reader_that_dies_fails_its_slides_and_the_rest_go_on(three_slides, checkpoint_factory):
+    config = HeatmapConfig(num_workers=2, batch_size=16)
+    model = load_inference_model(checkpoint_factory(), config=config)
+    killed = []
+
+    def progress(event):
+        if event.stage == "heatmap-patches" and event.done > 0 and not killed:
+            # the readers are children of the fork server, a child of this process
+            readers = [g for c in _children(os.getpid()) for g in _children(c)]
+            os.kill(readers[0], signal.SIGKILL)  # as the OOM killer, or a crash in the slide library, would
+            killed.append(readers[0])
+            time.sleep(1.0)  # the model busy meanwhile: the pool is found broken when work is handed out
+
+    inputs = [SlideInput(f"s{k}", three_slides[k % 3], None) for k in range(6)]
+    got = dict(predict_many(inputs, model, config=config, progress=progress))
+    assert killed and sorted(got) == list(range(6))
+    failed = [k for k, v in got.items() if isinstance(v, Exception)]
+    assert failed and all("a reader process died" in str(got[k]) for k in failed)
+    assert len(failed) < 6 and all(len(got[k]) > 100 for k in got if k not in failed)
+
+
+def test_a_failed_warm_up_leaves_the_slides_to_report_for_themselves(three_slides, checkpoint_factory, caplog):
+    config = HeatmapConfig(num_workers=0, batch_size=64)
+    model = load_inference_model(checkpoint_factory(), config=config)
+
+    def warm_up(batch_size):  # what CUDA does when the batch does not fit in its memory
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    model.warm_up = warm_up
+    got = dict(predict_many([SlideInput("s0", three_slides[0], None)], model, config=config))
+    assert len(got[0]) > 100
+    assert "warm-up batch of 64 failed" in caplog.text and "out of memory" in caplog.text

@@ -423,23 +423,31 @@ def run_slides(inputs: Sequence[SlideInput], model: PatchModel, *, batch_size: i
         return plan_another(n_waiting=len(waiting), n_active=len(active), n_slots=readers.n_slots,
                             backlog_chunks=sum(planned) + planning * per_slide, max_active=lookahead)
 
-    def submit() -> None:
-        while another_slide():
-            run = waiting.popleft()
-            run.t0, run.planning = time.perf_counter(), True
-            active.append(run)
-            futures[readers.pool.submit(plan_job, run.job)] = ("plan", run)
-        for run in active:
-            if run.plan is None or run.error is not None:
-                continue
-            plan = run.plan
-            while readers.free and run.next_submit < len(plan.chunks):
-                slot = readers.free.pop()
-                fut = readers.pool.submit(read_chunk, plan.job, plan.chunks[run.next_submit], slot,
-                                          geometry=plan.geometry, probe_bands=plan.probe_bands)
-                futures[fut] = ("chunk", run, run.next_submit, slot)
-                run.next_submit += 1
-                run.inflight += 1
+    def submit() -> bool:
+        """Hand out plans and chunks to the readers; False when the pool broke meanwhile (a reader died
+        while the model ran): the work not handed out stays where it was, for the pool that replaces it."""
+        try:
+            while another_slide():
+                run = waiting[0]
+                futures[readers.pool.submit(plan_job, run.job)] = ("plan", run)
+                waiting.popleft()
+                run.t0, run.planning = time.perf_counter(), True
+                active.append(run)
+            for run in active:
+                if run.plan is None or run.error is not None:
+                    continue
+                plan = run.plan
+                while readers.free and run.next_submit < len(plan.chunks):
+                    slot = readers.free[-1]
+                    fut = readers.pool.submit(read_chunk, plan.job, plan.chunks[run.next_submit], slot,
+                                              geometry=plan.geometry, probe_bands=plan.probe_bands)
+                    readers.free.pop()
+                    futures[fut] = ("chunk", run, run.next_submit, slot)
+                    run.next_submit += 1
+                    run.inflight += 1
+        except BrokenProcessPool:
+            return False
+        return True
 
     def inputs_of(run: _Run, slot: int, result: ChunkResult) -> torch.Tensor:
         k = len(result.indices)
@@ -464,7 +472,10 @@ def run_slides(inputs: Sequence[SlideInput], model: PatchModel, *, batch_size: i
         run.received.clear()
         if run.error is not None:
             return run.index, run.error
-        idx, outputs = run.batcher.finish() if run.batcher is not None else (np.zeros(0, np.int64), np.zeros(0, np.float32))
+        try:  # the last, smaller batch runs here, and on CUDA the device's errors surface here
+            idx, outputs = run.batcher.finish() if run.batcher is not None else (np.zeros(0, np.int64), np.zeros(0, np.float32))
+        except Exception as exc:  # noqa: BLE001 - a model error fails this slide only
+            return run.index, exc
         return run.index, _result(result_type, run.plan, idx, outputs, seconds=time.perf_counter() - run.t0)
 
     def consume(run: _Run) -> None:
@@ -482,9 +493,16 @@ def run_slides(inputs: Sequence[SlideInput], model: PatchModel, *, batch_size: i
     emit(progress, ProgressEvent(event, 0, 0, unit="patch"))
     try:
         submit()
-        model.warm_up(batch_size)  # while the readers plan the first slides
+        try:
+            model.warm_up(batch_size)  # while the readers plan the first slides
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory at this batch size: each slide reports it
+            logger.warning("the model's warm-up batch of %d failed (%s); the slides will report it", batch_size, exc)
         while waiting or active:
-            submit()
+            if not submit():
+                for run in dict.fromkeys(_fail_broken(active, futures, readers)):
+                    if run in active:
+                        yield finished(run)
+                continue
             done_runs: list[_Run] = []
             if not futures:  # every active slide finished without reads (no chunks)
                 done_runs = [r for r in active if r.complete or r.error is not None]
