@@ -60,6 +60,7 @@ def test_evaluation_reports_the_heatmap_folders_config(tmp_path):
     pred = tmp_path / "pred"
     pred.mkdir()
     exports.write_detections_csv(artifacts.heatmap_paths(pred, "n1")["detections_csv"], [0.5], [10], [20])
+    artifacts.heatmap_paths(pred, "n1")["probs_json"].write_text(json.dumps({"slide": "n1", "patch_size_lv0": 256}))
     (pred / artifacts.HEATMAP_CONFIG_FILENAME).write_text(json.dumps({"fingerprint": "f1ngerpr1nt"}))
     labels = tmp_path / "labels.csv"
     labels.write_text("slide,label\nn1,0\n")

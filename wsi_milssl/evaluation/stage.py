@@ -19,8 +19,9 @@ Tumour slides need their annotation file and their slide (for the level-0 size, 
 sidecar records one); their
 polygons are read with ``config.tumor_groups`` / ``non_tumor_groups`` (as the label stage reads them),
 and one whose polygons are all in other groups is refused. Refused too: a slide whose latest heatmap
-run failed (``heatmap_status.csv``), whatever files an earlier run left, and a folder whose slides'
-``<stem>_probs.json`` record different heatmap runs (:func:`_one_run`).
+run failed (``heatmap_status.csv``), whatever files an earlier run left, a slide without its
+``<stem>_probs.json`` in a heatmap folder (an interrupted run's: :func:`_refuse_unfinished`), and a folder
+whose slides' ``<stem>_probs.json`` record different heatmap runs (:func:`_one_run`).
 """
 
 from __future__ import annotations
@@ -573,6 +574,25 @@ def _one_slide_mpp(predictions_dir: Path, sidecars: dict[str, dict]) -> None:
             "whole set with one --slide-mpp (or none), then evaluate.")
 
 
+def _refuse_unfinished(predictions_dir: Path, found: dict[str, PredictionFiles],
+                       evaluated: dict[str, PredictionFiles]) -> None:
+    """EvaluationError naming the slides of ``evaluated`` without a ``<stem>_probs.json`` in a folder of the heatmap
+    stage (it has ``heatmap_config.json``, or other slides have sidecars). The stage removes a slide's sidecar
+    before it rewrites the slide's files and writes it after all of them, so such a slide's files are those of an
+    interrupted run, partly an earlier run's. Folders of other tools (detection CSVs, no sidecar) pass."""
+    if not (predictions_dir / HEATMAP_CONFIG_FILENAME).is_file() and not any(f.sidecar for f in found.values()):
+        return
+    unfinished = sorted(s for s, f in evaluated.items() if f.sidecar is None)
+    if not unfinished:
+        return
+    shown = ", ".join(unfinished[:20]) + (f" and {len(unfinished) - 20} more" if len(unfinished) > 20 else "")
+    raise EvaluationError(
+        f"{predictions_dir}: slides {shown} have prediction files but no <stem>_probs.json, which the heatmap stage "
+        "writes after every other file of a slide, so their files are those of an interrupted heatmap run (partly "
+        "an earlier run's) and would be evaluated as finished ones. Fix: run the heatmap stage again into this "
+        "folder (it predicts again every slide without its <stem>_probs.json), then evaluate.")
+
+
 def _later_run(pred_config: dict | None, sidecars: list[dict]) -> bool:
     """Whether ``heatmap_config.json`` (rewritten by every heatmap run) describes another run than the one that
     made the evaluated slides: its fingerprint is none of theirs (where both record fingerprints), else its
@@ -656,6 +676,7 @@ def evaluate_predictions(
             f"{predictions_dir / HEATMAP_STATUS_FILENAME}: the heatmap stage's latest run found no tissue patch on "
             f"slides {', '.join(stale)}, but prediction files of an earlier run of them are in {predictions_dir}. "
             "Fix: re-run the heatmap stage for them (it removes those files), or delete their files.")
+    _refuse_unfinished(predictions_dir, found, evaluated)
     if empty:  # no tissue patch: evaluated with no detection (a tumour slide's lesions are missed)
         evaluated.update({s: PredictionFiles(stem=s) for s in empty})
         slide_labels.update(labels_for(labels, {s: None for s in empty}, what="predicted slide"))
