@@ -29,9 +29,10 @@ are used as they are.
 
 Memory is bounded by the slots (``(workers x 2 + 2)`` chunks of at most :data:`CHUNK_BYTES`) and a few
 planned slides (a slide is planned only while the chunks waiting for a reader are fewer than twice the
-slots, so slides finish one after another rather than all at the end), whatever the slide count or size: per slide only the level-0 coordinates and the
-outputs (one float, or one feature vector, per patch) are kept. On the CPU the readers run at the lowest priority: the forward pass keeps
-every core busy, so they fill its gaps instead of stalling its threads.
+slots, so slides finish one after another rather than all at the end), whatever the slide count or
+size: per slide only the level-0 coordinates and the outputs (one float, or one feature vector, per
+patch) are kept. On the CPU the readers run at the lowest priority: the forward pass keeps every core
+busy, so they fill its gaps instead of stalling its threads.
 """
 
 from __future__ import annotations
@@ -270,9 +271,10 @@ class _Batcher:
         if self._stage is None:
             shape = (self.batch_size,) + tuple(x.shape[1:])
             # the readers' (B, 3, H, W) view of (B, H, W, 3) pixels is channels_last: keep that layout
-            channels_last = x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
-            self._stage = torch.empty(shape, dtype=x.dtype, device=x.device,
-                                      memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+            channels_last = (x.dim() == 4 and not x.is_contiguous()
+                             and x.is_contiguous(memory_format=torch.channels_last))
+            layout = torch.channels_last if channels_last else torch.contiguous_format
+            self._stage = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=layout)
         return self._stage
 
     def add(self, idx: np.ndarray, x: torch.Tensor) -> None:
@@ -472,8 +474,10 @@ def run_slides(inputs: Sequence[SlideInput], model: PatchModel, *, batch_size: i
         run.received.clear()
         if run.error is not None:
             return run.index, run.error
+        idx, outputs = np.zeros(0, np.int64), np.zeros(0, np.float32)
         try:  # the last, smaller batch runs here, and on CUDA the device's errors surface here
-            idx, outputs = run.batcher.finish() if run.batcher is not None else (np.zeros(0, np.int64), np.zeros(0, np.float32))
+            if run.batcher is not None:
+                idx, outputs = run.batcher.finish()
         except Exception as exc:  # noqa: BLE001 - a model error fails this slide only
             return run.index, exc
         return run.index, _result(result_type, run.plan, idx, outputs, seconds=time.perf_counter() - run.t0)
@@ -496,7 +500,8 @@ def run_slides(inputs: Sequence[SlideInput], model: PatchModel, *, batch_size: i
         try:
             model.warm_up(batch_size)  # while the readers plan the first slides
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory at this batch size: each slide reports it
-            logger.warning("the model's warm-up batch of %d failed (%s); the slides will report it", batch_size, exc)
+            logger.warning("the model's warm-up batch of %d failed (%s); the slides will report it",
+                           batch_size, exc)
         while waiting or active:
             if not submit():
                 for run in dict.fromkeys(_fail_broken(active, futures, readers)):
