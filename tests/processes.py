@@ -1,13 +1,13 @@
 """Processes seen through /proc (Linux): the pool workers of a run, and whether they are still alive.
-For the tests that kill a run and check that its workers end with it."""
+For the tests that kill a run, or one of its workers, and check what happens."""
 
 from __future__ import annotations
 
 import os
 
 
-def spawned_children(pid: int) -> list[int]:
-    """Live (not zombie) pool workers (multiprocessing's spawn_main) whose parent is ``pid``."""
+def children(pid: int, *, cmdline_has: bytes = b"") -> list[int]:
+    """Live (not zombie) processes whose parent is ``pid`` (and whose command line holds ``cmdline_has``)."""
     found = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -18,9 +18,14 @@ def spawned_children(pid: int) -> list[int]:
         except OSError:
             continue
         state, ppid = stat.rsplit(")", 1)[1].split()[:2]
-        if int(ppid) == pid and state != "Z" and b"spawn_main" in cmdline:
+        if int(ppid) == pid and state != "Z" and cmdline_has in cmdline:
             found.append(int(name))
     return found
+
+
+def spawned_children(pid: int) -> list[int]:
+    """Live (not zombie) pool workers (multiprocessing's spawn_main) whose parent is ``pid``."""
+    return children(pid, cmdline_has=b"spawn_main")
 
 
 def alive(pid: int) -> bool:

@@ -1,5 +1,6 @@
 """Many slides through one pool of readers: the same probabilities as one slide at a time, torch-free
-readers, a bad slide that fails alone, JPEG decoded by the model's device."""
+readers, a bad slide (a reader that dies, a model error in a slide's last batch) that fails alone, JPEG
+decoded by the model's device, slides planned as the readers need them, chunks joined into exact batches."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+from processes import children
 
 from wsi_milssl.config import HeatmapConfig, TileConfig
 from wsi_milssl.inference import SlideInput, load_inference_model, predict_many, predict_slide, predict_store
@@ -168,18 +170,6 @@ def test_a_model_error_in_a_slides_last_batch_fails_that_slide_alone(three_slide
     assert all(len(v) > 100 for k, v in got.items() if k not in errors)
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                if int(open(f"/proc/{name}/stat").read().rsplit(")", 1)[1].split()[1]) == pid:
-                    found.append(int(name))
-            except OSError:
-                pass
-    return found
-
-
 def test_a_reader_that_dies_fails_its_slides_and_the_rest_go_on(three_slides, checkpoint_factory):
     config = HeatmapConfig(num_workers=2, batch_size=16)
     model = load_inference_model(checkpoint_factory(), config=config)
@@ -188,7 +178,7 @@ def test_a_reader_that_dies_fails_its_slides_and_the_rest_go_on(three_slides, ch
     def progress(event):
         if event.stage == "heatmap-patches" and event.done > 0 and not killed:
             # the readers are children of the fork server, a child of this process
-            readers = [g for c in _children(os.getpid()) for g in _children(c)]
+            readers = [g for c in children(os.getpid()) for g in children(c)]
             os.kill(readers[0], signal.SIGKILL)  # as the OOM killer, or a crash in the slide library, would
             killed.append(readers[0])
             time.sleep(1.0)  # the model busy meanwhile: the pool is found broken when work is handed out
