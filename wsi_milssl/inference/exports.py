@@ -114,11 +114,14 @@ def nms_detections(grid: np.ndarray, *, origin_lv0: tuple[int, int], stride_lv0:
 # Writers
 # ----------------------------------------------------------------------------------------------
 
-def write_probs(out_dir: str | os.PathLike, stem: str, grid: np.ndarray, sidecar: Mapping[str, Any]) -> dict[str, Path]:
-    """Write ``<stem>_probs.npy``, ``<stem>_probs.tif`` and ``<stem>_probs.json``.
+def write_probs(out_dir: str | os.PathLike, stem: str, grid: np.ndarray, sidecar: Mapping[str, Any], *,
+                write_json: bool = True) -> dict[str, Path]:
+    """Write ``<stem>_probs.npy``, ``<stem>_probs.tif`` (``sidecar`` as its description) and, with
+    ``write_json``, ``<stem>_probs.json``.
 
     ``sidecar`` must hold the contract keys (slide, slide_path, origin_lv0, stride_lv0, patch_size_lv0,
-    mpp, shape); more keys are kept.
+    mpp, shape); more keys are kept. ``write_json=False``: the caller writes the JSON itself once the
+    slide's other files are there (the heatmap stage: the JSON marks a slide's files complete).
     """
     import tifffile
 
@@ -137,8 +140,9 @@ def write_probs(out_dir: str | os.PathLike, stem: str, grid: np.ndarray, sidecar
         px_per_cm = 1e4 / cell_um if cell_um > 0 else 1.0
         tifffile.imwrite(fh, grid, photometric="minisblack", description=text, metadata=None,
                          resolution=(px_per_cm, px_per_cm), resolutionunit="CENTIMETER")
-    with atomic_open(paths["probs_json"], "w") as fh:
-        fh.write(text)
+    if write_json:
+        with atomic_open(paths["probs_json"], "w") as fh:
+            fh.write(text)
     return {k: paths[k] for k in ("probs_npy", "probs_tif", "probs_json")}
 
 

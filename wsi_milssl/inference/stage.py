@@ -308,10 +308,10 @@ def write_slide_outputs(pred: SlidePrediction, out_dir: str | os.PathLike, *, mo
     model's ``tiling_plan``), so that ``evaluate`` can tell slides of one model and settings from others
     whatever the checkpoint's path or the overlay settings.
 
-    The old ``<stem>_probs.json`` is removed first, and the sidecar gets its fingerprint and
-    ``checkpoint_sha256`` only when it is written again after every other file (the ``.tif`` description
-    has neither): a slide whose files were only partly rewritten (a killed run) has no record that a later
-    run, or ``evaluate``, could take for finished outputs.
+    The old ``<stem>_probs.json`` is removed first and the sidecar is written only after every other
+    file (the ``.tif`` description holds it without the fingerprint and ``checkpoint_sha256``): a slide
+    whose files were only partly rewritten (a killed run) has no sidecar, so a later run predicts it
+    again and ``evaluate`` refuses it, instead of taking an earlier run's files for finished outputs.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -353,9 +353,11 @@ def write_slide_outputs(pred: SlidePrediction, out_dir: str | os.PathLike, *, mo
         "schema_version": ARTIFACTS_SCHEMA_VERSION,
         "package_version": __version__,
     }
-    # without the run's identity until every file is written (the sidecar is written again at the end)
+    # the .tif's description without the run's identity; the sidecar itself only at the end, after every
+    # other file (a run killed among them leaves no sidecar, so the slide counts as unfinished)
     written = dict(write_probs(out_dir, pred.stem, grid, {k: v for k, v in sidecar.items()
-                                                         if k not in ("fingerprint", "checkpoint_sha256")}))
+                                                         if k not in ("fingerprint", "checkpoint_sha256")},
+                               write_json=False))
     geometry = dict(origin_lv0=pred.origin_lv0, stride_lv0=int(pred.stride_lv0),
                     patch_size_lv0=int(pred.patch_size_lv0))
     written["probs_ome_tif"] = write_probs_ome_tiff(
