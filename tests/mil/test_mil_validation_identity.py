@@ -10,7 +10,11 @@ import numpy as np
 from wsi_milssl.cli import main
 from wsi_milssl.features import write_feature_file
 
-BASE = ["--epochs", "1", "--threads", "1", "--workers", "0", "--no-plots"]
+# float32: with bfloat16 autocast on the CPU, one step on 16-px patches (1 x 1 px at layer4) left 1,024
+# non-finite values in layer4.0.conv1's weights in about one run in eight on a loaded 2-core machine,
+# with the same finite loss every time (seen 2026-11-27, also on the code of 85a5965); float32 never did
+# in 24 runs. This file tests which validation bags are refused, not the precision.
+BASE = ["--epochs", "1", "--threads", "1", "--workers", "0", "--no-plots", "--amp", "off"]
 
 
 def _features(folder, names, *, slide_dir, seed=0):
