@@ -813,3 +813,27 @@ def test_stacked_confidence_power_zero_is_unchanged_and_weighing_by_confidence_c
     assert mc.METHODS["mil-ssl-improved-confidence"].settings()["confidence_power"] == 1.0
     with pytest.raises(ConfigError, match="confidence_power"):
         fit_stacked_milssl(data, confidence_power=-1.0, **kw)
+
+
+def test_rank_gauss_maps_each_models_training_ranks_to_normal_scores():
+    from scipy.stats import norm
+
+    from wsi_milssl.benchmark.stacked import rank_gauss
+
+    x = torch.tensor([[1.0, 5.0], [2.0, 5.0], [3.0, 5.0], [100.0, 5.0]])  # heavy tail, constant column
+    data = StackedData(x=x, bag_ids=torch.arange(4), bag_labels=torch.zeros(4, dtype=torch.int64),
+                       bag_weight=torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0]]))
+    z = rank_gauss(torch.tensor([[2.0, 5.0], [100.0, 4.0], [2.5, 6.0]]), *data.sorted_training_values())
+    assert z.shape == (2, 3, 2)
+    # model 0 saw 1, 2, 3, 100: 2 is the second of four (u = 3/8), 100 the last (u clipped to 7/8), 2.5 between
+    np.testing.assert_allclose(z[0, :, 0], norm.ppf([3 / 8, 7 / 8, 4 / 8]), atol=1e-5)
+    # model 1 saw 1 and 2 only: 2 is its top (3/4), 100 and 2.5 lie above all its values (clipped to 3/4)
+    np.testing.assert_allclose(z[1, :, 0], norm.ppf([3 / 4, 3 / 4, 3 / 4]), atol=1e-5)
+    # a constant training feature: its value scores 0, values below / above its clipped ends
+    np.testing.assert_allclose(z[0, :, 1], norm.ppf([4 / 8, 1 / 8, 7 / 8]), atol=1e-5)
+
+
+def test_stacked_rank_gauss_off_is_unchanged_and_on_changes_training(mil_csv, mil_csv_val):
+    val, data, kw = _two_stacked_models(mil_csv, mil_csv_val)
+    _option_is_off_by_default_and_changes_training(data, kw, val, "rank_gauss_inputs", False, True)
+    assert mc.METHODS["mil-ssl-improved-rank-gauss"].settings()["rank_gauss_inputs"] is True

@@ -61,7 +61,7 @@ FIXED_KEYS = {
     "mil-ssl": ("hidden_dims", "batch_size", "lam", "fixed_mu", "soft_labels", "local_constraint",
                 "global_constraint", "class_balanced", "warmup_epochs", "pseudo_negative_weight", "bag_loss_weight",
                 "target_momentum", "bag_context", "neighbours", "input_noise", "weight_average_epochs", "mixup",
-                "cross_fit", "per_bag_mu", "rff_dim", "confidence_power"),
+                "cross_fit", "per_bag_mu", "rff_dim", "confidence_power", "rank_gauss_inputs"),
     "abmil": ("hidden_dims", "bags_per_batch"),
     "gated-abmil": ("hidden_dims", "bags_per_batch"),
     "maxpool": ("hidden_dims", "bags_per_batch"),
@@ -73,7 +73,7 @@ DEFAULTS = {
                 "bag_balanced": False, "pseudo_negative_weight": 1.0, "bag_loss_weight": 0.0, "target_momentum": 0.0,
                 "bag_context": False, "neighbours": 0, "input_noise": 0.0, "weight_average_epochs": 0.0, "mixup": 0.0,
                 "cross_fit": False, "per_bag_mu": False, "rff_dim": 0,
-                "confidence_power": 0.0},
+                "confidence_power": 0.0, "rank_gauss_inputs": False},
     "abmil": {"lr": 1e-3, "weight_decay": 1e-4, "attention_dim": 64, "dropout": 0.0, "hidden_dims": (128, 64),
               "bags_per_batch": 8},
 }
@@ -323,6 +323,11 @@ METHODS: dict[str, MethodSpec] = {
                                              "improved, every positive-bag instance's loss weighed by its pseudo "
                                              "label's confidence |2q - 1| (confidence_power 1: self-paced)",
                                              fixed={"confidence_power": 1.0}),
+    "mil-ssl-improved-rank-gauss": _ablation("mil-ssl-improved-rank-gauss", _IMPROVED,
+                                             "improved, every feature standardised by its rank among the "
+                                             "model's training instances (a quantile transform to normal "
+                                             "scores, rank_gauss_inputs) instead of its mean and std",
+                                             fixed={"rank_gauss_inputs": True}),
     "mil-ssl-improved-threshold-0.5": _ablation("mil-ssl-improved-threshold-0.5", _IMPROVED,
                                                 "improved, bag threshold 0.5 (not calibrated)", threshold="0.5"),
 }
@@ -533,6 +538,7 @@ def _fit_fold(spec: MethodSpec, train_set: InstanceSet, test_set: InstanceSet, i
             bag_loss_weight=settings["bag_loss_weight"], target_momentum=settings["target_momentum"],
             neighbours=settings["neighbours"], input_noise=settings["input_noise"], mixup=settings["mixup"], cross_fit=settings["cross_fit"],
             per_bag_mu=settings["per_bag_mu"], rff_dim=settings["rff_dim"], confidence_power=settings["confidence_power"],
+            rank_gauss_inputs=settings["rank_gauss_inputs"],
             weight_average_epochs=settings["weight_average_epochs"],
             eval_at=spec.epoch_grid, eval_sets={"test": test_set}, seeds=seeds, seed=seed)
         points, train_scores, test_scores = [], {}, {}

@@ -100,6 +100,31 @@ class StackedData:
         std = torch.where(std > 1e-12, std, torch.ones_like(std))
         return mean.float().unsqueeze(1), std.float().unsqueeze(1)
 
+    def sorted_training_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per model, every feature's training values in ascending order, float32 (M, D, n_max) padded with
+        +inf, and the models' training instance counts (M,): the empirical distributions of :func:`rank_gauss`."""
+        w = self.instance_weight().bool()  # (M, N)
+        counts = w.sum(1)
+        out = torch.full((self.n_models, int(self.x.shape[1]), max(int(counts.max()), 1)), math.inf)
+        for k in range(self.n_models):
+            values = self.x[w[k]].T  # (D, n_k)
+            out[k, :, :values.shape[1]] = values.sort(dim=1).values
+        return out, counts
+
+
+def rank_gauss(x: torch.Tensor, sorted_values: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """(M, n, D): every feature of ``x`` (n, D) mapped through model m's empirical distribution function
+    to a standard normal score, z = Φ⁻¹(u) with u = (#{v < x} + #{v <= x}) / (2 n_m) over the model's
+    training values v, clipped to [1 / (2 n_m), 1 - 1 / (2 n_m)] (a rank-Gauss or quantile transform: the
+    scale and skew of a feature no longer matter, only its order; ties get their mid rank)."""
+    m, d, _ = sorted_values.shape
+    xs = x.T.unsqueeze(0).expand(m, d, x.shape[0]).contiguous()
+    below = torch.searchsorted(sorted_values, xs, right=False)
+    at_most = torch.searchsorted(sorted_values, xs, right=True)
+    n = counts.clamp_min(1).view(-1, 1, 1).double()
+    u = ((below + at_most).double() / (2 * n)).clamp(min=0.5 / n, max=1 - 0.5 / n)
+    return (math.sqrt(2.0) * torch.erfinv(2 * u - 1)).float().transpose(1, 2)
+
 
 # ----------------------------------------------------------------------------------------------
 # Stacked layers and optimizer
@@ -406,13 +431,14 @@ def fit_stacked_baseline(data: StackedData, *, method: str, lr: Sequence[float],
 # ----------------------------------------------------------------------------------------------
 
 class _StackedHead:
-    """Stacked ``Standardize -> [Linear -> ReLU -> Dropout]* -> Linear(2)`` (the ``mlp``/``linear`` heads)."""
+    """Stacked ``Standardize -> [Linear -> ReLU -> Dropout]* -> Linear(2)`` (the ``mlp``/``linear`` heads);
+    ``quantiles`` (:meth:`StackedData.sorted_training_values`) standardises by :func:`rank_gauss` instead."""
 
     def __init__(self, in_features: int, *, hidden_dims: Sequence[int], dropout: torch.Tensor, mean: torch.Tensor,
-                 std: torch.Tensor, gens: list[torch.Generator], rff: tuple[torch.Tensor, torch.Tensor] | None = None
-                 ) -> None:
+                 std: torch.Tensor, gens: list[torch.Generator], rff: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 quantiles: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         m = len(gens)
-        self.mean, self.std, self.dropout, self.rff = mean, std, dropout, rff
+        self.mean, self.std, self.dropout, self.rff, self.quantiles = mean, std, dropout, rff, quantiles
         self.layers = []
         width = in_features if rff is None else int(rff[0].shape[1])
         for h in list(hidden_dims) + [2]:
@@ -424,7 +450,7 @@ class _StackedHead:
                layers: list | None = None) -> torch.Tensor:
         """(M, n, 2) logits; ``g`` draws dropout (training), ``noise`` (M,) adds N(0, noise²) to the
         standardised features (training, drawn from ``g``), ``layers`` replaces the weights (their average)."""
-        h = (x.unsqueeze(0) - self.mean) / self.std
+        h = (x.unsqueeze(0) - self.mean) / self.std if self.quantiles is None else rank_gauss(x, *self.quantiles)
         if g is not None and noise is not None:
             h = h + noise.view(-1, 1, 1) * torch.randn(h.shape[0], h.shape[1], h.shape[2], generator=g)
         if self.rff is not None:  # random Fourier features of a Gaussian kernel on the standardised features
@@ -528,7 +554,7 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
                        bag_loss_weight: float = 0.0, target_momentum: float = 0.0, neighbours: int = 0,
                        input_noise: float = 0.0, weight_average_epochs: float = 0.0, mixup: float = 0.0,
                        cross_fit: bool = False, per_bag_mu: bool = False, rff_dim: int = 0, confidence_power: float = 0.0,
-                       eval_at: Sequence[int],
+                       rank_gauss_inputs: bool = False, eval_at: Sequence[int],
                        eval_sets: dict[str, InstanceSet], seeds: Sequence[int],
                        seed: int = 0) -> dict[str, dict[int, np.ndarray]]:
     """Train M MIL-SSL instance classifiers at once (model m on the bags ``data.bag_weight[m]``).
@@ -568,7 +594,8 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
     the features themselves; ``confidence_power`` γ > 0 weighs every positive-bag instance's loss by
     |2 q - 1|^γ, its pseudo label's confidence (self-paced: an instance the refresh leaves near 0.5 counts
     little, one the local constraint or the transport sets near 0 or 1 fully; negative-bag instances keep
-    weight 1).
+    weight 1); ``rank_gauss_inputs`` standardises every feature by its rank among the model's training
+    values (:func:`rank_gauss`, a quantile transform to normal scores) instead of by its mean and std.
 
     Returns ``{set name: {epoch: instance probabilities (M, N_set) float64}}`` (``"train"`` included).
     """
@@ -614,7 +641,8 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
         rff = (torch.randn(d, int(rff_dim), generator=g_rff) / math.sqrt(d),
                torch.rand(int(rff_dim), generator=g_rff) * 2 * math.pi)
     model = _StackedHead(int(data.x.shape[1]), hidden_dims=hidden_dims, dropout=torch.tensor(list(dropout)), rff=rff,
-                         mean=mean, std=std, gens=gens)
+                         mean=mean, std=std, gens=gens,
+                         quantiles=data.sorted_training_values() if rank_gauss_inputs else None)
     opt = _Adam(model.params, torch.tensor(list(lr)), torch.tensor(list(weight_decay)))
     n = int(data.x.shape[0])
     average = (_WeightAverage(model.layers, weight_average_epochs, math.ceil(n / batch_size))
