@@ -10,6 +10,8 @@ import subprocess
 import sys
 from contextlib import nullcontext
 
+import pytest
+
 from milcsv import make_mil_csv
 from diskfaults import file_size_limit, full_disk, read_only_folder
 from wsi_milssl.cli import main
@@ -155,6 +157,32 @@ def test_weights_that_turn_non_finite_in_a_later_epoch_keep_the_last_finite_chec
     assert f"{run / 'last.pt'} still holds epoch 1 (the last finite one)." in err
     ckpt = torch.load(run / "last.pt", weights_only=True)
     assert ckpt["epoch"] == 1 and all(torch.isfinite(v).all() for v in ckpt["model"].values() if v.is_floating_point())
+
+
+@pytest.mark.parametrize("amp", ["bf16", "off"])
+def test_weights_broken_under_a_finite_loss_name_amp_off_only_under_bfloat16(tmp_path, capsys, monkeypatch, mil_csv,
+                                                                             amp):
+    """bfloat16 autocast has no gradient scaler to skip a step with non-finite gradients: weights that break
+    while the loss stays finite name ``--amp off`` beside the learning rate; without mixed precision the fix
+    is the learning rate alone."""
+    import torch
+
+    from wsi_milssl.mil import selftrain
+
+    real = selftrain.train_one_epoch
+
+    def poisoned(model, *args, **kwargs):
+        stats = real(model, *args, **kwargs)
+        with torch.no_grad():
+            next(model.parameters()).view(-1)[0] = float("nan")
+        return stats
+
+    monkeypatch.setattr(selftrain, "train_one_epoch", poisoned)
+    assert main(["train", str(mil_csv), "--out", str(tmp_path / "run"), *TRAIN, "--amp", amp]) == 1
+    err = capsys.readouterr().err
+    assert "training diverged in epoch 1: the weights became non-finite" in err
+    assert ("train again without it (--amp off)" in err) == (amp == "bf16"), err
+    assert "lower the learning rate (--lr), e.g. by 10x" in err
 
 
 def test_an_infinite_learning_rate_is_refused():

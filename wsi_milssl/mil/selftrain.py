@@ -762,18 +762,25 @@ def _compile_errors(config: TrainConfig):
                           "C++ compiler, and Triton on a GPU).") from exc
 
 
-def _check_finite(model: torch.nn.Module, loss: float, *, amp: bool, epoch: int, out: Path | None) -> None:
+def _check_finite(model: torch.nn.Module, loss: float, *, amp: bool, epoch: int, out: Path | None,
+                  autocast_dtype: torch.dtype | None = None) -> None:
     """Raise :class:`TrainingDivergedError` when the epoch left non-finite weights, or (without mixed
     precision, whose scaler skips steps with overflowing gradients on its own) a non-finite loss; called
-    before the epoch's checkpoint, so ``last.pt`` keeps the last finite epoch."""
+    before the epoch's checkpoint, so ``last.pt`` keeps the last finite epoch. ``autocast_dtype`` (the
+    run's mixed precision, if any) adds ``--amp off`` to the fix when the weights broke under a finite
+    loss: bfloat16 has no scaler to skip a step with non-finite gradients."""
     weights_ok = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     if weights_ok and (amp or math.isfinite(loss)):
         return
     kept = (f" {out / 'last.pt'} still holds epoch {epoch} (the last finite one)." if epoch and out is not None
             else " No checkpoint was written.")
     what = "weights" if not weights_ok else "loss"
+    fix = "lower the learning rate (--lr), e.g. by 10x, and train again."
+    if not weights_ok and math.isfinite(loss) and autocast_dtype is torch.bfloat16:
+        fix = ("the loss stayed finite, so one step's gradients were non-finite under bfloat16 mixed precision: "
+               "train again without it (--amp off), or lower the learning rate (--lr), e.g. by 10x.")
     raise TrainingDivergedError(f"training diverged in epoch {epoch + 1}: the {what} became non-finite (loss "
-                                f"{loss}).{kept} Fix: lower the learning rate (--lr), e.g. by 10x, and train again.")
+                                f"{loss}).{kept} Fix: {fix}")
 
 
 def fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike | None = None,
@@ -1116,7 +1123,8 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
                                         loader=loader, progress=progress, dist=dist, refresh=not warming)
                 if dist.enabled:
                     stats = _combine_ranks(stats, state, order, dist, trainer)
-            _check_finite(model, stats["loss"], amp=scaler is not None, epoch=epoch, out=out)
+            _check_finite(model, stats["loss"], amp=scaler is not None, epoch=epoch, out=out,
+                          autocast_dtype=runtime.amp_dtype)
             if config.refresh_every > 0:
                 label_metrics = pseudo_label_metrics(state, train)
             step += stats["steps"]
