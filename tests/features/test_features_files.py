@@ -134,3 +134,51 @@ def test_a_feature_file_with_non_finite_values_is_refused_naming_the_rows(tmp_pa
     with pytest.raises(StoreError, match=r"s1\.h5: 'features' holds NaN or infinite values in 1 of 6 rows \(first: "
                                          r"row 4\), so no model can score them\. Fix: extract the features again"):
         read_feature_file(path)
+
+
+def _write_h5(path, features, **datasets):
+    """A bare feature file of another tool: ``features`` in the dtype given, coords, and ``datasets`` as given."""
+    with h5py.File(path, "w") as fh:
+        fh["features"] = features
+        fh["coords"] = np.stack([np.arange(len(features)) * 256, np.zeros(len(features))], 1).astype(np.int64)
+        for name, value in datasets.items():
+            fh[name] = value
+    return path
+
+
+def test_a_float64_feature_beyond_float32s_range_is_refused_naming_the_row(tmp_path, capsys):
+    """Was checked in the file's float64 only: 1e39 then became inf in the float32 cast of `train`, and training
+    ended in a traceback of the pseudo-label solver ('probs must be finite probabilities')."""
+    feats = np.random.default_rng(0).normal(size=(5, 4))
+    feats[3, 1] = -1e39
+    path = _write_h5(tmp_path / "s1.h5", feats)
+    with pytest.raises(StoreError, match=r"s1\.h5: 'features' holds values beyond float32's range \(±3\.4e\+38\) in 1 "
+                                         r"of 5 rows \(first: row 3\), which become infinite as float32"):
+        read_feature_file(path)
+    bags = _bags(n_bags=4, dim=4)
+    for name, f, _, _ in bags:
+        _write_h5(tmp_path / f"{name}.h5", f.astype(np.float64))
+    (tmp_path / "s1.h5").rename(tmp_path / "slide_9.h5")
+    labels = _labels(tmp_path / "labels.csv", bags, extra=["slide_9"])
+    capsys.readouterr()
+    assert main(["train", str(tmp_path), "--labels", str(labels), "--out", str(tmp_path / "run"), "--epochs", "1",
+                 "--threads", "1", "--no-plots"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "slide_9.h5: 'features' holds values beyond float32's range" in err
+    assert "(first: row 3)" in err
+    np.testing.assert_array_equal(read_feature_file(tmp_path / "slide_0.h5").features, bags[0][1].astype(np.float64))
+
+
+@pytest.mark.parametrize("values, dtype, found", [([0, 1, -1], np.int8, "-1"), ([0, 1, 2], np.uint8, "2"),
+                                                  ([1, 0, 0.5], np.float32, "0.5")])
+def test_instance_labels_other_than_0_and_1_are_refused_naming_the_values(tmp_path, capsys, values, dtype, found):
+    """Were cast to uint8 as they were: -1 ('unknown' in some tools) became 255, counted as tumour by the pseudo-label
+    metrics, and the validation instance AUC failed after the first epoch with a traceback of sklearn."""
+    label = np.resize(np.asarray(values, dtype), 6)
+    path = _write_h5(tmp_path / "s1.h5", np.ones((6, 4), np.float32), instance_label=label)
+    with pytest.raises(StoreError, match=rf"s1\.h5: 'instance_label' must hold 0 \(normal\) or 1 \(tumour\); found "
+                                         rf"\[{found}\] in 2 of 6 rows \(first: row 2\)\. Fix: "):
+        read_feature_file(path)
+    good = read_feature_file(_write_h5(tmp_path / "s2.h5", np.ones((3, 4), np.float32),
+                                       instance_label=np.array([0, 1, 0], dtype)))
+    assert good.instance_label.dtype == np.uint8 and good.instance_label.tolist() == [0, 1, 0]

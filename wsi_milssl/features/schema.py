@@ -175,6 +175,32 @@ def non_finite_rows(features: np.ndarray) -> np.ndarray:
     return np.flatnonzero(~np.isfinite(features).all(axis=1)) if features.size else np.zeros(0, np.int64)
 
 
+def _beyond_float32_rows(features: np.ndarray) -> np.ndarray:
+    """The indices of the rows of (N, D) ``features`` (finite, of a dtype wider than float32) with a value
+    that float32 cannot hold (it becomes infinite there); none for float32 and float16."""
+    if features.dtype.itemsize <= 4 or not features.size:
+        return np.zeros(0, np.int64)
+    with np.errstate(over="ignore"):
+        return np.flatnonzero(np.isinf(features.astype(np.float32)).any(axis=1))
+
+
+def _instance_labels(path: Path, values: np.ndarray) -> np.ndarray:
+    """``instance_label`` as uint8, after checking it holds 0 (normal) and 1 (tumour) only: a value such as
+    -1 ('unknown' in some tools) or 255 has no meaning here, and as uint8 it would count as tumour."""
+    if values.dtype.kind not in "biuf":
+        raise StoreError(f"{path}: 'instance_label' must be numbers 0 (normal) or 1 (tumour); got dtype "
+                         f"{values.dtype}.")
+    bad = np.flatnonzero(~np.isin(values.reshape(-1), (0, 1)))
+    if bad.size:
+        found = np.unique(values.reshape(-1)[bad])
+        shown = ", ".join(f"{v:g}" for v in found[:5].tolist()) + (", ..." if found.size > 5 else "")
+        raise StoreError(f"{path}: 'instance_label' must hold 0 (normal) or 1 (tumour); found [{shown}] in "
+                         f"{bad.size} of {values.size} rows (first: row {int(bad[0])}). Fix: write 1 for tumour "
+                         "patches and 0 for the others (a patch of unknown label has no value here), or leave the "
+                         "dataset out (it is for evaluation only).")
+    return values.astype(np.uint8)
+
+
 def encoder_label(name: str | None, sha256: str | None) -> str:
     """``'resnet50_trunc weights 0123456789ab'``: an encoder and its weights, for messages."""
     return f"{name or 'encoder unknown'} {f'weights {sha256[:12]}' if sha256 else 'weights unknown'}"
@@ -451,8 +477,9 @@ def read_feature_file(path: str | os.PathLike) -> FeatureFile:
 
     The slide stem is the root ``slide_stem`` attribute, else the file stem (TRIDENT and CLAM name the
     file after the slide). Raises StoreError naming the file for one that cannot be opened, has no
-    ``features``, features that are not (N, D) (TRIDENT's empty (0,) counts as N = 0) or not all finite,
-    or coordinates whose count differs; an HDF5 file that cannot be read (cut short) is called damaged,
+    ``features``, features that are not (N, D) (TRIDENT's empty (0,) counts as N = 0) or not all finite (in
+    float32, which models read them in), coordinates whose count differs, or instance labels other than 0
+    and 1; an HDF5 file that cannot be read (cut short) is called damaged,
     with the fix (:func:`damaged_message`).
     """
     import h5py
@@ -516,13 +543,19 @@ def _read_open_file(path: Path, fh) -> FeatureFile:
         raise StoreError(f"{path}: 'features' holds NaN or infinite values in {bad_rows.size} of {len(feats)} rows "
                          f"(first: row {int(bad_rows[0])}), so no model can score them. Fix: extract the features "
                          "again (in float32 if a half-precision encoder overflowed).")
+    beyond = _beyond_float32_rows(feats)
+    if beyond.size:
+        raise StoreError(f"{path}: 'features' holds values beyond float32's range (±3.4e+38) in {beyond.size} of "
+                         f"{len(feats)} rows (first: row {int(beyond[0])}), which become infinite as float32, the "
+                         "precision models read features in. Fix: extract the features again, or write them as "
+                         "float32 values within that range.")
     coords = None
     if COORDS in fh:
         coords = np.asarray(fh[COORDS][()]).astype(np.int64, copy=False).reshape(-1, 2)
         if len(coords) != len(feats):
             raise StoreError(f"{path}: 'coords' has {len(coords)} rows but 'features' {len(feats)}. Fix: "
                              "extract the features again.")
-    inst = np.asarray(fh[INSTANCE_LABEL][()], dtype=np.uint8) if INSTANCE_LABEL in fh else None
+    inst = _instance_labels(path, np.asarray(fh[INSTANCE_LABEL][()])) if INSTANCE_LABEL in fh else None
     if inst is not None and inst.shape != (len(feats),):
         raise StoreError(f"{path}: 'instance_label' has shape {inst.shape}; expected ({len(feats)},).")
     bag_ids = None
