@@ -51,6 +51,31 @@ def test_stacked_pseudo_labels_equal_sinkhorn_per_model(soft, local):
         assert (q[m, ~sel] == 0).all()
 
 
+
+@pytest.mark.parametrize("soft", [True, False])
+def test_stacked_pseudo_labels_break_exact_ties_like_sinkhorn(soft):
+    """The local constraint sets one instance per positive bag to 1, the first of its tied maxima, in both
+    implementations (float32 probabilities saturate to exactly 1.0 above a logit of about 17, so ties at
+    the top are common late in training). The stacked code used to set every tied instance to 1."""
+    probs = np.array([[1.0, 1.0, 1.0, 1.0, 0.9, 0.1, 0.1, 0.1],  # the review's case: bag 0 all at 1.0
+                      [0.2, 0.7, 0.7, 0.1, 0.4, 0.4, 0.4, 0.05],  # ties below 1 in both bags
+                      [0.3, 1.0, 1 - 1e-13, 1.0, 0.5, 0.5, 0.6, 0.6]])  # equal after clipping to 1 - 1e-12
+    bags = np.array([0, 0, 0, 0, 1, 1, 1, 1])
+    mask = np.ones_like(probs, dtype=bool)
+    mask[1, 1] = False  # model 1's first tied maximum of bag 0 is not its own: the next one is
+    mus = [0.25, 0.2, 0.3]
+    q = stacked_pseudo_labels(torch.from_numpy(probs), torch.from_numpy(mask), torch.from_numpy(bags),
+                              mu=torch.tensor(mus), lam=25.0, soft=soft).numpy()
+    for m in range(3):
+        sel = mask[m]
+        ref = assign_pseudo_labels(probs[m, sel], bags[sel], mu=mus[m], lam=25.0, soft=soft, tol=1e-10,
+                                   max_iter=100000)
+        np.testing.assert_allclose(q[m, sel], ref, atol=1e-5)
+    if not soft:
+        assert q[0].tolist() == [1, 0, 0, 0, 1, 0, 0, 0]
+        assert q[1].tolist() == [0, 0, 1, 0, 1, 0, 0, 0]
+
+
 @pytest.mark.parametrize("method", ["abmil", "gated-abmil", "maxpool"])
 def test_stacked_baseline_forward_equals_the_baseline_module(method, mil_csv):
     data = read_mil_csv(mil_csv)

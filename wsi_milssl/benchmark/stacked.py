@@ -256,9 +256,10 @@ def stacked_pseudo_labels(probs: torch.Tensor, mask: torch.Tensor, bag_ids: torc
     (row marginal, eq. 5). s is found per model by bisection in float64 (``iters`` halvings of a bracket
     that holds every root), which is the fixed point :func:`wsi_milssl.mil.sinkhorn.assign_pseudo_labels`
     iterates to. Then ``soft=False`` binarises at 0.5 and the local constraint sets each bag's
-    top-probability instance to 1. Entries outside ``mask`` are 0. ``mu`` is (M,). ``per_bag``: the
-    fraction μ holds in every positive bag (one shift per model and bag) instead of over all of a model's
-    positive-bag instances together, where the large bags decide where the negatives go.
+    top-probability instance to 1 (one instance: the first of tied maxima, as there). Entries outside
+    ``mask`` are 0. ``mu`` is (M,). ``per_bag``: the fraction μ holds in every positive bag (one shift per
+    model and bag) instead of over all of a model's positive-bag instances together, where the large bags
+    decide where the negatives go.
     """
     p = probs.double().clamp(PROB_EPS, 1.0 - PROB_EPS)
     m = mask.bool()
@@ -284,10 +285,15 @@ def stacked_pseudo_labels(probs: torch.Tensor, mask: torch.Tensor, bag_ids: torc
     if not soft:
         q = (q > 0.5).double()
     if local_constraint:
+        # one instance per bag and model: the first (lowest index) of its tied maxima, as
+        # assign_pseudo_labels (probabilities saturate to exactly 1.0 in float32, so ties are common)
         n_bags = int(bag_ids.max()) + 1 if bag_ids.numel() else 0
         masked = p.masked_fill(~m, -1.0)
         top = _segment_max(masked, bag_ids, n_bags)
-        q = torch.where(m & (masked == top[:, bag_ids]), torch.ones_like(q), q)
+        index = torch.arange(p.shape[1], dtype=torch.float64).expand_as(p)
+        tied = m & (masked == top[:, bag_ids])
+        first = -_segment_max(torch.where(tied, -index, torch.full_like(index, -math.inf)), bag_ids, n_bags)
+        q = torch.where(tied & (index == first[:, bag_ids]), torch.ones_like(q), q)
     return torch.where(m, q, torch.zeros_like(q)).float()
 
 
