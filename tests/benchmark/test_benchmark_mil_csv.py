@@ -76,6 +76,16 @@ def test_stacked_pseudo_labels_break_exact_ties_like_sinkhorn(soft):
         assert q[1].tolist() == [0, 0, 1, 0, 1, 0, 0, 0]
 
 
+def test_stacked_pseudo_labels_refuse_lambda_above_its_cap():
+    """λ = 1e308 used to give NaN labels silently (λ log p overflows float64); λ at the cap stays finite."""
+    probs = torch.linspace(0.001, 0.999, 10, dtype=torch.float64)[None]
+    mask, bags = torch.ones(1, 10, dtype=torch.bool), torch.zeros(10, dtype=torch.int64)
+    for lam in (1e308, math.inf, 0.0):
+        with pytest.raises(ConfigError, match="lam"):
+            stacked_pseudo_labels(probs, mask, bags, mu=torch.tensor([0.3]), lam=lam, local_constraint=False)
+    q = stacked_pseudo_labels(probs, mask, bags, mu=torch.tensor([0.3]), lam=1e6, local_constraint=False)
+    assert torch.isfinite(q).all() and float(q.sum()) == pytest.approx(3.0, abs=1e-3)
+
 @pytest.mark.parametrize("method", ["abmil", "gated-abmil", "maxpool"])
 def test_stacked_baseline_forward_equals_the_baseline_module(method, mil_csv):
     data = read_mil_csv(mil_csv)

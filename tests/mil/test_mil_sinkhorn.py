@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
+
 import numpy as np
 import pytest
 
+from wsi_milssl.config.train import BenchmarkConfig, TrainConfig
 from wsi_milssl.errors import ConfigError
 from wsi_milssl.mil import adaptive_mu, assign_pseudo_labels
 from wsi_milssl.mil.sinkhorn import sinkhorn_log, sinkhorn_two_class
@@ -138,6 +143,55 @@ def test_bad_settings_are_rejected(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         assign_pseudo_labels(np.array([0.5, 0.5]), np.array([0, 0]), **kwargs)
 
+
+
+@pytest.mark.parametrize("lam", [1e308, math.inf, 1e6 * (1 + 1e-9)])
+def test_lambda_above_its_cap_is_refused_naming_why(lam):
+    """λ = 1e308 used to give NaN labels silently (λ log p overflows float64), and ∞ too; every λ above
+    LAM_MAX is refused, by the solver and by TrainConfig, with the reason."""
+    probs, bags = np.linspace(0.001, 0.999, 10), np.zeros(10, dtype=int)
+    with pytest.raises(ConfigError, match=r"lam .*<= 1e\+06.*overflows float64"):
+        assign_pseudo_labels(probs, bags, mu=0.3, lam=lam, local_constraint=False)
+    with pytest.raises(ConfigError, match=r"TrainConfig.lam .*<= 1e\+06"):
+        TrainConfig(lam=lam)
+
+
+def test_lambda_at_its_cap_gives_finite_labels_that_meet_mu():
+    rng = np.random.default_rng(0)
+    probs = np.concatenate([rng.uniform(0, 1, 2000), [0.0, 1.0, 1e-13, 1 - 1e-13]])
+    q = assign_pseudo_labels(probs, np.zeros(probs.size, dtype=int), mu=0.3, lam=1e6, local_constraint=False)
+    assert np.all(np.isfinite(q)) and abs(q.sum() - 0.3 * probs.size) < 1e-3 * probs.size
+    assert TrainConfig(lam=1e6).lam == 1e6
+
+
+def test_numpy_scalars_are_accepted_like_python_numbers():
+    """np.float32 is no subclass of float (np.float64 is): μ = np.float32(0.3) used to be refused as
+    "0 < mu < 1"; the solver and TrainConfig take numpy scalars and keep plain Python numbers."""
+    probs, bags = np.linspace(0.001, 0.999, 10), np.zeros(10, dtype=int)
+    mu = np.float32(0.3)
+    q = assign_pseudo_labels(probs, bags, mu=mu, lam=np.float32(25.0), max_iter=np.int64(100), tol=np.float32(1e-6))
+    ref = assign_pseudo_labels(probs, bags, mu=float(mu), lam=25.0, max_iter=100, tol=float(np.float32(1e-6)))
+    np.testing.assert_array_equal(q, ref)
+    cfg = TrainConfig(mu=mu, lam=np.float32(25.0), lr=np.float32(0.01), dropout=np.float64(0.25),
+                      epochs=np.int64(3), hidden_dims=(np.int32(8),), sinkhorn_max_iter=np.int16(50),
+                      sinkhorn_tol=np.float32(1e-6))
+    assert type(cfg.mu) is float and cfg.mu == float(mu) and type(cfg.lam) is float and type(cfg.lr) is float
+    assert type(cfg.dropout) is float and type(cfg.epochs) is int and cfg.epochs == 3
+    assert type(cfg.hidden_dims[0]) is int and type(cfg.sinkhorn_max_iter) is int
+    json.dumps(dataclasses.asdict(cfg))  # the resolved config is written as JSON beside every run
+    bench = BenchmarkConfig(mu_grid=(np.float32(0.5),), epoch_grid=(np.int64(25),), folds=np.int64(5))
+    assert type(bench.mu_grid[0]) is float and type(bench.epoch_grid[0]) is int and type(bench.folds) is int
+    # still refused: booleans, numbers of the wrong kind, and values out of range
+    with pytest.raises(ConfigError, match="TrainConfig.epochs must be int"):
+        TrainConfig(epochs=np.float32(3.0))
+    with pytest.raises(ConfigError, match="TrainConfig.plots must be bool"):
+        TrainConfig(plots=np.int64(1))
+    with pytest.raises(ConfigError, match="TrainConfig.mu must satisfy"):
+        TrainConfig(mu=np.float32(1.0))
+    with pytest.raises(ConfigError, match="0 < mu < 1"):
+        assign_pseudo_labels(probs, bags, mu=np.float32(np.nan))
+    with pytest.raises(ConfigError, match="max_iter"):
+        assign_pseudo_labels(probs, bags, mu=0.3, max_iter=np.float64(100.0))
 
 def test_bad_inputs_are_rejected():
     with pytest.raises(ValueError, match="probabilities in \\[0, 1\\]"):

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from wsi_milssl.errors import ConfigError
 from wsi_milssl.mil.data import InstanceSet
-from wsi_milssl.mil.sinkhorn import PROB_EPS
+from wsi_milssl.mil.sinkhorn import PROB_EPS, check_lam
 
 __all__ = ["StackedData", "stacked_pseudo_labels", "fit_stacked_baseline", "fit_stacked_milssl", "pool_bags",
            "instance_loss_weights", "neighbour_graphs", "POOLINGS"]
@@ -259,12 +259,13 @@ def stacked_pseudo_labels(probs: torch.Tensor, mask: torch.Tensor, bag_ids: torc
     top-probability instance to 1 (one instance: the first of tied maxima, as there). Entries outside
     ``mask`` are 0. ``mu`` is (M,). ``per_bag``: the fraction μ holds in every positive bag (one shift per
     model and bag) instead of over all of a model's positive-bag instances together, where the large bags
-    decide where the negatives go.
+    decide where the negatives go. ``lam`` is λ, 0 < λ <= :data:`wsi_milssl.mil.sinkhorn.LAM_MAX`.
     """
+    lam = check_lam(lam)
     p = probs.double().clamp(PROB_EPS, 1.0 - PROB_EPS)
     m = mask.bool()
     if global_constraint:
-        z = float(lam) * (torch.log(p) - torch.log1p(-p))
+        z = lam * (torch.log(p) - torch.log1p(-p))
         # one shift per model, or per model and bag: segment g of instance i is 0, or its bag
         seg = bag_ids if per_bag else torch.zeros_like(bag_ids)
         n_seg = int(seg.max()) + 1 if seg.numel() else 1

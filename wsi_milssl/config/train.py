@@ -20,8 +20,9 @@ feature mode defaults to Adam.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-
+import numbers
 from dataclasses import dataclass
 
 from wsi_milssl.config.base import check_choice, check_range, check_type
@@ -40,14 +41,38 @@ MODE_DEFAULTS: dict[str, dict[str, object]] = {
 }
 
 
+def _plain_numbers(config) -> None:
+    """Replace numpy scalars in ``config``'s fields (and in its tuples) by the Python int or float they hold.
+
+    np.float32 is no subclass of float, nor np.int64 of int (np.float64 is a float), so the type checks
+    would refuse a μ of np.float32(0.3) that a float passes; and the resolved config is written as JSON.
+    Booleans (numpy's too) are left alone, so a bool field still takes only a bool.
+    """
+
+    def plain(value):
+        if isinstance(value, bool) or type(value) in (int, float):
+            return value
+        if isinstance(value, numbers.Integral):
+            return int(value)
+        if isinstance(value, numbers.Real):
+            return float(value)
+        return value
+
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        value = tuple(plain(v) for v in value) if isinstance(value, tuple) else plain(value)
+        object.__setattr__(config, field.name, value)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """MIL-SSL training (paper eq. 2-11).
 
     Pseudo labels: ``mu`` is the expected positive-instance ratio in positive bags (eq. 5), reached by
     the adaptive schedule μ_t = 0.5 + (μ - 0.5) t / T over ``mu_ramp_epochs`` = T epochs (eq. 10) unless
-    ``fixed_mu``; ``lam`` is the entropic λ (eq. 6); ``soft_labels``, ``global_constraint`` and
-    ``local_constraint`` are the table-8 ablation switches. Pseudo labels refresh every epoch, or every
+    ``fixed_mu``; ``lam`` is the entropic λ (eq. 6), at most ``LAM_MAX`` = 1e6
+    (:mod:`wsi_milssl.mil.sinkhorn`); ``soft_labels``, ``global_constraint`` and ``local_constraint``
+    are the table-8 ablation switches. Pseudo labels refresh every epoch, or every
     ``refresh_every`` optimizer steps when > 0; the first ``warmup_epochs`` epochs (default 0, the paper)
     train with every positive-bag instance labelled 1 before the first refresh, so the first pseudo
     labels come from a model that has seen the bags rather than from a random one; ``online_pseudo_labels`` reuses the probabilities seen in
@@ -123,6 +148,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         name = type(self).__name__
+        _plain_numbers(self)
         check_choice(name, "mode", self.mode, tuple(MODE_DEFAULTS))
         for key, value in MODE_DEFAULTS[self.mode].items():
             if getattr(self, key) is None:
@@ -146,7 +172,10 @@ class TrainConfig:
         check_range(name, "mu", self.mu, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
         check_type(name, "mu_ramp_epochs", self.mu_ramp_epochs, int)
         check_range(name, "mu_ramp_epochs", self.mu_ramp_epochs, low=0)
-        check_range(name, "lam", self.lam, low=0.0, low_inclusive=False, high=math.inf, high_inclusive=False)
+        check_type(name, "lam", self.lam, (int, float))
+        from wsi_milssl.mil.sinkhorn import check_lam
+
+        check_lam(self.lam, where=f"{name}.lam")  # 0 < λ <= LAM_MAX, with the reason
         check_type(name, "sinkhorn_max_iter", self.sinkhorn_max_iter, int)
         check_range(name, "sinkhorn_max_iter", self.sinkhorn_max_iter, low=1)
         check_range(name, "sinkhorn_tol", self.sinkhorn_tol, low=0.0, low_inclusive=False)
@@ -211,6 +240,7 @@ class BenchmarkConfig:
 
     def __post_init__(self) -> None:
         name = type(self).__name__
+        _plain_numbers(self)
         for field in ("folds", "inner_folds"):
             check_type(name, field, getattr(self, field), int)
             check_range(name, field, getattr(self, field), low=2)

@@ -21,19 +21,45 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 
 import numpy as np
 import torch
 
 from wsi_milssl.errors import ConfigError
 
-__all__ = ["assign_pseudo_labels", "sinkhorn_log", "sinkhorn_two_class", "adaptive_mu", "PROB_EPS"]
+__all__ = ["assign_pseudo_labels", "sinkhorn_log", "sinkhorn_two_class", "adaptive_mu", "check_lam", "PROB_EPS",
+           "LAM_MAX"]
 
 log = logging.getLogger(__name__)
 
 #: Probabilities are clipped to [PROB_EPS, 1 - PROB_EPS] before the logarithm, so an instance the
 #: model is certain about (p = 0 or 1 in float32) still has a finite cost.
 PROB_EPS = 1e-12
+
+#: The largest λ accepted. λ → ∞ is the unregularised problem (eq. 4), and at λ = 1e6 the labels are
+#: already 0 or 1 for every instance more than about 1e-5 in logit from the cut, so a larger λ changes
+#: nothing useful; from about 1e15 float64 can no longer place the cut (Sinkhorn stops short of its
+#: tolerance), and near 1e307 λ log p (|log p| <= 27.6 with p clipped to PROB_EPS) overflows and every
+#: label is NaN (measured on 2,000 uniform probabilities).
+LAM_MAX = 1e6
+
+
+def _is_real(value) -> bool:
+    """A real number, Python's or numpy's (np.float32 is no float, np.int64 no int), but not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def check_lam(lam, where: str = "lam") -> float:
+    """``lam`` as a float, or a ConfigError naming ``where`` unless 0 < lam <= :data:`LAM_MAX`."""
+    if not (_is_real(lam) and 0.0 < float(lam) <= LAM_MAX):
+        raise ConfigError(
+            f"{where} (the entropic-regularisation λ) must satisfy 0 < λ <= {LAM_MAX:g}; got {lam!r}. Near "
+            f"1e307 λ log p overflows float64 (NaN labels), and at {LAM_MAX:g} the labels are already 0/1 but "
+            f"for instances within about 1e-5 in logit of the cut, so a larger λ changes nothing useful. "
+            f"Use a λ in that range (the paper's is 25)."
+        )
+    return float(lam)
 
 
 def adaptive_mu(epoch: int, *, mu: float, ramp_epochs: int, fixed: bool = False) -> float:
@@ -158,13 +184,12 @@ def _check_inputs(probs, bag_ids, mu, lam, max_iter, tol) -> tuple[np.ndarray, n
     b = np.asarray(bag_ids)
     if b.shape != p.shape:
         raise ValueError(f"bag_ids must have the same shape as probs {p.shape}; got {b.shape}.")
-    if not (isinstance(mu, (int, float)) and 0.0 < float(mu) < 1.0):
+    if not (_is_real(mu) and 0.0 < float(mu) < 1.0):
         raise ConfigError(f"mu must be a positive-instance ratio with 0 < mu < 1; got {mu!r}.")
-    if not (isinstance(lam, (int, float)) and float(lam) > 0.0):
-        raise ConfigError(f"lam (the entropic-regularisation λ) must be > 0; got {lam!r}.")
-    if not (isinstance(max_iter, int) and max_iter >= 1):
+    check_lam(lam)
+    if not (isinstance(max_iter, numbers.Integral) and not isinstance(max_iter, bool) and max_iter >= 1):
         raise ConfigError(f"max_iter must be an integer >= 1; got {max_iter!r}.")
-    if not (isinstance(tol, (int, float)) and float(tol) > 0.0):
+    if not (_is_real(tol) and float(tol) > 0.0):
         raise ConfigError(f"tol must be > 0; got {tol!r}.")
     return p, b
 
@@ -190,7 +215,8 @@ def assign_pseudo_labels(
     bag_ids : (N,) array (any hashable dtype) giving each instance's bag.
     mu : the expected ratio of positive instances among all positive-bag instances; the row marginal is
         r = (μN, (1-μ)N) (eq. 5). Pass the scheduled μ_t (eq. 10) during training.
-    lam : λ of eq. 6; larger is closer to the unregularised transport problem (eq. 4).
+    lam : λ of eq. 6; larger is closer to the unregularised transport problem (eq. 4); at most
+        :data:`LAM_MAX`.
     soft : keep Q soft (the default); ``False`` binarises every label to 0/1 at 0.5 (the table-8
         "no soft pseudo label" row).
     local_constraint : set the label of each bag's highest-probability instance to 1.
@@ -210,6 +236,7 @@ def assign_pseudo_labels(
     [1.0, 0.0, 0.0, 1.0]
     """
     p, b = _check_inputs(probs, bag_ids, mu, lam, max_iter, tol)
+    mu, lam, max_iter, tol = float(mu), float(lam), int(max_iter), float(tol)  # numpy scalars too
     n = p.size
     if n == 0:
         return np.zeros(0, dtype=np.float32)
