@@ -155,6 +155,8 @@ def test_config_is_validated_with_the_field_name():
     assert BagBenchConfig(mnist="/data/mnist_5k.csv.gz").resolved_bag_size() == 100
     with pytest.raises(ConfigError, match="unequal tuning budgets"):
         BagBenchConfig(lams=(1.0, 5.0, 25.0))
+    with pytest.raises(ConfigError, match="BagBenchConfig.lams"):  # beyond the solver's cap: refused before any run
+        BagBenchConfig(lams=(1.0, 1e7))
     with pytest.raises(ConfigError, match="several candidates but val_fraction is 0"):
         BagBenchConfig(val_fraction=0.0, lams=(1.0,), attention_dims=(64,), maxpool_weight_decays=(1e-4,))
     # a method left out does not count: MIL-SSL alone may have any number of λ

@@ -48,6 +48,7 @@ from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.parent_watch import watch_parent
 from wsi_milssl.benchmark.baselines import BASELINES, ENCODERS, INSTANCE_SCORES, BaselineConfig, fit_baseline, predict_baseline
 from wsi_milssl.mil.data import InstanceSet
+from wsi_milssl.mil.sinkhorn import LAM_MAX
 from wsi_milssl.benchmark.digits import (
     NORMAL_RATIOS,
     DigitBags,
@@ -206,7 +207,7 @@ class BagBenchConfig:
             check_type(name, "mu_ramp_epochs", self.mu_ramp_epochs, int)
             check_range(name, "mu_ramp_epochs", self.mu_ramp_epochs, low=0)
         for lam in self.lams:
-            check_range(name, "lams", lam, low=0.0, low_inclusive=False)
+            check_range(name, "lams", lam, low=0.0, low_inclusive=False, high=LAM_MAX)
         check_range(name, "pseudo_negative_weight", self.pseudo_negative_weight, low=0.0, high=1.0)
         check_type(name, "threads", self.threads, int)
         check_range(name, "threads", self.threads, low=0)
