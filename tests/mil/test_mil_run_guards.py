@@ -258,3 +258,63 @@ def test_a_checkpoint_error_is_raised_by_fit_too(finished_run, tmp_path, mil_csv
     copy = _copy_with(finished_run, tmp_path, lambda ckpt: ckpt.pop("rng"))
     with pytest.raises(CheckpointError, match="'rng' is missing"):
         fit(read_mil_csv(mil_csv), config=_features(epochs=3), out_dir=copy, resume=True)
+
+
+# -- 8: validation scores that are not finite ------------------------------------------------------------------
+
+def _feature_bags(folder, names, *, extreme=None, seed=0):
+    """One CLAM-like feature file per name (10 rows of 8 features; even bags positive, 3 shifted rows); the
+    bag ``extreme`` gets a row of 3e38, finite in float32 but beyond what a model's sums can hold."""
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, name in enumerate(names):
+        feats = rng.normal(size=(10, 8)).astype(np.float32)
+        feats[:3] += 2.0 * (i % 2 == 0)
+        if name == extreme:
+            feats[0] = 3e38
+        with h5py.File(folder / f"{name}.h5", "w") as fh:
+            fh["features"] = feats
+            fh["coords"] = np.stack([np.arange(10) * 256, np.zeros(10)], 1).astype(np.int64)
+    return "".join(f"{name},{int(i % 2 == 0)}\n" for i, name in enumerate(names))
+
+
+def test_a_validation_bag_with_non_finite_scores_stops_training_naming_it(tmp_path, capsys):
+    """Was evaluated on the finite rest: val_bag_auc and val_bag_accuracy (1/3 with 4 bags) of 3 bags, and best.pt
+    chosen on them, without a word."""
+    labels = tmp_path / "labels.csv"
+    labels.write_text("slide,label\n" + _feature_bags(tmp_path / "tr", [f"s{i}" for i in range(8)])
+                      + _feature_bags(tmp_path / "va", ["v0", "v1", "v2", "v3"], extreme="v2", seed=1))
+    run = tmp_path / "run"
+    capsys.readouterr()
+    code = main(["train", str(tmp_path / "tr"), "--labels", str(labels), "--val", str(tmp_path / "va"), "--out",
+                 str(run), "--epochs", "2", "--warmup-epochs", "1", *FAST])
+    lines = _error_lines(capsys.readouterr().err)
+    assert code == 1 and len(lines) == 1, lines
+    assert ("the model gives NaN or infinite probabilities for 1 of the 4 bags evaluated" in lines[0]
+            and f"v2 ({(tmp_path / 'va' / 'v2.h5').resolve()})" in lines[0])
+    assert "The model's weights are finite, so the inputs of those bags are the cause" in lines[0]
+    assert "Fix: check those bags' inputs for extreme values" in lines[0] and "--lr" not in lines[0]
+    assert not (run / "best.pt").exists() and not (run / "last.pt").exists()
+
+
+@pytest.mark.parametrize("pooling", ["max", "mean"])
+def test_evaluate_never_scores_a_set_on_its_finite_rest(tmp_path, mil_csv_val, pooling):
+    """A diverged model (NaN weights) is told from extreme inputs: its error names the learning rate."""
+    from wsi_milssl.errors import StoreError, TrainingDivergedError
+    from wsi_milssl.mil.models import create_model
+    from wsi_milssl.mil.selftrain import evaluate, resolve_runtime
+
+    val = read_mil_csv(mil_csv_val)
+    config = _features()
+    runtime = resolve_runtime(config)
+    model = create_model("mlp", in_features=val.in_features)
+    assert evaluate(model, val, runtime=runtime, bag_pooling=pooling)["bag_auc"] is not None
+    val.features[np.flatnonzero(val.bag_ids == 3)[0]] = 3e38
+    with pytest.raises(StoreError, match=r"1 of the 40 bags evaluated\b.*toy_val\.csv\b.*: b003\b.*The model's weights "
+                                         r"are finite"):
+        evaluate(model, val, runtime=runtime, bag_pooling=pooling)
+    with torch.no_grad():
+        next(model.parameters()).fill_(float("nan"))
+    with pytest.raises(TrainingDivergedError, match=r"40 of the 40 bags evaluated .* the model's weights hold NaN or "
+                                                    r"infinity .*Fix: lower the learning rate \(--lr\)"):
+        evaluate(model, val, runtime=runtime, bag_pooling=pooling)

@@ -38,7 +38,8 @@ from wsi_milssl import runtime as runtime_rules
 from wsi_milssl.config.base import config_to_dict
 from wsi_milssl.config.train import RUNTIME_ONLY_FIELDS, TrainConfig
 from wsi_milssl.distributed import SINGLE, DistContext, all_sum, gather_values, rank_share, split_evenly
-from wsi_milssl.errors import CheckpointError, ConfigError, DistributedError, OutputError, TrainingDivergedError
+from wsi_milssl.errors import (CheckpointError, ConfigError, DistributedError, OutputError, StoreError,
+                               TrainingDivergedError, WsiMilsslError)
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.locks import folder_lock
 from wsi_milssl.mil.checkpoint import (RESUME_FIX, capture_rng, check_resume_parts, read_checkpoint, restore_rng,
@@ -65,6 +66,7 @@ __all__ = [
     "build_model",
     "make_optimizer",
     "selection_score",
+    "weights_finite",
     "missing_checkpoint_error",
 ]
 
@@ -459,23 +461,60 @@ def evaluate(model: torch.nn.Module, instances: InstanceSet, *, runtime: Runtime
     Returns a dict with ``instance_auc`` (None without instance labels or with one class), ``bag_auc``,
     ``bag_accuracy`` (bag score > ``threshold``), ``bag_nll`` (mean binary cross-entropy of the bag
     scores) and the arrays ``probs`` float32 (N,) and ``bag_scores`` float64 (n_bags,).
+
+    Raises (:func:`_non_finite_scores_error`) when some probability is NaN or infinite: metrics of the bags
+    with finite scores would stand for the whole set (and choose best.pt) without a word.
     """
     probs = predict_probs(_core(model), instances, runtime=runtime, batch_size=batch_size, loader=loader,
                           progress=progress, stage="train-eval", dist=dist)
+    bad = np.unique(instances.bag_ids[~np.isfinite(probs)])
+    if bad.size:
+        raise _non_finite_scores_error(model, instances, bad, runtime=runtime)
     scores = bag_scores(probs, instances.bag_ids, instances.n_bags, pooling=bag_pooling)
     labels = instances.bag_labels.astype(np.int64)
-    ok = np.isfinite(scores)
-    clipped = np.clip(scores[ok], 1e-7, 1 - 1e-7)
-    nll = float(-np.mean(labels[ok] * np.log(clipped) + (1 - labels[ok]) * np.log1p(-clipped))) if ok.any() else None
+    clipped = np.clip(scores, 1e-7, 1 - 1e-7)
+    nll = float(-np.mean(labels * np.log(clipped) + (1 - labels) * np.log1p(-clipped))) if scores.size else None
     return {
         "instance_auc": None if instances.instance_labels is None
         else auc_or_none(instances.instance_labels.astype(np.int64), probs.astype(np.float64)),
         "bag_auc": auc_or_none(labels, scores),
-        "bag_accuracy": float(np.mean((scores[ok] > threshold) == (labels[ok] == 1))) if ok.any() else None,
+        "bag_accuracy": float(np.mean((scores > threshold) == (labels == 1))) if scores.size else None,
         "bag_nll": nll,
         "probs": probs,
         "bag_scores": scores,
     }
+
+
+def weights_finite(model: torch.nn.Module) -> bool:
+    """Whether every parameter and floating-point buffer (BatchNorm statistics) of ``model`` is finite."""
+    tensors = [*model.parameters(), *(b for b in model.buffers() if b.is_floating_point())]
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def _non_finite_scores_error(model: torch.nn.Module, instances: InstanceSet, bags: np.ndarray, *,
+                            runtime: Runtime) -> WsiMilsslError:
+    """The error for the bags ``bags`` of ``instances`` whose probabilities are NaN or infinite, naming them
+    (with their store, feature file or slide where known). Its cause decides its kind: weights that hold
+    NaN or infinity are a diverged run (TrainingDivergedError, fix: the learning rate); a finite model is
+    driven out of range by the inputs of those bags (StoreError, fix: those inputs, or the mixed precision)."""
+    where = (instances.store_paths if instances.store_paths is not None else instances.bag_sources
+             or [""] * instances.n_bags)
+    shown = ", ".join(instances.bag_names[b] + (f" ({where[b]})" if where[b] else "") for b in bags[:5].tolist())
+    shown += f" and {bags.size - 5} more" if bags.size > 5 else ""
+    of = "" if any(where) else f" of {instances.source}"
+    head = (f"the model gives NaN or infinite probabilities for {bags.size} of the {instances.n_bags} bags evaluated"
+            f"{of}: {shown}, so their scores, and the AUC, accuracy and loss of the set, are undefined (they are not "
+            "computed over the other bags)")
+    if not weights_finite(_core(model)):
+        return TrainingDivergedError(f"{head}: the model's weights hold NaN or infinity (a diverged run). Fix: lower "
+                                     "the learning rate (--lr), e.g. by 10x, and train again.")
+    amp = runtime.amp_dtype is not None
+    return StoreError(
+        f"{head}. The model's weights are finite, so the inputs of those bags are the cause: values extreme enough "
+        "to overflow it (features far beyond the others')"
+        f"{f', or an overflow under mixed precision ({runtime.amp_dtype})' if amp else ''}. Fix: check those bags' "
+        "inputs for extreme values and make them again (or leave those bags out)"
+        f"{'; or run without mixed precision (--amp off)' if amp else ''}.")
 
 
 def selection_problem(val: InstanceSet, select_metric: str) -> str | None:
