@@ -113,3 +113,29 @@ def test_heatmap_features_with_a_nan_head_fails_each_slide_before_writing(tmp_pa
     assert all("the model gives non-finite probabilities" in r["error"] and "lower learning rate" in r["error"]
                for r in rows)
     assert not list(hm.glob("synth_*")) and not (hm / "scores.csv").exists()
+
+
+def test_heatmap_features_with_extreme_rows_blames_the_rows_not_a_finite_head(tmp_path, feature_run, synth_dir,
+                                                                               capsys):
+    """Was reported as 'the checkpoint is likely from a diverged run (its weights hold NaN or infinity). Fix:
+    retrain with a lower learning rate' although the head's weights were finite and a feature row of 3e38
+    (finite in float32) overflowed it."""
+    feats, run = feature_run
+    ours = read_feature_file(feats / "synth_000.h5")
+    extreme = ours.features.astype(np.float32)
+    extreme[[7, 9]] = 3e38
+    clam = write_clam_features(tmp_path / "clam", "synth_000", extreme, ours.coords)
+    hm = tmp_path / "hm"
+    code = main(["heatmap", str(synth_dir / "synth_000.tif"), "--features", str(clam), "--model", str(run),
+                 "--out", str(hm), "--thumbnail-px", "256"])
+    err = capsys.readouterr().err
+    assert code != 0 and "Traceback" not in err
+    with open(hm / "heatmap_status.csv", newline="") as fh:
+        (row,) = list(csv.DictReader(fh))
+    x, y = ours.coords[7].tolist()
+    assert row["status"] == "failed" and "non-finite probabilities (NaN or infinity) for 2 of " in row["error"]
+    assert "diverged" not in row["error"] and "--lr" not in row["error"]
+    assert (f"its weights are finite, so the inputs of those patches are the cause (first: row 7, level-0 ({x}, {y}))"
+            in row["error"])
+    assert "Fix: check those rows of the slide's features for extreme values" in row["error"]
+    assert not list(hm.glob("synth_000_*"))

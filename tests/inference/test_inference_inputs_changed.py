@@ -226,3 +226,23 @@ def test_evaluate_of_a_folder_whose_slides_are_all_empty_says_so(tmp_path, check
     assert result.metrics["n_slides"] == 1
     assert json.loads((tmp_path / "ev" / "metrics.json").read_text())["reasons"]["bag_auc"] == (
         "every slide was empty (no tissue patch), so no slide has a score")
+
+
+def test_a_finite_checkpoint_that_overflows_is_not_called_diverged(tmp_path, two_slides, checkpoint_writer):
+    """Weights that are finite but extreme overflow the network: the message says the weights are finite and
+    names the first patch, instead of claiming they hold NaN or infinity."""
+    from wsi_milssl.mil.models import create_model
+
+    torch.manual_seed(0)
+    model = create_model("resnet18")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(1e30)
+    ckpt = checkpoint_writer(tmp_path / "extreme" / "best.pt", model_name="resnet18", model=model)
+    out = tmp_path / "hm"
+    run = make_heatmaps([two_slides[0]], ckpt, out, HeatmapConfig(**FAST))
+    assert [r.status for r in run.results] == ["failed"]
+    error = _status(out)["a"]["error"]
+    assert error.startswith(f"{ckpt}: the model gives non-finite probabilities (NaN or infinity) for ")
+    assert "its weights hold NaN" not in error and "its weights are finite, so its computation overflows" in error
+    assert "(first: row 0, level-0 (" in error and "retrain with a lower learning rate (--lr)" in error

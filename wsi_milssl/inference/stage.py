@@ -630,19 +630,44 @@ def _empty_result(item: SlideInput, pred: SlidePrediction, model: InferenceModel
     return HeatmapResult(item.stem, str(item.slide_path or ""), "empty", 0, None, pred.seconds, message)
 
 
-def non_finite_error(pred: SlidePrediction, model: Any) -> CheckpointError | None:
-    """CheckpointError (naming the checkpoint, the slide and the fix) when some of ``pred``'s
-    probabilities are NaN or infinite, else None. ``model``: an InferenceModel or a FeatureHead (the image and
-    the feature heatmaps both call it; only its ``checkpoint_path`` is read)."""
-    n_bad = int(np.count_nonzero(~np.isfinite(pred.probs)))
-    if n_bad == 0:
+def non_finite_error(pred: SlidePrediction, model: Any) -> WsiMilsslError | None:
+    """The error (naming the checkpoint, the slide and the fix) when some of ``pred``'s probabilities are NaN
+    or infinite, else None. ``model``: an InferenceModel or a FeatureHead (the image and the feature heatmaps
+    both call it; its ``checkpoint_path``, network ``model`` and mixed precision are read). Weights that hold
+    NaN or infinity are a diverged run (CheckpointError: retrain with a lower learning rate). A finite head is
+    overflowed by the features it was given (StoreError naming the first such row: check those features, or
+    the mixed precision); a finite image model, whose pixels are bounded, by extreme weights or the mixed
+    precision (CheckpointError naming the first such patch)."""
+    import torch
+
+    from wsi_milssl.mil.selftrain import weights_finite
+
+    bad = np.flatnonzero(~np.isfinite(pred.probs))
+    if bad.size == 0:
         return None
-    return CheckpointError(
-        f"{model.checkpoint_path or 'the model'}: the model gives non-finite probabilities (NaN or infinity) for "
-        f"{n_bad} of {len(pred)} patches of slide {pred.stem!r}, so no map or score was written for it; the "
-        "checkpoint is likely from a diverged run (its weights hold NaN or infinity). Fix: retrain with a lower "
-        "learning rate (--lr), and check that the losses in the run's metrics.jsonl stay finite."
-    )
+    head = (f"{model.checkpoint_path or 'the model'}: the model gives non-finite probabilities (NaN or infinity) for "
+            f"{bad.size} of {len(pred)} patches of slide {pred.stem!r}, so no map or score was written for it")
+    net = getattr(model, "model", None)
+    if not isinstance(net, torch.nn.Module) or not weights_finite(net):
+        return CheckpointError(
+            f"{head}; the checkpoint is likely from a diverged run (its weights hold NaN or infinity). Fix: retrain "
+            "with a lower learning rate (--lr), and check that the losses in the run's metrics.jsonl stay finite.")
+    amp = getattr(model, "amp_dtype", None) or getattr(getattr(model, "runtime", None), "amp_dtype", None)
+    x, y = (int(v) for v in pred.coords_lv0[bad[0]])
+    first = f"(first: row {int(bad[0])}, level-0 ({x}, {y}))"
+    under = f" under mixed precision ({amp})" if amp is not None else ""
+    no_amp = "predict without mixed precision (--amp off)"
+    if not hasattr(model, "tiling"):  # a FeatureHead: the features were given
+        return StoreError(
+            f"{head}; its weights are finite, so the inputs of those patches are the cause {first}: feature values "
+            f"extreme enough to overflow the head (far beyond those it was trained on){under}. Fix: check those rows "
+            "of the slide's features for extreme values and extract them again"
+            f"{f', or {no_amp}' if amp is not None else ''}.")
+    return CheckpointError(  # pixels are bounded: extreme (finite) weights or the precision overflow
+        f"{head}; its weights are finite, so its computation overflows on those patches {first}{under}: the pixels "
+        "are bounded, so weights that are extreme though finite"
+        f"{', or the narrower precision,' if amp is not None else ''} are the cause. Fix: "
+        f"{f'{no_amp}; if that does not help, ' if amp is not None else ''}retrain with a lower learning rate (--lr).")
 
 
 def make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.PathLike | InferenceModel,
