@@ -85,12 +85,43 @@ def test_resume_refuses_inputs_it_would_ignore_and_runs_from_another_folder(tmp_
 
 
 def test_validation_bags_that_are_training_bags_are_reported(tmp_path, mil_csv, caplog):
+    from wsi_milssl.config.train import TrainConfig
+    from wsi_milssl.mil import fit, read_mil_csv
+
+    train = read_mil_csv(mil_csv)
+    config = TrainConfig(mode="features", epochs=1, threads=1, plots=False)
     with caplog.at_level("WARNING", logger="wsi_milssl.mil.selftrain"):
-        assert main(["train", str(mil_csv), "--val", str(mil_csv), "--out", str(tmp_path / "run"), "--epochs", "1",
-                     "--threads", "1", "--no-plots"]) == 0
-    assert any("of the 40 validation bags are also training bags" in r.getMessage() and
+        fit(train, config=config, val=train.subset_bags(range(10)))
+    assert any("10 of the 10 validation bags are also training bags" in r.getMessage() and
                "best.pt and the validation metrics then come from data the model trains on" in r.getMessage()
                for r in caplog.records)
+
+
+def test_a_mil_csv_validated_on_itself_is_refused(tmp_path, mil_csv, capsys):
+    """Was only warned about (then trained, choosing best.pt on the training bags), as images and feature files
+    are not."""
+    link = tmp_path / "same.csv"
+    link.symlink_to(mil_csv)
+    for val in (mil_csv, link):
+        capsys.readouterr()
+        assert main(["train", str(mil_csv), "--val", str(val), "--out", str(tmp_path / "run"), "--epochs", "1",
+                     "--threads", "1", "--no-plots"]) == 1
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and f"--val {val}: all 40 validation bags are training bags" in err
+        assert "Fix: validate on bags held out from training (their own MIL CSV)" in err
+        assert not (tmp_path / "run" / "last.pt").exists()
+
+
+def test_bag_ids_of_two_mil_csvs_are_local_to_their_file(tmp_path, mil_csv, mil_csv_val, caplog):
+    """Both files name their bags b000..b039: other bags, so no 'validation bags are also training bags' warning
+    (there was one for all 40)."""
+    from wsi_milssl.mil import read_mil_csv
+
+    assert read_mil_csv(mil_csv).bag_names == read_mil_csv(mil_csv_val).bag_names
+    with caplog.at_level("WARNING", logger="wsi_milssl.mil.selftrain"):
+        assert main(["train", str(mil_csv), "--val", str(mil_csv_val), "--out", str(tmp_path / "run"), "--epochs",
+                     "1", "--threads", "1", "--no-plots"]) == 0
+    assert not any("are also training bags" in r.getMessage() for r in caplog.records)
 
 
 def test_shared_bags_compare_the_slides_the_stores_were_cut_from(tmp_path):

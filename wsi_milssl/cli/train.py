@@ -301,18 +301,20 @@ def _check_same_encoder(train, val) -> None:
                           "(the same encoder options, resolution and patch size).")
 
 
-def _check_held_out(train, val, val_inputs) -> None:
-    """Refuse a validation set whose every bag is a training bag (``train X --val X``): best.pt would be
-    chosen on the data the model trains on. A partial overlap is a warning of the training loop."""
+def _check_held_out(train, val, val_inputs, *, input_mode: str = "images") -> None:
+    """Refuse a validation set whose every bag is a training bag (``train X --val X``; for a MIL CSV, whose
+    bag ids are local to their file, the same file): best.pt would be chosen on the data the model trains
+    on. A partial overlap is a warning of the training loop."""
     from wsi_milssl.errors import ConfigError
     from wsi_milssl.mil.data import held_out_bags
 
     if val.n_bags and not held_out_bags(train, val):
         names = ", ".join(val.bag_names[:5]) + (", ..." if val.n_bags > 5 else "")
+        held = ("bags held out from training (their own MIL CSV)" if input_mode == "mil-csv"
+                else "slides held out from training (their own stores or feature files)")
         raise ConfigError(f"--val {' '.join(str(p) for p in val_inputs)}: all {val.n_bags} validation bags are "
                           f"training bags ({names}), so best.pt would be chosen on the data the model trains on. "
-                          "Fix: validate on slides held out from training (their own stores or feature files), "
-                          "or drop --val.")
+                          f"Fix: validate on {held}, or drop --val.")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -347,8 +349,8 @@ def run(args: argparse.Namespace) -> int:
     val = load_instances(val_inputs, mode=input_mode, labels_path=val_labels) if val_inputs else None
     if val is not None:
         _check_same_encoder(train, val)
-        if args.resume is None and input_mode in ("images", "features"):
-            _check_held_out(train, val, val_inputs)
+        if args.resume is None:
+            _check_held_out(train, val, val_inputs, input_mode=input_mode)
     # absolute paths: `train --resume` may run from another folder
     run_info = {"data": {"inputs": [str(Path(p).resolve()) for p in inputs],
                          "labels": str(Path(labels).resolve()) if labels else None,

@@ -38,6 +38,7 @@ __all__ = [
     "read_feature_files",
     "feature_settings_clash",
     "held_out_bags",
+    "csv_bag_source",
     "read_patch_stores",
     "iterate_batches",
     "STORE_SETTING_KEYS",
@@ -71,7 +72,8 @@ class InstanceSet:
     store_paths : one patch-store path per bag (kind "images").
     bag_sources : the slide file each bag was cut from, as its store (kind "images") or its feature file
         (kind "features") records it, else the store or feature file itself: two stores of one slide are
-        one bag's data, two slides of one name are not. None for files of several bags (and MIL CSV).
+        one bag's data, two slides of one name are not. For a MIL CSV ``<resolved file>#<bag id>``
+        (:func:`csv_bag_source`: its bag ids are local to the file). None for HDF5 files of several bags.
     local_index : int64 (N,), index of each patch in its bag's store (kind "images").
     settings : store tiling attributes shared by all bags (kind "images"), see STORE_SETTING_KEYS; for
         kind "features" the encoder and ``feature_settings`` (what decides the features' values, see
@@ -244,7 +246,16 @@ def read_mil_csv(path: str | os.PathLike) -> InstanceSet:
     pos_inst = bag_labels[bag_ids] == 1
     informative = bool(np.any(labels_u8[pos_inst] == 0))
     return InstanceSet(kind="features", bag_ids=bag_ids, bag_names=names, bag_labels=bag_labels,
-                       instance_labels=labels_u8 if informative else None, features=feats, source=str(path))
+                       instance_labels=labels_u8 if informative else None, features=feats,
+                       bag_sources=[csv_bag_source(path, b) for b in names], source=str(path))
+
+
+def csv_bag_source(path: str | os.PathLike, bag: str) -> str:
+    """``<resolved path>#<bag id>``: where bag ``bag`` of the MIL CSV ``path`` comes from (its
+    :attr:`InstanceSet.bag_sources` entry). Bag ids are local to their file: bag 1 of two CSV files are two
+    bags, bag 1 of one file reached by two paths (a link) one. ``/`` in the id is quoted, so that resolving
+    the entry again (as :func:`held_out_bags` does) leaves it as it is."""
+    return f"{os.path.realpath(path)}#{bag.replace('%', '%25').replace('/', '%2F')}"
 
 
 def _label_for(name: str, labels: dict[str, int], source: str, labels_path: str) -> int:
