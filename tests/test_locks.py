@@ -135,6 +135,41 @@ def test_an_unsharded_run_refuses_shards(tmp_path):
         other.wait()
 
 
+@pytest.mark.parametrize("named_by, fix", [
+    ("--out", "wait until it finishes, or write to another folder (--out)."),
+    ("OUT_DIR", "wait until it finishes, or write to another folder (OUT_DIR)."),  # synth, demo: an argument
+    (None, "wait until it finishes."),  # train --resume, label's stores: writing elsewhere is no fix
+])
+def test_the_refusal_names_the_folder_as_the_command_takes_it(tmp_path, named_by, fix):
+    """revS 5: the fix said `--out` for every command, also for synth/demo (OUT_DIR is an argument) and
+    for train --resume (which must write its own run folder)."""
+    folder = tmp_path / "out"
+    other = _hold(folder, seconds=60)
+    try:
+        with pytest.raises(FolderLockedError) as info:
+            with folder_lock(folder, named_by=named_by):
+                pass
+        assert str(info.value).endswith(f" is writing to this folder. Fix: {fix}")
+        with pytest.raises(FolderLockedError) as info:
+            with folder_lock(folder, shard=(0, 2), named_by=named_by):
+                pass
+        assert str(info.value).endswith(f" is writing to this folder. Fix: {fix}")
+    finally:
+        other.kill()
+        other.wait()
+    other = _hold(folder, seconds=60, shard=(0, 2))
+    try:
+        with pytest.raises(FolderLockedError) as info:
+            with folder_lock(folder, shard=(1, 3), named_by=named_by):
+                pass
+        count_fix = ("wait until that run finishes, give every shard the same count, or write to another folder "
+                     f"({named_by})." if named_by else "wait until that run finishes or give every shard the same count.")
+        assert str(info.value).endswith(f"shards of one run must share the count. Fix: {count_fix}")
+    finally:
+        other.kill()
+        other.wait()
+
+
 def test_a_killed_shard_leaves_no_lock_and_its_temporaries_are_removed(tmp_path):
     """The files of a shard killed with -9 are taken over; its temporaries go, those of a live process
     stay; the last shard out leaves no lock file."""

@@ -130,9 +130,16 @@ def _describe_folder(folder: Path) -> str:
     return _describe(lock_holder(folder))
 
 
-def _locked_message(folder: Path, who: str) -> str:
-    return (f"{folder}: {who} is writing to this folder. Fix: wait until it finishes, or write to another "
-            "folder (--out).")
+def _elsewhere(named_by: str | None) -> str:
+    """The fix's advice to write elsewhere, for an output folder named by ``named_by`` (see
+    :func:`folder_lock`); empty when writing elsewhere is no fix."""
+    return f"write to another folder ({named_by})" if named_by else ""
+
+
+def _locked_message(folder: Path, who: str, named_by: str | None) -> str:
+    elsewhere = _elsewhere(named_by)
+    return (f"{folder}: {who} is writing to this folder. Fix: wait until it finishes"
+            f"{f', or {elsewhere}' if elsewhere else ''}.")
 
 
 def _record(fd: int, shard: tuple[int, int] | None = None) -> None:
@@ -184,7 +191,7 @@ def _create_folder(folder: Path) -> str:
 
 @contextmanager
 def folder_lock(path: str | os.PathLike, *, wait: bool = False,
-                shard: tuple[int, int] | None = None) -> Iterator[Path]:
+                shard: tuple[int, int] | None = None, named_by: str | None = "--out") -> Iterator[Path]:
     """Hold the lock of output folder ``path`` (created if missing) for the ``with`` block.
 
     ``shard`` = (I, N) with N > 1: hold it as shard I of N (see the module docstring): the other
@@ -192,7 +199,11 @@ def folder_lock(path: str | os.PathLike, *, wait: bool = False,
     another N may not. None (or N = 1): hold it alone.
 
     When the lock is taken: with ``wait`` block until it is released, else raise FolderLockedError
-    naming the folder and the other run's pid and command. A folder that cannot be written (read-only
+    naming the folder, the other run's pid and command, and the fix: wait, or write to another folder.
+    ``named_by`` says how the user names this folder, for that fix: ``"--out"`` (the default), or
+    ``"OUT_DIR"`` where the command takes it as an argument (``synth``, ``demo``); None where writing
+    elsewhere is no fix (``train --resume`` continues its own run folder; ``label`` rewrites the stores
+    of the folders it is given), so the fix is to wait. A folder that cannot be written (read-only
     file system, no permission, full disk) raises OutputError naming it and the fix. After the lock is
     taken, temporaries left in the folder by killed runs are removed. Yields the folder path.
     """
@@ -211,11 +222,11 @@ def folder_lock(path: str | os.PathLike, *, wait: bool = False,
                 _held[key] -= 1
         return
     if shard is None:
-        with _exclusive(folder, wait=wait):
+        with _exclusive(folder, wait=wait, named_by=named_by):
             with _holding(key):
                 yield folder
     else:
-        with _as_shard(folder, shard, wait=wait):
+        with _as_shard(folder, shard, wait=wait, named_by=named_by):
             with _holding(key):
                 yield folder
 
@@ -232,9 +243,10 @@ def _holding(key: str) -> Iterator[None]:
 
 
 @contextmanager
-def _exclusive(folder: Path, *, wait: bool) -> Iterator[None]:
+def _exclusive(folder: Path, *, wait: bool, named_by: str | None) -> Iterator[None]:
     lock_file = folder / LOCK_FILENAME
-    fd = _acquire(folder, lock_file, shared=False, wait=wait, grace=0.0, who=lambda: _describe_folder(folder))
+    fd = _acquire(folder, lock_file, shared=False, wait=wait, grace=0.0, who=lambda: _describe_folder(folder),
+                  named_by=named_by)
     try:
         _record(fd)
         try:
@@ -251,24 +263,26 @@ def _exclusive(folder: Path, *, wait: bool) -> Iterator[None]:
 
 
 @contextmanager
-def _as_shard(folder: Path, shard: tuple[int, int], *, wait: bool) -> Iterator[None]:
+def _as_shard(folder: Path, shard: tuple[int, int], *, wait: bool, named_by: str | None) -> Iterator[None]:
     index, count = shard
     lock_file = folder / LOCK_FILENAME
     shard_file = folder / shard_lock_filename(index, count)
     fd = _acquire(folder, lock_file, shared=True, wait=wait, grace=SHARD_GRACE_S,
-                  who=lambda: _describe(lock_holder(folder)))
+                  who=lambda: _describe(lock_holder(folder)), named_by=named_by)
     sfd = None
     try:
         sfd = _acquire(folder, shard_file, shared=False, wait=wait, grace=SHARD_GRACE_S,
-                       who=lambda: _describe(_read_record(shard_file)))
+                       who=lambda: _describe(_read_record(shard_file)), named_by=named_by)
         _record(sfd, shard)
         others = _scan_shards(folder, skip=shard_file.name)
         clash = [rec for (_, n), rec in others if n != count]
         if clash:
+            elsewhere = _elsewhere(named_by)
             raise FolderLockedError(
                 f"{folder}: {_describe(clash[0])} is writing to this folder as a shard of {_count_of(clash[0])}, "
                 f"and this run is shard {index}/{count}: shards of one run must share the count. Fix: wait until "
-                "that run finishes, give every shard the same count, or write to another folder (--out)."
+                f"that run finishes{',' if elsewhere else ' or'} give every shard the same count"
+                f"{f', or {elsewhere}' if elsewhere else ''}."
             )
         here = socket.gethostname()
         if all(rec and rec.get("host") == here for _, rec in others):
@@ -383,9 +397,9 @@ def _open_lock_file(folder: Path, lock_file: Path) -> int:
 
 
 def _acquire(folder: Path, lock_file: Path, *, shared: bool, wait: bool, grace: float,
-             who: Callable[[], str]) -> int:
+             who: Callable[[], str], named_by: str | None) -> int:
     """Open and flock the lock file (shared or exclusive); returns its descriptor. ``who()`` describes
-    the holder for the refusal. Retries when the file was deleted or replaced by the previous holder
+    the holder for the refusal, ``named_by`` how the folder is named (see :func:`folder_lock`). Retries when the file was deleted or replaced by the previous holder
     between our open and our flock."""
     operation = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
     while True:
@@ -393,7 +407,7 @@ def _acquire(folder: Path, lock_file: Path, *, shared: bool, wait: bool, grace: 
         try:
             if not _try_flock(fd, operation, grace):
                 if not wait:
-                    raise FolderLockedError(_locked_message(folder, who()))
+                    raise FolderLockedError(_locked_message(folder, who(), named_by))
                 log.warning("%s: waiting for %s to finish", folder, who())
                 fcntl.flock(fd, operation)
             same = _same_file(fd, lock_file)
