@@ -5,7 +5,10 @@ from __future__ import annotations
 import csv
 import hashlib
 import logging
+import os
 import shutil
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
 
 import numpy as np
@@ -15,7 +18,7 @@ from matplotlib.path import Path as MplPath
 from wsi_milssl.annotations import rasterize_region, read_annotations
 from wsi_milssl.cli import main
 from wsi_milssl.config import LabelConfig
-from wsi_milssl.errors import ConfigError, StoreError
+from wsi_milssl.errors import ConfigError, FolderLockedError, StoreError
 from wsi_milssl.labeling import STATUS_CSV, label_store, label_stores, read_eval_mask
 from wsi_milssl.store import create_writer, open_store
 
@@ -200,3 +203,83 @@ def test_two_stores_of_one_slide_are_refused(stores, synth_dir, tmp_path, capsys
     assert not out.exists()
     report = label_stores([stores["synth_000"], zarr], annotations_dir=synth_dir, out_dir=out)
     assert [(r.stem, r.status) for r in report.results] == [("synth_000", "ok"), ("synth_001", "ok")]
+
+
+# -- concurrent runs on the stores (revS 4, 6) ---------------------------------------------------------
+
+def _hold(folder, seconds=60):
+    """Another process that holds the lock of ``folder``, as a running tile or label run does."""
+    proc = subprocess.Popen([sys.executable, "-c", (
+        "import time\n"
+        "from wsi_milssl.locks import folder_lock\n"
+        f"with folder_lock({str(folder)!r}):\n"
+        "    print('locked', flush=True)\n"
+        f"    time.sleep({seconds})\n"
+    )], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+@pytest.mark.parametrize("given", ["folder", "stores"])
+def test_label_refuses_stores_that_another_run_writes(stores, synth_dir, tmp_path, capsys, given):
+    """revS 4 and 2c: label locked only its --out, so a second label (another --out) or a tile still writing the
+    stores folder went on, and the stores ended half from one run, half from the other."""
+    folder = tmp_path / "stores"
+    before = {stem: _tree_digest(path) for stem, path in stores.items()}
+    other = _hold(folder)
+    try:
+        inputs = [str(folder)] if given == "folder" else [str(p) for p in stores.values()]
+        assert main(["label", *inputs, "--annotations", str(synth_dir), "--labels", str(synth_dir / "labels.csv"),
+                     "--out", str(tmp_path / "LB")]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {folder}: another wsi-milssl run (pid {other.pid}"), err
+        assert err.rstrip().endswith(" is writing to this folder. Fix: wait until it finishes.")  # not --out
+    finally:
+        other.kill()
+        other.wait()
+    assert {stem: _tree_digest(path) for stem, path in stores.items()} == before
+    assert not (tmp_path / "LB" / STATUS_CSV).exists()
+
+
+@pytest.mark.parametrize("out", ["elsewhere", "stores"])
+def test_label_holds_the_stores_folder_while_it_rewrites_its_stores(stores, synth_dir, tmp_path, out):
+    """Another process sees the stores folder written by this label run (so tile, another label, or a reader that
+    checks, are refused); with --out the stores folder itself the run holds one lock, not two."""
+    folder = tmp_path / "stores"
+    out_dir = tmp_path / "LA" if out == "elsewhere" else folder
+    seen = []
+
+    def progress(event):
+        if event.done == 1:
+            probe = subprocess.run([sys.executable, "-c", "import sys\nfrom wsi_milssl.locks import folder_writer\n"
+                                    "print(folder_writer(sys.argv[1]))", str(folder)],
+                                   capture_output=True, text=True, check=True)
+            seen.append(probe.stdout.strip())
+
+    report = label_stores(folder, annotations_dir=synth_dir, labels_csv=synth_dir / "labels.csv", out_dir=out_dir,
+                          progress=progress)
+    assert [r.status for r in report.results] == ["ok", "ok"]
+    assert len(seen) == 1 and f"pid {os.getpid()}" in seen[0], seen
+    assert not (folder / ".wsi-milssl.lock").exists()
+
+
+def test_label_removes_the_temporaries_a_killed_run_left_in_the_stores_folder(stores, synth_dir, tmp_path):
+    """revS 6: a label killed while it rewrote a store (write_arrays copies it to a hidden temporary) left the
+    full-size copy, and later label runs never removed it; a temporary of a process that still runs stays."""
+    folder = tmp_path / "stores"
+    store = stores["synth_000"]
+    made = subprocess.run([sys.executable, "-c", (
+        "import os, shutil, sys\n"
+        "from wsi_milssl.atomic import temp_path\n"
+        "tmp = temp_path(sys.argv[1])\n"
+        "shutil.copyfile(sys.argv[1], tmp)\n"
+        "print(tmp.name, flush=True)\n"
+        "os._exit(9)\n"  # dies in the middle, as a killed run does
+    ), str(store)], capture_output=True, text=True)
+    dead = made.stdout.strip()
+    assert made.returncode == 9 and (folder / dead).is_file()
+    pid = dead.split(".")[-3]
+    live = dead.replace(f".{pid}.", f".{os.getppid()}.")  # of pytest's parent, which still runs
+    shutil.copyfile(store, folder / live)
+    label_stores(folder, annotations_dir=synth_dir, labels_csv=synth_dir / "labels.csv", out_dir=tmp_path / "LA")
+    assert not (folder / dead).exists() and (folder / live).exists()

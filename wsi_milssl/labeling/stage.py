@@ -26,11 +26,13 @@ Instance labels are for evaluation only; training never reads them. Every input 
 every number computed before anything is written, so a malformed or hostile annotation file
 leaves the store untouched.
 
-A batch (:func:`label_stores`) holds the lock of its output folder and skips stores already labelled
-with the same settings, annotation file (path and SHA-256) and slide label whose mask is there
-(status ``skipped``). Shard I of N (``shard=(I, N)``: ``--shard I/N`` or a torchrun rank) labels its
-share of the stores (:func:`wsi_milssl.distributed.shard_items`); the shards of one run may write one
-output folder at once, and their ``label_status.csv`` rows merge, sorted by slide as one run writes them.
+A batch (:func:`label_stores`) holds the lock of its output folder and of the folders of the stores it
+rewrites (refused while ``tile`` or another ``label`` writes them; temporaries that a killed run left
+there are removed), and skips stores already labelled with the same settings, annotation file (path and
+SHA-256) and slide label whose mask is there (status ``skipped``). Shard I of N (``shard=(I, N)``:
+``--shard I/N`` or a torchrun rank) labels its share of the stores
+(:func:`wsi_milssl.distributed.shard_items`); the shards of one run may write one output folder at once,
+and their ``label_status.csv`` rows merge, sorted by slide as one run writes them.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import hashlib
 import json
 import logging
 import os
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -293,6 +296,18 @@ def _check_one_store_per_slide(paths: list[Path]) -> None:
                               "(give its path, or move the other to another folder).")
 
 
+def _store_folders(stores: list[str | os.PathLike]) -> list[Path]:
+    """The folders whose stores a batch rewrites: every folder given, and the folder of every store given
+    (those that exist, once each)."""
+    folders: dict[str, Path] = {}
+    for item in stores:
+        path = Path(item)
+        folder = path.parent if schema.format_of(path) else path
+        if folder.is_dir():
+            folders.setdefault(os.path.realpath(folder), folder)
+    return [folders[key] for key in sorted(folders)]
+
+
 def _status_row(r: LabelResult) -> dict[str, str]:
     values = (r.stem, r.store_path, r.status, r.label_status, r.n_patches, r.n_positive,
               "" if r.slide_label is None else r.slide_label, r.slide_label_source, r.annotation_path or "",
@@ -379,18 +394,25 @@ def label_stores(
     unless ``overwrite``. ``shard`` = (I, N): label only shard I of N of the stores (by the hash of
     the slide's stem; a :class:`~wsi_milssl.distributed.Shard` with ``by='position'``, torchrun's
     ranks: every N-th store, sorted by path, from the I-th; see
-    :func:`wsi_milssl.distributed.shard_items`); the output folder's lock (FolderLockedError while
-    another run writes it) is held as that shard, so the N shards may write ``out_dir`` at once.
+    :func:`wsi_milssl.distributed.shard_items`); the locks of the output folder and of the stores'
+    folders (FolderLockedError while another run writes one: a ``tile`` still writing the stores, another
+    ``label`` of them) are held as that shard, so the N shards may write them at once. Taking the lock
+    of a stores folder removes the temporaries killed runs left there (a killed ``label``'s copy of a store).
     """
-    paths = find_stores(stores)
-    if not paths:
-        raise StoreError(f"no patch stores found in {stores}; run `wsi-milssl tile` first or check the paths.")
-    _check_one_store_per_slide(paths)
-    annotations_dir = Path(annotations_dir)
-    labels = read_labels(labels_csv) if labels_csv is not None else None
-    ann_files = list_annotation_files(annotations_dir)  # raises when the folder is missing
-    out = Path(out_dir) if out_dir is not None else paths[0].parent / "labels"
-    with folder_lock(out, shard=shard):
+    stores = [stores] if isinstance(stores, (str, os.PathLike)) else list(stores)
+    with ExitStack() as locks:
+        for folder in _store_folders(stores):  # first: a tile still writing them is named, not half its stores
+            locks.enter_context(folder_lock(folder, shard=shard, named_by=None))
+        paths = find_stores(stores)
+        if not paths:
+            raise StoreError(f"no patch stores found in {', '.join(str(s) for s in stores)}; run `wsi-milssl tile` "
+                             "first or check the paths.")
+        _check_one_store_per_slide(paths)
+        annotations_dir = Path(annotations_dir)
+        labels = read_labels(labels_csv) if labels_csv is not None else None
+        ann_files = list_annotation_files(annotations_dir)  # raises when the folder is missing
+        out = Path(out_dir) if out_dir is not None else paths[0].parent / "labels"
+        locks.enter_context(folder_lock(out, shard=shard))  # re-entrant when out is a stores folder
         return _label_stores_locked(paths, annotations_dir, labels, labels_csv, ann_files, config, out, progress,
                                     shard=shard, overwrite=overwrite)
 
