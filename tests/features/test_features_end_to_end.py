@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -139,3 +142,48 @@ def test_heatmap_features_with_extreme_rows_blames_the_rows_not_a_finite_head(tm
             in row["error"])
     assert "Fix: check those rows of the slide's features for extreme values" in row["error"]
     assert not list(hm.glob("synth_000_*"))
+
+
+def test_a_feature_heatmap_holds_its_folder_so_evaluate_and_a_second_run_are_refused(tmp_path, feature_run, synth_dir):
+    """revS 1: heatmap --features took no lock: evaluate scored a half-written folder (3 of 12 slides, rc 0),
+    and two runs into one --out both ran. While it writes, another process's evaluate is refused."""
+    from wsi_milssl.inference.feature_maps import make_feature_heatmaps
+
+    feats, run = feature_run
+    hm = tmp_path / "hm"
+    refused = []
+
+    def progress(event):
+        if event.done == 1:  # the first slide's files are written, the second's not yet
+            refused.append(subprocess.run([
+                sys.executable, "-m", "wsi_milssl", "evaluate", "--predictions", str(hm), "--annotations",
+                str(synth_dir), "--slides", str(synth_dir), "--labels", str(synth_dir / "labels.csv"), "--out",
+                str(tmp_path / "ev")], capture_output=True, text=True))
+
+    made = make_feature_heatmaps([feats], run, hm, progress=progress)
+    assert [r.status for r in made.results] == ["ok", "ok"]
+    assert len(refused) == 1 and refused[0].returncode == 1, refused
+    assert f"(pid {os.getpid()}" in refused[0].stderr and "is still writing this folder" in refused[0].stderr
+    assert not (tmp_path / "ev" / "metrics.json").exists() and not (hm / ".wsi-milssl.lock").exists()
+
+
+def test_a_second_feature_heatmap_into_a_folder_being_written_is_refused(tmp_path, feature_run, capsys):
+    feats, run = feature_run
+    hm = tmp_path / "hm"
+    other = subprocess.Popen([sys.executable, "-c", (  # holds the folder as a running heatmap run does
+        "import time\n"
+        "from wsi_milssl.locks import folder_lock\n"
+        f"with folder_lock({str(hm)!r}):\n"
+        "    print('locked', flush=True)\n"
+        "    time.sleep(60)\n"
+    )], stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "locked"
+        assert main(["heatmap", "--features", str(feats), "--model", str(run), "--out", str(hm)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {hm}: another wsi-milssl run (pid {other.pid}"), err
+        assert err.rstrip().endswith("Fix: wait until it finishes, or write to another folder (--out).")
+        assert sorted(p.name for p in hm.iterdir() if not p.name.startswith(".")) == []
+    finally:
+        other.kill()
+        other.wait()

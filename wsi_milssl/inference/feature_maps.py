@@ -37,6 +37,7 @@ from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.artifacts import HEATMAP_CONFIG_FILENAME, HEATMAP_STATUS_FILENAME, SCORES_FILENAME
 from wsi_milssl.inference.exports import remove_slide_outputs, update_scores_csv
 from wsi_milssl.inference.predict import SlidePrediction
+from wsi_milssl.locks import folder_lock
 from wsi_milssl.inference.stage import (
     HeatmapResult,
     HeatmapRun,
@@ -232,11 +233,22 @@ def make_feature_heatmaps(features: Sequence[str | os.PathLike], checkpoint: str
     bytes), so ``evaluate`` tells two heads saved at one path apart and takes one head named by two paths as
     one. ``heatmap_status.csv`` keeps the rows of slides this call does not take (an earlier call's 'failed'
     row stays until that slide is made again), as the image stage's does.
+
+    The lock of ``out_dir`` is held for the run, as the image stage holds it
+    (:func:`wsi_milssl.locks.folder_lock`): another run into the folder is refused with FolderLockedError,
+    and ``evaluate`` refuses the folder while this run writes it.
     """
     config = config or HeatmapConfig()
-    out_dir = Path(out_dir)
     files = find_feature_files(features)
     head = checkpoint if isinstance(checkpoint, FeatureHead) else load_feature_head(checkpoint, config=config)
+    with folder_lock(out_dir):
+        return _make_feature_heatmaps(files, head, Path(out_dir), config, slides=slides,
+                                      annotations_dir=annotations_dir, progress=progress)
+
+
+def _make_feature_heatmaps(files: list[Path], head: FeatureHead, out_dir: Path, config: HeatmapConfig, *,
+                           slides: Sequence[str | os.PathLike], annotations_dir: str | os.PathLike | None,
+                           progress: ProgressCallback | None) -> HeatmapRun:
     from wsi_milssl.tiling import slide_stem
 
     by_stem = {slide_stem(Path(s)): Path(s) for s in slides}
