@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -189,3 +190,61 @@ def test_evaluate_refuses_a_predictions_folder_that_heatmap_shards_still_write(s
         shard.kill()
         shard.wait()
     assert main(cmd) == 0
+
+
+def test_a_second_evaluate_into_an_out_being_written_is_refused(synth_dir, annotations_dir, predictions, tmp_path,
+                                                                 monkeypatch):
+    """revS 3: two evaluate runs into one --out left metrics.json from one and report.html, CSVs and plots from
+    the other, both with rc 0. Here a second evaluate (another process) starts while the first writes its
+    files: it is refused naming the first, and the folder holds the first run's files only."""
+    import subprocess
+    import sys
+
+    from wsi_milssl.evaluation import stage
+
+    out = tmp_path / "out"
+    cmd = ["evaluate", "--predictions", str(predictions[0]), "--annotations", str(annotations_dir), "--slides",
+           str(synth_dir), "--labels", str(synth_dir / "labels.csv"), "--out", str(out)]
+    second = []
+    real_write_report = stage.write_report
+
+    def write_report(*args, **kwargs):  # metrics.json and the CSVs are written; report.html comes last
+        second.append(subprocess.run([sys.executable, "-m", "wsi_milssl", *cmd, "--title", "second"],
+                                     capture_output=True, text=True))
+        return real_write_report(*args, **kwargs)
+
+    monkeypatch.setattr(stage, "write_report", write_report)
+    assert main(cmd + ["--title", "first"]) == 0
+    assert len(second) == 1 and second[0].returncode == 1, second
+    err = second[0].stderr
+    assert f"\nerror: {out}: another wsi-milssl run (pid {os.getpid()}" in err, err
+    assert err.rstrip().endswith(" is writing to this folder. Fix: wait until it finishes, or write to another "
+                                 "folder (--out).")
+    assert "<title>first</title>" in (out / "report.html").read_text()
+    assert json.loads((out / "config.json").read_text())["title"] == "first"
+    assert not (out / ".wsi-milssl.lock").exists()
+
+
+def test_evaluate_into_an_out_that_another_run_holds_writes_nothing(synth_dir, annotations_dir, predictions,
+                                                                     tmp_path, capsys):
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    other = subprocess.Popen([sys.executable, "-c", (  # holds --out as a running evaluate does
+        "import time\n"
+        "from wsi_milssl.locks import folder_lock\n"
+        f"with folder_lock({str(out)!r}):\n"
+        "    print('locked', flush=True)\n"
+        "    time.sleep(60)\n"
+    )], stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "locked"
+        assert main(["evaluate", "--predictions", str(predictions[0]), "--annotations", str(annotations_dir),
+                     "--slides", str(synth_dir), "--labels", str(synth_dir / "labels.csv"), "--out", str(out)]) == 1
+        err = capsys.readouterr().err
+        assert f"\nerror: {out}: another wsi-milssl run (pid {other.pid}" in err, err
+        assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == []
+    finally:
+        other.kill()
+        other.wait()

@@ -86,7 +86,7 @@ from wsi_milssl.evaluation.plots import (
 )
 from wsi_milssl.evaluation.report import ReportData, write_report
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
-from wsi_milssl.locks import folder_writer
+from wsi_milssl.locks import folder_lock, folder_writer
 from wsi_milssl.slide import open_slide
 
 __all__ = ["PER_SLIDE_COLUMNS", "EvaluationResult", "SlideResult", "evaluate_predictions"]
@@ -625,7 +625,8 @@ def evaluate_predictions(
     ----------
     predictions_dir : the heatmap stage's output folder, or a folder of CAMELYON16 detection CSVs.
     labels_csv : ``slide,label`` (1 tumour, 0 normal) for at least every evaluated slide.
-    out_dir : folder for the outputs (created).
+    out_dir : folder for the outputs (created); its lock is held while they are written
+        (:func:`wsi_milssl.locks.folder_lock`: FolderLockedError while another run writes it).
     annotations_dir : ASAP XML / GeoJSON per tumour slide (``<stem>.xml`` / ``<stem>.geojson``).
     slides : a folder of slides or a CSV ``slide,path``; a tumour slide's file gives its level-0
         size and MPP (the sidecar's ``slide_path`` is used when the slide is not listed here).
@@ -748,85 +749,85 @@ def evaluate_predictions(
         "config_hash": config_hash(config, exclude=("title", "thumbnail_px")),
     }
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths: dict[str, Path] = {}
-    names = EVALUATION_FILES
-    paths["metrics"] = atomic_write_json(out_dir / names["metrics"], metrics)
-    rows = [_slide_row(r, scores.get(r.stem)) for r in results]
-    paths["per_slide"] = atomic_write_csv(out_dir / names["per_slide"], rows, columns=PER_SLIDE_COLUMNS)
-    det_rows = [
-        {"slide": r.stem, "prob": float(p), "x_lv0": float(x), "y_lv0": float(y), "outcome": o, "region": int(h)}
-        for r in results
-        for p, x, y, o, h in zip(r.match.probs, r.match.x_lv0, r.match.y_lv0, r.match.outcome, r.match.hit_label)
-    ]
-    paths["detection_outcomes"] = atomic_write_csv(
-        out_dir / names["detection_outcomes"], det_rows, columns=DETECTION_OUTCOME_COLUMNS)
-    curve_rows = [{"threshold": t, "fp_per_slide": f, "sensitivity": None if math.isnan(s) else s}
-                  for t, f, s in zip(curve.thresholds, curve.fp_per_slide, curve.sensitivity)]
-    paths["froc_curve"] = atomic_write_csv(out_dir / names["froc_curve"], curve_rows, columns=FROC_CURVE_COLUMNS)
-    plots: list[tuple[str, bytes]] = []
-    if curve.n_lesions:
-        png = froc_png(curve, score=froc_value, sensitivities=sens_list)
-        paths["froc_png"] = atomic_write_bytes(out_dir / names["froc_png"], png)
-        plots.append(("FROC curve (CAMELYON16 protocol)", png))
-    else:
-        (out_dir / names["froc_png"]).unlink(missing_ok=True)
-    for key, curve_roc, caption in (
-        ("roc_instance_png", inst_roc, "Instance ROC (patches)"),
-        ("roc_bag_png", bag_roc, "Bag ROC (slides)"),
-    ):
-        name = names[key]
-        if curve_roc is not None:
-            png = roc_png(curve_roc, title=caption)
-            paths[key] = atomic_write_bytes(out_dir / name, png)
-            plots.append((caption, png))
-        else:  # never leave a plot from an earlier run beside metrics that say n/a
-            (out_dir / name).unlink(missing_ok=True)
-    paths["config"] = write_resolved_config(config, out_dir, name=names["config"])
+    with folder_lock(out_dir):  # one evaluate writes the folder at a time: its files are of one run
+        paths: dict[str, Path] = {}
+        names = EVALUATION_FILES
+        paths["metrics"] = atomic_write_json(out_dir / names["metrics"], metrics)
+        rows = [_slide_row(r, scores.get(r.stem)) for r in results]
+        paths["per_slide"] = atomic_write_csv(out_dir / names["per_slide"], rows, columns=PER_SLIDE_COLUMNS)
+        det_rows = [
+            {"slide": r.stem, "prob": float(p), "x_lv0": float(x), "y_lv0": float(y), "outcome": o, "region": int(h)}
+            for r in results
+            for p, x, y, o, h in zip(r.match.probs, r.match.x_lv0, r.match.y_lv0, r.match.outcome, r.match.hit_label)
+        ]
+        paths["detection_outcomes"] = atomic_write_csv(
+            out_dir / names["detection_outcomes"], det_rows, columns=DETECTION_OUTCOME_COLUMNS)
+        curve_rows = [{"threshold": t, "fp_per_slide": f, "sensitivity": None if math.isnan(s) else s}
+                      for t, f, s in zip(curve.thresholds, curve.fp_per_slide, curve.sensitivity)]
+        paths["froc_curve"] = atomic_write_csv(out_dir / names["froc_curve"], curve_rows, columns=FROC_CURVE_COLUMNS)
+        plots: list[tuple[str, bytes]] = []
+        if curve.n_lesions:
+            png = froc_png(curve, score=froc_value, sensitivities=sens_list)
+            paths["froc_png"] = atomic_write_bytes(out_dir / names["froc_png"], png)
+            plots.append(("FROC curve (CAMELYON16 protocol)", png))
+        else:
+            (out_dir / names["froc_png"]).unlink(missing_ok=True)
+        for key, curve_roc, caption in (
+            ("roc_instance_png", inst_roc, "Instance ROC (patches)"),
+            ("roc_bag_png", bag_roc, "Bag ROC (slides)"),
+        ):
+            name = names[key]
+            if curve_roc is not None:
+                png = roc_png(curve_roc, title=caption)
+                paths[key] = atomic_write_bytes(out_dir / name, png)
+                plots.append((caption, png))
+            else:  # never leave a plot from an earlier run beside metrics that say n/a
+                (out_dir / name).unlink(missing_ok=True)
+        paths["config"] = write_resolved_config(config, out_dir, name=names["config"])
 
-    notes = [f"{k.replace('_', ' ')} unavailable: {v}." for k, v in reasons.items()]
-    n_outside = sum(r.match.n_outside_mask for r in results)
-    if skipped:
-        notes.append(f"{len(skipped)} labelled slide(s) have no predictions here and are not evaluated: "
-                     f"{', '.join(skipped[:20])}{' ...' if len(skipped) > 20 else ''}.")
-    if stale_scores:
-        notes.append(f"{SCORES_FILENAME} holds other scores than the sidecars of slides {', '.join(stale_scores[:20])}"
-                     f"{' ...' if len(stale_scores) > 20 else ''} (an interrupted heatmap run); the sidecars' scores, "
-                     "those of the evaluated files, are used.")
-    if n_outside:
-        notes.append(f"{n_outside} detection(s) lie outside their slide and count as false positives.")
-    configuration = {
-        "evaluate": config_to_dict(config),
-        "inputs": {
-            "predictions": str(predictions_dir), "labels": str(labels_csv),
-            "annotations": None if annotations_dir is None else str(annotations_dir),
-            "slides": None if slides is None else str(slides),
-        },
-        "protocol": {
-            "mask_downsample": CAMELYON16_DOWNSAMPLE, "margin_um": config.margin_um,
-            "itc_major_axis_um": config.itc_major_axis_um, "fp_rates": list(FP_RATES),
-            "positive_fraction": config.positive_fraction,
-        },
-    }
-    pred_config = read_heatmap_config(predictions_dir)
-    if run_sidecar is not None:  # what made the evaluated slides, as their sidecars record it
-        configuration["predictions_run"] = {k: run_sidecar.get(k)
-                                            for k in ("fingerprint", "checkpoint_sha256") + _RUN_FIELDS}
-    later_run = _later_run(pred_config, list(sidecars.values()))
-    if later_run:
-        notes.append(f"{HEATMAP_CONFIG_FILENAME} describes a later heatmap run (checkpoint "
-                     f"{pred_config.get('checkpoint')}) than the one that made the evaluated slides (checkpoint "
-                     f"{run_sidecar.get('checkpoint')}); the configuration shows what the slides' sidecars record.")
-    elif pred_config is not None and len(_values(list(sidecars.values()), "fingerprint")) > 1:
-        notes.append(f"the evaluated slides were made by heatmap runs with other drawing settings (one run by their "
-                     f"checkpoint and detection settings); {HEATMAP_CONFIG_FILENAME}, which the last of them wrote, "
-                     "is not shown as the configuration of all of them.")
-    elif pred_config is not None:
-        configuration["predictions_config"] = pred_config
-    thumbs = {r.stem: _thumbnails(r, max_px=config.thumbnail_px) for r in results}
-    data = ReportData(title=config.title, metrics=metrics, plots=plots, slide_rows=rows, thumbnails=thumbs,
-                      configuration=configuration, notes=notes)
-    paths["report"] = write_report(data, out_dir / names["report"])
+        notes = [f"{k.replace('_', ' ')} unavailable: {v}." for k, v in reasons.items()]
+        n_outside = sum(r.match.n_outside_mask for r in results)
+        if skipped:
+            notes.append(f"{len(skipped)} labelled slide(s) have no predictions here and are not evaluated: "
+                         f"{', '.join(skipped[:20])}{' ...' if len(skipped) > 20 else ''}.")
+        if stale_scores:
+            notes.append(f"{SCORES_FILENAME} holds other scores than the sidecars of slides "
+                         f"{', '.join(stale_scores[:20])}{' ...' if len(stale_scores) > 20 else ''} (an interrupted "
+                         "heatmap run); the sidecars' scores, those of the evaluated files, are used.")
+        if n_outside:
+            notes.append(f"{n_outside} detection(s) lie outside their slide and count as false positives.")
+        configuration = {
+            "evaluate": config_to_dict(config),
+            "inputs": {
+                "predictions": str(predictions_dir), "labels": str(labels_csv),
+                "annotations": None if annotations_dir is None else str(annotations_dir),
+                "slides": None if slides is None else str(slides),
+            },
+            "protocol": {
+                "mask_downsample": CAMELYON16_DOWNSAMPLE, "margin_um": config.margin_um,
+                "itc_major_axis_um": config.itc_major_axis_um, "fp_rates": list(FP_RATES),
+                "positive_fraction": config.positive_fraction,
+            },
+        }
+        pred_config = read_heatmap_config(predictions_dir)
+        if run_sidecar is not None:  # what made the evaluated slides, as their sidecars record it
+            configuration["predictions_run"] = {k: run_sidecar.get(k)
+                                                for k in ("fingerprint", "checkpoint_sha256") + _RUN_FIELDS}
+        later_run = _later_run(pred_config, list(sidecars.values()))
+        if later_run:
+            notes.append(f"{HEATMAP_CONFIG_FILENAME} describes a later heatmap run (checkpoint "
+                         f"{pred_config.get('checkpoint')}) than the one that made the evaluated slides (checkpoint "
+                         f"{run_sidecar.get('checkpoint')}); the configuration shows what the slides' sidecars record.")
+        elif pred_config is not None and len(_values(list(sidecars.values()), "fingerprint")) > 1:
+            notes.append(f"the evaluated slides were made by heatmap runs with other drawing settings (one run by "
+                         f"their checkpoint and detection settings); {HEATMAP_CONFIG_FILENAME}, which the last of "
+                         "them wrote, is not shown as the configuration of all of them.")
+        elif pred_config is not None:
+            configuration["predictions_config"] = pred_config
+        thumbs = {r.stem: _thumbnails(r, max_px=config.thumbnail_px) for r in results}
+        data = ReportData(title=config.title, metrics=metrics, plots=plots, slide_rows=rows, thumbnails=thumbs,
+                          configuration=configuration, notes=notes)
+        paths["report"] = write_report(data, out_dir / names["report"])
     logger.info("evaluated %d slides: FROC %s, instance AUC %s, bag AUC %s", len(results),
                 metrics["froc"], metrics["instance_auc"], metrics["bag_auc"])
     return EvaluationResult(metrics=metrics, slides=results, curve=curve, instance_roc=inst_roc,
