@@ -57,6 +57,7 @@ __all__ = [
     "GridLayout",
     "FEATURE_SETTING_KEYS",
     "PRECISION_KEYS",
+    "RANDOM_WEIGHTS",
     "encoder_label",
     "encoders_differ",
     "settings_differences",
@@ -99,7 +100,7 @@ ROOT_ATTRS: dict[str, type | tuple[type, ...]] = {
     "encoder": str,  # registry name, e.g. resnet50_trunc or timm:vit_large_patch16_224
     "encoder_kwargs": str,  # JSON
     "encoder_weights": str,  # the weights file, or "random"
-    "encoder_weights_sha256": str,  # "" for random weights
+    "encoder_weights_sha256": str,  # "" for random weights (settings then record RANDOM_WEIGHTS)
     "feature_dim": int,
     "feature_dtype": str,  # float32 | float16
     "input_size_px": int,  # patch side the encoder saw (after resizing; = patch_size_px without)
@@ -134,6 +135,12 @@ def encoders_differ(a: tuple[str | None, str | None], b: tuple[str | None, str |
     return bool(name_a and name_b and name_a != name_b) or bool(sha_a and sha_b and sha_a != sha_b)
 
 
+#: What :attr:`FeatureFile.feature_settings` holds as ``encoder_weights_sha256`` for features of
+#: ``--weights random``: one fixed, seeded initialisation (``wsi_milssl.features.encoders.RANDOM_SEED``), so
+#: two random-weight runs of one encoder agree, and differ from every weights file.
+RANDOM_WEIGHTS = "random"
+
+
 #: What a feature file records that decides its values besides the patches themselves (see
 #: :attr:`FeatureFile.feature_settings`): the files of one training set, its validation set and the test
 #: features of a head must agree on each that both record.
@@ -150,7 +157,9 @@ def settings_differences(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str
     """``['target_mpp 0.5 vs 1', ...]``: the :data:`FEATURE_SETTING_KEYS` that ``a`` and ``b`` (two
     :attr:`FeatureFile.feature_settings`) both record with different values (µm/px within 0.1 %), the
     precision aside (:data:`PRECISION_KEYS`); the settings hash (which covers the precision too) only when
-    a file does not record the settings it covers. Empty when they agree."""
+    a file does not record a setting it covers (the encoder, its options and weights, the input size: a
+    head trained on random-weight features by an earlier version records no weights) and the precision
+    settings both record agree. Empty when they agree."""
     out = []
     for key in FEATURE_SETTING_KEYS:
         if key == "settings_hash" or key in PRECISION_KEYS or a.get(key) is None or b.get(key) is None:
@@ -162,9 +171,10 @@ def settings_differences(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str
         elif x != y:
             width = 12 if key == "encoder_weights_sha256" else None
             out.append(f"{key} {str(x)[:width]} vs {str(y)[:width]}")
-    covered = ("encoder", "encoder_kwargs", "input_size_px")
+    covered = ("encoder", "encoder_kwargs", "encoder_weights_sha256", "input_size_px")
     unrecorded = any(a.get(k) is None or b.get(k) is None for k in covered)
-    if (not out and unrecorded and a.get("settings_hash") and b.get("settings_hash")
+    precision_differs = any(a.get(k) is not None and b.get(k) is not None and a[k] != b[k] for k in PRECISION_KEYS)
+    if (not out and unrecorded and not precision_differs and a.get("settings_hash") and b.get("settings_hash")
             and a["settings_hash"] != b["settings_hash"]):
         out.append(f"settings_hash {a['settings_hash']} vs {b['settings_hash']}")
     return out
@@ -320,10 +330,11 @@ class FeatureFile:
         of them (``settings_hash`` covers the encoder, its arguments and weights, the dtype, the input
         size and the precision; not the resolution, hence ``target_mpp`` and ``patch_size_px``);
         TRIDENT's the encoder and the resolution (from ``coords``' ``target_magnification`` and
-        ``patch_size``); CLAM's nothing."""
+        ``patch_size``); CLAM's nothing. Random weights, whose ``encoder_weights_sha256`` attribute is
+        '', count as the weights :data:`RANDOM_WEIGHTS` (another encoder than any weights file)."""
         a, c = self.attrs, self.coords_attrs
         out: dict[str, Any] = {"settings_hash": str(a.get("settings_hash") or "") or None, "encoder": self.encoder,
-                               "encoder_weights_sha256": self.encoder_weights_sha256,
+                               "encoder_weights_sha256": self.encoder_weights_sha256 or self._random_weights(),
                                "feature_dtype": str(a.get("feature_dtype") or "") or None,
                                "input_size_px": _first_int(a.get("input_size_px"))}
         for key, attr in (("encoder_kwargs", a.get("encoder_kwargs")), ("amp", a.get("settings"))):
@@ -344,6 +355,17 @@ class FeatureFile:
         out["target_mpp"] = target_mpp
         out["patch_size_px"] = _first_int(a.get("patch_size_px"), c.get("patch_size"))
         return {k: v for k, v in out.items() if v is not None}
+
+    def _random_weights(self) -> str | None:
+        """:data:`RANDOM_WEIGHTS` for this project's features of random weights (``encoder_weights`` "random",
+        or the settings' ``encoder_weights_sha256`` "random", as the feature stage writes them), else None."""
+        try:
+            settings = json.loads(str(self.attrs.get("settings") or "{}"))
+        except ValueError:
+            settings = {}
+        recorded = settings.get("encoder_weights_sha256") if isinstance(settings, dict) else None
+        random = self.attrs.get("encoder_weights") == RANDOM_WEIGHTS or recorded == RANDOM_WEIGHTS
+        return RANDOM_WEIGHTS if random else None
 
     def grid_layout(self, *, slide_mpp: float | None = None, slide_dimensions: tuple[int, int] | None = None
                     ) -> GridLayout:
