@@ -116,9 +116,30 @@ def test_a_second_train_into_a_busy_run_folder_is_refused(tmp_path, capsys, mil_
         holder.wait()
     err = capsys.readouterr().err
     assert f"error: {run}: another wsi-milssl run (pid {holder.pid}" in err and "Fix: wait until it finishes" in err
+    assert "or write to another folder (--out)." in err
     assert not (run / "last.pt").exists()
     with folder_lock(run):  # the killed holder's lock is free again
         pass
+
+
+def test_resuming_a_run_another_process_holds_names_waiting_as_the_fix(tmp_path, capsys, mil_csv):
+    """--resume continues its own folder: writing elsewhere is no fix, so the refusal names waiting only."""
+    run = tmp_path / "run"
+    assert main(["train", str(mil_csv), "--out", str(run), "--epochs", "1", "--threads", "1", "--no-plots"]) == 0
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import time\n"
+        "from wsi_milssl.locks import folder_lock\n"
+        f"with folder_lock({str(run)!r}):\n"
+        "    print('locked', flush=True); time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        capsys.readouterr()
+        assert main(["train", "--resume", str(run), "--epochs", "2", "--threads", "1", "--no-plots"]) == 1
+    finally:
+        holder.kill()
+        holder.wait()
+    err = capsys.readouterr().err
+    assert f"another wsi-milssl run (pid {holder.pid}" in err and err.rstrip().endswith("Fix: wait until it finishes."), err
 
 
 def test_a_diverged_training_stops_with_one_error_and_saves_no_non_finite_weights(tmp_path, capsys, mil_csv):

@@ -54,8 +54,10 @@ def test_synth_into_a_folder_another_run_holds_is_refused(tmp_path):
         "    print('locked', flush=True); time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        with pytest.raises(FolderLockedError, match=rf"^{out}: another wsi-milssl run \(pid {holder.pid}"):
+        with pytest.raises(FolderLockedError, match=rf"^{out}: another wsi-milssl run \(pid {holder.pid}") as caught:
             generate_slides(SynthConfig(n_slides=1, width_px=1024, height_px=1024), out)
+        # synth takes its folder as an argument: the fix names it so, not an --out synth does not have
+        assert str(caught.value).endswith("or write to another folder (OUT_DIR).")
     finally:
         holder.kill()
         holder.wait()

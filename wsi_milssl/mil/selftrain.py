@@ -858,7 +858,7 @@ def fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike |
                   keep_val_scores=keep_val_scores, run_info=run_info, progress=progress, dist=dist)
     if out_dir is None or not dist.is_main:  # the other ranks never write the run folder
         return _fit(train, **kwargs)
-    with folder_lock(out_dir):
+    with folder_lock(out_dir, named_by=None if resume else "--out"):  # --resume continues this folder
         return _fit(train, **kwargs)
 
 

@@ -102,7 +102,7 @@ def generate_slides(
 
     Holds the lock of ``out_dir`` while writing (a second run into it raises FolderLockedError).
     """
-    with folder_lock(out_dir):
+    with folder_lock(out_dir, named_by="OUT_DIR"):
         return _generate_slides(config, Path(out_dir), progress=progress)
 
 
