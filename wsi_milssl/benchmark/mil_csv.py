@@ -541,6 +541,12 @@ def _fit_fold(spec: MethodSpec, train_set: InstanceSet, test_set: InstanceSet, i
             rank_gauss_inputs=settings["rank_gauss_inputs"],
             weight_average_epochs=settings["weight_average_epochs"],
             eval_at=spec.epoch_grid, eval_sets={"test": test_set}, seeds=seeds, seed=seed)
+        for name, part, where in (("train", train_set, "training-split"), ("test", test_set, "test-fold")):
+            for e in spec.epoch_grid:  # before pooling, which may leave a NaN instance out (top-half)
+                _refuse_non_finite(raw[name][e], f"{where} instance", lambda i, e=e, part=part: (
+                    f"{_model_name(i[0] % n_folds, len(inner), spec.whole_seeds)} of setting "
+                    f"{_setting(train_points[i[0] // n_folds])} after {e} epochs, instance {i[1]} of bag "
+                    f"{part.bag_names[int(part.bag_ids[i[1]])]}"))
         points, train_scores, test_scores = [], {}, {}
         for e in spec.epoch_grid:
             tr, te = [], []
@@ -559,6 +565,51 @@ def _fit_fold(spec: MethodSpec, train_set: InstanceSet, test_set: InstanceSet, i
     shape = lambda a: a.reshape(len(train_points), n_folds, -1)  # noqa: E731
     return (train_points, {e: shape(raw["train"][e]) for e in spec.epoch_grid},
             {e: shape(raw["test"][e]) for e in spec.epoch_grid})
+
+
+#: The fix a NaN or infinite score of the nested cross-validation names.
+NON_FINITE_FIX = ("Fix: lower the learning rate (--lr-grid, for the methods that search it) or check the data "
+                  "set's features for extreme values (standardise or clip them); a metric of the finite scores "
+                  "alone would be biased, so none is reported.")
+
+
+def _model_name(k: int, n_inner: int, whole_seeds: int) -> str:
+    """Model ``k`` of a setting's stack: an inner-fold model (``k < n_inner``), else a whole-split one."""
+    if k < n_inner:
+        return f"the inner fold {k + 1}/{n_inner} model"
+    seed = f" (seed {k - n_inner + 1} of {whole_seeds})" if whole_seeds > 1 else ""
+    return f"the model trained on the whole training split{seed}"
+
+
+def _setting(point: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in point.items()) or "(no grid)"
+
+
+def _refuse_non_finite(scores: np.ndarray, what: str, first: Any, *, where: str = "") -> None:
+    """ConfigError "<where>: N of M <what> scores are NaN or infinite (first: <first(index)>). Fix: ..." when
+    ``scores`` hold one; ``first`` describes the index tuple of the first such score."""
+    bad = ~np.isfinite(scores)
+    if bad.any():
+        index = tuple(int(i[0]) for i in np.nonzero(bad))
+        raise ConfigError(f"{where + ': ' if where else ''}{int(bad.sum())} of {bad.size} {what} scores are NaN or "
+                          f"infinite (first: {first(index)}). {NON_FINITE_FIX}")
+
+
+def _check_fold_scores(spec: MethodSpec, points: list[dict[str, Any]], train_scores: dict[int, np.ndarray],
+                       test_scores: dict[int, np.ndarray], inner: list[tuple[np.ndarray, np.ndarray]],
+                       train_set: InstanceSet, test_set: InstanceSet) -> None:
+    """Refuse (:func:`_refuse_non_finite`) a NaN or infinite bag score of any model of one outer fold: on the
+    training split (the inner held-out scores choose the setting and threshold) or on the test fold."""
+    for e in spec.epoch_grid:
+        for scores, part, where in ((train_scores[e], train_set, "training-split"),
+                                    (test_scores[e], test_set, "test-fold")):
+            def first(i: tuple[int, ...], part=part, where=where, e=e) -> str:
+                g, k, b = i
+                held = (where == "training-split" and k < len(inner) and b in set(inner[k][1].tolist()))
+                return (f"{_model_name(k, len(inner), spec.whole_seeds)} of setting {_setting(points[g])} after {e} "
+                        f"epochs, bag {part.bag_names[b]}{' (held out from it: an inner-fold score)' if held else ''}")
+
+            _refuse_non_finite(scores, f"{where} bag", first)
 
 
 def _select(spec: MethodSpec, points: list[dict[str, Any]], train_scores: dict[int, np.ndarray],
@@ -595,6 +646,10 @@ def nested_cross_validation(instances: InstanceSet, *, bench: BenchmarkConfig,
     Returns a JSON-ready dict: per method its spec, per outer fold the chosen setting, inner metric,
     threshold and the test bag accuracy (calibrated threshold and 0.5) and AUC, the summary (mean and
     std over folds) and the seconds it took; plus the data set, the protocol and the total runtime.
+
+    A NaN or infinite score of any model (an instance or a bag; the training split, whose inner held-out
+    scores choose the setting, or the test fold; the final ensemble) raises ConfigError naming the data set,
+    the method, the fold and the fix (:data:`NON_FINITE_FIX`): no metric is computed on the finite rest.
     """
     if instances.kind != "features":
         raise ConfigError("the MIL benchmark needs feature instances (a MIL CSV or feature files).")
@@ -620,7 +675,13 @@ def nested_cross_validation(instances: InstanceSet, *, bench: BenchmarkConfig,
             for spec in methods:
                 t0, c0 = time.perf_counter(), time.process_time()
                 fold_seed = int(np.random.SeedSequence([bench.seed, repeat, fold]).generate_state(1)[0] >> 1)
-                points, train_scores, test_scores = _fit_fold(spec, train_set, test_set, inner, seed=fold_seed)
+                of_repeat = f"repeat {repeat + 1}/{bench.repeats} " if bench.repeats > 1 else ""
+                where = f"{instances.source}: method {spec.name}, {of_repeat}outer fold {fold + 1}/{bench.folds}"
+                try:  # a model that diverged: the stacked trainers' check, or a non-finite score
+                    points, train_scores, test_scores = _fit_fold(spec, train_set, test_set, inner, seed=fold_seed)
+                    _check_fold_scores(spec, points, train_scores, test_scores, inner, train_set, test_set)
+                except ConfigError as exc:
+                    raise ConfigError(f"{where}: {exc}") from None
                 g, e, _oof, inner_value, threshold = _select(spec, points, train_scores, inner, tr_labels,
                                                               bench.select_metric)
                 members = range(0 if spec.ensemble else len(inner), test_scores[e].shape[1])
@@ -629,6 +690,9 @@ def nested_cross_validation(instances: InstanceSet, *, bench: BenchmarkConfig,
                                                  models=members)
                 else:  # the mean of the whole-split models (and, with ensemble, the inner-fold models)
                     scores = test_scores[e][g, list(members)].mean(axis=0)
+                _refuse_non_finite(scores, "test-fold bag", lambda i: (
+                    f"bag {test_set.bag_names[i[0]]}, the chosen setting {_setting(points[g])} after {e} epochs"),
+                    where=where)
                 row = {
                     "repeat": repeat, "fold": fold, "n_train_bags": int(train_set.n_bags),
                     "n_test_bags": int(test_set.n_bags), "setting": {**points[g]}, "epochs": int(e),
@@ -644,7 +708,6 @@ def nested_cross_validation(instances: InstanceSet, *, bench: BenchmarkConfig,
                 done += 1
                 log.info("%s repeat %d fold %d: %s epochs %d -> accuracy %.3f auc %s", spec.name, repeat + 1,
                          fold + 1, points[g], e, row["accuracy"], row["auc"])
-                of_repeat = f"repeat {repeat + 1}/{bench.repeats} " if bench.repeats > 1 else ""
                 emit(progress, ProgressEvent(stage="benchmark", done=done, total=total, unit="fit",
                                              item=f"{of_repeat}fold {fold + 1}/{bench.folds} {spec.name}",
                                              message=f"acc {row['accuracy']:.3f}"))

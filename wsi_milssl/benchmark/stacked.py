@@ -429,7 +429,8 @@ def fit_stacked_baseline(data: StackedData, *, method: str, lr: Sequence[float],
             for name, (x, bid, nb) in sets.items():
                 out[name][epoch + 1] = model.predict(x, bid, nb)
             if not np.isfinite(out["train"][epoch + 1]).all():
-                raise ConfigError(f"{method}: training diverged (non-finite scores); lower the learning rate.")
+                raise ConfigError(f"{method}: training diverged (non-finite scores). Fix: lower the learning rate or "
+                                  "check the features for extreme values.")
     return out
 
 
@@ -745,7 +746,8 @@ def fit_stacked_milssl(data: StackedData, *, lr: Sequence[float], weight_decay: 
             for name, x in sets.items():
                 out[name][epoch + 1] = model.probs(x, layers=use()).double().numpy()
             if not np.isfinite(out["train"][epoch + 1]).all():
-                raise ConfigError("MIL-SSL training diverged (non-finite probabilities); lower the learning rate.")
+                raise ConfigError("MIL-SSL training diverged (non-finite probabilities). Fix: lower the learning rate "
+                                  "or check the features for extreme values.")
     if cross_fit:
         out = {name: {e: v[:main] for e, v in by_epoch.items()} for name, by_epoch in out.items()}
     return out
