@@ -61,3 +61,23 @@ def test_intact_config_resumes(run_dir, tmp_path, capsys):
     copy = tmp_path / "ok"
     shutil.copytree(run_dir, copy)
     assert main(["train", "--resume", str(copy), "--epochs", "2"]) == 0
+
+
+def test_feature_settings_an_earlier_version_did_not_record_are_not_compared_on_resume(tmp_path):
+    """Random encoder weights were recorded as '' (not recorded) before they read 'random': a run saved
+    then resumes; weights it did record are still compared."""
+    from wsi_milssl.errors import CheckpointError
+    from wsi_milssl.mil.selftrain import _check_resume_config
+
+    def cfg(sha: str) -> dict:
+        return {"store_settings": {"kind": "features", "feature_settings": {
+            "encoder": "resnet50_trunc", "encoder_weights_sha256": sha, "input_size_px": 224}}}
+
+    _check_resume_config(cfg(""), cfg("random"), tmp_path / "last.pt")
+    _check_resume_config(cfg("ab12"), cfg("ab12"), tmp_path / "last.pt")
+    with pytest.raises(CheckpointError, match="cannot resume with different settings"):
+        _check_resume_config(cfg("ab12"), cfg("random"), tmp_path / "last.pt")
+    changed = cfg("")
+    changed["store_settings"]["feature_settings"]["input_size_px"] = 256
+    with pytest.raises(CheckpointError, match="input_size_px"):
+        _check_resume_config(cfg(""), changed, tmp_path / "last.pt")

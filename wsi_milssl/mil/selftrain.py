@@ -757,8 +757,14 @@ def _check_resume_config(saved: dict[str, Any], current: dict[str, Any], path: P
         before = saved.get(key, defaults.get(key))
         if key == "store_settings" and isinstance(before, dict) and isinstance(value, dict):
             # what the data record that a run saved by an earlier version did not (the feature files' settings):
-            # only what both record is compared
+            # only what both record is compared; so within the feature files' settings (an earlier version
+            # recorded random encoder weights as '', not recorded, where they now read 'random')
             value = {k: v for k, v in value.items() if k in before}
+            old_fs, new_fs = before.get("feature_settings"), value.get("feature_settings")
+            if isinstance(old_fs, dict) and isinstance(new_fs, dict):
+                recorded = {k for k, v in old_fs.items() if v not in ("", None)}
+                before = {**before, "feature_settings": {k: v for k, v in old_fs.items() if k in recorded}}
+                value = {**value, "feature_settings": {k: v for k, v in new_fs.items() if k in recorded}}
         if json.dumps(before, sort_keys=True) != json.dumps(value, sort_keys=True):
             diffs.append(f"{key}: {before!r} -> {value!r}")
     if diffs:
