@@ -340,7 +340,7 @@ def _check_fit(ff, head: FeatureHead) -> None:
     if diffs:
         raise StoreError(f"{ff.path}: features made with other settings than those the head {head.checkpoint_path} "
                          f"was trained on ({'; '.join(diffs)}; this file first). Fix: pass feature files made with the "
-                         "training settings (the same encoder options, resolution and patch size).")
+                         "training settings (the same encoder, weights, encoder options, resolution and patch size).")
     if ff.bag_ids is not None:
         raise StoreError(f"{ff.path}: a file of several bags ('bag_ids') has no slide to draw. Fix: pass one feature "
                          "file per slide.")
