@@ -419,11 +419,36 @@ def _train_configs(ctx: _Context, mode: str) -> tuple[list[dict], list, str]:
     return runs, configs, source
 
 
-def _refuse_grid_without_validation(configs: list, val: list, source: str, what: str) -> None:
-    if len(configs) > 1 and not val:
+def _no_validation_cause(stems: list[str], labels, what: str) -> str:
+    """Why :func:`split_train_val` held out no ``what`` (slide or bag) with ``val_fraction`` > 0: each class
+    has fewer than 2 training ``what``s."""
+    tumour = sum(1 for s in stems if labels[s] == 1)
+    return (f"split_train_val puts a {what} of a class into validation only when the class has at least 2 training "
+            f"{what}s; here: {tumour} tumour, {len(stems) - tumour} normal")
+
+
+def _refuse_grid_without_validation(configs: list, stems: list[str], labels, val: list, *, val_fraction: float,
+                                    source: str, what: str) -> None:
+    """ConfigError for a [train.grid] of two or more points whose split of ``stems`` (training slides or bags)
+    holds out no validation ``what`` to choose a point on. A single run trains on; when ``val_fraction`` > 0
+    gave no validation ``what``, one warning says that it keeps last.pt, as no epoch can be chosen."""
+    if val:
+        return
+    cause = _no_validation_cause(stems, labels, what) if val_fraction > 0 else "[data].val_fraction is 0"
+    if len(configs) > 1:
         from wsi_milssl.errors import ConfigError
 
-        raise ConfigError(f"{source}: a [train.grid] needs validation {what}; set [data].val_fraction > 0.")
+        if val_fraction <= 0:
+            raise ConfigError(f"{source}: a [train.grid] of {len(configs)} points needs validation {what}s to choose "
+                              f"one on, but {cause}. Fix: set [data].val_fraction > 0, or drop [train.grid].")
+        raise ConfigError(f"{source}: a [train.grid] of {len(configs)} points needs validation {what}s to choose one "
+                          f"on, but [data].val_fraction = {val_fraction:g} gave none, as any would: {cause}. Fix: add "
+                          f"training {what}s so that a class has at least 2 (both classes, for select_metric = "
+                          f"\"bag_auc\"), or drop [train.grid] (or give each of its keys one value): a single run "
+                          f"keeps last.pt.")
+    if val_fraction > 0:
+        log.warning("%s: [data].val_fraction = %g gave no validation %ss (%s): training keeps last.pt, the last "
+                    "epoch, not one chosen on validation", source, val_fraction, what, cause)
 
 
 def _fit_runs(ctx: _Context, runs: list[dict], configs: list, source: str, *, train, val, split: dict,
@@ -504,7 +529,8 @@ def _train(ctx: _Context) -> tuple[list[str], str]:
     stores = _set_stores(ctx, "train")
     train_stems, val_stems = split_train_val(sorted(stores), labels, val_fraction=ctx.spec.val_fraction,
                                              seed=ctx.spec.split_seed)
-    _refuse_grid_without_validation(configs, val_stems, source, "slides")
+    _refuse_grid_without_validation(configs, sorted(stores), labels, val_stems, val_fraction=ctx.spec.val_fraction,
+                                    source=source, what="slide")
     train = read_patch_stores([stores[s] for s in train_stems], labels)
     val = read_patch_stores([stores[s] for s in val_stems], labels) if val_stems else None
     # absolute, as `train` records them: `train --resume OUT/model` may run from another folder
@@ -782,7 +808,8 @@ def _train_features(ctx: _Context) -> tuple[list[str], str]:
     labels = {name: int(lab) for name, lab in zip(data.bag_names, data.bag_labels)}
     train_names, val_names = split_train_val(list(data.bag_names), labels, val_fraction=ctx.spec.val_fraction,
                                              seed=ctx.spec.split_seed)
-    _refuse_grid_without_validation(configs, val_names, source, "bags")
+    _refuse_grid_without_validation(configs, list(data.bag_names), labels, val_names,
+                                    val_fraction=ctx.spec.val_fraction, source=source, what="bag")
     index = {n: i for i, n in enumerate(data.bag_names)}
     train = data.subset_bags([index[n] for n in train_names])
     val = data.subset_bags([index[n] for n in val_names]) if val_names else None
@@ -1195,6 +1222,8 @@ def run_pipeline(
             raise ConfigError(f"--force {', '.join(later)}: after --until {until}, so it would not run. Fix: drop "
                               f"--until, or force a stage up to {until}.")
     _refuse_shared_slides(spec)
+    if "train" in stages:
+        _refuse_grid_without_validation_split(spec)
     if spec.mode == "images":  # [label]'s settings in [heatmap] / [evaluate]: a clash found before any stage runs
         for stage in ("heatmap", "evaluate"):
             if stage in stages:
@@ -1208,6 +1237,38 @@ def run_pipeline(
             # once every stage is done with these settings (_run_stages removed the file of an earlier run)
             write_resolved_pipeline(spec, spec.out_dir / RESOLVED_FILENAME)
         return outcomes
+
+
+def _refuse_grid_without_validation_split(spec: PipelineSpec) -> None:
+    """Before any stage runs: the train stage's refusal of a [train.grid] whose split holds out no validation
+    slides (:func:`_refuse_grid_without_validation`), made from the training slide list and labels (or the
+    names and labels synth will generate), whose stores tile makes and train splits. Feature files are split
+    by the train stage, the first of a feature pipeline; a slide list or labels file that cannot be read is
+    the stages' error to report."""
+    from wsi_milssl.cohorts import slide_stem
+    from wsi_milssl.errors import WsiMilsslError
+    from wsi_milssl.mil.data import read_labels_csv
+    from wsi_milssl.synth.generate import _tumour_flags
+    from wsi_milssl.tiling import find_slides
+
+    ds = spec.sets["train"]
+    source = f"{spec.source} [train]"
+    configs = _grid_runs(spec.section("train"), source)
+    if spec.mode == "features" or len(configs) < 2 or (ds.synth is None and ds.slides is None):
+        return
+    try:
+        if ds.synth is not None:  # synth_NNN, labelled as generate_slides labels them
+            labels = {f"synth_{i:03d}": int(flag) for i, flag in enumerate(_tumour_flags(ds.synth))}
+            stems = sorted(labels)
+        else:
+            stems = sorted(slide_stem(p) for p in find_slides([ds.slides], keep_missing=True))
+            labels = read_labels_csv(ds.labels)
+        _, val = split_train_val(stems, labels, val_fraction=spec.val_fraction, seed=spec.split_seed)
+    except WsiMilsslError:
+        return
+    if stems:
+        _refuse_grid_without_validation(configs, stems, labels, val, val_fraction=spec.val_fraction, source=source,
+                                        what="slide")
 
 
 def _refuse_shared_slides(spec: PipelineSpec) -> None:
