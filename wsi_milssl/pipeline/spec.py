@@ -336,8 +336,8 @@ def _asks_for_generated_slides(raw: dict[str, Any]) -> bool:
 def _refuse_grid_without_validation(grid: Any, val_fraction: float, where: str, what: str) -> None:
     """ConfigError, before any stage runs, for a [train.grid] of two or more points without validation slides
     (``[data].val_fraction = 0``) to choose one on. (A split that holds out none with val_fraction > 0, as with
-    fewer than 2 training slides of each class, is refused by ``run_pipeline`` before any stage runs, or by the
-    train stage for generated slides and feature files.)"""
+    fewer than 2 training slides of each class, is refused by ``run_pipeline`` before any stage runs; of feature
+    files, by the train stage.)"""
     if not isinstance(grid, dict) or val_fraction > 0:
         return
     points = math.prod(len(values) for values in grid.values())
