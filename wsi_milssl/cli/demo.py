@@ -40,4 +40,4 @@ def run(args: argparse.Namespace) -> int:
     from wsi_milssl.cli.run import run_and_report
 
     with as_file(demo_pipeline_file()) as path:
-        return run_and_report(Path(path), out=args.out_dir, until=args.until)
+        return run_and_report(Path(path), out=args.out_dir, until=args.until, out_named_by="OUT_DIR")

@@ -39,7 +39,8 @@ def register(subparsers) -> None:
     p.set_defaults(run=run)
 
 
-def run_and_report(pipeline: Path, *, out: Path | None, force=(), until=None, overrides=()) -> int:
+def run_and_report(pipeline: Path, *, out: Path | None, force=(), until=None, overrides=(),
+                   out_named_by: str = "--out") -> int:
     from wsi_milssl.cli.progress import TqdmProgress
     from wsi_milssl.pipeline import load_pipeline, run_pipeline
 
@@ -55,7 +56,7 @@ def run_and_report(pipeline: Path, *, out: Path | None, force=(), until=None, ov
             print(f"[{outcome.stage}] {outcome.seconds:.1f} s{why}: {outcome.summary}", flush=True)
 
     with TqdmProgress() as progress:
-        run_pipeline(spec, force=force, until=until, progress=progress, on_stage=show)
+        run_pipeline(spec, force=force, until=until, progress=progress, on_stage=show, out_named_by=out_named_by)
     report = spec.out_dir / "evaluation" / "report.html"
     if report.exists() and until in (None, "evaluate"):
         print(f"report: {report}")

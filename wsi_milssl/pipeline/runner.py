@@ -1183,11 +1183,12 @@ def run_pipeline(
     until: str | None = None,
     progress: ProgressCallback | None = None,
     on_stage: Callable[[StageOutcome], None] | None = None,
+    out_named_by: str = "--out",
 ) -> list[StageOutcome]:
     """Run the pipeline's stages in order, skipping those that are up to date.
 
     Holds the lock of the pipeline's output folder for the whole run (FolderLockedError while
-    another run holds it).
+    another run holds it; its fix names the folder as ``out_named_by``: ``demo`` takes it as OUT_DIR).
     """
     forced = set(force)
     unknown = forced - set(STAGES)
@@ -1230,7 +1231,7 @@ def run_pipeline(
                 _with_label_settings(spec, stage)
     elif "evaluate" in stages:
         _refuse_other_test_features(spec)
-    with folder_lock(spec.out_dir):
+    with folder_lock(spec.out_dir, named_by=out_named_by):
         outcomes = _run_stages(spec, stages, forced, progress=progress, on_stage=on_stage)
         if stages == every_stage:
             # the pipeline as it ran (overrides applied, every setting, absolute paths), beside its outputs: only
