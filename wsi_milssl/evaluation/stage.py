@@ -12,6 +12,9 @@ Outputs in ``out_dir`` (names from :data:`wsi_milssl.artifacts.EVALUATION_FILES`
     config.json             the EvaluateConfig used
     report.html             self-contained report (images embedded)
 
+An earlier run's files are removed first and metrics.json is written last (:func:`_remove_earlier_run`): a
+folder without metrics.json is a run's that did not finish, and holds no file of an earlier run.
+
 The evaluated slides are those with a detections file in the predictions folder; each needs a label.
 Each slide is evaluated at the level-0 µm/px and with the score its ``<stem>_probs.json`` records (the
 heatmap's own, written after every other file of the slide; :func:`_slide_mpp`, :func:`_slide_scores`).
@@ -608,6 +611,16 @@ def _later_run(pred_config: dict | None, sidecars: list[dict]) -> bool:
     return checkpoint is not None and bool(checkpoints) and checkpoint not in checkpoints
 
 
+def _remove_earlier_run(out_dir: Path) -> None:
+    """Remove the evaluation files (:data:`EVALUATION_FILES`) an earlier run left in ``out_dir``, metrics.json
+    first, before this run writes its own, metrics.json last: a run stopped part-way (Ctrl-C, a full disk) then
+    leaves no earlier run's file beside its own, and no metrics.json, so the folder is visibly unfinished. Other
+    files in the folder are kept."""
+    names = EVALUATION_FILES
+    for name in (names["metrics"], *(name for kind, name in names.items() if kind != "metrics")):
+        (out_dir / name).unlink(missing_ok=True)
+
+
 def evaluate_predictions(
     predictions_dir: str | os.PathLike,
     *,
@@ -626,7 +639,8 @@ def evaluate_predictions(
     predictions_dir : the heatmap stage's output folder, or a folder of CAMELYON16 detection CSVs.
     labels_csv : ``slide,label`` (1 tumour, 0 normal) for at least every evaluated slide.
     out_dir : folder for the outputs (created); its lock is held while they are written
-        (:func:`wsi_milssl.locks.folder_lock`: FolderLockedError while another run writes it).
+        (:func:`wsi_milssl.locks.folder_lock`: FolderLockedError while another run writes it). An earlier
+        run's evaluation files in it are removed first and ``metrics.json`` is written last.
     annotations_dir : ASAP XML / GeoJSON per tumour slide (``<stem>.xml`` / ``<stem>.geojson``).
     slides : a folder of slides or a CSV ``slide,path``; a tumour slide's file gives its level-0
         size and MPP (the sidecar's ``slide_path`` is used when the slide is not listed here).
@@ -750,9 +764,9 @@ def evaluate_predictions(
     }
 
     with folder_lock(out_dir):  # one evaluate writes the folder at a time: its files are of one run
+        _remove_earlier_run(out_dir)
         paths: dict[str, Path] = {}
         names = EVALUATION_FILES
-        paths["metrics"] = atomic_write_json(out_dir / names["metrics"], metrics)
         rows = [_slide_row(r, scores.get(r.stem)) for r in results]
         paths["per_slide"] = atomic_write_csv(out_dir / names["per_slide"], rows, columns=PER_SLIDE_COLUMNS)
         det_rows = [
@@ -770,8 +784,6 @@ def evaluate_predictions(
             png = froc_png(curve, score=froc_value, sensitivities=sens_list)
             paths["froc_png"] = atomic_write_bytes(out_dir / names["froc_png"], png)
             plots.append(("FROC curve (CAMELYON16 protocol)", png))
-        else:
-            (out_dir / names["froc_png"]).unlink(missing_ok=True)
         for key, curve_roc, caption in (
             ("roc_instance_png", inst_roc, "Instance ROC (patches)"),
             ("roc_bag_png", bag_roc, "Bag ROC (slides)"),
@@ -781,8 +793,6 @@ def evaluate_predictions(
                 png = roc_png(curve_roc, title=caption)
                 paths[key] = atomic_write_bytes(out_dir / name, png)
                 plots.append((caption, png))
-            else:  # never leave a plot from an earlier run beside metrics that say n/a
-                (out_dir / name).unlink(missing_ok=True)
         paths["config"] = write_resolved_config(config, out_dir, name=names["config"])
 
         notes = [f"{k.replace('_', ' ')} unavailable: {v}." for k, v in reasons.items()]
@@ -828,6 +838,8 @@ def evaluate_predictions(
         data = ReportData(title=config.title, metrics=metrics, plots=plots, slide_rows=rows, thumbnails=thumbs,
                           configuration=configuration, notes=notes)
         paths["report"] = write_report(data, out_dir / names["report"])
+        # last: a folder with metrics.json is a finished run's (:func:`_remove_earlier_run`)
+        paths["metrics"] = atomic_write_json(out_dir / names["metrics"], metrics)
     logger.info("evaluated %d slides: FROC %s, instance AUC %s, bag AUC %s", len(results),
                 metrics["froc"], metrics["instance_auc"], metrics["bag_auc"])
     return EvaluationResult(metrics=metrics, slides=results, curve=curve, instance_roc=inst_roc,
