@@ -41,6 +41,7 @@ __all__ = [
     "clean_stale_temporaries",
     "find_write_error",
     "output_error",
+    "preallocate",
     "temp_path",
 ]
 
@@ -167,6 +168,24 @@ def output_error(path: str | os.PathLike, exc: OSError, *, what: str = "cannot w
     else:
         fix = f"check free disk space and permissions of {folder}, then re-run"
     return OutputError(f"{path}: {what} ({cause}). Fix: {fix}.", errno=code)
+
+
+def preallocate(fd: int, n_bytes: int) -> None:
+    """Reserve the first ``n_bytes`` of the open file ``fd`` on its disk now (``posix_fallocate``).
+
+    A file that is written through a memory map (or a shared-memory segment) is sparse until its pages
+    are touched; on a full disk that touch is a SIGBUS that kills the process ("Bus error"), where a
+    write(2) would have failed. After this call a full disk or a file-size limit has already raised
+    OSError (ENOSPC, EFBIG), which :func:`output_error` turns into the usual message. A file system
+    without ``fallocate`` (EOPNOTSUPP, EINVAL) or a system without the call leaves the file as it is.
+    """
+    if n_bytes <= 0 or not hasattr(os, "posix_fallocate"):
+        return
+    try:
+        os.posix_fallocate(fd, 0, n_bytes)
+    except OSError as exc:
+        if exc.errno not in (errno_.EOPNOTSUPP, errno_.EINVAL):
+            raise
 
 
 def remove_quietly(path: str | os.PathLike) -> None:

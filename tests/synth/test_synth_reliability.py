@@ -4,6 +4,7 @@ vanished under it: the first renamed it away.) A synth run also holds its folder
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import threading
@@ -83,3 +84,26 @@ def test_a_new_run_into_a_used_folder_leaves_none_of_the_old_runs_slides_or_anno
         "tumor_001.tif"]
     with (out / "labels.csv").open() as fh:
         assert [row["label"] for row in csv.DictReader(fh)] == ["0", "0"]
+
+
+def test_synth_onto_a_full_disk_is_one_clear_error(tmp_path):
+    """The reduced pyramid levels are kept in memory-mapped scratch files beside the slide. They were
+    sparse, so a full disk surfaced as a SIGBUS when the map was written (exit 135, "Bus error"), with
+    the partial slide, the scratch folder and the lock left behind. Now the scratch files are
+    preallocated: a 2 MB disk (level 1 of a 2048-px slide takes 3 MB) is one error line naming the
+    slide and the fix, exit 1, and nothing is left. A 2 MB file-size limit where no tmpfs can be
+    mounted (see tests/diskfaults.py)."""
+    from diskfaults import full_disk
+
+    out = tmp_path / "disk" / "slides"
+    with full_disk(out.parent, n_bytes=2 << 20) as (method, preexec):
+        result = subprocess.run([sys.executable, "-m", "wsi_milssl", "synth", str(out), "--slides", "2",
+                                 "--size-px", "2048", "2048"], capture_output=True, text=True, timeout=300,
+                                preexec_fn=preexec)
+        left = sorted(p.name for p in out.iterdir())
+    assert result.returncode == 1, (method, result.returncode, result.stderr[-3000:])  # not 135 / -7 (SIGBUS)
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert re.search(
+        rf"{out}/synth_000\.tif: cannot write this slide \((No space left on device: the disk is full|File too "
+        r"large: the file grew past a size limit)\)\. Fix: ", result.stderr), (method, result.stderr[-3000:])
+    assert not [n for n in left if n.startswith(".") or n.endswith(".tif")], left  # no partial, scratch or lock

@@ -4,8 +4,10 @@ OpenSlide's generic-TIFF reader needs every level as its own top-level IFD (no S
 levels marked ``subfiletype=1``, square power-of-two tiles, and the resolution in centimetre units
 (it then reports ``openslide.mpp-x``). Level 0 is streamed block by block from a render function;
 each reduced level is a 2x2 (or 4x4) area average of the one above, kept in a temporary
-memory-mapped file, so memory stays bounded for slides of any size. The file is written under a
-temporary name and renamed when complete.
+memory-mapped file, so memory stays bounded for slides of any size. The scratch files get their disk
+space when they are made (:func:`~wsi_milssl.atomic.preallocate`): a full disk is then an OutputError,
+not a SIGBUS when a map's page is first written. The file is written under a temporary name and
+renamed when complete.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import numpy as np
 import tifffile
 from PIL import Image
 
-from wsi_milssl.atomic import find_write_error, output_error, temp_path
+from wsi_milssl.atomic import find_write_error, output_error, preallocate, temp_path
 
 __all__ = ["write_pyramidal_tiff", "level_sizes"]
 
@@ -70,9 +72,10 @@ def write_pyramidal_tiff(
         scratch = str(scratch_dir)
         reduced: list[np.ndarray] = []
         for level, (w, h) in enumerate(sizes[1:], start=1):
-            reduced.append(np.lib.format.open_memmap(
-                os.path.join(scratch, f"level{level}.npy"), mode="w+", dtype=np.uint8, shape=(h, w, 3)
-            ))
+            level_path = os.path.join(scratch, f"level{level}.npy")
+            reduced.append(np.lib.format.open_memmap(level_path, mode="w+", dtype=np.uint8, shape=(h, w, 3)))
+            with open(level_path, "rb+") as fh:  # disk space now: a full disk is ENOSPC here, not a SIGBUS
+                preallocate(fh.fileno(), os.fstat(fh.fileno()).st_size)
 
         def level0_tiles() -> Iterator[np.ndarray]:
             for y0 in range(0, height, strip_h):
