@@ -233,9 +233,12 @@ def write_feature_file(path: str | os.PathLike, *, features: np.ndarray, coords:
 
     ``features`` float32/float16 (N, D), ``coords`` int (N, 2) level-0 top-left; ``instance_label`` uint8
     (N,) or None. Datasets are resizable along N, as TRIDENT's and CLAM's (their tools append to them).
-    Raises ValueError for inconsistent shapes or dtypes.
+    Raises ValueError for inconsistent shapes or dtypes; a full disk, a file-size limit or a read-only
+    folder raise OutputError naming the file and the fix (HDF5 writes through the store writer's
+    fail-safe file, so a failed write never leaves HDF5 with a file it cannot close: a segfault).
     """
     from wsi_milssl.atomic import atomic_open
+    from wsi_milssl.store.h5_store import _FailSafeFile
     import h5py
 
     features = np.asarray(features)
@@ -249,19 +252,28 @@ def write_feature_file(path: str | os.PathLike, *, features: np.ndarray, coords:
         raise ValueError(f"instance_label must have shape ({n},); got {np.asarray(instance_label).shape}.")
     rows = max(1, min(n, 256))
     path = Path(path)
-    with atomic_open(path, "w+b") as fh:
-        with h5py.File(fh, "w") as f:
-            ds = f.create_dataset(FEATURES, data=features, maxshape=(None, dim), chunks=(rows, max(1, dim)))
-            for key, value in features_attrs.items():
-                ds.attrs[key] = _h5_attr(value)
-            ds = f.create_dataset(COORDS, data=coords, maxshape=(None, 2), chunks=(rows, 2))
-            for key, value in coords_attrs.items():
-                ds.attrs[key] = _h5_attr(value)
-            if instance_label is not None:
-                f.create_dataset(INSTANCE_LABEL, data=np.asarray(instance_label, dtype=np.uint8), maxshape=(None,),
-                                 chunks=(rows,))
-            for key, value in attrs.items():
-                f.attrs[key] = _h5_attr(value)
+    with atomic_open(path, "wb") as tmp:
+        fh = _FailSafeFile(tmp.name, "r+b")  # atomic_open's temporary: it fsyncs, renames or removes it
+        try:
+            with h5py.File(fh, "w") as f:
+                ds = f.create_dataset(FEATURES, data=features, maxshape=(None, dim), chunks=(rows, max(1, dim)))
+                for key, value in features_attrs.items():
+                    ds.attrs[key] = _h5_attr(value)
+                ds = f.create_dataset(COORDS, data=coords, maxshape=(None, 2), chunks=(rows, 2))
+                for key, value in coords_attrs.items():
+                    ds.attrs[key] = _h5_attr(value)
+                if instance_label is not None:
+                    f.create_dataset(INSTANCE_LABEL, data=np.asarray(instance_label, dtype=np.uint8),
+                                     maxshape=(None,), chunks=(rows,))
+                for key, value in attrs.items():
+                    f.attrs[key] = _h5_attr(value)
+            fh.check()
+        except Exception:
+            if fh.error is not None:
+                raise fh.error from None  # the failed write itself, not HDF5's report of it
+            raise
+        finally:
+            fh.close()
     return path
 
 

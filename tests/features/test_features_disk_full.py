@@ -1,0 +1,77 @@
+"""Feature files on a full disk (review T4): one error line per slide naming the file and the fix, the
+batch goes on, nothing partial is left and the process is unharmed. ``write_feature_file`` handed
+HDF5 a plain file object; on a failed write h5py printed "Exception ignored" tracebacks and the
+process died with a segmentation fault (exit 139) at the next HDF5 call or at exit. The failing
+writes run in a child process, so the old behaviour fails the test instead of killing pytest."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from diskfaults import full_disk
+
+_WRITE = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    import numpy as np
+    sys.path.insert(0, {tests!r})
+    from diskfaults import file_size_limit
+    from wsi_milssl.errors import OutputError
+    from wsi_milssl.features.schema import read_feature_file, write_feature_file
+
+    folder = Path({folder!r})
+    arrays = dict(features=np.ones((100, 512), np.float32), coords=np.zeros((100, 2)), attrs={{}},
+                  coords_attrs={{}}, features_attrs={{}})
+    try:
+        with file_size_limit({limit}):
+            write_feature_file(folder / "a.h5", **arrays)
+    except OutputError as exc:
+        print("ERROR", exc)
+    print("LEFT", sorted(p.name for p in folder.iterdir()))
+    write_feature_file(folder / "b.h5", **arrays)  # the process and HDF5 still work
+    print("ROWS", len(read_feature_file(folder / "b.h5").features))
+""")
+
+
+@pytest.mark.parametrize("limit", [2_000, 20_000, 150_000])
+def test_a_feature_file_past_the_file_size_limit_is_an_output_error(tmp_path, limit):
+    """A real failed write(2) (RLIMIT_FSIZE: EFBIG) at several points of the file."""
+    from pathlib import Path
+
+    tests = str(Path(__file__).resolve().parents[1])
+    result = subprocess.run([sys.executable, "-c", _WRITE.format(tests=tests, folder=str(tmp_path), limit=limit)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (result.returncode, result.stderr[-3000:])  # not -11 (segfault)
+    assert "Exception ignored" not in result.stderr and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stdout.splitlines() == [
+        f"ERROR {tmp_path}/a.h5: cannot write this file (File too large: the file grew past a size limit). Fix: "
+        f"raise the file-size limit (`ulimit -f`) or write to another file system than {tmp_path}'s.",
+        "LEFT []",  # no temporary
+        "ROWS 100",
+    ]
+
+
+def test_features_onto_a_full_disk_fail_each_slide_cleanly(tmp_path, labelled_stores):
+    """A 100 KB tmpfs (a 100 KB file-size limit where no tmpfs can be mounted): both slides' feature
+    files fail alone with one line naming the file and the fix, exit 1 and a summary line; no
+    temporary, no lock file."""
+    out = tmp_path / "disk"
+    with full_disk(out, n_bytes=100_000) as (method, preexec):
+        result = subprocess.run([sys.executable, "-m", "wsi_milssl", "features", str(labelled_stores), "--out",
+                                 str(out), "--encoder", "resnet18", "--weights", "random", "--workers", "0"],
+                                capture_output=True, text=True, timeout=600, preexec_fn=preexec)
+        hidden = sorted(p.name for p in out.iterdir() if p.name.startswith("."))
+        files = sorted(p.name for p in out.glob("*.h5"))
+    assert result.returncode == 1, (method, result.returncode, result.stderr[-3000:])  # not 139
+    assert "Exception ignored" not in result.stderr and "Traceback" not in result.stderr, result.stderr[-3000:]
+    for stem in ("synth_000", "synth_001"):
+        assert re.search(
+            rf"{stem}: failed: {out}/{stem}\.h5: cannot write this file \((No space left on device: the disk is "
+            r"full|File too large: the file grew past a size limit)\)\. Fix: ", result.stderr), (
+            method, result.stderr[-3000:])
+    assert files == [] and hidden == []
