@@ -93,6 +93,22 @@ def test_a_read_only_output_folder_is_one_clear_error(tmp_path):
             assert info.value.errno == errno.EROFS
 
 
+@pytest.mark.parametrize("shard", [None, (0, 2)])
+def test_a_read_only_folder_named_by_no_option_is_not_called_an_output(tmp_path, shard):
+    """revV V1: the lock of a folder the run must write where it is (named_by None: label's stores folder, an
+    input; the run folder train --resume continues) said "cannot write to this output folder" with the fix
+    "another --out", which names no folder of those commands."""
+    folder = tmp_path / "ro"
+    with read_only_folder(folder):
+        with pytest.raises(OutputError) as info:
+            with folder_lock(folder, shard=shard, named_by=None):
+                pass
+    assert str(info.value) == (
+        f"{folder}: cannot write to this folder (Read-only file system: {folder} is on a read-only file system). "
+        "Fix: remount it read-write, or copy the folder to a writable disk and use the copy.")
+    assert info.value.errno == errno.EROFS
+
+
 def test_shards_of_one_run_share_the_folder_and_everything_else_is_refused(tmp_path):
     """Shard 1/2 runs beside shard 0/2; a second copy of shard 0/2, an unsharded run and a shard of
     another count are refused, naming the running shard's pid."""

@@ -50,7 +50,7 @@ from typing import Callable, Iterator
 
 from wsi_milssl.atomic import clean_stale_temporaries, find_write_error, output_error
 from wsi_milssl.distributed import Shard
-from wsi_milssl.errors import ConfigError, FolderLockedError
+from wsi_milssl.errors import ConfigError, FolderLockedError, OutputError
 
 __all__ = ["LOCK_FILENAME", "MUTEX_FILENAME", "folder_lock", "folder_mutex", "folder_writer", "lock_holder",
            "shard_lock_filename"]
@@ -176,9 +176,32 @@ def _check_shard(shard) -> tuple[int, int] | None:
     return None if count == 1 else (index, count)
 
 
-def _create_folder(folder: Path) -> str:
+def _folder_error(folder: Path, cause: OSError, what: str, named_by: str | None) -> OutputError:
+    """The OutputError for ``folder`` that cannot be written (``what``: "cannot write to this", "cannot
+    create this"): :func:`~wsi_milssl.atomic.output_error`'s for an output folder; for a folder the run must
+    write where it is (``named_by`` None: the stores ``label`` rewrites, an input; the run folder ``train
+    --resume`` continues) neither "output" nor another folder, but a fix for the folder itself."""
+    if named_by is not None:
+        return output_error(folder, cause, what=f"{what} output folder", folder=folder)
+    code = cause.errno
+    why = cause.strerror or str(cause)
+    if code == errno.EROFS:
+        why, fix = f"{why}: {folder} is on a read-only file system", (
+            "remount it read-write, or copy the folder to a writable disk and use the copy")
+    elif code in (errno.EACCES, errno.EPERM):
+        why, fix = f"{why}: no permission to write in {folder}", (
+            f"make it writable (`chmod u+w {folder}`, or ask its owner), or copy the folder and use the copy")
+    elif code in (errno.ENOSPC, errno.EDQUOT):
+        why, fix = f"{why}: the disk is full", f"free disk space where {folder} lives (`df -h {folder}`), and re-run"
+    else:
+        fix = f"check free disk space and permissions of {folder}, then re-run"
+    return OutputError(f"{folder}: {what} folder ({why}). Fix: {fix}.", errno=code)
+
+
+def _create_folder(folder: Path, named_by: str | None = "--out") -> str:
     """Create ``folder`` (and its parents) and return its real path, the key of its locks; a folder that
-    cannot be made (read-only file system, no permission, full disk) raises OutputError naming it."""
+    cannot be made (read-only file system, no permission, full disk) raises OutputError naming it
+    (``named_by``: see :func:`folder_lock`)."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
         return os.path.realpath(folder)
@@ -186,7 +209,7 @@ def _create_folder(folder: Path) -> str:
         cause = find_write_error(exc, access=True)
         if cause is None:
             raise
-        raise output_error(folder, cause, what="cannot create this output folder", folder=folder) from None
+        raise _folder_error(folder, cause, "cannot create this", named_by) from None
 
 
 @contextmanager
@@ -209,7 +232,7 @@ def folder_lock(path: str | os.PathLike, *, wait: bool = False,
     """
     folder = Path(path)
     shard = _check_shard(shard)
-    key = _create_folder(folder)
+    key = _create_folder(folder, named_by)
     with _held_guard:
         depth = _held.get(key, 0)
         if depth:
@@ -386,14 +409,14 @@ def _try_flock(fd: int, operation: int, grace: float) -> bool:
             time.sleep(0.02)
 
 
-def _open_lock_file(folder: Path, lock_file: Path) -> int:
+def _open_lock_file(folder: Path, lock_file: Path, named_by: str | None = "--out") -> int:
     try:
         return os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
     except OSError as exc:
         cause = find_write_error(exc, access=True)
         if cause is None:
             raise
-        raise output_error(folder, cause, what="cannot write to this output folder", folder=folder) from None
+        raise _folder_error(folder, cause, "cannot write to this", named_by) from None
 
 
 def _acquire(folder: Path, lock_file: Path, *, shared: bool, wait: bool, grace: float,
@@ -403,7 +426,7 @@ def _acquire(folder: Path, lock_file: Path, *, shared: bool, wait: bool, grace: 
     between our open and our flock."""
     operation = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
     while True:
-        fd = _open_lock_file(folder, lock_file)
+        fd = _open_lock_file(folder, lock_file, named_by)
         try:
             if not _try_flock(fd, operation, grace):
                 if not wait:

@@ -10,11 +10,13 @@ import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
 from matplotlib.path import Path as MplPath
 
+from diskfaults import can_mount, read_only_folder
 from wsi_milssl.annotations import rasterize_region, read_annotations
 from wsi_milssl.cli import main
 from wsi_milssl.config import LabelConfig
@@ -283,3 +285,58 @@ def test_label_removes_the_temporaries_a_killed_run_left_in_the_stores_folder(st
     shutil.copyfile(store, folder / live)
     label_stores(folder, annotations_dir=synth_dir, labels_csv=synth_dir / "labels.csv", out_dir=tmp_path / "LA")
     assert not (folder / dead).exists() and (folder / live).exists()
+
+
+@contextmanager
+def _read_only_stores(folder):
+    """``folder`` (holding stores) made read-only: a read-only bind mount of itself (``mount -o bind,ro``, as on a
+    shared or archived disk) where this machine may mount, else diskfaults' injected EROFS for paths under it."""
+    if can_mount() and subprocess.run(["mount", "-o", "bind,ro", str(folder), str(folder)],
+                                      capture_output=True).returncode == 0:
+        try:
+            yield "mount"
+        finally:
+            subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+    else:
+        with read_only_folder(folder) as method:
+            yield method
+
+
+def _read_status(out):
+    with open(out / STATUS_CSV, newline="") as fh:
+        return {row["slide"]: row for row in csv.DictReader(fh)}
+
+
+@pytest.mark.parametrize("given", ["folder", "store"])
+def test_label_of_stores_in_a_read_only_folder(stores, synth_dir, tmp_path, capsys, given):
+    """revV V1: since the stores folder is locked, re-running label on stores in a folder that cannot be written
+    (read-only mount; a user without write permission on a shared folder) failed as a whole, calling the stores
+    folder an output with the fix "another --out". Up-to-date stores are skipped again (exit 0); a store that
+    must be rewritten fails alone, naming its folder and a fix that works."""
+    folder = tmp_path / "stores"
+    labels = tmp_path / "labels.csv"
+    labels.write_text((synth_dir / "labels.csv").read_text())
+    args = ["--annotations", str(synth_dir), "--out", str(tmp_path / "LB")]
+    assert main(["label", str(folder), "--labels", str(labels), *args]) == 0
+    before = {stem: _tree_digest(path) for stem, path in stores.items()}
+    tumour = {row["slide"]: row["label"] for row in csv.DictReader(labels.open())}
+    flipped = tmp_path / "flipped.csv"  # synth_001 gets the other label: its store must be rewritten
+    flipped.write_text("slide,label\n" + "".join(f"{s},{1 - int(v) if s == 'synth_001' else v}\n"
+                                                  for s, v in tumour.items()))
+    inputs = [str(folder)] if given == "folder" else [str(p) for p in stores.values()]
+    capsys.readouterr()
+    with _read_only_stores(folder):
+        assert main(["label", *inputs, "--labels", str(labels), *args]) == 0
+        captured = capsys.readouterr()
+        assert "error" not in captured.err, captured.err
+        rows = _read_status(tmp_path / "LB")
+        assert [(s, rows[s]["status"]) for s in sorted(rows)] == [("synth_000", "skipped"), ("synth_001", "skipped")]
+
+        assert main(["label", *inputs, "--labels", str(flipped), *args]) == 1
+        rows = _read_status(tmp_path / "LB")
+        assert rows["synth_000"]["status"] == "skipped" and rows["synth_001"]["status"] == "failed"
+        assert rows["synth_001"]["error"] == (
+            f"{stores['synth_001']}: cannot label this store: label writes the labels into the store, and its "
+            f"folder {folder} cannot be written (Read-only file system). Fix: make {folder} writable (remount it "
+            "read-write, or get write permission), or copy the stores to a writable folder and label the copy.")
+    assert {stem: _tree_digest(path) for stem, path in stores.items()} == before

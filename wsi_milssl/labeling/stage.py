@@ -28,7 +28,8 @@ leaves the store untouched.
 
 A batch (:func:`label_stores`) holds the lock of its output folder and of the folders of the stores it
 rewrites (refused while ``tile`` or another ``label`` writes them; temporaries that a killed run left
-there are removed), and skips stores already labelled with the same settings, annotation file (path and
+there are removed; a stores folder that cannot be written is not locked, and its stores that must be
+rewritten fail), and skips stores already labelled with the same settings, annotation file (path and
 SHA-256) and slide label whose mask is there (status ``skipped``). Shard I of N (``shard=(I, N)``:
 ``--shard I/N`` or a torchrun rank) labels its share of the stores
 (:func:`wsi_milssl.distributed.shard_items`); the shards of one run may write one output folder at once,
@@ -37,6 +38,7 @@ and their ``label_status.csv`` rows merge, sorted by slide as one run writes the
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -56,7 +58,7 @@ from wsi_milssl.cohorts.names import name_key
 from wsi_milssl.config.base import config_hash, write_resolved_config
 from wsi_milssl.config.label import LabelConfig
 from wsi_milssl.distributed import Shard, shard_items
-from wsi_milssl.errors import AnnotationError, ConfigError, StoreError, WsiMilsslError
+from wsi_milssl.errors import AnnotationError, ConfigError, OutputError, StoreError, WsiMilsslError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.labeling.masks import eval_mask_paths, write_eval_mask
 from wsi_milssl.locks import folder_lock
@@ -398,11 +400,14 @@ def label_stores(
     folders (FolderLockedError while another run writes one: a ``tile`` still writing the stores, another
     ``label`` of them) are held as that shard, so the N shards may write them at once. Taking the lock
     of a stores folder removes the temporaries killed runs left there (a killed ``label``'s copy of a store).
+    A stores folder that cannot be written (read-only file system, no write permission) is not locked:
+    nobody who cannot write there rewrites anything in it. Its stores already labelled are skipped; one
+    that must be rewritten fails, naming the folder and the fix.
     """
     stores = [stores] if isinstance(stores, (str, os.PathLike)) else list(stores)
     with ExitStack() as locks:
-        for folder in _store_folders(stores):  # first: a tile still writing them is named, not half its stores
-            locks.enter_context(folder_lock(folder, shard=shard, named_by=None))
+        # first: a tile still writing them is named, not half its stores
+        unwritable = _lock_store_folders(locks, stores, shard)
         paths = find_stores(stores)
         if not paths:
             raise StoreError(f"no patch stores found in {', '.join(str(s) for s in stores)}; run `wsi-milssl tile` "
@@ -414,12 +419,43 @@ def label_stores(
         out = Path(out_dir) if out_dir is not None else paths[0].parent / "labels"
         locks.enter_context(folder_lock(out, shard=shard))  # re-entrant when out is a stores folder
         return _label_stores_locked(paths, annotations_dir, labels, labels_csv, ann_files, config, out, progress,
-                                    shard=shard, overwrite=overwrite)
+                                    shard=shard, overwrite=overwrite, unwritable=unwritable)
+
+
+#: why a folder cannot be written at all (not a full disk, which freeing space mends during the run)
+_UNWRITABLE_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def _lock_store_folders(locks: ExitStack, stores: list[str | os.PathLike],
+                        shard: tuple[int, int] | Shard) -> dict[str, int]:
+    """Enter the lock of every folder whose stores the batch may rewrite into ``locks``; returns the folders
+    that cannot be written (read-only file system, no permission), by real path, with the errno. Those are
+    not locked: whoever cannot write there rewrites nothing, so the lock protects nothing (and label, run
+    again on stores already labelled, reads them only)."""
+    unwritable = {}
+    for folder in _store_folders(stores):
+        try:
+            locks.enter_context(folder_lock(folder, shard=shard, named_by=None))
+        except OutputError as exc:
+            if exc.errno not in _UNWRITABLE_ERRNOS:
+                raise
+            logger.info("%s: this stores folder cannot be written (%s): not locked; stores that must be "
+                        "rewritten fail", folder, os.strerror(exc.errno))
+            unwritable[os.path.realpath(folder)] = exc.errno
+    return unwritable
+
+
+def _unwritable_store_error(path: Path, code: int) -> StoreError:
+    folder = path.parent
+    return StoreError(
+        f"{path}: cannot label this store: label writes the labels into the store, and its folder {folder} cannot "
+        f"be written ({os.strerror(code)}). Fix: make {folder} writable (remount it read-write, or get write "
+        "permission), or copy the stores to a writable folder and label the copy.")
 
 
 def _label_stores_locked(paths: list[Path], annotations_dir: Path, labels, labels_csv, ann_files: list[Path],
                          config: LabelConfig, out: Path, progress: ProgressCallback | None, *,
-                         shard: tuple[int, int] | Shard, overwrite: bool) -> LabelReport:
+                         shard: tuple[int, int] | Shard, overwrite: bool, unwritable: dict[str, int]) -> LabelReport:
     write_resolved_config(config, out, name=CONFIG_JSON)
     stems = [_store_stem(p) for p in paths]
     stem_keys = {name_key(s) for s in stems}
@@ -444,6 +480,8 @@ def _label_stores_locked(paths: list[Path], annotations_dir: Path, labels, label
         try:
             result = None if overwrite else _already_labelled(path, stem, annotation=ann, slide_label=slide_label,
                                                               config=config, mask_dir=out)
+            if result is None and os.path.realpath(path.parent) in unwritable:
+                raise _unwritable_store_error(path, unwritable[os.path.realpath(path.parent)])
             if result is None:
                 result = label_store(path, annotation_path=ann, slide_label=slide_label, config=config,
                                      mask_dir=out)
