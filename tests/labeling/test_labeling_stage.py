@@ -11,6 +11,7 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -340,3 +341,17 @@ def test_label_of_stores_in_a_read_only_folder(stores, synth_dir, tmp_path, caps
             f"folder {folder} cannot be written (Read-only file system). Fix: make {folder} writable (remount it "
             "read-write, or get write permission), or copy the stores to a writable folder and label the copy.")
     assert {stem: _tree_digest(path) for stem, path in stores.items()} == before
+
+
+def test_label_help_and_readme_say_which_folders_label_locks(capsys):
+    """revV V6: neither `label --help` nor the README's reliability notes said that label locks the folders of its
+    stores (so it stops while tile or another label writes there) nor what it does in one it cannot write."""
+    with pytest.raises(SystemExit):
+        main(["label", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "label locks --out and the folders of the stores (it stops while tile or another label writes there" in text
+    assert "A stores folder it cannot write (read-only, no permission) is not locked" in text
+    readme = " ".join((Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8").split())
+    bullet = readme[readme.index("**Locks, temporaries, full disks.**"):readme.index("**Fuzzing.**")]
+    assert "`label` also locks the writable folders of its input stores" in bullet
+    assert "`evaluate` and `run` lock their output folder" in bullet

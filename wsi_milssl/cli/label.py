@@ -55,7 +55,12 @@ def register(subparsers) -> None:
             "label whose mask is in --out (status 'skipped'; --overwrite labels them again). --shard I/N\n"
             "labels shard I of N of the stores (a job array task; a store's shard is fixed by a hash of its\n"
             "slide's name), a torchrun rank every N-th store (sorted by path) from the I-th; the shards of\n"
-            "one run write one --out at once and their label_status.csv rows merge, sorted by slide."
+            "one run write one --out at once and their label_status.csv rows merge, sorted by slide.\n\n"
+            "The labels are written into the stores in place: label locks --out and the folders of the\n"
+            "stores (it stops while tile or another label writes there, so two label runs on stores of one\n"
+            "folder run one after the other) and removes the temporaries killed runs left there. A stores\n"
+            "folder it cannot write (read-only, no permission) is not locked: its labelled stores are\n"
+            "skipped and a store that needs rewriting fails (make the folder writable, or label a copy)."
         ),
         formatter_class=HelpFormatter,
     )
