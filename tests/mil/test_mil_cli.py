@@ -124,6 +124,33 @@ def test_bag_ids_of_two_mil_csvs_are_local_to_their_file(tmp_path, mil_csv, mil_
     assert not any("are also training bags" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("how", ["copy", "hard link", "part"])
+def test_a_copy_of_the_training_mil_csv_as_validation_is_caught(tmp_path, mil_csv, mil_csv_val, caplog, how):
+    """Bags of a copy (or hard link, or part) of the training CSV are the training bags: same id and the same
+    instance rows. A validation set of only such bags is refused as the same file is; a few are warned about."""
+    import os
+    import shutil
+
+    val = tmp_path / "val.csv"
+    if how == "copy":
+        shutil.copy(mil_csv, val)
+    elif how == "hard link":
+        os.link(mil_csv, val)
+    else:  # another file's bags (ids b000..b039 too) and the rows of training bag b005
+        copied = [line for line in mil_csv.read_text().splitlines(keepends=True) if line.split(",")[1] == "b005"]
+        val.write_text(mil_csv_val.read_text() + "".join(copied))
+    args = ["train", str(mil_csv), "--val", str(val), "--out", str(tmp_path / "run"), "--epochs", "1", "--threads",
+            "1", "--no-plots"]
+    with caplog.at_level("WARNING", logger="wsi_milssl.mil.selftrain"):
+        code = main(args)
+    if how == "part":
+        assert code == 0
+        assert [r.getMessage()[:60] for r in caplog.records if "are also training bags" in r.getMessage()] == [
+            "1 of the 40 validation bags are also training bags (b005): b"]
+    else:
+        assert code == 1
+
+
 def test_shared_bags_compare_the_slides_the_stores_were_cut_from(tmp_path):
     from types import SimpleNamespace
 

@@ -405,12 +405,37 @@ def feature_settings_clash(train: InstanceSet, val: InstanceSet) -> tuple[str, s
 def held_out_bags(train: InstanceSet, val: InstanceSet) -> list[str]:
     """The bags of ``val`` that are not training bags: not cut from a slide file of ``train`` where both
     sets record their slides (``bag_sources``, resolved: two folders may hold files of one name made from
-    different slides), else not named as a training bag."""
+    different slides; for MIL CSVs also no bag of the same id with an identical instance row, as in a copy
+    of the training file), else not named as a training bag."""
     if train.bag_sources is not None and val.bag_sources is not None:
         seen = {os.path.realpath(p) for p in train.bag_sources}
-        return [n for n, p in zip(val.bag_names, val.bag_sources) if os.path.realpath(p) not in seen]
+        copied = _csv_bags_with_training_rows(train, val)
+        return [n for n, p in zip(val.bag_names, val.bag_sources) if os.path.realpath(p) not in seen and n not in copied]
     known = set(train.bag_names)
     return [n for n in val.bag_names if n not in known]
+
+
+def _from_mil_csv(instances: InstanceSet) -> bool:
+    source = getattr(instances, "source", None)
+    return bool(source and instances.bag_sources and instances.bag_sources[0].startswith(os.path.realpath(source) + "#"))
+
+
+def _csv_bags_with_training_rows(train: InstanceSet, val: InstanceSet) -> set[str]:
+    """Bags of a validation MIL CSV that share their id and at least one instance row with a bag of the
+    training MIL CSV: the same bag, from a copy (or hard link, or part) of the training file. Ids alone
+    say nothing across files (two files may both number their bags from 1)."""
+    if not (_from_mil_csv(train) and _from_mil_csv(val)) or train.features is None or val.features is None:
+        return set()
+    train_index = {name: k for k, name in enumerate(train.bag_names)}
+    shared = set()
+    for k, name in enumerate(val.bag_names):
+        t = train_index.get(name)
+        if t is None:
+            continue
+        rows = {row.tobytes() for row in np.asarray(train.features[train.bag_ids == t], dtype=np.float32)}
+        if any(row.tobytes() in rows for row in np.asarray(val.features[val.bag_ids == k], dtype=np.float32)):
+            shared.add(name)
+    return shared
 
 
 def read_patch_stores(paths: Iterable[str | os.PathLike], labels: dict[str, int], *,

@@ -44,7 +44,7 @@ from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.locks import folder_lock
 from wsi_milssl.mil.checkpoint import (RESUME_FIX, capture_rng, check_resume_parts, read_checkpoint, restore_rng,
                                        save_checkpoint)
-from wsi_milssl.mil.data import NORMALISATION, InstanceSet
+from wsi_milssl.mil.data import NORMALISATION, InstanceSet, held_out_bags
 from wsi_milssl.mil.loader import BatchLoader, block_order, normalises_batches, without_lone_last
 from wsi_milssl.mil.models import create_model, is_image_model
 from wsi_milssl.mil.pixels import prepare_patches
@@ -1004,13 +1004,10 @@ def missing_checkpoint_error(run_dir: Path) -> CheckpointError:
 
 
 def _shared_bags(train: InstanceSet, val: InstanceSet) -> list[str]:
-    """Validation bags that are also training bags: cut from the same slide file where both sets come from
-    stores (two folders may hold stores of one name cut from different slides, or two stores of one
-    slide), else the same bag name."""
-    if train.bag_sources is not None and val.bag_sources is not None:
-        seen = {os.path.realpath(p) for p in train.bag_sources}
-        return sorted(n for n, p in zip(val.bag_names, val.bag_sources) if os.path.realpath(p) in seen)
-    return sorted(set(val.bag_names) & set(train.bag_names))
+    """Validation bags that are also training bags (those :func:`~wsi_milssl.mil.data.held_out_bags` does
+    not hold out)."""
+    held_out = set(held_out_bags(train, val))
+    return sorted(n for n in val.bag_names if n not in held_out)
 
 
 def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike | None,
