@@ -37,9 +37,11 @@ busy, so they fill its gaps instead of stalling its threads.
 
 from __future__ import annotations
 
+import errno
 import logging
 import multiprocessing
 import os
+import resource
 import time
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -52,8 +54,10 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
+from wsi_milssl.atomic import preallocate
 from wsi_milssl.config.heatmap import HeatmapConfig
 from wsi_milssl.config.tile import TileConfig
+from wsi_milssl.errors import OutputError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.runtime import decode_jpeg_batch, host_to_device, inference_batch_size, require_device_decode
 from wsi_milssl.inference.model import InferenceModel, PatchModel
@@ -87,6 +91,8 @@ CHUNK_BYTES = 8 << 20
 _SLOTS_PER_READER = 2
 #: Room for the JPEG bytes of a patch beyond its raw size (headers of tiny patches).
 _JPEG_SLACK = 4096
+#: Where POSIX shared memory (the readers' slots, the reader pool's semaphores) lives on Linux.
+SHM_DIR = "/dev/shm"
 
 
 @dataclass(frozen=True)
@@ -204,24 +210,100 @@ def prestart_readers() -> None:
         forkserver.ensure_running()
 
 
+def _mib(n_bytes: int) -> str:
+    return f"{n_bytes / (1 << 20):.1f} MiB"
+
+
+def _shm_free_bytes() -> int | None:
+    """Bytes free in :data:`SHM_DIR`, or None where there is none (macOS)."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _shm_error(problem: str, code: int | None) -> OutputError:
+    """OutputError ``/dev/shm: problem. Fix: ...``; the fix depends on the cause (``code``, an errno)."""
+    fewer = "or run with fewer --workers (each takes 2 slots) or a smaller --batch-size"
+    more = (f"give the container more shared memory (`docker run --shm-size=16g`, or `--ipc=host`) or free "
+            f"{SHM_DIR} (`df -h {SHM_DIR}`)")
+    if code == errno.EFBIG:
+        fix = f"raise the file-size limit (`ulimit -f`: shared memory counts as a file), {fewer}"
+    elif code in (errno.ENOSPC, errno.ENOMEM):
+        fix = f"{more}, {fewer}"
+    else:  # a semaphore's failure without its cause (errno 0): a full /dev/shm or a file-size limit
+        fix = f"{more}, raise the file-size limit (`ulimit -f`), {fewer}"
+    return OutputError(f"{SHM_DIR}: {problem}. Fix: {fix}.", errno=code or None)
+
+
+def _create_slots(*, workers: int, slot_bytes: int, n_slots: int) -> shared_memory.SharedMemory:
+    """The readers' shared buffer of ``n_slots`` slots, its memory reserved now.
+
+    A shared-memory segment is sparse: created in a :data:`SHM_DIR` too small for it (Docker's default
+    is 64 MB), it fails only when a reader first writes a slot, and that reader dies of a SIGBUS (or,
+    with ``workers == 0``, the whole process: "Bus error"). So the free space is checked first, and the
+    segment's pages are allocated at once (:func:`~wsi_milssl.atomic.preallocate`): too little room or
+    a file-size limit is one OutputError naming :data:`SHM_DIR`, the bytes needed and the fix.
+    """
+    n_bytes = max(1, slot_bytes * n_slots)
+    need = f"{n_slots} slots of {_mib(slot_bytes)} ({workers} workers) need {_mib(n_bytes)}"
+    free = _shm_free_bytes()
+    if free is not None and free < n_bytes:
+        raise _shm_error(f"too little shared memory for the patch readers: {need}, {_mib(free)} are free",
+                         errno.ENOSPC)
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY and limit < n_bytes:  # checked first: SharedMemory would fail untidily
+        raise _shm_error(f"cannot make the patch readers' shared memory: {need}, more than the file-size limit "
+                         f"of {_mib(limit)}", errno.EFBIG)
+    shm = None
+    try:
+        shm = shared_memory.SharedMemory(create=True, size=n_bytes)
+        fd = getattr(shm, "_fd", -1)  # POSIX only
+        if fd >= 0:
+            preallocate(fd, n_bytes)
+    except OSError as exc:
+        if shm is not None:
+            shm.close()
+            shm.unlink()
+        if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise
+        raise _shm_error(f"cannot make the patch readers' shared memory: {need} ({exc.strerror})",
+                         exc.errno) from None
+    return shm
+
+
 class _Readers:
     """The reader processes (or the calling process with ``workers == 0``) and the shared slots. Reader
-    processes end by themselves when the process that started them is gone (:func:`start_reader`)."""
+    processes end by themselves when the process that started them is gone (:func:`start_reader`).
+    Shared memory that cannot be made (the slots, the pool's semaphores) is an OutputError naming
+    :data:`SHM_DIR` and the fix (:func:`_create_slots`)."""
 
     def __init__(self, *, workers: int, slot_bytes: int, n_slots: int, setup_kwargs: dict[str, Any]) -> None:
         self.workers = workers
         self.slot_bytes = slot_bytes
         self.n_slots = n_slots
-        self.shm = shared_memory.SharedMemory(create=True, size=max(1, slot_bytes * n_slots))
+        self.shm = _create_slots(workers=workers, slot_bytes=slot_bytes, n_slots=n_slots)
         self.setup = ReaderSetup(shm_name=self.shm.name, slot_bytes=slot_bytes, **setup_kwargs)
         self.free = list(range(n_slots))
         self.pool = None
-        self.start()
+        try:
+            self.start()
+        except BaseException:
+            self.shm.close()
+            self.shm.unlink()
+            raise
 
     def start(self) -> None:
         if self.workers > 0:
-            self.pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=_reader_context(),
-                                            initializer=start_reader, initargs=(self.setup, os.getpid()))
+            try:
+                self.pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=_reader_context(),
+                                                initializer=start_reader, initargs=(self.setup, os.getpid()))
+            except OSError as exc:  # its semaphores live in /dev/shm too
+                if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG, 0, None):
+                    raise
+                cause = exc.strerror if exc.errno else "the system gave no cause"
+                raise _shm_error(f"cannot make the patch readers' semaphores ({cause})", exc.errno) from None
         else:
             init_reader(self.setup, shm=self.shm)
             self.pool = _InlineExecutor()
