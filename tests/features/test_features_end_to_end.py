@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -15,6 +16,7 @@ import pytest
 
 from feature_fixtures import write_clam_features
 from wsi_milssl.cli import main
+from wsi_milssl.errors import StoreError
 from wsi_milssl.features import read_feature_file
 from wsi_milssl.store import open_store
 
@@ -141,7 +143,28 @@ def test_heatmap_features_with_extreme_rows_blames_the_rows_not_a_finite_head(tm
     assert (f"its weights are finite, so the inputs of those patches are the cause (first: row 7, level-0 ({x}, {y}))"
             in row["error"])
     assert "Fix: check those rows of the slide's features for extreme values" in row["error"]
+    assert row["error"].startswith(f"{clam}: "), row["error"]  # the file to check, before the head
     assert not list(hm.glob("synth_000_*"))
+
+
+def test_heatmap_features_draws_maps_of_files_whose_instance_labels_it_never_reads(tmp_path, feature_run, synth_dir):
+    """Instance labels other than 0/1 fail training and evaluation reads (a5e3fae), not the maps, which never
+    read them."""
+    import h5py
+
+    feats, run = feature_run
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    shutil.copy(feats / "synth_000.h5", odd / "synth_000.h5")
+    with h5py.File(odd / "synth_000.h5", "r+") as h:
+        n = h["features"].shape[0]
+        if "instance_label" in h:
+            del h["instance_label"]
+        h["instance_label"] = np.full(n, -1, dtype=np.int8)
+    with pytest.raises(StoreError, match="'instance_label' must hold 0"):
+        read_feature_file(odd / "synth_000.h5")
+    assert main(["heatmap", str(synth_dir / "synth_000.tif"), "--features", str(odd), "--model", str(run),
+                 "--out", str(tmp_path / "hm"), "--thumbnail-px", "256"]) == 0
 
 
 def test_a_feature_heatmap_holds_its_folder_so_evaluate_and_a_second_run_are_refused(tmp_path, feature_run, synth_dir):

@@ -506,7 +506,7 @@ def is_feature_file(path: str | os.PathLike) -> bool:
         return False
 
 
-def read_feature_file(path: str | os.PathLike) -> FeatureFile:
+def read_feature_file(path: str | os.PathLike, *, instance_labels: bool = True) -> FeatureFile:
     """Read a feature file (this project's, TRIDENT's or CLAM's) of one slide.
 
     The slide stem is the root ``slide_stem`` attribute, else the file stem (TRIDENT and CLAM name the
@@ -514,7 +514,8 @@ def read_feature_file(path: str | os.PathLike) -> FeatureFile:
     ``features``, features that are not (N, D) (TRIDENT's empty (0,) counts as N = 0) or not all finite (in
     float32, which models read them in), coordinates whose count differs, or instance labels other than 0
     and 1; an HDF5 file that cannot be read (cut short) is called damaged,
-    with the fix (:func:`damaged_message`).
+    with the fix (:func:`damaged_message`). ``instance_labels`` False leaves them unread (None): a reader that
+    never uses them (the heatmap) does not fail a file over them.
     """
     import h5py
 
@@ -528,7 +529,7 @@ def read_feature_file(path: str | os.PathLike) -> FeatureFile:
                          "`wsi-milssl features`, TRIDENT or CLAM.") from None
     try:
         with fh:
-            return _read_open_file(path, fh)
+            return _read_open_file(path, fh, instance_labels=instance_labels)
     except OSError as exc:  # a dataset cut short: the file opened, its data cannot be read
         raise StoreError(damaged_message(path, exc)) from None
 
@@ -559,7 +560,7 @@ def damaged_message(path: str | os.PathLike, exc: BaseException) -> str:
             "remakes a pipeline's feature files; a file of TRIDENT or CLAM, with that tool.")
 
 
-def _read_open_file(path: Path, fh) -> FeatureFile:
+def _read_open_file(path: Path, fh, *, instance_labels: bool = True) -> FeatureFile:
     """The contents of the open feature file ``fh`` (:func:`read_feature_file`)."""
     if FEATURES not in fh:
         raise StoreError(f"{path}: no 'features' dataset. Fix: extract features first (`wsi-milssl features`), "
@@ -589,7 +590,8 @@ def _read_open_file(path: Path, fh) -> FeatureFile:
         if len(coords) != len(feats):
             raise StoreError(f"{path}: 'coords' has {len(coords)} rows but 'features' {len(feats)}. Fix: "
                              "extract the features again.")
-    inst = _instance_labels(path, np.asarray(fh[INSTANCE_LABEL][()])) if INSTANCE_LABEL in fh else None
+    inst = (_instance_labels(path, np.asarray(fh[INSTANCE_LABEL][()]))
+            if instance_labels and INSTANCE_LABEL in fh else None)
     if inst is not None and inst.shape != (len(feats),):
         raise StoreError(f"{path}: 'instance_label' has shape {inst.shape}; expected ({len(feats)},).")
     bag_ids = None

@@ -272,7 +272,7 @@ def _make_feature_heatmaps(files: list[Path], head: FeatureHead, out_dir: Path, 
         try:
             from wsi_milssl.features.schema import read_feature_file
 
-            ff = read_feature_file(path)
+            ff = read_feature_file(path, instance_labels=False)  # the maps never read them
             stem = ff.stem
             if stem in seen:
                 raise ConfigError(f"{path}: slide {stem!r} is also in {seen[stem]}; their outputs would collide. Fix: "
@@ -297,6 +297,8 @@ def _make_feature_heatmaps(files: list[Path], head: FeatureHead, out_dir: Path, 
                 pred = _prediction(ff, probs, slide_path=slide_path, config=config, seconds=time.perf_counter() - t0,
                                    facts=facts)
                 bad = non_finite_error(pred, head)  # a diverged head: fail this slide before writing anything
+                if isinstance(bad, StoreError):  # the inputs: name the feature file to check
+                    raise StoreError(f"{path}: {bad}")
                 if bad is not None:
                     raise bad
                 written = write_slide_outputs(pred, out_dir, model=head, config=config, annotations_dir=annotations_dir,
