@@ -88,14 +88,19 @@ def test_hdf5_on_a_full_disk_raises_enospc(tmp_path, monkeypatch):
     _write(path, "raw", batches=1)  # the process is unharmed
 
 
-def test_adding_arrays_to_an_hdf5_store_on_a_full_disk_keeps_the_store(tmp_path):
+@pytest.mark.parametrize("limit", [200, 112_000])  # the copy of the 111.5 KB store fails, or HDF5's writes
+def test_adding_arrays_to_an_hdf5_store_on_a_full_disk_keeps_the_store(tmp_path, limit):
     """``write_arrays`` (the label stage) rebuilds the store beside itself through the same fail-safe
-    file: a failed write leaves the old store as it was and no temporary."""
+    file: a failed write leaves the old store as it was and no temporary. The message names the
+    store and the fix of the cause, as every other stage (it used to show the temporary's name and
+    "check free disk space" for a file-size limit)."""
     path = tmp_path / "s.h5"
     _write(path, "none", batches=2)
     size_before = sorted(p.name for p in tmp_path.iterdir())
-    with file_size_limit(200):
-        with pytest.raises(StoreError, match=rf"{path}: cannot update the store \(.*File too large.*\)\. Fix: "):
+    with file_size_limit(limit):
+        with pytest.raises(StoreError, match=(
+                rf"^{path}: cannot update the store \(File too large: the file grew past a size limit\)\. Fix: raise "
+                rf"the file-size limit \(`ulimit -f`\) or write to another file system than {tmp_path}'s\.$")):
             write_arrays(path, {"tumor_fraction": np.zeros(100, np.float32) + np.arange(100)})
     assert sorted(p.name for p in tmp_path.iterdir()) == size_before
     with open_store(path) as store:

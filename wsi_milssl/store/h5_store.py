@@ -23,7 +23,7 @@ from typing import Any, Mapping
 import h5py
 import numpy as np
 
-from wsi_milssl.atomic import temp_path
+from wsi_milssl.atomic import find_write_error, output_error, temp_path
 from wsi_milssl.errors import StoreError
 from wsi_milssl.store import schema
 from wsi_milssl.store.base import PatchStore, StoreWriter, fsync_path, remove_path
@@ -305,6 +305,9 @@ def h5_write_arrays(path: Path, arrays: Mapping[str, np.ndarray], attrs: Mapping
         os.replace(tmp, path)
     except OSError as exc:
         remove_path(tmp)
+        cause = find_write_error(exc, access=True)
+        if cause is not None:  # the fix of the cause (free space, ``ulimit -f``, ...), as every stage names it
+            raise StoreError(str(output_error(path, cause, what="cannot update the store"))) from None
         raise StoreError(f"{path}: cannot update the store ({exc}). Fix: check free disk space and permissions.") from None
     except BaseException:
         remove_path(tmp)
