@@ -186,6 +186,8 @@ def test_numpy_scalars_are_accepted_like_python_numbers():
         TrainConfig(epochs=np.float32(3.0))
     with pytest.raises(ConfigError, match="TrainConfig.plots must be bool"):
         TrainConfig(plots=np.int64(1))
+    with pytest.raises(ConfigError, match=r"must be bool; got np.True_ \(numpy.bool\)"):  # not '(bool)'
+        TrainConfig(fixed_mu=np.bool_(True))
     with pytest.raises(ConfigError, match="TrainConfig.mu must satisfy"):
         TrainConfig(mu=np.float32(1.0))
     with pytest.raises(ConfigError, match="0 < mu < 1"):

@@ -40,8 +40,10 @@ def check_type(cls_name: str, field: str, value: Any, types: type | tuple[type, 
     bad_bool = isinstance(value, bool) and bool not in types_t
     if bad_bool or not isinstance(value, types_t):
         names = " or ".join(t.__name__ for t in types_t)
-        raise ConfigError(
-            f"{_where(cls_name, field)} must be {names}; got {value!r} ({type(value).__name__})."
+        kind = type(value)
+        got = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
+        raise ConfigError(  # numpy.bool, not 'bool': np.True_ is no bool
+            f"{_where(cls_name, field)} must be {names}; got {value!r} ({got})."
         )
 
 
