@@ -105,3 +105,17 @@ def test_adding_arrays_to_an_hdf5_store_on_a_full_disk_keeps_the_store(tmp_path,
     assert sorted(p.name for p in tmp_path.iterdir()) == size_before
     with open_store(path) as store:
         assert len(store) == 100 and "tumor_fraction" not in store.names()
+
+
+def test_adding_arrays_to_a_zarr_store_past_a_file_size_limit_names_the_fix(tmp_path):
+    """The Zarr store's rebuild words a failed write as the HDF5 one does (it said "check free disk space
+    and permissions" for a file-size limit)."""
+    path = tmp_path / "s.zarr"
+    _write(path, "none", batches=2)
+    values = np.random.default_rng(0).random(100).astype(np.float32)  # 400 incompressible bytes
+    with file_size_limit(200):
+        with pytest.raises(StoreError, match=rf"^{path}: cannot update the store \(File too large: .*Fix: raise the "
+                                             r"file-size limit \(`ulimit -f`\)"):
+            write_arrays(path, {"tumor_fraction": values})
+    with open_store(path) as store:
+        assert len(store) == 100 and "tumor_fraction" not in store.names()

@@ -69,3 +69,18 @@ def test_find_stores(tmp_path, make_store):
         find_stores(tmp_path / "missing")
     with pytest.raises(StoreError, match="not a patch store"):
         find_stores(tmp_path / "tile_status.csv")
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_a_link_to_a_store_stays_a_link_and_the_store_it_names_is_written(tmp_path, make_store, fmt):
+    """Was: the link replaced by a labelled copy, the real store left without the labels."""
+    real = tmp_path / "stores" / f"s.{fmt}"
+    real.parent.mkdir()
+    make_store(real, pixels="none", n=4)
+    link = tmp_path / "links" / f"s.{fmt}"
+    link.parent.mkdir()
+    link.symlink_to(real)
+    write_arrays(link, {"instance_label": np.array([0, 1, 1, 0], dtype=np.uint8)})
+    assert link.is_symlink()
+    with open_store(real) as store:
+        np.testing.assert_array_equal(store.read_array("instance_label"), [0, 1, 1, 0])

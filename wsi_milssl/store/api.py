@@ -102,7 +102,7 @@ def write_arrays(path: str | os.PathLike, arrays: Mapping[str, Any], *, attrs: M
     Known names get their schema dtype (``tumor_fraction`` float32, ``instance_label`` uint8); other
     names must be numeric. ``coords``/``patches`` and the tile stage's attributes cannot be changed.
     The store is rebuilt beside itself and swapped in atomically, so a crash leaves the old store;
-    it keeps its permission bits. A read-only store (no write permission) is refused with a
+    it keeps its permission bits. A symbolic link to a store stays a link: the store it names is rebuilt. A read-only store (no write permission) is refused with a
     StoreError and left as it is.
     """
     path = Path(path)
@@ -121,6 +121,7 @@ def write_arrays(path: str | os.PathLike, arrays: Mapping[str, Any], *, attrs: M
         clean_attrs[key] = check_attr_value(key, value, where=str(path))
     if not checked and not clean_attrs:
         return
+    path = Path(os.path.realpath(path))  # a link to a store: rebuild the store it names, not a copy in the link's place
     _check_writable(path)
     if fmt == "h5":
         h5_write_arrays(path, checked, clean_attrs)

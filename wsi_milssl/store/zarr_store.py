@@ -20,7 +20,7 @@ from typing import Any, Mapping
 import numpy as np
 import zarr
 
-from wsi_milssl.atomic import temp_path
+from wsi_milssl.atomic import find_write_error, output_error, temp_path
 from wsi_milssl.errors import StoreError
 from wsi_milssl.store import schema
 from wsi_milssl.store.base import PatchStore, StoreWriter, fsync_path, remove_path, swap_into_place
@@ -321,6 +321,9 @@ def zarr_write_arrays(path: Path, arrays: Mapping[str, np.ndarray], attrs: Mappi
         swap_into_place(tmp, path)
     except OSError as exc:
         remove_path(tmp)
+        cause = find_write_error(exc, access=True)
+        if cause is not None:  # the fix of the cause (free space, ``ulimit -f``, ...), as every stage names it
+            raise StoreError(str(output_error(path, cause, what="cannot update the store"))) from None
         raise StoreError(f"{path}: cannot update the store ({exc}). Fix: check free disk space and permissions.") from None
     except BaseException:
         remove_path(tmp)
