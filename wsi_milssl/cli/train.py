@@ -11,7 +11,8 @@ import argparse
 import json
 from pathlib import Path
 
-__all__ = ["SUMMARY", "register", "run", "add_train_options", "train_config_from_args", "load_instances", "detect_mode"]
+__all__ = ["SUMMARY", "register", "run", "add_train_options", "train_config_from_args", "load_instances", "detect_mode",
+           "refuse_inputs_being_written"]
 
 #: one line for ``wsi-milssl --help``
 SUMMARY = "train an instance classifier with MIL-SSL (slide labels only)"
@@ -170,11 +171,38 @@ def _expand_feature_inputs(inputs: list[Path]) -> list[Path]:
     return out
 
 
-def load_instances(inputs: list[Path], *, mode: str, labels_path: Path | None):
-    """Read the InstanceSet for ``mode`` ('images', 'features' or 'mil-csv')."""
+def refuse_inputs_being_written(inputs: list[Path], *, option: str = "INPUTS") -> None:
+    """Refuse inputs in a folder that another run still writes: a live process holds the folder's lock
+    (:func:`wsi_milssl.locks.folder_writer`), as ``tile`` and ``features`` do while slides are still to come
+    and ``label`` while it rewrites the stores. Training would take the slides written so far without a
+    word. A folder is checked for itself and for the files (stores, feature files) given in it; a run of
+    this process (a pipeline's own stages) does not count. ``option`` names the inputs in the error."""
+    from wsi_milssl.errors import FolderLockedError
+    from wsi_milssl.locks import folder_writer
+
+    seen: set[Path] = set()
+    for path in inputs:
+        path = Path(path)
+        folder = path.parent if path.is_file() or path.suffix.lower() == ".zarr" else path  # a .zarr store is a folder
+        if folder in seen:
+            continue
+        seen.add(folder)
+        writer = folder_writer(folder)
+        if writer is not None:
+            raise FolderLockedError(f"{option} {folder}: {writer} is still writing this folder, so the slides in it "
+                                    "are not complete. Fix: wait until that run (every shard of it) finishes, then "
+                                    "train.")
+
+
+def load_instances(inputs: list[Path], *, mode: str, labels_path: Path | None, option: str = "INPUTS"):
+    """Read the InstanceSet for ``mode`` ('images', 'features' or 'mil-csv'); stores and feature files in a
+    folder that another run still writes are refused (:func:`refuse_inputs_being_written`, ``option``
+    naming them)."""
     from wsi_milssl.errors import ConfigError
     from wsi_milssl.mil.data import read_feature_files, read_labels_csv, read_mil_csv, read_patch_stores
 
+    if mode != "mil-csv":
+        refuse_inputs_being_written(inputs, option=option)
     if mode == "mil-csv":
         if len(inputs) != 1:
             raise ConfigError(f"mil-csv mode reads one CSV file; got {len(inputs)} inputs.")
@@ -345,8 +373,11 @@ def run(args: argparse.Namespace) -> int:
                               "choose a new --out folder.")
     mode = "images" if input_mode == "images" else "features"
     config = train_config_from_args(args, mode=mode, base=base)
-    train = load_instances(inputs, mode=input_mode, labels_path=labels)
-    val = load_instances(val_inputs, mode=input_mode, labels_path=val_labels) if val_inputs else None
+    resumed = args.resume is not None
+    train = load_instances(inputs, mode=input_mode, labels_path=labels,
+                           option="the run's input" if resumed else "INPUTS")
+    val = (load_instances(val_inputs, mode=input_mode, labels_path=val_labels,
+                          option="the run's --val input" if resumed else "--val") if val_inputs else None)
     if val is not None:
         _check_same_encoder(train, val)
         if args.resume is None:
