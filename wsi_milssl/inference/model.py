@@ -7,7 +7,8 @@ network in eval mode on the chosen device (eval-mode BatchNorm folded into the c
 normalisation) and the :class:`InferenceRuntime` (device, autocast dtype, reader workers). On the CPU
 the readers apply :class:`Preprocess` (uint8 pixels -> the normalised bfloat16 model input, by table
 lookup) so the main process only runs the forward pass; on CUDA they hand over uint8 pixels, which are
-normalised on the GPU.
+normalised on the GPU. :func:`check_run_finished` refuses the checkpoint of a run that a live ``train``
+still writes and warns about one of a run that stopped before its last epoch.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ __all__ = [
     "Preprocess",
     "PatchModel",
     "InferenceModel",
+    "check_run_finished",
     "fuse_batchnorm",
     "load_inference_model",
     "plan_from_checkpoint_config",
@@ -414,19 +416,89 @@ class InferenceModel(PatchModel):
         return self.probabilities(batch)
 
 
+def _run_record(path: Path) -> dict[str, Any] | None:
+    """The checkpoint's own record, its tensors left on disk (memory-mapped), or None when it cannot be
+    read that way (loading it proper reports a damaged file)."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - load_model names what is wrong with the file
+        return None
+    return ckpt if isinstance(ckpt, dict) else None
+
+
+def _epochs(ckpt: Mapping[str, Any] | None) -> tuple[int, int] | None:
+    """(epochs done, epochs the run was set to train) that a checkpoint records, or None."""
+    config = (ckpt or {}).get("config")
+    done, planned = (ckpt or {}).get("epoch"), config.get("epochs") if isinstance(config, Mapping) else None
+    if isinstance(done, bool) or isinstance(planned, bool) or not isinstance(done, int) or not isinstance(planned, int):
+        return None
+    return done, planned
+
+
+def check_run_finished(checkpoint: str | os.PathLike) -> Path:
+    """Check the run of ``checkpoint`` (RUN_DIR/best.pt, RUN_DIR/last.pt or RUN_DIR) before its model is
+    used; returns the checkpoint file (:func:`wsi_milssl.mil.checkpoint.resolve_checkpoint_path`).
+
+    A run folder that another run still writes (a live ``train`` holds its lock,
+    :func:`wsi_milssl.locks.folder_writer`; a run of this process does not count) raises FolderLockedError
+    naming that run: its checkpoints are of an epoch on the way, not the run's result. A run that stopped
+    before its last epoch (killed, failed) gets a warning naming the epochs: ``last.pt`` beside the
+    checkpoint (or the checkpoint itself, unless it is a ``best.pt`` without its run's ``last.pt``) records
+    fewer epochs than the run's config. The model may still be the one wanted, so it is not refused. A
+    checkpoint that records no epochs (another version's) is taken as it is.
+    """
+    from wsi_milssl.errors import FolderLockedError
+    from wsi_milssl.locks import folder_writer
+    from wsi_milssl.mil.checkpoint import resolve_checkpoint_path
+
+    path = resolve_checkpoint_path(checkpoint)
+    run_dir = path.parent
+    writer = folder_writer(run_dir)
+    if writer is not None:
+        raise FolderLockedError(f"{run_dir}: {writer} is still writing this run folder, so {path.name} is the "
+                                "checkpoint of an epoch on the way, not the run's result. Fix: wait until that "
+                                "run finishes, then make the heatmaps.")
+    own = _run_record(path)
+    held = _epochs(own)
+    if held is None:
+        return path
+    last = run_dir / "last.pt"
+    if path != last and last.is_file():  # the run's progress: last.pt is saved after every epoch
+        run = _epochs(_run_record(last))
+        if run is None:
+            return path
+        done, planned = max(run[0], held[0]), run[1]  # (a kill between best.pt's save and last.pt's)
+    else:
+        best = (own or {}).get("best")
+        if path != last and isinstance(best, Mapping) and best.get("epoch") == held[0]:
+            return path  # a best.pt without its run's last.pt: where that run stopped is not known here
+        done, planned = held
+    if done < planned:
+        fix = (f"continue the run with `wsi-milssl train --resume {run_dir}`" if last.is_file()
+               else "train the run to its end")
+        what = (f"{path}: its run stopped after epoch {done}" if done == held[0] else
+                f"{path} holds epoch {held[0]} of a run that stopped after epoch {done}")
+        logger.warning("%s of the %d it was set to train (killed or failed before its end%s), so this model is not "
+                       "the finished run's. Fix, unless it is the model you want: %s, then make the heatmaps again.",
+                       what, planned, "" if done == held[0] else ", as last.pt records", fix)
+    return path
+
+
 def load_inference_model(checkpoint_path: str | os.PathLike, *, config: HeatmapConfig | None = None
                          ) -> InferenceModel:
     """Load ``RUN_DIR/best.pt`` (or a run folder) for inference with ``config``'s runtime settings.
 
     Raises CheckpointError when the checkpoint cannot be read, holds a feature head (heatmaps need a
-    model over image patches) or lacks the tiling settings of its training stores.
+    model over image patches) or lacks the tiling settings of its training stores, and FolderLockedError
+    while another run (a live ``train``) writes its run folder; a run that stopped before its last epoch
+    is warned about (:func:`check_run_finished`).
     """
     from wsi_milssl.mil import load_model
     from wsi_milssl.mil.checkpoint import resolve_checkpoint_path
     from wsi_milssl.mil.models import is_image_model
 
     # the file itself (a run folder's best.pt, else last.pt): what is recorded and fingerprinted
-    checkpoint_path = resolve_checkpoint_path(checkpoint_path)
+    checkpoint_path = check_run_finished(resolve_checkpoint_path(checkpoint_path))
     config = config or HeatmapConfig()
     runtime = resolve_runtime(config)
     if config.threads > 0:
