@@ -171,3 +171,112 @@ def test_a_single_feature_run_without_validation_bags_warns(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="wsi_milssl.pipeline.runner"):
         run_pipeline(spec, until="train")
     assert not [r for r in caplog.records if "no validation" in r.getMessage()]
+
+
+GENERATED = ('[pipeline]\nname = "gen"\n[data]\ngenerate = true\nval_fraction = {val_fraction}\n'
+             "[synth.train]\nn_slides = {n_slides}\nseed = 0\n[synth.test]\nn_slides = 1\nseed = 1000\n{grid}")
+GRID = "[train.grid]\nmu = [0.1, 0.2]\n"
+#: 3 generated training slides: synth_000 normal, synth_001 and synth_002 tumour; any val_fraction > 0 holds out
+#: synth_001 alone (a class goes into validation only with at least 2 training slides)
+ONE_CLASS = "val_fraction = 0.5 holds out synth_001: the one validation slide (bag) is tumour (label 1)"
+
+
+def _generated(tmp_path, *, n_slides: int, val_fraction: str, grid: bool = True):
+    toml = tmp_path / "gen.toml"
+    toml.write_text(GENERATED.format(n_slides=n_slides, val_fraction=val_fraction, grid=GRID if grid else ""))
+    return toml
+
+
+def _refused_before_synth(toml, tmp_path, overrides=()) -> str:
+    with pytest.raises(ConfigError) as info:
+        run_pipeline(load_pipeline(toml, out_dir=tmp_path / "out", overrides=list(overrides)))
+    assert not (tmp_path / "out" / "slides").exists()  # synth never ran
+    return str(info.value)
+
+
+def test_a_grid_whose_validation_slides_are_of_one_class_is_refused_before_synth(tmp_path):
+    """select_metric = "bag_auc" (the default) needs validation slides of both classes: with 2 tumour and 1
+    normal training slide every split holds out one tumour slide, and each grid point would fail in train."""
+    toml = _generated(tmp_path, n_slides=3, val_fraction="0.5")
+    message = _refused_before_synth(toml, tmp_path)
+    assert "a [train.grid] of 2 points is chosen on the validation slides by select_metric \"bag_auc\"" in message
+    assert ONE_CLASS in message and "bag AUC cannot be computed" in message
+    assert "here: 2 tumour, 1 normal" in message
+    assert 'select_metric = "bag_nll"' in message and "add training slides" in message
+    assert "drop [train.grid]" not in message  # a single run on this split fails as well
+    # the fixes it names work: bag_nll is defined with one class; 4 training slides give both classes
+    assert run_pipeline(load_pipeline(toml, out_dir=tmp_path / "out", overrides=["train.select_metric=bag_nll"]),
+                        until="synth")[0].status == "ran"
+    toml = _generated(tmp_path, n_slides=4, val_fraction="0.5")
+    assert run_pipeline(load_pipeline(toml, out_dir=tmp_path / "out4"), until="synth")[0].status == "ran"
+
+
+def test_instance_auc_is_left_to_train(tmp_path):
+    """Instance labels are known only after the label stage: a grid chosen by instance_auc is not refused up
+    front on its slide labels."""
+    toml = _generated(tmp_path, n_slides=3, val_fraction="0.5")
+    spec = load_pipeline(toml, out_dir=tmp_path / "out", overrides=["train.select_metric=instance_auc"])
+    assert run_pipeline(spec, until="synth")[0].status == "ran"
+
+
+def test_a_single_run_whose_validation_slides_are_of_one_class_is_refused_before_synth(tmp_path):
+    """A single run on the same split would certainly fail in train (no epoch can be chosen for best.pt)."""
+    toml = _generated(tmp_path, n_slides=3, val_fraction="0.5", grid=False)
+    message = _refused_before_synth(toml, tmp_path)
+    assert "select_metric \"bag_auc\" chooses best.pt on the validation slides, so train would fail" in message
+    assert ONE_CLASS in message and "here: 2 tumour, 1 normal" in message
+    assert 'select_metric = "bag_nll"' in message and "set [data].val_fraction = 0" in message
+    # the fix it names works: no validation slides, the run keeps last.pt (one warning)
+    spec = load_pipeline(toml, out_dir=tmp_path / "out", overrides=["data.val_fraction=0"])
+    assert run_pipeline(spec, until="synth")[0].status == "ran"
+
+
+def test_a_grid_with_val_fraction_0_names_every_fix_needed(two_training_slides, tmp_path):
+    """val_fraction = 0 with a grid: the message names val_fraction > 0 and, when any val_fraction > 0 would
+    hold out no validation slide (1 tumour, 1 normal), more training slides as well, not one fix at a time."""
+    spec = load_pipeline(two_training_slides, out_dir=tmp_path / "out",
+                         overrides=["train.grid.mu=[0.1, 0.2]", "data.val_fraction=0"])
+    ran = []
+    with pytest.raises(ConfigError) as info:
+        run_pipeline(spec, on_stage=ran.append)
+    message = str(info.value)
+    assert "few.toml [train] with --set train.grid.mu=[0.1, 0.2] --set data.val_fraction=0: " in message
+    assert "[data].val_fraction is 0, and any val_fraction > 0 would hold out none" in message
+    assert CAUSE.format(what="slide") in message
+    assert "Fix: set [data].val_fraction > 0 (e.g. 0.25" in message and "and add training slides" in message
+    assert ran == [] and not (tmp_path / "out" / "stores").exists()
+
+
+def test_a_grid_with_val_fraction_0_and_a_one_class_split_names_both_fixes(tmp_path):
+    message = _refused_before_synth(_generated(tmp_path, n_slides=3, val_fraction="0"), tmp_path)
+    assert "[data].val_fraction is 0, and val_fraction = 0.25 would hold out synth_001: the one validation slide " \
+           "(bag) is tumour (label 1): bag AUC cannot be computed" in message
+    assert "as with any val_fraction > 0" in message and "here: 2 tumour, 1 normal" in message
+    assert "Fix: set [data].val_fraction > 0 (e.g. 0.25" in message
+    assert 'select_metric = "bag_nll"' in message and "add training slides" in message
+
+
+def test_a_grid_with_val_fraction_0_and_enough_slides_names_only_val_fraction(tmp_path):
+    toml = _generated(tmp_path, n_slides=4, val_fraction="0")
+    message = _refused_before_synth(toml, tmp_path)
+    assert "[data].val_fraction is 0. Fix: set [data].val_fraction > 0 (e.g. 0.25" in message
+    assert "add training slides" not in message
+    spec = load_pipeline(toml, out_dir=tmp_path / "out", overrides=["data.val_fraction=0.25"])
+    assert run_pipeline(spec, until="synth")[0].status == "ran"
+
+
+def test_a_grid_with_val_fraction_0_and_an_unreadable_labels_file_is_still_refused(two_training_slides, tmp_path):
+    (tmp_path / "cohort" / "train_labels.csv").unlink()
+    spec = load_pipeline(two_training_slides, out_dir=tmp_path / "out",
+                         overrides=["train.grid.mu=[0.1, 0.2]", "data.val_fraction=0"])
+    with pytest.raises(ConfigError) as info:
+        run_pipeline(spec)
+    assert "[data].val_fraction is 0. Fix: set [data].val_fraction > 0" in str(info.value)
+    assert not (tmp_path / "out" / "stores").exists()
+
+
+def test_a_feature_grid_with_val_fraction_0_is_refused_when_loaded(tmp_path):
+    """Feature files are split by the train stage: the load-time refusal stays for them."""
+    with pytest.raises(ConfigError, match=r"val_fraction is 0\. Fix: set \[data\]\.val_fraction > 0"):
+        load_pipeline(_two_bags(tmp_path), out_dir=tmp_path / "out",
+                      overrides=["train.grid.mu=[0.1, 0.3]", "data.val_fraction=0"])

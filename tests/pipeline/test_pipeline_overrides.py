@@ -163,13 +163,17 @@ def test_a_set_that_turns_on_generated_data_says_so(tmp_path):
         load_pipeline(path, overrides=["synth.train.n_slides=2", "synth.test.n_slides=2"])
 
 
-def test_a_grid_without_validation_slides_is_refused_when_the_file_is_read(tmp_path):
-    """It was refused only when train ran, after tile and label (hours on CAMELYON16)."""
+def test_a_grid_without_validation_slides_is_refused_before_any_stage(tmp_path):
+    """It was refused only when train ran, after tile and label (hours on CAMELYON16). Now before any stage
+    runs, from the split of the slides (so that the message names every fix needed; test_pipeline_grid_split)."""
     path = _write(tmp_path / "demo.toml", (Path(__file__).resolve().parents[2] / "pipelines" / "demo.toml").read_text())
+    spec = load_pipeline(path, out_dir=tmp_path / "out",
+                         overrides=["train.grid.epochs=[1, 2]", "data.val_fraction=0"])
     with pytest.raises(ConfigError) as caught:
-        load_pipeline(path, out_dir=tmp_path / "out", overrides=["train.grid.epochs=[1, 2]", "data.val_fraction=0"])
+        run_pipeline(spec)
     assert str(caught.value) == (
-        f"{path} with --set train.grid.epochs=[1, 2] --set data.val_fraction=0: a [train.grid] of 2 points needs "
-        "validation slides to choose one on, but [data].val_fraction is 0. Fix: set [data].val_fraction > 0 (e.g. "
-        "0.25: training slides held out, never the test set), or drop [train.grid].")
+        f"{path} [train] with --set train.grid.epochs=[1, 2] --set data.val_fraction=0: a [train.grid] of 2 points "
+        "needs validation slides to choose one on, but [data].val_fraction is 0. Fix: set [data].val_fraction > 0 "
+        "(e.g. 0.25: training slides held out, never the test set), or drop [train.grid].")
+    assert not (tmp_path / "out" / "slides").exists()  # synth never ran
     load_pipeline(path, out_dir=tmp_path / "out", overrides=["train.grid.epochs=[2]", "data.val_fraction=0"])  # one point

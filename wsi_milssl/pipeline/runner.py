@@ -427,28 +427,99 @@ def _no_validation_cause(stems: list[str], labels, what: str) -> str:
             f"{what}s; here: {tumour} tumour, {len(stems) - tumour} normal")
 
 
+#: The val_fraction the refusals of a [train.grid] with val_fraction = 0 suggest, and split with to tell whether
+#: it would be enough (which classes a split holds out does not depend on the fraction, see split_train_val)
+SUGGESTED_VAL_FRACTION = 0.25
+
+
+def _selection_problem(configs: list, val: list[str], labels) -> tuple[str, str] | None:
+    """(select_metric, why) for the first of ``configs``' select metrics that the validation slides or bags
+    ``val`` can never give, as far as their labels tell: :func:`wsi_milssl.mil.selftrain.selection_problem` (bag
+    AUC needs both classes). instance_auc is left to train: instance labels are known only once label has run."""
+    from wsi_milssl.mil.data import InstanceSet
+    from wsi_milssl.mil.selftrain import selection_problem
+
+    bags = InstanceSet(kind="images", bag_ids=np.zeros(0, dtype=np.int64), bag_names=list(val),
+                       bag_labels=np.array([int(labels[s]) for s in val], dtype=np.int64))
+    for metric in dict.fromkeys(config.select_metric for config in configs):
+        why = selection_problem(bags, metric) if metric != "instance_auc" else None
+        if why is not None:
+            return metric, why
+    return None
+
+
+def _names(stems: list[str]) -> str:
+    """The first 5 of ``stems``, and how many more, for a message."""
+    return ", ".join(stems[:5]) + (f" and {len(stems) - 5} more" if len(stems) > 5 else "")
+
+
 def _refuse_grid_without_validation(configs: list, stems: list[str], labels, val: list, *, val_fraction: float,
-                                    source: str, what: str) -> None:
-    """ConfigError for a [train.grid] of two or more points whose split of ``stems`` (training slides or bags)
-    holds out no validation ``what`` to choose a point on. A single run trains on; when ``val_fraction`` > 0
-    gave no validation ``what``, one warning says that it keeps last.pt, as no epoch can be chosen."""
+                                    source: str, what: str, would_val: list | None = None) -> None:
+    """ConfigError for a [train.grid] of two or more points (``configs``, TrainConfigs) whose split of ``stems``
+    (training slides or bags) holds out no validation ``what`` to choose a point on. With ``val_fraction`` = 0,
+    ``would_val`` (what :data:`SUGGESTED_VAL_FRACTION` would hold out; None when unknown) lets the refusal name
+    every fix needed at once: more training ``what``s too, where that split would hold out none, or only ones
+    its select_metric cannot use. A single run trains on; when ``val_fraction`` > 0 gave no validation
+    ``what``, one warning says that it keeps last.pt, as no epoch can be chosen."""
+    from wsi_milssl.errors import ConfigError
+
+    grid = f"a [train.grid] of {len(configs)} points"
+    if val_fraction <= 0:
+        if len(configs) < 2:
+            return
+        needs = f"{source}: {grid} needs validation {what}s to choose one on, but [data].val_fraction is 0"
+        fix = (f"set [data].val_fraction > 0 (e.g. {SUGGESTED_VAL_FRACTION:g}: training {what}s held out, never "
+               "the test set)")
+        if would_val is not None and not would_val:
+            raise ConfigError(f"{needs}, and any val_fraction > 0 would hold out none: "
+                              f"{_no_validation_cause(stems, labels, what)}. Fix: {fix} and add training {what}s "
+                              f"so that a class has at least 2 (both classes, for select_metric = \"bag_auc\"), or "
+                              "drop [train.grid].")
+        problem = _selection_problem(configs, would_val, labels) if would_val else None
+        if problem is not None:
+            metric, why = problem
+            raise ConfigError(f"{needs}, and val_fraction = {SUGGESTED_VAL_FRACTION:g} would hold out "
+                              f"{_names(would_val)}: {why} (select_metric \"{metric}\"), as with any val_fraction "
+                              f"> 0: {_no_validation_cause(stems, labels, what)}. Fix: {fix} and either "
+                              f"{_USE_BAG_NLL} or add training {what}s so that each class has at least 2; or drop "
+                              "[train.grid].")
+        raise ConfigError(f"{needs}. Fix: {fix}, or drop [train.grid].")
     if val:
         return
-    cause = _no_validation_cause(stems, labels, what) if val_fraction > 0 else "[data].val_fraction is 0"
+    cause = _no_validation_cause(stems, labels, what)
     if len(configs) > 1:
-        from wsi_milssl.errors import ConfigError
+        raise ConfigError(f"{source}: {grid} needs validation {what}s to choose one on, but [data].val_fraction "
+                          f"= {val_fraction:g} gave none, as any would: {cause}. Fix: add training {what}s so "
+                          "that a class has at least 2 (both classes, for select_metric = \"bag_auc\"), or drop "
+                          "[train.grid] (or give each of its keys one value): a single run keeps last.pt.")
+    log.warning("%s: [data].val_fraction = %g gave no validation %ss (%s): training keeps last.pt, the last "
+                "epoch, not one chosen on validation", source, val_fraction, what, cause)
 
-        if val_fraction <= 0:
-            raise ConfigError(f"{source}: a [train.grid] of {len(configs)} points needs validation {what}s to choose "
-                              f"one on, but {cause}. Fix: set [data].val_fraction > 0, or drop [train.grid].")
-        raise ConfigError(f"{source}: a [train.grid] of {len(configs)} points needs validation {what}s to choose one "
-                          f"on, but [data].val_fraction = {val_fraction:g} gave none, as any would: {cause}. Fix: add "
-                          f"training {what}s so that a class has at least 2 (both classes, for select_metric = "
-                          f"\"bag_auc\"), or drop [train.grid] (or give each of its keys one value): a single run "
-                          f"keeps last.pt.")
-    if val_fraction > 0:
-        log.warning("%s: [data].val_fraction = %g gave no validation %ss (%s): training keeps last.pt, the last "
-                    "epoch, not one chosen on validation", source, val_fraction, what, cause)
+
+#: The fix of a select_metric that validation of one class cannot give
+_USE_BAG_NLL = 'set select_metric = "bag_nll" in [train] (the validation bag loss, defined with one class)'
+
+
+def _refuse_unusable_validation(configs: list, stems: list[str], labels, val: list, *, val_fraction: float,
+                                source: str, what: str) -> None:
+    """ConfigError for a run (single, or a [train.grid]'s points: ``configs``, TrainConfigs) whose select_metric
+    the validation ``what``s ``val`` split off ``stems`` can never give, as far as their labels tell
+    (:func:`_selection_problem`: bag AUC on one class): train would certainly fail on them."""
+    from wsi_milssl.errors import ConfigError
+
+    problem = _selection_problem(configs, val, labels) if val else None
+    if problem is None:
+        return
+    metric, why = problem
+    more = f"add training {what}s so that each class has at least 2"
+    held = (f"[data].val_fraction = {val_fraction:g} holds out {_names(val)}: {why}, as any val_fraction > 0 "
+            f"would: {_no_validation_cause(stems, labels, what)}")
+    if len(configs) > 1:
+        raise ConfigError(f"{source}: a [train.grid] of {len(configs)} points is chosen on the validation {what}s "
+                          f"by select_metric \"{metric}\", but {held}. Fix: {_USE_BAG_NLL}, or {more}.")
+    raise ConfigError(f"{source}: select_metric \"{metric}\" chooses best.pt on the validation {what}s, so train "
+                      f"would fail: {held}. Fix: {_USE_BAG_NLL}, or {more}, or set [data].val_fraction = 0 (no "
+                      "validation: training keeps last.pt, the last epoch).")
 
 
 def _fit_runs(ctx: _Context, runs: list[dict], configs: list, source: str, *, train, val, split: dict,
@@ -1241,21 +1312,28 @@ def run_pipeline(
 
 
 def _refuse_grid_without_validation_split(spec: PipelineSpec) -> None:
-    """Before any stage runs: the train stage's refusal of a [train.grid] whose split holds out no validation
-    slides (:func:`_refuse_grid_without_validation`), made from the training slide list and labels (or the
-    names and labels synth will generate), whose stores tile makes and train splits. Feature files are split
-    by the train stage, the first of a feature pipeline; a slide list or labels file that cannot be read is
-    the stages' error to report."""
+    """Before any stage runs: the refusals of a [train.grid] whose split holds out no validation slides, or with
+    val_fraction = 0 (:func:`_refuse_grid_without_validation`, as the train stage's), and of any run whose
+    validation slides cannot give its select_metric (:func:`_refuse_unusable_validation`), made from the training slide list and labels (or the names and
+    labels synth will generate), whose stores tile makes and train splits. Feature files are split by the train
+    stage, the first of a feature pipeline; a slide list or labels file that cannot be read is the stages'
+    error to report (a grid with val_fraction = 0 is refused all the same)."""
     from wsi_milssl.cohorts import slide_stem
+    from wsi_milssl.config import TrainConfig
     from wsi_milssl.errors import WsiMilsslError
     from wsi_milssl.mil.data import read_labels_csv
+    from wsi_milssl.pipeline.spec import _set_by
     from wsi_milssl.synth.generate import _tumour_flags
     from wsi_milssl.tiling import find_slides
 
     ds = spec.sets["train"]
-    source = f"{spec.source} [train]"
-    configs = _grid_runs(spec.section("train"), source)
-    if spec.mode == "features" or len(configs) < 2 or (ds.synth is None and ds.slides is None):
+    source = f"{spec.source} [train]{_set_by(spec.overrides, 'train', 'data', 'synth.train')}"
+    section = spec.section("train")
+    section.setdefault("mode", spec.train_mode)
+    configs = [config_from_mapping(TrainConfig, {**section, **o}, source=source)
+               for o in _grid_runs(section, source)]
+    if (spec.mode == "features" or (len(configs) < 2 and spec.val_fraction <= 0)
+            or (ds.synth is None and ds.slides is None)):
         return
     try:
         if ds.synth is not None:  # synth_NNN, labelled as generate_slides labels them
@@ -1265,11 +1343,18 @@ def _refuse_grid_without_validation_split(spec: PipelineSpec) -> None:
             stems = sorted(slide_stem(p) for p in find_slides([ds.slides], keep_missing=True))
             labels = read_labels_csv(ds.labels)
         _, val = split_train_val(stems, labels, val_fraction=spec.val_fraction, seed=spec.split_seed)
+        would_val = (split_train_val(stems, labels, val_fraction=SUGGESTED_VAL_FRACTION, seed=spec.split_seed)[1]
+                     if spec.val_fraction <= 0 else None)
     except WsiMilsslError:
-        return
+        stems = []
     if stems:
-        _refuse_grid_without_validation(configs, stems, labels, val, val_fraction=spec.val_fraction, source=source,
-                                        what="slide")
+        if len(configs) > 1:  # (a single run without validation: train warns, once)
+            _refuse_grid_without_validation(configs, stems, labels, val, val_fraction=spec.val_fraction,
+                                            source=source, what="slide", would_val=would_val)
+        _refuse_unusable_validation(configs, stems, labels, val, val_fraction=spec.val_fraction, source=source,
+                                    what="slide")
+    elif spec.val_fraction <= 0:  # a grid: no split holds out anything with val_fraction = 0
+        _refuse_grid_without_validation(configs, [], {}, [], val_fraction=0.0, source=source, what="slide")
 
 
 def _refuse_shared_slides(spec: PipelineSpec) -> None:

@@ -317,8 +317,8 @@ def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None 
                               "drop [features].")
     train_mode = "features" if mode == "features" or feature_stage else "images"
     _validate_sections(sections, source, train_mode=train_mode, overrides=overrides)
-    _refuse_grid_without_validation(sections["train"].get("grid"), val_fraction, at("train", "data"),
-                                    "bags" if train_mode == "features" else "slides")
+    if mode == "features":
+        _refuse_grid_without_validation(sections["train"].get("grid"), val_fraction, at("train", "data"), "bags")
     return PipelineSpec(name=name, source=source, out_dir=out, sets=sets, val_fraction=val_fraction,
                         split_seed=split_seed, sections=sections, mode=mode, feature_stage=feature_stage,
                         overrides=overrides, grid_workers=grid_workers)
@@ -334,10 +334,12 @@ def _asks_for_generated_slides(raw: dict[str, Any]) -> bool:
 
 
 def _refuse_grid_without_validation(grid: Any, val_fraction: float, where: str, what: str) -> None:
-    """ConfigError, before any stage runs, for a [train.grid] of two or more points without validation slides
-    (``[data].val_fraction = 0``) to choose one on. (A split that holds out none with val_fraction > 0, as with
-    fewer than 2 training slides of each class, is refused by ``run_pipeline`` before any stage runs; of feature
-    files, by the train stage.)"""
+    """ConfigError, when a feature-file pipeline is loaded, for a [train.grid] of two or more points without
+    validation ``what`` (``[data].val_fraction = 0``) to choose one on: its split is known only when the train
+    stage reads the files (which refuses one that holds out none with val_fraction > 0). A pipeline of slides is
+    refused by ``run_pipeline`` before any stage runs, from the split of its slide list and labels, so that one
+    message names every fix needed (val_fraction > 0, and more training slides where any split would still hold
+    out none, or one class)."""
     if not isinstance(grid, dict) or val_fraction > 0:
         return
     points = math.prod(len(values) for values in grid.values())
