@@ -142,3 +142,28 @@ def test_image_heatmap_refuses_a_run_being_written_and_warns_about_a_stopped_one
     assert main(cmd) == 0
     assert f"{run / 'last.pt'}: its run stopped after epoch 1 of the 2 it was set to train" in capsys.readouterr().err
 
+
+
+def test_the_feature_heatmap_api_refuses_a_run_being_written(tmp_path, feats, synth_dir):
+    """make_feature_heatmaps (the Python API, and `run`'s heatmap stage of a feature pipeline) checks as the
+    CLI does: it loads the head through load_feature_head, which checks the run."""
+    from wsi_milssl.errors import WsiMilsslError
+    from wsi_milssl.inference.feature_maps import make_feature_heatmaps
+
+    run = tmp_path / "run"
+    _fit(run, _feature_set(feats, synth_dir), epochs=1, mode="features")
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import time\n"
+        "from wsi_milssl.locks import folder_lock\n"
+        f"with folder_lock({str(run)!r}):\n"
+        "    print('locked', flush=True)\n"
+        "    time.sleep(60)\n"
+    )], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(WsiMilsslError, match=rf"another wsi-milssl run \(pid {holder.pid}"):
+            make_feature_heatmaps([feats], run, tmp_path / "hm")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not (tmp_path / "hm").exists()

@@ -180,7 +180,6 @@ def _run_features(args: argparse.Namespace) -> int:
     from wsi_milssl.cli.sharding import shard_from_args
     from wsi_milssl.errors import ConfigError
     from wsi_milssl.inference.feature_maps import make_feature_heatmaps
-    from wsi_milssl.inference.model import check_run_finished
     from wsi_milssl.tiling import find_slides
 
     try:
@@ -198,7 +197,6 @@ def _run_features(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    check_run_finished(args.model)  # a run still training is refused, one stopped early warned about
     with TqdmProgress() as progress:
         result = make_feature_heatmaps(args.features, args.model, args.out, config, slides=slides,
                                        annotations_dir=args.annotations, progress=progress)

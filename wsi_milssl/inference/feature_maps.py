@@ -103,14 +103,17 @@ class FeatureHead:
 
 def load_feature_head(checkpoint: str | os.PathLike, *, config: HeatmapConfig | None = None) -> FeatureHead:
     """The feature head of ``checkpoint`` (RUN_DIR/best.pt, last.pt or RUN_DIR) on ``config``'s device
-    (float32 on the CPU, autocast as asked on CUDA). Raises CheckpointError for a model over image patches."""
+    (float32 on the CPU, autocast as asked on CUDA). Raises CheckpointError for a model over image patches;
+    the checkpoint of a run that a live ``train`` still writes is refused, one of a run stopped early warned
+    about (:func:`~wsi_milssl.inference.model.check_run_finished`)."""
+    from wsi_milssl.inference.model import check_run_finished
     from wsi_milssl.mil import load_model
     from wsi_milssl.mil.checkpoint import resolve_checkpoint_path
     from wsi_milssl.mil.models import is_image_model
 
     config = config or HeatmapConfig()
     device = runtime_rules.pick_device(config.device, owner="HeatmapConfig")
-    path = resolve_checkpoint_path(checkpoint)
+    path = check_run_finished(resolve_checkpoint_path(checkpoint))
     model, cfg = load_model(path, device=device)
     name = str(cfg.get("model_name"))
     if is_image_model(name):
