@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 __all__ = ["SUMMARY", "register", "run", "add_train_options", "train_config_from_args", "load_instances", "detect_mode",
-           "refuse_inputs_being_written"]
+           "refuse_inputs_being_written", "warn_unfinished_inputs"]
 
 #: one line for ``wsi-milssl --help``
 SUMMARY = "train an instance classifier with MIL-SSL (slide labels only)"
@@ -171,6 +171,16 @@ def _expand_feature_inputs(inputs: list[Path]) -> list[Path]:
     return out
 
 
+def _input_folders(inputs: list[Path]) -> list[Path]:
+    """The folders of ``inputs``: a folder given, or the folder of a store or feature file given (once each)."""
+    folders: list[Path] = []
+    for path in map(Path, inputs):
+        folder = path.parent if path.is_file() or path.suffix.lower() == ".zarr" else path  # a .zarr store is a folder
+        if folder not in folders:
+            folders.append(folder)
+    return folders
+
+
 def refuse_inputs_being_written(inputs: list[Path], *, option: str = "INPUTS") -> None:
     """Refuse inputs in a folder that another run still writes: a live process holds the folder's lock
     (:func:`wsi_milssl.locks.folder_writer`), as ``tile`` and ``features`` do while slides are still to come
@@ -180,18 +190,63 @@ def refuse_inputs_being_written(inputs: list[Path], *, option: str = "INPUTS") -
     from wsi_milssl.errors import FolderLockedError
     from wsi_milssl.locks import folder_writer
 
-    seen: set[Path] = set()
-    for path in inputs:
-        path = Path(path)
-        folder = path.parent if path.is_file() or path.suffix.lower() == ".zarr" else path  # a .zarr store is a folder
-        if folder in seen:
-            continue
-        seen.add(folder)
+    for folder in _input_folders(inputs):
         writer = folder_writer(folder)
         if writer is not None:
             raise FolderLockedError(f"{option} {folder}: {writer} is still writing this folder, so the slides in it "
                                     "are not complete. Fix: wait until that run (every shard of it) finishes, then "
                                     "train.")
+
+
+def warn_unfinished_inputs(inputs: list[Path], *, mode: str, labels_path: Path | None, bag_names: list[str],
+                           option: str = "INPUTS") -> None:
+    """Warn about inputs in a folder whose last ``tile`` run (image mode; ``features`` run: feature mode) did
+    not finish (Ctrl-C, SIGTERM, kill -9, a crash: it left its mark,
+    :func:`wsi_milssl.tiling.status.unfinished_runs`) when slides that run was to make have no store (feature
+    file) there and are labelled in ``labels_path``: training goes on without them. A warning, not a refusal:
+    training on the slides there may be what is wanted. ``bag_names``: the bags read (training and
+    validation), so a slide read from another input is not missing. ``option`` names the inputs."""
+    import logging
+    import time
+
+    from wsi_milssl.mil.data import read_labels_csv
+    from wsi_milssl.store import find_stores
+    from wsi_milssl.tiling.status import unfinished_runs
+
+    if mode not in ("images", "features") or labels_path is None:
+        return
+    stage, what = ("tile", "store") if mode == "images" else ("features", "feature file")
+    read = {name.casefold() for name in bag_names}
+    labels = None
+    for folder in _input_folders(inputs):
+        runs = unfinished_runs(folder, stage)
+        if not runs:
+            continue
+        if labels is None:
+            labels = read_labels_csv(labels_path)
+        if all(isinstance(r.get("slides"), list) for r in runs):
+            planned = sorted({str(stem) for r in runs for stem in r["slides"]})
+        else:  # a mark that cannot be read: every labelled slide may be one of the run's
+            planned = list(labels)
+        files = find_stores(folder) if mode == "images" else _expand_feature_inputs([folder])
+        made = {p.stem for p in files}  # <stem>.h5, <stem>.zarr
+        missing = [stem for stem in planned if stem in labels and stem.casefold() not in read and stem not in made]
+        if not missing:
+            continue
+        last = runs[-1]
+        started = last.get("started")
+        since = (time.strftime("; started %Y-%m-%d %H:%M:%S", time.localtime(started))
+                 if isinstance(started, (int, float)) else "")
+        command = str(last.get("command") or f"wsi-milssl {stage}")
+        names = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+        logging.getLogger(__name__).warning(
+            "%s %s: the last `wsi-milssl %s` run into this folder did not finish (stopped or killed%s: %s): %d "
+            "slide%s of %s that it was to make %s no %s here (%s), so training goes on without %s; the folder "
+            "holds %d %s%s. Fix, unless that is what you want: run that command again to finish the folder (it "
+            "skips the slides done), then train again.",
+            option, folder, stage, since, command, len(missing), "" if len(missing) == 1 else "s",
+            Path(labels_path).name, "has" if len(missing) == 1 else "have", what, names,
+            "it" if len(missing) == 1 else "them", len(files), what, "" if len(files) == 1 else "s")
 
 
 def load_instances(inputs: list[Path], *, mode: str, labels_path: Path | None, option: str = "INPUTS"):
@@ -378,6 +433,13 @@ def run(args: argparse.Namespace) -> int:
                            option="the run's input" if resumed else "INPUTS")
     val = (load_instances(val_inputs, mode=input_mode, labels_path=val_labels,
                           option="the run's --val input" if resumed else "--val") if val_inputs else None)
+    # a tile or features run stopped before its last slide: the slides it did not make are missing without a word
+    read = [*train.bag_names, *(val.bag_names if val is not None else [])]
+    warn_unfinished_inputs(inputs, mode=input_mode, labels_path=labels, bag_names=read,
+                           option="the run's input" if resumed else "INPUTS")
+    if val_inputs:
+        warn_unfinished_inputs(val_inputs, mode=input_mode, labels_path=val_labels, bag_names=read,
+                               option="the run's --val input" if resumed else "--val")
     if val is not None:
         _check_same_encoder(train, val)
         if args.resume is None:

@@ -18,7 +18,9 @@ The folder gets ``<stem>.h5`` per slide (:mod:`wsi_milssl.features.schema`), ``f
 kept, sorted by slide). Status: 'ok',
 'empty' (no patch: the file holds (0, D) features), 'skipped' (a file made with the same settings
 from the same source is there) or 'failed'. Each file is written under a temporary name and renamed
-when complete, so a killed run resumes where it stopped. A file made with other settings (another
+when complete, so a killed run resumes where it stopped; until its last slide is done the folder holds a
+hidden mark of the run (:func:`wsi_milssl.tiling.status.marking_unfinished`), so ``train`` on the
+folder of a stopped run warns that slides are missing. A file made with other settings (another
 encoder, weights, dtype, input size or precision), or from another slide file (a slide of the same
 name elsewhere: test slides embedded into a training folder, say), is never replaced silently: that
 slide fails with the fix (``overwrite``, another folder or deleting the file; ``run`` replaces them in
@@ -52,6 +54,7 @@ from wsi_milssl.features import schema
 from wsi_milssl.features.encoders import Encoder
 from wsi_milssl.locks import folder_lock
 from wsi_milssl.tiling import PLAN_ATTR, TilingPlan
+from wsi_milssl.tiling.status import marking_unfinished
 
 __all__ = ["CONFIG_FILENAME", "STATUS_FILENAME", "STATUS_COLUMNS", "FeatureResult", "FeatureRun", "feature_inputs",
            "extract_features"]
@@ -418,98 +421,102 @@ def _extract_features(inputs: Sequence[str | os.PathLike], out_dir: Path, config
         "features": config_to_dict(config), "encoder": encoder.describe(), "settings": settings,
         "settings_hash": settings_hash, "tiling_plan": plan.to_dict(), "runtime": model.runtime.describe(),
         "package_version": __version__}, sort_keys=True)
-    status_csv = out_dir / STATUS_FILENAME
-    results: dict[int, FeatureResult] = {}
+    # marked unfinished until the last slide is done: `train` warns about a folder whose run was stopped
+    with marking_unfinished(out_dir, "features", [it.stem for it in items]):
+        status_csv = out_dir / STATUS_FILENAME
+        results: dict[int, FeatureResult] = {}
 
-    def record(i: int, result: FeatureResult) -> None:
-        results[i] = result
-        _merge_status([result], status_csv)
-        emit(progress, ProgressEvent("features", len(results), len(items), unit="slide", item=result.slide,
-                                     message=result.status))
+        def record(i: int, result: FeatureResult) -> None:
+            results[i] = result
+            _merge_status([result], status_csv)
+            emit(progress, ProgressEvent("features", len(results), len(items), unit="slide", item=result.slide,
+                                         message=result.status))
 
-    def failed(i: int, message: str, seconds: float = 0.0) -> FeatureResult:
-        logger.error("%s: failed: %s", items[i].stem, message)
-        return FeatureResult(items[i].stem, str(items[i].slide_path or ""), "failed", 0, encoder.dim, seconds, message)
+        def failed(i: int, message: str, seconds: float = 0.0) -> FeatureResult:
+            logger.error("%s: failed: %s", items[i].stem, message)
+            return FeatureResult(items[i].stem, str(items[i].slide_path or ""), "failed", 0, encoder.dim, seconds,
+                                 message)
 
-    emit(progress, ProgressEvent("features", 0, len(items), unit="slide"))
-    todo: list[int] = []
-    source_hashes: dict[int, str] = {}
-    for i, (it, src) in enumerate(zip(items, sources)):
-        if src is not None and src.error:
-            record(i, failed(i, src.error))
-            continue
-        if src is not None:
-            mismatch = _resolution_mismatch(it, src.attrs, plan, tile_given=tile is not None)
-            if mismatch:
-                record(i, failed(i, mismatch))
+        emit(progress, ProgressEvent("features", 0, len(items), unit="slide"))
+        todo: list[int] = []
+        source_hashes: dict[int, str] = {}
+        for i, (it, src) in enumerate(zip(items, sources)):
+            if src is not None and src.error:
+                record(i, failed(i, src.error))
                 continue
-            fingerprint = src.fingerprint
-        else:
-            fingerprint = _slide_fingerprint(it.slide_path, plan, config.slide_mpp)
-        source_hashes[i] = _digest(fingerprint)
-        path = schema.feature_path(out_dir, it.stem)
-        if not overwrite:
-            try:
-                n = _check_existing(path, settings, settings_hash, source_hashes[i], slide=_slide_of(it, src))
-            except StoreError as exc:
-                if not replace_other:
-                    record(i, failed(i, str(exc)))
+            if src is not None:
+                mismatch = _resolution_mismatch(it, src.attrs, plan, tile_given=tile is not None)
+                if mismatch:
+                    record(i, failed(i, mismatch))
                     continue
-                logger.info("%s; made again", str(exc).split(" Fix:")[0])
-                n = None
-            if n is not None and src is not None and src.has_labels and not _refresh_labels(path, it.store_path):
-                n = None  # labels of another length: made again
-            if n is not None:
-                record(i, FeatureResult(it.stem, str(it.slide_path or ""), "skipped", n, encoder.dim, 0.0, "",
-                                        str(path)))
-                continue
-        todo.append(i)
-    if len(todo) < len(items):
-        logger.info("%s: %d of %d slides need features", out_dir, len(todo), len(items))
+                fingerprint = src.fingerprint
+            else:
+                fingerprint = _slide_fingerprint(it.slide_path, plan, config.slide_mpp)
+            source_hashes[i] = _digest(fingerprint)
+            path = schema.feature_path(out_dir, it.stem)
+            if not overwrite:
+                try:
+                    n = _check_existing(path, settings, settings_hash, source_hashes[i], slide=_slide_of(it, src))
+                except StoreError as exc:
+                    if not replace_other:
+                        record(i, failed(i, str(exc)))
+                        continue
+                    logger.info("%s; made again", str(exc).split(" Fix:")[0])
+                    n = None
+                if n is not None and src is not None and src.has_labels and not _refresh_labels(path, it.store_path):
+                    n = None  # labels of another length: made again
+                if n is not None:
+                    record(i, FeatureResult(it.stem, str(it.slide_path or ""), "skipped", n, encoder.dim, 0.0, "",
+                                            str(path)))
+                    continue
+            todo.append(i)
+        if len(todo) < len(items):
+            logger.info("%s: %d of %d slides need features", out_dir, len(todo), len(items))
 
-    def write(i: int, out) -> FeatureResult:
-        t0 = time.perf_counter()
-        it, src = items[i], sources[i]
-        path = _write_slide(out_dir, it, src, out, model=model, settings=settings, settings_hash=settings_hash,
-                            source_hash=source_hashes[i])
-        status = "ok" if len(out) else "empty"
-        if status == "empty":
-            logger.warning("%s: no patch, so its feature file holds no rows", it.stem)
-        return FeatureResult(it.stem, str(it.slide_path or ""), status, len(out), encoder.dim,
-                             out.seconds + time.perf_counter() - t0, "", str(path))
+        def write(i: int, out) -> FeatureResult:
+            t0 = time.perf_counter()
+            it, src = items[i], sources[i]
+            path = _write_slide(out_dir, it, src, out, model=model, settings=settings, settings_hash=settings_hash,
+                                source_hash=source_hashes[i])
+            status = "ok" if len(out) else "empty"
+            if status == "empty":
+                logger.warning("%s: no patch, so its feature file holds no rows", it.stem)
+            return FeatureResult(it.stem, str(it.slide_path or ""), status, len(out), encoder.dim,
+                                 out.seconds + time.perf_counter() - t0, "", str(path))
 
-    writes: dict = {}
+        writes: dict = {}
 
-    def collect(block: bool) -> None:
-        done, _ = wait(list(writes), timeout=None if block else 0, return_when=FIRST_COMPLETED)
-        for fut in done:
-            i, seconds = writes.pop(fut)
-            try:
-                result = fut.result()
-            except Exception as exc:  # noqa: BLE001 - one slide's file must not stop the others
-                record(i, failed(i, _message(items[i].stem, exc), seconds))
-                continue
-            logger.info("%s: %d patches -> %s (%.1f s)", result.slide, result.n_patches, result.path, result.seconds)
-            record(i, result)
+        def collect(block: bool) -> None:
+            done, _ = wait(list(writes), timeout=None if block else 0, return_when=FIRST_COMPLETED)
+            for fut in done:
+                i, seconds = writes.pop(fut)
+                try:
+                    result = fut.result()
+                except Exception as exc:  # noqa: BLE001 - one slide's file must not stop the others
+                    record(i, failed(i, _message(items[i].stem, exc), seconds))
+                    continue
+                logger.info("%s: %d patches -> %s (%.1f s)", result.slide, result.n_patches, result.path,
+                            result.seconds)
+                record(i, result)
 
-    t_start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="wsi-features-write") as writer:
-        for j, outcome in run_slides([items[i] for i in todo], model, batch_size=config.batch_size,
-                                     decode=config.decode, slide_mpp=config.slide_mpp, progress=progress,
-                                     event="features-patches", owner="FeaturesConfig"):
-            i = todo[j]
-            if isinstance(outcome, Exception):
-                record(i, failed(i, _message(items[i].stem, outcome)))
-                continue
-            writes[writer.submit(write, i, outcome)] = (i, outcome.seconds)
-            collect(block=False)
-            while len(writes) >= _PENDING_WRITES:
+        t_start = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="wsi-features-write") as writer:
+            for j, outcome in run_slides([items[i] for i in todo], model, batch_size=config.batch_size,
+                                         decode=config.decode, slide_mpp=config.slide_mpp, progress=progress,
+                                         event="features-patches", owner="FeaturesConfig"):
+                i = todo[j]
+                if isinstance(outcome, Exception):
+                    record(i, failed(i, _message(items[i].stem, outcome)))
+                    continue
+                writes[writer.submit(write, i, outcome)] = (i, outcome.seconds)
+                collect(block=False)
+                while len(writes) >= _PENDING_WRITES:
+                    collect(block=True)
+            while writes:
                 collect(block=True)
-        while writes:
-            collect(block=True)
-    ordered = tuple(results[k] for k in range(len(items)))
-    _merge_status(ordered, status_csv)
-    return FeatureRun(ordered, out_dir, status_csv, config_json, seconds=time.perf_counter() - t_start)
+        ordered = tuple(results[k] for k in range(len(items)))
+        _merge_status(ordered, status_csv)
+        return FeatureRun(ordered, out_dir, status_csv, config_json, seconds=time.perf_counter() - t_start)
 
 
 def _message(stem: str, exc: BaseException) -> str:

@@ -6,13 +6,17 @@ grid at the target resolution -> cells with enough tissue are read (bands of nei
 level, on reader threads) -> entropy filter. The kept patches' JPEG/raw pixels are streamed in
 batches into a temporary ``.<stem>.<fmt>.<pid>.<random>.partial`` -> QC PNG -> rename to the final
 store, whose attributes record the plan.
-A run killed at any moment leaves no store that looks complete; re-running skips complete stores
-made with the same settings, removes the killed run's temporaries and refuses to mix settings in
-one folder. A run holds the output folder's lock (:func:`wsi_milssl.locks.folder_lock`): a second
-run into the same folder is refused. Shard I of N (``shard=(I, N)``: ``--shard I/N`` or a torchrun
-rank) tiles its share of the slides (:func:`wsi_milssl.distributed.shard_items`); the shards of one
-run may write one folder at once, and their ``tile_status.csv`` rows merge, sorted by slide as one run writes them. Before each slide the free disk space is checked against an
-estimate of its store; a slide that does not fit, or whose store fills the disk anyway, fails alone.
+A run killed at any moment leaves no store that looks complete, and leaves the hidden mark that a run
+writes into the folder before its first slide and removes after its last
+(:func:`~wsi_milssl.tiling.status.marking_unfinished`), so ``train`` warns about the missing slides;
+re-running skips complete stores made with the same settings, removes the killed run's temporaries
+and refuses to mix settings in one folder. A run holds the output folder's lock
+(:func:`wsi_milssl.locks.folder_lock`): a second run into the same folder is refused. Shard I of N
+(``shard=(I, N)``: ``--shard I/N`` or a torchrun rank) tiles its share of the slides
+(:func:`wsi_milssl.distributed.shard_items`); the shards of one run may write one folder at once, and
+their ``tile_status.csv`` rows merge, sorted by slide as one run writes them. Before each slide the free
+disk space is checked against an estimate of its store; a slide that does not fit, or whose store fills
+the disk anyway, fails alone.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ from wsi_milssl.tiling.inputs import file_fingerprint, slide_stem
 from wsi_milssl.tiling.qc import render_qc, write_qc_png
 from wsi_milssl.tiling.plan import PLAN_ATTR
 from wsi_milssl.tiling.reading import Band, ordered_map
-from wsi_milssl.tiling.status import STATUS_FILENAME, TileResult, merge_status_csv
+from wsi_milssl.tiling.status import STATUS_FILENAME, TileResult, marking_unfinished, merge_status_csv
 
 __all__ = [
     "CONFIG_FILENAME",
@@ -575,7 +579,9 @@ def tile_slides(slides: Iterable[str | os.PathLike], out_dir: str | os.PathLike,
     store exists) raises StoreError naming both. Slides that fail
     (including a missing file, a folder named like a slide, a full disk) are recorded as 'failed' in
     ``out_dir/tile_status.csv`` (its row added after each slide, rows of other slides kept, sorted by
-    slide) while the others finish. Also writes ``qc/<stem>.png`` per slide.
+    slide) while the others finish. Also writes ``qc/<stem>.png`` per slide. From before the first slide
+    until this run (shard) has done its last, the folder holds its mark of an unfinished run
+    (:func:`~wsi_milssl.tiling.status.marking_unfinished`): a run that stops in any way leaves it.
     """
     every = [Path(s) for s in slides]  # every shard checks the stores of the whole run's slides
     slides = shard_items(every, *shard, name=slide_stem)
@@ -587,8 +593,11 @@ def tile_slides(slides: Iterable[str | os.PathLike], out_dir: str | os.PathLike,
             other_settings = check_folder_settings(out_dir, every, config, overwrite=overwrite,
                                                    keep_other_stores=keep_other_stores)
             config_json = _write_config(out_dir, config, other_settings)
-        return _tile_slides_locked(slides, out_dir, config, overwrite=overwrite, progress=progress,
-                                   config_json=config_json)
+        # marked unfinished until this run's last slide is done: `train` warns about a folder whose run stopped
+        with marking_unfinished(out_dir, "tile", [slide_stem(s) for s in slides],
+                                shard=(int(shard[0]), int(shard[1])) if shard[1] > 1 else None):
+            return _tile_slides_locked(slides, out_dir, config, overwrite=overwrite, progress=progress,
+                                       config_json=config_json)
 
 
 def _check_shard_settings(out_dir: Path, config: TileConfig) -> None:

@@ -1,19 +1,31 @@
 """Per-slide outcome of a tile run and the folder's ``tile_status.csv`` (one row per slide, sorted by
-slide; the shards of a run merge their rows into one file)."""
+slide; the shards of a run merge their rows into one file), and the mark a ``tile`` or ``features`` run
+leaves in its folder while it runs (:func:`marking_unfinished`), which tells a reader of the folder
+(``train``) that its last run stopped before every slide was done."""
 
 from __future__ import annotations
 
 import csv
 import io
+import json
+import logging
 import os
+import re
+import secrets
+import socket
+import sys
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
-from wsi_milssl.atomic import atomic_write_text, merge_csv_rows
+from wsi_milssl.atomic import atomic_write_json, atomic_write_text, merge_csv_rows
 
 __all__ = ["TileResult", "STATUS_COLUMNS", "STATUS_FILENAME", "write_status_csv", "merge_status_csv",
-           "read_status_csv"]
+           "read_status_csv", "marking_unfinished", "unfinished_runs"]
+
+logger = logging.getLogger(__name__)
 
 STATUS_COLUMNS = ("slide", "status", "n_patches", "seconds", "error")
 STATUS_FILENAME = "tile_status.csv"
@@ -63,3 +75,75 @@ def read_status_csv(path: str | os.PathLike) -> list[dict[str, str]]:
     """Rows of a ``tile_status.csv`` as dicts."""
     with open(path, newline="") as fh:
         return list(csv.DictReader(fh))
+
+
+# ----------------------------------------------------------------------------------------------
+# Runs that did not finish
+# ----------------------------------------------------------------------------------------------
+
+def _unfinished_re(stage: str) -> re.Pattern:
+    return re.compile(rf"^\.wsi-milssl\.unfinished-{re.escape(stage)}\.[0-9]+-[0-9a-f]{{8}}\.json$")
+
+
+def _unfinished_markers(folder: Path, stage: str) -> list[Path]:
+    pattern = _unfinished_re(stage)
+    try:
+        return sorted(folder / n for n in os.listdir(folder) if pattern.match(n))
+    except OSError:
+        return []
+
+
+def _read_marker(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        data = {}
+    return data if isinstance(data, dict) else {}
+
+
+@contextmanager
+def marking_unfinished(folder: str | os.PathLike, stage: str, stems: Iterable[str], *,
+                       shard: tuple[int, int] | None = None) -> Iterator[Path]:
+    """Mark ``folder`` as holding an unfinished ``stage`` run ('tile' or 'features') for the ``with``
+    block: ``DIR/.wsi-milssl.unfinished-<stage>.<pid>-<random>.json`` records the run (command, pid,
+    host, start time, ``shard`` I/N) and the ``stems`` of the slides it is to make. Written before the
+    first slide, removed only when the block returns (a run that finished with failed slides finished:
+    those are in its status CSV), so a run stopped in any way (Ctrl-C, SIGTERM, a crash, kill -9) leaves
+    it behind for :func:`unfinished_runs`. Every run has its own mark, so the shards of one run never
+    remove each other's; a run that finishes also removes the marks of earlier runs whose slides were all
+    among its own (it made them). Call it while holding the folder's lock."""
+    folder = Path(folder)
+    stems = sorted(set(stems))
+    program = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "python"
+    if program in ("__main__.py", "wsi-milssl"):
+        program = "wsi-milssl"
+    path = folder / f".wsi-milssl.unfinished-{stage}.{os.getpid()}-{secrets.token_hex(4)}.json"
+    atomic_write_json(path, {"stage": stage, "command": " ".join([program, *sys.argv[1:]]), "pid": os.getpid(),
+                             "host": socket.gethostname(), "started": time.time(),
+                             "shard": None if shard is None else f"{shard[0]}/{shard[1]}", "slides": stems})
+    yield path
+    # reached only when the run returned: an exception (Ctrl-C, a crash) or a kill leaves the mark
+    mine = set(stems)
+    for other in _unfinished_markers(folder, stage):
+        record = _read_marker(other) if other != path else {"slides": []}
+        if record is None or not isinstance(record.get("slides"), list) or not set(record["slides"]) <= mine:
+            continue
+        try:
+            other.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            logger.warning("%s: cannot remove the mark of an unfinished run (%s); `wsi-milssl train` on this "
+                           "folder will warn that a run did not finish.", other, exc)
+
+
+def unfinished_runs(folder: str | os.PathLike, stage: str) -> list[dict]:
+    """What the marks of ``stage`` runs that did not finish in ``folder`` record (see
+    :func:`marking_unfinished`), oldest first: dicts with ``command``, ``pid``, ``host``, ``started``,
+    ``shard`` and ``slides`` (the stems the run was to make); an unreadable mark gives a dict without
+    them. Empty when every run into the folder finished (or the folder holds none)."""
+    records = [r for r in (_read_marker(p) for p in _unfinished_markers(Path(folder), stage)) if r is not None]
+    started = [r.get("started") if isinstance(r.get("started"), (int, float)) else 0.0 for r in records]
+    return [r for _, r in sorted(zip(started, records), key=lambda t: t[0])]
