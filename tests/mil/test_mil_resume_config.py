@@ -52,6 +52,33 @@ def test_wrong_value_names_config_json(run_dir, tmp_path, capsys):
     assert "Fix: correct that value in config.json" in err and "options:" not in err
 
 
+def test_a_run_saved_with_a_lam_above_todays_cap_is_not_resumable(run_dir, tmp_path, capsys):
+    """revT W3: λ > 1e6 was allowed before the cap (5fb5fb9). Resuming such a run said "correct that value in
+    config.json", which then failed as "cannot resume with different settings (lam: 1e8 -> 1e6)": the
+    checkpoint keeps the run's λ. Now the error says the run cannot be resumed on this version and to
+    start a new run."""
+    import torch
+
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    ckpt = torch.load(copy / "last.pt", weights_only=True)
+    ckpt["config"]["lam"] = 1e8  # as a run of an earlier version saved it
+    torch.save(ckpt, copy / "last.pt")
+    (copy / "config.json").write_text(_edited(run_dir, lam=1e8))
+    capsys.readouterr()
+    assert main(["train", "--resume", str(copy), "--epochs", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {copy / 'config.json'}: this run was saved with λ (lam) = 1e+08, above the "
+                          "1e+06 that this version allows"), err
+    assert "so it cannot be resumed on this version. Fix: start a new run without --resume, with a λ of at most " \
+           "1e+06" in err
+    assert "correct that value" not in err and "Traceback" not in err
+    # what the old fix led to: the checkpoint's λ is the run's
+    (copy / "config.json").write_text(_edited(run_dir, lam=1e6))
+    assert main(["train", "--resume", str(copy), "--epochs", "2"]) == 1
+    assert "cannot resume with different settings or data (lam: 100000000.0 -> 1000000.0)" in capsys.readouterr().err
+
+
 def test_wrong_data_entry(run_dir, tmp_path, capsys):
     err, path = _resume(run_dir, tmp_path, capsys, _edited(run_dir, data={"inputs": [3]}))
     assert f"error: {path}: 'data' does not list the run's inputs as paths" in err

@@ -307,9 +307,12 @@ def register(subparsers) -> None:
 
 
 def _resume_setup(args: argparse.Namespace):
+    import math
+
     from wsi_milssl.config.base import config_from_mapping
     from wsi_milssl.config.train import TrainConfig
     from wsi_milssl.errors import CheckpointError, ConfigError
+    from wsi_milssl.mil.sinkhorn import LAM_MAX
 
     run_dir = args.resume
     cfg_path = run_dir / "config.json"
@@ -343,6 +346,15 @@ def _resume_setup(args: argparse.Namespace):
     base = {k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k in fields}
     base.pop("mode", None)
     mode = "images" if input_mode == "images" else "features"
+    lam = base.get("lam")
+    if isinstance(lam, (int, float)) and not isinstance(lam, bool) and math.isfinite(lam) and lam > LAM_MAX:
+        # allowed before the cap: correcting it would not resume the run either (the checkpoint's λ differs)
+        raise ConfigError(
+            f"{cfg_path}: this run was saved with λ (lam) = {lam:g}, above the {LAM_MAX:g} that this version "
+            f"allows (at {LAM_MAX:g} the pseudo labels are already 0/1; from about 1e15 float64 cannot place "
+            "their cut), and a run resumes with its own settings, so it cannot be resumed on this version. Fix: "
+            f"start a new run without --resume, with a λ of at most {LAM_MAX:g} (the paper's is 25); if "
+            f"{cfg_path.name} was edited, restore its λ from the run's last.pt instead.")
     try:
         config_from_mapping(TrainConfig, {**base, "mode": mode}, source=str(cfg_path))
     except ConfigError as exc:
