@@ -136,9 +136,10 @@ def test_a_copy_of_the_training_mil_csv_as_validation_is_caught(tmp_path, mil_cs
         shutil.copy(mil_csv, val)
     elif how == "hard link":
         os.link(mil_csv, val)
-    else:  # another file's bags (ids b000..b039 too) and the rows of training bag b005
+    else:  # another file's bags (ids b000..b039 too), its b005 replaced by the training file's
         copied = [line for line in mil_csv.read_text().splitlines(keepends=True) if line.split(",")[1] == "b005"]
-        val.write_text(mil_csv_val.read_text() + "".join(copied))
+        others = [line for line in mil_csv_val.read_text().splitlines(keepends=True) if line.split(",")[1] != "b005"]
+        val.write_text("".join(others + copied))
     args = ["train", str(mil_csv), "--val", str(val), "--out", str(tmp_path / "run"), "--epochs", "1", "--threads",
             "1", "--no-plots"]
     with caplog.at_level("WARNING", logger="wsi_milssl.mil.selftrain"):
@@ -149,6 +150,30 @@ def test_a_copy_of_the_training_mil_csv_as_validation_is_caught(tmp_path, mil_cs
             "1 of the 40 validation bags are also training bags (b005): b"]
     else:
         assert code == 1
+
+
+def test_unrelated_mil_csvs_of_sparse_rows_are_other_bags(tmp_path, caplog):
+    """Two independent files of sparse binary features, both numbering their bags from 1, hold equal (all-zero)
+    rows in same-numbered bags by chance: not a copy, so training goes on without a warning (b22a228 took one
+    equal row as proof of a copy and refused the run)."""
+    import numpy as np
+
+    def make(path, seed, n_bags):
+        rng = np.random.default_rng(seed)
+        with open(path, "w") as f:
+            for b in range(1, n_bags + 1):
+                for i in range(6):
+                    x = (rng.random(20) < 0.05).astype(int)
+                    if b % 2 and i == 0:
+                        x[:2] = 1
+                    f.write(",".join(map(str, [b % 2, b, *x])) + "\n")
+
+    make(tmp_path / "train.csv", 1, 12)
+    make(tmp_path / "val.csv", 2, 6)
+    with caplog.at_level("WARNING", logger="wsi_milssl.mil.selftrain"):
+        assert main(["train", str(tmp_path / "train.csv"), "--val", str(tmp_path / "val.csv"), "--out",
+                     str(tmp_path / "run"), "--epochs", "1", "--model", "linear", "--threads", "1", "--no-plots"]) == 0
+    assert not any("are also training bags" in r.getMessage() for r in caplog.records)
 
 
 def test_shared_bags_compare_the_slides_the_stores_were_cut_from(tmp_path):

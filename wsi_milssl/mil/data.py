@@ -405,8 +405,8 @@ def feature_settings_clash(train: InstanceSet, val: InstanceSet) -> tuple[str, s
 def held_out_bags(train: InstanceSet, val: InstanceSet) -> list[str]:
     """The bags of ``val`` that are not training bags: not cut from a slide file of ``train`` where both
     sets record their slides (``bag_sources``, resolved: two folders may hold files of one name made from
-    different slides; for MIL CSVs also no bag of the same id with an identical instance row, as in a copy
-    of the training file), else not named as a training bag."""
+    different slides; for MIL CSVs also no bag of the same id and the same instance rows, as in a copy of
+    the training file), else not named as a training bag."""
     if train.bag_sources is not None and val.bag_sources is not None:
         seen = {os.path.realpath(p) for p in train.bag_sources}
         copied = _csv_bags_with_training_rows(train, val)
@@ -421,19 +421,27 @@ def _from_mil_csv(instances: InstanceSet) -> bool:
 
 
 def _csv_bags_with_training_rows(train: InstanceSet, val: InstanceSet) -> set[str]:
-    """Bags of a validation MIL CSV that share their id and at least one instance row with a bag of the
-    training MIL CSV: the same bag, from a copy (or hard link, or part) of the training file. Ids alone
-    say nothing across files (two files may both number their bags from 1)."""
+    """Bags of a validation MIL CSV that are bags of the training MIL CSV: the same id, every instance row
+    among that training bag's rows, and at least one of those rows found once in the whole training file (a
+    copy, hard link or part of the training file). Ids alone say nothing across files (two files may both
+    number their bags from 1), and neither do rows that repeat (all-zero or one-hot rows of sparse data)."""
     if not (_from_mil_csv(train) and _from_mil_csv(val)) or train.features is None or val.features is None:
         return set()
+    train_rows = [row.tobytes() for row in np.asarray(train.features, dtype=np.float32)]
+    count: dict[bytes, int] = {}
+    for row in train_rows:
+        count[row] = count.get(row, 0) + 1
+    by_bag: dict[int, set[bytes]] = {}
+    for bag, row in zip(train.bag_ids.tolist(), train_rows):
+        by_bag.setdefault(bag, set()).add(row)
     train_index = {name: k for k, name in enumerate(train.bag_names)}
+    val_rows: dict[int, list[bytes]] = {}
+    for bag, row in zip(val.bag_ids.tolist(), np.asarray(val.features, dtype=np.float32)):
+        val_rows.setdefault(bag, []).append(row.tobytes())
     shared = set()
     for k, name in enumerate(val.bag_names):
-        t = train_index.get(name)
-        if t is None:
-            continue
-        rows = {row.tobytes() for row in np.asarray(train.features[train.bag_ids == t], dtype=np.float32)}
-        if any(row.tobytes() in rows for row in np.asarray(val.features[val.bag_ids == k], dtype=np.float32)):
+        rows, t = val_rows.get(k, []), train_index.get(name)
+        if t is not None and rows and all(r in by_bag[t] for r in rows) and any(count[r] == 1 for r in rows):
             shared.add(name)
     return shared
 
