@@ -1323,7 +1323,7 @@ def _refuse_grid_without_validation_split(spec: PipelineSpec) -> None:
     from wsi_milssl.errors import WsiMilsslError
     from wsi_milssl.mil.data import read_labels_csv
     from wsi_milssl.pipeline.spec import _set_by
-    from wsi_milssl.synth.generate import _tumour_flags
+    from wsi_milssl.synth.generate import tumour_flags
     from wsi_milssl.tiling import find_slides
 
     ds = spec.sets["train"]
@@ -1337,7 +1337,7 @@ def _refuse_grid_without_validation_split(spec: PipelineSpec) -> None:
         return
     try:
         if ds.synth is not None:  # synth_NNN, labelled as generate_slides labels them
-            labels = {f"synth_{i:03d}": int(flag) for i, flag in enumerate(_tumour_flags(ds.synth))}
+            labels = {f"synth_{i:03d}": int(flag) for i, flag in enumerate(tumour_flags(ds.synth))}
             stems = sorted(labels)
         else:
             stems = sorted(slide_stem(p) for p in find_slides([ds.slides], keep_missing=True))

@@ -30,7 +30,7 @@ from wsi_milssl.synth.layout import Lesion, SlideLayout, make_layout
 from wsi_milssl.synth.pyramid import write_pyramidal_tiff
 from wsi_milssl.synth.render import make_textures, render_block
 
-__all__ = ["SynthSlide", "generate_slides", "write_slide", "lesion_annotations"]
+__all__ = ["SynthSlide", "generate_slides", "write_slide", "lesion_annotations", "tumour_flags"]
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,9 @@ def write_slide(
     )
 
 
-def _tumour_flags(config: SynthConfig) -> np.ndarray:
+def tumour_flags(config: SynthConfig) -> np.ndarray:
+    """Which of ``config``'s slides (synth_000, synth_001, ...) will hold tumour: bool (n_slides,), fixed by
+    the seed (a pipeline reads the split of generated slides from it before they exist)."""
     n_tumor = int(round(config.n_slides * config.tumor_slide_fraction))
     flags = np.zeros(config.n_slides, bool)
     flags[:n_tumor] = True
@@ -129,7 +131,7 @@ def _clear_previous_run(out: Path, n_slides: int) -> None:
 
 def _generate_slides(config: SynthConfig, out: Path, *, progress: ProgressCallback | None) -> list[SynthSlide]:
     _clear_previous_run(out, config.n_slides)
-    flags = _tumour_flags(config)
+    flags = tumour_flags(config)
     slides: list[SynthSlide] = []
     um2_per_px2 = config.mpp**2
     emit(progress, ProgressEvent("synth", 0, config.n_slides, unit="slide"))
