@@ -238,7 +238,7 @@ def write_feature_file(path: str | os.PathLike, *, features: np.ndarray, coords:
     fail-safe file, so a failed write never leaves HDF5 with a file it cannot close: a segfault).
     """
     from wsi_milssl.atomic import atomic_open
-    from wsi_milssl.store.h5_store import _FailSafeFile
+    from wsi_milssl.store.h5_store import FailSafeFile
     import h5py
 
     features = np.asarray(features)
@@ -253,7 +253,7 @@ def write_feature_file(path: str | os.PathLike, *, features: np.ndarray, coords:
     rows = max(1, min(n, 256))
     path = Path(path)
     with atomic_open(path, "wb") as tmp:
-        fh = _FailSafeFile(tmp.name, "r+b")  # atomic_open's temporary: it fsyncs, renames or removes it
+        fh = FailSafeFile(tmp.name, "r+b")  # atomic_open's temporary: it fsyncs, renames or removes it
         try:
             with h5py.File(fh, "w") as f:
                 ds = f.create_dataset(FEATURES, data=features, maxshape=(None, dim), chunks=(rows, max(1, dim)))

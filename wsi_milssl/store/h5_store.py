@@ -4,7 +4,7 @@ Layout: root attributes; datasets ``coords`` int64 (N, 2) with the CLAM/TRIDENT 
 ``entropy_bits`` and ``tissue_fraction`` float32 (N,), and ``patches`` as variable-length uint8
 (JPEG, chunks of 64 patches) or uint8 (N, H, W, 3) (raw, one uncompressed chunk per patch).
 
-Stores are written through :class:`_FailSafeFile` (h5py's ``fileobj`` driver), not by the HDF5
+Stores are written through :class:`FailSafeFile` (h5py's ``fileobj`` driver), not by the HDF5
 library's own file driver: when the disk fills up, HDF5's POSIX driver leaves the library with a
 file it can neither flush nor close, and the process dies with a segmentation fault at exit. The
 wrapper records the first failed write and then discards further writes, so the file closes
@@ -28,7 +28,7 @@ from wsi_milssl.errors import StoreError
 from wsi_milssl.store import schema
 from wsi_milssl.store.base import PatchStore, StoreWriter, fsync_path, remove_path
 
-__all__ = ["H5Store", "H5Writer", "h5_write_arrays"]
+__all__ = ["FailSafeFile", "H5Store", "H5Writer", "h5_write_arrays"]
 
 _SCALAR_CHUNK = 4096
 _JPEG_CHUNK = 64
@@ -99,7 +99,7 @@ class H5Store(PatchStore):
         return [r.tobytes() for r in rows]
 
 
-class _FailSafeFile(io.RawIOBase):
+class FailSafeFile(io.RawIOBase):
     """The file HDF5 writes a store through (h5py ``fileobj`` driver) that survives a full disk.
 
     Writes are written completely (h5py ignores short writes). The first failed write or truncate is
@@ -198,7 +198,7 @@ class H5Writer(StoreWriter):
     format = "h5"
 
     def _create(self) -> None:
-        self._fh = _FailSafeFile(self.partial_path)
+        self._fh = FailSafeFile(self.partial_path)
         self._file = h5py.File(self._fh, "w")
         f = self._file
         coords = f.create_dataset(schema.COORDS, shape=(0, 2), maxshape=(None, 2), dtype=np.int64,
@@ -284,7 +284,7 @@ def h5_write_arrays(path: Path, arrays: Mapping[str, np.ndarray], attrs: Mapping
     try:
         shutil.copyfile(path, tmp)
         shutil.copymode(path, tmp)  # the store keeps its permission bits
-        fh = _FailSafeFile(tmp, "r+b")  # a full disk must not leave HDF5 unable to close (see above)
+        fh = FailSafeFile(tmp, "r+b")  # a full disk must not leave HDF5 unable to close (see above)
         try:
             with h5py.File(fh, "r+") as f:
                 for name, values in arrays.items():
