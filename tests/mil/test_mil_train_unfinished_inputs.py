@@ -59,8 +59,12 @@ def _stop_after(n: int, sig: int, body: str, stage: str) -> None:
         from wsi_milssl.tiling import find_slides, tile_slides
         TILE = {TILE!r}
 
-        def stop(event):
-            if event.stage == {stage!r} and event.done == {n}:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job starts with SIGINT ignored
+        sent = []
+
+        def stop(event):  # >=: under load the progress events may skip a count
+            if event.stage == {stage!r} and event.done >= {n} and not sent:
+                sent.append(True)
                 os.kill(os.getpid(), {int(sig)})
     """) + textwrap.dedent(body)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
