@@ -4,6 +4,9 @@ For the tests that kill a run, or one of its workers, and check what happens."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 
 def children(pid: int, *, cmdline_has: bytes = b"") -> list[int]:
@@ -68,3 +71,23 @@ def workers_left_after_kill(argv: list[str], *, n_workers: int, start_s: float, 
         for w in workers:  # the old behaviour: leave no orphans behind
             if alive(w):
                 os.kill(w, signal.SIGKILL)
+
+
+def hold_lock(folder: str | Path, *, seconds: float = 60, shard: tuple[int, int] | None = None) -> subprocess.Popen:
+    """Another process that takes ``folder``'s lock (as ``shard``), as a running wsi-milssl run holds its
+    folder, and keeps it for ``seconds``; returned once it holds the lock. End it with :func:`release`."""
+    proc = subprocess.Popen([sys.executable, "-c", (
+        "import time\n"
+        "from wsi_milssl.locks import folder_lock\n"
+        f"with folder_lock({str(folder)!r}, shard={shard!r}):\n"
+        "    print('locked', flush=True)\n"
+        f"    time.sleep({seconds})\n"
+    )], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def release(proc: subprocess.Popen) -> None:
+    """End a :func:`hold_lock` process (its lock is free again)."""
+    proc.kill()
+    proc.wait()

@@ -227,24 +227,15 @@ def test_a_second_evaluate_into_an_out_being_written_is_refused(synth_dir, annot
 
 def test_evaluate_into_an_out_that_another_run_holds_writes_nothing(synth_dir, annotations_dir, predictions,
                                                                      tmp_path, capsys):
-    import subprocess
-    import sys
+    from processes import hold_lock, release
 
     out = tmp_path / "out"
-    other = subprocess.Popen([sys.executable, "-c", (  # holds --out as a running evaluate does
-        "import time\n"
-        "from wsi_milssl.locks import folder_lock\n"
-        f"with folder_lock({str(out)!r}):\n"
-        "    print('locked', flush=True)\n"
-        "    time.sleep(60)\n"
-    )], stdout=subprocess.PIPE, text=True)
+    other = hold_lock(out)  # holds --out as a running evaluate does
     try:
-        assert other.stdout.readline().strip() == "locked"
         assert main(["evaluate", "--predictions", str(predictions[0]), "--annotations", str(annotations_dir),
                      "--slides", str(synth_dir), "--labels", str(synth_dir / "labels.csv"), "--out", str(out)]) == 1
         err = capsys.readouterr().err
         assert f"\nerror: {out}: another wsi-milssl run (pid {other.pid}" in err, err
         assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == []
     finally:
-        other.kill()
-        other.wait()
+        release(other)

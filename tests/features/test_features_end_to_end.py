@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from feature_fixtures import write_clam_features
+from processes import hold_lock, release
 from wsi_milssl.cli import main
 from wsi_milssl.errors import StoreError
 from wsi_milssl.features import read_feature_file
@@ -193,20 +194,12 @@ def test_a_feature_heatmap_holds_its_folder_so_evaluate_and_a_second_run_are_ref
 def test_a_second_feature_heatmap_into_a_folder_being_written_is_refused(tmp_path, feature_run, capsys):
     feats, run = feature_run
     hm = tmp_path / "hm"
-    other = subprocess.Popen([sys.executable, "-c", (  # holds the folder as a running heatmap run does
-        "import time\n"
-        "from wsi_milssl.locks import folder_lock\n"
-        f"with folder_lock({str(hm)!r}):\n"
-        "    print('locked', flush=True)\n"
-        "    time.sleep(60)\n"
-    )], stdout=subprocess.PIPE, text=True)
+    other = hold_lock(hm)  # holds the folder as a running heatmap run does
     try:
-        assert other.stdout.readline().strip() == "locked"
         assert main(["heatmap", "--features", str(feats), "--model", str(run), "--out", str(hm)]) == 1
         err = capsys.readouterr().err
         assert err.startswith(f"error: {hm}: another wsi-milssl run (pid {other.pid}"), err
         assert err.rstrip().endswith("Fix: wait until it finishes, or write to another folder (--out).")
         assert sorted(p.name for p in hm.iterdir() if not p.name.startswith(".")) == []
     finally:
-        other.kill()
-        other.wait()
+        release(other)

@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from processes import hold_lock, release
 from wsi_milssl.cli import main
 from wsi_milssl.config import TrainConfig
 
@@ -123,22 +124,14 @@ def test_image_heatmap_refuses_a_run_being_written_and_warns_about_a_stopped_one
     _fit(run, data, epochs=2, stop_after=1, mode="images", model="resnet18", batch_size=32, num_workers=0, amp="off")
     cmd = ["heatmap", "--store", str(labelled_stores), "--model", str(run / "last.pt"), "--out", str(tmp_path / "hm"),
            "--workers", "0", "--threads", "1"]
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import time\n"
-        "from wsi_milssl.locks import folder_lock\n"
-        f"with folder_lock({str(run)!r}):\n"
-        "    print('locked', flush=True)\n"
-        "    time.sleep(60)\n"
-    )], stdout=subprocess.PIPE, text=True)
+    holder = hold_lock(run)
     try:
-        assert holder.stdout.readline().strip() == "locked"
         capsys.readouterr()
         assert main(cmd) == 1
         err = capsys.readouterr().err
         assert f"{run}: another wsi-milssl run (pid {holder.pid}" in err and "is still writing this run folder" in err
     finally:
-        holder.kill()
-        holder.wait()
+        release(holder)
     assert main(cmd) == 0
     assert f"{run / 'last.pt'}: its run stopped after epoch 1 of the 2 it was set to train" in capsys.readouterr().err
 
@@ -152,18 +145,10 @@ def test_the_feature_heatmap_api_refuses_a_run_being_written(tmp_path, feats, sy
 
     run = tmp_path / "run"
     _fit(run, _feature_set(feats, synth_dir), epochs=1, mode="features")
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import time\n"
-        "from wsi_milssl.locks import folder_lock\n"
-        f"with folder_lock({str(run)!r}):\n"
-        "    print('locked', flush=True)\n"
-        "    time.sleep(60)\n"
-    )], stdout=subprocess.PIPE, text=True)
+    holder = hold_lock(run)
     try:
-        assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(WsiMilsslError, match=rf"another wsi-milssl run \(pid {holder.pid}"):
             make_feature_heatmaps([feats], run, tmp_path / "hm")
     finally:
-        holder.kill()
-        holder.wait()
+        release(holder)
     assert not (tmp_path / "hm").exists()

@@ -18,6 +18,7 @@ import pytest
 from matplotlib.path import Path as MplPath
 
 from diskfaults import can_mount, read_only_folder
+from processes import hold_lock
 from wsi_milssl.annotations import rasterize_region, read_annotations
 from wsi_milssl.cli import main
 from wsi_milssl.config import LabelConfig
@@ -210,26 +211,13 @@ def test_two_stores_of_one_slide_are_refused(stores, synth_dir, tmp_path, capsys
 
 # -- concurrent runs on the stores (revS 4, 6) ---------------------------------------------------------
 
-def _hold(folder, seconds=60):
-    """Another process that holds the lock of ``folder``, as a running tile or label run does."""
-    proc = subprocess.Popen([sys.executable, "-c", (
-        "import time\n"
-        "from wsi_milssl.locks import folder_lock\n"
-        f"with folder_lock({str(folder)!r}):\n"
-        "    print('locked', flush=True)\n"
-        f"    time.sleep({seconds})\n"
-    )], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "locked"
-    return proc
-
-
 @pytest.mark.parametrize("given", ["folder", "stores"])
 def test_label_refuses_stores_that_another_run_writes(stores, synth_dir, tmp_path, capsys, given):
     """revS 4 and 2c: label locked only its --out, so a second label (another --out) or a tile still writing the
     stores folder went on, and the stores ended half from one run, half from the other."""
     folder = tmp_path / "stores"
     before = {stem: _tree_digest(path) for stem, path in stores.items()}
-    other = _hold(folder)
+    other = hold_lock(folder)
     try:
         inputs = [str(folder)] if given == "folder" else [str(p) for p in stores.values()]
         assert main(["label", *inputs, "--annotations", str(synth_dir), "--labels", str(synth_dir / "labels.csv"),

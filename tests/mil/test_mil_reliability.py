@@ -13,6 +13,7 @@ from contextlib import nullcontext
 import pytest
 
 from milcsv import make_mil_csv
+from processes import hold_lock, release
 from diskfaults import file_size_limit, full_disk, read_only_folder
 from wsi_milssl.cli import main
 
@@ -126,18 +127,12 @@ def test_resuming_a_run_another_process_holds_names_waiting_as_the_fix(tmp_path,
     """--resume continues its own folder: writing elsewhere is no fix, so the refusal names waiting only."""
     run = tmp_path / "run"
     assert main(["train", str(mil_csv), "--out", str(run), "--epochs", "1", "--threads", "1", "--no-plots"]) == 0
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import time\n"
-        "from wsi_milssl.locks import folder_lock\n"
-        f"with folder_lock({str(run)!r}):\n"
-        "    print('locked', flush=True); time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    holder = hold_lock(run)
     try:
-        assert holder.stdout.readline().strip() == "locked"
         capsys.readouterr()
         assert main(["train", "--resume", str(run), "--epochs", "2", "--threads", "1", "--no-plots"]) == 1
     finally:
-        holder.kill()
-        holder.wait()
+        release(holder)
     err = capsys.readouterr().err
     assert f"another wsi-milssl run (pid {holder.pid}" in err and err.rstrip().endswith("Fix: wait until it finishes."), err
 

@@ -5,34 +5,15 @@ refuses a heatmap folder still being written; for INPUTS, --val and the inputs a
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
+from processes import hold_lock, release
 from wsi_milssl.cli import main
 from wsi_milssl.features import write_feature_file
 
 BASE = ["--epochs", "1", "--threads", "1", "--workers", "0", "--no-plots", "--amp", "off"]
-
-
-def _hold(folder):
-    """Another process holding ``folder``'s lock, as a running `features`, `tile` or `label` run does."""
-    proc = subprocess.Popen([sys.executable, "-c", (
-        "import time\n"
-        "from wsi_milssl.locks import folder_lock\n"
-        f"with folder_lock({str(folder)!r}):\n"
-        "    print('locked', flush=True)\n"
-        "    time.sleep(60)\n"
-    )], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "locked"
-    return proc
-
-
-def _end(proc):
-    proc.kill()
-    proc.wait()
 
 
 def _features(folder, names):
@@ -61,7 +42,7 @@ def test_train_refuses_a_feature_folder_being_written(tmp_path, capsys):
     feats, labels = _features(tmp_path / "data" / "feats", ["a", "b", "c", "d"])
     run = tmp_path / "run"
     cmd = ["train", str(feats), "--labels", str(labels), "--out", str(run), *BASE]
-    other = _hold(feats)
+    other = hold_lock(feats)
     try:
         assert main(cmd) == 1
         _refusal(capsys.readouterr().err, "INPUTS", feats, other.pid)
@@ -71,7 +52,7 @@ def test_train_refuses_a_feature_folder_being_written(tmp_path, capsys):
         _refusal(capsys.readouterr().err, "INPUTS", feats, other.pid)
         assert not (run / "last.pt").exists()
     finally:
-        _end(other)
+        release(other)
     assert main(cmd) == 0  # once the writer has finished
     assert (run / "last.pt").is_file()
 
@@ -83,18 +64,18 @@ def test_train_refuses_validation_stores_being_written(tmp_path, image_store_fac
         f"{p.stem},{i % 2}\n" for i, p in enumerate(val)))
     cmd = ["train", str(paths[0].parent), "--labels", str(tmp_path / "labels.csv"), "--val", str(val[0].parent),
            "--out", str(tmp_path / "run"), *BASE]
-    other = _hold(val[0].parent)
+    other = hold_lock(val[0].parent)
     try:
         assert main(cmd) == 1
         _refusal(capsys.readouterr().err, "--val", val[0].parent, other.pid)
     finally:
-        _end(other)
-    other = _hold(paths[0].parent)  # the training stores (`label` rewriting them holds their folder)
+        release(other)
+    other = hold_lock(paths[0].parent)  # the training stores (`label` rewriting them holds their folder)
     try:
         assert main(cmd) == 1
         _refusal(capsys.readouterr().err, "INPUTS", paths[0].parent, other.pid)
     finally:
-        _end(other)
+        release(other)
     assert not (tmp_path / "run" / "last.pt").exists()
 
 
@@ -102,12 +83,12 @@ def test_train_resume_refuses_its_inputs_being_written(tmp_path, capsys):
     feats, labels = _features(tmp_path / "data" / "feats", ["a", "b", "c", "d"])
     run = tmp_path / "run"
     assert main(["train", str(feats), "--labels", str(labels), "--out", str(run), *BASE]) == 0
-    other = _hold(feats)
+    other = hold_lock(feats)
     try:
         assert main(["train", "--resume", str(run), "--epochs", "2"]) == 1
         _refusal(capsys.readouterr().err, "the run's input", feats.resolve(), other.pid)
     finally:
-        _end(other)
+        release(other)
 
 
 @pytest.mark.parametrize("mode", ["features", "images"])

@@ -137,25 +137,18 @@ def test_packaged_pipelines_load():
 def test_a_pipeline_into_a_folder_another_run_holds_names_the_folder_as_the_command_takes_it(tmp_path, capsys,
                                                                                              command):
     """demo takes its folder as the argument OUT_DIR, run as --out: the refusal's fix names it so."""
-    import subprocess
-    import sys
-
     from importlib.resources import files
 
+    from processes import hold_lock, release
+
     out = tmp_path / "out"
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import time\n"
-        "from wsi_milssl.locks import folder_lock\n"
-        f"with folder_lock({str(out)!r}):\n"
-        "    print('locked', flush=True); time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    holder = hold_lock(out)
     try:
-        assert holder.stdout.readline().strip() == "locked"
         demo_toml = files("wsi_milssl") / "pipelines" / "demo.toml"
         args = [str(demo_toml) if a == "PIPELINE" else a for a in command] + [str(out)]
         assert main(args) == 1
     finally:
-        holder.kill()
-        holder.wait()
+        release(holder)
     err = capsys.readouterr().err
     named = "OUT_DIR" if command == ["demo"] else "--out"
     assert f"another wsi-milssl run (pid {holder.pid}" in err and f"write to another folder ({named})." in err, err
