@@ -872,3 +872,12 @@ def test_stacked_rank_gauss_off_is_unchanged_and_on_changes_training(mil_csv, mi
     val, data, kw = _two_stacked_models(mil_csv, mil_csv_val)
     _option_is_off_by_default_and_changes_training(data, kw, val, "rank_gauss_inputs", False, True)
     assert mc.METHODS["mil-ssl-improved-rank-gauss"].settings()["rank_gauss_inputs"] is True
+
+
+def test_stacked_two_hidden_layers_train_and_the_encoder_row_uses_them(mil_csv, mil_csv_val):
+    val, data, kw = _two_stacked_models(mil_csv, mil_csv_val)
+    kw["hidden_dims"] = (16, 8)
+    scores = fit_stacked_milssl(data, **kw)["val"][10]
+    assert min(roc_auc_score(val.instance_labels, p) for p in scores) > 0.8
+    assert mc.METHODS["mil-ssl-improved-hidden-128-64"].settings()["hidden_dims"] == (128, 64)
+    assert mc.METHODS["mil-ssl-improved-hidden-128-64"].settings()["dropout"] == 0.0

@@ -289,6 +289,11 @@ METHODS: dict[str, MethodSpec] = {
                                              "improved with a wider instance classifier: one hidden layer of 512 "
                                              "units instead of 256 (tried on the development sets, not "
                                              "adopted)", fixed={"hidden_dims": (512,)}),
+    "mil-ssl-improved-hidden-128-64": _ablation("mil-ssl-improved-hidden-128-64", _IMPROVED,
+                                                "improved with the baselines' encoder as the instance classifier: "
+                                                "hidden layers of 128 and 64 units instead of one of 256, no "
+                                                "dropout (tried on the development sets)",
+                                                fixed={"hidden_dims": (128, 64)}),
     "mil-ssl-improved-lam-5": _ablation("mil-ssl-improved-lam-5", _IMPROVED,
                                         "improved with softer pseudo labels: Sinkhorn sharpness λ = 5 instead of "
                                         "25 (tried on the development sets, not adopted)", fixed={"lam": 5.0}),
