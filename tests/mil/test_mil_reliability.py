@@ -277,3 +277,19 @@ def test_resume_rewrites_a_missing_best_checkpoint_from_last_when_last_is_the_be
     assert main(["train", "--resume", str(run), "--epochs", "2"]) == 0
     last = torch.load(run / "last.pt", weights_only=True)
     assert torch.load(run / "best.pt", weights_only=True)["epoch"] == last["best"]["epoch"]
+
+
+def test_non_finite_batchnorm_statistics_count_as_a_diverged_epoch():
+    """A forward pass that overflows under float16 updates BatchNorm's running statistics even when the
+    gradient scaler then skips the step: finite parameters with an infinite running variance are a broken
+    model (every eval-mode output NaN), so the epoch is reported as diverged, not checkpointed."""
+    import torch
+
+    from wsi_milssl.errors import TrainingDivergedError
+    from wsi_milssl.mil.selftrain import _check_finite
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    _check_finite(model, 0.5, amp=True, epoch=1, out=None)  # finite: no error
+    model[1].running_var[0] = float("inf")
+    with pytest.raises(TrainingDivergedError, match="the weights became non-finite"):
+        _check_finite(model, 0.5, amp=True, epoch=1, out=None)

@@ -810,12 +810,13 @@ def _compile_errors(config: TrainConfig):
 
 def _check_finite(model: torch.nn.Module, loss: float, *, amp: bool, epoch: int, out: Path | None,
                   autocast_dtype: torch.dtype | None = None) -> None:
-    """Raise :class:`TrainingDivergedError` when the epoch left non-finite weights, or (without mixed
+    """Raise :class:`TrainingDivergedError` when the epoch left non-finite weights or BatchNorm statistics (a
+    forward pass that overflows updates them even when the gradient scaler skips its step), or (without mixed
     precision, whose scaler skips steps with overflowing gradients on its own) a non-finite loss; called
     before the epoch's checkpoint, so ``last.pt`` keeps the last finite epoch. ``autocast_dtype`` (the
     run's mixed precision, if any) adds ``--amp off`` to the fix when the weights broke under a finite
     loss: bfloat16 has no scaler to skip a step with non-finite gradients."""
-    weights_ok = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    weights_ok = weights_finite(model)
     if weights_ok and (amp or math.isfinite(loss)):
         return
     kept = (f" {out / 'last.pt'} still holds epoch {epoch} (the last finite one)." if epoch and out is not None
