@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -156,3 +157,22 @@ def test_check_pixels_reports_corrupt_tiles(half_micron_slide, tmp_path):
             slide.check_pixels()
     with open_slide(half_micron_slide) as slide:
         slide.check_pixels()
+
+
+def test_a_truncated_slide_is_named_incomplete_not_unsupported(synth_slides, tmp_path):
+    """A slide whose copy or download stopped early (its TIFF directories point past its end) used to get
+    OpenSlide's 'does not recognise this file ... give a pyramidal slide OpenSlide supports'; it is an
+    incomplete file, and the fix is to copy it again. A file that is not a TIFF keeps the old message."""
+    data = Path(synth_slides["normal"]).read_bytes()
+    cut = tmp_path / "cut.tif"
+    cut.write_bytes(data[: len(data) // 3])
+    with pytest.raises(SlideReadError) as err:
+        open_slide(cut)
+    message = str(err.value)
+    assert message.startswith(f"{cut}: this TIFF file is incomplete: its directories point to byte ")
+    assert f"the file ends after {len(data) // 3:,} bytes" in message
+    assert message.endswith("Fix: copy or download the slide again.")
+    text = tmp_path / "text.tif"
+    text.write_text("not a slide\n")
+    with pytest.raises(SlideReadError, match="OpenSlide does not recognise this file"):
+        open_slide(text)

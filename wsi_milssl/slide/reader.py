@@ -31,7 +31,7 @@ from wsi_milssl.slide.resolution import (
     plan_read,
 )
 
-__all__ = ["SlideReader", "open_slide", "register_reader", "READERS", "PLAUSIBLE_MPP"]
+__all__ = ["SlideReader", "open_slide", "register_reader", "truncated_tiff", "READERS", "PLAUSIBLE_MPP"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,38 @@ def register_reader(name: str):
         return factory
 
     return deco
+
+
+def truncated_tiff(path: str | os.PathLike) -> tuple[int, int] | None:
+    """``(bytes its data needs, bytes the file holds)`` when ``path`` is a TIFF whose tiles, strips or next
+    directory lie past the end of the file (a copy or download that stopped early), else None (also for a
+    file that is not a TIFF). Reads the TIFF directories only, with tifffile."""
+    import re
+
+    import tifffile
+
+    path = Path(path)
+    size = path.stat().st_size
+    offsets: list[int] = []
+
+    def past_end(record: logging.LogRecord) -> bool:  # tifffile's "invalid page offset N": a directory past the end
+        found = re.search(r"invalid page offset (\d+)", record.getMessage())
+        if found:
+            offsets.append(int(found.group(1)))
+        return False  # this check's own reading: not shown
+
+    tiff_log = logging.getLogger("tifffile")
+    tiff_log.addFilter(past_end)
+    try:
+        with tifffile.TiffFile(path) as tif:
+            for page in tif.pages:
+                offsets.extend(o + c for o, c in zip(page.dataoffsets, page.databytecounts))
+    except Exception:  # not a TIFF, or directories that cannot be parsed: no claim either way
+        return None
+    finally:
+        tiff_log.removeFilter(past_end)
+    end = max(offsets, default=0)
+    return (end, size) if end > size else None
 
 
 def _float_property(props, key: str) -> float | None:
@@ -103,6 +135,13 @@ class SlideReader:
         try:
             self._slide = openslide.OpenSlide(str(self.path))
         except openslide.OpenSlideUnsupportedFormatError:
+            short = truncated_tiff(self.path)
+            if short is not None:
+                raise SlideReadError(
+                    f"{self.path}: this TIFF file is incomplete: its directories point to byte {short[0]:,}, but "
+                    f"the file ends after {short[1]:,} bytes (a copy or download that stopped early). Fix: copy "
+                    "or download the slide again."
+                ) from None
             raise SlideReadError(
                 f"{self.path}: OpenSlide does not recognise this file as a whole-slide image. "
                 "Fix: give a pyramidal slide OpenSlide supports (.svs, .ndpi, .mrxs, tiled pyramidal .tif)."
