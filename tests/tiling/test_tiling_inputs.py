@@ -54,3 +54,22 @@ def test_bare_names_in_a_csv_find_slides_whatever_the_case_of_their_suffix(synth
     listing.write_text("slide\nstore\n")
     with pytest.raises(ConfigError, match=r"1 slide\(s\) not found: store"):
         find_slides([listing])
+
+
+def test_a_prepared_list_with_a_deleted_slide_names_prepare_as_the_fix(synth_dir, tmp_path):
+    """A slide list `wsi-milssl prepare` wrote (prepare.json beside it) whose slide was deleted since: the fix
+    is to run prepare again (its command is quoted), not to edit paths in a file prepare owns."""
+    import json
+
+    cohort = tmp_path / "cohort"
+    cohort.mkdir()
+    listing = cohort / "train_slides.csv"
+    listing.write_text(f"slide,path\nsynth_000,{synth_dir / 'synth_000.tif'}\ngone,{tmp_path / 'gone.tif'}\n")
+    with pytest.raises(ConfigError, match=r"not found: .*gone\.tif\. Fix: give paths"):
+        find_slides([listing])
+    (cohort / "prepare.json").write_text(json.dumps({"command": "wsi-milssl prepare camelyon16 /data/c16 --out p"}))
+    with pytest.raises(ConfigError) as err:
+        find_slides([listing])
+    assert str(err.value).endswith(f"Fix: this list was written by `wsi-milssl prepare` ({cohort / 'prepare.json'}), "
+                                   "and its slides were moved or deleted since: put them back, or run prepare again: "
+                                   "wsi-milssl prepare camelyon16 /data/c16 --out p.")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import os
 from pathlib import Path
 from typing import Iterable
@@ -105,11 +106,23 @@ def read_slide_list(csv_path: str | os.PathLike, *, keep_missing: bool = False) 
         out.append((p, name or None))
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-        raise ConfigError(
-            f"{csv_path}: {len(missing)} slide(s) not found: {shown}. Fix: give paths (absolute or relative "
-            "to the CSV's folder) or names of slide files beside the CSV."
-        )
+        raise ConfigError(f"{csv_path}: {len(missing)} slide(s) not found: {shown}. Fix: {_missing_fix(csv_path)}")
     return out
+
+
+def _missing_fix(csv_path: Path) -> str:
+    """The fix for slides a list names that are gone: a list ``wsi-milssl prepare`` wrote (``prepare.json``
+    beside it) is made again by prepare; another list is the user's to correct."""
+    record = csv_path.parent / "prepare.json"
+    if not record.is_file():
+        return "give paths (absolute or relative to the CSV's folder) or names of slide files beside the CSV."
+    try:
+        command = json.loads(record.read_text(encoding="utf-8")).get("command")
+    except (OSError, ValueError, AttributeError):
+        command = None
+    again = f": {command}" if isinstance(command, str) and command else ""
+    return (f"this list was written by `wsi-milssl prepare` ({record}), and its slides were moved or deleted "
+            f"since: put them back, or run prepare again{again}.")
 
 
 def slides_in_folder(folder: str | os.PathLike) -> list[Path]:
