@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from wsi_milssl.cli import main
-from wsi_milssl.cohorts import prepare_camelyon16
+from wsi_milssl.cohorts import prepare_camelyon16, prepare_folder
 from wsi_milssl.errors import ConfigError, LabelsError
 
 
@@ -184,4 +184,137 @@ def test_template_that_gives_no_valid_pipeline_writes_nothing(tmp_path, synth_sl
     with pytest.raises(ConfigError) as info:
         prepare_camelyon16(root, tmp_path / "out", template=template)
     assert "nothing was written" in str(info.value) and ".tmp" not in str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# Folders reached through links, several annotation files for one slide, earlier prepare outputs,
+# annotation files that do not parse and archives that cannot be read
+# ------------------------------------------------------------------------------------------------
+
+def test_slides_in_linked_folders_are_found_and_a_link_loop_ends(tmp_path, synth_slides):
+    """An 800 GB download spread over disks: training/tumor and testing/ are links to folders elsewhere
+    (once silently left out: 'train: 2 slides (0 tumour, 2 normal)'). A link back to an ancestor is
+    searched once, not forever."""
+    root = gigadb_tree(tmp_path / "C16", synth_slides)
+    disk2 = tmp_path / "disk2"
+    disk2.mkdir()
+    (root / "training" / "tumor").rename(disk2 / "tumor")
+    (root / "training" / "tumor").symlink_to(disk2 / "tumor", target_is_directory=True)
+    (root / "testing").rename(disk2 / "testing")
+    (root / "testing").symlink_to(disk2 / "testing", target_is_directory=True)
+    (disk2 / "tumor" / "loop").symlink_to(root, target_is_directory=True)  # back to an ancestor
+    result = prepare_camelyon16(root, tmp_path / "out")
+    train, test = result.sets["train"], result.sets["test"]
+    assert sorted(train.labels.items()) == [("Normal_001", 0), ("Tumor_001", 1), ("normal_002", 0), ("tumor_002", 1)]
+    assert sorted(test.labels.items()) == [("Test_002", 0), ("test_001", 1)]
+    assert sorted(test.annotations) == ["test_001"]
+    # the slide lists keep the link's path (the names the user sees below ROOT)
+    listed = dict(_rows(train.slides_csv)[1:])
+    assert listed["Tumor_001"] == str((root / "training" / "tumor" / "Tumor_001.tif").absolute())
+
+    from wsi_milssl.cohorts import find_slide_files
+
+    found = find_slide_files(root)  # prepare folder's search: each slide once, not again through loop/
+    assert [p.relative_to(root).as_posix() for p in found] == [
+        "testing/images/Test_002.tif", "testing/images/test_001.tif",
+        "training/normal/Normal_001.tif", "training/normal/normal_002.tif",
+        "training/tumor/Tumor_001.tif", "training/tumor/tumor_002.tif"]
+
+
+def test_two_different_annotation_files_for_one_slide_are_refused(tmp_path, synth_slides):
+    """Once the first by path order was taken without a word (annotations_corrected/ sorts before
+    training/): for a test slide that decides the FROC's ground truth."""
+    root = gigadb_tree(tmp_path / "C16", synth_slides)
+    corrected = root / "annotations_corrected" / "tumor_001.xml"
+    corrected.parent.mkdir()
+    corrected.write_text(_xml(5))
+    with pytest.raises(ConfigError) as info:
+        prepare_camelyon16(root, tmp_path / "out")
+    message = str(info.value)
+    assert "tumor_001" in message and str(corrected) in message
+    assert f"{root / 'training' / 'lesion_annotations.zip'}:lesion_annotations/tumor_001.xml" in message
+    assert "Fix:" in message and "keep one" in message
+    assert not (tmp_path / "out").exists()
+    # the same file twice (extracted beside its archive) is one annotation
+    corrected.write_text(_xml(1))
+    result = prepare_camelyon16(root, tmp_path / "out")
+    assert (result.sets["train"].annotations_dir / "Tumor_001.xml").read_text() == _xml(1)
+
+
+def test_an_earlier_prepare_below_root_is_not_searched(tmp_path, synth_slides):
+    """--out inside ROOT, then the download's annotation is corrected: the next prepare (into a new
+    folder) took the earlier prepare's stale copy, and once a run wrote heatmaps there it refused them as
+    slides 'not named as in CAMELYON16'."""
+    root = gigadb_tree(tmp_path / "C16", synth_slides)
+    prepare_camelyon16(root, root / "prep1")
+    heatmaps = root / "prep1" / "run" / "heatmaps" / "test"
+    _link(synth_slides["normal"], heatmaps / "test_001_probs.tif")
+    (root / "testing" / "lesion_annotations.zip").unlink()
+    corrected = root / "testing" / "lesion_annotations" / "test_001.xml"
+    corrected.parent.mkdir()
+    corrected.write_text(_xml(7))
+    result = prepare_camelyon16(root, root / "prep2")
+    assert (result.sets["test"].annotations_dir / "test_001.xml").read_text() == _xml(7)
+    assert result.sets["test"].annotations == {"test_001": str(corrected)}
+    assert sorted(result.sets["test"].slides) == ["Test_002", "test_001"]
+
+
+def test_annotation_files_that_do_not_parse_are_one_error_naming_the_downloaded_files(tmp_path, synth_slides,
+                                                                                       capsys):
+    """A truncated XML and one with a DOCTYPE once passed prepare and failed only at run's label stage,
+    after tiling, one set at a time, naming the copy in cohort/annotations/ (which the next prepare
+    overwrites) instead of the downloaded file."""
+    root = gigadb_tree(tmp_path / "C16", synth_slides)
+    out = tmp_path / "out"
+    prepare_camelyon16(root, out)
+    before = _snapshot(out)
+    (root / "training" / "lesion_annotations.zip").unlink()
+    loose = root / "training" / "lesion_annotations"
+    loose.mkdir()
+    (loose / "tumor_001.xml").write_text(_xml(1))
+    (loose / "tumor_002.xml").write_text('<?xml version="1.0"?><!DOCTYPE x [<!ENTITY a "a">]>'
+                                         "<ASAP_Annotations><Annotations /></ASAP_Annotations>\n")
+    archive = root / "testing" / "lesion_annotations.zip"
+    with zipfile.ZipFile(archive, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("test_001.xml", _xml(3)[:2000])  # a complete archive holding a truncated file
+    with pytest.raises(ConfigError) as info:
+        prepare_camelyon16(root, out)
+    message = str(info.value)
+    assert message.startswith("2 annotation files cannot be used")
+    assert f"{loose / 'tumor_002.xml'}: refused XML with a DOCTYPE" in message
+    assert f"{archive}:test_001.xml: not well-formed XML" in message
+    assert str(out / "cohort") not in message and "Fix:" in message  # the downloaded files, not the copies
+    assert _snapshot(out) == before
+    assert main(["prepare", "camelyon16", str(root), "--out", str(tmp_path / "out2")]) == 1
+    err = capsys.readouterr().err
+    assert "tumor_002.xml" in err and "test_001.xml" in err and "Traceback" not in err
+    assert not (tmp_path / "out2").exists()
+
+
+def test_prepare_folder_reads_its_annotations_before_writing(tmp_path, synth_slides):
+    slides = tmp_path / "slides"
+    for name, kind in (("n1", "normal"), ("n2", "normal"), ("t1", "tumor"), ("t2", "tumor")):
+        _link(synth_slides[kind], slides / f"{name}.tif")
+    (slides / "t1.geojson").write_text('{"type": "FeatureCollection", "features": [')
+    (slides / "t2.xml").write_text(_xml(1))
+    labels = tmp_path / "labels.csv"
+    labels.write_text("n1,0\nn2,0\nt1,1\nt2,1\n")
+    with pytest.raises(ConfigError, match=r"t1\.geojson: .*Nothing was written") as info:
+        prepare_folder(slides, labels, tmp_path / "out", test_fraction=0.5, seed=0)
+    assert "t2.xml" not in str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_archive_that_cannot_be_read_is_an_error(tmp_path, synth_slides):
+    """A partly downloaded lesion_annotations.zip was a warning ('not read (File is not a zip file)') and
+    prepare went on with no training annotations; a damaged member of a complete archive was an error."""
+    root = gigadb_tree(tmp_path / "C16", synth_slides)
+    archive = root / "training" / "lesion_annotations.zip"
+    archive.write_bytes(archive.read_bytes()[: archive.stat().st_size // 2])
+    with pytest.raises(ConfigError) as info:
+        prepare_camelyon16(root, tmp_path / "out")
+    message = str(info.value)
+    assert message.startswith(f"{archive}: cannot be read")
+    assert "download lesion_annotations.zip again" in message
     assert not (tmp_path / "out").exists()

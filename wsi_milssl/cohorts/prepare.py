@@ -15,9 +15,13 @@ Two layouts:
   separate test set or a stratified, seeded share of the slides held out as the test set.
 
 Names are matched case-insensitively (``tumor_001.tif``, ``Tumor_001.xml`` and a label row
-``TUMOR_001`` are one slide). Every problem found (a slide without a label, a tumour test slide
-without its annotation, two slides with one name, a name that is not CAMELYON16's) is reported in
-one error that lists the names. Written into ``out_dir``::
+``TUMOR_001`` are one slide). Folders are searched through links (each folder once: a link back to
+an ancestor ends there); earlier prepare outputs below them (folders holding ``cohort/prepare.json``)
+are left out. Every problem found (a slide without a label, a tumour test slide without its
+annotation, two slides with one name, a name that is not CAMELYON16's) is reported in one error that
+lists the names; every annotation problem (an archive or file that cannot be read, a file the
+annotation reader refuses, two different annotation files for one slide) in one error that names
+each file where it was found. Written into ``out_dir``::
 
     pipeline.toml                      the template's stage settings, [data] pointing at the files below,
                                        [pipeline].out_dir = out_dir/run
@@ -27,8 +31,9 @@ one error that lists the names. Written into ``out_dir``::
     cohort/annotations/train/, test/   one <stem>.xml (or .geojson) per annotated slide, named as the slide
     cohort/prepare.json                what was found: counts, sources, names skipped
 
-Everything is found, checked and read (annotations included, also from ``.zip`` archives) before
-anything is written, so a problem leaves ``out_dir`` as it was; ``pipeline.toml`` is written last.
+Everything is found, checked and read (annotations included, also from ``.zip`` archives, and parsed
+by :func:`wsi_milssl.annotations.read_annotations` as the label stage reads them) before anything is
+written, so a problem leaves ``out_dir`` as it was; ``pipeline.toml`` is written last.
 
 The validation slides that choose ``best.pt`` (and the grid point) are held out from the training
 set by ``run`` itself (``[data].val_fraction``), never from the test set.
@@ -118,16 +123,43 @@ class PreparedCohort:
 # ------------------------------------------------------------------------------------------------
 
 def _walk(root: Path, *, skip: Iterable[Path] = ()) -> Iterable[Path]:
-    """Every non-hidden file below ``root``, sorted, not descending into ``skip`` folders or hidden ones."""
+    """Every non-hidden file below ``root``, sorted, not descending into ``skip`` folders, hidden ones or
+    earlier prepare outputs (:func:`_is_prepare_output`).
+
+    Links to folders are followed (a download spread over disks links its folders together); a folder
+    reached a second time (a link back to an ancestor, two links to one folder) is searched once only."""
     skip_resolved = {p.resolve() for p in skip}
-    for dirpath, dirnames, filenames in os.walk(root):
+    seen = {_folder_identity(root)}
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
         here = Path(dirpath)
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")
-                             and (here / d).resolve() not in skip_resolved)
+        keep = []
+        for d in sorted(dirnames):
+            if d.startswith(".") or (here / d).resolve() in skip_resolved or _is_prepare_output(here / d):
+                continue
+            identity = _folder_identity(here / d)
+            if identity not in seen:
+                seen.add(identity)
+                keep.append(d)
+        dirnames[:] = keep
         # a folder named like a slide (.mrxs data folders are named without the suffix) is not searched as one
         for name in sorted(filenames):
             if not name.startswith("."):
                 yield here / name
+
+
+def _folder_identity(folder: Path) -> tuple[int, int] | Path:
+    """(device, inode) of ``folder``, links followed; its path when it cannot be read (os.walk skips it)."""
+    try:
+        st = folder.stat()
+    except OSError:
+        return folder
+    return st.st_dev, st.st_ino
+
+
+def _is_prepare_output(folder: Path) -> bool:
+    """An earlier prepare's ``--out`` (it holds ``cohort/prepare.json``): its annotations are copies that may
+    be stale, and its ``run/`` holds heatmap TIFFs, not slides."""
+    return (folder / "cohort" / "prepare.json").is_file()
 
 
 def _is_slide(path: Path) -> bool:
@@ -148,10 +180,13 @@ def find_slide_files(root: str | os.PathLike, *, skip: Iterable[str | os.PathLik
     return [p for p in _walk(root, skip=[Path(s) for s in skip]) if _is_slide(p) and not _is_mask(p)]
 
 
-def _annotation_sources(roots: Iterable[Path], *, skip: Iterable[Path] = ()) -> list[tuple[str, str, Path, str | None]]:
-    """(stem, suffix, file, zip member or None) for every annotation file below ``roots``, loose files
-    first, then members of ``.zip`` archives (CAMELYON16 ships ``lesion_annotations.zip``)."""
-    loose, zipped = [], []
+def _annotation_sources(roots: Iterable[Path], *, skip: Iterable[Path] = ()
+                        ) -> tuple[list[tuple[str, str, Path, str | None]], list[str]]:
+    """(sources, problems): (stem, suffix, file, zip member or None) for every annotation file below
+    ``roots``, loose files first, then members of ``.zip`` archives (CAMELYON16 ships
+    ``lesion_annotations.zip``); and one problem (naming it and the fix) per archive that cannot be read
+    (damaged, or partly downloaded): its annotations would be missing without a word."""
+    loose, zipped, problems = [], [], []
     for root in roots:
         for p in _walk(root, skip=skip):
             suffix = p.suffix.lower()
@@ -166,22 +201,24 @@ def _annotation_sources(roots: Iterable[Path], *, skip: Iterable[Path] = ()) -> 
                             if info.is_dir() or name.startswith(".") or msuffix not in ANNOTATION_SUFFIXES:
                                 continue
                             zipped.append((name[: -len(msuffix)], msuffix, p, info.filename))
-                except (OSError, zipfile.BadZipFile) as exc:
-                    logger.warning("%s: not read (%s)", p, exc)
-    return loose + zipped
+                except _READ_ERRORS as exc:
+                    problems.append(f"{p}: cannot be read ({_cause(exc)}). Fix: download {p.name} again (the "
+                                    "archive is damaged or incomplete), or remove it.")
+    return loose + zipped, problems
 
 
-def _match_annotations(sources, stems: Iterable[str]) -> dict[str, tuple[str, Path, str | None]]:
-    """{slide stem: (suffix, file, member)} for the slides with an annotation (first source wins)."""
+def _match_annotations(sources, stems: Iterable[str]) -> dict[str, list[tuple[str, Path, str | None]]]:
+    """{slide stem: [(suffix, file, member), ...]} for the slides with an annotation, every source of each
+    (:func:`_read_annotations` refuses two that differ)."""
     by_key = {stem_key(s): s for s in stems}
-    out: dict[str, tuple[str, Path, str | None]] = {}
+    out: dict[str, list[tuple[str, Path, str | None]]] = {}
     for stem, suffix, path, member in sources:
         target = by_key.get(stem_key(stem))
-        if target is None or target in out:
+        if target is None:
             continue
         if suffix == ".json" and member is None and not _looks_like_geojson(path):
             continue
-        out[target] = (suffix, path, member)
+        out.setdefault(target, []).append((suffix, path, member))
     return out
 
 
@@ -194,40 +231,98 @@ def _looks_like_geojson(path: Path) -> bool:
     return b'"Feature' in head or b'"Polygon"' in head or b'"MultiPolygon"' in head
 
 
+def _cause(exc: BaseException) -> str:
+    kind = type(exc).__name__
+    if type(exc).__module__ != "builtins":  # zlib.error, zipfile.BadZipFile
+        kind = f"{type(exc).__module__}.{kind}"
+    return f"{kind}: {exc}"
+
+
 def _read_source(path: Path, member: str | None) -> bytes:
     """The bytes of an annotation file or of ``member`` of the ``.zip`` archive ``path``; a file or
-    member that cannot be read (damaged, truncated, gone) raises one ConfigError naming it and the fix."""
+    member that cannot be read (damaged, truncated, gone) raises a ConfigError naming it and the fix."""
     where = str(path) if member is None else f"{path}:{member}"
     try:
         if member is None:
             if path.stat().st_size > _MAX_ANNOTATION_BYTES:
-                raise ConfigError(f"{path}: larger than {_MAX_ANNOTATION_BYTES >> 20} MiB; not an annotation file.")
+                raise ConfigError(f"{path}: larger than {_MAX_ANNOTATION_BYTES >> 20} MiB; not an annotation "
+                                  "file. Fix: remove it, or rename it so that it is not <slide name>.xml.")
             return path.read_bytes()
         with zipfile.ZipFile(path) as archive:
             info = archive.getinfo(member)
             if info.file_size > _MAX_ANNOTATION_BYTES:
-                raise ConfigError(f"{where}: larger than {_MAX_ANNOTATION_BYTES >> 20} MiB.")
+                raise ConfigError(f"{where}: larger than {_MAX_ANNOTATION_BYTES >> 20} MiB; not an annotation "
+                                  f"file. Fix: download {path.name} again.")
             return archive.read(info)
     except ConfigError:
         raise
     except (*_READ_ERRORS, KeyError) as exc:
-        kind = type(exc).__name__
-        if type(exc).__module__ != "builtins":  # zlib.error, zipfile.BadZipFile
-            kind = f"{type(exc).__module__}.{kind}"
-        cause = f"{kind}: {exc}"
         if member is None:
             fix = "check the file (copy or download it again), or remove it"
         else:
             fix = f"download {path.name} again (the archive is damaged or incomplete) and re-run prepare"
-        raise ConfigError(f"{where}: cannot be read ({cause}); nothing was written. Fix: {fix}.") from None
+        raise ConfigError(f"{where}: cannot be read ({_cause(exc)}). Fix: {fix}.") from None
 
 
-def _read_annotations(annotations: Mapping[str, tuple[str, Path, str | None]]
-                      ) -> dict[str, tuple[str, bytes, str]]:
-    """{stem: (suffix, bytes, source)}: every matched annotation read now, before anything is written."""
-    out = {}
-    for stem, (suffix, path, member) in annotations.items():
-        out[stem] = (suffix, _read_source(path, member), str(path) if member is None else f"{path}:{member}")
+def _parse_problem(data: bytes, suffix: str, where: str, scratch: Path) -> str | None:
+    """None when ``data`` (the file ``where``) is an annotation file the project's reader
+    (:func:`wsi_milssl.annotations.read_annotations`, as the label stage reads it) accepts, else its
+    error, naming ``where``. ``scratch``: a folder for the copy the reader reads."""
+    from wsi_milssl.annotations import read_annotations
+    from wsi_milssl.errors import AnnotationError
+
+    copy = scratch / f"annotation{suffix}"
+    copy.write_bytes(data)
+    try:
+        read_annotations(copy, skipped=[])  # what it leaves out the label stage warns about
+    except AnnotationError as exc:
+        return str(exc).replace(str(copy), where)
+    finally:
+        copy.unlink()
+    return None
+
+
+def _read_annotations(sets: Mapping[str, Mapping[str, list[tuple[str, Path, str | None]]]],
+                      problems: Iterable[str] = ()) -> dict[str, dict[str, tuple[str, bytes, str]]]:
+    """{set: {stem: (suffix, bytes, source)}}: every matched annotation of every set read and parsed now,
+    before anything is written. One ConfigError lists ``problems`` (archives that cannot be read) and every
+    source that cannot be read or parsed, and every slide with two different annotation files (the same
+    file twice, e.g. extracted beside its archive, is one)."""
+    import tempfile
+
+    problems = list(problems)
+    out: dict[str, dict[str, tuple[str, bytes, str]]] = {}
+    with tempfile.TemporaryDirectory(prefix="wsi-milssl-prepare-") as scratch:
+        for set_name, annotations in sets.items():
+            out[set_name] = {}
+            for stem, candidates in annotations.items():
+                distinct: dict[bytes, tuple[str, str]] = {}
+                for suffix, path, member in candidates:
+                    where = str(path) if member is None else f"{path}:{member}"
+                    try:
+                        data = _read_source(path, member)
+                    except ConfigError as exc:
+                        problems.append(str(exc))
+                        continue
+                    if data not in distinct:
+                        distinct[data] = (suffix, where)
+                        problem = _parse_problem(data, suffix, where, Path(scratch))
+                        if problem:
+                            problems.append(problem)
+                if len(distinct) > 1:
+                    problems.append(f"{stem}: {len(distinct)} different annotation files: "
+                                    + ", ".join(w for _, w in distinct.values())
+                                    + ". Fix: keep one (remove or rename the others).")
+                elif distinct:
+                    data, (suffix, where) = next(iter(distinct.items()))
+                    out[set_name][stem] = (suffix, data, where)
+    problems = list(dict.fromkeys(problems))  # an archive below two of the folders searched: once
+    if len(problems) == 1:
+        raise ConfigError(f"{problems[0]} Nothing was written.")
+    if problems:
+        raise ConfigError(f"{len(problems)} annotation files cannot be used, so nothing was written. Fix: replace "
+                          "or correct each file named below, then run prepare again: "
+                          + " ".join(f"({k}) {p}" for k, p in enumerate(problems, 1)))
     return out
 
 
@@ -513,9 +608,11 @@ def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
         test_labels = {s: reference_labels[s] for s in test if s in reference_labels}
         not_here = [s for s in reference_labels if stem_key(s) not in {stem_key(t) for t in test}]
 
-    sources = _annotation_sources([root], skip=[out])
-    train_ann = _match_annotations(sources, train)
-    test_ann = _match_annotations(sources, test)
+    sources, unreadable = _annotation_sources([root], skip=[out])
+    # every annotation read and parsed now: a damaged archive or file stops here, before anything is written
+    read = _read_annotations({"train": _match_annotations(sources, train), "test": _match_annotations(sources, test)},
+                             unreadable)
+    train_ann, test_ann = read["train"], read["test"]
     no_ann_test = sorted((s for s, v in test_labels.items() if v == 1 and s not in test_ann), key=str.casefold)
     if no_ann_test:
         problems.append(f"{len(no_ann_test)} tumour test slide(s) have no annotation (<name>.xml, also inside .zip "
@@ -532,9 +629,7 @@ def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
     if no_ann_train:
         notes.append(f"{len(no_ann_train)} tumour training slide(s) have no annotation: {_names(no_ann_train)} "
                      "(training does not need them; their patches get no instance labels for the metrics)")
-    # read every annotation now: a damaged archive member stops here, before anything is written
-    sets = {"train": (train, train_labels, _read_annotations(train_ann)),
-            "test": (test, test_labels, _read_annotations(test_ann))}
+    sets = {"train": (train, train_labels, train_ann), "test": (test, test_labels, test_ann)}
     facts = {"root": str(root.resolve()), "reference": str(ref_path) if ref_path else None,
              "mask_images_left_out": len(masks)}
     return _finish(out, name="camelyon16", template=template, sets=sets, val_fraction=val_fraction,
@@ -660,8 +755,12 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
     _raise_problems(str(slides_dir), problems,
                     "add a 'slide,label' line for every slide (1 tumour, 0 normal), keep one file per slide name, "
                     "and add the tumour test slides' annotations (<name>.xml or .geojson).")
-    train_ann = _match_annotations(_annotation_sources(ann_roots, skip=[out]), train[0])
-    test_ann = _match_annotations(_annotation_sources(t_roots, skip=[out]), test[0])
+    train_sources, unreadable = _annotation_sources(ann_roots, skip=[out])
+    test_sources, t_unreadable = ((train_sources, []) if t_roots == ann_roots
+                                  else _annotation_sources(t_roots, skip=[out]))
+    read = _read_annotations({"train": _match_annotations(train_sources, train[0]),
+                              "test": _match_annotations(test_sources, test[0])}, unreadable + t_unreadable)
+    train_ann, test_ann = read["train"], read["test"]
     no_ann_test = sorted((s for s, v in test[1].items() if v == 1 and s not in test_ann), key=str.casefold)
     _raise_problems(str(slides_dir), [f"{len(no_ann_test)} tumour test slide(s) have no annotation "
                                       f"(<name>.xml or .geojson) below {', '.join(map(str, t_roots))}: "
@@ -670,7 +769,7 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
     no_ann_train = sorted((s for s, v in train[1].items() if v == 1 and s not in train_ann), key=str.casefold)
     if no_ann_train:
         notes.append(f"{len(no_ann_train)} tumour training slide(s) have no annotation: {_names(no_ann_train)}")
-    sets = {"train": (*train, _read_annotations(train_ann)), "test": (*test, _read_annotations(test_ann))}
+    sets = {"train": (*train, train_ann), "test": (*test, test_ann)}
     command = f"wsi-milssl prepare folder --slides {slides_dir} --labels {labels_csv} --out {out}"
     return _finish(out, name=name or out.resolve().name, template=template, sets=sets, val_fraction=val_fraction,
                    split_seed=split_seed, command=command, facts=facts, notes=notes)
