@@ -14,6 +14,7 @@ import pytest
 from wsi_milssl.cli import main
 from wsi_milssl.config import TileConfig
 from wsi_milssl.distributed import shard_of
+from wsi_milssl.errors import StoreError
 from wsi_milssl.store import find_stores
 from wsi_milssl.tiling import find_slides, read_status_csv, tile_slides
 
@@ -325,3 +326,18 @@ def test_a_failed_rank_waits_for_a_rank_that_starts_late(four_slides, tmp_path):
     assert [(r["slide"], r["status"]) for r in read_status_csv(out / "tile_status.csv")] == [
         ("slide_0", "skipped"), ("slide_0a", "failed"), ("slide_1", "skipped")]
     assert _hidden(out) == []
+
+
+def test_a_shard_into_a_finished_folder_of_other_settings_gets_the_unsharded_error(four_slides, tmp_path):
+    """A sharded run (torchrun) into the folder of an earlier, finished run with another patch size used to be
+    told 'the shards of one run must use the same settings' (as if another shard were running); it gets the
+    unsharded run's error about the folder's stores, whose fix (--out or --overwrite) is the right one."""
+    slides, _ = four_slides
+    out = tmp_path / "out"
+    assert tile_slides(find_slides([slides]), out,
+                       TileConfig(magnification=20, patch_size_px=256, entropy_threshold_bits=4, threads=1)).ok
+    with pytest.raises(StoreError) as err:
+        tile_slides(find_slides([slides]), out, TileConfig(magnification=20, patch_size_px=128,
+                                                           entropy_threshold_bits=4, threads=1), shard=(0, 2))
+    assert "shards of one run" not in str(err.value)
+    assert "made with different settings" in str(err.value) and "--overwrite" in str(err.value)

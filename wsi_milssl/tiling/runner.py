@@ -588,10 +588,12 @@ def tile_slides(slides: Iterable[str | os.PathLike], out_dir: str | os.PathLike,
     out_dir = Path(out_dir)
     with folder_lock(out_dir, shard=shard):
         with folder_mutex(out_dir):  # one shard at a time: the first records the run's settings
-            if shard[1] > 1 and not overwrite:
-                _check_shard_settings(out_dir, config)
+            # the stores first: a folder of an earlier, finished run with other settings gets the unsharded
+            # run's error, not the one about shards started together
             other_settings = check_folder_settings(out_dir, every, config, overwrite=overwrite,
                                                    keep_other_stores=keep_other_stores)
+            if shard[1] > 1 and not overwrite:
+                _check_shard_settings(out_dir, config)
             config_json = _write_config(out_dir, config, other_settings)
         # marked unfinished until this run's last slide is done: `train` warns about a folder whose run stopped
         with marking_unfinished(out_dir, "tile", [slide_stem(s) for s in slides],
