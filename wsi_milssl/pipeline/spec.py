@@ -34,7 +34,8 @@ dataclass, plus ``[pipeline]`` and ``[data]``::
 
 Relative data paths are resolved against the pipeline file's folder, a relative ``out_dir`` (and
 ``--out``) against the folder ``run`` starts in (``~`` is expanded in both); the spec holds them absolute, so
-the same run started from another folder finds the same files. A generated set lives in
+the same run started from another folder finds the same files. ``load_pipeline(..., check_paths=True)``
+refuses [data] paths that do not exist, naming the key and the path each resolved to. A generated set lives in
 ``OUT/slides/<set>`` and serves as its own labels and annotations folder.
 
 ``overrides`` (``wsi-milssl run --set train.epochs=3``) replace values of the file before it is
@@ -189,12 +190,15 @@ def _apply_overrides(raw: dict[str, Any], overrides: Iterable[str], source: Path
 
 
 def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None = None,
-                  overrides: Iterable[str] = ()) -> PipelineSpec:
+                  overrides: Iterable[str] = (), check_paths: bool = False) -> PipelineSpec:
     """Read and validate a pipeline file; every stage table is checked against its config class.
 
     ``overrides``: ``TABLE.KEY=VALUE`` texts (:func:`parse_override`) applied before validation; an error in a
     table they changed names them. ``out_dir`` (default: [pipeline].out_dir) is held absolute: ``~`` expanded,
-    a relative one resolved against the current folder.
+    a relative one resolved against the current folder. ``check_paths``: every [data] path (after the
+    overrides) must exist, one ConfigError naming each one that does not (for a run: a wrong path stops it
+    before any stage); off by default, for a pipeline checked before the files it names are written
+    (``prepare``) or one read for its settings.
     """
     source = Path(path)
     raw = load_toml(source)
@@ -250,18 +254,30 @@ def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None 
     synth = raw.get("synth", {})
     generate = _check(at("data"), "data", "generate", data.pop("generate", "synth" in raw), bool)
     if synth and not (generate and mode == "images"):
-        why = "[data].mode = 'features' trains on features that exist" if mode == "features" else \
-            "[data].generate = false"
+        if mode == "features":  # generate = true cannot help: generated slides are images
+            why = "[data].mode = 'features' trains on features that exist"
+            fix = ("set [data].mode = 'images' (generated slides are images: their patches are tiled, or embedded "
+                   "by a [features] table), or drop the [synth] tables to train on the feature files of [data]")
+        else:
+            why = "[data].generate = false"
+            fix = "drop the [synth] tables, or set [data].generate = true (slides generated into OUT/slides)"
         tables = " and ".join(f"[synth.{k}]" for k in synth)
         raise ConfigError(f"{at('data', 'synth')}: {tables} describe{'s' if len(synth) == 1 else ''} generated "
-                          f"slides, but {why}, so {'it' if len(synth) == 1 else 'they'} would be ignored. Fix: drop "
-                          "the [synth] tables, or set [data].generate = true (slides generated into OUT/slides).")
+                          f"slides, but {why}, so {'it' if len(synth) == 1 else 'they'} would be ignored. Fix: "
+                          f"{fix}.")
     generate = generate and mode == "images"
     val_fraction = float(_check(at("data"), "data", "val_fraction", data.pop("val_fraction", 0.25), (int, float),
                                 low=0.0, high=1.0, high_inclusive=False))
     split_seed = _check(at("data"), "data", "split_seed", data.pop("split_seed", 0), int)
 
     sets: dict[str, DataSet] = {}
+    given: dict[str, tuple[Any, Path]] = {}  # [data] key: (its value, the path it resolves to)
+
+    def path_of(key: str) -> Path:
+        value = data.pop(key)
+        given[key] = (value, _path(base, value, key, source))
+        return given[key][1]
+
     if generate:
         # a file of existing slides that a --set made a generated pipeline: its errors say so
         note = "" if generated_in_file else (
@@ -288,7 +304,7 @@ def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None 
             missing = [v for v in keys.values() if v not in data]
             if missing:
                 raise ConfigError(f"{at('data')}: [data] is missing {', '.join(missing)} (features mode).")
-            features, labels = (_path(base, data.pop(keys[k]), keys[k], source) for k in ("features", "labels"))
+            features, labels = (path_of(keys[k]) for k in ("features", "labels"))
             sets[set_name] = DataSet(set_name, None, labels, None, None, features)
         if data:
             raise ConfigError(f"{at('data')}: unknown [data] key(s) {', '.join(sorted(data))}.")
@@ -298,9 +314,7 @@ def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None 
             missing = [v for v in keys.values() if v not in data]
             if missing:
                 raise ConfigError(f"{at('data')}: [data] is missing {', '.join(missing)}.")
-            sets[set_name] = DataSet(
-                set_name, *(_path(base, data.pop(keys[k]), keys[k], source) for k in ("slides", "labels", "annotations"))
-            )
+            sets[set_name] = DataSet(set_name, *(path_of(keys[k]) for k in ("slides", "labels", "annotations")))
         if data:
             raise ConfigError(f"{at('data')}: unknown [data] key(s) {', '.join(sorted(data))}.")
 
@@ -319,9 +333,24 @@ def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None 
     _validate_sections(sections, source, train_mode=train_mode, overrides=overrides)
     if mode == "features":
         _refuse_grid_without_validation(sections["train"].get("grid"), val_fraction, at("train", "data"), "bags")
+    if check_paths:
+        _refuse_missing_paths(given, base, at("data"))
     return PipelineSpec(name=name, source=source, out_dir=out, sets=sets, val_fraction=val_fraction,
                         split_seed=split_seed, sections=sections, mode=mode, feature_stage=feature_stage,
                         overrides=overrides, grid_workers=grid_workers)
+
+
+def _refuse_missing_paths(given: dict[str, tuple[Any, Path]], base: Path, where: str) -> None:
+    """One ConfigError starting with ``where`` that names each [data] path that does not exist: its key, its
+    value and the path it resolved to (a relative one against ``base``, the pipeline file's folder), so that
+    a wrong path stops a run before any stage instead of when its stage is reached."""
+    missing = [f"[data].{key} = {value!r}: {path} does not exist" for key, (value, path) in given.items()
+               if not path.exists()]
+    if missing:
+        raise ConfigError(f"{where}: {'; '.join(missing)} (relative [data] paths are resolved against the pipeline "
+                          f"file's folder, {base}). Fix: give the path of an existing file or folder, absolute or "
+                          f"relative to {base} (a pipeline file moved or copied without the files it names: move "
+                          "them with it, or give absolute paths).")
 
 
 def _asks_for_generated_slides(raw: dict[str, Any]) -> bool:
@@ -435,3 +464,12 @@ def _validate_sections(sections: dict[str, dict[str, Any]], source: Path, *, tra
                         f"value as [train].{key}.")
                 for value in values:
                     config_from_mapping(cls, {**section, key: value}, source=f"{source} [train.grid]{set_by}")
+                for k, value in enumerate(values):
+                    # equal values (also equal numbers, 0.1 and 0.10, 25 and 25.0) are one training run
+                    first = next((v for v in values[:k] if v == value), None)  # TOML has no null
+                    if first is not None:
+                        same = "" if repr(first) == repr(value) else f" ({first!r} and {value!r} are equal numbers)"
+                        raise ConfigError(
+                            f"{source}{set_by}: [train.grid].{key} lists {first!r} twice{same}; each value is one "
+                            f"training run, so a repeat would train the same run again in the same folder. Fix: "
+                            f"list each value of {key} once.")

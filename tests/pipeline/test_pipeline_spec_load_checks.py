@@ -1,0 +1,175 @@
+"""What ``load_pipeline`` refuses before any stage runs (review Z, 5-7): with ``check_paths=True``, a [data]
+path that does not exist (named with the file, the key, the path it resolved to and how relative paths
+resolve; a --set of one too), a [train.grid] value listed twice (also as equal numbers, 0.1 and 0.10), and
+[synth] tables on a pipeline that trains on feature files, whose fix named [data].generate = true (already
+set) instead of [data].mode."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from wsi_milssl.cli import main
+from wsi_milssl.cohorts import prepare_folder
+from wsi_milssl.config import SynthConfig
+from wsi_milssl.errors import ConfigError
+from wsi_milssl.pipeline import load_pipeline
+from wsi_milssl.synth import generate_slides
+
+DEMO = (Path(__file__).resolve().parents[2] / "pipelines" / "demo.toml").read_text()
+#: the demo with four small slides per set (the old code ran it up to the train stage before failing)
+TINY = DEMO.replace("8192", "2048").replace("n_slides = 8", "n_slides = 4")
+
+
+def _replace(text: str, old: str, new: str) -> str:
+    assert old in text
+    return text.replace(old, new, 1)
+
+
+@pytest.fixture(scope="module")
+def cohort(tmp_path_factory) -> Path:
+    """Four generated slides (two tumour, their ASAP XML beside them) with labels.csv."""
+    folder = tmp_path_factory.mktemp("cohort")
+    generate_slides(SynthConfig(n_slides=4, seed=3, width_px=2048, height_px=2048, tumor_slide_fraction=0.5), folder)
+    return folder
+
+
+@pytest.fixture()
+def prepared(cohort, tmp_path) -> Path:
+    """``prepare folder`` on the generated cohort: the folder it wrote (pipeline.toml, cohort/)."""
+    result = prepare_folder(cohort, cohort / "labels.csv", tmp_path / "m1", test_fraction=0.5)
+    return result.pipeline_toml.parent
+
+
+def _missing(key: str, value: str, resolved: Path) -> str:
+    return f"[data].{key} = {value!r}: {resolved} does not exist"
+
+
+def test_a_prepared_pipeline_loads_and_a_wrong_data_path_is_refused_at_load(prepared, tmp_path):
+    toml = prepared / "pipeline.toml"
+    spec = load_pipeline(toml, check_paths=True)  # prepare's pipeline: every path it names exists
+    assert spec.sets["test"].annotations == prepared / "cohort" / "annotations" / "test"
+
+    bad = tmp_path / "e1" / "pipeline.toml"
+    shutil.copytree(prepared, bad.parent)
+    bad.write_text(re.sub(r'(?m)^test_annotations = .*$', 'test_annotations = "cohort/annotations/tst"',
+                          bad.read_text()))
+    with pytest.raises(ConfigError) as err:
+        load_pipeline(bad, check_paths=True)
+    message = str(err.value)
+    assert message.startswith(f"{bad}: ")
+    assert _missing("test_annotations", "cohort/annotations/tst",
+                    bad.parent / "cohort" / "annotations" / "tst") in message
+    assert f"relative [data] paths are resolved against the pipeline file's folder, {bad.parent}" in message
+    assert "--annotations" not in message
+
+    # the pipeline file copied without its cohort/: every missing key in one error
+    other = tmp_path / "other" / "pipeline.toml"
+    other.parent.mkdir()
+    shutil.copy(toml, other)
+    with pytest.raises(ConfigError) as err:
+        load_pipeline(other, check_paths=True)
+    message = str(err.value)
+    for set_name in ("train", "test"):
+        assert _missing(f"{set_name}_slides", f"cohort/{set_name}_slides.csv",
+                        other.parent / "cohort" / f"{set_name}_slides.csv") in message
+        assert _missing(f"{set_name}_labels", f"cohort/{set_name}_labels.csv",
+                        other.parent / "cohort" / f"{set_name}_labels.csv") in message
+
+
+def test_a_set_of_a_data_path_is_checked_too(prepared):
+    toml = prepared / "pipeline.toml"
+    with pytest.raises(ConfigError) as err:
+        load_pipeline(toml, overrides=["data.test_labels=cohort/test_labelz.csv"], check_paths=True)
+    message = str(err.value)
+    assert message.startswith(f"{toml} with --set data.test_labels=cohort/test_labelz.csv: ")
+    assert _missing("test_labels", "cohort/test_labelz.csv", prepared / "cohort" / "test_labelz.csv") in message
+    absolute = prepared / "cohort" / "train_labels.csv"
+    # one that exists loads
+    spec = load_pipeline(toml, overrides=[f"data.test_labels={str(absolute)!r}"], check_paths=True)
+    assert spec.sets["test"].labels == absolute
+
+
+@pytest.mark.xfail(strict=True, reason="needs wsi_milssl/cli/run.py run_and_report to call load_pipeline with "
+                   "check_paths=True (outside this fix's files); remove this mark with that change")
+def test_run_with_a_wrong_data_path_stops_before_any_stage(prepared, tmp_path, capsys):
+    bad = prepared / "bad.toml"
+    bad.write_text(re.sub(r'(?m)^train_slides = .*$', 'train_slides = "cohort/nothing.csv"',
+                          (prepared / "pipeline.toml").read_text()))
+    out = tmp_path / "run_out"
+    assert main(["run", str(bad), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert f"{bad}: [data].train_slides = 'cohort/nothing.csv': {prepared / 'cohort' / 'nothing.csv'} does not " \
+           "exist" in err
+    assert not out.exists()  # no stage ran
+
+
+def test_a_missing_feature_path_is_refused_at_load(tmp_path):
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "labels.csv").write_text("slide,label\n")
+    path = tmp_path / "f.toml"
+    path.write_text('[data]\nmode = "features"\ntrain_features = "train"\ntrain_labels = "train/labels.csv"\n'
+                    'test_features = "~/no-such-folder-of-features"\ntest_labels = "train/labels.csv"\n'
+                    '[train]\nmode = "features"\nmodel = "linear"\n')
+    with pytest.raises(ConfigError, match=re.escape(
+            f"[data].test_features = '~/no-such-folder-of-features': "
+            f"{Path('~/no-such-folder-of-features').expanduser()} does not exist")):
+        load_pipeline(path, check_paths=True)
+    assert load_pipeline(path).sets["test"].features == Path("~/no-such-folder-of-features").expanduser()
+
+
+def test_the_demo_still_loads(tmp_path):
+    path = tmp_path / "demo.toml"
+    path.write_text(DEMO)  # generated sets: their paths are in OUT/slides, made by the synth stage
+    spec = load_pipeline(path, out_dir=tmp_path / "nowhere", check_paths=True)
+    assert spec.sets["train"].slides == tmp_path / "nowhere" / "slides" / "train"
+
+
+@pytest.mark.parametrize("grid, value", [
+    ("mu = [0.1, 0.2, 0.1]", "0.1"),
+    ("mu = [0.1, 0.10]", "0.1"),
+    ("lam = [25, 25.0]", "25"),
+    ("hidden_dims = [[128], [64], [128]]", "[128]"),
+])
+def test_a_repeated_grid_value_is_refused_at_load(tmp_path, grid, value):
+    path = tmp_path / "g.toml"
+    path.write_text(_replace(DEMO, "[train]", f"[train.grid]\n{grid}\n\n[train]"))
+    key = grid.split()[0]
+    with pytest.raises(ConfigError, match=re.escape(f"{path}: [train.grid].{key} lists {value} twice")):
+        load_pipeline(path)
+
+
+def test_a_repeated_grid_value_of_a_set_is_refused_and_distinct_values_load(tmp_path):
+    path = tmp_path / "g.toml"
+    path.write_text(DEMO)
+    with pytest.raises(ConfigError, match=re.escape(f"{path} with --set train.grid.mu=[0.2, 0.2]: [train.grid].mu "
+                                                    "lists 0.2 twice")):
+        load_pipeline(path, overrides=["train.grid.mu=[0.2, 0.2]"])
+    spec = load_pipeline(path, overrides=["train.grid.mu=[0.2, 0.25]", "train.grid.lam=[25, 26]"])
+    assert spec.section("train")["grid"] == {"mu": [0.2, 0.25], "lam": [25, 26]}
+
+
+def test_run_with_a_repeated_grid_value_stops_before_any_stage(tmp_path, capsys):
+    path = tmp_path / "g2.toml"
+    path.write_text(_replace(_replace(TINY, "[train]", "[train.grid]\nmu = [0.1, 0.1]\n\n[train]"),
+                             'name = "demo"', 'name = "demo"\ngrid_workers = 2'))
+    out = tmp_path / "out"
+    assert main(["run", str(path), "--out", str(out)]) == 1
+    assert f"{path}: [train.grid].mu lists 0.1 twice" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_synth_tables_with_features_mode_name_mode_as_the_conflict(tmp_path):
+    path = tmp_path / "demo.toml"
+    path.write_text(DEMO)  # generate = true already: setting it cannot help
+    with pytest.raises(ConfigError) as err:
+        load_pipeline(path, overrides=["data.mode=features"])
+    message = str(err.value)
+    assert message.startswith(f"{path} with --set data.mode=features: [synth.train] and [synth.test] describe "
+                              "generated slides, but [data].mode = 'features'")
+    fix = message.partition("Fix: ")[2]
+    assert "[data].generate = true" not in fix
+    assert "[data].mode = 'images'" in fix and "drop the [synth] tables" in fix
