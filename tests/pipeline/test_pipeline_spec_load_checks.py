@@ -93,8 +93,6 @@ def test_a_set_of_a_data_path_is_checked_too(prepared):
     assert spec.sets["test"].labels == absolute
 
 
-@pytest.mark.xfail(strict=True, reason="needs wsi_milssl/cli/run.py run_and_report to call load_pipeline with "
-                   "check_paths=True (outside this fix's files); remove this mark with that change")
 def test_run_with_a_wrong_data_path_stops_before_any_stage(prepared, tmp_path, capsys):
     bad = prepared / "bad.toml"
     bad.write_text(re.sub(r'(?m)^train_slides = .*$', 'train_slides = "cohort/nothing.csv"',

@@ -44,7 +44,7 @@ def run_and_report(pipeline: Path, *, out: Path | None, force=(), until=None, ov
     from wsi_milssl.cli.progress import TqdmProgress
     from wsi_milssl.pipeline import load_pipeline, run_pipeline
 
-    spec = load_pipeline(pipeline, out_dir=out, overrides=overrides)
+    spec = load_pipeline(pipeline, out_dir=out, overrides=overrides, check_paths=True)  # [data] paths exist
     print(f"pipeline {spec.name!r} from {spec.source} -> {spec.out_dir}"
           + (f" (with --set {' --set '.join(spec.overrides)})" if spec.overrides else ""))
 
