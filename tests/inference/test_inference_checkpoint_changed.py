@@ -154,16 +154,17 @@ def test_going_back_to_the_old_checkpoint_predicts_the_new_ones_slides_again(tmp
 
 
 def test_other_settings_recorded_per_slide(tmp_path, slides, checkpoints):
-    """A settings change is in the per-slide fingerprint too (not only the checkpoint)."""
+    """A settings change is in the per-slide fingerprint too (not only the checkpoint): a slide made with other
+    detection settings (a drawing setting) is drawn again from its saved probabilities, not skipped."""
     last, _ = checkpoints
     out = tmp_path / "hm"
     assert make_heatmaps(slides, last, out, HeatmapConfig(**FAST)).ok
     stamp = (out / "b_detections.csv").stat().st_mtime_ns
     assert make_heatmaps(slides[:1], last, out, HeatmapConfig(**FAST, detection_threshold=0.3)).ok
     events = []
-    assert make_heatmaps(slides, last, out, HeatmapConfig(**FAST, detection_threshold=0.3),
-                         progress=events.append).ok
-    assert _read(events) == {"b"}
+    run = make_heatmaps(slides, last, out, HeatmapConfig(**FAST, detection_threshold=0.3), progress=events.append)
+    assert run.ok and run.skipped == ("a",) and run.redrawn == ("b",)
+    assert _read(events) == set()  # no patch read: b's probabilities are the saved ones
     assert (out / "b_detections.csv").stat().st_mtime_ns != stamp
     assert json.loads((out / "b_probs.json").read_text())["detection_threshold"] == 0.3
 
@@ -175,7 +176,7 @@ def test_outputs_without_a_recorded_fingerprint_are_predicted_again(tmp_path, sl
     assert make_heatmaps(slides[:1], last, out, HeatmapConfig(**FAST)).ok
     sidecar = json.loads((out / "a_probs.json").read_text())
     assert sidecar["fingerprint"] == json.loads((out / "heatmap_config.json").read_text())["fingerprint"]
-    del sidecar["fingerprint"]
+    del sidecar["fingerprint"], sidecar["prediction_fingerprint"]  # neither was recorded then
     (out / "a_probs.json").write_text(json.dumps(sidecar))
     events = []
     assert make_heatmaps(slides[:1], last, out, HeatmapConfig(**FAST), progress=events.append).ok

@@ -10,7 +10,9 @@ Besides the per-slide files (see :mod:`wsi_milssl.inference.exports`) the folder
 ``heatmap_config.json`` (resolved settings, checkpoint, tiling plan and normalisation, runtime) and
 ``heatmap_status.csv`` (slide,status,n_patches,score,seconds,error). A slide that fails is recorded
 as failed while the others go on; a slide without a single patch is 'empty' and gets no score. Both
-lose the files and ``scores.csv`` row an earlier run left for them (they are not this run's). Slides
+lose the files and ``scores.csv`` row an earlier run left for them (they are not this run's). A slide
+finished in the folder is skipped when run again with the same checkpoint and settings, and drawn again from
+its saved probabilities, without the model, when only drawing settings changed (:data:`DRAWING_FIELDS`). Slides
 are predicted several at a time (:func:`wsi_milssl.inference.predict.predict_many`) and their files are
 written by threads while the model goes on; the thread that writes a slide's files writes its ``scores.csv``
 and status rows right after them.
@@ -109,8 +111,10 @@ class HeatmapResult:
 @dataclass(frozen=True)
 class HeatmapRun:
     """Outcome of :func:`make_heatmaps`: per-slide results (input order), the folder's files,
-    ``seconds`` from the first slide opened to the last file written, and ``skipped``: the slides already
-    done with this checkpoint and settings (their results read from the folder, not predicted again)."""
+    ``seconds`` from the first slide opened to the last file written, ``skipped``: the slides already
+    done with this checkpoint and settings (their results read from the folder, not predicted again), and
+    ``redrawn``: those predicted with this checkpoint and settings but drawn with other
+    :data:`DRAWING_FIELDS`, drawn again from their saved probabilities (the model did not run on them)."""
 
     results: tuple[HeatmapResult, ...]
     out_dir: Path
@@ -119,6 +123,7 @@ class HeatmapRun:
     scores_csv: Path
     seconds: float = 0.0
     skipped: tuple[str, ...] = ()
+    redrawn: tuple[str, ...] = ()
 
     @property
     def n_failed(self) -> int:
@@ -290,7 +295,8 @@ def _given_mpp(pred: SlidePrediction, config: HeatmapConfig) -> float | None:
 def write_slide_outputs(pred: SlidePrediction, out_dir: str | os.PathLike, *, model: InferenceModel,
                         config: HeatmapConfig, annotations_dir: str | os.PathLike | None = None,
                         input_files: dict | None = None, fingerprint: str | None = None,
-                        checkpoint_sha256: str | None = None) -> dict[str, Path]:
+                        checkpoint_sha256: str | None = None, prediction_fingerprint: str | None = None
+                        ) -> dict[str, Path]:
     """Write every per-slide file of ``pred`` into ``out_dir``; returns kind -> path.
 
     The files are those of :data:`wsi_milssl.artifacts.HEATMAP_FILES`: the map (``.npy``, ``.json``,
@@ -306,7 +312,10 @@ def write_slide_outputs(pred: SlidePrediction, out_dir: str | os.PathLike, *, mo
     file's bytes (:func:`checkpoint_sha256`), kept in the sidecar with the settings that shape the files
     (``model_name``, ``bag_pooling``, the detection settings, ``target_mpp``, ``patch_size_px`` and the
     model's ``tiling_plan``), so that ``evaluate`` can tell slides of one model and settings from others
-    whatever the checkpoint's path or the overlay settings.
+    whatever the checkpoint's path or the overlay settings. ``prediction_fingerprint``: what made the
+    probabilities alone (the fingerprint without the :data:`DRAWING_FIELDS`), kept in the sidecar with the
+    drawing settings (``drawing_settings``) and the tissue mask the overlay is clipped to, so that a later run
+    with other drawing settings only draws the slide again from its saved map (None: never drawn again).
 
     The old ``<stem>_probs.json`` is removed first and the sidecar is written only after every other
     file (the ``.tif`` description holds it without the fingerprint and ``checkpoint_sha256``): a slide
@@ -337,6 +346,7 @@ def write_slide_outputs(pred: SlidePrediction, out_dir: str | os.PathLike, *, mo
         "store_path": None if pred.store_path is None else str(pred.store_path),
         "input_files": input_files,
         "fingerprint": fingerprint,
+        "prediction_fingerprint": prediction_fingerprint,
         "checkpoint_sha256": checkpoint_sha256,
         "checkpoint": None if model.checkpoint_path is None else str(model.checkpoint_path),
         "model_name": model.config.get("model_name"),
@@ -345,6 +355,10 @@ def write_slide_outputs(pred: SlidePrediction, out_dir: str | os.PathLike, *, mo
         "detection_threshold": float(config.detection_threshold),
         "nms_radius_um": float(config.nms_radius_um),
         "tumor_threshold": float(config.tumor_threshold),
+        "drawing_settings": _drawing_settings(config),
+        # the tissue mask the overlay is clipped to (computed again when the slide is drawn again)
+        "tissue_detector": str(pred.tissue_detector),
+        "mask_mpp": float(pred.mask_mpp),
         # the µm/px given in place of the slide's own, for slides cut on the fly (a store brings its own)
         **({"slide_mpp": _given_mpp(pred, config)} if pred.source == "slide" else {}),
         "ome_downsample": ome_downsample(int(pred.stride_lv0), config.ome_downsample),
@@ -356,7 +370,7 @@ def write_slide_outputs(pred: SlidePrediction, out_dir: str | os.PathLike, *, mo
     # the .tif's description without the run's identity; the sidecar itself only at the end, after every
     # other file (a run killed among them leaves no sidecar, so the slide counts as unfinished)
     written = dict(write_probs(out_dir, pred.stem, grid, {k: v for k, v in sidecar.items()
-                                                         if k not in ("fingerprint", "checkpoint_sha256")},
+                                                         if k not in _RUN_IDENTITY},
                                write_json=False))
     geometry = dict(origin_lv0=pred.origin_lv0, stride_lv0=int(pred.stride_lv0),
                     patch_size_lv0=int(pred.patch_size_lv0))
@@ -386,6 +400,10 @@ def write_slide_outputs(pred: SlidePrediction, out_dir: str | os.PathLike, *, mo
     with atomic_open(paths["probs_json"], "w") as fh:  # last: the slide's files are complete
         fh.write(json.dumps(sidecar, indent=2, sort_keys=True) + "\n")
     return written
+
+
+#: The sidecar keys that identify the run that made a slide, kept out of the ``.tif`` description.
+_RUN_IDENTITY = ("fingerprint", "prediction_fingerprint", "checkpoint_sha256")
 
 
 def _write_overlay(pred: SlidePrediction, grid: np.ndarray, path: Path, *, config: HeatmapConfig,
@@ -425,18 +443,40 @@ def _write_overlay(pred: SlidePrediction, grid: np.ndarray, path: Path, *, confi
 _RUNTIME_FIELDS = ("batch_size", "num_workers", "device", "amp", "channels_last", "fuse_batchnorm", "threads",
                    "decode")
 
+#: HeatmapConfig fields that change only what is drawn and exported from the probabilities, not the
+#: probabilities: the overlay PNG, the patch classes and lesion contours of the viewer files, the OME-TIFF's
+#: resolution and the detections. A slide finished with other values of these alone is drawn again from its
+#: saved ``<stem>_probs.npy``, without the model. Every other field but the runtime ones (``tissue``,
+#: ``min_tissue``, ``mask_mpp``, ``slide_mpp``: how a slide is cut on the fly) changes the probabilities, as do
+#: the checkpoint and its tiling, and predicts the slide again; so does a field added later until it is listed.
+DRAWING_FIELDS = ("colormap", "alpha", "vmin", "vmax", "overlay_threshold", "smooth_um", "clip_to_tissue",
+                  "thumbnail_px", "colorbar", "title", "scale_bar", "annotation_color", "annotation_width_px",
+                  "tumor_groups", "non_tumor_groups", "tumor_threshold", "ome_downsample", "detection_threshold",
+                  "nms_radius_um")
 
-def _fingerprint(config: HeatmapConfig, model: InferenceModel) -> str:
+
+def _fingerprint(config: HeatmapConfig, model: InferenceModel, *, drawing: bool = True) -> str:
     """What decides a folder's files: the checkpoint's bytes, the settings that shape outputs and the
-    tiling; runtime settings (workers, device, precision, batch) are left out."""
+    tiling; runtime settings (workers, device, precision, batch) are left out. ``drawing=False``: what
+    decides the probabilities alone (the :data:`DRAWING_FIELDS` left out too), a slide's
+    ``prediction_fingerprint``."""
+    settings = _fingerprint_settings(config)
+    if not drawing:
+        settings = {k: v for k, v in settings.items() if k not in DRAWING_FIELDS}
     h = hashlib.sha256()
     if model.checkpoint_path is not None and Path(model.checkpoint_path).is_file():
         with open(model.checkpoint_path, "rb") as fh:
             for block in iter(lambda: fh.read(1 << 22), b""):
                 h.update(block)
-    h.update(json.dumps({"heatmap": _fingerprint_settings(config), "tiling": model.tiling.to_dict(),
-                         "pooling": model.pooling}, sort_keys=True).encode())
+    h.update(json.dumps({"heatmap": settings, "tiling": model.tiling.to_dict(), "pooling": model.pooling},
+                        sort_keys=True).encode())
     return h.hexdigest()[:16]
+
+
+def _drawing_settings(config: HeatmapConfig) -> dict[str, Any]:
+    """The :data:`DRAWING_FIELDS` of ``config`` as a slide's sidecar records them (JSON values)."""
+    values = config_to_dict(config)
+    return json.loads(json.dumps({k: values[k] for k in DRAWING_FIELDS}))
 
 
 def _fingerprint_settings(config: HeatmapConfig) -> dict[str, Any]:
@@ -549,17 +589,20 @@ def _same_prediction(row: dict[str, str], sidecar: dict) -> bool:
 COMPLETE_SLIDE_FILES = ("probs_npy", "probs_json", "detections_csv", "patches_csv")
 
 
-def _finished(out_dir: Path, fingerprint: str, inputs: Sequence[SlideInput]) -> dict[str, HeatmapResult]:
-    """Slides of ``inputs`` already finished in ``out_dir`` by a run with the same fingerprint: status
-    ok with every file there, their ``_probs.json`` recording this ``fingerprint`` (checkpoint and
-    settings; the folder's ``heatmap_config.json`` names the latest run's, not what made each slide) and
-    the same slide and store files (name, size and modification time, in ``input_files``:
-    :func:`_same_input_files`), and the status row agreeing with the sidecar's score and patch count. A slide made by another checkpoint
-    or settings (a run resumed with a new checkpoint), from other or changed files, without these
-    records (an older folder), or that was 'empty' (no files record it) is predicted again. Only
-    ``inputs`` are checked: shards writing one folder each check their own slides."""
+def _finished(out_dir: Path, fingerprint: str, prediction_fingerprint: str, inputs: Sequence[SlideInput]
+              ) -> tuple[dict[str, HeatmapResult], dict[str, dict]]:
+    """Slides of ``inputs`` already predicted in ``out_dir`` by a run with the same checkpoint and settings:
+    (done, redraw). ``done``: those whose ``_probs.json`` records this ``fingerprint`` (checkpoint and every
+    setting; the folder's ``heatmap_config.json`` names the latest run's, not what made each slide);
+    ``redraw`` (stem -> sidecar): those that record this ``prediction_fingerprint`` only (the same
+    probabilities, other :data:`DRAWING_FIELDS`), to draw again from their saved map. Either way the status
+    is ok with every file there, the slide and store files are the same (name, size and modification time,
+    in ``input_files``: :func:`_same_input_files`), and the status row agrees with the sidecar's score and
+    patch count. A slide made by another checkpoint or settings (a run resumed with a new checkpoint), from
+    other or changed files, without these records (an older folder), or that was 'empty' (no files record
+    it) is predicted again. Only ``inputs`` are checked: shards writing one folder each check their own slides."""
     rows = _read_status(out_dir / STATUS_FILENAME)
-    done = {}
+    done, redraw = {}, {}
     for item in inputs:
         row = rows.get(item.stem)
         if row is None or row.get("status") != "ok":
@@ -568,7 +611,8 @@ def _finished(out_dir: Path, fingerprint: str, inputs: Sequence[SlideInput]) -> 
         if not all(paths[k].is_file() for k in COMPLETE_SLIDE_FILES):
             continue
         sidecar = _read_sidecar(paths["probs_json"])
-        if sidecar.get("fingerprint") != fingerprint:
+        same = sidecar.get("fingerprint") == fingerprint
+        if not same and sidecar.get("prediction_fingerprint") != prediction_fingerprint:
             logger.info("%s: its outputs in %s were made with another checkpoint or settings (or record none); "
                         "predicting it again", item.stem, out_dir)
             continue
@@ -580,6 +624,9 @@ def _finished(out_dir: Path, fingerprint: str, inputs: Sequence[SlideInput]) -> 
             logger.info("%s: its status row in %s is not that of its files (an interrupted run); predicting it "
                         "again", item.stem, out_dir)
             continue
+        if not same:
+            redraw[item.stem] = sidecar
+            continue
         try:
             score = float(row["score"]) if row.get("score") else None
             done[item.stem] = HeatmapResult(item.stem, "", row["status"], int(row.get("n_patches") or 0), score,
@@ -587,7 +634,48 @@ def _finished(out_dir: Path, fingerprint: str, inputs: Sequence[SlideInput]) -> 
                                             {k: str(p) for k, p in paths.items() if p.is_file()})
         except (KeyError, ValueError):
             continue
-    return done
+    return done, redraw
+
+
+def _changed_drawing(sidecar: dict, config: HeatmapConfig) -> str:
+    """The drawing settings ``config`` changes against those a slide's sidecar records, as ``name old -> new``."""
+    before, now = sidecar.get("drawing_settings") or {}, _drawing_settings(config)
+    return ", ".join(f"{k} {before.get(k)!r} -> {now[k]!r}" for k in DRAWING_FIELDS if before.get(k) != now[k])
+
+
+def _saved_prediction(out_dir: Path, item: SlideInput, sidecar: dict) -> SlidePrediction:
+    """The prediction a slide's files in ``out_dir`` hold, to draw them again without the model: the
+    probabilities of its ``_probs.npy`` at the patches of its ``_patches.csv`` (in that order, so the score
+    and every file come out as the run that predicted them wrote them), on the grid and with the tissue mask
+    settings its sidecar records. ValueError (or OSError, KeyError, EvaluationError) when the files cannot be
+    read or do not agree with each other."""
+    from wsi_milssl.artifacts import read_patch_probs
+
+    paths = output_paths(out_dir, item.stem)
+    grid = np.load(paths["probs_npy"], allow_pickle=False)
+    coords, table_probs = read_patch_probs(paths["patches_csv"])
+    origin = (int(sidecar["origin_lv0"][0]), int(sidecar["origin_lv0"][1]))
+    stride = int(sidecar["stride_lv0"])
+    shape = (int(sidecar["shape"][0]), int(sidecar["shape"][1]))
+    cols, col_rest = np.divmod(coords[:, 0] - origin[0], stride)
+    rows, row_rest = np.divmod(coords[:, 1] - origin[1], stride)
+    if (grid.ndim != 2 or tuple(grid.shape) != shape or len(coords) != int(sidecar["n_patches"])
+            or col_rest.any() or row_rest.any() or not (0 <= rows).all() or not (rows < shape[0]).all()
+            or not (0 <= cols).all() or not (cols < shape[1]).all()):
+        raise ValueError("the map, the patch table and the sidecar do not agree")
+    probs = np.asarray(grid[rows, cols], dtype=np.float32)
+    if not np.isfinite(probs).all() or np.abs(probs - table_probs).max(initial=0.0) > 1e-6:
+        raise ValueError("the map and the patch table hold other probabilities")
+    recorded = sidecar.get("slide_path")
+    slide_path = item.slide_path if item.slide_path is not None else (Path(recorded) if recorded else None)
+    return SlidePrediction(
+        stem=item.stem, slide_path=slide_path, source=str(sidecar["source"]), coords_lv0=coords, outputs=probs,
+        origin_lv0=origin, stride_lv0=stride, patch_size_lv0=int(sidecar["patch_size_lv0"]),
+        patch_size_px=int(sidecar["patch_size_px"]), target_mpp=float(sidecar["target_mpp"]),
+        mpp=float(sidecar["mpp"]), dimensions_lv0=(int(sidecar["dimensions_lv0"][0]),
+                                                   int(sidecar["dimensions_lv0"][1])),
+        grid_shape=shape, n_candidates=len(coords), store_path=item.store_path,
+        tissue_detector=str(sidecar["tissue_detector"]), mask_mpp=float(sidecar["mask_mpp"]))
 
 
 def _write_config(out_dir: Path, config: HeatmapConfig, model: InferenceModel, fingerprint: str,
@@ -688,6 +776,10 @@ def make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.Path
     the same slide and store files (name, size, modification time) are skipped (``overwrite`` predicts
     them again); each slide's ``_probs.json`` records the fingerprint of the checkpoint and settings that
     made it, so a folder resumed with another checkpoint predicts again every slide the old one made. A
+    slide made with the same checkpoint and prediction settings but other drawing settings
+    (:data:`DRAWING_FIELDS`: the overlay, the viewer files' classes and lesions, the OME-TIFF's resolution,
+    the detections) is drawn again from its saved ``<stem>_probs.npy`` without the model
+    (``HeatmapRun.redrawn``); one whose saved probabilities cannot be read is predicted again. A
     store cut from another slide than the one given, or one that cannot be opened, fails its slide
     (:func:`store_mismatch`). A model that gives NaN or infinite probabilities fails each slide
     (CheckpointError in the status CSV) before any of its files is written. ``shard`` = (I, N): this
@@ -715,8 +807,9 @@ def _make_heatmaps(inputs: list[HeatmapInput], checkpoint: str | os.PathLike | I
     model = checkpoint if isinstance(checkpoint, InferenceModel) else load_inference_model(checkpoint, config=config)
     out_dir.mkdir(parents=True, exist_ok=True)
     fingerprint = _fingerprint(config, model)
+    prediction_fingerprint = _fingerprint(config, model, drawing=False)
     sha256 = checkpoint_sha256(model)
-    finished = {} if overwrite else _finished(out_dir, fingerprint, inputs)
+    finished, to_redraw = ({}, {}) if overwrite else _finished(out_dir, fingerprint, prediction_fingerprint, inputs)
     config_json = _write_config(out_dir, config, model, fingerprint, sha256)
     status_csv = out_dir / STATUS_FILENAME
     results: dict[int, HeatmapResult] = {}
@@ -762,7 +855,8 @@ def _make_heatmaps(inputs: list[HeatmapInput], checkpoint: str | os.PathLike | I
         collects it: a run killed in between left the slide's new files beside an earlier run's rows)."""
         t0 = time.perf_counter()
         written = write_slide_outputs(pred, out_dir, model=model, config=config, annotations_dir=annotations_dir,
-                                      input_files=files, fingerprint=fingerprint, checkpoint_sha256=sha256)
+                                      input_files=files, fingerprint=fingerprint, checkpoint_sha256=sha256,
+                                      prediction_fingerprint=prediction_fingerprint)
         write_s = time.perf_counter() - t0
         score = pred.score(model.pooling)
         update_scores_csv(out_dir, {pred.stem: score})  # the CSVs' updates take the folder's mutex
@@ -773,7 +867,7 @@ def _make_heatmaps(inputs: list[HeatmapInput], checkpoint: str | os.PathLike | I
         return result, write_s
 
     emit(progress, ProgressEvent("heatmap", 0, len(inputs), unit="slide"))
-    todo, skipped = [], []
+    todo, skipped, redraw = [], [], []
     for i, item in enumerate(inputs):
         try:
             mismatch = store_mismatch(item, slide_mpp=config.slide_mpp)
@@ -784,17 +878,36 @@ def _make_heatmaps(inputs: list[HeatmapInput], checkpoint: str | os.PathLike | I
         elif item.stem in finished:
             record(i, dataclasses.replace(finished[item.stem], slide_path=str(item.slide_path or "")), merge=False)
             skipped.append(item.stem)
+        elif item.stem in to_redraw:
+            redraw.append(i)
         else:
             todo.append(i)
     if skipped:
         logger.info("%s: %d of %d slides already done with this checkpoint and settings; skipped", out_dir,
                     len(skipped), len(inputs))
     # taken before the files are read: a file rewritten while it is predicted is predicted again next time
-    files_of = {i: _input_files(inputs[i]) for i in todo}
+    files_of = {i: _input_files(inputs[i]) for i in todo + redraw}
+    redrawn = []
     t_start = time.perf_counter()
     # Files are written by threads while the model goes on with the next slides; at most
     # _PENDING_WRITES predictions wait for them, so memory stays bounded.
     with ThreadPoolExecutor(max_workers=_WRITER_THREADS, thread_name_prefix="wsi-heatmap-write") as writers:
+        for i in redraw:  # the same probabilities, other drawing settings: drawn again without the model
+            item, sidecar = inputs[i], to_redraw[inputs[i].stem]
+            try:
+                pred = _saved_prediction(out_dir, item, sidecar)
+            except (OSError, ValueError, KeyError, TypeError, IndexError, WsiMilsslError) as exc:
+                logger.info("%s: its saved probabilities in %s cannot be read (%s); predicting it again", item.stem,
+                            out_dir, exc)
+                todo.append(i)
+                continue
+            logger.info("%s: predicted with this checkpoint and settings, drawn with other drawing settings (%s); "
+                        "drawing it again from its saved probabilities", item.stem, _changed_drawing(sidecar, config))
+            redrawn.append(item.stem)
+            writes[writers.submit(write, i, pred, files_of[i])] = (i, pred)
+            while len(writes) >= _PENDING_WRITES:
+                collect(block=True)
+        todo.sort()
         for j, outcome in predict_many([inputs[i] for i in todo], model, config=config, progress=progress):
             i = todo[j]
             if isinstance(outcome, Exception):
@@ -825,4 +938,4 @@ def _make_heatmaps(inputs: list[HeatmapInput], checkpoint: str | os.PathLike | I
     if not status_csv.exists():
         _merge_status(status_csv, results_list)
     return HeatmapRun(tuple(results_list), out_dir, status_csv, config_json, out_dir / SCORES_FILENAME,
-                      seconds=time.perf_counter() - t_start, skipped=tuple(skipped))
+                      seconds=time.perf_counter() - t_start, skipped=tuple(skipped), redrawn=tuple(redrawn))
