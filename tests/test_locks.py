@@ -257,3 +257,35 @@ def test_folder_writer_names_the_run_or_the_shards_that_hold_the_folder(tmp_path
     assert folder_writer(folder) is None
     with folder_lock(folder):
         assert folder_writer(folder) is None  # this process's own run does not count
+
+
+def test_a_run_that_fails_in_a_folder_it_created_leaves_no_empty_folder(tmp_path):
+    """A run refused before writing anything (e.g. heatmap with a checkpoint of the wrong kind) used to leave
+    its new, empty --out folder behind; a folder that existed, or one with files in it, stays."""
+    new = tmp_path / "new" / "out"
+    with pytest.raises(RuntimeError):
+        with folder_lock(new):
+            assert new.is_dir()
+            raise RuntimeError("refused")
+    assert not new.exists() and (tmp_path / "new").is_dir()  # parents are not ours to remove
+    with pytest.raises(RuntimeError):
+        with folder_lock(new):
+            (new / "written.txt").write_text("x")
+            raise RuntimeError("stopped")
+    assert (new / "written.txt").is_file()
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    with pytest.raises(RuntimeError):
+        with folder_lock(existing):
+            raise RuntimeError("refused")
+    assert existing.is_dir()
+
+
+def test_heatmap_with_a_missing_checkpoint_leaves_no_out_folder(synth_dir, tmp_path, capsys):
+    from wsi_milssl.cli import main
+
+    out = tmp_path / "hm"
+    assert main(["heatmap", str(synth_dir / "synth_000.tif"), "--model", str(tmp_path / "none.pt"),
+                 "--out", str(out)]) != 0
+    assert "checkpoint not found" in capsys.readouterr().err
+    assert not out.exists()

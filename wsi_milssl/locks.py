@@ -212,6 +212,13 @@ def _create_folder(folder: Path, named_by: str | None = "--out") -> str:
         raise _folder_error(folder, cause, "cannot create this", named_by) from None
 
 
+def _remove_if_empty(folder: Path) -> None:
+    try:
+        folder.rmdir()  # only an empty folder: anything written in it keeps it
+    except OSError:
+        pass
+
+
 @contextmanager
 def folder_lock(path: str | os.PathLike, *, wait: bool = False,
                 shard: tuple[int, int] | None = None, named_by: str | None = "--out") -> Iterator[Path]:
@@ -228,10 +235,13 @@ def folder_lock(path: str | os.PathLike, *, wait: bool = False,
     elsewhere is no fix (``train --resume`` continues its own run folder; ``label`` rewrites the stores
     of the folders it is given), so the fix is to wait. A folder that cannot be written (read-only
     file system, no permission, full disk) raises OutputError naming it and the fix. After the lock is
-    taken, temporaries left in the folder by killed runs are removed. Yields the folder path.
+    taken, temporaries left in the folder by killed runs are removed. An unsharded run that created the
+    folder and fails with nothing written in it removes it again (an early refusal leaves no empty
+    folder that looks like an output). Yields the folder path.
     """
     folder = Path(path)
     shard = _check_shard(shard)
+    created = not folder.exists()
     key = _create_folder(folder, named_by)
     with _held_guard:
         depth = _held.get(key, 0)
@@ -245,9 +255,14 @@ def folder_lock(path: str | os.PathLike, *, wait: bool = False,
                 _held[key] -= 1
         return
     if shard is None:
-        with _exclusive(folder, wait=wait, named_by=named_by):
-            with _holding(key):
-                yield folder
+        try:
+            with _exclusive(folder, wait=wait, named_by=named_by):
+                with _holding(key):
+                    yield folder
+        except BaseException:
+            if created:  # a run refused or stopped before writing anything leaves no empty folder behind
+                _remove_if_empty(folder)
+            raise
     else:
         with _as_shard(folder, shard, wait=wait, named_by=named_by):
             with _holding(key):
