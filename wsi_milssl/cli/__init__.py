@@ -9,6 +9,12 @@ renders progress). Exit codes: 0 success, 1 a stage failed (error message on std
 (log records and progress lines appended with timestamps) are accepted before or after the
 subcommand. When stderr is not a terminal, progress is one timestamped line per slide, epoch and
 stage instead of bars (:mod:`wsi_milssl.cli.progress`).
+
+Under torchrun with several ranks only the subcommands that split their work between the ranks run
+(:data:`SPLIT_BY_RANK`): ``train`` (one job; rank 0 alone reports progress and info lines, the other
+ranks their warnings and errors) and the slide stages (each rank its own shard, its own summary). Every
+other subcommand is refused before it starts, with one error from rank 0 (exit code 2). The log lines and
+errors of ranks other than 0 start with ``[rank r]``.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import importlib
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 from wsi_milssl import __version__
@@ -41,6 +48,14 @@ COMMANDS = {
     "benchmark": "benchmark",
     "heatmap": "heatmap",
 }
+
+
+#: The subcommands that split their work between torchrun's ranks: train (one job, its batches split between
+#: the ranks) and the slide stages (each rank its own shard of the slides; heatmap not with --features).
+SPLIT_BY_RANK = ("train", "tile", "label", "heatmap")
+#: How long a rank other than 0 waits, after a refusal under torchrun, for torchrun to end it (which it does
+#: as soon as rank 0 exits, after printing the refusal once) before it prints the refusal itself.
+RANK0_WAIT_S = 60.0
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -119,12 +134,15 @@ def _command_in(argv: list[str]) -> str | None:
 _OUR_HANDLERS: list[logging.Handler] = []
 
 
-def _configure_output(*, verbose: int, quiet: int, log_file: Path | None) -> logging.Handler | None:
+def _configure_output(*, verbose: int, quiet: int, log_file: Path | None, tag: str = "",
+                      floor: int = logging.NOTSET) -> logging.Handler | None:
     """Log records to stderr (WARNING; -v INFO; -vv DEBUG; -q ERROR) and, with ``log_file``, every
-    record from INFO up and the progress lines to that file, with timestamps. Returns the file's handler."""
+    record from INFO up and the progress lines to that file, with timestamps. Returns the file's handler.
+    ``tag`` starts every line (``[rank 1] ``: a torchrun rank other than 0); ``floor``: no record below
+    this level anywhere (WARNING for train's ranks other than 0, whose progress rank 0 reports)."""
     from wsi_milssl.cli.progress import configure_progress_lines
 
-    level = logging.ERROR if quiet else logging.WARNING - 10 * min(verbose, 2)
+    level = max(logging.ERROR if quiet else logging.WARNING - 10 * min(verbose, 2), floor)
     root = logging.getLogger()
     for handler in _OUR_HANDLERS:  # main() may run more than once in a process (tests)
         root.removeHandler(handler)
@@ -132,7 +150,7 @@ def _configure_output(*, verbose: int, quiet: int, log_file: Path | None) -> log
     _OUR_HANDLERS.clear()
     console = logging.StreamHandler(sys.stderr)
     console.setLevel(level)
-    console.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    console.setFormatter(logging.Formatter(f"{tag}%(levelname)s %(name)s: %(message)s"))
     handlers: list[logging.Handler] = [console]
     file_handler = None
     if log_file is not None:
@@ -142,8 +160,8 @@ def _configure_output(*, verbose: int, quiet: int, log_file: Path | None) -> log
         except OSError as exc:
             raise WsiMilsslError(f"{log_file}: cannot write the log file ({exc.strerror}). Fix: give a writable "
                                  "path to --log-file.") from None
-        file_handler.setLevel(min(level, logging.INFO))
-        file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s",
+        file_handler.setLevel(max(min(level, logging.INFO), floor))
+        file_handler.setFormatter(logging.Formatter(f"%(asctime)s {tag}%(levelname)s %(name)s: %(message)s",
                                                     datefmt="%Y-%m-%d %H:%M:%S"))
         handlers.append(file_handler)
     for handler in handlers:
@@ -151,7 +169,7 @@ def _configure_output(*, verbose: int, quiet: int, log_file: Path | None) -> log
         _OUR_HANDLERS.append(handler)
     root.setLevel(min(h.level for h in handlers))
     configure_progress_lines(stderr=not quiet and not sys.stderr.isatty(), log_handler=file_handler,
-                             bars=False if quiet else None)
+                             bars=False if quiet else None, tag=tag)
     return file_handler
 
 
@@ -162,10 +180,20 @@ def main(argv: list[str] | None = None) -> int:
     verbose = args.verbose + getattr(args, "verbose_after", 0)
     quiet = args.quiet + getattr(args, "quiet_after", 0)
     log_file = getattr(args, "log_file_after", None) or args.log_file
+    rank, world = _torchrun_place()
+    tag = f"[rank {rank}] " if rank else ""
+    floor = logging.WARNING if rank and args.command == "train" else logging.NOTSET
     try:
-        log_handler = _configure_output(verbose=verbose, quiet=quiet, log_file=log_file)
+        log_handler = _configure_output(verbose=verbose, quiet=quiet, log_file=log_file, tag=tag, floor=floor)
     except WsiMilsslError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"{tag}error: {exc}", file=sys.stderr)
+        return 2
+    refusal = _not_split_by_rank(args, world)
+    if refusal is not None:
+        if rank and os.environ.get("TORCHELASTIC_RUN_ID"):
+            # torchrun's agent ends every rank as soon as rank 0 exits: rank 0 alone says it
+            time.sleep(RANK0_WAIT_S)
+        _report(refusal, log_handler, tag)
         return 2
     try:
         code = int(args.run(args) or 0)
@@ -174,9 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     except (FileExistsError, NotADirectoryError, IsADirectoryError) as exc:
         if exc.filename is None:
             raise
-        code = _report(_in_the_way(exc), log_handler)
+        code = _report(_in_the_way(exc), log_handler, tag)
     except WsiMilsslError as exc:
-        code = _report(exc, log_handler)
+        code = _report(exc, log_handler, tag)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         code = 130
@@ -185,6 +213,38 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return _stdout_closed()
     return code
+
+
+def _torchrun_place() -> tuple[int, int]:
+    """(rank, world size) of this process under torchrun; (0, 1) without it. A malformed RANK or
+    WORLD_SIZE is left to the subcommands that split their work by rank, which name it."""
+    from wsi_milssl.distributed import torchrun_env
+
+    try:
+        env = torchrun_env()
+    except WsiMilsslError:
+        return 0, 1
+    return (env[0], env[1]) if env is not None else (0, 1)
+
+
+def _not_split_by_rank(args: argparse.Namespace, world: int) -> WsiMilsslError | None:
+    """The error for a subcommand that does not split its work between torchrun's ``world`` ranks
+    (each rank would run all of it into the same files), or None (one process, or :data:`SPLIT_BY_RANK`)."""
+    command = args.command
+    if world <= 1 or (command in SPLIT_BY_RANK and not (command == "heatmap" and args.features is not None)):
+        return None
+    if command == "features":
+        why = ("features are not split into shards (every rank would embed every slide into the same files). Fix: "
+               "run one process without torchrun (it uses the GPU and a pool of readers), or give each process its "
+               "own stores and --out.")
+    elif command == "heatmap":
+        why = ("heatmaps of feature files (--features) are not split into shards (each takes well under a second, "
+               "and every rank would write the same files). Fix: run it once, as one process without torchrun.")
+    else:
+        why = (f"`wsi-milssl {command}` is not split between ranks (every rank would run all of it, into the same "
+               "files). Fix: run it as one process without torchrun (unset RANK and WORLD_SIZE if something else "
+               f"set them); only {', '.join(SPLIT_BY_RANK[:-1])} and {SPLIT_BY_RANK[-1]} run under torchrun.")
+    return WsiMilsslError(f"torchrun's {world} ranks: {why}")
 
 
 def _in_the_way(exc: OSError) -> WsiMilsslError:
@@ -200,9 +260,9 @@ def _in_the_way(exc: OSError) -> WsiMilsslError:
                           "the file away.")
 
 
-def _report(exc: WsiMilsslError, log_handler: logging.Handler | None) -> int:
-    """Print ``error: ...`` (and log it to the log file); exit code 1."""
-    print(f"error: {exc}", file=sys.stderr)
+def _report(exc: WsiMilsslError, log_handler: logging.Handler | None, tag: str = "") -> int:
+    """Print ``error: ...`` (and log it to the log file), after ``tag`` (``[rank r] ``); exit code 1."""
+    print(f"{tag}error: {exc}", file=sys.stderr)
     if log_handler is not None:
         log_handler.handle(logging.makeLogRecord({"name": "wsi_milssl.cli", "levelno": logging.ERROR,
                                                   "levelname": "ERROR", "msg": f"error: {exc}"}))

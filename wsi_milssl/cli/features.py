@@ -139,16 +139,10 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from wsi_milssl.cli.progress import TqdmProgress
-    from wsi_milssl.distributed import torchrun_env
     from wsi_milssl.errors import ConfigError
     from wsi_milssl.features import extract_features
 
-    try:
-        env = torchrun_env()
-        if env is not None and env[1] > 1:
-            raise ConfigError(f"torchrun's {env[1]} ranks: features are not split into shards (every rank would "
-                              "embed every slide into the same files). Fix: run one process without torchrun (it "
-                              "uses the GPU and a pool of readers), or give each process its own stores and --out.")
+    try:  # under torchrun with several ranks wsi_milssl.cli.main refuses features before it gets here
         config = features_config_from_args(args)
         tile = _tile_config(args)
     except ConfigError as exc:

@@ -185,10 +185,8 @@ def _run_features(args: argparse.Namespace) -> int:
     try:
         if args.store is not None:
             raise ConfigError("--features and --store are two sources of the same patches; pass one.")
-        count = shard_from_args(args).count
-        if count > 1:
-            given = f"--shard {args.shard}" if args.shard is not None else f"torchrun's {count} ranks"
-            raise ConfigError(f"{given}: heatmaps of feature files (--features) are not split into shards (each "
+        if shard_from_args(args).count > 1:  # torchrun's ranks: refused by wsi_milssl.cli.main before this
+            raise ConfigError(f"--shard {args.shard}: heatmaps of feature files (--features) are not split into shards (each "
                               "takes well under a second, and shards would overwrite each other's "
                               "heatmap_status.csv). Fix: drop --shard and run once (one process), or give each "
                               "process its own feature files and --out.")
@@ -230,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
         result = make_heatmaps(slides, args.model, args.out, config, stores=args.store,
                                annotations_dir=args.annotations, progress=progress, shard=shard,
                                overwrite=args.overwrite)
-    _report(result, "slide(s)")
+    _report(result, "slide(s)", shard=shard)
     return failed_exit(args, shard, len(result.results) - _n_ok(result), status_csv=result.status_csv,
                        what="slide(s) failed or had no patch")
 
@@ -239,11 +237,11 @@ def _n_ok(result) -> int:
     return sum(r.status == "ok" for r in result.results)
 
 
-def _report(result, what: str) -> int:
+def _report(result, what: str, *, shard=None) -> int:
     """Print a heatmap run's summary (patches per second of the slides predicted in this run, from the
-    first input opened to the last file written; slides already done are named as such, without a rate),
-    one line per slide, the files written, failures to stderr; the exit code: 0, or 1 when a slide failed
-    or had no patch."""
+    first input opened to the last file written; slides already done are named as such, without a rate;
+    ``shard`` I of N named when N > 1: each rank or --shard task prints its own), one line per slide, the
+    files written, failures to stderr; the exit code: 0, or 1 when a slide failed or had no patch."""
     seconds = result.seconds
     ok = [r for r in result.results if r.status == "ok"]
     skipped = set(result.skipped)
@@ -256,7 +254,8 @@ def _report(result, what: str) -> int:
         done = f"{n_patches} {'new ' if skipped else ''}patches in {seconds:.1f} s{rate}"
         if skipped:
             done += f"; {len(skipped)} slide(s) already done with this checkpoint and settings, skipped"
-    print(f"heatmaps of {len(result.results)} {what}: {len(ok)} ok, {result.n_failed} failed, "
+    part = f" (shard {shard[0]}/{shard[1]})" if shard is not None and shard[1] > 1 else ""
+    print(f"heatmaps of {len(result.results)} {what}{part}: {len(ok)} ok, {result.n_failed} failed, "
           f"{result.n_empty} empty; {done} -> {result.out_dir}")
     for r in ok:
         print(f"  {r.slide}: score {r.score:.4f}, {r.n_patches} patches")

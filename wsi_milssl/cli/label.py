@@ -107,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
             args.stores, annotations_dir=args.annotations, labels_csv=getattr(args, "labels", None), config=config,
             out_dir=getattr(args, "out", None), progress=progress, shard=shard, overwrite=args.overwrite,
         )
+    if shard[1] > 1:  # each rank or --shard task prints its own table
+        print(f"labels of {len(report.results)} store(s) (shard {shard[0]}/{shard[1]}):")
     width = max([len(r.stem) for r in report.results] + [5])
     print(f"{'slide':<{width}}  {'status':<7} {'labels':<11} {'patches':>8} {'positive':>8}  slide label")
     for r in report.results:

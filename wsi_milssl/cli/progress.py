@@ -37,14 +37,15 @@ _STATE = {"bars": None}  # None: bars on a terminal (stderr is a TTY); False: ne
 
 
 def configure_progress_lines(*, stderr: bool, log_handler: logging.Handler | None = None,
-                             bars: bool | None = None) -> None:
+                             bars: bool | None = None, tag: str = "") -> None:
     """Where progress lines go: to stderr (``stderr``) and/or to ``log_handler`` (``--log-file``).
-    ``bars``: False never draws tqdm bars (``-q``), None draws them when stderr is a terminal."""
+    ``bars``: False never draws tqdm bars (``-q``), None draws them when stderr is a terminal. ``tag``
+    follows the timestamp of the lines on stderr (``[rank 1] ``: a torchrun rank other than 0)."""
     for handler in list(LINE_LOGGER.handlers):
         LINE_LOGGER.removeHandler(handler)
     if stderr:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%Y-%m-%d %H:%M:%S"))
+        handler.setFormatter(logging.Formatter(f"%(asctime)s {tag}%(message)s", datefmt="%Y-%m-%d %H:%M:%S"))
         LINE_LOGGER.addHandler(handler)
     if log_handler is not None:
         LINE_LOGGER.addHandler(log_handler)
