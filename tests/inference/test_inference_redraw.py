@@ -175,3 +175,20 @@ def test_every_setting_is_a_runtime_a_drawing_or_a_prediction_setting():
     assert {"colormap", "thumbnail_px", "title", "annotation_color", "detection_threshold"} <= set(DRAWING_FIELDS)
     # the folder's fingerprint (evaluate's run identity) still covers every drawing setting
     assert set(DRAWING_FIELDS) - {"tumor_groups", "non_tumor_groups"} <= set(_fingerprint_settings(HeatmapConfig()))
+
+
+def test_the_cli_summary_names_redrawn_slides_without_a_patch_rate(tmp_path, two_slides, checkpoint_factory, capsys):
+    """`heatmap` run again with only another --colormap used to print the redrawn slides' patches as 'new
+    patches' with a patches/s rate, although the model did not run."""
+    from wsi_milssl.cli import main
+
+    ckpt, out = checkpoint_factory(), tmp_path / "hm"
+    args = ["heatmap", *map(str, two_slides), "--model", str(ckpt), "--out", str(out), "--thumbnail-px", "128",
+            "--batch-size", "32", "--workers", "0"]
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main([*args, "--colormap", "magma"]) == 0
+    summary = capsys.readouterr().out.splitlines()[0]
+    assert "0 new patches in" in summary and "patches/s" not in summary, summary
+    assert "2 slide(s) drawn again from their saved probabilities (only drawing settings changed, nothing " \
+           "predicted)" in summary, summary

@@ -239,19 +239,25 @@ def _n_ok(result) -> int:
 
 def _report(result, what: str, *, shard=None) -> int:
     """Print a heatmap run's summary (patches per second of the slides predicted in this run, from the
-    first input opened to the last file written; slides already done are named as such, without a rate;
+    first input opened to the last file written; slides already done, or drawn again from their saved
+    probabilities, are named as such, without a rate;
     ``shard`` I of N named when N > 1: each rank or --shard task prints its own), one line per slide, the
     files written, failures to stderr; the exit code: 0, or 1 when a slide failed or had no patch."""
     seconds = result.seconds
     ok = [r for r in result.results if r.status == "ok"]
     skipped = set(result.skipped)
+    redrawn = set(getattr(result, "redrawn", ()))
+    not_predicted = skipped | redrawn
     if skipped and len(skipped) == len(result.results):
         done = (f"{sum(r.n_patches for r in ok)} patches; every slide was already done with this checkpoint and "
                 "settings (skipped, nothing predicted)")
     else:
-        n_patches = sum(r.n_patches for r in ok if r.slide not in skipped)
+        n_patches = sum(r.n_patches for r in ok if r.slide not in not_predicted)
         rate = f", {n_patches / seconds:.1f} patches/s" if seconds > 0 and n_patches else ""
-        done = f"{n_patches} {'new ' if skipped else ''}patches in {seconds:.1f} s{rate}"
+        done = f"{n_patches} {'new ' if not_predicted else ''}patches in {seconds:.1f} s{rate}"
+        if redrawn:
+            done += (f"; {len(redrawn)} slide(s) drawn again from their saved probabilities (only drawing "
+                     "settings changed, nothing predicted)")
         if skipped:
             done += f"; {len(skipped)} slide(s) already done with this checkpoint and settings, skipped"
     part = f" (shard {shard[0]}/{shard[1]})" if shard is not None and shard[1] > 1 else ""
