@@ -87,7 +87,7 @@ def test_weights_of_another_network_are_refused_naming_the_tensors(tmp_path):
         create_encoder("resnet18", weights=str(r50))
     bad = tmp_path / "bad.pth"
     bad.write_bytes(b"not a checkpoint")
-    with pytest.raises(CheckpointError, match="bad.pth: cannot load as a state dict"):
+    with pytest.raises(CheckpointError, match="bad.pth: is not a PyTorch file"):
         create_encoder("resnet18", weights=str(bad))
 
 

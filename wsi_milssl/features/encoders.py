@@ -14,10 +14,11 @@ An :class:`Encoder` maps normalised float (B, 3, H, W) patches to float (B, D) f
 Weights (``weights=``), never downloaded:
 
 - a local file (``.pth``/``.pt``/``.bin`` state dict, a checkpoint holding one under ``state_dict`` or
-  ``model``, or ``.safetensors``); prefixes ``module.`` and ``model.`` are stripped, so CLAM's and
-  DataParallel checkpoints load as they are. A foundation model's checkpoint, e.g. UNI: ``--encoder
-  timm:vit_large_patch16_224 --encoder-kwargs '{"init_values": 1e-5, "dynamic_img_size": true}'
-  --weights /models/uni/pytorch_model.bin``.
+  ``model``, or ``.safetensors``), read by the rules of :mod:`wsi_milssl.weights` (``weights_only=True``
+  only; the wrapper prefixes ``module.``, ``model.``, ``encoder.`` and ``backbone.``, also stacked, are
+  stripped), so CLAM's and DataParallel checkpoints load as they are. A foundation model's checkpoint,
+  e.g. UNI: ``--encoder timm:vit_large_patch16_224 --encoder-kwargs '{"init_values": 1e-5,
+  "dynamic_img_size": true}' --weights /models/uni/pytorch_model.bin``.
 - ``"cached"``: the file the library's own download would have left, if it is there: torchvision's
   ``$TORCH_HOME/hub/checkpoints/`` (``resnet50-0676ba61.pth``, ``resnet18-f37072fd.pth``, ...) or
   timm's Hugging Face cache (``$HF_HOME/hub``; ``timm/resnet50.tv_in1k`` for ``resnet50_trunc``).
@@ -43,6 +44,7 @@ from torch import nn
 
 from wsi_milssl.errors import CheckpointError, ConfigError
 from wsi_milssl.registry import Registry
+from wsi_milssl.weights import read_state_dict, strip_prefixes
 
 __all__ = [
     "ENCODERS",
@@ -187,49 +189,6 @@ def file_sha256(path: Path) -> str:
     return _SHA_CACHE[key]
 
 
-def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    if path.suffix == ".safetensors":
-        try:
-            from safetensors.torch import load_file
-        except ImportError:
-            raise ConfigError(f"{path}: reading .safetensors needs the package safetensors (installed with timm). "
-                              "Fix: pip install safetensors, or convert the file to a torch state dict.") from None
-        try:
-            return dict(load_file(str(path), device="cpu"))
-        except Exception as exc:  # noqa: BLE001 - any format error
-            raise CheckpointError(f"{path}: cannot read as safetensors ({exc}).") from None
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - pickle or format errors from torch
-        raise CheckpointError(
-            f"{path}: cannot load as a state dict ({exc}). Fix: pass a file saved with "
-            "torch.save(model.state_dict(), path) or a .safetensors file.") from None
-    for key in ("state_dict", "model"):  # a Lightning or wsi-milssl checkpoint
-        if isinstance(state, dict) and isinstance(state.get(key), dict):
-            state = state[key]
-            break
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise CheckpointError(f"{path}: expected a state dict (a mapping of names to tensors); got "
-                              f"{type(state).__name__}.")
-    return state
-
-
-def _strip_prefixes(state: dict[str, torch.Tensor], own: set[str]) -> dict[str, torch.Tensor]:
-    """Drop wrapper prefixes (``module.``, ``model.``, ``encoder.``, ``backbone.``) while that makes more keys
-    match the module's own."""
-    while True:
-        best = state
-        hits = len(own & set(state))
-        for prefix in ("module.", "model.", "encoder.", "backbone."):
-            if any(k.startswith(prefix) for k in state):
-                stripped = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state.items()}
-                if len(own & set(stripped)) > hits:
-                    best, hits = stripped, len(own & set(stripped))
-        if best is state:
-            return state
-        state = best
-
-
 def load_weights_file(module: nn.Module, path: str | os.PathLike, *, name: str,
                       skip: tuple[str, ...] = ()) -> None:
     """Load the state dict in ``path`` into ``module``: every tensor of the module must be in the file
@@ -239,7 +198,7 @@ def load_weights_file(module: nn.Module, path: str | os.PathLike, *, name: str,
     files lack them; they do not change the output). Weights with NaN or infinity are refused."""
     path = Path(path)
     own = module.state_dict()
-    state = _strip_prefixes(_read_state_dict(path), set(own))
+    state = strip_prefixes(read_state_dict(path), set(own))
     for k in own:
         if k.endswith(".num_batches_tracked") and k not in state:
             state[k] = own[k]

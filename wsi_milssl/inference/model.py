@@ -30,6 +30,7 @@ from wsi_milssl.errors import CheckpointError, ConfigError
 from wsi_milssl.inference.sources import PixelTables, apply_tables
 from wsi_milssl.mil.data import NORMALISATION, to_tensor, to_unit_float
 from wsi_milssl.tiling import PLAN_ATTR, TilingPlan
+from wsi_milssl.weights import load_torch_file
 
 __all__ = [
     "TilingSettings",
@@ -419,9 +420,9 @@ class InferenceModel(PatchModel):
 def _run_record(path: Path) -> dict[str, Any] | None:
     """The checkpoint's own record, its tensors left on disk (memory-mapped), or None when it cannot be
     read that way (loading it proper reports a damaged file)."""
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # noqa: BLE001 - load_model names what is wrong with the file
+    try:  # (a TorchScript archive is refused before torch reads it: no torch warning here)
+        ckpt = load_torch_file(path, mmap=True)
+    except CheckpointError:  # load_model names what is wrong with the file
         return None
     return ckpt if isinstance(ckpt, dict) else None
 

@@ -21,10 +21,11 @@ import torch
 
 from wsi_milssl.atomic import atomic_open
 from wsi_milssl.errors import CheckpointError
+from wsi_milssl.weights import load_torch_file
 
 __all__ = ["save_checkpoint", "read_checkpoint", "load_model", "capture_rng", "restore_rng",
            "resolve_checkpoint_path", "check_resume_parts", "CHECKPOINT_FORMAT", "INCOMPLETE_FIX",
-           "RESUME_FIX"]
+           "READ_FIX", "RESUME_FIX"]
 
 CHECKPOINT_FORMAT = "wsi-milssl-train-checkpoint/1"
 
@@ -77,14 +78,14 @@ def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
     return path
 
 
-def read_checkpoint(path: str | os.PathLike, *, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Load a training checkpoint with ``weights_only=True`` and check its format."""
+def read_checkpoint(path: str | os.PathLike, *, map_location: str | torch.device = "cpu",
+                    fix: str | None = None) -> dict[str, Any]:
+    """Load a training checkpoint with ``weights_only=True`` and check its format. A file that cannot be
+    loaded so (damaged, TorchScript, pickled objects, no PyTorch file) raises one CheckpointError line
+    saying what it is (:func:`wsi_milssl.weights.load_torch_file`), ending in ``fix`` (default:
+    :data:`READ_FIX`, which serves ``heatmap --model`` and a resume alike)."""
     path = resolve_checkpoint_path(path)
-    try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as exc:
-        raise CheckpointError(f"{path}: cannot load checkpoint ({exc}); it may be truncated or not made by "
-                              "wsi-milssl train. Re-run training or pass another file.") from None
+    ckpt = load_torch_file(path, fix=fix or READ_FIX, map_location=map_location)
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{path}: not a wsi-milssl training checkpoint (format "
                               f"{ckpt.get('format') if isinstance(ckpt, dict) else type(ckpt).__name__!r}); "
@@ -128,6 +129,10 @@ def load_model(checkpoint_path: str | os.PathLike, *, device: str | torch.device
 
 INCOMPLETE_FIX = ("The checkpoint is incomplete or was not written by this version's `wsi-milssl train`. "
                    "Fix: re-run training, or pass RUN_DIR/best.pt or RUN_DIR/last.pt of a complete run.")
+
+#: The fix for a checkpoint file that cannot be loaded: it serves both ``heatmap --model`` and a resume.
+READ_FIX = ("Fix: pass RUN_DIR/best.pt or RUN_DIR/last.pt of a complete `wsi-milssl train` run (to resume a run: "
+            "put its complete last.pt back, or train again without --resume into a new --out).")
 
 #: The fix a resume gives for a ``last.pt`` it cannot continue from (another checkpoint would not continue this run).
 RESUME_FIX = ("The checkpoint is incomplete or was not written by this version's `wsi-milssl train`, so the run "

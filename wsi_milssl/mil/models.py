@@ -6,7 +6,8 @@ positive-class probability is ``softmax(logits)[:, 1]``.
 - ``resnet18``: ResNet18 from scratch (torchvision's network, built by :mod:`wsi_milssl.mil.resnet`
   without importing torchvision), 2-class head; input float32
   (B, 3, H, W) as made by :func:`wsi_milssl.mil.data.to_tensor`. ``weights_path`` loads a local state
-  dict (an ImageNet checkpoint's 1000-class head is skipped with a warning). Nothing is downloaded.
+  dict, read as ``features --weights`` reads one (:mod:`wsi_milssl.weights`; an ImageNet checkpoint's
+  1000-class head is skipped with a warning). Nothing is downloaded.
 - ``linear``: one fully connected layer over (B, D) float32 instance features (the paper's head for
   pre-extracted features).
 - ``mlp``: ``hidden_dims`` fully connected ReLU layers with dropout, then the 2-class layer.
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from wsi_milssl.errors import CheckpointError, ConfigError
+from wsi_milssl.weights import read_state_dict, strip_prefixes
 
 __all__ = ["MODELS", "register_model", "create_model", "list_models", "Standardize", "FeatureHead",
            "is_image_model"]
@@ -83,20 +85,14 @@ def create_model(name: str, **kwargs) -> nn.Module:
 
 
 def _load_state_dict_file(model: nn.Module, weights_path: str | os.PathLike, *, skip_prefix: str) -> None:
-    try:
-        state = torch.load(weights_path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise CheckpointError(f"{weights_path}: weights file not found; check --weights.") from None
-    except Exception as exc:  # pickle or format errors from torch
-        raise CheckpointError(
-            f"{weights_path}: cannot load as a state dict ({exc}); pass a file saved with "
-            "torch.save(model.state_dict(), path)."
-        ) from None
-    if isinstance(state, dict) and isinstance(state.get("model"), dict):
-        state = state["model"]  # a wsi-milssl training checkpoint
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{weights_path}: expected a state dict (a mapping of tensors); got {type(state).__name__}.")
+    """Load the tensors of the weights file that fit ``model``, read by the rules of ``features --weights``
+    (:mod:`wsi_milssl.weights`: ``weights_only=True``; a state dict, a checkpoint holding one under
+    ``state_dict`` or ``model``, or ``.safetensors``; wrapper prefixes stripped). Every tensor of the model
+    must come from the file except those under ``skip_prefix`` (the head), which start fresh."""
+    if not os.path.exists(weights_path):
+        raise CheckpointError(f"{weights_path}: weights file not found; check --weights.")
     own = model.state_dict()
+    state = strip_prefixes(read_state_dict(weights_path), set(own))
     keep = {}
     skipped = []
     for key, value in state.items():

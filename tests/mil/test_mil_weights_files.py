@@ -1,0 +1,152 @@
+"""`train --weights` files as they come: each file that cannot be used is one error line naming it and what it
+is (never torch's multi-line advice to load unsafely), and files read by the same rules as `features --weights`
+(wrapper prefixes, also stacked, stripped; Lightning's ``state_dict`` unwrapped). A damaged checkpoint is one
+line too."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from wsi_milssl.cli import main
+from wsi_milssl.errors import CheckpointError
+from wsi_milssl.mil import read_checkpoint
+from wsi_milssl.mil.models import create_model
+from wsi_milssl.mil.resnet import ResNet18
+
+
+class _Payload:
+    """Unpickling this calls print: a file holding it must not be loaded."""
+
+    def __reduce__(self):
+        return (print, ("PWNED",))
+
+
+def _state() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return ResNet18(num_classes=2).state_dict()
+
+
+def _assert_one_safe_line(err: str) -> None:
+    """One error line: no traceback, no torch warning, no escape codes, no advice to load unsafely."""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err and "Warning" not in err and "\x1b" not in err
+    assert "weights_only=False" not in err and "add_safe_globals" not in err
+
+
+@pytest.fixture(scope="module")
+def image_stores(image_store_factory, tmp_path_factory):
+    return image_store_factory(tmp_path_factory.mktemp("weights_stores"), n_bags=2, n_patches=8)
+
+
+def _train(stores, weights, out, capture):
+    paths, labels = stores
+    rc = main(["train", str(paths[0].parent), "--labels", str(labels), "--out", str(out), "--epochs", "1",
+               "--weights", str(weights), "--threads", "1", "--no-plots"])
+    captured = capture.readouterr()
+    assert "PWNED" not in captured.out
+    return rc, captured.err
+
+
+def test_a_state_dict_holding_a_non_tensor_is_one_error_naming_the_entry(tmp_path, image_stores, capsys):
+    """It was AttributeError: 'list' object has no attribute 'shape', with a full traceback."""
+    state = _state()
+    state["conv1.weight"] = [1, 2]
+    path = tmp_path / "w_nontensor.pt"
+    torch.save(state, path)
+    with pytest.raises(CheckpointError, match=r"w_nontensor.pt: is not a state dict: 1 of its \d+ entries is not a "
+                                              r"tensor \(conv1.weight: list\)"):
+        create_model("resnet18", weights_path=str(path))
+    rc, err = _train(image_stores, path, tmp_path / "run", capsys)
+    assert rc == 1 and "conv1.weight: list" in err
+    _assert_one_safe_line(err)
+
+
+def _unsafe_files(tmp_path):
+    model = ResNet18(num_classes=2)
+    torch.save({"state_dict": model.state_dict(), "x": _Payload()}, tmp_path / "w_evil.pt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit.script is deprecated
+        torch.jit.script(model.eval()).save(str(tmp_path / "w_ts.pt"))
+    (tmp_path / "w_text.pt").write_text("not weights\n")
+    (tmp_path / "w_empty.pt").write_bytes(b"")
+    torch.save(model.state_dict(), tmp_path / "whole.pt")
+    (tmp_path / "w_cut.pt").write_bytes((tmp_path / "whole.pt").read_bytes()[:5000])
+    return {"w_evil.pt": r"holds pickled Python objects, not only tensors.*e\.g\. print: not loaded, for safety",
+            "w_ts.pt": r"is a TorchScript archive \(torch.jit.save\): not loaded",
+            "w_text.pt": r"is not a PyTorch file",
+            "w_empty.pt": r"is empty \(0 bytes",
+            "w_cut.pt": r"is truncated or damaged"}
+
+
+def test_files_that_cannot_be_loaded_safely_are_one_line_each(tmp_path, image_stores, capfd, recwarn):
+    """They got torch's ~6-line message with escape codes advising weights_only=False, 'cannot load ... (101)'
+    for a text file and '()' for an empty one; TorchScript first warned that it was 'dispatching to
+    torch.jit.load'."""
+    for name, what in _unsafe_files(tmp_path).items():
+        with pytest.raises(CheckpointError, match=rf"{name}: {what}.*Fix: save the weights alone with "
+                                                  r"torch.save\(model.state_dict\(\), path\)") as caught:
+            create_model("resnet18", weights_path=str(tmp_path / name))
+        _assert_one_safe_line(str(caught.value))
+        rc, err = _train(image_stores, tmp_path / name, tmp_path / f"run_{name}", capfd)
+        assert rc == 1 and name in err and "PWNED" not in err
+        _assert_one_safe_line(err)
+    assert not [w for w in recwarn if "TorchScript" in str(w.message)]
+
+
+def test_train_weights_read_like_features_weights(tmp_path, caplog):
+    """train --weights stripped no prefixes and did not unwrap Lightning's state_dict, which features --weights
+    took; stacked prefixes (module.model.) were not stripped by either."""
+    state = _state()
+    files = {"w_m.pt": {"module." + k: v for k, v in state.items()},
+             "w_mm.pt": {"module.model." + k: v for k, v in state.items()},
+             "w_lightning.pt": {"state_dict": {"model." + k: v for k, v in state.items()}, "epoch": 3}}
+    for name, content in files.items():
+        torch.save(content, tmp_path / name)
+        model = create_model("resnet18", weights_path=str(tmp_path / name))
+        for key, value in model.state_dict().items():
+            assert torch.equal(value, state[key]), (name, key)
+    assert "skipped" not in caplog.text
+
+
+def test_a_checkpoint_of_several_models_names_them_and_how_to_pick_one(tmp_path):
+    """It said 'expected a state dict (a mapping of tensors); got dict'."""
+    state = _state()
+    path = tmp_path / "w_dino.pt"
+    torch.save({"teacher": {"backbone." + k: v for k, v in state.items()}, "student": state, "epoch": 1}, path)
+    with pytest.raises(CheckpointError, match=r"w_dino.pt: is not a state dict: 3 of its 3 entries are not tensors "
+                                              r"\(teacher: state dict of \d+ tensors, student: state dict of \d+ "
+                                              r"tensors, epoch: int\)\. Fix: save the state dict wanted alone, e\.g\. "
+                                              r"torch.save\(checkpoint\['teacher'\], 'teacher.pt'\)"):
+        create_model("resnet18", weights_path=str(path))
+    torch.save(torch.load(path, weights_only=True)["teacher"], tmp_path / "teacher.pt")  # the fix, as it says
+    model = create_model("resnet18", weights_path=str(tmp_path / "teacher.pt"))
+    assert torch.equal(model.conv1.weight, state["conv1.weight"])
+
+
+@pytest.fixture(scope="module")
+def trained_run(mil_csv, tmp_path_factory):
+    run = tmp_path_factory.mktemp("weights_ckpt") / "run"
+    assert main(["train", str(mil_csv), "--out", str(run), "--epochs", "1", "--threads", "1", "--no-plots"]) == 0
+    return run
+
+
+def test_a_truncated_last_pt_on_resume_is_one_line_without_passing_another_file(trained_run, tmp_path, capsys):
+    """It said 'cannot load checkpoint (PytorchStreamReader failed ...). Re-run training or pass another file'
+    (a resume cannot take another file)."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    last = run / "last.pt"
+    last.write_bytes(last.read_bytes()[:4000])
+    with pytest.raises(CheckpointError, match=r"last.pt: is truncated or damaged"):
+        read_checkpoint(last)
+    assert main(["train", "--resume", str(run), "--epochs", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "last.pt: is truncated or damaged" in err and "put its complete last.pt back" in err
+    assert "pass another file" not in err and "PytorchStreamReader" not in err
+    _assert_one_safe_line(err)
