@@ -93,7 +93,7 @@ def test_a_relative_out_is_the_same_folder_from_anywhere(work, tmp_path, monkeyp
     assert main(["run", "p.toml", "--out", "out"]) == 0
     out = work / "out"
     stamp = json.loads((out / ".pipeline" / "train.json").read_text())
-    assert stamp["outputs"] == ["model/best.pt"]  # relative to OUT, wherever OUT is
+    assert stamp["outputs"] == ["model/best.pt", "model/last.pt"]  # relative to OUT, wherever OUT is
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
@@ -267,7 +267,7 @@ def test_an_earlier_versions_folder_made_with_out_dot_or_dot_dot_is_up_to_date(w
     # --out . from the pipeline's folder
     assert main(["run", "p.toml", "--out", "."]) == 0
     _as_an_earlier_version(work, work)
-    assert json.loads((work / ".pipeline" / "train.json").read_text())["outputs"] == ["model/best.pt"]
+    assert json.loads((work / ".pipeline" / "train.json").read_text())["outputs"] == ["model/best.pt", "model/last.pt"]
     monkeypatch.chdir(elsewhere)
     assert _statuses(load_pipeline(work / RESOLVED_FILENAME)) == ["skipped", "skipped"]
     # --out .. from a folder inside it
@@ -277,7 +277,8 @@ def test_an_earlier_versions_folder_made_with_out_dot_or_dot_dot_is_up_to_date(w
     monkeypatch.chdir(out / "sub")
     assert main(["run", "../p.toml", "--out", ".."]) == 0
     _as_an_earlier_version(out, out / "sub")
-    assert json.loads((out / ".pipeline" / "train.json").read_text())["outputs"] == ["../model/best.pt"]
+    assert json.loads((out / ".pipeline" / "train.json").read_text())["outputs"] == ["../model/best.pt",
+                                                                                     "../model/last.pt"]
     monkeypatch.chdir(elsewhere)
     assert _statuses(load_pipeline(out / RESOLVED_FILENAME)) == ["skipped", "skipped"]
     # a file of the recorded name beside the current folder does not count for one missing below OUT

@@ -15,19 +15,22 @@ Every stage writes under the pipeline's output folder::
                                  unless that run started from it)
 
 A stage is skipped when its stamp matches its settings and the stamps of the stages it reads from, and
-its outputs still exist; one that runs says why (:attr:`StageOutcome.reason`). Each stage reads only the
-stores (feature files, heatmap files) of the slides now in each set: those of slides a changed split
+its outputs still exist, and no earlier stage ran since its stamp was written (a stage that starts marks the
+stamps of the later ones: :func:`wsi_milssl.pipeline.stamps.mark_outdated`, so a stage run under ``--until``
+makes the later ones run next time); one that runs says why (:attr:`StageOutcome.reason`). Each stage reads
+only the stores (feature files, heatmap files) of the slides now in each set: those of slides a changed split
 moved to the other set stay on disk, ignored with a warning (``scores.csv`` lists the test set's slides
 only). A stage that runs again after an interruption goes on from what is finished: ``tile`` keeps every
 complete store made with the same settings (settings hash) from the same slide file (path, size,
 modification time) and re-tiles when the settings or the slide file changed; ``train`` continues each
 run folder from its ``last.pt`` when the folder was started with the same settings, data split and training
 data (the training set's files and the settings they were tiled, labelled and embedded with, recorded in
-``pipeline_run.json``; the test set's files do not count), skips finished grid points, and never deletes a run folder:
-one holding a run with other settings is renamed ``<folder>.replaced-<UTC time>`` and kept. ``force``
-re-runs the named stages and everything downstream and redoes their work: tile, label and heatmap
-overwrite their files, train renames ``OUT/model`` (its run or grid) aside the same way and trains from
-scratch. A run holds the lock of ``OUT`` (:func:`wsi_milssl.locks.folder_lock`): a second run of the
+``pipeline_run.json``; the test set's files and the mask settings of [label] do not count, and files fingerprinted
+by content count by name and content, wherever their folder is now), skips finished grid points, and never
+deletes a run folder: one holding a run with other settings is renamed ``<folder>.replaced-<UTC time>`` and
+kept. ``force`` re-runs the named stages and everything downstream and redoes their work: tile, label and
+heatmap overwrite their files, train renames ``OUT/model`` (its run or grid) aside the same way and trains
+from scratch. A run holds the lock of ``OUT`` (:func:`wsi_milssl.locks.folder_lock`): a second run of the
 same pipeline (or another one into the same folder) is refused, naming the folder and the running one's
 pid.
 """
@@ -50,8 +53,8 @@ from wsi_milssl.config.train import RUNTIME_ONLY_FIELDS
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.locks import folder_lock
 from wsi_milssl.pipeline.spec import RESOLVED_FILENAME, STAGES, PipelineSpec, stage_config, write_resolved_pipeline
-from wsi_milssl.pipeline.stamps import (fingerprint_paths, mark_running, read_stamp, stale_reason, stamp_digest,
-                                        write_stamp)
+from wsi_milssl.pipeline.stamps import (fingerprint_paths, mark_outdated, mark_running, read_stamp, stale_reason,
+                                        stamp_digest, write_stamp)
 
 __all__ = ["StageOutcome", "run_pipeline", "split_train_val"]
 
@@ -140,14 +143,43 @@ class _Context:
 # One function per stage: (context) -> (outputs, summary). Each calls exactly one stage API.
 
 def _synth(ctx: _Context) -> tuple[list[str], str]:
+    """Generate each set whose slides are not there as its [synth.<set>] settings make them
+    (:func:`_generated`): a set whose settings did not change keeps its files (their modification times too,
+    so its stores are not tiled again); every set with ``--force``."""
     from wsi_milssl.synth import generate_slides
 
     outputs, counts = [], []
     for set_name, ds in ctx.spec.sets.items():
-        slides = generate_slides(ds.synth, ds.slides, progress=ctx.progress)
-        outputs.append(str(ds.labels))
-        counts.append(f"{set_name}: {len(slides)} slides ({sum(s.label for s in slides)} tumour)")
+        kept = None if ctx.redo else _generated(ds)
+        if kept is not None:
+            files, n_slides, n_tumour = kept
+            counts.append(f"{set_name}: {n_slides} slides ({n_tumour} tumour), up to date")
+        else:
+            slides = generate_slides(ds.synth, ds.slides, progress=ctx.progress)
+            files = [str(ds.labels)] + _existing(p for s in slides for p in (s.slide_path, s.annotation_path))
+            counts.append(f"{set_name}: {len(slides)} slides ({sum(s.label for s in slides)} tumour)")
+        outputs += files
     return outputs, "; ".join(counts)
+
+
+def _generated(ds) -> tuple[list[str], int, int] | None:
+    """(files, slides, tumour slides) of a generated set whose folder holds a finished run of
+    ``generate_slides`` with the set's settings (its ``manifest.json``, written last, records them) and every
+    file it wrote (labels.csv, each slide, each tumour slide's XML); None when it must be generated."""
+    folder = Path(ds.slides)
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
+        wanted = json.loads(json.dumps(config_to_dict(ds.synth)))
+        if manifest.get("config") != wanted:
+            return None
+        slides = [(str(s["slide"]), int(s["label"])) for s in manifest["slides"]]
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return None
+    files = [Path(ds.labels)] + [folder / f"{stem}{suffix}" for stem, label in slides
+                                 for suffix in ((".tif", ".xml") if label else (".tif",))]
+    if not all(f.is_file() for f in files):
+        return None
+    return [str(f) for f in files], len(slides), sum(label for _, label in slides)
 
 
 def _tile(ctx: _Context) -> tuple[list[str], str]:
@@ -535,9 +567,10 @@ def _fit_runs(ctx: _Context, runs: list[dict], configs: list, source: str, *, tr
 
     if ctx.redo and _holds_run(ctx.model_dir):
         _replace_aside(ctx.model_dir, "is trained again (--force)")
+    data_forms = _training_data_forms(ctx.spec)
     if len(configs) == 1:
-        resume = _prepare_run_dir(ctx.model_dir, _run_fingerprint(ctx, configs[0], split, kind="single"),
-                                  _run_fingerprint(ctx, configs[0], split, kind="single", legacy=True))
+        resume = _prepare_run_dir(ctx.model_dir, *_run_fingerprints(ctx, configs[0], split, kind="single",
+                                                                    data=data_forms))
         result = fit(train, config=configs[0], out_dir=ctx.model_dir, val=val, run_info=run_info, resume=resume,
                      progress=ctx.progress)
         return result.best_epoch, ""
@@ -547,8 +580,7 @@ def _fit_runs(ctx: _Context, runs: list[dict], configs: list, source: str, *, tr
         name = "_".join(f"{k}-{v}" for k, v in overrides.items())
         run_dir = ctx.model_dir / "grid" / name
         # a finished grid point resumes at its last epoch: nothing to train, its result is read back
-        resume = _prepare_run_dir(run_dir, _run_fingerprint(ctx, config, split, kind="grid"),
-                                  _run_fingerprint(ctx, config, split, kind="grid", legacy=True))
+        resume = _prepare_run_dir(run_dir, *_run_fingerprints(ctx, config, split, kind="grid", data=data_forms))
         points.append(_GridPoint(name, overrides, config, run_dir, resume))
     t_grid = time.perf_counter()
     outcomes = _train_grid(points, train, val, run_info, ctx=ctx, data=data)
@@ -589,6 +621,12 @@ def _model_checkpoint(model_dir: Path) -> Path:
     return model_dir / "last.pt"
 
 
+def _model_outputs(model_dir: Path) -> list[str]:
+    """What the train stage's stamp records: the checkpoint the later stages use (:func:`_model_checkpoint`)
+    and ``last.pt``, the one a run continues from (either deleted makes the stage run again)."""
+    return list(dict.fromkeys([str(_model_checkpoint(model_dir)), str(model_dir / "last.pt")]))
+
+
 def _train(ctx: _Context) -> tuple[list[str], str]:
     """Train on the training set; with ``[train.grid]``, train every combination and keep the one
     that scores best on the validation slides (held out from the training set, never the test set)."""
@@ -614,9 +652,8 @@ def _train(ctx: _Context) -> tuple[list[str], str]:
             "val": [str(stores[s]) for s in val_stems], "labels": str(ds.labels)}
     best_epoch, summary_extra = _fit_runs(ctx, runs, configs, source, train=train, val=val,
                                           split={"train": train_stems, "val": val_stems}, run_info=run_info, data=data)
-    checkpoint = _model_checkpoint(ctx.model_dir)
-    return [str(checkpoint)], (f"{len(train_stems)} training / {len(val_stems)} validation slides, "
-                               f"best epoch {best_epoch}{summary_extra}")
+    return _model_outputs(ctx.model_dir), (f"{len(train_stems)} training / {len(val_stems)} validation slides, "
+                                           f"best epoch {best_epoch}{summary_extra}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -668,6 +705,15 @@ def _set_stores(ctx: _Context, set_name: str, paths: list[Path] | None = None, *
         paths = [p for p in paths if Path(p).suffix == suffix]
     stores = {slide_stem(p): p for p in paths}
     return _in_set(ctx, set_name, stores, Path(paths[0]).parent if paths else None, what=what)
+
+
+def _missing_unrecorded(ctx: _Context, stage: str) -> list[Path]:
+    """The outputs of ``stage`` that stamps of earlier versions did not record and that are missing: a store of a
+    listed slide (:func:`_missing_stores`), the model's ``last.pt``, the evaluation's ``metrics.json``."""
+    if stage == "tile":
+        return _missing_stores(ctx)
+    expected = {"train": [ctx.model_dir / "last.pt"], "evaluate": [ctx.evaluation_dir / "metrics.json"]}
+    return [p for p in expected.get(stage, []) if not p.exists()]
 
 
 def _missing_stores(ctx: _Context) -> list[Path]:
@@ -723,25 +769,57 @@ def _in_set(ctx: _Context, set_name: str, found: dict[str, T], folder: Path | No
     return current
 
 
-def _run_fingerprint(ctx: _Context, config, split: dict, *, kind: str, legacy: bool = False) -> dict:
+def _run_fingerprints(ctx: _Context, config, split: dict, *, kind: str, data: tuple[dict, dict]) -> list[dict]:
+    """The fingerprint a training run folder is started with now (:func:`_run_fingerprint`), then the forms
+    of the same run that earlier versions recorded, also accepted (:func:`_prepare_run_dir`); ``data``: the
+    forms of :func:`_training_data_forms`."""
+    return [*(_run_fingerprint(ctx, config, split, kind=kind, data=d) for d in data),
+            _run_fingerprint(ctx, config, split, kind=kind, legacy=True)]
+
+
+def _run_fingerprint(ctx: _Context, config, split: dict, *, kind: str, data: dict | None = None,
+                     legacy: bool = False) -> dict:
     """What a training run folder is started with: the settings that change the result, the data split
-    and what the training set's data come from (:func:`_training_data`); ``legacy``: as earlier versions
-    recorded it, with the stamp digest of the stage it trains on and the inputs of both sets instead (so a
-    change to the test set's files made them train again)."""
+    and what the training set's data come from (``data``, default :func:`_training_data`); ``legacy``: as
+    earlier versions recorded it, with the stamp digest of the stage it trains on and the inputs of both sets
+    instead (so a change to the test set's files made them train again)."""
     settings = {k: v for k, v in config_to_dict(config).items() if k not in RUNTIME_ONLY_FIELDS}
     fingerprint = {"kind": kind, "settings": settings, "split": {k: list(v) for k, v in split.items()}}
     if not legacy:
-        return {**fingerprint, "data": _training_data(ctx.spec)}
+        return {**fingerprint, "data": _training_data(ctx.spec) if data is None else data}
     upstream = "features" if ctx.spec.feature_stage else ("label" if ctx.spec.mode == "images" else None)
     digest = None if upstream is None else (read_stamp(ctx.state, upstream) or {}).get("digest")
     return {**fingerprint, "upstream": digest, "external": _external_inputs(ctx.spec, "train")}
 
 
+#: [label] settings that shape only the mask PNGs, not the labels in the stores (``label_config_hash`` leaves
+#: them out too): they do not count in what training reads
+MASK_ONLY = ("mask_downsample", "write_masks")
+
+
 def _training_data(spec: PipelineSpec) -> dict:
     """Where the data training reads come from, the training set's only (the test set's files never reach
     training): its stores (the tile settings and its slides and slide list, or its synth settings), the
-    instance labels the label stage wrote into them (the label settings, its labels CSV and annotations by
-    content) and, with a [features] table, the features settings; in feature mode its feature files and labels."""
+    instance labels the label stage wrote into them (the label settings but those of the masks alone,
+    :data:`MASK_ONLY`; its labels CSV and annotations by content) and, with a [features] table, the features
+    settings; in feature mode its feature files and labels. The files fingerprinted by content (slide list,
+    annotations, small feature files) count by name and content, not by folder (:func:`_by_content`): a
+    cohort folder moved or copied with its run trains nothing again."""
+    return _training_data_forms(spec)[0]
+
+
+def _training_data_forms(spec: PipelineSpec) -> tuple[dict, dict]:
+    """(:func:`_training_data`, the same as the previous version recorded it: files by absolute path, every
+    label setting), the second accepted for a run folder that version started."""
+    recorded = _recorded_training_data(spec)
+    now = {**recorded, "external": _by_content(recorded["external"])}
+    if "label" in now:
+        now["label"] = {"section": {k: v for k, v in recorded["label"]["section"].items() if k not in MASK_ONLY}}
+    return now, recorded
+
+
+def _recorded_training_data(spec: PipelineSpec) -> dict:
+    """:func:`_training_data` as the previous version recorded it (files by absolute path, every label setting)."""
     train = spec.sets["train"]
     if spec.mode == "features":
         return {"external": fingerprint_paths([train.features], content=True) + _training_bag_labels(spec)}
@@ -760,6 +838,13 @@ def _training_data(spec: PipelineSpec) -> dict:
             made = {}
         data["features_settings_hash"] = made.get("settings_hash") if isinstance(made, dict) else None
     return data
+
+
+def _by_content(rows: list) -> list:
+    """Fingerprint rows (:func:`fingerprint_paths`) with those of files fingerprinted by content ([path, size,
+    SHA-256]) keyed by the file's name instead of its path; rows by size and modification time (slides) and
+    others are kept as they are."""
+    return [[Path(row[0]).name, *row[1:]] if len(row) == 3 and isinstance(row[2], str) else row for row in rows]
 
 
 def _training_bag_labels(spec: PipelineSpec) -> list:
@@ -821,10 +906,10 @@ def _holds_run(folder: Path) -> bool:
     return folder.is_dir() and any(not p.name.startswith(".") and p.name != RUN_MARKER for p in folder.iterdir())
 
 
-def _prepare_run_dir(run_dir: Path, fingerprint: dict, earlier: dict | None = None) -> bool:
+def _prepare_run_dir(run_dir: Path, fingerprint: dict, *earlier: dict) -> bool:
     """Get ``run_dir`` ready for a training run started with ``fingerprint``; True when it holds that
     run's ``last.pt`` to continue from (a finished run continues at its last epoch: nothing to train).
-    ``earlier``: the same run's fingerprint as earlier versions recorded it, also accepted (the record is
+    ``earlier``: the same run's fingerprints as earlier versions recorded it, also accepted (the record is
     then rewritten as ``fingerprint``).
 
     A folder holding a run started otherwise (other settings, split or labels; or a folder from
@@ -839,7 +924,7 @@ def _prepare_run_dir(run_dir: Path, fingerprint: dict, earlier: dict | None = No
         except (OSError, ValueError):
             previous = None
         as_json = lambda value: json.dumps(value, sort_keys=True, default=str)  # noqa: E731
-        if previous is not None and as_json(previous) in {as_json(f) for f in (fingerprint, earlier) if f}:
+        if previous is not None and as_json(previous) in {as_json(f) for f in (fingerprint, *earlier) if f}:
             if as_json(previous) != as_json(fingerprint):
                 atomic_write_json(marker, fingerprint, sort_keys=True)
             return (run_dir / "last.pt").is_file()
@@ -890,9 +975,8 @@ def _train_features(ctx: _Context) -> tuple[list[str], str]:
     best_epoch, summary_extra = _fit_runs(ctx, runs, configs, source, train=train, val=val,
                                           split={"train": train_names, "val": val_names}, run_info=run_info,
                                           data=grid_data)
-    checkpoint = _model_checkpoint(ctx.model_dir)
-    return [str(checkpoint)], (f"{len(train_names)} training / {len(val_names)} validation bags, "
-                               f"best epoch {best_epoch}{summary_extra}")
+    return _model_outputs(ctx.model_dir), (f"{len(train_names)} training / {len(val_names)} validation bags, "
+                                           f"best epoch {best_epoch}{summary_extra}")
 
 
 def _feature_file_bags(path: Path) -> list[str] | None:
@@ -980,8 +1064,8 @@ def _evaluate_features(ctx: _Context) -> tuple[list[str], str]:
         for name, score, label in zip(test.bag_names, metrics["bag_scores"], test.bag_labels):
             writer.writerow([name, f"{score:.6f}", int(label)])
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
-    return [str(out / "metrics.json")], (f"bag AUC {fmt(summary['bag_auc'])}, bag accuracy "
-                                         f"{fmt(summary['bag_accuracy'])} on {test.n_bags} test bags")
+    return [str(out / "metrics.json"), str(out / "scores.csv")], (
+        f"bag AUC {fmt(summary['bag_auc'])}, bag accuracy {fmt(summary['bag_accuracy'])} on {test.n_bags} test bags")
 
 
 def _refuse_other_test_features(spec: PipelineSpec) -> None:
@@ -1133,7 +1217,7 @@ def _with_label_settings(spec: PipelineSpec, stage: str):
 
 
 def _evaluate(ctx: _Context) -> tuple[list[str], str]:
-    from wsi_milssl.artifacts import parse_heatmap_name
+    from wsi_milssl.artifacts import EVALUATION_FILES, parse_heatmap_name
     from wsi_milssl.evaluation import evaluate_predictions
 
     config = _with_label_settings(ctx.spec, "evaluate")
@@ -1148,7 +1232,9 @@ def _evaluate(ctx: _Context) -> tuple[list[str], str]:
                                   progress=ctx.progress, only=_listed_stems(ctx, "test"))
     m = result.metrics
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
-    return [str(ctx.evaluation_dir / "report.html")], (
+    # every file of the folder the evaluation wrote (the plots only where their metric exists): one deleted
+    # makes the stage run again, which writes them all
+    return _existing(ctx.evaluation_dir / name for name in EVALUATION_FILES.values()), (
         f"instance AUC {fmt(m.get('instance_auc'))}, bag AUC {fmt(m.get('bag_auc'))}, FROC {fmt(m.get('froc'))}"
     )
 
@@ -1400,11 +1486,12 @@ def _run_stages(spec: PipelineSpec, stages: list[str], forced: set[str], *,
         if stage in forced and forced_first is None:
             forced_first = stage
             ctx.redo = True
-        stale = stale_reason(ctx.state, stage, (digest, legacy_digests[stage]), settings=settings, inputs=inputs)
-        if stale is None and stage == "tile":  # stamps of earlier versions record no store
-            missing = _missing_stores(ctx)
-            stale = f"output missing: {missing[0]}" if missing else None
         ran_before = [o.stage for o in outcomes if o.status == "ran"]
+        stale = stale_reason(ctx.state, stage, (digest, legacy_digests[stage]), settings=settings, inputs=inputs,
+                             ran=ran_before)
+        if stale is None:  # outputs that stamps of earlier versions do not record
+            missing = _missing_unrecorded(ctx, stage)
+            stale = f"output missing: {missing[0]}" if missing else None
         if stale is None and not ran_before and forced_first is None:
             outcome = StageOutcome(stage, "skipped", 0.0, "up to date")
         else:
@@ -1419,6 +1506,9 @@ def _run_stages(spec: PipelineSpec, stages: list[str], forced: set[str], *,
             else:
                 runner = (_EMBEDDED_RUNNERS if spec.feature_stage else _RUNNERS)[stage]
             _remove_resolved_pipeline(spec)
+            # every later stage, also one this run does not reach (--until, an error, a kill), was made from
+            # this stage's earlier outputs: out of date until it runs again
+            mark_outdated(ctx.state, STAGES[STAGES.index(stage) + 1:], by=stage)
             mark_running(ctx.state, stage)
             outputs, summary = runner(ctx)
             write_stamp(ctx.state, stage, digest=digest, outputs=outputs, settings=settings, inputs=inputs)

@@ -8,6 +8,10 @@ are found below OUT too (:func:`_output_exists`). A stage is skipped when a stam
 with the same digest exists and every recorded output still exists. Stamps also record what the digest
 covered (``settings``: {name: value}; ``inputs``: the upstream digests and the fingerprints), so that a
 stage that runs again can say why (:func:`stale_reason`); stamps of earlier versions hold only the digest.
+A stage that starts running marks the stamps of every later stage as out of date (:func:`mark_outdated`): a
+stage that ran again with the same settings and inputs (``--force``, an output missing) writes the same
+digest, so without the mark a later stage that this run does not reach (``--until``, a kill, an error)
+would still match its stamp while it was made from the earlier outputs.
 """
 
 from __future__ import annotations
@@ -17,13 +21,17 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from wsi_milssl.atomic import atomic_write_json
 
-__all__ = ["StageStamp", "fingerprint_paths", "stamp_digest", "read_stamp", "write_stamp", "stale_reason"]
+__all__ = ["StageStamp", "fingerprint_paths", "stamp_digest", "read_stamp", "write_stamp", "mark_running",
+           "mark_outdated", "stale_reason"]
 
 StageStamp = dict[str, Any]
+
+#: the stamp key naming the earlier stage that ran since this stage's stamp was written (:func:`mark_outdated`)
+OUTDATED_BY = "outdated_by"
 
 #: the stamp key saying that its relative outputs are relative to OUT (stamps of earlier versions: relative to
 #: the folder their run started in, or absolute)
@@ -102,16 +110,28 @@ def mark_running(state_dir: str | os.PathLike, stage: str) -> None:
         atomic_write_json(_stamp_path(Path(state_dir), stage), {**stamp, "running": True})
 
 
+def mark_outdated(state_dir: str | os.PathLike, stages: Iterable[str], *, by: str) -> None:
+    """Mark the stamps of ``stages`` (those after ``by``) as out of date, before ``by`` changes its outputs:
+    they were made from what ``by`` made before, so they are never up to date again until each runs and
+    :func:`write_stamp` replaces its stamp. A stamp already marked keeps its mark (the earliest stage that
+    ran since)."""
+    for stage in stages:
+        stamp = read_stamp(state_dir, stage)
+        if stamp is not None and not stamp.get(OUTDATED_BY):
+            atomic_write_json(_stamp_path(Path(state_dir), stage), {**stamp, OUTDATED_BY: by})
+
+
 def stale_reason(state_dir: str | os.PathLike, stage: str, digests: Iterable[str], *,
-                 settings: dict[str, Any], inputs: dict[str, Any]) -> str | None:
+                 settings: dict[str, Any], inputs: dict[str, Any], ran: Sequence[str] = ()) -> str | None:
     """None when ``stage`` is up to date: its stamp holds one of ``digests`` (this version's, an earlier
-    version's), is not marked running (:func:`mark_running`) and every output it records exists (those inside
-    OUT checked below the stamp's own OUT, wherever it is now: :func:`_output_exists`). Else why not, in one
-    line: no stamp, a run that did not finish, an output missing,
+    version's), is not marked running (:func:`mark_running`) nor out of date (:func:`mark_outdated`) and every
+    output it records exists (those inside OUT checked below the stamp's own OUT, wherever it is now:
+    :func:`_output_exists`). Else why not, in one line: no stamp, a run that did not finish, an output missing,
     the names of the settings that changed, the inputs that changed (a stage read from, a file or slide
-    added, removed or changed), or, from a stamp that records no details (an earlier version's), "settings
-    or inputs changed since <time the stamp was written>". ``settings`` and ``inputs`` as :func:`write_stamp`
-    takes them."""
+    added, removed or changed), an earlier stage that ran since ("the tile stage ran since its last run"; "the
+    label stage ran before it" when it, or the last of ``ran``, the stages this run ran, did), or, from a
+    stamp that records no details (an earlier version's), "settings or inputs changed since <time the stamp
+    was written>". ``settings`` and ``inputs`` as :func:`write_stamp` takes them."""
     path = _stamp_path(Path(state_dir), stage)
     stamp = read_stamp(state_dir, stage)
     if stamp is None:
@@ -119,6 +139,9 @@ def stale_reason(state_dir: str | os.PathLike, stage: str, digests: Iterable[str
     if stamp.get("running"):
         return "its last run did not finish (stopped inside the stage)"
     if stamp.get("digest") in set(digests):
+        if stamp.get(OUTDATED_BY):
+            return (f"the {ran[-1]} stage ran before it" if ran
+                    else f"the {stamp[OUTDATED_BY]} stage ran since its last run")
         out_dir = Path(os.path.abspath(state_dir)).parent
         below = stamp.get(OUTPUTS_BELOW) == "OUT"
         missing = [p for p in stamp.get("outputs", []) if not _output_exists(p, out_dir, below_out=below)]
