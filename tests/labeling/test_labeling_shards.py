@@ -152,3 +152,26 @@ def test_torchrun_ranks_with_a_failed_store_all_finish(four_slides, tmp_path):
     assert [line.split(",")[2] for line in (out / STATUS_CSV).read_text().splitlines()[1:]] == [
         "ok", "failed", "ok", "ok", "ok"]
     assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_moved_folder_of_stores_annotations_and_masks_is_not_labelled_again(four_slides, tmp_path):
+    """A cohort folder moved as a whole (stores, annotations and masks together, e.g. a `prepare` folder with
+    its run) used to be labelled again store by store, because the annotation file's and the store's absolute
+    paths had changed: every store was rewritten, so every heatmap was predicted again. The same file names
+    with the same content (SHA-256) are the same labels; other content still labels again."""
+    slides, annotations = four_slides
+    old = tmp_path / "old"
+    assert tile_slides(find_slides([slides]), old / "stores", TileConfig(magnification=20, patch_size_px=256,
+                                                                         pixels="none", threads=1)).ok
+    shutil.copytree(annotations, old / "annotations")
+    assert label_stores(old / "stores", annotations_dir=old / "annotations", out_dir=old / "labels").n_failed == 0
+    new = tmp_path / "new"
+    old.rename(new)
+    stamps = {p.name: p.stat().st_mtime_ns for p in find_stores(new / "stores")}
+    again = label_stores(new / "stores", annotations_dir=new / "annotations", out_dir=new / "labels")
+    assert [r.status for r in again.results] == ["skipped"] * 4
+    assert {p.name: p.stat().st_mtime_ns for p in find_stores(new / "stores")} == stamps
+    changed = new / "annotations" / "slide_0.xml"
+    changed.write_text(changed.read_text().replace("<Annotations>", "<Annotations>\n"))  # other bytes, same regions
+    third = label_stores(new / "stores", annotations_dir=new / "annotations", out_dir=new / "labels")
+    assert [(r.stem, r.status) for r in third.results] == [("slide_0", "ok")] + [(s, "skipped") for s in STEMS[1:]]

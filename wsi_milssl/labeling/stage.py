@@ -29,8 +29,8 @@ leaves the store untouched.
 A batch (:func:`label_stores`) holds the lock of its output folder and of the folders of the stores it
 rewrites (refused while ``tile`` or another ``label`` writes them; temporaries that a killed run left
 there are removed; a stores folder that cannot be written is not locked, and its stores that must be
-rewritten fail), and skips stores already labelled with the same settings, annotation file (path and
-SHA-256) and slide label whose mask is there (status ``skipped``). Shard I of N (``shard=(I, N)``:
+rewritten fail), and skips stores already labelled with the same settings, annotation file (name and
+SHA-256, in whatever folder) and slide label whose mask is there (status ``skipped``). Shard I of N (``shard=(I, N)``:
 ``--shard I/N`` or a torchrun rank) labels its share of the stores
 (:func:`wsi_milssl.distributed.shard_items`); the shards of one run may write one output folder at once,
 and their ``label_status.csv`` rows merge, sorted by slide as one run writes them.
@@ -326,8 +326,10 @@ def _merge_status_csv(results: Sequence[LabelResult], out_dir: Path) -> Path:
 def _already_labelled(store_path: Path, stem: str, *, annotation: Path | None, slide_label: int | None,
                       config: LabelConfig, mask_dir: Path | None) -> LabelResult | None:
     """The result of an earlier run that labelled this store exactly as this one would (same label
-    settings, annotation file path and SHA-256, slide label, and with masks wanted: the mask with the
-    same downsample and groups for this store), or None when it must be labelled (again)."""
+    settings, annotation file name and SHA-256, slide label, and with masks wanted: the mask with the
+    same downsample and groups for this store), or None when it must be labelled (again). Files are
+    compared by name and content, not by folder, so a cohort moved as a whole (stores, annotations and
+    masks together) is not labelled again: a rewritten store would make every heatmap predict again."""
     try:
         with open_store(store_path) as store:
             attrs = store.attrs
@@ -339,7 +341,7 @@ def _already_labelled(store_path: Path, stem: str, *, annotation: Path | None, s
     sha = _sha256(annotation) if annotation is not None else ""
     expected_source = "annotations" if slide_label is None else "labels.csv"
     if (attrs.get("label_config_hash") != label_config_hash(config)
-            or attrs.get("label_annotation") != (str(annotation) if annotation is not None else "")
+            or Path(attrs.get("label_annotation") or "").name != (annotation.name if annotation is not None else "")
             or attrs.get("label_annotation_sha256") != sha
             or attrs.get("slide_label_source") != expected_source
             or (slide_label is not None and attrs.get("slide_label") != int(slide_label))
@@ -354,7 +356,8 @@ def _already_labelled(store_path: Path, stem: str, *, annotation: Path | None, s
         except (OSError, ValueError):
             return None
         if (not png.is_file() or not isinstance(meta, dict) or meta.get("downsample") != config.mask_downsample
-                or meta.get("store") != str(store_path) or (meta.get("annotation_sha256") or "") != sha
+                or Path(meta.get("store") or "").name != store_path.name
+                or (meta.get("annotation_sha256") or "") != sha
                 or meta.get("slide_label") != attrs.get("slide_label")
                 or meta.get("tumor_groups") != list(config.tumor_groups)
                 or meta.get("non_tumor_groups") != list(config.non_tumor_groups)):
