@@ -27,11 +27,11 @@ import datetime
 import hashlib
 import os
 from dataclasses import dataclass
-from typing import Callable, Literal, NamedTuple, Sequence, TypeVar
+from typing import Callable, Literal, NamedTuple, NoReturn, Sequence, TypeVar
 
 import numpy as np
 
-from wsi_milssl.errors import ConfigError
+from wsi_milssl.errors import ConfigError, DistributedError
 
 __all__ = [
     "DistContext",
@@ -39,6 +39,7 @@ __all__ = [
     "torchrun_env",
     "init_group",
     "close_group",
+    "exit_now",
     "Shard",
     "parse_shard",
     "slide_shard",
@@ -126,13 +127,53 @@ def init_group(device: str = "auto", *, timeout: datetime.timedelta = TIMEOUT) -
     return DistContext(rank=rank, world_size=world, local_rank=local, backend=backend)
 
 
-def close_group(ctx: DistContext) -> None:
-    """Leave the process group (after the last collective)."""
-    if ctx.enabled:
-        import torch.distributed as dist
+def close_group(ctx: DistContext, *, finished: bool = False) -> None:
+    """Leave the process group (after the last collective; again, or without a group, it does nothing).
 
-        if dist.is_initialized():
+    ``finished``: this rank got through its work without an error, and every rank is to end now. It
+    first waits for the others (a barrier), so that no rank exits while another still works (rank 0
+    writing the last epoch's files: torchrun ends every rank as soon as one exits non-zero); a rank
+    lost in that barrier is a DistributedError. After an error (``finished`` False) the ranks leave at
+    once: the others may be in another collective. Garbage is collected before the group is destroyed:
+    DistributedDataParallel's reducer, held in a reference cycle, kept the gloo group alive until the
+    interpreter exited, where destroying it sometimes aborted the process ("terminate called without an
+    active exception", SIGABRT)."""
+    if not ctx.enabled:
+        return
+    import gc
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    if finished:
+        try:
+            dist.barrier()
+        except RuntimeError as exc:
             dist.destroy_process_group()
+            raise DistributedError(f"rank {ctx.rank}: lost the other ranks at the end, after this rank's work was "
+                                   f"done ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}). Fix: "
+                                   "find why the other rank stopped (its log).") from None
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def exit_now(code: int) -> NoReturn:
+    """End this process with exit status ``code`` at once, after flushing stdout, stderr and the logs,
+    without the interpreter's shutdown (``os._exit``): how the ranks of a training run other than rank 0
+    leave after :func:`close_group` (``finished=True``). Their shutdown ran the destructors of torch's
+    distributed objects, which sometimes abort the process (SIGABRT, exit -6), and torchrun then
+    reports a finished run as failed."""
+    import logging
+    import sys
+
+    logging.shutdown()  # flushes and closes every handler (the console, --log-file)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or a closed pipe: nothing more can be written there
+            pass
+    os._exit(code)
 
 
 # ----------------------------------------------------------------------------------------------

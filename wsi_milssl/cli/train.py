@@ -414,7 +414,7 @@ def _check_held_out(train, val, val_inputs, *, input_mode: str = "images") -> No
 
 def run(args: argparse.Namespace) -> int:
     from wsi_milssl.cli.progress import TqdmProgress
-    from wsi_milssl.distributed import close_group, init_group
+    from wsi_milssl.distributed import close_group, exit_now, init_group
     from wsi_milssl.errors import ConfigError
     from wsi_milssl.mil.selftrain import fit
 
@@ -465,9 +465,10 @@ def run(args: argparse.Namespace) -> int:
     dist = init_group(config.device)  # under torchrun: this process's rank; else one process
     try:
         if not dist.is_main:  # rank 0 reports; the others train quietly
-            result = fit(train, config=config, out_dir=out, val=val, resume=args.resume is not None,
-                         run_info=run_info, dist=dist)
-            return 0
+            fit(train, config=config, out_dir=out, val=val, resume=args.resume is not None, run_info=run_info,
+                dist=dist)
+            close_group(dist, finished=True)  # waits until rank 0 has written the run folder
+            exit_now(0)  # without the interpreter's shutdown, which could abort (exit -6) a finished rank
         ranks = f" on {dist.world_size} ranks ({dist.backend})" if dist.enabled else ""
         print(f"training {config.model} on {len(train)} instances in {train.n_bags} bags "
               f"({int(train.bag_labels.sum())} positive){'' if val is None else f'; validation {val.n_bags} bags'}"
@@ -475,6 +476,7 @@ def run(args: argparse.Namespace) -> int:
         with TqdmProgress() as progress:
             result = fit(train, config=config, out_dir=out, val=val, resume=args.resume is not None,
                          run_info=run_info, progress=progress, dist=dist)
+        close_group(dist, finished=True)  # the other ranks wait here for rank 0's last files
     finally:
         close_group(dist)
     last = result.history[-1] if result.history else {}
