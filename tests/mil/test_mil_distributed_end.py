@@ -49,6 +49,21 @@ from wsi_milssl.cli import main
 raise SystemExit(main(sys.argv[2:]))
 """
 
+# rank 0: the disk fills up at the save of epoch EPOCH (ENOSPC)
+FULL_DISK_RANK0 = """
+import errno, sys
+from wsi_milssl.atomic import output_error
+from wsi_milssl.mil import selftrain
+epoch = int(sys.argv[1])
+real = selftrain.save_checkpoint
+def save(ckpt, path):
+    if ckpt["epoch"] == epoch:
+        raise output_error(path, OSError(errno.ENOSPC, "No space left on device"))
+    return real(ckpt, path)
+selftrain.save_checkpoint = save
+from wsi_milssl.cli import main
+raise SystemExit(main(sys.argv[2:]))
+"""
 
 
 def _free_port() -> int:
@@ -113,3 +128,20 @@ def test_the_other_ranks_end_after_rank_0_wrote_the_last_epoch_and_skip_the_inte
     assert sorted(p.name for p in run.iterdir()) == ["config.json", "last.pt", "metrics.jsonl"]  # no lock, no .tmp
     assert "rank 1 was here" in outputs[1]  # flushed before it left
     assert not marker.exists(), "rank 1 went through the interpreter's shutdown"
+
+
+def test_a_rank_that_loses_rank_0_to_a_failed_save_names_that_epoch(tmp_path, mil_csv):
+    """Finding 7. Rank 0 cannot save epoch 2 (full disk): rank 0 says so and how to resume; rank 1 said
+    'lost the other ranks during epoch 3', the epoch it had gone on to."""
+    run = tmp_path / "run"
+    (tmp_path / "rank0.py").write_text(FULL_DISK_RANK0)
+    args = _train(str(mil_csv), "--out", str(run), "--epochs", "3")
+    procs = _start_ranks([[str(tmp_path / "rank0.py"), "2", *args], ["-m", "wsi_milssl", *args]])
+    _ended_at(procs)
+    first, second = (p.communicate()[0] for p in procs)
+    assert procs[0].returncode == 1 and procs[1].returncode == 1, (first, second)
+    assert "No space left on device" in first and "keeps the checkpoint of epoch 1" in first, first
+    assert (f"rank 1: stopped with rank 0, which could not write the run folder {run} after epoch 2; rank 0's "
+            "error says why and how to continue." in second), second
+    assert "epoch 3" not in second and "Traceback" not in second, second
+    assert torch.load(run / "last.pt", weights_only=True)["epoch"] == 1

@@ -856,7 +856,8 @@ def fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike |
         refresh and validation predictions are split between the ranks and gathered, so every rank
         holds the same pseudo labels; rank 0 alone writes the run folder; at the start the ranks check
         that they were given the same settings and data, after every epoch that they hold the same
-        weights and pseudo labels; a rank lost in a collective is one DistributedError.
+        weights and pseudo labels, and after rank 0's saves whether it could write them (the other ranks
+        stop with it, naming that epoch); a rank lost in a collective is one DistributedError.
 
     The run holds the lock of ``out_dir`` (a second run into it raises FolderLockedError, and
     temporaries left there by a killed run are removed). A run folder that cannot be written (full
@@ -961,16 +962,18 @@ def _same_inputs(config: TrainConfig, train: InstanceSet, val: InstanceSet | Non
                 "Fix: give every rank the same command (the same inputs, labels, validation set and settings).")
 
 
-def _lost_peer(exc: RuntimeError, dist: DistContext, epoch: int | None, out: Path | None) -> BaseException:
+def _lost_peer(exc: RuntimeError, dist: DistContext, epoch: int | None, out: Path | None,
+               when: str | None = None) -> BaseException:
     """A failed collective (a rank died or was killed): one clear error naming the epoch (None: before
-    the first) and how to continue; other RuntimeErrors pass as they are."""
+    the first), or ``when`` it happened, and how to continue; other RuntimeErrors pass as they are."""
     if not dist.enabled:
         return exc
     text = str(exc)
     markers = ("connection", "peer", "gloo", "nccl", "timed out", "timeout", "broken pipe", "closed", "socket")
     if not any(m in text.lower() for m in markers):
         return exc
-    when = "before training started" if epoch is None else f"during epoch {epoch + 1}"
+    if when is None:
+        when = "before training started" if epoch is None else f"during epoch {epoch + 1}"
     check = "find why the other rank stopped (its log)"
     if out is not None and (out / "last.pt").is_file():
         then = (f"; {out} keeps the checkpoint of the last finished epoch. Fix: {check}, then continue with "
@@ -983,15 +986,30 @@ def _lost_peer(exc: RuntimeError, dist: DistContext, epoch: int | None, out: Pat
 
 
 @contextmanager
-def _peer_guard(dist: DistContext, epoch: int | None, out: Path | None):
+def _peer_guard(dist: DistContext, epoch: int | None, out: Path | None, when: str | None = None):
     """Around collectives: a lost rank becomes :func:`_lost_peer`'s one error."""
     try:
         yield
     except RuntimeError as exc:
-        error = _lost_peer(exc, dist, epoch, out)
+        error = _lost_peer(exc, dist, epoch, out, when)
         if error is exc:
             raise
         raise error from None
+
+
+def _saved_by_rank0(dist: DistContext, epoch: int, out: Path | None, *, failed: bool) -> None:
+    """After rank 0 wrote an epoch's files (``failed``: it could not), every rank learns whether it did (a
+    collective of every rank; nothing with one process): the other ranks stop with rank 0 instead of
+    going on to the next epoch, where they would only find rank 0 gone and name that epoch. After the
+    last epoch it is also what keeps every rank until rank 0's files are complete."""
+    if not dist.enabled:
+        return
+    with _peer_guard(dist, epoch, out, when=f"while rank 0 saved epoch {epoch + 1}"):
+        (failures,) = all_sum(1.0 if failed and dist.is_main else 0.0, ctx=dist)
+    if failures and not dist.is_main:
+        where = f"the run folder {out}" if out is not None else "the run folder"
+        raise DistributedError(f"rank {dist.rank}: stopped with rank 0, which could not write {where} after epoch "
+                               f"{epoch + 1}; rank 0's error says why and how to continue.")
 
 
 def missing_checkpoint_error(run_dir: Path) -> CheckpointError:
@@ -1200,6 +1218,7 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
                     record["ranks_agree"] = _ranks_agree(model, state, dist)
             history.append(record)
             result.best_epoch = best_epoch
+            save_error = None
             if out is not None and dist.is_main:
                 ckpt = {
                     "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
@@ -1232,9 +1251,12 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
                     if saved == 0:  # no epoch saved: nothing written for this one may look like a run
                         for name in ("best.pt", "metrics.jsonl", "metrics.png"):
                             remove_quietly(out / name)
-                    raise _save_failed(out, exc, saved_epoch=saved) from None
+                    save_error = _save_failed(out, exc, saved_epoch=saved)
                 if draw:
                     last_plot = time.perf_counter()
+            _saved_by_rank0(dist, epoch, out, failed=save_error is not None)
+            if save_error is not None:
+                raise save_error
             log.info("epoch %d/%d loss %.4f mu_t %.3f pseudo+ %.3f%s", epoch + 1, config.epochs, stats["loss"], mu_t,
                      label_metrics["pseudo_positive_fraction"] or 0.0,
                      "" if val is None else f" val bag_auc {record.get('val_bag_auc')} inst_auc {record.get('val_instance_auc')}")
