@@ -17,7 +17,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
+
+from wsi_milssl.distributed import DistContext, rank_share
+from wsi_milssl.errors import ConfigError
+from wsi_milssl.mil.loader import without_lone_last
 
 COMMON = ["--threads", "1", "--workers", "0", "--device", "cpu", "--no-plots", "--batch-size", "8"]
 
@@ -145,3 +150,64 @@ def test_a_rank_that_loses_rank_0_to_a_failed_save_names_that_epoch(tmp_path, mi
             "error says why and how to continue." in second), second
     assert "epoch 3" not in second and "Traceback" not in second, second
     assert torch.load(run / "last.pt", weights_only=True)["epoch"] == 1
+
+
+def test_fewer_training_instances_than_ranks_are_refused_on_every_rank(tmp_path):
+    """Finding 3. Two instances on three ranks: every epoch used to take 0 steps and report loss 0.0."""
+    data = tmp_path / "tiny2.csv"
+    data.write_text("1,1,0.9,0.1\n0,2,0.1,0.2\n")
+    run = tmp_path / "run"
+    procs = _start_ranks([["-m", "wsi_milssl", *_train(str(data), "--out", str(run), "--epochs", "2")]] * 3)
+    _ended_at(procs)
+    outputs = [p.communicate()[0] for p in procs]
+    for rank, (proc, out) in enumerate(zip(procs, outputs)):
+        assert proc.returncode == 1, out
+        assert (f"{data}: 2 training instances cannot be shared by 3 ranks: each rank needs at least 1 per step, "
+                "so no step would be taken. Fix: fewer ranks (at most 2: torchrun's nodes x --nproc-per-node), or more "
+                "training instances." in out), (rank, out)
+        assert "Traceback" not in out
+    assert not (run / "last.pt").exists() and not (run / "metrics.jsonl").exists()
+
+
+class _Set:
+    """What the check reads of an InstanceSet: its length and where it came from."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.source = n, "toy.csv"
+
+    def __len__(self) -> int:
+        return self.n
+
+
+@pytest.mark.parametrize("batchnorm", [False, True])
+def test_the_refusal_is_exactly_the_sizes_whose_epochs_give_a_rank_no_step(batchnorm):
+    """Finding 3: the refusal matches the real split (without_lone_last, then rank_share): it refuses a
+    size when, and only when, some rank would get no instance (BatchNorm: no batch of two)."""
+    from wsi_milssl.mil.selftrain import _check_shareable
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), *([torch.nn.BatchNorm1d(2)] if batchnorm else []))
+    for world in (2, 3, 4):
+        for n in range(1, 4 * world):
+            for batch in (1, 2, 8):
+                order = torch.randperm(n)
+                if batchnorm:
+                    order = without_lone_last(order, batch_size=batch, world_size=world)
+                shares = [rank_share(order, batch_size=batch, ctx=DistContext(rank=r, world_size=world,
+                                                                              backend="gloo"))
+                          for r in range(world)]
+                idle = any(s.numel() < (2 if batchnorm else 1) for s in shares)
+                ctx = DistContext(rank=0, world_size=world, backend="gloo")
+                if idle:
+                    with pytest.raises(ConfigError, match=rf"{n} training instances cannot be shared by {world} ranks"):
+                        _check_shareable(_Set(n), model, ctx)
+                else:
+                    _check_shareable(_Set(n), model, ctx)
+    message = ""
+    try:
+        _check_shareable(_Set(3), model, DistContext(rank=0, world_size=2, backend="gloo"))
+    except ConfigError as exc:
+        message = str(exc)
+    if batchnorm:
+        assert "BatchNorm" in message and "train with one process (without torchrun)" in message, message
+    else:
+        assert message == ""

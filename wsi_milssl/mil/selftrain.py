@@ -857,7 +857,8 @@ def fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike |
         holds the same pseudo labels; rank 0 alone writes the run folder; at the start the ranks check
         that they were given the same settings and data, after every epoch that they hold the same
         weights and pseudo labels, and after rank 0's saves whether it could write them (the other ranks
-        stop with it, naming that epoch); a rank lost in a collective is one DistributedError.
+        stop with it, naming that epoch); a rank lost in a collective is one DistributedError; fewer
+        training instances than ranks (than twice the ranks for BatchNorm models) are refused.
 
     The run holds the lock of ``out_dir`` (a second run into it raises FolderLockedError, and
     temporaries left there by a killed run are removed). A run folder that cannot be written (full
@@ -997,6 +998,27 @@ def _peer_guard(dist: DistContext, epoch: int | None, out: Path | None, when: st
         raise error from None
 
 
+def _check_shareable(train: InstanceSet, model: torch.nn.Module, dist: DistContext) -> None:
+    """Refuse (ConfigError, on every rank) a training set too small to give every rank a step: with fewer
+    instances than ranks (than twice the ranks for models with BatchNorm, which never train on a batch
+    of one: :func:`without_lone_last`) every epoch's last global batch is all there is and is dropped
+    (:func:`~wsi_milssl.distributed.rank_share`), so no rank would take a step and every epoch would
+    report a loss of 0."""
+    if not dist.enabled:
+        return
+    per_rank = 2 if normalises_batches(model) else 1
+    n, world = len(train), dist.world_size
+    if n >= per_rank * world:
+        return
+    why = " (the model's BatchNorm layers cannot normalise a batch of one)" if per_rank == 2 else ""
+    most = n // per_rank
+    fix = (f"fewer ranks (at most {most}: torchrun's nodes x --nproc-per-node)" if most > 1
+           else "train with one process (without torchrun)")
+    raise ConfigError(f"{train.source}: {n} training instances cannot be shared by {world} ranks: each rank needs "
+                      f"at least {per_rank} per step{why}, so no step would be taken. Fix: {fix}, or more training "
+                      "instances.")
+
+
 def _saved_by_rank0(dist: DistContext, epoch: int, out: Path | None, *, failed: bool) -> None:
     """After rank 0 wrote an epoch's files (``failed``: it could not), every rank learns whether it did (a
     collective of every rank; nothing with one process): the other ranks stop with rank 0 instead of
@@ -1076,6 +1098,7 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
     np.random.seed(_seed_for(config.seed, 0, 1) % (2**32))
     random.seed(_seed_for(config.seed, 0, 2))
     model, model_kwargs = build_model(config, train)
+    _check_shareable(train, model, dist)
     model.to(runtime.device)
     if runtime.channels_last:
         model.to(memory_format=torch.channels_last)
