@@ -17,9 +17,11 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
+from wsi_milssl.cli import main
 from wsi_milssl.distributed import DistContext, rank_share
 from wsi_milssl.errors import ConfigError
 from wsi_milssl.mil.loader import without_lone_last
@@ -211,3 +213,27 @@ def test_the_refusal_is_exactly_the_sizes_whose_epochs_give_a_rank_no_step(batch
         assert "BatchNorm" in message and "train with one process (without torchrun)" in message, message
     else:
         assert message == ""
+
+
+def test_a_resume_on_another_number_of_ranks_warns_that_the_global_batch_changes(tmp_path, mil_csv, monkeypatch,
+                                                                                  capsys):
+    """Finding 6. A run of 2 ranks (global batch 16) resumed by one process (8): it went on without a word,
+    and config.json then said world size 1. The resume warns naming both, and every metrics.jsonl row
+    keeps its epoch's world size."""
+    run = tmp_path / "run"
+    procs = _start_ranks([["-m", "wsi_milssl", *_train(str(mil_csv), "--out", str(run), "--epochs", "1")]] * 2)
+    _ended_at(procs)
+    outputs = [p.communicate()[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["train", "--resume", str(run), "--epochs", "2", *COMMON]) == 0
+    err = capsys.readouterr().err
+    assert (f"{run / 'last.pt'}: epochs up to 1 ran on 2 rank(s) with a global batch of 16 (--batch-size 8 x 2), "
+            "this resume runs on 1 with a global batch of 8, so the steps per epoch change from epoch 2 on. Fix: to "
+            "keep the global batch, resume with 2 rank(s)" in err), err
+    history = _history(run)
+    assert [(h["epoch"], h["world_size"]) for h in history] == [(1, 2), (2, 1)]
+    n = sum(1 for _ in mil_csv.open())
+    two_ranks = n // 16 + (n % 16 >= 2)  # a last global batch of one instance cannot be shared by two ranks
+    assert [history[0]["step"], history[1]["step"] - history[0]["step"]] == [two_ranks, int(np.ceil(n / 8))]

@@ -978,7 +978,8 @@ def _lost_peer(exc: RuntimeError, dist: DistContext, epoch: int | None, out: Pat
     check = "find why the other rank stopped (its log)"
     if out is not None and (out / "last.pt").is_file():
         then = (f"; {out} keeps the checkpoint of the last finished epoch. Fix: {check}, then continue with "
-                f"`torchrun ... wsi-milssl train --resume {out}` (any number of processes).")
+                f"`torchrun ... wsi-milssl train --resume {out}` (any number of processes; the global batch is "
+                "--batch-size x processes).")
     elif out is not None:
         then = f"; no epoch was saved. Fix: {check}, then start the run again with the same command (the same --out)."
     else:
@@ -996,6 +997,22 @@ def _peer_guard(dist: DistContext, epoch: int | None, out: Path | None, when: st
         if error is exc:
             raise
         raise error from None
+
+
+def _warn_other_world_size(path: Path, ckpt: dict[str, Any], config: TrainConfig, dist: DistContext,
+                           start_epoch: int) -> None:
+    """On resume: warn when the run continues on another number of ranks than the one that saved ``path``
+    (its config's "distributed" world size): the global batch is ``batch_size x world size``, so the
+    steps of an epoch change from here on (each epoch's world size is in metrics.jsonl)."""
+    saved = (ckpt.get("config") or {}).get("distributed") or {}
+    before = saved.get("world_size") if isinstance(saved, dict) else None
+    if not isinstance(before, int) or isinstance(before, bool) or before < 1 or before == dist.world_size:
+        return
+    b = config.batch_size
+    log.warning("%s: epochs up to %d ran on %d rank(s) with a global batch of %d (--batch-size %d x %d), this resume "
+                "runs on %d with a global batch of %d, so the steps per epoch change from epoch %d on. Fix: to keep "
+                "the global batch, resume with %d rank(s) (torchrun: nodes x --nproc-per-node).", path, start_epoch,
+                before, b * before, b, before, dist.world_size, b * dist.world_size, start_epoch + 1, before)
 
 
 def _check_shareable(train: InstanceSet, model: torch.nn.Module, dist: DistContext) -> None:
@@ -1154,6 +1171,7 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
             history.append(dict(ckpt["metrics"]))  # killed before metrics.jsonl got last.pt's epoch (older runs)
         if dist.is_main:
             _check_best(out, ckpt, best_epoch)
+            _warn_other_world_size(out / "last.pt", ckpt, config, dist, start_epoch)
         log.info("resumed %s at epoch %d (step %d)", out / "last.pt", start_epoch, step)
     if out is not None and dist.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -1217,9 +1235,9 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
             if scheduler is not None:
                 scheduler.step()
             train_s = time.perf_counter() - t0
-            record: dict[str, Any] = {"epoch": epoch + 1, "step": step, "loss": stats["loss"], "mu_t": mu_t,
-                                      "lr": lr, **label_metrics, "train_seconds": train_s,
-                                      "refresh_seconds": refresh_s,
+            record: dict[str, Any] = {"epoch": epoch + 1, "step": step, "world_size": dist.world_size,
+                                      "loss": stats["loss"], "mu_t": mu_t, "lr": lr, **label_metrics,
+                                      "train_seconds": train_s, "refresh_seconds": refresh_s,
                                       "instances_per_second": stats["instances"] / max(train_s - refresh_s, 1e-9)}
             improved = False
             if val is not None and (eval_set is None or epoch + 1 in eval_set):
