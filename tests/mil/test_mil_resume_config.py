@@ -108,3 +108,22 @@ def test_feature_settings_an_earlier_version_did_not_record_are_not_compared_on_
     changed["store_settings"]["feature_settings"]["input_size_px"] = 256
     with pytest.raises(CheckpointError, match="input_size_px"):
         _check_resume_config(cfg(""), changed, tmp_path / "last.pt")
+
+
+def test_a_resume_names_changed_validation_data_before_the_metric_it_cannot_compute(mil_csv, mil_csv_val, tmp_path,
+                                                                                    capsys):
+    """revY 5: after the validation labels changed (every bag now negative), a resume said '... Fix:
+    --select-metric bag_nll', then refused that with 'select_metric changed; validation data changed'.
+    The comparison with the saved run comes first now, so the first error names the real cause."""
+    val = tmp_path / "val.csv"
+    shutil.copy(mil_csv_val, val)
+    run = tmp_path / "run"
+    assert main(["train", str(mil_csv), "--val", str(val), "--out", str(run), "--epochs", "1", "--threads", "1",
+                 "--no-plots"]) == 0
+    val.write_text("".join("0" + line[1:] for line in val.read_text().splitlines(keepends=True)))  # all negative
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--epochs", "2"]) == 1
+    err = capsys.readouterr().err
+    assert f"error: {run / 'last.pt'}: cannot resume with different settings or data (the validation data changed " \
+           "since the run was saved" in err, err
+    assert "--select-metric bag_nll" not in err and "Traceback" not in err

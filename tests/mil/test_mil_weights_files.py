@@ -147,6 +147,7 @@ def test_a_truncated_last_pt_on_resume_is_one_line_without_passing_another_file(
         read_checkpoint(last)
     assert main(["train", "--resume", str(run), "--epochs", "2"]) == 1
     err = capsys.readouterr().err
-    assert "last.pt: is truncated or damaged" in err and "put its complete last.pt back" in err
+    assert "last.pt: is truncated or damaged" in err and "so the run cannot be resumed from it" in err
+    assert "Fix: put the run's complete last.pt back" in err  # RESUME_FIX: a resume reads last.pt with its own fix
     assert "pass another file" not in err and "PytorchStreamReader" not in err
     _assert_one_safe_line(err)

@@ -8,6 +8,7 @@ continues an interrupted run with its saved settings.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -441,6 +442,8 @@ def run(args: argparse.Namespace) -> int:
     mode = "images" if input_mode == "images" else "features"
     config = train_config_from_args(args, mode=mode, base=base)
     resumed = args.resume is not None
+    if config.weights_path and not resumed:  # absolute, as the inputs below (a resume does not read the weights)
+        config = dataclasses.replace(config, weights_path=str(Path(config.weights_path).resolve()))
     train = load_instances(inputs, mode=input_mode, labels_path=labels,
                            option="the run's input" if resumed else "INPUTS")
     val = (load_instances(val_inputs, mode=input_mode, labels_path=val_labels,

@@ -24,7 +24,7 @@ import os
 import random
 import time
 from contextlib import contextmanager
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -738,6 +738,23 @@ def _read_history(out_dir: Path, *, before_epoch: int) -> list[dict[str, Any]]:
 _DIGESTS = {"data_digest": "the training data", "val_data_digest": "the validation data"}
 
 
+def _other_weights(saved: str | None, current: str | None) -> bool:
+    """Whether a resume names other initial weights (``current``) than the run started from (``saved``,
+    its ``weights_path``): none against a file, or two files found that differ (SHA-256). The same file
+    spelt otherwise is the same; so is a run's file that is not found from here (recorded as typed by an
+    earlier version, or moved), as a resume does not read it: last.pt holds the whole model."""
+    if saved == current:
+        return False
+    if not saved or not current:
+        return True
+    before, now = Path(saved), Path(current)
+    if before.resolve() == now.resolve() or not (before.is_file() and now.is_file()):
+        return False
+    from wsi_milssl.features.encoders import file_sha256
+
+    return not os.path.samefile(before, now) and file_sha256(before) != file_sha256(now)
+
+
 def _check_resume_config(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
     # a setting added after the run was saved ran at its default (which is the old behaviour)
     defaults = {f.name: f.default for f in fields(TrainConfig) if f.default is not MISSING}
@@ -756,6 +773,10 @@ def _check_resume_config(saved: dict[str, Any], current: dict[str, Any], path: P
         if key == "epochs" and saved.get("scheduler", "none") == "none":
             continue  # extending a constant-rate run keeps the first epochs identical
         before = saved.get(key, defaults.get(key))
+        if key == "weights_path":
+            if _other_weights(before, value):
+                diffs.append(f"{key}: {before!r} -> {value!r}")
+            continue
         if key == "store_settings" and isinstance(before, dict) and isinstance(value, dict):
             # what the data record that a run saved by an earlier version did not (the feature files' settings):
             # only what both record is compared; so within the feature files' settings (an earlier version
@@ -1069,6 +1090,26 @@ def _shared_bags(train: InstanceSet, val: InstanceSet) -> list[str]:
     return sorted(n for n in val.bag_names if n not in held_out)
 
 
+def _resume_checkpoint(out: Path, ckpt_config: dict[str, Any], config: TrainConfig) -> dict[str, Any]:
+    """The run's ``last.pt``, checked for a resume: complete, saved with the data and settings of
+    ``ckpt_config`` (the run now), and not beyond ``config.epochs``. ``ckpt_config`` then records the
+    run's own ``weights_path`` (a resume does not read the initial weights, whatever their spelling now)."""
+    path = out / "last.pt"
+    if not path.is_file():
+        raise missing_checkpoint_error(out)
+    ckpt = read_checkpoint(path, fix=RESUME_FIX)
+    check_resume_parts(ckpt, path)
+    _check_resume_config(ckpt["config"], ckpt_config, path)
+    ckpt_config["weights_path"] = ckpt["config"].get("weights_path")
+    start_epoch = int(ckpt["epoch"])
+    if config.epochs < start_epoch:
+        raise ConfigError(f"{path} holds {start_epoch} trained epochs, more than the {config.epochs} asked for "
+                          "(--epochs); a resume cannot go back, and the run is left as it is. Fix: resume with "
+                          f"--epochs {start_epoch} or more, or train again into a new --out with --epochs "
+                          f"{config.epochs}.")
+    return ckpt
+
+
 def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike | None,
          val: InstanceSet | None, resume: bool, eval_at: Sequence[int] | None, keep_val_scores: bool,
          run_info: dict[str, Any] | None, progress: ProgressCallback | None, dist: DistContext) -> FitResult:
@@ -1098,8 +1139,6 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
     if not (bag_labels == 1).any():
         raise ConfigError(f"{train.source}: no positive bag among the {train.n_bags} training bags; add slides "
                           "labelled 1.")
-    if val is not None and out_dir is not None:
-        _check_selectable(val, config)
     if resume and out_dir is None:
         raise ConfigError("resume needs the run folder (out_dir) that holds last.pt.")
     if config.threads > 0:
@@ -1108,13 +1147,24 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
     if runtime.device.type == "cuda":
         torch.backends.cudnn.benchmark = False
         torch.backends.cudnn.deterministic = True
+    model_kwargs = _model_kwargs(config, train)
+    ckpt_config = _checkpoint_config(config, train, runtime, model_kwargs)
+    ckpt_config.update(digests or {})
+    ckpt_config["distributed"] = dist.describe()
+    ckpt_config.update(run_info or {})
+    out = Path(out_dir) if out_dir is not None else None
+    # a resume compares the data and settings with the saved run first: a change there is the cause to name
+    ckpt = _resume_checkpoint(out, ckpt_config, config) if resume and out is not None else None
+    if val is not None and out is not None:
+        _check_selectable(val, config)
     log.info("training %s on %s (%d instances in %d bags, %d positive bags)", config.model,
              runtime.describe(), len(train), train.n_bags, int((bag_labels == 1).sum()))
 
     torch.manual_seed(_seed_for(config.seed, 0, 0))
     np.random.seed(_seed_for(config.seed, 0, 1) % (2**32))
     random.seed(_seed_for(config.seed, 0, 2))
-    model, model_kwargs = build_model(config, train)
+    # a resume neither loads nor needs the initial weights: last.pt holds the whole model
+    model, _ = build_model(replace(config, weights_path=None) if ckpt is not None else config, train)
     _check_shareable(train, model, dist)
     model.to(runtime.device)
     if runtime.channels_last:
@@ -1124,28 +1174,13 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
                  if config.scheduler == "cosine" else None)
     scaler = torch.amp.GradScaler("cuda") if runtime.use_grad_scaler else None
     state = PseudoLabelState.initial(train)
-    ckpt_config = _checkpoint_config(config, train, runtime, model_kwargs)
-    ckpt_config.update(digests or {})
-    ckpt_config["distributed"] = dist.describe()
-    ckpt_config.update(run_info or {})
-    out = Path(out_dir) if out_dir is not None else None
 
     start_epoch, step = 0, 0
     best_score: tuple[float, float] | None = None
     best_epoch: int | None = None
     history: list[dict[str, Any]] = []
-    if resume and out is not None:
-        if not (out / "last.pt").is_file():
-            raise missing_checkpoint_error(out)
-        ckpt = read_checkpoint(out / "last.pt")
-        check_resume_parts(ckpt, out / "last.pt")
-        _check_resume_config(ckpt["config"], ckpt_config, out / "last.pt")
+    if ckpt is not None:
         start_epoch, step = int(ckpt["epoch"]), int(ckpt["step"])
-        if config.epochs < start_epoch:
-            raise ConfigError(f"{out / 'last.pt'} holds {start_epoch} trained epochs, more than the {config.epochs} "
-                              "asked for (--epochs); a resume cannot go back, and the run is left as it is. Fix: "
-                              f"resume with --epochs {start_epoch} or more, or train again into a new --out with "
-                              f"--epochs {config.epochs}.")
         try:
             model.load_state_dict(ckpt["model"])
             optimizer.load_state_dict(ckpt["optimizer"])
