@@ -53,7 +53,7 @@ from wsi_milssl.distributed import Shard
 from wsi_milssl.errors import ConfigError, FolderLockedError, OutputError
 
 __all__ = ["LOCK_FILENAME", "MUTEX_FILENAME", "folder_lock", "folder_mutex", "folder_writer", "lock_holder",
-           "shard_lock_filename"]
+           "other_shards_writing", "shard_lock_filename"]
 
 log = logging.getLogger(__name__)
 
@@ -489,6 +489,19 @@ def folder_writer(path: str | os.PathLike) -> str | None:
         if _shard_alive(folder, int(m.group("index")), int(m.group("count"))):
             return _describe(_read_record(folder / name))
     return None
+
+
+def other_shards_writing(path: str | os.PathLike, shard: tuple[int, int]) -> list[tuple[int, int]]:
+    """The shards (I, N) other than ``shard`` that hold their lock in folder ``path`` now: the shards of a
+    run still writing there (to tell them from an earlier, finished run's files)."""
+    folder = Path(path)
+    found = []
+    for name in _shard_names(folder):
+        m = _SHARD_RE.match(name)
+        index, count = int(m.group("index")), int(m.group("count"))
+        if (index, count) != (int(shard[0]), int(shard[1])) and _shard_alive(folder, index, count):
+            found.append((index, count))
+    return found
 
 
 def _shard_names(folder: Path) -> list[str]:

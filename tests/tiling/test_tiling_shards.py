@@ -341,3 +341,25 @@ def test_a_shard_into_a_finished_folder_of_other_settings_gets_the_unsharded_err
                                                            entropy_threshold_bits=4, threads=1), shard=(0, 2))
     assert "shards of one run" not in str(err.value)
     assert "made with different settings" in str(err.value) and "--overwrite" in str(err.value)
+
+
+def test_a_shard_with_other_settings_while_another_shard_writes_gets_the_shard_error(four_slides, tmp_path):
+    """Review AD: after a9bd6ce checked the folder's stores first, a shard with another patch size started while
+    another shard of the run was still tiling (its stores written) was told the folder's stores differ, with
+    '--overwrite' as a fix; following it mixed two patch sizes in one folder. While another shard holds the
+    folder, the shards' settings decide, as before; with no shard running, the folder's error stays."""
+    from processes import hold_lock, release
+
+    slides, _ = four_slides
+    out = tmp_path / "out"
+    assert tile_slides(find_slides([slides]), out,
+                       TileConfig(magnification=20, patch_size_px=256, entropy_threshold_bits=4, threads=1)).ok
+    other = TileConfig(magnification=20, patch_size_px=128, entropy_threshold_bits=4, threads=1)
+    shard_0 = hold_lock(out, shard=(0, 2))  # shard 0 of the run, still writing
+    try:
+        with pytest.raises(StoreError, match="the shards of one run must use the same settings"):
+            tile_slides(find_slides([slides]), out, other, shard=(1, 2))
+    finally:
+        release(shard_0)
+    with pytest.raises(StoreError, match="made with different settings"):
+        tile_slides(find_slides([slides]), out, other, shard=(1, 2))

@@ -46,7 +46,7 @@ from wsi_milssl.config.tile import TileConfig
 from wsi_milssl.distributed import Shard, shard_items
 from wsi_milssl.errors import OutputError, StoreError, WsiMilsslError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
-from wsi_milssl.locks import folder_lock, folder_mutex
+from wsi_milssl.locks import folder_lock, folder_mutex, other_shards_writing
 from wsi_milssl.parent_watch import watch_parent
 from wsi_milssl.slide.reader import open_slide
 from wsi_milssl.slide.resolution import mpp_to_magnification
@@ -588,11 +588,15 @@ def tile_slides(slides: Iterable[str | os.PathLike], out_dir: str | os.PathLike,
     out_dir = Path(out_dir)
     with folder_lock(out_dir, shard=shard):
         with folder_mutex(out_dir):  # one shard at a time: the first records the run's settings
-            # the stores first: a folder of an earlier, finished run with other settings gets the unsharded
-            # run's error, not the one about shards started together
+            # while other shards of the run write here, their settings decide (their stores are no earlier
+            # run's: --overwrite would mix two settings in one folder); else the stores of an earlier,
+            # finished run with other settings get the unsharded run's error (--out or --overwrite)
+            sharded = shard[1] > 1 and not overwrite
+            if sharded and other_shards_writing(out_dir, shard):
+                _check_shard_settings(out_dir, config)
             other_settings = check_folder_settings(out_dir, every, config, overwrite=overwrite,
                                                    keep_other_stores=keep_other_stores)
-            if shard[1] > 1 and not overwrite:
+            if sharded:
                 _check_shard_settings(out_dir, config)
             config_json = _write_config(out_dir, config, other_settings)
         # marked unfinished until this run's last slide is done: `train` warns about a folder whose run stopped
