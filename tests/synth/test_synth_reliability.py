@@ -100,7 +100,7 @@ def test_synth_onto_a_full_disk_is_one_clear_error(tmp_path):
         result = subprocess.run([sys.executable, "-m", "wsi_milssl", "synth", str(out), "--slides", "2",
                                  "--size-px", "2048", "2048"], capture_output=True, text=True, timeout=300,
                                 preexec_fn=preexec)
-        left = sorted(p.name for p in out.iterdir())
+        left = sorted(p.name for p in out.iterdir()) if out.exists() else []  # a folder left empty is removed
     assert result.returncode == 1, (method, result.returncode, result.stderr[-3000:])  # not 135 / -7 (SIGBUS)
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert re.search(

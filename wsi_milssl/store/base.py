@@ -208,12 +208,25 @@ def swap_into_place(new: Path, final: Path) -> None:
 
 
 def remove_path(path: Path) -> None:
-    """Delete a file or folder if it exists."""
+    """Delete a file or folder if it exists. A folder's entries that vanish while it is removed (Zarr's
+    writer threads still clean up their own temporaries after a failed write) are no error; one retry
+    takes what appeared meanwhile."""
     path = Path(path)
     if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
+        for attempt in range(2):
+            try:
+                shutil.rmtree(path, onerror=_gone_is_fine)
+                return
+            except OSError:
+                if attempt or not path.exists():
+                    raise
     elif path.exists() or path.is_symlink():
-        path.unlink()
+        path.unlink(missing_ok=True)
+
+
+def _gone_is_fine(function, name, exc_info) -> None:
+    if not issubclass(exc_info[0], FileNotFoundError):
+        raise exc_info[1]
 
 
 # -- reader -------------------------------------------------------------------------------------
