@@ -176,3 +176,17 @@ def test_a_truncated_slide_is_named_incomplete_not_unsupported(synth_slides, tmp
     text.write_text("not a slide\n")
     with pytest.raises(SlideReadError, match="OpenSlide does not recognise this file"):
         open_slide(text)
+
+
+@pytest.mark.parametrize("n_bytes, why", [(0, "this file is empty (0 bytes)"),
+                                          (8, "this TIFF file ends inside its header, after 8 bytes"),
+                                          (200, "this TIFF file ends inside its header, after 200 bytes")])
+def test_an_empty_slide_or_one_cut_inside_its_header_is_named_incomplete(synth_slides, tmp_path, n_bytes, why):
+    """Review AD: a 0-byte file (the most common stopped copy) and a TIFF cut inside its first directory were
+    still 'not a whole-slide image ... give a pyramidal slide'."""
+    cut = tmp_path / "cut.tif"
+    cut.write_bytes(Path(synth_slides["normal"]).read_bytes()[:n_bytes])
+    with pytest.raises(SlideReadError) as err:
+        open_slide(cut)
+    assert str(err.value) == (f"{cut}: {why} (a copy or download that stopped early). Fix: copy or download the "
+                              "slide again.")

@@ -31,7 +31,7 @@ from wsi_milssl.slide.resolution import (
     plan_read,
 )
 
-__all__ = ["SlideReader", "open_slide", "register_reader", "truncated_tiff", "READERS", "PLAUSIBLE_MPP"]
+__all__ = ["SlideReader", "open_slide", "register_reader", "incomplete_file", "READERS", "PLAUSIBLE_MPP"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,16 +52,24 @@ def register_reader(name: str):
     return deco
 
 
-def truncated_tiff(path: str | os.PathLike) -> tuple[int, int] | None:
-    """``(bytes its data needs, bytes the file holds)`` when ``path`` is a TIFF whose tiles, strips or next
-    directory lie past the end of the file (a copy or download that stopped early), else None (also for a
-    file that is not a TIFF). Reads the TIFF directories only, with tifffile."""
+#: the first bytes of a TIFF or BigTIFF file, little- or big-endian
+_TIFF_MAGIC = (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+")
+
+
+def incomplete_file(path: str | os.PathLike) -> str | None:
+    """Why ``path`` looks like a copy or download that stopped early, or None: it is empty; it is a TIFF
+    that ends inside its header; or a TIFF whose tiles, strips or next directory lie past its end. Reads
+    the TIFF directories only, with tifffile (a file that is no TIFF at all gets None)."""
     import re
 
     import tifffile
 
     path = Path(path)
     size = path.stat().st_size
+    if size == 0:
+        return "this file is empty (0 bytes)"
+    with open(path, "rb") as fh:
+        is_tiff = fh.read(4) in _TIFF_MAGIC
     offsets: list[int] = []
 
     def past_end(record: logging.LogRecord) -> bool:  # tifffile's "invalid page offset N": a directory past the end
@@ -74,14 +82,20 @@ def truncated_tiff(path: str | os.PathLike) -> tuple[int, int] | None:
     tiff_log.addFilter(past_end)
     try:
         with tifffile.TiffFile(path) as tif:
+            n_pages = 0
             for page in tif.pages:
+                n_pages += 1
                 offsets.extend(o + c for o, c in zip(page.dataoffsets, page.databytecounts))
-    except Exception:  # not a TIFF, or directories that cannot be parsed: no claim either way
-        return None
+    except Exception:  # noqa: BLE001 - a TIFF header that cannot be parsed: cut inside it, or no TIFF
+        n_pages = 0
     finally:
         tiff_log.removeFilter(past_end)
+    if n_pages == 0:  # no directory could be read: a TIFF cut inside its header (a small file), or no TIFF
+        return f"this TIFF file ends inside its header, after {size:,} bytes" if is_tiff and size < 65536 else None
     end = max(offsets, default=0)
-    return (end, size) if end > size else None
+    if end > size:
+        return f"this TIFF file is incomplete: its directories point to byte {end:,}, but the file ends after {size:,} bytes"
+    return None
 
 
 def _float_property(props, key: str) -> float | None:
@@ -135,13 +149,10 @@ class SlideReader:
         try:
             self._slide = openslide.OpenSlide(str(self.path))
         except openslide.OpenSlideUnsupportedFormatError:
-            short = truncated_tiff(self.path)
-            if short is not None:
-                raise SlideReadError(
-                    f"{self.path}: this TIFF file is incomplete: its directories point to byte {short[0]:,}, but "
-                    f"the file ends after {short[1]:,} bytes (a copy or download that stopped early). Fix: copy "
-                    "or download the slide again."
-                ) from None
+            why = incomplete_file(self.path)
+            if why is not None:
+                raise SlideReadError(f"{self.path}: {why} (a copy or download that stopped early). Fix: copy or "
+                                     "download the slide again.") from None
             raise SlideReadError(
                 f"{self.path}: OpenSlide does not recognise this file as a whole-slide image. "
                 "Fix: give a pyramidal slide OpenSlide supports (.svs, .ndpi, .mrxs, tiled pyramidal .tif)."
