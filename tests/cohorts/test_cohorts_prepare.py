@@ -153,3 +153,55 @@ def test_prepare_folder_holds_out_a_stratified_test_set(tmp_path):
     unlabelled = _touch(tmp_path / "few.csv", "case_00,0\ncase_01,1\n")
     with pytest.raises(LabelsError, match=r"6 slide\(s\) have no label in .*few\.csv: case_02, case_03"):
         prepare_folder(slides, unlabelled, tmp_path / "out3", annotations_dir=tmp_path / "ann")
+
+
+def test_the_recorded_command_prepares_the_same_cohort_again_from_another_folder(tmp_path, monkeypatch, capsys):
+    """prepare.json's command (which tile quotes as the fix for slides gone from the lists) once held only
+    --slides, --labels and --out, as typed: run again it changed the pipeline's name, val_fraction and the
+    test split, and its relative paths did not resolve from another folder."""
+    import json
+    import shlex
+
+    work = tmp_path / "work"
+    for i in range(8):
+        _touch(work / "fo" / f"case {i:02d}.svs")  # a space: the command is quoted
+        if i % 2:
+            _touch(work / "ann" / f"case {i:02d}.xml", XML)
+    _touch(work / "fo" / "labels.csv", "".join(f"case {i:02d},{i % 2}\n" for i in range(8)))
+    template = _touch(work / "t.toml", "[data]\nval_fraction = 0.2\n\n[tile]\npatch_size_px = 32\n")
+    monkeypatch.chdir(work)
+    assert main(["prepare", "folder", "--slides", "fo", "--labels", "fo/labels.csv", "--annotations", "ann",
+                 "--test-fraction", "0.5", "--seed", "7", "--val-fraction", "0.3", "--name", "mycohort",
+                 "--template", "t.toml", "--out", "pf"]) == 0
+    command = json.loads((work / "pf" / "cohort" / "prepare.json").read_text())["command"]
+    words = shlex.split(command)
+    assert words[:3] == ["wsi-milssl", "prepare", "folder"]
+    for flag, value in (("--slides", work / "fo"), ("--labels", work / "fo" / "labels.csv"), ("--annotations", work / "ann"),
+                        ("--template", template), ("--out", work / "pf")):
+        assert Path(words[words.index(flag) + 1]) == value
+    for flag, value in (("--test-fraction", "0.5"), ("--seed", "7"), ("--val-fraction", "0.3"), ("--name", "mycohort")):
+        assert words[words.index(flag) + 1] == value
+    assert f"# Written by `{command}`" in (work / "pf" / "pipeline.toml").read_text()
+    before = {p.name: p.read_bytes() for p in (work / "pf" / "cohort").glob("*.csv")}
+    pipeline = load_pipeline(work / "pf" / "pipeline.toml")
+    monkeypatch.chdir(tmp_path)
+    assert main(words[1:]) == 0  # the command as recorded, from another folder
+    assert {p.name: p.read_bytes() for p in (work / "pf" / "cohort").glob("*.csv")} == before
+    again = load_pipeline(work / "pf" / "pipeline.toml")
+    assert (again.name, again.val_fraction) == (pipeline.name, pipeline.val_fraction) == ("mycohort", 0.3)
+
+
+def test_the_recorded_camelyon16_command_keeps_its_options(tmp_path, monkeypatch):
+    import json
+    import shlex
+
+    root = camelyon16_tree(tmp_path / "c16")
+    reference = _touch(tmp_path / "ref.csv", "Test_001,Tumor\nTest_002,Normal\n")
+    monkeypatch.chdir(tmp_path)
+    prepare_camelyon16(Path("c16"), Path("out"), reference=Path("ref.csv"), val_fraction=0.4)
+    words = shlex.split(json.loads((tmp_path / "out" / "cohort" / "prepare.json").read_text())["command"])
+    assert words[:4] == ["wsi-milssl", "prepare", "camelyon16", str(root)]
+    assert Path(words[words.index("--out") + 1]) == tmp_path / "out"
+    assert Path(words[words.index("--reference") + 1]) == reference
+    assert words[words.index("--val-fraction") + 1] == "0.4"
+    assert "--template" not in words  # not given: the packaged default

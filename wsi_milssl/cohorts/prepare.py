@@ -48,6 +48,7 @@ import logging
 import lzma
 import os
 import re
+import shlex
 import zipfile
 import zlib
 from dataclasses import dataclass, field
@@ -473,6 +474,25 @@ def _pipeline_text(out: Path, *, name: str, template: Path, set_names: Iterable[
     return "\n".join(lines) + _template_body(template)
 
 
+def _command(layout: str, positional: Iterable[str | os.PathLike], options: Mapping[str, object]) -> str:
+    """The command line that prepares this cohort again, from any folder: ``wsi-milssl prepare LAYOUT`` with
+    ``positional`` and every option given (``options`` {flag: value}, None left out), paths made absolute,
+    quoted for a POSIX shell (prepare.json and pipeline.toml quote it; tile names it as the fix for slides
+    gone from a list prepare wrote)."""
+    def text(value: object) -> str:
+        return str(Path(value).absolute()) if isinstance(value, os.PathLike) else str(value)
+
+    words = ["wsi-milssl", "prepare", layout, *(text(p) for p in positional)]
+    for flag, value in options.items():
+        if value is not None:
+            words += [flag, text(value)]
+    return shlex.join(words)
+
+
+def _path(value: str | os.PathLike | None) -> Path | None:
+    return None if value is None else Path(value)
+
+
 def _finish(out: Path, *, name: str, template: Path | None,
             sets: dict[str, tuple[Mapping[str, Path], Mapping[str, int], Mapping[str, tuple[str, bytes, str]]]],
             val_fraction: float | None, split_seed: int | None, command: str, facts: dict,
@@ -633,7 +653,9 @@ def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
     facts = {"root": str(root.resolve()), "reference": str(ref_path) if ref_path else None,
              "mask_images_left_out": len(masks)}
     return _finish(out, name="camelyon16", template=template, sets=sets, val_fraction=val_fraction,
-                   split_seed=split_seed, command=f"wsi-milssl prepare camelyon16 {root} --out {out}",
+                   split_seed=split_seed,
+                   command=_command("camelyon16", [root], {"--out": out, "--reference": _path(reference),
+                                                           "--template": _path(template), "--val-fraction": val_fraction}),
                    facts=facts, notes=notes)
 
 
@@ -770,6 +792,12 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
     if no_ann_train:
         notes.append(f"{len(no_ann_train)} tumour training slide(s) have no annotation: {_names(no_ann_train)}")
     sets = {"train": (*train, train_ann), "test": (*test, test_ann)}
-    command = f"wsi-milssl prepare folder --slides {slides_dir} --labels {labels_csv} --out {out}"
+    held_out = test_slides_dir is None  # --test-fraction and --seed split the slides
+    command = _command("folder", [], {
+        "--slides": slides_dir, "--labels": labels_csv, "--annotations": _path(annotations_dir),
+        "--test-slides": _path(test_slides_dir), "--test-labels": _path(test_labels_csv),
+        "--test-annotations": _path(test_annotations_dir), "--test-fraction": test_fraction if held_out else None,
+        "--seed": seed if held_out else None, "--name": name, "--template": _path(template),
+        "--val-fraction": val_fraction, "--out": out})
     return _finish(out, name=name or out.resolve().name, template=template, sets=sets, val_fraction=val_fraction,
                    split_seed=split_seed, command=command, facts=facts, notes=notes)
