@@ -318,3 +318,40 @@ def test_an_archive_that_cannot_be_read_is_an_error(tmp_path, synth_slides):
     assert message.startswith(f"{archive}: cannot be read")
     assert "download lesion_annotations.zip again" in message
     assert not (tmp_path / "out").exists()
+
+
+def test_prepare_into_root_itself_can_run_again(tmp_path, synth_slides):
+    """--out ROOT: the second prepare found its own cohort/annotations/ copy beside a corrected download
+    ('2 different annotation files ... keep one') and its run's heatmap TIFFs as slides 'not named as in
+    CAMELYON16'; the folder's own cohort/ and run/ are left out now, the rest of it is still searched."""
+    root = gigadb_tree(tmp_path / "C16", synth_slides)
+    first = prepare_camelyon16(root, root)
+    assert sorted(first.sets["test"].slides) == ["Test_002", "test_001"]
+    (root / "testing" / "lesion_annotations.zip").unlink()
+    corrected = root / "testing" / "lesion_annotations" / "test_001.xml"
+    corrected.parent.mkdir()
+    corrected.write_text(_xml(7))
+    _link(synth_slides["normal"], root / "run" / "heatmaps" / "test" / "test_001_probs.ome.tif")
+    again = prepare_camelyon16(root, root)
+    assert again.sets["test"].annotations == {"test_001": str(corrected)}
+    assert (again.sets["test"].annotations_dir / "test_001.xml").read_text() == _xml(7)
+    assert sorted(again.sets["train"].slides) == ["Normal_001", "Tumor_001", "normal_002", "tumor_002"]
+    assert sorted(again.sets["test"].slides) == ["Test_002", "test_001"]
+
+
+def test_prepare_folder_into_the_slides_folder_can_run_again(tmp_path, synth_slides):
+    slides = tmp_path / "cohort"
+    for name, kind in (("n1", "normal"), ("n2", "normal"), ("t1", "tumor"), ("t2", "tumor")):
+        _link(synth_slides[kind], slides / f"{name}.tif")
+        if kind == "tumor":
+            (slides / f"{name}.xml").write_text(_xml(1))
+    labels = slides / "labels.csv"
+    labels.write_text("n1,0\nn2,0\nt1,1\nt2,1\n")
+    first = prepare_folder(slides, labels, slides, test_fraction=0.5, seed=0)
+    (slides / "t1.xml").write_text(_xml(4))
+    (slides / "t2.xml").write_text(_xml(5))
+    _link(synth_slides["normal"], slides / "run" / "heatmaps" / "test" / "t1_probs.ome.tif")
+    again = prepare_folder(slides, labels, slides, test_fraction=0.5, seed=0)
+    assert again.sets["test"].slides == first.sets["test"].slides
+    assert sorted({**again.sets["train"].annotations, **again.sets["test"].annotations}.values()) == [
+        str(slides / "t1.xml"), str(slides / "t2.xml")]

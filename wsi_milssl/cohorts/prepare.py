@@ -17,7 +17,8 @@ Two layouts:
 Names are matched case-insensitively (``tumor_001.tif``, ``Tumor_001.xml`` and a label row
 ``TUMOR_001`` are one slide). Folders are searched through links (each folder once: a link back to
 an ancestor ends there); earlier prepare outputs below them (folders holding ``cohort/prepare.json``)
-are left out. Every problem found (a slide without a label, a tumour test slide without its
+are left out, and so are the folder's own ``cohort/`` and ``run/`` when it is one (``--out`` the folder
+itself). Every problem found (a slide without a label, a tumour test slide without its
 annotation, two slides with one name, a name that is not CAMELYON16's) is reported in one error that
 lists the names; every annotation problem (an archive or file that cannot be read, a file the
 annotation reader refuses, two different annotation files for one slide) in one error that names
@@ -125,11 +126,14 @@ class PreparedCohort:
 
 def _walk(root: Path, *, skip: Iterable[Path] = ()) -> Iterable[Path]:
     """Every non-hidden file below ``root``, sorted, not descending into ``skip`` folders, hidden ones or
-    earlier prepare outputs (:func:`_is_prepare_output`).
+    earlier prepare outputs (:func:`_is_prepare_output`). When ``root`` itself is one (``prepare ROOT --out
+    ROOT`` run before), its own ``cohort/`` and ``run/`` are left out and the rest is searched.
 
     Links to folders are followed (a download spread over disks links its folders together); a folder
     reached a second time (a link back to an ancestor, two links to one folder) is searched once only."""
     skip_resolved = {p.resolve() for p in skip}
+    if _is_prepare_output(root):
+        skip_resolved |= {(root / "cohort").resolve(), (root / "run").resolve()}
     seen = {_folder_identity(root)}
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
         here = Path(dirpath)
