@@ -293,3 +293,44 @@ def test_non_finite_batchnorm_statistics_count_as_a_diverged_epoch():
     model[1].running_var[0] = float("inf")
     with pytest.raises(TrainingDivergedError, match="the weights became non-finite"):
         _check_finite(model, 0.5, amp=True, epoch=1, out=None)
+
+
+def test_a_run_that_diverges_before_a_refresh_inside_an_epoch_is_a_diverged_run(tmp_path, capsys, mil_csv):
+    """With --refresh-every the pseudo labels are refreshed inside the epoch: a run that diverged before such a
+    refresh gets the diverged-run error (before, the non-finite probabilities reached the Sinkhorn step and
+    ended in a ValueError traceback)."""
+    run = tmp_path / "run"
+    assert main(["train", str(mil_csv), "--out", str(run), *TRAIN, "--lr", "1e30", "--refresh-every", "2", "--batch-size", "8",
+                 "--warmup-epochs", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "ValueError" not in err, err
+    assert re.fullmatch(r"error: training diverged in epoch 1: the weights became non-finite \(found at a pseudo-label "
+                        r"refresh inside the epoch\)\. No checkpoint was written\. Fix: lower the learning rate "
+                        r"\(--lr\), e\.g\. by 10x, and train again\.\n", err), err
+    assert not (run / "last.pt").exists()
+
+
+@pytest.mark.parametrize("where", ["parameter", "buffer"])
+def test_a_checkpoint_holding_non_finite_weights_is_refused_on_resume(tmp_path, capsys, mil_csv, where):
+    """A last.pt holding NaN (in a parameter, or in a floating-point buffer such as a BatchNorm statistic, as an
+    earlier version could save): the resume says so and that the run cannot be resumed, instead of a
+    ValueError traceback from the first pseudo-label refresh."""
+    import torch
+
+    from wsi_milssl.mil.models import create_model
+
+    run = tmp_path / "run"
+    assert main(["train", str(mil_csv), "--out", str(run), *TRAIN, "--epochs", "1"]) == 0
+    ckpt = torch.load(run / "last.pt", weights_only=True)
+    model = create_model(ckpt["config"]["model"], **ckpt["config"]["model_kwargs"])
+    params = {n for n, _ in model.named_parameters()}
+    name = next(k for k, v in ckpt["model"].items() if v.is_floating_point() and (k in params) == (where == "parameter"))
+    ckpt["model"][name].view(-1)[0] = float("nan")
+    torch.save(ckpt, run / "last.pt")
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--epochs", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    assert err.startswith(f"error: {run / 'last.pt'}: holds non-finite weights (NaN or infinity: a diverged run), so "
+                          "the run cannot be resumed from it. Fix: train again into a new --out"), err
+    assert err.rstrip().endswith("e.g. with a lower learning rate (--lr)."), err

@@ -288,6 +288,9 @@ def refresh_pseudo_labels(model: torch.nn.Module, instances: InstanceSet, state:
     ``config.online_pseudo_labels``, from the probabilities recorded during training when every
     positive-bag instance has one (with several ranks only at epoch ends, where the ranks' records are
     merged: refreshes inside an epoch predict).
+
+    Raises (:func:`_non_finite_scores_error`) when some probability is NaN or infinite (a diverged model):
+    pseudo labels cannot be assigned from them.
     """
     pos = state.pos_index.numpy()
     if pos.size == 0:
@@ -302,6 +305,10 @@ def refresh_pseudo_labels(model: torch.nn.Module, instances: InstanceSet, state:
     if probs is None:
         probs = predict_probs(_core(model), instances, pos, runtime=runtime, batch_size=config.eval_batch_size,
                               loader=loader, progress=progress, stage="train-refresh", dist=dist)
+    bad = ~np.isfinite(probs)
+    if bad.any():
+        raise _non_finite_scores_error(model, instances, np.unique(instances.bag_ids[pos][bad]), runtime=runtime,
+                                       refresh_bags=np.unique(instances.bag_ids[pos]).size)
     q = assign_pseudo_labels(probs, instances.bag_ids[pos], mu=mu_t, lam=config.lam,
                              soft=config.soft_labels, local_constraint=config.local_constraint,
                              global_constraint=config.global_constraint,
@@ -492,9 +499,10 @@ def weights_finite(model: torch.nn.Module) -> bool:
 
 
 def _non_finite_scores_error(model: torch.nn.Module, instances: InstanceSet, bags: np.ndarray, *,
-                            runtime: Runtime) -> WsiMilsslError:
+                            runtime: Runtime, refresh_bags: int | None = None) -> WsiMilsslError:
     """The error for the bags ``bags`` of ``instances`` whose probabilities are NaN or infinite, naming them
-    (with their store, feature file or slide where known). Its cause decides its kind: weights that hold
+    (with their store, feature file or slide where known); ``refresh_bags``: the number of (positive) bags
+    predicted at a pseudo-label refresh, when the probabilities were a refresh's, not an evaluation's. Its cause decides its kind: weights that hold
     NaN or infinity are a diverged run (TrainingDivergedError, fix: the learning rate); a finite model is
     driven out of range by the inputs of those bags (StoreError, fix: those inputs, or the mixed precision)."""
     where = (instances.store_paths if instances.store_paths is not None else instances.bag_sources
@@ -502,9 +510,13 @@ def _non_finite_scores_error(model: torch.nn.Module, instances: InstanceSet, bag
     shown = ", ".join(instances.bag_names[b] + (f" ({where[b]})" if where[b] else "") for b in bags[:5].tolist())
     shown += f" and {bags.size - 5} more" if bags.size > 5 else ""
     of = "" if any(where) else f" of {instances.source}"
-    head = (f"the model gives NaN or infinite probabilities for {bags.size} of the {instances.n_bags} bags evaluated"
-            f"{of}: {shown}, so their scores, and the AUC, accuracy and loss of the set, are undefined (they are not "
-            "computed over the other bags)")
+    if refresh_bags is None:
+        head = (f"the model gives NaN or infinite probabilities for {bags.size} of the {instances.n_bags} bags "
+                f"evaluated{of}: {shown}, so their scores, and the AUC, accuracy and loss of the set, are undefined "
+                "(they are not computed over the other bags)")
+    else:
+        head = (f"the model gives NaN or infinite probabilities for {bags.size} of the {refresh_bags} positive "
+                f"training bags{of} at a pseudo-label refresh: {shown}, so their pseudo labels are undefined")
     if not weights_finite(_core(model)):
         return TrainingDivergedError(f"{head}: the model's weights hold NaN or infinity (a diverged run). Fix: lower "
                                      "the learning rate (--lr), e.g. by 10x, and train again.")
@@ -829,26 +841,28 @@ def _compile_errors(config: TrainConfig):
                           "C++ compiler, and Triton on a GPU).") from exc
 
 
-def _check_finite(model: torch.nn.Module, loss: float, *, amp: bool, epoch: int, out: Path | None,
+def _check_finite(model: torch.nn.Module, loss: float | None, *, amp: bool, epoch: int, out: Path | None,
                   autocast_dtype: torch.dtype | None = None) -> None:
     """Raise :class:`TrainingDivergedError` when the epoch left non-finite weights or BatchNorm statistics (a
     forward pass that overflows updates them even when the gradient scaler skips its step), or (without mixed
     precision, whose scaler skips steps with overflowing gradients on its own) a non-finite loss; called
     before the epoch's checkpoint, so ``last.pt`` keeps the last finite epoch. ``autocast_dtype`` (the
     run's mixed precision, if any) adds ``--amp off`` to the fix when the weights broke under a finite
-    loss: bfloat16 has no scaler to skip a step with non-finite gradients."""
+    loss: bfloat16 has no scaler to skip a step with non-finite gradients. ``loss`` None: the epoch stopped
+    at a pseudo-label refresh inside it (``refresh_every``), before its loss was known."""
     weights_ok = weights_finite(model)
-    if weights_ok and (amp or math.isfinite(loss)):
+    if weights_ok and (amp or loss is None or math.isfinite(loss)):
         return
     kept = (f" {out / 'last.pt'} still holds epoch {epoch} (the last finite one)." if epoch and out is not None
             else " No checkpoint was written.")
     what = "weights" if not weights_ok else "loss"
     fix = "lower the learning rate (--lr), e.g. by 10x, and train again."
-    if not weights_ok and math.isfinite(loss) and autocast_dtype is torch.bfloat16:
+    if not weights_ok and loss is not None and math.isfinite(loss) and autocast_dtype is torch.bfloat16:
         fix = ("the loss stayed finite, so one step's gradients were non-finite under bfloat16 mixed precision: "
                "train again without it (--amp off), or lower the learning rate (--lr), e.g. by 10x.")
-    raise TrainingDivergedError(f"training diverged in epoch {epoch + 1}: the {what} became non-finite (loss "
-                                f"{loss}).{kept} Fix: {fix}")
+    when = "found at a pseudo-label refresh inside the epoch" if loss is None else f"loss {loss}"
+    raise TrainingDivergedError(f"training diverged in epoch {epoch + 1}: the {what} became non-finite ({when})."
+                                f"{kept} Fix: {fix}")
 
 
 def fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike | None = None,
@@ -1197,6 +1211,10 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
             detail = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}"
             raise CheckpointError(f"{out / 'last.pt'}: cannot restore the run from it ({detail[:300]}). "
                                   f"{RESUME_FIX}") from None
+        if not weights_finite(model):  # e.g. NaN BatchNorm statistics saved by an earlier version
+            raise CheckpointError(f"{out / 'last.pt'}: holds non-finite weights (NaN or infinity: a diverged run), "
+                                  "so the run cannot be resumed from it. Fix: train again into a new --out (in "
+                                  "`wsi-milssl run`: --force train), e.g. with a lower learning rate (--lr).")
         best = ckpt.get("best") or {}
         if best.get("score") is not None:
             best_score = tuple(best["score"])
@@ -1255,12 +1273,18 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
                 order = without_lone_last(order, batch_size=config.batch_size, world_size=dist.world_size)
             order = rank_share(order, batch_size=config.batch_size, ctx=dist)
             aug = _generator(config.seed, epoch, 2, *rank_stream) if train.kind == "images" else None
-            with _peer_guard(dist, epoch, out), _compile_errors(config):
-                stats = train_one_epoch(trainer, optimizer, train, state, order=order, config=config,
-                                        runtime=runtime, aug_generator=aug, step=step, mu_t=mu_t, scaler=scaler,
-                                        loader=loader, progress=progress, dist=dist, refresh=not warming)
-                if dist.enabled:
-                    stats = _combine_ranks(stats, state, order, dist, trainer)
+            try:
+                with _peer_guard(dist, epoch, out), _compile_errors(config):
+                    stats = train_one_epoch(trainer, optimizer, train, state, order=order, config=config,
+                                            runtime=runtime, aug_generator=aug, step=step, mu_t=mu_t,
+                                            scaler=scaler, loader=loader, progress=progress, dist=dist,
+                                            refresh=not warming)
+                    if dist.enabled:
+                        stats = _combine_ranks(stats, state, order, dist, trainer)
+            except TrainingDivergedError:  # a refresh inside the epoch (refresh_every) met diverged weights
+                _check_finite(model, None, amp=scaler is not None, epoch=epoch, out=out,
+                              autocast_dtype=runtime.amp_dtype)
+                raise
             _check_finite(model, stats["loss"], amp=scaler is not None, epoch=epoch, out=out,
                           autocast_dtype=runtime.amp_dtype)
             if config.refresh_every > 0:
