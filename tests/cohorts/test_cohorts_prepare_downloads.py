@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import shutil
 import struct
 import zipfile
@@ -355,3 +356,48 @@ def test_prepare_folder_into_the_slides_folder_can_run_again(tmp_path, synth_sli
     assert again.sets["test"].slides == first.sets["test"].slides
     assert sorted({**again.sets["train"].annotations, **again.sets["test"].annotations}.values()) == [
         str(slides / "t1.xml"), str(slides / "t2.xml")]
+
+
+def test_an_unrelated_archive_that_cannot_be_read_is_a_warning(tmp_path, synth_slides, caplog):
+    """Since 4401871 any unreadable .zip below ROOT stopped prepare ('download other_download.zip again, or
+    remove it'). Only an archive that may hold annotations stops it: named so (annotation(s), lesion, also
+    its folders below ROOT), beside loose annotation files, or below a folder given as --annotations."""
+    import logging
+
+    root = gigadb_tree(tmp_path / "C16", synth_slides)
+    other = root / "other_download.zip"
+    other.write_bytes(b"PK\x03\x04" + bytes(range(256)) * 40)
+    with caplog.at_level(logging.WARNING, logger="wsi_milssl.cohorts.prepare"):
+        result = prepare_camelyon16(root, tmp_path / "out")
+    assert sorted(result.sets["train"].annotations) == ["Tumor_001", "tumor_002"]
+    assert any(str(other) in r.getMessage() and "not read" in r.getMessage() for r in caplog.records)
+
+    for archive in (root / "CAMELYON16_Annotations.zip", root / "lesions" / "part1.zip"):
+        archive.parent.mkdir(exist_ok=True)
+        archive.write_bytes(other.read_bytes())
+        with pytest.raises(ConfigError, match=rf"^{re.escape(str(archive))}: cannot be read .*download {re.escape(archive.name)} again"):
+            prepare_camelyon16(root, tmp_path / "out2")
+        archive.unlink()
+    beside = root / "testing" / "xml" / "more.zip"  # beside loose annotation files
+    beside.parent.mkdir()
+    (beside.parent / "test_009.xml").write_text(_xml(1))
+    beside.write_bytes(other.read_bytes())
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(beside))}: cannot be read"):
+        prepare_camelyon16(root, tmp_path / "out2")
+    assert not (tmp_path / "out2").exists()
+
+
+def test_an_unreadable_archive_in_a_given_annotations_folder_is_an_error(tmp_path, synth_slides):
+    slides, ann = tmp_path / "slides", tmp_path / "ann"
+    for name, kind in (("n1", "normal"), ("n2", "normal"), ("t1", "tumor"), ("t2", "tumor")):
+        _link(synth_slides[kind], slides / f"{name}.tif")
+    ann.mkdir()
+    labels = tmp_path / "labels.csv"
+    labels.write_text("n1,0\nn2,0\nt1,1\nt2,1\n")
+    with zipfile.ZipFile(ann / "batch.zip", "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("t1.xml", _xml(1))
+        z.writestr("t2.xml", _xml(2))
+    (ann / "batch.zip").write_bytes((ann / "batch.zip").read_bytes()[:100])
+    with pytest.raises(ConfigError, match=r"batch\.zip: cannot be read"):
+        prepare_folder(slides, labels, tmp_path / "out", annotations_dir=ann, test_fraction=0.5, seed=0)
+    assert not (tmp_path / "out").exists()

@@ -20,9 +20,9 @@ an ancestor ends there); earlier prepare outputs below them (folders holding ``c
 are left out, and so are the folder's own ``cohort/`` and ``run/`` when it is one (``--out`` the folder
 itself). Every problem found (a slide without a label, a tumour test slide without its
 annotation, two slides with one name, a name that is not CAMELYON16's) is reported in one error that
-lists the names; every annotation problem (an archive or file that cannot be read, a file the
-annotation reader refuses, two different annotation files for one slide) in one error that names
-each file where it was found. Written into ``out_dir``::
+lists the names; every annotation problem (an archive that may hold annotations or a file that cannot
+be read, a file the annotation reader refuses, two different annotation files for one slide) in one
+error that names each file where it was found (another ``.zip`` that cannot be read is a warning). Written into ``out_dir``::
 
     pipeline.toml                      the template's stage settings, [data] pointing at the files below,
                                        [pipeline].out_dir = out_dir/run
@@ -185,14 +185,22 @@ def find_slide_files(root: str | os.PathLike, *, skip: Iterable[str | os.PathLik
     return [p for p in _walk(root, skip=[Path(s) for s in skip]) if _is_slide(p) and not _is_mask(p)]
 
 
-def _annotation_sources(roots: Iterable[Path], *, skip: Iterable[Path] = ()
+#: An archive whose name or folder (below the folder searched) says so may hold annotations.
+_ANNOTATION_WORDS = re.compile(r"annotation|lesion", re.IGNORECASE)
+
+
+def _annotation_sources(roots: Iterable[Path], *, skip: Iterable[Path] = (), given: bool = False
                         ) -> tuple[list[tuple[str, str, Path, str | None]], list[str]]:
     """(sources, problems): (stem, suffix, file, zip member or None) for every annotation file below
     ``roots``, loose files first, then members of ``.zip`` archives (CAMELYON16 ships
     ``lesion_annotations.zip``); and one problem (naming it and the fix) per archive that cannot be read
-    (damaged, or partly downloaded): its annotations would be missing without a word."""
+    (damaged, or partly downloaded) and may hold annotations, which would be missing without a word: its
+    name or a folder below the root mentions annotation(s) or lesion, it sits beside loose annotation
+    files (.xml, .geojson), or ``roots`` were given as annotation folders (``given``). Any other archive
+    that cannot be read (an unrelated download) is a warning naming it."""
     loose, zipped, problems = [], [], []
     for root in roots:
+        unread: list[tuple[Path, BaseException]] = []
         for p in _walk(root, skip=skip):
             suffix = p.suffix.lower()
             if suffix in ANNOTATION_SUFFIXES:
@@ -207,8 +215,15 @@ def _annotation_sources(roots: Iterable[Path], *, skip: Iterable[Path] = ()
                                 continue
                             zipped.append((name[: -len(msuffix)], msuffix, p, info.filename))
                 except _READ_ERRORS as exc:
-                    problems.append(f"{p}: cannot be read ({_cause(exc)}). Fix: download {p.name} again (the "
-                                    "archive is damaged or incomplete), or remove it.")
+                    unread.append((p, exc))
+        beside = {p.parent for _, suffix, p, _ in loose if suffix in (".xml", ".geojson")}
+        for p, exc in unread:
+            if given or p.parent in beside or _ANNOTATION_WORDS.search(p.relative_to(root).as_posix()):
+                problems.append(f"{p}: cannot be read ({_cause(exc)}). Fix: download {p.name} again (the "
+                                "archive is damaged or incomplete), or remove it.")
+            else:
+                logger.warning("%s: not read (%s); it is not searched for annotations (it is not named as an "
+                               "annotation archive nor beside annotation files)", p, _cause(exc))
     return loose + zipped, problems
 
 
@@ -781,9 +796,10 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
     _raise_problems(str(slides_dir), problems,
                     "add a 'slide,label' line for every slide (1 tumour, 0 normal), keep one file per slide name, "
                     "and add the tumour test slides' annotations (<name>.xml or .geojson).")
-    train_sources, unreadable = _annotation_sources(ann_roots, skip=[out])
+    train_sources, unreadable = _annotation_sources(ann_roots, skip=[out], given=annotations_dir is not None)
     test_sources, t_unreadable = ((train_sources, []) if t_roots == ann_roots
-                                  else _annotation_sources(t_roots, skip=[out]))
+                                  else _annotation_sources(t_roots, skip=[out],
+                                                           given=test_annotations_dir is not None))
     read = _read_annotations({"train": _match_annotations(train_sources, train[0]),
                               "test": _match_annotations(test_sources, test[0])}, unreadable + t_unreadable)
     train_ann, test_ann = read["train"], read["test"]
