@@ -151,3 +151,30 @@ def test_a_truncated_last_pt_on_resume_is_one_line_without_passing_another_file(
     assert "Fix: put the run's complete last.pt back" in err  # RESUME_FIX: a resume reads last.pt with its own fix
     assert "pass another file" not in err and "PytorchStreamReader" not in err
     _assert_one_safe_line(err)
+
+
+@pytest.mark.parametrize("name", ["digit-cnn", "digit-cnn-shift"])
+def test_digit_cnn_weights_are_read_like_the_other_models(tmp_path, capsys, name):
+    """`train --model digit-cnn --weights` loaded the file with a bare torch.load: the model's own last.pt gave a
+    traceback (unexpected keys "format", "model", ...) and a text file 'KeyError: 101'. Now it reads weights by
+    the rules of the other models: a run's checkpoint is unwrapped, every other file is one line."""
+    from milcsv import make_mil_csv
+
+    data = make_mil_csv(tmp_path / "digits.csv", n_bags=8, dim=16)
+    args = ["--mode", "mil-csv", "--model", name, "--epochs", "1", "--threads", "1", "--no-plots"]
+    assert main(["train", str(data), "--out", str(tmp_path / "run1"), *args]) == 0
+    saved = torch.load(tmp_path / "run1" / "last.pt", weights_only=True)["model"]
+    model = create_model(name, in_features=16, weights_path=str(tmp_path / "run1" / "last.pt"))
+    assert all(torch.equal(value, saved[key]) for key, value in model.state_dict().items())
+    capsys.readouterr()
+    assert main(["train", str(data), "--out", str(tmp_path / "run2"), *args,
+                 "--weights", str(tmp_path / "run1" / "last.pt")]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+    (tmp_path / "notw.pt").write_text("hello\n")
+    torch.save(create_model("mlp", in_features=16).state_dict(), tmp_path / "w_mlp.pt")
+    for file, what in {"notw.pt": "is not a PyTorch file", "w_mlp.pt": "weights do not fit the model"}.items():
+        assert main(["train", str(data), "--out", str(tmp_path / f"run_{file}"), *args,
+                     "--weights", str(tmp_path / file)]) == 1
+        err = capsys.readouterr().err
+        assert f"{file}: {what}" in err, err
+        _assert_one_safe_line(err)
