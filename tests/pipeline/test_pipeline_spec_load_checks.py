@@ -171,3 +171,46 @@ def test_synth_tables_with_features_mode_name_mode_as_the_conflict(tmp_path):
     fix = message.partition("Fix: ")[2]
     assert "[data].generate = true" not in fix
     assert "[data].mode = 'images'" in fix and "drop the [synth] tables" in fix
+
+
+def test_a_grid_over_a_runtime_setting_is_refused(tmp_path):
+    """Review AC, 6: [train.grid].threads = [1, 2] (or device, plots) trained the same run once per point: a
+    runtime setting changes the speed, not the model."""
+    toml = tmp_path / "g.toml"
+    toml.write_text(TINY)
+    for key, values in (("threads", "[1, 2]"), ("plots", "[true, false]"), ("device", '["cpu", "auto"]')):
+        with pytest.raises(ConfigError, match=rf"\[train\.grid\]\.{key} is a runtime setting .* Fix: set it once as "
+                                              rf"\[train\]\.{key}\."):
+            load_pipeline(toml, overrides=[f"train.grid.{key}={values}"])
+
+
+def test_a_missing_train_weights_file_is_refused_before_any_stage(prepared, tmp_path, capsys, monkeypatch):
+    """Review AC, 2: a mistyped [train] weights_path was found only when train started, after the run folder
+    of the finished training (other settings) had been set aside as model.replaced-*, so fixing the typo
+    trained again from scratch."""
+    monkeypatch.chdir(tmp_path)
+    toml = prepared / "pipeline.toml"
+    with pytest.raises(ConfigError, match=r": \[train\]\.weights_path 'nope\.pt': no such file .* Fix: give the "
+                                          r"path of the weights file, or drop weights_path"):
+        load_pipeline(toml, overrides=['train.weights_path="nope.pt"'], check_paths=True)
+    out = tmp_path / "out"
+    assert main(["run", str(toml), "--out", str(out), "--set", 'train.weights_path="nope.pt"']) != 0
+    assert "[train].weights_path 'nope.pt': no such file" in capsys.readouterr().err
+    assert not out.exists()  # no stage ran
+
+
+def test_a_moved_or_copied_prepare_folder_runs_in_its_own_run_folder(prepared, tmp_path):
+    """Review AC, 3: prepare writes an absolute out_dir (the folder's run); a copy of the folder ran into the
+    original's run (replacing its model and heatmaps), a moved one started again at the old place. The
+    pipeline of a moved or copied prepare folder runs in that folder's run; the original keeps its own."""
+    assert load_pipeline(prepared / "pipeline.toml").out_dir == prepared / "run"
+    copy = tmp_path / "copy"
+    shutil.copytree(prepared, copy)
+    assert load_pipeline(copy / "pipeline.toml").out_dir == copy / "run"
+    moved = tmp_path / "moved"
+    prepared.rename(moved)
+    assert load_pipeline(moved / "pipeline.toml").out_dir == moved / "run"
+    elsewhere = tmp_path / "elsewhere" / "run"  # an out_dir edited by hand is the user's choice
+    (moved / "pipeline.toml").write_text(re.sub(r'(?m)^out_dir = .*$', f'out_dir = "{elsewhere}"',
+                                               (moved / "pipeline.toml").read_text()))
+    assert load_pipeline(moved / "pipeline.toml").out_dir == elsewhere

@@ -46,6 +46,7 @@ validated (an error they cause names them); :func:`resolved_pipeline` gives the 
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -54,6 +55,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from wsi_milssl.config import SynthConfig, check_range, check_type, config_from_mapping, config_to_dict, load_toml
+from wsi_milssl.config.train import RUNTIME_ONLY_FIELDS
 from wsi_milssl.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -244,6 +246,11 @@ def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None 
                 logger.info("%s: running in the folder of this resolved pipeline, %s (its out_dir %s is where "
                             "the run was made)", source, own, out_dir)
             out_dir = own
+        elif (moved := _moved_prepare_folder(own, out_dir)) is not None:
+            # a prepare folder moved or copied: its pipeline's out_dir names the original folder's run
+            logger.info("%s: running in this folder's run, %s (its out_dir %s is the run of the folder prepare "
+                        "wrote it in)", source, moved, out_dir)
+            out_dir = moved
     # absolute: the stages' files, and the stamps that record them, are the same wherever a run starts
     out = Path(os.path.expanduser(os.fspath(out_dir))).resolve()
     data = dict(raw.get("data", {}))
@@ -335,9 +342,28 @@ def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None 
         _refuse_grid_without_validation(sections["train"].get("grid"), val_fraction, at("train", "data"), "bags")
     if check_paths:
         _refuse_missing_paths(given, base, at("data"))
+        _refuse_missing_weights(sections["train"], at("train"))
     return PipelineSpec(name=name, source=source, out_dir=out, sets=sets, val_fraction=val_fraction,
                         split_seed=split_seed, sections=sections, mode=mode, feature_stage=feature_stage,
                         overrides=overrides, grid_workers=grid_workers)
+
+
+def _moved_prepare_folder(own: Path, out_dir: str) -> Path | None:
+    """``own / 'run'`` when ``own`` is a folder `wsi-milssl prepare` wrote (``cohort/prepare.json``) that was
+    moved or copied since, so that the pipeline's out_dir (absolute, as prepare writes it) still names the
+    original folder's run: a copy's run would replace the original's model and heatmaps, a moved folder's run
+    would start again from nothing at the old place. None otherwise (an out_dir edited to another folder)."""
+    try:
+        recorded = json.loads((own / "cohort" / "prepare.json").read_text(encoding="utf-8")).get("pipeline")
+    except (OSError, ValueError, AttributeError):
+        return None
+    written = Path(os.path.expanduser(out_dir))
+    if not isinstance(recorded, str) or not written.is_absolute():
+        return None
+    original = Path(recorded).parent
+    if written != original / "run" or original == own or (original.exists() and original.resolve() == own):
+        return None
+    return own / "run"
 
 
 def _refuse_missing_paths(given: dict[str, tuple[Any, Path]], base: Path, where: str) -> None:
@@ -351,6 +377,19 @@ def _refuse_missing_paths(given: dict[str, tuple[Any, Path]], base: Path, where:
                           f"file's folder, {base}). Fix: give the path of an existing file or folder, absolute or "
                           f"relative to {base} (a pipeline file moved or copied without the files it names: move "
                           "them with it, or give absolute paths).")
+
+
+def _refuse_missing_weights(train: dict[str, Any], where: str) -> None:
+    """ConfigError starting with ``where`` for a [train] weights_path (or a [train.grid] one) that names no file
+    (resolved as training reads it: against the current folder): found only when train started, after the
+    run folder of a finished training with other settings had been set aside."""
+    grid = train.get("grid") if isinstance(train.get("grid"), dict) else {}
+    paths = [train.get("weights_path"), *(grid.get("weights_path") or [])]
+    missing = [p for p in paths if isinstance(p, str) and not Path(p).expanduser().is_file()]
+    if missing:
+        raise ConfigError(f"{where}: [train].weights_path {', '.join(map(repr, missing))}: no such file (a relative "
+                          f"path is resolved against the current folder, {Path.cwd()}). Fix: give the path of the "
+                          "weights file, or drop weights_path to train from scratch.")
 
 
 def _asks_for_generated_slides(raw: dict[str, Any]) -> bool:
@@ -462,6 +501,11 @@ def _validate_sections(sections: dict[str, dict[str, Any]], source: Path, *, tra
                         f"{source}{set_by}: [train.grid].{key} must be a non-empty list of values to try; got "
                         f"{values!r}. Fix: write {key} = [a, b, ...] (--set 'train.grid.{key}=[a, b]'), or set one "
                         f"value as [train].{key}.")
+                if key in RUNTIME_ONLY_FIELDS:
+                    raise ConfigError(
+                        f"{source}{set_by}: [train.grid].{key} is a runtime setting (it changes how fast a run trains, "
+                        f"not its model), so every point of the grid would train the same run. Fix: set it once as "
+                        f"[train].{key}.")
                 for value in values:
                     config_from_mapping(cls, {**section, key: value}, source=f"{source} [train.grid]{set_by}")
                 for k, value in enumerate(values):
