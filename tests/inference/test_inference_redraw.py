@@ -192,3 +192,23 @@ def test_the_cli_summary_names_redrawn_slides_without_a_patch_rate(tmp_path, two
     assert "0 new patches in" in summary and "patches/s" not in summary, summary
     assert "2 slide(s) drawn again from their saved probabilities (only drawing settings changed, nothing " \
            "predicted)" in summary, summary
+
+
+def test_a_slide_predicted_without_its_slide_file_leaves_no_earlier_overlay(tmp_path, two_slides, checkpoint_factory):
+    """Review AC, 4: a store-based heatmap predicted again while the slide file was not available (moved)
+    draws no overlay PNG, but the earlier run's PNG (another model) stayed beside the new files."""
+    import shutil
+
+    from wsi_milssl.tiling import tile_slides
+
+    copies = tmp_path / "slides"
+    copies.mkdir()
+    slides = [Path(shutil.copy(s, copies / s.name)) for s in two_slides]
+    stores = tmp_path / "stores"
+    tile_slides(slides, stores, TileConfig(**TILE))
+    out = tmp_path / "hm"
+    assert make_heatmaps([], checkpoint_factory(), out, HeatmapConfig(**FAST), stores=[stores]).ok
+    assert (out / "a_heatmap.png").is_file()
+    copies.rename(tmp_path / "moved")
+    assert make_heatmaps([], checkpoint_factory(), out, HeatmapConfig(**FAST), stores=[stores], overwrite=True).ok
+    assert not (out / "a_heatmap.png").exists() and (out / "a_probs.npy").is_file()

@@ -395,7 +395,8 @@ def write_slide_outputs(pred: SlidePrediction, out_dir: str | os.PathLike, *, mo
         title = f"{pred.stem}: slide score {score:.3f} ({model.pooling} pooling), {len(pred)} patches"
         written["heatmap_png"] = _write_overlay(pred, grid, paths["heatmap_png"], config=config, annotations_dir=ann_dir,
                                                 title=title)
-    else:
+    else:  # an earlier run's overlay (another model, other settings) must not stay beside these files
+        paths["heatmap_png"].unlink(missing_ok=True)
         logger.warning("%s: slide file not available; %s not drawn.", pred.stem, paths["heatmap_png"].name)
     with atomic_open(paths["probs_json"], "w") as fh:  # last: the slide's files are complete
         fh.write(json.dumps(sidecar, indent=2, sort_keys=True) + "\n")
