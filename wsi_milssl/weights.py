@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any, Mapping
@@ -38,6 +39,10 @@ STATE_DICT_KEYS = ("state_dict", "model")
 SAVE_STATE_DICT_FIX = ("Fix: save the weights alone with torch.save(model.state_dict(), path), or pass a "
                        ".safetensors file.")
 
+#: The fix for a file that safe loading cannot read for its pickle instructions (not for what it holds).
+PROTOCOL_FIX = ("Fix: where you trust the file, load it and save it again with torch.save's default pickle "
+                "protocol (torch.save(obj, path) without pickle_protocol), and pass the new file.")
+
 #: How a file of torch's older (non-zip) format starts: its magic number, pickled (protocol 2 by default).
 _LEGACY_HEADS = tuple(pickle.dumps(torch.serialization.MAGIC_NUMBER, protocol=p)
                       for p in range(2, pickle.HIGHEST_PROTOCOL + 1))
@@ -47,14 +52,18 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 def load_torch_file(path: str | os.PathLike, *, fix: str = SAVE_STATE_DICT_FIX,
                     map_location: str | torch.device = "cpu", mmap: bool = False) -> Any:
     """``torch.load(path, weights_only=True)``; a file it cannot load that way raises one CheckpointError
-    line: ``"{path}: <what the file is>. {fix}"``."""
+    line: ``"{path}: <what the file is>. {fix}"`` (:data:`PROTOCOL_FIX` instead of ``fix`` for a file written
+    with a pickle protocol that safe loading cannot read). torch's warning about a pickle protocol other than
+    its default is not shown: such a file either loads or gets that error."""
     path = Path(path)
     what = _refusal(path)
     if what is None:
         try:
-            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+                return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
         except Exception as exc:  # noqa: BLE001 - every pickle, zip or format error of torch
-            what = _load_failure(path, exc)
+            what, fix = _load_failure(path, exc, fix)
     raise CheckpointError(f"{path}: {what}. {fix}")
 
 
@@ -90,18 +99,25 @@ def _refusal(path: Path) -> str | None:
     return None
 
 
-def _load_failure(path: Path, exc: Exception) -> str:
-    """What a ``torch.load`` failure on a file that looked like a PyTorch file says about it."""
+def _load_failure(path: Path, exc: Exception, fix: str) -> tuple[str, str]:
+    """What a ``torch.load`` failure on a file that looked like a PyTorch file says about it, and the fix."""
     text = _ANSI.sub("", str(exc))
     if isinstance(exc, pickle.UnpicklingError) and "Weights only load failed" in text:
-        found = re.search(r"GLOBAL (\S+) was not an allowed global", text)
-        named = f", e.g. {found.group(1)}" if found else ""
-        return (f"holds pickled Python objects, not only tensors, numbers, strings and plain containers{named}: "
-                "not loaded, for safety (unpickling them could run code)")
+        operand = re.search(r"Unsupported operand (\d+)", text)
+        if operand:  # e.g. pickle_protocol=4's FRAME (149): how the file is written, not what it holds
+            return (f"uses pickle instructions that safe (weights-only) loading cannot read (Unsupported operand "
+                    f"{operand.group(1)}: a pickle protocol other than torch.save's default)", PROTOCOL_FIX)
+        if re.search(r"GLOBAL|allowlisted|add_safe_globals", text):
+            found = re.search(r"GLOBAL (\S+) was not an allowed global", text)
+            named = f", e.g. {found.group(1)}" if found else ""
+            return (f"holds pickled Python objects, not only tensors, numbers, strings and plain containers{named}: "
+                    "not loaded, for safety (unpickling them could run code)", fix)
+        detail = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", text)
+        return (f"cannot be loaded safely (weights-only){f' ({detail.group(1)[:200]})' if detail else ''}", fix)
     if isinstance(exc, (EOFError, RuntimeError)) and re.search(r"EOF|corrupt|zip archive|central directory", text):
-        return "is truncated or damaged (an interrupted copy or save?)"
+        return "is truncated or damaged (an interrupted copy or save?)", fix
     first = (text.strip().splitlines() or [""])[0][:200]
-    return f"cannot be loaded as a PyTorch file ({type(exc).__name__}{': ' + first if first else ''})"
+    return f"cannot be loaded as a PyTorch file ({type(exc).__name__}{': ' + first if first else ''})", fix
 
 
 def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:

@@ -178,3 +178,24 @@ def test_digit_cnn_weights_are_read_like_the_other_models(tmp_path, capsys, name
         err = capsys.readouterr().err
         assert f"{file}: {what}" in err, err
         _assert_one_safe_line(err)
+
+
+def test_a_file_of_another_pickle_protocol_is_named_as_such_without_torchs_warning(tmp_path, image_stores, capfd,
+                                                                                   recwarn):
+    """torch.save(..., pickle_protocol=4) writes only tensors, yet safe loading cannot read it ('Unsupported
+    operand 149'): it was called 'holds pickled Python objects ... not loaded, for safety', and torch's
+    'Detected pickle protocol 4' warning was printed despite -q. A protocol-3 file, which safe loading reads,
+    loads without the warning."""
+    torch.save(_state(), tmp_path / "w_p4.pt", pickle_protocol=4)
+    with pytest.raises(CheckpointError, match=r"w_p4.pt: uses pickle instructions that safe \(weights-only\) loading "
+                                              r"cannot read \(Unsupported operand 149: a pickle protocol other than "
+                                              r"torch.save's default\)\. Fix: where you trust the file, load it and "
+                                              r"save it again with torch.save's default pickle protocol") as caught:
+        create_model("resnet18", weights_path=str(tmp_path / "w_p4.pt"))
+    assert "pickled Python objects" not in str(caught.value)
+    rc, err = _train(image_stores, tmp_path / "w_p4.pt", tmp_path / "run", capfd)
+    assert rc == 1 and "w_p4.pt: uses pickle instructions that safe (weights-only) loading cannot read" in err
+    _assert_one_safe_line(err)
+    torch.save(_state(), tmp_path / "w_p3.pt", pickle_protocol=3)
+    create_model("resnet18", weights_path=str(tmp_path / "w_p3.pt"))
+    assert not [w for w in recwarn if "pickle protocol" in str(w.message)]
