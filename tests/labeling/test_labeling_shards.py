@@ -80,7 +80,8 @@ def test_three_shards_at_once_label_the_stores_as_one_run_and_a_rerun_skips(four
         assert (whole / "labels" / name).read_bytes() == (sharded / "labels" / name).read_bytes()
     assert [p.name for p in (sharded / "labels").iterdir() if p.name.startswith(".")] == []
 
-    # a re-run skips what is labelled exactly so; other settings, a lost mask or --overwrite label again
+    # a re-run skips what is labelled exactly so; a lost mask is written alone (the store kept: revAC 1);
+    # other settings or --overwrite label again
     stores = sharded / "stores"
     stamps = {p.name: p.stat().st_mtime_ns for p in find_stores(stores)}
     again = label_stores(stores, annotations_dir=annotations, out_dir=sharded / "labels", shard=(0, 3))
@@ -89,8 +90,9 @@ def test_three_shards_at_once_label_the_stores_as_one_run_and_a_rerun_skips(four
     assert _text(sharded / "labels" / STATUS_CSV, sharded).replace(",skipped,", ",ok,") == status
     (sharded / "labels" / "slide_1_tumor_mask.png").unlink()
     third = label_stores(stores, annotations_dir=annotations, out_dir=sharded / "labels", shard=(0, 3))
-    assert [(r.stem, r.status) for r in third.results] == [("slide_0", "skipped"), ("slide_1", "ok")]
+    assert [(r.stem, r.status) for r in third.results] == [("slide_0", "skipped"), ("slide_1", "mask")]
     assert (sharded / "labels" / "slide_1_tumor_mask.png").is_file()
+    assert {p.name: p.stat().st_mtime_ns for p in find_stores(stores)} == stamps
     fourth = label_stores(stores, annotations_dir=annotations, out_dir=sharded / "labels",
                           config=LabelConfig(positive_fraction=0.5))
     assert [r.status for r in fourth.results] == ["ok"] * 4

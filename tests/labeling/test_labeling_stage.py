@@ -125,6 +125,71 @@ def test_label_stores_writes_fractions_labels_and_masks(stores, synth_dir, tmp_p
     assert (out / "label_config.json").is_file()
 
 
+def _store_stamps(stores):
+    """Per store: its content digest and the modification times (ns) of its files (a Zarr store is a folder)."""
+    def mtimes(path):
+        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+        return [f.stat().st_mtime_ns for f in files]
+    return {stem: (_tree_digest(path), mtimes(path)) for stem, path in stores.items()}
+
+
+@pytest.mark.parametrize("stores", ["h5", "zarr"], indirect=True)
+@pytest.mark.parametrize("via", ["api", "cli"])
+def test_a_changed_mask_downsample_writes_the_masks_alone(stores, synth_dir, tmp_path, via):
+    """revAC 1: changing mask_downsample (a setting of the mask PNGs alone) rewrote every store, so heatmap
+    predicted every slide again. The stores stay untouched (same content and modification time); the masks are
+    written again at the new downsample (status 'mask'); a further run skips everything."""
+    out = tmp_path / "labels"
+
+    def label(downsample):
+        if via == "cli":
+            assert main(["label", str(tmp_path / "stores"), "--annotations", str(synth_dir), "--labels",
+                         str(synth_dir / "labels.csv"), "--out", str(out), "--mask-downsample", str(downsample)]) == 0
+            return {stem: row["status"] for stem, row in _read_status(out).items()}
+        report = label_stores(list(stores.values()), annotations_dir=synth_dir, labels_csv=synth_dir / "labels.csv",
+                              out_dir=out, config=LabelConfig(mask_downsample=downsample))
+        return {r.stem: r.status for r in report.results}
+
+    assert label(32) == {"synth_000": "ok", "synth_001": "ok"}
+    before = _store_stamps(stores)
+    assert label(16) == {"synth_000": "mask", "synth_001": "mask"}
+    assert _store_stamps(stores) == before
+    mask, meta = read_eval_mask(out / "synth_000_tumor_mask.png")
+    assert meta["downsample"] == 16 and mask.shape == (SLIDE_PX // 16, SLIDE_PX // 16)
+    expected = rasterize_region(read_annotations(synth_dir / "synth_000.xml").region,
+                                dimensions_lv0=(SLIDE_PX, SLIDE_PX), downsample=16)
+    np.testing.assert_array_equal(mask, expected)
+    assert read_eval_mask(out / "synth_001_tumor_mask.png")[1]["downsample"] == 16
+    assert _read_status(out)["synth_000"]["mask"] == str(out / "synth_000_tumor_mask.png")
+    assert label(16) == {"synth_000": "skipped", "synth_001": "skipped"}
+    assert _store_stamps(stores) == before
+
+
+def test_write_masks_turned_on_or_off_leaves_the_stores_alone(stores, synth_dir, tmp_path):
+    """revAC 1: turning write_masks on after a run without masks rewrote every store. Now the masks alone are
+    written; turning it off again skips the stores and leaves the masks written before in place."""
+    out = tmp_path / "labels"
+
+    def label(write_masks):
+        report = label_stores(list(stores.values()), annotations_dir=synth_dir, labels_csv=synth_dir / "labels.csv",
+                              out_dir=out, config=LabelConfig(write_masks=write_masks))
+        assert report.n_failed == 0
+        return {r.stem: (r.status, r.mask_path) for r in report.results}
+
+    assert label(False) == {"synth_000": ("ok", None), "synth_001": ("ok", None)}
+    assert not list(out.glob("*_tumor_mask*"))
+    before = _store_stamps(stores)
+    masks = {stem: out / f"{stem}_tumor_mask.png" for stem in stores}
+    assert label(True) == {stem: ("mask", masks[stem]) for stem in stores}
+    assert _store_stamps(stores) == before
+    assert read_eval_mask(masks["synth_000"])[0].sum() > 100
+    (out / "synth_001_tumor_mask.png").unlink()  # a deleted mask is written again, the store left alone
+    assert label(True) == {"synth_000": ("skipped", masks["synth_000"]), "synth_001": ("mask", masks["synth_001"])}
+    assert label(False) == {"synth_000": ("skipped", None), "synth_001": ("skipped", None)}
+    assert _store_stamps(stores) == before
+    assert all(path.is_file() for path in masks.values())
+
+
 def test_positive_fraction_threshold(stores, synth_dir):
     result = label_store(stores["synth_000"], annotation_path=synth_dir / "synth_000.xml",
                          config=LabelConfig(positive_fraction=0.9))

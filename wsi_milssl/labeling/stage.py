@@ -30,7 +30,10 @@ A batch (:func:`label_stores`) holds the lock of its output folder and of the fo
 rewrites (refused while ``tile`` or another ``label`` writes them; temporaries that a killed run left
 there are removed; a stores folder that cannot be written is not locked, and its stores that must be
 rewritten fail), and skips stores already labelled with the same settings, annotation file (name and
-SHA-256, in whatever folder) and slide label whose mask is there (status ``skipped``). Shard I of N (``shard=(I, N)``:
+SHA-256, in whatever folder) and slide label whose mask is there (status ``skipped``). When only the mask
+differs (``mask_downsample`` changed, ``write_masks`` turned on, the mask deleted) the mask alone is
+written and the store is left untouched (status ``mask``): a rewritten store makes every heatmap predict
+its slide again. Masks of earlier runs are left in place when ``write_masks`` is turned off. Shard I of N (``shard=(I, N)``:
 ``--shard I/N`` or a torchrun rank) labels its share of the stores
 (:func:`wsi_milssl.distributed.shard_items`); the shards of one run may write one output folder at once,
 and their ``label_status.csv`` rows merge, sorted by slide as one run writes them.
@@ -44,7 +47,7 @@ import json
 import logging
 import os
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -85,8 +88,9 @@ STATUS_COLUMNS = ("slide", "store", "status", "label_status", "n_patches", "n_po
 
 @dataclass(frozen=True)
 class LabelResult:
-    """What happened to one store. ``status`` is ``ok``, ``skipped`` (already labelled with the same
-    settings, annotation and slide label; nothing written) or ``failed`` (then ``error`` says why)."""
+    """What happened to one store. ``status`` is ``ok`` (labelled), ``skipped`` (already labelled with the
+    same settings, annotation and slide label; nothing written), ``mask`` (already labelled so; only its mask
+    written, the store untouched) or ``failed`` (then ``error`` says why)."""
 
     stem: str
     store_path: Path
@@ -184,30 +188,35 @@ def _refuse_unknown_groups_only(aset, annotation: Path, stem: str, config: Label
         "(and the others with --non-tumor-groups), or correct the annotation file.")
 
 
-def label_store(
-    store_path: str | os.PathLike,
-    *,
-    annotation_path: str | os.PathLike | None,
-    slide_label: int | None = None,
-    config: LabelConfig = LabelConfig(),
-    mask_dir: str | os.PathLike | None = None,
-) -> LabelResult:
-    """Label one store; see the module docstring. ``slide_label`` None takes it from the annotations.
+@dataclass(frozen=True)
+class _SlideLabels:
+    """What one store's labels are made from: read and checked before anything is written."""
 
-    ``mask_dir``: folder for the evaluation mask (none written when None or ``config.write_masks``
-    is False). Raises AnnotationError/StoreError for bad input; the store is then unchanged.
-    """
-    store_path = Path(store_path)
-    annotation = Path(annotation_path) if annotation_path is not None else None
+    stem: str
+    coords: np.ndarray
+    patch_size_lv0: float
+    dims: tuple[int, int]
+    mpp: object
+    region: object
+    label: int
+    source: str
+    status: str
+    annotation: Path | None
+
+
+def _read_slide(store_path: Path, annotation: Path | None, slide_label: int | None,
+                config: LabelConfig) -> _SlideLabels:
+    """Read the store and the annotation file, and decide the slide label and label status (AnnotationError,
+    StoreError for bad input)."""
     with open_store(store_path) as store:
         attrs = store.attrs
         stem = store.stem
         coords = store.coords
         patch_size_lv0 = store.patch_size_lv0
         dims = _dimensions(store, attrs)
-    mpp = attrs.get("mpp")
 
     aset = None
+    region = None
     if annotation is not None:
         aset = read_annotations(annotation, group_map=config.group_map(), dimensions_lv0=dims)
         region = aset.region  # parses geometry now: errors and warnings before anything is written
@@ -229,55 +238,93 @@ def label_store(
                            "gets fraction 0.", stem, annotation, ", ".join(config.tumor_groups))
     elif label == 0:
         status = "negative"
-        region = None
     else:
         status = "unannotated"
-        region = None
         logger.warning("%s: tumour-labelled slide without annotations: slide label 1 written, but no per-patch "
                        "tumour fractions or instance labels (instance metrics will skip this slide). Add "
                        "%s.xml or %s.geojson to the annotation folder to label its patches.", stem, stem, stem)
+    return _SlideLabels(stem=stem, coords=coords, patch_size_lv0=patch_size_lv0, dims=dims, mpp=attrs.get("mpp"),
+                        region=region, label=label, source=source, status=status, annotation=annotation)
+
+
+def _write_mask(slide: _SlideLabels, store_path: Path, config: LabelConfig, mask_dir: Path | None,
+                annotation_sha256: str) -> Path | None:
+    """Write the slide's evaluation mask and its sidecar into ``mask_dir``; None (nothing written) without a
+    ``mask_dir``, with ``write_masks`` off, or for an unannotated tumour slide."""
+    if mask_dir is None or not config.write_masks or slide.status == "unannotated":
+        return None
+    mask = rasterize_region(slide.region, dimensions_lv0=slide.dims, downsample=config.mask_downsample)
+    return write_eval_mask(
+        mask, mask_dir, slide.stem, downsample=config.mask_downsample, dimensions_lv0=slide.dims,
+        meta={
+            "mpp": float(slide.mpp) if isinstance(slide.mpp, (int, float)) else None,
+            "slide_label": slide.label,
+            "annotation": str(slide.annotation) if slide.annotation is not None else None,
+            "annotation_sha256": annotation_sha256 or None,
+            "tumor_groups": list(config.tumor_groups),
+            "non_tumor_groups": list(config.non_tumor_groups),
+            "store": str(store_path),
+        },
+    )
+
+
+def label_store(
+    store_path: str | os.PathLike,
+    *,
+    annotation_path: str | os.PathLike | None,
+    slide_label: int | None = None,
+    config: LabelConfig = LabelConfig(),
+    mask_dir: str | os.PathLike | None = None,
+) -> LabelResult:
+    """Label one store; see the module docstring. ``slide_label`` None takes it from the annotations.
+
+    ``mask_dir``: folder for the evaluation mask (none written when None or ``config.write_masks``
+    is False). Raises AnnotationError/StoreError for bad input; the store is then unchanged.
+    """
+    store_path = Path(store_path)
+    annotation = Path(annotation_path) if annotation_path is not None else None
+    slide = _read_slide(store_path, annotation, slide_label, config)
 
     arrays: dict[str, np.ndarray] = {}
     n_positive = 0
-    if status != "unannotated":
-        fraction, labels = patch_labels(region, coords, patch_size_lv0, positive_fraction=config.positive_fraction)
+    if slide.status != "unannotated":
+        fraction, labels = patch_labels(slide.region, slide.coords, slide.patch_size_lv0,
+                                        positive_fraction=config.positive_fraction)
         arrays = {schema.TUMOR_FRACTION: fraction, schema.INSTANCE_LABEL: labels}
         n_positive = int(labels.sum())
 
+    sha = _sha256(annotation) if annotation is not None else ""
     new_attrs = {
-        "slide_label": label,
-        "slide_label_source": source,
-        "label_status": status,
+        "slide_label": slide.label,
+        "slide_label_source": slide.source,
+        "label_status": slide.status,
         "positive_fraction": float(config.positive_fraction),
         "label_annotation": str(annotation) if annotation is not None else "",
-        "label_annotation_sha256": _sha256(annotation) if annotation is not None else "",
+        "label_annotation_sha256": sha,
         "label_config_hash": label_config_hash(config),
         "n_positive_patches": n_positive,
     }
-
-    mask_path = None
-    if mask_dir is not None and config.write_masks and status != "unannotated":
-        mask = rasterize_region(region, dimensions_lv0=dims, downsample=config.mask_downsample)
-        mask_path = write_eval_mask(
-            mask, mask_dir, stem, downsample=config.mask_downsample, dimensions_lv0=dims,
-            meta={
-                "mpp": float(mpp) if isinstance(mpp, (int, float)) else None,
-                "slide_label": label,
-                "annotation": new_attrs["label_annotation"] or None,
-                "annotation_sha256": new_attrs["label_annotation_sha256"] or None,
-                "tumor_groups": list(config.tumor_groups),
-                "non_tumor_groups": list(config.non_tumor_groups),
-                "store": str(store_path),
-            },
-        )
+    mask_path = _write_mask(slide, store_path, config, Path(mask_dir) if mask_dir is not None else None, sha)
 
     write_arrays(store_path, arrays, attrs=new_attrs)
-    logger.info("%s: %d/%d positive patches (slide label %d from %s)", stem, n_positive, len(coords), label, source)
+    logger.info("%s: %d/%d positive patches (slide label %d from %s)", slide.stem, n_positive, len(slide.coords),
+                slide.label, slide.source)
     return LabelResult(
-        stem=stem, store_path=store_path, status="ok", label_status=status, n_patches=len(coords),
-        n_positive=n_positive, slide_label=label, slide_label_source=source, annotation_path=annotation,
-        mask_path=mask_path,
+        stem=slide.stem, store_path=store_path, status="ok", label_status=slide.status,
+        n_patches=len(slide.coords), n_positive=n_positive, slide_label=slide.label, slide_label_source=slide.source,
+        annotation_path=annotation, mask_path=mask_path,
     )
+
+
+def _write_mask_only(labelled: LabelResult, slide_label: int | None, config: LabelConfig,
+                     mask_dir: Path) -> LabelResult:
+    """The mask of a store whose labels are up to date, written without touching the store (status ``mask``):
+    a rewritten store would make every heatmap predict its slide again for a setting of the masks alone."""
+    slide = _read_slide(labelled.store_path, labelled.annotation_path, slide_label, config)
+    sha = _sha256(labelled.annotation_path) if labelled.annotation_path is not None else ""
+    mask_path = _write_mask(slide, labelled.store_path, config, mask_dir, sha)
+    logger.info("%s: labels up to date; only its mask written again (%s)", labelled.stem, mask_path)
+    return replace(labelled, status="mask", mask_path=mask_path)
 
 
 def _store_stem(path: Path) -> str:
@@ -324,12 +371,14 @@ def _merge_status_csv(results: Sequence[LabelResult], out_dir: Path) -> Path:
 
 
 def _already_labelled(store_path: Path, stem: str, *, annotation: Path | None, slide_label: int | None,
-                      config: LabelConfig, mask_dir: Path | None) -> LabelResult | None:
-    """The result of an earlier run that labelled this store exactly as this one would (same label
-    settings, annotation file name and SHA-256, slide label, and with masks wanted: the mask with the
-    same downsample and groups for this store), or None when it must be labelled (again). Files are
-    compared by name and content, not by folder, so a cohort moved as a whole (stores, annotations and
-    masks together) is not labelled again: a rewritten store would make every heatmap predict again."""
+                      config: LabelConfig, mask_dir: Path | None) -> tuple[LabelResult, bool] | None:
+    """(the result of an earlier run that labelled this store exactly as this one would: same label
+    settings, annotation file name and SHA-256 and slide label; whether its mask is up to date too: not
+    wanted, or there with the same downsample and groups for this store), or None when the store must be
+    labelled (again). Files are compared by name and content, not by folder, so a cohort moved as a whole
+    (stores, annotations and masks together) is not labelled again: a rewritten store would make every
+    heatmap predict again. So a mask that is missing or differs (``mask_downsample``, ``write_masks``
+    turned on) is written alone, not the store."""
     try:
         with open_store(store_path) as store:
             attrs = store.attrs
@@ -348,26 +397,26 @@ def _already_labelled(store_path: Path, stem: str, *, annotation: Path | None, s
             or status not in ("annotated", "negative", "unannotated")
             or (status != "unannotated" and not has_arrays)):
         return None
-    mask_path = None
-    if mask_dir is not None and config.write_masks and status != "unannotated":
-        png, sidecar = eval_mask_paths(mask_dir, stem)
-        try:
-            meta = json.loads(sidecar.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return None
-        if (not png.is_file() or not isinstance(meta, dict) or meta.get("downsample") != config.mask_downsample
-                or Path(meta.get("store") or "").name != store_path.name
-                or (meta.get("annotation_sha256") or "") != sha
-                or meta.get("slide_label") != attrs.get("slide_label")
-                or meta.get("tumor_groups") != list(config.tumor_groups)
-                or meta.get("non_tumor_groups") != list(config.non_tumor_groups)):
-            return None
-        mask_path = png
-    return LabelResult(
+    result = LabelResult(
         stem=stem, store_path=store_path, status="skipped", label_status=status, n_patches=n,
         n_positive=int(attrs.get("n_positive_patches", 0)), slide_label=int(attrs["slide_label"]),
-        slide_label_source=expected_source, annotation_path=annotation, mask_path=mask_path,
+        slide_label_source=expected_source, annotation_path=annotation,
     )
+    if mask_dir is None or not config.write_masks or status == "unannotated":
+        return result, True
+    png, sidecar = eval_mask_paths(mask_dir, stem)
+    try:
+        meta = json.loads(sidecar.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return result, False
+    if (not png.is_file() or not isinstance(meta, dict) or meta.get("downsample") != config.mask_downsample
+            or Path(meta.get("store") or "").name != store_path.name
+            or (meta.get("annotation_sha256") or "") != sha
+            or meta.get("slide_label") != attrs.get("slide_label")
+            or meta.get("tumor_groups") != list(config.tumor_groups)
+            or meta.get("non_tumor_groups") != list(config.non_tumor_groups)):
+        return result, False
+    return replace(result, mask_path=png), True
 
 
 def _names(items: Sequence[str]) -> str:
@@ -396,7 +445,8 @@ def label_stores(
     ``X.zarr``) raise ConfigError naming both.
 
     Stores already labelled exactly as this run would label them are skipped (status ``skipped``)
-    unless ``overwrite``. ``shard`` = (I, N): label only shard I of N of the stores (by the hash of
+    unless ``overwrite``; when only their mask is missing or was made with other mask settings, the mask
+    alone is written (status ``mask``) and the store is not rewritten. ``shard`` = (I, N): label only shard I of N of the stores (by the hash of
     the slide's stem; a :class:`~wsi_milssl.distributed.Shard` with ``by='position'``, torchrun's
     ranks: every N-th store, sorted by path, from the I-th; see
     :func:`wsi_milssl.distributed.shard_items`); the locks of the output folder and of the stores'
@@ -481,14 +531,17 @@ def _label_stores_locked(paths: list[Path], annotations_dir: Path, labels, label
             if slide_label == 1:
                 unannotated_tumor.append(stem)
         try:
-            result = None if overwrite else _already_labelled(path, stem, annotation=ann, slide_label=slide_label,
-                                                              config=config, mask_dir=out)
-            if result is None and os.path.realpath(path.parent) in unwritable:
+            found = None if overwrite else _already_labelled(path, stem, annotation=ann, slide_label=slide_label,
+                                                             config=config, mask_dir=out)
+            if found is None and os.path.realpath(path.parent) in unwritable:
                 raise _unwritable_store_error(path, unwritable[os.path.realpath(path.parent)])
-            if result is None:
+            if found is None:
                 result = label_store(path, annotation_path=ann, slide_label=slide_label, config=config,
                                      mask_dir=out)
+            elif not found[1]:  # the store's labels are up to date: its mask alone is written
+                result = _write_mask_only(found[0], slide_label, config, out)
             else:
+                result = found[0]
                 logger.info("%s: already labelled with these settings; skipped", stem)
         except (WsiMilsslError, OSError) as exc:
             logger.error("%s: labelling failed: %s", stem, exc)
