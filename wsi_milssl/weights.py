@@ -39,6 +39,8 @@ STATE_DICT_KEYS = ("state_dict", "model")
 SAVE_STATE_DICT_FIX = ("Fix: save the weights alone with torch.save(model.state_dict(), path), or pass a "
                        ".safetensors file.")
 
+#: The checkpoints in the folder of a training run (``wsi-milssl train --out``), best first.
+RUN_CHECKPOINTS = ("best.pt", "last.pt")
 #: The fix for a file that safe loading cannot read for its pickle instructions (not for what it holds).
 PROTOCOL_FIX = ("Fix: where you trust the file, load it and save it again with torch.save's default pickle "
                 "protocol (torch.save(obj, path) without pickle_protocol), and pass the new file.")
@@ -54,8 +56,13 @@ def load_torch_file(path: str | os.PathLike, *, fix: str = SAVE_STATE_DICT_FIX,
     """``torch.load(path, weights_only=True)``; a file it cannot load that way raises one CheckpointError
     line: ``"{path}: <what the file is>. {fix}"`` (:data:`PROTOCOL_FIX` instead of ``fix`` for a file written
     with a pickle protocol that safe loading cannot read). torch's warning about a pickle protocol other than
-    its default is not shown: such a file either loads or gets that error."""
+    its default is not shown: such a file either loads or gets that error. The folder of a training run
+    is answered with its checkpoints to pass instead."""
     path = Path(path)
+    checkpoints = [path / name for name in RUN_CHECKPOINTS if path.is_dir() and (path / name).is_file()]
+    if checkpoints:
+        raise CheckpointError(f"{path}: is the folder of a training run, not a weights file. Fix: pass its "
+                              f"checkpoint, {' or '.join(map(str, checkpoints))}.")
     what = _refusal(path)
     if what is None:
         try:

@@ -199,3 +199,22 @@ def test_a_file_of_another_pickle_protocol_is_named_as_such_without_torchs_warni
     torch.save(_state(), tmp_path / "w_p3.pt", pickle_protocol=3)
     create_model("resnet18", weights_path=str(tmp_path / "w_p3.pt"))
     assert not [w for w in recwarn if "pickle protocol" in str(w.message)]
+
+
+def test_a_run_folder_as_weights_names_its_checkpoints(trained_run, mil_csv, tmp_path, capsys):
+    """`train --weights RUN` answered 'is a folder ... Fix: save the weights alone with torch.save(...)'; a run
+    folder gets which of its files to pass. Any other folder stays 'is a folder, not a file'."""
+    present = [n for n in ("best.pt", "last.pt") if (trained_run / n).is_file()]
+    fix = " or ".join(str(trained_run / n) for n in present)
+    with pytest.raises(CheckpointError) as caught:
+        create_model("linear", in_features=8, weights_path=str(trained_run))
+    assert str(caught.value) == (f"{trained_run}: is the folder of a training run, not a weights file. "
+                                 f"Fix: pass its checkpoint, {fix}."), caught.value
+    assert main(["train", str(mil_csv), "--out", str(tmp_path / "run"), "--epochs", "1", "--threads", "1",
+                 "--no-plots", "--weights", str(trained_run)]) == 1
+    err = capsys.readouterr().err
+    assert f"Fix: pass its checkpoint, {fix}." in err
+    _assert_one_safe_line(err)
+    (tmp_path / "other").mkdir()
+    with pytest.raises(CheckpointError, match=r"other: is a folder, not a file\. Fix: save the weights alone"):
+        create_model("linear", in_features=8, weights_path=str(tmp_path / "other"))
