@@ -46,7 +46,7 @@ from wsi_milssl.config.base import check_choice, check_range, check_type
 from wsi_milssl.errors import ConfigError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.mil.data import InstanceSet
-from wsi_milssl.mil.models import Standardize, _load_state_dict_file, hidden_layers, register_model
+from wsi_milssl.mil.models import Standardize, hidden_layers, load_state_dict_file, register_model
 
 __all__ = [
     "BASELINES",
@@ -222,7 +222,7 @@ def _digit_cnn(name: str, shift_px: int, in_features, num_classes: int, weights_
         raise ConfigError(f"model {name!r} needs in_features (S*S pixels) >= 4; got {in_features!r}.")
     model = DigitCNN(in_features, num_classes=num_classes, shift_px=shift_px)
     if weights_path:  # read like the other models' weights (wsi_milssl.weights), every tensor from the file
-        _load_state_dict_file(model, weights_path, skip_prefix="\0")
+        load_state_dict_file(model, weights_path, skip_prefix="\0")
     return model
 
 

@@ -28,8 +28,8 @@ from torch import nn
 from wsi_milssl.errors import CheckpointError, ConfigError
 from wsi_milssl.weights import read_state_dict, strip_prefixes
 
-__all__ = ["MODELS", "register_model", "create_model", "list_models", "Standardize", "FeatureHead",
-           "is_image_model"]
+__all__ = ["MODELS", "register_model", "create_model", "list_models", "load_state_dict_file", "Standardize",
+           "FeatureHead", "is_image_model"]
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def create_model(name: str, **kwargs) -> nn.Module:
     return factory(**kwargs)
 
 
-def _load_state_dict_file(model: nn.Module, weights_path: str | os.PathLike, *, skip_prefix: str) -> None:
+def load_state_dict_file(model: nn.Module, weights_path: str | os.PathLike, *, skip_prefix: str) -> None:
     """Load the tensors of the weights file that fit ``model``, read by the rules of ``features --weights``
     (:mod:`wsi_milssl.weights`: ``weights_only=True``; a state dict, a checkpoint holding one under
     ``state_dict`` or ``model``, or ``.safetensors``; wrapper prefixes stripped). Every tensor of the model
@@ -121,7 +121,7 @@ def resnet18(*, num_classes: int = 2, weights_path: str | None = None, **_ignore
 
     model = ResNet18(num_classes=num_classes)
     if weights_path:
-        _load_state_dict_file(model, weights_path, skip_prefix="fc.")
+        load_state_dict_file(model, weights_path, skip_prefix="fc.")
     return model
 
 
@@ -185,7 +185,7 @@ def linear(*, in_features: int | None = None, num_classes: int = 2, weights_path
     """A single fully connected layer over standardised features."""
     model = FeatureHead(_need_in_features("linear", in_features), num_classes=num_classes)
     if weights_path:
-        _load_state_dict_file(model, weights_path, skip_prefix="\0")
+        load_state_dict_file(model, weights_path, skip_prefix="\0")
     return model
 
 
@@ -196,5 +196,5 @@ def mlp(*, in_features: int | None = None, hidden_dims: tuple[int, ...] | list[i
     model = FeatureHead(_need_in_features("mlp", in_features), hidden_dims=tuple(hidden_dims),
                         dropout=float(dropout), num_classes=num_classes)
     if weights_path:
-        _load_state_dict_file(model, weights_path, skip_prefix="\0")
+        load_state_dict_file(model, weights_path, skip_prefix="\0")
     return model
