@@ -5,6 +5,7 @@ line too."""
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -218,3 +219,18 @@ def test_a_run_folder_as_weights_names_its_checkpoints(trained_run, mil_csv, tmp
     (tmp_path / "other").mkdir()
     with pytest.raises(CheckpointError, match=r"other: is a folder, not a file\. Fix: save the weights alone"):
         create_model("linear", in_features=8, weights_path=str(tmp_path / "other"))
+
+
+def test_train_weights_holding_nan_are_refused_at_load(tmp_path):
+    """Review AD's fixer: train --weights with a tensor holding NaN was loaded (features --weights refuses such
+    weights), and the run then stopped at its first refresh with the diverged run's advice to lower the
+    learning rate, which points at the wrong cause."""
+    state = _state()
+    key = next(k for k, v in state.items() if v.is_floating_point() and not k.startswith("fc."))
+    state[key] = state[key].clone()
+    state[key].view(-1)[0] = float("nan")
+    path = tmp_path / "w_nan.pt"
+    torch.save(state, path)
+    with pytest.raises(CheckpointError, match=rf"w_nan\.pt: 1 tensors of these weights hold NaN or infinity "
+                                              rf"\({re.escape(key)}\), so training would start from a broken model"):
+        create_model("resnet18", weights_path=str(path))

@@ -107,6 +107,13 @@ def load_state_dict_file(model: nn.Module, weights_path: str | os.PathLike, *, s
             f"{weights_path}: weights do not fit the model; missing or mis-shaped: "
             f"{', '.join(bad_missing[:5])}{' ...' if len(bad_missing) > 5 else ''}."
         )
+    non_finite = [k for k, v in keep.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if non_finite:
+        raise CheckpointError(
+            f"{weights_path}: {len(non_finite)} tensors of these weights hold NaN or infinity "
+            f"({', '.join(non_finite[:3])}{' ...' if len(non_finite) > 3 else ''}), so training would start from a "
+            "broken model. Fix: pass the weights of a model that trained without diverging (or an earlier "
+            "checkpoint of it).")
     if skipped:
         log.warning("%s: skipped %d tensors that do not fit (%s); the classification head starts fresh.",
                     weights_path, len(skipped), ", ".join(skipped[:3]))
