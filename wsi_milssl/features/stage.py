@@ -48,7 +48,7 @@ from wsi_milssl.atomic import atomic_write_json, merge_csv_rows
 from wsi_milssl.config.base import config_to_dict
 from wsi_milssl.config.features import FeaturesConfig
 from wsi_milssl.config.tile import TileConfig
-from wsi_milssl.errors import ConfigError, StoreError, WsiMilsslError
+from wsi_milssl.errors import ConfigError, OutputError, StoreError, WsiMilsslError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.features import schema
 from wsi_milssl.features.encoders import Encoder
@@ -428,7 +428,11 @@ def _extract_features(inputs: Sequence[str | os.PathLike], out_dir: Path, config
 
         def record(i: int, result: FeatureResult) -> None:
             results[i] = result
-            _merge_status([result], status_csv)
+            try:
+                _merge_status([result], status_csv)
+            except OutputError as exc:  # a full disk: the next slide's feature file may fill it meanwhile
+                logger.warning("%s: this slide's row is written with the others at the end (%s)", result.slide,
+                               str(exc).split(" Fix:")[0])
             emit(progress, ProgressEvent("features", len(results), len(items), unit="slide", item=result.slide,
                                          message=result.status))
 
