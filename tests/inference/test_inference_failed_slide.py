@@ -81,3 +81,33 @@ def test_evaluate_takes_one_run_resumed_and_refuses_two_checkpoints(tmp_path, tw
     assert "its slides were predicted by 2 different heatmap runs" in message
     assert f"slides a by checkpoint {first}" in message and f"slides b by checkpoint {second}" in message
     assert "Fix: run the heatmap stage again with --overwrite on the whole set of slides" in message
+
+
+def test_a_failed_slides_row_that_cannot_be_written_now_is_written_at_the_end(tmp_path, two_slides,
+                                                                              checkpoint_factory, monkeypatch):
+    """On a full disk a writer thread may fill the disk with one slide's files while the main thread adds
+    a failed slide's status row: that OutputError stopped the whole run (the race CI met in the features
+    stage). The row is written with the others at the end and the other slides go on."""
+    from wsi_milssl.errors import OutputError
+    from wsi_milssl.inference import stage
+
+    a, b = two_slides
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "a.tif").write_bytes(a.read_bytes()[:5000])  # truncated: fails before any file is written
+    real, calls = stage._merge_status, []
+
+    def failed_row_fails(path, results):
+        results = list(results)
+        calls.append([(r.slide, r.status) for r in results])
+        if len(calls) == 1:
+            raise OutputError(f"{path}: cannot write this file (No space left on device: the disk is full). Fix: x")
+        return real(path, results)
+
+    monkeypatch.setattr(stage, "_merge_status", failed_row_fails)
+    out = tmp_path / "hm"
+    run = make_heatmaps([broken / "a.tif", b], checkpoint_factory(), out, HeatmapConfig(**FAST))
+    assert {r.slide: r.status for r in run.results} == {"a": "failed", "b": "ok"}
+    assert calls[0] == [("a", "failed")] and calls[-1] == [("a", "failed"), ("b", "ok")]
+    assert {k: r["status"] for k, r in _rows(out / "heatmap_status.csv").items()} == {"a": "failed", "b": "ok"}
+    assert _files(out, "b")

@@ -44,7 +44,7 @@ from wsi_milssl.cohorts.names import stem_key
 from wsi_milssl.config.base import config_to_dict
 from wsi_milssl.config.heatmap import HeatmapConfig
 from wsi_milssl.distributed import Shard, shard_items
-from wsi_milssl.errors import CheckpointError, ConfigError, StoreError, WsiMilsslError
+from wsi_milssl.errors import CheckpointError, ConfigError, OutputError, StoreError, WsiMilsslError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.inference.exports import (
     SCORES_FILENAME,
@@ -816,10 +816,17 @@ def _make_heatmaps(inputs: list[HeatmapInput], checkpoint: str | os.PathLike | I
     results: dict[int, HeatmapResult] = {}
     writes: dict = {}  # future -> (position, prediction)
 
+    unwritten_rows: list[str] = []
+
     def record(i: int, result: HeatmapResult, *, merge: bool = True) -> None:
         results[i] = result
         if merge:
-            _merge_status(status_csv, [result])
+            try:
+                _merge_status(status_csv, [result])
+            except OutputError as exc:  # a full disk: a writer thread may be filling it with another slide
+                unwritten_rows.append(result.slide)
+                logger.warning("%s: this slide's row is written with the others at the end (%s)", result.slide,
+                               str(exc).split(" Fix:")[0])
         emit(progress, ProgressEvent("heatmap", len(results), len(inputs), unit="slide", item=result.slide,
                                      message=result.status))
 
@@ -936,7 +943,7 @@ def _make_heatmaps(inputs: list[HeatmapInput], checkpoint: str | os.PathLike | I
         while writes:
             collect(block=True)
     results_list = [results[k] for k in range(len(inputs))]
-    if not status_csv.exists():
+    if unwritten_rows or not status_csv.exists():
         _merge_status(status_csv, results_list)
     return HeatmapRun(tuple(results_list), out_dir, status_csv, config_json, out_dir / SCORES_FILENAME,
                       seconds=time.perf_counter() - t_start, skipped=tuple(skipped), redrawn=tuple(redrawn))
