@@ -80,6 +80,24 @@ def test_a_prepared_pipeline_loads_and_a_wrong_data_path_is_refused_at_load(prep
                         other.parent / "cohort" / f"{set_name}_labels.csv") in message
 
 
+def test_a_data_path_of_the_wrong_kind_is_refused_at_load(prepared, tmp_path):
+    """A labels CSV given as a folder, or annotations given as one file, passed the existence check and
+    failed only at its stage (annotations: at label, after every slide was tiled)."""
+    bad = tmp_path / "k1" / "pipeline.toml"
+    shutil.copytree(prepared, bad.parent)
+    one_xml = next((bad.parent / "cohort" / "annotations" / "test").iterdir())
+    text = re.sub(r'(?m)^test_annotations = .*$', f'test_annotations = "{one_xml}"', bad.read_text())
+    bad.write_text(re.sub(r'(?m)^train_labels = .*$', 'train_labels = "cohort"', text))
+    with pytest.raises(ConfigError) as err:
+        load_pipeline(bad, check_paths=True)
+    message = str(err.value)
+    assert f"[data].test_annotations = {str(one_xml)!r}: {one_xml} is a file, not a folder (of the slides' " \
+           "annotation files)" in message
+    assert f"[data].train_labels = 'cohort': {bad.parent / 'cohort'} is a folder, not a file (the slide labels " \
+           "CSV)" in message
+    assert "test_slides" not in message  # a slide list file is a slides path of the right kind
+
+
 def test_a_set_of_a_data_path_is_checked_too(prepared):
     toml = prepared / "pipeline.toml"
     with pytest.raises(ConfigError) as err:

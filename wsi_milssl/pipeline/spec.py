@@ -366,12 +366,25 @@ def _moved_prepare_folder(own: Path, out_dir: str) -> Path | None:
     return own / "run"
 
 
+#: What each kind of [data] path must be (slides and features may be a folder or one file or list).
+_PATH_KINDS = {"labels": "file (the slide labels CSV)", "annotations": "folder (of the slides' annotation files)"}
+
+
+def _wrong_kind(key: str, path: Path) -> bool:
+    kind = key.rsplit("_", 1)[1]
+    return (kind == "labels" and path.is_dir()) or (kind == "annotations" and not path.is_dir())
+
+
 def _refuse_missing_paths(given: dict[str, tuple[Any, Path]], base: Path, where: str) -> None:
-    """One ConfigError starting with ``where`` that names each [data] path that does not exist: its key, its
-    value and the path it resolved to (a relative one against ``base``, the pipeline file's folder), so that
-    a wrong path stops a run before any stage instead of when its stage is reached."""
+    """One ConfigError starting with ``where`` that names each [data] path that does not exist, or is a folder
+    where a file is wanted or the reverse (:data:`_PATH_KINDS`): its key, its value and the path it resolved
+    to (a relative one against ``base``, the pipeline file's folder), so that a wrong path stops a run before
+    any stage instead of when its stage is reached."""
     missing = [f"[data].{key} = {value!r}: {path} does not exist" for key, (value, path) in given.items()
                if not path.exists()]
+    missing += [f"[data].{key} = {value!r}: {path} is a {'folder' if path.is_dir() else 'file'}, not a "
+                f"{_PATH_KINDS[key.rsplit('_', 1)[1]]}" for key, (value, path) in given.items()
+                if path.exists() and _wrong_kind(key, path)]
     if missing:
         raise ConfigError(f"{where}: {'; '.join(missing)} (relative [data] paths are resolved against the pipeline "
                           f"file's folder, {base}). Fix: give the path of an existing file or folder, absolute or "
