@@ -212,3 +212,51 @@ def test_a_slide_predicted_without_its_slide_file_leaves_no_earlier_overlay(tmp_
     copies.rename(tmp_path / "moved")
     assert make_heatmaps([], checkpoint_factory(), out, HeatmapConfig(**FAST), stores=[stores], overwrite=True).ok
     assert not (out / "a_heatmap.png").exists() and (out / "a_probs.npy").is_file()
+
+
+def _write_outline(folder: Path, stem: str, box: tuple[int, int, int, int]) -> Path:
+    """An ASAP XML of one tumour rectangle (level-0 x0, y0, x1, y1) for slide ``stem``."""
+    import numpy as np
+
+    from wsi_milssl.annotations import write_annotations
+    from wsi_milssl.annotations.asap import PolygonAnnotation
+
+    x0, y0, x1, y1 = box
+    ring = np.array([[x0, y0], [x1, y0], [x1, y1], [x0, y1]], float)
+    folder.mkdir(exist_ok=True)
+    return write_annotations([PolygonAnnotation("Annotation 0", "_0", ring)], folder / f"{stem}.xml")
+
+
+def test_an_annotation_file_added_edited_or_removed_draws_the_overlay_again(tmp_path, two_slides,
+                                                                          checkpoint_factory, predicted):
+    """The outlines on the overlay come from the annotation folder, which no fingerprint covered: a run
+    with --annotations on a finished folder kept the overlays without outlines, and an edited annotation
+    kept the old outline. Such a slide is now drawn again from its saved probabilities (not predicted)."""
+    ckpt = checkpoint_factory()
+    out, fresh, ann = tmp_path / "hm", tmp_path / "fresh", tmp_path / "ann"
+    config = HeatmapConfig(**FAST)
+    assert make_heatmaps(two_slides, ckpt, out, config).ok
+    before = _slide_files(out)
+
+    _write_outline(ann, "a", (300, 300, 1500, 1500))  # a has an annotation now, b none
+    predicted.clear()
+    run = make_heatmaps(two_slides, ckpt, out, config, annotations_dir=ann)
+    assert run.ok and predicted == [] and run.redrawn == ("a",) and run.skipped == ("b",)
+    after = _slide_files(out)
+    assert after["a_heatmap.png"] != before["a_heatmap.png"] and after["b_heatmap.png"] == before["b_heatmap.png"]
+    assert make_heatmaps(two_slides, ckpt, fresh, config, annotations_dir=ann).ok
+    assert after["a_heatmap.png"] == _slide_files(fresh)["a_heatmap.png"]  # as a fresh run draws it
+
+    predicted.clear()  # the same annotations again: nothing to draw
+    run = make_heatmaps(two_slides, ckpt, out, config, annotations_dir=ann)
+    assert run.redrawn == () and run.skipped == ("a", "b")
+
+    _write_outline(ann, "a", (900, 900, 1700, 1700))  # edited
+    run = make_heatmaps(two_slides, ckpt, out, config, annotations_dir=ann)
+    assert predicted == [] and run.redrawn == ("a",)
+    edited = _slide_files(out)["a_heatmap.png"]
+    assert edited != after["a_heatmap.png"]
+
+    run = make_heatmaps(two_slides, ckpt, out, config)  # without annotations: no outline
+    assert predicted == [] and run.redrawn == ("a",)
+    assert _slide_files(out)["a_heatmap.png"] == before["a_heatmap.png"]

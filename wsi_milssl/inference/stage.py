@@ -277,6 +277,21 @@ def _read_outlines(stem: str, annotations_dir: Path | None, dims: tuple[int, int
     return region
 
 
+def _outline_file(stem: str, slide_path: Any, annotations_dir: str | os.PathLike | None) -> dict | None:
+    """The :func:`wsi_milssl.tiling.file_fingerprint` of the annotation file a slide's overlay outlines (None
+    without one, or without the slide file, when no overlay is drawn): recorded in the sidecar, so that an
+    annotation file added, edited or removed draws the overlay again."""
+    if annotations_dir is None or slide_path is None or not Path(slide_path).exists():
+        return None
+    from wsi_milssl.annotations import find_annotation
+
+    try:
+        path = find_annotation(stem, annotations_dir)
+    except WsiMilsslError:
+        return None
+    return None if path is None else file_fingerprint(path)
+
+
 def _given_mpp(pred: SlidePrediction, config: HeatmapConfig) -> float | None:
     """The ``slide_mpp`` that changed how the slide was cut: None without one or when it is the slide's own
     µm/px (within 0.1 %); the value when it differs or the slide records none."""
@@ -356,6 +371,7 @@ def write_slide_outputs(pred: SlidePrediction, out_dir: str | os.PathLike, *, mo
         "nms_radius_um": float(config.nms_radius_um),
         "tumor_threshold": float(config.tumor_threshold),
         "drawing_settings": _drawing_settings(config),
+        "outline_file": _outline_file(pred.stem, pred.slide_path, annotations_dir),
         # the tissue mask the overlay is clipped to (computed again when the slide is drawn again)
         "tissue_detector": str(pred.tissue_detector),
         "mask_mpp": float(pred.mask_mpp),
@@ -557,13 +573,19 @@ def _same_input_files(recorded: Any, now: dict[str, dict | None]) -> bool:
     written again gets a new modification time."""
     if not isinstance(recorded, dict) or set(recorded) != set(now):
         return False
+    return all(_same_file(recorded[k], now[k]) for k in now)
+
+
+def _same_file(recorded: Any, now: dict | None) -> bool:
+    """Whether two :func:`wsi_milssl.tiling.file_fingerprint` records (or None) name the same file version: the
+    same file name, size and modification time (not the folder: a folder moved with its files keeps them)."""
 
     def identity(fp: Any) -> Any:
         if not isinstance(fp, dict):
             return fp
         return Path(str(fp.get("path"))).name, fp.get("size_bytes"), fp.get("mtime_ns")
 
-    return all(identity(recorded[k]) == identity(now[k]) for k in now)
+    return identity(recorded) == identity(now)
 
 
 def _read_sidecar(path: Path) -> dict:
@@ -590,13 +612,14 @@ def _same_prediction(row: dict[str, str], sidecar: dict) -> bool:
 COMPLETE_SLIDE_FILES = ("probs_npy", "probs_json", "detections_csv", "patches_csv")
 
 
-def _finished(out_dir: Path, fingerprint: str, prediction_fingerprint: str, inputs: Sequence[SlideInput]
-              ) -> tuple[dict[str, HeatmapResult], dict[str, dict]]:
+def _finished(out_dir: Path, fingerprint: str, prediction_fingerprint: str, inputs: Sequence[SlideInput],
+              annotations_dir: str | os.PathLike | None = None) -> tuple[dict[str, HeatmapResult], dict[str, dict]]:
     """Slides of ``inputs`` already predicted in ``out_dir`` by a run with the same checkpoint and settings:
     (done, redraw). ``done``: those whose ``_probs.json`` records this ``fingerprint`` (checkpoint and every
     setting; the folder's ``heatmap_config.json`` names the latest run's, not what made each slide);
     ``redraw`` (stem -> sidecar): those that record this ``prediction_fingerprint`` only (the same
-    probabilities, other :data:`DRAWING_FIELDS`), to draw again from their saved map. Either way the status
+    probabilities, other :data:`DRAWING_FIELDS` or another annotation file to outline, :func:`_outline_file`),
+    to draw again from their saved map. Either way the status
     is ok with every file there, the slide and store files are the same (name, size and modification time,
     in ``input_files``: :func:`_same_input_files`), and the status row agrees with the sidecar's score and
     patch count. A slide made by another checkpoint or settings (a run resumed with a new checkpoint), from
@@ -625,7 +648,8 @@ def _finished(out_dir: Path, fingerprint: str, prediction_fingerprint: str, inpu
             logger.info("%s: its status row in %s is not that of its files (an interrupted run); predicting it "
                         "again", item.stem, out_dir)
             continue
-        if not same:
+        if not same or not _same_file(sidecar.get("outline_file"),
+                                      _outline_file(item.stem, item.slide_path, annotations_dir)):
             redraw[item.stem] = sidecar
             continue
         try:
@@ -810,7 +834,8 @@ def _make_heatmaps(inputs: list[HeatmapInput], checkpoint: str | os.PathLike | I
     fingerprint = _fingerprint(config, model)
     prediction_fingerprint = _fingerprint(config, model, drawing=False)
     sha256 = checkpoint_sha256(model)
-    finished, to_redraw = ({}, {}) if overwrite else _finished(out_dir, fingerprint, prediction_fingerprint, inputs)
+    finished, to_redraw = ({}, {}) if overwrite else _finished(out_dir, fingerprint, prediction_fingerprint, inputs,
+                                                                      annotations_dir)
     config_json = _write_config(out_dir, config, model, fingerprint, sha256)
     status_csv = out_dir / STATUS_FILENAME
     results: dict[int, HeatmapResult] = {}
@@ -909,8 +934,10 @@ def _make_heatmaps(inputs: list[HeatmapInput], checkpoint: str | os.PathLike | I
                             out_dir, exc)
                 todo.append(i)
                 continue
-            logger.info("%s: predicted with this checkpoint and settings, drawn with other drawing settings (%s); "
-                        "drawing it again from its saved probabilities", item.stem, _changed_drawing(sidecar, config))
+            changed = _changed_drawing(sidecar, config)
+            logger.info("%s: predicted with this checkpoint and settings, drawn with %s; drawing it again from its "
+                        "saved probabilities", item.stem, f"other drawing settings ({changed})" if changed else
+                        "another annotation file to outline (added, edited or removed)")
             redrawn.append(item.stem)
             writes[writers.submit(write, i, pred, files_of[i])] = (i, pred)
             while len(writes) >= _PENDING_WRITES:
