@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,17 @@ import pytest
 from wsi_milssl.config import SynthConfig
 from milcsv import make_mil_csv
 from wsi_milssl.synth import generate_slides
+
+
+@pytest.fixture(autouse=True)
+def _root_logger_level_restored():
+    """Every test starts with the root logger's level the session started with: ``main([... "-q"])`` in
+    a test sets it to ERROR (WARNING without -q) for the process, which hid the warnings later tests of
+    the same process look for (an order-dependent failure)."""
+    root = logging.getLogger()
+    level = root.level
+    yield
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")
