@@ -227,3 +227,9 @@ def test_a_deleted_store_or_heatmap_file_makes_its_stage_run_again(cohort, tmp_p
     ran = [(o.stage, o.reason) for o in outcomes if o.status == "ran"]
     assert ran[0] == ("heatmap", f"output missing: {out / 'heatmaps' / 'test' / 'synth_003_patches.csv'}")
     assert (out / "heatmaps" / "test" / "synth_003_patches.csv").is_file()
+    summary = next(o.summary for o in outcomes if o.stage == "heatmap")
+    assert summary.startswith("1 slides, ") and summary.endswith(" patches")  # predicted again
+    # a drawing-only change: the summary says the slide was drawn again, not predicted (it read as predicted)
+    outcomes = run_pipeline(load_pipeline(pipe, out_dir=out, overrides=["heatmap.colormap=magma"]))
+    summary = next(o.summary for o in outcomes if o.stage == "heatmap")
+    assert summary.startswith("1 slides (1 drawn again), ") and summary.endswith(" patches")

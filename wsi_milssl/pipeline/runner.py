@@ -1150,7 +1150,9 @@ def _heatmap(ctx: _Context) -> tuple[list[str], str]:
     _write_set_scores(run)
     n = sum(r.n_patches for r in run.results)
     slide_files = _existing(r.outputs.get(k) for r in run.results for k in COMPLETE_SLIDE_FILES)
-    return [str(ctx.heatmap_dir / "scores.csv")] + slide_files, f"{len(run.results)} slides, {n} patches"
+    reused = [f"{len(v)} {what}" for v, what in ((run.skipped, "kept"), (run.redrawn, "drawn again")) if v]
+    return [str(ctx.heatmap_dir / "scores.csv")] + slide_files, (
+        f"{len(run.results)} slides{' (' + ', '.join(reused) + ')' if reused else ''}, {n} patches")
 
 
 def _write_set_scores(run) -> None:
