@@ -323,3 +323,36 @@ def test_window_gives_the_same_regions_as_the_whole_mask():
     empty = evaluation_mask(np.zeros((5, 5), bool), mpp=0.25)
     assert empty.n_regions == 0 and empty.full_labels().shape == (5, 5)
     assert empty.label_at(np.array([40.0]), np.array([40.0]))[0] == 0
+
+
+def test_margin_zero_is_the_tumour_itself():
+    """margin_um = 0: the evaluation regions are the tumour pixels themselves (holes filled), not
+    nothing: every tumour pixel has distance 0, which is not under a margin of 0 px. A detection on the
+    tumour is a TP; one a pixel beside it an FP."""
+    ring = block_mask((64, 64), (10, 45, 10, 45))
+    ring[16:40, 16:40] = False
+    mask = evaluation_mask(ring, mpp=0.25, margin_um=0.0)
+    filled = block_mask((64, 64), (10, 45, 10, 45))
+    np.testing.assert_array_equal(mask.full_labels() > 0, filled)
+    assert mask.n_lesions == 1 and mask.margin_px == 0.0
+    m = match_detections(*dets((0.9, lv0(12, 12)), (0.5, lv0(12, 46))), mask=mask)
+    assert list(m.outcome) == ["tp", "fp"]
+
+
+@pytest.mark.parametrize("margin_um", [1.0, 8.0, 75.0, 200.0])
+def test_positive_margins_are_the_challenge_scripts_regions(margin_um):
+    """Any margin above 0 gives the challenge script's regions bit for bit (its computeEvaluationMask:
+    ``binary_fill_holes(distance < threshold)`` on the whole mask, 8-connected labels)."""
+    from scipy import ndimage
+    from skimage import measure
+
+    rng = np.random.default_rng(7)
+    for trial in range(10):
+        mask = np.zeros((60, 50), dtype=bool)
+        for _ in range(int(rng.integers(1, 5))):
+            r, c, h, w = rng.integers(0, 60), rng.integers(0, 50), rng.integers(1, 12), rng.integers(1, 12)
+            mask[r : r + h, c : c + w] = True
+        em = evaluation_mask(mask, mpp=0.243, margin_um=margin_um)
+        near = ndimage.distance_transform_edt(~mask) < margin_um / (2 * 32 * 0.243)
+        full = measure.label(ndimage.binary_fill_holes(near), connectivity=2)
+        np.testing.assert_array_equal(em.full_labels(), full, err_msg=str(trial))

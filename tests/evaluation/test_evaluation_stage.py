@@ -215,3 +215,18 @@ def test_roc_points_match_scikit_learn(evaluated):
     probs = np.concatenate([s.patch_probs for s in result.slides])
     assert result.instance_roc.auc == roc_auc_score(labels, probs)
     assert result.instance_roc.fpr[0] == 0 and result.instance_roc.tpr[-1] == 1
+
+
+def test_margin_zero_keeps_the_lesions(evaluated, synth_dir, annotations_dir, predictions, tmp_path):
+    """--margin-um 0 evaluates the annotated tumour undilated: the fixture's 320 µm lesion stays a lesion
+    (the 70 µm ITC disc stays an ITC) and the detections on it are TPs, as with the 75 µm margin; before,
+    the mask was empty, the FROC n/a and every hit inside the lesion a false positive."""
+    from wsi_milssl.config import EvaluateConfig
+
+    pred_dir, info = predictions
+    result = evaluate_predictions(pred_dir, labels_csv=synth_dir / "labels.csv", out_dir=tmp_path / "out",
+                                  annotations_dir=annotations_dir, slides=synth_dir,
+                                  config=EvaluateConfig(margin_um=0.0))
+    assert result.metrics["n_lesions"] == 1 and result.metrics["n_itc"] == 1
+    assert result.metrics["froc"] == pytest.approx(evaluated[0].metrics["froc"], abs=1e-12)
+    assert result.metrics["n_false_positives"] == evaluated[0].metrics["n_false_positives"]

@@ -86,7 +86,8 @@ def register(subparsers) -> None:
                         "(refused where it contradicts the µm/px the heatmaps were made at); --mpp is the older "
                         "name (default: what each slide's <stem>_probs.json records, else the slide's metadata)")
     p.add_argument("--margin-um", type=float, default=d.margin_um,
-                   help="tumour is dilated by half of this distance in µm (CAMELYON16: 75; at most 100000)")
+                   help="tumour is dilated by half of this distance in µm (CAMELYON16: 75; 0: the tumour "
+                        "undilated; at most 100000)")
     p.add_argument("--itc-major-axis-um", type=float, default=d.itc_major_axis_um,
                    help="regions with a shorter major axis (µm) are isolated tumour cells (CAMELYON16: 275; at "
                         "most 100000)")

@@ -25,7 +25,8 @@ class EvaluateConfig:
         (``run`` takes ``[label]``'s unless ``[evaluate]`` sets them).
     non_tumor_groups : groups carved out of tumour; CAMELYON16: ``_2``, ``Exclusion``, ``None``.
     margin_um : evaluation regions take in every level-5 pixel closer than ``margin_um / 2`` µm to
-        tumour (CAMELYON16: 75 µm, about five tumour cells). At most :data:`MAX_DISTANCE_UM`.
+        tumour (CAMELYON16: 75 µm, about five tumour cells); 0 takes the tumour alone, undilated. At most
+        :data:`MAX_DISTANCE_UM`.
     itc_major_axis_um : regions whose major axis is under this are isolated tumour cells, neither
         true nor false positives (CAMELYON16: 275 µm). At most :data:`MAX_DISTANCE_UM`.
     mpp : level-0 µm per pixel for every slide, in [0.01, 100] as every stage's ``slide_mpp``; None
