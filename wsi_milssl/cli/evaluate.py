@@ -17,7 +17,7 @@ SUMMARY = "score predictions: instance AUC, bag AUC, CAMELYON16 FROC, HTML repor
 
 #: the option of each EvaluateConfig field, to name it in an error
 _OPTIONS = {"positive_fraction": "--positive-fraction", "margin_um": "--margin-um",
-            "itc_major_axis_um": "--itc-major-axis-um", "mpp": "--slide-mpp", "thumbnail_px": "--thumbnail-px",
+            "itc_major_axis_um": "--itc-major-axis-um", "mpp": "--slide-mpp", "froc_mpp": "--froc-mpp", "thumbnail_px": "--thumbnail-px",
             "title": "--title", "tumor_groups": "--tumor-groups", "non_tumor_groups": "--non-tumor-groups"}
 
 
@@ -29,6 +29,7 @@ def evaluate_config_from_args(args: argparse.Namespace) -> EvaluateConfig:
         return EvaluateConfig(
             positive_fraction=args.positive_fraction, margin_um=args.margin_um,
             itc_major_axis_um=args.itc_major_axis_um, mpp=getattr(args, "mpp", None),
+            froc_mpp=getattr(args, "froc_mpp", None),
             thumbnail_px=args.thumbnail_px, title=args.title, tumor_groups=args.tumor_groups,
             non_tumor_groups=args.non_tumor_groups,
         )
@@ -50,10 +51,12 @@ def register(subparsers) -> None:
             "pixels from any tool) against annotations and slide labels. Writes metrics.json,\n"
             "per_slide.csv, detection_outcomes.csv, froc_curve.csv, froc.png, roc_*.png, config.json\n"
             "and a self-contained report.html into OUT.\n\n"
-            "FROC follows CAMELYON16: evaluation mask at level 5 (32x), tumour dilated by 75 µm / 2 with\n"
-            "each slide's own MPP, holes filled, 8-connected regions; regions with a major axis under\n"
-            "275 µm are isolated tumour cells (neither TP nor FP); score = mean sensitivity at\n"
-            "1/4, 1/2, 1, 2, 4 and 8 false positives per slide. Instance AUC needs <stem>_patches.csv and\n"
+            "FROC follows CAMELYON16: evaluation mask at level 5 (32x), tumour dilated by 75 µm / 2,\n"
+            "holes filled, 8-connected regions; regions with a major axis under 275 µm are isolated tumour\n"
+            "cells (neither TP nor FP); score = mean sensitivity at 1/4, 1/2, 1, 2, 4 and 8 false positives\n"
+            "per slide. The 75 and 275 µm are measured at each slide's own µm/px; the challenge's script\n"
+            "assumes 0.243 µm/px for every slide (also its Utrecht slides, about 0.226), so for the\n"
+            "leaderboard number pass --froc-mpp 0.243. Instance AUC needs <stem>_patches.csv and\n"
             "<stem>_probs.json; bag AUC takes each slide's score from its <stem>_probs.json (a folder of\n"
             "another tool, without them: from scores.csv). A metric that cannot be computed is null in\n"
             "metrics.json, with its reason.\n\n"
@@ -85,6 +88,11 @@ def register(subparsers) -> None:
                    help="level-0 µm per pixel for every slide (0.01-100), for folders whose slides record none "
                         "(refused where it contradicts the µm/px the heatmaps were made at); --mpp is the older "
                         "name (default: what each slide's <stem>_probs.json records, else the slide's metadata)")
+    p.add_argument("--froc-mpp", dest="froc_mpp", type=float, default=argparse.SUPPRESS, metavar="UM_PER_PX",
+                   help="µm per level-0 pixel at which --margin-um and --itc-major-axis-um become pixels of the "
+                        "FROC mask (0.01-100); the CAMELYON16 script uses 0.243 for every slide: pass 0.243 for "
+                        "the challenge's (leaderboard) FROC. Detections and annotations stay in level-0 pixels "
+                        "(default: each slide's own µm/px, as --slide-mpp sets it)")
     p.add_argument("--margin-um", type=float, default=d.margin_um,
                    help="tumour is dilated by half of this distance in µm (CAMELYON16: 75; 0: the tumour "
                         "undilated; at most 100000)")

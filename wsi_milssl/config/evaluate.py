@@ -33,6 +33,11 @@ class EvaluateConfig:
         uses the ``mpp`` each slide's ``<stem>_probs.json`` records (what its heatmap was made at), and
         the slide's own metadata where there is no sidecar. A value that contradicts the sidecars is
         refused.
+    froc_mpp : the µm per pixel at which ``margin_um`` and ``itc_major_axis_um`` are converted to pixels of
+        the FROC's level-5 mask, in [0.01, 100]; None (the default) converts them at each slide's own µm/px
+        (``mpp`` above), physically right. The CAMELYON16 script converts them at 0.243 for every slide
+        (its ``L0_RESOLUTION``, :data:`wsi_milssl.evaluation.froc.CAMELYON16_MPP`), also for its Utrecht slides at about 0.226 µm/px: 0.243 gives the
+        challenge's (leaderboard) numbers. Detections and annotations stay in level-0 pixels either way.
     thumbnail_px : longer side of the per-slide images in ``report.html``, in screen pixels.
     title : heading of ``report.html``.
 
@@ -43,6 +48,7 @@ class EvaluateConfig:
     margin_um: float = 75.0
     itc_major_axis_um: float = 275.0
     mpp: float | None = None
+    froc_mpp: float | None = None
     thumbnail_px: int = 320
     title: str = "wsi-milssl evaluation"
     tumor_groups: tuple[str, ...] = DEFAULT_TUMOR_GROUPS
@@ -55,6 +61,8 @@ class EvaluateConfig:
             check_range(name, field, getattr(self, field), low=0.0, high=MAX_DISTANCE_UM)
         if self.mpp is not None:  # the range of slide_mpp in tile, heatmap and features, and of info's --slide-mpp
             check_range(name, "mpp", self.mpp, low=0.01, high=100.0)
+        if self.froc_mpp is not None:
+            check_range(name, "froc_mpp", self.froc_mpp, low=0.01, high=100.0)
         check_type(name, "thumbnail_px", self.thumbnail_px, int)
         check_range(name, "thumbnail_px", self.thumbnail_px, low=32, high=4096)
         check_type(name, "title", self.title, str)

@@ -4,8 +4,9 @@ The protocol follows the CAMELYON16 challenge's evaluation script:
 
 1. **Evaluation mask** (:func:`evaluation_mask`): from a boolean tumour mask at level 5 (a 32x
    downsample of level 0), keep every pixel whose Euclidean distance to the nearest tumour pixel is
-   under ``75 µm / 2`` (converted to level-5 pixels with the slide's own µm/px: ``75 / (2 * mpp *
-   32)``; CAMELYON16 assumes 0.243 µm/px), fill holes, and label the regions with 8-connectivity.
+   under ``75 µm / 2`` (converted to level-5 pixels at ``mpp``: ``75 / (2 * mpp * 32)``; the evaluation
+   stage passes each slide's own µm/px, or ``EvaluateConfig.froc_mpp``; the CAMELYON16 script uses 0.243
+   µm/px for every slide), fill holes, and label the regions with 8-connectivity.
    The tumour pixels themselves always belong to it (a margin of 0 leaves the tumour undilated).
 2. **Isolated tumour cells**: a region whose moment-based major axis is under 275 µm
    (``275 / (mpp * 32)`` level-5 pixels) is an ITC. Detections on an ITC are neither true nor false
@@ -64,7 +65,8 @@ logger = logging.getLogger(__name__)
 CAMELYON16_DOWNSAMPLE = 32
 """Level 5 of a CAMELYON16 pyramid: the evaluation mask's downsample from level 0."""
 CAMELYON16_MPP = 0.243
-"""The level-0 µm/px the CAMELYON16 script assumes; here each slide's own MPP is used instead."""
+"""The level-0 µm/px at which the CAMELYON16 script measures the margin and ITC limit of every slide (its
+``L0_RESOLUTION``); the evaluation stage uses each slide's own unless ``EvaluateConfig.froc_mpp`` is set."""
 MARGIN_UM = 75.0
 """Tumour regions are dilated by half of this distance (µm), about five tumour cells."""
 ITC_MAJOR_AXIS_UM = 275.0
@@ -157,7 +159,8 @@ def evaluation_mask(
     ----------
     tumor_mask : bool (rows, cols) tumour pixels at ``downsample`` (level 5 = 32 by default), with
         non-tumour holes already carved out.
-    mpp : the slide's level-0 resolution in µm per pixel.
+    mpp : the µm per level-0 pixel at which the margin and the ITC limit are converted to pixels: the
+        slide's own resolution, or 0.243 (:data:`CAMELYON16_MPP`) for the challenge script's numbers.
     margin_um : pixels closer than ``margin_um / 2`` to tumour (Euclidean distance between pixel
         centres, in µm) join the region; 0 keeps the tumour pixels alone (holes still filled).
     itc_major_axis_um : regions whose major axis is under this are isolated tumour cells.

@@ -247,7 +247,10 @@ def _evaluate_slide(
         elif not np.any(tumor):
             logger.warning("%s: the tumour annotations cover no level-5 pixel centre; the slide has no "
                            "evaluation region (every detection on it is a false positive).", stem)
-        mask = evaluation_mask(tumor, mpp=mpp, margin_um=config.margin_um,
+        # the margin and ITC limit in µm become pixels at config.froc_mpp when given (the challenge's 0.243 for
+        # every slide), else at the slide's own µm/px; the mask's pixels are the slide's level 5 either way
+        froc_mpp = mpp if config.froc_mpp is None else config.froc_mpp
+        mask = evaluation_mask(tumor, mpp=froc_mpp, margin_um=config.margin_um,
                                itc_major_axis_um=config.itc_major_axis_um)
         match = match_detections(dets.probs, dets.x_lv0, dets.y_lv0, mask=mask, stem=stem, dimensions_lv0=dims)
     else:
@@ -814,7 +817,7 @@ def evaluate_predictions(
                 "slides": None if slides is None else str(slides),
             },
             "protocol": {
-                "mask_downsample": CAMELYON16_DOWNSAMPLE, "margin_um": config.margin_um,
+                "mask_downsample": CAMELYON16_DOWNSAMPLE, "margin_um": config.margin_um, "froc_mpp": config.froc_mpp,
                 "itc_major_axis_um": config.itc_major_axis_um, "fp_rates": list(FP_RATES),
                 "positive_fraction": config.positive_fraction,
             },
