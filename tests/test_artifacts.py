@@ -119,3 +119,19 @@ def test_detections_reader_keeps_accepting_other_tools_files(tmp_path):
     dets = artifacts.read_detections(path)
     assert dets.x_lv0.tolist() == [10.5] and len(dets) == 1
     np.testing.assert_array_equal(dets.y_lv0, [20.0])
+
+
+def test_find_predictions_names_the_plain_csvs_it_passes_over(tmp_path):
+    """A plain <stem>.csv (the challenge's naming) counts only for a labelled slide; the others are passed
+    over, and ``passed_over`` receives them (the evaluation warns and lists them) - scores.csv,
+    heatmap_status.csv and the evaluation's own CSVs excepted."""
+    for name in ("a.csv", "B.csv", "c_detections.csv", "zz.csv", artifacts.SCORES_FILENAME,
+                 artifacts.HEATMAP_STATUS_FILENAME, artifacts.EVALUATION_FILES["per_slide"], "notes.txt"):
+        (tmp_path / name).write_text("")
+    passed_over: list = []
+    found = artifacts.find_predictions(tmp_path, known_stems={"A", "c"}, passed_over=passed_over)
+    assert list(found) == ["a", "c"]
+    assert passed_over == [tmp_path / "B.csv", tmp_path / "zz.csv"]
+    passed_over.clear()
+    artifacts.find_predictions(tmp_path, known_stems={"A", "c"}, only=["a", "c"], passed_over=passed_over)
+    assert passed_over == []  # files of slides outside ``only`` are not this evaluation's

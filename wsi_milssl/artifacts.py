@@ -427,7 +427,8 @@ _EVALUATED_KINDS = {"detections_csv": "detections", "patches_csv": "patches", "p
 
 
 def find_predictions(directory: str | os.PathLike, *, known_stems: Iterable[str] = (),
-                     only: Iterable[str] | None = None) -> dict[str, PredictionFiles]:
+                     only: Iterable[str] | None = None,
+                     passed_over: list[Path] | None = None) -> dict[str, PredictionFiles]:
     """Find prediction files per slide stem in ``directory`` (sorted by stem).
 
     ``<stem>_detections.csv`` files always count; a plain ``<stem>.csv`` (CAMELYON16 submission
@@ -436,6 +437,10 @@ def find_predictions(directory: str | os.PathLike, *, known_stems: Iterable[str]
     one kind for one slide (``a_detections.csv``, ``A_detections.csv``) are an EvaluationError.
     ``only``: the exact stems (in Unicode NFC) to look at; files of other stems are passed over, an old
     slide's files beside those of the slide renamed from it in letter case included.
+    ``passed_over``: when given, the plain CSVs not counted because their stem is not in ``known_stems``
+    are appended to it, sorted (any CSV could be named so, so they are not refused, but a caller names
+    them: they may be detections of a slide missing from the labels); ``scores.csv``,
+    ``heatmap_status.csv`` and the evaluation's own CSVs (:data:`EVALUATION_FILES`) are not.
     """
     import unicodedata
 
@@ -477,9 +482,12 @@ def find_predictions(directory: str | os.PathLike, *, known_stems: Iterable[str]
                                       "slide (names match without case). Fix: keep one of them.")
             plain_csv[key] = p
     known = {stem_key(s) for s in known_stems}
+    ours = set(EVALUATION_FILES.values())
     for key, p in plain_csv.items():
         if key in known and "detections" not in found.get(key, {}):
             names.setdefault(key, p.stem)
             found.setdefault(key, {})["detections"] = p
+        elif key not in known and passed_over is not None and p.name not in ours:
+            passed_over.append(p)
     return {names[key]: PredictionFiles(stem=names[key], **files)
             for key, files in sorted(found.items(), key=lambda kv: names[kv[0]])}

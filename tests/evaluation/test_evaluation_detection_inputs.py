@@ -81,3 +81,30 @@ def test_evaluate_reports_detections_off_a_tumour_slide(synth_dir, annotations_d
                              annotations_dir=annotations_dir, slides=synth_dir)
     assert any(f"{info['tumor']}: 1 detection(s) lie outside the slide (4096 x 4096 level-0 px)" in r.getMessage()
                for r in caplog.records), caplog.text
+
+
+def test_plain_csvs_of_unlabelled_slides_are_named_not_dropped_silently(synth_dir, annotations_dir, known_annotation,
+                                                                         tmp_path, caplog, capsys):
+    """A plain <stem>.csv counts as detections only for a labelled slide (any CSV could be named so);
+    one of an unlabelled slide changed the FROC without a word (its false positives and its slide left
+    out of the FP-per-slide divisor). It is still not evaluated, but a warning, metrics.json
+    (``not_evaluated_files``), the report and the command's summary name it."""
+    import json
+
+    from evaluation_fixtures import write_predictions
+
+    pred = tmp_path / "pred"
+    info = write_predictions(synth_dir, known_annotation, pred, with_patches=False, with_scores=False)
+    for stem in (info["tumor"], info["normal"]):
+        (pred / f"{stem}_detections.csv").rename(pred / f"{stem}.csv")
+    (pred / "synth_009.csv").write_text("0.99,100,100\n0.98,200,200\n")
+    out = tmp_path / "out"
+    with caplog.at_level(logging.WARNING):
+        rc = main(["evaluate", "--predictions", str(pred), "--annotations", str(annotations_dir), "--slides",
+                   str(synth_dir), "--labels", str(synth_dir / "labels.csv"), "--out", str(out)])
+    assert rc == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["n_slides"] == 2 and metrics["not_evaluated_files"] == ["synth_009.csv"]
+    assert "synth_009.csv" in caplog.text and "labels CSV" in caplog.text
+    assert "synth_009.csv" in (out / "report.html").read_text()
+    assert "synth_009.csv" in capsys.readouterr().out

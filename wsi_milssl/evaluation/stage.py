@@ -664,7 +664,15 @@ def evaluate_predictions(
     if annotations_dir is not None and not annotations_dir.is_dir():
         raise EvaluationError(f"{annotations_dir}: the annotations folder does not exist. Fix: check --annotations.")
     labels = read_labels(labels_csv)
-    found = find_predictions(predictions_dir, known_stems=set(labels), only=only)
+    unlabelled_csvs: list[Path] = []
+    found = find_predictions(predictions_dir, known_stems=set(labels), only=only, passed_over=unlabelled_csvs)
+    not_evaluated_files = [p.name for p in unlabelled_csvs]
+    if not_evaluated_files:  # plain <stem>.csv count only for labelled slides: any CSV could be named so
+        logger.warning("%s: %d CSV file(s) are not evaluated: named <stem>.csv (the challenge's detection files), they "
+                       "match no slide of the labels CSV: %s. If they are detections, add their slides to the labels "
+                       "CSV (else the FROC leaves out their false positives and slides); otherwise move them out of "
+                       "the folder.", predictions_dir, len(not_evaluated_files), ", ".join(not_evaluated_files[:20])
+                       + (" ..." if len(not_evaluated_files) > 20 else ""))
     evaluated = {s: f for s, f in found.items() if f.detections is not None}
     orphans = sorted(s for s, f in found.items() if f.detections is None and (f.patches or f.sidecar))
     if orphans:
@@ -763,6 +771,7 @@ def evaluate_predictions(
         "n_positive_patches": inst_metric.n_positive if inst_metric.n else None,
         "reasons": reasons,
         "not_evaluated": skipped,
+        "not_evaluated_files": not_evaluated_files,
         "config_hash": config_hash(config, exclude=("title", "thumbnail_px")),
     }
 
@@ -803,6 +812,10 @@ def evaluate_predictions(
         if skipped:
             notes.append(f"{len(skipped)} labelled slide(s) have no predictions here and are not evaluated: "
                          f"{', '.join(skipped[:20])}{' ...' if len(skipped) > 20 else ''}.")
+        if not_evaluated_files:
+            notes.append(f"{len(not_evaluated_files)} CSV file(s) in the predictions folder match no labelled slide and "
+                         f"are not evaluated (if they are detections, their slides are missing from the labels CSV): "
+                         f"{', '.join(not_evaluated_files[:20])}{' ...' if len(not_evaluated_files) > 20 else ''}.")
         if stale_scores:
             notes.append(f"{SCORES_FILENAME} holds other scores than the sidecars of slides "
                          f"{', '.join(stale_scores[:20])}{' ...' if len(stale_scores) > 20 else ''} (an interrupted "
