@@ -67,6 +67,7 @@ __all__ = [
     "is_feature_file",
     "looks_like_hdf5",
     "damaged_message",
+    "schema_version_error",
 ]
 
 SCHEMA = "wsi-milssl-features"
@@ -510,7 +511,8 @@ def read_feature_file(path: str | os.PathLike, *, instance_labels: bool = True) 
     """Read a feature file (this project's, TRIDENT's or CLAM's) of one slide.
 
     The slide stem is the root ``slide_stem`` attribute, else the file stem (TRIDENT and CLAM name the
-    file after the slide). Raises StoreError naming the file for one that cannot be opened, has no
+    file after the slide). Raises StoreError naming the file for one that cannot be opened, one of this
+    project of another schema version (:func:`schema_version_error`), one with no
     ``features``, features that are not (N, D) (TRIDENT's empty (0,) counts as N = 0) or not all finite (in
     float32, which models read them in), coordinates whose count differs, or instance labels other than 0
     and 1; an HDF5 file that cannot be read (cut short) is called damaged,
@@ -560,8 +562,33 @@ def damaged_message(path: str | os.PathLike, exc: BaseException) -> str:
             "remakes a pipeline's feature files; a file of TRIDENT or CLAM, with that tool.")
 
 
+def schema_version_error(path: str | os.PathLike, attrs: Mapping[str, Any]) -> str | None:
+    """The error for a file of this project (root ``schema`` :data:`SCHEMA`) that records another
+    ``schema_version`` than :data:`SCHEMA_VERSION` (its layout may mean something else), with the fix;
+    None for this version's files and for files of other tools (no ``schema`` attribute)."""
+    if _plain(attrs.get("schema")) != SCHEMA or attrs.get("schema_version") is None:
+        return None
+    version = _first_int(_plain(attrs.get("schema_version")))
+    if version == SCHEMA_VERSION:
+        return None
+    if version is not None and version > SCHEMA_VERSION:
+        fix = ("upgrade wsi-milssl to the version that wrote it (its package_version attribute says which), or "
+               "make the features again with this version (`wsi-milssl features --overwrite`, or into a new folder "
+               "with --out)")
+    else:
+        fix = ("make the features again with this version (`wsi-milssl features --overwrite`, or into a new folder "
+               "with --out)")
+    made_by = _plain(attrs.get("package_version"))
+    return (f"{path}: feature schema version {_plain(attrs.get('schema_version'))} differs from this package's "
+            f"{SCHEMA_VERSION} (written by wsi-milssl {made_by or 'of an unknown version'}), so its datasets and "
+            f"attributes may mean something else here. Fix: {fix}.")
+
+
 def _read_open_file(path: Path, fh, *, instance_labels: bool = True) -> FeatureFile:
     """The contents of the open feature file ``fh`` (:func:`read_feature_file`)."""
+    version_error = schema_version_error(path, fh.attrs)
+    if version_error is not None:
+        raise StoreError(version_error)
     if FEATURES not in fh:
         raise StoreError(f"{path}: no 'features' dataset. Fix: extract features first (`wsi-milssl features`), "
                          "or train on patch stores in image mode.")

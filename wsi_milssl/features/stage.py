@@ -273,6 +273,9 @@ def _check_existing(path: Path, settings: dict[str, Any], settings_hash: str, so
     if attrs.get("schema") != schema.SCHEMA:
         raise StoreError(f"{path}: a file not made by `wsi-milssl features` is already there. Fix: write to a new "
                          "folder with --out (or pass --overwrite to replace it).")
+    version_error = schema.schema_version_error(path, attrs)
+    if version_error is not None:
+        raise StoreError(version_error)
     made_from = str(attrs.get("slide_path") or "")
     recorded_size = attrs.get("slide_size_bytes")
     recorded_size = int(recorded_size) if isinstance(recorded_size, (int, np.integer)) and recorded_size >= 0 else None
