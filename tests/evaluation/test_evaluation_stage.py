@@ -230,3 +230,35 @@ def test_margin_zero_keeps_the_lesions(evaluated, synth_dir, annotations_dir, pr
     assert result.metrics["n_lesions"] == 1 and result.metrics["n_itc"] == 1
     assert result.metrics["froc"] == pytest.approx(evaluated[0].metrics["froc"], abs=1e-12)
     assert result.metrics["n_false_positives"] == evaluated[0].metrics["n_false_positives"]
+
+
+def test_the_froc_is_called_camelyon16_only_with_the_challenges_settings(evaluated, synth_dir, annotations_dir,
+                                                                        predictions, tmp_path):
+    """metrics.json records the margin, the ITC limit and the µm/px they were measured at; the report and
+    its FROC plot say "CAMELYON16" only for 75 µm, 275 µm and 0.243 µm/px for every slide (the challenge
+    script's), and name the settings otherwise (each slide's own µm/px, the default, included)."""
+    from wsi_milssl.config import EvaluateConfig
+
+    pred_dir, _ = predictions
+    result, out, _ = evaluated  # the defaults: each slide's own µm/px
+    m = json.loads((out / "metrics.json").read_text())
+    assert (m["margin_um"], m["itc_major_axis_um"], m["froc_mpp"]) == (75.0, 275.0, None)
+    assert m["froc_protocol"] == "75 µm margin, 275 µm ITC limit, at each slide's own µm/px"
+    html = (out / "report.html").read_text()
+    assert "CAMELYON16 protocol" not in html and "FROC score (CAMELYON16)" not in html
+    assert "FROC score (75 µm margin, 275 µm ITC limit, at each slide&#x27;s own µm/px)" in html
+
+    def run(name, **settings):
+        evaluate_predictions(pred_dir, labels_csv=synth_dir / "labels.csv", out_dir=tmp_path / name,
+                             annotations_dir=annotations_dir, slides=synth_dir, config=EvaluateConfig(**settings))
+        return json.loads((tmp_path / name / "metrics.json").read_text()), (tmp_path / name / "report.html").read_text()
+
+    m, html = run("c16", froc_mpp=0.243)
+    assert (m["margin_um"], m["itc_major_axis_um"], m["froc_mpp"], m["froc_protocol"]) == (75.0, 275.0, 0.243,
+                                                                                          "CAMELYON16")
+    assert "FROC score (CAMELYON16)" in html and "FROC curve (CAMELYON16 protocol)" in html
+    m, html = run("other", froc_mpp=0.243, margin_um=50.0, itc_major_axis_um=200.0)
+    assert (m["margin_um"], m["itc_major_axis_um"], m["froc_mpp"]) == (50.0, 200.0, 0.243)
+    assert m["froc_protocol"] == "50 µm margin, 200 µm ITC limit, at 0.243 µm/px"
+    assert "CAMELYON16" not in html.split("<h2>Configuration</h2>")[0]
+    assert "FROC curve (50 µm margin, 200 µm ITC limit, at 0.243 µm/px)" in html

@@ -38,9 +38,10 @@ def _png(fig: Figure) -> bytes:
 
 
 def froc_png(curve: FrocCurve, *, score: float | None, fp_rates: Sequence[float] = FP_RATES,
-             sensitivities: Sequence[float] | None = None) -> bytes:
+             sensitivities: Sequence[float] | None = None, protocol: str | None = None) -> bytes:
     """The FROC curve (sensitivity against mean false positives per slide, linear axes up to past the
-    largest FP rate), with the operating points at ``fp_rates`` marked."""
+    largest FP rate), with the operating points at ``fp_rates`` marked; ``protocol`` (its settings, or
+    "CAMELYON16") goes under the title."""
     fig = Figure(figsize=(5.5, 4.2))
     ax = fig.add_subplot()
     x_max = max(max(fp_rates) * 1.06, 1.0)
@@ -55,7 +56,8 @@ def froc_png(curve: FrocCurve, *, score: float | None, fp_rates: Sequence[float]
     ax.set_xlabel("mean false positives per slide")
     ax.set_ylabel("sensitivity (lesions detected)")
     title = "FROC" if score is None or not np.isfinite(score) else f"FROC score {score:.3f}"
-    ax.set_title(f"{title}  ({curve.n_lesions} lesions, {curve.n_slides} slides)")
+    subtitle = "" if not protocol else f"\n{protocol}"
+    ax.set_title(f"{title}  ({curve.n_lesions} lesions, {curve.n_slides} slides){subtitle}", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()

@@ -89,7 +89,8 @@ def _metrics_table(metrics: Mapping[str, Any]) -> str:
 
     row("Instance AUC (patches)", metrics.get("instance_auc"), "instance_auc")
     row("Bag AUC (slides)", metrics.get("bag_auc"), "bag_auc")
-    row("FROC score (CAMELYON16)", metrics.get("froc"), "froc")
+    protocol = metrics.get("froc_protocol")  # "CAMELYON16" only with the challenge script's settings
+    row(f"FROC score ({protocol})" if protocol else "FROC score", metrics.get("froc"), "froc")
     rates = metrics.get("fp_rates") or []
     sens = metrics.get("froc_sensitivities") or []
     for rate, value in zip(rates, sens):

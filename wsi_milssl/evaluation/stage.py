@@ -60,7 +60,10 @@ from wsi_milssl.config.evaluate import EvaluateConfig
 from wsi_milssl.errors import EvaluationError, FolderLockedError, WsiMilsslError
 from wsi_milssl.evaluation.froc import (
     CAMELYON16_DOWNSAMPLE,
+    CAMELYON16_MPP,
     FP_RATES,
+    ITC_MAJOR_AXIS_UM,
+    MARGIN_UM,
     FrocCurve,
     SlideMatch,
     evaluation_mask,
@@ -272,6 +275,16 @@ def _evaluate_slide(
             inst = (frac >= config.positive_fraction).astype(np.uint8)
     return SlideResult(stem=stem, label=label, match=match, files=files, patch_probs=probs,
                        instance_labels=inst, mpp=mpp)
+
+
+def _froc_protocol(config: EvaluateConfig) -> str:
+    """"CAMELYON16" for the challenge script's settings (75 µm margin, 275 µm ITC limit, both measured at 0.243
+    µm/px on every slide), else the settings in words (e.g. "75 µm margin, 275 µm ITC limit, at each slide's
+    own µm/px"): the report and metrics.json call the FROC CAMELYON16's only when it is."""
+    if (config.margin_um, config.itc_major_axis_um, config.froc_mpp) == (MARGIN_UM, ITC_MAJOR_AXIS_UM, CAMELYON16_MPP):
+        return "CAMELYON16"
+    at = "at each slide's own µm/px" if config.froc_mpp is None else f"at {config.froc_mpp:g} µm/px"
+    return f"{config.margin_um:g} µm margin, {config.itc_major_axis_um:g} µm ITC limit, {at}"
 
 
 def _metric_value(metric: Metric) -> float | None:
@@ -753,6 +766,7 @@ def evaluate_predictions(
         reasons["bag_auc"] = bag_metric.reason
 
     n_patches = sum(int(r.patch_probs.shape[0]) for r in results if r.patch_probs is not None)
+    protocol = _froc_protocol(config)
     metrics: dict[str, Any] = {
         "instance_auc": _metric_value(inst_metric),
         "bag_auc": _metric_value(bag_metric),
@@ -761,6 +775,11 @@ def evaluate_predictions(
         "n_slides": curve.n_slides,
         "n_lesions": curve.n_lesions,
         "fp_rates": list(FP_RATES),
+        # the FROC's settings: the µm/px its margin and ITC limit were measured at (null: each slide's own)
+        "margin_um": config.margin_um,
+        "itc_major_axis_um": config.itc_major_axis_um,
+        "froc_mpp": config.froc_mpp,
+        "froc_protocol": protocol,
         "n_tumor_slides": sum(r.label for r in results),
         "n_normal_slides": sum(1 - r.label for r in results),
         "n_itc": sum(r.match.n_itc for r in results),
@@ -793,9 +812,9 @@ def evaluate_predictions(
         paths["froc_curve"] = atomic_write_csv(out_dir / names["froc_curve"], curve_rows, columns=FROC_CURVE_COLUMNS)
         plots: list[tuple[str, bytes]] = []
         if curve.n_lesions:
-            png = froc_png(curve, score=froc_value, sensitivities=sens_list)
+            png = froc_png(curve, score=froc_value, sensitivities=sens_list, protocol=protocol)
             paths["froc_png"] = atomic_write_bytes(out_dir / names["froc_png"], png)
-            plots.append(("FROC curve (CAMELYON16 protocol)", png))
+            plots.append((f"FROC curve ({'CAMELYON16 protocol' if protocol == 'CAMELYON16' else protocol})", png))
         for key, curve_roc, caption in (
             ("roc_instance_png", inst_roc, "Instance ROC (patches)"),
             ("roc_bag_png", bag_roc, "Bag ROC (slides)"),
@@ -831,6 +850,7 @@ def evaluate_predictions(
             },
             "protocol": {
                 "mask_downsample": CAMELYON16_DOWNSAMPLE, "margin_um": config.margin_um, "froc_mpp": config.froc_mpp,
+                "froc_protocol": protocol,
                 "itc_major_axis_um": config.itc_major_axis_um, "fp_rates": list(FP_RATES),
                 "positive_fraction": config.positive_fraction,
             },
