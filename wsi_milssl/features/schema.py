@@ -514,7 +514,8 @@ def read_feature_file(path: str | os.PathLike, *, instance_labels: bool = True) 
     file after the slide). Raises StoreError naming the file for one that cannot be opened, one of this
     project of another schema version (:func:`schema_version_error`), one with no
     ``features``, features that are not (N, D) (TRIDENT's empty (0,) counts as N = 0) or not all finite (in
-    float32, which models read them in), coordinates whose count differs, or instance labels other than 0
+    float32, which models read them in), coordinates that are not (N, 2) (or (N, 1, 2)), hold a patch twice
+    or whose count differs, or instance labels other than 0
     and 1; an HDF5 file that cannot be read (cut short) is called damaged,
     with the fix (:func:`damaged_message`). ``instance_labels`` False leaves them unread (None): a reader that
     never uses them (the heatmap) does not fail a file over them.
@@ -584,6 +585,36 @@ def schema_version_error(path: str | os.PathLike, attrs: Mapping[str, Any]) -> s
             f"attributes may mean something else here. Fix: {fix}.")
 
 
+def _coords(path: Path, raw: np.ndarray) -> np.ndarray:
+    """int64 (N, 2) coordinates from the stored ``coords``: (N, 2), or (N, 1, 2) as some tools write them
+    (empty ones of any shape: no patch). Raises StoreError naming the file for any other shape (a (2, N)
+    array, one x row and one y row, would pair the wrong values). Duplicate rows (two patches on one map
+    cell: one would overwrite the other) are refused by :func:`_check_duplicates`, as ``open_store``
+    refuses a store's."""
+    if raw.size == 0:
+        return np.zeros((0, 2), np.int64)
+    if not (raw.ndim == 2 and raw.shape[1] == 2) and not (raw.ndim == 3 and raw.shape[1:] == (1, 2)):
+        raise StoreError(f"{path}: 'coords' must be (N, 2), one (x, y) row per patch as CLAM and TRIDENT write it; got "
+                         f"shape {raw.shape}. Fix: write the coordinates as (N, 2) level-0 (x, y) rows (a (2, N) "
+                         "array: store its transpose).")
+    return raw.reshape(-1, 2).astype(np.int64, copy=False)
+
+
+def _check_duplicates(path: Path, coords: np.ndarray, bag_ids: list[str] | None) -> None:
+    """StoreError naming the file when two patches (of one bag, in a file of several) share (x, y)."""
+    if len(coords) < 2:
+        return
+    keys = [coords[:, 1], coords[:, 0]]
+    bags = np.unique(np.asarray(bag_ids), return_inverse=True)[1] if bag_ids is not None else np.zeros(len(coords))
+    order = np.lexsort((*keys, bags))
+    dup = np.flatnonzero((np.diff(coords[order], axis=0) == 0).all(axis=1) & (np.diff(bags[order]) == 0))
+    if dup.size:
+        x, y = (int(v) for v in coords[order[dup[0]]])
+        raise StoreError(f"{path}: 'coords' holds {dup.size} duplicate coordinate(s), e.g. ({x}, {y}), so two "
+                         "patches would fall on one map cell. Fix: write each patch once (extract the features "
+                         "again).")
+
+
 def _read_open_file(path: Path, fh, *, instance_labels: bool = True) -> FeatureFile:
     """The contents of the open feature file ``fh`` (:func:`read_feature_file`)."""
     version_error = schema_version_error(path, fh.attrs)
@@ -613,7 +644,7 @@ def _read_open_file(path: Path, fh, *, instance_labels: bool = True) -> FeatureF
                          "float32 values within that range.")
     coords = None
     if COORDS in fh:
-        coords = np.asarray(fh[COORDS][()]).astype(np.int64, copy=False).reshape(-1, 2)
+        coords = _coords(path, np.asarray(fh[COORDS][()]))
         if len(coords) != len(feats):
             raise StoreError(f"{path}: 'coords' has {len(coords)} rows but 'features' {len(feats)}. Fix: "
                              "extract the features again.")
@@ -626,6 +657,8 @@ def _read_open_file(path: Path, fh, *, instance_labels: bool = True) -> FeatureF
         bag_ids = [b.decode() if isinstance(b, bytes) else str(b) for b in np.asarray(fh[BAG_IDS][()]).tolist()]
         if len(bag_ids) != len(feats):
             raise StoreError(f"{path}: 'bag_ids' has {len(bag_ids)} rows but 'features' has {len(feats)}.")
+    if coords is not None:
+        _check_duplicates(path, coords, bag_ids)
     attrs = {k: _plain(v) for k, v in fh.attrs.items()}
     features_attrs = {k: _plain(v) for k, v in fh[FEATURES].attrs.items()}
     coords_attrs = {k: _plain(v) for k, v in fh[COORDS].attrs.items()} if COORDS in fh else {}

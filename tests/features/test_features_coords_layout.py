@@ -1,0 +1,71 @@
+"""Coordinates a feature file cannot mean as (N, 2) level-0 (x, y) rows are refused (finding 2 of the
+feature-file review): ``coords`` stored (2, N) was reshaped to (N, 2) and paired the wrong values, and
+duplicate coordinates overwrote each other's map cells; both now fail naming the file, as open_store
+refuses a store's duplicates. CLAM's (N, 1, 2) and TRIDENT's empty files still read."""
+
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import pytest
+
+from wsi_milssl.errors import StoreError
+from wsi_milssl.features import read_feature_file
+
+
+def _grid(rows=3, cols=4, step=256):
+    ys, xs = np.mgrid[0:rows, 0:cols]
+    return np.stack([xs.ravel() * step, ys.ravel() * step], axis=1)
+
+
+def _clam_file(path, coords, n=None):
+    n = len(_grid()) if n is None else n
+    with h5py.File(path, "w") as fh:
+        fh.create_dataset("features", data=np.random.default_rng(0).normal(size=(n, 4)).astype(np.float32))
+        fh.create_dataset("coords", data=coords)
+    return path
+
+
+def test_coords_stored_two_by_n_are_refused(tmp_path):
+    path = _clam_file(tmp_path / "s.h5", np.ascontiguousarray(_grid().T).astype(np.int32))
+    with pytest.raises(StoreError) as err:
+        read_feature_file(path)  # was: reshaped to (12, 2), x and y paired wrongly
+    msg = str(err.value)
+    assert str(path) in msg and "(2, 12)" in msg and "(N, 2)" in msg and "Fix:" in msg
+    flat = _clam_file(tmp_path / "f.h5", _grid().ravel())
+    with pytest.raises(StoreError, match=r"\(24,\)"):
+        read_feature_file(flat)
+
+
+def test_duplicate_coordinates_are_refused(tmp_path):
+    coords = _grid()
+    coords[5] = coords[2]
+    path = _clam_file(tmp_path / "s.h5", coords)
+    with pytest.raises(StoreError) as err:
+        read_feature_file(path)
+    msg = str(err.value)
+    assert str(path) in msg and "1 duplicate coordinate" in msg and f"({coords[2][0]}, {coords[2][1]})" in msg
+
+
+def test_n_by_one_by_two_and_empty_coords_still_read(tmp_path):
+    ff = read_feature_file(_clam_file(tmp_path / "a.h5", _grid()[:, None, :]))
+    np.testing.assert_array_equal(ff.coords, _grid())
+    ff = read_feature_file(_clam_file(tmp_path / "b.h5", _grid()))
+    np.testing.assert_array_equal(ff.coords, _grid())
+    with h5py.File(tmp_path / "e.h5", "w") as fh:  # TRIDENT's file of a slide without patches
+        fh.create_dataset("features", data=np.zeros(0, np.float32))
+        fh.create_dataset("coords", data=np.zeros(0, np.int64))
+    ff = read_feature_file(tmp_path / "e.h5")
+    assert len(ff) == 0 and ff.coords.shape == (0, 2)
+
+
+def test_one_position_in_two_bags_of_a_file_of_several_bags_is_no_duplicate(tmp_path):
+    coords = np.concatenate([_grid(), _grid()])
+    path = _clam_file(tmp_path / "bags.h5", coords, n=len(coords))
+    with h5py.File(path, "a") as fh:
+        fh.create_dataset("bag_ids", data=np.repeat([b"a", b"b"], len(_grid())))
+    assert len(read_feature_file(path)) == 24
+    with h5py.File(path, "a") as fh:
+        fh["bag_ids"][...] = np.repeat([b"a"], 24)
+    with pytest.raises(StoreError, match="12 duplicate"):
+        read_feature_file(path)
