@@ -386,8 +386,10 @@ class FeatureFile:
         from TRIDENT's ``coords`` attributes, else inferred from the coordinates (their common step).
         ``slide_mpp`` / ``slide_dimensions``: the slide's own facts, used where the file has none.
 
-        Raises StoreError (with the fix) when the level-0 µm/px is unknown or the coordinates are not
-        on one regular grid (CLAM and TRIDENT may grid each tissue region separately)."""
+        Raises StoreError (with the fix) when the level-0 µm/px is unknown, the coordinates are not
+        on one regular grid (CLAM and TRIDENT may grid each tissue region separately), or a patch starts
+        outside the slide where its level-0 size is known (the file's or the slide's):
+        another slide's file, or coordinates that are not level-0 pixels."""
         if self.coords is None:
             raise StoreError(f"{self.path}: no 'coords' dataset, so the features cannot be placed on the slide. "
                              "Fix: extract features with coordinates (wsi-milssl features, TRIDENT or CLAM).")
@@ -415,13 +417,15 @@ class FeatureFile:
                 "(tools that grid each tissue region separately place them so), so they cannot form a "
                 "probability map. Fix: extract features from stores made by `wsi-milssl tile` "
                 "(`wsi-milssl features STORES...`).")
-        dims = None
+        dims, dims_from = None, None
         if a.get("dimensions_lv0") is not None:
-            dims = tuple(int(v) for v in a["dimensions_lv0"])
+            dims, dims_from = tuple(int(v) for v in a["dimensions_lv0"]), "as the file records it"
         elif c.get("level0_width") is not None and c.get("level0_height") is not None:
-            dims = (int(c["level0_width"]), int(c["level0_height"]))
+            dims, dims_from = (int(c["level0_width"]), int(c["level0_height"])), "as the file records it"
         elif slide_dimensions is not None:
-            dims = (int(slide_dimensions[0]), int(slide_dimensions[1]))
+            dims, dims_from = (int(slide_dimensions[0]), int(slide_dimensions[1])), "the slide given"
+        if dims is not None:
+            self._check_inside(dims, patch_lv0, dims_from)
         elif len(coords):
             dims = (int(coords[:, 0].max()) + patch_lv0, int(coords[:, 1].max()) + patch_lv0)
             notes.append("slide size taken from the coordinates")
@@ -458,6 +462,25 @@ class FeatureFile:
                           patch_size_lv0=int(patch_lv0), grid_shape=(int(rows), int(cols)), dimensions_lv0=(w, h),
                           mpp=float(mpp), target_mpp=float(target_mpp), patch_size_px=int(patch_px),
                           notes=tuple(notes))
+
+
+    def _check_inside(self, dims: tuple[int, int], patch_lv0: int, dims_from: str) -> None:
+        """StoreError naming the file when a patch starts outside the slide of level-0 size ``dims``
+        (width, height; ``dims_from`` says where that came from) or ends before its left or top edge: the
+        file is another slide's, or its coordinates are not level-0 pixels. A patch overhanging the right
+        or bottom edge (by less than a patch) is normal."""
+        coords = self.coords
+        w, h = dims
+        outside = ((coords[:, 0] >= w) | (coords[:, 1] >= h) | (coords[:, 0] + patch_lv0 <= 0)
+                   | (coords[:, 1] + patch_lv0 <= 0))
+        if outside.any():
+            x, y = (int(v) for v in coords[np.flatnonzero(outside)[0]])
+            raise StoreError(
+                f"{self.path}: {int(outside.sum())} of {len(coords)} patches start outside the slide ({w} x {h} "
+                f"level-0 px, {dims_from}), e.g. at ({x}, {y}); the coordinates reach ({int(coords[:, 0].max())}, "
+                f"{int(coords[:, 1].max())}). So the file is not this slide's, or its coordinates are not level-0 "
+                "pixels. Fix: pass this slide's feature file, with coords in level-0 pixels (coordinates at a "
+                "tiling level must be multiplied by its downsample).")
 
 
 def _first_int(*values: Any) -> int | None:
