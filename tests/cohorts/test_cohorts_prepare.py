@@ -75,6 +75,8 @@ def test_camelyon16_as_downloaded_becomes_a_ready_pipeline(tmp_path):
     template = load_toml(Path(__file__).resolve().parents[2] / "pipelines" / "camelyon16.toml")
     for table in ("tile", "label", "train", "heatmap", "evaluate"):
         assert raw[table] == template[table], table
+    # the FROC of the challenge's own script (margin and ITC limit at 0.243 µm/px on every slide)
+    assert spec.section("evaluate")["froc_mpp"] == 0.243
     # tile reads the slide list as it is
     from wsi_milssl.tiling import find_slides
 
