@@ -343,7 +343,8 @@ class FeatureFile:
         of them (``settings_hash`` covers the encoder, its arguments and weights, the dtype, the input
         size and the precision; not the resolution, hence ``target_mpp`` and ``patch_size_px``);
         TRIDENT's the encoder and the resolution (from ``coords``' ``target_magnification`` and
-        ``patch_size``); CLAM's nothing. Random weights, whose ``encoder_weights_sha256`` attribute is
+        ``patch_size``); CLAM's nothing (its ``patch_size`` is at ``patch_level``: a level-0 size with
+        ``downsample``, :func:`clam_patch_size_lv0`, compared as a physical size when mapped). Random weights, whose ``encoder_weights_sha256`` attribute is
         '', count as the weights :data:`RANDOM_WEIGHTS` (another encoder than any weights file)."""
         a, c = self.attrs, self.coords_attrs
         out: dict[str, Any] = {"settings_hash": str(a.get("settings_hash") or "") or None, "encoder": self.encoder,
@@ -366,7 +367,9 @@ class FeatureFile:
 
             target_mpp = magnification_to_mpp(_first_float(c.get("target_magnification")))
         out["target_mpp"] = target_mpp
-        out["patch_size_px"] = _first_int(a.get("patch_size_px"), c.get("patch_size"))
+        # TRIDENT's coords patch_size is at its target magnification; CLAM's (and this project's, which
+        # also has patch_level) at patch_level, so no patch size at the target resolution
+        out["patch_size_px"] = _first_int(a.get("patch_size_px"), None if "patch_level" in c else c.get("patch_size"))
         return {k: v for k, v in out.items() if v is not None}
 
     def _random_weights(self) -> str | None:
@@ -380,13 +383,18 @@ class FeatureFile:
         random = self.attrs.get("encoder_weights") == RANDOM_WEIGHTS or recorded == RANDOM_WEIGHTS
         return RANDOM_WEIGHTS if random else None
 
-    def grid_layout(self, *, slide_mpp: float | None = None, slide_dimensions: tuple[int, int] | None = None
-                    ) -> GridLayout:
+    def grid_layout(self, *, slide_mpp: float | None = None, slide_dimensions: tuple[int, int] | None = None,
+                    trained_on: tuple[float, int] | None = None) -> GridLayout:
         """The grid of the patches, for a probability map: from this project's root attributes, else
-        from TRIDENT's ``coords`` attributes, else inferred from the coordinates (their common step).
+        from TRIDENT's or CLAM's ``coords`` attributes, else inferred from the coordinates (their common step).
         ``slide_mpp`` / ``slide_dimensions``: the slide's own facts, used where the file has none.
+        ``trained_on``: (target µm/px, patch side in px) of the patches a head was trained on, for a file
+        that records no patch size or resolution (CLAM's): their level-0 size at the slide's µm/px is the
+        least step the coordinates may take, and, where the file's physical patch size agrees, the
+        resolution recorded for the map.
 
-        Raises StoreError (with the fix) when the level-0 µm/px is unknown, the coordinates are not
+        Raises StoreError (with the fix) when the level-0 µm/px is unknown, the coordinates step by less
+        than a level-0 patch with no overlap declared (coordinates at the tiling level, not level 0), are not
         on one regular grid (CLAM and TRIDENT may grid each tissue region separately), or a patch starts
         outside the slide where its level-0 size is known (the file's or the slide's):
         another slide's file, or coordinates that are not level-0 pixels."""
@@ -395,16 +403,56 @@ class FeatureFile:
                              "Fix: extract features with coordinates (wsi-milssl features, TRIDENT or CLAM).")
         a, c, notes = self.attrs, self.coords_attrs, []
         coords = self.coords
-        patch_lv0 = _first_int(a.get("patch_size_lv0"), c.get("patch_size_level0"))
-        if patch_lv0 is None and c.get("patch_size") is not None and c.get("downsample") is not None:
-            patch_lv0 = int(round(float(c["patch_size"]) * float(np.ravel(c["downsample"])[0])))
+        mpp = _first_float(a.get("mpp"), slide_mpp)
+        if mpp is None and c.get("level0_magnification") not in (None, "None"):
+            from wsi_milssl.slide.resolution import magnification_to_mpp
+
+            mpp = magnification_to_mpp(float(c["level0_magnification"]))
+            notes.append(f"level-0 {mpp:g} µm/px from level0_magnification {float(c['level0_magnification']):g}x")
+        if mpp is None:
+            raise StoreError(f"{self.path}: the level-0 µm/px of the slide is not recorded. Fix: pass the slide (SLIDE "
+                             "arguments) or --slide-mpp.")
+        patch_lv0, why = _first_int(a.get("patch_size_lv0")), "its patch_size_lv0 attribute"
+        if patch_lv0 is None:
+            patch_lv0, why = _first_int(c.get("patch_size_level0")), "TRIDENT's patch_size_level0 attribute"
+        if patch_lv0 is None:
+            patch_lv0 = clam_patch_size_lv0(c)
+            why = (f"CLAM's patch_size {_plain(c.get('patch_size'))} at patch_level {_plain(c.get('patch_level'))}, "
+                   f"downsample {_first_float(*np.ravel(c.get('downsample', [])).tolist()) or 1:g}")
+        target_mpp, patch_px = _first_float(a.get("target_mpp")), _first_int(a.get("patch_size_px"))
+        if target_mpp is None and c.get("target_magnification") not in (None, "None"):
+            from wsi_milssl.slide.resolution import magnification_to_mpp
+
+            target_mpp = magnification_to_mpp(float(c["target_magnification"]))
+        if patch_px is None and "patch_level" not in c:
+            patch_px = _first_int(c.get("patch_size"))  # TRIDENT's: at the target magnification
+        trained_lv0 = None
+        if trained_on is not None:
+            trained_lv0 = int(round(trained_on[0] * trained_on[1] / mpp))
         stride = _first_int(a.get("stride_lv0"))
         if stride is None and patch_lv0 is not None and c.get("overlap") is not None and c.get("patch_size"):
             overlap = float(c["overlap"])
             stride = int(round(patch_lv0 * (1.0 - overlap / float(c["patch_size"]))))
+        step = _grid_step(coords)
+        least, least_why = stride, "the stride its attributes give"
+        if least is None and patch_lv0 is not None:
+            least, least_why = patch_lv0, f"the level-0 patch size, from {why}"
+        if least is None and trained_lv0 is not None and target_mpp is None and patch_px is None:
+            least, least_why = trained_lv0, (f"the level-0 size of the patches the head was trained on: "
+                                             f"{trained_on[1]} px at {trained_on[0]:g} µm/px, at this slide's "
+                                             f"{mpp:g} µm/px")
+        if step is not None and least is not None and step < 0.99 * least:
+            raise StoreError(
+                f"{self.path}: the coordinates step by {step} px, less than {least} px ({least_why}), so the "
+                f"patches would overlap {least / step:.3g}x over: coordinates at the tiling level, not level 0. "
+                "Fix: coords must be level-0 pixels (multiply coordinates of a tiling level by its downsample); "
+                "tools that tile with overlap must record it (TRIDENT's 'overlap' attribute of coords).")
         if stride is None or stride < 1:
-            stride = _common_step(coords)
+            stride = step or _common_step(coords)
             notes.append(f"stride {stride} level-0 px inferred from the coordinates")
+        if patch_lv0 is None and trained_lv0 is not None and target_mpp is None and patch_px is None:
+            patch_lv0 = trained_lv0
+            notes.append(f"patch size {patch_lv0} level-0 px: that of the patches the head was trained on")
         if patch_lv0 is None:
             patch_lv0 = stride
             notes.append("patch size taken as the stride (no attribute says otherwise)")
@@ -431,38 +479,25 @@ class FeatureFile:
             notes.append("slide size taken from the coordinates")
         else:
             dims = (patch_lv0, patch_lv0)
-        mpp = _first_float(a.get("mpp"), slide_mpp)
-        if mpp is None and c.get("level0_magnification") not in (None, "None"):
-            from wsi_milssl.slide.resolution import magnification_to_mpp
-
-            mpp = magnification_to_mpp(float(c["level0_magnification"]))
-            notes.append(f"level-0 {mpp:g} µm/px from level0_magnification {float(c['level0_magnification']):g}x")
-        if mpp is None:
-            raise StoreError(f"{self.path}: the level-0 µm/px of the slide is not recorded. Fix: pass the slide (SLIDE "
-                             "arguments) or --slide-mpp.")
         w, h = dims
         cols = (w - origin[0] - patch_lv0) // stride + 1 if w - origin[0] >= patch_lv0 else 0
         rows = (h - origin[1] - patch_lv0) // stride + 1 if h - origin[1] >= patch_lv0 else 0
         if len(coords):
             cols = max(cols, int((coords[:, 0].max() - origin[0]) // stride) + 1)
             rows = max(rows, int((coords[:, 1].max() - origin[1]) // stride) + 1)
-        target_mpp = _first_float(a.get("target_mpp"))
-        patch_px = _first_int(a.get("patch_size_px"))
+        if target_mpp is None and patch_px is None and trained_on is not None and \
+                math.isclose(patch_lv0 * mpp, trained_on[0] * trained_on[1], rel_tol=0.02):
+            target_mpp, patch_px = float(trained_on[0]), int(trained_on[1])  # the head's patches, as CLAM cut them
+            notes.append(f"resolution {target_mpp:g} µm/px, {patch_px} px patches: those the head was trained on "
+                         "(the file records none; its patches are of the same physical size)")
         if target_mpp is None:
-            mag = c.get("target_magnification")
-            if mag not in (None, "None"):
-                from wsi_milssl.slide.resolution import magnification_to_mpp
-
-                target_mpp = magnification_to_mpp(float(mag))
-            else:
-                target_mpp = mpp
+            target_mpp = mpp if patch_px is None else patch_lv0 * mpp / patch_px
         if patch_px is None:
             patch_px = int(round(patch_lv0 * mpp / target_mpp))
         return GridLayout(origin_lv0=(int(origin[0]), int(origin[1])), stride_lv0=int(stride),
                           patch_size_lv0=int(patch_lv0), grid_shape=(int(rows), int(cols)), dimensions_lv0=(w, h),
                           mpp=float(mpp), target_mpp=float(target_mpp), patch_size_px=int(patch_px),
                           notes=tuple(notes))
-
 
     def _check_inside(self, dims: tuple[int, int], patch_lv0: int, dims_from: str) -> None:
         """StoreError naming the file when a patch starts outside the slide of level-0 size ``dims``
@@ -503,6 +538,27 @@ def _first_float(*values: Any) -> float | None:
             if math.isfinite(f) and f > 0:
                 return f
     return None
+
+
+def clam_patch_size_lv0(coords_attrs: Mapping[str, Any]) -> int | None:
+    """The level-0 patch side CLAM's ``coords`` attributes give: ``patch_size`` (at ``patch_level``) times
+    that level's ``downsample``; None without both (TRIDENT's ``patch_size`` is at its target
+    magnification, and it records ``patch_size_level0``)."""
+    size = _first_float(_plain(coords_attrs.get("patch_size")))
+    if size is None or coords_attrs.get("downsample") is None:
+        return None
+    downsample = _first_float(*np.ravel(np.asarray(_plain(coords_attrs["downsample"]), dtype=object)).tolist())
+    return None if downsample is None else int(round(size * downsample))
+
+
+def _grid_step(coords: np.ndarray) -> int | None:
+    """The common step of ``coords`` (:func:`_common_step`) when they lie on one regular grid of it, else
+    None (no two distinct positions, or patches gridded region by region: the grid check says so)."""
+    if len(coords) < 2 or (len(np.unique(coords[:, 0])) < 2 and len(np.unique(coords[:, 1])) < 2):
+        return None
+    step = _common_step(coords)
+    origin = coords.min(axis=0) % step
+    return step if not ((coords - origin) % step != 0).any() else None
 
 
 def _common_step(coords: np.ndarray) -> int:

@@ -197,10 +197,35 @@ def feature_slide_mismatch(ff, slide: Path, *, dimensions: tuple[int, int] | Non
     return None
 
 
+def _trained_on(head: FeatureHead | None) -> tuple[float, int] | None:
+    """(target µm/px, patch side in px) of the patches the head was trained on, when its files recorded both."""
+    fs = head.feature_settings if head is not None else {}
+    if fs.get("target_mpp") is None or fs.get("patch_size_px") is None:
+        return None
+    return float(fs["target_mpp"]), int(fs["patch_size_px"])
+
+
+def _check_patch_size(ff, layout, head: FeatureHead | None) -> None:
+    """StoreError when a file that records no resolution of its own (CLAM's) holds patches of another
+    physical size (level-0 size x µm/px) than those the head was trained on (what it records of them)."""
+    trained, fs = _trained_on(head), ff.feature_settings
+    if trained is None or (fs.get("target_mpp") is not None and fs.get("patch_size_px") is not None):
+        return  # the recorded settings were compared (_check_fit)
+    um, trained_um = layout.patch_size_lv0 * layout.mpp, trained[0] * trained[1]
+    if not np.isclose(um, trained_um, rtol=0.02):
+        raise StoreError(
+            f"{ff.path}: patches of {um:g} µm ({layout.patch_size_lv0} level-0 px at {layout.mpp:g} µm/px), but the "
+            f"head {head.checkpoint_path} was trained on patches of {trained_um:g} µm ({trained[1]} px at "
+            f"{trained[0]:g} µm/px). Fix: pass feature files of patches of the training size (coords in level-0 "
+            "pixels, CLAM's patch_size at its patch_level).")
+
+
 def _prediction(ff, probs: np.ndarray, *, slide_path: Path | None, config: HeatmapConfig, seconds: float,
-                facts: tuple[float | None, tuple[int, int] | None] | None = None) -> SlidePrediction:
+                facts: tuple[float | None, tuple[int, int] | None] | None = None,
+                head: FeatureHead | None = None) -> SlidePrediction:
     mpp, dims = facts if facts is not None else _slide_facts(slide_path, config.slide_mpp)
-    layout = ff.grid_layout(slide_mpp=mpp, slide_dimensions=dims)
+    layout = ff.grid_layout(slide_mpp=mpp, slide_dimensions=dims, trained_on=_trained_on(head))
+    _check_patch_size(ff, layout, head)
     for note in layout.notes:
         logger.info("%s: %s", ff.path, note)
     attrs = ff.attrs
@@ -298,7 +323,7 @@ def _make_feature_heatmaps(files: list[Path], head: FeatureHead, out_dir: Path, 
             else:
                 probs = head.probabilities(ff.features, batch_size=max(1024, config.batch_size))
                 pred = _prediction(ff, probs, slide_path=slide_path, config=config, seconds=time.perf_counter() - t0,
-                                   facts=facts)
+                                   facts=facts, head=head)
                 bad = non_finite_error(pred, head)  # a diverged head: fail this slide before writing anything
                 if isinstance(bad, StoreError):  # the inputs: name the feature file to check
                     raise StoreError(f"{path}: {bad}")
