@@ -25,6 +25,10 @@ from wsi_milssl.atomic import find_write_error, output_error, temp_path
 from wsi_milssl.errors import StoreError
 from wsi_milssl.store import schema
 
+#: The root ``schema`` attribute of a feature file (``wsi_milssl.features.schema.SCHEMA``), which may sit
+#: where a store is expected (same .h5 suffix) and must not be called an incomplete store.
+_FEATURES_SCHEMA = "wsi-milssl-features"
+
 __all__ = [
     "MAX_PATCHES",
     "PatchStore",
@@ -358,6 +362,15 @@ class PatchStore(ABC):
                 f"cannot read the patch store ({type(exc).__name__}: {exc})",
                 "the store is corrupt or not a wsi-milssl store; delete it and re-run `wsi-milssl tile`",
             ) from None
+        if attrs.get("schema") == _FEATURES_SCHEMA:
+            self.close()
+            made_from = str(attrs.get("store_path") or "")
+            raise self._fail(
+                "this is a feature file (`wsi-milssl features`), not a patch store",
+                f"pass the patch stores (`wsi-milssl tile` output{f', e.g. {made_from}, which it was made from' if made_from else ''}); "
+                "feature files are read by `wsi-milssl train FEATURES` (feature mode) and `wsi-milssl heatmap "
+                "--features FEATURES`; tile into another folder with --out, not the features' folder",
+            )
         version = attrs.get("schema_version")
         if version is None:
             self.close()
