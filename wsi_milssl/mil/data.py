@@ -299,8 +299,13 @@ def read_feature_files(paths: Iterable[str | os.PathLike], labels: dict[str, int
     if not paths:
         raise ConfigError("no feature files given; pass one or more .h5 files holding a 'features' dataset.")
     used: list[Path] = []
+    unreadable: list[str] = []
     for path in paths:
-        ff = read_feature_file(path)
+        try:
+            ff = read_feature_file(path)
+        except StoreError as exc:  # read on: every such file is named in one error
+            unreadable.append(str(exc))
+            continue
         if len(ff) == 0:
             log.warning("%s: no feature rows (a slide without patches); left out of the training set.", path)
             continue
@@ -327,6 +332,8 @@ def read_feature_files(paths: Iterable[str | os.PathLike], labels: dict[str, int
         feats_all.append(feats)
         bag_all.append(np.array([index[b] for b in file_bags], dtype=np.int64))
         used.append(path)
+    if unreadable:
+        raise StoreError(_unreadable_message(unreadable, len(paths), "feature files"))
     if not feats_all:
         raise StoreError(f"{', '.join(str(p) for p in paths[:3])}: no feature rows in any file; extract features "
                          "of slides with patches.")
@@ -468,8 +475,14 @@ def read_patch_stores(paths: Iterable[str | os.PathLike], labels: dict[str, int]
     names, sources, bag_labels, ids, local, inst, used = [], [], [], [], [], [], []
     have_inst = True
     settings: dict | None = None
+    unreadable: list[str] = []
     for sp in store_paths:
-        with open_store(sp) as store:
+        try:
+            opened = open_store(sp)
+        except StoreError as exc:  # read on: every such store is named in one error
+            unreadable.append(str(exc))
+            continue
+        with opened as store:
             if not store.has("patches"):
                 raise StoreError(f"{sp}: the store holds no patch pixels; re-tile with pixels stored "
                                  "(not 'none') to train on images.")
@@ -514,6 +527,8 @@ def read_patch_stores(paths: Iterable[str | os.PathLike], labels: dict[str, int]
         ids.append(np.full(n, len(used), dtype=np.int64))
         local.append(np.arange(n, dtype=np.int64))
         used.append(sp)
+    if unreadable:
+        raise StoreError(_unreadable_message(unreadable, len(store_paths), "stores"))
     if not used:
         raise StoreError(f"{', '.join(str(p) for p in store_paths[:3])}{' ...' if len(store_paths) > 3 else ''}: the "
                          "stores hold no patches; check the tiling settings (tissue/entropy filters).")
@@ -523,6 +538,15 @@ def read_patch_stores(paths: Iterable[str | os.PathLike], labels: dict[str, int]
                        store_paths=[str(p) for p in used], bag_sources=sources,
                        local_index=np.concatenate(local),
                        settings=settings or {}, source=str(used[0]))
+
+
+def _unreadable_message(errors: list[str], n: int, what: str) -> str:
+    """One error naming every input that cannot be read (``errors``: each one's own message, which names it
+    and its fix), so that a folder with several damaged files is mended in one go."""
+    if len(errors) == 1:
+        return errors[0]
+    return (f"{len(errors)} of {n} {what} cannot be read; nothing was trained. Mend or remove each (its own fix "
+            "follows):\n" + "\n".join(f"  - {e}" for e in errors))
 
 
 def _plain_attr(value):
