@@ -58,8 +58,10 @@ def test_info_marks_magnifications_that_would_upsample(slides, capsys):
 
 
 def test_info_into_a_closed_pipe_is_quiet(synth_slides):
-    """Row 15: `wsi-milssl info SLIDE | head` ended with a BrokenPipeError traceback."""
-    proc = subprocess.Popen([sys.executable, "-m", "wsi_milssl", "info", *[str(synth_slides["tumor"])] * 60],
+    """Row 15: `wsi-milssl info SLIDE | head` ended with a BrokenPipeError traceback. 300 slides write about
+    190 KB, more than a pipe holds (64 KB), so the child is still writing when the reader goes away however
+    late this process closes it (60 slides fit in the pipe: a test held up for 1.5 s saw exit 0, review AE)."""
+    proc = subprocess.Popen([sys.executable, "-m", "wsi_milssl", "info", *[str(synth_slides["tumor"])] * 300],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     first = proc.stdout.readline()  # a reader that takes one line and goes away, as `head -1` does
     proc.stdout.close()
