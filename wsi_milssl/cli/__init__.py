@@ -30,7 +30,7 @@ from pathlib import Path
 from wsi_milssl import __version__
 from wsi_milssl.errors import WsiMilsslError
 
-__all__ = ["main", "build_parser", "COMMANDS"]
+__all__ = ["main", "build_parser", "report_error", "COMMANDS"]
 
 # Subcommand name -> module under wsi_milssl.cli. Later stages add their line here.
 COMMANDS = {
@@ -132,6 +132,8 @@ def _command_in(argv: list[str]) -> str | None:
 
 
 _OUR_HANDLERS: list[logging.Handler] = []
+#: The --log-file's handler of this run (None without --log-file): where :func:`report_error` logs.
+_LOG_FILE_HANDLER: logging.Handler | None = None
 
 
 def _configure_output(*, verbose: int, quiet: int, log_file: Path | None, tag: str = "",
@@ -142,6 +144,8 @@ def _configure_output(*, verbose: int, quiet: int, log_file: Path | None, tag: s
     this level anywhere (WARNING for train's ranks other than 0, whose progress rank 0 reports)."""
     from wsi_milssl.cli.progress import configure_progress_lines
 
+    global _LOG_FILE_HANDLER
+    _LOG_FILE_HANDLER = None
     level = max(logging.ERROR if quiet else logging.WARNING - 10 * min(verbose, 2), floor)
     root = logging.getLogger()
     for handler in _OUR_HANDLERS:  # main() may run more than once in a process (tests)
@@ -167,6 +171,7 @@ def _configure_output(*, verbose: int, quiet: int, log_file: Path | None, tag: s
     for handler in handlers:
         root.addHandler(handler)
         _OUR_HANDLERS.append(handler)
+    _LOG_FILE_HANDLER = file_handler
     root.setLevel(min(h.level for h in handlers))
     configure_progress_lines(stderr=not quiet and not sys.stderr.isatty(), log_handler=file_handler,
                              bars=False if quiet else None, tag=tag)
@@ -184,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     tag = f"[rank {rank}] " if rank else ""
     floor = logging.WARNING if rank and args.command == "train" else logging.NOTSET
     try:
-        log_handler = _configure_output(verbose=verbose, quiet=quiet, log_file=log_file, tag=tag, floor=floor)
+        _configure_output(verbose=verbose, quiet=quiet, log_file=log_file, tag=tag, floor=floor)
     except WsiMilsslError as exc:
         print(f"{tag}error: {exc}", file=sys.stderr)
         return 2
@@ -193,8 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank and os.environ.get("TORCHELASTIC_RUN_ID"):
             # torchrun's agent ends every rank as soon as rank 0 exits: rank 0 alone says it
             time.sleep(RANK0_WAIT_S)
-        _report(refusal, log_handler, tag)
-        return 2
+        return report_error(refusal, code=2, tag=tag)
     try:
         code = int(args.run(args) or 0)
     except BrokenPipeError:
@@ -202,11 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     except (FileExistsError, NotADirectoryError, IsADirectoryError) as exc:
         if exc.filename is None:
             raise
-        code = _report(_in_the_way(exc), log_handler, tag)
+        code = report_error(_in_the_way(exc), code=1, tag=tag)
     except WsiMilsslError as exc:
-        code = _report(exc, log_handler, tag)
+        code = report_error(exc, code=1, tag=tag)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
+        _log_to_file("interrupted")  # a batch run's log then says why it stopped
         code = 130
     try:
         sys.stdout.flush()  # a closed pipe shows here, not as a traceback at interpreter exit
@@ -260,13 +265,20 @@ def _in_the_way(exc: OSError) -> WsiMilsslError:
                           "the file away.")
 
 
-def _report(exc: WsiMilsslError, log_handler: logging.Handler | None, tag: str = "") -> int:
-    """Print ``error: ...`` (and log it to the log file), after ``tag`` (``[rank r] ``); exit code 1."""
-    print(f"{tag}error: {exc}", file=sys.stderr)
-    if log_handler is not None:
-        log_handler.handle(logging.makeLogRecord({"name": "wsi_milssl.cli", "levelno": logging.ERROR,
-                                                  "levelname": "ERROR", "msg": f"error: {exc}"}))
-    return 1
+def report_error(error: object, *, code: int, tag: str = "") -> int:
+    """Print ``error: {error}`` to stderr, after ``tag`` (``[rank r] ``), and log it to the ``--log-file``
+    (if any, whatever -q says); returns ``code``, the exit code. Every subcommand's error path goes
+    through this, so that the log of a batch run (nohup, sbatch) that ended on an error says why."""
+    print(f"{tag}error: {error}", file=sys.stderr)
+    _log_to_file(f"error: {error}")
+    return code
+
+
+def _log_to_file(message: str) -> None:
+    """An ERROR record of ``message`` to the ``--log-file`` only (stderr has the line already)."""
+    if _LOG_FILE_HANDLER is not None:
+        _LOG_FILE_HANDLER.handle(logging.makeLogRecord({"name": "wsi_milssl.cli", "levelno": logging.ERROR,
+                                                        "levelname": "ERROR", "msg": message}))
 
 
 def _stdout_closed() -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from wsi_milssl.cli.label import _groups
@@ -110,6 +109,7 @@ def _fmt(value) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from wsi_milssl.cli import report_error
     from wsi_milssl.cli.progress import TqdmProgress
     from wsi_milssl.evaluation import evaluate_predictions
 
@@ -118,8 +118,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = evaluate_config_from_args(args)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return report_error(exc, code=2)
     with TqdmProgress() as progress:
         result = evaluate_predictions(
             args.predictions, labels_csv=args.labels, out_dir=args.out, annotations_dir=args.annotations,

@@ -138,6 +138,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from wsi_milssl.cli import report_error
     from wsi_milssl.cli.progress import TqdmProgress
     from wsi_milssl.errors import ConfigError
     from wsi_milssl.features import extract_features
@@ -146,8 +147,7 @@ def run(args: argparse.Namespace) -> int:
         config = features_config_from_args(args)
         tile = _tile_config(args)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return report_error(exc, code=2)
     with TqdmProgress() as progress:
         result = extract_features(args.inputs, args.out, config, tile=tile, overwrite=args.overwrite,
                                   progress=progress)

@@ -176,6 +176,7 @@ def _use_local_gpu(local_rank: int) -> None:
 
 def _run_features(args: argparse.Namespace) -> int:
     """``--features``: a feature head's probabilities on the feature files' coordinates."""
+    from wsi_milssl.cli import report_error
     from wsi_milssl.cli.progress import TqdmProgress
     from wsi_milssl.cli.sharding import shard_from_args
     from wsi_milssl.errors import ConfigError
@@ -193,8 +194,7 @@ def _run_features(args: argparse.Namespace) -> int:
         config = heatmap_config_from_args(args)
         slides = find_slides(args.slides) if args.slides else []
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return report_error(exc, code=2)
     with TqdmProgress() as progress:
         result = make_feature_heatmaps(args.features, args.model, args.out, config, slides=slides,
                                        annotations_dir=args.annotations, progress=progress)
@@ -204,6 +204,7 @@ def _run_features(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "features", None) is not None:
         return _run_features(args)
+    from wsi_milssl.cli import report_error
     from wsi_milssl.cli.progress import TqdmProgress
     from wsi_milssl.errors import ConfigError
     from wsi_milssl.inference import make_heatmaps
@@ -219,8 +220,7 @@ def run(args: argparse.Namespace) -> int:
         if not slides and args.store is None:
             raise ConfigError("no slides given; pass SLIDE files or folders, or --store with patch stores.")
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return report_error(exc, code=2)
     with TqdmProgress() as progress:
         env = torchrun_env()
         if env is not None and config.device != "cpu":

@@ -94,6 +94,7 @@ def check_options(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
+    from wsi_milssl.cli import report_error
     from wsi_milssl.errors import WsiMilsslError
 
     check_options(args)
@@ -105,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
             text = describe_slide(path, mpp=args.mpp, magnifications=args.magnifications, mpp_at_40x=args.mpp_at_40x)
         except WsiMilsslError as exc:  # one bad slide is reported, the others are still described
             sys.stdout.flush()
-            print(f"error: {exc}", file=sys.stderr)
+            report_error(exc, code=1)
             failed += 1
             continue
         print(text)

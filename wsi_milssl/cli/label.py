@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from wsi_milssl.config.label import LabelConfig
@@ -92,6 +91,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from wsi_milssl.cli import report_error
     from wsi_milssl.cli.progress import TqdmProgress
     from wsi_milssl.cli.sharding import failed_exit, shard_from_args
     from wsi_milssl.labeling import label_stores
@@ -99,8 +99,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         shard = shard_from_args(args)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return report_error(exc, code=2)
     config = label_config_from_args(args)
     with TqdmProgress() as progress:
         report = label_stores(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from wsi_milssl.distributed import Shard, parse_shard, slide_shard, wait_for_ranks
 from wsi_milssl.errors import ConfigError
@@ -45,7 +44,8 @@ def shard_from_args(args: argparse.Namespace) -> Shard:
 def failed_exit(args: argparse.Namespace, shard: Shard, n_failed: int, *,
                 status_csv: str | os.PathLike, what: str = "slide(s) failed") -> int:
     """The exit code of a slide stage's run (or shard ``shard``): 0, or 1 when ``n_failed`` items failed
-    (``what`` says how), after a line to stderr saying how many and where their errors are (``status_csv``).
+    (``what`` says how), after an ``error:`` line to stderr and the log file saying how many and where their
+    errors are (``status_csv``).
 
     Under torchrun (no ``--shard``) every rank first waits until all ranks have got here
     (:func:`wsi_milssl.distributed.wait_for_ranks`): torchrun ends every rank as soon as one exits
@@ -56,5 +56,6 @@ def failed_exit(args: argparse.Namespace, shard: Shard, n_failed: int, *,
     if not n_failed:
         return 0
     part = f" (shard {shard[0]}/{shard[1]})" if shard[1] > 1 else ""
-    print(f"error: {n_failed} {what}{part}; see {status_csv}", file=sys.stderr)
-    return 1
+    from wsi_milssl.cli import report_error
+
+    return report_error(f"{n_failed} {what}{part}; see {status_csv}", code=1)

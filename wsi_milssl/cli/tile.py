@@ -101,6 +101,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from wsi_milssl.cli import report_error
     from wsi_milssl.cli.progress import TqdmProgress
     from wsi_milssl.cli.sharding import failed_exit, shard_from_args
     from wsi_milssl.tiling import find_slides, tile_slides
@@ -110,14 +111,12 @@ def run(args: argparse.Namespace) -> int:
         config = tile_config_from_args(args)
         slides = find_slides(args.slides, keep_missing=True)  # a missing slide fails alone
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return report_error(exc, code=2)
     try:
         with TqdmProgress() as progress:
             result = tile_slides(slides, args.out, config, overwrite=args.overwrite, progress=progress, shard=shard)
     except StoreError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return report_error(exc, code=2)
     counts = {k: sum(r.status == k for r in result.results) for k in ("ok", "skipped", "failed")}
     n_patches = sum(r.n_patches for r in result.results)
     part = f" (shard {shard[0]}/{shard[1]})" if shard[1] > 1 else ""

@@ -1,0 +1,89 @@
+"""Every ``error: ...`` line and ``interrupted`` also reach ``--log-file`` (review AG): a batch run
+(nohup, sbatch) that ended on a usage error, a failed slide or Ctrl-C leaves a log that says so,
+not an empty log or one that just stops. stderr and the exit codes are as before."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import wsi_milssl.cli.synth as synth_cli
+from wsi_milssl.cli import main
+from wsi_milssl.config import SynthConfig
+from wsi_milssl.synth import generate_slides
+
+STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d"
+
+
+@pytest.fixture(scope="module")
+def small_slide(tmp_path_factory):
+    """One 1024 x 1024 px generated slide (fast to tile)."""
+    out = tmp_path_factory.mktemp("slides")
+    generate_slides(SynthConfig(n_slides=1, seed=3, width_px=1024, height_px=1024), out)
+    return out / "synth_000.tif"
+
+
+def _logged_error(log, stderr: str) -> str:
+    """The error line of stderr, checked to be in the log file with a timestamp; returns it."""
+    lines = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, stderr
+    assert log.exists(), "no log file"
+    text = log.read_text()
+    assert re.search(rf"^{STAMP} ERROR wsi_milssl.cli: {re.escape(lines[0])}$", text, re.M), text
+    return lines[0]
+
+
+def _usage_errors(slide, tmp_path):
+    missing = str(tmp_path / "none")
+    return {
+        "tile": ["tile", str(slide), "--out", str(tmp_path / "t"), "--workers", "0"],
+        "heatmap": ["heatmap", str(slide), "--model", missing, "--out", str(tmp_path / "h"), "--alpha", "3"],
+        "features": ["features", str(slide), "--out", str(tmp_path / "f"), "--input-size", "0"],
+        "evaluate": ["evaluate", "--predictions", missing, "--annotations", missing, "--slides", missing,
+                     "--labels", missing, "--out", str(tmp_path / "e"), "--positive-fraction", "2"],
+        "label": ["label", missing, "--annotations", missing, "--out", str(tmp_path / "l")],
+    }
+
+
+@pytest.mark.parametrize("command", ["tile", "heatmap", "features", "evaluate", "label"])
+def test_usage_errors_reach_the_log_file(small_slide, tmp_path, capsys, monkeypatch, command):
+    if command == "label":
+        monkeypatch.setenv("RANK", "x")  # a malformed torchrun environment: label's one usage error
+        monkeypatch.setenv("WORLD_SIZE", "2")
+    log = tmp_path / "logs" / "e.log"
+    assert main([*_usage_errors(small_slide, tmp_path)[command], "-q", "--log-file", str(log)]) == 2
+    _logged_error(log, capsys.readouterr().err)
+
+
+def test_tile_store_error_reaches_the_log_file(small_slide, tmp_path, capsys):
+    out = tmp_path / "tiles"
+    assert main(["tile", str(small_slide), "--out", str(out), "--workers", "1", "-q"]) == 0
+    capsys.readouterr()
+    log = tmp_path / "t.log"
+    assert main(["tile", str(small_slide), "--out", str(out), "--workers", "1", "--patch-size", "128", "-q",
+                 "--log-file", str(log)]) == 2
+    assert "different settings" in _logged_error(log, capsys.readouterr().err)
+
+
+def test_failed_slides_line_reaches_the_log_file(tmp_path, capsys):
+    log = tmp_path / "t.log"
+    assert main(["tile", str(tmp_path / "gone.tif"), "--out", str(tmp_path / "t"), "-q", "--log-file", str(log)]) == 1
+    assert "1 slide(s) failed; see" in _logged_error(log, capsys.readouterr().err)
+
+
+def test_info_error_reaches_the_log_file(tmp_path, capsys):
+    log = tmp_path / "i.log"
+    assert main(["info", str(tmp_path / "gone.tif"), "--log-file", str(log)]) == 1
+    _logged_error(log, capsys.readouterr().err)
+
+
+def test_interrupted_reaches_the_log_file(tmp_path, capsys, monkeypatch):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(synth_cli, "run", interrupted)  # Ctrl-C while synth runs
+    log = tmp_path / "i.log"
+    assert main(["synth", str(tmp_path / "s"), "--slides", "1", "--log-file", str(log)]) == 130
+    assert capsys.readouterr().err.splitlines()[-1] == "interrupted"
+    assert re.search(rf"^{STAMP} ERROR wsi_milssl.cli: interrupted$", log.read_text(), re.M), log.read_text()
