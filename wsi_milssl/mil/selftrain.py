@@ -386,7 +386,8 @@ def train_one_epoch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, in
     Refreshes the pseudo labels every ``config.refresh_every`` steps (counted globally from ``step``)
     when that is > 0 and ``refresh`` (False during warm-up epochs). Records training probabilities into ``state.online_probs``. Returns
     ``{"loss": mean loss, "steps": steps taken, "instances": instances seen}`` (of this rank: ``order``
-    is this rank's share when several ranks train, and ``model`` their DistributedDataParallel wrapper).
+    is this rank's share when several ranks train, and ``model`` their DistributedDataParallel wrapper),
+and ``"refresh_seconds"``: the time spent refreshing pseudo labels within the pass (not training).
 
     The loop never waits for the device: targets, the running loss and the probabilities of the pass
     live on the device and are read back once at the end (and with the loss in a progress event at
@@ -403,17 +404,19 @@ def train_one_epoch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, in
         neg_weights = neg_weights.to(dev)
     online = state.online_probs.to(dev)
     total_loss = torch.zeros((), dtype=torch.float64, device=dev)
-    steps, seen = 0, 0
+    steps, seen, refresh_s = 0, 0, 0.0
     n = int(order.numel())
     message, last_report = "", time.perf_counter()
     try:
         for bidx, raw in source.batches(instances, order, batch_size=config.batch_size):
             if refresh and config.refresh_every > 0 and (step + steps) % config.refresh_every == 0:
+                t_ref = time.perf_counter()
                 state.online_probs.copy_(online.cpu())
                 refresh_pseudo_labels(model, instances, state, mu_t=mu_t, config=config, runtime=runtime,
                                       loader=source, dist=dist)
                 targets = state.targets.to(dev)
                 model.train()
+                refresh_s += time.perf_counter() - t_ref
             x = _prepare_inputs(raw, runtime, kind=instances.kind, aug_generator=aug_generator, config=config)
             bidx_dev = bidx.to(dev, non_blocking=True)
             if config.compile == "reduce-overhead":
@@ -442,7 +445,7 @@ def train_one_epoch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, in
         if source is not loader:
             source.close()
     state.online_probs.copy_(online.cpu())
-    return {"loss": float(total_loss) / max(seen, 1), "steps": steps, "instances": seen}
+    return {"loss": float(total_loss) / max(seen, 1), "steps": steps, "instances": seen, "refresh_seconds": refresh_s}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -939,7 +942,8 @@ def _combine_ranks(stats: dict[str, float], state: PseudoLabelState, order: torc
     update = torch.from_numpy(gathered)
     keep = torch.isnan(update)
     state.online_probs.copy_(torch.where(keep, state.online_probs, update))
-    return {"loss": loss_sum / max(seen, 1.0), "steps": stats["steps"], "instances": int(seen)}
+    return {"loss": loss_sum / max(seen, 1.0), "steps": stats["steps"], "instances": int(seen),
+            "refresh_seconds": stats["refresh_seconds"]}
 
 
 def _ranks_agree(model: torch.nn.Module, state: PseudoLabelState, dist: DistContext) -> bool:
@@ -1290,6 +1294,7 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
             if config.refresh_every > 0:
                 label_metrics = pseudo_label_metrics(state, train)
             step += stats["steps"]
+            refresh_s += stats["refresh_seconds"]  # refreshes within the epoch (refresh_every > 0)
             lr = optimizer.param_groups[0]["lr"]
             if scheduler is not None:
                 scheduler.step()
