@@ -46,6 +46,10 @@ class StoreError(WsiMilsslError):
     """A patch store is missing, incomplete, corrupt or was made with other settings."""
 
 
+class FeatureFileGivenError(StoreError):
+    """A feature file (``wsi-milssl features``) where a patch store is wanted: never to be replaced by one."""
+
+
 class CheckpointError(WsiMilsslError):
     """A checkpoint is missing or cannot be loaded."""
 

@@ -41,3 +41,16 @@ def test_label_of_a_feature_folder_names_feature_files(tmp_path, capsys):
     assert rc != 0
     status = (tmp_path / "lab" / "label_status.csv").read_text()
     assert "a feature file (`wsi-milssl features`), not a patch store" in status and "--overwrite" not in status
+
+
+def test_tile_into_a_folder_of_feature_files_does_not_suggest_overwrite(tmp_path, synth_slides, capsys):
+    """tile into the features' folder said 'a store is already there but cannot be reused ... Fix: pass
+    --overwrite to replace it', and --overwrite replaced the feature file with a patch store."""
+    slide = synth_slides["normal"]
+    feature = _feature_file(tmp_path / "feats" / f"{slide.stem}.h5")
+    before = feature.read_bytes()
+    rc = main(["tile", str(slide), "--out", str(tmp_path / "feats"), "--magnification", "10", "--patch-size", "64"])
+    err = capsys.readouterr().err
+    assert rc != 0
+    assert "a feature file (`wsi-milssl features`), not a patch store" in err and "--overwrite" not in err, err
+    assert feature.read_bytes() == before

@@ -22,7 +22,7 @@ import imagecodecs
 import numpy as np
 
 from wsi_milssl.atomic import find_write_error, output_error, temp_path
-from wsi_milssl.errors import StoreError
+from wsi_milssl.errors import FeatureFileGivenError, StoreError
 from wsi_milssl.store import schema
 
 #: The root ``schema`` attribute of a feature file (``wsi_milssl.features.schema.SCHEMA``), which may sit
@@ -365,12 +365,12 @@ class PatchStore(ABC):
         if attrs.get("schema") == _FEATURES_SCHEMA:
             self.close()
             made_from = str(attrs.get("store_path") or "")
-            raise self._fail(
+            raise FeatureFileGivenError(str(self._fail(
                 "this is a feature file (`wsi-milssl features`), not a patch store",
                 f"pass the patch stores (`wsi-milssl tile` output{f', e.g. {made_from}, which it was made from' if made_from else ''}); "
                 "feature files are read by `wsi-milssl train FEATURES` (feature mode) and `wsi-milssl heatmap "
                 "--features FEATURES`; tile into another folder with --out, not the features' folder",
-            )
+            )))
         version = attrs.get("schema_version")
         if version is None:
             self.close()

@@ -44,7 +44,7 @@ from wsi_milssl.atomic import atomic_write_json
 from wsi_milssl.config.base import config_to_dict
 from wsi_milssl.config.tile import TileConfig
 from wsi_milssl.distributed import Shard, shard_items
-from wsi_milssl.errors import OutputError, StoreError, WsiMilsslError
+from wsi_milssl.errors import FeatureFileGivenError, OutputError, StoreError, WsiMilsslError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.locks import folder_lock, folder_mutex, other_shards_writing
 from wsi_milssl.parent_watch import watch_parent
@@ -183,6 +183,8 @@ def check_existing_store(path: Path, config: TileConfig, *, slide_path: str | os
 
 
 def _unusable(path: Path, exc: StoreError) -> StoreError:
+    if isinstance(exc, FeatureFileGivenError):  # --overwrite would replace the features with a store
+        return exc
     return StoreError(f"{path}: a store is already there but cannot be reused ({exc}). "
                       "Fix: pass --overwrite to replace it, or write to a new folder with --out.")
 
