@@ -55,6 +55,9 @@ def test_feature_mode_learns_and_writes_run_folder(tmp_path, mil_csv, mil_csv_va
     assert ckpt["epoch"] == 30 and ckpt["config"]["mu"] == 0.25
     best = read_checkpoint(run / "best.pt")
     assert best["epoch"] == result.best_epoch
+    # best.pt holds the model without what only a resume reads (half an image model's size, review AG)
+    assert {"model", "model_name", "config", "pseudo_labels", "metrics"} <= set(best)
+    assert not {"optimizer", "scheduler", "grad_scaler", "rng"} & set(best)
 
     model, cfg = load_model(run / "last.pt")
     assert not model.training and cfg["model_name"] == "mlp"

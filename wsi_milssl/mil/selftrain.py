@@ -710,12 +710,23 @@ def _check_best(out: Path, last: dict[str, Any], best_epoch: int | None) -> None
     if held == best_epoch or (held is not None and held > int(last["epoch"])):
         return
     if best_epoch == int(last["epoch"]):
-        save_checkpoint(last, path)
+        save_checkpoint(best_checkpoint(last), path)
         log.info("%s rewritten from last.pt (epoch %d, the best so far)", path, best_epoch)
         return
     log.warning("%s holds %s, not epoch %d that last.pt names as the best (a run killed between its two "
                 "saves by an earlier version); best.pt is replaced when a later epoch scores better, else use "
                 "last.pt or train again.", path, "nothing" if held is None else f"epoch {held}", best_epoch)
+
+
+#: The parts of a checkpoint only a resume reads (from last.pt): best.pt goes without them, half the size of an
+#: image model's checkpoint (SGD momentum or Adam's moments are as large as the weights).
+RESUME_ONLY = ("optimizer", "scheduler", "grad_scaler", "rng")
+
+
+def best_checkpoint(ckpt: dict[str, Any]) -> dict[str, Any]:
+    """``ckpt`` as best.pt holds it: the model, its settings, metrics and pseudo labels, without
+    :data:`RESUME_ONLY` (a run resumes from last.pt)."""
+    return {k: v for k, v in ckpt.items() if k not in RESUME_ONLY}
 
 
 #: What a run writes into its folder besides config.json (a fresh run removes an earlier run's).
@@ -1348,7 +1359,7 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
                     # last.pt last: it is what a resume starts from, so a kill between these writes re-runs
                     # this epoch, which writes best.pt and its metrics record again
                     if improved:
-                        save_checkpoint(ckpt, out / "best.pt")
+                        save_checkpoint(best_checkpoint(ckpt), out / "best.pt")
                     _write_metrics(out, history, plots=draw)
                     save_checkpoint(ckpt, out / "last.pt")
                     saved = epoch + 1
