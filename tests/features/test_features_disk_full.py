@@ -25,8 +25,9 @@ _WRITE = textwrap.dedent("""
     from wsi_milssl.features.schema import read_feature_file, write_feature_file
 
     folder = Path({folder!r})
-    arrays = dict(features=np.ones((100, 512), np.float32), coords=np.zeros((100, 2)), attrs={{}},
-                  coords_attrs={{}}, features_attrs={{}})
+    coords = np.stack([np.arange(100) * 256, np.zeros(100)], 1)  # each patch once
+    arrays = dict(features=np.ones((100, 512), np.float32), coords=coords, attrs={{}}, coords_attrs={{}},
+                  features_attrs={{}})
     try:
         with file_size_limit({limit}):
             write_feature_file(folder / "a.h5", **arrays)
