@@ -262,3 +262,29 @@ def test_the_froc_is_called_camelyon16_only_with_the_challenges_settings(evaluat
     assert m["froc_protocol"] == "50 µm margin, 200 µm ITC limit, at 0.243 µm/px"
     assert "CAMELYON16" not in html.split("<h2>Configuration</h2>")[0]
     assert "FROC curve (50 µm margin, 200 µm ITC limit, at 0.243 µm/px)" in html
+
+
+def test_the_froc_is_called_camelyon16_only_with_the_challenges_annotation_groups(synth_dir, annotations_dir,
+                                                                                   predictions, tmp_path):
+    """The challenge reads _0 and _1 as tumour and _2 as exclusion; with other groups (here _1 carved out, review
+    AJ) the lesions are others, so froc_protocol names the groups instead of saying "CAMELYON16" (it said
+    "CAMELYON16" whatever the groups were)."""
+    from wsi_milssl.config import EvaluateConfig
+
+    pred_dir, _ = predictions
+
+    def protocol(name, **groups):
+        evaluate_predictions(pred_dir, labels_csv=synth_dir / "labels.csv", out_dir=tmp_path / name,
+                             annotations_dir=annotations_dir, slides=synth_dir,
+                             config=EvaluateConfig(froc_mpp=0.243, **groups))
+        html = (tmp_path / name / "report.html").read_text()
+        return json.loads((tmp_path / name / "metrics.json").read_text())["froc_protocol"], html
+
+    m, html = protocol("other", tumor_groups=("_0",), non_tumor_groups=("_1", "_2"))
+    assert m == "75 µm margin, 275 µm ITC limit, at 0.243 µm/px, tumour groups _0, non-tumour groups _1, _2"
+    assert "CAMELYON16" not in html.split("<h2>Configuration</h2>")[0]
+    assert protocol("none", tumor_groups=("_0", "_1"), non_tumor_groups=())[0] == (
+        "75 µm margin, 275 µm ITC limit, at 0.243 µm/px, tumour groups _0, _1, no non-tumour group")
+    # the challenge's groups, alone or with more groups beside them, read its files alike
+    assert protocol("c16", tumor_groups=("_0", "_1"), non_tumor_groups=("_2",))[0] == "CAMELYON16"
+    assert protocol("c16_more", tumor_groups=("_1", "_0", "Tumour"), non_tumor_groups=("_2", "Other"))[0] == "CAMELYON16"

@@ -277,14 +277,33 @@ def _evaluate_slide(
                        instance_labels=inst, mpp=mpp)
 
 
+#: the annotation groups of the challenge's files: _0 and _1 are tumour, _2 is carved out of them
+CAMELYON16_GROUPS = {"tumor_groups": ("_0", "_1"), "non_tumor_groups": ("_2",)}
+
+
+def _challenge_groups(config: EvaluateConfig) -> bool:
+    """Whether the challenge's groups (:data:`CAMELYON16_GROUPS`) are read as the challenge reads them: other
+    groups beside them (the defaults' ``Tumor``, ``Exclusion``) do not occur in its files."""
+    return all({g.casefold() for g in groups} <= {g.strip().casefold() for g in getattr(config, field)}
+               for field, groups in CAMELYON16_GROUPS.items())
+
+
 def _froc_protocol(config: EvaluateConfig) -> str:
     """"CAMELYON16" for the challenge script's settings (75 µm margin, 275 µm ITC limit, both measured at 0.243
-    µm/px on every slide), else the settings in words (e.g. "75 µm margin, 275 µm ITC limit, at each slide's
-    own µm/px"): the report and metrics.json call the FROC CAMELYON16's only when it is."""
-    if (config.margin_um, config.itc_major_axis_um, config.froc_mpp) == (MARGIN_UM, ITC_MAJOR_AXIS_UM, CAMELYON16_MPP):
+    µm/px on every slide) with the challenge's annotation groups (:func:`_challenge_groups`), else the settings
+    in words (e.g. "75 µm margin, 275 µm ITC limit, at each slide's own µm/px", followed by the groups where
+    they are not the challenge's): the report and metrics.json call the FROC CAMELYON16's only when it is."""
+    challenge_groups = _challenge_groups(config)
+    if (config.margin_um, config.itc_major_axis_um, config.froc_mpp) == (MARGIN_UM, ITC_MAJOR_AXIS_UM, CAMELYON16_MPP) \
+            and challenge_groups:
         return "CAMELYON16"
     at = "at each slide's own µm/px" if config.froc_mpp is None else f"at {config.froc_mpp:g} µm/px"
-    return f"{config.margin_um:g} µm margin, {config.itc_major_axis_um:g} µm ITC limit, {at}"
+    words = f"{config.margin_um:g} µm margin, {config.itc_major_axis_um:g} µm ITC limit, {at}"
+    if not challenge_groups:
+        non_tumor = ("non-tumour groups " + ", ".join(config.non_tumor_groups) if config.non_tumor_groups
+                     else "no non-tumour group")
+        words += f", tumour groups {', '.join(config.tumor_groups)}, {non_tumor}"
+    return words
 
 
 def _metric_value(metric: Metric) -> float | None:
