@@ -135,3 +135,14 @@ def test_find_predictions_names_the_plain_csvs_it_passes_over(tmp_path):
     passed_over.clear()
     artifacts.find_predictions(tmp_path, known_stems={"A", "c"}, only=["a", "c"], passed_over=passed_over)
     assert passed_over == []  # files of slides outside ``only`` are not this evaluation's
+
+
+def test_find_predictions_names_a_plain_csv_beside_its_slide_s_detections_file(tmp_path):
+    """A labelled slide's plain <stem>.csv beside its <stem>_detections.csv (in any letter case) was passed over
+    without a word (review AJ); the _detections.csv is evaluated, and the plain CSV is in ``passed_over``."""
+    for name in ("a.csv", "A_detections.csv", "b.csv"):
+        (tmp_path / name).write_text("")
+    passed_over: list = []
+    found = artifacts.find_predictions(tmp_path, known_stems={"a", "b"}, passed_over=passed_over)
+    assert found["A"].detections == tmp_path / "A_detections.csv" and found["b"].detections == tmp_path / "b.csv"
+    assert passed_over == [tmp_path / "a.csv"]

@@ -437,10 +437,11 @@ def find_predictions(directory: str | os.PathLike, *, known_stems: Iterable[str]
     one kind for one slide (``a_detections.csv``, ``A_detections.csv``) are an EvaluationError.
     ``only``: the exact stems (in Unicode NFC) to look at; files of other stems are passed over, an old
     slide's files beside those of the slide renamed from it in letter case included.
-    ``passed_over``: when given, the plain CSVs not counted because their stem is not in ``known_stems``
-    are appended to it, sorted (any CSV could be named so, so they are not refused, but a caller names
-    them: they may be detections of a slide missing from the labels); ``scores.csv``,
-    ``heatmap_status.csv`` and the evaluation's own CSVs (:data:`EVALUATION_FILES`) are not.
+    ``passed_over``: when given, the plain CSVs not counted are appended to it, sorted: those whose stem is
+    not in ``known_stems`` (any CSV could be named so, so they are not refused, but a caller names them: they
+    may be detections of a slide missing from the labels) and those beside their labelled slide's
+    ``<stem>_detections.csv``, which counts instead; ``scores.csv``, ``heatmap_status.csv`` and the
+    evaluation's own CSVs (:data:`EVALUATION_FILES`) are not.
     """
     import unicodedata
 
@@ -487,7 +488,7 @@ def find_predictions(directory: str | os.PathLike, *, known_stems: Iterable[str]
         if key in known and "detections" not in found.get(key, {}):
             names.setdefault(key, p.stem)
             found.setdefault(key, {})["detections"] = p
-        elif key not in known and passed_over is not None and p.name not in ours:
+        elif passed_over is not None and p.name not in ours:  # no labelled slide's, or beside its _detections.csv
             passed_over.append(p)
     return {names[key]: PredictionFiles(stem=names[key], **files)
             for key, files in sorted(found.items(), key=lambda kv: names[kv[0]])}

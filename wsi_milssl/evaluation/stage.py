@@ -306,6 +306,25 @@ def _froc_protocol(config: EvaluateConfig) -> str:
     return words
 
 
+def _passed_over_csvs(passed_over: list[Path], found: dict[str, PredictionFiles]) -> tuple[list[str], list[str]]:
+    """The plain CSVs that :func:`find_predictions` passed over, in words: (those of no labelled slide, those
+    beside their slide's ``<stem>_detections.csv``, each with the file evaluated instead)."""
+    evaluated = {stem_key(f.stem): f.detections for f in found.values() if f.detections is not None}
+    unlabelled, beside = [], []
+    for p in passed_over:
+        used = evaluated.get(stem_key(p.stem))
+        if used is None:
+            unlabelled.append(p.name)
+        else:
+            beside.append(f"{p.name} ({used.name} is evaluated instead)")
+    return unlabelled, beside
+
+
+def _first(items: list[str], n: int = 20) -> str:
+    """The first ``n`` of ``items``, comma-separated, with " ..." where there are more."""
+    return ", ".join(items[:n]) + (" ..." if len(items) > n else "")
+
+
 def _metric_value(metric: Metric) -> float | None:
     return None if metric.value is None else float(metric.value)
 
@@ -696,15 +715,19 @@ def evaluate_predictions(
     if annotations_dir is not None and not annotations_dir.is_dir():
         raise EvaluationError(f"{annotations_dir}: the annotations folder does not exist. Fix: check --annotations.")
     labels = read_labels(labels_csv)
-    unlabelled_csvs: list[Path] = []
-    found = find_predictions(predictions_dir, known_stems=set(labels), only=only, passed_over=unlabelled_csvs)
-    not_evaluated_files = [p.name for p in unlabelled_csvs]
-    if not_evaluated_files:  # plain <stem>.csv count only for labelled slides: any CSV could be named so
+    passed_over: list[Path] = []
+    found = find_predictions(predictions_dir, known_stems=set(labels), only=only, passed_over=passed_over)
+    not_evaluated_files = [p.name for p in passed_over]
+    unlabelled_csvs, beside = _passed_over_csvs(passed_over, found)
+    if unlabelled_csvs:  # plain <stem>.csv count only for labelled slides: any CSV could be named so
         logger.warning("%s: %d CSV file(s) are not evaluated: named <stem>.csv (the challenge's detection files), they "
                        "match no slide of the labels CSV: %s. If they are detections, add their slides to the labels "
                        "CSV (else the FROC leaves out their false positives and slides); otherwise move them out of "
-                       "the folder.", predictions_dir, len(not_evaluated_files), ", ".join(not_evaluated_files[:20])
-                       + (" ..." if len(not_evaluated_files) > 20 else ""))
+                       "the folder.", predictions_dir, len(unlabelled_csvs), _first(unlabelled_csvs))
+    if beside:
+        logger.warning("%s: %d CSV file(s) are not evaluated: named <stem>.csv (the challenge's detection files), they "
+                       "are beside their slide's <stem>_detections.csv: %s. Fix: move the file that is not "
+                       "the slide's detections out of the folder.", predictions_dir, len(beside), _first(beside))
     evaluated = {s: f for s, f in found.items() if f.detections is not None}
     orphans = sorted(s for s, f in found.items() if f.detections is None and (f.patches or f.sidecar))
     if orphans:
@@ -850,10 +873,13 @@ def evaluate_predictions(
         if skipped:
             notes.append(f"{len(skipped)} labelled slide(s) have no predictions here and are not evaluated: "
                          f"{', '.join(skipped[:20])}{' ...' if len(skipped) > 20 else ''}.")
-        if not_evaluated_files:
-            notes.append(f"{len(not_evaluated_files)} CSV file(s) in the predictions folder match no labelled slide and "
+        if unlabelled_csvs:
+            notes.append(f"{len(unlabelled_csvs)} CSV file(s) in the predictions folder match no labelled slide and "
                          f"are not evaluated (if they are detections, their slides are missing from the labels CSV): "
-                         f"{', '.join(not_evaluated_files[:20])}{' ...' if len(not_evaluated_files) > 20 else ''}.")
+                         f"{_first(unlabelled_csvs)}.")
+        if beside:
+            notes.append(f"{len(beside)} CSV file(s) in the predictions folder are not evaluated: named <stem>.csv, "
+                         f"they are beside their slide's <stem>_detections.csv: {_first(beside)}.")
         if stale_scores:
             notes.append(f"{SCORES_FILENAME} holds other scores than the sidecars of slides "
                          f"{', '.join(stale_scores[:20])}{' ...' if len(stale_scores) > 20 else ''} (an interrupted "
