@@ -146,3 +146,14 @@ def test_find_predictions_names_a_plain_csv_beside_its_slide_s_detections_file(t
     found = artifacts.find_predictions(tmp_path, known_stems={"a", "b"}, passed_over=passed_over)
     assert found["A"].detections == tmp_path / "A_detections.csv" and found["b"].detections == tmp_path / "b.csv"
     assert passed_over == [tmp_path / "a.csv"]
+
+
+def test_find_predictions_leaves_hidden_files_out(tmp_path):
+    """macOS writes '._<name>' files beside copied ones; they were read as slides ('._s' without a label stopped
+    the evaluation, review AJ). Hidden files are left out, as find_slides leaves them out."""
+    for name in ("s_detections.csv", "._s_detections.csv", "._s_probs.json", "._s_patches.csv", "._t.csv", ".u.csv"):
+        (tmp_path / name).write_text("")
+    passed_over: list = []
+    found = artifacts.find_predictions(tmp_path, known_stems={"s", "._t"}, passed_over=passed_over)
+    assert list(found) == ["s"] and passed_over == []
+    assert found["s"].detections == tmp_path / "s_detections.csv" and found["s"].sidecar is None

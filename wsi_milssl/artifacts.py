@@ -429,7 +429,8 @@ _EVALUATED_KINDS = {"detections_csv": "detections", "patches_csv": "patches", "p
 def find_predictions(directory: str | os.PathLike, *, known_stems: Iterable[str] = (),
                      only: Iterable[str] | None = None,
                      passed_over: list[Path] | None = None) -> dict[str, PredictionFiles]:
-    """Find prediction files per slide stem in ``directory`` (sorted by stem).
+    """Find prediction files per slide stem in ``directory`` (sorted by stem; hidden files, such as macOS's
+    ``._<name>`` beside a copied file, left out as :func:`wsi_milssl.tiling.find_slides` leaves them out).
 
     ``<stem>_detections.csv`` files always count; a plain ``<stem>.csv`` (CAMELYON16 submission
     naming) counts as a detection file only when ``stem`` is in ``known_stems`` (the labelled
@@ -460,7 +461,7 @@ def find_predictions(directory: str | os.PathLike, *, known_stems: Iterable[str]
     names: dict[str, str] = {}  # key -> the stem as first written
     plain_csv: dict[str, Path] = {}
     for p in sorted(directory.iterdir()):
-        if not p.is_file():
+        if not p.is_file() or p.name.startswith("."):  # hidden: macOS's '._<name>' beside a copied file, ...
             continue
         parsed = parse_heatmap_name(p.name)
         named = parsed[0] if parsed is not None else p.stem

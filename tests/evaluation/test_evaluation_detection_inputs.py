@@ -134,3 +134,26 @@ def test_a_plain_csv_beside_its_slide_s_detections_file_is_named(synth_dir, anno
     assert f"{tumour}.csv ({tumour}_detections.csv is evaluated instead)" in report
     assert "match no labelled slide" not in report
     assert f"{tumour}.csv" in capsys.readouterr().out
+
+
+def test_hidden_files_in_the_predictions_folder_are_not_slides(synth_dir, annotations_dir, known_annotation,
+                                                               predictions, tmp_path):
+    """A folder copied from a Mac holds '._<name>' files: '._X_detections.csv' stopped the evaluation ('no label
+    for 1 predicted slide(s): ._X'), '._X_probs.json' / '._X_patches.csv' refused it, hidden plain CSVs were
+    listed as not-evaluated files (review AJ). They are left out: the evaluation is the folder's without them."""
+    from wsi_milssl.evaluation import evaluate_predictions
+
+    pred_dir, info = predictions
+    copy = tmp_path / "pred"
+    shutil.copytree(pred_dir, copy)
+    for p in sorted(copy.iterdir()):
+        (copy / f"._{p.name}").write_bytes(b"\x00\x05\x16\x07 AppleDouble")
+    (copy / f"._{info['tumor']}.csv").write_text("0.99,100,100\n")
+    (copy / ".hidden.csv").write_text("0.99,100,100\n")
+    result = evaluate_predictions(copy, labels_csv=synth_dir / "labels.csv", out_dir=tmp_path / "out",
+                                  annotations_dir=annotations_dir, slides=synth_dir)
+    plain = evaluate_predictions(pred_dir, labels_csv=synth_dir / "labels.csv", out_dir=tmp_path / "plain",
+                                 annotations_dir=annotations_dir, slides=synth_dir)
+    assert result.metrics["not_evaluated_files"] == []
+    assert {k: v for k, v in result.metrics.items() if k != "not_evaluated_files"} == {
+        k: v for k, v in plain.metrics.items() if k != "not_evaluated_files"}
