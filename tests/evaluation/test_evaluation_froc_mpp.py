@@ -96,3 +96,26 @@ def test_froc_mpp_range(capsys, tmp_path):
     rc = main(["evaluate", "--predictions", str(tmp_path), "--annotations", str(tmp_path), "--slides",
                str(tmp_path), "--labels", str(tmp_path / "l.csv"), "--out", str(tmp_path / "o"), "--froc-mpp", "0"])
     assert rc == 2 and "--froc-mpp" in capsys.readouterr().err
+
+
+def test_froc_mpp_needs_no_slide_mpp(utrecht_case, tmp_path, capsys):
+    """The tumour slide's file records no µm/px: without --froc-mpp evaluate needs one (--slide-mpp) to measure
+    the margin and ITC limit; with --froc-mpp they are measured at it and the slide's own was still asked for
+    (review AJ). The lesion mask needs only the slide's level-0 size: the challenge script's number."""
+    import shutil
+
+    import numpy as np
+
+    from wsi_milssl.synth.pyramid import write_pyramidal_tiff
+
+    root = tmp_path / "case"
+    shutil.copytree(utrecht_case, root, ignore=shutil.ignore_patterns("synth_000.tif"))
+    write_pyramidal_tiff(root / "slides" / "synth_000.tif", lambda x0, y0, x1, y1: np.full(
+        (y1 - y0, x1 - x0, 3), 200, np.uint8), width=6144, height=6144, mpp=None)
+    rc = main(["evaluate", "--predictions", str(root / "pred"), "--annotations", str(root / "ann"), "--slides",
+               str(root / "slides"), "--labels", str(root / "labels.csv"), "--out", str(tmp_path / "own")])
+    assert rc == 1 and "--slide-mpp" in capsys.readouterr().err
+    c16 = _evaluate(root, tmp_path / "c16", "--froc-mpp", "0.243")
+    assert (c16["n_lesions"], c16["n_itc"], c16["froc"], c16["froc_protocol"]) == (2, 0, 0.5, "CAMELYON16")
+    rows = (tmp_path / "c16" / "per_slide.csv").read_text().splitlines()
+    assert rows[1].startswith("synth_000,1,") and rows[1].endswith(",")  # no µm/px to report

@@ -19,7 +19,7 @@ The evaluated slides are those with a detections file in the predictions folder;
 Each slide is evaluated at the level-0 µm/px and with the score its ``<stem>_probs.json`` records (the
 heatmap's own, written after every other file of the slide; :func:`_slide_mpp`, :func:`_slide_scores`).
 Tumour slides need their annotation file and their slide (for the level-0 size, and the MPP where no
-sidecar records one); their
+sidecar records one and no ``froc_mpp`` is given); their
 polygons are read with ``config.tumor_groups`` / ``non_tumor_groups`` (as the label stage reads them),
 and one whose polygons are all in other groups is refused. Refused too: a slide whose latest heatmap
 run failed (``heatmap_status.csv``), whatever files an earlier run left, a slide without its
@@ -130,16 +130,21 @@ class EvaluationResult:
     paths: dict[str, Path] = field(default_factory=dict)
 
 
-def _slide_geometry(stem: str, slide_path: Path | None, mpp: float | None) -> tuple[tuple[int, int], float]:
+def _slide_geometry(stem: str, slide_path: Path | None, mpp: float | None, *, need_mpp: bool = True
+                    ) -> tuple[tuple[int, int], float | None]:
     """Level-0 (width, height) of a tumour slide, from its slide file, and its µm/px: ``mpp`` (the one its
-    heatmap was made with, :func:`_slide_mpp`), else the slide's own."""
+    heatmap was made with, :func:`_slide_mpp`), else the slide's own. ``need_mpp`` False (the FROC's margin
+    and ITC limit are measured at ``--froc-mpp``): a slide that records no µm/px is accepted, with None."""
     if slide_path is None:
         raise EvaluationError(
             f"slide {stem!r} is a tumour slide but its slide file was not found (needed for its level-0 "
             "size and MPP). Fix: pass --slides with the folder (or a CSV 'slide,path') that holds it."
         )
     with open_slide(slide_path, mpp_override=mpp) as slide:
-        return tuple(int(v) for v in slide.dimensions), float(slide.mpp)
+        dims = tuple(int(v) for v in slide.dimensions)
+        if not need_mpp and slide.mpp_source == "none":
+            return dims, None
+        return dims, float(slide.mpp)
 
 
 def _slide_mpp(sidecar: dict | None, config: EvaluateConfig) -> float | None:
@@ -237,7 +242,10 @@ def _evaluate_slide(
                 f"({stem}.xml or {stem}.geojson) in {annotations_dir}. Fix: pass --annotations with the "
                 "folder that holds it, or correct its label in the labels CSV."
             )
-        dims, mpp = _slide_geometry(stem, _find_slide_path(stem, slide_paths, sidecar), mpp)
+        # the slide's µm/px measures the margin and ITC limit unless config.froc_mpp does (nothing else needs it:
+        # the patches' tumour fractions are in level-0 pixels)
+        dims, mpp = _slide_geometry(stem, _find_slide_path(stem, slide_paths, sidecar), mpp,
+                                    need_mpp=config.froc_mpp is None)
         aset = read_annotations(ann_path, group_map=config.group_map(), dimensions_lv0=dims)
         region = aset.region
         if not aset.has_tumor:
