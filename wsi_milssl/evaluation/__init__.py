@@ -26,7 +26,7 @@ from wsi_milssl.evaluation.inputs import (
 )
 from wsi_milssl.evaluation.metrics import Metric, RocCurve, auc_metric, roc
 from wsi_milssl.evaluation.report import ReportData, render_report_html, write_report
-from wsi_milssl.evaluation.stage import EvaluationResult, SlideResult, evaluate_predictions
+from wsi_milssl.evaluation.stage import EvaluationResult, SlideResult, evaluate_predictions, outdated_metrics
 
 __all__ = [
     "CAMELYON16_DOWNSAMPLE",
@@ -51,6 +51,7 @@ __all__ = [
     "froc_score",
     "interpolate_sensitivity",
     "match_detections",
+    "outdated_metrics",
     "read_detections",
     "read_labels",
     "read_patch_probs",

@@ -95,7 +95,7 @@ from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.locks import folder_lock, folder_writer
 from wsi_milssl.slide import open_slide
 
-__all__ = ["PER_SLIDE_COLUMNS", "EvaluationResult", "SlideResult", "evaluate_predictions"]
+__all__ = ["PER_SLIDE_COLUMNS", "EvaluationResult", "SlideResult", "evaluate_predictions", "outdated_metrics"]
 
 logger = logging.getLogger(__name__)
 
@@ -331,6 +331,28 @@ def _passed_over_csvs(passed_over: list[Path], found: dict[str, PredictionFiles]
 def _first(items: list[str], n: int = 20) -> str:
     """The first ``n`` of ``items``, comma-separated, with " ..." where there are more."""
     return ", ".join(items[:n]) + (" ..." if len(items) > n else "")
+
+
+def outdated_metrics(out_dir: str | os.PathLike, config: EvaluateConfig) -> str | None:
+    """Why the evaluation in ``out_dir`` is an earlier version's, in one line, else None (also where it holds no
+    metrics.json): its metrics.json records no ``froc_protocol`` (written before the FROC's settings were: its
+    report called the FROC "CAMELYON16" at any µm/px), or another than ``config`` gives now (an earlier
+    version's wording: "CAMELYON16" whatever the annotation groups). ``run`` evaluates again then, though the
+    stage's stamp matches (these settings at their defaults leave it as it was)."""
+    path = Path(out_dir) / EVALUATION_FILES["metrics"]
+    try:
+        recorded = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        return f"{path} cannot be read ({exc})"
+    if not isinstance(recorded, dict) or "froc_protocol" not in recorded:
+        return f"output of an earlier version: {path} records no froc_protocol"
+    expected = _froc_protocol(config)
+    if recorded["froc_protocol"] != expected:
+        return (f"output of an earlier version: {path} records froc_protocol {recorded['froc_protocol']!r}, "
+                f"not {expected!r}")
+    return None
 
 
 def _metric_value(metric: Metric) -> float | None:

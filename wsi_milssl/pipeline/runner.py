@@ -716,6 +716,18 @@ def _missing_unrecorded(ctx: _Context, stage: str) -> list[Path]:
     return [p for p in expected.get(stage, []) if not p.exists()]
 
 
+def _earlier_evaluation(ctx: _Context) -> str | None:
+    """Why the evaluation (of image data: feature mode's has no FROC) is an earlier version's though its stamp
+    matches, else None: its metrics.json does not record the FROC's protocol as this version does for its
+    settings (:func:`wsi_milssl.evaluation.outdated_metrics`). The stamp cannot tell: settings at their defaults
+    are left out of it, so a setting added at its default leaves it as it was."""
+    if ctx.spec.mode == "features":
+        return None
+    from wsi_milssl.evaluation import outdated_metrics
+
+    return outdated_metrics(ctx.evaluation_dir, _with_label_settings(ctx.spec, "evaluate"))
+
+
 def _missing_stores(ctx: _Context) -> list[Path]:
     """The stores (in the tile stage's format) of listed slides that are not in ``OUT/stores/<set>``: a store
     deleted after its stage ran must be made again, not left out of training without a word."""
@@ -1494,6 +1506,8 @@ def _run_stages(spec: PipelineSpec, stages: list[str], forced: set[str], *,
         if stale is None:  # outputs that stamps of earlier versions do not record
             missing = _missing_unrecorded(ctx, stage)
             stale = f"output missing: {missing[0]}" if missing else None
+        if stale is None and stage == "evaluate":
+            stale = _earlier_evaluation(ctx)
         if stale is None and not ran_before and forced_first is None:
             outcome = StageOutcome(stage, "skipped", 0.0, "up to date")
         else:
