@@ -133,7 +133,8 @@ def test_a_plain_csv_beside_its_slide_s_detections_file_is_named(synth_dir, anno
     report = (out / "report.html").read_text()
     assert f"{tumour}.csv ({tumour}_detections.csv is evaluated instead)" in report
     assert "match no labelled slide" not in report
-    assert f"{tumour}.csv" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"1 CSV files (of no labelled slide, or beside a slide's _detections.csv): {tumour}.csv" in printed
 
 
 def test_hidden_files_in_the_predictions_folder_are_not_slides(synth_dir, annotations_dir, known_annotation,

@@ -133,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  not evaluated: {len(m['not_evaluated'])} labelled slides without predictions (metrics.json lists them)")
     files = m.get("not_evaluated_files") or []
     if files:
-        print(f"  not evaluated: {len(files)} CSV files of no labelled slide: {', '.join(files[:5])}"
+        print(f"  not evaluated: {len(files)} CSV files (of no labelled slide, or beside a slide's _detections.csv): "
+              f"{', '.join(files[:5])}"
               f"{' ...' if len(files) > 5 else ''} (metrics.json lists them under not_evaluated_files)")
     print(f"report: {result.paths['report']}")
     return 0
