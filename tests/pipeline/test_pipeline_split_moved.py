@@ -209,7 +209,7 @@ def test_the_store_of_a_slide_renamed_in_letter_case_is_not_the_renamed_slides(c
     assert _ignored(out / "stores" / "train", "train", "synth_000") in _warnings(caplog)
 
 
-def test_a_deleted_store_or_heatmap_file_makes_its_stage_run_again(cohort, tmp_path):
+def test_a_deleted_store_or_heatmap_file_makes_its_stage_run_again(cohort, tmp_path, caplog):
     """The tile and heatmap stamps record every slide's files: a store deleted after a run used to leave
     the tile stage 'up to date' and train silently trained without that slide."""
     pipe, out = tmp_path / "moved.toml", tmp_path / "out"
@@ -233,3 +233,10 @@ def test_a_deleted_store_or_heatmap_file_makes_its_stage_run_again(cohort, tmp_p
     outcomes = run_pipeline(load_pipeline(pipe, out_dir=out, overrides=["heatmap.colormap=magma"]))
     summary = next(o.summary for o in outcomes if o.stage == "heatmap")
     assert summary.startswith("1 slides (1 drawn again), ") and summary.endswith(" patches")
+    # a Mac's '._X' copies in the heatmap folder are no slide's: no warning about a slide outside the test set
+    (out / "heatmaps" / "test" / "._synth_009_detections.csv").write_bytes(b"\x00\x05\x16\x07")
+    with caplog.at_level(logging.WARNING, logger="wsi_milssl.pipeline.runner"):
+        outcomes = run_pipeline(load_pipeline(pipe, out_dir=out, overrides=["heatmap.colormap=magma"]),
+                                force=["evaluate"])
+    assert [o.stage for o in outcomes if o.status == "ran"] == ["evaluate"]
+    assert _warnings(caplog) == []

@@ -1238,7 +1238,8 @@ def _evaluate(ctx: _Context) -> tuple[list[str], str]:
     ds = ctx.spec.sets["test"]
     # the heatmap files of slides no longer in the test set (a changed split, a renamed slide) stay in the
     # folder, ignored
-    names = sorted(p.name for p in ctx.heatmap_dir.iterdir()) if ctx.heatmap_dir.is_dir() else []
+    names = sorted(p.name for p in ctx.heatmap_dir.iterdir() if not p.name.startswith(".")) \
+        if ctx.heatmap_dir.is_dir() else []  # hidden files (a Mac's ._X copies) are no slide's, as for evaluate
     stems = {parsed[0]: parsed[0] for parsed in map(parse_heatmap_name, names) if parsed}
     _in_set(ctx, "test", stems, ctx.heatmap_dir, what="heatmap output")  # warns about the others
     result = evaluate_predictions(ctx.heatmap_dir, labels_csv=ds.labels, out_dir=ctx.evaluation_dir,
