@@ -182,7 +182,37 @@ def check_existing_store(path: Path, config: TileConfig, *, slide_path: str | os
     return n
 
 
+def _feature_file_error(paths: list[Path]) -> FeatureFileGivenError | None:
+    """The error for the feature files (of any tool: a ``features`` dataset and no ``patches``,
+    :func:`wsi_milssl.features.schema.is_feature_file`) among ``paths``, where tile would write its stores;
+    None when there is none. Tile never replaces a feature file, with or without --overwrite."""
+    import h5py
+
+    from wsi_milssl.features.schema import SCHEMA, is_feature_file
+
+    found = [p for p in paths if is_feature_file(p)]
+    if not found:
+        return None
+    if len(found) == 1:
+        try:
+            with h5py.File(found[0], "r") as fh:
+                ours = fh.attrs.get("schema") in (SCHEMA, SCHEMA.encode())
+        except OSError:
+            ours = False
+        maker = "`wsi-milssl features`" if ours else "a 'features' dataset and no patches, as TRIDENT and CLAM write"
+        head = f"{found[0]}: this is a feature file ({maker}), not a patch store, where tile would write its store"
+    else:
+        names = ", ".join(str(p) for p in found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+        head = f"{len(found)} feature files where tile would write its stores ({names})"
+    return FeatureFileGivenError(
+        f"{head}; tile never replaces a feature file. Fix: tile into another folder with --out (feature files are "
+        "read by `wsi-milssl train FEATURES` and `wsi-milssl heatmap --features`).")
+
+
 def _unusable(path: Path, exc: StoreError) -> StoreError:
+    features = _feature_file_error([path])  # a TRIDENT or CLAM file has no schema attribute to say so
+    if features is not None:
+        return features
     if isinstance(exc, FeatureFileGivenError):  # --overwrite would replace the features with a store
         return exc
     return StoreError(f"{path}: a store is already there but cannot be reused ({exc}). "
@@ -360,7 +390,9 @@ def tile_slide(slide_path: str | os.PathLike, out_dir: str | os.PathLike, config
                overwrite: bool = False, progress: ProgressCallback | None = None) -> TileResult:
     """Tile one slide into ``out_dir/<stem>.<format>`` and its QC PNG; returns its TileResult.
 
-    Skips (status 'skipped') when a complete store with the same settings, cut from this very slide
+    A feature file where the store goes (of this project, TRIDENT or CLAM) raises FeatureFileGivenError
+    (:func:`_feature_file_error`), with or without ``overwrite``. Skips (status 'skipped') when a
+    complete store with the same settings, cut from this very slide
     file (same resolved path, size and modification time: see :func:`check_existing_store`), exists,
     unless ``overwrite``; a store of another or a changed slide file is replaced. Raises
     SlideReadError / MissingResolutionError / StoreError on bad input; the partial store is deleted on
@@ -373,6 +405,9 @@ def tile_slide(slide_path: str | os.PathLike, out_dir: str | os.PathLike, config
     final = store_path(out_dir, stem, config.format)
     # taken before any pixel is read: a slide rewritten while it is tiled is tiled again next time
     fingerprint = _slide_fingerprint_attrs(slide_path)
+    features = _feature_file_error([final])  # never replaced, even with --overwrite
+    if features is not None:
+        raise features
     if not overwrite:
         n_existing = check_existing_store(final, config, slide_path=slide_path)
         if n_existing is not None:
@@ -572,7 +607,9 @@ def tile_slides(slides: Iterable[str | os.PathLike], out_dir: str | os.PathLike,
     Holds the lock of ``out_dir`` for the whole run (as shard I of N: together with the other shards):
     while another run holds it, FolderLockedError (naming the folder and the other run's pid); an
     output folder that cannot be written, OutputError. Before any work, every store in ``out_dir`` (in
-    either format) is checked (:func:`check_folder_settings`): stores made with other settings raise
+    either format) is checked: a feature file where a store would go raises FeatureFileGivenError naming
+    it, with or without ``overwrite`` (:func:`_feature_file_error`); then (:func:`check_folder_settings`)
+    stores made with other settings raise
     one StoreError, unless ``overwrite`` (then those of other slides and those in the other format stay,
     with a warning, and ``tile_config.json`` lists them); ``keep_other_stores``: those are kept without a
     word (the pipeline). The check and ``tile_config.json`` (the same from every shard) are done before
@@ -593,6 +630,9 @@ def tile_slides(slides: Iterable[str | os.PathLike], out_dir: str | os.PathLike,
             # while other shards of the run write here, their settings decide (their stores are no earlier
             # run's: --overwrite would mix two settings in one folder); else the stores of an earlier,
             # finished run with other settings get the unsharded run's error (--out or --overwrite)
+            features = _feature_file_error([store_path(out_dir, slide_stem(s), config.format) for s in every])
+            if features is not None:  # before any slide is tiled, with or without --overwrite
+                raise features
             sharded = shard[1] > 1 and not overwrite
             if sharded and other_shards_writing(out_dir, shard):
                 _check_shard_settings(out_dir, config)
