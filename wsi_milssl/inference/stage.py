@@ -561,16 +561,45 @@ def _merge_status(path: Path, results: Iterable[HeatmapResult]) -> Path:
 def _input_files(item: SlideInput) -> dict[str, dict | None]:
     """``{"slide": ..., "store": ...}``: :func:`wsi_milssl.tiling.file_fingerprint` (resolved path, size
     in bytes, modification time in ns) of the slide file and of the store a slide is predicted from
-    (None for an input not given or not there)."""
-    return {"slide": None if item.slide_path is None else file_fingerprint(item.slide_path),
-            "store": None if item.store_path is None else file_fingerprint(item.store_path)}
+    (None for an input not given or not there); the store's also holds its ``tiling``
+    (:func:`_store_tiling`) where it records one."""
+    store = None if item.store_path is None else file_fingerprint(item.store_path)
+    if store is not None:
+        tiling = _store_tiling(item.store_path)
+        if tiling is not None:
+            store = {**store, "tiling": tiling}
+    return {"slide": None if item.slide_path is None else file_fingerprint(item.slide_path), "store": store}
+
+
+def _store_tiling(path: str | os.PathLike) -> str | None:
+    """What a store was tiled from and with, as a digest: the root attributes the tile stage writes and no
+    later stage may change (:data:`wsi_milssl.store.schema.STORE_ATTRS`: the slide file's path, size and
+    modification time, every setting and their hash, the package version, ...) and its patch count. ``label``
+    rewrites the store file (new size and modification time) with new instance labels, not new patches, so
+    this stays; a store tiled again from a changed slide or with other settings gets another. None for a store
+    that cannot be read or records no ``config_hash`` (not written by ``tile``)."""
+    from wsi_milssl.store import open_store
+    from wsi_milssl.store.schema import STORE_ATTRS
+
+    try:
+        with open_store(path) as store:
+            attrs, n_patches = store.attrs, len(store)
+    except WsiMilsslError:
+        return None
+    if not attrs.get("config_hash"):
+        return None
+    tiled = {k: attrs[k] for k in STORE_ATTRS if k in attrs}
+    text = json.dumps({"attrs": tiled, "n_patches": int(n_patches)}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _same_input_files(recorded: Any, now: dict[str, dict | None]) -> bool:
     """Whether a sidecar's ``input_files`` name the files of ``now`` (:func:`_input_files`): the same slide and
     store, each by file name, size and modification time, so that an output folder moved or copied together
     with its slides and stores (``mv``, ``cp -a``: the times are kept) still holds their predictions; a file
-    written again gets a new modification time."""
+    written again gets a new modification time. A store recorded with its ``tiling`` is the same where its
+    name and tiling are (a store labelled again holds the same patches); a sidecar of an earlier version,
+    which records none, is compared by size and modification time (its slide is predicted once more)."""
     if not isinstance(recorded, dict) or set(recorded) != set(now):
         return False
     return all(_same_file(recorded[k], now[k]) for k in now)
@@ -578,12 +607,15 @@ def _same_input_files(recorded: Any, now: dict[str, dict | None]) -> bool:
 
 def _same_file(recorded: Any, now: dict | None) -> bool:
     """Whether two :func:`wsi_milssl.tiling.file_fingerprint` records (or None) name the same file version: the
-    same file name, size and modification time (not the folder: a folder moved with its files keeps them)."""
+    same file name, size and modification time (not the folder: a folder moved with its files keeps them); of
+    two records of a store's ``tiling`` (:func:`_input_files`), the same file name and tiling."""
+    tiled = all(isinstance(fp, dict) and fp.get("tiling") for fp in (recorded, now))
 
     def identity(fp: Any) -> Any:
         if not isinstance(fp, dict):
             return fp
-        return Path(str(fp.get("path"))).name, fp.get("size_bytes"), fp.get("mtime_ns")
+        name = Path(str(fp.get("path"))).name
+        return (name, fp["tiling"]) if tiled else (name, fp.get("size_bytes"), fp.get("mtime_ns"))
 
     return identity(recorded) == identity(now)
 
