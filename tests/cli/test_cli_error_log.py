@@ -87,3 +87,38 @@ def test_interrupted_reaches_the_log_file(tmp_path, capsys, monkeypatch):
     assert main(["synth", str(tmp_path / "s"), "--slides", "1", "--log-file", str(log)]) == 130
     assert capsys.readouterr().err.splitlines()[-1] == "interrupted"
     assert re.search(rf"^{STAMP} ERROR wsi_milssl.cli: interrupted$", log.read_text(), re.M), log.read_text()
+
+
+@pytest.mark.parametrize("words, before", [
+    (["evaluate", "--predictions", "p", "--annotations", "a", "--slides", "s", "--labels", "l.csv", "--out", "e",
+      "--froc-mpp", "abc"], False),
+    (["tile", "slide.tif", "--out", "t", "--shard", "3/2"], True),
+    (["heatmap", "slide.tif"], False),  # --model and --out are required
+    (["tile", "slide.tif"], True),  # --out is required
+])
+def test_argparse_usage_errors_reach_the_log_file(tmp_path, capsys, words, before):
+    """Review AJ, finding 2: argparse's usage errors (exit code 2) were printed before the log was set up, so a
+    batch run's --log-file was not even made. Now its ``PROG: error: ...`` line is appended there too (with
+    --log-file before or after the command name, as FILE or =FILE), stderr and the exit code as before."""
+    log = tmp_path / "logs" / "usage.log"
+    log.parent.mkdir()
+    log.write_text("earlier line\n")
+    argv = ["--log-file", str(log), *words] if before else [*words, f"--log-file={log}"]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: wsi-milssl ")
+    (line,) = [line for line in err.splitlines() if ": error: " in line]
+    assert line.startswith(f"wsi-milssl {words[0]}: error: ")
+    text = log.read_text()
+    assert text.startswith("earlier line\n")  # appended
+    assert re.search(rf"^{STAMP} ERROR wsi_milssl.cli: {re.escape(line)}$", text, re.M), text
+
+
+def test_a_usage_error_without_log_file_writes_no_file(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        main(["tile", "slide.tif", "--shard", "3/2", "--out", "t"])
+    assert exc.value.code == 2 and "error: argument --shard" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

@@ -69,6 +69,20 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
         return super()._get_help_string(action)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser (every subcommand's too: ``add_subparsers`` makes them of this class) that keeps the
+    ``PROG: error: ...`` line of a usage error (exit code 2) for :func:`main`, which appends it to the
+    ``--log-file`` named in the command line: argparse exits before the log is set up."""
+
+    def error(self, message: str):
+        global _USAGE_ERROR
+        _USAGE_ERROR = f"{self.prog}: error: {message}"
+        super().error(message)
+
+
+#: The line of the last usage error of :class:`_Parser` (None when parsing did not fail).
+_USAGE_ERROR: str | None = None
+
 _ALL = object()
 
 
@@ -76,7 +90,7 @@ def build_parser(command: str | None | object = _ALL) -> argparse.ArgumentParser
     """The ``wsi-milssl`` parser. ``command``: the one subcommand to build in full (its options may
     import torch or scikit-image); the others get a one-line entry, enough for ``--help`` and for
     argparse's errors. By default every subcommand is built in full."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="wsi-milssl",
         description="Whole-slide images to an instance-level tumour classifier with MIL-SSL.",
         formatter_class=HelpFormatter,
@@ -158,15 +172,8 @@ def _configure_output(*, verbose: int, quiet: int, log_file: Path | None, tag: s
     handlers: list[logging.Handler] = [console]
     file_handler = None
     if log_file is not None:
-        try:
-            log_file.parent.mkdir(parents=True, exist_ok=True)
-            file_handler = logging.FileHandler(log_file, mode="a", encoding="utf-8")
-        except OSError as exc:
-            raise WsiMilsslError(f"{log_file}: cannot write the log file ({exc.strerror}). Fix: give a writable "
-                                 "path to --log-file.") from None
+        file_handler = _open_log_file(log_file, tag)
         file_handler.setLevel(max(min(level, logging.INFO), floor))
-        file_handler.setFormatter(logging.Formatter(f"%(asctime)s {tag}%(levelname)s %(name)s: %(message)s",
-                                                    datefmt="%Y-%m-%d %H:%M:%S"))
         handlers.append(file_handler)
     for handler in handlers:
         root.addHandler(handler)
@@ -178,10 +185,64 @@ def _configure_output(*, verbose: int, quiet: int, log_file: Path | None, tag: s
     return file_handler
 
 
+def _open_log_file(log_file: Path, tag: str = "") -> logging.FileHandler:
+    """A handler appending timestamped records to ``log_file`` (its folder made); WsiMilsslError naming the
+    file when it cannot be written."""
+    try:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(log_file, mode="a", encoding="utf-8")
+    except OSError as exc:
+        raise WsiMilsslError(f"{log_file}: cannot write the log file ({exc.strerror}). Fix: give a writable "
+                             "path to --log-file.") from None
+    handler.setFormatter(logging.Formatter(f"%(asctime)s {tag}%(levelname)s %(name)s: %(message)s",
+                                           datefmt="%Y-%m-%d %H:%M:%S"))
+    return handler
+
+
+def _log_file_in(argv: list[str]) -> Path | None:
+    """The ``--log-file FILE`` (or ``--log-file=FILE``) of a command line that argparse refused, before or
+    after the subcommand (the last one given, as :func:`main` takes the one after the subcommand); None
+    without one. Words after ``--`` are arguments, not options."""
+    found = None
+    for i, word in enumerate(argv):
+        if word == "--":
+            break
+        if word == "--log-file" and i + 1 < len(argv):
+            found = argv[i + 1]
+        elif word.startswith("--log-file="):
+            found = word.split("=", 1)[1]
+    return Path(found) if found else None
+
+
+def _log_usage_error(argv: list[str], line: str) -> None:
+    """Append argparse's ``line`` (``PROG: error: ...``, already on stderr) as an ERROR record to the
+    ``--log-file`` of ``argv``, if any: a batch run (nohup, sbatch) refused for its options leaves a log
+    that says why. A log file that cannot be written is passed over (stderr has the error)."""
+    log_file = _log_file_in(argv)
+    if log_file is None:
+        return
+    try:
+        handler = _open_log_file(log_file)
+    except WsiMilsslError:
+        return
+    try:
+        handler.handle(logging.makeLogRecord({"name": "wsi_milssl.cli", "levelno": logging.ERROR,
+                                              "levelname": "ERROR", "msg": line}))
+    finally:
+        handler.close()
+
+
 def main(argv: list[str] | None = None) -> int:
+    global _USAGE_ERROR
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(_command_in(argv))
-    args = parser.parse_args(argv)
+    _USAGE_ERROR = None
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit:  # --help and --version exit 0 with no error line
+        if _USAGE_ERROR is not None:
+            _log_usage_error(argv, _USAGE_ERROR)
+        raise
     verbose = args.verbose + getattr(args, "verbose_after", 0)
     quiet = args.quiet + getattr(args, "quiet_after", 0)
     log_file = getattr(args, "log_file_after", None) or args.log_file
