@@ -68,6 +68,8 @@ __all__ = [
     "looks_like_hdf5",
     "damaged_message",
     "schema_version_error",
+    "NOMINAL_SIZE_RATIO",
+    "same_physical_size",
 ]
 
 SCHEMA = "wsi-milssl-features"
@@ -122,6 +124,18 @@ ROOT_ATTRS: dict[str, type | tuple[type, ...]] = {
     "settings_hash": str,
     "source_hash": str,  # what the patches came from (store settings and size, or slide file and plan)
 }
+
+
+#: Two physical sizes (µm, or µm/px) count as the same where the larger is at most this factor of the
+#: smaller: scanners label their level 0 by a nominal magnification ("40x" is 0.221 to 0.2527 µm/px;
+#: CAMELYON16 holds 0.243 and about 0.226), so "20x" patches of 512 level-0 px are 113 to 129 µm on
+#: slides of one cohort. Another magnification or a tiling level (a factor of 2 or more) is far beyond it.
+NOMINAL_SIZE_RATIO = 1.2
+
+
+def same_physical_size(a: float, b: float) -> bool:
+    """Whether two positive sizes (µm) agree within :data:`NOMINAL_SIZE_RATIO` (nominal magnifications)."""
+    return a > 0 and b > 0 and max(a, b) / min(a, b) <= NOMINAL_SIZE_RATIO
 
 
 def feature_path(out_dir: str | os.PathLike, stem: str) -> Path:
@@ -393,11 +407,18 @@ class FeatureFile:
         least step the coordinates may take, and, where the file's physical patch size agrees, the
         resolution recorded for the map.
 
-        Raises StoreError (with the fix) when the level-0 µm/px is unknown, the coordinates step by less
-        than a level-0 patch with no overlap declared (coordinates at the tiling level, not level 0), are not
-        on one regular grid (CLAM and TRIDENT may grid each tissue region separately), or a patch starts
-        outside the slide where its level-0 size is known (the file's or the slide's):
-        another slide's file, or coordinates that are not level-0 pixels."""
+        The stride is the file's (``stride_lv0``, or the level-0 patch size less a declared ``overlap``: in
+        pixels of coords' ``patch_size``, in level-0 pixels where coords record none), else the level-0
+        patch size where the coordinates lie on its grid (one patch, a sparse file), else the coordinates'
+        step (for a file of unknown patch size, the step nearest the head's patches); a single patch of
+        unknown size is refused. The head's patch size is compared within :data:`NOMINAL_SIZE_RATIO`.
+
+        Raises StoreError (with the fix) when the level-0 µm/px is unknown, the coordinates step by
+        less than a level-0 patch with no overlap declared (coordinates at the tiling level where the step
+        is about half of it or less, else an unrecorded overlap or, against the head's patches, another
+        patch size), are not on one regular grid (CLAM and TRIDENT may grid each
+        tissue region separately), or a patch starts outside the slide where its level-0 size is known (the
+        file's or the slide's): another slide's file, or coordinates that are not level-0 pixels."""
         if self.coords is None:
             raise StoreError(f"{self.path}: no 'coords' dataset, so the features cannot be placed on the slide. "
                              "Fix: extract features with coordinates (wsi-milssl features, TRIDENT or CLAM).")
@@ -426,36 +447,70 @@ class FeatureFile:
             target_mpp = magnification_to_mpp(float(c["target_magnification"]))
         if patch_px is None and "patch_level" not in c:
             patch_px = _first_int(c.get("patch_size"))  # TRIDENT's: at the target magnification
-        trained_lv0 = None
-        if trained_on is not None:
-            trained_lv0 = int(round(trained_on[0] * trained_on[1] / mpp))
-        stride = _first_int(a.get("stride_lv0"))
-        if stride is None and patch_lv0 is not None and c.get("overlap") is not None and c.get("patch_size"):
-            overlap = float(c["overlap"])
-            stride = int(round(patch_lv0 * (1.0 - overlap / float(c["patch_size"]))))
+        trained_lv0 = None  # the level-0 size of the head's patches at this slide's µm/px (nominally)
+        if trained_on is not None and target_mpp is None and patch_px is None:
+            trained_lv0 = trained_on[0] * trained_on[1] / mpp
+        # 'overlap' is in pixels of coords' patch_size (TRIDENT: at the target magnification, CLAM: at
+        # patch_level); a file that records no patch_size (CLAM's coords alone) gives it in level-0 pixels
+        overlap = _first_float(c.get("overlap")) or (0.0 if _first_int(c.get("overlap")) == 0 else None)
+        size_attr = _first_float(c.get("patch_size"))
+
+        def overlap_lv0(size_lv0: float) -> float:
+            if not overlap:
+                return 0.0
+            return overlap * size_lv0 / size_attr if size_attr else overlap
+
+        stride, stride_why = _first_int(a.get("stride_lv0")), "its stride_lv0 attribute"
+        if stride is None and patch_lv0 is not None and overlap is not None and (size_attr or overlap):
+            stride = int(round(patch_lv0 - overlap_lv0(patch_lv0)))
+            stride_why = (f"the level-0 patch size {patch_lv0} px ({why}) less its 'overlap' {overlap:g} "
+                          + (f"px of patch_size {size_attr:g}" if size_attr else "level-0 px"))
         step = _grid_step(coords)
-        least, least_why = stride, "the stride its attributes give"
-        if least is None and patch_lv0 is not None:
-            least, least_why = patch_lv0, f"the level-0 patch size, from {why}"
-        if least is None and trained_lv0 is not None and target_mpp is None and patch_px is None:
-            least, least_why = trained_lv0, (f"the level-0 size of the patches the head was trained on: "
-                                             f"{trained_on[1]} px at {trained_on[0]:g} µm/px, at this slide's "
-                                             f"{mpp:g} µm/px")
-        if step is not None and least is not None and step < 0.99 * least:
-            raise StoreError(
-                f"{self.path}: the coordinates step by {step} px, less than {least} px ({least_why}), so the "
-                f"patches would overlap {least / step:.3g}x over: coordinates at the tiling level, not level 0. "
-                "Fix: coords must be level-0 pixels (multiply coordinates of a tiling level by its downsample); "
-                "tools that tile with overlap must record it (TRIDENT's 'overlap' attribute of coords).")
-        if stride is None or stride < 1:
-            stride = step or _common_step(coords)
-            notes.append(f"stride {stride} level-0 px inferred from the coordinates")
-        if patch_lv0 is None and trained_lv0 is not None and target_mpp is None and patch_px is None:
-            patch_lv0 = trained_lv0
-            notes.append(f"patch size {patch_lv0} level-0 px: that of the patches the head was trained on")
+        expected, exact, expected_why = None, True, ""
+        if stride is not None:
+            expected, expected_why = float(stride), f"the stride: {stride_why}"
+        elif patch_lv0 is not None:
+            expected, expected_why = float(patch_lv0), f"the level-0 patch size, from {why}"
+        elif trained_lv0 is not None:
+            expected, exact = trained_lv0 - overlap_lv0(trained_lv0), False
+            expected_why = (f"the level-0 size of the patches the head was trained on: {trained_on[1]} px at "
+                            f"{trained_on[0]:g} µm/px, at this slide's {mpp:g} µm/px"
+                            + (f", less the 'overlap' of {overlap_lv0(trained_lv0):g} px" if overlap else ""))
+        if step is not None and expected is not None:
+            self._check_step(step, expected, exact=exact, why=expected_why, stride_given=stride is not None,
+                             size_attr=size_attr, patch_lv0=patch_lv0)
+        positions = len(np.unique(coords, axis=0)) if len(coords) else 0
+        if stride is None:
+            if patch_lv0 is not None and positions and _on_grid(coords, patch_lv0):
+                stride = patch_lv0  # one patch, a sparse file, or a full grid: its cells are the patches
+                notes.append(f"stride {stride} level-0 px: the patch size (the coordinates lie on its grid)")
+            elif expected is not None and not exact and positions == 1:
+                stride = int(round(expected))
+                notes.append(f"stride {stride} level-0 px: that of the patches the head was trained on (one patch)")
+            elif expected is not None and not exact and positions:
+                seen = step or _common_step(coords)
+                k = max(1, int(round(seen / expected)))  # a sparse file's step may span k patches
+                stride = seen // k if seen % k == 0 and same_physical_size(seen // k, expected) else seen
+                stride = stride if _on_grid(coords, stride) else seen
+                notes.append(f"stride {stride} level-0 px inferred from the coordinates (the head's patches are "
+                             f"{expected:.0f} px at this slide's µm/px)")
+            elif positions == 1:
+                raise StoreError(
+                    f"{self.path}: a single patch position and no record of its size, so the map's cell size is "
+                    "unknown. Fix: record the patch size on coords (CLAM's patch_size, patch_level and downsample, or "
+                    "TRIDENT's patch_size_level0), or map it with a head whose training features record their "
+                    "resolution and patch size (`wsi-milssl features` files), with the slide or --slide-mpp given.")
+            else:
+                stride = step or _common_step(coords)
+                notes.append(f"stride {stride} level-0 px inferred from the coordinates")
+        if patch_lv0 is None and trained_lv0 is not None:
+            patch_lv0 = int(round(stride + overlap_lv0(trained_lv0)))
+            notes.append(f"patch size {patch_lv0} level-0 px: the stride{' and the overlap' if overlap else ''} "
+                         "(the file records none; the head's patches are of this size)")
         if patch_lv0 is None:
-            patch_lv0 = stride
-            notes.append("patch size taken as the stride (no attribute says otherwise)")
+            patch_lv0 = int(round(stride + (overlap if overlap and not size_attr else 0)))
+            notes.append("patch size taken as the stride" + (" and the overlap" if overlap and not size_attr else "")
+                         + " (no attribute says otherwise)")
         origin = tuple(int(v) for v in a["grid_origin_lv0"]) if a.get("grid_origin_lv0") is not None else None
         if origin is None:
             origin = (int(coords[:, 0].min() % stride), int(coords[:, 1].min() % stride)) if len(coords) else (0, 0)
@@ -486,7 +541,7 @@ class FeatureFile:
             cols = max(cols, int((coords[:, 0].max() - origin[0]) // stride) + 1)
             rows = max(rows, int((coords[:, 1].max() - origin[1]) // stride) + 1)
         if target_mpp is None and patch_px is None and trained_on is not None and \
-                math.isclose(patch_lv0 * mpp, trained_on[0] * trained_on[1], rel_tol=0.02):
+                same_physical_size(patch_lv0 * mpp, trained_on[0] * trained_on[1]):
             target_mpp, patch_px = float(trained_on[0]), int(trained_on[1])  # the head's patches, as CLAM cut them
             notes.append(f"resolution {target_mpp:g} µm/px, {patch_px} px patches: those the head was trained on "
                          "(the file records none; its patches are of the same physical size)")
@@ -498,6 +553,46 @@ class FeatureFile:
                           patch_size_lv0=int(patch_lv0), grid_shape=(int(rows), int(cols)), dimensions_lv0=(w, h),
                           mpp=float(mpp), target_mpp=float(target_mpp), patch_size_px=int(patch_px),
                           notes=tuple(notes))
+
+    def _check_step(self, step: int, expected: float, *, exact: bool, why: str, stride_given: bool,
+                    size_attr: float | None, patch_lv0: int | None) -> None:
+        """StoreError naming the file when the coordinates step by less than ``expected`` level-0 px (``why``
+        says where that comes from): by any amount where the file's own attributes give it (``exact``),
+        by more than nominal magnifications differ (:data:`NOMINAL_SIZE_RATIO`) where it is the size of the
+        head's patches at this slide's µm/px. A step of at most about half of it is called coordinates at
+        a tiling level (or an unrecorded overlap); a step in between, a size difference. The fix names the
+        attributes that would declare an overlap."""
+        if (step >= 0.99 * expected) if exact else (step * NOMINAL_SIZE_RATIO >= expected):
+            return
+        lost = expected - step
+        if stride_given:
+            attrs = (f"the stride the attributes give must be the coordinates' step ({step} level-0 px): set "
+                     "'stride_lv0', or 'overlap' (in pixels of coords' patch_size), to match")
+        elif patch_lv0 is not None and size_attr:
+            attrs = (f"record it as coords' 'overlap' attribute in pixels of its patch_size ({size_attr:g}): "
+                     f"{size_attr * lost / patch_lv0:g} here")
+        elif patch_lv0 is not None:
+            attrs = f"record it as coords' 'overlap' attribute in level-0 pixels: {lost:g} here"
+        else:
+            attrs = (f"record it as coords' 'overlap' attribute, in level-0 pixels where coords record no "
+                     f"patch_size ({lost:.0f} here), or with CLAM's patch_size, patch_level and downsample, in "
+                     "pixels of that patch_size")
+        if step * 2 <= expected * NOMINAL_SIZE_RATIO:  # a half or less: another level's pixels
+            raise StoreError(
+                f"{self.path}: the coordinates step by {step} px, less than {expected:.0f} px ({why}), so the "
+                f"patches would overlap {expected / step:.3g}x over: coordinates at the tiling level, not level 0, "
+                "or patches cut with an overlap the file does not record. Fix: coords must be level-0 pixels "
+                f"(multiply coordinates of a tiling level by its downsample); for patches cut with overlap, {attrs}.")
+        if exact:
+            raise StoreError(
+                f"{self.path}: the coordinates step by {step} px, less than {expected:.0f} px ({why}), so the "
+                f"patches overlap by {lost:.0f} level-0 px, which the file does not record. Fix: {attrs}; or, "
+                "if the patches do not overlap, record their true size.")
+        raise StoreError(
+            f"{self.path}: the coordinates step by {step} px, {expected / step:.3g}x less than {expected:.0f} px "
+            f"({why}): more than the {NOMINAL_SIZE_RATIO:g}x by which scanners' nominal magnifications differ, so "
+            f"the patches are smaller than the head's, or overlap by about {lost:.0f} px without a record of it. "
+            f"Fix: pass feature files of patches of the training size; for patches cut with overlap, {attrs}.")
 
     def _check_inside(self, dims: tuple[int, int], patch_lv0: int, dims_from: str) -> None:
         """StoreError naming the file when a patch starts outside the slide of level-0 size ``dims``
@@ -559,6 +654,14 @@ def _grid_step(coords: np.ndarray) -> int | None:
     step = _common_step(coords)
     origin = coords.min(axis=0) % step
     return step if not ((coords - origin) % step != 0).any() else None
+
+
+def _on_grid(coords: np.ndarray, stride: int) -> bool:
+    """Whether every coordinate lies on the grid of ``stride`` through the smallest ones."""
+    if stride < 1:
+        return False
+    origin = coords.min(axis=0) % stride
+    return not ((coords - origin) % stride != 0).any()
 
 
 def _common_step(coords: np.ndarray) -> int:

@@ -207,17 +207,22 @@ def _trained_on(head: FeatureHead | None) -> tuple[float, int] | None:
 
 def _check_patch_size(ff, layout, head: FeatureHead | None) -> None:
     """StoreError when a file that records no resolution of its own (CLAM's) holds patches of another
-    physical size (level-0 size x µm/px) than those the head was trained on (what it records of them)."""
+    physical size (level-0 size x µm/px) than those the head was trained on (what it records of them), by
+    more than scanners' nominal magnifications differ (:data:`~wsi_milssl.features.schema.NOMINAL_SIZE_RATIO`:
+    "20x" patches of 512 level-0 px are 116 µm at 0.226 µm/px and 124 µm at 0.243)."""
+    from wsi_milssl.features.schema import NOMINAL_SIZE_RATIO, same_physical_size
+
     trained, fs = _trained_on(head), ff.feature_settings
     if trained is None or (fs.get("target_mpp") is not None and fs.get("patch_size_px") is not None):
         return  # the recorded settings were compared (_check_fit)
     um, trained_um = layout.patch_size_lv0 * layout.mpp, trained[0] * trained[1]
-    if not np.isclose(um, trained_um, rtol=0.02):
+    if not same_physical_size(um, trained_um):
         raise StoreError(
             f"{ff.path}: patches of {um:g} µm ({layout.patch_size_lv0} level-0 px at {layout.mpp:g} µm/px), but the "
             f"head {head.checkpoint_path} was trained on patches of {trained_um:g} µm ({trained[1]} px at "
-            f"{trained[0]:g} µm/px). Fix: pass feature files of patches of the training size (coords in level-0 "
-            "pixels, CLAM's patch_size at its patch_level).")
+            f"{trained[0]:g} µm/px): {max(um, trained_um) / min(um, trained_um):.3g}x apart, more than the "
+            f"{NOMINAL_SIZE_RATIO:g}x by which scanners' nominal magnifications differ. Fix: pass feature files of "
+            "patches of the training size (coords in level-0 pixels, CLAM's patch_size at its patch_level).")
 
 
 def _prediction(ff, probs: np.ndarray, *, slide_path: Path | None, config: HeatmapConfig, seconds: float,
