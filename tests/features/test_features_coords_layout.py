@@ -1,7 +1,9 @@
 """Coordinates a feature file cannot mean as (N, 2) level-0 (x, y) rows are refused (finding 2 of the
 feature-file review): ``coords`` stored (2, N) was reshaped to (N, 2) and paired the wrong values, and
 duplicate coordinates overwrote each other's map cells; both now fail naming the file, as open_store
-refuses a store's duplicates. CLAM's (N, 1, 2) and TRIDENT's empty files still read."""
+refuses a store's duplicates. CLAM's (N, 1, 2) and TRIDENT's empty files still read. Duplicates are refused
+where patches are mapped (grid_layout: heatmap --features), not by train, which places no patch on a map
+(review AI, finding 3: a file of several bags with placeholder coordinates trained before)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import h5py
 import numpy as np
 import pytest
 
+from wsi_milssl.cli import main
 from wsi_milssl.errors import StoreError
 from wsi_milssl.features import read_feature_file
 
@@ -37,12 +40,13 @@ def test_coords_stored_two_by_n_are_refused(tmp_path):
         read_feature_file(flat)
 
 
-def test_duplicate_coordinates_are_refused(tmp_path):
+def test_duplicate_coordinates_are_refused_where_patches_are_mapped(tmp_path):
     coords = _grid()
     coords[5] = coords[2]
     path = _clam_file(tmp_path / "s.h5", coords)
+    ff = read_feature_file(path)  # train reads it: it places no patch on a map
     with pytest.raises(StoreError) as err:
-        read_feature_file(path)
+        ff.grid_layout(slide_mpp=0.25)
     msg = str(err.value)
     assert str(path) in msg and "1 duplicate coordinate" in msg and f"({coords[2][0]}, {coords[2][1]})" in msg
 
@@ -64,8 +68,24 @@ def test_one_position_in_two_bags_of_a_file_of_several_bags_is_no_duplicate(tmp_
     path = _clam_file(tmp_path / "bags.h5", coords, n=len(coords))
     with h5py.File(path, "a") as fh:
         fh.create_dataset("bag_ids", data=np.repeat([b"a", b"b"], len(_grid())))
-    assert len(read_feature_file(path)) == 24
+    assert read_feature_file(path).grid_layout(slide_mpp=0.25).stride_lv0 == 256
     with h5py.File(path, "a") as fh:
         fh["bag_ids"][...] = np.repeat([b"a"], 24)
     with pytest.raises(StoreError, match="12 duplicate"):
-        read_feature_file(path)
+        read_feature_file(path).grid_layout(slide_mpp=0.25)
+
+
+def test_train_reads_a_file_of_several_bags_with_placeholder_coordinates(tmp_path, capsys):
+    """A MIL-CSV-style file of 8 bags whose coords are all (0, 0): refused by train since 5725f4c ('72
+    duplicate coordinate(s) ... two patches would fall on one map cell'), though training maps no patch."""
+    rng = np.random.default_rng(0)
+    bags = [f"b{i}" for i in range(8)]
+    with h5py.File(tmp_path / "bags.h5", "w") as fh:
+        fh.create_dataset("features", data=rng.normal(size=(80, 8)).astype(np.float32))
+        fh.create_dataset("coords", data=np.zeros((80, 2), np.int64))
+        fh.create_dataset("bag_ids", data=np.repeat([b.encode() for b in bags], 10))
+    (tmp_path / "labels.csv").write_text("slide,label\n" + "".join(f"{b},{i % 2}\n" for i, b in enumerate(bags)))
+    rc = main(["train", str(tmp_path / "bags.h5"), "--labels", str(tmp_path / "labels.csv"), "--out",
+               str(tmp_path / "run"), "--epochs", "1", "--threads", "1", "--no-plots"])
+    assert rc == 0, capsys.readouterr().err
+    assert (tmp_path / "run" / "last.pt").exists()

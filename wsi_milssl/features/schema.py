@@ -413,12 +413,13 @@ class FeatureFile:
         step (for a file of unknown patch size, the step nearest the head's patches); a single patch of
         unknown size is refused. The head's patch size is compared within :data:`NOMINAL_SIZE_RATIO`.
 
-        Raises StoreError (with the fix) when the level-0 µm/px is unknown, the coordinates step by
-        less than a level-0 patch with no overlap declared (coordinates at the tiling level where the step
-        is about half of it or less, else an unrecorded overlap or, against the head's patches, another
-        patch size), are not on one regular grid (CLAM and TRIDENT may grid each
-        tissue region separately), or a patch starts outside the slide where its level-0 size is known (the
-        file's or the slide's): another slide's file, or coordinates that are not level-0 pixels."""
+        Raises StoreError (with the fix) when the level-0 µm/px is unknown, a position holds two patches
+        (of one bag), the coordinates step by less than a level-0 patch with no overlap declared
+        (coordinates at the tiling level where the step is about half of it or less, else an unrecorded
+        overlap or, against the head's patches, another patch size), are not on one regular grid (CLAM
+        and TRIDENT may grid each tissue region separately), or a patch starts outside the slide where its
+        level-0 size is known (the file's or the slide's): another slide's file, or coordinates that are not
+        level-0 pixels."""
         if self.coords is None:
             raise StoreError(f"{self.path}: no 'coords' dataset, so the features cannot be placed on the slide. "
                              "Fix: extract features with coordinates (wsi-milssl features, TRIDENT or CLAM).")
@@ -447,6 +448,7 @@ class FeatureFile:
             target_mpp = magnification_to_mpp(float(c["target_magnification"]))
         if patch_px is None and "patch_level" not in c:
             patch_px = _first_int(c.get("patch_size"))  # TRIDENT's: at the target magnification
+        _check_duplicates(self.path, coords, self.bag_ids)
         trained_lv0 = None  # the level-0 size of the head's patches at this slide's µm/px (nominally)
         if trained_on is not None and target_mpp is None and patch_px is None:
             trained_lv0 = trained_on[0] * trained_on[1] / mpp
@@ -696,9 +698,11 @@ def read_feature_file(path: str | os.PathLike, *, instance_labels: bool = True) 
     file after the slide). Raises StoreError naming the file for one that cannot be opened, one of this
     project of another schema version (:func:`schema_version_error`), one with no
     ``features``, features that are not (N, D) (TRIDENT's empty (0,) counts as N = 0) or not all finite (in
-    float32, which models read them in), coordinates that are not (N, 2) (or (N, 1, 2)), hold a patch twice
-    or whose count differs, or instance labels other than 0
-    and 1; an HDF5 file that cannot be read (cut short) is called damaged,
+    float32, which models read them in), coordinates that are not (N, 2) (or (N, 1, 2)) or whose count
+    differs, or instance labels other than 0 and 1 (coordinates that hold a patch twice are refused where
+    patches are placed on a map, :meth:`FeatureFile.grid_layout`, not here: training places none, and files
+    of several bags may hold placeholder coordinates); an HDF5 file that cannot be read (cut short) is
+    called damaged,
     with the fix (:func:`damaged_message`). ``instance_labels`` False leaves them unread (None): a reader that
     never uses them (the heatmap) does not fail a file over them.
     """
@@ -771,8 +775,8 @@ def _coords(path: Path, raw: np.ndarray) -> np.ndarray:
     """int64 (N, 2) coordinates from the stored ``coords``: (N, 2), or (N, 1, 2) as some tools write them
     (empty ones of any shape: no patch). Raises StoreError naming the file for any other shape (a (2, N)
     array, one x row and one y row, would pair the wrong values). Duplicate rows (two patches on one map
-    cell: one would overwrite the other) are refused by :func:`_check_duplicates`, as ``open_store``
-    refuses a store's."""
+    cell: one would overwrite the other) are refused where the patches are mapped (:func:`_check_duplicates`
+    in :meth:`FeatureFile.grid_layout`), as ``open_store`` refuses a store's."""
     if raw.size == 0:
         return np.zeros((0, 2), np.int64)
     if not (raw.ndim == 2 and raw.shape[1] == 2) and not (raw.ndim == 3 and raw.shape[1:] == (1, 2)):
@@ -839,8 +843,6 @@ def _read_open_file(path: Path, fh, *, instance_labels: bool = True) -> FeatureF
         bag_ids = [b.decode() if isinstance(b, bytes) else str(b) for b in np.asarray(fh[BAG_IDS][()]).tolist()]
         if len(bag_ids) != len(feats):
             raise StoreError(f"{path}: 'bag_ids' has {len(bag_ids)} rows but 'features' has {len(feats)}.")
-    if coords is not None:
-        _check_duplicates(path, coords, bag_ids)
     attrs = {k: _plain(v) for k, v in fh.attrs.items()}
     features_attrs = {k: _plain(v) for k, v in fh[FEATURES].attrs.items()}
     coords_attrs = {k: _plain(v) for k, v in fh[COORDS].attrs.items()} if COORDS in fh else {}
