@@ -215,3 +215,36 @@ def checkpoint_factory(tmp_path):
         return make_checkpoint(tmp_path / f"run{next(counter)}" / "best.pt", **kwargs)
 
     return make
+
+
+@pytest.fixture
+def predicted(monkeypatch) -> list[str]:
+    """The slides the heatmap stage runs the model on (every slide given to ``predict_many``), in order."""
+    from wsi_milssl.inference import stage as stage_module
+
+    stems: list[str] = []
+    original = stage_module.predict_many
+
+    def counting(inputs, *args, **kwargs):
+        stems.extend(item.stem for item in inputs)
+        yield from original(inputs, *args, **kwargs)
+
+    monkeypatch.setattr(stage_module, "predict_many", counting)
+    return stems
+
+
+def _write_outline(folder: Path, stem: str, box: tuple[int, int, int, int]) -> Path:
+    """An ASAP XML of one tumour rectangle (level-0 x0, y0, x1, y1) for slide ``stem`` in ``folder``."""
+    from wsi_milssl.annotations import write_annotations
+    from wsi_milssl.annotations.asap import PolygonAnnotation
+
+    x0, y0, x1, y1 = box
+    ring = np.array([[x0, y0], [x1, y0], [x1, y1], [x0, y1]], float)
+    folder.mkdir(exist_ok=True)
+    return write_annotations([PolygonAnnotation("Annotation 0", "_0", ring)], folder / f"{stem}.xml")
+
+
+@pytest.fixture(scope="session")
+def outline_writer():
+    """``outline_writer(folder, stem, (x0, y0, x1, y1))``: an ASAP XML of one tumour rectangle."""
+    return _write_outline

@@ -18,7 +18,6 @@ import pytest
 
 from wsi_milssl.config import HeatmapConfig, TileConfig
 from wsi_milssl.inference import make_heatmaps
-from wsi_milssl.inference import stage as stage_module
 
 FAST = dict(thumbnail_px=128, batch_size=32, num_workers=0)
 #: a change of every kind of drawing setting: the overlay, the viewer files, the OME-TIFF and the detections
@@ -39,19 +38,6 @@ def two_slides(tmp_path_factory, slide_writer) -> list[Path]:
                      tumour=lambda xs, ys: (xs // 300 + ys // 300 + 1) % 4 == 0)
     return [a, b]
 
-
-@pytest.fixture
-def predicted(monkeypatch) -> list[str]:
-    """The slides the model is run on (every slide given to ``predict_many``), in order."""
-    stems: list[str] = []
-    original = stage_module.predict_many
-
-    def counting(inputs, *args, **kwargs):
-        stems.extend(item.stem for item in inputs)
-        yield from original(inputs, *args, **kwargs)
-
-    monkeypatch.setattr(stage_module, "predict_many", counting)
-    return stems
 
 
 def _slide_files(folder: Path) -> dict[str, bytes]:
@@ -214,21 +200,10 @@ def test_a_slide_predicted_without_its_slide_file_leaves_no_earlier_overlay(tmp_
     assert not (out / "a_heatmap.png").exists() and (out / "a_probs.npy").is_file()
 
 
-def _write_outline(folder: Path, stem: str, box: tuple[int, int, int, int]) -> Path:
-    """An ASAP XML of one tumour rectangle (level-0 x0, y0, x1, y1) for slide ``stem``."""
-    import numpy as np
-
-    from wsi_milssl.annotations import write_annotations
-    from wsi_milssl.annotations.asap import PolygonAnnotation
-
-    x0, y0, x1, y1 = box
-    ring = np.array([[x0, y0], [x1, y0], [x1, y1], [x0, y1]], float)
-    folder.mkdir(exist_ok=True)
-    return write_annotations([PolygonAnnotation("Annotation 0", "_0", ring)], folder / f"{stem}.xml")
-
 
 def test_an_annotation_file_added_edited_or_removed_draws_the_overlay_again(tmp_path, two_slides,
-                                                                          checkpoint_factory, predicted):
+                                                                          checkpoint_factory, predicted,
+                                                                          outline_writer):
     """The outlines on the overlay come from the annotation folder, which no fingerprint covered: a run
     with --annotations on a finished folder kept the overlays without outlines, and an edited annotation
     kept the old outline. Such a slide is now drawn again from its saved probabilities (not predicted)."""
@@ -238,7 +213,7 @@ def test_an_annotation_file_added_edited_or_removed_draws_the_overlay_again(tmp_
     assert make_heatmaps(two_slides, ckpt, out, config).ok
     before = _slide_files(out)
 
-    _write_outline(ann, "a", (300, 300, 1500, 1500))  # a has an annotation now, b none
+    outline_writer(ann, "a", (300, 300, 1500, 1500))  # a has an annotation now, b none
     predicted.clear()
     run = make_heatmaps(two_slides, ckpt, out, config, annotations_dir=ann)
     assert run.ok and predicted == [] and run.redrawn == ("a",) and run.skipped == ("b",)
@@ -251,7 +226,7 @@ def test_an_annotation_file_added_edited_or_removed_draws_the_overlay_again(tmp_
     run = make_heatmaps(two_slides, ckpt, out, config, annotations_dir=ann)
     assert run.redrawn == () and run.skipped == ("a", "b")
 
-    _write_outline(ann, "a", (900, 900, 1700, 1700))  # edited
+    outline_writer(ann, "a", (900, 900, 1700, 1700))  # edited
     run = make_heatmaps(two_slides, ckpt, out, config, annotations_dir=ann)
     assert predicted == [] and run.redrawn == ("a",)
     edited = _slide_files(out)["a_heatmap.png"]

@@ -16,7 +16,6 @@ import pytest
 
 from wsi_milssl.config import HeatmapConfig, TileConfig
 from wsi_milssl.inference import make_heatmaps
-from wsi_milssl.inference import stage as stage_module
 from wsi_milssl.labeling import label_store
 from wsi_milssl.store import open_store
 from wsi_milssl.tiling import tile_slides
@@ -38,29 +37,6 @@ def slides(tmp_path, slide_writer) -> list[Path]:
     return [a, b]
 
 
-@pytest.fixture
-def predicted(monkeypatch) -> list[str]:
-    """The slides the model is run on (every slide given to ``predict_many``), in order."""
-    stems: list[str] = []
-    original = stage_module.predict_many
-
-    def counting(inputs, *args, **kwargs):
-        stems.extend(item.stem for item in inputs)
-        yield from original(inputs, *args, **kwargs)
-
-    monkeypatch.setattr(stage_module, "predict_many", counting)
-    return stems
-
-
-def _write_outline(folder: Path, stem: str, box: tuple[int, int, int, int]) -> Path:
-    """An ASAP XML of one tumour rectangle (level-0 x0, y0, x1, y1) for slide ``stem``."""
-    from wsi_milssl.annotations import write_annotations
-    from wsi_milssl.annotations.asap import PolygonAnnotation
-
-    x0, y0, x1, y1 = box
-    ring = np.array([[x0, y0], [x1, y0], [x1, y1], [x0, y1]], float)
-    folder.mkdir(exist_ok=True)
-    return write_annotations([PolygonAnnotation("Annotation 0", "_0", ring)], folder / f"{stem}.xml")
 
 
 def _labels(store: Path) -> tuple[np.ndarray, str]:
@@ -70,12 +46,12 @@ def _labels(store: Path) -> tuple[np.ndarray, str]:
 
 
 def test_a_relabelled_store_draws_again_and_a_retiled_one_predicts_again(tmp_path, slides, checkpoint_factory,
-                                                                          predicted):
+                                                                          predicted, outline_writer):
     ckpt, stores, ann, out = checkpoint_factory(), tmp_path / "stores", tmp_path / "ann", tmp_path / "hm"
     config = HeatmapConfig(**FAST)
     tile_slides(slides, stores, TileConfig(**TILE))
     store_a = stores / "a.h5"
-    xml = _write_outline(ann, "a", (300, 300, 1500, 1500))
+    xml = outline_writer(ann, "a", (300, 300, 1500, 1500))
     label_store(store_a, annotation_path=xml)
     labels, sha = _labels(store_a)
     assert labels.any()
@@ -98,7 +74,7 @@ def test_a_relabelled_store_draws_again_and_a_retiled_one_predicts_again(tmp_pat
     assert (out / "a_probs.npy").read_bytes() == probs
 
     # an edit that changes the labels: drawn again (its outline), not predicted
-    xml = _write_outline(ann, "a", (900, 900, 1700, 1700))
+    xml = outline_writer(ann, "a", (900, 900, 1700, 1700))
     label_store(store_a, annotation_path=xml)
     assert not np.array_equal(_labels(store_a)[0], labels)
     predicted.clear()
@@ -118,13 +94,14 @@ def test_a_relabelled_store_draws_again_and_a_retiled_one_predicts_again(tmp_pat
 
 
 def test_a_sidecar_without_the_stores_tiling_is_not_reused_for_a_relabelled_store(tmp_path, slides,
-                                                                                 checkpoint_factory, predicted):
+                                                                                 checkpoint_factory, predicted,
+                                                                                 outline_writer):
     """A folder written before the store's tiling was recorded (``input_files`` name the store by size and
     modification time only): the store unchanged is skipped, the store relabelled is predicted once more."""
     ckpt, stores, ann, out = checkpoint_factory(), tmp_path / "stores", tmp_path / "ann", tmp_path / "hm"
     config = HeatmapConfig(**FAST)
     tile_slides(slides, stores, TileConfig(**TILE))
-    xml = _write_outline(ann, "a", (300, 300, 1500, 1500))
+    xml = outline_writer(ann, "a", (300, 300, 1500, 1500))
     assert make_heatmaps(slides, ckpt, out, config, stores=[stores]).ok
     for stem in ("a", "b"):  # as an earlier version wrote it
         path = out / f"{stem}_probs.json"
