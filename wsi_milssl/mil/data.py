@@ -12,6 +12,7 @@ and ``NORMALISATION`` are re-exported here); batches for a whole run come from
 from __future__ import annotations
 
 import csv
+import hashlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -413,10 +414,11 @@ def held_out_bags(train: InstanceSet, val: InstanceSet) -> list[str]:
     """The bags of ``val`` that are not training bags: not cut from a slide file of ``train`` where both
     sets record their slides (``bag_sources``, resolved: two folders may hold files of one name made from
     different slides; for MIL CSVs also no bag of the same id and the same instance rows, as in a copy of
-    the training file), else not named as a training bag."""
+    the training file; for feature files no bag with the feature rows of a training bag, as in a copy of a
+    training file that records no slide_path, CLAM's or TRIDENT's), else not named as a training bag."""
     if train.bag_sources is not None and val.bag_sources is not None:
         seen = {os.path.realpath(p) for p in train.bag_sources}
-        copied = _csv_bags_with_training_rows(train, val)
+        copied = _csv_bags_with_training_rows(train, val) | _feature_bags_of_training_rows(train, val)
         return [n for n, p in zip(val.bag_names, val.bag_sources) if os.path.realpath(p) not in seen and n not in copied]
     known = set(train.bag_names)
     return [n for n in val.bag_names if n not in known]
@@ -451,6 +453,38 @@ def _csv_bags_with_training_rows(train: InstanceSet, val: InstanceSet) -> set[st
         if t is not None and rows and all(r in by_bag[t] for r in rows) and any(count[r] == 1 for r in rows):
             shared.add(name)
     return shared
+
+
+def _bag_rows(instances: InstanceSet, bags: set[int]) -> dict[int, np.ndarray]:
+    """The feature rows (float32, in the set's order) of each bag index in ``bags``."""
+    ids = np.asarray(instances.bag_ids)
+    order = np.argsort(ids, kind="stable")
+    starts = np.searchsorted(ids[order], np.arange(instances.n_bags + 1))
+    feats = np.asarray(instances.features, dtype=np.float32)
+    return {b: feats[order[starts[b]:starts[b + 1]]] for b in bags}
+
+
+def _feature_bags_of_training_rows(train: InstanceSet, val: InstanceSet) -> set[str]:
+    """Bags of validation feature files (not a MIL CSV) whose feature rows are those of a training bag, row for
+    row (shape and bytes, whatever the bag's name): a copy of a training file. Files that record no
+    ``slide_path`` (CLAM's, TRIDENT's) are told apart by their path only, so without this check a copied
+    folder would validate on the training data. Only bags of a row count that both sets have are hashed."""
+    if (train.kind != "features" or val.kind != "features" or train.features is None or val.features is None
+            or _from_mil_csv(train) or _from_mil_csv(val)):
+        return set()
+    train_counts = np.bincount(np.asarray(train.bag_ids), minlength=train.n_bags)
+    val_counts = np.bincount(np.asarray(val.bag_ids), minlength=val.n_bags)
+    common = set(train_counts[train_counts > 0].tolist()) & set(val_counts[val_counts > 0].tolist())
+    if not common:
+        return set()
+
+    def digests(instances: InstanceSet, counts: np.ndarray) -> dict[int, str]:
+        rows = _bag_rows(instances, {b for b, n in enumerate(counts.tolist()) if n in common})
+        return {b: hashlib.sha256(repr(r.shape).encode() + np.ascontiguousarray(r).tobytes()).hexdigest()
+                for b, r in rows.items()}
+
+    trained = set(digests(train, train_counts).values())
+    return {val.bag_names[b] for b, d in digests(val, val_counts).items() if d in trained}
 
 
 def read_patch_stores(paths: Iterable[str | os.PathLike], labels: dict[str, int], *,
