@@ -278,6 +278,8 @@ def read_feature_files(paths: Iterable[str | os.PathLike], labels: dict[str, int
     (TRIDENT's features of a slide without patches) is left out with a warning. Bag labels come from
     ``labels`` (name -> 0/1); an optional ``instance_label`` dataset (N,) is kept for evaluation.
 
+    Bags are in name order (:func:`_name_order`), whatever order ``paths`` come in.
+
     ``settings`` of the result record the encoder the files name (``feature_encoder``, with its weights'
     SHA-256) and ``feature_settings`` (what decides the features besides the patches: encoder settings,
     dtype, input size, precision, resolution and patch size, as far as the files record them), which a
@@ -356,7 +358,10 @@ def read_feature_files(paths: Iterable[str | os.PathLike], labels: dict[str, int
         (d1, p1), (d2, p2) = sorted(dims.items())[:2]
         raise StoreError(f"feature files disagree on the feature length ({sorted(dims)}): {p1} holds {d1}-d "
                          f"features, {p2} {d2}-d. Fix: use one extractor for all.")
-    bag_ids = np.concatenate(bag_all)
+    by_name, new_index = _name_order(names)  # bags in name order: the order inputs are given in does not matter
+    bag_ids = new_index[np.concatenate(bag_all)]
+    names, bag_labels = [names[i] for i in by_name], [bag_labels[i] for i in by_name]
+    sources = None if sources is None else [sources[i] for i in by_name]
     order = np.argsort(bag_ids, kind="stable")
     features = np.concatenate(feats_all)[order]
     inst = np.concatenate(inst_all)[order] if have_inst and inst_all else None
@@ -371,6 +376,16 @@ def read_feature_files(paths: Iterable[str | os.PathLike], labels: dict[str, int
                        bag_labels=np.asarray(bag_labels, dtype=np.int64), instance_labels=inst,
                        features=features, bag_sources=sources, settings=settings,
                        source=", ".join(str(p) for p in used[:3]), file_settings=file_settings)
+
+
+def _name_order(names: Sequence[str]) -> tuple[list[int], np.ndarray]:
+    """(the bag indices in name order, each bag's new index in that order). Training visits bags in this
+    canonical order (bag names are unique within a set), so that a fixed seed gives the same weights whatever
+    order inputs are listed in or whatever their folders are called."""
+    by_name = sorted(range(len(names)), key=lambda i: names[i])
+    new_index = np.empty(len(names), dtype=np.int64)
+    new_index[by_name] = np.arange(len(names), dtype=np.int64)
+    return by_name, new_index
 
 
 def _common_settings(files: Sequence[tuple[str, dict]]) -> dict:
@@ -491,7 +506,8 @@ def read_patch_stores(paths: Iterable[str | os.PathLike], labels: dict[str, int]
                       labels_path: str = "labels.csv") -> InstanceSet:
     """Index the patches of patch stores (one store per slide = one bag) without reading pixels.
 
-    Bag names are the stores' slide stems, labelled from ``labels``. A store without a patch (no tissue passed
+    Bag names are the stores' slide stems, labelled from ``labels``; bags are in name order
+    (:func:`_name_order`), whatever order or folders the stores come in. A store without a patch (no tissue passed
     the filters) is left out with a warning, as :func:`read_feature_files` leaves out files without rows: it
     would count as a bag with nothing to learn from. Instance labels are taken from the
     stores' ``instance_label`` datasets when every store has one (evaluation only). All stores must share
@@ -566,6 +582,12 @@ def read_patch_stores(paths: Iterable[str | os.PathLike], labels: dict[str, int]
     if not used:
         raise StoreError(f"{', '.join(str(p) for p in store_paths[:3])}{' ...' if len(store_paths) > 3 else ''}: the "
                          "stores hold no patches; check the tiling settings (tissue/entropy filters).")
+    by_name, _ = _name_order(names)  # bags in name order, not in the order of the stores' paths
+    names, sources, bag_labels, used = ([xs[i] for i in by_name] for xs in (names, sources, bag_labels, used))
+    local = [local[i] for i in by_name]
+    ids = [np.full(local[k].size, k, dtype=np.int64) for k in range(len(by_name))]
+    if have_inst:
+        inst = [inst[i] for i in by_name]
     return InstanceSet(kind="images", bag_ids=np.concatenate(ids), bag_names=names,
                        bag_labels=np.asarray(bag_labels, dtype=np.int64),
                        instance_labels=np.concatenate(inst) if have_inst else None,
