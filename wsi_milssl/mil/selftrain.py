@@ -1119,6 +1119,19 @@ def _shared_bags(train: InstanceSet, val: InstanceSet) -> list[str]:
     return sorted(n for n in val.bag_names if n not in held_out)
 
 
+def _warn_mu_not_reached(config: TrainConfig) -> None:
+    """Warn when the adaptive schedule (paper eq. 10: μ_t = μ from epoch T on, epochs counted from 0, warm-up
+    epochs included) never reaches μ: T >= the number of epochs, so the last epoch trains at a μ_t above μ."""
+    if config.fixed_mu or config.mu_ramp_epochs <= 0 or config.mu_ramp_epochs < config.epochs:
+        return
+    last = adaptive_mu(config.epochs - 1, mu=config.mu, ramp_epochs=config.mu_ramp_epochs)
+    log.warning("the μ schedule never reaches μ = %g: it falls from 0.5 over mu_ramp_epochs (--mu-ramp-epochs) T = %d "
+                "epochs (paper eq. 10, warm-up epochs included) and reaches μ at epoch %d, but the run trains %d "
+                "epochs, the last at μ_t = %.4f. Fix: --mu-ramp-epochs %d or less (μ in the last epoch), more "
+                "--epochs, or --fixed-mu.", config.mu, config.mu_ramp_epochs, config.mu_ramp_epochs + 1,
+                config.epochs, last, config.epochs - 1)
+
+
 def _resume_checkpoint(out: Path, ckpt_config: dict[str, Any], config: TrainConfig) -> dict[str, Any]:
     """The run's ``last.pt``, checked for a resume: complete, saved with the data and settings of
     ``ckpt_config`` (the run now), and not beyond ``config.epochs``. ``ckpt_config`` then records the
@@ -1161,6 +1174,8 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
         log.warning("%d of the %d validation bags are also training bags (%s%s): best.pt and the validation "
                     "metrics then come from data the model trains on. Fix: validate on bags held out from "
                     "training.", len(shared), val.n_bags, ", ".join(shared[:5]), ", ..." if len(shared) > 5 else "")
+    if dist.is_main and eval_at is None:  # a benchmark grid (eval_at) chooses its epochs and T on purpose
+        _warn_mu_not_reached(config)
     bag_labels = train.bag_labels
     if not (bag_labels == 0).any():
         raise ConfigError(f"{train.source}: no negative bag among the {train.n_bags} training bags; MIL-SSL "

@@ -1,0 +1,63 @@
+"""A μ schedule that never reaches μ is warned about once at the start (review AK, finding 4):
+`--epochs 3 --mu 0.2 --mu-ramp-epochs 100` trained at μ_t 0.5 .. 0.494 without a word, and image mode's
+defaults (10 epochs, T = 10) end at μ_t = 0.185, not μ = 0.15: eq. 10 gives μ from epoch t = T on, with t
+counted from 0, so T = epochs never reaches it either."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import h5py
+import numpy as np
+import pytest
+
+from wsi_milssl.cli import main
+from wsi_milssl.mil import adaptive_mu
+
+BASE = ["--threads", "1", "--workers", "0", "--no-plots", "--amp", "off"]
+
+
+def _folder(tmp_path):
+    folder = tmp_path / "ftr"
+    folder.mkdir()
+    for i in range(4):
+        rng = np.random.default_rng(i)
+        feats = rng.normal(size=(6, 8)).astype(np.float32)
+        feats[:2] += 3.0 * (i % 2)
+        with h5py.File(folder / f"s{i}.h5", "w") as f:
+            f.create_dataset("features", data=feats)
+            f.create_dataset("coords", data=np.stack([np.arange(6) * 256, np.zeros(6, np.int64)], 1))
+    labels = tmp_path / "labels.csv"
+    labels.write_text("slide,label\n" + "".join(f"s{i},{i % 2}\n" for i in range(4)))
+    return folder, labels
+
+
+def test_the_image_defaults_end_above_mu():
+    # eq. 10 with t from 0 (μ_0 = 0.5): T = epochs = 10 leaves the last epoch (t = 9) at 0.185
+    assert adaptive_mu(9, mu=0.15, ramp_epochs=10) == pytest.approx(0.185)
+    assert adaptive_mu(10, mu=0.15, ramp_epochs=10) == 0.15
+
+
+@pytest.mark.parametrize("epochs, ramp, warned", [(3, 100, True), (3, 3, True), (3, 2, False), (3, 0, False)])
+def test_a_schedule_that_never_reaches_mu_is_warned_about(tmp_path, caplog, epochs, ramp, warned):
+    folder, labels = _folder(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        assert main(["train", str(folder), "--labels", str(labels), "--out", str(tmp_path / "run"), "--epochs",
+                     str(epochs), "--mu", "0.2", "--mu-ramp-epochs", str(ramp), *BASE]) == 0
+    last = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][-1]
+    hits = [r.getMessage() for r in caplog.records if "never reaches μ" in r.getMessage()]
+    if warned:
+        assert len(hits) == 1
+        assert f"the last at μ_t = {last['mu_t']:.4f}" in hits[0] and "--mu-ramp-epochs 2 or less" in hits[0]
+        assert last["mu_t"] > 0.2
+    else:
+        assert not hits and last["mu_t"] == pytest.approx(0.2)
+
+
+def test_fixed_mu_is_not_warned_about(tmp_path, caplog):
+    folder, labels = _folder(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        assert main(["train", str(folder), "--labels", str(labels), "--out", str(tmp_path / "run"), "--epochs", "2",
+                     "--mu-ramp-epochs", "100", "--fixed-mu", *BASE]) == 0
+    assert "never reaches μ" not in caplog.text
