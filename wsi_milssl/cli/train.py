@@ -362,6 +362,11 @@ def _resume_setup(args: argparse.Namespace):
         raise ConfigError(f"{exc} Fix: correct that value in {cfg_path.name}, or start a new run without "
                           "--resume.") from None
     missing = [p for p in [*inputs, labels, *(val or []), val_labels] if p and not Path(p).exists()]
+    if missing and all(Path(p).is_absolute() for p in missing):  # this version records absolute paths
+        raise CheckpointError(f"{cfg_path}: the run's inputs {', '.join(missing[:3])} are not found; the run "
+                              "recorded them as absolute paths, so they were moved or removed since. Fix: put the "
+                              "inputs back at those paths, or start a new run (a new --out, without --resume) with "
+                              "the inputs where they are now.")
     if missing:
         raise CheckpointError(f"{cfg_path}: the run's inputs {', '.join(missing[:3])} are not found from {Path.cwd()}"
                               " (runs of earlier versions recorded paths as typed). Fix: run `train --resume` from "

@@ -1,0 +1,54 @@
+"""`train --resume` of a run whose inputs moved said to resume from the folder the run was started in
+(review AK, finding 5), but runs record absolute paths now: only putting the inputs back, or a new run,
+helps. Runs that recorded paths as typed (earlier versions) keep that advice."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import h5py
+import numpy as np
+
+from wsi_milssl.cli import main
+
+BASE = ["--epochs", "1", "--threads", "1", "--workers", "0", "--no-plots"]
+
+
+def _run(tmp_path):
+    folder = tmp_path / "ftr"
+    folder.mkdir()
+    for i in range(4):
+        feats = np.random.default_rng(i).normal(size=(6, 8)).astype(np.float32)
+        with h5py.File(folder / f"s{i}.h5", "w") as f:
+            f.create_dataset("features", data=feats + 3.0 * (i % 2))
+            f.create_dataset("coords", data=np.stack([np.arange(6) * 256, np.zeros(6, np.int64)], 1))
+    labels = tmp_path / "labels.csv"
+    labels.write_text("slide,label\n" + "".join(f"s{i},{i % 2}\n" for i in range(4)))
+    assert main(["train", str(folder), "--labels", str(labels), "--out", str(tmp_path / "run"), *BASE]) == 0
+    return folder
+
+
+def test_resume_after_the_inputs_moved_says_to_put_them_back(tmp_path, capsys):
+    folder = _run(tmp_path)
+    folder.rename(tmp_path / "moved")
+    capsys.readouterr()
+    assert main(["train", "--resume", str(tmp_path / "run"), "--epochs", "2"]) != 0
+    err = capsys.readouterr().err
+    assert f"the run's inputs {folder} are not found; the run recorded them as absolute paths" in err
+    assert "Fix: put the inputs back at those paths, or start a new run" in err
+    assert "from the folder the run was started in" not in err
+
+
+def test_a_run_that_recorded_paths_as_typed_keeps_the_old_advice(tmp_path, capsys, monkeypatch):
+    _run(tmp_path)
+    cfg = tmp_path / "run" / "config.json"
+    saved = json.loads(cfg.read_text())
+    saved["data"]["inputs"] = ["ftr"]  # as an earlier version recorded `train ftr ...` typed in tmp_path
+    cfg.write_text(json.dumps(saved))
+    monkeypatch.chdir(tmp_path / "run")
+    capsys.readouterr()
+    assert main(["train", "--resume", ".", "--epochs", "2"]) != 0
+    err = capsys.readouterr().err
+    assert f"the run's inputs ftr are not found from {os.getcwd()}" in err
+    assert "Fix: run `train --resume` from the folder the run was started in" in err
