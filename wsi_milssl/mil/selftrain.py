@@ -1127,9 +1127,9 @@ def _warn_mu_not_reached(config: TrainConfig) -> None:
     last = adaptive_mu(config.epochs - 1, mu=config.mu, ramp_epochs=config.mu_ramp_epochs)
     log.warning("the μ schedule never reaches μ = %g: it falls from 0.5 over mu_ramp_epochs (--mu-ramp-epochs) T = %d "
                 "epochs (paper eq. 10, warm-up epochs included) and reaches μ at epoch %d, but the run trains %d "
-                "epochs, the last at μ_t = %.4f. Fix: --mu-ramp-epochs %d or less (μ in the last epoch), more "
+                "epoch(s), the last at μ_t = %.4f. Fix: --mu-ramp-epochs %s (μ in the last epoch), more "
                 "--epochs, or --fixed-mu.", config.mu, config.mu_ramp_epochs, config.mu_ramp_epochs + 1,
-                config.epochs, last, config.epochs - 1)
+                config.epochs, last, f"{config.epochs - 1} or less" if config.epochs > 1 else "0 (no ramp)")
 
 
 def _resume_checkpoint(out: Path, ckpt_config: dict[str, Any], config: TrainConfig) -> dict[str, Any]:
