@@ -484,7 +484,7 @@ def _feature_bags_of_training_rows(train: InstanceSet, val: InstanceSet) -> set[
     row (shape and bytes, whatever the bag's name): a copy of a training file. Files that record no
     ``slide_path`` (CLAM's, TRIDENT's) are told apart by their path only, so without this check a copied
     folder would validate on the training data. Only bags of a row count that both sets have are hashed."""
-    if (train.kind != "features" or val.kind != "features" or train.features is None or val.features is None
+    if (any(getattr(s, "kind", None) != "features" or getattr(s, "features", None) is None for s in (train, val))
             or _from_mil_csv(train) or _from_mil_csv(val)):
         return set()
     train_counts = np.bincount(np.asarray(train.bag_ids), minlength=train.n_bags)
