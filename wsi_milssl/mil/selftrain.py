@@ -1174,8 +1174,6 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
         log.warning("%d of the %d validation bags are also training bags (%s%s): best.pt and the validation "
                     "metrics then come from data the model trains on. Fix: validate on bags held out from "
                     "training.", len(shared), val.n_bags, ", ".join(shared[:5]), ", ..." if len(shared) > 5 else "")
-    if dist.is_main and eval_at is None:  # a benchmark grid (eval_at) chooses its epochs and T on purpose
-        _warn_mu_not_reached(config)
     bag_labels = train.bag_labels
     if not (bag_labels == 0).any():
         raise ConfigError(f"{train.source}: no negative bag among the {train.n_bags} training bags; MIL-SSL "
@@ -1262,6 +1260,8 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
             _clear_earlier_run(out)
         atomic_write_text(out / "config.json", json.dumps(ckpt_config, indent=2, sort_keys=True,
                                                            default=_json_default) + "\n")
+    if dist.is_main and eval_at is None:  # a benchmark grid (eval_at) chooses its epochs and T on purpose
+        _warn_mu_not_reached(config)  # once the run is set up: a setup error comes alone
     trainer = model
     if dist.enabled:
         from torch.nn.parallel import DistributedDataParallel
