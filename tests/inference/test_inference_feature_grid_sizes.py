@@ -13,54 +13,20 @@ import h5py
 import numpy as np
 import pytest
 
+from feature_heads import train_head
+from feature_heads import grid as _grid
+from feature_heads import write_clam as _clam
 from wsi_milssl.cli import main
 from wsi_milssl.errors import StoreError
-from wsi_milssl.features import read_feature_file, write_feature_file
+from wsi_milssl.features import read_feature_file
 
-#: The head's training patches: 256 px at 0.5 µm/px = 128 µm (512 level-0 px at 0.25 µm/px).
-STEP = 512
 CLAM_ATTRS = {"patch_size": 512, "patch_level": 0, "downsample": np.array([1.0, 1.0]),
               "level_dim": np.array([4096, 4096])}
 
 
-def _grid(step=STEP, n=6):
-    ys, xs = np.mgrid[0:n, 0:n]
-    return np.stack([xs.ravel() * step, ys.ravel() * step], axis=1)
-
-
-def _features(seed=0, n=36):
-    rng = np.random.default_rng(seed)
-    feats = rng.normal(size=(n, 8)).astype(np.float32)
-    feats[:6] += 3.0 * (seed % 2)
-    return feats
-
-
-def _clam(path, coords, coords_attrs=None):
-    """A CLAM-style file: ``features`` and ``coords`` only, CLAM's optional ``coords`` attributes."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with h5py.File(path, "w") as fh:
-        fh.create_dataset("features", data=_features(1, len(coords)))
-        ds = fh.create_dataset("coords", data=np.asarray(coords, np.int32))
-        for key, value in (coords_attrs or {}).items():
-            ds.attrs[key] = value
-    return path
-
-
 @pytest.fixture(scope="module")
 def head(tmp_path_factory):
-    root = tmp_path_factory.mktemp("grid_head")
-    names = [f"s{i}" for i in range(4)]
-    for i, n in enumerate(names):
-        path = root / "train" / f"{n}.h5"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_feature_file(path, features=_features(i), coords=_grid(),
-                           attrs={"slide_stem": n, "slide_path": "", "mpp": 0.25, "dimensions_lv0": [4096, 4096],
-                                  "encoder": "resnet18", "target_mpp": 0.5, "patch_size_px": 256},
-                           coords_attrs={"patch_size": 256}, features_attrs={"encoder": "resnet18"})
-    (root / "labels.csv").write_text("slide,label\n" + "".join(f"{n},{i % 2}\n" for i, n in enumerate(names)))
-    assert main(["train", str(root / "train"), "--labels", str(root / "labels.csv"), "--out", str(root / "run"),
-                 "--epochs", "1", "--threads", "1", "--no-plots"]) == 0
-    return root / "run"
+    return train_head(tmp_path_factory.mktemp("grid_head"))
 
 
 def _run(tmp_path, feats, head, mpp, name="out"):
