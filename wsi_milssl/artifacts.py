@@ -70,6 +70,7 @@ __all__ = [
     "DETECTION_OUTCOME_COLUMNS",
     "FROC_CURVE_COLUMNS",
     "MAX_COORDINATE_LV0",
+    "DETECTION_HEADER_NAMES",
     "Detections",
     "PredictionFiles",
     "heatmap_paths",
@@ -262,13 +263,43 @@ def is_number(text: str) -> bool:
     return True
 
 
+#: Column names a detections header may use (case-insensitive; ``_`` and runs of spaces read as one space):
+#: column -> accepted names. CAMELYON16's header is ``Confidence,X coordinate,Y coordinate``.
+DETECTION_HEADER_NAMES: dict[str, tuple[str, ...]] = {
+    "prob": ("prob", "probability", "confidence", "score", "p"),
+    "x": ("x", "x coordinate", "x_lv0"),
+    "y": ("y", "y coordinate", "y_lv0"),
+}
+
+
+def _header_name(text: str) -> str:
+    return " ".join(text.replace("\ufeff", "").replace("_", " ").split()).lower()
+
+
+def _detection_columns(row: list[str], path: Path, line: int) -> tuple[int, int, int]:
+    """Indices of prob, x, y in a detections header ``row`` (EvaluationError for names not recognised)."""
+    names = {_header_name(n): column for column, options in DETECTION_HEADER_NAMES.items() for n in options}
+    found = [names.get(_header_name(c)) for c in row]
+    if sorted(c for c in found if c is not None) != ["prob", "x", "y"] or None in found:
+        accepted = "; ".join(f"{column}: {', '.join(options)}" for column, options in DETECTION_HEADER_NAMES.items())
+        raise EvaluationError(
+            f"{path}: line {line}: header {','.join(c.strip() for c in row)!r} does not name the columns prob, x and y "
+            f"once each (accepted names, any letter case: {accepted}). Fix: name the columns so, e.g. 'prob,x,y' or "
+            "CAMELYON16's 'Confidence,X coordinate,Y coordinate', or remove the header and write prob,x,y per line."
+        )
+    return found.index("prob"), found.index("x"), found.index("y")
+
+
 def read_detections(path: str | os.PathLike) -> Detections:
     """Read a CAMELYON16 detection CSV: ``prob,x,y`` per line, level-0 pixels, no header.
 
-    An empty file means no detections. A header (a first line of three fields and no number, such as
-    ``prob,x,y`` or CAMELYON16's ``Confidence,X coordinate,Y coordinate``) and fractional coordinates (files of other
-    tools) are tolerated; this package writes integers. The file must be UTF-8 (or ASCII) text, and x, y
-    finite and below :data:`MAX_COORDINATE_LV0` in magnitude (EvaluationError naming the file and line).
+    An empty file means no detections. A header (a first line of three fields and no number) is read for the
+    order of the columns: it must name prob, x and y once each by a name of :data:`DETECTION_HEADER_NAMES`
+    (any letter case, e.g. ``x,y,prob`` or CAMELYON16's ``Confidence,X coordinate,Y coordinate``); other
+    names are an EvaluationError naming the file and header. Fractional coordinates (files of other tools)
+    are tolerated; this package writes integers. The file must be UTF-8 (or ASCII) text, each prob a
+    number in [0, 1], and x, y finite and below :data:`MAX_COORDINATE_LV0` in magnitude (EvaluationError
+    naming the file and line).
     """
     path = Path(path)
     probs: list[float] = []
@@ -287,21 +318,30 @@ def read_detections(path: str | os.PathLike) -> Detections:
         raise EvaluationError(f"{path}: not a CSV file of detections ({exc}). Fix: write one detection per line "
                               "as prob,x,y.") from None
     seen_row = False
+    i_prob, i_x, i_y = 0, 1, 2
     for line_no, row in enumerate(rows, start=1):
         if not row or all(not c.strip() for c in row):
             continue
         if not seen_row:
             seen_row = True
             if len(row) == 3 and not any(is_number(c) for c in row):  # a header of the three columns
+                i_prob, i_x, i_y = _detection_columns(row, path, line_no)
                 continue
         if len(row) != 3:
             raise EvaluationError(
                 f"{path}: line {line_no}: expected 3 values 'prob,x,y' (CAMELYON16 detections, level-0 "
                 f"pixels), got {len(row)}. Fix: write one detection per line as prob,x,y."
             )
-        probs.append(_float(row[0], path, line_no, "prob"))
-        xs.append(_coordinate(row[1], path, line_no, "x"))
-        ys.append(_coordinate(row[2], path, line_no, "y"))
+        prob = _float(row[i_prob], path, line_no, "prob")
+        if not 0.0 <= prob <= 1.0:
+            raise EvaluationError(
+                f"{path}: line {line_no}: prob {row[i_prob].strip()!r} lies outside [0, 1]. Fix: write each "
+                "detection's probability (between 0 and 1; e.g. the sigmoid of a logit), or check the order of the "
+                "columns (prob,x,y, or a header naming them)."
+            )
+        probs.append(prob)
+        xs.append(_coordinate(row[i_x], path, line_no, "x"))
+        ys.append(_coordinate(row[i_y], path, line_no, "y"))
     return Detections(np.asarray(probs, dtype=np.float64), np.asarray(xs, dtype=np.float64),
                       np.asarray(ys, dtype=np.float64))
 
