@@ -137,25 +137,32 @@ def write_annotations(
     if format != "asap":
         raise AnnotationError(f"{path}: unknown annotation format {format!r}; use 'asap' or 'geojson'.")
     hole_group = gmap.first_non_tumor()
-    polygons = _holes_around_tumour(polygons, gmap)
-    non_tumour = [a.name for a in polygons if a.holes_lv0 and gmap.role(a.group) == "non_tumor"]
-    if non_tumour:
-        logger.warning(
-            "%s: ASAP XML cannot hold holes of non-tumour polygons; dropped the holes of %d polygon(s): %s.",
-            path, len(non_tumour), ", ".join(non_tumour[:8]),
-        )
-    no_area = [a.name for a in polygons if a.holes_lv0 and gmap.role(a.group) is None]
-    if no_area:  # an unknown group's polygon with area was split into pieces without holes above
-        logger.warning(
-            "%s: ASAP XML cannot hold holes; dropped the holes of %d polygon(s) that enclose no area: %s.",
-            path, len(no_area), ", ".join(no_area[:8]),
-        )
-    polygons = [a if gmap.role(a.group) == "tumor" else _without_holes(a) for a in polygons]
+    polygons = _asap_polygons(polygons, gmap, path=path)
     declared = dict(groups or {})
     if any(a.holes_lv0 for a in polygons):
         declared.setdefault(hole_group, "#00FF00")
     names = list(declared) + [g for g in dict.fromkeys(a.group for a in polygons) if g not in declared]
     return write_asap_xml(polygons, path, groups=names, group_colors=declared, hole_group=hole_group)
+
+
+def _asap_polygons(polygons: list[PolygonAnnotation], gmap: GroupMap, *, path: Path | None) -> list[PolygonAnnotation]:
+    """``polygons`` as :func:`write_annotations` writes them to ASAP XML: only tumour polygons keep holes
+    (written as polygons of ``gmap.first_non_tumor()``), see :func:`_holes_around_tumour`. The holes that
+    cannot be written are dropped, with a warning naming ``path`` (none when ``path`` is None)."""
+    polygons = _holes_around_tumour(polygons, gmap)
+    non_tumour = [a.name for a in polygons if a.holes_lv0 and gmap.role(a.group) == "non_tumor"]
+    if non_tumour and path is not None:
+        logger.warning(
+            "%s: ASAP XML cannot hold holes of non-tumour polygons; dropped the holes of %d polygon(s): %s.",
+            path, len(non_tumour), ", ".join(non_tumour[:8]),
+        )
+    no_area = [a.name for a in polygons if a.holes_lv0 and gmap.role(a.group) is None]
+    if no_area and path is not None:  # an unknown group's polygon with area was split into pieces without holes
+        logger.warning(
+            "%s: ASAP XML cannot hold holes; dropped the holes of %d polygon(s) that enclose no area: %s.",
+            path, len(no_area), ", ".join(no_area[:8]),
+        )
+    return [a if gmap.role(a.group) == "tumor" else _without_holes(a) for a in polygons]
 
 
 def _without_holes(annotation: PolygonAnnotation) -> PolygonAnnotation:
@@ -259,22 +266,105 @@ def convert_annotations(
 def find_annotation(slide_stem: str, annotations_dir: str | os.PathLike) -> Path | None:
     """``<stem>.xml``, ``<stem>.geojson`` or ``<stem>.json`` in ``annotations_dir`` (that order), or None.
 
-    An exact name wins; otherwise the name is matched case-insensitively.
+    An exact name wins; otherwise the name is matched case-insensitively (and in Unicode NFC). A ``.json``
+    that does not look like GeoJSON is not an annotation file (see :func:`list_annotation_files`). When
+    more than one annotation file matches the stem (``s.xml`` beside ``s.geojson``, or ``S.XML``), they
+    must describe the same regions and groups (identical files, or one converted from the other): for
+    every group, its polygons cover the same area, with each file read as ASAP XML holds it (GeoJSON
+    holes as polygons of the hole group ``_2``, as :func:`convert_annotations` writes them with the default
+    groups). Then the first (the XML) is returned; else AnnotationError naming both files and the fix.
+    A folder with one file per slide is not parsed here.
     """
     directory = Path(annotations_dir)
     if not directory.is_dir():
         raise AnnotationError(f"{directory}: annotation folder not found; check --annotations.")
-    for suffix in ANNOTATION_SUFFIXES:
-        candidate = directory / f"{slide_stem}{suffix}"
-        if candidate.is_file():
-            return candidate
-    from wsi_milssl.cohorts.names import name_key
+    from wsi_milssl.cohorts.names import file_identity, name_key
 
+    exact = [directory / f"{slide_stem}{suffix}" for suffix in ANNOTATION_SUFFIXES]
     stat = directory.stat()
     index = _folder_index(str(directory), (stat.st_dev, stat.st_ino), stat.st_mtime_ns)
-    matches = sorted((k, p) for k, suffix in enumerate(ANNOTATION_SUFFIXES)
-                     for p in index.get(name_key(f"{slide_stem}{suffix}"), ()))
-    return matches[0][1] if matches else None
+    folded = [p for suffix in ANNOTATION_SUFFIXES for p in index.get(name_key(f"{slide_stem}{suffix}"), ())]
+    found: dict[object, Path] = {}
+    for p in [*exact, *folded]:
+        if p.is_file():
+            found.setdefault(file_identity(p), p)  # one file under two spellings (case-insensitive folders)
+    if not found:
+        return None
+    candidates = list(found.values())
+    if len(candidates) > 1:  # a .json beside the others counts only when it looks like GeoJSON
+        candidates = [p for p in candidates if p.suffix.lower() != ".json" or _looks_like_geojson(p)] or candidates[:1]
+    chosen, *others = candidates
+    for other in others:  # a stage asks once or twice per slide: each pair of file versions is compared once
+        _check_same_annotations(slide_stem, chosen, other, _file_version(chosen), _file_version(other))
+    return chosen
+
+
+def _file_version(path: Path) -> tuple[int, int, int]:
+    st = path.stat()
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _looks_like_geojson(path: Path) -> bool:
+    """Whether the ``.json`` file ``path`` looks like GeoJSON (a feature or polygon in its first 64 KiB)."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(65536)
+    except OSError:
+        return False
+    return b'"Feature' in head or b'"Polygon"' in head or b'"MultiPolygon"' in head
+
+
+@functools.lru_cache(maxsize=64)
+def _check_same_annotations(stem: str, first: Path, second: Path, *versions: tuple[int, int, int]) -> None:
+    """AnnotationError unless the annotation files ``first`` and ``second`` of slide ``stem`` describe the
+    same regions and groups (see :func:`find_annotation`). ``versions``: the files' inode, size and
+    modification time, so that a result is reused only for the same files."""
+    fix = ("Fix: remove or rename the one that is out of date (label, evaluate and heatmap read one annotation "
+           "file per slide).")
+    try:
+        if first.stat().st_size == second.stat().st_size and first.read_bytes() == second.read_bytes():
+            return
+        areas = [_group_areas(p) for p in (first, second)]
+    except AnnotationError as exc:
+        raise AnnotationError(f"{stem}: two annotation files, {first} and {second}, and one cannot be read: {exc} "
+                              f"{fix}") from None
+    except OSError as exc:
+        raise AnnotationError(f"{stem}: two annotation files, {first} and {second}, and one cannot be read "
+                              f"({exc}). {fix}") from None
+    names = [{key: name for key, (name, _) in a.items()} for a in areas]
+    if set(names[0]) != set(names[1]):
+        only = [", ".join(sorted(names[k][g] for g in set(names[k]) - set(names[1 - k]))) or "none" for k in (0, 1)]
+        why = f"groups with polygons only in {first.name}: {only[0]}; only in {second.name}: {only[1]}"
+    else:
+        differ = [names[0][g] for g in sorted(names[0]) if not _same_area(areas[0][g][1], areas[1][g][1])]
+        if not differ:
+            return
+        why = f"the polygons of group(s) {', '.join(differ)} cover different areas"
+    raise AnnotationError(f"{stem}: two annotation files describe different regions: {first} and {second} "
+                          f"({why}). {fix}")
+
+
+def _group_areas(path: Path) -> dict[str, tuple[str, object]]:
+    """{group key: (group name, union of its polygons)} of the file ``path`` as ASAP XML holds it (holes as
+    polygons of the default hole group ``_2``); annotations that enclose no area are left out."""
+    from wsi_milssl.annotations.groups import DEFAULT_GROUP_MAP, _key
+
+    polygons, _ = _read_raw(path, [])
+    hole_group = DEFAULT_GROUP_MAP.first_non_tumor()
+    parts: dict[str, tuple[str, list]] = {}
+    for ann in _asap_polygons(polygons, DEFAULT_GROUP_MAP, path=None):
+        if ann.type not in AREA_TYPES:
+            continue
+        for group, ring in [(ann.group, ann.coords_lv0)] + [(hole_group, hole) for hole in ann.holes_lv0]:
+            geometry = annotation_geometry(PolygonAnnotation(name=ann.name, group=group, coords_lv0=ring))
+            if geometry is not None:
+                parts.setdefault(_key(group), (group, []))[1].append(geometry)
+    return {key: (name, polygonal(shapely.union_all(geoms))) for key, (name, geoms) in parts.items()}
+
+
+def _same_area(a, b) -> bool:
+    """Whether two (Multi)Polygons cover the same area (up to 1e-6 of the larger area, or 1e-6 px²)."""
+    return float(shapely.area(shapely.symmetric_difference(a, b))) <= 1e-6 * max(1.0, float(a.area), float(b.area))
 
 
 @functools.lru_cache(maxsize=8)
@@ -302,13 +392,7 @@ def list_annotation_files(annotations_dir: str | os.PathLike) -> list[Path]:
         suffix = p.suffix.lower()
         if not p.is_file() or suffix not in ANNOTATION_SUFFIXES:
             continue
-        if suffix == ".json":
-            try:
-                with open(p, "rb") as fh:
-                    head = fh.read(65536)
-            except OSError:
-                continue
-            if b'"Feature' not in head and b'"Polygon"' not in head and b'"MultiPolygon"' not in head:
-                continue
+        if suffix == ".json" and not _looks_like_geojson(p):
+            continue
         out.append(p)
     return out
