@@ -11,6 +11,10 @@ Layout::
       <AnnotationGroups>
         <Group Name="_0" PartOfGroup="None" Color="#FF0000"><Attributes /></Group>
 
+A group's ``PartOfGroup`` (its parent group) and the elements inside its ``<Attributes>`` are read into
+``group_details`` (:func:`read_asap_xml`) and written back (:func:`write_asap_xml`), so that a conversion
+keeps them; no stage uses them.
+
 Coordinates are level-0 pixels. In CAMELYON16, groups ``_0``/``_1`` (and ``Tumor``) are tumour and
 ``_2`` (and ``Exclusion``/``None``) are non-tumour regions carved out of tumour.
 
@@ -45,6 +49,7 @@ __all__ = [
     "GROUP_COLORS",
     "AREA_TYPES",
     "MAX_ANNOTATION_BYTES",
+    "check_group_details",
 ]
 
 logger = logging.getLogger(__name__)
@@ -77,9 +82,64 @@ class PolygonAnnotation:
     holes_lv0: tuple[np.ndarray, ...] = ()
 
 
+#: An XML element or attribute name as written in ``<Attributes>`` (a letter or ``_``, then letters,
+#: digits, ``_``, ``-``, ``.``; no namespace prefix).
+_XML_NAME = re.compile(r"[^\W\d][\w.\-]*")
+
+
+def check_group_details(details: object, where: str) -> dict[str, dict]:
+    """``details`` as the group details this package reads and writes, or AnnotationError naming ``where``.
+
+    ``{group name: {"parent": str, "attributes": [{"tag": str, "attributes": {str: str}, "text": str}]}}``:
+    ``parent`` is the group's ``PartOfGroup`` (left out when ``"None"``), ``attributes`` the elements
+    directly inside its ``<Attributes>`` (``text`` only when it has some). Either key may be missing.
+    """
+    fix = ("Fix: correct or remove it (the ASAP group details, partOfGroup and attributes, are kept only for "
+           "conversions back to ASAP XML).")
+    if not isinstance(details, dict):
+        raise AnnotationError(f"{where}: group details must be an object per group; got {type(details).__name__}. {fix}")
+    out: dict[str, dict] = {}
+    for name, entry in details.items():
+        gwhere = f"{where}: group {name!r}"
+        if not isinstance(name, str) or not isinstance(entry, dict):
+            raise AnnotationError(f"{gwhere}: details must be an object; got {type(entry).__name__}. {fix}")
+        clean: dict = {}
+        parent = entry.get("parent")
+        if parent is not None:
+            if not isinstance(parent, str):
+                raise AnnotationError(f"{gwhere}: its parent group must be a name; got {parent!r}. {fix}")
+            if parent != "None":
+                clean["parent"] = parent
+        attributes = entry.get("attributes", [])
+        if not isinstance(attributes, list):
+            raise AnnotationError(f"{gwhere}: its attributes must be a list of elements; got {attributes!r}. {fix}")
+        elements = []
+        for element in attributes:
+            tag = element.get("tag") if isinstance(element, dict) else None
+            attrs = element.get("attributes", {}) if isinstance(element, dict) else None
+            text = element.get("text", "") if isinstance(element, dict) else None
+            if (not isinstance(tag, str) or not _XML_NAME.fullmatch(tag) or not isinstance(attrs, dict)
+                    or not all(isinstance(k, str) and _XML_NAME.fullmatch(k) and isinstance(v, str)
+                               for k, v in attrs.items()) or not isinstance(text, str)):
+                raise AnnotationError(
+                    f"{gwhere}: attribute element {element!r} is not {{'tag': XML name, 'attributes': {{XML name: "
+                    f"text}}, 'text': text}}. {fix}"
+                )
+            elements.append({"tag": tag, "attributes": dict(attrs), **({"text": text} if text else {})})
+        if elements:
+            clean["attributes"] = elements
+        if clean:
+            out[name] = clean
+    return out
+
+
 # Characters replaced in attribute values (the same output as the standard library's XML writer).
 _ATTR_ESCAPES = str.maketrans({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "\n": "&#10;", "\r": "&#13;",
                                "\t": "&#09;"})
+
+
+# Characters replaced in element text.
+_TEXT_ESCAPES = str.maketrans({"&": "&amp;", "<": "&lt;", ">": "&gt;", "\r": "&#13;"})
 
 
 # Characters XML 1.0 cannot hold, escaped or not: control characters other than tab and newlines,
@@ -118,17 +178,20 @@ def write_asap_xml(
     *,
     groups: Sequence[str] | None = None,
     group_colors: Mapping[str, str] | None = None,
+    group_details: Mapping[str, dict] | None = None,
     hole_group: str = "_2",
 ) -> Path:
     """Write ``annotations`` as an ASAP XML file (atomically) and return its path.
 
     ``groups`` lists the ``<Group>`` elements to declare (default: the groups used, sorted);
-    ``group_colors`` overrides their colours. ASAP cannot store holes, so every hole of an
+    ``group_colors`` overrides their colours; ``group_details`` (:func:`check_group_details`) gives a
+    group's ``PartOfGroup`` (default ``None``) and the elements of its ``<Attributes>``. ASAP cannot store holes, so every hole of an
     annotation is written as its own polygon named ``"<name> hole <k>"`` in ``hole_group``.
     Coordinates are written repr-exact, so reading the file back gives the same float64 vertices.
     """
     path = Path(path)
     colors = {**GROUP_COLORS, **(group_colors or {})}
+    details = check_group_details(dict(group_details or {}), str(path))
     lines = ["<?xml version='1.0' encoding='utf-8'?>", "<ASAP_Annotations>", "\t<Annotations>"]
 
     def add(name: str, type_: str, group: str, color: str, coords: np.ndarray) -> None:
@@ -161,9 +224,27 @@ def write_asap_xml(
     if names:
         lines.append("\t<AnnotationGroups>")
         for name in names:
-            attrs = _text_attrs(path, f"group {name!r}", Name=name, PartOfGroup="None", Color=colors.get(name, "#64FE2E"))
+            detail = details.get(name, {})
+            attrs = _text_attrs(path, f"group {name!r}", Name=name, PartOfGroup=detail.get("parent", "None"),
+                                Color=colors.get(name, "#64FE2E"))
             lines.append(f"\t\t<Group{attrs}>")
-            lines.extend(["\t\t\t<Attributes />", "\t\t</Group>"])
+            elements = detail.get("attributes", [])
+            if not elements:
+                lines.append("\t\t\t<Attributes />")
+            else:
+                lines.append("\t\t\t<Attributes>")
+                for element in elements:
+                    where = f"group {name!r}, attribute element <{element['tag']}>"
+                    inner = _text_attrs(path, where, **element["attributes"])
+                    text = element.get("text", "")
+                    if text:
+                        _text_attrs(path, where, text=text)  # refuses characters XML cannot hold
+                        body = text.translate(_TEXT_ESCAPES)
+                        lines.append(f"\t\t\t\t<{element['tag']}{inner}>{body}</{element['tag']}>")
+                    else:
+                        lines.append(f"\t\t\t\t<{element['tag']}{inner} />")
+                lines.append("\t\t\t</Attributes>")
+            lines.append("\t\t</Group>")
         lines.append("\t</AnnotationGroups>")
     else:
         lines.append("\t<AnnotationGroups />")
@@ -274,9 +355,12 @@ def report_skipped(path: Path, what: Sequence[str], skipped: list[str] | None) -
 
 
 def read_asap_xml(
-    path: str | os.PathLike, *, skipped: list[str] | None = None
+    path: str | os.PathLike, *, skipped: list[str] | None = None, group_details: dict | None = None
 ) -> tuple[list[PolygonAnnotation], dict[str, str]]:
     """Read an ASAP XML file: (polygons in file order, declared groups ``{name: colour}`` in file order).
+
+    ``group_details``, when a dict, receives each group's ``PartOfGroup`` other than ``None`` and the
+    elements directly inside its ``<Attributes>`` (tag, attributes, text; :func:`check_group_details`).
 
     Every annotation with coordinates is returned, whatever its ``Type`` (points and lines too, so
     that a conversion keeps them; AnnotationSet leaves out those that enclose no area). Annotations
@@ -329,4 +413,19 @@ def read_asap_xml(
         name = group.get("Name")
         if name:
             groups[name] = group.get("Color") or GROUP_COLORS.get(name, "#64FE2E")
+            if group_details is not None:
+                group_details.update(_group_details(path, lines, name, group))
     return polygons, groups
+
+
+def _group_details(path: Path, lines: dict[Element, int], name: str, group: Element) -> dict[str, dict]:
+    """{name: details} of one ``<Group>`` element, or {} when it has neither a parent nor attributes."""
+    entry: dict = {"parent": group.get("PartOfGroup") or "None", "attributes": []}
+    for attributes in group.findall("Attributes"):
+        for element in attributes:
+            if not isinstance(element.tag, str) or not _XML_NAME.fullmatch(element.tag):
+                raise AnnotationError(f"{path}: line {lines.get(element)}: element <{element.tag}> in the "
+                                      f"<Attributes> of group {name!r} has a name with a namespace. Fix: remove it.")
+            text = element.text if element.text and element.text.strip() else ""
+            entry["attributes"].append({"tag": element.tag, "attributes": dict(element.attrib), "text": text})
+    return check_group_details({name: entry}, f"{path}: <Group Name={name!r}>")

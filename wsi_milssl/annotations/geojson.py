@@ -16,7 +16,9 @@ Written files are a ``FeatureCollection`` with one ``Polygon`` feature per annot
 ``properties = {"objectType": "annotation", "name", "classification": {"name": group, "color":
 [r, g, b]}, "color": [r, g, b]}`` plus ``"asapType"`` when the ASAP type is not the one implied by
 the geometry, and a top-level foreign member ``"asapGroups": [{"name", "color"}]`` that keeps the
-declared ASAP groups. Rings are closed (first vertex repeated), as GeoJSON requires; an ASAP polygon
+declared ASAP groups, with ``"partOfGroup"`` (the parent group, when not ``None``) and ``"attributes"``
+(the elements of the group's ``<Attributes>``: ``[{"tag", "attributes": {name: value}, "text"}]``) where
+the group has them. Rings are closed (first vertex repeated), as GeoJSON requires; an ASAP polygon
 of fewer than 3 vertices is written as a ``Point`` (1) or ``LineString`` (2) with its ``asapType``.
 """
 
@@ -34,7 +36,13 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from wsi_milssl.atomic import atomic_open
-from wsi_milssl.annotations.asap import GROUP_COLORS, MAX_ANNOTATION_BYTES, PolygonAnnotation, report_skipped
+from wsi_milssl.annotations.asap import (
+    GROUP_COLORS,
+    MAX_ANNOTATION_BYTES,
+    PolygonAnnotation,
+    check_group_details,
+    report_skipped,
+)
 from wsi_milssl.annotations.groups import UNCLASSIFIED
 from wsi_milssl.errors import AnnotationError
 
@@ -255,9 +263,12 @@ def _load_json(path: Path) -> Any:
 
 
 def read_geojson(
-    path: str | os.PathLike, *, skipped: list[str] | None = None
+    path: str | os.PathLike, *, skipped: list[str] | None = None, group_details: dict | None = None
 ) -> tuple[list[PolygonAnnotation], dict[str, str]]:
     """Read a GeoJSON file: (annotations in file order, groups ``{name: colour}`` in first-use order).
+
+    ``group_details``, when a dict, receives the ``partOfGroup`` and ``attributes`` of the ``asapGroups``
+    entries (:func:`wsi_milssl.annotations.asap.check_group_details`; AnnotationError for malformed ones).
 
     Objects that are not annotations and features without geometry are left out with a warning, or
     described in ``skipped`` when it is a list. Raises AnnotationError naming the file and the line (invalid JSON) or the feature (invalid
@@ -273,6 +284,9 @@ def read_geojson(
         for g in data["asapGroups"]:
             if isinstance(g, Mapping) and isinstance(g.get("name"), str):
                 groups[g["name"]] = g.get("color") if isinstance(g.get("color"), str) else GROUP_COLORS.get(g["name"], "#64FE2E")
+                if group_details is not None and ("partOfGroup" in g or "attributes" in g):
+                    entry = {"parent": g.get("partOfGroup"), "attributes": g.get("attributes", [])}
+                    group_details.update(check_group_details({g["name"]: entry}, f"{path}: asapGroups"))
 
     if isinstance(data, list):
         features = data
@@ -385,11 +399,14 @@ def write_geojson(
     path: str | os.PathLike,
     *,
     groups: Mapping[str, str] | Sequence[str] | None = None,
+    group_details: Mapping[str, dict] | None = None,
 ) -> Path:
     """Write ``annotations`` as a GeoJSON FeatureCollection (atomically) and return its path.
 
     ``groups`` (names, or ``{name: "#RRGGBB"}``) are recorded in the ``asapGroups`` member so that a
-    conversion back to ASAP XML declares the same groups. Coordinates are written repr-exact.
+    conversion back to ASAP XML declares the same groups, with their ``group_details`` (parent group
+    and attributes, :func:`wsi_milssl.annotations.asap.check_group_details`). Coordinates are written
+    repr-exact.
     """
     path = Path(path)
     if groups is None:
@@ -398,9 +415,19 @@ def write_geojson(
         group_colors = dict(groups)
     else:
         group_colors = {g: GROUP_COLORS.get(g, "#64FE2E") for g in groups}
+    details = check_group_details(dict(group_details or {}), str(path))
+
+    def asap_group(name: str, color: str) -> dict[str, Any]:
+        entry: dict[str, Any] = {"name": name, "color": color}
+        if "parent" in details.get(name, {}):
+            entry["partOfGroup"] = details[name]["parent"]
+        if "attributes" in details.get(name, {}):
+            entry["attributes"] = details[name]["attributes"]
+        return entry
+
     doc = {
         "type": "FeatureCollection",
-        "asapGroups": [{"name": n, "color": c} for n, c in group_colors.items()],
+        "asapGroups": [asap_group(n, c) for n, c in group_colors.items()],
         "features": [_feature(path, a, group_colors) for a in annotations],
     }
     with atomic_open(path, "w") as fh:

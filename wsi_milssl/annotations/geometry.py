@@ -110,7 +110,9 @@ class AnnotationSet:
     """Annotations of one slide and the geometry they define, in level-0 pixels.
 
     ``polygons``: every annotation read (areas, and points/lines kept for conversion);
-    ``groups``: declared groups ``{name: "#RRGGBB"}``; ``group_map``: which groups are tumour;
+    ``groups``: declared groups ``{name: "#RRGGBB"}``; ``group_details``: their ASAP parent groups and
+    attributes, kept for conversions (:func:`wsi_milssl.annotations.asap.check_group_details`);
+    ``group_map``: which groups are tumour;
     ``source``: the file read; ``dimensions_lv0``: (width, height) of the slide, when known, to clip
     the geometry to. ``tumor``, ``non_tumor`` and ``region`` are computed once, on first use, and
     log a warning for repaired, clipped, unknown-group and non-area annotations. They raise
@@ -124,6 +126,7 @@ class AnnotationSet:
     groups: dict[str, str] = field(default_factory=dict)
     source: Path | None = None
     dimensions_lv0: tuple[int, int] | None = None
+    group_details: dict[str, dict] = field(default_factory=dict)
 
     def with_dimensions(self, dimensions_lv0: tuple[int, int] | None) -> "AnnotationSet":
         """The same annotations, clipped to a slide of ``dimensions_lv0`` = (width, height) px."""

@@ -62,9 +62,10 @@ def annotation_format(path: str | os.PathLike) -> AnnotationFormat:
     )
 
 
-def _read_raw(path: Path, skipped: list[str] | None) -> tuple[list[PolygonAnnotation], dict[str, str]]:
+def _read_raw(path: Path, skipped: list[str] | None,
+              group_details: dict | None = None) -> tuple[list[PolygonAnnotation], dict[str, str]]:
     reader = read_asap_xml if annotation_format(path) == "asap" else read_geojson
-    return reader(path, skipped=skipped)
+    return reader(path, skipped=skipped, group_details=group_details)
 
 
 def read_annotations(
@@ -86,8 +87,9 @@ def read_annotations(
     """
     path = Path(path)
     gmap = as_group_map(group_map)
-    polygons, groups = _read_raw(path, skipped)
-    aset = AnnotationSet(polygons=polygons, group_map=gmap, groups=groups, source=path)
+    details: dict[str, dict] = {}
+    polygons, groups = _read_raw(path, skipped, details)
+    aset = AnnotationSet(polygons=polygons, group_map=gmap, groups=groups, source=path, group_details=details)
     return aset.with_dimensions(dimensions_lv0) if dimensions_lv0 is not None else aset
 
 
@@ -98,8 +100,12 @@ def write_annotations(
     format: AnnotationFormat | None = None,
     groups: Mapping[str, str] | None = None,
     group_map: GroupMap | Mapping[str, str] | None = None,
+    group_details: Mapping[str, dict] | None = None,
 ) -> Path:
     """Write annotations as ASAP XML or GeoJSON (by ``format`` or the suffix of ``path``), atomically.
+
+    ``groups`` (``{name: "#RRGGBB"}``) and ``group_details`` (parent groups and attributes) default to
+    those of an AnnotationSet; both formats keep them, so that conversions lose no group.
 
     ASAP XML has no holes: holes of tumour polygons become polygons of the first non-tumour group
     (``_2``), which the ASAP reader subtracts from the union of all tumour polygons. A hole that holds
@@ -118,9 +124,11 @@ def write_annotations(
         polygons = list(annotations.polygons)
         groups = dict(annotations.groups) if groups is None else dict(groups)
         gmap = annotations.group_map if group_map is None else as_group_map(group_map)
+        details = dict(annotations.group_details) if group_details is None else dict(group_details)
     else:
         polygons = list(annotations)
         gmap = as_group_map(group_map)
+        details = dict(group_details or {})
     if format is None:
         suffix = path.suffix.lower()
         if suffix == ".xml":
@@ -133,7 +141,7 @@ def write_annotations(
                 "use .xml (ASAP) or .geojson (GeoJSON)."
             )
     if format == "geojson":
-        return write_geojson(polygons, path, groups=groups)
+        return write_geojson(polygons, path, groups=groups, group_details=details)
     if format != "asap":
         raise AnnotationError(f"{path}: unknown annotation format {format!r}; use 'asap' or 'geojson'.")
     hole_group = gmap.first_non_tumor()
@@ -142,7 +150,8 @@ def write_annotations(
     if any(a.holes_lv0 for a in polygons):
         declared.setdefault(hole_group, "#00FF00")
     names = list(declared) + [g for g in dict.fromkeys(a.group for a in polygons) if g not in declared]
-    return write_asap_xml(polygons, path, groups=names, group_colors=declared, hole_group=hole_group)
+    return write_asap_xml(polygons, path, groups=names, group_colors=declared, group_details=details,
+                          hole_group=hole_group)
 
 
 def _asap_polygons(polygons: list[PolygonAnnotation], gmap: GroupMap, *, path: Path | None) -> list[PolygonAnnotation]:
@@ -243,7 +252,8 @@ def convert_annotations(
     *,
     group_map: GroupMap | Mapping[str, str] | None = None,
 ) -> Path:
-    """Convert ASAP XML <-> GeoJSON (formats from the suffixes). Every vertex and group is kept.
+    """Convert ASAP XML <-> GeoJSON (formats from the suffixes). Every vertex and group is kept, with
+    the groups' colours, parent groups (``PartOfGroup``) and ``<Attributes>`` (in GeoJSON's ``asapGroups``).
 
     An input whose every object is left out (QuPath detections, annotations without coordinates) is
     refused with an AnnotationError saying what was left out; nothing is written.

@@ -27,7 +27,9 @@ def register(subparsers) -> None:
         description=(
             "Convert an annotation file between ASAP XML (.xml) and GeoJSON (.geojson / .json); the\n"
             "formats come from the suffixes. Every vertex (repr-exact), annotation name, type, colour and\n"
-            "group is kept: XML -> GeoJSON -> XML gives the same file. ASAP groups become QuPath\n"
+            "group (with its parent group and <Attributes>, kept in GeoJSON's asapGroups) is kept:\n"
+            "XML -> GeoJSON -> XML gives the same annotations and groups (the same bytes for a file this\n"
+            "package wrote; another writer's layout is not kept). ASAP groups become QuPath\n"
             "classification names. ASAP XML has no holes: holes of tumour polygons become polygons of the\n"
             "first non-tumour group (_2); a hole that holds tumour (an island) is written as the hole minus\n"
             "that tumour in pieces without holes, so the region read back is the same; other holes of\n"
