@@ -237,7 +237,9 @@ def lesion_polygons(grid: np.ndarray, *, origin_lv0: tuple[int, int], stride_lv0
     (NaN) counts as 0. ``skimage.measure.find_contours`` traces the iso-line at ``threshold``
     (linear interpolation between cell centres, so a lone positive cell becomes a diamond reaching
     half a stride from its centre); nested rings become holes (even-odd rule). Returns a list of
-    shapely Polygons (valid, largest first; empty when no cell reaches ``threshold``).
+    shapely Polygons (valid, largest first; empty when no cell reaches ``threshold``), each with its
+    exterior ring counter-clockwise and its holes clockwise by the signed area of the coordinate values
+    (RFC 7946 3.1.6 for the GeoJSON; on screen, with y down, the exterior runs clockwise).
     """
     import shapely
     from skimage.measure import find_contours
@@ -261,7 +263,8 @@ def lesion_polygons(grid: np.ndarray, *, origin_lv0: tuple[int, int], stride_lv0
         region = shapely.symmetric_difference(region, ring)
     polys = [g for g in shapely.get_parts(region) if g.geom_type == "Polygon" and g.area > 0]
     polys += [p for g in shapely.get_parts(region) if g.geom_type == "MultiPolygon" for p in g.geoms]
-    return sorted((shapely.normalize(p) for p in polys), key=lambda g: -g.area)
+    oriented = (shapely.orient_polygons(shapely.normalize(p), exterior_cw=False) for p in polys)
+    return sorted(oriented, key=lambda g: -g.area)
 
 
 def write_lesions(geojson_path: str | os.PathLike, xml_path: str | os.PathLike, polygons, *, grid: np.ndarray,
