@@ -3,7 +3,9 @@
 CAMELYON16 ships ASAP XML with groups ``_0`` and ``_1`` (tumour; ``Tumor`` in some files) and ``_2``
 (non-tumour regions drawn inside tumour, carved out of it; ``Exclusion`` or ``None`` in some files).
 QuPath exports the classification name (``Tumor``, ``Exclusion``, ...). Names are matched
-case-insensitively after stripping spaces; a name in neither set is ignored with a warning.
+case-insensitively and in one Unicode normal form (NFC, as slide names are:
+:func:`wsi_milssl.cohorts.names.name_key`) after stripping spaces, so ``Tumör`` typed on one system
+matches ``Tumör`` decomposed by another; a name in neither set is ignored with a warning.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Mapping
 
+from wsi_milssl.cohorts.names import name_key
 from wsi_milssl.errors import ConfigError
 
 __all__ = [
@@ -33,7 +36,8 @@ UNCLASSIFIED = "Unclassified"
 
 
 def _key(name: str) -> str:
-    return name.strip().casefold()
+    """The key group names are matched by: blanks stripped, then :func:`name_key` (case-folded, NFC)."""
+    return name_key(name.strip())
 
 
 @dataclass(frozen=True)
@@ -41,7 +45,7 @@ class GroupMap:
     """Group names that mean tumour and names that mean non-tumour (carved out of tumour).
 
     ``role(name)`` returns ``"tumor"``, ``"non_tumor"`` or None (unknown: ignored by the readers'
-    users with a warning). Matching is case-insensitive.
+    users with a warning). Matching is case-insensitive and in Unicode NFC.
     """
 
     tumor: tuple[str, ...] = DEFAULT_TUMOR_GROUPS
