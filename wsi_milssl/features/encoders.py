@@ -51,6 +51,7 @@ __all__ = [
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "Encoder",
+    "EncoderWeightsError",
     "register_encoder",
     "create_encoder",
     "list_encoders",
@@ -158,19 +159,49 @@ def _random_or_file(weights: str, *, name: str, cached: list[Path], looked: str)
         for path in cached:
             if path.is_file():
                 return path
-        raise ConfigError(
-            f"encoder {name!r}: no downloaded weights found in the library's cache ({looked}), and nothing is "
-            "downloaded at run time. Fix: pass --weights PATH to a local weights file (download it once "
-            "yourself, e.g. from the model's page), put it in that cache, or use --weights random for speed "
-            "tests only.")
+        raise EncoderWeightsError(f"encoder {name!r}: no downloaded weights found in the library's cache ({looked}), "
+                                  "and nothing is downloaded at run time.", kind="cached")
     path = Path(os.path.expanduser(weights))
     if path.is_dir():
-        raise ConfigError(f"{path}: is a folder, not a weights file (encoder {name!r}). Fix: pass the weights file "
-                          "in it (a state dict, .pth/.bin/.safetensors) with --weights.")
+        raise EncoderWeightsError(f"{path}: is a folder, not a weights file (encoder {name!r}).", kind="folder")
     if not path.is_file():
-        raise ConfigError(f"{path}: weights file not found (encoder {name!r}). Fix: pass the path of a local "
-                          "state dict with --weights, or --weights cached / random.")
+        raise EncoderWeightsError(f"{path}: weights file not found (encoder {name!r}).", kind="missing")
     return path
+
+
+def _encoder_weights_error(problem: str, kind: str) -> "EncoderWeightsError":
+    return EncoderWeightsError(problem, kind=kind)
+
+
+class EncoderWeightsError(ConfigError):
+    """ConfigError for encoder weights that are not there: ``kind`` "cached" (none in the library's cache),
+    "folder" (a folder given) or "missing" (no such file). ``problem`` says what is wrong; :meth:`fix` how to
+    give the weights: with ``wsi-milssl features --weights`` (the message), or ``setting=True`` with a
+    pipeline's ``[features] weights`` (``wsi-milssl run`` checks them before its first stage)."""
+
+    def __init__(self, problem: str, *, kind: str) -> None:
+        self.problem, self.kind = problem, kind
+        super().__init__(f"{problem} Fix: {self.fix()}")
+
+    def __reduce__(self):  # pickled (from a worker process) with its keyword argument
+        return _encoder_weights_error, (self.problem, self.kind)
+
+    def fix(self, *, setting: bool = False) -> str:
+        if not setting:
+            return {"cached": "pass --weights PATH to a local weights file (download it once yourself, e.g. from the "
+                              "model's page), put it in that cache, or use --weights random for speed tests only.",
+                    "folder": "pass the weights file in it (a state dict, .pth/.bin/.safetensors) with --weights.",
+                    "missing": "pass the path of a local state dict with --weights, or --weights cached / random.",
+                    }[self.kind]
+        relative = f"a relative path is resolved against the current folder, {Path.cwd()}"
+        return {"cached": "set [features] weights to a local weights file (weights = \"PATH\", or --set "
+                          "features.weights=PATH; download it once yourself, e.g. from the model's page), put it in "
+                          "that cache, or set weights = \"random\" for speed tests only.",
+                "folder": "set [features] weights to the weights file in it (a state dict, .pth/.bin/.safetensors; "
+                          f"--set features.weights=PATH; {relative}).",
+                "missing": f"set [features] weights to the path of a local state dict (--set features.weights=PATH; "
+                           f"{relative}), or to \"cached\" / \"random\".",
+                }[self.kind]
 
 
 _SHA_CACHE: dict[tuple[str, int, int], str] = {}

@@ -1458,6 +1458,25 @@ def _refuse_grid_without_validation_split(spec: PipelineSpec) -> None:
         _refuse_grid_without_validation(configs, [], {}, [], val_fraction=0.0, source=source, what="slide")
 
 
+def _refuse_unavailable_encoder(spec: PipelineSpec) -> None:
+    """Before the first stage of a run whose features stage will run: the [features] encoder built with its
+    weights, as the features stage builds it, so that weights that are not there ("cached" ones not in the
+    library's cache, no such file) or do not fit the encoder stop the run before tile and label (hours on
+    CAMELYON16). Missing weights are one ConfigError naming the pipeline and its setting, [features] weights
+    (the features command's message names its --weights option)."""
+    from wsi_milssl.config import FeaturesConfig
+    from wsi_milssl.errors import ConfigError
+    from wsi_milssl.features.encoders import EncoderWeightsError, create_encoder
+    from wsi_milssl.pipeline.spec import _set_by
+
+    where = f"{spec.source} [features]{_set_by(spec.overrides, 'features')}"
+    config = config_from_mapping(FeaturesConfig, spec.section("features"), source=where)
+    try:
+        create_encoder(config.encoder, weights=config.weights, kwargs=config.encoder_kwargs)
+    except EncoderWeightsError as exc:
+        raise ConfigError(f"{where}: {exc.problem} Fix: {exc.fix(setting=True)}") from None
+
+
 def _refuse_shared_slides(spec: PipelineSpec) -> None:
     """ConfigError when a slide file is in both the training and the test set (a test slide the model
     trained or validated on would be scored as unseen); files are compared by device and inode, so one
@@ -1492,6 +1511,9 @@ def _run_stages(spec: PipelineSpec, stages: list[str], forced: set[str], *,
     legacy_digests: dict[str, str] = {}
     outcomes: list[StageOutcome] = []
     forced_first: str | None = None  # the first stage run for `force`: every later one is redone too
+    # the [features] encoder is checked before the first stage that runs, when that stage is features or one before
+    # it (every stage after one that ran runs too): not found missing after tile and label
+    check_encoder = spec.feature_stage and "features" in stages
     for i, stage in enumerate(stages):
         settings, inputs = _digest_parts(spec, stage, digests, ctx.state, legacy=False)
         digests[stage] = digest = stamp_digest(settings, inputs)
@@ -1516,6 +1538,9 @@ def _run_stages(spec: PipelineSpec, stages: list[str], forced: set[str], *,
                 reason = f"forced (--force {forced_first})"
             else:
                 reason = stale or f"the {ran_before[-1]} stage ran before it"
+            if check_encoder and STAGES.index(stage) <= STAGES.index("features"):
+                _refuse_unavailable_encoder(spec)
+            check_encoder = False
             log.info("%s runs: %s", stage, reason)
             start = time.perf_counter()
             if spec.mode == "features":
