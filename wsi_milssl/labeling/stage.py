@@ -185,7 +185,8 @@ def _refuse_unknown_groups_only(aset, annotation: Path, stem: str, config: Label
         f"{annotation}: no polygon of {stem} is in a tumour group ({', '.join(config.tumor_groups)}); its "
         f"polygons are in group(s) {', '.join(repr(g) for g in unknown)}, which are neither tumour nor non-tumour, "
         "so labelling would give this slide no tumour patch. Fix: name the tumour group(s) with --tumor-groups "
-        "(and the others with --non-tumor-groups), or correct the annotation file.")
+        "(and the others with --non-tumor-groups; in a pipeline, [label] tumor_groups / non_tumor_groups), or "
+        "correct the annotation file.")
 
 
 @dataclass(frozen=True)
