@@ -58,7 +58,8 @@ from wsi_milssl.tiling.inputs import file_fingerprint, slide_stem
 from wsi_milssl.tiling.qc import render_qc, write_qc_png
 from wsi_milssl.tiling.plan import PLAN_ATTR
 from wsi_milssl.tiling.reading import Band, ordered_map
-from wsi_milssl.tiling.status import STATUS_FILENAME, TileResult, marking_unfinished, merge_status_csv
+from wsi_milssl.tiling.status import (STATUS_FILENAME, TileResult, finished_slides, marking_unfinished,
+                                      merge_status_csv)
 
 __all__ = [
     "CONFIG_FILENAME",
@@ -642,8 +643,10 @@ def tile_slides(slides: Iterable[str | os.PathLike], out_dir: str | os.PathLike,
                 _check_shard_settings(out_dir, config)
             config_json = _write_config(out_dir, config, other_settings)
         # marked unfinished until this run's last slide is done: `train` warns about a folder whose run stopped
+        # (and clears the marks of stopped runs whose slides are all done now, whatever their shards)
         with marking_unfinished(out_dir, "tile", [slide_stem(s) for s in slides],
-                                shard=(int(shard[0]), int(shard[1])) if shard[1] > 1 else None):
+                                shard=(int(shard[0]), int(shard[1])) if shard[1] > 1 else None,
+                                finished=lambda: finished_slides(out_dir)):
             return _tile_slides_locked(slides, out_dir, config, overwrite=overwrite, progress=progress,
                                        config_json=config_json)
 

@@ -18,12 +18,12 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from wsi_milssl.atomic import atomic_write_json, atomic_write_text, merge_csv_rows
 
 __all__ = ["TileResult", "STATUS_COLUMNS", "STATUS_FILENAME", "write_status_csv", "merge_status_csv",
-           "read_status_csv", "marking_unfinished", "unfinished_runs"]
+           "read_status_csv", "finished_slides", "marking_unfinished", "unfinished_runs"]
 
 logger = logging.getLogger(__name__)
 
@@ -103,17 +103,40 @@ def _read_marker(path: Path) -> dict | None:
     return data if isinstance(data, dict) else {}
 
 
+def finished_slides(folder: str | os.PathLike) -> set[str]:
+    """Stems of the slides that some tile run into ``folder`` finished: those with a store there (either
+    format) and those that failed (a 'failed' row in its ``tile_status.csv``; a slide whose row says 'ok'
+    but whose store is gone is missing, not finished)."""
+    from wsi_milssl.store import find_stores
+
+    folder = Path(folder)
+    try:
+        done = {p.stem for p in find_stores(folder)}
+    except (OSError, ValueError):
+        done = set()
+    try:
+        rows = read_status_csv(folder / STATUS_FILENAME)
+    except (OSError, ValueError, csv.Error):
+        rows = []
+    return done | {r["slide"] for r in rows if r.get("status") == "failed" and r.get("slide")}
+
+
 @contextmanager
 def marking_unfinished(folder: str | os.PathLike, stage: str, stems: Iterable[str], *,
-                       shard: tuple[int, int] | None = None) -> Iterator[Path]:
+                       shard: tuple[int, int] | None = None,
+                       finished: Callable[[], Iterable[str]] | None = None) -> Iterator[Path]:
     """Mark ``folder`` as holding an unfinished ``stage`` run ('tile' or 'features') for the ``with``
     block: ``DIR/.wsi-milssl.unfinished-<stage>.<pid>-<random>.json`` records the run (command, pid,
     host, start time, ``shard`` I/N) and the ``stems`` of the slides it is to make. Written before the
     first slide, removed only when the block returns (a run that finished with failed slides finished:
     those are in its status CSV), so a run stopped in any way (Ctrl-C, SIGTERM, a crash, kill -9) leaves
     it behind for :func:`unfinished_runs`. Every run has its own mark, so the shards of one run never
-    remove each other's; a run that finishes also removes the marks of earlier runs whose slides were all
-    among its own (it made them). Call it while holding the folder's lock."""
+    remove each other's. A run that finishes also removes the marks of earlier runs whose slides are all
+    done: among its own, or (``finished``: a function giving the stems of the slides finished in the
+    folder by any run, e.g. :func:`finished_slides`) finished by this or another run, so that a stopped
+    run's marks go once a run of another world size or other shards (each shard removing what it can)
+    has done its slides; never the mark of a shard that writes the folder now. Call it while holding the
+    folder's lock."""
     folder = Path(folder)
     stems = sorted(set(stems))
     program = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "python"
@@ -126,10 +149,19 @@ def marking_unfinished(folder: str | os.PathLike, stage: str, stems: Iterable[st
     yield path
     # reached only when the run returned: an exception (Ctrl-C, a crash) or a kill leaves the mark
     mine = set(stems)
+    done: set[str] | None = None if finished is not None else mine  # read once, when a mark needs it
+    running: set[str] = set()  # the other shards writing the folder now ('I/N'): their marks are kept
     for other in _unfinished_markers(folder, stage):
         record = _read_marker(other) if other != path else {"slides": []}
-        if record is None or not isinstance(record.get("slides"), list) or not set(record["slides"]) <= mine:
+        if record is None or not isinstance(record.get("slides"), list):
             continue
+        slides = set(record["slides"])
+        if not slides <= mine:
+            if done is None:
+                done = mine | set(finished())
+                running = _running_shards(folder, shard)
+            if not slides <= done or record.get("shard") in running:
+                continue
         try:
             other.unlink()
         except FileNotFoundError:
@@ -137,6 +169,17 @@ def marking_unfinished(folder: str | os.PathLike, stage: str, stems: Iterable[st
         except OSError as exc:
             logger.warning("%s: cannot remove the mark of an unfinished run (%s); `wsi-milssl train` on this "
                            "folder will warn that a run did not finish.", other, exc)
+
+
+def _running_shards(folder: Path, shard: tuple[int, int] | None) -> set[str]:
+    """'I/N' of the shards other than ``shard`` that hold their lock in ``folder`` now (none for an
+    unsharded run, which holds the folder alone): a running shard's slides may have stores of an earlier
+    run (skipped, or being replaced with --overwrite), so they look finished while its mark is still due."""
+    if shard is None:
+        return set()
+    from wsi_milssl.locks import other_shards_writing
+
+    return {f"{i}/{n}" for i, n in other_shards_writing(folder, shard)}
 
 
 def unfinished_runs(folder: str | os.PathLike, stage: str) -> list[dict]:
