@@ -37,6 +37,7 @@ __all__ = [
     "DistContext",
     "SINGLE",
     "torchrun_env",
+    "is_main_rank",
     "init_group",
     "close_group",
     "exit_now",
@@ -101,6 +102,18 @@ def torchrun_env() -> tuple[int, int, int] | None:
     if world < 1 or not 0 <= rank < world:
         raise ConfigError(f"RANK={rank} is not in 0..WORLD_SIZE-1 (WORLD_SIZE={world}). Fix: launch with torchrun.")
     return rank, world, local
+
+
+def is_main_rank() -> bool:
+    """Whether this process reports what concerns the whole run (the same on every rank: a warning about
+    the inputs, a setup error): True without torchrun, for ``--shard I/N`` processes (each its own
+    command) and for torchrun's rank 0; False for torchrun's other ranks. :attr:`DistContext.is_main`
+    where a group is joined; this needs none (a malformed RANK counts as rank 0: it is refused elsewhere)."""
+    try:
+        env = torchrun_env()
+    except ConfigError:
+        return True
+    return env is None or env[0] == 0
 
 
 def init_group(device: str = "auto", *, timeout: datetime.timedelta = TIMEOUT) -> DistContext:

@@ -60,7 +60,7 @@ from wsi_milssl.cohorts import read_labels
 from wsi_milssl.cohorts.names import name_key
 from wsi_milssl.config.base import config_hash, write_resolved_config
 from wsi_milssl.config.label import LabelConfig
-from wsi_milssl.distributed import Shard, shard_items
+from wsi_milssl.distributed import Shard, is_main_rank, shard_items
 from wsi_milssl.errors import AnnotationError, ConfigError, OutputError, StoreError, WsiMilsslError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.labeling.masks import eval_mask_paths, write_eval_mask
@@ -554,7 +554,7 @@ def _label_stores_locked(paths: list[Path], annotations_dir: Path, labels, label
             logger.warning("%s", exc)
         emit(progress, ProgressEvent("label", k + 1, len(mine), unit="slide", item=stem))
 
-    if unmatched:
+    if unmatched and is_main_rank():  # about the whole folder: torchrun's rank 0 alone says it
         logger.warning("%d annotation file(s) in %s match no store (names must be <store stem>.xml/.geojson): %s",
                        len(unmatched), annotations_dir, _names([p.name for p in unmatched]))
     if missing_labels:
