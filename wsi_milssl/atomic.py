@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import secrets
+import shlex
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
@@ -138,7 +139,8 @@ def output_error(path: str | os.PathLike, exc: OSError, *, what: str = "cannot w
 
     The fix depends on the cause: free space (full disk or quota), another file system (read-only,
     file too large), permissions, or a path whose folder cannot be made. ``folder`` (default: the parent
-    of ``path``) is the folder named in the fix.
+    of ``path``) is the folder named in the fix, quoted for a shell in a command; without permission, the
+    nearest folder of ``folder`` that exists (the one that refused a folder to be made in it) is named.
     """
     path = Path(path)
     folder = Path(folder) if folder is not None else path.parent
@@ -146,7 +148,8 @@ def output_error(path: str | os.PathLike, exc: OSError, *, what: str = "cannot w
     cause = exc.strerror or str(exc)
     if code in (errno_.ENOSPC, errno_.EDQUOT):
         cause, fix = f"{cause}: the disk is full", (
-            f"free disk space where {folder} lives (`df -h {folder}`), or write to another folder, and re-run")
+            f"free disk space where {folder} lives (`df -h {shlex.quote(str(folder))}`), or write to another "
+            "folder, and re-run")
     elif code == errno_.EROFS:
         cause, fix = f"{cause}: {folder} is on a read-only file system", (
             "write to a folder on a writable disk (another --out), or remount it read-write")
@@ -154,8 +157,9 @@ def output_error(path: str | os.PathLike, exc: OSError, *, what: str = "cannot w
         cause, fix = f"{cause}: the file grew past a size limit", (
             f"raise the file-size limit (`ulimit -f`) or write to another file system than {folder}'s")
     elif code in (errno_.EACCES, errno_.EPERM):
-        cause, fix = f"{cause}: no permission to write in {folder}", (
-            f"make it writable (`chmod u+w {folder}`) or write to another folder")
+        existing = _nearest_existing(folder)
+        cause, fix = f"{cause}: no permission to write in {existing}", (
+            f"make it writable (`chmod u+w {shlex.quote(str(existing))}`) or write to another folder")
     elif code == errno_.EISDIR:
         cause, fix = f"{cause}: {path} is a folder", "give the path of a file, or move the folder away"
     elif code in (errno_.ENOENT, errno_.ENOTDIR, errno_.EEXIST) and folder.is_dir():
@@ -168,6 +172,19 @@ def output_error(path: str | os.PathLike, exc: OSError, *, what: str = "cannot w
     else:
         fix = f"check free disk space and permissions of {folder}, then re-run"
     return OutputError(f"{path}: {what} ({cause}). Fix: {fix}.", errno=code)
+
+
+def _nearest_existing(folder: Path) -> Path:
+    """``folder``, or its nearest parent folder that exists: where a folder to be made was refused. A path behind
+    a folder without search permission cannot be looked at, and counts as missing."""
+    while True:
+        try:
+            os.stat(folder)
+            return folder
+        except OSError:
+            if folder.parent == folder:
+                return folder
+            folder = folder.parent
 
 
 def preallocate(fd: int, n_bytes: int) -> None:
