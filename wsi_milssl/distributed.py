@@ -25,19 +25,23 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import logging
 import os
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Literal, NamedTuple, NoReturn, Sequence, TypeVar
+from typing import Callable, Iterator, Literal, NamedTuple, NoReturn, Sequence, TypeVar
 
 import numpy as np
 
-from wsi_milssl.errors import ConfigError, DistributedError
+from wsi_milssl.errors import ConfigError, DistributedError, WsiMilsslError
 
 __all__ = [
     "DistContext",
     "SINGLE",
     "torchrun_env",
     "is_main_rank",
+    "reported_by_rank0",
     "init_group",
     "close_group",
     "exit_now",
@@ -114,6 +118,34 @@ def is_main_rank() -> bool:
     except ConfigError:
         return True
     return env is None or env[0] == 0
+
+
+@contextmanager
+def reported_by_rank0(*, wait_s: float, warnings: bool = True) -> Iterator[None]:
+    """A block whose messages concern the whole run, the same on every rank (reading and checking the
+    inputs, setting up the output folder), so that torchrun's rank 0 alone reports them: on the other ranks
+    (:func:`is_main_rank`) its warnings are not logged (``warnings`` True; False where the block also logs
+    this rank's own, e.g. of its slides), and a WsiMilsslError raised in it (not a DistributedError, which is
+    this rank's own) first waits up to ``wait_s`` seconds for torchrun's agent (``TORCHELASTIC_RUN_ID``) to
+    end this rank, which it does as soon as rank 0 exits after reporting the same error; an error that rank
+    0 did not have is raised (and printed) after the wait. The rank still exits non-zero. Elsewhere (one
+    process, rank 0, a ``--shard`` process) the block runs as it is."""
+    if is_main_rank():
+        yield
+        return
+    previous = logging.root.manager.disable
+    if warnings:
+        logging.disable(max(previous, logging.WARNING))
+    try:
+        yield
+    except DistributedError:
+        raise
+    except WsiMilsslError:
+        if os.environ.get("TORCHELASTIC_RUN_ID"):
+            time.sleep(wait_s)  # torchrun ends this rank here when rank 0 stopped on the same error
+        raise
+    finally:
+        logging.disable(previous)
 
 
 def init_group(device: str = "auto", *, timeout: datetime.timedelta = TIMEOUT) -> DistContext:

@@ -210,24 +210,28 @@ def run(args: argparse.Namespace) -> int:
     from wsi_milssl.inference import make_heatmaps
     from wsi_milssl.tiling import find_slides
 
+    from wsi_milssl.cli import RANK0_WAIT_S
     from wsi_milssl.cli.sharding import failed_exit, shard_from_args
-    from wsi_milssl.distributed import torchrun_env
+    from wsi_milssl.distributed import reported_by_rank0, torchrun_env
 
-    try:
-        shard = shard_from_args(args)
-        config = heatmap_config_from_args(args)
-        slides = find_slides(args.slides) if args.slides else []
-        if not slides and args.store is None:
-            raise ConfigError("no slides given; pass SLIDE files or folders, or --store with patch stores.")
+    try:  # the same on every rank: torchrun's rank 0 alone reports a bad setting
+        with reported_by_rank0(wait_s=RANK0_WAIT_S):
+            shard = shard_from_args(args)
+            config = heatmap_config_from_args(args)
+            slides = find_slides(args.slides) if args.slides else []
+            if not slides and args.store is None:
+                raise ConfigError("no slides given; pass SLIDE files or folders, or --store with patch stores.")
     except ConfigError as exc:
         return report_error(exc, code=2)
     with TqdmProgress() as progress:
         env = torchrun_env()
         if env is not None and config.device != "cpu":
             _use_local_gpu(env[2])
-        result = make_heatmaps(slides, args.model, args.out, config, stores=args.store,
-                               annotations_dir=args.annotations, progress=progress, shard=shard,
-                               overwrite=args.overwrite)
+        # an error (the model, the output folder) is every rank's; a slide that fails is its rank's status row
+        with reported_by_rank0(wait_s=RANK0_WAIT_S, warnings=False):
+            result = make_heatmaps(slides, args.model, args.out, config, stores=args.store,
+                                   annotations_dir=args.annotations, progress=progress, shard=shard,
+                                   overwrite=args.overwrite)
     _report(result, "slide(s)", shard=shard)
     return failed_exit(args, shard, len(result.results) - _n_ok(result), status_csv=result.status_csv,
                        what="slide(s) failed or had no patch")

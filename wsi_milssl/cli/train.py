@@ -418,11 +418,10 @@ def _check_held_out(train, val, val_inputs, *, input_mode: str = "images") -> No
                           f"Fix: validate on {held}, or drop --val.")
 
 
-def run(args: argparse.Namespace) -> int:
-    from wsi_milssl.cli.progress import TqdmProgress
-    from wsi_milssl.distributed import close_group, exit_now, init_group
+def _set_up(args: argparse.Namespace):
+    """The run's folder, TrainConfig, training and validation InstanceSets and run info (its inputs) from
+    the command line (or the run's saved settings for --resume); warns about inputs a stopped run left short."""
     from wsi_milssl.errors import ConfigError
-    from wsi_milssl.mil.selftrain import fit
 
     if args.resume is not None:
         given = [name for name, value in (("INPUTS", args.inputs), ("--labels", args.labels), ("--out", args.out),
@@ -470,11 +469,24 @@ def run(args: argparse.Namespace) -> int:
                          "val_inputs": [str(Path(p).resolve()) for p in val_inputs] if val_inputs else None,
                          "val_labels": str(Path(val_labels).resolve()) if val_inputs and val_labels else None,
                          "input_mode": input_mode}}
+    return out, config, train, val, run_info
+
+
+def run(args: argparse.Namespace) -> int:
+    from wsi_milssl.cli import RANK0_WAIT_S
+    from wsi_milssl.cli.progress import TqdmProgress
+    from wsi_milssl.distributed import close_group, exit_now, init_group, reported_by_rank0
+    from wsi_milssl.mil.selftrain import fit
+
+    # the inputs and settings are the same on every rank: torchrun's rank 0 alone reports their warnings and errors
+    with reported_by_rank0(wait_s=RANK0_WAIT_S):
+        out, config, train, val, run_info = _set_up(args)
     dist = init_group(config.device)  # under torchrun: this process's rank; else one process
     try:
         if not dist.is_main:  # rank 0 reports; the others train quietly
-            fit(train, config=config, out_dir=out, val=val, resume=args.resume is not None, run_info=run_info,
-                dist=dist)
+            with reported_by_rank0(wait_s=RANK0_WAIT_S, warnings=False):  # (a bad training set: every rank's error)
+                fit(train, config=config, out_dir=out, val=val, resume=args.resume is not None, run_info=run_info,
+                    dist=dist)
             close_group(dist, finished=True)  # waits until rank 0 has written the run folder
             exit_now(0)  # without the interpreter's shutdown, which could abort (exit -6) a finished rank
         ranks = f" on {dist.world_size} ranks ({dist.backend})" if dist.enabled else ""

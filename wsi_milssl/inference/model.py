@@ -26,6 +26,7 @@ import torch
 from wsi_milssl import runtime as runtime_rules
 from wsi_milssl.config.heatmap import HeatmapConfig
 from wsi_milssl.config.tile import TileConfig
+from wsi_milssl.distributed import is_main_rank
 from wsi_milssl.errors import CheckpointError, ConfigError
 from wsi_milssl.inference.sources import PixelTables, apply_tables
 from wsi_milssl.mil.data import NORMALISATION, to_tensor, to_unit_float
@@ -75,7 +76,9 @@ def _legacy_plan(cfg: Mapping[str, Any], *, source: str) -> TilingPlan:
     entropy = _first(cfg.get("entropy_threshold_bits"), store.get("entropy_threshold_bits"))
     if entropy is None:
         entropy = float(defaults.entropy_threshold_bits)
-        logger.warning("%s: no entropy threshold recorded; using the tile stage's default %.1f bits.", source, entropy)
+        if is_main_rank():  # about the checkpoint, the same on every rank: torchrun's rank 0 alone says it
+            logger.warning("%s: no entropy threshold recorded; using the tile stage's default %.1f bits.", source,
+                           entropy)
     return TilingPlan(
         target_mpp=float(target_mpp), patch_size_px=int(patch),
         stride_px=int(_first(store.get("stride_px"), cfg.get("stride_px"), patch)),
@@ -474,7 +477,7 @@ def check_run_finished(checkpoint: str | os.PathLike) -> Path:
         if path != last and isinstance(best, Mapping) and best.get("epoch") == held[0]:
             return path  # a best.pt without its run's last.pt: where that run stopped is not known here
         done, planned = held
-    if done < planned:
+    if done < planned and is_main_rank():  # the same on every rank: torchrun's rank 0 alone says it
         fix = (f"continue the run with `wsi-milssl train --resume {run_dir}`" if last.is_file()
                else "train the run to its end")
         what = (f"{path}: its run stopped after epoch {done}" if done == held[0] else
