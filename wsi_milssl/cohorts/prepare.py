@@ -125,9 +125,10 @@ class PreparedCohort:
 # ------------------------------------------------------------------------------------------------
 
 def _walk(root: Path, *, skip: Iterable[Path] = ()) -> Iterable[Path]:
-    """Every non-hidden file below ``root``, sorted, not descending into ``skip`` folders, hidden ones or
-    earlier prepare outputs (:func:`_is_prepare_output`). When ``root`` itself is one (``prepare ROOT --out
-    ROOT`` run before), its own ``cohort/`` and ``run/`` are left out and the rest is searched.
+    """Every non-hidden file below ``root``, sorted, not descending into ``skip`` folders, hidden ones,
+    earlier prepare outputs (:func:`_is_prepare_output`) or run outputs (:func:`_is_run_output`). When
+    ``root`` itself is a prepare output (``prepare ROOT --out ROOT`` run before), its own ``cohort/`` and
+    ``run/`` are left out and the rest is searched.
 
     Links to folders are followed (a download spread over disks links its folders together); a folder
     reached a second time (a link back to an ancestor, two links to one folder) is searched once only."""
@@ -139,7 +140,8 @@ def _walk(root: Path, *, skip: Iterable[Path] = ()) -> Iterable[Path]:
         here = Path(dirpath)
         keep = []
         for d in sorted(dirnames):
-            if d.startswith(".") or (here / d).resolve() in skip_resolved or _is_prepare_output(here / d):
+            if (d.startswith(".") or (here / d).resolve() in skip_resolved or _is_prepare_output(here / d)
+                    or _is_run_output(here / d)):
                 continue
             identity = _folder_identity(here / d)
             if identity not in seen:
@@ -165,6 +167,14 @@ def _is_prepare_output(folder: Path) -> bool:
     """An earlier prepare's ``--out`` (it holds ``cohort/prepare.json``): its annotations are copies that may
     be stale, and its ``run/`` holds heatmap TIFFs, not slides."""
     return (folder / "cohort" / "prepare.json").is_file()
+
+
+def _is_run_output(folder: Path) -> bool:
+    """A `wsi-milssl run` output folder (it holds the run's ``resolved_pipeline.toml``, as ``run --out ROOT/x``
+    below a download leaves): its ``heatmaps/*_probs.tif`` are not slides."""
+    from wsi_milssl.pipeline.spec import RESOLVED_FILENAME
+
+    return (folder / RESOLVED_FILENAME).is_file()
 
 
 def _is_slide(path: Path) -> bool:
