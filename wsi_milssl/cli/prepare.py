@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 
 __all__ = ["SUMMARY", "register", "run"]
@@ -101,5 +102,5 @@ def run(args: argparse.Namespace) -> int:
     for note in result.notes:
         print(f"note: {note}")
     print(f"pipeline: {result.pipeline_toml}")
-    print(f"next: wsi-milssl run {result.pipeline_toml}")
+    print(f"next: wsi-milssl run {shlex.quote(str(result.pipeline_toml))}")
     return 0

@@ -485,7 +485,7 @@ def _pipeline_text(out: Path, *, name: str, template: Path, set_names: Iterable[
     lines = [
         f"# Written by `{command}` on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC.",
         f"# Stage settings from {template}; [data] points at the slide lists, labels and annotations",
-        "# found by prepare (cohort/). Run it as it is:  wsi-milssl run " + str(out / "pipeline.toml"),
+        "# found by prepare (cohort/). Run it as it is:  wsi-milssl run " + shlex.quote(str(out / "pipeline.toml")),
         "",
         "[pipeline]",
         f"name = {_toml_str(name)}",
