@@ -385,6 +385,25 @@ def _linked_twice(paths: Iterable[Path]) -> str | None:
             + " (keep one name per slide file)")
 
 
+def _unreadable_slides(paths: Iterable[Path]) -> str | None:
+    """The problem of slide files that do not exist (a link to a disk that is not mounted, or to a file moved
+    or deleted) or cannot be opened for reading: each would fail only when run reaches it."""
+    bad = []
+    for p in paths:
+        if p.is_symlink() and not p.exists():
+            bad.append(f"{p} (a link to {os.readlink(p)}, which does not exist)")
+            continue
+        try:
+            with open(p, "rb"):
+                pass
+        except OSError as exc:
+            bad.append(f"{p} ({exc.strerror or exc})")
+    if not bad:
+        return None
+    return (f"{len(bad)} slide file(s) cannot be opened for reading: {_names(bad)} (mount the disk or restore the "
+            "file a link points to, make the file readable, or remove the link or file)")
+
+
 def _raise_problems(where: str, problems: list[str], fix: str) -> None:
     if problems:
         body = "; ".join(problems)
@@ -625,7 +644,7 @@ def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
     if dup:
         problems.append(f"{len(dup)} name(s) used by more than one slide: "
                         + _names([" and ".join(str(p) for p in v) for v in dup.values()]))
-    problems += filter(None, [_linked_twice(slides)])
+    problems += filter(None, [_linked_twice(slides), _unreadable_slides(slides)])
     unknown = [str(p.relative_to(root)) for p in slides if _camelyon16_role(p, root) is None]
     if unknown:
         problems.append(f"{len(unknown)} slide(s) not named as in CAMELYON16 (Normal_NNN, Tumor_NNN, Test_NNN): "
@@ -704,7 +723,7 @@ def _labelled_set(slides_dir: Path, labels_csv: Path, skip: list[Path], what: st
     if dup:
         problems.append(f"{len(dup)} name(s) used by more than one slide: "
                         + _names([" and ".join(str(p) for p in v) for v in dup.values()]))
-    problems += filter(None, [_linked_twice(slides)])
+    problems += filter(None, [_linked_twice(slides), _unreadable_slides(slides)])
     labels = read_labels(labels_csv)
     by_stem = {slide_stem(p): p for p in slides}
     missing = sorted((s for s in by_stem if s not in labels), key=str.casefold)
