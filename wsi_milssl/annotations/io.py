@@ -26,6 +26,7 @@ __all__ = [
     "write_annotations",
     "convert_annotations",
     "find_annotation",
+    "annotation_difference",
     "list_annotation_files",
 ]
 
@@ -327,31 +328,42 @@ def _looks_like_geojson(path: Path) -> bool:
 @functools.lru_cache(maxsize=64)
 def _check_same_annotations(stem: str, first: Path, second: Path, *versions: tuple[int, int, int]) -> None:
     """AnnotationError unless the annotation files ``first`` and ``second`` of slide ``stem`` describe the
-    same regions and groups (see :func:`find_annotation`). ``versions``: the files' inode, size and
+    same regions and groups (:func:`annotation_difference`). ``versions``: the files' inode, size and
     modification time, so that a result is reused only for the same files."""
     fix = ("Fix: remove or rename the one that is out of date (label, evaluate and heatmap read one annotation "
            "file per slide).")
     try:
-        if first.stat().st_size == second.stat().st_size and first.read_bytes() == second.read_bytes():
-            return
-        areas = [_group_areas(p) for p in (first, second)]
+        why = annotation_difference(first, second)
     except AnnotationError as exc:
         raise AnnotationError(f"{stem}: two annotation files, {first} and {second}, and one cannot be read: {exc} "
                               f"{fix}") from None
     except OSError as exc:
         raise AnnotationError(f"{stem}: two annotation files, {first} and {second}, and one cannot be read "
                               f"({exc}). {fix}") from None
+    if why is not None:
+        raise AnnotationError(f"{stem}: two annotation files describe different regions: {first} and {second} "
+                              f"({why}). {fix}")
+
+
+def annotation_difference(first: str | os.PathLike, second: str | os.PathLike) -> str | None:
+    """None when the annotation files ``first`` and ``second`` describe the same regions and groups: identical
+    bytes, or for every group the same area (up to 1e-6 of it), each file read as ASAP XML holds it (GeoJSON
+    holes as polygons of the hole group ``_2``, as :func:`convert_annotations` writes them); else why they
+    differ, in words naming the files by their names. This is the rule :func:`find_annotation` (and
+    ``wsi-milssl prepare``) accept two files of one slide by. Raises AnnotationError or OSError for a file
+    that cannot be read or parsed."""
+    first, second = Path(first), Path(second)
+    if first.stat().st_size == second.stat().st_size and first.read_bytes() == second.read_bytes():
+        return None
+    areas = [_group_areas(p) for p in (first, second)]
     names = [{key: name for key, (name, _) in a.items()} for a in areas]
     if set(names[0]) != set(names[1]):
         only = [", ".join(sorted(names[k][g] for g in set(names[k]) - set(names[1 - k]))) or "none" for k in (0, 1)]
-        why = f"groups with polygons only in {first.name}: {only[0]}; only in {second.name}: {only[1]}"
-    else:
-        differ = [names[0][g] for g in sorted(names[0]) if not _same_area(areas[0][g][1], areas[1][g][1])]
-        if not differ:
-            return
-        why = f"the polygons of group(s) {', '.join(differ)} cover different areas"
-    raise AnnotationError(f"{stem}: two annotation files describe different regions: {first} and {second} "
-                          f"({why}). {fix}")
+        return f"groups with polygons only in {first.name}: {only[0]}; only in {second.name}: {only[1]}"
+    differ = [names[0][g] for g in sorted(names[0]) if not _same_area(areas[0][g][1], areas[1][g][1])]
+    if not differ:
+        return None
+    return f"the polygons of group(s) {', '.join(differ)} cover different areas"
 
 
 def _group_areas(path: Path) -> dict[str, tuple[str, object]]:

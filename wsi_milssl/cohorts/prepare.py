@@ -55,7 +55,7 @@ import zlib
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, NamedTuple
 
 import numpy as np
 
@@ -294,39 +294,52 @@ def _read_source(path: Path, member: str | None) -> bytes:
         raise ConfigError(f"{where}: cannot be read ({_cause(exc)}). Fix: {fix}.") from None
 
 
-def _parse_problem(data: bytes, suffix: str, where: str, scratch: Path) -> str | None:
-    """None when ``data`` (the file ``where``) is an annotation file the project's reader
-    (:func:`wsi_milssl.annotations.read_annotations`, as the label stage reads it) accepts, else its
-    error, naming ``where``. ``scratch``: a folder for the copy the reader reads."""
+class _Annotation(NamedTuple):
+    """One slide's annotation as read by prepare: ``data`` its bytes (written as ``<stem><suffix>``), ``where``
+    the file as found (``archive.zip:member`` inside an archive; for messages), ``source`` the same as
+    recorded in prepare.json."""
+
+    suffix: str
+    data: bytes
+    where: str
+    source: str
+
+
+def _parse(copy: Path, where: str) -> str | None:
+    """None when the annotation file ``copy`` (a copy of ``where``) is one the project's reader
+    (:func:`wsi_milssl.annotations.read_annotations`, as the label stage reads it) accepts, else its error,
+    naming ``where``."""
     from wsi_milssl.annotations import read_annotations
     from wsi_milssl.errors import AnnotationError
 
-    copy = scratch / f"annotation{suffix}"
-    copy.write_bytes(data)
     try:
         read_annotations(copy, skipped=[])  # what it leaves out the label stage warns about
     except AnnotationError as exc:
         return str(exc).replace(str(copy), where)
-    finally:
-        copy.unlink()
     return None
 
 
 def _read_annotations(sets: Mapping[str, Mapping[str, list[tuple[str, Path, str | None]]]],
-                      problems: Iterable[str] = ()) -> dict[str, dict[str, tuple[str, bytes, str]]]:
-    """{set: {stem: (suffix, bytes, source)}}: every matched annotation of every set read and parsed now,
-    before anything is written. One ConfigError lists ``problems`` (archives that cannot be read) and every
-    source that cannot be read or parsed, and every slide with two different annotation files (the same
-    file twice, e.g. extracted beside its archive, is one)."""
+                      problems: Iterable[str] = ()) -> dict[str, dict[str, _Annotation]]:
+    """{set: {stem: annotation}}: every matched annotation of every set read and parsed now, before anything is
+    written. One ConfigError lists ``problems`` (archives that cannot be read) and every source that cannot be
+    read or parsed, and every slide with two annotation files that describe different regions or groups (the
+    rule :func:`wsi_milssl.annotations.io.annotation_difference` the other stages accept two files by: the same
+    file twice, e.g. extracted beside its archive, or an XML and the GeoJSON converted from it, are one; the
+    XML is then used, as the label stage would)."""
     import tempfile
 
+    from wsi_milssl.annotations.io import annotation_difference
+    from wsi_milssl.errors import AnnotationError
+
     problems = list(problems)
-    out: dict[str, dict[str, tuple[str, bytes, str]]] = {}
+    out: dict[str, dict[str, _Annotation]] = {}
     with tempfile.TemporaryDirectory(prefix="wsi-milssl-prepare-") as scratch:
+        n_copies = 0
         for set_name, annotations in sets.items():
             out[set_name] = {}
             for stem, candidates in annotations.items():
-                distinct: dict[bytes, tuple[str, str]] = {}
+                distinct: dict[bytes, tuple[_Annotation, Path] | None] = {}
                 for suffix, path, member in candidates:
                     where = str(path) if member is None else f"{path}:{member}"
                     try:
@@ -334,18 +347,35 @@ def _read_annotations(sets: Mapping[str, Mapping[str, list[tuple[str, Path, str 
                     except ConfigError as exc:
                         problems.append(str(exc))
                         continue
-                    if data not in distinct:
-                        distinct[data] = (suffix, where)
-                        problem = _parse_problem(data, suffix, where, Path(scratch))
-                        if problem:
-                            problems.append(problem)
-                if len(distinct) > 1:
-                    problems.append(f"{stem}: {len(distinct)} different annotation files: "
-                                    + ", ".join(w for _, w in distinct.values())
-                                    + ". Fix: keep one (remove or rename the others).")
-                elif distinct:
-                    data, (suffix, where) = next(iter(distinct.items()))
-                    out[set_name][stem] = (suffix, data, where)
+                    if data in distinct:
+                        continue
+                    n_copies += 1  # each copy in its own folder, under the file's own name (for the messages)
+                    copy = Path(scratch) / str(n_copies) / (path.name if member is None else member.rsplit("/", 1)[-1])
+                    copy.parent.mkdir()
+                    copy.write_bytes(data)
+                    problem = _parse(copy, where)
+                    if problem:
+                        problems.append(problem)
+                        distinct[data] = None
+                        continue
+                    distinct[data] = (_Annotation(suffix, data, where, where), copy)
+                usable = [v for v in distinct.values() if v is not None]
+                if not usable or len(usable) < len(distinct):
+                    continue  # a file that cannot be parsed is a problem already
+                usable.sort(key=lambda v: ANNOTATION_SUFFIXES.index(v[0].suffix))  # the XML first, as label reads
+                (chosen, chosen_copy), differ = usable[0], []
+                for other, other_copy in usable[1:]:
+                    try:
+                        why = annotation_difference(chosen_copy, other_copy)
+                    except (AnnotationError, OSError) as exc:
+                        why = f"one cannot be compared: {exc}"
+                    if why is not None:
+                        differ.append(f"{chosen.where} and {other.where} ({why})")
+                if differ:
+                    problems.append(f"{stem}: annotation files that describe different regions: {'; '.join(differ)}. "
+                                    "Fix: keep one (remove or rename the one that is out of date).")
+                else:
+                    out[set_name][stem] = chosen
     problems = list(dict.fromkeys(problems))  # an archive below two of the folders searched: once
     if len(problems) == 1:
         raise ConfigError(f"{problems[0]} Nothing was written.")
@@ -423,7 +453,7 @@ def _csv_text(header: tuple[str, ...], rows: Iterable[tuple]) -> str:
 
 
 def _write_set(out: Path, name: str, slides: Mapping[str, Path], labels: Mapping[str, int],
-               annotations: Mapping[str, tuple[str, bytes, str]]) -> CohortSet:
+               annotations: Mapping[str, _Annotation]) -> CohortSet:
     """Write one set; ``annotations`` already read (:func:`_read_annotations`)."""
     slides_path, labels_path, ann_dir = _set_paths(out, name)
     ann_dir.mkdir(parents=True, exist_ok=True)
@@ -437,12 +467,12 @@ def _write_set(out: Path, name: str, slides: Mapping[str, Path], labels: Mapping
     for stem in stems:
         if stem not in annotations:
             continue
-        suffix, data, source = annotations[stem]
-        target = ann_dir / f"{stem}{suffix}"
-        if not (target.is_file() and target.read_bytes() == data):
-            atomic_write_bytes(target, data)
+        annotation = annotations[stem]
+        target = ann_dir / f"{stem}{annotation.suffix}"
+        if not (target.is_file() and target.read_bytes() == annotation.data):
+            atomic_write_bytes(target, annotation.data)
         keep.add(target.name)
-        sources[stem] = source
+        sources[stem] = annotation.source
     for old in ann_dir.iterdir():  # the folder is ours: files of slides no longer in the set go
         if old.is_file() and old.name not in keep and old.suffix.lower() in ANNOTATION_SUFFIXES:
             old.unlink()
@@ -542,7 +572,7 @@ def _path(value: str | os.PathLike | None) -> Path | None:
 
 
 def _finish(out: Path, *, name: str, template: Path | None,
-            sets: dict[str, tuple[Mapping[str, Path], Mapping[str, int], Mapping[str, tuple[str, bytes, str]]]],
+            sets: dict[str, tuple[Mapping[str, Path], Mapping[str, int], Mapping[str, _Annotation]]],
             val_fraction: float | None, split_seed: int | None, command: str, facts: dict,
             notes: list[str]) -> PreparedCohort:
     """Write everything: ``sets`` {name: (slides, labels, annotations read)}, all checked and read.
