@@ -296,8 +296,8 @@ def _read_source(path: Path, member: str | None) -> bytes:
 
 class _Annotation(NamedTuple):
     """One slide's annotation as read by prepare: ``data`` its bytes (written as ``<stem><suffix>``), ``where``
-    the file as found (``archive.zip:member`` inside an archive; for messages), ``source`` the same as
-    recorded in prepare.json."""
+    the file as found (``archive.zip:member`` inside an archive; for messages), ``source`` the same made
+    absolute (recorded in prepare.json)."""
 
     suffix: str
     data: bytes
@@ -317,6 +317,13 @@ def _parse(copy: Path, where: str) -> str | None:
     except AnnotationError as exc:
         return str(exc).replace(str(copy), where)
     return None
+
+
+def _real(path: Path) -> Path:
+    """``path`` absolute, with the links among its folders resolved and its own name kept (a linked slide or
+    annotation keeps its link's name; a prepare folder reached through a link is named where it lies)."""
+    path = Path(path)
+    return Path(os.path.realpath(path.parent)) / path.name
 
 
 def _read_annotations(sets: Mapping[str, Mapping[str, list[tuple[str, Path, str | None]]]],
@@ -358,7 +365,8 @@ def _read_annotations(sets: Mapping[str, Mapping[str, list[tuple[str, Path, str 
                         problems.append(problem)
                         distinct[data] = None
                         continue
-                    distinct[data] = (_Annotation(suffix, data, where, where), copy)
+                    source = str(_real(path)) if member is None else f"{_real(path)}:{member}"
+                    distinct[data] = (_Annotation(suffix, data, where, source), copy)
                 usable = [v for v in distinct.values() if v is not None]
                 if not usable or len(usable) < len(distinct):
                     continue  # a file that cannot be parsed is a problem already
@@ -597,13 +605,14 @@ def _finish(out: Path, *, name: str, template: Path | None,
                 raise ConfigError(f"{str(exc).replace(str(fh.name), str(toml))} (in the pipeline written from "
                                   f"{template}; nothing was written)") from None
             written = {k: _write_set(out, k, *v) for k, v in sets.items()}
+            real_out = Path(os.path.realpath(out))
             summary = {
                 "command": command,
-                "template": str(template),
-                "pipeline": str(toml),
+                "template": str(_real(template)),
+                "pipeline": str(real_out / toml.name),
                 "sets": {k: {"slides": len(s.slides), "tumor": s.n_tumor, "normal": len(s.slides) - s.n_tumor,
-                             "annotated": len(s.annotations), "slides_csv": str(s.slides_csv),
-                             "labels_csv": str(s.labels_csv), "annotations": str(s.annotations_dir),
+                             "annotated": len(s.annotations), "slides_csv": str(_real(s.slides_csv)),
+                             "labels_csv": str(_real(s.labels_csv)), "annotations": str(_real(s.annotations_dir)),
                              "annotation_sources": s.annotations} for k, s in written.items()},
                 **facts,
                 "notes": notes,
@@ -728,7 +737,7 @@ def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
         notes.append(f"{len(no_ann_train)} tumour training slide(s) have no annotation: {_names(no_ann_train)} "
                      "(training does not need them; their patches get no instance labels for the metrics)")
     sets = {"train": (train, train_labels, train_ann), "test": (test, test_labels, test_ann)}
-    facts = {"root": str(root.resolve()), "reference": str(ref_path) if ref_path else None,
+    facts = {"root": str(root.resolve()), "reference": str(_real(ref_path)) if ref_path else None,
              "mask_images_left_out": len(masks)}
     return _finish(out, name="camelyon16", template=template, sets=sets, val_fraction=val_fraction,
                    split_seed=split_seed,
