@@ -43,6 +43,7 @@ set by ``run`` itself (``[data].val_fraction``), never from the test set.
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import logging
@@ -442,6 +443,21 @@ def _unreadable_slides(paths: Iterable[Path]) -> str | None:
             "file a link points to, make the file readable, or remove the link or file)")
 
 
+def _sha256(path: Path, limit: int | None = None) -> str:
+    """The SHA-256 of the file ``path`` (of its first ``limit`` bytes when given), read 1 MiB at a time."""
+    digest = hashlib.sha256()
+    left = limit
+    with open(path, "rb") as fh:
+        while left is None or left > 0:
+            chunk = fh.read(1 << 20 if left is None else min(1 << 20, left))
+            if not chunk:
+                break
+            digest.update(chunk)
+            if left is not None:
+                left -= len(chunk)
+    return digest.hexdigest()
+
+
 def _raise_problems(where: str, problems: list[str], fix: str) -> None:
     if problems:
         body = "; ".join(problems)
@@ -531,7 +547,8 @@ def _set_paths(out: Path, name: str) -> tuple[Path, Path, Path]:
 
 
 def _pipeline_text(out: Path, *, name: str, template: Path, set_names: Iterable[str],
-                   val_fraction: float | None, split_seed: int | None, command: str) -> str:
+                   val_fraction: float | None, split_seed: int | None, command: str,
+                   file_name: str = "pipeline.toml") -> str:
     from wsi_milssl.config import load_toml
 
     raw = load_toml(template)  # a template that is not TOML fails here, naming the file
@@ -542,7 +559,7 @@ def _pipeline_text(out: Path, *, name: str, template: Path, set_names: Iterable[
     lines = [
         f"# Written by `{command}` on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC.",
         f"# Stage settings from {template}; [data] points at the slide lists, labels and annotations",
-        "# found by prepare (cohort/). Run it as it is:  wsi-milssl run " + shlex.quote(str(out / "pipeline.toml")),
+        "# found by prepare (cohort/). Run it as it is:  wsi-milssl run " + shlex.quote(str(out / file_name)),
         "",
         "[pipeline]",
         f"name = {_toml_str(name)}",
@@ -579,6 +596,29 @@ def _path(value: str | os.PathLike | None) -> Path | None:
     return None if value is None else Path(value)
 
 
+#: What prepare writes beside a pipeline.toml it keeps (one edited since prepare wrote it, or not prepare's).
+NEW_PIPELINE_NAME = "pipeline.new.toml"
+
+
+def _earlier_record(out: Path) -> dict:
+    """The prepare.json of an earlier prepare into ``out`` ({} when there is none or it cannot be read)."""
+    try:
+        record = json.loads((out / "cohort" / "prepare.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _file_sha256(path: Path) -> str | None:
+    """The SHA-256 of the file ``path``; None when there is no file (a folder there counts as a file: kept)."""
+    if not path.exists() and not path.is_symlink():
+        return None
+    try:
+        return _sha256(path)
+    except OSError:
+        return "unreadable"
+
+
 def _finish(out: Path, *, name: str, template: Path | None,
             sets: dict[str, tuple[Mapping[str, Path], Mapping[str, int], Mapping[str, _Annotation]]],
             val_fraction: float | None, split_seed: int | None, command: str, facts: dict,
@@ -587,22 +627,45 @@ def _finish(out: Path, *, name: str, template: Path | None,
 
     The pipeline is made and validated first (in a temporary file beside ``pipeline.toml``), so a
     template that gives no valid pipeline leaves ``out`` as it was; ``pipeline.toml`` gets its name last.
+    prepare.json records the SHA-256 of the pipeline.toml prepare wrote: a ``pipeline.toml`` that differs (edited
+    since, or not written by prepare) is kept, and the new pipeline is written beside it as
+    :data:`NEW_PIPELINE_NAME`, with a note naming both.
     """
     from wsi_milssl.pipeline.spec import load_pipeline
 
     template = Path(template) if template is not None else default_template()
-    text = _pipeline_text(out, name=name, template=template, set_names=("train", "test"),
-                          val_fraction=val_fraction, split_seed=split_seed, command=command)
     toml = out / "pipeline.toml"
+    new_toml = out / NEW_PIPELINE_NAME
+    earlier = _earlier_record(out)
+    ours = {earlier.get("pipeline_sha256"), earlier.get("pipeline_new_sha256")} - {None}
+    current = _file_sha256(toml)
+    keep = current is not None and current not in ours
+    edited = keep and earlier.get("pipeline_sha256") is not None  # prepare wrote it, and it was changed since
+    target = new_toml if keep else toml
+    text = _pipeline_text(out, name=name, template=template, set_names=("train", "test"),
+                          val_fraction=val_fraction, split_seed=split_seed, command=command, file_name=target.name)
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    run_toml = toml if edited else target  # the pipeline `next:` names
+    notes = list(notes)
+    if keep:
+        take = f"mv {shlex.quote(str(new_toml))} {shlex.quote(str(toml))}"
+        if edited:
+            notes.append(f"{toml} was edited since prepare wrote it, so it is kept as it is (it reads the slide lists "
+                         f"and labels written now); the pipeline prepare wrote now is {new_toml}. To take it instead: "
+                         f"{take} (to see what differs: diff {shlex.quote(str(toml))} {shlex.quote(str(new_toml))})")
+        else:
+            notes.append(f"{toml} was not written by prepare (or by a version that recorded no digest of it), so it "
+                         f"is kept as it is; the pipeline of this cohort is {new_toml}. Run that one, or take it as "
+                         f"pipeline.toml: {take}")
     created = not out.exists()
     try:
-        with atomic_open(toml, "w") as fh:
+        with atomic_open(target, "w") as fh:
             fh.write(text)
             fh.flush()
             try:
                 load_pipeline(fh.name)  # the file must be one `run` accepts
             except ConfigError as exc:
-                raise ConfigError(f"{str(exc).replace(str(fh.name), str(toml))} (in the pipeline written from "
+                raise ConfigError(f"{str(exc).replace(str(fh.name), str(target))} (in the pipeline written from "
                                   f"{template}; nothing was written)") from None
             written = {k: _write_set(out, k, *v) for k, v in sets.items()}
             real_out = Path(os.path.realpath(out))
@@ -610,6 +673,8 @@ def _finish(out: Path, *, name: str, template: Path | None,
                 "command": command,
                 "template": str(_real(template)),
                 "pipeline": str(real_out / toml.name),
+                "pipeline_sha256": earlier.get("pipeline_sha256") if keep else digest,
+                **({"pipeline_new": str(real_out / new_toml.name), "pipeline_new_sha256": digest} if keep else {}),
                 "sets": {k: {"slides": len(s.slides), "tumor": s.n_tumor, "normal": len(s.slides) - s.n_tumor,
                              "annotated": len(s.annotations), "slides_csv": str(_real(s.slides_csv)),
                              "labels_csv": str(_real(s.labels_csv)), "annotations": str(_real(s.annotations_dir)),
@@ -625,9 +690,11 @@ def _finish(out: Path, *, name: str, template: Path | None,
             except OSError:
                 pass
         raise
+    if not keep and earlier.get("pipeline_new_sha256") and _file_sha256(new_toml) == earlier["pipeline_new_sha256"]:
+        new_toml.unlink()  # prepare's own earlier pipeline.new.toml, unchanged: pipeline.toml is prepare's again
     for note in notes:
         logger.warning("%s", note)
-    return PreparedCohort(out, toml, written, summary_json, tuple(notes))
+    return PreparedCohort(out, run_toml, written, summary_json, tuple(notes))
 
 
 # ------------------------------------------------------------------------------------------------
