@@ -298,26 +298,31 @@ def _read_source(path: Path, member: str | None) -> bytes:
 class _Annotation(NamedTuple):
     """One slide's annotation as read by prepare: ``data`` its bytes (written as ``<stem><suffix>``), ``where``
     the file as found (``archive.zip:member`` inside an archive; for messages), ``source`` the same made
-    absolute (recorded in prepare.json)."""
+    absolute (recorded in prepare.json), ``groups`` the group names of its annotations and ``area_groups``
+    those of its annotations that enclose an area (polygons, rectangles), as the label stage reads them."""
 
     suffix: str
     data: bytes
     where: str
     source: str
+    groups: frozenset
+    area_groups: frozenset
 
 
-def _parse(copy: Path, where: str) -> str | None:
-    """None when the annotation file ``copy`` (a copy of ``where``) is one the project's reader
-    (:func:`wsi_milssl.annotations.read_annotations`, as the label stage reads it) accepts, else its error,
-    naming ``where``."""
+def _parse(copy: Path, where: str) -> tuple[str | None, frozenset, frozenset]:
+    """(problem, groups, area groups) of the annotation file ``copy`` (a copy of ``where``): problem is None when
+    the project's reader (:func:`wsi_milssl.annotations.read_annotations`, as the label stage reads it) accepts
+    it, else its error, naming ``where``."""
     from wsi_milssl.annotations import read_annotations
+    from wsi_milssl.annotations.asap import AREA_TYPES
     from wsi_milssl.errors import AnnotationError
 
     try:
-        read_annotations(copy, skipped=[])  # what it leaves out the label stage warns about
+        aset = read_annotations(copy, skipped=[])  # what it leaves out the label stage warns about
     except AnnotationError as exc:
-        return str(exc).replace(str(copy), where)
-    return None
+        return str(exc).replace(str(copy), where), frozenset(), frozenset()
+    return (None, frozenset(a.group for a in aset.polygons),
+            frozenset(a.group for a in aset.polygons if a.type in AREA_TYPES))
 
 
 def _real(path: Path) -> Path:
@@ -361,13 +366,13 @@ def _read_annotations(sets: Mapping[str, Mapping[str, list[tuple[str, Path, str 
                     copy = Path(scratch) / str(n_copies) / (path.name if member is None else member.rsplit("/", 1)[-1])
                     copy.parent.mkdir()
                     copy.write_bytes(data)
-                    problem = _parse(copy, where)
+                    problem, groups, area_groups = _parse(copy, where)
                     if problem:
                         problems.append(problem)
                         distinct[data] = None
                         continue
                     source = str(_real(path)) if member is None else f"{_real(path)}:{member}"
-                    distinct[data] = (_Annotation(suffix, data, where, source), copy)
+                    distinct[data] = (_Annotation(suffix, data, where, source, groups, area_groups), copy)
                 usable = [v for v in distinct.values() if v is not None]
                 if not usable or len(usable) < len(distinct):
                     continue  # a file that cannot be parsed is a problem already
@@ -619,6 +624,50 @@ def _file_sha256(path: Path) -> str | None:
         return "unreadable"
 
 
+def _group_check(sets: Mapping[str, tuple[Mapping[str, Path], Mapping[str, int], Mapping[str, _Annotation]]],
+                 spec, toml: Path) -> list[str]:
+    """Notes for annotation groups the pipeline ``spec``'s label stage ignores (neither its tumour nor its
+    non-tumour groups: it warns and leaves their polygons out); ConfigError, as the label stage would stop
+    there, for a tumour slide whose annotation has no polygon in a tumour group and some in such groups."""
+    from wsi_milssl.annotations.groups import UNCLASSIFIED
+    from wsi_milssl.pipeline.spec import stage_config
+
+    gmap = stage_config(spec, "label").group_map()
+
+    def unknown(groups) -> list[str]:
+        return sorted({UNCLASSIFIED if g is None else str(g) for g in groups if gmap.role(g) is None},
+                      key=str.casefold)
+
+    stop, ignored, new_groups = [], [], []
+    for _, (_, labels, annotations) in sets.items():
+        for stem, ann in sorted(annotations.items(), key=lambda kv: kv[0].casefold()):
+            tumour = any(gmap.role(g) == "tumor" for g in ann.area_groups)
+            if labels.get(stem) == 1 and not tumour and unknown(ann.groups):
+                stop.append(f"{ann.where} ({', '.join(map(repr, unknown(ann.groups)))})")
+                new_groups += unknown(ann.groups)
+            elif unknown(ann.area_groups):
+                ignored.append(f"{ann.where} ({', '.join(map(repr, unknown(ann.area_groups)))})")
+                new_groups += unknown(ann.area_groups)
+    groups = ", ".join(gmap.tumor)
+    example = json.dumps([*gmap.tumor, *dict.fromkeys(new_groups)], ensure_ascii=False)
+    if stop:
+        raise ConfigError(
+            f"{len(stop)} annotation file(s) of tumour slides have no polygon in a tumour group of the pipeline's "
+            f"[label] stage ({groups}), only in group(s) that are neither tumour nor non-tumour "
+            f"({', '.join(gmap.non_tumor)}), so its label stage would stop at them: {_names(stop)}. Nothing was "
+            f"written. Fix: name the group(s) in the pipeline's [label] tumor_groups (or non_tumor_groups for regions "
+            f"that are not tumour): prepare with --template PIPELINE.toml whose [label] table has tumor_groups = "
+            f"{example} (a copy of the template with that line)"
+            + (f", or add that line to {toml} (prepare keeps an edited pipeline.toml)" if toml.is_file() else "")
+            + "; or correct the annotation files.")
+    if not ignored:
+        return []
+    return [f"{len(ignored)} annotation file(s) have polygons in group(s) that the pipeline's [label] stage ignores "
+            f"(neither tumour: {groups}; nor non-tumour: {', '.join(gmap.non_tumor)}): {_names(ignored)}. To use them, "
+            f"add them to [label] tumor_groups (or non_tumor_groups) in {toml}, or run with --set "
+            f"{shlex.quote('label.tumor_groups=' + example)}"]
+
+
 def _finish(out: Path, *, name: str, template: Path | None,
             sets: dict[str, tuple[Mapping[str, Path], Mapping[str, int], Mapping[str, _Annotation]]],
             val_fraction: float | None, split_seed: int | None, command: str, facts: dict,
@@ -629,7 +678,8 @@ def _finish(out: Path, *, name: str, template: Path | None,
     template that gives no valid pipeline leaves ``out`` as it was; ``pipeline.toml`` gets its name last.
     prepare.json records the SHA-256 of the pipeline.toml prepare wrote: a ``pipeline.toml`` that differs (edited
     since, or not written by prepare) is kept, and the new pipeline is written beside it as
-    :data:`NEW_PIPELINE_NAME`, with a note naming both.
+    :data:`NEW_PIPELINE_NAME`, with a note naming both. The annotations' groups are checked against the label
+    stage of the pipeline the result names to run (:func:`_group_check`).
     """
     from wsi_milssl.pipeline.spec import load_pipeline
 
@@ -663,10 +713,19 @@ def _finish(out: Path, *, name: str, template: Path | None,
             fh.write(text)
             fh.flush()
             try:
-                load_pipeline(fh.name)  # the file must be one `run` accepts
+                spec = load_pipeline(fh.name)  # the file must be one `run` accepts
             except ConfigError as exc:
                 raise ConfigError(f"{str(exc).replace(str(fh.name), str(target))} (in the pipeline written from "
                                   f"{template}; nothing was written)") from None
+            if run_toml != target:
+                try:
+                    spec = load_pipeline(run_toml)  # the kept pipeline.toml is the one run will read
+                except ConfigError:
+                    pass
+            try:
+                notes += _group_check(sets, spec, run_toml)
+            except ConfigError as exc:
+                raise ConfigError(str(exc).replace(str(fh.name), str(target))) from None
             written = {k: _write_set(out, k, *v) for k, v in sets.items()}
             real_out = Path(os.path.realpath(out))
             summary = {
