@@ -27,6 +27,7 @@ def register(subparsers) -> None:
             "new one beside it as pipeline.new.toml, with a note.\n\n"
             "examples:\n"
             "  wsi-milssl prepare camelyon16 /data/CAMELYON16 --out /data/c16\n"
+            "  wsi-milssl prepare camelyon16 /data/CAMELYON16 --exclude Test_114 --out /data/c16\n"
             "  wsi-milssl prepare folder --slides /data/cohort --labels /data/cohort/labels.csv --out /data/prep\n"
             "  wsi-milssl run /data/c16/pipeline.toml"
         ),
@@ -84,6 +85,10 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="pipeline whose stage settings to use (default: the packaged pipelines/camelyon16.toml)")
     p.add_argument("--val-fraction", type=float, default=None, metavar="F",
                    help="training slides held out to choose best.pt [the template's, else 0.2]")
+    p.add_argument("--exclude", nargs="+", action="extend", default=[], metavar="NAME",
+                   help="slides left out of every set, by name (as Test_114, not exhaustively annotated; matched "
+                        "without folder, suffix and case; a name of no slide is an error); recorded in "
+                        "cohort/prepare.json. It takes every name up to the next option: give it after ROOT")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,16 +96,19 @@ def run(args: argparse.Namespace) -> int:
 
     if args.layout == "camelyon16":
         result = prepare_camelyon16(args.root, args.out, template=args.template, reference=args.reference,
-                                    val_fraction=args.val_fraction)
+                                    val_fraction=args.val_fraction, exclude=args.exclude)
     else:
         result = prepare_folder(args.slides, args.labels, args.out, annotations_dir=args.annotations,
                                 test_slides_dir=args.test_slides, test_labels_csv=args.test_labels,
                                 test_annotations_dir=args.test_annotations, test_fraction=args.test_fraction,
                                 seed=args.seed, template=args.template, name=args.name,
-                                val_fraction=args.val_fraction)
+                                val_fraction=args.val_fraction, exclude=args.exclude)
     for name, s in result.sets.items():
         print(f"{name}: {len(s.slides)} slides ({s.n_tumor} tumour, {len(s.slides) - s.n_tumor} normal), "
               f"{len(s.annotations)} annotated -> {s.slides_csv.parent}")
+    if result.excluded:
+        print(f"excluded: {len(result.excluded)} slide(s) left out of every set (--exclude): "
+              f"{', '.join(result.excluded)}")
     for note in result.notes:
         print(f"note: {note}")
     print(f"pipeline: {result.pipeline_toml}")

@@ -119,6 +119,7 @@ class PreparedCohort:
     sets: dict[str, CohortSet]
     summary_json: Path
     notes: tuple[str, ...] = field(default_factory=tuple)
+    excluded: tuple[str, ...] = field(default_factory=tuple)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -448,6 +449,20 @@ def _unreadable_slides(paths: Iterable[Path]) -> str | None:
             "file a link points to, make the file readable, or remove the link or file)")
 
 
+def _exclude_keys(exclude: Iterable[str]) -> dict[str, str]:
+    """{key: name as given} of the ``--exclude`` names (slide names: folder, slide suffix and case ignored)."""
+    return {stem_key(n): n for n in exclude if slide_stem(n)}
+
+
+def _unknown_excluded(keys: Mapping[str, str], found: Iterable[str], where: str) -> list[str]:
+    """The problem of ``--exclude`` names that name no slide found (``found``: their stems)."""
+    unknown = sorted((n for k, n in keys.items() if k not in {stem_key(s) for s in found}), key=str.casefold)
+    if not unknown:
+        return []
+    return [f"--exclude names {len(unknown)} slide(s) that are not below {where}: {_names(unknown)} (slide names "
+            "are matched without folder, slide suffix and case)"]
+
+
 def _sha256(path: Path, limit: int | None = None) -> str:
     """The SHA-256 of the file ``path`` (of its first ``limit`` bytes when given), read 1 MiB at a time."""
     digest = hashlib.sha256()
@@ -592,7 +607,10 @@ def _command(layout: str, positional: Iterable[str | os.PathLike], options: Mapp
 
     words = ["wsi-milssl", "prepare", layout, *(text(p) for p in positional)]
     for flag, value in options.items():
-        if value is not None:
+        if isinstance(value, (list, tuple)):  # --exclude A B: one flag, every value
+            if value:
+                words += [flag, *(text(v) for v in value)]
+        elif value is not None:
             words += [flag, text(value)]
     return shlex.join(words)
 
@@ -671,7 +689,7 @@ def _group_check(sets: Mapping[str, tuple[Mapping[str, Path], Mapping[str, int],
 def _finish(out: Path, *, name: str, template: Path | None,
             sets: dict[str, tuple[Mapping[str, Path], Mapping[str, int], Mapping[str, _Annotation]]],
             val_fraction: float | None, split_seed: int | None, command: str, facts: dict,
-            notes: list[str]) -> PreparedCohort:
+            notes: list[str], excluded: Iterable[str] = ()) -> PreparedCohort:
     """Write everything: ``sets`` {name: (slides, labels, annotations read)}, all checked and read.
 
     The pipeline is made and validated first (in a temporary file beside ``pipeline.toml``), so a
@@ -739,6 +757,7 @@ def _finish(out: Path, *, name: str, template: Path | None,
                              "labels_csv": str(_real(s.labels_csv)), "annotations": str(_real(s.annotations_dir)),
                              "annotation_sources": s.annotations} for k, s in written.items()},
                 **facts,
+                "excluded": list(excluded),
                 "notes": notes,
             }
             summary_json = atomic_write_text(out / "cohort" / "prepare.json", json.dumps(summary, indent=2) + "\n")
@@ -753,7 +772,7 @@ def _finish(out: Path, *, name: str, template: Path | None,
         new_toml.unlink()  # prepare's own earlier pipeline.new.toml, unchanged: pipeline.toml is prepare's again
     for note in notes:
         logger.warning("%s", note)
-    return PreparedCohort(out, run_toml, written, summary_json, tuple(notes))
+    return PreparedCohort(out, run_toml, written, summary_json, tuple(notes), tuple(excluded))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -781,13 +800,16 @@ def _camelyon16_mask(path: Path, root: Path) -> bool:
 
 def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
                        template: str | os.PathLike | None = None, reference: str | os.PathLike | None = None,
-                       val_fraction: float | None = None, split_seed: int | None = None) -> PreparedCohort:
+                       val_fraction: float | None = None, split_seed: int | None = None,
+                       exclude: Iterable[str] = ()) -> PreparedCohort:
     """Prepare the CAMELYON16 folder ``root`` (as downloaded; see the module docstring) into ``out_dir``.
 
     ``reference``: the test set's label file (default: the one ``reference.csv`` found below
     ``root``, any case). ``template``: the pipeline whose stage settings to use (default: the
     packaged ``pipelines/camelyon16.toml``); ``val_fraction`` / ``split_seed`` override its
-    ``[data]`` values. Raises one LabelsError listing every problem found.
+    ``[data]`` values. ``exclude``: slide names left out of every set (as ``Test_114``, which is not
+    exhaustively annotated; matched as slide names are; one that names no slide is an error).
+    Raises one LabelsError listing every problem found.
     """
     root = Path(root)
     out = Path(out_dir)
@@ -804,7 +826,10 @@ def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
                           + (f"; {len(masks)} mask image(s) left out" if masks else "")
                           + "). Fix: give the CAMELYON16 folder that holds training/ and testing/ (GigaDB) "
                           "or images/ (AWS).")
-    problems: list[str] = []
+    exclude_keys = _exclude_keys(exclude)
+    problems: list[str] = _unknown_excluded(exclude_keys, [slide_stem(p) for p in slides], str(root))
+    excluded = sorted({slide_stem(p) for p in slides if stem_key(p) in exclude_keys}, key=str.casefold)
+    slides = [p for p in slides if stem_key(p) not in exclude_keys]
     dup = _duplicates(slides)
     if dup:
         problems.append(f"{len(dup)} name(s) used by more than one slide: "
@@ -839,7 +864,8 @@ def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
         if missing:
             problems.append(f"{len(missing)} test slide(s) have no line in {ref_path}: {_names(missing)}")
         test_labels = {s: reference_labels[s] for s in test if s in reference_labels}
-        not_here = [s for s in reference_labels if stem_key(s) not in {stem_key(t) for t in test}]
+        not_here = [s for s in reference_labels
+                    if stem_key(s) not in {stem_key(t) for t in test} and stem_key(s) not in exclude_keys]
 
     sources, unreadable = _annotation_sources([root], skip=[out])
     # every annotation read and parsed now: a damaged archive or file stops here, before anything is written
@@ -867,23 +893,29 @@ def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
              "mask_images_left_out": len(masks)}
     return _finish(out, name="camelyon16", template=template, sets=sets, val_fraction=val_fraction,
                    split_seed=split_seed,
-                   command=_command("camelyon16", [root], {"--out": out, "--reference": _path(reference),
-                                                           "--template": _path(template), "--val-fraction": val_fraction}),
-                   facts=facts, notes=notes)
+                   command=_command("camelyon16", [root], {
+                       "--out": out, "--reference": _path(reference), "--template": _path(template),
+                       "--val-fraction": val_fraction, "--exclude": list(exclude)}),
+                   facts=facts, notes=notes, excluded=excluded)
 
 
 # ------------------------------------------------------------------------------------------------
 # Any folder
 # ------------------------------------------------------------------------------------------------
 
-def _labelled_set(slides_dir: Path, labels_csv: Path, skip: list[Path], what: str
-                  ) -> tuple[dict[str, Path], dict[str, int], list[str], list[str]]:
-    """(slides by stem, their labels, problems, notes): a labelled slide that is not below
-    ``slides_dir`` is left out with a note (it is in no set)."""
+def _labelled_set(slides_dir: Path, labels_csv: Path, skip: list[Path], what: str,
+                  exclude_keys: Mapping[str, str] | None = None
+                  ) -> tuple[dict[str, Path], dict[str, int], list[str], list[str], list[str]]:
+    """(slides by stem, their labels, problems, notes, stems excluded): a labelled slide that is not below
+    ``slides_dir`` is left out with a note (it is in no set); a slide whose name is in ``exclude_keys``
+    (:func:`_exclude_keys`) is left out without one."""
     slides = find_slide_files(slides_dir, skip=skip)
+    exclude_keys = exclude_keys or {}
     problems = []
     if not slides:
         problems.append(f"no slide files below {slides_dir} (looked for {', '.join(SLIDE_SUFFIXES)})")
+    excluded = sorted({slide_stem(p) for p in slides if stem_key(p) in exclude_keys}, key=str.casefold)
+    slides = [p for p in slides if stem_key(p) not in exclude_keys]
     dup = _duplicates(slides)
     if dup:
         problems.append(f"{len(dup)} name(s) used by more than one slide: "
@@ -895,10 +927,10 @@ def _labelled_set(slides_dir: Path, labels_csv: Path, skip: list[Path], what: st
     if missing:
         kind = f"{what} slide(s)" if what else "slide(s)"
         problems.append(f"{len(missing)} {kind} have no label in {labels_csv}: {_names(missing)}")
-    extra = [s for s in labels if stem_key(s) not in {stem_key(t) for t in by_stem}]
+    extra = [s for s in labels if stem_key(s) not in {stem_key(t) for t in by_stem} and stem_key(s) not in exclude_keys]
     notes = [f"{len(extra)} labelled slide(s) of {labels_csv} are not below {slides_dir}, so they are left out: "
              f"{_names(extra)} (check their file names, or remove their lines)"] if extra else []
-    return by_stem, {s: labels[s] for s in by_stem if s in labels}, problems, notes
+    return by_stem, {s: labels[s] for s in by_stem if s in labels}, problems, notes, excluded
 
 
 def _split_test(labels: Mapping[str, int], *, fraction: float, seed: int) -> tuple[list[str], list[str]]:
@@ -938,14 +970,16 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
                    test_slides_dir: str | os.PathLike | None = None, test_labels_csv: str | os.PathLike | None = None,
                    test_annotations_dir: str | os.PathLike | None = None, test_fraction: float = 0.25,
                    seed: int = 0, template: str | os.PathLike | None = None, name: str | None = None,
-                   val_fraction: float | None = None, split_seed: int | None = None) -> PreparedCohort:
+                   val_fraction: float | None = None, split_seed: int | None = None,
+                   exclude: Iterable[str] = ()) -> PreparedCohort:
     """Prepare any cohort (see the module docstring) into ``out_dir``.
 
     Without ``test_slides_dir``, a stratified, seeded ``test_fraction`` of the slides becomes the
     test set (the rest trains; ``run`` then holds validation slides out of those). Annotations are
     looked up by slide name below ``annotations_dir`` (default: the slides folder), recursively,
-    ``.zip`` archives included. Tumour test slides need one (the FROC does). Raises one LabelsError
-    listing every problem found.
+    ``.zip`` archives included. Tumour test slides need one (the FROC does). ``exclude``: slide names left
+    out of every set (one that names no slide is an error). Raises one LabelsError listing every problem
+    found.
     """
     slides_dir, labels_csv, out = Path(slides_dir), Path(labels_csv), Path(out_dir)
     if not 0.0 < test_fraction < 1.0:
@@ -953,15 +987,19 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
     if (test_slides_dir is None) != (test_labels_csv is None):
         raise ConfigError("--test-slides and --test-labels go together; give both, or neither to hold out "
                           "--test-fraction of the slides.")
-    slides, labels, problems, notes = _labelled_set(slides_dir, labels_csv, [out],
-                                                    "training" if test_slides_dir else "")
+    exclude_keys = _exclude_keys(exclude)
+    slides, labels, problems, notes, excluded = _labelled_set(slides_dir, labels_csv, [out],
+                                                              "training" if test_slides_dir else "", exclude_keys)
     ann_roots = [Path(annotations_dir)] if annotations_dir is not None else [slides_dir]
     facts = {"slides": str(slides_dir.resolve()), "labels": str(labels_csv.resolve())}
     if test_slides_dir is not None:
-        t_slides, t_labels, t_problems, t_notes = _labelled_set(Path(test_slides_dir), Path(test_labels_csv), [out],
-                                                                "test")
+        t_slides, t_labels, t_problems, t_notes, t_excluded = _labelled_set(
+            Path(test_slides_dir), Path(test_labels_csv), [out], "test", exclude_keys)
         problems += t_problems
         notes += t_notes
+        excluded = sorted({*excluded, *t_excluded}, key=str.casefold)
+        problems += _unknown_excluded(exclude_keys, [*slides, *t_slides, *excluded],
+                                      f"{slides_dir} or {test_slides_dir}")
         overlap = sorted({stem_key(s) for s in slides} & {stem_key(s) for s in t_slides})
         if overlap:
             problems.append(f"{len(overlap)} slide(s) are in both the training and the test set: {_names(overlap)}")
@@ -975,6 +1013,7 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
         test = (t_slides, t_labels)
         facts.update(test_slides=str(Path(test_slides_dir).resolve()), test_labels=str(Path(test_labels_csv).resolve()))
     else:
+        problems += _unknown_excluded(exclude_keys, [*slides, *excluded], str(slides_dir))
         for label, word in ((0, "normal"), (1, "tumour")):
             if sum(v == label for v in labels.values()) < 2 and labels:
                 problems.append(f"fewer than two {word} slides: cannot hold any out for the test set")
@@ -1012,6 +1051,6 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
         "--test-slides": _path(test_slides_dir), "--test-labels": _path(test_labels_csv),
         "--test-annotations": _path(test_annotations_dir), "--test-fraction": test_fraction if held_out else None,
         "--seed": seed if held_out else None, "--name": name, "--template": _path(template),
-        "--val-fraction": val_fraction, "--out": out})
+        "--val-fraction": val_fraction, "--exclude": list(exclude), "--out": out})
     return _finish(out, name=name or out.resolve().name, template=template, sets=sets, val_fraction=val_fraction,
-                   split_seed=split_seed, command=command, facts=facts, notes=notes)
+                   split_seed=split_seed, command=command, facts=facts, notes=notes, excluded=excluded)

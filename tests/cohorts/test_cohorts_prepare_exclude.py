@@ -1,0 +1,53 @@
+"""prepare --exclude: slides left out of every set by name, from a read-only download (review AO, finding 6)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+from prepare_trees import distinct_copy, gigadb_tree
+
+from wsi_milssl.cli import main
+from wsi_milssl.cohorts import prepare_camelyon16, prepare_folder
+from wsi_milssl.errors import LabelsError
+
+
+def test_exclude_leaves_a_test_slide_out_of_a_read_only_download(tmp_path, capsys, synth_slides):
+    """Papers leave out Test_114 (not exhaustively annotated); there was no way short of copying the download."""
+    root = gigadb_tree(tmp_path / "C16", synth_slides)
+    out = tmp_path / "out"
+    assert main(["prepare", "camelyon16", str(root), "--exclude", "TEST_003.tif", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "excluded: 1 slide(s) left out of every set (--exclude): Test_003" in printed
+    assert "note:" not in printed  # its reference.csv line is not 'not downloaded'
+    record = json.loads((out / "cohort" / "prepare.json").read_text())
+    assert record["excluded"] == ["Test_003"]
+    assert "Test_003" not in (out / "cohort" / "test_slides.csv").read_text()
+    assert "Test_003" not in (out / "cohort" / "test_labels.csv").read_text()
+    words = shlex.split(record["command"])
+    assert words[words.index("--exclude") + 1] == "TEST_003.tif"
+    # the recorded command prepares the same cohort again
+    assert main(words[1:]) == 0
+    assert json.loads((out / "cohort" / "prepare.json").read_text())["excluded"] == ["Test_003"]
+
+
+def test_an_excluded_slide_needs_no_reference_line(tmp_path, synth_slides):
+    root = gigadb_tree(tmp_path / "C16", synth_slides)
+    reference = tmp_path / "reference_without_003.csv"
+    reference.write_text("Test_001,Tumor,Macro,\nTest_002,Normal,,\n")
+    result = prepare_camelyon16(root, tmp_path / "out", reference=reference, exclude=["test_003"])
+    assert sorted(result.sets["test"].slides) == ["Test_001", "Test_002"]
+    assert result.excluded == ("Test_003",)
+
+
+def test_an_exclude_name_of_no_slide_is_an_error_naming_it(tmp_path, synth_slides):
+    root = gigadb_tree(tmp_path / "C16", synth_slides)
+    with pytest.raises(LabelsError, match=r"--exclude names 1 slide\(s\) that are not below .*: Test_114 "):
+        prepare_camelyon16(root, tmp_path / "out", exclude=["Test_114", "Test_003"])
+    root2 = tmp_path / "cohort"
+    for k, label in enumerate((0, 0, 1, 1)):
+        distinct_copy(synth_slides["tumor" if label else "normal"], root2 / f"s{k}.tif")
+    (root2 / "labels.csv").write_text("slide,label\ns0,0\ns1,0\ns2,1\ns3,1\n")
+    with pytest.raises(LabelsError, match=r"--exclude names 1 slide\(s\) that are not below .*: nope "):
+        prepare_folder(root2, root2 / "labels.csv", tmp_path / "out2", exclude=["nope"])
