@@ -62,7 +62,7 @@ import numpy as np
 
 from wsi_milssl.atomic import atomic_open, atomic_write_bytes, atomic_write_text
 from wsi_milssl.cohorts.labels import read_labels
-from wsi_milssl.cohorts.names import SLIDE_SUFFIXES, file_identity, slide_stem, stem_key
+from wsi_milssl.cohorts.names import SLIDE_SUFFIXES, file_identity, name_key, slide_stem, stem_key
 from wsi_milssl.errors import ConfigError, LabelsError
 
 __all__ = [
@@ -463,6 +463,10 @@ def _unknown_excluded(keys: Mapping[str, str], found: Iterable[str], where: str)
             "are matched without folder, slide suffix and case)"]
 
 
+#: Bytes of two same-size slide files compared before the whole files are (distinct slides differ there).
+_HEAD_BYTES = 1 << 20
+
+
 def _sha256(path: Path, limit: int | None = None) -> str:
     """The SHA-256 of the file ``path`` (of its first ``limit`` bytes when given), read 1 MiB at a time."""
     digest = hashlib.sha256()
@@ -476,6 +480,89 @@ def _sha256(path: Path, limit: int | None = None) -> str:
             if left is not None:
                 left -= len(chunk)
     return digest.hexdigest()
+
+
+def _same_content(paths: Iterable[Path]) -> list[list[Path]]:
+    """Groups (two or more) of the files among ``paths`` that hold the same bytes as separate files (one file
+    under two names is :func:`_linked_twice`'s): sizes are compared first, and only files of the same size are
+    read (their first MiB, then the whole files where that agrees), so a cohort of slides of distinct sizes
+    reads nothing. Empty files (no slide) and files that cannot be read are left out."""
+    by_size: dict[int, dict[object, Path]] = {}
+    for p in paths:
+        try:
+            size = p.stat().st_size
+        except OSError:
+            continue
+        if size:
+            by_size.setdefault(size, {}).setdefault(file_identity(p), p)
+    groups: list[list[Path]] = []
+    for size, files in sorted(by_size.items()):
+        candidates = [list(files.values())] if len(files) > 1 else []
+        for limit in (_HEAD_BYTES, None):
+            if limit is None and size <= _HEAD_BYTES:
+                break
+            narrowed = []
+            for candidate in candidates:
+                by_digest: dict[str, list[Path]] = {}
+                for p in candidate:
+                    try:
+                        by_digest.setdefault(_sha256(p, limit), []).append(p)
+                    except OSError:
+                        continue
+                narrowed += [v for v in by_digest.values() if len(v) > 1]
+            candidates = narrowed
+        groups += candidates
+    return groups
+
+
+def _same_content_slides(train: Mapping[str, Path], train_labels: Mapping[str, int],
+                         test: Mapping[str, Path] | None = None, test_labels: Mapping[str, int] | None = None
+                         ) -> tuple[set[str], set[str], list[str]]:
+    """(training stems to leave out, test stems to leave out, notes) for slide files that hold the same bytes
+    under different names (a slide downloaded twice, renamed, or re-released under a new name):
+
+    - a training slide identical to a test slide is left out of training (a test slide must not be trained on);
+    - identical slides of one set with different labels are all left out of it (which label is right is not
+      for prepare to guess);
+    - identical slides of one set with the same label: the first by name is kept, the others left out.
+
+    A slide without a label is not decided here (it is refused as such)."""
+    test = test or {}
+    test_labels = test_labels or {}
+    owner = {p: ("train", s) for s, p in train.items()}
+    owner.update({p: ("test", s) for s, p in test.items()})
+    drop: dict[str, set[str]] = {"train": set(), "test": set()}
+    found: dict[str, list[str]] = {"test": [], "conflict": [], "repeat": []}
+    for group in _same_content(owner):
+        members = sorted((owner[p] for p in group), key=lambda m: name_key(m[1]))
+        tr = [s for k, s in members if k == "train"]
+        te = [s for k, s in members if k == "test"]
+        if tr and te:
+            drop["train"].update(tr)
+            found["test"].append(f"{', '.join(tr)} (the same file as test slide {', '.join(te)})")
+            tr = []
+        for set_name, stems, labels in (("train", tr, train_labels), ("test", te, test_labels)):
+            values = {labels.get(s) for s in stems}
+            if len(stems) < 2 or None in values:
+                continue
+            if len(values) > 1:
+                drop[set_name].update(stems)
+                found["conflict"].append(f"{set_name}: " + ", ".join(f"{s} ({labels[s]})" for s in stems))
+            else:
+                drop[set_name].update(stems[1:])
+                found["repeat"].append(f"{set_name}: {', '.join(stems[1:])} (the same file as {stems[0]}, kept)")
+    notes = []
+    if found["test"]:
+        notes.append(f"{len(found['test'])} training slide file(s) hold the same bytes as a test slide, so they are "
+                     f"left out of training (a test slide must not be trained on): {_names(found['test'])}")
+    if found["conflict"]:
+        notes.append(f"{len(found['conflict'])} set(s) of slide files hold the same bytes under names with different "
+                     f"labels, so all of them are left out: {_names(found['conflict'])} (find out which label is "
+                     "right, keep that file alone and prepare again)")
+    if found["repeat"]:
+        notes.append(f"slide files that hold the same bytes as another slide of the same label are left out (one "
+                     f"file is one slide): {_names(found['repeat'])}")
+    return drop["train"], drop["test"], notes
 
 
 def _raise_problems(where: str, problems: list[str], fix: str) -> None:
@@ -867,6 +954,14 @@ def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
         not_here = [s for s in reference_labels
                     if stem_key(s) not in {stem_key(t) for t in test} and stem_key(s) not in exclude_keys]
 
+    # slide files that hold the same bytes (a test slide that is a copy of a training slide, a slide re-released
+    # under another name): left out as _same_content_slides says, with a note
+    drop_train, drop_test, notes = _same_content_slides(train, train_labels, test, test_labels)
+    train = {s: p for s, p in train.items() if s not in drop_train}
+    train_labels = {s: v for s, v in train_labels.items() if s in train}
+    test = {s: p for s, p in test.items() if s not in drop_test}
+    test_labels = {s: v for s, v in test_labels.items() if s in test}
+
     sources, unreadable = _annotation_sources([root], skip=[out])
     # every annotation read and parsed now: a damaged archive or file stops here, before anything is written
     read = _read_annotations({"train": _match_annotations(sources, train), "test": _match_annotations(sources, test)},
@@ -879,7 +974,6 @@ def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
     _raise_problems(str(root), problems,
                     "keep the slides' CAMELYON16 names, download testing/reference.csv and the lesion annotations, "
                     "or use `wsi-milssl prepare folder` for another layout.")
-    notes = []
     if ref_path is not None and not_here:
         notes.append(f"{len(not_here)} test slide(s) of {ref_path} are not below {root}, so the test set leaves them "
                      f"out: {_names(not_here, limit=10)} (not downloaded, or the download stopped: a partial file such "
@@ -1008,12 +1102,21 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
         if linked:
             problems.append(f"{len(linked)} slide file(s) are in both the training and the test set under other "
                             f"names (links): {_names(linked)}")
+        drop_train, drop_test, same = _same_content_slides(slides, labels, t_slides, t_labels)
+        notes += same
         t_roots = [Path(test_annotations_dir)] if test_annotations_dir is not None else [Path(test_slides_dir)]
-        train = (slides, labels)
-        test = (t_slides, t_labels)
+        train = ({s: p for s, p in slides.items() if s not in drop_train},
+                 {s: v for s, v in labels.items() if s not in drop_train})
+        test = ({s: p for s, p in t_slides.items() if s not in drop_test},
+                {s: v for s, v in t_labels.items() if s not in drop_test})
         facts.update(test_slides=str(Path(test_slides_dir).resolve()), test_labels=str(Path(test_labels_csv).resolve()))
     else:
         problems += _unknown_excluded(exclude_keys, [*slides, *excluded], str(slides_dir))
+        # identical slide files before the split: a copy must not land in the other set
+        drop, _, same = _same_content_slides(slides, labels)
+        notes += same
+        slides = {s: p for s, p in slides.items() if s not in drop}
+        labels = {s: v for s, v in labels.items() if s not in drop}
         for label, word in ((0, "normal"), (1, "tumour")):
             if sum(v == label for v in labels.values()) < 2 and labels:
                 problems.append(f"fewer than two {word} slides: cannot hold any out for the test set")
