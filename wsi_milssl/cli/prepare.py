@@ -61,7 +61,11 @@ def register(subparsers) -> None:
             "Slides below --slides (recursively), labels from --labels ('slide,label' with or without a\n"
             "header, Tumor/Normal or 1/0), annotations (<name>.xml / .geojson) below --annotations (default:\n"
             "the slides folder). The test set is --test-slides/--test-labels, or a stratified, seeded\n"
-            "--test-fraction of the slides. Tumour test slides need their annotation (the FROC does)."
+            "--test-fraction of the slides. A labels file with a header naming a patient column\n"
+            "('slide,patient,label'; patient, patient_id, case or case_id, any case) holds out whole\n"
+            "patients: a patient's slides are all in the training or all in the test set (patients\n"
+            "stratified by their highest label), and the labels files written keep a patient column.\n"
+            "Tumour test slides need their annotation (the FROC does)."
         ),
         formatter_class=HelpFormatter,
     )

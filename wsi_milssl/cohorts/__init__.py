@@ -4,16 +4,19 @@
   case-insensitive key stems are matched with; ``SLIDE_SUFFIXES``: whole-slide file suffixes.
 - ``read_labels(labels.csv)`` -> ``SlideLabels`` (``{stem: 0/1}``, case-insensitive lookups);
   ``labels_for(labels, names)``: the labels of given slides, or one error listing every name
-  without a label.
+  without a label; ``read_label_groups(labels.csv)``: each slide's patient, from a header column of
+  ``GROUP_COLUMNS`` (``patient``, ``patient_id``, ``case``, ``case_id``).
 - ``prepare_camelyon16(ROOT, OUT)`` / ``prepare_folder(SLIDES, LABELS, OUT)`` (``wsi-milssl prepare``):
   a downloaded cohort -> slide lists, label files, annotations and a ready pipeline TOML.
 """
 
-from wsi_milssl.cohorts.labels import LABEL_WORDS, NAME_COLUMNS, SlideLabels, labels_for, read_labels
+from wsi_milssl.cohorts.labels import (GROUP_COLUMNS, LABEL_WORDS, NAME_COLUMNS, SlideLabels, labels_for,
+                                      read_label_groups, read_labels)
 from wsi_milssl.cohorts.names import NAME_SUFFIXES, SLIDE_SUFFIXES, STORE_SUFFIXES, slide_stem, stem_key
 from wsi_milssl.cohorts.prepare import PreparedCohort, find_slide_files, prepare_camelyon16, prepare_folder
 
 __all__ = [
+    "GROUP_COLUMNS",
     "LABEL_WORDS",
     "NAME_COLUMNS",
     "NAME_SUFFIXES",
@@ -25,6 +28,7 @@ __all__ = [
     "labels_for",
     "prepare_camelyon16",
     "prepare_folder",
+    "read_label_groups",
     "read_labels",
     "slide_stem",
     "stem_key",

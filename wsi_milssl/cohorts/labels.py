@@ -15,6 +15,10 @@ removed, see :func:`wsi_milssl.cohorts.slide_stem`) and matched case-insensitive
 A slide listed twice with the same label is accepted (the first line's spelling of the name is
 kept); listed twice with different labels it is an error naming both lines. Blank lines and lines
 with an empty name are skipped.
+
+A header may also name each slide's patient: the first of :data:`GROUP_COLUMNS` (``patient``,
+``patient_id``, ``case``, ``case_id``, any case) that is not the name column; :func:`read_label_groups`
+reads it (``prepare folder`` keeps a patient's slides in one set).
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from typing import Iterable, Iterator, Mapping
 from wsi_milssl.cohorts.names import name_key, slide_stem, stem_key
 from wsi_milssl.errors import LabelsError
 
-__all__ = ["LABEL_WORDS", "NAME_COLUMNS", "SlideLabels", "read_labels", "labels_for"]
+__all__ = ["GROUP_COLUMNS", "LABEL_WORDS", "NAME_COLUMNS", "SlideLabels", "read_label_groups", "read_labels",
+           "labels_for"]
 
 #: Label words (case-insensitive) -> 0 (normal) or 1 (tumour).
 LABEL_WORDS = {
@@ -38,6 +43,10 @@ LABEL_WORDS = {
 
 #: Header names accepted for the slide-name column, in order of preference.
 NAME_COLUMNS = ("slide", "bag", "bag_id", "stem", "slide_id", "name", "case_id")
+
+#: Header names (any case) of a column naming each slide's patient, in order of preference (one that is the
+#: slide-name column does not count): ``prepare folder`` keeps a patient's slides in one set.
+GROUP_COLUMNS = ("patient", "patient_id", "case", "case_id")
 
 _FIX_LAYOUT = ("Fix: write a header 'slide,label' and one 'name,label' line per slide (label 1/tumor or "
                "0/normal), or CAMELYON16's header-less reference.csv layout 'Test_001,Tumor,...'.")
@@ -126,14 +135,9 @@ def _short(text: str, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def read_labels(path: str | os.PathLike) -> SlideLabels:
-    """Read a slide-labels CSV (layouts in the module docstring) into a :class:`SlideLabels`.
-
-    Raises LabelsError naming the file, the line and the fix for a missing or unreadable file, a
-    header without name and label columns, an unknown label, a slide listed twice with different
-    labels, or a file without any labelled slide.
-    """
-    path = Path(path)
+def _file_rows(path: Path) -> list[tuple[int, list[str]]]:
+    """(line number, stripped cells) of every non-blank row of the labels file ``path``; LabelsError naming the
+    file and the fix for a missing, unreadable, too large, undecodable or empty file."""
     try:
         size = path.stat().st_size
         if path.is_dir():
@@ -151,19 +155,37 @@ def read_labels(path: str | os.PathLike) -> SlideLabels:
     rows = _rows(path, _decode(path, raw))
     if not rows:
         raise LabelsError(f"{path}: no slide labels in the file. {_FIX_LAYOUT}")
+    return rows
 
-    name_col, label_col = 0, 1
+
+def _columns(path: Path, rows: list[tuple[int, list[str]]]) -> tuple[list[str] | None, int, int]:
+    """(the header's case-folded names or None when there is no header, name column, label column) of the
+    rows of ``path``; LabelsError when the first row is neither a header nor a 'name,label' row."""
     first_line, first = rows[0]
     lowered = [c.casefold() for c in first]
     named = [c for c in NAME_COLUMNS if c in lowered]
     if named and "label" in lowered:
-        name_col, label_col = lowered.index(named[0]), lowered.index("label")
-        rows = rows[1:]
-    elif len(first) < 2 or first[1].casefold() not in LABEL_WORDS:
+        return lowered, lowered.index(named[0]), lowered.index("label")
+    if len(first) < 2 or first[1].casefold() not in LABEL_WORDS:
         raise LabelsError(
             f"{path}: line {first_line}: {_short(','.join(first))!r} is neither a header with a name column "
             f"({', '.join(NAME_COLUMNS)}) and a 'label' column nor a 'name,label' row. {_FIX_LAYOUT}"
         )
+    return None, 0, 1
+
+
+def read_labels(path: str | os.PathLike) -> SlideLabels:
+    """Read a slide-labels CSV (layouts in the module docstring) into a :class:`SlideLabels`.
+
+    Raises LabelsError naming the file, the line and the fix for a missing or unreadable file, a
+    header without name and label columns, an unknown label, a slide listed twice with different
+    labels, or a file without any labelled slide.
+    """
+    path = Path(path)
+    rows = _file_rows(path)
+    header, name_col, label_col = _columns(path, rows)
+    if header is not None:
+        rows = rows[1:]
 
     items: list[tuple[str, int, int]] = []
     seen: dict[str, tuple[int, int]] = {}
@@ -227,3 +249,32 @@ def labels_for(labels: Mapping[str, int], names: Iterable[str], *, what: str = "
             f"leave those {what}s out."
         )
     return {n: table[n] for n in names}
+
+
+def read_label_groups(path: str | os.PathLike) -> tuple[str, dict[str, str]] | None:
+    """(the column's name as written, ``{stem: group}``) from the first column of :data:`GROUP_COLUMNS` (any case)
+    in the header of the labels file ``path`` that is not its slide-name column (``slide,patient,label``:
+    the patient of each slide); None when the file has no header or no such column. Stems are spelled as
+    :func:`read_labels` gives them (a slide listed twice: its first line); a slide with an empty cell is in no
+    group (its own). Raises LabelsError as :func:`read_labels` does for a file it cannot read."""
+    path = Path(path)
+    rows = _file_rows(path)
+    header, name_col, _ = _columns(path, rows)
+    if header is None:
+        return None
+    found = [header.index(c) for c in GROUP_COLUMNS if c in header and header.index(c) != name_col]
+    if not found:
+        return None
+    col = found[0]
+    groups: dict[str, str] = {}
+    seen: set[str] = set()
+    for _, cells in rows[1:]:
+        name = cells[name_col] if name_col < len(cells) else ""
+        stem = slide_stem(name) if name else ""
+        if not stem or name_key(stem) in seen:
+            continue
+        seen.add(name_key(stem))
+        group = cells[col] if col < len(cells) else ""
+        if group:
+            groups[stem] = group
+    return rows[0][1][col], groups

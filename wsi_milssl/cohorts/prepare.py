@@ -61,7 +61,7 @@ from typing import Iterable, Mapping, NamedTuple
 import numpy as np
 
 from wsi_milssl.atomic import atomic_open, atomic_write_bytes, atomic_write_text
-from wsi_milssl.cohorts.labels import read_labels
+from wsi_milssl.cohorts.labels import read_label_groups, read_labels
 from wsi_milssl.cohorts.names import SLIDE_SUFFIXES, file_identity, name_key, slide_stem, stem_key
 from wsi_milssl.errors import ConfigError, LabelsError
 
@@ -584,15 +584,20 @@ def _csv_text(header: tuple[str, ...], rows: Iterable[tuple]) -> str:
 
 
 def _write_set(out: Path, name: str, slides: Mapping[str, Path], labels: Mapping[str, int],
-               annotations: Mapping[str, _Annotation]) -> CohortSet:
-    """Write one set; ``annotations`` already read (:func:`_read_annotations`)."""
+               annotations: Mapping[str, _Annotation], patients: Mapping[str, str] | None = None) -> CohortSet:
+    """Write one set; ``annotations`` already read (:func:`_read_annotations`); ``patients`` {stem: patient}
+    (from the labels file's patient column) adds a ``patient`` column to the labels file."""
     slides_path, labels_path, ann_dir = _set_paths(out, name)
     ann_dir.mkdir(parents=True, exist_ok=True)
     stems = sorted(slides, key=str.casefold)
     slides_csv = atomic_write_text(slides_path,
                                    _csv_text(("slide", "path"), ((s, str(slides[s].absolute())) for s in stems)))
-    labels_csv = atomic_write_text(labels_path,
-                                   _csv_text(("slide", "label"), ((s, int(labels[s])) for s in stems)))
+    if patients:
+        labels_text = _csv_text(("slide", "label", "patient"),
+                                ((s, int(labels[s]), patients.get(s, "")) for s in stems))
+    else:
+        labels_text = _csv_text(("slide", "label"), ((s, int(labels[s])) for s in stems))
+    labels_csv = atomic_write_text(labels_path, labels_text)
     keep = set()
     sources = {}
     for stem in stems:
@@ -776,7 +781,8 @@ def _group_check(sets: Mapping[str, tuple[Mapping[str, Path], Mapping[str, int],
 def _finish(out: Path, *, name: str, template: Path | None,
             sets: dict[str, tuple[Mapping[str, Path], Mapping[str, int], Mapping[str, _Annotation]]],
             val_fraction: float | None, split_seed: int | None, command: str, facts: dict,
-            notes: list[str], excluded: Iterable[str] = ()) -> PreparedCohort:
+            notes: list[str], patients: Mapping[str, str] | None = None,
+            excluded: Iterable[str] = ()) -> PreparedCohort:
     """Write everything: ``sets`` {name: (slides, labels, annotations read)}, all checked and read.
 
     The pipeline is made and validated first (in a temporary file beside ``pipeline.toml``), so a
@@ -831,7 +837,7 @@ def _finish(out: Path, *, name: str, template: Path | None,
                 notes += _group_check(sets, spec, run_toml)
             except ConfigError as exc:
                 raise ConfigError(str(exc).replace(str(fh.name), str(target))) from None
-            written = {k: _write_set(out, k, *v) for k, v in sets.items()}
+            written = {k: _write_set(out, k, *v, patients=patients) for k, v in sets.items()}
             real_out = Path(os.path.realpath(out))
             summary = {
                 "command": command,
@@ -1027,18 +1033,48 @@ def _labelled_set(slides_dir: Path, labels_csv: Path, skip: list[Path], what: st
     return by_stem, {s: labels[s] for s in by_stem if s in labels}, problems, notes, excluded
 
 
-def _split_test(labels: Mapping[str, int], *, fraction: float, seed: int) -> tuple[list[str], list[str]]:
+def _patients(labels_csv: Path, stems: Iterable[str]) -> tuple[str | None, dict[str, str]]:
+    """(the labels file's patient column as written, {stem: patient} of ``stems``) from
+    :func:`wsi_milssl.cohorts.read_label_groups`; (None, {}) without such a column."""
+    found = read_label_groups(labels_csv)
+    if found is None:
+        return None, {}
+    column, groups = found
+    by_key = {stem_key(s): g for s, g in groups.items()}
+    return column, {s: by_key[stem_key(s)] for s in stems if stem_key(s) in by_key}
+
+
+def _split_test(labels: Mapping[str, int], *, fraction: float, seed: int,
+                patients: Mapping[str, str] | None = None) -> tuple[list[str], list[str]]:
     """Stratified, seeded (train, test) split: ``fraction`` of each class (at least one when the class
-    has two or more slides) goes to the test set."""
+    has two or more slides) goes to the test set.
+
+    With ``patients`` ({stem: patient}, from the labels file's patient column) whole patients are split
+    instead: each patient's slides go to one set, patients stratified by their slides' highest label (a
+    patient with a tumour slide counts as tumour), ``fraction`` of each class of patients (at least one when
+    the class has two or more) to the test set; a slide without a patient is a patient of its own."""
     rng = np.random.default_rng(seed)
     train, test = [], []
+    if not patients:
+        for label in (0, 1):
+            group = sorted((s for s, v in labels.items() if v == label), key=str.casefold)
+            rng.shuffle(group)
+            n = int(round(len(group) * fraction))
+            n = min(max(n, 1), len(group) - 1) if len(group) >= 2 else 0
+            test += group[:n]
+            train += group[n:]
+        return sorted(train, key=str.casefold), sorted(test, key=str.casefold)
+    members: dict[str, list[str]] = {}
+    for s in sorted(labels, key=str.casefold):
+        key = f"patient:{name_key(patients[s])}" if patients.get(s) else f"slide:{name_key(s)}"
+        members.setdefault(key, []).append(s)
     for label in (0, 1):
-        group = sorted((s for s, v in labels.items() if v == label), key=str.casefold)
+        group = sorted(k for k, stems in members.items() if max(labels[s] for s in stems) == label)
         rng.shuffle(group)
         n = int(round(len(group) * fraction))
         n = min(max(n, 1), len(group) - 1) if len(group) >= 2 else 0
-        test += group[:n]
-        train += group[n:]
+        test += [s for k in group[:n] for s in members[k]]
+        train += [s for k in group[n:] for s in members[k]]
     return sorted(train, key=str.casefold), sorted(test, key=str.casefold)
 
 
@@ -1069,11 +1105,13 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
     """Prepare any cohort (see the module docstring) into ``out_dir``.
 
     Without ``test_slides_dir``, a stratified, seeded ``test_fraction`` of the slides becomes the
-    test set (the rest trains; ``run`` then holds validation slides out of those). Annotations are
-    looked up by slide name below ``annotations_dir`` (default: the slides folder), recursively,
-    ``.zip`` archives included. Tumour test slides need one (the FROC does). ``exclude``: slide names left
-    out of every set (one that names no slide is an error). Raises one LabelsError listing every problem
-    found.
+    test set (the rest trains; ``run`` then holds validation slides out of those); when the labels file
+    has a patient column (:data:`wsi_milssl.cohorts.GROUP_COLUMNS`: ``patient``, ``patient_id``, ``case``,
+    ``case_id``, any case) whole patients are held out, so that no patient has slides in both sets, and the
+    labels files written get a ``patient`` column. Annotations are looked up by slide name below
+    ``annotations_dir`` (default: the slides folder), recursively, ``.zip`` archives included. Tumour test
+    slides need one (the FROC does). ``exclude``: slide names left out of every set (one that names no
+    slide is an error). Raises one LabelsError listing every problem found.
     """
     slides_dir, labels_csv, out = Path(slides_dir), Path(labels_csv), Path(out_dir)
     if not 0.0 < test_fraction < 1.0:
@@ -1084,6 +1122,7 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
     exclude_keys = _exclude_keys(exclude)
     slides, labels, problems, notes, excluded = _labelled_set(slides_dir, labels_csv, [out],
                                                               "training" if test_slides_dir else "", exclude_keys)
+    column, patients = _patients(labels_csv, slides)
     ann_roots = [Path(annotations_dir)] if annotations_dir is not None else [slides_dir]
     facts = {"slides": str(slides_dir.resolve()), "labels": str(labels_csv.resolve())}
     if test_slides_dir is not None:
@@ -1094,6 +1133,14 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
         excluded = sorted({*excluded, *t_excluded}, key=str.casefold)
         problems += _unknown_excluded(exclude_keys, [*slides, *t_slides, *excluded],
                                       f"{slides_dir} or {test_slides_dir}")
+        t_column, t_patients = _patients(Path(test_labels_csv), t_slides)
+        both = sorted({name_key(g) for g in patients.values()} & {name_key(g) for g in t_patients.values()})
+        if both:
+            shown = sorted({g for g in t_patients.values() if name_key(g) in both}, key=str.casefold)
+            notes.append(f"{len(shown)} patient(s) have slides in both the training and the test set ({column} of "
+                         f"{labels_csv}, {t_column} of {test_labels_csv}): {_names(shown)} (a model may learn a "
+                         "patient it is tested on: move each patient's slides into one set)")
+        patients = {**patients, **t_patients}
         overlap = sorted({stem_key(s) for s in slides} & {stem_key(s) for s in t_slides})
         if overlap:
             problems.append(f"{len(overlap)} slide(s) are in both the training and the test set: {_names(overlap)}")
@@ -1117,14 +1164,24 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
         notes += same
         slides = {s: p for s, p in slides.items() if s not in drop}
         labels = {s: v for s, v in labels.items() if s not in drop}
+        too_few = [word for label, word in ((0, "normal"), (1, "tumour"))
+                   if sum(v == label for v in labels.values()) < 2 and labels]
+        problems += [f"fewer than two {word} slides: cannot hold any out for the test set" for word in too_few]
+        tr, te = _split_test(labels, fraction=test_fraction, seed=seed, patients=patients)
         for label, word in ((0, "normal"), (1, "tumour")):
-            if sum(v == label for v in labels.values()) < 2 and labels:
-                problems.append(f"fewer than two {word} slides: cannot hold any out for the test set")
-        tr, te = _split_test(labels, fraction=test_fraction, seed=seed)
+            if patients and not too_few and not (any(labels[s] == label for s in tr)
+                                                 and any(labels[s] == label for s in te)):
+                n = len({patients.get(s) or s for s, v in labels.items() if v == label})
+                problems.append(f"cannot keep each patient's slides in one set ({column} column of {labels_csv}) and "
+                                f"have {word} slides in both the training and the test set: {n} patient(s) have "
+                                f"{word} slides (patients are split by their highest label: a patient with a tumour "
+                                "slide counts as tumour)")
         train = ({s: slides[s] for s in tr}, {s: labels[s] for s in tr})
         test = ({s: slides[s] for s in te}, {s: labels[s] for s in te})
         t_roots = ann_roots
         facts.update(test_fraction=test_fraction, seed=seed)
+        if column is not None:
+            facts.update(patient_column=column)
         notes += _split_change(out, te)
     for root in (*ann_roots, *t_roots):
         if not root.is_dir():
@@ -1156,4 +1213,5 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
         "--seed": seed if held_out else None, "--name": name, "--template": _path(template),
         "--val-fraction": val_fraction, "--exclude": list(exclude), "--out": out})
     return _finish(out, name=name or out.resolve().name, template=template, sets=sets, val_fraction=val_fraction,
-                   split_seed=split_seed, command=command, facts=facts, notes=notes, excluded=excluded)
+                   split_seed=split_seed, command=command, facts=facts, notes=notes, patients=patients,
+                   excluded=excluded)
