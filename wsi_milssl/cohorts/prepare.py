@@ -12,29 +12,39 @@ Two layouts:
   slide must be named ``Normal_NNN``, ``Tumor_NNN`` or ``Test_NNN``.
 - :func:`prepare_folder`: any cohort: a folder of slides (searched recursively), a labels file in
   any layout :func:`wsi_milssl.cohorts.read_labels` reads, optional annotations, and either a
-  separate test set or a stratified, seeded share of the slides held out as the test set.
+  separate test set or a stratified, seeded share of the slides held out as the test set (whole
+  patients when the labels file has a patient column: :func:`wsi_milssl.cohorts.read_label_groups`).
 
 Names are matched case-insensitively (``tumor_001.tif``, ``Tumor_001.xml`` and a label row
 ``TUMOR_001`` are one slide). Folders are searched through links (each folder once: a link back to
 an ancestor ends there); earlier prepare outputs below them (folders holding ``cohort/prepare.json``)
-are left out, and so are the folder's own ``cohort/`` and ``run/`` when it is one (``--out`` the folder
-itself). Every problem found (a slide without a label, a tumour test slide without its
-annotation, two slides with one name, a name that is not CAMELYON16's) is reported in one error that
-lists the names; every annotation problem (an archive that may hold annotations or a file that cannot
-be read, a file the annotation reader refuses, two different annotation files for one slide) in one
-error that names each file where it was found (another ``.zip`` that cannot be read is a warning). Written into ``out_dir``::
+and run outputs (folders holding a run's ``resolved_pipeline.toml``) are left out, and so are the
+folder's own ``cohort/`` and ``run/`` when it is one (``--out`` the folder itself). Slides named by
+``exclude`` (``--exclude``) are left out of every set. Every problem found (a slide without a label, a
+tumour test slide without its annotation, two slides with one name, a name that is not CAMELYON16's, a
+slide file that cannot be opened for reading, such as a link to a disk that is not mounted, an
+``--exclude`` name of no slide) is reported in one error that lists the names; every annotation problem
+(an archive that may hold annotations or a file that cannot be read, a file the annotation reader
+refuses, two annotation files for one slide that describe different regions) in one error that names
+each file where it was found (another ``.zip`` that cannot be read is a warning). Slide files that hold
+the same bytes under other names are left out with a note, never refused (:func:`_same_content_slides`).
+Written into ``out_dir``::
 
     pipeline.toml                      the template's stage settings, [data] pointing at the files below,
-                                       [pipeline].out_dir = out_dir/run
+                                       [pipeline].out_dir = out_dir/run (a pipeline.toml edited since prepare
+                                       wrote it, or not written by prepare, is kept: the new one is then
+                                       pipeline.new.toml, with a note)
     cohort/train_slides.csv            slide,path (absolute paths; a symlinked slide keeps its link's name)
-    cohort/train_labels.csv            slide,label (1 tumour, 0 normal)
+    cohort/train_labels.csv            slide,label (1 tumour, 0 normal) [,patient]
     cohort/test_slides.csv, cohort/test_labels.csv
     cohort/annotations/train/, test/   one <stem>.xml (or .geojson) per annotated slide, named as the slide
-    cohort/prepare.json                what was found: counts, sources, names skipped
+    cohort/prepare.json                what was found: counts, sources, names skipped and excluded, absolute
+                                       paths (folders' links resolved), the SHA-256 of the pipeline.toml written
 
 Everything is found, checked and read (annotations included, also from ``.zip`` archives, and parsed
-by :func:`wsi_milssl.annotations.read_annotations` as the label stage reads them) before anything is
-written, so a problem leaves ``out_dir`` as it was; ``pipeline.toml`` is written last.
+by :func:`wsi_milssl.annotations.read_annotations` as the label stage reads them, their groups checked
+against the written pipeline's [label] groups) before anything is written, so a problem leaves
+``out_dir`` as it was; ``pipeline.toml`` is written last.
 
 The validation slides that choose ``best.pt`` (and the grid point) are held out from the training
 set by ``run`` itself (``[data].val_fraction``), never from the test set.
