@@ -87,17 +87,15 @@ def two_training_slides(tmp_path):
 @pytest.mark.parametrize("val_fraction", ["0.2", "0.5"])
 def test_a_grid_whose_split_has_no_validation_slides_is_refused_before_any_stage(two_training_slides, tmp_path,
                                                                                 val_fraction):
-    spec = load_pipeline(two_training_slides, out_dir=tmp_path / "out",
-                         overrides=["train.grid.mu=[0.1, 0.2]", f"data.val_fraction={val_fraction}"])
-    ran = []
-    with pytest.raises(ConfigError) as info:
-        run_pipeline(spec, on_stage=ran.append)
+    with pytest.raises(ConfigError) as info:  # by load_pipeline, as run loads it (review AO, finding 3)
+        load_pipeline(two_training_slides, out_dir=tmp_path / "out", check_paths=True,
+                      overrides=["train.grid.mu=[0.1, 0.2]", f"data.val_fraction={val_fraction}"])
     message = str(info.value)
     assert "a [train.grid] of 2 points needs validation slides to choose one on" in message
     assert CAUSE.format(what="slide") in message
     assert "set [data].val_fraction > 0" not in message  # it is > 0: that fix cannot work
     assert "Fix: add training slides" in message and "drop [train.grid]" in message
-    assert ran == [] and not (tmp_path / "out" / "stores").exists()  # tile never ran
+    assert not (tmp_path / "out" / "stores").exists()  # tile never ran
 
 
 def test_a_grid_on_too_few_generated_slides_is_refused_before_synth(tmp_path):
@@ -234,17 +232,15 @@ def test_a_single_run_whose_validation_slides_are_of_one_class_is_refused_before
 def test_a_grid_with_val_fraction_0_names_every_fix_needed(two_training_slides, tmp_path):
     """val_fraction = 0 with a grid: the message names val_fraction > 0 and, when any val_fraction > 0 would
     hold out no validation slide (1 tumour, 1 normal), more training slides as well, not one fix at a time."""
-    spec = load_pipeline(two_training_slides, out_dir=tmp_path / "out",
-                         overrides=["train.grid.mu=[0.1, 0.2]", "data.val_fraction=0"])
-    ran = []
-    with pytest.raises(ConfigError) as info:
-        run_pipeline(spec, on_stage=ran.append)
+    with pytest.raises(ConfigError) as info:  # by load_pipeline, as run loads it (review AO, finding 3)
+        load_pipeline(two_training_slides, out_dir=tmp_path / "out", check_paths=True,
+                      overrides=["train.grid.mu=[0.1, 0.2]", "data.val_fraction=0"])
     message = str(info.value)
     assert "few.toml [train] with --set train.grid.mu=[0.1, 0.2] --set data.val_fraction=0: " in message
     assert "[data].val_fraction is 0, and any val_fraction > 0 would hold out none" in message
     assert CAUSE.format(what="slide") in message
     assert "Fix: set [data].val_fraction > 0 (e.g. 0.25" in message and "and add training slides" in message
-    assert ran == [] and not (tmp_path / "out" / "stores").exists()
+    assert not (tmp_path / "out" / "stores").exists()
 
 
 def test_a_grid_with_val_fraction_0_and_a_one_class_split_names_both_fixes(tmp_path):
@@ -267,10 +263,9 @@ def test_a_grid_with_val_fraction_0_and_enough_slides_names_only_val_fraction(tm
 
 def test_a_grid_with_val_fraction_0_and_an_unreadable_labels_file_is_still_refused(two_training_slides, tmp_path):
     (tmp_path / "cohort" / "train_labels.csv").unlink()
-    spec = load_pipeline(two_training_slides, out_dir=tmp_path / "out",
-                         overrides=["train.grid.mu=[0.1, 0.2]", "data.val_fraction=0"])
-    with pytest.raises(ConfigError) as info:
-        run_pipeline(spec)
+    with pytest.raises(ConfigError) as info:  # by load_pipeline (review AO, finding 3)
+        load_pipeline(two_training_slides, out_dir=tmp_path / "out",
+                      overrides=["train.grid.mu=[0.1, 0.2]", "data.val_fraction=0"])
     assert "[data].val_fraction is 0. Fix: set [data].val_fraction > 0" in str(info.value)
     assert not (tmp_path / "out" / "stores").exists()
 

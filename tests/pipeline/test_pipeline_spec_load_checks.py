@@ -31,9 +31,11 @@ def _replace(text: str, old: str, new: str) -> str:
 
 @pytest.fixture(scope="module")
 def cohort(tmp_path_factory) -> Path:
-    """Four generated slides (two tumour, their ASAP XML beside them) with labels.csv."""
+    """Eight generated slides (four tumour, their ASAP XML beside them) with labels.csv: prepared with
+    test_fraction 0.5, two training slides of each class, so that the template's [train.grid] has validation
+    slides (load_pipeline checks the split too)."""
     folder = tmp_path_factory.mktemp("cohort")
-    generate_slides(SynthConfig(n_slides=4, seed=3, width_px=2048, height_px=2048, tumor_slide_fraction=0.5), folder)
+    generate_slides(SynthConfig(n_slides=8, seed=3, width_px=2048, height_px=2048, tumor_slide_fraction=0.5), folder)
     return folder
 
 

@@ -1395,8 +1395,6 @@ def run_pipeline(
             raise ConfigError(f"--force {', '.join(later)}: after --until {until}, so it would not run. Fix: drop "
                               f"--until, or force a stage up to {until}.")
     _refuse_shared_slides(spec)
-    if "train" in stages:
-        _refuse_grid_without_validation_split(spec)
     if spec.mode == "images":  # [label]'s settings in [heatmap] / [evaluate]: a clash found before any stage runs
         for stage in ("heatmap", "evaluate"):
             if stage in stages:
@@ -1412,13 +1410,16 @@ def run_pipeline(
         return outcomes
 
 
-def _refuse_grid_without_validation_split(spec: PipelineSpec) -> None:
-    """Before any stage runs: the refusals of a [train.grid] whose split holds out no validation slides, or with
-    val_fraction = 0 (:func:`_refuse_grid_without_validation`, as the train stage's), and of any run whose
-    validation slides cannot give its select_metric (:func:`_refuse_unusable_validation`), made from the training slide list and labels (or the names and
-    labels synth will generate), whose stores tile makes and train splits. Feature files are split by the train
-    stage, the first of a feature pipeline; a slide list or labels file that cannot be read is the stages'
-    error to report (a grid with val_fraction = 0 is refused all the same)."""
+def refuse_unusable_split(spec: PipelineSpec, *, read_lists: bool) -> None:
+    """When a pipeline is loaded (:func:`~wsi_milssl.pipeline.spec.load_pipeline`: before ``run``'s first stage,
+    and ``prepare``'s check of the pipeline it writes): the refusals of a [train.grid] whose split holds out no
+    validation slides, or with val_fraction = 0 (:func:`_refuse_grid_without_validation`, as the train stage's),
+    and of any run whose validation slides cannot give its select_metric (:func:`_refuse_unusable_validation`),
+    made from the training slide list and labels (``read_lists``: a run's, whose [data] paths were checked; not
+    read for a pipeline written before its lists, as prepare writes it) or the names and labels synth will
+    generate, whose stores tile makes and train splits. Feature files are split by the train stage, the first of
+    a feature pipeline; a slide list or labels file that cannot be read is the stages' error to report. A grid
+    with val_fraction = 0 is refused all the same."""
     from wsi_milssl.cohorts import slide_stem
     from wsi_milssl.config import TrainConfig
     from wsi_milssl.errors import WsiMilsslError
@@ -1436,16 +1437,18 @@ def _refuse_grid_without_validation_split(spec: PipelineSpec) -> None:
     if (spec.mode == "features" or (len(configs) < 2 and spec.val_fraction <= 0)
             or (ds.synth is None and ds.slides is None)):
         return
+    stems: list[str] = []
     try:
         if ds.synth is not None:  # synth_NNN, labelled as generate_slides labels them
             labels = {f"synth_{i:03d}": int(flag) for i, flag in enumerate(tumour_flags(ds.synth))}
             stems = sorted(labels)
-        else:
+        elif read_lists:
             stems = sorted(slide_stem(p) for p in find_slides([ds.slides], keep_missing=True))
             labels = read_labels_csv(ds.labels)
-        _, val = split_train_val(stems, labels, val_fraction=spec.val_fraction, seed=spec.split_seed)
-        would_val = (split_train_val(stems, labels, val_fraction=SUGGESTED_VAL_FRACTION, seed=spec.split_seed)[1]
-                     if spec.val_fraction <= 0 else None)
+        if stems:
+            _, val = split_train_val(stems, labels, val_fraction=spec.val_fraction, seed=spec.split_seed)
+            would_val = (split_train_val(stems, labels, val_fraction=SUGGESTED_VAL_FRACTION,
+                                         seed=spec.split_seed)[1] if spec.val_fraction <= 0 else None)
     except WsiMilsslError:
         stems = []
     if stems:

@@ -201,6 +201,11 @@ def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None 
     overrides) must exist, one ConfigError naming each one that does not (for a run: a wrong path stops it
     before any stage); off by default, for a pipeline checked before the files it names are written
     (``prepare``) or one read for its settings.
+
+    A [train.grid] that cannot choose a point on validation slides, or a select_metric that the validation
+    slides can never give, is refused here (:func:`wsi_milssl.pipeline.runner.refuse_unusable_split`): with
+    ``check_paths`` from the split of the training slide list and labels; without it (their files not read)
+    a grid with [data].val_fraction = 0 all the same, and generated sets, whose labels need no file.
     """
     source = Path(path)
     raw = load_toml(source)
@@ -343,9 +348,13 @@ def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None 
     if check_paths:
         _refuse_missing_paths(given, base, at("data"))
         _refuse_missing_weights(sections["train"], at("train"))
-    return PipelineSpec(name=name, source=source, out_dir=out, sets=sets, val_fraction=val_fraction,
+    spec = PipelineSpec(name=name, source=source, out_dir=out, sets=sets, val_fraction=val_fraction,
                         split_seed=split_seed, sections=sections, mode=mode, feature_stage=feature_stage,
                         overrides=overrides, grid_workers=grid_workers)
+    from wsi_milssl.pipeline.runner import refuse_unusable_split  # the runner imports this module
+
+    refuse_unusable_split(spec, read_lists=check_paths)
+    return spec
 
 
 def _moved_prepare_folder(own: Path, out_dir: str) -> Path | None:
@@ -418,9 +427,9 @@ def _refuse_grid_without_validation(grid: Any, val_fraction: float, where: str, 
     """ConfigError, when a feature-file pipeline is loaded, for a [train.grid] of two or more points without
     validation ``what`` (``[data].val_fraction = 0``) to choose one on: its split is known only when the train
     stage reads the files (which refuses one that holds out none with val_fraction > 0). A pipeline of slides is
-    refused by ``run_pipeline`` before any stage runs, from the split of its slide list and labels, so that one
-    message names every fix needed (val_fraction > 0, and more training slides where any split would still hold
-    out none, or one class)."""
+    refused by :func:`wsi_milssl.pipeline.runner.refuse_unusable_split` (at the end of :func:`load_pipeline`), from
+    the split of its slide list and labels where they are read, so that one message names every fix needed
+    (val_fraction > 0, and more training slides where any split would still hold out none, or one class)."""
     if not isinstance(grid, dict) or val_fraction > 0:
         return
     points = math.prod(len(values) for values in grid.values())
