@@ -41,6 +41,7 @@ __all__ = [
     "SINGLE",
     "torchrun_env",
     "is_main_rank",
+    "local_world_size",
     "reported_by_rank0",
     "init_group",
     "close_group",
@@ -118,6 +119,16 @@ def is_main_rank() -> bool:
     except ConfigError:
         return True
     return env is None or env[0] == 0
+
+
+def local_world_size() -> int:
+    """How many ranks of this job run on this machine: torchrun's ``LOCAL_WORLD_SIZE`` (``--nproc-per-node``),
+    1 without it (one process, a ``--shard`` process, ranks started by hand) or when it is not a positive
+    integer. The ranks of a node share its CPUs, so automatic reader counts are divided by it."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 
 
 @contextmanager

@@ -15,9 +15,18 @@ import torch
 from wsi_milssl.errors import ConfigError
 
 __all__ = ["pick_device", "pick_amp_dtype", "autocast", "describe", "host_to_device", "require_device_decode",
-           "decode_jpeg_batch", "inference_batch_size", "AUTO_INFERENCE_BATCH"]
+           "decode_jpeg_batch", "inference_batch_size", "AUTO_INFERENCE_BATCH", "readers_per_rank"]
 
 _AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def readers_per_rank(workers: int, *, minimum: int) -> int:
+    """An automatic reader count ``workers``, worked out for the whole machine, shared among the ranks that
+    torchrun starts on it (:func:`wsi_milssl.distributed.local_world_size`): ``workers // ranks``, at least
+    ``minimum``. One process keeps ``workers``."""
+    from wsi_milssl.distributed import local_world_size
+
+    return max(minimum, workers // local_world_size())
 
 
 def pick_device(requested: str, *, owner: str) -> torch.device:

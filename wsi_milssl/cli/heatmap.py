@@ -107,7 +107,8 @@ def register(subparsers) -> None:
                    help="patches per model call (0 = auto: 256 on CUDA, 64 on the CPU) [0]")
     r.add_argument("--workers", type=int, default=None,
                    help="reader processes, one pool for all slides (-1 = auto: 2-4 low-priority readers for a CPU "
-                        "model, CPUs - 2 up to 16 for CUDA; 0 = read in this process) [-1]")
+                        "model, CPUs - 2 up to 16 for CUDA, under torchrun divided by the ranks per node, at least "
+                        "1; 0 = read in this process) [-1]")
     r.add_argument("--decode", choices=("workers", "device"), default=None,
                    help=f"with --store: decode JPEG patches in the readers or on the device (nvJPEG) [{d.decode}]")
     r.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None, help=f"[{d.device}]")

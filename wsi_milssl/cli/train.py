@@ -103,7 +103,8 @@ def add_train_options(p: argparse.ArgumentParser) -> None:
     r.add_argument("--no-channels-last", action="store_true", help="keep NCHW memory layout for the ResNet")
     r.add_argument("--workers", type=int, default=None,
                    help="patch-reading processes, alive for the whole run (-1 = auto: CPUs - 2 up to 16 on CUDA; "
-                        "min(4, CPUs - 1) on the CPU, none on <= 2 CPUs) [-1]")
+                        "min(4, CPUs - 1) on the CPU, none on <= 2 CPUs; under torchrun divided by the ranks per "
+                        "node, LOCAL_WORLD_SIZE) [-1]")
     r.add_argument("--shuffle-block", type=int, default=None, metavar="N",
                    help="image mode: shuffle blocks of N consecutive patches of a slide, then the patches in each "
                         f"block (sequential reads; 1 = a uniform permutation) [{d.shuffle_block}]")

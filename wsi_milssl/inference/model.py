@@ -188,8 +188,9 @@ def resolve_runtime(config: HeatmapConfig) -> InferenceRuntime:
     dtype = runtime_rules.pick_amp_dtype(config.amp, device, cpu_auto="bf16")
     workers = config.num_workers
     if workers < 0:  # the GPU outpaces the readers (keep most cores reading), the CPU forward does not
-        cpus = os.cpu_count() or 1
-        workers = max(1, min(16, cpus - 2)) if cuda else min(4, max(2, cpus))
+        cpus = os.cpu_count() or 1  # (shared by torchrun's ranks on this machine: each takes its share)
+        workers = runtime_rules.readers_per_rank(max(1, min(16, cpus - 2)) if cuda else min(4, max(2, cpus)),
+                                                 minimum=1)
     return InferenceRuntime(device=device, amp_dtype=dtype, channels_last=bool(config.channels_last),
                             num_workers=int(workers), preprocess_in_workers=not cuda,
                             fuse_batchnorm=bool(config.fuse_batchnorm), pad_last_batch=cuda)

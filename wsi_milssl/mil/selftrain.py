@@ -112,13 +112,14 @@ def resolve_runtime(config: TrainConfig) -> Runtime:
         # one process decodes ~2,400), so most cores read. On the CPU the model uses every core: with 2
         # cores JPEG decoding in-process (~3,000 patches/s) is not the bottleneck and a reader process
         # only competes with the model, so none there.
+        # Under torchrun the ranks of a machine share its cores: each takes its share of the count.
         cpus = os.cpu_count() or 1
         if not image:
             workers = 0
         elif device.type == "cuda":
-            workers = max(1, min(16, cpus - 2))
+            workers = runtime_rules.readers_per_rank(max(1, min(16, cpus - 2)), minimum=1)
         else:
-            workers = min(4, cpus - 1) if cpus > 2 else 0
+            workers = runtime_rules.readers_per_rank(min(4, cpus - 1) if cpus > 2 else 0, minimum=0)
     return Runtime(device=device, amp_dtype=dtype, use_grad_scaler=scaler,
                    channels_last=bool(config.channels_last and image), num_workers=workers,
                    decode=config.decode if image else "workers")
