@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import re
 import shutil
 import struct
@@ -27,13 +28,19 @@ def _rows(path: Path) -> list[list[str]]:
 
 
 def _link(source: Path, target: Path) -> None:
+    """A copy of the slide ``source`` at ``target``, its name appended after the TIFF data (which readers ignore):
+    prepare leaves out slide files that hold the same bytes as another, so each name gets its own."""
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.copy(source, target)
+    with open(target, "ab") as fh:
+        fh.write(target.name.encode())
 
 
 def _xml(k: int) -> str:
-    """An ASAP XML file long enough to be compressed into many bytes."""
-    coords = "".join(f'<Coordinate Order="{i}" X="{1000 + 37 * i * k}" Y="{2000 + 53 * i}" />' for i in range(200))
+    """An ASAP XML file long enough to be compressed into many bytes: one lesion, an ellipse whose width grows
+    with ``k`` (files of two ``k`` describe different regions)."""
+    coords = "".join(f'<Coordinate Order="{i}" X="{1000 + round(40 * k * math.cos(i * math.pi / 100), 2)}" '
+                     f'Y="{2000 + round(300 * math.sin(i * math.pi / 100), 2)}" />' for i in range(200))
     return ('<?xml version="1.0"?><ASAP_Annotations><Annotations><Annotation Name="_0" Type="Polygon" '
             f'PartOfGroup="_0"><Coordinates>{coords}</Coordinates></Annotation></Annotations></ASAP_Annotations>\n')
 
