@@ -7,16 +7,26 @@ output folder's lock of :mod:`wsi_milssl.locks`, a shared buffer). Give a pool
 :func:`watch_parent` as its initializer (``initializer=watch_parent, initargs=(os.getpid(),)``), or
 call it from one, and every worker ends itself once the main process is gone.
 
+The ranks that torchrun starts have the same problem one level up: torchrun killed (kill -9, the OOM
+killer) cannot end them, and they train on as orphans holding the run folder's lock. A rank calls
+:func:`watch_launcher` and stops as Ctrl-C would stop it once torchrun is gone.
+
 Imports nothing beyond the standard library, so that small worker processes stay small.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import threading
 import time
 
-__all__ = ["watch_parent"]
+__all__ = ["watch_parent", "watch_launcher", "LAUNCHER_GRACE_S"]
+
+#: How long a rank whose launcher is gone gives its interrupted main thread to end the process (its
+#: KeyboardInterrupt may wait for a collective until the other ranks have stopped too) before it ends itself.
+LAUNCHER_GRACE_S = 10.0
 
 
 def watch_parent(main_pid: int) -> None:
@@ -43,3 +53,32 @@ def _end_with_main(main_pid: int) -> None:
             except PermissionError:
                 pass
     os._exit(1)
+
+
+def watch_launcher(launcher_pid: int, *, message: str) -> bool:
+    """Under torchrun (``TORCHELASTIC_RUN_ID`` in the environment), start a daemon thread that stops this
+    process once torchrun, ``launcher_pid`` (this process's parent when it started: read it with
+    ``os.getppid()`` first thing), is gone: it logs ``message`` (an ERROR naming what to do: resume, run
+    again; on the first rank of each machine, ``LOCAL_RANK`` 0, which shares the launcher with the others),
+    then interrupts this process as Ctrl-C would (SIGINT: KeyboardInterrupt in the main thread, so the run
+    ends as an interrupted one, exit code 130), and if it still runs :data:`LAUNCHER_GRACE_S` later (or
+    SIGINT is ignored), ends it with exit code 130. Returns whether it watches: not without torchrun, so a
+    plain single-process run is unaffected."""
+    if not os.environ.get("TORCHELASTIC_RUN_ID") or launcher_pid <= 1:
+        return False
+    threading.Thread(target=_stop_without_launcher, args=(launcher_pid, message), name="wsi-launcher-watch",
+                     daemon=True).start()
+    return True
+
+
+def _stop_without_launcher(launcher_pid: int, message: str) -> None:
+    while os.getppid() == launcher_pid:  # an orphan is given another parent (init, a subreaper)
+        time.sleep(0.5)
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        logging.getLogger(__name__).error("torchrun (pid %d), which started this rank, is gone (killed?): stopping "
+                                          "as if interrupted. %s", launcher_pid, message)
+    if callable(signal.getsignal(signal.SIGINT)):  # Python's handler: KeyboardInterrupt, as Ctrl-C
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(LAUNCHER_GRACE_S)
+    logging.shutdown()  # flushes the console and --log-file
+    os._exit(130)

@@ -7,6 +7,7 @@ instance probabilities are drawn on the coordinates of the feature files instead
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -214,7 +215,11 @@ def run(args: argparse.Namespace) -> int:
     from wsi_milssl.cli import RANK0_WAIT_S
     from wsi_milssl.cli.sharding import failed_exit, shard_from_args
     from wsi_milssl.distributed import reported_by_rank0, torchrun_env
+    from wsi_milssl.parent_watch import watch_launcher
 
+    # a rank of a torchrun killed stops instead of predicting on, holding its shard's lock of --out
+    watch_launcher(os.getppid(), message="The same command again finishes the heatmaps (the slides done are "
+                                         "skipped).")
     try:  # the same on every rank: torchrun's rank 0 alone reports a bad setting
         with reported_by_rank0(wait_s=RANK0_WAIT_S):
             shard = shard_from_args(args)
