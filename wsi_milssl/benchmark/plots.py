@@ -100,7 +100,8 @@ def digit_bags_figure(result: Mapping[str, Any]):
     setting: the positive ratio for the normal protocol (lines through the seed means), the test set for
     the hard one (points); error bars ± one standard deviation over the seeds. A method keeps its colour
     in both panels; its series differ in marker (ABMIL's two scorings, MIL-SSL's λ rows of an untuned
-    run), a secondary scoring (ABMIL's softmax attention) is dashed with open markers."""
+    run), a secondary scoring (ABMIL's softmax attention) is dashed with open markers. Each panel's legend
+    stands below it, off the data."""
     from matplotlib.figure import Figure
 
     rows = result.get("rows") or []
@@ -113,7 +114,7 @@ def digit_bags_figure(result: Mapping[str, Any]):
     setting = (lambda r: float(r["ratio"])) if normal else (lambda r: str(r["test"]))  # noqa: E731
     settings = sorted({setting(r) for r in rows}) if normal else list(dict.fromkeys(setting(r) for r in rows))
     names = [f"{100 * x:g}%" for x in settings] if normal else settings
-    fig = Figure(figsize=(11, 4.2), constrained_layout=True)
+    fig = Figure(figsize=(11, 5.2), constrained_layout=True)  # the legends below the panels take an inch
     axes = fig.subplots(1, 2, sharey=True)
     panels = ((axes[0], "instance_auc", "label", lambda r: True, "instance AUC"),
               (axes[1], "bag_auc", "bag_label", lambda r: r.get("primary", True), "bag AUC"))
@@ -146,8 +147,8 @@ def digit_bags_figure(result: Mapping[str, Any]):
         ax.grid(alpha=0.3)
     axes[0].set_ylim(max(0.0, lowest - 0.03), 1.03)
     axes[0].set_ylabel("AUC (mean ± std over seeds)")
-    axes[0].legend(fontsize=7, loc="lower right")
-    axes[1].legend(fontsize=7, loc="lower right")
+    for ax in axes:  # below the panel, clear of its data and of its x label
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, frameon=False)
     seeds = sorted({r["seed"] for r in rows})
     fig.suptitle(f"digit bags, {result.get('protocol', '?')} protocol, seeds {', '.join(map(str, seeds))}",
                  fontsize=9)
