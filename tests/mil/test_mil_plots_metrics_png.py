@@ -1,0 +1,73 @@
+"""train's metrics.png from real (short) runs (review AP, finding 5): whole epochs on the epoch axis, and a
+panel that says why a series is missing when the instances carry no labels."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from PIL import Image
+
+from figure_text import drawn_texts, texts_outside, visible_ticks
+from milcsv import make_mil_csv
+from wsi_milssl.cli import main
+from wsi_milssl.mil.plots import training_metrics_figure
+
+
+def _train(csv: Path, val: Path, out: Path, epochs: int) -> list[dict]:
+    assert main(["train", str(csv), "--val", str(val), "--out", str(out), "--epochs", str(epochs),
+                 "--threads", "1"]) == 0
+    with Image.open(out / "metrics.png") as png:
+        assert png.size == (1000, 700)
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _panel_texts(fig, ax) -> str:
+    legend = ax.get_legend()
+    own = [t.get_text() for t in ax.texts] + ([t.get_text() for t in legend.get_texts()] if legend else [])
+    drawn = {id(t) for _, t, _ in drawn_texts(fig)}
+    assert all(id(t) in drawn for t in ax.texts)
+    return "\n".join(own)
+
+
+def test_short_runs_have_whole_epochs_on_the_epoch_axis(mil_csv, mil_csv_val, tmp_path):
+    """A 1- or 2-epoch run had ticks at 0.96, 0.98, ... 1.04 on every panel's epoch axis."""
+    history = _train(mil_csv, mil_csv_val, tmp_path / "run", epochs=2)
+    for n_epochs in (1, 2):
+        fig = training_metrics_figure(history[:n_epochs])
+        assert texts_outside(fig) == []
+        for ax in fig.axes:
+            ticks = visible_ticks(ax.xaxis)
+            assert ticks and all(t == int(t) for t in ticks), ticks
+            assert set(range(1, n_epochs + 1)) <= {int(t) for t in ticks}
+
+
+def test_without_instance_labels_the_panels_say_why(mil_csv, mil_csv_val, tmp_path):
+    """Instances without labels (a MIL CSV whose instance labels are its bag labels; unlabelled stores alike):
+    the pseudo-label panel said only "not available" and the validation panel left instance AUC out silently."""
+    plain = []
+    for path in (mil_csv, mil_csv_val):
+        rows = [line.split(",", 2) for line in path.read_text().splitlines()]
+        positive = {bag for label, bag, _ in rows if label == "1"}
+        out = tmp_path / path.name
+        out.write_text("".join(f"{int(bag in positive)},{bag},{rest}\n" for _, bag, rest in rows))
+        plain.append(out)
+    history = _train(plain[0], plain[1], tmp_path / "run", epochs=2)
+    assert all(r.get("pseudo_precision") is None and r.get("val_instance_auc") is None for r in history)
+    assert all(r.get("val_bag_auc") is not None for r in history)
+    fig = training_metrics_figure(history)
+    assert texts_outside(fig) == []
+    ax_pseudo, ax_val = fig.axes[2], fig.axes[3]
+    assert "not available" in _panel_texts(fig, ax_pseudo)
+    assert "never labelled" in _panel_texts(fig, ax_pseudo)
+    val = _panel_texts(fig, ax_val)
+    assert "bag AUC" in val and "instance AUC: not available" in val and "never labelled" in val
+
+
+def test_labelled_runs_draw_every_series(mil_csv, mil_csv_val, tmp_path):
+    """The reasons appear only where a series is missing."""
+    history = _train(make_mil_csv(tmp_path / "train.csv", n_bags=20), mil_csv_val, tmp_path / "run", epochs=1)
+    fig = training_metrics_figure(history)
+    for ax in fig.axes:
+        assert "not available" not in _panel_texts(fig, ax)
+    assert {"precision", "recall", "accuracy"} <= set(_panel_texts(fig, fig.axes[2]).split("\n"))
