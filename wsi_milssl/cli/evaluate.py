@@ -111,7 +111,7 @@ def _fmt(value) -> str:
 def run(args: argparse.Namespace) -> int:
     from wsi_milssl.cli import report_error
     from wsi_milssl.cli.progress import TqdmProgress
-    from wsi_milssl.evaluation import evaluate_predictions
+    from wsi_milssl.evaluation import evaluate_predictions, froc_protocol_summary
 
     from wsi_milssl.errors import ConfigError
 
@@ -125,7 +125,9 @@ def run(args: argparse.Namespace) -> int:
             slides=args.slides, config=config, progress=progress,
         )
     m = result.metrics
-    print(f"slides {m['n_slides']}  lesions {m['n_lesions']}  FROC {_fmt(m['froc'])}  "
+    protocol = froc_protocol_summary(m)
+    print(f"slides {m['n_slides']}  lesions {m['n_lesions']}  FROC {_fmt(m['froc'])}"
+          f"{f' ({protocol})' if protocol else ''}  "
           f"instance AUC {_fmt(m['instance_auc'])}  bag AUC {_fmt(m['bag_auc'])}")
     for key, reason in m["reasons"].items():
         print(f"  {key}: n/a ({reason})")

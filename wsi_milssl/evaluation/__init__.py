@@ -26,7 +26,13 @@ from wsi_milssl.evaluation.inputs import (
 )
 from wsi_milssl.evaluation.metrics import Metric, RocCurve, auc_metric, roc
 from wsi_milssl.evaluation.report import ReportData, render_report_html, write_report
-from wsi_milssl.evaluation.stage import EvaluationResult, SlideResult, evaluate_predictions, outdated_metrics
+from wsi_milssl.evaluation.stage import (
+    EvaluationResult,
+    SlideResult,
+    evaluate_predictions,
+    froc_protocol_summary,
+    outdated_metrics,
+)
 
 __all__ = [
     "CAMELYON16_DOWNSAMPLE",
@@ -48,6 +54,7 @@ __all__ = [
     "evaluation_mask",
     "find_predictions",
     "froc_curve",
+    "froc_protocol_summary",
     "froc_score",
     "interpolate_sensitivity",
     "match_detections",

@@ -36,7 +36,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Collection
+from typing import Any, Collection, Mapping
 
 import numpy as np
 from PIL import Image
@@ -95,7 +95,8 @@ from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.locks import folder_lock, folder_writer
 from wsi_milssl.slide import open_slide
 
-__all__ = ["PER_SLIDE_COLUMNS", "EvaluationResult", "SlideResult", "evaluate_predictions", "outdated_metrics"]
+__all__ = ["PER_SLIDE_COLUMNS", "EvaluationResult", "SlideResult", "evaluate_predictions", "froc_protocol_summary",
+           "outdated_metrics"]
 
 logger = logging.getLogger(__name__)
 
@@ -312,6 +313,22 @@ def _froc_protocol(config: EvaluateConfig) -> str:
                      else "no non-tumour group")
         words += f", tumour groups {', '.join(config.tumor_groups)}, {non_tumor}"
     return words
+
+
+def froc_protocol_summary(metrics: Mapping[str, Any]) -> str:
+    """The FROC protocol of an evaluation's ``metrics.json`` in a few words, for one-line summaries:
+    "CAMELYON16", or its settings without naming the annotation groups, e.g. "75 µm margin, 275 µm ITC limit,
+    each slide's µm/px" (", other annotation groups" added where they are not the challenge's); "" for metrics
+    that do not record it (an earlier version's)."""
+    protocol = metrics.get("froc_protocol")
+    if not protocol or protocol == "CAMELYON16":
+        return protocol or ""
+    margin, itc, mpp = metrics.get("margin_um"), metrics.get("itc_major_axis_um"), metrics.get("froc_mpp")
+    if not isinstance(margin, (int, float)) or not isinstance(itc, (int, float)):
+        return str(protocol)
+    at = "each slide's µm/px" if mpp is None else f"at {mpp:g} µm/px"
+    words = f"{margin:g} µm margin, {itc:g} µm ITC limit, {at}"
+    return words + (", other annotation groups" if "tumour groups" in protocol else "")
 
 
 def _passed_over_csvs(passed_over: list[Path], found: dict[str, PredictionFiles]) -> tuple[list[str], list[str]]:
