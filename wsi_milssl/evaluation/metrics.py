@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 from sklearn.metrics import roc_auc_score, roc_curve
 
-__all__ = ["Metric", "RocCurve", "auc_metric", "roc"]
+__all__ = ["Metric", "RocCurve", "auc_metric", "counted", "roc"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,12 @@ class RocCurve:
     tpr: np.ndarray
     thresholds: np.ndarray
     auc: float
+
+
+def counted(n: int, singular: str, plural: str | None = None) -> str:
+    """``n`` and the noun in its number: ``counted(1, "slide")`` -> "1 slide", ``counted(3, "slide")`` -> "3 slides";
+    ``plural`` where it is not ``singular + "s"`` ("patch", "patches")."""
+    return f"{n} {singular if n == 1 else (plural or singular + 's')}"
 
 
 def _check(labels: np.ndarray, scores: np.ndarray, what: str) -> tuple[np.ndarray, np.ndarray, str]:
