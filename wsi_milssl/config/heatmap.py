@@ -29,7 +29,8 @@ class HeatmapConfig:
     num_workers : reader processes (one pool for the whole call, several slides in flight) that read,
         filter and decode patches while the model runs; -1 = auto: for a CPU model min(4, max(2, CPUs))
         readers at the lowest priority (they fill the forward pass's gaps), for CUDA CPUs - 2 (at
-        most 16); 0 = read in the main process.
+        most 16), divided by the ranks per machine under torchrun (LOCAL_WORLD_SIZE); 0 = read in the main
+        process.
     decode : where a store's JPEG patches are decoded (``--store``): 'workers' (the readers) or
         'device' (``torchvision.io.decode_jpeg`` on the model's device in batches: nvJPEG on CUDA).
         Slides cut on the fly are always decoded by the readers.

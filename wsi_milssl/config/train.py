@@ -85,7 +85,8 @@ class TrainConfig:
     bf16 support, or the CPU for image models), float16 with a gradient scaler on older GPUs, and
     full precision for feature heads on the CPU. ``num_workers`` -1 picks the reader processes for image
     mode (CPUs - 2, at most 16, on CUDA; min(4, CPUs - 1) on the CPU with more than 2 CPUs; none
-    otherwise); they live for the whole run. ``decode`` 'device' decodes stored JPEG patches on the
+    otherwise; under torchrun divided by the ranks per machine, LOCAL_WORLD_SIZE); they live for the
+    whole run. ``decode`` 'device' decodes stored JPEG patches on the
     training device (torchvision; nvJPEG on CUDA) instead of in the readers. ``threads`` 0 leaves
     torch's intra-op thread count alone. ``compile`` ('off', or the ``torch.compile`` mode 'default' or
     'reduce-overhead', which adds CUDA graphs) runs the training step's forward and backward through
