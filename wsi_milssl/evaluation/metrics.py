@@ -41,6 +41,10 @@ def counted(n: int, singular: str, plural: str | None = None) -> str:
     return f"{n} {singular if n == 1 else (plural or singular + 's')}"
 
 
+#: the singular of the item names that :func:`auc_metric` is given
+_SINGULAR = {"patches": "patch", "slides": "slide", "items": "item", "instances": "instance", "bags": "bag"}
+
+
 def _check(labels: np.ndarray, scores: np.ndarray, what: str) -> tuple[np.ndarray, np.ndarray, str]:
     y = np.asarray(labels).reshape(-1)
     s = np.asarray(scores, dtype=np.float64).reshape(-1)
@@ -56,7 +60,8 @@ def _check(labels: np.ndarray, scores: np.ndarray, what: str) -> tuple[np.ndarra
         reason = f"no {what} to score"
     elif y.min() == y.max():
         kind = "positive" if y[0] == 1 else "negative"
-        reason = f"all {y.shape[0]} {what} are {kind}; AUC needs both classes"
+        which = f"the one {_SINGULAR.get(what, what)} is" if y.shape[0] == 1 else f"all {y.shape[0]} {what} are"
+        reason = f"{which} {kind}; AUC needs both classes"
     return y, s, reason
 
 

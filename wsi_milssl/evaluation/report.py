@@ -58,7 +58,7 @@ figure{margin:0}figcaption{font-size:.85em;color:#555;text-align:center}
 pre{background:#f7f7f7;border:1px solid #ddd;padding:.8em;overflow:auto;font-size:.85em}
 .thumbs{display:flex;gap:.6em;align-items:flex-start;flex-wrap:wrap}
 .gallery{display:flex;flex-wrap:wrap;gap:1em}.card{border:1px solid #ddd;padding:.5em .8em}
-h3{font-size:1em;margin:.2em 0 .5em}.wide{overflow-x:auto}
+h3{font-size:1em;margin:.2em 0 .5em}.wide{overflow-x:auto}th.sub{padding-left:1.8em;font-weight:normal}
 """
 
 
@@ -82,10 +82,10 @@ def _metrics_table(metrics: Mapping[str, Any]) -> str:
     reasons = metrics.get("reasons", {}) or {}
     rows = []
 
-    def row(name: str, value: Any, key: str | None = None) -> None:
+    def row(name: str, value: Any, key: str | None = None, *, sub: bool = False) -> None:
         note = html.escape(reasons.get(key, "")) if key and value is None else ""
-        rows.append(f'<tr><th class="l">{html.escape(name)}</th><td>{html.escape(_fmt(value))}</td>'
-                    f'<td class="l muted">{note}</td></tr>')
+        rows.append(f'<tr><th class="{"l sub" if sub else "l"}">{html.escape(name)}</th><td>{html.escape(_fmt(value))}'
+                    f'</td><td class="l muted">{note}</td></tr>')
 
     row("Instance AUC (patches)", metrics.get("instance_auc"), "instance_auc")
     row("Bag AUC (slides)", metrics.get("bag_auc"), "bag_auc")
@@ -95,7 +95,7 @@ def _metrics_table(metrics: Mapping[str, Any]) -> str:
     sens = metrics.get("froc_sensitivities") or []
     for rate, value in zip(rates, sens):
         label = {0.25: "1/4", 0.5: "1/2"}.get(rate, f"{rate:g}")
-        row(f"  sensitivity at {label} FP/slide", value)
+        row(f"sensitivity at {label} FP/slide", value, sub=True)
     for key, name in (("n_slides", "slides evaluated"), ("n_tumor_slides", "tumour slides"),
                       ("n_normal_slides", "normal slides"), ("n_lesions", "lesions (non-ITC)"),
                       ("n_itc", "isolated tumour cell regions"), ("n_detections", "detections"),
@@ -146,7 +146,7 @@ def render_report_html(data: ReportData) -> str:
         for caption, png in data.plots
     )
     notes = "".join(f"<li>{html.escape(n)}</li>" for n in data.notes)
-    config_json = json.dumps(data.configuration, indent=2, sort_keys=True, default=str)
+    config_json = json.dumps(data.configuration, indent=2, sort_keys=True, default=str, ensure_ascii=False)
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     parts = [
         "<!DOCTYPE html>",

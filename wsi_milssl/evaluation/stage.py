@@ -376,12 +376,17 @@ def _metric_value(metric: Metric) -> float | None:
     return None if metric.value is None else float(metric.value)
 
 
+def _some_of(n: int, n_slides: int) -> str:
+    """"2 of 5 slides", or "the one slide" when only one is evaluated."""
+    return "the one slide" if n_slides == 1 else f"{n} of {n_slides} slides"
+
+
 def _instance_metric(results: list[SlideResult]) -> tuple[Metric, RocCurve | None]:
     missing = [r.stem for r in results if r.instance_labels is None]
     if missing:
         shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
         return Metric(None, f"no patch probabilities (<stem>_patches.csv with <stem>_probs.json) for "
-                            f"{len(missing)} of {len(results)} slides ({shown})"), None
+                            f"{_some_of(len(missing), len(results))} ({shown})"), None
     labels = np.concatenate([r.instance_labels for r in results])
     probs = np.concatenate([r.patch_probs for r in results])
     return auc_metric(labels, probs, what="patches"), roc(labels, probs, what="patches")
@@ -421,7 +426,7 @@ def _bag_metric(results: list[SlideResult], scores: dict[str, float | None], sco
         return Metric(None, f"no slide scores ({scores_path.name} is missing from the predictions folder)"), None
     if missing:
         shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
-        return Metric(None, f"{scores_path.name} has no score for {len(missing)} of {len(results)} slides "
+        return Metric(None, f"{scores_path.name} has no score for {_some_of(len(missing), len(results))} "
                             f"({shown})"), None
     if results and all(r.files.detections is None for r in results) and not scores_path.is_file():
         return Metric(None, "every slide was empty (no tissue patch), so no slide has a score"), None
@@ -447,6 +452,10 @@ def _slide_row(r: SlideResult, score: float | None) -> dict[str, Any]:
         "instance_auc": inst_auc,
         "mpp": r.mpp,
     }
+
+
+#: the metrics' names in the report's notes
+_METRIC_NAMES = {"instance_auc": "instance AUC", "bag_auc": "bag AUC", "froc": "FROC score"}
 
 
 def _thumbnails(r: SlideResult, *, max_px: int) -> list[tuple[str, bytes]]:
@@ -915,7 +924,7 @@ def evaluate_predictions(
                 plots.append((caption, png))
         paths["config"] = write_resolved_config(config, out_dir, name=names["config"])
 
-        notes = [f"{k.replace('_', ' ')} unavailable: {v}." for k, v in reasons.items()]
+        notes = [f"{_METRIC_NAMES.get(k, k.replace('_', ' '))} unavailable: {v}." for k, v in reasons.items()]
         n_outside = sum(r.match.n_outside_mask for r in results)
         if skipped:
             notes.append(f"{len(skipped)} labelled slide(s) have no predictions here and are not evaluated: "
