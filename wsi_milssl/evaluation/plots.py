@@ -112,13 +112,17 @@ def roc_png(curve: RocCurve, *, title: str) -> bytes:
     return _png(fig)
 
 
-def thumbnail_png(image: Image.Image | np.ndarray, *, max_size_px: int) -> bytes:
-    """``image`` shrunk (never enlarged) so that its longer side is at most ``max_size_px``, as PNG."""
+def thumbnail_png(image: Image.Image | np.ndarray, *, max_size_px: int, colours: int | None = None) -> bytes:
+    """``image`` shrunk (never enlarged) so that its longer side is at most ``max_size_px``, as PNG;
+    ``colours`` (2-256) stores it as a palette PNG of that many colours (about half the bytes of a
+    stained-tissue overlay at 256)."""
     img = image if isinstance(image, Image.Image) else Image.fromarray(np.asarray(image))
     if img.mode not in ("RGB", "RGBA", "L"):
         img = img.convert("RGBA")
     img = img.copy()
     img.thumbnail((max_size_px, max_size_px), Image.Resampling.LANCZOS)
+    if colours is not None and img.mode != "L":
+        img = img.quantize(colours, method=Image.Quantize.FASTOCTREE, dither=Image.Dither.NONE)
     buf = io.BytesIO()
     img.save(buf, format="PNG", optimize=True)
     return buf.getvalue()

@@ -2,7 +2,9 @@
 configuration used.
 
 Every image is embedded as a ``data:image/png;base64`` URI and the style sheet is inline, so the
-single file can be mailed or archived and opens offline. The page has no scripts.
+single file can be mailed or archived and opens offline. The page has no scripts: a per-slide image embedded
+larger than ``thumbnail_px`` is shown at that size and toggles to its own size on a click (a hidden checkbox in
+its label, styled by CSS).
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ import html
 import json
 import math
 import os
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-__all__ = ["ReportData", "png_data_uri", "render_report_html", "write_report"]
+__all__ = ["ReportData", "png_data_uri", "png_size", "render_report_html", "write_report"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,9 @@ class ReportData:
     ``slide_rows``: one mapping per slide (the per-slide CSV's columns, in order). ``thumbnails``:
     slide stem -> list of (caption, PNG bytes). ``configuration``: the settings and inputs used
     (JSON-serialisable). ``notes``: lines shown under the metrics (e.g. why a metric is missing).
+    ``thumbnail_px``: the longer side (CSS px) at which the per-slide images are shown (None: their own size);
+    a larger image is shown at it and opens at its own size on a click. ``gallery_legend``: a line above the
+    per-slide images (the key of their symbols).
     """
 
     title: str
@@ -37,6 +43,8 @@ class ReportData:
     thumbnails: Mapping[str, Sequence[tuple[str, bytes]]] = field(default_factory=dict)
     configuration: Mapping[str, Any] = field(default_factory=dict)
     notes: Sequence[str] = ()
+    thumbnail_px: int | None = None
+    gallery_legend: str = ""
 
 
 def png_data_uri(png: bytes) -> str:
@@ -59,6 +67,8 @@ pre{background:#f7f7f7;border:1px solid #ddd;padding:.8em;overflow:auto;font-siz
 .thumbs{display:flex;gap:.6em;align-items:flex-start;flex-wrap:wrap}
 .gallery{display:flex;flex-wrap:wrap;gap:1em}.card{border:1px solid #ddd;padding:.5em .8em}
 h3{font-size:1em;margin:.2em 0 .5em}.wide{overflow-x:auto}th.sub{padding-left:1.8em;font-weight:normal}
+label.zoom input{display:none}label.zoom img{cursor:zoom-in;display:block}
+label.zoom input:checked+img{width:auto;height:auto;max-width:calc(100vw - 5em);cursor:zoom-out}
 """
 
 
@@ -76,6 +86,27 @@ def _fmt(value: Any) -> str:
 
 def _img(png: bytes, alt: str) -> str:
     return f'<img src="{png_data_uri(png)}" alt="{html.escape(alt)}">'
+
+
+def png_size(png: bytes) -> tuple[int, int]:
+    """(width, height) in pixels of PNG bytes, from their header."""
+    if not png.startswith(b"\x89PNG\r\n\x1a\n") or len(png) < 24 or png[12:16] != b"IHDR":
+        raise ValueError("png_size expects PNG bytes (a PNG signature followed by its IHDR header).")
+    return struct.unpack(">II", png[16:24])
+
+
+def _shown(png: bytes, alt: str, caption: str, max_px: int | None) -> str:
+    """A per-slide figure: the image at its own size, or, when its longer side is over ``max_px``, at
+    ``max_px`` and opening at its own size on a click."""
+    width, height = png_size(png)
+    if max_px is None or max(width, height) <= max_px:
+        return (f'<figure><img src="{png_data_uri(png)}" alt="{html.escape(alt)}" width="{width}" height="{height}">'
+                f"<figcaption>{html.escape(caption)}</figcaption></figure>")
+    scale = max_px / max(width, height)
+    shown_w, shown_h = max(1, round(width * scale)), max(1, round(height * scale))
+    return (f'<figure><label class="zoom" title="click to enlarge ({width} x {height} px) or shrink">'
+            f'<input type="checkbox"><img src="{png_data_uri(png)}" alt="{html.escape(alt)}" width="{shown_w}" '
+            f'height="{shown_h}"></label><figcaption>{html.escape(caption)} (click to enlarge)</figcaption></figure>')
 
 
 def _metrics_table(metrics: Mapping[str, Any]) -> str:
@@ -123,18 +154,20 @@ def _slide_table(rows: Sequence[Mapping[str, Any]]) -> str:
     return "".join(out)
 
 
-def _gallery(rows: Sequence[Mapping[str, Any]], thumbnails: Mapping[str, Sequence[tuple[str, bytes]]]) -> str:
+def _gallery(rows: Sequence[Mapping[str, Any]], thumbnails: Mapping[str, Sequence[tuple[str, bytes]]], *,
+             max_px: int | None = None, legend: str = "") -> str:
     cards = []
     for r in rows:
         stem = str(r.get("slide"))
         label = {0: "normal", 1: "tumour"}.get(r.get("label"), "")
-        figs = "".join(
-            f"<figure>{_img(png, f'{stem} {cap}')}<figcaption>{html.escape(cap)}</figcaption></figure>"
-            for cap, png in thumbnails.get(stem, ())
-        ) or '<p class="muted">no heatmap in the predictions folder</p>'
+        figs = "".join(_shown(png, f"{stem} {cap}", cap, max_px) for cap, png in thumbnails.get(stem, ())) \
+            or '<p class="muted">no heatmap in the predictions folder</p>'
         cards.append(f'<div class="card"><h3>{html.escape(stem)} <span class="muted">{html.escape(label)}</span>'
                      f'</h3><div class="thumbs">{figs}</div></div>')
-    return f'<div class="gallery">{"".join(cards)}</div>' if cards else ""
+    if not cards:
+        return ""
+    key = f'<p class="muted">{html.escape(legend)}</p>' if legend else ""
+    return f'{key}<div class="gallery">{"".join(cards)}</div>'
 
 
 def render_report_html(data: ReportData) -> str:
@@ -163,7 +196,7 @@ def render_report_html(data: ReportData) -> str:
         "<h2>Slides</h2>",
         _slide_table(data.slide_rows),
         "<h2>Heatmaps</h2>" if data.slide_rows else "",
-        _gallery(data.slide_rows, data.thumbnails),
+        _gallery(data.slide_rows, data.thumbnails, max_px=data.thumbnail_px, legend=data.gallery_legend),
         "<h2>Configuration</h2>",
         f"<pre>{html.escape(config_json)}</pre>",
         "</body></html>",

@@ -454,8 +454,15 @@ def _slide_row(r: SlideResult, score: float | None) -> dict[str, Any]:
     }
 
 
+#: the longer side (px) at which the report embeds a heatmap overlay when --thumbnail-px is smaller: the
+#: overlay (2048 px by default) is shown at --thumbnail-px and opens at this size on a click, where its colour
+#: bar, title and scale bar are legible (text about 9 px tall); as a 256-colour palette PNG it costs about what
+#: the 320-px RGB thumbnail did (the demo's four: 426 KB against 385 KB)
+REPORT_HEATMAP_PX = 800
 #: the metrics' names in the report's notes
 _METRIC_NAMES = {"instance_auc": "instance AUC", "bag_auc": "bag AUC", "froc": "FROC score"}
+#: the report's caption of a FROC match view; the legend of its symbols stands once above the gallery
+MATCH_VIEW_CAPTION = "FROC view"
 
 
 def _thumbnails(r: SlideResult, *, max_px: int) -> list[tuple[str, bytes]]:
@@ -464,7 +471,7 @@ def _thumbnails(r: SlideResult, *, max_px: int) -> list[tuple[str, bytes]]:
         if r.files.heatmap_png is not None:
             with Image.open(r.files.heatmap_png) as img:
                 img.load()
-                out.append(("heatmap", thumbnail_png(img, max_size_px=max_px)))
+                out.append(("heatmap", thumbnail_png(img, max_size_px=max(max_px, REPORT_HEATMAP_PX), colours=256)))
         elif r.files.probs_npy is not None:
             probs = np.load(r.files.probs_npy, allow_pickle=False)
             if probs.ndim == 2 and probs.size:
@@ -472,7 +479,7 @@ def _thumbnails(r: SlideResult, *, max_px: int) -> list[tuple[str, bytes]]:
     except (OSError, ValueError) as exc:
         logger.warning("%s: cannot read its heatmap for the report (%s)", r.stem, exc)
     if r.match.mask is not None:
-        out.append((f"FROC view ({MATCH_VIEW_LEGEND})", match_view_png(r.match, max_size_px=max_px)))
+        out.append((MATCH_VIEW_CAPTION, match_view_png(r.match, max_size_px=max_px)))
     return out
 
 
@@ -972,8 +979,12 @@ def evaluate_predictions(
         elif pred_config is not None:
             configuration["predictions_config"] = pred_config
         thumbs = {r.stem: _thumbnails(r, max_px=config.thumbnail_px) for r in results}
+        legend = (f"{MATCH_VIEW_CAPTION}: the evaluation regions and detections, axes in level-0 pixels; "
+                  f"{MATCH_VIEW_LEGEND}." if any(cap == MATCH_VIEW_CAPTION for t in thumbs.values() for cap, _ in t)
+                  else "")
         data = ReportData(title=config.title, metrics=metrics, plots=plots, slide_rows=rows, thumbnails=thumbs,
-                          configuration=configuration, notes=notes)
+                          configuration=configuration, notes=notes, thumbnail_px=config.thumbnail_px,
+                          gallery_legend=legend)
         paths["report"] = write_report(data, out_dir / names["report"])
         # last: a folder with metrics.json is a finished run's (:func:`_remove_earlier_run`)
         paths["metrics"] = atomic_write_json(out_dir / names["metrics"], metrics)
