@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from wsi_milssl.config.label import LabelConfig
@@ -95,6 +96,11 @@ def run(args: argparse.Namespace) -> int:
     from wsi_milssl.cli.progress import TqdmProgress
     from wsi_milssl.cli.sharding import failed_exit, shard_from_args
     from wsi_milssl.labeling import label_stores
+    from wsi_milssl.parent_watch import watch_launcher
+
+    # a rank of a torchrun killed stops instead of going on, holding its shard's lock of --out
+    watch_launcher(os.getppid(), message="The same command again finishes the labels (the slides done are "
+                                         "skipped).")
 
     try:
         shard = shard_from_args(args)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -105,6 +106,11 @@ def run(args: argparse.Namespace) -> int:
     from wsi_milssl.cli.progress import TqdmProgress
     from wsi_milssl.cli.sharding import failed_exit, shard_from_args
     from wsi_milssl.tiling import find_slides, tile_slides
+    from wsi_milssl.parent_watch import watch_launcher
+
+    # a rank of a torchrun killed stops instead of going on, holding its shard's lock of --out
+    watch_launcher(os.getppid(), message="The same command again finishes the tiles (the slides done are "
+                                         "skipped).")
 
     try:
         shard = shard_from_args(args)
