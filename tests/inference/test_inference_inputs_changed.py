@@ -197,7 +197,8 @@ def test_a_slide_found_empty_loses_its_earlier_files_under_any_spelling_of_its_n
     run = make_heatmaps([slides / "Case.tif"], ckpt, out, HeatmapConfig(**FAST))
     assert [r.status for r in run.results] == ["empty"]
     assert sorted(p.name for p in out.glob("case*")) == sorted(p.name for p in out.glob("case_2*")) != []
-    assert not list(out.glob("Case_*")) and set(_scores(out)) == {"case_2"}
+    assert [p.name for p in out.glob("Case_*")] == ["Case_detections.csv"]  # empty: the empty slide's own
+    assert (out / "Case_detections.csv").read_bytes() == b"" and set(_scores(out)) == {"case_2"}
 
 
 def test_an_unreadable_scores_file_fails_an_empty_slide_alone(tmp_path, two_slides, checkpoint_factory):

@@ -221,7 +221,9 @@ def test_a_slide_without_a_patch_is_empty_never_a_confident_zero(tmp_path, check
     assert "glass.tif: no patch has tissue" in empty.error and "Fix:" in empty.error
     assert ok.status == "ok" and ok.n_patches > 0
     assert not run.ok and run.n_empty == 1 and run.n_failed == 0
-    assert not list((tmp_path / "hm").glob("glass_*"))  # no map, no detections: nothing to read as a result
+    # no map, no probabilities: an empty detections CSV alone (the CAMELYON16 script counts slides by them)
+    assert [p.name for p in (tmp_path / "hm").glob("glass_*")] == ["glass_detections.csv"]
+    assert (tmp_path / "hm" / "glass_detections.csv").read_bytes() == b""
     scores = (tmp_path / "hm" / "scores.csv").read_text()
     assert "tissue," in scores and "glass" not in scores
     status = (tmp_path / "hm" / "heatmap_status.csv").read_text().splitlines()

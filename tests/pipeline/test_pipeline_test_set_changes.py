@@ -370,7 +370,8 @@ def test_a_test_slide_found_empty_on_a_later_run_is_not_scored_on_its_earlier_pr
     copy.unlink()
     _blank_slide(copy)
     _run(cohort)
-    assert not (heatmaps / "synth_002_detections.csv").exists()
+    assert (heatmaps / "synth_002_detections.csv").read_bytes() == b""  # no detection: an empty file
+    assert not list(heatmaps.glob("synth_002_probs*"))
     assert "synth_002" not in (heatmaps / "scores.csv").read_text()
     metrics = json.loads((cohort.parent / "out" / "evaluation" / "metrics.json").read_text())
     assert (metrics["n_slides"], metrics["n_detections"], metrics["n_lesions_detected"]) == (1, 0, 0)

@@ -814,7 +814,13 @@ def evaluate_predictions(
             + (f" (the files of {', '.join(old)} in the folder are an earlier run's, not the latest)" if old else "")
             + ". Fix: mend and re-run the heatmap stage for them, or remove them from the labels CSV to evaluate "
             "the rest.")
-    stale = [s for s in empty if s in evaluated]
+    # the latest run leaves an empty slide one file, an empty <stem>_detections.csv (for the CAMELYON16 script's
+    # count of slides); any other file of it (or detections in that file) is an earlier run's
+    stale = [s for s in empty if s in evaluated and (evaluated[s].patches or evaluated[s].sidecar
+                                                     or os.path.getsize(evaluated[s].detections) > 0)]
+    for s in empty:
+        if s not in stale:
+            evaluated.pop(s, None)  # evaluated below as empty (no detection), not as an unfinished slide
     if stale:  # the heatmap stage removes a slide's files when it finds it empty: these are older
         raise EvaluationError(
             f"{predictions_dir / HEATMAP_STATUS_FILENAME}: the heatmap stage's latest run found no tissue patch on "

@@ -42,6 +42,7 @@ __all__ = [
     "MEASUREMENT_NAME",
     "output_paths",
     "remove_slide_outputs",
+    "write_empty_slide_outputs",
     "nms_detections",
     "write_probs",
     "ome_downsample",
@@ -409,6 +410,16 @@ def remove_slide_outputs(out_dir: str | os.PathLike, stem: str) -> None:
         stale = [name for name in _read_scores(scores) if stem_key(name) == key]
         if stale:
             update_scores_csv(out_dir, {}, drop=stale)
+
+
+def write_empty_slide_outputs(out_dir: str | os.PathLike, stem: str) -> dict[str, str]:
+    """The files of a slide without a single kept patch (status 'empty', no score): its earlier outputs
+    removed (:func:`remove_slide_outputs`), and an empty (0-byte) ``<stem>_detections.csv``, so that the
+    folder holds a detections file for every slide evaluated: the CAMELYON16 FROC script counts the slides
+    by those files, and divides the false positives by that count. Returns {"detections_csv": path}."""
+    remove_slide_outputs(out_dir, stem)
+    path = write_detections_csv(output_paths(out_dir, stem)["detections_csv"], np.empty(0), np.empty(0), np.empty(0))
+    return {"detections_csv": str(path)}
 
 
 def update_scores_csv(out_dir: str | os.PathLike, scores: Mapping[str, float], *, keep_others: bool = True,

@@ -35,7 +35,7 @@ from wsi_milssl.config.heatmap import HeatmapConfig
 from wsi_milssl.errors import CheckpointError, ConfigError, StoreError, WsiMilsslError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.artifacts import HEATMAP_CONFIG_FILENAME, HEATMAP_STATUS_FILENAME, SCORES_FILENAME
-from wsi_milssl.inference.exports import remove_slide_outputs, update_scores_csv
+from wsi_milssl.inference.exports import remove_slide_outputs, update_scores_csv, write_empty_slide_outputs
 from wsi_milssl.inference.predict import SlidePrediction
 from wsi_milssl.locks import folder_lock
 from wsi_milssl.inference.stage import (
@@ -321,10 +321,10 @@ def _make_feature_heatmaps(files: list[Path], head: FeatureHead, out_dir: Path, 
             elif ff.attrs.get("slide_path") and Path(str(ff.attrs["slide_path"])).exists():
                 slide_path = Path(str(ff.attrs["slide_path"]))
             _check_fit(ff, head)
-            if len(ff) == 0:
-                remove_slide_outputs(out_dir, stem)  # an earlier version's predictions must go
+            if len(ff) == 0:  # an earlier version's predictions go; an empty detections CSV is the slide's
+                written = write_empty_slide_outputs(out_dir, stem)
                 results.append(HeatmapResult(stem, str(slide_path or ""), "empty", 0, None, 0.0,
-                                             f"{path}: no patch, so the slide has no score."))
+                                             f"{path}: no patch, so the slide has no score.", written))
             else:
                 probs = head.probabilities(ff.features, batch_size=max(1024, config.batch_size))
                 pred = _prediction(ff, probs, slide_path=slide_path, config=config, seconds=time.perf_counter() - t0,

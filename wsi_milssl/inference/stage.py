@@ -55,6 +55,7 @@ from wsi_milssl.inference.exports import (
     remove_slide_outputs,
     update_scores_csv,
     write_detections_csv,
+    write_empty_slide_outputs,
     write_lesions,
     write_patches_csv,
     write_patches_geojson,
@@ -96,7 +97,8 @@ HeatmapInput = SlideInput
 @dataclass(frozen=True)
 class HeatmapResult:
     """Outcome of one slide: ``status`` 'ok', 'failed' (``error`` says why) or 'empty' (no patch passed the
-    tissue and entropy filters: no files, no score); ``outputs`` maps kind -> written file."""
+    tissue and entropy filters: no score, and of the files an empty detections CSV alone); ``outputs`` maps
+    kind -> written file."""
 
     slide: str
     slide_path: str
@@ -763,8 +765,10 @@ _WRITER_THREADS = max(2, min(12, (os.cpu_count() or 2) - 2))
 _PENDING_WRITES = _WRITER_THREADS + 2
 
 
-def _empty_result(item: SlideInput, pred: SlidePrediction, model: InferenceModel) -> HeatmapResult:
-    """A slide without a single kept patch: status 'empty' and no score (never a confident 0)."""
+def _empty_result(item: SlideInput, pred: SlidePrediction, model: InferenceModel,
+                  outputs: dict[str, str]) -> HeatmapResult:
+    """A slide without a single kept patch: status 'empty' and no score (never a confident 0); ``outputs``:
+    its files (an empty detections CSV, :func:`~wsi_milssl.inference.exports.write_empty_slide_outputs`)."""
     plan = model.plan
     where = "in the store" if pred.source == "store" else (
         f"of {pred.n_candidates} candidate cells passed the entropy filter ({plan.entropy_threshold_bits:g} bits)"
@@ -772,7 +776,7 @@ def _empty_result(item: SlideInput, pred: SlidePrediction, model: InferenceModel
     message = (f"{item.slide_path or item.store_path}: no patch {where}, so the slide has no score. Fix: check the "
                "slide and its tissue mask (tile's qc/ PNG); --tissue/--min-tissue/--mask-mpp change the mask.")
     logger.warning("%s: empty: %s", item.stem, message)
-    return HeatmapResult(item.stem, str(item.slide_path or ""), "empty", 0, None, pred.seconds, message)
+    return HeatmapResult(item.stem, str(item.slide_path or ""), "empty", 0, None, pred.seconds, message, outputs)
 
 
 def non_finite_error(pred: SlidePrediction, model: Any) -> WsiMilsslError | None:
@@ -984,12 +988,12 @@ def _make_heatmaps(inputs: list[HeatmapInput], checkpoint: str | os.PathLike | I
             if inputs[i].slide_path is not None:
                 pred.slide_path = inputs[i].slide_path
             if len(pred) == 0:
-                try:
-                    remove_slide_outputs(out_dir, inputs[i].stem)  # an earlier version's predictions must go
+                try:  # an earlier version's predictions must go; an empty detections CSV is the slide's
+                    written = write_empty_slide_outputs(out_dir, inputs[i].stem)
                 except Exception as exc:  # noqa: BLE001 - one slide's files must not stop the others
                     record(i, failed(i, exc, pred.seconds))
                     continue
-                record(i, _empty_result(inputs[i], pred, model))
+                record(i, _empty_result(inputs[i], pred, model, written))
                 continue
             bad = non_finite_error(pred, model)
             if bad is not None:  # before any file is written: a failed slide leaves no new files
