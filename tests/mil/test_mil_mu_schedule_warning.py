@@ -61,3 +61,32 @@ def test_fixed_mu_is_not_warned_about(tmp_path, caplog):
         assert main(["train", str(folder), "--labels", str(labels), "--out", str(tmp_path / "run"), "--epochs", "2",
                      "--mu-ramp-epochs", "100", "--fixed-mu", *BASE]) == 0
     assert "never reaches μ" not in caplog.text
+
+
+def test_on_a_resume_the_warning_suggests_only_what_a_resume_accepts(tmp_path, caplog):
+    # review AL, finding 4: a resume was told '--mu-ramp-epochs 2 or less ... or --fixed-mu', both then refused
+    # as changed settings; the fix of a resume is more epochs, and that fix is accepted
+    folder, labels = _folder(tmp_path)
+    run = ["train", str(folder), "--labels", str(labels), "--out", str(tmp_path / "run"), "--mu", "0.2",
+           "--mu-ramp-epochs", "3", *BASE]
+    assert main([*run, "--epochs", "2"]) == 0
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert main(["train", "--resume", str(tmp_path / "run"), "--epochs", "3", *BASE]) == 0
+    hits = [r.getMessage() for r in caplog.records if "never reaches μ" in r.getMessage()]
+    assert len(hits) == 1 and "resume with --epochs 4 or more" in hits[0]
+    assert "--mu-ramp-epochs 2 or less" not in hits[0] and "--fixed-mu," not in hits[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert main(["train", "--resume", str(tmp_path / "run"), "--epochs", "4", *BASE]) == 0  # accepted: μ reached
+    assert "never reaches μ" not in caplog.text
+    last = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][-1]
+    assert last["mu_t"] == pytest.approx(0.2)
+
+
+def test_the_fix_names_the_pipeline_settings_too(tmp_path, caplog):
+    folder, labels = _folder(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        assert main(["train", str(folder), "--labels", str(labels), "--out", str(tmp_path / "run"), "--epochs", "2",
+                     "--mu-ramp-epochs", "5", *BASE]) == 0
+    assert "train.mu_ramp_epochs, train.epochs, train.fixed_mu" in caplog.text

@@ -1120,17 +1120,25 @@ def _shared_bags(train: InstanceSet, val: InstanceSet) -> list[str]:
     return sorted(n for n in val.bag_names if n not in held_out)
 
 
-def _warn_mu_not_reached(config: TrainConfig) -> None:
+def _warn_mu_not_reached(config: TrainConfig, *, resume: bool = False) -> None:
     """Warn when the adaptive schedule (paper eq. 10: μ_t = μ from epoch T on, epochs counted from 0, warm-up
-    epochs included) never reaches μ: T >= the number of epochs, so the last epoch trains at a μ_t above μ."""
+    epochs included) never reaches μ: T >= the number of epochs, so the last epoch trains at a μ_t above μ.
+    The fix names the options and their pipeline settings; a resume (whose T and fixed_mu are the run's own)
+    can only train more epochs."""
     if config.fixed_mu or config.mu_ramp_epochs <= 0 or config.mu_ramp_epochs < config.epochs:
         return
     last = adaptive_mu(config.epochs - 1, mu=config.mu, ramp_epochs=config.mu_ramp_epochs)
+    if resume:
+        fix = (f"resume with --epochs {config.mu_ramp_epochs + 1} or more (T and --fixed-mu are the run's own "
+               "settings, which a resume keeps)")
+    else:
+        ramp = f"{config.epochs - 1} or less" if config.epochs > 1 else "0 (no ramp)"
+        fix = (f"--mu-ramp-epochs {ramp} (μ in the last epoch), more --epochs, or --fixed-mu (in a pipeline: "
+               "train.mu_ramp_epochs, train.epochs, train.fixed_mu)")
     log.warning("the μ schedule never reaches μ = %g: it falls from 0.5 over mu_ramp_epochs (--mu-ramp-epochs) T = %d "
                 "epochs (paper eq. 10, warm-up epochs included) and reaches μ at epoch %d, but the run trains %d "
-                "epoch(s), the last at μ_t = %.4f. Fix: --mu-ramp-epochs %s (μ in the last epoch), more "
-                "--epochs, or --fixed-mu.", config.mu, config.mu_ramp_epochs, config.mu_ramp_epochs + 1,
-                config.epochs, last, f"{config.epochs - 1} or less" if config.epochs > 1 else "0 (no ramp)")
+                "epoch(s), the last at μ_t = %.4f. Fix: %s.", config.mu, config.mu_ramp_epochs,
+                config.mu_ramp_epochs + 1, config.epochs, last, fix)
 
 
 def _resume_checkpoint(out: Path, ckpt_config: dict[str, Any], config: TrainConfig) -> dict[str, Any]:
@@ -1262,7 +1270,7 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
         atomic_write_text(out / "config.json", json.dumps(ckpt_config, indent=2, sort_keys=True,
                                                            default=_json_default) + "\n")
     if dist.is_main and eval_at is None:  # a benchmark grid (eval_at) chooses its epochs and T on purpose
-        _warn_mu_not_reached(config)  # once the run is set up: a setup error comes alone
+        _warn_mu_not_reached(config, resume=resume)  # once the run is set up: a setup error comes alone
     trainer = model
     if dist.enabled:
         from torch.nn.parallel import DistributedDataParallel
