@@ -174,3 +174,35 @@ def test_labels_without_dejavu_fall_back_to_ascii(monkeypatch):
     assert heatmap._um_text(100, font) == "100 um"  # not a box for µ
     panel = heatmap.footer_panel(300, title="slide", um_per_px=10.0)
     assert (panel < 128).any()
+
+
+@pytest.mark.parametrize("width_px, um_per_px", [(64, 32.0), (64, 100.0), (80, 16.0), (300, 10.0)])
+def test_the_scale_bar_label_stays_inside_a_small_image(width_px, um_per_px):
+    """Review AP, finding 7: at heatmap --thumbnail-px 64 the label, centred on a bar at the right edge, ran off
+    the image ('500 µr'). Its ink now ends at least a pixel inside both edges."""
+    from wsi_milssl.inference.heatmap import footer_panel
+
+    panel = footer_panel(width_px, um_per_px=um_per_px)
+    bar = (panel[:, :, 0] == 0) & (panel[:, :, 1] == 0) & (panel[:, :, 2] == 0)
+    first_bar_row = int(np.argmax(bar.sum(axis=1) == bar.sum(axis=1).max()))
+    ink = (panel[:first_bar_row - 1] < 200).any(axis=2)  # the label, above the bar
+    assert ink.any()
+    columns = np.flatnonzero(ink.any(axis=0))
+    assert columns[0] >= 1 and columns[-1] <= width_px - 2, (columns[0], columns[-1])
+
+
+def test_the_colour_bar_shows_what_the_overlay_leaves_unpainted():
+    """Review AP, finding 10: the bar showed viridis's dark low end (which reads like haematoxylin) for values the
+    overlay never paints (below overlay_threshold). Below the threshold the bar is now white, as the overlay
+    leaves those pixels, with a tick at the threshold."""
+    from wsi_milssl.inference.heatmap import colorbar_panel
+
+    plain = colorbar_panel(400, colormap="viridis")
+    cut = colorbar_panel(400, colormap="viridis", threshold=0.5)
+    font_px = 10  # at 400 px: the bar spans x 5..15 and y 2 * font_px .. 400 - font_px
+    column, top, bottom = 8, 2 * font_px, 400 - font_px
+    upper = cut[top + 5:(top + bottom) // 2 - 5, column]
+    lower = cut[(top + bottom) // 2 + 5:bottom - 5, column]
+    assert (lower == 255).all()  # unpainted: white
+    assert (upper != 255).any(axis=1).all()  # painted values keep the colour map
+    assert (plain[(top + bottom) // 2 + 5:bottom - 5, column] != 255).any(axis=1).all()  # no threshold: colour

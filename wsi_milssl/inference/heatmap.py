@@ -234,8 +234,9 @@ def _text(draw: ImageDraw.ImageDraw, xy: tuple[float, float], text: str, *, font
 
 
 def colorbar_panel(height_px: int, *, colormap: str, vmin: float = 0.0, vmax: float = 1.0,
-                   label: str = "P(tumour)") -> np.ndarray:
-    """RGB uint8 (height_px, W, 3) white panel with a vertical colour bar (vmax at the top) and ticks."""
+                   label: str = "P(tumour)", threshold: float | None = None) -> np.ndarray:
+    """RGB uint8 (height_px, W, 3) white panel with a vertical colour bar (vmax at the top) and ticks. With
+    ``threshold`` (the overlay's: lower values are not painted) the bar is white below it, with a tick there."""
     height_px = int(height_px)
     font_px = int(np.clip(round(height_px / 40), 9, 28))
     width = int(font_px * 5.5)
@@ -247,11 +248,18 @@ def colorbar_panel(height_px: int, *, colormap: str, vmin: float = 0.0, vmax: fl
     bar_x0, bar_x1 = font_px // 2, font_px // 2 + max(6, font_px)
     n = max(bottom - top, 2)
     if bottom > top:
-        lut = colormap_lut(colormap, n)[::-1]  # vmax at the top
+        lut = colormap_lut(colormap, n)[::-1].copy()  # vmax at the top
+        if threshold is not None and vmin < threshold:
+            row_values = vmax - (vmax - vmin) * np.arange(n) / max(n - 1, 1)
+            lut[row_values < threshold] = 255  # as the overlay leaves them: unpainted
         bar = np.repeat(lut[:, None, :], bar_x1 - bar_x0, axis=1)
         panel.paste(Image.fromarray(bar), (bar_x0, top))
         draw.rectangle((bar_x0, top, bar_x1 - 1, top + n - 1), outline=(0, 0, 0))
-        for frac in (0.0, 0.25, 0.5, 0.75, 1.0):
+        fracs = [0.0, 0.25, 0.5, 0.75, 1.0]
+        if threshold is not None and vmin < threshold < vmax:
+            cut = (threshold - vmin) / (vmax - vmin)
+            fracs = sorted({f for f in fracs if abs(f - cut) >= 0.1} | {cut})
+        for frac in fracs:
             y = top + (n - 1) * (1.0 - frac)
             value = vmin + frac * (vmax - vmin)
             draw.line((bar_x1, y, bar_x1 + font_px // 2, y), fill=(0, 0, 0))
@@ -295,8 +303,11 @@ def footer_panel(width_px: int, *, title: str | None = None, um_per_px: float | 
         x0 = x1 - bar_px
         y = height - font_px // 2 - 2
         draw.rectangle((x0, y - max(2, font_px // 5), x1, y), fill=(0, 0, 0))
-        _text(draw, ((x0 + x1) / 2, y - max(2, font_px // 5) - 2), _um_text(length_um, font), font=font, anchor="mb")
-        right = x0 - font_px
+        label = _um_text(length_um, font)
+        half_text = draw.textlength(label, font=font) / 2  # centred on the bar, but inside the image
+        centre = min(max((x0 + x1) / 2, half_text + 1), int(width_px) - half_text - 1)
+        _text(draw, (centre, y - max(2, font_px // 5) - 2), label, font=font, anchor="mb")
+        right = min(x0, centre - half_text) - font_px
     if title:
         text = title
         while len(text) > 4 and draw.textlength(text, font=font) > max(right - font_px // 2, 8):
@@ -364,7 +375,7 @@ def render_overlay(
     if title or scale_bar_um_per_px:
         out = np.concatenate([out, footer_panel(w, title=title, um_per_px=scale_bar_um_per_px)], axis=0)
     if colorbar:
-        bar = colorbar_panel(h, colormap=colormap, vmin=vmin, vmax=vmax)
+        bar = colorbar_panel(h, colormap=colormap, vmin=vmin, vmax=vmax, threshold=threshold)
         if out.shape[0] > h:
             bar = np.concatenate([bar, np.full((out.shape[0] - h, bar.shape[1], 3), 255, np.uint8)], axis=0)
         out = np.concatenate([out, bar], axis=1)
