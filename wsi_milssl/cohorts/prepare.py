@@ -639,18 +639,23 @@ def default_template() -> Path:
 _TABLE = re.compile(r"^\s*\[([^\[\]]+)\]\s*(#.*)?$")
 
 
-def _template_body(template: Path) -> str:
+def _template_body(template: Path, *, challenge_froc: bool = True) -> str:
     """The template's text without its leading comments and without its [pipeline], [data] and [synth.*]
     tables (the cohort's slides are real, not generated; every other table, with its comments, is kept
-    as written)."""
+    as written). Without ``challenge_froc`` (another cohort than CAMELYON16 on the packaged template) the
+    [evaluate] table's ``froc_mpp`` line is commented out: CAMELYON16's 0.243 µm/px is no other cohort's, whose
+    FROC is measured at each slide's own µm/px."""
     lines = template.read_text(encoding="utf-8").splitlines()
     out: list[str] = []
     skipping = True  # the preamble before the first table describes the template, not this cohort
+    table = ""
     for line in lines:
         m = _TABLE.match(line)
         if m:
-            name = m.group(1).strip()
-            skipping = name in ("pipeline", "data", "synth") or name.startswith(("pipeline.", "data.", "synth."))
+            table = m.group(1).strip()
+            skipping = table in ("pipeline", "data", "synth") or table.startswith(("pipeline.", "data.", "synth."))
+        if not challenge_froc and table == "evaluate" and re.match(r"^\s*froc_mpp\s*=", line):
+            line = f"# {line.strip()}    # CAMELYON16's: left out by `prepare folder` (each slide's own µm/px)"
         if not skipping:
             out.append(line)
     while out and not out[-1].strip():
@@ -670,7 +675,7 @@ def _set_paths(out: Path, name: str) -> tuple[Path, Path, Path]:
 
 def _pipeline_text(out: Path, *, name: str, template: Path, set_names: Iterable[str],
                    val_fraction: float | None, split_seed: int | None, command: str,
-                   file_name: str = "pipeline.toml") -> str:
+                   file_name: str = "pipeline.toml", challenge_froc: bool = True) -> str:
     from wsi_milssl.config import load_toml
 
     raw = load_toml(template)  # a template that is not TOML fails here, naming the file
@@ -696,7 +701,7 @@ def _pipeline_text(out: Path, *, name: str, template: Path, set_names: Iterable[
                   f"{set_name}_annotations = {_toml_str(rel(ann_dir))}"]
     lines += [f"val_fraction = {val!r}      # training slides held out to choose best.pt (never the test set)",
               f"split_seed = {seed}", "", ""]
-    return "\n".join(lines) + _template_body(template)
+    return "\n".join(lines) + _template_body(template, challenge_froc=challenge_froc)
 
 
 def _command(layout: str, positional: Iterable[str | os.PathLike], options: Mapping[str, object]) -> str:
@@ -791,7 +796,7 @@ def _group_check(sets: Mapping[str, tuple[Mapping[str, Path], Mapping[str, int],
 def _finish(out: Path, *, name: str, template: Path | None,
             sets: dict[str, tuple[Mapping[str, Path], Mapping[str, int], Mapping[str, _Annotation]]],
             val_fraction: float | None, split_seed: int | None, command: str, facts: dict,
-            notes: list[str], patients: Mapping[str, str] | None = None,
+            notes: list[str], patients: Mapping[str, str] | None = None, challenge_froc: bool = True,
             excluded: Iterable[str] = ()) -> PreparedCohort:
     """Write everything: ``sets`` {name: (slides, labels, annotations read)}, all checked and read.
 
@@ -814,7 +819,8 @@ def _finish(out: Path, *, name: str, template: Path | None,
     edited = keep and earlier.get("pipeline_sha256") is not None  # prepare wrote it, and it was changed since
     target = new_toml if keep else toml
     text = _pipeline_text(out, name=name, template=template, set_names=("train", "test"),
-                          val_fraction=val_fraction, split_seed=split_seed, command=command, file_name=target.name)
+                          val_fraction=val_fraction, split_seed=split_seed, command=command, file_name=target.name,
+                          challenge_froc=challenge_froc)
     digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
     run_toml = toml if edited else target  # the pipeline `next:` names
     notes = list(notes)
@@ -1224,4 +1230,5 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
         "--val-fraction": val_fraction, "--exclude": list(exclude), "--out": out})
     return _finish(out, name=name or out.resolve().name, template=template, sets=sets, val_fraction=val_fraction,
                    split_seed=split_seed, command=command, facts=facts, notes=notes, patients=patients,
-                   excluded=excluded)
+                   excluded=excluded, challenge_froc=template is not None)  # the packaged template's froc_mpp
+                                                                             # is CAMELYON16's
