@@ -56,6 +56,8 @@ def test_tiny_image_pipeline_ends_in_a_report_that_renders(tmp_path, monkeypatch
     for key in ("instance_auc", "bag_auc", "froc", "froc_sensitivities", "n_slides", "n_lesions"):
         assert key in metrics
     assert metrics["n_slides"] == 2 and len(metrics["froc_sensitivities"]) == 6
+    # the stage's line names the FROC's protocol, as metrics.json and the report do (review AP, finding 9)
+    assert outcomes[-1].summary.endswith("(75 µm margin, 275 µm ITC limit, each slide's µm/px)"), outcomes[-1].summary
     assert (out / "model" / "last.pt").exists() and (out / "heatmaps" / "test" / "scores.csv").exists()
     data = json.loads((out / "model" / "config.json").read_text())["data"]
     recorded = data["inputs"] + (data["val_inputs"] or []) + [data["labels"]]

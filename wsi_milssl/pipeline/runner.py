@@ -1232,7 +1232,7 @@ def _with_label_settings(spec: PipelineSpec, stage: str):
 
 def _evaluate(ctx: _Context) -> tuple[list[str], str]:
     from wsi_milssl.artifacts import EVALUATION_FILES, parse_heatmap_name
-    from wsi_milssl.evaluation import evaluate_predictions
+    from wsi_milssl.evaluation import evaluate_predictions, froc_protocol_summary
 
     config = _with_label_settings(ctx.spec, "evaluate")
     ds = ctx.spec.sets["test"]
@@ -1251,6 +1251,7 @@ def _evaluate(ctx: _Context) -> tuple[list[str], str]:
     # makes the stage run again, which writes them all
     return _existing(ctx.evaluation_dir / name for name in EVALUATION_FILES.values()), (
         f"instance AUC {fmt(m.get('instance_auc'))}, bag AUC {fmt(m.get('bag_auc'))}, FROC {fmt(m.get('froc'))}"
+        + (f" ({protocol})" if (protocol := froc_protocol_summary(m)) else "")
     )
 
 
