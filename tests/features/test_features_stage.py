@@ -85,10 +85,14 @@ def test_resume_skips_refuses_other_settings_and_overwrites_on_request(tmp_path,
     assert {r.status for r in faster.results} == {"skipped"}
     # ... the features' dtype does: never replaced silently
     half = FeaturesConfig(**{**EXACT.__dict__, "dtype": "float16"})
-    refused = extract_features([stores_copy], out, half)
-    assert not refused.ok
-    assert "made with other settings (dtype 'float32' -> 'float16'). Fix: write to a new folder" in refused.results[0].error
-    assert _status(refused.status_csv)["synth_000"]["status"] == "failed"
+    config_before = (out / "features_config.json").read_bytes()
+    status_before = (out / "features_status.csv").read_bytes()
+    with pytest.raises(ConfigError) as refused:  # before anything is written (review AL, finding 3)
+        extract_features([stores_copy], out, half)
+    assert "made with other settings (dtype 'float32' -> 'float16')" in str(refused.value)
+    assert "nothing was written. Fix: write to a new folder" in str(refused.value)
+    assert (out / "features_config.json").read_bytes() == config_before  # still the files' settings
+    assert (out / "features_status.csv").read_bytes() == status_before
     redone = extract_features([stores_copy], out, half, overwrite=True)
     assert redone.ok and read_feature_file(out / "synth_000.h5").features.dtype == np.float16
     # a store made again (another source fingerprint) is embedded again

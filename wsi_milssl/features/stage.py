@@ -22,9 +22,10 @@ when complete, so a killed run resumes where it stopped; until its last slide is
 hidden mark of the run (:func:`wsi_milssl.tiling.status.marking_unfinished`), so ``train`` on the
 folder of a stopped run warns that slides are missing. A file made with other settings (another
 encoder, weights, dtype, input size or precision), or from another slide file (a slide of the same
-name elsewhere: test slides embedded into a training folder, say), is never replaced silently: that
-slide fails with the fix (``overwrite``, another folder or deleting the file; ``run`` replaces them in
-its own folders); a file whose source changed (a store tiled again, the same slide file changed) is
+name elsewhere: test slides embedded into a training folder, say), is never replaced silently: files of
+other settings stop the run before anything is written (ConfigError, so the folder's features_config.json
+and status rows still describe its files), a file of another slide fails that slide, each with the fix
+(``overwrite``, another folder or deleting the file; ``run`` replaces them in its own folders); a file whose source changed (a store tiled again, the same slide file changed) is
 made again, and one whose store was labelled again gets the new labels in place.
 """
 
@@ -293,18 +294,50 @@ def _check_existing(path: Path, settings: dict[str, Any], settings_hash: str, so
             "this slide's features to another folder with --out; if the other slide's features are no longer "
             "wanted, delete that file (or pass --overwrite, which embeds every slide again).")
     if attrs.get("settings_hash") != settings_hash:
-        try:
-            old = json.loads(str(attrs.get("settings", "{}")))
-        except ValueError:
-            old = {}
-        diffs = [f"{k} {old.get(k)!r} -> {settings.get(k)!r}" for k in sorted(set(old) | set(settings))
-                 if old.get(k) != settings.get(k)]
-        raise StoreError(f"{path}: these features were made with other settings ({'; '.join(diffs) or 'hash differs'}). "
+        raise StoreError(f"{path}: these features were made with other settings ({_settings_diffs(attrs, settings)}). "
                          "Fix: write to a new folder with --out, or pass --overwrite to replace them.")
     if attrs.get("source_hash") != source_hash:
         logger.info("%s: its store or slide changed since; made again", path)
         return None
     return int(attrs.get("n_patches", 0))
+
+
+def _settings_diffs(attrs: dict[str, Any], settings: dict[str, Any]) -> str:
+    """What differs between a feature file's recorded settings (its ``settings`` attribute) and ``settings``."""
+    try:
+        old = json.loads(str(attrs.get("settings", "{}")))
+    except ValueError:
+        old = {}
+    diffs = [f"{k} {old.get(k)!r} -> {settings.get(k)!r}" for k in sorted(set(old) | set(settings))
+             if old.get(k) != settings.get(k)]
+    return "; ".join(diffs) or "hash differs"
+
+
+def _refuse_other_settings(paths: Sequence[Path], settings: dict[str, Any], settings_hash: str) -> None:
+    """ConfigError when feature files of this project at ``paths`` were made with other settings (another encoder,
+    resolution, ...): every slide would fail, and the run would first have rewritten the folder's
+    features_config.json and status rows with settings that made none of its files (review AL, finding 3).
+    Files that cannot be read or are not this project's are left to each slide's own check."""
+    import h5py
+
+    other: list[tuple[Path, str]] = []
+    for path in paths:
+        if not path.is_file():
+            continue
+        try:
+            with h5py.File(path, "r") as fh:
+                attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in fh.attrs.items()}
+        except OSError:
+            continue
+        if attrs.get("schema") != schema.SCHEMA or attrs.get("settings_hash") in (None, settings_hash):
+            continue
+        other.append((path, _settings_diffs(attrs, settings)))
+    if other:
+        first, diffs = other[0]
+        more = f" and {len(other) - 1} more" if len(other) > 1 else ""
+        raise ConfigError(f"{first}{more}: feature files made with other settings ({diffs}) are in "
+                          f"{first.parent}; nothing was written. Fix: write to a new folder with --out, or pass "
+                          "--overwrite to replace them.")
 
 
 def _other_slide(recorded: tuple[str, int | None], given: tuple[str, int | None]) -> bool:
@@ -419,6 +452,8 @@ def _extract_features(inputs: Sequence[str | os.PathLike], out_dir: Path, config
     encoder = model.encoder
     settings = _settings(config, encoder, model)
     settings_hash = _digest(settings)
+    if not overwrite and not replace_other:  # before anything is written: the config and status stay the files'
+        _refuse_other_settings([schema.feature_path(out_dir, it.stem) for it in items], settings, settings_hash)
     out_dir.mkdir(parents=True, exist_ok=True)
     config_json = atomic_write_json(out_dir / CONFIG_FILENAME, {
         "features": config_to_dict(config), "encoder": encoder.describe(), "settings": settings,
