@@ -68,11 +68,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterable, Mapping, NamedTuple
 
-import numpy as np
-
 from wsi_milssl.atomic import atomic_open, atomic_write_bytes, atomic_write_text
-from wsi_milssl.cohorts.labels import read_label_groups, read_labels
+from wsi_milssl.cohorts.labels import read_labels
 from wsi_milssl.cohorts.names import SLIDE_SUFFIXES, file_identity, name_key, slide_stem, stem_key
+from wsi_milssl.cohorts.split import label_groups_for, stratified_split
 from wsi_milssl.errors import ConfigError, LabelsError
 
 __all__ = [
@@ -1049,51 +1048,6 @@ def _labelled_set(slides_dir: Path, labels_csv: Path, skip: list[Path], what: st
     return by_stem, {s: labels[s] for s in by_stem if s in labels}, problems, notes, excluded
 
 
-def _patients(labels_csv: Path, stems: Iterable[str]) -> tuple[str | None, dict[str, str]]:
-    """(the labels file's patient column as written, {stem: patient} of ``stems``) from
-    :func:`wsi_milssl.cohorts.read_label_groups`; (None, {}) without such a column."""
-    found = read_label_groups(labels_csv)
-    if found is None:
-        return None, {}
-    column, groups = found
-    by_key = {stem_key(s): g for s, g in groups.items()}
-    return column, {s: by_key[stem_key(s)] for s in stems if stem_key(s) in by_key}
-
-
-def _split_test(labels: Mapping[str, int], *, fraction: float, seed: int,
-                patients: Mapping[str, str] | None = None) -> tuple[list[str], list[str]]:
-    """Stratified, seeded (train, test) split: ``fraction`` of each class (at least one when the class
-    has two or more slides) goes to the test set.
-
-    With ``patients`` ({stem: patient}, from the labels file's patient column) whole patients are split
-    instead: each patient's slides go to one set, patients stratified by their slides' highest label (a
-    patient with a tumour slide counts as tumour), ``fraction`` of each class of patients (at least one when
-    the class has two or more) to the test set; a slide without a patient is a patient of its own."""
-    rng = np.random.default_rng(seed)
-    train, test = [], []
-    if not patients:
-        for label in (0, 1):
-            group = sorted((s for s, v in labels.items() if v == label), key=str.casefold)
-            rng.shuffle(group)
-            n = int(round(len(group) * fraction))
-            n = min(max(n, 1), len(group) - 1) if len(group) >= 2 else 0
-            test += group[:n]
-            train += group[n:]
-        return sorted(train, key=str.casefold), sorted(test, key=str.casefold)
-    members: dict[str, list[str]] = {}
-    for s in sorted(labels, key=str.casefold):
-        key = f"patient:{name_key(patients[s])}" if patients.get(s) else f"slide:{name_key(s)}"
-        members.setdefault(key, []).append(s)
-    for label in (0, 1):
-        group = sorted(k for k, stems in members.items() if max(labels[s] for s in stems) == label)
-        rng.shuffle(group)
-        n = int(round(len(group) * fraction))
-        n = min(max(n, 1), len(group) - 1) if len(group) >= 2 else 0
-        test += [s for k in group[:n] for s in members[k]]
-        train += [s for k in group[n:] for s in members[k]]
-    return sorted(train, key=str.casefold), sorted(test, key=str.casefold)
-
-
 def _split_change(out: Path, test: list[str]) -> list[str]:
     """A note when ``out`` holds an earlier prepare whose test set differs (slides added or removed move
     others across the seeded split): a model trained there saw slides that are now test slides."""
@@ -1138,7 +1092,7 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
     exclude_keys = _exclude_keys(exclude)
     slides, labels, problems, notes, excluded = _labelled_set(slides_dir, labels_csv, [out],
                                                               "training" if test_slides_dir else "", exclude_keys)
-    column, patients = _patients(labels_csv, slides)
+    column, patients = label_groups_for(labels_csv, slides)
     ann_roots = [Path(annotations_dir)] if annotations_dir is not None else [slides_dir]
     facts = {"slides": str(slides_dir.resolve()), "labels": str(labels_csv.resolve())}
     if test_slides_dir is not None:
@@ -1149,7 +1103,7 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
         excluded = sorted({*excluded, *t_excluded}, key=str.casefold)
         problems += _unknown_excluded(exclude_keys, [*slides, *t_slides, *excluded],
                                       f"{slides_dir} or {test_slides_dir}")
-        t_column, t_patients = _patients(Path(test_labels_csv), t_slides)
+        t_column, t_patients = label_groups_for(Path(test_labels_csv), t_slides)
         both = sorted({name_key(g) for g in patients.values()} & {name_key(g) for g in t_patients.values()})
         if both:
             shown = sorted({g for g in t_patients.values() if name_key(g) in both}, key=str.casefold)
@@ -1183,7 +1137,7 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
         too_few = [word for label, word in ((0, "normal"), (1, "tumour"))
                    if sum(v == label for v in labels.values()) < 2 and labels]
         problems += [f"fewer than two {word} slides: cannot hold any out for the test set" for word in too_few]
-        tr, te = _split_test(labels, fraction=test_fraction, seed=seed, patients=patients)
+        tr, te = stratified_split(labels, fraction=test_fraction, seed=seed, groups=patients, key=str.casefold)
         for label, word in ((0, "normal"), (1, "tumour")):
             if patients and not too_few and not (any(labels[s] == label for s in tr)
                                                  and any(labels[s] == label for s in te)):

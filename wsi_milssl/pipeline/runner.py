@@ -73,11 +73,16 @@ class StageOutcome:
     reason: str = ""
 
 
-def split_train_val(stems: list[str], labels: dict[str, int], *, val_fraction: float, seed: int
-                    ) -> tuple[list[str], list[str]]:
+def split_train_val(stems: list[str], labels: dict[str, int], *, val_fraction: float, seed: int,
+                    groups: dict[str, str] | None = None) -> tuple[list[str], list[str]]:
     """Stratified split of training slides into (train, val); at least one slide of each class in val
-    when there are two or more of that class (never the test set). Raises ConfigError naming the
-    slides that have no label (and the labels file, when ``labels`` is read from one)."""
+    when there are two or more of that class (never the test set): :func:`wsi_milssl.cohorts.stratified_split`.
+    With ``groups`` ({stem: patient}: the labels file's patient column, :func:`_label_groups`) whole patients
+    are held out, stratified by each patient's highest label, as ``prepare folder`` holds out its test set: a
+    patient's slides are all in training or all in validation. Raises ConfigError naming the slides that have
+    no label (and the labels file, when ``labels`` is read from one)."""
+    from wsi_milssl.cohorts import stratified_split
+
     unlabelled = sorted(s for s in stems if s not in labels)
     if unlabelled:
         from wsi_milssl.errors import ConfigError
@@ -89,19 +94,15 @@ def split_train_val(stems: list[str], labels: dict[str, int], *, val_fraction: f
                           "of the training slides.")
     if val_fraction <= 0:
         return sorted(stems), []
-    rng = np.random.default_rng(seed)
-    train, val = [], []
-    for label in sorted({labels[s] for s in stems}):
-        group = sorted(s for s in stems if labels[s] == label)
-        rng.shuffle(group)
-        n_val = int(round(len(group) * val_fraction))
-        if len(group) >= 2:
-            n_val = min(max(n_val, 1), len(group) - 1)
-        else:
-            n_val = 0
-        val += group[:n_val]
-        train += group[n_val:]
-    return sorted(train), sorted(val)
+    return stratified_split({s: labels[s] for s in stems}, fraction=val_fraction, seed=seed, groups=groups)
+
+
+def _label_groups(labels_csv, names) -> dict[str, str]:
+    """{name: patient} of ``names`` from the labels file's patient column (:data:`wsi_milssl.cohorts.GROUP_COLUMNS`,
+    as ``prepare folder`` writes it into train_labels.csv); {} without one: slides are split one by one."""
+    from wsi_milssl.cohorts import label_groups_for
+
+    return label_groups_for(labels_csv, names)[1]
 
 
 class _Context:
@@ -451,9 +452,20 @@ def _train_configs(ctx: _Context, mode: str) -> tuple[list[dict], list, str]:
     return runs, configs, source
 
 
-def _no_validation_cause(stems: list[str], labels, what: str) -> str:
+def _no_validation_cause(stems: list[str], labels, what: str, groups: dict[str, str] | None = None) -> str:
     """Why :func:`split_train_val` held out no ``what`` (slide or bag) with ``val_fraction`` > 0: each class
-    has fewer than 2 training ``what``s."""
+    has fewer than 2 training ``what``s (with ``groups``: patients, by their highest label)."""
+    if groups:
+        from wsi_milssl.cohorts.names import name_key
+
+        highest: dict[str, int] = {}
+        for s in stems:
+            unit = f"patient:{name_key(groups[s])}" if groups.get(s) else f"{what}:{s}"
+            highest[unit] = max(highest.get(unit, 0), int(labels[s]))
+        tumour = sum(highest.values())
+        return (f"split_train_val holds out whole patients (the labels file's patient column), a patient of a class "
+                f"only when the class has at least 2 training patients (by each patient's highest label); here: "
+                f"{tumour} tumour, {len(highest) - tumour} normal patients")
     tumour = sum(1 for s in stems if labels[s] == 1)
     return (f"split_train_val puts a {what} of a class into validation only when the class has at least 2 training "
             f"{what}s; here: {tumour} tumour, {len(stems) - tumour} normal")
@@ -486,13 +498,15 @@ def _names(stems: list[str]) -> str:
 
 
 def _refuse_grid_without_validation(configs: list, stems: list[str], labels, val: list, *, val_fraction: float,
-                                    source: str, what: str, would_val: list | None = None) -> None:
+                                    source: str, what: str, would_val: list | None = None,
+                                    groups: dict[str, str] | None = None) -> None:
     """ConfigError for a [train.grid] of two or more points (``configs``, TrainConfigs) whose split of ``stems``
     (training slides or bags) holds out no validation ``what`` to choose a point on. With ``val_fraction`` = 0,
     ``would_val`` (what :data:`SUGGESTED_VAL_FRACTION` would hold out; None when unknown) lets the refusal name
     every fix needed at once: more training ``what``s too, where that split would hold out none, or only ones
     its select_metric cannot use. A single run trains on; when ``val_fraction`` > 0 gave no validation
-    ``what``, one warning says that it keeps last.pt, as no epoch can be chosen."""
+    ``what``, one warning says that it keeps last.pt, as no epoch can be chosen. ``groups``: the patients the
+    split holds out whole (:func:`split_train_val`), counted in the cause."""
     from wsi_milssl.errors import ConfigError
 
     grid = f"a [train.grid] of {len(configs)} points"
@@ -504,7 +518,7 @@ def _refuse_grid_without_validation(configs: list, stems: list[str], labels, val
                "the test set)")
         if would_val is not None and not would_val:
             raise ConfigError(f"{needs}, and any val_fraction > 0 would hold out none: "
-                              f"{_no_validation_cause(stems, labels, what)}. Fix: {fix} and add training {what}s "
+                              f"{_no_validation_cause(stems, labels, what, groups)}. Fix: {fix} and add training {what}s "
                               f"so that a class has at least 2 (both classes, for select_metric = \"bag_auc\"), or "
                               "drop [train.grid].")
         problem = _selection_problem(configs, would_val, labels) if would_val else None
@@ -512,13 +526,13 @@ def _refuse_grid_without_validation(configs: list, stems: list[str], labels, val
             metric, why = problem
             raise ConfigError(f"{needs}, and val_fraction = {SUGGESTED_VAL_FRACTION:g} would hold out "
                               f"{_names(would_val)}: {why} (select_metric \"{metric}\"), as with any val_fraction "
-                              f"> 0: {_no_validation_cause(stems, labels, what)}. Fix: {fix} and either "
+                              f"> 0: {_no_validation_cause(stems, labels, what, groups)}. Fix: {fix} and either "
                               f"{_USE_BAG_NLL} or add training {what}s so that each class has at least 2; or drop "
                               "[train.grid].")
         raise ConfigError(f"{needs}. Fix: {fix}, or drop [train.grid].")
     if val:
         return
-    cause = _no_validation_cause(stems, labels, what)
+    cause = _no_validation_cause(stems, labels, what, groups)
     if len(configs) > 1:
         raise ConfigError(f"{source}: {grid} needs validation {what}s to choose one on, but [data].val_fraction "
                           f"= {val_fraction:g} gave none, as any would: {cause}. Fix: add training {what}s so "
@@ -533,10 +547,11 @@ _USE_BAG_NLL = 'set select_metric = "bag_nll" in [train] (the validation bag los
 
 
 def _refuse_unusable_validation(configs: list, stems: list[str], labels, val: list, *, val_fraction: float,
-                                source: str, what: str) -> None:
+                                source: str, what: str, groups: dict[str, str] | None = None) -> None:
     """ConfigError for a run (single, or a [train.grid]'s points: ``configs``, TrainConfigs) whose select_metric
     the validation ``what``s ``val`` split off ``stems`` can never give, as far as their labels tell
-    (:func:`_selection_problem`: bag AUC on one class): train would certainly fail on them."""
+    (:func:`_selection_problem`: bag AUC on one class): train would certainly fail on them. ``groups`` as
+    :func:`_refuse_grid_without_validation` takes them."""
     from wsi_milssl.errors import ConfigError
 
     problem = _selection_problem(configs, val, labels) if val else None
@@ -545,7 +560,7 @@ def _refuse_unusable_validation(configs: list, stems: list[str], labels, val: li
     metric, why = problem
     more = f"add training {what}s so that each class has at least 2"
     held = (f"[data].val_fraction = {val_fraction:g} holds out {_names(val)}: {why}, as any val_fraction > 0 "
-            f"would: {_no_validation_cause(stems, labels, what)}")
+            f"would: {_no_validation_cause(stems, labels, what, groups)}")
     if len(configs) > 1:
         raise ConfigError(f"{source}: a [train.grid] of {len(configs)} points is chosen on the validation {what}s "
                           f"by select_metric \"{metric}\", but {held}. Fix: {_USE_BAG_NLL}, or {more}.")
@@ -636,10 +651,11 @@ def _train(ctx: _Context) -> tuple[list[str], str]:
     ds = ctx.spec.sets["train"]
     labels = read_labels_csv(ds.labels)
     stores = _set_stores(ctx, "train")
+    groups = _label_groups(ds.labels, sorted(stores))
     train_stems, val_stems = split_train_val(sorted(stores), labels, val_fraction=ctx.spec.val_fraction,
-                                             seed=ctx.spec.split_seed)
+                                             seed=ctx.spec.split_seed, groups=groups)
     _refuse_grid_without_validation(configs, sorted(stores), labels, val_stems, val_fraction=ctx.spec.val_fraction,
-                                    source=source, what="slide")
+                                    source=source, what="slide", groups=groups)
     train = read_patch_stores([stores[s] for s in train_stems], labels)
     val = read_patch_stores([stores[s] for s in val_stems], labels) if val_stems else None
     # absolute, as `train` records them: `train --resume OUT/model` may run from another folder
@@ -974,10 +990,11 @@ def _train_features(ctx: _Context) -> tuple[list[str], str]:
     labels_csv = Path(ds.labels).resolve()
     data = read_feature_files(files, read_labels_csv(labels_csv))
     labels = {name: int(lab) for name, lab in zip(data.bag_names, data.bag_labels)}
+    groups = _label_groups(labels_csv, list(data.bag_names))
     train_names, val_names = split_train_val(list(data.bag_names), labels, val_fraction=ctx.spec.val_fraction,
-                                             seed=ctx.spec.split_seed)
+                                             seed=ctx.spec.split_seed, groups=groups)
     _refuse_grid_without_validation(configs, list(data.bag_names), labels, val_names,
-                                    val_fraction=ctx.spec.val_fraction, source=source, what="bag")
+                                    val_fraction=ctx.spec.val_fraction, source=source, what="bag", groups=groups)
     index = {n: i for i, n in enumerate(data.bag_names)}
     train = data.subset_bags([index[n] for n in train_names])
     val = data.subset_bags([index[n] for n in val_names]) if val_names else None
@@ -1439,6 +1456,7 @@ def refuse_unusable_split(spec: PipelineSpec, *, read_lists: bool) -> None:
             or (ds.synth is None and ds.slides is None)):
         return
     stems: list[str] = []
+    groups: dict[str, str] = {}
     try:
         if ds.synth is not None:  # synth_NNN, labelled as generate_slides labels them
             labels = {f"synth_{i:03d}": int(flag) for i, flag in enumerate(tumour_flags(ds.synth))}
@@ -1446,18 +1464,20 @@ def refuse_unusable_split(spec: PipelineSpec, *, read_lists: bool) -> None:
         elif read_lists:
             stems = sorted(slide_stem(p) for p in find_slides([ds.slides], keep_missing=True))
             labels = read_labels_csv(ds.labels)
+            groups = _label_groups(ds.labels, stems)
         if stems:
-            _, val = split_train_val(stems, labels, val_fraction=spec.val_fraction, seed=spec.split_seed)
+            _, val = split_train_val(stems, labels, val_fraction=spec.val_fraction, seed=spec.split_seed,
+                                     groups=groups)
             would_val = (split_train_val(stems, labels, val_fraction=SUGGESTED_VAL_FRACTION,
-                                         seed=spec.split_seed)[1] if spec.val_fraction <= 0 else None)
+                                         seed=spec.split_seed, groups=groups)[1] if spec.val_fraction <= 0 else None)
     except WsiMilsslError:
         stems = []
     if stems:
         if len(configs) > 1:  # (a single run without validation: train warns, once)
             _refuse_grid_without_validation(configs, stems, labels, val, val_fraction=spec.val_fraction,
-                                            source=source, what="slide", would_val=would_val)
+                                            source=source, what="slide", would_val=would_val, groups=groups)
         _refuse_unusable_validation(configs, stems, labels, val, val_fraction=spec.val_fraction, source=source,
-                                    what="slide")
+                                    what="slide", groups=groups)
     elif spec.val_fraction <= 0:  # a grid: no split holds out anything with val_fraction = 0
         _refuse_grid_without_validation(configs, [], {}, [], val_fraction=0.0, source=source, what="slide")
 
