@@ -50,7 +50,7 @@ def run_and_report(pipeline: Path, *, out: Path | None, force=(), until=None, ov
 
     def show(outcome) -> None:
         if outcome.status == "skipped":
-            print(f"[{outcome.stage}] skipped (up to date)", flush=True)
+            print(f"[{outcome.stage}] skipped ({outcome.summary or 'up to date'})", flush=True)
         else:
             why = f" ({outcome.reason})" if outcome.reason else ""
             print(f"[{outcome.stage}] {outcome.seconds:.1f} s{why}: {outcome.summary}", flush=True)

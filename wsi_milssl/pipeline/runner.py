@@ -17,7 +17,11 @@ Every stage writes under the pipeline's output folder::
 A stage is skipped when its stamp matches its settings and the stamps of the stages it reads from, and
 its outputs still exist, and no earlier stage ran since its stamp was written (a stage that starts marks the
 stamps of the later ones: :func:`wsi_milssl.pipeline.stamps.mark_outdated`, so a stage run under ``--until``
-makes the later ones run next time); one that runs says why (:attr:`StageOutcome.reason`). Each stage reads
+makes the later ones run next time), and the model and heatmap files it reads are as it left them (size
+and modification time: :data:`_CHECKED_FILES`); one that runs says why (:attr:`StageOutcome.reason`). Files changed outside the
+pipeline (``train --resume OUT/model``, a heatmap file replaced by hand) are kept by the stage that wrote them,
+whose outcome says so ("up to date; kept: model/best.pt changed outside the pipeline (train --resume?)"), and
+make the stages that read them run again ("input changed: model/best.pt"). Each stage reads
 only the stores (feature files, heatmap files) of the slides now in each set: those of slides a changed split
 moved to the other set stay on disk, ignored with a warning (``scores.csv`` lists the test set's slides
 only). A stage that runs again after an interruption goes on from what is finished: ``tile`` keeps every
@@ -53,8 +57,8 @@ from wsi_milssl.config.train import RUNTIME_ONLY_FIELDS
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.locks import folder_lock
 from wsi_milssl.pipeline.spec import RESOLVED_FILENAME, STAGES, PipelineSpec, stage_config, write_resolved_pipeline
-from wsi_milssl.pipeline.stamps import (fingerprint_paths, mark_outdated, mark_running, read_stamp, stale_reason,
-                                        stamp_digest, write_stamp)
+from wsi_milssl.pipeline.stamps import (changed_outputs, fingerprint_paths, mark_outdated, mark_running, read_stamp,
+                                        stale_reason, stamp_digest, write_stamp)
 
 __all__ = ["StageOutcome", "run_pipeline", "split_train_val"]
 
@@ -1556,7 +1560,7 @@ def _run_stages(spec: PipelineSpec, stages: list[str], forced: set[str], *,
         if stale is None and stage == "evaluate":
             stale = _earlier_evaluation(ctx)
         if stale is None and not ran_before and forced_first is None:
-            outcome = StageOutcome(stage, "skipped", 0.0, "up to date")
+            outcome = StageOutcome(stage, "skipped", 0.0, "up to date" + _kept_note(ctx, stage))
         else:
             if forced_first is not None:
                 reason = f"forced (--force {forced_first})"
@@ -1577,13 +1581,51 @@ def _run_stages(spec: PipelineSpec, stages: list[str], forced: set[str], *,
             mark_outdated(ctx.state, STAGES[STAGES.index(stage) + 1:], by=stage)
             mark_running(ctx.state, stage)
             outputs, summary = runner(ctx)
-            write_stamp(ctx.state, stage, digest=digest, outputs=outputs, settings=settings, inputs=inputs)
+            write_stamp(ctx.state, stage, digest=digest, outputs=outputs, settings=settings, inputs=inputs,
+                        reads=_file_reads(spec, stage))
             outcome = StageOutcome(stage, "ran", time.perf_counter() - start, summary, reason)
         outcomes.append(outcome)
         if on_stage is not None:
             on_stage(outcome)
     emit(progress, ProgressEvent("pipeline", len(stages), len(stages), unit="stage"))
     return outcomes
+
+
+#: the stages whose output files a hand command may replace in place (``train --resume OUT/model``, ``heatmap``
+#: into ``OUT/heatmaps``) and whose readers are cheap to run again (heatmap keeps every slide predicted with the
+#: same checkpoint). The files of tile, label and features are not checked: a folder copied without its
+#: modification times (``cp -r``) would otherwise label and train again.
+_CHECKED_FILES = ("train", "heatmap")
+
+
+def _file_reads(spec: PipelineSpec, stage: str) -> tuple[str, ...]:
+    """The stages whose output files ``stage`` reads and whose identities its stamp records (:func:`write_stamp`'s
+    ``reads``): among :data:`_CHECKED_FILES`, those its digest covers, and in a feature pipeline (``[data] mode =
+    "features"``) the model that evaluate reads."""
+    if spec.mode == "features":
+        return ("train",) if stage == "evaluate" else ()
+    upstream = (_EMBEDDED_UPSTREAM if spec.feature_stage else _UPSTREAM)[stage]
+    return tuple(s for s in upstream if s in _CHECKED_FILES)
+
+
+#: what may have changed the output files of a stage of :data:`_CHECKED_FILES` outside the pipeline: said
+#: when it keeps them
+_CHANGED_BY = {"train": "train --resume?", "heatmap": "heatmap run by hand?"}
+
+
+def _kept_note(ctx: _Context, stage: str) -> str:
+    """"; kept: FILES changed outside the pipeline (HOW?)" for a stage that is up to date though output files of
+    it changed since it wrote them (:func:`wsi_milssl.pipeline.stamps.changed_outputs`: ``train --resume
+    OUT/model`` continued the model); "" when none did. The stage keeps them (nothing is trained or drawn again,
+    nothing renamed); the stages that read them run again, saying "input changed: FILES"."""
+    changed = changed_outputs(ctx.state, stage) if stage in _CHECKED_FILES else []
+    if not changed:
+        return ""
+    shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+    how = f" ({_CHANGED_BY[stage]})"
+    log.warning("%s: %s changed since the pipeline wrote %s%s; kept, and the stages that read %s run again",
+                stage, shown, "it" if len(changed) == 1 else "them", how, "it" if len(changed) == 1 else "them")
+    return f"; kept: {shown} changed outside the pipeline{how}"
 
 
 def _remove_resolved_pipeline(spec: PipelineSpec) -> None:

@@ -8,6 +8,14 @@ are found below OUT too (:func:`_output_exists`). A stage is skipped when a stam
 with the same digest exists and every recorded output still exists. Stamps also record what the digest
 covered (``settings``: {name: value}; ``inputs``: the upstream digests and the fingerprints), so that a
 stage that runs again can say why (:func:`stale_reason`); stamps of earlier versions hold only the digest.
+Stamps also record the identity (size and modification time: one ``stat`` per file) of each output file when the
+stage finished (``output_ids``) and of the output files of the stages it reads from as it left them (``input_ids``:
+after it ran, with the SHA-256 of each, so that a file whose modification time alone changed, as in a folder
+copied by ``cp -r``, is compared by its bytes). The runner records those of the model and heatmap files only
+(``_CHECKED_FILES`` in :mod:`wsi_milssl.pipeline.runner`). An output changed since (``train --resume OUT/model``, a heatmap
+file replaced by hand) makes every stage that reads it run again ("input changed: model/best.pt"), while the
+stage that wrote it keeps it and says so (:func:`changed_outputs`); stamps without these records (earlier
+versions') are not checked.
 A stage that starts running marks the stamps of every later stage as out of date (:func:`mark_outdated`): a
 stage that ran again with the same settings and inputs (``--force``, an output missing) writes the same
 digest, so without the mark a later stage that this run does not reach (``--until``, a kill, an error)
@@ -19,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -26,7 +35,7 @@ from typing import Any, Iterable, Sequence
 from wsi_milssl.atomic import atomic_write_json
 
 __all__ = ["StageStamp", "fingerprint_paths", "stamp_digest", "read_stamp", "write_stamp", "mark_running",
-           "mark_outdated", "stale_reason"]
+           "mark_outdated", "stale_reason", "changed_outputs"]
 
 StageStamp = dict[str, Any]
 
@@ -36,6 +45,14 @@ OUTDATED_BY = "outdated_by"
 #: the stamp key saying that its relative outputs are relative to OUT (stamps of earlier versions: relative to
 #: the folder their run started in, or absolute)
 OUTPUTS_BELOW = "outputs_below"
+
+
+#: the stamp key of its output files' identities ({recorded output: [size, mtime_ns]}) when the stage finished
+OUTPUT_IDS = "output_ids"
+
+#: the stamp key of the identities of the output files of the stages it reads from ({stage: {recorded output:
+#: [size, mtime_ns]}}), as the stage left them
+INPUT_IDS = "input_ids"
 
 
 #: files up to this size are fingerprinted by their content (labels, annotations, slide lists: a file
@@ -86,18 +103,115 @@ def _plain(value: Any) -> Any:
 
 
 def write_stamp(state_dir: str | os.PathLike, stage: str, *, digest: str, outputs: list[str],
-                settings: dict[str, Any] | None = None, inputs: dict[str, Any] | None = None) -> None:
+                settings: dict[str, Any] | None = None, inputs: dict[str, Any] | None = None,
+                reads: Iterable[str] = ()) -> None:
     """Write the stamp of ``stage``; ``settings`` ({name: value}) and ``inputs`` ({"upstream": {stage:
-    digest}, "external": fingerprints}) are what ``digest`` covered, recorded for :func:`stale_reason`."""
+    digest}, "external": fingerprints}) are what ``digest`` covered, recorded for :func:`stale_reason`; the
+    identities of ``outputs`` and of the outputs of the stages in ``reads`` (those whose files the stage reads),
+    as they are now, for :func:`stale_reason` and :func:`changed_outputs`."""
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = Path(os.path.abspath(state_dir)).parent
     stamp: StageStamp = {"stage": stage, "digest": digest,
-                         "outputs": [_recorded(p, state_dir.parent) for p in outputs], OUTPUTS_BELOW: "OUT"}
+                         "outputs": [_recorded(p, out_dir) for p in outputs], OUTPUTS_BELOW: "OUT"}
     if settings is not None:
         stamp["settings"] = _plain(settings)
     if inputs is not None:
         stamp["inputs"] = _plain(inputs)
+    stamp[OUTPUT_IDS] = _identities(stamp, out_dir)
+    read_ids = {}
+    for upstream in reads:
+        recorded = read_stamp(state_dir, upstream)
+        if recorded is not None and upstream != stage:
+            read_ids[upstream] = _identities(recorded, out_dir, with_sha256=True)
+    stamp[INPUT_IDS] = read_ids
     atomic_write_json(_stamp_path(state_dir, stage), stamp)
+
+
+def _file_identity(path: Path, with_sha256: bool = False) -> list | None:
+    """[size in bytes, modification time in ns] of the regular file ``path``, and the SHA-256 of its bytes with
+    ``with_sha256``; None when it is not one (gone, a folder)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    return [st.st_size, st.st_mtime_ns] + ([_sha256(path)] if with_sha256 else [])
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _same_file(identity: list, path: Path) -> bool:
+    """Whether ``path`` is the file whose identity was recorded: the same size and modification time, or, where
+    only the modification time differs and the identity holds a SHA-256 (the files a stage read), the same bytes
+    (a folder copied without its times, ``cp -r``, is not a change)."""
+    now = _file_identity(path)
+    if now is None or not isinstance(identity, list) or len(identity) < 2:
+        return False
+    if now == identity[:2]:
+        return True
+    return now[0] == identity[0] and len(identity) > 2 and _sha256(path) == identity[2]
+
+
+def _identities(stamp: StageStamp, out_dir: Path, with_sha256: bool = False) -> dict[str, list]:
+    """{recorded output: [size, mtime_ns] (and its SHA-256 with ``with_sha256``)} of the output files a stamp of
+    this version records (relative ones below ``out_dir``), as they are now; {} for a stamp of an earlier version
+    (its relative paths may be relative to another folder)."""
+    if stamp.get(OUTPUTS_BELOW) != "OUT":
+        return {}
+    ids = {}
+    for recorded in stamp.get("outputs", []):
+        identity = _file_identity(_located(recorded, out_dir), with_sha256)
+        if identity is not None:
+            ids[recorded] = identity
+    return ids
+
+
+def _located(recorded: str, out_dir: Path) -> Path:
+    """Where an output that a stamp of this version records is: an absolute path as it is, a relative one
+    below ``out_dir``."""
+    path = Path(recorded)
+    return path if path.is_absolute() else out_dir.joinpath(*path.parts)
+
+
+def _changed(recorded: dict, out_dir: Path) -> list[str]:
+    """The outputs among ``recorded`` ({recorded output: [size, mtime_ns]}) whose identity differs now (a file
+    gone counts)."""
+    return [p for p, identity in recorded.items() if not _same_file(identity, _located(p, out_dir))]
+
+
+def _shown(paths: list[str]) -> str:
+    return ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+
+
+def changed_outputs(state_dir: str | os.PathLike, stage: str) -> list[str]:
+    """The output files of ``stage`` (as its stamp records them: relative to OUT when inside it) that changed
+    outside the pipeline: they are not the files its stamp recorded when the stage finished (size and
+    modification time) nor those a stamp of a stage that read them recorded (:func:`_same_file`: also by
+    content). A stage whose outputs changed so stays up to date (``train
+    --resume OUT/model`` continued the pipeline's model: it is kept), while the stages that read them run again
+    (:func:`stale_reason`). [] for a stamp without these records (an earlier version's)."""
+    state_dir = Path(state_dir)
+    stamp = read_stamp(state_dir, stage)
+    if not stamp or stamp.get(OUTPUTS_BELOW) != "OUT" or not isinstance(stamp.get(OUTPUT_IDS), dict):
+        return []
+    out_dir = Path(os.path.abspath(state_dir)).parent
+    changed = _changed(stamp[OUTPUT_IDS], out_dir)
+    if not changed:
+        return []
+    readers = []  # what each stage that read the outputs recorded of them
+    for path in sorted(state_dir.glob("*.json")):
+        other = read_stamp(state_dir, path.stem) if path.stem != stage else None
+        if other and isinstance(other.get(INPUT_IDS), dict):
+            readers.append(other[INPUT_IDS].get(stage) or {})
+    return [p for p in changed if not any(p in ids and _same_file(ids[p], _located(p, out_dir)) for ids in readers)]
 
 
 def mark_running(state_dir: str | os.PathLike, stage: str) -> None:
@@ -126,7 +240,9 @@ def stale_reason(state_dir: str | os.PathLike, stage: str, digests: Iterable[str
     """None when ``stage`` is up to date: its stamp holds one of ``digests`` (this version's, an earlier
     version's), is not marked running (:func:`mark_running`) nor out of date (:func:`mark_outdated`) and every
     output it records exists (those inside OUT checked below the stamp's own OUT, wherever it is now:
-    :func:`_output_exists`). Else why not, in one line: no stamp, a run that did not finish, an output missing,
+    :func:`_output_exists`) and no output file of the stages it read changed since it read them (size or
+    modification time, as the stamp recorded them: ``input changed: model/best.pt``). Else why not, in one line:
+    no stamp, a run that did not finish, an output missing, an output of a stage it read changed since,
     the names of the settings that changed, the inputs that changed (a stage read from, a file or slide
     added, removed or changed), an earlier stage that ran since ("the tile stage ran since its last run"; "the
     label stage ran before it" when it, or the last of ``ran``, the stages this run ran, did), or, from a
@@ -145,9 +261,15 @@ def stale_reason(state_dir: str | os.PathLike, stage: str, digests: Iterable[str
         out_dir = Path(os.path.abspath(state_dir)).parent
         below = stamp.get(OUTPUTS_BELOW) == "OUT"
         missing = [p for p in stamp.get("outputs", []) if not _output_exists(p, out_dir, below_out=below)]
-        if not missing:
-            return None
-        return f"output missing: {out_dir / missing[0] if below else missing[0]}"
+        if missing:
+            return f"output missing: {out_dir / missing[0] if below else missing[0]}"
+        # the files of the stages it read, changed since it read them (train --resume OUT/model, a heatmap file
+        # replaced by hand); a stamp without the record (an earlier version's) is not checked
+        read_ids = stamp.get(INPUT_IDS) if below and isinstance(stamp.get(INPUT_IDS), dict) else {}
+        changed = [p for upstream in sorted(read_ids) for p in _changed(read_ids[upstream], out_dir)]
+        if changed:
+            return f"input changed: {_shown(changed)}"
+        return None
     detailed = isinstance(stamp.get("settings"), dict) and isinstance(stamp.get("inputs"), dict)
     changes = _changes(stamp["settings"], _plain(settings), stamp["inputs"], _plain(inputs)) if detailed else []
     if changes:

@@ -1,0 +1,196 @@
+"""Output files changed outside the pipeline since their stage wrote them (review AL, finding 2). After
+``wsi-milssl train --resume OUT/model`` (which the README offers for a pipeline's model) replaced best.pt and
+last.pt, ``run`` said train, heatmap and evaluate were up to date, and heatmap_config.json kept the old
+checkpoint's SHA-256. Now the stages that read a changed file run again ("input changed: model/best.pt"),
+while the stage that wrote it keeps it (nothing trained again, nothing renamed) and says so; likewise a heatmap
+file replaced by hand makes evaluate run. Stamps of earlier versions, which record no file identities, stay up
+to date."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+
+import pytest
+
+from tinypipeline import GENERATED_SLIDES
+from wsi_milssl.cli import main
+from wsi_milssl.pipeline import load_pipeline, run_pipeline
+from wsi_milssl.pipeline import stamps
+
+PIPELINE = """
+[pipeline]
+name = "changed"
+""" + GENERATED_SLIDES + """[train]
+mode = "images"
+model = "resnet18"
+epochs = 1
+batch_size = 32
+mu_ramp_epochs = 0
+num_workers = 0
+plots = false
+[heatmap]
+num_workers = 0
+thumbnail_px = 64
+[evaluate]
+thumbnail_px = 64
+"""
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    root = tmp_path_factory.mktemp("changed")
+    toml = root / "changed.toml"
+    toml.write_text(PIPELINE)
+    run_pipeline(load_pipeline(toml, out_dir=root / "out"))
+    return toml, root / "out"
+
+
+@pytest.fixture()
+def out(finished, tmp_path):
+    toml, base = finished
+    shutil.copytree(base, tmp_path / "out", symlinks=True)  # (copy2: modification times kept)
+    shutil.copy(toml, tmp_path / "changed.toml")
+    return tmp_path / "out"
+
+
+def _run(out) -> dict[str, tuple[str, str, str]]:
+    spec = load_pipeline(out.parent / "changed.toml", out_dir=out)
+    return {o.stage: (o.status, o.reason, o.summary) for o in run_pipeline(spec)}
+
+
+def _sha256(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_a_model_resumed_by_train_is_kept_and_heatmap_and_evaluate_run_again(out, caplog, capsys):
+    assert {s for s, _, _ in _run(out).values()} == {"skipped"}
+    old = _sha256(out / "model" / "best.pt")
+    assert main(["train", "--resume", str(out / "model"), "--epochs", "2"]) == 0
+    assert _sha256(out / "model" / "best.pt") != old
+    resumed = {name: _sha256(out / "model" / name) for name in ("best.pt", "last.pt")}
+    capsys.readouterr()
+    assert main(["run", str(out.parent / "changed.toml"), "--out", str(out), "--until", "train"]) == 0
+    assert ("[train] skipped (up to date; kept: model/best.pt, model/last.pt changed outside the pipeline (train "
+            "--resume?))") in capsys.readouterr().out
+    outcomes = _run(out)
+    assert [outcomes[s][0] for s in ("synth", "tile", "label", "train")] == ["skipped"] * 4
+    # train keeps the resumed model, and its line says that its files changed outside the pipeline
+    assert outcomes["train"][2] == ("up to date; kept: model/best.pt, model/last.pt changed outside the pipeline "
+                                    "(train --resume?)")
+    assert "train: model/best.pt, model/last.pt changed since the pipeline wrote them (train --resume?)" in caplog.text
+    assert {name: _sha256(out / "model" / name) for name in resumed} == resumed
+    assert not list(out.glob("model.replaced-*"))
+    assert outcomes["heatmap"][:2] == ("ran", "input changed: model/best.pt, model/last.pt")
+    assert outcomes["evaluate"][0] == "ran"
+    config = json.loads((out / "heatmaps" / "test" / "heatmap_config.json").read_text())
+    assert config["checkpoint_sha256"] == resumed["best.pt"]
+    # then everything is up to date, without the note
+    again = _run(out)
+    assert {s for s, _, _ in again.values()} == {"skipped"} and again["train"][2] == "up to date"
+
+
+def test_a_heatmap_file_replaced_by_hand_makes_evaluate_run(out):
+    probs = out / "heatmaps" / "test" / "synth_000_probs.npy"
+    import numpy as np
+
+    np.save(probs, np.load(probs) * 0.5)  # other probabilities, the same size
+    outcomes = _run(out)
+    assert outcomes["heatmap"][0] == "skipped"
+    assert outcomes["heatmap"][2] == ("up to date; kept: heatmaps/test/synth_000_probs.npy changed outside the "
+                                      "pipeline (heatmap run by hand?)")
+    assert outcomes["evaluate"][:2] == ("ran", "input changed: heatmaps/test/synth_000_probs.npy")
+    assert {s for s, _, _ in _run(out).values()} == {"skipped"}
+
+
+def test_a_copy_without_modification_times_is_up_to_date(out, tmp_path):
+    """``cp -r`` gives every file a new modification time: the model and heatmap files are then compared by
+    their bytes, so nothing runs again."""
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy, symlinks=True, copy_function=shutil.copyfile)
+    for path in (copy / "model" / "best.pt", copy / "heatmaps" / "test" / "synth_000_probs.npy"):
+        assert path.stat().st_mtime_ns != (out / path.relative_to(copy)).stat().st_mtime_ns
+    outcomes = _run(copy)
+    assert {s for s, _, _ in outcomes.values()} == {"skipped"}
+    assert outcomes["train"][2] == "up to date" and outcomes["heatmap"][2] == "up to date"
+
+
+def test_stores_changed_in_place_are_not_checked(out):
+    """label writes the instance labels into tile's stores after tile's stamp, and a folder copied without its
+    modification times (``cp -r``) would look changed: only the model and heatmap files are checked, so tile
+    says nothing and label and train stay up to date."""
+    store = out / "stores" / "train" / "synth_000.h5"
+    st = store.stat()
+    os.utime(store, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert json.loads((out / ".pipeline" / "label.json").read_text())[stamps.INPUT_IDS] == {}
+    outcomes = _run(out)
+    assert {s for s, _, _ in outcomes.values()} == {"skipped"}
+    assert outcomes["tile"][2] == "up to date" and outcomes["label"][2] == "up to date"
+
+
+def test_stamps_without_file_identities_stay_up_to_date(out):
+    for path in (out / ".pipeline").glob("*.json"):
+        stamp = json.loads(path.read_text())
+        stamp.pop(stamps.OUTPUT_IDS)
+        stamp.pop(stamps.INPUT_IDS)
+        path.write_text(json.dumps(stamp))
+    best = out / "model" / "best.pt"
+    st = best.stat()
+    os.utime(best, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    outcomes = _run(out)
+    assert {s for s, _, _ in outcomes.values()} == {"skipped"} and outcomes["train"][2] == "up to date"
+
+
+FEATURES = """
+[pipeline]
+name = "feat"
+[data]
+mode = "features"
+train_features = "bags/train"
+train_labels = "bags/train/labels.csv"
+test_features = "bags/test"
+test_labels = "bags/test/labels.csv"
+val_fraction = 0.25
+[train]
+model = "linear"
+epochs = 3
+batch_size = 32
+plots = false
+"""
+
+
+def _bags(folder, n: int, seed: int) -> None:
+    import h5py
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True)
+    lines = ["slide,label"]
+    for b in range(n):
+        x = rng.normal(size=(20, 8)).astype(np.float32)
+        x[:4] += 3.0 * (b % 2)
+        with h5py.File(folder / f"bag_{b:02d}.h5", "w") as fh:
+            fh["features"] = x
+        lines.append(f"bag_{b:02d},{b % 2}")
+    (folder / "labels.csv").write_text("\n".join(lines) + "\n")
+
+
+def test_a_resumed_feature_model_makes_evaluate_run_again(tmp_path):
+    """In a feature pipeline evaluate reads the model itself (no heatmap stage)."""
+    _bags(tmp_path / "bags" / "train", 8, 0)
+    _bags(tmp_path / "bags" / "test", 4, 1)
+    (tmp_path / "p.toml").write_text(FEATURES)
+    out = tmp_path / "out"
+
+    def run():
+        return {o.stage: (o.status, o.reason, o.summary)
+                for o in run_pipeline(load_pipeline(tmp_path / "p.toml", out_dir=out))}
+
+    run()
+    assert main(["train", "--resume", str(out / "model"), "--epochs", "4"]) == 0
+    outcomes = run()
+    assert outcomes["train"][0] == "skipped" and "kept: model/best.pt" in outcomes["train"][2]
+    assert outcomes["evaluate"][0] == "ran" and outcomes["evaluate"][1].startswith("input changed: model/")
+    assert {s for s, _, _ in run().values()} == {"skipped"}
