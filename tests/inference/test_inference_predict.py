@@ -86,8 +86,10 @@ def test_model_calls_have_one_batch_size(tumour_slide, checkpoint_factory):
     sizes: list[int] = []
     model.model.register_forward_hook(lambda module, args, output: sizes.append(int(args[0].shape[0])))
     pred = predict_slide(tumour_slide, model, config=config)
-    assert sum(sizes) == len(pred) and len(sizes) > 5
-    assert set(sizes[:-1]) == {40} and 0 < sizes[-1] < 40  # this slide's count is not a multiple of 40
+    assert len(sizes) > 5
+    # this slide's count is not a multiple of 40: its last batch is padded to a multiple of 8 on the CPU
+    assert set(sizes[:-1]) == {40} and 0 < sizes[-1] < 40 and sizes[-1] % 8 == 0
+    assert sum(sizes) - 8 < len(pred) <= sum(sizes)
     # padding the last batch (what CUDA does) gives one shape and the same probabilities
     assert not model.runtime.pad_last_batch
     model.runtime = dataclasses.replace(model.runtime, pad_last_batch=True)

@@ -158,7 +158,8 @@ class InferenceRuntime:
     fuse_batchnorm: bool = True
     #: pad each slide's last, smaller batch to the full batch size and drop the padding's outputs:
     #: on CUDA every new input shape costs a cuDNN autotune and padded patches cost next to nothing;
-    #: on the CPU they would be wasted forward passes (so: True on CUDA only)
+    #: on the CPU they would be wasted forward passes (so: True on CUDA only; the CPU pads to a multiple of
+    #: 8: :func:`wsi_milssl.inference.predict.padded_batch`)
     pad_last_batch: bool = False
 
     @property
