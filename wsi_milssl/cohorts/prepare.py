@@ -27,7 +27,8 @@ slide file that cannot be opened for reading, such as a link to a disk that is n
 (an archive that may hold annotations or a file that cannot be read, a file the annotation reader
 refuses, two annotation files for one slide that describe different regions) in one error that names
 each file where it was found (another ``.zip`` that cannot be read is a warning). Slide files that hold
-the same bytes under other names are left out with a note, never refused (:func:`_same_content_slides`).
+the same bytes under other names are left out with a note, never refused (:func:`_same_content_slides`; a
+MIRAX or Hamamatsu slide's data files are compared with its index file).
 Written into ``out_dir``::
 
     pipeline.toml                      the template's stage settings, [data] pointing at the files below,
@@ -491,36 +492,80 @@ def _sha256(path: Path, limit: int | None = None) -> str:
     return digest.hexdigest()
 
 
-def _same_content(paths: Iterable[Path]) -> list[list[Path]]:
-    """Groups (two or more) of the files among ``paths`` that hold the same bytes as separate files (one file
-    under two names is :func:`_linked_twice`'s): sizes are compared first, and only files of the same size are
-    read (their first MiB, then the whole files where that agrees), so a cohort of slides of distinct sizes
-    reads nothing. Empty files (no slide) and files that cannot be read are left out."""
-    by_size: dict[int, dict[object, Path]] = {}
-    for p in paths:
+#: Multi-file slide formats: the slide file is a small index, the image is in companion files (:func:`_slide_parts`).
+_MIRAX_SUFFIX = ".mrxs"
+_HAMAMATSU_INDEX_SUFFIXES = (".vms", ".vmu")
+
+
+def _slide_parts(path: Path) -> list[tuple[str, Path]] | None:
+    """The files the slide ``path`` is made of, as (the part's name within the slide, file), the slide file
+    itself first (named ``""``). A MIRAX ``.mrxs`` is a small index (often the same bytes for every slide of a
+    scanner) beside its data folder (named as the slide without the suffix: ``Slidedat.ini``, ``Index.dat``,
+    ``Data*.dat``), whose files follow, named by their paths in it. A Hamamatsu ``.vms``/``.vmu`` names its image
+    files (``ImageFile``, ``MapFile``, ``OptimisationFile``, ...) in the same folder: each file it names follows,
+    named by its key. None for such a slide whose companion files are not found (what it holds cannot be
+    compared); every other format is one file."""
+    lower_name = path.name.lower()
+    if lower_name.endswith(_MIRAX_SUFFIX):
+        data = path.parent / path.name[: -len(_MIRAX_SUFFIX)]
+        if not data.is_dir():
+            return None
+        files = sorted((f.relative_to(data).as_posix(), f) for f in data.rglob("*") if f.is_file())
+    elif lower_name.endswith(_HAMAMATSU_INDEX_SUFFIXES):
         try:
-            size = p.stat().st_size
+            with open(path, "rb") as fh:
+                text = fh.read(_HEAD_BYTES).decode("utf-8", errors="replace")  # an index is a few hundred bytes
+        except OSError:
+            return None
+        files = []
+        for line in text.splitlines():
+            key, sep, value = line.partition("=")
+            value = value.strip()
+            companion = path.parent / value
+            if sep and value and companion != path and companion.is_file():
+                files.append((key.strip().casefold(), companion))
+        files.sort()
+    else:
+        return [("", path)]
+    return [("", path), *files] if files else None
+
+
+def _same_content(paths: Iterable[Path]) -> list[list[Path]]:
+    """Groups (two or more) of the slides among ``paths`` that hold the same bytes as separate files (one file
+    under two names is :func:`_linked_twice`'s), every file of a multi-file slide compared (:func:`_slide_parts`:
+    two MIRAX slides with the same ``.mrxs`` index are copies only when their data folders hold the same files
+    with the same bytes too). Sizes are compared first, and only slides whose files have the same sizes are read
+    (the first MiB of each file, then the whole files where that agrees), so a cohort of slides of distinct
+    sizes reads nothing but the index of a ``.vms``/``.vmu``. Empty slide files (no slide), files that cannot be
+    read and multi-file slides whose companion files are not found are left out."""
+    by_sizes: dict[tuple[tuple[str, int], ...], dict[object, tuple[Path, list[tuple[str, Path]]]]] = {}
+    for p in paths:
+        parts = _slide_parts(p)
+        if parts is None:
+            continue
+        try:
+            sizes = tuple((name, f.stat().st_size) for name, f in parts)
         except OSError:
             continue
-        if size:
-            by_size.setdefault(size, {}).setdefault(file_identity(p), p)
+        if sizes[0][1]:
+            by_sizes.setdefault(sizes, {}).setdefault(file_identity(p), (p, parts))
     groups: list[list[Path]] = []
-    for size, files in sorted(by_size.items()):
-        candidates = [list(files.values())] if len(files) > 1 else []
+    for sizes, slides in sorted(by_sizes.items()):
+        candidates = [list(slides.values())] if len(slides) > 1 else []
         for limit in (_HEAD_BYTES, None):
-            if limit is None and size <= _HEAD_BYTES:
+            if limit is None and max(size for _, size in sizes) <= _HEAD_BYTES:
                 break
             narrowed = []
             for candidate in candidates:
-                by_digest: dict[str, list[Path]] = {}
-                for p in candidate:
+                by_digest: dict[tuple[str, ...], list[tuple[Path, list[tuple[str, Path]]]]] = {}
+                for p, parts in candidate:
                     try:
-                        by_digest.setdefault(_sha256(p, limit), []).append(p)
+                        by_digest.setdefault(tuple(_sha256(f, limit) for _, f in parts), []).append((p, parts))
                     except OSError:
                         continue
                 narrowed += [v for v in by_digest.values() if len(v) > 1]
             candidates = narrowed
-        groups += candidates
+        groups += [[p for p, _ in candidate] for candidate in candidates]
     return groups
 
 
