@@ -60,7 +60,7 @@ def test_a_patients_slides_stay_in_one_set(tmp_path, synth_slides, seed):
     assert all(_patient_of(slide).casefold() == patient.casefold() for slide, _, patient in rows[1:])
 
 
-@pytest.mark.parametrize("column", ["Patient_ID", "case", "CASE_ID"])
+@pytest.mark.parametrize("column", ["Patient_ID", "Case_Submitter_ID", "CASE_ID"])
 def test_the_patient_column_is_found_by_any_of_its_names(tmp_path, synth_slides, column):
     labels = _cohort(tmp_path / "c17", synth_slides, column)
     assert read_label_groups(labels)[0] == column
@@ -89,8 +89,8 @@ def test_patients_that_cannot_be_split_are_one_error(tmp_path, synth_slides, cap
             (root / f"s{k}.xml").write_bytes(synth_slides["tumor"].with_suffix(".xml").read_bytes())
         lines.append(f"s{k},{patient},{label}")
     (root / "labels.csv").write_text("\n".join(lines) + "\n")
-    with pytest.raises(LabelsError, match=r"cannot keep each patient's slides in one set \(patient column of .*"
-                                          r"labels.csv\) and have tumour slides in both"):
+    with pytest.raises(LabelsError, match=r"labels.csv: cannot keep each patient's slides in one set and have tumour "
+                                          r"slides in both the training and the test set: its column 'patient'"):
         prepare_folder(root, root / "labels.csv", tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -99,4 +99,5 @@ def test_the_prepare_help_describes_the_patient_column(capsys):
     with pytest.raises(SystemExit):
         main(["prepare", "folder", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "patient, patient_id, case or case_id" in text and "whole patients" in text
+    assert "patient, patient_id, case_id or case_submitter_id" in text and "whole patients" in text
+    assert "--patient-column COLUMN" in text

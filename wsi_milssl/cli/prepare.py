@@ -62,9 +62,11 @@ def register(subparsers) -> None:
             "header, Tumor/Normal or 1/0), annotations (<name>.xml / .geojson) below --annotations (default:\n"
             "the slides folder). The test set is --test-slides/--test-labels, or a stratified, seeded\n"
             "--test-fraction of the slides. A labels file with a header naming a patient column\n"
-            "('slide,patient,label'; patient, patient_id, case or case_id, any case) holds out whole\n"
-            "patients: a patient's slides are all in the training or all in the test set (patients\n"
-            "stratified by their highest label), and the labels files written keep a patient column.\n"
+            "('slide,patient,label'; patient, patient_id, case_id or case_submitter_id, any case; or the\n"
+            "column --patient-column names) holds out whole patients: a patient's slides are all in the\n"
+            "training or all in the test set (patients stratified by their highest label), and the labels\n"
+            "files written keep a patient column. A column named 'case' is not read as patients (datasets\n"
+            "use it for other things). The output's 'split:' line says which column kept patients whole.\n"
             "Tumour test slides need their annotation (the FROC does)."
         ),
         formatter_class=HelpFormatter,
@@ -81,6 +83,9 @@ def register(subparsers) -> None:
                    help="share of each class held out as the test set when there is no --test-slides")
     f.add_argument("--seed", type=int, default=0, help="seed of that split")
     f.add_argument("--name", default=None, help="pipeline name (default: the --out folder's name)")
+    f.add_argument("--patient-column", default=None, metavar="COLUMN",
+                   help="the --labels header column naming each slide's patient, any case (default: the first of "
+                        "patient, patient_id, case_id, case_submitter_id it has); 'none' splits slide by slide")
     _common(f)
     p.set_defaults(run=run)
 
@@ -109,10 +114,13 @@ def run(args: argparse.Namespace) -> int:
                                 test_slides_dir=args.test_slides, test_labels_csv=args.test_labels,
                                 test_annotations_dir=args.test_annotations, test_fraction=args.test_fraction,
                                 seed=args.seed, template=args.template, name=args.name,
-                                val_fraction=args.val_fraction, exclude=args.exclude)
+                                val_fraction=args.val_fraction, exclude=args.exclude,
+                                patient_column=args.patient_column)
     for name, s in result.sets.items():
         print(f"{name}: {len(s.slides)} slides ({s.n_tumor} tumour, {len(s.slides) - s.n_tumor} normal), "
               f"{len(s.annotations)} annotated -> {s.slides_csv.parent}")
+    if result.split:
+        print(f"split: {result.split}")
     if result.excluded:
         print(f"excluded: {len(result.excluded)} slide(s) left out of every set (--exclude): "
               f"{', '.join(result.excluded)}")

@@ -17,8 +17,9 @@ kept); listed twice with different labels it is an error naming both lines. Blan
 with an empty name are skipped.
 
 A header may also name each slide's patient: the first of :data:`GROUP_COLUMNS` (``patient``,
-``patient_id``, ``case``, ``case_id``, any case) that is not the name column; :func:`read_label_groups`
-reads it (``prepare folder`` keeps a patient's slides in one set).
+``patient_id``, ``case_id``, ``case_submitter_id``, any case) that is not the name column, or a column named by
+the caller; :func:`read_label_groups` reads it (``prepare folder`` keeps a patient's slides in one set). A
+column named ``case`` is not taken for one: datasets use it for other things (tumour/normal, a case series).
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ LABEL_WORDS = {
 NAME_COLUMNS = ("slide", "bag", "bag_id", "stem", "slide_id", "name", "case_id")
 
 #: Header names (any case) of a column naming each slide's patient, in order of preference (one that is the
-#: slide-name column does not count): ``prepare folder`` keeps a patient's slides in one set.
-GROUP_COLUMNS = ("patient", "patient_id", "case", "case_id")
+#: slide-name column does not count): ``prepare folder`` keeps a patient's slides in one set. Only names that say
+#: patient: ``case_id`` and ``case_submitter_id`` are TCGA's (GDC's) patient columns; a bare ``case`` is not one
+#: (datasets use it for tumour/normal and the like).
+GROUP_COLUMNS = ("patient", "patient_id", "case_id", "case_submitter_id")
 
 _FIX_LAYOUT = ("Fix: write a header 'slide,label' and one 'name,label' line per slide (label 1/tumor or "
                "0/normal), or CAMELYON16's header-less reference.csv layout 'Test_001,Tumor,...'.")
@@ -251,18 +254,30 @@ def labels_for(labels: Mapping[str, int], names: Iterable[str], *, what: str = "
     return {n: table[n] for n in names}
 
 
-def read_label_groups(path: str | os.PathLike) -> tuple[str, dict[str, str]] | None:
-    """(the column's name as written, ``{stem: group}``) from the first column of :data:`GROUP_COLUMNS` (any case)
-    in the header of the labels file ``path`` that is not its slide-name column (``slide,patient,label``:
-    the patient of each slide); None when the file has no header or no such column. Stems are spelled as
-    :func:`read_labels` gives them (a slide listed twice: its first line); a slide with an empty cell is in no
-    group (its own). Raises LabelsError as :func:`read_labels` does for a file it cannot read."""
+def read_label_groups(path: str | os.PathLike, *, column: str | None = None) -> tuple[str, dict[str, str]] | None:
+    """(the column's name as written, ``{stem: group}``) from the patient column of the labels file ``path``: the
+    first of :data:`GROUP_COLUMNS` (any case) in its header that is not its slide-name column (``slide,patient,
+    label``: the patient of each slide), or the header column ``column`` (any case) when given; None when the
+    file has no header or no such column of :data:`GROUP_COLUMNS`. Stems are spelled as :func:`read_labels` gives
+    them (a slide listed twice: its first line); a slide with an empty cell is in no group (its own). Raises
+    LabelsError as :func:`read_labels` does for a file it cannot read, and naming the file, its columns and the
+    fix when ``column`` is not a column of its header other than the slide names."""
     path = Path(path)
     rows = _file_rows(path)
     header, name_col, _ = _columns(path, rows)
-    if header is None:
-        return None
-    found = [header.index(c) for c in GROUP_COLUMNS if c in header and header.index(c) != name_col]
+    if column is not None:
+        wanted = column.strip().casefold()
+        if header is None or wanted not in header or header.index(wanted) == name_col:
+            columns = ", ".join(repr(c) for c in rows[0][1]) if header is not None else "none: it has no header"
+            raise LabelsError(
+                f"{path}: no patient column {column!r} (its columns: {columns}; the slide-name column does not "
+                "count). Fix: name the header column that names each slide's patient (--patient-column COLUMN, any "
+                f"case), or leave --patient-column out to use the first of {', '.join(GROUP_COLUMNS)} the header has.")
+        found = [header.index(wanted)]
+    else:
+        if header is None:
+            return None
+        found = [header.index(c) for c in GROUP_COLUMNS if c in header and header.index(c) != name_col]
     if not found:
         return None
     col = found[0]

@@ -13,7 +13,8 @@ Two layouts:
 - :func:`prepare_folder`: any cohort: a folder of slides (searched recursively), a labels file in
   any layout :func:`wsi_milssl.cohorts.read_labels` reads, optional annotations, and either a
   separate test set or a stratified, seeded share of the slides held out as the test set (whole
-  patients when the labels file has a patient column: :func:`wsi_milssl.cohorts.read_label_groups`).
+  patients when the labels file has a patient column: :func:`wsi_milssl.cohorts.read_label_groups`, or the
+  column ``patient_column`` names; ``PreparedCohort.split`` says which column kept patients whole).
 
 Names are matched case-insensitively (``tumor_001.tif``, ``Tumor_001.xml`` and a label row
 ``TUMOR_001`` are one slide). Folders are searched through links (each folder once: a link back to
@@ -70,13 +71,14 @@ from pathlib import Path
 from typing import Iterable, Mapping, NamedTuple
 
 from wsi_milssl.atomic import atomic_open, atomic_write_bytes, atomic_write_text
-from wsi_milssl.cohorts.labels import read_labels
+from wsi_milssl.cohorts.labels import GROUP_COLUMNS, read_labels
 from wsi_milssl.cohorts.names import SLIDE_SUFFIXES, file_identity, name_key, slide_stem, stem_key
 from wsi_milssl.cohorts.split import label_groups_for, stratified_split
 from wsi_milssl.errors import ConfigError, LabelsError
 
 __all__ = [
     "ANNOTATION_SUFFIXES",
+    "NO_PATIENT_COLUMN",
     "PreparedCohort",
     "CohortSet",
     "find_slide_files",
@@ -100,6 +102,8 @@ _CAMELYON16_MASK_DIRS = frozenset({"masks", "background_tissue"})
 #: What a damaged archive member or an unreadable file raises while it is read.
 _READ_ERRORS = (zipfile.BadZipFile, zlib.error, lzma.LZMAError, OSError, EOFError, NotImplementedError,
                 RuntimeError)
+#: :func:`prepare_folder`'s ``patient_column`` (``--patient-column``) that splits slide by slide (no patient column).
+NO_PATIENT_COLUMN = "none"
 
 
 @dataclass(frozen=True)
@@ -122,7 +126,8 @@ class CohortSet:
 
 @dataclass(frozen=True)
 class PreparedCohort:
-    """What :func:`prepare_camelyon16` / :func:`prepare_folder` wrote (``pipeline_toml`` is ready to run)."""
+    """What :func:`prepare_camelyon16` / :func:`prepare_folder` wrote (``pipeline_toml`` is ready to run);
+    ``split``: how :func:`prepare_folder` split the slides (which column kept patients whole, or slide by slide)."""
 
     out_dir: Path
     pipeline_toml: Path
@@ -130,6 +135,7 @@ class PreparedCohort:
     summary_json: Path
     notes: tuple[str, ...] = field(default_factory=tuple)
     excluded: tuple[str, ...] = field(default_factory=tuple)
+    split: str = ""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -841,7 +847,7 @@ def _finish(out: Path, *, name: str, template: Path | None,
             sets: dict[str, tuple[Mapping[str, Path], Mapping[str, int], Mapping[str, _Annotation]]],
             val_fraction: float | None, split_seed: int | None, command: str, facts: dict,
             notes: list[str], patients: Mapping[str, str] | None = None, challenge_froc: bool = True,
-            excluded: Iterable[str] = ()) -> PreparedCohort:
+            excluded: Iterable[str] = (), split: str = "") -> PreparedCohort:
     """Write everything: ``sets`` {name: (slides, labels, annotations read)}, all checked and read.
 
     The pipeline is made and validated first (in a temporary file beside ``pipeline.toml``), so a
@@ -925,7 +931,9 @@ def _finish(out: Path, *, name: str, template: Path | None,
         new_toml.unlink()  # prepare's own earlier pipeline.new.toml, unchanged: pipeline.toml is prepare's again
     for note in notes:
         logger.warning("%s", note)
-    return PreparedCohort(out, run_toml, written, summary_json, tuple(notes), tuple(excluded))
+    if split:
+        logger.info("%s", split)
+    return PreparedCohort(out, run_toml, written, summary_json, tuple(notes), tuple(excluded), split)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1110,21 +1118,69 @@ def _split_change(out: Path, test: list[str]) -> list[str]:
             "pipeline into a new output folder (or pass --test-slides/--test-labels to fix the test set)"]
 
 
+def _patient_groups(labels_csv: Path, names: Iterable[str], patient_column: str | None, *, required: bool = True
+                    ) -> tuple[str | None, dict[str, str]]:
+    """(column as written, {name: patient}) of ``names`` from ``labels_csv`` (:func:`label_groups_for`): by the column
+    ``patient_column`` (any case), the first of :data:`GROUP_COLUMNS` when None, none with
+    :data:`NO_PATIENT_COLUMN`. A ``patient_column`` the file lacks is a LabelsError naming it, unless not
+    ``required`` (a test labels file read for the shared-patients note only): then (None, {})."""
+    if patient_column is not None and patient_column.strip().casefold() == NO_PATIENT_COLUMN:
+        return None, {}
+    try:
+        return label_groups_for(labels_csv, names, column=patient_column)
+    except LabelsError:
+        if required or patient_column is None:
+            raise
+        return None, {}
+
+
+def _n_patients(labels: Mapping[str, int], patients: Mapping[str, str]) -> tuple[int, int]:
+    """(patients with a tumour slide, patients with normal slides only) among the slides of ``labels``; a slide
+    without a patient counts as a patient of its own."""
+    highest: dict[str, int] = {}
+    for s, v in labels.items():
+        unit = f"patient:{name_key(patients[s])}" if patients.get(s) else f"slide:{name_key(s)}"
+        highest[unit] = max(highest.get(unit, 0), int(v))
+    n_tumour = sum(highest.values())
+    return n_tumour, len(highest) - n_tumour
+
+
+def _split_line(labels_csv: Path, column: str | None, labels: Mapping[str, int], patients: Mapping[str, str],
+                patient_column: str | None, *, held_out: bool) -> str:
+    """How the slides of ``labels_csv`` were split: by which column patients were kept whole, or slide by slide."""
+    if column is None:
+        if patient_column is not None:  # NO_PATIENT_COLUMN
+            return (f"split slide by slide (--patient-column {NO_PATIENT_COLUMN}: no patient column of {labels_csv} "
+                    "is read)")
+        return (f"split slide by slide: {labels_csv} has no patient column ({', '.join(GROUP_COLUMNS)}, any case; "
+                "--patient-column COLUMN names another)")
+    n_tumour, n_normal = _n_patients(labels, patients)
+    where = ("in the test split and in run's validation split" if held_out
+             else "in run's validation split of the training slides")
+    return (f"kept patients whole by column {column!r} of {labels_csv}: {n_tumour + n_normal} patient(s) "
+            f"({n_tumour} with tumour slides) of {len(labels)} slides, each patient's slides on one side {where} "
+            f"(--patient-column {NO_PATIENT_COLUMN} splits slide by slide)")
+
+
 def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike, out_dir: str | os.PathLike, *,
                    annotations_dir: str | os.PathLike | None = None,
                    test_slides_dir: str | os.PathLike | None = None, test_labels_csv: str | os.PathLike | None = None,
                    test_annotations_dir: str | os.PathLike | None = None, test_fraction: float = 0.25,
                    seed: int = 0, template: str | os.PathLike | None = None, name: str | None = None,
                    val_fraction: float | None = None, split_seed: int | None = None,
-                   exclude: Iterable[str] = ()) -> PreparedCohort:
+                   exclude: Iterable[str] = (), patient_column: str | None = None) -> PreparedCohort:
     """Prepare any cohort (see the module docstring) into ``out_dir``.
 
     Without ``test_slides_dir``, a stratified, seeded ``test_fraction`` of the slides becomes the
     test set (the rest trains; ``run`` then holds validation slides out of those); when the labels file
-    has a patient column (:data:`wsi_milssl.cohorts.GROUP_COLUMNS`: ``patient``, ``patient_id``, ``case``,
-    ``case_id``, any case) whole patients are held out, so that no patient has slides in both sets, and the
-    labels files written get a ``patient`` column. Annotations are looked up by slide name below
-    ``annotations_dir`` (default: the slides folder), recursively, ``.zip`` archives included. Tumour test
+    has a patient column (:data:`wsi_milssl.cohorts.GROUP_COLUMNS`: ``patient``, ``patient_id``, ``case_id``,
+    ``case_submitter_id``, any case; or the header column ``patient_column`` names, any case) whole patients are
+    held out, so that no patient has slides in both sets, and the labels files written get a ``patient``
+    column; ``patient_column`` :data:`NO_PATIENT_COLUMN` (``"none"``) splits slide by slide. The result's
+    ``split`` says which column kept patients whole. A split that cannot keep patients whole and have both
+    classes on both sides is one LabelsError naming the labels file, the column and the ways on. Annotations
+    are looked up by slide name below ``annotations_dir`` (default: the slides folder), recursively, ``.zip``
+    archives included. Tumour test
     slides need one (the FROC does). ``exclude``: slide names left out of every set (one that names no
     slide is an error). Raises one LabelsError listing every problem found.
     """
@@ -1135,9 +1191,10 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
         raise ConfigError("--test-slides and --test-labels go together; give both, or neither to hold out "
                           "--test-fraction of the slides.")
     exclude_keys = _exclude_keys(exclude)
+    split_problem = ""
     slides, labels, problems, notes, excluded = _labelled_set(slides_dir, labels_csv, [out],
                                                               "training" if test_slides_dir else "", exclude_keys)
-    column, patients = label_groups_for(labels_csv, slides)
+    column, patients = _patient_groups(labels_csv, slides, patient_column)
     ann_roots = [Path(annotations_dir)] if annotations_dir is not None else [slides_dir]
     facts = {"slides": str(slides_dir.resolve()), "labels": str(labels_csv.resolve())}
     if test_slides_dir is not None:
@@ -1148,13 +1205,14 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
         excluded = sorted({*excluded, *t_excluded}, key=str.casefold)
         problems += _unknown_excluded(exclude_keys, [*slides, *t_slides, *excluded],
                                       f"{slides_dir} or {test_slides_dir}")
-        t_column, t_patients = label_groups_for(Path(test_labels_csv), t_slides)
+        t_column, t_patients = _patient_groups(Path(test_labels_csv), t_slides, patient_column, required=False)
         both = sorted({name_key(g) for g in patients.values()} & {name_key(g) for g in t_patients.values()})
         if both:
             shown = sorted({g for g in t_patients.values() if name_key(g) in both}, key=str.casefold)
             notes.append(f"{len(shown)} patient(s) have slides in both the training and the test set ({column} of "
                          f"{labels_csv}, {t_column} of {test_labels_csv}): {_names(shown)} (a model may learn a "
                          "patient it is tested on: move each patient's slides into one set)")
+        split = _split_line(labels_csv, column, labels, patients, patient_column, held_out=False)
         patients = {**patients, **t_patients}
         overlap = sorted({stem_key(s) for s in slides} & {stem_key(s) for s in t_slides})
         if overlap:
@@ -1183,14 +1241,20 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
                    if sum(v == label for v in labels.values()) < 2 and labels]
         problems += [f"fewer than two {word} slides: cannot hold any out for the test set" for word in too_few]
         tr, te = stratified_split(labels, fraction=test_fraction, seed=seed, groups=patients, key=str.casefold)
-        for label, word in ((0, "normal"), (1, "tumour")):
-            if patients and not too_few and not (any(labels[s] == label for s in tr)
-                                                 and any(labels[s] == label for s in te)):
-                n = len({patients.get(s) or s for s, v in labels.items() if v == label})
-                problems.append(f"cannot keep each patient's slides in one set ({column} column of {labels_csv}) and "
-                                f"have {word} slides in both the training and the test set: {n} patient(s) have "
-                                f"{word} slides (patients are split by their highest label: a patient with a tumour "
-                                "slide counts as tumour)")
+        one_sided = [word for label, word in ((1, "tumour"), (0, "normal"))
+                     if not (any(labels[s] == label for s in tr) and any(labels[s] == label for s in te))]
+        if patients and not too_few and one_sided:
+            n_tumour, n_normal = _n_patients(labels, patients)
+            split_problem = (
+                f"{labels_csv}: cannot keep each patient's slides in one set and have {' and '.join(one_sided)} "
+                f"slides in both the training and the test set: its column {column!r}, read as the patient of each "
+                f"slide, puts the {len(labels)} slides into {n_tumour + n_normal} patient(s), {n_tumour} with tumour "
+                f"slides and {n_normal} with normal slides only (a patient with a tumour slide counts as tumour; each "
+                "side needs one of each). Nothing was written. Fix: if that column does not name patients, rename "
+                f"it in {labels_csv.name} or prepare with --patient-column {NO_PATIENT_COLUMN} (split slide by "
+                "slide); if it does, add slides of more patients, or give a test set with --test-slides and "
+                "--test-labels.")
+        split = _split_line(labels_csv, column, labels, patients, patient_column, held_out=True)
         train = ({s: slides[s] for s in tr}, {s: labels[s] for s in tr})
         test = ({s: slides[s] for s in te}, {s: labels[s] for s in te})
         t_roots = ann_roots
@@ -1204,6 +1268,8 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
     _raise_problems(str(slides_dir), problems,
                     "add a 'slide,label' line for every slide (1 tumour, 0 normal), keep one file per slide name, "
                     "and add the tumour test slides' annotations (<name>.xml or .geojson).")
+    if split_problem:
+        raise LabelsError(split_problem)
     train_sources, unreadable = _annotation_sources(ann_roots, skip=[out], given=annotations_dir is not None)
     test_sources, t_unreadable = ((train_sources, []) if t_roots == ann_roots
                                   else _annotation_sources(t_roots, skip=[out],
@@ -1226,8 +1292,9 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
         "--test-slides": _path(test_slides_dir), "--test-labels": _path(test_labels_csv),
         "--test-annotations": _path(test_annotations_dir), "--test-fraction": test_fraction if held_out else None,
         "--seed": seed if held_out else None, "--name": name, "--template": _path(template),
-        "--val-fraction": val_fraction, "--exclude": list(exclude), "--out": out})
+        "--val-fraction": val_fraction, "--exclude": list(exclude), "--patient-column": patient_column,
+        "--out": out})
     return _finish(out, name=name or out.resolve().name, template=template, sets=sets, val_fraction=val_fraction,
                    split_seed=split_seed, command=command, facts=facts, notes=notes, patients=patients,
-                   excluded=excluded, challenge_froc=template is not None)  # the packaged template's froc_mpp
-                                                                             # is CAMELYON16's
+                   excluded=excluded, split=split,
+                   challenge_froc=template is not None)  # the packaged template's froc_mpp is CAMELYON16's

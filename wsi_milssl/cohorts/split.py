@@ -18,12 +18,14 @@ from wsi_milssl.cohorts.names import name_key, stem_key
 __all__ = ["label_groups_for", "stratified_split"]
 
 
-def label_groups_for(labels_csv: str | os.PathLike, names: Iterable[str]) -> tuple[str | None, dict[str, str]]:
+def label_groups_for(labels_csv: str | os.PathLike, names: Iterable[str], *,
+                     column: str | None = None) -> tuple[str | None, dict[str, str]]:
     """(the labels file's patient column as written, ``{name: patient}`` of ``names``, matched as slide stems
-    are: :func:`wsi_milssl.cohorts.stem_key`) from :func:`wsi_milssl.cohorts.read_label_groups`; (None, {})
+    are: :func:`wsi_milssl.cohorts.stem_key`) from :func:`wsi_milssl.cohorts.read_label_groups` (``column``: the
+    header column to read, any case; default the first of :data:`wsi_milssl.cohorts.GROUP_COLUMNS`); (None, {})
     without such a column. A name whose patient cell is empty, or that the file does not list, is left out (a
-    patient of its own). Raises LabelsError as :func:`wsi_milssl.cohorts.read_labels` does."""
-    found = read_label_groups(labels_csv)
+    patient of its own). Raises LabelsError as :func:`wsi_milssl.cohorts.read_label_groups` does."""
+    found = read_label_groups(labels_csv, column=column)
     if found is None:
         return None, {}
     column, groups = found
