@@ -813,34 +813,36 @@ def _group_check(sets: Mapping[str, tuple[Mapping[str, Path], Mapping[str, int],
         return sorted({UNCLASSIFIED if g is None else str(g) for g in groups if gmap.role(g) is None},
                       key=str.casefold)
 
-    stop, ignored, new_groups = [], [], []
+    stop, ignored, new_groups, stop_groups = [], [], [], []
     for _, (_, labels, annotations) in sets.items():
         for stem, ann in sorted(annotations.items(), key=lambda kv: kv[0].casefold()):
             tumour = any(gmap.role(g) == "tumor" for g in ann.area_groups)
             if labels.get(stem) == 1 and not tumour and unknown(ann.groups):
                 stop.append(f"{ann.where} ({', '.join(map(repr, unknown(ann.groups)))})")
                 new_groups += unknown(ann.groups)
+                stop_groups += unknown(ann.groups)
             elif unknown(ann.area_groups):
                 ignored.append(f"{ann.where} ({', '.join(map(repr, unknown(ann.area_groups)))})")
                 new_groups += unknown(ann.area_groups)
-    groups = ", ".join(gmap.tumor)
+    groups, non_tumour = ", ".join(gmap.tumor), ", ".join(gmap.non_tumor)
     example = json.dumps([*gmap.tumor, *dict.fromkeys(new_groups)], ensure_ascii=False)
     if stop:
         raise ConfigError(
-            f"{len(stop)} annotation file(s) of tumour slides have no polygon in a tumour group of the pipeline's "
-            f"[label] stage ({groups}), only in group(s) that are neither tumour nor non-tumour "
-            f"({', '.join(gmap.non_tumor)}), so its label stage would stop at them: {_names(stop)}. Nothing was "
-            f"written. Fix: name the group(s) in the pipeline's [label] tumor_groups (or non_tumor_groups for regions "
-            f"that are not tumour): prepare with --template PIPELINE.toml whose [label] table has tumor_groups = "
-            f"{example} (a copy of the template with that line)"
-            + (f", or add that line to {toml} (prepare keeps an edited pipeline.toml)" if toml.is_file() else "")
+            f"{len(stop)} annotation file(s) of tumour slides have no area in a tumour group of the pipeline's "
+            f"[label] stage ({groups}) but polygons in groups it does not know, so that stage would stop at them: "
+            f"{_names(stop)}. Nothing was written. Fix: add {', '.join(map(repr, dict.fromkeys(stop_groups)))} to "
+            f"[label] tumor_groups (or to non_tumor_groups, now {non_tumour}, for regions that are not tumour) and "
+            "prepare again with --template PIPELINE.toml, a copy of the template whose [label] table has "
+            f"tumor_groups = {example}"
+            + (f", or after adding that line to {toml} (prepare keeps an edited pipeline.toml)" if toml.is_file()
+               else "")
             + "; or correct the annotation files.")
     if not ignored:
         return []
-    return [f"{len(ignored)} annotation file(s) have polygons in group(s) that the pipeline's [label] stage ignores "
-            f"(neither tumour: {groups}; nor non-tumour: {', '.join(gmap.non_tumor)}): {_names(ignored)}. To use them, "
-            f"add them to [label] tumor_groups (or non_tumor_groups) in {toml}, or run with --set "
-            f"{shlex.quote('label.tumor_groups=' + example)}"]
+    return [f"{len(ignored)} annotation file(s) have polygons in groups that the pipeline's [label] stage ignores "
+            f"(neither tumour: {groups}; nor non-tumour: {non_tumour}): {_names(ignored)} (to use those polygons, add "
+            f"the groups to [label] tumor_groups or non_tumor_groups in {toml}, or run with --set "
+            f"{shlex.quote('label.tumor_groups=' + example)})"]
 
 
 def _finish(out: Path, *, name: str, template: Path | None,
