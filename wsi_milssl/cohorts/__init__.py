@@ -5,7 +5,7 @@
 - ``read_labels(labels.csv)`` -> ``SlideLabels`` (``{stem: 0/1}``, case-insensitive lookups);
   ``labels_for(labels, names)``: the labels of given slides, or one error listing every name
   without a label; ``read_label_groups(labels.csv)``: each slide's patient, from a header column of
-  ``GROUP_COLUMNS`` (``patient``, ``patient_id``, ``case``, ``case_id``); ``label_groups_for(labels.csv,
+  ``GROUP_COLUMNS`` (``patient``, ``patient_id``, ``case_id``, ``case_submitter_id``); ``label_groups_for(labels.csv,
   names)``: those of given slides.
 - ``stratified_split(labels, fraction=, seed=, groups=)``: the seeded, stratified split of slides (or of
   whole patients) that ``prepare``'s test set and ``run``'s validation slides are held out by.
