@@ -103,3 +103,34 @@ def test_one_file_per_slide_is_not_parsed(slide_xml, monkeypatch):
     shutil.copy(xml, folder / f"{stem}.geojson.tmp")
     os.replace(folder / f"{stem}.geojson.tmp", folder / f"{stem.upper()}.xml")  # the same bytes: not parsed either
     assert find_annotation(stem, folder) == xml and parsed == []
+
+
+def _circle(decimals, shift=0.0):
+    """A 60-vertex lesion about 200 px across at level-0 coordinates near 50,000, rounded to ``decimals``;
+    ``shift`` moves its first vertex outwards by that many pixels."""
+    import math
+
+    pts = [[50000.123456 + (100 + (shift if t == 0 else 0)) * math.cos(t * math.pi / 30),
+            60000.654321 + (100 + (shift if t == 0 else 0)) * math.sin(t * math.pi / 30)] for t in range(60)]
+    ring = [[round(x, decimals), round(y, decimals)] for x, y in pts]
+    return ring + [ring[0]]
+
+
+@pytest.mark.parametrize("decimals", [3, 2, 1])
+def test_a_geojson_with_rounded_coordinates_agrees_with_its_xml(tmp_path, decimals):
+    """QuPath and float32 round the coordinates: a copy written with 0.1 to 0.001 px precision is the same
+    region (the 1e-6-of-the-area rule refused all of these: review AQ)."""
+    _geojson(tmp_path / "s.geojson", ("Tumor", [_circle(6)]))
+    convert_annotations(tmp_path / "s.geojson", tmp_path / "s.xml")
+    _geojson(tmp_path / "s.geojson", ("Tumor", [_circle(decimals)]))
+    assert annotations_io.annotation_difference(tmp_path / "s.xml", tmp_path / "s.geojson") is None
+    assert find_annotation("s", tmp_path) == tmp_path / "s.xml"
+
+
+@pytest.mark.parametrize("shift_px", [2.0, -2.0])
+def test_a_vertex_moved_by_two_pixels_is_another_region(tmp_path, shift_px):
+    _geojson(tmp_path / "s.geojson", ("Tumor", [_circle(6)]))
+    convert_annotations(tmp_path / "s.geojson", tmp_path / "s.xml")
+    _geojson(tmp_path / "s.geojson", ("Tumor", [_circle(3, shift=shift_px)]))
+    assert annotations_io.annotation_difference(tmp_path / "s.xml", tmp_path / "s.geojson") == (
+        "the polygons of group(s) Tumor cover different areas")

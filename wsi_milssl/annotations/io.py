@@ -347,7 +347,7 @@ def _check_same_annotations(stem: str, first: Path, second: Path, *versions: tup
 
 def annotation_difference(first: str | os.PathLike, second: str | os.PathLike) -> str | None:
     """None when the annotation files ``first`` and ``second`` describe the same regions and groups: identical
-    bytes, or for every group the same area (up to 1e-6 of it), each file read as ASAP XML holds it (GeoJSON
+    bytes, or for every group the same area (up to sub-pixel slivers: :func:`_same_area`), each file read as ASAP XML holds it (GeoJSON
     holes as polygons of the hole group ``_2``, as :func:`convert_annotations` writes them); else why they
     differ, in words naming the files by their names. This is the rule :func:`find_annotation` (and
     ``wsi-milssl prepare``) accept two files of one slide by. Raises AnnotationError or OSError for a file
@@ -384,9 +384,17 @@ def _group_areas(path: Path) -> dict[str, tuple[str, object]]:
     return {key: (name, polygonal(shapely.union_all(geoms))) for key, (name, geoms) in parts.items()}
 
 
+#: two regions are the same when what lies in one and not the other is nowhere thicker than twice this (px)
+SAME_REGION_PX = 0.25
+
+
 def _same_area(a, b) -> bool:
-    """Whether two (Multi)Polygons cover the same area (up to 1e-6 of the larger area, or 1e-6 px²)."""
-    return float(shapely.area(shapely.symmetric_difference(a, b))) <= 1e-6 * max(1.0, float(a.area), float(b.area))
+    """Whether two (Multi)Polygons cover the same area, up to slivers no thicker than 0.5 px: their symmetric
+    difference vanishes when eroded by :data:`SAME_REGION_PX`. Coordinates rounded to 0.001 or 0.1 px (a GeoJSON
+    written by QuPath, float32 coordinates) leave slivers of a fraction of that; a vertex moved by a pixel, an
+    edge shifted by one or a region added leaves a difference that survives the erosion."""
+    difference = shapely.symmetric_difference(a, b)
+    return difference.is_empty or difference.buffer(-SAME_REGION_PX).is_empty
 
 
 @functools.lru_cache(maxsize=8)
