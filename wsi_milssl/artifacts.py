@@ -40,6 +40,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -49,6 +50,8 @@ from typing import Any, Iterable
 import numpy as np
 
 from wsi_milssl.errors import EvaluationError
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -298,8 +301,9 @@ def read_detections(path: str | os.PathLike) -> Detections:
     (any letter case, e.g. ``x,y,prob`` or CAMELYON16's ``Confidence,X coordinate,Y coordinate``); other
     names are an EvaluationError naming the file and header. Fractional coordinates (files of other tools)
     are tolerated; this package writes integers. The file must be UTF-8 (or ASCII) text, each prob a
-    number in [0, 1], and x, y finite and below :data:`MAX_COORDINATE_LV0` in magnitude (EvaluationError
-    naming the file and line).
+    finite number (scores outside [0, 1], as other tools write, are read with a warning: :func:`_check_scores`),
+    and x, y finite and below :data:`MAX_COORDINATE_LV0` in magnitude (EvaluationError naming the file and
+    line).
     """
     path = Path(path)
     probs: list[float] = []
@@ -317,7 +321,7 @@ def read_detections(path: str | os.PathLike) -> Detections:
     except csv.Error as exc:
         raise EvaluationError(f"{path}: not a CSV file of detections ({exc}). Fix: write one detection per line "
                               "as prob,x,y.") from None
-    seen_row = False
+    seen_row = header = False
     i_prob, i_x, i_y = 0, 1, 2
     for line_no, row in enumerate(rows, start=1):
         if not row or all(not c.strip() for c in row):
@@ -326,24 +330,38 @@ def read_detections(path: str | os.PathLike) -> Detections:
             seen_row = True
             if len(row) == 3 and not any(is_number(c) for c in row):  # a header of the three columns
                 i_prob, i_x, i_y = _detection_columns(row, path, line_no)
+                header = True
                 continue
         if len(row) != 3:
             raise EvaluationError(
                 f"{path}: line {line_no}: expected 3 values 'prob,x,y' (CAMELYON16 detections, level-0 "
                 f"pixels), got {len(row)}. Fix: write one detection per line as prob,x,y."
             )
-        prob = _float(row[i_prob], path, line_no, "prob")
-        if not 0.0 <= prob <= 1.0:
-            raise EvaluationError(
-                f"{path}: line {line_no}: prob {row[i_prob].strip()!r} lies outside [0, 1]. Fix: write each "
-                "detection's probability (between 0 and 1; e.g. the sigmoid of a logit), or check the order of the "
-                "columns (prob,x,y, or a header naming them)."
-            )
-        probs.append(prob)
+        probs.append(_float(row[i_prob], path, line_no, "prob"))
         xs.append(_coordinate(row[i_x], path, line_no, "x"))
         ys.append(_coordinate(row[i_y], path, line_no, "y"))
-    return Detections(np.asarray(probs, dtype=np.float64), np.asarray(xs, dtype=np.float64),
+    dets = Detections(np.asarray(probs, dtype=np.float64), np.asarray(xs, dtype=np.float64),
                       np.asarray(ys, dtype=np.float64))
+    _check_scores(dets, path, header=header)
+    return dets
+
+
+def _check_scores(dets: Detections, path: Path, *, header: bool) -> None:
+    """Scores outside [0, 1] (logits, percentages of other tools) are read as they are, with one warning: the
+    FROC uses their order only. A file without a header whose every y lies in [0, 1] while its scores do not
+    had its columns in another order (x,y,prob read as prob,x,y): an EvaluationError."""
+    outside = (dets.probs < 0.0) | (dets.probs > 1.0)
+    if not outside.any():
+        return
+    line = int(np.argmax(outside)) + 1 + int(header)  # (blank lines aside)
+    if not header and bool(np.all((dets.y_lv0 >= 0.0) & (dets.y_lv0 <= 1.0))):
+        raise EvaluationError(
+            f"{path}: its scores reach {dets.probs[outside][0]:g} (about line {line}) while every y lies in [0, 1]: "
+            "the columns seem to be in another order than prob,x,y. Fix: write prob,x,y per line, or a header "
+            "naming the columns (e.g. 'x,y,prob').")
+    logger.warning("%s: %d detection score(s) outside [0, 1] (from %g to %g), read as scores: the FROC uses their "
+                   "order only, and its thresholds are these scores.", path, int(outside.sum()),
+                   float(dets.probs.min()), float(dets.probs.max()))
 
 
 # ----------------------------------------------------------------------------------------------
