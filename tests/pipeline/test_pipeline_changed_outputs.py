@@ -92,6 +92,20 @@ def test_a_model_resumed_by_train_is_kept_and_heatmap_and_evaluate_run_again(out
     assert {s for s, _, _ in again.values()} == {"skipped"} and again["train"][2] == "up to date"
 
 
+def test_a_model_resumed_beyond_the_pipelines_epochs_is_kept_when_train_runs_again(out):
+    """After ``train --resume OUT/model --epochs 2`` (the pipeline says 1), a change that makes the train stage run
+    (here label, run again) stopped every run: 'last.pt holds 2 trained epochs, more than the 1 asked for' (review
+    AS, finding 1). The resumed run is now read back as finished."""
+    assert main(["train", "--resume", str(out / "model"), "--epochs", "2"]) == 0
+    resumed = _sha256(out / "model" / "best.pt")
+    run_pipeline(load_pipeline(out.parent / "changed.toml", out_dir=out), force={"label"}, until="label")
+    outcomes = {stage: (status, reason) for stage, (status, reason, _) in _run(out).items()}
+    assert outcomes["train"] == ("ran", "the label stage ran since its last run")
+    assert _sha256(out / "model" / "best.pt") == resumed and not list(out.glob("model.replaced-*"))
+    assert outcomes["evaluate"][0] == "ran"
+    assert {s for s, _, _ in _run(out).values()} == {"skipped"}
+
+
 def test_a_heatmap_file_replaced_by_hand_makes_evaluate_run(out):
     probs = out / "heatmaps" / "test" / "synth_000_probs.npy"
     import numpy as np

@@ -590,7 +590,8 @@ def _fit_runs(ctx: _Context, runs: list[dict], configs: list, source: str, *, tr
     if len(configs) == 1:
         resume = _prepare_run_dir(ctx.model_dir, *_run_fingerprints(ctx, configs[0], split, kind="single",
                                                                     data=data_forms))
-        result = fit(train, config=configs[0], out_dir=ctx.model_dir, val=val, run_info=run_info, resume=resume,
+        config = _continued(ctx.model_dir, configs[0]) if resume else configs[0]
+        result = fit(train, config=config, out_dir=ctx.model_dir, val=val, run_info=run_info, resume=resume,
                      progress=ctx.progress)
         return result.best_epoch, ""
     _keep_grid_parent(ctx.model_dir)
@@ -600,7 +601,7 @@ def _fit_runs(ctx: _Context, runs: list[dict], configs: list, source: str, *, tr
         run_dir = ctx.model_dir / "grid" / name
         # a finished grid point resumes at its last epoch: nothing to train, its result is read back
         resume = _prepare_run_dir(run_dir, *_run_fingerprints(ctx, config, split, kind="grid", data=data_forms))
-        points.append(_GridPoint(name, overrides, config, run_dir, resume))
+        points.append(_GridPoint(name, overrides, _continued(run_dir, config) if resume else config, run_dir, resume))
     t_grid = time.perf_counter()
     outcomes = _train_grid(points, train, val, run_info, ctx=ctx, data=data)
     grid_s = time.perf_counter() - t_grid
@@ -964,6 +965,23 @@ def _prepare_run_dir(run_dir: Path, fingerprint: dict, *earlier: dict) -> bool:
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(marker, fingerprint, sort_keys=True)
     return False
+
+
+def _continued(run_dir: Path, config):
+    """The settings to continue the run of ``run_dir`` with: ``config``, or with the epochs that ``wsi-milssl
+    train --resume RUN --epochs N`` continued it to (its ``config.json``), when more: that run is read back as
+    finished (the stages after it use its model), instead of refused as holding more epochs than asked for."""
+    import dataclasses
+
+    try:
+        epochs = int(json.loads((run_dir / "config.json").read_text(encoding="utf-8"))["epochs"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return config
+    if epochs <= config.epochs:
+        return config
+    log.info("%s was continued to %d epochs (train --resume), more than the pipeline's %d: kept as it is", run_dir,
+             epochs, config.epochs)
+    return dataclasses.replace(config, epochs=epochs)
 
 
 def _keep_grid_parent(model_dir: Path) -> None:
