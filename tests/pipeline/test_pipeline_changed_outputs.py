@@ -106,6 +106,19 @@ def test_a_model_resumed_beyond_the_pipelines_epochs_is_kept_when_train_runs_aga
     assert {s for s, _, _ in _run(out).values()} == {"skipped"}
 
 
+def test_a_deleted_last_pt_trains_again_and_keeps_the_earlier_model_aside(out, caplog):
+    """Deleting last.pt (twice best.pt's size) trained from scratch and deleted best.pt and the metrics of the
+    run (review AS, finding 7): they are now kept in model.replaced-<time>."""
+    best = _sha256(out / "model" / "best.pt")
+    (out / "model" / "last.pt").unlink()
+    outcomes = _run(out)
+    assert outcomes["train"][:2] == ("ran", f"output missing: {out / 'model' / 'last.pt'}")
+    (aside,) = out.glob("model.replaced-*")
+    assert _sha256(aside / "best.pt") == best and (aside / "metrics.jsonl").is_file()
+    assert "lacks the last.pt a run continues from" in caplog.text and "removed" not in caplog.text
+    assert (out / "model" / "last.pt").is_file()
+
+
 def test_a_heatmap_file_replaced_by_hand_makes_evaluate_run(out):
     probs = out / "heatmaps" / "test" / "synth_000_probs.npy"
     import numpy as np

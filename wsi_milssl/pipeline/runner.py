@@ -946,7 +946,8 @@ def _prepare_run_dir(run_dir: Path, fingerprint: dict, *earlier: dict) -> bool:
     then rewritten as ``fingerprint``).
 
     A folder holding a run started otherwise (other settings, split or labels; or a folder from
-    before this record) is renamed aside by :func:`_replace_aside`, never deleted; one holding only the
+    before this record), or this run without its ``last.pt``, is renamed aside by :func:`_replace_aside`, never
+    deleted; one holding only the
     record (a run refused before its first epoch) is used as it is.
     """
 
@@ -960,8 +961,14 @@ def _prepare_run_dir(run_dir: Path, fingerprint: dict, *earlier: dict) -> bool:
         if previous is not None and as_json(previous) in {as_json(f) for f in (fingerprint, *earlier) if f}:
             if as_json(previous) != as_json(fingerprint):
                 atomic_write_json(marker, fingerprint, sort_keys=True)
-            return (run_dir / "last.pt").is_file()
-        _replace_aside(run_dir, "holds a training run started with other settings, data or labels")
+            if (run_dir / "last.pt").is_file():
+                return True
+            # the same run without its last.pt (deleted to save space) starts again: its trained files (which a
+            # fresh run would remove) are kept aside; a run killed in its first epoch has none
+            if any((run_dir / name).is_file() for name in ("best.pt", "metrics.jsonl")):
+                _replace_aside(run_dir, "lacks the last.pt a run continues from, so it trains again")
+        else:
+            _replace_aside(run_dir, "holds a training run started with other settings, data or labels")
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(marker, fingerprint, sort_keys=True)
     return False
