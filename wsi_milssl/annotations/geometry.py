@@ -196,8 +196,8 @@ class AnnotationSet:
         if unknown:
             logger.warning(
                 "%s: ignored %d polygon(s) in group(s) %s, which are neither tumour (%s) nor non-tumour (%s); "
-                "add the group to LabelConfig.tumor_groups or .non_tumor_groups (--tumor-groups / "
-                "--non-tumor-groups) to use them.",
+                "to use them, add the group to --tumor-groups or --non-tumor-groups (in a pipeline: [label] "
+                "tumor_groups or non_tumor_groups).",
                 self._label, sum(unknown.values()), ", ".join(repr(g) for g in sorted(unknown)),
                 ", ".join(self.group_map.tumor), ", ".join(self.group_map.non_tumor),
             )
