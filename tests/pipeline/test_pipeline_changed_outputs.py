@@ -119,6 +119,18 @@ def test_a_deleted_last_pt_trains_again_and_keeps_the_earlier_model_aside(out, c
     assert (out / "model" / "last.pt").is_file()
 
 
+def test_an_edited_annotation_of_generated_slides_makes_the_stages_after_synth_run(out):
+    """In a pipeline of generated slides, an annotation corrected by hand in OUT/slides was ignored: every stage
+    stayed up to date while evaluate, when forced, read the new file (review AS, finding 2)."""
+    xml = next((out / "slides" / "test").glob("*.xml"))
+    xml.write_text(xml.read_text().replace('Order="0" X="', 'Order="0" X="1'))  # a vertex moved
+    outcomes = _run(out)
+    assert outcomes["synth"][0] == "skipped" and "kept: slides/test/" in outcomes["synth"][2]
+    assert outcomes["tile"][:2] == ("ran", f"input changed: slides/test/{xml.name}")
+    assert outcomes["evaluate"][0] == "ran"
+    assert {s for s, _, _ in _run(out).values()} == {"skipped"}
+
+
 def test_a_heatmap_file_replaced_by_hand_makes_evaluate_run(out):
     probs = out / "heatmaps" / "test" / "synth_000_probs.npy"
     import numpy as np

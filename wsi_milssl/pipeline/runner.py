@@ -1616,11 +1616,12 @@ def _run_stages(spec: PipelineSpec, stages: list[str], forced: set[str], *,
     return outcomes
 
 
-#: the stages whose output files a hand command may replace in place (``train --resume OUT/model``, ``heatmap``
-#: into ``OUT/heatmaps``) and whose readers are cheap to run again (heatmap keeps every slide predicted with the
-#: same checkpoint). The files of tile, label and features are not checked: a folder copied without its
+#: the stages whose output files a hand command or edit may replace in place (``train --resume OUT/model``,
+#: ``heatmap`` into ``OUT/heatmaps``, an annotation or labels file of generated slides corrected) and whose readers
+#: are cheap to run again (heatmap keeps every slide predicted with the same checkpoint; tile every store cut from
+#: the same slide file). The files of tile, label and features are not checked: a folder copied without its
 #: modification times (``cp -r``) would otherwise label and train again.
-_CHECKED_FILES = ("train", "heatmap")
+_CHECKED_FILES = ("synth", "train", "heatmap")
 
 
 def _file_reads(spec: PipelineSpec, stage: str) -> tuple[str, ...]:
@@ -1635,7 +1636,7 @@ def _file_reads(spec: PipelineSpec, stage: str) -> tuple[str, ...]:
 
 #: what may have changed the output files of a stage of :data:`_CHECKED_FILES` outside the pipeline: said
 #: when it keeps them
-_CHANGED_BY = {"train": "train --resume?", "heatmap": "heatmap run by hand?"}
+_CHANGED_BY = {"synth": "edited by hand?", "train": "train --resume?", "heatmap": "heatmap run by hand?"}
 
 
 def _kept_note(ctx: _Context, stage: str) -> str:
