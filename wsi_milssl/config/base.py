@@ -22,6 +22,7 @@ __all__ = [
     "check_inference_runtime",
     "check_range",
     "check_type",
+    "coerce_float_fields",
     "config_to_dict",
     "config_hash",
     "config_from_mapping",
@@ -45,6 +46,26 @@ def check_type(cls_name: str, field: str, value: Any, types: type | tuple[type, 
         raise ConfigError(  # numpy.bool, not 'bool': np.True_ is no bool
             f"{_where(cls_name, field)} must be {names}; got {value!r} ({got})."
         )
+
+
+#: field annotations (as strings: the config modules use ``from __future__ import annotations``) that hold a float
+_FLOAT_ANNOTATIONS = {"float", "float | None", "tuple[float, ...]", "tuple[float, ...] | None"}
+
+
+def coerce_float_fields(config: Any) -> None:
+    """Make an int given for a float field of a (frozen) config dataclass a float, in tuples too (``10`` ->
+    ``10.0``), so that ``magnification = 10`` and ``10.0`` make equal configs, the same JSON and the same
+    digests; bools are left alone (a bool is no number here), and other values for the checks to refuse."""
+
+    def as_float(value: Any) -> Any:
+        return float(value) if type(value) is int else value
+
+    for f in dataclasses.fields(config):
+        if str(f.type) not in _FLOAT_ANNOTATIONS:
+            continue
+        value = getattr(config, f.name)
+        value = tuple(as_float(v) for v in value) if isinstance(value, tuple) else as_float(value)
+        object.__setattr__(config, f.name, value)
 
 
 def check_range(

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from wsi_milssl.config.base import (DEFAULT_NON_TUMOR_GROUPS, DEFAULT_TUMOR_GROUPS, check_groups, check_range,
+from wsi_milssl.config.base import (DEFAULT_NON_TUMOR_GROUPS, DEFAULT_TUMOR_GROUPS, coerce_float_fields,
+                                     check_groups, check_range,
                                      check_type)
 
 __all__ = ["EvaluateConfig", "MAX_DISTANCE_UM"]
@@ -56,6 +57,7 @@ class EvaluateConfig:
 
     def __post_init__(self) -> None:
         name = type(self).__name__
+        coerce_float_fields(self)  # 10 and 10.0: the same config, the same digests
         check_range(name, "positive_fraction", self.positive_fraction, low=0.0, high=1.0, low_inclusive=False)
         for field in ("margin_um", "itc_major_axis_um"):  # finite: infinity overflowed the mask arithmetic
             check_range(name, field, getattr(self, field), low=0.0, high=MAX_DISTANCE_UM)

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from wsi_milssl.config.base import check_choice, check_inference_runtime, check_range, check_type
+from wsi_milssl.config.base import coerce_float_fields, check_choice, check_inference_runtime, check_range, check_type
 from wsi_milssl.errors import ConfigError
 
 __all__ = ["FeaturesConfig"]
@@ -62,6 +62,7 @@ class FeaturesConfig:
 
     def __post_init__(self) -> None:
         name = type(self).__name__
+        coerce_float_fields(self)  # 10 and 10.0: the same config, the same digests
         check_type(name, "encoder", self.encoder, str)
         if not self.encoder.strip() or self.encoder.strip() == "timm:":
             raise ConfigError(f"{name}.encoder must name an encoder (e.g. 'resnet50_trunc' or 'timm:NAME'); "

@@ -10,7 +10,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from wsi_milssl.config.base import (DEFAULT_NON_TUMOR_GROUPS, DEFAULT_TUMOR_GROUPS, check_choice, check_groups,
+from wsi_milssl.config.base import (DEFAULT_NON_TUMOR_GROUPS, DEFAULT_TUMOR_GROUPS, coerce_float_fields,
+                                     check_choice, check_groups,
                                      check_inference_runtime, check_range, check_type)
 
 __all__ = ["HeatmapConfig"]
@@ -122,6 +123,7 @@ class HeatmapConfig:
 
     def __post_init__(self) -> None:
         name = type(self).__name__
+        coerce_float_fields(self)  # 10 and 10.0: the same config, the same digests
         check_inference_runtime(self)
         if self.tissue is not None:
             check_type(name, "tissue", self.tissue, str)

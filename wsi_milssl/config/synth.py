@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from wsi_milssl.config.base import check_choice, check_range, check_type
+from wsi_milssl.config.base import coerce_float_fields, check_choice, check_range, check_type
 from wsi_milssl.errors import ConfigError
 
 __all__ = ["SynthConfig"]
@@ -32,6 +32,7 @@ class SynthConfig:
 
     def __post_init__(self) -> None:
         name = type(self).__name__
+        coerce_float_fields(self)  # 10 and 10.0: the same config, the same digests
         check_type(name, "n_slides", self.n_slides, int)
         check_range(name, "n_slides", self.n_slides, low=1)
         check_type(name, "seed", self.seed, int)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from wsi_milssl.config.base import check_choice, check_range, check_type, config_hash
+from wsi_milssl.config.base import coerce_float_fields, check_choice, check_range, check_type, config_hash
 from wsi_milssl.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -71,6 +71,7 @@ class TileConfig:
 
     def __post_init__(self) -> None:
         name = type(self).__name__
+        coerce_float_fields(self)  # 10 and 10.0: the same config, the same digests
         if self.magnification is not None and self.target_mpp is not None:
             raise ConfigError(
                 f"{name}: give magnification or target_mpp, not both; got magnification={self.magnification!r} "

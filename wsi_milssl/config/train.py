@@ -25,7 +25,7 @@ import math
 import numbers
 from dataclasses import dataclass
 
-from wsi_milssl.config.base import check_choice, check_range, check_type
+from wsi_milssl.config.base import check_choice, coerce_float_fields, check_range, check_type
 from wsi_milssl.errors import ConfigError
 
 __all__ = ["TrainConfig", "MODE_DEFAULTS", "BenchmarkConfig", "RUNTIME_ONLY_FIELDS"]
@@ -150,6 +150,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         name = type(self).__name__
         _plain_numbers(self)
+        coerce_float_fields(self)  # 10 and 10.0: the same config, the same digests
         check_choice(name, "mode", self.mode, tuple(MODE_DEFAULTS))
         for key, value in MODE_DEFAULTS[self.mode].items():
             if getattr(self, key) is None:
@@ -242,6 +243,7 @@ class BenchmarkConfig:
     def __post_init__(self) -> None:
         name = type(self).__name__
         _plain_numbers(self)
+        coerce_float_fields(self)  # 10 and 10.0: the same config, the same digests
         for field in ("folds", "inner_folds"):
             check_type(name, field, getattr(self, field), int)
             check_range(name, field, getattr(self, field), low=2)
