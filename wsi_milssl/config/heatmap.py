@@ -37,7 +37,8 @@ class HeatmapConfig:
         Slides cut on the fly are always decoded by the readers.
     device : 'auto' (CUDA when present), 'cpu' or 'cuda'.
     amp : autocast precision: 'auto' = bfloat16 on the CPU and on CUDA with bf16 support, float16 on
-        older GPUs; 'off' = float32; 'bf16' / 'fp16' force one.
+        older GPUs; 'off' = float32; 'bf16' / 'fp16' force one. A slide predicted at another resolved
+        precision is predicted again (float32 and bfloat16 maps differ by up to ~0.01).
     channels_last : NHWC memory layout for the convolutional model (faster on CPU and tensor cores).
     fuse_batchnorm : fold each eval-mode BatchNorm into the convolution before it
         (``torch.fx.experimental.optimization.fuse``; the same function, ~1e-7 apart in float32, about

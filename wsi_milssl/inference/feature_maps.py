@@ -45,6 +45,7 @@ from wsi_milssl.inference.stage import (
     _merge_status,
     checkpoint_sha256,
     non_finite_error,
+    resolved_precision,
     write_slide_outputs,
 )
 
@@ -382,11 +383,12 @@ def _check_fit(ff, head: FeatureHead) -> None:
 
 
 def _feature_fingerprint(config: HeatmapConfig, head: FeatureHead, sha256: str | None) -> str | None:
-    """What made a feature run's files: the head's bytes (``sha256``), its pooling and the settings
-    (runtime ones aside), marked as a feature run so it never equals an image run's fingerprint. None when
+    """What made a feature run's files: the head's bytes (``sha256``), its pooling, the settings (runtime ones
+    aside) and the precision predicted at (:func:`~wsi_milssl.inference.stage.resolved_precision`), marked as a feature run so it never equals an image run's fingerprint. None when
     the head has no file on disk (nothing to tell it from another)."""
     if sha256 is None:
         return None
     blob = json.dumps({"checkpoint_sha256": sha256, "heatmap": _fingerprint_settings(config),
-                       "pooling": head.pooling, "source": "features"}, sort_keys=True, default=str)
+                       "pooling": head.pooling, "precision": resolved_precision(head), "source": "features"},
+                      sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -78,6 +78,7 @@ __all__ = [
     "match_inputs",
     "store_mismatch",
     "checkpoint_sha256",
+    "resolved_precision",
     "write_slide_outputs",
     "make_heatmaps",
 ]
@@ -458,9 +459,20 @@ def _write_overlay(pred: SlidePrediction, grid: np.ndarray, path: Path, *, confi
     return write_png(image, path, metadata=meta)
 
 
-#: HeatmapConfig fields that change how fast, not what: a folder made with other values is reused.
+#: HeatmapConfig fields that change how fast, not what: a folder made with other values is reused. ``amp``
+#: counts by the precision it resolves to on this device (:func:`resolved_precision`, part of every
+#: fingerprint): 'auto' and 'bf16' on the CPU are the same, 'off' (float32) is not (maps ~1e-2 apart);
+#: channels_last and fuse_batchnorm change the maps by ~1e-6 only.
 _RUNTIME_FIELDS = ("batch_size", "num_workers", "device", "amp", "channels_last", "fuse_batchnorm", "threads",
                    "decode")
+
+
+def resolved_precision(model: Any) -> str:
+    """The precision ``model`` (an InferenceModel or a feature head) predicts at: its autocast dtype
+    ('bfloat16', 'float16') or 'float32' without autocast: the ``amp`` setting as resolved on this device."""
+    runtime = getattr(model, "runtime", None)
+    dtype = getattr(runtime, "amp_dtype", None) if runtime is not None else getattr(model, "amp_dtype", None)
+    return "float32" if dtype is None else str(dtype).replace("torch.", "")
 
 #: HeatmapConfig fields that change only what is drawn and exported from the probabilities, not the
 #: probabilities: the overlay PNG, the patch classes and lesion contours of the viewer files, the OME-TIFF's
@@ -475,8 +487,9 @@ DRAWING_FIELDS = ("colormap", "alpha", "vmin", "vmax", "overlay_threshold", "smo
 
 
 def _fingerprint(config: HeatmapConfig, model: InferenceModel, *, drawing: bool = True) -> str:
-    """What decides a folder's files: the checkpoint's bytes, the settings that shape outputs and the
-    tiling; runtime settings (workers, device, precision, batch) are left out. ``drawing=False``: what
+    """What decides a folder's files: the checkpoint's bytes, the settings that shape outputs, the tiling and
+    the precision predicted at (:func:`resolved_precision`); the other runtime settings (workers, device,
+    memory layout, batch) are left out. ``drawing=False``: what
     decides the probabilities alone (the :data:`DRAWING_FIELDS` left out too), a slide's
     ``prediction_fingerprint``."""
     settings = _fingerprint_settings(config)
@@ -487,8 +500,8 @@ def _fingerprint(config: HeatmapConfig, model: InferenceModel, *, drawing: bool 
         with open(model.checkpoint_path, "rb") as fh:
             for block in iter(lambda: fh.read(1 << 22), b""):
                 h.update(block)
-    h.update(json.dumps({"heatmap": settings, "tiling": model.tiling.to_dict(), "pooling": model.pooling},
-                        sort_keys=True).encode())
+    h.update(json.dumps({"heatmap": settings, "tiling": model.tiling.to_dict(), "pooling": model.pooling,
+                         "precision": resolved_precision(model)}, sort_keys=True).encode())
     return h.hexdigest()[:16]
 
 
