@@ -12,7 +12,8 @@ Besides the per-slide files (see :mod:`wsi_milssl.inference.exports`) the folder
 as failed while the others go on; a slide without a single patch is 'empty' and gets no score. Both
 lose the files and ``scores.csv`` row an earlier run left for them (they are not this run's). A slide
 finished in the folder is skipped when run again with the same checkpoint and settings, and drawn again from
-its saved probabilities, without the model, when only drawing settings changed (:data:`DRAWING_FIELDS`). Slides
+its saved probabilities, without the model, when only drawing settings changed (:data:`DRAWING_FIELDS`) or a
+file it writes (the overlay, a viewer file, the detections) was deleted. Slides
 are predicted several at a time (:func:`wsi_milssl.inference.predict.predict_many`) and their files are
 written by threads while the model goes on; the thread that writes a slide's files writes its ``scores.csv``
 and status rows right after them.
@@ -117,7 +118,8 @@ class HeatmapRun:
     ``seconds`` from the first slide opened to the last file written, ``skipped``: the slides already
     done with this checkpoint and settings (their results read from the folder, not predicted again), and
     ``redrawn``: those predicted with this checkpoint and settings but drawn with other
-    :data:`DRAWING_FIELDS`, drawn again from their saved probabilities (the model did not run on them)."""
+    :data:`DRAWING_FIELDS` (or another annotation file to outline, or with some of their files deleted), drawn
+    again from their saved probabilities (the model did not run on them)."""
 
     results: tuple[HeatmapResult, ...]
     out_dir: Path
@@ -655,8 +657,22 @@ def _same_prediction(row: dict[str, str], sidecar: dict) -> bool:
         return False
 
 
-#: The per-slide files a slide's outputs are complete with (a later run resumes the slide only with them).
+#: The per-slide files the pipeline's heatmap stage records in its stamp (:mod:`wsi_milssl.pipeline.runner`).
 COMPLETE_SLIDE_FILES = ("probs_npy", "probs_json", "detections_csv", "patches_csv")
+
+#: The per-slide files a slide's prediction is kept in: a later run reuses the slide (skips it, or draws its
+#: other files again from them: :func:`_missing_files`) only with them.
+PREDICTION_FILES = ("probs_npy", "probs_json", "patches_csv")
+
+
+def _missing_files(out_dir: Path, item: SlideInput, sidecar: dict) -> list[str]:
+    """The names of the per-slide files of ``item`` missing in ``out_dir`` among those a run writes for it
+    (:func:`write_slide_outputs`: every kind of :data:`wsi_milssl.artifacts.HEATMAP_FILES`, the overlay PNG
+    only where the slide file is there: the one given, else the one the sidecar records)."""
+    slide = item.slide_path if item.slide_path is not None else sidecar.get("slide_path")
+    overlay = slide is not None and Path(slide).exists()
+    return [p.name for kind, p in output_paths(out_dir, item.stem).items()
+            if (kind != "heatmap_png" or overlay) and not p.is_file()]
 
 
 def _finished(out_dir: Path, fingerprint: str, prediction_fingerprint: str, inputs: Sequence[SlideInput],
@@ -665,8 +681,9 @@ def _finished(out_dir: Path, fingerprint: str, prediction_fingerprint: str, inpu
     (done, redraw). ``done``: those whose ``_probs.json`` records this ``fingerprint`` (checkpoint and every
     setting; the folder's ``heatmap_config.json`` names the latest run's, not what made each slide);
     ``redraw`` (stem -> sidecar): those that record this ``prediction_fingerprint`` only (the same
-    probabilities, other :data:`DRAWING_FIELDS` or another annotation file to outline, :func:`_outline_file`),
-    to draw again from their saved map. Either way the status
+    probabilities, other :data:`DRAWING_FIELDS` or another annotation file to outline, :func:`_outline_file`,
+    or a file of theirs deleted: :func:`_missing_files`), to draw again from their saved map (which needs the
+    :data:`PREDICTION_FILES`). Either way the status
     is ok with every file there, the slide and store files are the same (name, size and modification time,
     in ``input_files``: :func:`_same_input_files`), and the status row agrees with the sidecar's score and
     patch count. A slide made by another checkpoint or settings (a run resumed with a new checkpoint), from
@@ -679,7 +696,7 @@ def _finished(out_dir: Path, fingerprint: str, prediction_fingerprint: str, inpu
         if row is None or row.get("status") != "ok":
             continue
         paths = output_paths(out_dir, item.stem)
-        if not all(paths[k].is_file() for k in COMPLETE_SLIDE_FILES):
+        if not all(paths[k].is_file() for k in PREDICTION_FILES):
             continue
         sidecar = _read_sidecar(paths["probs_json"])
         same = sidecar.get("fingerprint") == fingerprint
@@ -695,8 +712,8 @@ def _finished(out_dir: Path, fingerprint: str, prediction_fingerprint: str, inpu
             logger.info("%s: its status row in %s is not that of its files (an interrupted run); predicting it "
                         "again", item.stem, out_dir)
             continue
-        if not same or not _same_file(sidecar.get("outline_file"),
-                                      _outline_file(item.stem, item.slide_path, annotations_dir)):
+        if not same or _missing_files(out_dir, item, sidecar) or not _same_file(
+                sidecar.get("outline_file"), _outline_file(item.stem, item.slide_path, annotations_dir)):
             redraw[item.stem] = sidecar
             continue
         try:
@@ -983,10 +1000,13 @@ def _make_heatmaps(inputs: list[HeatmapInput], checkpoint: str | os.PathLike | I
                             out_dir, exc)
                 todo.append(i)
                 continue
-            changed = _changed_drawing(sidecar, config)
-            logger.info("%s: predicted with this checkpoint and settings, drawn with %s; drawing it again from its "
-                        "saved probabilities", item.stem, f"other drawing settings ({changed})" if changed else
-                        "another annotation file to outline (added, edited or removed)")
+            changed, missing = _changed_drawing(sidecar, config), _missing_files(out_dir, item, sidecar)
+            why = [f"drawn with other drawing settings ({changed})"] if changed else []
+            if missing:
+                why.append(f"its file(s) {', '.join(missing)} missing")
+            logger.info("%s: predicted with this checkpoint and settings, %s; drawing it again from its saved "
+                        "probabilities", item.stem, "; ".join(why) or
+                        "drawn with another annotation file to outline (added, edited or removed)")
             redrawn.append(item.stem)
             writes[writers.submit(write, i, pred, files_of[i])] = (i, pred)
             while len(writes) >= _PENDING_WRITES:
