@@ -174,7 +174,9 @@ def _check_mpp(predictions_dir: Path, sidecars: dict[str, dict], config: Evaluat
         f"{predictions_dir}: --slide-mpp {config.mpp:g} (in a pipeline, [evaluate] mpp) is not the µm/px the heatmaps "
         f"of slides {shown} were made with, as their <stem>_probs.json record it ('mpp'), so their lesions would be "
         "measured at another scale than their detections. Fix: drop --slide-mpp (evaluate uses the µm/px each "
-        f"heatmap was made with), or run the heatmap stage again with --slide-mpp {config.mpp:g} --overwrite.")
+        f"heatmap was made with), or run the heatmap stage again with --slide-mpp {config.mpp:g} --overwrite. In a "
+        f"pipeline, whose heatmaps take the stores' µm/px: drop [evaluate] mpp, or set [tile] slide_mpp = "
+        f"{config.mpp:g} (which tiles and predicts again).")
 
 
 def _normal_slide_size(stem: str, slide_paths: dict[str, Path], sidecar: dict | None, config: EvaluateConfig
@@ -672,7 +674,8 @@ def _one_run(predictions_dir: Path, sidecars: dict[str, dict]) -> dict | None:
         f"{predictions_dir}: its slides were predicted by {len(groups)} different heatmap runs (another checkpoint "
         f"or other settings), so evaluating them together would mix models and report only the last run's "
         f"settings: {described}. What differs: {differs}. Fix: run the heatmap stage again with --overwrite on the "
-        "whole set of slides into this folder (or into a new one), then evaluate.")
+        "whole set of slides into this folder (or into a new one), then evaluate: `wsi-milssl heatmap ... "
+        "--overwrite` (in a pipeline: `wsi-milssl run PIPELINE --force heatmap`).")
 
 
 def _one_slide_mpp(predictions_dir: Path, sidecars: dict[str, dict]) -> None:
@@ -691,7 +694,8 @@ def _one_slide_mpp(predictions_dir: Path, sidecars: dict[str, dict]) -> None:
         raise EvaluationError(
             f"{predictions_dir}: its slides were cut at µm/px given in different ways ({shown}), so some were cut "
             "at another magnification than the others. Fix: run the heatmap stage again with --overwrite on the "
-            "whole set with one --slide-mpp (or none), then evaluate.")
+            "whole set with one --slide-mpp (or none), then evaluate: `wsi-milssl heatmap ... --overwrite` (in a "
+            "pipeline: `wsi-milssl run PIPELINE --force heatmap`).")
 
 
 def _refuse_unfinished(predictions_dir: Path, found: dict[str, PredictionFiles],
