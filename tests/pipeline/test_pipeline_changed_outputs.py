@@ -131,6 +131,29 @@ def test_an_edited_annotation_of_generated_slides_makes_the_stages_after_synth_r
     assert {s for s, _, _ in _run(out).values()} == {"skipped"}
 
 
+def test_stamps_of_a_setting_spelled_as_an_int_stay_up_to_date(out):
+    """Before configs made ints of float settings floats (0950977), ``magnification = 10`` was recorded as 10, and
+    its digest differs from 10.0's: every stage of such a pipeline would run again after the upgrade (hours on a
+    real cohort). Stamps that recorded the same values (10 == 10.0) keep their digests and stay up to date."""
+    from wsi_milssl.pipeline import runner
+
+    spec = load_pipeline(out.parent / "changed.toml", out_dir=out)
+    state = out / ".pipeline"
+    chain = {}
+    for stage in ("synth", "tile", "label", "train", "heatmap", "evaluate"):  # the stamps an int spelling wrote
+        settings, inputs = runner._digest_parts(spec, stage, chain, state, legacy=False)
+        stamp = json.loads((state / f"{stage}.json").read_text())
+        if stage == "tile":
+            assert settings["section"]["magnification"] == 10.0
+            settings["section"]["magnification"] = 10
+            stamp["settings"]["tile.magnification"] = 10
+        chain[stage] = stamp["digest"] = stamps.stamp_digest(settings, inputs)
+        stamp["inputs"] = json.loads(json.dumps(inputs))
+        (state / f"{stage}.json").write_text(json.dumps(stamp))
+    assert {s for s, _, _ in _run(out).values()} == {"skipped"}
+    assert json.loads((state / "tile.json").read_text())["digest"] == chain["tile"]
+
+
 def test_a_heatmap_file_replaced_by_hand_makes_evaluate_run(out):
     probs = out / "heatmaps" / "test" / "synth_000_probs.npy"
     import numpy as np

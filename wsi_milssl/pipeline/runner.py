@@ -58,7 +58,7 @@ from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.locks import folder_lock
 from wsi_milssl.pipeline.spec import RESOLVED_FILENAME, STAGES, PipelineSpec, stage_config, write_resolved_pipeline
 from wsi_milssl.pipeline.stamps import (changed_outputs, fingerprint_paths, mark_outdated, mark_running, read_stamp,
-                                        stale_reason, stamp_digest, write_stamp)
+                                        recorded_digest, stale_reason, stamp_digest, write_stamp)
 
 __all__ = ["StageOutcome", "run_pipeline", "split_train_val"]
 
@@ -958,7 +958,9 @@ def _prepare_run_dir(run_dir: Path, fingerprint: dict, *earlier: dict) -> bool:
         except (OSError, ValueError):
             previous = None
         as_json = lambda value: json.dumps(value, sort_keys=True, default=str)  # noqa: E731
-        if previous is not None and as_json(previous) in {as_json(f) for f in (fingerprint, *earlier) if f}:
+        # compared by value, so that an int and a float of one value (10 and 10.0: a record written before configs
+        # made ints of float settings floats) are the same
+        if previous is not None and any(previous == json.loads(as_json(f)) for f in (fingerprint, *earlier) if f):
             if as_json(previous) != as_json(fingerprint):
                 atomic_write_json(marker, fingerprint, sort_keys=True)
             if (run_dir / "last.pt").is_file():
@@ -1569,9 +1571,10 @@ def _run_stages(spec: PipelineSpec, stages: list[str], forced: set[str], *,
     check_encoder = spec.feature_stage and "features" in stages
     for i, stage in enumerate(stages):
         settings, inputs = _digest_parts(spec, stage, digests, ctx.state, legacy=False)
-        digests[stage] = digest = stamp_digest(settings, inputs)
+        digest = stamp_digest(settings, inputs)
         legacy_digests[stage] = stamp_digest(*_digest_parts(spec, stage, legacy_digests, ctx.state, legacy=True))
         settings = _setting_names(stage, settings)
+        digests[stage] = digest = recorded_digest(ctx.state, stage, digest, settings, inputs)
         emit(progress, ProgressEvent("pipeline", i, len(stages), unit="stage", item=stage))
         if stage in forced and forced_first is None:
             forced_first = stage

@@ -34,8 +34,8 @@ from typing import Any, Iterable, Sequence
 
 from wsi_milssl.atomic import atomic_write_json
 
-__all__ = ["StageStamp", "fingerprint_paths", "stamp_digest", "read_stamp", "write_stamp", "mark_running",
-           "mark_outdated", "stale_reason", "changed_outputs"]
+__all__ = ["StageStamp", "fingerprint_paths", "stamp_digest", "recorded_digest", "read_stamp", "write_stamp",
+           "mark_running", "mark_outdated", "stale_reason", "changed_outputs"]
 
 StageStamp = dict[str, Any]
 
@@ -83,6 +83,19 @@ def fingerprint_paths(paths: Iterable[str | os.PathLike], *, content: bool = Fal
 def stamp_digest(settings: Any, inputs: Any) -> str:
     blob = json.dumps({"settings": settings, "inputs": inputs}, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()
+
+
+def recorded_digest(state_dir: str | os.PathLike, stage: str, digest: str, settings: Any, inputs: Any) -> str:
+    """``digest`` (of ``settings`` and ``inputs``), or the digest the stamp of ``stage`` holds when it recorded the
+    same settings and inputs by value: an int and a float of one value (``10``, ``10.0``: a stamp written before
+    configs made ints of float settings floats, or a setting spelled otherwise) digest differently but are the
+    same. The runner uses this digest for the stage and in the chain of the stages after it."""
+    stamp = read_stamp(state_dir, stage)
+    if not stamp or stamp.get("digest") == digest or not isinstance(stamp.get("digest"), str):
+        return digest
+    if stamp.get("settings") == _plain(settings) and stamp.get("inputs") == _plain(inputs):
+        return stamp["digest"]
+    return digest
 
 
 def _stamp_path(state_dir: Path, stage: str) -> Path:
