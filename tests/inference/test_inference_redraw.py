@@ -176,8 +176,8 @@ def test_the_cli_summary_names_redrawn_slides_without_a_patch_rate(tmp_path, two
     assert main([*args, "--colormap", "magma"]) == 0
     summary = capsys.readouterr().out.splitlines()[0]
     assert "0 new patches in" in summary and "patches/s" not in summary, summary
-    assert "2 slide(s) drawn again from their saved probabilities (only drawing settings changed, nothing " \
-           "predicted)" in summary, summary
+    assert "2 slide(s) drawn again from their saved probabilities (drawing settings or outlines changed, or files " \
+           "were missing; nothing predicted)" in summary, summary
 
 
 def test_a_slide_predicted_without_its_slide_file_leaves_no_earlier_overlay(tmp_path, two_slides, checkpoint_factory):

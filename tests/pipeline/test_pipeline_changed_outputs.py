@@ -154,6 +154,16 @@ def test_stamps_of_a_setting_spelled_as_an_int_stay_up_to_date(out):
     assert json.loads((state / "tile.json").read_text())["digest"] == chain["tile"]
 
 
+def test_a_deleted_overlay_is_drawn_again(out):
+    """The heatmap stage recorded four files per slide, so a deleted overlay PNG or viewer file stayed missing
+    while every stage said up to date (review AS, finding 9)."""
+    png = out / "heatmaps" / "test" / "synth_000_heatmap.png"
+    png.unlink()
+    outcomes = _run(out)
+    assert outcomes["heatmap"][:2] == ("ran", f"output missing: {png}") and "1 drawn again" in outcomes["heatmap"][2]
+    assert png.is_file()
+
+
 def test_a_heatmap_file_replaced_by_hand_makes_evaluate_run(out):
     probs = out / "heatmaps" / "test" / "synth_000_probs.npy"
     import numpy as np

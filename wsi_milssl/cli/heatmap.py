@@ -266,8 +266,8 @@ def _report(result, what: str, *, shard=None) -> int:
         rate = f", {n_patches / seconds:.1f} patches/s" if seconds > 0 and n_patches else ""
         done = f"{n_patches} {'new ' if not_predicted else ''}patches in {seconds:.1f} s{rate}"
         if redrawn:
-            done += (f"; {len(redrawn)} slide(s) drawn again from their saved probabilities (only drawing "
-                     "settings changed, nothing predicted)")
+            done += (f"; {len(redrawn)} slide(s) drawn again from their saved probabilities (drawing settings "
+                     "or outlines changed, or files were missing; nothing predicted)")
         if skipped:
             done += f"; {len(skipped)} slide(s) already done with this checkpoint and settings, skipped"
     part = f" (shard {shard[0]}/{shard[1]})" if shard is not None and shard[1] > 1 else ""

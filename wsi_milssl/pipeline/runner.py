@@ -1191,7 +1191,6 @@ def _heatmap(ctx: _Context) -> tuple[list[str], str]:
     from wsi_milssl.cohorts import slide_stem
     from wsi_milssl.errors import WsiMilsslError
     from wsi_milssl.inference import make_heatmaps
-    from wsi_milssl.inference.stage import COMPLETE_SLIDE_FILES
     from wsi_milssl.tiling import find_slides
 
     config = _with_label_settings(ctx.spec, "heatmap")
@@ -1209,7 +1208,7 @@ def _heatmap(ctx: _Context) -> tuple[list[str], str]:
                              + "; ".join(f"{r.slide}: {r.error}" for r in failed[:3]))
     _write_set_scores(run)
     n = sum(r.n_patches for r in run.results)
-    slide_files = _existing(r.outputs.get(k) for r in run.results for k in COMPLETE_SLIDE_FILES)
+    slide_files = _existing(p for r in run.results for p in r.outputs.values())  # (a deleted overlay: drawn again)
     reused = [f"{len(v)} {what}" for v, what in ((run.skipped, "kept"), (run.redrawn, "drawn again")) if v]
     return [str(ctx.heatmap_dir / "scores.csv")] + slide_files, (
         f"{len(run.results)} slides{' (' + ', '.join(reused) + ')' if reused else ''}, {n} patches")
