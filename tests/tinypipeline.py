@@ -23,3 +23,21 @@ patch_size_px = 32
 entropy_threshold_bits = 4.0
 min_tissue = 0.5
 """
+
+
+def feature_bags(folder, n: int, seed: int) -> None:
+    """``n`` HDF5 feature bags of 20 instances x 8 features in ``folder`` (created) with ``labels.csv``: bag b is
+    positive when b is odd, its first 4 instances shifted by 3."""
+    import h5py
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True)
+    lines = ["slide,label"]
+    for b in range(n):
+        x = rng.normal(size=(20, 8)).astype(np.float32)
+        x[:4] += 3.0 * (b % 2)
+        with h5py.File(folder / f"bag_{b:02d}.h5", "w") as fh:
+            fh["features"] = x
+        lines.append(f"bag_{b:02d},{b % 2}")
+    (folder / "labels.csv").write_text("\n".join(lines) + "\n")

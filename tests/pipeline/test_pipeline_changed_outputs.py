@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 
-from tinypipeline import GENERATED_SLIDES
+from tinypipeline import GENERATED_SLIDES, feature_bags
 from wsi_milssl.cli import main
 from wsi_milssl.pipeline import load_pipeline, run_pipeline
 from wsi_milssl.pipeline import stamps
@@ -233,26 +233,10 @@ plots = false
 """
 
 
-def _bags(folder, n: int, seed: int) -> None:
-    import h5py
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    folder.mkdir(parents=True)
-    lines = ["slide,label"]
-    for b in range(n):
-        x = rng.normal(size=(20, 8)).astype(np.float32)
-        x[:4] += 3.0 * (b % 2)
-        with h5py.File(folder / f"bag_{b:02d}.h5", "w") as fh:
-            fh["features"] = x
-        lines.append(f"bag_{b:02d},{b % 2}")
-    (folder / "labels.csv").write_text("\n".join(lines) + "\n")
-
-
 def test_a_resumed_feature_model_makes_evaluate_run_again(tmp_path):
     """In a feature pipeline evaluate reads the model itself (no heatmap stage)."""
-    _bags(tmp_path / "bags" / "train", 8, 0)
-    _bags(tmp_path / "bags" / "test", 4, 1)
+    feature_bags(tmp_path / "bags" / "train", 8, 0)
+    feature_bags(tmp_path / "bags" / "test", 4, 1)
     (tmp_path / "p.toml").write_text(FEATURES)
     out = tmp_path / "out"
 

@@ -11,11 +11,9 @@ import os
 import shutil
 from pathlib import Path
 
-import h5py
-import numpy as np
 import pytest
 
-from tinypipeline import GENERATED_SLIDES
+from tinypipeline import GENERATED_SLIDES, feature_bags
 from wsi_milssl.cli import main
 from wsi_milssl.config import load_toml
 from wsi_milssl.pipeline import RESOLVED_FILENAME, load_pipeline, run_pipeline
@@ -41,25 +39,12 @@ plots = false
 """
 
 
-def _bags(folder: Path, n: int, seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    folder.mkdir(parents=True)
-    lines = ["slide,label"]
-    for b in range(n):
-        x = rng.normal(size=(20, 8)).astype(np.float32)
-        x[:4] += 3.0 * (b % 2)
-        with h5py.File(folder / f"bag_{b:02d}.h5", "w") as fh:
-            fh["features"] = x
-        lines.append(f"bag_{b:02d},{b % 2}")
-    (folder / "labels.csv").write_text("\n".join(lines) + "\n")
-
-
 @pytest.fixture()
 def work(tmp_path, monkeypatch):
     """A folder with a feature pipeline (``p.toml``, its bags beside it), the current folder of the test."""
     folder = tmp_path / "work"
-    _bags(folder / "bags" / "train", 8, 0)
-    _bags(folder / "bags" / "test", 4, 1)
+    feature_bags(folder / "bags" / "train", 8, 0)
+    feature_bags(folder / "bags" / "test", 4, 1)
     (folder / "p.toml").write_text(FEATURES)
     monkeypatch.chdir(folder)
     return folder

@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from wsi_milssl.cli import main
@@ -13,6 +12,7 @@ from wsi_milssl.config import load_toml
 from wsi_milssl.errors import ConfigError
 from wsi_milssl.pipeline import RESOLVED_FILENAME, load_pipeline, resolved_pipeline, run_pipeline
 from wsi_milssl.pipeline.spec import parse_override
+from tinypipeline import feature_bags
 
 PIPELINE = """
 [pipeline]
@@ -35,25 +35,10 @@ plots = false
 """
 
 
-def _bags(folder, n: int, seed: int) -> None:
-    import h5py
-
-    rng = np.random.default_rng(seed)
-    folder.mkdir(parents=True)
-    lines = ["slide,label"]
-    for b in range(n):
-        x = rng.normal(size=(20, 8)).astype(np.float32)
-        x[:4] += 3.0 * (b % 2)
-        with h5py.File(folder / f"bag_{b:02d}.h5", "w") as fh:
-            fh["features"] = x
-        lines.append(f"bag_{b:02d},{b % 2}")
-    (folder / "labels.csv").write_text("\n".join(lines) + "\n")
-
-
 @pytest.fixture()
 def toml(tmp_path):
-    _bags(tmp_path / "train", 8, 0)
-    _bags(tmp_path / "test", 4, 1)
+    feature_bags(tmp_path / "train", 8, 0)
+    feature_bags(tmp_path / "test", 4, 1)
     path = tmp_path / "p.toml"
     path.write_text(PIPELINE)
     return path
