@@ -17,8 +17,8 @@ Every stage writes under the pipeline's output folder::
 A stage is skipped when its stamp matches its settings and the stamps of the stages it reads from, and
 its outputs still exist, and no earlier stage ran since its stamp was written (a stage that starts marks the
 stamps of the later ones: :func:`wsi_milssl.pipeline.stamps.mark_outdated`, so a stage run under ``--until``
-makes the later ones run next time), and the model and heatmap files it reads are as it left them (size
-and modification time: :data:`_CHECKED_FILES`); one that runs says why (:attr:`StageOutcome.reason`). Files changed outside the
+makes the later ones run next time), and the generated slides, model and heatmap files it reads are as it
+left them (size and modification time: :data:`_CHECKED_FILES`); one that runs says why (:attr:`StageOutcome.reason`). Files changed outside the
 pipeline (``train --resume OUT/model``, a heatmap file replaced by hand) are kept by the stage that wrote them,
 whose outcome says so ("up to date; kept: model/best.pt changed outside the pipeline (train --resume?)"), and
 make the stages that read them run again ("input changed: model/best.pt"). Each stage reads

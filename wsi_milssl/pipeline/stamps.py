@@ -11,8 +11,8 @@ stage that runs again can say why (:func:`stale_reason`); stamps of earlier vers
 Stamps also record the identity (size and modification time: one ``stat`` per file) of each output file when the
 stage finished (``output_ids``) and of the output files of the stages it reads from as it left them (``input_ids``:
 after it ran, with the SHA-256 of each, so that a file whose modification time alone changed, as in a folder
-copied by ``cp -r``, is compared by its bytes). The runner records those of the model and heatmap files only
-(``_CHECKED_FILES`` in :mod:`wsi_milssl.pipeline.runner`). An output changed since (``train --resume OUT/model``, a heatmap
+copied by ``cp -r``, is compared by its bytes). The runner records those of generated slides, the model and the
+heatmap files only (``_CHECKED_FILES`` in :mod:`wsi_milssl.pipeline.runner`). An output changed since (``train --resume OUT/model``, a heatmap
 file replaced by hand) makes every stage that reads it run again ("input changed: model/best.pt"), while the
 stage that wrote it keeps it and says so (:func:`changed_outputs`); stamps without these records (earlier
 versions') are not checked.
