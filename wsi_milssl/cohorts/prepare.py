@@ -859,6 +859,7 @@ def _finish(out: Path, *, name: str, template: Path | None,
     :data:`NEW_PIPELINE_NAME`, with a note naming both. The annotations' groups are checked against the label
     stage of the pipeline the result names to run (:func:`_group_check`).
     """
+    from wsi_milssl.pipeline.runner import refuse_unusable_split
     from wsi_milssl.pipeline.spec import load_pipeline
 
     template = Path(template) if template is not None else default_template()
@@ -901,6 +902,15 @@ def _finish(out: Path, *, name: str, template: Path | None,
                     spec = load_pipeline(run_toml)  # the kept pipeline.toml is the one run will read
                 except ConfigError:
                     pass
+            # the split run will make of these slides (a grid needs validation slides of both classes): the
+            # cohort is written, with a note, as the pipeline is there to be edited (drop the grid, another metric)
+            train_labels = dict(sets["train"][1])
+            try:
+                refuse_unusable_split(spec, read_lists=False, train_lists=(
+                    train_labels, {k: v for k, v in (patients or {}).items() if k in train_labels}))
+            except ConfigError as exc:
+                notes.append("`wsi-milssl run` will refuse this pipeline until it is edited: "
+                             + str(exc).replace(str(fh.name), str(run_toml)))
             try:
                 notes += _group_check(sets, spec, run_toml)
             except ConfigError as exc:

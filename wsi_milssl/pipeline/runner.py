@@ -1458,7 +1458,8 @@ def run_pipeline(
         return outcomes
 
 
-def refuse_unusable_split(spec: PipelineSpec, *, read_lists: bool) -> None:
+def refuse_unusable_split(spec: PipelineSpec, *, read_lists: bool,
+                          train_lists: tuple[dict[str, int], dict[str, str]] | None = None) -> None:
     """When a pipeline is loaded (:func:`~wsi_milssl.pipeline.spec.load_pipeline`: before ``run``'s first stage,
     and ``prepare``'s check of the pipeline it writes): the refusals of a [train.grid] whose split holds out no
     validation slides, or with val_fraction = 0 (:func:`_refuse_grid_without_validation`, as the train stage's),
@@ -1467,7 +1468,8 @@ def refuse_unusable_split(spec: PipelineSpec, *, read_lists: bool) -> None:
     read for a pipeline written before its lists, as prepare writes it) or the names and labels synth will
     generate, whose stores tile makes and train splits. Feature files are split by the train stage, the first of
     a feature pipeline; a slide list or labels file that cannot be read is the stages' error to report. A grid
-    with val_fraction = 0 is refused all the same."""
+    with val_fraction = 0 is refused all the same. ``train_lists``: the training slides' ({stem: label},
+    {stem: patient}) as ``prepare`` holds them before it writes the lists (read instead of the files)."""
     from wsi_milssl.cohorts import slide_stem
     from wsi_milssl.config import TrainConfig
     from wsi_milssl.errors import WsiMilsslError
@@ -1490,6 +1492,9 @@ def refuse_unusable_split(spec: PipelineSpec, *, read_lists: bool) -> None:
     try:
         if ds.synth is not None:  # synth_NNN, labelled as generate_slides labels them
             labels = {f"synth_{i:03d}": int(flag) for i, flag in enumerate(tumour_flags(ds.synth))}
+            stems = sorted(labels)
+        elif train_lists is not None:
+            labels, groups = dict(train_lists[0]), dict(train_lists[1])
             stems = sorted(labels)
         elif read_lists:
             stems = sorted(slide_stem(p) for p in find_slides([ds.slides], keep_missing=True))
