@@ -234,3 +234,18 @@ def test_a_moved_or_copied_prepare_folder_runs_in_its_own_run_folder(prepared, t
     (moved / "pipeline.toml").write_text(re.sub(r'(?m)^out_dir = .*$', f'out_dir = "{elsewhere}"',
                                                (moved / "pipeline.toml").read_text()))
     assert load_pipeline(moved / "pipeline.toml").out_dir == elsewhere
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["train.mode=features", "train.model=mlp"],
+     r"\[train\]\.mode is 'features', but this pipeline gives the train stage patch images\. Fix: add a \[features\] "
+     r"table"),
+])
+def test_a_train_mode_other_than_the_pipelines_inputs_is_refused_at_load(tmp_path, sets, message):
+    """[train] mode = "features" in a pipeline of slides without a [features] table ran synth, tile and label,
+    then stopped in train with an error that named neither the file nor [train].mode (review AR, finding 3)."""
+    path = tmp_path / "demo.toml"
+    path.write_text(TINY)
+    load_pipeline(path)
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))} with --set .*: {message}"):
+        load_pipeline(path, overrides=sets)

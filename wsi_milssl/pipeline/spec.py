@@ -342,6 +342,13 @@ def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None 
                               f"[train].mode is {train_mode!r}. Fix: set mode = \"features\" (and an MLP head) or "
                               "drop [features].")
     train_mode = "features" if mode == "features" or feature_stage else "images"
+    asked = sections["train"].get("mode", train_mode)
+    if asked != train_mode:  # (checked here, not after tile and label, where train would find the other inputs)
+        fix = ("add a [features] table (the encoder that embeds the patches), or drop [train].mode: a pipeline of "
+               "slides without one trains on the patches' pixels" if train_mode == "images" else
+               "drop [train].mode (or set it to \"features\"): this pipeline trains on feature files")
+        raise ConfigError(f"{at('train')}: [train].mode is {asked!r}, but this pipeline gives the train stage "
+                          f"{'patch images' if train_mode == 'images' else 'features'}. Fix: {fix}.")
     _validate_sections(sections, source, train_mode=train_mode, overrides=overrides)
     if mode == "features":
         _refuse_grid_without_validation(sections["train"].get("grid"), val_fraction, at("train", "data"), "bags")
