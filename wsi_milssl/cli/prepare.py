@@ -100,7 +100,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exclude", nargs="+", action="extend", default=[], metavar="NAME",
                    help="slides left out of every set, by name (as Test_114, not exhaustively annotated; matched "
                         "without folder, suffix and case; a name of no slide is an error); recorded in "
-                        "cohort/prepare.json. It takes every name up to the next option: give it after ROOT")
+                        "cohort/prepare.json. It takes every name up to the next option: give it after the "
+                        "positional arguments (or end its names with another option)")
 
 
 def run(args: argparse.Namespace) -> int:
