@@ -115,12 +115,19 @@ def test_default_outline_groups_keep_the_heatmap_fingerprint_of_earlier_versions
     from wsi_milssl.config.base import config_to_dict
     from wsi_milssl.inference.stage import _RUNTIME_FIELDS, _fingerprint
 
-    model = SimpleNamespace(checkpoint_path=None, tiling=SimpleNamespace(to_dict=lambda: {"patch": 32}), pooling="max")
+    import torch
+
+    model = SimpleNamespace(checkpoint_path=None, tiling=SimpleNamespace(to_dict=lambda: {"patch": 32}), pooling="max",
+                            runtime=SimpleNamespace(device=torch.device("cpu"), amp_dtype=torch.bfloat16))
     earlier = {k: v for k, v in config_to_dict(HeatmapConfig()).items()
                if k not in _RUNTIME_FIELDS and k not in ("tumor_groups", "non_tumor_groups")}
     blob = json.dumps({"heatmap": earlier, "tiling": {"patch": 32}, "pooling": "max"}, sort_keys=True).encode()
     assert _fingerprint(HeatmapConfig(), model) == hashlib.sha256(blob).hexdigest()[:16]
     assert _fingerprint(HeatmapConfig(tumor_groups=("Metastasis",)), model) != _fingerprint(HeatmapConfig(), model)
+    # at the device's default precision (amp = "auto": bfloat16 on the CPU) the precision is left out, as earlier
+    # versions left it out; another (float32) counts (ad3d804)
+    model.runtime.amp_dtype = None
+    assert _fingerprint(HeatmapConfig(), model) != hashlib.sha256(blob).hexdigest()[:16]
 
 
 def test_the_evaluate_stamp_counts_the_label_settings_it_takes(tmp_path):

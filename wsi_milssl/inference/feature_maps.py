@@ -389,6 +389,6 @@ def _feature_fingerprint(config: HeatmapConfig, head: FeatureHead, sha256: str |
     if sha256 is None:
         return None
     blob = json.dumps({"checkpoint_sha256": sha256, "heatmap": _fingerprint_settings(config),
-                       "pooling": head.pooling, "precision": resolved_precision(head), "source": "features"},
+                       "pooling": head.pooling, **resolved_precision(head, cpu_auto="off"), "source": "features"},
                       sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -469,12 +469,19 @@ _RUNTIME_FIELDS = ("batch_size", "num_workers", "device", "amp", "channels_last"
                    "decode")
 
 
-def resolved_precision(model: Any) -> str:
-    """The precision ``model`` (an InferenceModel or a feature head) predicts at: its autocast dtype
-    ('bfloat16', 'float16') or 'float32' without autocast: the ``amp`` setting as resolved on this device."""
-    runtime = getattr(model, "runtime", None)
-    dtype = getattr(runtime, "amp_dtype", None) if runtime is not None else getattr(model, "amp_dtype", None)
-    return "float32" if dtype is None else str(dtype).replace("torch.", "")
+def resolved_precision(model: Any, *, cpu_auto: str = "bf16") -> dict[str, str]:
+    """The precision ``model`` (an InferenceModel, or a feature head with ``cpu_auto="off"``) predicts at, for a
+    fingerprint: {"precision": 'bfloat16' / 'float16' / 'float32'} when it is not the one ``amp = "auto"`` gives
+    on its device, {} when it is (so the files of earlier versions, whose fingerprints left the precision out and
+    were made at that default, keep their fingerprints)."""
+    from wsi_milssl import runtime as runtime_rules
+
+    runtime = getattr(model, "runtime", model)
+    dtype = getattr(runtime, "amp_dtype", None)
+    if dtype == runtime_rules.pick_amp_dtype("auto", runtime.device, cpu_auto=cpu_auto):
+        return {}
+    return {"precision": "float32" if dtype is None else str(dtype).replace("torch.", "")}
+
 
 #: HeatmapConfig fields that change only what is drawn and exported from the probabilities, not the
 #: probabilities: the overlay PNG, the patch classes and lesion contours of the viewer files, the OME-TIFF's
@@ -503,7 +510,7 @@ def _fingerprint(config: HeatmapConfig, model: InferenceModel, *, drawing: bool 
             for block in iter(lambda: fh.read(1 << 22), b""):
                 h.update(block)
     h.update(json.dumps({"heatmap": settings, "tiling": model.tiling.to_dict(), "pooling": model.pooling,
-                         "precision": resolved_precision(model)}, sort_keys=True).encode())
+                         **resolved_precision(model)}, sort_keys=True).encode())
     return h.hexdigest()[:16]
 
 
