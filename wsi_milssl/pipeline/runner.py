@@ -58,7 +58,7 @@ from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.locks import folder_lock
 from wsi_milssl.pipeline.spec import RESOLVED_FILENAME, STAGES, PipelineSpec, stage_config, write_resolved_pipeline
 from wsi_milssl.pipeline.stamps import (changed_outputs, fingerprint_paths, mark_outdated, mark_running, read_stamp,
-                                        recorded_digest, stale_reason, stamp_digest, write_stamp)
+                                        recorded_digest, shown_paths, stale_reason, stamp_digest, write_stamp)
 
 __all__ = ["StageOutcome", "run_pipeline", "split_train_val"]
 
@@ -1654,7 +1654,7 @@ def _kept_note(ctx: _Context, stage: str) -> str:
     changed = changed_outputs(ctx.state, stage) if stage in _CHECKED_FILES else []
     if not changed:
         return ""
-    shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+    shown = shown_paths(changed)
     how = f" ({_CHANGED_BY[stage]})"
     log.warning("%s: %s changed since the pipeline wrote %s%s; kept, and the stages that read %s run again",
                 stage, shown, "it" if len(changed) == 1 else "them", how, "it" if len(changed) == 1 else "them")

@@ -35,7 +35,7 @@ from typing import Any, Iterable, Sequence
 from wsi_milssl.atomic import atomic_write_json
 
 __all__ = ["StageStamp", "fingerprint_paths", "stamp_digest", "recorded_digest", "read_stamp", "write_stamp",
-           "mark_running", "mark_outdated", "stale_reason", "changed_outputs"]
+           "mark_running", "mark_outdated", "stale_reason", "changed_outputs", "shown_paths"]
 
 StageStamp = dict[str, Any]
 
@@ -200,7 +200,8 @@ def _changed(recorded: dict, out_dir: Path) -> list[str]:
     return [p for p, identity in recorded.items() if not _same_file(identity, _located(p, out_dir))]
 
 
-def _shown(paths: list[str]) -> str:
+def shown_paths(paths: list[str]) -> str:
+    """The first three of ``paths`` and how many more, for a message."""
     return ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
 
 
@@ -281,7 +282,7 @@ def stale_reason(state_dir: str | os.PathLike, stage: str, digests: Iterable[str
         read_ids = stamp.get(INPUT_IDS) if below and isinstance(stamp.get(INPUT_IDS), dict) else {}
         changed = [p for upstream in sorted(read_ids) for p in _changed(read_ids[upstream], out_dir)]
         if changed:
-            return f"input changed: {_shown(changed)}"
+            return f"input changed: {shown_paths(changed)}"
         return None
     detailed = isinstance(stamp.get("settings"), dict) and isinstance(stamp.get("inputs"), dict)
     changes = _changes(stamp["settings"], _plain(settings), stamp["inputs"], _plain(inputs)) if detailed else []
@@ -352,6 +353,6 @@ def _changes(old_settings: dict, settings: dict, old_inputs: dict, inputs: dict)
     # a file no longer among the inputs may still be on disk (taken off a slide list)
     changed += [f"{f} ({'no longer an input' if Path(f).exists() else 'gone'})" for f in old_files if f not in files]
     if changed:
-        shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+        shown = shown_paths(changed)
         out.append(f"input changed: {shown}")
     return out
