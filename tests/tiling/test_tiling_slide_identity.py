@@ -1,4 +1,5 @@
-"""``tile`` reuses a store only for the slide file it was cut from (path, size, modification time),
+"""``tile`` reuses a store only for the slide file it was cut from (path, or file name for a slide moved, size
+and modification time),
 and a slide whose tile data is corrupt fails with a message that names it and the fix."""
 
 from __future__ import annotations
@@ -79,6 +80,40 @@ def test_a_store_of_another_slide_file_with_the_same_name_is_replaced(synth_slid
     assert [r.status for r in run.results] == ["ok"]
     assert "it was cut from another slide file" in caplog.text and str(a.resolve()) in caplog.text
     assert _fingerprint(out / "case.h5")[:3] == _stat(b)
+
+
+def test_a_store_of_a_slide_moved_with_its_times_is_reused(synth_slides, tmp_path, caplog):
+    """A slide folder moved (`mv`) or copied with its times (`cp -a`, `rsync -a`): same file name, size and
+    modification time, so the store is kept (not cut again); a copy with a new time is cut again."""
+    a = tmp_path / "a" / "case.tif"
+    a.parent.mkdir()
+    shutil.copyfile(synth_slides["normal"], a)
+    config = TileConfig(**FAST)
+    out = tmp_path / "stores"
+    tile_slides([a], out, config)
+    store = out / "case.h5"
+    made = os.stat(store).st_mtime_ns
+    moved = tmp_path / "moved" / "case.tif"
+    moved.parent.mkdir()
+    a.rename(moved)
+    copied = tmp_path / "copied" / "case.tif"
+    copied.parent.mkdir()
+    shutil.copy2(moved, copied)
+    with caplog.at_level(logging.WARNING, logger="wsi_milssl.tiling.runner"):
+        for slide in (moved, copied):
+            assert [r.status for r in tile_slides([slide], out, config).results] == ["skipped"]
+    assert caplog.text == "" and os.stat(store).st_mtime_ns == made
+    assert _fingerprint(store)[0] == str(a.resolve())  # the store keeps the path it was cut from
+    renamed = tmp_path / "copied" / "other.tif"  # another name: another slide
+    shutil.copy2(moved, renamed)
+    assert [r.status for r in tile_slides([renamed], out, config).results] == ["ok"]
+    fresh = tmp_path / "fresh" / "case.tif"  # copied without its time
+    fresh.parent.mkdir()
+    shutil.copyfile(moved, fresh)
+    with caplog.at_level(logging.WARNING, logger="wsi_milssl.tiling.runner"):
+        assert [r.status for r in tile_slides([fresh], out, config).results] == ["ok"]
+    assert "it was cut from another slide file" in caplog.text
+    assert _fingerprint(store)[:3] == _stat(fresh)
 
 
 def test_a_store_without_the_slide_fingerprint_is_tiled_again(synth_slides, tmp_path, caplog):

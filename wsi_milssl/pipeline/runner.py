@@ -47,7 +47,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, TypeVar
+from typing import Any, Callable, Iterable, TypeVar
 
 import numpy as np
 
@@ -57,7 +57,7 @@ from wsi_milssl.config.train import RUNTIME_ONLY_FIELDS
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.locks import folder_lock
 from wsi_milssl.pipeline.spec import RESOLVED_FILENAME, STAGES, PipelineSpec, stage_config, write_resolved_pipeline
-from wsi_milssl.pipeline.stamps import (changed_outputs, fingerprint_paths, mark_outdated, mark_running, read_stamp,
+from wsi_milssl.pipeline.stamps import (by_file_name, changed_outputs, fingerprint_paths, mark_outdated, mark_running, read_stamp,
                                         recorded_digest, shown_paths, stale_reason, stamp_digest, write_stamp)
 
 __all__ = ["StageOutcome", "run_pipeline", "split_train_val"]
@@ -587,9 +587,11 @@ def _fit_runs(ctx: _Context, runs: list[dict], configs: list, source: str, *, tr
     if ctx.redo and _holds_run(ctx.model_dir):
         _replace_aside(ctx.model_dir, "is trained again (--force)")
     data_forms = _training_data_forms(ctx.spec)
+    slides = ctx.spec.sets["train"].slides
+    slide_lists = (Path(slides).name,) if slides is not None and Path(slides).is_file() else ()
     if len(configs) == 1:
         resume = _prepare_run_dir(ctx.model_dir, *_run_fingerprints(ctx, configs[0], split, kind="single",
-                                                                    data=data_forms))
+                                                                    data=data_forms), slide_lists=slide_lists)
         config = _continued(ctx.model_dir, configs[0]) if resume else configs[0]
         result = fit(train, config=config, out_dir=ctx.model_dir, val=val, run_info=run_info, resume=resume,
                      progress=ctx.progress)
@@ -600,7 +602,8 @@ def _fit_runs(ctx: _Context, runs: list[dict], configs: list, source: str, *, tr
         name = "_".join(f"{k}-{v}" for k, v in overrides.items())
         run_dir = ctx.model_dir / "grid" / name
         # a finished grid point resumes at its last epoch: nothing to train, its result is read back
-        resume = _prepare_run_dir(run_dir, *_run_fingerprints(ctx, config, split, kind="grid", data=data_forms))
+        resume = _prepare_run_dir(run_dir, *_run_fingerprints(ctx, config, split, kind="grid", data=data_forms),
+                                  slide_lists=slide_lists)
         points.append(_GridPoint(name, overrides, _continued(run_dir, config) if resume else config, run_dir, resume))
     t_grid = time.perf_counter()
     outcomes = _train_grid(points, train, val, run_info, ctx=ctx, data=data)
@@ -939,11 +942,25 @@ def _holds_run(folder: Path) -> bool:
     return folder.is_dir() and any(not p.name.startswith(".") and p.name != RUN_MARKER for p in folder.iterdir())
 
 
-def _prepare_run_dir(run_dir: Path, fingerprint: dict, *earlier: dict) -> bool:
+def _run_key(record: Any, slide_lists: tuple[str, ...]) -> Any:
+    """What a training run's record (:func:`_run_fingerprint`) is compared by: files by name (:func:`by_file_name`,
+    slides moved with their times) and without the content of the training set's slide list (file names
+    ``slide_lists``), which names the slides by their paths (a cohort moved and prepared again rewrites it): the
+    slides it lists count by their own files, their names by the split and the rows of the labels."""
+    record = by_file_name(record)
+    data = record.get("data") if isinstance(record, dict) else None
+    if isinstance(data, dict) and isinstance(data.get("external"), list):
+        data["external"] = [row for row in data["external"]
+                            if not (isinstance(row, list) and len(row) == 3 and row[0] in slide_lists)]
+    return record
+
+
+def _prepare_run_dir(run_dir: Path, fingerprint: dict, *earlier: dict, slide_lists: tuple[str, ...] = ()) -> bool:
     """Get ``run_dir`` ready for a training run started with ``fingerprint``; True when it holds that
     run's ``last.pt`` to continue from (a finished run continues at its last epoch: nothing to train).
     ``earlier``: the same run's fingerprints as earlier versions recorded it, also accepted (the record is
-    then rewritten as ``fingerprint``).
+    then rewritten as ``fingerprint``); records are compared by :func:`_run_key` (``slide_lists``: the file names
+    of the training set's slide lists).
 
     A folder holding a run started otherwise (other settings, split or labels; or a folder from
     before this record), or this run without its ``last.pt``, is renamed aside by :func:`_replace_aside`, never
@@ -959,8 +976,9 @@ def _prepare_run_dir(run_dir: Path, fingerprint: dict, *earlier: dict) -> bool:
             previous = None
         as_json = lambda value: json.dumps(value, sort_keys=True, default=str)  # noqa: E731
         # compared by value, so that an int and a float of one value (10 and 10.0: a record written before configs
-        # made ints of float settings floats) are the same
-        if previous is not None and any(previous == json.loads(as_json(f)) for f in (fingerprint, *earlier) if f):
+        # made ints of float settings floats) are the same, and files by name (slides moved with their times)
+        if previous is not None and any(_run_key(previous, slide_lists) == _run_key(json.loads(as_json(f)), slide_lists)
+                                        for f in (fingerprint, *earlier) if f):
             if as_json(previous) != as_json(fingerprint):
                 atomic_write_json(marker, fingerprint, sort_keys=True)
             if (run_dir / "last.pt").is_file():

@@ -34,7 +34,7 @@ from typing import Any, Iterable, Sequence
 
 from wsi_milssl.atomic import atomic_write_json
 
-__all__ = ["StageStamp", "fingerprint_paths", "stamp_digest", "recorded_digest", "read_stamp", "write_stamp",
+__all__ = ["StageStamp", "fingerprint_paths", "stamp_digest", "recorded_digest", "by_file_name", "read_stamp", "write_stamp",
            "mark_running", "mark_outdated", "stale_reason", "changed_outputs", "shown_paths"]
 
 StageStamp = dict[str, Any]
@@ -89,13 +89,31 @@ def recorded_digest(state_dir: str | os.PathLike, stage: str, digest: str, setti
     """``digest`` (of ``settings`` and ``inputs``), or the digest the stamp of ``stage`` holds when it recorded the
     same settings and inputs by value: an int and a float of one value (``10``, ``10.0``: a stamp written before
     configs made ints of float settings floats, or a setting spelled otherwise) digest differently but are the
-    same. The runner uses this digest for the stage and in the chain of the stages after it."""
+    same, and so are input files recorded in another folder under the same name, size and time or content
+    (:func:`by_file_name`: slides moved). The runner uses this digest for the stage and in the chain of the
+    stages after it."""
     stamp = read_stamp(state_dir, stage)
     if not stamp or stamp.get("digest") == digest or not isinstance(stamp.get("digest"), str):
         return digest
-    if stamp.get("settings") == _plain(settings) and stamp.get("inputs") == _plain(inputs):
+    if stamp.get("settings") == _plain(settings) and by_file_name(stamp.get("inputs")) == by_file_name(_plain(inputs)):
         return stamp["digest"]
     return digest
+
+
+def by_file_name(value: Any) -> Any:
+    """``value`` (a stamp's inputs, a training run's record) with every file fingerprint row of
+    :func:`fingerprint_paths` ([absolute path, size, modification time or SHA-256]) keyed by the file's name
+    instead of its path: what two records are compared as, so that input files moved or copied with their
+    modification times (``mv``, ``cp -a``, ``rsync -a``: a slide folder moved to another disk) are the same
+    inputs, while a file of the same name but another size, time or content is not."""
+    if isinstance(value, dict):
+        return {k: by_file_name(v) for k, v in value.items()}
+    if not isinstance(value, list):
+        return value
+    if (len(value) == 3 and isinstance(value[0], str) and os.path.isabs(value[0])
+            and (value[1] is None or type(value[1]) is int) and (value[2] is None or type(value[2]) in (int, str))):
+        return [os.path.basename(value[0]), *value[1:]]
+    return [by_file_name(v) for v in value]
 
 
 def _stamp_path(state_dir: Path, stage: str) -> Path:
@@ -349,9 +367,18 @@ def _changes(old_settings: dict, settings: dict, old_inputs: dict, inputs: dict)
                if old_up.get(u) != up.get(u)]
     old_files = {row[0]: row[1:] for row in old_inputs.get("external") or []}
     files = {row[0]: row[1:] for row in inputs.get("external") or []}
-    changed += [f if f in old_files else f"{f} (new)" for f in files if old_files.get(f) != files[f]]
+    # a file moved or copied to another folder with its time (the same name, size and time or content) is no change
+    old_moved = {json.dumps([Path(f).name, v]) for f, v in old_files.items() if f not in files}
+    moved = {json.dumps([Path(f).name, v]) for f, v in files.items() if f not in old_files}
+    new = [f for f in files if f not in old_files and json.dumps([Path(f).name, files[f]]) not in old_moved]
+    left = [f for f in old_files if f not in files and json.dumps([Path(f).name, old_files[f]]) not in moved]
+    # one that moved and changed (a slide list rewritten with the new paths) is changed, not new and gone
+    renamed = {Path(f).name for f in new} & {Path(f).name for f in left}
+    changed += [f if f in old_files or Path(f).name in renamed else f"{f} (new)" for f in files
+                if f in new or (f in old_files and old_files[f] != files[f])]
     # a file no longer among the inputs may still be on disk (taken off a slide list)
-    changed += [f"{f} ({'no longer an input' if Path(f).exists() else 'gone'})" for f in old_files if f not in files]
+    changed += [f"{f} ({'no longer an input' if Path(f).exists() else 'gone'})" for f in left
+                if Path(f).name not in renamed]
     if changed:
         shown = shown_paths(changed)
         out.append(f"input changed: {shown}")

@@ -133,11 +133,17 @@ def _slide_fingerprint_attrs(slide_path: str | os.PathLike) -> dict[str, Any]:
 
 def _other_slide_reason(attrs: dict[str, Any], slide_path: str | os.PathLike) -> str | None:
     """Why a store with root ``attrs`` was not cut from the current file at ``slide_path`` (another
-    path, or the same path since rewritten), or None when it was."""
+    file, or the same path since rewritten), or None when it was: the same path, size and modification time, or
+    the same file name, size and time in another folder (the slides moved or copied with their times: ``mv``,
+    ``cp -a``, ``rsync -a``; the store keeps the path it was cut from)."""
     now = _slide_fingerprint_attrs(slide_path)
     if now["slide_size_bytes"] is None:
         return f"the slide file {slide_path} cannot be read, so the store cannot be checked against it"
-    if attrs.get("slide_path") != now["slide_path"]:
+    recorded = str(attrs.get("slide_path"))
+    if recorded != now["slide_path"] and (
+            Path(recorded).name != Path(now["slide_path"]).name
+            or (attrs.get("slide_size_bytes"), attrs.get("slide_mtime_ns")) != (now["slide_size_bytes"],
+                                                                                 now["slide_mtime_ns"])):
         return f"it was cut from another slide file ({attrs.get('slide_path')!r}, now {now['slide_path']!r})"
     if "slide_size_bytes" not in attrs or "slide_mtime_ns" not in attrs:
         return "it records no slide size and modification time (written by an older wsi-milssl)"
@@ -155,9 +161,9 @@ def check_existing_store(path: Path, config: TileConfig, *, slide_path: str | os
     but was made with other settings or cannot be read.
 
     With ``slide_path``, a store that was not cut from that very file also counts as no store (None,
-    with a warning saying why), so that the slide is tiled again: the store's ``slide_path``,
-    ``slide_size_bytes`` and ``slide_mtime_ns`` must equal the file's resolved path, size and
-    modification time now. A store written before these attributes existed cannot be checked and is
+    with a warning saying why), so that the slide is tiled again: the store's ``slide_path`` (or its file
+    name, for slides moved), ``slide_size_bytes`` and ``slide_mtime_ns`` must equal the file's resolved path,
+    size and modification time now. A store written before these attributes existed cannot be checked and is
     tiled again too (the safe choice), as is a store whose slide file is missing or unreadable (the
     old store stays until a new one replaces it).
     """
