@@ -65,3 +65,21 @@ def test_the_slides_a_list_names_count(tmp_path):
     assert replaced != before
     (tmp_path / "slides" / "b.tif").rename(tmp_path / "slides" / "b_renamed.tif")  # the list names it still
     assert _external_inputs(spec, "tile") != replaced
+
+
+def test_the_pipeline_and_the_heatmap_stage_agree_on_what_only_changes_speed(tmp_path):
+    """A heatmap setting the stage keeps every slide for (left out of a slide's fingerprint) does not make `run`
+    run the stage either: channels_last and fuse_batchnorm were speed-only in the stage and settings in the
+    pipeline's digest, so `run --set heatmap.channels_last=false` ran heatmap and evaluate and predicted nothing."""
+    from wsi_milssl.config import HeatmapConfig
+    from wsi_milssl.inference.stage import _fingerprint_settings
+
+    spec = _cohort(tmp_path)
+    flipped = {"channels_last": ("false", False), "fuse_batchnorm": ("false", False), "batch_size": ("7", 7),
+               "num_workers": ("0", 0), "threads": ("1", 1), "device": ('"cpu"', "cpu"), "decode": ('"device"', "device")}
+    for field, (toml_value, value) in flipped.items():
+        assert _fingerprint_settings(HeatmapConfig(**{field: value})) == _fingerprint_settings(HeatmapConfig()), field
+        changed = load_pipeline(tmp_path / "p.toml", out_dir=tmp_path / "out", overrides=[f"heatmap.{field}={toml_value}"])
+        assert _stage_settings(changed, "heatmap") == _stage_settings(spec, "heatmap"), field
+    colored = load_pipeline(tmp_path / "p.toml", out_dir=tmp_path / "out", overrides=['heatmap.colormap="magma"'])
+    assert _stage_settings(colored, "heatmap") != _stage_settings(spec, "heatmap")

@@ -9,7 +9,12 @@ from typing import Any
 from wsi_milssl.config.base import coerce_float_fields, check_choice, check_inference_runtime, check_range, check_type
 from wsi_milssl.errors import ConfigError
 
-__all__ = ["FeaturesConfig"]
+__all__ = ["FeaturesConfig", "FEATURES_RUNTIME_ONLY_FIELDS"]
+
+#: FeaturesConfig fields that change speed, not the features (beyond rounding): left out of what a finished
+#: feature file is reused for, and ``wsi-milssl run`` does not run the stage for them.
+FEATURES_RUNTIME_ONLY_FIELDS = ("batch_size", "num_workers", "device", "channels_last", "fuse_batchnorm", "threads",
+                                "decode")
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,13 @@ from wsi_milssl.config.base import (DEFAULT_NON_TUMOR_GROUPS, DEFAULT_TUMOR_GROU
                                      check_choice, check_groups,
                                      check_inference_runtime, check_range, check_type)
 
-__all__ = ["HeatmapConfig"]
+__all__ = ["HeatmapConfig", "HEATMAP_RUNTIME_ONLY_FIELDS"]
+
+#: HeatmapConfig fields that change speed, not the maps (``channels_last`` and ``fuse_batchnorm`` by ~1e-6 at
+#: most): a slide predicted with other values is kept, and ``wsi-milssl run`` does not run the stage for them.
+#: ``amp`` counts through the precision it resolves to (:func:`wsi_milssl.inference.stage.resolved_precision`).
+HEATMAP_RUNTIME_ONLY_FIELDS = ("batch_size", "num_workers", "device", "channels_last", "fuse_batchnorm", "threads",
+                               "decode")
 
 _HEX_COLOR = re.compile(r"^#[0-9a-fA-F]{6}$")
 

@@ -11,7 +11,11 @@ from wsi_milssl.errors import ConfigError
 if TYPE_CHECKING:
     from wsi_milssl.tiling.plan import TilingPlan
 
-__all__ = ["TileConfig", "DEFAULT_MAGNIFICATION"]
+__all__ = ["TileConfig", "DEFAULT_MAGNIFICATION", "TILE_RUNTIME_ONLY_FIELDS"]
+
+#: TileConfig fields that change speed only: left out of a store's ``config_hash`` (:meth:`TileConfig.settings`),
+#: and ``wsi-milssl run`` does not run the stage for them.
+TILE_RUNTIME_ONLY_FIELDS = ("workers", "threads", "batch_size", "direct_tiff_read")
 
 DEFAULT_MAGNIFICATION = 10.0
 

@@ -43,7 +43,7 @@ from wsi_milssl.artifacts import SCHEMA_VERSION as ARTIFACTS_SCHEMA_VERSION
 from wsi_milssl.atomic import atomic_open
 from wsi_milssl.cohorts.names import stem_key
 from wsi_milssl.config.base import config_to_dict
-from wsi_milssl.config.heatmap import HeatmapConfig
+from wsi_milssl.config.heatmap import HEATMAP_RUNTIME_ONLY_FIELDS, HeatmapConfig
 from wsi_milssl.distributed import Shard, shard_items
 from wsi_milssl.errors import CheckpointError, ConfigError, OutputError, StoreError, WsiMilsslError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
@@ -461,12 +461,11 @@ def _write_overlay(pred: SlidePrediction, grid: np.ndarray, path: Path, *, confi
     return write_png(image, path, metadata=meta)
 
 
-#: HeatmapConfig fields that change how fast, not what: a folder made with other values is reused. ``amp``
-#: counts by the precision it resolves to on this device (:func:`resolved_precision`, part of every
-#: fingerprint): 'auto' and 'bf16' on the CPU are the same, 'off' (float32) is not (maps ~1e-2 apart);
-#: channels_last and fuse_batchnorm change the maps by ~1e-6 only.
-_RUNTIME_FIELDS = ("batch_size", "num_workers", "device", "amp", "channels_last", "fuse_batchnorm", "threads",
-                   "decode")
+#: HeatmapConfig fields left out of a slide's fingerprint: a folder made with other values is reused
+#: (:data:`wsi_milssl.config.heatmap.HEATMAP_RUNTIME_ONLY_FIELDS`), and ``amp``, which counts by the precision it
+#: resolves to on this device (:func:`resolved_precision`, part of every fingerprint): 'auto' and 'bf16' on the CPU
+#: are the same, 'off' (float32) is not (maps ~1e-2 apart).
+_RUNTIME_FIELDS = HEATMAP_RUNTIME_ONLY_FIELDS + ("amp",)
 
 
 def resolved_precision(model: Any, *, cpu_auto: str = "bf16") -> dict[str, str]:

@@ -53,6 +53,9 @@ import numpy as np
 
 from wsi_milssl.atomic import atomic_open, atomic_write_json
 from wsi_milssl.config import config_from_mapping, config_to_dict
+from wsi_milssl.config.features import FEATURES_RUNTIME_ONLY_FIELDS
+from wsi_milssl.config.heatmap import HEATMAP_RUNTIME_ONLY_FIELDS
+from wsi_milssl.config.tile import TILE_RUNTIME_ONLY_FIELDS
 from wsi_milssl.config.train import RUNTIME_ONLY_FIELDS
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.locks import folder_lock
@@ -1333,10 +1336,8 @@ _EMBEDDED_UPSTREAM = {**_UPSTREAM, "train": ("features",), "heatmap": ("train", 
 
 
 #: settings that change how fast a stage runs, not what it makes: left out of its stamp digest
-SPEED_ONLY = {"tile": ("workers", "threads", "batch_size", "direct_tiff_read"),
-              "features": ("num_workers", "threads", "device", "decode", "batch_size"),
-              "train": RUNTIME_ONLY_FIELDS,
-              "heatmap": ("num_workers", "threads", "device", "decode", "batch_size")}
+SPEED_ONLY = {"tile": TILE_RUNTIME_ONLY_FIELDS, "features": FEATURES_RUNTIME_ONLY_FIELDS, "train": RUNTIME_ONLY_FIELDS,
+              "heatmap": HEATMAP_RUNTIME_ONLY_FIELDS}
 
 
 def _stage_settings(spec: PipelineSpec, stage: str, *, legacy: bool = False):
