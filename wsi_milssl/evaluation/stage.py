@@ -41,7 +41,7 @@ from typing import Any, Collection, Mapping
 import numpy as np
 from PIL import Image
 
-from wsi_milssl.annotations import find_annotation, rasterize_region, read_annotations, tumor_fraction
+from wsi_milssl.annotations import find_annotation, rasterize_region, read_annotations
 from wsi_milssl.artifacts import (
     DETECTION_OUTCOME_COLUMNS,
     Detections,
@@ -92,6 +92,7 @@ from wsi_milssl.evaluation.plots import (
 )
 from wsi_milssl.evaluation.report import ReportData, write_report
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
+from wsi_milssl.labeling.stage import patch_labels
 from wsi_milssl.locks import folder_lock, folder_writer
 from wsi_milssl.slide import open_slide
 
@@ -282,8 +283,9 @@ def _evaluate_slide(
         if region is None:
             inst = np.zeros(coords.shape[0], dtype=np.uint8)
         else:
-            frac = np.asarray(tumor_fraction(region, coords, float(sidecar["patch_size_lv0"])))
-            inst = (frac >= config.positive_fraction).astype(np.uint8)
+            # label's rule (patch_labels), not a copy of it: the same instance labels as the label stage's
+            inst = patch_labels(region, coords, float(sidecar["patch_size_lv0"]),
+                                positive_fraction=config.positive_fraction)[1]
     return SlideResult(stem=stem, label=label, match=match, files=files, patch_probs=probs,
                        instance_labels=inst, mpp=mpp)
 
