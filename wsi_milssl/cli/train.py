@@ -163,11 +163,13 @@ def detect_mode(inputs: list[Path]) -> str:
 
 
 def _expand_feature_inputs(inputs: list[Path]) -> list[Path]:
-    """Files as given; folders: their .h5/.hdf5 files (not hidden), sorted."""
+    """Files as given; folders: their feature files (:func:`wsi_milssl.features.schema.feature_files_in`)."""
+    from wsi_milssl.features.schema import feature_files_in
+
     out: list[Path] = []
     for p in inputs:
         if p.is_dir():
-            out += sorted(q for q in p.iterdir() if q.suffix.lower() in (".h5", ".hdf5") and not q.name.startswith("."))
+            out += feature_files_in(p)
         else:
             out.append(p)
     return out

@@ -42,6 +42,8 @@ import numpy as np
 from wsi_milssl.errors import StoreError
 
 __all__ = [
+    "FEATURE_FILE_SUFFIXES",
+    "feature_files_in",
     "SCHEMA",
     "SCHEMA_VERSION",
     "SUFFIX",
@@ -677,12 +679,23 @@ def _common_step(coords: np.ndarray) -> int:
     return max(1, int(values[np.argmax(counts)]))
 
 
+#: suffixes of feature files (any case)
+FEATURE_FILE_SUFFIXES = (".h5", ".hdf5")
+
+
+def feature_files_in(folder: str | os.PathLike) -> list[Path]:
+    """The feature files a folder holds, as every command and the pipeline read a folder: its ``.h5`` / ``.hdf5``
+    files (any case), not hidden ones (a writer's temporary ``.<stem>.h5...`` file), sorted by name."""
+    return sorted(q for q in Path(folder).iterdir()
+                  if q.suffix.lower() in FEATURE_FILE_SUFFIXES and not q.name.startswith(".") and q.is_file())
+
+
 def is_feature_file(path: str | os.PathLike) -> bool:
     """True for an HDF5 file with a ``features`` dataset and no ``patches`` (not a patch store)."""
     import h5py
 
     path = Path(path)
-    if not path.is_file() or path.suffix.lower() not in (".h5", ".hdf5"):
+    if not path.is_file() or path.suffix.lower() not in FEATURE_FILE_SUFFIXES:
         return False
     try:
         with h5py.File(path, "r") as fh:

@@ -129,16 +129,17 @@ def load_feature_head(checkpoint: str | os.PathLike, *, config: HeatmapConfig | 
 
 
 def find_feature_files(paths: Sequence[str | os.PathLike]) -> list[Path]:
-    """Feature files from files and folders (their ``.h5`` / ``.hdf5`` files, not hidden), sorted per folder.
-    Raises ConfigError for a missing path or no file at all."""
+    """Feature files from files and folders (:func:`wsi_milssl.features.schema.feature_files_in`), sorted per
+    folder. Raises ConfigError for a missing path or no file at all."""
+    from wsi_milssl.features.schema import feature_files_in
+
     out: list[Path] = []
     for raw in paths:
         p = Path(raw).expanduser()
         if not p.exists():
             raise ConfigError(f"{p}: no such feature file or folder. Fix: check the path.")
         if p.is_dir():
-            out += sorted(q for q in p.iterdir() if q.is_file() and q.suffix.lower() in (".h5", ".hdf5")
-                          and not q.name.startswith("."))
+            out += feature_files_in(p)
         else:
             out.append(p)
     if not out:

@@ -1114,7 +1114,10 @@ def _feature_run_data(files: list[Path], labels_csv: Path, train_names: list[str
 
 
 def _feature_files(path: Path) -> list[Path]:
-    return sorted(path.glob("*.h5")) if path.is_dir() else [path]
+    """A feature file, or a folder's (:func:`wsi_milssl.features.schema.feature_files_in`), as `train` reads them."""
+    from wsi_milssl.features.schema import feature_files_in
+
+    return feature_files_in(path) if path.is_dir() else [path]
 
 
 def _evaluate_features(ctx: _Context) -> tuple[list[str], str]:

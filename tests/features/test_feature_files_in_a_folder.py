@@ -1,0 +1,24 @@
+"""Every reader of a folder of feature files (`train FOLDER`, `heatmap --features FOLDER`, a feature pipeline's
+`[data]` folder) takes the same files: `.h5` and `.hdf5` in any case, not a hidden writer's temporary file. The
+pipeline took `*.h5` alone, hidden ones included, so it trained on other bags than `train` did (review AT A2)."""
+
+from __future__ import annotations
+
+from tinypipeline import feature_bags
+from wsi_milssl.cli.train import _expand_feature_inputs
+from wsi_milssl.features.schema import feature_files_in
+from wsi_milssl.inference.feature_maps import find_feature_files
+from wsi_milssl.pipeline.runner import _feature_files
+
+
+def test_the_commands_and_the_pipeline_read_the_same_files_of_a_folder(tmp_path):
+    folder = tmp_path / "bags"
+    feature_bags(folder, 4, 0)
+    (folder / "bag_01.h5").rename(folder / "bag_01.HDF5")
+    (folder / "bag_02.h5").rename(folder / "bag_02.hdf5")
+    (folder / ".bag_04.h5").write_bytes((folder / "bag_03.h5").read_bytes())  # a writer's hidden file
+    expected = [folder / "bag_00.h5", folder / "bag_01.HDF5", folder / "bag_02.hdf5", folder / "bag_03.h5"]
+    assert feature_files_in(folder) == expected
+    assert _feature_files(folder) == expected
+    assert find_feature_files([folder]) == expected
+    assert _expand_feature_inputs([folder]) == expected
