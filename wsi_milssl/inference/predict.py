@@ -161,13 +161,13 @@ class SlidePrediction(SlideOutputs):
         return probability_grid(self.coords_lv0, self.probs, origin_lv0=self.origin_lv0,
                                 stride_lv0=self.stride_lv0, shape=self.grid_shape)
 
-    def score(self, pooling: str) -> float:
-        """Slide score: max or mean of the patch probabilities (paper eq. 11); 0.0 without patches."""
+    def score(self, pooling: str) -> float | None:
+        """Slide score: max or mean of the patch probabilities (paper eq. 11); None without patches (no score,
+        never a confident 0: the heatmap stage's rule, as ``bag_scores`` gives an empty bag NaN)."""
         from wsi_milssl.mil.selftrain import bag_scores
 
-        if len(self) == 0:
-            return 0.0
-        return float(bag_scores(self.probs, np.zeros(len(self), np.int64), 1, pooling=pooling)[0])
+        score = float(bag_scores(self.probs, np.zeros(len(self), np.int64), 1, pooling=pooling)[0])
+        return None if len(self) == 0 else score
 
 
 # ----------------------------------------------------------------------------------------------
