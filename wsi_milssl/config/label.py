@@ -13,7 +13,8 @@ __all__ = ["LabelConfig"]
 
 @dataclass(frozen=True)
 class LabelConfig:
-    """Patch labels from annotations: exact tumour fractions, instance labels, evaluation masks.
+    """Patch labels from annotations: exact tumour fractions, instance labels, tumour masks to check the
+    labels by (``evaluate`` does not read the masks).
 
     positive_fraction : a patch is a positive instance (``instance_label`` 1) when the tumour area
         fraction of its square is at least this (the paper's rule: 0.25). In (0, 1].

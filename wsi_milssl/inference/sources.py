@@ -3,7 +3,7 @@
 Every function here runs in a reader process (or, with no readers, in the calling process) and
 imports only numpy, the slide and store readers and :mod:`wsi_milssl.tiling`; none imports torch, so a
 reader holds about 100 MB instead of the 500 MB of a torch import, and readers start from a small
-fork server instead of a copy of the main process (:mod:`wsi_milssl.inference.engine`).
+fork server instead of a copy of the main process (:mod:`wsi_milssl.inference.predict`).
 
 Tasks:
 

@@ -250,8 +250,9 @@ def _read_slide(store_path: Path, annotation: Path | None, slide_label: int | No
 
 def _write_mask(slide: _SlideLabels, store_path: Path, config: LabelConfig, mask_dir: Path | None,
                 annotation_sha256: str) -> Path | None:
-    """Write the slide's evaluation mask and its sidecar into ``mask_dir``; None (nothing written) without a
-    ``mask_dir``, with ``write_masks`` off, or for an unannotated tumour slide."""
+    """Write the slide's tumour mask (to view and check the labels by) and its sidecar into ``mask_dir``;
+    None (nothing written) without a ``mask_dir``, with ``write_masks`` off, or for an unannotated tumour
+    slide."""
     if mask_dir is None or not config.write_masks or slide.status == "unannotated":
         return None
     mask = rasterize_region(slide.region, dimensions_lv0=slide.dims, downsample=config.mask_downsample)
@@ -279,8 +280,8 @@ def label_store(
 ) -> LabelResult:
     """Label one store; see the module docstring. ``slide_label`` None takes it from the annotations.
 
-    ``mask_dir``: folder for the evaluation mask (none written when None or ``config.write_masks``
-    is False). Raises AnnotationError/StoreError for bad input; the store is then unchanged.
+    ``mask_dir``: folder for the tumour mask, to check the labels by (none written when None or
+    ``config.write_masks`` is False). Raises AnnotationError/StoreError for bad input; the store is then unchanged.
     """
     store_path = Path(store_path)
     annotation = Path(annotation_path) if annotation_path is not None else None
@@ -439,7 +440,8 @@ def label_stores(
 
     Annotation files are matched by name: store ``DIR/<stem>.h5`` takes ``<stem>.xml``,
     ``<stem>.geojson`` or ``<stem>.json`` from ``annotations_dir``. ``out_dir`` (default: a
-    ``labels`` folder beside the first store) receives the evaluation masks, ``label_status.csv``
+    ``labels`` folder beside the first store) receives the tumour masks (to view and check the labels by;
+    ``evaluate`` does not read them), ``label_status.csv``
     (a row per store, added after each store, rows of other stores kept, sorted by slide) and
     ``label_config.json``. A store that fails (bad annotation file, unreadable store) is reported
     with status ``failed`` and left unchanged; the others go on. Two stores of one slide (``X.h5`` and

@@ -1,6 +1,7 @@
 """Training checkpoints: atomic save, safe load (``weights_only=True``), RNG capture, and ``load_model``.
 
-A checkpoint is one dict (see ``docs/artifacts.md``/CONTRACTS): ``model`` (state dict), ``optimizer``,
+A checkpoint is one dict (this docstring is its description; ``docs/artifacts.md`` describes the
+``tiling_plan`` its config carries): ``model`` (state dict), ``optimizer``,
 ``scheduler``, ``grad_scaler``, ``epoch`` (completed epochs), ``step`` (optimizer steps), ``pseudo_labels``
 (targets of every training instance and the bookkeeping of the pseudo-label refresh), ``rng`` (torch,
 CUDA, numpy and Python generator states), ``config`` (the resolved training config plus the tiling settings
