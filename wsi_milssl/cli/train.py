@@ -43,7 +43,7 @@ _FLAG_OPTIONS = {
 def add_train_options(p: argparse.ArgumentParser) -> None:
     """The TrainConfig options (shared by ``train`` and ``benchmark``). Unset options keep the config's
     defaults, which depend on the mode (see ``wsi_milssl.config.train``)."""
-    from wsi_milssl.config.train import COMPILE_MODES, TrainConfig
+    from wsi_milssl.config.train import BAG_POOLINGS, COMPILE_MODES, TrainConfig
     from wsi_milssl.mil.models import list_models
 
     d = TrainConfig()
@@ -61,7 +61,7 @@ def add_train_options(p: argparse.ArgumentParser) -> None:
     m.add_argument("--momentum", type=float, default=None, help=f"SGD momentum [{d.momentum}]")
     m.add_argument("--weight-decay", type=float, default=None, help=f"L2 weight decay [{d.weight_decay}]")
     m.add_argument("--scheduler", choices=("none", "cosine"), default=None, help=f"learning-rate schedule [{d.scheduler}]")
-    m.add_argument("--bag-pooling", choices=("max", "mean"), default=None,
+    m.add_argument("--bag-pooling", choices=BAG_POOLINGS, default=None,
                    help=f"bag score from instance probabilities (eq. 11) [{d.bag_pooling}]")
     s = p.add_argument_group("pseudo labels (paper eq. 4-10; table-8 ablation switches)")
     s.add_argument("--mu", type=float, default=None, help=f"expected positive ratio in positive bags, μ [{d.mu}]")

@@ -28,7 +28,11 @@ from dataclasses import dataclass
 from wsi_milssl.config.base import check_choice, coerce_float_fields, check_range, check_type
 from wsi_milssl.errors import ConfigError
 
-__all__ = ["TrainConfig", "MODE_DEFAULTS", "BenchmarkConfig", "RUNTIME_ONLY_FIELDS"]
+__all__ = ["TrainConfig", "MODE_DEFAULTS", "BenchmarkConfig", "RUNTIME_ONLY_FIELDS", "BAG_POOLINGS"]
+
+#: ``TrainConfig.bag_pooling``: how a bag's score comes from its instance probabilities (paper eq. 11); training,
+#: the CLI and the heatmap models that read a checkpoint accept these
+BAG_POOLINGS = ("max", "mean")
 
 #: ``TrainConfig.compile``: off, or a ``torch.compile`` mode.
 COMPILE_MODES = ("off", "default", "reduce-overhead")
@@ -189,7 +193,7 @@ class TrainConfig:
         check_type(name, "warmup_epochs", self.warmup_epochs, int)
         check_range(name, "warmup_epochs", self.warmup_epochs, low=0)
         check_range(name, "pseudo_negative_weight", self.pseudo_negative_weight, low=0.0, high=1.0)
-        check_choice(name, "bag_pooling", self.bag_pooling, ("max", "mean"))
+        check_choice(name, "bag_pooling", self.bag_pooling, BAG_POOLINGS)
         check_range(name, "colour_jitter", self.colour_jitter, low=0.0, high=0.5)
         check_choice(name, "select_metric", self.select_metric, ("bag_auc", "instance_auc", "bag_nll"))
         check_type(name, "seed", self.seed, int)

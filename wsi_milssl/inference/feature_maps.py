@@ -121,8 +121,10 @@ def load_feature_head(checkpoint: str | os.PathLike, *, config: HeatmapConfig | 
         raise CheckpointError(f"{path}: model {name!r} classifies image patches, not feature vectors. Fix: drop "
                               "--features and pass slides (or --store) to make its heatmaps.")
     pooling = str(cfg.get("bag_pooling") or "max")
-    if pooling not in ("max", "mean"):
-        raise CheckpointError(f"{path}: bag pooling {pooling!r} is not 'max' or 'mean'.")
+    from wsi_milssl.config.train import BAG_POOLINGS
+
+    if pooling not in BAG_POOLINGS:
+        raise CheckpointError(f"{path}: bag pooling {pooling!r} is not one of {', '.join(BAG_POOLINGS)}.")
     amp = runtime_rules.pick_amp_dtype(config.amp, device, cpu_auto="off")
     return FeatureHead(model=model.eval(), device=device, pooling=pooling, config=cfg, checkpoint_path=path,
                        amp_dtype=amp)

@@ -395,8 +395,10 @@ class InferenceModel(PatchModel):
     def __init__(self, model: torch.nn.Module, *, tiling: TilingSettings, runtime: InferenceRuntime,
                  pooling: str = "max", config: Mapping[str, Any] | None = None,
                  checkpoint_path: str | os.PathLike | None = None) -> None:
-        if pooling not in ("max", "mean"):
-            raise CheckpointError(f"{checkpoint_path}: bag pooling {pooling!r} is not 'max' or 'mean'.")
+        from wsi_milssl.config.train import BAG_POOLINGS
+
+        if pooling not in BAG_POOLINGS:
+            raise CheckpointError(f"{checkpoint_path}: bag pooling {pooling!r} is not one of {', '.join(BAG_POOLINGS)}.")
         super().__init__(model, tiling=tiling, runtime=runtime)
         self.pooling = pooling
         self.config = dict(config or {})
