@@ -1,10 +1,10 @@
-"""``wsi-milssl run PIPELINE.toml``: synth -> tile -> label -> train -> heatmap -> evaluate, in order.
+"""``wsi-milssl run PIPELINE.toml``: synth -> tile -> label -> (features) -> train -> heatmap -> evaluate, in order.
 
 Every stage writes under the pipeline's output folder::
 
     OUT/slides/<set>/     generated slides, labels.csv, XML (synth only)
     OUT/stores/<set>/     patch stores, tile_status.csv, qc/
-    OUT/labels/<set>/     FROC evaluation masks, label_status.csv
+    OUT/labels/<set>/     tumour masks to check the labels by (evaluate does not read them), label_status.csv
     OUT/features/<set>/   feature files, features_status.csv (with a [features] table only)
     OUT/model/            config.json, last.pt, best.pt, metrics.jsonl, metrics.png
     OUT/heatmaps/test/    probability maps, overlays, GeoJSON, detections, scores.csv
@@ -25,12 +25,12 @@ make the stages that read them run again ("input changed: model/best.pt"). Each 
 only the stores (feature files, heatmap files) of the slides now in each set: those of slides a changed split
 moved to the other set stay on disk, ignored with a warning (``scores.csv`` lists the test set's slides
 only). A stage that runs again after an interruption goes on from what is finished: ``tile`` keeps every
-complete store made with the same settings (settings hash) from the same slide file (path, size,
-modification time) and re-tiles when the settings or the slide file changed; ``train`` continues each
+complete store made with the same settings (settings hash) from the same slide file (path, or file name for
+slides moved, size and modification time) and re-tiles when the settings or the slide file changed; ``train`` continues each
 run folder from its ``last.pt`` when the folder was started with the same settings, data split and training
 data (the training set's files and the settings they were tiled, labelled and embedded with, recorded in
-``pipeline_run.json``; the test set's files and the mask settings of [label] do not count, and files fingerprinted
-by content count by name and content, wherever their folder is now), skips finished grid points, and never
+``pipeline_run.json``; the test set's files and the mask settings of [label] do not count, and files count by
+name, size and time or content, wherever their folder is now: :func:`wsi_milssl.pipeline.stamps.by_file_name`), skips finished grid points, and never
 deletes a run folder: one holding a run with other settings is renamed ``<folder>.replaced-<UTC time>`` and
 kept. ``force`` re-runs the named stages and everything downstream and redoes their work: tile, label and
 heatmap overwrite their files, train renames ``OUT/model`` (its run or grid) aside the same way and trains
@@ -148,7 +148,8 @@ class _Context:
 
 
 # ------------------------------------------------------------------------------------------------
-# One function per stage: (context) -> (outputs, summary). Each calls exactly one stage API.
+# One function per stage: (context) -> (outputs, summary), each calling its stage's API
+# (feature mode evaluates its bags here).
 
 def _synth(ctx: _Context) -> tuple[list[str], str]:
     """Generate each set whose slides are not there as its [synth.<set>] settings make them
@@ -576,7 +577,7 @@ def _refuse_unusable_validation(configs: list, stems: list[str], labels, val: li
                       "validation: training keeps last.pt, the last epoch).")
 
 
-def _fit_runs(ctx: _Context, runs: list[dict], configs: list, source: str, *, train, val, split: dict,
+def _fit_runs(ctx: _Context, runs: list[dict], configs: list, *, train, val, split: dict,
               run_info: dict, data: dict) -> tuple[int | None, str]:
     """Train the single run into OUT/model, or every [train.grid] point into OUT/model/grid/<point> and
     copy the best on validation into OUT/model; returns (best epoch, summary addition). With ``force`` the
@@ -677,7 +678,7 @@ def _train(ctx: _Context) -> tuple[list[str], str]:
                          "input_mode": "images"}}
     data = {"mode": "images", "train": [str(stores[s]) for s in train_stems],
             "val": [str(stores[s]) for s in val_stems], "labels": str(ds.labels)}
-    best_epoch, summary_extra = _fit_runs(ctx, runs, configs, source, train=train, val=val,
+    best_epoch, summary_extra = _fit_runs(ctx, runs, configs, train=train, val=val,
                                           split={"train": train_stems, "val": val_stems}, run_info=run_info, data=data)
     return _model_outputs(ctx.model_dir), (f"{len(train_stems)} training / {len(val_stems)} validation slides, "
                                            f"best epoch {best_epoch}{summary_extra}")
@@ -1053,7 +1054,7 @@ def _train_features(ctx: _Context) -> tuple[list[str], str]:
     run_info = {"data": _feature_run_data(files, labels_csv, train_names, val_names)}
     grid_data = {"mode": "features", "files": [str(p) for p in files], "labels": str(labels_csv),
                  "train": list(train_names), "val": list(val_names)}
-    best_epoch, summary_extra = _fit_runs(ctx, runs, configs, source, train=train, val=val,
+    best_epoch, summary_extra = _fit_runs(ctx, runs, configs, train=train, val=val,
                                           split={"train": train_names, "val": val_names}, run_info=run_info,
                                           data=grid_data)
     return _model_outputs(ctx.model_dir), (f"{len(train_names)} training / {len(val_names)} validation bags, "
