@@ -109,7 +109,8 @@ HEATMAP_FILES: dict[str, str] = {
 HEATMAP_CONFIG_FILENAME = "heatmap_config.json"
 HEATMAP_STATUS_FILENAME = "heatmap_status.csv"
 HEATMAP_STATUS_COLUMNS = ("slide", "status", "n_patches", "score", "seconds", "error")
-#: ``ok``: every file written; ``failed``: ``error`` says why; ``empty``: no patch, no files, no score.
+#: ``ok``: every file written; ``failed``: ``error`` says why; ``empty``: no patch, no files, no score
+#: (in this order: the heatmap stage unpacks it into its OK, FAILED, EMPTY).
 HEATMAP_STATUSES = ("ok", "failed", "empty")
 SCORES_FILENAME = "scores.csv"
 SCORES_COLUMNS = ("slide", "score")

@@ -259,10 +259,6 @@ class AnnotationSet:
         """The annotations whose group maps to tumour."""
         return [a for a in self.polygons if self.group_map.role(a.group) == "tumor"]
 
-    def non_tumor_annotations(self) -> list[PolygonAnnotation]:
-        """The annotations whose group maps to non-tumour."""
-        return [a for a in self.polygons if self.group_map.role(a.group) == "non_tumor"]
-
 
 def subdivide(geometry: BaseGeometry, *, max_vertices: int = 256, max_rounds: int = 24) -> np.ndarray:
     """Split ``geometry`` into disjoint polygons of at most ``max_vertices`` vertices (object array).

@@ -952,7 +952,7 @@ def _finish(out: Path, *, name: str, template: Path | None,
 # CAMELYON16
 # ------------------------------------------------------------------------------------------------
 
-def _camelyon16_role(path: Path, root: Path) -> tuple[str, int | None] | None:
+def _camelyon16_role(path: Path) -> tuple[str, int | None] | None:
     """("train", 0) for Normal_NNN, ("train", 1) for Tumor_NNN, ("test", None) for Test_NNN, else None."""
     m = _CAMELYON16_NAME.match(slide_stem(path))
     return _CAMELYON16_ROLES[m.group(1).lower()] if m else None
@@ -1008,13 +1008,13 @@ def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
         problems.append(f"{len(dup)} name(s) used by more than one slide: "
                         + _names([" and ".join(str(p) for p in v) for v in dup.values()]))
     problems += filter(None, [_linked_twice(slides), _unreadable_slides(slides)])
-    unknown = [str(p.relative_to(root)) for p in slides if _camelyon16_role(p, root) is None]
+    unknown = [str(p.relative_to(root)) for p in slides if _camelyon16_role(p) is None]
     if unknown:
         problems.append(f"{len(unknown)} slide(s) not named as in CAMELYON16 (Normal_NNN, Tumor_NNN, Test_NNN): "
                         + _names(unknown))
-    train = {slide_stem(p): p for p in slides if (_camelyon16_role(p, root) or ("",))[0] == "train"}
-    test = {slide_stem(p): p for p in slides if (_camelyon16_role(p, root) or ("",))[0] == "test"}
-    train_labels = {s: _camelyon16_role(p, root)[1] for s, p in train.items()}
+    train = {slide_stem(p): p for p in slides if (_camelyon16_role(p) or ("",))[0] == "train"}
+    test = {slide_stem(p): p for p in slides if (_camelyon16_role(p) or ("",))[0] == "test"}
+    train_labels = {s: _camelyon16_role(p)[1] for s, p in train.items()}
     if not train:
         problems.append("no training slide (Normal_NNN / Tumor_NNN) found")
     if not test:

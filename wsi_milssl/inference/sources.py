@@ -34,7 +34,7 @@ from wsi_milssl.errors import ConfigError, StoreError
 from wsi_milssl.parent_watch import watch_parent
 from wsi_milssl.slide.reader import open_slide
 from wsi_milssl.slide.tissue import TissueMask
-from wsi_milssl.tiling import Band, TileGeometry, TilingPlan, cut_band, open_band_source, plan_slide, slide_stem
+from wsi_milssl.tiling import Band, TileGeometry, TilingPlan, cut_band, open_band_source, plan_slide
 
 __all__ = [
     "OPEN_HANDLES",
@@ -406,8 +406,3 @@ def _write_pixels(parts: list[np.ndarray], n: int, side: int, slot: int) -> None
         else:
             apply_tables(np.ascontiguousarray(part), tables, out=out[pos:pos + k])
         pos += k
-
-
-def stem_of(path: Path) -> str:
-    """The slide stem of ``path`` (the one rule of :func:`wsi_milssl.tiling.slide_stem`)."""
-    return slide_stem(path)

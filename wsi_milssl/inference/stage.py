@@ -38,7 +38,8 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from wsi_milssl import __version__
-from wsi_milssl.artifacts import HEATMAP_CONFIG_FILENAME, HEATMAP_STATUS_COLUMNS, HEATMAP_STATUS_FILENAME
+from wsi_milssl.artifacts import (HEATMAP_CONFIG_FILENAME, HEATMAP_STATUS_COLUMNS, HEATMAP_STATUS_FILENAME,
+                                  HEATMAP_STATUSES)
 from wsi_milssl.artifacts import SCHEMA_VERSION as ARTIFACTS_SCHEMA_VERSION
 from wsi_milssl.atomic import atomic_open
 from wsi_milssl.cohorts.names import stem_key
@@ -90,6 +91,8 @@ logger = logging.getLogger(__name__)
 CONFIG_FILENAME = HEATMAP_CONFIG_FILENAME
 STATUS_FILENAME = HEATMAP_STATUS_FILENAME
 STATUS_COLUMNS = HEATMAP_STATUS_COLUMNS
+#: the status of a slide's row (:data:`wsi_milssl.artifacts.HEATMAP_STATUSES`)
+OK, FAILED, EMPTY = HEATMAP_STATUSES
 
 
 #: One slide to process (stem, slide file or None, store or None); see :class:`SlideInput`.
@@ -132,16 +135,16 @@ class HeatmapRun:
 
     @property
     def n_failed(self) -> int:
-        return sum(r.status == "failed" for r in self.results)
+        return sum(r.status == FAILED for r in self.results)
 
     @property
     def n_empty(self) -> int:
         """Slides without a single kept patch (status 'empty', no score)."""
-        return sum(r.status == "empty" for r in self.results)
+        return sum(r.status == EMPTY for r in self.results)
 
     @property
     def ok(self) -> bool:
-        return all(r.status == "ok" for r in self.results)
+        return all(r.status == OK for r in self.results)
 
 
 def match_inputs(slides: Sequence[str | os.PathLike], stores: Sequence[str | os.PathLike] | None = None
@@ -699,7 +702,7 @@ def _finished(out_dir: Path, fingerprint: str, prediction_fingerprint: str, inpu
     done, redraw = {}, {}
     for item in inputs:
         row = rows.get(item.stem)
-        if row is None or row.get("status") != "ok":
+        if row is None or row.get("status") != OK:
             continue
         paths = output_paths(out_dir, item.stem)
         if not all(paths[k].is_file() for k in PREDICTION_FILES):
@@ -812,7 +815,7 @@ def _empty_result(item: SlideInput, pred: SlidePrediction, model: InferenceModel
     message = (f"{item.slide_path or item.store_path}: no patch {where}, so the slide has no score. Fix: check the "
                "slide and its tissue mask (tile's qc/ PNG); --tissue/--min-tissue/--mask-mpp change the mask.")
     logger.warning("%s: empty: %s", item.stem, message)
-    return HeatmapResult(item.stem, str(item.slide_path or ""), "empty", 0, None, pred.seconds, message, outputs)
+    return HeatmapResult(item.stem, str(item.slide_path or ""), EMPTY, 0, None, pred.seconds, message, outputs)
 
 
 def non_finite_error(pred: SlidePrediction, model: Any) -> WsiMilsslError | None:
@@ -939,7 +942,7 @@ def _make_heatmaps(inputs: list[HeatmapInput], checkpoint: str | os.PathLike | I
         except Exception as rm_exc:  # noqa: BLE001 - the slide is recorded as failed either way
             logger.warning("%s: cannot remove its earlier files from %s (%s); its status row says failed",
                            item.stem, out_dir, rm_exc)
-        return HeatmapResult(item.stem, str(item.slide_path or ""), "failed", 0, None, seconds, message)
+        return HeatmapResult(item.stem, str(item.slide_path or ""), FAILED, 0, None, seconds, message)
 
     def collect(block: bool) -> None:
         """Record the slides whose files are written (wait for one at least with ``block``)."""
@@ -966,7 +969,7 @@ def _make_heatmaps(inputs: list[HeatmapInput], checkpoint: str | os.PathLike | I
         score = pred.score(model.pooling)
         update_scores_csv(out_dir, {pred.stem: score})  # the CSVs' updates take the folder's mutex
         item = inputs[i]
-        result = HeatmapResult(item.stem, str(item.slide_path or ""), "ok", len(pred), score, pred.seconds + write_s,
+        result = HeatmapResult(item.stem, str(item.slide_path or ""), OK, len(pred), score, pred.seconds + write_s,
                                "", {k: str(v) for k, v in written.items()})
         _merge_status(status_csv, [result])
         return result, write_s

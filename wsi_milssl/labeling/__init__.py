@@ -15,7 +15,7 @@ from wsi_milssl.labeling.masks import (
     read_eval_mask,
     write_eval_mask,
 )
-from wsi_milssl.labeling.slide_labels import read_slide_labels, slide_stem_of
+from wsi_milssl.labeling.slide_labels import read_slide_labels
 from wsi_milssl.labeling.stage import (
     CONFIG_JSON,
     STATUS_CSV,
@@ -41,6 +41,5 @@ __all__ = [
     "patch_labels",
     "read_eval_mask",
     "read_slide_labels",
-    "slide_stem_of",
     "write_eval_mask",
 ]

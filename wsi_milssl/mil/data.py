@@ -142,9 +142,6 @@ class InstanceSet:
 # Readers
 # ----------------------------------------------------------------------------------------------
 
-_NAME_COLUMNS = ("slide", "bag", "bag_id", "stem", "slide_id", "name", "case_id")
-
-
 def read_labels_csv(path: str | os.PathLike) -> "SlideLabels":
     """Read slide (bag) labels: a thin delegate to :func:`wsi_milssl.cohorts.read_labels`, the one
     labels reader every stage uses (header or not, CAMELYON16 reference layout, BOM, CRLF).

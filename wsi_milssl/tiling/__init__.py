@@ -34,7 +34,6 @@ from wsi_milssl.tiling.status import (
     TileResult,
     merge_status_csv,
     read_status_csv,
-    write_status_csv,
 )
 
 __all__ = [
@@ -68,5 +67,4 @@ __all__ = [
     "slide_stem",
     "tile_slide",
     "tile_slides",
-    "write_status_csv",
 ]

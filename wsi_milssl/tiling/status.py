@@ -6,7 +6,6 @@ leaves in its folder while it runs (:func:`marking_unfinished`), which tells a r
 from __future__ import annotations
 
 import csv
-import io
 import json
 import logging
 import os
@@ -20,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from wsi_milssl.atomic import atomic_write_json, atomic_write_text, merge_csv_rows
+from wsi_milssl.atomic import atomic_write_json, merge_csv_rows
 
-__all__ = ["TileResult", "STATUS_COLUMNS", "STATUS_FILENAME", "write_status_csv", "merge_status_csv",
+__all__ = ["TileResult", "STATUS_COLUMNS", "STATUS_FILENAME", "merge_status_csv",
            "read_status_csv", "finished_slides", "marking_unfinished", "unfinished_runs"]
 
 logger = logging.getLogger(__name__)
@@ -52,16 +51,6 @@ class TileResult:
 def _row(r: TileResult) -> dict[str, str]:
     return {"slide": r.slide, "status": r.status, "n_patches": str(r.n_patches), "seconds": f"{r.seconds:.2f}",
             "error": " ".join(r.error.split())}
-
-
-def write_status_csv(results: Iterable[TileResult], path: str | os.PathLike) -> Path:
-    """Write ``slide,status,n_patches,seconds,error`` rows (in the order given) atomically to ``path``."""
-    path = Path(path)
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=STATUS_COLUMNS, lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(_row(r) for r in results)
-    return atomic_write_text(path, buf.getvalue())
 
 
 def merge_status_csv(results: Iterable[TileResult], path: str | os.PathLike) -> Path:
