@@ -75,6 +75,7 @@ from wsi_milssl.cohorts.labels import GROUP_COLUMNS, read_labels
 from wsi_milssl.cohorts.names import SLIDE_SUFFIXES, file_identity, name_key, slide_stem, stem_key
 from wsi_milssl.cohorts.split import label_groups_for, stratified_split
 from wsi_milssl.errors import ConfigError, LabelsError
+from wsi_milssl.hashing import file_sha256
 
 __all__ = [
     "ANNOTATION_SUFFIXES",
@@ -483,21 +484,6 @@ def _unknown_excluded(keys: Mapping[str, str], found: Iterable[str], where: str)
 _HEAD_BYTES = 1 << 20
 
 
-def _sha256(path: Path, limit: int | None = None) -> str:
-    """The SHA-256 of the file ``path`` (of its first ``limit`` bytes when given), read 1 MiB at a time."""
-    digest = hashlib.sha256()
-    left = limit
-    with open(path, "rb") as fh:
-        while left is None or left > 0:
-            chunk = fh.read(1 << 20 if left is None else min(1 << 20, left))
-            if not chunk:
-                break
-            digest.update(chunk)
-            if left is not None:
-                left -= len(chunk)
-    return digest.hexdigest()
-
-
 #: Multi-file slide formats: the slide file is a small index, the image is in companion files (:func:`_slide_parts`).
 _MIRAX_SUFFIX = ".mrxs"
 _HAMAMATSU_INDEX_SUFFIXES = (".vms", ".vmu")
@@ -566,7 +552,8 @@ def _same_content(paths: Iterable[Path]) -> list[list[Path]]:
                 by_digest: dict[tuple[str, ...], list[tuple[Path, list[tuple[str, Path]]]]] = {}
                 for p, parts in candidate:
                     try:
-                        by_digest.setdefault(tuple(_sha256(f, limit) for _, f in parts), []).append((p, parts))
+                        digests = tuple(file_sha256(f, limit_bytes=limit) for _, f in parts)
+                        by_digest.setdefault(digests, []).append((p, parts))
                     except OSError:
                         continue
                 narrowed += [v for v in by_digest.values() if len(v) > 1]
@@ -794,7 +781,7 @@ def _file_sha256(path: Path) -> str | None:
     if not path.exists() and not path.is_symlink():
         return None
     try:
-        return _sha256(path)
+        return file_sha256(path)
     except OSError:
         return "unreadable"
 

@@ -31,7 +31,6 @@ Every tensor of the encoder must come from the file and every tensor of the file
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -42,6 +41,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
+from wsi_milssl import hashing
 from wsi_milssl.errors import CheckpointError, ConfigError
 from wsi_milssl.registry import Registry
 from wsi_milssl.weights import read_state_dict, strip_prefixes
@@ -208,15 +208,12 @@ _SHA_CACHE: dict[tuple[str, int, int], str] = {}
 
 
 def file_sha256(path: Path) -> str:
-    """SHA-256 of a file (remembered per path, size and modification time within the process)."""
+    """SHA-256 of a file (:func:`wsi_milssl.hashing.file_sha256`), remembered per path, size and modification
+    time within the process."""
     st = path.stat()
     key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
     if key not in _SHA_CACHE:
-        h = hashlib.sha256()
-        with open(path, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 22), b""):
-                h.update(block)
-        _SHA_CACHE[key] = h.hexdigest()
+        _SHA_CACHE[key] = hashing.file_sha256(path)
     return _SHA_CACHE[key]
 
 

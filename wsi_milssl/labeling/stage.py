@@ -42,7 +42,6 @@ and their ``label_status.csv`` rows merge, sorted by slide as one run writes the
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -63,6 +62,7 @@ from wsi_milssl.config.label import LabelConfig
 from wsi_milssl.distributed import Shard, is_main_rank, shard_items
 from wsi_milssl.errors import AnnotationError, ConfigError, OutputError, StoreError, WsiMilsslError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
+from wsi_milssl.hashing import file_sha256
 from wsi_milssl.labeling.masks import eval_mask_paths, write_eval_mask
 from wsi_milssl.locks import folder_lock
 from wsi_milssl.store import find_stores, open_store, schema, write_arrays
@@ -147,14 +147,6 @@ def patch_labels(
     fraction = tumor_fraction(region, coords_lv0, patch_size_lv0)
     labels = (fraction >= np.float32(positive_fraction)).astype(np.uint8)
     return fraction, labels
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _dimensions(store, attrs: dict) -> tuple[int, int]:
@@ -295,7 +287,7 @@ def label_store(
         arrays = {schema.TUMOR_FRACTION: fraction, schema.INSTANCE_LABEL: labels}
         n_positive = int(labels.sum())
 
-    sha = _sha256(annotation) if annotation is not None else ""
+    sha = file_sha256(annotation) if annotation is not None else ""
     new_attrs = {
         "slide_label": slide.label,
         "slide_label_source": slide.source,
@@ -323,7 +315,7 @@ def _write_mask_only(labelled: LabelResult, slide_label: int | None, config: Lab
     """The mask of a store whose labels are up to date, written without touching the store (status ``mask``):
     a rewritten store would make every heatmap predict its slide again for a setting of the masks alone."""
     slide = _read_slide(labelled.store_path, labelled.annotation_path, slide_label, config)
-    sha = _sha256(labelled.annotation_path) if labelled.annotation_path is not None else ""
+    sha = file_sha256(labelled.annotation_path) if labelled.annotation_path is not None else ""
     mask_path = _write_mask(slide, labelled.store_path, config, mask_dir, sha)
     logger.info("%s: labels up to date; only its mask written again (%s)", labelled.stem, mask_path)
     return replace(labelled, status="mask", mask_path=mask_path)
@@ -389,7 +381,7 @@ def _already_labelled(store_path: Path, stem: str, *, annotation: Path | None, s
     except (WsiMilsslError, OSError):
         return None  # label_store reports it
     status = attrs.get("label_status")
-    sha = _sha256(annotation) if annotation is not None else ""
+    sha = file_sha256(annotation) if annotation is not None else ""
     expected_source = "annotations" if slide_label is None else "labels.csv"
     if (attrs.get("label_config_hash") != label_config_hash(config)
             or Path(attrs.get("label_annotation") or "").name != (annotation.name if annotation is not None else "")

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from wsi_milssl.atomic import atomic_write_json
+from wsi_milssl.hashing import file_sha256
 
 __all__ = ["StageStamp", "fingerprint_paths", "stamp_digest", "recorded_digest", "by_file_name", "read_stamp", "write_stamp",
            "mark_running", "mark_outdated", "stale_reason", "changed_outputs", "shown_paths"]
@@ -168,15 +169,7 @@ def _file_identity(path: Path, with_sha256: bool = False) -> list | None:
         return None
     if not stat.S_ISREG(st.st_mode):
         return None
-    return [st.st_size, st.st_mtime_ns] + ([_sha256(path)] if with_sha256 else [])
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    return [st.st_size, st.st_mtime_ns] + ([file_sha256(path)] if with_sha256 else [])
 
 
 def _same_file(identity: list, path: Path) -> bool:
@@ -188,7 +181,7 @@ def _same_file(identity: list, path: Path) -> bool:
         return False
     if now == identity[:2]:
         return True
-    return now[0] == identity[0] and len(identity) > 2 and _sha256(path) == identity[2]
+    return now[0] == identity[0] and len(identity) > 2 and file_sha256(path) == identity[2]
 
 
 def _identities(stamp: StageStamp, out_dir: Path, with_sha256: bool = False) -> dict[str, list]:
