@@ -1269,7 +1269,9 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
             _clear_earlier_run(out)
         atomic_write_text(out / "config.json", json.dumps(ckpt_config, indent=2, sort_keys=True,
                                                            default=_json_default) + "\n")
-    if dist.is_main and eval_at is None:  # a benchmark grid (eval_at) chooses its epochs and T on purpose
+    # a benchmark grid (eval_at) chooses its epochs and T on purpose; a finished run read back (the pipeline finding
+    # its run) trains nothing and was warned about when it trained
+    if dist.is_main and eval_at is None and start_epoch < config.epochs:
         _warn_mu_not_reached(config, resume=resume)  # once the run is set up: a setup error comes alone
     trainer = model
     if dist.enabled:

@@ -595,7 +595,8 @@ def _fit_runs(ctx: _Context, runs: list[dict], configs: list, *, train, val, spl
     slide_lists = (Path(slides).name,) if slides is not None and Path(slides).is_file() else ()
     if len(configs) == 1:
         resume = _prepare_run_dir(ctx.model_dir, *_run_fingerprints(ctx, configs[0], split, kind="single",
-                                                                    data=data_forms), slide_lists=slide_lists)
+                                                                    data=data_forms), slide_lists=slide_lists,
+                                  restore=not ctx.redo)
         config = _continued(ctx.model_dir, configs[0]) if resume else configs[0]
         result = fit(train, config=config, out_dir=ctx.model_dir, val=val, run_info=run_info, resume=resume,
                      progress=ctx.progress)
@@ -607,7 +608,7 @@ def _fit_runs(ctx: _Context, runs: list[dict], configs: list, *, train, val, spl
         run_dir = ctx.model_dir / "grid" / name
         # a finished grid point resumes at its last epoch: nothing to train, its result is read back
         resume = _prepare_run_dir(run_dir, *_run_fingerprints(ctx, config, split, kind="grid", data=data_forms),
-                                  slide_lists=slide_lists)
+                                  slide_lists=slide_lists, restore=not ctx.redo)
         points.append(_GridPoint(name, overrides, _continued(run_dir, config) if resume else config, run_dir, resume))
     t_grid = time.perf_counter()
     outcomes = _train_grid(points, train, val, run_info, ctx=ctx, data=data)
@@ -959,31 +960,52 @@ def _run_key(record: Any, slide_lists: tuple[str, ...]) -> Any:
     return record
 
 
-def _prepare_run_dir(run_dir: Path, fingerprint: dict, *earlier: dict, slide_lists: tuple[str, ...] = ()) -> bool:
+def _read_record(folder: Path) -> Any:
+    """The :data:`RUN_MARKER` record a run folder was started with, None when missing or unreadable."""
+    try:
+        return json.loads((folder / RUN_MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _same_record(record: Any, forms: tuple[dict, ...], slide_lists: tuple[str, ...]) -> bool:
+    """Whether a run folder's record is one of ``forms`` (this version's fingerprint and earlier versions'), by
+    :func:`_run_key`; by value, so that an int and a float of one value (10 and 10.0: a record written before
+    configs made ints of float settings floats) are the same."""
+    as_json = lambda value: json.loads(json.dumps(value, sort_keys=True, default=str))  # noqa: E731
+    return record is not None and any(_run_key(record, slide_lists) == _run_key(as_json(f), slide_lists)
+                                      for f in forms if f)
+
+
+def _earlier_run(run_dir: Path, forms: tuple[dict, ...], slide_lists: tuple[str, ...]) -> Path | None:
+    """The newest ``<run_dir>.replaced-*`` folder (:func:`_replace_aside`) that holds the run ``forms`` describe with
+    its ``last.pt``: a setting changed and changed back finds the run trained with it."""
+    aside = sorted(run_dir.parent.glob(f"{run_dir.name}.replaced-*"), key=lambda p: p.name, reverse=True)
+    return next((p for p in aside if (p / "last.pt").is_file() and _same_record(_read_record(p), forms, slide_lists)),
+                None)
+
+
+def _prepare_run_dir(run_dir: Path, fingerprint: dict, *earlier: dict, slide_lists: tuple[str, ...] = (),
+                     restore: bool = True) -> bool:
     """Get ``run_dir`` ready for a training run started with ``fingerprint``; True when it holds that
     run's ``last.pt`` to continue from (a finished run continues at its last epoch: nothing to train).
     ``earlier``: the same run's fingerprints as earlier versions recorded it, also accepted (the record is
-    then rewritten as ``fingerprint``); records are compared by :func:`_run_key` (``slide_lists``: the file names
-    of the training set's slide lists).
+    then rewritten as ``fingerprint``); records are compared by :func:`_same_record` (``slide_lists``: the file
+    names of the training set's slide lists).
 
     A folder holding a run started otherwise (other settings, split or labels; or a folder from
     before this record), or this run without its ``last.pt``, is renamed aside by :func:`_replace_aside`, never
-    deleted; one holding only the
-    record (a run refused before its first epoch) is used as it is.
+    deleted; one holding only the record (a run refused before its first epoch) is used as it is. With
+    ``restore`` (not under ``--force``), a folder renamed aside earlier that holds this run (:func:`_earlier_run`)
+    is renamed back and continued instead of training from scratch.
     """
 
+    forms = (fingerprint, *earlier)
     marker = run_dir / RUN_MARKER
     if _holds_run(run_dir):
-        try:
-            previous = json.loads(marker.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            previous = None
-        as_json = lambda value: json.dumps(value, sort_keys=True, default=str)  # noqa: E731
-        # compared by value, so that an int and a float of one value (10 and 10.0: a record written before configs
-        # made ints of float settings floats) are the same, and files by name (slides moved with their times)
-        if previous is not None and any(_run_key(previous, slide_lists) == _run_key(json.loads(as_json(f)), slide_lists)
-                                        for f in (fingerprint, *earlier) if f):
-            if as_json(previous) != as_json(fingerprint):
+        previous = _read_record(run_dir)
+        if _same_record(previous, forms, slide_lists):
+            if json.dumps(previous, sort_keys=True) != json.dumps(fingerprint, sort_keys=True, default=str):
                 atomic_write_json(marker, fingerprint, sort_keys=True)
             if (run_dir / "last.pt").is_file():
                 return True
@@ -993,6 +1015,16 @@ def _prepare_run_dir(run_dir: Path, fingerprint: dict, *earlier: dict, slide_lis
                 _replace_aside(run_dir, "lacks the last.pt a run continues from, so it trains again")
         else:
             _replace_aside(run_dir, "holds a training run started with other settings, data or labels")
+    found = _earlier_run(run_dir, forms, slide_lists) if restore else None
+    if found is not None:
+        marker.unlink(missing_ok=True)  # a folder holding only a refused run's record
+        if run_dir.exists():
+            run_dir.rmdir()
+        found.rename(run_dir)
+        log.warning("%s: the run trained with these settings and data earlier is back from %s", run_dir, found.name)
+        if json.dumps(_read_record(run_dir), sort_keys=True) != json.dumps(fingerprint, sort_keys=True, default=str):
+            atomic_write_json(marker, fingerprint, sort_keys=True)
+        return True
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(marker, fingerprint, sort_keys=True)
     return False
