@@ -24,3 +24,30 @@ def test_lesions_inside_a_lesion_hole_survive_in_the_xml(tmp_path):
         region = read_annotations(path).region
         assert region.area == pytest.approx(expected.area, rel=1e-12)
         assert shapely.symmetric_difference(region, expected).area <= 1e-9 * expected.area, path
+
+
+def test_the_lesions_of_a_noisy_map_are_the_even_odd_region_of_its_contours():
+    """Thousands of contours (an early model's noisy map) are combined in pairs (:func:`_even_odd`), not one after
+    the other: the region must be the one the rule gives, taken ring by ring (islands in holes in lesions)."""
+    from skimage.measure import find_contours
+
+    from wsi_milssl.inference.exports import _even_odd
+
+    rng = np.random.default_rng(0)
+    grid = rng.random((60, 60)) * 0.3
+    grid[rng.random((60, 60)) < 0.25] = 0.9
+    grid[5:25, 5:25] = 0.95
+    grid[10:15, 10:15] = 0.1
+    grid[12, 12] = 0.99
+    polys = lesion_polygons(grid, origin_lv0=(0, 0), stride_lv0=1, patch_size_lv0=1, threshold=0.5)
+    assert len(polys) > 100 and any(p.interiors for p in polys)
+    rings = [shapely.make_valid(shapely.Polygon(c[:, ::-1])) for c in find_contours(np.pad(grid, 1, constant_values=-0.5),
+                                                                                     0.5, fully_connected="high")
+             if len(c) >= 4]
+    rings = [r for r in rings if r.area > 0]
+    one_by_one = shapely.GeometryCollection()
+    for ring in sorted(rings, key=lambda g: -g.area):
+        one_by_one = shapely.symmetric_difference(one_by_one, ring)
+    assert _even_odd(rings).equals(one_by_one)
+    assert shapely.union_all(polys).equals(shapely.affinity.translate(one_by_one, -0.5, -0.5))
+    assert _even_odd([]).is_empty
