@@ -13,7 +13,7 @@ from tinypipeline import GENERATED_SLIDES
 from wsi_milssl.errors import ConfigError
 from wsi_milssl.mil.resnet import ResNet18
 from wsi_milssl.pipeline import load_pipeline, run_pipeline
-from wsi_milssl.pipeline.runner import _check_test_features
+from wsi_milssl.evaluation.bags import check_test_features as _check_test_features
 
 TINY = """
 [pipeline]

@@ -1154,35 +1154,17 @@ def _feature_files(path: Path) -> list[Path]:
 
 
 def _evaluate_features(ctx: _Context) -> tuple[list[str], str]:
-    """Feature mode: bag AUC / accuracy (and instance AUC when the files carry instance labels) on the test set."""
-    import csv
+    """Feature mode: bag AUC / accuracy (and instance AUC when the files carry instance labels) on the test set
+    (:func:`wsi_milssl.evaluation.bags.evaluate_feature_bags`)."""
+    from wsi_milssl.evaluation.bags import evaluate_feature_bags
 
-    from wsi_milssl.config import TrainConfig
-    from wsi_milssl.mil.checkpoint import load_model
-    from wsi_milssl.mil.data import read_feature_files, read_labels_csv
-    from wsi_milssl.mil.selftrain import evaluate, resolve_runtime
-
-    checkpoint = _model_checkpoint(ctx.model_dir)
-    model, saved = load_model(checkpoint)
-    fields = set(TrainConfig.__dataclass_fields__)
-    config = TrainConfig(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k in fields})
     ds = ctx.spec.sets["test"]
-    test = read_feature_files(_feature_files(ds.features), read_labels_csv(ds.labels))
-    _check_test_features(test, saved, checkpoint)
-    metrics = evaluate(model, test, runtime=resolve_runtime(config), bag_pooling=config.bag_pooling)
     out = ctx.evaluation_dir
-    out.mkdir(parents=True, exist_ok=True)
-    summary = {k: metrics[k] for k in ("instance_auc", "bag_auc", "bag_accuracy", "bag_nll")}
-    summary.update(n_bags=int(test.n_bags), n_instances=int(len(test)), checkpoint=str(checkpoint))
-    atomic_write_json(out / "metrics.json", summary)
-    with atomic_open(out / "scores.csv", "w") as fh:
-        writer = csv.writer(fh)
-        writer.writerow(["slide", "score", "label"])
-        for name, score, label in zip(test.bag_names, metrics["bag_scores"], test.bag_labels):
-            writer.writerow([name, f"{score:.6f}", int(label)])
+    summary = evaluate_feature_bags(_model_checkpoint(ctx.model_dir), _feature_files(ds.features), ds.labels, out)
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
     return [str(out / "metrics.json"), str(out / "scores.csv")], (
-        f"bag AUC {fmt(summary['bag_auc'])}, bag accuracy {fmt(summary['bag_accuracy'])} on {test.n_bags} test bags")
+        f"bag AUC {fmt(summary['bag_auc'])}, bag accuracy {fmt(summary['bag_accuracy'])} on {summary['n_bags']} "
+        "test bags")
 
 
 def _refuse_other_test_features(spec: PipelineSpec) -> None:
@@ -1214,34 +1196,6 @@ def _refuse_other_test_features(spec: PipelineSpec) -> None:
         raise ConfigError(f"{spec.source}: the test features ({test.path}) were made otherwise than the training "
                           f"features ({train.path}): {'; '.join(diffs)}. Fix: point [data].test_features at "
                           "features made with the training encoder, weights, options, resolution and patch size.")
-
-
-def _check_test_features(test, saved: dict, checkpoint: Path) -> None:
-    """Refuse test features the head was not trained on: another width, another encoder or weights, or other
-    feature settings (resolution, encoder options) where both record them (the rule of ``heatmap --features``
-    and ``train --val``)."""
-    from wsi_milssl.errors import ConfigError
-    from wsi_milssl.features.schema import encoder_label, encoders_differ, settings_differences
-
-    width = int(test.features.shape[1]) if test.features is not None and test.features.ndim == 2 else None
-    trained_width = saved.get("in_features") or (saved.get("model_kwargs") or {}).get("in_features")
-    if width is not None and len(test) and trained_width is not None and width != int(trained_width):
-        raise ConfigError(f"the test features ({test.source}) have {width} values per patch, but the head "
-                          f"{checkpoint} was trained on {int(trained_width)}. Fix: point [data].test_features at "
-                          "features made with the training encoder.")
-    keys = ("feature_encoder", "feature_encoder_weights_sha256")
-    made = tuple(test.settings.get(k) for k in keys)
-    trained = tuple((saved.get("store_settings") or {}).get(k) for k in keys)
-    if encoders_differ(made, trained):
-        raise ConfigError(f"the test features ({test.source}) are of {encoder_label(*made)}, but the head {checkpoint} "
-                          f"was trained on features of {encoder_label(*trained)}. Fix: point [data].test_features at "
-                          "features made with the training encoder and weights.")
-    diffs = settings_differences(test.settings.get("feature_settings") or {},
-                                 (saved.get("store_settings") or {}).get("feature_settings") or {})
-    if diffs:
-        raise ConfigError(f"the test features ({test.source}) were made with other settings than the features the "
-                          f"head {checkpoint} was trained on ({'; '.join(diffs)}). Fix: point [data].test_features at "
-                          "features made with the training encoder options, resolution and patch size.")
 
 
 def _heatmap(ctx: _Context) -> tuple[list[str], str]:

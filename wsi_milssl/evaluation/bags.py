@@ -1,0 +1,76 @@
+"""Feature mode's evaluation (``wsi-milssl run`` with ``[data] mode = "features"``: feature files without slides):
+a trained head's bag AUC, accuracy and loss (and instance AUC where the files carry instance labels) on the test
+set's feature files, written to ``metrics.json`` and ``scores.csv`` (``slide,score,label``); no FROC, which needs
+slides and annotations (:mod:`wsi_milssl.evaluation.stage`)."""
+
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+from wsi_milssl.atomic import atomic_open, atomic_write_json
+from wsi_milssl.errors import ConfigError
+
+__all__ = ["BAG_SCORES_COLUMNS", "check_test_features", "evaluate_feature_bags"]
+
+#: the columns of feature mode's ``scores.csv``: a bag's score (its pooled instance probabilities) and label
+BAG_SCORES_COLUMNS = ("slide", "score", "label")
+
+
+def check_test_features(test, saved: dict, checkpoint: str | os.PathLike) -> None:
+    """Refuse test features the head was not trained on: another width, another encoder or weights, or other
+    feature settings (resolution, encoder options) where both record them (the rule of ``heatmap --features``
+    and ``train --val``). ``test``: the test set's :class:`wsi_milssl.mil.data.InstanceSet`; ``saved``: the
+    checkpoint's config."""
+    from wsi_milssl.features.schema import encoder_label, encoders_differ, settings_differences
+
+    width = int(test.features.shape[1]) if test.features is not None and test.features.ndim == 2 else None
+    trained_width = saved.get("in_features") or (saved.get("model_kwargs") or {}).get("in_features")
+    if width is not None and len(test) and trained_width is not None and width != int(trained_width):
+        raise ConfigError(f"the test features ({test.source}) have {width} values per patch, but the head "
+                          f"{checkpoint} was trained on {int(trained_width)}. Fix: point [data].test_features at "
+                          "features made with the training encoder.")
+    keys = ("feature_encoder", "feature_encoder_weights_sha256")
+    made = tuple(test.settings.get(k) for k in keys)
+    trained = tuple((saved.get("store_settings") or {}).get(k) for k in keys)
+    if encoders_differ(made, trained):
+        raise ConfigError(f"the test features ({test.source}) are of {encoder_label(*made)}, but the head {checkpoint} "
+                          f"was trained on features of {encoder_label(*trained)}. Fix: point [data].test_features at "
+                          "features made with the training encoder and weights.")
+    diffs = settings_differences(test.settings.get("feature_settings") or {},
+                                 (saved.get("store_settings") or {}).get("feature_settings") or {})
+    if diffs:
+        raise ConfigError(f"the test features ({test.source}) were made with other settings than the features the "
+                          f"head {checkpoint} was trained on ({'; '.join(diffs)}). Fix: point [data].test_features at "
+                          "features made with the training encoder options, resolution and patch size.")
+
+
+def evaluate_feature_bags(checkpoint: str | os.PathLike, feature_files: Sequence[str | os.PathLike],
+                          labels_csv: str | os.PathLike, out_dir: str | os.PathLike) -> dict[str, Any]:
+    """Evaluate the head ``checkpoint`` on the bags of ``feature_files`` (labels from ``labels_csv``) into
+    ``out_dir``; returns what ``metrics.json`` holds: ``instance_auc``, ``bag_auc``, ``bag_accuracy``, ``bag_nll``,
+    ``n_bags``, ``n_instances``, ``checkpoint``."""
+    from wsi_milssl.config import TrainConfig
+    from wsi_milssl.mil.checkpoint import load_model
+    from wsi_milssl.mil.data import read_feature_files, read_labels_csv
+    from wsi_milssl.mil.selftrain import evaluate, resolve_runtime
+
+    model, saved = load_model(checkpoint)
+    fields = set(TrainConfig.__dataclass_fields__)
+    config = TrainConfig(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k in fields})
+    test = read_feature_files(list(feature_files), read_labels_csv(labels_csv))
+    check_test_features(test, saved, checkpoint)
+    metrics = evaluate(model, test, runtime=resolve_runtime(config), bag_pooling=config.bag_pooling)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = {k: metrics[k] for k in ("instance_auc", "bag_auc", "bag_accuracy", "bag_nll")}
+    summary.update(n_bags=int(test.n_bags), n_instances=int(len(test)), checkpoint=str(checkpoint))
+    atomic_write_json(out / "metrics.json", summary)
+    with atomic_open(out / "scores.csv", "w") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(BAG_SCORES_COLUMNS)
+        for name, score, label in zip(test.bag_names, metrics["bag_scores"], test.bag_labels):
+            writer.writerow([name, f"{score:.6f}", int(label)])
+    return summary
