@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from wsi_milssl import __version__
 from wsi_milssl.cli import main
 from wsi_milssl.config import load_toml
 from wsi_milssl.errors import ConfigError
@@ -76,6 +77,14 @@ def test_set_overrides_and_the_resolved_pipeline_reloads_to_the_same_run(toml, t
     # the resolved file spells out every default; run as it is, it finds every stage up to date
     statuses = [o.status for o in run_pipeline(again)]
     assert statuses and set(statuses) == {"skipped"}
+    # run from the resolved file, it keeps saying where the run came from (it said "ran it: <itself>" before)
+    header = [f"# The pipeline as `wsi-milssl run` ran it (wsi-milssl {__version__}): {toml.resolve()}",
+              "# with --set train.epochs=2 --set data.val_fraction=0.5"]
+    assert text.splitlines()[:2] == header
+    assert main(["run", str(resolved)]) == 0
+    assert resolved.read_text().splitlines()[:3] == header + [text.splitlines()[2]]
+    assert main(["run", str(resolved), "--set", "train.lr=0.01"]) == 0
+    assert resolved.read_text().splitlines()[:3] == header + ["# then --set train.lr=0.01"]
 
 
 def test_resolved_pipeline_of_a_feature_pipeline_trains_on_features(toml, tmp_path):

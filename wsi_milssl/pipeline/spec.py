@@ -495,17 +495,39 @@ def resolved_pipeline(spec: PipelineSpec) -> dict[str, Any]:
     return _without_none(out)
 
 
+#: the last line of the header of :func:`write_resolved_pipeline`
+_RESOLVED_LAST_LINE = "# Every stage table holds all its settings; `wsi-milssl run` accepts this file as it is."
+
+
 def write_resolved_pipeline(spec: PipelineSpec, path: str | os.PathLike) -> Path:
-    """Write :func:`resolved_pipeline` as TOML (atomically), headed by where it came from."""
+    """Write :func:`resolved_pipeline` as TOML (atomically), headed by where it came from: the pipeline file (absolute)
+    and its ``--set`` overrides; a run started from this very file keeps the lines of where it came from first and
+    adds its own overrides (``# then --set ...``)."""
     import tomli_w
 
     from wsi_milssl import __version__
     from wsi_milssl.atomic import atomic_write_text
 
-    header = [f"# The pipeline as `wsi-milssl run` ran it (wsi-milssl {__version__}): {spec.source}"]
-    if spec.overrides:
-        header.append("# with --set " + " --set ".join(spec.overrides))
-    header.append("# Every stage table holds all its settings; `wsi-milssl run` accepts this file as it is.")
+    path = Path(path)
+    source = Path(os.path.abspath(spec.source))
+    header = []
+    if source == Path(os.path.abspath(path)):
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError):
+            lines = []
+        for line in lines:
+            if not line.startswith("#") or line == _RESOLVED_LAST_LINE:
+                break
+            header.append(line)
+    if header:
+        if spec.overrides:
+            header.append("# then --set " + " --set ".join(spec.overrides))
+    else:
+        header = [f"# The pipeline as `wsi-milssl run` ran it (wsi-milssl {__version__}): {source}"]
+        if spec.overrides:
+            header.append("# with --set " + " --set ".join(spec.overrides))
+    header.append(_RESOLVED_LAST_LINE)
     return atomic_write_text(Path(path), "\n".join(header) + "\n\n" + tomli_w.dumps(resolved_pipeline(spec)))
 
 
