@@ -312,7 +312,8 @@ def read_feature_files(paths: Iterable[str | os.PathLike], labels: dict[str, int
         if ff.encoder is not None:
             encoders.setdefault((ff.encoder, str(ff.attrs.get("encoder_weights_sha256") or "")), path)
         file_settings.append((str(path), ff.feature_settings))
-        feats = np.asarray(ff.features, dtype=np.float32)
+        feats = ff.features  # float16/float32 as stored (widened once, into the final array); wider: to float32 now
+        feats = np.asarray(feats, dtype=np.float32) if feats.dtype.itemsize > 4 else np.asarray(feats)
         dims.setdefault(int(feats.shape[1]), path)
         file_bags = ff.bag_ids if ff.bag_ids is not None else [ff.stem] * feats.shape[0]
         if ff.instance_label is not None:
@@ -360,7 +361,7 @@ def read_feature_files(paths: Iterable[str | os.PathLike], labels: dict[str, int
     names, bag_labels = [names[i] for i in by_name], [bag_labels[i] for i in by_name]
     sources = None if sources is None else [sources[i] for i in by_name]
     order = np.argsort(bag_ids, kind="stable")
-    features = np.concatenate(feats_all)[order]
+    features = _gather_rows(feats_all, order)
     inst = np.concatenate(inst_all)[order] if have_inst and inst_all else None
     settings: dict = {}
     if encoders:
@@ -373,6 +374,28 @@ def read_feature_files(paths: Iterable[str | os.PathLike], labels: dict[str, int
                        bag_labels=np.asarray(bag_labels, dtype=np.int64), instance_labels=inst,
                        features=features, bag_sources=sources, settings=settings,
                        source=", ".join(str(p) for p in used[:3]), file_settings=file_settings)
+
+
+def _gather_rows(parts: list[np.ndarray], order: np.ndarray) -> np.ndarray:
+    """``np.concatenate(parts).astype(float32)[order]``, built without the concatenation: the float32 result is
+    allocated once and each part is copied into its rows, then dropped from ``parts`` (emptied), so loading
+    a cohort holds the files' arrays and the result, not three copies of it."""
+    n = int(order.shape[0])
+    dim = int(parts[0].shape[1])
+    out = np.empty((n, dim), dtype=np.float32)
+    dest = np.empty(n, dtype=np.int64)  # where each row of the concatenation goes
+    dest[order] = np.arange(n, dtype=np.int64)
+    start = 0
+    while parts:
+        part = parts.pop(0)
+        rows = dest[start:start + part.shape[0]]
+        start += part.shape[0]
+        if rows.size and rows[-1] - rows[0] == rows.size - 1 and bool(np.all(np.diff(rows) == 1)):
+            out[rows[0]:rows[-1] + 1] = part  # the usual case: a file holds one bag, its rows stay together
+        elif rows.size:
+            out[rows] = part
+        del part
+    return out
 
 
 def _name_order(names: Sequence[str]) -> tuple[list[int], np.ndarray]:
@@ -616,12 +639,38 @@ def _plain_attr(value):
 # Batches
 # ----------------------------------------------------------------------------------------------
 
+#: The most patch stores a process keeps open while training (each holds a file handle and ~1 MB).
+MAX_OPEN_STORES = 64
+
+
+def max_open_stores() -> int:
+    """How many patch stores one reader process keeps open: :data:`MAX_OPEN_STORES`, or fewer when the
+    soft limit on open files (``ulimit -n``) is low (a quarter of it, leaving the rest to the reader
+    processes' pipes, torch and the slides), at least 4."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return MAX_OPEN_STORES
+    if soft == resource.RLIM_INFINITY or soft <= 0:
+        return MAX_OPEN_STORES
+    return max(4, min(MAX_OPEN_STORES, int(soft) // 4))
+
+
+def _close_store(store) -> None:
+    close = getattr(store, "close", None)
+    if close is not None:
+        close()
+
+
 class PatchDataset(torch.utils.data.Dataset):
     """Patches of an image InstanceSet, fetched a whole batch at a time.
 
     ``dataset[batch]`` with ``batch`` a sequence of instance indices returns ``(indices int64 (B,),
-    patches uint8 (B, H, W, 3))``. Stores open lazily, once per process, so the dataset is safe in
-    DataLoader worker processes (no handle crosses a fork).
+    patches uint8 (B, H, W, 3))``. Stores open lazily in each process, so the dataset is safe in
+    DataLoader worker processes (no handle crosses a fork); at most :func:`max_open_stores` stay open
+    per process (the least recently used is closed), so a large cohort does not run out of file handles.
     """
 
     def __init__(self, instances: InstanceSet) -> None:
@@ -631,24 +680,35 @@ class PatchDataset(torch.utils.data.Dataset):
         self.bag_ids = instances.bag_ids
         self.local_index = instances.local_index
         self._pid: int | None = None
-        self._stores: dict[int, object] = {}
+        self._stores: dict[int, object] = {}  # open stores, least recently used first
+        self.max_open: int | None = None  # at most this many stores open per process (None: max_open_stores())
+        self._pixel_kinds: dict[int, object] = {}
 
     def __len__(self) -> int:
         return int(self.bag_ids.shape[0])
 
     def _store(self, bag: int):
         if self._pid != os.getpid():
-            self._stores = {}
+            self._stores = {}  # the parent's handles: never closed here (they are the parent's)
             self._pid = os.getpid()
-        store = self._stores.get(bag)
+        store = self._stores.pop(bag, None)
         if store is None:
             from wsi_milssl.store import open_store
 
+            cap = self.max_open if self.max_open is not None else max_open_stores()
+            while len(self._stores) >= max(cap, 1):  # close the least recently used (a cohort of 1,000+ slides
+                _close_store(self._stores.pop(next(iter(self._stores))))  # would exhaust `ulimit -n`)
             store = open_store(self.store_paths[bag])
             if hasattr(store, "__enter__"):
                 store = store.__enter__()
-            self._stores[bag] = store
+        self._stores[bag] = store  # (re)inserted last: the dict's order is least to most recently used
         return store
+
+    def _pixels(self, bag: int):
+        """The pixel encoding of bag ``bag``'s store (remembered, so it is not reopened to ask)."""
+        if bag not in self._pixel_kinds:
+            self._pixel_kinds[bag] = getattr(self._store(bag), "pixels", None)
+        return self._pixel_kinds[bag]
 
     def __getitem__(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         return self.fetch(batch)
@@ -667,16 +727,17 @@ class PatchDataset(torch.utils.data.Dataset):
             pos = np.flatnonzero(bags == bag)
             local = self.local_index[idx[pos]]
             order = np.argsort(local, kind="stable")
-            groups.append((self._store(int(bag)), pos[order], local[order]))
-        if encoded and groups and all(getattr(store, "pixels", None) == "jpeg" for store, _, _ in groups):
+            groups.append((int(bag), pos[order], local[order]))
+        # each store is fetched again right before its read: a batch may span more stores than stay open
+        if encoded and groups and all(self._pixels(bag) == "jpeg" for bag, _, _ in groups):
             data: list = [None] * idx.size
-            for store, pos, local in groups:
-                for p, b in zip(pos.tolist(), store.read_jpeg(local)):
+            for bag, pos, local in groups:
+                for p, b in zip(pos.tolist(), self._store(bag).read_jpeg(local)):
                     data[p] = torch.from_numpy(np.frombuffer(b, dtype=np.uint8).copy())
             return torch.from_numpy(idx), data
         out: np.ndarray | None = None
-        for store, pos, local in groups:
-            pix = np.asarray(store.read_patches(local))
+        for bag, pos, local in groups:
+            pix = np.asarray(self._store(bag).read_patches(local))
             if out is None:
                 out = np.empty((idx.size,) + pix.shape[1:], dtype=np.uint8)
             out[pos] = pix
@@ -686,9 +747,7 @@ class PatchDataset(torch.utils.data.Dataset):
 
     def close(self) -> None:
         for store in self._stores.values():
-            close = getattr(store, "close", None)
-            if close is not None:
-                close()
+            _close_store(store)
         self._stores = {}
 
     def __getstate__(self):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import json
 import logging
 import math
@@ -51,6 +52,36 @@ __all__ = [
 MAX_PATCHES = 1 << 26
 
 _CORRUPT_FIX = "the store is corrupt; delete it and re-run `wsi-milssl tile` for this slide"
+
+
+def too_many_open_files(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) says the process or the system has run out of
+    file handles (EMFILE/ENFILE). h5py and zarr sometimes keep only the message, so it is checked too."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
+            return True
+        if "too many open files" in str(exc).lower():
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def too_many_open_files_fix() -> str:
+    """The fix for running out of file handles, naming the current soft limit (``ulimit -n``)."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        limit = f"now {soft}" if soft != resource.RLIM_INFINITY else "now unlimited"
+        most = f" (at most {hard} without root)" if hard != resource.RLIM_INFINITY else ""
+    except (ImportError, OSError, ValueError):
+        limit, most = "", ""
+    return (f"raise the limit on open files per process (`ulimit -n`{', ' + limit if limit else ''}), e.g. "
+            f"`ulimit -n 4096`{most} in the shell before running, or run fewer processes at once; "
+            "the store is not damaged, keep it")
+
 
 log = logging.getLogger(__name__)
 
@@ -311,6 +342,9 @@ class PatchStore(ABC):
         except StoreError:
             raise
         except Exception as exc:  # noqa: BLE001 - h5py, zarr, numcodecs and the JPEG codec raise many types
+            if too_many_open_files(exc):
+                raise self._fail(f"cannot read {what}: too many open files ({type(exc).__name__}: {exc})",
+                                 too_many_open_files_fix()) from None
             raise self._fail(f"cannot read {what} ({type(exc).__name__}: {exc})", _CORRUPT_FIX) from None
 
     def _check_shapes(self, names: list[str]) -> int:
@@ -358,6 +392,9 @@ class PatchStore(ABC):
             raise
         except Exception as exc:  # noqa: BLE001 - any backend failure means an unreadable store
             self.close()
+            if too_many_open_files(exc):  # out of file handles: the store itself is fine
+                raise self._fail(f"cannot open the patch store: too many open files ({type(exc).__name__}: {exc})",
+                                 too_many_open_files_fix()) from None
             raise self._fail(
                 f"cannot read the patch store ({type(exc).__name__}: {exc})",
                 "the store is corrupt or not a wsi-milssl store; delete it and re-run `wsi-milssl tile`",
