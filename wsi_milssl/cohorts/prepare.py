@@ -476,8 +476,9 @@ def _unknown_excluded(keys: Mapping[str, str], found: Iterable[str], where: str)
     unknown = sorted((n for k, n in keys.items() if k not in {stem_key(s) for s in found}), key=str.casefold)
     if not unknown:
         return []
-    return [f"--exclude names {len(unknown)} slide(s) that are not below {where}: {_names(unknown)} (slide names "
-            "are matched without folder, slide suffix and case)"]
+    return [(f"--exclude names {len(unknown)} slide(s) that are not below {where}: {_names(unknown)} (slide names "
+             "are matched without folder, slide suffix and case)",
+             "check the names given to --exclude against the slide files.")]
 
 
 #: Bytes of two same-size slide files compared before the whole files are (distinct slides differ there).
@@ -612,10 +613,13 @@ def _same_content_slides(train: Mapping[str, Path], train_labels: Mapping[str, i
     return drop["train"], drop["test"], notes
 
 
-def _raise_problems(where: str, problems: list[str], fix: str) -> None:
+def _raise_problems(where: str, problems: list[str | tuple[str, str]], fix: str) -> None:
+    """One error for every problem found; a problem is its text, or (text, its own fix); the fix of the error
+    names the fixes of its problems (``fix`` for those without one) once each, in their order."""
     if problems:
-        body = "; ".join(problems)
-        raise LabelsError(f"{where}: cannot prepare the cohort: {body}. Fix: {fix}")
+        body = "; ".join(p if isinstance(p, str) else p[0] for p in problems)
+        fixes = list(dict.fromkeys(fix if isinstance(p, str) else p[1] for p in problems))
+        raise LabelsError(f"{where}: cannot prepare the cohort: {body}. Fix: {' '.join(fixes)}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1215,12 +1219,14 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
         patients = {**patients, **t_patients}
         overlap = sorted({stem_key(s) for s in slides} & {stem_key(s) for s in t_slides})
         if overlap:
-            problems.append(f"{len(overlap)} slide(s) are in both the training and the test set: {_names(overlap)}")
+            problems.append((f"{len(overlap)} slide(s) are in both the training and the test set: {_names(overlap)}",
+                             "keep each slide in one set: remove it from the other set's folder or labels file."))
         test_files = {file_identity(p) for p in t_slides.values()}
         linked = sorted(str(p) for p in slides.values() if file_identity(p) in test_files)
         if linked:
-            problems.append(f"{len(linked)} slide file(s) are in both the training and the test set under other "
-                            f"names (links): {_names(linked)}")
+            problems.append((f"{len(linked)} slide file(s) are in both the training and the test set under other "
+                             f"names (links): {_names(linked)}",
+                             "keep each slide in one set: remove it from the other set's folder or labels file."))
         drop_train, drop_test, same = _same_content_slides(slides, labels, t_slides, t_labels)
         notes += same
         t_roots = [Path(test_annotations_dir)] if test_annotations_dir is not None else [Path(test_slides_dir)]
@@ -1238,7 +1244,9 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
         labels = {s: v for s, v in labels.items() if s not in drop}
         too_few = [word for label, word in ((0, "normal"), (1, "tumour"))
                    if sum(v == label for v in labels.values()) < 2 and labels]
-        problems += [f"fewer than two {word} slides: cannot hold any out for the test set" for word in too_few]
+        problems += [(f"fewer than two {word} slides: cannot hold any out for the test set",
+                      "label more slides, or give the test set yourself (--test-slides and --test-labels).")
+                     for word in too_few]
         tr, te = stratified_split(labels, fraction=test_fraction, seed=seed, groups=patients, key=str.casefold)
         one_sided = [word for label, word in ((1, "tumour"), (0, "normal"))
                      if not (any(labels[s] == label for s in tr) and any(labels[s] == label for s in te))]
@@ -1263,7 +1271,8 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
         notes += _split_change(out, te)
     for root in (*ann_roots, *t_roots):
         if not root.is_dir():
-            problems.append(f"annotation folder {root} does not exist")
+            problems.append((f"annotation folder {root} does not exist",
+                             "pass --annotations / --test-annotations with the folder that holds the annotations."))
     _raise_problems(str(slides_dir), problems,
                     "add a 'slide,label' line for every slide (1 tumour, 0 normal), keep one file per slide name, "
                     "and add the tumour test slides' annotations (<name>.xml or .geojson).")
