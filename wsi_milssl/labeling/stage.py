@@ -427,6 +427,7 @@ def label_stores(
     progress: ProgressCallback | None = None,
     shard: tuple[int, int] | Shard = (0, 1),
     overwrite: bool = False,
+    other_stems: Iterable[str] = (),
 ) -> LabelReport:
     """Label every store in ``stores`` (store paths or folders of stores).
 
@@ -451,6 +452,9 @@ def label_stores(
     A stores folder that cannot be written (read-only file system, no write permission) is not locked:
     nobody who cannot write there rewrites anything in it. Its stores already labelled are skipped; one
     that must be rewritten fails, naming the folder and the fix.
+
+    ``other_stems``: the slides of another set that shares ``annotations_dir`` (a pipeline's one annotations
+    folder for its train and test sets): their annotation files are not reported as matching no store.
     """
     stores = [stores] if isinstance(stores, (str, os.PathLike)) else list(stores)
     with ExitStack() as locks:
@@ -467,7 +471,8 @@ def label_stores(
         out = Path(out_dir) if out_dir is not None else paths[0].parent / "labels"
         locks.enter_context(folder_lock(out, shard=shard))  # re-entrant when out is a stores folder
         return _label_stores_locked(paths, annotations_dir, labels, labels_csv, ann_files, config, out, progress,
-                                    shard=shard, overwrite=overwrite, unwritable=unwritable)
+                                    shard=shard, overwrite=overwrite, unwritable=unwritable,
+                                    other_stems=other_stems)
 
 
 #: why a folder cannot be written at all (not a full disk, which freeing space mends during the run)
@@ -503,11 +508,13 @@ def _unwritable_store_error(path: Path, code: int) -> StoreError:
 
 def _label_stores_locked(paths: list[Path], annotations_dir: Path, labels, labels_csv, ann_files: list[Path],
                          config: LabelConfig, out: Path, progress: ProgressCallback | None, *,
-                         shard: tuple[int, int] | Shard, overwrite: bool, unwritable: dict[str, int]) -> LabelReport:
+                         shard: tuple[int, int] | Shard, overwrite: bool, unwritable: dict[str, int],
+                         other_stems: Iterable[str] = ()) -> LabelReport:
     write_resolved_config(config, out, name=CONFIG_JSON)
     stems = [_store_stem(p) for p in paths]
     stem_keys = {name_key(s) for s in stems}
-    unmatched = [p for p in ann_files if name_key(p.stem) not in stem_keys]
+    elsewhere = {name_key(s) for s in other_stems}  # another set's slides, in a shared annotations folder
+    unmatched = [p for p in ann_files if name_key(p.stem) not in stem_keys | elsewhere]
     mine = shard_items(list(zip(paths, stems)), *shard, name=lambda path_stem: path_stem[1])
     without_ann: list[str] = []
     unannotated_tumor: list[str] = []

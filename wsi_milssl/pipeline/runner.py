@@ -238,10 +238,15 @@ def _label(ctx: _Context) -> tuple[list[str], str]:
 
     config = config_from_mapping(LabelConfig, ctx.spec.section("label"), source=f"{ctx.spec.source} [label]")
     outputs, parts = [], []
+    folder = lambda ds: None if ds.annotations is None else Path(ds.annotations).resolve()  # noqa: E731
     for set_name, ds in ctx.spec.sets.items():
+        # one annotations folder for both sets: the other set's annotation files are not unmatched
+        others = [stem for other, ods in ctx.spec.sets.items() if other != set_name and folder(ds) is not None
+                  and folder(ods) == folder(ds)
+                  for stem in _set_stores(ctx, other)]
         report = label_stores(list(_set_stores(ctx, set_name).values()), annotations_dir=ds.annotations,
                               labels_csv=ds.labels, config=config, out_dir=ctx.labels_dir(set_name),
-                              progress=ctx.progress, overwrite=ctx.redo)
+                              progress=ctx.progress, overwrite=ctx.redo, other_stems=others)
         failed = [r for r in report.results if r.status == "failed"]
         if failed:
             from wsi_milssl.errors import WsiMilsslError

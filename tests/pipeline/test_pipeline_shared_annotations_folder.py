@@ -1,0 +1,54 @@
+"""Review AU, finding 5: a pipeline with one annotations folder for both sets ([data] train_annotations =
+test_annotations, which the README allows) warned on every label run that the training slides' annotation
+files "match no store" (the test set's label step saw them). The label step now passes the other set's slides
+along, so only a file of no slide of either set is reported."""
+
+from __future__ import annotations
+
+import csv
+import logging
+from pathlib import Path
+
+from wsi_milssl.config import SynthConfig
+from wsi_milssl.pipeline import load_pipeline, run_pipeline
+from wsi_milssl.synth import generate_slides
+
+PIPELINE = """
+[pipeline]
+name = "shared-annotations"
+[data]
+train_slides = "{root}/train_slides.csv"
+train_labels = "{root}/train_labels.csv"
+train_annotations = "{root}/slides"
+test_slides = "{root}/test_slides.csv"
+test_labels = "{root}/test_labels.csv"
+test_annotations = "{root}/slides"
+val_fraction = 0.0
+[tile]
+magnification = 10.0
+patch_size_px = 32
+entropy_threshold_bits = 4.0
+min_tissue = 0.5
+"""
+
+
+def test_one_annotations_folder_for_both_sets_reports_only_files_of_no_slide(tmp_path, caplog):
+    root = tmp_path / "cohort"
+    generate_slides(SynthConfig(n_slides=4, seed=0, width_px=2048, height_px=2048), root / "slides")
+    with open(root / "slides" / "labels.csv", newline="") as fh:
+        labels = {row["slide"]: row["label"] for row in csv.DictReader(fh)}
+    sets = {"train": ["synth_000", "synth_001", "synth_002"], "test": ["synth_003"]}
+    for set_name, stems in sets.items():
+        (root / f"{set_name}_slides.csv").write_text("path\n" + "".join(f"slides/{s}.tif\n" for s in stems))
+        (root / f"{set_name}_labels.csv").write_text("slide,label\n" + "".join(f"{s},{labels[s]}\n" for s in stems))
+    train_xml = sorted(p.name for p in (root / "slides").glob("*.xml"))
+    assert train_xml and all(Path(n).stem in sets["train"] for n in train_xml)  # the test set's slide: none
+    (root / "slides" / "stray.xml").write_text(next((root / "slides").glob("*.xml")).read_text())
+    (tmp_path / "p.toml").write_text(PIPELINE.format(root=root))
+    with caplog.at_level(logging.WARNING):
+        outcomes = run_pipeline(load_pipeline(tmp_path / "p.toml", out_dir=tmp_path / "out"), until="label")
+    assert [o.status for o in outcomes][-1] == "ran"
+    warned = [r.getMessage() for r in caplog.records if "match no store" in r.getMessage()]
+    # each set's step names the stray file (no slide of either set), neither names the training annotations
+    assert len(warned) == 2 and all("1 annotation file(s)" in w and "stray.xml" in w for w in warned), warned
+    assert not any(name in w for w in warned for name in train_xml), warned
