@@ -39,7 +39,7 @@ import numpy as np
 
 from wsi_milssl import __version__
 from wsi_milssl.artifacts import (HEATMAP_CONFIG_FILENAME, HEATMAP_STATUS_COLUMNS, HEATMAP_STATUS_FILENAME,
-                                  HEATMAP_STATUSES)
+                                  HEATMAP_STATUSES, HEATMAP_FILES)
 from wsi_milssl.artifacts import SCHEMA_VERSION as ARTIFACTS_SCHEMA_VERSION
 from wsi_milssl.atomic import atomic_open
 from wsi_milssl.cohorts.names import stem_key
@@ -82,6 +82,7 @@ __all__ = [
     "checkpoint_sha256",
     "resolved_precision",
     "write_slide_outputs",
+    "log_overlays_not_drawn",
     "make_heatmaps",
 ]
 
@@ -318,15 +319,18 @@ def _given_mpp(pred: SlidePrediction, config: HeatmapConfig) -> float | None:
 def write_slide_outputs(pred: SlidePrediction, out_dir: str | os.PathLike, *, model: InferenceModel,
                         config: HeatmapConfig, annotations_dir: str | os.PathLike | None = None,
                         input_files: dict | None = None, fingerprint: str | None = None,
-                        checkpoint_sha256: str | None = None, prediction_fingerprint: str | None = None
-                        ) -> dict[str, Path]:
+                        checkpoint_sha256: str | None = None, prediction_fingerprint: str | None = None,
+                        no_slide: list[str] | None = None) -> dict[str, Path]:
     """Write every per-slide file of ``pred`` into ``out_dir``; returns kind -> path.
 
     The files are those of :data:`wsi_milssl.artifacts.HEATMAP_FILES`: the map (``.npy``, ``.json``,
     ``.tif`` and the pyramidal OME-TIFF registered to the slide), the patch table and QuPath GeoJSON
     (classified Tumor/Normal at ``config.tumor_threshold``), the predicted lesions (contours of the map
     at the same threshold) as QuPath GeoJSON and ASAP XML, the CAMELYON16 detections and the overlay.
-    The overlay needs the slide (``pred.slide_path``); without it the PNG is skipped with a warning.
+    The overlay needs the slide (``pred.slide_path``); without it the PNG is skipped with a warning. With
+    ``no_slide`` (a list the caller says once for its run, :func:`log_overlays_not_drawn`) a slide without a
+    slide file (``pred.slide_path`` None: none given or found, as feature files without slides) is appended
+    to it, logged at debug level only; a slide file named but not there is warned about in every case.
     ``input_files``: the fingerprints of the slide and store files read (see ``_input_files``), kept in
     the sidecar so that a later run can tell whether the same files are asked for again.
     ``fingerprint``: what made the files (the checkpoint's bytes and the settings, as the folder's
@@ -421,10 +425,30 @@ def write_slide_outputs(pred: SlidePrediction, out_dir: str | os.PathLike, *, mo
                                                 title=title)
     else:  # an earlier run's overlay (another model, other settings) must not stay beside these files
         paths["heatmap_png"].unlink(missing_ok=True)
-        logger.warning("%s: slide file not available; %s not drawn.", pred.stem, paths["heatmap_png"].name)
+        if pred.slide_path is None and no_slide is not None:  # expected (no slides given): one line for the run
+            no_slide.append(pred.stem)
+            logger.debug("%s: no slide file; %s not drawn.", pred.stem, paths["heatmap_png"].name)
+        elif pred.slide_path is None:
+            logger.warning("%s: slide file not available; %s not drawn.", pred.stem, paths["heatmap_png"].name)
+        else:
+            logger.warning("%s: slide file %s not found; %s not drawn.", pred.stem, pred.slide_path,
+                           paths["heatmap_png"].name)
     with atomic_open(paths["probs_json"], "w") as fh:  # last: the slide's files are complete
         fh.write(json.dumps(sidecar, indent=2, sort_keys=True) + "\n")
     return written
+
+
+def log_overlays_not_drawn(stems: Sequence[str], out_dir: str | os.PathLike) -> None:
+    """One warning for a run's slides without a slide file (``no_slide`` of :func:`write_slide_outputs`):
+    how many have no overlay PNG, and how to get them."""
+    if not stems:
+        return
+    names = sorted(stems)
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    logger.warning("%d slide(s) have no overlay PNG (<slide>%s) in %s: no slide file was given or found for them "
+                   "(%s); their other heatmap files are written. Fix: to draw the overlays, pass the slide files "
+                   "(SLIDE arguments of `wsi-milssl heatmap`, or the set's slides in a pipeline).", len(names),
+                   HEATMAP_FILES["heatmap_png"], out_dir, shown)
 
 
 #: The sidecar keys that identify the run that made a slide, kept out of the ``.tif`` description.
@@ -917,6 +941,7 @@ def _make_heatmaps(inputs: list[HeatmapInput], checkpoint: str | os.PathLike | I
     writes: dict = {}  # future -> (position, prediction)
 
     unwritten_rows: list[str] = []
+    no_slide: list[str] = []  # slides without a slide file: one warning at the end
 
     def record(i: int, result: HeatmapResult, *, merge: bool = True) -> None:
         results[i] = result
@@ -964,7 +989,7 @@ def _make_heatmaps(inputs: list[HeatmapInput], checkpoint: str | os.PathLike | I
         t0 = time.perf_counter()
         written = write_slide_outputs(pred, out_dir, model=model, config=config, annotations_dir=annotations_dir,
                                       input_files=files, fingerprint=fingerprint, checkpoint_sha256=sha256,
-                                      prediction_fingerprint=prediction_fingerprint)
+                                      prediction_fingerprint=prediction_fingerprint, no_slide=no_slide)
         write_s = time.perf_counter() - t0
         score = pred.score(model.pooling)
         update_scores_csv(out_dir, {pred.stem: score})  # the CSVs' updates take the folder's mutex
@@ -1047,6 +1072,7 @@ def _make_heatmaps(inputs: list[HeatmapInput], checkpoint: str | os.PathLike | I
                 collect(block=True)
         while writes:
             collect(block=True)
+    log_overlays_not_drawn(no_slide, out_dir)
     results_list = [results[k] for k in range(len(inputs))]
     if unwritten_rows or not status_csv.exists():
         _merge_status(status_csv, results_list)
