@@ -44,6 +44,7 @@ from wsi_milssl.inference.stage import (
     _fingerprint_settings,
     _merge_status,
     checkpoint_sha256,
+    log_overlays_not_drawn,
     non_finite_error,
     resolved_precision,
     write_slide_outputs,
@@ -303,6 +304,7 @@ def _make_feature_heatmaps(files: list[Path], head: FeatureHead, out_dir: Path, 
     emit(progress, ProgressEvent("heatmap", 0, len(files), unit="slide"))
     t_start = time.perf_counter()
     seen: dict[str, Path] = {}
+    no_slide: list[str] = []  # slides drawn without a slide file: one warning at the end, not one each
     for path in files:
         t0 = time.perf_counter()
         stem, slide_path = path.stem, None
@@ -339,7 +341,7 @@ def _make_feature_heatmaps(files: list[Path], head: FeatureHead, out_dir: Path, 
                 if bad is not None:
                     raise bad
                 written = write_slide_outputs(pred, out_dir, model=head, config=config, annotations_dir=annotations_dir,
-                                              fingerprint=fingerprint, checkpoint_sha256=sha256)
+                                              fingerprint=fingerprint, checkpoint_sha256=sha256, no_slide=no_slide)
                 score = pred.score(head.pooling)
                 update_scores_csv(out_dir, {stem: score})
                 results.append(HeatmapResult(stem, str(slide_path or ""), "ok", len(pred), score,
@@ -357,6 +359,8 @@ def _make_feature_heatmaps(files: list[Path], head: FeatureHead, out_dir: Path, 
         _merge_status(status_csv, results[-1:])  # other slides' rows (earlier calls) stay
         emit(progress, ProgressEvent("heatmap", len(results), len(files), unit="slide", item=stem,
                                      message=results[-1].status))
+    drawn_ok = {r.slide for r in results if r.status == "ok"}  # a slide that failed after its maps is a failure
+    log_overlays_not_drawn([s for s in no_slide if s in drawn_ok], out_dir)
     return HeatmapRun(tuple(results), out_dir, status_csv, config_json, out_dir / SCORES_FILENAME,
                       seconds=time.perf_counter() - t_start)
 
