@@ -65,3 +65,16 @@ def test_opening_a_store_without_free_file_handles_names_ulimit_not_corruption(t
     assert "too many open files" in msg.lower(), msg
     assert "ulimit -n" in msg and "now 80" in msg, msg
     assert "corrupt" not in msg.lower() and "delete it" not in msg, msg
+
+
+def test_a_feature_file_read_without_free_file_handles_is_not_called_damaged():
+    """A feature file that cannot be opened for want of file handles is not damaged: the message says so and names
+    `ulimit -n`, where it said to delete the file and make it again."""
+    import errno
+
+    from wsi_milssl.features.schema import damaged_message
+
+    message = damaged_message("bag.h5", OSError(errno.EMFILE, "Too many open files"))
+    assert "too many open files" in message and "ulimit -n" in message and "the file is not damaged" in message
+    assert "delete" not in message
+    assert "looks damaged" in damaged_message("bag.h5", OSError("truncated file"))

@@ -755,7 +755,12 @@ def looks_like_hdf5(path: str | os.PathLike) -> bool:
 
 def damaged_message(path: str | os.PathLike, exc: BaseException) -> str:
     """The error for an HDF5 feature file that cannot be read (cut short by a copy, a full disk or a
-    tool killed while writing it), with the fix: delete it and make it again."""
+    tool killed while writing it), with the fix: delete it and make it again; a process out of file handles
+    (EMFILE) gets that fix instead, as the file is fine."""
+    from wsi_milssl.store.base import too_many_open_files, too_many_open_files_fix
+
+    if too_many_open_files(exc):
+        return f"{path}: cannot be read: too many open files ({exc}). Fix: {too_many_open_files_fix('file')}."
     return (f"{path}: the file looks damaged: an HDF5 file that cannot be read ({exc}), e.g. cut short by a copy, a "
             "full disk or a writer that was killed. Fix: delete it and make it again: `wsi-milssl features` into its "
             "folder embeds that slide alone (the other files are kept), `wsi-milssl run PIPELINE --force features` "

@@ -68,8 +68,9 @@ def too_many_open_files(exc: BaseException) -> bool:
     return False
 
 
-def too_many_open_files_fix() -> str:
-    """The fix for running out of file handles, naming the current soft limit (``ulimit -n``)."""
+def too_many_open_files_fix(what: str = "store") -> str:
+    """The fix for running out of file handles, naming the current soft limit (``ulimit -n``); ``what`` was not
+    damaged ("store", "file")."""
     try:
         import resource
 
@@ -80,7 +81,7 @@ def too_many_open_files_fix() -> str:
         limit, most = "", ""
     return (f"raise the limit on open files per process (`ulimit -n`{', ' + limit if limit else ''}), e.g. "
             f"`ulimit -n 4096`{most} in the shell before running, or run fewer processes at once; "
-            "the store is not damaged, keep it")
+            f"the {what} is not damaged, keep it")
 
 
 log = logging.getLogger(__name__)
