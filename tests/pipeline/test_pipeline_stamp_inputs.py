@@ -83,3 +83,36 @@ def test_the_pipeline_and_the_heatmap_stage_agree_on_what_only_changes_speed(tmp
         assert _stage_settings(changed, "heatmap") == _stage_settings(spec, "heatmap"), field
     colored = load_pipeline(tmp_path / "p.toml", out_dir=tmp_path / "out", overrides=['heatmap.colormap="magma"'])
     assert _stage_settings(colored, "heatmap") != _stage_settings(spec, "heatmap")
+
+
+def test_a_slide_moved_into_the_other_sets_folder_is_a_change_a_folder_moved_is_not(tmp_path):
+    """The tile stage's stamp lists the training slides, then the test slides: by file name alone, a slide moved from
+    the training folder into the test folder (`mv` keeps its time) left the list as it was, so every stage stayed
+    up to date with a test slide trained on (review AW A1). Files count as moved only with their whole folder."""
+    from wsi_milssl.pipeline.stamps import fingerprint_paths, recorded_digest, same_files_moved, write_stamp
+
+    root = tmp_path / "c"
+    for set_name, names in (("train", ("s0", "s1", "s2")), ("test", ("s3", "s4"))):
+        (root / set_name).mkdir(parents=True)
+        for name in names:
+            (root / set_name / f"{name}.tif").write_bytes(name.encode() * 10)
+
+    def rows(base):
+        return {"external": fingerprint_paths(sorted((base / "train").iterdir()))
+                + fingerprint_paths(sorted((base / "test").iterdir()))}
+
+    before = rows(root)
+    state = tmp_path / "out" / ".pipeline"
+    write_stamp(state, "tile", digest="d0", outputs=[], settings={}, inputs=before)
+    (root / "train" / "s2.tif").rename(root / "test" / "s2.tif")  # a training slide becomes a test slide
+    assert not same_files_moved(before, rows(root))
+    assert recorded_digest(state, "tile", "d1", {}, rows(root)) == "d1"  # runs again
+    (root / "test" / "s2.tif").rename(root / "train" / "s2.tif")
+    moved = tmp_path / "disk2" / "c"
+    moved.parent.mkdir()
+    root.rename(moved)  # the whole cohort moved: the same inputs
+    assert same_files_moved(before, rows(moved))
+    assert recorded_digest(state, "tile", "d2", {}, rows(moved)) == "d0"
+    (moved / "test").rename(tmp_path / "disk2" / "test")  # one folder moved on its own: still the same files
+    assert same_files_moved(before, {"external": fingerprint_paths(sorted((moved / "train").iterdir()))
+                                     + fingerprint_paths(sorted((tmp_path / "disk2" / "test").iterdir()))})

@@ -30,7 +30,7 @@ slides moved, size and modification time) and re-tiles when the settings or the 
 run folder from its ``last.pt`` when the folder was started with the same settings, data split and training
 data (the training set's files and the settings they were tiled, labelled and embedded with, recorded in
 ``pipeline_run.json``; the test set's files and the mask settings of [label] do not count, and files count by
-name, size and time or content, wherever their folder is now: :func:`wsi_milssl.pipeline.stamps.by_file_name`), skips finished grid points, and never
+name, size and time or content, wherever their folder is now: :func:`wsi_milssl.pipeline.stamps.same_files_moved`), skips finished grid points, and never
 deletes a run folder: one holding a run with other settings is renamed ``<folder>.replaced-<UTC time>`` and
 kept. ``force`` re-runs the named stages and everything downstream and redoes their work: tile, label and
 heatmap overwrite their files, train renames ``OUT/model`` (its run or grid) aside the same way and trains
@@ -60,8 +60,9 @@ from wsi_milssl.config.train import RUNTIME_ONLY_FIELDS
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.locks import folder_lock
 from wsi_milssl.pipeline.spec import RESOLVED_FILENAME, STAGES, PipelineSpec, stage_config, write_resolved_pipeline
-from wsi_milssl.pipeline.stamps import (by_file_name, changed_outputs, fingerprint_paths, mark_outdated, mark_running, read_stamp,
-                                        recorded_digest, shown_paths, stale_reason, stamp_digest, write_stamp)
+from wsi_milssl.pipeline.stamps import (changed_outputs, fingerprint_paths, mark_outdated, mark_running, read_stamp,
+                                        recorded_digest, same_files_moved, shown_paths, stale_reason, stamp_digest,
+                                        write_stamp)
 
 __all__ = ["StageOutcome", "run_pipeline", "split_train_val"]
 
@@ -953,15 +954,15 @@ def _holds_run(folder: Path) -> bool:
 
 
 def _run_key(record: Any, slide_lists: tuple[str, ...]) -> Any:
-    """What a training run's record (:func:`_run_fingerprint`) is compared by: files by name (:func:`by_file_name`,
-    slides moved with their times) and without the content of the training set's slide list (file names
-    ``slide_lists``), which names the slides by their paths (a cohort moved and prepared again rewrites it): the
-    slides it lists count by their own files, their names by the split and the rows of the labels."""
-    record = by_file_name(record)
+    """What a training run's record (:func:`_run_fingerprint`) is compared by: the record without the content of
+    the training set's slide list (file names ``slide_lists``), which names the slides by their paths (a cohort
+    moved and prepared again rewrites it): the slides it lists count by their own files, their names by the split
+    and the rows of the labels."""
     data = record.get("data") if isinstance(record, dict) else None
     if isinstance(data, dict) and isinstance(data.get("external"), list):
-        data["external"] = [row for row in data["external"]
-                            if not (isinstance(row, list) and len(row) == 3 and row[0] in slide_lists)]
+        kept = [row for row in data["external"] if not (isinstance(row, list) and len(row) == 3
+                                                         and os.path.basename(str(row[0])) in slide_lists)]
+        record = {**record, "data": {**data, "external": kept}}
     return record
 
 
@@ -975,10 +976,11 @@ def _read_record(folder: Path) -> Any:
 
 def _same_record(record: Any, forms: tuple[dict, ...], slide_lists: tuple[str, ...]) -> bool:
     """Whether a run folder's record is one of ``forms`` (this version's fingerprint and earlier versions'), by
-    :func:`_run_key`; by value, so that an int and a float of one value (10 and 10.0: a record written before
+    :func:`_run_key`, its files wherever their folders moved (:func:`wsi_milssl.pipeline.stamps.same_files_moved`);
+    by value, so that an int and a float of one value (10 and 10.0: a record written before
     configs made ints of float settings floats) are the same."""
     as_json = lambda value: json.loads(json.dumps(value, sort_keys=True, default=str))  # noqa: E731
-    return record is not None and any(_run_key(record, slide_lists) == _run_key(as_json(f), slide_lists)
+    return record is not None and any(same_files_moved(_run_key(record, slide_lists), _run_key(as_json(f), slide_lists))
                                       for f in forms if f)
 
 

@@ -35,7 +35,8 @@ from typing import Any, Iterable, Sequence
 from wsi_milssl.atomic import atomic_write_json
 from wsi_milssl.hashing import file_sha256
 
-__all__ = ["StageStamp", "fingerprint_paths", "stamp_digest", "recorded_digest", "by_file_name", "read_stamp", "write_stamp",
+__all__ = ["StageStamp", "fingerprint_paths", "stamp_digest", "recorded_digest", "by_file_name",
+           "same_files_moved", "read_stamp", "write_stamp",
            "mark_running", "mark_outdated", "stale_reason", "changed_outputs", "shown_paths"]
 
 StageStamp = dict[str, Any]
@@ -91,30 +92,61 @@ def recorded_digest(state_dir: str | os.PathLike, stage: str, digest: str, setti
     same settings and inputs by value: an int and a float of one value (``10``, ``10.0``: a stamp written before
     configs made ints of float settings floats, or a setting spelled otherwise) digest differently but are the
     same, and so are input files recorded in another folder under the same name, size and time or content
-    (:func:`by_file_name`: slides moved). The runner uses this digest for the stage and in the chain of the
+    (:func:`same_files_moved`: slides moved). The runner uses this digest for the stage and in the chain of the
     stages after it."""
     stamp = read_stamp(state_dir, stage)
     if not stamp or stamp.get("digest") == digest or not isinstance(stamp.get("digest"), str):
         return digest
-    if stamp.get("settings") == _plain(settings) and by_file_name(stamp.get("inputs")) == by_file_name(_plain(inputs)):
+    if stamp.get("settings") == _plain(settings) and same_files_moved(stamp.get("inputs"), _plain(inputs)):
         return stamp["digest"]
     return digest
+
+
+def _is_file_row(value: Any) -> bool:
+    """Whether ``value`` is a file fingerprint row of :func:`fingerprint_paths`: [absolute path, size, modification
+    time or SHA-256]."""
+    return (isinstance(value, list) and len(value) == 3 and isinstance(value[0], str) and os.path.isabs(value[0])
+            and (value[1] is None or type(value[1]) is int) and (value[2] is None or type(value[2]) in (int, str)))
 
 
 def by_file_name(value: Any) -> Any:
     """``value`` (a stamp's inputs, a training run's record) with every file fingerprint row of
     :func:`fingerprint_paths` ([absolute path, size, modification time or SHA-256]) keyed by the file's name
-    instead of its path: what two records are compared as, so that input files moved or copied with their
-    modification times (``mv``, ``cp -a``, ``rsync -a``: a slide folder moved to another disk) are the same
-    inputs, while a file of the same name but another size, time or content is not."""
+    instead of its path (see :func:`same_files_moved`)."""
     if isinstance(value, dict):
         return {k: by_file_name(v) for k, v in value.items()}
     if not isinstance(value, list):
         return value
-    if (len(value) == 3 and isinstance(value[0], str) and os.path.isabs(value[0])
-            and (value[1] is None or type(value[1]) is int) and (value[2] is None or type(value[2]) in (int, str))):
+    if _is_file_row(value):
         return [os.path.basename(value[0]), *value[1:]]
     return [by_file_name(v) for v in value]
+
+
+def _file_paths(value: Any) -> list[str]:
+    """The paths of the file rows in ``value``, in the order :func:`by_file_name` meets them."""
+    if isinstance(value, dict):
+        return [p for k in value for p in _file_paths(value[k])]
+    if not isinstance(value, list):
+        return []
+    return [value[0]] if _is_file_row(value) else [p for v in value for p in _file_paths(v)]
+
+
+def same_files_moved(recorded: Any, now: Any) -> bool:
+    """Whether two records (a stamp's inputs, a training run's record) name the same input files, wherever their
+    folders are now: equal, or equal with the files by name (:func:`by_file_name`: the same name, size and
+    modification time or content) where every folder of ``recorded`` went to one folder of its own (``mv``,
+    ``cp -a``, ``rsync -a`` of whole folders: a cohort moved to another disk). A file that went to another folder
+    than its neighbours (a slide moved from the training folder into the test folder, whose rows the records
+    list one after the other) is a change."""
+    if recorded == now:
+        return True
+    if by_file_name(recorded) != by_file_name(now):
+        return False
+    went: dict[str, str] = {}
+    for before, after in zip(_file_paths(recorded), _file_paths(now)):
+        if went.setdefault(os.path.dirname(before), os.path.dirname(after)) != os.path.dirname(after):
+            return False
+    return len(set(went.values())) == len(went)
 
 
 def _stamp_path(state_dir: Path, stage: str) -> Path:
