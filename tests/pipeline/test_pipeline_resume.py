@@ -4,8 +4,9 @@ uninterrupted run (issue 15, deliverable 2: tile, train and heatmap).
 A child process runs the pipeline and kills itself with SIGKILL at a chosen progress event (inside
 a slide being tiled; inside the second epoch of the second grid point; after the first test slide's
 heatmap is recorded, the second in flight), so the interruption lands
-at the same place every time. The run is then started again to the end, in a fresh process as every
-run here, and its outputs compared with those of a run that was never interrupted.
+at the same place every time. The run is then started again, in a fresh process as every run here, up
+to the stage that was killed (to the end for heatmap), and its outputs compared with those of a run that
+was never interrupted; given equal stores and models, the later stages are the heatmap test's.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ RUNNER = r"""
 import json, os, signal, sys
 from wsi_milssl.pipeline import load_pipeline, run_pipeline
 
-toml, out, where = sys.argv[1], sys.argv[2], sys.argv[3]
+toml, out, where, until = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 state = {"tiled": 0, "epochs": 0}
 
 def progress(event):
@@ -74,15 +75,16 @@ def progress(event):
         if event.stage == "heatmap" and event.done == 1 and event.item:
             os.kill(os.getpid(), signal.SIGKILL)
 
-outcomes = run_pipeline(load_pipeline(toml, out_dir=out), progress=progress)
+outcomes = run_pipeline(load_pipeline(toml, out_dir=out), progress=progress, until=None if until == "-" else until)
 print(json.dumps({"outcomes": [[o.stage, o.status] for o in outcomes]}), flush=True)
 """
 
 
-def _run(toml: Path, out: Path, kill_at: str = "") -> tuple[list[dict], list[list[str]]]:
-    """Run the pipeline in a child process (killed at ``kill_at`` when given): its events and outcomes."""
-    proc = subprocess.run([sys.executable, "-c", RUNNER, str(toml), str(out), kill_at or "-"], capture_output=True,
-                          text=True, timeout=900)
+def _run(toml: Path, out: Path, kill_at: str = "", until: str = "") -> tuple[list[dict], list[list[str]]]:
+    """Run the pipeline in a child process (killed at ``kill_at`` when given; up to ``until`` when given):
+    its events and outcomes."""
+    proc = subprocess.run([sys.executable, "-c", RUNNER, str(toml), str(out), kill_at or "-", until or "-"],
+                          capture_output=True, text=True, timeout=900)
     if kill_at:
         assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     else:
@@ -120,19 +122,27 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, map_location="cpu", weights_only=False)["model"]
 
 
-def _assert_same_outputs(a: Path, b: Path) -> None:
+def _assert_same_stores(a: Path, b: Path) -> None:
     sa, sb = _stores(a), _stores(b)
     assert sorted(sa) == sorted(sb) and len(sa) == 6
     for name in sa:
         for key in sa[name]:
             np.testing.assert_array_equal(sa[name][key], sb[name][key], err_msg=f"{name} {key}")
     assert not list((b / "stores").rglob("*.partial")), "a killed store was left behind"
+
+
+def _assert_same_model(a: Path, b: Path) -> None:
     for ckpt in ("model/last.pt", "model/best.pt", "model/grid/mu-0.1/last.pt", "model/grid/mu-0.2/last.pt"):
         wa, wb = _weights(a / ckpt), _weights(b / ckpt)
         assert wa.keys() == wb.keys()
         for k in wa:
             assert torch.equal(wa[k], wb[k]), f"{ckpt}: {k}"
     assert json.loads((a / "model" / "grid.json").read_text()) == json.loads((b / "model" / "grid.json").read_text())
+
+
+def _assert_same_outputs(a: Path, b: Path) -> None:
+    _assert_same_stores(a, b)
+    _assert_same_model(a, b)
     heat_a, heat_b = a / "heatmaps" / "test", b / "heatmaps" / "test"
     for path in sorted(heat_a.glob("*_probs.npy")):
         np.testing.assert_array_equal(np.load(path), np.load(heat_b / path.name))
@@ -163,14 +173,14 @@ def test_run_killed_inside_tile_goes_on_and_matches_an_uninterrupted_run(pipelin
     _run(toml, out, "tile")
     done = sorted(p.name for p in (out / "stores" / "train").glob("*.h5"))
     assert len(done) == 2  # two stores finished, the third was being written
-    events, outcomes = _run(toml, out)
-    assert [status for _, status in outcomes] == ["skipped"] + ["ran"] * 5  # synth was finished before the kill
+    events, outcomes = _run(toml, out, until="label")
+    assert outcomes == [["synth", "skipped"], ["tile", "ran"], ["label", "ran"]]  # synth was finished before the kill
     tiled = [(e["item"], e["message"]) for e in events if e["stage"] == "tile" and e["done"] > 0]
     # the finished stores were kept, not tiled again: only the other two training slides and the test set
     assert tiled[:4] == [("synth_000", "skipped"), ("synth_001", "skipped"), ("synth_002", "ok"), ("synth_003", "ok")]
     status = (out / "stores" / "train" / "tile_status.csv").read_text()
     assert status.count(",skipped,") == 2 and status.count(",ok,") == 2
-    _assert_same_outputs(reference, out)
+    _assert_same_stores(reference, out)  # patches, coordinates and the label stage's arrays
 
 
 def test_run_killed_inside_training_resumes_and_skips_finished_grid_points(pipeline, tmp_path):
@@ -183,13 +193,14 @@ def test_run_killed_inside_training_resumes_and_skips_finished_grid_points(pipel
     assert torch.load(first, weights_only=False)["epoch"] == 2  # the first grid point had finished
     assert torch.load(model / "grid" / "mu-0.2" / "last.pt", weights_only=False)["epoch"] == 1
     first_mtime = first.stat().st_mtime_ns
-    events, outcomes = _run(toml, out)
-    assert outcomes[:4] == [["synth", "skipped"], ["tile", "skipped"], ["label", "skipped"], ["train", "ran"]]
+    events, outcomes = _run(toml, out, until="train")
+    assert outcomes == [["synth", "skipped"], ["tile", "skipped"], ["label", "skipped"], ["train", "ran"]]
     epochs_trained = [e["done"] for e in events if e["stage"] == "train" and e["item"].startswith("epoch")]
     assert epochs_trained == [2]            # only the second point's last epoch was trained again
     assert first.stat().st_mtime_ns == first_mtime
     assert not list(out.glob("model.replaced-*"))  # nothing was moved aside, nothing deleted
-    _assert_same_outputs(reference, out)
+    _assert_same_stores(reference, out)
+    _assert_same_model(reference, out)  # every checkpoint and grid.json
 
 
 def test_run_killed_inside_heatmap_skips_finished_slides_and_matches_an_uninterrupted_run(pipeline, tmp_path):
