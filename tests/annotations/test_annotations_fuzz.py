@@ -195,16 +195,19 @@ def test_asap_xml_fuzz_long(fuzz_dir, data):
 # -- bounded time and memory for hostile sizes -----------------------------------------------------
 
 def _bounded(path, *, seconds: float, peak_bytes: int) -> None:
-    """Read ``path`` (result or AnnotationError) within ``seconds`` and ``peak_bytes`` of Python allocations."""
+    """Read ``path`` (result or AnnotationError) within ``seconds`` of the process's CPU time and ``peak_bytes``
+    of Python allocations. Two passes: tracemalloc slows the run by about 75 %, and the wall clock counts
+    whatever else the machine runs (a loaded test machine failed 30 s limits at 44 and 51 s)."""
+    t0 = time.process_time()
+    _exercise(path)
+    elapsed = time.process_time() - t0
+    assert elapsed < seconds, f"{path.name}: {elapsed:.1f} s of CPU"
     tracemalloc.start()
-    t0 = time.perf_counter()
     try:
         _exercise(path)
-    finally:
-        elapsed = time.perf_counter() - t0
         _, peak = tracemalloc.get_traced_memory()
+    finally:
         tracemalloc.stop()
-    assert elapsed < seconds, f"{path.name}: {elapsed:.1f} s"
     assert peak < peak_bytes, f"{path.name}: peak {peak / 2**20:.0f} MiB"
 
 
@@ -222,12 +225,13 @@ def test_deep_nesting_is_refused_quickly(tmp_path, kind):
 
 
 @pytest.mark.parametrize("fmt, n", [
-    ("geojson", 100_000), ("xml", 100_000),
+    ("geojson", 20_000), ("xml", 20_000),
+    pytest.param("geojson", 100_000, marks=pytest.mark.slow), pytest.param("xml", 100_000, marks=pytest.mark.slow),
     pytest.param("geojson", 1_000_000, marks=pytest.mark.slow), pytest.param("xml", 1_000_000, marks=pytest.mark.slow),
 ])
 def test_huge_coordinate_lists_take_bounded_time_and_memory(tmp_path, fmt, n):
     """``n`` vertices of one self-intersecting tumour polygon (100,000: about 3 MB of text), read,
-    repaired, clipped and used for patch fractions and a mask."""
+    repaired, clipped and used for patch fractions and a mask: 30 s of CPU and 1 GiB per 100,000."""
     t = np.linspace(0, 40 * np.pi, n, endpoint=False)
     xy = np.c_[2048 + 1500 * np.cos(t) * np.sin(3 * t), 1536 + 1200 * np.sin(t)]
     if fmt == "geojson":
@@ -240,7 +244,7 @@ def test_huge_coordinate_lists_take_bounded_time_and_memory(tmp_path, fmt, n):
         coords = "".join(f'<Coordinate Order="{i}" X="{x:.2f}" Y="{y:.2f}" />' for i, (x, y) in enumerate(xy))
         path.write_text(f'<ASAP_Annotations><Annotations><Annotation Name="a" Type="Polygon" PartOfGroup="_0">'
                         f"<Coordinates>{coords}</Coordinates></Annotation></Annotations></ASAP_Annotations>")
-    _bounded(path, seconds=30 * n / 100_000, peak_bytes=(n // 100_000) << 30)
+    _bounded(path, seconds=30 * n / 100_000, peak_bytes=(1 << 30) * n // 100_000)
 
 
 # -- what the fuzzer found (regressions) ------------------------------------------------------------
