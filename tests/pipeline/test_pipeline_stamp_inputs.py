@@ -116,3 +116,22 @@ def test_a_slide_moved_into_the_other_sets_folder_is_a_change_a_folder_moved_is_
     (moved / "test").rename(tmp_path / "disk2" / "test")  # one folder moved on its own: still the same files
     assert same_files_moved(before, {"external": fingerprint_paths(sorted((moved / "train").iterdir()))
                                      + fingerprint_paths(sorted((tmp_path / "disk2" / "test").iterdir()))})
+
+
+def test_the_reason_names_a_slide_moved_into_the_other_sets_folder(tmp_path):
+    from wsi_milssl.pipeline.stamps import fingerprint_paths, stale_reason, write_stamp
+
+    for set_name, names in (("train", ("s0", "s1", "s2")), ("test", ("s3",))):
+        (tmp_path / set_name).mkdir()
+        for name in names:
+            (tmp_path / set_name / f"{name}.tif").write_bytes(name.encode() * 10)
+
+    def rows():
+        return {"upstream": {}, "external": fingerprint_paths(sorted((tmp_path / "train").iterdir()))
+                + fingerprint_paths(sorted((tmp_path / "test").iterdir()))}
+
+    state = tmp_path / "out" / ".pipeline"
+    write_stamp(state, "tile", digest="d0", outputs=[], settings={}, inputs=rows())
+    (tmp_path / "train" / "s2.tif").rename(tmp_path / "test" / "s2.tif")
+    assert stale_reason(state, "tile", ("d1",), settings={}, inputs=rows()) == (
+        f"input changed: {tmp_path / 'test' / 's2.tif'} (moved from {tmp_path / 'train' / 's2.tif'})")

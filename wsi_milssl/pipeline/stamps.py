@@ -393,14 +393,21 @@ def _changes(old_settings: dict, settings: dict, old_inputs: dict, inputs: dict)
     old_files = {row[0]: row[1:] for row in old_inputs.get("external") or []}
     files = {row[0]: row[1:] for row in inputs.get("external") or []}
     # a file moved or copied to another folder with its time (the same name, size and time or content) is no change
-    old_moved = {json.dumps([Path(f).name, v]) for f, v in old_files.items() if f not in files}
-    moved = {json.dumps([Path(f).name, v]) for f, v in files.items() if f not in old_files}
-    new = [f for f in files if f not in old_files and json.dumps([Path(f).name, files[f]]) not in old_moved]
-    left = [f for f in old_files if f not in files and json.dumps([Path(f).name, old_files[f]]) not in moved]
+    # where its whole folder went there (see same_files_moved); one moved away from its neighbours is
+    sources = {json.dumps([Path(f).name, v]): f for f, v in old_files.items() if f not in files}
+    moved = {f: sources[json.dumps([Path(f).name, v])] for f, v in files.items()
+             if f not in old_files and json.dumps([Path(f).name, v]) in sources}
+    went: dict[str, set] = {}
+    for before, after in [*((f, f) for f in files if f in old_files), *((old, new) for new, old in moved.items())]:
+        went.setdefault(os.path.dirname(before), set()).add(os.path.dirname(after))
+    new = [f for f in files if f not in old_files and f not in moved]
+    left = [f for f in old_files if f not in files and f not in moved.values()]
     # one that moved and changed (a slide list rewritten with the new paths) is changed, not new and gone
     renamed = {Path(f).name for f in new} & {Path(f).name for f in left}
     changed += [f if f in old_files or Path(f).name in renamed else f"{f} (new)" for f in files
                 if f in new or (f in old_files and old_files[f] != files[f])]
+    changed += [f"{f} (moved from {moved[f]})" for f in files
+                if f in moved and len(went[os.path.dirname(moved[f])]) > 1]
     # a file no longer among the inputs may still be on disk (taken off a slide list)
     changed += [f"{f} ({'no longer an input' if Path(f).exists() else 'gone'})" for f in left
                 if Path(f).name not in renamed]
