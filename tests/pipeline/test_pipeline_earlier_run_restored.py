@@ -57,6 +57,16 @@ def test_a_setting_changed_back_finds_its_earlier_run(tmp_path, caplog):
     assert _epochs(out / "model") == [1, 2, 3]
     aside = list(out.glob("model.replaced-*"))
     assert len(aside) == 1 and json.loads((aside[0] / "config.json").read_text())["lr"] == 0.05
+    # a run of these settings killed before its first epoch (its record and config.json, no last.pt) makes way
+    run("train.lr=0.05")  # the lr=0.05 run is back, the first one aside again
+    killed = out / "model"
+    for name in ("last.pt", "best.pt", "metrics.jsonl"):
+        (killed / name).unlink()
+    aside = next(out.glob("model.replaced-*"))
+    (killed / "pipeline_run.json").write_text((aside / "pipeline_run.json").read_text())
+    run()
+    assert ((out / "model" / "best.pt").read_bytes(), (out / "model" / "last.pt").stat().st_mtime_ns) == first
+    assert len(list(out.glob("model.replaced-*"))) == 1  # the killed run's folder, kept
     # with --force the model is trained again from scratch, whatever was trained before
     run(force=("train",))
     assert (out / "model" / "last.pt").stat().st_mtime_ns != first[1]

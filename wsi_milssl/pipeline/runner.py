@@ -1025,7 +1025,9 @@ def _prepare_run_dir(run_dir: Path, fingerprint: dict, *earlier: dict, slide_lis
     found = _earlier_run(run_dir, forms, slide_lists) if restore else None
     if found is not None:
         marker.unlink(missing_ok=True)  # a folder holding only a refused run's record
-        if run_dir.exists():
+        if run_dir.exists() and any(run_dir.iterdir()):  # a run of these settings killed before its first epoch
+            _replace_aside(run_dir, "holds no epoch of the run trained earlier with these settings")
+        elif run_dir.exists():
             run_dir.rmdir()
         found.rename(run_dir)
         log.warning("%s: the run trained with these settings and data earlier is back from %s", run_dir, found.name)
