@@ -65,21 +65,44 @@ def slides(tmp_path_factory):
     return folder
 
 
-@pytest.fixture()
-def cohort(slides, tmp_path):
+def _write_cohort(slides, root):
     """The pipeline file of a cohort as `prepare` writes one: slide lists, labels, and each set's
-    annotations in its own folder."""
+    annotations in its own folder (the slide lists name the slides in ``slides`` by absolute path)."""
     labels = dict(line.split(",") for line in (slides / "labels.csv").read_text().split()[1:])
     for set_name, stems in (("train", TRAIN), ("test", TEST)):
-        (tmp_path / "cohort" / "annotations" / set_name).mkdir(parents=True)
-        (tmp_path / "cohort" / f"{set_name}_slides.csv").write_text(
+        (root / "cohort" / "annotations" / set_name).mkdir(parents=True)
+        (root / "cohort" / f"{set_name}_slides.csv").write_text(
             "path\n" + "".join(f"{slides / stem}.tif\n" for stem in stems))
-        (tmp_path / "cohort" / f"{set_name}_labels.csv").write_text(
+        (root / "cohort" / f"{set_name}_labels.csv").write_text(
             "slide,label\n" + "".join(f"{stem},{labels[stem]}\n" for stem in stems))
         for stem in stems:
             if (slides / f"{stem}.xml").is_file():
-                shutil.copy(slides / f"{stem}.xml", tmp_path / "cohort" / "annotations" / set_name)
-    (tmp_path / "p.toml").write_text(PIPELINE)
+                shutil.copy(slides / f"{stem}.xml", root / "cohort" / "annotations" / set_name)
+    (root / "p.toml").write_text(PIPELINE)
+    return root / "p.toml"
+
+
+@pytest.fixture()
+def cohort(slides, tmp_path):
+    """A cohort's pipeline file, nothing run yet."""
+    return _write_cohort(slides, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def finished(slides, tmp_path_factory):
+    """A cohort whose pipeline ran to the end once (tile, label, a resnet18 trained, heatmap, evaluate)."""
+    toml = _write_cohort(slides, tmp_path_factory.mktemp("finished"))
+    assert set(_run(toml).values()) == {"ran"}
+    return toml
+
+
+@pytest.fixture()
+def finished_cohort(finished, tmp_path):
+    """A copy of the finished cohort (pipeline file, cohort folder and output folder; the paths in the pipeline
+    file are relative to it, the slide lists name the shared slides) for a test to change and run again."""
+    for name in ("cohort", "out"):
+        shutil.copytree(finished.parent / name, tmp_path / name, symlinks=True, copy_function=shutil.copy2)
+    shutil.copy2(finished, tmp_path / "p.toml")
     return tmp_path / "p.toml"
 
 
@@ -130,10 +153,11 @@ def _aside(toml) -> list:
     return sorted((toml.parent / "out").glob("model.replaced-*"))
 
 
-def test_a_fixed_test_annotation_reruns_label_and_evaluate_but_does_not_train_again(cohort):
+def test_a_fixed_test_annotation_reruns_label_and_evaluate_but_does_not_train_again(finished_cohort):
+    cohort = finished_cohort
     out = cohort.parent / "out"
     model = out / "model"
-    assert set(_run(cohort).values()) == {"ran"}
+    assert set(_run(cohort).values()) == {"skipped"}  # the copy of the finished run is up to date
     best, metrics, marker = ((model / name).read_bytes() for name in ("best.pt", "metrics.jsonl", RUN_MARKER))
     outputs = (out / "heatmaps" / "test" / "synth_002_probs.json", out / "evaluation" / "metrics.json")
     written = {path: path.stat().st_mtime_ns for path in outputs}
@@ -163,9 +187,9 @@ def test_what_training_reads_comes_from_the_training_set_alone(cohort):
     assert _training_data(other_labels) != before
 
 
-def test_a_changed_training_annotation_or_training_label_trains_again(cohort):
+def test_a_changed_training_annotation_or_training_label_trains_again(finished_cohort):
+    cohort = finished_cohort
     model = cohort.parent / "out" / "model"
-    _run(cohort, until="train")
     first = (model / "best.pt").read_bytes()
 
     _fix_annotation(cohort.parent / "cohort" / "annotations" / "train" / "synth_001.xml")
@@ -180,9 +204,9 @@ def test_a_changed_training_annotation_or_training_label_trains_again(cohort):
     assert len(_aside(cohort)) == 2
 
 
-def test_a_run_folder_recorded_by_an_earlier_version_is_reused(cohort):
+def test_a_run_folder_recorded_by_an_earlier_version_is_reused(finished_cohort):
+    cohort = finished_cohort
     out = cohort.parent / "out"
-    _run(cohort, until="train")
     marker = json.loads((out / "model" / RUN_MARKER).read_text())
     best = (out / "model" / "best.pt").read_bytes()
     # pipeline_run.json as earlier versions wrote it: the label stage's stamp digest and the external
@@ -254,9 +278,10 @@ def test_in_feature_mode_a_changed_test_label_does_not_train_again(tmp_path, sha
     assert len(_aside(toml)) == 1
 
 
-def test_with_one_annotations_folder_for_both_sets_a_fixed_test_annotation_does_not_train_again(cohort):
+def test_with_one_annotations_folder_for_both_sets_a_fixed_test_annotation_does_not_train_again(finished_cohort):
     """Training reads its own slides' rows and annotation files, not the whole folder or CSV that a
     pipeline may share between the sets."""
+    cohort = finished_cohort  # its first run below runs again into the finished run's folder, one folder now
     shared = cohort.parent / "cohort" / "annotations" / "test"
     for xml in (cohort.parent / "cohort" / "annotations" / "train").iterdir():
         shutil.copy(xml, shared)
@@ -290,11 +315,11 @@ def test_new_encoder_weights_behind_the_same_path_train_again(cohort):
     assert set(_run(cohort, until="train").values()) == {"skipped"}
 
 
-def test_a_test_slide_renamed_in_letter_case_is_evaluated_under_its_new_name(cohort, slides):
+def test_a_test_slide_renamed_in_letter_case_is_evaluated_under_its_new_name(finished_cohort, slides):
     """Its heatmap files under the old name stay and are ignored (they were a 'two files of one slide'
     error on every later run)."""
+    cohort = finished_cohort
     out = cohort.parent / "out"
-    _run(cohort)
     renamed = cohort.parent / "Synth_002.tif"
     shutil.copy(slides / "synth_002.tif", renamed)
     root = cohort.parent / "cohort"
@@ -326,9 +351,11 @@ def _blank_slide(path):
 
 
 @pytest.mark.parametrize("text", [PIPELINE, EMBEDDED], ids=["images", "features"])
-def test_a_test_slide_without_tissue_counts_as_empty_and_leaves_with_the_list(cohort, text):
+def test_a_test_slide_without_tissue_counts_as_empty_and_leaves_with_the_list(request, text):
     """A no-tissue test slide failed the heatmap stage of an image pipeline (and the features stage) on every
     run; taken off the test list, it was still evaluated with score 0 from the heatmap status file."""
+    # the image pipeline starts from a copy of the finished run (the blank slide makes every stage run again)
+    cohort = request.getfixturevalue("finished_cohort" if text is PIPELINE else "cohort")
     cohort.write_text(text)
     root = cohort.parent / "cohort"
     blank = _blank_slide(cohort.parent / "blank.tif")
@@ -357,9 +384,10 @@ def test_a_store_deleted_under_a_stamp_of_an_earlier_version_is_made_again(cohor
 
 
 @pytest.mark.parametrize("text", [PIPELINE, EMBEDDED], ids=["images", "features"])
-def test_a_test_slide_found_empty_on_a_later_run_is_not_scored_on_its_earlier_predictions(cohort, slides, text):
+def test_a_test_slide_found_empty_on_a_later_run_is_not_scored_on_its_earlier_predictions(request, slides, text):
     """The slide file was replaced by one without tissue: its earlier heatmap files and scores.csv row are
     removed, so evaluate counts it with no detection (it used to score the old predictions again)."""
+    cohort = request.getfixturevalue("finished_cohort" if text is PIPELINE else "cohort")  # images: from a copy
     cohort.write_text(text)
     copy = cohort.parent / "synth_002.tif"
     shutil.copy(slides / "synth_002.tif", copy)
