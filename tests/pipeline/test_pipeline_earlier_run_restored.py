@@ -6,25 +6,13 @@ from __future__ import annotations
 import json
 import logging
 
-from tinypipeline import feature_bags
+from tinypipeline import FEATURE_BAGS, feature_bags
 from wsi_milssl.pipeline import load_pipeline, run_pipeline
 
 FEATURES = """
 [pipeline]
 name = "back"
-[data]
-mode = "features"
-train_features = "bags/train"
-train_labels = "bags/train/labels.csv"
-test_features = "bags/test"
-test_labels = "bags/test/labels.csv"
-val_fraction = 0.25
-[train]
-model = "linear"
-epochs = 3
-batch_size = 32
-plots = false
-"""
+""" + FEATURE_BAGS
 
 
 def _epochs(model_dir) -> list[int]:

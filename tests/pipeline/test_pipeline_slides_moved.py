@@ -9,6 +9,7 @@ import csv
 import shutil
 from pathlib import Path
 
+from tinypipeline import LISTED_COHORT
 from wsi_milssl.config import SynthConfig
 from wsi_milssl.pipeline import load_pipeline, run_pipeline
 from wsi_milssl.synth import generate_slides
@@ -16,20 +17,7 @@ from wsi_milssl.synth import generate_slides
 PIPELINE = """
 [pipeline]
 name = "slides-moved"
-[data]
-train_slides = "{root}/train_slides.csv"
-train_labels = "{root}/train_labels.csv"
-train_annotations = "{root}/slides"
-test_slides = "{root}/test_slides.csv"
-test_labels = "{root}/test_labels.csv"
-test_annotations = "{root}/slides"
-val_fraction = 0.0
-[tile]
-magnification = 10.0
-patch_size_px = 32
-entropy_threshold_bits = 4.0
-min_tissue = 0.5
-[train]
+""" + LISTED_COHORT + """[train]
 epochs = 1
 batch_size = 32
 mu_ramp_epochs = 1
