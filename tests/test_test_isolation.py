@@ -7,15 +7,17 @@ import logging
 
 import torch
 
-from conftest import _TORCH_THREADS
+#: the state the first test found (the session's, which the fixtures restore)
+_FOUND: dict[str, int] = {}
 
 
 def test_a_test_that_changes_the_process_state():
-    torch.set_num_threads(1 if _TORCH_THREADS != 1 else 2)  # as fit(threads=1) leaves it
+    _FOUND.update(threads=torch.get_num_threads(), level=logging.getLogger().level)
+    torch.set_num_threads(1 if _FOUND["threads"] != 1 else 2)  # as fit(threads=1) leaves it
     logging.getLogger().setLevel(logging.CRITICAL)  # as main([..., "-q"]) leaves it
-    assert torch.get_num_threads() != _TORCH_THREADS
+    assert torch.get_num_threads() != _FOUND["threads"]
 
 
 def test_the_next_test_starts_from_the_session_state():
-    assert torch.get_num_threads() == _TORCH_THREADS
-    assert logging.getLogger().level != logging.CRITICAL
+    assert torch.get_num_threads() == _FOUND["threads"]
+    assert logging.getLogger().level == _FOUND["level"]
