@@ -101,7 +101,8 @@ def test_a_grid_whose_split_has_no_validation_slides_is_refused_before_any_stage
 def test_a_grid_on_too_few_generated_slides_is_refused_before_synth(tmp_path):
     toml = tmp_path / "gen.toml"
     toml.write_text('[pipeline]\nname = "gen"\n[data]\ngenerate = true\nval_fraction = 0.5\n'
-                    "[synth.train]\nn_slides = 2\nseed = 0\n[synth.test]\nn_slides = 1\nseed = 1000\n"
+                    "[synth.train]\nn_slides = 2\nseed = 0\nwidth_px = 2048\nheight_px = 2048\n"
+                    "[synth.test]\nn_slides = 1\nseed = 1000\nwidth_px = 2048\nheight_px = 2048\n"
                     "[train.grid]\nmu = [0.1, 0.2]\n")
     with pytest.raises(ConfigError) as info:
         run_pipeline(load_pipeline(toml, out_dir=tmp_path / "out"))
@@ -172,7 +173,8 @@ def test_a_single_feature_run_without_validation_bags_warns(tmp_path, caplog):
 
 
 GENERATED = ('[pipeline]\nname = "gen"\n[data]\ngenerate = true\nval_fraction = {val_fraction}\n'
-             "[synth.train]\nn_slides = {n_slides}\nseed = 0\n[synth.test]\nn_slides = 1\nseed = 1000\n{grid}")
+             "[synth.train]\nn_slides = {n_slides}\nseed = 0\nwidth_px = 2048\nheight_px = 2048\n"
+             "[synth.test]\nn_slides = 1\nseed = 1000\nwidth_px = 2048\nheight_px = 2048\n{grid}")
 GRID = "[train.grid]\nmu = [0.1, 0.2]\n"
 #: 3 generated training slides: synth_000 normal, synth_001 and synth_002 tumour; any val_fraction > 0 holds out
 #: synth_001 alone (a class goes into validation only with at least 2 training slides)
