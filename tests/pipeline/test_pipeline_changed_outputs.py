@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 
-from tinypipeline import GENERATED_SLIDES, feature_bags
+from tinypipeline import FEATURE_BAGS, GENERATED_SLIDES, feature_bags
 from wsi_milssl.cli import main
 from wsi_milssl.pipeline import load_pipeline, run_pipeline
 from wsi_milssl.pipeline import stamps
@@ -220,19 +220,7 @@ def test_stamps_without_file_identities_stay_up_to_date(out):
 FEATURES = """
 [pipeline]
 name = "feat"
-[data]
-mode = "features"
-train_features = "bags/train"
-train_labels = "bags/train/labels.csv"
-test_features = "bags/test"
-test_labels = "bags/test/labels.csv"
-val_fraction = 0.25
-[train]
-model = "linear"
-epochs = 3
-batch_size = 32
-plots = false
-"""
+""" + FEATURE_BAGS
 
 
 def test_a_resumed_feature_model_makes_evaluate_run_again(tmp_path):

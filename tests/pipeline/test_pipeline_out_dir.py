@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tinypipeline import GENERATED_SLIDES, feature_bags
+from tinypipeline import FEATURE_BAGS, GENERATED_SLIDES, feature_bags
 from wsi_milssl.cli import main
 from wsi_milssl.config import load_toml
 from wsi_milssl.pipeline import RESOLVED_FILENAME, load_pipeline, run_pipeline
@@ -24,19 +24,7 @@ FEATURES = """
 [pipeline]
 name = "feat"
 out_dir = "feat_out"
-[data]
-mode = "features"
-train_features = "bags/train"
-train_labels = "bags/train/labels.csv"
-test_features = "bags/test"
-test_labels = "bags/test/labels.csv"
-val_fraction = 0.25
-[train]
-model = "linear"
-epochs = 3
-batch_size = 32
-plots = false
-"""
+""" + FEATURE_BAGS
 
 
 @pytest.fixture()
