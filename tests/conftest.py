@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,25 @@ def _root_logger_level_restored():
     yield
     root.setLevel(level)
 
+
+#: most pytest-xdist workers ``-n auto`` starts: each builds its own session fixtures and holds its own models
+MAX_AUTO_WORKERS = 8
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto`` (pyproject addopts): one worker per CPU core, at most :data:`MAX_AUTO_WORKERS`."""
+    return max(1, min(os.cpu_count() or 1, MAX_AUTO_WORKERS))
+
+
+def _threads_per_worker() -> None:
+    """Under pytest-xdist (``-n N``) every worker process gets an equal share of the CPU cores for torch, so N
+    workers do not each start one thread per core and fight over them."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+_threads_per_worker()
 
 #: torch's CPU thread count when the session started
 _TORCH_THREADS = torch.get_num_threads()
