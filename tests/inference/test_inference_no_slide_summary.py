@@ -55,7 +55,8 @@ def test_a_named_slide_file_that_is_not_there_is_warned_about_per_slide(tmp_path
         written = write_slide_outputs(pred, tmp_path / "hm", model=model, config=CONFIG, no_slide=no_slide)
     assert "heatmap_png" not in written and no_slide == []
     assert _overlay_lines(caplog, logging.WARNING) == [
-        f"tumour: slide file {pred.slide_path} not found; tumour_heatmap.png not drawn."]
+        f"tumour: slide file {pred.slide_path} not found; tumour_heatmap.png not drawn. Fix: pass the slide file (a "
+        "SLIDE argument of `wsi-milssl heatmap`) to draw it."]
 
 
 def test_the_summary_is_one_line_with_the_count_the_reason_and_the_fix(tmp_path, caplog):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import csv
+import logging
 import shutil
 from pathlib import Path
 
@@ -163,3 +164,22 @@ def test_stores_whose_names_differ_only_in_case_need_the_exact_one(tmp_path, coh
     with pytest.raises(ConfigError, match="differ only in case or Unicode form"):
         make_heatmaps([lower], checkpoint_factory(), tmp_path / "hm2", HeatmapConfig(**FAST),
                       stores=[stores, upper.parent])
+
+
+def test_stores_whose_slide_moved_say_so_once_per_slide(tmp_path, slide_writer, checkpoint_factory, caplog):
+    """``heatmap --store DIR`` without slides, the stores' slides moved away: each slide's missing overlay is
+    one warning with the recorded path and the fix (it used to be two: one when the stores were read, one
+    when the PNG was not drawn)."""
+    (tmp_path / "slides").mkdir()
+    slide = slide_writer(tmp_path / "slides" / "moved.tif", width=1024, height=1024, tissue_box=(128, 128, 896, 896),
+                         tumour=lambda xs, ys: xs < 400)
+    stores = tmp_path / "stores"
+    assert tile_slide(slide, stores, TileConfig(**TILE)).status == "ok"
+    slide.rename(tmp_path / "moved.tif")
+    with caplog.at_level(logging.WARNING):
+        run = make_heatmaps([], checkpoint_factory(), tmp_path / "hm", HeatmapConfig(**FAST), stores=[stores])
+    assert [r.status for r in run.results] == ["ok"]
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "moved" in r.getMessage()]
+    assert lines == [f"moved: slide file {slide.resolve()} not found; moved_heatmap.png not drawn. Fix: pass the slide "
+                     "file (a SLIDE argument of `wsi-milssl heatmap`) to draw it."]
+    assert (tmp_path / "hm" / "moved_probs.npy").is_file()

@@ -185,10 +185,8 @@ def match_inputs(slides: Sequence[str | os.PathLike], stores: Sequence[str | os.
         else:
             out = []
             for stem, (sp, recorded) in sorted(by_stem.items()):
+                # a recorded slide that is not there is said once, when its PNG is not drawn (write_slide_outputs)
                 slide = recorded if recorded is not None and recorded.exists() else None
-                if slide is None:
-                    logger.warning("%s: the slide recorded in the store (%s) is not there; the heatmap PNG will be "
-                                   "skipped (pass the slide as SLIDE to draw it).", sp, recorded)
                 out.append(HeatmapInput(stem, slide, sp))
     seen: dict[str, HeatmapInput] = {}
     for item in out:
@@ -431,8 +429,8 @@ def write_slide_outputs(pred: SlidePrediction, out_dir: str | os.PathLike, *, mo
         elif pred.slide_path is None:
             logger.warning("%s: slide file not available; %s not drawn.", pred.stem, paths["heatmap_png"].name)
         else:
-            logger.warning("%s: slide file %s not found; %s not drawn.", pred.stem, pred.slide_path,
-                           paths["heatmap_png"].name)
+            logger.warning("%s: slide file %s not found; %s not drawn. Fix: pass the slide file (a SLIDE argument of "
+                           "`wsi-milssl heatmap`) to draw it.", pred.stem, pred.slide_path, paths["heatmap_png"].name)
     with atomic_open(paths["probs_json"], "w") as fh:  # last: the slide's files are complete
         fh.write(json.dumps(sidecar, indent=2, sort_keys=True) + "\n")
     return written
