@@ -227,13 +227,13 @@ def test_run_killed_inside_heatmap_skips_finished_slides_and_matches_an_uninterr
 
 def test_changed_training_settings_keep_the_old_run_folder(tmp_path):
     """Another learning rate: the old run is renamed aside (never deleted) and a new run starts."""
-    from wsi_milssl.pipeline.runner import RUN_MARKER, _prepare_run_dir
+    from wsi_milssl.pipeline.run_folders import RUN_MARKER, prepare_run_dir
 
     run = tmp_path / "model"
-    assert _prepare_run_dir(run, {"settings": {"lr": 0.1}}) is False
+    assert prepare_run_dir(run, {"settings": {"lr": 0.1}}) is False
     (run / "last.pt").write_bytes(b"x")
-    assert _prepare_run_dir(run, {"settings": {"lr": 0.1}}) is True      # same settings: continue
-    assert _prepare_run_dir(run, {"settings": {"lr": 0.01}}) is False    # other settings: a new run
+    assert prepare_run_dir(run, {"settings": {"lr": 0.1}}) is True      # same settings: continue
+    assert prepare_run_dir(run, {"settings": {"lr": 0.01}}) is False    # other settings: a new run
     aside = list(tmp_path.glob("model.replaced-*"))
     assert len(aside) == 1 and (aside[0] / "last.pt").read_bytes() == b"x"
     assert json.loads((run / RUN_MARKER).read_text()) == {"settings": {"lr": 0.01}}

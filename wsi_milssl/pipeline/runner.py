@@ -47,7 +47,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Callable, Iterable, TypeVar
 
 import numpy as np
 
@@ -59,9 +59,11 @@ from wsi_milssl.config.tile import TILE_RUNTIME_ONLY_FIELDS
 from wsi_milssl.config.train import RUNTIME_ONLY_FIELDS
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.locks import folder_lock
+from wsi_milssl.pipeline.run_folders import (RUN_MARKER, continued_config, holds_run, keep_grid_parent,
+                                             prepare_run_dir, replace_aside)
 from wsi_milssl.pipeline.spec import RESOLVED_FILENAME, STAGES, PipelineSpec, stage_config, write_resolved_pipeline
 from wsi_milssl.pipeline.stamps import (changed_outputs, fingerprint_paths, mark_outdated, mark_running, read_stamp,
-                                        recorded_digest, same_files_moved, shown_paths, stale_reason, stamp_digest,
+                                        recorded_digest, shown_paths, stale_reason, stamp_digest,
                                         write_stamp)
 
 __all__ = ["StageOutcome", "run_pipeline", "split_train_val"]
@@ -594,28 +596,28 @@ def _fit_runs(ctx: _Context, runs: list[dict], configs: list, *, train, val, spl
 
     from wsi_milssl.mil.selftrain import fit
 
-    if ctx.redo and _holds_run(ctx.model_dir):
-        _replace_aside(ctx.model_dir, "is trained again (--force)")
+    if ctx.redo and holds_run(ctx.model_dir):
+        replace_aside(ctx.model_dir, "is trained again (--force)")
     data_forms = _training_data_forms(ctx.spec)
     slides = ctx.spec.sets["train"].slides
     slide_lists = (Path(slides).name,) if slides is not None and Path(slides).is_file() else ()
     if len(configs) == 1:
-        resume = _prepare_run_dir(ctx.model_dir, *_run_fingerprints(ctx, configs[0], split, kind="single",
+        resume = prepare_run_dir(ctx.model_dir, *_run_fingerprints(ctx, configs[0], split, kind="single",
                                                                     data=data_forms), slide_lists=slide_lists,
                                   restore=not ctx.redo)
-        config = _continued(ctx.model_dir, configs[0]) if resume else configs[0]
+        config = continued_config(ctx.model_dir, configs[0]) if resume else configs[0]
         result = fit(train, config=config, out_dir=ctx.model_dir, val=val, run_info=run_info, resume=resume,
                      progress=ctx.progress)
         return result.best_epoch, ""
-    _keep_grid_parent(ctx.model_dir)
+    keep_grid_parent(ctx.model_dir)
     points = []
     for overrides, config in zip(runs, configs):
         name = "_".join(f"{k}-{v}" for k, v in overrides.items())
         run_dir = ctx.model_dir / "grid" / name
         # a finished grid point resumes at its last epoch: nothing to train, its result is read back
-        resume = _prepare_run_dir(run_dir, *_run_fingerprints(ctx, config, split, kind="grid", data=data_forms),
+        resume = prepare_run_dir(run_dir, *_run_fingerprints(ctx, config, split, kind="grid", data=data_forms),
                                   slide_lists=slide_lists, restore=not ctx.redo)
-        points.append(_GridPoint(name, overrides, _continued(run_dir, config) if resume else config, run_dir, resume))
+        points.append(_GridPoint(name, overrides, continued_config(run_dir, config) if resume else config, run_dir, resume))
     t_grid = time.perf_counter()
     outcomes = _train_grid(points, train, val, run_info, ctx=ctx, data=data)
     grid_s = time.perf_counter() - t_grid
@@ -695,9 +697,6 @@ def _train(ctx: _Context) -> tuple[list[str], str]:
 # Resuming: tile keeps finished stores, train continues its run folders
 
 #: Written into each training run folder the pipeline starts: what the run was started with.
-RUN_MARKER = "pipeline_run.json"
-
-
 def _stale_stores(slides: list[Path], out_dir: Path, config) -> list[str]:
     """Stems whose store in ``out_dir`` exists but was made with other settings or cannot be read.
     (A store of an older version of its slide file is not stale here: ``tile_slides`` replaces it.)"""
@@ -818,7 +817,7 @@ def _in_set(ctx: _Context, set_name: str, found: dict[str, T], folder: Path | No
 
 def _run_fingerprints(ctx: _Context, config, split: dict, *, kind: str, data: tuple[dict, dict]) -> list[dict]:
     """The fingerprint a training run folder is started with now (:func:`_run_fingerprint`), then the forms
-    of the same run that earlier versions recorded, also accepted (:func:`_prepare_run_dir`); ``data``: the
+    of the same run that earlier versions recorded, also accepted (:func:`prepare_run_dir`); ``data``: the
     forms of :func:`_training_data_forms`."""
     return [*(_run_fingerprint(ctx, config, split, kind=kind, data=d) for d in data),
             _run_fingerprint(ctx, config, split, kind=kind, legacy=True)]
@@ -932,141 +931,6 @@ def _training_labels(spec: PipelineSpec) -> list:
     notes = [find_annotation(stem, train.annotations) if Path(train.annotations).is_dir() else None
              for stem in sorted(stems)]
     return [["labels", rows]] + fingerprint_paths([n for n in notes if n is not None], content=True)
-
-
-def _replace_aside(folder: Path, why: str) -> Path:
-    """Rename ``folder`` to ``<folder>.replaced-<UTC time>`` (kept, never deleted) and say so."""
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    aside = folder.with_name(f"{folder.name}.replaced-{stamp}")
-    k = 1
-    while aside.exists():
-        k += 1
-        aside = folder.with_name(f"{folder.name}.replaced-{stamp}-{k}")
-    folder.rename(aside)
-    log.warning("%s %s; it is kept as %s", folder, why, aside)
-    return aside
-
-
-def _holds_run(folder: Path) -> bool:
-    """Whether ``folder`` holds files of a training run: a folder with only its :data:`RUN_MARKER` (a run refused
-    before it trained, for its data or settings) holds none."""
-    return folder.is_dir() and any(not p.name.startswith(".") and p.name != RUN_MARKER for p in folder.iterdir())
-
-
-def _run_key(record: Any, slide_lists: tuple[str, ...]) -> Any:
-    """What a training run's record (:func:`_run_fingerprint`) is compared by: the record without the content of
-    the training set's slide list (file names ``slide_lists``), which names the slides by their paths (a cohort
-    moved and prepared again rewrites it): the slides it lists count by their own files, their names by the split
-    and the rows of the labels."""
-    data = record.get("data") if isinstance(record, dict) else None
-    if isinstance(data, dict) and isinstance(data.get("external"), list):
-        kept = [row for row in data["external"] if not (isinstance(row, list) and len(row) == 3
-                                                         and os.path.basename(str(row[0])) in slide_lists)]
-        record = {**record, "data": {**data, "external": kept}}
-    return record
-
-
-def _read_record(folder: Path) -> Any:
-    """The :data:`RUN_MARKER` record a run folder was started with, None when missing or unreadable."""
-    try:
-        return json.loads((folder / RUN_MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
-def _same_record(record: Any, forms: tuple[dict, ...], slide_lists: tuple[str, ...]) -> bool:
-    """Whether a run folder's record is one of ``forms`` (this version's fingerprint and earlier versions'), by
-    :func:`_run_key`, its files wherever their folders moved (:func:`wsi_milssl.pipeline.stamps.same_files_moved`);
-    by value, so that an int and a float of one value (10 and 10.0: a record written before
-    configs made ints of float settings floats) are the same."""
-    as_json = lambda value: json.loads(json.dumps(value, sort_keys=True, default=str))  # noqa: E731
-    return record is not None and any(same_files_moved(_run_key(record, slide_lists), _run_key(as_json(f), slide_lists))
-                                      for f in forms if f)
-
-
-def _earlier_run(run_dir: Path, forms: tuple[dict, ...], slide_lists: tuple[str, ...]) -> Path | None:
-    """The newest ``<run_dir>.replaced-*`` folder (:func:`_replace_aside`) that holds the run ``forms`` describe with
-    its ``last.pt``: a setting changed and changed back finds the run trained with it."""
-    aside = sorted(run_dir.parent.glob(f"{run_dir.name}.replaced-*"), key=lambda p: p.name, reverse=True)
-    return next((p for p in aside if (p / "last.pt").is_file() and _same_record(_read_record(p), forms, slide_lists)),
-                None)
-
-
-def _prepare_run_dir(run_dir: Path, fingerprint: dict, *earlier: dict, slide_lists: tuple[str, ...] = (),
-                     restore: bool = True) -> bool:
-    """Get ``run_dir`` ready for a training run started with ``fingerprint``; True when it holds that
-    run's ``last.pt`` to continue from (a finished run continues at its last epoch: nothing to train).
-    ``earlier``: the same run's fingerprints as earlier versions recorded it, also accepted (the record is
-    then rewritten as ``fingerprint``); records are compared by :func:`_same_record` (``slide_lists``: the file
-    names of the training set's slide lists).
-
-    A folder holding a run started otherwise (other settings, split or labels; or a folder from
-    before this record), or this run without its ``last.pt``, is renamed aside by :func:`_replace_aside`, never
-    deleted; one holding only the record (a run refused before its first epoch) is used as it is. With
-    ``restore`` (not under ``--force``), a folder renamed aside earlier that holds this run (:func:`_earlier_run`)
-    is renamed back and continued instead of training from scratch.
-    """
-
-    forms = (fingerprint, *earlier)
-    marker = run_dir / RUN_MARKER
-    if _holds_run(run_dir):
-        previous = _read_record(run_dir)
-        if _same_record(previous, forms, slide_lists):
-            if json.dumps(previous, sort_keys=True) != json.dumps(fingerprint, sort_keys=True, default=str):
-                atomic_write_json(marker, fingerprint, sort_keys=True)
-            if (run_dir / "last.pt").is_file():
-                return True
-            # the same run without its last.pt (deleted to save space) starts again: its trained files (which a
-            # fresh run would remove) are kept aside; a run killed in its first epoch has none
-            if any((run_dir / name).is_file() for name in ("best.pt", "metrics.jsonl")):
-                _replace_aside(run_dir, "lacks the last.pt a run continues from, so it trains again")
-        else:
-            _replace_aside(run_dir, "holds a training run started with other settings, data or labels")
-    found = _earlier_run(run_dir, forms, slide_lists) if restore else None
-    if found is not None:
-        marker.unlink(missing_ok=True)  # a folder holding only a refused run's record
-        if run_dir.exists() and any(run_dir.iterdir()):  # a run of these settings killed before its first epoch
-            _replace_aside(run_dir, "holds no epoch of the run trained earlier with these settings")
-        elif run_dir.exists():
-            run_dir.rmdir()
-        found.rename(run_dir)
-        log.warning("%s: the run trained with these settings and data earlier is back from %s", run_dir, found.name)
-        if json.dumps(_read_record(run_dir), sort_keys=True) != json.dumps(fingerprint, sort_keys=True, default=str):
-            atomic_write_json(marker, fingerprint, sort_keys=True)
-        return True
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(marker, fingerprint, sort_keys=True)
-    return False
-
-
-def _continued(run_dir: Path, config):
-    """The settings to continue the run of ``run_dir`` with: ``config``, or with the epochs that ``wsi-milssl
-    train --resume RUN --epochs N`` continued it to (its ``config.json``), when more: that run is read back as
-    finished (the stages after it use its model), instead of refused as holding more epochs than asked for."""
-    import dataclasses
-
-    try:
-        epochs = int(json.loads((run_dir / "config.json").read_text(encoding="utf-8"))["epochs"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return config
-    if epochs <= config.epochs:
-        return config
-    log.info("%s was continued to %d epochs (train --resume), more than the pipeline's %d: kept as it is", run_dir,
-             epochs, config.epochs)
-    return dataclasses.replace(config, epochs=epochs)
-
-
-def _keep_grid_parent(model_dir: Path) -> None:
-    """Before a grid: a model folder that holds a single run (not a grid's chosen copy) is renamed aside."""
-
-    if not _holds_run(model_dir):
-        return
-    try:
-        kind = json.loads((model_dir / RUN_MARKER).read_text(encoding="utf-8")).get("kind")
-    except (OSError, ValueError, AttributeError):
-        kind = None
-    if kind != "grid-choice" and any(p.name != "grid" for p in model_dir.iterdir() if not p.name.startswith(".")):
-        _replace_aside(model_dir, "holds a single training run, not a grid")
 
 
 def _train_features(ctx: _Context) -> tuple[list[str], str]:

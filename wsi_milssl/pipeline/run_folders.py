@@ -1,0 +1,156 @@
+"""Training run folders of a pipeline (``OUT/model``, ``OUT/model/grid/<point>``): the record each was started
+with (:data:`RUN_MARKER`), whether a folder holds the run asked for (continue from its ``last.pt``) or another
+(renamed aside to ``<folder>.replaced-<UTC time>``, never deleted), and bringing back a run set aside when its
+settings and data are asked for again."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from wsi_milssl.atomic import atomic_write_json
+from wsi_milssl.pipeline.stamps import same_files_moved
+
+log = logging.getLogger(__name__)
+
+#: the record a pipeline's training run folder was started with (its settings, split and data)
+RUN_MARKER = "pipeline_run.json"
+
+
+def replace_aside(folder: Path, why: str) -> Path:
+    """Rename ``folder`` to ``<folder>.replaced-<UTC time>`` (kept, never deleted) and say so."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    aside = folder.with_name(f"{folder.name}.replaced-{stamp}")
+    k = 1
+    while aside.exists():
+        k += 1
+        aside = folder.with_name(f"{folder.name}.replaced-{stamp}-{k}")
+    folder.rename(aside)
+    log.warning("%s %s; it is kept as %s", folder, why, aside)
+    return aside
+
+
+def holds_run(folder: Path) -> bool:
+    """Whether ``folder`` holds files of a training run: a folder with only its :data:`RUN_MARKER` (a run refused
+    before it trained, for its data or settings) holds none."""
+    return folder.is_dir() and any(not p.name.startswith(".") and p.name != RUN_MARKER for p in folder.iterdir())
+
+
+def run_key(record: Any, slide_lists: tuple[str, ...]) -> Any:
+    """What a training run's record (:func:`wsi_milssl.pipeline.runner._run_fingerprint`) is compared by: the record without the content of
+    the training set's slide list (file names ``slide_lists``), which names the slides by their paths (a cohort
+    moved and prepared again rewrites it): the slides it lists count by their own files, their names by the split
+    and the rows of the labels."""
+    data = record.get("data") if isinstance(record, dict) else None
+    if isinstance(data, dict) and isinstance(data.get("external"), list):
+        kept = [row for row in data["external"] if not (isinstance(row, list) and len(row) == 3
+                                                         and os.path.basename(str(row[0])) in slide_lists)]
+        record = {**record, "data": {**data, "external": kept}}
+    return record
+
+
+def read_record(folder: Path) -> Any:
+    """The :data:`RUN_MARKER` record a run folder was started with, None when missing or unreadable."""
+    try:
+        return json.loads((folder / RUN_MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def same_record(record: Any, forms: tuple[dict, ...], slide_lists: tuple[str, ...]) -> bool:
+    """Whether a run folder's record is one of ``forms`` (this version's fingerprint and earlier versions'), by
+    :func:`run_key`, its files wherever their folders moved (:func:`wsi_milssl.pipeline.stamps.same_files_moved`);
+    by value, so that an int and a float of one value (10 and 10.0: a record written before
+    configs made ints of float settings floats) are the same."""
+    as_json = lambda value: json.loads(json.dumps(value, sort_keys=True, default=str))  # noqa: E731
+    return record is not None and any(same_files_moved(run_key(record, slide_lists), run_key(as_json(f), slide_lists))
+                                      for f in forms if f)
+
+
+def earlier_run(run_dir: Path, forms: tuple[dict, ...], slide_lists: tuple[str, ...]) -> Path | None:
+    """The newest ``<run_dir>.replaced-*`` folder (:func:`replace_aside`) that holds the run ``forms`` describe with
+    its ``last.pt``: a setting changed and changed back finds the run trained with it."""
+    aside = sorted(run_dir.parent.glob(f"{run_dir.name}.replaced-*"), key=lambda p: p.name, reverse=True)
+    return next((p for p in aside if (p / "last.pt").is_file() and same_record(read_record(p), forms, slide_lists)),
+                None)
+
+
+def prepare_run_dir(run_dir: Path, fingerprint: dict, *earlier: dict, slide_lists: tuple[str, ...] = (),
+                     restore: bool = True) -> bool:
+    """Get ``run_dir`` ready for a training run started with ``fingerprint``; True when it holds that
+    run's ``last.pt`` to continue from (a finished run continues at its last epoch: nothing to train).
+    ``earlier``: the same run's fingerprints as earlier versions recorded it, also accepted (the record is
+    then rewritten as ``fingerprint``); records are compared by :func:`same_record` (``slide_lists``: the file
+    names of the training set's slide lists).
+
+    A folder holding a run started otherwise (other settings, split or labels; or a folder from
+    before this record), or this run without its ``last.pt``, is renamed aside by :func:`replace_aside`, never
+    deleted; one holding only the record (a run refused before its first epoch) is used as it is. With
+    ``restore`` (not under ``--force``), a folder renamed aside earlier that holds this run (:func:`earlier_run`)
+    is renamed back and continued instead of training from scratch.
+    """
+
+    forms = (fingerprint, *earlier)
+    marker = run_dir / RUN_MARKER
+    if holds_run(run_dir):
+        previous = read_record(run_dir)
+        if same_record(previous, forms, slide_lists):
+            if json.dumps(previous, sort_keys=True) != json.dumps(fingerprint, sort_keys=True, default=str):
+                atomic_write_json(marker, fingerprint, sort_keys=True)
+            if (run_dir / "last.pt").is_file():
+                return True
+            # the same run without its last.pt (deleted to save space) starts again: its trained files (which a
+            # fresh run would remove) are kept aside; a run killed in its first epoch has none
+            if any((run_dir / name).is_file() for name in ("best.pt", "metrics.jsonl")):
+                replace_aside(run_dir, "lacks the last.pt a run continues from, so it trains again")
+        else:
+            replace_aside(run_dir, "holds a training run started with other settings, data or labels")
+    found = earlier_run(run_dir, forms, slide_lists) if restore else None
+    if found is not None:
+        marker.unlink(missing_ok=True)  # a folder holding only a refused run's record
+        if run_dir.exists() and any(run_dir.iterdir()):  # a run of these settings killed before its first epoch
+            replace_aside(run_dir, "holds no epoch of the run trained earlier with these settings")
+        elif run_dir.exists():
+            run_dir.rmdir()
+        found.rename(run_dir)
+        log.warning("%s: the run trained with these settings and data earlier is back from %s", run_dir, found.name)
+        if json.dumps(read_record(run_dir), sort_keys=True) != json.dumps(fingerprint, sort_keys=True, default=str):
+            atomic_write_json(marker, fingerprint, sort_keys=True)
+        return True
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(marker, fingerprint, sort_keys=True)
+    return False
+
+
+def continued_config(run_dir: Path, config):
+    """The settings to continue the run of ``run_dir`` with: ``config``, or with the epochs that ``wsi-milssl
+    train --resume RUN --epochs N`` continued it to (its ``config.json``), when more: that run is read back as
+    finished (the stages after it use its model), instead of refused as holding more epochs than asked for."""
+    import dataclasses
+
+    try:
+        epochs = int(json.loads((run_dir / "config.json").read_text(encoding="utf-8"))["epochs"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return config
+    if epochs <= config.epochs:
+        return config
+    log.info("%s was continued to %d epochs (train --resume), more than the pipeline's %d: kept as it is", run_dir,
+             epochs, config.epochs)
+    return dataclasses.replace(config, epochs=epochs)
+
+
+def keep_grid_parent(model_dir: Path) -> None:
+    """Before a grid: a model folder that holds a single run (not a grid's chosen copy) is renamed aside."""
+
+    if not holds_run(model_dir):
+        return
+    try:
+        kind = json.loads((model_dir / RUN_MARKER).read_text(encoding="utf-8")).get("kind")
+    except (OSError, ValueError, AttributeError):
+        kind = None
+    if kind != "grid-choice" and any(p.name != "grid" for p in model_dir.iterdir() if not p.name.startswith(".")):
+        replace_aside(model_dir, "holds a single training run, not a grid")
