@@ -16,7 +16,8 @@ __all__ = ["DEFAULT", "LONG", "mutated", "json_values"]
 
 _QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
 
-#: The default run: reproducible (derandomize), no example database written into the tree.
+#: The default run: reproducible (derandomize), no example database (hypothesis still keeps a small cache in
+#: ./.hypothesis, which ignores itself with its own .gitignore).
 DEFAULT = settings(max_examples=150, deadline=timedelta(seconds=5), derandomize=True, database=None,
                    suppress_health_check=_QUIET)
 #: ``pytest -m slow``: many random examples.

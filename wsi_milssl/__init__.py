@@ -7,6 +7,8 @@ Stages live in one subpackage each: ``slide`` (reading at a physical resolution)
 
 from importlib.metadata import PackageNotFoundError, version
 
+from wsi_milssl import parent_watch as _parent_watch  # noqa: F401 - records the launcher's pid at start (torchrun)
+
 try:
     __version__ = version("wsi-milssl")
 except PackageNotFoundError:  # running from a source tree that is not installed

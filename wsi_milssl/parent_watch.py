@@ -24,6 +24,11 @@ import time
 
 __all__ = ["watch_parent", "watch_launcher", "LAUNCHER_GRACE_S"]
 
+#: This process's parent when ``wsi_milssl`` was imported (``wsi_milssl/__init__.py`` imports this module first
+#: thing): torchrun, for a rank it started. Read later, after the seconds a rank spends importing torch, a launcher
+#: killed in between would already have been replaced by init and the rank would never be watched.
+STARTED_BY_PID = os.getppid()
+
 #: How long a rank whose launcher is gone gives its interrupted main thread to end the process (its
 #: KeyboardInterrupt may wait for a collective until the other ranks have stopped too) before it ends itself.
 LAUNCHER_GRACE_S = 10.0
@@ -55,15 +60,16 @@ def _end_with_main(main_pid: int) -> None:
     os._exit(1)
 
 
-def watch_launcher(launcher_pid: int, *, message: str) -> bool:
+def watch_launcher(launcher_pid: int | None = None, *, message: str) -> bool:
     """Under torchrun (``TORCHELASTIC_RUN_ID`` in the environment), start a daemon thread that stops this
-    process once torchrun, ``launcher_pid`` (this process's parent when it started: read it with
-    ``os.getppid()`` first thing), is gone: it logs ``message`` (an ERROR naming what to do: resume, run
+    process once torchrun, ``launcher_pid`` (default :data:`STARTED_BY_PID`, this process's parent when it
+    started), is gone (at once when it is gone already): it logs ``message`` (an ERROR naming what to do: resume, run
     again; on the first rank of each machine, ``LOCAL_RANK`` 0, which shares the launcher with the others),
     then interrupts this process as Ctrl-C would (SIGINT: KeyboardInterrupt in the main thread, so the run
     ends as an interrupted one, exit code 130), and if it still runs :data:`LAUNCHER_GRACE_S` later (or
     SIGINT is ignored), ends it with exit code 130. Returns whether it watches: not without torchrun, so a
     plain single-process run is unaffected."""
+    launcher_pid = STARTED_BY_PID if launcher_pid is None else launcher_pid
     if not os.environ.get("TORCHELASTIC_RUN_ID") or launcher_pid <= 1:
         return False
     threading.Thread(target=_stop_without_launcher, args=(launcher_pid, message), name="wsi-launcher-watch",

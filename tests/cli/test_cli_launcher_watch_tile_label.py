@@ -16,13 +16,20 @@ import pytest
 
 from wsi_milssl.cli import main
 
+# the rank: `python -m wsi_milssl ARGS` that says when the package is imported (before the seconds of torch imports)
+_RANK = "import sys, wsi_milssl; print('imported', flush=True); from wsi_milssl.cli import main; sys.exit(main())"
 _LAUNCHER = """
 import os, subprocess, sys, time
 env = dict(os.environ, TORCHELASTIC_RUN_ID="test", LOCAL_RANK="0")
-child = subprocess.Popen([sys.executable, "-m", "wsi_milssl", *sys.argv[1:]], env=env, stderr=open("rank.err", "w"))
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], *sys.argv[2:]], env=env, stderr=open("rank.err", "w"),
+                         stdout=subprocess.PIPE, text=True)
 print(child.pid, flush=True)
+print(child.stdout.readline().strip(), flush=True)
 time.sleep(120)
 """
+#: how long a rank may take to stop after its launcher is killed: it may still be importing torch (seconds on a
+#: loaded machine) before it polls its parent every 0.5 s
+STOP_S = 60
 
 
 def _alive(pid: int) -> bool:
@@ -34,16 +41,20 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _kill_launcher_and_wait(tmp_path: Path, *command: str) -> str:
-    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, *command], cwd=tmp_path, stdout=subprocess.PIPE,
-                                text=True)
+def _kill_launcher_and_wait(tmp_path: Path, *command: str, after_s: float) -> str:
+    """Start ``command`` as a rank of a stand-in launcher, kill the launcher ``after_s`` seconds after the rank has
+    imported ``wsi_milssl`` (0: while it still imports the rest, before its command runs) and return the rank's
+    stderr once it has stopped."""
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, _RANK, *command], cwd=tmp_path,
+                                stdout=subprocess.PIPE, text=True)
     rank = int(launcher.stdout.readline())
     try:
-        time.sleep(3)  # the rank is set up and waits on the FIFO
+        assert launcher.stdout.readline().strip() == "imported", (tmp_path / "rank.err").read_text()
+        time.sleep(after_s)
         assert _alive(rank), (tmp_path / "rank.err").read_text()
         launcher.send_signal(signal.SIGKILL)
         launcher.wait()
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + STOP_S
         while _alive(rank) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not _alive(rank), "the rank went on after its launcher was killed"
@@ -61,9 +72,12 @@ def env_without_torchrun(monkeypatch):
                                                       os.environ.get("PYTHONPATH", "")]))
 
 
-def test_a_tile_rank_stops_when_its_launcher_is_killed(tmp_path, env_without_torchrun):
+@pytest.mark.parametrize("after_s", [0.0, 3.0], ids=["while-starting", "while-waiting"])
+def test_a_tile_rank_stops_when_its_launcher_is_killed(tmp_path, env_without_torchrun, after_s):
+    """Killed while the rank still imports torch (it used to read its launcher's pid only afterwards, found init
+    instead and went on unwatched) or once it waits on its input."""
     os.mkfifo(tmp_path / "slide.tif")  # opening it waits for a writer that never comes
-    err = _kill_launcher_and_wait(tmp_path, "tile", "slide.tif", "--out", "stores")
+    err = _kill_launcher_and_wait(tmp_path, "tile", "slide.tif", "--out", "stores", after_s=after_s)
     assert "is gone" in err and "The same command again finishes the tiles" in err
 
 
@@ -74,5 +88,5 @@ def test_a_label_rank_stops_when_its_launcher_is_killed(tmp_path, env_without_to
     (tmp_path / "annotations").mkdir()
     os.mkfifo(tmp_path / "labels.csv")
     err = _kill_launcher_and_wait(tmp_path, "label", "stores", "--annotations", "annotations", "--labels",
-                                  "labels.csv")
+                                  "labels.csv", after_s=3.0)
     assert "is gone" in err and "The same command again finishes the labels" in err

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from processes import children
 
 from wsi_milssl.config.train import TrainConfig
 from wsi_milssl.mil import fit, read_labels_csv, read_patch_stores
@@ -77,20 +78,17 @@ def test_two_ranks_agree_every_epoch_and_stay_within_seed_spread(tmp_path, store
     assert 0.5 * min(losses) <= last["loss"] <= 2.0 * max(losses)
 
 
-def _rank_pids(root: int, rank: str) -> list[int]:
-    """Processes below ``root`` whose environment has RANK=rank (torchrun's workers)."""
+def _rank_pids(launcher: int, rank: str) -> list[int]:
+    """The workers torchrun process ``launcher`` started (its children) whose environment has RANK=rank: only this
+    test's ranks, never those of a torchrun another test (or the user) runs at the same time."""
     found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for pid in children(launcher):
         try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if f"RANK={rank}".encode() in env and b"TORCHELASTIC_RUN_ID" in b"".join(env) and ppid != 0:
-            found.append(int(entry))
+        if f"RANK={rank}".encode() in env and any(v.startswith(b"TORCHELASTIC_RUN_ID=") for v in env):
+            found.append(pid)
     return found
 
 

@@ -7,7 +7,6 @@ instance probabilities are drawn on the coordinates of the feature files instead
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -218,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
     from wsi_milssl.parent_watch import watch_launcher
 
     # a rank of a torchrun killed stops instead of predicting on, holding its shard's lock of --out
-    watch_launcher(os.getppid(), message="The same command again finishes the heatmaps (the slides done are "
+    watch_launcher(message="The same command again finishes the heatmaps (the slides done are "
                                          "skipped).")
     try:  # the same on every rank: torchrun's rank 0 alone reports a bad setting
         with reported_by_rank0(wait_s=RANK0_WAIT_S):

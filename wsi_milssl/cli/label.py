@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 from wsi_milssl.config.label import LabelConfig
@@ -99,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     from wsi_milssl.parent_watch import watch_launcher
 
     # a rank of a torchrun killed stops instead of going on, holding its shard's lock of --out
-    watch_launcher(os.getppid(), message="The same command again finishes the labels (the slides done are "
+    watch_launcher(message="The same command again finishes the labels (the slides done are "
                                          "skipped).")
 
     try:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -109,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     from wsi_milssl.parent_watch import watch_launcher
 
     # a rank of a torchrun killed stops instead of going on, holding its shard's lock of --out
-    watch_launcher(os.getppid(), message="The same command again finishes the tiles (the slides done are "
+    watch_launcher(message="The same command again finishes the tiles (the slides done are "
                                          "skipped).")
 
     try:

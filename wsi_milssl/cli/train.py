@@ -476,7 +476,6 @@ def _set_up(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    import os
 
     from wsi_milssl.cli import RANK0_WAIT_S
     from wsi_milssl.cli.progress import TqdmProgress
@@ -484,13 +483,12 @@ def run(args: argparse.Namespace) -> int:
     from wsi_milssl.mil.selftrain import fit
     from wsi_milssl.parent_watch import watch_launcher
 
-    launcher = os.getppid()  # torchrun, when it started this rank
     # the inputs and settings are the same on every rank: torchrun's rank 0 alone reports their warnings and errors
     with reported_by_rank0(wait_s=RANK0_WAIT_S):
         out, config, train, val, run_info = _set_up(args)
     # a rank of a torchrun killed (kill -9, the OOM killer) stops instead of training on, holding the run's lock
-    watch_launcher(launcher, message=f"`wsi-milssl train --resume {out}` continues the run from the last epoch "
-                                     "saved (its last.pt).")
+    watch_launcher(message=f"`wsi-milssl train --resume {out}` continues the run from the last epoch saved (its "
+                           "last.pt).")
     dist = init_group(config.device)  # under torchrun: this process's rank; else one process
     try:
         if not dist.is_main:  # rank 0 reports; the others train quietly
