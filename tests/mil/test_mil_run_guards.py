@@ -184,6 +184,19 @@ def test_fresh_run_removes_an_earlier_runs_best_and_metrics(tmp_path, mil_csv, m
     assert "removed best.pt, metrics.jsonl, metrics.png of an earlier run" in caplog.text
 
 
+def test_fit_from_python_refuses_a_folder_that_holds_a_run_as_the_cli_does(tmp_path, mil_csv):
+    """Review AX, A1: ``fit`` called again (a notebook cell run twice with another setting) deleted the earlier
+    run's last.pt and best.pt; only the command line refused. Now fit itself refuses, and resume continues."""
+    train = read_mil_csv(mil_csv)
+    run = tmp_path / "run"
+    fit(train, config=_features(epochs=1), out_dir=run)
+    last = (run / "last.pt").read_bytes()
+    with pytest.raises(ConfigError, match=r"already holds a run \(last.pt\); pass --resume .* \(resume=True from Python\)"):
+        fit(train, config=_features(epochs=1, lr=0.01), out_dir=run)
+    assert (run / "last.pt").read_bytes() == last
+    assert len(fit(train, config=_features(epochs=2), out_dir=run, resume=True).history) == 2
+
+
 # -- 5: a store without patches is no bag ----------------------------------------------------------------------
 
 def test_an_empty_store_is_left_out_so_a_run_without_positives_is_refused(tmp_path, synth_dir, image_store_factory,

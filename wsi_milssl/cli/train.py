@@ -443,9 +443,10 @@ def _set_up(args: argparse.Namespace):
         inputs, labels, val_inputs = list(args.inputs), args.labels, args.val
         val_labels = args.val_labels or args.labels
         input_mode = detect_mode(inputs) if args.mode == "auto" else args.mode
-        if (out / "last.pt").exists():
-            raise ConfigError(f"{out} already holds a run (last.pt); pass --resume {out} to continue it or "
-                              "choose a new --out folder.")
+        if (out / "last.pt").exists():  # before the inputs are read (fit checks it too)
+            from wsi_milssl.mil.selftrain import existing_run_error
+
+            raise existing_run_error(out)
     mode = "images" if input_mode == "images" else "features"
     config = train_config_from_args(args, mode=mode, base=base)
     resumed = args.resume is not None

@@ -589,9 +589,11 @@ def selection_score(metrics: dict[str, Any], select_metric: str) -> tuple[float,
 
 @dataclass
 class FitResult:
-    """What :func:`fit` returns: the trained model (eval mode), the per-epoch metric records, the best
-    epoch on validation (None without validation), the run folder and, when asked for, the validation
-    bag scores at each evaluated epoch ``{epoch: float64 (n_bags,)}``."""
+    """What :func:`fit` returns: the trained model (eval mode) with the LAST epoch's weights, the per-epoch
+    metric records, the best epoch on validation (None without validation), the run folder and, when asked
+    for, the validation bag scores at each evaluated epoch ``{epoch: float64 (n_bags,)}``. The model chosen
+    on validation is ``out_dir/best.pt``: :func:`wsi_milssl.inference.load_inference_model` (or the heatmap
+    stage given the run folder) reads it."""
 
     model: torch.nn.Module
     history: list[dict[str, Any]]
@@ -732,6 +734,12 @@ def best_checkpoint(ckpt: dict[str, Any]) -> dict[str, Any]:
 
 #: What a run writes into its folder besides config.json (a fresh run removes an earlier run's).
 RUN_FILES = ("last.pt", "best.pt", "metrics.jsonl", "metrics.png")
+
+
+def existing_run_error(out: Path) -> ConfigError:
+    """The error for a fresh run into ``out`` that holds a run's ``last.pt`` (which the run would replace)."""
+    return ConfigError(f"{out} already holds a run (last.pt); pass --resume {out} (resume=True from Python) to "
+                       "continue it, or choose a new --out folder.")
 
 
 def _clear_earlier_run(out: Path) -> None:
@@ -910,12 +918,15 @@ def fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike |
         stop with it, naming that epoch); a rank lost in a collective is one DistributedError; fewer
         training instances than ranks (than twice the ranks for BatchNorm models) are refused.
 
-    The run holds the lock of ``out_dir`` (a second run into it raises FolderLockedError, and
-    temporaries left there by a killed run are removed). A run folder that cannot be written (full
+    A fresh run (not ``resume``) into an ``out_dir`` that holds a run's ``last.pt`` raises ConfigError
+    (:func:`existing_run_error`) rather than delete that run. The run holds the lock of ``out_dir`` (a second
+    run into it raises FolderLockedError, and temporaries left there by a killed run are removed). A run folder that cannot be written (full
     disk, read-only) raises one OutputError naming the folder and the fix.
     """
     kwargs = dict(config=config, out_dir=out_dir, val=val, resume=resume, eval_at=eval_at,
                   keep_val_scores=keep_val_scores, run_info=run_info, progress=progress, dist=dist)
+    if out_dir is not None and not resume and (Path(out_dir) / "last.pt").exists():
+        raise existing_run_error(Path(out_dir))
     if out_dir is None or not dist.is_main:  # the other ranks never write the run folder
         return _fit(train, **kwargs)
     with folder_lock(out_dir, named_by=None if resume else "--out"):  # --resume continues this folder
