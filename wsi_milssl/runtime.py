@@ -9,13 +9,33 @@ float16; on the CPU the caller's default (bfloat16 for convolutional models, flo
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
 from wsi_milssl.errors import ConfigError
 
 __all__ = ["pick_device", "pick_amp_dtype", "autocast", "describe", "host_to_device", "require_device_decode",
-           "decode_jpeg_batch", "inference_batch_size", "AUTO_INFERENCE_BATCH", "readers_per_rank"]
+           "decode_jpeg_batch", "inference_batch_size", "AUTO_INFERENCE_BATCH", "readers_per_rank",
+           "restores_torch_threads"]
+
+def restores_torch_threads(fn):
+    """Decorator of the stage functions that apply their ``threads`` setting (``torch.set_num_threads``, which
+    holds for the whole process): torch's thread count after the call is the one before it, so a later call
+    with ``threads = 0`` (leave torch's count) in the same process (a notebook, a pipeline) trains or predicts
+    with the caller's count, not with whatever an earlier stage set."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        before = torch.get_num_threads()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if torch.get_num_threads() != before:
+                torch.set_num_threads(before)
+
+    return wrapper
+
 
 _AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
