@@ -234,8 +234,9 @@ def test_missing_paths_and_folders_named_like_slides_fail_alone(synth_slides, tm
     assert rows[good.stem]["status"] == "ok" and (out / f"{good.stem}.h5").is_file()
     assert rows["missing"]["error"] == (f"{missing}: slide file not found. Fix: check the path, or leave it out of "
                                         "the list of slides.")
-    assert rows["x"]["error"] == (f"{folder}: this is a folder, not a slide file. Fix: give the slide file itself "
-                                  "(a folder of slides must not be named like a slide).")
+    assert rows["x"]["error"] == (f"{folder}: this is a folder, not a slide file. Fix: give the slide files in it "
+                                  "(the command line, and `wsi_milssl.tiling.find_slides` from Python, list a "
+                                  "folder's slides; a folder named like a slide, x.svs/, is not searched).")
     assert rows["ghost"]["error"].startswith(f"{tmp_path / 'ghost'}: slide file not found. Fix: ")
     assert all(rows[s]["status"] == "failed" for s in ("missing", "x", "ghost"))
     for stem in ("missing", "x", "ghost"):

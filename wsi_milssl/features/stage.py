@@ -54,6 +54,7 @@ from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.features import schema
 from wsi_milssl.features.encoders import Encoder
 from wsi_milssl.locks import folder_lock
+from wsi_milssl.paths import path_list
 from wsi_milssl.runtime import restores_torch_threads
 from wsi_milssl.tiling import PLAN_ATTR, TilingPlan
 from wsi_milssl.tiling.status import marking_unfinished
@@ -432,8 +433,8 @@ def extract_features(inputs: Sequence[str | os.PathLike], out_dir: str | os.Path
     prestart_readers()  # the readers' fork server starts while the inputs are read and the encoder is built
     out_dir = Path(out_dir)
     with folder_lock(out_dir):
-        return _extract_features(inputs, out_dir, config, tile=tile, encoder=encoder, overwrite=overwrite,
-                                 replace_other=replace_other, progress=progress)
+        return _extract_features(path_list(inputs), out_dir, config, tile=tile, encoder=encoder,
+                                 overwrite=overwrite, replace_other=replace_other, progress=progress)
 
 
 def _extract_features(inputs: Sequence[str | os.PathLike], out_dir: Path, config: FeaturesConfig, *,

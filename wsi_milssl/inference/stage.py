@@ -68,6 +68,7 @@ from wsi_milssl.inference.heatmap import render_overlay, write_png
 from wsi_milssl.inference.model import InferenceModel, load_inference_model
 from wsi_milssl.inference.predict import SlideInput, SlidePrediction, predict_many, prestart_readers
 from wsi_milssl.locks import folder_lock, folder_mutex
+from wsi_milssl.paths import path_list
 from wsi_milssl.runtime import restores_torch_threads
 from wsi_milssl.slide.tissue import slide_tissue_mask
 from wsi_milssl.tiling import file_fingerprint, slide_stem
@@ -914,7 +915,7 @@ def make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.Path
     The lock of ``out_dir`` is held for the run (:func:`wsi_milssl.locks.folder_lock`, as shard I of
     N): another run into the folder, or a second copy of the shard, is refused with FolderLockedError.
     """
-    every = match_inputs(slides, stores)
+    every = match_inputs(path_list(slides), None if stores is None else path_list(stores))
     with folder_lock(out_dir, shard=shard):
         return _make_heatmaps(shard_items(every, *shard, name=lambda i: i.stem), checkpoint, out_dir, config,
                               annotations_dir=annotations_dir, progress=progress, overwrite=overwrite)

@@ -536,10 +536,11 @@ def read_patch_stores(paths: Iterable[str | os.PathLike], labels: dict[str, int]
     existed have none), for training to copy into the checkpoint.
     """
     from wsi_milssl.errors import ConfigError
+    from wsi_milssl.paths import path_list
     from wsi_milssl.store import find_stores, open_store
     from wsi_milssl.tiling.plan import PLAN_ATTR, TilingPlan
 
-    store_paths = find_stores(list(paths))
+    store_paths = find_stores(path_list(paths))
     if not store_paths:
         raise StoreError("no patch stores found in the given paths; run `wsi-milssl tile` first.")
     names, sources, bag_labels, ids, local, inst, used = [], [], [], [], [], [], []

@@ -61,7 +61,8 @@ from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.locks import folder_lock
 from wsi_milssl.pipeline.run_folders import (RUN_MARKER, continued_config, holds_run, keep_grid_parent,
                                              prepare_run_dir, replace_aside)
-from wsi_milssl.pipeline.spec import RESOLVED_FILENAME, STAGES, PipelineSpec, stage_config, write_resolved_pipeline
+from wsi_milssl.pipeline.spec import (RESOLVED_FILENAME, STAGES, PipelineSpec, load_pipeline, stage_config,
+                                      write_resolved_pipeline)
 from wsi_milssl.pipeline.stamps import (changed_outputs, fingerprint_paths, mark_outdated, mark_running, read_stamp,
                                         recorded_digest, shown_paths, stale_reason, stamp_digest,
                                         write_stamp)
@@ -1279,7 +1280,7 @@ def _external_inputs(spec: PipelineSpec, stage: str, *, legacy: bool = False, on
 
 
 def run_pipeline(
-    spec: PipelineSpec,
+    spec: PipelineSpec | str | os.PathLike,
     *,
     force: Iterable[str] = (),
     until: str | None = None,
@@ -1287,11 +1288,19 @@ def run_pipeline(
     on_stage: Callable[[StageOutcome], None] | None = None,
     out_named_by: str = "--out",
 ) -> list[StageOutcome]:
-    """Run the pipeline's stages in order, skipping those that are up to date.
+    """Run the pipeline's stages in order, skipping those that are up to date; returns one StageOutcome per
+    stage (its status: ran, skipped, failed; seconds; summary; the reason it ran).
+
+    ``spec``: a loaded pipeline (:func:`wsi_milssl.pipeline.load_pipeline`, which also takes ``out_dir`` and
+    ``--set`` overrides) or the path of its TOML file. ``force``: stages to run although up to date (and the
+    ones after them); ``until``: the last stage to run; ``progress``: callback receiving ProgressEvents;
+    ``on_stage``: called with each stage's outcome as it ends.
 
     Holds the lock of the pipeline's output folder for the whole run (FolderLockedError while
     another run holds it; its fix names the folder as ``out_named_by``: ``demo`` takes it as OUT_DIR).
     """
+    if isinstance(spec, (str, os.PathLike)):
+        spec = load_pipeline(spec)
     forced = set(force)
     unknown = forced - set(STAGES)
     if unknown or (until is not None and until not in STAGES):

@@ -144,8 +144,9 @@ class SlideReader:
             raise SlideReadError(f"{self.path}: slide file not found. Fix: check the path, or leave it out of "
                                  "the list of slides.")
         if self.path.is_dir():
-            raise SlideReadError(f"{self.path}: this is a folder, not a slide file. Fix: give the slide file "
-                                 "itself (a folder of slides must not be named like a slide).")
+            raise SlideReadError(f"{self.path}: this is a folder, not a slide file. Fix: give the slide files in "
+                                 "it (the command line, and `wsi_milssl.tiling.find_slides` from Python, list a "
+                                 "folder's slides; a folder named like a slide, x.svs/, is not searched).")
         try:
             self._slide = openslide.OpenSlide(str(self.path))
         except openslide.OpenSlideUnsupportedFormatError:

@@ -47,6 +47,7 @@ from wsi_milssl.distributed import Shard, shard_items
 from wsi_milssl.errors import FeatureFileGivenError, OutputError, StoreError, WsiMilsslError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.locks import folder_lock, folder_mutex, other_shards_writing
+from wsi_milssl.paths import path_list
 from wsi_milssl.parent_watch import watch_parent
 from wsi_milssl.slide.reader import open_slide
 from wsi_milssl.slide.resolution import mpp_to_magnification
@@ -629,7 +630,7 @@ def tile_slides(slides: Iterable[str | os.PathLike], out_dir: str | os.PathLike,
     until this run (shard) has done its last, the folder holds its mark of an unfinished run
     (:func:`~wsi_milssl.tiling.status.marking_unfinished`): a run that stops in any way leaves it.
     """
-    every = [Path(s) for s in slides]  # every shard checks the stores of the whole run's slides
+    every = [Path(s) for s in path_list(slides)]  # every shard checks the stores of the whole run's slides
     slides = shard_items(every, *shard, name=slide_stem)
     out_dir = Path(out_dir)
     with folder_lock(out_dir, shard=shard):
