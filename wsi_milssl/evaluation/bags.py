@@ -6,9 +6,12 @@ slides and annotations (:mod:`wsi_milssl.evaluation.stage`)."""
 from __future__ import annotations
 
 import csv
+import logging
 import os
 from pathlib import Path
 from typing import Any, Sequence
+
+import numpy as np
 
 from wsi_milssl.atomic import atomic_open, atomic_write_json
 from wsi_milssl.errors import ConfigError
@@ -17,6 +20,8 @@ __all__ = ["BAG_SCORES_COLUMNS", "check_test_features", "evaluate_feature_bags"]
 
 #: the columns of feature mode's ``scores.csv``: a bag's score (its pooled instance probabilities) and label
 BAG_SCORES_COLUMNS = ("slide", "score", "label")
+
+log = logging.getLogger(__name__)
 
 
 def check_test_features(test, saved: dict, checkpoint: str | os.PathLike) -> None:
@@ -51,26 +56,40 @@ def evaluate_feature_bags(checkpoint: str | os.PathLike, feature_files: Sequence
                           labels_csv: str | os.PathLike, out_dir: str | os.PathLike) -> dict[str, Any]:
     """Evaluate the head ``checkpoint`` on the bags of ``feature_files`` (labels from ``labels_csv``) into
     ``out_dir``; returns what ``metrics.json`` holds: ``instance_auc``, ``bag_auc``, ``bag_accuracy``, ``bag_nll``,
-    ``n_bags``, ``n_instances``, ``checkpoint``."""
+    ``n_bags``, ``n_instances``, ``checkpoint`` and ``empty_bags``.
+
+    A labelled slide whose feature file has no row (TRIDENT writes one for a slide without patches) is a test
+    bag with score 0, as image mode scores a slide without patches: left out, a missed tumour slide would
+    vanish from the bag metrics (``empty_bags`` names them, and a warning)."""
     from wsi_milssl.config import TrainConfig
     from wsi_milssl.mil.checkpoint import load_model
     from wsi_milssl.mil.data import read_feature_files, read_labels_csv
-    from wsi_milssl.mil.selftrain import evaluate, resolve_runtime
+    from wsi_milssl.mil.selftrain import bag_metrics, evaluate, resolve_runtime
 
     model, saved = load_model(checkpoint)
     fields = set(TrainConfig.__dataclass_fields__)
     config = TrainConfig(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k in fields})
-    test = read_feature_files(list(feature_files), read_labels_csv(labels_csv))
+    labels = read_labels_csv(labels_csv)
+    empty: list[str] = []
+    test = read_feature_files(list(feature_files), labels, empty=empty)
     check_test_features(test, saved, checkpoint)
     metrics = evaluate(model, test, runtime=resolve_runtime(config), bag_pooling=config.bag_pooling)
+    read = set(test.bag_names)
+    empty = sorted(n for n in dict.fromkeys(empty) if n in labels and n not in read)
+    if empty:
+        log.warning("%d test slide(s) have feature files without a row (no patches): %s; each counts as a bag "
+                    "with score 0 (as a slide without patches in image mode).", len(empty), ", ".join(empty))
+    names = [*test.bag_names, *empty]
+    scores = np.concatenate([metrics["bag_scores"], np.zeros(len(empty))])
+    bag_labels = np.concatenate([test.bag_labels, [labels[n] for n in empty]]).astype(np.int64)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    summary = {k: metrics[k] for k in ("instance_auc", "bag_auc", "bag_accuracy", "bag_nll")}
-    summary.update(n_bags=int(test.n_bags), n_instances=int(len(test)), checkpoint=str(checkpoint))
+    summary = {"instance_auc": metrics["instance_auc"], **bag_metrics(scores, bag_labels)}
+    summary.update(n_bags=len(names), n_instances=int(len(test)), checkpoint=str(checkpoint), empty_bags=empty)
     atomic_write_json(out / "metrics.json", summary)
     with atomic_open(out / "scores.csv", "w") as fh:
         writer = csv.writer(fh)
         writer.writerow(BAG_SCORES_COLUMNS)
-        for name, score, label in zip(test.bag_names, metrics["bag_scores"], test.bag_labels):
+        for name, score, label in zip(names, scores, bag_labels):
             writer.writerow([name, f"{score:.6f}", int(label)])
     return summary

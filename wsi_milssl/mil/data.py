@@ -265,14 +265,15 @@ def _label_for(name: str, labels: dict[str, int], source: str, labels_path: str)
 
 
 def read_feature_files(paths: Iterable[str | os.PathLike], labels: dict[str, int], *,
-                       labels_path: str = "labels.csv") -> InstanceSet:
+                       labels_path: str = "labels.csv", empty: list[str] | None = None) -> InstanceSet:
     """Read instance feature vectors from HDF5 feature files (:mod:`wsi_milssl.features.schema`).
 
     Each file holds ``features`` float (N, D): files of ``wsi-milssl features``, TRIDENT's
     ``extract_patch_features`` and CLAM's ``extract_features_fp.py`` are read as they are. A file with a
     ``bag_ids`` dataset (N,) (integers or strings) holds several bags named by those ids; otherwise the
     whole file is one bag named by its ``slide_stem`` attribute or file stem. A file without a row
-    (TRIDENT's features of a slide without patches) is left out with a warning. Bag labels come from
+    (TRIDENT's features of a slide without patches) is left out with a warning, its bag name appended to
+    ``empty`` when given (an evaluation scores such a slide as one without patches). Bag labels come from
     ``labels`` (name -> 0/1); an optional ``instance_label`` dataset (N,) is kept for evaluation.
 
     Bags are in name order (:func:`_name_order`), whatever order ``paths`` come in.
@@ -307,7 +308,10 @@ def read_feature_files(paths: Iterable[str | os.PathLike], labels: dict[str, int
             unreadable.append(str(exc))
             continue
         if len(ff) == 0:
-            log.warning("%s: no feature rows (a slide without patches); left out of the training set.", path)
+            if empty is not None:
+                empty.append(ff.stem)
+            else:
+                log.warning("%s: no feature rows (a slide without patches); left out of the training set.", path)
             continue
         if ff.encoder is not None:
             encoders.setdefault((ff.encoder, str(ff.attrs.get("encoder_weights_sha256") or "")), path)

@@ -482,17 +482,26 @@ def evaluate(model: torch.nn.Module, instances: InstanceSet, *, runtime: Runtime
     if bad.size:
         raise _non_finite_scores_error(model, instances, bad, runtime=runtime)
     scores = bag_scores(probs, instances.bag_ids, instances.n_bags, pooling=bag_pooling)
-    labels = instances.bag_labels.astype(np.int64)
-    clipped = np.clip(scores, 1e-7, 1 - 1e-7)
-    nll = float(-np.mean(labels * np.log(clipped) + (1 - labels) * np.log1p(-clipped))) if scores.size else None
     return {
         "instance_auc": None if instances.instance_labels is None
         else auc_or_none(instances.instance_labels.astype(np.int64), probs.astype(np.float64)),
+        **bag_metrics(scores, instances.bag_labels, threshold=threshold),
+        "probs": probs,
+        "bag_scores": scores,
+    }
+
+
+def bag_metrics(scores: np.ndarray, labels: np.ndarray, *, threshold: float = 0.5) -> dict[str, float | None]:
+    """``bag_auc``, ``bag_accuracy`` (score > ``threshold``) and ``bag_nll`` (mean binary cross-entropy, scores
+    clipped to [1e-7, 1 - 1e-7]) of bag ``scores`` against 0/1 ``labels``; None where undefined."""
+    scores = np.asarray(scores, dtype=np.float64)
+    labels = np.asarray(labels).astype(np.int64)
+    clipped = np.clip(scores, 1e-7, 1 - 1e-7)
+    nll = float(-np.mean(labels * np.log(clipped) + (1 - labels) * np.log1p(-clipped))) if scores.size else None
+    return {
         "bag_auc": auc_or_none(labels, scores),
         "bag_accuracy": float(np.mean((scores > threshold) == (labels == 1))) if scores.size else None,
         "bag_nll": nll,
-        "probs": probs,
-        "bag_scores": scores,
     }
 
 

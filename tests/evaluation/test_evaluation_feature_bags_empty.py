@@ -1,0 +1,49 @@
+"""Review BB, A1: feature mode's test evaluation left out a labelled test slide whose feature file has no row
+(TRIDENT writes one for a slide without patches), with a warning that spoke of the training set: a missed tumour
+slide vanished from the bag metrics (AUC 1.000 on 3 bags where image mode, scoring the slide 0, gives 0.5 on 4).
+Such a slide is now a bag with score 0, named in metrics.json's ``empty_bags``."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+
+import h5py
+import numpy as np
+import pytest
+
+from tinypipeline import feature_bags
+from wsi_milssl.config import TrainConfig
+from wsi_milssl.evaluation.bags import evaluate_feature_bags
+from wsi_milssl.mil import fit, read_feature_files, read_labels_csv
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    root = tmp_path_factory.mktemp("head")
+    feature_bags(root / "train", 8, seed=0)
+    train = read_feature_files(sorted((root / "train").glob("*.h5")), read_labels_csv(root / "train" / "labels.csv"))
+    fit(train, config=TrainConfig(mode="features", model="linear", epochs=3, threads=1, plots=False),
+        out_dir=root / "model")
+    return root / "model" / "last.pt"
+
+
+def test_a_test_slide_without_feature_rows_counts_as_a_bag_scored_0(tmp_path, head, caplog):
+    test = tmp_path / "test"
+    feature_bags(test, 4, seed=1)
+    with h5py.File(test / "bag_04.h5", "w") as fh:  # a tumour slide without patches
+        fh["features"] = np.zeros((0, 8), np.float32)
+    (test / "labels.csv").write_text((test / "labels.csv").read_text() + "bag_04,1\n")
+    with caplog.at_level(logging.WARNING):
+        summary = evaluate_feature_bags(head, sorted(test.glob("*.h5")), test / "labels.csv", tmp_path / "ev")
+    assert summary["n_bags"] == 5 and summary["empty_bags"] == ["bag_04"]
+    assert json.loads((tmp_path / "ev" / "metrics.json").read_text()) == summary
+    with open(tmp_path / "ev" / "scores.csv", newline="") as fh:
+        rows = {r["slide"]: r for r in csv.DictReader(fh)}
+    assert rows["bag_04"] == {"slide": "bag_04", "score": "0.000000", "label": "1"} and len(rows) == 5
+    scores = np.array([float(r["score"]) for r in rows.values()])
+    labels = np.array([int(r["label"]) for r in rows.values()])
+    assert summary["bag_accuracy"] == pytest.approx(np.mean((scores > 0.5) == (labels == 1)))
+    assert "1 test slide(s) have feature files without a row (no patches): bag_04" in caplog.text
+    assert "training set" not in caplog.text
