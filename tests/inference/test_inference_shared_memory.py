@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from diskfaults import can_mount, file_size_limit
+from wsi_milssl import shm as shm_rules
 from wsi_milssl.errors import OutputError
-from wsi_milssl.inference import predict
 from wsi_milssl.inference.predict import _Readers
 
 _TESTS = str(Path(__file__).resolve().parents[1])
@@ -90,7 +90,7 @@ def test_a_too_small_dev_shm_is_one_clear_error(workers, monkeypatch):
         assert "Traceback" not in result.stderr, result.stderr[-3000:]
         assert re.fullmatch(rf"ERROR {expected}\n", result.stdout), result.stdout
     else:  # no private /dev/shm here: the free space it reports is made small
-        monkeypatch.setattr(predict, "_shm_free_bytes", lambda: 3 << 20)
+        monkeypatch.setattr(shm_rules, "free_bytes", lambda: 3 << 20)
         with pytest.raises(OutputError, match=f"^{expected}$"):
             _Readers(workers=workers, slot_bytes=1 << 20, n_slots=n_slots, setup_kwargs={})
 

@@ -54,11 +54,13 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
+from wsi_milssl import shm as shm_rules
 from wsi_milssl.atomic import preallocate
 from wsi_milssl.config.heatmap import HeatmapConfig
 from wsi_milssl.config.tile import TileConfig
 from wsi_milssl.errors import OutputError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
+from wsi_milssl.shm import mib as _mib
 from wsi_milssl.runtime import decode_jpeg_batch, host_to_device, inference_batch_size, require_device_decode
 from wsi_milssl.inference.model import InferenceModel, PatchModel
 from wsi_milssl.inference.sources import (
@@ -92,7 +94,7 @@ _SLOTS_PER_READER = 2
 #: Room for the JPEG bytes of a patch beyond its raw size (headers of tiny patches).
 _JPEG_SLACK = 4096
 #: Where POSIX shared memory (the readers' slots, the reader pool's semaphores) lives on Linux.
-SHM_DIR = "/dev/shm"
+SHM_DIR = shm_rules.SHM_DIR
 
 
 @dataclass(frozen=True)
@@ -210,31 +212,10 @@ def prestart_readers() -> None:
         forkserver.ensure_running()
 
 
-def _mib(n_bytes: int) -> str:
-    return f"{n_bytes / (1 << 20):.1f} MiB"
-
-
-def _shm_free_bytes() -> int | None:
-    """Bytes free in :data:`SHM_DIR`, or None where there is none (macOS)."""
-    try:
-        st = os.statvfs(SHM_DIR)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
-
-
 def _shm_error(problem: str, code: int | None) -> OutputError:
-    """OutputError ``/dev/shm: problem. Fix: ...``; the fix depends on the cause (``code``, an errno)."""
-    fewer = "or run with fewer --workers (each takes 2 slots) or a smaller --batch-size"
-    more = (f"give the container more shared memory (`docker run --shm-size=16g`, or `--ipc=host`) or free "
-            f"{SHM_DIR} (`df -h {SHM_DIR}`)")
-    if code == errno.EFBIG:
-        fix = f"raise the file-size limit (`ulimit -f`: shared memory counts as a file), {fewer}"
-    elif code in (errno.ENOSPC, errno.ENOMEM):
-        fix = f"{more}, {fewer}"
-    else:  # a semaphore's failure without its cause (errno 0): a full /dev/shm or a file-size limit
-        fix = f"{more}, raise the file-size limit (`ulimit -f`), {fewer}"
-    return OutputError(f"{SHM_DIR}: {problem}. Fix: {fix}.", errno=code or None)
+    """The readers' shared-memory error (:func:`wsi_milssl.shm.shm_error`)."""
+    return shm_rules.shm_error(problem, code, fewer="or run with fewer --workers (each takes 2 slots) or a smaller "
+                                              "--batch-size")
 
 
 def _create_slots(*, workers: int, slot_bytes: int, n_slots: int) -> shared_memory.SharedMemory:
@@ -248,7 +229,7 @@ def _create_slots(*, workers: int, slot_bytes: int, n_slots: int) -> shared_memo
     """
     n_bytes = max(1, slot_bytes * n_slots)
     need = f"{n_slots} slots of {_mib(slot_bytes)} ({workers} workers) need {_mib(n_bytes)}"
-    free = _shm_free_bytes()
+    free = shm_rules.free_bytes()
     if free is not None and free < n_bytes:
         raise _shm_error(f"too little shared memory for the patch readers: {need}, {_mib(free)} are free",
                          errno.ENOSPC)

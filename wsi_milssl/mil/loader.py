@@ -21,12 +21,14 @@ permutation.
 
 from __future__ import annotations
 
+import errno
 import logging
 from typing import Iterator
 
 import numpy as np
 import torch
 
+from wsi_milssl import shm as shm_rules
 from wsi_milssl.errors import ConfigError
 from wsi_milssl.mil.data import InstanceSet, PatchDataset
 from wsi_milssl.runtime import decode_jpeg_batch, require_device_decode
@@ -211,6 +213,8 @@ class BatchLoader:
         if temporary:
             reader = _Reader({key: PatchDataset(instances)}, encoded=self.decode == "device")
         plan = [(key, i.numpy()) for i in items]
+        if self.num_workers > 0 and plan:
+            self._check_shared_memory(instances, max(len(i) for _, i in plan))
         try:
             if self.num_workers <= 0:
                 for item in plan:
@@ -235,6 +239,22 @@ class BatchLoader:
         finally:
             if temporary:
                 reader.close()
+
+    def _check_shared_memory(self, instances: InstanceSet, item_patches: int) -> None:
+        """The workers pass their items to this process through /dev/shm, ``prefetch`` items each at once: with
+        less free there (a container's 64 MB), a worker's item fails in its queue thread and the training waits
+        for it forever. Raises OutputError naming the bytes needed and the fix instead (decoded pixels; stored
+        JPEG bytes, ``decode = "device"``, are smaller and not checked)."""
+        if self.decode == "device":
+            return
+        side = int(instances.settings.get("patch_size_px") or 256)
+        need = self.num_workers * _PREFETCH * item_patches * side * side * 3
+        free = shm_rules.free_bytes()
+        if free is not None and free < need:
+            raise shm_rules.shm_error(
+                f"too little shared memory for the training data workers: {self.num_workers} workers x {_PREFETCH} "
+                f"items of {item_patches} patches of {side} px need {shm_rules.mib(need)}, {shm_rules.mib(free)} are "
+                "free", errno.ENOSPC, fewer="or train with fewer --workers (0: read in the training process)")
 
     def _make_loader(self, reader: _Reader, sampler: _Plan, *, persistent: bool) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(
