@@ -235,6 +235,8 @@ def _log_usage_error(argv: list[str], line: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     global _USAGE_ERROR
     argv = sys.argv[1:] if argv is None else list(argv)
+    if not sys.stdout.isatty() and hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)  # redirected (a batch log): lines in the order they happen
     parser = build_parser(_command_in(argv))
     _USAGE_ERROR = None
     try:
@@ -270,6 +272,11 @@ def main(argv: list[str] | None = None) -> int:
         code = report_error(_in_the_way(exc), code=1, tag=tag)
     except WsiMilsslError as exc:
         code = report_error(exc, code=1, tag=tag)
+    except OSError as exc:
+        problem = _temporary_folder_error(exc)
+        if problem is None:
+            raise
+        code = report_error(problem, code=1, tag=tag)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         _log_to_file("interrupted")  # a batch run's log then says why it stopped
@@ -279,6 +286,28 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return _stdout_closed()
     return code
+
+
+def _temporary_folder_error(exc: OSError) -> WsiMilsslError | None:
+    """The error line for an OSError that names no file and comes from the temporary folder (Python's
+    ``tempfile``, torch's caches): none usable (``/tmp`` read-only or missing), or a full disk; None for any
+    other OSError (a traceback: a bug)."""
+    import errno
+    import tempfile
+
+    from wsi_milssl.errors import OutputError
+
+    if exc.filename is not None:
+        return None
+    candidates = "TMPDIR, then /tmp, /var/tmp, /usr/tmp and the current folder"
+    if isinstance(exc, FileNotFoundError) and "No usable temporary directory" in str(exc):
+        return OutputError(f"no writable temporary folder ({candidates} were tried). Fix: set TMPDIR to a "
+                           "writable folder with free space (`export TMPDIR=/scratch/$USER/tmp`).")
+    if exc.errno == errno.ENOSPC:
+        return OutputError(f"no space left on device while writing a file the system did not name (the temporary "
+                           f"folder {tempfile.gettempdir()}, or the output folder). Fix: free space there, or set "
+                           "TMPDIR to a folder with free space.", errno=exc.errno)
+    return None
 
 
 def _torchrun_place() -> tuple[int, int]:
