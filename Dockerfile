@@ -21,7 +21,7 @@ RUN python -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))
     && rm /tmp/requirements.txt
 
 # 2. The code and the ready-made pipelines (/opt/wsi-milssl/pipelines; also inside the installed package).
-COPY README.md ./
+COPY README.md LICENSE ./
 COPY wsi_milssl ./wsi_milssl
 COPY pipelines ./pipelines
 RUN pip install --no-cache-dir --no-deps . \
