@@ -21,7 +21,9 @@ def register(subparsers) -> None:
         help=SUMMARY,
         description="Run the stages of a pipeline TOML file in order. A stage whose settings and inputs\n"
         "match its last run, and whose outputs still exist, is skipped. Ready-made files are in\n"
-        "pipelines/ (demo, camelyon16, camelyon16-features, tcga-features).",
+        "pipelines/ of a checkout and in the installed package (demo, camelyon16, camelyon16-features,\n"
+        "tcga-features; a missing PIPELINE.toml names their folder); `wsi-milssl prepare` writes one\n"
+        "for your slides.",
         formatter_class=HelpFormatter,
     )
     p.add_argument("pipeline", type=Path, metavar="PIPELINE.toml", help="pipeline file")
@@ -64,5 +66,21 @@ def run_and_report(pipeline: Path, *, out: Path | None, force=(), until=None, ov
     return 0
 
 
+def packaged_pipelines() -> Path:
+    """The folder of the ready-made pipelines installed with the package (``wsi_milssl/pipelines``)."""
+    from importlib.resources import files
+
+    return Path(str(files("wsi_milssl") / "pipelines"))
+
+
 def run(args: argparse.Namespace) -> int:
+    if not args.pipeline.exists():  # e.g. `run pipelines/camelyon16.toml` after a pip install (no checkout)
+        from wsi_milssl.errors import ConfigError
+
+        folder = packaged_pipelines()
+        names = ", ".join(sorted(p.name for p in folder.glob("*.toml")))
+        raise ConfigError(f"{args.pipeline}: pipeline file not found. Fix: check the path; the ready-made pipelines "
+                          f"installed with the package are in {folder} ({names}): copy one beside your data (its "
+                          "data paths are relative to its own folder), or write one for your slides with "
+                          "`wsi-milssl prepare`.")
     return run_and_report(args.pipeline, out=args.out, force=args.force, until=args.until, overrides=args.overrides)

@@ -1,4 +1,4 @@
-"""Review AZ, B2: with no usable temporary folder (``/tmp`` read-only, TMPDIR unset) or a full one, `prepare` and
+"""Review AZ (the tool installed for a lab: a wheel, a container, a batch job). B2: with no usable temporary folder (``/tmp`` read-only, TMPDIR unset) or a full one, `prepare` and
 `train` ended in a traceback (Python's tempfile, torch's caches): the README promises one error line with a fix.
 main() now turns an OSError without a file name from the temporary folder into one ``error:`` line."""
 
@@ -51,3 +51,18 @@ def test_redirected_stdout_is_line_buffered(capsys):
     with pytest.raises(SystemExit):
         main(["--version"])
     assert sys.stdout.line_buffering
+
+
+def test_a_missing_pipeline_file_names_the_installed_ready_made_ones(tmp_path, capsys, monkeypatch):
+    """Review AZ, C1: after a pip install (no checkout) `run pipelines/camelyon16.toml` said "config file not
+    found; check the path" with no word of where the packaged pipelines are."""
+    from wsi_milssl.cli.run import packaged_pipelines
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "pipelines/camelyon16.toml"]) == 1
+    err = capsys.readouterr().err
+    folder = packaged_pipelines()
+    assert (folder / "camelyon16.toml").is_file()
+    assert f"error: pipelines/camelyon16.toml: pipeline file not found. Fix: check the path; the ready-made " \
+           f"pipelines installed with the package are in {folder} (camelyon16-features.toml, camelyon16.toml, " \
+           "demo.toml, tcga-features.toml): copy one beside your data" in err
