@@ -28,9 +28,14 @@ The protocol follows the CAMELYON16 challenge's evaluation script:
 One deliberate difference from the original script: it evaluates its thresholds over
 ``sorted(set(probs))[1:]``, dropping the lowest probability because that is normally the 0 it stores
 for missed lesions. The curves agree whenever a lesion is missed or an ITC exists and every
-probability is above 0 (the usual case); when every lesion is detected the original silently loses
+probability is above 0 (the usual case, ties aside: below); when every lesion is detected the original silently loses
 its lowest operating point, while here every distinct detection probability is an operating point.
 Undetected lesions never count as detected; a hit with probability 0 does (the original ignores it).
+A second difference, on ties: the original keeps the lesions' best hits as float32 and the false positives
+as float64, so a lesion hit and a false positive with the same probability p fall on two thresholds when
+float32(p) > p (p = 0.3 and not 0.7, say): there the hit counts one threshold before the false positive,
+here both at one (the sensitivity at some FP rates can differ, as 0.5 against 0.458 in a three-detection case;
+probabilities are written with six decimals, so such ties happen).
 """
 
 from __future__ import annotations
