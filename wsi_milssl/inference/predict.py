@@ -60,7 +60,6 @@ from wsi_milssl.config.heatmap import HeatmapConfig
 from wsi_milssl.config.tile import TileConfig
 from wsi_milssl.errors import OutputError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
-from wsi_milssl.shm import mib as _mib
 from wsi_milssl.runtime import decode_jpeg_batch, host_to_device, inference_batch_size, require_device_decode
 from wsi_milssl.inference.model import InferenceModel, PatchModel
 from wsi_milssl.inference.sources import (
@@ -228,15 +227,15 @@ def _create_slots(*, workers: int, slot_bytes: int, n_slots: int) -> shared_memo
     a file-size limit is one OutputError naming :data:`SHM_DIR`, the bytes needed and the fix.
     """
     n_bytes = max(1, slot_bytes * n_slots)
-    need = f"{n_slots} slots of {_mib(slot_bytes)} ({workers} workers) need {_mib(n_bytes)}"
+    need = f"{n_slots} slots of {shm_rules.mib(slot_bytes)} ({workers} workers) need {shm_rules.mib(n_bytes)}"
     free = shm_rules.free_bytes()
     if free is not None and free < n_bytes:
-        raise _shm_error(f"too little shared memory for the patch readers: {need}, {_mib(free)} are free",
+        raise _shm_error(f"too little shared memory for the patch readers: {need}, {shm_rules.mib(free)} are free",
                          errno.ENOSPC)
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     if limit != resource.RLIM_INFINITY and limit < n_bytes:  # checked first: SharedMemory would fail untidily
         raise _shm_error(f"cannot make the patch readers' shared memory: {need}, more than the file-size limit "
-                         f"of {_mib(limit)}", errno.EFBIG)
+                         f"of {shm_rules.mib(limit)}", errno.EFBIG)
     shm = None
     try:
         shm = shared_memory.SharedMemory(create=True, size=n_bytes)
