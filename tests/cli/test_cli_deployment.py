@@ -1,5 +1,5 @@
-"""Review AZ (the tool installed for a lab: a wheel, a container, a batch job). B2: with no usable temporary folder (``/tmp`` read-only, TMPDIR unset) or a full one, `prepare` and
-`train` ended in a traceback (Python's tempfile, torch's caches): the README promises one error line with a fix.
+"""Review AZ (the tool installed for a lab: a wheel, a container, a batch job). B2: with no usable temporary
+folder (``/tmp`` read-only, TMPDIR unset) or a full one, `prepare` and `train` ended in a traceback (Python's tempfile, torch's caches): the README promises one error line with a fix.
 main() now turns an OSError without a file name from the temporary folder into one ``error:`` line."""
 
 from __future__ import annotations

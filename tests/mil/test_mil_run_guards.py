@@ -191,7 +191,8 @@ def test_fit_from_python_refuses_a_folder_that_holds_a_run_as_the_cli_does(tmp_p
     run = tmp_path / "run"
     fit(train, config=_features(epochs=1), out_dir=run)
     last = (run / "last.pt").read_bytes()
-    with pytest.raises(ConfigError, match=r"already holds a run \(last.pt\); pass --resume .* \(resume=True from Python\)"):
+    refused = r"already holds a run \(last.pt\); pass --resume .* \(resume=True from Python\)"
+    with pytest.raises(ConfigError, match=refused):
         fit(train, config=_features(epochs=1, lr=0.01), out_dir=run)
     assert (run / "last.pt").read_bytes() == last
     assert len(fit(train, config=_features(epochs=2), out_dir=run, resume=True).history) == 2
