@@ -29,9 +29,17 @@ def _root_logger_level_restored():
 MAX_AUTO_WORKERS = 8
 
 
+def _cores() -> int:
+    """The CPU cores this process may run on (``taskset``, a container's cpuset), else all of them."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def pytest_xdist_auto_num_workers(config) -> int:
     """``-n auto`` (pyproject addopts): one worker per CPU core, at most :data:`MAX_AUTO_WORKERS`."""
-    return max(1, min(os.cpu_count() or 1, MAX_AUTO_WORKERS))
+    return max(1, min(_cores(), MAX_AUTO_WORKERS))
 
 
 def _threads_per_worker() -> None:
@@ -39,7 +47,7 @@ def _threads_per_worker() -> None:
     workers do not each start one thread per core and fight over them."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+        torch.set_num_threads(max(1, _cores() // workers))
 
 
 _threads_per_worker()

@@ -47,3 +47,34 @@ def test_run_pipeline_takes_the_path_of_its_toml(tmp_path, monkeypatch):
     outcomes = run_pipeline(toml, until="synth")
     assert [(o.stage, o.status) for o in outcomes] == [("synth", "ran")]
     assert (tmp_path / "out" / "slides").is_dir()
+
+
+def test_find_slides_and_the_feature_readers_take_one_path(tmp_path, synth_dir):
+    """Review BA, B2: the single-path fix missed find_slides (which the README's Python recipe calls) and the
+    feature-file readers."""
+    import h5py
+    import numpy as np
+
+    from wsi_milssl.mil import read_feature_files
+    from wsi_milssl.tiling import find_slides
+
+    assert find_slides(str(synth_dir)) == find_slides([synth_dir]) and len(find_slides(synth_dir)) == 2
+    with h5py.File(tmp_path / "bag_a.h5", "w") as fh:
+        fh["features"] = np.ones((3, 4), np.float32)
+    bags = read_feature_files(str(tmp_path / "bag_a.h5"), {"bag_a": 1})
+    assert bags.bag_names == ["bag_a"] and len(bags) == 3
+
+
+def test_run_pipeline_given_a_path_checks_the_data_paths_first(tmp_path):
+    """Review BA, B3: run_pipeline(path) loaded the file without the command line's path check, so a missing
+    [data] folder failed only after the stages before it had run."""
+    from tinypipeline import FEATURE_BAGS, feature_bags
+
+    from wsi_milssl.errors import ConfigError
+
+    feature_bags(tmp_path / "bags" / "train", 8, seed=0)  # the test set's folder is missing
+    toml = tmp_path / "f.toml"
+    toml.write_text('[pipeline]\nname = "f"\n' + FEATURE_BAGS)
+    with pytest.raises(ConfigError, match="test_features"):
+        run_pipeline(toml)
+    assert not (tmp_path / "f_out" / "model").exists()

@@ -29,6 +29,15 @@ __all__ = ["watch_parent", "watch_launcher", "LAUNCHER_GRACE_S"]
 #: killed in between would already have been replaced by init and the rank would never be watched.
 STARTED_BY_PID = os.getppid()
 
+
+def _forked() -> None:
+    """A forked child's parent is the process it was forked from, not the one that started that process."""
+    global STARTED_BY_PID
+    STARTED_BY_PID = os.getppid()
+
+
+os.register_at_fork(after_in_child=_forked)
+
 #: How long a rank whose launcher is gone gives its interrupted main thread to end the process (its
 #: KeyboardInterrupt may wait for a collective until the other ranks have stopped too) before it ends itself.
 LAUNCHER_GRACE_S = 10.0

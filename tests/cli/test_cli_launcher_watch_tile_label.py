@@ -90,3 +90,26 @@ def test_a_label_rank_stops_when_its_launcher_is_killed(tmp_path, env_without_to
     err = _kill_launcher_and_wait(tmp_path, "label", "stores", "--annotations", "annotations", "--labels",
                                   "labels.csv", after_s=3.0)
     assert "is gone" in err and "The same command again finishes the labels" in err
+
+
+def test_a_process_forked_from_a_rank_watches_its_own_parent(monkeypatch):
+    """Review BA, B1: the launcher's pid is recorded when wsi_milssl is imported; a child forked later (torch's
+    elastic_launch with start_method="fork" runs the CLI in such a child) inherited its parent's record, found
+    that process was not its parent and stopped at once as if torchrun were gone."""
+    import multiprocessing
+
+    from wsi_milssl import parent_watch
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.SimpleQueue()
+
+    def child():
+        watching = parent_watch.watch_launcher(message="")
+        time.sleep(1.5)  # the watcher polls every 0.5 s: it would have interrupted this process by now
+        queue.put((parent_watch.STARTED_BY_PID == os.getppid(), watching))
+
+    proc = ctx.Process(target=child)
+    proc.start()
+    proc.join(30)
+    assert proc.exitcode == 0 and queue.get() == (True, True)

@@ -71,7 +71,7 @@ def evaluate_feature_bags(checkpoint: str | os.PathLike, feature_files: Sequence
     config = TrainConfig(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k in fields})
     labels = read_labels_csv(labels_csv)
     empty: list[str] = []
-    test = read_feature_files(list(feature_files), labels, empty=empty)
+    test = read_feature_files(feature_files, labels, empty=empty)
     check_test_features(test, saved, checkpoint)
     metrics = evaluate(model, test, runtime=resolve_runtime(config), bag_pooling=config.bag_pooling)
     read = set(test.bag_names)

@@ -67,7 +67,7 @@ def load_feature_model(config: FeaturesConfig, *, plan: TilingPlan, encoder: Enc
     patches differ (logged), else the patches as they are.
     """
     runtime = resolve_runtime(config)
-    if config.threads > 0:
+    if config.threads > 0:  # for the whole process: extract_features gives the count back, a model loaded by hand not
         torch.set_num_threads(config.threads)
     if runtime.device.type == "cuda":
         torch.backends.cudnn.benchmark = True

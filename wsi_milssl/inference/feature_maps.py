@@ -38,6 +38,7 @@ from wsi_milssl.artifacts import HEATMAP_CONFIG_FILENAME, HEATMAP_STATUS_FILENAM
 from wsi_milssl.inference.exports import remove_slide_outputs, update_scores_csv, write_empty_slide_outputs
 from wsi_milssl.inference.predict import SlidePrediction
 from wsi_milssl.locks import folder_lock
+from wsi_milssl.paths import path_list
 from wsi_milssl.inference.stage import (
     HeatmapResult,
     HeatmapRun,
@@ -137,7 +138,7 @@ def find_feature_files(paths: Sequence[str | os.PathLike]) -> list[Path]:
     from wsi_milssl.features.schema import feature_files_in
 
     out: list[Path] = []
-    for raw in paths:
+    for raw in path_list(paths):
         p = Path(raw).expanduser()
         if not p.exists():
             raise ConfigError(f"{p}: no such feature file or folder. Fix: check the path.")
@@ -280,7 +281,7 @@ def make_feature_heatmaps(features: Sequence[str | os.PathLike], checkpoint: str
     files = find_feature_files(features)
     head = checkpoint if isinstance(checkpoint, FeatureHead) else load_feature_head(checkpoint, config=config)
     with folder_lock(out_dir):
-        return _make_feature_heatmaps(files, head, Path(out_dir), config, slides=slides,
+        return _make_feature_heatmaps(files, head, Path(out_dir), config, slides=path_list(slides),
                                       annotations_dir=annotations_dir, progress=progress)
 
 

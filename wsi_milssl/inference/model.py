@@ -509,7 +509,7 @@ def load_inference_model(checkpoint_path: str | os.PathLike, *, config: HeatmapC
     checkpoint_path = check_run_finished(resolve_checkpoint_path(checkpoint_path))
     config = config or HeatmapConfig()
     runtime = resolve_runtime(config)
-    if config.threads > 0:
+    if config.threads > 0:  # for the whole process: make_heatmaps gives the count back, a model loaded by hand not
         torch.set_num_threads(config.threads)
     if runtime.device.type == "cuda":
         torch.backends.cudnn.benchmark = True

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
+import torch
 
 from wsi_milssl import __version__
 from wsi_milssl.artifacts import (HEATMAP_CONFIG_FILENAME, HEATMAP_STATUS_COLUMNS, HEATMAP_STATUS_FILENAME,
@@ -930,6 +931,8 @@ def _make_heatmaps(inputs: list[HeatmapInput], checkpoint: str | os.PathLike | I
     if inputs and config.num_workers != 0:
         prestart_readers()  # the readers' fork server starts while the checkpoint loads
     model = checkpoint if isinstance(checkpoint, InferenceModel) else load_inference_model(checkpoint, config=config)
+    if config.threads > 0:  # also for a model loaded before the call (given back at the end)
+        torch.set_num_threads(config.threads)
     out_dir.mkdir(parents=True, exist_ok=True)
     fingerprint = _fingerprint(config, model)
     prediction_fingerprint = _fingerprint(config, model, drawing=False)

@@ -296,7 +296,9 @@ def read_feature_files(paths: Iterable[str | os.PathLike], labels: dict[str, int
     encoders: dict[tuple[str, str], Path] = {}
     file_settings: list[tuple[str, dict]] = []
     dims: dict[int, Path] = {}
-    paths = [Path(p) for p in paths]
+    from wsi_milssl.paths import path_list
+
+    paths = [Path(p) for p in path_list(paths)]
     if not paths:
         raise ConfigError("no feature files given; pass one or more .h5 files holding a 'features' dataset.")
     used: list[Path] = []

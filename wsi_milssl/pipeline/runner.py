@@ -1292,7 +1292,7 @@ def run_pipeline(
     stage (its status: ran, skipped, failed; seconds; summary; the reason it ran).
 
     ``spec``: a loaded pipeline (:func:`wsi_milssl.pipeline.load_pipeline`, which also takes ``out_dir`` and
-    ``--set`` overrides) or the path of its TOML file. ``force``: stages to run although up to date (and the
+    ``--set`` overrides; ``check_paths=True`` as the command line) or the path of its TOML file (loaded so). ``force``: stages to run although up to date (and the
     ones after them); ``until``: the last stage to run; ``progress``: callback receiving ProgressEvents;
     ``on_stage``: called with each stage's outcome as it ends.
 
@@ -1300,7 +1300,7 @@ def run_pipeline(
     another run holds it; its fix names the folder as ``out_named_by``: ``demo`` takes it as OUT_DIR).
     """
     if isinstance(spec, (str, os.PathLike)):
-        spec = load_pipeline(spec)
+        spec = load_pipeline(spec, check_paths=True)  # as `wsi-milssl run`: [data] paths exist
     forced = set(force)
     unknown = forced - set(STAGES)
     if unknown or (until is not None and until not in STAGES):

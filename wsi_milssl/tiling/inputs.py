@@ -151,7 +151,9 @@ def find_slides(inputs: Iterable[str | os.PathLike], *, keep_missing: bool = Fal
             seen.add(key)
             found.append(p)
 
-    for raw in inputs:
+    from wsi_milssl.paths import path_list
+
+    for raw in path_list(inputs):
         p = Path(raw).expanduser()
         if not p.exists():
             if keep_missing:
