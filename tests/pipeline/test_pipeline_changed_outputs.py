@@ -143,7 +143,7 @@ def test_stamps_of_a_setting_spelled_as_an_int_stay_up_to_date(out):
     state = out / ".pipeline"
     chain = {}
     for stage in ("synth", "tile", "label", "train", "heatmap", "evaluate"):  # the stamps an int spelling wrote
-        settings, inputs = runner._digest_parts(spec, stage, chain, state, legacy=False)
+        settings, inputs = runner._digest_parts(spec, stage, chain, state, form="all")
         stamp = json.loads((state / f"{stage}.json").read_text())
         if stage == "tile":
             assert settings["section"]["magnification"] == 10.0

@@ -135,9 +135,12 @@ def test_the_evaluate_stamp_counts_the_label_settings_it_takes(tmp_path):
     evaluates again; one with [label]'s defaults keeps its digest."""
     from wsi_milssl.pipeline.runner import _stage_settings
 
-    assert _stage_settings(_spec(tmp_path, ""), "evaluate") == {"section": {}}
+    taken = {"tumor_groups": ["Metastasis"], "non_tumor_groups": ["Exclusion"], "positive_fraction": 0.5}
     section = _stage_settings(_spec(tmp_path, LABEL), "evaluate")["section"]
-    assert section == {"tumor_groups": ["Metastasis"], "non_tumor_groups": ["Exclusion"], "positive_fraction": 0.5}
+    assert {k: section[k] for k in taken} == taken
+    # as the stamps of the earlier form recorded it: the settings that differ from their defaults
+    assert _stage_settings(_spec(tmp_path, ""), "evaluate", form="changed") == {"section": {}}
+    assert _stage_settings(_spec(tmp_path, LABEL), "evaluate", form="changed") == {"section": taken}
 
 
 def test_a_group_clash_with_label_is_refused_before_any_stage_runs(tmp_path):
@@ -165,7 +168,9 @@ def test_evaluate_measures_at_the_tile_stage_s_slide_mpp(tmp_path, evaluated_wit
     assert evaluated_with(_spec(tmp_path, "slide_mpp = 0.5\n")).mpp == 0.5  # a key of GENERATED_SLIDES' [tile]
     assert evaluated_with(_spec(tmp_path, "slide_mpp = 0.5\n[evaluate]\nmpp = 0.3\n")).mpp == 0.3
     assert evaluated_with(_spec(tmp_path, "")).mpp is None
-    assert _stage_settings(_spec(tmp_path, "slide_mpp = 0.5\n"), "evaluate") == {"section": {"mpp": 0.5}}
+    assert _stage_settings(_spec(tmp_path, "slide_mpp = 0.5\n"), "evaluate")["section"]["mpp"] == 0.5
+    assert _stage_settings(_spec(tmp_path, ""), "evaluate")["section"]["mpp"] is None
+    assert _stage_settings(_spec(tmp_path, "slide_mpp = 0.5\n"), "evaluate", form="changed") == {"section": {"mpp": 0.5}}
 
 
 def test_a_pipeline_with_a_slide_mpp_evaluates_every_slide_at_it(tmp_path):

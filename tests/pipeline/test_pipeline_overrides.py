@@ -104,7 +104,9 @@ def test_stage_digests_cover_settings_not_their_spelling(tmp_path):
     changed = load_pipeline(_write(tmp_path / "c.toml", PIPELINE.replace("epochs = 3", "epochs = 3\nlam = 10.0")))
     assert _stage_settings(explicit, "train") == _stage_settings(base, "train")  # a default spelled out
     assert _stage_settings(changed, "train") != _stage_settings(base, "train")
-    assert _stage_settings(explicit, "train", legacy=True) != _stage_settings(base, "train", legacy=True)
+    assert _stage_settings(explicit, "train", form="legacy") != _stage_settings(base, "train", form="legacy")
+    for form in ("all", "changed"):
+        assert _stage_settings(explicit, "train", form=form) == _stage_settings(base, "train", form=form)
 
 
 def _write(path, text):

@@ -63,9 +63,9 @@ from wsi_milssl.pipeline.run_folders import (RUN_MARKER, continued_config, holds
                                              prepare_run_dir, replace_aside)
 from wsi_milssl.pipeline.spec import (RESOLVED_FILENAME, STAGES, PipelineSpec, load_pipeline, stage_config,
                                       write_resolved_pipeline)
-from wsi_milssl.pipeline.stamps import (changed_outputs, fingerprint_paths, mark_outdated, mark_running, read_stamp,
-                                        recorded_digest, shown_paths, stale_reason, stamp_digest,
-                                        write_stamp)
+from wsi_milssl.pipeline.stamps import (SETTINGS_FORM, changed_outputs, fingerprint_paths, mark_outdated,
+                                        mark_running, read_stamp, recorded_digest, shown_paths, stale_reason,
+                                        stamp_digest, write_stamp)
 
 __all__ = ["StageOutcome", "run_pipeline", "split_train_val"]
 
@@ -754,8 +754,8 @@ def _missing_unrecorded(ctx: _Context, stage: str) -> list[Path]:
 def _earlier_evaluation(ctx: _Context) -> str | None:
     """Why the evaluation (of image data: feature mode's has no FROC) is an earlier version's though its stamp
     matches, else None: its metrics.json does not record the FROC's protocol as this version does for its
-    settings (:func:`wsi_milssl.evaluation.outdated_metrics`). The stamp cannot tell: settings at their defaults
-    are left out of it, so a setting added at its default leaves it as it was."""
+    settings (:func:`wsi_milssl.evaluation.outdated_metrics`). The stamp cannot tell: a setting added at its default
+    leaves a stamp of the earlier version as it was (:func:`_stage_settings`)."""
     if ctx.spec.mode == "features":
         return None
     from wsi_milssl.evaluation import outdated_metrics
@@ -855,30 +855,35 @@ def _training_data(spec: PipelineSpec) -> dict:
     return _training_data_forms(spec)[0]
 
 
-def _training_data_forms(spec: PipelineSpec) -> tuple[dict, dict]:
-    """(:func:`_training_data`, the same as the previous version recorded it: files by absolute path, every
-    label setting), the second accepted for a run folder that version started."""
-    recorded = _recorded_training_data(spec)
-    now = {**recorded, "external": _by_content(recorded["external"])}
-    if "label" in now:
-        now["label"] = {"section": {k: v for k, v in recorded["label"]["section"].items() if k not in MASK_ONLY}}
-    return now, recorded
+def _training_data_forms(spec: PipelineSpec) -> tuple[dict, ...]:
+    """(:func:`_training_data`, then the same as earlier versions recorded it, also accepted for a run folder they
+    started: with the settings that differ from their defaults then (:data:`EARLIER_DEFAULTS`) in place of every
+    setting; the same as the version before that: files by absolute path, every label setting)."""
+    forms = []
+    for form in ("all", "changed"):
+        recorded = _recorded_training_data(spec, form)
+        now = {**recorded, "external": _by_content(recorded["external"])}
+        if "label" in now:
+            now["label"] = {"section": {k: v for k, v in recorded["label"]["section"].items() if k not in MASK_ONLY}}
+        forms.append(now)
+    return (*forms, _recorded_training_data(spec, "changed"))
 
 
-def _recorded_training_data(spec: PipelineSpec) -> dict:
-    """:func:`_training_data` as the previous version recorded it (files by absolute path, every label setting)."""
+def _recorded_training_data(spec: PipelineSpec, form: str) -> dict:
+    """:func:`_training_data` with files by absolute path and every label setting; the stages' settings in
+    ``form`` (:func:`_stage_settings`)."""
     train = spec.sets["train"]
     if spec.mode == "features":
         return {"external": fingerprint_paths([train.features], content=True) + _training_bag_labels(spec)}
     data = {"synth": None if train.synth is None else config_to_dict(train.synth),
-            "tile": _stage_settings(spec, "tile"), "label": _stage_settings(spec, "label"),
+            "tile": _stage_settings(spec, "tile", form=form), "label": _stage_settings(spec, "label", form=form),
             "external": _external_inputs(spec, "tile", only="train") + _training_labels(spec)}
     if spec.feature_stage:
         # what made the training feature files: encoder, its weights by SHA-256, dtype, input size (as the
         # features stage recorded it), so new weights behind the same weights path count
         from wsi_milssl.features.stage import CONFIG_FILENAME as FEATURES_CONFIG
 
-        data["features"] = _stage_settings(spec, "features")
+        data["features"] = _stage_settings(spec, "features", form=form)
         try:
             made = json.loads((spec.out_dir / "features" / "train" / FEATURES_CONFIG).read_text(encoding="utf-8"))
         except (OSError, ValueError):
@@ -1204,21 +1209,31 @@ SPEED_ONLY = {"tile": TILE_RUNTIME_ONLY_FIELDS, "features": FEATURES_RUNTIME_ONL
               "heatmap": HEATMAP_RUNTIME_ONLY_FIELDS}
 
 
-def _stage_settings(spec: PipelineSpec, stage: str, *, legacy: bool = False):
-    """What a stage's stamp digest covers: its settings that differ from their defaults (so the pipeline's
-    own resolved_pipeline.toml, which spells out every default, is up to date with the pipeline it came
-    from), speed-only settings (:data:`SPEED_ONLY`) aside, and its [train.grid]; ``legacy``: the raw table, as
-    stamps of earlier versions recorded it."""
+#: the defaults, as stamps of the "changed" form knew them, of the settings whose default changed since:
+#: {stage: {setting: default then}}. Those stamps (version 1.x before 2026-11-28) recorded only the settings that
+#: differed from their defaults, so one of them matches a setting now at that earlier default, whatever the default
+#: is now. Add a setting here when its default changes.
+EARLIER_DEFAULTS: dict[str, dict[str, object]] = {}
+
+def _stage_settings(spec: PipelineSpec, stage: str, *, form: str = "all"):
+    """What a stage's stamp digest covers, in one of three forms. ``"all"``: every setting of the stage (defaults
+    spelled out, so a default that changes between versions changes it, and the pipeline's own
+    resolved_pipeline.toml, which spells out every default, gives the same), speed-only settings
+    (:data:`SPEED_ONLY`) aside, and its [train.grid]. ``"changed"``: only the settings that differ from their
+    defaults as that form's stamps knew them (:data:`EARLIER_DEFAULTS`), as stamps of earlier versions recorded
+    them. ``"legacy"``: the raw table, as stamps of versions before that recorded it."""
     if stage == "synth":
         return {name: config_to_dict(ds.synth) for name, ds in spec.sets.items()}
-    if legacy:
+    if form == "legacy":
         settings = {"section": spec.section(stage)}
     else:
         # evaluate counts [label]'s groups and positive_fraction where it takes them (:func:`_with_label_settings`):
         # an evaluation of earlier versions, made with the default ones, runs again
         chosen = config_to_dict(_with_label_settings(spec, stage) if stage == "evaluate" else stage_config(spec, stage))
-        default = config_to_dict(stage_config(spec, stage, defaults_only=True))
-        section = {k: v for k, v in chosen.items() if v != default.get(k) and k not in SPEED_ONLY.get(stage, ())}
+        section = {k: v for k, v in chosen.items() if k not in SPEED_ONLY.get(stage, ())}
+        if form == "changed":
+            default = {**config_to_dict(stage_config(spec, stage, defaults_only=True)), **EARLIER_DEFAULTS.get(stage, {})}
+            section = {k: v for k, v in section.items() if v != default.get(k)}
         if "grid" in spec.section(stage):
             section["grid"] = spec.section(stage)["grid"]
         settings = {"section": section}
@@ -1237,14 +1252,14 @@ def _setting_names(stage: str, settings: dict) -> dict:
     return names
 
 
-def _digest_parts(spec: PipelineSpec, stage: str, chain: dict[str, str], state: Path, *, legacy: bool
+def _digest_parts(spec: PipelineSpec, stage: str, chain: dict[str, str], state: Path, *, form: str
                   ) -> tuple[dict, dict]:
-    """(settings, inputs) that a stage's stamp digest covers; the stages it reads from count by their digest
-    in ``chain`` (this run's) or else their stamp's."""
+    """(settings in ``form``, inputs) that a stage's stamp digest covers (:func:`_stage_settings`); the stages it
+    reads from count by their digest in ``chain`` (this run's) or else their stamp's."""
     reads = (_EMBEDDED_UPSTREAM if spec.feature_stage else _UPSTREAM)[stage]
     upstream = {u: chain.get(u) or (read_stamp(state, u) or {}).get("digest") for u in reads}
-    return (_stage_settings(spec, stage, legacy=legacy),
-            {"upstream": upstream, "external": _external_inputs(spec, stage, legacy=legacy)})
+    return (_stage_settings(spec, stage, form=form),
+            {"upstream": upstream, "external": _external_inputs(spec, stage, legacy=form == "legacy")})
 
 
 def _external_inputs(spec: PipelineSpec, stage: str, *, legacy: bool = False, only: str | None = None) -> list:
@@ -1465,17 +1480,28 @@ def _run_stages(spec: PipelineSpec, stages: list[str], forced: set[str], *,
     # it (every stage after one that ran runs too): not found missing after tile and label
     check_encoder = spec.feature_stage and "features" in stages
     for i, stage in enumerate(stages):
-        settings, inputs = _digest_parts(spec, stage, digests, ctx.state, legacy=False)
-        digest = stamp_digest(settings, inputs)
-        legacy_digests[stage] = stamp_digest(*_digest_parts(spec, stage, legacy_digests, ctx.state, legacy=True))
-        settings = _setting_names(stage, settings)
-        digests[stage] = digest = recorded_digest(ctx.state, stage, digest, settings, inputs)
+        legacy_digests[stage] = stamp_digest(*_digest_parts(spec, stage, legacy_digests, ctx.state, form="legacy"))
+        # a stamp that records every setting is compared in that form; one of the earlier "changed" form (or a
+        # digest alone) in its own, then replaced by one of every setting if the stage runs
+        stamp = read_stamp(ctx.state, stage)
+        forms = ("all",) if stamp is None or stamp.get(SETTINGS_FORM) == "all" else ("changed", "all")
+        checked = {}
+        for form in forms:
+            settings, inputs = _digest_parts(spec, stage, digests, ctx.state, form=form)
+            settings = _setting_names(stage, settings)
+            checked[form] = (recorded_digest(ctx.state, stage, stamp_digest(settings, inputs), settings, inputs),
+                             settings, inputs)
+        candidates = [checked[form][0] for form in forms]
+        digest, settings, inputs = checked[forms[0]]
+        if stamp is not None and stamp.get("digest") in candidates:
+            digest = stamp["digest"]  # the chain goes on with the digest of the form the stamp holds
+        digests[stage] = digest
         emit(progress, ProgressEvent("pipeline", i, len(stages), unit="stage", item=stage))
         if stage in forced and forced_first is None:
             forced_first = stage
             ctx.redo = True
         ran_before = [o.stage for o in outcomes if o.status == "ran"]
-        stale = stale_reason(ctx.state, stage, (digest, legacy_digests[stage]), settings=settings, inputs=inputs,
+        stale = stale_reason(ctx.state, stage, (*candidates, legacy_digests[stage]), settings=settings, inputs=inputs,
                              ran=ran_before)
         if stale is None:  # outputs that stamps of earlier versions do not record
             missing = _missing_unrecorded(ctx, stage)
@@ -1504,8 +1530,10 @@ def _run_stages(spec: PipelineSpec, stages: list[str], forced: set[str], *,
             mark_outdated(ctx.state, STAGES[STAGES.index(stage) + 1:], by=stage)
             mark_running(ctx.state, stage)
             outputs, summary = runner(ctx)
+            digest, settings, inputs = checked["all"]
+            digests[stage] = digest
             write_stamp(ctx.state, stage, digest=digest, outputs=outputs, settings=settings, inputs=inputs,
-                        reads=_file_reads(spec, stage))
+                        reads=_file_reads(spec, stage), settings_form="all")
             outcome = StageOutcome(stage, "ran", time.perf_counter() - start, summary, reason)
         outcomes.append(outcome)
         if on_stage is not None:

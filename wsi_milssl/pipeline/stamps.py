@@ -6,8 +6,10 @@ times for inputs from outside the pipeline) and its output paths: those inside O
 folder moved or copied elsewhere checks its own files), others absolute; earlier versions' relative ones
 are found below OUT too (:func:`_output_exists`). A stage is skipped when a stamp
 with the same digest exists and every recorded output still exists. Stamps also record what the digest
-covered (``settings``: {name: value}; ``inputs``: the upstream digests and the fingerprints), so that a
-stage that runs again can say why (:func:`stale_reason`); stamps of earlier versions hold only the digest.
+covered (``settings``: {name: value}, every setting with the defaults spelled out, ``settings_form`` "all";
+``inputs``: the upstream digests and the fingerprints), so that a stage that runs again can say why
+(:func:`stale_reason`) and a default that a later version changes runs it again; stamps of earlier versions
+record the settings that differed from their defaults (no ``settings_form``), or only the digest.
 Stamps also record the identity (size and modification time: one ``stat`` per file) of each output file when the
 stage finished (``output_ids``) and of the output files of the stages it reads from as it left them (``input_ids``:
 after it ran, with the SHA-256 of each, so that a file whose modification time alone changed, as in a folder
@@ -37,7 +39,7 @@ from wsi_milssl.hashing import file_sha256
 
 __all__ = ["StageStamp", "fingerprint_paths", "stamp_digest", "recorded_digest", "by_file_name",
            "same_files_moved", "read_stamp", "write_stamp",
-           "mark_running", "mark_outdated", "stale_reason", "changed_outputs", "shown_paths"]
+           "mark_running", "mark_outdated", "stale_reason", "changed_outputs", "shown_paths", "SETTINGS_FORM"]
 
 StageStamp = dict[str, Any]
 
@@ -48,6 +50,10 @@ OUTDATED_BY = "outdated_by"
 #: the folder their run started in, or absolute)
 OUTPUTS_BELOW = "outputs_below"
 
+
+#: the stamp key naming which of the stage's settings its ``settings`` record holds: "all" (every setting, defaults
+#: spelled out); absent in stamps of earlier versions, which held those that differed from their defaults
+SETTINGS_FORM = "settings_form"
 
 #: the stamp key of its output files' identities ({recorded output: [size, mtime_ns]}) when the stage finished
 OUTPUT_IDS = "output_ids"
@@ -168,9 +174,10 @@ def _plain(value: Any) -> Any:
 
 def write_stamp(state_dir: str | os.PathLike, stage: str, *, digest: str, outputs: list[str],
                 settings: dict[str, Any] | None = None, inputs: dict[str, Any] | None = None,
-                reads: Iterable[str] = ()) -> None:
+                reads: Iterable[str] = (), settings_form: str | None = None) -> None:
     """Write the stamp of ``stage``; ``settings`` ({name: value}) and ``inputs`` ({"upstream": {stage:
-    digest}, "external": fingerprints}) are what ``digest`` covered, recorded for :func:`stale_reason`; the
+    digest}, "external": fingerprints}) are what ``digest`` covered, recorded for :func:`stale_reason`
+    (``settings_form``: which of the stage's settings ``settings`` holds, recorded as ``settings_form``); the
     identities of ``outputs`` and of the outputs of the stages in ``reads`` (those whose files the stage reads),
     as they are now, for :func:`stale_reason` and :func:`changed_outputs`."""
     state_dir = Path(state_dir)
@@ -180,6 +187,8 @@ def write_stamp(state_dir: str | os.PathLike, stage: str, *, digest: str, output
                          "outputs": [_recorded(p, out_dir) for p in outputs], OUTPUTS_BELOW: "OUT"}
     if settings is not None:
         stamp["settings"] = _plain(settings)
+    if settings_form is not None:
+        stamp[SETTINGS_FORM] = settings_form
     if inputs is not None:
         stamp["inputs"] = _plain(inputs)
     stamp[OUTPUT_IDS] = _identities(stamp, out_dir)
