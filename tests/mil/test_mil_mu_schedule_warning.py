@@ -1,7 +1,7 @@
 """A μ schedule that never reaches μ is warned about once at the start (review AK, finding 4):
 `--epochs 3 --mu 0.2 --mu-ramp-epochs 100` trained at μ_t 0.5 .. 0.494 without a word, and image mode's
-defaults (10 epochs, T = 10) end at μ_t = 0.185, not μ = 0.15: eq. 10 gives μ from epoch t = T on, with t
-counted from 0, so T = epochs never reaches it either."""
+defaults (10 epochs, T = 10) ended at μ_t = 0.185, not μ = 0.15: eq. 10 gives μ from epoch t = T on, with t
+counted from 0, so T = epochs never reaches it either. Image mode's default T is now 5."""
 
 from __future__ import annotations
 
@@ -33,10 +33,26 @@ def _folder(tmp_path):
     return folder, labels
 
 
-def test_the_image_defaults_end_above_mu():
-    # eq. 10 with t from 0 (μ_0 = 0.5): T = epochs = 10 leaves the last epoch (t = 9) at 0.185
+def test_eq10_with_t_from_0_reaches_mu_at_epoch_t():
+    # T = epochs = 10 leaves the last epoch (t = 9) at 0.185: the image mode's old defaults
     assert adaptive_mu(9, mu=0.15, ramp_epochs=10) == pytest.approx(0.185)
     assert adaptive_mu(10, mu=0.15, ramp_epochs=10) == 0.15
+
+
+@pytest.mark.parametrize("mode", ["images", "features"])
+def test_each_modes_defaults_reach_mu_without_a_warning(mode, caplog):
+    """The defaults (images: 10 epochs, T = 5; features: 100 epochs, T = 10) train their last epochs at μ,
+    so a run with default settings is not told its settings are wrong."""
+    from wsi_milssl.config import TrainConfig
+    from wsi_milssl.mil.selftrain import _warn_mu_not_reached
+
+    config = TrainConfig(mode=mode)
+    assert config.mu_ramp_epochs < config.epochs
+    assert adaptive_mu(config.epochs - 1, mu=config.mu, ramp_epochs=config.mu_ramp_epochs) == config.mu
+    with caplog.at_level(logging.WARNING):
+        _warn_mu_not_reached(config)
+    assert "never reaches" not in caplog.text
+    assert TrainConfig(mode=mode, mu_ramp_epochs=3).mu_ramp_epochs == 3  # given: kept
 
 
 @pytest.mark.parametrize("epochs, ramp, warned", [(3, 100, True), (3, 3, True), (3, 2, False), (3, 0, False)])

@@ -99,3 +99,22 @@ def test_a_stage_of_the_earlier_form_that_runs_again_says_which_setting_changed(
     outcomes = _run(root, "train.epochs=4")
     assert outcomes["train"] == ("ran", "settings changed: train.epochs")
     assert outcomes["evaluate"] == ("ran", "the train stage ran before it")
+
+
+def test_image_modes_new_default_t_is_a_change_for_stamps_of_the_earlier_form(tmp_path):
+    """Image mode's default T (mu_ramp_epochs) went from 10 to 5: an image pipeline finished with the old default
+    trains again (its stamp lacks T, which was 10); one that spells out T = 10, and a feature pipeline (its default
+    stays 10), are up to date."""
+    from tinypipeline import GENERATED_SLIDES
+
+    def changed_form(text: str, name: str) -> dict:
+        (tmp_path / name).write_text('[pipeline]\nname = "t"\n' + text)
+        spec = load_pipeline(tmp_path / name, out_dir=tmp_path / "out")
+        return runner._stage_settings(spec, "train", form="changed")["section"]
+
+    assert changed_form(GENERATED_SLIDES, "a.toml")["mu_ramp_epochs"] == 5
+    assert "mu_ramp_epochs" not in changed_form(GENERATED_SLIDES + "[train]\nmu_ramp_epochs = 10\n", "b.toml")
+    assert "mu_ramp_epochs" not in changed_form(FEATURE_BAGS, "c.toml")
+    (tmp_path / "d.toml").write_text('[pipeline]\nname = "t"\n' + GENERATED_SLIDES)
+    spec = load_pipeline(tmp_path / "d.toml", out_dir=tmp_path / "out")
+    assert runner._stage_settings(spec, "train")["section"]["mu_ramp_epochs"] == 5  # the form stamps record now

@@ -1213,7 +1213,7 @@ SPEED_ONLY = {"tile": TILE_RUNTIME_ONLY_FIELDS, "features": FEATURES_RUNTIME_ONL
 #: {stage: {setting: default then}}. Those stamps (version 1.x before 2026-11-28) recorded only the settings that
 #: differed from their defaults, so one of them matches a setting now at that earlier default, whatever the default
 #: is now. Add a setting here when its default changes.
-EARLIER_DEFAULTS: dict[str, dict[str, object]] = {}
+EARLIER_DEFAULTS: dict[str, dict[str, object]] = {"train": {"mu_ramp_epochs": 10}}  # image mode's T is 5 since
 
 def _stage_settings(spec: PipelineSpec, stage: str, *, form: str = "all"):
     """What a stage's stamp digest covers, in one of three forms. ``"all"``: every setting of the stage (defaults
