@@ -11,7 +11,7 @@ import pytest
 from wsi_milssl.errors import CheckpointError
 from wsi_milssl.features.schema import settings_differences
 from wsi_milssl.features.stage import _other_slide
-from wsi_milssl.mil.selftrain import _check_resume_config
+from wsi_milssl.mil.run_folder import _check_resume_config
 
 OURS = {"settings_hash": "h1", "encoder": "resnet18", "encoder_weights_sha256": "a" * 64, "encoder_kwargs": "{}",
         "feature_dtype": "float32", "input_size_px": 224, "amp": "bfloat16", "target_mpp": 0.5, "patch_size_px": 256}

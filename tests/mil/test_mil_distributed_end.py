@@ -185,7 +185,7 @@ class _Set:
 def test_the_refusal_is_exactly_the_sizes_whose_epochs_give_a_rank_no_step(batchnorm):
     """Finding 3: the refusal matches the real split (without_lone_last, then rank_share): it refuses a
     size when, and only when, some rank would get no instance (BatchNorm: no batch of two)."""
-    from wsi_milssl.mil.selftrain import _check_shareable
+    from wsi_milssl.mil.ranks import _check_shareable
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), *([torch.nn.BatchNorm1d(2)] if batchnorm else []))
     for world in (2, 3, 4):

@@ -86,7 +86,7 @@ def test_a_rank_lost_in_any_collective_of_an_epoch_is_one_clear_error(tmp_path, 
 
 def test_resume_of_a_run_that_saved_no_epoch_says_last_pt_is_missing(tmp_path, mil_csv):
     from wsi_milssl.errors import CheckpointError
-    from wsi_milssl.mil.selftrain import missing_checkpoint_error
+    from wsi_milssl.mil.run_folder import missing_checkpoint_error
 
     (tmp_path / "config.json").write_text("{}\n")
     (tmp_path / "metrics.jsonl").write_text('{"epoch": 1}\n')
@@ -107,7 +107,7 @@ def test_the_start_check_compares_a_weights_file_not_how_each_node_spells_its_pa
     from wsi_milssl.config import TrainConfig
     from wsi_milssl.errors import DistributedError
     from wsi_milssl.mil.data import read_mil_csv
-    from wsi_milssl.mil.selftrain import _same_inputs
+    from wsi_milssl.mil.ranks import _same_inputs
 
     data = read_mil_csv(mil_csv)
     (tmp_path / "w.pth").write_bytes(b"weights")

@@ -94,7 +94,7 @@ def test_feature_settings_an_earlier_version_did_not_record_are_not_compared_on_
     """Random encoder weights were recorded as '' (not recorded) before they read 'random': a run saved
     then resumes; weights it did record are still compared."""
     from wsi_milssl.errors import CheckpointError
-    from wsi_milssl.mil.selftrain import _check_resume_config
+    from wsi_milssl.mil.run_folder import _check_resume_config
 
     def cfg(sha: str) -> dict:
         return {"store_settings": {"kind": "features", "feature_settings": {

@@ -148,14 +148,14 @@ def test_a_checkpoint_without_data_digests_still_resumes(tmp_path, mil_csv, mil_
     for key in ("data_digest", "val_data_digest"):
         del saved[key]
     (run / "config.json").write_text(json.dumps(saved))
-    with caplog.at_level(logging.INFO, logger="wsi_milssl.mil.selftrain"):
+    with caplog.at_level(logging.INFO, logger="wsi_milssl.mil"):
         assert main(["train", "--resume", str(run), "--epochs", "2"]) == 0
     assert ("without a digest of all of the training data and the validation data: resuming without checking"
             in caplog.text)
 
 
 def test_store_digest_covers_coordinates_but_not_instance_labels(tmp_path, image_store_factory):
-    from wsi_milssl.mil.selftrain import data_digest
+    from wsi_milssl.mil.run_folder import data_digest
 
     paths, labels = image_store_factory(tmp_path / "stores", n_bags=2, n_patches=16)
     read = lambda: read_patch_stores(paths, read_labels_csv(labels))  # noqa: E731

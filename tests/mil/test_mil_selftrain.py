@@ -12,7 +12,8 @@ from wsi_milssl.config.train import TrainConfig
 from wsi_milssl.errors import CheckpointError, ConfigError
 from wsi_milssl.events import ProgressEvent
 from wsi_milssl.mil import fit, load_model, read_checkpoint, read_mil_csv
-from wsi_milssl.mil.selftrain import bag_scores, evaluate, resolve_runtime
+from wsi_milssl.mil.scores import bag_scores
+from wsi_milssl.mil.selftrain import evaluate, resolve_runtime
 
 
 def _config(**kw) -> TrainConfig:

@@ -37,7 +37,7 @@ from wsi_milssl.config.train import BenchmarkConfig
 from wsi_milssl.errors import ConfigError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.mil.data import InstanceSet
-from wsi_milssl.mil.selftrain import auc_or_none
+from wsi_milssl.mil.scores import auc_or_none
 from wsi_milssl.runtime import restores_torch_threads
 
 __all__ = ["MethodSpec", "METHODS", "PRESETS", "DEFAULT_PRESET", "resolve_methods", "nested_cross_validation",

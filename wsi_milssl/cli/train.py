@@ -321,7 +321,7 @@ def _resume_setup(args: argparse.Namespace):
     run_dir = args.resume
     cfg_path = run_dir / "config.json"
     if not (run_dir / "last.pt").is_file():
-        from wsi_milssl.mil.selftrain import missing_checkpoint_error
+        from wsi_milssl.mil.run_folder import missing_checkpoint_error
 
         raise missing_checkpoint_error(run_dir)
     if not cfg_path.is_file():
@@ -444,7 +444,7 @@ def _set_up(args: argparse.Namespace):
         val_labels = args.val_labels or args.labels
         input_mode = detect_mode(inputs) if args.mode == "auto" else args.mode
         if (out / "last.pt").exists():  # before the inputs are read (fit checks it too)
-            from wsi_milssl.mil.selftrain import existing_run_error
+            from wsi_milssl.mil.run_folder import existing_run_error
 
             raise existing_run_error(out)
     mode = "images" if input_mode == "images" else "features"

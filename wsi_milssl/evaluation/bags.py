@@ -64,7 +64,8 @@ def evaluate_feature_bags(checkpoint: str | os.PathLike, feature_files: Sequence
     from wsi_milssl.config import TrainConfig
     from wsi_milssl.mil.checkpoint import load_model
     from wsi_milssl.mil.data import read_feature_files, read_labels_csv
-    from wsi_milssl.mil.selftrain import bag_metrics, evaluate, resolve_runtime
+    from wsi_milssl.mil.scores import bag_metrics
+    from wsi_milssl.mil.selftrain import evaluate, resolve_runtime
 
     model, saved = load_model(checkpoint)
     fields = set(TrainConfig.__dataclass_fields__)

@@ -165,7 +165,7 @@ class SlidePrediction(SlideOutputs):
     def score(self, pooling: str) -> float | None:
         """Slide score: max or mean of the patch probabilities (paper eq. 11); None without patches (no score,
         never a confident 0: the heatmap stage's rule, as ``bag_scores`` gives an empty bag NaN)."""
-        from wsi_milssl.mil.selftrain import bag_scores
+        from wsi_milssl.mil.scores import bag_scores
 
         score = float(bag_scores(self.probs, np.zeros(len(self), np.int64), 1, pooling=pooling)[0])
         return None if len(self) == 0 else score

@@ -29,7 +29,7 @@ from wsi_milssl.errors import CheckpointError, ConfigError
 from wsi_milssl.weights import read_state_dict, strip_prefixes
 
 __all__ = ["MODELS", "register_model", "create_model", "list_models", "load_state_dict_file", "Standardize",
-           "FeatureHead", "is_image_model"]
+           "FeatureHead", "is_image_model", "core_module"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,13 @@ def is_image_model(name: str) -> bool:
     """True when the registered model ``name`` takes image patches rather than feature vectors."""
     _load_builtins()
     return name in _IMAGE_MODELS
+
+
+def core_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The network inside a ``torch.compile`` and a DistributedDataParallel wrapper (predictions run on it,
+    eager and without collectives)."""
+    model = getattr(model, "_orig_mod", model)
+    return getattr(model, "module", model)
 
 
 def create_model(name: str, **kwargs) -> nn.Module:

@@ -16,7 +16,6 @@ run resumed from ``last.pt`` continues exactly as an uninterrupted run (bit-iden
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -24,7 +23,7 @@ import os
 import random
 import time
 from contextlib import contextmanager
-from dataclasses import MISSING, dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -36,28 +35,32 @@ from wsi_milssl import __version__
 from wsi_milssl.atomic import atomic_write_text, remove_quietly
 from wsi_milssl import runtime as runtime_rules
 from wsi_milssl.config.base import config_to_dict
-from wsi_milssl.config.train import RUNTIME_ONLY_FIELDS, TrainConfig
-from wsi_milssl.distributed import SINGLE, DistContext, all_sum, gather_values, rank_share, split_evenly
-from wsi_milssl.errors import (CheckpointError, ConfigError, DistributedError, OutputError, StoreError,
-                               TrainingDivergedError, WsiMilsslError)
+from wsi_milssl.config.train import TrainConfig
+from wsi_milssl.distributed import SINGLE, DistContext, gather_values, rank_share, split_evenly
+from wsi_milssl.errors import (CheckpointError, ConfigError, OutputError, StoreError, TrainingDivergedError,
+                               WsiMilsslError)
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.locks import folder_lock
-from wsi_milssl.mil.checkpoint import (RESUME_FIX, capture_rng, check_resume_parts, read_checkpoint, restore_rng,
-                                       save_checkpoint)
+from wsi_milssl.mil.checkpoint import RESUME_FIX, capture_rng, restore_rng, save_checkpoint
 from wsi_milssl.mil.data import NORMALISATION, InstanceSet, held_out_bags
 from wsi_milssl.mil.loader import BatchLoader, block_order, normalises_batches, without_lone_last
-from wsi_milssl.mil.models import create_model, is_image_model
+from wsi_milssl.mil.models import core_module, create_model, is_image_model
 from wsi_milssl.mil.pixels import prepare_patches
+# fit's helpers, called through this module's names (tests replace some of them here)
+from wsi_milssl.mil.ranks import (_check_shareable, _combine_ranks, _peer_guard, _ranks_agree, _same_inputs,
+                                  _saved_by_rank0, _warn_other_world_size)
+from wsi_milssl.mil.run_folder import (PLOT_INTERVAL_S, _check_best, _clear_earlier_run, _data_fingerprint,
+                                       _json_default, _read_history, _resume_checkpoint, _save_failed, _write_metrics,
+                                       best_checkpoint, data_digest, existing_run_error)
+from wsi_milssl.mil.scores import _check_selectable, auc_or_none, bag_metrics, bag_scores, selection_score
 from wsi_milssl.mil.sinkhorn import adaptive_mu, assign_pseudo_labels
 
 __all__ = [
-    "auc_or_none",
     "Runtime",
     "resolve_runtime",
     "PseudoLabelState",
     "FitResult",
     "predict_probs",
-    "bag_scores",
     "refresh_pseudo_labels",
     "pseudo_label_metrics",
     "train_one_epoch",
@@ -65,13 +68,10 @@ __all__ = [
     "fit",
     "build_model",
     "make_optimizer",
-    "selection_score",
     "weights_finite",
-    "missing_checkpoint_error",
 ]
 
 log = logging.getLogger(__name__)
-
 
 
 # ----------------------------------------------------------------------------------------------
@@ -221,25 +221,6 @@ def predict_probs(model: torch.nn.Module, instances: InstanceSet, indices: np.nd
     return torch.cat(parts).cpu().numpy().astype(np.float32, copy=False)
 
 
-def bag_scores(probs: np.ndarray, bag_ids: np.ndarray, n_bags: int, *, pooling: str = "max") -> np.ndarray:
-    """Bag scores (eq. 11): max (or mean) of the instance probabilities of each bag; float64 (n_bags,).
-
-    A bag without instances scores NaN.
-    """
-    probs = np.asarray(probs, dtype=np.float64)
-    if pooling == "max":
-        out = np.full(n_bags, -np.inf)
-        np.maximum.at(out, bag_ids, probs)
-        out[np.isneginf(out)] = np.nan
-        return out
-    if pooling == "mean":
-        sums = np.bincount(bag_ids, weights=probs, minlength=n_bags)
-        counts = np.bincount(bag_ids, minlength=n_bags)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return sums / counts
-    raise ConfigError(f"bag pooling must be 'max' or 'mean'; got {pooling!r}.")
-
-
 # ----------------------------------------------------------------------------------------------
 # Pseudo labels
 # ----------------------------------------------------------------------------------------------
@@ -304,7 +285,7 @@ def refresh_pseudo_labels(model: torch.nn.Module, instances: InstanceSet, state:
         if not torch.isnan(seen).any():
             probs = seen.numpy().astype(np.float64)
     if probs is None:
-        probs = predict_probs(_core(model), instances, pos, runtime=runtime, batch_size=config.eval_batch_size,
+        probs = predict_probs(core_module(model), instances, pos, runtime=runtime, batch_size=config.eval_batch_size,
                               loader=loader, progress=progress, stage="train-refresh", dist=dist)
     bad = ~np.isfinite(probs)
     if bad.any():
@@ -317,13 +298,6 @@ def refresh_pseudo_labels(model: torch.nn.Module, instances: InstanceSet, state:
     state.targets[state.pos_index] = torch.from_numpy(q)
     state.mu_t = float(mu_t)
     state.refreshes += 1
-
-
-def _core(model: torch.nn.Module) -> torch.nn.Module:
-    """The network inside a ``torch.compile`` and a DistributedDataParallel wrapper (predictions run on it,
-    eager and without collectives)."""
-    model = getattr(model, "_orig_mod", model)
-    return getattr(model, "module", model)
 
 
 def pseudo_label_metrics(state: PseudoLabelState, instances: InstanceSet) -> dict[str, float | None]:
@@ -453,16 +427,6 @@ and ``"refresh_seconds"``: the time spent refreshing pseudo labels within the pa
 # Evaluation
 # ----------------------------------------------------------------------------------------------
 
-def auc_or_none(y: np.ndarray, score: np.ndarray) -> float | None:
-    """ROC AUC of ``score`` for the 0/1 labels ``y`` over the finite scores; None when one class is missing."""
-    from sklearn.metrics import roc_auc_score
-
-    ok = np.isfinite(score)
-    y, score = y[ok], score[ok]
-    if y.size == 0 or y.min() == y.max():
-        return None
-    return float(roc_auc_score(y, score))
-
 
 def evaluate(model: torch.nn.Module, instances: InstanceSet, *, runtime: Runtime, bag_pooling: str = "max",
              batch_size: int = 512, threshold: float = 0.5, loader: BatchLoader | None = None,
@@ -476,7 +440,7 @@ def evaluate(model: torch.nn.Module, instances: InstanceSet, *, runtime: Runtime
     Raises (:func:`_non_finite_scores_error`) when some probability is NaN or infinite: metrics of the bags
     with finite scores would stand for the whole set (and choose best.pt) without a word.
     """
-    probs = predict_probs(_core(model), instances, runtime=runtime, batch_size=batch_size, loader=loader,
+    probs = predict_probs(core_module(model), instances, runtime=runtime, batch_size=batch_size, loader=loader,
                           progress=progress, stage="train-eval", dist=dist)
     bad = np.unique(instances.bag_ids[~np.isfinite(probs)])
     if bad.size:
@@ -488,20 +452,6 @@ def evaluate(model: torch.nn.Module, instances: InstanceSet, *, runtime: Runtime
         **bag_metrics(scores, instances.bag_labels, threshold=threshold),
         "probs": probs,
         "bag_scores": scores,
-    }
-
-
-def bag_metrics(scores: np.ndarray, labels: np.ndarray, *, threshold: float = 0.5) -> dict[str, float | None]:
-    """``bag_auc``, ``bag_accuracy`` (score > ``threshold``) and ``bag_nll`` (mean binary cross-entropy, scores
-    clipped to [1e-7, 1 - 1e-7]) of bag ``scores`` against 0/1 ``labels``; None where undefined."""
-    scores = np.asarray(scores, dtype=np.float64)
-    labels = np.asarray(labels).astype(np.int64)
-    clipped = np.clip(scores, 1e-7, 1 - 1e-7)
-    nll = float(-np.mean(labels * np.log(clipped) + (1 - labels) * np.log1p(-clipped))) if scores.size else None
-    return {
-        "bag_auc": auc_or_none(labels, scores),
-        "bag_accuracy": float(np.mean((scores > threshold) == (labels == 1))) if scores.size else None,
-        "bag_nll": nll,
     }
 
 
@@ -530,7 +480,7 @@ def _non_finite_scores_error(model: torch.nn.Module, instances: InstanceSet, bag
     else:
         head = (f"the model gives NaN or infinite probabilities for {bags.size} of the {refresh_bags} positive "
                 f"training bags{of} at a pseudo-label refresh: {shown}, so their pseudo labels are undefined")
-    if not weights_finite(_core(model)):
+    if not weights_finite(core_module(model)):
         return TrainingDivergedError(f"{head}: the model's weights hold NaN or infinity (a diverged run). Fix: lower "
                                      "the learning rate (--lr), e.g. by 10x, and train again.")
     amp = runtime.amp_dtype is not None
@@ -540,56 +490,6 @@ def _non_finite_scores_error(model: torch.nn.Module, instances: InstanceSet, bag
         f"{f', or an overflow under mixed precision ({runtime.amp_dtype})' if amp else ''}. Fix: check those bags' "
         "inputs for extreme values and make them again (or leave those bags out)"
         f"{'; or run without mixed precision (--amp off)' if amp else ''}.")
-
-
-def selection_problem(val: InstanceSet, select_metric: str) -> str | None:
-    """Why ``select_metric`` can never be computed on ``val`` (so no epoch could be chosen for best.pt), or
-    None: bag AUC needs bags of both labels, instance AUC instance labels of both classes. ``bag_nll`` is
-    defined with one class."""
-    def only(values: np.ndarray) -> str:
-        return "normal (label 0)" if int(values.max(initial=0)) == 0 else "tumour (label 1)"
-
-    if select_metric == "bag_auc" and np.unique(val.bag_labels).size < 2:
-        which = ("the one validation slide (bag) is" if val.n_bags == 1
-                 else f"the {val.n_bags} validation slides (bags) are all")
-        return f"{which} {only(val.bag_labels)}: bag AUC cannot be computed"
-    if select_metric == "instance_auc":
-        if val.instance_labels is None:
-            return ("the validation slides have no instance labels (annotations; `wsi-milssl label`): instance AUC "
-                    "cannot be computed")
-        if np.unique(val.instance_labels).size < 2:
-            return (f"every instance (patch) of the validation slides is {only(val.instance_labels)}: instance AUC "
-                    "cannot be computed")
-    return None
-
-
-def _check_selectable(val: InstanceSet, config: TrainConfig) -> None:
-    """Refuse, before training, a validation set on which ``config.select_metric`` is never defined: the run
-    would train to the end without choosing a best.pt."""
-    problem = selection_problem(val, config.select_metric)
-    if problem is None:
-        return
-    more = ("label the validation slides (`wsi-milssl label STORES --annotations ...`) or choose another metric"
-            if val.instance_labels is None else "validate on slides of both classes (more validation slides; in a "
-            "pipeline more training slides of the missing class: its split holds out a slide of a class only from "
-            "two training slides of it on, whatever [data].val_fraction)")
-    names = ", ".join(val.bag_names[:5]) + (f" and {val.n_bags - 5} more" if val.n_bags > 5 else "")
-    raise ConfigError(f"validation slides {names}: {problem}, so no epoch could be chosen for best.pt "
-                      f"(select_metric {config.select_metric!r}). Fix: choose best.pt by the validation bag loss, "
-                      "which is defined with one class (--select-metric bag_nll; select_metric = \"bag_nll\" in "
-                      f"a pipeline's [train]), or {more}.")
-
-
-def selection_score(metrics: dict[str, Any], select_metric: str) -> tuple[float, float] | None:
-    """Higher is better; None when the metric is undefined (e.g. one class only)."""
-    nll = metrics.get("bag_nll")
-    tie = -nll if nll is not None else -math.inf
-    if select_metric == "bag_nll":
-        return None if nll is None else (-nll, 0.0)
-    value = metrics.get(select_metric)
-    if value is None:
-        return None
-    return (float(value), tie)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -610,49 +510,6 @@ class FitResult:
     out_dir: Path | None
     val_bag_scores: dict[int, np.ndarray] = field(default_factory=dict)
     val_probs: dict[int, np.ndarray] = field(default_factory=dict)
-
-
-def _data_fingerprint(instances: InstanceSet) -> str:
-    """The digest runs of earlier versions recorded (``data_fingerprint``: names, labels, bag ids and the first
-    4096 feature rows); still written and compared so that their checkpoints keep this check on resume.
-    :func:`data_digest` covers all of the data."""
-    h = hashlib.sha256()
-    h.update(json.dumps([instances.kind, instances.bag_names, instances.bag_labels.tolist(), len(instances)]).encode())
-    h.update(np.ascontiguousarray(instances.bag_ids).tobytes())
-    if instances.features is not None:
-        h.update(np.ascontiguousarray(instances.features[: min(len(instances), 4096)]).tobytes())
-    return h.hexdigest()[:16]
-
-
-def data_digest(instances: InstanceSet, *, instance_labels: bool = False) -> str:
-    """A digest of what training reads from ``instances`` (compared on resume, and between ranks): bag
-    names, bag labels and bag of every instance, and every feature row (kind 'features'), or for patch
-    stores (kind 'images') each store's patch count, every patch's coordinates and the stored bytes of its
-    first and last patch (the pixels come from the slide at those coordinates with the tiling settings, which
-    the checkpoint records apart): complete and cheap, a few reads per store whatever its size. With
-    ``instance_labels`` the instance labels too (a validation set that selects best.pt by instance AUC)."""
-    h = hashlib.sha256()
-    h.update(json.dumps([instances.kind, instances.bag_names, instances.bag_labels.tolist(), len(instances)]).encode())
-    h.update(np.ascontiguousarray(instances.bag_ids).tobytes())
-    if instances.features is not None:
-        h.update(np.ascontiguousarray(instances.features).tobytes())
-    if instances.kind == "images":
-        from wsi_milssl.store import open_store
-
-        for path in instances.store_paths or []:
-            with open_store(path) as store:
-                n = len(store)
-                h.update(f"{n}:{store.pixels}".encode())
-                h.update(np.ascontiguousarray(store.coords, dtype=np.int64).tobytes())
-                ends = sorted({0, n - 1}) if n else []
-                if store.pixels == "jpeg":
-                    for data in store.read_jpeg(ends):
-                        h.update(bytes(data))
-                elif ends:
-                    h.update(np.ascontiguousarray(store.read_patches(ends)).tobytes())
-    if instance_labels and instances.instance_labels is not None:
-        h.update(np.ascontiguousarray(instances.instance_labels).tobytes())
-    return h.hexdigest()[:24]
 
 
 def _checkpoint_config(config: TrainConfig, instances: InstanceSet, runtime: Runtime,
@@ -680,164 +537,6 @@ def _checkpoint_config(config: TrainConfig, instances: InstanceSet, runtime: Run
         "package_version": __version__,
     })
     return cfg
-
-
-def _json_default(value):
-    if isinstance(value, (np.floating, np.integer)):
-        return value.item()
-    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
-
-
-#: Redraw metrics.png at most this often (seconds); the last epoch is always drawn.
-PLOT_INTERVAL_S = 10.0
-
-
-def _write_metrics(out_dir: Path, history: list[dict[str, Any]], *, plots: bool) -> None:
-    lines = "".join(json.dumps(rec, default=_json_default, sort_keys=True) + "\n" for rec in history)
-    atomic_write_text(out_dir / "metrics.jsonl", lines)
-    if plots:
-        from wsi_milssl.mil.plots import plot_training_metrics
-
-        try:
-            plot_training_metrics(history, out_dir / "metrics.png")
-        except Exception as exc:  # a plot must never stop training
-            log.warning("could not draw %s: %s", out_dir / "metrics.png", exc)
-
-
-def _check_best(out: Path, last: dict[str, Any], best_epoch: int | None) -> None:
-    """On resume: make ``best.pt`` the epoch ``last.pt`` names as best where it can (runs of earlier
-    versions wrote last.pt first, so a kill between the two saves left best.pt stale or missing): the
-    best epoch is last.pt's own epoch -> best.pt is rewritten from it; otherwise a stale best.pt is
-    reported. A best.pt from an epoch after last.pt's (a kill after best.pt's save) is rewritten when
-    that epoch runs again."""
-    if best_epoch is None:
-        return
-    path = out / "best.pt"
-    held = None
-    if path.is_file():
-        try:
-            held = int(read_checkpoint(path).get("epoch", -1))
-        except CheckpointError:
-            held = None
-    if held == best_epoch or (held is not None and held > int(last["epoch"])):
-        return
-    if best_epoch == int(last["epoch"]):
-        save_checkpoint(best_checkpoint(last), path)
-        log.info("%s rewritten from last.pt (epoch %d, the best so far)", path, best_epoch)
-        return
-    log.warning("%s holds %s, not epoch %d that last.pt names as the best (a run killed between its two "
-                "saves by an earlier version); best.pt is replaced when a later epoch scores better, else use "
-                "last.pt or train again.", path, "nothing" if held is None else f"epoch {held}", best_epoch)
-
-
-#: The parts of a checkpoint only a resume reads (from last.pt): best.pt goes without them, half the size of an
-#: image model's checkpoint (SGD momentum or Adam's moments are as large as the weights).
-RESUME_ONLY = ("optimizer", "scheduler", "grad_scaler", "rng")
-
-
-def best_checkpoint(ckpt: dict[str, Any]) -> dict[str, Any]:
-    """``ckpt`` as best.pt holds it: the model, its settings, metrics and pseudo labels, without
-    :data:`RESUME_ONLY` (a run resumes from last.pt)."""
-    return {k: v for k, v in ckpt.items() if k not in RESUME_ONLY}
-
-
-#: What a run writes into its folder besides config.json (a fresh run removes an earlier run's).
-RUN_FILES = ("last.pt", "best.pt", "metrics.jsonl", "metrics.png")
-
-
-def existing_run_error(out: Path) -> ConfigError:
-    """The error for a fresh run into ``out`` that holds a run's ``last.pt`` (which the run would replace)."""
-    return ConfigError(f"{out} already holds a run (last.pt); pass --resume {out} (resume=True from Python) to "
-                       "continue it, or choose a new --out folder.")
-
-
-def _clear_earlier_run(out: Path) -> None:
-    """A fresh (not resumed) run into ``out``: remove the checkpoints, metrics and plot of an earlier run
-    there (a run killed in its first epoch, or another run's files copied in), which would otherwise stand
-    beside the new run's, and a best.pt of another run be taken for this one's (``heatmap --model RUN``)."""
-    found = [name for name in RUN_FILES if (out / name).is_file()]
-    if not found:
-        return
-    for name in found:
-        (out / name).unlink()
-    log.warning("%s: removed %s of an earlier run (this run starts fresh; `train --resume %s` continues a run).",
-                out, ", ".join(found), out)
-
-
-def _read_history(out_dir: Path, *, before_epoch: int) -> list[dict[str, Any]]:
-    path = out_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            rec = json.loads(line)
-            if int(rec.get("epoch", 0)) <= before_epoch:
-                out.append(rec)
-    return out
-
-
-#: The data digests of a run's config (:func:`data_digest`) and what they cover; a checkpoint of an earlier
-#: version lacks them, and resumes without that check.
-_DIGESTS = {"data_digest": "the training data", "val_data_digest": "the validation data"}
-
-
-def _other_weights(saved: str | None, current: str | None) -> bool:
-    """Whether a resume names other initial weights (``current``) than the run started from (``saved``,
-    its ``weights_path``): none against a file, or two files found that differ (SHA-256). The same file
-    spelt otherwise is the same; so is a run's file that is not found from here (recorded as typed by an
-    earlier version, or moved), as a resume does not read it: last.pt holds the whole model."""
-    if saved == current:
-        return False
-    if not saved or not current:
-        return True
-    before, now = Path(saved), Path(current)
-    if before.resolve() == now.resolve() or not (before.is_file() and now.is_file()):
-        return False
-    from wsi_milssl.features.encoders import file_sha256
-
-    return not os.path.samefile(before, now) and file_sha256(before) != file_sha256(now)
-
-
-def _check_resume_config(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
-    # a setting added after the run was saved ran at its default (which is the old behaviour)
-    defaults = {f.name: f.default for f in fields(TrainConfig) if f.default is not MISSING}
-    diffs = []
-    unchecked = [what for key, what in _DIGESTS.items() if key not in saved]
-    if unchecked:
-        log.info("%s was saved by an earlier version without a digest of all of %s: resuming without checking that "
-                 "those are unchanged.", path, " and ".join(unchecked))
-    for key, value in current.items():
-        if key in RUNTIME_ONLY_FIELDS or key in ("runtime", "package_version", "data", "distributed"):
-            continue
-        if key in _DIGESTS:
-            if key in saved and saved[key] != value:
-                diffs.append(f"{_DIGESTS[key]} changed since the run was saved (digest {saved[key]} -> {value})")
-            continue
-        if key == "epochs" and saved.get("scheduler", "none") == "none":
-            continue  # extending a constant-rate run keeps the first epochs identical
-        before = saved.get(key, defaults.get(key))
-        if key == "weights_path":
-            if _other_weights(before, value):
-                diffs.append(f"{key}: {before!r} -> {value!r}")
-            continue
-        if key == "store_settings" and isinstance(before, dict) and isinstance(value, dict):
-            # what the data record that a run saved by an earlier version did not (the feature files' settings):
-            # only what both record is compared; so within the feature files' settings (an earlier version
-            # recorded random encoder weights as '', not recorded, where they now read 'random')
-            value = {k: v for k, v in value.items() if k in before}
-            old_fs, new_fs = before.get("feature_settings"), value.get("feature_settings")
-            if isinstance(old_fs, dict) and isinstance(new_fs, dict):
-                recorded = {k for k, v in old_fs.items() if v not in ("", None)}
-                before = {**before, "feature_settings": {k: v for k, v in old_fs.items() if k in recorded}}
-                value = {**value, "feature_settings": {k: v for k, v in new_fs.items() if k in recorded}}
-        if json.dumps(before, sort_keys=True) != json.dumps(value, sort_keys=True):
-            diffs.append(f"{key}: {before!r} -> {value!r}")
-    if diffs:
-        raise CheckpointError(
-            f"{path}: cannot resume with different settings or data ({'; '.join(diffs[:4])}); resume with the "
-            "original settings and data (see config.json in the run folder) or start a new --out folder."
-        )
 
 
 def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
@@ -943,197 +642,6 @@ def fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike |
         return _fit(train, **kwargs)
 
 
-def _save_failed(out: Path, exc: OutputError, *, saved_epoch: int) -> OutputError:
-    """The error for a checkpoint or metrics write that failed (full disk, read-only): what happened,
-    and how to go on from the last complete checkpoint."""
-    if saved_epoch > 0 and (out / "last.pt").is_file():
-        then = (f"The run folder {out} keeps the checkpoint of epoch {saved_epoch} (last.pt): once there is "
-                f"space, continue with `wsi-milssl train --resume {out}`.")
-    else:
-        then = f"No epoch of this run was saved yet: start it again once {out} can be written."
-    return OutputError(f"{exc} {then}", errno=exc.errno)
-
-
-def _broadcast_buffers(model: torch.nn.Module, dist: DistContext) -> None:
-    """Rank 0's buffers (BatchNorm running statistics) on every rank: DistributedDataParallel sends
-    them before each forward, so after the last step the ranks differ by their own last update."""
-    import torch.distributed as tdist
-
-    for buffer in _core(model).buffers():
-        tdist.broadcast(buffer, src=0)
-
-
-def _combine_ranks(stats: dict[str, float], state: PseudoLabelState, order: torch.Tensor,
-                   dist: DistContext, model: torch.nn.Module) -> dict[str, float]:
-    """The epoch over all ranks: summed loss, steps of one rank (they take the same number), every
-    instance seen; rank 0's buffers on every rank; the probabilities each rank recorded for its
-    share, gathered into every rank's ``state.online_probs`` (instances no rank saw keep theirs)."""
-    loss_sum, seen = all_sum(stats["loss"] * stats["instances"], stats["instances"], ctx=dist)
-    _broadcast_buffers(model, dist)
-    mine = order.numpy()
-    gathered = gather_values(state.online_probs.numpy()[mine], mine, size=len(state.online_probs), ctx=dist)
-    update = torch.from_numpy(gathered)
-    keep = torch.isnan(update)
-    state.online_probs.copy_(torch.where(keep, state.online_probs, update))
-    return {"loss": loss_sum / max(seen, 1.0), "steps": stats["steps"], "instances": int(seen),
-            "refresh_seconds": stats["refresh_seconds"]}
-
-
-def _ranks_agree(model: torch.nn.Module, state: PseudoLabelState, dist: DistContext) -> bool:
-    """Whether every rank holds the same weights, buffers and pseudo labels (a digest per rank,
-    gathered); DistributedError when they do not, which would mean the ranks diverged."""
-    h = hashlib.sha256()
-    for key, value in sorted(model.state_dict().items()):
-        h.update(key.encode())
-        h.update(value.detach().float().cpu().contiguous().numpy().tobytes())
-    h.update(state.targets.numpy().tobytes())
-    digests = [None] * dist.world_size
-    import torch.distributed as tdist
-
-    tdist.all_gather_object(digests, h.hexdigest())
-    if len(set(digests)) != 1:
-        raise DistributedError(f"rank {dist.rank}: the {dist.world_size} ranks hold different weights or pseudo labels "
-                               f"after an epoch ({', '.join(d[:8] for d in digests)}). Fix: this is a bug; report it "
-                               "with the run's config.json, and train with one process meanwhile.")
-    return True
-
-
-def _same_inputs(config: TrainConfig, train: InstanceSet, val: InstanceSet | None, *, resume: bool,
-                 eval_at: Sequence[int] | None, dist: DistContext, digests: dict[str, str | None] | None = None) -> None:
-    """Refuse on every rank, with one error naming what differs, when the ranks were not given the same
-    settings and data (torchrun runs one command on every rank, but each node of a multi-node run is
-    started by hand): different labels or epochs made the ranks fail later with raw tracebacks or lost
-    peers. Runtime-only settings (threads, workers, device, ...) may differ."""
-    if not dist.enabled:
-        return
-    settings = {k: v for k, v in config_to_dict(config).items() if k not in RUNTIME_ONLY_FIELDS}
-    settings.update(resume=resume, eval_at=None if eval_at is None else sorted(int(e) for e in eval_at))
-    if config.weights_path and Path(config.weights_path).is_file():  # the file, however each node spells it
-        from wsi_milssl.features.encoders import file_sha256
-
-        settings["weights_path"] = f"weights of SHA-256 {file_sha256(Path(config.weights_path))[:12]}"
-
-    if digests is None:
-        digests = {"data_digest": data_digest(train), "val_data_digest": None if val is None else data_digest(val)}
-
-    def data(s: InstanceSet | None, digest: str | None) -> str | None:
-        return None if s is None else (f"{s.n_bags} bags ({int((s.bag_labels == 1).sum())} positive), {len(s)} "
-                                       f"instances, digest {digest}")
-
-    mine = {**{k: json.dumps(v, sort_keys=True, default=str) for k, v in settings.items()},
-            "training data": data(train, digests["data_digest"]),
-            "validation data": data(val, digests["val_data_digest"])}
-    every: list = [None] * dist.world_size
-    import torch.distributed as tdist
-
-    tdist.all_gather_object(every, mine)
-    for rank, theirs in enumerate(every[1:], start=1):
-        diffs = [f"{k} {theirs.get(k)} vs {v}" for k, v in every[0].items() if theirs.get(k) != v]
-        if diffs:
-            raise DistributedError(
-                f"rank {dist.rank}: rank {rank}'s settings or data differ from rank 0's: {'; '.join(diffs[:4])}. "
-                "Fix: give every rank the same command (the same inputs, labels, validation set and settings).")
-
-
-def _lost_peer(exc: RuntimeError, dist: DistContext, epoch: int | None, out: Path | None,
-               when: str | None = None) -> BaseException:
-    """A failed collective (a rank died or was killed): one clear error naming the epoch (None: before
-    the first), or ``when`` it happened, and how to continue; other RuntimeErrors pass as they are."""
-    if not dist.enabled:
-        return exc
-    text = str(exc)
-    markers = ("connection", "peer", "gloo", "nccl", "timed out", "timeout", "broken pipe", "closed", "socket")
-    if not any(m in text.lower() for m in markers):
-        return exc
-    if when is None:
-        when = "before training started" if epoch is None else f"during epoch {epoch + 1}"
-    check = "find why the other rank stopped (its log)"
-    if out is not None and (out / "last.pt").is_file():
-        then = (f"; {out} keeps the checkpoint of the last finished epoch. Fix: {check}, then continue with "
-                f"`torchrun ... wsi-milssl train --resume {out}` (any number of processes; the global batch is "
-                "--batch-size x processes).")
-    elif out is not None:
-        then = f"; no epoch was saved. Fix: {check}, then start the run again with the same command (the same --out)."
-    else:
-        then = "."
-    return DistributedError(f"rank {dist.rank}: lost the other ranks {when} ({text.splitlines()[0]}){then}")
-
-
-@contextmanager
-def _peer_guard(dist: DistContext, epoch: int | None, out: Path | None, when: str | None = None):
-    """Around collectives: a lost rank becomes :func:`_lost_peer`'s one error."""
-    try:
-        yield
-    except RuntimeError as exc:
-        error = _lost_peer(exc, dist, epoch, out, when)
-        if error is exc:
-            raise
-        raise error from None
-
-
-def _warn_other_world_size(path: Path, ckpt: dict[str, Any], config: TrainConfig, dist: DistContext,
-                           start_epoch: int) -> None:
-    """On resume: warn when the run continues on another number of ranks than the one that saved ``path``
-    (its config's "distributed" world size): the global batch is ``batch_size x world size``, so the
-    steps of an epoch change from here on (each epoch's world size is in metrics.jsonl)."""
-    saved = (ckpt.get("config") or {}).get("distributed") or {}
-    before = saved.get("world_size") if isinstance(saved, dict) else None
-    if not isinstance(before, int) or isinstance(before, bool) or before < 1 or before == dist.world_size:
-        return
-    b = config.batch_size
-    log.warning("%s: epochs up to %d ran on %d rank(s) with a global batch of %d (--batch-size %d x %d), this resume "
-                "runs on %d with a global batch of %d, so the steps per epoch change from epoch %d on. Fix: to keep "
-                "the global batch, resume with %d rank(s) (torchrun: nodes x --nproc-per-node).", path, start_epoch,
-                before, b * before, b, before, dist.world_size, b * dist.world_size, start_epoch + 1, before)
-
-
-def _check_shareable(train: InstanceSet, model: torch.nn.Module, dist: DistContext) -> None:
-    """Refuse (ConfigError, on every rank) a training set too small to give every rank a step: with fewer
-    instances than ranks (than twice the ranks for models with BatchNorm, which never train on a batch
-    of one: :func:`without_lone_last`) every epoch's last global batch is all there is and is dropped
-    (:func:`~wsi_milssl.distributed.rank_share`), so no rank would take a step and every epoch would
-    report a loss of 0."""
-    if not dist.enabled:
-        return
-    per_rank = 2 if normalises_batches(model) else 1
-    n, world = len(train), dist.world_size
-    if n >= per_rank * world:
-        return
-    why = " (the model's BatchNorm layers cannot normalise a batch of one)" if per_rank == 2 else ""
-    most = n // per_rank
-    fix = (f"fewer ranks (at most {most}: torchrun's nodes x --nproc-per-node)" if most > 1
-           else "train with one process (without torchrun)")
-    raise ConfigError(f"{train.source}: {n} training instances cannot be shared by {world} ranks: each rank needs "
-                      f"at least {per_rank} per step{why}, so no step would be taken. Fix: {fix}, or more training "
-                      "instances.")
-
-
-def _saved_by_rank0(dist: DistContext, epoch: int, out: Path | None, *, failed: bool) -> None:
-    """After rank 0 wrote an epoch's files (``failed``: it could not), every rank learns whether it did (a
-    collective of every rank; nothing with one process): the other ranks stop with rank 0 instead of
-    going on to the next epoch, where they would only find rank 0 gone and name that epoch. After the
-    last epoch it is also what keeps every rank until rank 0's files are complete."""
-    if not dist.enabled:
-        return
-    with _peer_guard(dist, epoch, out, when=f"while rank 0 saved epoch {epoch + 1}"):
-        (failures,) = all_sum(1.0 if failed and dist.is_main else 0.0, ctx=dist)
-    if failures and not dist.is_main:
-        where = f"the run folder {out}" if out is not None else "the run folder"
-        raise DistributedError(f"rank {dist.rank}: stopped with rank 0, which could not write {where} after epoch "
-                               f"{epoch + 1}; rank 0's error says why and how to continue.")
-
-
-def missing_checkpoint_error(run_dir: Path) -> CheckpointError:
-    """The error for a resume from ``run_dir`` without ``last.pt``: a run stopped before it saved its first
-    epoch leaves ``config.json`` (and maybe ``metrics.jsonl``) without it, and is started again instead."""
-    if (run_dir / "config.json").is_file():
-        return CheckpointError(f"{run_dir}: last.pt is missing: the run there never finished an epoch (last.pt is "
-                               "saved at the end of each), so there is nothing to resume. Fix: start the run again "
-                               "with its command into the same --out (without --resume); it starts from epoch 1.")
-    return CheckpointError(f"{run_dir}: no last.pt to resume from; start the run without resume (--resume) or pass "
-                           "the folder of an earlier run.")
-
-
 def _shared_bags(train: InstanceSet, val: InstanceSet) -> list[str]:
     """Validation bags that are also training bags (those :func:`~wsi_milssl.mil.data.held_out_bags` does
     not hold out)."""
@@ -1160,26 +668,6 @@ def _warn_mu_not_reached(config: TrainConfig, *, resume: bool = False) -> None:
                 "epochs (paper eq. 10, warm-up epochs included) and reaches μ at epoch %d, but the run trains %d "
                 "epoch(s), the last at μ_t = %.4f. Fix: %s.", config.mu, config.mu_ramp_epochs,
                 config.mu_ramp_epochs + 1, config.epochs, last, fix)
-
-
-def _resume_checkpoint(out: Path, ckpt_config: dict[str, Any], config: TrainConfig) -> dict[str, Any]:
-    """The run's ``last.pt``, checked for a resume: complete, saved with the data and settings of
-    ``ckpt_config`` (the run now), and not beyond ``config.epochs``. ``ckpt_config`` then records the
-    run's own ``weights_path`` (a resume does not read the initial weights, whatever their spelling now)."""
-    path = out / "last.pt"
-    if not path.is_file():
-        raise missing_checkpoint_error(out)
-    ckpt = read_checkpoint(path, fix=RESUME_FIX)
-    check_resume_parts(ckpt, path)
-    _check_resume_config(ckpt["config"], ckpt_config, path)
-    ckpt_config["weights_path"] = ckpt["config"].get("weights_path")
-    start_epoch = int(ckpt["epoch"])
-    if config.epochs < start_epoch:
-        raise ConfigError(f"{path} holds {start_epoch} trained epochs, more than the {config.epochs} asked for "
-                          "(--epochs); a resume cannot go back, and the run is left as it is. Fix: resume with "
-                          f"--epochs {start_epoch} or more, or train again into a new --out with --epochs "
-                          f"{config.epochs}.")
-    return ckpt
 
 
 def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike | None,

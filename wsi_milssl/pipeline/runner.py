@@ -307,7 +307,7 @@ def _validation_score(result, select_metric: str, run_dir: Path | None = None) -
     """The validation score of ``result``'s best epoch (None without one): from its metrics record, or,
     when ``metrics.jsonl`` lacks that record (a run killed between its writes), from the score the
     run folder's checkpoints recorded; else one WsiMilsslError naming the folder and the fix."""
-    from wsi_milssl.mil.selftrain import selection_score
+    from wsi_milssl.mil.scores import selection_score
 
     if result.best_epoch is None:
         return None
@@ -495,10 +495,10 @@ SUGGESTED_VAL_FRACTION = 0.25
 
 def _selection_problem(configs: list, val: list[str], labels) -> tuple[str, str] | None:
     """(select_metric, why) for the first of ``configs``' select metrics that the validation slides or bags
-    ``val`` can never give, as far as their labels tell: :func:`wsi_milssl.mil.selftrain.selection_problem` (bag
+    ``val`` can never give, as far as their labels tell: :func:`wsi_milssl.mil.scores.selection_problem` (bag
     AUC needs both classes). instance_auc is left to train: instance labels are known only once label has run."""
     from wsi_milssl.mil.data import InstanceSet
-    from wsi_milssl.mil.selftrain import selection_problem
+    from wsi_milssl.mil.scores import selection_problem
 
     bags = InstanceSet(kind="images", bag_ids=np.zeros(0, dtype=np.int64), bag_names=list(val),
                        bag_labels=np.array([int(labels[s]) for s in val], dtype=np.int64))
