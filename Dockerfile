@@ -14,9 +14,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 WORKDIR /opt/wsi-milssl
 
 # 1. The dependencies alone, from pyproject.toml: this layer is rebuilt when they change, not when the code does.
-#    torch is pinned to the base image's version, so pip keeps it.
+#    torch is pinned to the base image's version, so pip keeps it. EXTRAS: optional dependency groups, comma-separated
+#    (docker build --build-arg EXTRAS=timm -t wsi-milssl . for `features --encoder timm:NAME`).
+ARG EXTRAS=""
 COPY pyproject.toml ./
-RUN python -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; open('/tmp/requirements.txt', 'w').write('\n'.join(deps) + '\n')" \
+RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; deps = p['dependencies'] + [d for e in '${EXTRAS}'.split(',') if e for d in p['optional-dependencies'][e]]; open('/tmp/requirements.txt', 'w').write('\n'.join(deps) + '\n')" \
     && pip install --no-cache-dir "torch==2.14.1" -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
 

@@ -49,3 +49,20 @@ def test_dependencies_are_a_layer_before_the_code_and_torch_is_pinned_to_the_tes
     assert base.startswith(f"{tested}-cuda"), (base, tested)
     assert f'"torch=={tested}"' in text
     assert "COPY pipelines ./pipelines" in text and "WORKDIR /opt/wsi-milssl" in text
+
+
+def test_the_dependency_layer_installs_the_extras_given_at_build_time(tmp_path):
+    """`--build-arg EXTRAS=timm` adds the timm group to the dependencies the first layer installs; without it the
+    layer installs the project's dependencies alone. The recipe's own Python line runs here, on this pyproject."""
+    import sys
+    import tomllib
+
+    text = (ROOT / "Dockerfile").read_text()
+    code = re.search(r'RUN python -c "(.*?)" \\', text).group(1)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    for extras, expected in (("", project["dependencies"]),
+                             ("timm", project["dependencies"] + project["optional-dependencies"]["timm"])):
+        script = code.replace("${EXTRAS}", extras).replace("/tmp/requirements.txt", str(tmp_path / "req.txt"))
+        subprocess.run([sys.executable, "-c", script], cwd=tmp_path, check=True)
+        assert (tmp_path / "req.txt").read_text().split() == expected
