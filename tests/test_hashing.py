@@ -26,7 +26,7 @@ def test_missing_file_raises_oserror(tmp_path):
 
 
 def test_every_call_site_uses_it_and_gives_the_same_digest(tmp_path):
-    from wsi_milssl.cohorts import prepare
+    from wsi_milssl.cohorts import checks, write
     from wsi_milssl.features import encoders
     from wsi_milssl.labeling import stage as label_stage
     from wsi_milssl.pipeline import stamps
@@ -35,9 +35,9 @@ def test_every_call_site_uses_it_and_gives_the_same_digest(tmp_path):
     path = tmp_path / "a.xml"
     path.write_bytes(data)
     expected = hashlib.sha256(data).hexdigest()
-    for module in (prepare, stamps, label_stage):
+    for module in (checks, write, stamps, label_stage):
         assert not hasattr(module, "_sha256"), module.__name__
-    assert label_stage.file_sha256 is prepare.file_sha256 is stamps.file_sha256 is file_sha256
-    assert prepare._file_sha256(path) == expected
+    assert label_stage.file_sha256 is checks.file_sha256 is write.file_sha256 is stamps.file_sha256 is file_sha256
+    assert write._file_sha256(path) == expected
     assert stamps._file_identity(path, with_sha256=True)[2] == expected
     assert encoders.file_sha256(path) == encoders.file_sha256(path) == expected  # the second from the cache
