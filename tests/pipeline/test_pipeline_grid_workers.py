@@ -4,6 +4,7 @@ point at a time (issue 13 item 3; on a GPU machine "auto" puts one point on each
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,11 +18,12 @@ from wsi_milssl.errors import ConfigError
 from wsi_milssl.pipeline import load_pipeline
 from wsi_milssl.pipeline.runner import grid_worker_count
 
+# tiled at 5x, not the shared tables' 10x: a quarter of the patches, the same claim
 PIPELINE = """
 [pipeline]
 name = "grid"
 grid_workers = {workers}
-""" + GENERATED_SLIDES + """[train]
+""" + GENERATED_SLIDES.replace("magnification = 10.0", "magnification = 5.0") + """[train]
 mode = "images"
 model = "resnet18"
 epochs = 2
@@ -40,23 +42,42 @@ import sys
 from wsi_milssl.pipeline import load_pipeline, run_pipeline
 outcomes = run_pipeline(load_pipeline(sys.argv[1], out_dir=sys.argv[2]), until="train")
 print([o.summary for o in outcomes if o.stage == "train"][0])
+print([(o.stage, o.status) for o in outcomes])
 """
 
 
-def _run(tmp_path: Path, workers: int) -> tuple[Path, str]:
+def _run(tmp_path: Path, workers: int, out: Path | None = None) -> tuple[Path, str]:
     toml = tmp_path / f"grid{workers}.toml"
     toml.write_text(PIPELINE.format(workers=workers))
-    out = tmp_path / f"out{workers}"
+    out = out or tmp_path / f"out{workers}"
     done = subprocess.run([sys.executable, "-c", RUNNER, str(toml), str(out)], capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     return out, done.stdout
 
 
-def test_grid_points_at_once_give_the_runs_of_one_at_a_time(tmp_path):
-    one, summary_one = _run(tmp_path, 1)
-    two, summary_two = _run(tmp_path, 2)
+def _seed(reference: Path, out: Path) -> None:
+    """Start ``out`` with the slides, stores and labels of ``reference`` (their folders and stamps, the stamps'
+    paths moved to ``out``): a run into ``out`` then only trains (the stages before are the same either way)."""
+    (out / ".pipeline").mkdir(parents=True)
+    for stage, folder in (("synth", "slides"), ("tile", "stores"), ("label", "labels")):
+        shutil.copytree(reference / folder, out / folder, symlinks=True)
+        stamp = (reference / ".pipeline" / f"{stage}.json").read_text()
+        (out / ".pipeline" / f"{stage}.json").write_text(stamp.replace(str(reference), str(out)))
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(tmp_path_factory) -> tuple[Path, str]:
+    """A run of the grid one point at a time (every stage up to train), and its output."""
+    return _run(tmp_path_factory.mktemp("grid"), 1)
+
+
+def test_grid_points_at_once_give_the_runs_of_one_at_a_time(one_at_a_time, tmp_path):
+    one, summary_one = one_at_a_time
+    _seed(one, tmp_path / "out2")
+    two, summary_two = _run(tmp_path, 2, tmp_path / "out2")
     assert "grid of 2 in" in summary_two and "chose" in summary_two
+    assert "('synth', 'skipped'), ('tile', 'skipped'), ('label', 'skipped'), ('train', 'ran')" in summary_two
     assert json.loads((one / "model" / "grid.json").read_text()) == json.loads((two / "model" / "grid.json").read_text())
     for ckpt in ("model/best.pt", "model/grid/mu-0.1/last.pt", "model/grid/mu-0.2/last.pt"):
         a = torch.load(one / ckpt, map_location="cpu", weights_only=True)["model"]
@@ -77,11 +98,12 @@ def test_grid_workers_setting(tmp_path):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_grid_trainers_of_a_killed_run_end(tmp_path):
+def test_grid_trainers_of_a_killed_run_end(one_at_a_time, tmp_path):
     """A `run` killed while its grid points train at once: the trainers used to run on under pid 1, writing
     checkpoints into the run folders that the next `run` resumes; now they end within seconds."""
     toml = tmp_path / "grid.toml"
     toml.write_text(PIPELINE.format(workers=2).replace("epochs = 2", "epochs = 200"))
+    _seed(one_at_a_time[0], tmp_path / "out")  # the run goes to training at once
     left = workers_left_after_kill([sys.executable, "-c", RUNNER, str(toml), str(tmp_path / "out")],
                                    n_workers=2, start_s=300, settle_s=3)  # settled: initializers have run
     assert left == [], "the grid's trainers outlived the killed run"
