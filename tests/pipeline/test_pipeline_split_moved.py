@@ -18,6 +18,8 @@ from wsi_milssl.config import SynthConfig
 from wsi_milssl.pipeline import load_pipeline, run_pipeline
 from wsi_milssl.synth import generate_slides
 
+# tiled at 5x (the other pipeline tests: 10x): a quarter of the patches; these tests are about which slides' files
+# the stages read, not how many patches they hold
 PIPELINE = """
 [pipeline]
 name = "moved"
@@ -30,7 +32,7 @@ test_labels = "cohort/test_labels.csv"
 test_annotations = "slides"
 val_fraction = 0.0
 [tile]
-magnification = 10.0
+magnification = 5.0
 patch_size_px = 32
 entropy_threshold_bits = 4.0
 min_tissue = 0.5
