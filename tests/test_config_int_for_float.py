@@ -62,7 +62,7 @@ smooth_um = 50.0
 
 
 def test_a_set_int_gives_the_stamp_digest_of_the_files_float(tmp_path):
-    from wsi_milssl.pipeline.runner import _stage_settings
+    from wsi_milssl.pipeline.digests import stage_settings
     from wsi_milssl.pipeline.stamps import stamp_digest
 
     path = tmp_path / "p.toml"
@@ -70,6 +70,6 @@ def test_a_set_int_gives_the_stamp_digest_of_the_files_float(tmp_path):
     as_float = load_pipeline(path)
     as_int = load_pipeline(path, overrides=["tile.magnification=10", "heatmap.smooth_um=50"])
     for stage in ("tile", "heatmap"):
-        assert stamp_digest(_stage_settings(as_int, stage), {}) == stamp_digest(_stage_settings(as_float, stage), {})
+        assert stamp_digest(stage_settings(as_int, stage), {}) == stamp_digest(stage_settings(as_float, stage), {})
     other = load_pipeline(path, overrides=["tile.magnification=20"])
-    assert _stage_settings(other, "tile") != _stage_settings(as_float, "tile")
+    assert stage_settings(other, "tile") != stage_settings(as_float, "tile")

@@ -8,7 +8,7 @@ from tinypipeline import feature_bags
 from wsi_milssl.cli.train import _expand_feature_inputs
 from wsi_milssl.features.schema import feature_files_in
 from wsi_milssl.inference.feature_maps import find_feature_files
-from wsi_milssl.pipeline.runner import _feature_files
+from wsi_milssl.pipeline.digests import feature_files
 
 
 def test_the_commands_and_the_pipeline_read_the_same_files_of_a_folder(tmp_path):
@@ -19,6 +19,6 @@ def test_the_commands_and_the_pipeline_read_the_same_files_of_a_folder(tmp_path)
     (folder / ".bag_04.h5").write_bytes((folder / "bag_03.h5").read_bytes())  # a writer's hidden file
     expected = [folder / "bag_00.h5", folder / "bag_01.HDF5", folder / "bag_02.hdf5", folder / "bag_03.h5"]
     assert feature_files_in(folder) == expected
-    assert _feature_files(folder) == expected
+    assert feature_files(folder) == expected
     assert find_feature_files([folder]) == expected
     assert _expand_feature_inputs([folder]) == expected

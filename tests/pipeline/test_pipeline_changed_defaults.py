@@ -13,7 +13,7 @@ import pytest
 
 from tinypipeline import FEATURE_BAGS, feature_bags
 from wsi_milssl.config import train as train_config
-from wsi_milssl.pipeline import load_pipeline, run_pipeline, runner, stamps
+from wsi_milssl.pipeline import digests, load_pipeline, run_pipeline, stamps
 
 PIPELINE = """
 [pipeline]
@@ -56,8 +56,8 @@ def _stamps_of_the_changed_form(root) -> None:
     for stage in ("train", "evaluate"):
         stamp = json.loads((state / f"{stage}.json").read_text())
         assert stamp.pop(stamps.SETTINGS_FORM) == "all"
-        settings, inputs = runner._digest_parts(spec, stage, chain, state, form="changed")
-        named = runner._setting_names(stage, settings)
+        settings, inputs = digests.digest_parts(spec, stage, chain, state, form="changed")
+        named = digests.setting_names(stage, settings)
         chain[stage] = stamp["digest"] = stamps.stamp_digest(named, inputs)
         stamp["settings"], stamp["inputs"] = json.loads(json.dumps(named)), json.loads(json.dumps(inputs))
         (state / f"{stage}.json").write_text(json.dumps(stamp))
@@ -85,7 +85,7 @@ def test_stamps_of_the_earlier_form_stay_up_to_date_and_know_their_defaults(root
     # the default changed, and EARLIER_DEFAULTS says what it was: a setting at the old default left out of the
     # stamp is that value, so a pipeline that spells it out is up to date and one that leaves it out is not
     _new_default_lr(monkeypatch, 0.05)
-    monkeypatch.setitem(runner.EARLIER_DEFAULTS, "train", {"lr": 1e-3})
+    monkeypatch.setitem(digests.EARLIER_DEFAULTS, "train", {"lr": 1e-3})
     assert {status for status, _ in _run(root, "train.lr=0.001").values()} == {"skipped"}
     outcomes = _run(root)
     assert outcomes["train"] == ("ran", "settings changed: train.lr")
@@ -110,11 +110,11 @@ def test_image_modes_new_default_t_is_a_change_for_stamps_of_the_earlier_form(tm
     def changed_form(text: str, name: str) -> dict:
         (tmp_path / name).write_text('[pipeline]\nname = "t"\n' + text)
         spec = load_pipeline(tmp_path / name, out_dir=tmp_path / "out")
-        return runner._stage_settings(spec, "train", form="changed")["section"]
+        return digests.stage_settings(spec, "train", form="changed")["section"]
 
     assert changed_form(GENERATED_SLIDES, "a.toml")["mu_ramp_epochs"] == 5
     assert "mu_ramp_epochs" not in changed_form(GENERATED_SLIDES + "[train]\nmu_ramp_epochs = 10\n", "b.toml")
     assert "mu_ramp_epochs" not in changed_form(FEATURE_BAGS, "c.toml")
     (tmp_path / "d.toml").write_text('[pipeline]\nname = "t"\n' + GENERATED_SLIDES)
     spec = load_pipeline(tmp_path / "d.toml", out_dir=tmp_path / "out")
-    assert runner._stage_settings(spec, "train")["section"]["mu_ramp_epochs"] == 5  # the form stamps record now
+    assert digests.stage_settings(spec, "train")["section"]["mu_ramp_epochs"] == 5  # the form stamps record now

@@ -137,13 +137,13 @@ def test_stamps_of_a_setting_spelled_as_an_int_stay_up_to_date(out):
     """Before configs made ints of float settings floats (0950977), ``magnification = 10`` was recorded as 10, and
     its digest differs from 10.0's: every stage of such a pipeline would run again after the upgrade (hours on a
     real cohort). Stamps that recorded the same values (10 == 10.0) keep their digests and stay up to date."""
-    from wsi_milssl.pipeline import runner
+    from wsi_milssl.pipeline import digests
 
     spec = load_pipeline(out.parent / "changed.toml", out_dir=out)
     state = out / ".pipeline"
     chain = {}
     for stage in ("synth", "tile", "label", "train", "heatmap", "evaluate"):  # the stamps an int spelling wrote
-        settings, inputs = runner._digest_parts(spec, stage, chain, state, form="all")
+        settings, inputs = digests.digest_parts(spec, stage, chain, state, form="all")
         stamp = json.loads((state / f"{stage}.json").read_text())
         if stage == "tile":
             assert settings["section"]["magnification"] == 10.0

@@ -78,13 +78,13 @@ def test_a_label_group_that_evaluate_carves_out_is_one_error(tmp_path, evaluated
 def test_heatmap_outlines_take_the_label_stage_s_groups(tmp_path):
     """The overlays outlined the annotations with CAMELYON16's groups whatever [label] said (a QuPath
     'Metastasis' cohort got no outline); [heatmap]'s own groups win."""
-    from wsi_milssl.pipeline.runner import _with_label_settings
+    from wsi_milssl.pipeline.digests import with_label_settings
 
-    config = _with_label_settings(_spec(tmp_path, LABEL), "heatmap")
+    config = with_label_settings(_spec(tmp_path, LABEL), "heatmap")
     assert config.tumor_groups == ("Metastasis",) and config.non_tumor_groups == ("Exclusion",)
-    own = _with_label_settings(_spec(tmp_path, LABEL + '[heatmap]\ntumor_groups = ["Tumor"]\n'), "heatmap")
+    own = with_label_settings(_spec(tmp_path, LABEL + '[heatmap]\ntumor_groups = ["Tumor"]\n'), "heatmap")
     assert own.tumor_groups == ("Tumor",) and own.non_tumor_groups == ("Exclusion",)
-    assert _with_label_settings(_spec(tmp_path, ""), "heatmap").tumor_groups == ("_0", "_1", "Tumor")
+    assert with_label_settings(_spec(tmp_path, ""), "heatmap").tumor_groups == ("_0", "_1", "Tumor")
 
 
 def test_heatmap_outlines_are_read_with_the_configured_groups(tmp_path):
@@ -133,14 +133,14 @@ def test_default_outline_groups_keep_the_heatmap_fingerprint_of_earlier_versions
 def test_the_evaluate_stamp_counts_the_label_settings_it_takes(tmp_path):
     """A pipeline evaluated by an earlier version with CAMELYON16's groups although [label] named others
     evaluates again; one with [label]'s defaults keeps its digest."""
-    from wsi_milssl.pipeline.runner import _stage_settings
+    from wsi_milssl.pipeline.digests import stage_settings
 
     taken = {"tumor_groups": ["Metastasis"], "non_tumor_groups": ["Exclusion"], "positive_fraction": 0.5}
-    section = _stage_settings(_spec(tmp_path, LABEL), "evaluate")["section"]
+    section = stage_settings(_spec(tmp_path, LABEL), "evaluate")["section"]
     assert {k: section[k] for k in taken} == taken
     # as the stamps of the earlier form recorded it: the settings that differ from their defaults
-    assert _stage_settings(_spec(tmp_path, ""), "evaluate", form="changed") == {"section": {}}
-    assert _stage_settings(_spec(tmp_path, LABEL), "evaluate", form="changed") == {"section": taken}
+    assert stage_settings(_spec(tmp_path, ""), "evaluate", form="changed") == {"section": {}}
+    assert stage_settings(_spec(tmp_path, LABEL), "evaluate", form="changed") == {"section": taken}
 
 
 def test_a_group_clash_with_label_is_refused_before_any_stage_runs(tmp_path):
@@ -163,14 +163,14 @@ def test_evaluate_measures_at_the_tile_stage_s_slide_mpp(tmp_path, evaluated_wit
     """[tile] slide_mpp cuts the slides at that µm/px: the evaluation measures their lesions at it (it took the
     slide's metadata); [evaluate]'s own mpp wins (and evaluate refuses one that the heatmaps contradict). The
     evaluate stamp counts it: an evaluation made at the metadata's µm/px runs again."""
-    from wsi_milssl.pipeline.runner import _stage_settings
+    from wsi_milssl.pipeline.digests import stage_settings
 
     assert evaluated_with(_spec(tmp_path, "slide_mpp = 0.5\n")).mpp == 0.5  # a key of GENERATED_SLIDES' [tile]
     assert evaluated_with(_spec(tmp_path, "slide_mpp = 0.5\n[evaluate]\nmpp = 0.3\n")).mpp == 0.3
     assert evaluated_with(_spec(tmp_path, "")).mpp is None
-    assert _stage_settings(_spec(tmp_path, "slide_mpp = 0.5\n"), "evaluate")["section"]["mpp"] == 0.5
-    assert _stage_settings(_spec(tmp_path, ""), "evaluate")["section"]["mpp"] is None
-    assert _stage_settings(_spec(tmp_path, "slide_mpp = 0.5\n"), "evaluate", form="changed") == {"section": {"mpp": 0.5}}
+    assert stage_settings(_spec(tmp_path, "slide_mpp = 0.5\n"), "evaluate")["section"]["mpp"] == 0.5
+    assert stage_settings(_spec(tmp_path, ""), "evaluate")["section"]["mpp"] is None
+    assert stage_settings(_spec(tmp_path, "slide_mpp = 0.5\n"), "evaluate", form="changed") == {"section": {"mpp": 0.5}}
 
 
 def test_a_pipeline_with_a_slide_mpp_evaluates_every_slide_at_it(tmp_path):

@@ -97,16 +97,16 @@ def test_resolved_pipeline_of_a_feature_pipeline_trains_on_features(toml, tmp_pa
 
 
 def test_stage_digests_cover_settings_not_their_spelling(tmp_path):
-    from wsi_milssl.pipeline.runner import _stage_settings
+    from wsi_milssl.pipeline.digests import stage_settings
 
     base = load_pipeline(_write(tmp_path / "a.toml", PIPELINE))
     explicit = load_pipeline(_write(tmp_path / "b.toml", PIPELINE.replace("epochs = 3", "epochs = 3\nlam = 25.0")))
     changed = load_pipeline(_write(tmp_path / "c.toml", PIPELINE.replace("epochs = 3", "epochs = 3\nlam = 10.0")))
-    assert _stage_settings(explicit, "train") == _stage_settings(base, "train")  # a default spelled out
-    assert _stage_settings(changed, "train") != _stage_settings(base, "train")
-    assert _stage_settings(explicit, "train", form="legacy") != _stage_settings(base, "train", form="legacy")
+    assert stage_settings(explicit, "train") == stage_settings(base, "train")  # a default spelled out
+    assert stage_settings(changed, "train") != stage_settings(base, "train")
+    assert stage_settings(explicit, "train", form="legacy") != stage_settings(base, "train", form="legacy")
     for form in ("all", "changed"):
-        assert _stage_settings(explicit, "train", form=form) == _stage_settings(base, "train", form=form)
+        assert stage_settings(explicit, "train", form=form) == stage_settings(base, "train", form=form)
 
 
 def _write(path, text):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 from wsi_milssl.pipeline import load_pipeline
-from wsi_milssl.pipeline.runner import _external_inputs, _stage_settings
+from wsi_milssl.pipeline.digests import external_inputs, stage_settings
 
 PIPELINE = """
 [pipeline]
@@ -42,29 +42,29 @@ def test_speed_only_settings_leave_the_digest_alone(tmp_path):
                            overrides=["tile.workers=4", "tile.threads=8", "heatmap.batch_size=512"])
     other = load_pipeline(tmp_path / "p.toml", out_dir=tmp_path / "out", overrides=["tile.patch_size_px=128"])
     for stage in ("tile", "heatmap"):
-        assert _stage_settings(faster, stage) == _stage_settings(spec, stage)
-    assert _stage_settings(other, "tile") != _stage_settings(spec, "tile")
+        assert stage_settings(faster, stage) == stage_settings(spec, stage)
+    assert stage_settings(other, "tile") != stage_settings(spec, "tile")
 
 
 def test_small_inputs_count_by_content(tmp_path):
     spec = _cohort(tmp_path)
-    before = _external_inputs(spec, "label")
+    before = external_inputs(spec, "label")
     xml = tmp_path / "cohort" / "annotations" / "a.xml"
     xml.write_text(xml.read_text())  # written again, same bytes (prepare run again)
     os.utime(tmp_path / "cohort" / "test_labels.csv", ns=(1, 1))  # touched
-    assert _external_inputs(spec, "label") == before
+    assert external_inputs(spec, "label") == before
     xml.write_text("<ASAP_Annotations><Annotations/></ASAP_Annotations>")
-    assert _external_inputs(spec, "label") != before
+    assert external_inputs(spec, "label") != before
 
 
 def test_the_slides_a_list_names_count(tmp_path):
     spec = _cohort(tmp_path)
-    before = _external_inputs(spec, "tile")
+    before = external_inputs(spec, "tile")
     (tmp_path / "slides" / "b.tif").write_bytes(b"y" * 250)  # another slide under the same name
-    replaced = _external_inputs(spec, "tile")
+    replaced = external_inputs(spec, "tile")
     assert replaced != before
     (tmp_path / "slides" / "b.tif").rename(tmp_path / "slides" / "b_renamed.tif")  # the list names it still
-    assert _external_inputs(spec, "tile") != replaced
+    assert external_inputs(spec, "tile") != replaced
 
 
 def test_the_pipeline_and_the_heatmap_stage_agree_on_what_only_changes_speed(tmp_path):
@@ -80,9 +80,9 @@ def test_the_pipeline_and_the_heatmap_stage_agree_on_what_only_changes_speed(tmp
     for field, (toml_value, value) in flipped.items():
         assert _fingerprint_settings(HeatmapConfig(**{field: value})) == _fingerprint_settings(HeatmapConfig()), field
         changed = load_pipeline(tmp_path / "p.toml", out_dir=tmp_path / "out", overrides=[f"heatmap.{field}={toml_value}"])
-        assert _stage_settings(changed, "heatmap") == _stage_settings(spec, "heatmap"), field
+        assert stage_settings(changed, "heatmap") == stage_settings(spec, "heatmap"), field
     colored = load_pipeline(tmp_path / "p.toml", out_dir=tmp_path / "out", overrides=['heatmap.colormap="magma"'])
-    assert _stage_settings(colored, "heatmap") != _stage_settings(spec, "heatmap")
+    assert stage_settings(colored, "heatmap") != stage_settings(spec, "heatmap")
 
 
 def test_a_slide_moved_into_the_other_sets_folder_is_a_change_a_folder_moved_is_not(tmp_path):

@@ -20,7 +20,8 @@ from wsi_milssl.config import SynthConfig
 from wsi_milssl.errors import ConfigError, WsiMilsslError
 from wsi_milssl.mil.resnet import ResNet18
 from wsi_milssl.pipeline import load_pipeline, run_pipeline
-from wsi_milssl.pipeline.runner import RUN_MARKER, _training_data
+from wsi_milssl.pipeline.digests import training_data
+from wsi_milssl.pipeline.runner import RUN_MARKER
 from wsi_milssl.synth import generate_slides
 
 PIPELINE = """
@@ -35,7 +36,7 @@ test_labels = "cohort/test_labels.csv"
 test_annotations = "cohort/annotations/test"
 val_fraction = 0.34
 [tile]
-magnification = 10.0
+magnification = 5.0  # a quarter of the patches of 10x: enough for every check here
 patch_size_px = 32
 entropy_threshold_bits = 4.0
 min_tissue = 0.5
@@ -175,16 +176,16 @@ def test_a_fixed_test_annotation_reruns_label_and_evaluate_but_does_not_train_ag
 
 def test_what_training_reads_comes_from_the_training_set_alone(cohort):
     spec = load_pipeline(cohort, out_dir=cohort.parent / "out")
-    before = _training_data(spec)
+    before = training_data(spec)
     test_list = cohort.parent / "cohort" / "test_slides.csv"
     test_list.write_text(test_list.read_text() + f"{cohort.parent / 'other.tif'}\n")  # a test slide added
     _fix_annotation(cohort.parent / "cohort" / "annotations" / "test" / "synth_002.xml")
-    assert _training_data(spec) == before
+    assert training_data(spec) == before
     train_list = cohort.parent / "cohort" / "train_slides.csv"
     train_list.write_text(train_list.read_text().replace("synth_003", "synth_002"))  # another training slide
-    assert _training_data(spec) != before
+    assert training_data(spec) != before
     other_labels = load_pipeline(cohort, out_dir=cohort.parent / "out", overrides=["label.positive_fraction=0.5"])
-    assert _training_data(other_labels) != before
+    assert training_data(other_labels) != before
 
 
 def test_a_changed_training_annotation_or_training_label_trains_again(finished_cohort):

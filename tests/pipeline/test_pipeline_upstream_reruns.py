@@ -15,13 +15,14 @@ import pytest
 
 from tinypipeline import GENERATED_SLIDES
 from wsi_milssl.pipeline import load_pipeline, run_pipeline
-from wsi_milssl.pipeline.runner import _training_data
+from wsi_milssl.pipeline.digests import training_data
 from wsi_milssl.store import open_store
 
+# tiled at 5x (tinypipeline's tables: 10x): a quarter of the patches; what is checked here does not need more
 PIPELINE = """
 [pipeline]
 name = "upstream"
-""" + GENERATED_SLIDES + """[train]
+""" + GENERATED_SLIDES.replace("magnification = 10.0", "magnification = 5.0") + """[train]
 mode = "images"
 model = "resnet18"
 epochs = 1
@@ -205,7 +206,7 @@ test_labels = "cohort/test_labels.csv"
 test_annotations = "cohort/annotations/test"
 val_fraction = 0.0
 [tile]
-magnification = 10.0
+magnification = 5.0
 patch_size_px = 32
 entropy_threshold_bits = 4.0
 min_tissue = 0.5
@@ -242,15 +243,15 @@ def test_a_moved_cohort_folder_keeps_its_training_run(tmp_path):
                 shutil.copy(slides / f"{stem}.xml", first / "cohort" / "annotations" / set_name)
     (first / "p.toml").write_text(COHORT)
     run_pipeline(load_pipeline(first / "p.toml", out_dir=first / "out"), until="train")
-    before = _training_data(load_pipeline(first / "p.toml", out_dir=first / "out"))
+    before = training_data(load_pipeline(first / "p.toml", out_dir=first / "out"))
     last = (first / "out" / "model" / "last.pt").read_bytes()
 
     moved = first.rename(tmp_path / "m2")
     spec = load_pipeline(moved / "p.toml", out_dir=moved / "out")
-    assert _training_data(spec) == before
+    assert training_data(spec) == before
     run_pipeline(spec, until="train")
     assert sorted(moved.glob("out/model.replaced-*")) == []
     assert (moved / "out" / "model" / "last.pt").read_bytes() == last
     xml = moved / "cohort" / "annotations" / "train" / "synth_001.xml"  # same name, other content
     xml.write_text(xml.read_text().replace("<Coordinate ", "<Coordinate  ", 1))
-    assert _training_data(load_pipeline(moved / "p.toml", out_dir=moved / "out")) != before
+    assert training_data(load_pipeline(moved / "p.toml", out_dir=moved / "out")) != before

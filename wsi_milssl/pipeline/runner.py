@@ -53,19 +53,17 @@ import numpy as np
 
 from wsi_milssl.atomic import atomic_open, atomic_write_json
 from wsi_milssl.config import config_from_mapping, config_to_dict
-from wsi_milssl.config.features import FEATURES_RUNTIME_ONLY_FIELDS
-from wsi_milssl.config.heatmap import HEATMAP_RUNTIME_ONLY_FIELDS
-from wsi_milssl.config.tile import TILE_RUNTIME_ONLY_FIELDS
-from wsi_milssl.config.train import RUNTIME_ONLY_FIELDS
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.locks import folder_lock
+from wsi_milssl.pipeline.digests import (EMBEDDED_UPSTREAM, UPSTREAM, digest_parts, feature_file_bags,
+                                         feature_files, run_fingerprints, setting_names, training_data_forms,
+                                         with_label_settings)
 from wsi_milssl.pipeline.run_folders import (RUN_MARKER, continued_config, holds_run, keep_grid_parent,
                                              prepare_run_dir, replace_aside)
-from wsi_milssl.pipeline.spec import (RESOLVED_FILENAME, STAGES, PipelineSpec, load_pipeline, stage_config,
-                                      write_resolved_pipeline)
-from wsi_milssl.pipeline.stamps import (SETTINGS_FORM, changed_outputs, fingerprint_paths, mark_outdated,
-                                        mark_running, read_stamp, recorded_digest, shown_paths, stale_reason,
-                                        stamp_digest, write_stamp)
+from wsi_milssl.pipeline.spec import (RESOLVED_FILENAME, STAGES, PipelineSpec, load_pipeline, write_resolved_pipeline)
+from wsi_milssl.pipeline.stamps import (SETTINGS_FORM, changed_outputs, mark_outdated, mark_running,
+                                        read_stamp, recorded_digest, shown_paths, stale_reason, stamp_digest,
+                                        write_stamp)
 
 __all__ = ["StageOutcome", "run_pipeline", "split_train_val"]
 
@@ -233,7 +231,6 @@ def _existing(paths) -> list[str]:
     deleted later makes the stage run again (it redoes only what is missing) instead of a later stage
     silently working without that slide."""
     return [str(p) for p in paths if p and Path(p).exists()]
-
 
 
 def _label(ctx: _Context) -> tuple[list[str], str]:
@@ -599,13 +596,12 @@ def _fit_runs(ctx: _Context, runs: list[dict], configs: list, *, train, val, spl
 
     if ctx.redo and holds_run(ctx.model_dir):
         replace_aside(ctx.model_dir, "is trained again (--force)")
-    data_forms = _training_data_forms(ctx.spec)
+    data_forms = training_data_forms(ctx.spec)
     slides = ctx.spec.sets["train"].slides
     slide_lists = (Path(slides).name,) if slides is not None and Path(slides).is_file() else ()
     if len(configs) == 1:
-        resume = prepare_run_dir(ctx.model_dir, *_run_fingerprints(ctx, configs[0], split, kind="single",
-                                                                    data=data_forms), slide_lists=slide_lists,
-                                  restore=not ctx.redo)
+        fingerprints = run_fingerprints(ctx.spec, ctx.state, configs[0], split, kind="single", data=data_forms)
+        resume = prepare_run_dir(ctx.model_dir, *fingerprints, slide_lists=slide_lists, restore=not ctx.redo)
         config = continued_config(ctx.model_dir, configs[0]) if resume else configs[0]
         result = fit(train, config=config, out_dir=ctx.model_dir, val=val, run_info=run_info, resume=resume,
                      progress=ctx.progress)
@@ -616,8 +612,8 @@ def _fit_runs(ctx: _Context, runs: list[dict], configs: list, *, train, val, spl
         name = "_".join(f"{k}-{v}" for k, v in overrides.items())
         run_dir = ctx.model_dir / "grid" / name
         # a finished grid point resumes at its last epoch: nothing to train, its result is read back
-        resume = prepare_run_dir(run_dir, *_run_fingerprints(ctx, config, split, kind="grid", data=data_forms),
-                                  slide_lists=slide_lists, restore=not ctx.redo)
+        fingerprints = run_fingerprints(ctx.spec, ctx.state, config, split, kind="grid", data=data_forms)
+        resume = prepare_run_dir(run_dir, *fingerprints, slide_lists=slide_lists, restore=not ctx.redo)
         points.append(_GridPoint(name, overrides, continued_config(run_dir, config) if resume else config, run_dir, resume))
     t_grid = time.perf_counter()
     outcomes = _train_grid(points, train, val, run_info, ctx=ctx, data=data)
@@ -755,12 +751,12 @@ def _earlier_evaluation(ctx: _Context) -> str | None:
     """Why the evaluation (of image data: feature mode's has no FROC) is an earlier version's though its stamp
     matches, else None: its metrics.json does not record the FROC's protocol as this version does for its
     settings (:func:`wsi_milssl.evaluation.outdated_metrics`). The stamp cannot tell: a setting added at its default
-    leaves a stamp of the earlier version as it was (:func:`_stage_settings`)."""
+    leaves a stamp of the earlier version as it was (:func:`stage_settings`)."""
     if ctx.spec.mode == "features":
         return None
     from wsi_milssl.evaluation import outdated_metrics
 
-    return outdated_metrics(ctx.evaluation_dir, _with_label_settings(ctx.spec, "evaluate"))
+    return outdated_metrics(ctx.evaluation_dir, with_label_settings(ctx.spec, "evaluate"))
 
 
 def _missing_stores(ctx: _Context) -> list[Path]:
@@ -816,129 +812,6 @@ def _in_set(ctx: _Context, set_name: str, found: dict[str, T], folder: Path | No
     return current
 
 
-def _run_fingerprints(ctx: _Context, config, split: dict, *, kind: str, data: tuple[dict, dict]) -> list[dict]:
-    """The fingerprint a training run folder is started with now (:func:`_run_fingerprint`), then the forms
-    of the same run that earlier versions recorded, also accepted (:func:`prepare_run_dir`); ``data``: the
-    forms of :func:`_training_data_forms`."""
-    return [*(_run_fingerprint(ctx, config, split, kind=kind, data=d) for d in data),
-            _run_fingerprint(ctx, config, split, kind=kind, legacy=True)]
-
-
-def _run_fingerprint(ctx: _Context, config, split: dict, *, kind: str, data: dict | None = None,
-                     legacy: bool = False) -> dict:
-    """What a training run folder is started with: the settings that change the result, the data split
-    and what the training set's data come from (``data``, default :func:`_training_data`); ``legacy``: as
-    earlier versions recorded it, with the stamp digest of the stage it trains on and the inputs of both sets
-    instead (so a change to the test set's files made them train again)."""
-    settings = {k: v for k, v in config_to_dict(config).items() if k not in RUNTIME_ONLY_FIELDS}
-    fingerprint = {"kind": kind, "settings": settings, "split": {k: list(v) for k, v in split.items()}}
-    if not legacy:
-        return {**fingerprint, "data": _training_data(ctx.spec) if data is None else data}
-    upstream = "features" if ctx.spec.feature_stage else ("label" if ctx.spec.mode == "images" else None)
-    digest = None if upstream is None else (read_stamp(ctx.state, upstream) or {}).get("digest")
-    return {**fingerprint, "upstream": digest, "external": _external_inputs(ctx.spec, "train")}
-
-
-#: [label] settings that shape only the mask PNGs, not the labels in the stores (``label_config_hash`` leaves
-#: them out too): they do not count in what training reads
-MASK_ONLY = ("mask_downsample", "write_masks")
-
-
-def _training_data(spec: PipelineSpec) -> dict:
-    """Where the data training reads come from, the training set's only (the test set's files never reach
-    training): its stores (the tile settings and its slides and slide list, or its synth settings), the
-    instance labels the label stage wrote into them (the label settings but those of the masks alone,
-    :data:`MASK_ONLY`; its labels CSV and annotations by content) and, with a [features] table, the features
-    settings; in feature mode its feature files and labels. The files fingerprinted by content (slide list,
-    annotations, small feature files) count by name and content, not by folder (:func:`_by_content`): a
-    cohort folder moved or copied with its run trains nothing again."""
-    return _training_data_forms(spec)[0]
-
-
-def _training_data_forms(spec: PipelineSpec) -> tuple[dict, ...]:
-    """(:func:`_training_data`, then the same as earlier versions recorded it, also accepted for a run folder they
-    started: with the settings that differ from their defaults then (:data:`EARLIER_DEFAULTS`) in place of every
-    setting; the same as the version before that: files by absolute path, every label setting)."""
-    forms = []
-    for form in ("all", "changed"):
-        recorded = _recorded_training_data(spec, form)
-        now = {**recorded, "external": _by_content(recorded["external"])}
-        if "label" in now:
-            now["label"] = {"section": {k: v for k, v in recorded["label"]["section"].items() if k not in MASK_ONLY}}
-        forms.append(now)
-    return (*forms, _recorded_training_data(spec, "changed"))
-
-
-def _recorded_training_data(spec: PipelineSpec, form: str) -> dict:
-    """:func:`_training_data` with files by absolute path and every label setting; the stages' settings in
-    ``form`` (:func:`_stage_settings`)."""
-    train = spec.sets["train"]
-    if spec.mode == "features":
-        return {"external": fingerprint_paths([train.features], content=True) + _training_bag_labels(spec)}
-    data = {"synth": None if train.synth is None else config_to_dict(train.synth),
-            "tile": _stage_settings(spec, "tile", form=form), "label": _stage_settings(spec, "label", form=form),
-            "external": _external_inputs(spec, "tile", only="train") + _training_labels(spec)}
-    if spec.feature_stage:
-        # what made the training feature files: encoder, its weights by SHA-256, dtype, input size (as the
-        # features stage recorded it), so new weights behind the same weights path count
-        from wsi_milssl.features.stage import CONFIG_FILENAME as FEATURES_CONFIG
-
-        data["features"] = _stage_settings(spec, "features", form=form)
-        try:
-            made = json.loads((spec.out_dir / "features" / "train" / FEATURES_CONFIG).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            made = {}
-        data["features_settings_hash"] = made.get("settings_hash") if isinstance(made, dict) else None
-    return data
-
-
-def _by_content(rows: list) -> list:
-    """Fingerprint rows (:func:`fingerprint_paths`) with those of files fingerprinted by content ([path, size,
-    SHA-256]) keyed by the file's name instead of its path; rows by size and modification time (slides) and
-    others are kept as they are."""
-    return [[Path(row[0]).name, *row[1:]] if len(row) == 3 and isinstance(row[2], str) else row for row in rows]
-
-
-def _training_bag_labels(spec: PipelineSpec) -> list:
-    """Feature mode: the rows of the labels CSV for the bags of the training feature files, not the whole CSV,
-    which a pipeline may share with the test set."""
-    from wsi_milssl.errors import WsiMilsslError
-    from wsi_milssl.mil.data import read_labels_csv
-
-    train = spec.sets["train"]
-    bags = [_feature_file_bags(f) for f in _feature_files(Path(train.features))]
-    try:
-        labels = read_labels_csv(train.labels)
-    except (WsiMilsslError, OSError):  # the train stage says what is wrong
-        labels = None
-    if labels is None or any(b is None for b in bags):
-        return fingerprint_paths([train.labels], content=True)
-    return [["labels", [[name, labels.get(name)] for name in sorted({n for names in bags for n in names})]]]
-
-
-def _training_labels(spec: PipelineSpec) -> list:
-    """What the label stage reads for the training slides: their rows of the labels CSV and their annotation
-    files (by content), not the whole CSV and folder, which a pipeline may share with the test set."""
-    from wsi_milssl.annotations.io import find_annotation
-    from wsi_milssl.cohorts import slide_stem
-    from wsi_milssl.errors import WsiMilsslError
-    from wsi_milssl.mil.data import read_labels_csv
-    from wsi_milssl.tiling import find_slides
-
-    train = spec.sets["train"]
-    if train.synth is not None:
-        return []
-    try:
-        stems = [slide_stem(p) for p in find_slides([train.slides], keep_missing=True)]
-        labels = read_labels_csv(train.labels)
-    except (WsiMilsslError, OSError):  # the tile and label stages say what is wrong
-        return fingerprint_paths([train.labels, train.annotations], content=True)
-    rows = [[stem, labels.get(stem)] for stem in sorted(stems)]
-    notes = [find_annotation(stem, train.annotations) if Path(train.annotations).is_dir() else None
-             for stem in sorted(stems)]
-    return [["labels", rows]] + fingerprint_paths([n for n in notes if n is not None], content=True)
-
-
 def _train_features(ctx: _Context) -> tuple[list[str], str]:
     """Feature mode: MIL-SSL on instance features (pre-extracted, or the features stage's); validation bags
     split off the training set. A ``[train.grid]`` is trained and chosen on them as in image mode."""
@@ -947,10 +820,10 @@ def _train_features(ctx: _Context) -> tuple[list[str], str]:
     runs, configs, source = _train_configs(ctx, "features")
     ds = ctx.spec.sets["train"]
     if ctx.spec.feature_stage:  # the features stage's files of the set's current slides
-        files = [p.resolve() for p in _set_stores(ctx, "train", _feature_files(ctx.features_dir("train")),
+        files = [p.resolve() for p in _set_stores(ctx, "train", feature_files(ctx.features_dir("train")),
                                                   what="feature file").values()]
     else:
-        files = [p.resolve() for p in _feature_files(ds.features)]
+        files = [p.resolve() for p in feature_files(ds.features)]
     labels_csv = Path(ds.labels).resolve()
     data = read_feature_files(files, read_labels_csv(labels_csv))
     labels = {name: int(lab) for name, lab in zip(data.bag_names, data.bag_labels)}
@@ -972,29 +845,6 @@ def _train_features(ctx: _Context) -> tuple[list[str], str]:
                                            f"best epoch {best_epoch}{summary_extra}")
 
 
-def _feature_file_bags(path: Path) -> list[str] | None:
-    """The bag names a feature file holds (its ``bag_ids``, else its slide stem), as
-    :func:`wsi_milssl.mil.data.read_feature_files` names them; None when the file cannot be read."""
-    import h5py
-
-    from wsi_milssl.features.schema import BAG_IDS, FEATURES
-
-    try:
-        with h5py.File(path, "r") as fh:
-            n = fh[FEATURES].shape[0] if fh[FEATURES].ndim == 2 else 0
-            if n == 0:
-                return []
-            if BAG_IDS in fh:
-                ids = [b.decode() if isinstance(b, bytes) else str(b) for b in fh[BAG_IDS][()].tolist()]
-                return list(dict.fromkeys(ids))
-            stem = fh.attrs.get("slide_stem")
-    except (OSError, KeyError, ValueError):
-        return None
-    if isinstance(stem, bytes):
-        stem = stem.decode()
-    return [str(stem or path.stem)]
-
-
 def _feature_run_data(files: list[Path], labels_csv: Path, train_names: list[str], val_names: list[str]) -> dict:
     """The "data" entry of a feature run's config.json, as ``wsi-milssl train`` records it (so ``train
     --resume RUN`` reads the same bags again): the training files as ``inputs``, the validation files as
@@ -1003,7 +853,7 @@ def _feature_run_data(files: list[Path], labels_csv: Path, train_names: list[str
     train_set, val_set = set(train_names), set(val_names)
     train_files, val_files, mixed = [], [], []
     for path in files:
-        bags = _feature_file_bags(path)
+        bags = feature_file_bags(path)
         if bags is None:
             mixed.append(path)
         elif not bags or set(bags) <= train_set:
@@ -1025,13 +875,6 @@ def _feature_run_data(files: list[Path], labels_csv: Path, train_names: list[str
     return record
 
 
-def _feature_files(path: Path) -> list[Path]:
-    """A feature file, or a folder's (:func:`wsi_milssl.features.schema.feature_files_in`), as `train` reads them."""
-    from wsi_milssl.features.schema import feature_files_in
-
-    return feature_files_in(path) if path.is_dir() else [path]
-
-
 def _evaluate_features(ctx: _Context) -> tuple[list[str], str]:
     """Feature mode: bag AUC / accuracy (and instance AUC when the files carry instance labels) on the test set
     (:func:`wsi_milssl.evaluation.bags.evaluate_feature_bags`)."""
@@ -1039,7 +882,7 @@ def _evaluate_features(ctx: _Context) -> tuple[list[str], str]:
 
     ds = ctx.spec.sets["test"]
     out = ctx.evaluation_dir
-    summary = evaluate_feature_bags(_model_checkpoint(ctx.model_dir), _feature_files(ds.features), ds.labels, out)
+    summary = evaluate_feature_bags(_model_checkpoint(ctx.model_dir), feature_files(ds.features), ds.labels, out)
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
     return [str(out / "metrics.json"), str(out / "scores.csv")], (
         f"bag AUC {fmt(summary['bag_auc'])}, bag accuracy {fmt(summary['bag_accuracy'])} on {summary['n_bags']} "
@@ -1054,7 +897,7 @@ def _refuse_other_test_features(spec: PipelineSpec) -> None:
     from wsi_milssl.features.schema import encoder_label, encoders_differ, read_feature_file, settings_differences
 
     def first(name: str):  # the first file with patches (training leaves empty ones out)
-        for path in _feature_files(spec.sets[name].features):
+        for path in feature_files(spec.sets[name].features):
             ff = read_feature_file(path)
             if len(ff):
                 return ff
@@ -1083,7 +926,7 @@ def _heatmap(ctx: _Context) -> tuple[list[str], str]:
     from wsi_milssl.inference import make_heatmaps
     from wsi_milssl.tiling import find_slides
 
-    config = _with_label_settings(ctx.spec, "heatmap")
+    config = with_label_settings(ctx.spec, "heatmap")
     checkpoint = _model_checkpoint(ctx.model_dir)
     ds = ctx.spec.sets["test"]
     stores = _set_stores(ctx, "test")
@@ -1120,10 +963,10 @@ def _heatmap_features(ctx: _Context) -> tuple[list[str], str]:
     from wsi_milssl.inference.stage import COMPLETE_SLIDE_FILES
     from wsi_milssl.tiling import find_slides
 
-    config = _with_label_settings(ctx.spec, "heatmap")
+    config = with_label_settings(ctx.spec, "heatmap")
     checkpoint = _model_checkpoint(ctx.model_dir)
     ds = ctx.spec.sets["test"]
-    files = _set_stores(ctx, "test", _feature_files(ctx.features_dir("test")), what="feature file")
+    files = _set_stores(ctx, "test", feature_files(ctx.features_dir("test")), what="feature file")
     run = make_feature_heatmaps(list(files.values()), checkpoint, ctx.heatmap_dir, config,
                                 slides=find_slides([ds.slides]) if ds.slides is not None else (),
                                 annotations_dir=ds.annotations, progress=ctx.progress)
@@ -1137,41 +980,11 @@ def _heatmap_features(ctx: _Context) -> tuple[list[str], str]:
     return [str(ctx.heatmap_dir / "scores.csv")] + slide_files, f"{len(run.results)} slides, {n} patches (feature head)"
 
 
-#: settings of [evaluate] and [heatmap] that take [label]'s value unless the table sets another than the default
-_LABEL_SETTINGS = {"evaluate": ("positive_fraction", "tumor_groups", "non_tumor_groups"),
-                   "heatmap": ("tumor_groups", "non_tumor_groups")}
-
-
-def _with_label_settings(spec: PipelineSpec, stage: str):
-    """The config of [evaluate] or [heatmap], with [label]'s settings of :data:`_LABEL_SETTINGS` where the
-    table leaves them at their defaults (absent, or spelled out as in resolved_pipeline.toml): the
-    evaluation reads the annotations, and the overlays outline them, as the label stage read them. The
-    evaluation's ``mpp`` is [tile]'s ``slide_mpp`` unless [evaluate] sets one: lesions are measured at the
-    µm/px the slides were cut at (evaluate refuses an [evaluate] mpp that the heatmaps' sidecars contradict)."""
-    import dataclasses
-
-    from wsi_milssl.config import EvaluateConfig, HeatmapConfig, LabelConfig, TileConfig
-    from wsi_milssl.errors import ConfigError
-
-    cls = {"evaluate": EvaluateConfig, "heatmap": HeatmapConfig}[stage]
-    config = config_from_mapping(cls, spec.section(stage), source=f"{spec.source} [{stage}]")
-    label = config_from_mapping(LabelConfig, spec.section("label"), source=f"{spec.source} [label]")
-    default = cls()
-    taken = {k: getattr(label, k) for k in _LABEL_SETTINGS[stage] if getattr(config, k) == getattr(default, k)}
-    if stage == "evaluate" and config.mpp is None:
-        tile = config_from_mapping(TileConfig, spec.section("tile"), source=f"{spec.source} [tile]")
-        config = dataclasses.replace(config, mpp=tile.slide_mpp)
-    try:
-        return dataclasses.replace(config, **taken)
-    except ConfigError as exc:  # e.g. [label]'s tumour group is [evaluate]'s non-tumour group
-        raise ConfigError(f"{spec.source} [{stage}] with [label]'s {', '.join(sorted(taken))}: {exc}") from None
-
-
 def _evaluate(ctx: _Context) -> tuple[list[str], str]:
     from wsi_milssl.artifacts import EVALUATION_FILES, parse_heatmap_name
     from wsi_milssl.evaluation import evaluate_predictions, froc_protocol_summary
 
-    config = _with_label_settings(ctx.spec, "evaluate")
+    config = with_label_settings(ctx.spec, "evaluate")
     ds = ctx.spec.sets["test"]
     # the heatmap files of slides no longer in the test set (a changed split, a renamed slide) stay in the
     # folder, ignored
@@ -1198,100 +1011,6 @@ _RUNNERS: dict[str, Callable[[_Context], tuple[list[str], str]]] = {
 _FEATURE_RUNNERS = {"train": _train_features, "evaluate": _evaluate_features}
 # Image data with a [features] table: the stores are embedded, the head trains and draws on the features.
 _EMBEDDED_RUNNERS = {**_RUNNERS, "features": _features, "train": _train_features, "heatmap": _heatmap_features}
-# What each stage reads: upstream stages (by stamp) and external input paths.
-_UPSTREAM = {"synth": (), "tile": ("synth",), "label": ("tile",), "features": ("label",), "train": ("label",),
-             "heatmap": ("train", "label"), "evaluate": ("heatmap",)}
-_EMBEDDED_UPSTREAM = {**_UPSTREAM, "train": ("features",), "heatmap": ("train", "features")}
-
-
-#: settings that change how fast a stage runs, not what it makes: left out of its stamp digest
-SPEED_ONLY = {"tile": TILE_RUNTIME_ONLY_FIELDS, "features": FEATURES_RUNTIME_ONLY_FIELDS, "train": RUNTIME_ONLY_FIELDS,
-              "heatmap": HEATMAP_RUNTIME_ONLY_FIELDS}
-
-
-#: the defaults, as stamps of the "changed" form knew them, of the settings whose default changed since:
-#: {stage: {setting: default then}}. Those stamps (version 1.x before 2026-11-28) recorded only the settings that
-#: differed from their defaults, so one of them matches a setting now at that earlier default, whatever the default
-#: is now. Add a setting here when its default changes.
-EARLIER_DEFAULTS: dict[str, dict[str, object]] = {"train": {"mu_ramp_epochs": 10}}  # image mode's T is 5 since
-
-def _stage_settings(spec: PipelineSpec, stage: str, *, form: str = "all"):
-    """What a stage's stamp digest covers, in one of three forms. ``"all"``: every setting of the stage (defaults
-    spelled out, so a default that changes between versions changes it, and the pipeline's own
-    resolved_pipeline.toml, which spells out every default, gives the same), speed-only settings
-    (:data:`SPEED_ONLY`) aside, and its [train.grid]. ``"changed"``: only the settings that differ from their
-    defaults as that form's stamps knew them (:data:`EARLIER_DEFAULTS`), as stamps of earlier versions recorded
-    them. ``"legacy"``: the raw table, as stamps of versions before that recorded it."""
-    if stage == "synth":
-        return {name: config_to_dict(ds.synth) for name, ds in spec.sets.items()}
-    if form == "legacy":
-        settings = {"section": spec.section(stage)}
-    else:
-        # evaluate counts [label]'s groups and positive_fraction where it takes them (:func:`_with_label_settings`):
-        # an evaluation of earlier versions, made with the default ones, runs again
-        chosen = config_to_dict(_with_label_settings(spec, stage) if stage == "evaluate" else stage_config(spec, stage))
-        section = {k: v for k, v in chosen.items() if k not in SPEED_ONLY.get(stage, ())}
-        if form == "changed":
-            default = {**config_to_dict(stage_config(spec, stage, defaults_only=True)), **EARLIER_DEFAULTS.get(stage, {})}
-            section = {k: v for k, v in section.items() if v != default.get(k)}
-        if "grid" in spec.section(stage):
-            section["grid"] = spec.section(stage)["grid"]
-        settings = {"section": section}
-    if stage == "train":
-        settings.update(val_fraction=spec.val_fraction, split_seed=spec.split_seed)
-    return settings
-
-
-def _setting_names(stage: str, settings: dict) -> dict:
-    """A stage's digest settings (:func:`_stage_settings`) by the names ``--set`` gives them: ``train.epochs``,
-    ``train.grid``, ``data.val_fraction``, ``synth.train.seed``."""
-    if stage == "synth":
-        return {f"synth.{set_name}.{k}": v for set_name, table in settings.items() for k, v in table.items()}
-    names = {f"{stage}.{k}": v for k, v in settings["section"].items()}
-    names.update({f"data.{k}": v for k, v in settings.items() if k != "section"})
-    return names
-
-
-def _digest_parts(spec: PipelineSpec, stage: str, chain: dict[str, str], state: Path, *, form: str
-                  ) -> tuple[dict, dict]:
-    """(settings in ``form``, inputs) that a stage's stamp digest covers (:func:`_stage_settings`); the stages it
-    reads from count by their digest in ``chain`` (this run's) or else their stamp's."""
-    reads = (_EMBEDDED_UPSTREAM if spec.feature_stage else _UPSTREAM)[stage]
-    upstream = {u: chain.get(u) or (read_stamp(state, u) or {}).get("digest") for u in reads}
-    return (_stage_settings(spec, stage, form=form),
-            {"upstream": upstream, "external": _external_inputs(spec, stage, legacy=form == "legacy")})
-
-
-def _external_inputs(spec: PipelineSpec, stage: str, *, legacy: bool = False, only: str | None = None) -> list:
-    """Fingerprints of the inputs from outside the pipeline a stage reads: small files by content, the
-    slides (those a slide list names too) by size and modification time; ``legacy``: every file by size
-    and modification time and a slide list as a file, as stamps of earlier versions recorded them;
-    ``only``: those of that set ("train", "test") alone."""
-    sets = [ds for name, ds in spec.sets.items() if only in (None, name)]
-    if spec.mode == "features":
-        return fingerprint_paths([p for ds in sets for p in (ds.features, ds.labels)], content=not legacy)
-    if stage == "features" and not legacy:
-        # the encoder's weights file by size and modification time: new weights behind the same path count
-        # ('cached' weights: the library cache is not looked up here; `run --force features` after replacing it)
-        weights = str(spec.section("features").get("weights", "cached"))
-        return [] if weights in ("cached", "random") else fingerprint_paths([Path(os.path.expanduser(weights))])
-    if spec.sets["train"].synth is not None:
-        return []
-    if stage == "tile":
-        if legacy:
-            return fingerprint_paths([ds.slides for ds in sets])
-        from wsi_milssl.errors import WsiMilsslError
-        from wsi_milssl.tiling import find_slides
-
-        lists = [ds.slides for ds in sets if Path(ds.slides).is_file()]
-        try:
-            listed = [p for ds in sets for p in find_slides([ds.slides], keep_missing=True)]
-        except WsiMilsslError:  # the tile stage says what is wrong with them
-            listed = [ds.slides for ds in sets]
-        return fingerprint_paths(lists, content=True) + fingerprint_paths(listed)
-    if stage == "label":
-        return fingerprint_paths([p for ds in sets for p in (ds.labels, ds.annotations)], content=not legacy)
-    return []
 
 
 def run_pipeline(
@@ -1352,7 +1071,7 @@ def run_pipeline(
     if spec.mode == "images":  # [label]'s settings in [heatmap] / [evaluate]: a clash found before any stage runs
         for stage in ("heatmap", "evaluate"):
             if stage in stages:
-                _with_label_settings(spec, stage)
+                with_label_settings(spec, stage)
     elif "evaluate" in stages:
         _refuse_other_test_features(spec)
     with folder_lock(spec.out_dir, named_by=out_named_by):
@@ -1480,15 +1199,15 @@ def _run_stages(spec: PipelineSpec, stages: list[str], forced: set[str], *,
     # it (every stage after one that ran runs too): not found missing after tile and label
     check_encoder = spec.feature_stage and "features" in stages
     for i, stage in enumerate(stages):
-        legacy_digests[stage] = stamp_digest(*_digest_parts(spec, stage, legacy_digests, ctx.state, form="legacy"))
+        legacy_digests[stage] = stamp_digest(*digest_parts(spec, stage, legacy_digests, ctx.state, form="legacy"))
         # a stamp that records every setting is compared in that form; one of the earlier "changed" form (or a
         # digest alone) in its own, then replaced by one of every setting if the stage runs
         stamp = read_stamp(ctx.state, stage)
         forms = ("all",) if stamp is None or stamp.get(SETTINGS_FORM) == "all" else ("changed", "all")
         checked = {}
         for form in forms:
-            settings, inputs = _digest_parts(spec, stage, digests, ctx.state, form=form)
-            settings = _setting_names(stage, settings)
+            settings, inputs = digest_parts(spec, stage, digests, ctx.state, form=form)
+            settings = setting_names(stage, settings)
             checked[form] = (recorded_digest(ctx.state, stage, stamp_digest(settings, inputs), settings, inputs),
                              settings, inputs)
         candidates = [checked[form][0] for form in forms]
@@ -1556,7 +1275,7 @@ def _file_reads(spec: PipelineSpec, stage: str) -> tuple[str, ...]:
     "features"``) the model that evaluate reads."""
     if spec.mode == "features":
         return ("train",) if stage == "evaluate" else ()
-    upstream = (_EMBEDDED_UPSTREAM if spec.feature_stage else _UPSTREAM)[stage]
+    upstream = (EMBEDDED_UPSTREAM if spec.feature_stage else UPSTREAM)[stage]
     return tuple(s for s in upstream if s in _CHECKED_FILES)
 
 

@@ -1,0 +1,307 @@
+"""What a stage's stamp digest covers (:mod:`wsi_milssl.pipeline.stamps` writes and compares the stamps) and what a
+training run folder is started with: each stage's settings (every setting, or, as stamps of earlier versions
+recorded them, those that differed from their defaults), the stages it reads and the fingerprints of the files
+from outside the pipeline it reads; for a training run, its settings, split and the training set's data. The
+forms earlier versions recorded are computed here too, so that their finished work stays up to date."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from wsi_milssl.config import config_from_mapping, config_to_dict
+from wsi_milssl.config.features import FEATURES_RUNTIME_ONLY_FIELDS
+from wsi_milssl.config.heatmap import HEATMAP_RUNTIME_ONLY_FIELDS
+from wsi_milssl.config.tile import TILE_RUNTIME_ONLY_FIELDS
+from wsi_milssl.config.train import RUNTIME_ONLY_FIELDS
+from wsi_milssl.pipeline.spec import PipelineSpec, stage_config
+from wsi_milssl.pipeline.stamps import fingerprint_paths, read_stamp
+
+__all__ = ["UPSTREAM", "EMBEDDED_UPSTREAM", "SPEED_ONLY", "EARLIER_DEFAULTS", "stage_settings", "setting_names",
+           "digest_parts", "external_inputs", "with_label_settings", "run_fingerprints", "training_data",
+           "training_data_forms", "feature_file_bags", "feature_files"]
+
+
+#: the stages each stage reads (their stamps' digests count in its own); with a [features] table, EMBEDDED_UPSTREAM
+UPSTREAM = {"synth": (), "tile": ("synth",), "label": ("tile",), "features": ("label",), "train": ("label",),
+            "heatmap": ("train", "label"), "evaluate": ("heatmap",)}
+
+
+EMBEDDED_UPSTREAM = {**UPSTREAM, "train": ("features",), "heatmap": ("train", "features")}
+
+
+#: settings that change how fast a stage runs, not what it makes: left out of its stamp digest
+SPEED_ONLY = {"tile": TILE_RUNTIME_ONLY_FIELDS, "features": FEATURES_RUNTIME_ONLY_FIELDS, "train": RUNTIME_ONLY_FIELDS,
+              "heatmap": HEATMAP_RUNTIME_ONLY_FIELDS}
+
+
+#: the defaults, as stamps of the "changed" form knew them, of the settings whose default changed since:
+#: {stage: {setting: default then}}. Those stamps (version 1.x before 2026-11-28) recorded only the settings that
+#: differed from their defaults, so one of them matches a setting now at that earlier default, whatever the default
+#: is now. Add a setting here when its default changes.
+EARLIER_DEFAULTS: dict[str, dict[str, object]] = {"train": {"mu_ramp_epochs": 10}}  # image mode's T is 5 since
+
+
+def stage_settings(spec: PipelineSpec, stage: str, *, form: str = "all"):
+    """What a stage's stamp digest covers, in one of three forms. ``"all"``: every setting of the stage (defaults
+    spelled out, so a default that changes between versions changes it, and the pipeline's own
+    resolved_pipeline.toml, which spells out every default, gives the same), speed-only settings
+    (:data:`SPEED_ONLY`) aside, and its [train.grid]. ``"changed"``: only the settings that differ from their
+    defaults as that form's stamps knew them (:data:`EARLIER_DEFAULTS`), as stamps of earlier versions recorded
+    them. ``"legacy"``: the raw table, as stamps of versions before that recorded it."""
+    if stage == "synth":
+        return {name: config_to_dict(ds.synth) for name, ds in spec.sets.items()}
+    if form == "legacy":
+        settings = {"section": spec.section(stage)}
+    else:
+        # evaluate counts [label]'s groups and positive_fraction where it takes them (:func:`with_label_settings`):
+        # an evaluation of earlier versions, made with the default ones, runs again
+        chosen = config_to_dict(with_label_settings(spec, stage) if stage == "evaluate" else stage_config(spec, stage))
+        section = {k: v for k, v in chosen.items() if k not in SPEED_ONLY.get(stage, ())}
+        if form == "changed":
+            default = {**config_to_dict(stage_config(spec, stage, defaults_only=True)),
+                       **EARLIER_DEFAULTS.get(stage, {})}
+            section = {k: v for k, v in section.items() if v != default.get(k)}
+        if "grid" in spec.section(stage):
+            section["grid"] = spec.section(stage)["grid"]
+        settings = {"section": section}
+    if stage == "train":
+        settings.update(val_fraction=spec.val_fraction, split_seed=spec.split_seed)
+    return settings
+
+
+def setting_names(stage: str, settings: dict) -> dict:
+    """A stage's digest settings (:func:`stage_settings`) by the names ``--set`` gives them: ``train.epochs``,
+    ``train.grid``, ``data.val_fraction``, ``synth.train.seed``."""
+    if stage == "synth":
+        return {f"synth.{set_name}.{k}": v for set_name, table in settings.items() for k, v in table.items()}
+    names = {f"{stage}.{k}": v for k, v in settings["section"].items()}
+    names.update({f"data.{k}": v for k, v in settings.items() if k != "section"})
+    return names
+
+
+def digest_parts(spec: PipelineSpec, stage: str, chain: dict[str, str], state: Path, *, form: str
+                 ) -> tuple[dict, dict]:
+    """(settings in ``form``, inputs) that a stage's stamp digest covers (:func:`stage_settings`); the stages it
+    reads from count by their digest in ``chain`` (this run's) or else their stamp's."""
+    reads = (EMBEDDED_UPSTREAM if spec.feature_stage else UPSTREAM)[stage]
+    upstream = {u: chain.get(u) or (read_stamp(state, u) or {}).get("digest") for u in reads}
+    return (stage_settings(spec, stage, form=form),
+            {"upstream": upstream, "external": external_inputs(spec, stage, legacy=form == "legacy")})
+
+
+def external_inputs(spec: PipelineSpec, stage: str, *, legacy: bool = False, only: str | None = None) -> list:
+    """Fingerprints of the inputs from outside the pipeline a stage reads: small files by content, the
+    slides (those a slide list names too) by size and modification time; ``legacy``: every file by size
+    and modification time and a slide list as a file, as stamps of earlier versions recorded them;
+    ``only``: those of that set ("train", "test") alone."""
+    sets = [ds for name, ds in spec.sets.items() if only in (None, name)]
+    if spec.mode == "features":
+        return fingerprint_paths([p for ds in sets for p in (ds.features, ds.labels)], content=not legacy)
+    if stage == "features" and not legacy:
+        # the encoder's weights file by size and modification time: new weights behind the same path count
+        # ('cached' weights: the library cache is not looked up here; `run --force features` after replacing it)
+        weights = str(spec.section("features").get("weights", "cached"))
+        return [] if weights in ("cached", "random") else fingerprint_paths([Path(os.path.expanduser(weights))])
+    if spec.sets["train"].synth is not None:
+        return []
+    if stage == "tile":
+        if legacy:
+            return fingerprint_paths([ds.slides for ds in sets])
+        from wsi_milssl.errors import WsiMilsslError
+        from wsi_milssl.tiling import find_slides
+
+        lists = [ds.slides for ds in sets if Path(ds.slides).is_file()]
+        try:
+            listed = [p for ds in sets for p in find_slides([ds.slides], keep_missing=True)]
+        except WsiMilsslError:  # the tile stage says what is wrong with them
+            listed = [ds.slides for ds in sets]
+        return fingerprint_paths(lists, content=True) + fingerprint_paths(listed)
+    if stage == "label":
+        return fingerprint_paths([p for ds in sets for p in (ds.labels, ds.annotations)], content=not legacy)
+    return []
+
+
+#: settings of [evaluate] and [heatmap] that take [label]'s value unless the table sets another than the default
+_LABEL_SETTINGS = {"evaluate": ("positive_fraction", "tumor_groups", "non_tumor_groups"),
+                   "heatmap": ("tumor_groups", "non_tumor_groups")}
+
+
+def with_label_settings(spec: PipelineSpec, stage: str):
+    """The config of [evaluate] or [heatmap], with [label]'s settings of :data:`_LABEL_SETTINGS` where the
+    table leaves them at their defaults (absent, or spelled out as in resolved_pipeline.toml): the
+    evaluation reads the annotations, and the overlays outline them, as the label stage read them. The
+    evaluation's ``mpp`` is [tile]'s ``slide_mpp`` unless [evaluate] sets one: lesions are measured at the
+    µm/px the slides were cut at (evaluate refuses an [evaluate] mpp that the heatmaps' sidecars contradict)."""
+    import dataclasses
+
+    from wsi_milssl.config import EvaluateConfig, HeatmapConfig, LabelConfig, TileConfig
+    from wsi_milssl.errors import ConfigError
+
+    cls = {"evaluate": EvaluateConfig, "heatmap": HeatmapConfig}[stage]
+    config = config_from_mapping(cls, spec.section(stage), source=f"{spec.source} [{stage}]")
+    label = config_from_mapping(LabelConfig, spec.section("label"), source=f"{spec.source} [label]")
+    default = cls()
+    taken = {k: getattr(label, k) for k in _LABEL_SETTINGS[stage] if getattr(config, k) == getattr(default, k)}
+    if stage == "evaluate" and config.mpp is None:
+        tile = config_from_mapping(TileConfig, spec.section("tile"), source=f"{spec.source} [tile]")
+        config = dataclasses.replace(config, mpp=tile.slide_mpp)
+    try:
+        return dataclasses.replace(config, **taken)
+    except ConfigError as exc:  # e.g. [label]'s tumour group is [evaluate]'s non-tumour group
+        raise ConfigError(f"{spec.source} [{stage}] with [label]'s {', '.join(sorted(taken))}: {exc}") from None
+
+
+def run_fingerprints(spec: PipelineSpec, state: Path, config, split: dict, *, kind: str, data: tuple[dict, ...]
+                     ) -> list[dict]:
+    """The fingerprint a training run folder is started with now (:func:`_run_fingerprint`), then the forms
+    of the same run that earlier versions recorded, also accepted
+    (:func:`wsi_milssl.pipeline.run_folders.prepare_run_dir`); ``data``: the forms of :func:`training_data_forms`."""
+    return [*(_run_fingerprint(spec, state, config, split, kind=kind, data=d) for d in data),
+            _run_fingerprint(spec, state, config, split, kind=kind, legacy=True)]
+
+
+def _run_fingerprint(spec: PipelineSpec, state: Path, config, split: dict, *, kind: str, data: dict | None = None,
+                     legacy: bool = False) -> dict:
+    """What a training run folder is started with: the settings that change the result, the data split
+    and what the training set's data come from (``data``, default :func:`training_data`); ``legacy``: as
+    earlier versions recorded it, with the stamp digest of the stage it trains on and the inputs of both sets
+    instead (so a change to the test set's files made them train again)."""
+    settings = {k: v for k, v in config_to_dict(config).items() if k not in RUNTIME_ONLY_FIELDS}
+    fingerprint = {"kind": kind, "settings": settings, "split": {k: list(v) for k, v in split.items()}}
+    if not legacy:
+        return {**fingerprint, "data": training_data(spec) if data is None else data}
+    upstream = "features" if spec.feature_stage else ("label" if spec.mode == "images" else None)
+    digest = None if upstream is None else (read_stamp(state, upstream) or {}).get("digest")
+    return {**fingerprint, "upstream": digest, "external": external_inputs(spec, "train")}
+
+
+#: [label] settings that shape only the mask PNGs, not the labels in the stores (``label_config_hash`` leaves
+#: them out too): they do not count in what training reads
+MASK_ONLY = ("mask_downsample", "write_masks")
+
+
+def training_data(spec: PipelineSpec) -> dict:
+    """Where the data training reads come from, the training set's only (the test set's files never reach
+    training): its stores (the tile settings and its slides and slide list, or its synth settings), the
+    instance labels the label stage wrote into them (the label settings but those of the masks alone,
+    :data:`MASK_ONLY`; its labels CSV and annotations by content) and, with a [features] table, the features
+    settings; in feature mode its feature files and labels. The files fingerprinted by content (slide list,
+    annotations, small feature files) count by name and content, not by folder (:func:`_by_content`): a
+    cohort folder moved or copied with its run trains nothing again."""
+    return training_data_forms(spec)[0]
+
+
+def training_data_forms(spec: PipelineSpec) -> tuple[dict, ...]:
+    """(:func:`training_data`, then the same as earlier versions recorded it, also accepted for a run folder they
+    started: with the settings that differ from their defaults then (:data:`EARLIER_DEFAULTS`) in place of every
+    setting; the same as the version before that: files by absolute path, every label setting)."""
+    forms = []
+    for form in ("all", "changed"):
+        recorded = _recorded_training_data(spec, form)
+        now = {**recorded, "external": _by_content(recorded["external"])}
+        if "label" in now:
+            now["label"] = {"section": {k: v for k, v in recorded["label"]["section"].items() if k not in MASK_ONLY}}
+        forms.append(now)
+    return (*forms, _recorded_training_data(spec, "changed"))
+
+
+def _recorded_training_data(spec: PipelineSpec, form: str) -> dict:
+    """:func:`training_data` with files by absolute path and every label setting; the stages' settings in
+    ``form`` (:func:`stage_settings`)."""
+    train = spec.sets["train"]
+    if spec.mode == "features":
+        return {"external": fingerprint_paths([train.features], content=True) + _training_bag_labels(spec)}
+    data = {"synth": None if train.synth is None else config_to_dict(train.synth),
+            "tile": stage_settings(spec, "tile", form=form), "label": stage_settings(spec, "label", form=form),
+            "external": external_inputs(spec, "tile", only="train") + _training_labels(spec)}
+    if spec.feature_stage:
+        # what made the training feature files: encoder, its weights by SHA-256, dtype, input size (as the
+        # features stage recorded it), so new weights behind the same weights path count
+        from wsi_milssl.features.stage import CONFIG_FILENAME as FEATURES_CONFIG
+
+        data["features"] = stage_settings(spec, "features", form=form)
+        try:
+            made = json.loads((spec.out_dir / "features" / "train" / FEATURES_CONFIG).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            made = {}
+        data["features_settings_hash"] = made.get("settings_hash") if isinstance(made, dict) else None
+    return data
+
+
+def _by_content(rows: list) -> list:
+    """Fingerprint rows (:func:`fingerprint_paths`) with those of files fingerprinted by content ([path, size,
+    SHA-256]) keyed by the file's name instead of its path; rows by size and modification time (slides) and
+    others are kept as they are."""
+    return [[Path(row[0]).name, *row[1:]] if len(row) == 3 and isinstance(row[2], str) else row for row in rows]
+
+
+def _training_bag_labels(spec: PipelineSpec) -> list:
+    """Feature mode: the rows of the labels CSV for the bags of the training feature files, not the whole CSV,
+    which a pipeline may share with the test set."""
+    from wsi_milssl.errors import WsiMilsslError
+    from wsi_milssl.mil.data import read_labels_csv
+
+    train = spec.sets["train"]
+    bags = [feature_file_bags(f) for f in feature_files(Path(train.features))]
+    try:
+        labels = read_labels_csv(train.labels)
+    except (WsiMilsslError, OSError):  # the train stage says what is wrong
+        labels = None
+    if labels is None or any(b is None for b in bags):
+        return fingerprint_paths([train.labels], content=True)
+    return [["labels", [[name, labels.get(name)] for name in sorted({n for names in bags for n in names})]]]
+
+
+def _training_labels(spec: PipelineSpec) -> list:
+    """What the label stage reads for the training slides: their rows of the labels CSV and their annotation
+    files (by content), not the whole CSV and folder, which a pipeline may share with the test set."""
+    from wsi_milssl.annotations.io import find_annotation
+    from wsi_milssl.cohorts import slide_stem
+    from wsi_milssl.errors import WsiMilsslError
+    from wsi_milssl.mil.data import read_labels_csv
+    from wsi_milssl.tiling import find_slides
+
+    train = spec.sets["train"]
+    if train.synth is not None:
+        return []
+    try:
+        stems = [slide_stem(p) for p in find_slides([train.slides], keep_missing=True)]
+        labels = read_labels_csv(train.labels)
+    except (WsiMilsslError, OSError):  # the tile and label stages say what is wrong
+        return fingerprint_paths([train.labels, train.annotations], content=True)
+    rows = [[stem, labels.get(stem)] for stem in sorted(stems)]
+    notes = [find_annotation(stem, train.annotations) if Path(train.annotations).is_dir() else None
+             for stem in sorted(stems)]
+    return [["labels", rows]] + fingerprint_paths([n for n in notes if n is not None], content=True)
+
+
+def feature_file_bags(path: Path) -> list[str] | None:
+    """The bag names a feature file holds (its ``bag_ids``, else its slide stem), as
+    :func:`wsi_milssl.mil.data.read_feature_files` names them; None when the file cannot be read."""
+    import h5py
+
+    from wsi_milssl.features.schema import BAG_IDS, FEATURES
+
+    try:
+        with h5py.File(path, "r") as fh:
+            n = fh[FEATURES].shape[0] if fh[FEATURES].ndim == 2 else 0
+            if n == 0:
+                return []
+            if BAG_IDS in fh:
+                ids = [b.decode() if isinstance(b, bytes) else str(b) for b in fh[BAG_IDS][()].tolist()]
+                return list(dict.fromkeys(ids))
+            stem = fh.attrs.get("slide_stem")
+    except (OSError, KeyError, ValueError):
+        return None
+    if isinstance(stem, bytes):
+        stem = stem.decode()
+    return [str(stem or path.stem)]
+
+
+def feature_files(path: Path) -> list[Path]:
+    """A feature file, or a folder's (:func:`wsi_milssl.features.schema.feature_files_in`), as `train` reads them."""
+    from wsi_milssl.features.schema import feature_files_in
+
+    return feature_files_in(path) if path.is_dir() else [path]
