@@ -18,9 +18,9 @@ from wsi_milssl.config.train import RUNTIME_ONLY_FIELDS
 from wsi_milssl.pipeline.spec import PipelineSpec, stage_config
 from wsi_milssl.pipeline.stamps import fingerprint_paths, read_stamp
 
-__all__ = ["UPSTREAM", "EMBEDDED_UPSTREAM", "SPEED_ONLY", "EARLIER_DEFAULTS", "stage_settings", "setting_names",
-           "digest_parts", "external_inputs", "with_label_settings", "run_fingerprints", "training_data",
-           "training_data_forms", "feature_file_bags", "feature_files"]
+__all__ = ["UPSTREAM", "EMBEDDED_UPSTREAM", "SPEED_ONLY", "EARLIER_DEFAULTS", "ADDED_SETTINGS", "recorded_settings",
+           "stage_settings", "setting_names", "digest_parts", "external_inputs", "with_label_settings",
+           "run_fingerprints", "training_data", "training_data_forms", "feature_file_bags", "feature_files"]
 
 
 #: the stages each stage reads (their stamps' digests count in its own); with a [features] table, EMBEDDED_UPSTREAM
@@ -37,10 +37,26 @@ SPEED_ONLY = {"tile": TILE_RUNTIME_ONLY_FIELDS, "features": FEATURES_RUNTIME_ONL
 
 
 #: the defaults, as stamps of the "changed" form knew them, of the settings whose default changed since:
-#: {stage: {setting: default then}}. Those stamps (version 1.x before 2026-11-28) recorded only the settings that
-#: differed from their defaults, so one of them matches a setting now at that earlier default, whatever the default
-#: is now. Add a setting here when its default changes.
+#: {stage: {setting: default then}}. Those stamps (written before 2026-11-28, package 0.1.0) recorded only the
+#: settings that differed from their defaults, so one of them matches a setting now at that earlier default, whatever
+#: the default is now. Add a setting here when its default changes.
 EARLIER_DEFAULTS: dict[str, dict[str, object]] = {"train": {"mu_ramp_epochs": 10}}  # image mode's T is 5 since
+
+#: the settings added to a stage ("synth" included) since stamps and run records hold every setting (2026-11-28),
+#: each with the value that does what the stage did before it existed: {stage: {setting: value}}. At that value a
+#: stamp or record leaves it out (:func:`recorded_settings`), so a finished run stays up to date when a version adds
+#: a setting; at another value it counts. Add a setting here when you add it to a stage's config
+#: (tests/pipeline/test_pipeline_changed_defaults.py lists each stage's settings of 2026-11-28 and checks).
+ADDED_SETTINGS: dict[str, dict[str, object]] = {}
+
+
+def recorded_settings(stage: str, settings: dict) -> dict:
+    """``settings`` ({name: value}, a stage's whole config) as stamps and training run records hold them: without
+    the speed-only settings (:data:`SPEED_ONLY`) and without the settings of :data:`ADDED_SETTINGS` at the value
+    they were added with."""
+    added = ADDED_SETTINGS.get(stage, {})
+    return {k: v for k, v in settings.items()
+            if k not in SPEED_ONLY.get(stage, ()) and not (k in added and v == added[k])}
 
 
 def stage_settings(spec: PipelineSpec, stage: str, *, form: str = "all"):
@@ -51,20 +67,28 @@ def stage_settings(spec: PipelineSpec, stage: str, *, form: str = "all"):
     defaults as that form's stamps knew them (:data:`EARLIER_DEFAULTS`), as stamps of earlier versions recorded
     them. ``"legacy"``: the raw table, as stamps of versions before that recorded it."""
     if stage == "synth":
-        return {name: config_to_dict(ds.synth) for name, ds in spec.sets.items()}
+        tables = {name: config_to_dict(ds.synth) for name, ds in spec.sets.items()}
+        return {name: recorded_settings("synth", t) if form == "all" else t for name, t in tables.items()}
     if form == "legacy":
         settings = {"section": spec.section(stage)}
     else:
         # evaluate counts [label]'s groups and positive_fraction where it takes them (:func:`with_label_settings`):
         # an evaluation of earlier versions, made with the default ones, runs again
         chosen = config_to_dict(with_label_settings(spec, stage) if stage == "evaluate" else stage_config(spec, stage))
-        section = {k: v for k, v in chosen.items() if k not in SPEED_ONLY.get(stage, ())}
-        if form == "changed":
-            default = {**config_to_dict(stage_config(spec, stage, defaults_only=True)),
-                       **EARLIER_DEFAULTS.get(stage, {})}
-            section = {k: v for k, v in section.items() if v != default.get(k)}
-        if "grid" in spec.section(stage):
-            section["grid"] = spec.section(stage)["grid"]
+        section = recorded_settings(stage, chosen)
+        grid = spec.section(stage).get("grid") or {}
+        if form == "all":
+            # a setting every grid point sets is not the table's: its top-level value is not used
+            section = {k: v for k, v in section.items() if k not in grid}
+        else:
+            current = config_to_dict(stage_config(spec, stage, defaults_only=True))
+            default = {**current, **EARLIER_DEFAULTS.get(stage, {})}
+            # one that the grid sets, left at its default now, was left at its default then (a changed default
+            # of it is not used)
+            section = {k: v for k, v in section.items()
+                       if v != default.get(k) and not (k in grid and v == current.get(k))}
+        if grid:
+            section["grid"] = grid
         settings = {"section": section}
     if stage == "train":
         settings.update(val_fraction=spec.val_fraction, split_seed=spec.split_seed)
@@ -168,7 +192,7 @@ def _run_fingerprint(spec: PipelineSpec, state: Path, config, split: dict, *, ki
     and what the training set's data come from (``data``, default :func:`training_data`); ``legacy``: as
     earlier versions recorded it, with the stamp digest of the stage it trains on and the inputs of both sets
     instead (so a change to the test set's files made them train again)."""
-    settings = {k: v for k, v in config_to_dict(config).items() if k not in RUNTIME_ONLY_FIELDS}
+    settings = recorded_settings("train", config_to_dict(config))
     fingerprint = {"kind": kind, "settings": settings, "split": {k: list(v) for k, v in split.items()}}
     if not legacy:
         return {**fingerprint, "data": training_data(spec) if data is None else data}

@@ -55,12 +55,13 @@ from wsi_milssl.atomic import atomic_open, atomic_write_json
 from wsi_milssl.config import config_from_mapping, config_to_dict
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.locks import folder_lock
-from wsi_milssl.pipeline.digests import (EMBEDDED_UPSTREAM, UPSTREAM, digest_parts, feature_file_bags,
-                                         feature_files, run_fingerprints, setting_names, training_data_forms,
-                                         with_label_settings)
+from wsi_milssl.pipeline.digests import (EARLIER_DEFAULTS, EMBEDDED_UPSTREAM, UPSTREAM, digest_parts,
+                                         feature_file_bags, feature_files, run_fingerprints, setting_names,
+                                         training_data_forms, with_label_settings)
 from wsi_milssl.pipeline.run_folders import (RUN_MARKER, continued_config, holds_run, keep_grid_parent,
                                              prepare_run_dir, replace_aside)
-from wsi_milssl.pipeline.spec import (RESOLVED_FILENAME, STAGES, PipelineSpec, load_pipeline, write_resolved_pipeline)
+from wsi_milssl.pipeline.spec import (RESOLVED_FILENAME, STAGES, PipelineSpec, load_pipeline, stage_config,
+                                      write_resolved_pipeline)
 from wsi_milssl.pipeline.stamps import (SETTINGS_FORM, changed_outputs, mark_outdated, mark_running,
                                         read_stamp, recorded_digest, shown_paths, stale_reason, stamp_digest,
                                         write_stamp)
@@ -1222,6 +1223,8 @@ def _run_stages(spec: PipelineSpec, stages: list[str], forced: set[str], *,
         ran_before = [o.stage for o in outcomes if o.status == "ran"]
         stale = stale_reason(ctx.state, stage, (*candidates, legacy_digests[stage]), settings=settings, inputs=inputs,
                              ran=ran_before)
+        if stale is not None and stale.startswith("settings changed: "):
+            stale += _default_change_note(spec, stage, stamp, settings)
         if stale is None:  # outputs that stamps of earlier versions do not record
             missing = _missing_unrecorded(ctx, stage)
             stale = f"output missing: {missing[0]}" if missing else None
@@ -1259,6 +1262,28 @@ def _run_stages(spec: PipelineSpec, stages: list[str], forced: set[str], *,
             on_stage(outcome)
     emit(progress, ProgressEvent("pipeline", len(stages), len(stages), unit="stage"))
     return outcomes
+
+
+def _default_change_note(spec: PipelineSpec, stage: str, stamp: dict | None, settings: dict) -> str:
+    """For a stamp of the earlier form (settings that differed from their defaults; ``settings``: {name: value} in
+    that form): the changed settings that the pipeline leaves at their defaults and that it left out because they
+    were at a default that changed since (:data:`~wsi_milssl.pipeline.digests.EARLIER_DEFAULTS`), with the value
+    that keeps the earlier result; "" when there are none. (A stamp of this version's form does not say which
+    settings the pipeline set, so a value it recorded may be one the pipeline set then.)"""
+    if stage == "synth" or not stamp or not isinstance(stamp.get("settings"), dict) or stamp.get(SETTINGS_FORM):
+        return ""
+    defaults = config_to_dict(stage_config(spec, stage, defaults_only=True))
+    notes = []
+    for name, value in settings.items():
+        table, _, key = name.partition(".")
+        if (table != stage or key in spec.section(stage) or name in stamp["settings"]
+                or defaults.get(key, object()) != value):
+            continue
+        before = EARLIER_DEFAULTS.get(stage, {}).get(key)
+        if before is not None and before != value:
+            notes.append(f"the default of {name} is {value} since this version, {before} before: set {name} = "
+                         f"{json.dumps(before)} to keep the earlier result")
+    return f" ({'; '.join(notes)})" if notes else ""
 
 
 #: the stages whose output files a hand command or edit may replace in place (``train --resume OUT/model``,

@@ -337,12 +337,26 @@ def stale_reason(state_dir: str | os.PathLike, stage: str, digests: Iterable[str
             return f"input changed: {shown_paths(changed)}"
         return None
     detailed = isinstance(stamp.get("settings"), dict) and isinstance(stamp.get("inputs"), dict)
+    if (detailed and stamp.get(SETTINGS_FORM) != "all" and (ran or stamp.get(OUTDATED_BY))
+            and _only_upstream_differs(stamp, settings, inputs)):
+        # a stamp of the earlier form after an earlier stage ran again: that stage's new stamp is of this version's
+        # form, so its digest differs whether or not its settings and inputs did
+        return (f"the {ran[-1]} stage ran before it" if ran
+                else f"the {stamp[OUTDATED_BY]} stage ran since its last run")
     changes = _changes(stamp["settings"], _plain(settings), stamp["inputs"], _plain(inputs)) if detailed else []
     if changes:
         return "; ".join(changes)
     written = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(path.stat().st_mtime))
     earlier = "" if detailed else " (a stamp of an earlier version, which records no details)"
     return f"settings or inputs changed since {written}{earlier}"
+
+
+def _only_upstream_differs(stamp: StageStamp, settings: dict[str, Any], inputs: dict[str, Any]) -> bool:
+    """Whether ``stamp`` recorded the same settings and files from outside the pipeline as ``settings`` and
+    ``inputs``, so that only the digests of the stages it reads differ."""
+    now = _plain(inputs)
+    return (stamp["settings"] == _plain(settings)
+            and (stamp["inputs"].get("external") or []) == (now.get("external") or []))
 
 
 def _recorded(output: str | os.PathLike, out_dir: Path) -> str:
