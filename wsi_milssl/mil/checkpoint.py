@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import os
 import random
+import signal
+import threading
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -24,7 +27,7 @@ from wsi_milssl.atomic import atomic_open
 from wsi_milssl.errors import CheckpointError
 from wsi_milssl.weights import load_torch_file
 
-__all__ = ["save_checkpoint", "read_checkpoint", "load_model", "capture_rng", "restore_rng",
+__all__ = ["save_checkpoint", "interrupt_after", "read_checkpoint", "load_model", "capture_rng", "restore_rng",
            "resolve_checkpoint_path", "check_resume_parts", "CHECKPOINT_FORMAT", "INCOMPLETE_FIX",
            "READ_FIX", "RESUME_FIX"]
 
@@ -58,11 +61,40 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(checkpoint: dict[str, Any], path: str | os.PathLike) -> Path:
-    """Write ``checkpoint`` atomically: temporary file in the same folder, fsync, rename."""
+    """Write ``checkpoint`` atomically: temporary file in the same folder, fsync, rename. A Ctrl-C during the save
+    takes effect once the file is in place (:func:`interrupt_after`)."""
     path = Path(path)
-    with atomic_open(path, "wb") as fh:
+    with interrupt_after(), atomic_open(path, "wb") as fh:
         torch.save({"format": CHECKPOINT_FORMAT, **checkpoint}, fh)
     return path
+
+
+@contextmanager
+def interrupt_after() -> Iterator[None]:
+    """Ctrl-C (SIGINT) inside the block takes effect when the block ends (a second one at once): torch.save turns a
+    KeyboardInterrupt raised inside its writer into a RuntimeError ("enforce fail at inline_container.cc"), which
+    ended an interrupted training run with a traceback instead of "interrupted". Outside the main thread, where
+    signal handlers cannot be set, the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+
+    def later(signum, frame):
+        if pending:
+            raise KeyboardInterrupt
+        pending.append(signum)
+
+    previous = signal.signal(signal.SIGINT, later)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pending:
+        if callable(previous):
+            previous(signal.SIGINT, None)  # Python's own handler raises KeyboardInterrupt
+        elif previous == signal.SIG_DFL:
+            raise KeyboardInterrupt
 
 
 def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
