@@ -303,7 +303,7 @@ def find_annotation(slide_stem: str, annotations_dir: str | os.PathLike) -> Path
         return None
     candidates = list(found.values())
     if len(candidates) > 1:  # a .json beside the others counts only when it looks like GeoJSON
-        candidates = [p for p in candidates if p.suffix.lower() != ".json" or _looks_like_geojson(p)] or candidates[:1]
+        candidates = [p for p in candidates if p.suffix.lower() != ".json" or looks_like_geojson(p)] or candidates[:1]
     chosen, *others = candidates
     for other in others:  # a stage asks once or twice per slide: each pair of file versions is compared once
         _check_same_annotations(slide_stem, chosen, other, _file_version(chosen), _file_version(other))
@@ -315,7 +315,7 @@ def _file_version(path: Path) -> tuple[int, int, int]:
     return st.st_ino, st.st_size, st.st_mtime_ns
 
 
-def _looks_like_geojson(path: Path) -> bool:
+def looks_like_geojson(path: Path) -> bool:
     """Whether the ``.json`` file ``path`` looks like GeoJSON (a feature or polygon in its first 64 KiB)."""
     try:
         with open(path, "rb") as fh:
@@ -422,7 +422,7 @@ def list_annotation_files(annotations_dir: str | os.PathLike) -> list[Path]:
         suffix = p.suffix.lower()
         if not p.is_file() or suffix not in ANNOTATION_SUFFIXES:
             continue
-        if suffix == ".json" and not _looks_like_geojson(p):
+        if suffix == ".json" and not looks_like_geojson(p):
             continue
         out.append(p)
     return out

@@ -142,25 +142,18 @@ def _annotation_sources(roots: Iterable[Path], *, skip: Iterable[Path] = (), giv
 def _match_annotations(sources, stems: Iterable[str]) -> dict[str, list[tuple[str, Path, str | None]]]:
     """{slide stem: [(suffix, file, member), ...]} for the slides with an annotation, every source of each
     (:func:`_read_annotations` refuses two that differ)."""
+    from wsi_milssl.annotations.io import looks_like_geojson
+
     by_key = {stem_key(s): s for s in stems}
     out: dict[str, list[tuple[str, Path, str | None]]] = {}
     for stem, suffix, path, member in sources:
         target = by_key.get(stem_key(stem))
         if target is None:
             continue
-        if suffix == ".json" and member is None and not _looks_like_geojson(path):
+        if suffix == ".json" and member is None and not looks_like_geojson(path):
             continue
         out.setdefault(target, []).append((suffix, path, member))
     return out
-
-
-def _looks_like_geojson(path: Path) -> bool:
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(65536)
-    except OSError:
-        return False
-    return b'"Feature' in head or b'"Polygon"' in head or b'"MultiPolygon"' in head
 
 
 def _cause(exc: BaseException) -> str:
