@@ -87,7 +87,7 @@ def stage_settings(spec: PipelineSpec, stage: str, *, form: str = "all"):
             # of it is not used)
             section = {k: v for k, v in section.items()
                        if v != default.get(k) and not (k in grid and v == current.get(k))}
-        if grid:
+        if "grid" in spec.section(stage):
             section["grid"] = grid
         settings = {"section": section}
     if stage == "train":
