@@ -44,10 +44,15 @@ def pytest_xdist_auto_num_workers(config) -> int:
 
 def _threads_per_worker() -> None:
     """Under pytest-xdist (``-n N``) every worker process gets an equal share of the CPU cores for torch, so N
-    workers do not each start one thread per core and fight over them."""
+    workers do not each start one thread per core and fight over them. The processes a test starts (pipeline
+    runs, CLI commands, torchrun ranks) get the same share through ``OMP_NUM_THREADS``: with torch's default of
+    one thread per core, a child beside a busy worker spent most of its time waiting on its own threads (a
+    2-thread image fit beside another busy process took 27 s on 2 cores, 13 s with 1 thread)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
-        torch.set_num_threads(max(1, _cores() // workers))
+        share = max(1, _cores() // workers)
+        torch.set_num_threads(share)
+        os.environ.setdefault("OMP_NUM_THREADS", str(share))
 
 
 _threads_per_worker()

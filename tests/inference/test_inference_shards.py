@@ -123,6 +123,8 @@ def test_a_shard_without_slides_names_only_the_files_it_wrote(tmp_path, four_sli
     assert f"status: {out / 'heatmap_status.csv'}" in printed
 
 
+@pytest.mark.slow  # the ranks' end barrier is cli/sharding.py's, shared by tile, label and heatmap: the
+# default run launches it under torchrun for tile (tests/tiling/test_tiling_shards.py)
 def test_torchrun_ranks_with_a_failed_slide_all_finish(tmp_path, four_slides, checkpoint_factory):
     """heatmap under torchrun (2 ranks; every 2nd slide from the rank's): rank 1's only slide is
     not a slide and fails at once. It meets rank 0 in the end barrier, so torchrun does not stop rank 0

@@ -138,7 +138,7 @@ def test_training_copies_the_store_plan_into_the_checkpoint_and_heatmaps_use_it(
     instances = read_patch_stores([tmp_path / "tiles"], read_labels_csv(synth_dir / "labels.csv"))
     run = tmp_path / "run"
     fit(instances, config=TrainConfig(mode="images", model="resnet18", epochs=1, batch_size=32, eval_batch_size=64,
-                                      num_workers=0, threads=2, plots=False), out_dir=run)
+                                      num_workers=0, threads=1, plots=False), out_dir=run)
     _, saved = load_model(run / "last.pt")
     recorded = next(iter(stored.values()))[1]
     assert saved["tiling_plan"] == json.loads(recorded)  # unchanged, and not duplicated in store_settings

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from wsi_milssl.cli import main
 from wsi_milssl.config import LabelConfig, TileConfig
@@ -136,6 +137,8 @@ def test_shards_given_different_store_lists_label_every_store_they_all_saw_once(
     assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []
 
 
+@pytest.mark.slow  # the ranks' end barrier is cli/sharding.py's, shared by tile, label and heatmap: the
+# default run launches it under torchrun for tile (tests/tiling/test_tiling_shards.py)
 def test_torchrun_ranks_with_a_failed_store_all_finish(four_slides, tmp_path):
     """Under torchrun (2 ranks on the CPU) rank 1's first store is damaged: every rank labels its share
     (every 2nd store, sorted by path) and meets the others before rank 1 exits 1 with one line naming the

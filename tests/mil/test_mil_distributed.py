@@ -92,6 +92,9 @@ def _rank_pids(launcher: int, rank: str) -> list[int]:
     return found
 
 
+@pytest.mark.slow  # torchrun with a rank SIGKILLed; the default run has a rank lost in a collective
+# (test_mil_distributed_inputs), torchrun itself killed (test_cli_torchrun_launcher_dies) and a resume on
+# another number of ranks (test_mil_distributed_end)
 def test_a_killed_rank_stops_the_run_clearly_and_resume_continues_on_one_process(tmp_path, stores):
     folder, labels = stores
     run = tmp_path / "killed"

@@ -23,7 +23,7 @@ def stores(request, tmp_path_factory, image_store_factory):
 
 
 def _cfg(**kw) -> TrainConfig:
-    base = dict(mode="images", epochs=2, batch_size=16, eval_batch_size=64, num_workers=0, threads=2,
+    base = dict(mode="images", epochs=2, batch_size=16, eval_batch_size=64, num_workers=0, threads=1,
                 mu=0.25, mu_ramp_epochs=1, plots=False)
     base.update(kw)
     return TrainConfig(**base)

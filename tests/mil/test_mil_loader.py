@@ -114,7 +114,7 @@ def test_one_pool_of_readers_serves_every_pass_and_the_result_does_not_depend_on
 
     monkeypatch.setattr(BatchLoader, "_make_loader", counting)
     # 2 epochs: the second epoch's passes are the ones a non-persistent loader would make again
-    cfg = dict(mode="images", epochs=2, batch_size=16, eval_batch_size=32, threads=2, mu=0.25,
+    cfg = dict(mode="images", epochs=2, batch_size=16, eval_batch_size=32, threads=1, mu=0.25,
                mu_ramp_epochs=1, plots=False, shuffle_block=4)
     two = fit(instances, config=TrainConfig(num_workers=2, **cfg), val=instances)
     # training, refresh and validation passes of 2 epochs: one persistent DataLoader

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from processes import workers_left_after_kill
-from tinypipeline import GENERATED_SLIDES
+from tinypipeline import FEATURE_BAGS, GENERATED_SLIDES, feature_bags
 from wsi_milssl.errors import ConfigError
 from wsi_milssl.pipeline import load_pipeline
 from wsi_milssl.pipeline.runner import grid_worker_count
@@ -72,6 +72,8 @@ def one_at_a_time(tmp_path_factory) -> tuple[Path, str]:
     return _run(tmp_path_factory.mktemp("grid"), 1)
 
 
+@pytest.mark.slow  # image mode; the default run trains a feature grid in worker processes
+# (test_pipeline_runner_fixes::test_feature_grid_trains_points_in_worker_processes_like_one_at_a_time)
 def test_grid_points_at_once_give_the_runs_of_one_at_a_time(one_at_a_time, tmp_path):
     one, summary_one = one_at_a_time
     _seed(one, tmp_path / "out2")
@@ -98,12 +100,15 @@ def test_grid_workers_setting(tmp_path):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_grid_trainers_of_a_killed_run_end(one_at_a_time, tmp_path):
+def test_grid_trainers_of_a_killed_run_end(tmp_path):
     """A `run` killed while its grid points train at once: the trainers used to run on under pid 1, writing
-    checkpoints into the run folders that the next `run` resumes; now they end within seconds."""
+    checkpoints into the run folders that the next `run` resumes; now they end within seconds. (A feature grid:
+    the trainers are the same pool as an image grid's, and it reaches training at once.)"""
+    feature_bags(tmp_path / "bags" / "train", 8, 0)
+    feature_bags(tmp_path / "bags" / "test", 4, 1)
     toml = tmp_path / "grid.toml"
-    toml.write_text(PIPELINE.format(workers=2).replace("epochs = 2", "epochs = 200"))
-    _seed(one_at_a_time[0], tmp_path / "out")  # the run goes to training at once
+    toml.write_text('[pipeline]\nname = "grid"\ngrid_workers = 2\n' + FEATURE_BAGS.replace("epochs = 3", "epochs = 100000")
+                    + "threads = 1\n[train.grid]\nmu = [0.1, 0.2]\n")
     left = workers_left_after_kill([sys.executable, "-c", RUNNER, str(toml), str(tmp_path / "out")],
-                                   n_workers=2, start_s=300, settle_s=3)  # settled: initializers have run
+                                   n_workers=2, start_s=120, settle_s=3)  # settled: initializers have run
     assert left == [], "the grid's trainers outlived the killed run"

@@ -157,15 +157,17 @@ def _assert_same_outputs(a: Path, b: Path) -> None:
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory) -> tuple[Path, Path]:
-    """The pipeline file and an uninterrupted run of it."""
+    """The pipeline file and an uninterrupted run of it up to train (the heatmap test runs the rest)."""
     folder = tmp_path_factory.mktemp("resume")
     toml = folder / "resume.toml"
     toml.write_text(PIPELINE)
     reference = folder / "uninterrupted"
-    _run(toml, reference)
+    _run(toml, reference, until="train")
     return toml, reference
 
 
+@pytest.mark.slow  # the default run kills tile mid-slide and compares with an uninterrupted run
+# (tests/tiling/test_tiling_cli.py::test_sigkill_mid_slide_then_rerun_equals_uninterrupted)
 def test_run_killed_inside_tile_goes_on_and_matches_an_uninterrupted_run(pipeline, tmp_path):
     toml, reference = pipeline
     out = tmp_path / "killed"
@@ -203,8 +205,11 @@ def test_run_killed_inside_training_resumes_and_skips_finished_grid_points(pipel
     _assert_same_model(reference, out)  # every checkpoint and grid.json
 
 
+@pytest.mark.slow  # the default run has heatmap re-runs that skip finished slides
+# (tests/inference/test_inference_shards.py::test_a_rerun_skips_finished_slides_and_other_settings_redo_them)
 def test_run_killed_inside_heatmap_skips_finished_slides_and_matches_an_uninterrupted_run(pipeline, tmp_path):
     toml, reference = pipeline
+    _run(toml, reference)  # the uninterrupted run's heatmap and evaluate stages
     out = tmp_path / "killed"
     _seed(reference, out, ("synth", "tile", "label", "train"))
     _run(toml, out, "heatmap")

@@ -304,6 +304,7 @@ sys.exit(code)
 """
 
 
+@pytest.mark.slow  # a third torchrun launch of the end barrier that the failed-slide test above exercises
 def test_a_failed_rank_waits_for_a_rank_that_starts_late(four_slides, tmp_path):
     """The reviewer's third case: an earlier `--shard 0/2` run tiled into the folder, then torchrun's
     rank 1 fails its slide at once while rank 0 starts 3 s late. Rank 1 waits in the barrier for rank 0
