@@ -12,7 +12,8 @@ import pytest
 from tinypipeline import GENERATED_SLIDES
 from wsi_milssl.errors import ConfigError
 from wsi_milssl.pipeline import load_pipeline, write_resolved_pipeline
-from wsi_milssl.pipeline.runner import _Context, _evaluate
+from wsi_milssl.pipeline.context import StageContext
+from wsi_milssl.pipeline.runner import _evaluate
 
 LABEL = """
 [label]
@@ -42,7 +43,7 @@ def evaluated_with(monkeypatch):
     monkeypatch.setattr(evaluation, "evaluate_predictions", fake)
 
     def run(spec):
-        _evaluate(_Context(spec, None))
+        _evaluate(StageContext(spec, None))
         return seen["config"]
 
     return run

@@ -115,7 +115,7 @@ def test_a_grid_on_too_few_generated_slides_is_refused_before_synth(tmp_path):
 
 def test_a_single_run_without_validation_slides_warns_that_it_keeps_last_pt(two_training_slides, tmp_path, caplog):
     spec = load_pipeline(two_training_slides, out_dir=tmp_path / "out", overrides=["train.grid.mu=[0.1]"])
-    with caplog.at_level(logging.WARNING, logger="wsi_milssl.pipeline.runner"):
+    with caplog.at_level(logging.WARNING, logger="wsi_milssl.pipeline"):
         outcomes = run_pipeline(spec, until="train")
     assert outcomes[-1].summary.startswith("2 training / 0 validation slides")
     warnings = [r.getMessage() for r in caplog.records if "no validation" in r.getMessage()]
@@ -160,14 +160,14 @@ def test_a_feature_grid_without_validation_bags_names_the_cause(tmp_path):
 
 def test_a_single_feature_run_without_validation_bags_warns(tmp_path, caplog):
     spec = load_pipeline(_two_bags(tmp_path), out_dir=tmp_path / "out")
-    with caplog.at_level(logging.WARNING, logger="wsi_milssl.pipeline.runner"):
+    with caplog.at_level(logging.WARNING, logger="wsi_milssl.pipeline"):
         run_pipeline(spec, until="train")
     warnings = [r.getMessage() for r in caplog.records if "no validation" in r.getMessage()]
     assert len(warnings) == 1 and CAUSE.format(what="bag") in warnings[0]
     # val_fraction = 0 asks for no validation: nothing to warn about
     caplog.clear()
     spec = load_pipeline(tmp_path / "feat.toml", out_dir=tmp_path / "out0", overrides=["data.val_fraction=0"])
-    with caplog.at_level(logging.WARNING, logger="wsi_milssl.pipeline.runner"):
+    with caplog.at_level(logging.WARNING, logger="wsi_milssl.pipeline"):
         run_pipeline(spec, until="train")
     assert not [r for r in caplog.records if "no validation" in r.getMessage()]
 

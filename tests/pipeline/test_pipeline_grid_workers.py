@@ -16,7 +16,7 @@ from processes import workers_left_after_kill
 from tinypipeline import FEATURE_BAGS, GENERATED_SLIDES, feature_bags
 from wsi_milssl.errors import ConfigError
 from wsi_milssl.pipeline import load_pipeline
-from wsi_milssl.pipeline.runner import grid_worker_count
+from wsi_milssl.pipeline.training import grid_worker_count
 
 # tiled at 5x, not the shared tables' 10x: a quarter of the patches, the same claim
 PIPELINE = """

@@ -15,7 +15,7 @@ import pytest
 from tinypipeline import GENERATED_SLIDES
 from wsi_milssl.errors import ConfigError, WsiMilsslError
 from wsi_milssl.pipeline import load_pipeline, run_pipeline
-from wsi_milssl.pipeline.runner import _validation_score
+from wsi_milssl.pipeline.training import validation_score
 
 FEATURES = """
 [pipeline]
@@ -97,7 +97,7 @@ def test_grid_score_comes_from_the_checkpoint_when_metrics_lack_the_best_epoch(t
         result = SimpleNamespace(best_epoch=json.loads(
             (model / "grid" / point / "metrics.jsonl").read_text().splitlines()[-1])["best_epoch"],
             history=[], out_dir=model / "grid" / point)
-        assert list(_validation_score(result, best, model / "grid" / point)) == pytest.approx(scores[point])
+        assert list(validation_score(result, best, model / "grid" / point)) == pytest.approx(scores[point])
         # a killed run: metrics.jsonl lost its records; the pipeline runs the stage again without a traceback
         (model / "grid" / point / "metrics.jsonl").write_text("")
     (tmp_path / "out" / ".pipeline" / "train.json").unlink()
@@ -111,8 +111,8 @@ def test_grid_score_comes_from_the_checkpoint_when_metrics_lack_the_best_epoch(t
 def test_validation_score_without_any_record_is_one_clear_error(tmp_path):
     result = SimpleNamespace(best_epoch=2, history=[{"epoch": 1}], out_dir=tmp_path)
     with pytest.raises(WsiMilsslError, match=r"no record of the best epoch \(2\).*--force train"):
-        _validation_score(result, "bag_auc", tmp_path)
-    assert _validation_score(SimpleNamespace(best_epoch=None, history=[]), "bag_auc") is None
+        validation_score(result, "bag_auc", tmp_path)
+    assert validation_score(SimpleNamespace(best_epoch=None, history=[]), "bag_auc") is None
 
 
 def test_force_train_trains_again_and_keeps_the_old_run(tmp_path):

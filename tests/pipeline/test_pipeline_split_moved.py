@@ -86,7 +86,7 @@ def moved(tmp_path, caplog):
         _split(tmp_path, labels, train=["synth_000", "synth_001", "synth_002"], test=["synth_003"])
         run_pipeline(load_pipeline(tmp_path / "moved.toml", out_dir=tmp_path / "out"), until=until)
         _split(tmp_path, labels, train=["synth_000", "synth_001", "synth_003"], test=["synth_002"])
-        with caplog.at_level(logging.WARNING, logger="wsi_milssl.pipeline.runner"):
+        with caplog.at_level(logging.WARNING, logger="wsi_milssl.pipeline"):
             return run_pipeline(load_pipeline(tmp_path / "moved.toml", out_dir=tmp_path / "out"))
     return run
 
@@ -189,7 +189,7 @@ def test_stores_of_an_earlier_format_are_ignored_not_trained_on(cohort, tmp_path
     pipe, out = tmp_path / "moved.toml", tmp_path / "out"
     run_pipeline(load_pipeline(pipe, out_dir=out, overrides=["tile.format=zarr", "tile.patch_size_px=48"]),
                  until="tile")
-    with caplog.at_level(logging.WARNING, logger="wsi_milssl.pipeline.runner"):
+    with caplog.at_level(logging.WARNING, logger="wsi_milssl.pipeline"):
         run_pipeline(load_pipeline(pipe, out_dir=out), until="train")
     assert _trained_on(out) == ["synth_000.h5", "synth_001.h5", "synth_002.h5"]
     assert json.loads((out / "model" / "config.json").read_text())["patch_size_px"] == 32
@@ -205,7 +205,7 @@ def test_the_store_of_a_slide_renamed_in_letter_case_is_not_the_renamed_slides(c
     (tmp_path / "slides" / "synth_000.xml").unlink(missing_ok=True)
     cohort["Synth_000"] = cohort.pop("synth_000")
     _split(tmp_path, cohort, train=["Synth_000", "synth_001", "synth_002"], test=["synth_003"])
-    with caplog.at_level(logging.WARNING, logger="wsi_milssl.pipeline.runner"):
+    with caplog.at_level(logging.WARNING, logger="wsi_milssl.pipeline"):
         run_pipeline(load_pipeline(pipe, out_dir=out), until="train")
     assert _trained_on(out) == ["Synth_000.h5", "synth_001.h5", "synth_002.h5"]
     assert _ignored(out / "stores" / "train", "train", "synth_000") in _warnings(caplog)
@@ -237,7 +237,7 @@ def test_a_deleted_store_or_heatmap_file_makes_its_stage_run_again(cohort, tmp_p
     assert summary.startswith("1 slides (1 drawn again), ") and summary.endswith(" patches")
     # a Mac's '._X' copies in the heatmap folder are no slide's: no warning about a slide outside the test set
     (out / "heatmaps" / "test" / "._synth_009_detections.csv").write_bytes(b"\x00\x05\x16\x07")
-    with caplog.at_level(logging.WARNING, logger="wsi_milssl.pipeline.runner"):
+    with caplog.at_level(logging.WARNING, logger="wsi_milssl.pipeline"):
         outcomes = run_pipeline(load_pipeline(pipe, out_dir=out, overrides=["heatmap.colormap=magma"]),
                                 force=["evaluate"])
     assert [o.stage for o in outcomes if o.status == "ran"] == ["evaluate"]

@@ -21,7 +21,7 @@ from wsi_milssl.errors import ConfigError, WsiMilsslError
 from wsi_milssl.mil.resnet import ResNet18
 from wsi_milssl.pipeline import load_pipeline, run_pipeline
 from wsi_milssl.pipeline.digests import training_data
-from wsi_milssl.pipeline.runner import RUN_MARKER
+from wsi_milssl.pipeline.run_folders import RUN_MARKER
 from wsi_milssl.synth import generate_slides
 
 PIPELINE = """

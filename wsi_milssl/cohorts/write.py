@@ -281,7 +281,7 @@ def _finish(out: Path, *, name: str, template: Path | None,
     :data:`NEW_PIPELINE_NAME`, with a note naming both. The annotations' groups are checked against the label
     stage of the pipeline the result names to run (:func:`_group_check`).
     """
-    from wsi_milssl.pipeline.runner import refuse_unusable_split
+    from wsi_milssl.pipeline.training import refuse_unusable_split
     from wsi_milssl.pipeline.spec import load_pipeline
 
     template = Path(template) if template is not None else default_template()

@@ -41,7 +41,7 @@ def holds_run(folder: Path) -> bool:
 
 
 def run_key(record: Any, slide_lists: tuple[str, ...]) -> Any:
-    """What a training run's record (:func:`wsi_milssl.pipeline.runner._run_fingerprint`) is compared by: the record without the content of
+    """What a training run's record (:func:`wsi_milssl.pipeline.digests.run_fingerprints`) is compared by: the record without the content of
     the training set's slide list (file names ``slide_lists``), which names the slides by their paths (a cohort
     moved and prepared again rewrites it): the slides it lists count by their own files, their names by the split
     and the rows of the labels."""

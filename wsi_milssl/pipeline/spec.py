@@ -203,7 +203,7 @@ def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None 
     (``prepare``) or one read for its settings.
 
     A [train.grid] that cannot choose a point on validation slides, or a select_metric that the validation
-    slides can never give, is refused here (:func:`wsi_milssl.pipeline.runner.refuse_unusable_split`): with
+    slides can never give, is refused here (:func:`wsi_milssl.pipeline.training.refuse_unusable_split`): with
     ``check_paths`` from the split of the training slide list and labels; without it (their files not read)
     a grid with [data].val_fraction = 0 all the same, and generated sets, whose labels need no file.
     """
@@ -358,7 +358,7 @@ def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None 
     spec = PipelineSpec(name=name, source=source, out_dir=out, sets=sets, val_fraction=val_fraction,
                         split_seed=split_seed, sections=sections, mode=mode, feature_stage=feature_stage,
                         overrides=overrides, grid_workers=grid_workers)
-    from wsi_milssl.pipeline.runner import refuse_unusable_split  # the runner imports this module
+    from wsi_milssl.pipeline.training import refuse_unusable_split  # it imports this module
 
     refuse_unusable_split(spec, read_lists=check_paths)
     return spec
@@ -434,7 +434,7 @@ def _refuse_grid_without_validation(grid: Any, val_fraction: float, where: str, 
     """ConfigError, when a feature-file pipeline is loaded, for a [train.grid] of two or more points without
     validation ``what`` (``[data].val_fraction = 0``) to choose one on: its split is known only when the train
     stage reads the files (which refuses one that holds out none with val_fraction > 0). A pipeline of slides is
-    refused by :func:`wsi_milssl.pipeline.runner.refuse_unusable_split` (at the end of :func:`load_pipeline`), from
+    refused by :func:`wsi_milssl.pipeline.training.refuse_unusable_split` (at the end of :func:`load_pipeline`), from
     the split of its slide list and labels where they are read, so that one message names every fix needed
     (val_fraction > 0, and more training slides where any split would still hold out none, or one class)."""
     if not isinstance(grid, dict) or val_fraction > 0:
