@@ -243,9 +243,9 @@ def _read_annotations(sets: Mapping[str, Mapping[str, list[tuple[str, Path, str 
     out: dict[str, dict[str, _Annotation]] = {}
     with tempfile.TemporaryDirectory(prefix="wsi-milssl-prepare-") as scratch:
         n_copies = 0
-        for set_name, annotations in sets.items():
+        for set_name, set_annotations in sets.items():
             out[set_name] = {}
-            for stem, candidates in annotations.items():
+            for stem, candidates in set_annotations.items():
                 distinct: dict[bytes, tuple[_Annotation, Path] | None] = {}
                 for suffix, path, member in candidates:
                     where = str(path) if member is None else f"{path}:{member}"

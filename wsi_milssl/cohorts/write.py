@@ -236,8 +236,8 @@ def _group_check(sets: Mapping[str, tuple[Mapping[str, Path], Mapping[str, int],
                       key=str.casefold)
 
     stop, ignored, new_groups, stop_groups = [], [], [], []
-    for _, (_, labels, annotations) in sets.items():
-        for stem, ann in sorted(annotations.items(), key=lambda kv: kv[0].casefold()):
+    for _, (_, labels, set_annotations) in sets.items():
+        for stem, ann in sorted(set_annotations.items(), key=lambda kv: kv[0].casefold()):
             tumour = any(gmap.role(g) == "tumor" for g in ann.area_groups)
             if labels.get(stem) == 1 and not tumour and unknown(ann.groups):
                 stop.append(f"{ann.where} ({', '.join(map(repr, unknown(ann.groups)))})")

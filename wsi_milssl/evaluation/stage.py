@@ -494,8 +494,6 @@ def _none_if_nan(value: float) -> float | None:
 def _heatmap_outcomes(predictions_dir: Path, stems: list[str]) -> tuple[dict[str, str], list[str]]:
     """({slide: error} of the slides among ``stems`` that the heatmap stage's status file (when the folder
     has one) records as failed, [slides it records as empty: no tissue patch])."""
-    import csv
-
     path = predictions_dir / HEATMAP_STATUS_FILENAME
     if not stems or not path.is_file():
         return {}, []
