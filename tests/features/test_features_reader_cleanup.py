@@ -59,14 +59,16 @@ def test_a_killed_features_run_leaves_no_reader_or_shared_memory(tmp_path, synth
                 break
             time.sleep(0.05)
         assert proc.poll() is None and len(readers) >= 2, "the run ended before its readers were seen"
-        buffers = set()
-        for pid in readers:
-            try:
-                maps = Path(f"/proc/{pid}/maps").read_text()
-            except OSError:
-                continue
-            buffers |= {line.split()[-1] for line in maps.splitlines() if "/dev/shm/psm_" in line}
-        assert buffers
+        buffers: set[str] = set()
+        while not buffers and time.monotonic() < deadline and proc.poll() is None:  # a busy machine: the
+            for pid in readers:                                                    # readers map them soon after
+                try:
+                    maps = Path(f"/proc/{pid}/maps").read_text()
+                except OSError:
+                    continue
+                buffers |= {line.split()[-1] for line in maps.splitlines() if "/dev/shm/psm_" in line}
+            time.sleep(0.05)
+        assert buffers, "the readers mapped no shared buffer"
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         deadline = time.monotonic() + 10
