@@ -41,7 +41,7 @@ def pytest_xdist_auto_num_workers(config) -> int:
     """``-n auto`` (pyproject addopts): one worker per CPU core and one more, at most :data:`MAX_AUTO_WORKERS`.
     Many tests spend their time waiting on the processes they start (pipeline runs, torchrun ranks, killed
     runs whose ends are awaited), so a worker per core leaves cores idle: on 2 cores, 3 workers ran the suite
-    in 581 s against 659 s."""
+    in 580-620 s against 659-674 s for 2 (quiet machine, 2026-11-28)."""
     return max(1, min(_cores() + 1, MAX_AUTO_WORKERS))
 
 
