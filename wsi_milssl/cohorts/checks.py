@@ -117,7 +117,7 @@ def _slide_parts(path: Path) -> list[tuple[str, Path]] | None:
     return [("", path), *files] if files else None
 
 
-def _same_content(paths: Iterable[Path]) -> list[list[Path]]:
+def same_content_groups(paths: Iterable[Path]) -> list[list[Path]]:
     """Groups (two or more) of the slides among ``paths`` that hold the same bytes as separate files (one file
     under two names is :func:`_linked_twice`'s), every file of a multi-file slide compared (:func:`_slide_parts`:
     two MIRAX slides with the same ``.mrxs`` index are copies only when their data folders hold the same files
@@ -175,7 +175,7 @@ def _same_content_slides(train: Mapping[str, Path], train_labels: Mapping[str, i
     owner.update({p: ("test", s) for s, p in test.items()})
     drop: dict[str, set[str]] = {"train": set(), "test": set()}
     found: dict[str, list[str]] = {"test": [], "conflict": [], "repeat": []}
-    for group in _same_content(owner):
+    for group in same_content_groups(owner):
         members = sorted((owner[p] for p in group), key=lambda m: name_key(m[1]))
         tr = [s for k, s in members if k == "train"]
         te = [s for k, s in members if k == "test"]

@@ -55,6 +55,7 @@ from wsi_milssl.locks import folder_lock
 from wsi_milssl.pipeline.context import StageContext, in_set, listed_stems, set_stores, store_format
 from wsi_milssl.pipeline.digests import (EARLIER_DEFAULTS, EMBEDDED_UPSTREAM, UPSTREAM, digest_parts,
                                          feature_files, setting_names, with_label_settings)
+from wsi_milssl.pipeline.overlap import refuse_test_in_training
 from wsi_milssl.pipeline.spec import (RESOLVED_FILENAME, STAGES, PipelineSpec, load_pipeline, stage_config,
                                       write_resolved_pipeline)
 from wsi_milssl.pipeline.stamps import (SETTINGS_FORM, changed_outputs, mark_outdated, mark_running,
@@ -459,7 +460,7 @@ def run_pipeline(
 
             raise ConfigError(f"--force {', '.join(later)}: after --until {until}, so it would not run. Fix: drop "
                               f"--until, or force a stage up to {until}.")
-    _refuse_shared_slides(spec)
+    refuse_test_in_training(spec)
     if spec.mode == "images":  # [label]'s settings in [heatmap] / [evaluate]: a clash found before any stage runs
         for stage in ("heatmap", "evaluate"):
             if stage in stages:
@@ -492,31 +493,6 @@ def _refuse_unavailable_encoder(spec: PipelineSpec) -> None:
         create_encoder(config.encoder, weights=config.weights, kwargs=config.encoder_kwargs)
     except EncoderWeightsError as exc:
         raise ConfigError(f"{where}: {exc.problem} Fix: {exc.fix(setting=True)}") from None
-
-
-def _refuse_shared_slides(spec: PipelineSpec) -> None:
-    """ConfigError when a slide file is in both the training and the test set (a test slide the model
-    trained or validated on would be scored as unseen); files are compared by device and inode, so one
-    file under two names counts, and two slides that only share a name (two folders) do not."""
-    from wsi_milssl.cohorts.names import file_identity
-    from wsi_milssl.errors import ConfigError, WsiMilsslError
-    from wsi_milssl.tiling import find_slides
-
-    if spec.mode == "features" or any(ds.synth is not None or ds.slides is None for ds in spec.sets.values()):
-        return
-    try:
-        # a listed file that does not exist is the tile stage's error to report
-        train = {file_identity(p): p for p in find_slides([spec.sets["train"].slides], keep_missing=True)
-                 if Path(p).exists()}
-        test = [p for p in find_slides([spec.sets["test"].slides], keep_missing=True) if Path(p).exists()]
-    except WsiMilsslError:  # the tile stage says what is wrong with the lists
-        return
-    shared = [(train[file_identity(p)], p) for p in test if file_identity(p) in train]
-    if shared:
-        raise ConfigError(f"{spec.source}: {len(shared)} slide(s) are in both the training and the test set ("
-                          + ", ".join(f"{a}" if Path(a) == Path(b) else f"{a} = {b}" for a, b in shared[:3])
-                          + (", ..." if len(shared) > 3 else "") + "): the model would be scored on slides it "
-                          "trained or validated on. Fix: take them off one of the two slide lists.")
 
 
 def _run_stages(spec: PipelineSpec, stages: list[str], forced: set[str], *,

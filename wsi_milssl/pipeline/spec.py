@@ -350,6 +350,12 @@ def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None 
         raise ConfigError(f"{at('train')}: [train].mode is {asked!r}, but this pipeline gives the train stage "
                           f"{'patch images' if train_mode == 'images' else 'features'}. Fix: {fix}.")
     _validate_sections(sections, source, train_mode=train_mode, overrides=overrides)
+    if generate and sets["train"].synth.seed == sets["test"].synth.seed:
+        # slide i of a set is drawn from (seed, i): the same seed makes test slides that copy the training ones
+        raise ConfigError(f"{at('synth')}: [synth.train] and [synth.test] have the same seed, "
+                          f"{sets['test'].synth.seed} (a seed not given is 0), so the test slides would be copies of "
+                          "the training slides and the model would be scored on slides it trained on. Fix: give "
+                          "[synth.test] another seed (pipelines/demo.toml uses seed = 1000).")
     if mode == "features":
         _refuse_grid_without_validation(sections["train"].get("grid"), val_fraction, at("train", "data"), "bags")
     if check_paths:

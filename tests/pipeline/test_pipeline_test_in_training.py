@@ -1,0 +1,116 @@
+"""A pipeline whose test set holds training slides or bags is refused before any stage runs (review BE): generated
+sets with one seed, feature files shared by both sets, and a copy of a training slide among the test slides were
+all run and scored as unseen."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from tinypipeline import FEATURE_BAGS, GENERATED_SLIDES, LISTED_COHORT, feature_bags
+from wsi_milssl.config import SynthConfig
+from wsi_milssl.errors import ConfigError
+from wsi_milssl.pipeline import load_pipeline, run_pipeline
+from wsi_milssl.pipeline.overlap import refuse_test_in_training
+from wsi_milssl.synth import generate_slides
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text('[pipeline]\nname = "overlap"\n' + text)
+    return path
+
+
+def test_generated_sets_with_one_seed_are_refused(tmp_path):
+    """Slide i of a generated set is drawn from (seed, i): with no seed in either table (both 0) the test slides
+    were byte-identical to the training slides."""
+    unseeded = GENERATED_SLIDES.replace("seed = 0\n", "").replace("seed = 1000\n", "")
+    path = _write(tmp_path / "p.toml", unseeded)
+    with pytest.raises(ConfigError) as caught:
+        load_pipeline(path)
+    assert str(caught.value) == (
+        f"{path}: [synth.train] and [synth.test] have the same seed, 0 (a seed not given is 0), so the test slides "
+        "would be copies of the training slides and the model would be scored on slides it trained on. Fix: give "
+        "[synth.test] another seed (pipelines/demo.toml uses seed = 1000).")
+    seeded = _write(tmp_path / "seeded.toml", GENERATED_SLIDES)
+    assert load_pipeline(seeded).sets["test"].synth.seed == 1000
+    with pytest.raises(ConfigError, match=re.escape("with --set synth.test.seed=0: [synth.train] and [synth.test] "
+                                                    "have the same seed, 0")):
+        load_pipeline(seeded, overrides=["synth.test.seed=0"])
+
+
+def test_feature_files_of_both_sets_are_refused_before_any_stage(tmp_path):
+    """test_features = train_features trained on the bags and then scored them as test bags, without a word."""
+    feature_bags(tmp_path / "bags" / "train", 8, 0)
+    shared = FEATURE_BAGS.replace('"bags/test', '"bags/train')
+    with pytest.raises(ConfigError) as caught:
+        run_pipeline(load_pipeline(_write(tmp_path / "p.toml", shared), out_dir=tmp_path / "out"))
+    message = str(caught.value)
+    assert message.startswith(f"{tmp_path / 'p.toml'}: 8 bag(s) are in both the training and the test set (bag_00 "
+                              f"in {tmp_path / 'bags' / 'train' / 'bag_00.h5'}, bag_01 in")
+    assert message.endswith("the model would be scored on bags it trained or validated on. Fix: point "
+                            "[data].test_features at feature files of other slides, or take the bags off one of "
+                            "the two labels files.")
+    assert not (tmp_path / "out" / "model").exists()
+
+
+def test_a_copied_feature_file_counts_and_other_bags_do_not(tmp_path):
+    """A test folder holding a copy of one training bag's file is refused for that bag alone; test bags that only
+    share the training bags' names, in files of other bytes, are other slides."""
+    feature_bags(tmp_path / "bags" / "train", 6, 0)
+    feature_bags(tmp_path / "bags" / "test", 4, 1)  # bag_00..bag_03: the same names, other features
+    spec = load_pipeline(_write(tmp_path / "p.toml", FEATURE_BAGS), out_dir=tmp_path / "out")
+    refuse_test_in_training(spec)
+    shutil.copy(tmp_path / "bags" / "train" / "bag_05.h5", tmp_path / "bags" / "test" / "copied.h5")
+    with open(tmp_path / "bags" / "test" / "labels.csv", "a") as fh:
+        fh.write("copied,1\n")  # a feature file of one slide is its bag under the labels file's name
+    with pytest.raises(ConfigError, match=re.escape(
+            f"1 bag(s) are in both the training and the test set (copied in {tmp_path / 'bags' / 'test' / 'copied.h5'}"
+            f" holds the same bytes as {tmp_path / 'bags' / 'train' / 'bag_05.h5'})")):
+        refuse_test_in_training(spec)
+
+
+def test_one_file_of_every_bag_split_by_the_labels_files_is_accepted(tmp_path):
+    """A file of several bags (bag_ids, the MIL CSV layout) may serve both sets: its labels files choose the bags.
+    A bag that both labels files list is refused."""
+    folder = tmp_path / "bags"
+    folder.mkdir()
+    names = [f"b{i}" for i in range(6)]
+    with h5py.File(folder / "all.h5", "w") as fh:
+        fh["features"] = np.random.default_rng(0).normal(size=(60, 4)).astype(np.float32)
+        fh.create_dataset("bag_ids", data=np.repeat(names, 10).astype(object), dtype=h5py.string_dtype())
+    (folder / "train.csv").write_text("slide,label\nb0,0\nb1,1\nb2,0\nb3,1\n")
+    (folder / "test.csv").write_text("slide,label\nb4,0\nb5,1\n")
+    text = (FEATURE_BAGS.replace('"bags/train"', '"bags/all.h5"').replace('"bags/test"', '"bags/all.h5"')
+            .replace('"bags/train/labels.csv"', '"bags/train.csv"').replace('"bags/test/labels.csv"', '"bags/test.csv"'))
+    spec = load_pipeline(_write(tmp_path / "p.toml", text), out_dir=tmp_path / "out")
+    refuse_test_in_training(spec)
+    (folder / "test.csv").write_text("slide,label\nb4,0\nb5,1\nB1,1\n")  # labels are matched without case
+    with pytest.raises(ConfigError, match=re.escape(f"1 bag(s) are in both the training and the test set (b1 in "
+                                                    f"{folder / 'all.h5'})")):
+        refuse_test_in_training(spec)
+
+
+def test_a_copy_of_a_training_slide_among_the_test_slides_is_refused(tmp_path):
+    """run compared slides by device and inode only: a plain copy under another name (prepare catches it by its
+    bytes) was tiled, tested and scored as unseen."""
+    slides = tmp_path / "slides"
+    generate_slides(SynthConfig(n_slides=3, seed=0, width_px=1024, height_px=1024), slides)
+    shutil.copy(slides / "synth_001.tif", slides / "copy.tif")
+    (tmp_path / "train_slides.csv").write_text(f"path\n{slides / 'synth_000.tif'}\n{slides / 'synth_001.tif'}\n")
+    (tmp_path / "test_slides.csv").write_text(f"path\n{slides / 'synth_002.tif'}\n")
+    for name in ("train", "test"):
+        (tmp_path / f"{name}_labels.csv").write_text("slide,label\nsynth_000,0\nsynth_001,1\nsynth_002,0\ncopy,1\n")
+    spec = load_pipeline(_write(tmp_path / "p.toml", LISTED_COHORT.format(root=tmp_path)), out_dir=tmp_path / "out")
+    refuse_test_in_training(spec)  # another slide of the same sizes: its bytes differ
+    (tmp_path / "test_slides.csv").write_text(f"path\n{slides / 'synth_002.tif'}\n{slides / 'copy.tif'}\n")
+    with pytest.raises(ConfigError, match=re.escape(
+            f"1 slide(s) are in both the training and the test set ({slides / 'copy.tif'} holds the same bytes as "
+            f"{slides / 'synth_001.tif'}): the model would be scored on slides it trained or validated on. Fix: take "
+            "them off one of the two slide lists.")):
+        run_pipeline(spec)
+    assert not (tmp_path / "out" / "stores").exists()
