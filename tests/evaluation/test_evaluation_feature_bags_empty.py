@@ -37,7 +37,7 @@ def test_a_test_slide_without_feature_rows_counts_as_a_bag_scored_0(tmp_path, he
     (test / "labels.csv").write_text((test / "labels.csv").read_text() + "bag_04,1\n")
     with caplog.at_level(logging.WARNING):
         summary = evaluate_feature_bags(head, sorted(test.glob("*.h5")), test / "labels.csv", tmp_path / "ev")
-    assert summary["n_bags"] == 5 and summary["empty_bags"] == ["bag_04"]
+    assert summary["n_bags"] == 5 and summary["empty_bags"] == ["bag_04"] and summary["not_evaluated"] == []
     assert json.loads((tmp_path / "ev" / "metrics.json").read_text()) == summary
     with open(tmp_path / "ev" / "scores.csv", newline="") as fh:
         rows = {r["slide"]: r for r in csv.DictReader(fh)}
@@ -47,3 +47,16 @@ def test_a_test_slide_without_feature_rows_counts_as_a_bag_scored_0(tmp_path, he
     assert summary["bag_accuracy"] == pytest.approx(np.mean((scores > 0.5) == (labels == 1)))
     assert "1 test slide(s) have feature files without a row (no patches): bag_04" in caplog.text
     assert "training set" not in caplog.text
+
+
+def test_a_labelled_test_slide_without_a_feature_file_is_named_not_evaluated(tmp_path, head, caplog):
+    """A lost test feature file only shrank n_bags (the pipeline said "on 5 test bags" of 6 labelled): it is named
+    in metrics.json's not_evaluated, as image mode names labelled slides without predictions."""
+    test = tmp_path / "test"
+    feature_bags(test, 6, seed=1)
+    (test / "bag_05.h5").unlink()
+    with caplog.at_level(logging.INFO, logger="wsi_milssl.evaluation.bags"):
+        summary = evaluate_feature_bags(head, sorted(test.glob("*.h5")), test / "labels.csv", tmp_path / "ev")
+    assert summary["n_bags"] == 5 and summary["not_evaluated"] == ["bag_05"] and summary["empty_bags"] == []
+    assert json.loads((tmp_path / "ev" / "metrics.json").read_text())["not_evaluated"] == ["bag_05"]
+    assert "1 labelled slide(s) have no bag in the test feature files and are not evaluated" in caplog.text

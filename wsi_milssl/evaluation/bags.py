@@ -56,7 +56,8 @@ def evaluate_feature_bags(checkpoint: str | os.PathLike, feature_files: Sequence
                           labels_csv: str | os.PathLike, out_dir: str | os.PathLike) -> dict[str, Any]:
     """Evaluate the head ``checkpoint`` on the bags of ``feature_files`` (labels from ``labels_csv``) into
     ``out_dir``; returns what ``metrics.json`` holds: ``instance_auc``, ``bag_auc``, ``bag_accuracy``, ``bag_nll``,
-    ``n_bags``, ``n_instances``, ``checkpoint`` and ``empty_bags``.
+    ``n_bags``, ``n_instances``, ``checkpoint``, ``empty_bags`` and ``not_evaluated`` (labelled slides without a bag in
+    ``feature_files``: a labels file of both sets, or a test feature file that is missing).
 
     A labelled slide whose feature file has no row (TRIDENT writes one for a slide without patches) is a test
     bag with score 0, as image mode scores a slide without patches: left out, a missed tumour slide would
@@ -81,12 +82,21 @@ def evaluate_feature_bags(checkpoint: str | os.PathLike, feature_files: Sequence
         log.warning("%d test slide(s) have feature files without a row (no patches): %s; each counts as a bag "
                     "with score 0 (as a slide without patches in image mode).", len(empty), ", ".join(empty))
     names = [*test.bag_names, *empty]
+    # labelled slides without a bag in the files (no feature file): not evaluated, as image mode leaves out a
+    # labelled slide without predictions; named, since a lost test file would otherwise only shrink n_bags
+    scored = {n.casefold() for n in names}
+    missing = sorted((n for n in labels if n.casefold() not in scored), key=str.casefold)
+    if missing:
+        log.info("%d labelled slide(s) have no bag in the test feature files and are not evaluated (listed in "
+                 "metrics.json under not_evaluated): %s%s", len(missing), ", ".join(missing[:20]),
+                 " ..." if len(missing) > 20 else "")
     scores = np.concatenate([metrics["bag_scores"], np.zeros(len(empty))])
     bag_labels = np.concatenate([test.bag_labels, [labels[n] for n in empty]]).astype(np.int64)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary = {"instance_auc": metrics["instance_auc"], **bag_metrics(scores, bag_labels)}
-    summary.update(n_bags=len(names), n_instances=int(len(test)), checkpoint=str(checkpoint), empty_bags=empty)
+    summary.update(n_bags=len(names), n_instances=int(len(test)), checkpoint=str(checkpoint), empty_bags=empty,
+                   not_evaluated=missing)
     atomic_write_json(out / "metrics.json", summary)
     with atomic_open(out / "scores.csv", "w") as fh:
         writer = csv.writer(fh)

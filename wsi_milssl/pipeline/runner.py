@@ -279,7 +279,8 @@ def _evaluate_features(ctx: StageContext) -> tuple[list[str], str]:
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
     return [str(out / "metrics.json"), str(out / "scores.csv")], (
         f"bag AUC {fmt(summary['bag_auc'])}, bag accuracy {fmt(summary['bag_accuracy'])} on {summary['n_bags']} "
-        "test bags")
+        "test bags" + (f" ({n} labelled slide(s) without a test feature file not evaluated: metrics.json "
+                       "not_evaluated)" if (n := len(summary["not_evaluated"])) else ""))
 
 
 def _refuse_other_test_features(spec: PipelineSpec) -> None:
