@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import json
 import os
 import stat
 
@@ -121,6 +122,21 @@ def test_tumour_annotation_without_usable_polygon_fails_alone(batch, tmp_path, p
     assert report.n_failed == 1 and _digest(paths["bad"]) == before
     with open_store(paths["bad"]) as store:
         assert "slide_label" not in store.attrs
+
+
+def test_two_annotation_files_that_disagree_fail_their_slide_alone(batch, tmp_path):
+    """Review BG: find_annotation's refusal of two different files of one slide was raised outside the slide's
+    try: one error stopped the batch, and the slides after it (here the good one) were never labelled."""
+    paths, ann, labels = batch
+    _tumour_xml(ann / "bad.xml", [[(100, 100), (300, 100), (300, 300), (100, 300)]])
+    (ann / "bad.geojson").write_text(json.dumps({"type": "FeatureCollection", "features": [{
+        "type": "Feature", "properties": {"classification": {"name": "Tumor"}},
+        "geometry": {"type": "Polygon", "coordinates": [[[900, 900], [1500, 900], [1500, 1500], [900, 900]]]}}]}))
+    report = label_stores(list(paths.values()), annotations_dir=ann, labels_csv=labels, out_dir=tmp_path / "out")
+    rows = _status(tmp_path / "out")
+    assert rows["good"]["status"] == "ok" and rows["bad"]["status"] == "failed"
+    assert "bad: two annotation files describe different regions" in rows["bad"]["error"]
+    assert report.n_failed == 1
 
 
 def test_one_usable_tumour_polygon_is_enough(tmp_path):

@@ -522,17 +522,19 @@ def _label_stores_locked(paths: list[Path], annotations_dir: Path, labels, label
     results: list[LabelResult] = []
     emit(progress, ProgressEvent("label", 0, len(mine), unit="slide"))
     for k, (path, stem) in enumerate(mine):
-        ann = find_annotation(stem, annotations_dir)
         slide_label = None
         if labels is not None:
             slide_label = labels.get(stem)
             if slide_label is None:
                 missing_labels.append(stem)
-        if ann is None:
-            without_ann.append(stem)
-            if slide_label == 1:
-                unannotated_tumor.append(stem)
+        ann = None
         try:
+            # two annotation files of the slide that disagree fail this slide, not the batch
+            ann = find_annotation(stem, annotations_dir)
+            if ann is None:
+                without_ann.append(stem)
+                if slide_label == 1:
+                    unannotated_tumor.append(stem)
             found = None if overwrite else _already_labelled(path, stem, annotation=ann, slide_label=slide_label,
                                                              config=config, mask_dir=out)
             if found is None and os.path.realpath(path.parent) in unwritable:
