@@ -223,6 +223,29 @@ def _refuse_unknown_groups_only(aset, annotation: Path, stem: str, config: Evalu
         "file.")
 
 
+def _file_state(path: Path) -> tuple[int, int] | None:
+    """(size in bytes, modification time in ns) of ``path``; None when it is not there."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
+
+
+def _refuse_changed_predictions(predictions_dir: Path, before: Mapping[Path, tuple[int, int] | None]) -> None:
+    """EvaluationError, before any output is written, when prediction files changed while they were read (``before``:
+    their :func:`_file_state` when reading started) or a heatmap run now writes the folder: the figures would mix
+    two runs' predictions while the report named one."""
+    changed = [p.name for p, state in before.items() if _file_state(p) != state]
+    writer = folder_writer(predictions_dir)
+    if changed or writer is not None:
+        what = f"{len(changed)} of its files changed while evaluate read them ({_first(changed)})" if changed else \
+            f"{writer} started writing it while evaluate read it"
+        raise EvaluationError(f"{predictions_dir}: {what}, so the evaluation would mix the predictions of two heatmap "
+                              "runs. Nothing was written. Fix: wait until that heatmap run finishes, then evaluate "
+                              "again.")
+
+
 def _evaluate_slide(
     files: PredictionFiles, label: int, *, annotations_dir: Path | None, slide_paths: dict[str, Path],
     config: EvaluateConfig,
@@ -846,6 +869,12 @@ def evaluate_predictions(
         logger.info("%d labelled slides have no predictions and are not evaluated (listed in %s under "
                     "not_evaluated)", len(skipped), EVALUATION_FILES["metrics"])
     slide_paths = resolve_slides(slides)
+    # what is read, as it is now: a heatmap run started after the check above (its lock is not held here) and
+    # rewriting slides while they are read would mix two runs' predictions in one report
+    read_files = [p for f in evaluated.values() for p in (f.detections, f.patches, f.sidecar, f.probs_npy,
+                                                          f.heatmap_png) if p is not None]
+    read_files.append(predictions_dir / SCORES_FILENAME)
+    before = {p: _file_state(p) for p in read_files}
     sidecars = {s: read_probs_sidecar(f.sidecar) for s, f in evaluated.items() if f.sidecar is not None}
     run_sidecar = _one_run(predictions_dir, sidecars)
     _check_mpp(predictions_dir, sidecars, config)
@@ -909,6 +938,7 @@ def evaluate_predictions(
         "config_hash": config_hash(config, exclude=("title", "thumbnail_px")),
     }
 
+    _refuse_changed_predictions(predictions_dir, before)
     with folder_lock(out_dir):  # one evaluate writes the folder at a time: its files are of one run
         _remove_earlier_run(out_dir)
         paths: dict[str, Path] = {}
