@@ -240,3 +240,29 @@ def test_a_resumed_feature_model_makes_evaluate_run_again(tmp_path):
     assert outcomes["train"][0] == "skipped" and "kept: model/best.pt" in outcomes["train"][2]
     assert outcomes["evaluate"][0] == "ran" and outcomes["evaluate"][1].startswith("input changed: model/")
     assert {s for s, _, _ in run().values()} == {"skipped"}
+
+
+def test_an_evaluation_written_by_hand_into_out_runs_evaluate_again(tmp_path):
+    """Review BG: `evaluate --out OUT/evaluation` of another model's predictions (or other settings) left the
+    pipeline's report holding them while run said every stage was up to date; no later stage reads the
+    evaluation, so it is written again, not kept. A copy of the run without modification times stays up to date."""
+    feature_bags(tmp_path / "bags" / "train", 8, 0)
+    feature_bags(tmp_path / "bags" / "test", 4, 1)
+    (tmp_path / "p.toml").write_text(FEATURES)
+
+    def run(out):
+        return {o.stage: (o.status, o.reason, o.summary)
+                for o in run_pipeline(load_pipeline(tmp_path / "p.toml", out_dir=out))}
+
+    out = tmp_path / "out"
+    run(out)
+    metrics = out / "evaluation" / "metrics.json"
+    ours = metrics.read_text()
+    metrics.write_text(ours.replace('"bag_auc": ', '"bag_auc": 0.0, "was": '))  # another evaluation's figures
+    outcomes = run(out)
+    assert outcomes["evaluate"][:2] == ("ran", "output changed outside the pipeline: evaluation/metrics.json "
+                                               "(evaluate run by hand?)")
+    assert metrics.read_text() == ours
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy, copy_function=shutil.copyfile)  # every file a new modification time
+    assert {s for s, _, _ in run(copy).values()} == {"skipped"}

@@ -257,6 +257,14 @@ def _earlier_evaluation(ctx: StageContext) -> str | None:
     return outdated_metrics(ctx.evaluation_dir, with_label_settings(ctx.spec, "evaluate"))
 
 
+def _evaluation_changed(ctx: StageContext) -> str | None:
+    """Why the evaluation runs again though its stamp matches: files of it changed since the stage wrote them (an
+    ``evaluate --out OUT/evaluation`` by hand, of other predictions or settings), else None. They are the run's
+    report, which no later stage reads: rewritten, not kept as train's and heatmap's changed files are."""
+    changed = changed_outputs(ctx.state, "evaluate")
+    return f"output changed outside the pipeline: {shown_paths(changed)} (evaluate run by hand?)" if changed else None
+
+
 def _missing_stores(ctx: StageContext) -> list[Path]:
     """The stores (in the tile stage's format) of listed slides that are not in ``OUT/stores/<set>``: a store
     deleted after its stage ran must be made again, not left out of training without a word."""
@@ -538,7 +546,7 @@ def _run_stages(spec: PipelineSpec, stages: list[str], forced: set[str], *,
             missing = _missing_unrecorded(ctx, stage)
             stale = f"output missing: {missing[0]}" if missing else None
         if stale is None and stage == "evaluate":
-            stale = _earlier_evaluation(ctx)
+            stale = _earlier_evaluation(ctx) or _evaluation_changed(ctx)
         if stale is None and not ran_before and forced_first is None:
             outcome = StageOutcome(stage, "skipped", 0.0, "up to date" + _kept_note(ctx, stage))
         else:
@@ -564,7 +572,7 @@ def _run_stages(spec: PipelineSpec, stages: list[str], forced: set[str], *,
             digest, settings, inputs = checked["all"]
             digests[stage] = digest
             write_stamp(ctx.state, stage, digest=digest, outputs=outputs, settings=settings, inputs=inputs,
-                        reads=_file_reads(spec, stage), settings_form="all")
+                        reads=_file_reads(spec, stage), settings_form="all", output_sha256=stage == "evaluate")
             outcome = StageOutcome(stage, "ran", time.perf_counter() - start, summary, reason)
         outcomes.append(outcome)
         if on_stage is not None:

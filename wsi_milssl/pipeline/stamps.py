@@ -174,12 +174,14 @@ def _plain(value: Any) -> Any:
 
 def write_stamp(state_dir: str | os.PathLike, stage: str, *, digest: str, outputs: list[str],
                 settings: dict[str, Any] | None = None, inputs: dict[str, Any] | None = None,
-                reads: Iterable[str] = (), settings_form: str | None = None) -> None:
+                reads: Iterable[str] = (), settings_form: str | None = None, output_sha256: bool = False) -> None:
     """Write the stamp of ``stage``; ``settings`` ({name: value}) and ``inputs`` ({"upstream": {stage:
     digest}, "external": fingerprints}) are what ``digest`` covered, recorded for :func:`stale_reason`
     (``settings_form``: which of the stage's settings ``settings`` holds, recorded as ``settings_form``); the
     identities of ``outputs`` and of the outputs of the stages in ``reads`` (those whose files the stage reads),
-    as they are now, for :func:`stale_reason` and :func:`changed_outputs`."""
+    as they are now, for :func:`stale_reason` and :func:`changed_outputs` (with ``output_sha256`` the outputs'
+    identities hold their SHA-256 too: outputs that no later stage reads, and so no reader records by content, are
+    then not changed by a copy without modification times)."""
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
     out_dir = Path(os.path.abspath(state_dir)).parent
@@ -191,7 +193,7 @@ def write_stamp(state_dir: str | os.PathLike, stage: str, *, digest: str, output
         stamp[SETTINGS_FORM] = settings_form
     if inputs is not None:
         stamp["inputs"] = _plain(inputs)
-    stamp[OUTPUT_IDS] = _identities(stamp, out_dir)
+    stamp[OUTPUT_IDS] = _identities(stamp, out_dir, with_sha256=output_sha256)
     read_ids = {}
     for upstream in reads:
         recorded = read_stamp(state_dir, upstream)
