@@ -73,3 +73,40 @@ def test_a_prepared_list_with_a_deleted_slide_names_prepare_as_the_fix(synth_dir
     assert str(err.value).endswith(f"Fix: this list was written by `wsi-milssl prepare` ({cohort / 'prepare.json'}), "
                                    "and its slides were moved or deleted since: put them back, or run prepare again: "
                                    "wsi-milssl prepare camelyon16 /data/c16 --out p.")
+
+
+def test_one_file_under_two_slide_names_is_refused(synth_dir, tmp_path):
+    """Review BG: a link beside its target was deduplicated by resolved path without a word, the slide tiled under
+    the name that sorts first (a_alias) and the real name, with its label and annotations, left out."""
+    import shutil
+
+    folder = tmp_path / "slides"
+    shutil.copytree(synth_dir, folder)
+    (folder / "a_alias.tif").symlink_to(folder / "synth_001.tif")
+    with pytest.raises(ConfigError, match=(
+            rf"^1 slide file\(s\) are listed under two names \(links\): {folder / 'a_alias.tif'} and "
+            rf"{folder / 'synth_001.tif'}: one would be tiled under the first name .* Fix: keep one name per slide")):
+        find_slides([folder])
+    # the same name twice (the folder and one of its files, or a link of the same name elsewhere) is one slide
+    other = tmp_path / "links"
+    other.mkdir()
+    (other / "synth_000.tif").symlink_to(folder / "synth_000.tif")
+    assert find_slides([folder / "synth_000.tif", other / "synth_000.tif"]) == [folder / "synth_000.tif"]
+
+
+def test_a_link_whose_target_is_gone_is_listed_and_fails_naming_its_target(synth_dir, tmp_path):
+    """A link in a slide folder to a file on a mount that is down was skipped without a word (tile counted the
+    other slides only): it is listed, and opening it says what it points to."""
+    import shutil
+
+    from wsi_milssl.errors import SlideReadError
+    from wsi_milssl.slide import SlideReader
+
+    folder = tmp_path / "slides"
+    shutil.copytree(synth_dir, folder)
+    (folder / "gone.tif").symlink_to(tmp_path / "unmounted" / "gone.tif")
+    slides = find_slides([folder])
+    assert [p.name for p in slides] == ["gone.tif", "synth_000.tif", "synth_001.tif"]
+    with pytest.raises(SlideReadError, match=rf"gone\.tif: a link to {tmp_path / 'unmounted' / 'gone.tif'}, which "
+                                             r"does not exist\. Fix: mount or restore"):
+        SlideReader(slides[0])

@@ -140,6 +140,9 @@ class SlideReader:
         self.allow_upsample = bool(allow_upsample)
         self._mpp_override = None if mpp_override is None else check_positive(
             "the level-0 µm per pixel given (--slide-mpp)", mpp_override, where=self.path)
+        if self.path.is_symlink() and not self.path.exists():
+            raise SlideReadError(f"{self.path}: a link to {os.readlink(self.path)}, which does not exist. Fix: mount "
+                                 "or restore the file it points to, or remove the link.")
         if not self.path.exists():
             raise SlideReadError(f"{self.path}: slide file not found. Fix: check the path, or leave it out of "
                                  "the list of slides.")

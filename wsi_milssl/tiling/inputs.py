@@ -126,9 +126,13 @@ def _missing_fix(csv_path: Path) -> str:
 
 
 def slides_in_folder(folder: str | os.PathLike) -> list[Path]:
-    """The slide files directly inside ``folder`` (by suffix, :data:`SLIDE_SUFFIXES`; hidden files left out), sorted."""
+    """The slide files directly inside ``folder`` (by suffix, :data:`SLIDE_SUFFIXES`; hidden files left out, links
+    whose target is gone kept), sorted."""
+    # a link whose target is gone (an archive on a mount that is down) is listed: its slide fails, named, not
+    # left out without a word
     return sorted(c for c in Path(folder).iterdir()
-                  if c.is_file() and not c.name.startswith(".") and c.suffix.lower() in SLIDE_SUFFIXES)
+                  if (c.is_file() or (c.is_symlink() and not c.exists())) and not c.name.startswith(".")
+                  and c.suffix.lower() in SLIDE_SUFFIXES)
 
 
 def find_slides(inputs: Iterable[str | os.PathLike], *, keep_missing: bool = False) -> list[Path]:
@@ -138,18 +142,22 @@ def find_slides(inputs: Iterable[str | os.PathLike], *, keep_missing: bool = Fal
 
     A folder whose name ends in a slide suffix (``x.svs/``) is returned as a slide, not searched:
     opening it fails for that slide alone. Raises ConfigError for an empty folder, a CSV without a
-    ``slide`` column, two slides with the same file stem (their stores would collide), and a path
+    ``slide`` column, two slides with the same file stem (their stores would collide), one file under two slide
+    names (a link and its target: one name would be left out), and a path
     that does not exist (a file or a CSV entry) unless ``keep_missing``: then it is returned too, so
     that the stage reports it as one failed slide and tiles the others.
     """
     found: list[Path] = []
-    seen: set[str] = set()
+    seen: dict[str, Path] = {}
+    linked: list[tuple[Path, Path]] = []  # one file under two slide names (a link and its target)
 
     def add(p: Path) -> None:
         key = str(p.resolve())
         if key not in seen:
-            seen.add(key)
+            seen[key] = p
             found.append(p)
+        elif stem_key(seen[key]) != stem_key(p):
+            linked.append((seen[key], p))
 
     from wsi_milssl.paths import path_list
 
@@ -174,6 +182,12 @@ def find_slides(inputs: Iterable[str | os.PathLike], *, keep_missing: bool = Fal
                 add(h)
         else:
             add(p)
+    if linked:
+        raise ConfigError(
+            f"{len(linked)} slide file(s) are listed under two names (links): "
+            + "; ".join(f"{a} and {b}" for a, b in linked[:3]) + ("; ..." if len(linked) > 3 else "")
+            + ": one would be tiled under the first name and the other left out (its label and annotations unused). "
+            "Fix: keep one name per slide file (remove the link, or list one of the two).")
     stems: dict[str, Path] = {}
     for p in found:
         other = stems.setdefault(stem_key(p), p)  # stems that differ only in case name the same slide
