@@ -95,6 +95,7 @@ from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.labeling.stage import patch_labels
 from wsi_milssl.locks import folder_lock, folder_writer
 from wsi_milssl.slide import open_slide
+from wsi_milssl.tiling.inputs import file_fingerprint
 
 __all__ = ["PER_SLIDE_COLUMNS", "EvaluationResult", "SlideResult", "evaluate_predictions", "froc_protocol_summary",
            "outdated_metrics"]
@@ -223,20 +224,11 @@ def _refuse_unknown_groups_only(aset, annotation: Path, stem: str, config: Evalu
         "file.")
 
 
-def _file_state(path: Path) -> tuple[int, int] | None:
-    """(size in bytes, modification time in ns) of ``path``; None when it is not there."""
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return st.st_size, st.st_mtime_ns
-
-
-def _refuse_changed_predictions(predictions_dir: Path, before: Mapping[Path, tuple[int, int] | None]) -> None:
+def _refuse_changed_predictions(predictions_dir: Path, before: Mapping[Path, dict | None]) -> None:
     """EvaluationError, before any output is written, when prediction files changed while they were read (``before``:
-    their :func:`_file_state` when reading started) or a heatmap run now writes the folder: the figures would mix
-    two runs' predictions while the report named one."""
-    changed = [p.name for p, state in before.items() if _file_state(p) != state]
+    their :func:`~wsi_milssl.tiling.inputs.file_fingerprint` when reading started) or a heatmap run now writes
+    the folder: the figures would mix two runs' predictions while the report named one."""
+    changed = [p.name for p, state in before.items() if file_fingerprint(p) != state]
     writer = folder_writer(predictions_dir)
     if changed or writer is not None:
         what = f"{len(changed)} of its files changed while evaluate read them ({_first(changed)})" if changed else \
@@ -874,7 +866,7 @@ def evaluate_predictions(
     read_files = [p for f in evaluated.values() for p in (f.detections, f.patches, f.sidecar, f.probs_npy,
                                                           f.heatmap_png) if p is not None]
     read_files.append(predictions_dir / SCORES_FILENAME)
-    before = {p: _file_state(p) for p in read_files}
+    before = {p: file_fingerprint(p) for p in read_files}
     sidecars = {s: read_probs_sidecar(f.sidecar) for s, f in evaluated.items() if f.sidecar is not None}
     run_sidecar = _one_run(predictions_dir, sidecars)
     _check_mpp(predictions_dir, sidecars, config)

@@ -5,9 +5,10 @@ A slide (image data) or a feature file (feature data) counts as the same when it
 (device and inode: links, another spelling) or a copy holding the same bytes
 (:func:`wsi_milssl.cohorts.checks.same_content_groups`, which reads only files of equal sizes); two files that
 only share a name (two folders) do not. A feature file of one slide is that slide's bag, under whatever name the
-labels file gives it; one that holds several bags (``bag_ids``, the MIL CSV layout) shares a bag when its name is in
-both labels files too: one file of every bag, whose two labels files list different bags, is a valid split. Generated sets are other slides when their seeds differ, which
-:func:`wsi_milssl.pipeline.spec.load_pipeline` requires.
+labels file gives it; one that holds several bags (``bag_ids``, the MIL CSV layout) shares a bag when its name is
+in both labels files too: one file of every bag, whose two labels files list different bags, is a valid split.
+Generated sets are other slides when their seeds differ, which :func:`wsi_milssl.pipeline.spec.load_pipeline`
+requires.
 """
 
 from __future__ import annotations
