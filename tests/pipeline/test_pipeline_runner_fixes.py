@@ -213,8 +213,11 @@ def test_a_run_refused_before_training_leaves_no_run_to_move_aside(tmp_path, cap
     _feature_files(tmp_path / "feats" / "test", {f"te{i}": i % 2 for i in range(4)}, 1)
     toml = tmp_path / "feat.toml"
     toml.write_text(FEATURES)
-    with pytest.raises(ConfigError, match="no epoch could be chosen"):
+    with pytest.raises(ConfigError, match="no epoch could be chosen") as caught:
         run_pipeline(load_pipeline(toml, out_dir=tmp_path / "out"))
+    # the fix for a bag AUC of one class (review BF: feature files without instance labels were told to label)
+    assert "or validate on slides of both classes" in str(caught.value)
+    assert "label the validation slides" not in str(caught.value)
     model = tmp_path / "out" / "model"
     assert [p.name for p in model.iterdir()] == ["pipeline_run.json"]
     caplog.clear()
