@@ -36,6 +36,9 @@ def test_a_grid_that_would_get_no_validation_slides_is_named_in_a_note(tmp_path,
     assert note.startswith(f"`wsi-milssl run` will refuse this pipeline until it is edited: {prepared.pipeline_toml} "
                            "[train]: a [train.grid] of 16 points needs validation slides")
     assert "drop [train.grid]" in note
+    header = prepared.pipeline_toml.read_text().splitlines()[2]  # it said "Run it as it is" (review BF)
+    assert header.startswith("# found by prepare (cohort/). Edit it first (cohort/prepare.json's notes say why `run` "
+                             "refuses it as it is), then:  wsi-milssl run ")
     with pytest.raises(ConfigError, match=r"needs validation slides"):
         load_pipeline(prepared.pipeline_toml, check_paths=True)
 
@@ -44,4 +47,5 @@ def test_enough_slides_prepare_as_before(tmp_path, synth_slides):
     labels = _cohort(tmp_path / "slides", synth_slides, 6)
     prepared = prepare_folder(tmp_path / "slides", labels, tmp_path / "prep", test_fraction=0.25)
     assert len(prepared.sets["train"].slides) == 8 and not [n for n in prepared.notes if "will refuse" in n]
+    assert "Run it as it is:  wsi-milssl run" in prepared.pipeline_toml.read_text().splitlines()[2]
     load_pipeline(prepared.pipeline_toml, check_paths=True)

@@ -145,6 +145,10 @@ def _set_paths(out: Path, name: str) -> tuple[Path, Path, Path]:
     return cohort / f"{name}_slides.csv", cohort / f"{name}_labels.csv", cohort / "annotations" / name
 
 
+#: how the header of a written pipeline says to run it (replaced when run would refuse it as it is)
+RUN_AS_IS = "Run it as it is:  wsi-milssl run"
+
+
 def _pipeline_text(out: Path, *, name: str, template: Path, set_names: Iterable[str],
                    val_fraction: float | None, split_seed: int | None, command: str,
                    file_name: str = "pipeline.toml", challenge_froc: bool = True) -> str:
@@ -158,7 +162,7 @@ def _pipeline_text(out: Path, *, name: str, template: Path, set_names: Iterable[
     lines = [
         f"# Written by `{command}` on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC.",
         f"# Stage settings from {template}; [data] points at the slide lists, labels and annotations",
-        "# found by prepare (cohort/). Run it as it is:  wsi-milssl run " + shlex.quote(str(out / file_name)),
+        f"# found by prepare (cohort/). {RUN_AS_IS} " + shlex.quote(str(out / file_name)),
         "",
         "[pipeline]",
         f"name = {_toml_str(name)}",
@@ -333,6 +337,14 @@ def _finish(out: Path, *, name: str, template: Path | None,
             except ConfigError as exc:
                 notes.append("`wsi-milssl run` will refuse this pipeline until it is edited: "
                              + str(exc).replace(str(fh.name), str(run_toml)))
+                # its header says so too, in place of "Run it as it is" (review BF)
+                text = text.replace(RUN_AS_IS, "Edit it first (cohort/prepare.json's notes say why `run` refuses "
+                                    "it as it is), then:  wsi-milssl run", 1)
+                digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+                fh.seek(0)
+                fh.truncate()
+                fh.write(text)
+                fh.flush()
             try:
                 notes += _group_check(sets, spec, run_toml)
             except ConfigError as exc:
