@@ -110,3 +110,25 @@ def test_a_link_whose_target_is_gone_is_listed_and_fails_naming_its_target(synth
     with pytest.raises(SlideReadError, match=rf"gone\.tif: a link to {tmp_path / 'unmounted' / 'gone.tif'}, which "
                                              r"does not exist\. Fix: mount or restore"):
         SlideReader(slides[0])
+
+
+def test_a_loop_of_links_fails_those_slides_alone(synth_dir, tmp_path):
+    """Review BI: two links that point at each other stopped `run`, `tile`, `heatmap --slides` with a traceback
+    (Path.resolve raises on a loop): they are listed, and tiling fails them alone, naming the loop."""
+    import shutil
+
+    from wsi_milssl.config import TileConfig
+    from wsi_milssl.tiling import tile_slides
+
+    folder = tmp_path / "slides"
+    shutil.copytree(synth_dir, folder)
+    (folder / "a.tif").symlink_to("b.tif")
+    (folder / "b.tif").symlink_to("a.tif")
+    slides = find_slides([folder])
+    assert [p.name for p in slides] == ["a.tif", "b.tif", "synth_000.tif", "synth_001.tif"]
+    run = tile_slides(slides, tmp_path / "stores", TileConfig(magnification=20, patch_size_px=256,
+                                                                 entropy_threshold_bits=4.0))
+    assert [(r.slide, r.status) for r in run.results] == [("a", "failed"), ("b", "failed"), ("synth_000", "ok"),
+                                                          ("synth_001", "ok")]
+    assert run.results[0].error.endswith("a.tif: a link to b.tif in a loop of links that never reaches a file. Fix: "
+                                         "point the link at the slide file, or remove it.")

@@ -152,7 +152,7 @@ def find_slides(inputs: Iterable[str | os.PathLike], *, keep_missing: bool = Fal
     linked: list[tuple[Path, Path]] = []  # one file under two slide names (a link and its target)
 
     def add(p: Path) -> None:
-        key = str(p.resolve())
+        key = os.path.realpath(p)  # not Path.resolve: it raises on a loop of links (that slide fails alone, named)
         if key not in seen:
             seen[key] = p
             found.append(p)

@@ -128,7 +128,7 @@ def _slide_fingerprint_attrs(slide_path: str | os.PathLike) -> dict[str, Any]:
     recorded in a store; the size and time are None when the file cannot be stat'ed."""
     fp = file_fingerprint(slide_path)
     if fp is None:
-        return {"slide_path": str(Path(slide_path).resolve()), "slide_size_bytes": None, "slide_mtime_ns": None}
+        return {"slide_path": os.path.realpath(slide_path), "slide_size_bytes": None, "slide_mtime_ns": None}
     return {"slide_path": fp["path"], "slide_size_bytes": fp["size_bytes"], "slide_mtime_ns": fp["mtime_ns"]}
 
 
