@@ -37,3 +37,28 @@ def test_predictions_rewritten_during_evaluate_stop_it_before_any_output(predict
                                   annotations_dir=annotations_dir, slides=synth_dir,
                                   config=EvaluateConfig(thumbnail_px=64))  # the folder as it is now
     assert result.metrics["n_slides"] == 2 and (tmp_path / "out" / "metrics.json").is_file()
+
+
+def test_heatmaps_rewritten_while_the_report_reads_them_stop_it(predictions, synth_dir, annotations_dir, tmp_path,
+                                                                monkeypatch):
+    """Review BI: the report's heatmap overlays were read after the check, so a heatmap run in that window (the
+    longest one at CAMELYON16 scale) put another model's maps beside these metrics (exit 0)."""
+    from PIL import Image
+
+    import wsi_milssl.evaluation.stage as stage
+
+    folder = shutil.copytree(predictions[0], tmp_path / "predictions")
+    overlays = sorted(folder.glob("*_heatmap.png"))
+    assert overlays
+    read = stage._thumbnails
+
+    def other_model_meanwhile(r, *, max_px):
+        for png in overlays:
+            Image.new("RGB", (64, 64), (0, 255, 0)).save(png)
+        return read(r, max_px=max_px)
+
+    monkeypatch.setattr(stage, "_thumbnails", other_model_meanwhile)
+    with pytest.raises(EvaluationError, match=rf"^{folder}: {len(overlays)} of its files changed while evaluate read"):
+        evaluate_predictions(folder, labels_csv=synth_dir / "labels.csv", out_dir=tmp_path / "out",
+                             annotations_dir=annotations_dir, slides=synth_dir, config=EvaluateConfig(thumbnail_px=64))
+    assert not (tmp_path / "out" / "metrics.json").exists()

@@ -930,6 +930,9 @@ def evaluate_predictions(
         "config_hash": config_hash(config, exclude=("title", "thumbnail_px")),
     }
 
+    # the report's heatmaps are read here, before the check: read after it, a heatmap run in between would put
+    # another model's maps beside these metrics
+    thumbs = {r.stem: _thumbnails(r, max_px=config.thumbnail_px) for r in results}
     _refuse_changed_predictions(predictions_dir, before)
     with folder_lock(out_dir):  # one evaluate writes the folder at a time: its files are of one run
         _remove_earlier_run(out_dir)
@@ -1010,7 +1013,6 @@ def evaluate_predictions(
                          "them wrote, is not shown as the configuration of all of them.")
         elif pred_config is not None:
             configuration["predictions_config"] = pred_config
-        thumbs = {r.stem: _thumbnails(r, max_px=config.thumbnail_px) for r in results}
         legend = (f"{MATCH_VIEW_CAPTION}: the evaluation regions and detections, axes in level-0 pixels; "
                   f"{MATCH_VIEW_LEGEND}." if any(cap == MATCH_VIEW_CAPTION for t in thumbs.values() for cap, _ in t)
                   else "")
