@@ -49,3 +49,34 @@ def test_enough_slides_prepare_as_before(tmp_path, synth_slides):
     assert len(prepared.sets["train"].slides) == 8 and not [n for n in prepared.notes if "will refuse" in n]
     assert "Run it as it is:  wsi-milssl run" in prepared.pipeline_toml.read_text().splitlines()[2]
     load_pipeline(prepared.pipeline_toml, check_paths=True)
+
+
+def test_the_kept_pipeline_and_the_new_one_are_checked_each_for_itself(tmp_path, synth_slides, capsys):
+    """Review BI: with an edited pipeline.toml kept, the header of pipeline.new.toml was chosen by checking the kept
+    file: fixed by hand (grid dropped), it made the new file say "Run it as it is", and run refused that."""
+    import re
+
+    from wsi_milssl.cli import main
+
+    labels = _cohort(tmp_path / "slides", synth_slides, 2)
+    first = prepare_folder(tmp_path / "slides", labels, tmp_path / "prep", test_fraction=0.5)
+    assert not first.ready
+    toml = first.pipeline_toml
+    toml.write_text(re.sub(r"(?ms)^\[train\.grid\].*?^\n", "", toml.read_text()))  # the note's fix
+    load_pipeline(toml, check_paths=True)
+    argv = ["prepare", "folder", "--slides", str(tmp_path / "slides"), "--labels", str(labels), "--out", str(tmp_path / "prep"),
+            "--test-fraction", "0.5"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    new = tmp_path / "prep" / "pipeline.new.toml"
+    assert "Edit it first" in new.read_text().splitlines()[2]
+    assert f"note: `wsi-milssl run` will refuse this pipeline until it is edited: {new} [train]: a [train.grid]" in printed
+    assert printed.rstrip().endswith(f"next: wsi-milssl run {toml}")  # the kept one, which run accepts
+    with pytest.raises(ConfigError, match=r"needs validation slides"):
+        load_pipeline(new, check_paths=True)
+    toml.write_text(toml.read_text() + "\n[train.grid]\nlr = [0.1, 0.01]\n")  # kept, and refused again
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert f"note: `wsi-milssl run` will refuse the kept pipeline until it is edited: {toml} [train]" in printed
+    assert printed.rstrip().endswith(f"next: edit {toml} (the notes above say why `run` refuses it as it is), then: "
+                                     f"wsi-milssl run {toml}")

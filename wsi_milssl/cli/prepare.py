@@ -128,5 +128,7 @@ def run(args: argparse.Namespace) -> int:
     for note in result.notes:
         print(f"note: {note}")
     print(f"pipeline: {result.pipeline_toml}")
-    print(f"next: wsi-milssl run {shlex.quote(str(result.pipeline_toml))}")
+    run = f"wsi-milssl run {shlex.quote(str(result.pipeline_toml))}"
+    print(f"next: {run}" if result.ready else
+          f"next: edit {result.pipeline_toml} (the notes above say why `run` refuses it as it is), then: {run}")
     return 0

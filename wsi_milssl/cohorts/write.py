@@ -45,8 +45,9 @@ class CohortSet:
 
 @dataclass(frozen=True)
 class PreparedCohort:
-    """What :func:`prepare_camelyon16` / :func:`prepare_folder` wrote (``pipeline_toml`` is ready to run);
-    ``split``: how :func:`prepare_folder` split the slides (which column kept patients whole, or slide by slide)."""
+    """What :func:`prepare_camelyon16` / :func:`prepare_folder` wrote; ``pipeline_toml`` is the pipeline to run,
+    and ``ready`` says whether `run` accepts it as it is (else the notes say what to edit); ``split``: how
+    :func:`prepare_folder` split the slides (which column kept patients whole, or slide by slide)."""
 
     out_dir: Path
     pipeline_toml: Path
@@ -55,6 +56,7 @@ class PreparedCohort:
     notes: tuple[str, ...] = field(default_factory=tuple)
     excluded: tuple[str, ...] = field(default_factory=tuple)
     split: str = ""
+    ready: bool = True
 
 
 def _csv_text(header: tuple[str, ...], rows: Iterable[tuple]) -> str:
@@ -323,20 +325,22 @@ def _finish(out: Path, *, name: str, template: Path | None,
             except ConfigError as exc:
                 raise ConfigError(f"{str(exc).replace(str(fh.name), str(target))} (in the pipeline written from "
                                   f"{template}; nothing was written)") from None
-            if run_toml != target:
-                try:
-                    spec = load_pipeline(run_toml)  # the kept pipeline.toml is the one run will read
-                except ConfigError:
-                    pass
             # the split run will make of these slides (a grid needs validation slides of both classes): the
             # cohort is written, with a note, as the pipeline is there to be edited (drop the grid, another metric)
             train_labels = dict(sets["train"][1])
-            try:
-                refuse_unusable_split(spec, read_lists=False, train_lists=(
-                    train_labels, {k: v for k, v in (patients or {}).items() if k in train_labels}))
-            except ConfigError as exc:
-                notes.append("`wsi-milssl run` will refuse this pipeline until it is edited: "
-                             + str(exc).replace(str(fh.name), str(run_toml)))
+            train_lists = (train_labels, {k: v for k, v in (patients or {}).items() if k in train_labels})
+
+            def refused(pipeline, path: Path) -> str | None:
+                try:
+                    refuse_unusable_split(pipeline, read_lists=False, train_lists=train_lists)
+                except ConfigError as exc:
+                    return str(exc).replace(str(fh.name), str(path))
+                return None
+
+            why = refused(spec, target)
+            ready = why is None
+            if why is not None:
+                notes.append(f"`wsi-milssl run` will refuse this pipeline until it is edited: {why}")
                 # its header says so too, in place of "Run it as it is" (review BF)
                 text = text.replace(RUN_AS_IS, "Edit it first (cohort/prepare.json's notes say why `run` refuses "
                                     "it as it is), then:  wsi-milssl run", 1)
@@ -345,6 +349,17 @@ def _finish(out: Path, *, name: str, template: Path | None,
                 fh.truncate()
                 fh.write(text)
                 fh.flush()
+            if run_toml != target:  # the kept pipeline.toml is the one run will read (review BI: the new file's
+                try:                # header was chosen by checking the kept one)
+                    spec = load_pipeline(run_toml)
+                except ConfigError as exc:
+                    notes.append(f"`wsi-milssl run` cannot read the kept {run_toml}: {exc}")
+                    ready = False
+                else:
+                    why = refused(spec, run_toml)
+                    ready = why is None
+                    if why is not None:
+                        notes.append(f"`wsi-milssl run` will refuse the kept pipeline until it is edited: {why}")
             try:
                 notes += _group_check(sets, spec, run_toml)
             except ConfigError as exc:
@@ -379,4 +394,4 @@ def _finish(out: Path, *, name: str, template: Path | None,
         logger.warning("%s", note)
     if split:
         logger.info("%s", split)
-    return PreparedCohort(out, run_toml, written, summary_json, tuple(notes), tuple(excluded), split)
+    return PreparedCohort(out, run_toml, written, summary_json, tuple(notes), tuple(excluded), split, ready)
