@@ -266,3 +266,14 @@ def test_an_evaluation_written_by_hand_into_out_runs_evaluate_again(tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(out, copy, copy_function=shutil.copyfile)  # every file a new modification time
     assert {s for s, _, _ in run(copy).values()} == {"skipped"}
+    # a stamp of an earlier version holds no checksums: a copy without times runs evaluate again, and says why
+    stamp = copy / ".pipeline" / "evaluate.json"
+    recorded = json.loads(stamp.read_text())
+    recorded["output_ids"] = {k: v[:2] for k, v in recorded["output_ids"].items()}
+    stamp.write_text(json.dumps(recorded))
+    older = tmp_path / "older"
+    shutil.copytree(copy, older, copy_function=shutil.copyfile)
+    outcomes = run(older)
+    assert outcomes["evaluate"][0] == "ran" and outcomes["evaluate"][1].startswith(
+        "output changed, or copied without its modification times: evaluation/")
+    assert outcomes["evaluate"][1].endswith("(its stamp, of an earlier version, holds no checksums to tell which)")

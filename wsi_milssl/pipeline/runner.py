@@ -58,7 +58,7 @@ from wsi_milssl.pipeline.digests import (EARLIER_DEFAULTS, EMBEDDED_UPSTREAM, UP
 from wsi_milssl.pipeline.overlap import refuse_test_in_training
 from wsi_milssl.pipeline.spec import (RESOLVED_FILENAME, STAGES, PipelineSpec, load_pipeline, stage_config,
                                       write_resolved_pipeline)
-from wsi_milssl.pipeline.stamps import (SETTINGS_FORM, changed_outputs, mark_outdated, mark_running,
+from wsi_milssl.pipeline.stamps import (OUTPUT_IDS, SETTINGS_FORM, changed_outputs, mark_outdated, mark_running,
                                         read_stamp, recorded_digest, shown_paths, stale_reason, stamp_digest,
                                         write_stamp)
 from wsi_milssl.pipeline.training import model_checkpoint, split_train_val, train_features, train_images
@@ -262,7 +262,13 @@ def _evaluation_changed(ctx: StageContext) -> str | None:
     ``evaluate --out OUT/evaluation`` by hand, of other predictions or settings), else None. They are the run's
     report, which no later stage reads: rewritten, not kept as train's and heatmap's changed files are."""
     changed = changed_outputs(ctx.state, "evaluate")
-    return f"output changed outside the pipeline: {shown_paths(changed)} (evaluate run by hand?)" if changed else None
+    if not changed:
+        return None
+    ids = (read_stamp(ctx.state, "evaluate") or {}).get(OUTPUT_IDS) or {}
+    if not any(isinstance(v, list) and len(v) > 2 for v in ids.values()):  # an earlier version's stamp (review BI)
+        return (f"output changed, or copied without its modification times: {shown_paths(changed)} (its stamp, "
+                "of an earlier version, holds no checksums to tell which)")
+    return f"output changed outside the pipeline: {shown_paths(changed)} (evaluate run by hand?)"
 
 
 def _missing_stores(ctx: StageContext) -> list[Path]:
