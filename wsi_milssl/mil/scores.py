@@ -86,10 +86,12 @@ def _check_selectable(val: InstanceSet, config: TrainConfig) -> None:
     problem = selection_problem(val, config.select_metric)
     if problem is None:
         return
-    more = ("label the validation slides (`wsi-milssl label STORES --annotations ...`) or choose another metric"
-            if config.select_metric == "instance_auc" and val.instance_labels is None else "validate on slides of both classes (more validation slides; in a "
-            "pipeline more training slides of the missing class: its split holds out a slide of a class only from "
-            "two training slides of it on, whatever [data].val_fraction)")
+    if config.select_metric == "instance_auc" and val.instance_labels is None:
+        more = "label the validation slides (`wsi-milssl label STORES --annotations ...`) or choose another metric"
+    else:
+        more = ("validate on slides of both classes (more validation slides; in a pipeline more training slides of "
+                "the missing class: its split holds out a slide of a class only from two training slides of it on, "
+                "whatever [data].val_fraction)")
     names = ", ".join(val.bag_names[:5]) + (f" and {val.n_bags - 5} more" if val.n_bags > 5 else "")
     raise ConfigError(f"validation slides {names}: {problem}, so no epoch could be chosen for best.pt "
                       f"(select_metric {config.select_metric!r}). Fix: choose best.pt by the validation bag loss, "

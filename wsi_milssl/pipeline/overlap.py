@@ -31,7 +31,8 @@ def refuse_test_in_training(spec: PipelineSpec) -> None:
                      "one of the two labels files")
     else:
         shared = _shared_slides(spec)
-        what, fix = "slide(s)", "take them off one of the two slide lists"
+        what, fix = "slide(s)", ("remove them from the test set or from the training set (the folder or slide list "
+                                 "it reads)")
     if shared:
         raise ConfigError(f"{spec.source}: {len(shared)} {what} are in both the training and the test set ("
                           + ", ".join(shared[:3]) + (", ..." if len(shared) > 3 else "") + "): the model would be "
@@ -104,9 +105,10 @@ def _same_files(train: Iterable[Path], test: Iterable[Path]) -> list[tuple[Path,
     return sorted(((a, b) for b, a in same.items()), key=lambda pair: pair[1])
 
 
-def _pair(a: Path, b: Path) -> str:
-    if a == b:
-        return os.fspath(a)
-    if os.path.samefile(a, b):
-        return f"{a} = {b}"
-    return f"{b} holds the same bytes as {a}"
+def _pair(train: Path, test: Path) -> str:
+    """How test file ``test`` is training file ``train``, the test file named first."""
+    if train == test:
+        return os.fspath(train)
+    if os.path.samefile(train, test):
+        return f"{test} = {train}"  # a link or a second (hard) link
+    return f"{test} holds the same bytes as {train}"
