@@ -52,6 +52,9 @@ def register(subparsers) -> None:
     c.add_argument("root", type=Path, metavar="ROOT", help="the CAMELYON16 folder")
     c.add_argument("--reference", type=Path, default=None, metavar="CSV",
                    help="the test labels (default: the reference.csv found below ROOT)")
+    c.add_argument("--annotations", type=Path, default=None, metavar="DIR",
+                   help="a folder of lesion annotations (XML, or lesion_annotations.zip) searched too, for "
+                        "annotations downloaded apart from the slides (default: those below ROOT only)")
     _common(c)
 
     f = layouts.add_parser(
@@ -109,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.layout == "camelyon16":
         result = prepare_camelyon16(args.root, args.out, template=args.template, reference=args.reference,
-                                    val_fraction=args.val_fraction, exclude=args.exclude)
+                                    annotations_dir=args.annotations, val_fraction=args.val_fraction,
+                                    exclude=args.exclude)
     else:
         result = prepare_folder(args.slides, args.labels, args.out, annotations_dir=args.annotations,
                                 test_slides_dir=args.test_slides, test_labels_csv=args.test_labels,

@@ -83,6 +83,16 @@ def _is_slide(path: Path) -> bool:
     return path.name.lower().endswith(SLIDE_SUFFIXES)
 
 
+#: what browsers and download tools add to a file still being downloaded (Tumor_004.tif.part)
+PARTIAL_DOWNLOAD_SUFFIXES = (".part", ".partial", ".crdownload", ".download", ".tmp")
+
+
+def _is_partial_download(path: Path) -> bool:
+    """A slide file still being downloaded, or whose download stopped: ``<slide>.tif.part`` and the like."""
+    name = path.name.lower()
+    return any(name.endswith(s) and _is_slide(Path(name[: -len(s)])) for s in PARTIAL_DOWNLOAD_SUFFIXES)
+
+
 def _is_mask(path: Path) -> bool:
     """CAMELYON16 ships tumour masks as TIFFs (``Tumor_001_Mask.tif``): not slides."""
     return bool(re.search(r"[_-]mask$", slide_stem(path).casefold()))

@@ -4,8 +4,8 @@ Two layouts:
 
 - :func:`prepare_camelyon16`: the CAMELYON16 folder as downloaded, searched recursively:
   ``training/normal/Normal_001.tif``, ``training/tumor/Tumor_001.tif``, ``testing/images/Test_001.tif``
-  (or all slides in one folder), ASAP XML annotations anywhere below it (``lesion_annotations/``,
-  also inside ``.zip`` archives as shipped), and the test set's ``reference.csv`` as shipped (no
+  (or all slides in one folder), ASAP XML annotations anywhere below it or below ``annotations_dir``
+  (``lesion_annotations/``, also inside ``.zip`` archives as shipped), and the test set's ``reference.csv`` as shipped (no
   header: ``Test_001,Tumor,Macro,...``). Training labels come from the names (``Tumor_*`` 1,
   ``Normal_*`` 0), test labels from ``reference.csv``. The AWS bucket's mask images (``masks/``,
   ``background_tissue/``, ``*_mask.tif``, ``*_tissue.tif``) are left out and counted; every other
@@ -62,8 +62,8 @@ from typing import Iterable, Mapping
 
 from wsi_milssl.cohorts.checks import (_duplicates, _exclude_keys, _linked_twice, _names, _raise_problems,
                                        _same_content_slides, _unknown_excluded, _unreadable_slides)
-from wsi_milssl.cohorts.discover import (ANNOTATION_SUFFIXES, _annotation_sources, _is_slide, _match_annotations,
-                                         _read_annotations, _real, _walk, find_slide_files)
+from wsi_milssl.cohorts.discover import (ANNOTATION_SUFFIXES, _annotation_sources, _is_partial_download, _is_slide,
+                                         _match_annotations, _read_annotations, _real, _walk, find_slide_files)
 from wsi_milssl.cohorts.labels import GROUP_COLUMNS, read_labels
 from wsi_milssl.cohorts.names import SLIDE_SUFFIXES, file_identity, name_key, slide_stem, stem_key
 from wsi_milssl.cohorts.split import label_groups_for, stratified_split
@@ -119,12 +119,15 @@ def _camelyon16_mask(path: Path, root: Path) -> bool:
 
 def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
                        template: str | os.PathLike | None = None, reference: str | os.PathLike | None = None,
+                       annotations_dir: str | os.PathLike | None = None,
                        val_fraction: float | None = None, split_seed: int | None = None,
                        exclude: Iterable[str] = ()) -> PreparedCohort:
     """Prepare the CAMELYON16 folder ``root`` (as downloaded; see the module docstring) into ``out_dir``.
 
     ``reference``: the test set's label file (default: the one ``reference.csv`` found below
-    ``root``, any case). ``template``: the pipeline whose stage settings to use (default: the
+    ``root``, any case). ``annotations_dir``: a folder of lesion annotations searched too (annotations
+    downloaded apart from the slides), as if it were below ``root``. ``template``: the pipeline whose stage
+    settings to use (default: the
     packaged ``pipelines/camelyon16.toml``); ``val_fraction`` / ``split_seed`` override its
     ``[data]`` values. ``exclude``: slide names left out of every set (as ``Test_114``, which is not
     exhaustively annotated; matched as slide names are; one that names no slide is an error).
@@ -134,7 +137,12 @@ def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
     out = Path(out_dir)
     if not root.is_dir():
         raise ConfigError(f"{root}: no such folder. Fix: give the CAMELYON16 folder that holds the slides.")
-    images = [p for p in _walk(root, skip=[out]) if _is_slide(p)]
+    if annotations_dir is not None and not Path(annotations_dir).is_dir():
+        raise ConfigError(f"{annotations_dir}: no such folder (--annotations). Fix: give the folder that holds the "
+                          "lesion annotations (Tumor_NNN.xml, Test_NNN.xml, or lesion_annotations.zip).")
+    files = list(_walk(root, skip=[out]))
+    images = [p for p in files if _is_slide(p)]
+    partial = sorted((str(p.relative_to(root)) for p in files if _is_partial_download(p)), key=str.casefold)
     masks = [p for p in images if _camelyon16_mask(p, root)]
     slides = [p for p in images if not _camelyon16_mask(p, root)]
     if masks:
@@ -170,7 +178,7 @@ def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
     test_labels: dict[str, int] = {}
     not_here: list[str] = []
     if ref_path is None and test:
-        found = [p for p in _walk(root, skip=[out]) if p.name.casefold() == "reference.csv"]
+        found = [p for p in files if p.name.casefold() == "reference.csv"]
         if not found:
             problems.append("the test set's reference.csv (Test_NNN,Tumor|Normal,...) is not below the folder")
         elif len(found) > 1:
@@ -195,6 +203,9 @@ def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
     test_labels = {s: v for s, v in test_labels.items() if s in test}
 
     sources, unreadable = _annotation_sources([root], skip=[out])
+    if annotations_dir is not None:
+        more, more_unreadable = _annotation_sources([Path(annotations_dir)], skip=[out], given=True)
+        sources, unreadable = sources + more, unreadable + more_unreadable
     # every annotation read and parsed now: a damaged archive or file stops here, before anything is written
     read = _read_annotations({"train": _match_annotations(sources, train), "test": _match_annotations(sources, test)},
                              unreadable)
@@ -204,23 +215,30 @@ def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
         problems.append(f"{len(no_ann_test)} tumour test slide(s) have no annotation (<name>.xml, also inside .zip "
                         f"archives): {_names(no_ann_test)}; the FROC needs them")
     _raise_problems(str(root), problems,
-                    "keep the slides' CAMELYON16 names, download testing/reference.csv and the lesion annotations, "
-                    "or use `wsi-milssl prepare folder` for another layout.")
+                    "keep the slides' CAMELYON16 names, download testing/reference.csv and the lesion annotations "
+                    "(--annotations DIR when they are not below the folder; --exclude NAME leaves a slide out of "
+                    "every set, the slide-level AUC too), or use `wsi-milssl prepare folder` for another layout "
+                    "(it does not keep CAMELYON16's official test slides apart).")
     if ref_path is not None and not_here:
         notes.append(f"{len(not_here)} test slide(s) of {ref_path} are not below {root}, so the test set leaves them "
                      f"out: {_names(not_here, limit=10)} (not downloaded, or the download stopped: a partial file such "
                      "as Test_NNN.tif.part is no slide; download them and prepare again)")
+    if partial:
+        notes.append(f"{len(partial)} file(s) below {root} are downloads that did not finish, so they are no slides "
+                     f"and in no set: {_names(partial, limit=10)} (download them again, then prepare again)")
     no_ann_train = sorted((s for s, v in train_labels.items() if v == 1 and s not in train_ann), key=str.casefold)
     if no_ann_train:
         notes.append(f"{len(no_ann_train)} tumour training slide(s) have no annotation: {_names(no_ann_train)} "
                      "(training does not need them; their patches get no instance labels for the metrics)")
     sets = {"train": (train, train_labels, train_ann), "test": (test, test_labels, test_ann)}
     facts = {"root": str(root.resolve()), "reference": str(_real(ref_path)) if ref_path else None,
+             "annotations": str(_real(Path(annotations_dir))) if annotations_dir is not None else None,
              "mask_images_left_out": len(masks)}
     return _finish(out, name="camelyon16", template=template, sets=sets, val_fraction=val_fraction,
                    split_seed=split_seed,
                    command=_command("camelyon16", [root], {
-                       "--out": out, "--reference": _path(reference), "--template": _path(template),
+                       "--out": out, "--reference": _path(reference), "--annotations": _path(annotations_dir),
+                       "--template": _path(template),
                        "--val-fraction": val_fraction, "--exclude": list(exclude)}),
                    facts=facts, notes=notes, excluded=excluded)
 
@@ -448,6 +466,13 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
     no_ann_train = sorted((s for s, v in train[1].items() if v == 1 and s not in train_ann), key=str.casefold)
     if no_ann_train:
         notes.append(f"{len(no_ann_train)} tumour training slide(s) have no annotation: {_names(no_ann_train)}")
+    official_test = sorted((s for s in train[0] if (_camelyon16_role(Path(s)) or ("",))[0] == "test"),
+                           key=str.casefold)
+    if official_test:  # review BH: prepare camelyon16's error sent such cohorts here, and they trained on them
+        notes.append(f"{len(official_test)} slide(s) in the training set are named as CAMELYON16's official test "
+                     f"slides (Test_NNN): {_names(official_test)} (results would not compare with CAMELYON16's: "
+                     "prepare the download with `wsi-milssl prepare camelyon16 ROOT`, which keeps them as the test "
+                     "set, --annotations DIR for annotations kept elsewhere)")
     sets = {"train": (*train, train_ann), "test": (*test, test_ann)}
     held_out = test_slides_dir is None  # --test-fraction and --seed split the slides
     command = _command("folder", [], {

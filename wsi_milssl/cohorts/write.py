@@ -242,9 +242,14 @@ def _group_check(sets: Mapping[str, tuple[Mapping[str, Path], Mapping[str, int],
                       key=str.casefold)
 
     stop, ignored, new_groups, stop_groups = [], [], [], []
-    for _, (_, labels, set_annotations) in sets.items():
+    no_area, normal_area = [], []  # test slides whose annotation contradicts their label (review BH)
+    for set_name, (_, labels, set_annotations) in sets.items():
         for stem, ann in sorted(set_annotations.items(), key=lambda kv: kv[0].casefold()):
             tumour = any(gmap.role(g) == "tumor" for g in ann.area_groups)
+            if set_name == "test" and labels.get(stem) == 1 and not tumour and not unknown(ann.groups):
+                no_area.append(ann.where)
+            elif set_name == "test" and labels.get(stem) == 0 and tumour:
+                normal_area.append(ann.where)
             if labels.get(stem) == 1 and not tumour and unknown(ann.groups):
                 stop.append(f"{ann.where} ({', '.join(map(repr, unknown(ann.groups)))})")
                 new_groups += unknown(ann.groups)
@@ -265,9 +270,19 @@ def _group_check(sets: Mapping[str, tuple[Mapping[str, Path], Mapping[str, int],
             + (f", or after adding that line to {toml} (prepare keeps an edited pipeline.toml)" if toml.is_file()
                else "")
             + "; or correct the annotation files.")
+    notes = []
+    if no_area:
+        notes.append(f"{len(no_area)} tumour test slide(s) have an annotation without a tumour area (no polygon in a "
+                     f"tumour group of the pipeline's [label] stage: {groups}): {_names(no_area)} (the FROC counts "
+                     "every detection on them as a false positive and no lesion of them: correct the annotation, add "
+                     "its group to [label] tumor_groups, or leave the slide out with --exclude NAME)")
+    if normal_area:
+        notes.append(f"{len(normal_area)} normal test slide(s) have tumour areas in their annotation: "
+                     f"{_names(normal_area)} (the evaluation goes by the label, normal: check the label or the "
+                     "annotation)")
     if not ignored:
-        return []
-    return [f"{len(ignored)} annotation file(s) have polygons in groups that the pipeline's [label] stage ignores "
+        return notes
+    return notes + [f"{len(ignored)} annotation file(s) have polygons in groups that the pipeline's [label] stage ignores "
             f"(neither tumour: {groups}; nor non-tumour: {non_tumour}): {_names(ignored)} (to use those polygons, add "
             f"the groups to [label] tumor_groups or non_tumor_groups in {toml}, or run with --set "
             f"{shlex.quote('label.tumor_groups=' + example)})"]
