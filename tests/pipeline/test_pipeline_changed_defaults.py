@@ -162,6 +162,9 @@ def test_every_setting_added_since_stamps_record_every_setting_is_registered():
         missing = sorted(added - set(digests.ADDED_SETTINGS.get(stage, {})))
         assert not missing, (f"[{stage}] {', '.join(missing)}: add to wsi_milssl.pipeline.digests.ADDED_SETTINGS with "
                              "the value that does what the stage did before the setting existed")
+    for stage, added in digests.ADDED_SETTINGS.items():  # as a stamp holds them: a tuple is a list there
+        for name, value in added.items():
+            assert cfg.config_to_dict(classes[stage](**{name: value}))[name] == value, (stage, name, value)
 
 
 def test_a_setting_added_at_its_old_behaviour_leaves_finished_work_up_to_date(root, monkeypatch):

@@ -17,7 +17,8 @@ SUMMARY = "score predictions: instance AUC, bag AUC, CAMELYON16 FROC, HTML repor
 #: the option of each EvaluateConfig field, to name it in an error
 _OPTIONS = {"positive_fraction": "--positive-fraction", "margin_um": "--margin-um",
             "itc_major_axis_um": "--itc-major-axis-um", "mpp": "--slide-mpp", "froc_mpp": "--froc-mpp", "thumbnail_px": "--thumbnail-px",
-            "title": "--title", "tumor_groups": "--tumor-groups", "non_tumor_groups": "--non-tumor-groups"}
+            "title": "--title", "tumor_groups": "--tumor-groups", "non_tumor_groups": "--non-tumor-groups",
+            "lesion_exclude": "--lesion-exclude"}
 
 
 def evaluate_config_from_args(args: argparse.Namespace) -> EvaluateConfig:
@@ -30,7 +31,7 @@ def evaluate_config_from_args(args: argparse.Namespace) -> EvaluateConfig:
             itc_major_axis_um=args.itc_major_axis_um, mpp=getattr(args, "mpp", None),
             froc_mpp=getattr(args, "froc_mpp", None),
             thumbnail_px=args.thumbnail_px, title=args.title, tumor_groups=args.tumor_groups,
-            non_tumor_groups=args.non_tumor_groups,
+            non_tumor_groups=args.non_tumor_groups, lesion_exclude=tuple(args.lesion_exclude),
         )
     except ConfigError as exc:
         text = str(exc)
@@ -98,6 +99,10 @@ def register(subparsers) -> None:
     p.add_argument("--itc-major-axis-um", type=float, default=d.itc_major_axis_um,
                    help="regions with a shorter major axis (µm) are isolated tumour cells (CAMELYON16: 275; at "
                         "most 100000)")
+    p.add_argument("--lesion-exclude", nargs="+", action="extend", default=[], metavar="NAME",
+                   help="slides left out of the FROC and the instance AUC (the metrics that read annotations) and "
+                        "kept in the bag AUC, by name without case: CAMELYON16's organisers left Test_114 (not "
+                        "exhaustively annotated) out of the lesion task so (a name of no evaluated slide: a warning)")
     p.add_argument("--thumbnail-px", type=int, default=d.thumbnail_px,
                    help="longer side of each per-slide image in report.html, in pixels")
     p.add_argument("--title", default=d.title, help="heading of report.html")

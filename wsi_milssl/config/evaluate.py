@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from wsi_milssl.config.base import (DEFAULT_NON_TUMOR_GROUPS, DEFAULT_TUMOR_GROUPS, coerce_float_fields,
-                                     check_groups, check_range,
-                                     check_type)
+from wsi_milssl.config.base import (DEFAULT_NON_TUMOR_GROUPS, DEFAULT_TUMOR_GROUPS, check_groups, check_range,
+                                     check_type, coerce_float_fields)
+from wsi_milssl.errors import ConfigError
 
 __all__ = ["EvaluateConfig", "MAX_DISTANCE_UM"]
 
@@ -39,6 +39,10 @@ class EvaluateConfig:
         (``mpp`` above), physically right. The CAMELYON16 script converts them at 0.243 for every slide
         (its ``L0_RESOLUTION``, :data:`wsi_milssl.evaluation.froc.CAMELYON16_MPP`), also for its Utrecht slides at about 0.226 µm/px: 0.243 gives the
         challenge's (leaderboard) numbers. Detections and annotations stay in level-0 pixels either way.
+    lesion_exclude : slides left out of the lesion-level metrics, the FROC and the instance AUC (which read the
+        annotations), and kept in the slide-level bag AUC; matched by name without case. CAMELYON16's organisers
+        left ``Test_114`` (not exhaustively annotated) out of the lesion task so. A name of no evaluated slide is
+        a warning.
     thumbnail_px : longer side of the per-slide images in ``report.html``, in screen pixels.
     title : heading of ``report.html``.
 
@@ -54,6 +58,7 @@ class EvaluateConfig:
     title: str = "wsi-milssl evaluation"
     tumor_groups: tuple[str, ...] = DEFAULT_TUMOR_GROUPS
     non_tumor_groups: tuple[str, ...] = DEFAULT_NON_TUMOR_GROUPS
+    lesion_exclude: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -69,6 +74,12 @@ class EvaluateConfig:
         check_range(name, "thumbnail_px", self.thumbnail_px, low=32, high=4096)
         check_type(name, "title", self.title, str)
         check_groups(self)
+        if isinstance(self.lesion_exclude, list):
+            object.__setattr__(self, "lesion_exclude", tuple(self.lesion_exclude))
+        check_type(name, "lesion_exclude", self.lesion_exclude, tuple)
+        bad = [v for v in self.lesion_exclude if not isinstance(v, str) or not v.strip()]
+        if bad:
+            raise ConfigError(f"{name}.lesion_exclude must hold slide names; got {bad!r}.")
 
     def group_map(self):
         """The annotations' GroupMap for these groups."""

@@ -400,6 +400,21 @@ def _some_of(n: int, n_slides: int) -> str:
     return "the one slide" if n_slides == 1 else f"{n} of {n_slides} slides"
 
 
+def _lesion_excluded(results: list[SlideResult], config: EvaluateConfig) -> tuple[list[str], list[SlideResult]]:
+    """(the evaluated slides that ``config.lesion_exclude`` names, the results of the others); a name of no evaluated
+    slide is a warning (a list written for the whole cohort, such as CAMELYON16's Test_114)."""
+    wanted = {stem_key(name.strip()): name for name in config.lesion_exclude}
+    excluded = [r.stem for r in results if stem_key(r.stem) in wanted]
+    unknown = sorted(set(wanted) - {stem_key(s) for s in excluded})
+    if unknown:
+        logger.warning("lesion_exclude names %d slide(s) that are not evaluated here: %s", len(unknown),
+                       ", ".join(wanted[k] for k in unknown))
+    if excluded:
+        logger.info("%d slide(s) left out of the FROC and the instance AUC (lesion_exclude), kept in the bag AUC: %s",
+                    len(excluded), ", ".join(excluded))
+    return excluded, [r for r in results if stem_key(r.stem) not in wanted]
+
+
 def _instance_metric(results: list[SlideResult]) -> tuple[Metric, RocCurve | None]:
     missing = [r.stem for r in results if r.instance_labels is None]
     if missing:
@@ -879,7 +894,9 @@ def evaluate_predictions(
                                        slide_paths=slide_paths, config=config))
         emit(progress, ProgressEvent("evaluate", i, total, unit="slide", item=stem))
 
-    curve = froc_curve([r.match for r in results])
+    # the lesion-level metrics (FROC, instance AUC: they read the annotations) leave out config.lesion_exclude
+    lesion_excluded, lesion_results = _lesion_excluded(results, config)
+    curve = froc_curve([r.match for r in lesion_results])
     reasons: dict[str, str] = {}
     if curve.n_lesions:
         score, sens = froc_score(curve, fp_rates=FP_RATES)
@@ -888,7 +905,7 @@ def evaluate_predictions(
     else:
         froc_value, sens_list = None, [None] * len(FP_RATES)
         reasons["froc"] = "no lesions (no tumour slide with a non-ITC region): sensitivity is undefined"
-    inst_metric, inst_roc = _instance_metric(results)
+    inst_metric, inst_roc = _instance_metric(lesion_results)
     scores, stale_scores = _slide_scores(results, sidecars, predictions_dir / SCORES_FILENAME)
     if stale_scores:
         logger.warning("%s: its rows of slides %s are not the scores their <stem>_probs.json record (an interrupted "
@@ -901,14 +918,14 @@ def evaluate_predictions(
     if bag_metric.value is None:
         reasons["bag_auc"] = bag_metric.reason
 
-    n_patches = sum(int(r.patch_probs.shape[0]) for r in results if r.patch_probs is not None)
+    n_patches = sum(int(r.patch_probs.shape[0]) for r in lesion_results if r.patch_probs is not None)
     protocol = _froc_protocol(config)
     metrics: dict[str, Any] = {
         "instance_auc": _metric_value(inst_metric),
         "bag_auc": _metric_value(bag_metric),
         "froc": _none_if_nan(froc_value) if froc_value is not None else None,
         "froc_sensitivities": sens_list,
-        "n_slides": curve.n_slides,
+        "n_slides": len(results),  # the FROC's are those less lesion_excluded
         "n_lesions": curve.n_lesions,
         "fp_rates": list(FP_RATES),
         # the FROC's settings: the µm/px its margin and ITC limit were measured at (null: each slide's own)
@@ -916,11 +933,12 @@ def evaluate_predictions(
         "itc_major_axis_um": config.itc_major_axis_um,
         "froc_mpp": config.froc_mpp,
         "froc_protocol": protocol,
+        "lesion_excluded": lesion_excluded,
         "n_tumor_slides": sum(r.label for r in results),
         "n_normal_slides": sum(1 - r.label for r in results),
-        "n_itc": sum(r.match.n_itc for r in results),
+        "n_itc": sum(r.match.n_itc for r in lesion_results),
         "n_lesions_detected": curve.n_detected,
-        "n_detections": sum(r.match.n_detections for r in results),
+        "n_detections": sum(r.match.n_detections for r in lesion_results),
         "n_false_positives": curve.n_fp,
         "n_patches": n_patches if inst_metric.n else None,
         "n_positive_patches": inst_metric.n_positive if inst_metric.n else None,
@@ -967,6 +985,9 @@ def evaluate_predictions(
         paths["config"] = write_resolved_config(config, out_dir, name=names["config"])
 
         notes = [f"{_METRIC_NAMES.get(k, k.replace('_', ' '))} unavailable: {v}." for k, v in reasons.items()]
+        if lesion_excluded:
+            notes.append(f"{len(lesion_excluded)} slide(s) are left out of the FROC and the instance AUC "
+                         f"(lesion_exclude) and kept in the bag AUC: {', '.join(lesion_excluded)}.")
         n_outside = sum(r.match.n_outside_mask for r in results)
         if skipped:
             notes.append(f"{len(skipped)} labelled slide(s) have no predictions here and are not evaluated: "
