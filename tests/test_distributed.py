@@ -40,12 +40,40 @@ def test_slide_shard_is_the_option_else_torchrun(monkeypatch):
     assert slide_shard(None) == Shard(0, 1) and slide_shard("1/2") == Shard(1, 2, "hash")
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")  # as torchrun sets it
     assert slide_shard(None) == Shard(1, 3, "position")
     with pytest.raises(ConfigError, match=r"--shard 0/2 under torchrun \(RANK=1, WORLD_SIZE=3\).*Fix: drop --shard"):
         slide_shard("0/2")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")  # one rank: --shard is the only split
     assert slide_shard("1/2") == Shard(1, 2, "hash")
+
+
+def test_rank_variables_without_a_launcher_are_refused_before_any_work(monkeypatch):
+    """Review BJ: RANK and WORLD_SIZE left by another launcher or an outer job (no torchrun, no MASTER_ADDR): tile
+    and heatmap did 1/N of the slides and then failed with torch's traceback at their end, train at its start."""
+    from wsi_milssl.distributed import init_group
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    message = (r"^RANK=0 and WORLD_SIZE=2 are set, but not by torchrun, and MASTER_ADDR and MASTER_PORT are not: the "
+               r"2 processes could not meet, and this one would do its 1/2 of the work alone\. Fix: launch with "
+               r"torchrun, set MASTER_ADDR and MASTER_PORT for ranks started by hand, or unset RANK and WORLD_SIZE")
+    with pytest.raises(ConfigError, match=message):
+        slide_shard(None)
+    with pytest.raises(ConfigError, match=message):
+        init_group("cpu")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # ranks started by hand, as the README's other launchers do
+    with pytest.raises(ConfigError, match=r"and MASTER_PORT is not: "):
+        slide_shard(None)
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert slide_shard(None) == Shard(0, 2, "position")
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one rank meets no one
+    monkeypatch.delenv("MASTER_ADDR")
+    assert slide_shard(None) == Shard(0, 1, "position")
 
 
 def _no_torchrun(monkeypatch):
@@ -84,6 +112,7 @@ def test_torchrun_ranks_split_one_list_by_position(monkeypatch):
     items = [f"s{i}" for i in range(11)]
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
     assert shard_items(items, *slide_shard(None), name=str) == ["s1", "s4", "s7", "s10"]
     assert shard_items(items, *Shard(1, 3, "position"), name=str) == ["s1", "s4", "s7", "s10"]
     by_hash = [s for s in items if shard_of(s, 3) == 1]

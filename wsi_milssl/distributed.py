@@ -109,6 +109,22 @@ def torchrun_env() -> tuple[int, int, int] | None:
     return rank, world, local
 
 
+def refuse_ranks_that_cannot_meet(rank: int, world: int) -> None:
+    """ConfigError when RANK and WORLD_SIZE (``world`` > 1) were not set by torchrun (no ``TORCHELASTIC_RUN_ID``)
+    and MASTER_ADDR / MASTER_PORT are missing: the ranks could not meet, so a slide stage would do this rank's
+    share of the slides and then fail at its end, and training would fail with torch's traceback (review BJ: a
+    launcher's or an outer job's variables left in the environment)."""
+    if world <= 1 or os.environ.get("TORCHELASTIC_RUN_ID"):
+        return
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+    if missing:
+        raise ConfigError(f"RANK={rank} and WORLD_SIZE={world} are set, but not by torchrun, and "
+                          f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: the {world} processes could not meet, and this "
+                          f"one would do its 1/{world} of the work alone. Fix: launch with torchrun, set MASTER_ADDR "
+                          "and MASTER_PORT for ranks started by hand, or unset RANK and WORLD_SIZE (left by another "
+                          "launcher or an outer job) to run one process.")
+
+
 def is_main_rank() -> bool:
     """Whether this process reports what concerns the whole run (the same on every rank: a warning about
     the inputs, a setup error): True without torchrun, for ``--shard I/N`` processes (each its own
@@ -167,6 +183,7 @@ def init_group(device: str = "auto", *, timeout: datetime.timedelta = TIMEOUT) -
     env = torchrun_env()
     if env is None or env[1] == 1:
         return SINGLE
+    refuse_ranks_that_cannot_meet(env[0], env[1])
     import torch
     import torch.distributed as dist
 
@@ -272,6 +289,7 @@ def slide_shard(shard: str | None) -> Shard:
                               "WORLD_SIZE).")
         return Shard(*parse_shard(shard), by="hash")
     if env is not None:
+        refuse_ranks_that_cannot_meet(env[0], env[1])
         return Shard(env[0], env[1], by="position")
     return Shard()
 
