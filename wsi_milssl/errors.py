@@ -82,3 +82,8 @@ class DistributedError(WsiMilsslError):
 class TrainingDivergedError(WsiMilsslError):
     """Training produced a non-finite loss or non-finite weights (the learning rate is too high for the
     data); nothing of the diverged epoch is saved."""
+
+
+class ReaderLostError(WsiMilsslError):
+    """A reader process of training (a DataLoader worker) died: killed by a signal (the out-of-memory killer, a
+    kill) or exited; what it was reading never arrives."""

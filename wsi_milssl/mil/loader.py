@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from wsi_milssl import shm as shm_rules
-from wsi_milssl.errors import ConfigError
+from wsi_milssl.errors import ConfigError, ReaderLostError
 from wsi_milssl.mil.data import InstanceSet, PatchDataset
 from wsi_milssl.runtime import decode_jpeg_batch, require_device_decode
 
@@ -220,7 +220,17 @@ class BatchLoader:
                 for item in plan:
                     idx, raw = reader[item]
                     yield idx, self._to_device(raw)
-            elif temporary or self._busy:  # a nested pass (a refresh inside a training pass): own readers
+                return
+            yield from self._from_readers(reader, plan, temporary)
+        finally:
+            if temporary:
+                reader.close()
+
+    def _from_readers(self, reader: _Reader, plan: list, temporary: bool):
+        """:meth:`_items` from the reader processes; one that dies (the out-of-memory killer, a kill) is a
+        ReaderLostError, not torch's RuntimeError (review BJ: a raw traceback without a word of what to do)."""
+        try:
+            if temporary or self._busy:  # a nested pass (a refresh inside a training pass): own readers
                 sampler = _Plan()
                 sampler.items = plan
                 loader = self._make_loader(reader, sampler, persistent=False)
@@ -236,9 +246,12 @@ class BatchLoader:
                         yield idx, self._to_device(raw)
                 finally:
                     self._busy = False
-        finally:
-            if temporary:
-                reader.close()
+        except RuntimeError as exc:
+            text = str(exc)
+            if "DataLoader worker" not in text or not ("killed by signal" in text or "exited unexpectedly" in text):
+                raise
+            raise ReaderLostError(f"a reader process of training stopped ({text.splitlines()[0].strip()}), most "
+                                  "likely stopped by the out-of-memory killer (see `dmesg`)") from None
 
     def _check_shared_memory(self, instances: InstanceSet, item_patches: int) -> None:
         """The workers pass their items to this process through /dev/shm, ``prefetch`` items each at once: with

@@ -37,8 +37,8 @@ from wsi_milssl import runtime as runtime_rules
 from wsi_milssl.config.base import config_to_dict
 from wsi_milssl.config.train import TrainConfig
 from wsi_milssl.distributed import SINGLE, DistContext, gather_values, rank_share, split_evenly
-from wsi_milssl.errors import (CheckpointError, ConfigError, OutputError, StoreError, TrainingDivergedError,
-                               WsiMilsslError)
+from wsi_milssl.errors import (CheckpointError, ConfigError, OutputError, ReaderLostError, StoreError,
+                               TrainingDivergedError, WsiMilsslError)
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.locks import folder_lock
 from wsi_milssl.mil.checkpoint import RESUME_FIX, capture_rng, restore_rng, save_checkpoint
@@ -559,6 +559,24 @@ def _compiled(trainer: torch.nn.Module, mode: str) -> torch.nn.Module:
 
 
 @contextmanager
+def _reader_guard(out: Path | None):
+    """A reader process that died (:class:`ReaderLostError`) is reported with how to continue the run."""
+    try:
+        yield
+    except ReaderLostError as exc:
+        fix = "train with fewer --workers (each reader holds its items in memory) or with more memory"
+        if out is not None and (out / "last.pt").is_file():
+            then = (f"; {out} keeps the checkpoint of the last finished epoch. Fix: {fix}, then continue with "
+                    f"`wsi-milssl train --resume {out}` (under torchrun: `torchrun ... wsi-milssl train --resume "
+                    f"{out}`).")
+        elif out is not None:
+            then = f"; no epoch was saved. Fix: {fix}, then start the run again with the same command."
+        else:
+            then = f". Fix: {fix}."
+        raise ReaderLostError(f"{exc}{then}") from None
+
+
+@contextmanager
 def _compile_errors(config: TrainConfig):
     """A failure of ``torch.compile`` itself (no C++ compiler, no Triton) as one ConfigError naming the fix."""
     try:
@@ -798,7 +816,7 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
 
     # One pool of readers serves every pass of the run (training, refresh, validation; all epochs).
     with BatchLoader([train, val], num_workers=runtime.num_workers, device=runtime.device,
-                     decode=runtime.decode) as loader:
+                     decode=runtime.decode) as loader, _reader_guard(out):
         for epoch in range(start_epoch, config.epochs):
             t0 = time.perf_counter()
             # Re-seed every random stream from (seed, epoch): a resumed run draws exactly the same numbers.
