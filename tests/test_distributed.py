@@ -161,3 +161,31 @@ def test_split_and_gather_on_one_process():
     assert [len(split_evenly(idx, DistContext(rank=r, world_size=3))) for r in range(3)] == [4, 3, 3]
     out = gather_values([0.5, 0.25], [3, 1], size=5, ctx=SINGLE)
     assert out.dtype == np.float32 and out[3] == 0.5 and out[1] == 0.25 and np.isnan(out[[0, 2, 4]]).all()
+
+
+def test_a_ranks_own_error_is_raised_without_waiting_for_rank0(monkeypatch):
+    """Review BJ: a patch only rank 1 reads made it wait 60 s for rank 0 to report the 'same' error first (72 s
+    against 9 s in one process). Errors every rank shares still wait; the rank's own are raised at once."""
+    import wsi_milssl.distributed as distributed
+    from wsi_milssl.distributed import reported_by_rank0
+    from wsi_milssl.errors import ReaderLostError, StoreError
+
+    waits = []
+    monkeypatch.setattr(distributed.time, "sleep", waits.append)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    own = (StoreError, ReaderLostError)
+    for error in (StoreError("store.h5: cannot read patch 50"), ReaderLostError("a reader process stopped")):
+        with pytest.raises(type(error)):
+            with reported_by_rank0(wait_s=60, own_errors=own):
+                raise error
+    assert waits == []
+    with pytest.raises(ConfigError):
+        with reported_by_rank0(wait_s=60, own_errors=own):
+            raise ConfigError("a training set too small for 2 ranks")
+    assert waits == [60]
+    with pytest.raises(StoreError):  # without own_errors: every error waits, as before
+        with reported_by_rank0(wait_s=60):
+            raise StoreError("store.h5: cannot read patch 50")
+    assert waits == [60, 60]

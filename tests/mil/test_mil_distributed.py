@@ -134,6 +134,9 @@ def test_online_pseudo_labels_with_refreshes_inside_epochs_keep_the_ranks_togeth
     output = proc.communicate(timeout=240)[0]
     assert proc.returncode == 0, output
     assert "on 2 ranks (gloo)" in output
+    # rank 0 says once that these refreshes predict, unlike one process (review BJ: it differed without a word)
+    assert output.count("online_pseudo_labels with refresh_every 2 on 2 ranks: the refreshes inside an epoch "
+                        "predict") == 1
     config = json.loads((run / "config.json").read_text())
     assert config["distributed"] == {"world_size": 2, "backend": "gloo"}
     history = _history(run)

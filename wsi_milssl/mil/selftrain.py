@@ -667,6 +667,17 @@ def _shared_bags(train: InstanceSet, val: InstanceSet) -> list[str]:
     return sorted(n for n in val.bag_names if n not in held_out)
 
 
+def _warn_online_labels_predicted(config: TrainConfig, dist: DistContext) -> None:
+    """Rank 0 warns that online pseudo labels are predicted inside epochs on several ranks (review BJ: the run
+    differed from one process without a word; :func:`refresh_pseudo_labels`)."""
+    if dist.is_main and dist.enabled and config.online_pseudo_labels and config.refresh_every > 0:
+        log.warning("online_pseudo_labels with refresh_every %d on %d ranks: the refreshes inside an epoch predict "
+                    "the positive-bag instances (each rank holds only its share of the online probabilities), so "
+                    "this run differs from one process with the same settings. Fix, to match one process: "
+                    "refresh_every 0 (a refresh per epoch takes the merged online probabilities), or train in one "
+                    "process.", config.refresh_every, dist.world_size)
+
+
 def _warn_mu_not_reached(config: TrainConfig, *, resume: bool = False) -> None:
     """Warn when the adaptive schedule (paper eq. 10: μ_t = μ from epoch T on, epochs counted from 0, warm-up
     epochs included) never reaches μ: T >= the number of epochs, so the last epoch trains at a μ_t above μ.
@@ -800,6 +811,7 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
     # its run) trains nothing and was warned about when it trained
     if dist.is_main and eval_at is None and start_epoch < config.epochs:
         _warn_mu_not_reached(config, resume=resume)  # once the run is set up: a setup error comes alone
+    _warn_online_labels_predicted(config, dist)
     trainer = model
     if dist.enabled:
         from torch.nn.parallel import DistributedDataParallel
