@@ -337,7 +337,7 @@ def test_a_slide_in_both_sets_is_refused_before_any_stage(cohort, slides):
     listed = cohort.parent / "cohort" / "test_slides.csv"
     listed.write_text(listed.read_text() + f"{slides / 'synth_000.tif'}\n")  # a training slide
     with pytest.raises(ConfigError, match=r"1 slide\(s\) are in both the training and the test set \(.*synth_000"
-                                          r"\.tif\).*Fix: take them off one of the two slide lists"):
+                                          r"\.tif\).*Fix: remove them from the test set or from the training set"):
         _run(cohort)
     assert not (cohort.parent / "out" / "stores").exists()
 
