@@ -491,6 +491,15 @@ def folder_writer(path: str | os.PathLike) -> str | None:
     return None
 
 
+def refuse_written_folder(path: str | os.PathLike, *, named_by: str | None = None) -> None:
+    """FolderLockedError, as :func:`folder_lock` words it, when another run writes folder ``path`` now: for a
+    command that takes the lock later and should be refused before its other work (review BJ: `train` printed
+    its start line, and under torchrun the other ranks a second, misleading error, before the refusal)."""
+    who = folder_writer(path)
+    if who is not None:
+        raise FolderLockedError(_locked_message(Path(path), who, named_by))
+
+
 def other_shards_writing(path: str | os.PathLike, shard: tuple[int, int]) -> list[tuple[int, int]]:
     """The shards (I, N) other than ``shard`` that hold their lock in folder ``path`` now: the shards of a
     run still writing there (to tell them from an earlier, finished run's files)."""

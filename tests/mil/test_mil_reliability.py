@@ -134,8 +134,10 @@ def test_resuming_a_run_another_process_holds_names_waiting_as_the_fix(tmp_path,
         assert main(["train", "--resume", str(run), "--epochs", "2", "--threads", "1", "--no-plots"]) == 1
     finally:
         release(holder)
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
+    err = captured.err
     assert f"another wsi-milssl run (pid {holder.pid}" in err and err.rstrip().endswith("Fix: wait until it finishes."), err
+    assert "training" not in captured.out  # refused before the inputs are read and the start line (review BJ)
 
 
 def test_a_diverged_training_stops_with_one_error_and_saves_no_non_finite_weights(tmp_path, capsys, mil_csv):

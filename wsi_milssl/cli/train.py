@@ -447,6 +447,10 @@ def _set_up(args: argparse.Namespace):
             from wsi_milssl.mil.run_folder import existing_run_error
 
             raise existing_run_error(out)
+    if Path(out).is_dir():  # before the inputs are read and the ranks meet (fit takes the lock itself)
+        from wsi_milssl.locks import refuse_written_folder
+
+        refuse_written_folder(out, named_by=None if args.resume is not None else "--out")
     mode = "images" if input_mode == "images" else "features"
     config = train_config_from_args(args, mode=mode, base=base)
     resumed = args.resume is not None
