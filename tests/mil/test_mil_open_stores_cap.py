@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 
 import wsi_milssl
-from wsi_milssl.mil.data import PatchDataset, max_open_stores, read_labels_csv, read_patch_stores
+from wsi_milssl.mil.data import (MAX_OPEN_STORES, PatchDataset, max_open_stores, read_labels_csv, read_patch_stores,
+                                 reopened_stores_warning)
 from wsi_milssl.store import open_store
 
 
@@ -50,9 +51,29 @@ def test_the_cap_follows_a_low_open_file_limit():
 
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     cap = max_open_stores()
-    assert 4 <= cap <= 64
+    assert 4 <= cap <= MAX_OPEN_STORES
     if soft != resource.RLIM_INFINITY:
-        assert cap <= max(4, soft // 4)
+        assert cap == max(4, min(MAX_OPEN_STORES, soft // 4))
+
+
+def test_a_cohort_of_camelyon16s_size_keeps_every_store_open_unless_ulimit_says_no(monkeypatch):
+    """Review BK: 64 open stores made batches of CAMELYON16's 270 training slides reopen 3 stores each, reads
+    3-4x slower; the cap is 512, and a low `ulimit -n` that forces fewer is a warning naming the fix."""
+    import wsi_milssl.mil.data as data
+
+    assert MAX_OPEN_STORES >= 270
+    monkeypatch.setattr(data, "_open_file_limit", lambda: 1024)
+    assert max_open_stores() == 256
+    assert reopened_stores_warning(200) is None
+    assert reopened_stores_warning(270) == (
+        "training reads 270 patch stores, but the open-file limit (`ulimit -n` 1024) lets each reader keep 256 "
+        "open, so batches that move between stores close and open them again (reads about 3x slower). Fix: raise "
+        "the limit before training, e.g. `ulimit -n 1080`.")
+    monkeypatch.setattr(data, "_open_file_limit", lambda: 1 << 20)
+    assert max_open_stores() == MAX_OPEN_STORES
+    assert reopened_stores_warning(5000) is None  # the cap, not the limit, holds them back: raising it is no fix
+    monkeypatch.setattr(data, "_open_file_limit", lambda: None)
+    assert max_open_stores() == MAX_OPEN_STORES and reopened_stores_warning(270) is None
 
 
 def test_training_reads_more_stores_than_ulimit_allows_open(tmp_path, image_store_factory):

@@ -42,7 +42,7 @@ from wsi_milssl.errors import (CheckpointError, ConfigError, OutputError, Reader
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.locks import folder_lock
 from wsi_milssl.mil.checkpoint import RESUME_FIX, capture_rng, restore_rng, save_checkpoint
-from wsi_milssl.mil.data import NORMALISATION, InstanceSet, held_out_bags
+from wsi_milssl.mil.data import NORMALISATION, InstanceSet, held_out_bags, reopened_stores_warning
 from wsi_milssl.mil.loader import BatchLoader, block_order, normalises_batches, without_lone_last
 from wsi_milssl.mil.models import core_module, create_model, is_image_model
 from wsi_milssl.mil.pixels import prepare_patches
@@ -812,6 +812,10 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
     if dist.is_main and eval_at is None and start_epoch < config.epochs:
         _warn_mu_not_reached(config, resume=resume)  # once the run is set up: a setup error comes alone
     _warn_online_labels_predicted(config, dist)
+    if dist.is_main and train.kind == "images":
+        slow = reopened_stores_warning(train.n_bags)
+        if slow:
+            log.warning("%s", slow)
     trainer = model
     if dist.enabled:
         from torch.nn.parallel import DistributedDataParallel
