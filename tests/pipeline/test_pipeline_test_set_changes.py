@@ -414,3 +414,27 @@ def test_a_missing_slide_file_in_both_lists_is_reported_missing_not_shared(cohor
     with pytest.raises(WsiMilsslError) as caught:
         _run(cohort)
     assert "gone.tif" in str(caught.value) and "both the training and the test set" not in str(caught.value)
+
+
+def test_the_stage_summaries_count_slides_without_a_patch(finished_cohort):
+    """Review BK: `[train] 240 training / 60 validation slides` when 209 / 55 were trained and validated on (the
+    rest had no patch and were left out), and the tile and heatmap lines never said that slides were empty."""
+    import re
+
+    from wsi_milssl.synth.pyramid import write_pyramidal_tiff
+
+    root = finished_cohort.parent / "cohort"
+    for name, set_name, grey in (("blank_a", "train", 245), ("blank_b", "test", 246)):  # two files: other bytes
+        blank = finished_cohort.parent / f"{name}.tif"
+        write_pyramidal_tiff(blank, lambda x0, y0, x1, y1, g=grey: np.full((y1 - y0, x1 - x0, 3), g, np.uint8),
+                             width=2048, height=2048, mpp=0.25)
+        (root / f"{set_name}_slides.csv").write_text((root / f"{set_name}_slides.csv").read_text() + f"{blank}\n")
+        (root / f"{set_name}_labels.csv").write_text((root / f"{set_name}_labels.csv").read_text() + f"{name},0\n")
+    outcomes = {o.stage: o.summary for o in run_pipeline(load_pipeline(finished_cohort,
+                                                                       out_dir=finished_cohort.parent / "out"))}
+    assert re.match(r"^train: \d+ patches from 4 slides \(3 kept, 1 without a patch\); test: \d+ patches from 2 "
+                    r"slides \(1 kept, 1 without a patch\)$", outcomes["tile"]), outcomes["tile"]
+    trained = re.match(r"^(\d) training / (\d) validation slides \(1 without a patch left out\), best epoch",
+                       outcomes["train"])
+    assert trained and int(trained[1]) + int(trained[2]) == 3, outcomes["train"]
+    assert re.match(r"^2 slides \(1 without a patch\), \d+ patches$", outcomes["heatmap"]), outcomes["heatmap"]

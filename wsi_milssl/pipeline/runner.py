@@ -153,7 +153,11 @@ def _tile(ctx: StageContext) -> tuple[list[str], str]:
                 + "; ".join(f"{r.slide}: {r.error}" for r in failed[:3])
             )
         outputs += [str(run.status_csv)] + _existing(r.store_path for r in run.results)
-        parts.append(f"{set_name}: {sum(r.n_patches for r in run.results)} patches from {len(run.results)} slides")
+        empty = sum(r.n_patches == 0 for r in run.results)  # no tissue passed the filters (review BK)
+        kept = sum(r.status == "skipped" for r in run.results)
+        more = [f"{n} {what}" for n, what in ((kept, "kept"), (empty, "without a patch")) if n]
+        parts.append(f"{set_name}: {sum(r.n_patches for r in run.results)} patches from {len(run.results)} slides"
+                     + (f" ({', '.join(more)})" if more else ""))
     return outputs, "; ".join(parts)
 
 
@@ -351,6 +355,9 @@ def _heatmap(ctx: StageContext) -> tuple[list[str], str]:
     n = sum(r.n_patches for r in run.results)
     slide_files = _existing(p for r in run.results for p in r.outputs.values())  # (a deleted overlay: drawn again)
     reused = [f"{len(v)} {what}" for v, what in ((run.skipped, "kept"), (run.redrawn, "drawn again")) if v]
+    empty = sum(r.n_patches == 0 for r in run.results)
+    if empty:
+        reused.append(f"{empty} without a patch")
     return [str(ctx.heatmap_dir / "scores.csv")] + slide_files, (
         f"{len(run.results)} slides{' (' + ', '.join(reused) + ')' if reused else ''}, {n} patches")
 

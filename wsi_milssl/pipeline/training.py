@@ -465,8 +465,12 @@ def train_images(ctx: StageContext) -> tuple[list[str], str]:
             "val": [str(stores[s]) for s in val_stems], "labels": str(ds.labels)}
     best_epoch, summary_extra = _fit_runs(ctx, runs, configs, train=train, val=val,
                                           split={"train": train_stems, "val": val_stems}, run_info=run_info, data=data)
-    return _model_outputs(ctx.model_dir), (f"{len(train_stems)} training / {len(val_stems)} validation slides, "
-                                           f"best epoch {best_epoch}{summary_extra}")
+    # stores without a patch are left out of the sets read (review BK: the line counted them as trained on)
+    n_val = 0 if val is None else val.n_bags
+    empty = len(train_stems) + len(val_stems) - train.n_bags - n_val
+    return _model_outputs(ctx.model_dir), (f"{train.n_bags} training / {n_val} validation slides"
+                                           + (f" ({empty} without a patch left out)" if empty else "")
+                                           + f", best epoch {best_epoch}{summary_extra}")
 
 
 def train_features(ctx: StageContext) -> tuple[list[str], str]:
