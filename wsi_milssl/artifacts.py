@@ -143,7 +143,7 @@ EVALUATION_FILES: dict[str, str] = {
 PER_SLIDE_COLUMNS = (
     "slide", "label", "n_detections", "n_fp", "n_lesions", "n_lesions_detected", "n_itc",
     "n_repeat_hits", "n_itc_hits", "max_prob", "score", "n_patches", "n_positive_patches",
-    "instance_auc", "mpp",
+    "instance_auc", "mpp", "lesion_excluded",
 )
 DETECTION_OUTCOME_COLUMNS = ("slide", "prob", "x_lv0", "y_lv0", "outcome", "region")
 FROC_CURVE_COLUMNS = ("threshold", "fp_per_slide", "sensitivity")

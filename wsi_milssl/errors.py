@@ -46,6 +46,12 @@ class StoreError(WsiMilsslError):
     """A patch store is missing, incomplete, corrupt or was made with other settings."""
 
 
+class StoreReadError(StoreError):
+    """A patch store's bytes cannot be read or decoded (a corrupt store, or too many open files): the error of
+    the process that read them, not of every rank (a shared problem, such as non-finite features found after
+    the ranks combined their predictions, is a plain StoreError)."""
+
+
 class FeatureFileGivenError(StoreError):
     """A feature file (``wsi-milssl features``) where a patch store is wanted: never to be replaced by one."""
 

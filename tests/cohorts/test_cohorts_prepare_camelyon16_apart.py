@@ -47,6 +47,7 @@ def test_downloads_that_did_not_finish_are_named(tmp_path, synth_slides):
     root = gigadb_tree(tmp_path / "c16", synth_slides)
     shutil.copy(root / "training" / "tumor" / "Tumor_001.tif", root / "training" / "tumor" / "Tumor_004.tif.part")
     (root / "training" / "normal" / "Normal_004.tif.crdownload").write_bytes(b"II*\x00")
+    (root / "training" / "tumor" / "Tumor_002.tif.part").write_bytes(b"II*\x00")  # a leftover beside its slide
     prepared = prepare_camelyon16(root, tmp_path / "out")
     (note,) = [n for n in prepared.notes if "did not finish" in n]
     assert note == (f"2 file(s) below {root} are downloads that did not finish, so they are no slides and in no set: "
@@ -90,3 +91,31 @@ def test_prepare_folder_names_official_test_slides_in_training(tmp_path, synth_s
     (note,) = [n for n in prepared.notes if "official test" in n]
     assert note.startswith(f"{len(in_train)} slide(s) in the training set are named as CAMELYON16's official test "
                            f"slides (Test_NNN): {', '.join(in_train)} (")
+    # an in-house cohort whose slides are only called test_NNN is no CAMELYON16 (review BL)
+    own = tmp_path / "own"
+    own.mkdir()
+    for k, tif in enumerate(sorted(flat.glob("*.tif"))):
+        shutil.copy(tif, own / f"test_{k:03d}.tif")
+    (own / "labels.csv").write_text("slide,label\n" + "".join(f"test_{k:03d},{v}\n" for k, v in enumerate(
+        labels[p.stem] for p in sorted(flat.glob("*.tif")))))
+    for k, tif in enumerate(sorted(flat.glob("*.tif"))):
+        if tif.with_suffix(".xml").is_file():
+            shutil.copy(tif.with_suffix(".xml"), own / f"test_{k:03d}.xml")
+    prepared = prepare_folder(own, own / "labels.csv", tmp_path / "out_own", test_fraction=0.3)
+    assert not [n for n in prepared.notes if "official test" in n]
+
+
+def test_a_loop_of_links_and_a_lesion_exclude_that_is_no_list_are_named(tmp_path):
+    from wsi_milssl.config import EvaluateConfig
+
+    with pytest.raises(ConfigError, match=r'lesion_exclude must be a list of slide names, e\.g\. \["Test_114"\]; got '
+                                          r"'Test_114'"):
+        EvaluateConfig(lesion_exclude="Test_114")
+    from wsi_milssl.cohorts.checks import _unreadable_slides
+
+    (tmp_path / "a.tif").symlink_to("b.tif")
+    (tmp_path / "b.tif").symlink_to("a.tif")
+    (tmp_path / "c.tif").symlink_to("gone.tif")
+    problem = _unreadable_slides([tmp_path / "a.tif", tmp_path / "c.tif"])
+    assert f"{tmp_path / 'a.tif'} (a link to b.tif, in a loop of links that never reaches a file)" in problem
+    assert f"{tmp_path / 'c.tif'} (a link to gone.tif, which does not exist)" in problem

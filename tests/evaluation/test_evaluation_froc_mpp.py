@@ -68,7 +68,7 @@ def test_froc_mpp_gives_the_challenge_scripts_number(utrecht_case, tmp_path):
     assert (c16["n_lesions"], c16["n_itc"], c16["froc"]) == (2, 0, 0.5)
     # the detections and annotations stay where they are: the slide is still evaluated at its own 0.226
     rows = (tmp_path / "c16" / "per_slide.csv").read_text().splitlines()
-    assert rows[1].startswith("synth_000,1,") and rows[1].endswith(",0.226")
+    assert rows[1].startswith("synth_000,1,") and rows[1].endswith(",0.226,0")  # mpp, then lesion_excluded
     outcomes = (tmp_path / "c16" / "detection_outcomes.csv").read_text().splitlines()
     assert outcomes[1:3] == ["synth_000,0.9,1000.0,1300.0,tp,1", "synth_000,0.8,4933.0,4000.0,fp,0"]
 
@@ -118,4 +118,4 @@ def test_froc_mpp_needs_no_slide_mpp(utrecht_case, tmp_path, capsys):
     c16 = _evaluate(root, tmp_path / "c16", "--froc-mpp", "0.243")
     assert (c16["n_lesions"], c16["n_itc"], c16["froc"], c16["froc_protocol"]) == (2, 0, 0.5, "CAMELYON16")
     rows = (tmp_path / "c16" / "per_slide.csv").read_text().splitlines()
-    assert rows[1].startswith("synth_000,1,") and rows[1].endswith(",")  # no µm/px to report
+    assert rows[1].startswith("synth_000,1,") and rows[1].endswith(",,0")  # no µm/px to report

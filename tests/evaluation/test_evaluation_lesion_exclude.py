@@ -4,6 +4,7 @@ way was prepare's --exclude, which drops the slide from the slide-level AUC too)
 
 from __future__ import annotations
 
+import csv
 import json
 import logging
 
@@ -30,6 +31,8 @@ def test_an_excluded_slide_leaves_the_froc_and_the_instance_auc_only(evaluated, 
     assert m["n_false_positives"] < full.metrics["n_false_positives"]
     assert m["n_patches"] < full.metrics["n_patches"]
     assert "lesion_exclude names 1 slide(s) that are not evaluated here: Test_114" in caplog.text
+    rows = {r["slide"]: r for r in csv.DictReader(open(tmp_path / "out" / "per_slide.csv"))}
+    assert rows[normal]["lesion_excluded"] == "1" and rows[synth_slides["tumor"].stem]["lesion_excluded"] == "0"
     report = (tmp_path / "out" / "report.html").read_text()
     assert f"1 slide(s) are left out of the FROC and the instance AUC (lesion_exclude) and kept in the bag AUC: " \
            f"{normal}." in report
@@ -56,3 +59,17 @@ def test_a_pipeline_passes_lesion_exclude_to_its_evaluate_stage(tmp_path):
                          overrides=['evaluate.lesion_exclude=["Test_114"]'])
     assert stage_config(spec, "evaluate").lesion_exclude == ("Test_114",)
     assert stage_config(load_pipeline(default_template(), out_dir=tmp_path / "out"), "evaluate").lesion_exclude == ()
+
+
+def test_every_slide_excluded_leaves_the_bag_auc_alone(predictions, synth_dir, synth_slides, annotations_dir,
+                                                        tmp_path):
+    """Review BL: excluding every evaluated slide stopped evaluate with a traceback (froc_curve of no slide)."""
+    names = (synth_slides["tumor"].stem, synth_slides["normal"].stem)
+    result = evaluate_predictions(predictions[0], labels_csv=synth_dir / "labels.csv", out_dir=tmp_path / "out",
+                                  annotations_dir=annotations_dir, slides=synth_dir,
+                                  config=EvaluateConfig(lesion_exclude=names))
+    m = result.metrics
+    assert m["froc"] is None and m["instance_auc"] is None and m["bag_auc"] is not None
+    assert m["reasons"]["instance_auc"] == "every evaluated slide is in lesion_exclude"
+    assert m["reasons"]["froc"].startswith("no lesions (no tumour slide with a non-ITC region; lesion_exclude left "
+                                           f"out 1 lesion(s) of {', '.join(sorted(names))}")

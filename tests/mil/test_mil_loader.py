@@ -153,7 +153,8 @@ def test_cuda_batches_from_pinned_memory_and_nvjpeg_match_the_cpu(instances):
                 assert diff.mean() <= 4.0, f"mean |nvJPEG - PIL| {diff.mean():.2f} levels"
 
 
-def test_a_reader_killed_during_training_is_one_error_naming_the_resume(tmp_path, instances):
+@pytest.mark.parametrize("signame", ["SIGKILL", "SIGBUS"])
+def test_a_reader_killed_during_training_is_one_error_naming_the_resume(tmp_path, instances, signame):
     """Review BJ: a reader process killed (the out-of-memory killer) gave torch's raw RuntimeError traceback, with
     no word of what to do; it is one ReaderLostError naming the checkpoint kept and `train --resume`."""
     import multiprocessing
@@ -166,14 +167,18 @@ def test_a_reader_killed_during_training_is_one_error_naming_the_resume(tmp_path
         if event.stage == "train" and event.unit == "epoch" and event.done == 1:
             readers = multiprocessing.active_children()  # the persistent pool of the first epoch
             assert len(readers) == 2
-            os.kill(readers[0].pid, signal.SIGKILL)
+            os.kill(readers[0].pid, getattr(signal, signame))
 
     cfg = TrainConfig(mode="images", epochs=3, batch_size=16, eval_batch_size=32, threads=1, mu=0.25,
                       mu_ramp_epochs=1, plots=False, num_workers=2)
     out = tmp_path / "run"
+    # torch names the signal when its watchdog sees it (a bus error: a full /dev/shm), else "exited unexpectedly"
+    cause = (r"\), most likely stopped by the out-of-memory killer \(see `dmesg`\) or by a full /dev/shm \(a bus "
+             r"error; `df -h /dev/shm`\)" if signame == "SIGKILL" else
+             r"(\): the shared memory .*/dev/shm.* is full; .*--shm-size.*|\), most likely .* by a full /dev/shm .*)")
     with pytest.raises(ReaderLostError, match=(
-            r"^a reader process of training stopped \(DataLoader worker \(pid.*\d+\) (is killed|exited).*\), "
-            rf"most likely stopped by the out-of-memory killer \(see `dmesg`\); {out} keeps the checkpoint of the "
-            r"last finished epoch\. Fix: train with fewer --workers .* then continue with `wsi-milssl train --resume")):
+            r"^a reader process of training stopped \(DataLoader worker \(pid.*\d+\) (is killed|exited).*" + cause
+            + rf"; {out} keeps the checkpoint of the last finished epoch\. Fix: train with fewer --workers .* then "
+            r"continue with `wsi-milssl train --resume")):
         fit(instances, config=cfg, out_dir=out, progress=kill_a_reader)
     assert (out / "last.pt").is_file()

@@ -485,7 +485,7 @@ def run(args: argparse.Namespace) -> int:
     from wsi_milssl.cli import RANK0_WAIT_S
     from wsi_milssl.cli.progress import TqdmProgress
     from wsi_milssl.distributed import close_group, exit_now, init_group, reported_by_rank0
-    from wsi_milssl.errors import ReaderLostError, StoreError
+    from wsi_milssl.errors import ReaderLostError, StoreReadError
     from wsi_milssl.mil.selftrain import fit
     from wsi_milssl.parent_watch import watch_launcher
 
@@ -499,7 +499,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if not dist.is_main:  # rank 0 reports; the others train quietly
             # a bad training set is every rank's error; a patch only this rank reads, or its lost reader, its own
-            with reported_by_rank0(wait_s=RANK0_WAIT_S, warnings=False, own_errors=(StoreError, ReaderLostError)):
+            with reported_by_rank0(wait_s=RANK0_WAIT_S, warnings=False, own_errors=(StoreReadError, ReaderLostError)):
                 fit(train, config=config, out_dir=out, val=val, resume=args.resume is not None, run_info=run_info,
                     dist=dist)
             close_group(dist, finished=True)  # waits until rank 0 has written the run folder

@@ -4,6 +4,7 @@ collected into one error."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from pathlib import Path
@@ -47,7 +48,13 @@ def _unreadable_slides(paths: Iterable[Path]) -> str | None:
     bad = []
     for p in paths:
         if p.is_symlink() and not p.exists():
-            bad.append(f"{p} (a link to {os.readlink(p)}, which does not exist)")
+            try:
+                os.stat(p)
+                loop = False
+            except OSError as exc:
+                loop = exc.errno == errno.ELOOP
+            bad.append(f"{p} (a link to {os.readlink(p)}, " + ("in a loop of links that never reaches a file)" if loop
+                                                               else "which does not exist)"))
             continue
         try:
             with open(p, "rb"):

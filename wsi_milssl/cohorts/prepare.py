@@ -142,7 +142,9 @@ def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
                           "lesion annotations (Tumor_NNN.xml, Test_NNN.xml, or lesion_annotations.zip).")
     files = list(_walk(root, skip=[out]))
     images = [p for p in files if _is_slide(p)]
-    partial = sorted((str(p.relative_to(root)) for p in files if _is_partial_download(p)), key=str.casefold)
+    finished = {p.name.casefold() for p in images}  # a .part beside its finished slide is a leftover (review BL)
+    partial = sorted((str(p.relative_to(root)) for p in files if _is_partial_download(p)
+                      and p.name.casefold().rsplit(".", 1)[0] not in finished), key=str.casefold)
     masks = [p for p in images if _camelyon16_mask(p, root)]
     slides = [p for p in images if not _camelyon16_mask(p, root)]
     if masks:
@@ -468,7 +470,8 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
         notes.append(f"{len(no_ann_train)} tumour training slide(s) have no annotation: {_names(no_ann_train)}")
     official_test = sorted((s for s in train[0] if (_camelyon16_role(Path(s)) or ("",))[0] == "test"),
                            key=str.casefold)
-    if official_test:  # review BH: prepare camelyon16's error sent such cohorts here, and they trained on them
+    camelyon16 = any((_camelyon16_role(Path(s)) or ("",))[0] == "train" for s in (*train[0], *test[0]))
+    if official_test and camelyon16:  # (review BL: an in-house test_001 is no CAMELYON16 slide)  # review BH: prepare camelyon16's error sent such cohorts here, and they trained on them
         notes.append(f"{len(official_test)} slide(s) in the training set are named as CAMELYON16's official test "
                      f"slides (Test_NNN): {_names(official_test)} (results would not compare with CAMELYON16's: "
                      "prepare the download with `wsi-milssl prepare camelyon16 ROOT`, which keeps them as the test "

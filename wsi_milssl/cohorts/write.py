@@ -275,7 +275,8 @@ def _group_check(sets: Mapping[str, tuple[Mapping[str, Path], Mapping[str, int],
         notes.append(f"{len(no_area)} tumour test slide(s) have an annotation without a tumour area (no polygon in a "
                      f"tumour group of the pipeline's [label] stage: {groups}): {_names(no_area)} (the FROC counts "
                      "every detection on them as a false positive and no lesion of them: correct the annotation, add "
-                     "its group to [label] tumor_groups, or leave the slide out with --exclude NAME)")
+                     "its group to [label] tumor_groups, or leave the slide out of the FROC with [evaluate] "
+                     "lesion_exclude, or of every set with --exclude NAME)")
     if normal_area:
         notes.append(f"{len(normal_area)} normal test slide(s) have tumour areas in their annotation: "
                      f"{_names(normal_area)} (the evaluation goes by the label, normal: check the label or the "

@@ -76,7 +76,9 @@ class EvaluateConfig:
         check_groups(self)
         if isinstance(self.lesion_exclude, list):
             object.__setattr__(self, "lesion_exclude", tuple(self.lesion_exclude))
-        check_type(name, "lesion_exclude", self.lesion_exclude, tuple)
+        if not isinstance(self.lesion_exclude, tuple):
+            raise ConfigError(f"{name}.lesion_exclude must be a list of slide names, e.g. [\"Test_114\"]; got "
+                              f"{self.lesion_exclude!r}.")
         bad = [v for v in self.lesion_exclude if not isinstance(v, str) or not v.strip()]
         if bad:
             raise ConfigError(f"{name}.lesion_exclude must hold slide names; got {bad!r}.")

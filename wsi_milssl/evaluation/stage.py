@@ -469,7 +469,9 @@ def _bag_metric(results: list[SlideResult], scores: dict[str, float | None], sco
     return auc_metric(labels, values, what="slides"), roc(labels, values, what="slides")
 
 
-def _slide_row(r: SlideResult, score: float | None) -> dict[str, Any]:
+def _slide_row(r: SlideResult, score: float | None, lesion_excluded: bool = False) -> dict[str, Any]:
+    """The slide's row of per_slide.csv (its own counts; ``lesion_excluded``: 1 when the FROC and the instance
+    AUC leave it out)."""
     m = r.match
     inst_auc = None
     if r.instance_labels is not None and r.patch_probs is not None:
@@ -485,6 +487,7 @@ def _slide_row(r: SlideResult, score: float | None) -> dict[str, Any]:
         "n_positive_patches": None if r.instance_labels is None else int(r.instance_labels.sum()),
         "instance_auc": inst_auc,
         "mpp": r.mpp,
+        "lesion_excluded": int(lesion_excluded),
     }
 
 
@@ -896,7 +899,9 @@ def evaluate_predictions(
 
     # the lesion-level metrics (FROC, instance AUC: they read the annotations) leave out config.lesion_exclude
     lesion_excluded, lesion_results = _lesion_excluded(results, config)
-    curve = froc_curve([r.match for r in lesion_results])
+    curve = (froc_curve([r.match for r in lesion_results]) if lesion_results else  # every slide excluded
+             FrocCurve(thresholds=np.array([np.inf]), fp_per_slide=np.zeros(1), sensitivity=np.full(1, np.nan),
+                       n_slides=0, n_lesions=0, n_fp=0, n_detected=0))
     reasons: dict[str, str] = {}
     if curve.n_lesions:
         score, sens = froc_score(curve, fp_rates=FP_RATES)
@@ -904,8 +909,14 @@ def evaluate_predictions(
         sens_list: list[float | None] = [float(v) for v in sens]
     else:
         froc_value, sens_list = None, [None] * len(FP_RATES)
-        reasons["froc"] = "no lesions (no tumour slide with a non-ITC region): sensitivity is undefined"
-    inst_metric, inst_roc = _instance_metric(lesion_results)
+        left_out = sum(r.match.n_lesions for r in results if r.stem in lesion_excluded)
+        reasons["froc"] = ("no lesions (no tumour slide with a non-ITC region" + (
+            f"; lesion_exclude left out {left_out} lesion(s) of {', '.join(lesion_excluded)}" if left_out else "")
+            + "): sensitivity is undefined")
+    if lesion_results:
+        inst_metric, inst_roc = _instance_metric(lesion_results)
+    else:
+        inst_metric, inst_roc = Metric(None, "every evaluated slide is in lesion_exclude"), None
     scores, stale_scores = _slide_scores(results, sidecars, predictions_dir / SCORES_FILENAME)
     if stale_scores:
         logger.warning("%s: its rows of slides %s are not the scores their <stem>_probs.json record (an interrupted "
@@ -956,7 +967,7 @@ def evaluate_predictions(
         _remove_earlier_run(out_dir)
         paths: dict[str, Path] = {}
         names = EVALUATION_FILES
-        rows = [_slide_row(r, scores.get(r.stem)) for r in results]
+        rows = [_slide_row(r, scores.get(r.stem), r.stem in lesion_excluded) for r in results]
         paths["per_slide"] = atomic_write_csv(out_dir / names["per_slide"], rows, columns=PER_SLIDE_COLUMNS)
         det_rows = [
             {"slide": r.stem, "prob": float(p), "x_lv0": float(x), "y_lv0": float(y), "outcome": o, "region": int(h)}
@@ -988,7 +999,7 @@ def evaluate_predictions(
         if lesion_excluded:
             notes.append(f"{len(lesion_excluded)} slide(s) are left out of the FROC and the instance AUC "
                          f"(lesion_exclude) and kept in the bag AUC: {', '.join(lesion_excluded)}.")
-        n_outside = sum(r.match.n_outside_mask for r in results)
+        n_outside = sum(r.match.n_outside_mask for r in lesion_results)
         if skipped:
             notes.append(f"{len(skipped)} labelled slide(s) have no predictions here and are not evaluated: "
                          f"{', '.join(skipped[:20])}{' ...' if len(skipped) > 20 else ''}.")

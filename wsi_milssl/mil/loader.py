@@ -250,8 +250,15 @@ class BatchLoader:
             text = str(exc)
             if "DataLoader worker" not in text or not ("killed by signal" in text or "exited unexpectedly" in text):
                 raise
-            raise ReaderLostError(f"a reader process of training stopped ({text.splitlines()[0].strip()}), most "
-                                  "likely stopped by the out-of-memory killer (see `dmesg`)") from None
+            first = text.splitlines()[0].strip()
+            if "bus error" in text.lower():  # (review BL) a write into a full /dev/shm
+                raise ReaderLostError(f"a reader process of training stopped ({first}): the shared memory the "
+                                      "readers hand their batches through (/dev/shm, `df -h /dev/shm`) is full; a "
+                                      "container's is 64 MB unless `docker run --shm-size 8g` or `--ipc=host` gives "
+                                      "more") from None
+            raise ReaderLostError(f"a reader process of training stopped ({first}), most likely stopped by the "
+                                  "out-of-memory killer (see `dmesg`) or by a full /dev/shm (a bus error; "
+                                  "`df -h /dev/shm`)") from None
 
     def _check_shared_memory(self, instances: InstanceSet, item_patches: int) -> None:
         """The workers pass their items to this process through /dev/shm, ``prefetch`` items each at once: with

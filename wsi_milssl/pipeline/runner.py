@@ -291,6 +291,11 @@ def _evaluate_features(ctx: StageContext) -> tuple[list[str], str]:
     (:func:`wsi_milssl.evaluation.bags.evaluate_feature_bags`)."""
     from wsi_milssl.evaluation.bags import evaluate_feature_bags
 
+    excluded = stage_config(ctx.spec, "evaluate").lesion_exclude
+    if excluded:  # (review BL: it was ignored without a word)
+        log.warning("[evaluate] lesion_exclude (%s) is not used in feature mode: its evaluation has no FROC, and its "
+                    "instance AUC counts every test bag's instances. Fix: evaluate an image pipeline's heatmaps for "
+                    "the lesion-level metrics, or remove the setting.", ", ".join(excluded))
     ds = ctx.spec.sets["test"]
     out = ctx.evaluation_dir
     summary = evaluate_feature_bags(model_checkpoint(ctx.model_dir), feature_files(ds.features), ds.labels, out)

@@ -23,7 +23,7 @@ import imagecodecs
 import numpy as np
 
 from wsi_milssl.atomic import find_write_error, output_error, temp_path
-from wsi_milssl.errors import FeatureFileGivenError, StoreError
+from wsi_milssl.errors import FeatureFileGivenError, StoreError, StoreReadError
 from wsi_milssl.store import schema
 
 #: The root ``schema`` attribute of a feature file (``wsi_milssl.features.schema.SCHEMA``), which may sit
@@ -344,9 +344,10 @@ class PatchStore(ABC):
             raise
         except Exception as exc:  # noqa: BLE001 - h5py, zarr, numcodecs and the JPEG codec raise many types
             if too_many_open_files(exc):
-                raise self._fail(f"cannot read {what}: too many open files ({type(exc).__name__}: {exc})",
-                                 too_many_open_files_fix()) from None
-            raise self._fail(f"cannot read {what} ({type(exc).__name__}: {exc})", _CORRUPT_FIX) from None
+                raise StoreReadError(f"{self.path}: cannot read {what}: too many open files ({type(exc).__name__}: "
+                                     f"{exc}). Fix: {too_many_open_files_fix()}") from None
+            raise StoreReadError(f"{self.path}: cannot read {what} ({type(exc).__name__}: {exc}). Fix: "
+                                 f"{_CORRUPT_FIX}") from None
 
     def _check_shapes(self, names: list[str]) -> int:
         """Number of patches, after checking coords is (N, 2) and every per-patch array has N rows."""
