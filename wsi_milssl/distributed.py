@@ -118,8 +118,9 @@ def refuse_ranks_that_cannot_meet(rank: int, world: int) -> None:
         return
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
     if missing:
+        verb = "is" if len(missing) == 1 else "are"
         raise ConfigError(f"RANK={rank} and WORLD_SIZE={world} are set, but not by torchrun, and "
-                          f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: the {world} processes could not meet, and this "
+                          f"{' and '.join(missing)} {verb} not: the {world} processes could not meet, and this "
                           f"one would do its 1/{world} of the work alone. Fix: launch with torchrun, set MASTER_ADDR "
                           "and MASTER_PORT for ranks started by hand, or unset RANK and WORLD_SIZE (left by another "
                           "launcher or an outer job) to run one process.")

@@ -64,13 +64,14 @@ def test_the_kept_pipeline_and_the_new_one_are_checked_each_for_itself(tmp_path,
     toml = first.pipeline_toml
     toml.write_text(re.sub(r"(?ms)^\[train\.grid\].*?^\n", "", toml.read_text()))  # the note's fix
     load_pipeline(toml, check_paths=True)
-    argv = ["prepare", "folder", "--slides", str(tmp_path / "slides"), "--labels", str(labels), "--out", str(tmp_path / "prep"),
-            "--test-fraction", "0.5"]
+    argv = ["prepare", "folder", "--slides", str(tmp_path / "slides"), "--labels", str(labels),
+            "--out", str(tmp_path / "prep"), "--test-fraction", "0.5"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     new = tmp_path / "prep" / "pipeline.new.toml"
     assert "Edit it first" in new.read_text().splitlines()[2]
-    assert f"note: `wsi-milssl run` will refuse this pipeline until it is edited: {new} [train]: a [train.grid]" in printed
+    assert (f"note: `wsi-milssl run` will refuse this pipeline until it is edited: {new} [train]: a [train.grid]"
+            in printed)
     assert printed.rstrip().endswith(f"next: wsi-milssl run {toml}")  # the kept one, which run accepts
     with pytest.raises(ConfigError, match=r"needs validation slides"):
         load_pipeline(new, check_paths=True)

@@ -5,8 +5,8 @@ Two layouts:
 - :func:`prepare_camelyon16`: the CAMELYON16 folder as downloaded, searched recursively:
   ``training/normal/Normal_001.tif``, ``training/tumor/Tumor_001.tif``, ``testing/images/Test_001.tif``
   (or all slides in one folder), ASAP XML annotations anywhere below it or below ``annotations_dir``
-  (``lesion_annotations/``, also inside ``.zip`` archives as shipped), and the test set's ``reference.csv`` as shipped (no
-  header: ``Test_001,Tumor,Macro,...``). Training labels come from the names (``Tumor_*`` 1,
+  (``lesion_annotations/``, also inside ``.zip`` archives as shipped), and the test set's ``reference.csv`` as
+  shipped (no header: ``Test_001,Tumor,Macro,...``). Training labels come from the names (``Tumor_*`` 1,
   ``Normal_*`` 0), test labels from ``reference.csv``. The AWS bucket's mask images (``masks/``,
   ``background_tissue/``, ``*_mask.tif``, ``*_tissue.tif``) are left out and counted; every other
   slide must be named ``Normal_NNN``, ``Tumor_NNN`` or ``Test_NNN``.
@@ -471,7 +471,9 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
     official_test = sorted((s for s in train[0] if (_camelyon16_role(Path(s)) or ("",))[0] == "test"),
                            key=str.casefold)
     camelyon16 = any((_camelyon16_role(Path(s)) or ("",))[0] == "train" for s in (*train[0], *test[0]))
-    if official_test and camelyon16:  # (review BL: an in-house test_001 is no CAMELYON16 slide)  # review BH: prepare camelyon16's error sent such cohorts here, and they trained on them
+    # review BH: prepare camelyon16's error sent such cohorts here, and they trained on the official test slides;
+    # review BL: an in-house test_001 (in a cohort without Normal_NNN / Tumor_NNN) is no CAMELYON16 slide
+    if official_test and camelyon16:
         notes.append(f"{len(official_test)} slide(s) in the training set are named as CAMELYON16's official test "
                      f"slides (Test_NNN): {_names(official_test)} (results would not compare with CAMELYON16's: "
                      "prepare the download with `wsi-milssl prepare camelyon16 ROOT`, which keeps them as the test "

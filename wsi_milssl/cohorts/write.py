@@ -283,10 +283,11 @@ def _group_check(sets: Mapping[str, tuple[Mapping[str, Path], Mapping[str, int],
                      "annotation)")
     if not ignored:
         return notes
-    return notes + [f"{len(ignored)} annotation file(s) have polygons in groups that the pipeline's [label] stage ignores "
-            f"(neither tumour: {groups}; nor non-tumour: {non_tumour}): {_names(ignored)} (to use those polygons, add "
-            f"the groups to [label] tumor_groups or non_tumor_groups in {toml}, or run with --set "
-            f"{shlex.quote('label.tumor_groups=' + example)})"]
+    return notes + [
+        f"{len(ignored)} annotation file(s) have polygons in groups that the pipeline's [label] stage ignores "
+        f"(neither tumour: {groups}; nor non-tumour: {non_tumour}): {_names(ignored)} (to use those polygons, add "
+        f"the groups to [label] tumor_groups or non_tumor_groups in {toml}, or run with --set "
+        f"{shlex.quote('label.tumor_groups=' + example)})"]
 
 
 def _finish(out: Path, *, name: str, template: Path | None,

@@ -47,7 +47,8 @@ EARLIER_DEFAULTS: dict[str, dict[str, object]] = {"train": {"mu_ramp_epochs": 10
 #: stamp or record leaves it out (:func:`recorded_settings`), so a finished run stays up to date when a version adds
 #: a setting; at another value it counts. Add a setting here when you add it to a stage's config
 #: (tests/pipeline/test_pipeline_changed_defaults.py lists each stage's settings of 2026-11-28 and checks).
-ADDED_SETTINGS: dict[str, dict[str, object]] = {"evaluate": {"lesion_exclude": []}}  # 2026-11-29; values as config_to_dict writes them (lists)
+#: (values as config_to_dict writes them: a tuple is a list)
+ADDED_SETTINGS: dict[str, dict[str, object]] = {"evaluate": {"lesion_exclude": []}}  # 2026-11-29
 
 
 def recorded_settings(stage: str, settings: dict) -> dict:
