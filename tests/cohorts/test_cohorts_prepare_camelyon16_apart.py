@@ -119,3 +119,16 @@ def test_a_loop_of_links_and_a_lesion_exclude_that_is_no_list_are_named(tmp_path
     problem = _unreadable_slides([tmp_path / "a.tif", tmp_path / "c.tif"])
     assert f"{tmp_path / 'a.tif'} (a link to b.tif, in a loop of links that never reaches a file)" in problem
     assert f"{tmp_path / 'c.tif'} (a link to gone.tif, which does not exist)" in problem
+
+
+def test_a_download_in_progress_is_named_though_its_empty_slide_file_exists(tmp_path, synth_slides):
+    """Review BM: a browser makes an empty Tumor_004.tif while it writes Tumor_004.tif.part; taking that empty file
+    for the finished slide hid the download."""
+    root = gigadb_tree(tmp_path / "c16", synth_slides)
+    tumour = root / "training" / "tumor"
+    shutil.copy(tumour / "Tumor_001.tif", tumour / "Tumor_004.tif.part")
+    (tumour / "Tumor_004.tif").write_bytes(b"")
+    shutil.copy(tumour / "Tumor_001.tif", root / "training" / "normal" / "Tumor_002.tif.part")  # another folder's
+    prepared = prepare_camelyon16(root, tmp_path / "out")
+    (note,) = [n for n in prepared.notes if "did not finish" in n]
+    assert "training/tumor/Tumor_004.tif.part" in note and "training/normal/Tumor_002.tif.part" in note

@@ -104,6 +104,16 @@ def _camelyon16_role(path: Path) -> tuple[str, int | None] | None:
     return _CAMELYON16_ROLES[m.group(1).lower()] if m else None
 
 
+def _leftover(partial: Path) -> bool:
+    """Whether the partial download ``partial`` (``X.tif.part``) is left over beside its finished slide: ``X.tif``
+    in the same folder and not empty (review BL; a browser makes an empty ``X.tif`` while it downloads, review BM)."""
+    done = partial.with_name(partial.name.rsplit(".", 1)[0])
+    try:
+        return done.is_file() and done.stat().st_size > 0
+    except OSError:
+        return False
+
+
 def _camelyon16_mask(path: Path, root: Path) -> bool:
     """A mask image shipped with CAMELYON16, not a slide: ``*_mask`` / ``*_tissue`` by name (the AWS
     bucket's ``masks/tumor_001_mask.tif``, ``background_tissue/normal_001_tissue.tif``, GigaDB's
@@ -142,9 +152,8 @@ def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
                           "lesion annotations (Tumor_NNN.xml, Test_NNN.xml, or lesion_annotations.zip).")
     files = list(_walk(root, skip=[out]))
     images = [p for p in files if _is_slide(p)]
-    finished = {p.name.casefold() for p in images}  # a .part beside its finished slide is a leftover (review BL)
-    partial = sorted((str(p.relative_to(root)) for p in files if _is_partial_download(p)
-                      and p.name.casefold().rsplit(".", 1)[0] not in finished), key=str.casefold)
+    partial = sorted((str(p.relative_to(root)) for p in files if _is_partial_download(p) and not _leftover(p)),
+                     key=str.casefold)
     masks = [p for p in images if _camelyon16_mask(p, root)]
     slides = [p for p in images if not _camelyon16_mask(p, root)]
     if masks:

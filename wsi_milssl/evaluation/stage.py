@@ -909,10 +909,10 @@ def evaluate_predictions(
         sens_list: list[float | None] = [float(v) for v in sens]
     else:
         froc_value, sens_list = None, [None] * len(FP_RATES)
-        left_out = sum(r.match.n_lesions for r in results if r.stem in lesion_excluded)
-        reasons["froc"] = ("no lesions (no tumour slide with a non-ITC region" + (
-            f"; lesion_exclude left out {left_out} lesion(s) of {', '.join(lesion_excluded)}" if left_out else "")
-            + "): sensitivity is undefined")
+        held = [r for r in results if r.stem in lesion_excluded and r.match.n_lesions]  # (review BM)
+        reasons["froc"] = (f"no lesions: lesion_exclude left out the {sum(r.match.n_lesions for r in held)} "
+                           f"lesion(s) of {', '.join(r.stem for r in held)}; sensitivity is undefined" if held else
+                           "no lesions (no tumour slide with a non-ITC region): sensitivity is undefined")
     if lesion_results:
         inst_metric, inst_roc = _instance_metric(lesion_results)
     else:

@@ -394,13 +394,13 @@ class PatchStore(ABC):
             raise
         except Exception as exc:  # noqa: BLE001 - any backend failure means an unreadable store
             self.close()
+            # StoreReadError: the error of the process that opened it (a training reader reopening it; review BM)
             if too_many_open_files(exc):  # out of file handles: the store itself is fine
-                raise self._fail(f"cannot open the patch store: too many open files ({type(exc).__name__}: {exc})",
-                                 too_many_open_files_fix()) from None
-            raise self._fail(
-                f"cannot read the patch store ({type(exc).__name__}: {exc})",
-                "the store is corrupt or not a wsi-milssl store; delete it and re-run `wsi-milssl tile`",
-            ) from None
+                raise StoreReadError(f"{self.path}: cannot open the patch store: too many open files "
+                                     f"({type(exc).__name__}: {exc}). Fix: {too_many_open_files_fix()}") from None
+            raise StoreReadError(f"{self.path}: cannot read the patch store ({type(exc).__name__}: {exc}). Fix: the "
+                                 "store is corrupt or not a wsi-milssl store; delete it and re-run `wsi-milssl tile`"
+                                 ) from None
         if attrs.get("schema") == _FEATURES_SCHEMA:
             self.close()
             made_from = str(attrs.get("store_path") or "")
