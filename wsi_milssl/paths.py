@@ -1,11 +1,12 @@
-"""Path arguments of the stage functions called from Python."""
+"""Path arguments of the stage functions called from Python, and what a path is (a loop of links)."""
 
 from __future__ import annotations
 
+import errno
 import os
 from typing import Iterable
 
-__all__ = ["path_list"]
+__all__ = ["path_list", "link_loops"]
 
 
 def path_list(value: str | os.PathLike | Iterable[str | os.PathLike]) -> list:
@@ -15,3 +16,13 @@ def path_list(value: str | os.PathLike | Iterable[str | os.PathLike]) -> list:
     if isinstance(value, (str, bytes, os.PathLike)):
         return [value]
     return list(value)
+
+
+def link_loops(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a link in a loop of links (following it never reaches a file), as opposed to a link
+    whose target is gone."""
+    try:
+        os.stat(path)
+    except OSError as exc:
+        return exc.errno == errno.ELOOP
+    return False

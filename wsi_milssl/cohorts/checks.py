@@ -4,7 +4,6 @@ collected into one error."""
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Iterable, Mapping
 from wsi_milssl.cohorts.names import file_identity, name_key, slide_stem, stem_key
 from wsi_milssl.errors import LabelsError
 from wsi_milssl.hashing import file_sha256
+from wsi_milssl.paths import link_loops
 
 logger = logging.getLogger(__name__)
 
@@ -48,13 +48,8 @@ def _unreadable_slides(paths: Iterable[Path]) -> str | None:
     bad = []
     for p in paths:
         if p.is_symlink() and not p.exists():
-            try:
-                os.stat(p)
-                loop = False
-            except OSError as exc:
-                loop = exc.errno == errno.ELOOP
-            bad.append(f"{p} (a link to {os.readlink(p)}, " + ("in a loop of links that never reaches a file)" if loop
-                                                               else "which does not exist)"))
+            bad.append(f"{p} (a link to {os.readlink(p)}, " + ("in a loop of links that never reaches a file)"
+                                                               if link_loops(p) else "which does not exist)"))
             continue
         try:
             with open(p, "rb"):

@@ -12,7 +12,6 @@ is 352.78 µm/px) is ignored with a warning that names ``--slide-mpp``.
 
 from __future__ import annotations
 
-import errno
 import logging
 import math
 import os
@@ -24,6 +23,7 @@ import openslide
 from PIL import Image
 
 from wsi_milssl.errors import MissingResolutionError, SlideReadError
+from wsi_milssl.paths import link_loops
 from wsi_milssl.slide.resolution import (
     DEFAULT_MPP_AT_40X,
     ReadPlan,
@@ -99,15 +99,6 @@ def incomplete_file(path: str | os.PathLike) -> str | None:
     return None
 
 
-def _loops(path: Path) -> bool:
-    """Whether ``path`` is a link in a loop of links (following it never reaches a file)."""
-    try:
-        os.stat(path)
-    except OSError as exc:
-        return exc.errno == errno.ELOOP
-    return False
-
-
 def _float_property(props, key: str) -> float | None:
     value = props.get(key)
     if value in (None, ""):
@@ -151,7 +142,7 @@ class SlideReader:
         self._mpp_override = None if mpp_override is None else check_positive(
             "the level-0 µm per pixel given (--slide-mpp)", mpp_override, where=self.path)
         if self.path.is_symlink() and not self.path.exists():
-            if _loops(self.path):
+            if link_loops(self.path):
                 raise SlideReadError(f"{self.path}: a link to {os.readlink(self.path)} in a loop of links that never "
                                      "reaches a file. Fix: point the link at the slide file, or remove it.")
             raise SlideReadError(f"{self.path}: a link to {os.readlink(self.path)}, which does not exist. Fix: mount "
