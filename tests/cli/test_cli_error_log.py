@@ -122,3 +122,47 @@ def test_a_usage_error_without_log_file_writes_no_file(tmp_path, capsys, monkeyp
         main(["tile", "slide.tif", "--shard", "3/2", "--out", "t"])
     assert exc.value.code == 2 and "error: argument --shard" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_printed_results_reach_the_log_file(tmp_path, capsys):
+    """Review BS, C1: the lines a command prints on stdout (``run``'s stage lines and report path, a stage's
+    summary) were missing from --log-file, so a batch run's log ended before its results. They are in it
+    now, with timestamps, and stdout is unchanged; stdout is put back after the command."""
+    import sys
+
+    stdout = sys.stdout
+    log = tmp_path / "s.log"
+    assert main(["synth", str(tmp_path / "s"), "--slides", "1", "--size-px", "1024", "1024", "--log-file",
+                 str(log)]) == 0
+    assert sys.stdout is stdout
+    printed = capsys.readouterr().out.splitlines()
+    assert printed and printed[-1].startswith("wrote 1 slides")
+    assert re.search(rf"^{STAMP} INFO wsi_milssl.stdout: {re.escape(printed[-1])}$", log.read_text(), re.M), \
+        log.read_text()
+
+
+def test_sigterm_is_said_on_stderr_and_in_the_log_file(tmp_path):
+    """Review BS, C2: a SIGTERM (a scheduler's time limit, ``docker stop``) ended the log without a word. The
+    process now says so on stderr and in the log file, and still ends as the signal does (exit status -15)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    log = tmp_path / "t.log"
+    code = ("import time, wsi_milssl.cli.synth as s; from wsi_milssl.cli import main\n"
+            "s.run = lambda args: (print('started', flush=True), time.sleep(60))\n"
+            f"main(['synth', 'x', '--log-file', {str(log)!r}])\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "started\n"
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGTERM
+    assert err.startswith("error: stopped by SIGTERM"), err
+    assert re.search(rf"^{STAMP} ERROR wsi_milssl.cli: error: stopped by SIGTERM .*--resume RUN\)\.$",
+                     log.read_text(), re.M), log.read_text()

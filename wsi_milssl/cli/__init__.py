@@ -23,6 +23,7 @@ import argparse
 import importlib
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -256,6 +257,21 @@ def main(argv: list[str] | None = None) -> int:
     except WsiMilsslError as exc:
         print(f"{tag}error: {exc}", file=sys.stderr)
         return 2
+    stdout, on_sigterm = sys.stdout, _say_when_terminated()
+    if _LOG_FILE_HANDLER is not None:
+        sys.stdout = _StdoutCopy(stdout, _LOG_FILE_HANDLER)
+    try:
+        return _run_command(args, rank=rank, world=world, tag=tag)
+    finally:
+        if isinstance(sys.stdout, _StdoutCopy):
+            sys.stdout.close_copy()
+            sys.stdout = stdout
+        if on_sigterm is not None:
+            signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def _run_command(args: argparse.Namespace, *, rank: int, world: int, tag: str) -> int:
+    """:func:`main` once the output is set up: the subcommand, its errors as one line each."""
     refusal = _not_split_by_rank(args, world)
     if refusal is not None:
         if rank and os.environ.get("TORCHELASTIC_RUN_ID"):
@@ -286,6 +302,64 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return _stdout_closed()
     return code
+
+
+class _StdoutCopy:
+    """``sys.stdout`` while a ``--log-file`` is open: every line a command prints (``run``'s line per stage and
+    its report's path, a stage's summary) goes to stdout and, as an INFO record, to the log file, so that a
+    batch run's log ends with its results (review BS)."""
+
+    def __init__(self, stream, handler: logging.Handler) -> None:
+        self._stream, self._handler, self._pending = stream, handler, ""
+
+    def write(self, text: str) -> int:
+        written = self._stream.write(text)
+        *lines, self._pending = (self._pending + text).split("\n")
+        for line in lines:
+            self._log(line)
+        return written
+
+    def _log(self, line: str) -> None:
+        if line.strip():
+            self._handler.handle(logging.makeLogRecord({"name": "wsi_milssl.stdout", "levelno": logging.INFO,
+                                                        "levelname": "INFO", "msg": line.rstrip()}))
+
+    def close_copy(self) -> None:
+        """Log a last line not ended by a newline."""
+        self._log(self._pending)
+        self._pending = ""
+
+    def __getattr__(self, name: str):  # flush, fileno, isatty, encoding, ...: the stream's own
+        return getattr(self._stream, name)
+
+
+def _say_when_terminated():
+    """On SIGTERM (a scheduler's time limit, ``docker stop``, ``kill``): say so on stderr and in the
+    ``--log-file``, then end as the signal does (exit status 143), so that a batch run's log does not just stop.
+    Returns the handler it replaced (for :func:`main` to put back), or None when it installs none: under torchrun
+    (whose agent ends the ranks with SIGTERM when one fails) or outside the main thread. Reader processes forked
+    from this one inherit the handler and end silently."""
+    import threading
+
+    if os.environ.get("TORCHELASTIC_RUN_ID") or threading.current_thread() is not threading.main_thread():
+        return None
+    pid = os.getpid()
+
+    def terminated(signum, frame) -> None:
+        if os.getpid() == pid:
+            message = ("stopped by SIGTERM (a scheduler's time limit, `docker stop` or `kill`); what finished is "
+                       "kept. Fix: run the same command again to continue (a `wsi-milssl train` run by hand: with "
+                       "--resume RUN).")
+            try:
+                print(f"error: {message}", file=sys.stderr, flush=True)
+            except (OSError, ValueError):
+                pass
+            _log_to_file(f"error: {message}")
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    return signal.SIG_DFL if previous is None else previous  # None: a handler not set from Python
 
 
 def _temporary_folder_error(exc: OSError) -> WsiMilsslError | None:
