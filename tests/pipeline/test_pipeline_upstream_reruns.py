@@ -105,10 +105,16 @@ def test_a_tile_stage_run_under_until_makes_the_later_stages_run_next_time(out, 
 
 
 def test_a_model_trained_again_under_until_makes_heatmap_and_evaluate_run_next_time(out):
-    """Review Z, 1 (B): the heatmaps and the report of the replaced model were 'up to date'."""
+    """Review Z, 1 (B): the heatmaps and the report of the replaced model were 'up to date'. Review BS, B1: the
+    report of the replaced model also stayed in OUT/evaluation until evaluate ran again, looking current; it is
+    moved to OUT/evaluation.outdated when train starts, and that folder goes when evaluate finishes."""
+    report = (out / "evaluation" / "report.html").read_bytes()
     assert _run(out, until="train", force=["train"])["train"][0] == "ran"
     assert len(list(out.parent.glob("out/model.replaced-*"))) == 1
+    assert not (out / "evaluation").exists()
+    assert (out / "evaluation.outdated" / "report.html").read_bytes() == report
     outcomes = _run(out)
+    assert (out / "evaluation" / "report.html").is_file() and not (out / "evaluation.outdated").exists()
     assert outcomes["heatmap"] == ("ran", "the train stage ran since its last run")
     assert outcomes["evaluate"][0] == "ran"
     sidecar = json.loads((out / "heatmaps" / "test" / "synth_000_probs.json").read_text())

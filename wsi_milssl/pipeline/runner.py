@@ -44,6 +44,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -585,8 +586,12 @@ def _run_stages(spec: PipelineSpec, stages: list[str], forced: set[str], *,
             # every later stage, also one this run does not reach (--until, an error, a kill), was made from
             # this stage's earlier outputs: out of date until it runs again
             mark_outdated(ctx.state, STAGES[STAGES.index(stage) + 1:], by=stage)
+            if stage != "evaluate":
+                _set_evaluation_aside(ctx, by=stage)
             mark_running(ctx.state, stage)
             outputs, summary = runner(ctx)
+            if stage == "evaluate":
+                shutil.rmtree(_outdated(ctx.evaluation_dir), ignore_errors=True)
             digest, settings, inputs = checked["all"]
             digests[stage] = digest
             write_stamp(ctx.state, stage, digest=digest, outputs=outputs, settings=settings, inputs=inputs,
@@ -657,6 +662,28 @@ def _kept_note(ctx: StageContext, stage: str) -> str:
     log.warning("%s: %s changed since the pipeline wrote %s%s; kept, and the stages that read %s run again",
                 stage, shown, "it" if len(changed) == 1 else "them", how, "it" if len(changed) == 1 else "them")
     return f"; kept: {shown} changed outside the pipeline{how}"
+
+
+def _outdated(folder: Path) -> Path:
+    return folder.with_name(f"{folder.name}.outdated")
+
+
+def _set_evaluation_aside(ctx: StageContext, *, by: str) -> None:
+    """Before a stage before evaluate changes its outputs: rename ``OUT/evaluation`` to ``OUT/evaluation.outdated``
+    (replacing an older one), as its report and metrics describe the earlier outputs; a run stopped before
+    evaluate runs again (``--until``, an error, a kill) leaves no report in ``OUT/evaluation`` that looks current
+    (review BS). Removed when evaluate finishes."""
+    folder = ctx.evaluation_dir
+    if not folder.is_dir():
+        return
+    aside = _outdated(folder)
+    shutil.rmtree(aside, ignore_errors=True)
+    folder.rename(aside)
+    heatmaps = ctx.out / "heatmaps"
+    also = (f" (and {heatmaps} holds the earlier heatmaps until the heatmap stage runs again)"
+            if by != "heatmap" and heatmaps.is_dir() else "")
+    log.warning("%s moved to %s: its report describes the %s stage's earlier outputs%s; evaluate writes a new one",
+                folder, aside.name, by, also)
 
 
 def _remove_resolved_pipeline(spec: PipelineSpec) -> None:
