@@ -196,11 +196,13 @@ def config_from_mapping(cls: type, data: Mapping[str, Any], *, source: str = "co
 
 
 def load_toml(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a TOML file with an error that names the file and the line on a syntax error."""
+    """Read a TOML file with an error that names the file and the line on a syntax error. A UTF-8 byte-order mark
+    (Windows editors write one) is skipped: TOML does not allow it, and the error pointed at a line that looks
+    right in any editor (review BR)."""
     path = Path(path)
     try:
         with open(path, "rb") as fh:
-            return tomllib.load(fh)
+            return tomllib.loads(fh.read().decode("utf-8-sig"))
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found; check the path.") from None
     except IsADirectoryError:

@@ -15,7 +15,7 @@ from wsi_milssl.config.features import FEATURES_RUNTIME_ONLY_FIELDS
 from wsi_milssl.config.heatmap import HEATMAP_RUNTIME_ONLY_FIELDS
 from wsi_milssl.config.tile import TILE_RUNTIME_ONLY_FIELDS
 from wsi_milssl.config.train import RUNTIME_ONLY_FIELDS
-from wsi_milssl.pipeline.spec import PipelineSpec, stage_config
+from wsi_milssl.pipeline.spec import PipelineSpec, label_taken, stage_config
 from wsi_milssl.pipeline.stamps import fingerprint_paths, read_stamp
 
 __all__ = ["UPSTREAM", "EMBEDDED_UPSTREAM", "SPEED_ONLY", "EARLIER_DEFAULTS", "ADDED_SETTINGS", "recorded_settings",
@@ -148,14 +148,9 @@ def external_inputs(spec: PipelineSpec, stage: str, *, legacy: bool = False, onl
     return []
 
 
-#: settings of [evaluate] and [heatmap] that take [label]'s value unless the table sets another than the default
-_LABEL_SETTINGS = {"evaluate": ("positive_fraction", "tumor_groups", "non_tumor_groups"),
-                   "heatmap": ("tumor_groups", "non_tumor_groups")}
-
-
 def with_label_settings(spec: PipelineSpec, stage: str):
-    """The config of [evaluate] or [heatmap], with [label]'s settings of :data:`_LABEL_SETTINGS` where the
-    table leaves them at their defaults (absent, or spelled out as in resolved_pipeline.toml): the
+    """The config of [evaluate] or [heatmap], with [label]'s settings of :data:`~wsi_milssl.pipeline.spec.LABEL_SETTINGS`
+    where the table does not set them (:func:`~wsi_milssl.pipeline.spec.label_taken`): the
     evaluation reads the annotations, and the overlays outline them, as the label stage read them. The
     evaluation's ``mpp`` is [tile]'s ``slide_mpp`` unless [evaluate] sets one: lesions are measured at the
     µm/px the slides were cut at (evaluate refuses an [evaluate] mpp that the heatmaps' sidecars contradict)."""
@@ -167,8 +162,7 @@ def with_label_settings(spec: PipelineSpec, stage: str):
     cls = {"evaluate": EvaluateConfig, "heatmap": HeatmapConfig}[stage]
     config = config_from_mapping(cls, spec.section(stage), source=f"{spec.source} [{stage}]")
     label = config_from_mapping(LabelConfig, spec.section("label"), source=f"{spec.source} [label]")
-    default = cls()
-    taken = {k: getattr(label, k) for k in _LABEL_SETTINGS[stage] if getattr(config, k) == getattr(default, k)}
+    taken = {k: getattr(label, k) for k in label_taken(spec, stage)}
     if stage == "evaluate" and config.mpp is None:
         tile = config_from_mapping(TileConfig, spec.section("tile"), source=f"{spec.source} [tile]")
         config = dataclasses.replace(config, mpp=tile.slide_mpp)

@@ -101,6 +101,9 @@ class PipelineSpec:
     overrides: tuple[str, ...] = ()
     #: [train.grid] points trained at once: "auto" (one per visible GPU, one at a time without GPUs) or a count
     grid_workers: int | str = "auto"
+    #: a resolved_pipeline.toml of an earlier version: its [evaluate] and [heatmap] tables spell out the
+    #: settings of :data:`LABEL_SETTINGS` at their defaults, which take [label]'s value (:func:`label_taken`)
+    label_defaults_spelled: bool = False
 
     def section(self, stage: str) -> dict[str, Any]:
         """The raw table of ``stage`` (empty when absent)."""
@@ -120,6 +123,26 @@ def stage_config(spec: PipelineSpec, stage: str, *, defaults_only: bool = False)
     if stage == "train":
         section.setdefault("mode", spec.train_mode)
     return config_from_mapping(_stage_classes()[stage], section, source=f"{spec.source} [{stage}]")
+
+
+#: settings of [evaluate] and [heatmap] that take [label]'s value unless the table sets them: the evaluation
+#: reads the annotations, and the overlays outline them, as the label stage read them
+LABEL_SETTINGS = {"evaluate": ("positive_fraction", "tumor_groups", "non_tumor_groups"),
+                  "heatmap": ("tumor_groups", "non_tumor_groups")}
+
+
+def label_taken(spec: PipelineSpec, stage: str) -> tuple[str, ...]:
+    """The settings of :data:`LABEL_SETTINGS` that [evaluate] or [heatmap] (``stage``) takes from [label]: those its
+    table does not set (one it sets keeps its value, also the default's: review BR). In a resolved_pipeline.toml of
+    an earlier version (:attr:`PipelineSpec.label_defaults_spelled`), which spelled out every default, those at their
+    defaults that no ``--set`` gave."""
+    section = spec.section(stage)
+    if not spec.label_defaults_spelled:
+        return tuple(k for k in LABEL_SETTINGS[stage] if k not in section)
+    config, default = stage_config(spec, stage), stage_config(spec, stage, defaults_only=True)
+    set_by = {parse_override(text)[0] for text in spec.overrides}
+    return tuple(k for k in LABEL_SETTINGS[stage]
+                 if k not in section or (getattr(config, k) == getattr(default, k) and (stage, k) not in set_by))
 
 
 def _path(base: Path, value: Any, key: str, source: Path) -> Path:
@@ -363,7 +386,8 @@ def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None 
         _refuse_missing_weights(sections["train"], at("train"))
     spec = PipelineSpec(name=name, source=source, out_dir=out, sets=sets, val_fraction=val_fraction,
                         split_seed=split_seed, sections=sections, mode=mode, feature_stage=feature_stage,
-                        overrides=overrides, grid_workers=grid_workers)
+                        overrides=overrides, grid_workers=grid_workers,
+                        label_defaults_spelled=_EARLIER_RESOLVED_LAST_LINE in _header(source))
     from wsi_milssl.pipeline.training import refuse_unusable_split  # it imports this module
 
     refuse_unusable_split(spec, read_lists=check_paths)
@@ -497,12 +521,32 @@ def resolved_pipeline(spec: PipelineSpec) -> dict[str, Any]:
         table = config_to_dict(stage_config(spec, stage))
         if grid is not None:
             table["grid"] = grid
+        for key in label_taken(spec, stage) if stage in LABEL_SETTINGS else ():
+            del table[key]  # left out: taken from [label] when the file is run
         out[stage] = table
     return _without_none(out)
 
 
 #: the last line of the header of :func:`write_resolved_pipeline`
-_RESOLVED_LAST_LINE = "# Every stage table holds all its settings; `wsi-milssl run` accepts this file as it is."
+_RESOLVED_LAST_LINE = ("# Every stage table holds all its settings, but those [evaluate] and [heatmap] take from [label]; "
+                       "`wsi-milssl run` accepts this file as it is.")
+#: the same line in files of earlier versions, whose [evaluate] and [heatmap] tables spelled out every setting
+_EARLIER_RESOLVED_LAST_LINE = ("# Every stage table holds all its settings; `wsi-milssl run` accepts this file as "
+                               "it is.")
+
+
+def _header(path: Path) -> list[str]:
+    """The comment lines that start the file at ``path`` ([] when it cannot be read)."""
+    try:
+        lines = path.read_text(encoding="utf-8-sig").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return []
+    header = []
+    for line in lines:
+        if not line.startswith("#"):
+            break
+        header.append(line)
+    return header
 
 
 def write_resolved_pipeline(spec: PipelineSpec, path: str | os.PathLike) -> Path:
@@ -518,12 +562,8 @@ def write_resolved_pipeline(spec: PipelineSpec, path: str | os.PathLike) -> Path
     source = Path(os.path.abspath(spec.source))
     header = []
     if source == Path(os.path.abspath(path)):
-        try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError):
-            lines = []
-        for line in lines:
-            if not line.startswith("#") or line == _RESOLVED_LAST_LINE:
+        for line in _header(path):
+            if line in (_RESOLVED_LAST_LINE, _EARLIER_RESOLVED_LAST_LINE):
                 break
             header.append(line)
     if header:
