@@ -106,3 +106,17 @@ def test_the_fix_names_the_pipeline_settings_too(tmp_path, caplog):
         assert main(["train", str(folder), "--labels", str(labels), "--out", str(tmp_path / "run"), "--epochs", "2",
                      "--mu-ramp-epochs", "5", *BASE]) == 0
     assert "train.mu_ramp_epochs, train.epochs, train.fixed_mu" in caplog.text
+
+
+@pytest.mark.parametrize("warmup, warned", [(3, True), (5, True), (2, False), (0, False)])
+def test_warm_up_that_covers_every_epoch_is_warned_about(caplog, warmup, warned):
+    """Review BR, A2: warmup_epochs >= epochs trained every epoch as warm-up (no pseudo label, no Sinkhorn) without
+    a word; the only warning was the μ schedule's, whose fix would change nothing. Now the warm-up is named
+    instead."""
+    from wsi_milssl.config import TrainConfig
+    from wsi_milssl.mil.selftrain import _warn_mu_not_reached
+
+    with caplog.at_level(logging.WARNING):
+        _warn_mu_not_reached(TrainConfig(mode="features", epochs=3, mu_ramp_epochs=5, warmup_epochs=warmup))
+    assert ("MIL-SSL never runs" in caplog.text) == warned
+    assert ("never reaches" in caplog.text) == (not warned)

@@ -679,10 +679,16 @@ def _warn_online_labels_predicted(config: TrainConfig, dist: DistContext) -> Non
 
 
 def _warn_mu_not_reached(config: TrainConfig, *, resume: bool = False) -> None:
-    """Warn when the adaptive schedule (paper eq. 10: μ_t = μ from epoch T on, epochs counted from 0, warm-up
+    """Warn when warm-up covers every epoch (no pseudo label is ever computed); else when the adaptive schedule (paper eq. 10: μ_t = μ from epoch T on, epochs counted from 0, warm-up
     epochs included) never reaches μ: T >= the number of epochs, so the last epoch trains at a μ_t above μ.
     The fix names the options and their pipeline settings; a resume (whose T and fixed_mu are the run's own)
     can only train more epochs."""
+    if config.warmup_epochs >= config.epochs > 0:
+        log.warning("warmup_epochs %d is not below epochs %d: every epoch is a warm-up epoch (every instance of a "
+                    "positive bag trained as positive), so no pseudo label is ever computed and MIL-SSL never "
+                    "runs (review BR). Fix: warmup_epochs below epochs (default 0, the paper's), or more epochs (in "
+                    "a pipeline: train.warmup_epochs, train.epochs).", config.warmup_epochs, config.epochs)
+        return
     if config.fixed_mu or config.mu_ramp_epochs <= 0 or config.mu_ramp_epochs < config.epochs:
         return
     last = adaptive_mu(config.epochs - 1, mu=config.mu, ramp_epochs=config.mu_ramp_epochs)
