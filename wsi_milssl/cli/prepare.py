@@ -12,6 +12,17 @@ __all__ = ["SUMMARY", "register", "run"]
 SUMMARY = "turn a downloaded cohort (CAMELYON16 or any folder) into slide lists, labels and a ready pipeline"
 
 
+def _seed(text: str) -> int:
+    """A split seed: a whole number >= 0 (numpy's generators take no negative seed)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0")
+    return value
+
+
 def register(subparsers) -> None:
     from wsi_milssl.cli import HelpFormatter
 
@@ -84,7 +95,7 @@ def register(subparsers) -> None:
                    help="its annotations (default: the test slides folder)")
     f.add_argument("--test-fraction", type=float, default=0.25, metavar="F",
                    help="share of each class held out as the test set when there is no --test-slides")
-    f.add_argument("--seed", type=int, default=0, help="seed of that split")
+    f.add_argument("--seed", type=_seed, default=0, help="seed of that split (a whole number >= 0)")
     f.add_argument("--name", default=None, help="pipeline name (default: the --out folder's name)")
     f.add_argument("--patient-column", default=None, metavar="COLUMN",
                    help="the --labels header column naming each slide's patient, any case (default: the first of "

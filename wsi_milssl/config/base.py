@@ -172,13 +172,23 @@ def config_hash(config: Any, *, exclude: Iterable[str] = ()) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def did_you_mean(unknown: Iterable[str], valid: Iterable[str]) -> str:
+    """`` (did you mean epochs?)`` for the unknown names with a close valid one (difflib); "" when none has."""
+    import difflib
+
+    valid = sorted(valid)
+    pairs = [(name, difflib.get_close_matches(name, valid, n=1, cutoff=0.75)) for name in unknown]
+    close = [f"{match[0]} for {name}" if len(pairs) > 1 else match[0] for name, match in pairs if match]
+    return f" (did you mean {', '.join(close)}?)" if close else ""
+
+
 def config_from_mapping(cls: type, data: Mapping[str, Any], *, source: str = "config") -> Any:
     """Build the dataclass ``cls`` from a mapping, rejecting unknown keys with the list of valid ones."""
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
         raise ConfigError(
-            f"{source}: unknown key(s) {', '.join(unknown)} for {cls.__name__}; "
+            f"{source}: unknown key(s) {', '.join(unknown)} for {cls.__name__}{did_you_mean(unknown, names)}; "
             f"valid keys are {', '.join(sorted(names))}."
         )
     kwargs = {}

@@ -1,0 +1,51 @@
+"""Review BR: settings written where they do not belong get an error that shows the way: a misspelt key names
+the close one, a key of another table names that table, a misspelt [data] key of a generated pipeline is
+unknown (it read "not used with generated data"), a negative split seed is refused at load (it was numpy's
+traceback), and a file that starts with a UTF-8 byte-order mark loads."""
+
+from __future__ import annotations
+
+import pytest
+
+from tinypipeline import GENERATED_SLIDES
+from wsi_milssl.errors import ConfigError
+from wsi_milssl.pipeline import load_pipeline
+
+
+def _load(tmp_path, text: str, **kwargs):
+    path = tmp_path / "p.toml"
+    path.write_text('[pipeline]\nname = "t"\n' + text)
+    return load_pipeline(path, out_dir=tmp_path / "out", **kwargs)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("[train]\nepoch = 3\n", r"\[train\]: unknown key\(s\) epoch for TrainConfig \(did you mean epochs\?\); valid keys"),
+    ("[train]\nval_fraction = 0.3\n", r"\[train\]: val_fraction is a setting of \[data\], not of \[train\]\. "
+                                      r"Fix: move it to that table\."),
+    ("[heatmap]\npatch_size_px = 64\n", r"\[heatmap\]: patch_size_px is a setting of \[tile\]"),
+    ("[evaluate]\ncolourmap = 'magma'\n", r"unknown key\(s\) colourmap for EvaluateConfig; valid keys"),
+])
+def test_a_key_in_the_wrong_place_names_where_it_belongs(tmp_path, extra, message):
+    with pytest.raises(ConfigError, match=message):
+        _load(tmp_path, GENERATED_SLIDES + extra)
+
+
+def test_a_misspelt_data_key_of_a_generated_pipeline_is_unknown(tmp_path):
+    text = GENERATED_SLIDES.replace("[data]\n", "[data]\nval_fracton = 0.3\n", 1)
+    assert "val_fracton" in text
+    with pytest.raises(ConfigError, match=r"unknown \[data\] key\(s\) val_fracton \(did you mean val_fraction\?\); "
+                                          r"valid keys here are generate, mode, split_seed, val_fraction\."):
+        _load(tmp_path, text)
+    with pytest.raises(ConfigError, match=r"\[data\] keys train_slides are not used with generated data"):
+        _load(tmp_path, GENERATED_SLIDES.replace("[data]\n", "[data]\ntrain_slides = 'x'\n", 1))
+
+
+def test_a_negative_split_seed_is_refused_at_load(tmp_path):
+    with pytest.raises(ConfigError, match=r"\[data\]\.split_seed must satisfy 0 <= value; got -1"):
+        _load(tmp_path, GENERATED_SLIDES, overrides=["data.split_seed=-1"])
+
+
+def test_a_file_with_a_byte_order_mark_loads(tmp_path):
+    path = tmp_path / "bom.toml"
+    path.write_bytes(b"\xef\xbb\xbf" + ('[pipeline]\nname = "bom"\n' + GENERATED_SLIDES).encode())
+    assert load_pipeline(path, out_dir=tmp_path / "out").name == "bom"
