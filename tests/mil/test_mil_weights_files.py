@@ -113,6 +113,16 @@ def test_train_weights_read_like_features_weights(tmp_path, caplog):
     assert "skipped" not in caplog.text
 
 
+def test_train_weights_under_the_home_folder_are_read(tmp_path, monkeypatch):
+    """Review BR: `weights_path = "~/w.pt"` passed the pipeline's check (which expands ~) and then failed in
+    train, after the finished run had been set aside."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    state = _state()
+    torch.save(state, tmp_path / "w.pt")
+    model = create_model("resnet18", weights_path="~/w.pt")
+    assert all(torch.equal(value, state[key]) for key, value in model.state_dict().items())
+
+
 def test_a_checkpoint_of_several_models_names_them_and_how_to_pick_one(tmp_path):
     """It said 'expected a state dict (a mapping of tensors); got dict'."""
     state = _state()

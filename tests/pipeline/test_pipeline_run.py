@@ -88,6 +88,23 @@ def test_changed_settings_rerun_the_stage(feature_pipeline, tmp_path):
     assert [o.status for o in outcomes] == ["ran", "ran"]
 
 
+def test_image_tables_of_a_feature_pipeline_are_named_as_unused(feature_pipeline, tmp_path, caplog):
+    """Review BR, B5: [tile], [label], [heatmap] and [evaluate] settings of a pipeline of feature files were
+    ignored without a word; one warning names them. A pipeline without them has none."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="wsi_milssl.pipeline.runner"):
+        run_pipeline(load_pipeline(feature_pipeline, out_dir=tmp_path / "out"), until="train")
+    assert "not used by a pipeline of feature files" not in caplog.text
+    feature_pipeline.write_text(feature_pipeline.read_text() + "[tile]\npatch_size_px = 64\n[heatmap]\n"
+                                "colormap = 'magma'\n[evaluate]\nmargin_um = 50.0\npositive_fraction = 0.5\n")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="wsi_milssl.pipeline.runner"):
+        run_pipeline(load_pipeline(feature_pipeline, out_dir=tmp_path / "out"), until="train")
+    assert ("[tile] and [heatmap] and [evaluate] margin_um, positive_fraction: not used by a pipeline of feature "
+            "files") in caplog.text
+
+
 def test_cli_run_prints_each_stage(feature_pipeline, tmp_path, capsys):
     assert main(["run", str(feature_pipeline), "--out", str(tmp_path / "o")]) == 0
     out = capsys.readouterr().out

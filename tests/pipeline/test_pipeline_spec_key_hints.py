@@ -49,3 +49,16 @@ def test_a_file_with_a_byte_order_mark_loads(tmp_path):
     path = tmp_path / "bom.toml"
     path.write_bytes(b"\xef\xbb\xbf" + ('[pipeline]\nname = "bom"\n' + GENERATED_SLIDES).encode())
     assert load_pipeline(path, out_dir=tmp_path / "out").name == "bom"
+
+
+def test_an_image_pipeline_without_patch_pixels_is_refused_before_any_stage(tmp_path):
+    """Review BR, B4: `--set tile.pixels="none"` tiled every store again without pixels, then train refused. A run
+    that stops before train may keep coordinates only."""
+    from wsi_milssl.pipeline import run_pipeline
+
+    spec = _load(tmp_path, GENERATED_SLIDES, overrides=['tile.pixels="none"'])
+    with pytest.raises(ConfigError, match=r'with --set tile.pixels="none": \[tile\] pixels = "none" keeps the '
+                                          r'patches\' coordinates only, but the train stage trains on their pixels'):
+        run_pipeline(spec)
+    assert not (tmp_path / "out" / "slides").exists()  # nothing generated or tiled first
+    assert [o.stage for o in run_pipeline(spec, until="synth")] == ["synth"]

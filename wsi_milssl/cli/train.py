@@ -455,7 +455,7 @@ def _set_up(args: argparse.Namespace):
     config = train_config_from_args(args, mode=mode, base=base)
     resumed = args.resume is not None
     if config.weights_path and not resumed:  # absolute, as the inputs below (a resume does not read the weights)
-        config = dataclasses.replace(config, weights_path=str(Path(config.weights_path).resolve()))
+        config = dataclasses.replace(config, weights_path=str(Path(config.weights_path).expanduser().resolve()))
     train = load_instances(inputs, mode=input_mode, labels_path=labels,
                            option="the run's input" if resumed else "INPUTS")
     val = (load_instances(val_inputs, mode=input_mode, labels_path=val_labels,

@@ -96,8 +96,10 @@ def load_state_dict_file(model: nn.Module, weights_path: str | os.PathLike, *, s
     (:mod:`wsi_milssl.weights`: ``weights_only=True``; a state dict, a checkpoint holding one under
     ``state_dict`` or ``model``, or ``.safetensors``; wrapper prefixes stripped). Every tensor of the model
     must come from the file except those under ``skip_prefix`` (the head), which start fresh."""
+    weights_path = os.path.expanduser(weights_path)  # as the pipeline's pre-flight check reads it (review BR)
     if not os.path.exists(weights_path):
-        raise CheckpointError(f"{weights_path}: weights file not found; check --weights.")
+        raise CheckpointError(f"{weights_path}: weights file not found. Fix: check the path (`train --weights`, or "
+                              "[train] weights_path of a pipeline; a relative one is read from the current folder).")
     own = model.state_dict()
     state = strip_prefixes(read_state_dict(weights_path), set(own))
     keep = {}

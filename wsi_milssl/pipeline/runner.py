@@ -287,6 +287,36 @@ def _missing_stores(ctx: StageContext) -> list[Path]:
     return [p for p in expected if not p.exists()]
 
 
+def _refuse_stores_without_pixels(spec: PipelineSpec, stages: list[str]) -> None:
+    """ConfigError, before any stage runs, when [tile] pixels = "none" (coordinates only) and this run reaches the
+    stage that reads the pixels (train, or the [features] stage): it was found there, after tile had cut every
+    store again without them (review BR). A run ``--until tile`` or ``label`` may keep coordinates only."""
+    reader = "features" if spec.feature_stage else "train"
+    if spec.mode == "features" or reader not in stages or spec.section("tile").get("pixels") != "none":
+        return
+    from wsi_milssl.errors import ConfigError
+
+    raise ConfigError(f"{spec.source}{' with --set ' + ' --set '.join(spec.overrides) if spec.overrides else ''}: "
+                      f"[tile] pixels = \"none\" keeps the patches' coordinates only, but the {reader} stage "
+                      f"{'embeds' if reader == 'features' else 'trains on'} their pixels. Fix: remove the setting "
+                      "(pixels = \"jpeg\", the default) or set \"raw\"; or stop the run before it (--until label).")
+
+
+def _warn_unused_tables(spec: PipelineSpec) -> None:
+    """A pipeline of feature files ([data] mode = "features") trains on the files and scores bags: warn that the
+    settings of [tile], [label], [heatmap] and [evaluate] it holds change nothing (review BR: they were ignored
+    without a word; [evaluate] lesion_exclude has its own warning)."""
+    unused = [f"[{table}]" for table in ("tile", "label", "heatmap") if spec.section(table)]
+    keys = sorted(k for k in spec.section("evaluate") if k != "lesion_exclude")
+    if keys:
+        unused.append(f"[evaluate] {', '.join(keys)}")
+    if unused:
+        log.warning("%s: not used by a pipeline of feature files ([data] mode = \"features\" trains on the files and "
+                    "scores bags, with no slide to tile, label, draw or measure lesions on), so %s change nothing. "
+                    "Fix: remove them, or run an image pipeline for the slide-level outputs.", " and ".join(unused),
+                    "its settings" if len(unused) == 1 else "their settings")
+
+
 def _evaluate_features(ctx: StageContext) -> tuple[list[str], str]:
     """Feature mode: bag AUC / accuracy (and instance AUC when the files carry instance labels) on the test set
     (:func:`wsi_milssl.evaluation.bags.evaluate_feature_bags`)."""
@@ -465,10 +495,12 @@ def run_pipeline(
         raise ConfigError(f"unknown stage(s) {', '.join(map(str, bad))}; stages are {', '.join(STAGES)}.")
     if spec.mode == "features":
         stages = ["train", "evaluate"]
+        _warn_unused_tables(spec)
     else:
         stages = [s for s in STAGES if (s != "synth" or spec.sets["train"].synth is not None)
                   and (s != "features" or spec.feature_stage)]
     every_stage = list(stages)
+    _refuse_stores_without_pixels(spec, stages[:stages.index(until) + 1] if until in stages else stages)
     absent = sorted(forced - set(stages))
     if absent:
         from wsi_milssl.errors import ConfigError
