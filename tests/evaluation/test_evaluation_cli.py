@@ -119,6 +119,12 @@ def test_a_tumour_slide_the_heatmap_found_empty_counts_with_its_lesions_missed(s
     assert m["n_slides"] == 2 and m["n_lesions"] == 1 and m["n_lesions_detected"] == 0
     assert m["froc"] == 0.0 and m["not_evaluated"] == []
     assert m["bag_auc"] == 0.0  # the tumour slide's 0 ranks below the normal slide's 0.2
+    # review BS: said on stderr only; now in metrics.json and as a note and a card text in the report
+    assert m["no_tissue"] == [info["tumor"]]
+    report = (tmp_path / "out" / "report.html").read_text()
+    assert f"1 slide(s) had no tissue patch in the heatmap stage and count with a score of 0 in the bag AUC and no " \
+           f"detection (a tumour slide&#x27;s lesions missed): {info['tumor']}." in report
+    assert "no tissue patch: the heatmap stage found none on this slide, which scores 0" in report
 
 
 def test_detection_files_named_in_another_case_match_their_slides(synth_dir, annotations_dir, predictions,

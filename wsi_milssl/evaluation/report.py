@@ -155,13 +155,17 @@ def _slide_table(rows: Sequence[Mapping[str, Any]]) -> str:
 
 
 def _gallery(rows: Sequence[Mapping[str, Any]], thumbnails: Mapping[str, Sequence[tuple[str, bytes]]], *,
-             max_px: int | None = None, legend: str = "") -> str:
+             max_px: int | None = None, legend: str = "", no_tissue: Sequence[str] = ()) -> str:
+    """The per-slide cards; ``no_tissue``: the slides the heatmap stage found no tissue patch on."""
     cards = []
     for r in rows:
         stem = str(r.get("slide"))
         label = {0: "normal", 1: "tumour"}.get(r.get("label"), "")
-        figs = "".join(_shown(png, f"{stem} {cap}", cap, max_px) for cap, png in thumbnails.get(stem, ())) \
-            or '<p class="muted">no heatmap in the predictions folder</p>'
+        figs = "".join(_shown(png, f"{stem} {cap}", cap, max_px) for cap, png in thumbnails.get(stem, ()))
+        if stem in no_tissue:
+            figs = '<p class="muted">no tissue patch: the heatmap stage found none on this slide, which scores 0</p>' + figs
+        elif not figs:
+            figs = '<p class="muted">no heatmap in the predictions folder</p>'
         cards.append(f'<div class="card"><h3>{html.escape(stem)} <span class="muted">{html.escape(label)}</span>'
                      f'</h3><div class="thumbs">{figs}</div></div>')
     if not cards:
@@ -196,7 +200,8 @@ def render_report_html(data: ReportData) -> str:
         "<h2>Slides</h2>",
         _slide_table(data.slide_rows),
         "<h2>Heatmaps</h2>" if data.slide_rows else "",
-        _gallery(data.slide_rows, data.thumbnails, max_px=data.thumbnail_px, legend=data.gallery_legend),
+        _gallery(data.slide_rows, data.thumbnails, max_px=data.thumbnail_px, legend=data.gallery_legend,
+                 no_tissue=tuple(data.metrics.get("no_tissue") or ())),
         "<h2>Configuration</h2>",
         f"<pre>{html.escape(config_json)}</pre>",
         "</body></html>",

@@ -945,6 +945,7 @@ def evaluate_predictions(
         "froc_mpp": config.froc_mpp,
         "froc_protocol": protocol,
         "lesion_excluded": lesion_excluded,
+        "no_tissue": sorted(empty),  # scored 0, no detection (review BS: said on stderr only)
         "n_tumor_slides": sum(r.label for r in results),
         "n_normal_slides": sum(1 - r.label for r in results),
         "n_itc": sum(r.match.n_itc for r in lesion_results),
@@ -1000,6 +1001,9 @@ def evaluate_predictions(
             notes.append(f"{len(lesion_excluded)} slide(s) are left out of the FROC and the instance AUC "
                          f"(lesion_exclude) and kept in the bag AUC: {', '.join(lesion_excluded)}.")
         n_outside = sum(r.match.n_outside_mask for r in lesion_results)
+        if empty:
+            notes.append(f"{len(empty)} slide(s) had no tissue patch in the heatmap stage and count with a score of 0 "
+                         f"in the bag AUC and no detection (a tumour slide's lesions missed): {_first(sorted(empty))}.")
         if skipped:
             notes.append(f"{len(skipped)} labelled slide(s) have no predictions here and are not evaluated: "
                          f"{', '.join(skipped[:20])}{' ...' if len(skipped) > 20 else ''}.")
