@@ -34,6 +34,7 @@ import json
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Collection, Mapping
@@ -731,6 +732,28 @@ def _one_slide_mpp(predictions_dir: Path, sidecars: dict[str, dict]) -> None:
             "pipeline: `wsi-milssl run PIPELINE --force heatmap`).")
 
 
+def _refuse_stopped_heatmap_run(predictions_dir: Path, without_files: list[str]) -> None:
+    """EvaluationError when a heatmap run into ``predictions_dir`` stopped (Ctrl-C, a kill, a crash: its mark of an
+    unfinished run is left, :func:`~wsi_milssl.tiling.status.marking_unfinished`) before it made labelled slides
+    that have no files (``without_files``): the metrics would count only the slides done so far (review BN). A
+    labelled slide no heatmap run was asked for is only "not evaluated", as before."""
+    from wsi_milssl.tiling.status import unfinished_runs
+
+    runs = unfinished_runs(predictions_dir, "heatmap")
+    wanted = {stem_key(s) for r in runs for s in (r.get("slides") if isinstance(r.get("slides"), list) else ())}
+    missing = [s for s in without_files if stem_key(s) in wanted]
+    if not missing:
+        return
+    last = runs[-1]
+    started = last.get("started")
+    when = time.strftime(" started %Y-%m-%d %H:%M", time.localtime(started)) if isinstance(started, (int, float)) else ""
+    raise EvaluationError(
+        f"{predictions_dir}: a heatmap run into it stopped before it finished (`{last.get('command', 'heatmap')}`"
+        f"{when}): {len(missing)} labelled slide(s) it was to predict have no files yet ({_first(missing)}), so the "
+        "metrics would count only the slides done so far. Fix: run that heatmap command again (it keeps the slides "
+        "it finished and predicts the rest), then evaluate.")
+
+
 def _refuse_unfinished(predictions_dir: Path, found: dict[str, PredictionFiles],
                        evaluated: dict[str, PredictionFiles]) -> None:
     """EvaluationError naming the slides of ``evaluated`` without a ``<stem>_probs.json`` in a folder of the heatmap
@@ -841,6 +864,7 @@ def evaluate_predictions(
     listed = None if only is None else {stem_key(s) for s in only}
     skipped = sorted(s for s in labels
                      if stem_key(s) not in evaluated_keys and (listed is None or stem_key(s) in listed))
+    _refuse_stopped_heatmap_run(predictions_dir, skipped)
     # every slide to evaluate, with files or without: the status file records the heatmap stage's latest run
     failed, empty = _heatmap_outcomes(predictions_dir, sorted(set(evaluated) | set(skipped)))
     if failed:

@@ -916,10 +916,19 @@ def make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.Path
     The lock of ``out_dir`` is held for the run (:func:`wsi_milssl.locks.folder_lock`, as shard I of
     N): another run into the folder, or a second copy of the shard, is refused with FolderLockedError.
     """
+    from wsi_milssl.tiling.status import marking_unfinished
+
     every = match_inputs(path_list(slides), None if stores is None else path_list(stores))
+    mine = shard_items(every, *shard, name=lambda i: i.stem)
     with folder_lock(out_dir, shard=shard):
-        return _make_heatmaps(shard_items(every, *shard, name=lambda i: i.stem), checkpoint, out_dir, config,
-                              annotations_dir=annotations_dir, progress=progress, overwrite=overwrite)
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        # marked unfinished until this run's last slide is done: `evaluate` refuses a folder of a run that stopped
+        # before predicting labelled slides (review BN: it scored the slides done so far, exit 0)
+        with marking_unfinished(out_dir, "heatmap", [i.stem for i in mine],
+                                shard=(int(shard[0]), int(shard[1])) if shard[1] > 1 else None,
+                                finished=lambda: _read_status(Path(out_dir) / STATUS_FILENAME)):
+            return _make_heatmaps(mine, checkpoint, out_dir, config, annotations_dir=annotations_dir,
+                                  progress=progress, overwrite=overwrite)
 
 
 def _make_heatmaps(inputs: list[HeatmapInput], checkpoint: str | os.PathLike | InferenceModel,
