@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -190,7 +191,11 @@ def start_reader(setup: ReaderSetup, main_pid: int) -> None:
     A main process killed (SIGKILL, or SIGTERM, which ends Python without cleanup) cannot shut its pool
     down, and a reader waiting for a task never notices: the readers, the fork server (kept alive by them),
     the resource tracker and the shared buffer in /dev/shm stayed for minutes. With the readers gone the
-    fork server exits and the resource tracker unlinks the buffer."""
+    fork server exits and the resource tracker unlinks the buffer.
+
+    A reader ignores SIGINT: Ctrl-C reaches every process of the terminal's group, and each reader printed its
+    own KeyboardInterrupt traceback (review BN); the main process stops the pool, and its reads are short."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     init_reader(setup)
     watch_parent(main_pid)
 
