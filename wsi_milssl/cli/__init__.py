@@ -234,6 +234,14 @@ def _log_usage_error(argv: list[str], line: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C before the command started (its imports): no traceback (review BN)
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     global _USAGE_ERROR
     argv = sys.argv[1:] if argv is None else list(argv)
     if not sys.stdout.isatty() and hasattr(sys.stdout, "reconfigure"):
@@ -257,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     except WsiMilsslError as exc:
         print(f"{tag}error: {exc}", file=sys.stderr)
         return 2
-    stdout, on_sigterm = sys.stdout, _say_when_terminated()
+    stdout, on_sigterm = sys.stdout, _say_when_terminated(args.command)
     if _LOG_FILE_HANDLER is not None:
         sys.stdout = _StdoutCopy(stdout, _LOG_FILE_HANDLER)
     try:
@@ -333,7 +341,7 @@ class _StdoutCopy:
         return getattr(self._stream, name)
 
 
-def _say_when_terminated():
+def _say_when_terminated(command: str):
     """On SIGTERM (a scheduler's time limit, ``docker stop``, ``kill``): say so on stderr and in the
     ``--log-file``, then end as the signal does (exit status 143), so that a batch run's log does not just stop.
     Returns the handler it replaced (for :func:`main` to put back), or None when it installs none: under torchrun
@@ -347,9 +355,10 @@ def _say_when_terminated():
 
     def terminated(signum, frame) -> None:
         if os.getpid() == pid:
-            message = ("stopped by SIGTERM (a scheduler's time limit, `docker stop` or `kill`); what finished is "
-                       "kept. Fix: run the same command again to continue (a `wsi-milssl train` run by hand: with "
-                       "--resume RUN).")
+            again = ("run `wsi-milssl train --resume RUN` to continue from the last finished epoch" if command == "train"
+                     else "run the same command again to continue")
+            message = (f"stopped by SIGTERM (a scheduler's time limit, `docker stop` or `kill`); what finished is "
+                       f"kept. Fix: {again}.")
             try:
                 print(f"error: {message}", file=sys.stderr, flush=True)
             except (OSError, ValueError):
