@@ -332,3 +332,22 @@ def test_evaluate_never_scores_a_set_on_its_finite_rest(tmp_path, mil_csv_val, p
     with pytest.raises(TrainingDivergedError, match=r"40 of the 40 bags evaluated: .* the model's weights hold NaN or "
                                                     r"infinity .*Fix: lower the learning rate \(--lr\)"):
         evaluate(model, val, runtime=runtime, bag_pooling=pooling)
+
+
+def test_an_interrupt_while_metrics_png_is_drawn_keeps_the_epoch(tmp_path, monkeypatch):
+    """Review BN, C3: metrics.png (1-2 s of matplotlib) was drawn between best.pt and last.pt, so a Ctrl-C or
+    SIGTERM then left best.pt and metrics.jsonl of the epoch but no last.pt, and the next run trained the epoch
+    again. The plot comes after last.pt now."""
+    from wsi_milssl.mil import run_folder, selftrain
+
+    def interrupted(out, history):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(selftrain, "_draw_metrics", interrupted)
+    assert run_folder._draw_metrics is not interrupted
+    train = read_mil_csv(make_mil_csv(tmp_path / "bags.csv", n_bags=12))
+    with pytest.raises(KeyboardInterrupt):
+        fit(train, config=_features(epochs=3, plots=True), out_dir=tmp_path / "run")
+    last = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
+    assert last["epoch"] == 1
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 1

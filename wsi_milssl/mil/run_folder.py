@@ -78,16 +78,19 @@ def _json_default(value):
 PLOT_INTERVAL_S = 10.0
 
 
-def _write_metrics(out_dir: Path, history: list[dict[str, Any]], *, plots: bool) -> None:
+def _write_metrics(out_dir: Path, history: list[dict[str, Any]]) -> None:
     lines = "".join(json.dumps(rec, default=_json_default, sort_keys=True) + "\n" for rec in history)
     atomic_write_text(out_dir / "metrics.jsonl", lines)
-    if plots:
-        from wsi_milssl.mil.plots import plot_training_metrics
 
-        try:
-            plot_training_metrics(history, out_dir / "metrics.png")
-        except Exception as exc:  # a plot must never stop training
-            log.warning("could not draw %s: %s", out_dir / "metrics.png", exc)
+
+def _draw_metrics(out_dir: Path, history: list[dict[str, Any]]) -> None:
+    """``metrics.png`` of ``history`` (a second or two with matplotlib: drawn after the epoch's checkpoints)."""
+    from wsi_milssl.mil.plots import plot_training_metrics
+
+    try:
+        plot_training_metrics(history, out_dir / "metrics.png")
+    except Exception as exc:  # a plot must never stop training
+        log.warning("could not draw %s: %s", out_dir / "metrics.png", exc)
 
 
 def _check_best(out: Path, last: dict[str, Any], best_epoch: int | None) -> None:

@@ -41,7 +41,7 @@ from wsi_milssl.errors import (CheckpointError, ConfigError, OutputError, Reader
                                TrainingDivergedError, WsiMilsslError)
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.locks import folder_lock
-from wsi_milssl.mil.checkpoint import RESUME_FIX, capture_rng, restore_rng, save_checkpoint
+from wsi_milssl.mil.checkpoint import RESUME_FIX, capture_rng, interrupt_after, restore_rng, save_checkpoint
 from wsi_milssl.mil.data import NORMALISATION, InstanceSet, held_out_bags, reopened_stores_warning
 from wsi_milssl.mil.loader import BatchLoader, block_order, normalises_batches, without_lone_last
 from wsi_milssl.mil.models import core_module, create_model, is_image_model
@@ -50,8 +50,8 @@ from wsi_milssl.mil.pixels import prepare_patches
 from wsi_milssl.mil.ranks import (_check_shareable, _combine_ranks, _peer_guard, _ranks_agree, _same_inputs,
                                   _saved_by_rank0, _warn_other_world_size)
 from wsi_milssl.mil.run_folder import (PLOT_INTERVAL_S, _check_best, _clear_earlier_run, _data_fingerprint,
-                                       _json_default, _read_history, _resume_checkpoint, _save_failed, _write_metrics,
-                                       best_checkpoint, data_digest, existing_run_error)
+                                       _draw_metrics, _json_default, _read_history, _resume_checkpoint, _save_failed,
+                                       _write_metrics, best_checkpoint, data_digest, existing_run_error)
 from wsi_milssl.mil.scores import _check_selectable, auc_or_none, bag_metrics, bag_scores, selection_score
 from wsi_milssl.mil.sinkhorn import adaptive_mu, assign_pseudo_labels
 
@@ -932,12 +932,17 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
                 saved = epoch  # the epoch last.pt holds until this save succeeds
                 try:
                     # last.pt last: it is what a resume starts from, so a kill between these writes re-runs
-                    # this epoch, which writes best.pt and its metrics record again
-                    if improved:
-                        save_checkpoint(best_checkpoint(ckpt), out / "best.pt")
-                    _write_metrics(out, history, plots=draw)
-                    save_checkpoint(ckpt, out / "last.pt")
+                    # this epoch, which writes best.pt and its metrics record again. Ctrl-C waits for the three
+                    # (well under a second), and the plot comes after them (review BN: a Ctrl-C during the plot,
+                    # drawn between them, lost the epoch)
+                    with interrupt_after():
+                        if improved:
+                            save_checkpoint(best_checkpoint(ckpt), out / "best.pt")
+                        _write_metrics(out, history)
+                        save_checkpoint(ckpt, out / "last.pt")
                     saved = epoch + 1
+                    if draw:
+                        _draw_metrics(out, history)
                 except OutputError as exc:
                     if saved == 0:  # no epoch saved: nothing written for this one may look like a run
                         for name in ("best.pt", "metrics.jsonl", "metrics.png"):
