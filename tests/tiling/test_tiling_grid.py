@@ -93,6 +93,15 @@ def test_band_reads_equal_single_reads(synth_slides, target_mpp):
                 np.testing.assert_array_equal(got[k], want)
 
 
+def test_a_band_read_upsampled_is_no_wider_than_max_band_px_at_the_target_resolution(synth_slides):
+    """Review BO, B1: a band was limited at the level read only; upsampled (0.1 µm/px from a 0.25 µm/px slide)
+    it held 2.5 times the patches of max_band_px target pixels, which overflowed the heatmap's reader slots."""
+    with open_slide(synth_slides["tumor"], allow_upsample=True) as slide:
+        g = TileGeometry.from_slide(slide, target_mpp=0.1, patch_size_px=64, stride_px=64)
+        bands = plan_bands(g.grid(), g, max_band_px=1024)
+    assert max(len(b.indices) for b in bands) == (1024 - 64) // 64 + 1
+
+
 def test_direct_tiff_reads_equal_openslide(synth_slides, tmp_path):
     from wsi_milssl.tiling.tiff_source import TiffLevelSource
 

@@ -47,7 +47,7 @@ def plan_bands(coords_lv0: np.ndarray, geometry: TileGeometry, *, max_band_px: i
 
     Patches join a band when they are one stride apart in the same row (and the stride is at most
     twice the patch, so little unused area is read); a band is at most ``max_band_px`` wide at the
-    read level.
+    read level and at the target resolution.
     """
     coords = np.asarray(coords_lv0, dtype=np.int64).reshape(-1, 2)
     if len(coords) == 0:
@@ -56,7 +56,11 @@ def plan_bands(coords_lv0: np.ndarray, geometry: TileGeometry, *, max_band_px: i
     p_level = g.patch_size_level
     stride_level = g.stride_lv0 / g.level_downsample
     mergeable = g.stride_lv0 <= 2 * g.patch_size_lv0
-    max_per_band = 1 if not mergeable else max(1, int((max_band_px - p_level) // max(stride_level, 1e-9)) + 1)
+    # at most max_band_px wide at the read level and at the target resolution too: a level read upsampled holds
+    # more patches per pixel of band, and the heatmap's reader slots hold a band of max_band_px target pixels
+    # (review BO: a band of an upsampled slide overflowed its slot)
+    per_px = max(1, int((max_band_px - g.patch_size_px) // max(g.stride_px, 1)) + 1)
+    max_per_band = 1 if not mergeable else min(per_px, max(1, int((max_band_px - p_level) // max(stride_level, 1e-9)) + 1))
     bands: list[Band] = []
     start = 0
     n = len(coords)
