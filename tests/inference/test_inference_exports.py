@@ -148,6 +148,21 @@ def test_lesion_polygons_are_contours_of_the_map_with_holes_and_separate_lesions
                            threshold=0.5) == []
 
 
+def test_a_lesion_at_the_edge_of_the_map_reaches_as_far_as_one_inside_it():
+    """Review BO, C1: the map was padded with threshold - 1 (-0.5), so a lesion's outline at the map's edge stopped a
+    third of a stride from the last cell centres (a sixth of a stride short); beyond the map counts as 0 now, as a
+    cell without a patch does."""
+    from wsi_milssl.inference.exports import lesion_polygons
+
+    at_edge = lesion_polygons(np.ones((3, 3)), origin_lv0=(0, 0), stride_lv0=128, patch_size_lv0=128, threshold=0.5)
+    inside = np.zeros((5, 5))
+    inside[1:4, 1:4] = 1.0
+    within = lesion_polygons(inside, origin_lv0=(-128, -128), stride_lv0=128, patch_size_lv0=128, threshold=0.5)
+    assert at_edge[0].bounds == pytest.approx((0.0, 0.0, 384.0, 384.0))  # the patches cover [0, 384]²
+    assert at_edge[0].bounds == pytest.approx(within[0].bounds)
+    assert at_edge[0].area == pytest.approx(within[0].area)
+
+
 def test_lesions_round_trip_through_the_annotation_readers(tmp_path):
     import shapely
 

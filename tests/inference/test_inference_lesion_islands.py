@@ -41,7 +41,7 @@ def test_the_lesions_of_a_noisy_map_are_the_even_odd_region_of_its_contours():
     grid[12, 12] = 0.99
     polys = lesion_polygons(grid, origin_lv0=(0, 0), stride_lv0=1, patch_size_lv0=1, threshold=0.5)
     assert len(polys) > 100 and any(p.interiors for p in polys)
-    rings = [shapely.make_valid(shapely.Polygon(c[:, ::-1])) for c in find_contours(np.pad(grid, 1, constant_values=-0.5),
+    rings = [shapely.make_valid(shapely.Polygon(c[:, ::-1])) for c in find_contours(np.pad(grid, 1, constant_values=0.0),
                                                                                      0.5, fully_connected="high")
              if len(c) >= 4]
     rings = [r for r in rings if r.area > 0]

@@ -248,7 +248,9 @@ def lesion_polygons(grid: np.ndarray, *, origin_lv0: tuple[int, int], stride_lv0
     values = np.nan_to_num(np.asarray(grid, dtype=np.float64), nan=0.0)
     if values.size == 0 or not (values >= threshold).any():
         return []
-    padded = np.pad(values, 1, constant_values=min(0.0, float(threshold) - 1.0))
+    # the cells beyond the map count as 0, as cells without a patch do (below any threshold > 0): a lesion at the
+    # map's edge reaches half a stride beyond its last cells there too (review BO: a stride / 6 short)
+    padded = np.pad(values, 1, constant_values=0.0 if threshold > 0 else float(threshold) - 1.0)
     rings = []
     half = patch_size_lv0 / 2.0
     for contour in find_contours(padded, float(threshold), fully_connected="high"):
