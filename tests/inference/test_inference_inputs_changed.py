@@ -247,3 +247,23 @@ def test_a_finite_checkpoint_that_overflows_is_not_called_diverged(tmp_path, two
     assert error.startswith(f"{ckpt}: the model gives non-finite probabilities (NaN or infinity) for ")
     assert "its weights hold NaN" not in error and "its weights are finite, so its computation overflows" in error
     assert "(first: row 0, level-0 (" in error and "retrain with a lower learning rate (--lr)" in error
+
+
+def test_a_store_of_a_slide_without_a_resolution_is_predicted_at_the_store_s(tmp_path, checkpoint_factory):
+    """Review BO, C2: `heatmap --store` failed a slide without µm/px in its metadata (tiled with --slide-mpp)
+    while the store records the µm/px it was cut at: the check of the slide's size and the overlay opened it
+    without one."""
+    from conftest import make_renderer
+    from wsi_milssl.synth.pyramid import write_pyramidal_tiff
+    from wsi_milssl.tiling import tile_slide
+
+    (tmp_path / "slides").mkdir()
+    slide = write_pyramidal_tiff(tmp_path / "slides" / "bare.tif",
+                                 make_renderer(2048, 2048, tissue_box=(256, 256, 1792, 1792),
+                                               tumour=lambda xs, ys: xs < 800),
+                                 width=2048, height=2048, mpp=None)
+    stores = tmp_path / "stores"
+    assert tile_slide(slide, stores, TileConfig(**TILE, slide_mpp=0.25)).status == "ok"
+    run = make_heatmaps([slide], checkpoint_factory(), tmp_path / "hm", HeatmapConfig(**FAST), stores=[stores])
+    assert run.ok and run.results[0].status == "ok"
+    assert json.loads((tmp_path / "hm" / "bare_probs.json").read_text())["mpp"] == 0.25

@@ -241,8 +241,9 @@ def store_mismatch(item: SlideInput, *, slide_mpp: float | None = None) -> WsiMi
     fp = file_fingerprint(item.slide_path)
     now_size = None if fp is None else int(fp["size_bytes"])
     now_dims = None
-    if recorded[1] is not None:
-        with open_slide(item.slide_path, mpp_override=slide_mpp) as slide:
+    if recorded[1] is not None:  # the store's µm/px where none is given: a slide without one was tiled with it
+        store_mpp = attrs.get("mpp") if isinstance(attrs.get("mpp"), (int, float)) and attrs.get("mpp") > 0 else None
+        with open_slide(item.slide_path, mpp_override=slide_mpp if slide_mpp is not None else store_mpp) as slide:
             now_dims = tuple(int(v) for v in slide.dimensions)
     same_size = recorded[0] is None or recorded[0] == now_size
     same_dims = recorded[1] is None or recorded[1] == now_dims
@@ -460,7 +461,8 @@ def _write_overlay(pred: SlidePrediction, grid: np.ndarray, path: Path, *, confi
                    annotations_dir: Path | None, title: str | None = None) -> Path:
     from wsi_milssl.slide.reader import open_slide
 
-    with open_slide(pred.slide_path, mpp_override=config.slide_mpp) as slide:
+    # the µm/px the patches were cut at (a store's, of a slide without one in its metadata: review BO)
+    with open_slide(pred.slide_path, mpp_override=config.slide_mpp if config.slide_mpp is not None else pred.mpp) as slide:
         thumb, _ = slide.thumbnail(max_size_px=min(config.thumbnail_px, max(slide.dimensions)))
         w0, h0 = slide.dimensions
         tissue = pred.tissue
