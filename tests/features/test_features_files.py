@@ -124,6 +124,22 @@ def test_grids_of_foreign_files_come_from_their_attributes_or_coordinates(tmp_pa
         odd.grid_layout(slide_mpp=0.5)
 
 
+def test_tissue_pieces_gridded_from_corners_a_small_step_apart_are_refused_without_a_patch_size(tmp_path):
+    """Review BP, A2: CLAM grids each tissue piece from its own corner, often a multiple of 64 px; two pieces whose
+    grids differ by such a step line up on the 64-px grid, and a file without a patch size was mapped with 64-px
+    patches (every detection and instance label of its slide then wrong) without a word."""
+    ys, xs = np.mgrid[0:4, 0:4]
+    left = np.stack([xs.ravel() * 256, ys.ravel() * 256], axis=1)
+    coords = np.concatenate([left + np.array([64 * k, 1088 * k]) for k in range(4)])  # four pieces, 64 px apart
+    feats = np.zeros((len(coords), 8), np.float32)
+    pieces = read_feature_file(write_clam_features(tmp_path / "p", "two", feats, coords))
+    with pytest.raises(StoreError, match=r"two.h5: neighbouring patches of a row lie 256 level-0 px apart, but the "
+                                         r"positions of all patches line up only on a grid of 64 px"):
+        pieces.grid_layout(slide_mpp=0.5)
+    one = read_feature_file(write_clam_features(tmp_path / "o", "one", feats[:16], left))
+    assert one.grid_layout(slide_mpp=0.5).stride_lv0 == 256  # one piece: its own step
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_a_feature_file_with_non_finite_values_is_refused_naming_the_rows(tmp_path, capsys, bad):
     """An overflowed half-precision encoder leaves inf in a row: the file is refused where it is read (train,

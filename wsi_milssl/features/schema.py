@@ -512,6 +512,18 @@ class FeatureFile:
             notes.append(f"patch size {patch_lv0} level-0 px: the stride{' and the overlap' if overlap else ''} "
                          "(the file records none; the head's patches are of this size)")
         if patch_lv0 is None:
+            row_step = _row_step(coords)
+            if row_step is not None and row_step > stride and not overlap:
+                # review BP: CLAM grids each tissue piece from its own corner; where the corners differ by a
+                # multiple of a small step, the pieces lie on that finer grid and the map was drawn with patches
+                # of its size, without a word
+                raise StoreError(
+                    f"{self.path}: neighbouring patches of a row lie {row_step} level-0 px apart, but the positions of "
+                    f"all patches line up only on a grid of {stride} px (tools that grid each tissue region from its "
+                    "own corner place them so), and the file records no patch size: a map of this grid would draw "
+                    f"{stride}-px patches. Fix: record the patch size on coords (CLAM's patch_size, patch_level and "
+                    "downsample, or TRIDENT's patch_size_level0), or extract features from stores made by "
+                    "`wsi-milssl tile` (`wsi-milssl features STORES...`).")
             patch_lv0 = int(round(stride + (overlap if overlap and not size_attr else 0)))
             notes.append("patch size taken as the stride" + (" and the overlap" if overlap and not size_attr else "")
                          + " (no attribute says otherwise)")
@@ -658,6 +670,21 @@ def _grid_step(coords: np.ndarray) -> int | None:
     step = _common_step(coords)
     origin = coords.min(axis=0) % step
     return step if not ((coords - origin) % step != 0).any() else None
+
+
+def _row_step(coords: np.ndarray) -> int | None:
+    """The most common step between neighbouring patches of one row (equal y), None without two in a row."""
+    if len(coords) < 2:
+        return None
+    order = np.lexsort((coords[:, 0], coords[:, 1]))
+    xy = coords[order]
+    same_row = xy[1:, 1] == xy[:-1, 1]
+    diffs = (xy[1:, 0] - xy[:-1, 0])[same_row]
+    diffs = diffs[diffs > 0]
+    if len(diffs) == 0:
+        return None
+    values, counts = np.unique(diffs, return_counts=True)
+    return int(values[np.argmax(counts)])
 
 
 def _on_grid(coords: np.ndarray, stride: int) -> bool:
