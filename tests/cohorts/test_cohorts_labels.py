@@ -107,6 +107,16 @@ def test_labels_for_lists_every_unmatched_name(tmp_path):
     assert labels_for({"x": 1}, ["X"]) == {"X": 1}  # a plain dict is matched the same way
 
 
+def test_clam_s_label_words_and_trident_s_slide_column_are_read(tmp_path):
+    """Review BP, C3: CLAM's example task labels slides tumor_tissue / normal_tissue, TRIDENT's slide lists name
+    them in a 'wsi' column; both were refused."""
+    path = tmp_path / "labels.csv"
+    path.write_text("case_id,slide_id,label\np1,a,tumor_tissue\np2,b,normal_tissue\n")
+    assert read_labels(path) == {"a": 1, "b": 0}
+    path.write_text("wsi,label\nc.svs,1\nd.svs,0\n")
+    assert read_labels(path) == {"c": 1, "d": 0}
+
+
 @pytest.mark.parametrize("text, match", [
     ("slide,label\na,1\nb,maybe\n", r"line 3: label 'maybe' of slide 'b' is not 0/1 or normal/tumor\. Fix: use 1"),
     ("slide,label\na,1\nb\n", r"line 3: slide 'b' has no label\. Fix: add 1 \(tumour\) or 0 \(normal\)"),

@@ -140,6 +140,21 @@ def test_tissue_pieces_gridded_from_corners_a_small_step_apart_are_refused_witho
     assert one.grid_layout(slide_mpp=0.5).stride_lv0 == 256  # one piece: its own step
 
 
+def test_train_on_clam_s_job_folder_names_its_feature_folder(tmp_path, capsys):
+    """Review BP, B2: `train CLAM_DIR` (h5_files/ and pt_files/ inside) said "no patch stores found ... run
+    `wsi-milssl tile` first"; it names the folder of feature files to pass."""
+    feats = np.zeros((4, 8), np.float32)
+    coords = np.arange(8).reshape(4, 2) * 256
+    write_clam_features(tmp_path / "clam", "s1", feats, coords)
+    (tmp_path / "clam" / "pt_files").mkdir()
+    labels = tmp_path / "labels.csv"
+    labels.write_text("slide,label\ns1,1\n")
+    assert main(["train", str(tmp_path / "clam"), "--labels", str(labels), "--out", str(tmp_path / "run")]) == 1
+    err = capsys.readouterr().err
+    assert (f"no patch stores or feature files in the given paths, but {tmp_path / 'clam' / 'h5_files'} holds 1 "
+            "feature file(s). Fix: pass that folder") in err
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_a_feature_file_with_non_finite_values_is_refused_naming_the_rows(tmp_path, capsys, bad):
     """An overflowed half-precision encoder leaves inf in a row: the file is refused where it is read (train,

@@ -36,14 +36,15 @@ from wsi_milssl.errors import LabelsError
 __all__ = ["GROUP_COLUMNS", "LABEL_WORDS", "NAME_COLUMNS", "SlideLabels", "read_label_groups", "read_labels",
            "labels_for"]
 
-#: Label words (case-insensitive) -> 0 (normal) or 1 (tumour).
+#: Label words (case-insensitive) -> 0 (normal) or 1 (tumour); CLAM's example task writes tumor_tissue and
+#: normal_tissue (review BP).
 LABEL_WORDS = {
-    "1": 1, "tumor": 1, "tumour": 1, "positive": 1, "true": 1,
-    "0": 0, "normal": 0, "negative": 0, "false": 0,
+    "1": 1, "tumor": 1, "tumour": 1, "positive": 1, "true": 1, "tumor_tissue": 1, "tumour_tissue": 1,
+    "0": 0, "normal": 0, "negative": 0, "false": 0, "normal_tissue": 0,
 }
 
 #: Header names accepted for the slide-name column, in order of preference.
-NAME_COLUMNS = ("slide", "bag", "bag_id", "stem", "slide_id", "name", "case_id")
+NAME_COLUMNS = ("slide", "bag", "bag_id", "stem", "slide_id", "name", "case_id", "wsi")  # wsi: TRIDENT's lists
 
 #: Header names (any case) of a column naming each slide's patient, in order of preference (one that is the
 #: slide-name column does not count): ``prepare folder`` keeps a patient's slides in one set. Only names that say

@@ -528,6 +528,27 @@ def _feature_bags_of_training_rows(train: InstanceSet, val: InstanceSet) -> set[
     return {val.bag_names[b] for b, d in digests(val, val_counts).items() if d in trained}
 
 
+def _nested_feature_folders(paths) -> str:
+    """"FOLDER/h5_files holds N feature file(s). Fix: pass that folder ..." for the given folders whose sub-folders
+    hold feature files (CLAM writes h5_files/ and pt_files/, TRIDENT features_<encoder>/ in its job folder; review
+    BP: the error only said to tile); "" when none does."""
+    from wsi_milssl.features.schema import feature_files_in
+
+    found = []
+    for path in paths if isinstance(paths, (list, tuple)) else [paths]:
+        folder = Path(path)
+        if not folder.is_dir():
+            continue
+        for sub in sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")):
+            n = len(feature_files_in(sub))
+            if n:
+                found.append(f"{sub} holds {n} feature file(s)")
+    if not found:
+        return ""
+    return (f"{'; '.join(found[:3])}. Fix: pass that folder (CLAM's h5_files/, TRIDENT's features_<encoder>/; the "
+            ".pt files of CLAM's pt_files/ are not read).")
+
+
 def read_patch_stores(paths: Iterable[str | os.PathLike], labels: dict[str, int], *,
                       labels_path: str = "labels.csv") -> InstanceSet:
     """Index the patches of patch stores (one store per slide = one bag) without reading pixels.
@@ -548,7 +569,9 @@ def read_patch_stores(paths: Iterable[str | os.PathLike], labels: dict[str, int]
 
     store_paths = find_stores(path_list(paths))
     if not store_paths:
-        raise StoreError("no patch stores found in the given paths; run `wsi-milssl tile` first.")
+        nested = _nested_feature_folders(paths)
+        raise StoreError(f"no patch stores or feature files in the given paths, but {nested}" if nested else
+                         "no patch stores found in the given paths; run `wsi-milssl tile` first.")
     names, sources, bag_labels, ids, local, inst, used = [], [], [], [], [], [], []
     have_inst = True
     settings: dict | None = None
