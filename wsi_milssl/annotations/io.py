@@ -15,6 +15,7 @@ import shapely
 from wsi_milssl.annotations.asap import AREA_TYPES, PolygonAnnotation, read_asap_xml, report_skipped, write_asap_xml
 from wsi_milssl.annotations.geojson import read_geojson, write_geojson
 from wsi_milssl.annotations.geometry import AnnotationSet, annotation_geometry, polygonal, without_holes
+from wsi_milssl.cohorts.names import ANNOTATION_SUFFIXES
 from wsi_milssl.annotations.groups import GroupMap, as_group_map
 from wsi_milssl.errors import AnnotationError
 
@@ -34,8 +35,6 @@ logger = logging.getLogger(__name__)
 
 AnnotationFormat = Literal["asap", "geojson"]
 
-#: Suffixes searched for ``<slide_stem><suffix>``, in order of preference.
-ANNOTATION_SUFFIXES = (".xml", ".geojson", ".json")
 
 
 def annotation_format(path: str | os.PathLike) -> AnnotationFormat:

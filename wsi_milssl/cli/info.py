@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from wsi_milssl.config.base import SLIDE_MPP_RANGE
+
 __all__ = ["SUMMARY", "register", "run", "describe_slide"]
 
 #: one line for ``wsi-milssl --help``
@@ -74,7 +76,7 @@ def describe_slide(path: Path, *, mpp: float | None, magnifications: list[float]
 
 # The ranges the other stages accept: --slide-mpp as heatmap/tile/features, --magnifications as
 # tile's --magnification; a 40x objective's µm per pixel is an MPP like any other.
-_OPTION_RANGES = {"--slide-mpp": (0.01, 100.0), "--mpp-at-40x": (0.01, 100.0), "--magnifications": (0.1, 200.0)}
+_OPTION_RANGES = {"--slide-mpp": SLIDE_MPP_RANGE, "--mpp-at-40x": SLIDE_MPP_RANGE, "--magnifications": (0.1, 200.0)}
 
 
 def check_options(args: argparse.Namespace) -> None:

@@ -13,13 +13,11 @@ import zlib
 from pathlib import Path
 from typing import Iterable, Mapping, NamedTuple
 
-from wsi_milssl.cohorts.names import SLIDE_SUFFIXES, slide_stem, stem_key
+from wsi_milssl.cohorts.names import ANNOTATION_SUFFIXES, SLIDE_SUFFIXES, slide_stem, stem_key
 from wsi_milssl.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-#: Annotation files matched to slides by stem (ASAP XML, GeoJSON).
-ANNOTATION_SUFFIXES = (".xml", ".geojson", ".json")
 _MAX_ANNOTATION_BYTES = 256 << 20
 #: What a damaged archive member or an unreadable file raises while it is read.
 _READ_ERRORS = (zipfile.BadZipFile, zlib.error, lzma.LZMAError, OSError, EOFError, NotImplementedError,

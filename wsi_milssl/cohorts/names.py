@@ -12,7 +12,12 @@ import os
 import unicodedata
 from pathlib import Path
 
-__all__ = ["SLIDE_SUFFIXES", "STORE_SUFFIXES", "NAME_SUFFIXES", "file_identity", "name_key", "slide_stem", "stem_key"]
+#: Annotation files matched to slides by ``<slide_stem><suffix>``, in order of preference (ASAP XML, GeoJSON): one
+#: tuple for the label stage's search (:mod:`wsi_milssl.annotations.io`) and prepare's (:mod:`wsi_milssl.cohorts`)
+ANNOTATION_SUFFIXES = (".xml", ".geojson", ".json")
+
+__all__ = ["ANNOTATION_SUFFIXES", "SLIDE_SUFFIXES", "STORE_SUFFIXES", "NAME_SUFFIXES", "file_identity", "name_key",
+           "slide_stem", "stem_key"]
 
 #: Suffixes of whole-slide image files (a folder of slides is searched for these).
 SLIDE_SUFFIXES = (".svs", ".tif", ".tiff", ".ndpi", ".mrxs", ".scn", ".vms", ".vmu", ".bif", ".svslide",

@@ -91,6 +91,16 @@ def check_range(
         raise ConfigError(f"{_where(cls_name, field)} must satisfy {lo}value{hi}; got {value!r}.")
 
 
+#: The level-0 µm/px a slide may be given or measured at (every stage's slide_mpp, evaluate's mpp and froc_mpp,
+#: info's --slide-mpp and --mpp-at-40x)
+SLIDE_MPP_RANGE = (0.01, 100.0)
+
+
+def check_slide_mpp(cls_name: str, field: str, value: float) -> None:
+    """Raise ConfigError unless ``value`` is in :data:`SLIDE_MPP_RANGE`."""
+    check_range(cls_name, field, value, low=SLIDE_MPP_RANGE[0], high=SLIDE_MPP_RANGE[1])
+
+
 #: CAMELYON16's annotation groups (ASAP ``PartOfGroup``, QuPath classification), matched without case
 DEFAULT_TUMOR_GROUPS = ("_0", "_1", "Tumor")
 DEFAULT_NON_TUMOR_GROUPS = ("_2", "Exclusion", "None")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from wsi_milssl.config.base import (DEFAULT_NON_TUMOR_GROUPS, DEFAULT_TUMOR_GROUPS, check_groups, check_range,
-                                     check_type, coerce_float_fields)
+                                     check_slide_mpp, check_type, coerce_float_fields)
 from wsi_milssl.errors import ConfigError
 
 __all__ = ["EvaluateConfig", "MAX_DISTANCE_UM"]
@@ -66,10 +66,10 @@ class EvaluateConfig:
         check_range(name, "positive_fraction", self.positive_fraction, low=0.0, high=1.0, low_inclusive=False)
         for field in ("margin_um", "itc_major_axis_um"):  # finite: infinity overflowed the mask arithmetic
             check_range(name, field, getattr(self, field), low=0.0, high=MAX_DISTANCE_UM)
-        if self.mpp is not None:  # the range of slide_mpp in tile, heatmap and features, and of info's --slide-mpp
-            check_range(name, "mpp", self.mpp, low=0.01, high=100.0)
+        if self.mpp is not None:
+            check_slide_mpp(name, "mpp", self.mpp)
         if self.froc_mpp is not None:
-            check_range(name, "froc_mpp", self.froc_mpp, low=0.01, high=100.0)
+            check_slide_mpp(name, "froc_mpp", self.froc_mpp)
         check_type(name, "thumbnail_px", self.thumbnail_px, int)
         check_range(name, "thumbnail_px", self.thumbnail_px, low=32, high=4096)
         check_type(name, "title", self.title, str)

@@ -6,7 +6,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from wsi_milssl.config.base import coerce_float_fields, check_choice, check_inference_runtime, check_range, check_type
+from wsi_milssl.config.base import (coerce_float_fields, check_choice, check_inference_runtime, check_range,
+                                     check_slide_mpp, check_type)
 from wsi_milssl.errors import ConfigError
 
 __all__ = ["FeaturesConfig", "FEATURES_RUNTIME_ONLY_FIELDS"]
@@ -87,4 +88,4 @@ class FeaturesConfig:
             check_range(name, "input_size_px", self.input_size_px, low=16, high=4096)
         check_inference_runtime(self)
         if self.slide_mpp is not None:
-            check_range(name, "slide_mpp", self.slide_mpp, low=0.01, high=100.0)
+            check_slide_mpp(name, "slide_mpp", self.slide_mpp)

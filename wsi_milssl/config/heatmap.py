@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from wsi_milssl.config.base import (DEFAULT_NON_TUMOR_GROUPS, DEFAULT_TUMOR_GROUPS, coerce_float_fields,
                                      check_choice, check_groups,
-                                     check_inference_runtime, check_range, check_type)
+                                     check_inference_runtime, check_range, check_slide_mpp, check_type)
 
 __all__ = ["HeatmapConfig", "HEATMAP_RUNTIME_ONLY_FIELDS"]
 
@@ -142,7 +142,7 @@ class HeatmapConfig:
         if self.mask_mpp is not None:
             check_range(name, "mask_mpp", self.mask_mpp, low=0.5, high=200.0)
         if self.slide_mpp is not None:
-            check_range(name, "slide_mpp", self.slide_mpp, low=0.01, high=100.0)
+            check_slide_mpp(name, "slide_mpp", self.slide_mpp)
         check_type(name, "colormap", self.colormap, str)
         from wsi_milssl.inference.colormaps import COLORMAPS
 

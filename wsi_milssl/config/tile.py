@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from wsi_milssl.config.base import coerce_float_fields, check_choice, check_range, check_type, config_hash
+from wsi_milssl.config.base import coerce_float_fields, check_choice, check_range, check_slide_mpp, check_type, config_hash
 from wsi_milssl.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ class TileConfig:
         check_range(name, "jpeg_quality", self.jpeg_quality, low=1, high=100)
         check_choice(name, "format", self.format, ("h5", "zarr"))
         if self.slide_mpp is not None:
-            check_range(name, "slide_mpp", self.slide_mpp, low=0.01, high=100.0)
+            check_slide_mpp(name, "slide_mpp", self.slide_mpp)
         for field, high in (("workers", 256), ("threads", 64), ("batch_size", 1 << 20)):
             check_type(name, field, getattr(self, field), int)
             check_range(name, field, getattr(self, field), low=1, high=high)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import csv
 import dataclasses
 import hashlib
-import io
 import json
 import logging
 import os
@@ -42,7 +41,7 @@ from wsi_milssl import __version__
 from wsi_milssl.artifacts import (HEATMAP_CONFIG_FILENAME, HEATMAP_STATUS_COLUMNS, HEATMAP_STATUS_FILENAME,
                                   HEATMAP_STATUSES, HEATMAP_FILES)
 from wsi_milssl.artifacts import SCHEMA_VERSION as ARTIFACTS_SCHEMA_VERSION
-from wsi_milssl.atomic import atomic_open
+from wsi_milssl.atomic import atomic_open, merge_csv_rows
 from wsi_milssl.cohorts.names import stem_key
 from wsi_milssl.config.base import config_to_dict
 from wsi_milssl.config.heatmap import HEATMAP_RUNTIME_ONLY_FIELDS, HeatmapConfig
@@ -68,7 +67,7 @@ from wsi_milssl.inference.exports import (
 from wsi_milssl.inference.heatmap import render_overlay, write_png
 from wsi_milssl.inference.model import InferenceModel, load_inference_model
 from wsi_milssl.inference.predict import SlideInput, SlidePrediction, predict_many, prestart_readers
-from wsi_milssl.locks import folder_lock, folder_mutex
+from wsi_milssl.locks import folder_lock
 from wsi_milssl.paths import path_list
 from wsi_milssl.runtime import restores_torch_threads
 from wsi_milssl.slide.tissue import slide_tissue_mask
@@ -596,19 +595,9 @@ def _status_row(r: HeatmapResult) -> dict[str, str]:
 
 def _merge_status(path: Path, results: Iterable[HeatmapResult]) -> Path:
     """Add or replace the rows of ``results`` in the status CSV, keeping other slides' rows (other
-    shards, earlier runs); rows sorted by slide."""
-    with folder_mutex(path.parent):
-        rows = _read_status(path)
-        for r in results:
-            rows[r.slide] = _status_row(r)
-        buf = io.StringIO()
-        writer = csv.DictWriter(buf, fieldnames=STATUS_COLUMNS, lineterminator="\n", extrasaction="ignore")
-        writer.writeheader()
-        for stem in sorted(rows):
-            writer.writerow(rows[stem])
-        with atomic_open(path, "w") as fh:
-            fh.write(buf.getvalue())
-    return path
+    shards, earlier runs); rows sorted by slide (:func:`~wsi_milssl.atomic.merge_csv_rows`, as tile, label and
+    features merge theirs)."""
+    return merge_csv_rows(path, [_status_row(r) for r in results], columns=STATUS_COLUMNS)
 
 
 def _input_files(item: SlideInput) -> dict[str, dict | None]:
