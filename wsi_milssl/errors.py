@@ -26,6 +26,11 @@ class ConfigError(WsiMilsslError, ValueError):
     """A configuration value is missing, of the wrong type or out of range."""
 
 
+class OptionError(ConfigError):
+    """A command-line option's value is out of range or of the wrong type: a usage error, exit code 2 (as argparse's
+    own), wherever the command finds it."""
+
+
 class SlideReadError(WsiMilsslError):
     """OpenSlide could not open a slide or read a region of it."""
 

@@ -43,13 +43,18 @@ def _usage_errors(slide, tmp_path):
         "evaluate": ["evaluate", "--predictions", missing, "--annotations", missing, "--slides", missing,
                      "--labels", missing, "--out", str(tmp_path / "e"), "--positive-fraction", "2"],
         "label": ["label", missing, "--annotations", missing, "--out", str(tmp_path / "l")],
+        # review BQ: a bad option value gave exit code 1 from these three, 2 from the others
+        "label-value": ["label", missing, "--annotations", missing, "--positive-fraction", "2"],
+        "train": ["train", missing, "--labels", missing, "--out", str(tmp_path / "r"), "--epochs", "0"],
+        "synth": ["synth", str(tmp_path / "s"), "--slides", "0"],
     }
 
 
-@pytest.mark.parametrize("command", ["tile", "heatmap", "features", "evaluate", "label"])
+@pytest.mark.parametrize("command", ["tile", "heatmap", "features", "evaluate", "label", "label-value", "train",
+                                     "synth"])
 def test_usage_errors_reach_the_log_file(small_slide, tmp_path, capsys, monkeypatch, command):
     if command == "label":
-        monkeypatch.setenv("RANK", "x")  # a malformed torchrun environment: label's one usage error
+        monkeypatch.setenv("RANK", "x")  # a malformed torchrun environment
         monkeypatch.setenv("WORLD_SIZE", "2")
     log = tmp_path / "logs" / "e.log"
     assert main([*_usage_errors(small_slide, tmp_path)[command], "-q", "--log-file", str(log)]) == 2

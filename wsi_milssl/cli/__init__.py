@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from wsi_milssl import __version__
-from wsi_milssl.errors import WsiMilsslError
+from wsi_milssl.errors import OptionError, WsiMilsslError
 
 __all__ = ["main", "build_parser", "report_error", "COMMANDS"]
 
@@ -295,7 +295,7 @@ def _run_command(args: argparse.Namespace, *, rank: int, world: int, tag: str) -
             raise
         code = report_error(_in_the_way(exc), code=1, tag=tag)
     except WsiMilsslError as exc:
-        code = report_error(exc, code=1, tag=tag)
+        code = report_error(exc, code=2 if isinstance(exc, OptionError) else 1, tag=tag)
     except OSError as exc:
         problem = _temporary_folder_error(exc)
         if problem is None:

@@ -103,9 +103,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         shard = shard_from_args(args)
+        config = label_config_from_args(args)  # a bad option value is a usage error, as in tile (review BQ)
     except ConfigError as exc:
         return report_error(exc, code=2)
-    config = label_config_from_args(args)
     with TqdmProgress() as progress:
         report = label_stores(
             args.stores, annotations_dir=args.annotations, labels_csv=getattr(args, "labels", None), config=config,

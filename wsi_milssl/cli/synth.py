@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from wsi_milssl.config import SynthConfig
+from wsi_milssl.errors import ConfigError, OptionError
 
 __all__ = ["SUMMARY", "register", "run", "add_synth_options", "synth_config_from_args"]
 
@@ -57,7 +58,10 @@ def run(args: argparse.Namespace) -> int:
     from wsi_milssl.cli.progress import TqdmProgress
     from wsi_milssl.synth import generate_slides
 
-    config = synth_config_from_args(args)
+    try:
+        config = synth_config_from_args(args)
+    except ConfigError as exc:  # a bad option value is a usage error, exit code 2 as in tile (review BQ)
+        raise OptionError(str(exc)) from None
     with TqdmProgress() as progress:
         slides = generate_slides(config, args.out_dir, progress=progress)
     n_tumor = sum(s.label for s in slides)

@@ -424,7 +424,7 @@ def _check_held_out(train, val, val_inputs, *, input_mode: str = "images") -> No
 def _set_up(args: argparse.Namespace):
     """The run's folder, TrainConfig, training and validation InstanceSets and run info (its inputs) from
     the command line (or the run's saved settings for --resume); warns about inputs a stopped run left short."""
-    from wsi_milssl.errors import ConfigError
+    from wsi_milssl.errors import ConfigError, OptionError
 
     if args.resume is not None:
         given = [name for name, value in (("INPUTS", args.inputs), ("--labels", args.labels), ("--out", args.out),
@@ -452,7 +452,10 @@ def _set_up(args: argparse.Namespace):
 
         refuse_written_folder(out, named_by=None if args.resume is not None else "--out")
     mode = "images" if input_mode == "images" else "features"
-    config = train_config_from_args(args, mode=mode, base=base)
+    try:
+        config = train_config_from_args(args, mode=mode, base=base)
+    except ConfigError as exc:  # a bad option value is a usage error, exit code 2 as in tile (review BQ)
+        raise OptionError(str(exc)) from None
     resumed = args.resume is not None
     if config.weights_path and not resumed:  # absolute, as the inputs below (a resume does not read the weights)
         config = dataclasses.replace(config, weights_path=str(Path(config.weights_path).expanduser().resolve()))
