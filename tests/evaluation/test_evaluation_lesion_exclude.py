@@ -36,6 +36,9 @@ def test_an_excluded_slide_leaves_the_froc_and_the_instance_auc_only(evaluated, 
     report = (tmp_path / "out" / "report.html").read_text()
     assert f"1 slide(s) are left out of the FROC and the instance AUC (lesion_exclude) and kept in the bag AUC: " \
            f"{normal}." in report
+    # review BS: the count rows are the FROC's slides', and the excluded slide's card says so
+    assert report.count("of the 1 slides of the FROC and the instance AUC (1 left out by lesion_exclude)") == 5
+    assert report.count("left out of the FROC and the instance AUC (lesion_exclude)</p>") == 1
 
 
 def test_the_command_line_takes_lesion_exclude(predictions, synth_dir, synth_slides, annotations_dir, tmp_path):

@@ -61,13 +61,15 @@ h1{font-size:1.6em;margin-bottom:.2em}h2{font-size:1.25em;margin-top:1.6em;borde
 table{border-collapse:collapse;font-size:.9em;margin:.5em 0}
 th,td{border:1px solid #ccc;padding:.25em .6em;text-align:right;vertical-align:middle}
 th{background:#f3f3f3}td.l,th.l{text-align:left}
-.muted{color:#777}.plots{display:flex;flex-wrap:wrap;gap:1em}
+.muted{color:#767676}.plots{display:flex;flex-wrap:wrap;gap:1em}
 figure{margin:0}figcaption{font-size:.85em;color:#555;text-align:center}
 pre{background:#f7f7f7;border:1px solid #ddd;padding:.8em;overflow:auto;font-size:.85em}
 .thumbs{display:flex;gap:.6em;align-items:flex-start;flex-wrap:wrap}
 .gallery{display:flex;flex-wrap:wrap;gap:1em}.card{border:1px solid #ddd;padding:.5em .8em}
 h3{font-size:1em;margin:.2em 0 .5em}.wide{overflow-x:auto}th.sub{padding-left:1.8em;font-weight:normal}
-label.zoom input{display:none}label.zoom img{cursor:zoom-in;display:block}
+label.zoom{position:relative;display:block}label.zoom img{cursor:zoom-in;display:block}
+label.zoom input{position:absolute;opacity:0;width:1px;height:1px;margin:0}
+label.zoom input:focus-visible+img{outline:2px solid #0a58ca;outline-offset:2px}
 label.zoom input:checked+img{width:auto;height:auto;max-width:calc(100vw - 5em);cursor:zoom-out}
 """
 
@@ -113,8 +115,8 @@ def _metrics_table(metrics: Mapping[str, Any]) -> str:
     reasons = metrics.get("reasons", {}) or {}
     rows = []
 
-    def row(name: str, value: Any, key: str | None = None, *, sub: bool = False) -> None:
-        note = html.escape(reasons.get(key, "")) if key and value is None else ""
+    def row(name: str, value: Any, key: str | None = None, *, sub: bool = False, note: str = "") -> None:
+        note = html.escape(reasons.get(key, "") if key and value is None else note)
         rows.append(f'<tr><th class="{"l sub" if sub else "l"}">{html.escape(name)}</th><td>{html.escape(_fmt(value))}'
                     f'</td><td class="l muted">{note}</td></tr>')
 
@@ -127,12 +129,17 @@ def _metrics_table(metrics: Mapping[str, Any]) -> str:
     for rate, value in zip(rates, sens):
         label = {0.25: "1/4", 0.5: "1/2"}.get(rate, f"{rate:g}")
         row(f"sensitivity at {label} FP/slide", value, sub=True)
+    excluded = list(metrics.get("lesion_excluded") or ())
+    # the counts of the FROC and the instance AUC leave out the slides of lesion_exclude (review BS: unsaid)
+    froc_only = (f"of the {metrics.get('n_slides', 0) - len(excluded)} slides of the FROC and the instance AUC "
+                 f"({len(excluded)} left out by lesion_exclude)") if excluded else ""
     for key, name in (("n_slides", "slides evaluated"), ("n_tumor_slides", "tumour slides"),
                       ("n_normal_slides", "normal slides"), ("n_lesions", "lesions (non-ITC)"),
                       ("n_itc", "isolated tumour cell regions"), ("n_detections", "detections"),
                       ("n_patches", "patches scored"), ("n_positive_patches", "positive patches")):
         if key in metrics:
-            row(name, metrics[key])
+            row(name, metrics[key], note=froc_only if key not in ("n_slides", "n_tumor_slides", "n_normal_slides")
+                else "")
     return ('<table><tr><th class="l">metric</th><th>value</th><th class="l">note</th></tr>'
             + "".join(rows) + "</table>")
 
@@ -164,6 +171,8 @@ def _gallery(rows: Sequence[Mapping[str, Any]], thumbnails: Mapping[str, Sequenc
         figs = "".join(_shown(png, f"{stem} {cap}", cap, max_px) for cap, png in thumbnails.get(stem, ()))
         if stem in no_tissue:
             figs = '<p class="muted">no tissue patch: the heatmap stage found none on this slide, which scores 0</p>' + figs
+        if str(r.get("lesion_excluded")) == "1":
+            figs = '<p class="muted">left out of the FROC and the instance AUC (lesion_exclude)</p>' + figs
         elif not figs:
             figs = '<p class="muted">no heatmap in the predictions folder</p>'
         cards.append(f'<div class="card"><h3>{html.escape(stem)} <span class="muted">{html.escape(label)}</span>'
