@@ -382,9 +382,13 @@ def _fit_runs(ctx: StageContext, runs: list[dict], configs: list, *, train, val,
         fingerprints = run_fingerprints(ctx.spec, ctx.state, configs[0], split, kind="single", data=data_forms)
         resume = prepare_run_dir(ctx.model_dir, *fingerprints, slide_lists=slide_lists, restore=not ctx.redo)
         config = continued_config(ctx.model_dir, configs[0]) if resume else configs[0]
+        last = ctx.model_dir / "last.pt"
+        before = last.stat().st_mtime_ns if resume and last.is_file() else None
         result = fit(train, config=config, out_dir=ctx.model_dir, val=val, run_info=run_info, resume=resume,
                      progress=ctx.progress)
-        return result.best_epoch, ""
+        kept = before is not None and last.is_file() and last.stat().st_mtime_ns == before
+        # review BS: the line read as if it had trained
+        return result.best_epoch, ", the finished run of these settings kept (no epoch trained)" if kept else ""
     keep_grid_parent(ctx.model_dir)
     points = []
     for overrides, config in zip(runs, configs):
