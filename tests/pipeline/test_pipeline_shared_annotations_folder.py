@@ -40,3 +40,26 @@ def test_one_annotations_folder_for_both_sets_reports_only_files_of_no_slide(tmp
     # each set's step names the stray file (no slide of either set), neither names the training annotations
     assert len(warned) == 2 and all("1 annotation file(s)" in w and "stray.xml" in w for w in warned), warned
     assert not any(name in w for w in warned for name in train_xml), warned
+
+
+def test_bad_slides_of_both_sets_are_named_at_once_with_both_fixes(tmp_path):
+    """Review BS, C5: `run` stopped at the first set with a failed slide (the test set's bad slide was found only
+    by the next run, after the training set was tiled again) and offered only to download it again."""
+    import pytest
+
+    from wsi_milssl.errors import WsiMilsslError
+
+    root = tmp_path / "cohort"
+    generate_slides(SynthConfig(n_slides=2, seed=0, width_px=2048, height_px=2048), root / "slides")
+    for name in ("bad_train", "bad_test"):
+        (root / "slides" / f"{name}.tif").write_bytes(f"not a slide: {name}".encode())
+    sets = {"train": ["synth_000", "bad_train"], "test": ["synth_001", "bad_test"]}
+    for set_name, stems in sets.items():
+        (root / f"{set_name}_slides.csv").write_text("path\n" + "".join(f"slides/{s}.tif\n" for s in stems))
+        (root / f"{set_name}_labels.csv").write_text("slide,label\n" + "".join(f"{s},0\n" for s in stems))
+    (tmp_path / "p.toml").write_text(PIPELINE.format(root=root))
+    with pytest.raises(WsiMilsslError, match=r"tile: 1 slide\(s\) of the train set failed .*bad_train.* \| 1 slide\(s\) "
+                                             r"of the test set failed .*bad_test.*Fix: mend or replace those slide "
+                                             r"files, or leave them out of their set"):
+        run_pipeline(load_pipeline(tmp_path / "p.toml", out_dir=tmp_path / "out"), until="tile")
+    assert (tmp_path / "out" / "stores" / "test" / "synth_001.h5").is_file()

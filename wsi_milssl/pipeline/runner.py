@@ -130,7 +130,7 @@ def _tile(ctx: StageContext) -> tuple[list[str], str]:
     from wsi_milssl.tiling import find_slides, tile_slides
 
     config = config_from_mapping(TileConfig, ctx.spec.section("tile"), source=f"{ctx.spec.source} [tile]")
-    outputs, parts = [], []
+    outputs, parts, failures = [], [], []
     for set_name, ds in ctx.spec.sets.items():
         slides = find_slides([ds.slides])
         # Complete stores with these settings, cut from the slide files as they are now (same path,
@@ -146,19 +146,22 @@ def _tile(ctx: StageContext) -> tuple[list[str], str]:
         run = tile_slides(slides, ctx.stores(set_name), config, overwrite=ctx.redo or bool(stale),
                            progress=ctx.progress, keep_other_stores=True)  # of slides that left the set
         failed = [r for r in run.results if r.status == "failed"]
-        if failed:
-            from wsi_milssl.errors import WsiMilsslError
-
-            raise WsiMilsslError(
-                f"tile: {len(failed)} slide(s) of the {set_name} set failed (see {run.status_csv}): "
-                + "; ".join(f"{r.slide}: {r.error}" for r in failed[:3])
-            )
+        if failed:  # the other sets are tiled first: every bad slide is named at once (review BS)
+            failures.append(f"{len(failed)} slide(s) of the {set_name} set failed (see {run.status_csv}): "
+                            + "; ".join(f"{r.slide}: {r.error}" for r in failed[:3]))
+            continue
         outputs += [str(run.status_csv)] + _existing(r.store_path for r in run.results)
         empty = sum(r.n_patches == 0 for r in run.results)  # no tissue passed the filters (review BK)
         kept = sum(r.status == "skipped" for r in run.results)
         more = [f"{n} {what}" for n, what in ((kept, "kept"), (empty, "without a patch")) if n]
         parts.append(f"{set_name}: {sum(r.n_patches for r in run.results)} patches from {len(run.results)} slides"
                      + (f" ({', '.join(more)})" if more else ""))
+    if failures:
+        from wsi_milssl.errors import WsiMilsslError
+
+        raise WsiMilsslError(f"tile: {' | '.join(failures)}. Fix: mend or replace those slide files, or leave them out "
+                             "of their set (its slide list or folder, and the labels); then run again: the slides "
+                             "tiled are kept.")
     return outputs, "; ".join(parts)
 
 
