@@ -109,6 +109,11 @@ def test_cli_run_prints_each_stage(feature_pipeline, tmp_path, capsys):
     assert main(["run", str(feature_pipeline), "--out", str(tmp_path / "o")]) == 0
     out = capsys.readouterr().out
     assert "[train]" in out and "[evaluate]" in out and "bag AUC" in out
+    # review BS: a feature pipeline's run ended without naming its evaluation (it has no report.html)
+    assert out.splitlines()[-1] == f"metrics: {tmp_path / 'o' / 'evaluation' / 'metrics.json'}"
+    metrics = json.loads((tmp_path / "o" / "evaluation" / "metrics.json").read_text())
+    assert metrics["bag_accuracy_threshold"] == 0.5
+    assert metrics["instance_auc"] is not None and metrics["reasons"] == {}  # these bags hold instance labels
 
 
 @pytest.mark.parametrize(

@@ -55,9 +55,10 @@ def check_test_features(test, saved: dict, checkpoint: str | os.PathLike) -> Non
 def evaluate_feature_bags(checkpoint: str | os.PathLike, feature_files: Sequence[str | os.PathLike],
                           labels_csv: str | os.PathLike, out_dir: str | os.PathLike) -> dict[str, Any]:
     """Evaluate the head ``checkpoint`` on the bags of ``feature_files`` (labels from ``labels_csv``) into
-    ``out_dir``; returns what ``metrics.json`` holds: ``instance_auc``, ``bag_auc``, ``bag_accuracy``, ``bag_nll``,
-    ``n_bags``, ``n_instances``, ``checkpoint``, ``empty_bags`` and ``not_evaluated`` (labelled slides without a bag in
-    ``feature_files``: a labels file of both sets, or a test feature file that is missing).
+    ``out_dir``; returns what ``metrics.json`` holds: ``instance_auc``, ``bag_auc``, ``bag_accuracy`` (a bag score above
+    ``bag_accuracy_threshold``, 0.5, counts as tumour), ``bag_nll``, ``n_bags``, ``n_instances``, ``checkpoint``,
+    ``empty_bags``, ``not_evaluated`` (labelled slides without a bag in ``feature_files``: a labels file of both sets,
+    or a test feature file that is missing) and ``reasons`` (why a metric is null).
 
     A labelled slide whose feature file has no row (TRIDENT writes one for a slide without patches) is a test
     bag with score 0, as image mode scores a slide without patches: left out, a missed tumour slide would
@@ -95,8 +96,12 @@ def evaluate_feature_bags(checkpoint: str | os.PathLike, feature_files: Sequence
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary = {"instance_auc": metrics["instance_auc"], **bag_metrics(scores, bag_labels)}
+    reasons = {}
+    if summary["instance_auc"] is None:  # review BS: null without a word
+        reasons["instance_auc"] = ("the test feature files hold no instance labels (an instance_label dataset)"
+                                   if test.instance_labels is None else "the instance labels are of one class only")
     summary.update(n_bags=len(names), n_instances=int(len(test)), checkpoint=str(checkpoint), empty_bags=empty,
-                   not_evaluated=missing)
+                   not_evaluated=missing, bag_accuracy_threshold=0.5, reasons=reasons)
     atomic_write_json(out / "metrics.json", summary)
     with atomic_open(out / "scores.csv", "w") as fh:
         writer = csv.writer(fh)
