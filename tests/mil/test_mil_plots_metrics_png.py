@@ -71,3 +71,15 @@ def test_labelled_runs_draw_every_series(mil_csv, mil_csv_val, tmp_path):
     for ax in fig.axes:
         assert "not available" not in _panel_texts(fig, ax)
     assert {"precision", "recall", "accuracy"} <= set(_panel_texts(fig, fig.axes[2]).split("\n"))
+
+
+def test_series_differ_by_more_than_colour_and_best_pt_is_marked(mil_csv, mil_csv_val, tmp_path):
+    """Review BS, C8: the lines of a panel differed by colour only (green and orange, blue and green in grey),
+    no panel had a y label and the epoch best.pt holds was not shown."""
+    history = _train(make_mil_csv(tmp_path / "train.csv", n_bags=20), mil_csv_val, tmp_path / "run", epochs=2)
+    fig = training_metrics_figure(history)
+    for ax in fig.axes:
+        lines = [line for line in ax.get_lines() if len(line.get_xdata()) and not line.get_label().startswith("best")]
+        assert ax.get_ylabel()
+        assert len({(line.get_marker(), line.get_linestyle()) for line in lines}) == len(lines)
+    assert f"best.pt (epoch {history[-1]['best_epoch']})" in _panel_texts(fig, fig.axes[3])

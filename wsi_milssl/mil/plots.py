@@ -45,7 +45,7 @@ def training_metrics_figure(history: Sequence[dict[str, Any]]):
     labelled = _has(history, "pseudo_precision", "pseudo_recall", "pseudo_accuracy")
     validated = _has(history, "val_instance_auc", "val_bag_auc", "val_bag_accuracy")
     panels = [
-        (axes[0, 0], "training loss", [("loss", "soft cross-entropy")], "no epoch recorded"),
+        (axes[0, 0], "training loss", [("loss", "soft cross-entropy (nats)")], "no epoch recorded"),
         (axes[0, 1], "pseudo labels of positive-bag instances",
          [("mu_t", "μ_t"), ("pseudo_label_mean", "mean pseudo label"),
           ("pseudo_positive_fraction", "fraction > 0.5")], "no epoch recorded"),
@@ -62,15 +62,22 @@ def training_metrics_figure(history: Sequence[dict[str, Any]]):
         missing = {"val_instance_auc": f"instance AUC: not available,\n{why}"}
     else:
         missing = {}
-    for ax, title, keys, why in panels:
+    y_labels = ["loss", "μ and fraction of instances", "precision, recall, accuracy", "AUC, accuracy"]
+    best = next((rec.get("best_epoch") for rec in reversed(history) if rec.get("best_epoch") is not None), None)
+    for (ax, title, keys, why), y_label in zip(panels, y_labels):
         drawn = False
-        for key, label in keys:
+        # a marker and a line style per series besides its colour: told apart in grey and by colour-blind readers
+        for (key, label), (marker, style) in zip(keys, (("o", "-"), ("s", "--"), ("^", ":"))):
             xs, ys = _series(history, key)
             if xs:
-                ax.plot(xs, ys, marker="o", markersize=3, label=label)
+                ax.plot(xs, ys, marker=marker, markersize=4, linestyle=style, label=label)
                 drawn = True
+        if drawn and best is not None and title == "validation":  # the epoch best.pt holds
+            ax.axvline(best, color="0.4", linewidth=1, linestyle="-.", label=f"best.pt (epoch {best})")
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("epoch")
+        if drawn:
+            ax.set_ylabel(y_label)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # epochs: whole numbers
         for key, _ in keys:
             if drawn and key in missing:  # a legend entry without a line says why (last: the colours stay)
