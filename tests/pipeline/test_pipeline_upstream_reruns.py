@@ -266,3 +266,15 @@ def test_a_moved_cohort_folder_keeps_its_training_run(tmp_path):
     xml = moved / "cohort" / "annotations" / "train" / "synth_001.xml"  # same name, other content
     xml.write_text(xml.read_text().replace("<Coordinate ", "<Coordinate  ", 1))
     assert training_data(load_pipeline(moved / "p.toml", out_dir=moved / "out")) != before
+
+
+def test_the_report_names_its_pipeline_its_training_and_the_few_cases_it_rests_on(finished):
+    """Review BS, C4: the report was always titled "wsi-milssl evaluation", said nothing of the training that made
+    its model, and gave a bag AUC of 1 tumour against 1 normal slide as any other."""
+    _, out = finished
+    report = (out / "evaluation" / "report.html").read_text()
+    assert "<title>upstream: evaluation</title>" in report and "<h1>upstream: evaluation</h1>" in report
+    assert "&quot;training&quot;" in report and "&quot;best_epoch&quot;" in report
+    assert "&quot;select_metric&quot;: &quot;bag_auc&quot;" in report
+    assert "the bag AUC rests on 1 tumour and 1 normal slide(s): one slide ranked otherwise moves it by up to " \
+           "1.00." in report

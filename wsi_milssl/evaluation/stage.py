@@ -732,6 +732,51 @@ def _one_slide_mpp(predictions_dir: Path, sidecars: dict[str, dict]) -> None:
             "pipeline: `wsi-milssl run PIPELINE --force heatmap`).")
 
 
+def _training_summary(checkpoint: Any) -> dict[str, Any]:
+    """What the report says of the model's training (review BS: it said nothing): from the run folder beside
+    ``checkpoint`` (its ``config.json`` and ``metrics.jsonl``, when they are there), the model, epochs, μ, T, λ,
+    the selection metric and the epoch best.pt holds with its validation score; {} when the folder has none."""
+    if not isinstance(checkpoint, str) or not checkpoint:
+        return {}
+    folder = Path(checkpoint).parent
+    try:
+        saved = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(saved, dict):
+        return {}
+    summary = {k: saved.get(k) for k in ("model", "epochs", "mu", "mu_ramp_epochs", "lam", "select_metric")
+               if k in saved}
+    summary["run_folder"] = str(folder)
+    try:
+        records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+                   if line.strip()]
+    except (OSError, ValueError):
+        records = []
+    best = next((r.get("best_epoch") for r in reversed(records) if isinstance(r, dict) and r.get("best_epoch")), None)
+    if best is not None:
+        chosen = next((r for r in records if isinstance(r, dict) and r.get("epoch") == best), {})
+        summary["best_epoch"] = best
+        summary["best_epoch_validation"] = {k: chosen.get(k) for k in ("val_bag_auc", "val_instance_auc", "val_bag_nll")
+                                            if chosen.get(k) is not None}
+    return summary
+
+
+def _few_cases(metrics: Mapping[str, Any]) -> list[str]:
+    """Report notes on metrics that rest on few cases (review BS: a bag AUC of 2 against 2 slides read as any
+    other): the bag AUC with fewer than 10 slides of a class, the FROC with fewer than 10 lesions."""
+    notes = []
+    tumour, normal = int(metrics.get("n_tumor_slides") or 0), int(metrics.get("n_normal_slides") or 0)
+    if metrics.get("bag_auc") is not None and min(tumour, normal) < 10:
+        notes.append(f"the bag AUC rests on {tumour} tumour and {normal} normal slide(s): one slide ranked otherwise "
+                     f"moves it by up to {max(1 / tumour, 1 / normal):.2f}.")
+    lesions = int(metrics.get("n_lesions") or 0)
+    if metrics.get("froc") is not None and 0 < lesions < 10:
+        notes.append(f"the FROC rests on {lesions} lesion(s): each one found or missed moves a sensitivity by "
+                     f"{1 / lesions:.2f}.")
+    return notes
+
+
 def _refuse_stopped_heatmap_run(predictions_dir: Path, without_files: list[str]) -> None:
     """EvaluationError when a heatmap run into ``predictions_dir`` stopped (Ctrl-C, a kill, a crash: its mark of an
     unfinished run is left, :func:`~wsi_milssl.tiling.status.marking_unfinished`) before it made labelled slides
@@ -1062,6 +1107,10 @@ def evaluate_predictions(
         if run_sidecar is not None:  # what made the evaluated slides, as their sidecars record it
             configuration["predictions_run"] = {k: run_sidecar.get(k)
                                                 for k in ("fingerprint", "checkpoint_sha256") + _RUN_FIELDS}
+            training = _training_summary(run_sidecar.get("checkpoint"))
+            if training:
+                configuration["training"] = training
+        notes += _few_cases(metrics)
         later_run = _later_run(pred_config, list(sidecars.values()))
         if later_run:
             notes.append(f"{HEATMAP_CONFIG_FILENAME} describes a later heatmap run (checkpoint "

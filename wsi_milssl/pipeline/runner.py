@@ -41,6 +41,7 @@ pid.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -439,6 +440,8 @@ def _evaluate(ctx: StageContext) -> tuple[list[str], str]:
     from wsi_milssl.evaluation import evaluate_predictions, froc_protocol_summary
 
     config = with_label_settings(ctx.spec, "evaluate")
+    if "title" not in ctx.spec.section("evaluate"):  # the report names its pipeline (review BS)
+        config = dataclasses.replace(config, title=f"{ctx.spec.name}: evaluation")
     ds = ctx.spec.sets["test"]
     # the heatmap files of slides no longer in the test set (a changed split, a renamed slide) stay in the
     # folder, ignored
