@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 
-__all__ = ["file_sha256"]
+__all__ = ["file_sha256", "cached_file_sha256"]
 
 _BLOCK = 1 << 20
 
@@ -24,3 +24,19 @@ def file_sha256(path: str | os.PathLike, *, limit_bytes: int | None = None) -> s
             if left is not None:
                 left -= len(chunk)
     return digest.hexdigest()
+
+
+_CACHE: dict[tuple[str, int, int], str] = {}
+
+
+def cached_file_sha256(path: str | os.PathLike) -> str:
+    """:func:`file_sha256`, remembered per resolved path, size and modification time within the process (a
+    checkpoint or weights file hashed by several stages of one run is read once)."""
+    from pathlib import Path
+
+    path = Path(path)
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _CACHE:
+        _CACHE[key] = file_sha256(path)
+    return _CACHE[key]

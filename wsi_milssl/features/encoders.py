@@ -204,19 +204,6 @@ class EncoderWeightsError(ConfigError):
                 }[self.kind]
 
 
-_SHA_CACHE: dict[tuple[str, int, int], str] = {}
-
-
-def file_sha256(path: Path) -> str:
-    """SHA-256 of a file (:func:`wsi_milssl.hashing.file_sha256`), remembered per path, size and modification
-    time within the process."""
-    st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-    if key not in _SHA_CACHE:
-        _SHA_CACHE[key] = hashing.file_sha256(path)
-    return _SHA_CACHE[key]
-
-
 def load_weights_file(module: nn.Module, path: str | os.PathLike, *, name: str,
                       skip: tuple[str, ...] = ()) -> None:
     """Load the state dict in ``path`` into ``module``: every tensor of the module must be in the file
@@ -276,7 +263,7 @@ def _finish(name: str, module: nn.Module, dim: int, weights: str, path: Path | N
     if path is not None:
         load_weights_file(module, path, name=name, skip=skip)
     return Encoder(name=name, module=module, dim=dim, weights="random" if path is None else str(path.resolve()),
-                   weights_sha256=None if path is None else file_sha256(path), **extra)
+                   weights_sha256=None if path is None else hashing.cached_file_sha256(path), **extra)
 
 
 # ----------------------------------------------------------------------------------------------

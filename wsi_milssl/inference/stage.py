@@ -571,9 +571,9 @@ def checkpoint_sha256(model: Any) -> str | None:
     path = getattr(model, "checkpoint_path", None)
     if path is None or not Path(path).is_file():
         return None
-    from wsi_milssl.features.encoders import file_sha256
+    from wsi_milssl.hashing import cached_file_sha256
 
-    return file_sha256(Path(path))
+    return cached_file_sha256(Path(path))
 
 
 def _read_status(path: Path) -> dict[str, dict[str, str]]:

@@ -86,9 +86,9 @@ def _same_inputs(config: TrainConfig, train: InstanceSet, val: InstanceSet | Non
     settings = {k: v for k, v in config_to_dict(config).items() if k not in RUNTIME_ONLY_FIELDS}
     settings.update(resume=resume, eval_at=None if eval_at is None else sorted(int(e) for e in eval_at))
     if config.weights_path and Path(config.weights_path).is_file():  # the file, however each node spells it
-        from wsi_milssl.features.encoders import file_sha256
+        from wsi_milssl.hashing import cached_file_sha256
 
-        settings["weights_path"] = f"weights of SHA-256 {file_sha256(Path(config.weights_path))[:12]}"
+        settings["weights_path"] = f"weights of SHA-256 {cached_file_sha256(Path(config.weights_path))[:12]}"
 
     if digests is None:
         digests = {"data_digest": data_digest(train), "val_data_digest": None if val is None else data_digest(val)}

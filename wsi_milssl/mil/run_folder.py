@@ -183,9 +183,9 @@ def _other_weights(saved: str | None, current: str | None) -> bool:
     before, now = Path(saved), Path(current)
     if before.resolve() == now.resolve() or not (before.is_file() and now.is_file()):
         return False
-    from wsi_milssl.features.encoders import file_sha256
+    from wsi_milssl.hashing import cached_file_sha256
 
-    return not os.path.samefile(before, now) and file_sha256(before) != file_sha256(now)
+    return not os.path.samefile(before, now) and cached_file_sha256(before) != cached_file_sha256(now)
 
 
 def _check_resume_config(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
