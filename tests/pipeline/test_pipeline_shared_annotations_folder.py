@@ -63,3 +63,15 @@ def test_bad_slides_of_both_sets_are_named_at_once_with_both_fixes(tmp_path):
                                              r"files, or leave them out of their set"):
         run_pipeline(load_pipeline(tmp_path / "p.toml", out_dir=tmp_path / "out"), until="tile")
     assert (tmp_path / "out" / "stores" / "test" / "synth_001.h5").is_file()
+
+
+def test_every_slide_stage_names_its_status_file_when_slides_fail(tmp_path):
+    """Review BQ: label's error named no status file and heatmap's named its folder; one wording for all now."""
+    from types import SimpleNamespace
+
+    from wsi_milssl.pipeline.runner import _failed
+
+    failed = [SimpleNamespace(stem="a", slide="a", error="broken"), SimpleNamespace(stem="b", slide="b", error="x")]
+    status = tmp_path / "labels" / "train" / "label_status.csv"
+    assert _failed(failed, status, set_name="train", what="store(s)", name=lambda r: r.stem) == \
+        f"2 store(s) of the train set failed (see {status}): a: broken; b: x"

@@ -148,8 +148,7 @@ def _tile(ctx: StageContext) -> tuple[list[str], str]:
                            progress=ctx.progress, keep_other_stores=True)  # of slides that left the set
         failed = [r for r in run.results if r.status == "failed"]
         if failed:  # the other sets are tiled first: every bad slide is named at once (review BS)
-            failures.append(f"{len(failed)} slide(s) of the {set_name} set failed (see {run.status_csv}): "
-                            + "; ".join(f"{r.slide}: {r.error}" for r in failed[:3]))
+            failures.append(_failed(failed, run.status_csv, set_name=set_name))
             continue
         outputs += [str(run.status_csv)] + _existing(r.store_path for r in run.results)
         empty = sum(r.n_patches == 0 for r in run.results)  # no tissue passed the filters (review BK)
@@ -166,6 +165,14 @@ def _tile(ctx: StageContext) -> tuple[list[str], str]:
     return outputs, "; ".join(parts)
 
 
+def _failed(failed: list, status_csv, *, set_name: str, what: str = "slide(s)", name=lambda r: r.slide) -> str:
+    """"N slide(s) of the SET set failed (see STATUS_CSV): a: error; ..." (the first three): the one wording of a
+    slide stage that failed on some of a set's slides, pointing at its status file (review BQ: five copies, some
+    without the file)."""
+    return (f"{len(failed)} {what} of the {set_name} set failed (see {status_csv}): "
+            + "; ".join(f"{name(r)}: {r.error}" for r in failed[:3]))
+
+
 def _existing(paths) -> list[str]:
     """The paths among ``paths`` that exist: a stage's per-slide files, recorded in its stamp so that one
     deleted later makes the stage run again (it redoes only what is missing) instead of a later stage
@@ -175,7 +182,7 @@ def _existing(paths) -> list[str]:
 
 def _label(ctx: StageContext) -> tuple[list[str], str]:
     from wsi_milssl.config import LabelConfig
-    from wsi_milssl.labeling import label_stores
+    from wsi_milssl.labeling import STATUS_CSV as LABEL_STATUS_CSV, label_stores
 
     config = config_from_mapping(LabelConfig, ctx.spec.section("label"), source=f"{ctx.spec.source} [label]")
     outputs, parts = [], []
@@ -192,9 +199,9 @@ def _label(ctx: StageContext) -> tuple[list[str], str]:
         if failed:
             from wsi_milssl.errors import WsiMilsslError
 
-            raise WsiMilsslError(f"label: {len(failed)} store(s) of the {set_name} set failed: "
-                                 + "; ".join(f"{r.stem}: {r.error}" for r in failed[:3]))
-        outputs.append(str(ctx.labels_dir(set_name) / "label_status.csv"))
+            raise WsiMilsslError("label: " + _failed(failed, ctx.labels_dir(set_name) / LABEL_STATUS_CSV,
+                                                     set_name=set_name, what="store(s)", name=lambda r: r.stem))
+        outputs.append(str(ctx.labels_dir(set_name) / LABEL_STATUS_CSV))
         parts.append(f"{set_name}: {len(report.results)} stores")
     return outputs, "; ".join(parts)
 
@@ -214,8 +221,7 @@ def _features(ctx: StageContext) -> tuple[list[str], str]:
                                overwrite=ctx.redo, replace_other=True, progress=ctx.progress)
         failed = [r for r in run.results if r.status == "failed"]
         if failed:
-            raise WsiMilsslError(f"features: {len(failed)} slide(s) of the {set_name} set failed (see {run.status_csv}): "
-                                 + "; ".join(f"{r.slide}: {r.error}" for r in failed[:3]))
+            raise WsiMilsslError("features: " + _failed(failed, run.status_csv, set_name=set_name))
         outputs += [str(run.status_csv)] + _existing(r.path for r in run.results)
         dim = run.results[0].feature_dim if run.results else 0
         kept = sum(r.status == "skipped" for r in run.results)
@@ -389,8 +395,7 @@ def _heatmap(ctx: StageContext) -> tuple[list[str], str]:
                         annotations_dir=ds.annotations, progress=ctx.progress, overwrite=ctx.redo)
     failed = [r for r in run.results if r.status == "failed"]
     if failed:
-        raise WsiMilsslError(f"heatmap: {len(failed)} slide(s) failed (see {ctx.heatmap_dir}): "
-                             + "; ".join(f"{r.slide}: {r.error}" for r in failed[:3]))
+        raise WsiMilsslError("heatmap: " + _failed(failed, run.status_csv, set_name="test"))
     _write_set_scores(run)
     n = sum(r.n_patches for r in run.results)
     slide_files = _existing(p for r in run.results for p in r.outputs.values())  # (a deleted overlay: drawn again)
@@ -427,8 +432,7 @@ def _heatmap_features(ctx: StageContext) -> tuple[list[str], str]:
                                 annotations_dir=ds.annotations, progress=ctx.progress)
     failed = [r for r in run.results if r.status == "failed"]
     if failed:
-        raise WsiMilsslError(f"heatmap: {len(failed)} slide(s) failed (see {ctx.heatmap_dir}): "
-                             + "; ".join(f"{r.slide}: {r.error}" for r in failed[:3]))
+        raise WsiMilsslError("heatmap: " + _failed(failed, run.status_csv, set_name="test"))
     _write_set_scores(run)
     n = sum(r.n_patches for r in run.results)
     slide_files = _existing(r.outputs.get(k) for r in run.results for k in COMPLETE_SLIDE_FILES)
