@@ -278,3 +278,6 @@ def test_the_report_names_its_pipeline_its_training_and_the_few_cases_it_rests_o
     assert "&quot;select_metric&quot;: &quot;bag_auc&quot;" in report
     assert "the bag AUC rests on 1 tumour and 1 normal slide(s): one slide ranked otherwise moves it by up to " \
            "1.00." in report
+    # review BS, C7: the output folder had no entry point
+    index = (out / "README.txt").read_text()
+    assert "pipeline 'upstream'" in index and "evaluation/report.html" in index and "ground truth" in index

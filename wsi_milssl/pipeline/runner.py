@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from wsi_milssl.config import config_from_mapping, config_to_dict
+from wsi_milssl.errors import WsiMilsslError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.locks import folder_lock
 from wsi_milssl.pipeline.context import StageContext, in_set, listed_stems, set_stores, store_format
@@ -157,8 +158,6 @@ def _tile(ctx: StageContext) -> tuple[list[str], str]:
         parts.append(f"{set_name}: {sum(r.n_patches for r in run.results)} patches from {len(run.results)} slides"
                      + (f" ({', '.join(more)})" if more else ""))
     if failures:
-        from wsi_milssl.errors import WsiMilsslError
-
         raise WsiMilsslError(f"tile: {' | '.join(failures)}. Fix: mend or replace those slide files, or leave them out "
                              "of their set (its slide list or folder, and the labels); then run again: the slides "
                              "tiled are kept.")
@@ -197,8 +196,6 @@ def _label(ctx: StageContext) -> tuple[list[str], str]:
                               progress=ctx.progress, overwrite=ctx.redo, other_stems=others)
         failed = [r for r in report.results if r.status == "failed"]
         if failed:
-            from wsi_milssl.errors import WsiMilsslError
-
             raise WsiMilsslError("label: " + _failed(failed, ctx.labels_dir(set_name) / LABEL_STATUS_CSV,
                                                      set_name=set_name, what="store(s)", name=lambda r: r.stem))
         outputs.append(str(ctx.labels_dir(set_name) / LABEL_STATUS_CSV))
@@ -211,7 +208,6 @@ def _features(ctx: StageContext) -> tuple[list[str], str]:
     from the same store is kept (its instance labels brought up to date), one made with other settings or
     from a changed store is made again; every file with ``--force``."""
     from wsi_milssl.config import FeaturesConfig
-    from wsi_milssl.errors import WsiMilsslError
     from wsi_milssl.features import extract_features
 
     config = config_from_mapping(FeaturesConfig, ctx.spec.section("features"), source=f"{ctx.spec.source} [features]")
@@ -380,7 +376,6 @@ def _refuse_other_test_features(spec: PipelineSpec) -> None:
 
 def _heatmap(ctx: StageContext) -> tuple[list[str], str]:
     from wsi_milssl.cohorts import slide_stem
-    from wsi_milssl.errors import WsiMilsslError
     from wsi_milssl.inference import make_heatmaps
     from wsi_milssl.tiling import find_slides
 
@@ -418,7 +413,6 @@ def _write_set_scores(run) -> None:
 
 def _heatmap_features(ctx: StageContext) -> tuple[list[str], str]:
     """With a [features] table: the head's probabilities on the test set's feature files (the stores' grid)."""
-    from wsi_milssl.errors import WsiMilsslError
     from wsi_milssl.inference.feature_maps import make_feature_heatmaps
     from wsi_milssl.inference.stage import COMPLETE_SLIDE_FILES
     from wsi_milssl.tiling import find_slides
@@ -543,7 +537,49 @@ def run_pipeline(
             # the pipeline as it ran (overrides applied, every setting, absolute paths), beside its outputs: only
             # once every stage is done with these settings (_run_stages removed the file of an earlier run)
             write_resolved_pipeline(spec, spec.out_dir / RESOLVED_FILENAME)
+        _write_index(spec)
         return outcomes
+
+
+#: ``OUT/README.txt``: where a reader of the output folder finds what (review BS: it had no entry point)
+INDEX_FILENAME = "README.txt"
+
+_INDEX = """This folder is the output of `wsi-milssl run` (pipeline {name!r}: {source}).
+
+Start with:
+  evaluation/report.html     the results: metrics, ROC/FROC plots, every test slide with its heatmap
+                             (a pipeline of feature files: evaluation/metrics.json and scores.csv)
+  evaluation/metrics.json    the same numbers, for scripts
+
+The model and its outputs:
+  model/best.pt              the model chosen on the validation slides (metrics.jsonl, metrics.png: training)
+  heatmaps/test/             per test slide: probability map (OME-TIFF), overlay PNG, QuPath GeoJSON,
+                             CAMELYON16 detections CSV; scores.csv (slide scores)
+
+Intermediate files (made again when needed; not results):
+  slides/                    generated slides (a generated pipeline only)
+  stores/<set>/              patch stores cut from the slides, qc/ images of the tiling
+  labels/<set>/              the annotations as masks (*_tumor_mask.png: ground truth, not predictions)
+  features/<set>/            patch features (a pipeline with a [features] table)
+  .pipeline/                 what each stage ran with (`run` skips stages that are up to date)
+
+resolved_pipeline.toml is the pipeline as it ran (written once every stage has run); `wsi-milssl run` on it
+finds every stage up to date. evaluation.outdated/, when present, is an earlier report set aside because an
+earlier stage ran again. Files and their columns: docs/artifacts.md of the wsi-milssl repository.
+"""
+
+
+def _write_index(spec: PipelineSpec) -> None:
+    """Write :data:`INDEX_FILENAME` into OUT where it is missing or another pipeline's (never fails a run)."""
+    from wsi_milssl.atomic import atomic_write_text
+
+    path = spec.out_dir / INDEX_FILENAME
+    text = _INDEX.format(name=spec.name, source=Path(os.path.abspath(spec.source)))
+    try:
+        if not path.is_file() or path.read_text(encoding="utf-8") != text:
+            atomic_write_text(path, text)
+    except (OSError, UnicodeDecodeError, WsiMilsslError) as exc:
+        log.warning("%s: cannot write the output folder's index (%s)", path, exc)
 
 
 def _refuse_unavailable_encoder(spec: PipelineSpec) -> None:
