@@ -62,50 +62,37 @@ def test_evaluate_s_own_settings_win(tmp_path, evaluated_with):
 
 
 def test_the_resolved_pipeline_evaluates_as_the_pipeline_it_came_from(tmp_path, evaluated_with):
-    """resolved_pipeline.toml leaves out the settings [evaluate] takes from [label]: they take them again."""
+    """resolved_pipeline.toml spells out [evaluate]'s defaults; they do not hide [label]'s values."""
     spec = _spec(tmp_path, LABEL)
     resolved = write_resolved_pipeline(spec, tmp_path / "resolved.toml")
     assert evaluated_with(load_pipeline(resolved)) == evaluated_with(spec)
     assert evaluated_with(load_pipeline(resolved)).tumor_groups == ("Metastasis",)
 
 
-def test_a_setting_evaluate_sets_to_its_default_wins(tmp_path, evaluated_with):
-    """Review BR, A1: [evaluate] positive_fraction = 0.25 (the default), set in the file, was replaced by [label]'s
-    0.5, against the documented "unless [evaluate] sets it"; so were groups set to the defaults. A value the table
-    sets is kept; the resolved file of such a pipeline evaluates as it does."""
-    tables = LABEL + '[evaluate]\npositive_fraction = 0.25\ntumor_groups = ["_0", "_1", "Tumor"]\n'
-    spec = _spec(tmp_path, tables)
-    config = evaluated_with(spec)
-    assert config.positive_fraction == 0.25 and config.tumor_groups == ("_0", "_1", "Tumor")
-    assert config.non_tumor_groups == ("Exclusion",)
-    resolved = write_resolved_pipeline(spec, tmp_path / "resolved.toml")
-    assert evaluated_with(load_pipeline(resolved)) == config
-    assert evaluated_with(load_pipeline(write_resolved_pipeline(_spec(tmp_path, LABEL), tmp_path / "r2.toml"))) \
-        == evaluated_with(_spec(tmp_path, LABEL))
+def test_a_label_setting_spelled_at_its_default_is_label_s_and_a_run_says_so(tmp_path, evaluated_with, caplog):
+    """Review BR, A1: [evaluate] positive_fraction = 0.25 (the default, as the packaged templates spell it) takes
+    [label]'s 0.5, as an absent one does: every pipeline prepare wrote relies on that (review BT: keeping the
+    spelled value re-ran their evaluations with other metrics). A run now says so, naming the setting."""
+    import logging
 
+    from wsi_milssl.pipeline import run_pipeline
 
-def test_a_resolved_pipeline_of_an_earlier_version_still_takes_the_label_settings(tmp_path, evaluated_with):
-    """Earlier versions' resolved_pipeline.toml spelled out [evaluate]'s and [heatmap]'s defaults: there, a default
-    still counts as unset (the evaluation is the one that file's run made), unless a --set gives it."""
-    import tomli_w
+    spec = _spec(tmp_path, LABEL + '[evaluate]\npositive_fraction = 0.25\n')
+    assert evaluated_with(spec).positive_fraction == 0.5
+    with caplog.at_level(logging.WARNING), pytest.raises(KeyboardInterrupt):
+        import wsi_milssl.pipeline.runner as runner
 
-    from wsi_milssl.pipeline.digests import with_label_settings
-    from wsi_milssl.pipeline.spec import _EARLIER_RESOLVED_LAST_LINE, resolved_pipeline
+        def stop(*args, **kwargs):
+            raise KeyboardInterrupt  # the warning comes before any stage
 
-    spec = _spec(tmp_path, LABEL)
-    table = resolved_pipeline(spec)
-    assert "positive_fraction" not in table["evaluate"] and "tumor_groups" not in table["heatmap"]
-    table["evaluate"].update(positive_fraction=0.25, tumor_groups=["_0", "_1", "Tumor"],
-                             non_tumor_groups=["_2", "Exclusion", "None"])
-    table["heatmap"].update(tumor_groups=["_0", "_1", "Tumor"], non_tumor_groups=["_2", "Exclusion", "None"])
-    earlier = tmp_path / "earlier.toml"
-    earlier.write_text(f"# The pipeline as `wsi-milssl run` ran it\n{_EARLIER_RESOLVED_LAST_LINE}\n\n"
-                       + tomli_w.dumps(table))
-    assert evaluated_with(load_pipeline(earlier)) == evaluated_with(spec)
-    assert with_label_settings(load_pipeline(earlier), "heatmap").tumor_groups == ("Metastasis",)
-    given = load_pipeline(earlier, overrides=["evaluate.positive_fraction=0.25"])
-    assert evaluated_with(given).positive_fraction == 0.25
-    assert evaluated_with(given).tumor_groups == ("Metastasis",)
+        original, runner._run_stages = runner._run_stages, stop
+        try:
+            run_pipeline(spec)
+        finally:
+            runner._run_stages = original
+    assert "[evaluate] positive_fraction = 0.25 (the default) takes [label]'s 0.5" in caplog.text
+    caplog.clear()
+    assert evaluated_with(_spec(tmp_path, LABEL)).positive_fraction == 0.5
 
 
 def test_a_label_group_that_evaluate_carves_out_is_one_error(tmp_path, evaluated_with):

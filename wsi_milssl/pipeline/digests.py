@@ -150,7 +150,8 @@ def external_inputs(spec: PipelineSpec, stage: str, *, legacy: bool = False, onl
 
 def with_label_settings(spec: PipelineSpec, stage: str):
     """The config of [evaluate] or [heatmap], with [label]'s settings of :data:`~wsi_milssl.pipeline.spec.LABEL_SETTINGS`
-    where the table does not set them (:func:`~wsi_milssl.pipeline.spec.label_taken`): the
+    where the table leaves them at their defaults (absent, or spelled out as in resolved_pipeline.toml:
+    :func:`~wsi_milssl.pipeline.spec.label_taken`): the
     evaluation reads the annotations, and the overlays outline them, as the label stage read them. The
     evaluation's ``mpp`` is [tile]'s ``slide_mpp`` unless [evaluate] sets one: lesions are measured at the
     µm/px the slides were cut at (evaluate refuses an [evaluate] mpp that the heatmaps' sidecars contradict)."""

@@ -59,7 +59,8 @@ from wsi_milssl.pipeline.context import StageContext, in_set, listed_stems, set_
 from wsi_milssl.pipeline.digests import (EARLIER_DEFAULTS, EMBEDDED_UPSTREAM, UPSTREAM, digest_parts,
                                          feature_files, setting_names, with_label_settings)
 from wsi_milssl.pipeline.overlap import refuse_test_in_training
-from wsi_milssl.pipeline.spec import (RESOLVED_FILENAME, STAGES, PipelineSpec, load_pipeline, stage_config,
+from wsi_milssl.pipeline.spec import (RESOLVED_FILENAME, STAGES, PipelineSpec, label_defaults_spelled, load_pipeline,
+                                      stage_config,
                                       write_resolved_pipeline)
 from wsi_milssl.pipeline.stamps import (OUTPUT_IDS, SETTINGS_FORM, changed_outputs, mark_outdated, mark_running,
                                         read_stamp, recorded_digest, shown_paths, stale_reason, stamp_digest,
@@ -438,8 +439,8 @@ def _evaluate(ctx: StageContext) -> tuple[list[str], str]:
     from wsi_milssl.evaluation import evaluate_predictions, froc_protocol_summary
 
     config = with_label_settings(ctx.spec, "evaluate")
-    if "title" not in ctx.spec.section("evaluate"):  # the report names its pipeline (review BS)
-        config = dataclasses.replace(config, title=f"{ctx.spec.name}: evaluation")
+    if config.title == stage_config(ctx.spec, "evaluate", defaults_only=True).title:  # absent, or spelled out as in
+        config = dataclasses.replace(config, title=f"{ctx.spec.name}: evaluation")  # resolved_pipeline.toml (review BS)
     ds = ctx.spec.sets["test"]
     # the heatmap files of slides no longer in the test set (a changed split, a renamed slide) stay in the
     # folder, ignored
@@ -529,6 +530,11 @@ def run_pipeline(
         for stage in ("heatmap", "evaluate"):
             if stage in stages:
                 with_label_settings(spec, stage)
+        spelled = label_defaults_spelled(spec)
+        if spelled:  # review BR: a line that reads as the value used, while [label]'s is
+            log.warning("%s: %s, as a setting left at its default does (the packaged templates spell these "
+                        "defaults out). To evaluate with another value than [label]'s, set one other than the "
+                        "default, or run `wsi-milssl evaluate` with it.", spec.source, "; ".join(spelled))
     elif "evaluate" in stages:
         _refuse_other_test_features(spec)
     with folder_lock(spec.out_dir, named_by=out_named_by):

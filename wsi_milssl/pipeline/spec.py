@@ -102,9 +102,6 @@ class PipelineSpec:
     overrides: tuple[str, ...] = ()
     #: [train.grid] points trained at once: "auto" (one per visible GPU, one at a time without GPUs) or a count
     grid_workers: int | str = "auto"
-    #: a resolved_pipeline.toml of an earlier version: its [evaluate] and [heatmap] tables spell out the
-    #: settings of :data:`LABEL_SETTINGS` at their defaults, which take [label]'s value (:func:`label_taken`)
-    label_defaults_spelled: bool = False
 
     def section(self, stage: str) -> dict[str, Any]:
         """The raw table of ``stage`` (empty when absent)."""
@@ -134,16 +131,27 @@ LABEL_SETTINGS = {"evaluate": ("positive_fraction", "tumor_groups", "non_tumor_g
 
 def label_taken(spec: PipelineSpec, stage: str) -> tuple[str, ...]:
     """The settings of :data:`LABEL_SETTINGS` that [evaluate] or [heatmap] (``stage``) takes from [label]: those its
-    table does not set (one it sets keeps its value, also the default's: review BR). In a resolved_pipeline.toml of
-    an earlier version (:attr:`PipelineSpec.label_defaults_spelled`), which spelled out every default, those at their
-    defaults that no ``--set`` gave."""
-    section = spec.section(stage)
-    if not spec.label_defaults_spelled:
-        return tuple(k for k in LABEL_SETTINGS[stage] if k not in section)
+    table leaves at their defaults, absent or spelled out (as the packaged templates, and so every pipeline
+    ``prepare`` writes, spell [evaluate] positive_fraction = 0.25, and resolved_pipeline.toml every setting).
+    A value equal to the default is therefore [label]'s too (:func:`label_defaults_spelled` warns where that
+    differs from what the table says: review BR)."""
     config, default = stage_config(spec, stage), stage_config(spec, stage, defaults_only=True)
-    set_by = {parse_override(text)[0] for text in spec.overrides}
-    return tuple(k for k in LABEL_SETTINGS[stage]
-                 if k not in section or (getattr(config, k) == getattr(default, k) and (stage, k) not in set_by))
+    return tuple(k for k in LABEL_SETTINGS[stage] if getattr(config, k) == getattr(default, k))
+
+
+def label_defaults_spelled(spec: PipelineSpec) -> list[str]:
+    """"[evaluate] positive_fraction = 0.25 (the default) ... [label]'s 0.5" for each setting of
+    :data:`LABEL_SETTINGS` that a table spells out at its default while [label] sets another value: the table
+    then takes [label]'s value (:func:`label_taken`), which its line does not say."""
+    label = stage_config(spec, "label")
+    found = []
+    for stage, keys in LABEL_SETTINGS.items():
+        section = spec.section(stage)
+        for key in label_taken(spec, stage):
+            if key in section and getattr(label, key) != getattr(stage_config(spec, stage), key):
+                found.append(f"[{stage}] {key} = {section[key]!r} (the default) takes [label]'s "
+                             f"{getattr(label, key)!r}")
+    return found
 
 
 def _path(base: Path, value: Any, key: str, source: Path) -> Path:
@@ -390,8 +398,7 @@ def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None 
         _refuse_missing_weights(sections["train"], at("train"))
     spec = PipelineSpec(name=name, source=source, out_dir=out, sets=sets, val_fraction=val_fraction,
                         split_seed=split_seed, sections=sections, mode=mode, feature_stage=feature_stage,
-                        overrides=overrides, grid_workers=grid_workers,
-                        label_defaults_spelled=_EARLIER_RESOLVED_LAST_LINE in _header(source))
+                        overrides=overrides, grid_workers=grid_workers)
     from wsi_milssl.pipeline.training import refuse_unusable_split  # it imports this module
 
     refuse_unusable_split(spec, read_lists=check_paths)
@@ -540,18 +547,12 @@ def resolved_pipeline(spec: PipelineSpec) -> dict[str, Any]:
         table = config_to_dict(stage_config(spec, stage))
         if grid is not None:
             table["grid"] = grid
-        for key in label_taken(spec, stage) if stage in LABEL_SETTINGS else ():
-            del table[key]  # left out: taken from [label] when the file is run
         out[stage] = table
     return _without_none(out)
 
 
 #: the last line of the header of :func:`write_resolved_pipeline`
-_RESOLVED_LAST_LINE = ("# Every stage table holds all its settings, but those [evaluate] and [heatmap] take from [label]; "
-                       "`wsi-milssl run` accepts this file as it is.")
-#: the same line in files of earlier versions, whose [evaluate] and [heatmap] tables spelled out every setting
-_EARLIER_RESOLVED_LAST_LINE = ("# Every stage table holds all its settings; `wsi-milssl run` accepts this file as "
-                               "it is.")
+_RESOLVED_LAST_LINE = "# Every stage table holds all its settings; `wsi-milssl run` accepts this file as it is."
 
 
 def _header(path: Path) -> list[str]:
@@ -582,7 +583,7 @@ def write_resolved_pipeline(spec: PipelineSpec, path: str | os.PathLike) -> Path
     header = []
     if source == Path(os.path.abspath(path)):
         for line in _header(path):
-            if line in (_RESOLVED_LAST_LINE, _EARLIER_RESOLVED_LAST_LINE):
+            if line == _RESOLVED_LAST_LINE:
                 break
             header.append(line)
     if header:
