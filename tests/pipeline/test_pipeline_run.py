@@ -103,6 +103,14 @@ def test_image_tables_of_a_feature_pipeline_are_named_as_unused(feature_pipeline
         run_pipeline(load_pipeline(feature_pipeline, out_dir=tmp_path / "out"), until="train")
     assert ("[tile] and [heatmap] and [evaluate] margin_um, positive_fraction: not used by a pipeline of feature "
             "files") in caplog.text
+    # review BT: the pipeline's own resolved_pipeline.toml spells every default of those tables: no warning
+    feature_pipeline.write_text(feature_pipeline.read_text().split("[tile]")[0])
+    run_pipeline(load_pipeline(feature_pipeline, out_dir=tmp_path / "out"))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="wsi_milssl.pipeline.runner"):
+        outcomes = run_pipeline(load_pipeline(tmp_path / "out" / "resolved_pipeline.toml"))
+    assert [o.status for o in outcomes] == ["skipped", "skipped"]
+    assert "not used by a pipeline of feature files" not in caplog.text
 
 
 def test_cli_run_prints_each_stage(feature_pipeline, tmp_path, capsys):

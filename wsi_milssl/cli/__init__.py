@@ -359,16 +359,30 @@ def _say_when_terminated(command: str):
                      else "run the same command again to continue")
             message = (f"stopped by SIGTERM (a scheduler's time limit, `docker stop` or `kill`); what finished is "
                        f"kept. Fix: {again}.")
-            try:
-                print(f"error: {message}", file=sys.stderr, flush=True)
-            except (OSError, ValueError):
-                pass
             _log_to_file(f"error: {message}")
+            _write_without_blocking(sys.stderr, f"error: {message}\n")
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 
     previous = signal.signal(signal.SIGTERM, terminated)
     return signal.SIG_DFL if previous is None else previous  # None: a handler not set from Python
+
+
+def _write_without_blocking(stream, text: str) -> None:
+    """Write ``text`` to ``stream``'s file descriptor unless that would block (a full pipe whose reader is paused:
+    a SIGTERM must still end the process; review BT) or the stream has none."""
+    import fcntl
+
+    try:
+        fd = stream.fileno()
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_NONBLOCK)
+        try:
+            os.write(fd, text.encode("utf-8", "replace"))
+        finally:
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+    except (OSError, ValueError, AttributeError):  # would block, closed, or no descriptor (a test's capture)
+        pass
 
 
 def _temporary_folder_error(exc: OSError) -> WsiMilsslError | None:

@@ -313,8 +313,13 @@ def _warn_unused_tables(spec: PipelineSpec) -> None:
     """A pipeline of feature files ([data] mode = "features") trains on the files and scores bags: warn that the
     settings of [tile], [label], [heatmap] and [evaluate] it holds change nothing (review BR: they were ignored
     without a word; [evaluate] lesion_exclude has its own warning)."""
-    unused = [f"[{table}]" for table in ("tile", "label", "heatmap") if spec.section(table)]
-    keys = sorted(k for k in spec.section("evaluate") if k != "lesion_exclude")
+    def changed(table: str) -> list[str]:  # the settings it sets to other values than the defaults (a
+        # resolved_pipeline.toml spells every default: review BT)
+        config, default = stage_config(spec, table), stage_config(spec, table, defaults_only=True)
+        return sorted(k for k in spec.section(table) if getattr(config, k, None) != getattr(default, k, None))
+
+    unused = [f"[{table}]" for table in ("tile", "label", "heatmap") if changed(table)]
+    keys = [k for k in changed("evaluate") if k != "lesion_exclude"]
     if keys:
         unused.append(f"[evaluate] {', '.join(keys)}")
     if unused:

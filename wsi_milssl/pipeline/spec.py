@@ -143,6 +143,8 @@ def label_defaults_spelled(spec: PipelineSpec) -> list[str]:
     """"[evaluate] positive_fraction = 0.25 (the default) ... [label]'s 0.5" for each setting of
     :data:`LABEL_SETTINGS` that a table spells out at its default while [label] sets another value: the table
     then takes [label]'s value (:func:`label_taken`), which its line does not say."""
+    if _RESOLVED_LAST_LINE in _header(Path(spec.source)):  # resolved_pipeline.toml spells every default
+        return []
     label = stage_config(spec, "label")
     found = []
     for stage, keys in LABEL_SETTINGS.items():
