@@ -253,15 +253,18 @@ def test_a_store_of_a_slide_without_a_resolution_is_predicted_at_the_store_s(tmp
     """Review BO, C2: `heatmap --store` failed a slide without µm/px in its metadata (tiled with --slide-mpp)
     while the store records the µm/px it was cut at: the check of the slide's size and the overlay opened it
     without one."""
-    from conftest import make_renderer
     from wsi_milssl.synth.pyramid import write_pyramidal_tiff
     from wsi_milssl.tiling import tile_slide
 
+    def render(x0: int, y0: int, x1: int, y1: int) -> np.ndarray:  # textured tissue in a glass frame
+        ys, xs = np.mgrid[y0:y1, x0:x1]
+        noise = ((xs * 7919 + ys * 104729) % 61).astype(np.float32)
+        tissue = (xs >= 256) & (xs < 1792) & (ys >= 256) & (ys < 1792)
+        rgb = np.where(tissue[..., None], np.stack([180 + noise, 90 + noise, 150 + noise], -1), 245.0)
+        return np.clip(rgb, 0, 255).astype(np.uint8)
+
     (tmp_path / "slides").mkdir()
-    slide = write_pyramidal_tiff(tmp_path / "slides" / "bare.tif",
-                                 make_renderer(2048, 2048, tissue_box=(256, 256, 1792, 1792),
-                                               tumour=lambda xs, ys: xs < 800),
-                                 width=2048, height=2048, mpp=None)
+    slide = write_pyramidal_tiff(tmp_path / "slides" / "bare.tif", render, width=2048, height=2048, mpp=None)
     stores = tmp_path / "stores"
     assert tile_slide(slide, stores, TileConfig(**TILE, slide_mpp=0.25)).status == "ok"
     run = make_heatmaps([slide], checkpoint_factory(), tmp_path / "hm", HeatmapConfig(**FAST), stores=[stores])

@@ -21,6 +21,7 @@ and status rows right after them.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import hashlib
@@ -32,7 +33,7 @@ import traceback
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -911,21 +912,23 @@ def make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.Path
 
     every = match_inputs(path_list(slides), None if stores is None else path_list(stores))
     mine = shard_items(every, *shard, name=lambda i: i.stem)
-    with folder_lock(out_dir, shard=shard):
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        # marked unfinished until this run's last slide is done: `evaluate` refuses a folder of a run that stopped
-        # before predicting labelled slides (review BN: it scored the slides done so far, exit 0)
-        with marking_unfinished(out_dir, "heatmap", [i.stem for i in mine],
-                                shard=(int(shard[0]), int(shard[1])) if shard[1] > 1 else None,
-                                finished=lambda: _read_status(Path(out_dir) / STATUS_FILENAME)):
-            return _make_heatmaps(mine, checkpoint, out_dir, config, annotations_dir=annotations_dir,
-                                  progress=progress, overwrite=overwrite)
+    with folder_lock(out_dir, shard=shard), contextlib.ExitStack() as stack:
+        # marked unfinished (once the checkpoint loaded and the folder is made) until this run's last slide is
+        # done: `evaluate` refuses a folder of a run that stopped before predicting labelled slides (review BN: it
+        # scored the slides done so far, exit 0)
+        def mark() -> None:
+            stack.enter_context(marking_unfinished(out_dir, "heatmap", [i.stem for i in mine],
+                                                   shard=(int(shard[0]), int(shard[1])) if shard[1] > 1 else None,
+                                                   finished=lambda: _read_status(Path(out_dir) / STATUS_FILENAME)))
+
+        return _make_heatmaps(mine, checkpoint, out_dir, config, annotations_dir=annotations_dir,
+                              progress=progress, overwrite=overwrite, mark=mark)
 
 
 def _make_heatmaps(inputs: list[HeatmapInput], checkpoint: str | os.PathLike | InferenceModel,
                    out_dir: str | os.PathLike, config: HeatmapConfig | None, *,
                    annotations_dir: str | os.PathLike | None, progress: ProgressCallback | None,
-                   overwrite: bool) -> HeatmapRun:
+                   overwrite: bool, mark: Callable[[], None] | None = None) -> HeatmapRun:
     config = config or HeatmapConfig()
     out_dir = Path(out_dir)
     if inputs and config.num_workers != 0:
@@ -934,6 +937,8 @@ def _make_heatmaps(inputs: list[HeatmapInput], checkpoint: str | os.PathLike | I
     if config.threads > 0:  # also for a model loaded before the call (given back at the end)
         torch.set_num_threads(config.threads)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if mark is not None:
+        mark()
     fingerprint = _fingerprint(config, model)
     prediction_fingerprint = _fingerprint(config, model, drawing=False)
     sha256 = checkpoint_sha256(model)
