@@ -278,6 +278,13 @@ def test_the_report_names_its_pipeline_its_training_and_the_few_cases_it_rests_o
     assert "&quot;select_metric&quot;: &quot;bag_auc&quot;" in report
     assert "the bag AUC rests on 1 tumour and 1 normal slide(s): one slide ranked otherwise moves it by up to " \
            "1.00." in report
+    # review BU: a run folder whose best.pt is no longer the one the heatmaps recorded (resumed, replaced) is not
+    # described: its records are another model's
+    from wsi_milssl.evaluation.stage import _training_summary
+
+    best = out / "model" / "best.pt"
+    assert _training_summary(str(best), _sha256(best))["best_epoch"] >= 1
+    assert _training_summary(str(best), "0" * 64) == {}
     # review BS, C7: the output folder had no entry point
     index = (out / "README.txt").read_text()
     assert "pipeline 'upstream'" in index and "evaluation/report.html" in index and "ground truth" in index

@@ -732,11 +732,20 @@ def _one_slide_mpp(predictions_dir: Path, sidecars: dict[str, dict]) -> None:
             "pipeline: `wsi-milssl run PIPELINE --force heatmap`).")
 
 
-def _training_summary(checkpoint: Any) -> dict[str, Any]:
+def _training_summary(checkpoint: Any, sha256: Any) -> dict[str, Any]:
     """What the report says of the model's training (review BS: it said nothing): from the run folder beside
     ``checkpoint`` (its ``config.json`` and ``metrics.jsonl``, when they are there), the model, epochs, μ, T, λ,
-    the selection metric and the epoch best.pt holds with its validation score; {} when the folder has none."""
+    the selection metric and the epoch best.pt holds with its validation score; {} when the folder has none, or
+    when its checkpoint is no longer the one the heatmaps recorded (``sha256``: a run resumed or replaced since,
+    whose records describe another model: review BU)."""
+    from wsi_milssl.hashing import cached_file_sha256
+
     if not isinstance(checkpoint, str) or not checkpoint:
+        return {}
+    try:
+        if not isinstance(sha256, str) or cached_file_sha256(checkpoint) != sha256:
+            return {}
+    except OSError:
         return {}
     folder = Path(checkpoint).parent
     try:
@@ -1107,7 +1116,7 @@ def evaluate_predictions(
         if run_sidecar is not None:  # what made the evaluated slides, as their sidecars record it
             configuration["predictions_run"] = {k: run_sidecar.get(k)
                                                 for k in ("fingerprint", "checkpoint_sha256") + _RUN_FIELDS}
-            training = _training_summary(run_sidecar.get("checkpoint"))
+            training = _training_summary(run_sidecar.get("checkpoint"), run_sidecar.get("checkpoint_sha256"))
             if training:
                 configuration["training"] = training
         notes += _few_cases(metrics)

@@ -513,7 +513,7 @@ class FeatureFile:
                          "(the file records none; the head's patches are of this size)")
         if patch_lv0 is None:
             row_step = _row_step(coords)
-            if row_step is not None and row_step > stride and not overlap:
+            if row_step is not None and row_step > stride and not overlap and not _would_overlap(coords, row_step, stride):
                 # review BP: CLAM grids each tissue piece from its own corner; where the corners differ by a
                 # multiple of a small step, the pieces lie on that finer grid and the map was drawn with patches
                 # of its size, without a word
@@ -685,6 +685,22 @@ def _row_step(coords: np.ndarray) -> int | None:
         return None
     values, counts = np.unique(diffs, return_counts=True)
     return int(values[np.argmax(counts)])
+
+
+def _would_overlap(coords: np.ndarray, side: int, stride: int) -> bool:
+    """Whether squares of ``side`` level-0 px at ``coords`` (on a grid of ``stride``) would overlap: then ``side`` cannot
+    be the patch size of patches cut without overlap (one tissue piece with gaps, not pieces on a finer grid:
+    review BU)."""
+    k = max(1, -(-side // stride))  # offsets of whole strides closer than ``side``
+    cells = (coords - coords.min(axis=0)) // stride
+    width = int(cells[:, 0].max()) + 2 * k + 1
+    keys = (cells[:, 1] + k) * width + cells[:, 0] + k
+    for dy in range(-k + 1, k):
+        for dx in range(-k + 1, k):
+            if (dx or dy) and abs(dx) * stride < side and abs(dy) * stride < side:
+                if np.isin(keys + dy * width + dx, keys).any():
+                    return True
+    return False
 
 
 def _on_grid(coords: np.ndarray, stride: int) -> bool:

@@ -548,7 +548,7 @@ def run_pipeline(
             # the pipeline as it ran (overrides applied, every setting, absolute paths), beside its outputs: only
             # once every stage is done with these settings (_run_stages removed the file of an earlier run)
             write_resolved_pipeline(spec, spec.out_dir / RESOLVED_FILENAME)
-        _write_index(spec)
+            _write_index(spec)  # once there is a report to point at (review BU)
         return outcomes
 
 
