@@ -45,7 +45,7 @@ from wsi_milssl.benchmark.mil_csv import (DATA_KEYS, DEFAULT_PRESET, METHODS, PR
 from wsi_milssl.benchmark.plots import fold_scores_png
 from wsi_milssl.cli.benchmark import benchmark_config, refuse_shared_paths
 from wsi_milssl.errors import ConfigError, WsiMilsslError
-from wsi_milssl.features.encoders import file_sha256
+from wsi_milssl.hashing import cached_file_sha256 as file_sha256
 from wsi_milssl.mil.data import read_mil_csv
 
 DATASETS = ("musk1", "musk2", "elephant", "ucsb_breast_cancer")

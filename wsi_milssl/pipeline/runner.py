@@ -555,7 +555,7 @@ def run_pipeline(
 #: ``OUT/README.txt``: where a reader of the output folder finds what (review BS: it had no entry point)
 INDEX_FILENAME = "README.txt"
 
-_INDEX = """This folder is the output of `wsi-milssl run` (pipeline {name!r}: {source}).
+_INDEX = """This folder is the output of `wsi-milssl run` of the pipeline {name!r} (its resolved_pipeline.toml below).
 
 Start with:
   evaluation/report.html     the results: metrics, ROC/FROC plots, every test slide with its heatmap
@@ -585,7 +585,7 @@ def _write_index(spec: PipelineSpec) -> None:
     from wsi_milssl.atomic import atomic_write_text
 
     path = spec.out_dir / INDEX_FILENAME
-    text = _INDEX.format(name=spec.name, source=Path(os.path.abspath(spec.source)))
+    text = _INDEX.format(name=spec.name)  # not the pipeline file's path: a run from another file rewrites nothing
     try:
         if not path.is_file() or path.read_text(encoding="utf-8") != text:
             atomic_write_text(path, text)
