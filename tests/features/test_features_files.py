@@ -14,7 +14,7 @@ from wsi_milssl.cli import main
 from wsi_milssl.cli.train import detect_mode
 from wsi_milssl.errors import ConfigError, StoreError
 from wsi_milssl.features import read_feature_file, write_feature_file
-from wsi_milssl.mil import read_checkpoint, read_feature_files
+from wsi_milssl.mil import read_checkpoint, read_feature_files, read_labels_csv
 
 
 def _bags(n_bags: int = 6, dim: int = 16, seed: int = 0):
@@ -163,6 +163,23 @@ def test_train_on_clam_s_job_folder_names_its_feature_folder(tmp_path, capsys):
     err = capsys.readouterr().err
     assert (f"no patch stores or feature files in the given paths, but {tmp_path / 'clam' / 'h5_files'} holds 1 "
             "feature file(s). Fix: pass that folder") in err
+
+
+def test_bags_whose_names_differ_only_in_case_are_refused(tmp_path):
+    """Review BP, C2: SYNTH_001.h5 beside synth_001.h5 trained as two bags (one label for both) while evaluate
+    refused them as one slide."""
+    feats = np.zeros((4, 8), np.float32)
+    coords = np.arange(8).reshape(4, 2) * 256
+    for stem in ("synth_001", "SYNTH_001", "synth_002"):
+        write_clam_features(tmp_path, stem, feats, coords)
+    folder = tmp_path / "h5_files"
+    (tmp_path / "labels.csv").write_text("slide,label\nsynth_001,1\nsynth_002,0\n")
+    labels = read_labels_csv(tmp_path / "labels.csv")  # names matched without case, as every stage reads them
+    with pytest.raises(ConfigError, match=r"bag 'synth_001' and bag 'SYNTH_001' \(.*SYNTH_001.h5\) differ only in "
+                                          r"letter case"):
+        read_feature_files(sorted(folder.glob("*.h5")), labels)
+    (folder / "SYNTH_001.h5").unlink()
+    assert read_feature_files(sorted(folder.glob("*.h5")), labels).n_bags == 2
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])

@@ -285,11 +285,13 @@ def read_feature_files(paths: Iterable[str | os.PathLike], labels: dict[str, int
     (:func:`wsi_milssl.features.schema.settings_differences`: 20x and 10x features in one folder, say), are
     refused naming two of them; files that do not record a setting (TRIDENT's, CLAM's) are not compared on it.
     """
+    from wsi_milssl.cohorts import stem_key
     from wsi_milssl.features.schema import read_feature_file
 
     feats_all, bag_all, inst_all = [], [], []
     names: list[str] = []
     index: dict[str, int] = {}
+    by_key: dict[str, tuple[str, Path]] = {}  # names as labels and evaluate match them (without case)
     bag_labels: list[int] = []
     sources: list[str] | None = []
     have_inst = True
@@ -333,6 +335,11 @@ def read_feature_files(paths: Iterable[str | os.PathLike], labels: dict[str, int
         for b in dict.fromkeys(file_bags):
             if b in index:
                 raise ConfigError(f"{path}: bag {b!r} appears in more than one file; each bag must live in one file.")
+            other = by_key.setdefault(stem_key(b), (b, path))
+            if other[0] != b:  # review BP: trained as two bags, refused by evaluate as one slide
+                raise ConfigError(f"{path}: bag {b!r} and bag {other[0]!r} ({other[1]}) differ only in letter case, and "
+                                  "labels and evaluate match names without case, so they name one slide. Fix: remove "
+                                  "the copy, or rename one of them.")
             index[b] = len(names)
             names.append(b)
             bag_labels.append(_label_for(b, labels, str(path), labels_path))
