@@ -165,6 +165,24 @@ def test_train_on_clam_s_job_folder_names_its_feature_folder(tmp_path, capsys):
             "feature file(s). Fix: pass that folder") in err
 
 
+def test_features_saved_as_a_batch_of_one_slide_are_read(tmp_path):
+    """Review BP, C3: features of shape (1, N, D) (a batch of one, as some pipelines save them) were refused with a
+    general fix; they are the slide's (N, D). Other 3-D shapes are still refused."""
+    import h5py
+
+    coords = np.arange(8).reshape(4, 2) * 256
+    path = write_clam_features(tmp_path, "one", np.ones((4, 8), np.float32), coords)
+    with h5py.File(path, "a") as fh:
+        del fh["features"]
+        fh["features"] = np.ones((1, 4, 8), np.float32)
+    assert read_feature_file(path).features.shape == (4, 8)
+    with h5py.File(path, "a") as fh:
+        del fh["features"]
+        fh["features"] = np.ones((2, 2, 8), np.float32)
+    with pytest.raises(StoreError, match=r"'features' must be 2-D \(N, D\); got shape \(2, 2, 8\)"):
+        read_feature_file(path)
+
+
 def test_bags_whose_names_differ_only_in_case_are_refused(tmp_path):
     """Review BP, C2: SYNTH_001.h5 beside synth_001.h5 trained as two bags (one label for both) while evaluate
     refused them as one slide."""

@@ -873,6 +873,8 @@ def _read_open_file(path: Path, fh, *, instance_labels: bool = True) -> FeatureF
     feats = np.asarray(fh[FEATURES][()])
     if feats.ndim == 1 and feats.size == 0:  # TRIDENT's file of a slide without patches
         feats = feats.reshape(0, 0)
+    if feats.ndim == 3 and feats.shape[0] == 1:  # (1, N, D): a batch of one slide, as some pipelines save it
+        feats = feats[0]
     if feats.ndim != 2:
         raise StoreError(f"{path}: 'features' must be 2-D (N, D); got shape {feats.shape}. Fix: write one row "
                          "per patch.")

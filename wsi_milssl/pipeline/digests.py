@@ -306,7 +306,8 @@ def feature_file_bags(path: Path) -> list[str] | None:
 
     try:
         with h5py.File(path, "r") as fh:
-            n = fh[FEATURES].shape[0] if fh[FEATURES].ndim == 2 else 0
+            shape = fh[FEATURES].shape  # (N, D), or (1, N, D) as read_feature_file reads it
+            n = shape[0] if len(shape) == 2 else (shape[1] if len(shape) == 3 and shape[0] == 1 else 0)
             if n == 0:
                 return []
             if BAG_IDS in fh:
