@@ -8,8 +8,10 @@
     ENCODERS.get("resnet50_trunc")        # the factory; ConfigError listing the names for an unknown one
 
 Registering a second factory under a name already taken raises ValueError (a silent overwrite would
-make the part that runs depend on import order). Used by the feature encoders
-(:mod:`wsi_milssl.features.encoders`).
+make the part that runs depend on import order). Used by every swappable part: feature encoders
+(:mod:`wsi_milssl.features.encoders`), instance models (:mod:`wsi_milssl.mil.models`), slide readers
+(:mod:`wsi_milssl.slide.reader`), tissue detectors (:mod:`wsi_milssl.slide.tissue`) and colour maps
+(:mod:`wsi_milssl.inference.colormaps`).
 """
 
 from __future__ import annotations
@@ -50,6 +52,14 @@ class Registry(Generic[T]):
             return self._items[name]
         except (KeyError, TypeError):
             raise ConfigError(f"unknown {self.kind} {name!r}; registered: {', '.join(self.names())}.") from None
+
+    def pop(self, name: str) -> T:
+        """Remove ``name`` and return its factory (KeyError when not registered); for tests and plugins that
+        register a part for a while."""
+        return self._items.pop(name)
+
+    def __getitem__(self, name: str) -> T:
+        return self._items[name]
 
     def names(self) -> list[str]:
         """Registered names, sorted."""

@@ -29,6 +29,28 @@ def test_registry_refuses_a_duplicate_name_and_lists_names_for_an_unknown_one():
     assert {"resnet50_trunc", "resnet18"} <= set(ENCODERS.names()) and "timm:NAME" in list_encoders()
 
 
+def test_every_registry_refuses_a_taken_name_and_frees_it_when_popped():
+    from wsi_milssl.inference.colormaps import COLORMAPS, register_colormap
+    from wsi_milssl.mil.models import MODELS, register_model
+    from wsi_milssl.slide.reader import READERS, register_reader
+    from wsi_milssl.slide.tissue import TISSUE_DETECTORS, register_tissue_detector
+
+    for registry, register, builtin in ((MODELS, register_model, "resnet18"), (READERS, register_reader, "openslide"),
+                                        (TISSUE_DETECTORS, register_tissue_detector, "otsu"),
+                                        (COLORMAPS, register_colormap, "viridis")):
+        kept = registry[builtin]
+        with pytest.raises(ValueError, match=f"{builtin!r} is already registered"):
+            register(builtin)(lambda *a, **kw: None)
+        assert registry[builtin] is kept  # not overwritten
+        register("test-taken")(lambda *a, **kw: 1)
+        try:
+            with pytest.raises(ValueError, match="already registered"):
+                register("test-taken")(lambda *a, **kw: 2)
+        finally:
+            registry.pop("test-taken")
+        assert "test-taken" not in registry
+
+
 def test_random_weights_are_fixed_and_leave_the_callers_random_state_alone():
     torch.manual_seed(123)
     before = torch.get_rng_state()

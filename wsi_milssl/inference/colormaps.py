@@ -17,22 +17,20 @@ from typing import Callable
 
 import numpy as np
 
+from wsi_milssl.registry import Registry
+
 __all__ = ["COLORMAPS", "register_colormap", "apply_colormap", "colormap_lut"]
 
 Colormap = Callable[[np.ndarray], np.ndarray]
-COLORMAPS: dict[str, Colormap] = {}
+COLORMAPS: Registry[Colormap] = Registry("colour map")
 
 _LUT_SIZE = 256
 
 
 def register_colormap(name: str):
-    """Register ``fn(values float (...) in [0, 1]) -> uint8 (..., 3)`` under ``name`` (decorator)."""
-
-    def deco(fn: Colormap) -> Colormap:
-        COLORMAPS[name] = fn
-        return fn
-
-    return deco
+    """Register ``fn(values float (...) in [0, 1]) -> uint8 (..., 3)`` under ``name`` (decorator; ValueError
+    when the name is taken)."""
+    return COLORMAPS.register(name)
 
 
 @lru_cache(maxsize=None)

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from wsi_milssl.errors import CheckpointError, ConfigError
+from wsi_milssl.registry import Registry
 from wsi_milssl.weights import read_state_dict, strip_prefixes
 
 __all__ = ["MODELS", "register_model", "create_model", "list_models", "load_state_dict_file", "Standardize",
@@ -33,15 +34,17 @@ __all__ = ["MODELS", "register_model", "create_model", "list_models", "load_stat
 
 log = logging.getLogger(__name__)
 
-MODELS: dict[str, Callable[..., nn.Module]] = {}
+MODELS: Registry[Callable[..., nn.Module]] = Registry("model")
 _IMAGE_MODELS: set[str] = set()
 
 
 def register_model(name: str, *, image: bool = False):
-    """Register a model factory under ``name`` (decorator). ``image=True`` marks models over patches."""
+    """Register a model factory under ``name`` (decorator; ValueError when the name is taken by another
+    factory). ``image=True`` marks models over patches."""
+    register = MODELS.register(name)
 
     def deco(factory: Callable[..., nn.Module]):
-        MODELS[name] = factory
+        register(factory)
         if image:
             _IMAGE_MODELS.add(name)
         return factory

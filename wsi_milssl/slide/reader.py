@@ -24,6 +24,7 @@ from PIL import Image
 
 from wsi_milssl.errors import MissingResolutionError, SlideReadError
 from wsi_milssl.paths import link_loops
+from wsi_milssl.registry import Registry
 from wsi_milssl.slide.resolution import (
     DEFAULT_MPP_AT_40X,
     ReadPlan,
@@ -40,17 +41,12 @@ logger = logging.getLogger(__name__)
 #: range (screen or print dpi tags, zero-ish values) is not a microscope's and is ignored.
 PLAUSIBLE_MPP = (0.05, 20.0)
 
-READERS: dict[str, Callable[..., "SlideReader"]] = {}
+READERS: Registry[Callable[..., "SlideReader"]] = Registry("slide reader")
 
 
 def register_reader(name: str):
-    """Register a slide-reader factory under ``name`` (decorator)."""
-
-    def deco(factory):
-        READERS[name] = factory
-        return factory
-
-    return deco
+    """Register a slide-reader factory under ``name`` (decorator; ValueError when the name is taken)."""
+    return READERS.register(name)
 
 
 #: the first bytes of a TIFF or BigTIFF file, little- or big-endian

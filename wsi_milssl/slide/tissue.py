@@ -24,6 +24,8 @@ from PIL import Image
 from skimage import filters, morphology
 from skimage.filters import rank
 
+from wsi_milssl.registry import Registry
+
 __all__ = [
     "TISSUE_DETECTORS",
     "TissueMask",
@@ -35,17 +37,13 @@ __all__ = [
 ]
 
 TissueDetector = Callable[..., np.ndarray]
-TISSUE_DETECTORS: dict[str, TissueDetector] = {}
+TISSUE_DETECTORS: Registry[TissueDetector] = Registry("tissue detector")
 
 
 def register_tissue_detector(name: str):
-    """Register ``fn(rgb uint8 (h, w, 3), *, mpp: float) -> bool (h, w)`` under ``name`` (decorator)."""
-
-    def deco(fn: TissueDetector) -> TissueDetector:
-        TISSUE_DETECTORS[name] = fn
-        return fn
-
-    return deco
+    """Register ``fn(rgb uint8 (h, w, 3), *, mpp: float) -> bool (h, w)`` under ``name`` (decorator; ValueError
+    when the name is taken)."""
+    return TISSUE_DETECTORS.register(name)
 
 
 def saturation_uint8(rgb: np.ndarray) -> np.ndarray:
