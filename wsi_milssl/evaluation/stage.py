@@ -852,46 +852,23 @@ def _remove_earlier_run(out_dir: Path) -> None:
         (out_dir / name).unlink(missing_ok=True)
 
 
-def evaluate_predictions(
-    predictions_dir: str | os.PathLike,
-    *,
-    labels_csv: str | os.PathLike,
-    out_dir: str | os.PathLike,
-    annotations_dir: str | os.PathLike | None = None,
-    slides: str | os.PathLike | None = None,
-    config: EvaluateConfig | None = None,
-    progress: ProgressCallback | None = None,
-    only: Collection[str] | None = None,
-) -> EvaluationResult:
-    """Evaluate heatmap predictions and write metrics, curves, tables and ``report.html``.
+@dataclass(frozen=True)
+class _Selection:
+    """The slides one evaluation reads, and what it passed over (for the warnings, metrics and notes)."""
 
-    Parameters
-    ----------
-    predictions_dir : the heatmap stage's output folder, or a folder of CAMELYON16 detection CSVs.
-    labels_csv : ``slide,label`` (1 tumour, 0 normal) for at least every evaluated slide.
-    out_dir : folder for the outputs (created); its lock is held while they are written
-        (:func:`wsi_milssl.locks.folder_lock`: FolderLockedError while another run writes it). An earlier
-        run's evaluation files in it are removed first and ``metrics.json`` is written last.
-    annotations_dir : ASAP XML / GeoJSON per tumour slide (``<stem>.xml`` / ``<stem>.geojson``).
-    slides : a folder of slides or a CSV ``slide,path``; a tumour slide's file gives its level-0
-        size and MPP (the sidecar's ``slide_path`` is used when the slide is not listed here).
-    only : the slides (exact stems) to evaluate; the files, labels and heatmap status rows of other slides
-        are ignored (as the pipeline ignores those of slides no longer in its test set, or renamed), and a
-        slide of ``only`` without files counts as the heatmap stage recorded it (empty, failed). Default:
-        every predicted slide, and every labelled one.
-    """
-    config = config or EvaluateConfig()
-    predictions_dir = Path(predictions_dir)
-    out_dir = Path(out_dir)
-    writer = folder_writer(predictions_dir)
-    if writer is not None:
-        raise FolderLockedError(f"{predictions_dir}: {writer} is still writing this folder, so its predictions "
-                                "are not complete. Fix: wait until that heatmap run (every shard of it) finishes, "
-                                "then evaluate.")
-    annotations_dir = None if annotations_dir is None else Path(annotations_dir)
-    if annotations_dir is not None and not annotations_dir.is_dir():
-        raise EvaluationError(f"{annotations_dir}: the annotations folder does not exist. Fix: check --annotations.")
-    labels = read_labels(labels_csv)
+    evaluated: dict[str, PredictionFiles]  # stem -> its files (none for a slide in ``empty``)
+    slide_labels: dict[str, int]  # stem -> 1 tumour, 0 normal, for every evaluated slide
+    skipped: list[str]  # labelled slides with no predictions: not evaluated
+    empty: list[str]  # slides the heatmap stage found without a tissue patch: no detection, score 0
+    not_evaluated_files: list[str]  # file names find_predictions passed over
+    unlabelled_csvs: list[str]  # <stem>.csv files of no labelled slide
+    beside: list[str]  # <stem>.csv files beside their slide's <stem>_detections.csv
+
+
+def _select_slides(predictions_dir: Path, labels: Mapping[str, int], only: Collection[str] | None) -> _Selection:
+    """The slides of ``predictions_dir`` to evaluate (``only``: see :func:`evaluate_predictions`). Raises
+    EvaluationError naming the fix for slides with probabilities but no detections, slides the heatmap stage
+    failed on, an earlier run's files of an empty slide, unfinished slides and a stopped heatmap run."""
     passed_over: list[Path] = []
     found = find_predictions(predictions_dir, known_stems=set(labels), only=only, passed_over=passed_over)
     not_evaluated_files = [p.name for p in passed_over]
@@ -956,6 +933,162 @@ def evaluate_predictions(
     if skipped:
         logger.info("%d labelled slides have no predictions and are not evaluated (listed in %s under "
                     "not_evaluated)", len(skipped), EVALUATION_FILES["metrics"])
+    return _Selection(evaluated=evaluated, slide_labels=slide_labels, skipped=skipped, empty=list(empty),
+                      not_evaluated_files=not_evaluated_files, unlabelled_csvs=unlabelled_csvs, beside=beside)
+
+
+def _report_notes(sel: _Selection, *, reasons: Mapping[str, str], lesion_excluded: list[str],
+                  lesion_results: list[SlideResult], stale_scores: list[str]) -> list[str]:
+    """The report's notes on what is unavailable, left out or passed over (one sentence each)."""
+    notes = [f"{_METRIC_NAMES.get(k, k.replace('_', ' '))} unavailable: {v}." for k, v in reasons.items()]
+    if lesion_excluded:
+        notes.append(f"{len(lesion_excluded)} slide(s) are left out of the FROC and the instance AUC "
+                     f"(lesion_exclude) and kept in the bag AUC: {', '.join(lesion_excluded)}.")
+    n_outside = sum(r.match.n_outside_mask for r in lesion_results)
+    if sel.empty:
+        notes.append(f"{len(sel.empty)} slide(s) had no tissue patch in the heatmap stage and count with a score of 0 "
+                     f"in the bag AUC and no detection (a tumour slide's lesions missed): {_first(sorted(sel.empty))}.")
+    if sel.skipped:
+        notes.append(f"{len(sel.skipped)} labelled slide(s) have no predictions here and are not evaluated: "
+                     f"{', '.join(sel.skipped[:20])}{' ...' if len(sel.skipped) > 20 else ''}.")
+    if sel.unlabelled_csvs:
+        notes.append(f"{len(sel.unlabelled_csvs)} CSV file(s) in the predictions folder match no labelled slide and "
+                     f"are not evaluated (if they are detections, their slides are missing from the labels CSV): "
+                     f"{_first(sel.unlabelled_csvs)}.")
+    if sel.beside:
+        notes.append(f"{len(sel.beside)} CSV file(s) in the predictions folder are not evaluated: named <stem>.csv, "
+                     f"they are beside their slide's <stem>_detections.csv: {_first(sel.beside)}.")
+    if stale_scores:
+        notes.append(f"{SCORES_FILENAME} holds other scores than the sidecars of slides "
+                     f"{', '.join(stale_scores[:20])}{' ...' if len(stale_scores) > 20 else ''} (an interrupted "
+                     "heatmap run); the sidecars' scores, those of the evaluated files, are used.")
+    if n_outside:
+        notes.append(f"{n_outside} detection(s) lie outside their slide and count as false positives.")
+    return notes
+
+
+def _write_tables(out_dir: Path, results: list[SlideResult], rows: list[dict[str, Any]], curve: FrocCurve
+                  ) -> dict[str, Path]:
+    """Write the per-slide table (``rows``), the detection outcomes and the FROC curve's points as CSVs;
+    returns output name -> path."""
+    paths: dict[str, Path] = {}
+    names = EVALUATION_FILES
+    paths["per_slide"] = atomic_write_csv(out_dir / names["per_slide"], rows, columns=PER_SLIDE_COLUMNS)
+    det_rows = [
+        {"slide": r.stem, "prob": float(p), "x_lv0": float(x), "y_lv0": float(y), "outcome": o, "region": int(h)}
+        for r in results
+        for p, x, y, o, h in zip(r.match.probs, r.match.x_lv0, r.match.y_lv0, r.match.outcome, r.match.hit_label)
+    ]
+    paths["detection_outcomes"] = atomic_write_csv(
+        out_dir / names["detection_outcomes"], det_rows, columns=DETECTION_OUTCOME_COLUMNS)
+    curve_rows = [{"threshold": t, "fp_per_slide": f, "sensitivity": None if math.isnan(s) else s}
+                  for t, f, s in zip(curve.thresholds, curve.fp_per_slide, curve.sensitivity)]
+    paths["froc_curve"] = atomic_write_csv(out_dir / names["froc_curve"], curve_rows, columns=FROC_CURVE_COLUMNS)
+    return paths
+
+
+def _report_configuration(config: EvaluateConfig, predictions_dir: Path, sidecars: Mapping[str, dict[str, Any]],
+                          run_sidecar: dict[str, Any] | None, *, protocol: str,
+                          inputs: Mapping[str, str | os.PathLike | None]) -> tuple[dict[str, Any], list[str]]:
+    """The report's configuration section (the evaluation's settings and inputs, the run that made the evaluated
+    slides as their sidecars record it, the training behind its checkpoint, the heatmap run's settings) and
+    the notes on heatmap runs it cannot show as one."""
+    configuration = {
+        "evaluate": config_to_dict(config),
+        "inputs": {k: None if v is None else str(v) for k, v in inputs.items()},
+        "protocol": {
+            "mask_downsample": CAMELYON16_DOWNSAMPLE, "margin_um": config.margin_um, "froc_mpp": config.froc_mpp,
+            "froc_protocol": protocol,
+            "itc_major_axis_um": config.itc_major_axis_um, "fp_rates": list(FP_RATES),
+            "positive_fraction": config.positive_fraction,
+        },
+    }
+    pred_config = read_heatmap_config(predictions_dir)
+    if run_sidecar is not None:  # what made the evaluated slides, as their sidecars record it
+        configuration["predictions_run"] = {k: run_sidecar.get(k)
+                                            for k in ("fingerprint", "checkpoint_sha256") + _RUN_FIELDS}
+        training = _training_summary(run_sidecar.get("checkpoint"), run_sidecar.get("checkpoint_sha256"))
+        if training:
+            configuration["training"] = training
+    notes: list[str] = []
+    later_run = _later_run(pred_config, list(sidecars.values()))
+    if later_run:
+        notes.append(f"{HEATMAP_CONFIG_FILENAME} describes a later heatmap run (checkpoint "
+                     f"{pred_config.get('checkpoint')}) than the one that made the evaluated slides (checkpoint "
+                     f"{run_sidecar.get('checkpoint')}); the configuration shows what the slides' sidecars record.")
+    elif pred_config is not None and len(_values(list(sidecars.values()), "fingerprint")) > 1:
+        notes.append(f"the evaluated slides were made by heatmap runs with other drawing settings (one run by "
+                     f"their checkpoint and detection settings); {HEATMAP_CONFIG_FILENAME}, which the last of "
+                     "them wrote, is not shown as the configuration of all of them.")
+    elif pred_config is not None:
+        configuration["predictions_config"] = pred_config
+    return configuration, notes
+
+
+def _write_plots(out_dir: Path, paths: dict[str, Path], curve: FrocCurve, *, froc_value: float | None,
+                 sensitivities: list[float | None], protocol: str, inst_roc: RocCurve | None,
+                 bag_roc: RocCurve | None) -> list[tuple[str, bytes]]:
+    """Write the FROC and ROC plots that have data as PNGs (adding their paths to ``paths``); returns
+    (caption, PNG bytes) for the report."""
+    plots: list[tuple[str, bytes]] = []
+    if curve.n_lesions:
+        png = froc_png(curve, score=froc_value, sensitivities=sensitivities, protocol=protocol)
+        paths["froc_png"] = atomic_write_bytes(out_dir / EVALUATION_FILES["froc_png"], png)
+        plots.append((f"FROC curve ({'CAMELYON16 protocol' if protocol == 'CAMELYON16' else protocol})", png))
+    for key, curve_roc, caption in (
+        ("roc_instance_png", inst_roc, "Instance ROC (patches)"),
+        ("roc_bag_png", bag_roc, "Bag ROC (slides)"),
+    ):
+        name = EVALUATION_FILES[key]
+        if curve_roc is not None:
+            png = roc_png(curve_roc, title=caption)
+            paths[key] = atomic_write_bytes(out_dir / name, png)
+            plots.append((caption, png))
+    return plots
+
+
+def evaluate_predictions(
+    predictions_dir: str | os.PathLike,
+    *,
+    labels_csv: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    annotations_dir: str | os.PathLike | None = None,
+    slides: str | os.PathLike | None = None,
+    config: EvaluateConfig | None = None,
+    progress: ProgressCallback | None = None,
+    only: Collection[str] | None = None,
+) -> EvaluationResult:
+    """Evaluate heatmap predictions and write metrics, curves, tables and ``report.html``.
+
+    Parameters
+    ----------
+    predictions_dir : the heatmap stage's output folder, or a folder of CAMELYON16 detection CSVs.
+    labels_csv : ``slide,label`` (1 tumour, 0 normal) for at least every evaluated slide.
+    out_dir : folder for the outputs (created); its lock is held while they are written
+        (:func:`wsi_milssl.locks.folder_lock`: FolderLockedError while another run writes it). An earlier
+        run's evaluation files in it are removed first and ``metrics.json`` is written last.
+    annotations_dir : ASAP XML / GeoJSON per tumour slide (``<stem>.xml`` / ``<stem>.geojson``).
+    slides : a folder of slides or a CSV ``slide,path``; a tumour slide's file gives its level-0
+        size and MPP (the sidecar's ``slide_path`` is used when the slide is not listed here).
+    only : the slides (exact stems) to evaluate; the files, labels and heatmap status rows of other slides
+        are ignored (as the pipeline ignores those of slides no longer in its test set, or renamed), and a
+        slide of ``only`` without files counts as the heatmap stage recorded it (empty, failed). Default:
+        every predicted slide, and every labelled one.
+    """
+    config = config or EvaluateConfig()
+    predictions_dir = Path(predictions_dir)
+    out_dir = Path(out_dir)
+    writer = folder_writer(predictions_dir)
+    if writer is not None:
+        raise FolderLockedError(f"{predictions_dir}: {writer} is still writing this folder, so its predictions "
+                                "are not complete. Fix: wait until that heatmap run (every shard of it) finishes, "
+                                "then evaluate.")
+    annotations_dir = None if annotations_dir is None else Path(annotations_dir)
+    if annotations_dir is not None and not annotations_dir.is_dir():
+        raise EvaluationError(f"{annotations_dir}: the annotations folder does not exist. Fix: check --annotations.")
+    labels = read_labels(labels_csv)
+    selection = _select_slides(predictions_dir, labels, only)
+    evaluated, slide_labels, empty = selection.evaluated, selection.slide_labels, selection.empty
     slide_paths = resolve_slides(slides)
     # what is read, as it is now: a heatmap run started after the check above (its lock is not held here) and
     # rewriting slides while they are read would mix two runs' predictions in one report
@@ -1033,8 +1166,8 @@ def evaluate_predictions(
         "n_patches": n_patches if inst_metric.n else None,
         "n_positive_patches": inst_metric.n_positive if inst_metric.n else None,
         "reasons": reasons,
-        "not_evaluated": skipped,
-        "not_evaluated_files": not_evaluated_files,
+        "not_evaluated": selection.skipped,
+        "not_evaluated_files": selection.not_evaluated_files,
         "config_hash": config_hash(config, exclude=("title", "thumbnail_px")),
     }
 
@@ -1047,90 +1180,19 @@ def evaluate_predictions(
         paths: dict[str, Path] = {}
         names = EVALUATION_FILES
         rows = [_slide_row(r, scores.get(r.stem), r.stem in lesion_excluded) for r in results]
-        paths["per_slide"] = atomic_write_csv(out_dir / names["per_slide"], rows, columns=PER_SLIDE_COLUMNS)
-        det_rows = [
-            {"slide": r.stem, "prob": float(p), "x_lv0": float(x), "y_lv0": float(y), "outcome": o, "region": int(h)}
-            for r in results
-            for p, x, y, o, h in zip(r.match.probs, r.match.x_lv0, r.match.y_lv0, r.match.outcome, r.match.hit_label)
-        ]
-        paths["detection_outcomes"] = atomic_write_csv(
-            out_dir / names["detection_outcomes"], det_rows, columns=DETECTION_OUTCOME_COLUMNS)
-        curve_rows = [{"threshold": t, "fp_per_slide": f, "sensitivity": None if math.isnan(s) else s}
-                      for t, f, s in zip(curve.thresholds, curve.fp_per_slide, curve.sensitivity)]
-        paths["froc_curve"] = atomic_write_csv(out_dir / names["froc_curve"], curve_rows, columns=FROC_CURVE_COLUMNS)
-        plots: list[tuple[str, bytes]] = []
-        if curve.n_lesions:
-            png = froc_png(curve, score=froc_value, sensitivities=sens_list, protocol=protocol)
-            paths["froc_png"] = atomic_write_bytes(out_dir / names["froc_png"], png)
-            plots.append((f"FROC curve ({'CAMELYON16 protocol' if protocol == 'CAMELYON16' else protocol})", png))
-        for key, curve_roc, caption in (
-            ("roc_instance_png", inst_roc, "Instance ROC (patches)"),
-            ("roc_bag_png", bag_roc, "Bag ROC (slides)"),
-        ):
-            name = names[key]
-            if curve_roc is not None:
-                png = roc_png(curve_roc, title=caption)
-                paths[key] = atomic_write_bytes(out_dir / name, png)
-                plots.append((caption, png))
+        paths.update(_write_tables(out_dir, results, rows, curve))
+        plots = _write_plots(out_dir, paths, curve, froc_value=froc_value, sensitivities=sens_list,
+                             protocol=protocol, inst_roc=inst_roc, bag_roc=bag_roc)
         paths["config"] = write_resolved_config(config, out_dir, name=names["config"])
 
-        notes = [f"{_METRIC_NAMES.get(k, k.replace('_', ' '))} unavailable: {v}." for k, v in reasons.items()]
-        if lesion_excluded:
-            notes.append(f"{len(lesion_excluded)} slide(s) are left out of the FROC and the instance AUC "
-                         f"(lesion_exclude) and kept in the bag AUC: {', '.join(lesion_excluded)}.")
-        n_outside = sum(r.match.n_outside_mask for r in lesion_results)
-        if empty:
-            notes.append(f"{len(empty)} slide(s) had no tissue patch in the heatmap stage and count with a score of 0 "
-                         f"in the bag AUC and no detection (a tumour slide's lesions missed): {_first(sorted(empty))}.")
-        if skipped:
-            notes.append(f"{len(skipped)} labelled slide(s) have no predictions here and are not evaluated: "
-                         f"{', '.join(skipped[:20])}{' ...' if len(skipped) > 20 else ''}.")
-        if unlabelled_csvs:
-            notes.append(f"{len(unlabelled_csvs)} CSV file(s) in the predictions folder match no labelled slide and "
-                         f"are not evaluated (if they are detections, their slides are missing from the labels CSV): "
-                         f"{_first(unlabelled_csvs)}.")
-        if beside:
-            notes.append(f"{len(beside)} CSV file(s) in the predictions folder are not evaluated: named <stem>.csv, "
-                         f"they are beside their slide's <stem>_detections.csv: {_first(beside)}.")
-        if stale_scores:
-            notes.append(f"{SCORES_FILENAME} holds other scores than the sidecars of slides "
-                         f"{', '.join(stale_scores[:20])}{' ...' if len(stale_scores) > 20 else ''} (an interrupted "
-                         "heatmap run); the sidecars' scores, those of the evaluated files, are used.")
-        if n_outside:
-            notes.append(f"{n_outside} detection(s) lie outside their slide and count as false positives.")
-        configuration = {
-            "evaluate": config_to_dict(config),
-            "inputs": {
-                "predictions": str(predictions_dir), "labels": str(labels_csv),
-                "annotations": None if annotations_dir is None else str(annotations_dir),
-                "slides": None if slides is None else str(slides),
-            },
-            "protocol": {
-                "mask_downsample": CAMELYON16_DOWNSAMPLE, "margin_um": config.margin_um, "froc_mpp": config.froc_mpp,
-                "froc_protocol": protocol,
-                "itc_major_axis_um": config.itc_major_axis_um, "fp_rates": list(FP_RATES),
-                "positive_fraction": config.positive_fraction,
-            },
-        }
-        pred_config = read_heatmap_config(predictions_dir)
-        if run_sidecar is not None:  # what made the evaluated slides, as their sidecars record it
-            configuration["predictions_run"] = {k: run_sidecar.get(k)
-                                                for k in ("fingerprint", "checkpoint_sha256") + _RUN_FIELDS}
-            training = _training_summary(run_sidecar.get("checkpoint"), run_sidecar.get("checkpoint_sha256"))
-            if training:
-                configuration["training"] = training
+        notes = _report_notes(selection, reasons=reasons, lesion_excluded=lesion_excluded,
+                              lesion_results=lesion_results, stale_scores=stale_scores)
         notes += _few_cases(metrics)
-        later_run = _later_run(pred_config, list(sidecars.values()))
-        if later_run:
-            notes.append(f"{HEATMAP_CONFIG_FILENAME} describes a later heatmap run (checkpoint "
-                         f"{pred_config.get('checkpoint')}) than the one that made the evaluated slides (checkpoint "
-                         f"{run_sidecar.get('checkpoint')}); the configuration shows what the slides' sidecars record.")
-        elif pred_config is not None and len(_values(list(sidecars.values()), "fingerprint")) > 1:
-            notes.append(f"the evaluated slides were made by heatmap runs with other drawing settings (one run by "
-                         f"their checkpoint and detection settings); {HEATMAP_CONFIG_FILENAME}, which the last of "
-                         "them wrote, is not shown as the configuration of all of them.")
-        elif pred_config is not None:
-            configuration["predictions_config"] = pred_config
+        inputs = {"predictions": predictions_dir, "labels": labels_csv, "annotations": annotations_dir,
+                  "slides": slides}
+        configuration, run_notes = _report_configuration(config, predictions_dir, sidecars, run_sidecar,
+                                                         protocol=protocol, inputs=inputs)
+        notes += run_notes
         legend = (f"{MATCH_VIEW_CAPTION}: the evaluation regions and detections, axes in level-0 pixels; "
                   f"{MATCH_VIEW_LEGEND}." if any(cap == MATCH_VIEW_CAPTION for t in thumbs.values() for cap, _ in t)
                   else "")
