@@ -705,16 +705,9 @@ def _warn_mu_not_reached(config: TrainConfig, *, resume: bool = False) -> None:
                 config.mu_ramp_epochs + 1, config.epochs, last, fix)
 
 
-def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike | None,
-         val: InstanceSet | None, resume: bool, eval_at: Sequence[int] | None, keep_val_scores: bool,
-         run_info: dict[str, Any] | None, progress: ProgressCallback | None, dist: DistContext) -> FitResult:
-    digests = None  # compared on resume and between ranks; a run in memory (the benchmark) needs none
-    if out_dir is not None or dist.enabled:
-        digests = {"data_digest": data_digest(train),
-                   "val_data_digest": None if val is None else data_digest(
-                       val, instance_labels=config.select_metric == "instance_auc")}
-    with _peer_guard(dist, None, None):  # first, before any rank can stop on its own inputs
-        _same_inputs(config, train, val, resume=resume, eval_at=eval_at, dist=dist, digests=digests)
+def _check_training_sets(train: InstanceSet, val: InstanceSet | None, config: TrainConfig, dist: DistContext) -> None:
+    """ConfigError for training and validation sets that do not fit the settings or each other, or a training set
+    without bags of both labels; a warning for validation bags that are also training bags."""
     if train.kind != config.mode:
         raise ConfigError(f"training instances are {train.kind!r} but TrainConfig.mode is {config.mode!r}; "
                           "use the matching mode.")
@@ -734,8 +727,91 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
     if not (bag_labels == 1).any():
         raise ConfigError(f"{train.source}: no positive bag among the {train.n_bags} training bags; add slides "
                           "labelled 1.")
+
+
+def _restore_run(ckpt: dict[str, Any], out: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: Any, scaler: Any, train: InstanceSet, config: TrainConfig, dist: DistContext
+                 ) -> tuple[int, int, PseudoLabelState, tuple[float, float] | None, int | None, list[dict[str, Any]]]:
+    """Load the run that ``last.pt`` (``ckpt``) holds into ``model``, the optimizer, scheduler and grad scaler
+    and the random streams; returns (epoch, step, pseudo-label state, best score, best epoch, metrics
+    history). CheckpointError naming the fix when it cannot be restored."""
+    best_score: tuple[float, float] | None = None
+    best_epoch: int | None = None
+    start_epoch, step = int(ckpt["epoch"]), int(ckpt["step"])
+    try:
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        if scheduler is not None and ckpt.get("scheduler") is not None:
+            scheduler.load_state_dict(ckpt["scheduler"])
+        if scaler is not None and ckpt.get("grad_scaler") is not None:
+            scaler.load_state_dict(ckpt["grad_scaler"])
+        state = PseudoLabelState.from_dict(ckpt["pseudo_labels"])
+        if state.targets.numel() != len(train) or state.online_probs.numel() != len(train):
+            raise ValueError(f"its pseudo labels are of {state.targets.numel()} instances, the training set has "
+                             f"{len(train)}")
+        restore_rng(ckpt["rng"])
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, IndexError) as exc:
+        detail = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}"
+        raise CheckpointError(f"{out / 'last.pt'}: cannot restore the run from it ({detail[:300]}). "
+                              f"{RESUME_FIX}") from None
+    if not weights_finite(model):  # e.g. NaN BatchNorm statistics saved by an earlier version
+        raise CheckpointError(f"{out / 'last.pt'}: holds non-finite weights (NaN or infinity: a diverged run), "
+                              "so the run cannot be resumed from it. Fix: train again into a new --out (in "
+                              "`wsi-milssl run`: --force train), e.g. with a lower learning rate (--lr).")
+    best = ckpt.get("best") or {}
+    if best.get("score") is not None:
+        best_score = tuple(best["score"])
+        best_epoch = best.get("epoch")
+    history = _read_history(out, before_epoch=start_epoch)
+    if (not history or int(history[-1].get("epoch", 0)) < start_epoch) and ckpt.get("metrics"):
+        history.append(dict(ckpt["metrics"]))  # killed before metrics.jsonl got last.pt's epoch (older runs)
+    if dist.is_main:
+        _check_best(out, ckpt, best_epoch)
+        _warn_other_world_size(out / "last.pt", ckpt, config, dist, start_epoch)
+    log.info("resumed %s at epoch %d (step %d)", out / "last.pt", start_epoch, step)
+    return start_epoch, step, state, best_score, best_epoch, history
+
+
+def _save_epoch(out: Path, ckpt: dict[str, Any], history: list[dict[str, Any]], *, improved: bool,
+                draw: bool) -> OutputError | None:
+    """Write an epoch's ``best.pt`` (when ``improved``), ``metrics.jsonl`` and ``last.pt`` (``ckpt``), then
+    ``metrics.png`` (when ``draw``); returns the error to raise once the ranks know (None when saved)."""
+    saved = ckpt["epoch"] - 1  # the epoch last.pt holds until this save succeeds
+    try:
+        # last.pt last: it is what a resume starts from, so a kill between these writes re-runs
+        # this epoch, which writes best.pt and its metrics record again. Ctrl-C waits for the three
+        # (well under a second), and the plot comes after them (review BN: a Ctrl-C during the plot,
+        # drawn between them, lost the epoch)
+        with interrupt_after():
+            if improved:
+                save_checkpoint(best_checkpoint(ckpt), out / "best.pt")
+            _write_metrics(out, history)
+            save_checkpoint(ckpt, out / "last.pt")
+        saved = ckpt["epoch"]
+        if draw:
+            _draw_metrics(out, history)
+    except OutputError as exc:
+        if saved == 0:  # no epoch saved: nothing written for this one may look like a run
+            for name in ("best.pt", "metrics.jsonl", "metrics.png"):
+                remove_quietly(out / name)
+        return _save_failed(out, exc, saved_epoch=saved)
+    return None
+
+
+def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike | None,
+         val: InstanceSet | None, resume: bool, eval_at: Sequence[int] | None, keep_val_scores: bool,
+         run_info: dict[str, Any] | None, progress: ProgressCallback | None, dist: DistContext) -> FitResult:
+    digests = None  # compared on resume and between ranks; a run in memory (the benchmark) needs none
+    if out_dir is not None or dist.enabled:
+        digests = {"data_digest": data_digest(train),
+                   "val_data_digest": None if val is None else data_digest(
+                       val, instance_labels=config.select_metric == "instance_auc")}
+    with _peer_guard(dist, None, None):  # first, before any rank can stop on its own inputs
+        _same_inputs(config, train, val, resume=resume, eval_at=eval_at, dist=dist, digests=digests)
+    _check_training_sets(train, val, config, dist)
     if resume and out_dir is None:
         raise ConfigError("resume needs the run folder (out_dir) that holds last.pt.")
+    bag_labels = train.bag_labels
     if config.threads > 0:
         torch.set_num_threads(config.threads)
     runtime = resolve_runtime(config)
@@ -775,38 +851,9 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
     best_epoch: int | None = None
     history: list[dict[str, Any]] = []
     if ckpt is not None:
-        start_epoch, step = int(ckpt["epoch"]), int(ckpt["step"])
-        try:
-            model.load_state_dict(ckpt["model"])
-            optimizer.load_state_dict(ckpt["optimizer"])
-            if scheduler is not None and ckpt.get("scheduler") is not None:
-                scheduler.load_state_dict(ckpt["scheduler"])
-            if scaler is not None and ckpt.get("grad_scaler") is not None:
-                scaler.load_state_dict(ckpt["grad_scaler"])
-            state = PseudoLabelState.from_dict(ckpt["pseudo_labels"])
-            if state.targets.numel() != len(train) or state.online_probs.numel() != len(train):
-                raise ValueError(f"its pseudo labels are of {state.targets.numel()} instances, the training set has "
-                                 f"{len(train)}")
-            restore_rng(ckpt["rng"])
-        except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, IndexError) as exc:
-            detail = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}"
-            raise CheckpointError(f"{out / 'last.pt'}: cannot restore the run from it ({detail[:300]}). "
-                                  f"{RESUME_FIX}") from None
-        if not weights_finite(model):  # e.g. NaN BatchNorm statistics saved by an earlier version
-            raise CheckpointError(f"{out / 'last.pt'}: holds non-finite weights (NaN or infinity: a diverged run), "
-                                  "so the run cannot be resumed from it. Fix: train again into a new --out (in "
-                                  "`wsi-milssl run`: --force train), e.g. with a lower learning rate (--lr).")
-        best = ckpt.get("best") or {}
-        if best.get("score") is not None:
-            best_score = tuple(best["score"])
-            best_epoch = best.get("epoch")
-        history = _read_history(out, before_epoch=start_epoch)
-        if (not history or int(history[-1].get("epoch", 0)) < start_epoch) and ckpt.get("metrics"):
-            history.append(dict(ckpt["metrics"]))  # killed before metrics.jsonl got last.pt's epoch (older runs)
-        if dist.is_main:
-            _check_best(out, ckpt, best_epoch)
-            _warn_other_world_size(out / "last.pt", ckpt, config, dist, start_epoch)
-        log.info("resumed %s at epoch %d (step %d)", out / "last.pt", start_epoch, step)
+        start_epoch, step, state, best_score, best_epoch, history = _restore_run(
+            ckpt, out, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, train=train,
+            config=config, dist=dist)
     if out is not None and dist.is_main:
         out.mkdir(parents=True, exist_ok=True)
         if not resume:
@@ -929,25 +976,7 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
                     "metrics": {k: v for k, v in record.items() if isinstance(v, (int, float, str, type(None)))},
                 }
                 draw = config.plots and (epoch + 1 == config.epochs or time.perf_counter() - last_plot >= PLOT_INTERVAL_S)
-                saved = epoch  # the epoch last.pt holds until this save succeeds
-                try:
-                    # last.pt last: it is what a resume starts from, so a kill between these writes re-runs
-                    # this epoch, which writes best.pt and its metrics record again. Ctrl-C waits for the three
-                    # (well under a second), and the plot comes after them (review BN: a Ctrl-C during the plot,
-                    # drawn between them, lost the epoch)
-                    with interrupt_after():
-                        if improved:
-                            save_checkpoint(best_checkpoint(ckpt), out / "best.pt")
-                        _write_metrics(out, history)
-                        save_checkpoint(ckpt, out / "last.pt")
-                    saved = epoch + 1
-                    if draw:
-                        _draw_metrics(out, history)
-                except OutputError as exc:
-                    if saved == 0:  # no epoch saved: nothing written for this one may look like a run
-                        for name in ("best.pt", "metrics.jsonl", "metrics.png"):
-                            remove_quietly(out / name)
-                    save_error = _save_failed(out, exc, saved_epoch=saved)
+                save_error = _save_epoch(out, ckpt, history, improved=improved, draw=draw)
                 if draw:
                     last_plot = time.perf_counter()
             _saved_by_rank0(dist, epoch, out, failed=save_error is not None)
