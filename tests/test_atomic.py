@@ -32,6 +32,24 @@ def test_temporary_names_are_unique_hidden_and_name_their_process(tmp_path):
         temp_path(tmp_path / "s.h5", kind="x")
 
 
+def test_a_file_whose_name_fits_is_written_however_long_and_a_name_too_long_is_named(tmp_path):
+    # the temporary adds ~25 bytes to the name: cut to fit, so a slide named with 240 characters gets its store
+    long_name = "é" * 100 + "x" * 40 + ".h5"  # 243 bytes in UTF-8
+    tmp = temp_path(tmp_path / long_name, kind="partial")
+    assert len(os.fsencode(tmp.name)) <= 255 and tmp.name.endswith(".partial")
+    assert atomic_write_bytes(tmp_path / long_name, b"abc").read_bytes() == b"abc"
+    assert [p.name for p in tmp_path.iterdir()] == [long_name]  # no temporary left
+    dead = _dead_pid()
+    stale = tmp.with_name(tmp.name.replace(f".{os.getpid()}.", f".{dead}."))
+    stale.write_bytes(b"x")
+    assert clean_stale_temporaries(tmp_path) == [stale]  # a cut name is still recognised
+    too_long = "y" * 256
+    with pytest.raises(OutputError, match=r"y{256}: cannot write this file \(.*: the name is 256 bytes long\)\. "
+                                          r"Fix: shorten the name \(file systems take at most 255 bytes"):
+        atomic_write_bytes(tmp_path / too_long, b"abc")
+    assert [p.name for p in tmp_path.iterdir()] == [long_name]
+
+
 def test_stale_temporaries_of_dead_processes_are_removed_others_kept(tmp_path):
     dead = _dead_pid()
     stale_file = tmp_path / f".last.pt.{dead}.0123abcd.tmp"

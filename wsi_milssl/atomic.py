@@ -58,18 +58,24 @@ _TEMP_RE = re.compile(r"^\.(?P<target>.+)\.(?P<pid>[1-9][0-9]{0,9})\.(?P<token>[
 _WRITE_ERRNOS = {errno_.ENOSPC, errno_.EDQUOT, errno_.EFBIG, errno_.EROFS}
 # ... and these too when they come from opening or renaming the output itself.
 _ACCESS_ERRNOS = {errno_.EACCES, errno_.EPERM}
+#: the longest file name (one path component) that Linux and macOS file systems take, in bytes
+NAME_MAX_BYTES = 255
 
 
 def temp_path(path: str | os.PathLike, *, kind: str = "tmp") -> Path:
     """A new, unique temporary name beside ``path``: ``.<name>.<pid>.<8 hex>.<kind>``.
 
     Hidden (store and slide searches skip it), unique per call (process id and a random token), and
-    recognisable by :func:`clean_stale_temporaries` once its process is gone.
+    recognisable by :func:`clean_stale_temporaries` once its process is gone. ``<name>`` is cut to fit the
+    file system's 255-byte limit on a name, so that a file whose own name fits can be written (a slide
+    named with 240 characters).
     """
     if kind not in TEMP_KINDS:
         raise ValueError(f"temporary kind must be one of {', '.join(TEMP_KINDS)}; got {kind!r}.")
     path = Path(path)
-    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.{kind}")
+    tail = f".{os.getpid()}.{secrets.token_hex(4)}.{kind}"
+    name = os.fsencode(path.name)[:NAME_MAX_BYTES - 1 - len(tail)]  # a cut inside a character: surrogate escapes
+    return path.with_name(f".{os.fsdecode(name)}{tail}")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -160,6 +166,12 @@ def output_error(path: str | os.PathLike, exc: OSError, *, what: str = "cannot w
         existing = _nearest_existing(folder)
         cause, fix = f"{cause}: no permission to write in {existing}", (
             f"make it writable (`chmod u+w {shlex.quote(str(existing))}`) or write to another folder")
+    elif code == errno_.ENAMETOOLONG:
+        n_bytes = len(os.fsencode(path.name))
+        cause, fix = (f"{cause}: the name is {n_bytes} bytes long" if n_bytes > NAME_MAX_BYTES else
+                      f"{cause}: the path is too long"), (
+            f"shorten the name (file systems take at most {NAME_MAX_BYTES} bytes; an output named after a slide "
+            "adds up to 16 characters to the slide's name), e.g. rename the slide, or write to a shorter folder path")
     elif code == errno_.EISDIR:
         cause, fix = f"{cause}: {path} is a folder", "give the path of a file, or move the folder away"
     elif code in (errno_.ENOENT, errno_.ENOTDIR, errno_.EEXIST) and folder.is_dir():
@@ -235,7 +247,7 @@ def check_writable(*paths: str | os.PathLike | None) -> None:
 
 def _refuse_folder(path: Path) -> None:
     """OutputError naming ``path`` when it is an existing folder (a file cannot replace it)."""
-    if path.is_dir():
+    if os.path.isdir(path):  # False for a name too long (Path.is_dir raises), which the write then names
         raise output_error(path, IsADirectoryError(errno_.EISDIR, os.strerror(errno_.EISDIR), str(path)))
 
 

@@ -222,6 +222,23 @@ def test_bad_slide_is_recorded_and_others_finish(synth_slides, tmp_path):
     assert [p.name for p in (tmp_path / "out").iterdir() if "broken" in p.name] == []
 
 
+def test_a_slide_name_too_long_for_its_outputs_fails_that_slide_naming_the_fix(synth_slides, tmp_path):
+    # 239 bytes: every file named after it fits (the store's temporary too); 240: `<stem>_patches.geojson` would not
+    slides = tmp_path / "slides"
+    slides.mkdir()
+    fits, too_long = slides / ("a" * 239 + ".tif"), slides / ("b" * 240 + ".tif")
+    fits.symlink_to(synth_slides["normal"])
+    too_long.symlink_to(synth_slides["tumor"])
+    run = tile_slides(find_slides([slides]), tmp_path / "out", TileConfig(**FAST, pixels="none"))
+    status = {r.slide: r for r in run.results}
+    assert status["a" * 239].status == "ok" and (tmp_path / "out" / ("a" * 239 + ".h5")).is_file()
+    assert status["b" * 240].status == "failed"
+    assert status["b" * 240].error == (
+        f"{too_long}: the slide's name is 240 bytes long, too long for the files named after it "
+        "(bbbbbbbbbbbb..._patches.geojson would pass the 255 bytes a file name may have). Fix: rename the slide "
+        "(and its annotation file) to at most 239 bytes.")
+
+
 def test_a_72_dpi_tag_is_named_in_the_tile_error(tmp_path):
     """The tile stage's error used to drop what `info` says about the ignored resolution tag."""
     import tifffile

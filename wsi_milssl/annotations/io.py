@@ -296,7 +296,7 @@ def find_annotation(slide_stem: str, annotations_dir: str | os.PathLike) -> Path
     folded = [p for suffix in ANNOTATION_SUFFIXES for p in index.get(name_key(f"{slide_stem}{suffix}"), ())]
     found: dict[object, Path] = {}
     for p in [*exact, *folded]:
-        if p.is_file():
+        if os.path.isfile(p):  # False for a name too long for the file system (Path.is_file raises)
             found.setdefault(file_identity(p), p)  # one file under two spellings (case-insensitive folders)
     if not found:
         return None

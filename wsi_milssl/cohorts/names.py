@@ -17,7 +17,7 @@ from pathlib import Path
 ANNOTATION_SUFFIXES = (".xml", ".geojson", ".json")
 
 __all__ = ["ANNOTATION_SUFFIXES", "SLIDE_SUFFIXES", "STORE_SUFFIXES", "NAME_SUFFIXES", "file_identity", "name_key",
-           "slide_stem", "stem_key"]
+           "slide_stem", "stem_key", "stem_too_long"]
 
 #: Suffixes of whole-slide image files (a folder of slides is searched for these).
 SLIDE_SUFFIXES = (".svs", ".tif", ".tiff", ".ndpi", ".mrxs", ".scn", ".vms", ".vmu", ".bif", ".svslide",
@@ -28,6 +28,23 @@ STORE_SUFFIXES = (".h5", ".hdf5", ".zarr")
 
 #: Every suffix :func:`slide_stem` removes.
 NAME_SUFFIXES = SLIDE_SUFFIXES + STORE_SUFFIXES
+
+
+#: The longest ending a file named after a slide adds to its stem (the heatmap stage's ``<stem>_patches.geojson``,
+#: the label stage's ``<stem>_tumor_mask.json``); file systems take names of at most 255 bytes.
+LONGEST_OUTPUT_ENDING = "_patches.geojson"
+_NAME_MAX_BYTES = 255
+
+
+def stem_too_long(stem: str) -> str | None:
+    """Why the files named after slide ``stem`` cannot be made (a name over 255 bytes), or None."""
+    n_bytes = len(os.fsencode(stem))
+    room = _NAME_MAX_BYTES - len(LONGEST_OUTPUT_ENDING)
+    if n_bytes <= room:
+        return None
+    return (f"the slide's name is {n_bytes} bytes long, too long for the files named after it "
+            f"({stem[:12]}...{LONGEST_OUTPUT_ENDING} would pass the {_NAME_MAX_BYTES} bytes a file name may have). "
+            f"Fix: rename the slide (and its annotation file) to at most {room} bytes")
 
 
 def slide_stem(name: str | os.PathLike) -> str:

@@ -42,6 +42,7 @@ import numpy as np
 from wsi_milssl import __version__
 from wsi_milssl.atomic import atomic_write_json
 from wsi_milssl.config.base import config_to_dict
+from wsi_milssl.cohorts.names import stem_too_long
 from wsi_milssl.config.tile import TileConfig
 from wsi_milssl.distributed import Shard, shard_items
 from wsi_milssl.errors import FeatureFileGivenError, OutputError, StoreError, WsiMilsslError
@@ -410,6 +411,9 @@ def tile_slide(slide_path: str | os.PathLike, out_dir: str | os.PathLike, config
     slide_path = Path(slide_path)
     out_dir = Path(out_dir)
     stem = slide_stem(slide_path)
+    too_long = stem_too_long(stem)
+    if too_long:  # the first stage to meet the name: later ones would fail on their longer file names
+        raise OutputError(f"{slide_path}: {too_long}.", errno=errno.ENAMETOOLONG)
     final = store_path(out_dir, stem, config.format)
     # taken before any pixel is read: a slide rewritten while it is tiled is tiled again next time
     fingerprint = _slide_fingerprint_attrs(slide_path)
