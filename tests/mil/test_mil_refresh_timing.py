@@ -37,3 +37,25 @@ def test_refresh_seconds_counts_refreshes_within_epochs(tmp_path, mil_csv, monke
         assert REFRESH_DELAY_S <= row["refresh_seconds"] < row["train_seconds"], row
         training_s = row["train_seconds"] - row["refresh_seconds"]
         assert abs(row["instances_per_second"] * training_s - len(train)) < 1e-6 * len(train), row
+
+
+def test_the_first_epoch_after_the_warm_up_refreshes_before_its_first_step(mil_csv, monkeypatch):
+    """Review BV: with refresh_every > 0 the first refresh waited for the next multiple of refresh_every steps, so
+    the warm-up's all-positive labels trained on past the warm-up (up to 2.5 epochs instead of 1), and no refresh
+    ran at μ of the first epoch after it."""
+    real = selftrain.refresh_pseudo_labels
+    steps_per_epoch = -(-len(read_mil_csv(mil_csv)) // 64)  # batches of 64, the last one partial
+    refreshes: list[tuple[int, float, float]] = []  # (epoch, μ_t, mean target of positive-bag instances before)
+
+    def recording(model, instances, state, *, mu_t, **kwargs):
+        refreshes.append((len(refreshes), mu_t, float(state.targets[state.pos_index].mean())))
+        return real(model, instances, state, mu_t=mu_t, **kwargs)
+
+    monkeypatch.setattr(selftrain, "refresh_pseudo_labels", recording)
+    config = TrainConfig(mode="features", epochs=3, batch_size=64, refresh_every=2 * steps_per_epoch,
+                         warmup_epochs=1, mu=0.2, mu_ramp_epochs=2, plots=False, threads=1)
+    fit(read_mil_csv(mil_csv), config=config)
+    # the first refresh comes at the first step after the warm-up (epoch 2, μ_1 = 0.35), when every positive-bag
+    # instance is still the warm-up's positive; the next at step 2 * steps_per_epoch, the first of epoch 3 (μ_2 = 0.2)
+    assert [round(mu, 6) for _, mu, _ in refreshes] == [0.35, 0.2]
+    assert refreshes[0][2] == 1.0 and refreshes[1][2] < 1.0

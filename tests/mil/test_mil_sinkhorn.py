@@ -235,3 +235,29 @@ def test_relaxed_two_class_solver_matches_plain_sinkhorn_and_is_fast():
     assert it_fast < 50 < it_plain
     np.testing.assert_allclose(q_fast.exp().numpy(), q_plain.exp().numpy(), atol=1e-6)
     np.testing.assert_allclose(q_fast.exp().sum(0).numpy(), 1.0, atol=1e-12)  # columns are exact
+
+
+def test_a_capped_run_reports_the_error_of_the_labels_it_returns(caplog):
+    """Review BV: at max_iter the warning gave the error of the iterate before the last step (3.6e-4 for labels
+    that met the tolerance), and proposed a lower λ, which this solver does not need."""
+    p = np.random.default_rng(0).uniform(size=5000)
+    for max_iter in (1, 2, 3, 5):
+        caplog.clear()
+        q = assign_pseudo_labels(p, np.arange(p.size), mu=0.15, local_constraint=False, max_iter=max_iter)
+        share_error = abs(q.astype(np.float64).mean() - 0.15)
+        warned = [r.getMessage() for r in caplog.records if "Sinkhorn stopped" in r.getMessage()]
+        if share_error < 1e-6:
+            assert warned == [], (max_iter, share_error)
+        else:
+            assert len(warned) == 1 and f"relative marginal error {share_error:.2e}" in warned[0], warned
+            assert warned[0].endswith("raise max_iter.")
+
+
+def test_torch_tensors_of_any_float_type_are_accepted():
+    import torch
+
+    p = np.array([0.9, 0.2, 0.1, 0.6])
+    expected = assign_pseudo_labels(p, np.array([0, 0, 1, 1]), mu=0.5)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        got = assign_pseudo_labels(torch.tensor(p, dtype=dtype), np.array([0, 0, 1, 1]), mu=0.5)
+        assert np.allclose(got, expected, atol=1e-2), dtype

@@ -354,12 +354,13 @@ def train_one_epoch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, in
                     aug_generator: torch.Generator | None, step: int = 0, mu_t: float = 0.5,
                     scaler: torch.amp.GradScaler | None = None, loader: BatchLoader | None = None,
                     progress: ProgressCallback | None = None, dist: DistContext = SINGLE,
-                    refresh: bool = True) -> dict[str, float]:
+                    refresh: bool = True, refresh_first: bool = False) -> dict[str, float]:
     """One pass over ``order`` (a permutation of all instance indices) in batches of ``config.batch_size``
     (a last batch of one instance is left out for models with BatchNorm: :func:`without_lone_last`).
 
     Refreshes the pseudo labels every ``config.refresh_every`` steps (counted globally from ``step``)
-    when that is > 0 and ``refresh`` (False during warm-up epochs). Records training probabilities into ``state.online_probs``. Returns
+    when that is > 0 and ``refresh`` (False during warm-up epochs), and before the first step with
+    ``refresh_first`` (the first epoch after the warm-up: its labels are not kept past it). Records training probabilities into ``state.online_probs``. Returns
     ``{"loss": mean loss, "steps": steps taken, "instances": instances seen}`` (of this rank: ``order``
     is this rank's share when several ranks train, and ``model`` their DistributedDataParallel wrapper),
 and ``"refresh_seconds"``: the time spent refreshing pseudo labels within the pass (not training).
@@ -384,7 +385,8 @@ and ``"refresh_seconds"``: the time spent refreshing pseudo labels within the pa
     message, last_report = "", time.perf_counter()
     try:
         for bidx, raw in source.batches(instances, order, batch_size=config.batch_size):
-            if refresh and config.refresh_every > 0 and (step + steps) % config.refresh_every == 0:
+            if refresh and config.refresh_every > 0 and ((step + steps) % config.refresh_every == 0
+                                                         or (refresh_first and steps == 0)):
                 t_ref = time.perf_counter()
                 state.online_probs.copy_(online.cpu())
                 refresh_pseudo_labels(model, instances, state, mu_t=mu_t, config=config, runtime=runtime,
@@ -915,7 +917,8 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
                     stats = train_one_epoch(trainer, optimizer, train, state, order=order, config=config,
                                             runtime=runtime, aug_generator=aug, step=step, mu_t=mu_t,
                                             scaler=scaler, loader=loader, progress=progress, dist=dist,
-                                            refresh=not warming)
+                                            refresh=not warming,
+                                            refresh_first=epoch == config.warmup_epochs > 0)
                     if dist.enabled:
                         stats = _combine_ranks(stats, state, order, dist, trainer)
             except TrainingDivergedError:  # a refresh inside the epoch (refresh_every) met diverged weights

@@ -168,6 +168,8 @@ def sinkhorn_two_class(
             d_new = 0.5 * (lo + hi)
         last_move = abs(d_new - d)
         d = d_new
+    else:  # stopped at max_iter: the error of the d returned, not of the one before the last step (review BV)
+        err = abs(float((c * torch.sigmoid(z + d)).sum()) / total - target)
     # Rebuild α and β (eq. 7): α = (exp(d), 1) up to a common factor that β absorbs.
     log_alpha = torch.tensor([d, 0.0], dtype=log_kernel.dtype)
     log_beta = log_c - torch.logaddexp(log_kernel[0] + log_alpha[0], log_kernel[1] + log_alpha[1])
@@ -176,6 +178,8 @@ def sinkhorn_two_class(
 
 
 def _check_inputs(probs, bag_ids, mu, lam, max_iter, tol) -> tuple[np.ndarray, np.ndarray]:
+    if isinstance(probs, torch.Tensor):  # numpy has no bfloat16: widen on the torch side
+        probs = probs.detach().to("cpu", torch.float64).numpy()
     p = np.asarray(probs, dtype=np.float64)
     if p.ndim != 1:
         raise ValueError(f"probs must be a 1-D array of positive-class probabilities; got shape {p.shape}.")
@@ -249,7 +253,7 @@ def assign_pseudo_labels(
         log_q, iters, err = sinkhorn_two_class(float(lam) * log_p, log_r, log_c, max_iter=max_iter, tol=tol)
         if err >= tol:
             log.warning("Sinkhorn stopped after %d iterations with relative marginal error %.2e "
-                        "(tol %.1e); raise max_iter or lower lam.", iters, err, tol)
+                        "(tol %.1e); raise max_iter.", iters, err, tol)
         else:
             log.debug("Sinkhorn converged in %d iterations (error %.2e).", iters, err)
         # Columns sum to one, so the positive entry is the soft label; normalise away rounding.
