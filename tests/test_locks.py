@@ -50,6 +50,36 @@ def test_a_second_run_is_refused_naming_the_folder_and_the_other_pid(tmp_path):
         other.wait()
 
 
+def test_a_call_from_another_thread_is_refused_and_one_in_the_same_thread_nests(tmp_path):
+    """Review BX: the nesting count was per process, so a second call from another thread (two fit() calls in a
+    notebook's threads) shared the folder, and one run's files ended under the other's result."""
+    import threading
+
+    folder = tmp_path / "out"
+    held, release, errors = threading.Event(), threading.Event(), []
+
+    def first_run():
+        with folder_lock(folder):
+            with folder_lock(folder):  # the same thread: a stage inside a pipeline run
+                held.set()
+                release.wait(30)
+
+    thread = threading.Thread(target=first_run)
+    thread.start()
+    try:
+        assert held.wait(30)
+        with pytest.raises(FolderLockedError, match=rf"^{folder}: another wsi-milssl run \(pid {os.getpid()}, "):
+            with folder_lock(folder):
+                errors.append("entered")
+        assert folder_writer(folder) is not None  # this thread does not hold it: the other thread writes it
+    finally:
+        release.set()
+        thread.join(30)
+    assert errors == [] and not (folder / LOCK_FILENAME).exists()
+    with folder_lock(folder):  # free again
+        assert folder_writer(folder) is None
+
+
 def test_wait_blocks_until_the_other_run_ends(tmp_path):
     folder = tmp_path / "out"
     other = _hold(folder, seconds=1.5)

@@ -64,7 +64,10 @@ _SHARD_RE = re.compile(r"^\.wsi-milssl\.shard-(?P<index>[0-9]+)-of-(?P<count>[0-
 #: deletes a lock file) before it concludes that the lock is taken.
 SHARD_GRACE_S = 2.0
 
-_held: dict[str, int] = {}  # real path of a folder this process holds -> nesting depth
+# (thread, real path of a folder) this process holds -> nesting depth. Per thread: a call from another thread
+# (a notebook's) is another run that must be refused, not a nested one (review BX: two fit() calls in two threads
+# shared one run folder).
+_held: dict[tuple[int, str], int] = {}
 _held_guard = threading.Lock()
 
 
@@ -242,7 +245,7 @@ def folder_lock(path: str | os.PathLike, *, wait: bool = False,
     folder = Path(path)
     shard = _check_shard(shard)
     created = not folder.exists()
-    key = _create_folder(folder, named_by)
+    key = (threading.get_ident(), _create_folder(folder, named_by))
     with _held_guard:
         depth = _held.get(key, 0)
         if depth:
@@ -270,7 +273,7 @@ def folder_lock(path: str | os.PathLike, *, wait: bool = False,
 
 
 @contextmanager
-def _holding(key: str) -> Iterator[None]:
+def _holding(key: tuple[int, str]) -> Iterator[None]:
     with _held_guard:
         _held[key] = 1
     try:
@@ -480,7 +483,7 @@ def folder_writer(path: str | os.PathLike) -> str | None:
     count). For readers of a stage's outputs that must not read a half-written folder."""
     folder = Path(path)
     with _held_guard:
-        if _held.get(os.path.realpath(folder)):
+        if _held.get((threading.get_ident(), os.path.realpath(folder))):
             return None
     if _held_by_another(folder / LOCK_FILENAME):
         return _describe(lock_holder(folder))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 
 import pytest
 
@@ -75,3 +76,22 @@ def test_progress_lines_for_stages_epochs_and_long_items(monkeypatch):
     finally:
         progress_module.configure_progress_lines(stderr=False)
     assert seen == ["train-epoch 64/1000 inst", "train 1/2 epoch: epoch 1"]
+
+
+def test_bars_close_when_their_stage_is_done_and_redraw_at_most_every_tenth_of_a_second(capsys):
+    """Review BX: a top-level bar ran on until the `with` block ended (a 0.3 s tiling showed [00:10]), and every
+    event redrew its bar (a tiny run wrote 51 cursor-up escapes)."""
+    with TqdmProgress(disable=False) as p:
+        for n_slides in (3, 2):  # two passes of one stage (the training set's slides, then the test set's)
+            p(ProgressEvent("tile", 0, n_slides, unit="slide"))
+            for i in range(1, n_slides + 1):
+                for j in range(0, 501):
+                    p(ProgressEvent("tile-patches", j, 500, unit="patch"))
+                p(ProgressEvent("tile", i, n_slides, unit="slide", item=f"s{i}"))
+        err = capsys.readouterr().err
+        time.sleep(1.2)  # the bars' clock would run on while the `with` block is open
+    finals = re.findall(r"tile: 100%\|[^|]*\| (\d)/(\d) \[00:0(\d)", err)
+    assert [(a, b) for a, b, _ in finals] == [("3", "3"), ("2", "2")], err
+    assert all(int(s) == 0 for *_, s in finals)  # each bar's time is its own pass's (well under a second)
+    assert err.count("\r") < 60, err.count("\r")  # 2500 events
+    assert capsys.readouterr().err == ""  # nothing drawn when the block ends: every bar was closed

@@ -72,8 +72,12 @@ def test_read_feature_files_per_slide_and_multi_bag(tmp_path):
     assert inst.bag_names == ["s1", "x", "y"] and inst.bag_labels.tolist() == [1, 0, 0]
     assert len(inst) == 11 and inst.instance_labels.sum() == 1
     assert np.all(np.diff(inst.bag_ids) >= 0)
-    with pytest.raises(ConfigError, match="bag 'y' has no row in labels.csv"):
+    with pytest.raises(ConfigError, match="bag 'y' has no row in the labels;"):
         read_feature_files([tmp_path / "many.h5"], {"x": 0})
+    (tmp_path / "te").mkdir()  # labels read from a file are named by it (review BX: always "labels.csv")
+    (tmp_path / "te" / "val_labels.csv").write_text("slide,label\nx,0\n")
+    with pytest.raises(ConfigError, match=rf"bag 'y' has no row in {tmp_path / 'te' / 'val_labels.csv'};"):
+        read_feature_files([tmp_path / "many.h5"], read_labels_csv(tmp_path / "te" / "val_labels.csv"))
     with h5py.File(tmp_path / "nofeat.h5", "w") as fh:
         fh["coords"] = np.zeros((2, 2))
     with pytest.raises(StoreError, match="no 'features' dataset"):

@@ -103,6 +103,29 @@ def test_same_seed_same_weights_other_seed_differs(mil_csv):
     assert not all(torch.equal(a[k], c[k]) for k in a)
 
 
+def test_training_leaves_the_callers_random_streams_as_they_were(mil_csv):
+    """Review BX: fit() left torch's, numpy's and Python's global streams seeded from its own seed, so a notebook's
+    draws after training (a random split, a shuffle) repeated on every run."""
+    import random
+
+    train = read_mil_csv(mil_csv)
+
+    def draws():
+        return np.random.rand(), random.random(), float(torch.rand(1))
+
+    torch.manual_seed(123), np.random.seed(123), random.seed(123)
+    expected = draws()
+    torch.manual_seed(123), np.random.seed(123), random.seed(123)
+    fit(train, config=_config(epochs=1))
+    assert draws() == expected
+
+
+def test_a_dict_for_config_names_the_type_to_build(mil_csv):
+    with pytest.raises(ConfigError, match=r"^fit: config must be a wsi_milssl.config.TrainConfig \(TrainConfig"
+                                          r"\(\*\*settings\) from a dict\); got dict\.$"):
+        fit(read_mil_csv(mil_csv), config={"mode": "features", "epochs": 1})
+
+
 def test_resume_rejects_other_settings_and_missing_run(tmp_path, mil_csv):
     train = read_mil_csv(mil_csv)
     fit(train, config=_config(epochs=2), out_dir=tmp_path / "run")

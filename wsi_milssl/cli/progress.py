@@ -103,12 +103,14 @@ class TqdmProgress:
             self._bars[event.stage] = bar
         if event.total is not None and bar.total != event.total:
             bar.reset(total=event.total)
-        bar.n = event.done
         postfix = " ".join(p for p in (event.item, event.message) if p)
         if postfix:
             bar.set_postfix_str(postfix, refresh=False)
-        bar.refresh()
-        if event.total is not None and event.done >= event.total and event.stage.count("-"):
+        if event.done != bar.n:
+            bar.update(event.done - bar.n)  # redrawn at most every tqdm mininterval (0.1 s), not per event
+        if event.total is not None and event.done >= event.total:
+            # closed when done: its time and rate are the stage's (review BX: a top-level bar ran on until the
+            # `with` block ended); the stage's next pass (another slide set) gets a new bar
             bar.close()
             del self._bars[event.stage]
 

@@ -1074,6 +1074,7 @@ def evaluate_predictions(
         are ignored (as the pipeline ignores those of slides no longer in its test set, or renamed), and a
         slide of ``only`` without files counts as the heatmap stage recorded it (empty, failed). Default:
         every predicted slide, and every labelled one.
+    Returns an :class:`EvaluationResult` (``metrics`` as written to ``metrics.json``, ``paths`` of the files).
     """
     config = config or EvaluateConfig()
     predictions_dir = Path(predictions_dir)

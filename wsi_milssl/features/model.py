@@ -64,7 +64,8 @@ def load_feature_model(config: FeaturesConfig, *, plan: TilingPlan, encoder: Enc
     """The encoder of ``config`` (or ``encoder``) on ``config``'s runtime, for patches cut with ``plan``.
 
     The input size: ``config.input_size_px``, else the encoder's fixed input size when it has one and the
-    patches differ (logged), else the patches as they are.
+    patches differ (logged), else the patches as they are. ``config.threads`` > 0 sets torch's thread count
+    for the whole process (:func:`~wsi_milssl.features.extract_features` gives the count back when it returns).
     """
     runtime = resolve_runtime(config)
     if config.threads > 0:  # for the whole process: extract_features gives the count back, a model loaded by hand not

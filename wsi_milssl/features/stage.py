@@ -426,6 +426,7 @@ def extract_features(inputs: Sequence[str | os.PathLike], out_dir: str | os.Path
     per-slide errors are recorded in ``features_status.csv`` (rows of other slides, from earlier runs, are
     kept) and the run goes on. Holds the lock of ``out_dir`` for the run
     (:func:`wsi_milssl.locks.folder_lock`): a second run into the folder is refused with FolderLockedError.
+    Returns a :class:`FeatureRun` (one result per slide, the folder and its status CSV).
     """
     from wsi_milssl.inference.predict import prestart_readers
 

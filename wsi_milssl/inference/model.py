@@ -499,7 +499,8 @@ def load_inference_model(checkpoint_path: str | os.PathLike, *, config: HeatmapC
     Raises CheckpointError when the checkpoint cannot be read, holds a feature head (heatmaps need a
     model over image patches) or lacks the tiling settings of its training stores, and FolderLockedError
     while another run (a live ``train``) writes its run folder; a run that stopped before its last epoch
-    is warned about (:func:`check_run_finished`).
+    is warned about (:func:`check_run_finished`). ``config.threads`` > 0 sets torch's thread count for the
+    whole process (:func:`make_heatmaps` gives the count back when it returns; the model outlives this call).
     """
     from wsi_milssl.mil import load_model
     from wsi_milssl.mil.checkpoint import resolve_checkpoint_path

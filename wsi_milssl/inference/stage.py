@@ -907,6 +907,7 @@ def make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.Path
     run at once into one folder, and their status and score rows merge (sorted by slide), so N shards leave the files of one run.
     The lock of ``out_dir`` is held for the run (:func:`wsi_milssl.locks.folder_lock`, as shard I of
     N): another run into the folder, or a second copy of the shard, is refused with FolderLockedError.
+    Returns a :class:`HeatmapRun` (one result per slide of this shard, ``skipped``, ``redrawn``).
     """
     from wsi_milssl.tiling.status import marking_unfinished
 

@@ -455,6 +455,7 @@ def label_stores(
 
     ``other_stems``: the slides of another set that shares ``annotations_dir`` (a pipeline's one annotations
     folder for its train and test sets): their annotation files are not reported as matching no store.
+    Returns a :class:`LabelReport` (one result per store, and the names that did not match).
     """
     stores = [stores] if isinstance(stores, (str, os.PathLike)) else list(stores)
     with ExitStack() as locks:

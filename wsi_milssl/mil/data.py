@@ -256,16 +256,15 @@ def csv_bag_source(path: str | os.PathLike, bag: str) -> str:
     return f"{os.path.realpath(path)}#{bag.replace('%', '%25').replace('/', '%2F')}"
 
 
-def _label_for(name: str, labels: dict[str, int], source: str, labels_path: str) -> int:
+def _label_for(name: str, labels: dict[str, int], source: str, labels_path: str | None) -> int:
     if name not in labels:
-        raise ConfigError(
-            f"{source}: bag {name!r} has no row in {labels_path}; add '{name},<0|1>' or drop the file."
-        )
+        where = labels_path or getattr(labels, "path", None) or "the labels"  # a SlideLabels knows its file
+        raise ConfigError(f"{source}: bag {name!r} has no row in {where}; add '{name},<0|1>' or drop the file.")
     return labels[name]
 
 
 def read_feature_files(paths: Iterable[str | os.PathLike], labels: dict[str, int], *,
-                       labels_path: str = "labels.csv", empty: list[str] | None = None) -> InstanceSet:
+                       labels_path: str | None = None, empty: list[str] | None = None) -> InstanceSet:
     """Read instance feature vectors from HDF5 feature files (:mod:`wsi_milssl.features.schema`).
 
     Each file holds ``features`` float (N, D): files of ``wsi-milssl features``, TRIDENT's
@@ -557,7 +556,7 @@ def _nested_feature_folders(paths) -> str:
 
 
 def read_patch_stores(paths: Iterable[str | os.PathLike], labels: dict[str, int], *,
-                      labels_path: str = "labels.csv") -> InstanceSet:
+                      labels_path: str | None = None) -> InstanceSet:
     """Index the patches of patch stores (one store per slide = one bag) without reading pixels.
 
     Bag names are the stores' slide stems, labelled from ``labels``; bags are in name order
@@ -568,6 +567,7 @@ def read_patch_stores(paths: Iterable[str | os.PathLike], labels: dict[str, int]
     the target resolution and patch size. The stores' tile recipe (attribute ``tiling_plan``) goes into
     ``settings["tiling_plan"]`` as a dict (the first store's that has one; stores written before it
     existed have none), for training to copy into the checkpoint.
+    Returns an :class:`InstanceSet` of kind ``images`` (patches are read when a batch needs them).
     """
     from wsi_milssl.errors import ConfigError
     from wsi_milssl.paths import path_list

@@ -25,7 +25,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -651,15 +651,35 @@ def fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike |
     (:func:`existing_run_error`) rather than delete that run. The run holds the lock of ``out_dir`` (a second
     run into it raises FolderLockedError, and temporaries left there by a killed run are removed). A run folder that cannot be written (full
     disk, read-only) raises one OutputError naming the folder and the fix.
+    Returns a :class:`FitResult`; ``config`` must be a :class:`~wsi_milssl.config.TrainConfig` (ConfigError otherwise).
     """
+    if not isinstance(config, TrainConfig):  # a dict from a notebook: name the type to build
+        raise ConfigError(f"fit: config must be a wsi_milssl.config.TrainConfig (TrainConfig(**settings) from a "
+                          f"dict); got {type(config).__name__}.")
     kwargs = dict(config=config, out_dir=out_dir, val=val, resume=resume, eval_at=eval_at,
                   keep_val_scores=keep_val_scores, run_info=run_info, progress=progress, dist=dist)
     if out_dir is not None and not resume and (Path(out_dir) / "last.pt").exists():
         raise existing_run_error(Path(out_dir))
-    if out_dir is None or not dist.is_main:  # the other ranks never write the run folder
-        return _fit(train, **kwargs)
-    with folder_lock(out_dir, named_by=None if resume else "--out"):  # --resume continues this folder
-        return _fit(train, **kwargs)
+    with _callers_random_state():
+        if out_dir is None or not dist.is_main:  # the other ranks never write the run folder
+            return _fit(train, **kwargs)
+        with folder_lock(out_dir, named_by=None if resume else "--out"):  # --resume continues this folder
+            return _fit(train, **kwargs)
+
+
+@contextmanager
+def _callers_random_state() -> Iterator[None]:
+    """The run seeds torch's, numpy's and Python's global random streams from its own seed; give the caller
+    (a notebook drawing a split after training) its streams back as they were (review BX: every later draw
+    repeated the run's). CUDA streams are kept when CUDA is in use already."""
+    np_state, py_state = np.random.get_state(), random.getstate()
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=cuda):
+        try:
+            yield
+        finally:
+            np.random.set_state(np_state)
+            random.setstate(py_state)
 
 
 def _shared_bags(train: InstanceSet, val: InstanceSet) -> list[str]:

@@ -633,6 +633,7 @@ def tile_slides(slides: Iterable[str | os.PathLike], out_dir: str | os.PathLike,
     slide) while the others finish. Also writes ``qc/<stem>.png`` per slide. From before the first slide
     until this run (shard) has done its last, the folder holds its mark of an unfinished run
     (:func:`~wsi_milssl.tiling.status.marking_unfinished`): a run that stops in any way leaves it.
+    Returns a :class:`TileRun` (``results``: one TileResult per slide of this shard, ``ok``, ``n_failed``).
     """
     every = [Path(s) for s in path_list(slides)]  # every shard checks the stores of the whole run's slides
     slides = shard_items(every, *shard, name=slide_stem)
