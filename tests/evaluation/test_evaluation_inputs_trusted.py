@@ -6,6 +6,7 @@ checked (no infinite margin, a slide MPP in the range of every other stage)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -235,3 +236,23 @@ def test_evaluate_config_ranges():
     with pytest.raises(ConfigError, match=r"EvaluateConfig.mpp must satisfy 0.01 <= value <= 100.0; got 1e-09"):
         EvaluateConfig(mpp=1e-9)
     assert EvaluateConfig(mpp=0.01, margin_um=0.0, itc_major_axis_um=100_000.0).mpp == 0.01
+
+
+def test_a_patch_table_cut_short_is_refused_where_its_sidecar_records_the_count(synth_dir, annotations_dir,
+                                                                                  predictions, tmp_path):
+    """Review BW: a `<stem>_patches.csv` cut short (its last rows lost, the last probability cut to "0.4") was
+    evaluated as it was: another instance AUC, exit 0."""
+    pred_dir, info = predictions
+    copy = _copy(pred_dir, tmp_path)
+    table = copy / f"{info['normal']}_patches.csv"
+    n_rows = len(table.read_text().splitlines()) - 1
+    _sidecars(copy, info, normal={"n_patches": n_rows}, tumor={"n_patches": None})
+    assert _evaluate(copy, synth_dir, annotations_dir, tmp_path / "out").metrics["instance_auc"] is not None
+    table.write_bytes(table.read_bytes()[:-100])  # the last rows, and part of the one before them
+    left = len(table.read_text().splitlines()) - 1
+    assert left < n_rows
+    with pytest.raises(EvaluationError, match=(
+            rf"{re.escape(str(table))}: holds {left} patch rows, but .*_probs\.json records {n_rows} "
+            r"patches: the table was cut short or changed after the heatmap stage wrote it\. Fix: run the heatmap "
+            r"stage again for this slide")):
+        _evaluate(copy, synth_dir, annotations_dir, tmp_path / "out2")

@@ -66,3 +66,30 @@ def test_tile_options_with_stores_say_they_cut_slides_only(tmp_path, labelled_st
     assert "tiled at 2 µm/px with 32 px patches, but the tile settings given (0.5 µm/px, 512 px: " \
            "--magnification" in err
     assert "apply to slides cut on the fly only: a store is embedded as it was tiled. Fix: drop those options" in err
+
+
+def test_a_feature_file_with_damaged_hdf5_structures_is_one_error_naming_it(tmp_path):
+    """Review BW: bytes flipped in an HDF5 file's own structures (a heap, an object header) made h5py raise
+    RuntimeError, KeyError or ValueError, which `train` showed as a traceback."""
+    import h5py
+
+    good = tmp_path / "good.h5"
+    rng = np.random.default_rng(0)
+    with h5py.File(good, "w") as fh:
+        fh["features"] = rng.normal(size=(40, 8)).astype(np.float32)
+        fh["coords"] = np.stack([np.arange(40) * 32, np.zeros(40)], 1).astype(np.int64)
+    data = good.read_bytes()
+    outcomes = {"read": 0, "refused": 0}
+    for seed in range(150):
+        damaged = bytearray(data)
+        for pos in np.random.default_rng(seed).integers(0, len(data), 8):
+            damaged[pos] ^= 0xFF
+        path = tmp_path / "bag.h5"
+        path.write_bytes(bytes(damaged))
+        try:
+            read_feature_file(path)  # flips in the data alone read (HDF5 keeps no checksums by default)
+            outcomes["read"] += 1
+        except StoreError as exc:
+            assert str(exc).startswith(f"{path}: "), exc
+            outcomes["refused"] += 1
+    assert outcomes["refused"] > 50, outcomes

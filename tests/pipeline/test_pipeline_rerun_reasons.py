@@ -82,3 +82,22 @@ def test_a_file_taken_off_the_inputs_is_not_called_gone_while_it_is_on_disk(tmp_
     new = {"upstream": {"tile": "d2"}, "external": []}
     assert _changes({}, {}, old, new) == [
         f"input changed: the tile stage's settings or inputs, {kept} (no longer an input), {deleted} (gone)"]
+
+
+def test_a_damaged_stamp_runs_its_stage_again_saying_so(tmp_path):
+    """Review BW: a stamp with a byte that is not UTF-8, or JSON that is not an object, was a traceback."""
+    toml = tmp_path / "reasons.toml"
+    toml.write_text(PIPELINE)
+    out = tmp_path / "out"
+
+    def run() -> list[tuple[str, str, str]]:
+        return [(o.stage, o.status, o.reason)
+                for o in run_pipeline(load_pipeline(toml, out_dir=out), until="tile")]
+
+    run()
+    stamp_path = out / ".pipeline" / "tile.json"
+    good = stamp_path.read_bytes()
+    for damaged in (good[:40] + b"\xff\xfe" + good[42:], b"[1, 2]", b"", good[: len(good) // 2]):
+        stamp_path.write_bytes(damaged)
+        assert run() == [("synth", "skipped", ""), ("tile", "ran", f"{stamp_path} cannot be read")], damaged
+        assert run() == [("synth", "skipped", ""), ("tile", "skipped", "")]  # the stage wrote a good stamp

@@ -59,8 +59,8 @@ def test_bad_slides_of_both_sets_are_named_at_once_with_both_fixes(tmp_path):
         (root / f"{set_name}_labels.csv").write_text("slide,label\n" + "".join(f"{s},0\n" for s in stems))
     (tmp_path / "p.toml").write_text(PIPELINE.format(root=root))
     with pytest.raises(WsiMilsslError, match=r"tile: 1 slide\(s\) of the train set failed .*bad_train.* \| 1 slide\(s\) "
-                                             r"of the test set failed .*bad_test.*Fix: mend or replace those slide "
-                                             r"files, or leave them out of their set"):
+                                             r"of the test set failed .*bad_test.*To go on, mend or replace those "
+                                             r"slide files, or leave them out of their set"):
         run_pipeline(load_pipeline(tmp_path / "p.toml", out_dir=tmp_path / "out"), until="tile")
     assert (tmp_path / "out" / "stores" / "test" / "synth_001.h5").is_file()
 
@@ -71,7 +71,9 @@ def test_every_slide_stage_names_its_status_file_when_slides_fail(tmp_path):
 
     from wsi_milssl.pipeline.runner import _failed
 
-    failed = [SimpleNamespace(stem="a", slide="a", error="broken"), SimpleNamespace(stem="b", slide="b", error="x")]
+    # each slide's error keeps its own "Fix: ..." without its last period (review BW: "again.. Fix:")
+    failed = [SimpleNamespace(stem="a", slide="a", error="broken. Fix: mend a."),
+              SimpleNamespace(stem="b", slide="b", error="x")]
     status = tmp_path / "labels" / "train" / "label_status.csv"
     assert _failed(failed, status, set_name="train", what="store(s)", name=lambda r: r.stem) == \
-        f"2 store(s) of the train set failed (see {status}): a: broken; b: x"
+        f"2 store(s) of the train set failed (see {status}): a: broken. Fix: mend a; b: x"

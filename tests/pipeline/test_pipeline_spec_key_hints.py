@@ -45,6 +45,15 @@ def test_a_negative_split_seed_is_refused_at_load(tmp_path):
         _load(tmp_path, GENERATED_SLIDES, overrides=["data.split_seed=-1"])
 
 
+@pytest.mark.parametrize("content", [b"", b"\n  \n# settings lost\n"])
+def test_an_empty_pipeline_file_is_said_to_be_empty(tmp_path, content):
+    """Review BW: a file emptied by a failed copy read "[data] is missing train_slides, train_labels, ..."."""
+    path = tmp_path / "p.toml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=rf"^{path}: the pipeline file is empty \(no table or setting\)\. Fix: "):
+        load_pipeline(path, out_dir=tmp_path / "out")
+
+
 def test_a_file_with_a_byte_order_mark_loads(tmp_path):
     path = tmp_path / "bom.toml"
     path.write_bytes(b"\xef\xbb\xbf" + ('[pipeline]\nname = "bom"\n' + GENERATED_SLIDES).encode())

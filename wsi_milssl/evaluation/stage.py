@@ -252,6 +252,12 @@ def _evaluate_slide(
     coords = probs = None
     if files.patches is not None:
         coords, probs = read_patch_probs(files.patches)
+        recorded = (sidecar or {}).get("n_patches")
+        if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded != len(probs):
+            raise EvaluationError(  # (review BW: a table cut short was evaluated as it was)
+                f"{files.patches}: holds {len(probs)} patch rows, but {files.sidecar} records {recorded} patches: "
+                "the table was cut short or changed after the heatmap stage wrote it. Fix: run the heatmap stage "
+                "again for this slide (delete its files first, or pass --overwrite).")
     mpp = _slide_mpp(sidecar, config)
 
     if label == 1:

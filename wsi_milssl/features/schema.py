@@ -775,8 +775,8 @@ def read_feature_file(path: str | os.PathLike, *, instance_labels: bool = True) 
     try:
         with fh:
             return _read_open_file(path, fh, instance_labels=instance_labels)
-    except OSError as exc:  # a dataset cut short: the file opened, its data cannot be read
-        raise StoreError(damaged_message(path, exc)) from None
+    except (OSError, RuntimeError, KeyError, ValueError) as exc:  # a dataset cut short, or HDF5's own structures
+        raise StoreError(damaged_message(path, exc)) from None  # damaged (h5py: RuntimeError, KeyError, ValueError)
 
 
 #: The signature an HDF5 file starts with (at byte 0, or at 512, 1024, ... after a user block).

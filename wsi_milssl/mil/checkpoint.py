@@ -118,7 +118,7 @@ def read_checkpoint(path: str | os.PathLike, *, map_location: str | torch.device
     saying what it is (:func:`wsi_milssl.weights.load_torch_file`), ending in ``fix`` (default:
     :data:`READ_FIX`, which serves ``heatmap --model`` and a resume alike)."""
     path = resolve_checkpoint_path(path)
-    ckpt = load_torch_file(path, fix=fix or READ_FIX, map_location=map_location)
+    ckpt = load_torch_file(path, fix=fix or READ_FIX, map_location=map_location, verify=True)
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{path}: not a wsi-milssl training checkpoint (format "
                               f"{ckpt.get('format') if isinstance(ckpt, dict) else type(ckpt).__name__!r}); "

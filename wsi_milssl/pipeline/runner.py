@@ -159,8 +159,8 @@ def _tile(ctx: StageContext) -> tuple[list[str], str]:
         parts.append(f"{set_name}: {sum(r.n_patches for r in run.results)} patches from {len(run.results)} slides"
                      + (f" ({', '.join(more)})" if more else ""))
     if failures:
-        raise WsiMilsslError(f"tile: {' | '.join(failures)}. Fix: mend or replace those slide files, or leave them out "
-                             "of their set (its slide list or folder, and the labels); then run again: the slides "
+        raise WsiMilsslError(f"tile: {' | '.join(failures)}. To go on, mend or replace those slide files, or leave them "
+                             "out of their set (its slide list or folder, and the labels); then run again: the slides "
                              "tiled are kept.")
     return outputs, "; ".join(parts)
 
@@ -170,7 +170,7 @@ def _failed(failed: list, status_csv, *, set_name: str, what: str = "slide(s)", 
     slide stage that failed on some of a set's slides, pointing at its status file (review BQ: five copies, some
     without the file)."""
     return (f"{len(failed)} {what} of the {set_name} set failed (see {status_csv}): "
-            + "; ".join(f"{name(r)}: {r.error}" for r in failed[:3]))
+            + "; ".join(f"{name(r)}: {str(r.error).rstrip('. ')}" for r in failed[:3]))
 
 
 def _existing(paths) -> list[str]:

@@ -243,6 +243,10 @@ def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None 
     """
     source = Path(path)
     raw = load_toml(source)
+    if not raw and not overrides:  # (review BW: a file emptied by a failed copy was "[data] is missing train_slides, ...")
+        raise ConfigError(f"{source}: the pipeline file is empty (no table or setting). Fix: put its settings back "
+                          "(a run's OUT/resolved_pipeline.toml holds every one), or start from a packaged "
+                          "pipeline (pipelines/demo.toml).")
     overrides = tuple(overrides)
     generated_in_file = _asks_for_generated_slides(raw)
     _apply_overrides(raw, overrides, source)

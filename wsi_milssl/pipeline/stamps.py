@@ -160,11 +160,14 @@ def _stamp_path(state_dir: Path, stage: str) -> Path:
 
 
 def read_stamp(state_dir: str | os.PathLike, stage: str) -> StageStamp | None:
+    """The stamp of ``stage``, or None where there is none or it is damaged (not UTF-8, not JSON, not a JSON
+    object: review BW), so that the stage runs again."""
     path = _stamp_path(Path(state_dir), stage)
     try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        stamp = json.loads(path.read_text(encoding="utf-8"))
+    except (FileNotFoundError, ValueError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         return None
+    return stamp if isinstance(stamp, dict) else None
 
 
 def _plain(value: Any) -> Any:
