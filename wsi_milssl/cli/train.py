@@ -66,7 +66,7 @@ def add_train_options(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("pseudo labels (paper eq. 4-10; table-8 ablation switches)")
     s.add_argument("--mu", type=float, default=None, help=f"expected positive ratio in positive bags, μ [{d.mu}]")
     s.add_argument("--mu-ramp-epochs", type=int, default=None, metavar="T",
-                   help="epochs over which μ_t falls from 0.5 to μ (eq. 10) [5 | 10]")
+                   help="epochs over which μ_t goes linearly from 0.5 to μ (eq. 10) [5 | 10]")
     s.add_argument("--fixed-mu", action="store_true", help="use μ from the first epoch (no adaptive schedule)")
     s.add_argument("--lam", type=float, default=None, help=f"entropic regularisation λ (eq. 6) [{d.lam}]")
     s.add_argument("--hard-labels", action="store_true", help="binarise the pseudo labels (no soft labels)")

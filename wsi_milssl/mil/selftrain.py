@@ -721,7 +721,7 @@ def _warn_mu_not_reached(config: TrainConfig, *, resume: bool = False) -> None:
         ramp = f"{config.epochs - 1} or less" if config.epochs > 1 else "0 (no ramp)"
         fix = (f"--mu-ramp-epochs {ramp} (μ in the last epoch), more --epochs, or --fixed-mu (in a pipeline: "
                "train.mu_ramp_epochs, train.epochs, train.fixed_mu)")
-    log.warning("the μ schedule never reaches μ = %g: it falls from 0.5 over mu_ramp_epochs (--mu-ramp-epochs) T = %d "
+    log.warning("the μ schedule never reaches μ = %g: it goes from 0.5 over mu_ramp_epochs (--mu-ramp-epochs) T = %d "
                 "epochs (paper eq. 10, warm-up epochs included) and reaches μ at epoch %d, but the run trains %d "
                 "epoch(s), the last at μ_t = %.4f. Fix: %s.", config.mu, config.mu_ramp_epochs,
                 config.mu_ramp_epochs + 1, config.epochs, last, fix)
