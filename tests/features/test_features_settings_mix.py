@@ -44,7 +44,7 @@ def _labels(folder, names):
     return path
 
 
-def test_slides_embedded_at_two_resolutions_into_one_folder_do_not_train(tmp_path, synth_slides, synth_dir):
+def test_slides_embedded_at_two_resolutions_into_one_folder_do_not_train(tmp_path, synth_slides, synth_dir, capsys):
     """The reviewer's case: two `features` calls at 2 and 4 µm/px into one folder; `train FOLDER` refused."""
     feats = tmp_path / "feats"
     assert extract_features([synth_slides["tumor"]], feats, FAST, tile=TILE).ok
@@ -58,6 +58,7 @@ def test_slides_embedded_at_two_resolutions_into_one_folder_do_not_train(tmp_pat
     rc = main(["train", str(feats), "--labels", str(synth_dir / "labels.csv"), "--out", str(tmp_path / "run"),
                "--epochs", "1", "--threads", "1", "--no-plots"])
     assert rc != 0 and not (tmp_path / "run" / "last.pt").exists()
+    assert "hold features made with different settings" in capsys.readouterr().err
 
 
 def test_files_that_differ_only_in_precision_train_together(tmp_path):

@@ -53,8 +53,9 @@ def test_train_cli_errors(tmp_path, mil_csv, capsys):
     (tmp_path / "stopped" / "config.json").write_text("{}")
     assert main(["train", "--resume", str(tmp_path / "stopped")]) == 1
     assert "last.pt is missing: the run there never finished an epoch" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exited:
         main(["train", str(mil_csv), "--out", str(tmp_path / "x"), "--bag-pooling", "attention"])
+    assert exited.value.code == 2 and "invalid choice: 'attention'" in capsys.readouterr().err
 
 
 def test_checkpoint_loads_with_weights_only(tmp_path, mil_csv):

@@ -351,3 +351,33 @@ def test_an_interrupt_while_metrics_png_is_drawn_keeps_the_epoch(tmp_path, monke
     last = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
     assert last["epoch"] == 1
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def test_a_ctrl_c_while_best_pt_is_written_waits_for_the_epochs_other_files(tmp_path, monkeypatch):
+    """Review CA: the test above interrupts the plot only; the save block that makes best.pt, metrics.jsonl and
+    last.pt one step for Ctrl-C (review BN) had no guard. A SIGINT that lands while best.pt is written stops the
+    run only once last.pt holds the epoch."""
+    import os
+    import signal
+
+    from wsi_milssl.mil import selftrain
+
+    real = selftrain.save_checkpoint
+
+    def save_with_ctrl_c(ckpt, path):
+        if path.name == "best.pt":
+            os.kill(os.getpid(), signal.SIGINT)  # delivered to the main thread at once: inside the block
+        return real(ckpt, path)
+
+    monkeypatch.setattr(selftrain, "save_checkpoint", save_with_ctrl_c)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as the CLI has it
+    train = read_mil_csv(make_mil_csv(tmp_path / "bags.csv", n_bags=12))
+    val = read_mil_csv(make_mil_csv(tmp_path / "val.csv", n_bags=8, seed=1))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            fit(train, val=val, config=_features(epochs=3, plots=False), out_dir=tmp_path / "run")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert torch.load(tmp_path / "run" / "last.pt", weights_only=True)["epoch"] == 1
+    assert torch.load(tmp_path / "run" / "best.pt", weights_only=True)["epoch"] == 1
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 1

@@ -42,6 +42,7 @@ def test_images_validation_on_the_training_stores_is_refused(tmp_path, image_sto
     shutil.copytree(paths[0].parent, tmp_path / "copy")
     assert main(["train", folder, "--labels", str(labels), "--val", str(tmp_path / "copy"), "--out",
                  str(tmp_path / "run2"), *BASE]) != 0
+    assert "all 4 validation bags are training bags" in capsys.readouterr().err
     # a partial overlap trains (the training loop warns about it)
     others, _ = image_store_factory(tmp_path / "others", n_bags=2, n_patches=8, size_px=16, seed=1)
     both = tmp_path / "both"

@@ -74,6 +74,24 @@ def test_a_copied_feature_file_counts_and_other_bags_do_not(tmp_path):
         refuse_test_in_training(spec)
 
 
+def test_a_copied_feature_file_saved_as_a_batch_of_one_slide_counts_too(tmp_path):
+    """Review CA: (1, N, D) files are read as their (N, D) rows (aa3efee), but the pipeline's count of a file's bags
+    was not guarded: such a file counted as no bag, and its copy in the test set went through."""
+    feature_bags(tmp_path / "bags" / "train", 6, 0)
+    feature_bags(tmp_path / "bags" / "test", 4, 1)
+    trained = tmp_path / "bags" / "train" / "bag_05.h5"
+    with h5py.File(trained, "a") as fh:
+        rows = np.asarray(fh["features"][()])
+        del fh["features"]
+        fh["features"] = rows[None]  # (1, N, D)
+    spec = load_pipeline(_write(tmp_path / "p.toml", FEATURE_BAGS), out_dir=tmp_path / "out")
+    shutil.copy(trained, tmp_path / "bags" / "test" / "copied.h5")
+    with open(tmp_path / "bags" / "test" / "labels.csv", "a") as fh:
+        fh.write("copied,1\n")
+    with pytest.raises(ConfigError, match=re.escape("1 bag(s) are in both the training and the test set (copied in ")):
+        refuse_test_in_training(spec)
+
+
 def test_one_file_of_every_bag_split_by_the_labels_files_is_accepted(tmp_path):
     """A file of several bags (bag_ids, the MIL CSV layout) may serve both sets: its labels files choose the bags.
     A bag that both labels files list is refused."""
