@@ -8,7 +8,8 @@
     ENCODERS.get("resnet50_trunc")        # the factory; ConfigError listing the names for an unknown one
 
 Registering a second factory under a name already taken raises ValueError (a silent overwrite would
-make the part that runs depend on import order). Used by every swappable part: feature encoders
+make the part that runs depend on import order); the same function defined again (a notebook cell run twice,
+a reloaded module: same module and name) replaces it. Used by every swappable part: feature encoders
 (:mod:`wsi_milssl.features.encoders`), instance models (:mod:`wsi_milssl.mil.models`), slide readers
 (:mod:`wsi_milssl.slide.reader`), tissue detectors (:mod:`wsi_milssl.slide.tissue`) and colour maps
 (:mod:`wsi_milssl.inference.colormaps`).
@@ -25,6 +26,13 @@ __all__ = ["Registry"]
 T = TypeVar("T", bound=Callable)
 
 
+def _same_definition(a: Callable, b: Callable) -> bool:
+    """Whether ``b`` is ``a`` defined again (a notebook cell or a module reloaded): the same module and name."""
+    name = getattr(a, "__qualname__", None)
+    return (name is not None and not name.endswith("<lambda>") and name == getattr(b, "__qualname__", None)
+            and getattr(a, "__module__", None) == getattr(b, "__module__", None))
+
+
 class Registry(Generic[T]):
     """Factories by name. ``kind`` names the parts in messages ('encoder', 'model')."""
 
@@ -38,9 +46,11 @@ class Registry(Generic[T]):
             raise ValueError(f"a {self.kind} name must be a non-empty string; got {name!r}.")
 
         def deco(factory: T) -> T:
-            if name in self._items and self._items[name] is not factory:
-                raise ValueError(f"{self.kind} {name!r} is already registered (by {self._items[name].__module__}."
-                                 f"{self._items[name].__qualname__}); choose another name.")
+            taken = self._items.get(name)
+            if taken is not None and taken is not factory and not _same_definition(taken, factory):
+                raise ValueError(f"{self.kind} {name!r} is already registered (by {taken.__module__}."
+                                 f"{taken.__qualname__}); choose another name (or remove it first with "
+                                 f"pop({name!r})).")
             self._items[name] = factory
             return factory
 

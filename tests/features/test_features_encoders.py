@@ -51,6 +51,31 @@ def test_every_registry_refuses_a_taken_name_and_frees_it_when_popped():
         assert "test-taken" not in registry
 
 
+def test_a_function_defined_again_replaces_itself_another_is_refused():
+    """Review BY: a notebook cell with @register_tissue_detector("mine") run twice was refused; the same function
+    (module and name) defined again replaces itself, another function under the name is still refused."""
+    reg = Registry("widget")
+
+    def mine():
+        return 1
+
+    first = mine
+    reg.register("mine")(first)
+
+    def mine():  # noqa: F811 - the cell run again
+        return 2
+
+    reg.register("mine")(mine)
+    assert reg.get("mine")() == 2 and reg.get("mine") is not first
+
+    def other():
+        return 3
+
+    with pytest.raises(ValueError, match=r"widget 'mine' is already registered \(by .*\.mine\); choose another "
+                                         r"name \(or remove it first with pop\('mine'\)\)\."):
+        reg.register("mine")(other)
+
+
 def test_random_weights_are_fixed_and_leave_the_callers_random_state_alone():
     torch.manual_seed(123)
     before = torch.get_rng_state()

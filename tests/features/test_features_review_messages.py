@@ -93,3 +93,22 @@ def test_a_feature_file_with_damaged_hdf5_structures_is_one_error_naming_it(tmp_
             assert str(exc).startswith(f"{path}: "), exc
             outcomes["refused"] += 1
     assert outcomes["refused"] > 50, outcomes
+
+
+def test_intact_files_with_odd_contents_are_not_called_damaged(tmp_path):
+    """Review BY: catching h5py's error types everywhere called an intact file with latin-1 bag ids or text
+    coordinates damaged ("delete it and make it again"); only errors raised inside h5py are damage."""
+    import h5py
+
+    latin = tmp_path / "latin.h5"
+    with h5py.File(latin, "w") as fh:
+        fh["features"] = np.zeros((2, 3), np.float32)
+        fh["bag_ids"] = np.array([b"caf\xe9", b"x"])
+    with pytest.raises(StoreError, match=r"latin.h5: its 'bag_ids' are not UTF-8 text \(b'caf\\xe9'\.\.\.\)\. Fix: "):
+        read_feature_file(latin)
+    text = tmp_path / "text.h5"
+    with h5py.File(text, "w") as fh:
+        fh["features"] = np.zeros((2, 3), np.float32)
+        fh["coords"] = np.array([[b"a", b"b"], [b"c", b"d"]])
+    with pytest.raises(StoreError, match=r"text.h5: 'coords' must hold numbers \(level-0 x, y pixels\); got \|S1\."):
+        read_feature_file(text)

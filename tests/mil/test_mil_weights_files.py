@@ -269,3 +269,23 @@ def test_train_weights_holding_nan_are_refused_at_load(tmp_path):
     with pytest.raises(CheckpointError, match=rf"w_nan\.pt: 1 tensors of these weights hold NaN or infinity "
                                               rf"\({re.escape(key)}\), so training would start from a broken model"):
         create_model("resnet18", weights_path=str(path))
+
+
+def test_a_checkpoint_saved_without_checksums_loads(trained_run, tmp_path):
+    """Review BY: torch.save with serialization.config.save.compute_crc32 = False (a faster save) writes every
+    CRC-32 as 0; the checksum check called such checkpoints damaged."""
+    import zipfile
+
+    from torch.utils import serialization
+
+    ckpt = torch.load(trained_run / "last.pt", weights_only=True)
+    path = tmp_path / "last.pt"
+    before = serialization.config.save.compute_crc32
+    serialization.config.save.compute_crc32 = False
+    try:
+        torch.save(ckpt, path)
+    finally:
+        serialization.config.save.compute_crc32 = before
+    with zipfile.ZipFile(path) as archive:
+        assert not any(info.CRC for info in archive.infolist())
+    assert read_checkpoint(path)["epoch"] == ckpt["epoch"]

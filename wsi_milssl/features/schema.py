@@ -775,8 +775,21 @@ def read_feature_file(path: str | os.PathLike, *, instance_labels: bool = True) 
     try:
         with fh:
             return _read_open_file(path, fh, instance_labels=instance_labels)
-    except (OSError, RuntimeError, KeyError, ValueError) as exc:  # a dataset cut short, or HDF5's own structures
-        raise StoreError(damaged_message(path, exc)) from None  # damaged (h5py: RuntimeError, KeyError, ValueError)
+    except OSError as exc:  # a dataset cut short: the file opened, its data cannot be read
+        raise StoreError(damaged_message(path, exc)) from None
+    except (RuntimeError, KeyError, ValueError) as exc:  # h5py's words for damaged HDF5 structures (review BW);
+        if not _raised_in_h5py(exc):  # the same types from reading what an intact file holds are not damage
+            raise
+        raise StoreError(damaged_message(path, exc)) from None
+
+
+def _raised_in_h5py(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised inside h5py (its last traceback frame is h5py's)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    name = "" if tb is None else tb.tb_frame.f_code.co_filename.replace(os.sep, "/")
+    return name.startswith("h5py/") or "/h5py/" in name  # its compiled modules name themselves h5py/h5o.pyx
 
 
 #: The signature an HDF5 file starts with (at byte 0, or at 512, 1024, ... after a user block).
@@ -844,6 +857,9 @@ def _coords(path: Path, raw: np.ndarray) -> np.ndarray:
         raise StoreError(f"{path}: 'coords' must be (N, 2), one (x, y) row per patch as CLAM and TRIDENT write it; got "
                          f"shape {raw.shape}. Fix: write the coordinates as (N, 2) level-0 (x, y) rows (a (2, N) "
                          "array: store its transpose).")
+    if raw.dtype.kind not in "iuf":  # text or objects: astype would parse or fail with numpy's words
+        raise StoreError(f"{path}: 'coords' must hold numbers (level-0 x, y pixels); got {raw.dtype}. Fix: write the "
+                         "coordinates as integers.")
     return raw.reshape(-1, 2).astype(np.int64, copy=False)
 
 
@@ -903,7 +919,11 @@ def _read_open_file(path: Path, fh, *, instance_labels: bool = True) -> FeatureF
         raise StoreError(f"{path}: 'instance_label' has shape {inst.shape}; expected ({len(feats)},).")
     bag_ids = None
     if BAG_IDS in fh:
-        bag_ids = [b.decode() if isinstance(b, bytes) else str(b) for b in np.asarray(fh[BAG_IDS][()]).tolist()]
+        try:
+            bag_ids = [b.decode() if isinstance(b, bytes) else str(b) for b in np.asarray(fh[BAG_IDS][()]).tolist()]
+        except UnicodeDecodeError as exc:
+            raise StoreError(f"{path}: its 'bag_ids' are not UTF-8 text ({exc.object[:40]!r}...). Fix: write the bag "
+                             "names as UTF-8 strings.") from None
         if len(bag_ids) != len(feats):
             raise StoreError(f"{path}: 'bag_ids' has {len(bag_ids)} rows but 'features' has {len(feats)}.")
     attrs = {k: _plain(v) for k, v in fh.attrs.items()}
