@@ -146,7 +146,13 @@ def test_printed_results_reach_the_log_file(tmp_path, capsys):
         log.read_text()
 
 
-def test_sigterm_is_said_on_stderr_and_in_the_log_file(tmp_path):
+@pytest.mark.parametrize("module, argv, again", [
+    ("synth", "['synth', 'x']", "run the same command again to continue"),
+    # review BZ: the same command with --force (--overwrite) starts that work over instead of continuing it
+    ("tile", "['tile', 'x', '--out', 'o', '--overwrite']",
+     "run the same command again without --overwrite to continue (with it, that work starts over)"),
+])
+def test_sigterm_is_said_on_stderr_and_in_the_log_file(tmp_path, module, argv, again):
     """Review BS, C2: a SIGTERM (a scheduler's time limit, ``docker stop``) ended the log without a word. The
     process now says so on stderr and in the log file, and still ends as the signal does (exit status -15)."""
     import os
@@ -156,9 +162,9 @@ def test_sigterm_is_said_on_stderr_and_in_the_log_file(tmp_path):
     import time
 
     log = tmp_path / "t.log"
-    code = ("import time, wsi_milssl.cli.synth as s; from wsi_milssl.cli import main\n"
+    code = (f"import time, wsi_milssl.cli.{module} as s; from wsi_milssl.cli import main\n"
             "s.run = lambda args: (print('started', flush=True), time.sleep(60))\n"
-            f"main(['synth', 'x', '--log-file', {str(log)!r}])\n")
+            f"main({argv[:-1]}, '--log-file', {str(log)!r}])\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     env.pop("TORCHELASTIC_RUN_ID", None)
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
@@ -169,6 +175,5 @@ def test_sigterm_is_said_on_stderr_and_in_the_log_file(tmp_path):
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == -signal.SIGTERM
     assert err.startswith("error: stopped by SIGTERM"), err
-    assert re.search(rf"^{STAMP} ERROR wsi_milssl.cli: error: stopped by SIGTERM .* Fix: run the same command again "
-                     r"to continue\.$",
+    assert re.search(rf"^{STAMP} ERROR wsi_milssl.cli: error: stopped by SIGTERM .* Fix: {re.escape(again)}\.$",
                      log.read_text(), re.M), log.read_text()

@@ -92,6 +92,28 @@ def test_a_copied_feature_file_saved_as_a_batch_of_one_slide_counts_too(tmp_path
         refuse_test_in_training(spec)
 
 
+def test_a_copied_or_unlabelled_test_feature_file_is_refused_before_training(tmp_path):
+    """Review BZ: a copy of a training bag's file that the test labels did not name, and a test bag without a label
+    row, were found only by evaluate, after the whole train stage (the copy as a missing label row)."""
+    feature_bags(tmp_path / "bags" / "train", 6, 0)
+    feature_bags(tmp_path / "bags" / "test", 4, 1)
+    toml = _write(tmp_path / "p.toml", FEATURE_BAGS)
+    copied = tmp_path / "bags" / "test" / "other.h5"
+    shutil.copy(tmp_path / "bags" / "train" / "bag_05.h5", copied)  # no row for it in the test labels
+    with pytest.raises(ConfigError, match=re.escape(f"1 bag(s) are in both the training and the test set (other in "
+                                                    f"{copied} holds the same bytes as ")):
+        run_pipeline(load_pipeline(toml, out_dir=tmp_path / "out"))
+    copied.unlink()
+    labels = tmp_path / "bags" / "test" / "labels.csv"
+    labels.write_text("".join(labels.read_text().splitlines(keepends=True)[:-1]))  # bag_03's row gone
+    with pytest.raises(ConfigError, match=re.escape(
+            f"1 test bag(s) have no row in {labels} (bag_03 in {tmp_path / 'bags' / 'test' / 'bag_03.h5'}), so "
+            "evaluate would stop after training. Fix: add a 'name,<0|1>' row for each")):
+        run_pipeline(load_pipeline(toml, out_dir=tmp_path / "out"))
+    assert not (tmp_path / "out" / "model").exists()
+    run_pipeline(load_pipeline(toml, out_dir=tmp_path / "out"), until="train")  # a run that does not evaluate
+
+
 def test_one_file_of_every_bag_split_by_the_labels_files_is_accepted(tmp_path):
     """A file of several bags (bag_ids, the MIL CSV layout) may serve both sets: its labels files choose the bags.
     A bag that both labels files list is refused."""

@@ -265,7 +265,7 @@ def _main(argv: list[str] | None) -> int:
     except WsiMilsslError as exc:
         print(f"{tag}error: {exc}", file=sys.stderr)
         return 2
-    stdout, on_sigterm = sys.stdout, _say_when_terminated(args.command)
+    stdout, on_sigterm = sys.stdout, _say_when_terminated(args.command, _restarts(args))
     if _LOG_FILE_HANDLER is not None:
         sys.stdout = _StdoutCopy(stdout, _LOG_FILE_HANDLER)
     try:
@@ -341,7 +341,17 @@ class _StdoutCopy:
         return getattr(self._stream, name)
 
 
-def _say_when_terminated(command: str):
+def _restarts(args: argparse.Namespace) -> str | None:
+    """The option of this command line that starts work over (``--force STAGE``, ``--overwrite``), as typed, or None:
+    the same command run again would not continue with it (review BZ)."""
+    if getattr(args, "force", None):
+        return "--force " + " ".join(args.force)
+    if getattr(args, "overwrite", False) is True:
+        return "--overwrite"
+    return None
+
+
+def _say_when_terminated(command: str, restarts: str | None = None):
     """On SIGTERM (a scheduler's time limit, ``docker stop``, ``kill``): say so on stderr and in the
     ``--log-file``, then end as the signal does (exit status 143), so that a batch run's log does not just stop.
     Returns the handler it replaced (for :func:`main` to put back), or None when it installs none: under torchrun
@@ -356,7 +366,8 @@ def _say_when_terminated(command: str):
     def terminated(signum, frame) -> None:
         if os.getpid() == pid:
             again = ("run `wsi-milssl train --resume RUN` to continue from the last finished epoch" if command == "train"
-                     else "run the same command again to continue")
+                     else f"run the same command again without {restarts} to continue (with it, that work starts "
+                          "over)" if restarts else "run the same command again to continue")
             message = (f"stopped by SIGTERM (a scheduler's time limit, `docker stop` or `kill`); what finished is "
                        f"kept. Fix: {again}.")
             _log_to_file(f"error: {message}")

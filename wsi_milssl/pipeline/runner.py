@@ -58,7 +58,7 @@ from wsi_milssl.locks import folder_lock
 from wsi_milssl.pipeline.context import StageContext, in_set, listed_stems, set_stores, store_format
 from wsi_milssl.pipeline.digests import (EARLIER_DEFAULTS, EMBEDDED_UPSTREAM, UPSTREAM, digest_parts,
                                          feature_files, setting_names, with_label_settings)
-from wsi_milssl.pipeline.overlap import refuse_test_in_training
+from wsi_milssl.pipeline.overlap import refuse_test_in_training, refuse_unlabelled_test_bags
 from wsi_milssl.pipeline.spec import (RESOLVED_FILENAME, STAGES, PipelineSpec, label_defaults_spelled, load_pipeline,
                                       stage_config,
                                       write_resolved_pipeline)
@@ -531,6 +531,8 @@ def run_pipeline(
             raise ConfigError(f"--force {', '.join(later)}: after --until {until}, so it would not run. Fix: drop "
                               f"--until, or force a stage up to {until}.")
     refuse_test_in_training(spec)
+    if "evaluate" in stages:
+        refuse_unlabelled_test_bags(spec)
     if spec.mode == "images":  # [label]'s settings in [heatmap] / [evaluate]: a clash found before any stage runs
         for stage in ("heatmap", "evaluate"):
             if stage in stages:
