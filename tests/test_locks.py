@@ -17,7 +17,8 @@ import pytest
 from diskfaults import read_only_folder
 from wsi_milssl.atomic import temp_path
 from wsi_milssl.errors import FolderLockedError, OutputError
-from wsi_milssl.locks import LOCK_FILENAME, folder_lock, folder_mutex, folder_writer, lock_holder, shard_lock_filename
+from wsi_milssl.locks import (LOCK_FILENAME, MUTEX_FILENAME, folder_lock, folder_mutex, folder_writer, lock_holder,
+                              shard_lock_filename)
 
 REFUSED = r" is writing to this folder\. Fix: wait until it finishes, or write to another folder \(--out\)\.$"
 
@@ -78,6 +79,23 @@ def test_a_call_from_another_thread_is_refused_and_one_in_the_same_thread_nests(
     assert errors == [] and not (folder / LOCK_FILENAME).exists()
     with folder_lock(folder):  # free again
         assert folder_writer(folder) is None
+
+
+@pytest.mark.parametrize("folder_mode, lock_mode", [(0o2775, 0o664), (0o755, 0o644), (0o777, 0o666)])
+def test_a_lock_file_is_as_writable_as_its_folder_whatever_the_umask(tmp_path, folder_mode, lock_mode):
+    """Review CB: under umask 022 a lock file was 0644 in a group's shared folder, so the next run of another group
+    member could not open it to lock and record itself ("no permission to write in FOLDER", a chmod fix)."""
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    folder.chmod(folder_mode)
+    before = os.umask(0o022)
+    try:
+        with folder_lock(folder):
+            assert (folder / LOCK_FILENAME).stat().st_mode & 0o777 == lock_mode
+        with folder_mutex(folder):
+            assert (folder / MUTEX_FILENAME).stat().st_mode & 0o777 == lock_mode
+    finally:
+        os.umask(before)
 
 
 def test_wait_blocks_until_the_other_run_ends(tmp_path):

@@ -382,8 +382,11 @@ def _scan_shards(folder: Path, *, skip: str = "") -> list[tuple[tuple[int, int],
         except FileNotFoundError:
             continue
         except OSError:
-            live.append(((int(m.group("index")), int(m.group("count"))), _read_record(path)))
-            continue
+            try:  # another user's shard file: a read-only descriptor takes the flock as well (review CB)
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                live.append(((int(m.group("index")), int(m.group("count"))), _read_record(path)))
+                continue
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -428,13 +431,50 @@ def _try_flock(fd: int, operation: int, grace: float) -> bool:
 
 
 def _open_lock_file(folder: Path, lock_file: Path, named_by: str | None = "--out") -> int:
+    """A descriptor of ``lock_file`` (created, as writable as ``folder`` is for its group and others). Another
+    user's lock file that this user may not write, in a folder it may write, is opened read-only: flock takes
+    such a descriptor, so a live run is named as the holder, and a dead run's file is replaced
+    (:func:`_replace_if_read_only`; review CB: it was "no permission to write in FOLDER", with a chmod fix)."""
     try:
-        return os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        fd = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
     except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EPERM) and os.access(folder, os.W_OK | os.X_OK):
+            try:
+                return os.open(lock_file, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                pass
         cause = find_write_error(exc, access=True)
         if cause is None:
             raise
         raise _folder_error(folder, cause, "cannot write to this", named_by) from None
+    _share_like_folder(fd, folder)
+    return fd
+
+
+def _share_like_folder(fd: int, folder: Path) -> None:
+    """Give a lock file this user owns the group and other write bits of its folder (a group's shared folder
+    under umask 022: the next run of another member must open it read-write to record itself)."""
+    try:
+        st = os.fstat(fd)
+        wanted = os.stat(folder).st_mode & 0o022
+        mode = st.st_mode & 0o777
+        if st.st_uid == os.geteuid() and wanted & ~mode:
+            os.fchmod(fd, mode | wanted | (wanted << 1))  # the write bits and their read bits
+    except OSError:  # best effort: the lock works without it
+        pass
+
+
+def _replace_if_read_only(fd: int, lock_file: Path) -> bool:
+    """True (``fd`` closed and ``lock_file`` removed) when ``fd``, held exclusively, is a read-only descriptor of
+    another user's lock file left by a run that ended: the caller opens a new file of its own."""
+    if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY:
+        return False
+    try:
+        os.unlink(lock_file)  # held exclusively: no run holds it
+    except OSError:
+        pass
+    os.close(fd)
+    return True
 
 
 def _acquire(folder: Path, lock_file: Path, *, shared: bool, wait: bool, grace: float,
@@ -455,6 +495,8 @@ def _acquire(folder: Path, lock_file: Path, *, shared: bool, wait: bool, grace: 
         except BaseException:
             os.close(fd)
             raise
+        if same and not shared and _replace_if_read_only(fd, lock_file):
+            continue
         if same:
             return fd
         os.close(fd)  # the previous holder deleted the file after we opened it: take the new one
@@ -581,6 +623,8 @@ def _lock_mutex(folder: Path, mutex: Path) -> int:
         except BaseException:
             os.close(fd)
             raise
+        if same and _replace_if_read_only(fd, mutex):
+            continue
         if same:
             return fd
         os.close(fd)
