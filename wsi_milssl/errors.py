@@ -13,6 +13,7 @@ __all__ = [
     "LabelsError",
     "OutputError",
     "FolderLockedError",
+    "unreadable_annotation",
     "DistributedError",
     "TrainingDivergedError",
 ]
@@ -98,3 +99,11 @@ class TrainingDivergedError(WsiMilsslError):
 class ReaderLostError(WsiMilsslError):
     """A reader process of training (a DataLoader worker) died: killed by a signal (the out-of-memory killer, a
     kill) or exited; what it was reading never arrives."""
+
+
+def unreadable_annotation(path, exc: OSError) -> str:
+    """The one line for an annotation file that cannot be read: ``PATH: cannot read ... (cause). Fix: ...``."""
+    if isinstance(exc, PermissionError):
+        return (f"{path}: cannot read the annotation file (permission denied). Fix: ask its owner for read access, "
+                "or move it out of the annotations folder.")
+    return f"{path}: cannot read the annotation file ({exc.strerror or exc})."

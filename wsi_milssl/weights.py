@@ -64,6 +64,9 @@ def load_torch_file(path: str | os.PathLike, *, fix: str = SAVE_STATE_DICT_FIX,
     if checkpoints:
         raise CheckpointError(f"{path}: is the folder of a training run, not a weights file. Fix: pass its "
                               f"checkpoint, {' or '.join(map(str, checkpoints))}.")
+    if path.is_file() and not os.access(path, os.R_OK):  # (review CB: the fix was to save a state dict)
+        raise CheckpointError(f"{path}: cannot be read (permission denied). Fix: ask its owner for read access, or "
+                              "copy it to a place you can read.")
     what = _refusal(path, verify=verify)
     if what is None:
         try:

@@ -54,6 +54,17 @@ def test_an_empty_pipeline_file_is_said_to_be_empty(tmp_path, content):
         load_pipeline(path, out_dir=tmp_path / "out")
 
 
+def test_slide_keys_in_a_feature_pipeline_are_named_as_keys_of_the_other_form(tmp_path):
+    """Review CB: they were "unknown ... (did you mean test_slides for test_slides?)"."""
+    text = ('[data]\nmode = "features"\ntrain_features = "f"\ntrain_labels = "l.csv"\ntest_features = "g"\n'
+            'test_labels = "m.csv"\ntest_slides = "s"\ntest_annotaions = "a"\n')
+    with pytest.raises(ConfigError) as err:
+        _load(tmp_path, text)
+    message = str(err.value)
+    assert "did you mean test_slides" not in message and "(did you mean test_annotations?)" in message
+    assert "(test_slides: not read by this form of [data], which reads features, labels)" in message, message
+
+
 def test_a_file_with_a_byte_order_mark_loads(tmp_path):
     path = tmp_path / "bom.toml"
     path.write_bytes(b"\xef\xbb\xbf" + ('[pipeline]\nname = "bom"\n' + GENERATED_SLIDES).encode())

@@ -12,7 +12,7 @@ import pytest
 import tifffile
 
 from wsi_milssl.config import TileConfig
-from wsi_milssl.errors import MissingResolutionError, ResolutionError, SlideReadError
+from wsi_milssl.errors import ConfigError, MissingResolutionError, ResolutionError, SlideReadError
 from wsi_milssl.slide import open_slide, plan_read
 from wsi_milssl.synth.pyramid import write_pyramidal_tiff
 from wsi_milssl.tiling import tile_slides
@@ -190,3 +190,33 @@ def test_an_empty_slide_or_one_cut_inside_its_header_is_named_incomplete(synth_s
         open_slide(cut)
     assert str(err.value) == (f"{cut}: {why} (a copy or download that stopped early). Fix: copy or download the "
                               "slide again.")
+
+
+def test_files_and_folders_another_user_may_not_read_are_one_line_each(synth_slides, tmp_path, monkeypatch):
+    """Review CB (shared lab storage): a slide without read permission was a PermissionError traceback (`info`,
+    `evaluate`) or a line without a fix, and a folder that may be read but not listed (mode 711) a traceback. The
+    tests run as root, whom permissions do not stop: the operating system's answers stand in for another user's."""
+    import os
+
+    from wsi_milssl.tiling import find_slides
+
+    secret = tmp_path / "secret.tif"
+    shutil.copy(synth_slides["normal"], secret)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if Path(p) == secret else real_access(p, mode, **kw))
+    with pytest.raises(SlideReadError, match=rf"^{secret}: cannot read this slide file \(permission denied\)\. Fix: "
+                                             r"ask its owner for read access, or leave it out of the slides\.$"):
+        open_slide(secret)
+    folder = tmp_path / "archive"
+    folder.mkdir()
+    real_iterdir = Path.iterdir
+
+    def iterdir(self):
+        if self == folder:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_iterdir(self)
+
+    monkeypatch.setattr(Path, "iterdir", iterdir)
+    with pytest.raises(ConfigError, match=rf"^{folder}: cannot list this folder \(permission denied\), so its slides "
+                                        r"cannot be found\. Fix: give the slide files themselves"):
+        find_slides([folder])

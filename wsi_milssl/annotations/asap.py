@@ -40,7 +40,7 @@ import defusedxml.ElementTree as DET
 import numpy as np
 
 from wsi_milssl.atomic import atomic_open
-from wsi_milssl.errors import AnnotationError
+from wsi_milssl.errors import AnnotationError, unreadable_annotation
 
 __all__ = [
     "PolygonAnnotation",
@@ -287,7 +287,7 @@ def _parse_xml(path: Path) -> tuple[Element, dict[Element, int]]:
     except FileNotFoundError:
         raise AnnotationError(f"{path}: annotation file not found; check the path.") from None
     except OSError as exc:
-        raise AnnotationError(f"{path}: cannot read the annotation file ({exc}).") from None
+        raise AnnotationError(unreadable_annotation(path, exc)) from None
     except defusedxml.DTDForbidden as exc:
         line = parser.parser.CurrentLineNumber
         raise AnnotationError(

@@ -44,7 +44,7 @@ from wsi_milssl.annotations.asap import (
     report_skipped,
 )
 from wsi_milssl.annotations.groups import UNCLASSIFIED
-from wsi_milssl.errors import AnnotationError
+from wsi_milssl.errors import AnnotationError, unreadable_annotation
 
 __all__ = ["read_geojson", "write_geojson", "hex_to_rgb", "rgb_to_hex", "MAX_JSON_DEPTH", "QUPATH_02_OBJECT_TYPES"]
 
@@ -234,7 +234,7 @@ def _load_json(path: Path) -> Any:
     except FileNotFoundError:
         raise AnnotationError(f"{path}: annotation file not found; check the path.") from None
     except OSError as exc:
-        raise AnnotationError(f"{path}: cannot read the annotation file ({exc.strerror or exc}).") from None
+        raise AnnotationError(unreadable_annotation(path, exc)) from None
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:

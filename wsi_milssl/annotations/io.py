@@ -17,7 +17,7 @@ from wsi_milssl.annotations.geojson import read_geojson, write_geojson
 from wsi_milssl.annotations.geometry import AnnotationSet, annotation_geometry, polygonal, without_holes
 from wsi_milssl.cohorts.names import ANNOTATION_SUFFIXES
 from wsi_milssl.annotations.groups import GroupMap, as_group_map
-from wsi_milssl.errors import AnnotationError
+from wsi_milssl.errors import AnnotationError, unreadable_annotation
 
 __all__ = [
     "ANNOTATION_SUFFIXES",
@@ -51,7 +51,7 @@ def annotation_format(path: str | os.PathLike) -> AnnotationFormat:
     except FileNotFoundError:
         raise AnnotationError(f"{path}: annotation file not found; check the path.") from None
     except OSError as exc:
-        raise AnnotationError(f"{path}: cannot read the annotation file ({exc}).") from None
+        raise AnnotationError(unreadable_annotation(path, exc)) from None
     if head.startswith(b"<"):
         return "asap"
     if head[:1] in (b"{", b"["):
@@ -292,7 +292,10 @@ def find_annotation(slide_stem: str, annotations_dir: str | os.PathLike) -> Path
 
     exact = [directory / f"{slide_stem}{suffix}" for suffix in ANNOTATION_SUFFIXES]
     stat = directory.stat()
-    index = _folder_index(str(directory), (stat.st_dev, stat.st_ino), stat.st_mtime_ns)
+    try:
+        index = _folder_index(str(directory), (stat.st_dev, stat.st_ino), stat.st_mtime_ns)
+    except PermissionError:  # a folder that may be read but not listed (mode 711): exact names only (review CB)
+        index = {}
     folded = [p for suffix in ANNOTATION_SUFFIXES for p in index.get(name_key(f"{slide_stem}{suffix}"), ())]
     found: dict[object, Path] = {}
     for p in [*exact, *folded]:
@@ -417,7 +420,12 @@ def list_annotation_files(annotations_dir: str | os.PathLike) -> list[Path]:
     if not directory.is_dir():
         raise AnnotationError(f"{directory}: annotation folder not found; check --annotations.")
     out = []
-    for p in sorted(directory.iterdir()):
+    try:
+        entries = sorted(directory.iterdir())
+    except PermissionError:  # mode 711 (review CB): the files are read by name, the folder cannot be listed
+        raise AnnotationError(f"{directory}: cannot list this annotation folder (permission denied). Fix: ask for "
+                              "permission to list it, or copy the annotation files to a folder you can.") from None
+    for p in entries:
         suffix = p.suffix.lower()
         if not p.is_file() or suffix not in ANNOTATION_SUFFIXES:
             continue

@@ -36,7 +36,13 @@ def _walk(root: Path, *, skip: Iterable[Path] = ()) -> Iterable[Path]:
     if _is_prepare_output(root):
         skip_resolved |= {(root / "cohort").resolve(), (root / "run").resolve()}
     seen = {_folder_identity(root)}
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+    unlisted: list[str] = []
+
+    def cannot_list(exc: OSError) -> None:  # os.walk skips such a folder without a word (review CB)
+        if isinstance(exc, PermissionError):
+            unlisted.append(str(exc.filename))
+
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True, onerror=cannot_list):
         here = Path(dirpath)
         keep = []
         for d in sorted(dirnames):
@@ -52,6 +58,11 @@ def _walk(root: Path, *, skip: Iterable[Path] = ()) -> Iterable[Path]:
         for name in sorted(filenames):
             if not name.startswith("."):
                 yield here / name
+    if unlisted:
+        logger.warning(
+            "%d folder(s) below %s cannot be listed (permission denied), so their files were not searched: %s. "
+            "Fix: ask for permission to list them, or copy the files to a folder you can.", len(unlisted), root,
+            ", ".join(unlisted[:5]) + (" ..." if len(unlisted) > 5 else ""))
 
 
 def _folder_identity(folder: Path) -> tuple[int, int] | Path:

@@ -468,7 +468,13 @@ def label_stores(
         _check_one_store_per_slide(paths)
         annotations_dir = Path(annotations_dir)
         labels = read_labels(labels_csv) if labels_csv is not None else None
-        ann_files = list_annotation_files(annotations_dir)  # raises when the folder is missing
+        if annotations_dir.is_dir() and not os.access(annotations_dir, os.R_OK):  # mode 711 (review CB)
+            logger.warning("%s: cannot list this folder (permission denied): each store's annotation file is opened "
+                           "by its name (<stem>.xml, .geojson, .json), and files that match no store are not "
+                           "reported.", annotations_dir)
+            ann_files = []
+        else:
+            ann_files = list_annotation_files(annotations_dir)  # raises when the folder is missing
         out = Path(out_dir) if out_dir is not None else paths[0].parent / "labels"
         locks.enter_context(folder_lock(out, shard=shard))  # re-entrant when out is a stores folder
         return _label_stores_locked(paths, annotations_dir, labels, labels_csv, ann_files, config, out, progress,
@@ -549,8 +555,12 @@ def _label_stores_locked(paths: list[Path], annotations_dir: Path, labels, label
                 result = found[0]
                 logger.info("%s: already labelled with these settings; skipped", stem)
         except (WsiMilsslError, OSError) as exc:
-            logger.error("%s: labelling failed: %s", stem, exc)
-            result = LabelResult(stem=stem, store_path=path, status="failed", annotation_path=ann, error=str(exc))
+            error = str(exc)
+            if isinstance(exc, PermissionError) and exc.filename:  # an annotation file others may not read (review CB)
+                error = (f"{exc.filename}: cannot read this file (permission denied). Fix: ask its owner for read "
+                         "access, or move it out of the annotations folder.")
+            logger.error("%s: labelling failed: %s", stem, error)
+            result = LabelResult(stem=stem, store_path=path, status="failed", annotation_path=ann, error=error)
         results.append(result)
         try:
             _merge_status_csv([result], out)

@@ -479,8 +479,12 @@ def _unknown_data_keys(keys: Iterable[str], kinds: tuple[str, ...]) -> str:
         return ""
     valid = sorted({"generate", "mode", "val_fraction", "split_seed",
                     *(f"{set_name}_{kind}" for set_name in SETS for kind in kinds)})
-    return (f"unknown [data] key(s) {', '.join(unknown)}{did_you_mean(unknown, every)}; valid keys here are "
-            f"{', '.join(valid)}.")
+    of_other_form = [k for k in unknown if k in every]  # e.g. test_slides in a feature pipeline (review CB)
+    misspelt = [k for k in unknown if k not in every]
+    hint = did_you_mean(misspelt, every) if misspelt else ""
+    other = (f" ({', '.join(of_other_form)}: not read by this form of [data], which reads {', '.join(kinds)})"
+             if of_other_form else "")
+    return f"unknown [data] key(s) {', '.join(unknown)}{hint}{other}; valid keys here are {', '.join(valid)}."
 
 
 def _asks_for_generated_slides(raw: dict[str, Any]) -> bool:

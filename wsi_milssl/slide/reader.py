@@ -150,6 +150,9 @@ class SlideReader:
             raise SlideReadError(f"{self.path}: this is a folder, not a slide file. Fix: give the slide files in "
                                  "it (the command line, and `wsi_milssl.tiling.find_slides` from Python, list a "
                                  "folder's slides; a folder named like a slide, x.svs/, is not searched).")
+        if not os.access(self.path, os.R_OK):  # (review CB: a PermissionError traceback, or a line without a fix)
+            raise SlideReadError(f"{self.path}: cannot read this slide file (permission denied). Fix: ask its owner "
+                                 "for read access, or leave it out of the slides.")
         try:
             self._slide = openslide.OpenSlide(str(self.path))
         except openslide.OpenSlideUnsupportedFormatError:

@@ -130,7 +130,15 @@ def slides_in_folder(folder: str | os.PathLike) -> list[Path]:
     whose target is gone kept), sorted."""
     # a link whose target is gone (an archive on a mount that is down) is listed: its slide fails, named, not
     # left out without a word
-    return sorted(c for c in Path(folder).iterdir()
+    try:
+        entries = list(Path(folder).iterdir())
+    except PermissionError:  # mode 711, as archives are often shared (review CB: a traceback)
+        from wsi_milssl.errors import ConfigError
+
+        raise ConfigError(f"{folder}: cannot list this folder (permission denied), so its slides cannot be found. Fix: "
+                          "give the slide files themselves, or a slide-list CSV naming them, or ask for permission "
+                          "to list the folder.") from None
+    return sorted(c for c in entries
                   if (c.is_file() or (c.is_symlink() and not c.exists())) and not c.name.startswith(".")
                   and c.suffix.lower() in SLIDE_SUFFIXES)
 
