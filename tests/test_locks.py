@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -337,3 +338,42 @@ def test_heatmap_with_a_missing_checkpoint_leaves_no_out_folder(synth_dir, tmp_p
                  "--out", str(out)]) != 0
     assert "checkpoint not found" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_another_users_lock_file_in_a_sticky_folder_is_a_refusal_naming_its_owner(tmp_path, monkeypatch):
+    """Review CE: a dead run's lock file of another user, opened read-only, was to be replaced; in a sticky folder
+    (only a file's owner may delete it) the unlink failed and folder_lock looped for ever at 100 % CPU. The tests
+    run as root, whom permissions do not stop: the operating system's answers for another user stand in."""
+    import wsi_milssl.locks as locks
+
+    folder = tmp_path / "team"
+    folder.mkdir()
+    stale = folder / LOCK_FILENAME
+    stale.write_text('{"pid": 1, "command": "a killed run"}\n')
+    theirs = stale.stat().st_ino  # the other user's file: not this user's to write or (sticky folder) delete
+    real_open, real_unlink = os.open, os.unlink
+
+    def of_the_other_user(path) -> bool:
+        return Path(path) == stale and stale.exists() and stale.stat().st_ino == theirs
+
+    def open_as_other_user(path, flags, *args, **kwargs):
+        if flags & os.O_ACCMODE == os.O_RDWR and of_the_other_user(path):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    def unlink_in_sticky_folder(path, *args, **kwargs):
+        if of_the_other_user(path):
+            raise PermissionError(errno.EPERM, "Operation not permitted", str(path))
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(locks.os, "open", open_as_other_user)
+    monkeypatch.setattr(locks.os, "unlink", unlink_in_sticky_folder)
+    started = time.monotonic()
+    with pytest.raises(FolderLockedError, match=rf"^{folder}: {re.escape(LOCK_FILENAME)} belongs to .*, and this user "
+                                                r"can neither write it nor replace it here .*Fix: ask .* to delete "):
+        with folder_lock(folder):
+            pass
+    assert time.monotonic() - started < 5
+    monkeypatch.setattr(locks.os, "unlink", real_unlink)  # a folder without the sticky bit: the file is replaced
+    with folder_lock(folder):
+        assert lock_holder(folder)["pid"] == os.getpid()

@@ -455,26 +455,62 @@ def _share_like_folder(fd: int, folder: Path) -> None:
     """Give a lock file this user owns the group and other write bits of its folder (a group's shared folder
     under umask 022: the next run of another member must open it read-write to record itself)."""
     try:
-        st = os.fstat(fd)
-        wanted = os.stat(folder).st_mode & 0o022
+        st, folder_st = os.fstat(fd), os.stat(folder)
+        if st.st_uid != os.geteuid():
+            return
+        wanted = folder_st.st_mode & 0o022
         mode = st.st_mode & 0o777
-        if st.st_uid == os.geteuid() and wanted & ~mode:
+        if wanted & 0o020 and st.st_gid != folder_st.st_gid:  # the folder's group, not the creator's (no setgid)
+            try:
+                os.fchown(fd, -1, folder_st.st_gid)
+            except OSError:  # not a group of this user's
+                pass
+        if wanted & ~mode:
             os.fchmod(fd, mode | wanted | (wanted << 1))  # the write bits and their read bits
     except OSError:  # best effort: the lock works without it
         pass
 
 
-def _replace_if_read_only(fd: int, lock_file: Path) -> bool:
+def _read_only(fd: int) -> bool:
+    return fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+
+
+def _replace_if_read_only(fd: int, lock_file: Path, named_by: str | None = "--out") -> bool:
     """True (``fd`` closed and ``lock_file`` removed) when ``fd``, held exclusively, is a read-only descriptor of
-    another user's lock file left by a run that ended: the caller opens a new file of its own."""
-    if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY:
+    another user's lock file left by a run that ended: the caller opens a new file of its own. Where the file
+    cannot be removed (a sticky folder, whose files only their owners may delete), FolderLockedError naming its
+    owner (review CE: the caller looped on it for ever)."""
+    if not _read_only(fd):
         return False
     try:
         os.unlink(lock_file)  # held exclusively: no run holds it
-    except OSError:
+    except FileNotFoundError:
         pass
+    except OSError:
+        os.close(fd)
+        raise _foreign_lock_error(lock_file, named_by) from None
     os.close(fd)
     return True
+
+
+def _foreign_lock_error(lock_file: Path, named_by: str | None) -> FolderLockedError:
+    """The refusal for another user's lock file that this user can neither write nor take over."""
+    try:
+        import pwd
+
+        uid = lock_file.stat().st_uid
+        try:
+            owner = pwd.getpwuid(uid).pw_name
+        except KeyError:
+            owner = f"uid {uid}"
+    except OSError:
+        owner = "another user"
+    elsewhere = _elsewhere(named_by)
+    return FolderLockedError(
+        f"{lock_file.parent}: {lock_file.name} belongs to {owner}, and this user can neither write it nor replace "
+        f"it here (a folder where only a file's owner may delete it, or a file system that does not lock files "
+        f"opened read-only). Fix: ask {owner} or an administrator to delete {lock_file} when no run of theirs "
+        f"writes the folder{f', or {elsewhere}' if elsewhere else ''}.")
 
 
 def _acquire(folder: Path, lock_file: Path, *, shared: bool, wait: bool, grace: float,
@@ -486,7 +522,13 @@ def _acquire(folder: Path, lock_file: Path, *, shared: bool, wait: bool, grace: 
     while True:
         fd = _open_lock_file(folder, lock_file, named_by)
         try:
-            if not _try_flock(fd, operation, grace):
+            try:
+                taken = _try_flock(fd, operation, grace)
+            except OSError as exc:  # NFS turns flock into POSIX locks: no exclusive lock on a read-only file
+                if exc.errno == errno.EBADF and _read_only(fd):
+                    raise _foreign_lock_error(lock_file, named_by) from None
+                raise
+            if not taken:
                 if not wait:
                     raise FolderLockedError(_locked_message(folder, who(), named_by))
                 log.warning("%s: waiting for %s to finish", folder, who())
@@ -495,7 +537,7 @@ def _acquire(folder: Path, lock_file: Path, *, shared: bool, wait: bool, grace: 
         except BaseException:
             os.close(fd)
             raise
-        if same and not shared and _replace_if_read_only(fd, lock_file):
+        if same and not shared and _replace_if_read_only(fd, lock_file, named_by):
             continue
         if same:
             return fd
@@ -615,6 +657,8 @@ def _lock_mutex(folder: Path, mutex: Path) -> int:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
             except OSError as exc:
+                if exc.errno == errno.EBADF and _read_only(fd):  # NFS: no exclusive lock on a read-only file
+                    raise _foreign_lock_error(mutex, None) from None
                 if exc.errno != errno.ESTALE:  # a network file system: the file was deleted meanwhile
                     raise
                 same = False
@@ -623,7 +667,7 @@ def _lock_mutex(folder: Path, mutex: Path) -> int:
         except BaseException:
             os.close(fd)
             raise
-        if same and _replace_if_read_only(fd, mutex):
+        if same and _replace_if_read_only(fd, mutex, None):
             continue
         if same:
             return fd
