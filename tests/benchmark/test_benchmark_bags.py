@@ -183,6 +183,22 @@ def test_cli_prints_tables_and_writes_json(tmp_path, capsys, digits_dir):
         assert png.format == "PNG" and png.width > 300
 
 
+def test_the_help_example_of_the_ablation_is_accepted(capsys):
+    """Review CD: `--ablation --val-fraction 0` (the help's own example) was refused, since the default grids held
+    several candidates; the ablation trains the first value of each, untuned."""
+    assert main(["benchmark", "bags", "--ablation", "--ablation-ratio", "0.05", "--val-fraction", "0", "--encoders",
+                 "mlp", "--lr", "1e-3", "--show-bags"]) == 0
+    assert "hold several candidates" not in capsys.readouterr().err
+
+
+def test_an_acceptance_line_without_the_methods_it_compares_says_so(fast):
+    """Review CD: with --methods mil-ssl alone the normal protocol's acceptance line read "NOT met"."""
+    result = run_normal(BagBenchConfig(methods=("mil-ssl",), ratios=(0.5,), **fast))
+    assert acceptance(result)["met"] is None
+    assert ("Acceptance (MIL-SSL instance AUC >= ABMIL's raw attention logit at every ratio): not assessed (needs "
+            "MIL-SSL and ABMIL in --methods)") in format_markdown(result)
+
+
 def test_cli_rejects_the_ablation_on_the_hard_protocol(capsys):
     assert main(["benchmark", "bags", "--ablation", "--protocol", "hard"]) == 1
     assert "--ablation runs on the normal protocol" in capsys.readouterr().err

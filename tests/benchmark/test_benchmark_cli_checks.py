@@ -56,9 +56,21 @@ def test_bags_refuses_an_output_on_the_mnist_file_or_another_output(tmp_path, ca
 def test_bags_reports_a_bad_hard_ratio_under_its_own_name(capsys):
     assert main(["benchmark", "bags", "--hard-ratio", "-1"]) == 1
     err = capsys.readouterr().err
-    assert "hard_ratio" in err and ".ratios" not in err
+    assert "--hard-ratio" in err and "--ratios" not in err
     assert main(["benchmark", "bags", "--ablation-ratio", "1.5"]) == 1
-    assert "ablation_ratio" in capsys.readouterr().err
+    assert "--ablation-ratio" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lr", "0"], "error: --lr must satisfy 0.0 < value; got 0.0."),
+    (["--bag-size", "1"], "error: --bag-size must satisfy 2 <= value; got 1."),
+    (["--hard-ratio", "-1"], "error: --hard-ratio must satisfy"),
+])
+def test_bags_names_a_bad_value_by_its_option(capsys, argv, message):
+    """Review CD: "BagBenchConfig.lrs must satisfy ...", a field name the command line does not show."""
+    assert main(["benchmark", "bags", *argv, "--show-bags"]) == 1
+    err = capsys.readouterr().err
+    assert message in err and "BagBenchConfig." not in err
 
 
 @pytest.mark.parametrize("labels, folds, inner, message", [
@@ -122,3 +134,18 @@ def test_bags_refuses_a_setting_the_digits_cannot_fill_before_any_training(tmp_p
     err = capsys.readouterr().err
     assert err.count("error:") == 1
     assert re.search(r"seed 0: normal-70%-val: .* cannot fill one positive bag .* Nothing was trained", err), err
+
+
+def test_a_grid_value_given_twice_is_one_candidate(tmp_path, capsys):
+    """Review CD: `--epoch-grid 1 1 1` showed a grid of 3 (and trained the same model three times)."""
+    import json
+
+    path = _mil_csv(tmp_path / "one.csv", [0, 1] * 4)
+    argv = ["benchmark", "mil-csv", str(path), "--folds", "2", "--inner-folds", "2", "--methods", "maxpool", "maxpool"]
+    assert main([*argv, "--epoch-grid", "1", "1", "1", "--json", str(tmp_path / "r.json")]) == 0
+    once = json.loads((tmp_path / "r.json").read_text())
+    assert main([*argv[:-1], "--epoch-grid", "1", "--json", str(tmp_path / "s.json")]) == 0
+    single = json.loads((tmp_path / "s.json").read_text())
+    assert once["benchmark"]["epoch_grid"] == single["benchmark"]["epoch_grid"] == [1]
+    assert once["benchmark"]["methods"] == ["maxpool"] and list(once["methods"]) == ["maxpool"]
+    assert once["methods"]["maxpool"]["spec"]["grid_size"] == single["methods"]["maxpool"]["spec"]["grid_size"] == 8

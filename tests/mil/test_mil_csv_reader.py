@@ -61,9 +61,27 @@ def test_messages_name_the_file_line_and_a_minus_one_label_gets_the_fix(tmp_path
     path.write_text("label,bag,f1\n1,a,0.5\n\n0,b,0.1\n0,b,0.1,0.2\n")
     with pytest.raises(ConfigError, match=r"ragged\.csv: line 5 has 4 columns, expected 3 \(as line 2\)"):
         read_mil_csv(path)
-    path = tmp_path / "signed.csv"
-    path.write_text("label,bag,f1\n1,a,0.5\n-1,b,0.1\n")
+    path = tmp_path / "data dir" / "signed.csv"
+    path.parent.mkdir()
+    path.write_text('label,bag,f1\n1,a,0.5\n-1,b,0.1\n"-1",c,0.2\n -1.0 ,d,0.3\n')
     with pytest.raises(ConfigError, match=r"signed\.csv: labels \(first column\) must be 0 or 1; found \[-1\.0, 1\.0\] "
                                           r"\(first on line 3\)\. A -1/1 file .* needs -1 mapped to 0 first, e\.g\. "
-                                          r"sed 's/\^-1,/0,/' signed\.csv > signed_01\.csv\."):
+                                          r"sed -E ") as err:
+        read_mil_csv(path)
+    # the command it gives works as pasted, from any folder (review CD: the file's name alone, and '-1,' alone)
+    import subprocess
+
+    command = str(err.value).split("e.g. ", 1)[1].rstrip(".")
+    subprocess.run(["bash", "-c", command], cwd="/", check=True)
+    fixed = read_mil_csv(tmp_path / "data dir" / "signed_01.csv")
+    assert fixed.bag_labels.tolist() == [1, 0, 0, 0]
+
+
+@pytest.mark.parametrize("sep, name", [("\t", "tabs"), (";", "semicolons")])
+def test_a_file_separated_otherwise_than_by_commas_is_named_so(tmp_path, sep, name):
+    """Review CD: such a file was "got 1 columns (line 2)", with no word on the separator."""
+    path = tmp_path / "bags.csv"
+    path.write_text(sep.join(["0", "a", "0.1", "0.2"]) + "\n" + sep.join(["1", "b", "0.3", "0.1"]) + "\n")
+    with pytest.raises(ConfigError, match=rf"got 1 columns \(line \d\)\. The values look separated by {name}: write "
+                                          r"the file comma-separated\."):
         read_mil_csv(path)

@@ -31,6 +31,19 @@ def test_mil_csv_with_bag_labels_only_has_no_instance_labels(tmp_path):
     assert inst.instance_labels is None and inst.bag_labels.tolist() == [1, 0]
 
 
+def test_a_bag_id_whose_rows_are_apart_is_warned_about(tmp_path, caplog):
+    """Review CD: ids reused for other bags further down the file merged two bags without a word."""
+    path = tmp_path / "bags.csv"
+    path.write_text("0,a,0.1,0.2\n0,b,0.3,0.1\n1,c,0.0,0.0\n1,a,0.5,0.5\n")
+    inst = read_mil_csv(path)
+    assert inst.bag_names == ["a", "b", "c"] and inst.bag_labels.tolist() == [1, 0, 1]
+    assert "the rows of 1 bag id(s) are not together (a): rows with one id are one bag" in caplog.text
+    caplog.clear()
+    path.write_text("0,a,0.1,0.2\n0,a,0.3,0.1\n1,c,0.0,0.0\n")  # each bag's rows together: no word
+    read_mil_csv(path)
+    assert "not together" not in caplog.text
+
+
 @pytest.mark.parametrize(
     "text, match",
     [("1,a\n", "at least one feature"), ("1,a,0.1\n0,b,0.1,0.2\n", "line 2 has 4 columns, expected 3"),

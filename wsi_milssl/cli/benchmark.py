@@ -139,10 +139,13 @@ def run_mil_csv(args: argparse.Namespace) -> int:
     from wsi_milssl.benchmark.mil_csv import format_markdown, format_table, nested_cross_validation
     from wsi_milssl.mil.data import read_mil_csv
 
+    def once(values):  # a value given twice is one candidate (review CD: counted twice in the grid column)
+        return None if values is None else list(dict.fromkeys(values))
+
     bench = benchmark_config(folds=args.folds, inner_folds=args.inner_folds, seed=args.seed, repeats=args.repeats,
-                             methods=args.methods, preset=args.preset, mu_grid=args.mu_grid, ramp_grid=args.ramp_grid,
-                             lr_grid=args.lr_grid, epoch_grid=args.epoch_grid, select_metric=args.select,
-                             threads=args.threads)
+                             methods=once(args.methods), preset=args.preset, mu_grid=once(args.mu_grid),
+                             ramp_grid=once(args.ramp_grid), lr_grid=once(args.lr_grid),
+                             epoch_grid=once(args.epoch_grid), select_metric=args.select, threads=args.threads)
     out = args.json or Path(f"benchmark_{args.file.stem}.json")
     refuse_shared_paths({"FILE": args.file}, {"--json": out, "--markdown": args.markdown, "--plot": args.plot})
     check_writable(out, args.markdown, args.plot)  # before the run, not after it

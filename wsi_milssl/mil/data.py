@@ -204,8 +204,10 @@ def read_mil_csv(path: str | os.PathLike) -> InstanceSet:
         raise ConfigError(f"{path}: no instances; expected rows of label,bag_id,f1,...,fn.")
     width = len(rows[0])
     if width < 3:
+        sep = next((name for ch, name in (("\t", "tabs"), (";", "semicolons")) if ch in rows[0][0]), None)
+        hint = f" The values look separated by {sep}: write the file comma-separated." if sep else ""
         raise ConfigError(f"{path}: rows need label,bag_id and at least one feature; got {width} columns "
-                          f"(line {lines[0]}).")
+                          f"(line {lines[0]}).{hint}")
     bad = next((i for i, r in enumerate(rows) if len(r) != width), None)
     if bad is not None:
         raise ConfigError(f"{path}: line {lines[bad]} has {len(rows[bad])} columns, expected {width} (as line "
@@ -223,8 +225,12 @@ def read_mil_csv(path: str | os.PathLike) -> InstanceSet:
     bad_label = np.flatnonzero(~np.isin(labels, (0.0, 1.0)))
     if bad_label.size:
         found = sorted(set(labels.tolist()))
+        import shlex
+
+        fixed = path.with_name(f"{path.stem}_01.csv")  # (review CD: the file's name alone, and '-1,' alone)
         hint = (" A -1/1 file (negative -1, as some MIL distributions write it) needs -1 mapped to 0 first, e.g. "
-                f"sed 's/^-1,/0,/' {path.name} > {path.stem}_01.csv." if set(found) <= {-1.0, 1.0} else "")
+                f"""sed -E 's/^[[:space:]]*"?-1(\\.0*)?"?[[:space:]]*,/0,/' {shlex.quote(str(path))} > """
+                f"{shlex.quote(str(fixed))}." if set(found) <= {-1.0, 1.0} else "")
         raise ConfigError(f"{path}: labels (first column) must be 0 or 1; found {found[:5]} (first on line "
                           f"{lines[int(bad_label[0])]}).{hint}")
     bad_rows = np.flatnonzero(~np.isfinite(feats).all(axis=1))
@@ -239,6 +245,12 @@ def read_mil_csv(path: str | os.PathLike) -> InstanceSet:
             index[b] = len(names)
             names.append(b)
     bag_ids = np.array([index[b] for b in raw_bags], dtype=np.int64)
+    starts = np.flatnonzero(np.r_[True, bag_ids[1:] != bag_ids[:-1]])  # where each run of one bag's rows begins
+    split = np.flatnonzero(np.bincount(bag_ids[starts], minlength=len(names)) > 1)
+    if split.size:  # (review CD: ids reused for other bags further down merged them without a word)
+        log.warning("%s: the rows of %d bag id(s) are not together (%s): rows with one id are one bag wherever they "
+                    "are. If an id is used again for another bag, give each bag its own id.", path, split.size,
+                    ", ".join(names[i] for i in split[:5]) + (" ..." if split.size > 5 else ""))
     labels_u8 = labels.astype(np.uint8)
     bag_labels = _bag_labels_from_instances(labels_u8, bag_ids, len(names))
     pos_inst = bag_labels[bag_ids] == 1
