@@ -191,6 +191,29 @@ def test_the_help_example_of_the_ablation_is_accepted(capsys):
     assert "hold several candidates" not in capsys.readouterr().err
 
 
+def test_the_ablation_gets_the_settings_it_is_given(monkeypatch, capsys, tmp_path):
+    """Review CF: trimming every setting to its first value for --ablation (review CD's first fix) trained the first
+    epoch count instead of the largest, and refused a plain `--ablation` (unequal tuning budgets)."""
+    from wsi_milssl.benchmark import bags
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def capture(config, progress=None):
+        seen.append(config)
+        raise Stop
+
+    monkeypatch.setattr(bags, "run_ablation", capture)
+    monkeypatch.chdir(tmp_path)  # where the result file would go
+    for argv in (["--epochs", "10", "20", "40"], ["--epochs", "10", "20", "40", "--val-fraction", "0"], []):
+        with pytest.raises(Stop):
+            main(["benchmark", "bags", "--ablation", *argv])
+    assert [c.epoch_grid for c in seen[:2]] == [(10, 20, 40), (10, 20, 40)]
+    assert seen[2].epoch_grid == BagBenchConfig().epoch_grid and seen[2].lams == BagBenchConfig().lams
+
+
 def test_an_acceptance_line_without_the_methods_it_compares_says_so(fast):
     """Review CD: with --methods mil-ssl alone the normal protocol's acceptance line read "NOT met"."""
     result = run_normal(BagBenchConfig(methods=("mil-ssl",), ratios=(0.5,), **fast))

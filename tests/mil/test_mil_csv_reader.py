@@ -66,12 +66,12 @@ def test_messages_name_the_file_line_and_a_minus_one_label_gets_the_fix(tmp_path
     path.write_text('label,bag,f1\n1,a,0.5\n-1,b,0.1\n"-1",c,0.2\n -1.0 ,d,0.3\n')
     with pytest.raises(ConfigError, match=r"signed\.csv: labels \(first column\) must be 0 or 1; found \[-1\.0, 1\.0\] "
                                           r"\(first on line 3\)\. A -1/1 file .* needs -1 mapped to 0 first, e\.g\. "
-                                          r"sed -E ") as err:
+                                          r"`sed -E ") as err:
         read_mil_csv(path)
     # the command it gives works as pasted, from any folder (review CD: the file's name alone, and '-1,' alone)
     import subprocess
 
-    command = str(err.value).split("e.g. ", 1)[1].rstrip(".")
+    command = str(err.value).split("e.g. `", 1)[1].split("`", 1)[0]
     subprocess.run(["bash", "-c", command], cwd="/", check=True)
     fixed = read_mil_csv(tmp_path / "data dir" / "signed_01.csv")
     assert fixed.bag_labels.tolist() == [1, 0, 0, 0]

@@ -192,13 +192,15 @@ class BagBenchConfig:
             check_choice(name, "methods", m, METHODS)
         for e in self.encoders:
             check_choice(name, "encoders", e, ENCODERS)
-        for h in (*self.hidden_dims, *self.attention_dims, *self.epoch_grid):
-            check_type(name, "hidden_dims/attention_dims/epoch_grid", h, int)
-            check_range(name, "hidden_dims/attention_dims/epoch_grid", h, low=1)
+        for field in ("hidden_dims", "attention_dims", "epoch_grid"):  # each under its own name (review CF)
+            for h in getattr(self, field):
+                check_type(name, field, h, int)
+                check_range(name, field, h, low=1)
         for lr in self.lrs:
             check_range(name, "lrs", lr, low=0.0, low_inclusive=False)
-        for wd in (self.weight_decay, *self.maxpool_weight_decays):
-            check_range(name, "weight_decay", wd, low=0.0)
+        check_range(name, "weight_decay", self.weight_decay, low=0.0)
+        for wd in self.maxpool_weight_decays:
+            check_range(name, "maxpool_weight_decays", wd, low=0.0)
         check_choice(name, "select", self.select, ("instance_auc", "bag_auc"))
         check_choice(name, "optimizer", self.optimizer, ("sgd", "adam", "adamw"))
         if self.mu is not None:

@@ -229,8 +229,8 @@ def read_mil_csv(path: str | os.PathLike) -> InstanceSet:
 
         fixed = path.with_name(f"{path.stem}_01.csv")  # (review CD: the file's name alone, and '-1,' alone)
         hint = (" A -1/1 file (negative -1, as some MIL distributions write it) needs -1 mapped to 0 first, e.g. "
-                f"""sed -E 's/^[[:space:]]*"?-1(\\.0*)?"?[[:space:]]*,/0,/' {shlex.quote(str(path))} > """
-                f"{shlex.quote(str(fixed))}." if set(found) <= {-1.0, 1.0} else "")
+                f"""`sed -E 's/^[[:space:]]*"?-1(\\.0*)?"?[[:space:]]*,/0,/' {shlex.quote(str(path))} > """
+                f"{shlex.quote(str(fixed))}`." if set(found) <= {-1.0, 1.0} else "")
         raise ConfigError(f"{path}: labels (first column) must be 0 or 1; found {found[:5]} (first on line "
                           f"{lines[int(bad_label[0])]}).{hint}")
     bad_rows = np.flatnonzero(~np.isfinite(feats).all(axis=1))
