@@ -124,10 +124,17 @@ def benchmark_config(**fields):
     try:
         return BenchmarkConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
     except ConfigError as exc:
-        text = str(exc)
-        for field, option in OPTIONS.items():
-            text = text.replace(f"BenchmarkConfig.{field} ", f"{option} ")
-        raise ConfigError(text) from None
+        raise named_by_options(exc, "BenchmarkConfig", OPTIONS) from None
+
+
+def named_by_options(exc: Exception, config_name: str, options: dict[str, str]):
+    """``exc`` (a config's ConfigError) as a ConfigError naming each field by the option that sets it."""
+    from wsi_milssl.errors import ConfigError
+
+    text = str(exc)
+    for field, option in options.items():
+        text = text.replace(f"{config_name}.{field} ", f"{option} ")
+    return ConfigError(text)
 
 
 def run(args: argparse.Namespace) -> int:  # pragma: no cover - argparse dispatches to a subcommand

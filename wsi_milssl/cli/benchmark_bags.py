@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from wsi_milssl.atomic import atomic_write_bytes, atomic_write_text, check_writable
-from wsi_milssl.cli.benchmark import refuse_shared_paths
+from wsi_milssl.cli.benchmark import named_by_options, refuse_shared_paths
 
 __all__ = ["register_bags", "run_bags"]
 
@@ -119,10 +119,7 @@ def run_bags(args: argparse.Namespace) -> int:
     try:
         config = _config(args)
     except ConfigError as exc:  # named by the option, not the field (review CD: "BagBenchConfig.lrs ...")
-        text = str(exc)
-        for field, option in _OPTIONS.items():
-            text = text.replace(f"BagBenchConfig.{field} ", f"{option} ")
-        raise ConfigError(text) from None
+        raise named_by_options(exc, "BagBenchConfig", _OPTIONS) from None
     if args.show_bags:
         from wsi_milssl.benchmark.bags import format_availability
 

@@ -12,6 +12,8 @@ import os
 import unicodedata
 from pathlib import Path
 
+from wsi_milssl.atomic import NAME_MAX_BYTES
+
 #: Annotation files matched to slides by ``<slide_stem><suffix>``, in order of preference (ASAP XML, GeoJSON): one
 #: tuple for the label stage's search (:mod:`wsi_milssl.annotations.io`) and prepare's (:mod:`wsi_milssl.cohorts`)
 ANNOTATION_SUFFIXES = (".xml", ".geojson", ".json")
@@ -31,19 +33,18 @@ NAME_SUFFIXES = SLIDE_SUFFIXES + STORE_SUFFIXES
 
 
 #: The longest ending a file named after a slide adds to its stem (the heatmap stage's ``<stem>_patches.geojson``,
-#: the label stage's ``<stem>_tumor_mask.json``); file systems take names of at most 255 bytes.
+#: the label stage's ``<stem>_tumor_mask.json``); file systems take names of at most NAME_MAX_BYTES.
 LONGEST_OUTPUT_ENDING = "_patches.geojson"
-_NAME_MAX_BYTES = 255
 
 
 def stem_too_long(stem: str) -> str | None:
     """Why the files named after slide ``stem`` cannot be made (a name over 255 bytes), or None."""
     n_bytes = len(os.fsencode(stem))
-    room = _NAME_MAX_BYTES - len(LONGEST_OUTPUT_ENDING)
+    room = NAME_MAX_BYTES - len(LONGEST_OUTPUT_ENDING)
     if n_bytes <= room:
         return None
     return (f"the slide's name is {n_bytes} bytes long, too long for the files named after it "
-            f"({stem[:12]}...{LONGEST_OUTPUT_ENDING} would pass the {_NAME_MAX_BYTES} bytes a file name may have). "
+            f"({stem[:12]}...{LONGEST_OUTPUT_ENDING} would pass the {NAME_MAX_BYTES} bytes a file name may have). "
             f"Fix: rename the slide (and its annotation file) to at most {room} bytes")
 
 

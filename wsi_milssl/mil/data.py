@@ -15,6 +15,7 @@ import csv
 import hashlib
 import logging
 import os
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
@@ -225,8 +226,6 @@ def read_mil_csv(path: str | os.PathLike) -> InstanceSet:
     bad_label = np.flatnonzero(~np.isin(labels, (0.0, 1.0)))
     if bad_label.size:
         found = sorted(set(labels.tolist()))
-        import shlex
-
         fixed = path.with_name(f"{path.stem}_01.csv")  # (review CD: the file's name alone, and '-1,' alone)
         hint = (" A -1/1 file (negative -1, as some MIL distributions write it) needs -1 mapped to 0 first, e.g. "
                 f"""`sed -E 's/^[[:space:]]*"?-1(\\.0*)?"?[[:space:]]*,/0,/' {shlex.quote(str(path))} > """
