@@ -83,5 +83,15 @@ def test_a_file_separated_otherwise_than_by_commas_is_named_so(tmp_path, sep, na
     path = tmp_path / "bags.csv"
     path.write_text(sep.join(["0", "a", "0.1", "0.2"]) + "\n" + sep.join(["1", "b", "0.3", "0.1"]) + "\n")
     with pytest.raises(ConfigError, match=rf"got 1 columns \(line \d\)\. The values look separated by {name}: write "
-                                          r"the file comma-separated\."):
+                                          r"the file comma-separated, with decimal points\."):
+        read_mil_csv(path)
+
+
+def test_a_semicolon_file_with_decimal_commas_is_named_so(tmp_path):
+    """Review CF: a European spreadsheet's export (0;a;0,1;0,2) splits on its decimal commas into three columns and
+    failed on the number with no word on the separator."""
+    path = tmp_path / "bags.csv"
+    path.write_text("0;a;0,1;0,2\n1;b;0,3;0,1\n")
+    with pytest.raises(ConfigError, match=r"non-numeric label or feature on line \d: .* The values look separated by "
+                                          r"semicolons: write the file comma-separated, with decimal points\."):
         read_mil_csv(path)

@@ -171,6 +171,13 @@ def is_csv_header(fields: Sequence[str]) -> bool:
     return cells == [str(i) for i in range(len(cells))]
 
 
+def _separator_hint(row: list[str]) -> str:
+    """A hint when a row's values look separated by tabs or semicolons (a European spreadsheet's CSV, whose decimal
+    commas then split the numbers instead), or '' (review CF)."""
+    sep = next((name for ch, name in (("\t", "tabs"), (";", "semicolons")) if ch in row[0]), None)
+    return f" The values look separated by {sep}: write the file comma-separated, with decimal points." if sep else ""
+
+
 def read_mil_csv(path: str | os.PathLike) -> InstanceSet:
     """Read a classical MIL CSV ``label,bag_id,f1,...,fn`` (one instance per row), as shipped for
     MUSK1/MUSK2/ELEPHANT. The first row is a header when :func:`is_csv_header` says so: its first field
@@ -205,10 +212,8 @@ def read_mil_csv(path: str | os.PathLike) -> InstanceSet:
         raise ConfigError(f"{path}: no instances; expected rows of label,bag_id,f1,...,fn.")
     width = len(rows[0])
     if width < 3:
-        sep = next((name for ch, name in (("\t", "tabs"), (";", "semicolons")) if ch in rows[0][0]), None)
-        hint = f" The values look separated by {sep}: write the file comma-separated." if sep else ""
         raise ConfigError(f"{path}: rows need label,bag_id and at least one feature; got {width} columns "
-                          f"(line {lines[0]}).{hint}")
+                          f"(line {lines[0]}).{_separator_hint(rows[0])}")
     bad = next((i for i, r in enumerate(rows) if len(r) != width), None)
     if bad is not None:
         raise ConfigError(f"{path}: line {lines[bad]} has {len(rows[bad])} columns, expected {width} (as line "
@@ -222,7 +227,7 @@ def read_mil_csv(path: str | os.PathLike) -> InstanceSet:
                 feats[i] = [float(v) for v in r[2:]]
             except ValueError as exc:
                 raise ConfigError(f"{path}: non-numeric label or feature on line {lines[i]}: {exc}; labels are 0/1 "
-                                  "and features numbers.") from None
+                                  f"and features numbers.{_separator_hint(r)}") from None
     bad_label = np.flatnonzero(~np.isin(labels, (0.0, 1.0)))
     if bad_label.size:
         found = sorted(set(labels.tolist()))
