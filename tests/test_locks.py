@@ -340,6 +340,42 @@ def test_heatmap_with_a_missing_checkpoint_leaves_no_out_folder(synth_dir, tmp_p
     assert not out.exists()
 
 
+def test_ones_own_read_only_lock_file_on_nfs_is_a_refusal_with_a_chmod_fix(tmp_path, monkeypatch):
+    """Review CF: NFS turns flock into POSIX locks, which refuse an exclusive lock on a file opened read-only; one's
+    own lock file without write permission was refused with "belongs to <oneself> ... ask <oneself> or an
+    administrator". The operating system's answers (tests run as root) stand in for the user's and NFS's."""
+    import fcntl
+
+    import wsi_milssl.locks as locks
+
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    lock_file = folder / LOCK_FILENAME
+    lock_file.write_text('{"pid": 1, "command": "a killed run"}\n')
+    lock_file.chmod(0o444)
+    real_open, real_flock = os.open, fcntl.flock
+
+    def open_without_write_permission(path, flags, *args, **kwargs):
+        if flags & os.O_ACCMODE == os.O_RDWR and Path(path) == lock_file:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    def flock_as_nfs(fd, operation):
+        if operation & fcntl.LOCK_EX and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        return real_flock(fd, operation)
+
+    monkeypatch.setattr(locks.os, "open", open_without_write_permission)
+    monkeypatch.setattr(locks.fcntl, "flock", flock_as_nfs)
+    with pytest.raises(FolderLockedError) as err:
+        with folder_lock(folder):
+            pass
+    message = str(err.value)
+    assert message.startswith(f"{folder}: {LOCK_FILENAME} is read-only, and this file system does not lock files "
+                              "opened read-only. Fix: `chmod u+w ")
+    assert "belongs to" not in message and "ask " not in message
+
+
 def test_another_users_lock_file_in_a_sticky_folder_is_a_refusal_naming_its_owner(tmp_path, monkeypatch):
     """Review CE: a dead run's lock file of another user, opened read-only, was to be replaced; in a sticky folder
     (only a file's owner may delete it) the unlink failed and folder_lock looped for ever at 100 % CPU. The tests
@@ -368,6 +404,7 @@ def test_another_users_lock_file_in_a_sticky_folder_is_a_refusal_naming_its_owne
 
     monkeypatch.setattr(locks.os, "open", open_as_other_user)
     monkeypatch.setattr(locks.os, "unlink", unlink_in_sticky_folder)
+    monkeypatch.setattr(locks.os, "geteuid", lambda: os.getuid() + 1)  # the file is not this user's
     started = time.monotonic()
     with pytest.raises(FolderLockedError, match=rf"^{folder}: {re.escape(LOCK_FILENAME)} belongs to .*, and this user "
                                                 r"can neither write it nor replace it here .*Fix: ask .* to delete "):

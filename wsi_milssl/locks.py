@@ -40,6 +40,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import socket
 import sys
 import threading
@@ -495,6 +496,7 @@ def _replace_if_read_only(fd: int, lock_file: Path, named_by: str | None = "--ou
 
 def _foreign_lock_error(lock_file: Path, named_by: str | None) -> FolderLockedError:
     """The refusal for another user's lock file that this user can neither write nor take over."""
+    elsewhere = _elsewhere(named_by)
     try:
         import pwd
 
@@ -504,8 +506,12 @@ def _foreign_lock_error(lock_file: Path, named_by: str | None) -> FolderLockedEr
         except KeyError:
             owner = f"uid {uid}"
     except OSError:
-        owner = "another user"
-    elsewhere = _elsewhere(named_by)
+        uid, owner = None, "another user"
+    if uid == os.geteuid():  # one's own file without write permission (NFS; review CF: "ask <oneself>")
+        return FolderLockedError(
+            f"{lock_file.parent}: {lock_file.name} is read-only, and this file system does not lock files opened "
+            f"read-only. Fix: `chmod u+w {shlex.quote(str(lock_file))}` (or delete it when no run of yours writes "
+            f"the folder){f', or {elsewhere}' if elsewhere else ''}.")
     return FolderLockedError(
         f"{lock_file.parent}: {lock_file.name} belongs to {owner}, and this user can neither write it nor replace "
         f"it here (a folder where only a file's owner may delete it, or a file system that does not lock files "
