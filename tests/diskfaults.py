@@ -37,6 +37,16 @@ def _mount(target: Path, options: str) -> bool:
     return result.returncode == 0
 
 
+def _bind_read_only(target: Path) -> bool:
+    """Mount ``target`` read-only over itself (its files stay visible); False where the machine refuses."""
+    if subprocess.run(["mount", "--bind", str(target), str(target)], capture_output=True).returncode != 0:
+        return False
+    if subprocess.run(["mount", "-o", "remount,ro,bind", str(target)], capture_output=True).returncode != 0:
+        _umount(target)
+        return False
+    return True
+
+
 def _umount(target: Path) -> None:
     subprocess.run(["umount", "-l", str(target)], capture_output=True)
 
@@ -97,9 +107,16 @@ def full_disk(folder: Path, *, n_bytes: int) -> Iterator[tuple[str, Callable[[],
 
 @contextmanager
 def read_only_folder(folder: Path) -> Iterator[str]:
-    """Make ``folder`` (created, empty) read-only for this process: yields 'mount' or 'injected'."""
+    """Make ``folder`` read-only for this process: yields 'mount' or 'injected'. A folder that is missing or empty
+    becomes an empty read-only tmpfs; one with files a read-only bind mount of itself, its files kept."""
     folder.mkdir(parents=True, exist_ok=True)
-    if can_mount() and _mount(folder, "ro,size=64k"):
+    if can_mount() and any(folder.iterdir()) and _bind_read_only(folder):
+        try:
+            yield "mount"
+        finally:
+            _umount(folder)
+        return
+    if can_mount() and not any(folder.iterdir()) and _mount(folder, "ro,size=64k"):
         try:
             yield "mount"
         finally:

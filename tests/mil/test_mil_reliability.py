@@ -79,6 +79,21 @@ def test_train_into_a_read_only_folder_is_one_clear_error(tmp_path, capsys, mil_
                    "remount it read-write.\n"), method
 
 
+def test_resume_of_a_read_only_run_folder_is_refused_before_its_start_line(tmp_path, capsys, mil_csv):
+    """A run folder on a read-only disk (an archive, a colleague's share): `train --resume` printed "training ...
+    on N instances" and read the inputs before it failed on the folder (review CB)."""
+    run = tmp_path / "run"
+    assert main(["train", str(mil_csv), "--out", str(run), *TRAIN]) == 0
+    capsys.readouterr()
+    with read_only_folder(run) as method:
+        code = main(["train", "--resume", str(run), "--epochs", "3", "--threads", "1", "--no-plots"])
+    out, err = capsys.readouterr()
+    assert code == 1, (method, err)
+    assert out == "", method
+    assert re.fullmatch(rf"error: {run}/last\.pt: cannot write this file \(Read-only file system[^\n]*\)\. Fix: "
+                        r"[^\n]*\n", err), (method, err)
+
+
 def test_a_checkpoint_save_killed_with_sigkill_leaves_a_temporary_that_resume_removes(tmp_path, mil_csv):
     """Row 13: kill -9 during the save of last.pt leaves ``.last.pt.<pid>.<random>.tmp``; the next run
     into the folder (here ``--resume``) removes it, and last.pt was never touched."""

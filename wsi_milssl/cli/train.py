@@ -451,6 +451,10 @@ def _set_up(args: argparse.Namespace):
         from wsi_milssl.locks import refuse_written_folder
 
         refuse_written_folder(out, named_by=None if args.resume is not None else "--out")
+    if args.resume is not None:  # a read-only run folder: refused before the inputs are read and the start line
+        from wsi_milssl.atomic import check_writable
+
+        check_writable(Path(out) / "last.pt")
     mode = "images" if input_mode == "images" else "features"
     try:
         config = train_config_from_args(args, mode=mode, base=base)
