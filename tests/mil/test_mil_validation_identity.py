@@ -1,5 +1,6 @@
 """`train X --val X` (every validation bag a training bag) is refused in image and feature mode (review
-finding F9); a partial overlap stays a warning, and sets that only share slide names (other slides) train."""
+finding F9), and so is a partial overlap (review CK: a warning, which -q hides); sets that only share slide names
+(other slides) train."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def test_images_validation_on_the_training_stores_is_refused(tmp_path, image_sto
     assert main(["train", folder, "--labels", str(labels), "--val", str(tmp_path / "copy"), "--out",
                  str(tmp_path / "run2"), *BASE]) != 0
     assert "all 4 validation bags are training bags" in capsys.readouterr().err
-    # a partial overlap trains (the training loop warns about it)
+    # a partial overlap is refused too (review CK)
     others, _ = image_store_factory(tmp_path / "others", n_bags=2, n_patches=8, size_px=16, seed=1)
     both = tmp_path / "both"
     both.mkdir()
@@ -51,7 +52,17 @@ def test_images_validation_on_the_training_stores_is_refused(tmp_path, image_sto
         shutil.copy(p, both / p.name)
     (both / "labels.csv").write_text(f"slide,label\n{paths[0].stem},0\n{others[1].stem},1\n")
     assert main(["train", folder, "--labels", str(labels), "--val", str(both), "--val-labels",
-                 str(both / "labels.csv"), "--out", str(tmp_path / "run4"), *BASE]) == 0
+                 str(both / "labels.csv"), "--out", str(tmp_path / "run4"), *BASE]) == 1
+    assert (f"--val {both}: 1 of the 2 validation bags are training bags ({paths[0].stem}), so best.pt would be "
+            "chosen on the data the model trains on. Fix: validate on slides held out from training (their own stores "
+            "or feature files), or drop those from --val or from INPUTS.") in capsys.readouterr().err
+    assert not (tmp_path / "run4").exists()
+    # held-out slides of both classes in its place validate
+    (both / paths[0].name).unlink()
+    shutil.copy(others[0], both / others[0].name)
+    (both / "labels.csv").write_text(f"slide,label\n{others[0].stem},0\n{others[1].stem},1\n")
+    assert main(["train", folder, "--labels", str(labels), "--val", str(both), "--val-labels",
+                 str(both / "labels.csv"), "--out", str(tmp_path / "run5"), *BASE]) == 0
 
 
 def test_features_validation_on_the_training_files_is_refused(tmp_path, capsys):

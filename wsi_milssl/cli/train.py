@@ -406,19 +406,25 @@ def _check_same_encoder(train, val) -> None:
 
 
 def _check_held_out(train, val, val_inputs, *, input_mode: str = "images") -> None:
-    """Refuse a validation set whose every bag is a training bag (``train X --val X``; for a MIL CSV, whose
-    bag ids are local to their file, the same file): best.pt would be chosen on the data the model trains
-    on. A partial overlap is a warning of the training loop."""
+    """Refuse validation bags that are training bags (``train X --val X``, or a training store among the
+    validation inputs; for a MIL CSV, whose bag ids are local to their file, a bag of the same file or a copy):
+    best.pt would be chosen, in part or in whole, on the data the model trains on (review CK: a partial overlap
+    was a warning, which ``-q`` hides). ``fit`` itself, from Python, warns."""
     from wsi_milssl.errors import ConfigError
     from wsi_milssl.mil.data import held_out_bags
 
-    if val.n_bags and not held_out_bags(train, val):
-        names = ", ".join(val.bag_names[:5]) + (", ..." if val.n_bags > 5 else "")
-        held = ("bags held out from training (their own MIL CSV)" if input_mode == "mil-csv"
-                else "slides held out from training (their own stores or feature files)")
-        raise ConfigError(f"--val {' '.join(str(p) for p in val_inputs)}: all {val.n_bags} validation bags are "
-                          f"training bags ({names}), so best.pt would be chosen on the data the model trains on. "
-                          f"Fix: validate on {held}, or drop --val.")
+    held_out = set(held_out_bags(train, val))
+    shared = [n for n in val.bag_names if n not in held_out]
+    if not shared:
+        return
+    names = ", ".join(shared[:5]) + (", ..." if len(shared) > 5 else "")
+    held = ("bags held out from training (their own MIL CSV)" if input_mode == "mil-csv"
+            else "slides held out from training (their own stores or feature files)")
+    which = f"all {val.n_bags}" if len(shared) == val.n_bags else f"{len(shared)} of the {val.n_bags}"
+    drop = "drop --val" if len(shared) == val.n_bags else "drop those from --val or from INPUTS"
+    raise ConfigError(f"--val {' '.join(str(p) for p in val_inputs)}: {which} validation bags are training bags "
+                      f"({names}), so best.pt would be chosen on the data the model trains on. Fix: validate on {held}, "
+                      f"or {drop}.")
 
 
 def _set_up(args: argparse.Namespace):
