@@ -7,7 +7,7 @@ import hashlib
 
 import pytest
 
-from wsi_milssl.hashing import cached_file_sha256, file_sha256
+from wsi_milssl.hashing import cached_file_sha256, file_reads_kept, file_sha256, kept_file_read
 
 
 @pytest.mark.parametrize("size", [0, 1, (1 << 20) - 1, 1 << 20, (1 << 20) + 7, 3 * (1 << 20) + 5])
@@ -42,3 +42,51 @@ def test_every_call_site_uses_it_and_gives_the_same_digest(tmp_path):
     assert stamps._file_identity(path, with_sha256=True)[2] == expected
     assert cached_file_sha256(path) == cached_file_sha256(path) == expected  # the second from the cache
     assert not hasattr(encoders, "file_sha256")  # review BQ: one home, hashing.py
+
+
+def test_file_reads_are_kept_within_a_run_only_and_per_identity_of_the_file(tmp_path):
+    """Review CH: one pipeline run hashed every small feature file up to five times."""
+    import os
+
+    path = tmp_path / "bag.h5"
+    path.write_bytes(b"a" * 100)
+    calls = []
+
+    def read():
+        calls.append(1)
+        return file_sha256(path)
+
+    def kept():
+        return kept_file_read("sha256", path, os.stat(path), read)
+
+    with file_reads_kept():
+        first = kept()
+        with file_reads_kept():  # a nested block shares the outer one's
+            assert kept() == first
+        assert kept() == first and len(calls) == 1
+        path.write_bytes(b"b" * 101)  # written again: another file
+        assert kept() == file_sha256(path) != first and len(calls) == 2
+    kept(), kept()  # outside: read every time
+    assert len(calls) == 4
+
+
+def test_an_up_to_date_feature_pipeline_hashes_each_file_once(tmp_path, monkeypatch):
+    from tinypipeline import FEATURE_BAGS, feature_bags
+    from wsi_milssl.pipeline import load_pipeline, run_pipeline, stamps
+
+    feature_bags(tmp_path / "bags" / "train", 8, 0)
+    feature_bags(tmp_path / "bags" / "test", 4, 1)
+    (tmp_path / "p.toml").write_text('[pipeline]\nname = "hashes"\n' + FEATURE_BAGS + "mu_ramp_epochs = 1\n")
+    out = tmp_path / "out"
+    run_pipeline(load_pipeline(tmp_path / "p.toml", out_dir=out))
+    hashed = []
+
+    def counted(path, **kwargs):
+        hashed.append(str(path))
+        return file_sha256(path, **kwargs)
+
+    monkeypatch.setattr(stamps, "file_sha256", counted)
+    outcomes = run_pipeline(load_pipeline(tmp_path / "p.toml", out_dir=out))
+    assert {o.status for o in outcomes} == {"skipped"}
+    assert any(p.endswith("bag_00.h5") for p in hashed)
+    assert len(hashed) == len(set(hashed)), sorted(p for p in set(hashed) if hashed.count(p) > 1)

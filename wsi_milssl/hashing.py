@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+from contextlib import contextmanager
+from typing import Callable, Iterator, TypeVar
 
-__all__ = ["file_sha256", "cached_file_sha256"]
+__all__ = ["file_sha256", "cached_file_sha256", "file_reads_kept", "kept_file_read"]
+
+T = TypeVar("T")
 
 _BLOCK = 1 << 20
 
@@ -40,3 +44,34 @@ def cached_file_sha256(path: str | os.PathLike) -> str:
     if key not in _CACHE:
         _CACHE[key] = file_sha256(path)
     return _CACHE[key]
+
+
+_KEPT: dict[tuple, object] | None = None
+
+
+@contextmanager
+def file_reads_kept() -> Iterator[None]:
+    """Within (one pipeline run): :func:`kept_file_read` computes what it is asked of a file once per identity of
+    the file (path, inode, size, modification time), however many checks ask (review CH: every small feature file
+    was hashed up to five times by the checks of one run). Nested blocks share the outer one's; after the
+    outermost block nothing is kept, so a file written again in place later is read again."""
+    global _KEPT
+    outer = _KEPT
+    if outer is None:
+        _KEPT = {}
+    try:
+        yield
+    finally:
+        _KEPT = outer
+
+
+def kept_file_read(kind: str, path: str | os.PathLike, st: os.stat_result, compute: Callable[[], T]) -> T:
+    """``compute()`` (a ``kind`` of value read from the file ``path``, whose ``os.stat`` is ``st``), kept inside
+    :func:`file_reads_kept`, computed every time outside it."""
+    kept = _KEPT
+    if kept is None:
+        return compute()
+    key = (kind, os.fspath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in kept:
+        kept[key] = compute()
+    return kept[key]  # type: ignore[return-value]

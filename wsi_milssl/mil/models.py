@@ -152,10 +152,15 @@ class Standardize(nn.Module):
         self.register_buffer("mean", torch.zeros(in_features))
         self.register_buffer("std", torch.ones(in_features))
 
-    def set_stats(self, features: torch.Tensor) -> None:
-        """Set mean/std from (N, D) training features (a constant feature keeps std 1)."""
-        mean = features.double().mean(0)
-        std = features.double().std(0, unbiased=False)
+    def set_stats(self, features: torch.Tensor, *, chunk_rows: int = 1 << 16) -> None:
+        """Set mean/std from (N, D) training features (a constant feature keeps std 1), in float64, summed
+        ``chunk_rows`` rows at a time: no float64 copy of the whole set (review CH: two of them, each twice the
+        size of the float32 features, were the peak of a feature run's memory)."""
+        n = max(int(features.shape[0]), 1)
+        chunks = torch.split(features, chunk_rows)
+        mean = sum(c.double().sum(0) for c in chunks) / n
+        var = sum((c.double() - mean).square().sum(0) for c in chunks) / n
+        std = var.sqrt()
         std = torch.where(std > 1e-12, std, torch.ones_like(std))
         self.mean.copy_(mean.to(self.mean.dtype))
         self.std.copy_(std.to(self.std.dtype))

@@ -48,7 +48,7 @@ def data_digest(instances: InstanceSet, *, instance_labels: bool = False) -> str
     h.update(json.dumps([instances.kind, instances.bag_names, instances.bag_labels.tolist(), len(instances)]).encode())
     h.update(np.ascontiguousarray(instances.bag_ids).tobytes())
     if instances.features is not None:
-        h.update(np.ascontiguousarray(instances.features).tobytes())
+        h.update(np.ascontiguousarray(instances.features))  # the buffer itself: no copy of the set (review CH)
     if instances.kind == "images":
         from wsi_milssl.store import open_store
 

@@ -20,7 +20,8 @@ from wsi_milssl.pipeline.stamps import fingerprint_paths, read_stamp
 
 __all__ = ["UPSTREAM", "EMBEDDED_UPSTREAM", "SPEED_ONLY", "EARLIER_DEFAULTS", "ADDED_SETTINGS", "recorded_settings",
            "stage_settings", "setting_names", "digest_parts", "external_inputs", "with_label_settings",
-           "run_fingerprints", "training_data", "training_data_forms", "feature_file_bags", "feature_files"]
+           "run_fingerprints", "training_data", "training_data_forms", "feature_file_bags", "feature_files",
+           "train_weights", "weights_fingerprint", "records_train_weights"]
 
 
 #: the stages each stage reads (their stamps' digests count in its own); with a [features] table, EMBEDDED_UPSTREAM
@@ -106,21 +107,57 @@ def setting_names(stage: str, settings: dict) -> dict:
     return names
 
 
-def digest_parts(spec: PipelineSpec, stage: str, chain: dict[str, str], state: Path, *, form: str
-                 ) -> tuple[dict, dict]:
+def digest_parts(spec: PipelineSpec, stage: str, chain: dict[str, str], state: Path, *, form: str,
+                 weights: bool = True) -> tuple[dict, dict]:
     """(settings in ``form``, inputs) that a stage's stamp digest covers (:func:`stage_settings`); the stages it
-    reads from count by their digest in ``chain`` (this run's) or else their stamp's."""
+    reads from count by their digest in ``chain`` (this run's) or else their stamp's. ``weights=False``: train's
+    without its weights files, as stamps written before 2026-11-29 recorded it (:func:`records_train_weights`)."""
     reads = (EMBEDDED_UPSTREAM if spec.feature_stage else UPSTREAM)[stage]
     upstream = {u: chain.get(u) or (read_stamp(state, u) or {}).get("digest") for u in reads}
-    return (stage_settings(spec, stage, form=form),
-            {"upstream": upstream, "external": external_inputs(spec, stage, legacy=form == "legacy")})
+    external = external_inputs(spec, stage, legacy=form == "legacy")
+    if stage == "train" and form != "legacy" and weights:
+        external += [weights_fingerprint(p) for p in train_weights(spec)]
+    return stage_settings(spec, stage, form=form), {"upstream": upstream, "external": external}
+
+
+def train_weights(spec: PipelineSpec) -> list[str]:
+    """The weights files training starts from: [train] weights_path and those of [train.grid], as training reads
+    them (``~`` expanded, a relative path against the current folder), absolute, sorted."""
+    train = spec.section("train")
+    grid = train.get("grid") if isinstance(train.get("grid"), dict) else {}
+    listed = grid.get("weights_path") if isinstance(grid.get("weights_path"), list) else []
+    paths = [train.get("weights_path"), *listed]
+    return sorted({os.path.abspath(os.path.expanduser(p)) for p in paths if isinstance(p, str)})
+
+
+def weights_fingerprint(path: str | os.PathLike) -> list:
+    """[absolute path, size, SHA-256] of a weights file (review CG: new weights behind the same [train]
+    weights_path left a finished model and its report up to date); [path, None, None] when it is missing or
+    cannot be read (training says so). The content, not the modification time, counts: a file touched or
+    copied again trains nothing again. Hashed once per process for a given size and modification time."""
+    from wsi_milssl.hashing import cached_file_sha256
+
+    path = os.path.abspath(os.path.expanduser(path))
+    try:
+        return [path, os.stat(path).st_size, cached_file_sha256(path)]
+    except OSError:
+        return [path, None, None]
+
+
+def records_train_weights(stamp: dict, spec: PipelineSpec) -> bool:
+    """Whether a train stamp records the weights files (stamps of this version do, when there are any): one
+    written before 2026-11-29 does not, and is compared without them (a finished run stays up to date on
+    upgrade; the weights count from the next time train runs)."""
+    rows = ((stamp.get("inputs") or {}).get("external") if isinstance(stamp.get("inputs"), dict) else None) or []
+    recorded = {os.path.basename(str(r[0])) for r in rows if isinstance(r, list) and r}
+    return not train_weights(spec) or all(os.path.basename(p) in recorded for p in train_weights(spec))
 
 
 def external_inputs(spec: PipelineSpec, stage: str, *, legacy: bool = False, only: str | None = None) -> list:
     """Fingerprints of the inputs from outside the pipeline a stage reads: small files by content, the
     slides (those a slide list names too) by size and modification time; ``legacy``: every file by size
     and modification time and a slide list as a file, as stamps of earlier versions recorded them;
-    ``only``: those of that set ("train", "test") alone."""
+    ``only``: those of that set ("train", "test") alone. (Train's weights files: :func:`digest_parts`.)"""
     sets = [ds for name, ds in spec.sets.items() if only in (None, name)]
     if spec.mode == "features":
         return fingerprint_paths([p for ds in sets for p in (ds.features, ds.labels)], content=not legacy)
@@ -177,20 +214,26 @@ def run_fingerprints(spec: PipelineSpec, state: Path, config, split: dict, *, ki
                      ) -> list[dict]:
     """The fingerprint a training run folder is started with now (:func:`_run_fingerprint`), then the forms
     of the same run that earlier versions recorded, also accepted
-    (:func:`wsi_milssl.pipeline.run_folders.prepare_run_dir`); ``data``: the forms of :func:`training_data_forms`."""
-    return [*(_run_fingerprint(spec, state, config, split, kind=kind, data=d) for d in data),
-            _run_fingerprint(spec, state, config, split, kind=kind, legacy=True)]
+    (:func:`wsi_milssl.pipeline.run_folders.prepare_run_dir`); ``data``: the forms of :func:`training_data_forms`.
+    Records written before 2026-11-29 hold no weights file: accepted without it (and rewritten with it)."""
+    now = [_run_fingerprint(spec, state, config, split, kind=kind, data=d) for d in data]
+    if config.weights_path:
+        now += [_run_fingerprint(spec, state, config, split, kind=kind, data=d, weights=False) for d in data]
+    return [*now, _run_fingerprint(spec, state, config, split, kind=kind, legacy=True)]
 
 
 def _run_fingerprint(spec: PipelineSpec, state: Path, config, split: dict, *, kind: str, data: dict | None = None,
-                     legacy: bool = False) -> dict:
-    """What a training run folder is started with: the settings that change the result, the data split
-    and what the training set's data come from (``data``, default :func:`training_data`); ``legacy``: as
-    earlier versions recorded it, with the stamp digest of the stage it trains on and the inputs of both sets
-    instead (so a change to the test set's files made them train again)."""
+                     legacy: bool = False, weights: bool = True) -> dict:
+    """What a training run folder is started with: the settings that change the result, the data split,
+    what the training set's data come from (``data``, default :func:`training_data`) and the weights file it
+    starts from (its name, size and SHA-256); ``legacy``: as earlier versions recorded it, with the stamp digest
+    of the stage it trains on and the inputs of both sets instead (so a change to the test set's files made them
+    train again); ``weights=False``: without the weights file, as versions before 2026-11-29 recorded it."""
     settings = recorded_settings("train", config_to_dict(config))
     fingerprint = {"kind": kind, "settings": settings, "split": {k: list(v) for k, v in split.items()}}
     if not legacy:
+        if config.weights_path and weights:
+            fingerprint["weights"] = _by_content([weights_fingerprint(config.weights_path)])[0]
         return {**fingerprint, "data": training_data(spec) if data is None else data}
     upstream = "features" if spec.feature_stage else ("label" if spec.mode == "images" else None)
     digest = None if upstream is None else (read_stamp(state, upstream) or {}).get("digest")
@@ -215,9 +258,16 @@ def training_data(spec: PipelineSpec) -> dict:
 
 def training_data_forms(spec: PipelineSpec) -> tuple[dict, ...]:
     """(:func:`training_data`, then the same as earlier versions recorded it, also accepted for a run folder they
-    started: with the settings that differ from their defaults then (:data:`EARLIER_DEFAULTS`) in place of every
+    started: in feature mode every file of the training features folder (a labels CSV or notes kept there, review
+    CG); with the settings that differ from their defaults then (:data:`EARLIER_DEFAULTS`) in place of every
     setting; the same as the version before that: files by absolute path, every label setting)."""
     forms = []
+    if spec.mode == "features":  # the feature files training reads, not every file of their folder (2026-11-29)
+        try:
+            files = fingerprint_paths(feature_files(Path(spec.sets["train"].features)), content=True)
+        except OSError:  # no such folder: the train stage says so
+            files = fingerprint_paths([spec.sets["train"].features], content=True)
+        forms.append({"external": _by_content(files + _training_bag_labels(spec))})
     for form in ("all", "changed"):
         recorded = _recorded_training_data(spec, form)
         now = {**recorded, "external": _by_content(recorded["external"])}
@@ -300,6 +350,17 @@ def _training_labels(spec: PipelineSpec) -> list:
 def feature_file_bags(path: Path) -> list[str] | None:
     """The bag names a feature file holds (its ``bag_ids``, else its slide stem), as
     :func:`wsi_milssl.mil.data.read_feature_files` names them; None when the file cannot be read."""
+    from wsi_milssl.hashing import kept_file_read
+
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    bags = kept_file_read("bags", path, st, lambda: _read_bag_names(Path(path)))  # once per run (review CH)
+    return None if bags is None else list(bags)
+
+
+def _read_bag_names(path: Path) -> list[str] | None:
     import h5py
 
     from wsi_milssl.features.schema import BAG_IDS, FEATURES

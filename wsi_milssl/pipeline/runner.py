@@ -54,10 +54,12 @@ from typing import Callable, Iterable
 from wsi_milssl.config import config_from_mapping, config_to_dict
 from wsi_milssl.errors import WsiMilsslError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
+from wsi_milssl.hashing import file_reads_kept
 from wsi_milssl.locks import folder_lock
 from wsi_milssl.pipeline.context import StageContext, in_set, listed_stems, set_stores, store_format
 from wsi_milssl.pipeline.digests import (EARLIER_DEFAULTS, EMBEDDED_UPSTREAM, UPSTREAM, digest_parts,
-                                         feature_files, setting_names, with_label_settings)
+                                         feature_files, records_train_weights, setting_names,
+                                         with_label_settings)
 from wsi_milssl.pipeline.overlap import refuse_test_in_training, refuse_unlabelled_test_bags
 from wsi_milssl.pipeline.spec import (RESOLVED_FILENAME, STAGES, PipelineSpec, label_defaults_spelled, load_pipeline,
                                       stage_config,
@@ -530,28 +532,31 @@ def run_pipeline(
 
             raise ConfigError(f"--force {', '.join(later)}: after --until {until}, so it would not run. Fix: drop "
                               f"--until, or force a stage up to {until}.")
-    refuse_test_in_training(spec)
-    if "evaluate" in stages:
-        refuse_unlabelled_test_bags(spec)
-    if spec.mode == "images":  # [label]'s settings in [heatmap] / [evaluate]: a clash found before any stage runs
-        for stage in ("heatmap", "evaluate"):
-            if stage in stages:
-                with_label_settings(spec, stage)
-        spelled = label_defaults_spelled(spec)
-        if spelled:  # review BR: a line that reads as the value used, while [label]'s is
-            log.warning("%s: %s, as a setting left at its default does (the packaged templates spell these "
-                        "defaults out). To evaluate with another value than [label]'s, set one other than the "
-                        "default, or run `wsi-milssl evaluate` with it.", spec.source, "; ".join(spelled))
-    elif "evaluate" in stages:
-        _refuse_other_test_features(spec)
-    with folder_lock(spec.out_dir, named_by=out_named_by):
-        outcomes = _run_stages(spec, stages, forced, progress=progress, on_stage=on_stage)
-        if stages == every_stage:
-            # the pipeline as it ran (overrides applied, every setting, absolute paths), beside its outputs: only
-            # once every stage is done with these settings (_run_stages removed the file of an earlier run)
-            write_resolved_pipeline(spec, spec.out_dir / RESOLVED_FILENAME)
-            _write_index(spec)  # once there is a report to point at (review BU)
-        return outcomes
+    # each file's content hashed (and a feature file's bags read) once in this run, not by every check (review
+    # CH: up to five times, 2.7 GB hashed for 545 MB of feature files)
+    with file_reads_kept():
+        refuse_test_in_training(spec)
+        if "evaluate" in stages:
+            refuse_unlabelled_test_bags(spec)
+        if spec.mode == "images":  # [label]'s settings in [heatmap] / [evaluate]: a clash found before any stage runs
+            for stage in ("heatmap", "evaluate"):
+                if stage in stages:
+                    with_label_settings(spec, stage)
+            spelled = label_defaults_spelled(spec)
+            if spelled:  # review BR: a line that reads as the value used, while [label]'s is
+                log.warning("%s: %s, as a setting left at its default does (the packaged templates spell these "
+                            "defaults out). To evaluate with another value than [label]'s, set one other than the "
+                            "default, or run `wsi-milssl evaluate` with it.", spec.source, "; ".join(spelled))
+        elif "evaluate" in stages:
+            _refuse_other_test_features(spec)
+        with folder_lock(spec.out_dir, named_by=out_named_by):
+            outcomes = _run_stages(spec, stages, forced, progress=progress, on_stage=on_stage)
+            if stages == every_stage:
+                # the pipeline as it ran (overrides applied, every setting, absolute paths), beside its outputs: only
+                # once every stage is done with these settings (_run_stages removed the file of an earlier run)
+                write_resolved_pipeline(spec, spec.out_dir / RESOLVED_FILENAME)
+                _write_index(spec)  # once there is a report to point at (review BU)
+            return outcomes
 
 
 #: ``OUT/README.txt``: where a reader of the output folder finds what (review BS: it had no entry point)
@@ -639,6 +644,13 @@ def _run_stages(spec: PipelineSpec, stages: list[str], forced: set[str], *,
             checked[form] = (recorded_digest(ctx.state, stage, stamp_digest(settings, inputs), settings, inputs),
                              settings, inputs)
         candidates = [checked[form][0] for form in forms]
+        if stage == "train" and stamp is not None and not records_train_weights(stamp, spec):
+            # a stamp written before the weights files counted: as up to date as it was (they count once train runs)
+            for form in forms:
+                earlier, earlier_inputs = digest_parts(spec, stage, digests, ctx.state, form=form, weights=False)
+                earlier = setting_names(stage, earlier)
+                candidates.append(recorded_digest(ctx.state, stage, stamp_digest(earlier, earlier_inputs), earlier,
+                                                  earlier_inputs))
         digest, settings, inputs = checked[forms[0]]
         if stamp is not None and stamp.get("digest") in candidates:
             digest = stamp["digest"]  # the chain goes on with the digest of the form the stamp holds

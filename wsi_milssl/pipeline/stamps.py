@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from wsi_milssl.atomic import atomic_write_json
-from wsi_milssl.hashing import file_sha256
+from wsi_milssl.hashing import file_sha256, kept_file_read
 
 __all__ = ["StageStamp", "fingerprint_paths", "stamp_digest", "recorded_digest", "by_file_name",
            "same_files_moved", "read_stamp", "write_stamp",
@@ -63,9 +63,10 @@ OUTPUT_IDS = "output_ids"
 INPUT_IDS = "input_ids"
 
 
-#: files up to this size are fingerprinted by their content (labels, annotations, slide lists: a file
-#: written again with the same bytes, or touched, is the same input); larger ones (slides, feature files)
-#: by size and modification time
+#: files up to this size are fingerprinted by their content (labels, annotations, slide lists, feature files of
+#: up to 16 MiB: a file written again with the same bytes, or touched, is the same input; each hashed once per
+#: run, :func:`wsi_milssl.hashing.file_reads_kept`); larger ones (slides, large feature files) by size and
+#: modification time
 CONTENT_BYTES = 16 << 20
 
 
@@ -82,7 +83,7 @@ def fingerprint_paths(paths: Iterable[str | os.PathLike], *, content: bool = Fal
                 continue
             st = f.stat()
             if content and st.st_size <= CONTENT_BYTES:
-                out.append([str(f), st.st_size, hashlib.sha256(f.read_bytes()).hexdigest()])
+                out.append([str(f), st.st_size, kept_file_read("sha256", f, st, lambda f=f: file_sha256(f))])
             else:
                 out.append([str(f), st.st_size, st.st_mtime_ns])
     return out

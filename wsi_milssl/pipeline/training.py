@@ -500,6 +500,7 @@ def train_features(ctx: StageContext) -> tuple[list[str], str]:
     index = {n: i for i, n in enumerate(data.bag_names)}
     train = data.subset_bags([index[n] for n in train_names])
     val = data.subset_bags([index[n] for n in val_names]) if val_names else None
+    del data  # the whole set, copied into train and val: not held through training (review CH)
     run_info = {"data": _feature_run_data(files, labels_csv, train_names, val_names)}
     grid_data = {"mode": "features", "files": [str(p) for p in files], "labels": str(labels_csv),
                  "train": list(train_names), "val": list(val_names)}
