@@ -323,19 +323,41 @@ def shard_items(items: Sequence[T], index: int, count: int, by: Literal["hash", 
     if count <= 1:
         return list(items)
     if by == "position":
+        global _SPLIT_LIST
+        names = [name(item) for item in items]
+        _SPLIT_LIST = (len(names), hashlib.sha256("\n".join(names).encode("utf-8")).hexdigest())
         return list(items[index::count])
     return [item for item in items if shard_of(name(item), count) == index]
+
+
+#: (count, SHA-256 of the names) of the list the last split by position (torchrun's ranks) took its share of:
+#: :func:`wait_for_ranks` compares the ranks' lists
+_SPLIT_LIST: tuple[int, str] | None = None
 
 
 def wait_for_ranks() -> None:
     """Under torchrun with several ranks, return when every rank has got here: a gloo barrier (on the
     CPU) that waits up to :data:`RANKS_APART`. A slide stage's ranks call it at the end, before a rank
     with failed slides exits 1: torchrun ends every rank as soon as one exits non-zero, which would
-    stop the others mid-slide. Without torchrun (or with one rank) it returns at once, without importing
-    torch."""
+    stop the others mid-slide. Then DistributedError on every rank when the ranks split different lists of
+    slides (:func:`shard_items` by position; review CI: a slide folder still being copied into, listed a moment
+    apart, left slides done by no rank, or by two, with exit status 0). Without torchrun (or with one rank) it
+    returns at once, without importing torch."""
     ctx = init_group("cpu", timeout=RANKS_APART)
     try:
         barrier(ctx)
+        if ctx.enabled:
+            import torch.distributed as dist
+
+            lists: list = [None] * ctx.world_size
+            dist.all_gather_object(lists, _SPLIT_LIST)
+            if len(set(lists)) > 1:
+                counts = ", ".join(f"rank {r}: {'?' if lst is None else lst[0]}" for r, lst in enumerate(lists))
+                raise DistributedError(
+                    f"the ranks split different lists of slides ({counts}): a slide folder that changed while "
+                    "they listed it (slides still being copied in), or that the machines see differently; some "
+                    "slides may have been done by no rank, or by two. Fix: run the same command again once the "
+                    "folder no longer changes (finished slides are kept).")
     finally:
         close_group(ctx)
 

@@ -329,6 +329,36 @@ def test_a_failed_rank_waits_for_a_rank_that_starts_late(four_slides, tmp_path):
     assert _hidden(out) == []
 
 
+FEWER_SLIDES_ON_RANK_1 = """\
+import os, sys
+from wsi_milssl.cli import main
+
+args = sys.argv[1:]
+if os.environ["RANK"] == "1":
+    args.remove(args[1])  # its listing missed the first slide (still being copied in when it looked)
+sys.exit(main(args))
+"""
+
+
+def test_torchrun_ranks_that_split_different_lists_of_slides_fail(four_slides, tmp_path):
+    """Review CI: ranks split every N-th slide of their own listing; a slide missing from one rank's list (a folder
+    still being copied into) left slides tiled by no rank, or by two, with exit status 0. The ranks compare their
+    lists at the end and every rank fails, saying so."""
+    folder = _slides_folder(four_slides, tmp_path / "slides", {"slide_0": "slide_0", "slide_1": "slide_1",
+                                                                "slide_2": "slide_2"})
+    out = tmp_path / "out"
+    script = tmp_path / "fewer.py"
+    script.write_text(FEWER_SLIDES_ON_RANK_1)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script), "tile",
+         *(str(folder / f"slide_{i}.tif") for i in range(3)), "--out", str(out), "--magnification", "40",
+         "--patch-size", "64", "--pixels", "raw", "--threads", "1", "--openslide-only"],
+        env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0, proc.stderr
+    assert "the ranks split different lists of slides (rank 0: 3, rank 1: 2)" in proc.stderr, proc.stderr
+    assert "Fix: run the same command again once the folder no longer changes" in proc.stderr
+
+
 def test_a_shard_into_a_finished_folder_of_other_settings_gets_the_unsharded_error(four_slides, tmp_path):
     """A sharded run (torchrun) into the folder of an earlier, finished run with another patch size used to be
     told 'the shards of one run must use the same settings' (as if another shard were running); it gets the
