@@ -286,6 +286,10 @@ def test_torchrun_ranks_finish_their_slides_when_a_rank_has_a_failed_slide(four_
     assert [(r["slide"], r["status"]) for r in read_status_csv(out / "tile_status.csv")] == [
         ("slide_0", "ok"), ("slide_0a", "failed"), ("slide_1", "ok")]
     assert f"error: 1 slide(s) failed (shard 1/2); see {out / 'tile_status.csv'}" in proc.stderr
+    # rank 1's lines say so, as the README promises (review CI: these two did not)
+    lines = proc.stderr.splitlines()
+    assert any(line.startswith("[rank 1] failed: slide_0a: ") for line in lines), proc.stderr
+    assert f"[rank 1] error: 1 slide(s) failed (shard 1/2); see {out / 'tile_status.csv'}" in lines, proc.stderr
     assert [p.name for p in find_stores(out)] == ["slide_0.h5", "slide_1.h5"]
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []  # no .partial, no lock
 

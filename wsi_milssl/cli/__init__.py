@@ -31,7 +31,7 @@ from pathlib import Path
 from wsi_milssl import __version__
 from wsi_milssl.errors import OptionError, WsiMilsslError
 
-__all__ = ["main", "build_parser", "report_error", "COMMANDS"]
+__all__ = ["main", "build_parser", "report_error", "rank_tag", "COMMANDS"]
 
 # Subcommand name -> module under wsi_milssl.cli. Later stages add their line here.
 COMMANDS = {
@@ -259,6 +259,8 @@ def _main(argv: list[str] | None) -> int:
     log_file = getattr(args, "log_file_after", None) or args.log_file
     rank, world = _torchrun_place()
     tag = f"[rank {rank}] " if rank else ""
+    global _RANK_TAG
+    _RANK_TAG = tag  # for the lines the subcommands print to stderr themselves (review CI)
     floor = logging.WARNING if rank and args.command == "train" else logging.NOTSET
     try:
         _configure_output(verbose=verbose, quiet=quiet, log_file=log_file, tag=tag, floor=floor)
@@ -302,7 +304,7 @@ def _run_command(args: argparse.Namespace, *, rank: int, world: int, tag: str) -
             raise
         code = report_error(problem, code=1, tag=tag)
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print(f"{tag}interrupted", file=sys.stderr)
         _log_to_file("interrupted")  # a batch run's log then says why it stopped
         code = 130
     try:
@@ -463,10 +465,21 @@ def _in_the_way(exc: OSError) -> WsiMilsslError:
                           "the file away.")
 
 
-def report_error(error: object, *, code: int, tag: str = "") -> int:
-    """Print ``error: {error}`` to stderr, after ``tag`` (``[rank r] ``), and log it to the ``--log-file``
-    (if any, whatever -q says); returns ``code``, the exit code. Every subcommand's error path goes
-    through this, so that the log of a batch run (nohup, sbatch) that ended on an error says why."""
+#: ``[rank r] `` under torchrun for a rank other than 0, else "": starts the lines a command prints to stderr
+_RANK_TAG = ""
+
+
+def rank_tag() -> str:
+    """``[rank r] `` for a torchrun rank other than 0, else "": the start of every stderr line of the command."""
+    return _RANK_TAG
+
+
+def report_error(error: object, *, code: int, tag: str | None = None) -> int:
+    """Print ``error: {error}`` to stderr, after ``tag`` (``[rank r] ``; by default this rank's,
+    :func:`rank_tag`), and log it to the ``--log-file`` (if any, whatever -q says); returns ``code``, the exit
+    code. Every subcommand's error path goes through this, so that the log of a batch run (nohup, sbatch) that
+    ended on an error says why."""
+    tag = _RANK_TAG if tag is None else tag
     print(f"{tag}error: {error}", file=sys.stderr)
     _log_to_file(f"error: {error}")
     return code

@@ -139,7 +139,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from wsi_milssl.cli import report_error
+    from wsi_milssl.cli import rank_tag, report_error
     from wsi_milssl.cli.progress import TqdmProgress
     from wsi_milssl.errors import ConfigError
     from wsi_milssl.features import extract_features
@@ -161,5 +161,5 @@ def run(args: argparse.Namespace) -> int:
     print(f"status: {result.status_csv}")
     for r in result.results:
         if r.status == "failed":
-            print(f"failed: {r.slide}: {r.error}", file=sys.stderr)
+            print(f"{rank_tag()}failed: {r.slide}: {r.error}", file=sys.stderr)
     return 0 if result.ok else 1

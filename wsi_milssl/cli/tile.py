@@ -101,7 +101,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from wsi_milssl.cli import report_error
+    from wsi_milssl.cli import rank_tag, report_error
     from wsi_milssl.cli.progress import TqdmProgress
     from wsi_milssl.cli.sharding import failed_exit, shard_from_args
     from wsi_milssl.tiling import find_slides, tile_slides
@@ -130,5 +130,5 @@ def run(args: argparse.Namespace) -> int:
     print(f"status: {result.status_csv}")
     for r in result.results:
         if r.status == "failed":
-            print(f"failed: {r.slide}: {r.error}", file=sys.stderr)
+            print(f"{rank_tag()}failed: {r.slide}: {r.error}", file=sys.stderr)
     return failed_exit(args, shard, counts["failed"], status_csv=result.status_csv)
