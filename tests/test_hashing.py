@@ -90,3 +90,35 @@ def test_an_up_to_date_feature_pipeline_hashes_each_file_once(tmp_path, monkeypa
     assert {o.status for o in outcomes} == {"skipped"}
     assert any(p.endswith("bag_00.h5") for p in hashed)
     assert len(hashed) == len(set(hashed)), sorted(p for p in set(hashed) if hashed.count(p) > 1)
+
+
+def test_runs_in_two_threads_keep_their_own_reads_and_leave_none():
+    """Review CL: one module-wide memo; two overlapping runs in two threads left it on for the rest of the process."""
+    import threading
+
+    from wsi_milssl import hashing
+
+    both_inside = threading.Barrier(2)
+    memos, after = [], []
+
+    def run(wait_s: float) -> None:
+        with file_reads_kept():
+            memos.append(hashing._KEPT.get())
+            both_inside.wait()
+            time.sleep(wait_s)  # the second finishes last
+        after.append(hashing._KEPT.get())
+
+    import time
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in (0.0, 0.2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(memos) == 2 and memos[0] is not memos[1]
+    assert after == [None, None] and hashing._KEPT.get() is None
+    later = []
+    t = threading.Thread(target=lambda: later.append(hashing._KEPT.get()))
+    t.start()
+    t.join()
+    assert later == [None]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import os
 from contextlib import contextmanager
@@ -46,7 +47,9 @@ def cached_file_sha256(path: str | os.PathLike) -> str:
     return _CACHE[key]
 
 
-_KEPT: dict[tuple, object] | None = None
+#: the reads kept by the innermost :func:`file_reads_kept` of this thread (a context variable: two runs in two
+#: threads keep their own, review CL)
+_KEPT: contextvars.ContextVar[dict | None] = contextvars.ContextVar("wsi_milssl_file_reads_kept", default=None)
 
 
 @contextmanager
@@ -54,21 +57,20 @@ def file_reads_kept() -> Iterator[None]:
     """Within (one pipeline run): :func:`kept_file_read` computes what it is asked of a file once per identity of
     the file (path, inode, size, modification time), however many checks ask (review CH: every small feature file
     was hashed up to five times by the checks of one run). Nested blocks share the outer one's; after the
-    outermost block nothing is kept, so a file written again in place later is read again."""
-    global _KEPT
-    outer = _KEPT
-    if outer is None:
-        _KEPT = {}
+    outermost block nothing is kept, so a file written again in place later is read again. Each thread (and
+    asyncio task) has its own."""
+    token = _KEPT.set({}) if _KEPT.get() is None else None
     try:
         yield
     finally:
-        _KEPT = outer
+        if token is not None:
+            _KEPT.reset(token)
 
 
 def kept_file_read(kind: str, path: str | os.PathLike, st: os.stat_result, compute: Callable[[], T]) -> T:
     """``compute()`` (a ``kind`` of value read from the file ``path``, whose ``os.stat`` is ``st``), kept inside
     :func:`file_reads_kept`, computed every time outside it."""
-    kept = _KEPT
+    kept = _KEPT.get()
     if kept is None:
         return compute()
     key = (kind, os.fspath(path), st.st_ino, st.st_size, st.st_mtime_ns)

@@ -147,9 +147,9 @@ def test_a_copy_of_the_training_mil_csv_as_validation_is_caught(tmp_path, mil_cs
     err = capsys.readouterr().err
     assert code == 1
     if how == "part":  # review CK: a few such bags were a warning, which -q hides
-        assert (f"--val {val}: 1 of the 40 validation bags are training bags (b005), so best.pt would be chosen on the "
-                "data the model trains on. Fix: validate on bags held out from training (their own MIL CSV), or "
-                "drop those from --val or from INPUTS.") in err
+        assert (f"--val {val}: 1 of the 40 validation bags is a training bag (b005), so best.pt would be chosen on "
+                "the data the model trains on. Fix: validate on bags held out from training (their own MIL CSV), or "
+                "remove those bags' rows from the validation CSV.") in err
     else:
         assert f"--val {val}: all 40 validation bags are training bags" in err
     assert not (tmp_path / "run" / "last.pt").exists()

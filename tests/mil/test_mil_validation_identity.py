@@ -53,7 +53,7 @@ def test_images_validation_on_the_training_stores_is_refused(tmp_path, image_sto
     (both / "labels.csv").write_text(f"slide,label\n{paths[0].stem},0\n{others[1].stem},1\n")
     assert main(["train", folder, "--labels", str(labels), "--val", str(both), "--val-labels",
                  str(both / "labels.csv"), "--out", str(tmp_path / "run4"), *BASE]) == 1
-    assert (f"--val {both}: 1 of the 2 validation bags are training bags ({paths[0].stem}), so best.pt would be "
+    assert (f"--val {both}: 1 of the 2 validation bags is a training bag ({paths[0].stem}), so best.pt would be "
             "chosen on the data the model trains on. Fix: validate on slides held out from training (their own stores "
             "or feature files), or drop those from --val or from INPUTS.") in capsys.readouterr().err
     assert not (tmp_path / "run4").exists()

@@ -53,14 +53,25 @@ def test_new_weights_behind_the_same_path_train_again_and_a_touch_does_not(tmp_p
         (p / "best.pt").read_bytes() == first for p in out.glob("model.replaced-*"))
 
 
-def test_a_run_of_a_version_that_did_not_count_the_weights_stays_up_to_date(tmp_path, monkeypatch):
-    """Stamps and run records written before the weights counted hold no row of them: the finished work is kept on
-    upgrade, not trained again (the weights count from the next time train runs)."""
-    weights, out, run = _setup(tmp_path)
-    with monkeypatch.context() as earlier:  # as that version recorded them
+def _run_of_earlier_version(run, monkeypatch) -> None:
+    """Run the pipeline as versions before 2026-11-29 recorded it: no weights in the train stamp and run record."""
+    with monkeypatch.context() as earlier:
         earlier.setattr(digests, "train_weights", lambda spec: [])
         earlier.setattr(digests, "_run_fingerprint", functools.partial(digests._run_fingerprint, weights=False))
         assert run()["train"].status == "ran"
+
+
+def _newer(path, than) -> None:
+    """Give ``path`` a modification time one second after ``than``'s (new weights written after that run)."""
+    later = than.stat().st_mtime_ns + 10**9
+    os.utime(path, ns=(later, later))
+
+
+def test_a_run_of_a_version_that_did_not_count_the_weights_stays_up_to_date(tmp_path, monkeypatch):
+    """Stamps and run records written before the weights counted hold no row of them: the finished work is kept on
+    upgrade, not trained again, while the weights file is older than them."""
+    weights, out, run = _setup(tmp_path)
+    _run_of_earlier_version(run, monkeypatch)
     best = (out / "model" / "best.pt").read_bytes()
     last = (out / "model" / "last.pt").stat().st_mtime_ns
     assert {o.status for o in run().values()} == {"skipped"}
@@ -88,3 +99,24 @@ def test_other_files_in_the_training_features_folder_train_nothing_again(tmp_pat
                                        + "\n")
     assert run()["train"].status == "ran"
     assert (out / "model" / "last.pt").stat().st_mtime_ns != last
+
+
+def test_weights_replaced_after_a_run_of_an_earlier_version_train_again(tmp_path, monkeypatch):
+    """Review CL: such a run was accepted whatever the weights, and the next time train ran (a test label corrected)
+    it kept the model of the old weights and recorded the new ones; after `--force train`, weights changed again
+    brought back the first run, set aside, under the newest weights. Weights written after a record are a change."""
+    weights, out, run = _setup(tmp_path)
+    _run_of_earlier_version(run, monkeypatch)
+    first = (out / "model" / "best.pt").read_bytes()
+    _weights(weights, 2)
+    _newer(weights, out / "model" / "pipeline_run.json")
+    outcomes = run()
+    assert outcomes["train"].status == "ran" and "w.pt" in outcomes["train"].reason, outcomes["train"]
+    second = (out / "model" / "best.pt").read_bytes()
+    assert second != first
+    assert {o.status for o in run().values()} == {"skipped"}
+    _weights(weights, 3)  # the first run, set aside without a record of its weights, is not brought back
+    _newer(weights, out / "model" / "pipeline_run.json")
+    assert run()["train"].status == "ran"
+    assert (out / "model" / "best.pt").read_bytes() not in (first, second)
+    assert not any((p / "best.pt").read_bytes() not in (first, second) for p in out.glob("model.replaced-*"))

@@ -421,8 +421,10 @@ def _check_held_out(train, val, val_inputs, *, input_mode: str = "images") -> No
     held = ("bags held out from training (their own MIL CSV)" if input_mode == "mil-csv"
             else "slides held out from training (their own stores or feature files)")
     which = f"all {val.n_bags}" if len(shared) == val.n_bags else f"{len(shared)} of the {val.n_bags}"
-    drop = "drop --val" if len(shared) == val.n_bags else "drop those from --val or from INPUTS"
-    raise ConfigError(f"--val {' '.join(str(p) for p in val_inputs)}: {which} validation bags are training bags "
+    are = "is a training bag" if len(shared) == 1 and val.n_bags > 1 else "are training bags"
+    drop = ("drop --val" if len(shared) == val.n_bags else "remove those bags' rows from the validation CSV"
+            if input_mode == "mil-csv" else "drop those from --val or from INPUTS")
+    raise ConfigError(f"--val {' '.join(str(p) for p in val_inputs)}: {which} validation bags {are} "
                       f"({names}), so best.pt would be chosen on the data the model trains on. Fix: validate on {held}, "
                       f"or {drop}.")
 

@@ -21,7 +21,7 @@ from wsi_milssl.pipeline.stamps import fingerprint_paths, read_stamp
 __all__ = ["UPSTREAM", "EMBEDDED_UPSTREAM", "SPEED_ONLY", "EARLIER_DEFAULTS", "ADDED_SETTINGS", "recorded_settings",
            "stage_settings", "setting_names", "digest_parts", "external_inputs", "with_label_settings",
            "run_fingerprints", "training_data", "training_data_forms", "feature_file_bags", "feature_files",
-           "train_weights", "weights_fingerprint", "records_train_weights"]
+           "train_weights", "weights_fingerprint", "weights_older_than", "records_train_weights"]
 
 
 #: the stages each stage reads (their stamps' digests count in its own); with a [features] table, EMBEDDED_UPSTREAM
@@ -134,20 +134,34 @@ def weights_fingerprint(path: str | os.PathLike) -> list:
     """[absolute path, size, SHA-256] of a weights file (review CG: new weights behind the same [train]
     weights_path left a finished model and its report up to date); [path, None, None] when it is missing or
     cannot be read (training says so). The content, not the modification time, counts: a file touched or
-    copied again trains nothing again. Hashed once per process for a given size and modification time."""
-    from wsi_milssl.hashing import cached_file_sha256
+    copied again trains nothing again. Hashed once per run (:func:`wsi_milssl.hashing.file_reads_kept`)."""
+    from wsi_milssl.hashing import file_sha256, kept_file_read
 
     path = os.path.abspath(os.path.expanduser(path))
     try:
-        return [path, os.stat(path).st_size, cached_file_sha256(path)]
+        st = os.stat(path)
+        return [path, st.st_size, kept_file_read("sha256", path, st, lambda: file_sha256(path))]
     except OSError:
         return [path, None, None]
 
 
+def weights_older_than(paths: list[str], record: Path) -> bool:
+    """Whether the file ``record`` (a stamp, a run folder's record of a version that did not count the weights
+    files, before 2026-11-29) was written after each weights file of ``paths`` was last modified: then the run
+    it records read those weights, and is accepted without them (an upgrade trains nothing again); weights
+    changed since (or a record that cannot be read) make it a change (review CL: such records were accepted
+    whatever the weights, and a model trained from the old weights was recorded under the new ones)."""
+    try:
+        written = record.stat().st_mtime_ns
+        return all(os.stat(os.path.expanduser(p)).st_mtime_ns < written for p in paths)
+    except OSError:
+        return False
+
+
 def records_train_weights(stamp: dict, spec: PipelineSpec) -> bool:
     """Whether a train stamp records the weights files (stamps of this version do, when there are any): one
-    written before 2026-11-29 does not, and is compared without them (a finished run stays up to date on
-    upgrade; the weights count from the next time train runs)."""
+    written before 2026-11-29 does not, and is compared without them while the weights files are older than
+    it (:func:`weights_older_than`)."""
     rows = ((stamp.get("inputs") or {}).get("external") if isinstance(stamp.get("inputs"), dict) else None) or []
     recorded = {os.path.basename(str(r[0])) for r in rows if isinstance(r, list) and r}
     return not train_weights(spec) or all(os.path.basename(p) in recorded for p in train_weights(spec))
@@ -215,10 +229,14 @@ def run_fingerprints(spec: PipelineSpec, state: Path, config, split: dict, *, ki
     """The fingerprint a training run folder is started with now (:func:`_run_fingerprint`), then the forms
     of the same run that earlier versions recorded, also accepted
     (:func:`wsi_milssl.pipeline.run_folders.prepare_run_dir`); ``data``: the forms of :func:`training_data_forms`.
-    Records written before 2026-11-29 hold no weights file: accepted without it (and rewritten with it)."""
+    Records written before 2026-11-29 hold no weights file: accepted without it (and rewritten with it) when
+    written after the weights file was last modified (:data:`~wsi_milssl.pipeline.run_folders.WEIGHTS_BEFORE`)."""
     now = [_run_fingerprint(spec, state, config, split, kind=kind, data=d) for d in data]
-    if config.weights_path:
-        now += [_run_fingerprint(spec, state, config, split, kind=kind, data=d, weights=False) for d in data]
+    if config.weights_path:  # accepted only from a record written after the weights file (WEIGHTS_BEFORE)
+        from wsi_milssl.pipeline.run_folders import WEIGHTS_BEFORE
+
+        now += [{**_run_fingerprint(spec, state, config, split, kind=kind, data=d, weights=False),
+                 WEIGHTS_BEFORE: config.weights_path} for d in data]
     return [*now, _run_fingerprint(spec, state, config, split, kind=kind, legacy=True)]
 
 

@@ -61,22 +61,42 @@ def read_record(folder: Path) -> Any:
         return None
 
 
-def same_record(record: Any, forms: tuple[dict, ...], slide_lists: tuple[str, ...]) -> bool:
+#: the key of a form (:func:`same_record`) that matches only the record of a folder written after the weights file
+#: it names was last modified: the form without the weights of records of versions before 2026-11-29
+WEIGHTS_BEFORE = "accepted_if_written_after_weights"
+
+
+def same_record(record: Any, forms: tuple[dict, ...], slide_lists: tuple[str, ...], folder: Path | None = None
+                ) -> bool:
     """Whether a run folder's record is one of ``forms`` (this version's fingerprint and earlier versions'), by
     :func:`run_key`, its files wherever their folders moved (:func:`wsi_milssl.pipeline.stamps.same_files_moved`);
     by value, so that an int and a float of one value (10 and 10.0: a record written before
-    configs made ints of float settings floats) are the same."""
+    configs made ints of float settings floats) are the same. A form with :data:`WEIGHTS_BEFORE` matches only
+    ``folder``'s record written after that weights file was last modified
+    (:func:`wsi_milssl.pipeline.digests.weights_older_than`)."""
+    from wsi_milssl.pipeline.digests import weights_older_than
+
     as_json = lambda value: json.loads(json.dumps(value, sort_keys=True, default=str))  # noqa: E731
-    return record is not None and any(same_files_moved(run_key(record, slide_lists), run_key(as_json(f), slide_lists))
-                                      for f in forms if f)
+    if record is None:
+        return False
+    for form in forms:
+        if not form:
+            continue
+        if WEIGHTS_BEFORE in form:
+            if folder is None or not weights_older_than([form[WEIGHTS_BEFORE]], folder / RUN_MARKER):
+                continue
+            form = {k: v for k, v in form.items() if k != WEIGHTS_BEFORE}
+        if same_files_moved(run_key(record, slide_lists), run_key(as_json(form), slide_lists)):
+            return True
+    return False
 
 
 def earlier_run(run_dir: Path, forms: tuple[dict, ...], slide_lists: tuple[str, ...]) -> Path | None:
     """The newest ``<run_dir>.replaced-*`` folder (:func:`replace_aside`) that holds the run ``forms`` describe with
     its ``last.pt``: a setting changed and changed back finds the run trained with it."""
     aside = sorted(run_dir.parent.glob(f"{run_dir.name}.replaced-*"), key=lambda p: p.name, reverse=True)
-    return next((p for p in aside if (p / "last.pt").is_file() and same_record(read_record(p), forms, slide_lists)),
-                None)
+    return next((p for p in aside if (p / "last.pt").is_file() and same_record(read_record(p), forms, slide_lists,
+                                                                               folder=p)), None)
 
 
 def prepare_run_dir(run_dir: Path, fingerprint: dict, *earlier: dict, slide_lists: tuple[str, ...] = (),
@@ -98,7 +118,7 @@ def prepare_run_dir(run_dir: Path, fingerprint: dict, *earlier: dict, slide_list
     marker = run_dir / RUN_MARKER
     if holds_run(run_dir):
         previous = read_record(run_dir)
-        if same_record(previous, forms, slide_lists):
+        if same_record(previous, forms, slide_lists, folder=run_dir):
             if json.dumps(previous, sort_keys=True) != json.dumps(fingerprint, sort_keys=True, default=str):
                 atomic_write_json(marker, fingerprint, sort_keys=True)
             if (run_dir / "last.pt").is_file():
