@@ -32,3 +32,20 @@ def test_froc_protocol_summary_of_earlier_metrics():
     assert froc_protocol_summary({"froc": 0.5}) == ""
     assert froc_protocol_summary({"froc_protocol": "CAMELYON16"}) == "CAMELYON16"
     assert froc_protocol_summary({"froc_protocol": "75 µm margin"}) == "75 µm margin"
+
+
+def test_checking_an_evaluations_protocol_imports_no_evaluation_stack(tmp_path):
+    """`run` asks whether an up-to-date evaluation is an earlier version's (outdated_metrics) on every run: that
+    check imported scikit-learn, scikit-image and matplotlib with the whole evaluation package (about 1 s of a
+    4.7 s `run` that found everything up to date)."""
+    import json
+    import subprocess
+    import sys
+
+    (tmp_path / "metrics.json").write_text(json.dumps({"froc_protocol": "CAMELYON16"}))
+    code = ("import sys\nfrom wsi_milssl.config import EvaluateConfig\nfrom wsi_milssl.evaluation import "
+            f"outdated_metrics, MARGIN_UM\nprint(outdated_metrics({str(tmp_path)!r}, EvaluateConfig()), MARGIN_UM)\n"
+            "print(*(m in sys.modules for m in ('sklearn', 'skimage', 'matplotlib', 'torch')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[-1] == "False False False False", out
+    assert out[-2].endswith(" 75.0"), out

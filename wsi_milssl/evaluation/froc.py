@@ -48,6 +48,14 @@ import numpy as np
 from scipy import ndimage
 from skimage import measure
 
+from wsi_milssl.evaluation.protocol import (  # noqa: F401  (the challenge's constants, defined there)
+    CAMELYON16_DOWNSAMPLE,
+    CAMELYON16_MPP,
+    FP_RATES,
+    ITC_MAJOR_AXIS_UM,
+    MARGIN_UM,
+)
+
 __all__ = [
     "CAMELYON16_DOWNSAMPLE",
     "CAMELYON16_MPP",
@@ -66,18 +74,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-CAMELYON16_DOWNSAMPLE = 32
-"""Level 5 of a CAMELYON16 pyramid: the evaluation mask's downsample from level 0."""
-CAMELYON16_MPP = 0.243
-"""The level-0 µm/px at which the CAMELYON16 script measures the margin and ITC limit of every slide (its
-``L0_RESOLUTION``); the evaluation stage uses each slide's own unless ``EvaluateConfig.froc_mpp`` is set."""
-MARGIN_UM = 75.0
-"""Tumour regions are dilated by half of this distance (µm), about five tumour cells."""
-ITC_MAJOR_AXIS_UM = 275.0
-"""Regions of the (dilated) evaluation mask whose major axis is under this (µm) are ITCs."""
-FP_RATES = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
-"""False positives per slide at which the FROC score averages the sensitivity."""
 
 OUTCOMES = ("tp", "repeat", "itc", "fp")
 """Per-detection outcome codes of :class:`SlideMatch`: ``tp`` the best hit of a lesion, ``repeat``

@@ -60,17 +60,19 @@ from wsi_milssl.config.base import config_hash, config_to_dict, write_resolved_c
 from wsi_milssl.config.evaluate import EvaluateConfig
 from wsi_milssl.errors import EvaluationError, FolderLockedError, WsiMilsslError
 from wsi_milssl.evaluation.froc import (
-    CAMELYON16_DOWNSAMPLE,
-    CAMELYON16_MPP,
-    FP_RATES,
-    ITC_MAJOR_AXIS_UM,
-    MARGIN_UM,
     FrocCurve,
     SlideMatch,
     evaluation_mask,
     froc_curve,
     froc_score,
     match_detections,
+)
+from wsi_milssl.evaluation.protocol import (
+    CAMELYON16_DOWNSAMPLE,
+    FP_RATES,
+    froc_protocol,
+    froc_protocol_summary,
+    outdated_metrics,
 )
 from wsi_milssl.evaluation.inputs import (
     PredictionFiles,
@@ -312,51 +314,6 @@ def _evaluate_slide(
                        instance_labels=inst, mpp=mpp)
 
 
-#: the annotation groups of the challenge's files: _0 and _1 are tumour, _2 is carved out of them
-CAMELYON16_GROUPS = {"tumor_groups": ("_0", "_1"), "non_tumor_groups": ("_2",)}
-
-
-def _challenge_groups(config: EvaluateConfig) -> bool:
-    """Whether the challenge's groups (:data:`CAMELYON16_GROUPS`) are read as the challenge reads them: other
-    groups beside them (the defaults' ``Tumor``, ``Exclusion``) do not occur in its files."""
-    return all({g.casefold() for g in groups} <= {g.strip().casefold() for g in getattr(config, field)}
-               for field, groups in CAMELYON16_GROUPS.items())
-
-
-def _froc_protocol(config: EvaluateConfig) -> str:
-    """"CAMELYON16" for the challenge script's settings (75 µm margin, 275 µm ITC limit, both measured at 0.243
-    µm/px on every slide) with the challenge's annotation groups (:func:`_challenge_groups`), else the settings
-    in words (e.g. "75 µm margin, 275 µm ITC limit, at each slide's own µm/px", followed by the groups where
-    they are not the challenge's): the report and metrics.json call the FROC CAMELYON16's only when it is."""
-    challenge_groups = _challenge_groups(config)
-    if (config.margin_um, config.itc_major_axis_um, config.froc_mpp) == (MARGIN_UM, ITC_MAJOR_AXIS_UM, CAMELYON16_MPP) \
-            and challenge_groups:
-        return "CAMELYON16"
-    at = "at each slide's own µm/px" if config.froc_mpp is None else f"at {config.froc_mpp:g} µm/px"
-    words = f"{config.margin_um:g} µm margin, {config.itc_major_axis_um:g} µm ITC limit, {at}"
-    if not challenge_groups:
-        non_tumor = ("non-tumour groups " + ", ".join(config.non_tumor_groups) if config.non_tumor_groups
-                     else "no non-tumour group")
-        words += f", tumour groups {', '.join(config.tumor_groups)}, {non_tumor}"
-    return words
-
-
-def froc_protocol_summary(metrics: Mapping[str, Any]) -> str:
-    """The FROC protocol of an evaluation's ``metrics.json`` in a few words, for one-line summaries:
-    "CAMELYON16", or its settings without naming the annotation groups, e.g. "75 µm margin, 275 µm ITC limit,
-    each slide's µm/px" (", other annotation groups" added where they are not the challenge's); "" for metrics
-    that do not record it (an earlier version's)."""
-    protocol = metrics.get("froc_protocol")
-    if not protocol or protocol == "CAMELYON16":
-        return protocol or ""
-    margin, itc, mpp = metrics.get("margin_um"), metrics.get("itc_major_axis_um"), metrics.get("froc_mpp")
-    if not isinstance(margin, (int, float)) or not isinstance(itc, (int, float)):
-        return str(protocol)
-    at = "each slide's µm/px" if mpp is None else f"at {mpp:g} µm/px"
-    words = f"{margin:g} µm margin, {itc:g} µm ITC limit, {at}"
-    return words + (", other annotation groups" if "tumour groups" in protocol else "")
-
-
 def _passed_over_csvs(passed_over: list[Path], found: dict[str, PredictionFiles]) -> tuple[list[str], list[str]]:
     """The plain CSVs that :func:`find_predictions` passed over, in words: (those of no labelled slide, those
     beside their slide's ``<stem>_detections.csv``, each with the file evaluated instead)."""
@@ -374,28 +331,6 @@ def _passed_over_csvs(passed_over: list[Path], found: dict[str, PredictionFiles]
 def _first(items: list[str], n: int = 20) -> str:
     """The first ``n`` of ``items``, comma-separated, with " ..." where there are more."""
     return ", ".join(items[:n]) + (" ..." if len(items) > n else "")
-
-
-def outdated_metrics(out_dir: str | os.PathLike, config: EvaluateConfig) -> str | None:
-    """Why the evaluation in ``out_dir`` is an earlier version's, in one line, else None (also where it holds no
-    metrics.json): its metrics.json records no ``froc_protocol`` (written before the FROC's settings were: its
-    report called the FROC "CAMELYON16" at any µm/px), or another than ``config`` gives now (an earlier
-    version's wording: "CAMELYON16" whatever the annotation groups). ``run`` evaluates again then, though the
-    stage's stamp matches (these settings at their defaults leave it as it was)."""
-    path = Path(out_dir) / EVALUATION_FILES["metrics"]
-    try:
-        recorded = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        return f"{path} cannot be read ({exc})"
-    if not isinstance(recorded, dict) or "froc_protocol" not in recorded:
-        return f"output of an earlier version: {path} records no froc_protocol"
-    expected = _froc_protocol(config)
-    if recorded["froc_protocol"] != expected:
-        return (f"output of an earlier version: {path} records froc_protocol {recorded['froc_protocol']!r}, "
-                f"not {expected!r}")
-    return None
 
 
 def _metric_value(metric: Metric) -> float | None:
@@ -1148,7 +1083,7 @@ def evaluate_predictions(
         reasons["bag_auc"] = bag_metric.reason
 
     n_patches = sum(int(r.patch_probs.shape[0]) for r in lesion_results if r.patch_probs is not None)
-    protocol = _froc_protocol(config)
+    protocol = froc_protocol(config)
     metrics: dict[str, Any] = {
         "instance_auc": _metric_value(inst_metric),
         "bag_auc": _metric_value(bag_metric),

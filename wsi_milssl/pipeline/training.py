@@ -558,8 +558,6 @@ def refuse_unusable_split(spec: PipelineSpec, *, read_lists: bool,
     from wsi_milssl.errors import WsiMilsslError
     from wsi_milssl.mil.data import read_labels_csv
     from wsi_milssl.pipeline.spec import _set_by
-    from wsi_milssl.synth.generate import tumour_flags
-    from wsi_milssl.tiling import find_slides
 
     ds = spec.sets["train"]
     source = f"{spec.source} [train]{_set_by(spec.overrides, 'train', 'data', 'synth.train')}"
@@ -570,6 +568,8 @@ def refuse_unusable_split(spec: PipelineSpec, *, read_lists: bool,
     if (spec.mode == "features" or (len(configs) < 2 and spec.val_fraction <= 0)
             or (ds.synth is None and ds.slides is None)):
         return
+    from wsi_milssl.synth.generate import tumour_flags  # not before: a feature pipeline does not need them
+    from wsi_milssl.tiling import find_slides
     stems: list[str] = []
     groups: dict[str, str] = {}
     try:
