@@ -116,3 +116,36 @@ def test_sidecars_of_earlier_versions_keep_their_comparison():
     with pytest.raises(EvaluationError, match="slides a record no checkpoint_sha256"):
         _one_run(Path("hm"), {"a": old, "b": {**old, "fingerprint": "2222222222222222", "checkpoint_sha256": SHA_A}})
     assert _one_run(Path("hm"), {}) is None  # detection CSVs of other tools
+
+
+def test_a_slide_file_other_than_the_one_predicted_is_refused(synth_dir, annotations_dir, predictions, tmp_path):
+    """Review CN: `evaluate --slides` of another set whose slides have the same names (synth names every set
+    synth_000...), or a slide replaced since its heatmap, was scored against these predictions without a word.
+    A copy of the same file (another modification time) is the same slide."""
+    import os
+
+    _, info = predictions
+    slide = synth_dir / f"{info['tumor']}.tif"
+    size = slide.stat().st_size
+    recorded = {"path": "/elsewhere/" + slide.name, "size_bytes": size, "mtime_ns": 1}  # copied: another time
+    copy = _folder(predictions, tmp_path, {"input_files": {"slide": recorded, "store": None}}, {})
+    assert _evaluate(copy, synth_dir, annotations_dir, tmp_path / "out").metrics["froc"] == pytest.approx(5 / 6)
+    other = {**recorded, "size_bytes": size + 1234}
+    shutil.rmtree(copy)
+    copy = _folder(predictions, tmp_path, {"input_files": {"slide": other, "store": None}}, {})
+    with pytest.raises(EvaluationError) as err:
+        _evaluate(copy, synth_dir, annotations_dir, tmp_path / "out2")
+    assert (f"{copy}: 1 slide file(s) are not the ones their heatmaps were predicted from: {info['tumor']} (predicted "
+            f"from a {size + 1234:,}-byte {slide.name}, evaluated with {slide}, {size:,} bytes)") in str(err.value)
+    assert "Fix: pass the slides, annotations and labels of the predicted set" in str(err.value)
+    assert not os.path.exists(tmp_path / "out2" / "metrics.json")
+
+
+def test_a_slide_read_from_a_store_tiled_otherwise_is_another_run(synth_dir, annotations_dir, predictions, tmp_path):
+    """Review CN: a slide predicted from a store tiled with another min_tissue shares its run's fingerprint (the
+    checkpoint and heatmap settings); its sidecar now records the store's tiling, and the slides are two runs."""
+    copy = _folder(predictions, tmp_path, {"fingerprint": "1111111111111111", "checkpoint_sha256": SHA_A},
+                   {"fingerprint": "1111111111111111", "checkpoint_sha256": SHA_A,
+                    "tiling_plan": {**RUN["tiling_plan"], "min_tissue": 0.95}})
+    with pytest.raises(EvaluationError, match=r"tiling min_tissue 0\.95 vs 0\.1|tiling min_tissue 0\.1 vs 0\.95"):
+        _evaluate(copy, synth_dir, annotations_dir, tmp_path / "out")

@@ -191,7 +191,8 @@ def test_one_head_named_two_ways_is_one_run(tmp_path, head, monkeypatch):
     assert result.metrics["n_slides"] == 2
     assert "describes a later heatmap run" not in (tmp_path / "eval" / "report.html").read_text()
     sides = {s: json.loads((out / f"{s}_probs.json").read_text()) for s in ("t0", "t1")}
-    assert sides["t0"]["checkpoint"] != sides["t1"]["checkpoint"]
+    # both recorded by the absolute path (review CN: the first was recorded as typed, relative)
+    assert sides["t0"]["checkpoint"] == sides["t1"]["checkpoint"] == str(resolve_checkpoint_path(head).resolve())
     assert sides["t0"]["checkpoint_sha256"] == sides["t1"]["checkpoint_sha256"]
 
 

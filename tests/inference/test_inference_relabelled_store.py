@@ -117,3 +117,32 @@ def test_a_sidecar_without_the_stores_tiling_is_not_reused_for_a_relabelled_stor
     run = make_heatmaps(slides, ckpt, out, config, stores=[stores])
     assert run.ok and predicted == ["a"] and run.skipped == ("b",)
     assert json.loads((out / "a_probs.json").read_text())["input_files"]["store"]["tiling"]
+
+
+def test_a_store_tiled_with_other_patch_settings_records_its_own_tiling(tmp_path, slides, checkpoint_factory, predicted):
+    """Review CN: a slide read from a store tiled with another min_tissue recorded the model's tiling in its
+    sidecar, so evaluate took it for the same run as the slides cut with the model's; it records the store's."""
+    ckpt = checkpoint_factory()
+    config = HeatmapConfig(**FAST)
+    tile_slides(slides[:1], tmp_path / "same", TileConfig(**TILE))
+    tile_slides(slides[:1], tmp_path / "other", TileConfig(**TILE, min_tissue=0.9))
+    assert make_heatmaps(slides[:1], ckpt, tmp_path / "hm_same", config, stores=[tmp_path / "same"]).ok
+    assert make_heatmaps(slides[:1], ckpt, tmp_path / "hm_other", config, stores=[tmp_path / "other"]).ok
+    assert make_heatmaps(slides[:1], ckpt, tmp_path / "hm_slide", config).ok
+
+    def plan(folder):
+        return json.loads((tmp_path / folder / "a_probs.json").read_text())["tiling_plan"]
+
+    assert plan("hm_same") == plan("hm_slide")  # the same recipe as the model's: one run with slides cut on the fly
+    assert plan("hm_other") == {**plan("hm_slide"), "min_tissue": 0.9}
+
+
+def test_the_checkpoint_is_recorded_by_its_absolute_path(tmp_path, slides, checkpoint_factory, predicted,
+                                                         monkeypatch):
+    """Review CN: given relative (as typed), the sidecar's checkpoint could not be found by an evaluate run from
+    another folder, whose report then said nothing of the model's training."""
+    ckpt = checkpoint_factory()
+    monkeypatch.chdir(ckpt.parent)
+    assert make_heatmaps(slides[:1], Path(ckpt.name), tmp_path / "hm", HeatmapConfig(**FAST)).ok
+    assert json.loads((tmp_path / "hm" / "a_probs.json").read_text())["checkpoint"] == str(ckpt.absolute())
+    assert json.loads((tmp_path / "hm" / "heatmap_config.json").read_text())["checkpoint"] == str(ckpt.absolute())

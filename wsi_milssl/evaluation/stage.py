@@ -184,6 +184,31 @@ def _check_mpp(predictions_dir: Path, sidecars: dict[str, dict], config: Evaluat
         f"{config.mpp:g} (which tiles and predicts again).")
 
 
+def _check_slide_files(predictions_dir: Path, sidecars: dict[str, dict], slide_paths: dict[str, Path]) -> None:
+    """EvaluationError when a slide file evaluate reads (for its size and µm/px) is not the one its heatmap was
+    predicted from, as the sidecar records it (``input_files``: its size; a copy with a new modification time
+    is the same file): a slide replaced since, or ``--slides`` of another set whose slides have the same names
+    (review CN: evaluated without a word, with that set's annotations and labels). Slides read from stores,
+    and sidecars of versions that did not record the file, are not checked."""
+    changed = []
+    for stem, sidecar in sidecars.items():
+        files = sidecar.get("input_files")
+        recorded = files.get("slide") if isinstance(files, dict) else None
+        size = recorded.get("size_bytes") if isinstance(recorded, dict) else None
+        path = _find_slide_path(stem, slide_paths, sidecar) if isinstance(size, int) else None
+        now = file_fingerprint(path) if path is not None else None
+        if now is not None and now["size_bytes"] != size:
+            changed.append(f"{stem} (predicted from a {size:,}-byte {Path(str(recorded.get('path'))).name}, "
+                           f"evaluated with {path}, {now['size_bytes']:,} bytes)")
+    if changed:
+        raise EvaluationError(
+            f"{predictions_dir}: {len(changed)} slide file(s) are not the ones their heatmaps were predicted from: "
+            f"{_first(changed, 5)}. A slide replaced since its heatmap, or --slides of another set whose slides "
+            "have the same names (whose annotations and labels would then be scored against these predictions). "
+            "Fix: pass the slides, annotations and labels of the predicted set, or predict these slides again "
+            "(`wsi-milssl heatmap ... --overwrite`; in a pipeline `run` does it).")
+
+
 def _normal_slide_size(stem: str, slide_paths: dict[str, Path], sidecar: dict | None, config: EvaluateConfig
                        ) -> tuple[int, int] | None:
     """A normal slide's level-0 (width, height) when its slide file is at hand (to report detections off the
@@ -513,14 +538,14 @@ def _recorded(sidecar: dict, key: str) -> str | None:
 def _run_identities(sidecar: dict) -> list[tuple]:
     """What identifies the heatmap run that made a slide; two slides share a run when they share any of them:
     the same ``fingerprint`` (the checkpoint's bytes and every output setting: a resumed or sharded run, or one
-    with other runtime settings), or the same ``checkpoint_sha256`` with the same :data:`_CONTENT_FIELDS` (the
+    with other runtime settings) and ``tiling_plan`` (a slide read from a store tiled otherwise), or the same ``checkpoint_sha256`` with the same :data:`_CONTENT_FIELDS` (the
     same weights, by whatever path, with the same detection settings and tiling: runs that differ only in
     drawing settings or a per-slide µm/px). A sidecar with neither is identified by the recorded checkpoint
     path and settings (:data:`_RUN_FIELDS`)."""
     ids: list[tuple] = []
     fingerprint = _recorded(sidecar, "fingerprint")
-    if fingerprint is not None:
-        ids.append(("fingerprint", fingerprint))
+    if fingerprint is not None:  # with the tiling its patches were chosen with (a store's own: review CN)
+        ids.append(("fingerprint", fingerprint, _canonical(sidecar.get("tiling_plan"))))
     sha = _recorded(sidecar, "checkpoint_sha256")
     if sha is not None:
         ids.append(("contents", sha) + tuple(_canonical(sidecar.get(k)) for k in _CONTENT_FIELDS))
@@ -1041,6 +1066,7 @@ def evaluate_predictions(
     sidecars = {s: read_probs_sidecar(f.sidecar) for s, f in evaluated.items() if f.sidecar is not None}
     run_sidecar = _one_run(predictions_dir, sidecars)
     _check_mpp(predictions_dir, sidecars, config)
+    _check_slide_files(predictions_dir, sidecars, slide_paths)
 
     results: list[SlideResult] = []
     total = len(evaluated)

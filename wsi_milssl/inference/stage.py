@@ -377,7 +377,9 @@ def write_slide_outputs(pred: SlidePrediction, out_dir: str | os.PathLike, *, mo
         "fingerprint": fingerprint,
         "prediction_fingerprint": prediction_fingerprint,
         "checkpoint_sha256": checkpoint_sha256,
-        "checkpoint": None if model.checkpoint_path is None else str(model.checkpoint_path),
+        # absolute (review CN: a relative one, as typed, lost the report's training section when evaluate ran
+        # from another folder)
+        "checkpoint": None if model.checkpoint_path is None else os.path.abspath(model.checkpoint_path),
         "model_name": model.config.get("model_name"),
         "bag_pooling": model.pooling,
         "score": score,
@@ -392,8 +394,9 @@ def write_slide_outputs(pred: SlidePrediction, out_dir: str | os.PathLike, *, mo
         # the µm/px given in place of the slide's own, for slides cut on the fly (a store brings its own)
         **({"slide_mpp": _given_mpp(pred, config)} if pred.source == "slide" else {}),
         "ome_downsample": ome_downsample(int(pred.stride_lv0), config.ome_downsample),
-        # the model's tile recipe (with --tissue/--min-tissue/--mask-mpp); None for feature heads
-        "tiling_plan": _plan_dict(model),
+        # the tile recipe the patches were chosen with: the model's (with --tissue/--min-tissue/--mask-mpp), or a
+        # store's own where it chose them otherwise; None for feature heads
+        "tiling_plan": _tiling_plan_used(model, pred),
         "schema_version": ARTIFACTS_SCHEMA_VERSION,
         "package_version": __version__,
     }
@@ -563,6 +566,33 @@ def _plan_dict(model: Any) -> dict[str, Any] | None:
     plan = getattr(model, "plan", None)
     to_dict = getattr(plan, "to_dict", None)
     return to_dict() if callable(to_dict) else None
+
+
+#: the settings of a tiling plan that choose which patches a slide has (the µm/px and patch size a store must share
+#: with the model, or it is refused)
+_PATCH_CHOICE = ("stride_px", "tissue", "min_tissue", "mask_mpp", "entropy_threshold_bits")
+
+
+def _tiling_plan_used(model: Any, pred: SlidePrediction) -> dict[str, Any] | None:
+    """The tile recipe a slide's patches were chosen with, as its sidecar records it: the model's (:func:`_plan_dict`),
+    or, for a slide read from a store that chose its patches with other settings (another min_tissue, tissue
+    detector, ...), the model's with the store's values of :data:`_PATCH_CHOICE` (review CN: such a slide was
+    recorded with the model's recipe and evaluated with the others as one run)."""
+    plan = _plan_dict(model)
+    if plan is None or pred.source != "store" or pred.store_path is None:
+        return plan
+    from wsi_milssl.store import open_store
+    from wsi_milssl.tiling import TilingPlan
+
+    try:
+        with open_store(pred.store_path) as store:
+            text = store.attrs.get("tiling_plan")
+        stored = TilingPlan.from_json(text).to_dict() if text else None
+    except (WsiMilsslError, OSError):
+        return plan
+    if stored is None or all(stored.get(k) == plan.get(k) for k in _PATCH_CHOICE):
+        return plan
+    return {**plan, **{k: stored.get(k) for k in _PATCH_CHOICE}}
 
 
 def checkpoint_sha256(model: Any) -> str | None:
@@ -797,7 +827,7 @@ def _write_config(out_dir: Path, config: HeatmapConfig, model: InferenceModel, f
                   sha256: str | None) -> Path:
     data = {
         "heatmap": config_to_dict(config),
-        "checkpoint": None if model.checkpoint_path is None else str(model.checkpoint_path),
+        "checkpoint": None if model.checkpoint_path is None else os.path.abspath(model.checkpoint_path),
         "fingerprint": fingerprint,
         "checkpoint_sha256": sha256,
         "model_name": model.config.get("model_name"),
