@@ -4,12 +4,17 @@
 # torch 2.14.1 (CUDA 13.0, cuDNN 9) is the version the test suite ran with; the base image provides it.
 FROM pytorch/pytorch:2.14.1-cuda13.0-cudnn9-runtime
 
-# Caches go to /tmp, so the image runs as any user (docker run --user "$(id -u):$(id -g)").
+# Caches go to /tmp, so the image runs as any user (docker run --user "$(id -u):$(id -g)"): a uid without an entry in
+# /etc/passwd gets HOME=/ (Triton's cache for `--compile` on a GPU lives under HOME) and no user name (torch's
+# inductor cache folder is named after it).
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
+    HOME=/tmp \
     MPLCONFIGDIR=/tmp/matplotlib \
-    XDG_CACHE_HOME=/tmp/.cache
+    XDG_CACHE_HOME=/tmp/.cache \
+    TRITON_HOME=/tmp \
+    TORCHINDUCTOR_CACHE_DIR=/tmp/torchinductor
 
 WORKDIR /opt/wsi-milssl
 
