@@ -149,3 +149,22 @@ def test_a_slide_read_from_a_store_tiled_otherwise_is_another_run(synth_dir, ann
                     "tiling_plan": {**RUN["tiling_plan"], "min_tissue": 0.95}})
     with pytest.raises(EvaluationError, match=r"tiling min_tissue 0\.95 vs 0\.1|tiling min_tissue 0\.1 vs 0\.95"):
         _evaluate(copy, synth_dir, annotations_dir, tmp_path / "out")
+
+
+def test_an_overlay_of_another_annotation_version_is_noted(synth_dir, annotations_dir, predictions, tmp_path):
+    """Review CN: an annotation edited after the heatmap was scored as edited while the report's overlay still
+    outlined the old one, without a word."""
+    from wsi_milssl.annotations import find_annotation
+    from wsi_milssl.tiling import file_fingerprint
+
+    _, info = predictions
+    current = file_fingerprint(find_annotation(info["tumor"], annotations_dir))
+    copy = _folder(predictions, tmp_path, {"outline_file": current}, {})
+    _evaluate(copy, synth_dir, annotations_dir, tmp_path / "out")
+    assert "another version of their annotation" not in (tmp_path / "out" / "report.html").read_text()
+    shutil.rmtree(copy)
+    copy = _folder(predictions, tmp_path, {"outline_file": {**current, "size_bytes": current["size_bytes"] + 7}}, {})
+    _evaluate(copy, synth_dir, annotations_dir, tmp_path / "out2")
+    report = (tmp_path / "out2" / "report.html").read_text()
+    assert (f"the heatmap overlays of 1 slide(s) outline another version of their annotation than the one evaluated "
+            f"(edited since, or another annotations folder): {info['tumor']}") in report

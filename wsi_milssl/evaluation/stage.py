@@ -933,6 +933,34 @@ def _report_notes(sel: _Selection, *, reasons: Mapping[str, str], lesion_exclude
     return notes
 
 
+def _stale_outlines(sidecars: dict[str, dict], annotations_dir: Path | None) -> list[str]:
+    """A note naming the slides whose heatmap overlay outlines another version of their annotation than the one
+    evaluated (its ``outline_file``: name, size and modification time; review CN: an annotation edited after the
+    heatmap was scored as edited, while the report's picture still outlined the lesion deleted), else []."""
+    if annotations_dir is None:
+        return []
+    stale = []
+    for stem, sidecar in sidecars.items():
+        recorded = sidecar.get("outline_file")
+        if not isinstance(recorded, dict):  # no overlay outline recorded (no slide file, or an earlier version)
+            continue
+        try:
+            path = find_annotation(stem, annotations_dir)
+        except WsiMilsslError:
+            continue
+        now = file_fingerprint(path) if path is not None else None
+        same = now is not None and (Path(str(recorded.get("path"))).name, recorded.get("size_bytes"),
+                                    recorded.get("mtime_ns")) == (path.name, now["size_bytes"], now["mtime_ns"])
+        if not same:
+            stale.append(stem)
+    if not stale:
+        return []
+    return [f"the heatmap overlays of {len(stale)} slide(s) outline another version of their annotation than the one "
+            f"evaluated (edited since, or another annotations folder): {_first(sorted(stale))}; the metrics use the "
+            "evaluated annotations. `wsi-milssl heatmap` with the same settings and --annotations draws the overlays "
+            "again without predicting."]
+
+
 def _write_tables(out_dir: Path, results: list[SlideResult], rows: list[dict[str, Any]], curve: FrocCurve
                   ) -> dict[str, Path]:
     """Write the per-slide table (``rows``), the detection outcomes and the FROC curve's points as CSVs;
@@ -1156,6 +1184,7 @@ def evaluate_predictions(
         notes = _report_notes(selection, reasons=reasons, lesion_excluded=lesion_excluded,
                               lesion_results=lesion_results, stale_scores=stale_scores)
         notes += _few_cases(metrics)
+        notes += _stale_outlines(sidecars, annotations_dir)
         inputs = {"predictions": predictions_dir, "labels": labels_csv, "annotations": annotations_dir,
                   "slides": slides}
         configuration, run_notes = _report_configuration(config, predictions_dir, sidecars, run_sidecar,
