@@ -71,3 +71,21 @@ def test_every_built_in_model_is_listed_without_importing_its_module_first():
     code = "from wsi_milssl.mil.models import list_models; print(' '.join(list_models()))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert {"resnet18", "linear", "mlp", "digit-cnn"} <= set(out)
+
+
+def test_the_settings_know_the_built_in_models_as_the_registry_does():
+    """TrainConfig checks `model` against BUILTIN_MODELS without importing torch (review CH: every `run`, also one
+    that found everything up to date, imported it); the registry must hold the same names and kinds."""
+    import subprocess
+    import sys
+
+    from wsi_milssl.config.train import BUILTIN_MODELS, model_kinds
+    from wsi_milssl.mil.models import is_image_model, list_models
+
+    registered = {name: is_image_model(name) for name in list_models()}
+    assert {n: k for n, k in registered.items() if n in BUILTIN_MODELS} == BUILTIN_MODELS
+    assert model_kinds() == registered  # once the registry is imported, a model registered by the caller counts
+    code = ("import sys\nfrom wsi_milssl.config import TrainConfig\nTrainConfig(mode='images')\n"
+            "TrainConfig(mode='features', model='linear')\nprint('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"

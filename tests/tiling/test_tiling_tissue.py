@@ -73,3 +73,22 @@ def test_tissue_fraction_matches_brute_force():
     assert frac[1] == pytest.approx(mask[2:6, 4:8].mean())
     assert frac[2] == pytest.approx(mask[36:40, 46:50].mean())
     assert frac[3] == pytest.approx(mask[0:5, 0:5].mean())  # unaligned squares cover every touched pixel
+
+
+def test_the_settings_know_the_built_in_tissue_detectors_as_the_registry_does():
+    """TileConfig, HeatmapConfig and TilingPlan check `tissue` against BUILTIN_TISSUE_DETECTORS without importing
+    the slide stack (review CH: a feature pipeline's `run` imported OpenSlide and scikit-image for it); the registry
+    must hold the same names, and a detector registered by the caller counts once it is."""
+    import subprocess
+    import sys
+
+    from wsi_milssl.config.tile import BUILTIN_TISSUE_DETECTORS, tissue_detectors
+    from wsi_milssl.slide.tissue import TISSUE_DETECTORS
+
+    assert sorted(BUILTIN_TISSUE_DETECTORS) == sorted(n for n in TISSUE_DETECTORS if n in ("none", "otsu")) == \
+        sorted(n for n in TISSUE_DETECTORS if TISSUE_DETECTORS[n].__module__ == "wsi_milssl.slide.tissue")
+    assert tissue_detectors() == sorted(TISSUE_DETECTORS)
+    code = ("import sys\nfrom wsi_milssl.config import HeatmapConfig, TileConfig\nTileConfig(tissue='otsu')\n"
+            "HeatmapConfig(tissue='none')\nprint('skimage' in sys.modules, 'openslide' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False False"

@@ -134,9 +134,9 @@ class HeatmapConfig:
         check_inference_runtime(self)
         if self.tissue is not None:
             check_type(name, "tissue", self.tissue, str)
-            from wsi_milssl.slide.tissue import TISSUE_DETECTORS
+            from wsi_milssl.config.tile import tissue_detectors
 
-            check_choice(name, "tissue", self.tissue, sorted(TISSUE_DETECTORS))
+            check_choice(name, "tissue", self.tissue, tissue_detectors())
         if self.min_tissue is not None:
             check_range(name, "min_tissue", self.min_tissue, low=0.0, high=1.0)
         if self.mask_mpp is not None:

@@ -11,13 +11,28 @@ from wsi_milssl.errors import ConfigError
 if TYPE_CHECKING:
     from wsi_milssl.tiling.plan import TilingPlan
 
-__all__ = ["TileConfig", "DEFAULT_MAGNIFICATION", "TILE_RUNTIME_ONLY_FIELDS"]
+__all__ = ["TileConfig", "DEFAULT_MAGNIFICATION", "TILE_RUNTIME_ONLY_FIELDS", "BUILTIN_TISSUE_DETECTORS",
+           "tissue_detectors"]
 
 #: TileConfig fields that change speed only: left out of a store's ``config_hash`` (:meth:`TileConfig.settings`),
 #: and ``wsi-milssl run`` does not run the stage for them.
 TILE_RUNTIME_ONLY_FIELDS = ("workers", "threads", "batch_size", "direct_tiff_read")
 
 DEFAULT_MAGNIFICATION = 10.0
+
+
+#: The built-in tissue detectors, as :mod:`wsi_milssl.slide.tissue` registers them (a test checks that they agree):
+#: the settings are checked without importing the slide stack (OpenSlide, scikit-image; review CH).
+BUILTIN_TISSUE_DETECTORS = ("none", "otsu")
+
+
+def tissue_detectors() -> list[str]:
+    """The tissue detectors a setting may name: the built-in ones, and every registered one once the registry has
+    been imported (as code that registers its own detector has)."""
+    import sys
+
+    tissue = sys.modules.get("wsi_milssl.slide.tissue")
+    return sorted(BUILTIN_TISSUE_DETECTORS if tissue is None else tissue.TISSUE_DETECTORS)
 
 
 @dataclass(frozen=True)
@@ -92,9 +107,7 @@ class TileConfig:
             check_range(name, "stride_px", self.stride_px, low=1, high=65536)
         check_range(name, "entropy_threshold_bits", self.entropy_threshold_bits, low=0.0, high=8.0)
         check_type(name, "tissue", self.tissue, str)
-        from wsi_milssl.slide.tissue import TISSUE_DETECTORS
-
-        check_choice(name, "tissue", self.tissue, sorted(TISSUE_DETECTORS))
+        check_choice(name, "tissue", self.tissue, tissue_detectors())
         check_range(name, "min_tissue", self.min_tissue, low=0.0, high=1.0)
         check_range(name, "mask_mpp", self.mask_mpp, low=0.5, high=200.0)
         check_choice(name, "pixels", self.pixels, ("jpeg", "raw", "none"))

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from wsi_milssl.config.base import check_choice, coerce_float_fields, check_range, check_type
 from wsi_milssl.errors import ConfigError
 
-__all__ = ["TrainConfig", "MODE_DEFAULTS", "BenchmarkConfig", "RUNTIME_ONLY_FIELDS", "BAG_POOLINGS"]
+__all__ = ["TrainConfig", "MODE_DEFAULTS", "BenchmarkConfig", "RUNTIME_ONLY_FIELDS", "BAG_POOLINGS",
+           "BUILTIN_MODELS", "LAM_MAX", "check_lam", "model_kinds"]
 
 #: ``TrainConfig.bag_pooling``: how a bag's score comes from its instance probabilities (paper eq. 11); training,
 #: the CLI and the heatmap models that read a checkpoint accept these
@@ -70,6 +71,46 @@ def _plain_numbers(config) -> None:
         value = getattr(config, field.name)
         value = tuple(plain(v) for v in value) if isinstance(value, tuple) else plain(value)
         object.__setattr__(config, field.name, value)
+
+
+#: The largest λ accepted. λ → ∞ is the unregularised problem (eq. 4), and at λ = 1e6 the labels are
+#: already 0 or 1 for every instance more than about 1e-5 in logit from the cut, so a larger λ changes
+#: nothing useful; from about 1e15 float64 can no longer place the cut (Sinkhorn stops short of its
+#: tolerance), and near 1e307 λ log p (|log p| <= 27.6 with p clipped to :data:`wsi_milssl.mil.sinkhorn.PROB_EPS`) overflows and every
+#: label is NaN (measured on 2,000 uniform probabilities).
+LAM_MAX = 1e6
+
+
+
+
+def check_lam(lam, where: str = "lam") -> float:
+    """``lam`` as a float, or a ConfigError naming ``where`` unless 0 < lam <= :data:`LAM_MAX`."""
+    if not (isinstance(lam, numbers.Real) and not isinstance(lam, bool) and 0.0 < float(lam) <= LAM_MAX):
+        raise ConfigError(
+            f"{where} (the entropic-regularisation λ) must satisfy 0 < λ <= {LAM_MAX:g}; got {lam!r}. Near "
+            f"1e307 λ log p overflows float64 (NaN labels), and at {LAM_MAX:g} the labels are already 0/1 but "
+            f"for instances within about 1e-5 in logit of the cut, so a larger λ changes nothing useful. "
+            f"Use a λ in that range (the paper's is 25)."
+        )
+    return float(lam)
+
+
+#: The built-in models and whether each takes image patches (True) or feature vectors (False), as
+#: :mod:`wsi_milssl.mil.models` and :mod:`wsi_milssl.benchmark.baselines` register them (a test checks that
+#: they agree): the settings are checked without importing torch (review CH: every `run` imported it).
+BUILTIN_MODELS: dict[str, bool] = {"resnet18": True, "linear": False, "mlp": False, "digit-cnn": False,
+                                   "digit-cnn-shift": False}
+
+
+def model_kinds() -> dict[str, bool]:
+    """{model name: takes image patches} of the built-in models, and of every registered one once the model
+    registry has been imported (as code that registers its own model has)."""
+    import sys
+
+    models = sys.modules.get("wsi_milssl.mil.models")
+    if models is None:
+        return dict(BUILTIN_MODELS)
+    return {n: models.is_image_model(n) for n in models.list_models()}
 
 
 @dataclass(frozen=True)
@@ -183,8 +224,6 @@ class TrainConfig:
         check_type(name, "mu_ramp_epochs", self.mu_ramp_epochs, int)
         check_range(name, "mu_ramp_epochs", self.mu_ramp_epochs, low=0)
         check_type(name, "lam", self.lam, (int, float))
-        from wsi_milssl.mil.sinkhorn import check_lam
-
         check_lam(self.lam, where=f"{name}.lam")  # 0 < λ <= LAM_MAX, with the reason
         check_type(name, "sinkhorn_max_iter", self.sinkhorn_max_iter, int)
         check_range(name, "sinkhorn_max_iter", self.sinkhorn_max_iter, low=1)
@@ -212,10 +251,9 @@ class TrainConfig:
         check_range(name, "num_workers", self.num_workers, low=-1)
         check_type(name, "threads", self.threads, int)
         check_range(name, "threads", self.threads, low=0)
-        from wsi_milssl.mil.models import MODELS, is_image_model
-
-        check_choice(name, "model", self.model, tuple(sorted(MODELS)))
-        if is_image_model(self.model) != (self.mode == "images"):
+        kinds = model_kinds()
+        check_choice(name, "model", self.model, tuple(sorted(kinds)))
+        if kinds[self.model] != (self.mode == "images"):
             raise ConfigError(
                 f"{name}.model {self.model!r} does not take {self.mode}; use "
                 f"{'resnet18' if self.mode == 'images' else 'linear or mlp'} for mode {self.mode!r}."

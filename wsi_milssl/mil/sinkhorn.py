@@ -26,6 +26,7 @@ import numbers
 import numpy as np
 import torch
 
+from wsi_milssl.config.train import LAM_MAX, check_lam  # noqa: F401  (defined with the settings)
 from wsi_milssl.errors import ConfigError
 
 __all__ = ["assign_pseudo_labels", "sinkhorn_log", "sinkhorn_two_class", "adaptive_mu", "check_lam", "PROB_EPS",
@@ -37,29 +38,9 @@ log = logging.getLogger(__name__)
 #: model is certain about (p = 0 or 1 in float32) still has a finite cost.
 PROB_EPS = 1e-12
 
-#: The largest λ accepted. λ → ∞ is the unregularised problem (eq. 4), and at λ = 1e6 the labels are
-#: already 0 or 1 for every instance more than about 1e-5 in logit from the cut, so a larger λ changes
-#: nothing useful; from about 1e15 float64 can no longer place the cut (Sinkhorn stops short of its
-#: tolerance), and near 1e307 λ log p (|log p| <= 27.6 with p clipped to PROB_EPS) overflows and every
-#: label is NaN (measured on 2,000 uniform probabilities).
-LAM_MAX = 1e6
-
-
 def _is_real(value) -> bool:
     """A real number, Python's or numpy's (np.float32 is no float, np.int64 no int), but not a bool."""
     return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
-
-
-def check_lam(lam, where: str = "lam") -> float:
-    """``lam`` as a float, or a ConfigError naming ``where`` unless 0 < lam <= :data:`LAM_MAX`."""
-    if not (_is_real(lam) and 0.0 < float(lam) <= LAM_MAX):
-        raise ConfigError(
-            f"{where} (the entropic-regularisation λ) must satisfy 0 < λ <= {LAM_MAX:g}; got {lam!r}. Near "
-            f"1e307 λ log p overflows float64 (NaN labels), and at {LAM_MAX:g} the labels are already 0/1 but "
-            f"for instances within about 1e-5 in logit of the cut, so a larger λ changes nothing useful. "
-            f"Use a λ in that range (the paper's is 25)."
-        )
-    return float(lam)
 
 
 def adaptive_mu(epoch: int, *, mu: float, ramp_epochs: int, fixed: bool = False) -> float:

@@ -329,7 +329,7 @@ def _training_bag_labels(spec: PipelineSpec) -> list:
     """Feature mode: the rows of the labels CSV for the bags of the training feature files, not the whole CSV,
     which a pipeline may share with the test set."""
     from wsi_milssl.errors import WsiMilsslError
-    from wsi_milssl.mil.data import read_labels_csv
+    from wsi_milssl.cohorts import read_labels as read_labels_csv  # torch-free
 
     train = spec.sets["train"]
     bags = [feature_file_bags(f) for f in feature_files(Path(train.features))]
@@ -348,7 +348,7 @@ def _training_labels(spec: PipelineSpec) -> list:
     from wsi_milssl.annotations.io import find_annotation
     from wsi_milssl.cohorts import slide_stem
     from wsi_milssl.errors import WsiMilsslError
-    from wsi_milssl.mil.data import read_labels_csv
+    from wsi_milssl.cohorts import read_labels as read_labels_csv  # torch-free
     from wsi_milssl.tiling import find_slides
 
     train = spec.sets["train"]

@@ -555,8 +555,8 @@ def refuse_unusable_split(spec: PipelineSpec, *, read_lists: bool,
     {stem: patient}) as ``prepare`` holds them before it writes the lists (read instead of the files)."""
     from wsi_milssl.cohorts import slide_stem
     from wsi_milssl.config import TrainConfig
+    from wsi_milssl.cohorts import read_labels as read_labels_csv  # torch-free: checked on every run
     from wsi_milssl.errors import WsiMilsslError
-    from wsi_milssl.mil.data import read_labels_csv
     from wsi_milssl.pipeline.spec import _set_by
 
     ds = spec.sets["train"]
