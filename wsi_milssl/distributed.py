@@ -325,14 +325,14 @@ def shard_items(items: Sequence[T], index: int, count: int, by: Literal["hash", 
     if by == "position":
         global _SPLIT_LIST
         names = [name(item) for item in items]
-        _SPLIT_LIST = (len(names), hashlib.sha256("\n".join(names).encode("utf-8")).hexdigest())
+        _SPLIT_LIST = (len(names), hashlib.sha256("\n".join(names).encode("utf-8")).hexdigest(), names[:1], names[-1:])
         return list(items[index::count])
     return [item for item in items if shard_of(name(item), count) == index]
 
 
-#: (count, SHA-256 of the names) of the list the last split by position (torchrun's ranks) took its share of:
-#: :func:`wait_for_ranks` compares the ranks' lists
-_SPLIT_LIST: tuple[int, str] | None = None
+#: (count, SHA-256 of the names, [first name], [last name]) of the list the last split by position (torchrun's
+#: ranks) took its share of: :func:`wait_for_ranks` compares the ranks' lists
+_SPLIT_LIST: tuple[int, str, list[str], list[str]] | None = None
 
 
 def wait_for_ranks() -> None:
@@ -351,13 +351,15 @@ def wait_for_ranks() -> None:
 
             lists: list = [None] * ctx.world_size
             dist.all_gather_object(lists, _SPLIT_LIST)
-            if len(set(lists)) > 1:
-                counts = ", ".join(f"rank {r}: {'?' if lst is None else lst[0]}" for r, lst in enumerate(lists))
+            if len({None if lst is None else lst[:2] for lst in lists}) > 1:
+                counts = ", ".join(f"rank {r}: " + ("?" if lst is None else f"{lst[0]} ({', '.join(lst[2] + lst[3])})")
+                                   for r, lst in enumerate(lists))
                 raise DistributedError(
-                    f"the ranks split different lists of slides ({counts}): a slide folder that changed while "
-                    "they listed it (slides still being copied in), or that the machines see differently; some "
-                    "slides may have been done by no rank, or by two. Fix: run the same command again once the "
-                    "folder no longer changes (finished slides are kept).")
+                    f"the ranks split different lists of slides ({counts}: the number of slides, the first and "
+                    "the last): a slide folder that changed while they listed it (slides still being copied in), "
+                    "or one that the machines, or the slide lists they were given, name differently; some slides "
+                    "may have been done by no rank, or by two. Fix: give every rank the same slides, and run the "
+                    "same command again once the folder no longer changes (finished slides are kept).")
     finally:
         close_group(ctx)
 

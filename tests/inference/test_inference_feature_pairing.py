@@ -186,6 +186,8 @@ def test_one_head_named_two_ways_is_one_run(tmp_path, head, monkeypatch):
     out = tmp_path / "hm"
     monkeypatch.chdir(head.parent)
     assert _heatmap(tmp_path / "only0", head.name, out) == 0
+    recorded = json.loads((out / "heatmap_config.json").read_text())["checkpoint"]  # absolute (review CO)
+    assert recorded == str(resolve_checkpoint_path(head).resolve())
     assert _heatmap(tmp_path / "only1", resolve_checkpoint_path(head).resolve(), out, "--colormap", "magma") == 0
     result = _evaluate_normals(out, tmp_path, ["t0", "t1"])
     assert result.metrics["n_slides"] == 2

@@ -141,5 +141,7 @@ def test_torchrun_ranks_with_a_failed_slide_all_finish(tmp_path, four_slides, ch
                            "0"], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0, proc.stderr
     assert f"error: 1 slide(s) failed or had no patch (shard 1/2); see {out / 'heatmap_status.csv'}" in proc.stderr
+    # rank 1's own lines say so (review CO: the failed slide's line did not)
+    assert any(line.startswith("[rank 1] failed: s0a: ") for line in proc.stderr.splitlines()), proc.stderr
     assert [(r["slide"], r["status"]) for r in _status(out)] == [("s0", "ok"), ("s0a", "failed"), ("s1", "ok")]
     assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []

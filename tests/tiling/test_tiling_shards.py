@@ -359,8 +359,9 @@ def test_torchrun_ranks_that_split_different_lists_of_slides_fail(four_slides, t
          "--patch-size", "64", "--pixels", "raw", "--threads", "1", "--openslide-only"],
         env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0, proc.stderr
-    assert "the ranks split different lists of slides (rank 0: 3, rank 1: 2)" in proc.stderr, proc.stderr
-    assert "Fix: run the same command again once the folder no longer changes" in proc.stderr
+    assert ("the ranks split different lists of slides (rank 0: 3 (slide_0, slide_2), rank 1: 2 (slide_1, slide_2): "
+            "the number of slides, the first and the last)") in proc.stderr, proc.stderr
+    assert "Fix: give every rank the same slides, and run the same command again" in proc.stderr
 
 
 def test_a_shard_into_a_finished_folder_of_other_settings_gets_the_unsharded_error(four_slides, tmp_path):

@@ -278,7 +278,9 @@ def _report(result, what: str, *, shard=None) -> int:
              if path.exists()]  # a shard without slides writes no scores.csv (a header-only status CSV)
     if files:
         print("; ".join(files))
+    from wsi_milssl.cli import rank_tag
+
     for r in result.results:
         if r.status != "ok":
-            print(f"{r.status}: {r.slide}: {r.error}", file=sys.stderr)
+            print(f"{rank_tag()}{r.status}: {r.slide}: {r.error}", file=sys.stderr)
     return 0 if result.ok else 1

@@ -188,8 +188,9 @@ def _check_slide_files(predictions_dir: Path, sidecars: dict[str, dict], slide_p
     """EvaluationError when a slide file evaluate reads (for its size and µm/px) is not the one its heatmap was
     predicted from, as the sidecar records it (``input_files``: its size; a copy with a new modification time
     is the same file): a slide replaced since, or ``--slides`` of another set whose slides have the same names
-    (review CN: evaluated without a word, with that set's annotations and labels). Slides read from stores,
-    and sidecars of versions that did not record the file, are not checked."""
+    (review CN: evaluated without a word, with that set's annotations and labels). Slides read from stores are
+    checked too (their sidecars record the slide file); sidecars that record none (earlier versions, feature
+    heads) are not."""
     changed = []
     for stem, sidecar in sidecars.items():
         files = sidecar.get("input_files")
