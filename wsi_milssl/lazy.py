@@ -14,11 +14,18 @@ def lazy_exports(package: str, exports: dict[str, str]) -> tuple[Callable[[str],
     """The ``__getattr__`` and ``__dir__`` of ``package`` whose public names live in other modules.
 
     ``exports``: public name -> the module that defines it. A name is imported when first read and
-    kept in the package's namespace, so later reads are plain attribute reads."""
+    kept in the package's namespace, so later reads are plain attribute reads; another name is the package's
+    submodule of that name, imported (``package.froc``), else AttributeError."""
 
     def __getattr__(name: str) -> object:
         module = exports.get(name)
         if module is None:
+            if not name.startswith("_"):  # a submodule, as an eager package has it once imported (review CO)
+                try:
+                    return importlib.import_module(f"{package}.{name}")
+                except ModuleNotFoundError as exc:
+                    if exc.name != f"{package}.{name}":
+                        raise
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         value = getattr(importlib.import_module(module), name)
         setattr(sys.modules[package], name, value)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from wsi_milssl.cli import main
 
 
@@ -49,3 +51,26 @@ def test_checking_an_evaluations_protocol_imports_no_evaluation_stack(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
     assert out[-1] == "False False False False", out
     assert out[-2].endswith(" 75.0"), out
+
+
+def test_the_evaluation_package_gives_its_names_and_submodules_on_first_use():
+    """Its names are imported lazily since `run` checks an evaluation without the evaluation stack; every name of
+    __all__ comes from its module, and a submodule is an attribute as in an eager package (review CO)."""
+    import importlib
+    import pickle
+
+    import wsi_milssl.evaluation as ev
+
+    for name in ev.__all__:
+        assert getattr(ev, name) is not None and name in dir(ev)
+    assert ev.froc.froc_score is ev.froc_score and ev.protocol.MARGIN_UM == ev.MARGIN_UM == 75.0
+    import subprocess
+    import sys
+
+    code = "import wsi_milssl.evaluation as ev\nprint(ev.report.__name__, ev.protocol.MARGIN_UM)"  # none imported yet
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.split() == ["wsi_milssl.evaluation.report", "75.0"]
+    assert importlib.import_module("wsi_milssl.evaluation.stage").evaluate_predictions is ev.evaluate_predictions
+    assert pickle.loads(pickle.dumps(ev.Metric)) is ev.Metric
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        ev.no_such_name  # noqa: B018
