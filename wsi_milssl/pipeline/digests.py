@@ -328,8 +328,8 @@ def _by_content(rows: list) -> list:
 def _training_bag_labels(spec: PipelineSpec) -> list:
     """Feature mode: the rows of the labels CSV for the bags of the training feature files, not the whole CSV,
     which a pipeline may share with the test set."""
-    from wsi_milssl.errors import WsiMilsslError
     from wsi_milssl.cohorts import read_labels as read_labels_csv  # torch-free
+    from wsi_milssl.errors import WsiMilsslError
 
     train = spec.sets["train"]
     bags = [feature_file_bags(f) for f in feature_files(Path(train.features))]
@@ -346,9 +346,9 @@ def _training_labels(spec: PipelineSpec) -> list:
     """What the label stage reads for the training slides: their rows of the labels CSV and their annotation
     files (by content), not the whole CSV and folder, which a pipeline may share with the test set."""
     from wsi_milssl.annotations.io import find_annotation
+    from wsi_milssl.cohorts import read_labels as read_labels_csv  # torch-free
     from wsi_milssl.cohorts import slide_stem
     from wsi_milssl.errors import WsiMilsslError
-    from wsi_milssl.cohorts import read_labels as read_labels_csv  # torch-free
     from wsi_milssl.tiling import find_slides
 
     train = spec.sets["train"]
