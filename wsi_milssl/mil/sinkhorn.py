@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 #: model is certain about (p = 0 or 1 in float32) still has a finite cost.
 PROB_EPS = 1e-12
 
+
 def _is_real(value) -> bool:
     """A real number, Python's or numpy's (np.float32 is no float, np.int64 no int), but not a bool."""
     return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
