@@ -119,7 +119,8 @@ def test_a_sidecar_without_the_stores_tiling_is_not_reused_for_a_relabelled_stor
     assert json.loads((out / "a_probs.json").read_text())["input_files"]["store"]["tiling"]
 
 
-def test_a_store_tiled_with_other_patch_settings_records_its_own_tiling(tmp_path, slides, checkpoint_factory, predicted):
+def test_a_store_tiled_with_other_patch_settings_records_its_own_tiling(tmp_path, slides, checkpoint_factory,
+                                                                       predicted):
     """Review CN: a slide read from a store tiled with another min_tissue recorded the model's tiling in its
     sidecar, so evaluate took it for the same run as the slides cut with the model's; it records the store's."""
     ckpt = checkpoint_factory()

@@ -425,8 +425,8 @@ def _check_held_out(train, val, val_inputs, *, input_mode: str = "images") -> No
     drop = ("drop --val" if len(shared) == val.n_bags else "remove those bags' rows from the validation CSV"
             if input_mode == "mil-csv" else "drop those from --val or from INPUTS")
     raise ConfigError(f"--val {' '.join(str(p) for p in val_inputs)}: {which} validation bags {are} "
-                      f"({names}), so best.pt would be chosen on the data the model trains on. Fix: validate on {held}, "
-                      f"or {drop}.")
+                      f"({names}), so best.pt would be chosen on the data the model trains on. Fix: validate on "
+                      f"{held}, or {drop}.")
 
 
 def _set_up(args: argparse.Namespace):

@@ -76,8 +76,9 @@ def _plain_numbers(config) -> None:
 #: The largest λ accepted. λ → ∞ is the unregularised problem (eq. 4), and at λ = 1e6 the labels are
 #: already 0 or 1 for every instance more than about 1e-5 in logit from the cut, so a larger λ changes
 #: nothing useful; from about 1e15 float64 can no longer place the cut (Sinkhorn stops short of its
-#: tolerance), and near 1e307 λ log p (|log p| <= 27.6 with p clipped to :data:`wsi_milssl.mil.sinkhorn.PROB_EPS`) overflows and every
-#: label is NaN (measured on 2,000 uniform probabilities).
+#: tolerance), and near 1e307 λ log p (|log p| <= 27.6 with p clipped to
+#: :data:`wsi_milssl.mil.sinkhorn.PROB_EPS`) overflows and every label is NaN (measured on 2,000 uniform
+#: probabilities).
 LAM_MAX = 1e6
 
 

@@ -539,9 +539,9 @@ def _recorded(sidecar: dict, key: str) -> str | None:
 def _run_identities(sidecar: dict) -> list[tuple]:
     """What identifies the heatmap run that made a slide; two slides share a run when they share any of them:
     the same ``fingerprint`` (the checkpoint's bytes and every output setting: a resumed or sharded run, or one
-    with other runtime settings) and ``tiling_plan`` (a slide read from a store tiled otherwise), or the same ``checkpoint_sha256`` with the same :data:`_CONTENT_FIELDS` (the
-    same weights, by whatever path, with the same detection settings and tiling: runs that differ only in
-    drawing settings or a per-slide µm/px). A sidecar with neither is identified by the recorded checkpoint
+    with other runtime settings) and ``tiling_plan`` (a slide read from a store tiled otherwise), or the same
+    ``checkpoint_sha256`` with the same :data:`_CONTENT_FIELDS` (the same weights, by whatever path, with the
+    same detection settings and tiling: runs that differ only in drawing settings or a per-slide µm/px). A sidecar with neither is identified by the recorded checkpoint
     path and settings (:data:`_RUN_FIELDS`)."""
     ids: list[tuple] = []
     fingerprint = _recorded(sidecar, "fingerprint")
