@@ -20,7 +20,7 @@ def lazy_exports(package: str, exports: dict[str, str]) -> tuple[Callable[[str],
     def __getattr__(name: str) -> object:
         module = exports.get(name)
         if module is None:
-            if not name.startswith("_"):  # a submodule, as an eager package has it once imported (review CO)
+            if name.isidentifier() and not name.startswith("_"):  # a submodule, as in an eager package (review CO)
                 try:
                     return importlib.import_module(f"{package}.{name}")
                 except ModuleNotFoundError as exc:

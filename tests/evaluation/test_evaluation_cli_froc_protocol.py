@@ -74,3 +74,4 @@ def test_the_evaluation_package_gives_its_names_and_submodules_on_first_use():
     assert pickle.loads(pickle.dumps(ev.Metric)) is ev.Metric
     with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
         ev.no_such_name  # noqa: B018
+    assert not hasattr(ev, "a.b") and not hasattr(ev, "..")  # review CP: a dotted name raised ModuleNotFoundError

@@ -221,3 +221,18 @@ def test_a_later_partial_feature_run_keeps_the_failed_row_of_an_earlier_one(tmp_
     assert list(rows) == ["t0", "t1"]
     with pytest.raises(EvaluationError, match=r"the heatmap stage failed on labelled slides t1 \("):
         _evaluate_normals(out, tmp_path, ["t0", "t1"])
+
+
+def test_a_head_without_a_checkpoint_file_predicts_and_records_none(tmp_path, head):
+    """A FeatureHead object built in Python (no file behind it) is accepted; review CP: recording the checkpoint by
+    its absolute path raised a TypeError for it (before, the string "None" was recorded)."""
+    import dataclasses
+
+    from wsi_milssl.inference.feature_maps import load_feature_head, make_feature_heatmaps
+    from wsi_milssl.mil.checkpoint import resolve_checkpoint_path
+
+    _file(tmp_path / "feats" / "t0.h5", "t0")
+    memory = dataclasses.replace(load_feature_head(resolve_checkpoint_path(head)), checkpoint_path=None)
+    assert make_feature_heatmaps([tmp_path / "feats" / "t0.h5"], memory, tmp_path / "hm").ok
+    assert json.loads((tmp_path / "hm" / "heatmap_config.json").read_text())["checkpoint"] is None
+    assert json.loads((tmp_path / "hm" / "t0_probs.json").read_text())["checkpoint"] is None

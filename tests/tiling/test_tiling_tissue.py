@@ -92,3 +92,16 @@ def test_the_settings_know_the_built_in_tissue_detectors_as_the_registry_does():
             "HeatmapConfig(tissue='none')\nprint('skimage' in sys.modules, 'openslide' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "False False"
+
+
+def test_an_unknown_detector_says_where_a_registered_one_is_known():
+    """Review CP: a detector registered in the user's code is unknown to the command line, and the error did not
+    say why."""
+    import pytest
+
+    from wsi_milssl.config import TileConfig
+    from wsi_milssl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"got 'mine'\. A name registered with register_tissue_detector in your own "
+                                          r"code is known only in a Python process that has imported that code"):
+        TileConfig(tissue="mine")

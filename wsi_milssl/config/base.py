@@ -131,12 +131,16 @@ def check_groups(config: Any) -> None:
                           f"{default}; list each group once.")
 
 
-def check_choice(cls_name: str, field: str, value: Any, choices: Iterable[Any]) -> None:
-    """Raise ConfigError unless ``value`` is one of ``choices``."""
+def check_choice(cls_name: str, field: str, value: Any, choices: Iterable[Any], *, registry: str | None = None
+                 ) -> None:
+    """Raise ConfigError unless ``value`` is one of ``choices``; ``registry`` (e.g. "register_model"): the
+    choices are a registry's, and the error says where a part registered by the caller's code is known."""
     choices = tuple(choices)
     if value not in choices:
         allowed = ", ".join(repr(c) for c in choices)
-        raise ConfigError(f"{_where(cls_name, field)} must be one of {allowed}; got {value!r}.")
+        hint = (f" A name registered with {registry} in your own code is known only in a Python process that has "
+                "imported that code (not on the command line)." if registry else "")
+        raise ConfigError(f"{_where(cls_name, field)} must be one of {allowed}; got {value!r}.{hint}")
 
 
 def check_inference_runtime(config: Any) -> None:

@@ -136,7 +136,7 @@ class HeatmapConfig:
             check_type(name, "tissue", self.tissue, str)
             from wsi_milssl.config.tile import tissue_detectors
 
-            check_choice(name, "tissue", self.tissue, tissue_detectors())
+            check_choice(name, "tissue", self.tissue, tissue_detectors(), registry="register_tissue_detector")
         if self.min_tissue is not None:
             check_range(name, "min_tissue", self.min_tissue, low=0.0, high=1.0)
         if self.mask_mpp is not None:

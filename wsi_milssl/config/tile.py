@@ -107,7 +107,7 @@ class TileConfig:
             check_range(name, "stride_px", self.stride_px, low=1, high=65536)
         check_range(name, "entropy_threshold_bits", self.entropy_threshold_bits, low=0.0, high=8.0)
         check_type(name, "tissue", self.tissue, str)
-        check_choice(name, "tissue", self.tissue, tissue_detectors())
+        check_choice(name, "tissue", self.tissue, tissue_detectors(), registry="register_tissue_detector")
         check_range(name, "min_tissue", self.min_tissue, low=0.0, high=1.0)
         check_range(name, "mask_mpp", self.mask_mpp, low=0.5, high=200.0)
         check_choice(name, "pixels", self.pixels, ("jpeg", "raw", "none"))

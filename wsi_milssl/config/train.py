@@ -253,7 +253,7 @@ class TrainConfig:
         check_type(name, "threads", self.threads, int)
         check_range(name, "threads", self.threads, low=0)
         kinds = model_kinds()
-        check_choice(name, "model", self.model, tuple(sorted(kinds)))
+        check_choice(name, "model", self.model, tuple(sorted(kinds)), registry="register_model")
         if kinds[self.model] != (self.mode == "images"):
             raise ConfigError(
                 f"{name}.model {self.model!r} does not take {self.mode}; use "

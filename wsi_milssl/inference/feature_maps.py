@@ -295,7 +295,8 @@ def _make_feature_heatmaps(files: list[Path], head: FeatureHead, out_dir: Path, 
     sha256 = checkpoint_sha256(head)
     fingerprint = _feature_fingerprint(config, head, sha256)
     config_json = atomic_write_json(out_dir / HEATMAP_CONFIG_FILENAME, {
-        "heatmap": config_to_dict(config), "checkpoint": os.path.abspath(head.checkpoint_path), "source": "features",
+        "heatmap": config_to_dict(config), "source": "features",
+        "checkpoint": None if head.checkpoint_path is None else os.path.abspath(head.checkpoint_path),
         "fingerprint": fingerprint, "checkpoint_sha256": sha256,
         "features": [str(p) for p in files], "model_name": head.config.get("model_name"), "bag_pooling": head.pooling,
         "feature_encoder": head.encoder, "feature_encoder_weights_sha256": head.encoder_weights_sha256,
