@@ -344,6 +344,8 @@ sys.exit(main(args))
 """
 
 
+@pytest.mark.slow  # another torchrun launch (~20 s on CI); the default run's failed-slide test above compares the
+# ranks' lists too (the same lists: no failure)
 def test_torchrun_ranks_that_split_different_lists_of_slides_fail(four_slides, tmp_path):
     """Review CI: ranks split every N-th slide of their own listing; a slide missing from one rank's list (a folder
     still being copied into) left slides tiled by no rank, or by two, with exit status 0. The ranks compare their
