@@ -92,3 +92,21 @@ def test_the_settings_know_the_built_in_models_as_the_registry_does():
             "TrainConfig(mode='features', model='linear')\nprint('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "False"
+
+
+def test_the_mil_package_gives_its_names_on_first_use_and_its_light_modules_need_no_torch():
+    """An up-to-date image pipeline's `run` imported torch only to check its validation split with mil.scores
+    (review CH): the package's names are imported on first use now."""
+    import subprocess
+    import sys
+
+    import wsi_milssl.mil as mil
+
+    for name in mil.__all__:
+        assert getattr(mil, name) is not None and name in dir(mil)
+    code = ("import sys\nimport wsi_milssl.mil.scores\nfrom wsi_milssl.pipeline.training import _selection_problem\n"
+            "from wsi_milssl.config import TrainConfig\n"
+            "print(_selection_problem([TrainConfig(mode='images')], ['a', 'b'], {'a': 1, 'b': 1})[0], "
+            "'torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.split() == ["bag_auc", "False"]

@@ -9,35 +9,32 @@
 The formulas are in ``docs/method.md``.
 """
 
-from wsi_milssl.mil.checkpoint import load_model, read_checkpoint
-from wsi_milssl.mil.data import (
-    InstanceSet,
-    read_feature_files,
-    read_labels_csv,
-    read_mil_csv,
-    read_patch_stores,
-    to_tensor,
-)
-from wsi_milssl.mil.models import create_model, list_models, register_model
-from wsi_milssl.mil.selftrain import FitResult, evaluate, fit, train_one_epoch
-from wsi_milssl.mil.sinkhorn import adaptive_mu, assign_pseudo_labels
+from wsi_milssl.lazy import lazy_exports
 
-__all__ = [
-    "assign_pseudo_labels",
-    "adaptive_mu",
-    "fit",
-    "train_one_epoch",
-    "evaluate",
-    "FitResult",
-    "load_model",
-    "read_checkpoint",
-    "InstanceSet",
-    "read_feature_files",
-    "read_labels_csv",
-    "read_mil_csv",
-    "read_patch_stores",
-    "to_tensor",
-    "create_model",
-    "list_models",
-    "register_model",
-]
+#: Public name -> the module that defines it. Imported on first use (PEP 562): a torch-free module of the package
+#: (scores, the settings' checks) does not import torch.
+_EXPORTS = {
+    "FitResult": "wsi_milssl.mil.selftrain",
+    "InstanceSet": "wsi_milssl.mil.data",
+    "adaptive_mu": "wsi_milssl.mil.sinkhorn",
+    "assign_pseudo_labels": "wsi_milssl.mil.sinkhorn",
+    "create_model": "wsi_milssl.mil.models",
+    "evaluate": "wsi_milssl.mil.selftrain",
+    "fit": "wsi_milssl.mil.selftrain",
+    "list_models": "wsi_milssl.mil.models",
+    "load_model": "wsi_milssl.mil.checkpoint",
+    "read_checkpoint": "wsi_milssl.mil.checkpoint",
+    "read_feature_files": "wsi_milssl.mil.data",
+    "read_labels_csv": "wsi_milssl.mil.data",
+    "read_mil_csv": "wsi_milssl.mil.data",
+    "read_patch_stores": "wsi_milssl.mil.data",
+    "register_model": "wsi_milssl.mil.models",
+    "to_tensor": "wsi_milssl.mil.data",
+    "train_one_epoch": "wsi_milssl.mil.selftrain",
+}
+
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+
+
+__all__ = sorted(_EXPORTS)

@@ -4,13 +4,15 @@ validation score that chooses ``best.pt`` (``select_metric``)."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from wsi_milssl.config.train import TrainConfig
 from wsi_milssl.errors import ConfigError
-from wsi_milssl.mil.data import InstanceSet
+
+if TYPE_CHECKING:
+    from wsi_milssl.mil.data import InstanceSet
 
 __all__ = ["bag_scores", "auc_or_none", "bag_metrics", "selection_problem", "selection_score"]
 

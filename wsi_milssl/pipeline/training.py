@@ -273,11 +273,12 @@ def _selection_problem(configs: list, val: list[str], labels) -> tuple[str, str]
     """(select_metric, why) for the first of ``configs``' select metrics that the validation slides or bags
     ``val`` can never give, as far as their labels tell: :func:`wsi_milssl.mil.scores.selection_problem` (bag
     AUC needs both classes). instance_auc is left to train: instance labels are known only once label has run."""
-    from wsi_milssl.mil.data import InstanceSet
-    from wsi_milssl.mil.scores import selection_problem
+    from types import SimpleNamespace
 
-    bags = InstanceSet(kind="images", bag_ids=np.zeros(0, dtype=np.int64), bag_names=list(val),
-                       bag_labels=np.array([int(labels[s]) for s in val], dtype=np.int64))
+    from wsi_milssl.mil.scores import selection_problem  # torch-free: checked on every run
+
+    bags = SimpleNamespace(n_bags=len(val), bag_labels=np.array([int(labels[s]) for s in val], dtype=np.int64),
+                           instance_labels=None)  # what selection_problem reads of an InstanceSet
     for metric in dict.fromkeys(config.select_metric for config in configs):
         why = selection_problem(bags, metric) if metric != "instance_auc" else None
         if why is not None:
