@@ -82,8 +82,6 @@ def _plain_numbers(config) -> None:
 LAM_MAX = 1e6
 
 
-
-
 def check_lam(lam, where: str = "lam") -> float:
     """``lam`` as a float, or a ConfigError naming ``where`` unless 0 < lam <= :data:`LAM_MAX`."""
     if not (isinstance(lam, numbers.Real) and not isinstance(lam, bool) and 0.0 < float(lam) <= LAM_MAX):

@@ -21,7 +21,7 @@ from wsi_milssl.pipeline.stamps import fingerprint_paths, read_stamp
 __all__ = ["UPSTREAM", "EMBEDDED_UPSTREAM", "SPEED_ONLY", "EARLIER_DEFAULTS", "ADDED_SETTINGS", "recorded_settings",
            "stage_settings", "setting_names", "digest_parts", "external_inputs", "with_label_settings",
            "run_fingerprints", "training_data", "training_data_forms", "feature_file_bags", "feature_files",
-           "train_weights", "weights_fingerprint", "weights_older_than", "records_train_weights"]
+           "train_weights", "weights_fingerprint", "weights_older_than", "unweighted_stamp_accepted"]
 
 
 #: the stages each stage reads (their stamps' digests count in its own); with a [features] table, EMBEDDED_UPSTREAM
@@ -111,7 +111,7 @@ def digest_parts(spec: PipelineSpec, stage: str, chain: dict[str, str], state: P
                  weights: bool = True) -> tuple[dict, dict]:
     """(settings in ``form``, inputs) that a stage's stamp digest covers (:func:`stage_settings`); the stages it
     reads from count by their digest in ``chain`` (this run's) or else their stamp's. ``weights=False``: train's
-    without its weights files, as stamps written before 2026-11-29 recorded it (:func:`records_train_weights`)."""
+    without its weights files, as stamps written before 2026-11-29 recorded it (:func:`unweighted_stamp_accepted`)."""
     reads = (EMBEDDED_UPSTREAM if spec.feature_stage else UPSTREAM)[stage]
     upstream = {u: chain.get(u) or (read_stamp(state, u) or {}).get("digest") for u in reads}
     external = external_inputs(spec, stage, legacy=form == "legacy")
@@ -158,13 +158,16 @@ def weights_older_than(paths: list[str], record: Path) -> bool:
         return False
 
 
-def records_train_weights(stamp: dict, spec: PipelineSpec) -> bool:
-    """Whether a train stamp records the weights files (stamps of this version do, when there are any): one
-    written before 2026-11-29 does not, and is compared without them while the weights files are older than
-    it (:func:`weights_older_than`)."""
+def unweighted_stamp_accepted(spec: PipelineSpec, stamp: dict | None, state: Path) -> bool:
+    """Whether a train stamp is compared without the weights files: one written before 2026-11-29 records none,
+    and stays up to date while the weights files are older than it (:func:`weights_older_than`)."""
+    if stamp is None or not train_weights(spec):
+        return False
     rows = ((stamp.get("inputs") or {}).get("external") if isinstance(stamp.get("inputs"), dict) else None) or []
     recorded = {os.path.basename(str(r[0])) for r in rows if isinstance(r, list) and r}
-    return not train_weights(spec) or all(os.path.basename(p) in recorded for p in train_weights(spec))
+    if all(os.path.basename(p) in recorded for p in train_weights(spec)):
+        return False  # a stamp of this version: compared with them
+    return weights_older_than(train_weights(spec), state / "train.json")
 
 
 def external_inputs(spec: PipelineSpec, stage: str, *, legacy: bool = False, only: str | None = None) -> list:

@@ -58,8 +58,8 @@ from wsi_milssl.hashing import file_reads_kept
 from wsi_milssl.locks import folder_lock
 from wsi_milssl.pipeline.context import StageContext, in_set, listed_stems, set_stores, store_format
 from wsi_milssl.pipeline.digests import (EARLIER_DEFAULTS, EMBEDDED_UPSTREAM, UPSTREAM, digest_parts,
-                                         feature_files, records_train_weights, setting_names, train_weights,
-                                         weights_older_than, with_label_settings)
+                                         feature_files, setting_names, unweighted_stamp_accepted,
+                                         with_label_settings)
 from wsi_milssl.pipeline.overlap import refuse_test_in_training, refuse_unlabelled_test_bags
 from wsi_milssl.pipeline.spec import (RESOLVED_FILENAME, STAGES, PipelineSpec, label_defaults_spelled, load_pipeline,
                                       stage_config,
@@ -644,8 +644,7 @@ def _run_stages(spec: PipelineSpec, stages: list[str], forced: set[str], *,
             checked[form] = (recorded_digest(ctx.state, stage, stamp_digest(settings, inputs), settings, inputs),
                              settings, inputs)
         candidates = [checked[form][0] for form in forms]
-        if (stage == "train" and stamp is not None and not records_train_weights(stamp, spec)
-                and weights_older_than(train_weights(spec), ctx.state / "train.json")):
+        if stage == "train" and unweighted_stamp_accepted(spec, stamp, ctx.state):
             # a stamp written before the weights files counted, after they were last modified: up to date as it was
             for form in forms:
                 earlier, earlier_inputs = digest_parts(spec, stage, digests, ctx.state, form=form, weights=False)
