@@ -288,3 +288,4 @@ def test_the_report_names_its_pipeline_its_training_and_the_few_cases_it_rests_o
     # review BS, C7: the output folder had no entry point
     index = (out / "README.txt").read_text()
     assert "the pipeline 'upstream'" in index and "evaluation/report.html" in index and "ground truth" in index
+    assert "`wsi-milssl docs artifacts`" in index  # review CM: the page it points at is installed with the package

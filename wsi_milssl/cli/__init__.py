@@ -48,6 +48,7 @@ COMMANDS = {
     "train": "train",
     "benchmark": "benchmark",
     "heatmap": "heatmap",
+    "docs": "docs",
 }
 
 

@@ -39,7 +39,7 @@ def register(subparsers) -> None:
             "small objects and holes removed), a grid at the target resolution, patches with enough\n"
             "tissue read and kept when their greyscale-histogram entropy reaches the threshold.\n\n"
             "Writes DIR/<slide>.h5 or DIR/<slide>.zarr (level-0 coordinates, pixels, entropy, tissue\n"
-            "fraction; see docs/artifacts.md), DIR/qc/<slide>.png (tissue outline in green, kept patches\n"
+            "fraction; `wsi-milssl docs artifacts`), DIR/qc/<slide>.png (tissue outline in green, kept patches\n"
             "in blue, entropy-dropped in orange), DIR/tile_status.csv (slide,status,n_patches,seconds,error)\n"
             "and DIR/tile_config.json. Re-running skips slides whose store is complete with the same\n"
             "settings and was cut from the same, unchanged slide file (path, size, modification time);\n"

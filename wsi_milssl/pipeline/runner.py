@@ -583,7 +583,7 @@ Intermediate files (made again when needed; not results):
 
 resolved_pipeline.toml is the pipeline as it ran (written once every stage has run); `wsi-milssl run` on it
 finds every stage up to date. evaluation.outdated/, when present, is an earlier report set aside because an
-earlier stage ran again. Files and their columns: docs/artifacts.md of the wsi-milssl repository.
+earlier stage ran again. Files and their columns: `wsi-milssl docs artifacts` (docs/artifacts.md).
 """
 
 
