@@ -27,10 +27,12 @@ RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['p
     && pip install --no-cache-dir "torch==2.14.1" -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
 
-# 2. The code and the ready-made pipelines (/opt/wsi-milssl/pipelines; also inside the installed package).
+# 2. The code, the ready-made pipelines (/opt/wsi-milssl/pipelines) and the docs pages (both also inside the
+#    installed package: wsi_milssl/pipelines and wsi_milssl/docs link to them; `wsi-milssl docs` prints a page).
 COPY README.md LICENSE ./
 COPY wsi_milssl ./wsi_milssl
 COPY pipelines ./pipelines
+COPY docs ./docs
 RUN pip install --no-cache-dir --no-deps . \
     && useradd --create-home --uid 1000 milssl \
     && mkdir -p /data && chmod 1777 /data

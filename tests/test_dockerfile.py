@@ -49,6 +49,12 @@ def test_dependencies_are_a_layer_before_the_code_and_torch_is_pinned_to_the_tes
     assert base.startswith(f"{tested}-cuda"), (base, tested)
     assert f'"torch=={tested}"' in text
     assert "COPY pipelines ./pipelines" in text and "WORKDIR /opt/wsi-milssl" in text
+    # the package's links to folders beside it (pipelines, docs) must find them in the image
+    links = [p for p in (ROOT / "wsi_milssl").iterdir() if p.is_symlink()]
+    assert {p.name for p in links} >= {"pipelines", "docs"}
+    for link in links:
+        target = (ROOT / "wsi_milssl" / link.readlink()).resolve().relative_to(ROOT)
+        assert f"COPY {target} ./{target}" in text, link
 
 
 def test_the_dependency_layer_installs_the_extras_given_at_build_time(tmp_path):
