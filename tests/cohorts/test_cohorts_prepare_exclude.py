@@ -53,3 +53,28 @@ def test_an_exclude_name_of_no_slide_is_an_error_naming_it(tmp_path, synth_slide
         prepare_folder(root2, root2 / "labels.csv", tmp_path / "out2", exclude=["nope"])
     # the fix is this problem's, not the layout's list of every fix (it asked to add label lines and annotations)
     assert str(err.value).endswith("Fix: check the names given to --exclude against the slide files.")
+
+
+def test_the_slides_the_organisers_removed_are_notes_not_missing_downloads_or_unknown_excludes(tmp_path, capsys,
+                                                                                                synth_slides):
+    """Review CR: papers leave out Test_049 (a duplicate slide), but the release no longer holds it: `--exclude
+    Test_049` stopped prepare as a name of no slide, and a reference.csv that lists it asked to download it."""
+    root = gigadb_tree(tmp_path / "C16", synth_slides)
+    with (root / "testing" / "reference.csv").open("a") as f:
+        f.write("Test_049,Normal,,\nTest_077,Normal,,\n")
+    out = tmp_path / "out"
+    assert main(["prepare", "camelyon16", str(root), "--exclude", "test_049", "Test_003", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "--exclude names 1 slide(s) the organisers removed from the release, so there is nothing to leave " \
+           "out: Test_049 (a duplicate slide)" in printed
+    assert json.loads((out / "cohort" / "prepare.json").read_text())["excluded"] == ["Test_003"]
+    # the reference line of a removed slide is said so; another slide not below the folder is a download
+    result = prepare_camelyon16(root, tmp_path / "out2")
+    notes = "\n".join(result.notes)
+    assert "lists 1 slide(s) the organisers removed from the release, so the test set leaves them out: " \
+           "Test_049 (a duplicate slide)" in notes
+    assert "1 test slide(s) of" in notes and ": Test_077 (not downloaded" in notes
+    assert "Test_049 (not downloaded" not in notes
+    # a name of no slide that the organisers did not remove is still an error
+    with pytest.raises(LabelsError, match=r"--exclude names 1 slide\(s\) that are not below .*: Test_048 "):
+        prepare_camelyon16(root, tmp_path / "out3", exclude=["Test_049", "Test_048"])

@@ -43,7 +43,7 @@ def register(subparsers) -> None:
         help=SUMMARY,
         description=(
             "Write pyramidal, tiled, JPEG-compressed TIFF slides that OpenSlide opens, an ASAP XML file\n"
-            "(CAMELYON16 layout, level-0 pixels) beside each tumour slide, labels.csv (slide,label; 1 =\n"
+            "(CAMELYON16's XML format, level-0 pixels) beside each tumour slide, labels.csv (slide,label; 1 =\n"
             "tumour) and manifest.json. Tumour and normal tissue share one stain palette and differ in\n"
             "structure; normal tissue carries tumour-like confounders (follicles, folds, pen, blur)."
         ),

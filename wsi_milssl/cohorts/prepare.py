@@ -90,6 +90,9 @@ _CAMELYON16_NAME = re.compile(r"^(normal|tumor|test)_\d+$", re.IGNORECASE)
 #: background_tissue/<name>_tissue.tif, GigaDB's Tumor_001_Mask.tif): not slides.
 _CAMELYON16_MASK_NAME = re.compile(r"[_-](mask|tissue)$", re.IGNORECASE)
 _CAMELYON16_MASK_DIRS = frozenset({"masks", "background_tissue"})
+#: Slides the organisers removed from the release (its readme: "intentionally removed"), by name -> why: an
+#: ``--exclude`` of one, or a reference.csv line of one, is no missing download.
+CAMELYON16_REMOVED = {"Test_049": "a duplicate slide", "Normal_086": "renamed Tumor_111"}
 #: :func:`prepare_folder`'s ``patient_column`` (``--patient-column``) that splits slide by slide (no patient column).
 NO_PATIENT_COLUMN = "none"
 
@@ -140,7 +143,8 @@ def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
     settings to use (default: the
     packaged ``pipelines/camelyon16.toml``); ``val_fraction`` / ``split_seed`` override its
     ``[data]`` values. ``exclude``: slide names left out of every set (as ``Test_114``, which is not
-    exhaustively annotated; matched as slide names are; one that names no slide is an error).
+    exhaustively annotated; matched as slide names are; one that names no slide is an error, except a slide the
+    organisers removed from the release, :data:`CAMELYON16_REMOVED`: a note).
     Raises one LabelsError listing every problem found.
     """
     root = Path(root)
@@ -165,7 +169,11 @@ def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
                           + "). Fix: give the CAMELYON16 folder that holds training/ and testing/ (GigaDB) "
                           "or images/ (AWS).")
     exclude_keys = _exclude_keys(exclude)
-    problems: list[str] = _unknown_excluded(exclude_keys, [slide_stem(p) for p in slides], str(root))
+    found_keys = {stem_key(p) for p in slides}
+    removed = {stem_key(n): f"{n} ({why})" for n, why in CAMELYON16_REMOVED.items()}
+    removed_excluded = [removed[k] for k in exclude_keys if k in removed and k not in found_keys]
+    problems: list[str] = _unknown_excluded({k: n for k, n in exclude_keys.items() if k not in removed},
+                                            [slide_stem(p) for p in slides], str(root))
     excluded = sorted({slide_stem(p) for p in slides if stem_key(p) in exclude_keys}, key=str.casefold)
     slides = [p for p in slides if stem_key(p) not in exclude_keys]
     dup = _duplicates(slides)
@@ -230,6 +238,14 @@ def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
                     "(--annotations DIR when they are not below the folder; --exclude NAME leaves a slide out of "
                     "every set, the slide-level AUC too), or use `wsi-milssl prepare folder` for another layout "
                     "(it does not keep CAMELYON16's official test slides apart).")
+    if removed_excluded:
+        notes.append(f"--exclude names {len(removed_excluded)} slide(s) the organisers removed from the release, so "
+                     f"there is nothing to leave out: {_names(removed_excluded)}")
+    listed_removed = [removed[stem_key(s)] for s in not_here if stem_key(s) in removed]
+    not_here = [s for s in not_here if stem_key(s) not in removed]
+    if ref_path is not None and listed_removed:
+        notes.append(f"{ref_path} lists {len(listed_removed)} slide(s) the organisers removed from the release, so "
+                     f"the test set leaves them out: {_names(listed_removed)}")
     if ref_path is not None and not_here:
         notes.append(f"{len(not_here)} test slide(s) of {ref_path} are not below {root}, so the test set leaves them "
                      f"out: {_names(not_here, limit=10)} (not downloaded, or the download stopped: a partial file such "
