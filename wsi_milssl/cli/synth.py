@@ -45,12 +45,19 @@ def register(subparsers) -> None:
             "Write pyramidal, tiled, JPEG-compressed TIFF slides that OpenSlide opens, an ASAP XML file\n"
             "(CAMELYON16's XML format, level-0 pixels) beside each tumour slide, labels.csv (slide,label; 1 =\n"
             "tumour) and manifest.json. Tumour and normal tissue share one stain palette and differ in\n"
-            "structure; normal tissue carries tumour-like confounders (follicles, folds, pen, blur)."
+            "structure; normal tissue carries tumour-like confounders (follicles, folds, pen, blur).\n\n"
+            "--layout camelyon16 lays them out as the CAMELYON16 download instead (training/normal/normal_NNN.tif,\n"
+            "training/tumor/tumor_NNN.tif, testing/images/test_NNN.tif, lesion_annotations.zip of each set,\n"
+            "testing/reference.csv; half of each label's slides are test slides), to try `wsi-milssl prepare\n"
+            "camelyon16 OUT_DIR --out DIR` and its pipeline before downloading the real one."
         ),
         formatter_class=HelpFormatter,
     )
     p.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="folder to write the slides into (created)")
     add_synth_options(p)
+    p.add_argument("--layout", choices=("flat", "camelyon16"), default="flat",
+                   help="flat: synth_NNN.tif, .xml and labels.csv in OUT_DIR; camelyon16: the CAMELYON16 download's "
+                        "folders and names (see above)")
     p.set_defaults(run=run)
 
 
@@ -62,6 +69,17 @@ def run(args: argparse.Namespace) -> int:
         config = synth_config_from_args(args)
     except ConfigError as exc:  # a bad option value is a usage error, exit code 2 as in tile (review BQ)
         raise OptionError(str(exc)) from None
+    if args.layout == "camelyon16":
+        from wsi_milssl.synth.camelyon16 import write_camelyon16_tree
+
+        with TqdmProgress() as progress:
+            records = write_camelyon16_tree(config, args.out_dir, progress=progress)["slides"]
+        sets = {s: [r for r in records if r["set"] == s] for s in ("train", "test")}
+        print(f"wrote a CAMELYON16-shaped folder to {args.out_dir}: {len(sets['train'])} training slides "
+              f"({sum(r['label'] for r in sets['train'])} tumour) and {len(sets['test'])} test slides "
+              f"({sum(r['label'] for r in sets['test'])} tumour); next: wsi-milssl prepare camelyon16 "
+              f"{args.out_dir} --out DIR")
+        return 0
     with TqdmProgress() as progress:
         slides = generate_slides(config, args.out_dir, progress=progress)
     n_tumor = sum(s.label for s in slides)
