@@ -78,3 +78,25 @@ def test_the_slides_the_organisers_removed_are_notes_not_missing_downloads_or_un
     # a name of no slide that the organisers did not remove is still an error
     with pytest.raises(LabelsError, match=r"--exclude names 1 slide\(s\) that are not below .*: Test_048 "):
         prepare_camelyon16(root, tmp_path / "out3", exclude=["Test_049", "Test_048"])
+
+
+def test_the_command_shows_each_note_once_and_the_log_file_keeps_it(tmp_path, capsys, caplog, synth_slides):
+    """Review CS: `prepare` printed every note twice on a terminal: a `note:` line on stdout and the same text as a
+    WARNING on stderr. The library still warns (PreparedCohort.notes and a warning), the command prints it once."""
+    import logging
+
+    from wsi_milssl.cohorts import write
+
+    root = gigadb_tree(tmp_path / "C16", synth_slides)
+    with (root / "testing" / "reference.csv").open("a") as f:
+        f.write("Test_077,Normal,,\n")
+    log = tmp_path / "prepare.log"
+    assert main(["prepare", "camelyon16", str(root), "--out", str(tmp_path / "out"), "--log-file", str(log)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.count("Test_077 (not downloaded") == 1 and "note: 1 test slide(s) of" in captured.out
+    assert "Test_077" not in captured.err
+    assert log.read_text().count("Test_077 (not downloaded") == 1
+    assert not write.logger.filters  # the command's filter is gone after it
+    with caplog.at_level(logging.WARNING):
+        prepare_camelyon16(root, tmp_path / "out2")
+    assert any("Test_077 (not downloaded" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)

@@ -125,6 +125,23 @@ def test_run_with_a_wrong_data_path_stops_before_any_stage(prepared, tmp_path, c
     assert not out.exists()  # no stage ran
 
 
+@pytest.mark.parametrize("name", ["camelyon16", "camelyon16-features", "tcga-features"])
+def test_a_ready_made_template_run_as_it_is_points_at_prepare(tmp_path, capsys, name):
+    """Review CS: `run pipelines/camelyon16.toml --out RUN` (the README's table) failed on its placeholder paths with
+    a fix to edit them by hand; the template itself says to let prepare write them."""
+    from importlib.resources import files
+
+    template = Path(str(files("wsi_milssl") / "pipelines" / f"{name}.toml"))
+    assert main(["run", str(template), "--out", str(tmp_path / "run")]) == 1
+    err = capsys.readouterr().err
+    assert "This is a ready-made pipeline whose [data] paths are placeholders. Fix: `wsi-milssl prepare camelyon16 " \
+           "ROOT --out DIR`" in err and "move them with it" not in err
+    copy = tmp_path / "mine.toml"  # a copy is the user's own pipeline: its paths are to be given
+    shutil.copy(template, copy)
+    assert main(["run", str(copy), "--out", str(tmp_path / "run")]) == 1
+    assert "placeholders" not in capsys.readouterr().err
+
+
 def test_a_missing_feature_path_is_refused_at_load(tmp_path):
     (tmp_path / "train").mkdir()
     (tmp_path / "train" / "labels.csv").write_text("slide,label\n")

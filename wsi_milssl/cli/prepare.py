@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import shlex
 from pathlib import Path
 
@@ -118,7 +119,25 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "positional arguments (or end its names with another option)")
 
 
+def _not_a_note(record: logging.LogRecord) -> bool:
+    """A filter of prepare's logger that drops the warnings of its notes: the command prints every note on stdout
+    as a ``note:`` line, which ``--log-file`` records too (review CS: each was shown twice)."""
+    from wsi_milssl.cohorts.write import NOTE_RECORD
+
+    return not getattr(record, NOTE_RECORD, False)
+
+
 def run(args: argparse.Namespace) -> int:
+    from wsi_milssl.cohorts import write
+
+    write.logger.addFilter(_not_a_note)
+    try:
+        return _run(args)
+    finally:
+        write.logger.removeFilter(_not_a_note)
+
+
+def _run(args: argparse.Namespace) -> int:
     from wsi_milssl.cohorts import prepare_camelyon16, prepare_folder
 
     if args.layout == "camelyon16":

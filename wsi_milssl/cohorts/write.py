@@ -23,6 +23,9 @@ from wsi_milssl.errors import ConfigError
 from wsi_milssl.hashing import file_sha256
 
 logger = logging.getLogger(__name__)
+#: The attribute set on the warning record of each note (:attr:`PreparedCohort.notes`): the command line, which
+#: prints the notes on stdout, keeps them off stderr with it.
+NOTE_RECORD = "prepare_note"
 
 
 @dataclass(frozen=True)
@@ -408,7 +411,7 @@ def _finish(out: Path, *, name: str, template: Path | None,
     if not keep and earlier.get("pipeline_new_sha256") and _file_sha256(new_toml) == earlier["pipeline_new_sha256"]:
         new_toml.unlink()  # prepare's own earlier pipeline.new.toml, unchanged: pipeline.toml is prepare's again
     for note in notes:
-        logger.warning("%s", note)
+        logger.warning("%s", note, extra={NOTE_RECORD: True})
     if split:
         logger.info("%s", split)
     return PreparedCohort(out, run_toml, written, summary_json, tuple(notes), tuple(excluded), split, ready)

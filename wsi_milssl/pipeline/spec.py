@@ -448,11 +448,26 @@ def _refuse_missing_paths(given: dict[str, tuple[Any, Path]], base: Path, where:
     missing += [f"[data].{key} = {value!r}: {path} is a {'folder' if path.is_dir() else 'file'}, not a "
                 f"{_PATH_KINDS[key.rsplit('_', 1)[1]]}" for key, (value, path) in given.items()
                 if path.exists() and _wrong_kind(key, path)]
+    if missing and _ready_made(base):
+        raise ConfigError(f"{where}: {'; '.join(missing)}. This is a ready-made pipeline whose [data] paths are "
+                          "placeholders. Fix: `wsi-milssl prepare camelyon16 ROOT --out DIR` (or `wsi-milssl prepare "
+                          "folder ...` for another cohort) writes DIR/pipeline.toml with these settings and the paths "
+                          "of your slides, labels and annotations; run that one.")
     if missing:
         raise ConfigError(f"{where}: {'; '.join(missing)} (relative [data] paths are resolved against the pipeline "
                           f"file's folder, {base}). Fix: give the path of an existing file or folder, absolute or "
                           f"relative to {base} (a pipeline file moved or copied without the files it names: move "
                           "them with it, or give absolute paths).")
+
+
+def _ready_made(folder: Path) -> bool:
+    """Whether ``folder`` is the ready-made pipelines' (``wsi_milssl/pipelines``, the checkout's ``pipelines/``)."""
+    from importlib.resources import files
+
+    try:
+        return folder.resolve() == Path(str(files("wsi_milssl") / "pipelines")).resolve()
+    except (OSError, RuntimeError):
+        return False
 
 
 def _refuse_missing_weights(train: dict[str, Any], where: str) -> None:
