@@ -75,7 +75,7 @@ def test_evaluate_names_labelled_slides_without_predictions(synth_dir, annotatio
     args = ["evaluate", "--predictions", str(copy), "--annotations", str(annotations_dir), "--slides",
             str(synth_dir), "--labels", str(synth_dir / "labels.csv"), "--out", str(out)]
     assert main(args) == 0
-    assert "not evaluated: 1 labelled slides without predictions" in capsys.readouterr().out
+    assert "not evaluated: 1 labelled slide(s) without predictions" in capsys.readouterr().out
     assert json.loads((out / "metrics.json").read_text())["not_evaluated"] == [stem]
     assert f"are not evaluated: {stem}." in (out / "report.html").read_text()
 

@@ -221,6 +221,8 @@ def test_an_empty_store_is_left_out_so_a_run_without_positives_is_refused(tmp_pa
     instances = read_patch_stores([empty, *paths], read_labels_csv(both))
     assert instances.n_bags == 4 and "synth_000" not in instances.bag_names
     assert instances.store_paths == [str(p) for p in paths]
+    # review CS: errors about the whole set start with its source, which named the first store alone
+    assert instances.source == f"{paths[0]}, {paths[1]}, {paths[2]} and 1 more"
 
 
 # -- 6: an incomplete last.pt is one error line ----------------------------------------------------------------

@@ -137,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
     for key, reason in m["reasons"].items():
         print(f"  {key}: n/a ({reason})")
     if m["not_evaluated"]:
-        print(f"  not evaluated: {len(m['not_evaluated'])} labelled slides without predictions (metrics.json lists them)")
+        print(f"  not evaluated: {len(m['not_evaluated'])} labelled slide(s) without predictions (metrics.json lists "
+              "them)")
     files = m.get("not_evaluated_files") or []
     if files:
         print(f"  not evaluated: {len(files)} CSV files (of no labelled slide, or beside a slide's _detections.csv): "

@@ -23,7 +23,8 @@ def add_synth_options(parser: argparse.ArgumentParser, *, default_slides: int = 
                         help="level-0 slide size in pixels")
     parser.add_argument("--mpp", type=float, default=d.mpp, help="level-0 resolution in µm per pixel (0.25 = 40x)")
     parser.add_argument("--tumor-slide-fraction", type=float, default=d.tumor_slide_fraction,
-                        help="fraction of slides that carry tumour (rounded to a whole number of slides)")
+                        help="fraction of slides that carry tumour (rounded to the nearest whole number of slides, a "
+                             "half to the even one: 1 slide at 0.5 carries none, 3 carry 2)")
 
 
 def synth_config_from_args(args: argparse.Namespace, **overrides) -> SynthConfig:
@@ -83,5 +84,5 @@ def run(args: argparse.Namespace) -> int:
     with TqdmProgress() as progress:
         slides = generate_slides(config, args.out_dir, progress=progress)
     n_tumor = sum(s.label for s in slides)
-    print(f"wrote {len(slides)} slides ({n_tumor} tumour, {len(slides) - n_tumor} normal) to {args.out_dir}")
+    print(f"wrote {len(slides)} slide(s) ({n_tumor} tumour, {len(slides) - n_tumor} normal) to {args.out_dir}")
     return 0

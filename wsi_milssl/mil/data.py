@@ -401,7 +401,7 @@ def read_feature_files(paths: Iterable[str | os.PathLike], labels: dict[str, int
     return InstanceSet(kind="features", bag_ids=bag_ids[order], bag_names=names,
                        bag_labels=np.asarray(bag_labels, dtype=np.int64), instance_labels=inst,
                        features=features, bag_sources=sources, settings=settings,
-                       source=", ".join(str(p) for p in used[:3]), file_settings=file_settings)
+                       source=_several(used), file_settings=file_settings)
 
 
 def _gather_rows(parts: list[np.ndarray], order: np.ndarray) -> np.ndarray:
@@ -666,7 +666,14 @@ def read_patch_stores(paths: Iterable[str | os.PathLike], labels: dict[str, int]
                        instance_labels=np.concatenate(inst) if have_inst else None,
                        store_paths=[str(p) for p in used], bag_sources=sources,
                        local_index=np.concatenate(local),
-                       settings=settings or {}, source=str(used[0]))
+                       settings=settings or {}, source=_several(used))
+
+
+def _several(paths: list) -> str:
+    """An instance set's ``source`` (the start of its errors): its first three files, and how many more (review CS:
+    an error about the whole set named one store as if it were the cause)."""
+    shown = ", ".join(str(p) for p in paths[:3])
+    return shown + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
 
 
 def _unreadable_message(errors: list[str], n: int, what: str) -> str:
