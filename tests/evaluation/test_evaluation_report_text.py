@@ -41,3 +41,19 @@ def test_one_slide_counts_and_metric_names(synth_dir, annotations_dir, known_ann
     assert "bag AUC unavailable: the one slide is positive; AUC needs both classes." in page
     assert re.search(r"instance AUC unavailable: no patch probabilities [^<]* for the one slide ", page)
     assert "1 slides" not in page and "instance auc" not in page and "bag auc" not in page
+
+
+def test_the_model_line_says_what_the_training_summary_holds():
+    """Review CS: the training behind the model was only in the configuration dump at the end of the report."""
+    from wsi_milssl.evaluation.report import ReportData, model_line, render_report_html
+
+    training = {"model": "resnet18", "epochs": 6, "mu": 0.15, "mu_ramp_epochs": 5, "lam": 25.0,
+                "select_metric": "instance_auc", "run_folder": "/x", "best_epoch": 4,
+                "best_epoch_validation": {"val_bag_auc": 1.0, "val_instance_auc": 0.95124}}
+    line = model_line(training)
+    assert line == ("resnet18, 6 epochs, μ 0.15, T 5, λ 25; best.pt: epoch 4, chosen by instance_auc "
+                    "(validation bag AUC 1.000, validation instance AUC 0.951)")
+    assert model_line({"model": "mlp", "epochs": 20}) == "mlp, 20 epochs" and model_line({}) == ""
+    page = render_report_html(ReportData(title="t", metrics={}, model="a <b> & c"))
+    assert "<p><b>Model:</b> a &lt;b&gt; &amp; c</p>" in page
+    assert "<b>Model:</b>" not in render_report_html(ReportData(title="t", metrics={}))

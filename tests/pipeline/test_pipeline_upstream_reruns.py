@@ -276,6 +276,13 @@ def test_the_report_names_its_pipeline_its_training_and_the_few_cases_it_rests_o
     assert "<title>upstream: evaluation</title>" in report and "<h1>upstream: evaluation</h1>" in report
     assert "&quot;training&quot;" in report and "&quot;best_epoch&quot;" in report
     assert "&quot;select_metric&quot;: &quot;bag_auc&quot;" in report
+    # review CS: it stood only in the configuration dump at the end; a line under the title says it now
+    import re
+
+    model = re.search(r"<p><b>Model:</b> (.*?)</p>", report).group(1)
+    assert re.fullmatch(r"\w[\w-]*, \d+ epochs, μ [\d.]+, T \d+, λ [\d.]+; best\.pt: epoch \d+, chosen by bag_auc "
+                        r"\(validation bag AUC [\d.]+.*\)", model), model
+    assert report.index("<b>Model:</b>") < report.index("<h2>Metrics</h2>")
     assert "the bag AUC rests on 1 tumour and 1 normal slide(s): one slide ranked otherwise moves it by up to " \
            "1.00." in report
     # review BU: a run folder whose best.pt is no longer the one the heatmaps recorded (resumed, replaced) is not

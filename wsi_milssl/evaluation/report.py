@@ -33,7 +33,8 @@ class ReportData:
     (JSON-serialisable). ``notes``: lines shown under the metrics (e.g. why a metric is missing).
     ``thumbnail_px``: the longer side (CSS px) at which the per-slide images are shown (None: their own size);
     a larger image is shown at it and opens at its own size on a click. ``gallery_legend``: a line above the
-    per-slide images (the key of their symbols).
+    per-slide images (the key of their symbols). ``model``: one line under the title on the model behind the
+    predictions (its training run: :func:`model_line`), empty when unknown.
     """
 
     title: str
@@ -45,6 +46,31 @@ class ReportData:
     notes: Sequence[str] = ()
     thumbnail_px: int | None = None
     gallery_legend: str = ""
+    model: str = ""
+
+
+_VALIDATION_NAMES = {"val_bag_auc": "validation bag AUC", "val_instance_auc": "validation instance AUC",
+                     "val_bag_nll": "validation bag NLL"}
+
+
+def model_line(training: Mapping[str, Any]) -> str:
+    """The report's line on the model (review CS: the training run was only in the configuration dump at the end),
+    from the evaluation's training summary (``configuration["training"]``): e.g. ``resnet18, 6 epochs, μ 0.15, T 5,
+    λ 25; best.pt: epoch 4, chosen by bag_auc (validation bag AUC 1.00)``; empty for an empty summary."""
+    if not training:
+        return ""
+    names = {"epochs": "{} epochs", "mu": "μ {}", "mu_ramp_epochs": "T {}", "lam": "λ {}"}
+    parts = [str(training["model"])] if training.get("model") else []
+    parts += [form.format(f"{training[key]:g}" if isinstance(training[key], (int, float)) else training[key])
+              for key, form in names.items() if training.get(key) is not None]
+    line = ", ".join(parts)
+    if training.get("best_epoch") is not None:
+        chosen = f", chosen by {training['select_metric']}" if training.get("select_metric") else ""
+        scores = ", ".join(f"{_VALIDATION_NAMES.get(key, key)} "
+                           + (f"{value:.3f}" if isinstance(value, (int, float)) else str(value))
+                           for key, value in (training.get("best_epoch_validation") or {}).items())
+        line += f"; best.pt: epoch {training['best_epoch']}{chosen}" + (f" ({scores})" if scores else "")
+    return line
 
 
 def png_data_uri(png: bytes) -> str:
@@ -201,6 +227,7 @@ def render_report_html(data: ReportData) -> str:
         f"<title>{html.escape(data.title)}</title><style>{_CSS}</style></head><body>",
         f"<h1>{html.escape(data.title)}</h1>",
         f'<p class="muted">wsi-milssl {html.escape(__version__)} &middot; {stamp}</p>',
+        f"<p><b>Model:</b> {html.escape(data.model)}</p>" if data.model else "",
         "<h2>Metrics</h2>",
         _metrics_table(data.metrics),
         f"<ul>{notes}</ul>" if notes else "",

@@ -93,7 +93,7 @@ from wsi_milssl.evaluation.plots import (
     roc_png,
     thumbnail_png,
 )
-from wsi_milssl.evaluation.report import ReportData, write_report
+from wsi_milssl.evaluation.report import ReportData, model_line, write_report
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.labeling.stage import patch_labels
 from wsi_milssl.locks import folder_lock, folder_writer
@@ -1196,7 +1196,7 @@ def evaluate_predictions(
                   else "")
         data = ReportData(title=config.title, metrics=metrics, plots=plots, slide_rows=rows, thumbnails=thumbs,
                           configuration=configuration, notes=notes, thumbnail_px=config.thumbnail_px,
-                          gallery_legend=legend)
+                          gallery_legend=legend, model=model_line(configuration.get("training") or {}))
         paths["report"] = write_report(data, out_dir / names["report"])
         # last: a folder with metrics.json is a finished run's (:func:`_remove_earlier_run`)
         paths["metrics"] = atomic_write_json(out_dir / names["metrics"], metrics)
