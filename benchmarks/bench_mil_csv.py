@@ -50,7 +50,7 @@ from wsi_milssl.mil.data import read_mil_csv
 
 DATASETS = ("musk1", "musk2", "elephant", "ucsb_breast_cancer")
 TITLES = {"musk1": "MUSK1", "musk2": "MUSK2", "elephant": "ELEPHANT", "ucsb_breast_cancer": "UCSB breast cancer",
-          # development sets (README: "How the improved MIL-SSL was chosen")
+          # development sets (docs/benchmarks.md: "How the improved MIL-SSL was chosen")
           "birds_brown_creeper": "BIRDS brown creeper", "protein": "PROTEIN", "corel_dogs": "COREL dogs",
           "fox": "FOX", "tiger": "TIGER", "mutagenesis1": "MUTAGENESIS1"}
 #: the paper's table 5 (bag accuracy) and its AUCs in the text; UCSB is not in the paper

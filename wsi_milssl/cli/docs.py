@@ -19,6 +19,12 @@ PAGES = {
     "artifacts": "every file a stage writes for another: names, columns, units, formats",
     "method": "the method MIL-SSL and its formulas, with the paper's equation numbers",
     "cli": "every command's options, units and defaults (as --help prints them)",
+    "pipeline": "running pipelines: when stages run again, interruptions, moved folders, upgrades",
+    "cohorts": "prepare camelyon16 / prepare folder in detail: layouts, names, errors, notes",
+    "performance": "speed: the engine's design, benchmark scripts and every measurement",
+    "benchmarks": "MIL benchmarks in full: protocols, how the presets were chosen, ablations",
+    "reliability": "what holds on bad input, and the tests that keep it holding",
+    "scaling": "torchrun, several GPUs and machines, sharded slide stages: every rule",
 }
 
 
