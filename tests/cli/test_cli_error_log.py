@@ -141,7 +141,7 @@ def test_printed_results_reach_the_log_file(tmp_path, capsys):
                  str(log)]) == 0
     assert sys.stdout is stdout
     printed = capsys.readouterr().out.splitlines()
-    assert printed and printed[-1].startswith("wrote 1 slides")
+    assert printed and printed[-1].startswith("wrote 1 slide(s)")
     assert re.search(rf"^{STAMP} INFO wsi_milssl.stdout: {re.escape(printed[-1])}$", log.read_text(), re.M), \
         log.read_text()
 

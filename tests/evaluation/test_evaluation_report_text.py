@@ -54,6 +54,9 @@ def test_the_model_line_says_what_the_training_summary_holds():
     assert line == ("resnet18, 6 epochs, μ 0.15, T 5, λ 25; best.pt: epoch 4, chosen by instance_auc "
                     "(validation bag AUC 1.000, validation instance AUC 0.951)")
     assert model_line({"model": "mlp", "epochs": 20}) == "mlp, 20 epochs" and model_line({}) == ""
+    # review CT: a fixed μ has no ramp T to name; one epoch is not "1 epochs"
+    assert model_line({"model": "mlp", "epochs": 1, "mu": 0.8, "mu_ramp_epochs": 10, "fixed_mu": True,
+                       "lam": 25}) == "mlp, 1 epoch, μ 0.8 fixed, λ 25"
     page = render_report_html(ReportData(title="t", metrics={}, model="a <b> & c"))
     assert "<p><b>Model:</b> a &lt;b&gt; &amp; c</p>" in page
     assert "<b>Model:</b>" not in render_report_html(ReportData(title="t", metrics={}))

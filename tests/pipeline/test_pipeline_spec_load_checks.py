@@ -125,21 +125,29 @@ def test_run_with_a_wrong_data_path_stops_before_any_stage(prepared, tmp_path, c
     assert not out.exists()  # no stage ran
 
 
-@pytest.mark.parametrize("name", ["camelyon16", "camelyon16-features", "tcga-features"])
-def test_a_ready_made_template_run_as_it_is_points_at_prepare(tmp_path, capsys, name):
+@pytest.mark.parametrize("name, fix", [
+    ("camelyon16", "Fix: `wsi-milssl prepare camelyon16 ROOT --out DIR` finds"),
+    ("camelyon16-features", "Fix: `wsi-milssl prepare camelyon16 ROOT --out DIR --template {}` finds"),
+    ("tcga-features", "Fix: copy it and point its [data] at your feature files and labels")])
+def test_a_ready_made_pipeline_run_as_shipped_says_how_to_make_one_with_real_paths(tmp_path, capsys, name, fix):
     """Review CS: `run pipelines/camelyon16.toml --out RUN` (the README's table) failed on its placeholder paths with
-    a fix to edit them by hand; the template itself says to let prepare write them."""
+    a fix to edit them by hand; the template itself says to let prepare write them. Review CT: known by its bytes
+    (the image's /opt/wsi-milssl/pipelines is not the installed package's folder), with each one's own fix."""
     from importlib.resources import files
 
-    template = Path(str(files("wsi_milssl") / "pipelines" / f"{name}.toml"))
-    assert main(["run", str(template), "--out", str(tmp_path / "run")]) == 1
-    err = capsys.readouterr().err
-    assert "This is a ready-made pipeline whose [data] paths are placeholders. Fix: `wsi-milssl prepare camelyon16 " \
-           "ROOT --out DIR`" in err and "move them with it" not in err
-    copy = tmp_path / "mine.toml"  # a copy is the user's own pipeline: its paths are to be given
-    shutil.copy(template, copy)
+    shipped = Path(str(files("wsi_milssl") / "pipelines" / f"{name}.toml"))
+    copy = tmp_path / "pipelines" / f"{name}.toml"  # as a checkout's or the image's folder holds it
+    copy.parent.mkdir()
+    shutil.copy(shipped, copy)
+    for template in (shipped, copy):
+        assert main(["run", str(template), "--out", str(tmp_path / "run")]) == 1
+        err = capsys.readouterr().err
+        assert f"This is the ready-made pipeline {name!r} as shipped, whose [data] paths are placeholders. " \
+               + fix.format(template) in err and "move them with it" not in err
+    copy.write_text(copy.read_text().replace("[data]", "[data]  # mine", 1))  # the user's own now
     assert main(["run", str(copy), "--out", str(tmp_path / "run")]) == 1
-    assert "placeholders" not in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "ready-made" not in err and "move them with it" in err
 
 
 def test_a_missing_feature_path_is_refused_at_load(tmp_path):

@@ -71,7 +71,39 @@ def test_a_run_again_replaces_its_tree_and_a_foreign_or_unusable_one_is_refused(
     assert len(list(root.rglob("*.tif"))) == 4 and not (root / ".synth-work").exists()
     other = tmp_path / "other"
     (other / "training").mkdir(parents=True)
-    with pytest.raises(ConfigError, match=r"already holds training/, which synth did not write"):
+    with pytest.raises(ConfigError, match=r"already holds training, which synth --layout camelyon16 did not write"):
         write_camelyon16_tree(SynthConfig(n_slides=4, **SMALL), other)
-    with pytest.raises(ConfigError, match=r"needs a tumour and a normal training slide and a test slide; 2 slide"):
-        write_camelyon16_tree(SynthConfig(n_slides=2, **SMALL), tmp_path / "few")
+    flat = tmp_path / "flat"  # review CT: a flat synth's files beside the tree would be taken for the download's
+    generate_slides(SynthConfig(n_slides=1, **SMALL), flat)
+    with pytest.raises(ConfigError, match=r"already holds synth_000.tif, labels.csv, manifest.json, which synth"):
+        write_camelyon16_tree(SynthConfig(n_slides=4, **SMALL), flat)
+    for n, fraction in ((3, 0.5), (4, 0.25)):  # a set without one of the labels
+        with pytest.raises(ConfigError, match=r"needs tumour and normal slides in both sets; .*Fix: more slides"):
+            write_camelyon16_tree(SynthConfig(n_slides=n, tumor_slide_fraction=fraction, **SMALL), tmp_path / "few")
+    assert main(["synth", str(tmp_path / "few"), "--layout", "camelyon16", "--slides", "3"]) == 2
+
+
+def test_a_run_killed_while_it_removed_the_earlier_tree_is_still_its_own(tmp_path, monkeypatch):
+    """Review CT: the manifest went before the work folder that marks an unfinished tree was made, so a kill while
+    the earlier tree was being removed left a tree the next run refused as another's."""
+    import shutil
+
+    from wsi_milssl.synth import camelyon16
+
+    root = tmp_path / "c16"
+    write_camelyon16_tree(SynthConfig(n_slides=4, seed=0, **SMALL), root)
+
+    real_rmtree = shutil.rmtree
+
+    def killed(path, *args, **kwargs):
+        if path.name == "testing":
+            raise KeyboardInterrupt
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(camelyon16.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        write_camelyon16_tree(SynthConfig(n_slides=4, seed=1, **SMALL), root)
+    monkeypatch.setattr(camelyon16.shutil, "rmtree", real_rmtree)
+    assert not (root / MANIFEST_NAME).exists() and (root / "testing").exists()
+    write_camelyon16_tree(SynthConfig(n_slides=4, seed=1, **SMALL), root)
+    assert (root / MANIFEST_NAME).is_file()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 
 from wsi_milssl.config import SynthConfig
@@ -73,13 +74,16 @@ def run(args: argparse.Namespace) -> int:
     if args.layout == "camelyon16":
         from wsi_milssl.synth.camelyon16 import write_camelyon16_tree
 
-        with TqdmProgress() as progress:
-            records = write_camelyon16_tree(config, args.out_dir, progress=progress)["slides"]
+        try:
+            with TqdmProgress() as progress:
+                records = write_camelyon16_tree(config, args.out_dir, progress=progress)["slides"]
+        except ConfigError as exc:  # too few slides, a folder of other files: usage errors, exit code 2
+            raise OptionError(str(exc)) from None
         sets = {s: [r for r in records if r["set"] == s] for s in ("train", "test")}
-        print(f"wrote a CAMELYON16-shaped folder to {args.out_dir}: {len(sets['train'])} training slides "
-              f"({sum(r['label'] for r in sets['train'])} tumour) and {len(sets['test'])} test slides "
+        print(f"wrote a CAMELYON16-shaped folder to {args.out_dir}: {len(sets['train'])} training slide(s) "
+              f"({sum(r['label'] for r in sets['train'])} tumour) and {len(sets['test'])} test slide(s) "
               f"({sum(r['label'] for r in sets['test'])} tumour); next: wsi-milssl prepare camelyon16 "
-              f"{args.out_dir} --out DIR")
+              f"{shlex.quote(str(args.out_dir))} --out DIR")
         return 0
     with TqdmProgress() as progress:
         slides = generate_slides(config, args.out_dir, progress=progress)

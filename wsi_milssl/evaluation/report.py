@@ -56,11 +56,16 @@ _VALIDATION_NAMES = {"val_bag_auc": "validation bag AUC", "val_instance_auc": "v
 def model_line(training: Mapping[str, Any]) -> str:
     """The report's line on the model (review CS: the training run was only in the configuration dump at the end),
     from the evaluation's training summary (``configuration["training"]``): e.g. ``resnet18, 6 epochs, μ 0.15, T 5,
-    λ 25; best.pt: epoch 4, chosen by bag_auc (validation bag AUC 1.00)``; empty for an empty summary."""
+    λ 25; best.pt: epoch 4, chosen by bag_auc (validation bag AUC 1.000)`` (μ fixed from the first epoch: ``μ 0.8
+    fixed``, no T); empty for an empty summary."""
     if not training:
         return ""
-    names = {"epochs": "{} epochs", "mu": "μ {}", "mu_ramp_epochs": "T {}", "lam": "λ {}"}
+    epochs = training.get("epochs")
+    names = {"mu": "μ {} fixed" if training.get("fixed_mu") else "μ {}", "lam": "λ {}"}
+    if not training.get("fixed_mu"):
+        names = {"mu": names["mu"], "mu_ramp_epochs": "T {}", "lam": names["lam"]}
     parts = [str(training["model"])] if training.get("model") else []
+    parts += [f"{epochs} epoch{'' if epochs == 1 else 's'}"] if epochs is not None else []
     parts += [form.format(f"{training[key]:g}" if isinstance(training[key], (int, float)) else training[key])
               for key, form in names.items() if training.get(key) is not None]
     line = ", ".join(parts)

@@ -721,7 +721,7 @@ def _training_summary(checkpoint: Any, sha256: Any) -> dict[str, Any]:
         return {}
     if not isinstance(saved, dict):
         return {}
-    summary = {k: saved.get(k) for k in ("model", "epochs", "mu", "mu_ramp_epochs", "lam", "select_metric")
+    summary = {k: saved.get(k) for k in ("model", "epochs", "mu", "mu_ramp_epochs", "fixed_mu", "lam", "select_metric")
                if k in saved}
     summary["run_folder"] = str(folder)
     try:

@@ -400,7 +400,7 @@ def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None 
     if mode == "features":
         _refuse_grid_without_validation(sections["train"].get("grid"), val_fraction, at("train", "data"), "bags")
     if check_paths:
-        _refuse_missing_paths(given, base, at("data"))
+        _refuse_missing_paths(given, base, at("data"), source)
         _refuse_missing_weights(sections["train"], at("train"))
     spec = PipelineSpec(name=name, source=source, out_dir=out, sets=sets, val_fraction=val_fraction,
                         split_seed=split_seed, sections=sections, mode=mode, feature_stage=feature_stage,
@@ -438,21 +438,21 @@ def _wrong_kind(key: str, path: Path) -> bool:
     return (kind == "labels" and path.is_dir()) or (kind == "annotations" and not path.is_dir())
 
 
-def _refuse_missing_paths(given: dict[str, tuple[Any, Path]], base: Path, where: str) -> None:
+def _refuse_missing_paths(given: dict[str, tuple[Any, Path]], base: Path, where: str, pipeline_file: Path) -> None:
     """One ConfigError starting with ``where`` that names each [data] path that does not exist, or is a folder
     where a file is wanted or the reverse (:data:`_PATH_KINDS`): its key, its value and the path it resolved
     to (a relative one against ``base``, the pipeline file's folder), so that a wrong path stops a run before
-    any stage instead of when its stage is reached."""
+    any stage instead of when its stage is reached. A ready-made pipeline as shipped (``pipeline_file``), whose paths
+    are placeholders, gets the fix of making one with real paths (review CS)."""
     missing = [f"[data].{key} = {value!r}: {path} does not exist" for key, (value, path) in given.items()
                if not path.exists()]
     missing += [f"[data].{key} = {value!r}: {path} is a {'folder' if path.is_dir() else 'file'}, not a "
                 f"{_PATH_KINDS[key.rsplit('_', 1)[1]]}" for key, (value, path) in given.items()
                 if path.exists() and _wrong_kind(key, path)]
-    if missing and _ready_made(base):
-        raise ConfigError(f"{where}: {'; '.join(missing)}. This is a ready-made pipeline whose [data] paths are "
-                          "placeholders. Fix: `wsi-milssl prepare camelyon16 ROOT --out DIR` (or `wsi-milssl prepare "
-                          "folder ...` for another cohort) writes DIR/pipeline.toml with these settings and the paths "
-                          "of your slides, labels and annotations; run that one.")
+    template = _ready_made(pipeline_file) if missing else None
+    if template is not None:
+        raise ConfigError(f"{where}: {'; '.join(missing)}. This is the ready-made pipeline {template!r} as shipped, "
+                          f"whose [data] paths are placeholders. Fix: {_READY_MADE_FIXES[template].format(where)}")
     if missing:
         raise ConfigError(f"{where}: {'; '.join(missing)} (relative [data] paths are resolved against the pipeline "
                           f"file's folder, {base}). Fix: give the path of an existing file or folder, absolute or "
@@ -460,14 +460,29 @@ def _refuse_missing_paths(given: dict[str, tuple[Any, Path]], base: Path, where:
                           "them with it, or give absolute paths).")
 
 
-def _ready_made(folder: Path) -> bool:
-    """Whether ``folder`` is the ready-made pipelines' (``wsi_milssl/pipelines``, the checkout's ``pipelines/``)."""
+#: How to make a pipeline with real paths from each ready-made one whose [data] are placeholders ({} = its path).
+_READY_MADE_FIXES = {
+    "camelyon16": "`wsi-milssl prepare camelyon16 ROOT --out DIR` finds the slides, labels and annotations below the "
+                  "download ROOT and writes DIR/pipeline.toml with these settings and their paths; run that one.",
+    "camelyon16-features": "`wsi-milssl prepare camelyon16 ROOT --out DIR --template {}` finds the slides, labels "
+                           "and annotations below the download ROOT and writes DIR/pipeline.toml with these settings "
+                           "and their paths; run that one.",
+    "tcga-features": "copy it and point its [data] at your feature files and labels (its header says what each "
+                     "holds), then run the copy.",
+}
+
+
+def _ready_made(path: Path) -> str | None:
+    """The name of the ready-made pipeline (:data:`_READY_MADE_FIXES`) whose shipped bytes the file ``path`` holds
+    (installed in the package, in a checkout's or the image's ``pipelines/``, or copied unchanged), else None."""
     from importlib.resources import files
 
     try:
-        return folder.resolve() == Path(str(files("wsi_milssl") / "pipelines")).resolve()
-    except (OSError, RuntimeError):
-        return False
+        data = path.read_bytes()
+        return next((name for name in _READY_MADE_FIXES
+                     if (files("wsi_milssl") / "pipelines" / f"{name}.toml").read_bytes() == data), None)
+    except OSError:
+        return None
 
 
 def _refuse_missing_weights(train: dict[str, Any], where: str) -> None:

@@ -60,24 +60,30 @@ def write_camelyon16_tree(config: SynthConfig, out_dir: str | os.PathLike, *,
     out = Path(out_dir)
     names = camelyon16_names([bool(f) for f in tumour_flags(config)])
     kinds = [name.split("_")[0] for _, name in names]
-    if not {"tumor", "normal", "test"} <= set(kinds):
+    test_labels = [flag for (subset, _), flag in zip(names, tumour_flags(config)) if subset == "test"]
+    if not {"tumor", "normal"} <= set(kinds) or len(set(test_labels)) < 2:
         raise ConfigError(
-            f"{out}: a CAMELYON16 layout needs a tumour and a normal training slide and a test slide; "
-            f"{config.n_slides} slide(s) with tumor_slide_fraction {config.tumor_slide_fraction} give "
-            f"{kinds.count('tumor')} tumour, {kinds.count('normal')} normal training and {kinds.count('test')} "
-            "test slide(s). Fix: --slides 4 or more, with --tumor-slide-fraction between 0.25 and 0.75.")
+            f"{out}: a CAMELYON16 layout needs tumour and normal slides in both sets; {config.n_slides} slide(s) "
+            f"with tumor_slide_fraction {config.tumor_slide_fraction} give {kinds.count('tumor')} tumour and "
+            f"{kinds.count('normal')} normal training slide(s) and {sum(test_labels)} tumour and "
+            f"{len(test_labels) - sum(test_labels)} normal test slide(s). Fix: more slides of each label (--slides 8 "
+            "with the default --tumor-slide-fraction 0.5: 2 of each label per set, enough for prepare's pipeline "
+            "to hold out validation slides of both labels).")
     with folder_lock(out, named_by="OUT_DIR"):
-        manifest_path = out / MANIFEST_NAME
-        ours = manifest_path.is_file() or (out / _WORK).is_dir()
+        manifest_path, work = out / MANIFEST_NAME, out / _WORK
+        ours = manifest_path.is_file() or work.is_dir()
         taken = [name for name in ("training", "testing") if (out / name).exists()]
+        taken += sorted(p.name for p in out.glob("*.tif")) + [n for n in ("labels.csv", "manifest.json")
+                                                               if (out / n).exists()]  # a flat synth's
         if taken and not ours:
-            raise ConfigError(f"{out}: already holds {' and '.join(taken)}/, which synth did not write. "
-                              "Fix: give synth --layout camelyon16 an empty or new folder.")
-        manifest_path.unlink(missing_ok=True)  # from here on the tree is unfinished until the manifest is back
-        for name in ("training", "testing", _WORK):
+            raise ConfigError(f"{out}: already holds {', '.join(taken[:4])}{' ...' if len(taken) > 4 else ''}, "
+                              "which synth --layout camelyon16 did not write (prepare would take them for the "
+                              "download's). Fix: give it an empty or new folder.")
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir()  # the mark of this command's unfinished tree, before the manifest that marks a finished one goes
+        manifest_path.unlink(missing_ok=True)
+        for name in ("training", "testing"):
             shutil.rmtree(out / name, ignore_errors=True)
-        work = out / _WORK
-        work.mkdir()
         slides = _generate_slides(config, work, progress=progress)
         records, xml, reference = [], {"train": {}, "test": {}}, []
         for slide, (subset, name) in zip(slides, names):
