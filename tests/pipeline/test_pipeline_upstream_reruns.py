@@ -280,7 +280,7 @@ def test_the_report_names_its_pipeline_its_training_and_the_few_cases_it_rests_o
     import re
 
     model = re.search(r"<p><b>Model:</b> (.*?)</p>", report).group(1)
-    assert re.fullmatch(r"\w[\w-]*, \d+ epochs, μ [\d.]+, T \d+, λ [\d.]+; best\.pt: epoch \d+, chosen by bag_auc "
+    assert re.fullmatch(r"\w[\w-]*, \d+ epochs?, μ [\d.]+, T \d+, λ [\d.]+; best\.pt: epoch \d+, chosen by bag_auc "
                         r"\(validation bag AUC [\d.]+.*\)", model), model
     assert report.index("<b>Model:</b>") < report.index("<h2>Metrics</h2>")
     assert "the bag AUC rests on 1 tumour and 1 normal slide(s): one slide ranked otherwise moves it by up to " \
