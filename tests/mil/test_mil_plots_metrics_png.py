@@ -83,3 +83,23 @@ def test_series_differ_by_more_than_colour_and_best_pt_is_marked(mil_csv, mil_cs
         assert ax.get_ylabel()
         assert len({(line.get_marker(), line.get_linestyle()) for line in lines}) == len(lines)
     assert f"best.pt (epoch {history[-1]['best_epoch']})" in _panel_texts(fig, fig.axes[3])
+
+
+def test_a_plot_left_behind_by_a_kill_is_drawn_again_on_resume(mil_csv, mil_csv_val, tmp_path):
+    """Review CQ: a kill after the last epoch's checkpoints, while metrics.png was drawn, left the plot of an earlier
+    epoch (naming an earlier best.pt); a resume with nothing left to train kept it, and the pipeline's stamp with it."""
+    import os
+
+    from wsi_milssl.mil.plots import plot_training_metrics
+
+    out = tmp_path / "run"
+    history = _train(mil_csv, mil_csv_val, out, epochs=2)
+    plot_training_metrics(history, tmp_path / "full.png")
+    plot_training_metrics(history[:1], out / "metrics.png")  # the first epoch's plot, as the kill left it
+    last = (out / "last.pt").stat().st_mtime_ns
+    os.utime(out / "metrics.png", ns=(last - 10**9, last - 10**9))
+    assert main(["train", "--resume", str(out), "--threads", "1"]) == 0
+    assert (out / "metrics.png").read_bytes() == (tmp_path / "full.png").read_bytes()
+    drawn = (out / "metrics.png").stat().st_mtime_ns
+    assert main(["train", "--resume", str(out), "--threads", "1"]) == 0  # a plot newer than last.pt is kept
+    assert (out / "metrics.png").stat().st_mtime_ns == drawn

@@ -93,6 +93,20 @@ def _draw_metrics(out_dir: Path, history: list[dict[str, Any]]) -> None:
         log.warning("could not draw %s: %s", out_dir / "metrics.png", exc)
 
 
+def plot_behind(out_dir: Path) -> bool:
+    """Whether ``metrics.png`` is missing or older than ``last.pt``: drawn at an interval, or a kill while it was
+    drawn, after the epoch's checkpoints (review CQ: a finished run resumed with nothing to train kept a plot of
+    an earlier epoch, naming an earlier best.pt)."""
+    try:
+        last = (out_dir / "last.pt").stat().st_mtime_ns
+    except OSError:
+        return False
+    try:
+        return (out_dir / "metrics.png").stat().st_mtime_ns < last
+    except OSError:
+        return True
+
+
 def _check_best(out: Path, last: dict[str, Any], best_epoch: int | None) -> None:
     """On resume: make ``best.pt`` the epoch ``last.pt`` names as best where it can (runs of earlier
     versions wrote last.pt first, so a kill between the two saves left best.pt stale or missing): the

@@ -51,7 +51,7 @@ from wsi_milssl.mil.ranks import (_check_shareable, _combine_ranks, _peer_guard,
                                   _saved_by_rank0, _warn_other_world_size)
 from wsi_milssl.mil.run_folder import (PLOT_INTERVAL_S, _check_best, _clear_earlier_run, _data_fingerprint,
                                        _draw_metrics, _json_default, _read_history, _resume_checkpoint, _save_failed,
-                                       _write_metrics, best_checkpoint, data_digest, existing_run_error)
+                                       _write_metrics, best_checkpoint, data_digest, existing_run_error, plot_behind)
 from wsi_milssl.mil.scores import _check_selectable, auc_or_none, bag_metrics, bag_scores, selection_score
 from wsi_milssl.mil.sinkhorn import adaptive_mu, assign_pseudo_labels
 
@@ -790,6 +790,8 @@ def _restore_run(ckpt: dict[str, Any], out: Path, *, model: torch.nn.Module, opt
     if dist.is_main:
         _check_best(out, ckpt, best_epoch)
         _warn_other_world_size(out / "last.pt", ckpt, config, dist, start_epoch)
+        if config.plots and plot_behind(out):
+            _draw_metrics(out, history)
     log.info("resumed %s at epoch %d (step %d)", out / "last.pt", start_epoch, step)
     return start_epoch, step, state, best_score, best_epoch, history
 
