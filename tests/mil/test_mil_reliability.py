@@ -153,6 +153,17 @@ def test_resuming_a_run_another_process_holds_names_waiting_as_the_fix(tmp_path,
     err = captured.err
     assert f"another wsi-milssl run (pid {holder.pid}" in err and err.rstrip().endswith("Fix: wait until it finishes."), err
     assert "training" not in captured.out  # refused before the inputs are read and the start line (review BJ)
+    # review CQ: a live run in its first epoch has no last.pt yet; that is no run "that never finished an epoch"
+    live = tmp_path / "live"
+    live.mkdir()
+    (live / "config.json").write_text((run / "config.json").read_text())
+    holder = hold_lock(live)
+    try:
+        assert main(["train", "--resume", str(live), "--threads", "1", "--no-plots"]) == 1
+    finally:
+        release(holder)
+    err = capsys.readouterr().err
+    assert f"another wsi-milssl run (pid {holder.pid}" in err and "never finished an epoch" not in err, err
 
 
 def test_a_diverged_training_stops_with_one_error_and_saves_no_non_finite_weights(tmp_path, capsys, mil_csv):

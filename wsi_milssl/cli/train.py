@@ -441,6 +441,10 @@ def _set_up(args: argparse.Namespace):
         if given:
             raise ConfigError(f"--resume {args.resume} continues the run with the inputs it saved; {', '.join(given)} "
                               "would be ignored. Fix: drop them, or start a new run (a new --out) with them.")
+        if Path(args.resume).is_dir():  # a live run's folder lacks last.pt in its first epoch (review CQ): said first
+            from wsi_milssl.locks import refuse_written_folder
+
+            refuse_written_folder(args.resume)
         out, base, input_mode, inputs, labels, val_inputs, val_labels = _resume_setup(args)
     else:
         if not args.inputs:
