@@ -151,6 +151,10 @@ def test_printed_results_reach_the_log_file(tmp_path, capsys):
     # review BZ: the same command with --force (--overwrite) starts that work over instead of continuing it
     ("tile", "['tile', 'x', '--out', 'o', '--overwrite']",
      "run the same command again without --overwrite to continue (with it, that work starts over)"),
+    # review CQ: train named a placeholder RUN instead of its own run folder
+    ("train", "['train', 'x.csv', '--out', 'my run']",
+     "run `wsi-milssl train --resume 'my run'` to continue from the last finished epoch"),
+    ("train", "['train', '--resume', 'r1']", "run `wsi-milssl train --resume r1` to continue from the last finished epoch"),
 ])
 def test_sigterm_is_said_on_stderr_and_in_the_log_file(tmp_path, module, argv, again):
     """Review BS, C2: a SIGTERM (a scheduler's time limit, ``docker stop``) ended the log without a word. The

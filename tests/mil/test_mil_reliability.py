@@ -63,7 +63,7 @@ def test_a_checkpoint_that_fails_later_says_how_to_resume(tmp_path, capsys, monk
     assert err.endswith(
         f"Fix: free disk space where {run} lives (`df -h {run}`), or write to another folder, and re-run. The run "
         f"folder {run} keeps the checkpoint of epoch 1 (last.pt): once there is space, continue with "
-        f"`wsi-milssl train --resume {run}`.\n"), err
+        f"`wsi-milssl train --resume {run}` (in a pipeline: run it again).\n"), err
     monkeypatch.undo()
     assert main(["train", "--resume", str(run), "--epochs", "2", "--threads", "1", "--no-plots"]) == 0
 

@@ -23,6 +23,7 @@ import argparse
 import importlib
 import logging
 import os
+import shlex
 import signal
 import sys
 import time
@@ -268,7 +269,8 @@ def _main(argv: list[str] | None) -> int:
     except WsiMilsslError as exc:
         print(f"{tag}error: {exc}", file=sys.stderr)
         return 2
-    stdout, on_sigterm = sys.stdout, _say_when_terminated(args.command, _restarts(args))
+    run_dir = getattr(args, "resume", None) or getattr(args, "out", None) if args.command == "train" else None
+    stdout, on_sigterm = sys.stdout, _say_when_terminated(args.command, _restarts(args), run_dir=run_dir)
     if _LOG_FILE_HANDLER is not None:
         sys.stdout = _StdoutCopy(stdout, _LOG_FILE_HANDLER)
     try:
@@ -354,7 +356,7 @@ def _restarts(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _say_when_terminated(command: str, restarts: str | None = None):
+def _say_when_terminated(command: str, restarts: str | None = None, *, run_dir: Path | None = None):
     """On SIGTERM (a scheduler's time limit, ``docker stop``, ``kill``): say so on stderr and in the
     ``--log-file``, then end as the signal does (exit status 143), so that a batch run's log does not just stop.
     Returns the handler it replaced (for :func:`main` to put back), or None when it installs none: under torchrun
@@ -368,7 +370,9 @@ def _say_when_terminated(command: str, restarts: str | None = None):
 
     def terminated(signum, frame) -> None:
         if os.getpid() == pid:
-            again = ("run `wsi-milssl train --resume RUN` to continue from the last finished epoch" if command == "train"
+            resume = shlex.quote(str(run_dir)) if run_dir is not None else "RUN"
+            again = (f"run `wsi-milssl train --resume {resume}` to continue from the last finished epoch"
+                     if command == "train"
                      else f"run the same command again without {restarts} to continue (with it, that work starts "
                           "over)" if restarts else "run the same command again to continue")
             message = (f"stopped by SIGTERM (a scheduler's time limit, `docker stop` or `kill`); what finished is "

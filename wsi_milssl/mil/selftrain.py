@@ -716,7 +716,8 @@ def _warn_mu_not_reached(config: TrainConfig, *, resume: bool = False) -> None:
     last = adaptive_mu(config.epochs - 1, mu=config.mu, ramp_epochs=config.mu_ramp_epochs)
     if resume:
         fix = (f"resume with --epochs {config.mu_ramp_epochs + 1} or more (T and --fixed-mu are the run's own "
-               "settings, which a resume keeps)")
+               "settings, which a resume keeps; in a pipeline: train.epochs, train.mu_ramp_epochs or train.fixed_mu, "
+               "which train a new run)")
     else:
         ramp = f"{config.epochs - 1} or less" if config.epochs > 1 else "0 (no ramp)"
         fix = (f"--mu-ramp-epochs {ramp} (μ in the last epoch), more --epochs, or --fixed-mu (in a pipeline: "
