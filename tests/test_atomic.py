@@ -63,10 +63,17 @@ def test_stale_temporaries_of_dead_processes_are_removed_others_kept(tmp_path):
     unrelated = [tmp_path / ".hidden", tmp_path / f".a.{dead}.tmp", tmp_path / "last.pt"]
     for p in unrelated:
         p.write_bytes(b"keep")
+    # review CQ: tile's qc/ images are written under the folder's lock too; other subfolders are not cleaned
+    (tmp_path / "qc").mkdir()
+    stale_qc = tmp_path / "qc" / f".s.png.{dead}.0123abcd.tmp"
+    stale_qc.write_bytes(b"q")
+    (tmp_path / "other").mkdir()
+    elsewhere = tmp_path / "other" / f".s.png.{dead}.0123abcd.tmp"
+    elsewhere.write_bytes(b"q")
     removed = clean_stale_temporaries(tmp_path)
-    assert sorted(removed) == sorted([stale_file, stale_store])
-    assert not stale_file.exists() and not stale_store.exists()
-    assert live.exists() and parent.exists() and all(p.exists() for p in unrelated)
+    assert sorted(removed) == sorted([stale_file, stale_store, stale_qc])
+    assert not stale_file.exists() and not stale_store.exists() and not stale_qc.exists()
+    assert live.exists() and parent.exists() and all(p.exists() for p in unrelated) and elsewhere.exists()
 
 
 def test_kill_9_mid_write_leaves_a_temporary_that_the_next_locked_run_removes(tmp_path):

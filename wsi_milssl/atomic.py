@@ -96,9 +96,23 @@ def clean_stale_temporaries(folder: str | os.PathLike) -> list[Path]:
 
     Call it only while holding the folder's lock (:func:`wsi_milssl.locks.folder_lock` does): every
     writer into the folder then either holds the lock (this process) or is gone. Temporaries of a
-    process that still runs are kept (a reused process id only delays the clean-up). Not recursive.
+    process that still runs are kept (a reused process id only delays the clean-up). Not recursive, but for the
+    subfolders :data:`LOCKED_SUBFOLDERS` that a stage writes under its folder's lock (review CQ: ``qc/``).
     """
     folder = Path(folder)
+    removed: list[Path] = []
+    for name in LOCKED_SUBFOLDERS:
+        if (folder / name).is_dir() and not (folder / name).is_symlink():
+            removed += _clean_stale_temporaries_here(folder / name)
+    return removed + _clean_stale_temporaries_here(folder)
+
+
+#: Subfolders written only by the run that holds their parent folder's lock (tile's quality-control images).
+LOCKED_SUBFOLDERS = ("qc",)
+
+
+def _clean_stale_temporaries_here(folder: Path) -> list[Path]:
+    """:func:`clean_stale_temporaries` of ``folder`` itself (no subfolder)."""
     removed: list[Path] = []
     try:
         entries = list(os.scandir(folder))
