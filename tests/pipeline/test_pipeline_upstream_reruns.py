@@ -146,6 +146,26 @@ def test_a_run_killed_between_two_stages_leaves_the_later_stages_out_of_date(out
         assert s.has("instance_label")
 
 
+def test_a_train_stage_that_continued_a_stopped_run_says_so(out, monkeypatch):
+    """Review CQ: a train stage that went on from the last.pt of a run killed inside it said only why it ran
+    ("first run (no stamp)"), as if it had trained from epoch 1. (Here fit is made to write last.pt again, as a
+    continued run does, in place of a kill inside an epoch.)"""
+    from wsi_milssl.mil import selftrain
+
+    real = selftrain.fit
+
+    def continued(*args, **kwargs):
+        result = real(*args, **kwargs)
+        last = kwargs["out_dir"] / "last.pt"
+        last.write_bytes(last.read_bytes())  # a newer last.pt: epochs were trained after the resume
+        return result
+
+    monkeypatch.setattr(selftrain, "fit", continued)
+    spec = load_pipeline(out.parent / "upstream.toml", out_dir=out, overrides=["label.write_masks=false"])
+    ran = {o.stage: o for o in run_pipeline(spec)}
+    assert ran["train"].summary.endswith(", continued from the last.pt of a run stopped before"), ran["train"].summary
+
+
 @pytest.mark.parametrize("setting", ["label.write_masks=false", "label.mask_downsample=16"])
 def test_label_mask_settings_do_not_train_again(out, setting):
     """Review Z, 2: they change the mask PNGs only, yet the model was renamed aside and trained again. Review BS:

@@ -388,8 +388,10 @@ def _fit_runs(ctx: StageContext, runs: list[dict], configs: list, *, train, val,
         result = fit(train, config=config, out_dir=ctx.model_dir, val=val, run_info=run_info, resume=resume,
                      progress=ctx.progress)
         kept = before is not None and last.is_file() and last.stat().st_mtime_ns == before
-        # review BS: the line read as if it had trained
-        return result.best_epoch, ", the finished run of these settings kept (no epoch trained)" if kept else ""
+        # review BS: the line read as if it had trained; review CQ: and as if a continued run had started over
+        return result.best_epoch, (", the finished run of these settings kept (no epoch trained)" if kept else
+                                   ", continued from the last.pt of a run stopped before" if before is not None
+                                   else "")
     keep_grid_parent(ctx.model_dir)
     points = []
     for overrides, config in zip(runs, configs):
