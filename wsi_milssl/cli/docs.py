@@ -43,7 +43,7 @@ def register(subparsers) -> None:
         help=SUMMARY,
         description="Print a documentation page installed with the package (Markdown; pipe it to `less`).\n"
         "Without PAGE, list the pages and where they are installed. Pages:\n"
-        + "".join(f"  {name:<10} {what}\n" for name, what in PAGES.items()),
+        + "".join(f"  {name:<{max(map(len, PAGES))}} {what}\n" for name, what in PAGES.items()),
         formatter_class=HelpFormatter,
     )
     p.add_argument("page", nargs="?", choices=sorted(PAGES), metavar="PAGE",
@@ -62,8 +62,9 @@ def run(args: argparse.Namespace) -> int:
             f"{page_file(missing[0])}: documentation page not installed with this copy of wsi-milssl; "
             "reinstall the package (pip install --force-reinstall wsi-milssl) or read docs/ of its repository")
     if args.page is None:
+        width = max(map(len, PAGES))
         for name, what in PAGES.items():
-            print(f"{name:<10} {what}\n{'':<10} {page_file(name)}")
+            print(f"{name:<{width}} {what}\n{'':<{width}} {page_file(name)}")
         return 0
     if args.path:
         print(page_file(args.page))
