@@ -150,6 +150,28 @@ def test_tissue_pieces_gridded_from_corners_a_small_step_apart_are_refused_witho
         assert (layout.stride_lv0, layout.patch_size_lv0) == (256, 256), name
 
 
+def test_pieces_on_offset_grids_whose_patches_overlap_are_mapped_with_a_warning(tmp_path, caplog):
+    """Review CW, A1: two CLAM tissue pieces of 512-px patches gridded from corners half a patch apart, their patches
+    overlapping near the join, look like one piece with gaps on a 256-px grid (review BU): the map took 256-px
+    patches without a word. The positions alone cannot tell the two apart; the choice is now said, with the fix."""
+    import logging
+
+    ys, xs = np.mgrid[0:3, 0:4]
+    first = np.stack([xs.ravel() * 512, ys.ravel() * 512], axis=1)
+    ys, xs = np.mgrid[0:2, 0:3]
+    second = np.stack([1792 + xs.ravel() * 512, 256 + ys.ravel() * 512], axis=1)
+    coords = np.concatenate([first, second])
+    feats = np.zeros((len(coords), 8), np.float32)
+    with caplog.at_level(logging.WARNING, logger="wsi_milssl.features.schema"):
+        layout = read_feature_file(write_clam_features(tmp_path / "p", "pieces", feats, coords)).grid_layout(
+            slide_mpp=0.5)
+    assert (layout.stride_lv0, layout.patch_size_lv0) == (256, 256)
+    assert "pieces.h5: neighbouring patches of a row lie 512 level-0 px apart, but their positions line up on a " \
+           "grid of 256 px and the file records no patch size: the map takes 256-px patches" in caplog.text
+    assert "record the patch size on coords" in caplog.text
+    assert any("chosen over the row step 512 px" in n for n in layout.notes)
+
+
 def test_train_on_clam_s_job_folder_names_its_feature_folder(tmp_path, capsys):
     """Review BP, B2: `train CLAM_DIR` (h5_files/ and pt_files/ inside) said "no patch stores found ... run
     `wsi-milssl tile` first"; it names the folder of feature files to pass."""

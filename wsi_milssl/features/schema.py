@@ -31,6 +31,7 @@ attributes) and files with a ``bag_ids`` dataset holding several bags (the MIL C
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -40,6 +41,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from wsi_milssl.errors import StoreError
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "FEATURE_FILE_SUFFIXES",
@@ -513,7 +516,19 @@ class FeatureFile:
                          "(the file records none; the head's patches are of this size)")
         if patch_lv0 is None:
             row_step = _row_step(coords)
-            if row_step is not None and row_step > stride and not overlap and not _would_overlap(coords, row_step, stride):
+            ambiguous = row_step is not None and row_step > stride and not overlap
+            if ambiguous and _would_overlap(coords, row_step, stride):
+                # review BU: one piece with gaps, whose patches of the row's step would overlap, so the step is the
+                # patch; review CW: or pieces gridded from their own corners whose patches do overlap: the positions
+                # alone cannot tell the two apart, so the map's choice is said
+                log.warning("%s: neighbouring patches of a row lie %d level-0 px apart, but their positions line up "
+                            "on a grid of %d px and the file records no patch size: the map takes %d-px patches (as "
+                            "for one tissue piece with gaps). If the patches are %d px (tissue pieces gridded from "
+                            "their own corners, as CLAM does, whose patches overlap), record the patch size on coords "
+                            "(CLAM's patch_size, patch_level and downsample, or TRIDENT's patch_size_level0).",
+                            self.path, row_step, stride, stride, row_step)
+                notes.append(f"patch size {stride} px chosen over the row step {row_step} px (the file records none)")
+            elif ambiguous:
                 # review BP: CLAM grids each tissue piece from its own corner; where the corners differ by a
                 # multiple of a small step, the pieces lie on that finer grid and the map was drawn with patches
                 # of its size, without a word
