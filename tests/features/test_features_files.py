@@ -181,10 +181,48 @@ def test_train_on_clam_s_job_folder_names_its_feature_folder(tmp_path, capsys):
     (tmp_path / "clam" / "pt_files").mkdir()
     labels = tmp_path / "labels.csv"
     labels.write_text("slide,label\ns1,1\n")
+    said = (f"no patch stores or feature files directly in {tmp_path / 'clam'}, but {tmp_path / 'clam' / 'h5_files'} "
+            "holds 1 feature file(s). Fix: pass that folder")
     assert main(["train", str(tmp_path / "clam"), "--labels", str(labels), "--out", str(tmp_path / "run")]) == 1
-    err = capsys.readouterr().err
-    assert (f"no patch stores or feature files in the given paths, but {tmp_path / 'clam' / 'h5_files'} holds 1 "
-            "feature file(s). Fix: pass that folder") in err
+    assert said in capsys.readouterr().err
+    # review CW: with a feature model the same (it was told to use resnet18 for images)
+    assert main(["train", str(tmp_path / "clam"), "--labels", str(labels), "--model", "mlp",
+                 "--out", str(tmp_path / "run")]) == 1
+    assert said in capsys.readouterr().err
+    # CLAM's pt_files/ itself: its .pt files are not read, the h5_files/ beside it are
+    torch_file = tmp_path / "clam" / "pt_files" / "s1.pt"
+    torch_file.write_bytes(b"not read")
+    assert main(["train", str(tmp_path / "clam" / "pt_files"), "--labels", str(labels), "--out",
+                 str(tmp_path / "run")]) == 1
+    assert "holds .pt files (CLAM's pt_files/), which are not read. Fix: pass the h5_files/ folder beside it" \
+        in capsys.readouterr().err
+
+
+def test_a_trident_job_folder_names_its_patch_feature_folder_alone(tmp_path, capsys):
+    """Review CW: TRIDENT's job folder holds its patch features two levels down (<mag>x_<size>px_<overlap>px_overlap/
+    features_<encoder>/), beside patches/ (coordinates) and slide_features_<encoder>/ (one vector per slide): train
+    said to tile, and one level down every .h5 folder was named as one to pass; heatmap --features said nothing."""
+    job = tmp_path / "trident"
+    run = job / "20x_256px_0px_overlap"
+    coords = np.arange(8).reshape(4, 2) * 512
+    write_trident_features(run / "features_conch_v15", "s1", np.zeros((4, 8), np.float32), coords, patch_size=256,
+                           src_mag=40, dst_mag=20, width=4096, height=4096)
+    (run / "patches").mkdir()
+    with h5py.File(run / "patches" / "s1_patches.h5", "w") as fh:
+        fh["coords"] = coords
+    (run / "slide_features_titan").mkdir()
+    with h5py.File(run / "slide_features_titan" / "s1.h5", "w") as fh:
+        fh["features"] = np.zeros(8, np.float32)
+    labels = tmp_path / "labels.csv"
+    labels.write_text("slide,label\ns1,1\n")
+    for given in (job, run):
+        assert main(["train", str(given), "--labels", str(labels), "--out", str(tmp_path / "out")]) == 1
+        err = capsys.readouterr().err
+        assert f"but {run / 'features_conch_v15'} holds 1 feature file(s). Fix: pass that folder" in err, err
+        assert "patches holds" not in err and "slide_features_titan holds" not in err
+    assert main(["heatmap", "--features", str(job), "--model", str(tmp_path / "none.pt"), "--out",
+                 str(tmp_path / "maps")]) != 0
+    assert f"{run / 'features_conch_v15'} holds 1 feature file(s)" in capsys.readouterr().err
 
 
 def test_features_saved_as_a_batch_of_one_slide_are_read(tmp_path):

@@ -159,6 +159,15 @@ def detect_mode(inputs: list[Path]) -> str:
         except OSError:
             continue
         return "features" if is_feature_file(path) else "images"
+    if not h5:  # a CLAM or TRIDENT job folder: said before a feature model is refused for images (review CW)
+        from wsi_milssl.errors import ConfigError
+        from wsi_milssl.mil.data import nested_feature_folders
+
+        folders = [p for p in inputs if p.is_dir()]
+        hint = nested_feature_folders(folders) if folders else ""
+        if hint:
+            raise ConfigError(f"no patch stores or feature files directly in {', '.join(map(str, folders[:3]))}, but "
+                              f"{hint}")
     return "images"
 
 

@@ -147,8 +147,12 @@ def find_feature_files(paths: Sequence[str | os.PathLike]) -> list[Path]:
         else:
             out.append(p)
     if not out:
-        raise ConfigError(f"no feature files (.h5) in {', '.join(str(p) for p in paths)}. Fix: run `wsi-milssl "
-                          "features` first, or pass TRIDENT/CLAM feature files.")
+        from wsi_milssl.mil.data import nested_feature_folders
+
+        nested = nested_feature_folders([Path(raw).expanduser() for raw in path_list(paths)])
+        raise ConfigError(f"no feature files (.h5) in {', '.join(str(p) for p in paths)}"
+                          + (f", but {nested}" if nested else ". Fix: run `wsi-milssl features` first, or pass "
+                             "TRIDENT/CLAM feature files."))
     return out
 
 

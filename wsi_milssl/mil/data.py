@@ -550,25 +550,61 @@ def _feature_bags_of_training_rows(train: InstanceSet, val: InstanceSet) -> set[
     return {val.bag_names[b] for b, d in digests(val, val_counts).items() if d in trained}
 
 
-def _nested_feature_folders(paths) -> str:
-    """"FOLDER/h5_files holds N feature file(s). Fix: pass that folder ..." for the given folders whose sub-folders
-    hold feature files (CLAM writes h5_files/ and pt_files/, TRIDENT features_<encoder>/ in its job folder; review
-    BP: the error only said to tile); "" when none does."""
+def nested_feature_folders(paths) -> str:
+    """"FOLDER/h5_files holds N feature file(s). Fix: pass that folder ..." for the given folders whose sub-folders,
+    or theirs, hold files of patch features (CLAM writes h5_files/ and pt_files/, TRIDENT
+    <mag>x_<size>px_<overlap>px_overlap/features_<encoder>/ in its job folder; review BP: the error only said to tile;
+    review CW: TRIDENT's job folder is two levels up, and its patches/ and slide_features_*/ hold no patch features),
+    or that hold CLAM's .pt files; "" when none does."""
     from wsi_milssl.features.schema import feature_files_in
 
-    found = []
+    found, pt = [], []
+
+    def visit(folder: Path, depth: int) -> None:
+        try:
+            subs = sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")
+                          and p.suffix.lower() != ".zarr")
+        except OSError:
+            return
+        for sub in subs:
+            try:
+                files = feature_files_in(sub)
+            except OSError:
+                continue
+            if files and _holds_patch_features(files[0]):
+                found.append(f"{sub} holds {len(files)} feature file(s)")
+            elif depth < 2:
+                visit(sub, depth + 1)
+
     for path in paths if isinstance(paths, (list, tuple)) else [paths]:
         folder = Path(path)
         if not folder.is_dir():
             continue
-        for sub in sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")):
-            n = len(feature_files_in(sub))
-            if n:
-                found.append(f"{sub} holds {n} feature file(s)")
-    if not found:
-        return ""
-    return (f"{'; '.join(found[:3])}. Fix: pass that folder (CLAM's h5_files/, TRIDENT's features_<encoder>/; the "
-            ".pt files of CLAM's pt_files/ are not read).")
+        try:
+            if any(q.suffix == ".pt" for q in folder.iterdir()):
+                pt.append(str(folder))
+        except OSError:
+            continue
+        visit(folder, 1)
+    if found:
+        return (f"{'; '.join(found[:3])}. Fix: pass that folder (CLAM's h5_files/, TRIDENT's features_<encoder>/; the "
+                ".pt files of CLAM's pt_files/ are not read).")
+    if pt:
+        return (f"{', '.join(pt[:3])} holds .pt files (CLAM's pt_files/), which are not read. Fix: pass the h5_files/ "
+                "folder beside it, whose .h5 files hold the same features and their coordinates.")
+    return ""
+
+
+def _holds_patch_features(path: Path) -> bool:
+    """Whether ``path`` is a feature file of patches (``features`` of 2 or more dimensions, no ``patches``): not
+    TRIDENT's coordinate files (patches/) or its slide embeddings (slide_features_*/, one vector)."""
+    import h5py
+
+    try:
+        with h5py.File(path, "r") as fh:
+            return "patches" not in fh and "features" in fh and fh["features"].ndim >= 2
+    except (OSError, KeyError, TypeError):
+        return False
 
 
 def read_patch_stores(paths: Iterable[str | os.PathLike], labels: dict[str, int], *,
@@ -592,7 +628,7 @@ def read_patch_stores(paths: Iterable[str | os.PathLike], labels: dict[str, int]
 
     store_paths = find_stores(path_list(paths))
     if not store_paths:
-        nested = _nested_feature_folders(paths)
+        nested = nested_feature_folders(paths)
         raise StoreError(f"no patch stores or feature files in the given paths, but {nested}" if nested else
                          "no patch stores found in the given paths; run `wsi-milssl tile` first.")
     names, sources, bag_labels, ids, local, inst, used = [], [], [], [], [], [], []
