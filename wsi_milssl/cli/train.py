@@ -163,8 +163,10 @@ def detect_mode(inputs: list[Path]) -> str:
         from wsi_milssl.errors import ConfigError
         from wsi_milssl.mil.data import nested_feature_folders
 
+        from wsi_milssl.store import find_stores
+
         folders = [p for p in inputs if p.is_dir()]
-        hint = nested_feature_folders(folders) if folders else ""
+        hint = nested_feature_folders(folders) if folders and not find_stores(folders) else ""
         if hint:
             raise ConfigError(f"no patch stores or feature files directly in {', '.join(map(str, folders[:3]))}, but "
                               f"{hint}")
