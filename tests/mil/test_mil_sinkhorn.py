@@ -172,7 +172,8 @@ def test_numpy_scalars_are_accepted_like_python_numbers():
     q = assign_pseudo_labels(probs, bags, mu=mu, lam=np.float32(25.0), max_iter=np.int64(100), tol=np.float32(1e-6))
     ref = assign_pseudo_labels(probs, bags, mu=float(mu), lam=25.0, max_iter=100, tol=float(np.float32(1e-6)))
     np.testing.assert_array_equal(q, ref)
-    cfg = TrainConfig(mu=mu, lam=np.float32(25.0), lr=np.float32(0.01), dropout=np.float64(0.25),
+    cfg = TrainConfig(mode="features", model="mlp", mu=mu, lam=np.float32(25.0), lr=np.float32(0.01),
+                      dropout=np.float64(0.25),
                       epochs=np.int64(3), hidden_dims=(np.int32(8),), sinkhorn_max_iter=np.int16(50),
                       sinkhorn_tol=np.float32(1e-6))
     assert type(cfg.mu) is float and cfg.mu == float(mu) and type(cfg.lam) is float and type(cfg.lr) is float
@@ -261,3 +262,16 @@ def test_torch_tensors_of_any_float_type_are_accepted():
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         got = assign_pseudo_labels(torch.tensor(p, dtype=dtype), np.array([0, 0, 1, 1]), mu=0.5)
         assert np.allclose(got, expected, atol=1e-2), dtype
+
+
+@pytest.mark.parametrize("model, changes", [("resnet18", {"dropout": 0.2}), ("linear", {"hidden_dims": (64,)}),
+                                            ("resnet18", {"dropout": 0.0, "hidden_dims": (8,)})])
+def test_head_settings_a_model_ignores_are_refused(model, changes):
+    """Review CX, A1: with resnet18 (or linear), hidden_dims and dropout changed nothing, yet were recorded and a new
+    value trained the same weights again (about 70 h on CAMELYON16's grid)."""
+    mode = "images" if model == "resnet18" else "features"
+    with pytest.raises(ConfigError, match=rf"model '{model}' has no hidden layers or dropout \(mlp has\), so .* would "
+                                          r"change nothing but start a new run\. Fix: drop"):
+        TrainConfig(mode=mode, model=model, **changes)
+    TrainConfig(mode=mode, model=model)  # the defaults are no change
+    TrainConfig(mode="features", model="mlp", **changes)

@@ -97,6 +97,9 @@ def check_lam(lam, where: str = "lam") -> float:
 #: The built-in models and whether each takes image patches (True) or feature vectors (False), as
 #: :mod:`wsi_milssl.mil.models` and :mod:`wsi_milssl.benchmark.baselines` register them (a test checks that
 #: they agree): the settings are checked without importing torch (review CH: every `run` imported it).
+#: Built-in models that ignore ``hidden_dims`` and ``dropout`` (the mlp head's), so a value other than the default
+#: is refused rather than recorded as a change of the run.
+WITHOUT_HIDDEN_LAYERS = ("resnet18", "linear")
 BUILTIN_MODELS: dict[str, bool] = {"resnet18": True, "linear": False, "mlp": False, "digit-cnn": False,
                                    "digit-cnn-shift": False}
 
@@ -211,6 +214,14 @@ class TrainConfig:
             check_type(name, "hidden_dims", h, int)
             check_range(name, "hidden_dims", h, low=1)
         check_range(name, "dropout", self.dropout, low=0.0, high=1.0, high_inclusive=False)
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        ignored = [f"{key} {getattr(self, key)!r}" for key in ("hidden_dims", "dropout")
+                   if self.model in WITHOUT_HIDDEN_LAYERS and getattr(self, key) != defaults[key]]
+        if ignored:  # review CX: accepted, recorded, and a changed value trained the same weights again
+            raise ConfigError(f"{name}: model {self.model!r} has no hidden layers or dropout (mlp has), so "
+                              f"{' and '.join(ignored)} would change nothing but start a new run. Fix: drop "
+                              f"{'them' if len(ignored) > 1 else 'it'} (in a pipeline: from [train]), or train "
+                              "model = \"mlp\" on features.")
         for field in ("epochs", "batch_size", "eval_batch_size"):
             check_type(name, field, getattr(self, field), int)
             check_range(name, field, getattr(self, field), low=1)

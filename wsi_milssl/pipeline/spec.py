@@ -683,8 +683,6 @@ def _validate_sections(sections: dict[str, dict[str, Any]], source: Path, *, tra
                         f"{source}{set_by}: [train.grid].{key} is a runtime setting (it changes how fast a run trains, "
                         f"not its model), so every point of the grid would train the same run. Fix: set it once as "
                         f"[train].{key}.")
-                for value in values:
-                    config_from_mapping(cls, {**section, key: value}, source=f"{source} [train.grid]{set_by}")
                 for k, value in enumerate(values):
                     # equal values (also equal numbers, 0.1 and 0.10, 25 and 25.0) are one training run
                     first = next((v for v in values[:k] if v == value), None)  # TOML has no null
@@ -694,3 +692,5 @@ def _validate_sections(sections: dict[str, dict[str, Any]], source: Path, *, tra
                             f"{source}{set_by}: [train.grid].{key} lists {first!r} twice{same}; each value is one "
                             f"training run, so a repeat would train the same run again in the same folder. Fix: "
                             f"list each value of {key} once.")
+                for value in values:
+                    config_from_mapping(cls, {**section, key: value}, source=f"{source} [train.grid]{set_by}")
