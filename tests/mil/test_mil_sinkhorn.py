@@ -275,3 +275,18 @@ def test_head_settings_a_model_ignores_are_refused(model, changes):
         TrainConfig(mode=mode, model=model, **changes)
     TrainConfig(mode=mode, model=model)  # the defaults are no change
     TrainConfig(mode="features", model="mlp", **changes)
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"batch_size": 1}, r"batch_size must be 2 or more for model 'resnet18'"),
+    ({"lr": 1e39}, r"lr must satisfy 0\.0 < value <= 1e\+30; got 1e\+39"),
+    ({"weight_decay": 1e300}, r"weight_decay must satisfy 0\.0 <= value <= 1e\+30"),
+    ({"sinkhorn_tol": float("inf")}, r"sinkhorn_tol must satisfy 0\.0 < value <= 1\.0; got inf"),
+    ({"threads": 100_000}, r"threads must satisfy 0 <= value <= 1024"),
+    ({"num_workers": 100_000}, r"num_workers must satisfy -1 <= value <= 256")])
+def test_values_that_crashed_a_run_are_refused_when_read(changes, match):
+    """Review CX, B1-B4: these passed the checks and then ended the run in a segfault (threads), a torch traceback
+    (lr or weight decay beyond float32, a batch of one through BatchNorm) or a JSON error after a run that skipped the
+    global constraint (a tolerance of inf)."""
+    with pytest.raises(ConfigError, match=match):
+        TrainConfig(mode="images", model="resnet18", **changes)

@@ -23,7 +23,6 @@ feature mode defaults to Adam.
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 from dataclasses import dataclass
 
@@ -94,12 +93,15 @@ def check_lam(lam, where: str = "lam") -> float:
     return float(lam)
 
 
-#: The built-in models and whether each takes image patches (True) or feature vectors (False), as
-#: :mod:`wsi_milssl.mil.models` and :mod:`wsi_milssl.benchmark.baselines` register them (a test checks that
-#: they agree): the settings are checked without importing torch (review CH: every `run` imported it).
+#: The largest learning rate and weight decay accepted: well inside float32 (review CX: values above its range crashed
+#: the optimizer with a traceback; 1e30 already diverges with the usual error).
+LR_MAX = 1e30
 #: Built-in models that ignore ``hidden_dims`` and ``dropout`` (the mlp head's), so a value other than the default
 #: is refused rather than recorded as a change of the run.
 WITHOUT_HIDDEN_LAYERS = ("resnet18", "linear")
+#: The built-in models and whether each takes image patches (True) or feature vectors (False), as
+#: :mod:`wsi_milssl.mil.models` and :mod:`wsi_milssl.benchmark.baselines` register them (a test checks that
+#: they agree): the settings are checked without importing torch (review CH: every `run` imported it).
 BUILTIN_MODELS: dict[str, bool] = {"resnet18": True, "linear": False, "mlp": False, "digit-cnn": False,
                                    "digit-cnn-shift": False}
 
@@ -226,9 +228,9 @@ class TrainConfig:
             check_type(name, field, getattr(self, field), int)
             check_range(name, field, getattr(self, field), low=1)
         check_choice(name, "optimizer", self.optimizer, ("sgd", "adam", "adamw"))
-        check_range(name, "lr", self.lr, low=0.0, low_inclusive=False, high=math.inf, high_inclusive=False)
+        check_range(name, "lr", self.lr, low=0.0, low_inclusive=False, high=LR_MAX)
         check_range(name, "momentum", self.momentum, low=0.0, high=1.0, high_inclusive=False)
-        check_range(name, "weight_decay", self.weight_decay, low=0.0, high=math.inf, high_inclusive=False)
+        check_range(name, "weight_decay", self.weight_decay, low=0.0, high=LR_MAX)
         check_choice(name, "scheduler", self.scheduler, ("none", "cosine"))
         check_range(name, "mu", self.mu, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
         check_type(name, "mu_ramp_epochs", self.mu_ramp_epochs, int)
@@ -237,7 +239,7 @@ class TrainConfig:
         check_lam(self.lam, where=f"{name}.lam")  # 0 < λ <= LAM_MAX, with the reason
         check_type(name, "sinkhorn_max_iter", self.sinkhorn_max_iter, int)
         check_range(name, "sinkhorn_max_iter", self.sinkhorn_max_iter, low=1)
-        check_range(name, "sinkhorn_tol", self.sinkhorn_tol, low=0.0, low_inclusive=False)
+        check_range(name, "sinkhorn_tol", self.sinkhorn_tol, low=0.0, low_inclusive=False, high=1.0)  # a share
         for field in ("fixed_mu", "soft_labels", "global_constraint", "local_constraint",
                       "online_pseudo_labels", "augment", "channels_last", "plots"):
             check_type(name, field, getattr(self, field), bool)
@@ -258,11 +260,15 @@ class TrainConfig:
         check_choice(name, "decode", self.decode, ("workers", "device"))
         check_choice(name, "compile", self.compile, COMPILE_MODES)
         check_type(name, "num_workers", self.num_workers, int)
-        check_range(name, "num_workers", self.num_workers, low=-1)
+        check_range(name, "num_workers", self.num_workers, low=-1, high=256)  # as heatmap's and features'
+
         check_type(name, "threads", self.threads, int)
-        check_range(name, "threads", self.threads, low=0)
+        check_range(name, "threads", self.threads, low=0, high=1024)  # torch crashes far above (review CX)
         kinds = model_kinds()
         check_choice(name, "model", self.model, tuple(sorted(kinds)), registry="register_model")
+        if self.model == "resnet18" and self.batch_size < 2:  # review CX: torch's BatchNorm error mid-run
+            raise ConfigError(f"{name}.batch_size must be 2 or more for model 'resnet18' (its BatchNorm layers cannot "
+                              f"normalise a batch of one); got {self.batch_size}. Fix: batch_size 2 or more.")
         if kinds[self.model] != (self.mode == "images"):
             raise ConfigError(
                 f"{name}.model {self.model!r} does not take {self.mode}; use "
@@ -324,13 +330,13 @@ class BenchmarkConfig:
             check_type(name, "ramp_grid", t, int)
             check_range(name, "ramp_grid", t, low=0)
         for lr in self.lr_grid or ():
-            check_range(name, "lr_grid", lr, low=0.0, low_inclusive=False, high=math.inf, high_inclusive=False)
+            check_range(name, "lr_grid", lr, low=0.0, low_inclusive=False, high=LR_MAX)
         for e in self.epoch_grid or ():
             check_type(name, "epoch_grid", e, int)
             check_range(name, "epoch_grid", e, low=1)
         check_choice(name, "select_metric", self.select_metric, ("accuracy", "auc"))
         check_type(name, "threads", self.threads, int)
-        check_range(name, "threads", self.threads, low=0)
+        check_range(name, "threads", self.threads, low=0, high=1024)
         from wsi_milssl.benchmark.mil_csv import resolve_methods
 
         resolve_methods(self.methods, preset=self.preset)  # unknown or repeated names: ConfigError
