@@ -87,3 +87,16 @@ def test_synth_then_info_on_cli(tmp_path):
     assert info.returncode == 0
     assert "mpp:              0.5000 µm/px" in info.stdout
     assert info.stdout.count("  level ") >= 3
+
+
+@pytest.mark.parametrize("argv", [
+    ["synth", ""], ["demo", " "], ["run", "p.toml", "--out", ""], ["tile", "s.tif", "--out", ""],
+    ["label", "s.h5", "--out", ""], ["features", "s.h5", "--out", ""], ["train", "x.csv", "--out", ""],
+    ["heatmap", "s.tif", "--model", "m.pt", "--out", ""], ["evaluate", "--predictions", "p", "--out", ""],
+    ["prepare", "camelyon16", "root", "--out", ""]])
+def test_an_empty_output_folder_is_a_usage_error_not_the_current_folder(argv, capsys):
+    """Review CX, B6: `--out "$OUT"` with the variable unset wrote every output into the current folder."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert "an empty path (an unset shell variable?); give the output folder" in capsys.readouterr().err

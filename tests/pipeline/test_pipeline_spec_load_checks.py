@@ -274,3 +274,14 @@ def test_a_train_mode_other_than_the_pipelines_inputs_is_refused_at_load(tmp_pat
     load_pipeline(path)
     with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))} with --set .*: {message}"):
         load_pipeline(path, overrides=sets)
+
+
+def test_a_blank_out_dir_or_name_is_refused(tmp_path):
+    """Review CX, B6: an out_dir of spaces made a folder named so (an empty one was already refused)."""
+    path = tmp_path / "b.toml"
+    path.write_text(_replace(DEMO, 'out_dir = "demo_out"', 'out_dir = "  "'))
+    with pytest.raises(ConfigError, match=r"\[pipeline\]\.out_dir must not be empty \(or blank\)"):
+        load_pipeline(path)
+    path.write_text(_replace(DEMO, 'name = "demo"', 'name = " "'))
+    with pytest.raises(ConfigError, match=r"\[pipeline\]\.name must not be empty \(or blank\)"):
+        load_pipeline(path)

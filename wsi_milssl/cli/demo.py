@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from importlib.resources import as_file, files
 from pathlib import Path
+from wsi_milssl.cli.options import output_folder
 
 __all__ = ["SUMMARY", "register", "run", "demo_pipeline_file"]
 
@@ -31,7 +32,7 @@ def register(subparsers) -> None:
         "skips the stages that are up to date.",
         formatter_class=HelpFormatter,
     )
-    p.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="folder for every artifact of the demo")
+    p.add_argument("out_dir", type=output_folder, metavar="OUT_DIR", help="folder for every artifact of the demo")
     p.add_argument("--until", default=None, metavar="STAGE", help="stop after this stage (e.g. tile)")
     p.set_defaults(run=run)
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from wsi_milssl.cli.label import _groups
 from wsi_milssl.config.evaluate import EvaluateConfig
+from wsi_milssl.cli.options import output_folder
 
 __all__ = ["SUMMARY", "register", "run", "evaluate_config_from_args"]
 
@@ -76,7 +77,7 @@ def register(subparsers) -> None:
                         "or only a 'slide' column of paths or names); gives each tumour slide's size and MPP")
     p.add_argument("--labels", type=Path, required=True, default=argparse.SUPPRESS, metavar="CSV",
                    help="slide labels 'slide,label' (1 tumour, 0 normal)")
-    p.add_argument("--out", type=Path, required=True, default=argparse.SUPPRESS, metavar="DIR",
+    p.add_argument("--out", type=output_folder, required=True, default=argparse.SUPPRESS, metavar="DIR",
                    help="output folder (created)")
     p.add_argument("--positive-fraction", type=float, default=d.positive_fraction,
                    help="a patch is a positive instance when its tumour-area fraction is at least this")

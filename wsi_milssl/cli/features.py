@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from wsi_milssl.cli.options import output_folder
 
 __all__ = ["SUMMARY", "register", "run", "features_config_from_args"]
 
@@ -97,7 +98,7 @@ def register(subparsers) -> None:
     )
     p.add_argument("inputs", nargs="+", type=Path, metavar="STORES",
                    help="patch stores or folders of them; or slides, folders of slides or CSV lists (cut on the fly)")
-    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="output folder (created)")
+    p.add_argument("--out", type=output_folder, required=True, metavar="DIR", help="output folder (created)")
     p.add_argument("--overwrite", action="store_true", help="make every feature file again")
     p.add_argument("--config", type=Path, default=None, metavar="TOML",
                    help="TOML file of FeaturesConfig fields (top level or a [features] table); options override it")

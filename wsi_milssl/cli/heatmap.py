@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from wsi_milssl.cli.label import _groups
+from wsi_milssl.cli.options import output_folder
 
 __all__ = ["SUMMARY", "register", "run", "heatmap_config_from_args"]
 
@@ -87,7 +88,7 @@ def register(subparsers) -> None:
                    help="slide files, folders of slides or CSV lists (optional with --store)")
     p.add_argument("--model", type=Path, required=True, metavar="CHECKPOINT",
                    help="RUN_DIR/best.pt, RUN_DIR/last.pt or RUN_DIR (best.pt, else last.pt)")
-    p.add_argument("--out", type=Path, required=True, metavar="DIR",
+    p.add_argument("--out", type=output_folder, required=True, metavar="DIR",
                    help="output folder (created); slides finished there with the same checkpoint and settings, "
                         "from the same unchanged slide and store files, are skipped (slides with no patch "
                         "are predicted again)")

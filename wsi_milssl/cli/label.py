@@ -7,6 +7,7 @@ from pathlib import Path
 
 from wsi_milssl.config.label import LabelConfig
 from wsi_milssl.errors import ConfigError
+from wsi_milssl.cli.options import output_folder
 
 __all__ = ["SUMMARY", "register", "run", "label_config_from_args"]
 
@@ -76,7 +77,7 @@ def register(subparsers) -> None:
                    help="annotation groups / QuPath classes that are tumour (case-insensitive)")
     p.add_argument("--non-tumor-groups", type=_groups, default=",".join(d.non_tumor_groups), metavar="G1,G2",
                    help="groups carved out of tumour (case-insensitive)")
-    p.add_argument("--out", type=Path, default=argparse.SUPPRESS, metavar="DIR",
+    p.add_argument("--out", type=output_folder, default=argparse.SUPPRESS, metavar="DIR",
                    help="folder for the tumour masks, label_status.csv and label_config.json "
                         "(default: 'labels' beside the first store)")
     p.add_argument("--mask-downsample", type=int, default=d.mask_downsample, metavar="DS",

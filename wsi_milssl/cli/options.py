@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-__all__ = ["values_from_args"]
+__all__ = ["values_from_args", "output_folder"]
 
 
 def values_from_args(args: argparse.Namespace, *, table: str, value_options: dict[str, str],
@@ -26,3 +27,11 @@ def values_from_args(args: argparse.Namespace, *, table: str, value_options: dic
         if getattr(args, opt, False):
             values[name] = value
     return values
+
+
+def output_folder(text: str) -> Path:
+    """The argparse type of an output folder: an empty value (``--out "$OUT"`` with the variable unset) is refused
+    instead of read as the current folder (review CX: every output went there)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path (an unset shell variable?); give the output folder")
+    return Path(text)

@@ -6,6 +6,7 @@ import argparse
 import logging
 import shlex
 from pathlib import Path
+from wsi_milssl.cli.options import output_folder
 
 __all__ = ["SUMMARY", "register", "run"]
 
@@ -106,7 +107,7 @@ def register(subparsers) -> None:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", type=Path, required=True, metavar="DIR",
+    p.add_argument("--out", type=output_folder, required=True, metavar="DIR",
                    help="folder for cohort/ and pipeline.toml (the run's outputs go to DIR/run)")
     p.add_argument("--template", type=Path, default=None, metavar="PIPELINE.toml",
                    help="pipeline whose stage settings to use (default: the packaged pipelines/camelyon16.toml)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from wsi_milssl.cli.options import output_folder
 
 __all__ = ["SUMMARY", "register", "run", "run_and_report"]
 
@@ -27,7 +28,7 @@ def register(subparsers) -> None:
         formatter_class=HelpFormatter,
     )
     p.add_argument("pipeline", type=Path, metavar="PIPELINE.toml", help="pipeline file")
-    p.add_argument("--out", type=Path, default=None,
+    p.add_argument("--out", type=output_folder, default=None,
                    help="output folder, overriding [pipeline].out_dir (default: as in the file); either, when "
                         "relative, is below the current folder")
     p.add_argument("--force", nargs="+", default=[], choices=STAGES, metavar="STAGE",

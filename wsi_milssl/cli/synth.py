@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import shlex
-from pathlib import Path
 
 from wsi_milssl.config import SynthConfig
 from wsi_milssl.errors import ConfigError, OptionError
+from wsi_milssl.cli.options import output_folder
 
 __all__ = ["SUMMARY", "register", "run", "add_synth_options", "synth_config_from_args"]
 
@@ -55,7 +55,7 @@ def register(subparsers) -> None:
         ),
         formatter_class=HelpFormatter,
     )
-    p.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="folder to write the slides into (created)")
+    p.add_argument("out_dir", type=output_folder, metavar="OUT_DIR", help="folder to write the slides into (created)")
     add_synth_options(p)
     p.add_argument("--layout", choices=("flat", "camelyon16"), default="flat",
                    help="flat: synth_NNN.tif, .xml and labels.csv in OUT_DIR; camelyon16: the CAMELYON16 download's "

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from wsi_milssl.config.tile import DEFAULT_MAGNIFICATION, TileConfig
 from wsi_milssl.errors import ConfigError, StoreError
+from wsi_milssl.cli.options import output_folder
 
 __all__ = ["SUMMARY", "register", "run", "tile_config_from_args"]
 
@@ -55,7 +56,7 @@ def register(subparsers) -> None:
         formatter_class=HelpFormatter,
     )
     p.add_argument("slides", nargs="+", type=Path, metavar="SLIDES", help="slide files, folders or CSV lists")
-    p.add_argument("--out", type=Path, required=True, default=argparse.SUPPRESS, metavar="DIR",
+    p.add_argument("--out", type=output_folder, required=True, default=argparse.SUPPRESS, metavar="DIR",
                    help="output folder for the stores (created)")
     res = p.add_mutually_exclusive_group()
     res.add_argument("--magnification", type=float, default=argparse.SUPPRESS, metavar="X",

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 from pathlib import Path
+from wsi_milssl.cli.options import output_folder
 
 __all__ = ["SUMMARY", "register", "run", "add_train_options", "train_config_from_args", "load_instances", "detect_mode",
            "refuse_inputs_being_written", "warn_unfinished_inputs"]
@@ -309,7 +310,7 @@ def register(subparsers) -> None:
                    help="patch stores or folders of them, HDF5 feature files (wsi-milssl features, TRIDENT, CLAM) "
                         "or folders of them, or one MIL CSV")
     p.add_argument("--labels", type=Path, default=None, metavar="CSV", help="slide,label CSV (1 = tumour)")
-    p.add_argument("--out", type=Path, default=None, metavar="RUN_DIR", help="run folder (created)")
+    p.add_argument("--out", type=output_folder, default=None, metavar="RUN_DIR", help="run folder (created)")
     p.add_argument("--val", type=Path, nargs="+", default=None, metavar="INPUTS",
                    help="validation stores/files (selects best.pt; never use the test set)")
     p.add_argument("--val-labels", type=Path, default=None, metavar="CSV", help="labels of --val [--labels]")

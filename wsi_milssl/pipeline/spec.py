@@ -270,8 +270,8 @@ def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None 
                           f"{', '.join(sorted(_PIPELINE_KEYS))} (a stage's settings go in its own table, e.g. "
                           "[train] epochs).")
     name = _check(at("pipeline"), "pipeline", "name", meta.get("name", source.stem), str)
-    if not name:
-        raise ConfigError(f"{at('pipeline')}: [pipeline].name must not be empty.")
+    if not name.strip():
+        raise ConfigError(f"{at('pipeline')}: [pipeline].name must not be empty (or blank).")
     grid_workers = meta.get("grid_workers", "auto")
     if grid_workers != "auto" and (isinstance(grid_workers, bool) or not isinstance(grid_workers, int)
                                    or grid_workers < 1):
@@ -279,8 +279,8 @@ def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None 
                           f"{grid_workers!r}.")
     if out_dir is None:
         out_dir = _check(at("pipeline"), "pipeline", "out_dir", meta.get("out_dir", f"{name}_out"), str)
-        if not out_dir:
-            raise ConfigError(f"{at('pipeline')}: [pipeline].out_dir must not be empty.")
+        if not out_dir.strip():
+            raise ConfigError(f"{at('pipeline')}: [pipeline].out_dir must not be empty (or blank).")
         own = source.resolve().parent
         if source.name == RESOLVED_FILENAME and (own / ".pipeline").is_dir():
             # a run's own resolved file belongs to the folder it lies in: moved or copied with it, it runs
