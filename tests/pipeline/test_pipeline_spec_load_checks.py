@@ -285,3 +285,15 @@ def test_a_blank_out_dir_or_name_is_refused(tmp_path):
     path.write_text(_replace(DEMO, 'name = "demo"', 'name = " "'))
     with pytest.raises(ConfigError, match=r"\[pipeline\]\.name must not be empty \(or blank\)"):
         load_pipeline(path)
+
+
+def test_heatmap_settings_of_cutting_slides_are_refused_in_an_image_pipeline(tmp_path):
+    """Review CX, A2: [heatmap] tissue, min_tissue and mask_mpp choose the patches of a slide cut on the fly; a
+    pipeline's heatmap reads the stores, so they changed nothing, yet were recorded and ran heatmap and evaluate
+    again."""
+    path = tmp_path / "h.toml"
+    path.write_text(DEMO)
+    with pytest.raises(ConfigError, match=r"\[heatmap\] mask_mpp, min_tissue choose the patches of a slide cut on the "
+                                          r"fly.*Fix: set them in \[tile\] \(tile\.mask_mpp, tile\.min_tissue\)"):
+        load_pipeline(path, overrides=["heatmap.min_tissue=1.0", "heatmap.mask_mpp=200"])
+    load_pipeline(path, overrides=["tile.min_tissue=0.2"])  # in [tile] they apply

@@ -391,6 +391,12 @@ def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None 
         raise ConfigError(f"{at('train')}: [train].mode is {asked!r}, but this pipeline gives the train stage "
                           f"{'patch images' if train_mode == 'images' else 'features'}. Fix: {fix}.")
     _validate_sections(sections, source, train_mode=train_mode, overrides=overrides)
+    cutting = sorted(k for k in _HEATMAP_CUTTING_KEYS if sections.get("heatmap", {}).get(k) is not None)
+    if train_mode == "images" and cutting:  # review CX: recorded, ran heatmap and evaluate again, changed nothing
+        raise ConfigError(f"{at('heatmap')}: [heatmap] {', '.join(cutting)} choose the patches of a slide cut on the "
+                          "fly, but a pipeline's heatmap predicts the patches of the stores that tile cut, so they "
+                          f"would change nothing. Fix: set them in [tile] ({', '.join('tile.' + k for k in cutting)}), "
+                          "which tiles the slides again, or drop them.")
     if generate and sets["train"].synth.seed == sets["test"].synth.seed:
         # slide i of a set is drawn from (seed, i): the same seed makes test slides that copy the training ones
         raise ConfigError(f"{at('synth')}: [synth.train] and [synth.test] have the same seed, "
@@ -540,6 +546,11 @@ def _refuse_grid_without_validation(grid: Any, val_fraction: float, where: str, 
         raise ConfigError(f"{where}: a [train.grid] of {points} points needs validation {what} to choose one on, but "
                           "[data].val_fraction is 0. Fix: set [data].val_fraction > 0 (e.g. 0.25: training "
                           f"{what} held out, never the test set), or drop [train.grid].")
+
+
+#: [heatmap] settings that choose the patches of a slide cut on the fly (`wsi-milssl heatmap` without stores): an
+#: image pipeline's heatmap reads the stores, so they do not apply there.
+_HEATMAP_CUTTING_KEYS = ("tissue", "min_tissue", "mask_mpp")
 
 
 def _stage_classes() -> dict[str, type]:
