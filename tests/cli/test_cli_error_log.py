@@ -155,6 +155,9 @@ def test_printed_results_reach_the_log_file(tmp_path, capsys):
     ("train", "['train', 'x.csv', '--out', 'my run']",
      "run `wsi-milssl train --resume 'my run'` to continue from the last finished epoch"),
     ("train", "['train', '--resume', 'r1']", "run `wsi-milssl train --resume r1` to continue from the last finished epoch"),
+    # review CY: before its first epoch a run has no last.pt to resume from
+    ("train", "['train', 'x.csv', '--out', 'new']",
+     "run the same command again (no epoch had finished, so it starts from epoch 1)"),
 ])
 def test_sigterm_is_said_on_stderr_and_in_the_log_file(tmp_path, module, argv, again):
     """Review BS, C2: a SIGTERM (a scheduler's time limit, ``docker stop``) ended the log without a word. The
@@ -166,6 +169,9 @@ def test_sigterm_is_said_on_stderr_and_in_the_log_file(tmp_path, module, argv, a
     import time
 
     log = tmp_path / "t.log"
+    for run in ("my run", "r1"):  # runs that finished an epoch
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "last.pt").write_bytes(b"")
     code = (f"import time, wsi_milssl.cli.{module} as s; from wsi_milssl.cli import main\n"
             "s.run = lambda args: (print('started', flush=True), time.sleep(60))\n"
             f"main({argv[:-1]}, '--log-file', {str(log)!r}])\n")

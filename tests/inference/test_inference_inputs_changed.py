@@ -227,6 +227,25 @@ def test_evaluate_of_a_folder_whose_slides_are_all_empty_says_so(tmp_path, check
     assert result.metrics["n_slides"] == 1
     assert json.loads((tmp_path / "ev" / "metrics.json").read_text())["reasons"]["bag_auc"] == (
         "every slide was empty (no tissue patch), so no slide has a score")
+    # review CX: with a scores.csv holding their 0 scores (two labels), the bag AUC was 0.500 of no patch at all
+    _blank(tmp_path / "blank2.tif")
+    assert [r.status for r in make_heatmaps([tmp_path / "blank2.tif"], checkpoint_factory(), out,
+                                            HeatmapConfig(**FAST)).results] == ["empty"]
+    (out / "scores.csv").write_text("slide,score\nblank,0.0\nblank2,0.0\n")
+    labels.write_text("slide,label\nblank,0\nblank2,1\n")
+    import numpy as np
+
+    from wsi_milssl.annotations.asap import PolygonAnnotation, write_asap_xml
+
+    (tmp_path / "ann").mkdir()
+    square = np.array([[10, 10], [60, 10], [60, 60], [10, 60]], float)
+    write_asap_xml([PolygonAnnotation("Annotation 0", "_0", square, "#F4FA58")], tmp_path / "ann" / "blank2.xml",
+                   groups=["_0"])
+    result = evaluate_predictions(out, labels_csv=labels, out_dir=tmp_path / "ev2", slides=tmp_path,
+                                  annotations_dir=tmp_path / "ann")
+    assert result.metrics["bag_auc"] is None and result.metrics["n_slides"] == 2
+    assert json.loads((tmp_path / "ev2" / "metrics.json").read_text())["reasons"]["bag_auc"] == (
+        "every slide was empty (no tissue patch), so no slide has a score")
 
 
 def test_a_finite_checkpoint_that_overflows_is_not_called_diverged(tmp_path, two_slides, checkpoint_writer):

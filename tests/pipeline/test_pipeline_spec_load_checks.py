@@ -7,6 +7,7 @@ set) instead of [data].mode."""
 from __future__ import annotations
 
 import re
+import shlex
 import shutil
 from pathlib import Path
 
@@ -136,14 +137,14 @@ def test_a_ready_made_pipeline_run_as_shipped_says_how_to_make_one_with_real_pat
     from importlib.resources import files
 
     shipped = Path(str(files("wsi_milssl") / "pipelines" / f"{name}.toml"))
-    copy = tmp_path / "pipelines" / f"{name}.toml"  # as a checkout's or the image's folder holds it
+    copy = tmp_path / "my pipelines" / f"{name}.toml"  # as a checkout's or the image's folder holds it
     copy.parent.mkdir()
     shutil.copy(shipped, copy)
     for template in (shipped, copy):
         assert main(["run", str(template), "--out", str(tmp_path / "run")]) == 1
         err = capsys.readouterr().err
         assert f"This is the ready-made pipeline {name!r} as shipped, whose [data] paths are placeholders. " \
-               + fix.format(template) in err and "move them with it" not in err
+               + fix.format(shlex.quote(str(template))) in err and "move them with it" not in err
     copy.write_text(copy.read_text().replace("[data]", "[data]  # mine", 1))  # the user's own now
     assert main(["run", str(copy), "--out", str(tmp_path / "run")]) == 1
     err = capsys.readouterr().err

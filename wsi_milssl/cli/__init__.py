@@ -371,7 +371,10 @@ def _say_when_terminated(command: str, restarts: str | None = None, *, run_dir: 
     def terminated(signum, frame) -> None:
         if os.getpid() == pid:
             resume = shlex.quote(str(run_dir)) if run_dir is not None else "RUN"
+            started = run_dir is None or (Path(run_dir) / "last.pt").is_file()  # else no epoch finished (review CY)
             again = (f"run `wsi-milssl train --resume {resume}` to continue from the last finished epoch"
+                     if command == "train" and started
+                     else "run the same command again (no epoch had finished, so it starts from epoch 1)"
                      if command == "train"
                      else f"run the same command again without {restarts} to continue (with it, that work starts "
                           "over)" if restarts else "run the same command again to continue")

@@ -37,7 +37,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Collection, Mapping
+from typing import Any, Collection, Iterable, Mapping
 
 import numpy as np
 from PIL import Image
@@ -421,8 +421,12 @@ def _slide_scores(results: list[SlideResult], sidecars: dict[str, dict], scores_
     return scores, stale
 
 
-def _bag_metric(results: list[SlideResult], scores: dict[str, float | None], scores_path: Path
-                ) -> tuple[Metric, RocCurve | None]:
+def _bag_metric(results: list[SlideResult], scores: dict[str, float | None], scores_path: Path,
+                empty: Iterable[str] = ()) -> tuple[Metric, RocCurve | None]:
+    """The slide-level AUC; none when scores are missing or every slide was empty (``empty``: their stems; each
+    scored 0, review CX: an AUC of 0.5 was reported for a test set without one patch)."""
+    if results and {r.stem for r in results} <= set(empty):
+        return Metric(None, "every slide was empty (no tissue patch), so no slide has a score"), None
     missing = [r.stem for r in results if scores[r.stem] is None]
     if missing and not scores_path.is_file():
         return Metric(None, f"no slide scores ({scores_path.name} is missing from the predictions folder)"), None
@@ -1131,7 +1135,7 @@ def evaluate_predictions(
                        "heatmap run left an earlier run's rows); the sidecars' scores are evaluated. Fix: run the "
                        "heatmap stage again on the folder (it resumes) to mend %s.", predictions_dir / SCORES_FILENAME,
                        ", ".join(stale_scores), SCORES_FILENAME)
-    bag_metric, bag_roc = _bag_metric(results, scores, predictions_dir / SCORES_FILENAME)
+    bag_metric, bag_roc = _bag_metric(results, scores, predictions_dir / SCORES_FILENAME, empty)
     if inst_metric.value is None:
         reasons["instance_auc"] = inst_metric.reason
     if bag_metric.value is None:

@@ -602,7 +602,7 @@ def _holds_patch_features(path: Path) -> bool:
 
     try:
         with h5py.File(path, "r") as fh:
-            return "patches" not in fh and "features" in fh and fh["features"].ndim >= 2
+            return "patches" not in fh and isinstance(fh.get("features"), h5py.Dataset) and fh["features"].ndim >= 2
     except (OSError, KeyError, TypeError):
         return False
 

@@ -8,6 +8,7 @@ import hashlib
 import json
 import logging
 import os
+import shlex
 from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
@@ -259,7 +260,8 @@ def _save_failed(out: Path, exc: OutputError, *, saved_epoch: int) -> OutputErro
     and how to go on from the last complete checkpoint."""
     if saved_epoch > 0 and (out / "last.pt").is_file():
         then = (f"The run folder {out} keeps the checkpoint of epoch {saved_epoch} (last.pt): once there is "
-                f"space, continue with `wsi-milssl train --resume {out}` (in a pipeline: run it again).")
+                f"space, continue with `wsi-milssl train --resume {shlex.quote(str(out))}` (in a pipeline: run it "
+                "again).")
     else:
         then = f"No epoch of this run was saved yet: start it again once {out} can be written."
     return OutputError(f"{exc} {then}", errno=exc.errno)

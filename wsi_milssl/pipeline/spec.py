@@ -50,6 +50,7 @@ import json
 import logging
 import math
 import os
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -458,7 +459,8 @@ def _refuse_missing_paths(given: dict[str, tuple[Any, Path]], base: Path, where:
     template = _ready_made(pipeline_file) if missing else None
     if template is not None:
         raise ConfigError(f"{where}: {'; '.join(missing)}. This is the ready-made pipeline {template!r} as shipped, "
-                          f"whose [data] paths are placeholders. Fix: {_READY_MADE_FIXES[template].format(where)}")
+                          f"whose [data] paths are placeholders. Fix: "
+                          f"{_READY_MADE_FIXES[template].format(shlex.quote(str(pipeline_file)))}")
     if missing:
         raise ConfigError(f"{where}: {'; '.join(missing)} (relative [data] paths are resolved against the pipeline "
                           f"file's folder, {base}). Fix: give the path of an existing file or folder, absolute or "
