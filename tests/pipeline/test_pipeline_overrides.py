@@ -171,3 +171,16 @@ def test_a_grid_without_validation_slides_is_refused_before_any_stage(tmp_path):
         "(e.g. 0.25: training slides held out, never the test set), or drop [train.grid].")
     assert not (tmp_path / "out" / "slides").exists()  # synth never ran
     load_pipeline(path, out_dir=tmp_path / "out", overrides=["train.grid.epochs=[2]", "data.val_fraction=0"])  # one point
+
+
+@pytest.mark.parametrize("text, said", [
+    ("train.grid.optimizer=[sgd,adam]", "[sgd,adam] is not a TOML value. Fix: quote each word inside the brackets, "
+                                        "--set 'train.grid.optimizer=[\"a\", \"b\"]'"),
+    ("evaluate.lesion_exclude=[Test_114]", "[Test_114] is not a TOML value"),
+    ("train.mu=.5", ".5 is not a TOML number. Fix: write it in full (e.g. 0.5, not .5")])
+def test_a_value_that_is_almost_toml_says_how_to_write_it(text, said):
+    """Review CX, B7: these fell back to strings, and the type error's fix then repeated the mistake."""
+    with pytest.raises(ConfigError) as err:
+        parse_override(text)
+    assert said in str(err.value)
+    assert parse_override("heatmap.colormap=magma")[1] == "magma"  # a bare word is still a string

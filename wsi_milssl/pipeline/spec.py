@@ -206,10 +206,19 @@ def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
     if not sep or len(parts) < 2 or not all(parts) or not value.strip():
         raise ConfigError(f"--set {text!r}: expected TABLE.KEY=VALUE (e.g. train.epochs=3, heatmap.colormap=magma, "
                           "data.val_fraction=0.2).")
+    value = value.strip()
     try:
-        parsed = tomllib.loads(f"v = {value.strip()}")["v"]
+        parsed = tomllib.loads(f"v = {value}")["v"]
     except tomllib.TOMLDecodeError:
-        parsed = value.strip()
+        # review CX: a list of bare words, or a number TOML does not read, fell back to a string, and the error
+        # about its type then repeated the mistake in its fix
+        if value.startswith(("[", "{")):
+            raise ConfigError(f"--set {text!r}: {value} is not a TOML value. Fix: quote each word inside the brackets, "
+                              f"--set '{'.'.join(parts)}=[\"a\", \"b\"]' (numbers stay bare: [0.1, 0.2]).") from None
+        if any(c.isdigit() for c in value) and all(c.isdigit() or c in "+-.eE_" for c in value):
+            raise ConfigError(f"--set {text!r}: {value} is not a TOML number. Fix: write it in full (e.g. 0.5, "
+                              "not .5; 1e-3 or 0.001).") from None
+        parsed = value
     return parts, parsed
 
 
