@@ -53,7 +53,7 @@ class HeatmapConfig:
     threads : torch intra-op CPU threads (0 = leave torch's default).
     tissue, min_tissue, mask_mpp : tissue detector, minimum tissue fraction of a patch, and mask
         resolution (µm/px) used when tiling a slide on the fly; None = the value recorded with the
-        training stores in the checkpoint, else the tile stage's default ('otsu', 0.1, 8.0).
+        training stores in the checkpoint, else the tile stage's default ('otsu', 0.1, 16.0).
     slide_mpp : level-0 µm/px to use instead of the slides' metadata (slides without an MPP).
 
     Overlay (``<stem>_heatmap.png``)
