@@ -859,8 +859,11 @@ def _empty_result(item: SlideInput, pred: SlidePrediction, model: InferenceModel
     where = "in the store" if pred.source == "store" else (
         f"of {pred.n_candidates} candidate cells passed the entropy filter ({plan.entropy_threshold_bits:g} bits)"
         if pred.n_candidates else f"has tissue >= {plan.min_tissue:g} on the mask")
-    message = (f"{item.slide_path or item.store_path}: no patch {where}, so the slide has no score. Fix: check the "
-               "slide and its tissue mask (tile's qc/ PNG); --tissue/--min-tissue/--mask-mpp change the mask.")
+    fix = ("check the slide against the tiling that cut its store (tile's qc/ PNG and warning: a slide smaller than "
+           "one patch, or no tissue on its mask); tile's settings change it ([tile] in a pipeline)"
+           if pred.source == "store" else
+           "check the slide and its tissue mask; --tissue/--min-tissue/--mask-mpp change the mask")
+    message = f"{item.slide_path or item.store_path}: no patch {where}, so the slide has no score. Fix: {fix}."
     logger.warning("%s: empty: %s", item.stem, message)
     return HeatmapResult(item.stem, str(item.slide_path or ""), EMPTY, 0, None, pred.seconds, message, outputs)
 

@@ -647,7 +647,8 @@ def read_patch_stores(paths: Iterable[str | os.PathLike], labels: dict[str, int]
                                  "(not 'none') to train on images.")
             n = len(store)
             if n == 0:  # a bag without instances: it would count as a (positive) bag with nothing to learn from
-                log.warning("%s: no patches (none passed the tissue and entropy filters); left out of the set.", sp)
+                log.warning("%s: no patches (none passed the tissue and entropy filters, or the slide is smaller than "
+                            "one patch: tile's warning and qc/ image say which); left out of the set.", sp)
                 continue
             attrs = dict(store.attrs)
             stem = str(getattr(store, "stem", None) or attrs.get("slide_stem") or Path(sp).stem)
@@ -690,7 +691,9 @@ def read_patch_stores(paths: Iterable[str | os.PathLike], labels: dict[str, int]
         raise StoreError(_unreadable_message(unreadable, len(store_paths), "stores"))
     if not used:
         raise StoreError(f"{', '.join(str(p) for p in store_paths[:3])}{' ...' if len(store_paths) > 3 else ''}: the "
-                         "stores hold no patches; check the tiling settings (tissue/entropy filters).")
+                         "stores hold no patches. Fix: check the tiling settings against the slides (tile's "
+                         "warnings and qc/ images: the patch size against the slides' size, the tissue and entropy "
+                         "filters).")
     by_name, _ = _name_order(names)  # bags in name order, not in the order of the stores' paths
     names, sources, bag_labels, used = ([xs[i] for i in by_name] for xs in (names, sources, bag_labels, used))
     local = [local[i] for i in by_name]
