@@ -298,3 +298,23 @@ def test_heatmap_settings_of_cutting_slides_are_refused_in_an_image_pipeline(tmp
                                           r"fly.*Fix: set them in \[tile\] \(tile\.mask_mpp, tile\.min_tissue\)"):
         load_pipeline(path, overrides=["heatmap.min_tissue=1.0", "heatmap.mask_mpp=200"])
     load_pipeline(path, overrides=["tile.min_tissue=0.2"])  # in [tile] they apply
+
+
+def test_a_key_above_every_table_is_named_as_such(tmp_path):
+    """Review CX, C3: it was reported as an "unknown table"."""
+    path = tmp_path / "t.toml"
+    path.write_text("epochs = 3\n" + DEMO)
+    with pytest.raises(ConfigError, match=r"t\.toml: epochs at the top level, outside any table; .*Fix: move it under "
+                                          r"the table it belongs to \(e\.g\. epochs under \[train\]"):
+        load_pipeline(path)
+
+
+def test_a_config_file_s_top_level_keys_beside_its_table_are_refused(tmp_path, capsys, mil_csv):
+    """Review CX, C8: `--config` with keys at the top level and a [train] table read the table and dropped them."""
+    from wsi_milssl.cli import main
+
+    config = tmp_path / "c.toml"
+    config.write_text("epochs = 3\n\n[train]\nlr = 0.01\n")
+    assert main(["train", str(mil_csv), "--config", str(config), "--out", str(tmp_path / "r")]) in (1, 2)
+    assert "epochs at the top level beside a [train] table, which is the one read. Fix: move it into [train]" \
+        in capsys.readouterr().err

@@ -44,13 +44,13 @@ def features_config_from_args(args: argparse.Namespace):
 def _tile_config(args: argparse.Namespace):
     """The TileConfig that cuts slides on the fly: ``--tile-config`` TOML ([tile] or top level), then
     --magnification / --mpp / --patch-size; None when none is given (stores' own plan, else defaults)."""
-    from wsi_milssl.config.base import config_from_mapping, load_toml
+    from wsi_milssl.cli.options import config_table
+    from wsi_milssl.config.base import config_from_mapping
     from wsi_milssl.config.tile import TileConfig
 
     values: dict = {}
     if args.tile_config is not None:
-        data = load_toml(args.tile_config)
-        values.update(data.get("tile", data))
+        values.update(config_table(args.tile_config, "tile"))
     for opt, name in (("magnification", "magnification"), ("mpp", "target_mpp"), ("patch_size", "patch_size_px")):
         value = getattr(args, opt, None)
         if value is not None:

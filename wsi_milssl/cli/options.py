@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-__all__ = ["values_from_args", "output_folder"]
+__all__ = ["values_from_args", "output_folder", "config_table"]
 
 
 def values_from_args(args: argparse.Namespace, *, table: str, value_options: dict[str, str],
@@ -13,12 +13,9 @@ def values_from_args(args: argparse.Namespace, *, table: str, value_options: dic
     """The ``--config`` TOML's values (its ``[table]``, or its top level), then each option given:
     ``value_options`` maps an option's dest to a config field, ``flag_options`` a flag's dest to (field,
     value set when the flag is given)."""
-    from wsi_milssl.config.base import load_toml
-
     values: dict = {}
     if getattr(args, "config", None) is not None:
-        data = load_toml(args.config)
-        values.update(data.get(table, data))
+        values.update(config_table(args.config, table))
     for opt, name in value_options.items():
         value = getattr(args, opt, None)
         if value is not None:
@@ -35,3 +32,17 @@ def output_folder(text: str) -> Path:
     if not text.strip():
         raise argparse.ArgumentTypeError("an empty path (an unset shell variable?); give the output folder")
     return Path(text)
+
+
+def config_table(path: Path, table: str) -> dict:
+    """The settings a ``--config`` (``--tile-config``) TOML file gives: its ``[table]``, or its top level when it has
+    none. Keys at the top level beside that table are refused (review CX: they were dropped without a word)."""
+    from wsi_milssl.config.base import load_toml
+    from wsi_milssl.errors import ConfigError
+
+    data = load_toml(path)
+    loose = sorted(k for k, v in data.items() if not isinstance(v, dict))
+    if table in data and loose:
+        raise ConfigError(f"{path}: {', '.join(loose)} at the top level beside a [{table}] table, which is the one "
+                          f"read. Fix: move {'them' if len(loose) > 1 else 'it'} into [{table}].")
+    return dict(data.get(table, data))

@@ -124,13 +124,13 @@ def add_train_options(p: argparse.ArgumentParser) -> None:
 
 def train_config_from_args(args: argparse.Namespace, *, mode: str, base: dict | None = None):
     """Build a TrainConfig: ``base`` values, then ``--config`` TOML, then the options given."""
-    from wsi_milssl.config.base import config_from_mapping, load_toml
+    from wsi_milssl.cli.options import config_table
+    from wsi_milssl.config.base import config_from_mapping
     from wsi_milssl.config.train import TrainConfig
 
     values: dict = dict(base or {})
     if getattr(args, "config", None) is not None:
-        data = load_toml(args.config)
-        values.update(data.get("train", data))
+        values.update(config_table(args.config, "train"))
     for opt, field in _VALUE_OPTIONS.items():
         value = getattr(args, opt, None)
         if value is not None:

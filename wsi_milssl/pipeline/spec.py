@@ -264,6 +264,11 @@ def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None 
     def at(*tables: str) -> str:  # the file, as an error in these tables (any table: none given) names it
         return f"{source}{_set_by(overrides, *tables)}"
 
+    loose = sorted(k for k in set(raw) - _TOP_LEVEL if not isinstance(raw[k], dict))
+    if loose:  # review CX: "unknown table" for a key written above every table
+        raise ConfigError(f"{source}: {', '.join(loose)} at the top level, outside any table; a setting goes in its "
+                          f"stage's table. Fix: move {'them' if len(loose) > 1 else 'it'} under the table it belongs "
+                          "to (e.g. epochs under [train]; tables: " + ", ".join(sorted(_TOP_LEVEL)) + ").")
     unknown = sorted(set(raw) - _TOP_LEVEL)
     if unknown:
         raise ConfigError(
