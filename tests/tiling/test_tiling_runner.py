@@ -284,6 +284,23 @@ def test_slide_without_mpp_needs_slide_mpp(tmp_path):
         assert s.attrs["mpp"] == 0.5 and s.attrs["mpp_source"] == "override" and len(s) == 0
 
 
+def test_a_slide_mpp_other_than_the_slide_s_own_is_warned_about(tmp_path, caplog):
+    """Review CX, C7: --slide-mpp overrode a slide's own resolution without a word (4x the patches)."""
+    import logging
+
+    path = tmp_path / "own.tif"
+    write_pyramidal_tiff(path, lambda x0, y0, x1, y1: np.full((y1 - y0, x1 - x0, 3), 240, np.uint8),
+                         width=1024, height=1024, mpp=0.25)
+    with caplog.at_level(logging.WARNING, logger="wsi_milssl.tiling"):
+        tile_slides([path], tmp_path / "out", TileConfig(**FAST, slide_mpp=0.5))
+    assert "own: --slide-mpp 0.5 µm/px overrides the slide's own 0.25 µm/px (its metadata): the patches cover 0.25x" \
+        in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="wsi_milssl.tiling"):
+        tile_slides([path], tmp_path / "out2", TileConfig(**FAST, slide_mpp=0.25))  # the slide's own: no word
+    assert "overrides the slide's own" not in caplog.text
+
+
 def test_config_validation_messages():
     from wsi_milssl.errors import ConfigError
 

@@ -429,6 +429,12 @@ def tile_slide(slide_path: str | os.PathLike, out_dir: str | os.PathLike, config
     with open_slide(slide_path, mpp_override=config.slide_mpp) as slide:
         cells = plan_slide(slide, plan)
         slide_mpp = slide.mpp
+        own = slide.metadata_mpp if config.slide_mpp is not None else None
+        if own is not None and abs(own - slide_mpp) > 0.01 * own:  # review CX: it overrode the slide without a word
+            logger.warning("%s: --slide-mpp %.4g µm/px overrides the slide's own %.4g µm/px (its metadata): the "
+                           "patches cover %.3gx the area they would. Fix: drop --slide-mpp (slide_mpp in [tile]) for "
+                           "slides that record their resolution, unless that record is wrong.", stem, slide_mpp, own,
+                           (own / slide_mpp) ** 2)
         geometry, tissue = cells.geometry, cells.tissue
         cand_coords = cells.coords_lv0
         cand_fraction = cells.tissue_fraction
