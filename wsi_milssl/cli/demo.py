@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from importlib.resources import as_file, files
 from pathlib import Path
+
 from wsi_milssl.cli.options import output_folder
 
 __all__ = ["SUMMARY", "register", "run", "demo_pipeline_file"]

@@ -6,8 +6,8 @@ import argparse
 from pathlib import Path
 
 from wsi_milssl.cli.label import _groups
-from wsi_milssl.config.evaluate import EvaluateConfig
 from wsi_milssl.cli.options import output_folder
+from wsi_milssl.config.evaluate import EvaluateConfig
 
 __all__ = ["SUMMARY", "register", "run", "evaluate_config_from_args"]
 

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
 from wsi_milssl.cli.options import output_folder
 
 __all__ = ["SUMMARY", "register", "run", "features_config_from_args"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from wsi_milssl.cli.options import output_folder
 from wsi_milssl.config.label import LabelConfig
 from wsi_milssl.errors import ConfigError
-from wsi_milssl.cli.options import output_folder
 
 __all__ = ["SUMMARY", "register", "run", "label_config_from_args"]
 

@@ -6,6 +6,7 @@ import argparse
 import logging
 import shlex
 from pathlib import Path
+
 from wsi_milssl.cli.options import output_folder
 
 __all__ = ["SUMMARY", "register", "run"]

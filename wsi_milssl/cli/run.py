@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+
 from wsi_milssl.cli.options import output_folder
 
 __all__ = ["SUMMARY", "register", "run", "run_and_report"]

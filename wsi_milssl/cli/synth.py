@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import shlex
 
+from wsi_milssl.cli.options import output_folder
 from wsi_milssl.config import SynthConfig
 from wsi_milssl.errors import ConfigError, OptionError
-from wsi_milssl.cli.options import output_folder
 
 __all__ = ["SUMMARY", "register", "run", "add_synth_options", "synth_config_from_args"]
 

@@ -6,9 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from wsi_milssl.cli.options import output_folder
 from wsi_milssl.config.tile import DEFAULT_MAGNIFICATION, TileConfig
 from wsi_milssl.errors import ConfigError, StoreError
-from wsi_milssl.cli.options import output_folder
 
 __all__ = ["SUMMARY", "register", "run", "tile_config_from_args"]
 

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 from pathlib import Path
+
 from wsi_milssl.cli.options import output_folder
 
 __all__ = ["SUMMARY", "register", "run", "add_train_options", "train_config_from_args", "load_instances", "detect_mode",
@@ -163,7 +164,6 @@ def detect_mode(inputs: list[Path]) -> str:
     if not h5:  # a CLAM or TRIDENT job folder: said before a feature model is refused for images (review CW)
         from wsi_milssl.errors import ConfigError
         from wsi_milssl.mil.data import nested_feature_folders
-
         from wsi_milssl.store import find_stores
 
         folders = [p for p in inputs if p.is_dir()]
