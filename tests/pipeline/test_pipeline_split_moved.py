@@ -223,6 +223,9 @@ def test_a_deleted_store_or_heatmap_file_makes_its_stage_run_again(cohort, tmp_p
     assert outcomes[0].reason == f"output missing: {out / 'stores' / 'train' / 'synth_001.h5'}"
     assert (out / "stores" / "train" / "synth_001.h5").is_file()
     assert _trained_on(out) == ["synth_000.h5", "synth_001.h5", "synth_002.h5"]
+    # review CY: without validation slides the line said "best epoch None"
+    assert "3 training / 0 validation slides, no validation slides to choose a best epoch" in next(
+        o.summary for o in outcomes if o.stage == "train")
     assert (out / "heatmaps" / "test" / "synth_003_detections.csv").is_file()
     (out / "heatmaps" / "test" / "synth_003_patches.csv").unlink()
     outcomes = run_pipeline(load_pipeline(pipe, out_dir=out))

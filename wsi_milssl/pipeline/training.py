@@ -477,7 +477,7 @@ def train_images(ctx: StageContext) -> tuple[list[str], str]:
     empty = len(train_stems) + len(val_stems) - train.n_bags - n_val
     return _model_outputs(ctx.model_dir), (f"{train.n_bags} training / {n_val} validation slides"
                                            + (f" ({empty} without a patch left out)" if empty else "")
-                                           + f", best epoch {best_epoch}{summary_extra}")
+                                           + f", {_best(best_epoch)}{summary_extra}")
 
 
 def train_features(ctx: StageContext) -> tuple[list[str], str]:
@@ -511,7 +511,7 @@ def train_features(ctx: StageContext) -> tuple[list[str], str]:
                                           split={"train": train_names, "val": val_names}, run_info=run_info,
                                           data=grid_data)
     return _model_outputs(ctx.model_dir), (f"{len(train_names)} training / {len(val_names)} validation bags, "
-                                           f"best epoch {best_epoch}{summary_extra}")
+                                           f"{_best(best_epoch)}{summary_extra}")
 
 
 def _feature_run_data(files: list[Path], labels_csv: Path, train_names: list[str], val_names: list[str]) -> dict:
@@ -602,3 +602,8 @@ def refuse_unusable_split(spec: PipelineSpec, *, read_lists: bool,
     elif spec.val_fraction <= 0:  # a grid: no split holds out anything with val_fraction = 0
         refuse_grid_without_validation(configs, [], {}, [], val_fraction=0.0, source=source, what="slide")
 
+
+def _best(best_epoch: int | None) -> str:
+    """The train line's part on best.pt: its epoch, or that none was chosen (no validation slides; review CY: it
+    said "best epoch None")."""
+    return f"best epoch {best_epoch}" if best_epoch is not None else "no validation slides to choose a best epoch"
