@@ -61,9 +61,8 @@ def model_line(training: Mapping[str, Any]) -> str:
     if not training:
         return ""
     epochs = training.get("epochs")
-    names = {"mu": "μ {} fixed" if training.get("fixed_mu") else "μ {}", "lam": "λ {}"}
-    if not training.get("fixed_mu"):
-        names = {"mu": names["mu"], "mu_ramp_epochs": "T {}", "lam": names["lam"]}
+    fixed = bool(training.get("fixed_mu"))
+    names = {"mu": "μ {} fixed" if fixed else "μ {}", **({} if fixed else {"mu_ramp_epochs": "T {}"}), "lam": "λ {}"}
     parts = [str(training["model"])] if training.get("model") else []
     parts += [f"{epochs} epoch{'' if epochs == 1 else 's'}"] if epochs is not None else []
     parts += [form.format(f"{training[key]:g}" if isinstance(training[key], (int, float)) else training[key])
