@@ -62,3 +62,18 @@ def test_a_labelled_test_slide_without_a_feature_file_is_named_not_evaluated(tmp
     assert summary["n_bags"] == 5 and summary["not_evaluated"] == ["bag_05"] and summary["empty_bags"] == []
     assert json.loads((tmp_path / "ev" / "metrics.json").read_text())["not_evaluated"] == ["bag_05"]
     assert "1 labelled slide(s) have no bag in the test feature files and are not evaluated" in caplog.text
+
+
+def test_a_linear_head_saved_with_a_no_op_dropout_by_an_earlier_version_still_evaluates(tmp_path, head):
+    """Review CX's refusal of hidden_dims/dropout for linear and resnet18 is for new settings: a checkpoint whose
+    config recorded them (an earlier version accepted them, and they changed nothing) still evaluates."""
+    import torch
+
+    ckpt = torch.load(head, weights_only=True)
+    ckpt["config"] = {**ckpt["config"], "dropout": 0.2, "hidden_dims": [64]}
+    old = tmp_path / "old.pt"
+    torch.save(ckpt, old)
+    test = tmp_path / "test"
+    feature_bags(test, 4, seed=1)
+    summary = evaluate_feature_bags(old, sorted(test.glob("*.h5")), test / "labels.csv", tmp_path / "ev")
+    assert summary["n_bags"] == 4
