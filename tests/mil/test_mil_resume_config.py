@@ -127,3 +127,19 @@ def test_a_resume_names_changed_validation_data_before_the_metric_it_cannot_comp
     assert f"error: {run / 'last.pt'}: cannot resume with different settings or data (the validation data changed " \
            "since the run was saved" in err, err
     assert "--select-metric bag_nll" not in err and "Traceback" not in err
+
+
+def test_a_run_that_recorded_no_op_head_settings_resumes(mil_csv, tmp_path):
+    """Review CZ: an earlier version recorded `--dropout 0.2` given to a linear head (no effect); refusing it left
+    such runs unresumable (the fix to edit config.json then failed the resume's own comparison)."""
+    import torch
+
+    copy = tmp_path / "run"
+    assert main(["train", str(mil_csv), "--model", "linear", "--out", str(copy), "--epochs", "1", "--threads", "1",
+                 "--no-plots"]) == 0
+    (copy / "config.json").write_text(_edited(copy, dropout=0.2, hidden_dims=[64]))
+    ckpt = torch.load(copy / "last.pt", weights_only=True)
+    ckpt["config"] = {**ckpt["config"], "dropout": 0.2, "hidden_dims": [64]}
+    torch.save(ckpt, copy / "last.pt")
+    assert main(["train", "--resume", str(copy), "--epochs", "2", "--threads", "1", "--no-plots"]) == 0
+    assert torch.load(copy / "last.pt", weights_only=True)["epoch"] == 2

@@ -23,6 +23,7 @@ feature mode defaults to Adam.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import numbers
 from dataclasses import dataclass
 
@@ -96,14 +97,28 @@ def check_lam(lam, where: str = "lam") -> float:
 #: The largest learning rate and weight decay accepted: well inside float32 (review CX: values above its range crashed
 #: the optimizer with a traceback; 1e30 already diverges with the usual error).
 LR_MAX = 1e30
-#: Built-in models that ignore ``hidden_dims`` and ``dropout`` (the mlp head's), so a value other than the default
-#: is refused rather than recorded as a change of the run.
+#: Built-in models that ignore ``hidden_dims`` and ``dropout`` (the mlp head's): a value other than the default is
+#: said and replaced by it, so that it is not recorded as a change of the run.
 WITHOUT_HIDDEN_LAYERS = ("resnet18", "linear")
 #: The built-in models and whether each takes image patches (True) or feature vectors (False), as
 #: :mod:`wsi_milssl.mil.models` and :mod:`wsi_milssl.benchmark.baselines` register them (a test checks that
 #: they agree): the settings are checked without importing torch (review CH: every `run` imported it).
 BUILTIN_MODELS: dict[str, bool] = {"resnet18": True, "linear": False, "mlp": False, "digit-cnn": False,
                                    "digit-cnn-shift": False}
+
+
+_IGNORED_SAID: set[tuple[str, str]] = set()
+
+
+def _say_ignored(model: str, settings: list[str]) -> None:
+    """Warn once per process and value that ``settings`` (mlp head settings) take no effect on ``model``."""
+    key = (model, ", ".join(settings))
+    if key not in _IGNORED_SAID:
+        _IGNORED_SAID.add(key)
+        logging.getLogger(__name__).warning(
+            "model %r has no hidden layers or dropout (mlp has), so %s take(s) no effect: the run records the "
+            "defaults (a change of them trains nothing again). Fix: drop them, or train model = \"mlp\" on "
+            "features.", model, " and ".join(settings))
 
 
 def model_kinds() -> dict[str, bool]:
@@ -217,13 +232,13 @@ class TrainConfig:
             check_range(name, "hidden_dims", h, low=1)
         check_range(name, "dropout", self.dropout, low=0.0, high=1.0, high_inclusive=False)
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        ignored = [f"{key} {getattr(self, key)!r}" for key in ("hidden_dims", "dropout")
+        ignored = [key for key in ("hidden_dims", "dropout")
                    if self.model in WITHOUT_HIDDEN_LAYERS and getattr(self, key) != defaults[key]]
-        if ignored:  # review CX: accepted, recorded, and a changed value trained the same weights again
-            raise ConfigError(f"{name}: model {self.model!r} has no hidden layers or dropout (mlp has), so "
-                              f"{' and '.join(ignored)} would change nothing but start a new run. Fix: drop "
-                              f"{'them' if len(ignored) > 1 else 'it'} (in a pipeline: from [train]), or train "
-                              "model = \"mlp\" on features.")
+        if ignored:  # review CX: recorded as given, a changed value trained the same weights again; review CZ: a
+            # refusal broke resumes of earlier runs and grids over model = ["linear", "mlp"]: they take no effect
+            _say_ignored(self.model, [f"{key} {getattr(self, key)!r}" for key in ignored])
+            for key in ignored:
+                object.__setattr__(self, key, defaults[key])
         for field in ("epochs", "batch_size", "eval_batch_size"):
             check_type(name, field, getattr(self, field), int)
             check_range(name, field, getattr(self, field), low=1)

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from wsi_milssl.atomic import atomic_write_text
-from wsi_milssl.config.train import RUNTIME_ONLY_FIELDS, TrainConfig
+from wsi_milssl.config.train import RUNTIME_ONLY_FIELDS, WITHOUT_HIDDEN_LAYERS, TrainConfig
 from wsi_milssl.errors import CheckpointError, ConfigError, OutputError
 from wsi_milssl.mil.checkpoint import RESUME_FIX, check_resume_parts, read_checkpoint, save_checkpoint
 from wsi_milssl.mil.data import InstanceSet
@@ -220,6 +220,9 @@ def _check_resume_config(saved: dict[str, Any], current: dict[str, Any], path: P
             continue
         if key == "epochs" and saved.get("scheduler", "none") == "none":
             continue  # extending a constant-rate run keeps the first epochs identical
+        if key in ("hidden_dims", "dropout") and current.get("model") in WITHOUT_HIDDEN_LAYERS and \
+                json.dumps(value) == json.dumps(defaults.get(key)):
+            continue  # no effect on this model; an earlier version recorded them as given (review CZ)
         before = saved.get(key, defaults.get(key))
         if key == "weights_path":
             if _other_weights(before, value):
