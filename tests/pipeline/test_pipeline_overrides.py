@@ -184,3 +184,5 @@ def test_a_value_that_is_almost_toml_says_how_to_write_it(text, said):
         parse_override(text)
     assert said in str(err.value)
     assert parse_override("heatmap.colormap=magma")[1] == "magma"  # a bare word is still a string
+    for text in ("2024-11", "1.2.3", "1-2"):  # review CZ: texts of digits are no would-be numbers
+        assert parse_override(f"pipeline.name={text}")[1] == text

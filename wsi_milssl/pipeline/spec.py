@@ -50,6 +50,7 @@ import json
 import logging
 import math
 import os
+import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -215,7 +216,7 @@ def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
         if value.startswith(("[", "{")):
             raise ConfigError(f"--set {text!r}: {value} is not a TOML value. Fix: quote each word inside the brackets, "
                               f"--set '{'.'.join(parts)}=[\"a\", \"b\"]' (numbers stay bare: [0.1, 0.2]).") from None
-        if any(c.isdigit() for c in value) and all(c.isdigit() or c in "+-.eE_" for c in value):
+        if re.fullmatch(r"[+-]?(\.\d+|\d+\.)([eE][+-]?\d+)?", value):  # .5, 5. (review CZ: not 2024-11 or 1.2.3)
             raise ConfigError(f"--set {text!r}: {value} is not a TOML number. Fix: write it in full (e.g. 0.5, "
                               "not .5; 1e-3 or 0.001).") from None
         parsed = value
