@@ -50,6 +50,10 @@ def test_wrong_value_names_config_json(run_dir, tmp_path, capsys):
     err, path = _resume(run_dir, tmp_path, capsys, _edited(run_dir, mu="high"))
     assert f"error: {path}: TrainConfig.mu must be " in err and "got 'high'" in err
     assert "Fix: correct that value in config.json" in err and "options:" not in err
+    # review CZ: one fix, the resume's (a value's own fix is for settings given now)
+    err, path = _resume(run_dir, tmp_path / "b", capsys, _edited(run_dir, batch_size=1, model="resnet18",
+                                                                  mode="images"))
+    assert err.count("Fix:") == 1, err
 
 
 def test_a_run_saved_with_a_lam_above_todays_cap_is_not_resumable(run_dir, tmp_path, capsys):

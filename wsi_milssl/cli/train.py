@@ -373,8 +373,9 @@ def _resume_setup(args: argparse.Namespace):
             f"{cfg_path.name} was edited, restore its λ from the run's last.pt instead.")
     try:
         config_from_mapping(TrainConfig, {**base, "mode": mode}, source=str(cfg_path))
-    except ConfigError as exc:
-        raise ConfigError(f"{exc} Fix: correct that value in {cfg_path.name}, or start a new run without "
+    except ConfigError as exc:  # its own fix is for settings given now (review CZ: two Fix: sentences)
+        problem = str(exc).split(" Fix: ")[0].rstrip(".")
+        raise ConfigError(f"{problem}. Fix: correct that value in {cfg_path.name}, or start a new run without "
                           "--resume.") from None
     missing = [p for p in [*inputs, labels, *(val or []), val_labels] if p and not Path(p).exists()]
     if missing and all(Path(p).is_absolute() for p in missing):  # this version records absolute paths
