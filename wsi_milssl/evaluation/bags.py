@@ -64,7 +64,6 @@ def evaluate_feature_bags(checkpoint: str | os.PathLike, feature_files: Sequence
     bag with score 0, as image mode scores a slide without patches: left out, a missed tumour slide would
     vanish from the bag metrics (``empty_bags`` names them, and a warning)."""
     from wsi_milssl.config import TrainConfig, config_from_mapping
-    from wsi_milssl.config.train import WITHOUT_HIDDEN_LAYERS
     from wsi_milssl.mil.checkpoint import load_model
     from wsi_milssl.mil.data import read_feature_files, read_labels_csv
     from wsi_milssl.mil.scores import bag_metrics
@@ -72,8 +71,6 @@ def evaluate_feature_bags(checkpoint: str | os.PathLike, feature_files: Sequence
 
     model, saved = load_model(checkpoint)
     fields = set(TrainConfig.__dataclass_fields__)
-    if saved.get("model") in WITHOUT_HIDDEN_LAYERS:  # no-ops an earlier version recorded, refused in new configs
-        fields -= {"hidden_dims", "dropout"}
     # the one way a saved config is read, naming the checkpoint in its errors (review BQ)
     config = config_from_mapping(TrainConfig, {k: v for k, v in saved.items() if k in fields}, source=str(checkpoint))
     labels = read_labels_csv(labels_csv)

@@ -58,9 +58,10 @@ def write_camelyon16_tree(config: SynthConfig, out_dir: str | os.PathLike, *,
     from wsi_milssl.synth.generate import _generate_slides, tumour_flags
 
     out = Path(out_dir)
-    names = camelyon16_names([bool(f) for f in tumour_flags(config)])
+    flags = [bool(f) for f in tumour_flags(config)]
+    names = camelyon16_names(flags)
     kinds = [name.split("_")[0] for _, name in names]
-    test_labels = [flag for (subset, _), flag in zip(names, tumour_flags(config)) if subset == "test"]
+    test_labels = [flag for (subset, _), flag in zip(names, flags) if subset == "test"]
     if not {"tumor", "normal"} <= set(kinds) or len(set(test_labels)) < 2:
         raise ConfigError(
             f"{out}: a CAMELYON16 layout needs tumour and normal slides in both sets; {config.n_slides} slide(s) "
