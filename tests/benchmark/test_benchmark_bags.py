@@ -223,9 +223,9 @@ def test_an_acceptance_line_without_the_methods_it_compares_says_so(fast):
 
 
 def test_cli_rejects_the_ablation_on_the_hard_protocol(capsys):
-    assert main(["benchmark", "bags", "--ablation", "--protocol", "hard"]) == 1
+    assert main(["benchmark", "bags", "--ablation", "--protocol", "hard"]) == 2  # a usage error
     assert "--ablation runs on the normal protocol" in capsys.readouterr().err
-    assert main(["benchmark", "bags", "--ablation", "--plot", "x.png"]) == 1
+    assert main(["benchmark", "bags", "--ablation", "--plot", "x.png"]) == 2
     assert "the ablation is one table" in capsys.readouterr().err
 
 

@@ -54,10 +54,10 @@ def test_bags_refuses_an_output_on_the_mnist_file_or_another_output(tmp_path, ca
 
 
 def test_bags_reports_a_bad_hard_ratio_under_its_own_name(capsys):
-    assert main(["benchmark", "bags", "--hard-ratio", "-1"]) == 1
+    assert main(["benchmark", "bags", "--hard-ratio", "-1"]) == 2  # a usage error
     err = capsys.readouterr().err
     assert "--hard-ratio" in err and "--ratios" not in err
-    assert main(["benchmark", "bags", "--ablation-ratio", "1.5"]) == 1
+    assert main(["benchmark", "bags", "--ablation-ratio", "1.5"]) == 2
     assert "--ablation-ratio" in capsys.readouterr().err
 
 
@@ -68,7 +68,7 @@ def test_bags_reports_a_bad_hard_ratio_under_its_own_name(capsys):
 ])
 def test_bags_names_a_bad_value_by_its_option(capsys, argv, message):
     """Review CD: "BagBenchConfig.lrs must satisfy ...", a field name the command line does not show."""
-    assert main(["benchmark", "bags", *argv, "--show-bags"]) == 1
+    assert main(["benchmark", "bags", *argv, "--show-bags"]) == 2  # a usage error
     err = capsys.readouterr().err
     assert message in err and "BagBenchConfig." not in err
 
@@ -101,10 +101,10 @@ def test_a_bad_setting_is_named_by_its_option(tmp_path, capsys):
     """Said "BenchmarkConfig.folds must satisfy ..." for --folds 1."""
     path = _mil_csv(tmp_path / "one.csv", [0, 1] * 4)
     for option, value in (("--folds", "1"), ("--inner-folds", "1"), ("--repeats", "0")):
-        assert main(["benchmark", "mil-csv", str(path), *TINY, option, value, "--json", str(tmp_path / "r.json")]) == 1
+        assert main(["benchmark", "mil-csv", str(path), *TINY, option, value, "--json", str(tmp_path / "r.json")]) == 2
         err = capsys.readouterr().err
         assert f"error: {option} must satisfy" in err and "BenchmarkConfig" not in err
-    assert main(["benchmark", "mil-csv", str(path), "--methods", "mil-ssl", "mil-ssl-improved"]) == 1
+    assert main(["benchmark", "mil-csv", str(path), "--methods", "mil-ssl", "mil-ssl-improved"]) == 2
     assert "'mil-ssl' is 'mil-ssl-improved' (the improved preset), and both are listed" in capsys.readouterr().err
     assert not (tmp_path / "r.json").exists()
 

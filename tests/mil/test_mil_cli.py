@@ -45,7 +45,7 @@ def test_train_cli_ablation_switches_reach_the_config(tmp_path, mil_csv):
 
 
 def test_train_cli_errors(tmp_path, mil_csv, capsys):
-    assert main(["train", str(mil_csv)]) == 1
+    assert main(["train", str(mil_csv)]) == 2  # a usage error, as argparse's own
     assert "--out RUN_DIR is required" in capsys.readouterr().err
     assert main(["train", "--resume", str(tmp_path / "nothing")]) == 1
     assert "no last.pt to resume from" in capsys.readouterr().err

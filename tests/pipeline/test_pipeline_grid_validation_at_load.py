@@ -80,7 +80,7 @@ def test_prepare_refuses_val_fraction_0_with_the_default_grid_and_writes_nothing
 def test_run_refuses_a_prepared_pipeline_edited_to_val_fraction_0_before_any_stage(tmp_path, capsys):
     out = tmp_path / "prepared"
     toml = prepare_camelyon16(_camelyon16(tmp_path / "CAMELYON16"), out, val_fraction=0.5).pipeline_toml
-    assert main(["run", str(toml), "--set", "data.val_fraction=0"]) == 1
+    assert main(["run", str(toml), "--set", "data.val_fraction=0"]) == 2  # a usage error
     err = capsys.readouterr().err
     # from the split of the prepared lists: 2 tumour and 2 normal training slides, enough for validation
     assert f"{toml} [train] with --set data.val_fraction=0: a [train.grid] of 16 points needs validation slides" in err

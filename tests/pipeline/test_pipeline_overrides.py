@@ -115,14 +115,14 @@ def _write(path, text):
 
 
 def test_bad_overrides_name_the_problem(toml, tmp_path, capsys):
-    assert main(["run", str(toml), "--out", str(tmp_path / "o"), "--set", "trian.epochs=2"]) == 1
+    assert main(["run", str(toml), "--out", str(tmp_path / "o"), "--set", "trian.epochs=2"]) == 2  # a usage error
     assert "unknown table [trian]" in capsys.readouterr().err
-    assert main(["run", str(toml), "--out", str(tmp_path / "o"), "--set", "train.epoch=2"]) == 1
+    assert main(["run", str(toml), "--out", str(tmp_path / "o"), "--set", "train.epoch=2"]) == 2
     # an error a --set caused names it, not only the file (whose [train] has no such key)
     assert (f"error: {toml} [train] with --set train.epoch=2: unknown key(s) epoch for TrainConfig"
             in capsys.readouterr().err)
     assert main(["run", str(toml), "--out", str(tmp_path / "o"), "--set", "train.epochs=2",
-                 "--set", "data.val_fraction=2"]) == 1
+                 "--set", "data.val_fraction=2"]) == 2
     assert (f"error: {toml} with --set data.val_fraction=2: [data].val_fraction must satisfy"
             in capsys.readouterr().err)
     assert not (tmp_path / "o").exists()

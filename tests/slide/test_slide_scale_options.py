@@ -27,7 +27,7 @@ def test_info_refuses_a_scale_that_is_no_resolution(slide, capsys, option, value
     for value in values:
         code = main(["info", str(slide), option, value])
         out, err = capsys.readouterr()
-        assert code == 1 and out == "", (value, out)
+        assert code == 2 and out == "", (value, out)  # a usage error
         assert err == f"error: {option} must be between {low_high}; got {float(value)!r}.\n", err
 
 

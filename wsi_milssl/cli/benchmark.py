@@ -128,13 +128,14 @@ def benchmark_config(**fields):
 
 
 def named_by_options(exc: Exception, config_name: str, options: dict[str, str]):
-    """``exc`` (a config's ConfigError) as a ConfigError naming each field by the option that sets it."""
-    from wsi_milssl.errors import ConfigError
+    """``exc`` (a config's ConfigError) as an OptionError (a usage error, exit code 2) naming each field by the
+    option that sets it."""
+    from wsi_milssl.errors import OptionError
 
     text = str(exc)
     for field, option in options.items():
         text = text.replace(f"{config_name}.{field} ", f"{option} ")
-    return ConfigError(text)
+    return OptionError(text)
 
 
 def run(args: argparse.Namespace) -> int:  # pragma: no cover - argparse dispatches to a subcommand

@@ -24,6 +24,7 @@ def demo_pipeline_file():
 
 def register(subparsers) -> None:
     from wsi_milssl.cli import HelpFormatter
+    from wsi_milssl.pipeline import STAGES
 
     p = subparsers.add_parser(
         "demo",
@@ -34,7 +35,8 @@ def register(subparsers) -> None:
         formatter_class=HelpFormatter,
     )
     p.add_argument("out_dir", type=output_folder, metavar="OUT_DIR", help="folder for every artifact of the demo")
-    p.add_argument("--until", default=None, metavar="STAGE", help="stop after this stage (e.g. tile)")
+    p.add_argument("--until", default=None, choices=STAGES, metavar="STAGE",
+                   help="stop after this stage (e.g. tile)")
     p.set_defaults(run=run)
 
 

@@ -80,9 +80,9 @@ _OPTION_RANGES = {"--slide-mpp": SLIDE_MPP_RANGE, "--mpp-at-40x": SLIDE_MPP_RANG
 
 
 def check_options(args: argparse.Namespace) -> None:
-    """ConfigError for an option value that is no resolution or magnification (NaN, infinite, 0,
+    """OptionError (exit code 2) for an option value that is no resolution or magnification (NaN, infinite, 0,
     negative, absurdly large), before any slide is described."""
-    from wsi_milssl.errors import ConfigError
+    from wsi_milssl.errors import OptionError
 
     given = {"--slide-mpp": [] if args.mpp is None else [args.mpp], "--mpp-at-40x": [args.mpp_at_40x],
              "--magnifications": args.magnifications}
@@ -90,7 +90,7 @@ def check_options(args: argparse.Namespace) -> None:
         low, high = _OPTION_RANGES[option]
         for value in values:
             if not low <= value <= high:  # False for NaN too
-                raise ConfigError(f"{option} must be between {low:g} and {high:g}; got {value!r}.")
+                raise OptionError(f"{option} must be between {low:g} and {high:g}; got {value!r}.")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -139,9 +139,21 @@ def run(args: argparse.Namespace) -> int:
         write.logger.removeFilter(_not_a_note)
 
 
+def _check_fractions(args: argparse.Namespace) -> None:
+    """OptionError (a usage error, exit code 2) for a fraction out of range, named by its option (not by the
+    pipeline key it becomes; review CX)."""
+    from wsi_milssl.errors import OptionError
+
+    for option, value, zero_ok in (("--test-fraction", getattr(args, "test_fraction", None), False),
+                                   ("--val-fraction", args.val_fraction, True)):
+        if value is not None and not (0.0 <= value < 1.0 and (zero_ok or value > 0.0)):  # NaN too
+            raise OptionError(f"{option} must satisfy {'0 <=' if zero_ok else '0 <'} F < 1; got {value!r}.")
+
+
 def _run(args: argparse.Namespace) -> int:
     from wsi_milssl.cohorts import prepare_camelyon16, prepare_folder
 
+    _check_fractions(args)
     if args.layout == "camelyon16":
         result = prepare_camelyon16(args.root, args.out, template=args.template, reference=args.reference,
                                     annotations_dir=args.annotations, val_fraction=args.val_fraction,

@@ -46,9 +46,9 @@ def register(subparsers) -> None:
 def run_and_report(pipeline: Path, *, out: Path | None, force=(), until=None, overrides=(),
                    out_named_by: str = "--out") -> int:
     from wsi_milssl.cli.progress import TqdmProgress
-    from wsi_milssl.pipeline import load_pipeline, run_pipeline
+    from wsi_milssl.pipeline import run_pipeline
 
-    spec = load_pipeline(pipeline, out_dir=out, overrides=overrides, check_paths=True)  # [data] paths exist
+    spec = _load(pipeline, out=out, overrides=overrides)
     print(f"pipeline {spec.name!r} from {spec.source} -> {spec.out_dir}"
           + (f" (with --set {' --set '.join(spec.overrides)})" if spec.overrides else ""))
 
@@ -68,6 +68,24 @@ def run_and_report(pipeline: Path, *, out: Path | None, force=(), until=None, ov
         print(f"report: {report}" if report.exists() else f"metrics: {metrics}")
     sys.stdout.flush()
     return 0
+
+
+def _load(pipeline: Path, *, out: Path | None, overrides):
+    """The pipeline with its --set values ([data] paths checked); an error the --set values alone cause is a
+    usage error (OptionError, exit code 2), as a wrong option of any other command is (review CX)."""
+    from wsi_milssl.errors import ConfigError, OptionError
+    from wsi_milssl.pipeline import load_pipeline
+
+    try:
+        return load_pipeline(pipeline, out_dir=out, overrides=overrides, check_paths=True)
+    except ConfigError as exc:
+        if not overrides or isinstance(exc, OptionError):
+            raise
+        try:
+            load_pipeline(pipeline, out_dir=out, check_paths=True)
+        except ConfigError:
+            raise exc from None  # the file itself is wrong: exit code 1, as without --set
+        raise OptionError(str(exc)) from None
 
 
 def packaged_pipelines() -> Path:

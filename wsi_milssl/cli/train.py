@@ -461,9 +461,9 @@ def _set_up(args: argparse.Namespace):
         out, base, input_mode, inputs, labels, val_inputs, val_labels = _resume_setup(args)
     else:
         if not args.inputs:
-            raise ConfigError("no inputs; pass patch stores, feature files or a MIL CSV (or --resume RUN_DIR).")
+            raise OptionError("no inputs; pass patch stores, feature files or a MIL CSV (or --resume RUN_DIR).")
         if args.out is None:
-            raise ConfigError("--out RUN_DIR is required (where checkpoints and metrics go).")
+            raise OptionError("--out RUN_DIR is required (where checkpoints and metrics go).")
         out, base = args.out, {}
         inputs, labels, val_inputs = list(args.inputs), args.labels, args.val
         val_labels = args.val_labels or args.labels
