@@ -16,6 +16,7 @@ import pytest
 from tinypipeline import FEATURE_BAGS, GENERATED_SLIDES, feature_bags
 from wsi_milssl.cli import main
 from wsi_milssl.config import load_toml
+from wsi_milssl.errors import ConfigError
 from wsi_milssl.pipeline import RESOLVED_FILENAME, load_pipeline, run_pipeline
 from wsi_milssl.pipeline import runner
 from wsi_milssl.pipeline import stamps
@@ -113,6 +114,22 @@ def test_out_dir_expands_the_home_folder(work, tmp_path, monkeypatch):
     assert load_pipeline("p.toml").out_dir == tmp_path / "home" / "runs" / "feat"
     assert load_pipeline("p.toml", out_dir="~/x").out_dir == tmp_path / "home" / "x"
     assert load_pipeline("p.toml", out_dir="x").out_dir == work / "x"  # relative: to the current folder
+
+
+def test_a_name_with_a_slash_is_refused_where_it_names_the_default_output_folder(work):
+    """Review CX: `--set 'pipeline.name="../escape"'` ran into ../escape_out, outside the pipeline's folder."""
+    no_out_dir = FEATURES.replace('out_dir = "feat_out"\n', "")
+    (work / "p.toml").write_text(no_out_dir)
+    assert load_pipeline("p.toml").out_dir == work / "feat_out"
+    for name in ("../escape", "a/b", "a\\\\b"):
+        with pytest.raises(ConfigError, match=r"\[pipeline\]\.name '.*' names the default output folder .*_out, which "
+                                              r"would not be a folder beside the pipeline file\. Fix: a name without"):
+            load_pipeline("p.toml", overrides=[f'pipeline.name="{name}"'])
+    # with an output folder of its own (or --out) the name is only a title
+    assert load_pipeline("p.toml", out_dir="o", overrides=['pipeline.name="a/b"']).name == "a/b"
+    (work / "p.toml").write_text(FEATURES.replace('name = "feat"', 'name = "CAMELYON16/10x"'))
+    assert load_pipeline("p.toml").out_dir == work / "feat_out"
+    assert not (work.parent / "escape_out").exists()
 
 
 def test_the_resolved_pipeline_is_written_when_every_stage_has_run_with_its_settings(work, monkeypatch):

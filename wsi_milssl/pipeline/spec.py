@@ -294,6 +294,10 @@ def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None 
         raise ConfigError(f"{at('pipeline')}: [pipeline].grid_workers must be \"auto\" or a whole number >= 1; got "
                           f"{grid_workers!r}.")
     if out_dir is None:
+        if "out_dir" not in meta and ("/" in name or "\\" in name):
+            raise ConfigError(f"{at('pipeline')}: [pipeline].name {name!r} names the default output folder "
+                              f"{name}_out, which would not be a folder beside the pipeline file. Fix: a name "
+                              "without '/' and '\\', or set [pipeline].out_dir.")
         out_dir = _check(at("pipeline"), "pipeline", "out_dir", meta.get("out_dir", f"{name}_out"), str)
         if not out_dir.strip():
             raise ConfigError(f"{at('pipeline')}: [pipeline].out_dir must not be empty (or blank).")
