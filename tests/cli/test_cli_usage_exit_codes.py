@@ -17,6 +17,8 @@ from wsi_milssl.cli import main
      "error: --val-fraction must satisfy 0 <= F < 1; got 1.0."),
     (["prepare", "camelyon16", "root", "--out", "o", "--val-fraction", "nan"],
      "error: --val-fraction must satisfy 0 <= F < 1; got nan."),
+    (["prepare", "folder", "--slides", "s", "--labels", "l.csv", "--out", "o", "--name", " "],
+     "error: --name must not be empty (or blank); leave it out for the --out folder's name."),
     (["train"], "error: no inputs; pass patch stores"),
     (["demo", "d", "--until", "nosuch"], "argument --until: invalid choice: 'nosuch'"),
 ])

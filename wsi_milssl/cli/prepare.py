@@ -139,11 +139,13 @@ def run(args: argparse.Namespace) -> int:
         write.logger.removeFilter(_not_a_note)
 
 
-def _check_fractions(args: argparse.Namespace) -> None:
-    """OptionError (a usage error, exit code 2) for a fraction out of range, named by its option (not by the
-    pipeline key it becomes; review CX)."""
+def _check_options(args: argparse.Namespace) -> None:
+    """OptionError (a usage error, exit code 2) for a fraction out of range or a blank --name, named by its option
+    (not by the pipeline key it becomes; review CX)."""
     from wsi_milssl.errors import OptionError
 
+    if getattr(args, "name", None) is not None and not args.name.strip():
+        raise OptionError("--name must not be empty (or blank); leave it out for the --out folder's name.")
     for option, value, zero_ok in (("--test-fraction", getattr(args, "test_fraction", None), False),
                                    ("--val-fraction", args.val_fraction, True)):
         if value is not None and not (0.0 <= value < 1.0 and (zero_ok or value > 0.0)):  # NaN too
@@ -153,7 +155,7 @@ def _check_fractions(args: argparse.Namespace) -> None:
 def _run(args: argparse.Namespace) -> int:
     from wsi_milssl.cohorts import prepare_camelyon16, prepare_folder
 
-    _check_fractions(args)
+    _check_options(args)
     if args.layout == "camelyon16":
         result = prepare_camelyon16(args.root, args.out, template=args.template, reference=args.reference,
                                     annotations_dir=args.annotations, val_fraction=args.val_fraction,
