@@ -668,7 +668,7 @@ def _run_stages(spec: PipelineSpec, stages: list[str], forced: set[str], *,
             missing = _missing_unrecorded(ctx, stage)
             stale = f"output missing: {missing[0]}" if missing else None
         if stale is None and stage == "evaluate":
-            stale = _earlier_evaluation(ctx) or _evaluation_changed(ctx)
+            stale = _evaluation_changed(ctx) or _earlier_evaluation(ctx)  # a hand run first (review DD)
         if stale is None and not ran_before and forced_first is None:
             outcome = StageOutcome(stage, "skipped", 0.0, "up to date" + _kept_note(ctx, stage))
         else:
