@@ -11,7 +11,6 @@ Drawn with matplotlib's Agg canvas (no pyplot state, never opens a window).
 
 from __future__ import annotations
 
-import io
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -156,9 +155,6 @@ def digit_bags_figure(result: Mapping[str, Any]):
 
 
 def _png(fig) -> bytes:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from wsi_milssl.figures import png_bytes
 
-    FigureCanvasAgg(fig)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    return buf.getvalue()
+    return png_bytes(fig, dpi=100)

@@ -22,6 +22,7 @@ from PIL import Image
 
 from wsi_milssl.evaluation.froc import FP_RATES, FrocCurve, SlideMatch
 from wsi_milssl.evaluation.metrics import RocCurve, counted
+from wsi_milssl.figures import png_bytes
 
 __all__ = ["MATCH_VIEW_LEGEND", "VIEW_MIN_TEXT_PX", "froc_figure", "froc_png", "roc_png", "thumbnail_png",
            "probability_map_figure", "probability_map_png", "match_view_figure", "match_view_png"]
@@ -45,10 +46,7 @@ _VIEW_MIN_LONG_IN = 4.0
 
 
 def _png(fig: Figure, *, dpi: float = 100) -> bytes:
-    FigureCanvasAgg(fig)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
-    return buf.getvalue()
+    return png_bytes(fig, dpi=dpi)
 
 
 def _wrap(text: str, *, width_in: float, fontsize_pt: float) -> str:

@@ -96,8 +96,10 @@ def training_metrics_figure(history: Sequence[dict[str, Any]]):
 def plot_training_metrics(history: Sequence[dict[str, Any]], path: str | os.PathLike) -> Path:
     """Draw loss, pseudo-label statistics (mean, μ_t, precision/recall/accuracy against instance labels)
     and validation AUCs per epoch into one PNG at ``path`` (written atomically)."""
+    from wsi_milssl.figures import png_bytes
+
     path = Path(path)
     fig = training_metrics_figure(history)
     with atomic_open(path, "wb") as fh:
-        fig.savefig(fh, format="png", dpi=100)
+        fh.write(png_bytes(fig, dpi=100))
     return path
