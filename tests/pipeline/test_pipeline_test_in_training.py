@@ -74,6 +74,30 @@ def test_a_copied_feature_file_counts_and_other_bags_do_not(tmp_path):
         refuse_test_in_training(spec)
 
 
+def test_features_of_a_training_slide_made_again_are_refused(tmp_path):
+    """Review DB: the training slides' features extracted a second time (float16, another folder: other bytes) were
+    taken as the test set and scored bag AUC 1.0; train --val refuses them by the slide each file records."""
+    feature_bags(tmp_path / "bags" / "train", 6, 0)
+    feature_bags(tmp_path / "bags" / "test", 4, 1)
+    for folder, count in (("train", 6), ("test", 4)):
+        for i in range(count):
+            with h5py.File(tmp_path / "bags" / folder / f"bag_{i:02d}.h5", "a") as fh:
+                fh.attrs["slide_path"] = str(tmp_path / "slides" / folder / f"s{i}.svs")
+    spec = load_pipeline(_write(tmp_path / "p.toml", FEATURE_BAGS), out_dir=tmp_path / "out")
+    refuse_test_in_training(spec)  # other slides
+    again = tmp_path / "bags" / "test" / "bag_03.h5"
+    with h5py.File(again, "a") as fh:
+        rows = np.asarray(fh["features"][()], dtype=np.float16)
+        del fh["features"]
+        fh["features"] = rows
+        fh.attrs["slide_path"] = str(tmp_path / "slides" / "train" / "s5.svs")
+    with pytest.raises(ConfigError, match=re.escape(
+            f"1 bag(s) are in both the training and the test set (bag_03 in {again} (of the slide "
+            f"{tmp_path / 'slides' / 'train' / 's5.svs'}, as {tmp_path / 'bags' / 'train' / 'bag_05.h5'})): the model "
+            "would be scored on bags it trained or validated on.")):
+        refuse_test_in_training(spec)
+
+
 def test_a_copied_feature_file_saved_as_a_batch_of_one_slide_counts_too(tmp_path):
     """Review CA: (1, N, D) files are read as their (N, D) rows (aa3efee), but the pipeline's count of a file's bags
     was not guarded: such a file counted as no bag, and its copy in the test set went through."""

@@ -371,36 +371,49 @@ def _training_labels(spec: PipelineSpec) -> list:
 def feature_file_bags(path: Path) -> list[str] | None:
     """The bag names a feature file holds (its ``bag_ids``, else its slide stem), as
     :func:`wsi_milssl.mil.data.read_feature_files` names them; None when the file cannot be read."""
+    record = _bag_record(path)
+    return None if record is None else list(record[0])
+
+
+def feature_file_slide(path: Path) -> str | None:
+    """The slide file a feature file of one slide records (its ``slide_path``, resolved, as
+    :func:`wsi_milssl.mil.data.held_out_bags` compares them); None when it records none (CLAM's, TRIDENT's, a file
+    of several bags) or cannot be read."""
+    record = _bag_record(path)
+    return None if record is None else record[1]
+
+
+def _bag_record(path: Path) -> tuple[list[str], str | None] | None:
     from wsi_milssl.hashing import kept_file_read
 
     try:
         st = os.stat(path)
     except OSError:
         return None
-    bags = kept_file_read("bags", path, st, lambda: _read_bag_names(Path(path)))  # once per run (review CH)
-    return None if bags is None else list(bags)
+    return kept_file_read("bags", path, st, lambda: _read_bag_record(Path(path)))  # once per run (review CH)
 
 
-def _read_bag_names(path: Path) -> list[str] | None:
+def _read_bag_record(path: Path) -> tuple[list[str], str | None] | None:
     import h5py
 
     from wsi_milssl.features.schema import BAG_IDS, FEATURES
+
+    def text(value) -> str:
+        return value.decode() if isinstance(value, bytes) else str(value or "")
 
     try:
         with h5py.File(path, "r") as fh:
             shape = fh[FEATURES].shape  # (N, D), or (1, N, D) as read_feature_file reads it
             n = shape[0] if len(shape) == 2 else (shape[1] if len(shape) == 3 and shape[0] == 1 else 0)
             if n == 0:
-                return []
+                return [], None
             if BAG_IDS in fh:
-                ids = [b.decode() if isinstance(b, bytes) else str(b) for b in fh[BAG_IDS][()].tolist()]
-                return list(dict.fromkeys(ids))
-            stem = fh.attrs.get("slide_stem")
+                ids = [text(b) for b in fh[BAG_IDS][()].tolist()]
+                return list(dict.fromkeys(ids)), None
+            stem, slide = text(fh.attrs.get("slide_stem")), text(fh.attrs.get("slide_path"))
     except (OSError, KeyError, ValueError):
         return None
-    if isinstance(stem, bytes):
-        stem = stem.decode()
-    return [str(stem or path.stem)]
+    return [stem or path.stem], (os.path.realpath(slide) if slide else None)
 
 
 def feature_files(path: Path) -> list[Path]:

@@ -5,8 +5,10 @@ A slide (image data) or a feature file (feature data) counts as the same when it
 (device and inode: links, another spelling) or a copy holding the same bytes
 (:func:`wsi_milssl.cohorts.checks.same_content_groups`, which reads only files of equal sizes); two files that
 only share a name (two folders) do not. A feature file of one slide is that slide's bag, under whatever name the
-labels file gives it; one that holds several bags (``bag_ids``, the MIL CSV layout) shares a bag when its name is
-in both labels files too: one file of every bag, whose two labels files list different bags, is a valid split.
+labels file gives it, and so is every feature file that records the same slide file (``slide_path``: its features
+made again, at another precision or by another encoder). One that holds several bags (``bag_ids``, the MIL CSV
+layout) shares a bag when its name is in both labels files too: one file of every bag, whose two labels files list
+different bags, is a valid split.
 Generated sets are other slides when their seeds differ, which :func:`wsi_milssl.pipeline.spec.load_pipeline`
 requires.
 """
@@ -80,7 +82,7 @@ def _shared_slides(spec: PipelineSpec) -> list[str]:
 def _shared_bags(spec: PipelineSpec) -> list[str]:
     from wsi_milssl.cohorts import read_labels
     from wsi_milssl.errors import WsiMilsslError
-    from wsi_milssl.pipeline.digests import feature_file_bags, feature_files
+    from wsi_milssl.pipeline.digests import feature_file_bags, feature_file_slide, feature_files
 
     held: dict[Path, list[str]] = {}  # feature file: the bags it holds
     bags: dict[str, dict[Path, list[str]]] = {}  # set: {feature file: the bags of it that its labels name}
@@ -95,13 +97,23 @@ def _shared_bags(spec: PipelineSpec) -> list[str]:
             held.setdefault(f, feature_file_bags(f) or [])
         bags[set_name] = {f: [b for b in held[f] if b in labels] for f in files}
     shared = []
-    for a, b in _same_files(list(bags["train"]), list(bags["test"])):
+    same = _same_files(list(bags["train"]), list(bags["test"]))
+    for a, b in same:
         if len(held[b]) == 1:  # a file of one slide: the same bytes are the same bag, whatever the file's name,
             # labelled in the test labels file or not (review BZ: an unlabelled copy was found only after training)
             shared += [f"{name} in {_pair(a, b)}" for name in held[b] if bags["train"][a]]
         else:  # a file of several bags: its labels files may split them
             in_train = {name.casefold() for name in bags["train"][a]}
             shared += [f"{name} in {_pair(a, b)}" for name in bags["test"][b] if name.casefold() in in_train]
+    # features of a training slide made again (another encoder precision, another folder: other bytes) are that
+    # slide's bag too, as train --val finds them (review DB)
+    copied = {b for _, b in same}
+    slides = {feature_file_slide(a): a for a in bags["train"] if bags["train"][a]}
+    slides.pop(None, None)
+    for b in bags["test"]:
+        a = slides.get(feature_file_slide(b)) if b not in copied else None
+        if a is not None:
+            shared += [f"{name} in {b} (of the slide {feature_file_slide(b)}, as {a})" for name in held[b]]
     return shared
 
 
