@@ -68,7 +68,7 @@ from wsi_milssl.inference.exports import (
 from wsi_milssl.inference.heatmap import render_overlay, write_png
 from wsi_milssl.inference.model import InferenceModel, load_inference_model
 from wsi_milssl.inference.predict import SlideInput, SlidePrediction, predict_many, prestart_readers
-from wsi_milssl.locks import folder_lock
+from wsi_milssl.locks import folder_lock, other_shards_writing
 from wsi_milssl.paths import path_list
 from wsi_milssl.runtime import restores_torch_threads
 from wsi_milssl.slide.tissue import slide_tissue_mask
@@ -823,6 +823,30 @@ def _saved_prediction(out_dir: Path, item: SlideInput, sidecar: dict) -> SlidePr
         tissue_detector=str(sidecar["tissue_detector"]), mask_mpp=float(sidecar["mask_mpp"]))
 
 
+def _check_shard_settings(out_dir: Path, fingerprint: str, model: InferenceModel) -> None:
+    """ConfigError when ``out_dir``'s heatmap_config.json (written by another shard of the run, or an earlier run)
+    records maps of another checkpoint or other settings than this shard's (review DA: shards given two checkpoints
+    filled one folder, and scores.csv, with maps of two models, and the record named one of them)."""
+    path = out_dir / CONFIG_FILENAME
+    try:
+        recorded = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: cannot read the settings of this folder ({exc}). Fix: write to a new folder "
+                          "with --out, or pass --overwrite.") from None
+    if not isinstance(recorded, dict) or recorded.get("fingerprint") in (None, fingerprint):
+        return
+    theirs = recorded.get("checkpoint")
+    ours = None if model.checkpoint_path is None else os.path.abspath(model.checkpoint_path)
+    what = (f"the checkpoint {theirs}, not this shard's {ours}" if theirs != ours or
+            recorded.get("checkpoint_sha256") != checkpoint_sha256(model) else "other settings than this shard's")
+    raise ConfigError(f"{path}: this folder holds maps made with {what}; the shards of one run must use the same "
+                      "checkpoint and settings, or the folder's maps and scores.csv would mix two models. Fix: give "
+                      "this shard the other shards' checkpoint and settings, or write to a new folder with --out (or, "
+                      "when no other shard is running, pass --overwrite to predict this shard's slides again).")
+
+
 def _write_config(out_dir: Path, config: HeatmapConfig, model: InferenceModel, fingerprint: str,
                   sha256: str | None) -> Path:
     data = {
@@ -956,13 +980,19 @@ def make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.Path
                                                    finished=lambda: _read_status(Path(out_dir) / STATUS_FILENAME)))
 
         return _make_heatmaps(mine, checkpoint, out_dir, config, annotations_dir=annotations_dir,
-                              progress=progress, overwrite=overwrite, mark=mark)
+                              progress=progress, overwrite=overwrite, mark=mark,
+                              shard=(int(shard[0]), int(shard[1])) if int(shard[1]) > 1 and not overwrite else None)
 
 
 def _make_heatmaps(inputs: list[HeatmapInput], checkpoint: str | os.PathLike | InferenceModel,
                    out_dir: str | os.PathLike, config: HeatmapConfig | None, *,
                    annotations_dir: str | os.PathLike | None, progress: ProgressCallback | None,
-                   overwrite: bool, mark: Callable[[], None] | None = None) -> HeatmapRun:
+                   overwrite: bool, mark: Callable[[], None] | None = None,
+                   shard: tuple[int, int] | None = None) -> HeatmapRun:
+    """``shard`` (I, N) of a run without --overwrite: refused while other shards that write the folder now use
+    another checkpoint or other settings (:func:`_check_shard_settings`), before its first slide and again after its
+    last (two shards started at the same moment). A shard run after the others with a new checkpoint is not: it
+    predicts its own slides again, and evaluate refuses the folder until every shard has."""
     config = config or HeatmapConfig()
     out_dir = Path(out_dir)
     if inputs and config.num_workers != 0:
@@ -978,6 +1008,8 @@ def _make_heatmaps(inputs: list[HeatmapInput], checkpoint: str | os.PathLike | I
     sha256 = checkpoint_sha256(model)
     finished, to_redraw = ({}, {}) if overwrite else _finished(out_dir, fingerprint, prediction_fingerprint, inputs,
                                                                       annotations_dir)
+    if shard is not None and other_shards_writing(out_dir, shard):
+        _check_shard_settings(out_dir, fingerprint, model)
     config_json = _write_config(out_dir, config, model, fingerprint, sha256)
     status_csv = out_dir / STATUS_FILENAME
     results: dict[int, HeatmapResult] = {}
@@ -1119,5 +1151,8 @@ def _make_heatmaps(inputs: list[HeatmapInput], checkpoint: str | os.PathLike | I
     results_list = [results[k] for k in range(len(inputs))]
     if unwritten_rows or not status_csv.exists():
         _merge_status(status_csv, results_list)
+    if shard is not None:  # the folder's lock keeps every other run out: a record of other settings written since
+        # this shard's own is another shard's, started at the same moment
+        _check_shard_settings(out_dir, fingerprint, model)
     return HeatmapRun(tuple(results_list), out_dir, status_csv, config_json, out_dir / SCORES_FILENAME,
                       seconds=time.perf_counter() - t_start, skipped=tuple(skipped), redrawn=tuple(redrawn))
