@@ -180,3 +180,32 @@ def test_a_moved_folder_of_stores_annotations_and_masks_is_not_labelled_again(fo
     changed.write_text(changed.read_text().replace("<Annotations>", "<Annotations>\n"))  # other bytes, same regions
     third = label_stores(new / "stores", annotations_dir=new / "annotations", out_dir=new / "labels")
     assert [(r.stem, r.status) for r in third.results] == [("slide_0", "ok")] + [(s, "skipped") for s in STEMS[1:]]
+
+
+def test_shards_labelling_at_once_with_other_settings_are_refused(four_slides, tmp_path):
+    """Review DA: shards given two --positive-fraction values labelled one training set two ways, and
+    label_config.json named one of them. The other shard's record, written after this shard's, is found at this
+    shard's end; shards of one setting, at once or one after the other, are accepted."""
+    import json
+
+    from wsi_milssl.errors import ConfigError
+
+    slides, annotations = four_slides
+    stores = tmp_path / "stores"
+    assert tile_slides(find_slides([slides]), stores, TileConfig(magnification=20, patch_size_px=256, pixels="none",
+                                                                 threads=1)).ok
+    out = tmp_path / "labels"
+
+    def the_other_shard_starts(event) -> None:
+        if event.stage == "label" and event.done == 1:
+            record = json.loads((out / "label_config.json").read_text())
+            (out / "label_config.json").write_text(json.dumps({**record, "positive_fraction": 0.9}))
+
+    with pytest.raises(ConfigError, match=r"label_config\.json: another shard of this run labels with other "
+                                          r"settings \(positive_fraction 0\.9, this shard's 0\.25\); the shards of one "
+                                          r"run must use the same settings"):
+        label_stores(stores, annotations_dir=annotations, config=LabelConfig(), out_dir=out, shard=(0, 3),
+                     progress=the_other_shard_starts)
+    for i in range(3):
+        label_stores(stores, annotations_dir=annotations, config=LabelConfig(), out_dir=out, shard=(i, 3))
+    assert json.loads((out / "label_config.json").read_text())["positive_fraction"] == 0.25

@@ -68,7 +68,7 @@ from wsi_milssl.inference.exports import (
 from wsi_milssl.inference.heatmap import render_overlay, write_png
 from wsi_milssl.inference.model import InferenceModel, load_inference_model
 from wsi_milssl.inference.predict import SlideInput, SlidePrediction, predict_many, prestart_readers
-from wsi_milssl.locks import folder_lock, other_shards_writing
+from wsi_milssl.locks import folder_lock
 from wsi_milssl.paths import path_list
 from wsi_milssl.runtime import restores_torch_threads
 from wsi_milssl.slide.tissue import slide_tissue_mask
@@ -989,10 +989,11 @@ def _make_heatmaps(inputs: list[HeatmapInput], checkpoint: str | os.PathLike | I
                    annotations_dir: str | os.PathLike | None, progress: ProgressCallback | None,
                    overwrite: bool, mark: Callable[[], None] | None = None,
                    shard: tuple[int, int] | None = None) -> HeatmapRun:
-    """``shard`` (I, N) of a run without --overwrite: refused while other shards that write the folder now use
-    another checkpoint or other settings (:func:`_check_shard_settings`), before its first slide and again after its
-    last (two shards started at the same moment). A shard run after the others with a new checkpoint is not: it
-    predicts its own slides again, and evaluate refuses the folder until every shard has."""
+    """``shard`` (I, N) of a run without --overwrite: refused at its end when another shard writing the folder at the
+    same time uses another checkpoint or other settings (:func:`_check_shard_settings`). A shard run after the
+    others with a new checkpoint is not: it predicts its own slides again, and evaluate refuses the folder until
+    every shard has. (Not checked at the start: a shard of the same run that has not written its record yet leaves
+    an earlier run's there.)"""
     config = config or HeatmapConfig()
     out_dir = Path(out_dir)
     if inputs and config.num_workers != 0:
@@ -1008,8 +1009,6 @@ def _make_heatmaps(inputs: list[HeatmapInput], checkpoint: str | os.PathLike | I
     sha256 = checkpoint_sha256(model)
     finished, to_redraw = ({}, {}) if overwrite else _finished(out_dir, fingerprint, prediction_fingerprint, inputs,
                                                                       annotations_dir)
-    if shard is not None and other_shards_writing(out_dir, shard):
-        _check_shard_settings(out_dir, fingerprint, model)
     config_json = _write_config(out_dir, config, model, fingerprint, sha256)
     status_csv = out_dir / STATUS_FILENAME
     results: dict[int, HeatmapResult] = {}

@@ -57,7 +57,7 @@ from wsi_milssl.annotations.geometry import tumor_fraction
 from wsi_milssl.atomic import merge_csv_rows
 from wsi_milssl.cohorts import read_labels
 from wsi_milssl.cohorts.names import name_key
-from wsi_milssl.config.base import config_hash, write_resolved_config
+from wsi_milssl.config.base import config_hash, config_to_dict, write_resolved_config
 from wsi_milssl.config.label import LabelConfig
 from wsi_milssl.distributed import Shard, is_main_rank, shard_items
 from wsi_milssl.errors import AnnotationError, ConfigError, OutputError, StoreError, WsiMilsslError
@@ -125,6 +125,28 @@ class LabelReport:
     @property
     def n_failed(self) -> int:
         return sum(r.status == "failed" for r in self.results)
+
+
+def _check_shard_settings(out: Path, config: LabelConfig) -> None:
+    """ConfigError when ``out``'s label_config.json, written by another shard of the run, records other settings
+    than this shard's (review DA: shards given two --positive-fraction values labelled the stores of one training
+    set two ways, and the record named one)."""
+    path = out / CONFIG_JSON
+    try:
+        recorded = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: cannot read the settings of this folder ({exc}). Fix: write to a new folder "
+                          "with --out, or pass --overwrite.") from None
+    ours = json.loads(json.dumps(config_to_dict(config)))
+    diffs = [f"{k} {recorded.get(k)!r}, this shard's {v!r}" for k, v in sorted(ours.items())
+             if isinstance(recorded, dict) and recorded.get(k) != v]
+    if diffs:
+        raise ConfigError(f"{path}: another shard of this run labels with other settings ({'; '.join(diffs)}); the "
+                          "shards of one run must use the same settings, or the stores would be labelled two ways. "
+                          "Fix: give every shard the same settings (or, when no other shard is running, pass "
+                          "--overwrite to label this shard's stores again).")
 
 
 def label_config_hash(config: LabelConfig) -> str:
@@ -517,6 +539,7 @@ def _label_stores_locked(paths: list[Path], annotations_dir: Path, labels, label
                          config: LabelConfig, out: Path, progress: ProgressCallback | None, *,
                          shard: tuple[int, int] | Shard, overwrite: bool, unwritable: dict[str, int],
                          other_stems: Iterable[str] = ()) -> LabelReport:
+    sharded = (int(shard[0]), int(shard[1])) if int(shard[1]) > 1 and not overwrite else None
     write_resolved_config(config, out, name=CONFIG_JSON)
     stems = [_store_stem(p) for p in paths]
     stem_keys = {name_key(s) for s in stems}
@@ -578,6 +601,10 @@ def _label_stores_locked(paths: list[Path], annotations_dir: Path, labels, label
         logger.info("%d store(s) have no annotation file in %s: %s", len(without_ann), annotations_dir,
                     _names(without_ann))
     status_csv = _merge_status_csv(results, out)
+    if sharded is not None:  # the folder's lock keeps other runs out: a record of other settings written since this
+        # shard's own is another shard's, started at the same moment (not checked at the start: a shard of this run
+        # that has not written its record yet leaves an earlier run's there)
+        _check_shard_settings(out, config)
     return LabelReport(
         results=results, unmatched_annotations=unmatched, stores_without_annotation=without_ann,
         unannotated_tumor_slides=unannotated_tumor, stores_missing_from_labels=missing_labels,
