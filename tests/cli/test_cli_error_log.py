@@ -187,3 +187,39 @@ def test_sigterm_is_said_on_stderr_and_in_the_log_file(tmp_path, module, argv, a
     assert err.startswith("error: stopped by SIGTERM"), err
     assert re.search(rf"^{STAMP} ERROR wsi_milssl.cli: error: stopped by SIGTERM .* Fix: {re.escape(again)}\.$",
                      log.read_text(), re.M), log.read_text()
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_sigterm_under_torchrun_is_said_by_rank_0_alone(tmp_path, rank):
+    """Review DA: under torchrun a SIGTERM (a scheduler stopping the job) left only torchrun's traceback and a log
+    that just stopped. Rank 0 alone says it, for both of torchrun's reasons (its agent also ends the ranks with
+    SIGTERM when one fails), and names the resume."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    log = tmp_path / "t.log"
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "last.pt").write_bytes(b"")
+    code = ("import time, wsi_milssl.cli.train as s; from wsi_milssl.cli import main\n"
+            "s.run = lambda args: (print('started', flush=True), time.sleep(60))\n"
+            f"main(['train', '--resume', 'run', '--log-file', {str(log)!r}])\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "TORCHELASTIC_RUN_ID": "test",
+           "RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": "2"}
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "started\n"
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGTERM
+    if rank == "0":
+        assert err == ("error: stopped by SIGTERM from torchrun, which stops every rank when one fails (its error is "
+                       "above) or when it is stopped itself (a scheduler's time limit, `kill`); what finished is kept. "
+                       "Fix: run `wsi-milssl train --resume run` to continue from the last finished epoch (through "
+                       "torchrun, as before).\n"), err
+        assert "error: stopped by SIGTERM from torchrun" in log.read_text()
+    else:
+        assert "SIGTERM" not in err and "SIGTERM" not in (log.read_text() if log.exists() else "")

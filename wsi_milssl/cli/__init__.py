@@ -359,12 +359,16 @@ def _restarts(args: argparse.Namespace) -> str | None:
 def _say_when_terminated(command: str, restarts: str | None = None, *, run_dir: Path | None = None):
     """On SIGTERM (a scheduler's time limit, ``docker stop``, ``kill``): say so on stderr and in the
     ``--log-file``, then end as the signal does (exit status 143), so that a batch run's log does not just stop.
-    Returns the handler it replaced (for :func:`main` to put back), or None when it installs none: under torchrun
-    (whose agent ends the ranks with SIGTERM when one fails) or outside the main thread. Reader processes forked
-    from this one inherit the handler and end silently."""
+    Returns the handler it replaced (for :func:`main` to put back), or None when it installs none: on torchrun's
+    ranks other than 0 (rank 0 alone says it, for both of torchrun's reasons: its agent also ends the ranks with
+    SIGTERM when one fails; review DA) or outside the main thread. Reader processes forked from this one inherit
+    the handler and end silently."""
     import threading
 
-    if os.environ.get("TORCHELASTIC_RUN_ID") or threading.current_thread() is not threading.main_thread():
+    under_torchrun = bool(os.environ.get("TORCHELASTIC_RUN_ID"))
+    if under_torchrun and os.environ.get("RANK", "0") != "0":
+        return None
+    if threading.current_thread() is not threading.main_thread():
         return None
     pid = os.getpid()
 
@@ -378,8 +382,11 @@ def _say_when_terminated(command: str, restarts: str | None = None, *, run_dir: 
                      if command == "train"
                      else f"run the same command again without {restarts} to continue (with it, that work starts "
                           "over)" if restarts else "run the same command again to continue")
-            message = (f"stopped by SIGTERM (a scheduler's time limit, `docker stop` or `kill`); what finished is "
-                       f"kept. Fix: {again}.")
+            why = ("from torchrun, which stops every rank when one fails (its error is above) or when it is stopped "
+                   "itself (a scheduler's time limit, `kill`)" if under_torchrun else
+                   "(a scheduler's time limit, `docker stop` or `kill`)")
+            launcher = " (through torchrun, as before)" if under_torchrun else ""
+            message = f"stopped by SIGTERM {why}; what finished is kept. Fix: {again}{launcher}."
             _log_to_file(f"error: {message}")
             _write_without_blocking(sys.stderr, f"error: {message}\n")
         signal.signal(signum, signal.SIG_DFL)
