@@ -16,6 +16,7 @@ BASE = ["--epochs", "1", "--threads", "1", "--workers", "0", "--no-plots"]
 
 
 def _run(tmp_path):
+    tmp_path.mkdir(exist_ok=True)
     folder = tmp_path / "ftr"
     folder.mkdir()
     for i in range(4):
@@ -52,3 +53,21 @@ def test_a_run_that_recorded_paths_as_typed_keeps_the_old_advice(tmp_path, capsy
     err = capsys.readouterr().err
     assert f"the run's inputs ftr are not found from {os.getcwd()}" in err
     assert "Fix: run `train --resume` from the folder the run was started in" in err
+
+
+def test_resume_of_a_run_moved_together_with_its_inputs_reads_them_where_they_are(tmp_path, capsys, caplog):
+    """Review DD: a pipeline's OUT moved (its model beside its stores) was up to date for `run`, but `train --resume
+    OUT/model` stopped: "put the inputs back, or start a new run", which throws the training away."""
+    _run(tmp_path / "before")
+    (tmp_path / "before").rename(tmp_path / "after")
+    capsys.readouterr()
+    assert main(["train", "--resume", str(tmp_path / "after" / "run"), "--epochs", "2"]) == 0
+    assert (f"the run's inputs recorded below {tmp_path / 'before'} are read from below {tmp_path / 'after'}, "
+            "where the run folder is now (moved with it)") in caplog.text
+    saved = json.loads((tmp_path / "after" / "run" / "config.json").read_text())["data"]
+    assert saved["inputs"] == [str(tmp_path / "after" / "ftr")] and saved["labels"] == str(tmp_path / "after" /
+                                                                                          "labels.csv")
+    # one input left behind (not moved with the run): the error, as before
+    (tmp_path / "after" / "ftr").rename(tmp_path / "elsewhere")
+    assert main(["train", "--resume", str(tmp_path / "after" / "run"), "--epochs", "3"]) != 0
+    assert "are not found; the run recorded them as absolute paths" in capsys.readouterr().err

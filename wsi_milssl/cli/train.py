@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
 from wsi_milssl.cli.options import output_folder
@@ -222,7 +223,6 @@ def warn_unfinished_inputs(inputs: list[Path], *, mode: str, labels_path: Path |
     file) there and are labelled in ``labels_path``: training goes on without them. A warning, not a refusal:
     training on the slides there may be what is wanted. ``bag_names``: the bags read (training and
     validation), so a slide read from another input is not missing. ``option`` names the inputs."""
-    import logging
     import time
 
     from wsi_milssl.mil.data import read_labels_csv
@@ -378,6 +378,19 @@ def _resume_setup(args: argparse.Namespace):
         raise ConfigError(f"{problem}. Fix: correct that value in {cfg_path.name}, or start a new run without "
                           "--resume.") from None
     missing = [p for p in [*inputs, labels, *(val or []), val_labels] if p and not Path(p).exists()]
+    moved = _moved_with_the_run(missing, run_dir) if missing and all(Path(p).is_absolute() for p in missing) else None
+    if moved is not None:  # review DD: a pipeline's OUT moved: its stores are below it still
+        old, new = moved
+        logging.getLogger(__name__).warning(
+            "%s: the run's inputs recorded below %s are read from below %s, where the run folder is now (moved "
+            "with it).", cfg_path, old, new)
+
+        def now(p):
+            return str(new / Path(p).relative_to(old)) if p in missing else p
+
+        inputs, labels = [now(p) for p in inputs], labels and now(labels)
+        val, val_labels = (None if val is None else [now(p) for p in val]), val_labels and now(val_labels)
+        missing = []
     if missing and all(Path(p).is_absolute() for p in missing):  # this version records absolute paths
         raise CheckpointError(f"{cfg_path}: the run's inputs {', '.join(missing[:3])} are not found; the run "
                               "recorded them as absolute paths, so they were moved or removed since. Fix: put the "
@@ -389,6 +402,22 @@ def _resume_setup(args: argparse.Namespace):
                               "the folder the run was started in, or put the inputs back.")
     return (run_dir, base, input_mode, [Path(p) for p in inputs], Path(labels) if labels else None,
             [Path(p) for p in val or []] or None, Path(val_labels) if val_labels else None)
+
+
+def _moved_with_the_run(missing: list[str], run_dir: Path) -> tuple[Path, Path] | None:
+    """(old folder, new folder) when every one of the run's ``missing`` inputs (absolute paths) is found at the same
+    place below a folder that now holds the run folder (up to four levels up) as below the folder it was recorded
+    under: the run moved or was copied together with its inputs (a pipeline's OUT with its stores), else None."""
+    here = Path(run_dir).resolve()
+    first = Path(missing[0])
+    for holder in [here.parent, *here.parent.parents][:4]:
+        for depth in range(len(first.parts) - 2, 0, -1):  # the parts of the path below the old folder
+            old = Path(*first.parts[:-depth])
+            if holder == old or not holder.joinpath(*first.parts[-depth:]).exists():
+                continue
+            if all(Path(p).is_relative_to(old) and (holder / Path(p).relative_to(old)).exists() for p in missing):
+                return old, holder
+    return None
 
 
 def _check_same_encoder(train, val) -> None:
