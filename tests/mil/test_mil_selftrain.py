@@ -159,7 +159,8 @@ def test_training_needs_both_bag_classes(mil_csv):
     only_pos = train.subset_bags(np.flatnonzero(train.bag_labels == 1))
     with pytest.raises(ConfigError, match="no negative bag"):
         fit(only_pos, config=_config(epochs=1))
-    with pytest.raises(ConfigError, match="TrainConfig.mode is 'images'"):
+    with pytest.raises(ConfigError, match=r"TrainConfig.mode is 'images'\. Fix: TrainConfig\(mode='features', \.\.\.\), with "
+                                          r"model 'linear' or 'mlp'\."):
         fit(train, config=TrainConfig(mode="images", epochs=1))
 
 
@@ -177,8 +178,11 @@ def test_train_config_validation_and_mode_defaults():
     assert (feat.model, feat.optimizer, feat.batch_size) == ("mlp", "adam", 512)
     with pytest.raises(ConfigError, match="TrainConfig.mu must satisfy"):
         TrainConfig(mu=1.0)
-    with pytest.raises(ConfigError, match="does not take features"):
+    with pytest.raises(ConfigError, match=r"does not take features\. Fix: mode='images' \(model 'resnet18' takes "
+                                          r"images\), or model linear or mlp for mode 'features'\."):
         TrainConfig(mode="features", model="resnet18")
+    with pytest.raises(ConfigError, match=r"model 'mlp' does not take images\. Fix: mode='features'"):  # review DB
+        TrainConfig(model="mlp")
     with pytest.raises(ConfigError, match="TrainConfig.bag_pooling must be one of"):
         TrainConfig(bag_pooling="attention")
 

@@ -732,8 +732,9 @@ def _check_training_sets(train: InstanceSet, val: InstanceSet | None, config: Tr
     """ConfigError for training and validation sets that do not fit the settings or each other, or a training set
     without bags of both labels; a warning for validation bags that are also training bags."""
     if train.kind != config.mode:
-        raise ConfigError(f"training instances are {train.kind!r} but TrainConfig.mode is {config.mode!r}; "
-                          "use the matching mode.")
+        raise ConfigError(f"training instances are {train.kind!r} but TrainConfig.mode is {config.mode!r}. Fix: "
+                          f"TrainConfig(mode={train.kind!r}, ...)"
+                          + (", with model 'linear' or 'mlp'." if train.kind == "features" else "."))
     if val is not None and val.kind != train.kind:
         raise ConfigError(f"validation instances are {val.kind!r} but training instances are {train.kind!r}.")
     if val is not None and train.kind == "features" and val.in_features != train.in_features:
