@@ -95,12 +95,12 @@ def test_train_refuses_validation_features_of_the_other_weights(feature_sets, tm
     assert "the validation features" in err and "encoder_weights_sha256 random vs" in err
 
 
-def test_a_features_pipeline_refuses_test_features_of_the_other_weights_before_training(feature_sets, synth_dir,
-                                                                                         tmp_path):
-    labels = synth_dir / "labels.csv"
+def test_a_features_pipeline_refuses_test_features_of_the_other_weights_before_training(feature_sets, tmp_path):
+    labels = feature_sets["labels"]
     toml = tmp_path / "f.toml"
+    # the test features are of other slides (review DB: features of the training slides are refused as such)
     toml.write_text(f'[pipeline]\nname = "f"\n[data]\nmode = "features"\ntrain_features = "{feature_sets["random"]}"\n'
-                    f'train_labels = "{labels}"\ntest_features = "{feature_sets["real"]}"\n'
+                    f'train_labels = "{labels}"\ntest_features = "{feature_sets["real_val"]}"\n'
                     f'test_labels = "{labels}"\nval_fraction = 0\n[train]\nmode = "features"\nmodel = "mlp"\n'
                     'epochs = 1\nplots = false\n')
     spec = load_pipeline(toml, out_dir=tmp_path / "out")

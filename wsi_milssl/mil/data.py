@@ -291,7 +291,8 @@ def read_feature_files(paths: Iterable[str | os.PathLike], labels: dict[str, int
     ``empty`` when given (an evaluation scores such a slide as one without patches). Bag labels come from
     ``labels`` (name -> 0/1); an optional ``instance_label`` dataset (N,) is kept for evaluation.
 
-    Bags are in name order (:func:`_name_order`), whatever order ``paths`` come in.
+    Bags are in name order (:func:`_name_order`), whatever order ``paths`` come in. A folder among ``paths``
+    stands for its feature files (:func:`wsi_milssl.features.schema.feature_files_in`).
 
     ``settings`` of the result record the encoder the files name (``feature_encoder``, with its weights'
     SHA-256) and ``feature_settings`` (what decides the features besides the patches: encoder settings,
@@ -301,7 +302,7 @@ def read_feature_files(paths: Iterable[str | os.PathLike], labels: dict[str, int
     refused naming two of them; files that do not record a setting (TRIDENT's, CLAM's) are not compared on it.
     """
     from wsi_milssl.cohorts import stem_key
-    from wsi_milssl.features.schema import read_feature_file
+    from wsi_milssl.features.schema import feature_files_in, read_feature_file
 
     feats_all, bag_all, inst_all = [], [], []
     names: list[str] = []
@@ -315,7 +316,7 @@ def read_feature_files(paths: Iterable[str | os.PathLike], labels: dict[str, int
     dims: dict[int, Path] = {}
     from wsi_milssl.paths import path_list
 
-    paths = [Path(p) for p in path_list(paths)]
+    paths = [f for p in path_list(paths) for f in (feature_files_in(Path(p)) if Path(p).is_dir() else [Path(p)])]
     if not paths:
         raise ConfigError("no feature files given; pass one or more .h5 files holding a 'features' dataset.")
     used: list[Path] = []
@@ -349,7 +350,12 @@ def read_feature_files(paths: Iterable[str | os.PathLike], labels: dict[str, int
             sources.append(str(ff.attrs.get("slide_path") or "") or str(path.resolve()))
         for b in dict.fromkeys(file_bags):
             if b in index:
-                raise ConfigError(f"{path}: bag {b!r} appears in more than one file; each bag must live in one file.")
+                named = ("its bag_ids" if ff.bag_ids is not None else
+                         "the file's slide_stem attribute" if ff.attrs.get("slide_stem") else "the file's name")
+                raise ConfigError(f"{path}: bag {b!r} (named by {named}) is also in {by_key[stem_key(b)][1]}; each "
+                                  "bag must live in one file. Fix: remove the copy (two extractions of one slide?), "
+                                  "or rename the bag of one of them (its slide_stem attribute, or the file when it "
+                                  "has none).")
             other = by_key.setdefault(stem_key(b), (b, path))
             if other[0] != b:  # review BP: trained as two bags, refused by evaluate as one slide
                 raise ConfigError(f"{path}: bag {b!r} and bag {other[0]!r} ({other[1]}) differ only in letter case, and "
