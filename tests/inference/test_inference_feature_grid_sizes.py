@@ -141,3 +141,22 @@ def test_a_sparse_clam_file_on_the_patch_grid_is_drawn_with_the_patch_size(tmp_p
     bare = read_feature_file(_clam(tmp_path / "c.h5", [[0, 0], [512, 0], [1024, 0], [0, 512]]))
     layout = bare.grid_layout(slide_mpp=0.25, slide_dimensions=(2000, 1800), trained_on=(1.0, 64))
     assert layout.stride_lv0 == layout.patch_size_lv0 == 256  # the head's patches: 64 px at 1 µm/px
+
+
+def test_patches_that_never_touch_at_a_multiple_of_the_heads_size_are_warned_about(tmp_path, caplog):
+    """Review DB: CLAM coordinates of a 0.25 µm/px slide mapped with --slide-mpp 0.5 drew a lattice of half-size
+    patches, no two touching, without a word. A tiling with neighbours is not warned about."""
+    import logging
+
+    dense = np.array([[x, y] for x in range(0, 2048, 256) for y in range(0, 1024, 256)])
+    wrong = read_feature_file(_clam(tmp_path / "a.h5", dense))
+    with caplog.at_level(logging.WARNING):
+        layout = wrong.grid_layout(slide_mpp=0.5, slide_dimensions=(2048, 1024), trained_on=(1.0, 64))
+    assert layout.stride_lv0 == 128  # the head's 64 µm at 0.5 µm/px
+    assert ("the patches step by 256 level-0 px, 2x the 128 px of the patches the head was trained on at this "
+            "slide's 0.5 µm/px, and no two of them touch") in caplog.text
+    assert "If the slide's µm/px is 2x too coarse (0.25 would fit), check --slide-mpp" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        layout = wrong.grid_layout(slide_mpp=0.25, slide_dimensions=(2048, 1024), trained_on=(1.0, 64))
+    assert layout.stride_lv0 == 256 and "touch" not in caplog.text

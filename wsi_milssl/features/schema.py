@@ -499,6 +499,16 @@ class FeatureFile:
                 k = max(1, int(round(seen / expected)))  # a sparse file's step may span k patches
                 stride = seen // k if seen % k == 0 and same_physical_size(seen // k, expected) else seen
                 stride = stride if _on_grid(coords, stride) else seen
+                if stride < seen and not _any_neighbours(coords, stride):
+                    # review DB: every step k patches and no two patches touching is rarely a tissue tiling: a µm/px
+                    # k times too coarse (--slide-mpp 0.5 for a 0.25 slide) drew a lattice of 1/k-size patches
+                    log.warning(
+                        "%s: the patches step by %d level-0 px, %dx the %.0f px of the patches the head was trained on "
+                        "at this slide's %g µm/px, and no two of them touch: the map draws them apart from each other. "
+                        "If the slide's µm/px is %dx too coarse (%g would fit), check --slide-mpp or the slide's own "
+                        "µm/px; a file whose patches are that far apart is mapped as it is (recording the patch size "
+                        "on coords, CLAM's patch_size, patch_level and downsample or TRIDENT's patch_size_level0, "
+                        "says so).", self.path, seen, k, expected, mpp, k, mpp / k)
                 notes.append(f"stride {stride} level-0 px inferred from the coordinates (the head's patches are "
                              f"{expected:.0f} px at this slide's µm/px)")
             elif positions == 1:
@@ -716,6 +726,12 @@ def _would_overlap(coords: np.ndarray, side: int, stride: int) -> bool:
                 if np.isin(keys + dy * width + dx, keys).any():
                     return True
     return False
+
+
+def _any_neighbours(coords: np.ndarray, stride: int) -> bool:
+    """Whether two of ``coords`` lie ``stride`` apart in x (one row) or in y (one column)."""
+    seen = {(int(x), int(y)) for x, y in coords}
+    return any((x + stride, y) in seen or (x, y + stride) in seen for x, y in seen)
 
 
 def _on_grid(coords: np.ndarray, stride: int) -> bool:
