@@ -47,8 +47,9 @@ def _as_unprivileged(fn) -> str:
 
 @pytest.fixture()
 def base():
-    """A folder anyone may enter (tmp_path of root is not), holding a read-only "C16 dl"."""
-    folder = Path(tempfile.mkdtemp(prefix="atomic-ro-"))
+    """A folder anyone may enter (tmp_path of root is not; nor a TMPDIR below a private folder: /tmp itself is the
+    parent, review DC), holding a read-only "C16 dl"."""
+    folder = Path(tempfile.mkdtemp(prefix="atomic-ro-", dir="/tmp" if os.path.isdir("/tmp") else None))
     folder.chmod(0o755)
     (folder / "C16 dl").mkdir()
     (folder / "C16 dl").chmod(0o555)
@@ -61,11 +62,14 @@ def base():
 
 def test_a_folder_below_a_read_only_one_names_the_read_only_one_quoted(base):
     def write() -> str:
+        before = os.getcwd()
         os.chdir(base)
         try:
             atomic_write_text(Path("C16 dl") / "prep" / "pipeline.toml", "x")
         except OutputError as exc:
             return str(exc)
+        finally:  # as a non-root user this runs in the test process itself (review DC: its folder was then removed)
+            os.chdir(before)
         return "written"
 
     message = _as_unprivileged(write)

@@ -10,7 +10,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from test_evaluation_report import CHROMIUM_FLAGS, chromium_binary
+from test_evaluation_report import CHROMIUM_FLAGS, chromium_binary, chromium_env
 
 
 def probe(page: Path, work: Path, body: str, *, window: str = "1280,2000") -> dict:
@@ -23,7 +23,8 @@ def probe(page: Path, work: Path, body: str, *, window: str = "1280,2000") -> di
     profile = work / "chromium-profile"
     profile.mkdir(exist_ok=True)
     proc = subprocess.run([chromium_binary(), *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--window-size={window}",
-                           "--dump-dom", copy.as_uri()], capture_output=True, text=True, timeout=180)
+                           "--dump-dom", copy.as_uri()], capture_output=True, text=True, timeout=180,
+                          env=chromium_env())
     found = re.search(r'data-probe="([^"]*)"', proc.stdout)
     assert found, f"Chromium printed no result (exit {proc.returncode}); stderr tail:\n{proc.stderr[-2000:]}"
     return json.loads(html.unescape(found.group(1)))
