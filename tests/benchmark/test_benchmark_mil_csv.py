@@ -338,7 +338,7 @@ def test_benchmark_mil_csv_cli(tmp_path, mil_csv, capsys):
 
 
 def test_benchmark_mil_csv_cli_errors(tmp_path, mil_csv, capsys):
-    assert main(["benchmark", "mil-csv", str(mil_csv), "--methods", "svm"]) == 1
+    assert main(["benchmark", "mil-csv", str(mil_csv), "--methods", "svm"]) == 2  # a usage error
     assert "unknown benchmark method 'svm'" in capsys.readouterr().err
     # an output that cannot be written fails before the run, not after it
     (tmp_path / "a_file").write_text("")
