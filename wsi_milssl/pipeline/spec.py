@@ -413,8 +413,8 @@ def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None 
     _validate_sections(sections, source, train_mode=train_mode, overrides=overrides)
     cutting = sorted(k for k in _HEATMAP_CUTTING_KEYS if sections.get("heatmap", {}).get(k) is not None)
     if train_mode == "images" and cutting:  # review CX: recorded, ran heatmap and evaluate again, changed nothing
-        raise ConfigError(f"{at('heatmap')}: [heatmap] {', '.join(cutting)} choose the patches of a slide cut on the "
-                          "fly, but a pipeline's heatmap predicts the patches of the stores that tile cut, so they "
+        raise ConfigError(f"{at('heatmap')}: [heatmap] {', '.join(cutting)} {'chooses' if len(cutting) == 1 else 'choose'} "
+                          "the patches of a slide cut on the fly, but a pipeline's heatmap predicts the patches of the stores that tile cut, so they "
                           f"would change nothing. Fix: set them in [tile] ({', '.join('tile.' + k for k in cutting)}), "
                           "which tiles the slides again, or drop them.")
     if generate and sets["train"].synth.seed == sets["test"].synth.seed:

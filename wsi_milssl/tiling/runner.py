@@ -142,11 +142,15 @@ def _other_slide_reason(attrs: dict[str, Any], slide_path: str | os.PathLike) ->
     if now["slide_size_bytes"] is None:
         return f"the slide file {slide_path} cannot be read, so the store cannot be checked against it"
     recorded = str(attrs.get("slide_path"))
-    if recorded != now["slide_path"] and (
-            Path(recorded).name != Path(now["slide_path"]).name
-            or (attrs.get("slide_size_bytes"), attrs.get("slide_mtime_ns")) != (now["slide_size_bytes"],
-                                                                                 now["slide_mtime_ns"])):
+    if recorded != now["slide_path"] and (Path(recorded).name != Path(now["slide_path"]).name
+                                          or attrs.get("slide_size_bytes") != now["slide_size_bytes"]):
         return f"it was cut from another slide file ({attrs.get('slide_path')!r}, now {now['slide_path']!r})"
+    if recorded != now["slide_path"] and attrs.get("slide_mtime_ns") != now["slide_mtime_ns"]:
+        # review DD: the same name and size elsewhere, another time (copied without it, or touched): not said to be
+        # another file
+        return (f"it was cut from {attrs.get('slide_path')!r}, and the slide file of that name and size here "
+                f"({now['slide_path']!r}) has another modification time (copied without it, or changed), so it "
+                "cannot be told from another file without reading it")
     if "slide_size_bytes" not in attrs or "slide_mtime_ns" not in attrs:
         return "it records no slide size and modification time (written by an older wsi-milssl)"
     if (attrs.get("slide_size_bytes"), attrs.get("slide_mtime_ns")) != (now["slide_size_bytes"], now["slide_mtime_ns"]):
