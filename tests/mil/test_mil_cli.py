@@ -24,6 +24,21 @@ def test_train_mil_csv_then_resume_via_cli(tmp_path, mil_csv, mil_csv_val, capsy
     # a second run into the same folder is refused; --resume continues it with the saved settings
     assert main(["train", str(mil_csv), "--out", str(run), "--epochs", "4"]) == 1
     assert "already holds a run" in capsys.readouterr().err
+    import subprocess
+    import sys
+
+    # review DA: a run still writing it is said, not "pass --resume" (which the resume then refused)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom wsi_milssl.locks import folder_lock\n"
+                               f"with folder_lock({str(run)!r}):\n    print('held', flush=True)\n    time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        assert main(["train", str(mil_csv), "--out", str(run), "--epochs", "4"]) == 1
+        err = capsys.readouterr().err
+        assert "is writing to this folder" in err and "already holds a run" not in err, err
+    finally:
+        holder.kill()
+        holder.wait()
     assert main(["train", "--resume", str(run), "--epochs", "6"]) == 0
     ckpt = read_checkpoint(run / "last.pt")
     assert ckpt["epoch"] == 6 and ckpt["config"]["mu"] == 0.25

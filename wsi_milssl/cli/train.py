@@ -498,8 +498,10 @@ def _set_up(args: argparse.Namespace):
         val_labels = args.val_labels or args.labels
         input_mode = detect_mode(inputs) if args.mode == "auto" else args.mode
         if (out / "last.pt").exists():  # before the inputs are read (fit checks it too)
+            from wsi_milssl.locks import refuse_written_folder
             from wsi_milssl.mil.run_folder import existing_run_error
 
+            refuse_written_folder(out, named_by="--out")  # a live run's folder: not "pass --resume" (review DA)
             raise existing_run_error(out)
     if Path(out).is_dir():  # before the inputs are read and the ranks meet (fit takes the lock itself)
         from wsi_milssl.locks import refuse_written_folder
