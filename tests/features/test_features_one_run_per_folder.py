@@ -58,6 +58,7 @@ def test_torchrun_ranks_are_refused(tmp_path, labelled_stores, capsys, monkeypat
     assert main(["features", str(labelled_stores), "--out", str(out), *ARGS]) == 2
     err = capsys.readouterr().err
     # rank 1, started by hand (no torchrun agent to end it when rank 0 refuses): it says so itself, tagged
-    assert err.startswith("[rank 1] error: torchrun's 2 ranks: features are not split into shards"), err
+    assert err.startswith("[rank 1] error: 2 ranks (RANK and WORLD_SIZE are set, without torchrun): features are not "
+                          "split into shards"), err
     assert "Fix: run one process without torchrun" in err
     assert not out.exists()

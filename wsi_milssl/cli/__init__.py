@@ -464,7 +464,9 @@ def _not_split_by_rank(args: argparse.Namespace, world: int) -> WsiMilsslError |
         why = (f"`wsi-milssl {command}` is not split between ranks (every rank would run all of it, into the same "
                "files). Fix: run it as one process without torchrun (unset RANK and WORLD_SIZE if something else "
                f"set them); only {', '.join(SPLIT_BY_RANK[:-1])} and {SPLIT_BY_RANK[-1]} run under torchrun.")
-    return WsiMilsslError(f"torchrun's {world} ranks: {why}")
+    who = (f"torchrun's {world} ranks" if os.environ.get("TORCHELASTIC_RUN_ID") else
+           f"{world} ranks (RANK and WORLD_SIZE are set, without torchrun)")  # review DA
+    return WsiMilsslError(f"{who}: {why}")
 
 
 def _in_the_way(exc: OSError) -> WsiMilsslError:
