@@ -136,3 +136,20 @@ def test_a_label_shard_names_its_shard(four_slides, tmp_path, capsys):
     assert re.search(r"^labels of \d store\(s\) \(shard 0/2\):$", out, re.M), out
     assert main(["label", str(stores), "--annotations", str(annotations), "--out", str(tmp_path / "labels")]) == 0
     assert "(shard" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_usage_error_under_torchrun_is_printed_by_rank_0_alone(monkeypatch, capsys, rank):
+    """Review DA: every rank parses the same command line, so a misspelt option printed its usage error once per
+    rank (8 copies on 8 GPUs), the others untagged."""
+    import wsi_milssl.cli as cli
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(cli, "RANK0_WAIT_S", 0.0)  # torchrun's agent would end the rank while it waits
+    with pytest.raises(SystemExit) as stop:
+        main(["train", "x.csv", "--out", "o", "--epochz", "3"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert ("unrecognized arguments: --epochz 3" in err) == (rank == "0"), err
