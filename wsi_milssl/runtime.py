@@ -17,22 +17,26 @@ from wsi_milssl.errors import ConfigError
 
 __all__ = ["pick_device", "pick_amp_dtype", "autocast", "describe", "host_to_device", "require_device_decode",
            "decode_jpeg_batch", "inference_batch_size", "AUTO_INFERENCE_BATCH", "readers_per_rank",
-           "restores_torch_threads"]
+           "restores_torch_settings"]
 
-def restores_torch_threads(fn):
-    """Decorator of the stage functions that apply their ``threads`` setting (``torch.set_num_threads``, which
-    holds for the whole process): torch's thread count after the call is the one before it, so a later call
-    with ``threads = 0`` (leave torch's count) in the same process (a notebook, a pipeline) trains or predicts
-    with the caller's count, not with whatever an earlier stage set."""
+def restores_torch_settings(fn):
+    """Decorator of the stage functions that change process-wide torch settings: their ``threads`` setting
+    (``torch.set_num_threads``) and cuDNN's ``benchmark`` / ``deterministic`` flags (training on CUDA is made
+    deterministic, inference benchmarks its kernels). After the call they are as before it, so a later call in the
+    same process (a notebook, a pipeline) with ``threads = 0`` (leave torch's count) runs with the caller's count,
+    and the caller's own cuDNN choice holds again (review DB)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         before = torch.get_num_threads()
+        cudnn = torch.backends.cudnn
+        flags = (cudnn.benchmark, cudnn.deterministic)
         try:
             return fn(*args, **kwargs)
         finally:
             if torch.get_num_threads() != before:
                 torch.set_num_threads(before)
+            cudnn.benchmark, cudnn.deterministic = flags
 
     return wrapper
 

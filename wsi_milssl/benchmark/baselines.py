@@ -47,7 +47,7 @@ from wsi_milssl.errors import ConfigError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.mil.data import InstanceSet
 from wsi_milssl.mil.models import Standardize, hidden_layers, load_state_dict_file, register_model
-from wsi_milssl.runtime import restores_torch_threads
+from wsi_milssl.runtime import restores_torch_settings
 
 __all__ = [
     "BASELINES",
@@ -354,7 +354,7 @@ def _seed(seed: int, *stream: int) -> int:
 # Training and prediction
 # ----------------------------------------------------------------------------------------------
 
-@restores_torch_threads
+@restores_torch_settings
 def fit_baseline(train: InstanceSet, *, config: BaselineConfig,
                  progress: ProgressCallback | None = None,
                  on_epoch: Callable[[int, nn.Module], None] | None = None) -> nn.Module:

@@ -38,7 +38,7 @@ from wsi_milssl.errors import ConfigError
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.mil.data import InstanceSet
 from wsi_milssl.mil.scores import auc_or_none
-from wsi_milssl.runtime import restores_torch_threads
+from wsi_milssl.runtime import restores_torch_settings
 
 __all__ = ["MethodSpec", "METHODS", "PRESETS", "DEFAULT_PRESET", "resolve_methods", "nested_cross_validation",
            "best_threshold", "logistic_threshold", "platt_fit", "calibrated_ensemble", "summarise", "format_table",
@@ -643,7 +643,7 @@ def _select(spec: MethodSpec, points: list[dict[str, Any]], train_scores: dict[i
     return g, e, oof, key[0], threshold
 
 
-@restores_torch_threads
+@restores_torch_settings
 def nested_cross_validation(instances: InstanceSet, *, bench: BenchmarkConfig,
                             methods: Sequence[MethodSpec] | None = None,
                             progress: ProgressCallback | None = None) -> dict[str, Any]:

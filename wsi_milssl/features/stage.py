@@ -55,7 +55,7 @@ from wsi_milssl.features import schema
 from wsi_milssl.features.encoders import Encoder
 from wsi_milssl.locks import folder_lock
 from wsi_milssl.paths import path_list
-from wsi_milssl.runtime import restores_torch_threads
+from wsi_milssl.runtime import restores_torch_settings
 from wsi_milssl.tiling import PLAN_ATTR, TilingPlan
 from wsi_milssl.tiling.status import marking_unfinished
 
@@ -407,7 +407,7 @@ def _refresh_labels(path: Path, store_path: Path) -> bool:
 # The stage
 # ----------------------------------------------------------------------------------------------
 
-@restores_torch_threads
+@restores_torch_settings
 def extract_features(inputs: Sequence[str | os.PathLike], out_dir: str | os.PathLike,
                      config: FeaturesConfig | None = None, *, tile: TileConfig | None = None,
                      encoder: Encoder | None = None, overwrite: bool = False, replace_other: bool = False,

@@ -70,7 +70,7 @@ from wsi_milssl.inference.model import InferenceModel, load_inference_model
 from wsi_milssl.inference.predict import SlideInput, SlidePrediction, predict_many, prestart_readers
 from wsi_milssl.locks import folder_lock
 from wsi_milssl.paths import path_list
-from wsi_milssl.runtime import restores_torch_threads
+from wsi_milssl.runtime import restores_torch_settings
 from wsi_milssl.slide.tissue import slide_tissue_mask
 from wsi_milssl.tiling import file_fingerprint, slide_stem
 
@@ -932,7 +932,7 @@ def non_finite_error(pred: SlidePrediction, model: Any) -> WsiMilsslError | None
         f"{f'{no_amp}; if that does not help, ' if amp is not None else ''}retrain with a lower learning rate (--lr).")
 
 
-@restores_torch_threads
+@restores_torch_settings
 def make_heatmaps(slides: Sequence[str | os.PathLike], checkpoint: str | os.PathLike | InferenceModel,
                   out_dir: str | os.PathLike, config: HeatmapConfig | None = None, *,
                   stores: Sequence[str | os.PathLike] | None = None,

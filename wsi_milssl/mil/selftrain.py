@@ -616,7 +616,7 @@ def _check_finite(model: torch.nn.Module, loss: float | None, *, amp: bool, epoc
                                 f"{kept} Fix: {fix}")
 
 
-@runtime_rules.restores_torch_threads
+@runtime_rules.restores_torch_settings
 def fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike | None = None,
         val: InstanceSet | None = None, resume: bool = False, eval_at: Sequence[int] | None = None,
         keep_val_scores: bool = False, run_info: dict[str, Any] | None = None,
