@@ -232,8 +232,10 @@ def _instance_labels(path: Path, values: np.ndarray) -> np.ndarray:
 
 
 def encoder_label(name: str | None, sha256: str | None) -> str:
-    """``'resnet50_trunc weights 0123456789ab'``: an encoder and its weights, for messages."""
-    return f"{name or 'encoder unknown'} {f'weights {sha256[:12]}' if sha256 else 'weights unknown'}"
+    """``'resnet50_trunc weights 0123456789ab'``: an encoder and its weights (``random`` for random weights), for
+    messages."""
+    weights = ("random weights" if sha256 == "random" else f"weights {sha256[:12]}" if sha256 else "weights unknown")
+    return f"{name or 'encoder unknown'} {weights}"
 
 
 def _h5_attr(value: Any) -> Any:

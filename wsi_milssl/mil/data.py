@@ -302,7 +302,7 @@ def read_feature_files(paths: Iterable[str | os.PathLike], labels: dict[str, int
     refused naming two of them; files that do not record a setting (TRIDENT's, CLAM's) are not compared on it.
     """
     from wsi_milssl.cohorts import stem_key
-    from wsi_milssl.features.schema import feature_files_in, read_feature_file
+    from wsi_milssl.features.schema import encoder_label, feature_files_in, read_feature_file
 
     feats_all, bag_all, inst_all = [], [], []
     names: list[str] = []
@@ -375,8 +375,8 @@ def read_feature_files(paths: Iterable[str | os.PathLike], labels: dict[str, int
     if len(encoders) > 1:
         (e1, w1), (e2, w2) = list(encoders)[:2]
         raise ConfigError(
-            f"{encoders[(e1, w1)]} and {encoders[(e2, w2)]} hold features of different encoders ({e1} "
-            f"{w1[:12] or 'weights unknown'} vs {e2} {w2[:12] or 'weights unknown'}); a head needs one encoder's "
+            f"{encoders[(e1, w1)]} and {encoders[(e2, w2)]} hold features of different encoders "
+            f"({encoder_label(e1, w1 or None)} vs {encoder_label(e2, w2 or None)}); a head needs one encoder's "
             "features. Fix: extract every slide with the same encoder and weights.")
     clash = _settings_clash(file_settings)
     if clash is not None:
