@@ -209,3 +209,26 @@ def test_shards_labelling_at_once_with_other_settings_are_refused(four_slides, t
     for i in range(3):
         label_stores(stores, annotations_dir=annotations, config=LabelConfig(), out_dir=out, shard=(i, 3))
     assert json.loads((out / "label_config.json").read_text())["positive_fraction"] == 0.25
+
+
+def test_a_shard_without_stores_prints_no_table_and_folder_notes_come_from_shard_0(four_slides, tmp_path, capsys):
+    """Review DA: under torchrun a rank with no stores printed a bare table header, and every rank repeated the
+    annotation files that match no store."""
+    slides, annotations = four_slides
+    stores = tmp_path / "stores"
+    assert tile_slides(find_slides([slides]), stores, TileConfig(magnification=20, patch_size_px=256, pixels="none",
+                                                                 threads=1)).ok
+    extra = tmp_path / "annotations"
+    shutil.copytree(annotations, extra)
+    shutil.copy(next(extra.glob("*.xml")), extra / "no_such_slide.xml")
+    count = 6
+    empty = next(i for i in range(count) if all(shard_of(s, count) != i for s in STEMS))
+    full = shard_of(STEMS[0], count)
+    printed = {}
+    for i in sorted({0, empty, full}):
+        assert main(["label", str(stores), "--annotations", str(extra), "--out", str(tmp_path / "labels"),
+                     "--shard", f"{i}/{count}"]) == 0
+        printed[i] = capsys.readouterr().out
+    assert f"labels of 0 store(s) (shard {empty}/{count})\n" in printed[empty] and "slide  " not in printed[empty]
+    assert "slide  " in printed[full] and STEMS[0] in printed[full]
+    assert [("no_such_slide.xml" in printed[i]) for i in sorted(printed)] == [i == 0 for i in sorted(printed)]

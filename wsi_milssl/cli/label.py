@@ -113,15 +113,17 @@ def run(args: argparse.Namespace) -> int:
             out_dir=getattr(args, "out", None), progress=progress, shard=shard, overwrite=args.overwrite,
         )
     if shard[1] > 1:  # each rank or --shard task prints its own table
-        print(f"labels of {len(report.results)} store(s) (shard {shard[0]}/{shard[1]}):")
+        print(f"labels of {len(report.results)} store(s) (shard {shard[0]}/{shard[1]})"
+              + (":" if report.results else ""))
     width = max([len(r.stem) for r in report.results] + [5])
-    print(f"{'slide':<{width}}  {'status':<7} {'labels':<11} {'patches':>8} {'positive':>8}  slide label")
+    if report.results or shard[1] == 1:  # review DA: a shard without stores printed a bare header
+        print(f"{'slide':<{width}}  {'status':<7} {'labels':<11} {'patches':>8} {'positive':>8}  slide label")
     for r in report.results:
         label = "" if r.slide_label is None else f"{r.slide_label} ({r.slide_label_source})"
         print(f"{r.stem:<{width}}  {r.status:<7} {r.label_status:<11} {r.n_patches:>8} {r.n_positive:>8}  {label}")
         if r.error:
             print(f"  error: {r.error}")
-    if report.unmatched_annotations:
+    if report.unmatched_annotations and shard[0] == 0:  # about the whole folder: shard 0 alone (review DA)
         print(f"annotation files matching no store ({len(report.unmatched_annotations)}): "
               + ", ".join(p.name for p in report.unmatched_annotations))
     others = [s for s in report.stores_without_annotation if s not in report.unannotated_tumor_slides]
