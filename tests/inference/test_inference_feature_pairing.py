@@ -236,3 +236,23 @@ def test_a_head_without_a_checkpoint_file_predicts_and_records_none(tmp_path, he
     assert make_feature_heatmaps([tmp_path / "feats" / "t0.h5"], memory, tmp_path / "hm").ok
     assert json.loads((tmp_path / "hm" / "heatmap_config.json").read_text())["checkpoint"] is None
     assert json.loads((tmp_path / "hm" / "t0_probs.json").read_text())["checkpoint"] is None
+
+
+def test_options_that_change_nothing_with_features_are_said(tmp_path, head, caplog):
+    """Review DB: --workers, --decode, --min-tissue (for patches read from slides) and a --slide-mpp that the
+    file's own record overrides were accepted with --features without a word."""
+    import logging
+
+    feats = _file(tmp_path / "f" / "s9.h5", "s9")
+    with caplog.at_level(logging.WARNING):
+        assert main(["heatmap", "--features", str(feats), "--model", str(head), "--out", str(tmp_path / "out"),
+                     "--workers", "3", "--min-tissue", "0.9", "--slide-mpp", "0.5", "--thumbnail-px", "64"]) == 0
+    assert ("--workers, --min-tissue: for patches read from slides or stores; with --features (the patches are "
+            "already embedded) they change nothing.") in caplog.text
+    assert (f"{feats}: the file records level-0 0.25 µm/px (the slide's when its patches were cut), not the 0.5 "
+            "µm/px given (--slide-mpp, or the slide's metadata): the file's is used.") in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert main(["heatmap", "--features", str(feats), "--model", str(head), "--out", str(tmp_path / "out2"),
+                     "--thumbnail-px", "64"]) == 0
+    assert "change nothing" not in caplog.text and "the file's is used" not in caplog.text

@@ -197,6 +197,17 @@ def _run_features(args: argparse.Namespace) -> int:
         slides = find_slides(args.slides) if args.slides else []
     except ConfigError as exc:
         return report_error(exc, code=2)
+    ignored = [option for option, given in (("--workers", args.workers is not None),
+                                            ("--decode", args.decode is not None),
+                                            ("--min-tissue", args.min_tissue is not None),
+                                            ("--no-channels-last", args.no_channels_last),
+                                            ("--no-fuse-batchnorm", args.no_fuse_batchnorm)) if given]
+    if ignored:  # review DB: accepted without a word
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "%s: for patches read from slides or stores; with --features (the patches are already embedded) "
+            "they change nothing.", ", ".join(ignored))
     with TqdmProgress() as progress:
         result = make_feature_heatmaps(args.features, args.model, args.out, config, slides=slides,
                                        annotations_dir=args.annotations, progress=progress)

@@ -433,6 +433,10 @@ class FeatureFile:
         a, c, notes = self.attrs, self.coords_attrs, []
         coords = self.coords
         mpp = _first_float(a.get("mpp"), slide_mpp)
+        if _first_float(a.get("mpp")) is not None and slide_mpp is not None and not 0.99 <= slide_mpp / mpp <= 1.01:
+            log.warning("%s: the file records level-0 %g µm/px (the slide's when its patches were cut), not the %g "
+                        "µm/px given (--slide-mpp, or the slide's metadata): the file's is used.", self.path, mpp,
+                        slide_mpp)  # review DB: said nothing
         if mpp is None and c.get("level0_magnification") not in (None, "None"):
             from wsi_milssl.slide.resolution import magnification_to_mpp
 
