@@ -9,7 +9,6 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -107,7 +106,7 @@ def test_the_start_check_compares_a_weights_file_not_how_each_node_spells_its_pa
     import torch.distributed as tdist
 
     from wsi_milssl.config import TrainConfig
-    from wsi_milssl.errors import DistributedError
+    from wsi_milssl.errors import ConfigError
     from wsi_milssl.mil.data import read_mil_csv
     from wsi_milssl.mil.ranks import _same_inputs
 
@@ -132,5 +131,5 @@ def test_the_start_check_compares_a_weights_file_not_how_each_node_spells_its_pa
 
     monkeypatch.chdir(tmp_path)
     gathered(tmp_path / "w.pth", "w.pth")  # one file, two spellings: no error
-    with pytest.raises(DistributedError, match="weights_path"):
+    with pytest.raises(ConfigError, match="weights_path"):
         gathered(tmp_path / "w.pth", tmp_path / "other.pth")

@@ -107,8 +107,10 @@ def _same_inputs(config: TrainConfig, train: InstanceSet, val: InstanceSet | Non
     for rank, theirs in enumerate(every[1:], start=1):
         diffs = [f"{k} {theirs.get(k)} vs {v}" for k, v in every[0].items() if theirs.get(k) != v]
         if diffs:
-            raise DistributedError(
-                f"rank {dist.rank}: rank {rank}'s settings or data differ from rank 0's: {'; '.join(diffs[:4])}. "
+            # every rank finds it: an error of the whole run (not a DistributedError, a rank's own), which torchrun's
+            # rank 0 alone prints (review DA: once per rank, "rank 0: rank 1's ...")
+            raise ConfigError(
+                f"rank {rank}'s settings or data differ from rank 0's: {'; '.join(diffs[:4])}. "
                 "Fix: give every rank the same command (the same inputs, labels, validation set and settings).")
 
 
