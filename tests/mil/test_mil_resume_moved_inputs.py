@@ -5,6 +5,7 @@ helps. Runs that recorded paths as typed (earlier versions) keep that advice."""
 from __future__ import annotations
 
 import json
+import shutil
 import os
 
 import h5py
@@ -71,3 +72,15 @@ def test_resume_of_a_run_moved_together_with_its_inputs_reads_them_where_they_ar
     (tmp_path / "after" / "ftr").rename(tmp_path / "elsewhere")
     assert main(["train", "--resume", str(tmp_path / "after" / "run"), "--epochs", "3"]) != 0
     assert "are not found; the run recorded them as absolute paths" in capsys.readouterr().err
+
+
+def test_inputs_gone_beside_other_data_of_the_same_layout_are_not_adopted(tmp_path, capsys):
+    """Review DT: a run whose inputs were deleted (a scratch folder wiped) read another data set of the same layout
+    beside it, saying it had moved with the run; the run folder itself did not move."""
+    data = _run(tmp_path / "scratch")
+    shutil.rmtree(data)
+    shutil.copytree(_run(tmp_path / "other"), tmp_path / "ftr")  # other data where the old rule looked: tmp/ftr
+    capsys.readouterr()
+    assert main(["train", "--resume", str(tmp_path / "scratch" / "run"), "--epochs", "2"]) != 0
+    err = capsys.readouterr().err
+    assert "are not found; the run recorded them as absolute paths" in err and "moved with it" not in err

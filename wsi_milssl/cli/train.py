@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 from pathlib import Path
 
 from wsi_milssl.cli.options import output_folder
@@ -378,7 +379,9 @@ def _resume_setup(args: argparse.Namespace):
         raise ConfigError(f"{problem}. Fix: correct that value in {cfg_path.name}, or start a new run without "
                           "--resume.") from None
     missing = [p for p in [*inputs, labels, *(val or []), val_labels] if p and not Path(p).exists()]
-    moved = _moved_with_the_run(missing, run_dir) if missing and all(Path(p).is_absolute() for p in missing) else None
+    was = data.get("run_dir")
+    moved = (_moved_with_the_run(missing, run_dir, Path(was)) if missing and isinstance(was, str) and Path(was).is_absolute()
+             and all(Path(p).is_absolute() for p in missing) else None)
     if moved is not None:  # review DD: a pipeline's OUT moved: its stores are below it still
         old, new = moved
         logging.getLogger(__name__).warning(
@@ -404,19 +407,21 @@ def _resume_setup(args: argparse.Namespace):
             [Path(p) for p in val or []] or None, Path(val_labels) if val_labels else None)
 
 
-def _moved_with_the_run(missing: list[str], run_dir: Path) -> tuple[Path, Path] | None:
-    """(old folder, new folder) when every one of the run's ``missing`` inputs (absolute paths) is found at the same
-    place below a folder that now holds the run folder (up to four levels up) as below the folder it was recorded
-    under: the run moved or was copied together with its inputs (a pipeline's OUT with its stores), else None."""
-    here = Path(run_dir).resolve()
-    first = Path(missing[0])
-    for holder in [here.parent, *here.parent.parents][:4]:
-        for depth in range(len(first.parts) - 2, 0, -1):  # the parts of the path below the old folder
-            old = Path(*first.parts[:-depth])
-            if holder == old or not holder.joinpath(*first.parts[-depth:]).exists():
-                continue
-            if all(Path(p).is_relative_to(old) and (holder / Path(p).relative_to(old)).exists() for p in missing):
-                return old, holder
+def _moved_with_the_run(missing: list[str], run_dir: Path, was: Path) -> tuple[Path, Path] | None:
+    """(old folder, new folder) when the run folder, recorded at ``was``, moved with a folder that held it (up to
+    four levels up: the same names below it, at another place) and every one of the run's ``missing`` inputs
+    (absolute paths) is found at the same place below that folder's new place: the run moved together with its
+    inputs (a pipeline's OUT with its stores), else None. A folder whose inputs alone are gone, beside other data of
+    the same layout, is not taken for one (review DT)."""
+    here = Path(os.path.abspath(run_dir))
+    for up in range(1, 5):
+        if up >= len(here.parts) or up >= len(was.parts):
+            break
+        holder, old = here.parents[up - 1], was.parents[up - 1]
+        if holder == old or here.relative_to(holder) != was.relative_to(old):
+            continue
+        if all(Path(p).is_relative_to(old) and (holder / Path(p).relative_to(old)).exists() for p in missing):
+            return old, holder
     return None
 
 
