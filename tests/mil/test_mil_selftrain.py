@@ -178,10 +178,12 @@ def test_train_config_validation_and_mode_defaults():
     assert (feat.model, feat.optimizer, feat.batch_size) == ("mlp", "adam", 512)
     with pytest.raises(ConfigError, match="TrainConfig.mu must satisfy"):
         TrainConfig(mu=1.0)
-    with pytest.raises(ConfigError, match=r"does not take features\. Fix: mode='images' \(model 'resnet18' takes "
-                                          r"images\), or model linear or mlp for mode 'features'\."):
+    with pytest.raises(ConfigError, match=r"does not take features\. Fix: model 'linear' or 'mlp' for features, or "
+                                          r"mode 'images' with patch stores as its input\."):
         TrainConfig(mode="features", model="resnet18")
-    with pytest.raises(ConfigError, match=r"model 'mlp' does not take images\. Fix: mode='features'"):  # review DB
+    # review DB, DT: a feature head names the feature mode, after resnet18 (what fixes a command on patch stores)
+    with pytest.raises(ConfigError, match=r"model 'mlp' does not take images\. Fix: model 'resnet18' for patch "
+                                          r"images, or, for a feature head, mode 'features' with feature files"):
         TrainConfig(model="mlp")
     with pytest.raises(ConfigError, match="TrainConfig.bag_pooling must be one of"):
         TrainConfig(bag_pooling="attention")

@@ -285,12 +285,10 @@ class TrainConfig:
             raise ConfigError(f"{name}.batch_size must be 2 or more for model 'resnet18' (its BatchNorm layers cannot "
                               f"normalise a batch of one); got {self.batch_size}. Fix: batch_size 2 or more.")
         if kinds[self.model] != (self.mode == "images"):
-            other = "features" if self.mode == "images" else "images"
-            raise ConfigError(
-                f"{name}.model {self.model!r} does not take {self.mode}. Fix: mode={other!r} (model {self.model!r} "
-                f"takes {other}), or model {'resnet18' if self.mode == 'images' else 'linear or mlp'} for mode "
-                f"{self.mode!r}."
-            )
+            fix = ("model 'resnet18' for patch images, or, for a feature head, mode 'features' with feature files as "
+                   "its input (`wsi-milssl features` makes them from patch stores)" if self.mode == "images" else
+                   "model 'linear' or 'mlp' for features, or mode 'images' with patch stores as its input")
+            raise ConfigError(f"{name}.model {self.model!r} does not take {self.mode}. Fix: {fix}.")
 
 
 @dataclass(frozen=True)
