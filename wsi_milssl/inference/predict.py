@@ -74,6 +74,7 @@ from wsi_milssl.inference.sources import (
     start_reader,
 )
 from wsi_milssl.slide.tissue import TissueMask
+from wsi_milssl.sockets import fit_socket_paths
 from wsi_milssl.tiling import MAX_BAND_PX, TileGeometry, slide_stem
 
 __all__ = ["CHUNK_BYTES", "SlideInput", "SlideOutputs", "SlidePrediction", "run_slides", "predict_many",
@@ -190,38 +191,11 @@ class _InlineExecutor:
         close_reader()
 
 
-#: the longest socket path Linux takes (``sun_path``: 108 bytes with its terminating NUL)
-_SOCKET_PATH_MAX_BYTES = 107
-#: what multiprocessing adds to its temporary folder's parent for the fork server's socket
-#: (``/pymp-XXXXXXXX/listener-XXXXXXXX``)
-_SOCKET_NAME_BYTES = 34
-
-
-def _short_socket_folder() -> None:
-    """Have multiprocessing put its sockets (the fork server's) below a short folder where the temporary folder's
-    path is too long for a socket: a scheduler's per-job TMPDIR of more than ~73 characters stopped heatmap and
-    features with ``OSError: AF_UNIX path too long`` on Python 3.11 (review DC; newer Pythons fall back
-    themselves). Its folder is made (and removed at exit) by multiprocessing, below /tmp or /var/tmp."""
-    import tempfile
-    from multiprocessing import util
-
-    if len(os.fsencode(tempfile.gettempdir())) + _SOCKET_NAME_BYTES <= _SOCKET_PATH_MAX_BYTES:
-        return
-    for base in ("/tmp", "/var/tmp"):
-        if os.path.isdir(base) and os.access(base, os.W_OK | os.X_OK):
-            before, tempfile.tempdir = tempfile.tempdir, base
-            try:
-                util.get_temp_dir()  # made once per process, then kept: every later socket goes below it
-            finally:
-                tempfile.tempdir = before
-            return
-
-
 def _reader_context():
     """A fork server that imports only the readers' module: readers start small (no torch, no CUDA
     state, nothing of the main process's memory); spawn where there is no fork server."""
     if "forkserver" in multiprocessing.get_all_start_methods():
-        _short_socket_folder()
+        fit_socket_paths()
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(["wsi_milssl.inference.sources"])
         return ctx

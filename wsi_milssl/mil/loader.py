@@ -277,6 +277,10 @@ class BatchLoader:
                 "free", errno.ENOSPC, fewer="or train with fewer --workers (0: read in the training process)")
 
     def _make_loader(self, reader: _Reader, sampler: _Plan, *, persistent: bool) -> torch.utils.data.DataLoader:
+        if self.num_workers > 0:  # its workers hand batches over through sockets below TMPDIR
+            from wsi_milssl.sockets import fit_socket_paths
+
+            fit_socket_paths()
         return torch.utils.data.DataLoader(
             reader, batch_size=None, sampler=sampler, num_workers=self.num_workers,
             persistent_workers=persistent, prefetch_factor=_PREFETCH,
