@@ -216,8 +216,8 @@ def test_sigterm_under_torchrun_is_said_by_rank_0_alone(tmp_path, rank):
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == -signal.SIGTERM
     if rank == "0":
-        assert err == ("error: stopped by SIGTERM from torchrun, which stops every rank when one fails (its error is "
-                       "above) or when it is stopped itself (a scheduler's time limit, `kill`); what finished is kept. "
+        assert err == ("error: stopped by SIGTERM from torchrun, which stops every rank when one fails (its summary "
+                       "names it) or when it is stopped itself (a scheduler's time limit, `kill`); what finished is kept. "
                        "Fix: run `wsi-milssl train --resume run` to continue from the last finished epoch (through "
                        "torchrun, as before).\n"), err
         assert "error: stopped by SIGTERM from torchrun" in log.read_text()

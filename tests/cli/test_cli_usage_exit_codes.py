@@ -21,6 +21,7 @@ from wsi_milssl.cli import main
      "error: --name must not be empty (or blank); leave it out for the --out folder's name."),
     (["train"], "error: no inputs; pass patch stores"),
     (["demo", "d", "--until", "nosuch"], "argument --until: invalid choice: 'nosuch'"),
+    (["demo", "d", "--until", "features"], "argument --until: invalid choice: 'features'"),  # not a demo stage
 ])
 def test_a_wrong_option_exits_2_and_names_the_option(tmp_path, monkeypatch, capsys, argv, message):
     monkeypatch.chdir(tmp_path)

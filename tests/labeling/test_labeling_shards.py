@@ -210,6 +210,15 @@ def test_shards_labelling_at_once_with_other_settings_are_refused(four_slides, t
         label_stores(stores, annotations_dir=annotations, config=LabelConfig(), out_dir=out, shard=(i, 3))
     assert json.loads((out / "label_config.json").read_text())["positive_fraction"] == 0.25
 
+    def masks_off(event) -> None:  # review DT: mask settings do not change the stores' labels
+        if event.stage == "label" and event.done == 1:
+            record = json.loads((out / "label_config.json").read_text())
+            (out / "label_config.json").write_text(json.dumps({**record, "write_masks": False,
+                                                               "mask_downsample": 64}))
+
+    label_stores(stores, annotations_dir=annotations, config=LabelConfig(), out_dir=out, shard=(0, 3),
+                 overwrite=False, progress=masks_off)
+
 
 def test_a_shard_without_stores_prints_no_table_and_folder_notes_come_from_shard_0(four_slides, tmp_path, capsys):
     """Review DA: under torchrun a rank with no stores printed a bare table header, and every rank repeated the

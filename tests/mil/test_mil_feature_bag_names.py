@@ -33,3 +33,12 @@ def test_a_renamed_file_of_a_bag_names_the_other_file_and_the_attribute(tmp_path
     (tmp_path / "x_s0.h5").unlink()
     _write(tmp_path / "x_s0.h5", None, 2)  # without the attribute: named by the file
     assert sorted(read_feature_files([tmp_path], labels).bag_names) == ["s0", "s1", "x_s0"]
+
+
+def test_a_file_named_twice_is_read_once(tmp_path):
+    """Review DT: a folder and a file in it (or one folder spelled two ways) said the bag was "also in" itself."""
+    _write(tmp_path / "s0.h5", "s0", 0)
+    _write(tmp_path / "s1.h5", "s1", 1)
+    labels = {"s0": 0, "s1": 1}
+    both = read_feature_files([tmp_path, tmp_path / "s0.h5", tmp_path / "." / "s1.h5"], labels)
+    assert sorted(both.bag_names) == ["s0", "s1"] and len(both) == 10

@@ -387,8 +387,8 @@ def _say_when_terminated(command: str, restarts: str | None = None, *, run_dir: 
                      if command == "train"
                      else f"run the same command again without {restarts} to continue (with it, that work starts "
                           "over)" if restarts else "run the same command again to continue")
-            why = ("from torchrun, which stops every rank when one fails (its error is above) or when it is stopped "
-                   "itself (a scheduler's time limit, `kill`)" if under_torchrun else
+            why = ("from torchrun, which stops every rank when one fails (its summary names it) or when it is "
+                   "stopped itself (a scheduler's time limit, `kill`)" if under_torchrun else
                    "(a scheduler's time limit, `docker stop` or `kill`)")
             launcher = " (through torchrun, as before)" if under_torchrun else ""
             message = f"stopped by SIGTERM {why}; what finished is kept. Fix: {again}{launcher}."

@@ -35,7 +35,7 @@ def register(subparsers) -> None:
         formatter_class=HelpFormatter,
     )
     p.add_argument("out_dir", type=output_folder, metavar="OUT_DIR", help="folder for every artifact of the demo")
-    p.add_argument("--until", default=None, choices=STAGES, metavar="STAGE",
+    p.add_argument("--until", default=None, choices=[s for s in STAGES if s != "features"], metavar="STAGE",
                    help="stop after this stage (e.g. tile)")
     p.set_defaults(run=run)
 

@@ -141,7 +141,8 @@ def _check_shard_settings(out: Path, config: LabelConfig) -> None:
                           "with --out, or pass --overwrite.") from None
     ours = json.loads(json.dumps(config_to_dict(config)))
     diffs = [f"{k} {recorded.get(k)!r}, this shard's {v!r}" for k, v in sorted(ours.items())
-             if isinstance(recorded, dict) and recorded.get(k) != v]
+             if isinstance(recorded, dict) and recorded.get(k) != v
+             and k not in _MASK_ONLY_FIELDS]  # masks of other settings label nothing otherwise (review DT)
     if diffs:
         raise ConfigError(f"{path}: another shard of this run labels with other settings ({'; '.join(diffs)}); the "
                           "shards of one run must use the same settings, or the stores would be labelled two ways. "
@@ -149,9 +150,13 @@ def _check_shard_settings(out: Path, config: LabelConfig) -> None:
                           "--overwrite to label this shard's stores again).")
 
 
+#: LabelConfig settings that shape the evaluation masks alone, not the stores' labels
+_MASK_ONLY_FIELDS = ("mask_downsample", "write_masks")
+
+
 def label_config_hash(config: LabelConfig) -> str:
     """Hash of the settings that decide the stored per-patch labels (not the mask settings)."""
-    return config_hash(config, exclude=("mask_downsample", "write_masks"))
+    return config_hash(config, exclude=_MASK_ONLY_FIELDS)
 
 
 def patch_labels(

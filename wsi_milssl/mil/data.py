@@ -317,6 +317,10 @@ def read_feature_files(paths: Iterable[str | os.PathLike], labels: dict[str, int
     from wsi_milssl.paths import path_list
 
     paths = [f for p in path_list(paths) for f in (feature_files_in(Path(p)) if Path(p).is_dir() else [Path(p)])]
+    first: dict[str, Path] = {}  # review DT: one file named twice (a folder and a file in it) is read once
+    for p in paths:
+        first.setdefault(os.path.realpath(p), p)
+    paths = list(first.values())
     if not paths:
         raise ConfigError("no feature files given; pass one or more .h5 files holding a 'features' dataset.")
     used: list[Path] = []
