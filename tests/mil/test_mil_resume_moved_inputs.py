@@ -84,3 +84,21 @@ def test_inputs_gone_beside_other_data_of_the_same_layout_are_not_adopted(tmp_pa
     assert main(["train", "--resume", str(tmp_path / "scratch" / "run"), "--epochs", "2"]) != 0
     err = capsys.readouterr().err
     assert "are not found; the run recorded them as absolute paths" in err and "moved with it" not in err
+
+
+def test_a_copy_resumed_then_its_original_deleted_and_a_symlinked_folder_still_resume(tmp_path, capsys):
+    """Review DU: every resume recorded the copy's folder while its inputs stayed the original's, so the original
+    deleted later was not found; and a folder reached through a symlink never matched its resolved inputs."""
+    _run(tmp_path / "orig")
+    shutil.copytree(tmp_path / "orig", tmp_path / "copy")
+    assert main(["train", "--resume", str(tmp_path / "copy" / "run"), "--epochs", "2"]) == 0  # reads orig's inputs
+    shutil.rmtree(tmp_path / "orig")
+    assert main(["train", "--resume", str(tmp_path / "copy" / "run"), "--epochs", "3"]) == 0
+    saved = json.loads((tmp_path / "copy" / "run" / "config.json").read_text())["data"]
+    assert saved["inputs"] == [str(tmp_path / "copy" / "ftr")] and saved["run_dir"] == str(tmp_path / "copy" / "run")
+    # a folder reached through a link: the run recorded resolved paths; the storage moved, the link follows it
+    (tmp_path / "storage").mkdir()
+    shutil.move(str(tmp_path / "copy"), str(tmp_path / "storage" / "a"))
+    (tmp_path / "link").symlink_to(tmp_path / "storage" / "a")
+    assert main(["train", "--resume", str(tmp_path / "link" / "run"), "--epochs", "4"]) == 0
+    capsys.readouterr()

@@ -11,7 +11,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 from pathlib import Path
 
 from wsi_milssl.cli.options import output_folder
@@ -379,11 +378,12 @@ def _resume_setup(args: argparse.Namespace):
         raise ConfigError(f"{problem}. Fix: correct that value in {cfg_path.name}, or start a new run without "
                           "--resume.") from None
     missing = [p for p in [*inputs, labels, *(val or []), val_labels] if p and not Path(p).exists()]
-    was = data.get("run_dir")
-    moved = (_moved_with_the_run(missing, run_dir, Path(was)) if missing and isinstance(was, str) and Path(was).is_absolute()
+    was = data.get("run_dir") if isinstance(data.get("run_dir"), str) and Path(data["run_dir"]).is_absolute() else None
+    moved = (_moved_with_the_run(missing, run_dir, Path(was)) if missing and was is not None
              and all(Path(p).is_absolute() for p in missing) else None)
     if moved is not None:  # review DD: a pipeline's OUT moved: its stores are below it still
         old, new = moved
+        was = str(Path(run_dir).resolve())  # where the inputs are recorded from now on (review DU)
         logging.getLogger(__name__).warning(
             "%s: the run's inputs recorded below %s are read from below %s, where the run folder is now (moved "
             "with it).", cfg_path, old, new)
@@ -404,7 +404,7 @@ def _resume_setup(args: argparse.Namespace):
                               " (runs of earlier versions recorded paths as typed). Fix: run `train --resume` from "
                               "the folder the run was started in, or put the inputs back.")
     return (run_dir, base, input_mode, [Path(p) for p in inputs], Path(labels) if labels else None,
-            [Path(p) for p in val or []] or None, Path(val_labels) if val_labels else None)
+            [Path(p) for p in val or []] or None, Path(val_labels) if val_labels else None, was)
 
 
 def _moved_with_the_run(missing: list[str], run_dir: Path, was: Path) -> tuple[Path, Path] | None:
@@ -413,7 +413,7 @@ def _moved_with_the_run(missing: list[str], run_dir: Path, was: Path) -> tuple[P
     (absolute paths) is found at the same place below that folder's new place: the run moved together with its
     inputs (a pipeline's OUT with its stores), else None. A folder whose inputs alone are gone, beside other data of
     the same layout, is not taken for one (review DT)."""
-    here = Path(os.path.abspath(run_dir))
+    here = Path(run_dir).resolve()
     for up in range(1, 5):
         if up >= len(here.parts) or up >= len(was.parts):
             break
@@ -492,13 +492,13 @@ def _set_up(args: argparse.Namespace):
             from wsi_milssl.locks import refuse_written_folder
 
             refuse_written_folder(args.resume)
-        out, base, input_mode, inputs, labels, val_inputs, val_labels = _resume_setup(args)
+        out, base, input_mode, inputs, labels, val_inputs, val_labels, recorded_dir = _resume_setup(args)
     else:
         if not args.inputs:
             raise OptionError("no inputs; pass patch stores, feature files or a MIL CSV (or --resume RUN_DIR).")
         if args.out is None:
             raise OptionError("--out RUN_DIR is required (where checkpoints and metrics go).")
-        out, base = args.out, {}
+        out, base, recorded_dir = args.out, {}, None
         inputs, labels, val_inputs = list(args.inputs), args.labels, args.val
         val_labels = args.val_labels or args.labels
         input_mode = detect_mode(inputs) if args.mode == "auto" else args.mode
@@ -544,7 +544,10 @@ def _set_up(args: argparse.Namespace):
                          "labels": str(Path(labels).resolve()) if labels else None,
                          "val_inputs": [str(Path(p).resolve()) for p in val_inputs] if val_inputs else None,
                          "val_labels": str(Path(val_labels).resolve()) if val_inputs and val_labels else None,
-                         "input_mode": input_mode}}
+                         "input_mode": input_mode,
+                         # where the run folder was when its inputs were recorded (a resume of a run moved with its
+                         # inputs finds them; the recorded place is kept while they are read from where they were)
+                         "run_dir": recorded_dir or str(Path(out).resolve())}}
     return out, config, train, val, run_info
 
 

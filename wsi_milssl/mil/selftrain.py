@@ -850,9 +850,10 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
     ckpt_config["distributed"] = dist.describe()
     ckpt_config.update(run_info or {})
     out = Path(out_dir) if out_dir is not None else None
-    if out is not None and isinstance(ckpt_config.get("data"), dict):  # where the run folder was: `train --resume` of
-        # a run moved together with its inputs reads them where they are now (cli/train.py)
-        ckpt_config["data"] = {**ckpt_config["data"], "run_dir": os.path.abspath(out)}
+    if out is not None and isinstance(ckpt_config.get("data"), dict) and "run_dir" not in ckpt_config["data"]:
+        # where the run folder was (the pipeline's runs; `wsi-milssl train` records it itself): `train --resume` of a
+        # run moved together with its inputs reads them where they are now (cli/train.py)
+        ckpt_config["data"] = {**ckpt_config["data"], "run_dir": str(out.resolve())}
     # a resume compares the data and settings with the saved run first: a change there is the cause to name
     ckpt = _resume_checkpoint(out, ckpt_config, config) if resume and out is not None else None
     if val is not None and out is not None:
