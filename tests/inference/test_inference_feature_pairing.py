@@ -256,3 +256,11 @@ def test_options_that_change_nothing_with_features_are_said(tmp_path, head, capl
         assert main(["heatmap", "--features", str(feats), "--model", str(head), "--out", str(tmp_path / "out2"),
                      "--thumbnail-px", "64"]) == 0
     assert "change nothing" not in caplog.text and "the file's is used" not in caplog.text
+
+
+def test_a_feature_file_named_twice_is_mapped_once(tmp_path, head):
+    """Review DU: `heatmap --features DIR DIR/x.h5` failed that slide, naming the same path twice."""
+    feats = _file(tmp_path / "f" / "s7.h5", "s7")
+    assert main(["heatmap", "--features", str(feats.parent), str(feats), "--model", str(head), "--out",
+                 str(tmp_path / "out"), "--thumbnail-px", "64"]) == 0
+    assert [r["status"] for r in _status(tmp_path / "out").values()] == ["ok"]

@@ -82,9 +82,9 @@ class _Parser(argparse.ArgumentParser):
         _USAGE_ERROR = f"{self.prog}: error: {message}"
         if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("RANK", "0") != "0":
             # every rank parses the same command line: rank 0 alone prints the usage error (review DA: 8 copies on
-            # 8 GPUs); torchrun's agent ends this rank as soon as rank 0 exits
+            # 8 GPUs); torchrun's agent ends this rank as soon as rank 0 exits, and one on another node (whose
+            # agent may not end it) says it after the wait (review DU)
             time.sleep(RANK0_WAIT_S)
-            self.exit(2)
         super().error(message)
 
 
@@ -458,18 +458,21 @@ def _not_split_by_rank(args: argparse.Namespace, world: int) -> WsiMilsslError |
     command = args.command
     if world <= 1 or (command in SPLIT_BY_RANK and not (command == "heatmap" and args.features is not None)):
         return None
+    torchrun = bool(os.environ.get("TORCHELASTIC_RUN_ID"))
+    unset = "" if torchrun else " (unset RANK and WORLD_SIZE: something other than torchrun set them)"  # review DU
     if command == "features":
         why = ("features are not split into shards (every rank would embed every slide into the same files). Fix: "
-               "run one process without torchrun (it uses the GPU and a pool of readers), or give each process its "
-               "own stores and --out.")
+               f"run one process without torchrun{unset} (it uses the GPU and a pool of readers), or give each "
+               "process its own stores and --out.")
     elif command == "heatmap":
         why = ("heatmaps of feature files (--features) are not split into shards (each takes well under a second, "
-               "and every rank would write the same files). Fix: run it once, as one process without torchrun.")
+               f"and every rank would write the same files). Fix: run it once, as one process without "
+               f"torchrun{unset}.")
     else:
         why = (f"`wsi-milssl {command}` is not split between ranks (every rank would run all of it, into the same "
                "files). Fix: run it as one process without torchrun (unset RANK and WORLD_SIZE if something else "
                f"set them); only {', '.join(SPLIT_BY_RANK[:-1])} and {SPLIT_BY_RANK[-1]} run under torchrun.")
-    who = (f"torchrun's {world} ranks" if os.environ.get("TORCHELASTIC_RUN_ID") else
+    who = (f"torchrun's {world} ranks" if torchrun else
            f"{world} ranks (RANK and WORLD_SIZE are set, without torchrun)")  # review DA
     return WsiMilsslError(f"{who}: {why}")
 

@@ -134,7 +134,7 @@ def load_feature_head(checkpoint: str | os.PathLike, *, config: HeatmapConfig | 
 
 def find_feature_files(paths: Sequence[str | os.PathLike]) -> list[Path]:
     """Feature files from files and folders (:func:`wsi_milssl.features.schema.feature_files_in`), sorted per
-    folder. Raises ConfigError for a missing path or no file at all."""
+    folder, each once. Raises ConfigError for a missing path or no file at all."""
     from wsi_milssl.features.schema import feature_files_in
 
     out: list[Path] = []
@@ -153,7 +153,10 @@ def find_feature_files(paths: Sequence[str | os.PathLike]) -> list[Path]:
         raise ConfigError(f"no feature files (.h5) in {', '.join(str(p) for p in paths)}"
                           + (f", but {nested}" if nested else ". Fix: run `wsi-milssl features` first, or pass "
                              "TRIDENT/CLAM feature files."))
-    return out
+    first: dict[str, Path] = {}  # review DU: one file named twice (a folder and a file in it) is mapped once
+    for p in out:
+        first.setdefault(os.path.realpath(p), p)
+    return list(first.values())
 
 
 def _slide_facts(path: Path | None, slide_mpp: float | None) -> tuple[float | None, tuple[int, int] | None]:

@@ -596,7 +596,8 @@ def _label_stores_locked(paths: list[Path], annotations_dir: Path, labels, label
             logger.warning("%s", exc)
         emit(progress, ProgressEvent("label", k + 1, len(mine), unit="slide", item=stem))
 
-    if unmatched and is_main_rank():  # about the whole folder: torchrun's rank 0 alone says it
+    if unmatched and is_main_rank():  # about the whole folder: torchrun's rank 0 alone says it (a --shard task, whose
+        # log is its own, says it too)
         logger.warning("%d annotation file(s) in %s match no store (names must be <store stem>.xml/.geojson): %s",
                        len(unmatched), annotations_dir, _names([p.name for p in unmatched]))
     if missing_labels:
