@@ -593,6 +593,21 @@ def refuse_written_folder(path: str | os.PathLike, *, named_by: str | None = Non
         raise FolderLockedError(_locked_message(Path(path), who, named_by))
 
 
+def folder_settings_record(path: str | os.PathLike, *, error: type[Exception]) -> dict | None:
+    """The settings a stage recorded in its output folder (``path``: its ``tile_config.json``,
+    ``label_config.json``, ``heatmap_config.json``), for a shard to compare with its own; None when there is none
+    (or it is not a JSON object). ``error`` (the stage's error class) names the file and the fix when it cannot be
+    read."""
+    try:
+        recorded = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise error(f"{path}: cannot read the settings of this folder ({exc}). Fix: write to a new folder with "
+                    "--out, or pass --overwrite.") from None
+    return recorded if isinstance(recorded, dict) else None
+
+
 def other_shards_writing(path: str | os.PathLike, shard: tuple[int, int]) -> list[tuple[int, int]]:
     """The shards (I, N) other than ``shard`` that hold their lock in folder ``path`` now: the shards of a
     run still writing there (to tell them from an earlier, finished run's files)."""

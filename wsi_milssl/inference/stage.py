@@ -827,15 +827,11 @@ def _check_shard_settings(out_dir: Path, fingerprint: str, model: InferenceModel
     """ConfigError when ``out_dir``'s heatmap_config.json (written by another shard of the run, or an earlier run)
     records maps of another checkpoint or other settings than this shard's (review DA: shards given two checkpoints
     filled one folder, and scores.csv, with maps of two models, and the record named one of them)."""
+    from wsi_milssl.locks import folder_settings_record
+
     path = out_dir / CONFIG_FILENAME
-    try:
-        recorded = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{path}: cannot read the settings of this folder ({exc}). Fix: write to a new folder "
-                          "with --out, or pass --overwrite.") from None
-    if not isinstance(recorded, dict) or recorded.get("fingerprint") in (None, fingerprint):
+    recorded = folder_settings_record(path, error=ConfigError)
+    if recorded is None or recorded.get("fingerprint") in (None, fingerprint):
         return
     theirs = recorded.get("checkpoint")
     ours = None if model.checkpoint_path is None else os.path.abspath(model.checkpoint_path)

@@ -131,17 +131,15 @@ def _check_shard_settings(out: Path, config: LabelConfig) -> None:
     """ConfigError when ``out``'s label_config.json, written by another shard of the run, records other settings
     than this shard's (review DA: shards given two --positive-fraction values labelled the stores of one training
     set two ways, and the record named one)."""
+    from wsi_milssl.locks import folder_settings_record
+
     path = out / CONFIG_JSON
-    try:
-        recorded = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    recorded = folder_settings_record(path, error=ConfigError)
+    if recorded is None:
         return
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{path}: cannot read the settings of this folder ({exc}). Fix: write to a new folder "
-                          "with --out, or pass --overwrite.") from None
     ours = json.loads(json.dumps(config_to_dict(config)))
     diffs = [f"{k} {recorded.get(k)!r}, this shard's {v!r}" for k, v in sorted(ours.items())
-             if isinstance(recorded, dict) and recorded.get(k) != v
+             if recorded.get(k) != v
              and k not in _MASK_ONLY_FIELDS]  # masks of other settings label nothing otherwise (review DT)
     if diffs:
         raise ConfigError(f"{path}: another shard of this run labels with other settings ({'; '.join(diffs)}); the "

@@ -677,15 +677,12 @@ def _check_shard_settings(out_dir: Path, config: TileConfig) -> None:
     """A shard's settings against those ``tile_config.json`` records (written by the first shard of the
     run before its first store, or by an earlier run): StoreError naming both when they differ, since
     shards started together with other settings would fill the folder with stores of two settings."""
+    from wsi_milssl.locks import folder_settings_record
+
     path = out_dir / CONFIG_FILENAME
-    try:
-        recorded = json.loads(path.read_text())
-    except FileNotFoundError:
+    if not path.exists():
         return
-    except (OSError, ValueError) as exc:
-        raise StoreError(f"{path}: cannot read the settings of this folder ({exc}). Fix: write to a new folder "
-                         "with --out, or pass --overwrite.") from None
-    diffs = _settings_diffs(recorded if isinstance(recorded, dict) else {}, config)
+    diffs = _settings_diffs(folder_settings_record(path, error=StoreError) or {}, config)
     if diffs is not None:
         raise StoreError(f"{path}: this folder is tiled with other settings than this shard's ({diffs}); the "
                          "shards of one run must use the same settings. Fix: give this shard the settings of "
