@@ -414,3 +414,21 @@ def test_another_users_lock_file_in_a_sticky_folder_is_a_refusal_naming_its_owne
     monkeypatch.setattr(locks.os, "unlink", real_unlink)  # a folder without the sticky bit: the file is replaced
     with folder_lock(folder):
         assert lock_holder(folder)["pid"] == os.getpid()
+
+
+def test_a_folders_settings_record_is_read_for_the_shard_checks(tmp_path):
+    """tile, label and heatmap shards compare their settings with the folder's record: none, not an object, or
+    unreadable (the error names the file and the fix, in the stage's error class)."""
+    from wsi_milssl.errors import StoreError
+    from wsi_milssl.locks import folder_settings_record
+
+    path = tmp_path / "tile_config.json"
+    assert folder_settings_record(path, error=StoreError) is None
+    path.write_text("[1, 2]")
+    assert folder_settings_record(path, error=StoreError) is None
+    path.write_text('{"patch_size_px": 256}')
+    assert folder_settings_record(path, error=StoreError) == {"patch_size_px": 256}
+    path.write_text("{not json")
+    with pytest.raises(StoreError, match=r"tile_config\.json: cannot read the settings of this folder \(.*\)\. Fix: "
+                                         r"write to a new folder with --out, or pass --overwrite\."):
+        folder_settings_record(path, error=StoreError)
