@@ -241,3 +241,30 @@ def test_a_shard_without_stores_prints_no_table_and_folder_notes_come_from_shard
     assert f"labels of 0 store(s) (shard {empty}/{count})\n" in printed[empty] and "slide  " not in printed[empty]
     assert "slide  " in printed[full] and STEMS[0] in printed[full]
     assert [("no_such_slide.xml" in printed[i]) for i in sorted(printed)] == [i == 0 for i in sorted(printed)]
+
+
+def test_stores_labelled_with_two_settings_are_warned_about_when_read(four_slides, tmp_path, caplog):
+    """Review DU: a label shard re-run later with another --positive-fraction labels its stores otherwise, and the
+    folder's record names one setting; reading the stores says so."""
+    import logging
+
+    from wsi_milssl.mil import read_labels_csv, read_patch_stores
+
+    slides, annotations = four_slides
+    stores = tmp_path / "stores"
+    assert tile_slides(find_slides([slides]), stores, TileConfig(magnification=20, patch_size_px=256, pixels="jpeg",
+                                                                 threads=1)).ok
+    labels_csv = tmp_path / "labels.csv"
+    labels_csv.write_text("slide,label\n" + "".join(f"{s},{int(s in ('slide_0', 'slide_2'))}\n" for s in STEMS))
+    out = tmp_path / "labels"
+    label_stores(stores, annotations_dir=annotations, config=LabelConfig(), out_dir=out, shard=(0, 3))
+    label_stores(stores, annotations_dir=annotations, config=LabelConfig(positive_fraction=0.9), out_dir=out,
+                 shard=(1, 3))
+    with caplog.at_level(logging.WARNING):
+        read_patch_stores([stores], read_labels_csv(labels_csv))
+    assert "were labelled with different label settings (positive_fraction 0.25 and 0.9" in caplog.text
+    caplog.clear()
+    label_stores(stores, annotations_dir=annotations, config=LabelConfig(), out_dir=out, overwrite=True)
+    with caplog.at_level(logging.WARNING):
+        read_patch_stores([stores], read_labels_csv(labels_csv))
+    assert "different label settings" not in caplog.text

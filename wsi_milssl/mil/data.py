@@ -18,7 +18,7 @@ import os
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -645,6 +645,7 @@ def read_patch_stores(paths: Iterable[str | os.PathLike], labels: dict[str, int]
     have_inst = True
     settings: dict | None = None
     unreadable: list[str] = []
+    labelled_by: dict[str, tuple[Path, Any]] = {}  # label_config_hash: the first store so labelled, its fraction
     for sp in store_paths:
         try:
             opened = open_store(sp)
@@ -664,6 +665,9 @@ def read_patch_stores(paths: Iterable[str | os.PathLike], labels: dict[str, int]
             stem = str(getattr(store, "stem", None) or attrs.get("slide_stem") or Path(sp).stem)
             if store.has("instance_label"):
                 inst.append(np.asarray(store.read_array("instance_label"), dtype=np.uint8))
+                if attrs.get("label_config_hash"):
+                    labelled_by.setdefault(str(_plain_attr(attrs["label_config_hash"])),
+                                           (sp, _plain_attr(attrs.get("positive_fraction"))))
             else:
                 have_inst = False
         here = {k: _plain_attr(attrs[k]) for k in STORE_SETTING_KEYS if k in attrs}
@@ -699,6 +703,12 @@ def read_patch_stores(paths: Iterable[str | os.PathLike], labels: dict[str, int]
         used.append(sp)
     if unreadable:
         raise StoreError(_unreadable_message(unreadable, len(store_paths), "stores"))
+    if len(labelled_by) > 1:  # review DU: label shards re-run with another --positive-fraction, without a word
+        (a, fa), (b, fb) = list(labelled_by.values())[:2]
+        log.warning("%s and %s were labelled with different label settings (positive_fraction %s and %s, or the "
+                    "annotation groups): their instance labels, which score the pseudo labels and evaluations (never "
+                    "training), mean two things. Fix: label every store again with one setting (`wsi-milssl label "
+                    "... --overwrite`).", a, b, fa, fb)
     if not used:
         raise StoreError(f"{', '.join(str(p) for p in store_paths[:3])}{' ...' if len(store_paths) > 3 else ''}: the "
                          "stores hold no patches. Fix: check the tiling settings against the slides (tile's "
