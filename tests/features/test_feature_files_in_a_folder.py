@@ -5,8 +5,7 @@ pipeline took `*.h5` alone, hidden ones included, so it trained on other bags th
 from __future__ import annotations
 
 from tinypipeline import feature_bags
-from wsi_milssl.cli.train import _expand_feature_inputs
-from wsi_milssl.features.schema import feature_files_in
+from wsi_milssl.features.schema import feature_files_in, feature_files_of
 from wsi_milssl.inference.feature_maps import find_feature_files
 from wsi_milssl.pipeline.digests import feature_files
 
@@ -21,4 +20,4 @@ def test_the_commands_and_the_pipeline_read_the_same_files_of_a_folder(tmp_path)
     assert feature_files_in(folder) == expected
     assert feature_files(folder) == expected
     assert find_feature_files([folder]) == expected
-    assert _expand_feature_inputs([folder]) == expected
+    assert feature_files_of([folder]) == expected  # train reads a folder so (cli/train.py)

@@ -150,11 +150,11 @@ def detect_mode(inputs: list[Path]) -> str:
     'images'. A file that cannot be opened (a damaged one) does not decide: its reader names it later."""
     import h5py
 
-    from wsi_milssl.features.schema import is_feature_file
+    from wsi_milssl.features.schema import feature_files_of, is_feature_file
 
     if inputs and all(p.suffix.lower() == ".csv" for p in inputs):
         return "mil-csv"
-    h5 = [p for p in _expand_feature_inputs(inputs) if p.suffix.lower() in (".h5", ".hdf5") and p.is_file()]
+    h5 = [p for p in feature_files_of(inputs) if p.suffix.lower() in (".h5", ".hdf5") and p.is_file()]
     for path in h5:
         try:
             with h5py.File(path, "r"):
@@ -173,19 +173,6 @@ def detect_mode(inputs: list[Path]) -> str:
             raise ConfigError(f"no patch stores or feature files directly in {', '.join(map(str, folders[:3]))}, but "
                               f"{hint}")
     return "images"
-
-
-def _expand_feature_inputs(inputs: list[Path]) -> list[Path]:
-    """Files as given; folders: their feature files (:func:`wsi_milssl.features.schema.feature_files_in`)."""
-    from wsi_milssl.features.schema import feature_files_in
-
-    out: list[Path] = []
-    for p in inputs:
-        if p.is_dir():
-            out += feature_files_in(p)
-        else:
-            out.append(p)
-    return out
 
 
 def _input_folders(inputs: list[Path]) -> list[Path]:
@@ -225,6 +212,7 @@ def warn_unfinished_inputs(inputs: list[Path], *, mode: str, labels_path: Path |
     validation), so a slide read from another input is not missing. ``option`` names the inputs."""
     import time
 
+    from wsi_milssl.features.schema import feature_files_of
     from wsi_milssl.mil.data import read_labels_csv
     from wsi_milssl.store import find_stores
     from wsi_milssl.tiling.status import unfinished_runs
@@ -244,7 +232,7 @@ def warn_unfinished_inputs(inputs: list[Path], *, mode: str, labels_path: Path |
             planned = sorted({str(stem) for r in runs for stem in r["slides"]})
         else:  # a mark that cannot be read: every labelled slide may be one of the run's
             planned = list(labels)
-        files = find_stores(folder) if mode == "images" else _expand_feature_inputs([folder])
+        files = find_stores(folder) if mode == "images" else feature_files_of([folder])
         made = {p.stem for p in files}  # <stem>.h5, <stem>.zarr
         missing = [stem for stem in planned if stem in labels and stem.casefold() not in read and stem not in made]
         if not missing:
@@ -282,7 +270,7 @@ def load_instances(inputs: list[Path], *, mode: str, labels_path: Path | None, o
         raise ConfigError(f"{mode} mode needs --labels labels.csv (slide,label) for the bag labels.")
     labels = read_labels_csv(labels_path)
     if mode == "features":
-        return read_feature_files(_expand_feature_inputs(inputs), labels, labels_path=str(labels_path))
+        return read_feature_files(inputs, labels, labels_path=str(labels_path))  # folders: their files
     return read_patch_stores(inputs, labels, labels_path=str(labels_path))
 
 

@@ -36,7 +36,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "FEATURE_FILE_SUFFIXES",
     "feature_files_in",
+    "feature_files_of",
     "SCHEMA",
     "SCHEMA_VERSION",
     "SUFFIX",
@@ -768,6 +769,17 @@ def feature_files_in(folder: str | os.PathLike) -> list[Path]:
     files (any case), not hidden ones (a writer's temporary ``.<stem>.h5...`` file), sorted by name."""
     return sorted(q for q in Path(folder).iterdir()
                   if q.suffix.lower() in FEATURE_FILE_SUFFIXES and not q.name.startswith(".") and q.is_file())
+
+
+def feature_files_of(paths: Iterable[str | os.PathLike]) -> list[Path]:
+    """Feature files from files (as given) and folders (:func:`feature_files_in`), each file once however often it
+    is named (a folder and a file in it, a folder spelled two ways: review DT, DU)."""
+    first: dict[str, Path] = {}
+    for raw in paths:
+        p = Path(raw)
+        for f in feature_files_in(p) if p.is_dir() else [p]:
+            first.setdefault(os.path.realpath(f), f)
+    return list(first.values())
 
 
 def is_feature_file(path: str | os.PathLike) -> bool:

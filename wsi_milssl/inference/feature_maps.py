@@ -135,17 +135,13 @@ def load_feature_head(checkpoint: str | os.PathLike, *, config: HeatmapConfig | 
 def find_feature_files(paths: Sequence[str | os.PathLike]) -> list[Path]:
     """Feature files from files and folders (:func:`wsi_milssl.features.schema.feature_files_in`), sorted per
     folder, each once. Raises ConfigError for a missing path or no file at all."""
-    from wsi_milssl.features.schema import feature_files_in
+    from wsi_milssl.features.schema import feature_files_of
 
-    out: list[Path] = []
-    for raw in path_list(paths):
-        p = Path(raw).expanduser()
+    given = [Path(raw).expanduser() for raw in path_list(paths)]
+    for p in given:
         if not p.exists():
             raise ConfigError(f"{p}: no such feature file or folder. Fix: check the path.")
-        if p.is_dir():
-            out += feature_files_in(p)
-        else:
-            out.append(p)
+    out = feature_files_of(given)
     if not out:
         from wsi_milssl.mil.data import nested_feature_folders
 
@@ -153,10 +149,7 @@ def find_feature_files(paths: Sequence[str | os.PathLike]) -> list[Path]:
         raise ConfigError(f"no feature files (.h5) in {', '.join(str(p) for p in paths)}"
                           + (f", but {nested}" if nested else ". Fix: run `wsi-milssl features` first, or pass "
                              "TRIDENT/CLAM feature files."))
-    first: dict[str, Path] = {}  # review DU: one file named twice (a folder and a file in it) is mapped once
-    for p in out:
-        first.setdefault(os.path.realpath(p), p)
-    return list(first.values())
+    return out
 
 
 def _slide_facts(path: Path | None, slide_mpp: float | None) -> tuple[float | None, tuple[int, int] | None]:

@@ -127,6 +127,10 @@ class LabelReport:
         return sum(r.status == "failed" for r in self.results)
 
 
+#: LabelConfig settings that shape the evaluation masks alone, not the stores' labels
+_MASK_ONLY_FIELDS = ("mask_downsample", "write_masks")
+
+
 def _check_shard_settings(out: Path, config: LabelConfig) -> None:
     """ConfigError when ``out``'s label_config.json, written by another shard of the run, records other settings
     than this shard's (review DA: shards given two --positive-fraction values labelled the stores of one training
@@ -146,10 +150,6 @@ def _check_shard_settings(out: Path, config: LabelConfig) -> None:
                           "shards of one run must use the same settings, or the stores would be labelled two ways. "
                           "Fix: give every shard the same settings (or, when no other shard is running, pass "
                           "--overwrite to label this shard's stores again).")
-
-
-#: LabelConfig settings that shape the evaluation masks alone, not the stores' labels
-_MASK_ONLY_FIELDS = ("mask_downsample", "write_masks")
 
 
 def label_config_hash(config: LabelConfig) -> str:

@@ -292,7 +292,8 @@ def read_feature_files(paths: Iterable[str | os.PathLike], labels: dict[str, int
     ``labels`` (name -> 0/1); an optional ``instance_label`` dataset (N,) is kept for evaluation.
 
     Bags are in name order (:func:`_name_order`), whatever order ``paths`` come in. A folder among ``paths``
-    stands for its feature files (:func:`wsi_milssl.features.schema.feature_files_in`).
+    stands for its feature files, and a file named twice is read once
+    (:func:`wsi_milssl.features.schema.feature_files_of`).
 
     ``settings`` of the result record the encoder the files name (``feature_encoder``, with its weights'
     SHA-256) and ``feature_settings`` (what decides the features besides the patches: encoder settings,
@@ -302,7 +303,7 @@ def read_feature_files(paths: Iterable[str | os.PathLike], labels: dict[str, int
     refused naming two of them; files that do not record a setting (TRIDENT's, CLAM's) are not compared on it.
     """
     from wsi_milssl.cohorts import stem_key
-    from wsi_milssl.features.schema import encoder_label, feature_files_in, read_feature_file
+    from wsi_milssl.features.schema import encoder_label, feature_files_of, read_feature_file
 
     feats_all, bag_all, inst_all = [], [], []
     names: list[str] = []
@@ -316,11 +317,7 @@ def read_feature_files(paths: Iterable[str | os.PathLike], labels: dict[str, int
     dims: dict[int, Path] = {}
     from wsi_milssl.paths import path_list
 
-    paths = [f for p in path_list(paths) for f in (feature_files_in(Path(p)) if Path(p).is_dir() else [Path(p)])]
-    first: dict[str, Path] = {}  # review DT: one file named twice (a folder and a file in it) is read once
-    for p in paths:
-        first.setdefault(os.path.realpath(p), p)
-    paths = list(first.values())
+    paths = feature_files_of(path_list(paths))
     if not paths:
         raise ConfigError("no feature files given; pass one or more .h5 files holding a 'features' dataset.")
     used: list[Path] = []
