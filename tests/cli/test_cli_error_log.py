@@ -4,7 +4,12 @@ not an empty log or one that just stops. stderr and the exit codes are as before
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -133,8 +138,6 @@ def test_printed_results_reach_the_log_file(tmp_path, capsys):
     """Review BS, C1: the lines a command prints on stdout (``run``'s stage lines and report path, a stage's
     summary) were missing from --log-file, so a batch run's log ended before its results. They are in it
     now, with timestamps, and stdout is unchanged; stdout is put back after the command."""
-    import sys
-
     stdout = sys.stdout
     log = tmp_path / "s.log"
     assert main(["synth", str(tmp_path / "s"), "--slides", "1", "--size-px", "1024", "1024", "--log-file",
@@ -144,6 +147,24 @@ def test_printed_results_reach_the_log_file(tmp_path, capsys):
     assert printed and printed[-1].startswith("wrote 1 slide(s)")
     assert re.search(rf"^{STAMP} INFO wsi_milssl.stdout: {re.escape(printed[-1])}$", log.read_text(), re.M), \
         log.read_text()
+
+
+def _stopped_by_sigterm(tmp_path, module: str, argv: str, env_extra: dict) -> tuple[int, str]:
+    """Run ``main`` on ``argv`` (a list as Python text, such as ``"['train', 'x.csv']"``) plus ``--log-file
+    tmp_path/t.log`` in a child process whose stage sleeps once started, stop it with SIGTERM, and return its exit
+    status and stderr. A ``TORCHELASTIC_RUN_ID`` of the test's own environment is dropped unless given."""
+    code = (f"import time, wsi_milssl.cli.{module} as s; from wsi_milssl.cli import main\n"
+            "s.run = lambda args: (print('started', flush=True), time.sleep(60))\n"
+            f"main({argv[:-1]}, '--log-file', {str(tmp_path / 't.log')!r}])\n")
+    env = {**{k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RUN_ID"},
+           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **env_extra}
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "started\n"
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    return proc.returncode, err
 
 
 @pytest.mark.parametrize("module, argv, again", [
@@ -162,31 +183,15 @@ def test_printed_results_reach_the_log_file(tmp_path, capsys):
 def test_sigterm_is_said_on_stderr_and_in_the_log_file(tmp_path, module, argv, again):
     """Review BS, C2: a SIGTERM (a scheduler's time limit, ``docker stop``) ended the log without a word. The
     process now says so on stderr and in the log file, and still ends as the signal does (exit status -15)."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    log = tmp_path / "t.log"
     for run in ("my run", "r1"):  # runs that finished an epoch
         (tmp_path / run).mkdir()
         (tmp_path / run / "last.pt").write_bytes(b"")
-    code = (f"import time, wsi_milssl.cli.{module} as s; from wsi_milssl.cli import main\n"
-            "s.run = lambda args: (print('started', flush=True), time.sleep(60))\n"
-            f"main({argv[:-1]}, '--log-file', {str(log)!r}])\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    env.pop("TORCHELASTIC_RUN_ID", None)
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    assert proc.stdout.readline() == "started\n"
-    time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=30)
-    assert proc.returncode == -signal.SIGTERM
+    returncode, err = _stopped_by_sigterm(tmp_path, module, argv, {})
+    assert returncode == -signal.SIGTERM
     assert err.startswith("error: stopped by SIGTERM"), err
+    log = (tmp_path / "t.log").read_text()
     assert re.search(rf"^{STAMP} ERROR wsi_milssl.cli: error: stopped by SIGTERM .* Fix: {re.escape(again)}\.$",
-                     log.read_text(), re.M), log.read_text()
+                     log, re.M), log
 
 
 @pytest.mark.parametrize("rank", ["0", "1"])
@@ -194,27 +199,12 @@ def test_sigterm_under_torchrun_is_said_by_rank_0_alone(tmp_path, rank):
     """Review DA: under torchrun a SIGTERM (a scheduler stopping the job) left only torchrun's traceback and a log
     that just stopped. Rank 0 alone says it, for both of torchrun's reasons (its agent also ends the ranks with
     SIGTERM when one fails), and names the resume."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    log = tmp_path / "t.log"
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "last.pt").write_bytes(b"")
-    code = ("import time, wsi_milssl.cli.train as s; from wsi_milssl.cli import main\n"
-            "s.run = lambda args: (print('started', flush=True), time.sleep(60))\n"
-            f"main(['train', '--resume', 'run', '--log-file', {str(log)!r}])\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "TORCHELASTIC_RUN_ID": "test",
-           "RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": "2"}
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    assert proc.stdout.readline() == "started\n"
-    time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=30)
-    assert proc.returncode == -signal.SIGTERM
+    returncode, err = _stopped_by_sigterm(tmp_path, "train", "['train', '--resume', 'run']", {
+        "TORCHELASTIC_RUN_ID": "test", "RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": "2"})
+    assert returncode == -signal.SIGTERM
+    log = tmp_path / "t.log"
     if rank == "0":
         assert err == ("error: stopped by SIGTERM from torchrun, which stops every rank when one fails (its summary "
                        "names it) or when it is stopped itself (a scheduler's time limit, `kill`); what finished is kept. "
