@@ -26,7 +26,7 @@ import numbers
 import numpy as np
 import torch
 
-from wsi_milssl.config.train import LAM_MAX, check_lam  # noqa: F401  (defined with the settings)
+from wsi_milssl.config.train import LAM_MAX, SINKHORN_TOL_MIN, check_lam  # noqa: F401  (defined with the settings)
 from wsi_milssl.errors import ConfigError
 
 __all__ = ["assign_pseudo_labels", "sinkhorn_log", "sinkhorn_two_class", "adaptive_mu", "check_lam", "PROB_EPS",
@@ -165,8 +165,11 @@ def _check_inputs(probs, bag_ids, mu, lam, max_iter, tol) -> tuple[np.ndarray, n
     p = np.asarray(probs, dtype=np.float64)
     if p.ndim != 1:
         raise ValueError(f"probs must be a 1-D array of positive-class probabilities; got shape {p.shape}.")
-    if p.size and (not np.all(np.isfinite(p)) or p.min() < 0.0 or p.max() > 1.0):
-        raise ValueError("probs must be finite probabilities in [0, 1]; apply a softmax/sigmoid first.")
+    if p.size and not np.all(np.isfinite(p)):
+        raise ValueError(f"probs hold {int((~np.isfinite(p)).sum())} NaN or infinite value(s) (a diverged model?); "
+                         "pseudo labels need finite probabilities in [0, 1].")
+    if p.size and (p.min() < 0.0 or p.max() > 1.0):
+        raise ValueError("probs must be probabilities in [0, 1]; apply a softmax/sigmoid first.")
     b = np.asarray(bag_ids)
     if b.shape != p.shape:
         raise ValueError(f"bag_ids must have the same shape as probs {p.shape}; got {b.shape}.")
@@ -175,8 +178,8 @@ def _check_inputs(probs, bag_ids, mu, lam, max_iter, tol) -> tuple[np.ndarray, n
     check_lam(lam)
     if not (isinstance(max_iter, numbers.Integral) and not isinstance(max_iter, bool) and max_iter >= 1):
         raise ConfigError(f"max_iter must be an integer >= 1; got {max_iter!r}.")
-    if not (_is_real(tol) and float(tol) > 0.0):
-        raise ConfigError(f"tol must be > 0; got {tol!r}.")
+    if not (_is_real(tol) and float(tol) >= SINKHORN_TOL_MIN):
+        raise ConfigError(f"tol must be >= {SINKHORN_TOL_MIN:g} (float64 rounding of the positive share); got {tol!r}.")
     return p, b
 
 
@@ -234,7 +237,7 @@ def assign_pseudo_labels(
         log_c = torch.zeros(n, dtype=torch.float64)
         log_q, iters, err = sinkhorn_two_class(float(lam) * log_p, log_r, log_c, max_iter=max_iter, tol=tol)
         if err >= tol:
-            log.warning("Sinkhorn stopped after %d iterations with relative marginal error %.2e "
+            log.warning("Sinkhorn stopped after %d iterations with positive-share error %.2e "
                         "(tol %.1e); raise max_iter.", iters, err, tol)
         else:
             log.debug("Sinkhorn converged in %d iterations (error %.2e).", iters, err)
