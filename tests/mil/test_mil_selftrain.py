@@ -66,8 +66,11 @@ def test_feature_mode_learns_and_writes_run_folder(tmp_path, mil_csv, mil_csv_va
         probs = torch.softmax(model(torch.from_numpy(val.features)), 1)[:, 1].numpy()
     np.testing.assert_allclose(probs, evaluate(result.model, val, runtime=resolve_runtime(_config()))["probs"],
                                atol=1e-6)
-    model_dir, _ = load_model(run)  # a run folder resolves to best.pt
-    assert model_dir is not None
+    # a run folder resolves to best.pt, not last.pt (review EA, B2: the order swapped went unnoticed)
+    assert best["epoch"] != ckpt["epoch"], "this run must select an earlier epoch for the check below to mean it"
+    from_folder, _ = load_model(run)
+    assert all(torch.equal(value, best["model"][key]) for key, value in from_folder.state_dict().items())
+    assert not all(torch.equal(value, ckpt["model"][key]) for key, value in from_folder.state_dict().items())
 
 
 @pytest.mark.parametrize(
