@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import errno
 import os
+from pathlib import Path
 from typing import Iterable
 
-__all__ = ["path_list", "link_loops"]
+__all__ = ["path_list", "link_loops", "folder_place"]
 
 
 def path_list(value: str | os.PathLike | Iterable[str | os.PathLike]) -> list:
@@ -26,3 +27,11 @@ def link_loops(path: str | os.PathLike) -> bool:
     except OSError as exc:
         return exc.errno == errno.ELOOP
     return False
+
+
+def folder_place(path: str | os.PathLike) -> Path:
+    """Where the folder ``path`` is: an absolute path with the links among the folders above it followed, and
+    ``path``'s own name kept even where it is a link itself (a run folder linked to scratch space is where its
+    link is, and moves with the folder that holds the link)."""
+    place = Path(os.path.abspath(path))
+    return place.parent.resolve() / place.name

@@ -102,3 +102,20 @@ def test_a_copy_resumed_then_its_original_deleted_and_a_symlinked_folder_still_r
     (tmp_path / "link").symlink_to(tmp_path / "storage" / "a")
     assert main(["train", "--resume", str(tmp_path / "link" / "run"), "--epochs", "4"]) == 0
     capsys.readouterr()
+
+
+def test_a_run_folder_that_is_a_link_moves_with_the_folder_that_holds_the_link(tmp_path, capsys, caplog):
+    """Review DW, B1: with the run folder itself a link to scratch space, the run's place was recorded as the
+    scratch folder, so a project moved with its inputs (the link going along) was never taken for a move, and the
+    resume said to put the inputs back."""
+    (tmp_path / "scratch_run").mkdir()
+    (tmp_path / "before").mkdir()
+    (tmp_path / "before" / "run").symlink_to(tmp_path / "scratch_run")
+    _run(tmp_path / "before")
+    saved = json.loads((tmp_path / "before" / "run" / "config.json").read_text())["data"]
+    assert saved["run_dir"] == str(tmp_path / "before" / "run")
+    (tmp_path / "before").rename(tmp_path / "after")
+    capsys.readouterr()
+    assert main(["train", "--resume", str(tmp_path / "after" / "run"), "--epochs", "2"]) == 0
+    assert (f"the run's inputs recorded below {tmp_path / 'before'} are read from below {tmp_path / 'after'}, "
+            "where the run folder is now (moved with it)") in caplog.text

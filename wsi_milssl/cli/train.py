@@ -14,6 +14,7 @@ import logging
 from pathlib import Path
 
 from wsi_milssl.cli.options import output_folder
+from wsi_milssl.paths import folder_place
 
 __all__ = ["SUMMARY", "register", "run", "add_train_options", "train_config_from_args", "load_instances", "detect_mode",
            "refuse_inputs_being_written", "warn_unfinished_inputs"]
@@ -371,7 +372,7 @@ def _resume_setup(args: argparse.Namespace):
              and all(Path(p).is_absolute() for p in missing) else None)
     if moved is not None:  # review DD: a pipeline's OUT moved: its stores are below it still
         old, new = moved
-        was = str(Path(run_dir).resolve())  # where the inputs are recorded from now on (review DU)
+        was = str(folder_place(run_dir))  # where the inputs are recorded from now on (review DU)
         logging.getLogger(__name__).warning(
             "%s: the run's inputs recorded below %s are read from below %s, where the run folder is now (moved "
             "with it).", cfg_path, old, new)
@@ -401,7 +402,7 @@ def _moved_with_the_run(missing: list[str], run_dir: Path, was: Path) -> tuple[P
     (absolute paths) is found at the same place below that folder's new place: the run moved together with its
     inputs (a pipeline's OUT with its stores), else None. A folder whose inputs alone are gone, beside other data of
     the same layout, is not taken for one (review DT)."""
-    here = Path(run_dir).resolve()
+    here = folder_place(run_dir)
     for up in range(1, 5):
         if up >= len(here.parts) or up >= len(was.parts):
             break
@@ -535,7 +536,7 @@ def _set_up(args: argparse.Namespace):
                          "input_mode": input_mode,
                          # where the run folder was when its inputs were recorded (a resume of a run moved with its
                          # inputs finds them; the recorded place is kept while they are read from where they were)
-                         "run_dir": recorded_dir or str(Path(out).resolve())}}
+                         "run_dir": recorded_dir or str(folder_place(out))}}
     return out, config, train, val, run_info
 
 

@@ -41,6 +41,7 @@ from wsi_milssl.errors import (CheckpointError, ConfigError, OutputError, Reader
                                TrainingDivergedError, WsiMilsslError)
 from wsi_milssl.events import ProgressCallback, ProgressEvent, emit
 from wsi_milssl.locks import folder_lock
+from wsi_milssl.paths import folder_place
 from wsi_milssl.mil.checkpoint import RESUME_FIX, capture_rng, interrupt_after, restore_rng, save_checkpoint
 from wsi_milssl.mil.data import NORMALISATION, InstanceSet, held_out_bags, reopened_stores_warning
 from wsi_milssl.mil.loader import BatchLoader, block_order, normalises_batches, without_lone_last
@@ -853,7 +854,7 @@ def _fit(train: InstanceSet, *, config: TrainConfig, out_dir: str | os.PathLike 
     if out is not None and isinstance(ckpt_config.get("data"), dict) and "run_dir" not in ckpt_config["data"]:
         # where the run folder was (the pipeline's runs; `wsi-milssl train` records it itself): `train --resume` of a
         # run moved together with its inputs reads them where they are now (cli/train.py)
-        ckpt_config["data"] = {**ckpt_config["data"], "run_dir": str(out.resolve())}
+        ckpt_config["data"] = {**ckpt_config["data"], "run_dir": str(folder_place(out))}
     # a resume compares the data and settings with the saved run first: a change there is the cause to name
     ckpt = _resume_checkpoint(out, ckpt_config, config) if resume and out is not None else None
     if val is not None and out is not None:
