@@ -268,3 +268,30 @@ def test_stores_labelled_with_two_settings_are_warned_about_when_read(four_slide
     with caplog.at_level(logging.WARNING):
         read_patch_stores([stores], read_labels_csv(labels_csv))
     assert "different label settings" not in caplog.text
+
+
+def test_unannotated_stores_labelled_with_another_setting_are_no_cause_for_the_warning(four_slides, tmp_path, caplog):
+    """Review DW, C1: a store without an annotation holds all-0 labels under any setting, yet its setting counted,
+    so re-labelling the annotated stores alone warned that the labels "mean two things", naming a negative store."""
+    import logging
+
+    from wsi_milssl.mil import read_labels_csv, read_patch_stores
+
+    slides, annotations = four_slides
+    stores = tmp_path / "stores"
+    assert tile_slides(find_slides([slides]), stores, TileConfig(magnification=20, patch_size_px=256, pixels="jpeg",
+                                                                 threads=1)).ok
+    labels_csv = tmp_path / "labels.csv"
+    labels_csv.write_text("slide,label\n" + "".join(f"{s},{int(s in ('slide_0', 'slide_2'))}\n" for s in STEMS))
+    label_stores(stores, annotations_dir=annotations, config=LabelConfig(), out_dir=tmp_path / "all")
+    annotated = [p for p in find_stores([stores]) if p.stem in ("slide_0", "slide_2")]
+    label_stores(annotated, annotations_dir=annotations, config=LabelConfig(positive_fraction=0.9),
+                 out_dir=tmp_path / "again", overwrite=True)
+    with caplog.at_level(logging.WARNING):
+        read_patch_stores([stores], read_labels_csv(labels_csv))
+    assert "different label settings" not in caplog.text
+    label_stores(annotated[:1], annotations_dir=annotations, config=LabelConfig(), out_dir=tmp_path / "one",
+                 overwrite=True)
+    with caplog.at_level(logging.WARNING):
+        read_patch_stores([stores], read_labels_csv(labels_csv))
+    assert "slide_0.h5 and " in caplog.text and "slide_2.h5 were labelled with different label settings" in caplog.text

@@ -662,7 +662,8 @@ def read_patch_stores(paths: Iterable[str | os.PathLike], labels: dict[str, int]
             stem = str(getattr(store, "stem", None) or attrs.get("slide_stem") or Path(sp).stem)
             if store.has("instance_label"):
                 inst.append(np.asarray(store.read_array("instance_label"), dtype=np.uint8))
-                if attrs.get("label_config_hash"):
+                # an unannotated store's labels are all 0 under any setting (review DW: a false alarm)
+                if attrs.get("label_config_hash") and _plain_attr(attrs.get("label_status")) == "annotated":
                     labelled_by.setdefault(str(_plain_attr(attrs["label_config_hash"])),
                                            (sp, _plain_attr(attrs.get("positive_fraction"))))
             else:
