@@ -21,3 +21,18 @@ def test_the_commands_and_the_pipeline_read_the_same_files_of_a_folder(tmp_path)
     assert feature_files(folder) == expected
     assert find_feature_files([folder]) == expected
     assert feature_files_of([folder]) == expected  # train reads a folder so (cli/train.py)
+
+
+def test_a_file_named_under_two_names_is_read_once_and_the_second_name_is_said(tmp_path, caplog):
+    """Review DW, C2: a link of another name beside its target (links/patientA.h5 -> bags/bag_00.h5) was dropped
+    without a word, so `heatmap --features` wrote one map fewer than the files it was given."""
+    folder = tmp_path / "bags"
+    feature_bags(folder, 2, 0)
+    (tmp_path / "links").mkdir()
+    (tmp_path / "links" / "patientA.h5").symlink_to(folder / "bag_00.h5")
+    with caplog.at_level("WARNING"):
+        assert feature_files_of([folder, folder / "bag_00.h5"]) == [folder / "bag_00.h5", folder / "bag_01.h5"]
+        assert caplog.text == ""  # the same name twice: nothing to say
+        assert feature_files_of([folder, tmp_path / "links"]) == [folder / "bag_00.h5", folder / "bag_01.h5"]
+    assert (f"{tmp_path / 'links' / 'patientA.h5'} is the same file as {folder / 'bag_00.h5'} (a link): it is read "
+            "once, under the name bag_00.h5.") in caplog.text

@@ -773,12 +773,17 @@ def feature_files_in(folder: str | os.PathLike) -> list[Path]:
 
 def feature_files_of(paths: Iterable[str | os.PathLike]) -> list[Path]:
     """Feature files from files (as given) and folders (:func:`feature_files_in`), each file once however often it
-    is named (a folder and a file in it, a folder spelled two ways: review DT, DU)."""
+    is named (a folder and a file in it, a folder spelled two ways: review DT, DU). A file named again under another
+    name (a link) is read under its first name, and a warning says so (review DW: its maps went missing without a
+    word)."""
     first: dict[str, Path] = {}
     for raw in paths:
         p = Path(raw)
         for f in feature_files_in(p) if p.is_dir() else [p]:
-            first.setdefault(os.path.realpath(f), f)
+            kept = first.setdefault(os.path.realpath(f), f)
+            if kept.name != f.name:
+                log.warning("%s is the same file as %s (a link): it is read once, under the name %s.", f, kept,
+                            kept.name)
     return list(first.values())
 
 
