@@ -43,7 +43,8 @@ def test_a_second_run_is_refused_naming_the_folder_and_the_other_pid(tmp_path):
     try:
         assert lock_holder(folder)["pid"] == other.pid
         with pytest.raises(FolderLockedError, match=(
-                rf"^{folder}: another wsi-milssl run \(pid {other.pid}, since .*\) is writing to this folder\. "
+                rf"^{re.escape(str(folder))}: another wsi-milssl run \(pid {other.pid}, since .*\) is writing to "
+                r"this folder\. "
                 r"Fix: wait until it finishes, or write to another folder \(--out\)\.$")):
             with folder_lock(folder):
                 pass
@@ -70,7 +71,8 @@ def test_a_call_from_another_thread_is_refused_and_one_in_the_same_thread_nests(
     thread.start()
     try:
         assert held.wait(30)
-        with pytest.raises(FolderLockedError, match=rf"^{folder}: another wsi-milssl run \(pid {os.getpid()}, "):
+        with pytest.raises(FolderLockedError,
+                           match=rf"^{re.escape(str(folder))}: another wsi-milssl run \(pid {os.getpid()}, "):
             with folder_lock(folder):
                 errors.append("entered")
         assert folder_writer(folder) is not None  # this thread does not hold it: the other thread writes it
@@ -134,7 +136,8 @@ def test_a_read_only_output_folder_is_one_clear_error(tmp_path):
         for target, what in ((folder, "cannot write to this output folder"),
                              (folder / "run", "cannot create this output folder")):
             with pytest.raises(OutputError, match=(
-                    rf"^{target}: {what} \(Read-only file system: {target} is on a read-only file system\)\. "
+                    rf"^{re.escape(str(target))}: {what} \(Read-only file system: {re.escape(str(target))} is on a "
+                    r"read-only file system\)\. "
                     r"Fix: write to a folder on a writable disk \(another --out\), or remount it read-write\.$")
                                ) as info:
                 with folder_lock(target):
@@ -168,7 +171,7 @@ def test_shards_of_one_run_share_the_folder_and_everything_else_is_refused(tmp_p
             assert lock_holder(folder, shard=(0, 2))["pid"] == other.pid
             assert lock_holder(folder, shard=(1, 2))["shard"] == "1/2"
         assert (folder / shard_lock_filename(0, 2)).exists() and not (folder / shard_lock_filename(1, 2)).exists()
-        running = rf"^{folder}: another wsi-milssl run \(shard 0/2, pid {other.pid}, since [^)]*\)"
+        running = rf"^{re.escape(str(folder))}: another wsi-milssl run \(shard 0/2, pid {other.pid}, since [^)]*\)"
         with pytest.raises(FolderLockedError, match=running + REFUSED):
             with folder_lock(folder, shard=(0, 2)):
                 pass
@@ -191,8 +194,8 @@ def test_an_unsharded_run_refuses_shards(tmp_path):
     folder = tmp_path / "out"
     other = _hold(folder, seconds=60)
     try:
-        with pytest.raises(FolderLockedError, match=rf"^{folder}: another wsi-milssl run \(pid {other.pid}, " + r"[^)]*\)"
-                                                    + REFUSED):
+        with pytest.raises(FolderLockedError, match=rf"^{re.escape(str(folder))}: another wsi-milssl run "
+                                                    rf"\(pid {other.pid}, " + r"[^)]*\)" + REFUSED):
             with folder_lock(folder, shard=(1, 2)):
                 pass
     finally:
@@ -406,8 +409,9 @@ def test_another_users_lock_file_in_a_sticky_folder_is_a_refusal_naming_its_owne
     monkeypatch.setattr(locks.os, "unlink", unlink_in_sticky_folder)
     monkeypatch.setattr(locks.os, "geteuid", lambda: os.getuid() + 1)  # the file is not this user's
     started = time.monotonic()
-    with pytest.raises(FolderLockedError, match=rf"^{folder}: {re.escape(LOCK_FILENAME)} belongs to .*, and this user "
-                                                r"can neither write it nor replace it here .*Fix: ask .* to delete "):
+    with pytest.raises(FolderLockedError, match=rf"^{re.escape(str(folder))}: {re.escape(LOCK_FILENAME)} belongs to "
+                                                r".*, and this user can neither write it nor replace it here .*Fix: "
+                                                r"ask .* to delete "):
         with folder_lock(folder):
             pass
     assert time.monotonic() - started < 5

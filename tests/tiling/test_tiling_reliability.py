@@ -53,9 +53,9 @@ def test_tile_onto_a_full_disk_fails_each_slide_cleanly(synth_dir, tmp_path, fmt
     for r in rows:
         assert r["status"] == "failed"
         assert re.fullmatch(
-            rf"{out}/{r['slide']}\.{fmt}: (cannot write this patch store \((No space left on device: the disk "
-            r"is full|File too large: the file grew past a size limit)\)|not enough free disk space for this "
-            r"store .*)\. Fix: .*", r["error"]), (method, r["error"])
+            rf"{re.escape(str(out))}/{r['slide']}\.{fmt}: (cannot write this patch store \((No space left on "
+            r"device: the disk is full|File too large: the file grew past a size limit)\)|not enough free disk space "
+            r"for this store .*)\. Fix: .*", r["error"]), (method, r["error"])
         assert f"failed: {r['slide']}: {r['error']}" in result.stderr
     assert stores == [] and hidden == []  # no store, no partial store, no lock file
 
@@ -122,8 +122,9 @@ def test_two_tile_runs_into_one_folder_one_refuses_and_every_store_matches_the_c
             a.kill()
             a.wait()
     assert b.returncode == 1, b.stderr
-    assert re.search(rf"^error: {out}: another wsi-milssl run \(pid {a.pid}, since [^)]*: wsi-milssl tile .*\) is "
-                     r"writing to this folder\. Fix: wait until it finishes, or write to another folder \(--out\)\.$",
+    assert re.search(rf"^error: {re.escape(str(out))}: another wsi-milssl run \(pid {a.pid}, since [^)]*: wsi-milssl "
+                     r"tile .*\) is writing to this folder\. Fix: wait until it finishes, or write to another "
+                     r"folder \(--out\)\.$",
                      b.stderr, re.M), b.stderr
     assert "Traceback" not in b.stderr
     assert a.returncode == 0, a_err

@@ -87,8 +87,9 @@ def test_a_copy_of_a_running_shard_or_an_unsharded_run_is_refused(four_slides, t
             assert main(["tile", str(slides), "--out", str(out), *ARGS, *extra]) == 1
             err = capsys.readouterr().err
             assert re.fullmatch(
-                rf"error: {out}: another wsi-milssl run \(shard 1/2, pid {holder.pid}, since [^)]*\) is writing to "
-                r"this folder\. Fix: wait until it finishes, or write to another folder \(--out\)\.\n", err), err
+                rf"error: {re.escape(str(out))}: another wsi-milssl run \(shard 1/2, pid {holder.pid}, since [^)]*\) "
+                r"is writing to this folder\. Fix: wait until it finishes, or write to another folder \(--out\)\.\n",
+                err), err
         assert find_stores(out) == []
         assert main(["tile", str(slides), "--out", str(out), *ARGS, "--shard", "0/2"]) == 0  # the other shard runs
         assert [p.name for p in find_stores(out)] == [f"{s}.h5" for s in SLIDES if shard_of(s, 2) == 0]
