@@ -60,6 +60,6 @@ def test_torchrun_ranks_are_refused(tmp_path, labelled_stores, capsys, monkeypat
     # rank 1, started by hand (no torchrun agent to end it when rank 0 refuses): it says so itself, tagged
     assert err.startswith("[rank 1] error: 2 ranks (RANK and WORLD_SIZE are set, without torchrun): features are not "
                           "split into shards"), err
-    assert "Fix: run one process without torchrun (unset RANK and WORLD_SIZE: something other than torchrun set them)" \
-        in err  # review DU: the fix the user had already followed
+    assert ("Fix: unset RANK and WORLD_SIZE (something other than torchrun set them) and run one process (it uses "
+            "the GPU and a pool of readers)") in err  # review DU: the fix the user had already followed; DW: wording
     assert not out.exists()

@@ -459,19 +459,18 @@ def _not_split_by_rank(args: argparse.Namespace, world: int) -> WsiMilsslError |
     if world <= 1 or (command in SPLIT_BY_RANK and not (command == "heatmap" and args.features is not None)):
         return None
     torchrun = bool(os.environ.get("TORCHELASTIC_RUN_ID"))
-    unset = "" if torchrun else " (unset RANK and WORLD_SIZE: something other than torchrun set them)"  # review DU
+    one = ("run one process without torchrun" if torchrun else  # review DU, DW
+           "unset RANK and WORLD_SIZE (something other than torchrun set them) and run one process")
     if command == "features":
         why = ("features are not split into shards (every rank would embed every slide into the same files). Fix: "
-               f"run one process without torchrun{unset} (it uses the GPU and a pool of readers), or give each "
-               "process its own stores and --out.")
+               f"{one} (it uses the GPU and a pool of readers), or give each process its own stores and --out.")
     elif command == "heatmap":
         why = ("heatmaps of feature files (--features) are not split into shards (each takes well under a second, "
-               f"and every rank would write the same files). Fix: run it once, as one process without "
-               f"torchrun{unset}.")
+               f"and every rank would write the same files). Fix: {one}.")
     else:
         why = (f"`wsi-milssl {command}` is not split between ranks (every rank would run all of it, into the same "
-               "files). Fix: run it as one process without torchrun (unset RANK and WORLD_SIZE if something else "
-               f"set them); only {', '.join(SPLIT_BY_RANK[:-1])} and {SPLIT_BY_RANK[-1]} run under torchrun.")
+               f"files). Fix: {one}; only {', '.join(SPLIT_BY_RANK[:-1])} and {SPLIT_BY_RANK[-1]} run under "
+               "torchrun.")
     who = (f"torchrun's {world} ranks" if torchrun else
            f"{world} ranks (RANK and WORLD_SIZE are set, without torchrun)")  # review DA
     return WsiMilsslError(f"{who}: {why}")
