@@ -680,9 +680,10 @@ def _check_shard_settings(out_dir: Path, config: TileConfig) -> None:
     from wsi_milssl.locks import folder_settings_record
 
     path = out_dir / CONFIG_FILENAME
-    if not path.exists():
+    recorded = folder_settings_record(path, error=StoreError)
+    if recorded is None:  # none, or not a JSON object: no settings to compare with, as label and heatmap read it
         return
-    diffs = _settings_diffs(folder_settings_record(path, error=StoreError) or {}, config)
+    diffs = _settings_diffs(recorded, config)
     if diffs is not None:
         raise StoreError(f"{path}: this folder is tiled with other settings than this shard's ({diffs}); the "
                          "shards of one run must use the same settings. Fix: give this shard the settings of "
