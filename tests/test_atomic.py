@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -139,7 +140,8 @@ def test_enospc_names_the_folder_and_how_to_free_space(tmp_path):
 
     err = output_error(tmp_path / "run" / "last.pt", OSError(errno.ENOSPC, "No space left on device"))
     assert str(err) == (f"{tmp_path}/run/last.pt: cannot write this file (No space left on device: the disk is "
-                        f"full). Fix: free disk space where {tmp_path}/run lives (`df -h {tmp_path}/run`), or "
+                        f"full). Fix: free disk space where {tmp_path}/run lives "
+                        f"(`df -h {shlex.quote(str(tmp_path / 'run'))}`), or "
                         "write to another folder, and re-run.")
     assert err.errno == errno.ENOSPC
 

@@ -3,6 +3,8 @@ not depend on workers, item size or where JPEG is decoded."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -178,7 +180,8 @@ def test_a_reader_killed_during_training_is_one_error_naming_the_resume(tmp_path
              r"(\): the shared memory .*/dev/shm.* is full; .*--shm-size.*|\), most likely .* by a full /dev/shm .*)")
     with pytest.raises(ReaderLostError, match=(
             r"^a reader process of training stopped \(DataLoader worker \(pid.*\d+\) (is killed|exited).*" + cause
-            + rf"; {out} keeps the checkpoint of the last finished epoch\. Fix: train with fewer --workers .* then "
+            + rf"; {re.escape(str(out))} keeps the checkpoint of the last finished epoch\. Fix: train with fewer "
+            r"--workers .* then "
             r"continue with `wsi-milssl train --resume")):
         fit(instances, config=cfg, out_dir=out, progress=kill_a_reader)
     assert (out / "last.pt").is_file()

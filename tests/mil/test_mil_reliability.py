@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -34,9 +35,9 @@ def test_train_on_a_full_disk_is_one_clear_error(tmp_path, capsys):
     assert code == 1, (method, err)
     assert "Traceback" not in err
     assert re.fullmatch(
-        rf"error: {run}/last\.pt: cannot write this file \((No space left on device: the disk is full|File too "
-        r"large: the file grew past a size limit)\)\. Fix: [^\n]*\. No epoch of this run was saved yet: start it "
-        rf"again once {run} can be written\.\n", err), (method, err)
+        rf"error: {re.escape(str(run))}/last\.pt: cannot write this file \((No space left on device: the disk is "
+        r"full|File too large: the file grew past a size limit)\)\. Fix: [^\n]*\. No epoch of this run was saved "
+        rf"yet: start it again once {re.escape(str(run))} can be written\.\n", err), (method, err)
     assert left == ["config.json"]  # no .last.pt.*.tmp, no lock file
 
 
@@ -61,9 +62,9 @@ def test_a_checkpoint_that_fails_later_says_how_to_resume(tmp_path, capsys, monk
     assert main(["train", str(mil_csv), "--out", str(run), *TRAIN]) == 1
     err = capsys.readouterr().err
     assert err.endswith(
-        f"Fix: free disk space where {run} lives (`df -h {run}`), or write to another folder, and re-run. The run "
-        f"folder {run} keeps the checkpoint of epoch 1 (last.pt): once there is space, continue with "
-        f"`wsi-milssl train --resume {run}` (in a pipeline: run it again).\n"), err
+        f"Fix: free disk space where {run} lives (`df -h {shlex.quote(str(run))}`), or write to another folder, and "
+        f"re-run. The run folder {run} keeps the checkpoint of epoch 1 (last.pt): once there is space, continue with "
+        f"`wsi-milssl train --resume {shlex.quote(str(run))}` (in a pipeline: run it again).\n"), err
     monkeypatch.undo()
     assert main(["train", "--resume", str(run), "--epochs", "2", "--threads", "1", "--no-plots"]) == 0
 
@@ -90,8 +91,8 @@ def test_resume_of_a_read_only_run_folder_is_refused_before_its_start_line(tmp_p
     out, err = capsys.readouterr()
     assert code == 1, (method, err)
     assert out == "", method
-    assert re.fullmatch(rf"error: {run}/last\.pt: cannot write this file \(Read-only file system[^\n]*\)\. Fix: "
-                        r"[^\n]*\n", err), (method, err)
+    assert re.fullmatch(rf"error: {re.escape(str(run))}/last\.pt: cannot write this file \(Read-only file "
+                        r"system[^\n]*\)\. Fix: [^\n]*\n", err), (method, err)
 
 
 def test_a_checkpoint_save_killed_with_sigkill_leaves_a_temporary_that_resume_removes(tmp_path, mil_csv):

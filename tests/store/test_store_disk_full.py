@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import errno
 import io
+import re
+import shlex
 
 import numpy as np
 import pytest
@@ -43,10 +45,11 @@ def _write(path, pixels: str, *, batches: int = 10) -> None:
 def test_a_write_past_the_file_size_limit_fails_cleanly(tmp_path, fmt, pixels, limit):
     """A real failed write(2) at several points of the store (RLIMIT_FSIZE: EFBIG from the kernel)."""
     path = tmp_path / f"s.{fmt}"
+    path_re, tmp_re = re.escape(str(path)), re.escape(str(tmp_path))
     with file_size_limit(limit):
         with pytest.raises(OutputError, match=(
-                rf"^{path}: cannot write this patch store \(File too large: the file grew past a size limit\)\. "
-                rf"Fix: raise the file-size limit \(`ulimit -f`\) or write to another file system than {tmp_path}'s\.$")
+                rf"^{path_re}: cannot write this patch store \(File too large: the file grew past a size limit\)\. "
+                rf"Fix: raise the file-size limit \(`ulimit -f`\) or write to another file system than {tmp_re}'s\.$")
                            ) as info:
             _write(path, pixels)
     assert info.value.errno == errno.EFBIG
@@ -68,9 +71,11 @@ def test_hdf5_on_a_full_disk_raises_enospc(tmp_path, monkeypatch):
             return super().write(data)
 
     def attempt() -> None:
+        path_re, folder_re = re.escape(str(path)), re.escape(str(path.parent))
+        df = re.escape(f"df -h {shlex.quote(str(path.parent))}")  # the command as the product quotes it
         with pytest.raises(OutputError, match=(
-                rf"^{path}: cannot write this patch store \(No space left on device: the disk is full\)\. Fix: free "
-                rf"disk space where {path.parent} lives \(`df -h {path.parent}`\), or write to another folder, and "
+                rf"^{path_re}: cannot write this patch store \(No space left on device: the disk is full\)\. Fix: free "
+                rf"disk space where {folder_re} lives \(`{df}`\), or write to another folder, and "
                 r"re-run\.$")):
             _write(path, "raw")
         assert list(path.parent.iterdir()) == []
@@ -97,10 +102,11 @@ def test_adding_arrays_to_an_hdf5_store_on_a_full_disk_keeps_the_store(tmp_path,
     path = tmp_path / "s.h5"
     _write(path, "none", batches=2)
     size_before = sorted(p.name for p in tmp_path.iterdir())
+    path_re, tmp_re = re.escape(str(path)), re.escape(str(tmp_path))
     with file_size_limit(limit):
         with pytest.raises(StoreError, match=(
-                rf"^{path}: cannot update the store \(File too large: the file grew past a size limit\)\. Fix: raise "
-                rf"the file-size limit \(`ulimit -f`\) or write to another file system than {tmp_path}'s\.$")):
+                rf"^{path_re}: cannot update the store \(File too large: the file grew past a size limit\)\. Fix: "
+                rf"raise the file-size limit \(`ulimit -f`\) or write to another file system than {tmp_re}'s\.$")):
             write_arrays(path, {"tumor_fraction": np.zeros(100, np.float32) + np.arange(100)})
     assert sorted(p.name for p in tmp_path.iterdir()) == size_before
     with open_store(path) as store:
@@ -114,7 +120,8 @@ def test_adding_arrays_to_a_zarr_store_past_a_file_size_limit_names_the_fix(tmp_
     _write(path, "none", batches=2)
     values = np.random.default_rng(0).random(100).astype(np.float32)  # 400 incompressible bytes
     with file_size_limit(200):
-        with pytest.raises(StoreError, match=rf"^{path}: cannot update the store \(File too large: .*Fix: raise the "
+        with pytest.raises(StoreError, match=rf"^{re.escape(str(path))}: cannot update the store \(File too large: "
+                                             r".*Fix: raise the "
                                              r"file-size limit \(`ulimit -f`\)"):
             write_arrays(path, {"tumor_fraction": values})
     with open_store(path) as store:
