@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -41,8 +42,9 @@ def slide_xml(synth_slides, tmp_path):
 def test_a_different_geojson_beside_the_xml_is_refused_naming_both(slide_xml):
     stem, folder, xml = slide_xml
     other = _geojson(folder / f"{stem}.geojson", ("Tumor", [_square(3000, 3000, 800)]))
-    with pytest.raises(AnnotationError, match=rf"^{stem}: two annotation files describe different regions: {xml} "
-                                              rf"and {other} \(groups with polygons only in .*\)\. Fix: remove or "
+    with pytest.raises(AnnotationError, match=rf"^{stem}: two annotation files describe different regions: "
+                                              rf"{re.escape(str(xml))} and {re.escape(str(other))} \(groups with "
+                                              r"polygons only in .*\)\. Fix: remove or "
                                               "rename the one that is out of date"):
         find_annotation(stem, folder)
 
@@ -87,8 +89,9 @@ def test_a_second_file_that_cannot_be_read_is_one_error_naming_both(slide_xml):
     stem, folder, xml = slide_xml
     bad = folder / f"{stem}.geojson"
     bad.write_text('{"type": "FeatureCollection", "features": [')
-    with pytest.raises(AnnotationError, match=rf"^{stem}: two annotation files, {xml} and {bad}, and one cannot be "
-                                              r"read: .*Fix: remove or rename the one that is out of date"):
+    with pytest.raises(AnnotationError, match=rf"^{stem}: two annotation files, {re.escape(str(xml))} and "
+                                              rf"{re.escape(str(bad))}, and one cannot be read: .*Fix: remove or "
+                                              r"rename the one that is out of date"):
         find_annotation(stem, folder)
 
 

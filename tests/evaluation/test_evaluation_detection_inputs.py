@@ -4,6 +4,7 @@ detections off a tumour slide are reported as those off a normal slide are (revi
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 
 import numpy as np
@@ -36,8 +37,8 @@ def test_a_word_after_the_first_row_is_still_an_error(tmp_path):
 def test_a_file_that_is_not_utf8_is_one_error_naming_it(tmp_path):
     p = tmp_path / "s_detections.csv"
     p.write_bytes(b"0.9,100,200\n0.5,\xff\xfe,3\n")
-    with pytest.raises(EvaluationError, match=rf"^{p}: not UTF-8 text \(byte 16\); a detections file is text lines "
-                                              r"'prob,x,y'\. Fix: save it as UTF-8"):
+    with pytest.raises(EvaluationError, match=rf"^{re.escape(str(p))}: not UTF-8 text \(byte 16\); a detections "
+                                              r"file is text lines 'prob,x,y'\. Fix: save it as UTF-8"):
         read_detections(p)
 
 

@@ -5,6 +5,7 @@ before it writes anything."""
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -27,8 +28,9 @@ def test_predictions_rewritten_during_evaluate_stop_it_before_any_output(predict
                 path.write_text("\n".join([*lines, lines[-1]]) + "\n")
 
     with pytest.raises(EvaluationError, match=(
-            rf"^{folder}: 2 of its files changed while evaluate read them \(.*_detections\.csv, .*_detections\.csv\), "
-            r"so the evaluation would mix the predictions of two heatmap runs\. Nothing was written\. Fix: wait")):
+            rf"^{re.escape(str(folder))}: 2 of its files changed while evaluate read them \(.*_detections\.csv, "
+            r".*_detections\.csv\), so the evaluation would mix the predictions of two heatmap runs\. Nothing was "
+            r"written\. Fix: wait")):
         evaluate_predictions(folder, labels_csv=synth_dir / "labels.csv", out_dir=tmp_path / "out",
                              annotations_dir=annotations_dir, slides=synth_dir,
                              config=EvaluateConfig(thumbnail_px=64), progress=heatmap_run_meanwhile)
@@ -58,7 +60,8 @@ def test_heatmaps_rewritten_while_the_report_reads_them_stop_it(predictions, syn
         return read(r, max_px=max_px)
 
     monkeypatch.setattr(stage, "_thumbnails", other_model_meanwhile)
-    with pytest.raises(EvaluationError, match=rf"^{folder}: {len(overlays)} of its files changed while evaluate read"):
+    with pytest.raises(EvaluationError, match=rf"^{re.escape(str(folder))}: {len(overlays)} of its files changed "
+                                              r"while evaluate read"):
         evaluate_predictions(folder, labels_csv=synth_dir / "labels.csv", out_dir=tmp_path / "out",
                              annotations_dir=annotations_dir, slides=synth_dir, config=EvaluateConfig(thumbnail_px=64))
     assert not (tmp_path / "out" / "metrics.json").exists()
