@@ -11,9 +11,11 @@ matches ``Tumör`` decomposed by another; a name in neither set is ignored with 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Mapping
+from typing import Iterable, Literal, Mapping
 
 from wsi_milssl.cohorts.names import name_key
+# the default groups are defined once, with the settings that default to them (review EA: two copies drifted)
+from wsi_milssl.config.base import DEFAULT_NON_TUMOR_GROUPS, DEFAULT_TUMOR_GROUPS
 from wsi_milssl.errors import ConfigError
 
 __all__ = [
@@ -24,15 +26,18 @@ __all__ = [
     "DEFAULT_GROUP_MAP",
     "UNCLASSIFIED",
     "as_group_map",
+    "groups_hiding_the_tumour",
 ]
 
 GroupRole = Literal["tumor", "non_tumor"]
 
-DEFAULT_TUMOR_GROUPS: tuple[str, ...] = ("_0", "_1", "Tumor")
-DEFAULT_NON_TUMOR_GROUPS: tuple[str, ...] = ("_2", "Exclusion", "None")
 
 #: Group name given to GeoJSON features without a classification (add it to ``tumor`` to count them).
 UNCLASSIFIED = "Unclassified"
+
+#: The group ASAP writes for a polygon in no group (``PartOfGroup="None"``): non-tumour by default, as some
+#: CAMELYON16 files carve regions out of tumour so, but a user's own ungrouped outlines may be the tumour.
+ASAP_UNGROUPED = "None"
 
 
 def _key(name: str) -> str:
@@ -110,3 +115,20 @@ def as_group_map(value: GroupMap | Mapping[str, str] | None) -> GroupMap:
         f"got {type(value).__name__}."
     )
 
+
+
+def groups_hiding_the_tumour(groups: Iterable[str | None], group_map: GroupMap) -> str | None:
+    """For a slide labelled tumour whose annotation has no polygon in a tumour group (``groups``: its polygons'
+    groups): a clause saying which groups may hold its tumour after all, or None. Groups that are neither tumour
+    nor non-tumour may; so may ASAP's ``"None"`` (:data:`ASAP_UNGROUPED`), read as non-tumour by default (review
+    DX: a tumour slide outlined without groups had no lesion). An empty file, or polygons all in the other
+    non-tumour groups (regions carved out alone), give None: the callers allow those with a warning."""
+    names = [UNCLASSIFIED if g is None else str(g) for g in groups]
+    unknown = sorted({g for g in names if group_map.role(g) is None})
+    if unknown:
+        return f"they are in group(s) {', '.join(repr(g) for g in unknown)}, which are neither tumour nor non-tumour"
+    ungrouped = sum(_key(g) == _key(ASAP_UNGROUPED) for g in names)
+    if ungrouped:
+        return (f"{ungrouped} of them are in group 'None', which ASAP writes for a polygon in no group and which "
+                "counts as non-tumour (carved out of tumour) by default")
+    return None

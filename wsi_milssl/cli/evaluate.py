@@ -62,9 +62,10 @@ def register(subparsers) -> None:
             "another tool, without them: from scores.csv). A metric that cannot be computed is null in\n"
             "metrics.json, with its reason.\n\n"
             "Annotations are read as label reads them (--tumor-groups, --non-tumor-groups); a tumour slide\n"
-            "whose polygons are all in other groups is refused. So is a slide whose latest heatmap run\n"
-            "failed (heatmap_status.csv), and a folder whose slides' <stem>_probs.json record different\n"
-            "heatmap runs (another checkpoint or settings): run heatmap again with --overwrite on all of them."
+            "whose polygons are all in other groups, or in ASAP's 'None' (no group), is refused. So is a\n"
+            "slide whose latest heatmap run failed (heatmap_status.csv), and a folder whose slides'\n"
+            "<stem>_probs.json record different heatmap runs (another checkpoint or settings): run heatmap\n"
+            "again with --overwrite on all of them."
         ),
         formatter_class=HelpFormatter,
     )

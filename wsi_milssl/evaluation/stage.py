@@ -43,6 +43,7 @@ import numpy as np
 from PIL import Image
 
 from wsi_milssl.annotations import find_annotation, rasterize_region, read_annotations
+from wsi_milssl.annotations.groups import groups_hiding_the_tumour
 from wsi_milssl.artifacts import (
     DETECTION_OUTCOME_COLUMNS,
     Detections,
@@ -237,18 +238,17 @@ def _find_slide_path(stem: str, slide_paths: dict[str, Path], sidecar: dict | No
     return None
 
 
-def _refuse_unknown_groups_only(aset, annotation: Path, stem: str, config: EvaluateConfig) -> None:
-    """EvaluationError when a tumour slide has no tumour polygon because its polygons are in groups that are
-    neither tumour nor non-tumour (as ``label`` refuses it): evaluated so, its lesions would vanish and every
-    detection on them count as a false positive."""
-    unknown = sorted({str(a.group) for a in aset.polygons if aset.group_map.role(a.group) is None})
-    if not unknown:
+def _refuse_hidden_tumour(aset, annotation: Path, stem: str, config: EvaluateConfig) -> None:
+    """EvaluationError when a tumour slide has no tumour polygon because its polygons are in groups that may be the
+    tumour (:func:`~wsi_milssl.annotations.groups.groups_hiding_the_tumour`), as ``label`` refuses it: evaluated
+    so, its lesions would vanish and every detection on them count as a false positive."""
+    why = groups_hiding_the_tumour((a.group for a in aset.polygons), aset.group_map)
+    if why is None:
         return
     raise EvaluationError(
         f"{annotation}: slide {stem!r} is labelled tumour but none of its polygons is in a tumour group "
-        f"({', '.join(config.tumor_groups)}); they are in group(s) {', '.join(repr(g) for g in unknown)}, which "
-        "are neither tumour nor non-tumour, so the slide would have no lesion and its true positives would count "
-        "as false positives. Fix: name the tumour group(s) with --tumor-groups (and the others with "
+        f"({', '.join(config.tumor_groups)}); {why}, so the slide would have no lesion and its true positives would "
+        "count as false positives. Fix: name the tumour group(s) with --tumor-groups (and the others with "
         "--non-tumor-groups; in a pipeline, [label] tumor_groups / non_tumor_groups), or correct the annotation "
         "file.")
 
@@ -304,7 +304,7 @@ def _evaluate_slide(
         aset = read_annotations(ann_path, group_map=config.group_map(), dimensions_lv0=dims)
         region = aset.region
         if not aset.has_tumor:
-            _refuse_unknown_groups_only(aset, ann_path, stem, config)
+            _refuse_hidden_tumour(aset, ann_path, stem, config)
         tumor = rasterize_region(region, dimensions_lv0=dims, downsample=CAMELYON16_DOWNSAMPLE)
         if not aset.has_tumor:  # as label: an empty file, or carved-out regions alone, is allowed with a word
             logger.warning("%s: labelled tumour, but %s has no tumour polygon (groups %s); the slide has no "

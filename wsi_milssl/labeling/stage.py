@@ -54,6 +54,7 @@ import numpy as np
 
 from wsi_milssl.annotations import find_annotation, list_annotation_files, rasterize_region, read_annotations
 from wsi_milssl.annotations.geometry import tumor_fraction
+from wsi_milssl.annotations.groups import groups_hiding_the_tumour
 from wsi_milssl.atomic import merge_csv_rows
 from wsi_milssl.cohorts import read_labels
 from wsi_milssl.cohorts.names import name_key
@@ -191,17 +192,16 @@ def _dimensions(store, attrs: dict) -> tuple[int, int]:
         ) from None
 
 
-def _refuse_unknown_groups_only(aset, annotation: Path, stem: str, config: LabelConfig) -> None:
-    """Raise AnnotationError when a slide that is (or would be read as) tumour has no tumour polygon
-    because its polygons are in groups that are neither tumour nor non-tumour: labelling it would give a
-    tumour slide no positive patch, or read it as normal."""
-    unknown = sorted({str(a.group) for a in aset.polygons if aset.group_map.role(a.group) is None})
-    if not unknown:
+def _refuse_hidden_tumour(aset, annotation: Path, stem: str, config: LabelConfig) -> None:
+    """Raise AnnotationError when a slide that is (or would be read as) tumour has no tumour polygon because its
+    polygons are in groups that may be the tumour (:func:`~wsi_milssl.annotations.groups.groups_hiding_the_tumour`):
+    labelling it would give a tumour slide no positive patch, or read it as normal."""
+    why = groups_hiding_the_tumour((a.group for a in aset.polygons), aset.group_map)
+    if why is None:
         return
     raise AnnotationError(
-        f"{annotation}: no polygon of {stem} is in a tumour group ({', '.join(config.tumor_groups)}); its "
-        f"polygons are in group(s) {', '.join(repr(g) for g in unknown)}, which are neither tumour nor non-tumour, "
-        "so labelling would give this slide no tumour patch. Fix: name the tumour group(s) with --tumor-groups "
+        f"{annotation}: no polygon of {stem} is in a tumour group ({', '.join(config.tumor_groups)}); {why}, so "
+        "labelling would give this slide no tumour patch. Fix: name the tumour group(s) with --tumor-groups "
         "(and the others with --non-tumor-groups; in a pipeline, [label] tumor_groups / non_tumor_groups), or "
         "correct the annotation file.")
 
@@ -245,7 +245,7 @@ def _read_slide(store_path: Path, annotation: Path | None, slide_label: int | No
     else:
         label, source = int(slide_label), "labels.csv"
     if aset is not None and not has_tumor and (label == 1 or source == "annotations"):
-        _refuse_unknown_groups_only(aset, annotation, stem, config)
+        _refuse_hidden_tumour(aset, annotation, stem, config)
     if aset is not None:
         status = "annotated"
         if label == 0 and has_tumor:
