@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +48,8 @@ def test_the_readme_loop_names_the_detections_and_masks_as_the_challenge_script_
     (c16 / "masks" / "test_001_mask.tif").write_bytes(b"mask 1")
     (c16 / "testing" / "evaluation").mkdir(parents=True)
     (c16 / "testing" / "evaluation" / "Test_003_Mask.tif").write_bytes(b"mask 3")
-    loop = loop.replace("C16=/data/CAMELYON16 C16OUT=/data/c16", f"C16={c16} C16OUT={out}")
+    loop = loop.replace("C16=/data/CAMELYON16 C16OUT=/data/c16",
+                        f"C16={shlex.quote(str(c16))} C16OUT={shlex.quote(str(out))}")
     assert str(c16) in loop
     subprocess.run(["bash", "-euo", "pipefail", "-c", loop], cwd=tmp_path, check=True)
     assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == ["Tumor_Test_003.csv", "Tumor_test_001.csv",

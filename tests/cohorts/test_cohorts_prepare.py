@@ -6,6 +6,7 @@ end-to-end test with real generated slides is tests/pipeline/test_pipeline_camel
 from __future__ import annotations
 
 import csv
+import shlex
 import zipfile
 from pathlib import Path
 
@@ -124,7 +125,7 @@ def test_cli_prepare_camelyon16_then_a_clear_error(tmp_path, capsys):
     assert main(["prepare", "camelyon16", str(root), "--out", str(tmp_path / "out"), "--val-fraction", "0.5"]) == 0
     printed = capsys.readouterr().out
     assert "train: 4 slides (2 tumour, 2 normal), 2 annotated" in printed
-    assert f"wsi-milssl run {tmp_path / 'out' / 'pipeline.toml'}" in printed
+    assert f"wsi-milssl run {shlex.quote(str(tmp_path / 'out' / 'pipeline.toml'))}" in printed
     assert load_pipeline(tmp_path / "out" / "pipeline.toml").val_fraction == 0.5
     (root / "testing" / "reference.csv").unlink()
     assert main(["prepare", "camelyon16", str(root), "--out", str(tmp_path / "out2")]) == 1

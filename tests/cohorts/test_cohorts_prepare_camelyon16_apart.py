@@ -5,6 +5,7 @@ official test slides put into training by ``prepare folder``."""
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 from pathlib import Path
 
@@ -37,7 +38,7 @@ def test_annotations_kept_apart_from_the_slides_are_given_with_annotations(tmp_p
     record = json.loads((tmp_path / "out" / "cohort" / "prepare.json").read_text())
     assert record["annotations"] == str(apart.resolve())
     assert record["sets"]["test"]["annotated"] == 1 and record["sets"]["train"]["annotated"] == 2
-    assert f"--annotations {apart}" in record["command"]
+    assert f"--annotations {shlex.quote(str(apart))}" in record["command"]
     with pytest.raises(ConfigError, match=r"nope: no such folder \(--annotations\)"):
         prepare_camelyon16(root, tmp_path / "out2", annotations_dir=tmp_path / "nope")
 

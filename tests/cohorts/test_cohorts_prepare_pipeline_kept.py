@@ -4,6 +4,7 @@ new pipeline beside it (review AO, finding 3)."""
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 from prepare_trees import gigadb_tree
@@ -34,7 +35,7 @@ def test_an_edited_pipeline_is_kept_and_the_new_one_written_beside_it(tmp_path, 
     assert "\nepochs = 50\n" in new.read_text()
     assert again.pipeline_toml == toml  # the edited pipeline reads the lists written now: run it
     note = [n for n in again.notes if "was edited since prepare wrote it" in n]
-    assert len(note) == 1 and str(new) in note[0] and f"mv {new} {toml}" in note[0]
+    assert len(note) == 1 and str(new) in note[0] and f"mv {shlex.quote(str(new))} {shlex.quote(str(toml))}" in note[0]
     assert note[0] in caplog.text
     assert load_pipeline(new).out_dir == (out / "run").resolve()
 
@@ -63,7 +64,8 @@ def test_a_pipeline_toml_prepare_did_not_write_is_kept(tmp_path, capsys, synth_s
     assert (out / "pipeline.toml").read_text() == mine
     new = out / "pipeline.new.toml"
     assert load_pipeline(new).out_dir == (out / "run").resolve()
-    assert f"next: wsi-milssl run {new}" in printed  # the cohort's pipeline is the new one
-    assert "was not written by prepare" in printed and f"mv {new} {out / 'pipeline.toml'}" in printed
+    assert f"next: wsi-milssl run {shlex.quote(str(new))}" in printed  # the cohort's pipeline is the new one
+    take = f"mv {shlex.quote(str(new))} {shlex.quote(str(out / 'pipeline.toml'))}"
+    assert "was not written by prepare" in printed and take in printed
     record = _record(out)
     assert record["pipeline_new"] == str(new.resolve()) and record["pipeline_sha256"] is None

@@ -5,6 +5,7 @@ holds, and prepare's notes say that run will refuse the pipeline until it is edi
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import pytest
@@ -72,7 +73,7 @@ def test_the_kept_pipeline_and_the_new_one_are_checked_each_for_itself(tmp_path,
     assert "Edit it first" in new.read_text().splitlines()[2]
     assert (f"note: `wsi-milssl run` will refuse this pipeline until it is edited: {new} [train]: a [train.grid]"
             in printed)
-    assert printed.rstrip().endswith(f"next: wsi-milssl run {toml}")  # the kept one, which run accepts
+    assert printed.rstrip().endswith(f"next: wsi-milssl run {shlex.quote(str(toml))}")  # the kept one, run accepts it
     with pytest.raises(ConfigError, match=r"needs validation slides"):
         load_pipeline(new, check_paths=True)
     toml.write_text(toml.read_text() + "\n[train.grid]\nlr = [0.1, 0.01]\n")  # kept, and refused again
@@ -80,4 +81,4 @@ def test_the_kept_pipeline_and_the_new_one_are_checked_each_for_itself(tmp_path,
     printed = capsys.readouterr().out
     assert f"note: `wsi-milssl run` will refuse the kept pipeline until it is edited: {toml} [train]" in printed
     assert printed.rstrip().endswith(f"next: edit {toml} (the notes above say why `run` refuses it as it is), then: "
-                                     f"wsi-milssl run {toml}")
+                                     f"wsi-milssl run {shlex.quote(str(toml))}")

@@ -80,8 +80,8 @@ def test_features_onto_a_full_disk_fail_each_slide_cleanly(tmp_path, labelled_st
         return
     for stem in ("synth_000", "synth_001"):
         assert re.search(
-            rf"{stem}: failed: {out}/{stem}\.h5: cannot write this file \((No space left on device: the disk is "
-            r"full|File too large: the file grew past a size limit)\)\. Fix: ", result.stderr), (
+            rf"{stem}: failed: {re.escape(str(out))}/{stem}\.h5: cannot write this file \((No space left on device: "
+            r"the disk is full|File too large: the file grew past a size limit)\)\. Fix: ", result.stderr), (
             method, result.stderr[-3000:])
     assert files == [] and hidden == []
 

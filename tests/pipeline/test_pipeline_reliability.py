@@ -62,9 +62,9 @@ def test_a_second_run_of_one_pipeline_is_refused_while_the_first_runs(tmp_path, 
             first.wait()
     err = capsys.readouterr().err
     assert code == 1, err
-    assert re.search(rf"^error: {out}: another wsi-milssl run \(pid {first.pid}, since [^)]*: wsi-milssl run "
-                     rf"{toml} .*\) is writing to this folder\. Fix: wait until it finishes, or write to another "
-                     r"folder \(--out\)\.$", err, re.M), err
+    assert re.search(rf"^error: {re.escape(str(out))}: another wsi-milssl run \(pid {first.pid}, since [^)]*: "
+                     rf"wsi-milssl run {re.escape(str(toml))} .*\) is writing to this folder\. Fix: wait until it "
+                     r"finishes, or write to another folder \(--out\)\.$", err, re.M), err
     assert "Traceback" not in err
     assert first.returncode == 0, first_err
     assert "[synth]" in first_out

@@ -4,6 +4,7 @@ and slides whose header opens but whose pixels do not decode."""
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 from pathlib import Path
 
@@ -204,8 +205,9 @@ def test_files_and_folders_another_user_may_not_read_are_one_line_each(synth_sli
     shutil.copy(synth_slides["normal"], secret)
     real_access = os.access
     monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if Path(p) == secret else real_access(p, mode, **kw))
-    with pytest.raises(SlideReadError, match=rf"^{secret}: cannot read this slide file \(permission denied\)\. Fix: "
-                                             r"ask its owner for read access, or leave it out of the slides\.$"):
+    with pytest.raises(SlideReadError, match=rf"^{re.escape(str(secret))}: cannot read this slide file \(permission "
+                                             r"denied\)\. Fix: ask its owner for read access, or leave it out of "
+                                             r"the slides\.$"):
         open_slide(secret)
     folder = tmp_path / "archive"
     folder.mkdir()
@@ -217,6 +219,6 @@ def test_files_and_folders_another_user_may_not_read_are_one_line_each(synth_sli
         return real_iterdir(self)
 
     monkeypatch.setattr(Path, "iterdir", iterdir)
-    with pytest.raises(ConfigError, match=rf"^{folder}: cannot list this folder \(permission denied\), so its slides "
-                                        r"cannot be found\. Fix: give the slide files themselves"):
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(folder))}: cannot list this folder \(permission denied\), "
+                                        r"so its slides cannot be found\. Fix: give the slide files themselves"):
         find_slides([folder])

@@ -55,7 +55,8 @@ def test_synth_into_a_folder_another_run_holds_is_refused(tmp_path):
         "    print('locked', flush=True); time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        with pytest.raises(FolderLockedError, match=rf"^{out}: another wsi-milssl run \(pid {holder.pid}") as caught:
+        with pytest.raises(FolderLockedError,
+                           match=rf"^{re.escape(str(out))}: another wsi-milssl run \(pid {holder.pid}") as caught:
             generate_slides(SynthConfig(n_slides=1, width_px=1024, height_px=1024), out)
         # synth takes its folder as an argument: the fix names it so, not an --out synth does not have
         assert str(caught.value).endswith("or write to another folder (OUT_DIR).")
@@ -104,6 +105,7 @@ def test_synth_onto_a_full_disk_is_one_clear_error(tmp_path):
     assert result.returncode == 1, (method, result.returncode, result.stderr[-3000:])  # not 135 / -7 (SIGBUS)
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert re.search(
-        rf"{out}/synth_000\.tif: cannot write this slide \((No space left on device: the disk is full|File too "
-        r"large: the file grew past a size limit)\)\. Fix: ", result.stderr), (method, result.stderr[-3000:])
+        rf"{re.escape(str(out))}/synth_000\.tif: cannot write this slide \((No space left on device: the disk is "
+        r"full|File too large: the file grew past a size limit)\)\. Fix: ", result.stderr), (
+        method, result.stderr[-3000:])
     assert not [n for n in left if n.startswith(".") or n.endswith(".tif")], left  # no partial, scratch or lock
