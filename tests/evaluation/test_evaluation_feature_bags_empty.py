@@ -77,3 +77,16 @@ def test_a_linear_head_saved_with_a_no_op_dropout_by_an_earlier_version_still_ev
     feature_bags(test, 4, seed=1)
     summary = evaluate_feature_bags(old, sorted(test.glob("*.h5")), test / "labels.csv", tmp_path / "ev")
     assert summary["n_bags"] == 4
+
+
+def test_a_null_bag_auc_says_why_as_in_image_mode(tmp_path, head):
+    """Review DX, C2: test bags of one class gave bag_auc null with no reason (image mode says "all N slides are
+    positive; AUC needs both classes")."""
+    test = tmp_path / "test"
+    feature_bags(test, 4, seed=1)
+    rows = (test / "labels.csv").read_text().splitlines()
+    (test / "labels.csv").write_text("\n".join([rows[0], *(r.rsplit(",", 1)[0] + ",1" for r in rows[1:])]) + "\n")
+    summary = evaluate_feature_bags(head, sorted(test.glob("*.h5")), test / "labels.csv", tmp_path / "ev")
+    assert summary["bag_auc"] is None
+    assert summary["reasons"]["bag_auc"] == "all 4 bags are positive; AUC needs both classes"
+    assert summary["bag_accuracy"] is not None

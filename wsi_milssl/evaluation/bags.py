@@ -15,6 +15,7 @@ import numpy as np
 
 from wsi_milssl.atomic import atomic_open, atomic_write_json
 from wsi_milssl.errors import ConfigError
+from wsi_milssl.evaluation.metrics import auc_metric
 
 __all__ = ["BAG_SCORES_COLUMNS", "check_test_features", "evaluate_feature_bags"]
 
@@ -101,6 +102,9 @@ def evaluate_feature_bags(checkpoint: str | os.PathLike, feature_files: Sequence
     if summary["instance_auc"] is None:  # review BS: null without a word
         reasons["instance_auc"] = ("the test feature files hold no instance labels (an instance_label dataset)"
                                    if test.instance_labels is None else "the instance labels are of one class only")
+    if summary["bag_auc"] is None:  # review DX: null without a word, where image mode says why
+        reasons["bag_auc"] = (auc_metric(bag_labels, scores, what="bags").reason if np.isfinite(scores).all()
+                              else "some bag scores are not finite")
     summary.update(n_bags=len(names), n_instances=int(len(test)), checkpoint=str(checkpoint), empty_bags=empty,
                    not_evaluated=missing, bag_accuracy_threshold=0.5, reasons=reasons)
     atomic_write_json(out / "metrics.json", summary)
