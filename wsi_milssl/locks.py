@@ -194,9 +194,9 @@ def _folder_error(folder: Path, cause: OSError, what: str, named_by: str | None)
             "remount it read-write, or copy the folder to a writable disk and use the copy")
     elif code in (errno.EACCES, errno.EPERM):
         why, fix = f"{why}: no permission to write in {folder}", (
-            f"make it writable (`chmod u+w {folder}`, or ask its owner), or copy the folder and use the copy")
+            f"make it writable (`chmod u+w {shlex.quote(str(folder))}`, or ask its owner), or copy the folder and use the copy")
     elif code in (errno.ENOSPC, errno.EDQUOT):
-        why, fix = f"{why}: the disk is full", f"free disk space where {folder} lives (`df -h {folder}`), and re-run"
+        why, fix = f"{why}: the disk is full", f"free disk space where {folder} lives (`df -h {shlex.quote(str(folder))}`), and re-run"
     else:
         fix = f"check free disk space and permissions of {folder}, then re-run"
     return OutputError(f"{folder}: {what} folder ({why}). Fix: {fix}.", errno=code)

@@ -6,6 +6,7 @@ process is not watched."""
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -59,7 +60,7 @@ def test_ranks_stop_when_torchrun_is_killed_and_the_run_resumes(tmp_path, mil_cs
             except ProcessLookupError:
                 pass
     assert err.count("which started this rank, is gone (killed?): stopping as if interrupted. "
-                     f"`wsi-milssl train --resume {run}` continues the run from the last epoch saved") == 1, err
+                     f"`wsi-milssl train --resume {shlex.quote(str(run))}` continues the run from the last epoch saved") == 1, err
     assert folder_writer(run) is None  # no orphan holds the run's lock
     saved = int(read_checkpoint(run / "last.pt")["epoch"])
     capsys.readouterr()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -91,7 +92,7 @@ def test_heatmap_refuses_a_run_that_train_still_writes_then_warns_once_it_was_ki
     found = re.search(rf"{re.escape(str(run / 'last.pt'))}: its run stopped after epoch (\d+) of the 100000 it was "
                       r"set to train \(killed or failed before its end\), so this model is not the finished run's\. "
                       rf"Fix, unless it is the model you want: continue the run with `wsi-milssl train --resume "
-                      rf"{re.escape(str(run))}`, then make the heatmaps again\.", err)
+                      rf"{re.escape(shlex.quote(str(run)))}`, then make the heatmaps again\.", err)
     assert found and int(found.group(1)) >= 1, err
 
 def test_a_finished_runs_best_pt_is_not_warned_about_an_unfinished_runs_is(tmp_path, feats, synth_dir, capsys):

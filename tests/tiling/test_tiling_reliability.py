@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -77,10 +78,11 @@ def test_free_space_is_checked_before_each_slide_and_the_batch_goes_on(synth_dir
                       TileConfig(magnification=20, patch_size_px=64, pixels="raw", format="h5", threads=1))
     first, second = run.results
     assert len(calls) == 2 and (first.status, second.status) == ("failed", "ok")
+    here, quoted = re.escape(str(out)), re.escape(shlex.quote(str(out)))  # the command as a shell takes it
     assert re.fullmatch(
-        rf"{out}/synth_000\.h5: not enough free disk space for this store \(\d+ candidate patches\): it needs "
-        rf"about \d+\.\d MiB \(estimate with a margin\), 5\.0 MiB are free in {out}\. Fix: free disk space "
-        rf"\(`df -h {out}`\) or write to another folder \(--out\), and re-run\.", first.error), first.error
+        rf"{here}/synth_000\.h5: not enough free disk space for this store \(\d+ candidate patches\): it needs "
+        rf"about \d+\.\d MiB \(estimate with a margin\), 5\.0 MiB are free in {here}\. Fix: free disk space "
+        rf"\(`df -h {quoted}`\) or write to another folder \(--out\), and re-run\.", first.error), first.error
     assert [p.name for p in find_stores(out)] == ["synth_001.h5"] and _hidden(out) == []
     rows = read_status_csv(out / "tile_status.csv")
     assert [(r["slide"], r["status"]) for r in rows] == [("synth_000", "failed"), ("synth_001", "ok")]

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import shlex
 from pathlib import Path
 
 from wsi_milssl.cli.options import output_folder
@@ -553,7 +554,7 @@ def run(args: argparse.Namespace) -> int:
     with reported_by_rank0(wait_s=RANK0_WAIT_S):
         out, config, train, val, run_info = _set_up(args)
     # a rank of a torchrun killed (kill -9, the OOM killer) stops instead of training on, holding the run's lock
-    watch_launcher(message=f"`wsi-milssl train --resume {out}` continues the run from the last epoch saved (its "
+    watch_launcher(message=f"`wsi-milssl train --resume {shlex.quote(str(out))}` continues the run from the last epoch saved (its "
                            "last.pt).")
     dist = init_group(config.device)  # under torchrun: this process's rank; else one process
     try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -482,7 +483,7 @@ def check_run_finished(checkpoint: str | os.PathLike) -> Path:
             return path  # a best.pt without its run's last.pt: where that run stopped is not known here
         done, planned = held
     if done < planned and is_main_rank():  # the same on every rank: torchrun's rank 0 alone says it
-        fix = (f"continue the run with `wsi-milssl train --resume {run_dir}`" if last.is_file()
+        fix = (f"continue the run with `wsi-milssl train --resume {shlex.quote(str(run_dir))}`" if last.is_file()
                else "train the run to its end")
         what = (f"{path}: its run stopped after epoch {done}" if done == held[0] else
                 f"{path} holds epoch {held[0]} of a run that stopped after epoch {done}")

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+import shlex
 import torch
 
 from wsi_milssl.config.base import config_to_dict
@@ -129,7 +130,7 @@ def _lost_peer(exc: RuntimeError, dist: DistContext, epoch: int | None, out: Pat
     check = "find why the other rank stopped (its log)"
     if out is not None and (out / "last.pt").is_file():
         then = (f"; {out} keeps the checkpoint of the last finished epoch. Fix: {check}, then continue with "
-                f"`torchrun ... wsi-milssl train --resume {out}` (any number of processes; the global batch is "
+                f"`torchrun ... wsi-milssl train --resume {shlex.quote(str(out))}` (any number of processes; the global batch is "
                 "--batch-size x processes).")
     elif out is not None:
         then = f"; no epoch was saved. Fix: {check}, then start the run again with the same command (the same --out)."

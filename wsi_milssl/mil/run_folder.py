@@ -151,7 +151,7 @@ RUN_FILES = ("last.pt", "best.pt", "metrics.jsonl", "metrics.png")
 
 def existing_run_error(out: Path) -> ConfigError:
     """The error for a fresh run into ``out`` that holds a run's ``last.pt`` (which the run would replace)."""
-    return ConfigError(f"{out} already holds a run (last.pt); pass --resume {out} (resume=True from Python) to "
+    return ConfigError(f"{out} already holds a run (last.pt); pass --resume {shlex.quote(str(out))} (resume=True from Python) to "
                        "continue it, or choose a new --out folder.")
 
 

@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import random
+import shlex
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -570,8 +571,8 @@ def _reader_guard(out: Path | None):
         fix = "train with fewer --workers (each reader holds its items in memory) or with more memory"
         if out is not None and (out / "last.pt").is_file():
             then = (f"; {out} keeps the checkpoint of the last finished epoch. Fix: {fix}, then continue with "
-                    f"`wsi-milssl train --resume {out}` (under torchrun: `torchrun ... wsi-milssl train --resume "
-                    f"{out}`).")
+                    f"`wsi-milssl train --resume {shlex.quote(str(out))}` (under torchrun: `torchrun ... wsi-milssl "
+                    f"train --resume {shlex.quote(str(out))}`).")
         elif out is not None:
             then = f"; no epoch was saved. Fix: {fix}, then start the run again with the same command."
         else:

@@ -25,6 +25,7 @@ import errno
 import json
 import logging
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -114,7 +115,7 @@ def check_free_space(path: str | os.PathLike, n_bytes: int, *, what: str) -> Non
         raise OutputError(
             f"{path}: not enough free disk space for {what}: it needs about {n_bytes / mib:.1f} MiB "
             f"(estimate with a margin), {free / mib:.1f} MiB are free in {folder}. Fix: free disk space "
-            f"(`df -h {folder}`) or write to another folder (--out), and re-run.",
+            f"(`df -h {shlex.quote(str(folder))}`) or write to another folder (--out), and re-run.",
             errno=errno.ENOSPC,
         )
 

@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import secrets
+import shlex
 import socket
 import sys
 import time
@@ -132,7 +133,7 @@ def marking_unfinished(folder: str | os.PathLike, stage: str, stems: Iterable[st
     if program in ("__main__.py", "wsi-milssl"):
         program = "wsi-milssl"
     path = folder / f".wsi-milssl.unfinished-{stage}.{os.getpid()}-{secrets.token_hex(4)}.json"
-    atomic_write_json(path, {"stage": stage, "command": " ".join([program, *sys.argv[1:]]), "pid": os.getpid(),
+    atomic_write_json(path, {"stage": stage, "command": shlex.join([program, *sys.argv[1:]]), "pid": os.getpid(),
                              "host": socket.gethostname(), "started": time.time(),
                              "shard": None if shard is None else f"{shard[0]}/{shard[1]}", "slides": stems})
     yield path
