@@ -243,6 +243,17 @@ def test_a_shard_without_stores_prints_no_table_and_folder_notes_come_from_shard
     assert [("no_such_slide.xml" in printed[i]) for i in sorted(printed)] == [i == 0 for i in sorted(printed)]
 
 
+def _tiled_with_labels(four_slides, tmp_path):
+    """(stores folder, annotations folder, labels CSV) of the four slides tiled at 20x (slide_0 and slide_2 tumour)."""
+    slides, annotations = four_slides
+    stores = tmp_path / "stores"
+    assert tile_slides(find_slides([slides]), stores, TileConfig(magnification=20, patch_size_px=256, pixels="jpeg",
+                                                                 threads=1)).ok
+    labels_csv = tmp_path / "labels.csv"
+    labels_csv.write_text("slide,label\n" + "".join(f"{s},{int(s in ('slide_0', 'slide_2'))}\n" for s in STEMS))
+    return stores, annotations, labels_csv
+
+
 def test_stores_labelled_with_two_settings_are_warned_about_when_read(four_slides, tmp_path, caplog):
     """Review DU: a label shard re-run later with another --positive-fraction labels its stores otherwise, and the
     folder's record names one setting; reading the stores says so."""
@@ -250,12 +261,7 @@ def test_stores_labelled_with_two_settings_are_warned_about_when_read(four_slide
 
     from wsi_milssl.mil import read_labels_csv, read_patch_stores
 
-    slides, annotations = four_slides
-    stores = tmp_path / "stores"
-    assert tile_slides(find_slides([slides]), stores, TileConfig(magnification=20, patch_size_px=256, pixels="jpeg",
-                                                                 threads=1)).ok
-    labels_csv = tmp_path / "labels.csv"
-    labels_csv.write_text("slide,label\n" + "".join(f"{s},{int(s in ('slide_0', 'slide_2'))}\n" for s in STEMS))
+    stores, annotations, labels_csv = _tiled_with_labels(four_slides, tmp_path)
     out = tmp_path / "labels"
     label_stores(stores, annotations_dir=annotations, config=LabelConfig(), out_dir=out, shard=(0, 3))
     label_stores(stores, annotations_dir=annotations, config=LabelConfig(positive_fraction=0.9), out_dir=out,
@@ -277,12 +283,7 @@ def test_unannotated_stores_labelled_with_another_setting_are_no_cause_for_the_w
 
     from wsi_milssl.mil import read_labels_csv, read_patch_stores
 
-    slides, annotations = four_slides
-    stores = tmp_path / "stores"
-    assert tile_slides(find_slides([slides]), stores, TileConfig(magnification=20, patch_size_px=256, pixels="jpeg",
-                                                                 threads=1)).ok
-    labels_csv = tmp_path / "labels.csv"
-    labels_csv.write_text("slide,label\n" + "".join(f"{s},{int(s in ('slide_0', 'slide_2'))}\n" for s in STEMS))
+    stores, annotations, labels_csv = _tiled_with_labels(four_slides, tmp_path)
     label_stores(stores, annotations_dir=annotations, config=LabelConfig(), out_dir=tmp_path / "all")
     annotated = [p for p in find_stores([stores]) if p.stem in ("slide_0", "slide_2")]
     label_stores(annotated, annotations_dir=annotations, config=LabelConfig(positive_fraction=0.9),
