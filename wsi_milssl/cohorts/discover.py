@@ -211,18 +211,18 @@ def _read_source(path: Path, member: str | None) -> bytes:
 class _Annotation(NamedTuple):
     """One slide's annotation as read by prepare: ``data`` its bytes (written as ``<stem><suffix>``), ``where``
     the file as found (``archive.zip:member`` inside an archive; for messages), ``source`` the same made
-    absolute (recorded in prepare.json), ``groups`` the group names of its annotations and ``area_groups``
+    absolute (recorded in prepare.json), ``groups`` the group name of each of its annotations and ``area_groups``
     those of its annotations that enclose an area (polygons, rectangles), as the label stage reads them."""
 
     suffix: str
     data: bytes
     where: str
     source: str
-    groups: frozenset
+    groups: tuple
     area_groups: frozenset
 
 
-def _parse(copy: Path, where: str) -> tuple[str | None, frozenset, frozenset]:
+def _parse(copy: Path, where: str) -> tuple[str | None, tuple, frozenset]:
     """(problem, groups, area groups) of the annotation file ``copy`` (a copy of ``where``): problem is None when
     the project's reader (:func:`wsi_milssl.annotations.read_annotations`, as the label stage reads it) accepts
     it, else its error, naming ``where``."""
@@ -233,8 +233,8 @@ def _parse(copy: Path, where: str) -> tuple[str | None, frozenset, frozenset]:
     try:
         aset = read_annotations(copy, skipped=[])  # what it leaves out the label stage warns about
     except AnnotationError as exc:
-        return str(exc).replace(str(copy), where), frozenset(), frozenset()
-    return (None, frozenset(a.group for a in aset.polygons),
+        return str(exc).replace(str(copy), where), (), frozenset()
+    return (None, tuple(a.group for a in aset.polygons),
             frozenset(a.group for a in aset.polygons if a.type in AREA_TYPES))
 
 

@@ -235,7 +235,7 @@ def _group_check(sets: Mapping[str, tuple[Mapping[str, Path], Mapping[str, int],
     """Notes for annotation groups the pipeline ``spec``'s label stage ignores (neither its tumour nor its
     non-tumour groups: it warns and leaves their polygons out); ConfigError, as the label stage would stop
     there, for a tumour slide whose annotation has no polygon in a tumour group and some in such groups."""
-    from wsi_milssl.annotations.groups import UNCLASSIFIED
+    from wsi_milssl.annotations.groups import UNCLASSIFIED, groups_hiding_the_tumour
     from wsi_milssl.pipeline.spec import stage_config
 
     gmap = stage_config(spec, "label").group_map()
@@ -245,11 +245,14 @@ def _group_check(sets: Mapping[str, tuple[Mapping[str, Path], Mapping[str, int],
                       key=str.casefold)
 
     stop, ignored, new_groups, stop_groups = [], [], [], []
+    hidden, hidden_stems = [], []  # tumour slides whose polygons are all in ASAP's group "None" (review EC B1)
     no_area, normal_area = [], []  # test slides whose annotation contradicts their label (review BH)
     for set_name, (_, labels, set_annotations) in sets.items():
         for stem, ann in sorted(set_annotations.items(), key=lambda kv: kv[0].casefold()):
             tumour = any(gmap.role(g) == "tumor" for g in ann.area_groups)
-            if set_name == "test" and labels.get(stem) == 1 and not tumour and not unknown(ann.groups):
+            # the label stage's own refusal (labeling/stage.py _refuse_hidden_tumour), made before anything is written
+            why = groups_hiding_the_tumour(ann.groups, gmap) if labels.get(stem) == 1 and not tumour else None
+            if set_name == "test" and labels.get(stem) == 1 and not tumour and why is None:
                 no_area.append(ann.where)
             elif set_name == "test" and labels.get(stem) == 0 and tumour:
                 normal_area.append(ann.where)
@@ -257,11 +260,21 @@ def _group_check(sets: Mapping[str, tuple[Mapping[str, Path], Mapping[str, int],
                 stop.append(f"{ann.where} ({', '.join(map(repr, unknown(ann.groups)))})")
                 new_groups += unknown(ann.groups)
                 stop_groups += unknown(ann.groups)
+            elif why is not None:
+                hidden.append(f"{ann.where} ({len(ann.groups)} polygon(s); {why})")
+                hidden_stems.append(stem)
             elif unknown(ann.area_groups):
                 ignored.append(f"{ann.where} ({', '.join(map(repr, unknown(ann.area_groups)))})")
                 new_groups += unknown(ann.area_groups)
     groups, non_tumour = ", ".join(gmap.tumor), ", ".join(gmap.non_tumor)
     example = json.dumps([*gmap.tumor, *dict.fromkeys(new_groups)], ensure_ascii=False)
+    hidden_error = (
+        f"{len(hidden)} annotation file(s) of tumour slides have no polygon in a tumour group of the pipeline's "
+        f"[label] stage ({groups}), so that stage would stop at them (after every slide is tiled): {_names(hidden)}. "
+        "Nothing was written. Fix: correct each annotation file (in ASAP, put the tumour polygons in a tumour group, "
+        f"{groups}, and save it again), or prepare again with --exclude {' '.join(hidden_stems)} to leave the "
+        "slide(s) out of every set ([evaluate] lesion_exclude does not help: the label stage reads every slide of "
+        "both sets).") if hidden else ""
     if stop:
         raise ConfigError(
             f"{len(stop)} annotation file(s) of tumour slides have no area in a tumour group of the pipeline's "
@@ -272,14 +285,16 @@ def _group_check(sets: Mapping[str, tuple[Mapping[str, Path], Mapping[str, int],
             f"tumor_groups = {example}"
             + (f", or after adding that line to {toml} (prepare keeps an edited pipeline.toml)" if toml.is_file()
                else "")
-            + "; or correct the annotation files.")
+            + "; or correct the annotation files." + (f" {hidden_error}" if hidden else ""))
+    if hidden:
+        raise ConfigError(hidden_error)
     notes = []
     if no_area:
         notes.append(f"{len(no_area)} tumour test slide(s) have an annotation without a tumour area (no polygon in a "
                      f"tumour group of the pipeline's [label] stage: {groups}): {_names(no_area)} (the FROC counts "
-                     "every detection on them as a false positive and no lesion of them: correct the annotation, add "
-                     "its group to [label] tumor_groups, or leave the slide out of the FROC with [evaluate] "
-                     "lesion_exclude, or of every set with --exclude NAME)")
+                     "every detection on them as a false positive and no lesion of them: correct the annotation, or "
+                     "leave the slide out of the FROC with [evaluate] lesion_exclude, or of every set with "
+                     "--exclude NAME)")
     if normal_area:
         notes.append(f"{len(normal_area)} normal test slide(s) have tumour areas in their annotation: "
                      f"{_names(normal_area)} (the evaluation goes by the label, normal: check the label or the "
