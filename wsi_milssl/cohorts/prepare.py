@@ -117,6 +117,19 @@ def _leftover(partial: Path) -> bool:
         return False
 
 
+def _one_class_problems(labels: Mapping[str, int], *, where: str, names: tuple[str, str], fixes: tuple[str, str]
+                        ) -> list[tuple[str, str]]:
+    """The problems (text, fix) of a training set ``labels`` {stem: 0/1} without normal or without tumour slides:
+    MIL-SSL learns negatives from the normal slides and pseudo-labels the patches of the tumour slides, so it cannot
+    train on one class. ``names``: what a (normal, tumour) slide is called; ``fixes``: how to add each."""
+    counts = {0: sum(v == 0 for v in labels.values()), 1: sum(v == 1 for v in labels.values())}
+    why = {0: "MIL-SSL learns negatives from normal slides (its negative bags)",
+           1: "MIL-SSL learns tumour from the tumour slides (its positive bags)"}
+    return [(f"no {names[label]} {where}: {why[label]}, and the {len(labels)} {where}(s) found are all "
+             f"{'tumour' if label == 0 else 'normal'}", f"{fixes[label]}, then prepare again.")
+            for label in (0, 1) if labels and not counts[label]]
+
+
 def _camelyon16_mask(path: Path, root: Path) -> bool:
     """A mask image shipped with CAMELYON16, not a slide: ``*_mask`` / ``*_tissue`` by name (the AWS
     bucket's ``masks/tumor_001_mask.tif``, ``background_tissue/normal_001_tissue.tif``, GigaDB's
@@ -220,6 +233,11 @@ def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
     train_labels = {s: v for s, v in train_labels.items() if s in train}
     test = {s: p for s, p in test.items() if s not in drop_test}
     test_labels = {s: v for s, v in test_labels.items() if s in test}
+    if train:  # MIL-SSL cannot train on one class: say so now, not after hours of tiling (review EC B2)
+        problems += _one_class_problems(train_labels, where="training slide", names=("Normal_NNN", "Tumor_NNN"),
+                                        fixes=("download training/normal/ (the AWS bucket's images/normal_NNN.tif)",
+                                               "download training/tumor/ and training/lesion_annotations/ (the AWS "
+                                               "bucket's images/tumor_NNN.tif and annotations/)"))
 
     sources, unreadable = _annotation_sources([root], skip=[out])
     if annotations_dir is not None:
@@ -429,6 +447,10 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
                              "keep each slide in one set: remove it from the other set's folder or labels file."))
         drop_train, drop_test, same = _same_content_slides(slides, labels, t_slides, t_labels)
         notes += same
+        problems += _one_class_problems({s: v for s, v in labels.items() if s not in drop_train},
+                                        where="training slide", names=("normal (label 0)", "tumour (label 1)"),
+                                        fixes=(f"add normal slides to {slides_dir} and label them 0 in {labels_csv}",
+                                               f"add tumour slides to {slides_dir} and label them 1 in {labels_csv}"))
         t_roots = [Path(test_annotations_dir)] if test_annotations_dir is not None else [Path(test_slides_dir)]
         train = ({s: p for s, p in slides.items() if s not in drop_train},
                  {s: v for s, v in labels.items() if s not in drop_train})
