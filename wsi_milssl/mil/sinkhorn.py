@@ -26,7 +26,7 @@ import numbers
 import numpy as np
 import torch
 
-from wsi_milssl.config.train import LAM_MAX, SINKHORN_TOL_MIN, check_lam  # noqa: F401  (defined with the settings)
+from wsi_milssl.config.train import LAM_MAX, SINKHORN_TOL_FLOOR, check_lam  # noqa: F401  (defined with the settings)
 from wsi_milssl.errors import ConfigError
 
 __all__ = ["assign_pseudo_labels", "sinkhorn_log", "sinkhorn_two_class", "adaptive_mu", "check_lam", "PROB_EPS",
@@ -178,8 +178,8 @@ def _check_inputs(probs, bag_ids, mu, lam, max_iter, tol) -> tuple[np.ndarray, n
     check_lam(lam)
     if not (isinstance(max_iter, numbers.Integral) and not isinstance(max_iter, bool) and max_iter >= 1):
         raise ConfigError(f"max_iter must be an integer >= 1; got {max_iter!r}.")
-    if not (_is_real(tol) and float(tol) >= SINKHORN_TOL_MIN):
-        raise ConfigError(f"tol must be >= {SINKHORN_TOL_MIN:g} (float64 rounding of the positive share); got {tol!r}.")
+    if not (_is_real(tol) and float(tol) > 0.0):
+        raise ConfigError(f"tol must be > 0; got {tol!r}.")
     return p, b
 
 
@@ -210,7 +210,8 @@ def assign_pseudo_labels(
         "no soft pseudo label" row).
     local_constraint : set the label of each bag's highest-probability instance to 1.
     global_constraint : solve the transport problem; ``False`` takes the labels straight from P (eq. 2).
-    max_iter, tol : iteration cap and tolerance on the positive share |Σ_i Q[0, i] / N - μ|.
+    max_iter, tol : iteration cap and tolerance on the positive share |Σ_i Q[0, i] / N - μ|; a tolerance finer
+        than :data:`SINKHORN_TOL_FLOOR` (float64's rounding of the share) is met at that level.
 
     Returns
     -------
@@ -235,6 +236,7 @@ def assign_pseudo_labels(
         log_p = torch.stack([torch.log(pt), torch.log1p(-pt)])  # (2, N): row 0 positive, row 1 negative
         log_r = torch.tensor([math.log(mu * n), math.log((1.0 - mu) * n)], dtype=torch.float64)
         log_c = torch.zeros(n, dtype=torch.float64)
+        tol = max(tol, SINKHORN_TOL_FLOOR)  # finer than float64 rounds the share: met at the rounding level
         log_q, iters, err = sinkhorn_two_class(float(lam) * log_p, log_r, log_c, max_iter=max_iter, tol=tol)
         if err >= tol:
             log.warning("Sinkhorn stopped after %d iterations with positive-share error %.2e "
