@@ -33,5 +33,18 @@ def folder_place(path: str | os.PathLike) -> Path:
     """Where the folder ``path`` is: an absolute path with the links among the folders above it followed, and
     ``path``'s own name kept even where it is a link itself (a run folder linked to scratch space is where its
     link is, and moves with the folder that holds the link)."""
-    place = Path(os.path.abspath(path))
+    place = Path(os.path.normpath(os.path.join(_working_folder(), path)))
     return place.parent.resolve() / place.name
+
+
+def _working_folder() -> str:
+    """The working folder as the shell names it (``$PWD``, which keeps a link ``cd`` went through: review EB, a run
+    folder that is a link given as "." from inside it), else the resolved one."""
+    cwd = os.getcwd()
+    shell = os.environ.get("PWD", "")
+    try:
+        if os.path.isabs(shell) and os.path.samefile(shell, cwd):
+            return shell
+    except OSError:
+        pass
+    return cwd

@@ -119,3 +119,19 @@ def test_a_run_folder_that_is_a_link_moves_with_the_folder_that_holds_the_link(t
     assert main(["train", "--resume", str(tmp_path / "after" / "run"), "--epochs", "2"]) == 0
     assert (f"the run's inputs recorded below {tmp_path / 'before'} are read from below {tmp_path / 'after'}, "
             "where the run folder is now (moved with it)") in caplog.text
+
+
+def test_a_linked_run_folder_given_as_dot_from_inside_it_is_where_its_link_is(tmp_path, monkeypatch):
+    """Review EB, B3: "." from inside a run folder that is a link resolved to the link's target, so the moved
+    project was not found from there; the shell's $PWD keeps the link."""
+    from wsi_milssl.paths import folder_place
+
+    (tmp_path / "scratch").mkdir()
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / "run").symlink_to(tmp_path / "scratch")
+    monkeypatch.chdir(tmp_path / "project" / "run")
+    monkeypatch.setenv("PWD", str(tmp_path / "project" / "run"))  # as `cd project/run` sets it
+    assert folder_place(".") == folder_place("./") == tmp_path / "project" / "run"
+    assert folder_place("../run") == tmp_path / "project" / "run"
+    monkeypatch.setenv("PWD", str(tmp_path / "elsewhere"))  # a stale $PWD is not taken
+    assert folder_place(".") == tmp_path / "scratch"
