@@ -132,6 +132,11 @@ def test_a_download_in_progress_is_named_though_its_empty_slide_file_exists(tmp_
     shutil.copy(tumour / "Tumor_001.tif", tumour / "Tumor_004.tif.part")
     (tumour / "Tumor_004.tif").write_bytes(b"")
     shutil.copy(tumour / "Tumor_001.tif", root / "training" / "normal" / "Tumor_002.tif.part")  # another folder's
+    # review EC B3: the empty file is refused (it was counted in the training set while the note said it was not)
+    with pytest.raises(LabelsError, match=r"Tumor_004\.tif \(this file is empty \(0 bytes\); Tumor_004\.tif\.part "
+                                          r"beside it is a download that did not finish\)"):
+        prepare_camelyon16(root, tmp_path / "out")
+    (tumour / "Tumor_004.tif").unlink()
     prepared = prepare_camelyon16(root, tmp_path / "out")
     (note,) = [n for n in prepared.notes if "did not finish" in n]
     assert "training/tumor/Tumor_004.tif.part" in note and "training/normal/Tumor_002.tif.part" in note

@@ -62,6 +62,35 @@ def _unreadable_slides(paths: Iterable[Path]) -> str | None:
             "file a link points to, make the file readable, or remove the link or file)")
 
 
+def _cut_short_slides(paths: Iterable[Path]) -> tuple[str, str] | None:
+    """The problem (text, fix) of slide files that are empty (0 bytes) or cut short
+    (:func:`wsi_milssl.slide.reader.incomplete_file`: a TIFF whose tiles or directories lie past its end), as a
+    download or copy that stopped leaves them under their final name (``curl -C -``, ``wget -c``, a browser's empty
+    ``X.tif`` beside ``X.tif.part``): tile would fail on each only when it reached it (review EC B3). A file that
+    cannot be read is :func:`_unreadable_slides`'s problem."""
+    from wsi_milssl.cohorts.discover import PARTIAL_DOWNLOAD_SUFFIXES
+    from wsi_milssl.slide.reader import incomplete_file
+
+    bad, stems = [], []
+    for p in paths:
+        try:
+            why = incomplete_file(p)
+        except OSError:
+            continue
+        if why is None:
+            continue
+        beside = [p.name + s for s in PARTIAL_DOWNLOAD_SUFFIXES if p.with_name(p.name + s).exists()]
+        bad.append(f"{p} ({why}" + (f"; {beside[0]} beside it is a download that did not finish" if beside else "")
+                   + ")")
+        stems.append(slide_stem(p))
+    if not bad:
+        return None
+    return (f"{len(bad)} slide file(s) are empty or cut short, as a download or copy that stopped leaves them: "
+            f"{_names(bad)}",
+            f"download {'it' if len(bad) == 1 else 'them'} again, or prepare again with --exclude "
+            f"{' '.join(stems)} to leave {'it' if len(bad) == 1 else 'them'} out of every set.")
+
+
 def _exclude_keys(exclude: Iterable[str]) -> dict[str, str]:
     """{key: name as given} of the ``--exclude`` names (slide names: folder, slide suffix and case ignored)."""
     return {stem_key(n): n for n in exclude if slide_stem(n)}

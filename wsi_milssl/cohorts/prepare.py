@@ -60,8 +60,8 @@ import re
 from pathlib import Path
 from typing import Iterable, Mapping
 
-from wsi_milssl.cohorts.checks import (_duplicates, _exclude_keys, _linked_twice, _names, _raise_problems,
-                                       _same_content_slides, _unknown_excluded, _unreadable_slides)
+from wsi_milssl.cohorts.checks import (_cut_short_slides, _duplicates, _exclude_keys, _linked_twice, _names,
+                                       _raise_problems, _same_content_slides, _unknown_excluded, _unreadable_slides)
 from wsi_milssl.cohorts.discover import (ANNOTATION_SUFFIXES, _annotation_sources, _is_partial_download, _is_slide,
                                          _match_annotations, _read_annotations, _real, _walk, find_slide_files)
 from wsi_milssl.cohorts.labels import GROUP_COLUMNS, read_labels
@@ -193,7 +193,7 @@ def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
     if dup:
         problems.append(f"{len(dup)} name(s) used by more than one slide: "
                         + _names([" and ".join(str(p) for p in v) for v in dup.values()]))
-    problems += filter(None, [_linked_twice(slides), _unreadable_slides(slides)])
+    problems += filter(None, [_linked_twice(slides), _unreadable_slides(slides), _cut_short_slides(slides)])
     unknown = [str(p.relative_to(root)) for p in slides if _camelyon16_role(p) is None]
     if unknown:
         problems.append(f"{len(unknown)} slide(s) not named as in CAMELYON16 (Normal_NNN, Tumor_NNN, Test_NNN): "
@@ -309,7 +309,7 @@ def _labelled_set(slides_dir: Path, labels_csv: Path, skip: list[Path], what: st
     if dup:
         problems.append(f"{len(dup)} name(s) used by more than one slide: "
                         + _names([" and ".join(str(p) for p in v) for v in dup.values()]))
-    problems += filter(None, [_linked_twice(slides), _unreadable_slides(slides)])
+    problems += filter(None, [_linked_twice(slides), _unreadable_slides(slides), _cut_short_slides(slides)])
     labels = read_labels(labels_csv)
     by_stem = {slide_stem(p): p for p in slides}
     missing = sorted((s for s in by_stem if s not in labels), key=str.casefold)
