@@ -96,10 +96,20 @@ def _is_slide(path: Path) -> bool:
 PARTIAL_DOWNLOAD_SUFFIXES = (".part", ".partial", ".crdownload", ".download", ".tmp")
 
 
+#: what an interrupted ``aws s3 sync`` / ``aws s3 cp`` leaves: s3transfer downloads to ``<name>.<8 random
+#: characters>`` (``filename + os.extsep + random_file_extension()``) and renames the file when it is done
+#: (review EC B4: ``tumor_002.tif.8aF3c9B1``)
+S3_TEMPORARY_SUFFIX = re.compile(r"\.[A-Za-z0-9]{8}$")
+
+
 def _is_partial_download(path: Path) -> bool:
-    """A slide file still being downloaded, or whose download stopped: ``<slide>.tif.part`` and the like."""
+    """A slide file still being downloaded, or whose download stopped: ``<slide>.tif.part`` and the like, and
+    ``<slide>.tif.<8 characters>`` (:data:`S3_TEMPORARY_SUFFIX`)."""
     name = path.name.lower()
-    return any(name.endswith(s) and _is_slide(Path(name[: -len(s)])) for s in PARTIAL_DOWNLOAD_SUFFIXES)
+    if any(name.endswith(s) and _is_slide(Path(name[: -len(s)])) for s in PARTIAL_DOWNLOAD_SUFFIXES):
+        return True
+    s3 = S3_TEMPORARY_SUFFIX.search(name)
+    return s3 is not None and _is_slide(Path(name[: s3.start()]))
 
 
 def _is_mask(path: Path) -> bool:

@@ -130,6 +130,14 @@ def _one_class_problems(labels: Mapping[str, int], *, where: str, names: tuple[s
             for label in (0, 1) if labels and not counts[label]]
 
 
+def _shown(path: Path, root: Path) -> str:
+    """``path`` relative to ``root`` when it is below it (as the notes name files), else as it is."""
+    try:
+        return str(path.relative_to(root))
+    except ValueError:
+        return str(path)
+
+
 def _camelyon16_mask(path: Path, root: Path) -> bool:
     """A mask image shipped with CAMELYON16, not a slide: ``*_mask`` / ``*_tissue`` by name (the AWS
     bucket's ``masks/tumor_001_mask.tif``, ``background_tissue/normal_001_tissue.tif``, GigaDB's
@@ -271,6 +279,18 @@ def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
     if partial:
         notes.append(f"{len(partial)} file(s) below {root} are downloads that did not finish, so they are no slides "
                      f"and in no set: {_names(partial, limit=10)} (download them again, then prepare again)")
+    # an annotation is drawn on a tumour slide: one whose slide is not here names a slide not downloaded (or whose
+    # download stopped under a name not known as partial), which nothing else would name for training (review EC B4)
+    orphans: dict[str, str] = {}
+    for stem, _, path, member in sources:
+        if (_CAMELYON16_NAME.match(stem) and stem_key(stem) not in found_keys and stem_key(stem) not in removed
+                and stem_key(stem) not in orphans):
+            orphans[stem_key(stem)] = _shown(path, root) + (f":{member}" if member else "")
+    if orphans:
+        shown = sorted(orphans.values(), key=str.casefold)
+        notes.append(f"{len(shown)} lesion annotation file(s) have no slide below {root}: {_names(shown, limit=10)} "
+                     "(each annotates a tumour slide: not downloaded, or its download stopped; download the slide "
+                     "and prepare again)")
     no_ann_train = sorted((s for s, v in train_labels.items() if v == 1 and s not in train_ann), key=str.casefold)
     if no_ann_train:
         notes.append(f"{len(no_ann_train)} tumour training slide(s) have no annotation: {_names(no_ann_train)} "
