@@ -38,9 +38,9 @@ def test_evaluate_refuses_a_tumour_slide_outlined_in_no_group_and_reads_it_with_
     n = len(read_annotations(known_annotation.path).polygons)
     assert str(exc.value).startswith(
         f"{ungrouped / known_annotation.stem}.xml: slide {known_annotation.stem!r} is labelled tumour but none of its "
-        f"polygons is in a tumour group (_0, _1, Tumor); {n} of them are in group 'None', which ASAP writes for a "
-        "polygon in no group and which counts as non-tumour (carved out of tumour) by default, so the slide would "
-        "have no lesion"), exc.value
+        f"polygons is in a tumour group (_0, _1, Tumor); {n} of them {'is' if n == 1 else 'are'} in group 'None', "
+        "which ASAP writes for a polygon in no group and which counts as non-tumour (carved out of tumour) by "
+        "default, so the slide would have no lesion"), exc.value
     assert not (tmp_path / "out" / "metrics.json").exists()
     reference = evaluate_predictions(predictions[0], labels_csv=synth_dir / "labels.csv", out_dir=tmp_path / "ref",
                                      annotations_dir=annotations_dir, slides=synth_dir).metrics

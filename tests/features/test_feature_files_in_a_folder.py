@@ -35,4 +35,17 @@ def test_a_file_named_under_two_names_is_read_once_and_the_second_name_is_said(t
         assert caplog.text == ""  # the same name twice: nothing to say
         assert feature_files_of([folder, tmp_path / "links"]) == [folder / "bag_00.h5", folder / "bag_01.h5"]
     assert (f"{tmp_path / 'links' / 'patientA.h5'} is the same file as {folder / 'bag_00.h5'} (a link): it is read "
-            "once, under the name bag_00.h5.") in caplog.text
+            f"once, as {folder / 'bag_00.h5'}.") in caplog.text
+
+
+def test_the_file_itself_is_kept_over_a_link_named_first(tmp_path, caplog):
+    """Review EB, C2: of a file and a link to it, the name sorting first was kept, so a link's name could name the
+    slide (files without a recorded slide name take the file's) and the slide itself went unevaluated."""
+    folder = tmp_path / "bags"
+    feature_bags(folder, 2, 0)
+    (folder / "a_link.h5").symlink_to(folder / "bag_01.h5")
+    with caplog.at_level("WARNING"):
+        # in the place the link had (first), as the file itself
+        assert feature_files_of([folder]) == [folder / "bag_01.h5", folder / "bag_00.h5"]
+    assert (f"{folder / 'a_link.h5'} is the same file as {folder / 'bag_01.h5'} (a link): it is read once, as "
+            f"{folder / 'bag_01.h5'}.") in caplog.text

@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from wsi_milssl.cli import main
 
 ARGS = ["--magnification", "20", "--patch-size", "256", "--entropy-threshold", "4", "--threads", "1"]
 
 
-def test_a_record_that_is_not_an_object_is_read_as_none_and_replaced(four_slides, tmp_path, capsys):
+@pytest.mark.parametrize("record", ["[1]", "{}", '{"settings": 3}'])
+def test_a_record_without_settings_is_read_as_none_and_replaced(four_slides, tmp_path, capsys, record):
+    """Review EB, C3: an object without settings (``{}``) still listed every setting as None."""
     slides, _ = four_slides
     out = tmp_path / "out"
     out.mkdir()
-    (out / "tile_config.json").write_text("[1]\n")
+    (out / "tile_config.json").write_text(record + "\n")
     assert main(["tile", str(slides), "--out", str(out), *ARGS, "--shard", "1/3"]) == 0, capsys.readouterr().err
     assert isinstance(json.loads((out / "tile_config.json").read_text()), dict)
     (out / "tile_config.json").write_text("[1")  # damaged: one error naming the file, as before

@@ -129,6 +129,6 @@ def groups_hiding_the_tumour(groups: Iterable[str | None], group_map: GroupMap) 
         return f"they are in group(s) {', '.join(repr(g) for g in unknown)}, which are neither tumour nor non-tumour"
     ungrouped = sum(_key(g) == _key(ASAP_UNGROUPED) for g in names)
     if ungrouped:
-        return (f"{ungrouped} of them are in group 'None', which ASAP writes for a polygon in no group and which "
-                "counts as non-tumour (carved out of tumour) by default")
+        return (f"{ungrouped} of them {'is' if ungrouped == 1 else 'are'} in group 'None', which ASAP writes for a "
+                "polygon in no group and which counts as non-tumour (carved out of tumour) by default")
     return None

@@ -774,16 +774,18 @@ def feature_files_in(folder: str | os.PathLike) -> list[Path]:
 def feature_files_of(paths: Iterable[str | os.PathLike]) -> list[Path]:
     """Feature files from files (as given) and folders (:func:`feature_files_in`), each file once however often it
     is named (a folder and a file in it, a folder spelled two ways: review DT, DU). A file named again under another
-    name (a link) is read under its first name, and a warning says so (review DW: its maps went missing without a
-    word)."""
+    name (a link) is read once, as the file itself rather than a link to it (else as it was first named), and a
+    warning says so (review DW: its maps went missing without a word; EB: a link's name could win)."""
     first: dict[str, Path] = {}
     for raw in paths:
         p = Path(raw)
         for f in feature_files_in(p) if p.is_dir() else [p]:
-            kept = first.setdefault(os.path.realpath(f), f)
+            key = os.path.realpath(f)
+            kept = first.setdefault(key, f)
             if kept.name != f.name:
-                log.warning("%s is the same file as %s (a link): it is read once, under the name %s.", f, kept,
-                            kept.name)
+                if kept.is_symlink() and not f.is_symlink():  # the file itself, not the link, names its slide
+                    first[key], f, kept = f, kept, f
+                log.warning("%s is the same file as %s (a link): it is read once, as %s.", f, kept, kept)
     return list(first.values())
 
 

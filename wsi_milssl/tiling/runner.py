@@ -682,8 +682,8 @@ def _check_shard_settings(out_dir: Path, config: TileConfig) -> None:
 
     path = out_dir / CONFIG_FILENAME
     recorded = folder_settings_record(path, error=StoreError)
-    if recorded is None:  # none, or not a JSON object: no settings to compare with, as label and heatmap read it
-        return
+    if not recorded or not (recorded.get("config_hash") or isinstance(recorded.get("settings"), (dict, str))):
+        return  # none, not a JSON object or one without settings: nothing to compare with, as label and heatmap read it
     diffs = _settings_diffs(recorded, config)
     if diffs is not None:
         raise StoreError(f"{path}: this folder is tiled with other settings than this shard's ({diffs}); the "
