@@ -31,6 +31,32 @@ def _duplicates(paths: Iterable[Path], key=stem_key) -> dict[str, list[Path]]:
     return {k: v for k, v in by_key.items() if len(v) > 1}
 
 
+def _same_name_slides(paths: Iterable[Path]) -> tuple[list[Path], tuple[str, str] | None, str | None]:
+    """(the slides to keep, the problem, a note) of slide files that share a name (``tumor_001.tif`` below ``images/``
+    and ``Tumor_001.tif`` below ``training/tumor/``, as downloading from GigaDB and from the AWS bucket leaves):
+    files that hold the same bytes (:func:`same_content_groups`) are one slide, the first by path kept, with a note;
+    different files under one name are the problem (text, fix), as prepare cannot tell which is the slide."""
+    paths = list(paths)
+    dup = _duplicates(paths)
+    drop: set[Path] = set()
+    same, differ = [], []
+    for group in dup.values():
+        group = sorted(group, key=lambda p: str(p).casefold())
+        identical = same_content_groups(group)
+        if len(identical) == 1 and len(identical[0]) == len(group):
+            drop.update(group[1:])
+            same.append(f"{group[0]} (kept; the same bytes as {' and '.join(map(str, group[1:]))})")
+        else:
+            differ.append(" and ".join(map(str, group)))
+    problem = None
+    if differ:
+        problem = (f"{len(differ)} name(s) used by more than one slide file, with different bytes: {_names(differ)}",
+                   "keep one of the two files (remove the other, or move it out of the folder), then prepare again.")
+    note = (f"{len(same)} slide name(s) are used by more than one file that holds the same bytes (one slide "
+            f"downloaded twice), so each is one slide: {_names(same)}") if same else None
+    return [p for p in paths if p not in drop], problem, note
+
+
 def _linked_twice(paths: Iterable[Path]) -> str | None:
     """The problem of one slide file reached under two names (a link and its target, two links): it would
     count as two slides, and could be in both the training and the test set."""

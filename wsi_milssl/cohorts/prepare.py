@@ -22,14 +22,16 @@ an ancestor ends there); earlier prepare outputs below them (folders holding ``c
 and run outputs (folders holding a run's ``resolved_pipeline.toml``) are left out, and so are the
 folder's own ``cohort/`` and ``run/`` when it is one (``--out`` the folder itself). Slides named by
 ``exclude`` (``--exclude``) are left out of every set. Every problem found (a slide without a label, a
-tumour test slide without its annotation, two slides with one name, a name that is not CAMELYON16's, a
-slide file that cannot be opened for reading, such as a link to a disk that is not mounted, an
-``--exclude`` name of no slide) is reported in one error that lists the names; every annotation problem
+tumour test slide without its annotation, two different slide files with one name, a name that is not
+CAMELYON16's, a slide file that cannot be opened for reading, such as a link to a disk that is not mounted, or
+that is empty or cut short, a training set without normal or without tumour slides, an ``--exclude`` name of no
+slide) is reported in one error that lists the names, each kind with its fix; every annotation problem
 (an archive that may hold annotations or a file that cannot be read, a file the annotation reader
 refuses, two annotation files for one slide that describe different regions) in one error that names
 each file where it was found (another ``.zip`` that cannot be read is a warning). Slide files that hold
 the same bytes under other names are left out with a note, never refused (:func:`_same_content_slides`; a
-MIRAX or Hamamatsu slide's data files are compared with its index file).
+MIRAX or Hamamatsu slide's data files are compared with its index file); under one name they are one slide, with
+a note (:func:`_same_name_slides`).
 Written into ``out_dir``::
 
     pipeline.toml                      the template's stage settings, [data] pointing at the files below,
@@ -60,10 +62,11 @@ import re
 from pathlib import Path
 from typing import Iterable, Mapping
 
-from wsi_milssl.cohorts.checks import (_cut_short_slides, _duplicates, _exclude_keys, _linked_twice, _names,
-                                       _raise_problems, _same_content_slides, _unknown_excluded, _unreadable_slides)
-from wsi_milssl.cohorts.discover import (ANNOTATION_SUFFIXES, _annotation_sources, _is_partial_download, _is_slide,
-                                         _match_annotations, _read_annotations, _real, _walk, find_slide_files)
+from wsi_milssl.cohorts.checks import (_cut_short_slides, _exclude_keys, _linked_twice, _names, _raise_problems,
+                                       _same_content_slides, _same_name_slides, _unknown_excluded, _unreadable_slides)
+from wsi_milssl.cohorts.discover import (ANNOTATION_SUFFIXES, PARTIAL_DOWNLOAD_SUFFIXES, _annotation_sources,
+                                         _is_partial_download, _is_slide, _match_annotations, _read_annotations, _real,
+                                         _walk, find_slide_files)
 from wsi_milssl.cohorts.labels import GROUP_COLUMNS, read_labels
 from wsi_milssl.cohorts.names import SLIDE_SUFFIXES, file_identity, name_key, slide_stem, stem_key
 from wsi_milssl.cohorts.split import label_groups_for, stratified_split
@@ -128,6 +131,12 @@ def _one_class_problems(labels: Mapping[str, int], *, where: str, names: tuple[s
     return [(f"no {names[label]} {where}: {why[label]}, and the {len(labels)} {where}(s) found are all "
              f"{'tumour' if label == 0 else 'normal'}", f"{fixes[label]}, then prepare again.")
             for label in (0, 1) if labels and not counts[label]]
+
+
+def _is_partial_archive(path: Path) -> bool:
+    """An archive whose download did not finish (``lesion_annotations.zip.part`` and the like)."""
+    name = path.name.lower()
+    return any(name.endswith(".zip" + s) for s in PARTIAL_DOWNLOAD_SUFFIXES)
 
 
 def _shown(path: Path, root: Path) -> str:
@@ -197,11 +206,8 @@ def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
                                             [slide_stem(p) for p in slides], str(root))
     excluded = sorted({slide_stem(p) for p in slides if stem_key(p) in exclude_keys}, key=str.casefold)
     slides = [p for p in slides if stem_key(p) not in exclude_keys]
-    dup = _duplicates(slides)
-    if dup:
-        problems.append(f"{len(dup)} name(s) used by more than one slide: "
-                        + _names([" and ".join(str(p) for p in v) for v in dup.values()]))
-    problems += filter(None, [_linked_twice(slides), _unreadable_slides(slides), _cut_short_slides(slides)])
+    slides, same_name, same_name_note = _same_name_slides(slides)
+    problems += filter(None, [same_name, _linked_twice(slides), _unreadable_slides(slides), _cut_short_slides(slides)])
     unknown = [str(p.relative_to(root)) for p in slides if _camelyon16_role(p) is None]
     if unknown:
         problems.append(f"{len(unknown)} slide(s) not named as in CAMELYON16 (Normal_NNN, Tumor_NNN, Test_NNN): "
@@ -220,9 +226,12 @@ def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
     if ref_path is None and test:
         found = [p for p in files if p.name.casefold() == "reference.csv"]
         if not found:
-            problems.append("the test set's reference.csv (Test_NNN,Tumor|Normal,...) is not below the folder")
+            problems.append(("the test set's reference.csv (Test_NNN,Tumor|Normal,...) is not below the folder",
+                             "download testing/reference.csv (the AWS bucket's evaluation/reference.csv) into the "
+                             "folder, or pass --reference FILE."))
         elif len(found) > 1:
-            problems.append("more than one reference.csv: " + _names([str(p) for p in found]) + " (pass --reference)")
+            problems.append(("more than one reference.csv: " + _names([str(p) for p in found]),
+                             "pass --reference FILE to say which one holds the test labels (or remove the others)."))
         else:
             ref_path = found[0]
     if ref_path is not None and test:
@@ -237,6 +246,7 @@ def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
     # slide files that hold the same bytes (a test slide that is a copy of a training slide, a slide re-released
     # under another name): left out as _same_content_slides says, with a note
     drop_train, drop_test, notes = _same_content_slides(train, train_labels, test, test_labels)
+    notes = [same_name_note, *notes] if same_name_note else notes
     train = {s: p for s, p in train.items() if s not in drop_train}
     train_labels = {s: v for s, v in train_labels.items() if s in train}
     test = {s: p for s, p in test.items() if s not in drop_test}
@@ -257,8 +267,17 @@ def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
     train_ann, test_ann = read["train"], read["test"]
     no_ann_test = sorted((s for s, v in test_labels.items() if v == 1 and s not in test_ann), key=str.casefold)
     if no_ann_test:
-        problems.append(f"{len(no_ann_test)} tumour test slide(s) have no annotation (<name>.xml, also inside .zip "
-                        f"archives): {_names(no_ann_test)}; the FROC needs them")
+        # an annotation archive whose download did not finish (lesion_annotations.zip.part) is named in the fix
+        searched = [*files, *(_walk(Path(annotations_dir), skip=[out]) if annotations_dir is not None else [])]
+        partial_archives = sorted({str(p) for p in searched if _is_partial_archive(p)}, key=str.casefold)
+        fix = ("download the lesion annotations (testing/lesion_annotations/ or lesion_annotations.zip; "
+               "--annotations DIR when they are not below the folder; --exclude NAME leaves a slide out of every set, "
+               "the slide-level AUC too).")
+        if partial_archives:
+            fix = (f"{_names(partial_archives)} {'is a download' if len(partial_archives) == 1 else 'are downloads'} "
+                   "that did not finish: download it again, then prepare again; or " + fix)
+        problems.append((f"{len(no_ann_test)} tumour test slide(s) have no annotation (<name>.xml, also inside .zip "
+                         f"archives): {_names(no_ann_test)}; the FROC needs them", fix))
     _raise_problems(str(root), problems,
                     "keep the slides' CAMELYON16 names, download testing/reference.csv and the lesion annotations "
                     "(--annotations DIR when they are not below the folder; --exclude NAME leaves a slide out of "
@@ -325,11 +344,8 @@ def _labelled_set(slides_dir: Path, labels_csv: Path, skip: list[Path], what: st
         problems.append(f"no slide files below {slides_dir} (looked for {', '.join(SLIDE_SUFFIXES)})")
     excluded = sorted({slide_stem(p) for p in slides if stem_key(p) in exclude_keys}, key=str.casefold)
     slides = [p for p in slides if stem_key(p) not in exclude_keys]
-    dup = _duplicates(slides)
-    if dup:
-        problems.append(f"{len(dup)} name(s) used by more than one slide: "
-                        + _names([" and ".join(str(p) for p in v) for v in dup.values()]))
-    problems += filter(None, [_linked_twice(slides), _unreadable_slides(slides), _cut_short_slides(slides)])
+    slides, same_name, same_name_note = _same_name_slides(slides)
+    problems += filter(None, [same_name, _linked_twice(slides), _unreadable_slides(slides), _cut_short_slides(slides)])
     labels = read_labels(labels_csv)
     by_stem = {slide_stem(p): p for p in slides}
     missing = sorted((s for s in by_stem if s not in labels), key=str.casefold)
@@ -339,6 +355,7 @@ def _labelled_set(slides_dir: Path, labels_csv: Path, skip: list[Path], what: st
     extra = [s for s in labels if stem_key(s) not in {stem_key(t) for t in by_stem} and stem_key(s) not in exclude_keys]
     notes = [f"{len(extra)} labelled slide(s) of {labels_csv} are not below {slides_dir}, so they are left out: "
              f"{_names(extra)} (check their file names, or remove their lines)"] if extra else []
+    notes += [same_name_note] if same_name_note else []
     return by_stem, {s: labels[s] for s in by_stem if s in labels}, problems, notes, excluded
 
 
