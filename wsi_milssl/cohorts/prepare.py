@@ -59,6 +59,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shlex
 from pathlib import Path
 from typing import Iterable, Mapping
 
@@ -181,6 +182,9 @@ def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
     out = Path(out_dir)
     if not root.is_dir():
         raise ConfigError(f"{root}: no such folder. Fix: give the CAMELYON16 folder that holds the slides.")
+    if annotations_dir is not None and Path(annotations_dir).is_file():  # review EC C1: the zip itself given
+        raise ConfigError(f"{annotations_dir}: is a file, not a folder (--annotations). Fix: give the folder that "
+                          f"holds it: --annotations {shlex.quote(str(Path(annotations_dir).parent))}")
     if annotations_dir is not None and not Path(annotations_dir).is_dir():
         raise ConfigError(f"{annotations_dir}: no such folder (--annotations). Fix: give the folder that holds the "
                           "lesion annotations (Tumor_NNN.xml, Test_NNN.xml, or lesion_annotations.zip).")

@@ -247,6 +247,7 @@ def _group_check(sets: Mapping[str, tuple[Mapping[str, Path], Mapping[str, int],
     stop, ignored, new_groups, stop_groups = [], [], [], []
     hidden, hidden_stems = [], []  # tumour slides whose polygons are all in ASAP's group "None" (review EC B1)
     no_area, normal_area = [], []  # test slides whose annotation contradicts their label (review BH)
+    normal_train_area = []  # the same of training slides (review EC C2; the label stage warns about them)
     for set_name, (_, labels, set_annotations) in sets.items():
         for stem, ann in sorted(set_annotations.items(), key=lambda kv: kv[0].casefold()):
             tumour = any(gmap.role(g) == "tumor" for g in ann.area_groups)
@@ -256,6 +257,8 @@ def _group_check(sets: Mapping[str, tuple[Mapping[str, Path], Mapping[str, int],
                 no_area.append(ann.where)
             elif set_name == "test" and labels.get(stem) == 0 and tumour:
                 normal_area.append(ann.where)
+            elif set_name == "train" and labels.get(stem) == 0 and tumour:
+                normal_train_area.append(ann.where)
             if labels.get(stem) == 1 and not tumour and unknown(ann.groups):
                 stop.append(f"{ann.where} ({', '.join(map(repr, unknown(ann.groups)))})")
                 new_groups += unknown(ann.groups)
@@ -299,6 +302,10 @@ def _group_check(sets: Mapping[str, tuple[Mapping[str, Path], Mapping[str, int],
         notes.append(f"{len(normal_area)} normal test slide(s) have tumour areas in their annotation: "
                      f"{_names(normal_area)} (the evaluation goes by the label, normal: check the label or the "
                      "annotation)")
+    if normal_train_area:
+        notes.append(f"{len(normal_train_area)} normal training slide(s) have tumour areas in their annotation: "
+                     f"{_names(normal_train_area)} (training goes by the label, normal: every patch of such a slide is "
+                     "a negative; check the label or the annotation)")
     if not ignored:
         return notes
     return notes + [
