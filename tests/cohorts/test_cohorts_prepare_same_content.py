@@ -30,14 +30,14 @@ def test_a_test_slide_that_is_a_copy_of_a_training_slide_keeps_it_out_of_trainin
 def test_copies_of_one_training_slide_with_other_labels_are_all_left_out(tmp_path, synth_slides):
     root = gigadb_tree(tmp_path / "C16", synth_slides)
     tumour = root / "training" / "tumor" / "Tumor_002.tif"
-    same_copy(tumour, root / "training" / "normal" / "Normal_086.tif")
+    same_copy(tumour, root / "training" / "normal" / "Normal_087.tif")
     same_copy(tumour, root / "training" / "tumor" / "Tumor_111.tif")
     same_copy(root / "training" / "normal" / "Normal_001.tif", root / "training" / "normal" / "Normal_005.tif")
     result = prepare_camelyon16(root, tmp_path / "out")
-    # Tumor_002 = Normal_086 = Tumor_111 (labels differ): all out; Normal_001 = Normal_005 (same label): one kept
+    # Tumor_002 = Normal_087 = Tumor_111 (labels differ): all out; Normal_001 = Normal_005 (same label): one kept
     assert sorted(result.sets["train"].slides) == ["Normal_001", "Normal_002", "Tumor_001"]
     conflict = [n for n in result.notes if "different labels" in n]
-    assert len(conflict) == 1 and "Normal_086 (0), Tumor_002 (1), Tumor_111 (1)" in conflict[0]
+    assert len(conflict) == 1 and "Normal_087 (0), Tumor_002 (1), Tumor_111 (1)" in conflict[0]
     repeat = [n for n in result.notes if "same label are left out" in n]
     assert len(repeat) == 1 and "Normal_005 (the same file as Normal_001, kept)" in repeat[0]
 

@@ -134,6 +134,29 @@ def _one_class_problems(labels: Mapping[str, int], *, where: str, names: tuple[s
             for label in (0, 1) if labels and not counts[label]]
 
 
+#: Training slides the organisers renamed (old name -> new name; CAMELYON16_REMOVED says why).
+_CAMELYON16_RENAMED = {"Normal_086": "Tumor_111"}
+
+
+def _drop_old_name(train: dict[str, Path], labels: dict[str, int]) -> str | None:
+    """Leave out (in place) a training slide found under its old name beside the same file under its new name
+    (:data:`_CAMELYON16_RENAMED`: ``Normal_086`` is ``Tumor_111``, relabelled tumour), and say so; identical slides
+    with different labels would otherwise all be left out (review EC C3)."""
+    from wsi_milssl.cohorts.checks import same_content_groups
+
+    by_key = {stem_key(s): s for s in train}
+    dropped = []
+    for old_name, new_name in _CAMELYON16_RENAMED.items():
+        old, new = by_key.get(stem_key(old_name)), by_key.get(stem_key(new_name))
+        if old is not None and new is not None and same_content_groups([train[old], train[new]]):
+            del train[old], labels[old]
+            dropped.append(f"{old} (the same file as {new})")
+    if not dropped:
+        return None
+    return (f"{len(dropped)} training slide(s) are the same file under the name the organisers replaced, so the old "
+            f"name is left out and the new one, with its label, kept: {_names(dropped)}")
+
+
 def _is_partial_archive(path: Path) -> bool:
     """An archive whose download did not finish (``lesion_annotations.zip.part`` and the like)."""
     name = path.name.lower()
@@ -249,8 +272,9 @@ def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
 
     # slide files that hold the same bytes (a test slide that is a copy of a training slide, a slide re-released
     # under another name): left out as _same_content_slides says, with a note
+    renamed_note = _drop_old_name(train, train_labels)
     drop_train, drop_test, notes = _same_content_slides(train, train_labels, test, test_labels)
-    notes = [same_name_note, *notes] if same_name_note else notes
+    notes = [*filter(None, [same_name_note, renamed_note]), *notes]
     train = {s: p for s, p in train.items() if s not in drop_train}
     train_labels = {s: v for s, v in train_labels.items() if s in train}
     test = {s: p for s, p in test.items() if s not in drop_test}
