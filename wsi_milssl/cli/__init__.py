@@ -361,6 +361,10 @@ def _restarts(args: argparse.Namespace) -> str | None:
     return None
 
 
+#: Commands that keep nothing of a stopped run: they write their results at the end (or write nothing).
+WRITES_AT_THE_END = ("benchmark", "evaluate", "info", "prepare", "docs")
+
+
 def _say_when_terminated(command: str, restarts: str | None = None, *, run_dir: Path | None = None):
     """On SIGTERM (a scheduler's time limit, ``docker stop``, ``kill``): say so on stderr and in the
     ``--log-file``, then end as the signal does (exit status 143), so that a batch run's log does not just stop.
@@ -381,17 +385,21 @@ def _say_when_terminated(command: str, restarts: str | None = None, *, run_dir: 
         if os.getpid() == pid:
             resume = shlex.quote(str(run_dir)) if run_dir is not None else "RUN"
             started = run_dir is None or (Path(run_dir) / "last.pt").is_file()  # else no epoch finished (review CY)
-            again = (f"run `wsi-milssl train --resume {resume}` to continue from the last finished epoch"
-                     if command == "train" and started
-                     else "run the same command again (no epoch had finished, so it starts from epoch 1)"
-                     if command == "train"
-                     else f"run the same command again without {restarts} to continue (with it, that work starts "
-                          "over)" if restarts else "run the same command again to continue")
+            kept = "what finished is kept"
+            if command in WRITES_AT_THE_END:  # review ED: nothing was saved, so nothing continues
+                kept, again = "it writes its results at the end, so none were written", \
+                    "run the same command again (it starts over)"
+            elif command == "train":
+                again = (f"run `wsi-milssl train --resume {resume}` to continue from the last finished epoch"
+                         if started else "run the same command again (no epoch had finished, so it starts from epoch 1)")
+            else:
+                again = (f"run the same command again without {restarts} to continue (with it, that work starts over)"
+                         if restarts else "run the same command again to continue")
             why = ("from torchrun, which stops every rank when one fails (its summary names it) or when it is "
                    "stopped itself (a scheduler's time limit, `kill`)" if under_torchrun else
                    "(a scheduler's time limit, `docker stop` or `kill`)")
             launcher = " (through torchrun, as before)" if under_torchrun else ""
-            message = f"stopped by SIGTERM {why}; what finished is kept. Fix: {again}{launcher}."
+            message = f"stopped by SIGTERM {why}; {kept}. Fix: {again}{launcher}."
             _log_to_file(f"error: {message}")
             _write_without_blocking(sys.stderr, f"error: {message}\n")
         signal.signal(signum, signal.SIG_DFL)
