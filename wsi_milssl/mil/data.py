@@ -185,7 +185,9 @@ def read_mil_csv(path: str | os.PathLike) -> InstanceSet:
 
     A bag is positive when any of its instances is labelled 1. The label column is kept as instance
     labels only when it varies inside some positive bag (MUSK and ELEPHANT repeat the bag label on every
-    instance, which says nothing about instances).
+    instance, which says nothing about instances), and an INFO line names such bags. Features are parsed in
+    float64 and kept in float32, with a warning for columns too far from 0 for their spread to keep their
+    differences in float32 (:func:`_warn_float32_offsets`).
     """
     path = Path(path)
     fix = "pass a UTF-8 text CSV of label,bag_id,f1,...,fn rows"
@@ -219,8 +221,8 @@ def read_mil_csv(path: str | os.PathLike) -> InstanceSet:
         raise ConfigError(f"{path}: line {lines[bad]} has {len(rows[bad])} columns, expected {width} (as line "
                           f"{lines[0]}); fix the file.")
     labels = np.empty(len(rows))
-    feats = np.empty((len(rows), width - 2), dtype=np.float32)
-    with np.errstate(over="ignore"):  # beyond float32's range becomes inf, refused below
+    feats = np.empty((len(rows), width - 2), dtype=np.float64)  # float32 (what models read) after the checks
+    with np.errstate(over="ignore"):
         for i, r in enumerate(rows):
             try:
                 labels[i] = float(r[0])
@@ -237,10 +239,14 @@ def read_mil_csv(path: str | os.PathLike) -> InstanceSet:
                 f"{shlex.quote(str(fixed))}`." if set(found) <= {-1.0, 1.0} else "")
         raise ConfigError(f"{path}: labels (first column) must be 0 or 1; found {found[:5]} (first on line "
                           f"{lines[int(bad_label[0])]}).{hint}")
-    bad_rows = np.flatnonzero(~np.isfinite(feats).all(axis=1))
+    with np.errstate(over="ignore"):  # beyond float32's range becomes inf, refused below
+        feats32 = feats.astype(np.float32)
+    bad_rows = np.flatnonzero(~np.isfinite(feats32).all(axis=1))
     if bad_rows.size:
         raise ConfigError(f"{path}: {bad_rows.size} instance row(s) have a NaN or infinite feature (or one beyond "
                           f"float32's range), the first on line {lines[int(bad_rows[0])]}; fix or drop those rows.")
+    _warn_float32_offsets(path, feats)
+    feats = feats32
     raw_bags = [r[1].strip() for r in rows]
     names: list[str] = []
     index: dict[str, int] = {}
@@ -259,9 +265,32 @@ def read_mil_csv(path: str | os.PathLike) -> InstanceSet:
     bag_labels = _bag_labels_from_instances(labels_u8, bag_ids, len(names))
     pos_inst = bag_labels[bag_ids] == 1
     informative = bool(np.any(labels_u8[pos_inst] == 0))
+    if informative:  # review ED: said, since a file meant to hold bag labels reads so too
+        mixed = np.unique(bag_ids[pos_inst & (labels_u8 == 0)])
+        log.info("%s: %d bag(s) hold rows labelled 0 and rows labelled 1 (%s): the first column is read as instance "
+                 "labels (kept for evaluation only), and each bag is positive when any of its rows is 1.", path,
+                 mixed.size, ", ".join(names[i] for i in mixed[:5]) + (" ..." if mixed.size > 5 else ""))
     return InstanceSet(kind="features", bag_ids=bag_ids, bag_names=names, bag_labels=bag_labels,
                        instance_labels=labels_u8 if informative else None, features=feats,
                        bag_sources=[csv_bag_source(path, b) for b in names], source=str(path))
+
+
+def _warn_float32_offsets(path: Path, feats: np.ndarray) -> None:
+    """Warn when a feature column lies so far from 0 for its spread that float32, which the models read, loses its
+    differences (about 7 significant digits; review ED: 1e9 added to every MUSK1 feature left about 6 distinct values
+    per column of 73, and changed the results)."""
+    if not feats.size:
+        return
+    mean = feats.mean(axis=0)
+    spread = feats.std(axis=0)
+    # a spread at float64's rounding of the mean is a constant column written with rounding noise, not data
+    far = np.flatnonzero((spread > 1e-12 * np.abs(mean)) & (np.abs(mean) > 1e4 * spread))
+    if far.size:
+        k = int(far[0])
+        log.warning("%s: %d feature column(s) lie far from 0 for their spread (column %d: mean %.6g, standard "
+                    "deviation %.3g), so float32, which the models read, keeps few of their differences. Fix: "
+                    "centre the features (subtract each column's mean) before writing the CSV.", path, far.size,
+                    k + 1, float(mean[k]), float(spread[k]))
 
 
 def csv_bag_source(path: str | os.PathLike, bag: str) -> str:

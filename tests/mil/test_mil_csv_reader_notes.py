@@ -1,0 +1,40 @@
+"""Review ED: two things the MIL CSV reader did without a word. Features were parsed straight to float32, so a
+column far from 0 for its spread lost its differences (1e9 added to every MUSK1 feature left about 6 distinct
+values per column of 73); and a bag whose rows disagree on the label became positive (the first column read as
+instance labels), which a file meant to hold bag labels reads the same way."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from wsi_milssl.mil import read_mil_csv
+
+
+def _write(path, rows):
+    path.write_text("".join(",".join(str(v) for v in r) + "\n" for r in rows))
+    return path
+
+
+def test_features_far_from_zero_for_their_spread_are_warned_about_and_read_exactly_below(tmp_path, caplog):
+    rng = np.random.default_rng(0)
+    rows = [[i % 2, f"b{i // 2}", *rng.normal(size=3).round(6)] for i in range(20)]
+    with caplog.at_level(logging.WARNING, logger="wsi_milssl.mil.data"):
+        plain = read_mil_csv(_write(tmp_path / "plain.csv", rows))
+    assert caplog.text == ""
+    np.testing.assert_allclose(plain.features, np.array([r[2:] for r in rows], np.float32))
+    far = [[r[0], r[1], r[2] + 1e9, *r[3:]] for r in rows]
+    with caplog.at_level(logging.WARNING, logger="wsi_milssl.mil.data"):
+        read_mil_csv(_write(tmp_path / "far.csv", far))
+    assert "far.csv: 1 feature column(s) lie far from 0 for their spread (column 1: mean 1e+09" in caplog.text
+    assert "Fix: centre the features (subtract each column's mean) before writing the CSV." in caplog.text
+
+
+def test_a_bag_whose_rows_disagree_is_positive_and_said_so(tmp_path, caplog):
+    rows = [[0, "a", 0.1], [1, "a", 0.9], [0, "b", 0.2], [0, "b", 0.3]]
+    with caplog.at_level(logging.INFO, logger="wsi_milssl.mil.data"):
+        bags = read_mil_csv(_write(tmp_path / "mixed.csv", rows))
+    assert bags.bag_labels.tolist() == [1, 0] and bags.instance_labels.tolist() == [0, 1, 0, 0]
+    assert ("mixed.csv: 1 bag(s) hold rows labelled 0 and rows labelled 1 (a): the first column is read as instance "
+            "labels (kept for evaluation only), and each bag is positive when any of its rows is 1.") in caplog.text
