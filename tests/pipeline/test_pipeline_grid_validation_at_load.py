@@ -38,9 +38,11 @@ mu = [0.1, 0.2]
 """
 
 
-def _touch(path: Path, text: str = "") -> Path:
+def _touch(path: Path, text: str | None = None) -> Path:
+    """``path`` holding ``text``; by default a placeholder slide: not empty (prepare refuses an empty slide file,
+    review EC B3) and distinct from every other (identical slide files are one slide)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    path.write_text(f"placeholder slide {path}" if text is None else text)
     return path
 
 
