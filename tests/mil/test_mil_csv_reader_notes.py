@@ -8,7 +8,9 @@ from __future__ import annotations
 import logging
 
 import numpy as np
+import pytest
 
+from wsi_milssl.errors import ConfigError
 from wsi_milssl.mil import read_mil_csv
 
 
@@ -38,3 +40,15 @@ def test_a_bag_whose_rows_disagree_is_positive_and_said_so(tmp_path, caplog):
     assert bags.bag_labels.tolist() == [1, 0] and bags.instance_labels.tolist() == [0, 1, 0, 0]
     assert ("mixed.csv: 1 bag(s) hold rows labelled 0 and rows labelled 1 (a): the first column is read as instance "
             "labels (kept for evaluation only), and each bag is positive when any of its rows is 1.") in caplog.text
+
+
+def test_a_trailing_comma_on_every_row_is_read_and_another_separator_names_the_first_line(tmp_path):
+    """Review ED, C6: a trailing comma on every row (as many exporters write) failed with "could not convert
+    string to float: ''"; a semicolon-separated file's first row was taken for a header, so the error named line 2."""
+    rows = [["label", "bag", "f1", ""], [0, "a", 0.1, ""], [1, "b", 0.9, ""]]
+    bags = read_mil_csv(_write(tmp_path / "trailing.csv", rows))
+    assert bags.features.shape == (2, 1) and bags.bag_labels.tolist() == [0, 1]
+    (tmp_path / "semi.csv").write_text("0;a;0.1\n1;b;0.9\n")
+    with pytest.raises(ConfigError, match=r"semi\.csv: rows need label,bag_id and at least one feature; got 1 "
+                                          r"columns \(line 1\)\. The values look separated by semicolons"):
+        read_mil_csv(tmp_path / "semi.csv")

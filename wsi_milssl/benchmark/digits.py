@@ -394,7 +394,9 @@ def make_bags(images: DigitImages, indices: np.ndarray, *, positive_digits: Sequ
         raise ConfigError(
             f"{name}: {pos_pool.size} positive and {neg_pool.size} negative images cannot fill one positive "
             f"bag ({a} positives + {bag_size - a} negatives) and one negative bag of {bag_size}; use a "
-            "smaller bag size, a smaller ratio or more images (e.g. MNIST with --mnist PATH)."
+            "smaller bag size, a smaller ratio or more images"
+            + (" (all 70,000 MNIST digits: --mnist with the IDX files' folder)." if images.source.startswith("MNIST CSV")
+               else "." if images.source.startswith("MNIST") else " (e.g. MNIST with --mnist PATH).")
         )
     rng = np.random.default_rng(np.random.SeedSequence([int(seed), 0xB465]))
     chosen: list[np.ndarray] = []

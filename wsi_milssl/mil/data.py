@@ -205,6 +205,11 @@ def read_mil_csv(path: str | os.PathLike) -> InstanceSet:
         raise ConfigError(f"{path}: not a text CSV (byte {exc.start} is not UTF-8); {fix}.") from None
     except (csv.Error, OSError) as exc:
         raise ConfigError(f"{path}: cannot read the MIL CSV ({exc}); {fix}.") from None
+    if rows and len(rows[0]) < 3 and _separator_hint(rows[0]):  # not a header: the values of another separator
+        raise ConfigError(f"{path}: rows need label,bag_id and at least one feature; got {len(rows[0])} columns "
+                          f"(line {lines[0]}).{_separator_hint(rows[0])}")
+    if rows and all(r and not r[-1].strip() for r in rows):  # review ED: a trailing comma on every row
+        rows = [r[:-1] for r in rows]
     if rows and is_csv_header(rows[0]):
         if is_number(rows[0][0]):  # could be data: label 0, bag 1, features 2, 3, ...
             log.warning("%s: the first row %s is read as pandas' column numbers (a header), not as an instance; "
