@@ -12,11 +12,13 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 import numpy as np
 
 from wsi_milssl.atomic import atomic_open, atomic_write_json
 from wsi_milssl.config import config_from_mapping, config_to_dict
+from wsi_milssl.errors import ConfigError
 from wsi_milssl.events import ProgressEvent, emit
 from wsi_milssl.pipeline.context import StageContext, set_stores
 from wsi_milssl.pipeline.digests import feature_file_bags, feature_files, run_fingerprints, training_data_forms
@@ -568,9 +570,9 @@ def refuse_unusable_split(spec: PipelineSpec, *, read_lists: bool,
     section.setdefault("mode", spec.train_mode)
     configs = [config_from_mapping(TrainConfig, {**section, **o}, source=source)
                for o in grid_runs(section, source)]
-    if (spec.mode == "features" or (len(configs) < 2 and spec.val_fraction <= 0)
-            or (ds.synth is None and ds.slides is None)):
+    if spec.mode == "features" or (ds.synth is None and ds.slides is None):
         return
+    checks_validation = not (len(configs) < 2 and spec.val_fraction <= 0)
     from wsi_milssl.synth.generate import tumour_flags  # not before: a feature pipeline does not need them
     from wsi_milssl.tiling import find_slides
     stems: list[str] = []
@@ -586,13 +588,16 @@ def refuse_unusable_split(spec: PipelineSpec, *, read_lists: bool,
             stems = sorted(slide_stem(p) for p in find_slides([ds.slides], keep_missing=True))
             labels = read_labels_csv(ds.labels)
             groups = label_groups(ds.labels, stems)
-        if stems:
+        if stems and checks_validation:
             _, val = split_train_val(stems, labels, val_fraction=spec.val_fraction, seed=spec.split_seed,
                                      groups=groups)
             would_val = (split_train_val(stems, labels, val_fraction=SUGGESTED_VAL_FRACTION,
                                          seed=spec.split_seed, groups=groups)[1] if spec.val_fraction <= 0 else None)
     except WsiMilsslError:
         stems = []
+    _refuse_one_class(stems, labels if stems else {}, source=source)
+    if not checks_validation:
+        return
     if stems:
         if len(configs) > 1:  # (a single run without validation: train warns, once)
             refuse_grid_without_validation(configs, stems, labels, val, val_fraction=spec.val_fraction,
@@ -601,6 +606,19 @@ def refuse_unusable_split(spec: PipelineSpec, *, read_lists: bool,
                                     what="slide", groups=groups)
     elif spec.val_fraction <= 0:  # a grid: no split holds out anything with val_fraction = 0
         refuse_grid_without_validation(configs, [], {}, [], val_fraction=0.0, source=source, what="slide")
+
+
+def _refuse_one_class(stems: list[str], labels: Mapping[str, int], *, source: str) -> None:
+    """ConfigError when every training slide has one label (review EC: the train stage refused it only after every
+    slide was tiled and labelled, hours on CAMELYON16): MIL-SSL learns negatives from normal slides and positives
+    inside tumour slides."""
+    classes = {int(labels[s]) for s in stems if s in labels}
+    if len(classes) != 1:
+        return
+    only, other = ("tumour (label 1)", "normal (label 0): MIL-SSL learns negatives from them") if 1 in classes else \
+        ("normal (label 0)", "tumour (label 1): MIL-SSL finds positives inside them")
+    raise ConfigError(f"{source}: the {len(stems)} training slide(s) are all {only}, so the train stage would stop "
+                      f"after every slide is tiled and labelled. Fix: add training slides labelled {other}.")
 
 
 def _best(best_epoch: int | None) -> str:
