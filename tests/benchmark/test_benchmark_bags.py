@@ -393,7 +393,7 @@ def test_bench_script_merges_runs_of_other_seeds(fast):
     merged = bench._merge(a, b)
     assert merged["config"]["seeds"] == [0, 1] and len(merged["rows"]) == len(a["rows"]) * 2
     assert summarise(merged)[("ABMIL (softmax attention)", "0.2")]["instance_auc"]["n"] == 2
-    with pytest.raises(SystemExit, match="seeds repeat"):
+    with pytest.raises(ConfigError, match="seeds repeat"):
         bench._merge(a, a)
 
 
