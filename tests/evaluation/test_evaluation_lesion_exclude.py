@@ -50,6 +50,8 @@ def test_the_command_line_takes_lesion_exclude(predictions, synth_dir, synth_sli
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert metrics["lesion_excluded"] == [tumour] and metrics["n_lesions"] == 0 and metrics["froc"] is None
     assert metrics["bag_auc"] is not None
+    # the instance AUC leaves the tumour slide out too: the normal slide's patches are all of one class (review EG)
+    assert metrics["instance_auc"] is None and "instance_auc" in metrics["reasons"], metrics["instance_auc"]
     assert main(argv[:-2] + ["--lesion-exclude", " ", "--out", str(tmp_path / "bad")]) == 2
 
 

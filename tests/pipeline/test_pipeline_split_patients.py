@@ -63,9 +63,13 @@ def test_pipeline_validation_holds_out_whole_patients(tmp_path):
     # a seed whose slide-by-slide split put one patient's slides on both sides
     stems = sorted(PATIENTS)
     plain = read_labels(tmp_path / "train_labels.csv")
-    seed = next(k for k in range(50) if any(
+    # ... and whose patient split differs from seed 0's, so that the run is seen to use [data].split_seed (review EG:
+    # a run ignoring it went unnoticed)
+    seed = next(k for k in range(1, 50) if any(
         len({PATIENTS[s] for s in side} & {PATIENTS[s] for s in other}) > 0
-        for side, other in [split_train_val(stems, plain, val_fraction=0.34, seed=k)]))
+        for side, other in [split_train_val(stems, plain, val_fraction=0.34, seed=k)])
+        and split_train_val(stems, plain, val_fraction=0.34, seed=k, groups=PATIENTS)
+        != split_train_val(stems, plain, val_fraction=0.34, seed=0, groups=PATIENTS))
     (tmp_path / "p.toml").write_text(PIPELINE.format(seed=seed))
     run_pipeline(load_pipeline(tmp_path / "p.toml", out_dir=tmp_path / "out"), until="train")
     data = json.loads((tmp_path / "out" / "model" / "config.json").read_text())["data"]
@@ -75,6 +79,7 @@ def test_pipeline_validation_holds_out_whole_patients(tmp_path):
     assert not {PATIENTS[s] for s in val} & {PATIENTS[s] for s in train}, (train, val)
     # val_fraction 0.34 of each class of patients: one of the two tumour patients (p1 is normal, alone in its class)
     assert {PATIENTS[s] for s in val} in ({"p2"}, {"p3"})
+    assert val == split_train_val(stems, plain, val_fraction=0.34, seed=seed, groups=PATIENTS)[1]
 
 
 def test_split_with_groups_keeps_patients_together_and_without_stays_as_it_was():
