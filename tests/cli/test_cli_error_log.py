@@ -192,7 +192,7 @@ def test_sigterm_is_said_on_stderr_and_in_the_log_file(tmp_path, module, argv, a
     returncode, err = _stopped_by_sigterm(tmp_path, module, argv, {})
     assert returncode == -signal.SIGTERM
     assert err.startswith("error: stopped by SIGTERM"), err
-    kept = "so none were written" if module == "benchmark" else "; what finished is kept"
+    kept = "; it does not continue a stopped run" if module == "benchmark" else "; what finished is kept"
     assert f"{kept}. Fix: " in err, err
     log = (tmp_path / "t.log").read_text()
     assert re.search(rf"^{STAMP} ERROR wsi_milssl.cli: error: stopped by SIGTERM .* Fix: {re.escape(again)}\.$",

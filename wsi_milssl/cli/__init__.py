@@ -361,8 +361,8 @@ def _restarts(args: argparse.Namespace) -> str | None:
     return None
 
 
-#: Commands that keep nothing of a stopped run: they write their results at the end (or write nothing).
-WRITES_AT_THE_END = ("benchmark", "evaluate", "info", "prepare", "docs")
+#: Commands that do not continue a stopped run: run again, they start over.
+STARTS_OVER = ("benchmark", "evaluate", "info", "prepare", "docs")
 
 
 def _say_when_terminated(command: str, restarts: str | None = None, *, run_dir: Path | None = None):
@@ -386,9 +386,8 @@ def _say_when_terminated(command: str, restarts: str | None = None, *, run_dir: 
             resume = shlex.quote(str(run_dir)) if run_dir is not None else "RUN"
             started = run_dir is None or (Path(run_dir) / "last.pt").is_file()  # else no epoch finished (review CY)
             kept = "what finished is kept"
-            if command in WRITES_AT_THE_END:  # review ED: nothing was saved, so nothing continues
-                kept, again = "it writes its results at the end, so none were written", \
-                    "run the same command again (it starts over)"
+            if command in STARTS_OVER:  # review ED, EH: nothing of the stopped run is continued
+                kept, again = "it does not continue a stopped run", "run the same command again (it starts over)"
             elif command == "train":
                 again = (f"run `wsi-milssl train --resume {resume}` to continue from the last finished epoch"
                          if started else "run the same command again (no epoch had finished, so it starts from epoch 1)")
