@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import struct
 from pathlib import Path
 from typing import Callable
 
@@ -88,11 +89,33 @@ def incomplete_file(path: str | os.PathLike) -> str | None:
     finally:
         tiff_log.removeFilter(past_end)
     if n_pages == 0:  # no directory could be read: a TIFF cut inside its header (a small file), or no TIFF
-        return f"this TIFF file ends inside its header, after {size:,} bytes" if is_tiff and size < 65536 else None
+        if not is_tiff:
+            return None
+        if size < 65536:
+            return f"this TIFF file ends inside its header, after {size:,} bytes"
+        first = _first_directory_offset(path)
+        if first is not None and first >= size:  # review EH: writers that put the directory after the tiles
+            return (f"this TIFF file is incomplete: its first directory is at byte {first:,}, but the file ends "
+                    f"after {size:,} bytes")
+        return None
     end = max(offsets, default=0)
     if end > size:
         return f"this TIFF file is incomplete: its directories point to byte {end:,}, but the file ends after {size:,} bytes"
     return None
+
+
+def _first_directory_offset(path: Path) -> int | None:
+    """The byte offset of a TIFF's (or BigTIFF's) first directory, from its header, or None when the header is
+    cut short. Writers such as libtiff and ASAP's write each directory after the image data it describes, so a
+    download stopped early leaves a header that points past the file's end."""
+    with open(path, "rb") as fh:
+        header = fh.read(16)
+    order = "<" if header[:2] == b"II" else ">"
+    big = header[2:4] in (b"+\x00", b"\x00+")
+    need = 16 if big else 8
+    if len(header) < need:
+        return None
+    return int(struct.unpack(order + ("Q" if big else "I"), header[8:16] if big else header[4:8])[0])
 
 
 def _float_property(props, key: str) -> float | None:
