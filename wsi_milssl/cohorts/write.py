@@ -275,9 +275,11 @@ def _group_check(sets: Mapping[str, tuple[Mapping[str, Path], Mapping[str, int],
         f"{len(hidden)} annotation file(s) of tumour slides have no polygon in a tumour group of the pipeline's "
         f"[label] stage ({groups}), so that stage would stop at them (after every slide is tiled): {_names(hidden)}. "
         "Nothing was written. Fix: correct each annotation file (in ASAP, put the tumour polygons in a tumour group, "
-        f"{groups}, and save it again), or prepare again with --exclude {' '.join(hidden_stems)} to leave the "
-        "slide(s) out of every set ([evaluate] lesion_exclude does not help: the label stage reads every slide of "
-        "both sets).") if hidden else ""
+        f"{groups}, and save it again); or, if the ungrouped polygons ('None') are the tumour in every file, count "
+        "them as tumour: tumor_groups with \"None\" added and non_tumor_groups without it in the pipeline's [label] "
+        "table (edit the pipeline.toml prepare keeps, then prepare again); or prepare again with --exclude "
+        f"{' '.join(hidden_stems)} to leave the slide(s) out of every set ([evaluate] lesion_exclude does not help: "
+        "the label stage reads every slide of both sets).") if hidden else ""
     if stop:
         raise ConfigError(
             f"{len(stop)} annotation file(s) of tumour slides have no area in a tumour group of the pipeline's "
