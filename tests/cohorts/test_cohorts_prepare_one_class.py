@@ -55,3 +55,13 @@ def test_prepare_folder_refuses_a_training_set_of_one_class(tmp_path, synth_slid
     with pytest.raises(LabelsError, match=r"no normal \(label 0\) training slide: .*Fix: add normal slides to "):
         prepare_folder(train, train / "labels.csv", tmp_path / "out", test_slides_dir=test,
                        test_labels_csv=test / "labels.csv")
+
+
+def test_normal_slides_left_out_with_exclude_are_named_as_the_way_back(tmp_path, synth_slides):
+    """Review EH, C6: with the normal slides there but left out by --exclude, the fix said to download them."""
+    root = gigadb_tree(tmp_path / "c16", synth_slides)
+    normals = sorted(p.stem for p in (root / "training" / "normal").glob("*.tif"))
+    with pytest.raises(LabelsError) as info:
+        prepare_camelyon16(root, tmp_path / "out", exclude=normals)
+    assert ("(the AWS bucket's images/normal_NNN.tif) (or, if --exclude left them out, drop them from --exclude), "
+            "then prepare again." in str(info.value)), info.value

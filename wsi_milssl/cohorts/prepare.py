@@ -280,10 +280,13 @@ def prepare_camelyon16(root: str | os.PathLike, out_dir: str | os.PathLike, *,
     test = {s: p for s, p in test.items() if s not in drop_test}
     test_labels = {s: v for s, v in test_labels.items() if s in test}
     if train:  # MIL-SSL cannot train on one class: say so now, not after hours of tiling (review EC B2)
+        # review EH: slides found but left out by --exclude are brought back by preparing without it
+        unexcluded = " (or, if --exclude left them out, drop them from --exclude)" if exclude_keys else ""
         problems += _one_class_problems(train_labels, where="training slide", names=("Normal_NNN", "Tumor_NNN"),
-                                        fixes=("download training/normal/ (the AWS bucket's images/normal_NNN.tif)",
+                                        fixes=("download training/normal/ (the AWS bucket's images/normal_NNN.tif)"
+                                               + unexcluded,
                                                "download training/tumor/ and training/lesion_annotations/ (the AWS "
-                                               "bucket's images/tumor_NNN.tif and annotations/)"))
+                                               "bucket's images/tumor_NNN.tif and annotations/)" + unexcluded))
 
     sources, unreadable = _annotation_sources([root], skip=[out])
     if annotations_dir is not None:
