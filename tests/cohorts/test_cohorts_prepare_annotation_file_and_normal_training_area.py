@@ -10,8 +10,8 @@ import zipfile
 import pytest
 from prepare_trees import gigadb_tree
 
-from wsi_milssl.cohorts import prepare_camelyon16
-from wsi_milssl.errors import ConfigError
+from wsi_milssl.cohorts import prepare_camelyon16, prepare_folder
+from wsi_milssl.errors import ConfigError, WsiMilsslError
 
 
 def test_annotations_given_as_the_archive_name_the_folder_to_give(tmp_path, synth_slides):
@@ -36,3 +36,20 @@ def test_a_normal_training_slide_with_tumour_areas_is_named(tmp_path, synth_slid
     assert note == (f"1 normal training slide(s) have tumour areas in their annotation: {ann / 'Normal_002.xml'} "
                     "(training goes by the label, normal: every patch of such a slide is a negative; check the label "
                     "or the annotation)")
+
+
+def test_prepare_folder_given_an_annotation_file_for_the_folder_says_so_once(tmp_path, synth_slides):
+    """Review EH, C7: `prepare folder --annotations FILE` said "annotation folder FILE does not exist" twice."""
+    folder = tmp_path / "fl"
+    folder.mkdir()
+    for name, path in synth_slides.items():
+        shutil.copy(path, folder / path.name)
+    labels = folder / "labels.csv"
+    labels.write_text("slide,label\n" + "".join(f"{p.stem},{int(n == 'tumor')}\n" for n, p in synth_slides.items()))
+    xml = folder / "note.xml"
+    xml.write_text("<ASAP_Annotations><Annotations /></ASAP_Annotations>\n")
+    with pytest.raises(WsiMilsslError) as info:
+        prepare_folder(folder, labels, tmp_path / "out", annotations_dir=xml)
+    message = str(info.value)
+    assert message.count(f"annotation folder {xml} is a file, not a folder") == 1, message
+    assert "does not exist" not in message

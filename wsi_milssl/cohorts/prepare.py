@@ -559,8 +559,12 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
         if column is not None:
             facts.update(patient_column=column)
         notes += _split_change(out, te)
-    for root in (*ann_roots, *t_roots):
-        if not root.is_dir():
+    for root in dict.fromkeys((*ann_roots, *t_roots)):  # each once (review EH: the same folder was named twice)
+        if root.is_file():  # a file given for the folder (review EH, as prepare camelyon16 says it)
+            problems.append((f"annotation folder {root} is a file, not a folder",
+                             f"pass --annotations / --test-annotations with the folder that holds it "
+                             f"({shlex.quote(str(root.parent))})."))
+        elif not root.is_dir():
             problems.append((f"annotation folder {root} does not exist",
                              "pass --annotations / --test-annotations with the folder that holds the annotations."))
     _raise_problems(str(slides_dir), problems,
