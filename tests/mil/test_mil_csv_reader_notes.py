@@ -59,3 +59,16 @@ def test_a_trailing_comma_on_every_row_is_read_and_another_separator_names_the_f
     with pytest.raises(ConfigError, match=r"semi\.csv: rows need label,bag_id and at least one feature; got 1 "
                                           r"columns \(line 1\)\. The values look separated by semicolons"):
         read_mil_csv(tmp_path / "semi.csv")
+
+
+def test_a_header_without_the_rows_trailing_comma_is_read_and_mixed_label_kinds_are_warned_about(tmp_path, caplog):
+    """Review EH, C3-C4: a header without a trailing comma over rows with one failed on ''; bags repeating the bag
+    label beside bags of instance labels made every row of the former a positive instance without a word."""
+    path = tmp_path / "hdr.csv"
+    path.write_text("label,bag,f1\n0,a,0.1,\n1,b,0.9,\n")
+    assert read_mil_csv(path).features.shape == (2, 1)
+    rows = [[1, "p1", 0.9], [1, "p1", 0.8], [0, "p2", 0.1], [1, "p2", 0.7], [0, "n", 0.2]]
+    with caplog.at_level(logging.WARNING, logger="wsi_milssl.mil.data"):
+        read_mil_csv(_write(tmp_path / "kinds.csv", rows))
+    assert ("kinds.csv: 1 positive bag(s) hold rows labelled 0 and 1 positive bag(s) of several rows hold only rows "
+            "labelled 1 (p1)") in caplog.text

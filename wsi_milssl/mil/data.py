@@ -205,16 +205,20 @@ def read_mil_csv(path: str | os.PathLike) -> InstanceSet:
         raise ConfigError(f"{path}: not a text CSV (byte {exc.start} is not UTF-8); {fix}.") from None
     except (csv.Error, OSError) as exc:
         raise ConfigError(f"{path}: cannot read the MIL CSV ({exc}); {fix}.") from None
-    if rows and len(rows[0]) < 3 and _separator_hint(rows[0]):  # not a header: the values of another separator
+    # not a header but the values of another separator (decimal commas split them into a few fields: review EH)
+    if rows and _separator_hint(rows[0]) and len(rows[0]) < 3:
         raise ConfigError(f"{path}: rows need label,bag_id and at least one feature; got {len(rows[0])} columns "
                           f"(line {lines[0]}).{_separator_hint(rows[0])}")
-    if rows and all(r and not r[-1].strip() for r in rows):  # review ED: a trailing comma on every row
-        rows = [r[:-1] for r in rows]
+    if rows and _separator_hint(rows[0]) and not is_number(rows[0][0].strip()):
+        raise ConfigError(f"{path}: rows need label,bag_id and at least one feature, separated by commas; line "
+                          f"{lines[0]} reads {','.join(rows[0])[:60]!r}.{_separator_hint(rows[0])}")
     if rows and is_csv_header(rows[0]):
         if is_number(rows[0][0]):  # could be data: label 0, bag 1, features 2, 3, ...
             log.warning("%s: the first row %s is read as pandas' column numbers (a header), not as an instance; "
                         "add a named header row if it is data.", path, ",".join(c.strip() for c in rows[0]))
         rows, lines = rows[1:], lines[1:]
+    if rows and all(r and not r[-1].strip() for r in rows):  # review ED, EH: a trailing comma on every data row
+        rows = [r[:-1] for r in rows]
     if not rows:
         raise ConfigError(f"{path}: no instances; expected rows of label,bag_id,f1,...,fn.")
     width = len(rows[0])
@@ -275,6 +279,14 @@ def read_mil_csv(path: str | os.PathLike) -> InstanceSet:
         log.info("%s: %d bag(s) hold rows labelled 0 and rows labelled 1 (%s): the first column is read as instance "
                  "labels (kept for evaluation only), and each bag is positive when any of its rows is 1.", path,
                  mixed.size, ", ".join(names[i] for i in mixed[:5]) + (" ..." if mixed.size > 5 else ""))
+        all_one = np.setdiff1d(np.unique(bag_ids[pos_inst]), mixed)
+        all_one = all_one[np.bincount(bag_ids, minlength=len(names))[all_one] > 1]
+        if all_one.size:  # review EH: bag labels repeated in some bags, instance labels in others
+            log.warning("%s: %d positive bag(s) hold rows labelled 0 and %d positive bag(s) of several rows hold only "
+                        "rows labelled 1 (%s): read as instance labels, every row of the latter counts as a positive "
+                        "instance in the instance metrics (never in training). If the first column repeats the bag "
+                        "label in some bags, give instance labels in every bag or in none.", path, mixed.size,
+                        all_one.size, ", ".join(names[i] for i in all_one[:5]) + (" ..." if all_one.size > 5 else ""))
     return InstanceSet(kind="features", bag_ids=bag_ids, bag_names=names, bag_labels=bag_labels,
                        instance_labels=labels_u8 if informative else None, features=feats,
                        bag_sources=[csv_bag_source(path, b) for b in names], source=str(path))
