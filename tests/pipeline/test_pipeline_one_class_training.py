@@ -35,3 +35,13 @@ def test_training_slides_of_one_label_are_refused_before_any_stage(tmp_path, cap
     err = capsys.readouterr().err
     assert "so the train stage would stop after every slide is tiled and labelled. Fix: add training slides" in err
     assert sorted(p for p in tmp_path.rglob("*")) == before  # no stage ran: nothing written
+
+
+def test_a_generated_training_set_of_one_label_names_the_synth_settings(tmp_path):
+    """Review EI, B1: slides cannot be added to a generated set; the fix names [synth.train]'s settings."""
+    from importlib.resources import files
+
+    with pytest.raises(ConfigError, match=r"are all normal \(label 0\), .* Fix: set \[synth\.train\] n_slides and "
+                                          r"tumor_slide_fraction so that round"):
+        load_pipeline(files("wsi_milssl") / "pipelines" / "demo.toml", out_dir=tmp_path / "out",
+                      overrides=["synth.train.n_slides=1"])

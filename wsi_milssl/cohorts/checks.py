@@ -42,7 +42,10 @@ def _same_name_slides(paths: Iterable[Path]) -> tuple[list[Path], tuple[str, str
     same, differ = [], []
     for group in dup.values():
         group = sorted(group, key=lambda p: str(p).casefold())
-        if len({file_identity(p) for p in group}) == 1:  # one file under two names: _linked_twice's (review EH)
+        # one name per file: a file's other names are _linked_twice's (review EH, EI: a link beside its target and a
+        # copy were called files of different bytes, whose fix could delete the link's target)
+        group = list({file_identity(p): p for p in reversed(group)}.values())[::-1]
+        if len(group) < 2:
             continue
         identical = same_content_groups(group)
         if len(identical) == 1 and len(identical[0]) == len(group):

@@ -595,7 +595,7 @@ def refuse_unusable_split(spec: PipelineSpec, *, read_lists: bool,
                                          seed=spec.split_seed, groups=groups)[1] if spec.val_fraction <= 0 else None)
     except WsiMilsslError:
         stems = []
-    _refuse_one_class(stems, labels if stems else {}, source=source)
+    _refuse_one_class(stems, labels if stems else {}, source=source, synth=ds.synth is not None)
     if not checks_validation:
         return
     if stems:
@@ -608,17 +608,22 @@ def refuse_unusable_split(spec: PipelineSpec, *, read_lists: bool,
         refuse_grid_without_validation(configs, [], {}, [], val_fraction=0.0, source=source, what="slide")
 
 
-def _refuse_one_class(stems: list[str], labels: Mapping[str, int], *, source: str) -> None:
+def _refuse_one_class(stems: list[str], labels: Mapping[str, int], *, source: str, synth: bool = False) -> None:
     """ConfigError when every training slide has one label (review EC: the train stage refused it only after every
     slide was tiled and labelled, hours on CAMELYON16): MIL-SSL learns negatives from normal slides and positives
-    inside tumour slides."""
-    classes = {int(labels[s]) for s in stems if s in labels}
+    inside tumour slides. Slides without a label are the stages' error to name: with any, nothing is said here
+    (review EI). ``synth``: the slides are generated, so the fix is in [synth.train]."""
+    if not stems or any(s not in labels for s in stems):
+        return
+    classes = {int(labels[s]) for s in stems}
     if len(classes) != 1:
         return
     only, other = ("tumour (label 1)", "normal (label 0): MIL-SSL learns negatives from them") if 1 in classes else \
         ("normal (label 0)", "tumour (label 1): MIL-SSL finds positives inside them")
+    fix = ("set [synth.train] n_slides and tumor_slide_fraction so that round(n_slides x tumor_slide_fraction) is "
+           "neither 0 nor n_slides" if synth else f"add training slides labelled {other}")
     raise ConfigError(f"{source}: the {len(stems)} training slide(s) are all {only}, so the train stage would stop "
-                      f"after every slide is tiled and labelled. Fix: add training slides labelled {other}.")
+                      f"after every slide is tiled and labelled. Fix: {fix}.")
 
 
 def _best(best_epoch: int | None) -> str:
