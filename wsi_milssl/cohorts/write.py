@@ -276,8 +276,10 @@ def _group_check(sets: Mapping[str, tuple[Mapping[str, Path], Mapping[str, int],
         f"[label] stage ({groups}), so that stage would stop at them (after every slide is tiled): {_names(hidden)}. "
         "Nothing was written. Fix: correct each annotation file (in ASAP, put the tumour polygons in a tumour group, "
         f"{groups}, and save it again); or, if the ungrouped polygons ('None') are the tumour in every file, count "
-        "them as tumour: tumor_groups with \"None\" added and non_tumor_groups without it in the pipeline's [label] "
-        "table (edit the pipeline.toml prepare keeps, then prepare again); or prepare again with --exclude "
+        "them as tumour: prepare again with --template PIPELINE.toml, a copy of the template whose [label] table has "
+        "tumor_groups with \"None\" added and non_tumor_groups without it"
+        + (f" (or after editing {toml} so: prepare keeps an edited pipeline.toml)" if toml.is_file() else "")
+        + "; or prepare again with --exclude "
         f"{' '.join(hidden_stems)} to leave the slide(s) out of every set ([evaluate] lesion_exclude does not help: "
         "the label stage reads every slide of both sets).") if hidden else ""
     if stop:
