@@ -33,9 +33,12 @@ def folder_place(path: str | os.PathLike) -> Path:
     """Where the folder ``path`` is: an absolute path with the links among the folders above it followed, and
     ``path``'s own name kept even where it is a link itself (a run folder linked to scratch space is where its
     link is, and moves with the folder that holds the link)."""
-    # ".." is the real folder's parent (as the system resolves it), not the link's: the shell's $PWD only without it
-    base = os.getcwd() if ".." in Path(path).parts else _working_folder()
-    place = Path(os.path.normpath(os.path.join(base, path)))
+    if ".." in Path(path).parts:  # ".." as the system resolves it: after following the links before it (review EH, EI)
+        place = Path(os.path.join(os.getcwd(), path))
+        if place.name in ("", ".", ".."):
+            return place.resolve()
+        return place.parent.resolve() / place.name
+    place = Path(os.path.normpath(os.path.join(_working_folder(), path)))
     return place.parent.resolve() / place.name
 
 

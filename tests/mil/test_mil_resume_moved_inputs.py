@@ -134,5 +134,12 @@ def test_a_linked_run_folder_given_as_dot_from_inside_it_is_where_its_link_is(tm
     assert folder_place(".") == folder_place("./") == tmp_path / "project" / "run"
     # review EH: ".." goes where the system takes it, the real folder's parent, not the link's
     assert folder_place("../x") == tmp_path / "x"
+    (tmp_path / "elsewhere" / "deep").mkdir(parents=True)  # review EI: ".." after a link is the link target's parent
+    (tmp_path / "project" / "lnk").symlink_to(tmp_path / "elsewhere" / "deep")
+    monkeypatch.chdir(tmp_path / "project")
+    monkeypatch.setenv("PWD", str(tmp_path / "project"))
+    assert folder_place("lnk/../run") == tmp_path / "elsewhere" / "run"
+    assert folder_place("lnk/..") == tmp_path / "elsewhere"
+    monkeypatch.chdir(tmp_path / "project" / "run")
     monkeypatch.setenv("PWD", str(tmp_path / "elsewhere"))  # a stale $PWD is not taken
     assert folder_place(".") == tmp_path / "scratch"
