@@ -93,8 +93,8 @@ def incomplete_file(path: str | os.PathLike) -> str | None:
             return None
         if size < 65536:
             return f"this TIFF file ends inside its header, after {size:,} bytes"
-        first = _first_directory_offset(path)
-        if first is not None and first >= size:  # review EH: writers that put the directory after the tiles
+        first, end = _first_directory_span(path)
+        if first is not None and end > size:  # review EH, EI: writers that put the directory after the tiles
             return (f"this TIFF file is incomplete: its first directory is at byte {first:,}, but the file ends "
                     f"after {size:,} bytes")
         return None
@@ -104,18 +104,25 @@ def incomplete_file(path: str | os.PathLike) -> str | None:
     return None
 
 
-def _first_directory_offset(path: Path) -> int | None:
-    """The byte offset of a TIFF's (or BigTIFF's) first directory, from its header, or None when the header is
-    cut short. Writers such as libtiff and ASAP's write each directory after the image data it describes, so a
-    download stopped early leaves a header that points past the file's end."""
+def _first_directory_span(path: Path) -> tuple[int | None, int]:
+    """(the byte offset of a TIFF's or BigTIFF's first directory, the byte its entries end at), from the header and
+    the directory's entry count where the file holds it; (None, 0) when the header is cut short. Writers such as
+    libtiff and ASAP's write each directory after the image data it describes, so a download stopped early leaves a
+    header that points past the file's end, or a directory cut inside."""
     with open(path, "rb") as fh:
         header = fh.read(16)
-    order = "<" if header[:2] == b"II" else ">"
-    big = header[2:4] in (b"+\x00", b"\x00+")
-    need = 16 if big else 8
-    if len(header) < need:
-        return None
-    return int(struct.unpack(order + ("Q" if big else "I"), header[8:16] if big else header[4:8])[0])
+        order = "<" if header[:2] == b"II" else ">"
+        big = header[2:4] in (b"+\x00", b"\x00+")
+        if len(header) < (16 if big else 8):
+            return None, 0
+        first = int(struct.unpack(order + ("Q" if big else "I"), header[8:16] if big else header[4:8])[0])
+        count_size, entry_size, next_size = (8, 20, 8) if big else (2, 12, 4)
+        fh.seek(first)
+        count = fh.read(count_size)
+    if len(count) < count_size:
+        return first, first + count_size
+    n = int(struct.unpack(order + ("Q" if big else "H"), count)[0])
+    return first, first + count_size + entry_size * n + next_size
 
 
 def _float_property(props, key: str) -> float | None:
