@@ -251,6 +251,15 @@ def _write(out: Path, results: dict) -> None:
     atomic_write_bytes(out.with_suffix(".png"), png)
 
 
+def _write_started(out: Path, results: dict) -> None:
+    """Before the first data set: the table and JSON of a run with none done (INCOMPLETE: 0 of n) in place of an
+    earlier run's, and no PNG, so that a run killed before its first data set leaves no earlier run's files looking
+    like its own (review EI)."""
+    atomic_write_text(out.with_suffix(".json"), json.dumps(results, indent=2) + "\n")
+    atomic_write_text(out, render(results))
+    out.with_suffix(".png").unlink(missing_ok=True)
+
+
 DEFAULT_OUT = Path(__file__).parent / "results" / "mil_csv.md"  # benchmarks/results/mil_csv.md
 #: the options of a full default run (the only one that may write DEFAULT_OUT without --out), as parsed
 FULL_RUN = {"datasets": list(DATASETS), "methods": list(MAIN), "folds": 10, "inner_folds": 3, "seed": 0,
@@ -364,6 +373,7 @@ def _run(args: argparse.Namespace) -> int:
                         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
                                    f"{torch.get_num_threads()} threads"},
                "datasets": {}}
+    _write_started(args.out, results)
     for ds, instances in data.items():
         t0, c0 = time.perf_counter(), _cpu()
         run = nested_cross_validation(instances, bench=bench, methods=specs)

@@ -88,14 +88,15 @@ def test_from_json_names_a_missing_cut_or_foreign_file_in_one_line(tmp_path, mak
 
 
 @pytest.mark.parametrize("args, option", [
+    ([], "a default run"),  # review EI: no single run makes the committed table (two runs, merged)
     (["--only", "hard"], "--only"),
     (["--seeds", "0"], "--seeds"),
     (["--from-json", str(RESULTS / "bags.json")], "--from-json"),
 ])
-def test_a_subset_run_without_out_is_refused_not_written_over_the_results(tmp_path, args, option):
+def test_a_run_without_out_is_refused_not_written_over_the_results(tmp_path, args, option):
     before = {p: p.stat().st_mtime_ns for p in RESULTS.glob("bags*")}
     err = _one_error_line(_script(*args, cwd=tmp_path))
-    assert err.startswith(f"error: {option}: not the full default run") and "give --out FILE.md" in err, err
+    assert err.startswith("error: --out is required: the committed ") and "give --out FILE.md" in err, err
     assert {p: p.stat().st_mtime_ns for p in RESULTS.glob("bags*")} == before
 
 
@@ -117,3 +118,24 @@ def test_committed_results_of_an_earlier_version_re_render_byte_for_byte(tmp_pat
     assert done.returncode == 0, done.stderr
     for name in ("bags.md", "bags.json", "bags_normal.png", "bags_hard.png"):
         assert (tmp_path / name.replace("bags", "b")).read_bytes() == (RESULTS / name).read_bytes(), name
+
+
+def test_a_run_killed_before_its_first_protocol_leaves_no_earlier_run_looking_like_its_own(tmp_path):
+    """Review EI, A1: files were written only when a protocol finished, so a run killed during its first left an
+    earlier run's table, JSON and figures at --out, looking finished."""
+    (tmp_path / "k.md").write_text("# an earlier run's table\n")
+    (tmp_path / "k_hard.png").write_bytes(b"an earlier run's figure")
+    proc = subprocess.Popen([sys.executable, SCRIPT, "--only", "hard", *TINY, "--out", "k.md"], cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 90
+    while proc.poll() is None and time.monotonic() < deadline and not (
+            (tmp_path / "k.md").read_text().startswith("INCOMPLETE")):
+        time.sleep(0.02)
+    finished = proc.poll() is not None
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not finished, "the run ended before it was killed: " + proc.stderr.read().decode()[-2000:]
+    text = (tmp_path / "k.md").read_text()
+    assert text.startswith("INCOMPLETE: 0 of 1 protocols done (none)"), text
+    assert json.loads((tmp_path / "k.json").read_text())["protocols_done"] == []
+    assert not (tmp_path / "k_hard.png").exists()

@@ -125,3 +125,26 @@ def test_committed_results_of_an_earlier_version_re_render_byte_for_byte(tmp_pat
     _script("bench_mil_csv", "--from-json", str(RESULTS / "mil_csv.json"), "--out", "m.md", cwd=tmp_path, check_rc=0)
     assert (tmp_path / "m.md").read_bytes() == (RESULTS / "mil_csv.md").read_bytes()
     assert (tmp_path / "m.json").read_bytes() == (RESULTS / "mil_csv.json").read_bytes()
+
+
+def test_a_run_killed_before_its_first_data_set_leaves_no_earlier_run_looking_like_its_own(tmp_path):
+    """Review EI, A1: files were written only when a data set finished, so a run killed during its first left an
+    earlier run's table, JSON and PNG at --out, looking finished."""
+    (tmp_path / "d").mkdir()
+    make_mil_csv(tmp_path / "d" / "musk2.csv", dim=5, n_bags=150, seed=3)
+    (tmp_path / "k.md").write_text("# an earlier run's table\n")
+    (tmp_path / "k.png").write_bytes(b"an earlier run's figure")
+    proc = subprocess.Popen([sys.executable, str(BENCHMARKS / "bench_mil_csv.py"), "--data", "d", "--datasets",
+                             "musk2", *TINY, "--epoch-grid", "1", "20", "--out", "k.md"], cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and time.monotonic() < deadline and not (
+            (tmp_path / "k.md").read_text().startswith("INCOMPLETE")):
+        time.sleep(0.02)
+    finished = proc.poll() is not None
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not finished, "the run ended before it was killed: " + proc.stderr.read().decode()[-2000:]
+    assert (tmp_path / "k.md").read_text().startswith("INCOMPLETE: 0 of 1 data sets done (none)")
+    assert json.loads((tmp_path / "k.json").read_text())["meta"]["datasets_done"] == []
+    assert not (tmp_path / "k.png").exists()
