@@ -77,7 +77,8 @@ def incomplete_line(results: dict) -> str | None:
     done = [name for name in results["protocols_requested"] if name in results]
     return (f"INCOMPLETE: {len(done)} of {len(done) + len(missing)} protocols done ({', '.join(done) or 'none'}); "
             f"missing {', '.join(missing)}: the run stopped (or is still running). Run the missing ones with "
-            f"--only {' '.join(missing)} --out OTHER.md and merge both JSONs with --from-json.")
+            f"--only {' '.join(missing)} and this run's other options (seeds, grids, --mnist: its JSON's config), "
+            "--out OTHER.md, and merge both JSONs with --from-json.")
 
 
 def read_saved(path: Path) -> dict:

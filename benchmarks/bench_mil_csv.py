@@ -100,7 +100,8 @@ def incomplete_line(results: dict) -> str | None:
     done = [ds for ds in results["meta"]["datasets_requested"] if ds in results["datasets"]]
     return (f"INCOMPLETE: {len(done)} of {len(done) + len(missing)} data sets done ({', '.join(done) or 'none'}); "
             f"missing {', '.join(missing)}: the run stopped (or is still running). Run the missing ones with "
-            f"--datasets {' '.join(missing)} --out OTHER.md and merge both JSONs with --from-json.")
+            f"--datasets {' '.join(missing)} and this run's other options (seed, folds, methods, grids: its JSON's "
+            "meta), --out OTHER.md, and merge both JSONs with --from-json.")
 
 
 def mark_incomplete(png: bytes, text: str) -> bytes:

@@ -37,7 +37,8 @@ def refuse_unfinished(runs: list[dict], names: list[str]) -> None:
             done = [ds for ds in requested if ds in run["datasets"]]
             raise ConfigError(f"{name}: its run did not finish ({len(done)} of {len(requested)} data sets done; "
                               f"missing {', '.join(missing)}); run the missing ones (bench_mil_csv.py --datasets "
-                              f"{' '.join(missing)} --out REST.md), merge them (--from-json {name} REST.json --out "
+                              f"{' '.join(missing)} with the run's other options, its seed among them: its JSON's "
+                              "meta; --out REST.md), merge them (--from-json {name} REST.json --out "
                               "ALL.md) and give ALL.json.")
 
 
