@@ -15,3 +15,27 @@ def load_benchmark_script(name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def one_error_line(done) -> str:
+    """The stderr of a script run (a CompletedProcess) that refused its input: exit 2, one ``error:`` line, no
+    traceback."""
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("error: "), done.stderr
+    assert "Traceback" not in done.stderr
+    return done.stderr
+
+
+def kill_when(proc, ready, *, timeout_s: float) -> None:
+    """SIGKILL the running script ``proc`` (a Popen with stderr piped) as soon as ``ready()`` holds, polling every
+    20 ms for at most ``timeout_s``; fails when the script ended on its own first (the window was missed)."""
+    import signal
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None and time.monotonic() < deadline and not ready():
+        time.sleep(0.02)
+    ended = proc.poll() is not None
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not ended, "the run ended before it was killed: " + proc.stderr.read().decode()[-2000:]

@@ -8,14 +8,12 @@ instead of replacing benchmarks/results/; the committed bags.json re-renders byt
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from benchscripts import BENCHMARKS
+from benchscripts import BENCHMARKS, kill_when, one_error_line
 
 RESULTS = BENCHMARKS / "results"
 SCRIPT = str(BENCHMARKS / "bench_bags.py")
@@ -27,13 +25,6 @@ def _script(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, SCRIPT, *args], cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
-def _one_error_line(done: subprocess.CompletedProcess) -> str:
-    assert done.returncode == 2, (done.stdout, done.stderr)
-    assert done.stderr.count("\n") == 1 and done.stderr.startswith("error: "), done.stderr
-    assert "Traceback" not in done.stderr
-    return done.stderr
-
-
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory) -> Path:
     """k.md, k.json, k_hard.png of a run of the hard then the normal protocol, killed as soon as the hard
@@ -42,13 +33,7 @@ def killed(tmp_path_factory) -> Path:
     (root / "k_normal.png").write_bytes(b"an earlier run's figure")
     proc = subprocess.Popen([sys.executable, SCRIPT, "--only", "hard", "normal", *TINY, "--out", "k.md"], cwd=root,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    deadline = time.monotonic() + 90
-    while not (root / "k_hard.png").exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    finished_first = proc.poll() is not None
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not finished_first, "the run ended before it was killed: " + proc.stderr.read().decode()[-2000:]
+    kill_when(proc, lambda: (root / "k_hard.png").exists(), timeout_s=90)
     assert (root / "k_hard.png").exists()
     return root
 
@@ -82,7 +67,7 @@ def test_from_json_names_a_missing_cut_or_foreign_file_in_one_line(tmp_path, mak
     given = tmp_path / "given.json"
     if make:
         make(given)
-    err = _one_error_line(_script("--from-json", str(given), "--out", "out/b.md", cwd=tmp_path))
+    err = one_error_line(_script("--from-json", str(given), "--out", "out/b.md", cwd=tmp_path))
     assert err.startswith(f"error: {given}: ") and re.search(message, err), err
     assert not (tmp_path / "out" / "b.md").exists() and not (tmp_path / "out" / "b.json").exists()
 
@@ -95,13 +80,13 @@ def test_from_json_names_a_missing_cut_or_foreign_file_in_one_line(tmp_path, mak
 ])
 def test_a_run_without_out_is_refused_not_written_over_the_results(tmp_path, args, option):
     before = {p: p.stat().st_mtime_ns for p in RESULTS.glob("bags*")}
-    err = _one_error_line(_script(*args, cwd=tmp_path))
+    err = one_error_line(_script(*args, cwd=tmp_path))
     assert err.startswith("error: --out is required: the committed ") and "give --out FILE.md" in err, err
     assert {p: p.stat().st_mtime_ns for p in RESULTS.glob("bags*")} == before
 
 
 def test_out_naming_a_json_is_refused(tmp_path):
-    err = _one_error_line(_script("--from-json", str(RESULTS / "bags.json"), "--out", "x.json", cwd=tmp_path))
+    err = one_error_line(_script("--from-json", str(RESULTS / "bags.json"), "--out", "x.json", cwd=tmp_path))
     assert "--out x.json: the markdown table, not its JSON" in err
     assert not (tmp_path / "x.json").exists()
 
@@ -127,14 +112,7 @@ def test_a_run_killed_before_its_first_protocol_leaves_no_earlier_run_looking_li
     (tmp_path / "k_hard.png").write_bytes(b"an earlier run's figure")
     proc = subprocess.Popen([sys.executable, SCRIPT, "--only", "hard", *TINY, "--out", "k.md"], cwd=tmp_path,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    deadline = time.monotonic() + 90
-    while proc.poll() is None and time.monotonic() < deadline and not (
-            (tmp_path / "k.md").read_text().startswith("INCOMPLETE")):
-        time.sleep(0.02)
-    finished = proc.poll() is not None
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not finished, "the run ended before it was killed: " + proc.stderr.read().decode()[-2000:]
+    kill_when(proc, lambda: (tmp_path / "k.md").read_text().startswith("INCOMPLETE"), timeout_s=90)
     text = (tmp_path / "k.md").read_text()
     assert text.startswith("INCOMPLETE: 0 of 1 protocols done (none)"), text
     assert json.loads((tmp_path / "k.json").read_text())["protocols_done"] == []

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from benchscripts import BENCHMARKS
+from benchscripts import BENCHMARKS, kill_when, one_error_line
 from milcsv import make_mil_csv
 from PIL import Image
 
@@ -33,13 +31,6 @@ def _script(name: str, *args: str, cwd: Path, check_rc: int | None = None) -> su
     return done
 
 
-def _one_error_line(done: subprocess.CompletedProcess) -> str:
-    assert done.returncode == 2, (done.stdout, done.stderr)
-    assert done.stderr.count("\n") == 1 and done.stderr.startswith("error: "), done.stderr
-    assert "Traceback" not in done.stderr
-    return done.stderr
-
-
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory) -> Path:
     """The outputs of a run of musk1 (12 bags, seconds) then musk2 (150 bags, ~8 s), killed as soon as the
@@ -51,13 +42,7 @@ def killed(tmp_path_factory) -> Path:
     proc = subprocess.Popen([sys.executable, str(BENCHMARKS / "bench_mil_csv.py"), "--data", "d", "--datasets",
                              "musk1", "musk2", *TINY, "--epoch-grid", "1", "20", "--out", "k.md"], cwd=root,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    deadline = time.monotonic() + 60
-    while not (root / "k.png").exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    finished_first = proc.poll() is not None
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not finished_first, "the run ended before it was killed"
+    kill_when(proc, lambda: (root / "k.png").exists(), timeout_s=60)
     assert (root / "k.png").exists(), proc.stderr.read().decode()
     return root
 
@@ -91,7 +76,7 @@ def test_from_json_of_an_unfinished_run_alone_is_marked_incomplete(killed):
 
 def test_seed_table_refuses_an_unfinished_run(killed):
     done = _script("mil_csv_seeds", "k.json", cwd=killed)
-    err = _one_error_line(done)
+    err = one_error_line(done)
     assert err.startswith("error: k.json: its run did not finish (1 of 2 data sets done; missing musk2)"), err
 
 
@@ -103,7 +88,7 @@ def test_seed_table_refuses_an_unfinished_run(killed):
 ])
 def test_a_subset_run_without_out_is_refused_not_written_over_the_results(tmp_path, args, option):
     before = {p: p.stat().st_mtime_ns for p in RESULTS.glob("mil_csv.*")}
-    err = _one_error_line(_script("bench_mil_csv", "--data", str(tmp_path), *args, cwd=tmp_path))
+    err = one_error_line(_script("bench_mil_csv", "--data", str(tmp_path), *args, cwd=tmp_path))
     assert err.startswith(f"error: {option}: not the full default run") and "give --out FILE.md" in err, err
     assert {p: p.stat().st_mtime_ns for p in RESULTS.glob("mil_csv.*")} == before
 
@@ -111,12 +96,12 @@ def test_a_subset_run_without_out_is_refused_not_written_over_the_results(tmp_pa
 def test_data_defaults_to_mil_csv_and_a_missing_file_names_data(tmp_path):
     helped = _script("bench_mil_csv", "--help", cwd=tmp_path, check_rc=0).stdout
     assert "(default: mil_csv)" in " ".join(helped.split()) and "/work/data16" not in helped
-    err = _one_error_line(_script("bench_mil_csv", "--datasets", "musk1", "--out", "x.md", cwd=tmp_path))
+    err = one_error_line(_script("bench_mil_csv", "--datasets", "musk1", "--out", "x.md", cwd=tmp_path))
     assert err.startswith("error: mil_csv/musk1.csv: MIL CSV not found (--data mil_csv") and "give --data" in err
 
 
 def test_out_naming_a_json_is_refused(tmp_path):
-    err = _one_error_line(_script("bench_mil_csv", "--from-json", str(RESULTS / "mil_csv.json"), "--out", "x.json",
+    err = one_error_line(_script("bench_mil_csv", "--from-json", str(RESULTS / "mil_csv.json"), "--out", "x.json",
                                   cwd=tmp_path))
     assert "--out x.json: the markdown table, not its JSON" in err
 
@@ -137,14 +122,7 @@ def test_a_run_killed_before_its_first_data_set_leaves_no_earlier_run_looking_li
     proc = subprocess.Popen([sys.executable, str(BENCHMARKS / "bench_mil_csv.py"), "--data", "d", "--datasets",
                              "musk2", *TINY, "--epoch-grid", "1", "20", "--out", "k.md"], cwd=tmp_path,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    deadline = time.monotonic() + 60
-    while proc.poll() is None and time.monotonic() < deadline and not (
-            (tmp_path / "k.md").read_text().startswith("INCOMPLETE")):
-        time.sleep(0.02)
-    finished = proc.poll() is not None
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not finished, "the run ended before it was killed: " + proc.stderr.read().decode()[-2000:]
+    kill_when(proc, lambda: (tmp_path / "k.md").read_text().startswith("INCOMPLETE"), timeout_s=60)
     assert (tmp_path / "k.md").read_text().startswith("INCOMPLETE: 0 of 1 data sets done (none)")
     assert json.loads((tmp_path / "k.json").read_text())["meta"]["datasets_done"] == []
     assert not (tmp_path / "k.png").exists()
