@@ -44,6 +44,7 @@ from wsi_milssl.atomic import atomic_write_bytes, atomic_write_text, check_writa
 from wsi_milssl.cli.benchmark import refuse_shared_paths
 from wsi_milssl.errors import ConfigError, WsiMilsslError
 from wsi_milssl.benchmark.plots import digit_bags_png
+from wsi_milssl.benchmark.results import read_result_json
 from wsi_milssl.events import ProgressEvent
 from wsi_milssl.benchmark.bags import (
     BagBenchConfig,
@@ -86,15 +87,7 @@ def read_saved(path: Path) -> dict:
     not complete JSON, or of another layout (the ``wsi-milssl benchmark bags --json`` result of one protocol,
     or bench_mil_csv.py's JSON)."""
     fix = "give the .json that benchmarks/bench_bags.py wrote beside its --out table"
-    try:
-        saved = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: not found; {fix}.") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read ({exc}); {fix}.") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not complete JSON ({exc.msg}: line {exc.lineno} column {exc.colno}): a cut-off "
-                          "or edited file; re-run the benchmark or restore the file.") from None
+    saved = read_result_json(path, fix=fix)
     if isinstance(saved, dict) and "protocol" in saved and "rows" in saved:
         raise ConfigError(f"{path}: a result of `wsi-milssl benchmark bags --json` (one protocol), not of "
                           f"benchmarks/bench_bags.py (its protocols under 'normal', 'hard', 'ablation'); {fix}.")

@@ -816,20 +816,12 @@ def read_saved_runs(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
     """The JSON files benchmarks/bench_mil_csv.py writes beside its table (``{"meta": ..., "datasets": ...}``),
     read; ConfigError naming the file for one that is missing, not complete JSON, or of another layout
     (the ``wsi-milssl benchmark mil-csv --json`` result of one data set, say)."""
-    import json
+    from wsi_milssl.benchmark.results import read_result_json
 
+    fix = "give the .json that benchmarks/bench_mil_csv.py wrote beside its --out table"
     runs = []
     for path in map(Path, paths):
-        fix = "give the .json that benchmarks/bench_mil_csv.py wrote beside its --out table"
-        try:
-            run = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: not found; {fix}.") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{path}: cannot read ({exc}); {fix}.") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path}: not complete JSON ({exc.msg}: line {exc.lineno} column {exc.colno}): "
-                              f"a cut-off or edited file; re-run the benchmark or restore the file.") from None
+        run = read_result_json(path, fix=fix)
         if isinstance(run, dict) and "methods" in run and "benchmark" in run and "meta" not in run:
             raise ConfigError(f"{path}: a result of `wsi-milssl benchmark mil-csv --json` (one data set), not of "
                               f"benchmarks/bench_mil_csv.py (its 'meta' and 'datasets'); run the script for a "
