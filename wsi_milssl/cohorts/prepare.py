@@ -508,7 +508,8 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
             problems.append((f"{len(overlap)} slide(s) are in both the training and the test set: {_names(overlap)}",
                              "keep each slide in one set: remove it from the other set's folder or labels file."))
         test_files = {file_identity(p) for p in t_slides.values()}
-        linked = sorted(str(p) for p in slides.values() if file_identity(p) in test_files)
+        said = set(overlap)  # the same name in both sets is the overlap above, said once (review EI)
+        linked = sorted(str(p) for s, p in slides.items() if file_identity(p) in test_files and stem_key(s) not in said)
         if linked:
             problems.append((f"{len(linked)} slide file(s) are in both the training and the test set under other "
                              f"names (links): {_names(linked)}",
