@@ -128,9 +128,10 @@ def _merge(a: dict, b: dict) -> dict:
 def _write_all(out: Path, results: dict) -> None:
     """The markdown, the JSON and a PNG per protocol (``bags.md`` -> ``bags.json``, ``bags_normal.png``,
     ``bags_hard.png``); the PNG of a protocol the results do not hold (not done yet, or not run) is removed,
-    so that no figure of an earlier run sits beside them as if it were theirs."""
-    atomic_write_text(out, _render(results) + "\n")
+    so that no figure of an earlier run sits beside them as if it were theirs. The JSON goes first: a table on disk
+    always has its JSON beside it, as far along as the table or further."""
     atomic_write_text(out.with_suffix(".json"), json.dumps(results, indent=1) + "\n")
+    atomic_write_text(out, _render(results) + "\n")
     for name in ("normal", "hard"):
         png = out.with_name(f"{out.stem}_{name}.png")
         if name in results:
@@ -241,7 +242,8 @@ def _run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     print(results["availability"], flush=True)
     runners = {"normal": run_normal, "hard": run_hard, "ablation": run_ablation}
     # before the first protocol: 0 of n done in place of an earlier run's files (review EI: a run killed then left
-    # those looking like its own)
+    # those looking like its own); an earlier table goes first, so that no kill leaves it beside this run's JSON
+    args.out.unlink(missing_ok=True)
     _write_all(args.out, results)
     for name in results["protocols_requested"]:
         runner = runners[name]

@@ -28,12 +28,19 @@ def one_error_line(done) -> str:
 
 def kill_when(proc, ready, *, timeout_s: float) -> None:
     """SIGKILL the running script ``proc`` (a Popen with stderr piped) as soon as ``ready()`` holds, polling every
-    20 ms for at most ``timeout_s``; fails when the script ended on its own first (the window was missed)."""
+    20 ms for at most ``timeout_s``; fails when the script ended on its own first (the window was missed). A file
+    ``ready`` reads that is not there (yet, or any more) is not ready."""
     import signal
     import time
 
+    def holds() -> bool:
+        try:
+            return bool(ready())
+        except FileNotFoundError:
+            return False
+
     deadline = time.monotonic() + timeout_s
-    while proc.poll() is None and time.monotonic() < deadline and not ready():
+    while proc.poll() is None and time.monotonic() < deadline and not holds():
         time.sleep(0.02)
     ended = proc.poll() is not None
     proc.send_signal(signal.SIGKILL)
