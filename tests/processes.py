@@ -91,3 +91,27 @@ def release(proc: subprocess.Popen) -> None:
     """End a :func:`hold_lock` process (its lock is free again)."""
     proc.kill()
     proc.wait()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now, for ranks started by hand (MASTER_PORT). Drawn below the
+    kernel's ephemeral range (``ip_local_port_range``, 32768-60999 by default), from which every port-0 bind and
+    outgoing connection of the other tests takes its port, so that none of them takes it before rank 0 binds it."""
+    import random
+    import socket
+
+    low = 20000
+    try:
+        low_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low_ephemeral = 32768
+    high = max(low + 1000, low_ephemeral - 1)
+    for _ in range(200):
+        port = random.randint(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise AssertionError(f"no free port in {low}-{high}")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from processes import free_port
 
 from wsi_milssl.cli import main
 from wsi_milssl.distributed import DistContext, rank_share
@@ -73,15 +73,9 @@ raise SystemExit(main(sys.argv[2:]))
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_ranks(rank_argv: list[list[str]]) -> list[subprocess.Popen]:
     """Start ``python <argv>`` as the ranks of one gloo group (rank = position)."""
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank, argv in enumerate(rank_argv):
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),

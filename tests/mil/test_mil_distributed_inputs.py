@@ -6,11 +6,11 @@ the one 'lost the other ranks' error, not a traceback."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+from processes import free_port
 
 COMMON = ["--threads", "1", "--workers", "0", "--device", "cpu", "--no-plots", "--batch-size", "16"]
 
@@ -24,15 +24,9 @@ raise SystemExit(main(sys.argv[2:]))
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _two_ranks(rank_argv: list[list[str]]) -> list[subprocess.CompletedProcess]:
     """Run ``python <argv>`` as rank 0 and rank 1 of one gloo group; their results."""
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank, argv in enumerate(rank_argv):
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
