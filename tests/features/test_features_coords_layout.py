@@ -89,3 +89,18 @@ def test_train_reads_a_file_of_several_bags_with_placeholder_coordinates(tmp_pat
                str(tmp_path / "run"), "--epochs", "1", "--threads", "1", "--no-plots"])
     assert rc == 0, capsys.readouterr().err
     assert (tmp_path / "run" / "last.pt").exists()
+
+
+def test_floating_point_coords_are_rounded_to_the_nearest_pixel_and_nan_refused(tmp_path):
+    """Review EL, B1: coordinates stored as floats with rounding noise (2431.9999999) were cut down (to 2431), so
+    the heatmap refused the file for a 1-px step and blamed the tiling level."""
+    noisy = _grid().astype(np.float64)
+    noisy[1::2] -= 1e-7
+    ff = read_feature_file(_clam_file(tmp_path / "f.h5", noisy))
+    np.testing.assert_array_equal(ff.coords, _grid())
+    assert ff.grid_layout(slide_mpp=0.25) is not None
+    bad = noisy.copy()
+    bad[3, 0] = np.nan
+    with pytest.raises(StoreError, match=r"NaN or infinite") as err:
+        read_feature_file(_clam_file(tmp_path / "n.h5", bad))
+    assert str(tmp_path / "n.h5") in str(err.value)

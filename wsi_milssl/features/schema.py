@@ -903,7 +903,7 @@ def schema_version_error(path: str | os.PathLike, attrs: Mapping[str, Any]) -> s
 
 def _coords(path: Path, raw: np.ndarray) -> np.ndarray:
     """int64 (N, 2) coordinates from the stored ``coords``: (N, 2), or (N, 1, 2) as some tools write them
-    (empty ones of any shape: no patch). Raises StoreError naming the file for any other shape (a (2, N)
+    (empty ones of any shape: no patch); floating-point ones rounded to the nearest pixel. Raises StoreError naming the file for any other shape (a (2, N)
     array, one x row and one y row, would pair the wrong values). Duplicate rows (two patches on one map
     cell: one would overwrite the other) are refused where the patches are mapped (:func:`_check_duplicates`
     in :meth:`FeatureFile.grid_layout`), as ``open_store`` refuses a store's."""
@@ -916,7 +916,13 @@ def _coords(path: Path, raw: np.ndarray) -> np.ndarray:
     if raw.dtype.kind not in "iuf":  # text or objects: astype would parse or fail with numpy's words
         raise StoreError(f"{path}: 'coords' must hold numbers (level-0 x, y pixels); got {raw.dtype}. Fix: write the "
                          "coordinates as integers.")
-    return raw.reshape(-1, 2).astype(np.int64, copy=False)
+    flat = raw.reshape(-1, 2)
+    if raw.dtype.kind == "f":  # rounded, as TRIDENT rounds its own (review EL: 2431.9999999 was cut to 2431)
+        if not np.isfinite(flat).all():
+            raise StoreError(f"{path}: 'coords' holds NaN or infinite values. Fix: write each patch's level-0 (x, y) "
+                             "top-left corner as a number (extract the features again).")
+        flat = np.rint(flat)
+    return flat.astype(np.int64, copy=False)
 
 
 def _check_duplicates(path: Path, coords: np.ndarray, bag_ids: list[str] | None) -> None:
