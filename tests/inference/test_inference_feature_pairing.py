@@ -264,3 +264,21 @@ def test_a_feature_file_named_twice_is_mapped_once(tmp_path, head):
     assert main(["heatmap", "--features", str(feats.parent), str(feats), "--model", str(head), "--out",
                  str(tmp_path / "out"), "--thumbnail-px", "64"]) == 0
     assert [r["status"] for r in _status(tmp_path / "out").values()] == ["ok"]
+
+
+def test_a_slide_that_matches_no_feature_file_is_named(tmp_path, head, caplog):
+    """Review EL, B2: a SLIDE argument named unlike every feature file was passed over without a word (and the
+    feature file's own messages then said to pass the slide the user had passed)."""
+    from wsi_milssl.inference.feature_maps import make_feature_heatmaps
+
+    _file(tmp_path / "feats" / "t0.h5", "t0")
+    with caplog.at_level("WARNING"):
+        assert make_feature_heatmaps([tmp_path / "feats"], head, tmp_path / "hm",
+                                     slides=[tmp_path / "slide-of-t0.tif"]).ok
+    named = [r.getMessage() for r in caplog.records if "match no feature file" in r.getMessage()]
+    assert len(named) == 1 and str(tmp_path / "slide-of-t0.tif") in named[0], caplog.text
+    assert "matched to its feature file by name" in named[0] and "Fix:" in named[0]
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        make_feature_heatmaps([tmp_path / "feats"], head, tmp_path / "hm2", slides=[])
+    assert "match no feature file" not in caplog.text

@@ -445,7 +445,7 @@ class FeatureFile:
             notes.append(f"level-0 {mpp:g} µm/px from level0_magnification {float(c['level0_magnification']):g}x")
         if mpp is None:
             raise StoreError(f"{self.path}: the level-0 µm/px of the slide is not recorded. Fix: pass the slide (SLIDE "
-                             "arguments) or --slide-mpp.")
+                             "arguments, matched to feature files by name: SLIDE.svs to SLIDE.h5) or --slide-mpp.")
         patch_lv0, why = _first_int(a.get("patch_size_lv0")), "its patch_size_lv0 attribute"
         if patch_lv0 is None:
             patch_lv0, why = _first_int(c.get("patch_size_level0")), "TRIDENT's patch_size_level0 attribute"

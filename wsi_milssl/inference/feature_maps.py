@@ -362,9 +362,23 @@ def _make_feature_heatmaps(files: list[Path], head: FeatureHead, out_dir: Path, 
         emit(progress, ProgressEvent("heatmap", len(results), len(files), unit="slide", item=stem,
                                      message=results[-1].status))
     drawn_ok = {r.slide for r in results if r.status == "ok"}  # a slide that failed after its maps is a failure
+    _log_unmatched_slides([p for s, p in by_stem.items() if s not in seen])
     log_overlays_not_drawn([s for s in no_slide if s in drawn_ok], out_dir)
     return HeatmapRun(tuple(results), out_dir, status_csv, config_json, out_dir / SCORES_FILENAME,
                       seconds=time.perf_counter() - t_start)
+
+
+def _log_unmatched_slides(slides: Sequence[Path]) -> None:
+    """One warning for the slide files given that no feature file names (review EL: they were passed over without
+    a word, and the errors of their feature files said to pass the slide the user had passed)."""
+    if not slides:
+        return
+    names = sorted(str(p) for p in slides)
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    logger.warning("%d slide file(s) given match no feature file, so they were not used: %s. A slide is matched to "
+                   "its feature file by name (SLIDE.svs to SLIDE.h5, or to the file's slide_stem attribute). Fix: "
+                   "name each feature file after its slide, or pass the slides of these feature files.",
+                   len(names), shown)
 
 
 def _check_fit(ff, head: FeatureHead) -> None:
