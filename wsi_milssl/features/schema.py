@@ -579,7 +579,8 @@ class FeatureFile:
             self._check_inside(dims, patch_lv0, dims_from)
         elif len(coords):
             dims = (int(coords[:, 0].max()) + patch_lv0, int(coords[:, 1].max()) + patch_lv0)
-            notes.append("slide size taken from the coordinates")
+            notes.append(f"slide size {dims[0]} x {dims[1]} level-0 px taken from the coordinates (no slide file "
+                         "and no recorded size): the maps cover the patches, not the whole slide")
         else:
             dims = (patch_lv0, patch_lv0)
         w, h = dims
