@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from wsi_milssl.config import TileConfig
-from wsi_milssl.errors import StoreError
+from wsi_milssl.errors import ConfigError, StoreError
 from wsi_milssl.slide import open_slide
 from wsi_milssl.store import find_stores, open_store
 from wsi_milssl.synth.pyramid import write_pyramidal_tiff
@@ -317,3 +317,16 @@ def test_config_validation_messages():
     assert TileConfig().resolved_target_mpp == 1.0 and TileConfig(target_mpp=0.5).resolved_target_mpp == 0.5
     assert TileConfig(workers=4, threads=1, batch_size=3).settings_hash() == TileConfig().settings_hash()
     assert TileConfig(magnification=20).settings_hash() == TileConfig(target_mpp=0.5).settings_hash()
+
+
+def test_workers_0_tiles_in_this_process_as_the_other_stages_mean_it(h5_run, synth_dir, tmp_path, store_contents,
+                                                                     same_contents):
+    """Review EL, C4: `tile --workers 0` was refused, while features, heatmap and train take 0 as "in this
+    process"; -1 stays refused."""
+    out, _ = h5_run
+    run = tile_slides(find_slides([synth_dir]), tmp_path, TileConfig(**FAST, workers=0, threads=1))
+    assert run.ok and [r.slide for r in run.results] == ["synth_000", "synth_001"]
+    for r in run.results:
+        same_contents(store_contents(out / f"{r.slide}.h5"), store_contents(r.store_path))
+    with pytest.raises(ConfigError, match=r"workers must satisfy 0 <= value <= 256; got -1"):
+        TileConfig(workers=-1)

@@ -54,7 +54,8 @@ class TileConfig:
     jpeg_quality : JPEG quality 1-100 when pixels = 'jpeg'.
     format : store format, 'h5' (HDF5) or 'zarr' (Zarr v3).
     slide_mpp : level-0 µm/px to use instead of the slides' metadata (for slides without an MPP).
-    workers : slides tiled in parallel (processes).
+    workers : slides tiled in parallel (processes); 0 or 1: one at a time in this process, as 0 means for the
+        other stages' readers.
     threads : reader threads per worker (pixel reading, entropy and JPEG encoding overlap).
     batch_size : patches per write to the store (memory is bounded by this, not by slide size).
     direct_tiff_read : decode the tiles of tiled JPEG TIFF slides (generic TIFF, SVS) directly,
@@ -116,9 +117,9 @@ class TileConfig:
         check_choice(name, "format", self.format, ("h5", "zarr"))
         if self.slide_mpp is not None:
             check_slide_mpp(name, "slide_mpp", self.slide_mpp)
-        for field, high in (("workers", 256), ("threads", 64), ("batch_size", 1 << 20)):
+        for field, low, high in (("workers", 0, 256), ("threads", 1, 64), ("batch_size", 1, 1 << 20)):
             check_type(name, field, getattr(self, field), int)
-            check_range(name, field, getattr(self, field), low=1, high=high)
+            check_range(name, field, getattr(self, field), low=low, high=high)
         check_type(name, "direct_tiff_read", self.direct_tiff_read, bool)
         check_type(name, "allow_upsample", self.allow_upsample, bool)
 
