@@ -42,7 +42,7 @@ def _logged_error(log, stderr: str) -> str:
 def _usage_errors(slide, tmp_path):
     missing = str(tmp_path / "none")
     return {
-        "tile": ["tile", str(slide), "--out", str(tmp_path / "t"), "--workers", "0"],
+        "tile": ["tile", str(slide), "--out", str(tmp_path / "t"), "--workers", "-1"],
         "heatmap": ["heatmap", str(slide), "--model", missing, "--out", str(tmp_path / "h"), "--alpha", "3"],
         "features": ["features", str(slide), "--out", str(tmp_path / "f"), "--input-size", "0"],
         "evaluate": ["evaluate", "--predictions", missing, "--annotations", missing, "--slides", missing,
