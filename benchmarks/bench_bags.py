@@ -129,15 +129,17 @@ def _write_all(out: Path, results: dict) -> None:
     """The markdown, the JSON and a PNG per protocol (``bags.md`` -> ``bags.json``, ``bags_normal.png``,
     ``bags_hard.png``); the PNG of a protocol the results do not hold (not done yet, or not run) is removed,
     so that no figure of an earlier run sits beside them as if it were theirs. The JSON goes first: a table on disk
-    always has its JSON beside it, as far along as the table or further."""
+    always has its JSON beside it, as far along as the table or further; a figure not theirs goes before either
+    is written, and their figures after."""
+    pngs = {name: out.with_name(f"{out.stem}_{name}.png") for name in ("normal", "hard")}
+    for name, png in pngs.items():
+        if name not in results:
+            png.unlink(missing_ok=True)
     atomic_write_text(out.with_suffix(".json"), json.dumps(results, indent=1) + "\n")
     atomic_write_text(out, _render(results) + "\n")
-    for name in ("normal", "hard"):
-        png = out.with_name(f"{out.stem}_{name}.png")
+    for name, png in pngs.items():
         if name in results:
             atomic_write_bytes(png, digit_bags_png(results[name]))
-        else:
-            png.unlink(missing_ok=True)
 
 
 def _progress(event: ProgressEvent) -> None:

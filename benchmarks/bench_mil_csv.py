@@ -255,11 +255,12 @@ def _write(out: Path, results: dict) -> None:
 def _write_started(out: Path, results: dict) -> None:
     """Before the first data set: the table and JSON of a run with none done (INCOMPLETE: 0 of n) in place of an
     earlier run's, and no PNG, so that a run killed before its first data set leaves no earlier run's files looking
-    like its own (review EI). The earlier table goes first, so that no kill leaves it beside this run's JSON."""
+    like its own (review EI). The earlier table and figure go first, so that no kill leaves them beside this run's
+    JSON or table."""
     out.unlink(missing_ok=True)
+    out.with_suffix(".png").unlink(missing_ok=True)
     atomic_write_text(out.with_suffix(".json"), json.dumps(results, indent=2) + "\n")
     atomic_write_text(out, render(results))
-    out.with_suffix(".png").unlink(missing_ok=True)
 
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "mil_csv.md"  # benchmarks/results/mil_csv.md

@@ -25,6 +25,24 @@ def _root_logger_level_restored():
     root.setLevel(level)
 
 
+@pytest.fixture(autouse=True)
+def _cli_log_handlers_removed():
+    """Every test starts without the log handlers an earlier ``main()`` of the same process attached (to the root
+    logger, and the progress lines'): they write to the stderr of the test that called it, which pytest has closed
+    since, so a later test's warning printed "--- Logging error ---" into its own captured stderr (review EJ)."""
+    yield
+    from wsi_milssl import cli
+    from wsi_milssl.cli.progress import LINE_LOGGER
+
+    root = logging.getLogger()
+    for handler in cli._OUR_HANDLERS:
+        root.removeHandler(handler)
+        handler.close()
+    cli._OUR_HANDLERS.clear()
+    for handler in list(LINE_LOGGER.handlers):
+        LINE_LOGGER.removeHandler(handler)
+
+
 #: most pytest-xdist workers ``-n auto`` starts: each builds its own session fixtures and holds its own models
 MAX_AUTO_WORKERS = 8
 

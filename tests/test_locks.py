@@ -103,13 +103,20 @@ def test_a_lock_file_is_as_writable_as_its_folder_whatever_the_umask(tmp_path, f
 
 def test_wait_blocks_until_the_other_run_ends(tmp_path):
     folder = tmp_path / "out"
-    other = _hold(folder, seconds=1.5)
-    start = time.monotonic()
+    other = subprocess.Popen([sys.executable, "-c", (
+        "import time\n"
+        "from wsi_milssl.locks import folder_lock\n"
+        f"with folder_lock({str(folder)!r}):\n"
+        "    print('locked', flush=True)\n"
+        "    time.sleep(1.5)\n"
+        "    print(time.time(), flush=True)\n"  # as it lets go: no timing of this process's own (review EJ)
+    )], stdout=subprocess.PIPE, text=True)
+    assert other.stdout.readline().strip() == "locked"
     with folder_lock(folder, wait=True):
-        waited = time.monotonic() - start
+        got_it_at = time.time()
         assert lock_holder(folder)["pid"] == os.getpid()
     assert other.wait(timeout=30) == 0
-    assert waited > 1.0  # it waited for the other run's 1.5 s
+    assert got_it_at >= float(other.stdout.readline())  # it waited until the other run let go
 
 
 def test_the_lock_of_a_killed_run_is_reclaimed_and_removed_after_use(tmp_path):

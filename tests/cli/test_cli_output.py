@@ -3,6 +3,7 @@ accepted after the subcommand as well as before it (issue 15, deliverable 5)."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 import time
@@ -81,17 +82,23 @@ def test_progress_lines_for_stages_epochs_and_long_items(monkeypatch):
 def test_bars_close_when_their_stage_is_done_and_redraw_at_most_every_tenth_of_a_second(capsys):
     """Review BX: a top-level bar ran on until the `with` block ended (a 0.3 s tiling showed [00:10]), and every
     event redrew its bar (a tiny run wrote 51 cursor-up escapes)."""
+    passes_s = []
     with TqdmProgress(disable=False) as p:
         for n_slides in (3, 2):  # two passes of one stage (the training set's slides, then the test set's)
+            t0 = time.monotonic()
             p(ProgressEvent("tile", 0, n_slides, unit="slide"))
             for i in range(1, n_slides + 1):
                 for j in range(0, 501):
                     p(ProgressEvent("tile-patches", j, 500, unit="patch"))
                 p(ProgressEvent("tile", i, n_slides, unit="slide", item=f"s{i}"))
+            passes_s.append(time.monotonic() - t0)
         err = capsys.readouterr().err
         time.sleep(1.2)  # the bars' clock would run on while the `with` block is open
     finals = re.findall(r"tile: 100%\|[^|]*\| (\d)/(\d) \[00:0(\d)", err)
-    assert [(a, b) for a, b, _ in finals] == [("3", "3"), ("2", "2")], err
-    assert all(int(s) == 0 for *_, s in finals)  # each bar's time is its own pass's (well under a second)
-    assert err.count("\r") < 60, err.count("\r")  # 2500 events
+    # a pass that stalled 0.1 s (a loaded machine) draws its last state twice, on update and on close (review EJ)
+    assert [k for k, _ in itertools.groupby((a, b) for a, b, _ in finals)] == [("3", "3"), ("2", "2")], err
+    # each bar's time is its own pass's (well under a second), not the block's
+    assert all(int(s) <= int(passes_s[0 if a == "3" else 1]) for a, _, s in finals), (finals, passes_s)
+    # 2500 events: at most one redraw per bar per tenth of a second, and a few at the start and end of each
+    assert err.count("\r") < 60 + 4 * 10 * sum(passes_s), (err.count("\r"), passes_s)
     assert capsys.readouterr().err == ""  # nothing drawn when the block ends: every bar was closed

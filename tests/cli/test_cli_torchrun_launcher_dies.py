@@ -47,10 +47,10 @@ def test_ranks_stop_when_torchrun_is_killed_and_the_run_resumes(tmp_path, mil_cs
         ranks = _children(proc.pid)
         assert len(ranks) == 2
         os.kill(proc.pid, signal.SIGKILL)  # torchrun itself, not its ranks
-        # the ranks hold torchrun's stdout and stderr: both close once every rank has ended
-        t0 = time.monotonic()
-        out, err = proc.communicate(timeout=30)
-        assert time.monotonic() - t0 < 10, err
+        # the ranks hold torchrun's stdout and stderr: both close once every rank has ended (left alone, they would
+        # train 100000 epochs); not timed closer, as the ranks' teardown takes several seconds on a loaded machine
+        # (review EJ: 7.4 s of a 10 s bound)
+        out, err = proc.communicate(timeout=90)
     finally:
         if proc.poll() is None:
             proc.kill()
