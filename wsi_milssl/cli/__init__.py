@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
     except KeyboardInterrupt:  # Ctrl-C before the command started (its imports): no traceback (review BN)
-        print("interrupted", file=sys.stderr)
+        stderr_line("interrupted")
         return 130
 
 
@@ -272,7 +272,7 @@ def _main(argv: list[str] | None) -> int:
     try:
         _configure_output(verbose=verbose, quiet=quiet, log_file=log_file, tag=tag, floor=floor)
     except WsiMilsslError as exc:
-        print(f"{tag}error: {exc}", file=sys.stderr)
+        stderr_line(f"{tag}error: {exc}")
         return 2
     run_dir = getattr(args, "resume", None) or getattr(args, "out", None) if args.command == "train" else None
     stdout, on_sigterm = sys.stdout, _say_when_terminated(args.command, _restarts(args), run_dir=run_dir)
@@ -312,7 +312,7 @@ def _run_command(args: argparse.Namespace, *, rank: int, world: int, tag: str) -
             raise
         code = report_error(problem, code=1, tag=tag)
     except KeyboardInterrupt:
-        print(f"{tag}interrupted", file=sys.stderr)
+        stderr_line(f"{tag}interrupted")
         _log_to_file("interrupted")  # a batch run's log then says why it stopped
         code = 130
     try:
@@ -505,13 +505,20 @@ def rank_tag() -> str:
     return _RANK_TAG
 
 
+def stderr_line(line: str) -> None:
+    """``line`` and its newline to stderr in one write: ``print`` writes them apart, and under torchrun (``python
+    -u``: each write goes straight out) two ranks' lines could then be glued together (review EJ)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def report_error(error: object, *, code: int, tag: str | None = None) -> int:
     """Print ``error: {error}`` to stderr, after ``tag`` (``[rank r] ``; by default this rank's,
     :func:`rank_tag`), and log it to the ``--log-file`` (if any, whatever -q says); returns ``code``, the exit
     code. Every subcommand's error path goes through this, so that the log of a batch run (nohup, sbatch) that
     ended on an error says why."""
     tag = _RANK_TAG if tag is None else tag
-    print(f"{tag}error: {error}", file=sys.stderr)
+    stderr_line(f"{tag}error: {error}")
     _log_to_file(f"error: {error}")
     return code
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from wsi_milssl.cli.options import output_folder
@@ -141,7 +140,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from wsi_milssl.cli import rank_tag, report_error
+    from wsi_milssl.cli import rank_tag, report_error, stderr_line
     from wsi_milssl.cli.progress import TqdmProgress
     from wsi_milssl.errors import ConfigError
     from wsi_milssl.features import extract_features
@@ -163,5 +162,5 @@ def run(args: argparse.Namespace) -> int:
     print(f"status: {result.status_csv}")
     for r in result.results:
         if r.status == "failed":
-            print(f"{rank_tag()}failed: {r.slide}: {r.error}", file=sys.stderr)
+            stderr_line(f"{rank_tag()}failed: {r.slide}: {r.error}")
     return 0 if result.ok else 1

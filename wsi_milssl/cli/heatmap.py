@@ -7,7 +7,6 @@ instance probabilities are drawn on the coordinates of the feature files instead
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from wsi_milssl.cli.label import _groups
@@ -290,9 +289,9 @@ def _report(result, what: str, *, shard=None) -> int:
              if path.exists()]  # a shard without slides writes no scores.csv (a header-only status CSV)
     if files:
         print("; ".join(files))
-    from wsi_milssl.cli import rank_tag
+    from wsi_milssl.cli import rank_tag, stderr_line
 
     for r in result.results:
         if r.status != "ok":
-            print(f"{rank_tag()}{r.status}: {r.slide}: {r.error}", file=sys.stderr)
+            stderr_line(f"{rank_tag()}{r.status}: {r.slide}: {r.error}")
     return 0 if result.ok else 1

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from wsi_milssl.cli.options import output_folder
@@ -102,7 +101,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from wsi_milssl.cli import rank_tag, report_error
+    from wsi_milssl.cli import rank_tag, report_error, stderr_line
     from wsi_milssl.cli.progress import TqdmProgress
     from wsi_milssl.cli.sharding import failed_exit, shard_from_args
     from wsi_milssl.tiling import find_slides, tile_slides
@@ -131,5 +130,5 @@ def run(args: argparse.Namespace) -> int:
     print(f"status: {result.status_csv}")
     for r in result.results:
         if r.status == "failed":
-            print(f"{rank_tag()}failed: {r.slide}: {r.error}", file=sys.stderr)
+            stderr_line(f"{rank_tag()}failed: {r.slide}: {r.error}")
     return failed_exit(args, shard, counts["failed"], status_csv=result.status_csv)
