@@ -41,3 +41,41 @@ def test_a_training_slide_linked_into_the_test_set_under_another_name_is_named(t
     with pytest.raises(WsiMilsslError) as info:
         prepare_folder(folder, labels, tmp_path / "out", test_slides_dir=test, test_labels_csv=test / "labels.csv")
     assert "1 slide file(s) are in both the training and the test set under other names (links)" in str(info.value)
+
+
+def test_two_files_that_only_share_a_name_are_two_slides_each_with_its_own_patient(tmp_path, synth_slides):
+    """Review EK, B1: `prepare folder` refused a training and a test folder whose slides share names (synth names
+    every set synth_000, ...) though the files differ, saying they are "in both sets", where `run` counts them as
+    two slides. A shared name of two files is a note now; a training copy of its test namesake (the same bytes) is
+    left out of training; each set's labels keep their own patients (they were merged by name)."""
+    import csv
+
+    from prepare_trees import distinct_copy
+
+    train, test = tmp_path / "train", tmp_path / "test"
+    train.mkdir()
+    test.mkdir()
+    kinds = {"s0": "normal", "s1": "tumor", "s2": "normal", "s3": "tumor"}
+    for name, kind in kinds.items():
+        distinct_copy(synth_slides[kind], train / f"{name}.tif")
+        if kind == "tumor":
+            shutil.copy(synth_slides[kind].with_suffix(".xml"), train / f"{name}.xml")
+    (train / "labels.csv").write_text("slide,patient,label\n" + "".join(
+        f"{n},train_{n},{int(k == 'tumor')}\n" for n, k in kinds.items()))
+    distinct_copy(synth_slides["tumor"], test / "s0.tif")  # another slide under a training slide's name
+    shutil.copy(synth_slides["tumor"].with_suffix(".xml"), test / "s0.xml")
+    shutil.copy(train / "s2.tif", test / "s2.tif")  # a copy: the same slide
+    (test / "labels.csv").write_text("slide,patient,label\ns0,test_s0,1\ns2,test_s2,0\n")
+    done = prepare_folder(train, train / "labels.csv", tmp_path / "out", test_slides_dir=test,
+                          test_labels_csv=test / "labels.csv")
+    notes = "\n".join(done.notes)
+    assert "1 name(s) are used in both sets by different slide files: s0 (two slides each" in notes, notes
+    assert "s2 (the same file as test slide s2)" in notes, notes
+    assert "are in both the training and the test set" not in notes
+
+    def rows(cohort_set):
+        with open(cohort_set.labels_csv, newline="") as fh:
+            return [tuple(r) for r in csv.reader(fh)][1:]
+
+    assert rows(done.sets["train"]) == [("s0", "0", "train_s0"), ("s1", "1", "train_s1"), ("s3", "1", "train_s3")]
+    assert rows(done.sets["test"]) == [("s0", "1", "test_s0"), ("s2", "0", "test_s2")]

@@ -502,19 +502,28 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
                          f"{labels_csv}, {t_column} of {test_labels_csv}): {_names(shown)} (a model may learn a "
                          "patient it is tested on: move each patient's slides into one set)")
         split = _split_line(labels_csv, column, labels, patients, patient_column, held_out=False)
-        patients = {**patients, **t_patients}
-        overlap = sorted({stem_key(s) for s in slides} & {stem_key(s) for s in t_slides})
+        by_set = {"train": patients, "test": t_patients}  # per set: a name may be in both (two files)
+        test_by_key = {stem_key(s): p for s, p in t_slides.items()}
+        test_files = {file_identity(p) for p in t_slides.values()}
+        # a name in both sets is one slide when it is one file (the same folder, a link); two files that only share
+        # a name are two slides, as `run` counts them (review EK), and two copies of one slide are left out of
+        # training by the same-bytes check below
+        shared_names = sorted((s for s in slides if stem_key(s) in test_by_key), key=str.casefold)
+        overlap = [s for s in shared_names if file_identity(slides[s]) == file_identity(test_by_key[stem_key(s)])]
         if overlap:
             problems.append((f"{len(overlap)} slide(s) are in both the training and the test set: {_names(overlap)}",
                              "keep each slide in one set: remove it from the other set's folder or labels file."))
-        test_files = {file_identity(p) for p in t_slides.values()}
-        said = set(overlap)  # the same name in both sets is the overlap above, said once (review EI)
+        said = {stem_key(s) for s in shared_names}  # a name in both sets is said once, above (review EI)
         linked = sorted(str(p) for s, p in slides.items() if file_identity(p) in test_files and stem_key(s) not in said)
         if linked:
             problems.append((f"{len(linked)} slide file(s) are in both the training and the test set under other "
                              f"names (links): {_names(linked)}",
                              "keep each slide in one set: remove it from the other set's folder or labels file."))
         drop_train, drop_test, same = _same_content_slides(slides, labels, t_slides, t_labels)
+        apart = [s for s in shared_names if s not in overlap and s not in drop_train]  # (copies: said in `same`)
+        if apart:
+            notes.append(f"{len(apart)} name(s) are used in both sets by different slide files: {_names(apart)} (two "
+                         "slides each, kept apart: each set's outputs have their own folders)")
         notes += same
         problems += _one_class_problems({s: v for s, v in labels.items() if s not in drop_train},
                                         where="training slide", names=("normal (label 0)", "tumour (label 1)"),
@@ -553,6 +562,7 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
                 "slide); if it does, add slides of more patients, or give a test set with --test-slides and "
                 "--test-labels.")
         split = _split_line(labels_csv, column, labels, patients, patient_column, held_out=True)
+        by_set = {"train": patients, "test": patients}  # one labels file: its names are one slide each
         train = ({s: slides[s] for s in tr}, {s: labels[s] for s in tr})
         test = ({s: slides[s] for s in te}, {s: labels[s] for s in te})
         t_roots = ann_roots
@@ -608,6 +618,6 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
         "--val-fraction": val_fraction, "--exclude": list(exclude), "--patient-column": patient_column,
         "--out": out})
     return _finish(out, name=name or out.resolve().name, template=template, sets=sets, val_fraction=val_fraction,
-                   split_seed=split_seed, command=command, facts=facts, notes=notes, patients=patients,
+                   split_seed=split_seed, command=command, facts=facts, notes=notes, patients=by_set,
                    excluded=excluded, split=split,
                    challenge_froc=template is not None)  # the packaged template's froc_mpp is CAMELYON16's

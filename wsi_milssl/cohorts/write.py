@@ -73,13 +73,13 @@ def _csv_text(header: tuple[str, ...], rows: Iterable[tuple]) -> str:
 def _write_set(out: Path, name: str, slides: Mapping[str, Path], labels: Mapping[str, int],
                annotations: Mapping[str, _Annotation], patients: Mapping[str, str] | None = None) -> CohortSet:
     """Write one set; ``annotations`` already read (:func:`_read_annotations`); ``patients`` {stem: patient}
-    (from the labels file's patient column) adds a ``patient`` column to the labels file."""
+    (from the labels file's patient column; None: no column) adds a ``patient`` column to the labels file."""
     slides_path, labels_path, ann_dir = _set_paths(out, name)
     ann_dir.mkdir(parents=True, exist_ok=True)
     stems = sorted(slides, key=str.casefold)
     slides_csv = atomic_write_text(slides_path,
                                    _csv_text(("slide", "path"), ((s, str(slides[s].absolute())) for s in stems)))
-    if patients:
+    if patients is not None:
         labels_text = _csv_text(("slide", "label", "patient"),
                                 ((s, int(labels[s]), patients.get(s, "")) for s in stems))
     else:
@@ -322,9 +322,10 @@ def _group_check(sets: Mapping[str, tuple[Mapping[str, Path], Mapping[str, int],
 def _finish(out: Path, *, name: str, template: Path | None,
             sets: dict[str, tuple[Mapping[str, Path], Mapping[str, int], Mapping[str, _Annotation]]],
             val_fraction: float | None, split_seed: int | None, command: str, facts: dict,
-            notes: list[str], patients: Mapping[str, str] | None = None, challenge_froc: bool = True,
+            notes: list[str], patients: Mapping[str, Mapping[str, str]] | None = None, challenge_froc: bool = True,
             excluded: Iterable[str] = (), split: str = "") -> PreparedCohort:
-    """Write everything: ``sets`` {name: (slides, labels, annotations read)}, all checked and read.
+    """Write everything: ``sets`` {name: (slides, labels, annotations read)}, all checked and read; ``patients``
+    {set name: {stem: patient}} (per set: two files of one name, one in each set, are two slides).
 
     The pipeline is made and validated first (in a temporary file beside ``pipeline.toml``), so a
     template that gives no valid pipeline leaves ``out`` as it was; ``pipeline.toml`` gets its name last.
@@ -374,7 +375,8 @@ def _finish(out: Path, *, name: str, template: Path | None,
             # the split run will make of these slides (a grid needs validation slides of both classes): the
             # cohort is written, with a note, as the pipeline is there to be edited (drop the grid, another metric)
             train_labels = dict(sets["train"][1])
-            train_lists = (train_labels, {k: v for k, v in (patients or {}).items() if k in train_labels})
+            train_lists = (train_labels, {k: v for k, v in (patients or {}).get("train", {}).items()
+                                          if k in train_labels})
 
             def refused(pipeline, path: Path) -> str | None:
                 try:
@@ -410,7 +412,9 @@ def _finish(out: Path, *, name: str, template: Path | None,
                 notes += _group_check(sets, spec, run_toml)
             except ConfigError as exc:
                 raise ConfigError(str(exc).replace(str(fh.name), str(target))) from None
-            written = {k: _write_set(out, k, *v, patients=patients) for k, v in sets.items()}
+            with_patients = any((patients or {}).values())  # a patient column in every set's labels, or none
+            written = {k: _write_set(out, k, *v, patients=patients.get(k, {}) if with_patients else None)
+                       for k, v in sets.items()}
             real_out = Path(os.path.realpath(out))
             summary = {
                 "command": command,
