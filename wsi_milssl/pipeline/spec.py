@@ -296,8 +296,8 @@ def load_pipeline(path: str | os.PathLike, *, out_dir: str | os.PathLike | None 
     if out_dir is None:
         if "out_dir" not in meta and ("/" in name or "\\" in name):
             raise ConfigError(f"{at('pipeline')}: [pipeline].name {name!r} names the default output folder "
-                              f"{name}_out, which would not be a folder beside the pipeline file. Fix: a name "
-                              "without '/' and '\\', or set [pipeline].out_dir.")
+                              f"{name}_out, which would not lie directly in the folder `run` starts in. "
+                              "Fix: a name without '/' and '\\', or set [pipeline].out_dir.")
         out_dir = _check(at("pipeline"), "pipeline", "out_dir", meta.get("out_dir", f"{name}_out"), str)
         if not out_dir.strip():
             raise ConfigError(f"{at('pipeline')}: [pipeline].out_dir must not be empty (or blank).")
