@@ -168,3 +168,20 @@ def test_an_overlay_of_another_annotation_version_is_noted(synth_dir, annotation
     report = (tmp_path / "out2" / "report.html").read_text()
     assert (f"the heatmap overlays of 1 slide(s) outline another version of their annotation than the one evaluated "
             f"(edited since, or another annotations folder): {info['tumor']}") in report
+
+
+def test_an_overlay_of_an_annotation_edited_in_place_is_noted(synth_dir, annotations_dir, predictions, tmp_path):
+    """Review EM, A1: the overlay's annotation is compared by its bytes (its size and time can be kept while an
+    outline moves)."""
+    from wsi_milssl.annotations import annotation_version, find_annotation
+
+    _, info = predictions
+    current = annotation_version(find_annotation(info["tumor"], annotations_dir))
+    copy = _folder(predictions, tmp_path, {"outline_file": {**current, "sha256": "0" * 64}}, {})
+    _evaluate(copy, synth_dir, annotations_dir, tmp_path / "out")
+    assert f"outline another version of their annotation than the one evaluated (edited since, or another " \
+           f"annotations folder): {info['tumor']}" in (tmp_path / "out" / "report.html").read_text()
+    shutil.rmtree(copy)
+    copy = _folder(predictions, tmp_path, {"outline_file": {**current, "mtime_ns": 1}}, {})  # touched: same bytes
+    _evaluate(copy, synth_dir, annotations_dir, tmp_path / "out2")
+    assert "another version of their annotation" not in (tmp_path / "out2" / "report.html").read_text()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -235,3 +236,27 @@ def test_an_annotation_file_added_edited_or_removed_draws_the_overlay_again(tmp_
     run = make_heatmaps(two_slides, ckpt, out, config)  # without annotations: no outline
     assert predicted == [] and run.redrawn == ("a",)
     assert _slide_files(out)["a_heatmap.png"] == before["a_heatmap.png"]
+
+
+def test_an_annotation_edited_in_place_with_its_size_and_time_kept_draws_the_overlay_again(
+        tmp_path, two_slides, checkpoint_factory, predicted, outline_writer):
+    """Review EM, A1: an outline moved in an annotation file of the same size whose modification time was put
+    back (`touch -r`) kept the old outline on the overlay, while label and evaluate read the new one: the
+    overlay's annotation is compared by its bytes now. A file touched with the same bytes draws nothing."""
+    ckpt = checkpoint_factory()
+    out, ann = tmp_path / "hm", tmp_path / "ann"
+    config = HeatmapConfig(**FAST)
+    outline_writer(ann, "a", (300, 300, 1500, 1500))
+    assert make_heatmaps(two_slides, ckpt, out, config, annotations_dir=ann).ok
+    xml = next(ann.glob("a.*"))
+    first, stat = _slide_files(out)["a_heatmap.png"], xml.stat()
+    outline_writer(ann, "a", (900, 900, 1700, 1700))
+    os.utime(xml, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert (xml.stat().st_size, xml.stat().st_mtime_ns) == (stat.st_size, stat.st_mtime_ns)
+    predicted.clear()
+    run = make_heatmaps(two_slides, ckpt, out, config, annotations_dir=ann)
+    assert predicted == [] and run.redrawn == ("a",)
+    assert _slide_files(out)["a_heatmap.png"] != first
+    os.utime(xml)  # a new time, the same bytes
+    run = make_heatmaps(two_slides, ckpt, out, config, annotations_dir=ann)
+    assert run.redrawn == () and run.skipped == ("a", "b")

@@ -28,10 +28,12 @@ from wsi_milssl.annotations.groups import (
 from wsi_milssl.annotations.io import (
     ANNOTATION_SUFFIXES,
     annotation_format,
+    annotation_version,
     convert_annotations,
     find_annotation,
     list_annotation_files,
     read_annotations,
+    same_annotation_version,
     write_annotations,
 )
 
@@ -45,6 +47,7 @@ __all__ = [
     "PolygonAnnotation",
     "UNCLASSIFIED",
     "annotation_format",
+    "annotation_version",
     "annotation_geometry",
     "as_group_map",
     "convert_annotations",
@@ -53,6 +56,7 @@ __all__ = [
     "polygonal",
     "rasterize_region",
     "read_annotations",
+    "same_annotation_version",
     "read_asap_xml",
     "read_geojson",
     "subdivide",

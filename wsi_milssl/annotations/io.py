@@ -312,6 +312,36 @@ def find_annotation(slide_stem: str, annotations_dir: str | os.PathLike) -> Path
     return chosen
 
 
+def annotation_version(path: str | os.PathLike) -> dict | None:
+    """What identifies the version of an annotation file an overlay outlines (a heatmap sidecar's
+    ``outline_file``): its :func:`wsi_milssl.tiling.file_fingerprint` (path, size, modification time) and the
+    SHA-256 of its bytes; None when it cannot be read."""
+    from wsi_milssl.hashing import file_sha256
+    from wsi_milssl.tiling.inputs import file_fingerprint
+
+    fingerprint = file_fingerprint(path)
+    if fingerprint is None:
+        return None
+    try:
+        return {**fingerprint, "sha256": file_sha256(path)}
+    except OSError:
+        return None
+
+
+def same_annotation_version(recorded: object, now: dict | None) -> bool:
+    """Whether two :func:`annotation_version` records (or None) are one version of one annotation file: the same
+    file name and bytes (review EM: an outline edited in place with its size and time kept was taken as the one
+    drawn); records of earlier versions, without a digest, by name, size and modification time. Not the folder: a
+    folder moved with its files keeps them."""
+    if not isinstance(recorded, dict) or not isinstance(now, dict):
+        return recorded == now
+    if Path(str(recorded.get("path"))).name != Path(str(now.get("path"))).name:
+        return False
+    if recorded.get("sha256") and now.get("sha256"):
+        return recorded["sha256"] == now["sha256"]
+    return (recorded.get("size_bytes"), recorded.get("mtime_ns")) == (now.get("size_bytes"), now.get("mtime_ns"))
+
+
 def _file_version(path: Path) -> tuple[int, int, int]:
     st = path.stat()
     return st.st_ino, st.st_size, st.st_mtime_ns

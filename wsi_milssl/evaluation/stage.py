@@ -42,7 +42,8 @@ from typing import Any, Collection, Iterable, Mapping
 import numpy as np
 from PIL import Image
 
-from wsi_milssl.annotations import find_annotation, rasterize_region, read_annotations
+from wsi_milssl.annotations import (annotation_version, find_annotation, rasterize_region, read_annotations,
+                                    same_annotation_version)
 from wsi_milssl.annotations.groups import groups_hiding_the_tumour
 from wsi_milssl.artifacts import (
     DETECTION_OUTCOME_COLUMNS,
@@ -941,7 +942,8 @@ def _report_notes(sel: _Selection, *, reasons: Mapping[str, str], lesion_exclude
 
 def _stale_outlines(sidecars: dict[str, dict], annotations_dir: Path | None) -> list[str]:
     """A note naming the slides whose heatmap overlay outlines another version of their annotation than the one
-    evaluated (its ``outline_file``: name, size and modification time; review CN: an annotation edited after the
+    evaluated (its ``outline_file``: name and bytes, :func:`~wsi_milssl.annotations.same_annotation_version`;
+    review CN: an annotation edited after the
     heatmap was scored as edited, while the report's picture still outlined the lesion deleted), else []."""
     if annotations_dir is None:
         return []
@@ -954,10 +956,8 @@ def _stale_outlines(sidecars: dict[str, dict], annotations_dir: Path | None) -> 
             path = find_annotation(stem, annotations_dir)
         except WsiMilsslError:
             continue
-        now = file_fingerprint(path) if path is not None else None
-        same = now is not None and (Path(str(recorded.get("path"))).name, recorded.get("size_bytes"),
-                                    recorded.get("mtime_ns")) == (path.name, now["size_bytes"], now["mtime_ns"])
-        if not same:
+        now = annotation_version(path) if path is not None else None
+        if now is None or not same_annotation_version(recorded, now):
             stale.append(stem)
     if not stale:
         return []

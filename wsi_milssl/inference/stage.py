@@ -289,18 +289,18 @@ def _read_outlines(stem: str, annotations_dir: Path | None, dims: tuple[int, int
 
 
 def _outline_file(stem: str, slide_path: Any, annotations_dir: str | os.PathLike | None) -> dict | None:
-    """The :func:`wsi_milssl.tiling.file_fingerprint` of the annotation file a slide's overlay outlines (None
-    without one, or without the slide file, when no overlay is drawn): recorded in the sidecar, so that an
+    """The :func:`wsi_milssl.annotations.annotation_version` of the annotation file a slide's overlay outlines
+    (None without one, or without the slide file, when no overlay is drawn): recorded in the sidecar, so that an
     annotation file added, edited or removed draws the overlay again."""
     if annotations_dir is None or slide_path is None or not Path(slide_path).exists():
         return None
-    from wsi_milssl.annotations import find_annotation
+    from wsi_milssl.annotations import annotation_version, find_annotation
 
     try:
         path = find_annotation(stem, annotations_dir)
     except WsiMilsslError:
         return None
-    return None if path is None else file_fingerprint(path)
+    return None if path is None else annotation_version(path)
 
 
 def _given_mpp(pred: SlidePrediction, config: HeatmapConfig) -> float | None:
@@ -746,6 +746,8 @@ def _finished(out_dir: Path, fingerprint: str, prediction_fingerprint: str, inpu
     patch count. A slide made by another checkpoint or settings (a run resumed with a new checkpoint), from
     other or changed files, without these records (an older folder), or that was 'empty' (no files record
     it) is predicted again. Only ``inputs`` are checked: shards writing one folder each check their own slides."""
+    from wsi_milssl.annotations import same_annotation_version
+
     rows = _read_status(out_dir / STATUS_FILENAME)
     done, redraw = {}, {}
     for item in inputs:
@@ -769,7 +771,7 @@ def _finished(out_dir: Path, fingerprint: str, prediction_fingerprint: str, inpu
             logger.info("%s: its status row in %s is not that of its files (an interrupted run); predicting it "
                         "again", item.stem, out_dir)
             continue
-        if not same or _missing_files(out_dir, item, sidecar) or not _same_file(
+        if not same or _missing_files(out_dir, item, sidecar) or not same_annotation_version(
                 sidecar.get("outline_file"), _outline_file(item.stem, item.slide_path, annotations_dir)):
             redraw[item.stem] = sidecar
             continue
