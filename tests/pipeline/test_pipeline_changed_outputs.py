@@ -277,3 +277,37 @@ def test_an_evaluation_written_by_hand_into_out_runs_evaluate_again(tmp_path):
     assert outcomes["evaluate"][0] == "ran" and outcomes["evaluate"][1].startswith(
         "output changed, or copied without its modification times: evaluation/")
     assert outcomes["evaluate"][1].endswith("(its stamp, of an earlier version, holds no checksums to tell which)")
+
+
+def test_a_model_file_cut_short_is_set_aside_and_trained_again(out, caplog):
+    """Review EM, B1: a best.pt cut short was kept as a hand edit ("train --resume?"), and every later run failed
+    on it with fixes for the hand commands. A changed output that does not read is set aside now, and its stage
+    runs again."""
+    best = out / "model" / "best.pt"
+    whole = best.read_bytes()
+    best.write_bytes(whole[:1000])
+    outcomes = _run(out)
+    status, reason, _ = outcomes["train"]
+    assert status == "ran" and reason.startswith(f"output damaged: {best} (") and reason.endswith(
+        "set aside as best.pt.damaged"), reason
+    assert (out / "model" / "best.pt.damaged").read_bytes() == whole[:1000]
+    assert best.is_file() and best.stat().st_size > 1000
+    assert {s for s, _, _ in outcomes.values()} >= {"ran"} and outcomes["evaluate"][0] == "ran"
+    assert "cannot be read" in caplog.text and "set aside as best.pt.damaged" in caplog.text
+    assert {s for s, _, _ in _run(out).values()} == {"skipped"}
+
+
+@pytest.mark.parametrize("cut", ["at a line's end", "inside a line"])
+def test_a_heatmap_table_cut_short_is_set_aside_and_made_again(out, cut):
+    """Review EM, B1: a `_patches.csv` cut short (at a line's end: its rows no longer the sidecar's count) was
+    kept as a hand run's, and every evaluate failed on it."""
+    table = out / "heatmaps" / "test" / "synth_000_patches.csv"
+    whole = table.read_text()
+    lines = whole.splitlines(keepends=True)
+    table.write_text("".join(lines[:5]) if cut == "at a line's end" else whole[: len(whole) // 2 + 3])
+    outcomes = _run(out)
+    status, reason, _ = outcomes["heatmap"]
+    assert status == "ran" and reason.startswith(f"output damaged: {table} ("), reason
+    assert table.read_text() == whole
+    assert outcomes["evaluate"][0] == "ran"
+    assert {s for s, _, _ in _run(out).values()} == {"skipped"}
