@@ -311,3 +311,26 @@ def test_a_heatmap_table_cut_short_is_set_aside_and_made_again(out, cut):
     assert table.read_text() == whole
     assert outcomes["evaluate"][0] == "ran"
     assert {s for s, _, _ in _run(out).values()} == {"skipped"}
+
+
+def test_more_epochs_continue_the_finished_run_as_train_resume_does(out, tmp_path, caplog):
+    """Review EM, B3: raising [train] epochs trained from scratch, though with a constant learning rate the first
+    epochs are the finished run's (hours at CAMELYON16's scale). The run continues from its last.pt now, and ends
+    as a run of that many epochs from scratch ends; fewer epochs, or a learning-rate schedule, train again."""
+    import torch
+
+    spec = load_pipeline(out.parent / "changed.toml", out_dir=out, overrides=["train.epochs=2"])
+    outcomes = {o.stage: o for o in run_pipeline(spec)}
+    assert outcomes["train"].status == "ran" and "settings changed" in outcomes["train"].reason
+    assert "epochs went up from 1 to 2" in caplog.text and not list(out.glob("model.replaced-*"))
+    fresh = tmp_path / "fresh"
+    run_pipeline(load_pipeline(out.parent / "changed.toml", out_dir=fresh, overrides=["train.epochs=2"]))
+    continued, scratch = (torch.load(d / "model" / "last.pt", weights_only=True) for d in (out, fresh))
+    assert continued["epoch"] == scratch["epoch"] == 2
+    for name, tensor in scratch["model"].items():
+        assert torch.equal(continued["model"][name], tensor), name
+    caplog.clear()
+    spec = load_pipeline(out.parent / "changed.toml", out_dir=out, overrides=["train.epochs=2",
+                                                                              'train.scheduler="cosine"'])
+    run_pipeline(spec, until="train")
+    assert "epochs went up" not in caplog.text and len(list(out.glob("model.replaced-*"))) == 1

@@ -91,6 +91,24 @@ def same_record(record: Any, forms: tuple[dict, ...], slide_lists: tuple[str, ..
     return False
 
 
+def _extended(record: Any, forms: tuple[dict, ...], slide_lists: tuple[str, ...], folder: Path) -> bool:
+    """Whether ``record`` is the run of one of ``forms`` but for fewer ``epochs``, with a constant learning rate
+    (scheduler "none"): its epochs are the first of the longer run, which continues from its last.pt (review EM: a
+    run of more epochs trained again from scratch, hours at CAMELYON16's scale)."""
+    settings = record.get("settings") if isinstance(record, dict) else None
+    if not isinstance(settings, dict) or not isinstance(settings.get("epochs"), int):
+        return False
+    for form in forms:
+        now = form.get("settings") if isinstance(form, dict) else None
+        if (not isinstance(now, dict) or now.get("scheduler", "none") != "none" or settings.get("scheduler", "none")
+                != "none" or not isinstance(now.get("epochs"), int) or now["epochs"] <= settings["epochs"]):
+            continue
+        if same_record(record, ({**form, "settings": {**now, "epochs": settings["epochs"]}},), slide_lists,
+                       folder=folder):
+            return True
+    return False
+
+
 def earlier_run(run_dir: Path, forms: tuple[dict, ...], slide_lists: tuple[str, ...]) -> Path | None:
     """The newest ``<run_dir>.replaced-*`` folder (:func:`replace_aside`) that holds the run ``forms`` describe with
     its ``last.pt``: a setting changed and changed back finds the run trained with it."""
@@ -127,6 +145,14 @@ def prepare_run_dir(run_dir: Path, fingerprint: dict, *earlier: dict, slide_list
             # fresh run would remove) are kept aside; a run killed in its first epoch has none
             if any((run_dir / name).is_file() for name in ("best.pt", "metrics.jsonl")):
                 replace_aside(run_dir, "lacks the last.pt a run continues from, so it trains again")
+        elif (run_dir / "last.pt").is_file() and _extended(previous, forms, slide_lists, folder=run_dir):
+            atomic_write_json(marker, fingerprint, sort_keys=True)
+            log.warning("%s: [train] epochs went up from %s to %s, with the learning rate constant (scheduler = "
+                        "\"none\"): the run continues from its last.pt, as `train --resume --epochs` does (a run of "
+                        "%s epochs from scratch would train the same first epochs)", run_dir,
+                        previous["settings"]["epochs"], fingerprint["settings"]["epochs"],
+                        fingerprint["settings"]["epochs"])
+            return True
         else:
             replace_aside(run_dir, "holds a training run started with other settings, data or labels")
     found = earlier_run(run_dir, forms, slide_lists) if restore else None
