@@ -334,3 +334,21 @@ def test_more_epochs_continue_the_finished_run_as_train_resume_does(out, tmp_pat
                                                                               'train.scheduler="cosine"'])
     run_pipeline(spec, until="train")
     assert "epochs went up" not in caplog.text and len(list(out.glob("model.replaced-*"))) == 1
+
+
+def test_a_checkpoint_of_another_run_copied_in_is_refused(out):
+    """Review EM, B2: a best.pt trained with other settings, copied into OUT/model, was kept as a `train --resume`
+    ("train --resume?") and its heatmaps and report made under this pipeline's settings."""
+    import torch
+
+    from wsi_milssl.errors import ConfigError
+
+    best = out / "model" / "best.pt"
+    ckpt = torch.load(best, weights_only=True)
+    ckpt["config"] = {**ckpt["config"], "lr": ckpt["config"]["lr"] * 10, "seed": 5}
+    torch.save(ckpt, best)
+    with pytest.raises(ConfigError) as err:
+        _run(out)
+    message = str(err.value)
+    assert message.startswith(f"{best}: trained with other settings than the pipeline's run in {best.parent} (")
+    assert "seed 5 (this run: 0)" in message and "--force train" in message

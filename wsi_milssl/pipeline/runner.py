@@ -783,6 +783,8 @@ def _set_aside_damaged(ctx: StageContext, stage: str) -> str | None:
         why = _unreadable(path) if path.is_file() else None
         if why is not None:
             damaged.append((path, why))
+        elif stage == "train" and path.suffix == ".pt" and path.is_file():
+            _refuse_other_run(path)
     for path, why in damaged:
         aside = path.with_name(path.name + ".damaged")
         os.replace(path, aside)
@@ -793,6 +795,33 @@ def _set_aside_damaged(ctx: StageContext, stage: str) -> str | None:
     path, why = damaged[0]
     more = f" and {len(damaged) - 1} more" if len(damaged) > 1 else ""
     return f"output damaged: {path}{more} ({why}); set aside as {path.name}.damaged"
+
+
+def _refuse_other_run(checkpoint: Path) -> None:
+    """ConfigError when the changed checkpoint ``checkpoint`` of the pipeline's model folder was trained with other
+    settings than the run of that folder (its ``config.json``), ``epochs`` and the speed-only settings aside: a
+    ``train --resume`` keeps them, so it is another run's, copied in (review EM: its heatmaps and report went on
+    under this pipeline's settings)."""
+    from wsi_milssl.config.train import RUNTIME_ONLY_FIELDS, TrainConfig
+    from wsi_milssl.errors import ConfigError
+    from wsi_milssl.mil.checkpoint import read_checkpoint
+
+    try:
+        run = json.loads((checkpoint.parent / "config.json").read_text(encoding="utf-8"))
+        trained = read_checkpoint(checkpoint).get("config") or {}
+    except (OSError, ValueError, WsiMilsslError):
+        return
+    if not isinstance(run, dict) or not isinstance(trained, dict):
+        return
+    fields = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in (*RUNTIME_ONLY_FIELDS, "epochs")]
+    differ = [f"{name} {trained[name]!r} (this run: {run[name]!r})" for name in fields
+              if name in trained and name in run and json.dumps(trained[name], sort_keys=True, default=str)
+              != json.dumps(run[name], sort_keys=True, default=str)]
+    if differ:
+        raise ConfigError(f"{checkpoint}: trained with other settings than the pipeline's run in {checkpoint.parent} "
+                          f"({'; '.join(differ[:4])}), so it is another run's, copied in (a `train --resume` keeps "
+                          "the settings). Fix: put the pipeline's own checkpoint back, or train again with --force "
+                          "train (the folder is kept as model.replaced-<time>).")
 
 
 def _unreadable(path: Path) -> str | None:
