@@ -295,8 +295,9 @@ def _evaluate_slide(
             where = f"in {annotations_dir}" if annotations_dir is not None else "(no annotations folder was given)"
             raise EvaluationError(
                 f"slide {stem!r} is labelled tumour but has no annotation file "
-                f"({stem}.xml or {stem}.geojson) {where}. Fix: pass --annotations (annotations_dir from Python) with "
-                "the folder that holds it, or correct its label in the labels CSV."
+                f"({stem}.xml or {stem}.geojson) {where}. Fix: pass --annotations (annotations_dir from Python; in a "
+                "pipeline, [data] test_annotations) with the folder that holds it, or correct its label in the labels "
+                "CSV."
             )
         # the slide's µm/px measures the margin and ITC limit unless config.froc_mpp does (nothing else needs it:
         # the patches' tumour fractions are in level-0 pixels)
