@@ -352,3 +352,15 @@ def test_a_checkpoint_of_another_run_copied_in_is_refused(out):
     message = str(err.value)
     assert message.startswith(f"{best}: trained with other settings than the pipeline's run in {best.parent} (")
     assert "seed 5 (this run: 0)" in message and "--force train" in message
+
+
+def test_a_model_folder_without_its_record_says_so_when_set_aside(out, caplog):
+    """Review EM, C2: a model folder whose pipeline_run.json was deleted was set aside at the next train as "a
+    training run started with other settings, data or labels", which it was not."""
+    (out / "model" / "pipeline_run.json").unlink()
+    # a change to the test set alone: the train stage runs, and kept the model while the record was there
+    outcomes = run_pipeline(load_pipeline(out.parent / "changed.toml", out_dir=out,
+                                          overrides=["synth.test.seed=1001"]), until="train")
+    assert [o.status for o in outcomes if o.stage == "train"] == ["ran"]
+    assert "holds a training run without a readable pipeline_run.json" in caplog.text
+    assert "started with other settings" not in caplog.text

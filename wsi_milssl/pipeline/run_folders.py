@@ -153,6 +153,9 @@ def prepare_run_dir(run_dir: Path, fingerprint: dict, *earlier: dict, slide_list
                         previous["settings"]["epochs"], fingerprint["settings"]["epochs"],
                         fingerprint["settings"]["epochs"])
             return True
+        elif previous is None:  # (review EM: said "started with other settings" of a record deleted)
+            replace_aside(run_dir, f"holds a training run without a readable {RUN_MARKER} (its record of the "
+                          "settings and data it was started with), so it cannot be told to be this run's")
         else:
             replace_aside(run_dir, "holds a training run started with other settings, data or labels")
     found = earlier_run(run_dir, forms, slide_lists) if restore else None
