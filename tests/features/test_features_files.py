@@ -318,3 +318,28 @@ def test_instance_labels_other_than_0_and_1_are_refused_naming_the_values(tmp_pa
     good = read_feature_file(_write_h5(tmp_path / "s2.h5", np.ones((3, 4), np.float32),
                                        instance_label=np.array([0, 1, 0], dtype)))
     assert good.instance_label.dtype == np.uint8 and good.instance_label.tolist() == [0, 1, 0]
+
+
+def test_a_trident_file_of_a_wide_slide_maps_x_to_columns_and_y_to_rows(tmp_path):
+    """Review EG (left open): a feature file of a slide wider than tall, TRIDENT's level0_width / level0_height
+    read as (width, height): the grid is rows x columns = height x width in patches, and each patch lands on the
+    cell its (x, y) names; a transpose shows only on a non-square slide."""
+    width, height, step = 7680, 2560, 512  # 15 x 5 patches of 512 level-0 px (256 px at 20x of a 40x slide)
+    ys, xs = np.mgrid[0:height // step, 0:width // step]
+    coords = np.stack([xs.ravel() * step, ys.ravel() * step], axis=1).astype(np.int64)
+    feats = np.random.default_rng(0).normal(size=(len(coords), 8)).astype(np.float32)
+    path = write_trident_features(tmp_path, "wide", feats, coords, patch_size=256, src_mag=40, dst_mag=20,
+                                  width=width, height=height)
+    ff = read_feature_file(path)
+    layout = ff.grid_layout()
+    assert layout.dimensions_lv0 == (width, height) and layout.grid_shape == (5, 15)
+    assert (layout.stride_lv0, layout.patch_size_lv0) == (step, step)
+    from wsi_milssl.inference.heatmap import probability_grid
+
+    value = np.arange(len(coords), dtype=np.float32)  # each patch's own number
+    grid = probability_grid(ff.coords, value, origin_lv0=layout.origin_lv0, stride_lv0=layout.stride_lv0,
+                            shape=layout.grid_shape)
+    assert grid.shape == (5, 15)
+    for i in (0, 14, 15, 37, len(coords) - 1):  # the patch at (x, y) is in row y / step, column x / step
+        x, y = coords[i]
+        assert grid[y // step, x // step] == i
