@@ -79,3 +79,25 @@ def test_two_files_that_only_share_a_name_are_two_slides_each_with_its_own_patie
 
     assert rows(done.sets["train"]) == [("s0", "0", "train_s0"), ("s1", "1", "train_s1"), ("s3", "1", "train_s3")]
     assert rows(done.sets["test"]) == [("s0", "1", "test_s0"), ("s2", "0", "test_s2")]
+
+
+def test_two_slides_of_one_name_reading_one_annotation_file_are_refused(tmp_path, synth_slides):
+    """Review EN, A2: with one annotations folder for both sets, the test slide of a name both sets use read the
+    training slide's annotation (its own was missing), and the FROC scored the wrong outline."""
+    from prepare_trees import distinct_copy
+
+    train, test, ann = tmp_path / "train", tmp_path / "test", tmp_path / "ann"
+    for folder in (train, test, ann):
+        folder.mkdir()
+    for name, kind in {"s0": "normal", "s1": "tumor"}.items():
+        distinct_copy(synth_slides[kind], train / f"{name}.tif")
+    distinct_copy(synth_slides["normal"], test / "s1.tif")  # other bytes than the training s1 (its annotation lost)
+    shutil.copy(synth_slides["tumor"].with_suffix(".xml"), ann / "s1.xml")
+    (train / "labels.csv").write_text("slide,label\ns0,0\ns1,1\n")
+    (test / "labels.csv").write_text("slide,label\ns1,1\n")
+    with pytest.raises(WsiMilsslError) as info:
+        prepare_folder(train, train / "labels.csv", tmp_path / "out", annotations_dir=ann, test_slides_dir=test,
+                       test_labels_csv=test / "labels.csv", test_annotations_dir=ann)
+    message = str(info.value)
+    assert "1 slide name(s) of both sets would read one annotation file for two different slides: s1" in message
+    assert "--test-annotations" in message

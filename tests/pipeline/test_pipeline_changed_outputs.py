@@ -288,12 +288,18 @@ def test_a_model_file_cut_short_is_set_aside_and_trained_again(out, caplog):
     best.write_bytes(whole[:1000])
     outcomes = _run(out)
     status, reason, _ = outcomes["train"]
+    (aside,) = out.glob("model.replaced-*")
     assert status == "ran" and reason.startswith(f"output damaged: {best} (") and reason.endswith(
-        "set aside as best.pt.damaged"), reason
-    assert (out / "model" / "best.pt.damaged").read_bytes() == whole[:1000]
-    assert best.is_file() and best.stat().st_size > 1000
-    assert {s for s, _, _ in outcomes.values()} >= {"ran"} and outcomes["evaluate"][0] == "ran"
-    assert "cannot be read" in caplog.text and "set aside as best.pt.damaged" in caplog.text
+        f"the model folder set aside as {aside.name}"), reason
+    # the whole folder: a best.pt of an earlier epoch than the last cannot be made again without training (review EN)
+    assert (aside / "best.pt").read_bytes() == whole[:1000] and not (aside / "pipeline_run.json").exists()
+    import torch
+
+    again, before = torch.load(best, weights_only=True), torch.load(aside / "last.pt", weights_only=True)
+    assert all(torch.equal(again["model"][k], v) for k, v in before["model"].items())  # trained again: the same
+    assert "Fix: pass RUN_DIR" not in reason, reason
+    assert outcomes["evaluate"][0] == "ran"
+    assert "holds a damaged best.pt" in caplog.text and "so the model trains again" in caplog.text
     assert {s for s, _, _ in _run(out).values()} == {"skipped"}
 
 
@@ -316,24 +322,46 @@ def test_a_heatmap_table_cut_short_is_set_aside_and_made_again(out, cut):
 def test_more_epochs_continue_the_finished_run_as_train_resume_does(out, tmp_path, caplog):
     """Review EM, B3: raising [train] epochs trained from scratch, though with a constant learning rate the first
     epochs are the finished run's (hours at CAMELYON16's scale). The run continues from its last.pt now, and ends
-    as a run of that many epochs from scratch ends; fewer epochs, or a learning-rate schedule, train again."""
+    as a run of that many epochs from scratch ends; the shorter run is kept as a copy and comes back with its epochs
+    (review EN, B3); a learning-rate schedule trains again."""
     import torch
 
+    one_epoch = _sha256(out / "model" / "best.pt")
     spec = load_pipeline(out.parent / "changed.toml", out_dir=out, overrides=["train.epochs=2"])
     outcomes = {o.stage: o for o in run_pipeline(spec)}
     assert outcomes["train"].status == "ran" and "settings changed" in outcomes["train"].reason
-    assert "epochs went up from 1 to 2" in caplog.text and not list(out.glob("model.replaced-*"))
+    assert "epochs went up from 1 to 2" in caplog.text
+    (copy,) = out.glob("model.replaced-*")
+    assert _sha256(copy / "best.pt") == one_epoch
     fresh = tmp_path / "fresh"
     run_pipeline(load_pipeline(out.parent / "changed.toml", out_dir=fresh, overrides=["train.epochs=2"]))
     continued, scratch = (torch.load(d / "model" / "last.pt", weights_only=True) for d in (out, fresh))
     assert continued["epoch"] == scratch["epoch"] == 2
     for name, tensor in scratch["model"].items():
         assert torch.equal(continued["model"][name], tensor), name
+    back = {o.stage: o for o in _run_all(out)}  # the pipeline's 1 epoch again: the run of 1 epoch is back
+    assert back["train"].status == "ran" and _sha256(out / "model" / "best.pt") == one_epoch
     caplog.clear()
     spec = load_pipeline(out.parent / "changed.toml", out_dir=out, overrides=["train.epochs=2",
                                                                               'train.scheduler="cosine"'])
     run_pipeline(spec, until="train")
-    assert "epochs went up" not in caplog.text and len(list(out.glob("model.replaced-*"))) == 1
+    assert "epochs went up" not in caplog.text
+
+
+def test_a_run_continued_by_hand_past_the_new_epochs_is_not_taken_as_them(out, caplog):
+    """Review EN, A1: a pipeline run of 1 epoch continued by hand to 3 (`train --resume --epochs 3`), then run with
+    epochs = 2: the 3-epoch model was kept as the 2-epoch run; it trains a run of 2 epochs now."""
+    import torch
+
+    assert main(["train", "--resume", str(out / "model"), "--epochs", "3"]) == 0
+    run_pipeline(load_pipeline(out.parent / "changed.toml", out_dir=out, overrides=["train.epochs=2"]),
+                 until="train")
+    assert "epochs went up" not in caplog.text
+    assert torch.load(out / "model" / "last.pt", weights_only=True)["epoch"] == 2
+
+
+def _run_all(out):
+    return run_pipeline(load_pipeline(out.parent / "changed.toml", out_dir=out))
 
 
 def test_a_checkpoint_of_another_run_copied_in_is_refused(out):
@@ -350,8 +378,9 @@ def test_a_checkpoint_of_another_run_copied_in_is_refused(out):
     with pytest.raises(ConfigError) as err:
         _run(out)
     message = str(err.value)
-    assert message.startswith(f"{best}: trained with other settings than the pipeline's run in {best.parent} (")
-    assert "seed 5 (this run: 0)" in message and "--force train" in message
+    assert message.startswith(f"{best}: trained with other settings or data than the pipeline's run in "
+                              f"{best.parent} (")
+    assert "seed: 5 -> 0" in message and "--force train" in message
 
 
 def test_a_model_folder_without_its_record_says_so_when_set_aside(out, caplog):

@@ -163,7 +163,8 @@ def test_a_train_stage_that_continued_a_stopped_run_says_so(out, monkeypatch):
     monkeypatch.setattr(selftrain, "fit", continued)
     spec = load_pipeline(out.parent / "upstream.toml", out_dir=out, overrides=["label.write_masks=false"])
     ran = {o.stage: o for o in run_pipeline(spec)}
-    assert ran["train"].summary.endswith(", continued from the last.pt of a run stopped before"), ran["train"].summary
+    assert ran["train"].summary.endswith(", continued from the last.pt of a run of these settings (stopped, or of "
+                                         "fewer epochs)"), ran["train"].summary
 
 
 @pytest.mark.parametrize("setting", ["label.write_masks=false", "label.mask_downsample=16"])

@@ -587,8 +587,17 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
     test_sources, t_unreadable = ((train_sources, []) if t_roots == ann_roots
                                   else _annotation_sources(t_roots, skip=[out],
                                                            given=test_annotations_dir is not None))
-    read = _read_annotations({"train": _match_annotations(train_sources, train[0]),
-                              "test": _match_annotations(test_sources, test[0])}, unreadable + t_unreadable)
+    matched = {"train": _match_annotations(train_sources, train[0]), "test": _match_annotations(test_sources, test[0])}
+    # two slides of one name, one in each set, must not read one annotation file (review EN: the training slide's
+    # outline was the test slide's, and the FROC scored it)
+    train_files = {stem_key(s): {(p, m) for _, p, m in found} for s, found in matched["train"].items()}
+    one_file = sorted((s for s, found in matched["test"].items()
+                       if train_files.get(stem_key(s), set()) & {(p, m) for _, p, m in found}), key=str.casefold)
+    _raise_problems(str(slides_dir), [f"{len(one_file)} slide name(s) of both sets would read one annotation file "
+                                      f"for two different slides: {_names(one_file)}"] if one_file else [],
+                    "give the test set its own annotations folder (--test-annotations), or rename the slide of one "
+                    "set (and its annotation).")
+    read = _read_annotations(matched, unreadable + t_unreadable)
     train_ann, test_ann = read["train"], read["test"]
     no_ann_test = sorted((s for s, v in test[1].items() if v == 1 and s not in test_ann), key=str.casefold)
     _raise_problems(str(slides_dir), [f"{len(no_ann_test)} tumour test slide(s) have no annotation "

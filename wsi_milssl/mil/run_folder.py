@@ -204,6 +204,18 @@ def _other_weights(saved: str | None, current: str | None) -> bool:
 
 
 def _check_resume_config(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
+    diffs = resume_differences(saved, current, path)
+    if diffs:
+        raise CheckpointError(
+            f"{path}: cannot resume with different settings or data ({'; '.join(diffs[:4])}); resume with the "
+            "original settings and data (see config.json in the run folder) or start a new --out folder."
+        )
+
+
+def resume_differences(saved: dict[str, Any], current: dict[str, Any], path: Path) -> list[str]:
+    """What a run saved with the checkpoint config ``saved`` cannot be continued with under ``current`` (another
+    such config), as ``setting: before -> now`` lines: [] when it can (``epochs`` of a constant-rate run, the
+    speed-only settings and the settings a model ignores aside)."""
     # a setting added after the run was saved ran at its default (which is the old behaviour)
     defaults = {f.name: f.default for f in fields(TrainConfig) if f.default is not MISSING}
     diffs = []
@@ -240,11 +252,7 @@ def _check_resume_config(saved: dict[str, Any], current: dict[str, Any], path: P
                 value = {**value, "feature_settings": {k: v for k, v in new_fs.items() if k in recorded}}
         if json.dumps(before, sort_keys=True) != json.dumps(value, sort_keys=True):
             diffs.append(f"{key}: {before!r} -> {value!r}")
-    if diffs:
-        raise CheckpointError(
-            f"{path}: cannot resume with different settings or data ({'; '.join(diffs[:4])}); resume with the "
-            "original settings and data (see config.json in the run folder) or start a new --out folder."
-        )
+    return diffs
 
 
 def missing_checkpoint_error(run_dir: Path) -> CheckpointError:

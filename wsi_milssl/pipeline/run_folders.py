@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -23,14 +24,20 @@ RUN_MARKER = "pipeline_run.json"
 
 def replace_aside(folder: Path, why: str) -> Path:
     """Rename ``folder`` to ``<folder>.replaced-<UTC time>`` (kept, never deleted) and say so."""
+    aside = _aside_name(folder)
+    folder.rename(aside)
+    log.warning("%s %s; it is kept as %s", folder, why, aside)
+    return aside
+
+
+def _aside_name(folder: Path) -> Path:
+    """``<folder>.replaced-<UTC time>`` (``-2``, ``-3``, ... after it when taken)."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     aside = folder.with_name(f"{folder.name}.replaced-{stamp}")
     k = 1
     while aside.exists():
         k += 1
         aside = folder.with_name(f"{folder.name}.replaced-{stamp}-{k}")
-    folder.rename(aside)
-    log.warning("%s %s; it is kept as %s", folder, why, aside)
     return aside
 
 
@@ -91,6 +98,15 @@ def same_record(record: Any, forms: tuple[dict, ...], slide_lists: tuple[str, ..
     return False
 
 
+def _epochs_asked(run_dir: Path) -> int | float:
+    """The epochs the run in ``run_dir`` was last asked for (its ``config.json``: a ``train --resume --epochs N``
+    raises them); infinity when unreadable (nothing continues it)."""
+    try:
+        return int(json.loads((run_dir / "config.json").read_text(encoding="utf-8"))["epochs"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return float("inf")
+
+
 def _extended(record: Any, forms: tuple[dict, ...], slide_lists: tuple[str, ...], folder: Path) -> bool:
     """Whether ``record`` is the run of one of ``forms`` but for fewer ``epochs``, with a constant learning rate
     (scheduler "none"): its epochs are the first of the longer run, which continues from its last.pt (review EM: a
@@ -145,13 +161,18 @@ def prepare_run_dir(run_dir: Path, fingerprint: dict, *earlier: dict, slide_list
             # fresh run would remove) are kept aside; a run killed in its first epoch has none
             if any((run_dir / name).is_file() for name in ("best.pt", "metrics.jsonl")):
                 replace_aside(run_dir, "lacks the last.pt a run continues from, so it trains again")
-        elif (run_dir / "last.pt").is_file() and _extended(previous, forms, slide_lists, folder=run_dir):
+        elif (run_dir / "last.pt").is_file() and _extended(previous, forms, slide_lists, folder=run_dir) and \
+                _epochs_asked(run_dir) <= fingerprint["settings"]["epochs"]:
+            # (a run continued by hand past the new epochs, `train --resume --epochs`, is not: review EN) the
+            # shorter run stays as a copy, brought back when its epochs are (review EN: it trained again)
+            aside = _aside_name(run_dir)
+            shutil.copytree(run_dir, aside, symlinks=True)
             atomic_write_json(marker, fingerprint, sort_keys=True)
             log.warning("%s: [train] epochs went up from %s to %s, with the learning rate constant (scheduler = "
                         "\"none\"): the run continues from its last.pt, as `train --resume --epochs` does (a run of "
-                        "%s epochs from scratch would train the same first epochs)", run_dir,
-                        previous["settings"]["epochs"], fingerprint["settings"]["epochs"],
-                        fingerprint["settings"]["epochs"])
+                        "%s epochs from scratch would train the same first epochs); the run of %s epochs is kept as %s",
+                        run_dir, previous["settings"]["epochs"], fingerprint["settings"]["epochs"],
+                        fingerprint["settings"]["epochs"], previous["settings"]["epochs"], aside.name)
             return True
         elif previous is None:  # (review EM: said "started with other settings" of a record deleted)
             replace_aside(run_dir, f"holds a training run without a readable {RUN_MARKER} (its record of the "

@@ -773,8 +773,9 @@ def _set_aside_damaged(ctx: StageContext, stage: str) -> str | None:
     """For a stage up to date whose output files changed outside the pipeline (kept, :func:`_kept_note`: they may
     be a hand run's), those that no longer read (:func:`_unreadable`: a ``best.pt`` or ``_patches.csv`` cut short,
     review EM: kept as a hand edit, every later run failed with fixes for the hand commands) are renamed to
-    ``NAME.damaged`` (replacing an older one), so that the stage runs again and makes them anew; its reason
-    ("output damaged: FILE (why)"), or None when every changed file reads."""
+    ``NAME.damaged`` (replacing an older one), so that the stage runs again and makes them anew (a damaged
+    checkpoint: the model folder is set aside, without its record, and trains again); its reason ("output damaged:
+    FILE (why)"), or None when every changed file reads."""
     if stage not in ("train", "heatmap"):
         return None
     damaged = []
@@ -785,43 +786,47 @@ def _set_aside_damaged(ctx: StageContext, stage: str) -> str | None:
             damaged.append((path, why))
         elif stage == "train" and path.suffix == ".pt" and path.is_file():
             _refuse_other_run(path)
+    if not damaged:
+        return None
+    path, why = damaged[0]
+    more = f" and {len(damaged) - 1} more" if len(damaged) > 1 else ""
+    if stage == "train":  # a checkpoint of an epoch validation chose cannot be made again without training it
+        from wsi_milssl.pipeline.run_folders import RUN_MARKER, replace_aside
+
+        aside = replace_aside(ctx.model_dir, f"holds a damaged {path.name} ({why}), so the model trains again")
+        (aside / RUN_MARKER).unlink(missing_ok=True)  # never brought back as this run's (review EN)
+        return f"output damaged: {path}{more} ({why}); the model folder set aside as {aside.name}"
     for path, why in damaged:
         aside = path.with_name(path.name + ".damaged")
         os.replace(path, aside)
         log.warning("%s: %s cannot be read (%s), so it is damaged, not a hand run's: set aside as %s, and the %s "
                     "stage runs again", stage, path, why, aside.name, stage)
-    if not damaged:
-        return None
     path, why = damaged[0]
-    more = f" and {len(damaged) - 1} more" if len(damaged) > 1 else ""
     return f"output damaged: {path}{more} ({why}); set aside as {path.name}.damaged"
 
 
 def _refuse_other_run(checkpoint: Path) -> None:
     """ConfigError when the changed checkpoint ``checkpoint`` of the pipeline's model folder was trained with other
-    settings than the run of that folder (its ``config.json``), ``epochs`` and the speed-only settings aside: a
-    ``train --resume`` keeps them, so it is another run's, copied in (review EM: its heatmaps and report went on
-    under this pipeline's settings)."""
-    from wsi_milssl.config.train import RUNTIME_ONLY_FIELDS, TrainConfig
+    settings or data than the run of that folder (its ``config.json``), by the rules of a resume
+    (:func:`wsi_milssl.mil.run_folder.resume_differences`): a ``train --resume`` keeps them, so it is another run's,
+    copied in (review EM: its heatmaps and report went on under this pipeline's settings)."""
     from wsi_milssl.errors import ConfigError
     from wsi_milssl.mil.checkpoint import read_checkpoint
+    from wsi_milssl.mil.run_folder import resume_differences
 
     try:
         run = json.loads((checkpoint.parent / "config.json").read_text(encoding="utf-8"))
-        trained = read_checkpoint(checkpoint).get("config") or {}
+        trained = read_checkpoint(checkpoint).get("config")
     except (OSError, ValueError, WsiMilsslError):
         return
     if not isinstance(run, dict) or not isinstance(trained, dict):
         return
-    fields = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in (*RUNTIME_ONLY_FIELDS, "epochs")]
-    differ = [f"{name} {trained[name]!r} (this run: {run[name]!r})" for name in fields
-              if name in trained and name in run and json.dumps(trained[name], sort_keys=True, default=str)
-              != json.dumps(run[name], sort_keys=True, default=str)]
+    differ = resume_differences(trained, run, checkpoint)
     if differ:
-        raise ConfigError(f"{checkpoint}: trained with other settings than the pipeline's run in {checkpoint.parent} "
-                          f"({'; '.join(differ[:4])}), so it is another run's, copied in (a `train --resume` keeps "
-                          "the settings). Fix: put the pipeline's own checkpoint back, or train again with --force "
-                          "train (the folder is kept as model.replaced-<time>).")
+        raise ConfigError(f"{checkpoint}: trained with other settings or data than the pipeline's run in "
+                          f"{checkpoint.parent} ({'; '.join(differ[:4])}), so it is another run's, copied in (a "
+                          "`train --resume` keeps them). Fix: put the pipeline's own checkpoint back, or train again "
+                          "with --force train (the folder is kept as model.replaced-<time>).")
 
 
 def _unreadable(path: Path) -> str | None:
@@ -850,7 +855,9 @@ def _unreadable(path: Path) -> str | None:
             rows = list(csv.reader(io.StringIO(text)))
             return _patch_rows_differ(path, len(rows) - 1)
     except (OSError, ValueError, EOFError, RuntimeError, csv.Error, WsiMilsslError) as exc:
-        return str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+        said = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        said = said.split(" Fix: ")[0].rstrip(".")  # (the fix of a hand command's error is not this one's)
+        return said.removeprefix(f"{path}: ")
     return None
 
 

@@ -391,9 +391,9 @@ def _fit_runs(ctx: StageContext, runs: list[dict], configs: list, *, train, val,
                      progress=ctx.progress)
         kept = before is not None and last.is_file() and last.stat().st_mtime_ns == before
         # review BS: the line read as if it had trained; review CQ: and as if a continued run had started over
+        continued = ", continued from the last.pt of a run of these settings (stopped, or of fewer epochs)"
         return result.best_epoch, (", the finished run of these settings kept (no epoch trained)" if kept else
-                                   ", continued from the last.pt of a run stopped before" if before is not None
-                                   else "")
+                                   continued if before is not None else "")
     keep_grid_parent(ctx.model_dir)
     points = []
     for overrides, config in zip(runs, configs):
