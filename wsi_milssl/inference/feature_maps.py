@@ -362,7 +362,8 @@ def _make_feature_heatmaps(files: list[Path], head: FeatureHead, out_dir: Path, 
         emit(progress, ProgressEvent("heatmap", len(results), len(files), unit="slide", item=stem,
                                      message=results[-1].status))
     drawn_ok = {r.slide for r in results if r.status == "ok"}  # a slide that failed after its maps is a failure
-    _log_unmatched_slides([p for s, p in by_stem.items() if s not in seen])
+    named = set(seen) | {r.slide for r in results}  # (a file that failed to read still names its slide: review EN)
+    _log_unmatched_slides([p for s, p in by_stem.items() if s not in named])
     log_overlays_not_drawn([s for s in no_slide if s in drawn_ok], out_dir)
     return HeatmapRun(tuple(results), out_dir, status_csv, config_json, out_dir / SCORES_FILENAME,
                       seconds=time.perf_counter() - t_start)
