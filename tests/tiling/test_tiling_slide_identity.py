@@ -164,3 +164,23 @@ def test_corrupt_tile_data_fails_naming_the_slide_and_the_fix(synth_slides, tmp_
                           "last level, so it may pass this slide).")
     assert main(["info", str(bad), "-q"]) == 0
     assert not (tmp_path / "out" / "bad.h5").exists()
+
+
+def test_a_tile_whose_jpeg_data_is_cut_short_fails_the_slide_not_grey_pixels(synth_slides, tmp_path):
+    """Review ES, A2: a level tile with the second half of its JPEG data zeroed decoded, through the direct TIFF
+    reads, into grey rows, and the slide was tiled "ok" (OpenSlide refuses it): the tile's end-of-image marker is
+    checked now."""
+    slides = tmp_path / "slides"
+    slides.mkdir()
+    bad = slides / "bad.tif"
+    shutil.copyfile(synth_slides["tumor"], bad)
+    with tifffile.TiffFile(bad) as tif:
+        page = tif.pages[1]
+        offset, count = page.dataoffsets[34], page.databytecounts[34]
+    with open(bad, "r+b") as fh:
+        fh.seek(offset + count // 2)
+        fh.write(b"\0" * (count - count // 2))
+    run = tile_slides([bad], tmp_path / "out", TileConfig(**FAST))
+    assert [r.status for r in run.results] == ["failed"], run.results
+    assert run.results[0].error.startswith(f"{bad}: the slide's tile data is corrupt: tile 34 ")
+    assert "ends before its end-of-image marker" in run.results[0].error

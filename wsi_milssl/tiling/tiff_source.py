@@ -104,6 +104,11 @@ class TiffLevelSource:
         try:
             data = os.pread(self._fd, int(self._counts[index]), int(self._offsets[index]))
             tile = self._decode(data, index, jpegtables=self._tables)[0]
+            # a JPEG stream cut short decodes without an error, its missing rows grey (review ES), where OpenSlide
+            # refuses it: its end-of-image marker must be there (after any zero padding)
+            if len(data) < int(self._counts[index]) or not data.rstrip(b"\x00").endswith(b"\xff\xd9"):
+                raise ValueError(f"its JPEG data ({len(data)} of {int(self._counts[index])} bytes) ends before "
+                                 "its end-of-image marker: cut short")
             tile = tile.reshape(tile.shape[-3:])
         except Exception as exc:  # noqa: BLE001 - a codec's own error type (Jpeg8Error, ...) or OSError
             raise self._read_error(index, exc) from exc
