@@ -19,7 +19,7 @@ from wsi_milssl.atomic import NAME_MAX_BYTES
 ANNOTATION_SUFFIXES = (".xml", ".geojson", ".json")
 
 __all__ = ["ANNOTATION_SUFFIXES", "SLIDE_SUFFIXES", "STORE_SUFFIXES", "NAME_SUFFIXES", "file_identity", "name_key",
-           "slide_stem", "stem_key", "stem_too_long"]
+           "slide_stem", "stem_key", "stem_too_long", "unsafe_stem"]
 
 #: Suffixes of whole-slide image files (a folder of slides is searched for these).
 SLIDE_SUFFIXES = (".svs", ".tif", ".tiff", ".ndpi", ".mrxs", ".scn", ".vms", ".vmu", ".bif", ".svslide",
@@ -35,6 +35,17 @@ NAME_SUFFIXES = SLIDE_SUFFIXES + STORE_SUFFIXES
 #: The longest ending a file named after a slide adds to its stem (the heatmap stage's ``<stem>_patches.geojson``,
 #: the label stage's ``<stem>_tumor_mask.json``); file systems take names of at most NAME_MAX_BYTES.
 LONGEST_OUTPUT_ENDING = "_patches.geojson"
+
+
+def unsafe_stem(stem: str) -> str | None:
+    """Why ``stem``, recorded inside a file (a store's or feature file's ``slide_stem``), cannot name output files
+    (they are ``<folder>/<stem><suffix>``): a path separator, ``.`` or ``..``, a NUL, or nothing (review ES: ``../x``
+    and absolute paths wrote outside ``--out``); None when it can."""
+    if not stem.strip():
+        return "it is empty"
+    if "/" in stem or "\\" in stem or stem in (".", "..") or "\x00" in stem:
+        return "it is a path, not a name (a '/' or '\\', '.' or '..', or a NUL)"
+    return None
 
 
 def stem_too_long(stem: str) -> str | None:

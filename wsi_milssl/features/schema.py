@@ -993,5 +993,12 @@ def _read_open_file(path: Path, fh, *, instance_labels: bool = True) -> FeatureF
     features_attrs = {k: _plain(v) for k, v in fh[FEATURES].attrs.items()}
     coords_attrs = {k: _plain(v) for k, v in fh[COORDS].attrs.items()} if COORDS in fh else {}
     stem = str(attrs.get("slide_stem") or path.stem)
+    from wsi_milssl.cohorts.names import unsafe_stem
+
+    why = unsafe_stem(stem)
+    if why is not None:  # (review ES: outputs named after it were written outside --out)
+        raise StoreError(f"{path}: its slide_stem attribute {stem[:80]!r} cannot name output files: {why}. Fix: write "
+                         "the slide's name there (the slide file's name without its folder and suffix), or delete "
+                         "the attribute (the file's name is then the slide's).")
     return FeatureFile(path=path, stem=stem, features=feats, coords=coords, instance_label=inst, bag_ids=bag_ids,
                        attrs=attrs, features_attrs=features_attrs, coords_attrs=coords_attrs)

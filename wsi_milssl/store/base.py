@@ -508,7 +508,25 @@ class PatchStore(ABC):
 
     @property
     def stem(self) -> str:
-        return str(self._attrs.get("slide_stem") or self.path.stem)
+        """The slide's name, from ``slide_stem``: a plain name, the store file's own (``<stem>.h5``), as `tile`
+        writes it (review ES: a path there wrote outputs outside ``--out``, and two stores swapped by name were
+        labelled with each other's annotations by label, which matches by the file name)."""
+        from wsi_milssl.cohorts.names import stem_key, unsafe_stem
+
+        value = self._attrs.get("slide_stem")
+        if not value:
+            return self.path.stem
+        value = str(value)
+        why = unsafe_stem(value)
+        if why is not None:
+            raise self._fail(f"its slide_stem attribute {value[:80]!r} cannot name output files: {why}",
+                             "write the slide's name there (the slide file's name without its folder and suffix), "
+                             "or tile the slide again")
+        if stem_key(value) != stem_key(self.path.name):
+            raise self._fail(f"its slide_stem attribute says slide {value[:80]!r}, but the store file is named for "
+                             f"{self.path.stem!r}", f"rename the store to {value[:80]}{self.path.suffix} (stores are "
+                             "named for their slide), or tile the slide again")
+        return value
 
     def array_attrs(self, name: str) -> dict[str, Any]:
         """Attributes of one array, e.g. the CLAM attrs of ``coords``."""

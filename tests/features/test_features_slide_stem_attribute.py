@@ -1,0 +1,55 @@
+"""Review ES, A1 and A6: output files are named after a store's or feature file's own ``slide_stem`` attribute,
+which was used unchecked: ``../../X`` or an absolute path wrote label masks, feature files and heatmaps outside
+``--out`` (replacing files there), and two stores swapped by name were labelled with each other's annotations
+(label matches annotations by the file name, train by the attribute). Now a stem that is a path is refused, and a
+store's must be its file's name."""
+
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import pytest
+
+from wsi_milssl.cli import main
+from wsi_milssl.errors import StoreError
+from wsi_milssl.features import read_feature_file, write_feature_file
+from wsi_milssl.store import open_store
+
+
+@pytest.mark.parametrize("stem", ["../../escaped", "/tmp/absolute", ".."])
+def test_a_store_whose_slide_stem_is_a_path_is_refused_and_nothing_is_written_outside(stores_copy, tmp_path, stem,
+                                                                                      synth_dir, capsys):
+    store = stores_copy / "synth_000.h5"
+    with h5py.File(store, "a") as fh:
+        fh.attrs["slide_stem"] = stem
+    with pytest.raises(StoreError, match=r"its slide_stem attribute .* cannot name output files: it is a path"):
+        with open_store(store) as s:
+            s.stem
+    before = sorted(p.name for p in tmp_path.parent.iterdir())
+    out = tmp_path / "deep" / "labels"
+    assert main(["label", str(stores_copy), "--annotations", str(synth_dir), "--labels",
+                 str(synth_dir / "labels.csv"), "--out", str(out)]) != 0
+    assert "cannot name output files" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.parent.iterdir()) == before
+    assert not list(tmp_path.glob("*escaped*")) and not list((tmp_path / "deep").glob("*escaped*"))
+
+
+def test_stores_swapped_by_name_are_refused(stores_copy):
+    a, b = stores_copy / "synth_000.h5", stores_copy / "synth_001.h5"
+    a.rename(stores_copy / "tmp.h5")
+    b.rename(a)
+    (stores_copy / "tmp.h5").rename(b)
+    with pytest.raises(StoreError) as err:
+        with open_store(a) as s:
+            s.stem
+    assert "its slide_stem attribute says slide 'synth_001', but the store file is named for 'synth_000'" in \
+        str(err.value) and "rename the store to synth_001.h5" in str(err.value)
+
+
+def test_a_feature_file_whose_slide_stem_is_a_path_is_refused(tmp_path):
+    coords = np.array([[0, 0], [256, 0]])
+    path = write_feature_file(tmp_path / "f.h5", features=np.zeros((2, 4), np.float32), coords=coords,
+                              attrs={"slide_stem": "../../escaped"}, coords_attrs={}, features_attrs={})
+    with pytest.raises(StoreError, match=r"f\.h5: its slide_stem attribute '\.\./\.\./escaped' cannot name output "
+                                         r"files: it is a path"):
+        read_feature_file(path)
