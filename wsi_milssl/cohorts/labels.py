@@ -148,7 +148,11 @@ def _file_rows(path: Path) -> list[tuple[int, list[str]]]:
             raise IsADirectoryError(21, "is a folder")
         if size > _MAX_FILE_BYTES:
             raise LabelsError(f"{path}: {size} bytes is far too large for a slide-labels CSV. {_FIX_LAYOUT}")
-        raw = path.read_bytes()
+        with open(path, "rb") as fh:  # bounded: a device or pipe reports size 0 (review ES: /dev/zero)
+            raw = fh.read(_MAX_FILE_BYTES + 1)
+        if len(raw) > _MAX_FILE_BYTES:
+            raise LabelsError(f"{path}: more than {_MAX_FILE_BYTES} bytes, far too large for a slide-labels CSV. "
+                              f"{_FIX_LAYOUT}")
     except FileNotFoundError:
         raise LabelsError(f"{path}: slide-labels file not found. Fix: check the path (given with --labels, or as a "
                           "[data] *_labels path in a pipeline file).") from None

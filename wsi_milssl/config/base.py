@@ -219,14 +219,22 @@ def config_from_mapping(cls: type, data: Mapping[str, Any], *, source: str = "co
         raise ConfigError(f"{source}: {exc}") from None
 
 
+#: the largest config or pipeline file read (a pipeline of every CAMELYON16 setting is a few KiB)
+MAX_TOML_BYTES = 16 << 20
+
+
 def load_toml(path: str | os.PathLike) -> dict[str, Any]:
     """Read a TOML file with an error that names the file and the line on a syntax error. A UTF-8 byte-order mark
     (Windows editors write one) is skipped: TOML does not allow it, and the error pointed at a line that looks
     right in any editor (review BR)."""
     path = Path(path)
     try:
-        with open(path, "rb") as fh:
-            return tomllib.loads(fh.read().decode("utf-8-sig"))
+        with open(path, "rb") as fh:  # bounded: a device or pipe (/dev/zero) never ends (review ES)
+            raw = fh.read(MAX_TOML_BYTES + 1)
+        if len(raw) > MAX_TOML_BYTES:
+            raise ConfigError(f"{path}: more than {MAX_TOML_BYTES // (1 << 20)} MiB, far too large for a config file; "
+                              "give a TOML file.")
+        return tomllib.loads(raw.decode("utf-8-sig"))
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found; check the path.") from None
     except IsADirectoryError:
