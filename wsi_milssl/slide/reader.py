@@ -41,6 +41,11 @@ logger = logging.getLogger(__name__)
 #: Level-0 resolutions (µm/px) a slide scanner or microscope camera produces; metadata outside this
 #: range (screen or print dpi tags, zero-ish values) is not a microscope's and is ignored.
 PLAUSIBLE_MPP = (0.05, 20.0)
+#: the relative difference of a slide's x and y µm/px above which its metadata resolution is not used (pixels are
+#: square; scanners' two values agree to far better than this)
+NON_SQUARE_MPP = 0.05
+#: the most pixels of the level a thumbnail is read from (OpenSlide reads the level whole: 1 GiB of RGBA)
+MAX_THUMBNAIL_SOURCE_PX = 1 << 28
 
 READERS: Registry[Callable[..., "SlideReader"]] = Registry("slide reader")
 
@@ -210,6 +215,13 @@ class SlideReader:
         elif mpp_x or mpp_y:
             self.metadata_mpp = mpp_x or mpp_y
         self.ignored_metadata_mpp: float | None = None
+        if mpp_x and mpp_y and abs(mpp_x - mpp_y) > NON_SQUARE_MPP * max(mpp_x, mpp_y):
+            # square pixels are assumed everywhere; their mean would scale the slide wrongly (review ES)
+            self.ignored_metadata_mpp, self.metadata_mpp = self.metadata_mpp, None
+            if self._mpp_override is None:
+                logger.warning("%s: ignoring the resolution in its metadata: its x and y µm/px differ (%g and %g), "
+                               "where a microscope's pixels are square. Pass the level-0 resolution with "
+                               "--slide-mpp (µm per pixel).", self.path, mpp_x, mpp_y)
         if self.metadata_mpp is not None and not PLAUSIBLE_MPP[0] <= self.metadata_mpp <= PLAUSIBLE_MPP[1]:
             self.ignored_metadata_mpp, self.metadata_mpp = self.metadata_mpp, None
             if self._mpp_override is None:
@@ -343,10 +355,19 @@ class SlideReader:
         return np.asarray(Image.fromarray(region).resize((w, h), resample=resample))
 
     def thumbnail(self, *, max_size_px: int = 1024) -> tuple[np.ndarray, float]:
-        """An RGB thumbnail whose longer side is at most ``max_size_px``, and its downsample from level 0."""
+        """An RGB thumbnail whose longer side is at most ``max_size_px``, and its downsample from level 0. OpenSlide
+        reads it from the level nearest its size, whole: SlideReadError when that level is over
+        :data:`MAX_THUMBNAIL_SOURCE_PX` (a huge slide without a pyramid asked for terabytes: review ES)."""
         w0, h0 = self.dimensions
         ds = max(w0, h0) / max_size_px
         size = (max(1, int(round(w0 / ds))), max(1, int(round(h0 / ds))))
+        level = self._slide.get_best_level_for_downsample(ds)
+        lw, lh = self._slide.level_dimensions[level]
+        if lw * lh > MAX_THUMBNAIL_SOURCE_PX:
+            raise SlideReadError(
+                f"{self.path}: no pyramid level small enough to draw a thumbnail from: the nearest is level {level}, "
+                f"{lw} x {lh} px, which would be read whole. Fix: give a pyramidal slide (e.g. `vips tiffsave IN "
+                "OUT.tif --tile --pyramid --compression jpeg`).")
         try:
             img = self._slide.get_thumbnail(size).convert("RGB")
         except (openslide.OpenSlideError, OSError) as exc:

@@ -1,0 +1,44 @@
+"""Review ES, A4 and A5: a slide whose x and y µm/px disagree was scaled by their mean without a word (0.25 and 10
+gave 5.125 µm/px), and a huge slide without a small pyramid level made `tile` ask OpenSlide for the whole level as
+a thumbnail (terabytes; an empty `MemoryError:`)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import tifffile
+
+from wsi_milssl.errors import SlideReadError
+from wsi_milssl.slide import open_slide
+from wsi_milssl.slide import reader as reader_module
+
+
+def _tiled_tiff(path, *, mpp_x: float, mpp_y: float):
+    image = np.full((512, 512, 3), (200, 120, 180), np.uint8)
+    tifffile.imwrite(path, image, tile=(256, 256), compression="jpeg", photometric="rgb",
+                     resolution=(1e4 / mpp_x, 1e4 / mpp_y), resolutionunit="CENTIMETER")
+    return path
+
+
+def test_x_and_y_resolutions_that_disagree_are_not_used(tmp_path, caplog):
+    path = _tiled_tiff(tmp_path / "aniso.tif", mpp_x=0.25, mpp_y=10.0)
+    with caplog.at_level(logging.WARNING), open_slide(path) as slide:
+        assert slide.metadata_mpp is None
+    assert "its x and y µm/px differ (0.25 and 10)" in caplog.text and "--slide-mpp" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING), open_slide(_tiled_tiff(tmp_path / "square.tif", mpp_x=0.25,
+                                                                  mpp_y=0.2501)) as slide:
+        assert slide.metadata_mpp == pytest.approx(0.25005)
+    assert "differ" not in caplog.text
+
+
+def test_a_thumbnail_of_a_level_too_large_to_read_whole_is_one_error(tmp_path, monkeypatch):
+    path = _tiled_tiff(tmp_path / "flat.tif", mpp_x=0.25, mpp_y=0.25)  # one level: 512 x 512 px
+    monkeypatch.setattr(reader_module, "MAX_THUMBNAIL_SOURCE_PX", 512 * 512 - 1)
+    with open_slide(path) as slide, pytest.raises(SlideReadError) as err:
+        slide.thumbnail(max_size_px=64)
+    assert str(err.value).startswith(f"{path}: no pyramid level small enough to draw a thumbnail from: the nearest "
+                                     "is level 0, 512 x 512 px")
+    assert "--pyramid" in str(err.value)
