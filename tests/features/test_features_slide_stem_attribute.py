@@ -53,3 +53,31 @@ def test_a_feature_file_whose_slide_stem_is_a_path_is_refused(tmp_path):
     with pytest.raises(StoreError, match=r"f\.h5: its slide_stem attribute '\.\./\.\./escaped' cannot name output "
                                          r"files: it is a path"):
         read_feature_file(path)
+
+
+@pytest.mark.parametrize("kind", ["dangling link", "folder"])
+def test_an_annotation_name_that_is_not_a_file_fails_the_slide_instead_of_labelling_it_normal(stores_copy, tmp_path,
+                                                                                              synth_dir, kind):
+    """Review ES, B1: a `<stem>.xml` that is a broken link or a folder was taken as no annotation, and the tumour
+    slide's store was labelled again in place as normal, every patch negative."""
+    import shutil
+
+    from wsi_milssl.config import LabelConfig
+    from wsi_milssl.labeling import label_stores
+
+    ann = tmp_path / "ann"
+    ann.mkdir()
+    for p in synth_dir.glob("*.xml"):
+        shutil.copy(p, ann / p.name)
+    (ann / "synth_000.xml").unlink()
+    if kind == "dangling link":
+        (ann / "synth_000.xml").symlink_to(tmp_path / "moved" / "synth_000.xml")
+    else:
+        (ann / "synth_000.xml").mkdir()
+    before = (stores_copy / "synth_000.h5").read_bytes()
+    run = label_stores(stores_copy, annotations_dir=ann, labels_csv=synth_dir / "labels.csv", config=LabelConfig(),
+                       out_dir=tmp_path / "labels")
+    status = {r.stem: r for r in run.results}
+    assert status["synth_000"].status == "failed" and status["synth_001"].status in ("ok", "mask")
+    assert f"{ann / 'synth_000.xml'}: the annotation of slide 'synth_000' is " in status["synth_000"].error
+    assert (stores_copy / "synth_000.h5").read_bytes() == before  # not labelled again as a normal slide

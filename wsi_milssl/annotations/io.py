@@ -301,6 +301,11 @@ def find_annotation(slide_stem: str, annotations_dir: str | os.PathLike) -> Path
     for p in [*exact, *folded]:
         if os.path.isfile(p):  # False for a name too long for the file system (Path.is_file raises)
             found.setdefault(file_identity(p), p)  # one file under two spellings (case-insensitive folders)
+        elif os.path.lexists(p):  # (review ES: taken as no annotation, the tumour slide was labelled normal)
+            what = "a link to nothing" if os.path.islink(p) and not os.path.exists(p) else "not a file"
+            raise AnnotationError(f"{p}: the annotation of slide {slide_stem!r} is {what}, so it cannot be read. Fix: "
+                                  "put the annotation file itself there (or a link to it), or remove the name if the "
+                                  "slide has none.")
     if not found:
         return None
     candidates = list(found.values())

@@ -77,7 +77,7 @@ def _folder_identity(folder: Path) -> tuple[int, int] | Path:
 def _is_prepare_output(folder: Path) -> bool:
     """An earlier prepare's ``--out`` (it holds ``cohort/prepare.json``): its annotations are copies that may
     be stale, and its ``run/`` holds heatmap TIFFs, not slides."""
-    return (folder / "cohort" / "prepare.json").is_file()
+    return os.path.isfile(folder / "cohort" / "prepare.json")  # (False in a folder that cannot be entered: review ES)
 
 
 def _is_run_output(folder: Path) -> bool:
@@ -85,7 +85,7 @@ def _is_run_output(folder: Path) -> bool:
     below a download leaves): its ``heatmaps/*_probs.tif`` are not slides."""
     from wsi_milssl.pipeline.spec import RESOLVED_FILENAME
 
-    return (folder / RESOLVED_FILENAME).is_file()
+    return os.path.isfile(folder / RESOLVED_FILENAME)
 
 
 def _is_slide(path: Path) -> bool:
