@@ -42,3 +42,36 @@ def test_a_thumbnail_of_a_level_too_large_to_read_whole_is_one_error(tmp_path, m
     assert str(err.value).startswith(f"{path}: no pyramid level small enough to draw a thumbnail from: the nearest "
                                      "is level 0, 512 x 512 px")
     assert "--pyramid" in str(err.value)
+
+
+def test_an_objective_power_that_gives_no_microscopes_resolution_is_not_used(tmp_path):
+    """Review ES, B9: an objective power of 4e8 (no MPP) gave 0.0000 µm/px, and `tile` asked for petabytes."""
+    from wsi_milssl.errors import MissingResolutionError
+
+    path = tmp_path / "plain.tif"
+    tifffile.imwrite(path, np.full((512, 512, 3), 200, np.uint8), tile=(256, 256), photometric="rgb")
+    with open_slide(path) as slide:
+        slide.metadata_mpp, slide.objective_power = None, 4e8  # as an Aperio header's "AppMag = 400000000" reads
+        assert slide.mpp_source == "objective-power"
+        with pytest.raises(MissingResolutionError, match=r"its objective power 4e\+08x gives .* µm/px, which is "
+                                                         r"not a microscope's resolution.* Fix: pass the level-0 "
+                                                         r"resolution with --slide-mpp"):
+            slide.mpp
+
+
+def test_a_tiling_plan_nested_past_pythons_limit_is_one_error():
+    """Review ES, B6: a store's tiling_plan of 100,000 nested lists ended `features` and `train` in a
+    RecursionError traceback."""
+    from wsi_milssl.errors import ConfigError
+    from wsi_milssl.tiling.plan import TilingPlan
+
+    with pytest.raises(ConfigError, match=r"^store x: the tiling plan is not valid JSON \(RecursionError"):
+        TilingPlan.from_json("[" * 100_000 + "]" * 100_000, source="store x")
+
+
+def test_a_generated_set_of_too_many_slides_is_refused():
+    from wsi_milssl.config import SynthConfig
+    from wsi_milssl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"n_slides must satisfy 1 <= value <= 100000; got 100000000000"):
+        SynthConfig(n_slides=10 ** 11)

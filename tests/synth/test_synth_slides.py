@@ -90,7 +90,7 @@ def test_no_temporary_files_left(synth_dir):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"n_slides": 0}, r"SynthConfig\.n_slides must satisfy 1 <= value; got 0"),
+        ({"n_slides": 0}, r"SynthConfig\.n_slides must satisfy 1 <= value <= 100000; got 0"),
         ({"mpp": -1.0}, r"SynthConfig\.mpp must satisfy"),
         ({"tumor_slide_fraction": 1.5}, r"SynthConfig\.tumor_slide_fraction"),
         ({"level_downsample": 3}, r"SynthConfig\.level_downsample must be one of 2, 4; got 3"),

@@ -7,7 +7,11 @@ from dataclasses import dataclass
 from wsi_milssl.config.base import coerce_float_fields, check_choice, check_range, check_type
 from wsi_milssl.errors import ConfigError
 
-__all__ = ["SynthConfig"]
+__all__ = ["SynthConfig", "MAX_SYNTH_SLIDES"]
+
+#: the most slides one generated set holds (a test set of CAMELYON16's size is 130; review ES: 10^11 ran out of
+#: memory with a traceback)
+MAX_SYNTH_SLIDES = 100_000
 
 
 @dataclass(frozen=True)
@@ -34,7 +38,7 @@ class SynthConfig:
         name = type(self).__name__
         coerce_float_fields(self)  # 10 and 10.0: the same config, the same digests
         check_type(name, "n_slides", self.n_slides, int)
-        check_range(name, "n_slides", self.n_slides, low=1)
+        check_range(name, "n_slides", self.n_slides, low=1, high=MAX_SYNTH_SLIDES)
         check_type(name, "seed", self.seed, int)
         check_range(name, "seed", self.seed, low=0)
         for field in ("width_px", "height_px"):

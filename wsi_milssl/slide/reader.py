@@ -273,7 +273,15 @@ class SlideReader:
         if source == "metadata":
             return self.metadata_mpp
         if source == "objective-power":
-            return magnification_to_mpp(self.objective_power, mpp_at_40x=self.mpp_at_40x)
+            derived = magnification_to_mpp(self.objective_power, mpp_at_40x=self.mpp_at_40x)
+            if PLAUSIBLE_MPP[0] <= derived <= PLAUSIBLE_MPP[1]:
+                return derived
+            # (review ES: an objective power of 4e8 gave 0.0000 µm/px and a petabyte allocation)
+            ignored = (f" (its objective power {self.objective_power:g}x gives {derived:.6g} µm/px, which is not a "
+                       f"microscope's resolution: those are {PLAUSIBLE_MPP[0]:g}-{PLAUSIBLE_MPP[1]:g} µm/px)")
+            raise MissingResolutionError(
+                f"{self.path}: the slide has no usable MPP{ignored}, so its physical scale is unknown. Fix: pass the "
+                "level-0 resolution with --slide-mpp (µm per pixel, e.g. --slide-mpp 0.25).")
         ignored = (f" (its metadata says {self._ignored_mpp_text()}, which is not a microscope's resolution)"
                    if self.ignored_metadata_mpp is not None else "")
         raise MissingResolutionError(

@@ -117,8 +117,8 @@ class TilingPlan:
         """Rebuild a plan from :meth:`to_json`'s output (ConfigError naming ``source`` on bad JSON)."""
         try:
             data = json.loads(text)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"{source}: the tiling plan is not valid JSON ({exc}). "
+        except (TypeError, ValueError, RecursionError) as exc:  # (nested past Python's limit: review ES)
+            raise ConfigError(f"{source}: the tiling plan is not valid JSON ({type(exc).__name__}: {exc}). "
                               "Fix: re-tile the slides with `wsi-milssl tile`.") from None
         return cls.from_dict(data, source=source)
 
