@@ -104,3 +104,13 @@ def test_floating_point_coords_are_rounded_to_the_nearest_pixel_and_nan_refused(
     with pytest.raises(StoreError, match=r"NaN or infinite") as err:
         read_feature_file(_clam_file(tmp_path / "n.h5", bad))
     assert str(tmp_path / "n.h5") in str(err.value)
+
+
+def test_a_recorded_slide_size_too_large_for_a_map_fails_that_file(tmp_path):
+    """Review ES, B5: a feature file recording a 2e9 x 2e9 px slide made `heatmap --features` ask numpy for 55 TiB:
+    a traceback, and the rest of the batch was lost. It is one error of that file now."""
+    path = _clam_file(tmp_path / "s.h5", _grid())
+    with h5py.File(path, "a") as fh:
+        fh.attrs["dimensions_lv0"] = np.array([2_000_000_000, 2_000_000_000])
+    with pytest.raises(StoreError, match=r"s\.h5: its patches would sit on a map of \d+ x \d+ cells .* more than"):
+        read_feature_file(path).grid_layout(slide_mpp=0.25)

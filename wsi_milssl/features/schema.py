@@ -310,6 +310,10 @@ def _plain(value: Any) -> Any:
     return value
 
 
+#: the most cells of one slide's map (a 10^6 x 10^6 px slide cut into 64-px patches has 2.4e8)
+MAX_GRID_CELLS = 1 << 28
+
+
 @dataclass(frozen=True)
 class GridLayout:
     """The regular grid a slide's patches sit on (what a probability map needs): level-0 ``origin_lv0``,
@@ -598,6 +602,10 @@ class FeatureFile:
             target_mpp = mpp if patch_px is None else patch_lv0 * mpp / patch_px
         if patch_px is None:
             patch_px = int(round(patch_lv0 * mpp / target_mpp))
+        if rows * cols > MAX_GRID_CELLS:  # (review ES: a recorded size of 2e9 px asked numpy for 55 TiB)
+            raise StoreError(f"{self.path}: its patches would sit on a map of {rows} x {cols} cells (a {w} x {h} px "
+                             f"slide, {stride} px apart), more than the {MAX_GRID_CELLS} a slide's map may have. Fix: "
+                             "check its dimensions_lv0 (level0_width, level0_height) and coords attributes.")
         return GridLayout(origin_lv0=(int(origin[0]), int(origin[1])), stride_lv0=int(stride),
                           patch_size_lv0=int(patch_lv0), grid_shape=(int(rows), int(cols)), dimensions_lv0=(w, h),
                           mpp=float(mpp), target_mpp=float(target_mpp), patch_size_px=int(patch_px),
