@@ -99,3 +99,25 @@ def test_bad_indices_and_batches(tmp_path, make_store, fmt):
     with pytest.raises(ValueError, match="differ in length"):
         w.append(coords=np.zeros((2, 2)), entropy_bits=[1.0], tissue_fraction=[1.0])
     w.abort()
+
+
+def test_a_jpeg_patch_declaring_a_huge_size_is_refused_before_it_is_decoded(tmp_path, make_store, monkeypatch):
+    """Review ES, B7: a 3 KB patch whose frame header declares 40000 x 40000 px was decoded whole (5.5 GB) before
+    its shape was checked. The declared size is read first now, and the decoder never sees such a patch."""
+    import struct
+
+    from wsi_milssl.store import base
+
+    path = tmp_path / "s.h5"
+    make_store(path)
+    with h5py.File(path, "a") as fh:
+        data = bytearray(fh["patches"][0].tobytes())
+        sof = data.find(b"\xff\xc0")
+        data[sof + 5:sof + 9] = struct.pack(">HH", 40000, 40000)
+        fh["patches"][0] = np.frombuffer(bytes(data), np.uint8)
+    decoded = []
+    real = base.decode_jpeg
+    monkeypatch.setattr(base, "decode_jpeg", lambda d, **k: decoded.append(1) or real(d, **k))
+    with open_store(path) as store, pytest.raises(StoreError, match=r"patch 0 declares 40000 x 40000 px, expected "):
+        store.read_patches([0])
+    assert decoded == []

@@ -236,6 +236,7 @@ def encoder_label(name: str | None, sha256: str | None) -> str:
     """``'resnet50_trunc weights 0123456789ab'``: an encoder and its weights (``random`` for random weights), for
     messages."""
     weights = ("random weights" if sha256 == "random" else f"weights {sha256[:12]}" if sha256 else "weights unknown")
+    name = name if name is None or len(str(name)) <= 80 else f"{str(name)[:77]}..."  # (a 50 MB attribute: review ES)
     return f"{name or 'encoder unknown'} {weights}"
 
 

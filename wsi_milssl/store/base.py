@@ -93,6 +93,35 @@ def encode_jpeg(rgb: np.ndarray, *, quality: int = 90) -> bytes:
     return bytes(imagecodecs.jpeg8_encode(np.ascontiguousarray(rgb), level=int(quality), subsampling="420"))
 
 
+#: JPEG start-of-frame markers (SOF0-SOF15 but DHT, JPG and DAC), whose segment holds the image's height and width
+_SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+
+
+def jpeg_size(data: bytes | np.ndarray) -> tuple[int, int] | None:
+    """(width, height) a JPEG stream declares in its start-of-frame segment, read before decoding it; None when
+    none is found (the decoder then says what is wrong). A few bytes can declare 65535 x 65535 px, which a decoder
+    allocates before any check of the result (review ES: 5.5 GB for a 3 KB patch)."""
+    buf = data if isinstance(data, (bytes, bytearray)) else np.asarray(data).tobytes()
+    i = 2 if buf[:2] == b"\xff\xd8" else len(buf)
+    while i + 4 <= len(buf):
+        if buf[i] != 0xFF:
+            return None
+        marker = buf[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        length = int.from_bytes(buf[i + 2:i + 4], "big")
+        if marker in _SOF_MARKERS:
+            if i + 9 > len(buf):
+                return None
+            height, width = int.from_bytes(buf[i + 5:i + 7], "big"), int.from_bytes(buf[i + 7:i + 9], "big")
+            return width, height
+        if marker == 0xDA or length < 2:  # start of scan: the frame header comes before it
+            return None
+        i += 2 + length
+    return None
+
+
 def decode_jpeg(data: bytes | np.ndarray, *, out: np.ndarray | None = None) -> np.ndarray:
     """RGB uint8 (h, w, 3) pixels of JPEG ``data``."""
     img = imagecodecs.jpeg8_decode(data if isinstance(data, (bytes, bytearray)) else np.asarray(data).tobytes())
@@ -624,6 +653,10 @@ class PatchStore(ABC):
             if u in decoded:
                 out[pos] = out[decoded[u]]
                 continue
+            declared = jpeg_size(data[u])
+            if declared is not None and declared != (size, size):
+                raise self._fail(f"patch {int(uniq[u])} declares {declared[0]} x {declared[1]} px, expected {size} x "
+                                 f"{size}", "the store is corrupt; delete it and re-run `wsi-milssl tile`")
             with self._reading(f"patch {int(uniq[u])} (JPEG)"):
                 img = decode_jpeg(data[u])
             if img.shape != (size, size, 3):
