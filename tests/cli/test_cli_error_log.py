@@ -218,3 +218,13 @@ def test_sigterm_under_torchrun_is_said_by_rank_0_alone(tmp_path, rank):
         assert "error: stopped by SIGTERM from torchrun" in log.read_text()
     else:
         assert "SIGTERM" not in err and "SIGTERM" not in (log.read_text() if log.exists() else "")
+
+
+def test_a_log_file_that_cannot_be_written_is_said_once_and_the_command_goes_on(tmp_path, capsys):
+    """Review ES, B10: a --log-file on a full disk printed logging's traceback for every record."""
+    assert main(["synth", "--slides", "1", "--size-px", "1024", "1024", str(tmp_path / "s"),
+                 "--log-file", "/dev/full"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning: cannot write the log file /dev/full (No space left on device)") == 1, err
+    assert "Traceback" not in err and "Logging error" not in err
+    assert (tmp_path / "s" / "labels.csv").is_file()

@@ -193,12 +193,38 @@ def _configure_output(*, verbose: int, quiet: int, log_file: Path | None, tag: s
     return file_handler
 
 
+class _LogFileHandler(logging.FileHandler):
+    """A ``--log-file`` handler that, when a record cannot be written (a full disk), says so once on stderr and
+    stops writing, instead of logging's traceback for every record (review ES); the command goes on."""
+
+    failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 (logging's name)
+        if self.failed:
+            return
+        self.failed = True
+        exc = sys.exc_info()[1]
+        why = getattr(exc, "strerror", None) or exc
+        stderr_line(f"warning: cannot write the log file {self.baseFilename} ({why}); nothing more is written to "
+                    "it. Fix: free disk space there, or give --log-file another path.")
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError:  # the buffered lines cannot be written either; said once above when a record failed
+            pass
+
+
 def _open_log_file(log_file: Path, tag: str = "") -> logging.FileHandler:
     """A handler appending timestamped records to ``log_file`` (its folder made); WsiMilsslError naming the
     file when it cannot be written."""
     try:
         log_file.parent.mkdir(parents=True, exist_ok=True)
-        handler = logging.FileHandler(log_file, mode="a", encoding="utf-8")
+        handler = _LogFileHandler(log_file, mode="a", encoding="utf-8")
     except OSError as exc:
         raise WsiMilsslError(f"{log_file}: cannot write the log file ({exc.strerror}). Fix: give a writable "
                              "path to --log-file.") from None
