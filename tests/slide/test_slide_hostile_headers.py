@@ -39,9 +39,23 @@ def test_a_thumbnail_of_a_level_too_large_to_read_whole_is_one_error(tmp_path, m
     monkeypatch.setattr(reader_module, "MAX_THUMBNAIL_SOURCE_PX", 512 * 512 - 1)
     with open_slide(path) as slide, pytest.raises(SlideReadError) as err:
         slide.thumbnail(max_size_px=64)
-    assert str(err.value).startswith(f"{path}: no pyramid level small enough to draw a thumbnail from: the nearest "
+    assert str(err.value).startswith(f"{path}: no pyramid level small enough to draw a thumbnail from: the smallest "
                                      "is level 0, 512 x 512 px")
     assert "--pyramid" in str(err.value)
+
+
+def test_a_thumbnail_comes_from_a_coarser_level_when_the_nearest_is_too_large(synth_slides, monkeypatch):
+    """Review ET: the first guard refused a pyramidal slide whose level nearest the thumbnail's size was over the
+    bound (an SVS's 4x steps), where a coarser level serves."""
+    with open_slide(synth_slides["tumor"]) as slide:
+        dims = slide._slide.level_dimensions
+        assert len(dims) >= 3
+        expected, ds = slide.thumbnail(max_size_px=1024)
+        best = slide._slide.get_best_level_for_downsample(max(dims[0]) / 1024)
+        monkeypatch.setattr(reader_module, "MAX_THUMBNAIL_SOURCE_PX", dims[best][0] * dims[best][1] - 1)
+        coarser, ds2 = slide.thumbnail(max_size_px=1024)
+    assert coarser.shape == expected.shape and ds2 == ds
+    assert np.abs(coarser.astype(int) - expected.astype(int)).mean() < 12  # the same picture, less sharp
 
 
 def test_an_objective_power_that_gives_no_microscopes_resolution_is_not_used(tmp_path):

@@ -183,4 +183,25 @@ def test_a_tile_whose_jpeg_data_is_cut_short_fails_the_slide_not_grey_pixels(syn
     run = tile_slides([bad], tmp_path / "out", TileConfig(**FAST))
     assert [r.status for r in run.results] == ["failed"], run.results
     assert run.results[0].error.startswith(f"{bad}: the slide's tile data is corrupt: tile 34 ")
-    assert "ends before its end-of-image marker" in run.results[0].error
+    assert "has no end-of-image marker after its scan: cut short" in run.results[0].error
+
+
+def test_bytes_after_a_tiles_end_of_image_marker_are_allowed(synth_slides, tmp_path, store_contents, same_contents):
+    """Review ET: the first end-of-image check wanted the marker last (after zero padding), so a valid tile with
+    bytes after it (OpenSlide and libjpeg read it) failed the whole slide."""
+    slides = tmp_path / "slides"
+    slides.mkdir()
+    padded = slides / "padded.tif"
+    shutil.copyfile(synth_slides["tumor"], padded)
+    with tifffile.TiffFile(padded) as tif:
+        page = tif.pages[1]
+        offset, count = page.dataoffsets[34], page.databytecounts[34]
+        next_offset = min((o for o in page.dataoffsets if o > offset), default=None)
+    data = padded.read_bytes()
+    assert data[offset + count - 2:offset + count] == b"\xff\xd9"
+    with open(padded, "r+b") as fh:  # the tile's last bytes moved one pair back, two 0xFF bytes after its marker
+        fh.seek(offset + count - 4)
+        fh.write(data[offset + count - 2:offset + count] + b"\xff\xff")
+    assert next_offset is None or next_offset >= offset + count
+    run = tile_slides([padded], tmp_path / "out", TileConfig(**FAST))
+    assert [r.status for r in run.results] == ["ok"], run.results

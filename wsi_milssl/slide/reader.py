@@ -364,20 +364,31 @@ class SlideReader:
 
     def thumbnail(self, *, max_size_px: int = 1024) -> tuple[np.ndarray, float]:
         """An RGB thumbnail whose longer side is at most ``max_size_px``, and its downsample from level 0. OpenSlide
-        reads it from the level nearest its size, whole: SlideReadError when that level is over
-        :data:`MAX_THUMBNAIL_SOURCE_PX` (a huge slide without a pyramid asked for terabytes: review ES)."""
+        reads it from the level nearest its size, whole; from a coarser one when that level is over
+        :data:`MAX_THUMBNAIL_SOURCE_PX`, and SlideReadError when every level is (a huge slide without a pyramid
+        asked for terabytes: review ES)."""
         w0, h0 = self.dimensions
         ds = max(w0, h0) / max_size_px
         size = (max(1, int(round(w0 / ds))), max(1, int(round(h0 / ds))))
-        level = self._slide.get_best_level_for_downsample(ds)
-        lw, lh = self._slide.level_dimensions[level]
+        level = best = self._slide.get_best_level_for_downsample(ds)
+        dims = self._slide.level_dimensions
+        while dims[level][0] * dims[level][1] > MAX_THUMBNAIL_SOURCE_PX and level + 1 < len(dims):
+            level += 1  # a coarser level, resized up (review ET: an SVS's 4x steps put 8192 px on a 1-Gpx level)
+        lw, lh = dims[level]
         if lw * lh > MAX_THUMBNAIL_SOURCE_PX:
             raise SlideReadError(
-                f"{self.path}: no pyramid level small enough to draw a thumbnail from: the nearest is level {level}, "
-                f"{lw} x {lh} px, which would be read whole. Fix: give a pyramidal slide (e.g. `vips tiffsave IN "
-                "OUT.tif --tile --pyramid --compression jpeg`).")
+                f"{self.path}: no pyramid level small enough to draw a thumbnail from: the smallest is level "
+                f"{level}, {lw} x {lh} px, which would be read whole. Fix: give a pyramidal slide (e.g. `vips "
+                "tiffsave IN OUT.tif --tile --pyramid --compression jpeg`).")
         try:
-            img = self._slide.get_thumbnail(size).convert("RGB")
+            if level == best:
+                img = self._slide.get_thumbnail(size).convert("RGB")
+            else:
+                region = self._slide.read_region((0, 0), level, (lw, lh))  # as get_thumbnail composes it
+                background = "#" + self._slide.properties.get(openslide.PROPERTY_NAME_BACKGROUND_COLOR, "ffffff")
+                img = Image.new("RGB", region.size, background)
+                img.paste(region, None, region)
+                img = img.resize(size, Image.Resampling.BILINEAR)
         except (openslide.OpenSlideError, OSError) as exc:
             raise SlideReadError(
                 f"{self.path}: cannot read a thumbnail ({exc}). Fix: the file is probably truncated "

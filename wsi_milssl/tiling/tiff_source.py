@@ -105,10 +105,12 @@ class TiffLevelSource:
             data = os.pread(self._fd, int(self._counts[index]), int(self._offsets[index]))
             tile = self._decode(data, index, jpegtables=self._tables)[0]
             # a JPEG stream cut short decodes without an error, its missing rows grey (review ES), where OpenSlide
-            # refuses it: its end-of-image marker must be there (after any zero padding)
-            if len(data) < int(self._counts[index]) or not data.rstrip(b"\x00").endswith(b"\xff\xd9"):
-                raise ValueError(f"its JPEG data ({len(data)} of {int(self._counts[index])} bytes) ends before "
-                                 "its end-of-image marker: cut short")
+            # refuses it: its end-of-image marker must follow its scan header (the marker cannot occur inside the
+            # scan's data, where every 0xFF byte is stuffed; bytes after it are allowed, as libjpeg allows them)
+            scan = data.find(b"\xff\xda")
+            if len(data) < int(self._counts[index]) or scan < 0 or data.find(b"\xff\xd9", scan) < 0:
+                raise ValueError(f"its JPEG data ({len(data)} of {int(self._counts[index])} bytes) has no "
+                                 "end-of-image marker after its scan: cut short")
             tile = tile.reshape(tile.shape[-3:])
         except Exception as exc:  # noqa: BLE001 - a codec's own error type (Jpeg8Error, ...) or OSError
             raise self._read_error(index, exc) from exc
@@ -181,7 +183,8 @@ def direct_source(slide, bands: list[Band], geometry: TileGeometry) -> "TiffLeve
         logger.debug("%s: direct TIFF reads disabled (%s)", slide.path, exc)
         same = False
     if not same:
-        logger.info("%s: direct TIFF tile reads differ from OpenSlide; reading through OpenSlide", slide.path)
+        logger.info("%s: direct TIFF tile reads not used (they differ from OpenSlide's or failed on the first "
+                    "patch; -vv says which); reading through OpenSlide", slide.path)
         source.close()
         return None
     return source
