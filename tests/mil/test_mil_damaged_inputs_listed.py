@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 
+import h5py
 import numpy as np
 import pytest
 
@@ -58,8 +59,10 @@ def test_every_damaged_store_is_named(tmp_path, synth_dir):
     stores = tmp_path / "st"
     for k in range(2):  # four stores: two copies of each slide's
         for name in ("synth_000", "synth_001"):
-            if k:
+            if k:  # a store names its slide as its file does
                 shutil.copy(stores / f"{name}.h5", stores / f"{name}_b.h5")
+                with h5py.File(stores / f"{name}_b.h5", "a") as fh:
+                    fh.attrs["slide_stem"] = f"{name}_b"
     _cut_short(stores / "synth_000.h5")
     _cut_short(stores / "synth_001_b.h5")
     labels = {"synth_000": 1, "synth_001": 0, "synth_000_b": 1, "synth_001_b": 0}
