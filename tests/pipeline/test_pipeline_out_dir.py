@@ -123,7 +123,8 @@ def test_a_name_with_a_slash_is_refused_where_it_names_the_default_output_folder
     assert load_pipeline("p.toml").out_dir == work / "feat_out"
     for name in ("../escape", "a/b", "a\\\\b"):
         with pytest.raises(ConfigError, match=r"\[pipeline\]\.name '.*' names the default output folder .*_out, which "
-                                              r"would not lie directly in the folder `run` starts in\. Fix: a name without"):
+                                              r"would not lie directly in the folder `run` starts in\. Fix: a name "
+                                              r"without"):
             load_pipeline("p.toml", overrides=[f'pipeline.name="{name}"'])
     # with an output folder of its own (or --out) the name is only a title
     assert load_pipeline("p.toml", out_dir="o", overrides=['pipeline.name="a/b"']).name == "a/b"

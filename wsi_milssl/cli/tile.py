@@ -83,7 +83,8 @@ def register(subparsers) -> None:
     p.add_argument("--slide-mpp", type=float, default=argparse.SUPPRESS, metavar="MPP",
                    help="level-0 µm per pixel for every slide, overriding the slide metadata "
                         "(for slides without an MPP; default: each slide's own)")
-    p.add_argument("--workers", type=int, default=d.workers, metavar="N", help="slides tiled in parallel (processes; 0 or 1: in this process)")
+    p.add_argument("--workers", type=int, default=d.workers, metavar="N",
+                   help="slides tiled in parallel (processes; 0 or 1: in this process)")
     p.add_argument("--threads", type=int, default=d.threads, metavar="N",
                    help="reader threads per worker (reading, entropy and JPEG encoding overlap)")
     p.add_argument("--batch-size", type=int, default=d.batch_size, metavar="N",

@@ -913,10 +913,11 @@ def schema_version_error(path: str | os.PathLike, attrs: Mapping[str, Any]) -> s
 
 def _coords(path: Path, raw: np.ndarray) -> np.ndarray:
     """int64 (N, 2) coordinates from the stored ``coords``: (N, 2), or (N, 1, 2) as some tools write them
-    (empty ones of any shape: no patch); floating-point ones rounded to the nearest pixel. Raises StoreError naming the file for any other shape (a (2, N)
-    array, one x row and one y row, would pair the wrong values). Duplicate rows (two patches on one map
-    cell: one would overwrite the other) are refused where the patches are mapped (:func:`_check_duplicates`
-    in :meth:`FeatureFile.grid_layout`), as ``open_store`` refuses a store's."""
+    (empty ones of any shape: no patch); floating-point ones rounded to the nearest pixel. Raises StoreError
+    naming the file for any other shape (a (2, N) array, one x row and one y row, would pair the wrong values).
+    Duplicate rows (two patches on one map cell: one would overwrite the other) are refused where the patches
+    are mapped (:func:`_check_duplicates` in :meth:`FeatureFile.grid_layout`), as ``open_store`` refuses a
+    store's."""
     if raw.size == 0:
         return np.zeros((0, 2), np.int64)
     if not (raw.ndim == 2 and raw.shape[1] == 2) and not (raw.ndim == 3 and raw.shape[1:] == (1, 2)):

@@ -452,8 +452,8 @@ def log_overlays_not_drawn(stems: Sequence[str], out_dir: str | os.PathLike) -> 
     shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
     logger.warning("%d slide(s) have no overlay PNG (<slide>%s) in %s: no slide file was given or found for them "
                    "(%s); their other heatmap files are written. Fix: to draw the overlays, pass the slide files "
-                   "(SLIDE arguments of `wsi-milssl heatmap`, matched to the feature files or stores by name, or the set's "
-                   "slides in a pipeline).", len(names),
+                   "(SLIDE arguments of `wsi-milssl heatmap`, matched to the feature files or stores by name, or "
+                   "the set's slides in a pipeline).", len(names),
                    HEATMAP_FILES["heatmap_png"], out_dir, shown)
 
 

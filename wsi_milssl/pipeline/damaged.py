@@ -20,8 +20,8 @@ __all__ = ["set_aside_damaged"]
 
 
 def set_aside_damaged(ctx: StageContext, stage: str) -> str | None:
-    """For a stage up to date whose output files changed outside the pipeline (kept, :func:`wsi_milssl.pipeline.runner._kept_note`:
-    they may be a hand run's), those that no longer read (:func:`_unreadable`: a ``best.pt`` or ``_patches.csv`` cut short,
+    """For a stage up to date whose output files changed outside the pipeline (kept by the runner: they may be a
+    hand run's), those that no longer read (:func:`_unreadable`: a ``best.pt`` or ``_patches.csv`` cut short,
     review EM: kept as a hand edit, every later run failed with fixes for the hand commands) are renamed to
     ``NAME.damaged`` (replacing an older one), so that the stage runs again and makes them anew (a damaged
     checkpoint: the model folder is set aside, without its record, and trains again); its reason ("output damaged:

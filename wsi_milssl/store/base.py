@@ -653,12 +653,13 @@ class PatchStore(ABC):
             if u in decoded:
                 out[pos] = out[decoded[u]]
                 continue
-            declared = jpeg_size(data[u])
+            raw = data[u] if isinstance(data[u], (bytes, bytearray)) else np.asarray(data[u]).tobytes()  # once
+            declared = jpeg_size(raw)
             if declared is not None and declared != (size, size):
                 raise self._fail(f"patch {int(uniq[u])} declares {declared[0]} x {declared[1]} px, expected {size} x "
                                  f"{size}", "the store is corrupt; delete it and re-run `wsi-milssl tile`")
             with self._reading(f"patch {int(uniq[u])} (JPEG)"):
-                img = decode_jpeg(data[u])
+                img = decode_jpeg(raw)
             if img.shape != (size, size, 3):
                 raise self._fail(
                     f"patch {int(uniq[u])} decodes to shape {img.shape}, expected {(size, size, 3)}",
