@@ -103,6 +103,9 @@ def check_lam(lam, where: str = "lam") -> float:
 #: The largest learning rate and weight decay accepted: well inside float32 (review CX: values above its range crashed
 #: the optimizer with a traceback; 1e30 already diverges with the usual error).
 LR_MAX = 1e30
+#: The most epochs (and warm-up or μ-ramp epochs) a run may ask for: a million feature-head epochs is already days;
+#: 10**30 was accepted and ran until killed.
+MAX_EPOCHS = 1_000_000
 #: Built-in models that ignore ``hidden_dims`` and ``dropout`` (the mlp head's): a value other than the default is
 #: said and replaced by it, so that it is not recorded as a change of the run.
 WITHOUT_HIDDEN_LAYERS = ("resnet18", "linear")
@@ -248,6 +251,8 @@ class TrainConfig:
         for field in ("epochs", "batch_size", "eval_batch_size"):
             check_type(name, field, getattr(self, field), int)
             check_range(name, field, getattr(self, field), low=1)
+        for field in ("epochs", "mu_ramp_epochs", "warmup_epochs"):  # 10**30 ran until killed (review ES)
+            check_range(name, field, getattr(self, field), high=MAX_EPOCHS)
         check_choice(name, "optimizer", self.optimizer, ("sgd", "adam", "adamw"))
         check_range(name, "lr", self.lr, low=0.0, low_inclusive=False, high=LR_MAX)
         check_range(name, "momentum", self.momentum, low=0.0, high=1.0, high_inclusive=False)
