@@ -118,6 +118,22 @@ def test_decimal_comma_is_accepted(tmp_path):
     assert polys[0].coords_lv0[2, 0] == 100.5
 
 
+@pytest.mark.parametrize("text", ["1_000", "\u0661\u0662", "0x10", "1e", "--1"])
+def test_numbers_only_python_reads_are_refused(tmp_path, text):
+    # float() took "1_000" as 1000 and Arabic-Indic digits as 12; no annotation tool writes them (review ES)
+    path = _write(tmp_path / "odd.xml", ASAP_OK.replace('X="100" Y="100"', f'X="{text}" Y="100"'))
+    with pytest.raises(AnnotationError, match=rf"odd\.xml: line 7: .* has X='{text}', which is not a number"):
+        read_asap_xml(path)
+
+
+@pytest.mark.parametrize("text, value", [(" 100.5 ", 100.5), ("+1e2", 100.0), (".5", 0.5), ("7.", 7.0),
+                                         ("1,5E1", 15.0)])
+def test_plain_number_spellings_are_read(tmp_path, text, value):
+    path = _write(tmp_path / "ok.xml", ASAP_OK.replace('X="100" Y="100"', f'X="{text}" Y="100"'))
+    polys, _ = read_asap_xml(path)
+    assert polys[0].coords_lv0[2, 0] == value
+
+
 def test_wrong_root_and_missing_file(tmp_path):
     path = _write(tmp_path / "other.xml", "<svg><g/></svg>")
     with pytest.raises(AnnotationError, match=r"other\.xml: line 1: root element is <svg>, expected <ASAP_Annotations>"):

@@ -144,6 +144,9 @@ _TEXT_ESCAPES = str.maketrans({"&": "&amp;", "<": "&lt;", ">": "&gt;", "\r": "&#
 
 # Characters XML 1.0 cannot hold, escaped or not: control characters other than tab and newlines,
 # lone surrogates, U+FFFE and U+FFFF.
+#: A coordinate as annotation tools write it: ASCII digits, an optional point and exponent ("nan" and "inf" match,
+#: to be refused as non-finite rather than as text).
+_PLAIN_NUMBER = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|[+-]?(?:nan|inf|infinity)", re.I)
 _XML_FORBIDDEN = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
 
 
@@ -326,14 +329,11 @@ def _number(path: Path, line: int | None, where: str, attr: str, text: str | Non
     if text is None:
         raise AnnotationError(f"{path}: line {line}: {where} has no {attr} attribute; every <Coordinate> needs X and Y.")
     value: float | None = None
-    try:
-        value = float(text)
-    except ValueError:
-        if text.count(",") == 1:  # some ASAP exports use a decimal comma ("1234,5")
-            try:
-                value = float(text.replace(",", "."))
-            except ValueError:
-                value = None
+    plain = text.strip()
+    if plain.count(",") == 1:  # some ASAP exports use a decimal comma ("1234,5")
+        plain = plain.replace(",", ".")
+    if _PLAIN_NUMBER.fullmatch(plain):  # float() alone also took Python's "1_000" and other scripts' digits ("١٢");
+        value = float(plain)  # no annotation tool writes them, and a C reader (strtod) stops at the "_"
     if value is None:
         raise AnnotationError(
             f"{path}: line {line}: {where} has {attr}={text!r}, which is not a number; "
