@@ -121,3 +121,9 @@ def test_a_jpeg_patch_declaring_a_huge_size_is_refused_before_it_is_decoded(tmp_
     with open_store(path) as store, pytest.raises(StoreError, match=r"patch 0 declares 40000 x 40000 px, expected "):
         store.read_patches([0])
     assert decoded == []
+    # the bytes handed to a GPU decoder (decode = 'device': nvJPEG) are checked as they are read, too
+    with open_store(path) as store:
+        assert len(store.read_jpeg([1])) == 1
+        for read in (lambda: store.read_jpeg([1, 0]), lambda: store.read_array("patches")):
+            with pytest.raises(StoreError, match=r"patch 0 declares 40000 x 40000 px, expected "):
+                read()

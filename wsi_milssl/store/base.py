@@ -631,7 +631,13 @@ class PatchStore(ABC):
         with self._reading("JPEG patches"):
             self._ensure_open()
             data = self._read_jpeg_sorted(uniq)
-            return [data[i] for i in inverse.ravel()]
+        size = self.patch_size_px
+        for k, raw in enumerate(data):  # before any decoder (libjpeg here, nvJPEG on a GPU) allocates what it declares
+            declared = jpeg_size(raw)
+            if declared is not None and declared != (size, size):
+                raise self._fail(f"patch {int(uniq[k])} declares {declared[0]} x {declared[1]} px, expected {size} x "
+                                 f"{size}", "the store is corrupt; delete it and re-run `wsi-milssl tile`")
+        return [data[i] for i in inverse.ravel()]
 
     def read_patches(self, indices: Any) -> np.ndarray:
         """uint8 (B, H, W, 3) RGB patches at the target resolution, decoded, in the order of ``indices``."""
@@ -654,10 +660,6 @@ class PatchStore(ABC):
                 out[pos] = out[decoded[u]]
                 continue
             raw = data[u] if isinstance(data[u], (bytes, bytearray)) else np.asarray(data[u]).tobytes()  # once
-            declared = jpeg_size(raw)
-            if declared is not None and declared != (size, size):
-                raise self._fail(f"patch {int(uniq[u])} declares {declared[0]} x {declared[1]} px, expected {size} x "
-                                 f"{size}", "the store is corrupt; delete it and re-run `wsi-milssl tile`")
             with self._reading(f"patch {int(uniq[u])} (JPEG)"):
                 img = decode_jpeg(raw)
             if img.shape != (size, size, 3):
