@@ -6,6 +6,8 @@ store's must be its file's name."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import h5py
 import numpy as np
 import pytest
@@ -81,3 +83,32 @@ def test_an_annotation_name_that_is_not_a_file_fails_the_slide_instead_of_labell
     assert status["synth_000"].status == "failed" and status["synth_001"].status in ("ok", "mask")
     assert f"{ann / 'synth_000.xml'}: the annotation of slide 'synth_000' is " in status["synth_000"].error
     assert (stores_copy / "synth_000.h5").read_bytes() == before  # not labelled again as a normal slide
+
+
+@pytest.mark.parametrize("name", ["case.svs", "B ", "Tumor 01 "])
+def test_a_slide_whose_name_holds_a_suffix_or_ends_in_a_blank_tiles_and_labels(synth_slides, tmp_path, name):
+    """Review EU, B1: a converted slide named ``case.svs.tif`` (stem ``case.svs``) or ``B .tif`` (stem ``B ``) was tiled,
+    and its store then refused by label and heatmap: the name rule took the stem's own suffix or blank off."""
+    import os
+    import shutil
+
+    from wsi_milssl.config import LabelConfig, TileConfig
+    from wsi_milssl.labeling import label_stores
+    from wsi_milssl.tiling import tile_slides
+
+    slides, ann = tmp_path / "slides", tmp_path / "ann"
+    slides.mkdir()
+    ann.mkdir()
+    slide = slides / f"{name}.tif"
+    os.symlink(synth_slides["tumor"], slide)
+    shutil.copy(synth_slides["tumor"].with_suffix(".xml"), ann / f"{name}.xml")
+    (tmp_path / "labels.csv").write_text(f"slide,label\n{name},1\n")
+    tiled = tile_slides([slide], tmp_path / "stores", TileConfig(magnification=5, patch_size_px=64))
+    assert tiled.ok, tiled.results
+    store = Path(tiled.results[0].store_path)
+    assert store.name == f"{name}.h5"
+    with open_store(store) as s:
+        assert s.stem == name
+    run = label_stores(tmp_path / "stores", annotations_dir=ann, labels_csv=tmp_path / "labels.csv",
+                       config=LabelConfig(), out_dir=tmp_path / "labels")
+    assert [r.status for r in run.results] == ["ok"], [r.error for r in run.results]

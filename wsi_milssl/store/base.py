@@ -540,7 +540,7 @@ class PatchStore(ABC):
         """The slide's name, from ``slide_stem``: a plain name, the store file's own (``<stem>.h5``), as `tile`
         writes it (review ES: a path there wrote outputs outside ``--out``, and two stores swapped by name were
         labelled with each other's annotations by label, which matches by the file name)."""
-        from wsi_milssl.cohorts.names import stem_key, unsafe_stem
+        from wsi_milssl.cohorts.names import name_key, slide_stem, unsafe_stem
 
         value = self._attrs.get("slide_stem")
         if not value:
@@ -551,7 +551,8 @@ class PatchStore(ABC):
             raise self._fail(f"its slide_stem attribute {value[:80]!r} cannot name output files: {why}",
                              "write the slide's name there (the slide file's name without its folder and suffix), "
                              "or tile the slide again")
-        if stem_key(value) != stem_key(self.path.name):
+        if name_key(value) != name_key(slide_stem(self.path.name)):  # the value as it is: a slide named "case.svs.tif"
+            # or "B .tif" has the stem "case.svs" or "B " (review EU: its stem's own suffix or blank was taken off)
             raise self._fail(f"its slide_stem attribute says slide {value[:80]!r}, but the store file is named for "
                              f"{self.path.stem!r}", f"rename the store to {value[:80]}{self.path.suffix} (stores are "
                              "named for their slide), or tile the slide again")
