@@ -87,8 +87,8 @@ def test_an_annotation_name_that_is_not_a_file_fails_the_slide_instead_of_labell
 
 @pytest.mark.parametrize("name", ["case.svs", "B ", "Tumor 01 "])
 def test_a_slide_whose_name_holds_a_suffix_or_ends_in_a_blank_tiles_and_labels(synth_slides, tmp_path, name):
-    """Review EU, B1: a converted slide named ``case.svs.tif`` (stem ``case.svs``) or ``B .tif`` (stem ``B ``) was tiled,
-    and its store then refused by label and heatmap: the name rule took the stem's own suffix or blank off."""
+    """Review EU, B1: a converted slide named ``case.svs.tif`` (stem ``case.svs``) or ``B .tif`` (stem ``B ``) was
+    tiled, and its store then refused by label and heatmap: the name rule took the stem's own suffix or blank off."""
     import os
     import shutil
 
