@@ -5,6 +5,7 @@ the test set under another name is still named as a link."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -81,9 +82,12 @@ def test_two_files_that_only_share_a_name_are_two_slides_each_with_its_own_patie
     assert rows(done.sets["test"]) == [("s0", "1", "test_s0"), ("s2", "0", "test_s2")]
 
 
-def test_two_slides_of_one_name_reading_one_annotation_file_are_refused(tmp_path, synth_slides):
+@pytest.mark.parametrize("spelling", ["same", "absolute", "link"])
+def test_two_slides_of_one_name_reading_one_annotation_file_are_refused(tmp_path, synth_slides, spelling,
+                                                                        monkeypatch):
     """Review EN, A2: with one annotations folder for both sets, the test slide of a name both sets use read the
-    training slide's annotation (its own was missing), and the FROC scored the wrong outline."""
+    training slide's annotation (its own was missing), and the FROC scored the wrong outline. Review EU, A1: the
+    folder given once relative and once absolute, or through a link, was not seen as one."""
     from prepare_trees import distinct_copy
 
     train, test, ann = tmp_path / "train", tmp_path / "test", tmp_path / "ann"
@@ -95,9 +99,13 @@ def test_two_slides_of_one_name_reading_one_annotation_file_are_refused(tmp_path
     shutil.copy(synth_slides["tumor"].with_suffix(".xml"), ann / "s1.xml")
     (train / "labels.csv").write_text("slide,label\ns0,0\ns1,1\n")
     (test / "labels.csv").write_text("slide,label\ns1,1\n")
+    monkeypatch.chdir(tmp_path)
+    test_ann = {"same": Path("ann"), "absolute": ann.resolve(), "link": Path("ann_link")}[spelling]
+    if spelling == "link":
+        (tmp_path / "ann_link").symlink_to(ann, target_is_directory=True)
     with pytest.raises(WsiMilsslError) as info:
-        prepare_folder(train, train / "labels.csv", tmp_path / "out", annotations_dir=ann, test_slides_dir=test,
-                       test_labels_csv=test / "labels.csv", test_annotations_dir=ann)
+        prepare_folder(train, train / "labels.csv", tmp_path / "out", annotations_dir=Path("ann"),
+                       test_slides_dir=test, test_labels_csv=test / "labels.csv", test_annotations_dir=test_ann)
     message = str(info.value)
     assert "1 slide name(s) of both sets would read one annotation file for two different slides: s1" in message
     assert "--test-annotations" in message

@@ -589,10 +589,12 @@ def prepare_folder(slides_dir: str | os.PathLike, labels_csv: str | os.PathLike,
                                                            given=test_annotations_dir is not None))
     matched = {"train": _match_annotations(train_sources, train[0]), "test": _match_annotations(test_sources, test[0])}
     # two slides of one name, one in each set, must not read one annotation file (review EN: the training slide's
-    # outline was the test slide's, and the FROC scored it)
-    train_files = {stem_key(s): {(p, m) for _, p, m in found} for s, found in matched["train"].items()}
+    # outline was the test slide's, and the FROC scored it), whatever the folders' spellings (review EU: a relative
+    # and an absolute path, or a link, to one folder)
+    train_files = {stem_key(s): {(file_identity(p), m) for _, p, m in found} for s, found in matched["train"].items()}
     one_file = sorted((s for s, found in matched["test"].items()
-                       if train_files.get(stem_key(s), set()) & {(p, m) for _, p, m in found}), key=str.casefold)
+                       if train_files.get(stem_key(s), set()) & {(file_identity(p), m) for _, p, m in found}),
+                      key=str.casefold)
     _raise_problems(str(slides_dir), [f"{len(one_file)} slide name(s) of both sets would read one annotation file "
                                       f"for two different slides: {_names(one_file)}"] if one_file else [],
                     "give the test set its own annotations folder (--test-annotations), or rename the slide of one "
