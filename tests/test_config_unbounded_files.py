@@ -18,3 +18,22 @@ def test_a_config_file_that_never_ends_is_one_error():
 def test_a_labels_file_that_never_ends_is_one_error():
     with pytest.raises(LabelsError, match=r"^/dev/zero: more than \d+ bytes, far too large for a slide-labels CSV"):
         read_labels("/dev/zero")
+
+
+@pytest.mark.parametrize("kind", ["slide list", "GeoJSON", "detections", "patch table", "slide scores"])
+def test_other_input_files_that_never_end_are_one_error_each(tmp_path, kind):
+    """Review EU, B4: the same by other paths: a slide list (``tile``, ``evaluate --slides``, a pipeline's lists), a
+    GeoJSON annotation, and the heatmap tables evaluate reads were read whole."""
+    from wsi_milssl.annotations import read_annotations
+    from wsi_milssl.artifacts import read_detections, read_patch_probs, read_scores
+    from wsi_milssl.errors import AnnotationError, EvaluationError
+    from wsi_milssl.tiling.inputs import read_slide_list
+
+    name, read, error = {"slide list": ("slides.csv", read_slide_list, ConfigError),
+                         "GeoJSON": ("s.geojson", read_annotations, AnnotationError),
+                         "detections": ("s.csv", read_detections, EvaluationError),
+                         "patch table": ("s_patches.csv", read_patch_probs, EvaluationError),
+                         "slide scores": ("scores.csv", read_scores, EvaluationError)}[kind]
+    (tmp_path / name).symlink_to("/dev/zero")
+    with pytest.raises(error, match=rf"{name}: cannot read .*\(more than \d+ MiB, far larger than any such file\)"):
+        read(tmp_path / name)

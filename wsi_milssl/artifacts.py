@@ -50,6 +50,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from wsi_milssl.errors import EvaluationError
+from wsi_milssl.paths import read_bounded
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +116,8 @@ HEATMAP_STATUSES = ("ok", "failed", "empty")
 SCORES_FILENAME = "scores.csv"
 SCORES_COLUMNS = ("slide", "score")
 PATCHES_COLUMNS = ("x_lv0", "y_lv0", "prob")
+#: The largest heatmap table or detections file read (a slide of a million patches writes about 30 MB)
+MAX_TABLE_BYTES = 256 << 20
 
 #: Keys every ``_probs.json`` sidecar holds (more are kept: provenance, thresholds).
 SIDECAR_KEYS = ("slide", "slide_path", "origin_lv0", "stride_lv0", "patch_size_lv0", "mpp", "shape")
@@ -218,7 +221,7 @@ def read_text(path: str | os.PathLike, *, what: str, fix: str) -> str:
     """
     path = Path(path)
     try:
-        raw = path.read_bytes()
+        raw = read_bounded(path, MAX_TABLE_BYTES)
     except OSError as exc:
         raise EvaluationError(f"{path}: cannot read {what} ({exc.strerror or exc}).") from None
     try:
@@ -311,7 +314,7 @@ def read_detections(path: str | os.PathLike) -> Detections:
     xs: list[float] = []
     ys: list[float] = []
     try:
-        rows = list(csv.reader(path.read_bytes().decode("utf-8-sig").splitlines()))
+        rows = list(csv.reader(read_bounded(path, MAX_TABLE_BYTES).decode("utf-8-sig").splitlines()))
     except OSError as exc:
         raise EvaluationError(f"{path}: cannot read the detections file ({exc.strerror}).") from None
     except UnicodeDecodeError as exc:

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Iterable
 
-__all__ = ["path_list", "link_loops", "folder_place"]
+__all__ = ["path_list", "link_loops", "folder_place", "read_bounded", "FileTooLarge"]
 
 
 def path_list(value: str | os.PathLike | Iterable[str | os.PathLike]) -> list:
@@ -17,6 +17,21 @@ def path_list(value: str | os.PathLike | Iterable[str | os.PathLike]) -> list:
     if isinstance(value, (str, bytes, os.PathLike)):
         return [value]
     return list(value)
+
+
+class FileTooLarge(OSError):
+    """A file :func:`read_bounded` stopped reading: far larger than any file of its kind."""
+
+
+def read_bounded(path: str | os.PathLike, limit_bytes: int) -> bytes:
+    """The bytes of the file ``path``, of which at most ``limit_bytes`` are read: a device or pipe (``/dev/zero``
+    reports size 0) never ends, and memory grew until a traceback (review ES, EU). :class:`FileTooLarge` (an
+    OSError whose ``strerror`` says why, for the callers' "cannot read" errors) past the limit."""
+    with open(path, "rb") as fh:
+        raw = fh.read(limit_bytes + 1)
+    if len(raw) > limit_bytes:
+        raise FileTooLarge(errno.EFBIG, f"more than {limit_bytes >> 20} MiB, far larger than any such file")
+    return raw
 
 
 def link_loops(path: str | os.PathLike) -> bool:

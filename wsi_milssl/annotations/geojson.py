@@ -45,6 +45,7 @@ from wsi_milssl.annotations.asap import (
 )
 from wsi_milssl.annotations.groups import UNCLASSIFIED
 from wsi_milssl.errors import AnnotationError, unreadable_annotation
+from wsi_milssl.paths import read_bounded
 
 __all__ = ["read_geojson", "write_geojson", "hex_to_rgb", "rgb_to_hex", "MAX_JSON_DEPTH", "QUPATH_02_OBJECT_TYPES"]
 
@@ -229,8 +230,7 @@ def _load_json(path: Path) -> Any:
                 f"{path}: {size} bytes is larger than any slide's annotations ({MAX_ANNOTATION_BYTES} bytes at "
                 f"most are read). Fix: export annotations only (no detections or cells) as GeoJSON."
             )
-        with open(path, "rb") as fh:
-            raw = fh.read()
+        raw = read_bounded(path, MAX_ANNOTATION_BYTES)  # a device or pipe reports size 0
     except FileNotFoundError:
         raise AnnotationError(f"{path}: annotation file not found; check the path.") from None
     except OSError as exc:

@@ -13,6 +13,7 @@ from typing import Iterable
 from wsi_milssl.cohorts import SLIDE_SUFFIXES, slide_stem, stem_key
 from wsi_milssl.cohorts.names import name_key
 from wsi_milssl.errors import ConfigError
+from wsi_milssl.paths import read_bounded
 
 # The one list of slide suffixes and the one stem rule live in wsi_milssl.cohorts (every stage uses them).
 __all__ = ["SLIDE_SUFFIXES", "file_fingerprint", "find_slides", "read_slide_list", "slide_stem", "slides_in_folder"]
@@ -20,6 +21,8 @@ __all__ = ["SLIDE_SUFFIXES", "file_fingerprint", "find_slides", "read_slide_list
 #: Columns of a slide list that hold slide paths, in order of preference (``slide`` may hold a path
 #: or a bare name looked up beside the CSV).
 PATH_COLUMNS = ("path", "slide_path", "slide")
+#: The largest slide list read: millions of slides (a labels file has the same bound)
+MAX_SLIDE_LIST_BYTES = 256 << 20
 
 
 def file_fingerprint(path: str | os.PathLike) -> dict[str, str | int] | None:
@@ -66,7 +69,7 @@ def read_slide_list(csv_path: str | os.PathLike, *, keep_missing: bool = False) 
     csv_path = Path(csv_path)
     fix = "Fix: save it as UTF-8 with a header row: a 'slide' column of slide paths or names, or 'slide,path'."
     try:
-        text = csv_path.read_bytes().decode("utf-8-sig")
+        text = read_bounded(csv_path, MAX_SLIDE_LIST_BYTES).decode("utf-8-sig")
     except OSError as exc:
         raise ConfigError(f"{csv_path}: cannot read the slide list ({exc.strerror or exc}).") from None
     except UnicodeDecodeError as exc:
