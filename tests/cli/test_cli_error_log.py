@@ -228,3 +228,29 @@ def test_a_log_file_that_cannot_be_written_is_said_once_and_the_command_goes_on(
     assert err.count("warning: cannot write the log file /dev/full (No space left on device)") == 1, err
     assert "Traceback" not in err and "Logging error" not in err
     assert (tmp_path / "s" / "labels.csv").is_file()
+
+
+def test_a_record_that_does_not_format_leaves_the_log_file_on(tmp_path, capsys):
+    """Review EU, B3: any error in writing a record stopped the log file for the rest of the run, saying to free disk
+    space; one record whose arguments do not format (from any library) is logging's usual report now, and the
+    records after it are written."""
+    import logging
+
+    from wsi_milssl.cli import _open_log_file
+
+    handler = _open_log_file(tmp_path / "run.log")
+    log = logging.getLogger("wsi_milssl.test_bad_record")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    try:
+        log.info("first line")
+        log.info("bad %d", "x")
+        log.info("a later line")
+    finally:
+        log.removeHandler(handler)
+        handler.close()
+    text = (tmp_path / "run.log").read_text()
+    assert "first line" in text and "a later line" in text
+    err = capsys.readouterr().err
+    assert "cannot write the log file" not in err and "Logging error" in err

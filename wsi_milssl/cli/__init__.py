@@ -206,8 +206,10 @@ class _LogFileHandler(logging.FileHandler):
     def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 (logging's name)
         if self.failed:
             return
-        self.failed = True
         exc = sys.exc_info()[1]
+        if not isinstance(exc, OSError):  # a record that does not format (review EU: one such record from any
+            return super().handleError(record)  # library stopped the file); logging says so, and the file goes on
+        self.failed = True
         why = getattr(exc, "strerror", None) or exc
         stderr_line(f"warning: cannot write the log file {self.baseFilename} ({why}); nothing more is written to "
                     "it. Fix: free disk space there, or give --log-file another path.")
