@@ -119,3 +119,25 @@ def test_froc_mpp_needs_no_slide_mpp(utrecht_case, tmp_path, capsys):
     assert (c16["n_lesions"], c16["n_itc"], c16["froc"], c16["froc_protocol"]) == (2, 0, 0.5, "CAMELYON16")
     rows = (tmp_path / "c16" / "per_slide.csv").read_text().splitlines()
     assert rows[1].startswith("synth_000,1,") and rows[1].endswith(",,0")  # no µm/px to report
+
+
+def test_froc_mpp_accepts_a_slide_whose_objective_power_gives_no_resolution(tmp_path, monkeypatch):
+    """Review EU, C2: with the FROC measured at --froc-mpp a slide that records no µm/px was accepted, but one whose
+    objective power gives no microscope's resolution (an Aperio "AppMag = 400000000") was refused."""
+    import numpy as np
+    import openslide
+
+    from wsi_milssl.errors import MissingResolutionError
+    from wsi_milssl.evaluation.stage import _slide_geometry
+    from wsi_milssl.slide import reader
+    from wsi_milssl.synth.pyramid import write_pyramidal_tiff
+
+    path = tmp_path / "s.tif"
+    write_pyramidal_tiff(path, lambda x0, y0, x1, y1: np.full((y1 - y0, x1 - x0, 3), 200, np.uint8), width=1024,
+                         height=768, mpp=None)
+    real = reader._float_property
+    monkeypatch.setattr(reader, "_float_property", lambda props, key: 4e8 if key ==
+                        openslide.PROPERTY_NAME_OBJECTIVE_POWER else real(props, key))
+    assert _slide_geometry("s", path, None, need_mpp=False) == ((1024, 768), None)
+    with pytest.raises(MissingResolutionError, match="its objective power 4e\\+08x gives"):
+        _slide_geometry("s", path, None, need_mpp=True)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tifffile
 
-from wsi_milssl.errors import SlideReadError
+from wsi_milssl.errors import MissingResolutionError, SlideReadError
 from wsi_milssl.slide import open_slide
 from wsi_milssl.slide import reader as reader_module
 
@@ -26,7 +26,11 @@ def test_x_and_y_resolutions_that_disagree_are_not_used(tmp_path, caplog):
     path = _tiled_tiff(tmp_path / "aniso.tif", mpp_x=0.25, mpp_y=10.0)
     with caplog.at_level(logging.WARNING), open_slide(path) as slide:
         assert slide.metadata_mpp is None
+        with pytest.raises(MissingResolutionError) as err:  # review EU, C1: the error said "not a microscope's
+            slide.mpp  # resolution" of their mean, the true reason in a warning that -q hides
     assert "its x and y µm/px differ (0.25 and 10)" in caplog.text and "--slide-mpp" in caplog.text
+    assert str(err.value).startswith(f"{path}: the slide has no MPP (its metadata's x and y µm/px differ (0.25 and "
+                                     "10), where a microscope's pixels are square) and no objective power")
     caplog.clear()
     with caplog.at_level(logging.WARNING), open_slide(_tiled_tiff(tmp_path / "square.tif", mpp_x=0.25,
                                                                   mpp_y=0.2501)) as slide:

@@ -60,7 +60,7 @@ from wsi_milssl.atomic import atomic_write_bytes, atomic_write_csv, atomic_write
 from wsi_milssl.cohorts import labels_for, stem_key
 from wsi_milssl.config.base import config_hash, config_to_dict, write_resolved_config
 from wsi_milssl.config.evaluate import EvaluateConfig
-from wsi_milssl.errors import EvaluationError, FolderLockedError, WsiMilsslError
+from wsi_milssl.errors import EvaluationError, FolderLockedError, MissingResolutionError, WsiMilsslError
 from wsi_milssl.evaluation.froc import (
     FrocCurve,
     SlideMatch,
@@ -150,9 +150,12 @@ def _slide_geometry(stem: str, slide_path: Path | None, mpp: float | None, *, ne
         )
     with open_slide(slide_path, mpp_override=mpp) as slide:
         dims = tuple(int(v) for v in slide.dimensions)
-        if not need_mpp and slide.mpp_source == "none":
+        try:
+            return dims, float(slide.mpp)
+        except MissingResolutionError:  # none recorded, or none usable (review EU: an objective power that gives
+            if need_mpp:  # no microscope's resolution was refused where none at all was accepted)
+                raise
             return dims, None
-        return dims, float(slide.mpp)
 
 
 def _slide_mpp(sidecar: dict | None, config: EvaluateConfig) -> float | None:

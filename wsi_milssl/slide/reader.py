@@ -215,15 +215,19 @@ class SlideReader:
         elif mpp_x or mpp_y:
             self.metadata_mpp = mpp_x or mpp_y
         self.ignored_metadata_mpp: float | None = None
+        self._ignored_why = ""  # why, for the error of a slide left without a scale
         if mpp_x and mpp_y and abs(mpp_x - mpp_y) > NON_SQUARE_MPP * max(mpp_x, mpp_y):
             # square pixels are assumed everywhere; their mean would scale the slide wrongly (review ES)
             self.ignored_metadata_mpp, self.metadata_mpp = self.metadata_mpp, None
+            self._ignored_why = (f"its metadata's x and y µm/px differ ({mpp_x:g} and {mpp_y:g}), where a "
+                                 "microscope's pixels are square")
             if self._mpp_override is None:
                 logger.warning("%s: ignoring the resolution in its metadata: its x and y µm/px differ (%g and %g), "
                                "where a microscope's pixels are square. Pass the level-0 resolution with "
                                "--slide-mpp (µm per pixel).", self.path, mpp_x, mpp_y)
         if self.metadata_mpp is not None and not PLAUSIBLE_MPP[0] <= self.metadata_mpp <= PLAUSIBLE_MPP[1]:
             self.ignored_metadata_mpp, self.metadata_mpp = self.metadata_mpp, None
+            self._ignored_why = f"its metadata says {self._ignored_mpp_text()}, which is not a microscope's resolution"
             if self._mpp_override is None:
                 logger.warning("%s: ignoring the resolution in its metadata (%s): not a microscope's (those are "
                                "%g-%g µm/px). Pass the level-0 resolution with --slide-mpp (µm per pixel).",
@@ -282,8 +286,7 @@ class SlideReader:
             raise MissingResolutionError(
                 f"{self.path}: the slide has no usable MPP{ignored}, so its physical scale is unknown. Fix: pass the "
                 "level-0 resolution with --slide-mpp (µm per pixel, e.g. --slide-mpp 0.25).")
-        ignored = (f" (its metadata says {self._ignored_mpp_text()}, which is not a microscope's resolution)"
-                   if self.ignored_metadata_mpp is not None else "")
+        ignored = f" ({self._ignored_why})" if self._ignored_why else ""
         raise MissingResolutionError(
             f"{self.path}: the slide has no MPP{ignored} and no objective power, so its physical scale is "
             "unknown. Fix: pass the level-0 resolution with --slide-mpp (µm per pixel, e.g. --slide-mpp 0.25)."
