@@ -333,14 +333,24 @@ def test_more_epochs_continue_the_finished_run_as_train_resume_does(out, tmp_pat
     assert "epochs went up from 1 to 2" in caplog.text
     (copy,) = out.glob("model.replaced-*")
     assert _sha256(copy / "best.pt") == one_epoch
+    # continued, not trained again (review EU, C5: the weights are the same either way): epoch 1's line, with its
+    # wall time, is the shorter run's
+    first = (copy / "metrics.jsonl").read_text().splitlines()
+    assert len(first) == 1 and (out / "model" / "metrics.jsonl").read_text().splitlines()[0] == first[0]
     fresh = tmp_path / "fresh"
     run_pipeline(load_pipeline(out.parent / "changed.toml", out_dir=fresh, overrides=["train.epochs=2"]))
     continued, scratch = (torch.load(d / "model" / "last.pt", weights_only=True) for d in (out, fresh))
     assert continued["epoch"] == scratch["epoch"] == 2
     for name, tensor in scratch["model"].items():
         assert torch.equal(continued["model"][name], tensor), name
+    two_epochs = _sha256(out / "model" / "last.pt")
     back = {o.stage: o for o in _run_all(out)}  # the pipeline's 1 epoch again: the run of 1 epoch is back
     assert back["train"].status == "ran" and _sha256(out / "model" / "best.pt") == one_epoch
+    caplog.clear()  # and 2 again: the finished run of 2 epochs is back, not continued again (review EU, C3)
+    run_pipeline(load_pipeline(out.parent / "changed.toml", out_dir=out, overrides=["train.epochs=2"]), until="train")
+    assert "epochs went up" not in caplog.text and "is back from" in caplog.text
+    assert _sha256(out / "model" / "last.pt") == two_epochs
+    assert len(list(out.glob("model.replaced-*"))) == 1  # the 1-epoch run, aside again; no copy more
     caplog.clear()
     spec = load_pipeline(out.parent / "changed.toml", out_dir=out, overrides=["train.epochs=2",
                                                                               'train.scheduler="cosine"'])

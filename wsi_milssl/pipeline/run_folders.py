@@ -162,9 +162,11 @@ def prepare_run_dir(run_dir: Path, fingerprint: dict, *earlier: dict, slide_list
             if any((run_dir / name).is_file() for name in ("best.pt", "metrics.jsonl")):
                 replace_aside(run_dir, "lacks the last.pt a run continues from, so it trains again")
         elif (run_dir / "last.pt").is_file() and _extended(previous, forms, slide_lists, folder=run_dir) and \
-                _epochs_asked(run_dir) <= fingerprint["settings"]["epochs"]:
-            # (a run continued by hand past the new epochs, `train --resume --epochs`, is not: review EN) the
-            # shorter run stays as a copy, brought back when its epochs are (review EN: it trained again)
+                _epochs_asked(run_dir) <= fingerprint["settings"]["epochs"] and \
+                not (restore and earlier_run(run_dir, forms, slide_lists)):
+            # (a run continued by hand past the new epochs, `train --resume --epochs`, is not: review EN; nor one
+            # whose longer run is aside, brought back below: review EU) the shorter run stays as a copy, brought
+            # back when its epochs are (review EN: it trained again)
             aside = _aside_name(run_dir)
             shutil.copytree(run_dir, aside, symlinks=True)
             atomic_write_json(marker, fingerprint, sort_keys=True)
