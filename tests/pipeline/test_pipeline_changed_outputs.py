@@ -303,11 +303,14 @@ def test_a_model_file_cut_short_is_set_aside_and_trained_again(out, caplog):
     assert {s for s, _, _ in _run(out).values()} == {"skipped"}
 
 
-@pytest.mark.parametrize("cut", ["at a line's end", "inside a line"])
-def test_a_heatmap_table_cut_short_is_set_aside_and_made_again(out, cut):
+@pytest.mark.parametrize("name, cut", [("synth_000_patches.csv", "at a line's end"),
+                                       ("synth_000_patches.csv", "inside a line"),
+                                       ("synth_000_detections.csv", "inside a line")])
+def test_a_heatmap_table_cut_short_is_set_aside_and_made_again(out, name, cut):
     """Review EM, B1: a `_patches.csv` cut short (at a line's end: its rows no longer the sidecar's count) was
-    kept as a hand run's, and every evaluate failed on it."""
-    table = out / "heatmaps" / "test" / "synth_000_patches.csv"
+    kept as a hand run's, and every evaluate failed on it. Review EU, C5: a table no sidecar counts (the
+    detections), cut inside a line, is told by its missing final newline."""
+    table = out / "heatmaps" / "test" / name
     whole = table.read_text()
     lines = whole.splitlines(keepends=True)
     table.write_text("".join(lines[:5]) if cut == "at a line's end" else whole[: len(whole) // 2 + 3])
