@@ -26,6 +26,11 @@ def _load(tmp_path, text: str, **kwargs):
                                       r"Fix: move it to that table\."),
     ("[heatmap]\npatch_size_px = 64\n", r"\[heatmap\]: patch_size_px is a setting of \[tile\]"),
     ("[evaluate]\ncolourmap = 'magma'\n", r"unknown key\(s\) colourmap for EvaluateConfig; valid keys"),
+    # review EW, B1: the command-line option's name in a table that calls it otherwise was sent to another table
+    ("[heatmap]\nworkers = 2\n", r"\[heatmap\]: workers is called num_workers in \[heatmap\] \(the reader "
+                                  r"processes, `wsi-milssl heatmap --workers`\)\. Fix: rename it\.$"),
+    ("[features]\nworkers = 2\n", r"\[features\]: workers is called num_workers in \[features\]"),
+    ("[evaluate]\nslide_mpp = 0.25\n", r"\[evaluate\]: slide_mpp is called mpp in \[evaluate\]"),
 ])
 def test_a_key_in_the_wrong_place_names_where_it_belongs(tmp_path, extra, message):
     with pytest.raises(ConfigError, match=message):
@@ -85,3 +90,9 @@ def test_an_image_pipeline_without_patch_pixels_is_refused_before_any_stage(tmp_
         run_pipeline(spec)
     assert not (tmp_path / "out" / "slides").exists()  # nothing generated or tiled first
     assert [o.stage for o in run_pipeline(spec, until="synth")] == ["synth"]
+
+
+def test_tiles_own_name_for_its_workers_is_named_for_a_set_override(tmp_path):
+    with pytest.raises(ConfigError, match=r"\[tile\] with --set tile\.num_workers=2: num_workers is called workers in "
+                                          r"\[tile\] \(the slides tiled at once, `wsi-milssl tile --workers`\)"):
+        _load(tmp_path, GENERATED_SLIDES, overrides=["tile.num_workers=2"])

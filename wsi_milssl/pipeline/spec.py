@@ -669,12 +669,27 @@ def write_resolved_pipeline(spec: PipelineSpec, path: str | os.PathLike) -> Path
     return atomic_write_text(Path(path), "\n".join(header) + "\n\n" + tomli_w.dumps(resolved_pipeline(spec)))
 
 
+#: Keys of one stage that name, in another stage's table, what this stage calls otherwise, with this stage's name
+#: for it and what it is (review EW: `[heatmap] workers` was sent to [tile], whose workers are another thing)
+_SAME_SETTING = {
+    "tile": {"num_workers": ("workers", "the slides tiled at once, `wsi-milssl tile --workers`")},
+    **{stage: {"workers": ("num_workers", f"the reader processes, `wsi-milssl {stage} --workers`")}
+       for stage in ("features", "train", "heatmap")},
+    "evaluate": {"slide_mpp": ("mpp", "the slides' level-0 µm/px, `wsi-milssl evaluate --slide-mpp`")},
+}
+
+
 def _refuse_key_of_another_table(section: dict[str, Any], stage: str, classes: dict[str, type], where: str) -> None:
     """One error for keys of [stage] that are not its settings but another table's (``val_fraction`` in [train]
     belongs in [data]), naming that table (review BR: the error listed [train]'s 41 keys and no way on)."""
     import dataclasses
 
     own = {f.name for f in dataclasses.fields(classes[stage])}
+    renamed = _SAME_SETTING.get(stage, {})
+    meant = {key: renamed[key] for key in sorted(set(section) - own) if key in renamed}
+    if meant:
+        said = "; ".join(f"{key} is called {name} in [{stage}] ({what})" for key, (name, what) in meant.items())
+        raise ConfigError(f"{where}: {said}. Fix: rename {'it' if len(meant) == 1 else 'them'}.")
     elsewhere = {}
     for key in sorted(set(section) - own):
         tables = ["data"] if key in ("val_fraction", "split_seed") else [
