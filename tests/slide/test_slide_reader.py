@@ -113,7 +113,10 @@ def test_info_takes_the_level_0_override_as_slide_mpp_like_tile_and_heatmap(tmp_
     assert "--slide-mpp" in capsys.readouterr().err
     for option in ("--slide-mpp", "--mpp"):  # --mpp: the older name, still accepted
         assert main(["info", str(path), option, "0.5"]) == 0
-        assert "0.5" in capsys.readouterr().out
+        out, err = capsys.readouterr()
+        assert "0.5" in out
+        # review EW, B2: in tile and features --mpp is the resolution read at; info's is said to be the slide's own
+        assert ("--mpp 0.5 is taken as --slide-mpp" in err) == (option == "--mpp"), err
 
 
 def test_objective_power_is_the_fallback_when_mpp_is_missing(tmp_path):

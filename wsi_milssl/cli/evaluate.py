@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from wsi_milssl.cli.label import _groups
-from wsi_milssl.cli.options import output_folder
+from wsi_milssl.cli.options import add_slide_mpp_option, output_folder
 from wsi_milssl.config.evaluate import EvaluateConfig
 
 __all__ = ["SUMMARY", "register", "run", "evaluate_config_from_args"]
@@ -86,8 +86,7 @@ def register(subparsers) -> None:
                    help="annotation groups / QuPath classes that are tumour (case-insensitive), as label's")
     p.add_argument("--non-tumor-groups", type=_groups, default=",".join(d.non_tumor_groups), metavar="G1,G2",
                    help="groups carved out of tumour (case-insensitive), as label's")
-    p.add_argument("--slide-mpp", "--mpp", dest="mpp", type=float, default=argparse.SUPPRESS, metavar="MPP",
-                   help="level-0 µm per pixel for every slide (0.01-100), for folders whose slides record none "
+    add_slide_mpp_option(p, default=argparse.SUPPRESS, help="level-0 µm per pixel for every slide (0.01-100), for folders whose slides record none "
                         "(refused where it contradicts the µm/px the heatmaps were made at); --mpp is the older "
                         "name (default: what each slide's <stem>_probs.json records, else the slide's metadata)")
     p.add_argument("--froc-mpp", dest="froc_mpp", type=float, default=argparse.SUPPRESS, metavar="UM_PER_PX",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from wsi_milssl.cli.options import add_slide_mpp_option
 from wsi_milssl.config.base import SLIDE_MPP_RANGE
 
 __all__ = ["SUMMARY", "register", "run", "describe_slide"]
@@ -27,8 +28,7 @@ def register(subparsers) -> None:
         formatter_class=HelpFormatter,
     )
     p.add_argument("slides", type=Path, nargs="+", metavar="SLIDE", help="slide file(s)")
-    p.add_argument("--slide-mpp", "--mpp", dest="mpp", type=float, default=None, metavar="MPP",
-                   help="level-0 µm per pixel, overriding the slide's metadata (for slides without MPP; "
+    add_slide_mpp_option(p, default=None, help="level-0 µm per pixel, overriding the slide's metadata (for slides without MPP; "
                         "--mpp is the older name)")
     p.add_argument("--magnifications", type=float, nargs="+", default=[10.0, 20.0], metavar="MAG",
                    help="objective magnifications to plan reads for")

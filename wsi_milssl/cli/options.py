@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-__all__ = ["values_from_args", "output_folder", "config_table"]
+__all__ = ["values_from_args", "output_folder", "config_table", "add_slide_mpp_option"]
 
 
 def values_from_args(args: argparse.Namespace, *, table: str, value_options: dict[str, str],
@@ -46,3 +46,23 @@ def config_table(path: Path, table: str) -> dict:
         raise ConfigError(f"{path}: {', '.join(loose)} at the top level beside a [{table}] table, which is the one "
                           f"read. Fix: move {'them' if len(loose) > 1 else 'it'} into [{table}].")
     return dict(data.get(table, data))
+
+
+class _SlideMpp(argparse.Action):
+    """``--slide-mpp``, and its older name ``--mpp``, said when used: in ``tile`` and ``features`` ``--mpp`` is the
+    resolution read at, and ``info SLIDE --mpp 0.5`` rescaled the slide where a target was meant (review EW)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string == "--mpp":
+            from wsi_milssl.cli import stderr_line
+
+            stderr_line(f"warning: {parser.prog}: --mpp {values:g} is taken as --slide-mpp, the older name: the "
+                        "slides' own level-0 µm/px, in place of their metadata (in tile and features --mpp is the "
+                        "resolution read at). Fix: write --slide-mpp.")
+        setattr(namespace, self.dest, values)
+
+
+def add_slide_mpp_option(parser: argparse.ArgumentParser, *, default, help: str) -> None:
+    """The ``--slide-mpp MPP`` option (dest ``mpp``) of ``info`` and ``evaluate``, which also take ``--mpp``."""
+    parser.add_argument("--slide-mpp", "--mpp", dest="mpp", type=float, default=default, metavar="MPP",
+                        action=_SlideMpp, help=help)
