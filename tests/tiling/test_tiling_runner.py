@@ -253,7 +253,7 @@ def test_a_72_dpi_tag_is_named_in_the_tile_error(tmp_path):
     assert run.results[0].error == (
         f"{path}: the slide has no MPP (its metadata says 72 pixels per inch = 352.778 µm/px, which is not a "
         "microscope's resolution) and no objective power, so its physical scale is unknown. Fix: pass the "
-        "level-0 resolution with --slide-mpp (µm per pixel, e.g. --slide-mpp 0.25).")
+        "level-0 resolution with --slide-mpp (µm per pixel, e.g. --slide-mpp 0.25; in a pipeline, [tile] slide_mpp).")
 
 
 def test_a_slide_smaller_than_one_patch_says_so(tmp_path, caplog):
@@ -279,7 +279,7 @@ def test_slide_without_mpp_needs_slide_mpp(tmp_path):
     assert run.results[0].status == "failed"
     assert run.results[0].error == (
         f"{path}: the slide has no MPP and no objective power, so its physical scale is unknown. Fix: pass the "
-        "level-0 resolution with --slide-mpp (µm per pixel, e.g. --slide-mpp 0.25).")
+        "level-0 resolution with --slide-mpp (µm per pixel, e.g. --slide-mpp 0.25; in a pipeline, [tile] slide_mpp).")
     run = tile_slides([path], tmp_path / "out", TileConfig(**FAST, slide_mpp=0.5))
     assert run.ok and run.results[0].n_patches == 0  # blank glass: an empty store, not an error
     with open_store(tmp_path / "out" / "nompp.h5") as s:

@@ -285,11 +285,13 @@ class SlideReader:
                        f"microscope's resolution: those are {PLAUSIBLE_MPP[0]:g}-{PLAUSIBLE_MPP[1]:g} µm/px)")
             raise MissingResolutionError(
                 f"{self.path}: the slide has no usable MPP{ignored}, so its physical scale is unknown. Fix: pass the "
-                "level-0 resolution with --slide-mpp (µm per pixel, e.g. --slide-mpp 0.25).")
+                "level-0 resolution with --slide-mpp (µm per pixel, e.g. --slide-mpp 0.25; in a pipeline, [tile] "
+                "slide_mpp).")
         ignored = f" ({self._ignored_why})" if self._ignored_why else ""
         raise MissingResolutionError(
             f"{self.path}: the slide has no MPP{ignored} and no objective power, so its physical scale is "
-            "unknown. Fix: pass the level-0 resolution with --slide-mpp (µm per pixel, e.g. --slide-mpp 0.25)."
+            "unknown. Fix: pass the level-0 resolution with --slide-mpp (µm per pixel, e.g. --slide-mpp 0.25; in a "
+            "pipeline, [tile] slide_mpp)."
         )
 
     @property

@@ -100,8 +100,10 @@ def plan_read(
         raise ResolutionError(
             f"{source if source is not None else 'slide'}: reading at {target_mpp:.4g} µm/px would upsample this "
             f"slide, which is scanned at {slide_mpp:.4g} µm/px ({1.0 / downsample:.2f}x enlarged pixels add no "
-            f"detail). Fix: ask for {slide_mpp:.4g} µm/px or coarser (--mpp, or a lower --magnification), or pass "
-            "--allow-upsample to enlarge it anyway."
+            f"detail). Fix: read at {slide_mpp:.4g} µm/px or coarser (tile and features: --mpp or a lower "
+            "--magnification; a pipeline: [tile] target_mpp or magnification; heatmap reads at its model's), or "
+            "enlarge it anyway (tile --allow-upsample; allow_upsample = true in [tile] or in a features "
+            "--tile-config); a wrong µm/px in the slide's metadata is mended with --slide-mpp."
         )
     level = 0
     for i, ds in enumerate(level_downsamples):
