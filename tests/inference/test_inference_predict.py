@@ -135,6 +135,13 @@ def test_checkpoints_without_image_model_or_tiling_settings_are_refused(tmp_path
         load_inference_model(bare)
     with pytest.raises(CheckpointError, match="checkpoint not found"):
         load_inference_model(tmp_path / "missing.pt")
+    # review EW, B5: RUN/best.pt of a run without validation was "not found; pass RUN_DIR/best.pt, ..."
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "last.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=rf"best\.pt: not written by this run \(best\.pt is the epoch that "
+                                              rf"validation chose: `train --val`\).* Fix: pass the run folder {run} "):
+        load_inference_model(run / "best.pt")
 
 
 def test_store_tiled_at_another_resolution_fails_that_slide_with_a_clear_message(tmp_path, tumour_slide,

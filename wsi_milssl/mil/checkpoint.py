@@ -107,6 +107,10 @@ def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
         raise CheckpointError(f"{path}: run folder holds neither best.pt nor last.pt; train first "
                               "(`wsi-milssl train ... --out RUN_DIR`) or pass a checkpoint file.")
     if not path.is_file():
+        if path.name == "best.pt" and (path.parent / "last.pt").is_file():  # (review EW: the fix was the path given)
+            raise CheckpointError(f"{path}: not written by this run (best.pt is the epoch that validation chose: "
+                                  "`train --val`); its last epoch is last.pt. Fix: pass the run folder "
+                                  f"{path.parent} (it takes last.pt then), or train with --val.")
         raise CheckpointError(f"{path}: checkpoint not found; pass RUN_DIR/best.pt, RUN_DIR/last.pt or RUN_DIR.")
     return path
 
