@@ -249,6 +249,12 @@ def test_format_detection_and_find(tmp_path):
     assert [p.name for p in list_annotation_files(tmp_path)] == ["S2.GeoJSON", "s1.xml"]
     with pytest.raises(AnnotationError, match=r"annotation folder not found"):
         find_annotation("s1", tmp_path / "nope")
+    # review EW, C7: a file given for the folder was "not found"
+    given = tmp_path / "s1.xml"
+    for call in (lambda: find_annotation("s1", given), lambda: list_annotation_files(given)):
+        with pytest.raises(AnnotationError, match=rf"s1\.xml: is a file, not the annotation folder\. Fix: pass the "
+                                                  rf"folder .* \(this file's is {tmp_path}\)\.$"):
+            call()
 
 
 def test_find_annotation_lists_a_folder_once_for_many_slides_and_sees_new_files(tmp_path, monkeypatch):

@@ -38,6 +38,11 @@ def test_evaluate_command_reports_input_errors(synth_dir, annotations_dir, tmp_p
                "--slides", str(synth_dir), "--labels", str(synth_dir / "labels.csv"), "--out", str(tmp_path / "o")])
     assert rc == 1
     assert "the predictions folder is a file, not a folder" in capsys.readouterr().err
+    (tmp_path / "pred").mkdir()  # review EW, C7: an annotation file for the folder was "does not exist"
+    rc = main(["evaluate", "--predictions", str(tmp_path / "pred"), "--annotations", str(a_file),
+               "--slides", str(synth_dir), "--labels", str(synth_dir / "labels.csv"), "--out", str(tmp_path / "o")])
+    assert rc == 1
+    assert f"{a_file}: is a file, not the annotations folder. Fix: check --annotations" in capsys.readouterr().err
 
 
 def test_evaluate_command_requires_its_inputs(capsys):

@@ -78,3 +78,22 @@ def test_every_slide_excluded_leaves_the_bag_auc_alone(predictions, synth_dir, s
     assert m["reasons"]["instance_auc"] == "every evaluated slide is in lesion_exclude"
     assert m["reasons"]["froc"] == (f"no lesions: lesion_exclude left out the 1 lesion(s) of {names[0]}; "
                                     "sensitivity is undefined")  # the tumour slide alone (review BM)
+
+
+def test_names_given_as_one_comma_list_are_said_to_be_separate_values(caplog):
+    """Review EW, C8: `--lesion-exclude A,B` (a comma list, as --tumor-groups takes) was one unknown name with a
+    plain warning, and both slides stayed in the FROC."""
+    from types import SimpleNamespace
+
+    from wsi_milssl.evaluation.stage import _lesion_excluded
+
+    results = [SimpleNamespace(stem="Test_049"), SimpleNamespace(stem="Test_114")]
+    with caplog.at_level(logging.WARNING):
+        excluded, kept = _lesion_excluded(results, EvaluateConfig(lesion_exclude=("Test_049,Test_114",)))
+    assert excluded == [] and len(kept) == 2
+    assert ("lesion_exclude names 1 slide(s) that are not evaluated here: 'Test_049,Test_114' (names are separate "
+            "values: --lesion-exclude A B, or a list in TOML, not one 'A,B')") in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        excluded, _ = _lesion_excluded(results, EvaluateConfig(lesion_exclude=("Test_049", "Test_114")))
+    assert excluded == ["Test_049", "Test_114"] and "not evaluated here" not in caplog.text

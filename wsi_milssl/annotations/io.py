@@ -287,7 +287,7 @@ def find_annotation(slide_stem: str, annotations_dir: str | os.PathLike) -> Path
     """
     directory = Path(annotations_dir)
     if not directory.is_dir():
-        raise AnnotationError(f"{directory}: annotation folder not found; check --annotations.")
+        raise AnnotationError(_not_a_folder(directory))
     from wsi_milssl.cohorts.names import file_identity, name_key
 
     exact = [directory / f"{slide_stem}{suffix}" for suffix in ANNOTATION_SUFFIXES]
@@ -448,12 +448,21 @@ def _folder_index(directory: str, inode: tuple[int, int], mtime_ns: int) -> dict
     return {k: tuple(v) for k, v in index.items()}
 
 
+def _not_a_folder(directory: Path) -> str:
+    """The error of an annotations path that is no folder: a file there is said to be one (review EW: "not found"
+    of a file that is there)."""
+    if directory.is_file():
+        return (f"{directory}: is a file, not the annotation folder. Fix: pass the folder that holds the "
+                f"<slide name>.xml or .geojson files with --annotations (this file's is {directory.parent}).")
+    return f"{directory}: annotation folder not found; check --annotations."
+
+
 def list_annotation_files(annotations_dir: str | os.PathLike) -> list[Path]:
     """Annotation files in ``annotations_dir``: every ``.xml`` and ``.geojson``, and ``.json`` files
     that look like GeoJSON (so a ``manifest.json`` beside them is not mistaken for one); sorted."""
     directory = Path(annotations_dir)
     if not directory.is_dir():
-        raise AnnotationError(f"{directory}: annotation folder not found; check --annotations.")
+        raise AnnotationError(_not_a_folder(directory))
     out = []
     try:
         entries = sorted(directory.iterdir())

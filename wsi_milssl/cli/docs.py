@@ -60,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
     if missing:
         raise WsiMilsslError(
             f"{page_file(missing[0])}: documentation page not installed with this copy of wsi-milssl; "
-            "reinstall the package (pip install --force-reinstall wsi-milssl) or read docs/ of its repository")
+            "reinstall the package (from a checkout, as the README installs it: pip install --force-reinstall -e .) "
+            "or read docs/ of its repository")
     if args.page is None:
         width = max(map(len, PAGES))
         for name, what in PAGES.items():

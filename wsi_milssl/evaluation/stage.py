@@ -380,9 +380,12 @@ def _lesion_excluded(results: list[SlideResult], config: EvaluateConfig) -> tupl
     wanted = {stem_key(name.strip()): name for name in config.lesion_exclude}
     excluded = [r.stem for r in results if stem_key(r.stem) in wanted]
     unknown = sorted(set(wanted) - {stem_key(s) for s in excluded})
-    if unknown:
-        logger.warning("lesion_exclude names %d slide(s) that are not evaluated here: %s", len(unknown),
-                       ", ".join(wanted[k] for k in unknown))
+    if unknown:  # (review EW: "A,B" for two slides was one unknown name, and both slides were scored)
+        commas = any("," in wanted[k] for k in unknown)
+        logger.warning("lesion_exclude names %d slide(s) that are not evaluated here: %s%s", len(unknown),
+                       ", ".join(repr(wanted[k]) if commas else wanted[k] for k in unknown),
+                       " (names are separate values: --lesion-exclude A B, or a list in TOML, not one 'A,B')"
+                       if commas else "")
     if excluded:
         logger.info("%d slide(s) left out of the FROC and the instance AUC (lesion_exclude), kept in the bag AUC: %s",
                     len(excluded), ", ".join(excluded))
@@ -1090,7 +1093,10 @@ def evaluate_predictions(
                                 "then evaluate.")
     annotations_dir = None if annotations_dir is None else Path(annotations_dir)
     if annotations_dir is not None and not annotations_dir.is_dir():
-        raise EvaluationError(f"{annotations_dir}: the annotations folder does not exist. Fix: check --annotations.")
+        what = "is a file, not the annotations folder" if annotations_dir.is_file() else \
+            "the annotations folder does not exist"
+        raise EvaluationError(f"{annotations_dir}: {what}. Fix: check --annotations (the folder of the "
+                              "<slide name>.xml or .geojson files).")
     labels = read_labels(labels_csv)
     selection = _select_slides(predictions_dir, labels, only)
     evaluated, slide_labels, empty = selection.evaluated, selection.slide_labels, selection.empty

@@ -522,7 +522,7 @@ def load_inference_model(checkpoint_path: str | os.PathLike, *, config: HeatmapC
             f"{checkpoint_path}: model {name!r} classifies feature vectors, not image patches, so it cannot "
             "make heatmaps from slides. Fix: map it on the slides' feature files (`heatmap --features FEATS`; "
             "from Python wsi_milssl.inference.make_feature_heatmaps), or pass a checkpoint trained on patch stores "
-            "(e.g. --model resnet18)."
+            "(`wsi-milssl train STORES --model resnet18`)."
         )
     tiling = TilingSettings.from_checkpoint_config(cfg, config=config, source=str(checkpoint_path))
     return InferenceModel(model, tiling=tiling, runtime=runtime, pooling=str(cfg.get("bag_pooling") or "max"),
