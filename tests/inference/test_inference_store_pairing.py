@@ -183,3 +183,15 @@ def test_stores_whose_slide_moved_say_so_once_per_slide(tmp_path, slide_writer, 
     assert lines == [f"moved: slide file {slide.resolve()} not found; moved_heatmap.png not drawn. Fix: pass the slide "
                      "file (a SLIDE argument of `wsi-milssl heatmap`) to draw it."]
     assert (tmp_path / "hm" / "moved_probs.npy").is_file()
+
+
+def test_slide_mpp_with_stores_is_said_to_change_nothing(tmp_path, capsys):
+    """Review EW, C13: `heatmap --store ... --slide-mpp` was accepted without a word; the stores' patches are cut at
+    the µm/px each records."""
+    from wsi_milssl.cli import main
+
+    (tmp_path / "stores").mkdir()
+    main(["heatmap", "--store", str(tmp_path / "stores"), "--model", str(tmp_path / "missing.pt"), "--out",
+          str(tmp_path / "hm"), "--slide-mpp", "0.5"])
+    assert ("--slide-mpp 0.5: with --store the patches are the stores', cut at the µm/px each records, so it changes "
+            "nothing") in capsys.readouterr().err

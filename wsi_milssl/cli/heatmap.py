@@ -239,6 +239,12 @@ def run(args: argparse.Namespace) -> int:
                 raise ConfigError("no slides given; pass SLIDE files or folders, or --store with patch stores.")
     except ConfigError as exc:
         return report_error(exc, code=2)
+    if args.store is not None and args.slide_mpp is not None:  # review EW: accepted without a word
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "--slide-mpp %g: with --store the patches are the stores', cut at the µm/px each records, so it changes "
+            "nothing. Fix: tile the slides again with --slide-mpp to cut them at another scale.", args.slide_mpp)
     with TqdmProgress() as progress:
         env = torchrun_env()
         if env is not None and config.device != "cpu":
