@@ -97,3 +97,15 @@ def test_an_output_path_that_is_a_file_is_one_error(command, tmp_path, capsys, s
     assert "Traceback" not in err and err.count("error: ") == 1, err
     assert ": a file is in the way. Fix: give a folder path that is not an existing file" in err, err
     assert afile.read_text() == "keep me"
+
+
+def test_train_without_validation_says_it_wrote_no_best_pt(tmp_path, capsys, mil_csv, mil_csv_val):
+    """Review EW, B5: `heatmap --model RUN/best.pt` after a train without --val failed, and nothing had said why."""
+    assert main(["train", str(mil_csv), "--out", str(tmp_path / "run"), "--epochs", "1", "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    assert f"no validation set (--val), so no best.pt: pass the run folder {tmp_path / 'run'} (its last.pt)" in out
+    assert not (tmp_path / "run" / "best.pt").exists() and (tmp_path / "run" / "last.pt").is_file()
+    assert main(["train", str(mil_csv), "--val", str(mil_csv_val), "--out", str(tmp_path / "run2"), "--epochs", "1",
+                 "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    assert "no validation set" not in out and "best epoch on validation: 1" in out

@@ -581,5 +581,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"epoch {last.get('epoch')}: " + ", ".join(f"{k} {v:.4f}" for k, v in shown.items()))
     if result.best_epoch is not None:
         print(f"best epoch on validation: {result.best_epoch} -> {out / 'best.pt'}")
+    elif val is None:  # (review EW: `heatmap --model RUN/best.pt` then failed, nothing having said why)
+        print(f"no validation set (--val), so no best.pt: pass the run folder {out} (its last.pt) to heatmap")
     print(f"run folder: {out} (last.pt, metrics.jsonl{', metrics.png' if config.plots else ''}, config.json)")
     return 0
