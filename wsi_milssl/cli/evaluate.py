@@ -86,9 +86,10 @@ def register(subparsers) -> None:
                    help="annotation groups / QuPath classes that are tumour (case-insensitive), as label's")
     p.add_argument("--non-tumor-groups", type=_groups, default=",".join(d.non_tumor_groups), metavar="G1,G2",
                    help="groups carved out of tumour (case-insensitive), as label's")
-    add_slide_mpp_option(p, default=argparse.SUPPRESS, help="level-0 µm per pixel for every slide (0.01-100), for folders whose slides record none "
-                        "(refused where it contradicts the µm/px the heatmaps were made at); --mpp is the older "
-                        "name (default: what each slide's <stem>_probs.json records, else the slide's metadata)")
+    add_slide_mpp_option(p, default=argparse.SUPPRESS,
+                         help="level-0 µm per pixel for every slide (0.01-100), for folders whose slides record none "
+                              "(refused where it contradicts the µm/px the heatmaps were made at); --mpp is the older "
+                              "name (default: what each slide's <stem>_probs.json records, else the slide's metadata)")
     p.add_argument("--froc-mpp", dest="froc_mpp", type=float, default=argparse.SUPPRESS, metavar="UM_PER_PX",
                    help="µm per level-0 pixel at which --margin-um and --itc-major-axis-um become pixels of the "
                         "FROC mask (0.01-100); the CAMELYON16 script uses 0.243 for every slide: pass 0.243 for "

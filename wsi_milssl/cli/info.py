@@ -28,8 +28,8 @@ def register(subparsers) -> None:
         formatter_class=HelpFormatter,
     )
     p.add_argument("slides", type=Path, nargs="+", metavar="SLIDE", help="slide file(s)")
-    add_slide_mpp_option(p, default=None, help="level-0 µm per pixel, overriding the slide's metadata (for slides without MPP; "
-                        "--mpp is the older name)")
+    add_slide_mpp_option(p, default=None, help="level-0 µm per pixel, overriding the slide's metadata (for slides "
+                                               "without MPP; --mpp is the older name)")
     p.add_argument("--magnifications", type=float, nargs="+", default=[10.0, 20.0], metavar="MAG",
                    help="objective magnifications to plan reads for")
     p.add_argument("--mpp-at-40x", type=float, default=0.25,
