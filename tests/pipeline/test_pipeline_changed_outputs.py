@@ -406,3 +406,36 @@ def test_a_model_folder_without_its_record_says_so_when_set_aside(out, caplog):
     assert [o.status for o in outcomes if o.stage == "train"] == ["ran"]
     assert "holds a training run without a readable pipeline_run.json" in caplog.text
     assert "started with other settings" not in caplog.text
+
+
+@pytest.mark.parametrize("hand", ["tile", "label"])
+def test_stores_tiled_or_labelled_by_hand_with_other_settings_are_made_again(out, capsys, hand):
+    """Review EV, A1: `tile --overwrite` (or `label`) by hand into OUT/stores with other settings went unnoticed:
+    every stage was up to date, the resolved pipeline named settings that did not make the stores, and heatmap and
+    evaluate read them. The stores' recorded settings are compared now: tile (or label) runs again."""
+    test_stores = out / "stores" / "test"
+    slides = out / "slides" / "test"
+    from wsi_milssl.store import open_store
+
+    def contents():
+        out = {}
+        for path in sorted(test_stores.glob("*.h5")):
+            with open_store(path) as store:
+                out[path.name] = (len(store), store.attrs.get("label_config_hash"))
+        return out
+
+    before = contents()
+    if hand == "tile":
+        assert main(["tile", str(slides), "--out", str(test_stores), "--overwrite", "--magnification", "10",
+                     "--patch-size", "32", "--entropy-threshold", "4", "--min-tissue", "0.95"]) == 0
+    else:
+        assert main(["label", str(test_stores), "--annotations", str(slides), "--labels", str(slides / "labels.csv"),
+                     "--out", str(out / "labels" / "test"), "--positive-fraction", "0.9"]) == 0
+    capsys.readouterr()
+    outcomes = _run(out)
+    status, reason, _ = outcomes[hand]
+    assert status == "ran" and reason.startswith("output changed outside the pipeline: 2 store(s) of the test set "), \
+        reason
+    assert all(outcomes[s][0] == "ran" for s in ("heatmap", "evaluate"))
+    assert contents() == before  # the pipeline's stores again: as many patches, labelled with its settings
+    assert {s for s, _, _ in _run(out).values()} == {"skipped"}

@@ -251,6 +251,53 @@ def _stale_stores(slides: list[Path], out_dir: Path, config) -> list[str]:
     return stale
 
 
+def _stores_changed(ctx: StageContext, stage: str) -> str | None:
+    """For tile or label up to date by their stamps: why the stores in ``OUT/stores`` are not the ones they made,
+    else None: stores cut with other settings than [tile]'s, or labelled with other settings than [label]'s or not
+    at all (review EV: a hand `tile --overwrite` or `label` into ``OUT/stores`` went unnoticed, every stage was up
+    to date and the report came from stores of other settings than the resolved pipeline's). Their files are not
+    compared by size and time (:data:`_CHECKED_FILES`): the settings they record are, so that a copied run does not
+    tile again."""
+    from wsi_milssl.config import LabelConfig, TileConfig
+    from wsi_milssl.store import open_store
+    from wsi_milssl.tiling import find_slides
+
+    if ctx.spec.mode == "features" or stage not in ("tile", "label"):
+        return None
+    if stage == "tile":
+        config = config_from_mapping(TileConfig, ctx.spec.section("tile"), source=f"{ctx.spec.source} [tile]")
+        for set_name, ds in ctx.spec.sets.items():
+            try:
+                stale = _stale_stores(find_slides([ds.slides]), ctx.stores(set_name), config)
+            except WsiMilsslError:
+                return None  # the stage reports the slide list
+            if stale:
+                return (f"output changed outside the pipeline: {len(stale)} store(s) of the {set_name} set made with "
+                        f"other settings than [tile]'s or unreadable ({', '.join(stale[:3])}; tile run by hand?)")
+        return None
+    from wsi_milssl.labeling.stage import label_config_hash
+    from wsi_milssl.store import schema
+
+    expected = label_config_hash(config_from_mapping(LabelConfig, ctx.spec.section("label"),
+                                                     source=f"{ctx.spec.source} [label]"))
+    for set_name in ctx.spec.sets:
+        other = []
+        for stem, path in set_stores(ctx, set_name).items():
+            try:
+                with open_store(path) as store:
+                    attrs, labelled = store.attrs, store.has(schema.INSTANCE_LABEL)
+            except (WsiMilsslError, OSError):
+                other.append(stem)
+                continue
+            if attrs.get("label_config_hash") != expected or (attrs.get("label_status") != "unannotated"
+                                                              and not labelled):
+                other.append(stem)
+        if other:
+            return (f"output changed outside the pipeline: {len(other)} store(s) of the {set_name} set not labelled "
+                    f"with [label]'s settings ({', '.join(other[:3])}; tile or label run by hand?)")
+    return None
+
+
 def _missing_unrecorded(ctx: StageContext, stage: str) -> list[Path]:
     """The outputs of ``stage`` that stamps of earlier versions did not record and that are missing: a store of a
     listed slide (:func:`_missing_stores`), the model's ``last.pt``, the evaluation's ``metrics.json``."""
@@ -670,6 +717,8 @@ def _run_stages(spec: PipelineSpec, stages: list[str], forced: set[str], *,
             stale = f"output missing: {missing[0]}" if missing else None
         if stale is None and stage == "evaluate":
             stale = _evaluation_changed(ctx) or _earlier_evaluation(ctx)  # a hand run first (review DD)
+        if stale is None and not ran_before and forced_first is None:
+            stale = _stores_changed(ctx, stage)
         if stale is None and not ran_before and forced_first is None:
             stale = set_aside_damaged(ctx, stage)  # changed outputs are kept only when they still read
         if stale is None and not ran_before and forced_first is None:
