@@ -443,3 +443,21 @@ def test_a_folders_settings_record_is_read_for_the_shard_checks(tmp_path):
     with pytest.raises(StoreError, match=r"tile_config\.json: cannot read the settings of this folder \(.*\)\. Fix: "
                                          r"write to a new folder with --out, or pass --overwrite\."):
         folder_settings_record(path, error=StoreError)
+
+
+@pytest.mark.parametrize("target", ["a file", "nothing"])
+def test_a_link_where_the_lock_file_goes_is_refused_and_its_target_kept(tmp_path, target):
+    """Review EV, B2: the lock file was opened through a link: its target was truncated and overwritten with the
+    lock record (in a group's shared folder, one member's file by another's run), and a dangling link ended in a
+    FileNotFoundError traceback."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+    precious = tmp_path / "precious.txt"
+    if target == "a file":
+        precious.write_text("precious data\n")
+    (folder / LOCK_FILENAME).symlink_to(precious)
+    with pytest.raises(OutputError, match=rf"^{re.escape(str(folder / LOCK_FILENAME))}: is a symbolic link where "
+                                          r"wsi-milssl keeps the lock file of .* Fix: remove the link"):
+        with folder_lock(folder):
+            pass
+    assert (precious.read_text() == "precious data\n") if target == "a file" else not precious.exists()

@@ -152,7 +152,7 @@ def _record(fd: int, shard: tuple[int, int] | None = None) -> None:
     if program in ("__main__.py", "wsi-milssl"):  # python -m wsi_milssl, or the console script
         program = "wsi-milssl"
     info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
-            "command": " ".join([program, *sys.argv[1:]])}
+            "command": shlex.join([program, *sys.argv[1:]])}  # quoted: paths with blanks (review EV)
     if shard is not None:
         info["shard"] = f"{shard[0]}/{shard[1]}"
     data = (json.dumps(info) + "\n").encode("utf-8")
@@ -378,8 +378,10 @@ def _scan_shards(folder: Path, *, skip: str = "") -> list[tuple[tuple[int, int],
         if m is None or name == skip:
             continue
         path = folder / name
+        if path.is_symlink():  # no shard writes a link: never opened (and written) through one (review EV)
+            continue
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
         except FileNotFoundError:
             continue
         except OSError:
@@ -436,12 +438,16 @@ def _open_lock_file(folder: Path, lock_file: Path, named_by: str | None = "--out
     user's lock file that this user may not write, in a folder it may write, is opened read-only: flock takes
     such a descriptor, so a live run is named as the holder, and a dead run's file is replaced
     (:func:`_replace_if_read_only`; review CB: it was "no permission to write in FOLDER", with a chmod fix)."""
-    try:
-        fd = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    try:  # not through a link (review EV: a link there had its target truncated and overwritten with the record)
+        fd = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
     except OSError as exc:
+        if exc.errno == errno.ELOOP or (exc.errno == errno.ENOENT and os.path.islink(lock_file)):
+            raise OutputError(f"{lock_file}: is a symbolic link where wsi-milssl keeps the lock file of {folder}, so "
+                              "it is not written through. Fix: remove the link (`rm "
+                              f"{shlex.quote(str(lock_file))}`) and run again.", errno=exc.errno) from None
         if exc.errno in (errno.EACCES, errno.EPERM) and os.access(folder, os.W_OK | os.X_OK):
             try:
-                return os.open(lock_file, os.O_RDONLY | os.O_CLOEXEC)
+                return os.open(lock_file, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
             except OSError:
                 pass
         cause = find_write_error(exc, access=True)
