@@ -9,7 +9,7 @@ import json
 import shlex
 import sys
 
-from wsi_milssl.locks import _folder_error
+from wsi_milssl.locks import folder_write_error
 from wsi_milssl.mil.run_folder import existing_run_error
 from wsi_milssl.tiling.status import marking_unfinished
 
@@ -29,6 +29,6 @@ def test_fixes_quote_the_folder_they_name(tmp_path):
     assert quoted != str(folder)
     # a folder the run must write where it is (the stores label rewrites, a run folder train --resume continues)
     for code, command in ((errno.EACCES, "chmod u+w"), (errno.ENOSPC, "df -h")):
-        error = _folder_error(folder, OSError(code, "refused"), "cannot write to this", named_by=None)
+        error = folder_write_error(folder, OSError(code, "refused"), "cannot write to this", named_by=None)
         assert f"`{command} {quoted}`" in str(error), error
     assert f"pass --resume {quoted} " in str(existing_run_error(folder))

@@ -53,8 +53,8 @@ from wsi_milssl.atomic import clean_stale_temporaries, find_write_error, output_
 from wsi_milssl.distributed import Shard
 from wsi_milssl.errors import ConfigError, FolderLockedError, OutputError
 
-__all__ = ["LOCK_FILENAME", "MUTEX_FILENAME", "folder_lock", "folder_mutex", "folder_writer", "lock_holder",
-           "other_shards_writing", "shard_lock_filename"]
+__all__ = ["LOCK_FILENAME", "MUTEX_FILENAME", "folder_lock", "folder_mutex", "folder_writer", "folder_write_error",
+           "lock_holder", "other_shards_writing", "shard_lock_filename"]
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +180,7 @@ def _check_shard(shard) -> tuple[int, int] | None:
     return None if count == 1 else (index, count)
 
 
-def _folder_error(folder: Path, cause: OSError, what: str, named_by: str | None) -> OutputError:
+def folder_write_error(folder: Path, cause: OSError, what: str, named_by: str | None) -> OutputError:
     """The OutputError for ``folder`` that cannot be written (``what``: "cannot write to this", "cannot
     create this"): :func:`~wsi_milssl.atomic.output_error`'s for an output folder; for a folder the run must
     write where it is (``named_by`` None: the stores ``label`` rewrites, an input; the run folder ``train
@@ -213,7 +213,7 @@ def _create_folder(folder: Path, named_by: str | None = "--out") -> str:
         cause = find_write_error(exc, access=True)
         if cause is None:
             raise
-        raise _folder_error(folder, cause, "cannot create this", named_by) from None
+        raise folder_write_error(folder, cause, "cannot create this", named_by) from None
 
 
 def _remove_if_empty(folder: Path) -> None:
@@ -453,7 +453,7 @@ def _open_lock_file(folder: Path, lock_file: Path, named_by: str | None = "--out
         cause = find_write_error(exc, access=True)
         if cause is None:
             raise
-        raise _folder_error(folder, cause, "cannot write to this", named_by) from None
+        raise folder_write_error(folder, cause, "cannot write to this", named_by) from None
     _share_like_folder(fd, folder)
     return fd
 

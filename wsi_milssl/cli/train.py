@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import shlex
 from pathlib import Path
 
@@ -504,8 +505,16 @@ def _set_up(args: argparse.Namespace):
         refuse_written_folder(out, named_by=None if args.resume is not None else "--out")
     if args.resume is not None:  # a read-only run folder: refused before the inputs are read and the start line
         from wsi_milssl.atomic import check_writable
+        from wsi_milssl.errors import OutputError
+        from wsi_milssl.locks import folder_write_error
 
-        check_writable(Path(out) / "last.pt")
+        try:
+            check_writable(Path(out) / "last.pt")
+        except OutputError as exc:  # a resume writes where the run is: no "another --out" (review EV)
+            if not exc.errno:
+                raise
+            raise folder_write_error(Path(out), OSError(exc.errno, os.strerror(exc.errno)), "cannot write to this run",
+                                     None) from None
     mode = "images" if input_mode == "images" else "features"
     try:
         config = train_config_from_args(args, mode=mode, base=base)
