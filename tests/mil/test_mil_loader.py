@@ -185,3 +185,46 @@ def test_a_reader_killed_during_training_is_one_error_naming_the_resume(tmp_path
             r"continue with `wsi-milssl train --resume")):
         fit(instances, config=cfg, out_dir=out, progress=kill_a_reader)
     assert (out / "last.pt").is_file()
+
+
+def test_data_workers_end_when_the_trainer_is_killed(tmp_path, image_store_factory):
+    """Review EV, C1: after `kill -9` of a training process its data workers lived on until torch's own check
+    (about 5 s), holding the run folder's lock: a run started again at once was refused, naming a process gone.
+    They watch the trainer now and end with it (in milliseconds; the bound below is torch's 5 s less a margin)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    paths, labels = image_store_factory(tmp_path, n_bags=2, n_patches=40)
+    script = (
+        "import multiprocessing, sys, time, torch\n"
+        "from wsi_milssl.mil import read_labels_csv, read_patch_stores\n"
+        "from wsi_milssl.mil.loader import BatchLoader\n"
+        f"inst = read_patch_stores({[str(p) for p in paths]!r}, read_labels_csv({str(labels)!r}))\n"
+        "loader = BatchLoader([inst], num_workers=2).__enter__()\n"
+        "stream = loader.batches(inst, torch.arange(len(inst)), batch_size=8)\n"
+        "next(stream)\n"
+        "print(' '.join(str(p.pid) for p in multiprocessing.active_children()), flush=True)\n"
+        "time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        workers = [int(p) for p in proc.stdout.readline().split()]
+        assert len(workers) == 2, workers
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    killed = time.monotonic()
+
+    def alive(pid) -> bool:
+        try:
+            with open(f"/proc/{pid}/status") as fh:
+                return "\nState:\tZ" not in fh.read()
+        except OSError:
+            return False
+
+    while any(alive(p) for p in workers) and time.monotonic() - killed < 30:
+        time.sleep(0.02)
+    assert not any(alive(p) for p in workers)
+    assert time.monotonic() - killed < 4.0

@@ -22,7 +22,9 @@ permutation.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
+import os
 from typing import Iterator
 
 import numpy as np
@@ -285,12 +287,22 @@ class BatchLoader:
             reader, batch_size=None, sampler=sampler, num_workers=self.num_workers,
             persistent_workers=persistent, prefetch_factor=_PREFETCH,
             pin_memory=self.device.type == "cuda",
+            worker_init_fn=functools.partial(_end_with_trainer, os.getpid()) if self.num_workers > 0 else None,
         )
 
     def _to_device(self, raw) -> torch.Tensor:
         if isinstance(raw, (list, tuple)):  # JPEG bytes: decode on the device in one call
             return decode_jpeg_batch(list(raw), self.device)
         return raw.to(self.device, non_blocking=True)
+
+
+def _end_with_trainer(main_pid: int, worker_id: int) -> None:
+    """A data worker ends as soon as the training process is gone (:func:`wsi_milssl.parent_watch.watch_parent`):
+    after a ``kill -9`` torch's own check took about 5 s, and the orphans held the run folder's lock meanwhile, so a
+    run started again at once was refused naming a process that no longer existed (review EV)."""
+    from wsi_milssl.parent_watch import watch_parent
+
+    watch_parent(main_pid)
 
 
 def _rebatch(stream, batch_size: int):
