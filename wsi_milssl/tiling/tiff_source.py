@@ -107,8 +107,8 @@ class TiffLevelSource:
             # a JPEG stream cut short decodes without an error, its missing rows grey (review ES), where OpenSlide
             # refuses it: its end-of-image marker must follow its scan header (the marker cannot occur inside the
             # scan's data, where every 0xFF byte is stuffed; bytes after it are allowed, as libjpeg allows them)
-            scan = data.find(b"\xff\xda")
-            if len(data) < int(self._counts[index]) or scan < 0 or data.find(b"\xff\xd9", scan) < 0:
+            scan = data.find(b"\xff\xda")  # (the marker searched from the end: the scan's bytes are not read twice)
+            if len(data) < int(self._counts[index]) or scan < 0 or data.rfind(b"\xff\xd9", scan) < 0:
                 raise ValueError(f"its JPEG data ({len(data)} of {int(self._counts[index])} bytes) has no "
                                  "end-of-image marker after its scan: cut short")
             tile = tile.reshape(tile.shape[-3:])
