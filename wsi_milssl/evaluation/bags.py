@@ -107,10 +107,13 @@ def evaluate_feature_bags(checkpoint: str | os.PathLike, feature_files: Sequence
                               else "some bag scores are not finite")
     summary.update(n_bags=len(names), n_instances=int(len(test)), checkpoint=str(checkpoint), empty_bags=empty,
                    not_evaluated=missing, bag_accuracy_threshold=0.5, reasons=reasons)
-    atomic_write_json(out / "metrics.json", summary)
+    # metrics.json last, an earlier one removed first: a run stopped between the two never leaves an earlier run's
+    # scores beside this run's metrics (review EV; image mode does the same)
+    (out / "metrics.json").unlink(missing_ok=True)
     with atomic_open(out / "scores.csv", "w") as fh:
         writer = csv.writer(fh)
         writer.writerow(BAG_SCORES_COLUMNS)
         for name, score, label in zip(names, scores, bag_labels):
             writer.writerow([name, f"{score:.6f}", int(label)])
+    atomic_write_json(out / "metrics.json", summary)
     return summary
