@@ -155,6 +155,19 @@ def test_prepare_folder_holds_out_a_stratified_test_set(tmp_path):
     assert (test.annotations_dir / f"{tumour_test}.geojson").is_file()
     assert load_pipeline(result.pipeline_toml).name == "out"
 
+    # review EV, C2: a second prepare (or a run) into a folder another holds was not refused; the last won file by file
+    from processes import hold_lock, release
+
+    from wsi_milssl.errors import FolderLockedError
+
+    holder = hold_lock(tmp_path / "out2")
+    try:
+        with pytest.raises(FolderLockedError, match=rf"{tmp_path / 'out2'}: another wsi-milssl run \(pid {holder.pid}"):
+            prepare_folder(slides, labels, tmp_path / "out2", annotations_dir=tmp_path / "ann", test_fraction=0.25,
+                           seed=3)
+    finally:
+        release(holder)
+
     unlabelled = _touch(tmp_path / "few.csv", "case_00,0\ncase_01,1\n")
     with pytest.raises(LabelsError, match=r"6 slide\(s\) have no label in .*few\.csv: case_02, case_03"):
         prepare_folder(slides, unlabelled, tmp_path / "out3", annotations_dir=tmp_path / "ann")

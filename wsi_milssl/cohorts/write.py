@@ -319,7 +319,16 @@ def _group_check(sets: Mapping[str, tuple[Mapping[str, Path], Mapping[str, int],
         f"{shlex.quote('label.tumor_groups=' + example)})"]
 
 
-def _finish(out: Path, *, name: str, template: Path | None,
+def _finish(out: Path, **kwargs) -> PreparedCohort:
+    """:func:`_write_cohort` under the lock of ``out``: a second prepare (or a run) into the same folder is refused
+    (review EV: two prepares at once each wrote their files in turn, and the last one won file by file)."""
+    from wsi_milssl.locks import folder_lock
+
+    with folder_lock(out):
+        return _write_cohort(out, **kwargs)
+
+
+def _write_cohort(out: Path, *, name: str, template: Path | None,
             sets: dict[str, tuple[Mapping[str, Path], Mapping[str, int], Mapping[str, _Annotation]]],
             val_fraction: float | None, split_seed: int | None, command: str, facts: dict,
             notes: list[str], patients: Mapping[str, Mapping[str, str]] | None = None, challenge_froc: bool = True,
