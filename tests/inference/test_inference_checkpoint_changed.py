@@ -102,6 +102,9 @@ def test_a_run_resumed_with_a_new_checkpoint_predicts_the_old_checkpoints_slides
     events = []
     assert make_heatmaps(slides, best, out, HeatmapConfig(**FAST), progress=events.append).ok
     assert _read(events) == set()
+    # each slide's progress line says so (review EW: "(ok)", where the other slide stages say "(skipped)")
+    assert sorted((e.item, e.message) for e in events if e.stage == "heatmap" and e.item) == [
+        ("a", "skipped"), ("b", "skipped")]
     _assert_made_by(out, alone["best"], best)
 
 

@@ -1016,7 +1016,7 @@ def _make_heatmaps(inputs: list[HeatmapInput], checkpoint: str | os.PathLike | I
     unwritten_rows: list[str] = []
     no_slide: list[str] = []  # slides without a slide file: one warning at the end
 
-    def record(i: int, result: HeatmapResult, *, merge: bool = True) -> None:
+    def record(i: int, result: HeatmapResult, *, merge: bool = True, shown: str | None = None) -> None:
         results[i] = result
         if merge:
             try:
@@ -1026,7 +1026,7 @@ def _make_heatmaps(inputs: list[HeatmapInput], checkpoint: str | os.PathLike | I
                 logger.warning("%s: this slide's row is written with the others at the end (%s)", result.slide,
                                str(exc).split(" Fix:")[0])
         emit(progress, ProgressEvent("heatmap", len(results), len(inputs), unit="slide", item=result.slide,
-                                     message=result.status))
+                                     message=shown or result.status))
 
     def failed(i: int, exc: BaseException, seconds: float) -> HeatmapResult:
         item = inputs[i]
@@ -1082,7 +1082,8 @@ def _make_heatmaps(inputs: list[HeatmapInput], checkpoint: str | os.PathLike | I
         if mismatch is not None:
             record(i, failed(i, mismatch, 0.0))
         elif item.stem in finished:
-            record(i, dataclasses.replace(finished[item.stem], slide_path=str(item.slide_path or "")), merge=False)
+            record(i, dataclasses.replace(finished[item.stem], slide_path=str(item.slide_path or "")), merge=False,
+                   shown="skipped")  # (review EW: "(ok)", where tile, label and features say "(skipped)")
             skipped.append(item.stem)
         elif item.stem in to_redraw:
             redraw.append(i)
