@@ -109,3 +109,21 @@ def test_train_without_validation_says_it_wrote_no_best_pt(tmp_path, capsys, mil
                  "--no-plots"]) == 0
     out = capsys.readouterr().out
     assert "no validation set" not in out and "best epoch on validation: 1" in out
+
+
+@pytest.mark.parametrize("command, table, message", [
+    ("train", "[train]\nlr = 0.01\n[train.grid]\nlr = [0.1, 0.01]\n",
+     r"\[train\.grid\] is a pipeline's grid of settings, which `wsi-milssl run .*p\.toml` trains"),
+    ("features", "[tile]\npatch_size_px = 64\n", r"a pipeline file without a \[features\] table\. Fix: give a TOML "
+                                                  r"file of the stage's settings"),
+])
+def test_a_pipeline_file_given_as_a_stage_config_says_so(tmp_path, capsys, mil_csv, command, table, message):
+    """Review EW, C10: `train --config PIPELINE.toml` stopped at "unknown key(s) grid", and `features --config` of a
+    pipeline without [features] listed every table as an unknown key."""
+    import re
+
+    config = tmp_path / "p.toml"
+    config.write_text('[pipeline]\nname = "p"\n[data]\ngenerate = true\n' + table)
+    args = [str(mil_csv)] if command == "train" else [str(tmp_path)]
+    assert main([command, *args, "--out", str(tmp_path / "o"), "--config", str(config)]) == 2
+    assert re.search(message, capsys.readouterr().err)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 
 __all__ = ["values_from_args", "output_folder", "config_table", "add_slide_mpp_option"]
@@ -41,6 +42,15 @@ def config_table(path: Path, table: str) -> dict:
     from wsi_milssl.errors import ConfigError
 
     data = load_toml(path)
+    pipeline = isinstance(data.get("pipeline"), dict) or isinstance(data.get("data"), dict)
+    if pipeline and table not in data:  # (review EW: every table of it was listed as an unknown key)
+        raise ConfigError(f"{path}: a pipeline file without a [{table}] table. Fix: give a TOML file of the stage's "
+                          f"settings (a [{table}] table, or keys at its top level), or run the pipeline with "
+                          f"`wsi-milssl run {shlex.quote(str(path))}`.")
+    if pipeline and isinstance(data[table], dict) and isinstance(data[table].get("grid"), dict):
+        raise ConfigError(f"{path}: [{table}.grid] is a pipeline's grid of settings, which `wsi-milssl run "
+                          f"{shlex.quote(str(path))}` trains and chooses on validation slides; `{table}` trains one setting. Fix: run the "
+                          f"pipeline, or give one value of each grid setting as an option.")
     loose = sorted(k for k, v in data.items() if not isinstance(v, dict))
     if table in data and loose:
         raise ConfigError(f"{path}: {', '.join(loose)} at the top level beside a [{table}] table, which is the one "
