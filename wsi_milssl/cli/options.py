@@ -49,8 +49,8 @@ def config_table(path: Path, table: str) -> dict:
                           f"`wsi-milssl run {shlex.quote(str(path))}`.")
     if pipeline and isinstance(data[table], dict) and isinstance(data[table].get("grid"), dict):
         raise ConfigError(f"{path}: [{table}.grid] is a pipeline's grid of settings, which `wsi-milssl run "
-                          f"{shlex.quote(str(path))}` trains and chooses on validation slides; `{table}` trains one setting. Fix: run the "
-                          f"pipeline, or give one value of each grid setting as an option.")
+                          f"{shlex.quote(str(path))}` trains and chooses on validation slides; `{table}` trains one "
+                          "setting. Fix: run the pipeline, or give one value of each grid setting as an option.")
     loose = sorted(k for k, v in data.items() if not isinstance(v, dict))
     if table in data and loose:
         raise ConfigError(f"{path}: {', '.join(loose)} at the top level beside a [{table}] table, which is the one "
