@@ -20,6 +20,9 @@ from wsi_milssl.cli import main
     (["prepare", "folder", "--slides", "s", "--labels", "l.csv", "--out", "o", "--name", " "],
      "error: --name must not be empty (or blank); leave it out for the --out folder's name."),
     (["train"], "error: no inputs; pass patch stores"),
+    # review EW, C9: --val took the inputs given after it
+    (["train", "--val", "v.h5", "a.h5", "--out", "o"], "(--val took v.h5 a.h5: it takes every path after it, so put "
+                                                      "the training inputs before --val)"),
     (["demo", "d", "--until", "nosuch"], "argument --until: invalid choice: 'nosuch'"),
     (["demo", "d", "--until", "features"], "argument --until: invalid choice: 'features'"),  # not a demo stage
 ])

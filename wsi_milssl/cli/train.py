@@ -486,7 +486,10 @@ def _set_up(args: argparse.Namespace):
         out, base, input_mode, inputs, labels, val_inputs, val_labels, recorded_dir = _resume_setup(args)
     else:
         if not args.inputs:
-            raise OptionError("no inputs; pass patch stores, feature files or a MIL CSV (or --resume RUN_DIR).")
+            took = ("" if not args.val or len(args.val) < 2 else
+                    f" (--val took {' '.join(shlex.quote(str(v)) for v in args.val)}: it takes every path after it, "
+                    "so put the training inputs before --val)")  # (review EW: the inputs were given)
+            raise OptionError(f"no inputs; pass patch stores, feature files or a MIL CSV (or --resume RUN_DIR){took}.")
         if args.out is None:
             raise OptionError("--out RUN_DIR is required (where checkpoints and metrics go).")
         out, base, recorded_dir = args.out, {}, None
