@@ -100,3 +100,16 @@ def test_an_empty_output_folder_is_a_usage_error_not_the_current_folder(argv, ca
         main(argv)
     assert exit_info.value.code == 2
     assert "an empty path (an unset shell variable?); give the output folder" in capsys.readouterr().err
+
+
+def test_synth_and_demo_take_their_folder_as_out_too(tmp_path, capsys):
+    """Review EW, C11: every other command names its output folder --out; `synth --out DIR` and `demo --out DIR` were
+    "unrecognized arguments". Either spelling works now, and two different folders are refused."""
+    assert main(["synth", "--out", str(tmp_path / "s"), "--slides", "1", "--size-px", "1024", "1024"]) == 0
+    assert (tmp_path / "s" / "synth_000.tif").is_file()
+    for argv, message in ((["synth", "--slides", "1"], "OUT_DIR is required: the folder to write to (as OUT_DIR, "
+                                                        "or --out OUT_DIR)."),
+                          (["demo", str(tmp_path / "a"), "--out", str(tmp_path / "b")], "name two folders; give one.")):
+        assert main(argv) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

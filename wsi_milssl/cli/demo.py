@@ -9,7 +9,7 @@ import argparse
 from importlib.resources import as_file, files
 from pathlib import Path
 
-from wsi_milssl.cli.options import output_folder
+from wsi_milssl.cli.options import add_out_dir_argument, out_dir_of
 
 __all__ = ["SUMMARY", "register", "run", "demo_pipeline_file"]
 
@@ -34,7 +34,7 @@ def register(subparsers) -> None:
         "skips the stages that are up to date.",
         formatter_class=HelpFormatter,
     )
-    p.add_argument("out_dir", type=output_folder, metavar="OUT_DIR", help="folder for every artifact of the demo")
+    add_out_dir_argument(p, help="folder for every artifact of the demo")
     p.add_argument("--until", default=None, choices=[s for s in STAGES if s != "features"], metavar="STAGE",
                    help="stop after this stage (e.g. tile)")
     p.set_defaults(run=run)
@@ -43,5 +43,6 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from wsi_milssl.cli.run import run_and_report
 
+    out_dir = out_dir_of(args)
     with as_file(demo_pipeline_file()) as path:
-        return run_and_report(Path(path), out=args.out_dir, until=args.until, out_named_by="OUT_DIR")
+        return run_and_report(Path(path), out=out_dir, until=args.until, out_named_by="OUT_DIR")

@@ -6,7 +6,8 @@ import argparse
 import shlex
 from pathlib import Path
 
-__all__ = ["values_from_args", "output_folder", "config_table", "add_slide_mpp_option"]
+__all__ = ["values_from_args", "output_folder", "config_table", "add_slide_mpp_option", "add_out_dir_argument",
+           "out_dir_of"]
 
 
 def values_from_args(args: argparse.Namespace, *, table: str, value_options: dict[str, str],
@@ -76,3 +77,23 @@ def add_slide_mpp_option(parser: argparse.ArgumentParser, *, default, help: str)
     """The ``--slide-mpp MPP`` option (dest ``mpp``) of ``info`` and ``evaluate``, which also take ``--mpp``."""
     parser.add_argument("--slide-mpp", "--mpp", dest="mpp", type=float, default=default, metavar="MPP",
                         action=_SlideMpp, help=help)
+
+
+def add_out_dir_argument(parser: argparse.ArgumentParser, *, help: str) -> None:
+    """The output folder of ``synth`` and ``demo``: an OUT_DIR argument, or ``--out OUT_DIR`` as every other command
+    names it (review EW: `synth --out DIR` was "unrecognized arguments"); read with :func:`out_dir_of`."""
+    parser.add_argument("out_dir", nargs="?", type=output_folder, metavar="OUT_DIR", help=f"{help} (or --out OUT_DIR)")
+    parser.add_argument("--out", dest="out_option", type=output_folder, default=None, metavar="OUT_DIR",
+                        help="the same as OUT_DIR, as the other commands name their output folder")
+
+
+def out_dir_of(args: argparse.Namespace) -> Path:
+    """The output folder of :func:`add_out_dir_argument`; OptionError when none or two different ones are given."""
+    from wsi_milssl.errors import OptionError
+
+    given = [v for v in (args.out_dir, args.out_option) if v is not None]
+    if not given:
+        raise OptionError("OUT_DIR is required: the folder to write to (as OUT_DIR, or --out OUT_DIR).")
+    if len(given) == 2 and given[0] != given[1]:
+        raise OptionError(f"OUT_DIR {given[0]} and --out {given[1]} name two folders; give one.")
+    return given[0]

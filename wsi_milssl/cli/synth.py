@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import shlex
 
-from wsi_milssl.cli.options import output_folder
+from wsi_milssl.cli.options import add_out_dir_argument, out_dir_of
 from wsi_milssl.config import SynthConfig
 from wsi_milssl.errors import ConfigError, OptionError
 
@@ -55,7 +55,7 @@ def register(subparsers) -> None:
         ),
         formatter_class=HelpFormatter,
     )
-    p.add_argument("out_dir", type=output_folder, metavar="OUT_DIR", help="folder to write the slides into (created)")
+    add_out_dir_argument(p, help="folder to write the slides into (created)")
     add_synth_options(p)
     p.add_argument("--layout", choices=("flat", "camelyon16"), default="flat",
                    help="flat: synth_NNN.tif, .xml and labels.csv in OUT_DIR; camelyon16: the CAMELYON16 download's "
@@ -67,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
     from wsi_milssl.cli.progress import TqdmProgress
     from wsi_milssl.synth import generate_slides
 
+    args.out_dir = out_dir_of(args)
     try:
         config = synth_config_from_args(args)
     except ConfigError as exc:  # a bad option value is a usage error, exit code 2 as in tile (review BQ)
