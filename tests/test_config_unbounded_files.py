@@ -37,3 +37,31 @@ def test_other_input_files_that_never_end_are_one_error_each(tmp_path, kind):
     (tmp_path / name).symlink_to("/dev/zero")
     with pytest.raises(error, match=rf"{name}: cannot read .*\(more than \d+ MiB, far larger than any such file\)"):
         read(tmp_path / name)
+
+
+def test_a_bounded_read_allocates_what_it_reads_and_takes_pipes_whole(tmp_path):
+    """The bound is not allocated up front (read(n) takes n bytes first: 256 MiB for every small labels file, which
+    the GeoJSON reader's memory test caught), and a pipe's text arrives whole across pieces."""
+    import os
+    import threading
+    import tracemalloc
+
+    from wsi_milssl.paths import FileTooLarge, read_bounded
+
+    small = tmp_path / "small.csv"
+    small.write_bytes(b"slide,label\n" * 1000)
+    tracemalloc.start()
+    try:
+        assert read_bounded(small, 256 << 20) == small.read_bytes()
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    finally:
+        tracemalloc.stop()
+    with pytest.raises(FileTooLarge, match=r"more than 100 bytes, far larger than any such file"):
+        read_bounded(small, 100)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    text = b"x" * ((3 << 20) + 5)  # more than one piece
+    writer = threading.Thread(target=lambda: fifo.write_bytes(text))
+    writer.start()
+    assert read_bounded(fifo, 4 << 20) == text
+    writer.join()

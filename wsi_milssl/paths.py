@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from pathlib import Path
 from typing import Iterable
 
@@ -28,10 +29,28 @@ def read_bounded(path: str | os.PathLike, limit_bytes: int) -> bytes:
     reports size 0) never ends, and memory grew until a traceback (review ES, EU). :class:`FileTooLarge` (an
     OSError whose ``strerror`` says why, for the callers' "cannot read" errors) past the limit."""
     with open(path, "rb") as fh:
-        raw = fh.read(limit_bytes + 1)
-    if len(raw) > limit_bytes:
-        raise FileTooLarge(errno.EFBIG, f"more than {limit_bytes >> 20} MiB, far larger than any such file")
+        st = os.fstat(fh.fileno())
+        if stat.S_ISREG(st.st_mode):  # a file says its size: read whole, as read() sizes it
+            if st.st_size > limit_bytes:
+                raise _too_large(limit_bytes)
+            raw = fh.read()
+        else:  # in pieces: read(n) allocates n bytes first, the whole bound for every small pipe
+            parts, size = [], 0
+            while size <= limit_bytes:
+                part = fh.read(min(1 << 20, limit_bytes + 1 - size))
+                if not part:
+                    break
+                parts.append(part)
+                size += len(part)
+            raw = b"".join(parts)
+    if len(raw) > limit_bytes:  # (a file that grew while read)
+        raise _too_large(limit_bytes)
     return raw
+
+
+def _too_large(limit_bytes: int) -> FileTooLarge:
+    size = f"{limit_bytes >> 20} MiB" if limit_bytes >= 1 << 20 else f"{limit_bytes} bytes"
+    return FileTooLarge(errno.EFBIG, f"more than {size}, far larger than any such file")
 
 
 def link_loops(path: str | os.PathLike) -> bool:

@@ -408,4 +408,4 @@ def test_label_help_and_readme_say_which_folders_label_locks(capsys):
     readme = " ".join((Path(__file__).parents[2] / "docs" / "reliability.md").read_text(encoding="utf-8").split())
     bullet = readme[readme.index("**Locks, temporaries, full disks.**"):readme.index("**Fuzzing.**")]
     assert "`label` also locks the writable folders of its input stores" in bullet
-    assert "`evaluate` and `run` lock their output folder" in bullet
+    assert "`evaluate`, `prepare` (while it writes) and `run` lock their output folder" in bullet

@@ -32,6 +32,7 @@ from typing import Iterable, Iterator, Mapping
 
 from wsi_milssl.cohorts.names import name_key, slide_stem, stem_key
 from wsi_milssl.errors import LabelsError
+from wsi_milssl.paths import FileTooLarge, read_bounded
 
 __all__ = ["GROUP_COLUMNS", "LABEL_WORDS", "NAME_COLUMNS", "SlideLabels", "read_label_groups", "read_labels",
            "labels_for"]
@@ -148,11 +149,11 @@ def _file_rows(path: Path) -> list[tuple[int, list[str]]]:
             raise IsADirectoryError(21, "is a folder")
         if size > _MAX_FILE_BYTES:
             raise LabelsError(f"{path}: {size} bytes is far too large for a slide-labels CSV. {_FIX_LAYOUT}")
-        with open(path, "rb") as fh:  # bounded: a device or pipe reports size 0 (review ES: /dev/zero)
-            raw = fh.read(_MAX_FILE_BYTES + 1)
-        if len(raw) > _MAX_FILE_BYTES:
+        try:  # bounded: a device or pipe reports size 0 (review ES: /dev/zero)
+            raw = read_bounded(path, _MAX_FILE_BYTES)
+        except FileTooLarge:
             raise LabelsError(f"{path}: more than {_MAX_FILE_BYTES} bytes, far too large for a slide-labels CSV. "
-                              f"{_FIX_LAYOUT}")
+                              f"{_FIX_LAYOUT}") from None
     except FileNotFoundError:
         raise LabelsError(f"{path}: slide-labels file not found. Fix: check the path (given with --labels, or as a "
                           "[data] *_labels path in a pipeline file).") from None

@@ -228,12 +228,14 @@ def load_toml(path: str | os.PathLike) -> dict[str, Any]:
     (Windows editors write one) is skipped: TOML does not allow it, and the error pointed at a line that looks
     right in any editor (review BR)."""
     path = Path(path)
+    from wsi_milssl.paths import FileTooLarge, read_bounded
+
     try:
-        with open(path, "rb") as fh:  # bounded: a device or pipe (/dev/zero) never ends (review ES)
-            raw = fh.read(MAX_TOML_BYTES + 1)
-        if len(raw) > MAX_TOML_BYTES:
+        try:  # bounded: a device or pipe (/dev/zero) never ends (review ES)
+            raw = read_bounded(path, MAX_TOML_BYTES)
+        except FileTooLarge:
             raise ConfigError(f"{path}: more than {MAX_TOML_BYTES // (1 << 20)} MiB, far too large for a config file; "
-                              "give a TOML file.")
+                              "give a TOML file.") from None
         return tomllib.loads(raw.decode("utf-8-sig"))
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found; check the path.") from None
