@@ -94,3 +94,31 @@ def test_store_is_usable_in_worker_processes(tmp_path, make_store, fmt, method):
     clone = pickle.loads(pickle.dumps(store))
     np.testing.assert_array_equal(clone.coords, store.coords)
     store.close()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_batch_of_patches_of_one_byte_length_is_written(tmp_path, fmt, make_store):
+    """Review EZ: `tile` failed a good slide ("Can't broadcast (2, 1164) -> (2,)") when every JPEG patch of a write
+    batch had the same length (uniform patches compress alike): h5py read the object array as 2-D."""
+    from wsi_milssl.store import create_writer, encode_jpeg
+
+    helpers = make_store.__globals__  # the store tests' conftest (not importable by name under xdist)
+    CLAM_ATTRS, PATCH_PX, _attrs = helpers["CLAM_ATTRS"], helpers["PATCH_PX"], helpers["_attrs"]
+
+    same = encode_jpeg(np.full((PATCH_PX, PATCH_PX, 3), 200, np.uint8), quality=90)
+    other = encode_jpeg(np.full((PATCH_PX, PATCH_PX, 3), 90, np.uint8), quality=90)
+    assert len(same) == len(other)  # uniform patches: one length, other bytes
+    batches = [[same, other, same], [other], [same, other]]
+    path = tmp_path / f"s1.{fmt}"
+    n = sum(len(b) for b in batches)
+    coords = np.stack([np.arange(n) * PATCH_PX, np.zeros(n, int)], 1)
+    with create_writer(path, pixels="jpeg", patch_size_px=PATCH_PX, coords_attrs=CLAM_ATTRS) as w:
+        start = 0
+        for batch in batches:
+            k = len(batch)
+            w.append(coords=coords[start:start + k], entropy_bits=np.ones(k, np.float32),
+                     tissue_fraction=np.ones(k, np.float32), patches=batch)
+            start += k
+        w.finalize(_attrs("jpeg", n))
+    with open_store(path) as store:
+        assert store.read_jpeg(np.arange(n)) == [p for b in batches for p in b]

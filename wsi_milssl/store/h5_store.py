@@ -233,8 +233,9 @@ class H5Writer(StoreWriter):
         ds = f[schema.PATCHES]
         ds.resize(stop, axis=0)
         if self.pixels == "jpeg":
-            if len(patches) == 1:  # h5py cannot broadcast a length-1 object array of arrays
-                ds[start] = np.frombuffer(patches[0], dtype=np.uint8)
+            if len({len(b) for b in patches}) == 1:  # one patch, or all of one length (two identical patches): h5py
+                for i, b in enumerate(patches):  # reads the object array as 2-D and cannot broadcast it (review EZ)
+                    ds[start + i] = np.frombuffer(b, dtype=np.uint8)
                 return
             arr = np.empty(len(patches), dtype=object)
             for i, b in enumerate(patches):
