@@ -133,6 +133,8 @@ def _generated(ds) -> tuple[list[str], int, int] | None:
 
 def _tile(ctx: StageContext) -> tuple[list[str], str]:
     from wsi_milssl.config import TileConfig
+    from wsi_milssl.store.base import remove_path
+    from wsi_milssl.store.schema import store_path
     from wsi_milssl.tiling import find_slides, tile_slides
 
     config = config_from_mapping(TileConfig, ctx.spec.section("tile"), source=f"{ctx.spec.source} [tile]")
@@ -141,16 +143,19 @@ def _tile(ctx: StageContext) -> tuple[list[str], str]:
         slides = find_slides([ds.slides])
         # Complete stores with these settings, cut from the slide files as they are now (same path,
         # size and modification time), are kept: tile skips them and re-tiles a slide generated or
-        # exported again since. Stores made with other settings (or unreadable ones) mean the
-        # settings changed: the set is tiled again.
+        # exported again since. Stores made with other settings (the settings changed, or a store tiled
+        # again by hand) or unreadable ones are removed and tiled again, they alone (review EY: one store
+        # tiled by hand re-tiled the whole set).
         stale = [] if ctx.redo else _stale_stores(slides, ctx.stores(set_name), config)
         if ctx.redo:
             log.info("tile: forced; re-tiling every slide of the %s set", set_name)
         elif stale:
-            log.info("tile: %d store(s) of the %s set were made with other settings (%s); re-tiling the set",
-                     len(stale), set_name, ", ".join(stale[:5]))
-        run = tile_slides(slides, ctx.stores(set_name), config, overwrite=ctx.redo or bool(stale),
-                           progress=ctx.progress, keep_other_stores=True)  # of slides that left the set
+            log.info("tile: %d store(s) of the %s set were made with other settings or are unreadable (%s); "
+                     "tiling them again", len(stale), set_name, ", ".join(stale[:5]))
+            for stem in stale:
+                remove_path(store_path(ctx.stores(set_name), stem, config.format))
+        run = tile_slides(slides, ctx.stores(set_name), config, overwrite=ctx.redo,
+                          progress=ctx.progress, keep_other_stores=True)  # of slides that left the set
         failed = [r for r in run.results if r.status == "failed"]
         if failed:  # the other sets are tiled first: every bad slide is named at once (review BS)
             failures.append(_failed(failed, run.status_csv, set_name=set_name))
