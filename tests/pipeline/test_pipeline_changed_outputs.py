@@ -445,3 +445,25 @@ def test_stores_tiled_or_labelled_by_hand_with_other_settings_are_made_again(out
     assert all(outcomes[s][0] == "ran" for s in ("heatmap", "evaluate"))
     assert contents() == before  # the pipeline's stores again: as many patches, labelled with its settings
     assert {s for s, _, _ in _run(out).values()} == {"skipped"}
+
+
+def test_stores_found_unchanged_are_not_opened_again(out, monkeypatch):
+    """Review EZ: every run opened every store twice to compare its settings (two thirds of a run with nothing to do
+    at 400 slides). A store found as its stage made it is recorded by inode, size and time, and not opened again."""
+    import wsi_milssl.tiling as tiling
+
+    from wsi_milssl.pipeline.runner import CHECKED_STORES_FILENAME
+
+    checked = []
+    real = tiling.check_existing_store
+    monkeypatch.setattr(tiling, "check_existing_store",
+                        lambda path, *a, **k: checked.append(path) or real(path, *a, **k))
+    (out / ".pipeline" / CHECKED_STORES_FILENAME).unlink(missing_ok=True)  # (as a run of an earlier version left it)
+    assert {s for s, _, _ in _run(out).values()} == {"skipped"}
+    n_stores = len(list((out / "stores").glob("*/*.h5")))
+    assert len(checked) == n_stores > 0
+    record = json.loads((out / ".pipeline" / CHECKED_STORES_FILENAME).read_text())
+    assert len(record["tile"]["stores"]) == len(record["label"]["stores"]) == n_stores
+    checked.clear()
+    assert {s for s, _, _ in _run(out).values()} == {"skipped"}
+    assert checked == []

@@ -256,51 +256,112 @@ def _stale_stores(slides: list[Path], out_dir: Path, config) -> list[str]:
     return stale
 
 
+#: ``OUT/.pipeline/`` file (JSON; not a stage stamp) of the stores :func:`_stores_changed` found as their stage made
+#: them: {stage: {"settings": the settings digest they were checked against, "stores": {path: [inode, size,
+#: mtime_ns]}}}
+CHECKED_STORES_FILENAME = "stores_checked.cache"
+
+
 def _stores_changed(ctx: StageContext, stage: str) -> str | None:
     """For tile or label up to date by their stamps: why the stores in ``OUT/stores`` are not the ones they made,
     else None: stores cut with other settings than [tile]'s, or labelled with other settings than [label]'s or not
     at all (review EV: a hand `tile --overwrite` or `label` into ``OUT/stores`` went unnoticed, every stage was up
-    to date and the report came from stores of other settings than the resolved pipeline's). Their files are not
-    compared by size and time (:data:`_CHECKED_FILES`): the settings they record are, so that a copied run does not
-    tile again."""
+    to date and the report came from stores of other settings than the resolved pipeline's). The settings a store
+    records are compared, not its size and time (:data:`_CHECKED_FILES`: a copied run does not tile again); a store
+    found so is not opened again while its inode, size and time stay (:data:`CHECKED_STORES_FILENAME`; review EZ:
+    opening 400 stores twice was two thirds of a run with nothing to do). tile and label replace a store whole (a
+    new inode), as their hand commands do."""
     from wsi_milssl.config import LabelConfig, TileConfig
-    from wsi_milssl.store import open_store
-    from wsi_milssl.tiling import find_slides
+    from wsi_milssl.errors import StoreError
+    from wsi_milssl.store import open_store, schema
+    from wsi_milssl.store.schema import store_path
+    from wsi_milssl.tiling import check_existing_store, find_slides, slide_stem
 
     if ctx.spec.mode == "features" or stage not in ("tile", "label"):
         return None
     if stage == "tile":
         config = config_from_mapping(TileConfig, ctx.spec.section("tile"), source=f"{ctx.spec.source} [tile]")
+        expected = config.settings_hash()
+
+        def usable(path: Path) -> bool:
+            try:
+                check_existing_store(path, config)
+            except StoreError:
+                return False
+            return True
+
+        stores = {}
         for set_name, ds in ctx.spec.sets.items():
             try:
-                stale = _stale_stores(find_slides([ds.slides]), ctx.stores(set_name), config)
+                slides = find_slides([ds.slides])
             except WsiMilsslError:
                 return None  # the stage reports the slide list
-            if stale:
-                return (f"output changed outside the pipeline: {len(stale)} store(s) of the {set_name} set made with "
-                        f"other settings than [tile]'s or unreadable ({', '.join(stale[:3])}; tile run by hand?)")
-        return None
-    from wsi_milssl.labeling.stage import label_config_hash
-    from wsi_milssl.store import schema
+            folder = ctx.stores(set_name)
+            stores[set_name] = {slide_stem(s): store_path(folder, slide_stem(s), config.format) for s in slides}
+        what, who = "made with other settings than [tile]'s or unreadable", "tile run by hand?"
+    else:
+        from wsi_milssl.labeling.stage import label_config_hash
 
-    expected = label_config_hash(config_from_mapping(LabelConfig, ctx.spec.section("label"),
-                                                     source=f"{ctx.spec.source} [label]"))
-    for set_name in ctx.spec.sets:
-        other = []
-        for stem, path in set_stores(ctx, set_name).items():
+        expected = label_config_hash(config_from_mapping(LabelConfig, ctx.spec.section("label"),
+                                                         source=f"{ctx.spec.source} [label]"))
+
+        def usable(path: Path) -> bool:
             try:
                 with open_store(path) as store:
                     attrs, labelled = store.attrs, store.has(schema.INSTANCE_LABEL)
             except (WsiMilsslError, OSError):
-                other.append(stem)
-                continue
-            if attrs.get("label_config_hash") != expected or (attrs.get("label_status") != "unannotated"
-                                                              and not labelled):
+                return False
+            return attrs.get("label_config_hash") == expected and (attrs.get("label_status") == "unannotated"
+                                                                    or labelled)
+
+        stores = {set_name: set_stores(ctx, set_name) for set_name in ctx.spec.sets}
+        what, who = "not labelled with [label]'s settings", "tile or label run by hand?"
+    from wsi_milssl.atomic import atomic_write_json
+
+    record = _read_checked_stores(ctx)
+    known = record.get(stage, {}).get("stores") if record.get(stage, {}).get("settings") == expected else None
+    known = known if isinstance(known, dict) else {}
+    found: dict[str, list[int]] = {}
+    for set_name, by_stem in stores.items():
+        other = []
+        for stem, path in by_stem.items():
+            if not os.path.lexists(path):
+                continue  # a missing store is the stage's "output missing"
+            identity = _identity(path)
+            if identity is not None and known.get(str(path)) == identity:
+                found[str(path)] = identity
+            elif usable(Path(path)):
+                if identity is not None:
+                    found[str(path)] = identity
+            else:
                 other.append(stem)
         if other:
-            return (f"output changed outside the pipeline: {len(other)} store(s) of the {set_name} set not labelled "
-                    f"with [label]'s settings ({', '.join(other[:3])}; tile or label run by hand?)")
+            return (f"output changed outside the pipeline: {len(other)} store(s) of the {set_name} set {what} "
+                    f"({', '.join(other[:3])}; {who})")
+    if record.get(stage) != {"settings": expected, "stores": found}:
+        record[stage] = {"settings": expected, "stores": found}
+        try:
+            atomic_write_json(ctx.state / CHECKED_STORES_FILENAME, record, sort_keys=True)
+        except (OSError, WsiMilsslError):
+            pass  # a read-only OUT: checked again next time
     return None
+
+
+def _identity(path) -> list[int] | None:
+    """[inode, size, mtime_ns] of a store file or folder, or None when it cannot be read."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [st.st_ino, st.st_size, st.st_mtime_ns]
+
+
+def _read_checked_stores(ctx: StageContext) -> dict:
+    try:
+        record = json.loads((ctx.state / CHECKED_STORES_FILENAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) and all(isinstance(v, dict) for v in record.values()) else {}
 
 
 def _missing_unrecorded(ctx: StageContext, stage: str) -> list[Path]:
