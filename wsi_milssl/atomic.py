@@ -314,8 +314,10 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` as UTF-8 to ``path`` atomically; returns the path."""
-    return atomic_write_bytes(path, text.encode("utf-8"))
+    """Write ``text`` as UTF-8 to ``path`` atomically; returns the path. A file name that is no UTF-8 in it (a
+    surrogate escape) is written escaped, ``\\udce9`` (review EY: a status CSV naming such a slide ended the batch
+    in a UnicodeEncodeError traceback)."""
+    return atomic_write_bytes(path, text.encode("utf-8", errors="backslashreplace"))
 
 
 def atomic_write_json(path: str | os.PathLike, data: Any, *, sort_keys: bool = False) -> Path:

@@ -254,3 +254,24 @@ def test_a_record_that_does_not_format_leaves_the_log_file_on(tmp_path, capsys):
     assert "first line" in text and "a later line" in text
     err = capsys.readouterr().err
     assert "cannot write the log file" not in err and "Logging error" in err
+
+
+def test_a_record_naming_a_file_that_is_no_utf8_is_written_escaped(tmp_path, capsys):
+    """Review EY, C2: a slide file name of undecodable bytes (a surrogate escape) made logging print its traceback
+    and drop the record."""
+    import logging
+
+    from wsi_milssl.cli import _open_log_file
+
+    handler = _open_log_file(tmp_path / "run.log")
+    log = logging.getLogger("wsi_milssl.test_surrogates")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    try:
+        log.info("slide %s", b"caf\xe9.tif".decode("utf-8", "surrogateescape"))
+    finally:
+        log.removeHandler(handler)
+        handler.close()
+    assert "slide caf\\udce9.tif" in (tmp_path / "run.log").read_text()
+    assert "Logging error" not in capsys.readouterr().err

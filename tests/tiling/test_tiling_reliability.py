@@ -255,3 +255,18 @@ def test_find_slides_keeps_missing_items_only_when_asked(tmp_path):
     with pytest.raises(ConfigError, match="no such slide file or folder"):
         find_slides([tmp_path / "nope.svs"])
     assert find_slides([tmp_path / "nope.svs", folder], keep_missing=True) == [tmp_path / "nope.svs", folder]
+
+
+def test_a_slide_named_in_another_encoding_fails_alone_with_the_fix(synth_slides, tmp_path, capsys):
+    """Review EY: a slide file name in Latin-1 (no UTF-8) ended the batch in a UnicodeEncodeError traceback as
+    tile_status.csv was written; it fails alone now, its name written escaped, and the fix says to rename it."""
+    folder = tmp_path / "slides"
+    folder.mkdir()
+    os.link(synth_slides["normal"], folder / "good.tif")
+    os.link(synth_slides["normal"], os.fsencode(folder) + b"/caf\xe9.tif")
+    assert main(["tile", str(folder), "--out", str(tmp_path / "out"), *FAST_ARGS]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "caf\\udce9.tif: the path is not UTF-8 (a name in another encoding)" in err and "convmv" in err
+    rows = {r["slide"]: r["status"] for r in read_status_csv(tmp_path / "out" / "tile_status.csv")}
+    assert rows == {"good": "ok", "caf\\udce9": "failed"}

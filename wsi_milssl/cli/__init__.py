@@ -164,7 +164,7 @@ def _configure_output(*, verbose: int, quiet: int, log_file: Path | None, tag: s
     record from INFO up and the progress lines to that file, with timestamps. Returns the file's handler.
     ``tag`` starts every line (``[rank 1] ``: a torchrun rank other than 0); ``floor``: no record below
     this level anywhere (WARNING for train's ranks other than 0, whose progress rank 0 reports)."""
-    from wsi_milssl.cli.progress import configure_progress_lines
+    from wsi_milssl.cli.progress import EscapingFormatter, configure_progress_lines
 
     global _LOG_FILE_HANDLER
     _LOG_FILE_HANDLER = None
@@ -176,7 +176,7 @@ def _configure_output(*, verbose: int, quiet: int, log_file: Path | None, tag: s
     _OUR_HANDLERS.clear()
     console = logging.StreamHandler(sys.stderr)
     console.setLevel(level)
-    console.setFormatter(logging.Formatter(f"{tag}%(levelname)s %(name)s: %(message)s"))
+    console.setFormatter(EscapingFormatter(f"{tag}%(levelname)s %(name)s: %(message)s"))
     handlers: list[logging.Handler] = [console]
     file_handler = None
     if log_file is not None:
@@ -224,13 +224,15 @@ class _LogFileHandler(logging.FileHandler):
 def _open_log_file(log_file: Path, tag: str = "") -> logging.FileHandler:
     """A handler appending timestamped records to ``log_file`` (its folder made); WsiMilsslError naming the
     file when it cannot be written."""
+    from wsi_milssl.cli.progress import EscapingFormatter
+
     try:
         log_file.parent.mkdir(parents=True, exist_ok=True)
         handler = _LogFileHandler(log_file, mode="a", encoding="utf-8")
     except OSError as exc:
         raise WsiMilsslError(f"{log_file}: cannot write the log file ({exc.strerror}). Fix: give a writable "
                              "path to --log-file.") from None
-    handler.setFormatter(logging.Formatter(f"%(asctime)s {tag}%(levelname)s %(name)s: %(message)s",
+    handler.setFormatter(EscapingFormatter(f"%(asctime)s {tag}%(levelname)s %(name)s: %(message)s",
                                            datefmt="%Y-%m-%d %H:%M:%S"))
     return handler
 
@@ -536,7 +538,8 @@ def rank_tag() -> str:
 def stderr_line(line: str) -> None:
     """``line`` and its newline to stderr in one write: ``print`` writes them apart, and under torchrun (``python
     -u``: each write goes straight out) two ranks' lines could then be glued together (review EJ)."""
-    sys.stderr.write(line + "\n")
+    # a file name in another encoding (a surrogate escape) is written escaped, whatever the stream's error handler
+    sys.stderr.write(line.encode("utf-8", "backslashreplace").decode("utf-8") + "\n")
     sys.stderr.flush()
 
 

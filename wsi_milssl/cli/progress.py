@@ -36,6 +36,14 @@ SUBSTAGE_INTERVAL_S = 60.0
 _STATE = {"bars": None}  # None: bars on a terminal (stderr is a TTY); False: never (-q)
 
 
+class EscapingFormatter(logging.Formatter):
+    """A formatter whose lines name a file of another encoding (a surrogate escape in its name) escaped, ``\\udce9``:
+    logging printed its traceback for such a record and dropped it (review EY)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return super().format(record).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def configure_progress_lines(*, stderr: bool, log_handler: logging.Handler | None = None,
                              bars: bool | None = None, tag: str = "") -> None:
     """Where progress lines go: to stderr (``stderr``) and/or to ``log_handler`` (``--log-file``).
@@ -45,7 +53,7 @@ def configure_progress_lines(*, stderr: bool, log_handler: logging.Handler | Non
         LINE_LOGGER.removeHandler(handler)
     if stderr:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter(f"%(asctime)s {tag}%(message)s", datefmt="%Y-%m-%d %H:%M:%S"))
+        handler.setFormatter(EscapingFormatter(f"%(asctime)s {tag}%(message)s", datefmt="%Y-%m-%d %H:%M:%S"))
         LINE_LOGGER.addHandler(handler)
     if log_handler is not None:
         LINE_LOGGER.addHandler(log_handler)
