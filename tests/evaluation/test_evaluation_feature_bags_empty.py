@@ -90,3 +90,22 @@ def test_a_null_bag_auc_says_why_as_in_image_mode(tmp_path, head):
     assert summary["bag_auc"] is None
     assert summary["reasons"]["bag_auc"] == "all 4 bags are positive; AUC needs both classes"
     assert summary["bag_accuracy"] is not None
+
+
+def test_a_run_stopped_before_its_scores_leaves_no_metrics_of_an_earlier_run(tmp_path, head, monkeypatch):
+    """Review EV, C5: feature mode wrote metrics.json, then scores.csv, over an earlier pair: a stop between the two
+    left this run's metrics beside the earlier scores. An earlier metrics.json goes first now, and is written last."""
+    import wsi_milssl.evaluation.bags as bags
+
+    test = tmp_path / "test"
+    feature_bags(test, 4, seed=1)
+    evaluate_feature_bags(head, sorted(test.glob("*.h5")), test / "labels.csv", tmp_path / "ev")
+    assert (tmp_path / "ev" / "metrics.json").is_file()
+
+    def stopped(path, *args, **kwargs):
+        raise KeyboardInterrupt  # the run stopped while it wrote scores.csv
+
+    monkeypatch.setattr(bags, "atomic_open", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        evaluate_feature_bags(head, sorted(test.glob("*.h5")), test / "labels.csv", tmp_path / "ev")
+    assert not (tmp_path / "ev" / "metrics.json").exists()
