@@ -230,27 +230,31 @@ def test_a_log_file_that_cannot_be_written_is_said_once_and_the_command_goes_on(
     assert (tmp_path / "s" / "labels.csv").is_file()
 
 
-def test_a_record_that_does_not_format_leaves_the_log_file_on(tmp_path, capsys):
-    """Review EU, B3: any error in writing a record stopped the log file for the rest of the run, saying to free disk
-    space; one record whose arguments do not format (from any library) is logging's usual report now, and the
-    records after it are written."""
+def _log_to_file(path, *records: tuple) -> str:
+    """The text of the --log-file ``path`` after logging ``records`` (each a message and its arguments) through it."""
     import logging
 
     from wsi_milssl.cli import _open_log_file
 
-    handler = _open_log_file(tmp_path / "run.log")
-    log = logging.getLogger("wsi_milssl.test_bad_record")
+    handler = _open_log_file(path)
+    log = logging.getLogger(f"wsi_milssl.test_log_file.{path.parent.name}")
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     log.propagate = False
     try:
-        log.info("first line")
-        log.info("bad %d", "x")
-        log.info("a later line")
+        for record in records:
+            log.info(*record)
     finally:
         log.removeHandler(handler)
         handler.close()
-    text = (tmp_path / "run.log").read_text()
+    return path.read_text()
+
+
+def test_a_record_that_does_not_format_leaves_the_log_file_on(tmp_path, capsys):
+    """Review EU, B3: any error in writing a record stopped the log file for the rest of the run, saying to free disk
+    space; one record whose arguments do not format (from any library) is logging's usual report now, and the
+    records after it are written."""
+    text = _log_to_file(tmp_path / "run.log", ("first line",), ("bad %d", "x"), ("a later line",))
     assert "first line" in text and "a later line" in text
     err = capsys.readouterr().err
     assert "cannot write the log file" not in err and "Logging error" in err
@@ -259,19 +263,6 @@ def test_a_record_that_does_not_format_leaves_the_log_file_on(tmp_path, capsys):
 def test_a_record_naming_a_file_that_is_no_utf8_is_written_escaped(tmp_path, capsys):
     """Review EY, C2: a slide file name of undecodable bytes (a surrogate escape) made logging print its traceback
     and drop the record."""
-    import logging
-
-    from wsi_milssl.cli import _open_log_file
-
-    handler = _open_log_file(tmp_path / "run.log")
-    log = logging.getLogger("wsi_milssl.test_surrogates")
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    log.propagate = False
-    try:
-        log.info("slide %s", b"caf\xe9.tif".decode("utf-8", "surrogateescape"))
-    finally:
-        log.removeHandler(handler)
-        handler.close()
-    assert "slide caf\\udce9.tif" in (tmp_path / "run.log").read_text()
+    text = _log_to_file(tmp_path / "run.log", ("slide %s", b"caf\xe9.tif".decode("utf-8", "surrogateescape")))
+    assert "slide caf\\udce9.tif" in text
     assert "Logging error" not in capsys.readouterr().err
