@@ -142,11 +142,11 @@ _ATTR_ESCAPES = str.maketrans({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&qu
 _TEXT_ESCAPES = str.maketrans({"&": "&amp;", "<": "&lt;", ">": "&gt;", "\r": "&#13;"})
 
 
-# Characters XML 1.0 cannot hold, escaped or not: control characters other than tab and newlines,
-# lone surrogates, U+FFFE and U+FFFF.
 #: A coordinate as annotation tools write it: ASCII digits, an optional point and exponent ("nan" and "inf" match,
 #: to be refused as non-finite rather than as text).
 _PLAIN_NUMBER = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|[+-]?(?:nan|inf|infinity)", re.I)
+# Characters XML 1.0 cannot hold, escaped or not: control characters other than tab and newlines,
+# lone surrogates, U+FFFE and U+FFFF.
 _XML_FORBIDDEN = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
 
 
