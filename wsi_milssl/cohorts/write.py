@@ -329,10 +329,10 @@ def _finish(out: Path, **kwargs) -> PreparedCohort:
 
 
 def _write_cohort(out: Path, *, name: str, template: Path | None,
-            sets: dict[str, tuple[Mapping[str, Path], Mapping[str, int], Mapping[str, _Annotation]]],
-            val_fraction: float | None, split_seed: int | None, command: str, facts: dict,
-            notes: list[str], patients: Mapping[str, Mapping[str, str]] | None = None, challenge_froc: bool = True,
-            excluded: Iterable[str] = (), split: str = "") -> PreparedCohort:
+                 sets: dict[str, tuple[Mapping[str, Path], Mapping[str, int], Mapping[str, _Annotation]]],
+                 val_fraction: float | None, split_seed: int | None, command: str, facts: dict,
+                 notes: list[str], patients: Mapping[str, Mapping[str, str]] | None = None,
+                 challenge_froc: bool = True, excluded: Iterable[str] = (), split: str = "") -> PreparedCohort:
     """Write everything: ``sets`` {name: (slides, labels, annotations read)}, all checked and read; ``patients``
     {set name: {stem: patient}} (per set: two files of one name, one in each set, are two slides).
 

@@ -227,9 +227,9 @@ def load_toml(path: str | os.PathLike) -> dict[str, Any]:
     """Read a TOML file with an error that names the file and the line on a syntax error. A UTF-8 byte-order mark
     (Windows editors write one) is skipped: TOML does not allow it, and the error pointed at a line that looks
     right in any editor (review BR)."""
-    path = Path(path)
     from wsi_milssl.paths import FileTooLarge, read_bounded
 
+    path = Path(path)
     try:
         try:  # bounded: a device or pipe (/dev/zero) never ends (review ES)
             raw = read_bounded(path, MAX_TOML_BYTES)
