@@ -467,3 +467,42 @@ def test_stores_found_unchanged_are_not_opened_again(out, monkeypatch):
     checked.clear()
     assert {s for s, _, _ in _run(out).values()} == {"skipped"}
     assert checked == []
+    # stores tile and label have just made are recorded as they finish: the next run opens none (review FA)
+    run_pipeline(load_pipeline(out.parent / "changed.toml", out_dir=out), force=["tile"], until="label")
+    checked.clear()
+    outcomes = _run(out)
+    assert outcomes["tile"][0] == outcomes["label"][0] == "skipped" and checked == []
+
+
+def test_a_zarr_stores_identity_covers_its_attributes_file(tmp_path):
+    """Review FA, A1: `cp -r` of another run's Zarr store into the folder rewrote its files in place and left the
+    folder's inode, size and time: the cache took it for the checked store. Its root zarr.json counts too."""
+    from wsi_milssl.pipeline.runner import _identity
+
+    store = tmp_path / "s.zarr"
+    store.mkdir()
+    (store / "zarr.json").write_text('{"attributes": {"config_hash": "a"}}')
+    before = _identity(store)
+    folder = os.stat(store)
+    (tmp_path / "other.json").write_text('{"attributes": {"config_hash": "b"}}')
+    shutil.copy(tmp_path / "other.json", store / "zarr.json")  # as `cp -r OTHER/s.zarr OUT/stores/train/` writes it
+    assert (os.stat(store).st_ino, os.stat(store).st_mtime_ns) == (folder.st_ino, folder.st_mtime_ns)
+    assert _identity(store) != before and _identity(store) is not None
+
+
+def test_a_feature_file_where_a_store_goes_is_refused_not_removed(out):
+    """Review FA, A2: a feature file at OUT/stores/<set>/<slide>.h5 was taken for an unreadable store, removed and
+    tiled over; tile never replaces a feature file."""
+    import numpy as np
+
+    from wsi_milssl.errors import FeatureFileGivenError
+    from wsi_milssl.features import write_feature_file
+
+    path = out / "stores" / "train" / "synth_001.h5"
+    path.unlink()
+    write_feature_file(path, features=np.zeros((2, 4), np.float32), coords=np.array([[0, 0], [32, 0]]),
+                       attrs={"slide_stem": "synth_001"}, coords_attrs={}, features_attrs={})
+    kept = _sha256(path)
+    with pytest.raises(FeatureFileGivenError):
+        _run(out)
+    assert _sha256(path) == kept

@@ -136,6 +136,7 @@ def _tile(ctx: StageContext) -> tuple[list[str], str]:
     from wsi_milssl.store.base import remove_path
     from wsi_milssl.store.schema import store_path
     from wsi_milssl.tiling import find_slides, tile_slides
+    from wsi_milssl.tiling.runner import _feature_file_error
 
     config = config_from_mapping(TileConfig, ctx.spec.section("tile"), source=f"{ctx.spec.source} [tile]")
     outputs, parts, failures = [], [], []
@@ -152,8 +153,12 @@ def _tile(ctx: StageContext) -> tuple[list[str], str]:
         elif stale:
             log.info("tile: %d store(s) of the %s set were made with other settings or are unreadable (%s); "
                      "tiling them again", len(stale), set_name, ", ".join(stale[:5]))
-            for stem in stale:
-                remove_path(store_path(ctx.stores(set_name), stem, config.format))
+            paths = [store_path(ctx.stores(set_name), stem, config.format) for stem in stale]
+            feature_files = _feature_file_error(paths)  # tile never replaces one (review FA: it was removed)
+            if feature_files is not None:
+                raise feature_files
+            for path in paths:
+                remove_path(path)
         run = tile_slides(slides, ctx.stores(set_name), config, overwrite=ctx.redo,
                           progress=ctx.progress, keep_other_stores=True)  # of slides that left the set
         failed = [r for r in run.results if r.status == "failed"]
@@ -268,56 +273,13 @@ def _stores_changed(ctx: StageContext, stage: str) -> str | None:
     at all (review EV: a hand `tile --overwrite` or `label` into ``OUT/stores`` went unnoticed, every stage was up
     to date and the report came from stores of other settings than the resolved pipeline's). The settings a store
     records are compared, not its size and time (:data:`_CHECKED_FILES`: a copied run does not tile again); a store
-    found so is not opened again while its inode, size and time stay (:data:`CHECKED_STORES_FILENAME`; review EZ:
-    opening 400 stores twice was two thirds of a run with nothing to do). tile and label replace a store whole (a
-    new inode), as their hand commands do."""
-    from wsi_milssl.config import LabelConfig, TileConfig
-    from wsi_milssl.errors import StoreError
-    from wsi_milssl.store import open_store, schema
-    from wsi_milssl.store.schema import store_path
-    from wsi_milssl.tiling import check_existing_store, find_slides, slide_stem
-
-    if ctx.spec.mode == "features" or stage not in ("tile", "label"):
+    found so is not opened again while its identity (:func:`_identity`) stays (:data:`CHECKED_STORES_FILENAME`;
+    review EZ: opening 400 stores twice was two thirds of a run with nothing to do). tile and label replace a store
+    whole (a new inode), as their hand commands do."""
+    check = _store_check(ctx, stage)
+    if check is None:
         return None
-    if stage == "tile":
-        config = config_from_mapping(TileConfig, ctx.spec.section("tile"), source=f"{ctx.spec.source} [tile]")
-        expected = config.settings_hash()
-
-        def usable(path: Path) -> bool:
-            try:
-                check_existing_store(path, config)
-            except StoreError:
-                return False
-            return True
-
-        stores = {}
-        for set_name, ds in ctx.spec.sets.items():
-            try:
-                slides = find_slides([ds.slides])
-            except WsiMilsslError:
-                return None  # the stage reports the slide list
-            folder = ctx.stores(set_name)
-            stores[set_name] = {slide_stem(s): store_path(folder, slide_stem(s), config.format) for s in slides}
-        what, who = "made with other settings than [tile]'s or unreadable", "tile run by hand?"
-    else:
-        from wsi_milssl.labeling.stage import label_config_hash
-
-        expected = label_config_hash(config_from_mapping(LabelConfig, ctx.spec.section("label"),
-                                                         source=f"{ctx.spec.source} [label]"))
-
-        def usable(path: Path) -> bool:
-            try:
-                with open_store(path) as store:
-                    attrs, labelled = store.attrs, store.has(schema.INSTANCE_LABEL)
-            except (WsiMilsslError, OSError):
-                return False
-            return attrs.get("label_config_hash") == expected and (attrs.get("label_status") == "unannotated"
-                                                                    or labelled)
-
-        stores = {set_name: set_stores(ctx, set_name) for set_name in ctx.spec.sets}
-        what, who = "not labelled with [label]'s settings", "tile or label run by hand?"
-    from wsi_milssl.atomic import atomic_write_json
-
+    expected, stores, usable, what, who = check
     record = _read_checked_stores(ctx)
     known = record.get(stage, {}).get("stores") if record.get(stage, {}).get("settings") == expected else None
     known = known if isinstance(known, dict) else {}
@@ -338,22 +300,98 @@ def _stores_changed(ctx: StageContext, stage: str) -> str | None:
         if other:
             return (f"output changed outside the pipeline: {len(other)} store(s) of the {set_name} set {what} "
                     f"({', '.join(other[:3])}; {who})")
-    if record.get(stage) != {"settings": expected, "stores": found}:
-        record[stage] = {"settings": expected, "stores": found}
-        try:
-            atomic_write_json(ctx.state / CHECKED_STORES_FILENAME, record, sort_keys=True)
-        except (OSError, WsiMilsslError):
-            pass  # a read-only OUT: checked again next time
+    _write_checked_stores(ctx, record, {stage: {"settings": expected, "stores": found}})
     return None
 
 
+def _record_checked_stores(ctx: StageContext, stages: tuple[str, ...]) -> None:
+    """After tile or label ran: its stores are as ``stages``' settings make them; recorded, so that the next run
+    does not open them to find that out (review FA)."""
+    record, entries = _read_checked_stores(ctx), {}
+    for stage in stages:
+        check = _store_check(ctx, stage)
+        if check is None:
+            return
+        expected, stores = check[0], check[1]
+        found = {str(path): _identity(path) for by_stem in stores.values() for path in by_stem.values()}
+        entries[stage] = {"settings": expected, "stores": {p: i for p, i in found.items() if i is not None}}
+    _write_checked_stores(ctx, record, entries)
+
+
+def _write_checked_stores(ctx: StageContext, record: dict, entries: dict) -> None:
+    from wsi_milssl.atomic import atomic_write_json
+
+    if all(record.get(stage) == entry for stage, entry in entries.items()):
+        return
+    try:
+        atomic_write_json(ctx.state / CHECKED_STORES_FILENAME, {**record, **entries}, sort_keys=True)
+    except (OSError, WsiMilsslError):
+        pass  # a read-only OUT: checked again next time
+
+
+def _store_check(ctx: StageContext, stage: str):
+    """(settings digest, {set: {stem: store path}}, usable(path) -> bool, what a failing store is, who changed it)
+    of tile's or label's stores in an image pipeline; None for other stages, feature pipelines, or a slide list
+    that cannot be read (the stage reports it)."""
+    from wsi_milssl.config import LabelConfig, TileConfig
+    from wsi_milssl.errors import StoreError
+    from wsi_milssl.store import open_store, schema
+    from wsi_milssl.store.schema import store_path
+    from wsi_milssl.tiling import check_existing_store, find_slides, slide_stem
+
+    if ctx.spec.mode == "features" or stage not in ("tile", "label"):
+        return None
+    if stage == "tile":
+        config = config_from_mapping(TileConfig, ctx.spec.section("tile"), source=f"{ctx.spec.source} [tile]")
+
+        def usable(path: Path) -> bool:
+            try:
+                check_existing_store(path, config)
+            except StoreError:
+                return False
+            return True
+
+        stores = {}
+        for set_name, ds in ctx.spec.sets.items():
+            try:
+                slides = find_slides([ds.slides])
+            except WsiMilsslError:
+                return None
+            folder = ctx.stores(set_name)
+            stores[set_name] = {slide_stem(s): store_path(folder, slide_stem(s), config.format) for s in slides}
+        return (config.settings_hash(), stores, usable, "made with other settings than [tile]'s or unreadable",
+                "tile run by hand?")
+    from wsi_milssl.labeling.stage import label_config_hash
+
+    expected = label_config_hash(config_from_mapping(LabelConfig, ctx.spec.section("label"),
+                                                     source=f"{ctx.spec.source} [label]"))
+
+    def labelled(path: Path) -> bool:
+        try:
+            with open_store(path) as store:
+                attrs, has_labels = store.attrs, store.has(schema.INSTANCE_LABEL)
+        except (WsiMilsslError, OSError):
+            return False
+        return attrs.get("label_config_hash") == expected and (attrs.get("label_status") == "unannotated"
+                                                                or has_labels)
+
+    stores = {set_name: set_stores(ctx, set_name) for set_name in ctx.spec.sets}
+    return expected, stores, labelled, "not labelled with [label]'s settings", "tile or label run by hand?"
+
+
 def _identity(path) -> list[int] | None:
-    """[inode, size, mtime_ns] of a store file or folder, or None when it cannot be read."""
+    """[inode, size, mtime_ns] of a store file, and for a folder (Zarr) also of its root ``zarr.json``, which holds
+    its attributes (review FA: `cp -r` of another store into the folder rewrote its files and left the folder's own
+    inode, size and time); None when it cannot be read."""
     try:
         st = os.stat(path)
+        ids = [st.st_ino, st.st_size, st.st_mtime_ns]
+        if os.path.isdir(path):
+            meta = os.stat(os.path.join(path, "zarr.json"))
+            ids += [meta.st_ino, meta.st_size, meta.st_mtime_ns]
     except OSError:
         return None
-    return [st.st_ino, st.st_size, st.st_mtime_ns]
+    return ids
 
 
 def _read_checked_stores(ctx: StageContext) -> dict:
@@ -813,6 +851,8 @@ def _run_stages(spec: PipelineSpec, stages: list[str], forced: set[str], *,
             outputs, summary = runner(ctx)
             if stage == "evaluate":
                 shutil.rmtree(_outdated(ctx.evaluation_dir), ignore_errors=True)
+            if stage in ("tile", "label"):  # made with these settings: not opened next time to find that out
+                _record_checked_stores(ctx, ("tile", "label") if stage == "label" else ("tile",))
             digest, settings, inputs = checked["all"]
             digests[stage] = digest
             write_stamp(ctx.state, stage, digest=digest, outputs=outputs, settings=settings, inputs=inputs,

@@ -185,12 +185,14 @@ class SlideReader:
             raise SlideReadError(f"{self.path}: this is a folder, not a slide file. Fix: give the slide files in "
                                  "it (the command line, and `wsi_milssl.tiling.find_slides` from Python, list a "
                                  "folder's slides; a folder named like a slide, x.svs/, is not searched).")
-        try:  # (review EY: a name in another encoding failed as the stores and reports wrote it, with a traceback)
-            str(self.path).encode("utf-8")
+        try:  # (review EY: a name in another encoding failed as the stores and reports wrote it, with a traceback;
+            str(self.path).encode("utf-8")  # review FA: a link's target is recorded too)
+            os.path.realpath(self.path).encode("utf-8")
         except UnicodeEncodeError:
-            raise SlideReadError(f"{self.path}: the path is not UTF-8 (a name in another encoding), and the stores "
-                                 "and reports record it as text. Fix: rename it in UTF-8 (e.g. `convmv -f latin1 "
-                                 "-t utf8 --notest FILE`), or link it under a plain name.") from None
+            raise SlideReadError(f"{self.path}: the path (or the file a link names) is not UTF-8 (a name in another "
+                                 "encoding), and the stores and reports record it as text. Fix: rename the file in "
+                                 "UTF-8 (e.g. `convmv -f latin1 -t utf8 --notest FILE`), or copy it under a plain "
+                                 "name.") from None
         if not os.access(self.path, os.R_OK):  # (review CB: a PermissionError traceback, or a line without a fix)
             raise SlideReadError(f"{self.path}: cannot read this slide file (permission denied). Fix: ask its owner "
                                  "for read access, or leave it out of the slides.")

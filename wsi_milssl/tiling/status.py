@@ -50,8 +50,13 @@ class TileResult:
 
 
 def _row(r: TileResult) -> dict[str, str]:
-    return {"slide": r.slide, "status": r.status, "n_patches": str(r.n_patches), "seconds": f"{r.seconds:.2f}",
-            "error": " ".join(r.error.split())}
+    """A result's status row, a name of another encoding escaped as the file holds it (review FA: written escaped and
+    read back so, it no longer matched its row, and each run added one more)."""
+    def text(value: str) -> str:
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+
+    return {"slide": text(r.slide), "status": r.status, "n_patches": str(r.n_patches), "seconds": f"{r.seconds:.2f}",
+            "error": text(" ".join(r.error.split()))}
 
 
 def merge_status_csv(results: Iterable[TileResult], path: str | os.PathLike) -> Path:
