@@ -135,8 +135,7 @@ def _tile(ctx: StageContext) -> tuple[list[str], str]:
     from wsi_milssl.config import TileConfig
     from wsi_milssl.store.base import remove_path
     from wsi_milssl.store.schema import store_path
-    from wsi_milssl.tiling import find_slides, tile_slides
-    from wsi_milssl.tiling.runner import _feature_file_error
+    from wsi_milssl.tiling import feature_file_error, find_slides, tile_slides
 
     config = config_from_mapping(TileConfig, ctx.spec.section("tile"), source=f"{ctx.spec.source} [tile]")
     outputs, parts, failures = [], [], []
@@ -154,7 +153,7 @@ def _tile(ctx: StageContext) -> tuple[list[str], str]:
             log.info("tile: %d store(s) of the %s set were made with other settings or are unreadable (%s); "
                      "tiling them again", len(stale), set_name, ", ".join(stale[:5]))
             paths = [store_path(ctx.stores(set_name), stem, config.format) for stem in stale]
-            feature_files = _feature_file_error(paths)  # tile never replaces one (review FA: it was removed)
+            feature_files = feature_file_error(paths)  # tile never replaces one (review FA: it was removed)
             if feature_files is not None:
                 raise feature_files
             for path in paths:

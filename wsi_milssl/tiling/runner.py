@@ -72,6 +72,7 @@ __all__ = [
     "check_folder_settings",
     "check_free_space",
     "estimate_store_bytes",
+    "feature_file_error",
     "qc_path",
     "tile_slide",
     "tile_slides",
@@ -196,7 +197,7 @@ def check_existing_store(path: Path, config: TileConfig, *, slide_path: str | os
     return n
 
 
-def _feature_file_error(paths: list[Path]) -> FeatureFileGivenError | None:
+def feature_file_error(paths: list[Path]) -> FeatureFileGivenError | None:
     """The error for the feature files (of any tool: a ``features`` dataset and no ``patches``,
     :func:`wsi_milssl.features.schema.is_feature_file`) among ``paths``, where tile would write its stores;
     None when there is none. Tile never replaces a feature file, with or without --overwrite."""
@@ -224,7 +225,7 @@ def _feature_file_error(paths: list[Path]) -> FeatureFileGivenError | None:
 
 
 def _unusable(path: Path, exc: StoreError) -> StoreError:
-    features = _feature_file_error([path])  # a TRIDENT or CLAM file has no schema attribute to say so
+    features = feature_file_error([path])  # a TRIDENT or CLAM file has no schema attribute to say so
     if features is not None:
         return features
     if isinstance(exc, FeatureFileGivenError):  # --overwrite would replace the features with a store
@@ -405,7 +406,7 @@ def tile_slide(slide_path: str | os.PathLike, out_dir: str | os.PathLike, config
     """Tile one slide into ``out_dir/<stem>.<format>`` and its QC PNG; returns its TileResult.
 
     A feature file where the store goes (of this project, TRIDENT or CLAM) raises FeatureFileGivenError
-    (:func:`_feature_file_error`), with or without ``overwrite``. Skips (status 'skipped') when a
+    (:func:`feature_file_error`), with or without ``overwrite``. Skips (status 'skipped') when a
     complete store with the same settings, cut from this very slide
     file (same resolved path, size and modification time: see :func:`check_existing_store`), exists,
     unless ``overwrite``; a store of another or a changed slide file is replaced. Raises
@@ -422,7 +423,7 @@ def tile_slide(slide_path: str | os.PathLike, out_dir: str | os.PathLike, config
     final = store_path(out_dir, stem, config.format)
     # taken before any pixel is read: a slide rewritten while it is tiled is tiled again next time
     fingerprint = _slide_fingerprint_attrs(slide_path)
-    features = _feature_file_error([final])  # never replaced, even with --overwrite
+    features = feature_file_error([final])  # never replaced, even with --overwrite
     if features is not None:
         raise features
     if not overwrite:
@@ -631,7 +632,7 @@ def tile_slides(slides: Iterable[str | os.PathLike], out_dir: str | os.PathLike,
     while another run holds it, FolderLockedError (naming the folder and the other run's pid); an
     output folder that cannot be written, OutputError. Before any work, every store in ``out_dir`` (in
     either format) is checked: a feature file where a store would go raises FeatureFileGivenError naming
-    it, with or without ``overwrite`` (:func:`_feature_file_error`); then (:func:`check_folder_settings`)
+    it, with or without ``overwrite`` (:func:`feature_file_error`); then (:func:`check_folder_settings`)
     stores made with other settings raise
     one StoreError, unless ``overwrite`` (then those of other slides and those in the other format stay,
     with a warning, and ``tile_config.json`` lists them); ``keep_other_stores``: those are kept without a
@@ -654,7 +655,7 @@ def tile_slides(slides: Iterable[str | os.PathLike], out_dir: str | os.PathLike,
             # while other shards of the run write here, their settings decide (their stores are no earlier
             # run's: --overwrite would mix two settings in one folder); else the stores of an earlier,
             # finished run with other settings get the unsharded run's error (--out or --overwrite)
-            features = _feature_file_error([store_path(out_dir, slide_stem(s), config.format) for s in every])
+            features = feature_file_error([store_path(out_dir, slide_stem(s), config.format) for s in every])
             if features is not None:  # before any slide is tiled, with or without --overwrite
                 raise features
             sharded = shard[1] > 1 and not overwrite
