@@ -8,7 +8,7 @@ import stat
 from pathlib import Path
 from typing import Iterable
 
-__all__ = ["path_list", "link_loops", "folder_place", "read_bounded", "FileTooLarge"]
+__all__ = ["path_list", "link_loops", "folder_place", "read_bounded", "FileTooLarge", "escaped_text"]
 
 
 def path_list(value: str | os.PathLike | Iterable[str | os.PathLike]) -> list:
@@ -18,6 +18,12 @@ def path_list(value: str | os.PathLike | Iterable[str | os.PathLike]) -> list:
     if isinstance(value, (str, bytes, os.PathLike)):
         return [value]
     return list(value)
+
+
+def escaped_text(text: str) -> str:
+    """``text`` with a file name of another encoding than UTF-8 in it (a surrogate escape, as Python decodes such a
+    name) written escaped, ``\\udce9``, so that any UTF-8 stream or file takes it (review EY, FA)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class FileTooLarge(OSError):

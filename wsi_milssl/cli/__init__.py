@@ -31,6 +31,7 @@ from pathlib import Path
 
 from wsi_milssl import __version__
 from wsi_milssl.errors import OptionError, WsiMilsslError
+from wsi_milssl.paths import escaped_text
 
 __all__ = ["main", "build_parser", "report_error", "rank_tag", "COMMANDS"]
 
@@ -538,8 +539,7 @@ def rank_tag() -> str:
 def stderr_line(line: str) -> None:
     """``line`` and its newline to stderr in one write: ``print`` writes them apart, and under torchrun (``python
     -u``: each write goes straight out) two ranks' lines could then be glued together (review EJ)."""
-    # a file name in another encoding (a surrogate escape) is written escaped, whatever the stream's error handler
-    sys.stderr.write(line.encode("utf-8", "backslashreplace").decode("utf-8") + "\n")
+    sys.stderr.write(escaped_text(line) + "\n")  # whatever the stream's error handler
     sys.stderr.flush()
 
 

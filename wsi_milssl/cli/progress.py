@@ -22,6 +22,7 @@ import time
 from tqdm.auto import tqdm
 
 from wsi_milssl.events import ProgressEvent
+from wsi_milssl.paths import escaped_text
 
 __all__ = ["TqdmProgress", "configure_progress_lines", "progress_line", "LINE_LOGGER", "SUBSTAGE_INTERVAL_S"]
 
@@ -41,7 +42,7 @@ class EscapingFormatter(logging.Formatter):
     logging printed its traceback for such a record and dropped it (review EY)."""
 
     def format(self, record: logging.LogRecord) -> str:
-        return super().format(record).encode("utf-8", "backslashreplace").decode("utf-8")
+        return escaped_text(super().format(record))
 
 
 def configure_progress_lines(*, stderr: bool, log_handler: logging.Handler | None = None,

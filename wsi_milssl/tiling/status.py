@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from wsi_milssl.atomic import atomic_write_json, merge_csv_rows
+from wsi_milssl.paths import escaped_text
 
 __all__ = ["TileResult", "STATUS_COLUMNS", "STATUS_FILENAME", "merge_status_csv",
            "read_status_csv", "finished_slides", "marking_unfinished", "unfinished_runs"]
@@ -52,11 +53,8 @@ class TileResult:
 def _row(r: TileResult) -> dict[str, str]:
     """A result's status row, a name of another encoding escaped as the file holds it (review FA: written escaped and
     read back so, it no longer matched its row, and each run added one more)."""
-    def text(value: str) -> str:
-        return value.encode("utf-8", "backslashreplace").decode("utf-8")
-
-    return {"slide": text(r.slide), "status": r.status, "n_patches": str(r.n_patches), "seconds": f"{r.seconds:.2f}",
-            "error": text(" ".join(r.error.split()))}
+    return {"slide": escaped_text(r.slide), "status": r.status, "n_patches": str(r.n_patches),
+            "seconds": f"{r.seconds:.2f}", "error": escaped_text(" ".join(r.error.split()))}
 
 
 def merge_status_csv(results: Iterable[TileResult], path: str | os.PathLike) -> Path:
