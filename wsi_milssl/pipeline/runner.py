@@ -246,18 +246,22 @@ def _features(ctx: StageContext) -> tuple[list[str], str]:
 def _stale_stores(slides: list[Path], out_dir: Path, config) -> list[str]:
     """Stems whose store in ``out_dir`` exists but was made with other settings or cannot be read.
     (A store of an older version of its slide file is not stale here: ``tile_slides`` replaces it.)"""
-    from wsi_milssl.errors import StoreError
     from wsi_milssl.store.schema import store_path
-    from wsi_milssl.tiling import check_existing_store, slide_stem
+    from wsi_milssl.tiling import slide_stem
 
-    stale = []
-    for slide in slides:
-        stem = slide_stem(slide)
-        try:
-            check_existing_store(store_path(out_dir, stem, config.format), config)
-        except StoreError:
-            stale.append(stem)
-    return stale
+    return [slide_stem(s) for s in slides if not _tiled_so(store_path(out_dir, slide_stem(s), config.format), config)]
+
+
+def _tiled_so(path: Path, config) -> bool:
+    """Whether the store at ``path`` is missing, or readable and made with ``config``'s settings."""
+    from wsi_milssl.errors import StoreError
+    from wsi_milssl.tiling import check_existing_store
+
+    try:
+        check_existing_store(path, config)
+    except StoreError:
+        return False
+    return True
 
 
 #: ``OUT/.pipeline/`` file (JSON; not a stage stamp) of the stores :func:`_stores_changed` found as their stage made
@@ -333,22 +337,14 @@ def _store_check(ctx: StageContext, stage: str):
     of tile's or label's stores in an image pipeline; None for other stages, feature pipelines, or a slide list
     that cannot be read (the stage reports it)."""
     from wsi_milssl.config import LabelConfig, TileConfig
-    from wsi_milssl.errors import StoreError
     from wsi_milssl.store import open_store, schema
     from wsi_milssl.store.schema import store_path
-    from wsi_milssl.tiling import check_existing_store, find_slides, slide_stem
+    from wsi_milssl.tiling import find_slides, slide_stem
 
     if ctx.spec.mode == "features" or stage not in ("tile", "label"):
         return None
     if stage == "tile":
         config = config_from_mapping(TileConfig, ctx.spec.section("tile"), source=f"{ctx.spec.source} [tile]")
-
-        def usable(path: Path) -> bool:
-            try:
-                check_existing_store(path, config)
-            except StoreError:
-                return False
-            return True
 
         stores = {}
         for set_name, ds in ctx.spec.sets.items():
@@ -358,7 +354,8 @@ def _store_check(ctx: StageContext, stage: str):
                 return None
             folder = ctx.stores(set_name)
             stores[set_name] = {slide_stem(s): store_path(folder, slide_stem(s), config.format) for s in slides}
-        return (config.settings_hash(), stores, usable, "made with other settings than [tile]'s or unreadable",
+        return (config.settings_hash(), stores, lambda path: _tiled_so(path, config),
+                "made with other settings than [tile]'s or unreadable",
                 "tile run by hand?")
     from wsi_milssl.labeling.stage import label_config_hash
 
